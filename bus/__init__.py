@@ -1,0 +1,1 @@
+"""ZeroMQ plumbing shared by every role."""

@@ -1,0 +1,302 @@
+"""The broker (``refbus node bus``): event forwarding, the node registry and the replay ring.
+
+Sockets (all bound):
+
+* ``events_in`` (XSUB): every node's PUB connects here. The broker subscribes to everything itself, so
+  events reach the ring even when no subscriber is connected.
+* ``events_out`` (XPUB): subscribers connect here; events are forwarded unchanged (frames are not
+  re-encoded, array frames are not copied).
+* ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``.
+
+The broker checks each event's envelope header (it must place it in the ring by source and sequence
+number) but not its body: subscribers validate bodies. Events with an unreadable header are dropped and
+counted. The ring keeps the most recent events, bounded by count and by bytes.
+
+Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
+the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s``, is
+removed with ``node-down``. The broker's own events come from its node id with their own sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import zmq
+
+from ..protocol.envelope import Header, Message
+from ..protocol.messages import (
+    Body,
+    Bye,
+    Heartbeat,
+    Hello,
+    NodeDown,
+    NodeInfo,
+    NodeList,
+    Nodes,
+    NodeUp,
+    Ok,
+    Replay,
+    Replayed,
+    ReplayedEvent,
+    Sync,
+    Welcome,
+)
+from .metrics import register_live
+from .pubsub import recv_frames
+from .reqrep import HandlerError, Pending, Server
+from .runtime import NodeRuntime
+from .sockets import EVENT_OPTIONS
+
+log = structlog.get_logger(__name__)
+
+SYNC_KIND = Sync.kind.encode()
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    control: str = "tcp://127.0.0.1:7770"
+    events_in: str = "tcp://127.0.0.1:7771"
+    events_out: str = "tcp://127.0.0.1:7772"
+    ring_events: int = 65_536
+    ring_bytes: int = 256 << 20
+    node_timeout_s: float = 5.0
+
+
+@dataclass
+class _Entry:
+    src: str
+    seq: int
+    frames: list
+    nbytes: int
+
+
+@dataclass
+class _Member:
+    info: NodeInfo
+    token: str
+    live: bool = False
+    status: dict[str, float] | None = None
+
+
+class ReplayRing:
+    """The most recent events, oldest first, bounded by count and bytes."""
+
+    def __init__(self, max_events: int, max_bytes: int) -> None:
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.evicted = 0
+        self._entries: deque[_Entry] = deque()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def append(self, src: str, seq: int, frames: list) -> None:
+        nbytes = sum(len(f) for f in frames)
+        self._entries.append(_Entry(src, seq, frames, nbytes))
+        self.nbytes += nbytes
+        while len(self._entries) > self.max_events or (self.nbytes > self.max_bytes and len(self._entries) > 1):
+            self.nbytes -= self._entries.popleft().nbytes
+            self.evicted += 1
+
+    def select(self, since: int, src: str, limit: int, max_bytes: int) -> tuple[list[_Entry], bool]:
+        """Entries with ``seq >= since`` (of ``src`` when given), oldest first, at most ``limit`` of them
+        and about ``max_bytes``; and whether more remain."""
+        found: list[_Entry] = []
+        nbytes = 0
+        for entry in self._entries:
+            if entry.seq >= since and (not src or entry.src == src):
+                if len(found) == limit or (found and nbytes + entry.nbytes > max_bytes):
+                    return found, True
+                found.append(entry)
+                nbytes += entry.nbytes
+        return found, False
+
+
+class Broker:
+    """The bus role. Owns its sockets through ``runtime`` and runs on its loop."""
+
+    def __init__(self, runtime: NodeRuntime, settings: BrokerSettings) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.codec = runtime.codec
+        self.ring = ReplayRing(settings.ring_events, settings.ring_bytes)
+        self.members: dict[str, _Member] = {}
+        self.seen_tokens: dict[str, float] = {}
+        self.waiting: dict[str, Pending] = {}
+        self.forwarded = 0
+        self.dropped: Counter[str] = Counter()
+        self.seq = 0
+        self._header = msgspec.msgpack.Decoder(Header)
+
+        self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, EVENT_OPTIONS)
+        self.xsub.send(b"\x01")  # subscribe to everything: the ring must see every event
+        self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, EVENT_OPTIONS)
+        self.server: Server = runtime.serve("control", settings.control)
+        self.server.on(Hello.kind, self._hello)
+        self.server.on(Sync.kind, self._sync, cached=False)
+        self.server.on(Heartbeat.kind, self._heartbeat, cached=False)
+        self.server.on(Bye.kind, self._bye)
+        self.server.on(Nodes.kind, self._nodes, cached=False)
+        self.server.on(Replay.kind, self._replay, cached=False)
+        runtime.watch(self.xsub, self._forward)
+        runtime.watch(self.xpub, self._drain_subscriptions)
+        runtime.every(min(settings.node_timeout_s / 4, 0.5), self._expire)
+        runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
+        self._register_metrics()
+
+    # --- event path ---------------------------------------------------------------------------------
+
+    def _forward(self, budget: int = 1024) -> None:
+        xsub, xpub = self.xsub, self.xpub
+        for _ in range(budget):
+            try:
+                frames = recv_frames(xsub, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 3:
+                self.dropped["malformed"] += 1
+                continue
+            try:
+                header = self._header.decode(frames[1])
+            except msgspec.MsgspecError:
+                self.dropped["malformed"] += 1
+                log.warning("event.dropped", reason="unreadable header", kind=bytes(frames[0])[:64])
+                continue
+            if frames[0] == SYNC_KIND:
+                self._probe_seen(frames)
+                continue
+            xpub.send_multipart(frames, copy=False)
+            self.ring.append(header.src, header.seq, frames)
+            self.forwarded += 1
+
+    def _drain_subscriptions(self) -> None:
+        while True:
+            try:
+                self.xpub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def emit(self, body: Body) -> None:
+        """Publish the broker's own event to subscribers and the ring."""
+        self.seq += 1
+        frames = self.codec.encode(body, seq=self.seq)
+        self.xpub.send_multipart(frames, copy=False)
+        self.ring.append(self.runtime.node_id, self.seq, [bytes(f) for f in frames])
+
+    def _probe_seen(self, frames: list) -> None:
+        try:
+            probe = self.codec.decode(frames).body
+        except Exception as exc:
+            self.dropped["malformed"] += 1
+            log.warning("sync.rejected", error=str(exc))
+            return
+        assert isinstance(probe, Sync)
+        self.seen_tokens[probe.token] = time.monotonic()
+        pending = self.waiting.pop(probe.token, None)
+        if pending is not None:
+            self.server.answer(pending, Ok("seen"))
+        for member in self.members.values():
+            if member.token == probe.token and not member.live:
+                member.live = True
+                log.info("node.up", node=member.info.node_id, role=member.info.role)
+                self.emit(NodeUp(node=member.info))
+
+    # --- control ------------------------------------------------------------------------------------
+
+    def _hello(self, request: Message) -> Body:
+        hello = request.body
+        assert isinstance(hello, Hello)
+        node = msgspec.structs.replace(hello.node, last_seen=time.time())
+        old = self.members.get(node.node_id)
+        if old is not None and old.live and old.info.pid != node.pid:
+            self._remove(old, "replaced")
+        live = old is not None and old.live and old.info.pid == node.pid
+        self.members[node.node_id] = _Member(node, hello.token, live=live)
+        return Welcome(
+            broker_id=self.runtime.node_id,
+            events_in=self.runtime.endpoints["events_in"],
+            events_out=self.runtime.endpoints["events_out"],
+            heartbeat_interval=self.runtime.settings.heartbeat_interval_s,
+            node_timeout=self.settings.node_timeout_s,
+        )
+
+    def _sync(self, request: Message) -> Body | None:
+        sync = request.body
+        assert isinstance(sync, Sync)
+        if sync.path == "sub":
+            self.xpub.send_multipart(self.codec.encode(Sync(token=sync.token)), copy=False)
+            return Ok("published")
+        if sync.token in self.seen_tokens:
+            return Ok("seen")
+        self.waiting[sync.token] = self.server.pending
+        return None
+
+    def _heartbeat(self, request: Message) -> Body:
+        beat = request.body
+        assert isinstance(beat, Heartbeat)
+        member = self.members.get(beat.node_id)
+        if member is None:
+            raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
+        member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
+        return Ok()
+
+    def _bye(self, request: Message) -> Body:
+        bye = request.body
+        assert isinstance(bye, Bye)
+        member = self.members.get(bye.node_id)
+        if member is not None:
+            self._remove(member, "bye")
+        return Ok()
+
+    def _nodes(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Nodes)
+        role = ask.role
+        infos = [m.info for m in self.members.values() if m.live and (not role or m.info.role == role)]
+        return NodeList(nodes=infos)
+
+    def _replay(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Replay)
+        # Replies must fit the peer's body limit: events are small (references, not arrays).
+        budget = self.codec.limits.max_body_bytes // 2
+        entries, more = self.ring.select(ask.since, ask.src, ask.limit, budget)
+        events = [
+            ReplayedEvent(bytes(kind).decode("ascii"), bytes(header), bytes(body), [bytes(b) for b in buffers])
+            for kind, header, body, *buffers in (entry.frames for entry in entries)
+        ]
+        return Replayed(events=events, more=more)
+
+    def _remove(self, member: _Member, reason: str) -> None:
+        info = self.members.pop(member.info.node_id, member).info
+        if member.live:
+            log.info("node.down", node=info.node_id, role=info.role, reason=reason)
+            self.emit(NodeDown(node_id=info.node_id, role=info.role, reason=reason, last_seen=info.last_seen))
+
+    def _expire(self) -> None:
+        now = time.time()
+        for member in list(self.members.values()):
+            if now - member.info.last_seen > self.settings.node_timeout_s:
+                self._remove(member, "timeout")
+        horizon = time.monotonic() - 60.0
+        for token, seen in list(self.seen_tokens.items()):
+            if seen < horizon:
+                del self.seen_tokens[token]
+
+    def _register_metrics(self) -> None:
+        register_live("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
+                      lambda: {(): float(self.forwarded)})
+        register_live("refbus_bus_events_dropped_total", "Events the broker could not forward, by reason.",
+                      lambda: {(k,): float(v) for k, v in self.dropped.items()}, labels=("reason",))
+        register_live("refbus_bus_ring_events", "Events held in the replay ring.",
+                      lambda: {(): float(len(self.ring))}, kind="gauge")
+        register_live("refbus_bus_ring_bytes", "Bytes held in the replay ring.",
+                      lambda: {(): float(self.ring.nbytes)}, kind="gauge")
+        register_live("refbus_bus_nodes", "Live registered nodes, by role.",
+                      lambda: dict(Counter((m.info.role,) for m in self.members.values() if m.live)),
+                      labels=("role",), kind="gauge")

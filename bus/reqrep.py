@@ -1,0 +1,272 @@
+"""Request/reply over DEALER (client) and ROUTER (server), with timeouts, retries and idempotency.
+
+The contract:
+
+* A request carries a message id. A retry resends the *same* frames, so the same id.
+* The server executes a request once per ``(source, id)``: a retried request is answered again from a reply
+  cache and not executed a second time. Handlers registered with ``cached=False`` (reads such as ``fetch``)
+  are simply re-executed, so large replies are not kept.
+* Every failure becomes an ``error`` reply with a stable code: malformed frames, unknown kinds, schema and
+  version errors, oversized messages, handler errors (:class:`HandlerError`), unexpected exceptions
+  (``internal``). The server keeps serving others whatever it receives.
+* A client raises :class:`RemoteError` for an ``error`` reply and :class:`RequestTimeout` once its
+  :class:`RetryPolicy` is exhausted. Late replies to earlier requests are passed to ``on_stray``.
+
+Neither class is thread-safe: one owner thread each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import zmq
+
+from ..protocol.codec import ArrayBackend
+from ..protocol.envelope import Header, Message, WireCodec
+from ..protocol.errors import ProtocolError
+from ..protocol.messages import Body, Error
+from .pubsub import recv_frames
+from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The one retry policy: ``attempts`` tries, the wait growing by ``backoff`` up to ``max_timeout_s``."""
+
+    timeout_s: float = 2.0
+    attempts: int = 3
+    backoff: float = 2.0
+    max_timeout_s: float = 10.0
+
+    def timeouts(self) -> Iterator[float]:
+        timeout = self.timeout_s
+        for _ in range(self.attempts):
+            yield timeout
+            timeout = min(timeout * self.backoff, self.max_timeout_s)
+
+
+class RequestTimeout(TimeoutError):
+    """No reply after every attempt of the retry policy."""
+
+
+class RemoteError(Exception):
+    """The server answered with an ``error`` reply."""
+
+    def __init__(self, error: Error, endpoint: str) -> None:
+        self.code = error.code
+        self.detail = error.message
+        self.endpoint = endpoint
+        super().__init__(f"{endpoint} rejected {error.request_kind or 'request'}: [{error.code}] {error.message}")
+
+
+class HandlerError(Exception):
+    """Raised by a handler to answer with an ``error`` reply of ``code`` (e.g. ``unknown-blob``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class Client:
+    """A DEALER connected to one server endpoint."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        codec: WireCodec,
+        *,
+        policy: RetryPolicy = RetryPolicy(),
+        options: SocketOptions = DEFAULT_OPTIONS,
+        on_stray: Callable[[Message], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.codec = codec
+        self.policy = policy
+        self.on_stray = on_stray
+        self.retries = 0
+        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, options=options)
+
+    def send(self, body: Body) -> str:
+        """Send without waiting; the reply (if any) reaches :meth:`recv` or ``on_stray``. Returns its id."""
+        msg_id = self.codec.new_id()
+        self.sock.send_multipart(self.codec.encode(body, msg_id=msg_id), copy=False)
+        return msg_id
+
+    def request(
+        self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "native"
+    ) -> Message:
+        """Send ``body`` and wait for its reply, retrying per ``policy``. Arrays in the reply are owned by
+        the caller (they view the received frames)."""
+        msg_id = self.codec.new_id()
+        frames = self.codec.encode(body, msg_id=msg_id)
+        started = time.monotonic()
+        for attempt, timeout in enumerate((policy or self.policy).timeouts()):
+            if attempt:
+                self.retries += 1
+                log.info("request.retry", kind=body.kind, endpoint=self.endpoint, attempt=attempt + 1)
+            self.sock.send_multipart(frames, copy=False)
+            deadline = time.monotonic() + timeout
+            while (remaining := deadline - time.monotonic()) > 0:
+                reply = self.recv(int(remaining * 1000) + 1, backend=backend)
+                if reply is None:
+                    break
+                if reply.header.re != msg_id:
+                    self._stray(reply)
+                    continue
+                if isinstance(reply.body, Error):
+                    raise RemoteError(reply.body, self.endpoint)
+                return reply
+        waited = time.monotonic() - started
+        raise RequestTimeout(
+            f"no reply from {self.endpoint} to {body.kind} after {(policy or self.policy).attempts} "
+            f"attempts over {waited:.1f}s"
+        )
+
+    def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native") -> Message | None:
+        """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
+        while self.sock.poll(timeout_ms, zmq.POLLIN):
+            frames = recv_frames(self.sock)
+            try:
+                return self.codec.decode(frames, backend=backend)
+            except ProtocolError as exc:
+                log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
+                timeout_ms = 0
+        return None
+
+    def _stray(self, reply: Message) -> None:
+        if self.on_stray is not None:
+            self.on_stray(reply)
+        elif isinstance(reply.body, Error):
+            log.warning("reply.stray_error", endpoint=self.endpoint, code=reply.body.code, error=reply.body.message)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+Handler = Callable[[Message], Body | None]
+"""Returns the reply body, or None to answer later with :meth:`Server.answer` (see :attr:`Server.pending`)."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request to answer later: who asked, and which message id the reply answers."""
+
+    identity: bytes
+    reply_to: str
+
+
+@dataclass
+class _Route:
+    handler: Handler
+    cached: bool
+
+
+class Server:
+    """Dispatches requests arriving on a bound ROUTER to handlers by kind, and replies.
+
+    A handler gets the decoded :class:`Message` and returns the reply body. It owns the request's arrays
+    after the call (they view the received frames). Raise :class:`HandlerError` for an expected failure.
+    """
+
+    def __init__(self, sock: zmq.Socket, codec: WireCodec, *, cache_size: int = 4096) -> None:
+        self.sock = sock
+        self.codec = codec
+        self.cache_size = cache_size
+        self.routes: dict[str, _Route] = {}
+        self.handled: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.duplicates = 0
+        self.undeliverable = 0
+        self._replies: OrderedDict[tuple[str, str], list] = OrderedDict()
+        self._current = Pending(b"", "")
+
+    def on(self, kind: str, handler: Handler, *, cached: bool = True) -> None:
+        """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice."""
+        self.routes[kind] = _Route(handler, cached)
+
+    @property
+    def pending(self) -> Pending:
+        """The request being handled; a handler that returns None keeps this to :meth:`answer` later."""
+        return self._current
+
+    def answer(self, pending: Pending, body: Body) -> None:
+        """Reply to a deferred request (not cached: a retry re-runs its handler, which defers again)."""
+        self._send(pending.identity, body, pending.reply_to)
+
+    def handle_one(self, flags: int = 0) -> None:
+        """Receive one request and answer it. Never raises for anything a peer sent."""
+        frames = recv_frames(self.sock, flags, copied=4)
+        identity, envelope = frames[0], frames[1:]
+        try:
+            request = self.codec.decode(envelope)
+        except ProtocolError as exc:
+            self.rejected[exc.code] += 1
+            log.warning("request.rejected", code=exc.code, error=str(exc))
+            self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self._peek_id(envelope))
+            return
+        header = request.header
+        key = (header.src, header.id)
+        cached = self._replies.get(key)
+        if cached is not None:
+            self.duplicates += 1
+            self._send_frames(identity, cached)
+            return
+        route = self.routes.get(request.kind)
+        if route is None:
+            self.rejected["unexpected-kind"] += 1
+            reply: Body = Error("unexpected-kind", f"this node does not serve {request.kind!r} requests", request.kind)
+        else:
+            self._current = Pending(identity, header.id)
+            reply = self._run(route.handler, request)
+            if reply is None:
+                return
+        frames_out = self.codec.encode(reply, reply_to=header.id)
+        if route is not None and route.cached:
+            self._replies[key] = frames_out
+            if len(self._replies) > self.cache_size:
+                self._replies.popitem(last=False)
+        self._send_frames(identity, frames_out)
+
+    def _run(self, handler: Handler, request: Message) -> Body | None:
+        try:
+            reply = handler(request)
+        except HandlerError as exc:
+            self.rejected[exc.code] += 1
+            return Error(exc.code, str(exc), request.kind)
+        except ProtocolError as exc:
+            self.rejected[exc.code] += 1
+            return Error(exc.code, str(exc), request.kind)
+        except Exception as exc:
+            self.rejected["internal"] += 1
+            log.exception("request.handler_failed", kind=request.kind, src=request.header.src)
+            return Error("internal", f"{type(exc).__name__}: {exc}", request.kind)
+        self.handled[request.kind] += 1
+        return reply
+
+    def _send(self, identity: bytes, body: Body, reply_to: str) -> None:
+        self._send_frames(identity, self.codec.encode(body, reply_to=reply_to))
+
+    def _send_frames(self, identity: bytes, frames: list) -> None:
+        try:
+            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # Peer gone (ROUTER_MANDATORY) or not reading: it will retry and be answered from the cache.
+            self.undeliverable += 1
+            log.warning("reply.undeliverable", error=str(exc))
+
+    @staticmethod
+    def _peek_id(envelope: list) -> str:
+        if len(envelope) < 2:
+            return ""
+        try:
+            return msgspec.msgpack.decode(envelope[1], type=Header).id
+        except (msgspec.MsgspecError, TypeError):
+            return ""

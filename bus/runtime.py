@@ -1,0 +1,396 @@
+"""The node runtime: the one way every role runs.
+
+A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`), subscribes to events
+(:meth:`subscribe`), publishes (:meth:`publish`), opens clients to peers (:meth:`client`) and adds timers
+(:meth:`every`); then :meth:`run` does the rest:
+
+1. start the Prometheus endpoint (127.0.0.1 and an ephemeral port unless configured);
+2. register with the broker (``hello`` → ``welcome``), connect the PUB socket to the broker and prove it
+   live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
+   live the same way and replay what was asked for;
+3. loop: one poller over every socket, timers, heartbeats (with the role's ``status``), re-registering if
+   the broker forgot the node;
+4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, say ``bye``, close every socket (linger
+   0), remove ipc socket files and the ready file.
+
+Single-threaded by design: handlers run on the loop thread and must not block for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+import zmq
+
+from ..protocol.envelope import Limits, Message, WireCodec
+from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
+from .metrics import register_live, serve_metrics
+from .pubsub import Publisher, Subscriber
+from .reqrep import Client, RequestTimeout, RetryPolicy, Server
+from .sockets import EVENT_OPTIONS, SocketOptions, advertised, bound_endpoint, make_socket, remove_ipc_file
+
+log = structlog.get_logger(__name__)
+
+SYNC_PROBE_INTERVAL_MS = 20
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What every node needs, whatever its role."""
+
+    bus: str = "tcp://127.0.0.1:7770"  # the broker's control endpoint
+    node_id: str = ""  # default: <role>-<hostname>-<pid>
+    host: str = field(default_factory=socket.gethostname)  # advertised in place of wildcard binds
+    secret: bytes = b""
+    heartbeat_interval_s: float = 1.0
+    connect_timeout_s: float = 15.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: ephemeral, -1: no endpoint
+    ready_file: str = ""
+    limits: Limits = field(default_factory=Limits)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_frame_bytes: int = -1
+
+
+class BusUnavailable(RuntimeError):
+    """The broker could not be reached or did not complete the handshake in time."""
+
+
+@dataclass(order=True)
+class _Timer:
+    due: float
+    interval: float = field(compare=False)
+    callback: Callable[[], None] = field(compare=False)
+
+
+class NodeRuntime:
+    """Sockets, loop, registration, heartbeats, metrics and shutdown for one node process."""
+
+    def __init__(self, role: str, settings: RuntimeSettings, *, register: bool = True) -> None:
+        self.role = role
+        self.settings = settings
+        self.node_id = settings.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.register = register
+        self.ctx = zmq.Context()
+        self.codec = WireCodec(self.node_id, secret=settings.secret, limits=settings.limits)
+        self.options = SocketOptions(max_frame_bytes=settings.max_frame_bytes)
+        self.endpoints: dict[str, str] = {}
+        self.status: Callable[[], dict[str, float]] = dict
+        self.started = time.time()
+        self.metrics_url = ""
+        self.welcome: Welcome | None = None
+        self.publisher: Publisher | None = None
+        self.control: Client | None = None
+        self.shutdown_hooks: list[Callable[[], None]] = []
+        self._poller = zmq.Poller()
+        self._callbacks: dict[zmq.Socket, Callable[[], None]] = {}
+        self._owned: list[zmq.Socket] = []
+        self._bound_ipc: list[str] = []
+        self._clients: list[Client] = []
+        self._subscriptions: list[tuple[Subscriber, Callable[[Message], None], int | None]] = []
+        self._timers: list[_Timer] = []
+        self._stopping = False
+        self._rejoin = False
+        self._stop_metrics: Callable[[], None] | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+
+    # --- building blocks for roles -------------------------------------------------------------------
+
+    def bind(self, socket_type: int, name: str, endpoint: str, options: SocketOptions | None = None) -> zmq.Socket:
+        """Bind a socket, advertise it under ``name`` and close it at shutdown."""
+        sock = make_socket(self.ctx, socket_type, bind=endpoint, options=options or self.options)
+        actual = bound_endpoint(sock)
+        if actual.startswith("ipc://"):
+            self._bound_ipc.append(actual)
+        self.endpoints[name] = advertised(actual, self.settings.host)
+        self._owned.append(sock)
+        return sock
+
+    def serve(self, name: str, endpoint: str) -> Server:
+        """A request server on a bound ROUTER, advertised in the registry as ``name``."""
+        server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec)
+        self.watch(server.sock, lambda: self._drain(server.sock, server.handle_one))
+        return server
+
+    def client(self, endpoint: str, *, policy: RetryPolicy | None = None) -> Client:
+        """A request client to a peer, closed at shutdown."""
+        client = Client(self.ctx, endpoint, self.codec, policy=policy or self.settings.retry, options=self.options)
+        self._clients.append(client)
+        return client
+
+    def subscribe(
+        self, handler: Callable[[Message], None], *, topics: tuple[str, ...] = ("",), since: int | None = None
+    ) -> Subscriber:
+        """Deliver events to ``handler`` in per-source order, gaps filled from the broker's ring.
+
+        With ``since``, first replay every ring event with ``seq >= since`` (each source), then go live
+        without loss or duplicates. Subscriptions become live during :meth:`run`'s start-up.
+        """
+        sock = make_socket(self.ctx, zmq.SUB, options=EVENT_OPTIONS)
+        for topic in (*topics, Sync.kind):
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._owned.append(sock)
+        subscriber = Subscriber(sock, self.codec, fill=self.replay_range)
+        self._subscriptions.append((subscriber, handler, since))
+        return subscriber
+
+    def publish(self, body: Body) -> int:
+        """Publish an event through the broker; returns its sequence number."""
+        if self.publisher is None:
+            raise RuntimeError("publish() before the node joined the bus")
+        return self.publisher.publish(body)
+
+    def every(self, interval_s: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop thread every ``interval_s`` seconds."""
+        heapq.heappush(self._timers, _Timer(time.monotonic() + interval_s, interval_s, callback))
+
+    def watch(self, sock: zmq.Socket, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop thread whenever ``sock`` is readable."""
+        self._callbacks[sock] = callback
+        self._poller.register(sock, zmq.POLLIN)
+
+    def replay(self, *, since: int = 0, src: str = "", limit: int = 10_000) -> list[Message]:
+        """Events from the broker's replay ring (all pages), decoded, oldest first per source."""
+        assert self.control is not None
+        events: list[Message] = []
+        while True:
+            reply = self.control.request(Replay(since=since, src=src, limit=limit))
+            page = reply.body
+            assert isinstance(page, Replayed)
+            for event in page.events:
+                events.append(self.codec.decode([event.kind.encode("ascii"), event.header, event.body, *event.buffers]))
+            if not page.more or not page.events:
+                return events
+            since = max(e.header.seq for e in events if not src or e.header.src == src) + 1
+
+    def replay_range(self, src: str, first: int, last: int) -> list[Message]:
+        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``."""
+        try:
+            events = self.replay(since=first, src=src, limit=last - first + 1)
+        except (RequestTimeout, OSError) as exc:
+            log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
+            return []
+        return [e for e in events if e.header.seq <= last]
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from signal handlers and other threads)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            role=self.role,
+            host=self.settings.host,
+            pid=os.getpid(),
+            endpoints=dict(self.endpoints),
+            metrics=self.metrics_url,
+            started=self.started,
+        )
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def run(self, *, until: Callable[[], bool] | None = None) -> None:
+        """Start, loop until stopped (or ``until()`` is true), then shut down cleanly."""
+        previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            self.loop(until=until)
+        finally:
+            self.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def start(self) -> None:
+        self._serve_metrics()
+        if self.register:
+            self._join()
+        for subscriber, _, since in self._subscriptions:
+            self._go_live(subscriber, since)
+        self.every(self.settings.heartbeat_interval_s, self._heartbeat)
+        self._write_ready_file()
+        log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)
+
+    def loop(self, *, until: Callable[[], bool] | None = None) -> None:
+        while not self._stopping and not (until and until()):
+            self._deliver_ready()
+            if self._rejoin:
+                self._rejoin = False
+                self._join()
+            timeout_ms = self._run_timers()
+            for sock, _ in self._poller.poll(timeout_ms):
+                if sock is self._wake_r or sock == self._wake_r.fileno():
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(64)
+                    continue
+                self._callbacks[sock]()
+
+    def close(self) -> None:
+        for hook in self.shutdown_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("node.shutdown_hook_failed")
+        if self.control is not None and self.welcome is not None:
+            with contextlib.suppress(Exception):
+                self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=0.5, attempts=1))
+        for client in self._clients:
+            client.close()
+        for sock in self._owned:
+            sock.close()
+        for endpoint in self._bound_ipc:
+            remove_ipc_file(endpoint)
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.ctx.term()
+        if self.settings.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.settings.ready_file)
+        log.info("node.stopped")
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _serve_metrics(self) -> None:
+        if self.settings.metrics_port < 0:
+            return
+        self.metrics_url, self._stop_metrics = serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+        register_live(
+            "refbus_node_info",
+            "This node's identity (value 1).",
+            lambda: {(self.node_id, self.role): 1.0},
+            labels=("node", "role"),
+            kind="gauge",
+        )
+
+    def _join(self) -> None:
+        """Register with the broker and prove the event path live before anything is published."""
+        if self.control is None:
+            self.control = self.client(self.settings.bus)
+            self.control.on_stray = self._on_control_reply
+            self.watch(self.control.sock, self._drain_control)
+        token = self.codec.new_id()
+        connect = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
+        try:
+            reply = self.control.request(Hello(node=self.info(), token=token), policy=connect)
+        except RequestTimeout as exc:
+            raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
+        welcome = reply.body
+        assert isinstance(welcome, Welcome)
+        if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
+            pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=EVENT_OPTIONS)
+            self._owned.append(pub)
+            self.publisher = Publisher(pub, self.codec)
+        self.welcome = welcome
+        self._handshake(Sync(token=token, path="pub"), lambda: self.publisher.publish_raw(Sync(token=token)))
+        log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
+
+    def _go_live(self, subscriber: Subscriber, since: int | None) -> None:
+        """Connect a subscription, wait until a broker probe arrives through it (so no window is lost),
+        merge the requested replay, then hand it to the loop."""
+        assert self.welcome is not None and self.control is not None, "subscriptions need a registered node"
+        subscriber.sock.connect(self.welcome.events_out)
+        subscriber.hold()
+        token = self.codec.new_id()
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while token not in subscriber.tokens:
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"no events arrived from {self.welcome.events_out} within the connect timeout")
+            self.control.request(Sync(token=token, path="sub"))
+            if subscriber.sock.poll(SYNC_PROBE_INTERVAL_MS, zmq.POLLIN):
+                while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
+                    subscriber.drain_one()
+        if since is not None:
+            for event in self.replay(since=since):
+                subscriber.offer(event)
+        subscriber.release()
+        self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
+        self._deliver_ready()
+
+    def _handshake(self, request: Sync, probe: Callable[[], None]) -> None:
+        """Send ``request`` and keep probing until its (deferred) answer arrives."""
+        assert self.control is not None
+        msg_id = self.control.send(request)
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while time.monotonic() < deadline:
+            probe()
+            reply = self.control.recv(SYNC_PROBE_INTERVAL_MS)
+            if reply is None:
+                continue
+            if reply.header.re == msg_id:
+                if isinstance(reply.body, Error):
+                    raise BusUnavailable(f"broker refused the event handshake: {reply.body.message}")
+                return
+            self._on_control_reply(reply)
+        raise BusUnavailable(f"the broker never saw this node's events on {self.welcome and self.welcome.events_in}")
+
+    def _deliver_ready(self) -> None:
+        for subscriber, handler, _ in self._subscriptions:
+            while not self._stopping and (message := subscriber.pop()) is not None:
+                handler(message)
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[], None], budget: int = 256) -> None:
+        """Handle what is waiting on ``sock``, at most ``budget`` messages so other sockets get a turn."""
+        for _ in range(budget):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            handle()
+        self._deliver_ready()
+
+    def _drain_control(self) -> None:
+        assert self.control is not None
+        while (reply := self.control.recv(0)) is not None:
+            self._on_control_reply(reply)
+
+    def _on_control_reply(self, reply: Message) -> None:
+        if isinstance(reply.body, Error):
+            if reply.body.code == "unknown-node":
+                log.warning("node.forgotten_by_broker", detail=reply.body.message)
+                self._rejoin = True
+            else:
+                log.warning("control.error", code=reply.body.code, error=reply.body.message)
+
+    def _heartbeat(self) -> None:
+        if self.control is not None and self.welcome is not None:
+            self.control.send(Heartbeat(node_id=self.node_id, status=self.status()))
+
+    def _run_timers(self) -> int:
+        now = time.monotonic()
+        while self._timers and self._timers[0].due <= now:
+            timer = heapq.heappop(self._timers)
+            try:
+                timer.callback()
+            except Exception:
+                log.exception("node.timer_failed")
+            timer.due = max(timer.due + timer.interval, now)
+            heapq.heappush(self._timers, timer)
+        if not self._timers:
+            return 1000
+        return max(0, int((self._timers[0].due - time.monotonic()) * 1000) + 1)
+
+    def _write_ready_file(self) -> None:
+        if not self.settings.ready_file:
+            return
+        tmp = f"{self.settings.ready_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(msgspec.to_builtins(self.info()), f)
+        os.replace(tmp, self.settings.ready_file)

@@ -1,0 +1,103 @@
+"""Socket factory: every refbus socket is made here, with its options chosen on purpose.
+
+* ``LINGER = 0``: closing never blocks on unsent messages; ownership moves are acknowledged and retried
+  at the application level, so nothing relies on ZeroMQ flushing at close.
+* High-water marks: control and request sockets keep ZeroMQ's 1000; the event path is raised
+  (``EVENT_HWM``) because a subscriber that falls behind catches up from the broker's replay ring.
+* ``ROUTER_MANDATORY``: a reply to a peer that is gone raises instead of vanishing silently.
+* ZeroMQ heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``) on connection-oriented sockets, so dead TCP peers are
+  noticed even when no application traffic flows.
+* ``MAXMSGSIZE``: a hard per-frame cap, so a peer cannot make us allocate without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import zmq
+
+EVENT_HWM = 100_000
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    sndhwm: int = 1000
+    rcvhwm: int = 1000
+    heartbeat_ivl_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    max_frame_bytes: int = -1
+
+
+DEFAULT_OPTIONS = SocketOptions()
+EVENT_OPTIONS = SocketOptions(sndhwm=EVENT_HWM, rcvhwm=EVENT_HWM)
+
+
+def make_socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    options: SocketOptions = DEFAULT_OPTIONS,
+    identity: bytes | None = None,
+) -> zmq.Socket:
+    """A socket with refbus's options, bound or connected. The caller owns and closes it."""
+    sock = ctx.socket(socket_type)
+    sock.linger = 0
+    sock.sndhwm = options.sndhwm
+    sock.rcvhwm = options.rcvhwm
+    sock.setsockopt(zmq.HEARTBEAT_IVL, options.heartbeat_ivl_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, options.heartbeat_timeout_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
+    if socket_type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    try:
+        if bind is not None:
+            sock.bind(wildcard_port(bind))
+        if connect is not None:
+            sock.connect(connect)
+    except zmq.ZMQError:
+        sock.close()
+        raise
+    return sock
+
+
+def wildcard_port(endpoint: str) -> str:
+    """Accept ``tcp://host:0`` as ZeroMQ's ephemeral-port form ``tcp://host:*``."""
+    return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The endpoint a socket actually bound (resolves ephemeral ports)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def advertised(endpoint: str, host: str) -> str:
+    """What peers should connect to for a bound endpoint: wildcard hosts replaced by ``host``."""
+    for wildcard in ("://0.0.0.0:", "://*:", "://[::]:"):
+        if wildcard in endpoint:
+            return endpoint.replace(wildcard, f"://{host}:")
+    return endpoint
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a bind endpoint stays on this host (loopback TCP, ipc, inproc)."""
+    parsed = urlparse(endpoint)
+    if parsed.scheme in ("ipc", "inproc"):
+        return True
+    host = parsed.hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def remove_ipc_file(endpoint: str) -> None:
+    """Remove the socket file of an ``ipc://`` endpoint this process bound (ZeroMQ leaves it behind)."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if path and not path.startswith("@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -1,0 +1,1 @@
+"""Node roles and the `refbus` command line."""

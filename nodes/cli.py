@@ -1,0 +1,129 @@
+"""The `refbus` command line: run node roles, watch the event stream, inspect the registry and config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from ..bus.broker import Broker
+from ..bus.logs import configure_logging
+from ..bus.runtime import BusUnavailable, NodeRuntime
+from ..protocol.messages import NodeList, Nodes
+from .config import Config, ConfigError, add_config_flags, load_config, to_toml
+from .monitor import run_monitor
+
+DESCRIPTION = """\
+refbus: the data plane for asynchronous RL. Per-token training arrays stay on the env servers that made
+them and travel by reference; weights go through a parameter server; everything is events and requests
+over ZeroMQ between node processes.
+
+Every command reads the cluster config: built-in defaults, then --config FILE (or $REFBUS_CONFIG), then
+flags (every key has one: `refbus node bus --help` lists them)."""
+
+
+def _run_bus(config: Config, args: argparse.Namespace) -> int:
+    runtime = NodeRuntime("bus", config.runtime(node_id=args.node_id or "bus", ready_file=args.ready_file),
+                          register=False)
+    Broker(runtime, config.broker())
+    runtime.run()
+    return 0
+
+
+ROLES: dict[str, tuple[str, Callable[[Config, argparse.Namespace], int]]] = {
+    "bus": ("the broker: event forwarding, node registry, replay ring", _run_bus),
+}
+
+
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-id", default="", help="node id (default: <role>-<host>-<pid>; 'bus' for the broker)")
+    parser.add_argument("--ready-file", default="", metavar="PATH",
+                        help="write this node's registry entry as JSON here once it is ready; removed at exit")
+    add_config_flags(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refbus", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    node = commands.add_parser("node", help="run one node role in this process",
+                               description="Run one node role in this process until SIGINT/SIGTERM.")
+    roles = node.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role, (summary, _) in ROLES.items():
+        _node_flags(roles.add_parser(role, help=summary, description=f"refbus node {role}: {summary}."))
+
+    monitor = commands.add_parser(
+        "monitor", help="print the live event stream",
+        description="Subscribe to the event stream and print one line per event.")
+    monitor.add_argument("--json", action="store_true",
+                         help="one JSON object per line: type, src, seq, ts, id and the body's fields")
+    monitor.add_argument("--since", type=int, default=None, metavar="SEQ",
+                         help="first replay the broker's ring: every source's events with seq >= SEQ")
+    monitor.add_argument("--kind", action="append", default=[], metavar="KIND",
+                         help="only events of this kind (repeatable)")
+    monitor.add_argument("--count", type=int, default=0, metavar="N", help="exit after N events")
+    monitor.add_argument("--duration", type=float, default=0.0, metavar="SECONDS", help="exit after SECONDS")
+    _node_flags(monitor)
+
+    nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",
+                                description="List the live nodes in the broker's registry.")
+    nodes.add_argument("--role", default="", help="only nodes of this role")
+    nodes.add_argument("--json", action="store_true", help="print a JSON array")
+    add_config_flags(nodes)
+
+    config = commands.add_parser("config", help="show the effective cluster config",
+                                 description="Print the effective config as TOML (defaults, file, flags).")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    add_config_flags(config_commands.add_parser("show", help="print the effective config as TOML"))
+    return parser
+
+
+def _list_nodes(config: Config, args: argparse.Namespace) -> int:
+    runtime = NodeRuntime("cli", config.runtime(), register=False)
+    try:
+        client = runtime.client(config.bus.control)
+        reply = client.request(Nodes(role=args.role)).body
+        assert isinstance(reply, NodeList)
+    finally:
+        runtime.close()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
+    else:
+        for info in reply.nodes:
+            endpoints = " ".join(f"{k}={v}" for k, v in info.endpoints.items())
+            print(f"{info.node_id:<32} {info.role:<12} {info.host}:{info.pid:<8} {endpoints}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"refbus: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.node.log_level, config.node.log_format,  # type: ignore[arg-type]
+                      cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
+    try:
+        if args.command == "node":
+            return ROLES[args.role][1](config, args)
+        if args.command == "monitor":
+            return run_monitor(config.runtime(node_id=args.node_id, ready_file=args.ready_file), as_json=args.json,
+                               kinds=tuple(args.kind), since=args.since, count=args.count, duration=args.duration)
+        if args.command == "nodes":
+            return _list_nodes(config, args)
+        print(to_toml(config), end="")
+        return 0
+    except BusUnavailable as exc:
+        print(f"refbus: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Cluster configuration: one TOML file per cluster, an embedded default, every key a CLI flag.
+
+Precedence, lowest first: the defaults below (the embedded config; ``refbus config show`` prints it as
+TOML), the file given with ``--config`` (or ``$REFBUS_CONFIG``), then flags. Every key ``section.key``
+has the flag ``--section-key`` (underscores become dashes). Unknown sections or keys in a file are errors,
+so a typo never silently falls back to a default. ``$REFBUS_SECRET`` overrides ``security.secret``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..bus.broker import BrokerSettings
+from ..bus.reqrep import RetryPolicy
+from ..bus.runtime import RuntimeSettings
+from ..protocol.envelope import Limits
+
+
+def _key(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ClusterSection:
+    name: str = _key("local", "Cluster name, shown in logs and by `refbus top`.")
+
+
+@dataclass
+class BusSection:
+    control: str = _key("tcp://127.0.0.1:7770", "Broker control endpoint (ROUTER): every node connects here first.")
+    events_in: str = _key("tcp://127.0.0.1:7771", "Broker endpoint where nodes publish events (XSUB).")
+    events_out: str = _key("tcp://127.0.0.1:7772", "Broker endpoint where subscribers receive events (XPUB).")
+    ring_events: int = _key(65_536, "Events kept in the broker's replay ring.")
+    ring_bytes: int = _key(256 << 20, "Bytes kept in the broker's replay ring.")
+    heartbeat_interval_s: float = _key(1.0, "Seconds between node heartbeats.")
+    node_timeout_s: float = _key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
+
+
+@dataclass
+class NodeSection:
+    host: str = _key("", "Host name advertised for wildcard binds (default: this machine's host name).")
+    connect_timeout_s: float = _key(15.0, "Seconds a starting node waits for the broker.")
+    metrics_host: str = _key("127.0.0.1", "Address of each node's Prometheus endpoint.")
+    metrics_port: int = _key(0, "Port of the Prometheus endpoint: 0 picks a free one, -1 disables it.")
+    log_level: str = _key("info", "Log level: debug, info, warning, error.")
+    log_format: str = _key("auto", "Log format: auto (JSON unless stderr is a terminal), json, console.")
+
+
+@dataclass
+class RequestsSection:
+    timeout_s: float = _key(2.0, "Seconds to wait for a reply before retrying.")
+    attempts: int = _key(3, "Attempts per request, the first included.")
+    backoff: float = _key(2.0, "Factor applied to the timeout after each attempt.")
+    max_timeout_s: float = _key(10.0, "Upper bound of the per-attempt timeout.")
+
+
+@dataclass
+class LimitsSection:
+    max_body_bytes: int = _key(16 << 20, "Largest msgpack body accepted.")
+    max_message_bytes: int = _key(8 << 30, "Largest message (all frames) accepted.")
+    max_frame_bytes: int = _key(-1, "ZeroMQ per-frame cap (MAXMSGSIZE); -1: none.")
+
+
+@dataclass
+class SecuritySection:
+    secret: str = _key("", "Shared secret that signs every message (HMAC-SHA256); empty: unsigned.")
+
+
+@dataclass
+class Config:
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    bus: BusSection = field(default_factory=BusSection)
+    node: NodeSection = field(default_factory=NodeSection)
+    requests: RequestsSection = field(default_factory=RequestsSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
+
+    def runtime(self, *, node_id: str = "", ready_file: str = "") -> RuntimeSettings:
+        """What the node runtime needs from this config."""
+        extra = {"host": self.node.host} if self.node.host else {}
+        return RuntimeSettings(
+            bus=self.bus.control,
+            node_id=node_id,
+            secret=self.security.secret.encode(),
+            heartbeat_interval_s=self.bus.heartbeat_interval_s,
+            connect_timeout_s=self.node.connect_timeout_s,
+            metrics_host=self.node.metrics_host,
+            metrics_port=self.node.metrics_port,
+            ready_file=ready_file,
+            limits=Limits(self.limits.max_body_bytes, self.limits.max_message_bytes),
+            retry=RetryPolicy(
+                self.requests.timeout_s, self.requests.attempts, self.requests.backoff, self.requests.max_timeout_s
+            ),
+            max_frame_bytes=self.limits.max_frame_bytes,
+            **extra,
+        )
+
+    def broker(self) -> BrokerSettings:
+        return BrokerSettings(
+            control=self.bus.control,
+            events_in=self.bus.events_in,
+            events_out=self.bus.events_out,
+            ring_events=self.bus.ring_events,
+            ring_bytes=self.bus.ring_bytes,
+            node_timeout_s=self.bus.node_timeout_s,
+        )
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot be used; the message names the file, key and problem."""
+
+
+def _sections(config: Config) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config`` plus one flag per key, grouped by section; flags default to "not given"."""
+    parser.add_argument("--config", metavar="FILE", help="cluster TOML file (default: $REFBUS_CONFIG or built-in)")
+    for section_name, section in _sections(Config()):
+        group = parser.add_argument_group(f"[{section_name}] config keys")
+        for key in dataclasses.fields(section):
+            default = getattr(section, key.name)
+            flag = f"--{section_name}-{key.name}".replace("_", "-")
+            group.add_argument(
+                flag,
+                dest=f"cfg__{section_name}__{key.name}",
+                type=_parse_bool if isinstance(default, bool) else type(default),
+                default=None,
+                metavar=type(default).__name__.upper(),
+                help=f"{key.metadata['help']} (default: {default!r})",
+            )
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The effective config: defaults, then the file, then flags, then ``$REFBUS_SECRET``."""
+    config = Config()
+    path = getattr(args, "config", None) or os.environ.get("REFBUS_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                _apply(config, tomllib.load(f), path)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+    for name, value in vars(args).items():
+        if name.startswith("cfg__") and value is not None:
+            _, section, key = name.split("__")
+            setattr(getattr(config, section), key, value)
+    if "REFBUS_SECRET" in os.environ:
+        config.security.secret = os.environ["REFBUS_SECRET"]
+    return config
+
+
+def _apply(config: Config, data: dict[str, Any], path: str) -> None:
+    sections = dict(_sections(config))
+    for section_name, values in data.items():
+        if section_name not in sections:
+            raise ConfigError(f"{path}: unknown section [{section_name}]; known: {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: [{section_name}] must be a table")
+        section = sections[section_name]
+        known = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown key {section_name}.{key}; known: {', '.join(known)}")
+            expected = type(getattr(section, key))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if type(value) is not expected:
+                raise ConfigError(
+                    f"{path}: {section_name}.{key} must be {expected.__name__}, got {type(value).__name__}"
+                )
+            setattr(section, key, value)
+
+
+def to_toml(config: Config) -> str:
+    """The config as a TOML document, each key preceded by its help text."""
+    lines: list[str] = []
+    for section_name, section in _sections(config):
+        lines.append(f"[{section_name}]")
+        for key in dataclasses.fields(section):
+            lines.append(f"# {key.metadata['help']}")
+            lines.append(f"{key.name} = {_toml_value(getattr(section, key.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
