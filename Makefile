@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/refbus demo
+	$(VENV)/bin/refbus up
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -46,14 +46,12 @@ from ..protocol.messages import (
     Welcome,
 )
 from .metrics import register_live
-from .pubsub import recv_frames
+from .pubsub import SYNC_KIND, recv_frames
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
 from .sockets import EVENT_OPTIONS
 
 log = structlog.get_logger(__name__)
-
-SYNC_KIND = Sync.kind.encode()
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ Names follow ``refbus_<noun>_<unit>``; labels never carry ids (blob, episode, me
 
 from __future__ import annotations
 
+import socketserver
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -55,9 +58,25 @@ def register_live(
     return collector
 
 
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not worth a log line each."""
+
+
 def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> tuple[str, Callable[[], None]]:
-    """Start the metrics endpoint in a daemon thread; returns its URL and a function that stops it."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Start the metrics endpoint in a daemon thread; returns its URL and a function that stops it.
+
+    prometheus_client's own server polls for shutdown every 0.5 s; this one every 50 ms, so a node exits
+    promptly.
+    """
+    server = make_server(host, port, make_wsgi_app(registry), _ThreadingWSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
+                              name="metrics")
+    thread.start()
     url = f"http://{host}:{server.server_port}/metrics"
 
     def stop() -> None:

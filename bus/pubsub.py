@@ -23,6 +23,8 @@ from ..protocol.messages import Body, Sync
 
 log = structlog.get_logger(__name__)
 
+SYNC_KIND = Sync.kind.encode()
+
 Fill = Callable[[str, int, int], Sequence[Message]]
 """``fill(src, first_seq, last_seq)`` returns the missing events it could recover, in order."""
 
@@ -60,14 +62,24 @@ class Publisher:
 class Subscriber:
     """Receives events, validates them, tracks per-source sequence numbers and fills gaps.
 
-    Malformed events are counted by error code and logged, never raised: a bad publisher must not stop
-    a subscriber. ``sync`` probes are consumed here and recorded in :attr:`tokens`.
+    The socket always carries the whole stream, because gaps can only be told from sequence numbers when
+    every event of a source arrives; ``kinds`` selects what is *delivered* (bodies of other kinds are not
+    even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
+    must not stop a subscriber. ``sync`` probes are consumed here and recorded in :attr:`tokens`.
     """
 
-    def __init__(self, sock: zmq.Socket, codec: WireCodec, *, fill: Fill | None = None) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        codec: WireCodec,
+        *,
+        fill: Fill | None = None,
+        kinds: frozenset[str] | None = None,
+    ) -> None:
         self.sock = sock
         self.codec = codec
         self.fill = fill
+        self.kinds = kinds
         self.last_seq: dict[str, int] = {}
         self.tokens: set[str] = set()
         self.received = 0
@@ -76,7 +88,7 @@ class Subscriber:
         self.duplicates = 0
         self.rejected: Counter[str] = Counter()
         self._ready: deque[Message] = deque()
-        self._held: list[Message] | None = None
+        self._held: list[list] | None = None
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next event in per-source order, or None when nothing arrives within ``timeout_ms``."""
@@ -92,47 +104,63 @@ class Subscriber:
     def drain_one(self) -> None:
         """Receive and process one message that is known to be waiting (poller-driven loops)."""
         frames = recv_frames(self.sock)
+        if self._held is not None:
+            self._held.append(frames)
+            if bytes(frames[0]) == SYNC_KIND:
+                self._take(frames)  # the handshake must see its probe while events are parked
+            return
+        self._take(frames)
+
+    def _take(self, frames: list) -> None:
         try:
-            message = self.codec.decode(frames)
+            kind, header = self.codec.decode_header(frames)
+            if kind == Sync.kind:
+                probe = self.codec.decode(frames).body
+                assert isinstance(probe, Sync)
+                self.tokens.add(probe.token)
+                return
+            if not self._track(header.src, header.seq):
+                return
+            if self.kinds is None or kind in self.kinds:
+                self._ready.append(self.codec.decode(frames))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))
-            return
-        if isinstance(message.body, Sync):
-            self.tokens.add(message.body.token)
-        elif self._held is not None:
-            self._held.append(message)
-        else:
-            self.offer(message)
 
     def hold(self) -> None:
         """Park incoming events (not yet sequence-checked) while a replay is merged in front of them."""
         self._held = []
 
     def release(self) -> None:
-        """Offer the parked events in arrival order and resume normal delivery."""
+        """Process the parked events in arrival order and resume normal delivery."""
         held, self._held = self._held or [], None
-        for message in held:
-            self.offer(message)
+        for frames in held:
+            if bytes(frames[0]) != SYNC_KIND:
+                self._take(frames)
 
     def pop(self) -> Message | None:
         return self._ready.popleft() if self._ready else None
 
     def offer(self, message: Message) -> bool:
-        """Apply sequence tracking to ``message``; queue it for delivery unless it is a duplicate."""
-        src, seq = message.header.src, message.header.seq
+        """Sequence-check an already decoded event (replayed or filled); queue it if new and wanted."""
+        if not self._track(message.header.src, message.header.seq):
+            return False
+        if self.kinds is None or message.kind in self.kinds:
+            self._ready.append(message)
+        return True
+
+    def _track(self, src: str, seq: int) -> bool:
+        """Advance ``src``'s sequence; False for a duplicate. A jump is a gap: fill it first."""
         last = self.last_seq.get(src)
         if last is not None and seq <= last:
-            if seq == 1:
-                log.info("event.source_restarted", src=src, last_seq=last)
-            else:
+            if seq != 1:
                 self.duplicates += 1
                 return False
+            log.info("event.source_restarted", src=src, last_seq=last)
         elif last is not None and seq > last + 1:
             self._gap(src, last + 1, seq - 1)
         self.last_seq[src] = seq
         self.received += 1
-        self._ready.append(message)
         return True
 
     def _gap(self, src: str, first: int, last: int) -> None:
@@ -142,6 +170,7 @@ class Subscriber:
             if first <= message.header.seq <= last:
                 self.received += 1
                 self.filled += 1
-                self._ready.append(message)
+                if self.kinds is None or message.kind in self.kinds:
+                    self._ready.append(message)
         if len(recovered) < last - first + 1:
             log.warning("event.gap", src=src, first=first, last=last, recovered=len(recovered))

@@ -132,18 +132,18 @@ class NodeRuntime:
         return client
 
     def subscribe(
-        self, handler: Callable[[Message], None], *, topics: tuple[str, ...] = ("",), since: int | None = None
+        self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None
     ) -> Subscriber:
-        """Deliver events to ``handler`` in per-source order, gaps filled from the broker's ring.
+        """Deliver events (of ``kinds``, default all) to ``handler`` in per-source order, gaps filled from
+        the broker's ring.
 
         With ``since``, first replay every ring event with ``seq >= since`` (each source), then go live
         without loss or duplicates. Subscriptions become live during :meth:`run`'s start-up.
         """
         sock = make_socket(self.ctx, zmq.SUB, options=EVENT_OPTIONS)
-        for topic in (*topics, Sync.kind):
-            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._owned.append(sock)
-        subscriber = Subscriber(sock, self.codec, fill=self.replay_range)
+        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds)
         self._subscriptions.append((subscriber, handler, since))
         return subscriber
 
@@ -225,7 +225,9 @@ class NodeRuntime:
             self._join()
         for subscriber, _, since in self._subscriptions:
             self._go_live(subscriber, since)
-        self.every(self.settings.heartbeat_interval_s, self._heartbeat)
+        # The broker's interval wins: it is the one that judges liveness.
+        interval = self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
+        self.every(interval, self._heartbeat)
         self._write_ready_file()
         log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)
 

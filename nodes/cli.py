@@ -15,6 +15,7 @@ from ..bus.runtime import BusUnavailable, NodeRuntime
 from ..protocol.messages import NodeList, Nodes
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 from .monitor import run_monitor
+from .up import run_up
 
 DESCRIPTION = """\
 refbus: the data plane for asynchronous RL. Per-token training arrays stay on the env servers that made
@@ -69,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--duration", type=float, default=0.0, metavar="SECONDS", help="exit after SECONDS")
     _node_flags(monitor)
 
+    up = commands.add_parser(
+        "up", help="start a local cluster and show its event stream",
+        description="Start a local cluster from the config (default: built-in), show its event stream while nodes "
+                    "join, leave and die, then stop everything and print a summary.")
+    up.add_argument("--nodes", default="worker-a,worker-b,worker-c", metavar="IDS",
+                    help="comma-separated ids of the nodes to start (default: worker-a,worker-b,worker-c)")
+    add_config_flags(up)
+
     nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",
                                 description="List the live nodes in the broker's registry.")
     nodes.add_argument("--role", default="", help="only nodes of this role")
@@ -114,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "monitor":
             return run_monitor(config.runtime(node_id=args.node_id, ready_file=args.ready_file), as_json=args.json,
                                kinds=tuple(args.kind), since=args.since, count=args.count, duration=args.duration)
+        if args.command == "up":
+            return run_up(config, args)
         if args.command == "nodes":
             return _list_nodes(config, args)
         print(to_toml(config), end="")

@@ -46,15 +46,12 @@ class Monitor:
     ) -> None:
         self.runtime = runtime
         self.as_json = as_json
-        self.kinds = frozenset(kinds)
         self.count = count
         self.printed = 0
         self.out = out
-        runtime.subscribe(self.show, topics=kinds or ("",), since=since)
+        runtime.subscribe(self.show, kinds=frozenset(kinds) or None, since=since)
 
     def show(self, message: Message) -> None:
-        if self.kinds and message.kind not in self.kinds:
-            return  # ZeroMQ topics match prefixes; kinds match exactly
         record = describe(message)
         line = json.dumps(record, separators=(",", ":")) if self.as_json else format_line(record)
         self.out.write(line + "\n")

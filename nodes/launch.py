@@ -1,0 +1,115 @@
+"""The one way to start a node process: ``refbus node <role>`` (or another refbus command) in a child.
+
+A :class:`NodeProcess` waits for the node's ready file (its registry entry as JSON, written once the node
+is on the bus) instead of guessing with sleeps, and stops it with SIGTERM, escalating to SIGKILL. Logs go
+to a file per node so a failing start can say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+READY_POLL_S = 0.01
+
+
+class NodeStartError(RuntimeError):
+    """A node exited or did not become ready in time; the message ends with its log tail."""
+
+
+class NodeProcess:
+    """A refbus child process. The caller owns it: call :meth:`stop` (or use it as a context manager)."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        workdir: Path | None = None,
+        name: str = "",
+        env: dict[str, str] | None = None,
+        stdout: int | IO[Any] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="refbus-"))
+        self.name = name or command[0]
+        self.ready_file = self.workdir / f"{self.name}.ready.json"
+        self.log_path = self.workdir / f"{self.name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        argv = [sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=stdout if stdout is not None else self._log,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The node's registry entry once it is ready; raises :class:`NodeStartError` if it dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                return json.loads(self.ready_file.read_text())
+            if self.proc.poll() is not None:
+                raise NodeStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(READY_POLL_S)
+        raise NodeStartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code. Safe to call twice."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> NodeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def bus_flags(control: str) -> list[str]:
+    """Flags that point a node at a broker."""
+    return ["--bus-control", control]
+
+
+def start_bus(workdir: Path, *, extra: Sequence[str] = (), timeout: float = 30.0) -> tuple[NodeProcess, str]:
+    """A broker on ephemeral loopback ports; returns it and its control endpoint."""
+    bus = NodeProcess(
+        ["node", "bus", "--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
+         "--bus-events-out", "tcp://127.0.0.1:0", *extra],
+        workdir=workdir,
+        name="bus",
+    )
+    try:
+        info = bus.wait_ready(timeout)
+    except NodeStartError:
+        bus.stop()
+        raise
+    return bus, info["endpoints"]["control"]

@@ -1,0 +1,184 @@
+"""The broker as a real process: registry, node-up/node-down, monitor output, replay, bad input, shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import make_socket
+from refbus.nodes.launch import NodeProcess
+from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
+from refbus.protocol.messages import Delete, Error, NodeList, Nodes, Sync
+
+from conftest import FAST_LIVENESS
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _monitor(spawn, control: str, name: str, out: Path, *flags: str) -> NodeProcess:
+    return spawn(["monitor", "--json", "--bus-control", control, *FAST_LIVENESS, *flags], name,
+                 stdout=open(out, "wb"))
+
+
+def test_killed_node_goes_down_and_monitor_json_shows_it(bus, spawn, tmp_path: Path) -> None:
+    _, control = bus
+    out = tmp_path / "watch.jsonl"
+    watcher = _monitor(spawn, control, "watcher", out, "--kind", "node-up", "--kind", "node-down", "--count", "2")
+    watcher.wait_ready()
+    victim = spawn(["monitor", "--bus-control", control, "--node-id", "victim", *FAST_LIVENESS], "victim")
+    victim.wait_ready()
+    victim.proc.kill()
+    assert watcher.proc.wait(timeout=30) == 0, watcher.log_tail()
+
+    up, down = _records(out)
+    assert (up["type"], up["node"]["node_id"], up["node"]["pid"]) == ("node-up", "victim", victim.pid)
+    assert (down["type"], down["node_id"], down["reason"]) == ("node-down", "victim", "timeout")
+    for record in (up, down):
+        assert record["src"] == "bus" and isinstance(record["seq"], int) and isinstance(record["ts"], float)
+    assert down["seq"] > up["seq"]
+
+
+def test_registry_lists_live_nodes_and_bye_removes_them(bus, spawn, tmp_path: Path) -> None:
+    _, control = bus
+    node = spawn(["monitor", "--bus-control", control, "--node-id", "lister-target"], "target")
+    node.wait_ready()
+    listed = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "nodes", "--json", "--bus-control", control],
+                            capture_output=True, text=True, timeout=30, check=True)
+    entries = {n["node_id"]: n for n in json.loads(listed.stdout)}
+    assert entries["lister-target"]["role"] == "monitor"
+    assert entries["lister-target"]["pid"] == node.pid
+    assert entries["lister-target"]["metrics"].startswith("http://127.0.0.1:")
+
+    out = tmp_path / "replay.jsonl"
+    assert node.stop() == 0
+    replayer = _monitor(spawn, control, "replayer", out, "--since", "0", "--kind", "node-down", "--count", "1")
+    assert replayer.proc.wait(timeout=30) == 0, replayer.log_tail()
+    (down,) = _records(out)
+    assert (down["node_id"], down["reason"]) == ("lister-target", "bye")
+
+
+def test_monitor_since_replays_ring_in_order_then_goes_live(bus, spawn, tmp_path: Path) -> None:
+    _, control = bus
+    for i in range(3):
+        node = spawn(["monitor", "--bus-control", control, "--node-id", f"early-{i}"], f"early-{i}")
+        node.wait_ready()
+        assert node.stop() == 0
+    out = tmp_path / "since.jsonl"
+    # 3 × (up, down) from the ring, then this monitor's own node-up, then a live one.
+    late = _monitor(spawn, control, "late", out, "--since", "1", "--count", "8")
+    late.wait_ready()
+    live = spawn(["monitor", "--bus-control", control, "--node-id", "live-one"], "live-one")
+    live.wait_ready()
+    assert late.proc.wait(timeout=30) == 0, late.log_tail()
+    records = _records(out)
+    assert [r["seq"] for r in records] == list(range(1, 9))
+    assert [(r["type"], r.get("node_id") or r["node"]["node_id"]) for r in records[:6]] == [
+        (kind, f"early-{i}") for i in range(3) for kind in ("node-up", "node-down")
+    ]
+    assert records[-1]["node"]["node_id"] == "live-one"
+
+
+def test_gap_is_filled_from_the_ring(bus) -> None:
+    _, control = bus
+    settings = RuntimeSettings(bus=control, metrics_port=-1)
+    pub = NodeRuntime("pub", RuntimeSettings(bus=control, metrics_port=-1, node_id="pub"))
+    sub = NodeRuntime("sub", settings)
+    got: list[int] = []
+    subscriber = sub.subscribe(lambda m: got.append(m.header.seq), kinds=frozenset({"delete"}))
+    try:
+        pub.start()
+        sub.start()
+        events_out = sub.welcome.events_out
+        publish = [lambda i=i: pub.publish(Delete(blob_ids=[f"b{i}"], holder="pub", reason="test")) for i in range(40)]
+        for p in publish[:10]:
+            p()
+        sub.loop(until=lambda: len(got) >= 10)
+        # Lose 10 events on the wire: they are published while this subscriber is disconnected.
+        subscriber.sock.disconnect(events_out)
+        for p in publish[10:20]:
+            p()
+        subscriber.sock.connect(events_out)
+        token = sub.codec.new_id()
+        deadline = time.monotonic() + 20
+        while token not in subscriber.tokens and time.monotonic() < deadline:
+            sub.control.request(Sync(token=token, path="sub"))
+            if subscriber.sock.poll(20, zmq.POLLIN):
+                subscriber.drain_one()
+        publish[20]()
+        sub.loop(until=lambda: len(got) >= 21)
+        assert got == list(range(1, 22))
+        assert (subscriber.missed, subscriber.filled, subscriber.duplicates) == (10, 10, 0)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_bad_requests_get_clear_errors_and_broker_keeps_serving(bus) -> None:
+    _, control = bus
+    ctx = zmq.Context()
+    codec = WireCodec("prober")
+    raw = make_socket(ctx, zmq.DEALER, connect=control)
+    try:
+        def ask(frames: list) -> Error:
+            raw.send_multipart(frames)
+            assert raw.poll(10_000), "broker did not answer"
+            reply = codec.decode(raw.recv_multipart())
+            assert isinstance(reply.body, Error)
+            return reply.body
+
+        assert ask([b"garbage"]).code == "malformed"
+        assert ask([b"nodes", b"\xc1", b"\x80"]).code == "malformed"
+        kind, _, body = codec.encode(Nodes())
+        assert ask([b"no-such-kind", codec.encode(Nodes())[1], body]).code == "unknown-kind"
+        newer = Header((PROTOCOL_VERSION[0] + 1, 0), "x1", "prober", 0, time.time())
+        err = ask([kind, codec._encoder.encode(newer), body])
+        assert err.code == "version" and f"{PROTOCOL_VERSION[0] + 1}.0" in err.message
+        wrong_type = codec.encode(Nodes())
+        wrong_type[2] = b"\x81\xa4role\x05"  # {"role": 5}
+        err = ask(wrong_type)
+        assert err.code == "schema" and "role" in err.message
+        huge = codec.encode(Nodes())
+        huge[2] = b"\x81\xa4role\xdb" + (32 << 20).to_bytes(4, "big") + b"x" * (32 << 20)
+        assert ask(huge).code == "too-large"
+
+        raw.send_multipart(codec.encode(Nodes()))
+        assert raw.poll(10_000)
+        assert isinstance(codec.decode(raw.recv_multipart()).body, NodeList)
+    finally:
+        raw.close()
+        ctx.term()
+
+
+def test_sigterm_leaves_no_process_and_no_socket_file(tmp_path: Path, spawn) -> None:
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    endpoints = {name: f"ipc://{sockets}/{name}" for name in ("control", "in", "out")}
+    bus = spawn(["node", "bus", "--bus-control", endpoints["control"], "--bus-events-in", endpoints["in"],
+                 "--bus-events-out", endpoints["out"]], "ipc-bus")
+    bus.wait_ready()
+    node = spawn(["monitor", "--bus-control", endpoints["control"], "--node-id", "ipc-node"], "ipc-node")
+    node.wait_ready()
+    assert sorted(p.name for p in sockets.iterdir()) == ["control", "in", "out"]
+    for proc, sig in ((node, signal.SIGTERM), (bus, signal.SIGINT)):
+        proc.signal(sig)
+        assert proc.proc.wait(timeout=20) == 0, proc.log_tail()
+    assert list(sockets.iterdir()) == []
+    assert not bus.ready_file.exists() and not node.ready_file.exists()
+
+
+@pytest.mark.parametrize("command", [[], ["node"], ["node", "bus"], ["monitor"], ["nodes"], ["config", "show"]])
+def test_every_command_has_help(command: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", *command, "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage: refbus" in result.stdout and len(result.stdout.splitlines()) > 5
