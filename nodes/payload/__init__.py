@@ -1,0 +1,1 @@
+"""Training arrays by reference: branches, packing, assembly."""
