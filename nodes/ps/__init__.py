@@ -1,0 +1,1 @@
+"""Parameter server: manager, shard workers and the staleness inventory."""
