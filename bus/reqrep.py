@@ -18,8 +18,8 @@ Neither class is thread-safe: one owner thread each.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -104,31 +104,11 @@ class Client:
         self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "native"
     ) -> Message:
         """Send ``body`` and wait for its reply, retrying per ``policy``. Arrays in the reply are owned by
-        the caller (they view the received frames)."""
-        msg_id = self.codec.new_id()
-        frames = self.codec.encode(body, msg_id=msg_id)
-        started = time.monotonic()
-        for attempt, timeout in enumerate((policy or self.policy).timeouts()):
-            if attempt:
-                self.retries += 1
-                log.info("request.retry", kind=body.kind, endpoint=self.endpoint, attempt=attempt + 1)
-            self.sock.send_multipart(frames, copy=False)
-            deadline = time.monotonic() + timeout
-            while (remaining := deadline - time.monotonic()) > 0:
-                reply = self.recv(int(remaining * 1000) + 1, backend=backend)
-                if reply is None:
-                    break
-                if reply.header.re != msg_id:
-                    self._stray(reply)
-                    continue
-                if isinstance(reply.body, Error):
-                    raise RemoteError(reply.body, self.endpoint)
-                return reply
-        waited = time.monotonic() - started
-        raise RequestTimeout(
-            f"no reply from {self.endpoint} to {body.kind} after {(policy or self.policy).attempts} "
-            f"attempts over {waited:.1f}s"
-        )
+        the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`."""
+        (result,) = gather([(self, body)], policy=policy, backend=backend)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native") -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
@@ -149,6 +129,94 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@dataclass
+class _Call:
+    index: int
+    client: Client
+    kind: str
+    msg_id: str
+    frames: list
+    timeouts: Iterator[float]
+    attempts: int = 0
+    deadline: float = 0.0
+
+
+Outcome = Message | RemoteError | RequestTimeout
+
+
+def gather(
+    calls: Sequence[tuple[Client, Body]],
+    *,
+    window: int = 8,
+    policy: RetryPolicy | None = None,
+    backend: ArrayBackend = "native",
+) -> list[Outcome]:
+    """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
+    its client's). Returns one outcome per call, in order: the reply, or the :class:`RemoteError` /
+    :class:`RequestTimeout` it ended with. Late duplicate replies go to each client's ``on_stray``."""
+    results: list[Outcome | None] = [None] * len(calls)
+    queued: dict[Client, deque[int]] = {}
+    for index, (client, _) in enumerate(calls):
+        queued.setdefault(client, deque()).append(index)
+    in_flight: dict[str, _Call] = {}
+    busy: Counter[Client] = Counter()
+
+    def attempt(call: _Call) -> None:
+        timeout = next(call.timeouts, None)
+        if timeout is None:
+            finish(call, RequestTimeout(
+                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts} attempts"))
+            return
+        call.attempts += 1
+        if call.attempts > 1:
+            call.client.retries += 1
+            log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts)
+        call.client.sock.send_multipart(call.frames, copy=False)
+        call.deadline = time.monotonic() + timeout
+
+    def launch(client: Client) -> None:
+        while queued[client] and busy[client] < window:
+            index = queued[client].popleft()
+            body = calls[index][1]
+            msg_id = client.codec.new_id()
+            call = _Call(index, client, body.kind, msg_id, client.codec.encode(body, msg_id=msg_id),
+                         (policy or client.policy).timeouts())
+            in_flight[msg_id] = call
+            busy[client] += 1
+            attempt(call)
+
+    def finish(call: _Call, outcome: Outcome) -> None:
+        results[call.index] = outcome
+        del in_flight[call.msg_id]
+        busy[call.client] -= 1
+        launch(call.client)
+
+    for client in queued:
+        launch(client)
+    poller = zmq.Poller()
+    for client in queued:
+        poller.register(client.sock, zmq.POLLIN)
+    by_socket = {client.sock: client for client in queued}
+    while in_flight:
+        now = time.monotonic()
+        for call in [c for c in in_flight.values() if c.deadline <= now]:
+            attempt(call)
+        if not in_flight:
+            break
+        wait_ms = max(0, int((min(c.deadline for c in in_flight.values()) - now) * 1000) + 1)
+        for sock, _ in poller.poll(wait_ms):
+            client = by_socket[sock]
+            while (reply := client.recv(0, backend=backend)) is not None:
+                call = in_flight.get(reply.header.re)
+                if call is None or call.client is not client:
+                    client._stray(reply)
+                elif isinstance(reply.body, Error):
+                    finish(call, RemoteError(reply.body, client.endpoint))
+                else:
+                    finish(call, reply)
+    return results  # type: ignore[return-value]
 
 
 Handler = Callable[[Message], Body | None]
@@ -176,9 +244,12 @@ class Server:
     after the call (they view the received frames). Raise :class:`HandlerError` for an expected failure.
     """
 
-    def __init__(self, sock: zmq.Socket, codec: WireCodec, *, cache_size: int = 4096) -> None:
+    def __init__(
+        self, sock: zmq.Socket, codec: WireCodec, *, cache_size: int = 4096, backend: ArrayBackend = "native"
+    ) -> None:
         self.sock = sock
         self.codec = codec
+        self.backend = backend
         self.cache_size = cache_size
         self.routes: dict[str, _Route] = {}
         self.handled: Counter[str] = Counter()
@@ -206,7 +277,7 @@ class Server:
         frames = recv_frames(self.sock, flags, copied=4)
         identity, envelope = frames[0], frames[1:]
         try:
-            request = self.codec.decode(envelope)
+            request = self.codec.decode(envelope, backend=self.backend)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))

@@ -24,7 +24,9 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ import msgspec
 import structlog
 import zmq
 
+from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
 from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
 from .metrics import register_live, serve_metrics
@@ -101,6 +104,9 @@ class NodeRuntime:
         self._timers: list[_Timer] = []
         self._stopping = False
         self._rejoin = False
+        self._calls: deque[Callable[[], None]] = deque()
+        self._confirmed_seq = 0
+        self._thread: threading.Thread | None = None
         self._stop_metrics: Callable[[], None] | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -119,9 +125,10 @@ class NodeRuntime:
         self._owned.append(sock)
         return sock
 
-    def serve(self, name: str, endpoint: str) -> Server:
-        """A request server on a bound ROUTER, advertised in the registry as ``name``."""
-        server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec)
+    def serve(self, name: str, endpoint: str, *, backend: ArrayBackend = "native") -> Server:
+        """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend="numpy"``
+        keeps torch out of processes that must not load it, whatever peers send."""
+        server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend)
         self.watch(server.sock, lambda: self._drain(server.sock, server.handle_one))
         return server
 
@@ -185,6 +192,46 @@ class NodeRuntime:
             return []
         return [e for e in events if e.header.seq <= last]
 
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop thread (safe from any thread): how an embedding framework's own
+        threads hand work to the node, since sockets belong to the loop thread."""
+        self._calls.append(callback)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def start_background(self) -> threading.Thread:
+        """Start and loop in a daemon thread (for embedding in a framework's process); :meth:`stop` ends it
+        and :meth:`join` waits for the clean shutdown. Signal handling stays with the embedding process."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self.start()
+            except BaseException as exc:
+                failure.append(exc)
+                ready.set()
+                self.close()
+                return
+            ready.set()
+            try:
+                self.loop()
+            finally:
+                self.close()
+
+        self._thread = threading.Thread(target=main, name=f"refbus-{self.node_id}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self._thread
+
+    def join(self, timeout: float | None = None) -> None:
+        """Stop a background node and wait for its shutdown."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def stop(self) -> None:
         """Ask the loop to finish (safe from signal handlers and other threads)."""
         self._stopping = True
@@ -233,6 +280,12 @@ class NodeRuntime:
 
     def loop(self, *, until: Callable[[], bool] | None = None) -> None:
         while not self._stopping and not (until and until()):
+            while self._calls:
+                call = self._calls.popleft()
+                try:
+                    call()
+                except Exception:
+                    log.exception("node.call_failed")
             self._deliver_ready()
             if self._rejoin:
                 self._rejoin = False
@@ -251,6 +304,7 @@ class NodeRuntime:
                 hook()
             except Exception:
                 log.exception("node.shutdown_hook_failed")
+        self.flush_events()
         if self.control is not None and self.welcome is not None:
             with contextlib.suppress(Exception):
                 self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=0.5, attempts=1))
@@ -303,7 +357,8 @@ class NodeRuntime:
             self._owned.append(pub)
             self.publisher = Publisher(pub, self.codec)
         self.welcome = welcome
-        self._handshake(Sync(token=token, path="pub"), lambda: self.publisher.publish_raw(Sync(token=token)))
+        self._prove_published(token, self.settings.connect_timeout_s)
+        self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
 
     def _go_live(self, subscriber: Subscriber, since: int | None) -> None:
@@ -328,13 +383,31 @@ class NodeRuntime:
         self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
         self._deliver_ready()
 
-    def _handshake(self, request: Sync, probe: Callable[[], None]) -> None:
-        """Send ``request`` and keep probing until its (deferred) answer arrives."""
-        assert self.control is not None
-        msg_id = self.control.send(request)
-        deadline = time.monotonic() + self.settings.connect_timeout_s
+    def flush_events(self, timeout_s: float = 2.0) -> bool:
+        """Wait (at most ``timeout_s``) until the broker has received every event published so far.
+
+        The PUB path is ordered, so once a probe sent after them arrives, they all did. Sockets close with
+        linger 0, so :meth:`close` calls this when something was published since the last confirmation.
+        """
+        if self.publisher is None or self.control is None or self.publisher.seq == self._confirmed_seq:
+            return True
+        seq = self.publisher.seq
+        try:
+            self._prove_published(self.codec.new_id(), timeout_s)
+        except BusUnavailable as exc:
+            log.warning("events.unconfirmed", error=str(exc))
+            return False
+        self._confirmed_seq = seq
+        return True
+
+    def _prove_published(self, token: str, timeout_s: float) -> None:
+        """Ask the broker to answer once it has seen ``token`` through our PUB, probing until it has."""
+        assert self.control is not None and self.publisher is not None
+        publisher = self.publisher
+        msg_id = self.control.send(Sync(token=token, path="pub"))
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            probe()
+            publisher.publish_raw(Sync(token=token))
             reply = self.control.recv(SYNC_PROBE_INTERVAL_MS)
             if reply is None:
                 continue
@@ -343,7 +416,7 @@ class NodeRuntime:
                     raise BusUnavailable(f"broker refused the event handshake: {reply.body.message}")
                 return
             self._on_control_reply(reply)
-        raise BusUnavailable(f"the broker never saw this node's events on {self.welcome and self.welcome.events_in}")
+        raise BusUnavailable(f"the broker did not see this node's events within {timeout_s:.1f}s")
 
     def _deliver_ready(self) -> None:
         for subscriber, handler, _ in self._subscriptions:

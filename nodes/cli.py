@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -12,8 +15,10 @@ import msgspec
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, NodeRuntime
+from ..protocol.envelope import describe
 from ..protocol.messages import NodeList, Nodes
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
+from .ledger import Ledger, format_report, read_records
 from .monitor import run_monitor
 from .up import run_up
 
@@ -26,7 +31,7 @@ Every command reads the cluster config: built-in defaults, then --config FILE (o
 flags (every key has one: `refbus node bus --help` lists them)."""
 
 
-def _run_bus(config: Config, args: argparse.Namespace) -> int:
+def run_bus(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("bus", config.runtime(node_id=args.node_id or "bus", ready_file=args.ready_file),
                           register=False)
     Broker(runtime, config.broker())
@@ -34,9 +39,22 @@ def _run_bus(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-ROLES: dict[str, tuple[str, Callable[[Config, argparse.Namespace], int]]] = {
-    "bus": ("the broker: event forwarding, node registry, replay ring", _run_bus),
+# role -> (summary, "module:function"). Modules are imported only for the role that runs, so a process
+# never loads what another role needs (an env server must never import torch).
+ROLES: dict[str, tuple[str, str]] = {
+    "bus": ("the broker: event forwarding, node registry, replay ring", "refbus.nodes.cli:run_bus"),
+    "ps-manager": ("parameter-server control plane: versions, manifests, leases, staleness inventory, init",
+                   "refbus.nodes.ps.manager:run"),
+    "ps-worker": ("parameter-server data plane: shards in shared memory, push/pull, broadcast init",
+                  "refbus.nodes.ps.worker:run"),
+    "env-server": ("keeps episode arrays and serves them by reference (keep, claim, fetch, delete)",
+                   "refbus.nodes.payload.env_server:run"),
 }
+
+
+def _role_entry(role: str) -> Callable[[Config, argparse.Namespace], int]:
+    module, _, function = ROLES[role][1].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _node_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--count", type=int, default=0, metavar="N", help="exit after N events")
     monitor.add_argument("--duration", type=float, default=0.0, metavar="SECONDS", help="exit after SECONDS")
     _node_flags(monitor)
+
+    ledger = commands.add_parser(
+        "ledger", help="account for every kept blob from the event stream",
+        description="Per source and in total: blobs kept, deleted by reason, still held (by whom), leaked (held by "
+                    "a node that is gone) and ownership violations. Reads a `refbus monitor --json` file, or the "
+                    "live stream (replayed from the broker's ring) for --duration seconds or until Ctrl-C.")
+    ledger.add_argument("file", nargs="?", default=None, help="events file from `refbus monitor --json` ('-': stdin)")
+    ledger.add_argument("--json", action="store_true", help="print the report as JSON")
+    ledger.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
+                        help="live mode: stop after SECONDS (default: until Ctrl-C)")
+    _node_flags(ledger)
 
     up = commands.add_parser(
         "up", help="start a local cluster and show its event stream",
@@ -108,6 +137,22 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_ledger(config: Config, args: argparse.Namespace) -> int:
+    ledger = Ledger()
+    if args.file is not None:
+        with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
+            for record in read_records(lines):
+                ledger.apply(record)
+    else:
+        runtime = NodeRuntime("ledger", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+        runtime.subscribe(lambda message: ledger.apply(describe(message)), since=0)
+        deadline = time.monotonic() + args.duration if args.duration > 0 else None
+        runtime.run(until=(lambda: time.monotonic() >= deadline) if deadline else None)
+    report = ledger.report()
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 1 if report.violations or report.leaked.total() else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -119,10 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
     try:
         if args.command == "node":
-            return ROLES[args.role][1](config, args)
+            return _role_entry(args.role)(config, args)
         if args.command == "monitor":
             return run_monitor(config.runtime(node_id=args.node_id, ready_file=args.ready_file), as_json=args.json,
                                kinds=tuple(args.kind), since=args.since, count=args.count, duration=args.duration)
+        if args.command == "ledger":
+            return run_ledger(config, args)
         if args.command == "up":
             return run_up(config, args)
         if args.command == "nodes":

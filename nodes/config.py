@@ -72,6 +72,33 @@ class SecuritySection:
 
 
 @dataclass
+class PsSection:
+    manager: str = _key("tcp://127.0.0.1:7780", "ps-manager endpoint (ROUTER): workers and clients connect here.")
+    worker: str = _key("tcp://127.0.0.1:0", "ps-worker data endpoint to bind (port 0: ephemeral, advertised).")
+    retain_versions: int = _key(2, "Committed versions the ps-manager keeps readable; older ones are freed unread.")
+    lease_ttl_s: float = _key(10.0, "Seconds a push or pull lease lives without renewal.")
+    push_timeout_s: float = _key(300.0, "Seconds every rank of a version has to commit its shard before it is aborted.")
+    shm_dir: str = _key("/dev/shm", "Directory (tmpfs) of the ps-workers' shared-memory segments.")
+    shm_prefix: str = _key("refbus-ps", "File name prefix of the shared-memory segments.")
+    pin_memory: bool = _key(True, "Page-lock segments for device copies when CUDA is available.")
+    max_free_segments: int = _key(4, "Freed segments a ps-worker keeps mapped for reuse.")
+    eta: int = _key(1, "Staleness bound: a trajectory trains at most eta versions after its policy version.")
+    batch_size: int = _key(64, "Trajectories per training batch in the staleness inventory.")
+    chunk_bytes: int = _key(8 << 20, "Bytes per chunk of the broadcast-init stream.")
+    ack_timeout_s: float = _key(10.0, "Seconds a broadcast-init peer has to acknowledge a message.")
+    init_timeout_s: float = _key(600.0, "Seconds a broadcast init may take before it fails.")
+
+
+@dataclass
+class EnvServerSection:
+    endpoint: str = _key("tcp://127.0.0.1:0", "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: "
+                         "ephemeral, advertised.")
+    source: str = _key("", "Source name in blob references; replicas of one source share it (default: the node id).")
+    budget_bytes: int = _key(16 << 30, "Array bytes an env server may hold; a keep beyond it fails (never evicts).")
+    handover_lease_s: float = _key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
+
+
+@dataclass
 class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     bus: BusSection = field(default_factory=BusSection)
@@ -79,6 +106,8 @@ class Config:
     requests: RequestsSection = field(default_factory=RequestsSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    env_server: EnvServerSection = field(default_factory=EnvServerSection)
+    ps: PsSection = field(default_factory=PsSection)
 
     def runtime(self, *, node_id: str = "", ready_file: str = "") -> RuntimeSettings:
         """What the node runtime needs from this config."""

@@ -19,6 +19,7 @@ numpy arrays alone (env servers) never load it.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -120,8 +121,11 @@ class ArrayPacker:
             raise ArrayError(f"tensor layout {tensor.layout} cannot travel (dense tensors only)")
         name = str(tensor.dtype).removeprefix("torch.")
         dtype_width(name)
-        dense = tensor.detach().resolve_conj().resolve_neg().contiguous()
-        flat = dense.reshape(-1).view(_torch().uint8)
+        flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
+        if flat.numel() <= 1 or flat.stride(0) != 1:
+            # torch calls 0/1-element tensors contiguous whatever their stride; a fresh copy has stride 1.
+            flat = flat.clone(memory_format=_torch().contiguous_format)
+        flat = flat.view(_torch().uint8)
         return self._add(EXT_TORCH, name, tuple(tensor.shape), memoryview(flat.numpy()))
 
 
@@ -167,7 +171,7 @@ class ArrayUnpacker:
             raise ArrayError(f"negative dimension in shape {list(shape)}")
         self._used.add(index)
         view = memoryview(self._buffers[index])
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype_width(dtype)
+        expected = math.prod(shape) * dtype_width(dtype)  # Python ints: a hostile shape cannot wrap around
         if view.nbytes != expected:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"
@@ -175,7 +179,10 @@ class ArrayUnpacker:
         if self._verify and checksum(view) != digest:
             raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) does not match its checksum")
         wants_torch = self._backend == "torch" or (self._backend == "native" and code == EXT_TORCH)
-        return _to_torch(view, dtype, shape) if wants_torch else _to_numpy(view, dtype, shape)
+        try:
+            return _to_torch(view, dtype, shape) if wants_torch else _to_numpy(view, dtype, shape)
+        except (ValueError, RuntimeError) as exc:  # e.g. an empty frame with an absurd zero-sized shape
+            raise ArrayError(f"cannot build {dtype}{list(shape)} from buffer frame {index}: {exc}") from None
 
 
 _Descriptor = tuple[str, tuple[int, ...], int, int]

@@ -204,8 +204,19 @@ def describe(message: Message) -> dict[str, Any]:
         "ts": message.header.ts,
         "id": message.header.id,
     }
-    record.update(msgspec.to_builtins(message.body, enc_hook=_array_summary))
+    record.update(msgspec.to_builtins(_with_defaults(message.body), enc_hook=_array_summary))
     return record
+
+
+def _with_defaults(value: Any) -> Any:
+    """Structs as dicts of *all* their fields: bodies omit defaults on the wire, a monitor shows them."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _with_defaults(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, dict):
+        return {key: _with_defaults(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_with_defaults(item) for item in value]
+    return value
 
 
 def _array_summary(obj: Any) -> str:

@@ -14,8 +14,12 @@ class ProtocolError(Exception):
 
     def __init__(self, message: str, *, kind: str | None = None) -> None:
         self.kind = kind
-        prefix = f"{kind}: " if kind else ""
-        super().__init__(prefix + message)
+        self.detail = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # Built at render time: the decoder learns the kind after some errors are raised.
+        return f"{self.kind}: {self.detail}" if self.kind else self.detail
 
 
 class MalformedMessage(ProtocolError):

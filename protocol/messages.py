@@ -10,11 +10,12 @@ Array-valued fields (typed ``Array``) hold numpy arrays or torch tensors; they t
 
 Kinds by direction:
 
-* events (PUB/SUB through the broker): ``episode-finished``, ``reference``, ``fetch-ack``, ``version-bump``,
-  ``delete``, ``node-up``, ``node-down``, ``sync``
-* requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``fetch``,
-  ``delete``
-* replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``blobs``, ``error``
+* events (PUB/SUB through the broker): ``episode-finished``, ``claim``, ``reference``, ``fetch-ack``,
+  ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``
+* requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``keep``,
+  ``discard``, ``claim``, ``fetch``, ``delete``, ``step-batch``
+* replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``kept``, ``blobs``, ``claimed``, ``deleted``,
+  ``error``
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaul
 KINDS: dict[str, type[Body]] = {}
 
 
-def _kind(name: str) -> Any:
+def register_kind(name: str) -> Any:
+    """Class decorator: register a Body subclass as the message kind ``name``."""
+
     def register(cls: type[Body]) -> type[Body]:
         if name in KINDS:
             raise RuntimeError(f"kind {name!r} defined twice")
@@ -66,22 +69,34 @@ class NodeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Where one kept branch lives and what it holds; what travels instead of the arrays."""
+    """Where one kept branch lives and what it holds: what travels instead of the arrays."""
 
-    endpoint: str
+    endpoint: str  # the env server's blob endpoint (fetch, claim, delete)
+    source: Name  # node id of the env server that keeps it
     blob_id: Name
     fields: list[str]
     tokens: NonNegative
     nbytes: NonNegative
-    checksum: NonNegative
+    checksum: NonNegative  # xxh3-64 over the blob's array checksums, in field order
     routing_shape: list[int] | None = None  # [layers, top_k] when routed_experts is kept
 
 
-class BlobSlice(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One sample's use of a blob: the reference and how many tokens of it are kept after truncation."""
+class SampleSlice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One sample of a micro batch: its blob (None: a sample without arrays) and its kept token count."""
 
-    ref: BlobRef
-    kept_tokens: NonNegative
+    sample_id: str
+    tokens: NonNegative
+    ref: BlobRef | None = None
+
+
+class MicroBatchRefs(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A packed micro batch as references, in packing order; ``inputs`` carries small inline arrays
+    (token ids, advantages) that the framework ships with it."""
+
+    samples: list[SampleSlice]
+    length: NonNegative
+    dummy: bool = False
+    inputs: dict[str, Array] = {}
 
 
 class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
@@ -101,12 +116,12 @@ class FetchedBlob(msgspec.Struct, frozen=True):
 # --- events -----------------------------------------------------------------------------------------
 
 
-@_kind("node-up")
+@register_kind("node-up")
 class NodeUp(Body, frozen=True):
     node: NodeInfo
 
 
-@_kind("node-down")
+@register_kind("node-down")
 class NodeDown(Body, frozen=True):
     node_id: Name
     role: Name
@@ -114,7 +129,7 @@ class NodeDown(Body, frozen=True):
     last_seen: float
 
 
-@_kind("sync")
+@register_kind("sync")
 class Sync(Body, frozen=True):
     """Slow-joiner handshake; never shown as an event.
 
@@ -128,73 +143,106 @@ class Sync(Body, frozen=True):
     path: Literal["pub", "sub"] = "pub"
 
 
-@_kind("episode-finished")
+@register_kind("episode-finished")
 class EpisodeFinished(Body, frozen=True):
+    """An env server kept an episode's arrays; ``refs`` (one per branch) are what travels instead.
+
+    ``info`` is the framework's small episode record (reward, token ids, ...); arrays in it ride as frames.
+    """
+
     episode_id: Name
     source: Name
     refs: list[BlobRef]
     policy_version: NonNegative = 0
+    info: dict[str, Any] = {}
 
 
-@_kind("reference")
-class Reference(Body, frozen=True):
-    """The orchestrator hands a step's blobs to a trainer (mirror of the point-to-point move)."""
+@register_kind("claim")
+class Claim(Body, frozen=True):
+    """Request to an env server and its mirror event: ``holder`` takes ownership of ``blob_ids``.
 
-    step: NonNegative
+    The acknowledged hand-over from the env server; unclaimed blobs are deleted when their lease ends.
+    """
+
+    blob_ids: list[str]
     holder: Name
-    slices: list[BlobSlice]
 
 
-@_kind("fetch-ack")
-class FetchAck(Body, frozen=True):
+@register_kind("reference")
+class Reference(Body, frozen=True):
+    """Event: the orchestrator handed ``blob_ids`` to trainer ``holder`` for ``step`` (mirror of the
+    acknowledged ``step-batch`` request)."""
+
     step: NonNegative
     holder: Name
     blob_ids: list[str]
 
 
-@_kind("version-bump")
+@register_kind("fetch-ack")
+class FetchAck(Body, frozen=True):
+    """Event: ``holder`` fetched and verified ``blob_ids`` for ``step``."""
+
+    step: NonNegative
+    holder: Name
+    blob_ids: list[str]
+
+
+@register_kind("version-bump")
 class VersionBump(Body, frozen=True):
     version: NonNegative
     nbytes: NonNegative
     manifest_digest: str
 
 
-@_kind("delete")
+@register_kind("delete")
 class Delete(Body, frozen=True):
-    """Event and request: ``holder`` deletes ``blob_ids`` for ``reason`` (trained, filtered, ...)."""
+    """Request to an env server and its mirror event: ``holder`` deletes ``blob_ids`` for ``reason``
+    (``trained``, ``filtered``, ``stale``, ``eval``, ``undelivered``, ``shutdown``, ...)."""
 
     blob_ids: list[str]
     holder: Name
     reason: Name
 
 
+@register_kind("violation")
+class Violation(Body, frozen=True):
+    """Event: an ownership rule was broken (a second delete, a delete or claim by a non-owner, a fetch of
+    a deleted blob). Logged and counted where it happened; tests assert there are none."""
+
+    blob_id: str
+    action: Name  # delete, fetch, claim
+    holder: Name  # who tried
+    owner: str  # who held it (or who deleted it), "" if never known
+    detail: str
+
+
 # --- requests ---------------------------------------------------------------------------------------
 
 
-@_kind("hello")
+@register_kind("hello")
 class Hello(Body, frozen=True):
     node: NodeInfo
     token: Name  # the node publishes ``sync`` with this token until the broker has seen it
 
 
-@_kind("heartbeat")
+@register_kind("heartbeat")
 class Heartbeat(Body, frozen=True):
     node_id: Name
     status: dict[str, float] = {}
 
 
-@_kind("bye")
+@register_kind("bye")
 class Bye(Body, frozen=True):
     node_id: Name
     reason: str = "shutdown"
 
 
-@_kind("nodes")
+@register_kind("nodes")
 class Nodes(Body, frozen=True):
     role: str = ""  # "" lists every role
 
 
-@_kind("replay")
+@register_kind("replay")
 class Replay(Body, frozen=True):
     """Events with per-source ``seq >= since`` from the broker's ring, oldest first, at most ``limit``."""
 
@@ -203,16 +251,56 @@ class Replay(Body, frozen=True):
     limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000
 
 
-@_kind("fetch")
+@register_kind("keep")
+class Keep(Body, frozen=True):
+    """Request to an env server from a remote producer (a rollout worker): keep these branches' arrays.
+
+    Each branch maps field names (``routed_experts``, ``topk_ids``, ``topk_logprobs``, ``mask_ids``,
+    ``mask_counts``) to arrays. Answered with ``kept``; the env server then publishes ``episode-finished``.
+    """
+
+    episode_id: Name
+    branches: list[dict[str, Array]]
+    policy_version: NonNegative = 0
+    info: dict[str, Any] = {}
+
+
+@register_kind("discard")
+class Discard(Body, frozen=True):
+    """Request to an env server: the client abandoned this episode; delete what it kept (once)."""
+
+    episode_id: Name
+    reason: Name = "discarded"
+
+
+@register_kind("fetch")
 class Fetch(Body, frozen=True):
+    """Request to an env server: the arrays of ``blob_ids`` (answered with ``blobs``)."""
+
     blob_ids: list[str]
     holder: Name
+    step: NonNegative = 0
+
+
+@register_kind("step-batch")
+class StepBatch(Body, frozen=True):
+    """Request from the orchestrator to one trainer rank: its micro batches for ``step``.
+
+    Acknowledging it moves ownership of ``owned`` (the blobs this rank deletes after the step) to the rank;
+    micro batches may also reference blobs owned by other ranks (dummies repeat real routing rows).
+    """
+
+    step: NonNegative
+    rank: NonNegative
+    micro_batches: list[MicroBatchRefs]
+    owned: list[str]
+    policy_version: NonNegative = 0
 
 
 # --- replies ----------------------------------------------------------------------------------------
 
 
-@_kind("welcome")
+@register_kind("welcome")
 class Welcome(Body, frozen=True):
     """The broker's answer to ``hello``: where to publish and subscribe, and the liveness timing."""
 
@@ -223,28 +311,58 @@ class Welcome(Body, frozen=True):
     node_timeout: float
 
 
-@_kind("ok")
+@register_kind("ok")
 class Ok(Body, frozen=True):
     detail: str = ""
 
 
-@_kind("node-list")
+@register_kind("node-list")
 class NodeList(Body, frozen=True):
     nodes: list[NodeInfo]
 
 
-@_kind("replayed")
+@register_kind("replayed")
 class Replayed(Body, frozen=True):
     events: list[ReplayedEvent]
     more: bool  # True when ``limit`` cut the answer; ask again from the last seq + 1
 
 
-@_kind("blobs")
+@register_kind("blobs")
 class Blobs(Body, frozen=True):
+    """Reply to ``fetch``: the blobs found, and the ids that were unknown or already deleted."""
+
     blobs: list[FetchedBlob]
+    missing: list[str] = []
 
 
-@_kind("error")
+@register_kind("claimed")
+class Claimed(Body, frozen=True):
+    """Reply to ``claim``: ids now owned by the claimer, ids that no longer exist (lease ended, never kept),
+    and ids refused because another holder owns them."""
+
+    blob_ids: list[str]
+    missing: list[str] = []
+    violations: list[str] = []
+
+
+@register_kind("deleted")
+class Deleted(Body, frozen=True):
+    """Reply to ``delete``: ids deleted now, ids refused as ownership violations (already deleted), and ids
+    this store never kept."""
+
+    blob_ids: list[str]
+    violations: list[str] = []
+    missing: list[str] = []
+
+
+@register_kind("kept")
+class Kept(Body, frozen=True):
+    """Reply to ``keep``: one reference per branch, in order."""
+
+    refs: list[BlobRef]
+
+
+@register_kind("error")
 class Error(Body, frozen=True):
     """The reply to a request that failed. ``code`` is stable (``malformed``, ``unknown-blob``, ...)."""
 

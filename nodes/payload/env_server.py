@@ -1,0 +1,323 @@
+"""The env server node (``refbus node env-server``, or embedded in a framework's env server process).
+
+A :class:`~refbus.nodes.payload.keeper.Keeper` behind a ROUTER advertised as ``blobs``:
+
+=========== ============ ====================================================================================
+request     reply        effect and events
+=========== ============ ====================================================================================
+``keep``    ``kept``     keeps the branches; publishes ``episode-finished`` (references and ``info``, never
+                         the branch arrays)
+``discard`` ``deleted``  deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
+``claim``   ``claimed``  moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
+                         ``blob_ids``: now held by the claimer (also those it had claimed before);
+                         ``missing``: deleted or never kept; ``violations``: held by another claimer
+``fetch``   ``blobs``    the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
+                         deleted blob is also a violation). Not cached: a retry reads again
+``delete``  ``deleted``  deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
+                         already deleted; ``missing``: ids never kept here (logged)
+=========== ============ ====================================================================================
+
+Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
+Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``); at
+shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
+broker has those events before it leaves.
+
+Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
+the broker with ``endpoints == {"blobs": <endpoint>, "source": <source>}``, so the orchestrator finds every
+replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held`` and ``bytes_held``.
+
+Embedding: build a :class:`NodeRuntime`, an :class:`EnvServer` on it, call ``runtime.start_background()``,
+then :meth:`EnvServer.keep` / :meth:`EnvServer.discard` from the framework's own threads.
+
+Never imports torch, directly or through anything it imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+from prometheus_client import REGISTRY
+
+from ...bus.metrics import LiveCounters, Sample, register_live
+from ...bus.reqrep import HandlerError
+from ...bus.runtime import NodeRuntime
+from ...protocol.envelope import Message
+from ...protocol.messages import (
+    BlobRef,
+    Blobs,
+    Body,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    Discard,
+    EpisodeFinished,
+    Fetch,
+    FetchedBlob,
+    Keep,
+    Kept,
+    Violation,
+)
+from .branch import Branch
+from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+log = structlog.get_logger(__name__)
+
+ROLE = "env-server"
+# How long shutdown waits for the broker to confirm it has the final events; a dead broker must not hold
+# the exit past the launcher's SIGKILL.
+
+
+@dataclass(frozen=True)
+class EnvServerSettings:
+    """What an env server needs beyond the node runtime (``[env_server]`` in the cluster config)."""
+
+    endpoint: str = "tcp://127.0.0.1:0"
+    source: str = ""  # "" = the node id; replicas of one source share it
+    budget_bytes: int = 16 << 30
+    handover_lease_s: float = 60.0
+
+
+class EnvServer:
+    """Serves a :class:`Keeper` on ``runtime`` and mirrors every ownership move on the event stream.
+
+    Construct before ``runtime.run()`` / ``runtime.start_background()``: it binds the ``blobs`` endpoint,
+    adds its source to the advertised endpoints, sets the heartbeat status, a lease timer, a shutdown hook
+    and (when the runtime serves metrics) the Prometheus collectors.
+
+    Threads: :meth:`keep` and :meth:`discard` may be called from any thread; the keeper is behind a lock
+    and events are published on the loop thread only.
+    """
+
+    def __init__(
+        self, runtime: NodeRuntime, settings: EnvServerSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.runtime = runtime
+        self.source = settings.source or runtime.node_id
+        # numpy backend: torch tensors sent by a peer must not make this process import torch.
+        self.server = runtime.serve("blobs", settings.endpoint, backend="numpy")
+        self.endpoint = runtime.endpoints["blobs"]
+        runtime.endpoints["source"] = self.source
+        self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
+                             handover_lease_s=settings.handover_lease_s, clock=clock)
+        self._lock = threading.Lock()
+        # Events from other threads wait here for the loop thread; flushed before any other publish so the
+        # stream never shows a claim before the episode-finished it refers to.
+        self._outbox: deque[Body] = deque()
+        self._collectors: list[LiveCounters] = []
+
+        self.server.on(Keep.kind, self._on_keep)
+        self.server.on(Discard.kind, self._on_discard)
+        self.server.on(Claim.kind, self._on_claim)
+        self.server.on(Fetch.kind, self._on_fetch, cached=False)  # a read: large replies are not cached
+        self.server.on(Delete.kind, self._on_delete)
+        # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
+        runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
+        runtime.status = self.status
+        runtime.shutdown_hooks.append(self._shutdown)
+        if runtime.settings.metrics_port >= 0:
+            self._register_metrics()
+
+    # --- the embedding API (any thread) -------------------------------------------------------------
+
+    def keep(
+        self,
+        episode_id: str,
+        branches: Sequence[Branch | Mapping[str, np.ndarray]],
+        *,
+        policy_version: int = 0,
+        info: dict[str, Any] | None = None,
+    ) -> list[BlobRef]:
+        """Keep an episode's branches and announce it (``episode-finished``); one reference per branch.
+
+        Ownership: the branch arrays are copied before this returns (the copy runs outside the lock), so
+        the caller may reuse them at once. ``info`` is handed over: it is published as is from the loop
+        thread (arrays in it zero-copy), so the caller must not modify it afterwards.
+
+        Raises:
+            KeepError: a bad branch, over budget, a duplicate episode id, or shutting down; nothing is kept.
+        """
+        try:
+            packed = pack(branches)
+            with self._lock:
+                refs = self.keeper.store(episode_id, packed)
+                # Queued under the lock: a shutdown that deletes these blobs then finds this event queued
+                # and publishes it first.
+                self._post(EpisodeFinished(episode_id=episode_id, source=self.source, refs=refs,
+                                           policy_version=policy_version, info=info or {}))
+        except KeepError as exc:
+            log.warning("keep.refused", episode_id=episode_id, code=exc.code, error=str(exc))
+            raise
+        return refs
+
+    def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
+        """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids."""
+        with self._lock:
+            deleted = self.keeper.discard(episode_id, reason)
+            if deleted:
+                self._post(Delete(blob_ids=deleted, holder=self.source, reason=reason))
+        return deleted
+
+    def stats(self) -> KeeperStats:
+        """A consistent snapshot of the keeper's counters (any thread; metrics read it at scrape time)."""
+        with self._lock:
+            return self.keeper.stats()
+
+    def status(self) -> dict[str, float]:
+        """Heartbeat status: what the registry shows for this node."""
+        stats = self.stats()
+        return {"blobs_held": float(stats.blobs_held), "bytes_held": float(stats.bytes_held)}
+
+    # --- request handlers (loop thread) -------------------------------------------------------------
+
+    def _on_keep(self, request: Message) -> Kept:
+        body = request.body
+        assert isinstance(body, Keep)
+        try:
+            refs = self.keep(body.episode_id, body.branches, policy_version=body.policy_version, info=body.info)
+        except KeepError as exc:
+            raise HandlerError(exc.code, str(exc)) from None
+        return Kept(refs=refs)
+
+    def _on_discard(self, request: Message) -> Deleted:
+        body = request.body
+        assert isinstance(body, Discard)
+        return Deleted(blob_ids=self.discard(body.episode_id, body.reason))
+
+    def _on_claim(self, request: Message) -> Claimed:
+        body = request.body
+        assert isinstance(body, Claim)
+        with self._lock:
+            result = self.keeper.claim(body.blob_ids, body.holder)
+        if result.claimed:
+            self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
+        self._report(result.violations)
+        return Claimed(blob_ids=[*result.claimed, *result.already], missing=[*result.gone, *result.unknown],
+                       violations=[v.blob_id for v in result.violations])
+
+    def _on_fetch(self, request: Message) -> Blobs:
+        body = request.body
+        assert isinstance(body, Fetch)
+        with self._lock:
+            result = self.keeper.fetch(body.blob_ids, body.holder)
+        self._report(result.violations)
+        return Blobs(
+            blobs=[FetchedBlob(blob_id=blob_id, arrays=dict(arrays)) for blob_id, arrays in result.arrays.items()],
+            missing=[*result.unknown, *(v.blob_id for v in result.violations)],
+        )
+
+    def _on_delete(self, request: Message) -> Deleted:
+        body = request.body
+        assert isinstance(body, Delete)
+        with self._lock:
+            result = self.keeper.delete(body.blob_ids, body.holder, body.reason)
+        self._announce(result)
+        self._report(result.violations)
+        if result.unknown:
+            log.warning("delete.unknown", holder=body.holder, count=len(result.unknown), blob_ids=result.unknown[:8])
+        return Deleted(blob_ids=list(result.deleted), violations=[v.blob_id for v in result.violations],
+                       missing=list(result.unknown))
+
+    # --- timers and shutdown (loop thread) ----------------------------------------------------------
+
+    def _expire(self) -> None:
+        with self._lock:
+            result = self.keeper.expire()
+        if result.deleted:
+            log.warning("blobs.undelivered", count=len(result.deleted), lease_s=self.keeper.handover_lease_s)
+            self._announce(result)
+
+    def _shutdown(self) -> None:
+        try:
+            with self._lock:
+                result = self.keeper.close()
+            if self.runtime.publisher is None:
+                if result.deleted:
+                    log.warning("blobs.shutdown_unannounced", count=len(result.deleted), detail="never joined")
+                return
+            self._flush_outbox()
+            if result.deleted:
+                log.info("blobs.shutdown", count=len(result.deleted))
+                self._announce(result)
+        finally:
+            for collector in self._collectors:
+                REGISTRY.unregister(collector)
+            self._collectors.clear()
+
+    # --- events -------------------------------------------------------------------------------------
+
+    def _post(self, body: Body) -> None:
+        """Publish from any thread: queue it and let the loop thread send it."""
+        self._outbox.append(body)
+        self.runtime.call_soon(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            body = self._outbox.popleft()
+            try:
+                self.runtime.publish(body)
+            except Exception:
+                # Only a framework's ``info`` can fail to encode; the blobs stay kept and expire unclaimed.
+                log.exception("event.publish_failed", kind=body.kind)
+
+    def _publish(self, body: Body) -> None:
+        self._flush_outbox()
+        self.runtime.publish(body)
+
+    def _announce(self, result: DeleteResult) -> None:
+        if result.deleted:
+            self._publish(Delete(blob_ids=list(result.deleted), holder=result.holder, reason=result.reason))
+
+    def _report(self, violations: Sequence[Violation]) -> None:
+        for violation in violations:
+            log.warning("ownership.violation", blob_id=violation.blob_id, action=violation.action,
+                        holder=violation.holder, owner=violation.owner, detail=violation.detail)
+            self._publish(violation)
+
+    # --- metrics ------------------------------------------------------------------------------------
+
+    def _register_metrics(self) -> None:
+        def read(values: Callable[[KeeperStats], Sample]) -> Callable[[], Sample]:
+            return lambda: values(self.stats())
+
+        self._collectors = [
+            register_live("refbus_blobs_held", "Blobs this env server holds.",
+                          read(lambda s: {(): float(s.blobs_held)}), kind="gauge"),
+            register_live("refbus_blob_bytes_held", "Array bytes this env server holds.",
+                          read(lambda s: {(): float(s.bytes_held)}), kind="gauge"),
+            register_live("refbus_blobs_kept_total", "Blobs kept (one per branch).",
+                          read(lambda s: {(): float(s.kept_total)})),
+            register_live("refbus_blobs_deleted_total", "Blobs deleted, by reason.",
+                          read(lambda s: {(reason,): float(n) for reason, n in s.deleted.items()}),
+                          labels=("reason",)),
+            register_live("refbus_ownership_violations_total", "Ownership violations refused, by action.",
+                          read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
+                          labels=("action",)),
+        ]
+
+
+def run(config: Config, args: argparse.Namespace) -> int:
+    """``refbus node env-server``: serve until SIGINT/SIGTERM."""
+    section = config.env_server
+    settings = EnvServerSettings(endpoint=section.endpoint, source=section.source,
+                                 budget_bytes=section.budget_bytes, handover_lease_s=section.handover_lease_s)
+    runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    try:
+        EnvServer(runtime, settings)
+    except ValueError as exc:  # a budget or lease the keeper refuses
+        log.error("env_server.bad_config", error=str(exc))
+        runtime.close()
+        return 2
+    runtime.run()
+    return 0

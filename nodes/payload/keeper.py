@@ -1,0 +1,432 @@
+"""The env server's blob store: kept branch arrays and who owns each blob, with no sockets.
+
+Life of a blob (DESIGN.md, "Ownership rules"):
+
+1. :meth:`Keeper.keep` copies an episode's branches into one buffer per branch (a *blob*) and returns a
+   :class:`~refbus.protocol.messages.BlobRef` per branch. The env server (``source``) owns it.
+2. :meth:`Keeper.claim` hands it to the first claimer (the orchestrator). Unclaimed blobs are deleted by
+   :meth:`Keeper.expire` once their hand-over lease ends (reason ``undelivered``); :meth:`Keeper.discard`
+   deletes an abandoned episode's unclaimed blobs; :meth:`Keeper.close` deletes everything (``shutdown``).
+3. :meth:`Keeper.fetch` reads it, any number of times, by anyone (trainer ranks fetch what they train).
+4. :meth:`Keeper.delete` removes it exactly once, whoever asks; a tombstone remembers who and why, so a
+   second delete or a later fetch is reported as an ownership violation naming both holders.
+
+Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
+node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
+thread, or a lock around every call (the env server's). :func:`pack` is pure and thread-safe, so the
+copy and hashing of :meth:`Keeper.keep` can run outside that lock (:meth:`Keeper.store`).
+
+This module imports numpy and the protocol's types only. Env servers import it; they never load torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...protocol.codec import checksum
+from ...protocol.envelope import MessageIds
+from ...protocol.messages import BlobRef, Violation
+from .branch import Branch, BranchError
+
+UNDELIVERED = "undelivered"
+SHUTDOWN = "shutdown"
+DISCARDED = "discarded"
+
+DEFAULT_MAX_TOMBSTONES = 1_000_000
+
+# Offsets of the fields inside a blob's buffer are multiples of this, so every field view is naturally
+# aligned for its dtype (itemsize <= 8) and numpy takes its fast paths.
+_ALIGN = 8
+
+
+def blob_checksum(arrays: Mapping[str, np.ndarray]) -> int:
+    """The checksum of a blob (``BlobRef.checksum``): xxh3-64 over the little-endian uint64 checksums of its
+    arrays, in the mapping's order, which must be the canonical field order (:data:`branch.FIELDS`).
+
+    Each per-array checksum is :func:`refbus.protocol.codec.checksum` of the array's C-order bytes, the
+    same value the wire descriptor carries, so a receiver that verified its frames hashes only 8 bytes
+    per field more. The arrays are read, not kept.
+    """
+    digests = np.array(
+        [checksum(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))) for a in arrays.values()],
+        dtype="<u8",
+    )
+    return checksum(digests.tobytes())
+
+
+class KeepError(ValueError):
+    """``keep`` refused an episode and kept nothing. ``code`` is stable (it becomes the error reply's code):
+    ``bad-branch``, ``over-budget``, ``duplicate-episode`` or ``closed``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedBranch:
+    """A branch copied into one private buffer: what a blob holds. Built by :func:`pack`.
+
+    ``arrays`` are read-only views of ``buffer``, in canonical field order. ``nbytes`` counts array bytes
+    (alignment padding, under 8 bytes per field, is not counted).
+    """
+
+    arrays: Mapping[str, np.ndarray]
+    buffer: np.ndarray = field(repr=False)
+    tokens: int
+    nbytes: int
+    checksum: int
+    routing_shape: tuple[int, int] | None
+
+
+def pack(branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> tuple[PackedBranch, ...]:
+    """Validate every branch, then copy each into its own contiguous buffer and hash it.
+
+    Mappings are validated with :meth:`Branch.from_arrays`. Ownership: the result is a copy; the caller may
+    reuse or free its arrays as soon as this returns. Pure, so any thread may call it.
+
+    Raises:
+        KeepError: ``bad-branch``, naming the branch index and the field, if any branch is invalid.
+            Every branch is validated before anything is copied.
+    """
+    validated: list[Branch] = []
+    for index, branch in enumerate(branches):
+        if isinstance(branch, Branch):
+            validated.append(branch)
+            continue
+        if not isinstance(branch, Mapping):
+            raise KeepError("bad-branch", f"branch {index}: expected a Branch or a mapping of field arrays, "
+                                          f"got {type(branch).__name__}")
+        try:
+            validated.append(Branch.from_arrays(branch))
+        except BranchError as exc:
+            raise KeepError("bad-branch", f"branch {index}: {exc}") from None
+    return tuple(_pack_one(branch) for branch in validated)
+
+
+def _pack_one(branch: Branch) -> PackedBranch:
+    fields = branch.to_arrays()
+    offsets: list[int] = []
+    end = 0
+    for array in fields.values():
+        offsets.append(end)
+        end += -(-array.nbytes // _ALIGN) * _ALIGN
+    buffer = np.empty(end, dtype=np.uint8)
+    arrays: dict[str, np.ndarray] = {}
+    for (name, array), offset in zip(fields.items(), offsets, strict=True):
+        view = buffer[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
+        view[...] = array
+        view.flags.writeable = False
+        arrays[name] = view
+    buffer.flags.writeable = False
+    return PackedBranch(
+        arrays=arrays,
+        buffer=buffer,
+        tokens=branch.token_count,
+        nbytes=branch.nbytes,
+        checksum=blob_checksum(arrays),
+        routing_shape=branch.routing_shape,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What a claim did. ``claimed``: moved to the holder now; ``already``: the holder had claimed them
+    before (a repeated claim is harmless); ``gone``: deleted before the claim (lease ended, discarded);
+    ``unknown``: never kept here (or forgotten past the tombstone window); ``violations``: owned by another
+    holder, refused."""
+
+    holder: str
+    claimed: tuple[str, ...] = ()
+    already: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What a fetch found. ``arrays``: blob id → fields, read-only views of the keeper's buffers, in request
+    order; ``unknown``: never kept here; ``violations``: fetches of deleted blobs."""
+
+    arrays: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
+    unknown: tuple[str, ...] = ()
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    """What a delete did: ``deleted`` now by ``holder`` for ``reason``; ``unknown``: never kept here;
+    ``violations``: already deleted (each names the first deleter as ``owner``)."""
+
+    holder: str
+    reason: str
+    deleted: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeeperStats:
+    """A snapshot of the keeper's counters (safe to read after the call returns)."""
+
+    blobs_held: int
+    bytes_held: int
+    kept_total: int
+    deleted: Mapping[str, int]  # by reason
+    violations: Mapping[str, int]  # by action: claim, fetch, delete
+
+
+@dataclass(frozen=True, slots=True)
+class _Blob:
+    episode_id: str
+    packed: PackedBranch
+    holder: str = ""  # "" until claimed: the env server itself owns it
+
+
+@dataclass(frozen=True, slots=True)
+class _Tombstone:
+    holder: str
+    reason: str
+
+
+class Keeper:
+    """Kept blobs of one env server (``source``, serving at ``endpoint``) and the exactly-once rules.
+
+    ``budget_bytes`` caps the array bytes held: a keep beyond it fails and nothing is ever evicted.
+    ``handover_lease_s`` is how long a blob may stay unclaimed before :meth:`expire` deletes it.
+    ``clock`` (monotonic seconds) stamps keeps; tests inject their own. Blob ids are a random per-keeper
+    prefix plus a counter, so a restarted env server never reissues an id. The last ``max_tombstones``
+    deleted ids are remembered; older ones read as unknown.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        endpoint: str,
+        *,
+        budget_bytes: int,
+        handover_lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_tombstones: int = DEFAULT_MAX_TOMBSTONES,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+        if handover_lease_s <= 0:
+            raise ValueError(f"handover_lease_s must be > 0, got {handover_lease_s}")
+        if max_tombstones < 1:
+            raise ValueError(f"max_tombstones must be >= 1, got {max_tombstones}")
+        self.source = source
+        self.endpoint = endpoint
+        self.budget_bytes = budget_bytes
+        self.handover_lease_s = handover_lease_s
+        self.clock = clock
+        self.max_tombstones = max_tombstones
+        self.kept_total = 0
+        self.deleted: Counter[str] = Counter()
+        self.violations: Counter[str] = Counter()
+        self._ids = MessageIds()
+        self._blobs: dict[str, _Blob] = {}
+        self._episodes: dict[str, list[str]] = {}
+        # (deadline, blob id) in keep order; deadlines never decrease (monotonic clock, one lease length),
+        # so expiry pops from the front and costs nothing for blobs that are not due.
+        self._leases: deque[tuple[float, str]] = deque()
+        self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._bytes_held = 0
+        self._closed = False
+
+    # --- keeping ------------------------------------------------------------------------------------
+
+    def keep(self, episode_id: str, branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> list[BlobRef]:
+        """Keep an episode's branches; one reference per branch, in order. :func:`pack` then :meth:`store`.
+
+        Ownership: the arrays are copied; the caller may reuse or free its own as soon as this returns.
+
+        Raises:
+            KeepError: see :func:`pack` and :meth:`store`; nothing is kept.
+        """
+        return self.store(episode_id, pack(branches))
+
+    def store(self, episode_id: str, packed: Sequence[PackedBranch]) -> list[BlobRef]:
+        """Keep already packed branches (the keeper takes their buffers); one reference per branch.
+
+        Raises:
+            KeepError: ``over-budget`` if the bytes held would exceed the budget, ``duplicate-episode`` if
+                ``episode_id`` still has blobs here, ``closed`` after :meth:`close`. Nothing is kept.
+        """
+        if self._closed:
+            raise KeepError("closed", f"episode {episode_id!r}: the env server is shutting down")
+        if episode_id in self._episodes:
+            raise KeepError("duplicate-episode", f"episode {episode_id!r} is already kept here")
+        total = sum(p.nbytes for p in packed)
+        if self._bytes_held + total > self.budget_bytes:
+            raise KeepError(
+                "over-budget",
+                f"episode {episode_id!r} needs {total} bytes, {self._bytes_held} of {self.budget_bytes} are held",
+            )
+        deadline = self.clock() + self.handover_lease_s
+        refs: list[BlobRef] = []
+        for branch in packed:
+            blob_id = self._ids.next()
+            self._blobs[blob_id] = _Blob(episode_id, branch)
+            self._leases.append((deadline, blob_id))
+            refs.append(
+                BlobRef(
+                    endpoint=self.endpoint,
+                    source=self.source,
+                    blob_id=blob_id,
+                    fields=list(branch.arrays),
+                    tokens=branch.tokens,
+                    nbytes=branch.nbytes,
+                    checksum=branch.checksum,
+                    routing_shape=list(branch.routing_shape) if branch.routing_shape else None,
+                )
+            )
+        if refs:
+            self._episodes[episode_id] = [ref.blob_id for ref in refs]
+        self._bytes_held += total
+        self.kept_total += len(refs)
+        return refs
+
+    # --- ownership ----------------------------------------------------------------------------------
+
+    def claim(self, blob_ids: Sequence[str], holder: str) -> ClaimResult:
+        """``holder`` takes ownership of unclaimed blobs (repeated ids count once)."""
+        claimed: list[str] = []
+        already: list[str] = []
+        gone: list[str] = []
+        unknown: list[str] = []
+        violations: list[Violation] = []
+        for blob_id in dict.fromkeys(blob_ids):
+            blob = self._blobs.get(blob_id)
+            if blob is None:
+                (gone if blob_id in self._tombstones else unknown).append(blob_id)
+            elif not blob.holder:
+                self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
+                claimed.append(blob_id)
+            elif blob.holder == holder:
+                already.append(blob_id)
+            else:
+                violations.append(self._violation(
+                    blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
+        return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations))
+
+    def fetch(self, blob_ids: Sequence[str], holder: str) -> FetchResult:
+        """The arrays of live blobs (anyone may fetch; repeated ids count once).
+
+        Ownership: the arrays are the keeper's read-only views, not copies. They stay valid after the blob
+        is deleted (they keep its buffer alive), but the keeper no longer counts those bytes.
+        """
+        arrays: dict[str, Mapping[str, np.ndarray]] = {}
+        unknown: list[str] = []
+        violations: list[Violation] = []
+        for blob_id in dict.fromkeys(blob_ids):
+            blob = self._blobs.get(blob_id)
+            if blob is not None:
+                arrays[blob_id] = blob.packed.arrays
+            elif (tomb := self._tombstones.get(blob_id)) is not None:
+                violations.append(self._violation(
+                    blob_id, "fetch", holder, tomb.holder,
+                    f"{holder} fetched it after {tomb.holder} had deleted it ({tomb.reason})"))
+            else:
+                unknown.append(blob_id)
+        return FetchResult(arrays, tuple(unknown), tuple(violations))
+
+    def delete(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
+        """Delete live blobs, whoever holds them (the last holder deletes, and the env server cannot see the
+        hand-over from orchestrator to trainer). A blob already deleted is a violation (repeated ids in one
+        call count once; a retried request is answered from the server's reply cache, never replayed here).
+        """
+        live: list[str] = []
+        unknown: list[str] = []
+        violations: list[Violation] = []
+        for blob_id in dict.fromkeys(blob_ids):
+            if blob_id in self._blobs:
+                live.append(blob_id)
+            elif (tomb := self._tombstones.get(blob_id)) is not None:
+                violations.append(self._violation(
+                    blob_id, "delete", holder, tomb.holder,
+                    f"{holder} deleted it ({reason}) after {tomb.holder} had deleted it ({tomb.reason})"))
+            else:
+                unknown.append(blob_id)
+        return self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations))
+
+    def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
+        """Delete an abandoned episode's unclaimed blobs (holder: the env server); returns their ids.
+
+        Claimed blobs are left to their holder, who now decides their fate. An unknown or fully deleted
+        episode returns ``[]``, so a repeated discard is harmless.
+        """
+        ids = [b for b in self._episodes.get(episode_id, ()) if not self._blobs[b].holder]
+        return list(self._remove(ids, self.source, reason).deleted)
+
+    def expire(self, now: float | None = None) -> DeleteResult:
+        """Delete blobs still unclaimed when their hand-over lease ends (``now`` defaults to the clock)."""
+        now = self.clock() if now is None else now
+        due: list[str] = []
+        while self._leases and self._leases[0][0] <= now:
+            _, blob_id = self._leases.popleft()
+            blob = self._blobs.get(blob_id)
+            if blob is not None and not blob.holder:
+                due.append(blob_id)
+        return self._remove(due, self.source, UNDELIVERED)
+
+    def close(self) -> DeleteResult:
+        """Delete everything still held (reason ``shutdown``) and refuse later keeps. Idempotent."""
+        self._closed = True
+        self._leases.clear()
+        return self._remove(list(self._blobs), self.source, SHUTDOWN)
+
+    # --- state --------------------------------------------------------------------------------------
+
+    @property
+    def blobs_held(self) -> int:
+        return len(self._blobs)
+
+    @property
+    def bytes_held(self) -> int:
+        return self._bytes_held
+
+    def stats(self) -> KeeperStats:
+        return KeeperStats(
+            blobs_held=len(self._blobs),
+            bytes_held=self._bytes_held,
+            kept_total=self.kept_total,
+            deleted=dict(self.deleted),
+            violations=dict(self.violations),
+        )
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _remove(
+        self,
+        blob_ids: Sequence[str],
+        holder: str,
+        reason: str,
+        *,
+        unknown: tuple[str, ...] = (),
+        violations: tuple[Violation, ...] = (),
+    ) -> DeleteResult:
+        tomb = _Tombstone(holder, reason)
+        for blob_id in blob_ids:
+            blob = self._blobs.pop(blob_id)
+            self._bytes_held -= blob.packed.nbytes
+            siblings = self._episodes[blob.episode_id]
+            siblings.remove(blob_id)
+            if not siblings:
+                del self._episodes[blob.episode_id]
+            self._tombstones[blob_id] = tomb
+        while len(self._tombstones) > self.max_tombstones:
+            self._tombstones.popitem(last=False)
+        if blob_ids:
+            self.deleted[reason] += len(blob_ids)
+        return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations)
+
+    def _violation(self, blob_id: str, action: str, holder: str, owner: str, detail: str) -> Violation:
+        self.violations[action] += 1
+        return Violation(blob_id=blob_id, action=action, holder=holder, owner=owner, detail=detail)

@@ -1,0 +1,317 @@
+"""The env server as a real process on a real broker: keep, claim, fetch and delete over its ROUTER, the
+events that mirror every move, violations, retries, lease expiry, shutdown, bad input, replicas; and the
+embedded form driven from a framework's own thread. Events are observed by an in-process node."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import FAST_LIVENESS
+from refbus.bus.pubsub import recv_frames
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import make_socket
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
+from refbus.nodes.payload.keeper import blob_checksum
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import (
+    Blobs,
+    Body,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    Discard,
+    EpisodeFinished,
+    Error,
+    Fetch,
+    Keep,
+    Kept,
+    NodeList,
+    Nodes,
+    Violation,
+)
+
+WAIT_S = 10.0
+PATIENT = RetryPolicy(timeout_s=WAIT_S, attempts=1)
+OWNERSHIP_KINDS = frozenset({"episode-finished", "claim", "delete", "violation"})
+
+
+def branch(tokens: int, *, routing: type = np.uint8, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every field of a branch: routing [tokens, 4, 2], top-k [tokens, 3], masks of 0..3 ids per token."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, tokens).astype(np.int32)
+    return {
+        "routed_experts": rng.integers(0, 512 if routing is np.uint16 else 256, (tokens, 4, 2)).astype(routing),
+        "topk_ids": rng.integers(0, 50_000, (tokens, 3)).astype(np.int32),
+        "topk_logprobs": rng.standard_normal((tokens, 3)).astype(np.float32),
+        "mask_ids": rng.integers(0, 50_000, int(counts.sum())).astype(np.int32),
+        "mask_counts": counts,
+    }
+
+
+class Observer:
+    """An in-process node that queues every ownership event from the bus (its loop runs in a thread)."""
+
+    def __init__(self, control: str) -> None:
+        self.runtime = NodeRuntime("observer", RuntimeSettings(bus=control, node_id="observer", metrics_port=-1))
+        self.events: queue.Queue[Message] = queue.Queue()
+        self.runtime.subscribe(self.events.put, kinds=OWNERSHIP_KINDS)
+        self.runtime.start_background()
+
+    def next(self) -> Body:
+        try:
+            return self.events.get(timeout=WAIT_S).body
+        except queue.Empty:
+            raise AssertionError(f"no event within {WAIT_S}s") from None
+
+
+@pytest.fixture
+def observer(bus: tuple[NodeProcess, str]) -> Iterator[Observer]:
+    watcher = Observer(bus[1])
+    yield watcher
+    watcher.runtime.join(timeout=WAIT_S)
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def peer(zmq_ctx: zmq.Context) -> Callable[[str], Client]:
+    """``peer(endpoint)``: a request client (closed with the context)."""
+    return lambda endpoint: Client(zmq_ctx, endpoint, WireCodec("tester"), policy=PATIENT)
+
+
+EnvServerFactory = Callable[..., tuple[NodeProcess, dict[str, Any]]]
+
+
+@pytest.fixture
+def env_server(bus: tuple[NodeProcess, str], spawn: Callable[..., NodeProcess]) -> EnvServerFactory:
+    """``env_server(node_id, *flags)``: a ready ``refbus node env-server`` process and its registry entry."""
+
+    def start(node_id: str, *flags: str) -> tuple[NodeProcess, dict[str, Any]]:
+        proc = spawn(["node", "env-server", "--bus-control", bus[1], "--node-id", node_id, *FAST_LIVENESS, *flags],
+                     node_id)
+        return proc, proc.wait_ready(timeout=WAIT_S * 3)
+
+    return start
+
+
+def ask(client: Client, body: Body) -> Body:
+    return client.request(body).body
+
+
+def refused(client: Client, body: Body) -> RemoteError:
+    with pytest.raises(RemoteError) as err:
+        client.request(body)
+    return err.value
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=WAIT_S) as response:
+        return response.read().decode()
+
+
+def test_keep_claim_fetch_delete_and_violations(env_server: EnvServerFactory, observer: Observer, peer) -> None:
+    proc, info = env_server("env-a")
+    client = peer(info["endpoints"]["blobs"])
+    branches = [branch(50), branch(40, routing=np.uint16, seed=1)]
+    kept = ask(client, Keep(episode_id="ep-1", branches=branches, policy_version=3,
+                            info={"reward": 0.5, "prompt": np.arange(7, dtype=np.int32)}))
+    assert isinstance(kept, Kept)
+    ids = [ref.blob_id for ref in kept.refs]
+    assert [(r.source, r.endpoint, r.tokens, r.routing_shape) for r in kept.refs] == [
+        ("env-a", info["endpoints"]["blobs"], 50, [4, 2]), ("env-a", info["endpoints"]["blobs"], 40, [4, 2])]
+    assert info["endpoints"]["source"] == "env-a"
+
+    finished = observer.next()
+    assert isinstance(finished, EpisodeFinished)
+    assert (finished.episode_id, finished.source, finished.refs, finished.policy_version) == (
+        "ep-1", "env-a", kept.refs, 3)
+    assert finished.info["reward"] == 0.5 and finished.info["prompt"].tolist() == list(range(7))
+
+    assert ask(client, Claim(blob_ids=ids, holder="orch")) == Claimed(blob_ids=ids)
+    assert observer.next() == Claim(blob_ids=ids, holder="orch")
+
+    fetched = ask(client, Fetch(blob_ids=ids, holder="trainer-0"))
+    assert isinstance(fetched, Blobs) and not fetched.missing
+    for ref, sent, got in zip(kept.refs, branches, fetched.blobs, strict=True):
+        assert got.blob_id == ref.blob_id and list(got.arrays) == list(sent) == ref.fields
+        for name, array in sent.items():
+            assert got.arrays[name].dtype == array.dtype
+            np.testing.assert_array_equal(got.arrays[name], array)
+        assert blob_checksum(got.arrays) == ref.checksum
+
+    assert ask(client, Delete(blob_ids=ids[:1], holder="trainer-0", reason="trained")) == Deleted(blob_ids=ids[:1])
+    assert observer.next() == Delete(blob_ids=ids[:1], holder="trainer-0", reason="trained")
+
+    again = ask(client, Delete(blob_ids=ids[:1], holder="trainer-1", reason="trained"))
+    assert again == Deleted(blob_ids=[], violations=ids[:1])
+    violation = observer.next()
+    assert isinstance(violation, Violation)
+    assert (violation.blob_id, violation.action, violation.holder, violation.owner) == (
+        ids[0], "delete", "trainer-1", "trainer-0")
+
+    assert ask(client, Fetch(blob_ids=ids[:1], holder="trainer-1")) == Blobs(blobs=[], missing=ids[:1])
+    late = observer.next()
+    assert isinstance(late, Violation) and (late.action, late.holder, late.owner) == ("fetch", "trainer-1", "trainer-0")
+
+    metrics = scrape(info["metrics"])
+    for line in ('refbus_ownership_violations_total{action="delete"} 1.0',
+                 'refbus_ownership_violations_total{action="fetch"} 1.0',
+                 'refbus_blobs_deleted_total{reason="trained"} 1.0', "refbus_blobs_kept_total 2.0",
+                 "refbus_blobs_held 1.0", f"refbus_blob_bytes_held {float(kept.refs[1].nbytes)}"):
+        assert line in metrics.splitlines(), line
+    assert "ownership.violation" in proc.log_tail() and "trainer-1" in proc.log_tail()
+
+
+def test_a_retried_delete_is_answered_twice_and_executed_once(
+    env_server: EnvServerFactory, observer: Observer, peer, zmq_ctx: zmq.Context
+) -> None:
+    _, info = env_server("env-a")
+    endpoint = info["endpoints"]["blobs"]
+    (ref,) = ask(peer(endpoint), Keep(episode_id="ep", branches=[branch(8)])).refs
+    raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
+    codec = WireCodec("trainer-0")
+    frames = codec.encode(Delete(blob_ids=[ref.blob_id], holder="trainer-0", reason="trained"))
+    raw.send_multipart(frames)
+    raw.send_multipart(frames)  # a retry: same frames, same message id
+    replies = []
+    for _ in range(2):
+        assert raw.poll(WAIT_S * 1000), "no reply"
+        replies.append(codec.decode(recv_frames(raw)).body)
+    assert replies == [Deleted(blob_ids=[ref.blob_id])] * 2
+    ask(peer(endpoint), Keep(episode_id="marker", branches=[branch(1)]))
+    kinds = [type(observer.next()).__name__ for _ in range(3)]
+    assert kinds == ["EpisodeFinished", "Delete", "EpisodeFinished"]  # one delete, no violation
+
+
+def test_unclaimed_blobs_are_deleted_as_undelivered(env_server: EnvServerFactory, observer: Observer, peer) -> None:
+    _, info = env_server("env-b", "--env-server-handover-lease-s", "0.3")
+    client = peer(info["endpoints"]["blobs"])
+    ids = [ref.blob_id for ref in ask(client, Keep(episode_id="ep", branches=[branch(4), branch(5)])).refs]
+    assert isinstance(observer.next(), EpisodeFinished)
+    assert observer.next() == Delete(blob_ids=ids, holder="env-b", reason="undelivered")
+    assert ask(client, Claim(blob_ids=ids, holder="orch")) == Claimed(blob_ids=[], missing=ids)
+
+
+def test_sigterm_deletes_what_is_held_and_announces_it(env_server: EnvServerFactory, observer: Observer, peer) -> None:
+    proc, info = env_server("env-c")
+    client = peer(info["endpoints"]["blobs"])
+    first = [r.blob_id for r in ask(client, Keep(episode_id="a", branches=[branch(3), branch(4)])).refs]
+    second = [r.blob_id for r in ask(client, Keep(episode_id="b", branches=[branch(5)])).refs]
+    ask(client, Claim(blob_ids=first, holder="orch"))
+    proc.signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=WAIT_S) == 0, proc.log_tail()
+    assert [type(observer.next()) for _ in range(3)] == [EpisodeFinished, EpisodeFinished, Claim]
+    assert observer.next() == Delete(blob_ids=first + second, holder="env-c", reason="shutdown")
+
+
+def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
+    env_server: EnvServerFactory, observer: Observer, peer, zmq_ctx: zmq.Context
+) -> None:
+    _, info = env_server("env-d", "--env-server-budget-bytes", "4096")
+    endpoint = info["endpoints"]["blobs"]
+    client = peer(endpoint)
+    raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
+    raw.send_multipart([b"garbage"])
+    assert raw.poll(WAIT_S * 1000)
+    malformed = WireCodec("x").decode(recv_frames(raw)).body
+    assert isinstance(malformed, Error) and malformed.code == "malformed"
+
+    assert ask(client, Delete(blob_ids=["no-such-blob"], holder="orch", reason="filtered")) == Deleted(
+        blob_ids=[], missing=["no-such-blob"])
+    assert ask(client, Fetch(blob_ids=["no-such-blob"], holder="t")) == Blobs(blobs=[], missing=["no-such-blob"])
+    assert ask(client, Claim(blob_ids=["no-such-blob"], holder="o")) == Claimed(blob_ids=[], missing=["no-such-blob"])
+
+    bad_mask = branch(6)
+    bad_mask["mask_counts"] = bad_mask["mask_counts"] + 1
+    err = refused(client, Keep(episode_id="bad", branches=[branch(2), bad_mask]))
+    assert err.code == "bad-branch" and "branch 1: mask_ids" in err.detail
+    err = refused(client, Keep(episode_id="bad", branches=[{"routing": np.zeros(3, np.uint8)}]))
+    assert err.code == "bad-branch" and "routing" in err.detail
+    err = refused(client, Keep(episode_id="big", branches=[branch(64), branch(64)]))
+    assert err.code == "over-budget" and "4096" in err.detail
+    assert ask(client, Discard(episode_id="never-kept")) == Deleted(blob_ids=[])
+
+    (ref,) = ask(client, Keep(episode_id="fits", branches=[branch(4)])).refs
+    finished = observer.next()  # the refused keeps announced nothing
+    assert isinstance(finished, EpisodeFinished) and finished.episode_id == "fits"
+    assert ask(client, Discard(episode_id="fits")) == Deleted(blob_ids=[ref.blob_id])
+    assert observer.next() == Delete(blob_ids=[ref.blob_id], holder="env-d", reason="discarded")
+
+
+def test_replicas_of_one_source_register_with_it_and_report_status(
+    bus: tuple[NodeProcess, str], env_server: EnvServerFactory, peer
+) -> None:
+    replicas = {name: env_server(name, "--env-server-source", "rollouts")[1] for name in ("env-r0", "env-r1")}
+    (ref,) = ask(peer(replicas["env-r0"]["endpoints"]["blobs"]), Keep(episode_id="ep", branches=[branch(9)])).refs
+    assert (ref.source, ref.endpoint) == ("rollouts", replicas["env-r0"]["endpoints"]["blobs"])
+
+    control = peer(bus[1])
+    expected = {name: {"blobs": entry["endpoints"]["blobs"], "source": "rollouts"} for name, entry in replicas.items()}
+    deadline = time.monotonic() + WAIT_S
+    while True:  # the status arrives with the next heartbeat (every 0.2 s): poll the registry
+        listed = ask(control, Nodes(role="env-server"))
+        assert isinstance(listed, NodeList)
+        nodes = {n.node_id: n for n in listed.nodes}
+        assert {name: n.endpoints for name, n in nodes.items()} == expected
+        if (nodes["env-r0"].status.get("blobs_held") == 1.0 and nodes["env-r1"].status) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes)}
+    assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0}
+
+
+def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess, str], observer: Observer) -> None:
+    runtime = NodeRuntime("env-server", RuntimeSettings(bus=bus[1], node_id="env-embedded", metrics_port=-1))
+    server = EnvServer(runtime, EnvServerSettings(source="embedded"))
+    runtime.start_background()
+    try:
+        refs: dict[str, list[str]] = {}
+
+        def framework_worker(episode: str) -> None:
+            refs[episode] = [r.blob_id for r in server.keep(episode, [branch(3), branch(2)], info={"n": 1})]
+
+        workers = [threading.Thread(target=framework_worker, args=(f"ep-{i}",)) for i in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(WAIT_S)
+        announced = {}
+        for _ in workers:
+            event = observer.next()
+            assert isinstance(event, EpisodeFinished) and event.source == "embedded"
+            announced[event.episode_id] = [r.blob_id for r in event.refs]
+        assert announced == refs
+        assert server.discard("ep-0") == refs["ep-0"]
+        assert observer.next() == Delete(blob_ids=refs["ep-0"], holder="embedded", reason="discarded")
+    finally:
+        runtime.join(timeout=WAIT_S)
+    shutdown = observer.next()
+    assert isinstance(shutdown, Delete) and shutdown.reason == "shutdown"
+    assert sorted(shutdown.blob_ids) == sorted(b for ep in ("ep-1", "ep-2", "ep-3") for b in refs[ep])
+
+
+def test_the_env_server_path_never_imports_torch() -> None:
+    code = ("import sys, refbus.nodes.cli, refbus.nodes.payload.env_server, refbus.nodes.payload.keeper; "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
+            "assert not loaded, loaded")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,227 @@
+"""The keeper alone: keeping (validation, copies, checksums, budget), and every ownership rule, on an
+injected clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from refbus.nodes.payload.branch import Branch
+from refbus.nodes.payload.keeper import DISCARDED, SHUTDOWN, UNDELIVERED, Keeper, KeepError, blob_checksum
+from refbus.protocol.codec import checksum
+
+LEASE_S = 10.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def arrays(tokens: int = 6, *, routing: type = np.uint8, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every field, consistent: routing [tokens, 3, 2], top-k [tokens, 4], masks of 0..2 ids per token."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 3, tokens).astype(np.int32)
+    return {
+        "routed_experts": rng.integers(0, 300 if routing is np.uint16 else 255, (tokens, 3, 2)).astype(routing),
+        "topk_ids": rng.integers(0, 1000, (tokens, 4)).astype(np.int32),
+        "topk_logprobs": rng.standard_normal((tokens, 4)).astype(np.float32),
+        "mask_ids": rng.integers(0, 1000, int(counts.sum())).astype(np.int32),
+        "mask_counts": counts,
+    }
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def keeper(clock: Clock) -> Keeper:
+    return Keeper("env-a", "tcp://127.0.0.1:9", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock)
+
+
+def test_keep_copies_each_branch_and_describes_it(keeper: Keeper) -> None:
+    full = arrays(6)
+    wide = arrays(5, routing=np.uint16, seed=1)
+    topk_only = {k: v for k, v in arrays(4, seed=2).items() if k.startswith("topk")}
+    refs = keeper.keep("ep-1", [Branch(**full), wide, topk_only])
+
+    assert [r.fields for r in refs] == [list(full), list(wide), ["topk_ids", "topk_logprobs"]]
+    assert [r.tokens for r in refs] == [6, 5, 4]
+    assert [r.routing_shape for r in refs] == [[3, 2], [3, 2], None]
+    assert [r.nbytes for r in refs] == [sum(a.nbytes for a in b.values()) for b in (full, wide, topk_only)]
+    assert {(r.source, r.endpoint) for r in refs} == {("env-a", "tcp://127.0.0.1:9")}
+    assert len({r.blob_id for r in refs}) == 3
+    assert (keeper.blobs_held, keeper.bytes_held) == (3, sum(r.nbytes for r in refs))
+
+    originals = {k: v.copy() for k, v in full.items()}
+    for array in full.values():
+        array[...] = 0  # the caller reuses its buffers: the kept copy must not change
+    stored = keeper.fetch([refs[0].blob_id], "t").arrays[refs[0].blob_id]
+    assert list(stored) == list(originals)
+    for name, array in stored.items():
+        np.testing.assert_array_equal(array, originals[name])
+        assert array.dtype == originals[name].dtype and not array.flags.writeable
+    assert stored["routed_experts"].dtype == np.uint8
+    assert keeper.fetch([refs[1].blob_id], "t").arrays[refs[1].blob_id]["routed_experts"].dtype == np.uint16
+    assert refs[0].checksum == blob_checksum(originals)
+
+
+def test_blob_checksum_hashes_the_wire_checksums_in_field_order() -> None:
+    fields = arrays(3)
+    digests = b"".join(checksum(memoryview(a.reshape(-1).view(np.uint8))).to_bytes(8, "little")
+                       for a in fields.values())
+    assert blob_checksum(fields) == xxhash.xxh3_64_intdigest(digests)
+    assert blob_checksum(dict(reversed(fields.items()))) != blob_checksum(fields)
+
+
+def test_a_bad_branch_rejects_the_episode_and_keeps_nothing(keeper: Keeper) -> None:
+    bad = arrays(4)
+    bad["mask_ids"] = bad["mask_ids"][:-1] if bad["mask_ids"].size else np.zeros(1, np.int32)
+    for branches, where in (([arrays(4), bad], "branch 1: mask_ids"),
+                            ([arrays(4), {"routed_experts": np.zeros((2, 3, 2), np.int64)}], "branch 1: routed"),
+                            ([arrays(4), {"nope": np.zeros(2)}], "branch 1: nope"),
+                            ([arrays(4), [1, 2]], "branch 1: expected a Branch or a mapping")):
+        with pytest.raises(KeepError, match=where) as err:
+            keeper.keep("ep-bad", branches)
+        assert err.value.code == "bad-branch"
+    assert (keeper.blobs_held, keeper.bytes_held, keeper.kept_total) == (0, 0, 0)
+    assert keeper.keep("ep-bad", [arrays(4)])  # the id was not taken by the refused attempts
+
+
+def test_budget_refuses_without_evicting(clock: Clock) -> None:
+    one = arrays(8)
+    size = sum(a.nbytes for a in one.values())
+    keeper = Keeper("env-a", "e", budget_bytes=2 * size, handover_lease_s=LEASE_S, clock=clock)
+    with pytest.raises(KeepError, match=f"needs {3 * size} bytes, 0 of {2 * size}") as err:
+        keeper.keep("too-big", [one, one, one])
+    assert err.value.code == "over-budget" and keeper.blobs_held == 0
+    (first,) = keeper.keep("a", [one])
+    keeper.keep("b", [one])
+    with pytest.raises(KeepError, match=f"needs {size} bytes, {2 * size} of {2 * size}"):
+        keeper.keep("c", [one])
+    assert keeper.blobs_held == 2 and first.blob_id in keeper.fetch([first.blob_id], "t").arrays
+    keeper.delete([first.blob_id], "t", "trained")
+    keeper.keep("c", [one])  # deleting made room
+
+
+def test_duplicate_episode_and_keep_after_close_are_refused(keeper: Keeper) -> None:
+    keeper.keep("ep", [arrays(2)])
+    with pytest.raises(KeepError) as err:
+        keeper.keep("ep", [arrays(2)])
+    assert err.value.code == "duplicate-episode" and keeper.blobs_held == 1
+    keeper.close()
+    with pytest.raises(KeepError) as err:
+        keeper.keep("later", [arrays(2)])
+    assert err.value.code == "closed" and keeper.blobs_held == 0
+
+
+def test_claim_moves_once_and_a_second_claimer_is_a_violation(keeper: Keeper) -> None:
+    a, b = (r.blob_id for r in keeper.keep("ep", [arrays(2), arrays(3)]))
+    first = keeper.claim([a, a, "nope"], "orch")
+    assert (first.claimed, first.already, first.unknown, first.violations) == ((a,), (), ("nope",), ())
+    again = keeper.claim([a, b], "orch")
+    assert (again.claimed, again.already) == ((b,), (a,))
+    (violation,) = keeper.claim([a], "thief").violations
+    assert (violation.blob_id, violation.action, violation.holder, violation.owner) == (a, "claim", "thief", "orch")
+    keeper.delete([a], "trainer-0", "trained")
+    assert keeper.claim([a], "orch").gone == (a,)
+    assert keeper.stats().violations == {"claim": 1}
+
+
+def test_fetch_is_open_to_anyone_until_deleted(keeper: Keeper) -> None:
+    (ref,) = keeper.keep("ep", [arrays(3)])
+    keeper.claim([ref.blob_id], "orch")
+    assert keeper.fetch([ref.blob_id], "trainer-1").arrays.keys() == {ref.blob_id}
+    assert keeper.fetch(["never"], "trainer-1").unknown == ("never",)
+    keeper.delete([ref.blob_id], "trainer-0", "trained")
+    late = keeper.fetch([ref.blob_id], "trainer-1")
+    (violation,) = late.violations
+    assert not late.arrays and not late.unknown
+    assert (violation.action, violation.holder, violation.owner) == ("fetch", "trainer-1", "trainer-0")
+    assert "trained" in violation.detail
+
+
+def test_delete_happens_once_then_reports_both_holders(keeper: Keeper) -> None:
+    a, b = (r.blob_id for r in keeper.keep("ep", [arrays(2), arrays(2)]))
+    first = keeper.delete([a, a, "never"], "trainer-0", "trained")
+    assert (first.deleted, first.unknown, first.violations) == ((a,), ("never",), ())
+    assert (first.holder, first.reason) == ("trainer-0", "trained")
+    second = keeper.delete([a, b], "trainer-1", "trained")
+    assert second.deleted == (b,)
+    (violation,) = second.violations
+    assert (violation.blob_id, violation.action, violation.holder, violation.owner) == (
+        a, "delete", "trainer-1", "trainer-0")
+    assert keeper.stats().deleted == {"trained": 2} and keeper.stats().violations == {"delete": 1}
+    assert (keeper.blobs_held, keeper.bytes_held) == (0, 0)
+
+
+def test_tombstones_are_bounded(clock: Clock) -> None:
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock, max_tombstones=2)
+    ids = [r.blob_id for r in keeper.keep("ep", [arrays(1), arrays(1), arrays(1)])]
+    keeper.delete(ids, "t", "trained")
+    again = keeper.delete(ids, "u", "trained")
+    assert again.unknown == (ids[0],) and [v.blob_id for v in again.violations] == ids[1:]
+
+
+def test_unclaimed_blobs_expire_as_undelivered(keeper: Keeper, clock: Clock) -> None:
+    early = [r.blob_id for r in keeper.keep("early", [arrays(2), arrays(2)])]
+    clock.now += 5
+    (late,) = (r.blob_id for r in keeper.keep("late", [arrays(2)]))
+    keeper.claim([early[0]], "orch")
+    assert keeper.expire(clock.now + LEASE_S - 5 - 0.001).deleted == ()
+    result = keeper.expire(clock.now + LEASE_S - 5)
+    assert (result.deleted, result.holder, result.reason) == ((early[1],), "env-a", UNDELIVERED)
+    clock.now += LEASE_S
+    assert keeper.expire().deleted == (late,)
+    assert keeper.blobs_held == 1  # the claimed one stays with its holder
+    (violation,) = keeper.delete([late], "orch", "filtered").violations
+    assert violation.owner == "env-a" and "undelivered" in violation.detail
+
+
+def test_discard_deletes_only_unclaimed_blobs_of_the_episode(keeper: Keeper) -> None:
+    a, b = (r.blob_id for r in keeper.keep("ep", [arrays(2), arrays(2)]))
+    (other,) = (r.blob_id for r in keeper.keep("other", [arrays(2)]))
+    keeper.claim([a], "orch")
+    assert keeper.discard("ep") == [b]
+    assert keeper.discard("ep") == [] and keeper.discard("unknown") == []
+    assert keeper.stats().deleted == {DISCARDED: 1}
+    assert set(keeper.fetch([a, other], "t").arrays) == {a, other}
+
+
+def test_close_deletes_everything_held(keeper: Keeper) -> None:
+    ids = [r.blob_id for r in keeper.keep("ep", [arrays(2), arrays(3)])]
+    keeper.claim(ids[:1], "orch")
+    result = keeper.close()
+    assert (set(result.deleted), result.holder, result.reason) == (set(ids), "env-a", SHUTDOWN)
+    assert keeper.close().deleted == ()
+    stats = keeper.stats()
+    assert (stats.blobs_held, stats.bytes_held, stats.kept_total, stats.deleted) == (0, 0, 2, {SHUTDOWN: 2})
+
+
+def test_blob_ids_differ_across_restarts(clock: Clock) -> None:
+    ids = set()
+    for _ in range(3):
+        keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock)
+        ids.update(r.blob_id for r in keeper.keep("ep", [arrays(1), arrays(1)]))
+    assert len(ids) == 6
+
+
+def test_an_empty_mask_and_zero_tokens_are_kept() -> None:
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S)
+    empty = {"routed_experts": np.zeros((0, 2, 2), np.uint8), "mask_ids": np.zeros(0, np.int32),
+             "mask_counts": np.zeros(0, np.int32)}
+    (ref,) = keeper.keep("ep", [empty])
+    assert (ref.tokens, ref.nbytes) == (0, 0)
+    assert keeper.fetch([ref.blob_id], "t").arrays[ref.blob_id]["routed_experts"].shape == (0, 2, 2)
+
+
+@pytest.mark.parametrize("kwargs", [{"budget_bytes": 0}, {"handover_lease_s": 0.0}, {"max_tombstones": 0}])
+def test_settings_are_checked(kwargs: dict) -> None:
+    settings = {"budget_bytes": 1, "handover_lease_s": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Keeper("env-a", "e", **settings)
