@@ -11,13 +11,14 @@ Neither class is thread-safe: one owner thread each.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import structlog
 import zmq
 
-from ..protocol.envelope import Message, WireCodec
+from ..protocol.envelope import Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
 
@@ -81,6 +82,7 @@ class Subscriber:
         self.fill = fill
         self.kinds = kinds
         self.last_seq: dict[str, int] = {}
+        self._epochs: dict[str, str] = {}
         self.tokens: set[str] = set()
         self.received = 0
         self.missed = 0  # events detected missing (before any fill)
@@ -92,14 +94,13 @@ class Subscriber:
 
     def recv(self, timeout_ms: int) -> Message | None:
         """The next event in per-source order, or None when nothing arrives within ``timeout_ms``."""
-        if self._ready:
-            return self._ready.popleft()
-        while self.sock.poll(timeout_ms, zmq.POLLIN):
-            self.drain_one()
-            if self._ready:
-                return self._ready.popleft()
-            timeout_ms = 0
-        return None
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self._ready:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(remaining_ms, zmq.POLLIN):
+                return None
+            self.drain_one()  # may deliver nothing (probe, duplicate, rejected): keep waiting
+        return self._ready.popleft()
 
     def drain_one(self) -> None:
         """Receive and process one message that is known to be waiting (poller-driven loops)."""
@@ -119,7 +120,7 @@ class Subscriber:
                 assert isinstance(probe, Sync)
                 self.tokens.add(probe.token)
                 return
-            if not self._track(header.src, header.seq):
+            if not self._track(header.src, header.seq, incarnation(header.id)):
                 return
             if self.kinds is None or kind in self.kinds:
                 self._ready.append(self.codec.decode(frames))
@@ -143,29 +144,38 @@ class Subscriber:
 
     def offer(self, message: Message) -> bool:
         """Sequence-check an already decoded event (replayed or filled); queue it if new and wanted."""
-        if not self._track(message.header.src, message.header.seq):
+        header = message.header
+        if not self._track(header.src, header.seq, incarnation(header.id)):
             return False
         if self.kinds is None or message.kind in self.kinds:
             self._ready.append(message)
         return True
 
-    def _track(self, src: str, seq: int) -> bool:
-        """Advance ``src``'s sequence; False for a duplicate. A jump is a gap: fill it first."""
+    def _track(self, src: str, seq: int, epoch: str) -> bool:
+        """Advance ``src``'s sequence; False for a duplicate. A jump is a gap: fill it first. A new sender
+        incarnation (a restarted node) starts a new baseline."""
         last = self.last_seq.get(src)
-        if last is not None and seq <= last:
-            if seq != 1:
-                self.duplicates += 1
-                return False
+        if last is not None and self._epochs.get(src) != epoch:
             log.info("event.source_restarted", src=src, last_seq=last)
-        elif last is not None and seq > last + 1:
-            self._gap(src, last + 1, seq - 1)
+            last = None
+        self._epochs[src] = epoch
+        if last is not None and seq <= last:
+            self.duplicates += 1
+            return False
         self.last_seq[src] = seq
         self.received += 1
+        if last is not None and seq > last + 1:
+            self._gap(src, last + 1, seq - 1)
         return True
 
     def _gap(self, src: str, first: int, last: int) -> None:
         self.missed += last - first + 1
-        recovered = list(self.fill(src, first, last)) if self.fill else []
+        recovered: list[Message] = []
+        if self.fill is not None:
+            try:
+                recovered = list(self.fill(src, first, last))
+            except Exception as exc:  # a failed fill loses the gap, never the live event that revealed it
+                log.warning("event.fill_failed", src=src, first=first, last=last, error=str(exc))
         for message in recovered:
             if first <= message.header.seq <= last:
                 self.received += 1

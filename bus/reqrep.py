@@ -110,12 +110,12 @@ class Client:
             raise result
         return result
 
-    def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native") -> Message | None:
+    def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
         while self.sock.poll(timeout_ms, zmq.POLLIN):
             frames = recv_frames(self.sock)
             try:
-                return self.codec.decode(frames, backend=backend)
+                return self.codec.decode(frames, backend=backend, verify=verify)
             except ProtocolError as exc:
                 log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
                 timeout_ms = 0
@@ -152,10 +152,12 @@ def gather(
     window: int = 8,
     policy: RetryPolicy | None = None,
     backend: ArrayBackend = "native",
+    verify: bool = True,
 ) -> list[Outcome]:
     """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
     its client's). Returns one outcome per call, in order: the reply, or the :class:`RemoteError` /
-    :class:`RequestTimeout` it ended with. Late duplicate replies go to each client's ``on_stray``."""
+    :class:`RequestTimeout` it ended with. Late duplicate replies go to each client's ``on_stray``.
+    ``verify=False`` skips frame checksums for callers that verify the bytes themselves."""
     results: list[Outcome | None] = [None] * len(calls)
     queued: dict[Client, deque[int]] = {}
     for index, (client, _) in enumerate(calls):
@@ -208,7 +210,7 @@ def gather(
         wait_ms = max(0, int((min(c.deadline for c in in_flight.values()) - now) * 1000) + 1)
         for sock, _ in poller.poll(wait_ms):
             client = by_socket[sock]
-            while (reply := client.recv(0, backend=backend)) is not None:
+            while (reply := client.recv(0, backend=backend, verify=verify)) is not None:
                 call = in_flight.get(reply.header.re)
                 if call is None or call.client is not client:
                     client._stray(reply)
@@ -299,7 +301,13 @@ class Server:
             reply = self._run(route.handler, request)
             if reply is None:
                 return
-        frames_out = self.codec.encode(reply, reply_to=header.id)
+        try:
+            frames_out = self.codec.encode(reply, reply_to=header.id)
+        except (ProtocolError, NotImplementedError, TypeError, ValueError) as exc:
+            self.rejected["internal"] += 1
+            log.exception("reply.unencodable", kind=request.kind, reply_kind=reply.kind)
+            frames_out = self.codec.encode(Error("internal", f"reply could not be encoded: {exc}", request.kind),
+                                           reply_to=header.id)
         if route is not None and route.cached:
             self._replies[key] = frames_out
             if len(self._replies) > self.cache_size:

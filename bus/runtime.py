@@ -36,6 +36,7 @@ import zmq
 
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
+from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
 from .metrics import register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
@@ -178,7 +179,11 @@ class NodeRuntime:
             page = reply.body
             assert isinstance(page, Replayed)
             for event in page.events:
-                events.append(self.codec.decode([event.kind.encode("ascii"), event.header, event.body, *event.buffers]))
+                try:
+                    events.append(self.codec.decode([event.kind.encode("ascii"), event.header, event.body,
+                                                     *event.buffers]))
+                except ProtocolError as exc:  # one bad event in the ring must not cost the others
+                    log.warning("replay.rejected", code=exc.code, error=str(exc))
             if not page.more or not page.events:
                 return events
             since = max(e.header.seq for e in events if not src or e.header.src == src) + 1

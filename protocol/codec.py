@@ -188,10 +188,20 @@ class ArrayUnpacker:
 _Descriptor = tuple[str, tuple[int, ...], int, int]
 
 
+def _aligned(view: memoryview, alignment: int) -> memoryview:
+    """``view``, or an aligned private copy of it. ZeroMQ places received frames at arbitrary offsets of its
+    receive buffer, and torch kernels crash (SIGSEGV) on misaligned complex128/float64 data."""
+    data = np.frombuffer(view, dtype=np.uint8)
+    if data.size == 0 or data.ctypes.data % alignment == 0:
+        return view
+    return memoryview(data.copy())
+
+
 def _to_numpy(view: memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     if dtype not in _NUMPY_BY_NAME:
         raise ArrayError(f"{dtype} has no numpy equivalent; decode with backend='torch'")
-    return np.frombuffer(view, dtype=_NUMPY_BY_NAME[dtype]).reshape(shape)
+    np_dtype = _NUMPY_BY_NAME[dtype]
+    return np.frombuffer(_aligned(view, np_dtype.alignment), dtype=np_dtype).reshape(shape)
 
 
 def _to_torch(view: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -202,4 +212,5 @@ def _to_torch(view: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
     if view.readonly:
         # torch tensors are always writable; a read-only source (bytes) gets one private copy.
         view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=torch_dtype).reshape(shape)
+    alignment = _NUMPY_BY_NAME[dtype].alignment if dtype in _NUMPY_BY_NAME else dtype_width(dtype)
+    return torch.frombuffer(_aligned(view, alignment), dtype=torch_dtype).reshape(shape)

@@ -9,8 +9,8 @@
 * ``buffers``: raw array bytes, one frame per array, described in the body (see :mod:`refbus.protocol.codec`).
 
 Signing (optional, per cluster secret): the MAC is HMAC-SHA256 over ``kind``, the header encoded without its
-MAC, and ``body``. Buffers are covered through the checksums inside the signed body, which a signed receiver
-always verifies.
+MAC, ``body`` and every buffer (checksums are xxh3, fast but not cryptographic, so they cannot stand in
+for the bytes). Signing costs one SHA-256 pass over the arrays on each side.
 
 A :class:`WireCodec` is not thread-safe: each thread that owns sockets keeps its own.
 """
@@ -46,7 +46,7 @@ MIN_FRAMES = 3
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
     v: tuple[int, int]  # protocol (major, minor)
-    id: str  # message id, unique per sender; retries reuse it
+    id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
     src: str  # sending node id
     seq: int  # per-source sequence number (events), 0 for requests and replies
     ts: float  # wall-clock seconds at send
@@ -117,14 +117,16 @@ class WireCodec:
         header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to)
         header_bytes = self._encoder.encode(header)
         if self._secret:
-            mac = self._mac(kind, header_bytes, body_bytes)
+            mac = self._mac(kind, header_bytes, body_bytes, frames)
             header_bytes = self._encoder.encode(msgspec.structs.replace(header, mac=mac))
         return [kind, header_bytes, body_bytes, *frames]
 
-    def _mac(self, kind: bytes, header: bytes, body: bytes) -> bytes:
+    def _mac(self, kind: bytes, header: bytes, body: bytes, buffers: Sequence[Buffer]) -> bytes:
         mac = hmac.new(self._secret, kind, hashlib.sha256)
         mac.update(header)
         mac.update(body)
+        for buffer in buffers:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
+            mac.update(buffer)
         return mac.digest()
 
     # --- decode -------------------------------------------------------------------------------------
@@ -190,9 +192,15 @@ class WireCodec:
         if not header.mac:
             raise BadSignature(f"unsigned message from {header.src!r} on a signed bus", kind=kind)
         unsigned = self._encoder.encode(msgspec.structs.replace(header, mac=b""))
-        expected = self._mac(bytes(frames[0]), unsigned, bytes(frames[2]))
+        expected = self._mac(bytes(frames[0]), unsigned, bytes(frames[2]), frames[MIN_FRAMES:])
         if not hmac.compare_digest(expected, header.mac):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+
+
+def incarnation(msg_id: str) -> str:
+    """The sender-process part of a message id: it changes when a node restarts, so a subscriber can tell a
+    restarted source (its ``seq`` starts again at 1) from a replayed duplicate."""
+    return msg_id.partition("-")[0]
 
 
 def describe(message: Message) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from refbus.nodes.launch import NodeProcess, start_bus
 
 # Short liveness timing so node-down tests finish quickly.

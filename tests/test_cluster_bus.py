@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import zmq
-
+from conftest import FAST_LIVENESS
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
 from refbus.protocol.messages import Delete, Error, NodeList, Nodes, Sync
-
-from conftest import FAST_LIVENESS
 
 
 def _records(path: Path) -> list[dict]:
@@ -74,7 +72,7 @@ def test_monitor_since_replays_ring_in_order_then_goes_live(bus, spawn, tmp_path
         node.wait_ready()
         assert node.stop() == 0
     out = tmp_path / "since.jsonl"
-    # 3 × (up, down) from the ring, then this monitor's own node-up, then a live one.
+    # 3 x (up, down) from the ring, then this monitor's own node-up, then a live one.
     late = _monitor(spawn, control, "late", out, "--since", "1", "--count", "8")
     late.wait_ready()
     live = spawn(["monitor", "--bus-control", control, "--node-id", "live-one"], "live-one")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from refbus.nodes.ledger import Ledger, format_report, read_records
 
 

@@ -1,0 +1,383 @@
+"""The trainer-rank side of the payload path, embedded in the user's trainer process (one per torch rank).
+
+Protocol of one step, for one rank::
+
+    orchestrator ──step-batch──▶ rank          ack = ownership of ``owned`` moves here; ``reference`` mirrored
+    rank ──fetch──▶ env servers ──blobs──▶     begin_step: fetch, verify, assemble (StepFetcher); ``fetch-ack``
+    ranks ──all-reduce(failure flags)──        begin_step: agree on what failed; drop it everywhere it is trained
+    ... forward / backward / optimizer step ...
+    leader ──delete(trained|dropped)──▶ env    end_step: the step's owned blobs, once per data rank
+
+**Data ranks.** Ranks that train the same micro batches (tensor or context parallel peers) form one data
+rank. ``data_rank``/``data_ranks`` default to the torch rank and world size (every rank is its own data
+rank). With model parallelism pass e.g. ``data_rank=dp_rank, data_ranks=dp_size, leader=(tp_rank == 0)``:
+peers receive the same micro batches, and the orchestrator gives ``owned`` to the leader only (a non-leader
+refuses a step batch with owned blobs, so a mistake is loud instead of a double delete).
+
+**Agreement.** One ``all_reduce(MAX)`` over an int32 vector of ``data_ranks * M + data_ranks`` entries
+(``M`` = micro batches per rank, equal on every rank by packing's invariant): entry ``d * M + i`` is 1 when
+micro batch ``i`` of data rank ``d`` failed on any of its ranks, entry ``data_ranks * M + d`` when data rank
+``d`` could not stand in for a dropped micro batch (no real routing rows or top-k width in its step).
+Every rank reads the same reduced vector, so every rank takes the same decision: drop exactly the flagged
+micro batches of its data rank (zero loss, routing repeating real rows, counted), or raise
+:class:`StepFailed` on all ranks when nothing of the step was fetched anywhere or a data rank is stuck. A
+rank enters the all-reduce only after its fetch returned, so it is also the point after which every rank
+has fetched: ``end_step`` needs no further collective before deleting. The group must hold every rank
+that may fetch a blob of the step (dummies borrow other ranks' blobs): the default world group does.
+
+**Threading.** Sockets belong to the thread that runs the :class:`NodeRuntime` loop. Two models:
+
+* ``background=False`` (default): the training loop's thread is the loop thread. Build the runtime and
+  :class:`TrainerRank`, call ``runtime.start()``, then ``begin_step``/``end_step`` drive the loop
+  (``runtime.loop(until=...)``) while they wait, and fetch and delete on the same thread. Nothing is served
+  between those calls, heartbeats included: the broker's ``node_timeout_s`` must exceed the longest
+  stretch between them (forward/backward), or the node is declared down and re-registers.
+* ``background=True``: the caller ran ``runtime.start_background()``; the loop thread serves step batches
+  and heartbeats throughout, and ``begin_step``/``end_step`` hand their socket work to it
+  (``runtime.call_soon``) and wait. torch.distributed collectives always run on the caller's thread.
+
+Memory ownership: tensors returned by :meth:`TrainerRank.begin_step` live in the fetcher's buffer pool
+and are reused by the next ``begin_step``; the caller copies (or moves to the device) what it keeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+import torch
+import torch.distributed as dist
+from prometheus_client import Counter, Gauge, Histogram
+
+from ...bus.reqrep import HandlerError, RemoteError, RequestTimeout, gather
+from ...bus.runtime import NodeRuntime
+from ...protocol.envelope import Message
+from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepBatch
+from .assemble import AssembledBatch, assemble_dropped
+from .branch import TOPK_IDS
+from .fetcher import FetchSettings, PlanError, StepFetch, StepFetcher, needed_refs, to_micro_batch
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+FETCH_SECONDS = Histogram(
+    "refbus_fetch_seconds", "Seconds from the start of a step's fetch until its tensors are assembled.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+FETCH_BYTES = Counter("refbus_fetch_bytes", "Array bytes fetched and verified by this trainer rank.")
+DROPPED = Counter("refbus_dropped_micro_batches", "Micro batches this rank ran as dropped (zero loss).")
+BLOBS_HELD = Gauge("refbus_trainer_blobs_held", "Blobs owned by this trainer rank and not yet deleted.")
+
+TRAINED = "trained"
+DROPPED_REASON = "dropped"
+
+
+class StepFailed(RuntimeError):
+    """The step cannot run: nothing could be fetched anywhere, a data rank cannot stand in for its dropped
+    micro batches, or the step batch never came. Raised on every rank alike (except a missing step batch,
+    which the other ranks see as a collective timeout); stop the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """``endpoint``: where the ``trainer`` ROUTER binds (loopback unless configured); ``batch_timeout_s``:
+    how long ``begin_step`` waits for its step batch; ``topk_k``: the top-k width, needed to stand in for a
+    dropped micro batch with top-k heads when no other micro batch of the step has them."""
+
+    endpoint: str = "tcp://127.0.0.1:0"
+    fetch: FetchSettings = field(default_factory=FetchSettings)
+    batch_timeout_s: float = 600.0
+    blobs_per_delete: int = 1024
+    topk_k: int | None = None
+    background: bool = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepBatches:
+    """What one rank trains in a step.
+
+    ``batches[i]``: micro batch ``i``'s tensors (``dropped`` set and an all-False loss mask for dropped
+    ones); ``inputs[i]``: its inline arrays as the orchestrator sent them; ``dropped``: indices this rank
+    runs as dropped; ``dropped_global``: micro batches dropped across all data ranks (the run's figure);
+    ``fetch``: this rank's fetch (timing, bytes, failure reasons).
+    """
+
+    step: int
+    batches: tuple[AssembledBatch, ...]
+    inputs: tuple[Mapping[str, Any], ...]
+    dropped: tuple[int, ...]
+    dropped_global: int
+    fetch: StepFetch
+
+
+@dataclass(frozen=True, slots=True)
+class StepRelease:
+    """What ``end_step`` deleted: ``deleted`` acknowledged; ``violations`` refused by the env server as
+    already deleted (logged); ``failed`` not confirmed (no reply, or an error reply: logged, still held)."""
+
+    deleted: tuple[str, ...] = ()
+    violations: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    batch: StepBatch
+    endpoints: Mapping[str, str]  # owned blob id -> its env server's endpoint
+
+
+class TrainerRank:
+    """One torch rank's end of the payload path: serves ``step-batch``, fetches before each step, agrees
+    on failures with the other ranks, deletes what it owns after the step (see the module doc).
+
+    Construct before ``runtime.start()`` (the ``trainer`` endpoint is advertised at registration) and after
+    ``dist.init_process_group``. ``group`` defaults to the world.
+    """
+
+    def __init__(
+        self,
+        runtime: NodeRuntime,
+        *,
+        settings: TrainerSettings | None = None,
+        group: dist.ProcessGroup | None = None,
+        data_rank: int | None = None,
+        data_ranks: int | None = None,
+        leader: bool = True,
+    ) -> None:
+        self.runtime = runtime
+        self.settings = settings or TrainerSettings()
+        self.group = group
+        self.rank = dist.get_rank()
+        self.data_rank = self.rank if data_rank is None else data_rank
+        self.data_ranks = dist.get_world_size(group) if data_ranks is None else data_ranks
+        if not 0 <= self.data_rank < self.data_ranks:
+            raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
+        self.leader = leader
+        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.settings.fetch)
+        self.held: set[str] = set()
+        self._received: dict[int, _Received] = {}
+        self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
+        self._next_step = 0
+        self._cond = threading.Condition()
+        self.server = runtime.serve("trainer", self.settings.endpoint)
+        self.server.on(StepBatch.kind, self._on_step_batch)
+        runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step)}
+
+    # --- the training loop's API ---------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> StepBatches:
+        """Wait for this rank's step batch, fetch and assemble it, agree with every rank on what failed.
+
+        Collective: every rank of the group calls it for the same step. Raises :class:`StepFailed` (on every
+        rank) when the step cannot run.
+        """
+        received = self._wait_for(step)
+        fetch = self._on_loop(lambda: self._fetch(step, received.batch))
+        FETCH_SECONDS.observe(fetch.seconds)
+        FETCH_BYTES.inc(fetch.nbytes)
+        try:
+            dropped, dropped_global = self._agree(step, fetch)
+        except StepFailed:
+            self._running[step] = (received, frozenset())  # end_step still deletes what this rank owns
+            raise
+        batches: list[AssembledBatch] = []
+        for index, batch in enumerate(fetch.batches):
+            if index in dropped:
+                batch = assemble_dropped(
+                    fetch.micro_batches[index],
+                    fetch.routing_rows,
+                    mask_width=self.settings.fetch.mask_width or 1,
+                    topk_k=self.settings.topk_k or fetch.topk_k,
+                    allocator=self.fetcher.pool,
+                )
+            # Every local failure was flagged for this data rank, so it is in the agreed drop set.
+            assert isinstance(batch, AssembledBatch)
+            batches.append(batch)
+        if dropped:
+            DROPPED.inc(len(dropped))
+            log.warning("step.dropped_micro_batches", step=step, dropped=len(dropped), dropped_global=dropped_global,
+                        local_failures=_reasons(fetch))
+        trained = frozenset(
+            item.ref.blob_id
+            for index, mb in enumerate(received.batch.micro_batches)
+            if not mb.dummy and index not in dropped
+            for item in mb.samples
+            if item.ref is not None
+        )
+        self._running[step] = (received, trained)
+        return StepBatches(
+            step=step,
+            batches=tuple(batches),
+            inputs=tuple(mb.inputs for mb in received.batch.micro_batches),
+            dropped=dropped,
+            dropped_global=dropped_global,
+            fetch=fetch,
+        )
+
+    def end_step(self, step: int) -> StepRelease:
+        """After the optimizer step: delete the step's owned blobs (reason ``trained``, or ``dropped`` for
+        blobs of dropped micro batches), grouped per env server. Not collective: ``begin_step``'s all-reduce
+        already proved that every rank fetched. Also call it after ``begin_step`` raised :class:`StepFailed`
+        for the step: the rank still owns the blobs and deletes them (reason ``dropped``)."""
+        received, trained = self._running.pop(step)
+        owned = received.batch.owned
+        if not owned:
+            return StepRelease()
+        groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for blob_id in owned:
+            groups[received.endpoints[blob_id], TRAINED if blob_id in trained else DROPPED_REASON].append(blob_id)
+        release = self._on_loop(lambda: self._delete(groups))
+        with self._cond:
+            self.held.difference_update(release.deleted, release.violations)
+            BLOBS_HELD.set(len(self.held))
+        return release
+
+    # --- requests (loop thread) ----------------------------------------------------------------------
+
+    def _on_step_batch(self, request: Message) -> Ok:
+        batch = request.body
+        assert isinstance(batch, StepBatch)
+        if batch.rank != self.rank:
+            raise HandlerError("wrong-rank", f"step batch for rank {batch.rank} sent to rank {self.rank}")
+        if batch.owned and not self.leader:
+            raise HandlerError("not-leader", f"rank {self.rank} does not delete for data rank {self.data_rank}; "
+                                             "send owned blobs to its leader")
+        try:
+            for mb in batch.micro_batches:
+                to_micro_batch(mb)
+            needed_refs(batch.micro_batches)
+        except PlanError as exc:
+            raise HandlerError("bad-step-batch", f"step {batch.step}: {exc}") from None
+        endpoints = {item.ref.blob_id: item.ref.endpoint for mb in batch.micro_batches for item in mb.samples
+                     if item.ref is not None}
+        unknown = [blob_id for blob_id in batch.owned if blob_id not in endpoints]
+        if unknown:
+            raise HandlerError("bad-step-batch", f"step {batch.step}: owned blobs {unknown[:4]} are referenced "
+                                                 "by no micro batch, so their env server is unknown")
+        with self._cond:
+            if batch.step < self._next_step or batch.step in self._received:
+                raise HandlerError("duplicate-step", f"rank {self.rank} already has step {batch.step}")
+            self._received[batch.step] = _Received(batch, endpoints)
+            self.held.update(batch.owned)
+            BLOBS_HELD.set(len(self.held))
+            self._cond.notify_all()
+        self.runtime.publish(Reference(step=batch.step, holder=self.runtime.node_id, blob_ids=list(batch.owned)))
+        return Ok()
+
+    # --- internals -----------------------------------------------------------------------------------
+
+    def _wait_for(self, step: int) -> _Received:
+        timeout = self.settings.batch_timeout_s
+        deadline = time.monotonic() + timeout
+
+        def arrived() -> bool:
+            return step in self._received or self.runtime.stopping
+
+        if self.settings.background:
+            with self._cond:
+                self._cond.wait_for(arrived, timeout)
+        else:
+            self.runtime.loop(until=lambda: arrived() or time.monotonic() >= deadline)
+        with self._cond:
+            received = self._received.pop(step, None)
+            if received is None:
+                raise StepFailed(f"rank {self.rank}: no step batch for step {step} within "
+                                 f"{self.settings.batch_timeout_s:.0f}s")
+            self._next_step = step + 1
+        return received
+
+    def _fetch(self, step: int, batch: StepBatch) -> StepFetch:
+        fetch = self.fetcher.fetch(step, batch.micro_batches)
+        self.runtime.publish(FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids)))
+        return fetch
+
+    def _agree(self, step: int, fetch: StepFetch) -> tuple[tuple[int, ...], int]:
+        """The one all-reduce: which micro batches of this data rank to drop, and how many across all."""
+        per_rank = len(fetch.batches)
+        width = self.data_ranks * per_rank
+        flags = torch.zeros(width + self.data_ranks, dtype=torch.int32)
+        for index in fetch.failed:
+            flags[self.data_rank * per_rank + index] = 1
+        flags[width + self.data_rank] = int(self._stuck(fetch))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        failed = flags[:width].view(self.data_ranks, per_rank)
+        if width and bool(failed.all()):
+            raise StepFailed(f"step {step}: no micro batch could be fetched on any rank "
+                             f"({_reasons(fetch)} here)")
+        stuck = flags[width:].nonzero().flatten().tolist()
+        if stuck:
+            raise StepFailed(f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
+                             "(no real routing rows or top-k width fetched there)")
+        dropped = tuple(failed[self.data_rank].nonzero().flatten().tolist())
+        return dropped, int(failed.sum())
+
+    def _stuck(self, fetch: StepFetch) -> bool:
+        """Whether a dropped micro batch of this rank could not be stood in for. Exact before agreement:
+        rows and width come from this rank's assembled micro batches, so a rank lacks them only when every
+        micro batch that would need them failed here, and those are dropped whatever the others report."""
+        plans = fetch.micro_batches
+        no_rows = fetch.routing_rows is None and any(plan.has_routing for plan in plans)
+        no_k = (self.settings.topk_k or fetch.topk_k) is None and any(TOPK_IDS in plan.fields() for plan in plans)
+        return no_rows or no_k
+
+    def _delete(self, groups: Mapping[tuple[str, str], list[str]]) -> StepRelease:
+        size = self.settings.blobs_per_delete
+        calls = [
+            (self.fetcher.client(endpoint), Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id,
+                                                   reason=reason))
+            for (endpoint, reason), ids in groups.items()
+            for i in range(0, len(ids), size)
+        ]
+        deleted: list[str] = []
+        violations: list[str] = []
+        failed: list[str] = []
+        outcomes = gather(calls, window=self.settings.fetch.window, policy=self.settings.fetch.policy)
+        for (client, request), outcome in zip(calls, outcomes, strict=True):
+            if isinstance(outcome, RemoteError | RequestTimeout):
+                log.error("delete.failed", endpoint=client.endpoint, blobs=len(request.blob_ids), error=str(outcome))
+                failed += request.blob_ids
+                continue
+            reply = outcome.body
+            assert isinstance(reply, Deleted)
+            deleted += reply.blob_ids
+            if reply.violations:
+                log.warning("delete.violations", endpoint=client.endpoint, holder=self.runtime.node_id,
+                            reason=request.reason, blob_ids=reply.violations[:16], count=len(reply.violations))
+                violations += reply.violations
+        return StepRelease(tuple(deleted), tuple(violations), tuple(failed))
+
+    def _on_loop(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on the loop thread: here in the driven model, handed over in the background one."""
+        if not self.settings.background:
+            return work()
+        done = threading.Event()
+        outcome: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, work()))
+            except BaseException as exc:  # re-raised on the caller's thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        self.runtime.call_soon(run)
+        if not done.wait(self.settings.batch_timeout_s):
+            raise StepFailed(f"rank {self.rank}: the node loop did not run the request within "
+                             f"{self.settings.batch_timeout_s:.0f}s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _reasons(fetch: StepFetch) -> str:
+    reasons = sorted({b.reason for b in fetch.batches if not isinstance(b, AssembledBatch)})
+    return ", ".join(reasons) or "none failed"
+

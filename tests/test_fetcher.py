@@ -1,0 +1,369 @@
+"""StepFetcher over real sockets: fake env servers (a ``Server`` on a bound ROUTER, serviced by a background
+thread) answer ``fetch`` with real arrays as zero-copy frames and ``delete`` with ``deleted``; failures are
+injected per blob (missing, wrong checksum, error reply, no reply).
+
+Checks that assembled tensors are byte-identical to what the servers served (routing int32
+``[1, seq, layers, top_k]`` from uint8 and uint16, dense masks filled with -1, top-k heads), that requests
+are batched and clients and buffers reused across steps, and that a failure marks exactly its micro batch.
+
+The fake env server and the step builder are also used by ``test_trainer_rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
+from refbus.nodes.payload.assemble import AssembledBatch
+from refbus.nodes.payload.branch import Branch
+from refbus.nodes.payload.fetcher import (
+    BufferPool,
+    FetchFailure,
+    FetchSettings,
+    PlanError,
+    StepFetcher,
+    to_micro_batch,
+)
+from refbus.nodes.payload.keeper import pack as keep_pack
+from refbus.nodes.payload.packing import SampleInfo, pack
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import (
+    BlobRef,
+    Blobs,
+    Delete,
+    Deleted,
+    Fetch,
+    FetchedBlob,
+    MicroBatchRefs,
+    SampleSlice,
+)
+
+pytest_plugins = ["wire_fixtures"]
+
+LAYERS, TOP_K, HEAD_K = 3, 2, 4
+FAST = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
+
+
+# --- fake env servers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeEnvServer:
+    """Serves kept arrays like an env server: ``fetch`` → ``blobs`` (zero-copy frames, not cached),
+    ``delete`` → ``deleted``. Injectable failures per blob id: ``missing`` (listed as missing), ``corrupt``
+    (one byte flipped, so the checksum fails), ``refused`` (``unknown-blob`` error), ``silent`` (never
+    answered: the client times out); ``missing_for[holder]`` fails only that holder's fetches."""
+
+    source: str
+    endpoint: str = ""
+    blobs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+    corrupt: set[str] = field(default_factory=set)
+    refused: set[str] = field(default_factory=set)
+    silent: set[str] = field(default_factory=set)
+    missing_for: dict[str, set[str]] = field(default_factory=dict)
+    fetches: list[Fetch] = field(default_factory=list)
+    deletes: list[Delete] = field(default_factory=list)
+
+    def setup(self, server) -> None:  # runs on the server thread
+        server.on(Fetch.kind, self._fetch, cached=False)
+        server.on(Delete.kind, self._delete)
+
+    def keep(self, blob_id: str, branch: Branch) -> BlobRef:
+        (kept,) = keep_pack([branch])
+        self.blobs[blob_id] = dict(kept.arrays)
+        return BlobRef(endpoint=self.endpoint, source=self.source, blob_id=blob_id, fields=list(kept.arrays),
+                       tokens=kept.tokens, nbytes=kept.nbytes, checksum=kept.checksum,
+                       routing_shape=list(kept.routing_shape) if kept.routing_shape else None)
+
+    def _fetch(self, request: Message) -> Blobs | None:
+        body = request.body
+        assert isinstance(body, Fetch)
+        self.fetches.append(body)
+        ids = set(body.blob_ids)
+        if ids & self.silent:
+            return None
+        if ids & self.refused:
+            raise HandlerError("unknown-blob", f"refused {sorted(ids & self.refused)}")
+        absent = self.missing | self.missing_for.get(body.holder, set())
+        found = []
+        for blob_id in body.blob_ids:
+            if blob_id in absent or blob_id not in self.blobs:
+                continue
+            arrays = self.blobs[blob_id]
+            if blob_id in self.corrupt:
+                arrays = {name: array.copy() for name, array in arrays.items()}
+                first = next(iter(arrays.values()))
+                first.reshape(-1).view(np.uint8)[0] ^= 0xFF
+            found.append(FetchedBlob(blob_id=blob_id, arrays=arrays))
+        served = {blob.blob_id for blob in found}
+        return Blobs(blobs=found, missing=[i for i in body.blob_ids if i not in served])
+
+    def _delete(self, request: Message) -> Deleted:
+        body = request.body
+        assert isinstance(body, Delete)
+        self.deletes.append(body)
+        return Deleted(blob_ids=list(body.blob_ids))
+
+
+def start_env_server(serve: Callable, source: str) -> FakeEnvServer:
+    env = FakeEnvServer(source)
+    env.endpoint = serve(env.setup).endpoint
+    return env
+
+
+# --- steps -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    tokens: int
+    routing: type | None = np.uint8  # dtype of routed_experts, None: no routing
+    heads: bool = False
+    mask: bool = False
+
+    @property
+    def has_arrays(self) -> bool:
+        return self.routing is not None or self.heads or self.mask
+
+
+def make_branch(rng: np.random.Generator, spec: SampleSpec) -> Branch:
+    arrays: dict[str, np.ndarray] = {}
+    if spec.routing is not None:
+        high = 300 if spec.routing == np.uint16 else 256
+        arrays["routed_experts"] = rng.integers(0, high, (spec.tokens, LAYERS, TOP_K)).astype(spec.routing)
+    if spec.heads:
+        arrays["topk_ids"] = rng.integers(0, 50_000, (spec.tokens, HEAD_K)).astype(np.int32)
+        arrays["topk_logprobs"] = -rng.random((spec.tokens, HEAD_K), dtype=np.float32)
+    if spec.mask:
+        counts = rng.integers(0, 4, spec.tokens).astype(np.int32)
+        arrays["mask_ids"] = rng.integers(0, 50_000, int(counts.sum())).astype(np.int32)
+        arrays["mask_counts"] = counts
+    return Branch(**arrays)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step as the orchestrator would ship it: ``ranks[r]`` are data rank ``r``'s micro batches."""
+
+    ranks: tuple[tuple[MicroBatchRefs, ...], ...]
+    branches: dict[str, Branch]  # blob id -> what the env server keeps
+    owned: tuple[tuple[str, ...], ...]  # per data rank: blobs of its real micro batches
+
+
+def make_step(
+    envs: Sequence[FakeEnvServer],
+    specs: Sequence[SampleSpec],
+    *,
+    seed: int = 0,
+    data_ranks: int = 1,
+    seq_len: int = 64,
+    prefix: str = "s",
+) -> Step:
+    """Keep each spec's branch on ``envs`` (round robin), pack, and turn the plan into references."""
+    rng = np.random.default_rng(seed)
+    refs: dict[str, BlobRef | None] = {}
+    branches: dict[str, Branch] = {}
+    infos = []
+    for index, spec in enumerate(specs):
+        sample_id = f"{prefix}{index}"
+        ref = None
+        if spec.has_arrays:
+            branch = make_branch(rng, spec)
+            ref = envs[index % len(envs)].keep(f"{prefix}-blob-{index}", branch)
+            branches[ref.blob_id] = branch
+        refs[sample_id] = ref
+        infos.append(SampleInfo(sample_id, spec.tokens, tuple(ref.fields) if ref else (),
+                                tuple(ref.routing_shape) if ref and ref.routing_shape else None))
+    plan = pack(infos, seq_len=seq_len, data_ranks=data_ranks, pad_to_multiple_of=8)
+    ranks = []
+    owned = []
+    for micro_batches in plan.ranks:
+        ranks.append(tuple(
+            MicroBatchRefs(samples=[SampleSlice(str(p.sample.sample_id), p.kept, refs[p.sample.sample_id])
+                                    for p in mb.samples], length=mb.length, dummy=mb.dummy)
+            for mb in micro_batches))
+        owned.append(tuple(refs[p.sample.sample_id].blob_id for mb in micro_batches if not mb.dummy  # type: ignore[union-attr]
+                           for p in mb.samples if refs[p.sample.sample_id] is not None))
+    return Step(tuple(ranks), branches, tuple(owned))
+
+
+def check_assembled(batch: AssembledBatch, refs: MicroBatchRefs, branches: dict[str, Branch]) -> None:
+    """Every tensor of ``batch`` holds exactly the served bytes of its samples in packing order, and the
+    documented padding elsewhere."""
+    length = refs.length
+    assert batch.length == length and batch.loss_mask.dtype == torch.bool
+    routing = batch.routed_experts
+    if routing is not None:
+        assert routing.dtype == torch.int32 and tuple(routing.shape) == (1, length, LAYERS, TOP_K)
+    offset = 0
+    for item in refs.samples:
+        span = slice(offset, offset + item.tokens)
+        assert bool(batch.loss_mask[0, span].all()) is (not refs.dummy)
+        fields = item.ref.fields if item.ref is not None else []
+        source = branches[item.ref.blob_id].slice_to(item.tokens) if item.ref is not None else None
+        if "routed_experts" in fields:
+            assert routing is not None and source is not None
+            np.testing.assert_array_equal(routing[0, span].numpy(), source.routed_experts.astype(np.int32))
+        if "topk_ids" in fields and not refs.dummy:
+            assert source is not None and batch.topk_ids is not None and batch.topk_logprobs is not None
+            np.testing.assert_array_equal(batch.topk_ids[0, span].numpy(), source.topk_ids.astype(np.int64))
+            assert batch.topk_logprobs[0, span].numpy().tobytes() == source.topk_logprobs.tobytes()
+            assert bool(batch.topk_valid[0, span].all())
+        if "mask_ids" in fields and not refs.dummy:
+            assert source is not None and batch.sampling_mask is not None
+            dense = batch.sampling_mask[0, span].numpy()
+            flat = 0
+            for row, count in zip(dense, source.mask_counts, strict=True):
+                assert row[:count].tolist() == source.mask_ids[flat : flat + count].tolist()
+                assert (row[count:] == -1).all()
+                flat += count
+        elif batch.sampling_mask is not None:
+            assert (batch.sampling_mask[0, span] == -1).all()
+        offset += item.tokens
+    assert not bool(batch.loss_mask[0, offset:].any())
+    if batch.sampling_mask is not None:
+        assert (batch.sampling_mask[0, offset:] == -1).all()
+    if routing is not None:
+        assert (routing[0, offset:] == 0).all()
+
+
+# --- fixtures --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def envs(serve: Callable) -> tuple[FakeEnvServer, FakeEnvServer]:
+    return start_env_server(serve, "env-a"), start_env_server(serve, "env-b")
+
+
+@pytest.fixture
+def connect(zmq_ctx: zmq.Context) -> Iterator[Callable[[str], Client]]:
+    """Client factory for a fetcher; every client is closed at teardown."""
+    made: list[Client] = []
+
+    def make(endpoint: str) -> Client:
+        made.append(Client(zmq_ctx, endpoint, WireCodec("trainer-0"), policy=FAST))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+MIXED = (
+    SampleSpec(40, heads=True, mask=True),
+    SampleSpec(90, heads=True, mask=True),  # truncated to seq_len
+    SampleSpec(17),
+    SampleSpec(23, routing=None, mask=True),
+    SampleSpec(9, routing=None, mask=True),
+    SampleSpec(12, routing=None),  # no arrays at all
+    SampleSpec(30, routing=None, heads=True),
+)
+
+
+# --- tests -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routing", [np.uint8, np.uint16], ids=["uint8", "uint16"])
+def test_assembled_tensors_are_the_served_bytes(envs, connect, routing) -> None:
+    specs = [SampleSpec(s.tokens, routing if s.routing is not None else None, s.heads, s.mask) for s in MIXED]
+    step = make_step(envs, specs)
+    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=2, window=2))
+    result = fetcher.fetch(7, step.ranks[0])
+
+    assert result.failed == ()
+    for batch, refs in zip(result.batches, step.ranks[0], strict=True):
+        assert isinstance(batch, AssembledBatch)
+        check_assembled(batch, refs, step.branches)
+    assert sorted(result.blob_ids) == sorted(step.branches)
+    assert result.nbytes == sum(b.nbytes for b in step.branches.values())
+    assert result.routing_rows is not None and result.routing_rows.dtype == torch.int32
+    assert result.topk_k == HEAD_K and result.seconds > 0
+    for env in envs:
+        kept = len(env.blobs)
+        assert len(env.fetches) == -(-kept // 2), "blobs batched two per request"
+        assert all(f.holder == "trainer-0" and f.step == 7 for f in env.fetches)
+
+
+def test_dummies_borrow_routing_and_carry_no_loss(envs, connect) -> None:
+    step = make_step(envs, [SampleSpec(60, heads=True, mask=True), SampleSpec(50), SampleSpec(40)], data_ranks=2)
+    fetcher = StepFetcher("trainer-1", connect)
+    dummies = 0
+    for refs_of_rank in step.ranks:
+        result = fetcher.fetch(0, refs_of_rank)
+        for batch, refs in zip(result.batches, refs_of_rank, strict=True):
+            assert isinstance(batch, AssembledBatch)
+            check_assembled(batch, refs, step.branches)
+            dummies += refs.dummy
+            if refs.dummy:
+                assert batch.topk_ids is None and batch.sampling_mask is None
+    assert dummies == 1
+
+
+def test_clients_and_buffers_are_reused_across_steps(envs, connect) -> None:
+    step = make_step(envs, MIXED)
+    fetcher = StepFetcher("trainer-0", connect)
+    first = fetcher.fetch(0, step.ranks[0])
+    allocated = fetcher.pool.allocated_bytes
+    assert allocated > 0
+    second = fetcher.fetch(1, step.ranks[0])
+    assert fetcher.pool.allocated_bytes == allocated, "the second step allocated fresh memory"
+    assert len(fetcher._clients) == 2
+    for old, new, refs in zip(first.batches, second.batches, step.ranks[0], strict=True):
+        assert isinstance(old, AssembledBatch) and isinstance(new, AssembledBatch)
+        assert new.loss_mask.data_ptr() == old.loss_mask.data_ptr(), "the same buffer is handed out again"
+        check_assembled(new, refs, step.branches)
+
+
+@pytest.mark.parametrize("failure", ["missing", "corrupt", "refused", "silent"])
+def test_a_failed_blob_fails_exactly_its_micro_batch(envs, connect, failure) -> None:
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
+    victim_batch = step.ranks[0][1]
+    victim = next(item.ref.blob_id for item in victim_batch.samples if item.ref is not None)
+    env = next(e for e in envs if victim in e.blobs)
+    getattr(env, failure).add(victim)
+    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1))
+    result = fetcher.fetch(3, step.ranks[0])
+
+    assert result.failed == (1,)
+    failed = result.batches[1]
+    assert isinstance(failed, FetchFailure) and failed.blob_ids == (victim,)
+    expected = {"missing": "missing", "corrupt": "checksum", "refused": "remote-error", "silent": "timeout"}
+    assert failed.reason == expected[failure], failed
+    assert victim not in result.blob_ids
+    for index in (0, 2):
+        batch = result.batches[index]
+        assert isinstance(batch, AssembledBatch)
+        check_assembled(batch, step.ranks[0][index], step.branches)
+
+
+def test_references_that_describe_no_micro_batch_are_rejected(envs) -> None:
+    step = make_step(envs, [SampleSpec(20)])
+    refs = step.ranks[0][0]
+    item = refs.samples[0]
+    too_long = MicroBatchRefs(samples=[SampleSlice(item.sample_id, item.ref.tokens + 1, item.ref)],  # type: ignore[union-attr]
+                              length=refs.length + 8)
+    with pytest.raises(PlanError, match="kept 21 tokens of a blob with 20"):
+        to_micro_batch(too_long)
+    overfull = MicroBatchRefs(samples=refs.samples, length=8)
+    with pytest.raises(PlanError, match="more than its length"):
+        to_micro_batch(overfull)
+
+
+def test_buffer_pool_hands_out_distinct_buffers_and_keeps_one_step() -> None:
+    pool = BufferPool()
+    a = pool((2, 8), torch.int32)
+    b = pool((2, 8), torch.int32)
+    assert a.data_ptr() != b.data_ptr()
+    pool.recycle()
+    c = pool((1, 10), torch.int32)  # fits in a recycled buffer of 16 elements
+    assert c.is_contiguous() and tuple(c.shape) == (1, 10)
+    assert c.data_ptr() in (a.data_ptr(), b.data_ptr())
+    assert pool.allocated_bytes == 2 * 16 * 4
+    pool.recycle()  # the buffer unused in the last step is released
+    assert pool.held_bytes == 16 * 4

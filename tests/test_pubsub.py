@@ -1,0 +1,392 @@
+"""The event stream over a real PUB/SUB pair on loopback tcp: sequence numbers, gap detection and fill,
+duplicates, source restarts, malformed events counted (never raised), ``hold``/``release`` ordering.
+
+Each test first makes the subscription live with ``sync`` probes (ZeroMQ drops what a PUB sends before the
+subscription reaches it), then sends events either through a ``Publisher`` or as hand-made frames on the raw
+PUB socket (to skip, repeat or corrupt sequence numbers).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from refbus.bus.pubsub import Publisher, Subscriber
+from refbus.bus.sockets import EVENT_OPTIONS
+from refbus.protocol.codec import EXT_NUMPY, checksum
+from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Message, WireCodec, incarnation
+from refbus.protocol.messages import Blobs, Delete, FetchedBlob, Sync, VersionBump
+
+pytest_plugins = ["wire_fixtures"]
+
+WAIT_MS = 5000
+SRC = "env-0"
+
+
+def event(i: int) -> Delete:
+    return Delete(blob_ids=[f"b{i}"], holder=SRC, reason="filtered")
+
+
+def frames_for(codec: WireCodec, seq: int, body: Any = None) -> list[bytes]:
+    return [bytes(f) for f in codec.encode(body if body is not None else event(seq), seq=seq)]
+
+
+class Stream:
+    """A bound PUB, a connected SUB wrapped in a Subscriber, made live before the test uses them."""
+
+    def __init__(self, pub: zmq.Socket, sub_sock: zmq.Socket, **subscriber: Any) -> None:
+        self.pub = pub
+        self.source = WireCodec(SRC)
+        self.publisher = Publisher(pub, self.source)
+        self.sub = Subscriber(sub_sock, WireCodec("monitor"), **subscriber)
+        self.go_live()
+
+    def go_live(self, timeout_s: float = 5.0) -> None:
+        """Probe with ``sync`` (seq 0, consumed by the subscriber) until one arrives."""
+        token = f"live-{time.monotonic_ns():x}"
+        deadline = time.monotonic() + timeout_s
+        while token not in self.sub.tokens:
+            assert time.monotonic() < deadline, "subscription never became live"
+            self.publisher.publish_raw(Sync(token=token))
+            assert self.sub.recv(20) is None
+        assert self.publisher.seq == 0
+
+    def send(self, *seqs: int) -> list[list[bytes]]:
+        """Hand-made events of SRC with the given sequence numbers, in that order."""
+        sent = [frames_for(self.source, seq) for seq in seqs]
+        for frames in sent:
+            self.pub.send_multipart(frames)
+        return sent
+
+    def receive(self, count: int, timeout_ms: int = WAIT_MS) -> list[Message]:
+        """The next ``count`` delivered events, all within one deadline."""
+        got: list[Message] = []
+        deadline = time.monotonic() + timeout_ms / 1000
+        while len(got) < count and (remaining := deadline - time.monotonic()) > 0:
+            message = self.sub.recv(int(remaining * 1000) + 1)
+            if message is not None:
+                got.append(message)
+        assert len(got) == count, f"only {len(got)} of {count} events arrived: {got}"
+        return got
+
+    def nothing_more(self) -> bool:
+        return self.sub.recv(50) is None
+
+
+@pytest.fixture
+def stream(bound_pair: Any) -> Any:
+    def make(**subscriber: Any) -> Stream:
+        pub, sub_sock, _ = bound_pair(zmq.PUB, zmq.SUB, options=EVENT_OPTIONS)
+        return Stream(pub, sub_sock, **subscriber)
+
+    return make
+
+
+def seqs(messages: list[Message]) -> list[int]:
+    return [m.header.seq for m in messages]
+
+
+# --- sequence numbers ---------------------------------------------------------------------------------
+
+
+def test_publisher_numbers_events_from_one(stream: Any) -> None:
+    s = stream()
+    numbers = [s.publisher.publish(event(i)) for i in range(1, 201)]
+    assert numbers == list(range(1, 201))
+    got = s.receive(200)
+    assert seqs(got) == list(range(1, 201))
+    assert [m.body for m in got] == [event(i) for i in range(1, 201)]
+    assert {m.header.src for m in got} == {SRC}
+    assert len({m.header.id for m in got}) == 200
+    assert (s.sub.received, s.sub.missed, s.sub.filled, s.sub.duplicates) == (200, 0, 0, 0)
+    assert s.sub.last_seq == {SRC: 200}
+    assert not s.sub.rejected
+    assert s.nothing_more()
+
+
+def test_sync_probes_do_not_consume_sequence_numbers(stream: Any) -> None:
+    s = stream()
+    s.publisher.publish_raw(Sync(token="probe-2"))
+    assert s.publisher.publish(event(1)) == 1
+    assert seqs(s.receive(1)) == [1]
+    assert "probe-2" in s.sub.tokens
+    assert s.sub.received == 1
+
+
+def test_first_event_of_a_source_sets_its_baseline(stream: Any) -> None:
+    s = stream()
+    s.send(7, 8)
+    assert seqs(s.receive(2)) == [7, 8]
+    assert s.sub.missed == 0
+
+
+def test_sources_are_tracked_independently(stream: Any) -> None:
+    s = stream()
+    other = WireCodec("env-1")
+    for codec, seq in [(s.source, 1), (other, 1), (s.source, 2), (other, 3), (s.source, 3)]:
+        s.pub.send_multipart(frames_for(codec, seq))
+    got = s.receive(5)
+    assert [(m.header.src, m.header.seq) for m in got] == [(SRC, 1), ("env-1", 1), (SRC, 2), ("env-1", 3), (SRC, 3)]
+    assert s.sub.missed == 1
+    assert s.sub.last_seq == {SRC: 3, "env-1": 3}
+
+
+# --- gaps ---------------------------------------------------------------------------------------------
+
+
+def test_gap_is_detected_and_counted(stream: Any) -> None:
+    s = stream()
+    s.send(1, 2, 5, 6, 9)
+    assert seqs(s.receive(5)) == [1, 2, 5, 6, 9]
+    assert s.sub.missed == 2 + 2
+    assert s.sub.filled == 0
+    assert s.sub.received == 5
+    assert s.sub.last_seq[SRC] == 9
+
+
+class Ring:
+    """A stand-in for the broker's replay ring: every event of SRC, and the fill calls it answered."""
+
+    def __init__(self, count: int, *, only: set[int] | None = None, extra: tuple[int, ...] = ()) -> None:
+        source, reader = WireCodec(SRC), WireCodec("ring-reader")
+        self.events = {seq: reader.decode(frames_for(source, seq)) for seq in range(1, count + 1)}
+        self.only = only
+        self.extra = extra
+        self.calls: list[tuple[str, int, int]] = []
+
+    def fill(self, src: str, first: int, last: int) -> list[Message]:
+        self.calls.append((src, first, last))
+        wanted = [seq for seq in range(first, last + 1) if self.only is None or seq in self.only]
+        return [self.events[seq] for seq in sorted([*self.extra, *wanted])]
+
+
+def test_gaps_are_filled_in_order(stream: Any) -> None:
+    ring = Ring(8)
+    s = stream(fill=ring.fill)
+    s.send(1, 2, 5, 6, 8)
+    got = s.receive(8)
+    assert seqs(got) == list(range(1, 9))
+    assert [m.body for m in got] == [event(i) for i in range(1, 9)]
+    assert ring.calls == [(SRC, 3, 4), (SRC, 7, 7)]
+    assert (s.sub.missed, s.sub.filled, s.sub.received) == (3, 3, 8)
+    assert s.nothing_more()
+
+
+def test_partial_fill_delivers_what_it_got_and_ignores_events_outside_the_gap(stream: Any) -> None:
+    ring = Ring(6, only={4}, extra=(2,))  # recovers 4 of 3..4, and also hands back 2 (already delivered)
+    s = stream(fill=ring.fill)
+    s.send(1, 2, 5)
+    assert seqs(s.receive(4)) == [1, 2, 4, 5]
+    assert ring.calls == [(SRC, 3, 4)]
+    assert (s.sub.missed, s.sub.filled) == (2, 1)
+    assert s.nothing_more()
+
+
+def test_duplicates_are_dropped(stream: Any) -> None:
+    s = stream()
+    s.send(1, 2, 3, 2, 3, 3, 4)
+    assert seqs(s.receive(4)) == [1, 2, 3, 4]
+    assert s.sub.duplicates == 3
+    assert s.sub.missed == 0
+    assert s.nothing_more()
+
+
+def test_restarted_source_is_accepted_from_one(stream: Any) -> None:
+    s = stream()
+    for i in range(1, 4):
+        s.publisher.publish(event(i))
+    restarted = Publisher(s.pub, WireCodec(SRC))  # same node id, new process: seq starts over
+    for i in range(1, 3):
+        restarted.publish(event(10 + i))
+    got = s.receive(5)
+    assert seqs(got) == [1, 2, 3, 1, 2]
+    assert [m.body for m in got[3:]] == [event(11), event(12)]
+    assert got[0].header.id.split("-")[0] != got[3].header.id.split("-")[0]
+    assert (s.sub.duplicates, s.sub.missed) == (0, 0)
+    assert s.sub.last_seq[SRC] == 2
+
+
+# --- malformed events ---------------------------------------------------------------------------------
+
+
+def header(seq: int, src: str = "bad-publisher", **overrides: Any) -> bytes:
+    fields = {"v": list(PROTOCOL_VERSION), "id": f"bad-{seq}", "src": src, "seq": seq, "ts": time.time()}
+    return msgspec.msgpack.encode({**fields, **overrides})
+
+
+def blobs_with_corrupt_buffer(seq: int) -> list[bytes]:
+    frames = frames_for(WireCodec("bad-publisher"), seq, Blobs([FetchedBlob("b", {"x": np.arange(4)})]))
+    frames[MIN_FRAMES] = b"\x01" + frames[MIN_FRAMES][1:]
+    return frames
+
+
+GOOD_BODY = msgspec.msgpack.encode({"blob_ids": ["b"], "holder": "h", "reason": "r"})
+MALFORMED_EVENTS = [
+    ([b"\xff"], "malformed"),
+    ([b"delete", header(1)], "malformed"),
+    ([b"\xff\xfe", header(2), GOOD_BODY], "malformed"),
+    ([b"delete", b"\xc1\xc1", GOOD_BODY], "malformed"),
+    ([b"delete", header(3), b"\xc1"], "malformed"),
+    ([b"delete", header(4), GOOD_BODY, b"stray frame"], "malformed"),
+    ([b"teleport", header(5), GOOD_BODY], "unknown-kind"),
+    ([b"delete", header(6, v=[PROTOCOL_VERSION[0] + 1, 0]), GOOD_BODY], "version"),
+    ([b"delete", header(7), msgspec.msgpack.encode({"holder": "h", "reason": "r"})], "schema"),
+    ([b"delete", header(8), msgspec.msgpack.encode({"blob_ids": 5, "holder": "h", "reason": "r"})], "schema"),
+    (blobs_with_corrupt_buffer(9), "checksum"),
+]
+
+
+def test_malformed_events_are_counted_by_code_and_the_stream_goes_on(stream: Any) -> None:
+    s = stream()
+    s.publisher.publish(event(1))
+    for frames, _ in MALFORMED_EVENTS:
+        s.pub.send_multipart(frames)
+    s.publisher.publish(event(2))
+    got = s.receive(2)  # never raises; the good events around the bad ones arrive
+    assert seqs(got) == [1, 2]
+    assert s.sub.rejected == Counter(code for _, code in MALFORMED_EVENTS)
+    assert s.sub.last_seq[SRC] == 2
+    assert s.nothing_more()
+
+
+def test_unwanted_kinds_are_tracked_but_not_delivered_or_decoded(stream: Any) -> None:
+    s = stream(kinds=frozenset({"delete"}))
+    bump = VersionBump(version=3, nbytes=10, manifest_digest="d")
+    s.pub.send_multipart(frames_for(s.source, 1))
+    s.pub.send_multipart(frames_for(s.source, 2, bump))
+    same_sender = incarnation(msgspec.msgpack.decode(frames_for(s.source, 2)[1])["id"])
+    s.pub.send_multipart([b"version-bump", header(3, src=SRC, id=f"{same_sender}-ff"), b"\xc1 not decoded"])
+    s.pub.send_multipart(frames_for(s.source, 5))
+    assert seqs(s.receive(2)) == [1, 5]
+    assert s.sub.last_seq[SRC] == 5
+    assert s.sub.missed == 1
+    assert not s.sub.rejected
+    assert s.nothing_more()
+
+
+def test_event_with_an_impossible_array_shape_is_counted_not_raised(stream: Any) -> None:
+    """Regression: numpy/torch errors for an absurd shape escaped Subscriber.recv instead of being counted."""
+    s = stream()
+    for seq, shape in enumerate(([2**62, 4], [2**32, 2**32, 0]), start=1):
+        descriptor = msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode(["uint8", shape, 0, checksum(b"")]))
+        body = msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": descriptor}}]})
+        s.pub.send_multipart([b"blobs", header(seq), body, b""])
+    s.publisher.publish(event(1))
+    assert seqs(s.receive(1)) == [1]
+    assert s.sub.rejected == Counter({"array": 2})
+
+
+def test_recv_waits_its_full_timeout_after_a_rejected_event(stream: Any) -> None:
+    s = stream()
+    go = threading.Event()
+
+    def slow_publisher() -> None:  # owns the PUB socket until joined
+        s.pub.send_multipart([b"\xff"])
+        go.wait(0.3)  # a slow source, on purpose
+        s.publisher.publish(event(1))
+
+    thread = threading.Thread(target=slow_publisher)
+    thread.start()
+    try:
+        message = s.sub.recv(WAIT_MS)
+    finally:
+        go.set()
+        thread.join(WAIT_MS / 1000)
+    assert message is not None and message.header.seq == 1
+
+
+def test_a_failing_fill_does_not_lose_the_live_events(stream: Any) -> None:
+    newer_kind = [b"teleport", header(2, src=SRC), GOOD_BODY]  # an event this node cannot decode
+    reader = WireCodec("ring-reader")
+
+    def fill(src: str, first: int, last: int) -> list[Message]:  # what replay_range does with that ring entry
+        return [reader.decode(newer_kind)]
+
+    s = stream(fill=fill)
+    s.send(1)
+    s.pub.send_multipart(newer_kind)
+    s.send(3, 4)
+    assert seqs(s.receive(3, timeout_ms=500)) == [1, 3, 4]
+
+
+# --- hold / release -----------------------------------------------------------------------------------
+
+
+def hold_and_park(s: Stream, *seqs_: int) -> list[list[bytes]]:
+    """Hold, send ``seqs_`` and a probe, and drain them all into the parked list."""
+    s.sub.hold()
+    sent = s.send(*seqs_)
+    token = f"during-hold-{len(seqs_)}"
+    s.publisher.publish_raw(Sync(token=token))
+    for _ in range(len(sent) + 1):
+        assert s.sub.sock.poll(WAIT_MS, zmq.POLLIN)
+        s.sub.drain_one()
+    assert token in s.sub.tokens  # probes are seen even while events are parked
+    assert s.sub.recv(0) is None  # nothing is delivered while held
+    return sent
+
+
+def test_hold_parks_events_until_a_replay_is_merged_in_front(stream: Any) -> None:
+    s = stream()
+    s.send(1, 2)
+    assert seqs(s.receive(2)) == [1, 2]
+    sent = hold_and_park(s, 3, 4, 5, 6, 7)
+    assert s.sub.received == 2 and s.sub.last_seq[SRC] == 2
+
+    reader = WireCodec("replay-reader")
+    replayed = [reader.decode(frames) for frames in sent[:3]]  # the ring's copy of 3..5
+    assert [s.sub.offer(m) for m in replayed] == [True, True, True]
+    s.sub.release()
+    got = s.receive(5)
+    assert seqs(got) == [3, 4, 5, 6, 7]
+    assert got[:3] == replayed  # the replayed objects themselves come first
+    assert s.sub.duplicates == 3  # the parked copies of 3..5
+    assert s.sub.missed == 0
+    assert s.nothing_more()
+
+
+def test_replay_from_the_first_event_is_not_mistaken_for_a_restart(stream: Any) -> None:
+    s = stream()
+    sent = hold_and_park(s, 1, 2, 3, 4)
+    reader = WireCodec("replay-reader")
+    for frames in sent[:2]:  # the ring's copy of 1..2
+        s.sub.offer(reader.decode(frames))
+    s.sub.release()
+    got = s.receive(4)
+    assert seqs(got) == [1, 2, 3, 4]
+    assert s.nothing_more()
+    assert s.sub.duplicates == 2
+
+
+def test_release_without_replay_delivers_parked_events_in_arrival_order(stream: Any) -> None:
+    s = stream()
+    s.send(1, 2)
+    assert seqs(s.receive(2)) == [1, 2]
+    hold_and_park(s, 3, 4, 4, 6)
+    assert s.sub.pop() is None
+    s.sub.release()
+    assert seqs(s.receive(3)) == [3, 4, 6]
+    assert (s.sub.duplicates, s.sub.missed) == (1, 1)
+    s.send(7)
+    assert seqs(s.receive(1)) == [7]  # normal delivery resumed
+
+
+# --- arrays on the stream -----------------------------------------------------------------------------
+
+
+def test_event_arrays_view_the_received_frame(stream: Any) -> None:
+    s = stream()
+    source = (np.arange(1000) % 251).astype(np.uint8).reshape(10, 100)  # uint8: any frame address is aligned
+    s.publisher.publish(Blobs([FetchedBlob("b", {"x": source})]))
+    (message,) = s.receive(1)
+    array = message.body.blobs[0].arrays["x"]
+    assert np.array_equal(array, source)
+    assert isinstance(message.buffers[0], zmq.Frame)
+    assert np.shares_memory(array, np.frombuffer(message.buffers[0], dtype=np.uint8))
+    assert array.flags.writeable

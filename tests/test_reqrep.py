@@ -1,0 +1,546 @@
+"""Request/reply over real DEALER/ROUTER sockets on loopback tcp: a ``Server`` serviced by a background
+thread, ``Client``s and raw DEALERs in the test thread.
+
+Covers normal replies (arrays included), every kind of malformed request answered with an ``error`` reply
+of the right code while the server keeps serving, idempotent retries (executed once, answered twice),
+``cached=False`` routes, handler errors, timeouts, deferred replies and ``gather``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+from refbus.bus.pubsub import recv_frames
+from refbus.bus.reqrep import (
+    Client,
+    HandlerError,
+    Pending,
+    RemoteError,
+    RequestTimeout,
+    RetryPolicy,
+    Server,
+    gather,
+)
+from refbus.bus.sockets import bound_endpoint
+from refbus.protocol.codec import EXT_NUMPY, checksum
+from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Limits, Message, WireCodec
+from refbus.protocol.errors import SchemaError
+from refbus.protocol.messages import Blobs, Delete, Error, Fetch, FetchedBlob, Ok
+
+pytest_plugins = ["wire_fixtures"]
+
+LOOPBACK = "tcp://127.0.0.1:0"
+WAIT_MS = 5000
+PATIENT = RetryPolicy(timeout_s=5.0, attempts=1)
+DELETE = Delete(blob_ids=["b1"], holder="orchestrator", reason="trained")
+RAW = WireCodec("raw-client")
+REPLIES = WireCodec("reply-reader")
+
+
+@pytest.fixture
+def clients(zmq_ctx: zmq.Context) -> Iterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(endpoint: str, *, policy: RetryPolicy = PATIENT, on_stray: Any = None, src: str = "") -> Client:
+        client = Client(zmq_ctx, endpoint, WireCodec(src or f"client-{len(made)}"), policy=policy, on_stray=on_stray)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+@pytest.fixture
+def raw_dealer(sockets: Any) -> Callable[[str], zmq.Socket]:
+    return lambda endpoint: sockets(zmq.DEALER, connect=endpoint)
+
+
+def recv_message(sock: zmq.Socket, codec: WireCodec, timeout_ms: int = WAIT_MS) -> Message:
+    """The next message on ``sock``, decoded; fails the test if none arrives in time."""
+    assert sock.poll(timeout_ms, zmq.POLLIN), f"nothing arrived within {timeout_ms} ms"
+    return codec.decode(recv_frames(sock))
+
+
+def exchange(dealer: zmq.Socket, frames: list, timeout_ms: int = WAIT_MS) -> Message:
+    """Send raw frames on a DEALER and decode the reply."""
+    dealer.send_multipart(frames)
+    return recv_message(dealer, REPLIES, timeout_ms)
+
+
+class Counting:
+    """Handlers that count executions; they run on the server thread."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.ids: list[str] = []
+
+    def delete(self, request: Message) -> Ok:
+        self.calls["delete"] += 1
+        self.ids.append(request.header.id)
+        assert isinstance(request.body, Delete)
+        return Ok(detail=f"deleted {','.join(request.body.blob_ids)} #{self.calls['delete']}")
+
+    def setup(self, server: Server) -> None:
+        server.on("delete", self.delete)
+
+
+# --- normal operation ---------------------------------------------------------------------------------
+
+
+def test_request_reply_round_trip(serve: Any, clients: Any) -> None:
+    handlers = Counting()
+    srv = serve(handlers.setup)
+    client = clients(srv.endpoint, src="trainer-3")
+    reply = client.request(DELETE)
+    assert reply.kind == "ok"
+    assert reply.body == Ok(detail="deleted b1 #1")
+    assert reply.header.src == "srv"
+    assert reply.header.re == handlers.ids[0]
+    assert handlers.ids[0].startswith(client.codec.new_id().split("-")[0])
+    assert client.request(Delete(blob_ids=["b2", "b3"], holder="o", reason="r")).body.detail == "deleted b2,b3 #2"
+    assert srv.server.handled["delete"] == 2
+    assert client.retries == 0
+    assert not srv.server.rejected
+
+
+def test_arrays_travel_both_ways_and_are_owned_by_the_receiver(serve: Any, clients: Any) -> None:
+    seen: list[tuple[bool, float]] = []
+
+    def echo(request: Message) -> Blobs:
+        arrays = request.body.blobs[0].arrays
+        matrix = arrays["m"]
+        seen.append((bool(matrix.flags.writeable), float(matrix.sum())))
+        matrix *= 2  # the handler owns the request's arrays
+        return Blobs([FetchedBlob("back", {"m": matrix, "t": arrays["t"] + 1})])
+
+    srv = serve(lambda server: server.on("blobs", echo))
+    client = clients(srv.endpoint)
+    matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    reply = client.request(Blobs([FetchedBlob("b", {"m": matrix, "t": tensor})]))
+    assert seen == [(True, 66.0)]
+    back = reply.body.blobs[0].arrays
+    assert isinstance(back["m"], np.ndarray) and back["m"].flags.writeable
+    assert np.array_equal(back["m"], matrix * 2)
+    assert isinstance(back["t"], torch.Tensor) and back["t"].dtype == torch.bfloat16
+    assert back["t"].tolist() == (tensor + 1).tolist()
+    assert np.array_equal(matrix, np.arange(12, dtype=np.float32).reshape(3, 4))  # the sender's copy untouched
+    as_torch = client.request(Blobs([FetchedBlob("b", {"m": matrix, "t": tensor})]), backend="torch")
+    assert isinstance(as_torch.body.blobs[0].arrays["m"], torch.Tensor)
+
+
+# --- malformed requests -------------------------------------------------------------------------------
+
+
+def raw_frames(body: Any = DELETE, msg_id: str = "raw-1") -> list[bytes]:
+    return [bytes(f) for f in RAW.encode(body, msg_id=msg_id)]
+
+
+def raw_header(**overrides: Any) -> bytes:
+    fields = {"v": list(PROTOCOL_VERSION), "id": "raw-1", "src": "raw-client", "seq": 0, "ts": time.time()}
+    return msgspec.msgpack.encode({**fields, **overrides})
+
+
+def corrupt_checksum() -> list[bytes]:
+    frames = raw_frames(Blobs([FetchedBlob("b", {"x": np.arange(4, dtype=np.int32)})]))
+    frames[MIN_FRAMES] = b"\xff" + frames[MIN_FRAMES][1:]
+    return frames
+
+
+BODY_LIMIT = 4096
+MALFORMED = {
+    # name: (frames, code, message fragment, reply's re, request_kind)
+    "garbage-one-frame": (lambda: [b"\x00\xffgarbage\x13"], "malformed", "got 1", "", ""),
+    "garbage-three-frames": (lambda: [b"\x93\x01\x02", b"\xc1\xc1", b"\xff" * 16], "malformed", "not ASCII", "", ""),
+    "undecodable-header": (lambda: [b"delete", b"\xc1\xc1", raw_frames()[2]], "malformed", "header frame", "",
+                           "delete"),
+    "kind-and-header-only": (lambda: raw_frames()[:2], "malformed", "expected at least 3 frames", "raw-1", ""),
+    "stray-buffer-frame": (lambda: [*raw_frames(), b"stray"], "malformed",
+                           "1 buffer frames but the body describes 0", "raw-1", "delete"),
+    "undecodable-body": (lambda: [*raw_frames()[:2], b"\xc1"], "malformed", "body frame", "raw-1", "delete"),
+    "unknown-kind": (lambda: [b"teleport", *raw_frames()[1:]], "unknown-kind", "unknown message kind 'teleport'",
+                     "raw-1", "teleport"),
+    "missing-field": (lambda: [*raw_frames()[:2], msgspec.msgpack.encode({"holder": "h", "reason": "r"})],
+                      "schema", "missing required field `blob_ids`", "raw-1", "delete"),
+    "wrong-type": (lambda: [*raw_frames()[:2], msgspec.msgpack.encode({"blob_ids": "b1", "holder": "h",
+                                                                       "reason": "r"})],
+                   "schema", "Expected `array`, got `str` - at `$.blob_ids`", "raw-1", "delete"),
+    "newer-major-version": (lambda: [b"delete", raw_header(v=[PROTOCOL_VERSION[0] + 1, 0]), raw_frames()[2]],
+                            "version", f"protocol {PROTOCOL_VERSION[0] + 1}.0 from 'raw-client'", "raw-1", "delete"),
+    "oversized-body": (lambda: raw_frames(Delete(blob_ids=[f"blob-{i:05d}" for i in range(1000)], holder="h",
+                                                 reason="r")),
+                       "too-large", f"limit {BODY_LIMIT}", "raw-1", "delete"),
+    "checksum-mismatch": (corrupt_checksum, "checksum", "does not match its checksum", "raw-1", "blobs"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+def test_malformed_request_gets_an_error_reply_and_the_server_keeps_serving(
+    case: str, serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    build, code, fragment, reply_to, request_kind = MALFORMED[case]
+    handlers = Counting()
+    srv = serve(handlers.setup, limits=Limits(max_body_bytes=BODY_LIMIT))
+    well_behaved = clients(srv.endpoint)
+    assert well_behaved.request(DELETE).body.detail == "deleted b1 #1"
+
+    reply = exchange(raw_dealer(srv.endpoint), build())
+    assert reply.kind == "error"
+    assert isinstance(reply.body, Error)
+    assert reply.body.code == code, reply.body
+    assert fragment in reply.body.message
+    assert reply.body.request_kind == request_kind
+    assert reply.header.re == reply_to
+    assert srv.server.rejected == Counter({code: 1})
+
+    assert well_behaved.request(DELETE).body.detail == "deleted b1 #2"
+    assert handlers.calls["delete"] == 2  # the malformed request never reached the handler
+
+
+def test_a_burst_of_garbage_is_answered_one_by_one(serve: Any, clients: Any, raw_dealer: Any) -> None:
+    handlers = Counting()
+    srv = serve(handlers.setup, limits=Limits(max_body_bytes=BODY_LIMIT))
+    dealer = raw_dealer(srv.endpoint)
+    for build, *_ in MALFORMED.values():
+        dealer.send_multipart(build())
+    codes = [recv_message(dealer, REPLIES).body.code for _ in MALFORMED]
+    assert codes == [code for _, code, *_ in MALFORMED.values()]
+    assert clients(srv.endpoint).request(DELETE).kind == "ok"
+    assert sum(srv.server.rejected.values()) == len(MALFORMED)
+
+
+def test_a_kind_the_server_does_not_serve(serve: Any, clients: Any) -> None:
+    srv = serve(Counting().setup)
+    with pytest.raises(RemoteError) as info:
+        clients(srv.endpoint).request(Fetch(blob_ids=["b1"], holder="t"))
+    assert info.value.code == "unexpected-kind"
+    assert info.value.detail == "this node does not serve 'fetch' requests"
+    assert srv.server.rejected["unexpected-kind"] == 1
+
+
+def test_descriptor_with_an_impossible_shape_gets_an_error_reply(
+    serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    """Regression: numpy/torch errors for an absurd zero-sized shape escaped handle_one (no reply, loop dead)."""
+    srv = serve(Counting().setup, tolerate_errors=True)
+    descriptor = msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode(["uint8", [2**32, 2**32, 0], 0,
+                                                                        checksum(b"")]))
+    body = msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": descriptor}}]})
+    dealer = raw_dealer(srv.endpoint)
+    dealer.send_multipart([b"blobs", raw_header(), body, b""])
+    assert dealer.poll(1000, zmq.POLLIN), "no error reply"
+    assert REPLIES.decode(recv_frames(dealer)).body.code == "array"
+    assert not srv.errors
+    assert clients(srv.endpoint).request(DELETE).kind == "ok"
+
+
+# --- retries and idempotency --------------------------------------------------------------------------
+
+
+def test_same_frames_twice_execute_once_and_are_answered_twice(serve: Any, raw_dealer: Any) -> None:
+    handlers = Counting()
+    srv = serve(handlers.setup)
+    dealer = raw_dealer(srv.endpoint)
+    frames = raw_frames(msg_id="retry-me")
+    dealer.send_multipart(frames)
+    dealer.send_multipart(frames)
+    first, second = recv_frames(dealer), recv_frames(dealer)
+    assert [bytes(f) for f in first] == [bytes(f) for f in second]  # the cached reply, resent as is
+    assert REPLIES.decode(first).body == Ok(detail="deleted b1 #1")
+    assert REPLIES.decode(first).header.re == "retry-me"
+    assert handlers.calls["delete"] == 1
+    assert srv.server.duplicates == 1
+    assert srv.server.handled["delete"] == 1
+
+
+def test_idempotency_is_per_source_and_message_id(serve: Any, raw_dealer: Any) -> None:
+    handlers = Counting()
+    srv = serve(handlers.setup)
+    dealer = raw_dealer(srv.endpoint)
+    other_source = WireCodec("another-client")
+    for frames in (raw_frames(msg_id="m-1"), raw_frames(msg_id="m-2"), other_source.encode(DELETE, msg_id="m-1")):
+        assert exchange(dealer, frames).kind == "ok"
+    assert handlers.calls["delete"] == 3
+    assert srv.server.duplicates == 0
+
+
+def test_client_retry_after_a_slow_reply_executes_once(serve: Any, clients: Any) -> None:
+    """The first reply comes after the client's timeout: the retry (same id) is answered from the cache."""
+    retry_seen: list[int] = []
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        def slow_delete(request: Message) -> Ok:
+            if not handlers.calls:
+                retry_seen.append(server.sock.poll(WAIT_MS, zmq.POLLIN))  # hold the reply until the retry is in
+            return handlers.delete(request)
+
+        server.on("delete", slow_delete)
+
+    srv = serve(setup)
+    strays: list[Message] = []
+    client = clients(srv.endpoint, policy=RetryPolicy(timeout_s=0.2, attempts=4), on_stray=strays.append)
+    reply = client.request(DELETE)
+    assert reply.body == Ok(detail="deleted b1 #1")
+    assert retry_seen == [zmq.POLLIN]
+    assert client.retries == 1
+    if not strays:
+        late = client.recv(WAIT_MS)
+        assert late is not None
+        strays.append(late)
+    assert [(m.header.re, m.body) for m in strays] == [(reply.header.re, reply.body)]
+    assert handlers.calls["delete"] == 1
+    assert srv.server.duplicates == 1
+    # The late duplicate does not confuse the next request.
+    assert client.request(DELETE).body == Ok(detail="deleted b1 #2")
+
+
+def test_uncached_routes_execute_again(serve: Any, raw_dealer: Any) -> None:
+    reads: list[str] = []
+
+    def fetch(request: Message) -> Blobs:
+        reads.append(request.header.id)
+        return Blobs([FetchedBlob("b1", {"x": np.full(3, len(reads), dtype=np.int64)})])
+
+    srv = serve(lambda server: server.on("fetch", fetch, cached=False))
+    dealer = raw_dealer(srv.endpoint)
+    frames = raw_frames(Fetch(blob_ids=["b1"], holder="t"), msg_id="read-1")
+    first, second = exchange(dealer, frames), exchange(dealer, frames)
+    assert reads == ["read-1", "read-1"]
+    assert first.body.blobs[0].arrays["x"].tolist() == [1, 1, 1]
+    assert second.body.blobs[0].arrays["x"].tolist() == [2, 2, 2]
+    assert srv.server.duplicates == 0
+
+
+def test_handler_errors_are_cached_like_replies(serve: Any, raw_dealer: Any) -> None:
+    attempts: list[str] = []
+
+    def refuse(request: Message) -> Ok:
+        attempts.append(request.header.id)
+        raise HandlerError("not-owner", "blob b1 is held by trainer-1")
+
+    srv = serve(lambda server: server.on("delete", refuse))
+    dealer = raw_dealer(srv.endpoint)
+    frames = raw_frames(msg_id="del-1")
+    replies = [exchange(dealer, frames), exchange(dealer, frames)]
+    assert [r.body.code for r in replies] == ["not-owner", "not-owner"]
+    assert attempts == ["del-1"]
+    assert srv.server.rejected == Counter({"not-owner": 1})
+
+
+# --- handler failures ---------------------------------------------------------------------------------
+
+
+def test_handler_error_becomes_a_remote_error_with_its_code(serve: Any, clients: Any) -> None:
+    def fetch(request: Message) -> Blobs:
+        raise HandlerError("unknown-blob", f"no blob {request.body.blob_ids[0]!r}")
+
+    srv = serve(lambda server: server.on("fetch", fetch))
+    client = clients(srv.endpoint)
+    with pytest.raises(RemoteError) as info:
+        client.request(Fetch(blob_ids=["gone"], holder="t"))
+    err = info.value
+    assert (err.code, err.detail, err.endpoint) == ("unknown-blob", "no blob 'gone'", srv.endpoint)
+    assert str(err) == f"{srv.endpoint} rejected fetch: [unknown-blob] no blob 'gone'"
+    assert srv.server.rejected == Counter({"unknown-blob": 1})
+    assert srv.server.handled["fetch"] == 0
+
+
+def test_unexpected_exception_is_internal_and_the_server_survives(serve: Any, clients: Any) -> None:
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        handlers.setup(server)
+        server.on("fetch", lambda request: 1 // 0)
+        server.on("ok", lambda request: (_ for _ in ()).throw(SchemaError("holder unknown", kind="ok")))
+
+    srv = serve(setup)
+    client = clients(srv.endpoint)
+    with pytest.raises(RemoteError) as info:
+        client.request(Fetch(blob_ids=["b1"], holder="t"))
+    assert info.value.code == "internal"
+    assert info.value.detail == "ZeroDivisionError: integer division or modulo by zero"
+    with pytest.raises(RemoteError) as info:
+        client.request(Ok())
+    assert info.value.code == "schema"
+    assert "holder unknown" in info.value.detail
+    assert client.request(DELETE).kind == "ok"
+    assert srv.server.rejected == Counter({"internal": 1, "schema": 1})
+
+
+def test_reply_that_cannot_be_encoded_is_an_internal_error(serve: Any, clients: Any) -> None:
+    srv = serve(lambda server: server.on("fetch", lambda request: Blobs([FetchedBlob("b", {
+        "x": np.array(["not numeric"], dtype=object)})])), tolerate_errors=True)
+    with pytest.raises(RemoteError) as info:
+        clients(srv.endpoint, policy=RetryPolicy(timeout_s=0.3, attempts=1)).request(Fetch(blob_ids=["b"], holder="t"))
+    assert info.value.code == "internal"
+    assert not srv.errors
+
+
+# --- timeouts -----------------------------------------------------------------------------------------
+
+
+def test_request_timeout_retries_the_same_frames(sockets: Any, clients: Any) -> None:
+    silent = sockets(zmq.ROUTER, bind=LOOPBACK)  # bound, never answers
+    endpoint = bound_endpoint(silent)
+    client = clients(endpoint, policy=RetryPolicy(timeout_s=0.05, attempts=3, backoff=2.0))
+    started = time.monotonic()
+    with pytest.raises(RequestTimeout, match=f"no reply from {endpoint} to delete after 3 attempts"):
+        client.request(DELETE)
+    assert time.monotonic() - started >= 0.05 + 0.1 + 0.2 - 0.02
+    assert client.retries == 2
+    copies = []
+    for _ in range(3):
+        assert silent.poll(WAIT_MS, zmq.POLLIN)
+        copies.append(tuple(bytes(f) for f in recv_frames(silent)[1:]))
+    assert len(set(copies)) == 1  # a retry resends the same frames: same message id
+    assert silent.poll(0, zmq.POLLIN) == 0
+
+
+def test_request_timeout_when_nothing_listens(sockets: Any, clients: Any) -> None:
+    probe = sockets(zmq.ROUTER, bind=LOOPBACK)
+    endpoint = bound_endpoint(probe)
+    probe.close()
+    with pytest.raises(RequestTimeout):
+        clients(endpoint, policy=RetryPolicy(timeout_s=0.05, attempts=2)).request(DELETE)
+
+
+def test_retry_policy_timeouts() -> None:
+    policy = RetryPolicy(timeout_s=1.0, attempts=5, backoff=3.0, max_timeout_s=10.0)
+    assert list(policy.timeouts()) == [1.0, 3.0, 9.0, 10.0, 10.0]
+    assert list(RetryPolicy(attempts=1).timeouts()) == [2.0]
+
+
+def test_an_invalid_reply_does_not_cut_the_wait_short(zmq_ctx: zmq.Context, clients: Any) -> None:
+    """A garbage reply, then the real one later: the client skips the garbage and keeps waiting."""
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = bound_endpoint(router)
+    done = threading.Event()
+
+    def fake_server() -> None:  # owns ``router`` from here on
+        codec = WireCodec("fake")
+        try:
+            if not router.poll(WAIT_MS, zmq.POLLIN):
+                return
+            identity, *frames = router.recv_multipart()
+            request = codec.decode(frames)
+            router.send_multipart([identity, b"garbage"])
+            done.wait(0.3)  # a slow server, on purpose
+            router.send_multipart([identity, *codec.encode(Ok(detail="late"), reply_to=request.header.id)])
+        finally:
+            router.close()
+
+    thread = threading.Thread(target=fake_server)
+    thread.start()
+    try:
+        client = clients(endpoint, policy=RetryPolicy(timeout_s=3.0, attempts=1))
+        started = time.monotonic()
+        assert client.request(DELETE).body == Ok(detail="late")
+        assert time.monotonic() - started >= 0.25
+        assert client.retries == 0
+    finally:
+        done.set()
+        thread.join(WAIT_MS / 1000)
+    assert not thread.is_alive()
+
+
+# --- deferred replies ---------------------------------------------------------------------------------
+
+
+def test_deferred_reply_is_answered_later(serve: Any, clients: Any) -> None:
+    parked: list[Pending] = []
+    parked_one = threading.Event()
+
+    def setup(server: Server) -> None:
+        def wait_for_it(request: Message) -> None:
+            parked.append(server.pending)
+            parked_one.set()
+            return None
+
+        def release(request: Message) -> Ok:
+            for pending in parked:
+                server.answer(pending, Ok(detail=f"released by {request.header.src}"))
+            return Ok(detail=f"released {len(parked)}")
+
+        server.on("fetch", wait_for_it)
+        server.on("delete", release)
+
+    srv = serve(setup)
+    waiter, releaser = clients(srv.endpoint, src="waiter"), clients(srv.endpoint, src="releaser")
+    msg_id = waiter.send(Fetch(blob_ids=["b1"], holder="t"))
+    assert parked_one.wait(WAIT_MS / 1000)
+    assert waiter.recv(50) is None  # deferred: no reply yet
+    assert releaser.request(DELETE).body == Ok(detail="released 1")
+    late = waiter.recv(WAIT_MS)
+    assert late is not None
+    assert late.header.re == msg_id
+    assert late.body == Ok(detail="released by releaser")
+    assert parked[0].reply_to == msg_id and parked[0].identity
+    assert srv.server.handled["fetch"] == 1
+
+
+def test_deferred_requests_are_not_cached(serve: Any, raw_dealer: Any) -> None:
+    """A retry of a deferred request re-runs its handler (which defers again); both get answered."""
+    parked: list[Pending] = []
+
+    def setup(server: Server) -> None:
+        def release(request: Message) -> Ok:
+            for i, pending in enumerate(parked):
+                server.answer(pending, Ok(detail=str(i)))
+            return Ok(detail="done")
+
+        server.on("fetch", lambda request: parked.append(server.pending))
+        server.on("delete", release)
+
+    srv = serve(setup)
+    dealer = raw_dealer(srv.endpoint)
+    frames = raw_frames(Fetch(blob_ids=["b1"], holder="t"), msg_id="deferred-1")
+    dealer.send_multipart(frames)
+    dealer.send_multipart(frames)
+    dealer.send_multipart(raw_frames(msg_id="release"))
+    replies = [recv_message(dealer, REPLIES) for _ in range(3)]
+    assert [(r.header.re, r.body.detail) for r in replies] == [
+        ("deferred-1", "0"), ("deferred-1", "1"), ("release", "done")
+    ]
+    assert len(parked) == 2
+    assert srv.server.duplicates == 0
+
+
+# --- gather -------------------------------------------------------------------------------------------
+
+
+def test_gather_returns_outcomes_in_order(serve: Any, clients: Any, sockets: Any) -> None:
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        handlers.setup(server)
+        server.on("fetch", lambda request: (_ for _ in ()).throw(HandlerError("unknown-blob", "nope")))
+
+    srv = serve(setup)
+    first, second = clients(srv.endpoint), clients(srv.endpoint)
+    silent = sockets(zmq.ROUTER, bind=LOOPBACK)
+    nobody = clients(bound_endpoint(silent), policy=RetryPolicy(timeout_s=0.05, attempts=2))
+    outcomes = gather(
+        [(first, DELETE), (second, Fetch(blob_ids=["x"], holder="t")), (nobody, DELETE), (first, DELETE)]
+        + [(second, Delete(blob_ids=[f"b{i}"], holder="o", reason="r")) for i in range(20)],
+        window=4,
+    )
+    assert isinstance(outcomes[0], Message) and outcomes[0].kind == "ok"
+    assert isinstance(outcomes[1], RemoteError) and outcomes[1].code == "unknown-blob"
+    assert isinstance(outcomes[2], RequestTimeout)
+    assert isinstance(outcomes[3], Message)
+    assert [o.body.detail.split()[1] for o in outcomes[4:]] == [f"b{i}" for i in range(20)]
+    assert handlers.calls["delete"] == 22
+    assert nobody.retries == 1

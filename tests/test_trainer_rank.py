@@ -1,0 +1,298 @@
+"""TrainerRank in two real trainer-rank processes joined by torch.distributed (gloo on 127.0.0.1), a real
+broker process, and fake env servers (``test_fetcher.FakeEnvServer``) in this process. The test plays the
+orchestrator: it sends each rank its ``step-batch`` and checks what the ranks trained, dropped and deleted.
+
+Covered: a fetch failure on one data rank drops that micro batch there (zero loss, real routing rows) and
+every rank learns the run-wide count; peers of one data rank (tensor-parallel style) drop together, count
+on both, and only the leader deletes; a step with nothing fetchable raises ``StepFailed`` on every rank and
+its blobs are still deleted; every owned blob is deleted exactly once with the right reason; ``reference``
+and ``fetch-ack`` mirrors reach the event stream; a non-leader refuses owned blobs. Every wait is bounded and
+every process reaped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
+from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.payload.assemble import AssembledBatch
+from refbus.nodes.payload.fetcher import to_micro_batch
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import FetchAck, Ok, Reference, Replay, Replayed, StepBatch
+from test_fetcher import FakeEnvServer, SampleSpec, Step, check_assembled, make_step, start_env_server
+
+pytest_plugins = ["wire_fixtures"]
+
+WAIT_S = 30.0
+FAST = RetryPolicy(timeout_s=0.5, attempts=2, backoff=1.0)
+TENSORS = ("loss_mask", "routed_experts", "sampling_mask", "topk_ids", "topk_logprobs", "topk_valid")
+# Two data ranks get two routed micro batches and one unrouted micro batch each, no dummies.
+SPECS = (
+    SampleSpec(50, heads=True),
+    SampleSpec(45, mask=True),
+    SampleSpec(40),
+    SampleSpec(35, heads=True, mask=True),
+    SampleSpec(30, routing=None, mask=True),
+    SampleSpec(30, routing=None, mask=True),
+)
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    data_rank: int | None = None  # None: the torch rank
+    data_ranks: int | None = None  # None: the world size
+    leader: bool = True
+
+
+# --- the trainer-rank process ----------------------------------------------------------------------------
+
+
+def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, steps: int, conn: Connection) -> None:
+    """One trainer rank: join the process group and the bus, then run ``steps`` steps and report each."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+    from prometheus_client import REGISTRY
+    from refbus.bus.logs import configure_logging
+    from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+    from refbus.nodes.payload.fetcher import FetchSettings
+    from refbus.nodes.payload.trainer import StepFailed, TrainerRank, TrainerSettings
+
+    configure_logging(level="error")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=-1,
+                                                     retry=FAST, connect_timeout_s=10))
+    settings = TrainerSettings(batch_timeout_s=WAIT_S, fetch=FetchSettings(blobs_per_request=2, policy=FAST))
+    trainer = TrainerRank(runtime, settings=settings, data_rank=config.data_rank, data_ranks=config.data_ranks,
+                          leader=config.leader)
+    try:
+        runtime.start()
+        conn.send(runtime.endpoints["trainer"])
+        for step in range(steps):
+            report: dict[str, Any] = {}
+            try:
+                result = trainer.begin_step(step)
+            except StepFailed as exc:
+                report["failed"] = str(exc)
+            else:
+                report["dropped"] = result.dropped
+                report["dropped_global"] = result.dropped_global
+                report["batches"] = [
+                    {name: getattr(b, name).numpy().copy() for name in TENSORS if getattr(b, name) is not None}
+                    | {"dropped": b.dropped} for b in result.batches
+                ]
+                report["routing_rows"] = result.fetch.routing_rows.numpy().copy()
+            release = trainer.end_step(step)
+            report["deleted"] = release.deleted
+            report["dropped_metric"] = REGISTRY.get_sample_value("refbus_dropped_micro_batches_total")
+            report["held_metric"] = REGISTRY.get_sample_value("refbus_trainer_blobs_held")
+            conn.send(report)
+    finally:
+        runtime.close()
+        dist.destroy_process_group()
+
+
+class Ranks:
+    """Two spawned trainer-rank processes; :meth:`close` reaps them whatever happened."""
+
+    def __init__(self, bus: str, configs: tuple[RankConfig, RankConfig], steps: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank, config in enumerate(configs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(rank, 2, init, bus, config, steps, child), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def recv(self, rank: int) -> Any:
+        assert self.conns[rank].poll(WAIT_S), f"rank {rank} sent nothing within {WAIT_S}s"
+        return self.conns[rank].recv()
+
+    def close(self) -> list[int | None]:
+        for proc in self.procs:
+            proc.join(WAIT_S)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        return [proc.exitcode for proc in self.procs]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- fixtures --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc: NodeProcess
+    proc, control = start_bus(Path(tmp_path_factory.mktemp("bus")))
+    try:
+        yield control
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture
+def envs(serve: Callable) -> tuple[FakeEnvServer, FakeEnvServer]:
+    return start_env_server(serve, "env-a"), start_env_server(serve, "env-b")
+
+
+@pytest.fixture
+def orchestrator(zmq_ctx: zmq.Context) -> Iterator[Callable[[str], Client]]:
+    made: list[Client] = []
+    codec = WireCodec("orchestrator")
+
+    def connect(endpoint: str) -> Client:
+        made.append(Client(zmq_ctx, endpoint, codec, policy=RetryPolicy(timeout_s=5.0, attempts=1)))
+        return made[-1]
+
+    yield connect
+    for client in made:
+        client.close()
+
+
+def hand_over(clients: list[Client], batches: list[StepBatch]) -> None:
+    outcomes = gather(list(zip(clients, batches, strict=True)))
+    assert all(not isinstance(o, Exception) and isinstance(o.body, Ok) for o in outcomes), outcomes
+
+
+def step_batch(step: int, rank: int, data: Step, data_rank: int, *, owned: bool = True) -> StepBatch:
+    return StepBatch(step=step, rank=rank, micro_batches=list(data.ranks[data_rank]),
+                     owned=list(data.owned[data_rank]) if owned else [])
+
+
+def received(batch: dict[str, Any], refs) -> AssembledBatch:
+    tensors = {name: torch.from_numpy(batch[name]) for name in TENSORS if name in batch}
+    return AssembledBatch(micro_batch=to_micro_batch(refs), dropped=batch["dropped"], **tensors)
+
+
+def deletes(envs: tuple[FakeEnvServer, ...]) -> Counter[tuple[str, str, str]]:
+    """(blob id, holder, reason) of every delete the env servers received."""
+    return Counter((blob_id, d.holder, d.reason) for env in envs for d in env.deletes for blob_id in d.blob_ids)
+
+
+def events(bus: str, zmq_ctx: zmq.Context, kind: str) -> list[Any]:
+    codec = WireCodec("test-replay")
+    client = Client(zmq_ctx, bus, codec, policy=RetryPolicy(timeout_s=5.0, attempts=1))
+    try:
+        page = client.request(Replay(since=0)).body
+    finally:
+        client.close()
+    assert isinstance(page, Replayed)
+    return [codec.decode([e.kind.encode(), e.header, e.body, *e.buffers]).body for e in page.events if e.kind == kind]
+
+
+def check_dropped(batch: dict[str, Any], rows: np.ndarray) -> None:
+    """Zero loss, and routing made of real rows repeated, never zeros."""
+    assert batch["dropped"] and not batch["loss_mask"].any()
+    routing = batch["routed_experts"][0]
+    real = {row.tobytes() for row in rows}
+    assert all(row.tobytes() in real for row in routing)
+
+
+# --- tests -----------------------------------------------------------------------------------------------
+
+
+def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orchestrator, zmq_ctx) -> None:
+    partial = make_step(envs, SPECS, data_ranks=2, prefix="a")
+    nothing = make_step(envs, SPECS, data_ranks=2, prefix="b", seed=1)
+    victim = next(i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None)
+    for env in envs:
+        env.missing_for["trainer-0"] = {victim}
+        env.missing |= set(nothing.branches)
+
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=2)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        for step, data in enumerate((partial, nothing)):
+            hand_over(clients, [step_batch(step, rank, data, rank) for rank in (0, 1)])
+        reports = [[ranks.recv(rank) for _ in range(2)] for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+
+    # Step 0: rank 0's first micro batch failed there: dropped on rank 0 only, counted run-wide on both.
+    first = [reports[rank][0] for rank in (0, 1)]
+    assert first[0]["dropped"] == (0,) and first[1]["dropped"] == ()
+    assert first[0]["dropped_global"] == first[1]["dropped_global"] == 1
+    assert first[0]["dropped_metric"] == 1 and first[1]["dropped_metric"] == 0
+    check_dropped(first[0]["batches"][0], first[0]["routing_rows"])
+    for rank in (0, 1):
+        for index, batch in enumerate(first[rank]["batches"]):
+            if not batch["dropped"]:
+                check_assembled(received(batch, partial.ranks[rank][index]), partial.ranks[rank][index],
+                                partial.branches)
+    # Step 1: nothing fetchable anywhere: both ranks raise, and still delete what they own.
+    for rank in (0, 1):
+        assert "no micro batch could be fetched on any rank" in reports[rank][1]["failed"]
+        assert reports[rank][1]["held_metric"] == 0
+
+    done = deletes(envs)
+    dropped_blobs = {i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None} | set(nothing.branches)
+    expected = Counter()
+    for data in (partial, nothing):
+        for rank in (0, 1):
+            for blob_id in data.owned[rank]:
+                expected[blob_id, f"trainer-{rank}", "dropped" if blob_id in dropped_blobs else "trained"] += 1
+    assert done == expected, "every owned blob deleted exactly once, by its rank, with its reason"
+    assert sum(len(env.blobs) for env in envs) == len(done)
+
+    references = events(bus, zmq_ctx, Reference.kind)
+    assert {(r.step, r.holder, tuple(r.blob_ids)) for r in references} >= {
+        (step, f"trainer-{rank}", data.owned[rank]) for step, data in enumerate((partial, nothing)) for rank in (0, 1)}
+    acks = [a for a in events(bus, zmq_ctx, FetchAck.kind) if a.step == 0 and a.holder == "trainer-0"]
+    assert len(acks) == 1 and victim not in acks[0].blob_ids
+
+
+def test_peers_of_one_data_rank_drop_together_and_only_the_leader_deletes(bus, envs, orchestrator) -> None:
+    specs = [SampleSpec(s.tokens, np.uint16 if s.routing is not None else None, s.heads, s.mask) for s in SPECS]
+    data = make_step(envs, specs, data_ranks=1, prefix="p")
+    victim = next(i.ref.blob_id for i in data.ranks[0][1].samples if i.ref is not None)
+    for env in envs:
+        env.missing_for["trainer-1"] = {victim}  # only the non-leader's fetch fails
+
+    peers = RankConfig(data_rank=0, data_ranks=1, leader=True), RankConfig(data_rank=0, data_ranks=1, leader=False)
+    ranks = Ranks(bus, peers, steps=1)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        with pytest.raises(RemoteError, match="not-leader"):
+            clients[1].request(step_batch(0, 1, data, 0, owned=True))
+        hand_over(clients, [step_batch(0, 0, data, 0), step_batch(0, 1, data, 0, owned=False)])
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+
+    for report in reports:
+        assert report["dropped"] == (1,) and report["dropped_global"] == 1 and report["dropped_metric"] == 1
+        check_dropped(report["batches"][1], report["routing_rows"])
+        for index, batch in enumerate(report["batches"]):
+            if index != 1:
+                check_assembled(received(batch, data.ranks[0][index]), data.ranks[0][index], data.branches)
+    dropped_blobs = {i.ref.blob_id for i in data.ranks[0][1].samples if i.ref is not None}
+    assert deletes(envs) == Counter(
+        {(blob_id, "trainer-0", "dropped" if blob_id in dropped_blobs else "trained"): 1 for blob_id in data.owned[0]})
+    assert reports[1]["deleted"] == ()
