@@ -19,6 +19,7 @@ removed with ``node-down``. The broker's own events come from its node id with t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -46,10 +47,10 @@ from ..protocol.messages import (
     Welcome,
 )
 from .metrics import register_live
-from .pubsub import SYNC_KIND, recv_frames
+from .pubsub import SYNC_KIND
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
-from .sockets import EVENT_OPTIONS
+from .sockets import EVENT_OPTIONS, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +67,7 @@ class BrokerSettings:
 
 @dataclass
 class _Entry:
+    index: int  # ring position: grows by one per event, never reused
     src: str
     seq: int
     frames: list
@@ -88,6 +90,7 @@ class ReplayRing:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evicted = 0
+        self.appended = 0
         self._entries: deque[_Entry] = deque()
 
     def __len__(self) -> int:
@@ -95,24 +98,26 @@ class ReplayRing:
 
     def append(self, src: str, seq: int, frames: list) -> None:
         nbytes = sum(len(f) for f in frames)
-        self._entries.append(_Entry(src, seq, frames, nbytes))
+        self._entries.append(_Entry(self.appended, src, seq, frames, nbytes))
+        self.appended += 1
         self.nbytes += nbytes
         while len(self._entries) > self.max_events or (self.nbytes > self.max_bytes and len(self._entries) > 1):
             self.nbytes -= self._entries.popleft().nbytes
             self.evicted += 1
 
-    def select(self, since: int, src: str, limit: int, max_bytes: int) -> tuple[list[_Entry], bool]:
-        """Entries with ``seq >= since`` (of ``src`` when given), oldest first, at most ``limit`` of them
-        and about ``max_bytes``; and whether more remain."""
+    def select(self, since: int, src: str, limit: int, max_bytes: int, cursor: int) -> tuple[list[_Entry], int, bool]:
+        """Entries at ring position ``>= cursor`` with ``seq >= since`` (of ``src`` when given), oldest first,
+        at most ``limit`` of them and about ``max_bytes``; the cursor to continue from; whether more remain."""
         found: list[_Entry] = []
         nbytes = 0
-        for entry in self._entries:
+        start = max(0, cursor - (self.appended - len(self._entries)))  # skip what the cursor already passed
+        for entry in itertools.islice(self._entries, start, None):
             if entry.seq >= since and (not src or entry.src == src):
                 if len(found) == limit or (found and nbytes + entry.nbytes > max_bytes):
-                    return found, True
+                    return found, entry.index, True
                 found.append(entry)
                 nbytes += entry.nbytes
-        return found, False
+        return found, self.appended, False
 
 
 class Broker:
@@ -168,7 +173,7 @@ class Broker:
             if frames[0] == SYNC_KIND:
                 self._probe_seen(frames)
                 continue
-            xpub.send_multipart(frames, copy=False)
+            send_frames(xpub, frames)
             self.ring.append(header.src, header.seq, frames)
             self.forwarded += 1
 
@@ -183,7 +188,7 @@ class Broker:
         """Publish the broker's own event to subscribers and the ring."""
         self.seq += 1
         frames = self.codec.encode(body, seq=self.seq)
-        self.xpub.send_multipart(frames, copy=False)
+        send_frames(self.xpub, frames)
         self.ring.append(self.runtime.node_id, self.seq, [bytes(f) for f in frames])
 
     def _probe_seen(self, frames: list) -> None:
@@ -227,7 +232,7 @@ class Broker:
         sync = request.body
         assert isinstance(sync, Sync)
         if sync.path == "sub":
-            self.xpub.send_multipart(self.codec.encode(Sync(token=sync.token)), copy=False)
+            send_frames(self.xpub, self.codec.encode(Sync(token=sync.token)))
             return Ok("published")
         if sync.token in self.seen_tokens:
             return Ok("seen")
@@ -263,12 +268,12 @@ class Broker:
         assert isinstance(ask, Replay)
         # Replies must fit the peer's body limit: events are small (references, not arrays).
         budget = self.codec.limits.max_body_bytes // 2
-        entries, more = self.ring.select(ask.since, ask.src, ask.limit, budget)
+        entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
         events = [
             ReplayedEvent(bytes(kind).decode("ascii"), bytes(header), bytes(body), [bytes(b) for b in buffers])
             for kind, header, body, *buffers in (entry.frames for entry in entries)
         ]
-        return Replayed(events=events, more=more)
+        return Replayed(events=events, more=more, cursor=cursor)
 
     def _remove(self, member: _Member, reason: str) -> None:
         info = self.members.pop(member.info.node_id, member).info

@@ -21,6 +21,7 @@ import zmq
 from ..protocol.envelope import Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
+from .sockets import recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -28,17 +29,6 @@ SYNC_KIND = Sync.kind.encode()
 
 Fill = Callable[[str, int, int], Sequence[Message]]
 """``fill(src, first_seq, last_seq)`` returns the missing events it could recover, in order."""
-
-
-def recv_frames(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> list:
-    """One multipart message; the first ``copied`` frames as bytes, the rest zero-copy ``zmq.Frame``s.
-
-    Small header frames are cheaper as bytes; array frames stay in ZeroMQ's buffer (writable, no copy).
-    """
-    frames: list = [sock.recv(flags)]
-    while sock.rcvmore:
-        frames.append(sock.recv(copy=len(frames) < copied))
-    return frames
 
 
 class Publisher:
@@ -52,12 +42,12 @@ class Publisher:
     def publish(self, body: Body) -> int:
         """Send ``body`` as the next event; returns its sequence number. Arrays are sent zero-copy."""
         self.seq += 1
-        self.sock.send_multipart(self.codec.encode(body, seq=self.seq), copy=False)
+        send_frames(self.sock, self.codec.encode(body, seq=self.seq))
         return self.seq
 
     def publish_raw(self, body: Body, *, seq: int = 0) -> None:
         """Send without consuming a sequence number (``sync`` probes are not part of the stream)."""
-        self.sock.send_multipart(self.codec.encode(body, seq=seq), copy=False)
+        send_frames(self.sock, self.codec.encode(body, seq=seq))
 
 
 class Subscriber:
@@ -96,15 +86,17 @@ class Subscriber:
         """The next event in per-source order, or None when nothing arrives within ``timeout_ms``."""
         deadline = time.monotonic() + timeout_ms / 1000
         while not self._ready:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.sock.poll(remaining_ms, zmq.POLLIN):
-                return None
-            self.drain_one()  # may deliver nothing (probe, duplicate, rejected): keep waiting
+            try:
+                self.drain_one(zmq.NOBLOCK)  # may deliver nothing (probe, duplicate, rejected): keep waiting
+            except zmq.Again:
+                remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.sock.poll(remaining_ms, zmq.POLLIN):
+                    return None
         return self._ready.popleft()
 
-    def drain_one(self) -> None:
-        """Receive and process one message that is known to be waiting (poller-driven loops)."""
-        frames = recv_frames(self.sock)
+    def drain_one(self, flags: int = 0) -> None:
+        """Receive and process one message (``zmq.Again`` with NOBLOCK when none is waiting)."""
+        frames = recv_frames(self.sock, flags)
         if self._held is not None:
             self._held.append(frames)
             if bytes(frames[0]) == SYNC_KIND:
@@ -123,7 +115,7 @@ class Subscriber:
             if not self._track(header.src, header.seq, incarnation(header.id)):
                 return
             if self.kinds is None or kind in self.kinds:
-                self._ready.append(self.codec.decode(frames))
+                self._ready.append(self.codec.decode(frames, checked=(kind, header)))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))

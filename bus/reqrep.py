@@ -30,8 +30,7 @@ from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Header, Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
-from .pubsub import recv_frames
-from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket
+from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -93,33 +92,55 @@ class Client:
         self.on_stray = on_stray
         self.retries = 0
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, options=options)
+        self._poller = zmq.Poller()  # kept: Socket.poll builds a new Poller on every call
+        self._poller.register(self.sock, zmq.POLLIN)
 
     def send(self, body: Body) -> str:
         """Send without waiting; the reply (if any) reaches :meth:`recv` or ``on_stray``. Returns its id."""
         msg_id = self.codec.new_id()
-        self.sock.send_multipart(self.codec.encode(body, msg_id=msg_id), copy=False)
+        send_frames(self.sock, self.codec.encode(body, msg_id=msg_id))
         return msg_id
 
     def request(
         self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "native"
     ) -> Message:
         """Send ``body`` and wait for its reply, retrying per ``policy``. Arrays in the reply are owned by
-        the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`."""
-        (result,) = gather([(self, body)], policy=policy, backend=backend)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`.
+
+        The single-request path of :func:`gather`, kept lean because control round trips are latency-bound.
+        """
+        policy = policy or self.policy
+        msg_id = self.codec.new_id()
+        frames = self.codec.encode(body, msg_id=msg_id)
+        for attempt, timeout in enumerate(policy.timeouts()):
+            if attempt:
+                self.retries += 1
+                log.info("request.retry", kind=body.kind, endpoint=self.endpoint, attempt=attempt + 1)
+            send_frames(self.sock, frames)
+            deadline = time.monotonic() + timeout
+            while (reply := self.recv(_ms_until(deadline), backend=backend)) is not None:
+                if reply.header.re != msg_id:
+                    self._stray(reply)
+                elif isinstance(reply.body, Error):
+                    raise RemoteError(reply.body, self.endpoint)
+                else:
+                    return reply
+        raise RequestTimeout(f"no reply from {self.endpoint} to {body.kind} after {policy.attempts} attempts")
 
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
-        while self.sock.poll(timeout_ms, zmq.POLLIN):
-            frames = recv_frames(self.sock)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            try:
+                frames = recv_frames(self.sock, zmq.NOBLOCK)
+            except zmq.Again:
+                if not self._poller.poll(_ms_until(deadline)):
+                    return None
+                continue
             try:
                 return self.codec.decode(frames, backend=backend, verify=verify)
             except ProtocolError as exc:
                 log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
-                timeout_ms = 0
-        return None
 
     def _stray(self, reply: Message) -> None:
         if self.on_stray is not None:
@@ -129,6 +150,10 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _ms_until(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
 
 @dataclass
@@ -175,7 +200,7 @@ def gather(
         if call.attempts > 1:
             call.client.retries += 1
             log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts)
-        call.client.sock.send_multipart(call.frames, copy=False)
+        send_frames(call.client.sock, call.frames)
         call.deadline = time.monotonic() + timeout
 
     def launch(client: Client) -> None:
@@ -207,8 +232,7 @@ def gather(
             attempt(call)
         if not in_flight:
             break
-        wait_ms = max(0, int((min(c.deadline for c in in_flight.values()) - now) * 1000) + 1)
-        for sock, _ in poller.poll(wait_ms):
+        for sock, _ in poller.poll(_ms_until(min(c.deadline for c in in_flight.values()))):
             client = by_socket[sock]
             while (reply := client.recv(0, backend=backend, verify=verify)) is not None:
                 call = in_flight.get(reply.header.re)
@@ -335,7 +359,7 @@ class Server:
 
     def _send_frames(self, identity: bytes, frames: list) -> None:
         try:
-            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, [identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             # Peer gone (ROUTER_MANDATORY) or not reading: it will retry and be answered from the cache.
             self.undeliverable += 1

@@ -40,8 +40,16 @@ from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
 from .metrics import register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
-from .reqrep import Client, RequestTimeout, RetryPolicy, Server
-from .sockets import EVENT_OPTIONS, SocketOptions, advertised, bound_endpoint, make_socket, remove_ipc_file
+from .reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, Server
+from .sockets import (
+    EVENT_OPTIONS,
+    FrameCounter,
+    SocketOptions,
+    advertised,
+    bound_endpoint,
+    make_socket,
+    remove_ipc_file,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +97,7 @@ class NodeRuntime:
         self.codec = WireCodec(self.node_id, secret=settings.secret, limits=settings.limits)
         self.options = SocketOptions(max_frame_bytes=settings.max_frame_bytes)
         self.endpoints: dict[str, str] = {}
+        self.labels: dict[str, str] = {}
         self.status: Callable[[], dict[str, float]] = dict
         self.started = time.time()
         self.metrics_url = ""
@@ -130,7 +139,7 @@ class NodeRuntime:
         """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend="numpy"``
         keeps torch out of processes that must not load it, whatever peers send."""
         server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend)
-        self.watch(server.sock, lambda: self._drain(server.sock, server.handle_one))
+        self.watch(server.sock, lambda: self._drain(server.handle_one))
         return server
 
     def client(self, endpoint: str, *, policy: RetryPolicy | None = None) -> Client:
@@ -170,12 +179,14 @@ class NodeRuntime:
         self._callbacks[sock] = callback
         self._poller.register(sock, zmq.POLLIN)
 
-    def replay(self, *, since: int = 0, src: str = "", limit: int = 10_000) -> list[Message]:
-        """Events from the broker's replay ring (all pages), decoded, oldest first per source."""
+    def replay(self, *, since: int = 0, src: str = "", until: int | None = None) -> list[Message]:
+        """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
+        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor."""
         assert self.control is not None
         events: list[Message] = []
+        cursor = 0
         while True:
-            reply = self.control.request(Replay(since=since, src=src, limit=limit))
+            reply = self.control.request(Replay(since=since, src=src, cursor=cursor))
             page = reply.body
             assert isinstance(page, Replayed)
             for event in page.events:
@@ -184,18 +195,18 @@ class NodeRuntime:
                                                      *event.buffers]))
                 except ProtocolError as exc:  # one bad event in the ring must not cost the others
                     log.warning("replay.rejected", code=exc.code, error=str(exc))
-            if not page.more or not page.events:
-                return events
-            since = max(e.header.seq for e in events if not src or e.header.src == src) + 1
+            cursor = page.cursor
+            done = until is not None and src and events and events[-1].header.seq >= until
+            if not page.more or done:
+                return [e for e in events if until is None or e.header.seq <= until]
 
     def replay_range(self, src: str, first: int, last: int) -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``."""
         try:
-            events = self.replay(since=first, src=src, limit=last - first + 1)
-        except (RequestTimeout, OSError) as exc:
+            return self.replay(since=first, src=src, until=last)
+        except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []
-        return [e for e in events if e.header.seq <= last]
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop thread (safe from any thread): how an embedding framework's own
@@ -254,6 +265,7 @@ class NodeRuntime:
             host=self.settings.host,
             pid=os.getpid(),
             endpoints=dict(self.endpoints),
+            labels=dict(self.labels),
             metrics=self.metrics_url,
             started=self.started,
         )
@@ -336,6 +348,14 @@ class NodeRuntime:
             return
         self.metrics_url, self._stop_metrics = serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
         register_live(
+            "refbus_wire_array_frames_received_total", "Array (buffer) frames this process received.",
+            lambda: {(): float(FrameCounter.frames)},
+        )
+        register_live(
+            "refbus_wire_array_received_bytes_total", "Bytes of array frames this process received.",
+            lambda: {(): float(FrameCounter.nbytes)},
+        )
+        register_live(
             "refbus_node_info",
             "This node's identity (value 1).",
             lambda: {(self.node_id, self.role): 1.0},
@@ -385,7 +405,7 @@ class NodeRuntime:
             for event in self.replay(since=since):
                 subscriber.offer(event)
         subscriber.release()
-        self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
+        self.watch(subscriber.sock, lambda: self._drain(subscriber.drain_one))
         self._deliver_ready()
 
     def flush_events(self, timeout_s: float = 2.0) -> bool:
@@ -428,12 +448,14 @@ class NodeRuntime:
             while not self._stopping and (message := subscriber.pop()) is not None:
                 handler(message)
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[], None], budget: int = 256) -> None:
-        """Handle what is waiting on ``sock``, at most ``budget`` messages so other sockets get a turn."""
+    def _drain(self, handle: Callable[[int], None], budget: int = 256) -> None:
+        """Handle what is waiting (``handle(zmq.NOBLOCK)`` until ``zmq.Again``), at most ``budget`` messages
+        so other sockets get a turn."""
         for _ in range(budget):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                handle(zmq.NOBLOCK)
+            except zmq.Again:
                 break
-            handle()
         self._deliver_ready()
 
     def _drain_control(self) -> None:

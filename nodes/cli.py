@@ -47,8 +47,10 @@ ROLES: dict[str, tuple[str, str]] = {
                    "refbus.nodes.ps.manager:run"),
     "ps-worker": ("parameter-server data plane: shards in shared memory, push/pull, broadcast init",
                   "refbus.nodes.ps.worker:run"),
+    "orchestrator": ("groups episodes, ships steps to trainer ranks by reference, deletes what it drops",
+                     "refbus.nodes.payload.orchestrator_node:run"),
     "env-server": ("keeps episode arrays and serves them by reference (keep, claim, fetch, delete)",
-                   "refbus.nodes.payload.env_server:run"),
+                   "refbus.nodes.payload.episodes:run"),
 }
 
 

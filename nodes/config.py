@@ -96,6 +96,21 @@ class EnvServerSection:
     source: str = _key("", "Source name in blob references; replicas of one source share it (default: the node id).")
     budget_bytes: int = _key(16 << 30, "Array bytes an env server may hold; a keep beyond it fails (never evicts).")
     handover_lease_s: float = _key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
+    score: str = _key("refbus.nodes.toy.task:score", "Entry point 'module:function' scoring an episode: "
+                      "score(prompt, completion) -> reward. Must not import torch.")
+    max_new_tokens: int = _key(6, "Tokens a rollout worker generates per episode.")
+    generate_timeout_s: float = _key(30.0, "Seconds a run may wait for its generation before it fails.")
+
+
+@dataclass
+class OrchestratorSection:
+    seq_len: int = _key(2048, "Tokens per micro batch (samples longer than this are truncated).")
+    group_size: int = _key(4, "Episodes per group (one prompt); advantages are computed within a group.")
+    groups_per_step: int = _key(4, "Complete groups shipped per trainer step.")
+    max_staleness: int = _key(1, "Versions a sample's policy may lag the current one when its step is packed.")
+    max_steps: int = _key(0, "Steps to ship before deleting everything that arrives (0: no limit).")
+    trainers: int = _key(1, "Trainer ranks to wait for (from the registry) before the first step.")
+    group_timeout_s: float = _key(120.0, "Seconds an incomplete group may wait before it is dropped.")
 
 
 @dataclass
@@ -107,6 +122,7 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     env_server: EnvServerSection = field(default_factory=EnvServerSection)
+    orchestrator: OrchestratorSection = field(default_factory=OrchestratorSection)
     ps: PsSection = field(default_factory=PsSection)
 
     def runtime(self, *, node_id: str = "", ready_file: str = "") -> RuntimeSettings:

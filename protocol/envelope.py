@@ -23,7 +23,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -62,14 +62,19 @@ class Limits:
     max_message_bytes: int = 8 << 30
 
 
-@dataclass(frozen=True)
-class Message:
-    """A decoded message. Array fields of ``body`` view ``buffers`` (the received frames)."""
+class Message(msgspec.Struct, frozen=True):
+    """A decoded message. Array fields of ``body`` view ``buffers`` (the received frames).
+
+    A Struct rather than a dataclass: one is built per message received, and this is ~7x cheaper.
+    """
 
     kind: str
     header: Header
     body: Body
-    buffers: Sequence[Buffer] = field(default=(), repr=False)
+    buffers: Sequence[Any] = ()
+
+    def __repr__(self) -> str:  # frames can be large; show how many there are
+        return f"Message(kind={self.kind!r}, header={self.header!r}, body={self.body!r}, buffers=<{len(self.buffers)}>)"
 
 
 class MessageIds:
@@ -103,6 +108,7 @@ class WireCodec:
             kind: msgspec.msgpack.Decoder(cls, ext_hook=self._unpacker.ext_hook) for kind, cls in KINDS.items()
         }
         self._kind_frames = {kind: kind.encode("ascii") for kind in KINDS}
+        self._kind_names = {frame: kind for kind, frame in self._kind_frames.items()}
 
     def new_id(self) -> str:
         return self._ids.next()
@@ -137,10 +143,13 @@ class WireCodec:
             raise MalformedMessage(
                 f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers], got {len(frames)}"
             )
-        try:
-            kind = bytes(frames[0]).decode("ascii")
-        except UnicodeDecodeError:
-            raise MalformedMessage(f"kind frame is not ASCII: {bytes(frames[0])[:32]!r}") from None
+        raw_kind = frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])
+        kind = self._kind_names.get(raw_kind)
+        if kind is None:
+            try:
+                kind = raw_kind.decode("ascii")
+            except UnicodeDecodeError:
+                raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
         try:
             header = self._header_decoder.decode(frames[1])
         except msgspec.MsgspecError as exc:
@@ -156,19 +165,25 @@ class WireCodec:
         body_size = memoryview(frames[2]).nbytes
         if body_size > self.limits.max_body_bytes:
             raise MessageTooLarge(f"body is {body_size} bytes, limit {self.limits.max_body_bytes}", kind=kind)
-        total = sum(memoryview(f).nbytes for f in frames)
+        total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
         if total > self.limits.max_message_bytes:
             raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
         return kind, header
 
     def decode(
-        self, frames: Sequence[Buffer], *, backend: ArrayBackend = "native", verify: bool = True
+        self,
+        frames: Sequence[Buffer],
+        *,
+        backend: ArrayBackend = "native",
+        verify: bool = True,
+        checked: tuple[str, Header] | None = None,
     ) -> Message:
         """A validated :class:`Message`, or a :class:`ProtocolError` that says what was wrong.
 
         ``verify`` checks array checksums (always on when signing). Array fields view ``frames``.
+        ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
-        kind, header = self.decode_header(frames)
+        kind, header = checked or self.decode_header(frames)
         if self._secret:
             self._check_mac(kind, header, frames)
         buffers = frames[MIN_FRAMES:]

@@ -13,9 +13,9 @@ Kinds by direction:
 * events (PUB/SUB through the broker): ``episode-finished``, ``claim``, ``reference``, ``fetch-ack``,
   ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``
 * requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``keep``,
-  ``discard``, ``claim``, ``fetch``, ``delete``, ``step-batch``
+  ``discard``, ``claim``, ``fetch``, ``delete``, ``step-batch``, ``run``, ``generate``
 * replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``kept``, ``blobs``, ``claimed``, ``deleted``,
-  ``error``
+  ``generated``, ``error``
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class NodeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     host: str
     pid: NonNegative
     endpoints: dict[str, str] = {}
+    labels: dict[str, str] = {}  # role facts peers select on: an env server's source, a trainer's rank
     metrics: str = ""  # http://host:port/metrics, or "" when the node serves none
     started: float = 0.0
     last_seen: float = 0.0
@@ -244,11 +245,13 @@ class Nodes(Body, frozen=True):
 
 @register_kind("replay")
 class Replay(Body, frozen=True):
-    """Events with per-source ``seq >= since`` from the broker's ring, oldest first, at most ``limit``."""
+    """Events with per-source ``seq >= since`` from the broker's ring, in ring order, from ring position
+    ``cursor`` on, at most ``limit`` (and about half the body limit in bytes) per answer."""
 
     since: NonNegative = 0
     src: str = ""  # "" replays every source
     limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000
+    cursor: NonNegative = 0
 
 
 @register_kind("keep")
@@ -271,6 +274,35 @@ class Discard(Body, frozen=True):
 
     episode_id: Name
     reason: Name = "discarded"
+
+
+@register_kind("run")
+class Run(Body, frozen=True):
+    """Request from the orchestrator to an env server: run one episode of ``prompt`` (answered with ``ok``
+    once the episode is kept and ``episode-finished`` is published, or with an error)."""
+
+    episode_id: Name
+    group: Name
+    prompt: list[int]
+    eval: bool = False
+
+
+@register_kind("generate")
+class Generate(Body, frozen=True):
+    """Request from an env server to a rollout worker: complete ``prompt`` with the weights it serves."""
+
+    prompt: list[int]
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)]
+
+
+@register_kind("generated")
+class Generated(Body, frozen=True):
+    """Reply to ``generate``: the full sequence (prompt included), the policy version that produced it,
+    and the per-token arrays to keep (a branch: field name -> array, as frames)."""
+
+    tokens: list[int]
+    policy_version: NonNegative
+    arrays: dict[str, Array]
 
 
 @register_kind("fetch")
@@ -324,7 +356,8 @@ class NodeList(Body, frozen=True):
 @register_kind("replayed")
 class Replayed(Body, frozen=True):
     events: list[ReplayedEvent]
-    more: bool  # True when ``limit`` cut the answer; ask again from the last seq + 1
+    more: bool  # True when the answer was cut; ask again from ``cursor``
+    cursor: NonNegative = 0  # ring position after the last event examined
 
 
 @register_kind("blobs")

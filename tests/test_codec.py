@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from refbus.bus.pubsub import recv_frames
+from refbus.bus.sockets import recv_frames
 from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum, dtype_width
 from refbus.protocol.envelope import MIN_FRAMES, WireCodec
 from refbus.protocol.errors import ArrayError

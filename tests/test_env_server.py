@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
-from refbus.bus.pubsub import recv_frames
+from refbus.bus.sockets import recv_frames
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
@@ -138,7 +138,7 @@ def test_keep_claim_fetch_delete_and_violations(env_server: EnvServerFactory, ob
     ids = [ref.blob_id for ref in kept.refs]
     assert [(r.source, r.endpoint, r.tokens, r.routing_shape) for r in kept.refs] == [
         ("env-a", info["endpoints"]["blobs"], 50, [4, 2]), ("env-a", info["endpoints"]["blobs"], 40, [4, 2])]
-    assert info["endpoints"]["source"] == "env-a"
+    assert info["labels"]["source"] == "env-a"
 
     finished = observer.next()
     assert isinstance(finished, EpisodeFinished)
@@ -265,13 +265,14 @@ def test_replicas_of_one_source_register_with_it_and_report_status(
     assert (ref.source, ref.endpoint) == ("rollouts", replicas["env-r0"]["endpoints"]["blobs"])
 
     control = peer(bus[1])
-    expected = {name: {"blobs": entry["endpoints"]["blobs"], "source": "rollouts"} for name, entry in replicas.items()}
+    expected = {name: {"blobs": entry["endpoints"]["blobs"]} for name, entry in replicas.items()}
     deadline = time.monotonic() + WAIT_S
     while True:  # the status arrives with the next heartbeat (every 0.2 s): poll the registry
         listed = ask(control, Nodes(role="env-server"))
         assert isinstance(listed, NodeList)
         nodes = {n.node_id: n for n in listed.nodes}
         assert {name: n.endpoints for name, n in nodes.items()} == expected
+        assert {n.labels["source"] for n in nodes.values()} == {"rollouts"}
         if (nodes["env-r0"].status.get("blobs_held") == 1.0 and nodes["env-r1"].status) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -310,7 +311,9 @@ def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess
 
 
 def test_the_env_server_path_never_imports_torch() -> None:
-    code = ("import sys, refbus.nodes.cli, refbus.nodes.payload.env_server, refbus.nodes.payload.keeper; "
+    # The role's entry point as the CLI loads it, plus the default score function it imports.
+    code = ("import sys, refbus.nodes.cli as cli, refbus.nodes.payload.keeper, refbus.nodes.toy.task; "
+            "cli._role_entry('env-server'); "
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
             "assert not loaded, loaded")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

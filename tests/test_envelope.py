@@ -513,5 +513,5 @@ def test_describe_includes_fields_at_their_default() -> None:
 def test_message_repr_hides_buffers() -> None:
     message = RECEIVER.decode(with_array(np.arange(3)))
     assert isinstance(message, Message)
-    assert "buffers" not in repr(message)
+    assert "memory at" not in repr(message) and "buffers=<1>" in repr(message)
     assert len(message.buffers) == 1

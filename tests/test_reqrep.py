@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from refbus.bus.pubsub import recv_frames
+from refbus.bus.sockets import recv_frames
 from refbus.bus.reqrep import (
     Client,
     HandlerError,

@@ -23,8 +23,9 @@ shutdown everything still held is deleted (reason ``shutdown``); the runtime the
 broker has those events before it leaves.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
-the broker with ``endpoints == {"blobs": <endpoint>, "source": <source>}``, so the orchestrator finds every
-replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held`` and ``bytes_held``.
+the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
+orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held`` and
+``bytes_held``.
 
 Embedding: build a :class:`NodeRuntime`, an :class:`EnvServer` on it, call ``runtime.start_background()``,
 then :meth:`EnvServer.keep` / :meth:`EnvServer.discard` from the framework's own threads.
@@ -34,13 +35,12 @@ Never imports torch, directly or through anything it imports.
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import structlog
@@ -69,14 +69,9 @@ from ...protocol.messages import (
 from .branch import Branch
 from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack
 
-if TYPE_CHECKING:
-    from ..config import Config
-
 log = structlog.get_logger(__name__)
 
 ROLE = "env-server"
-# How long shutdown waits for the broker to confirm it has the final events; a dead broker must not hold
-# the exit past the launcher's SIGKILL.
 
 
 @dataclass(frozen=True)
@@ -108,7 +103,7 @@ class EnvServer:
         # numpy backend: torch tensors sent by a peer must not make this process import torch.
         self.server = runtime.serve("blobs", settings.endpoint, backend="numpy")
         self.endpoint = runtime.endpoints["blobs"]
-        runtime.endpoints["source"] = self.source
+        runtime.labels["source"] = self.source
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
                              handover_lease_s=settings.handover_lease_s, clock=clock)
         self._lock = threading.Lock()
@@ -305,19 +300,3 @@ class EnvServer:
                           read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
                           labels=("action",)),
         ]
-
-
-def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node env-server``: serve until SIGINT/SIGTERM."""
-    section = config.env_server
-    settings = EnvServerSettings(endpoint=section.endpoint, source=section.source,
-                                 budget_bytes=section.budget_bytes, handover_lease_s=section.handover_lease_s)
-    runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    try:
-        EnvServer(runtime, settings)
-    except ValueError as exc:  # a budget or lease the keeper refuses
-        log.error("env_server.bad_config", error=str(exc))
-        runtime.close()
-        return 2
-    runtime.run()
-    return 0

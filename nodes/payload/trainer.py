@@ -168,6 +168,8 @@ class TrainerRank:
         self.server = runtime.serve("trainer", self.settings.endpoint)
         self.server.on(StepBatch.kind, self._on_step_batch)
         runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step)}
+        # What the orchestrator needs to address this rank: its data rank, and whether it deletes.
+        runtime.labels.update(rank=str(self.rank), data_rank=str(self.data_rank), leader=str(int(leader)))
 
     # --- the training loop's API ---------------------------------------------------------------------
 

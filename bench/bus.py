@@ -1,0 +1,1000 @@
+"""Bus benchmarks: refbus against raw pyzmq doing the same, measured in the same run.
+
+Four comparisons, each printed as refbus / baseline with the goal from issue 2:
+
+1. **envelope**: events/s of ``WireCodec.encode`` + ``Publisher.publish`` -> ``Subscriber.recv`` (decode and
+   validate) with a ~100-byte ``delete`` body, against raw pyzmq PUB->SUB of 100-byte single frames
+   (goal >= 25%). A stage profile says where the microseconds of one event go.
+2. **broker**: events/s of N = 1 and 2 publishers (``NodeRuntime`` nodes that completed the broker
+   handshake) through a broker process (``NodeRuntime`` + ``Broker``, as ``refbus node bus`` runs it) to a
+   subscriber, against the same publishers sending the same envelopes straight to the subscriber
+   (goal >= 80%). Publishers run at the lowest CPU priority: on a 2-core machine a PUB socket that never
+   blocks would otherwise take a core from the broker or the subscriber and the ratio would measure the
+   scheduler, not the broker.
+3. **rpc**: round-trip p50/p99 of ``Client.request`` (``fetch`` -> ``ok``) against a ``Server``, plain and
+   hosted in a ``NodeRuntime`` loop, against a raw DEALER->ROUTER round trip of the same byte counts
+   (goal p50 <= 1.5x). The three are interleaved in small blocks so they see the same machine.
+4. **bulk**: GB/s of one 1, 16 and 64 MiB array per message (encode with checksum, zero-copy send,
+   ``recv_frames``, decode with checksum verify) against raw zero-copy send/recv of the same buffer
+   (goal >= 80%).
+
+Senders and receivers run in separate spawned worker processes over loopback TCP on ephemeral ports; every
+wait is bounded and every worker is reaped. Event rates are counted by the receiver over a fixed window
+after a warm-up, so a PUB socket dropping at its high-water mark only shows the slower side's capacity.
+Throughputs are the best of several interleaved rounds (other load on the machine only ever slows a run).
+
+    python -m bench.bus [--quick] [--json PATH] [--only events|rpc|bulk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import multiprocessing
+import os
+import secrets
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext
+from typing import Any, Literal
+
+import numpy as np
+import zmq
+from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.logs import configure_logging
+from refbus.bus.pubsub import Publisher, Subscriber
+from refbus.bus.sockets import recv_frames
+from refbus.bus.reqrep import Client, Server
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import EVENT_HWM, SocketOptions, bound_endpoint, make_socket, wildcard_port
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Blobs, Body, Bye, Delete, Fetch, FetchedBlob, Ok, Sync
+
+Flavor = Literal["raw", "refbus"]
+RpcFlavor = Literal["raw", "refbus", "runtime"]
+
+LOOPBACK = "tcp://127.0.0.1:0"
+RAW_EVENT_BYTES = 100
+BATCH = 256  # messages between clock reads / stop checks in hot loops
+WAIT_S = 30.0  # the longest any step waits for a peer before the bench fails
+WAIT_MS = int(WAIT_S * 1000)
+QUIET_S = 0.1  # a broker that forwarded nothing for this long has drained its backlog
+BULK_HWM = 2  # messages queued per bulk socket: bounds memory at 64 MiB messages
+BULK_MIN_MESSAGES = 4
+BULK_SIZES_MIB = (1, 16, 64)
+MIB = 1 << 20
+CPU = time.thread_time
+
+
+class BenchError(RuntimeError):
+    """A worker failed, or a peer did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long each measurement runs."""
+
+    rounds: int  # interleaved repetitions of each throughput measurement; the best counts
+    warmup_s: float  # events received and discarded before a rate window opens
+    window_s: float  # length of an event-rate window
+    rtt_warmup: int  # untimed round trips per flavor
+    rtt_samples: int  # timed round trips per flavor
+    rtt_block: int  # consecutive round trips of one flavor before switching to the next
+    bulk_bytes: int  # bytes per bulk measurement (at least BULK_MIN_MESSAGES messages)
+    profile_events: int
+
+
+FULL = Settings(rounds=2, warmup_s=0.2, window_s=1.0, rtt_warmup=200, rtt_samples=3000, rtt_block=100,
+                bulk_bytes=768 * MIB, profile_events=20_000)
+QUICK = Settings(rounds=1, warmup_s=0.05, window_s=0.2, rtt_warmup=20, rtt_samples=300, rtt_block=50,
+                 bulk_bytes=64 * MIB, profile_events=2_000)
+
+
+# --- workers: the one way this module starts processes -----------------------------------------------
+
+
+class Channel:
+    """A task's line to the parent: :meth:`send` reports progress, :meth:`recv`/:meth:`poll` take orders."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def send(self, value: Any) -> None:
+        self._conn.send(("msg", value))
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether the parent sent an order (to running loops: stop), waiting up to ``timeout_s``."""
+        return self._conn.poll(timeout_s)
+
+    def recv(self, timeout_s: float = WAIT_S) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise BenchError(f"no order from the parent within {timeout_s}s")
+        _, value = self._conn.recv()
+        return value
+
+
+def _worker_main(conn: Connection) -> None:
+    """Run tasks sent by the parent until it sends None (or goes away)."""
+    configure_logging(level="error")
+    with contextlib.suppress(EOFError, KeyboardInterrupt):
+        while (job := conn.recv()) is not None:
+            if job[0] != "call":
+                continue  # an order for a task that has already ended
+            _, task, args = job
+            try:
+                conn.send(("done", task(Channel(conn), *args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+
+
+class Worker:
+    """A spawned process that runs module-level tasks ``task(channel, *args)`` one at a time."""
+
+    def __init__(self, ctx: SpawnContext, name: str) -> None:
+        self.name = name
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), name=name, daemon=True)
+        self.process.start()
+        child.close()
+
+    def submit(self, task: Callable[..., Any], *args: Any) -> None:
+        self._conn.send(("call", task, args))
+
+    def tell(self, order: Any) -> None:
+        """Send an order to the running task (``go``, ``stop``, ...)."""
+        self._conn.send(("tell", order))
+
+    def message(self, timeout_s: float = WAIT_S) -> Any:
+        """The next progress report of the running task."""
+        return self._next("msg", timeout_s)
+
+    def result(self, timeout_s: float = WAIT_S) -> Any:
+        """The running task's return value."""
+        return self._next("done", timeout_s)
+
+    def call(self, task: Callable[..., Any], *args: Any, timeout_s: float = WAIT_S) -> Any:
+        self.submit(task, *args)
+        return self.result(timeout_s)
+
+    def _next(self, expected: str, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise BenchError(f"{self.name}: no {expected!r} within {timeout_s:.0f}s")
+        tag, value = self._conn.recv()
+        if tag == "error":
+            raise BenchError(f"{self.name} failed:\n{value}")
+        if tag != expected:
+            raise BenchError(f"{self.name}: expected {expected!r}, got {tag!r}: {value!r}")
+        return value
+
+    def ask_exit(self) -> None:
+        with contextlib.suppress(OSError):
+            self.tell("stop")
+            self._conn.send(None)
+
+    def reap(self, timeout_s: float) -> None:
+        """Wait for the process to exit; terminate, then kill, if it does not."""
+        self.process.join(timeout_s)
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.exitcode is not None:
+                break
+            end()
+            self.process.join(2.0)
+        self._conn.close()
+
+
+@contextlib.contextmanager
+def workers(*names: str) -> Iterator[list[Worker]]:
+    """Spawned workers (starting concurrently), all reaped on exit whatever happened."""
+    ctx = multiprocessing.get_context("spawn")
+    started: list[Worker] = []
+    try:
+        for name in names:
+            started.append(Worker(ctx, name))
+        yield started
+    finally:
+        for worker in started:
+            worker.ask_exit()
+        for worker in started:
+            worker.reap(5.0)
+        _reap_resource_tracker()
+
+
+def _reap_resource_tracker() -> None:
+    """Spawning also starts multiprocessing's resource tracker process; stop and reap it too, or it ends
+    as a zombie when this process exits under an init that does not reap (as in containers)."""
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, but the only way to reap it
+    if stop is not None:
+        stop()
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The workers of one run: ``rx`` receives (or serves), ``tx`` sends (or calls); ``pubs`` are the
+    low-priority publishers of the broker comparison; ``broker`` runs the broker, then, like ``aux``, one
+    of the rpc servers."""
+
+    rx: Worker
+    tx: Worker
+    pubs: tuple[Worker, Worker]
+    broker: Worker
+    aux: Worker
+
+
+@contextlib.contextmanager
+def pool() -> Iterator[Pool]:
+    """A :class:`Pool` of freshly spawned workers, reaped on exit."""
+    with workers("bench-rx", "bench-tx", "bench-pub0", "bench-pub1", "bench-broker", "bench-aux") as started:
+        rx, tx, pub0, pub1, broker, aux = started
+        for pub in (pub0, pub1):
+            pub.call(lower_priority)
+        yield Pool(rx, tx, (pub0, pub1), broker, aux)
+
+
+def lower_priority(ch: Channel) -> int:
+    """Give this worker (and the ZeroMQ threads it starts later) the lowest CPU priority."""
+    return os.nice(19)
+
+
+# --- measuring ---------------------------------------------------------------------------------------
+
+
+def timed_us(
+    action: Callable[[Any], object], items: Sequence[Any], clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Mean microseconds of ``action(item)`` over ``items``: the one timing helper of this module.
+
+    Profiles pass ``clock=time.thread_time``: CPU time of the calling thread, which neither waiting for a
+    message nor being preempted by other load on the machine adds to.
+    """
+    start = clock()
+    for item in items:
+        action(item)
+    return (clock() - start) * 1e6 / max(1, len(items))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Profiles keep thousands of messages alive; a streaming node does not. Keep the collector out."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``count`` units (events, messages) in ``seconds``; ``nbytes`` per unit for byte rates."""
+
+    count: int
+    seconds: float
+    nbytes: int = 0
+    cpu_s: float = 0.0  # CPU seconds the measuring process spent meanwhile (all its threads)
+
+    @property
+    def per_s(self) -> float:
+        return self.count / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def gb_s(self) -> float:
+        return self.per_s * self.nbytes / 1e9
+
+    @property
+    def cpu_us(self) -> float:
+        """CPU microseconds per unit: what the rate would be bound by on an idle core, whatever the load."""
+        return 1e6 * self.cpu_s / self.count if self.count else 0.0
+
+
+def best_rates(measures: dict[str, Callable[[], Rate]], rounds: int) -> dict[str, Rate]:
+    """Run every measure once per round, interleaved, and keep each one's best rate."""
+    best: dict[str, Rate] = {}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            rate = measure()
+            if name not in best or rate.per_s > best[name].per_s:
+                best[name] = rate
+    return best
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the result table."""
+
+    section: str
+    metric: str
+    unit: str  # "events/s", "us", "GB/s"
+    refbus: float
+    baseline: float
+    goal: float | None  # a ratio; None for informational rows
+    higher_is_better: bool = True
+
+    @property
+    def ratio(self) -> float:
+        return self.refbus / self.baseline if self.baseline else float("nan")
+
+    @property
+    def met(self) -> bool | None:
+        if self.goal is None:
+            return None
+        return self.ratio >= self.goal if self.higher_is_better else self.ratio <= self.goal
+
+
+# --- sockets and bodies ------------------------------------------------------------------------------
+
+
+def _event_body() -> Delete:
+    """A realistic small event: ~100 bytes of msgpack body."""
+    return Delete(blob_ids=[f"env-0-ep-{i:06d}-b0" for i in range(3)], holder="trainer-0", reason="trained")
+
+
+def _fetch_body() -> Fetch:
+    return Fetch(blob_ids=["env-0-ep-000001-b0"], holder="trainer-0")
+
+
+def _raw_socket(ctx: zmq.Context, socket_type: int, hwm: int) -> zmq.Socket:
+    sock = ctx.socket(socket_type)
+    sock.linger = 0
+    sock.sndhwm = hwm
+    sock.rcvhwm = hwm
+    return sock
+
+
+def _socket(ctx: zmq.Context, flavor: Flavor, socket_type: int, hwm: int = EVENT_HWM) -> zmq.Socket:
+    """A raw pyzmq socket, or one from refbus's factory, with the same high-water marks."""
+    if flavor == "raw":
+        return _raw_socket(ctx, socket_type, hwm)
+    return make_socket(ctx, socket_type, options=SocketOptions(sndhwm=hwm, rcvhwm=hwm))
+
+
+def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
+    """Bind (ephemeral ports allowed) or connect ``sock``; returns the endpoint peers should use."""
+    if bind:
+        sock.bind(wildcard_port(endpoint))
+        return bound_endpoint(sock)
+    sock.connect(endpoint)
+    return endpoint
+
+
+# --- tasks: events -----------------------------------------------------------------------------------
+
+
+def event_receiver(ch: Channel, flavor: Flavor, endpoint: str, bind: bool, warmup_s: float, window_s: float) -> Rate:
+    """Subscribe, report the endpoint, then count events over ``window_s`` after ``warmup_s``."""
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.SUB)
+        sock.subscribe(b"")
+        ch.send(_attach(sock, endpoint, bind))
+        if flavor == "raw":
+            sock.rcvtimeo = WAIT_MS
+            return _count_window(sock.recv, warmup_s, window_s)
+        subscriber = Subscriber(sock, WireCodec("bench-sub"))
+
+        def receive() -> None:
+            if subscriber.recv(WAIT_MS) is None:
+                raise BenchError(f"no event within {WAIT_S}s")
+
+        return _count_window(receive, warmup_s, window_s)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _count_window(receive: Callable[[], object], warmup_s: float, window_s: float) -> Rate:
+    """Events ``receive`` returns within ``window_s``, once ``warmup_s`` has passed since the first one.
+
+    ``receive`` blocks for the next event and raises if the stream stalls.
+    """
+    clock = time.perf_counter
+    receive()
+    count, elapsed, cpu = 0, 0.0, 0.0
+    for length in (warmup_s, window_s):
+        count, start, cpu = 0, clock(), time.process_time()
+        while (elapsed := clock() - start) < length:
+            for _ in range(BATCH):
+                receive()
+            count += BATCH
+    return Rate(count, elapsed, cpu_s=time.process_time() - cpu)
+
+
+def event_sender(ch: Channel, flavor: Flavor, endpoint: str, node_id: str, via_broker: bool) -> int:
+    """Connect (or join the broker whose control endpoint is ``endpoint``), say ready, wait for go, then
+    publish until stopped; returns how many were sent."""
+    if via_broker:
+        runtime = NodeRuntime("bench", RuntimeSettings(bus=endpoint, node_id=node_id, metrics_port=-1))
+        try:
+            runtime.start()  # hello + sync handshake: this node's PUB is proven live at the broker
+            return _publish_until_stopped(ch, functools.partial(runtime.publish, _event_body()))
+        finally:
+            runtime.close()
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.PUB)
+        sock.connect(endpoint)
+        if flavor == "raw":
+            return _publish_until_stopped(ch, functools.partial(sock.send, b"x" * RAW_EVENT_BYTES))
+        publisher = Publisher(sock, WireCodec(node_id))
+        return _publish_until_stopped(ch, functools.partial(publisher.publish, _event_body()))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _publish_until_stopped(ch: Channel, send: Callable[[], object]) -> int:
+    ch.send("ready")
+    ch.recv()  # go
+    sent = 0
+    while not ch.poll():
+        for _ in range(BATCH):
+            send()
+        sent += BATCH
+    return sent
+
+
+def broker_node(ch: Channel) -> dict[str, float]:
+    """Run a broker (``NodeRuntime`` + ``Broker``, as ``refbus node bus`` does) until told to stop.
+
+    The order ``quiesce`` runs it until its backlog is forwarded (nothing for ``QUIET_S``), then reports
+    ``quiet``: a publisher that outran the subscriber leaves events queued in the broker's XSUB socket.
+    Returns events forwarded and the broker process's CPU seconds.
+    """
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bench-bus", metrics_port=-1), register=False)
+    # Publishers in this bench run no loop, so they never heartbeat: keep them registered throughout.
+    settings = BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK, node_timeout_s=3600)
+    broker = Broker(runtime, settings)
+    cpu = time.process_time()
+    try:
+        runtime.start()
+        ch.send(dict(runtime.endpoints))
+        while True:
+            runtime.loop(until=ch.poll)
+            if ch.recv() != "quiesce":
+                return {"forwarded": broker.forwarded, "cpu_s": time.process_time() - cpu}
+            runtime.loop(until=_quiet(broker))
+            ch.send("quiet")
+    finally:
+        runtime.close()
+
+
+def _quiet(broker: Broker) -> Callable[[], bool]:
+    """True once ``broker`` has forwarded nothing for ``QUIET_S``."""
+    last = [broker.forwarded, time.monotonic()]
+
+    def quiet() -> bool:
+        now = time.monotonic()
+        if broker.forwarded != last[0]:
+            last[:] = [broker.forwarded, now]
+        return now - last[1] >= QUIET_S
+
+    return quiet
+
+
+# --- tasks: event path profile -----------------------------------------------------------------------
+
+
+def profile_sender(ch: Channel, flavor: Flavor, endpoint: str, count: int) -> dict[str, float]:
+    """Probe until the receiver is live, then time encode and send of ``count`` events (µs per event)."""
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.PUB)
+        sock.connect(endpoint)
+        codec = WireCodec("bench-prof")
+        publisher = Publisher(sock, codec)
+        probe = (functools.partial(sock.send, b"probe") if flavor == "raw"
+                 else functools.partial(publisher.publish_raw, Sync(token="probe")))
+        while not ch.poll(0.005):
+            probe()
+        ch.recv()  # live
+        with gc_paused():
+            stages = _profile_send(sock, codec, flavor, count)
+        ch.send("sent")
+        ch.recv()  # the receiver has everything: closing (linger 0) earlier would discard queued events
+        return stages
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _profile_send(sock: zmq.Socket, codec: WireCodec, flavor: Flavor, count: int) -> dict[str, float]:
+    if flavor == "raw":
+        return {"send": timed_us(sock.send, [b"x" * RAW_EVENT_BYTES] * count, CPU)}
+    body = _event_body()
+    encoded: list[list[Any]] = []
+    return {
+        "encode": timed_us(lambda seq: encoded.append(codec.encode(body, seq=seq)), range(1, count + 1), CPU),
+        "send": timed_us(lambda frames: sock.send_multipart(frames, copy=False), encoded, CPU),
+        "zmq.SNDMORE | flags, x2": 2 * timed_us(lambda flags: zmq.SNDMORE | flags, [0] * count, CPU),
+    }
+
+
+def profile_receiver(ch: Channel, flavor: Flavor, count: int) -> dict[str, float]:
+    """Time receive, decode and sequence tracking of ``count`` queued events (µs per event)."""
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.SUB)
+        sock.subscribe(b"")
+        sock.rcvtimeo = WAIT_MS
+        ch.send(_attach(sock, LOOPBACK, bind=True))
+        receive = sock.recv if flavor == "raw" else functools.partial(recv_frames, sock)
+        probe = b"probe" if flavor == "raw" else Sync.kind.encode()
+        receive()
+        ch.send("live")
+        ch.recv()  # go: every event was sent (fewer than the high-water mark); waits are not CPU time
+        first = receive()
+        while (first if flavor == "raw" else first[0]) == probe:
+            first = receive()
+        received = [first]
+        with gc_paused():
+            stages = {"recv": timed_us(lambda _: received.append(receive()), range(count - 1), CPU)}
+            if flavor == "refbus":  # a second batch of ``count`` goes through the subscriber's own path
+                subscriber = Subscriber(sock, WireCodec("bench-sub"))
+                stages["drain"] = timed_us(lambda _: _drain(subscriber), range(count), CPU)
+                stages |= _profile_decode(sock, received)
+        return stages
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _drain(subscriber: Subscriber) -> None:
+    """What ``Subscriber.recv`` does for an event that is waiting, less its ``poll``."""
+    subscriber.drain_one()
+    if subscriber.pop() is None:
+        raise BenchError("the subscriber delivered nothing for a queued event")
+
+
+def _profile_decode(sock: zmq.Socket, received: list[list[Any]]) -> dict[str, float]:
+    """Decode-side stages of the refbus path, and the costs inside them that stand out."""
+    codec = WireCodec("bench-sub")
+    messages = [codec.decode(frames) for frames in received]
+    header = messages[0].header
+    return {
+        "poll": timed_us(lambda _: sock.poll(0, zmq.POLLIN), received, CPU),
+        "decode": timed_us(codec.decode, received, CPU),
+        "decode_header": timed_us(codec.decode_header, received, CPU),
+        "sock.rcvmore, x3": 3 * timed_us(lambda _: sock.rcvmore, received, CPU),
+        "Message(...)": timed_us(lambda m: Message(m.kind, header, m.body, ()), messages, CPU),
+        "sum(memoryview(f).nbytes)": timed_us(lambda f: sum(memoryview(x).nbytes for x in f), received, CPU),
+    }
+
+
+# --- tasks: request/reply ----------------------------------------------------------------------------
+
+
+def rpc_server(ch: Channel, flavor: RpcFlavor, reply_bytes: int) -> int:
+    """Serve round trips until the client says stop; returns how many were served."""
+    if flavor == "runtime":
+        return _runtime_server(ch)
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.ROUTER, hwm=1000)
+        sock.rcvtimeo = WAIT_MS
+        ch.send(_attach(sock, LOOPBACK, bind=True))
+        if flavor == "raw":
+            return _raw_serve(sock, b"r" * reply_bytes)
+        server = Server(sock, WireCodec("bench-server"))
+        stopped: list[bool] = []
+        _bench_routes(server, lambda: stopped.append(True))
+        while not stopped:
+            server.handle_one()
+        return server.handled[Fetch.kind]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _raw_serve(sock: zmq.Socket, reply: bytes) -> int:
+    served = 0
+    while True:
+        identity, request = sock.recv_multipart()
+        if not request:
+            return served
+        sock.send_multipart([identity, reply])
+        served += 1
+
+
+def _runtime_server(ch: Channel) -> int:
+    """The same routes, served the way every node serves them: from a ``NodeRuntime`` loop."""
+    runtime = NodeRuntime("bench-rpc", RuntimeSettings(node_id="bench-rpc", metrics_port=-1), register=False)
+    try:
+        server = runtime.serve("rpc", LOOPBACK)
+        _bench_routes(server, runtime.stop)
+        runtime.start()
+        ch.send(runtime.endpoints["rpc"])
+        runtime.loop()
+        return server.handled[Fetch.kind]
+    finally:
+        runtime.close()
+
+
+def _bench_routes(server: Server, stop: Callable[[], None]) -> None:
+    def on_bye(_: Message) -> Body:
+        stop()
+        return Ok()
+
+    server.on(Fetch.kind, lambda _: Ok(), cached=False)  # a read, as fetch is in refbus
+    server.on(Bye.kind, on_bye)
+
+
+def rpc_client(
+    ch: Channel, endpoints: dict[str, str], request_bytes: int, settings: Settings
+) -> dict[str, list[float]]:
+    """Round trips in µs to every server in ``endpoints`` (flavor -> endpoint), interleaved in blocks of
+    ``settings.rtt_block``; then tells each server to stop."""
+    ctx = zmq.Context()
+    try:
+        callers = {flavor: _rpc_caller(ctx, flavor, endpoint, request_bytes) for flavor, endpoint in endpoints.items()}
+        latencies: dict[str, list[float]] = {flavor: [] for flavor in callers}
+        for round_trip, _ in callers.values():
+            for _ in range(settings.rtt_warmup):
+                round_trip()
+        for _ in range(settings.rtt_samples // settings.rtt_block):
+            for flavor, (round_trip, _) in callers.items():
+                latencies[flavor] += _latencies_us(round_trip, settings.rtt_block)
+        for _, stop in callers.values():
+            stop()
+        return latencies
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _latencies_us(round_trip: Callable[[], object], count: int) -> list[float]:
+    calls = [round_trip]
+    return [timed_us(lambda call: call(), calls) for _ in range(count)]
+
+
+def _rpc_caller(
+    ctx: zmq.Context, flavor: str, endpoint: str, request_bytes: int
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """``(round_trip, stop_server)`` for one server."""
+    if flavor == "raw":
+        sock = _raw_socket(ctx, zmq.DEALER, 1000)
+        sock.rcvtimeo = WAIT_MS
+        sock.connect(endpoint)
+        request = b"q" * request_bytes
+
+        def round_trip() -> None:
+            sock.send(request)
+            sock.recv()
+
+        return round_trip, functools.partial(sock.send, b"")
+    client = Client(ctx, endpoint, WireCodec(f"bench-client-{flavor}"))
+    return functools.partial(client.request, _fetch_body()), functools.partial(client.request, Bye(node_id="bench"))
+
+
+# --- tasks: bulk frames ------------------------------------------------------------------------------
+
+
+def bulk_receiver(ch: Channel, flavor: Flavor, nbytes: int, count: int) -> Rate:
+    """Receive ``count`` messages of one ``nbytes`` array; rate from the first one's arrival to the last's."""
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.PULL, hwm=BULK_HWM)
+        sock.rcvtimeo = WAIT_MS
+        ch.send(_attach(sock, LOOPBACK, bind=True))
+        if flavor == "raw":
+            def receive() -> int:
+                return len(sock.recv(copy=False))
+        else:
+            codec = WireCodec("bench-bulk-rx")
+
+            def receive() -> int:
+                body = codec.decode(recv_frames(sock), verify=True).body
+                assert isinstance(body, Blobs)
+                return int(body.blobs[0].arrays["data"].nbytes)
+
+        if receive() != nbytes:
+            raise BenchError(f"received a message of the wrong size (expected {nbytes} bytes)")
+        start = time.perf_counter()
+        for _ in range(count - 1):
+            receive()
+        return Rate(count - 1, time.perf_counter() - start, nbytes=nbytes)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def bulk_sender(ch: Channel, flavor: Flavor, endpoint: str, nbytes: int, count: int) -> None:
+    """Send ``count`` messages of one ``nbytes`` array, zero-copy (refbus: encoded with checksum each time)."""
+    array = np.full(nbytes, 7, dtype=np.uint8)
+    ctx = zmq.Context()
+    try:
+        sock = _socket(ctx, flavor, zmq.PUSH, hwm=BULK_HWM)
+        sock.connect(endpoint)
+        codec = WireCodec("bench-bulk-tx")
+        body = Blobs(blobs=[FetchedBlob(blob_id="bench-blob", arrays={"data": array})])
+        for _ in range(count):
+            if flavor == "raw":
+                sock.send(memoryview(array), copy=False)
+            else:
+                sock.send_multipart(codec.encode(body), copy=False)
+        ch.recv()  # the receiver has everything: closing (linger 0) earlier would discard queued frames
+    finally:
+        ctx.destroy(linger=0)
+
+
+# --- the comparisons (parent side) -------------------------------------------------------------------
+
+
+def measure_events(pool: Pool, settings: Settings, flavor: Flavor, senders: Sequence[Worker],
+                   broker: dict[str, str] | None = None) -> Rate:
+    """Events/s at one subscriber from ``senders``, straight or through the broker at ``broker``."""
+    endpoint = broker["events_out"] if broker else LOOPBACK
+    pool.rx.submit(event_receiver, flavor, endpoint, broker is None, settings.warmup_s, settings.window_s)
+    subscribed = pool.rx.message()
+    target = broker["control"] if broker else subscribed
+    run = secrets.token_hex(3)  # fresh node ids: the broker may still hold an earlier run's events
+    for index, worker in enumerate(senders):
+        worker.submit(event_sender, flavor, target, f"bench-pub-{run}-{index}", broker is not None)
+    for worker in senders:
+        if worker.message() != "ready":
+            raise BenchError(f"{worker.name} did not get ready")
+    for worker in senders:
+        worker.tell("go")
+    try:
+        return pool.rx.result(settings.warmup_s + settings.window_s + WAIT_S)
+    finally:
+        for worker in senders:
+            worker.tell("stop")
+        for worker in senders:
+            worker.result()
+        if broker:
+            pool.broker.tell("quiesce")
+            pool.broker.message()
+
+
+def profile_events(pool: Pool, flavor: Flavor, count: int) -> dict[str, dict[str, float]]:
+    """Per-stage µs of one event: sender stages timed in the sender process, receiver stages in the
+    receiver process, each over ``count`` events queued ahead."""
+    sender = pool.tx
+    pool.rx.submit(profile_receiver, flavor, count)
+    sender.submit(profile_sender, flavor, pool.rx.message(), 2 * count if flavor == "refbus" else count)
+    pool.rx.message()  # live: the subscription reached the publisher
+    sender.tell("live")
+    sender.message()  # sent
+    pool.rx.tell("go")
+    try:
+        received = pool.rx.result()
+    finally:
+        sender.tell("done")
+    return {"sender": sender.result(), "receiver": received}
+
+
+def bench_events(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, Any]]:
+    """Envelope and broker comparisons, then the event-path profile."""
+    pool.broker.submit(broker_node)
+    endpoints = pool.broker.message()
+    try:
+        one, two = pool.pubs[:1], pool.pubs
+        rates = best_rates({
+            "raw": lambda: measure_events(pool, settings, "raw", (pool.tx,)),
+            "refbus": lambda: measure_events(pool, settings, "refbus", (pool.tx,)),
+            "direct": lambda: measure_events(pool, settings, "refbus", one),
+            "brokered": lambda: measure_events(pool, settings, "refbus", one, endpoints),
+            "direct2": lambda: measure_events(pool, settings, "refbus", two),
+            "brokered2": lambda: measure_events(pool, settings, "refbus", two, endpoints),
+        }, settings.rounds)
+    finally:
+        pool.broker.tell("stop")
+        broker_cpu = pool.broker.result()
+    rows = [
+        Row("envelope", "events/s, 1 pub -> 1 sub (vs raw 100 B frames)", "events/s",
+            rates["refbus"].per_s, rates["raw"].per_s, 0.25),
+        Row("broker", "events/s, 1 pub via broker (vs direct)", "events/s",
+            rates["brokered"].per_s, rates["direct"].per_s, 0.80),
+        Row("broker", "events/s, 2 pubs via broker (vs direct)", "events/s",
+            rates["brokered2"].per_s, rates["direct2"].per_s, 0.80),
+    ]
+    profile = {flavor: profile_events(pool, flavor, settings.profile_events) for flavor in ("refbus", "raw")}
+    extra = {
+        "profile": profile,
+        "rates": {name: asdict(rate) | {"per_s": rate.per_s, "cpu_us": rate.cpu_us} for name, rate in rates.items()},
+        "broker": broker_cpu | {"cpu_us_per_event": 1e6 * broker_cpu["cpu_s"] / max(1, broker_cpu["forwarded"])},
+    }
+    return rows, extra
+
+
+def _envelope_bytes(body: Body, **encode: Any) -> int:
+    return sum(len(frame) for frame in WireCodec("bench-client-refbus").encode(body, **encode))
+
+
+def bench_rpc(pool: Pool, settings: Settings) -> list[Row]:
+    """Round trips from one client process to three server processes (raw, refbus ``Server``, ``Server`` in
+    a ``NodeRuntime`` loop), interleaved in blocks."""
+    request_bytes = _envelope_bytes(_fetch_body())
+    reply_bytes = _envelope_bytes(Ok(), reply_to=WireCodec("bench-server").new_id())
+    servers: dict[str, Worker] = {"raw": pool.rx, "refbus": pool.aux, "runtime": pool.broker}
+    for flavor, worker in servers.items():
+        worker.submit(rpc_server, flavor, reply_bytes)
+    endpoints = {flavor: worker.message() for flavor, worker in servers.items()}
+    samples = pool.tx.call(rpc_client, endpoints, request_bytes, settings,
+                              timeout_s=WAIT_S + 3 * settings.rtt_samples * 0.005)
+    for worker in servers.values():
+        worker.result()
+    raw = np.percentile(samples["raw"], [50, 99])
+    rows = []
+    for flavor, label in (("refbus", "Server"), ("runtime", "Server in NodeRuntime loop")):
+        ours = np.percentile(samples[flavor], [50, 99])
+        rows += [
+            Row("rpc", f"round trip p50, {label}", "us", float(ours[0]), float(raw[0]), 1.5, higher_is_better=False),
+            Row("rpc", f"round trip p99, {label}", "us", float(ours[1]), float(raw[1]), None, higher_is_better=False),
+        ]
+    return rows
+
+
+def measure_bulk(pool: Pool, flavor: Flavor, nbytes: int, count: int) -> Rate:
+    pool.rx.submit(bulk_receiver, flavor, nbytes, count)
+    sender = pool.tx
+    sender.submit(bulk_sender, flavor, pool.rx.message(), nbytes, count)
+    try:
+        return pool.rx.result(WAIT_S + count * nbytes / 0.1e9)
+    finally:
+        sender.tell("done")
+        sender.result()
+
+
+def bench_bulk(pool: Pool, settings: Settings) -> list[Row]:
+    rows = []
+    for mib in BULK_SIZES_MIB:
+        nbytes = mib * MIB
+        count = max(BULK_MIN_MESSAGES, settings.bulk_bytes // nbytes)
+        best = best_rates({flavor: functools.partial(measure_bulk, pool, flavor, nbytes, count)
+                           for flavor in ("raw", "refbus")}, settings.rounds)
+        rows.append(Row("bulk", f"one {mib} MiB array per message", "GB/s",
+                        best["refbus"].gb_s, best["raw"].gb_s, 0.80))
+    return rows
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def _value(value: float, unit: str) -> str:
+    if unit == "events/s":
+        return f"{value / 1e3:,.1f}k/s"
+    if unit == "us":
+        return f"{value:,.1f} us"
+    return f"{value:.2f} {unit}"
+
+
+def _ratio(row: Row) -> str:
+    return f"{row.ratio:.0%}" if row.higher_is_better else f"{row.ratio:.2f}x"
+
+
+def _goal(row: Row) -> str:
+    if row.goal is None:
+        return "-"
+    return f">= {row.goal:.0%}" if row.higher_is_better else f"<= {row.goal:.2f}x"
+
+
+def _met(row: Row) -> str:
+    return {True: "met", False: "NOT MET", None: "-"}[row.met]
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = ("metric", "refbus", "baseline", "ratio", "goal", "")
+    lines = [header, *((f"{r.section}: {r.metric}", _value(r.refbus, r.unit), _value(r.baseline, r.unit),
+                        _ratio(r), _goal(r), _met(r)) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(_pad(cell, width, i) for i, (cell, width) in enumerate(zip(line, widths, strict=True)))
+                     for line in lines)
+
+
+def _pad(cell: str, width: int, column: int) -> str:
+    return cell.ljust(width) if column == 0 else cell.rjust(width)
+
+
+PROFILE_LINES = (
+    ("sender", "encode", "WireCodec.encode"),
+    ("sender", "send", "sock.send_multipart(copy=False)   [raw: sock.send]"),
+    ("receiver", "poll", "sock.poll(), once per Subscriber.recv"),
+    ("receiver", "drain", "Subscriber.drain_one: recv_frames, decode, seq check"),
+    ("receiver", "recv", "  recv_frames                     [raw: sock.recv]"),
+    ("receiver", "decode", "  WireCodec.decode (validates)"),
+    ("receiver", "decode_header", "    of which decode_header"),
+)
+TOTALS = {
+    "refbus": {"sender": ("encode", "send"), "receiver": ("poll", "drain")},
+    "raw": {"sender": ("send",), "receiver": ("recv",)},
+}
+HOTSPOT_LINES = (
+    ("receiver", "sock.rcvmore, x3", "recv_frames: `sock.rcvmore` property, once per frame"),
+    ("sender", "zmq.SNDMORE | flags, x2", "send_multipart: `zmq.SNDMORE | flags` (IntFlag), per frame"),
+    ("receiver", "Message(...)", "decode: frozen-dataclass `Message(...)`"),
+    ("receiver", "sum(memoryview(f).nbytes)", "decode_header: size sum over all frames"),
+)
+
+
+def format_profile(profile: dict[str, dict[str, dict[str, float]]], count: int) -> str:
+    ours, raw = profile["refbus"], profile["raw"]
+    lines = [
+        f"Event path profile, CPU us per event (batches of {count} queued events; sender stages timed in the",
+        "sender process, receiver stages in the receiver; refbus = 3 frames, ~165 B; raw = 1 frame, 100 B):",
+        f"  {'stage':56s} {'refbus':>7s} {'raw':>7s}",
+    ]
+    for side, key, label in PROFILE_LINES:
+        raw_value = raw[side].get(key)
+        lines.append(f"  {label:56s} {ours[side][key]:7.2f} {'' if raw_value is None else f'{raw_value:7.2f}'}")
+    for side in ("sender", "receiver"):
+        ours_total, raw_total = (sum(profile[flavor][side][key] for key in TOTALS[flavor][side])
+                                 for flavor in ("refbus", "raw"))
+        lines.append(f"  {side + ' total (capacity ' + f'{1e6 / ours_total / 1e3:.0f}k/s)':56s} "
+                     f"{ours_total:7.2f} {raw_total:7.2f}")
+    lines.append("  inside those stages:")
+    lines += [f"    {label:54s} {ours[side][key]:7.2f}" for side, key, label in HOTSPOT_LINES]
+    return "\n".join(lines)
+
+
+def format_cpu(extra: dict[str, Any]) -> str:
+    """CPU per event of the subscriber process (all threads) in each best window, and of the broker:
+    figures that other load on the machine does not distort, unlike the rates."""
+    cells = ", ".join(f"{name} {rate['cpu_us']:.2f}" for name, rate in extra["rates"].items())
+    return (f"CPU us per event, subscriber process (all threads): {cells}\n"
+            f"CPU us per forwarded event, broker process: {extra['broker']['cpu_us_per_event']:.2f}")
+
+
+def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    """The chosen sections, in order; ``extra`` holds the profile, raw rates and seconds per section."""
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    started = time.monotonic()
+    with pool() as bench_pool:
+        seconds["start"] = time.monotonic() - started
+        for section in sections:
+            started = time.monotonic()
+            if section == "events":
+                event_rows, extra = bench_events(bench_pool, settings)
+                rows += event_rows
+            else:
+                rows += {"rpc": bench_rpc, "bulk": bench_bulk}[section](bench_pool, settings)
+            seconds[section] = time.monotonic() - started
+    return rows, extra | {"section_seconds": seconds}
+
+
+SECTIONS = ("events", "rpc", "bulk")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bus",
+        description="refbus bus benchmarks: envelope, broker, request/reply and bulk frames, each printed as a "
+                    "ratio to raw pyzmq (or to direct delivery) measured in the same run, in separate processes.",
+    )
+    parser.add_argument("--quick", action="store_true", help="short windows and few samples (smoke test, < 10 s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--only", choices=SECTIONS, action="append", default=[],
+                        help="run only this section (repeatable); default: all")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    started = time.monotonic()
+    rows, extra = run(settings, args.only or SECTIONS)
+    print(format_table(rows))
+    if "profile" in extra:
+        print()
+        print(format_profile(extra["profile"], settings.profile_events))
+        print(format_cpu(extra))
+    elapsed = time.monotonic() - started
+    parts = ", ".join(f"{name} {secs:.1f} s" for name, secs in extra["section_seconds"].items())
+    print(f"\n{'quick' if args.quick else 'full'} run: {elapsed:.1f} s ({parts}); load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.json:
+        figures = {
+            "quick": args.quick,
+            "settings": asdict(settings),
+            "seconds": elapsed,
+            "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows],
+            **extra,
+        }
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The orchestrator side of arrays by reference: it holds references, never array bytes.
+
+Three pieces, one job each:
+
+* :class:`ReferenceHolder` — every blob the orchestrator owns, and the only two ways it lets go of one:
+  hand it to a trainer rank (an acknowledged ``step-batch``) or delete it (an acknowledged ``delete`` to the
+  env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
+* :class:`TrainSink` — the one place that decides what ships. Whatever it will not ship is deleted at that
+  moment with its reason: filtered groups (zero advantage), dropped traces, pruned samples, samples too
+  stale for the bound, what is still queued at shutdown. :class:`EvalSink` deletes every eval episode's
+  arrays; :meth:`ReferenceHolder.release` covers late returns of dropped groups.
+* :class:`ReplicaRouter` — picks, for a source, the env-server replica with the fewest runs in flight.
+
+Samples carry small inline arrays (``inputs``: token ids, advantages, loss masks: a few bytes per token) that
+travel with the micro batch; the kept kinds (routing, top-k heads, sampling masks: hundreds of bytes per
+token) only ever appear here as :class:`~refbus.protocol.messages.BlobRef`.
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import structlog
+
+from ...bus.reqrep import Client, RemoteError, RequestTimeout, gather
+from ...bus.runtime import NodeRuntime
+from ...protocol.messages import (
+    BlobRef,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    MicroBatchRefs,
+    NodeInfo,
+    SampleSlice,
+    StepBatch,
+)
+from .packing import MicroBatch, PackPlan, SampleInfo, pack
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trainable sequence: its reference (None when it kept no arrays) and small per-token inputs.
+
+    Every array in ``inputs`` has ``tokens`` rows; they are cut and padded like the kept arrays.
+    """
+
+    sample_id: str
+    tokens: int
+    ref: BlobRef | None = None
+    policy_version: int = 0
+    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+class DeliveryError(RuntimeError):
+    """A trainer rank did not accept its step batch; the step's blobs stay with the orchestrator."""
+
+
+class ReferenceHolder:
+    """The orchestrator's blobs. All methods run on the node's loop thread.
+
+    Counters (``claimed``, ``missing``, ``deleted`` by reason, ``handed_over``) feed metrics and the summary.
+    """
+
+    def __init__(self, runtime: NodeRuntime, *, window: int = 8) -> None:
+        self.runtime = runtime
+        self.holder = runtime.node_id
+        self.window = window
+        self.held: dict[str, BlobRef] = {}
+        self.claimed = 0
+        self.missing = 0
+        self.handed_over = 0
+        self.deleted: Counter[str] = Counter()
+        self.failed_deletes = 0
+        self._clients: dict[str, Client] = {}
+
+    def client(self, endpoint: str) -> Client:
+        if endpoint not in self._clients:
+            self._clients[endpoint] = self.runtime.client(endpoint)
+        return self._clients[endpoint]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self.held.values())
+
+    def claim(self, refs: Sequence[BlobRef]) -> list[BlobRef]:
+        """Take ownership of ``refs``; returns those claimed. Refs whose blobs are gone (their hand-over
+        lease ended, or the env server is unreachable) are returned as missing: their samples have no arrays.
+        """
+        by_endpoint = _group(refs)
+        calls = [(self.client(ep), Claim(blob_ids=[r.blob_id for r in group], holder=self.holder))
+                 for ep, group in by_endpoint.items()]
+        claimed: list[BlobRef] = []
+        for (endpoint, group), outcome in zip(by_endpoint.items(), gather(calls, window=self.window), strict=True):
+            if isinstance(outcome, RemoteError | RequestTimeout):
+                log.warning("claim.failed", endpoint=endpoint, blobs=len(group), error=str(outcome))
+                self.missing += len(group)
+                continue
+            reply = outcome.body
+            assert isinstance(reply, Claimed)
+            granted = set(reply.blob_ids)
+            for ref in group:
+                if ref.blob_id in granted:
+                    self.held[ref.blob_id] = ref
+                    claimed.append(ref)
+            self.claimed += len(granted)
+            self.missing += len(reply.missing)
+        return claimed
+
+    def delete(self, refs: Iterable[BlobRef], reason: str) -> None:
+        """Delete blobs this orchestrator holds, now, for ``reason``. Refs it does not hold are ignored
+        (a sample without a claimed blob), so callers can pass whatever they drop."""
+        mine = [self.held.pop(ref.blob_id) for ref in refs if ref.blob_id in self.held]
+        if not mine:
+            return
+        by_endpoint = _group(mine)
+        calls = [(self.client(ep), Delete(blob_ids=[r.blob_id for r in group], holder=self.holder, reason=reason))
+                 for ep, group in by_endpoint.items()]
+        for (endpoint, group), outcome in zip(by_endpoint.items(), gather(calls, window=self.window), strict=True):
+            if isinstance(outcome, RemoteError | RequestTimeout):
+                self.failed_deletes += len(group)
+                log.error("delete.failed", endpoint=endpoint, blobs=len(group), reason=reason, error=str(outcome))
+                continue
+            reply = outcome.body
+            assert isinstance(reply, Deleted)
+            self.deleted[reason] += len(reply.blob_ids)
+            if reply.violations:
+                log.error("delete.violation", endpoint=endpoint, blob_ids=reply.violations, reason=reason)
+
+    def release(self, refs: Iterable[BlobRef], reason: str = "late") -> None:
+        """Delete the arrays of episodes that came back after their group was dropped (dispatcher)."""
+        self.delete(refs, reason)
+
+    def hand_over(self, batches: Mapping[str, StepBatch]) -> None:
+        """Send each trainer endpoint its step batch. Ownership of each batch's ``owned`` blobs moves to
+        the rank that acknowledged it; if any rank refuses or times out, :class:`DeliveryError` is raised
+        and the blobs of unacknowledged batches stay held here (the caller deletes or retries)."""
+        calls = [(self.client(endpoint), batch) for endpoint, batch in batches.items()]
+        failures = []
+        for (endpoint, batch), outcome in zip(batches.items(), gather(calls, window=self.window), strict=True):
+            if isinstance(outcome, RemoteError | RequestTimeout):
+                failures.append(f"{endpoint}: {outcome}")
+                continue
+            for blob_id in batch.owned:
+                self.held.pop(blob_id, None)
+            self.handed_over += len(batch.owned)
+        if failures:
+            raise DeliveryError("; ".join(failures))
+
+
+def _group(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
+    by_endpoint: dict[str, list[BlobRef]] = defaultdict(list)
+    for ref in refs:
+        by_endpoint[ref.endpoint].append(ref)
+    return dict(by_endpoint)
+
+
+@dataclass(frozen=True)
+class TrainerAddress:
+    """One trainer rank as the orchestrator addresses it (from its registry entry)."""
+
+    endpoint: str
+    rank: int
+    data_rank: int
+    leader: bool = True
+
+    @classmethod
+    def from_node(cls, node: NodeInfo) -> TrainerAddress:
+        labels = node.labels
+        return cls(node.endpoints["trainer"], int(labels["rank"]), int(labels["data_rank"]),
+                   labels.get("leader", "1") == "1")
+
+
+class TrainSink:
+    """Decides what ships to the trainer ranks; deletes, at that moment, everything it will not ship.
+
+    ``trainers``: every trainer rank. Ranks of one data rank get the same micro batches; only the data
+    rank's leader gets ``owned`` (it deletes them after the step).
+    """
+
+    def __init__(
+        self,
+        holder: ReferenceHolder,
+        trainers: Sequence[TrainerAddress] = (),
+        *,
+        seq_len: int,
+        max_staleness: int,
+        pad_to_multiple_of: int = 1,
+    ) -> None:
+        self.holder = holder
+        self.seq_len = seq_len
+        self.max_staleness = max_staleness
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.queue: list[Sample] = []
+        self.dropped: Counter[str] = Counter()
+        self.trainers: list[TrainerAddress] = []
+        self.data_ranks = 0
+        if trainers:
+            self.use_trainers(trainers)
+
+    def use_trainers(self, trainers: Sequence[TrainerAddress]) -> None:
+        """Set the ranks steps go to (checked: data ranks 0..n-1, one leader each)."""
+        ordered = sorted(trainers, key=lambda t: (t.data_rank, not t.leader, t.rank))
+        data_ranks = sorted({t.data_rank for t in ordered})
+        if data_ranks != list(range(len(data_ranks))):
+            raise ValueError(f"trainer data ranks must be 0..n-1, got {data_ranks}")
+        if any(sum(t.leader for t in ordered if t.data_rank == d) != 1 for d in data_ranks):
+            raise ValueError("every data rank needs exactly one leader rank")
+        self.trainers = ordered
+        self.data_ranks = len(data_ranks)
+
+    def add_group(self, samples: Sequence[Sample], advantages: Sequence[float]) -> bool:
+        """Queue a group with its advantages (added to each sample's ``inputs`` as ``advantages``), or
+        delete it now when every advantage is zero (nothing to learn). Returns whether it was queued."""
+        if not any(advantages):
+            self.drop(samples, "filtered")
+            return False
+        for sample, advantage in zip(samples, advantages, strict=True):
+            per_token = np.full(sample.tokens, advantage, dtype=np.float32)
+            self.queue.append(Sample(sample.sample_id, sample.tokens, sample.ref, sample.policy_version,
+                                     {**sample.inputs, "advantages": per_token}))
+        return True
+
+    def drop(self, samples: Iterable[Sample], reason: str) -> None:
+        """Not shipping these (dropped trace, untrained branch, pruned sample): delete their arrays now."""
+        samples = list(samples)
+        self.dropped[reason] += len(samples)
+        self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
+
+    def ship(self, step: int, policy_version: int, *, max_samples: int | None = None) -> PackPlan | None:
+        """Pack the queued samples (oldest first, at most ``max_samples``) for ``step`` and hand each rank
+        its micro batches. Samples older than ``max_staleness`` versions are deleted (reason ``stale``).
+        Returns the plan, or None when nothing is left to ship."""
+        fresh = [s for s in self.queue if policy_version - s.policy_version <= self.max_staleness]
+        stale = [s for s in self.queue if policy_version - s.policy_version > self.max_staleness]
+        self.drop(stale, "stale")
+        take = fresh if max_samples is None else fresh[:max_samples]
+        self.queue = fresh[len(take):]
+        if not take:
+            return None
+        if not self.trainers:
+            raise DeliveryError("no trainer ranks known: call use_trainers() first")
+        plan = pack([_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
+                    pad_to_multiple_of=self.pad_to_multiple_of)
+        by_id = {s.sample_id: s for s in take}
+        batches = {}
+        for trainer in self.trainers:
+            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
+            batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
+        self.holder.hand_over(batches)
+        return plan
+
+    def close(self) -> None:
+        """Shutdown: delete whatever is still queued."""
+        queued, self.queue = self.queue, []
+        self.drop(queued, "shutdown")
+
+
+class EvalSink:
+    """Eval episodes are scored, never trained: their arrays are deleted as soon as they arrive."""
+
+    def __init__(self, holder: ReferenceHolder) -> None:
+        self.holder = holder
+        self.episodes = 0
+
+    def add(self, samples: Iterable[Sample]) -> None:
+        self.episodes += 1
+        self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
+
+
+def _info(sample: Sample) -> SampleInfo:
+    ref = sample.ref
+    if ref is None:
+        return SampleInfo(sample.sample_id, sample.tokens)
+    shape = tuple(ref.routing_shape) if ref.routing_shape else None
+    return SampleInfo(sample.sample_id, sample.tokens, tuple(ref.fields), shape)  # type: ignore[arg-type]
+
+
+def _step_batch(
+    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int
+) -> StepBatch:
+    refs: list[MicroBatchRefs] = []
+    owned: list[str] = []
+    for mb in micro_batches:
+        slices = []
+        for packed in mb.samples:
+            sample = samples[packed.sample.sample_id]  # type: ignore[index]
+            slices.append(SampleSlice(str(sample.sample_id), packed.kept, sample.ref))
+            if not mb.dummy and sample.ref is not None:
+                owned.append(sample.ref.blob_id)
+        refs.append(MicroBatchRefs(samples=slices, length=mb.length, dummy=mb.dummy,
+                                   inputs=_inputs(mb, samples)))
+    return StepBatch(step=step, rank=rank, micro_batches=refs, owned=owned, policy_version=policy_version)
+
+
+def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarray]:
+    """Concatenate the samples' inline inputs in packing order, cut to each kept count, zero-padded."""
+    names = sorted({name for p in mb.samples for name in samples[p.sample.sample_id].inputs})  # type: ignore[index]
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        parts = [samples[p.sample.sample_id].inputs.get(name) for p in mb.samples]  # type: ignore[index]
+        dtype = next(a.dtype for a in parts if a is not None)
+        column = np.zeros(mb.length, dtype=dtype)
+        for packed, part in zip(mb.samples, parts, strict=True):
+            if part is not None:
+                column[packed.offset : packed.stop] = part[: packed.kept]
+        out[name] = column
+    return out
+
+
+class ReplicaRouter:
+    """Sends each run to the replica of its source with the fewest runs in flight.
+
+    Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
+    it has one, else its node id.
+    """
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, list[str]] = {}
+        self.in_flight: Counter[str] = Counter()
+
+    def update(self, nodes: Iterable[NodeInfo]) -> None:
+        replicas: dict[str, list[str]] = defaultdict(list)
+        for node in nodes:
+            if node.role == "env-server" and "blobs" in node.endpoints:
+                replicas[node.labels.get("source", node.node_id)].append(node.endpoints["blobs"])
+        self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
+
+    def pick(self, source: str) -> str:
+        """The endpoint of ``source``'s least-loaded replica (ties: stable order); counts the run in flight."""
+        candidates = self.replicas.get(source)
+        if not candidates:
+            raise LookupError(f"no live env-server replica for source {source!r}")
+        endpoint = min(candidates, key=lambda ep: self.in_flight[ep])
+        self.in_flight[endpoint] += 1
+        return endpoint
+
+    def done(self, endpoint: str) -> None:
+        if self.in_flight[endpoint] > 0:
+            self.in_flight[endpoint] -= 1
