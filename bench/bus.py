@@ -51,10 +51,9 @@ import zmq
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.logs import configure_logging
 from refbus.bus.pubsub import Publisher, Subscriber
-from refbus.bus.sockets import recv_frames
 from refbus.bus.reqrep import Client, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import EVENT_HWM, SocketOptions, bound_endpoint, make_socket, wildcard_port
+from refbus.bus.sockets import EVENT_HWM, SocketOptions, bound_endpoint, make_socket, recv_frames, wildcard_port
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Blobs, Body, Bye, Delete, Fetch, FetchedBlob, Ok, Sync
 

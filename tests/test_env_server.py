@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
-from refbus.bus.sockets import recv_frames
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import make_socket
+from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
 from refbus.nodes.payload.keeper import blob_checksum

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from refbus.bus.sockets import recv_frames
 from refbus.bus.reqrep import (
     Client,
     HandlerError,
@@ -30,7 +29,7 @@ from refbus.bus.reqrep import (
     Server,
     gather,
 )
-from refbus.bus.sockets import bound_endpoint
+from refbus.bus.sockets import bound_endpoint, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Limits, Message, WireCodec
 from refbus.protocol.errors import SchemaError
