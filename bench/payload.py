@@ -1,0 +1,454 @@
+"""Payload benchmarks: a trainer rank's fetch by reference, and the orchestrator's memory, against baselines
+measured in the same run and process tree (issue 4).
+
+1. **fetch**: one step's arrays for a trainer rank from two env servers (real ``refbus node env-server``
+   processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher.fetch``:
+   fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
+   of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
+   (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
+   ``recv_into``), nothing assembled; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
+   GET per blob, the best of 1, 2, 4 and 8 parallel requests, then the same assembly into the same kind of
+   reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB; >= 1.2x http
+   at 4 MiB and >= 5x at 64 KiB. An informational row shows refbus until every blob is received and verified
+   (before assembly widens uint8 rows into int32 tensors, 4x the bytes written).
+2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
+   receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
+   one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
+   < 5%; inline grows by the full amount (>= 95% of the bytes in flight). A fresh child per variant, so its
+   peak RSS (``ru_maxrss``) is that variant's alone.
+
+Every timing is the best of the repeats after one warm-up (steady state, as in training; best-of because the
+machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
+(``bench.bus.workers``); every wait is bounded and every process reaped.
+
+    python -m bench.payload [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import json
+import resource
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import numpy as np
+import zmq
+from refbus.bus.logs import configure_logging
+from refbus.bus.reqrep import Client, RetryPolicy, Server, gather
+from refbus.bus.sockets import bound_endpoint, make_socket
+from refbus.nodes.launch import NodeProcess, bus_flags, start_bus
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import BlobRef, EpisodeFinished, Keep, Kept, MicroBatchRefs, Ok, SampleSlice
+
+from bench.bus import WAIT_S, BenchError, Channel, Row, format_table, workers
+
+MIB = 1 << 20
+LAYERS, TOP_K = 64, 8
+TOKEN_BYTES = LAYERS * TOP_K  # uint8 routing: 512 B per token
+SEQ_LEN = 65_536  # tokens per micro batch: 32 MiB of routing in, 128 MiB of int32 out
+HTTP_PARALLEL = (1, 2, 4, 8)
+MEMORY_BLOB = 1 * MIB
+PATIENT = RetryPolicy(timeout_s=WAIT_S, attempts=1)
+SERVE_S = 600.0  # the longest a baseline server waits to be told to stop
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int  # timed steps per figure, after one warm-up
+    shapes: tuple[tuple[int, int], ...]  # (blob count, blob bytes)
+    in_flight_bytes: int  # arrays in flight at the orchestrator
+
+
+FULL = Settings(repeats=5, shapes=((64, 4 * MIB), (1024, 64 << 10)), in_flight_bytes=4 << 30)
+QUICK = Settings(repeats=1, shapes=((64, 4 * MIB), (1024, 64 << 10)), in_flight_bytes=256 * MIB)
+
+
+def routing_rows(nbytes: int, seed: int) -> np.ndarray:
+    """One routing array of ``nbytes``, ``[tokens, LAYERS, TOP_K]`` uint8. Every blob of a shape holds these
+    bytes (content does not change the cost of moving or assembling them; generating GiBs would)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 128, (nbytes // TOKEN_BYTES, LAYERS, TOP_K), dtype=np.uint8)
+
+
+def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
+    """The blobs packed in order into micro batches of at most ``SEQ_LEN`` tokens."""
+    batches: list[list[SampleSlice]] = [[]]
+    used = 0
+    for ref in refs:
+        if used + ref.tokens > SEQ_LEN:
+            batches.append([])
+            used = 0
+        batches[-1].append(SampleSlice(sample_id=ref.blob_id, tokens=ref.tokens, ref=ref))
+        used += ref.tokens
+    return [MicroBatchRefs(samples=s, length=sum(x.tokens for x in s)) for s in batches]
+
+
+def _best_s(samples: Sequence[float]) -> float:
+    return min(samples)
+
+
+# --- tasks: the trainer side (one worker) ----------------------------------------------------------------
+
+
+def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int) -> list[tuple[float, float]]:
+    """``StepFetcher.fetch`` of the step ``repeats + 1`` times; (total, transfer) seconds of the timed ones."""
+    from refbus.nodes.payload.assemble import AssembledBatch
+    from refbus.nodes.payload.fetcher import StepFetcher
+
+    ctx = zmq.Context()
+    codec = WireCodec("bench-trainer")
+    clients: list[Client] = []
+
+    def connect(endpoint: str) -> Client:
+        clients.append(Client(ctx, endpoint, codec, policy=PATIENT))
+        return clients[-1]
+
+    fetcher = StepFetcher("bench-trainer", connect)
+    try:
+        seconds = []
+        for step in range(repeats + 1):
+            result = fetcher.fetch(step, batches)
+            if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
+                raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
+            seconds.append((result.seconds, result.transfer_seconds))
+        return seconds[1:]
+    finally:
+        for client in clients:
+            client.close()
+        ctx.destroy(linger=0)
+
+
+def raw_fetch(ch: Channel, port: int, nbytes: int, repeats: int) -> list[float]:
+    """The raw limit: ``nbytes`` per step over one TCP connection into one preallocated (warm) buffer."""
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    seconds = []
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            sock.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                chunk = sock.recv_into(view[got:], nbytes - got)
+                if not chunk:
+                    raise BenchError("raw server closed early")
+                got += chunk
+            seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
+def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str], parallel: int,
+               repeats: int) -> list[float]:
+    """One GET per blob with ``parallel`` threads, then the same assembly into reused buffers."""
+    from refbus.nodes.payload.assemble import assemble
+    from refbus.nodes.payload.branch import Branch
+    from refbus.nodes.payload.fetcher import BufferPool, to_micro_batch
+
+    plans = [to_micro_batch(mb) for mb in batches]
+    refs = {s.ref.blob_id: s.ref for mb in batches for s in mb.samples if s.ref is not None}
+    pool = BufferPool()
+    # Like the prime-rl fetcher: no proxies, one request per blob.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def get(blob_id: str) -> tuple[str, bytes]:
+        with opener.open(urls[blob_id], timeout=WAIT_S) as response:
+            return blob_id, response.read()
+
+    seconds = []
+    with ThreadPoolExecutor(parallel) as pool_threads:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            pool.recycle()
+            bodies = dict(pool_threads.map(get, refs))
+            shape = (LAYERS, TOP_K)
+            branches = {blob_id: Branch(routed_experts=np.frombuffer(body, np.uint8).reshape(-1, *shape))
+                        for blob_id, body in bodies.items()}
+            for plan, mb in zip(plans, batches, strict=True):
+                assemble(plan, [branches[s.ref.blob_id] for s in mb.samples if s.ref is not None], allocator=pool)
+            seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
+# --- tasks: baseline servers -----------------------------------------------------------------------------
+
+
+def raw_server(ch: Channel, nbytes: int, repeats: int) -> None:
+    """Send ``nbytes`` (one buffer) for each one-byte request on one TCP connection."""
+    payload = np.full(nbytes, 7, dtype=np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ch.send(listener.getsockname()[1])
+        listener.settimeout(WAIT_S)
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(WAIT_S)
+            for _ in range(repeats + 1):
+                if conn.recv(1) != b"g":
+                    raise BenchError("raw client went away")
+                conn.sendall(memoryview(payload))
+
+
+class _BlobHandler(http.server.BaseHTTPRequestHandler):
+    """GET /<blob id>: the blob's bytes (the prime-rl design: stdlib threaded server, no checksum)."""
+
+    blobs: dict[str, bytes] = {}
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = self.blobs.get(self.path.lstrip("/"))
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """One line per request would dominate the bench."""
+
+
+def http_server(ch: Channel, blob_ids: list[str], nbytes: int, seed: int) -> None:
+    """Serve ``blob_ids`` (``nbytes`` each, distinct objects like separately kept blobs) until told to stop."""
+    rows = routing_rows(nbytes, seed)
+    handler = type("Handler", (_BlobHandler,), {"blobs": {blob_id: rows.tobytes() for blob_id in blob_ids}})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        ch.send(server.server_address[1])
+        ch.recv(timeout_s=SERVE_S)  # stop
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# --- tasks: orchestrator memory --------------------------------------------------------------------------
+
+
+def orchestrator_like(ch: Channel) -> int:
+    """Hold every request body it receives (as an orchestrator holds what is in flight) until told to stop;
+    returns its peak RSS in bytes."""
+    ctx = zmq.Context()
+    held: list[Any] = []
+    try:
+        sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+        server = Server(sock, WireCodec("bench-orchestrator"))
+
+        def hold(request: Any) -> Ok:
+            held.append(request.body)
+            return Ok()
+
+        server.on(EpisodeFinished.kind, hold)
+        server.on(Keep.kind, hold)
+        ch.send(bound_endpoint(sock))
+        while not ch.poll(0):
+            if sock.poll(20, zmq.POLLIN):
+                server.handle_one()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    finally:
+        ctx.destroy(linger=0)
+
+
+def produce(ch: Channel, endpoint: str, count: int, inline: bool) -> int:
+    """Send ``count`` episodes of one 1 MiB routing blob: the arrays (inline) or a reference; bytes sent."""
+    ctx = zmq.Context()
+    rows = routing_rows(MEMORY_BLOB, seed=3)
+    client = Client(ctx, endpoint, WireCodec("bench-env"), policy=PATIENT)
+    try:
+        def body(index: int) -> Keep | EpisodeFinished:
+            if inline:
+                return Keep(episode_id=f"ep-{index}", branches=[{"routed_experts": rows}])
+            ref = BlobRef(endpoint="tcp://127.0.0.1:1", source="bench-env", blob_id=f"ep-{index}-b0",
+                          fields=["routed_experts"], tokens=rows.shape[0], nbytes=rows.nbytes, checksum=index,
+                          routing_shape=[LAYERS, TOP_K])
+            return EpisodeFinished(episode_id=f"ep-{index}", source="bench-env", refs=[ref])
+
+        outcomes = gather([(client, body(i)) for i in range(count)], window=8)
+        if any(isinstance(o, Exception) for o in outcomes):
+            raise BenchError(f"orchestrator refused: {next(o for o in outcomes if isinstance(o, Exception))}")
+        return count * rows.nbytes
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+
+
+# --- the comparisons (parent side) -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def env_servers(workdir: Path) -> Iterator[list[str]]:
+    """A broker and two ``refbus node env-server`` processes; their blob endpoints."""
+    bus, control = start_bus(workdir)
+    started: list[NodeProcess] = []
+    try:
+        for name in ("env-a", "env-b"):
+            started.append(NodeProcess(
+                ["node", "env-server", *bus_flags(control), "--node-id", name, "--env-server-handover-lease-s", "3600",
+                 "--env-server-budget-bytes", str(8 << 30), "--node-metrics-port", "-1", "--node-log-level", "warning"],
+                workdir=workdir, name=name))
+        yield [proc.wait_ready()["endpoints"]["blobs"] for proc in started]
+    finally:
+        for proc in started:
+            proc.stop()
+        bus.stop()
+
+
+def keep_all(endpoints: Sequence[str], count: int, nbytes: int) -> list[BlobRef]:
+    """Keep ``count`` routing blobs, alternating between the env servers; their references in step order."""
+    ctx = zmq.Context()
+    codec = WireCodec("bench-producer")
+    clients = [Client(ctx, endpoint, codec, policy=PATIENT) for endpoint in endpoints]
+    try:
+        rows = routing_rows(nbytes, seed=count)
+        calls = [(clients[i % len(clients)], Keep(episode_id=f"ep-{count}-{nbytes}-{i}",
+                                                  branches=[{"routed_experts": rows}])) for i in range(count)]
+        refs = []
+        for outcome in gather(calls, window=4):
+            if isinstance(outcome, Exception):
+                raise BenchError(f"keep failed: {outcome}")
+            assert isinstance(outcome.body, Kept)
+            refs += outcome.body.refs
+        return refs
+    finally:
+        for client in clients:
+            client.close()
+        ctx.destroy(linger=0)
+
+
+def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    figures: dict[str, Any] = {}
+    repeats = settings.repeats
+    for count, nbytes in settings.shapes:
+        label = f"{count} x {nbytes // 1024} KiB" if nbytes < MIB else f"{count} x {nbytes // MIB} MiB"
+        total = count * nbytes
+        batches = micro_batches(keep_all(endpoints, count, nbytes))
+        timings = trainer.call(refbus_fetch, batches, repeats, timeout_s=WAIT_S * (repeats + 1))
+        ours = _best_s([total_s for total_s, _ in timings])
+        transfer = _best_s([transfer_s for _, transfer_s in timings])
+
+        raw_srv = servers[0]
+        raw_srv.submit(raw_server, total, repeats)
+        raw = _best_s(trainer.call(raw_fetch, raw_srv.message(), total, repeats))
+        raw_srv.result()
+
+        ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
+        halves = (ids[0::2], ids[1::2])
+        urls: dict[str, str] = {}
+        for server, half, seed in zip(servers, halves, (1, 2), strict=True):
+            server.submit(http_server, half, nbytes, seed)
+        for server, half in zip(servers, halves, strict=True):
+            port = server.message()
+            urls |= {blob_id: f"http://127.0.0.1:{port}/{blob_id}" for blob_id in half}
+        try:
+            http_by_parallel = {p: _best_s(trainer.call(http_fetch, batches, urls, p, repeats,
+                                                          timeout_s=WAIT_S * (repeats + 1)))
+                                for p in HTTP_PARALLEL}
+        finally:
+            for server in servers:
+                server.tell("stop")
+            for server in servers:
+                server.result()
+        best_parallel = min(http_by_parallel, key=http_by_parallel.__getitem__)
+        http_s = http_by_parallel[best_parallel]
+        big = nbytes >= MIB
+        rows += [
+            Row("fetch", f"{label} → assembled (vs raw TCP, bytes only)", "GB/s", total / ours / 1e9,
+                total / raw / 1e9, 0.80 if big else None),
+            Row("fetch", f"{label} → assembled (vs HTTP, best: {best_parallel} parallel)", "GB/s",
+                total / ours / 1e9, total / http_s / 1e9, 1.2 if big else 5.0),
+            Row("fetch", f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
+                total / raw / 1e9, None),
+        ]
+        figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw,
+                          "http_s": {str(p): s for p, s in http_by_parallel.items()},
+                          "bytes": total}
+    return rows, figures
+
+
+def bench_memory(settings: Settings, producer) -> tuple[list[Row], dict[str, Any]]:
+    count = settings.in_flight_bytes // MEMORY_BLOB
+    peaks: dict[str, int] = {}
+    for mode in ("reference", "inline"):
+        for n in (0, count):
+            with workers(f"bench-orchestrator-{mode}-{n}") as (orchestrator,):
+                orchestrator.submit(orchestrator_like)
+                endpoint = orchestrator.message()
+                if n:
+                    producer.call(produce, endpoint, n, mode == "inline", timeout_s=WAIT_S * 4)
+                orchestrator.tell("stop")
+                peaks[f"{mode}-{n}"] = orchestrator.result()
+    in_flight = count * MEMORY_BLOB
+    size = f"{in_flight / (1 << 30):g} GiB" if in_flight >= 1 << 30 else f"{in_flight // MIB} MiB"
+    by_ref_0, by_ref = peaks["reference-0"], peaks[f"reference-{count}"]
+    inline_growth = peaks[f"inline-{count}"] - peaks["inline-0"]
+    rows = [
+        Row("memory", f"orchestrator peak RSS, {size} in flight by reference (vs none)", "MiB", by_ref / MIB,
+            by_ref_0 / MIB, 1.05, higher_is_better=False),
+        Row("memory", f"orchestrator RSS growth, {size} in flight inline (vs bytes in flight)", "MiB",
+            inline_growth / MIB, in_flight / MIB, 0.95),
+    ]
+    return rows, {"peak_rss_bytes": peaks, "in_flight_bytes": in_flight}
+
+
+def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+    with workers("bench-trainer", "bench-server-a", "bench-server-b") as (trainer, server_a, server_b):
+        if "fetch" in sections:
+            with TemporaryDirectory(prefix="refbus-bench-") as workdir, env_servers(Path(workdir)) as endpoints:
+                fetch_rows, extra["fetch"] = bench_fetch(settings, trainer, (server_a, server_b), endpoints)
+                rows += fetch_rows
+            extra["env_servers"] = "refbus node env-server processes (real), one broker"
+        if "memory" in sections:
+            memory_rows, extra["memory"] = bench_memory(settings, server_b)
+            rows += memory_rows
+    return rows, extra
+
+
+SECTIONS = ("fetch", "memory")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.payload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and 256 MiB in flight (~20 s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(level="warning")
+    settings = QUICK if args.quick else FULL
+    started = time.monotonic()
+    rows, extra = run(settings, args.only or SECTIONS)
+    print(format_table(rows))
+    if "env_servers" in extra:
+        print(f"\nenv servers: {extra['env_servers']}; trainer: StepFetcher in its own process")
+    elapsed = time.monotonic() - started
+    print(f"{'quick' if args.quick else 'full'} run, {elapsed:.1f} s")
+    if args.json:
+        figures = {"settings": asdict(settings), "quick": args.quick, "seconds": elapsed,
+                   "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows], **extra}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
