@@ -46,7 +46,6 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
-from .metrics import register_live
 from .pubsub import SYNC_KIND
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
@@ -292,14 +291,14 @@ class Broker:
                 del self.seen_tokens[token]
 
     def _register_metrics(self) -> None:
-        register_live("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
+        self.runtime.metric("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
                       lambda: {(): float(self.forwarded)})
-        register_live("refbus_bus_events_dropped_total", "Events the broker could not forward, by reason.",
+        self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker could not forward, by reason.",
                       lambda: {(k,): float(v) for k, v in self.dropped.items()}, labels=("reason",))
-        register_live("refbus_bus_ring_events", "Events held in the replay ring.",
+        self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
-        register_live("refbus_bus_ring_bytes", "Bytes held in the replay ring.",
+        self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring.",
                       lambda: {(): float(self.ring.nbytes)}, kind="gauge")
-        register_live("refbus_bus_nodes", "Live registered nodes, by role.",
+        self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by role.",
                       lambda: dict(Counter((m.info.role,) for m in self.members.values() if m.live)),
                       labels=("role",), kind="gauge")

@@ -26,19 +26,20 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 import zmq
+from prometheus_client import REGISTRY
 
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
-from .metrics import register_live, serve_metrics
+from .metrics import LiveCounters, register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
 from .reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, Server
 from .sockets import (
@@ -78,6 +79,13 @@ class BusUnavailable(RuntimeError):
     """The broker could not be reached or did not complete the handshake in time."""
 
 
+def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
+    total: Counter[str] = Counter()
+    for counter in counters:
+        total.update(counter)
+    return {(key,): float(value) for key, value in total.items()}
+
+
 @dataclass(order=True)
 class _Timer:
     due: float
@@ -110,6 +118,8 @@ class NodeRuntime:
         self._owned: list[zmq.Socket] = []
         self._bound_ipc: list[str] = []
         self._clients: list[Client] = []
+        self._servers: list[Server] = []
+        self._collectors: list[LiveCounters] = []
         self._subscriptions: list[tuple[Subscriber, Callable[[Message], None], int | None]] = []
         self._timers: list[_Timer] = []
         self._stopping = False
@@ -139,6 +149,7 @@ class NodeRuntime:
         """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend="numpy"``
         keeps torch out of processes that must not load it, whatever peers send."""
         server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend)
+        self._servers.append(server)
         self.watch(server.sock, lambda: self._drain(server.handle_one))
         return server
 
@@ -333,6 +344,9 @@ class NodeRuntime:
             remove_ipc_file(endpoint)
         if self._stop_metrics is not None:
             self._stop_metrics()
+        for collector in self._collectors:
+            REGISTRY.unregister(collector)
+        self._collectors.clear()
         self._wake_r.close()
         self._wake_w.close()
         self.ctx.term()
@@ -347,21 +361,46 @@ class NodeRuntime:
         if self.settings.metrics_port < 0:
             return
         self.metrics_url, self._stop_metrics = serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
-        register_live(
-            "refbus_wire_array_frames_received_total", "Array (buffer) frames this process received.",
-            lambda: {(): float(FrameCounter.frames)},
-        )
-        register_live(
-            "refbus_wire_array_received_bytes_total", "Bytes of array frames this process received.",
-            lambda: {(): float(FrameCounter.nbytes)},
-        )
-        register_live(
-            "refbus_node_info",
-            "This node's identity (value 1).",
-            lambda: {(self.node_id, self.role): 1.0},
-            labels=("node", "role"),
-            kind="gauge",
-        )
+        self.metric("refbus_node_info", "This node's identity (value 1).",
+                    lambda: {(self.node_id, self.role): 1.0}, labels=("node", "role"), kind="gauge")
+        self.metric("refbus_wire_array_frames_received_total", "Array (buffer) frames this process received.",
+                    lambda: {(): float(FrameCounter.frames)})
+        self.metric("refbus_wire_array_received_bytes_total", "Bytes of array frames this process received.",
+                    lambda: {(): float(FrameCounter.nbytes)})
+        self.metric("refbus_bus_events_published_total", "Events this node published.",
+                    lambda: {(): float(self.publisher.seq if self.publisher else 0)})
+        subscribers = [s for s, _, _ in self._subscriptions]
+        for name, doc, attribute in (
+            ("refbus_bus_events_received_total", "Events received by this node's subscriptions.", "received"),
+            ("refbus_bus_event_gaps_total", "Events found missing by sequence number (before gap fill).", "missed"),
+            ("refbus_bus_events_filled_total", "Missing events recovered from the broker's replay ring.", "filled"),
+            ("refbus_bus_events_duplicate_total", "Duplicate events dropped by sequence number.", "duplicates"),
+        ):
+            self.metric(name, doc, lambda a=attribute: {(): float(sum(getattr(s, a) for s in subscribers))})
+        self.metric("refbus_bus_events_rejected_total", "Malformed events counted and dropped, by error code.",
+                    lambda: _merged(s.rejected for s in subscribers), labels=("code",))
+        self.metric("refbus_requests_total", "Requests this node's servers answered, by kind.",
+                    lambda: _merged(server.handled for server in self._servers), labels=("kind",))
+        self.metric("refbus_requests_rejected_total", "Requests answered with an error, by code.",
+                    lambda: _merged(server.rejected for server in self._servers), labels=("code",))
+        self.metric("refbus_requests_duplicate_total", "Retried requests answered from the reply cache.",
+                    lambda: {(): float(sum(server.duplicates for server in self._servers))})
+        self.metric("refbus_request_retries_total", "Requests this node sent again after a timeout.",
+                    lambda: {(): float(sum(client.retries for client in self._clients))})
+
+    def metric(
+        self,
+        name: str,
+        doc: str,
+        read: Callable[[], dict[tuple[str, ...], float]],
+        *,
+        labels: tuple[str, ...] = (),
+        kind: str = "counter",
+    ) -> None:
+        """Expose ``read()`` (label values -> value, read at scrape time) on this node's metrics endpoint
+        while the node runs; nothing when the node serves no metrics."""
+        if self.settings.metrics_port >= 0:
+            self._collectors.append(register_live(name, doc, read, labels=labels, kind=kind))
 
     def _join(self) -> None:
         """Register with the broker and prove the event path live before anything is published."""

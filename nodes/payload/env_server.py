@@ -44,9 +44,8 @@ from typing import Any
 
 import numpy as np
 import structlog
-from prometheus_client import REGISTRY
 
-from ...bus.metrics import LiveCounters, Sample, register_live
+from ...bus.metrics import Sample
 from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -88,8 +87,8 @@ class EnvServer:
     """Serves a :class:`Keeper` on ``runtime`` and mirrors every ownership move on the event stream.
 
     Construct before ``runtime.run()`` / ``runtime.start_background()``: it binds the ``blobs`` endpoint,
-    adds its source to the advertised endpoints, sets the heartbeat status, a lease timer, a shutdown hook
-    and (when the runtime serves metrics) the Prometheus collectors.
+    labels the node with its source, sets the heartbeat status, a lease timer, a shutdown hook
+    and its metrics (exposed while the runtime serves metrics).
 
     Threads: :meth:`keep` and :meth:`discard` may be called from any thread; the keeper is behind a lock
     and events are published on the loop thread only.
@@ -110,7 +109,6 @@ class EnvServer:
         # Events from other threads wait here for the loop thread; flushed before any other publish so the
         # stream never shows a claim before the episode-finished it refers to.
         self._outbox: deque[Body] = deque()
-        self._collectors: list[LiveCounters] = []
 
         self.server.on(Keep.kind, self._on_keep)
         self.server.on(Discard.kind, self._on_discard)
@@ -121,8 +119,7 @@ class EnvServer:
         runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
         runtime.status = self.status
         runtime.shutdown_hooks.append(self._shutdown)
-        if runtime.settings.metrics_port >= 0:
-            self._register_metrics()
+        self._register_metrics()
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -234,21 +231,16 @@ class EnvServer:
             self._announce(result)
 
     def _shutdown(self) -> None:
-        try:
-            with self._lock:
-                result = self.keeper.close()
-            if self.runtime.publisher is None:
-                if result.deleted:
-                    log.warning("blobs.shutdown_unannounced", count=len(result.deleted), detail="never joined")
-                return
-            self._flush_outbox()
+        with self._lock:
+            result = self.keeper.close()
+        if self.runtime.publisher is None:
             if result.deleted:
-                log.info("blobs.shutdown", count=len(result.deleted))
-                self._announce(result)
-        finally:
-            for collector in self._collectors:
-                REGISTRY.unregister(collector)
-            self._collectors.clear()
+                log.warning("blobs.shutdown_unannounced", count=len(result.deleted), detail="never joined")
+            return
+        self._flush_outbox()
+        if result.deleted:
+            log.info("blobs.shutdown", count=len(result.deleted))
+            self._announce(result)
 
     # --- events -------------------------------------------------------------------------------------
 
@@ -286,17 +278,15 @@ class EnvServer:
         def read(values: Callable[[KeeperStats], Sample]) -> Callable[[], Sample]:
             return lambda: values(self.stats())
 
-        self._collectors = [
-            register_live("refbus_blobs_held", "Blobs this env server holds.",
-                          read(lambda s: {(): float(s.blobs_held)}), kind="gauge"),
-            register_live("refbus_blob_bytes_held", "Array bytes this env server holds.",
-                          read(lambda s: {(): float(s.bytes_held)}), kind="gauge"),
-            register_live("refbus_blobs_kept_total", "Blobs kept (one per branch).",
-                          read(lambda s: {(): float(s.kept_total)})),
-            register_live("refbus_blobs_deleted_total", "Blobs deleted, by reason.",
-                          read(lambda s: {(reason,): float(n) for reason, n in s.deleted.items()}),
-                          labels=("reason",)),
-            register_live("refbus_ownership_violations_total", "Ownership violations refused, by action.",
-                          read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
-                          labels=("action",)),
-        ]
+        self.runtime.metric("refbus_blobs_held", "Blobs this env server holds.",
+                            read(lambda s: {(): float(s.blobs_held)}), kind="gauge")
+        self.runtime.metric("refbus_blob_bytes_held", "Array bytes this env server holds.",
+                            read(lambda s: {(): float(s.bytes_held)}), kind="gauge")
+        self.runtime.metric("refbus_blobs_kept_total", "Blobs kept (one per branch).",
+                            read(lambda s: {(): float(s.kept_total)}))
+        self.runtime.metric("refbus_blobs_deleted_total", "Blobs deleted, by reason.",
+                            read(lambda s: {(reason,): float(n) for reason, n in s.deleted.items()}),
+                            labels=("reason",))
+        self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
+                            read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
+                            labels=("action",))

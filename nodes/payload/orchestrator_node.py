@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from ...bus.metrics import register_live
 from ...bus.reqrep import RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -89,8 +88,7 @@ class Orchestrator:
         runtime.every(min(1.0, settings.group_timeout_s / 4), self._expire_groups)
         runtime.shutdown_hooks.append(self.close)
         runtime.status = self.status
-        if runtime.settings.metrics_port >= 0:
-            self._register_metrics()
+        self._register_metrics()
 
     # --- events -------------------------------------------------------------------------------------
 
@@ -215,13 +213,13 @@ class Orchestrator:
                 "blobs_held": float(len(self.holder.held)), "bytes_held": float(self.holder.held_bytes)}
 
     def _register_metrics(self) -> None:
-        register_live("refbus_orchestrator_blobs_held", "Blobs the orchestrator owns (references only).",
+        self.runtime.metric("refbus_orchestrator_blobs_held", "Blobs the orchestrator owns (references only).",
                       lambda: {(): float(len(self.holder.held))}, kind="gauge")
-        register_live("refbus_orchestrator_referenced_bytes", "Array bytes the orchestrator holds by reference.",
+        self.runtime.metric("refbus_orchestrator_referenced_bytes", "Array bytes the orchestrator holds by reference.",
                       lambda: {(): float(self.holder.held_bytes)}, kind="gauge")
-        register_live("refbus_orchestrator_steps_total", "Steps shipped to the trainer ranks.",
+        self.runtime.metric("refbus_orchestrator_steps_total", "Steps shipped to the trainer ranks.",
                       lambda: {(): float(self.step)})
-        register_live("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
+        self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
                       lambda: {(reason,): float(n) for reason, n in self.dropped.items()}, labels=("reason",))
 
 
