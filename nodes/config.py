@@ -114,6 +114,40 @@ class OrchestratorSection:
 
 
 @dataclass
+class RlSection:
+    policy: str = _key("refbus.nodes.toy.policy:make_policy", "Entry point building the policy: f(seed) -> "
+                       "torch.nn.Module (trainer ranks and rollout workers build the same one).")
+    generate: str = _key("refbus.nodes.toy.policy:generate", "Entry point generating completions: f(model, prompts "
+                         "[1, P], max_new_tokens, temperature=, top_k_logprobs=, sampling_top_k=) -> [rollout with "
+                         ".tokens and .branch()].")
+    optimizer: str = _key("refbus.nodes.toy.train:make_optimizer", "Entry point: f(model, lr) -> optimizer.")
+    train_step: str = _key("refbus.nodes.toy.train:train_step", "Entry point: f(model, optimizer, micro_batches, "
+                           "temperature=) -> metrics dict (see refbus.nodes.toy.train for the batch keys).")
+    prompt: str = _key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
+    seed: int = _key(0, "Seed of the initial weights and of the prompt stream.")
+    lr: float = _key(5e-3, "Learning rate.")
+    temperature: float = _key(1.0, "Sampling temperature (the train step divides logits by it too).")
+    top_k_logprobs: int = _key(4, "Width of the sampler's recorded top-k logprob heads.")
+    sampling_top_k: int = _key(4, "Top-k sampling filter (recorded as the sampling mask).")
+    torch_threads: int = _key(1, "torch intra-op threads per process (many processes share few cores).")
+
+
+@dataclass
+class TrainerSection:
+    endpoint: str = _key("tcp://127.0.0.1:0", "Trainer rank endpoint (ROUTER: step-batch); port 0: ephemeral.")
+    rank: int = _key(-1, "torch.distributed rank (-1: $RANK, as torchrun sets it).")
+    world_size: int = _key(-1, "torch.distributed world size (-1: $WORLD_SIZE).")
+    init_method: str = _key("env://", "torch.distributed init method (env:// reads $MASTER_ADDR/$MASTER_PORT).")
+    steps: int = _key(20, "Steps to train before the rank exits.")
+    batch_timeout_s: float = _key(300.0, "Seconds a rank waits for its step batch before failing the step.")
+
+
+@dataclass
+class RolloutSection:
+    endpoint: str = _key("tcp://127.0.0.1:0", "Rollout worker endpoint (ROUTER: generate); port 0: ephemeral.")
+
+
+@dataclass
 class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     bus: BusSection = field(default_factory=BusSection)
@@ -123,6 +157,9 @@ class Config:
     security: SecuritySection = field(default_factory=SecuritySection)
     env_server: EnvServerSection = field(default_factory=EnvServerSection)
     orchestrator: OrchestratorSection = field(default_factory=OrchestratorSection)
+    rl: RlSection = field(default_factory=RlSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     ps: PsSection = field(default_factory=PsSection)
 
     def runtime(self, *, node_id: str = "", ready_file: str = "") -> RuntimeSettings:

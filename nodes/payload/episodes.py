@@ -19,7 +19,6 @@ covers the completion only. Never imports torch: the score function must not eit
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from ...bus.reqrep import Client, HandlerError, Pending, RemoteError, RequestTim
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Error, Generate, Generated, NodeList, Nodes, Ok, Run
+from ..entry_points import load_entry_point
 from .env_server import ROLE, EnvServer, EnvServerSettings
 from .keeper import KeepError
 
@@ -41,14 +41,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 Score = Callable[[Sequence[int], Sequence[int]], float]
-
-
-def load_entry_point(spec: str) -> object:
-    """``"package.module:attribute"`` → the attribute (how configs name user code)."""
-    module, _, attribute = spec.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"entry point {spec!r} must look like 'package.module:attribute'")
-    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
@@ -74,10 +66,7 @@ class EpisodeRunner:
         self.runtime = runtime
         self.env_server = env_server
         self.settings = settings
-        score = load_entry_point(settings.score)
-        if not callable(score):
-            raise ValueError(f"score entry point {settings.score!r} is not callable")
-        self.score: Score = score
+        self.score: Score = load_entry_point(settings.score)
         self.rollouts: dict[str, Client] = {}
         self.load: Counter[str] = Counter()
         self.in_flight: dict[str, _InFlight] = {}

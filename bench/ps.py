@@ -1,0 +1,349 @@
+"""Parameter-server benchmarks: refbus against the baselines from issue 3, measured in the same run.
+
+1. **transfer**: push then pull of a state dict (1 GiB, ~200 tensors of mixed sizes and dtypes) on one host,
+   through shared memory and through ZeroMQ frames, against a memcpy of the same bytes into buffers that are
+   already mapped, and against ``torch.save`` + ``torch.load`` through /dev/shm and through the disk (the
+   filesystem weight broadcast). Goals: same-host pull >= 50% of memcpy bandwidth; push + pull >= 3x the
+   torch.save/load path. Pushes and pulls are steady state (segments and destination buffers reused, as a
+   trainer and a rollout worker do every step); the first, cold push is reported too.
+2. **broadcast**: init of N = 2, 4, 8 workers from a 256 MiB safetensors file (N copies of every retained
+   version must fit in this machine's 24 GiB), against every worker reading the file
+   itself (N concurrent reader processes) and against the reader sending to each worker in turn (N - 1
+   two-worker inits one after another). Reports file reads (goal: 1) and time.
+3. **pull under push**: latency of a pull (shared memory, into reused buffers) while another process pushes
+   the next versions back to back, against no push running (goal: within 1.2x).
+
+Every process is a real node (``NodeProcess``) or a spawned helper, every wait is bounded, everything is
+stopped and no segment is left in /dev/shm.
+
+    python -m bench.ps [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.ps.client import PsClient
+from refbus.nodes.ps.shm import sweep_orphans
+from safetensors.torch import save_file
+
+GIB = 1 << 30
+RETAIN = 2
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_bytes: int
+    tensors: int
+    repeats: int
+    broadcast_sizes: tuple[int, ...]
+    broadcast_bytes: int  # smaller than state_bytes: 8 workers x retained versions must fit in RAM
+    latency_pulls: int
+
+
+FULL = Settings(GIB, 200, 3, (2, 4, 8), 256 * MIB, 20)
+QUICK = Settings(32 * MIB, 50, 2, (2, 4), 16 * MIB, 10)
+
+
+def make_state(total: int, count: int, seed: int = 0, prefix: str = "layers") -> dict[str, torch.Tensor]:
+    """``count`` tensors totalling about ``total`` bytes: log-uniform sizes, 3/4 bfloat16 and 1/4 float32.
+
+    Shapes depend only on ``total`` and ``count`` (every version of one model has the same), values on ``seed``.
+    """
+    weights = torch.exp(torch.rand(count, generator=torch.Generator().manual_seed(0)) * 9)  # ~4 decades of sizes
+    gen = torch.Generator().manual_seed(seed)
+    sizes = (weights / weights.sum() * total).long().clamp(min=64)
+    state = {}
+    for i, size in enumerate(sizes.tolist()):
+        dtype = torch.float32 if i % 4 == 0 else torch.bfloat16
+        numel = max(1, size // (4 if dtype == torch.float32 else 2))
+        cols = 256 if numel >= 256 else 1
+        state[f"{prefix}.{i}.weight"] = torch.randn(numel // cols, cols, generator=gen).to(dtype)
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def best(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of ``repeats`` runs, in seconds (other load only ever slows a run down)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    control: str
+    manager: str
+    prefix: str
+    procs: list[NodeProcess]
+
+    def client(self, name: str, **kwargs: Any) -> tuple[NodeRuntime, PsClient]:
+        runtime = NodeRuntime("bench", RuntimeSettings(bus=self.control, node_id=name, metrics_port=-1),
+                              register=False)
+        return runtime, PsClient(runtime, self.manager, **kwargs)
+
+
+@contextmanager
+def cluster(workers: int) -> Iterator[Cluster]:
+    workdir = Path(tempfile.mkdtemp(prefix="refbus-bench-ps-"))
+    prefix = f"refbus-bench-{os.getpid()}"
+    # A generous node timeout: the bench saturates both cores on purpose, and a starved loop must not be
+    # mistaken for a dead node (liveness is what the tests check, not this).
+    bus, control = start_bus(workdir, extra=["--bus-node-timeout-s", "60"])
+    procs = [bus]
+    try:
+        flags = ["--bus-control", control, "--ps-shm-prefix", prefix, "--ps-retain-versions", str(RETAIN),
+                 "--ps-max-free-segments", "1", "--node-log-level", "warning"]
+        manager = NodeProcess(["node", "ps-manager", "--node-id", "mgr", "--ps-manager", "tcp://127.0.0.1:0",
+                               *flags], workdir=workdir, name="mgr")
+        procs.append(manager)
+        endpoint = manager.wait_ready()["endpoints"]["ps"]
+        started = [NodeProcess(["node", "ps-worker", "--node-id", f"w{i}", "--ps-manager", endpoint, *flags],
+                               workdir=workdir, name=f"w{i}") for i in range(workers)]
+        procs += started
+        for proc in started:
+            proc.wait_ready()
+        yield Cluster(workdir, control, endpoint, prefix, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        sweep_orphans("/dev/shm", prefix)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- 1. transfer ------------------------------------------------------------------------------------
+
+
+def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
+    state = make_state(settings.state_bytes, settings.tensors)
+    size = nbytes(state)
+    gb = size / 1e9
+    out = {name: torch.empty_like(t) for name, t in state.items()}
+    for t in out.values():
+        t.zero_()  # fault the destination in: a rollout's weights are mapped long before a pull
+
+    def memcpy() -> None:
+        for name, t in state.items():
+            out[name].copy_(t)
+
+    memcpy_s = best(memcpy, 3 * settings.repeats)
+    results: dict[str, Any] = {"bytes": size, "tensors": len(state), "memcpy_s": memcpy_s}
+    report(f"state: {len(state)} tensors, {size / MIB:.0f} MiB; memcpy {gb / memcpy_s:.2f} GB/s (baseline)")
+
+    save_load = {}
+    for where, directory in (("shm", "/dev/shm"), ("disk", tempfile.gettempdir())):
+        path = Path(directory) / f"refbus-bench-{os.getpid()}.pt"
+        try:
+            def save(path: Path = path) -> None:
+                torch.save(state, path)
+
+            def load(path: Path = path) -> None:
+                torch.load(path, mmap=False)
+
+            save_load[where] = (best(save, settings.repeats), best(load, settings.repeats))
+        finally:
+            path.unlink(missing_ok=True)
+        save_s, load_s = save_load[where]
+        results[f"torch_save_{where}_s"], results[f"torch_load_{where}_s"] = save_s, load_s
+        report(f"torch.save + torch.load via {where}: {save_s:.3f} + {load_s:.3f} s = {save_s + load_s:.3f} s "
+               "(baseline)")
+
+    for transport in ("shm", "frames"):
+        runtime, ps = c.client(f"bench-{transport}", transport=transport)
+        try:
+            version = ps.status().latest + 1
+            pushes = []
+            # Steady state needs retain + 1 segments (the next version is written while `retain` are kept).
+            for _ in range(RETAIN + 1 + settings.repeats):
+                started = time.perf_counter()
+                ps.push(state, version)
+                pushes.append(time.perf_counter() - started)
+                version += 1
+            push_s = min(pushes[RETAIN + 1 :])
+            pull_s = best(lambda ps=ps: ps.pull(out=out), settings.repeats)
+            shared_s = best(lambda ps=ps: ps.pull(shared=True).release(), settings.repeats)
+            assert all(torch.equal(out[n], t) for n, t in state.items())
+        finally:
+            runtime.close()
+        results[transport] = {"push_cold_s": pushes[0], "push_s": push_s, "pull_s": pull_s}
+        ratio_pull = memcpy_s / pull_s
+        report(f"{transport:>6}: push {push_s:.3f} s ({gb / push_s:.2f} GB/s, cold {pushes[0]:.3f} s), "
+               f"pull into buffers {pull_s:.3f} s ({gb / pull_s:.2f} GB/s) = {ratio_pull:.0%} of memcpy"
+               + (" [goal >= 50%]" if transport == "shm" else ""))
+        if transport == "shm":
+            results["shm"]["pull_shared_s"] = shared_s
+            report(f"        pull shared (views of the segments, no copy) {shared_s * 1e3:.1f} ms")
+        for where, (save_s, load_s) in save_load.items():
+            speedup = (save_s + load_s) / (push_s + pull_s)
+            results[transport][f"speedup_vs_torch_{where}"] = speedup
+            report(f"        push + pull vs torch.save + torch.load via {where}: {speedup:.1f}x"
+                   + (" [goal >= 3x]" if transport == "shm" else ""))
+    return results
+
+
+# --- 2. broadcast init ------------------------------------------------------------------------------
+
+
+def _read_file(path: str) -> None:
+    """What a worker loading the checkpoint itself does: one open, the whole file into its own memory."""
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(buffer)
+
+
+def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
+    state = make_state(settings.broadcast_bytes, settings.tensors, seed=1, prefix="checkpoint")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "model.safetensors")
+        save_file(state, path)
+        size = os.path.getsize(path)
+        runtime, ps = c.client("bench-init")
+        try:
+            for n in settings.broadcast_sizes:
+                names = [f"w{i}" for i in range(n)]
+                tree = ps.init(path, workers=names)
+                tree_s = best(lambda names=names: ps.init(path, workers=names), settings.repeats - 1 or 1)
+
+                def star(names: list[str] = names) -> int:
+                    return sum(sum(ps.init(path, workers=[names[0], w]).file_opens.values()) for w in names[1:])
+
+                star_reads = star()
+                star_s = best(star, settings.repeats - 1 or 1)
+
+                def each_reads(n: int = n) -> None:
+                    # Threads, not processes, so process start-up is not counted against the baseline;
+                    # readinto releases the GIL, so the N reads run concurrently.
+                    readers = [threading.Thread(target=_read_file, args=(path,)) for _ in range(n)]
+                    for reader in readers:
+                        reader.start()
+                    for reader in readers:
+                        reader.join()
+
+                each_s = best(each_reads, settings.repeats - 1 or 1)
+                reads = sum(tree.file_opens.values())
+                results[str(n)] = {"tree_s": tree_s, "tree_reads": reads, "star_s": star_s,
+                                   "star_reads": star_reads, "each_reads_s": each_s, "each_reads": n,
+                                   "rounds": tree.rounds}
+                report(f"N={n}: tree {tree_s:.3f} s ({tree.rounds} rounds, file reads {reads} [goal 1]) | "
+                       f"each worker reads: {each_s:.3f} s, {n} reads ({each_s / tree_s:.2f}x) | "
+                       f"reader sends in turn: {star_s:.3f} s, {star_reads} reads ({star_s / tree_s:.2f}x)")
+        finally:
+            runtime.close()
+        results["bytes"] = size
+    return results
+
+
+# --- 3. pull latency under push ---------------------------------------------------------------------
+
+
+def _push_loop(manager: str, control: str, total: int, count: int, first: int, stop: Any, started: Any) -> None:
+    torch.set_num_threads(1)
+    runtime = NodeRuntime("bench-pusher", RuntimeSettings(bus=control, node_id="bench-pusher", metrics_port=-1),
+                          register=False)
+    ps = PsClient(runtime, manager)
+    state = make_state(total, count, seed=2)
+    version = first
+    try:
+        while not stop.is_set():
+            ps.push(state, version)
+            version += 1
+            started.set()
+    finally:
+        runtime.close()
+
+
+def bench_pull_under_push(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
+    state = make_state(settings.state_bytes, settings.tensors, seed=2)
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    spawn = multiprocessing.get_context("spawn")
+    runtime, ps = c.client("bench-reader")
+    try:
+        first = ps.status().latest + 1
+        ps.push(state, first)
+
+        def pulls() -> list[float]:
+            times = []
+            for _ in range(settings.latency_pulls):
+                started = time.perf_counter()
+                ps.pull(out=out)
+                times.append(time.perf_counter() - started)
+            return times
+
+        pulls()  # warm
+        quiet = pulls()
+        stop, started = spawn.Event(), spawn.Event()
+        pusher = spawn.Process(target=_push_loop, args=(c.manager, c.control, settings.state_bytes,
+                                                        settings.tensors, first + 1, stop, started))
+        pusher.start()
+        try:
+            if not started.wait(120):
+                raise RuntimeError("the pusher never committed a version")
+            busy = pulls()
+        finally:
+            stop.set()
+            pusher.join(120)
+            if pusher.is_alive():
+                pusher.kill()
+                pusher.join()
+    finally:
+        runtime.close()
+    q, b = statistics.median(quiet), statistics.median(busy)
+    report(f"pull latency p50: {b * 1e3:.1f} ms while pushing vs {q * 1e3:.1f} ms quiet = {b / q:.2f}x "
+           f"[goal <= 1.2x]; p max {max(busy) * 1e3:.1f} vs {max(quiet) * 1e3:.1f} ms")
+    return {"quiet_p50_s": q, "busy_p50_s": b, "ratio": b / q, "quiet_max_s": max(quiet), "busy_max_s": max(busy)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, well under 15 s)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    # One intra-op thread everywhere (baselines included): on a 2-core machine shared with other work,
+    # torch's spinning OpenMP workers make a 2-thread copy ~40x slower than a 1-thread one.
+    torch.set_num_threads(1)
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+
+    results: dict[str, Any] = {"settings": settings.__dict__}
+    with cluster(max(settings.broadcast_sizes)) as c:  # pushes go to w0; inits use w0..w(N-1)
+        print("== 1. push + pull on one host ==", flush=True)
+        results["transfer"] = bench_transfer(c, settings, report)
+        print("== 2. broadcast init ==", flush=True)
+        results["broadcast"] = bench_broadcast(c, settings, report)
+        print("== 3. pull latency while a push runs ==", flush=True)
+        results["pull_under_push"] = bench_pull_under_push(c, settings, report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=list))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

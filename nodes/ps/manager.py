@@ -1,0 +1,530 @@
+"""The ps-manager role (``refbus node ps-manager``): the parameter server's control plane.
+
+It owns versions and their manifests (:mod:`.versions`), leases (:mod:`.leases`), the worker registry, the
+staleness inventory (:mod:`.staleness`) and broadcast init coordination (:class:`.broadcast.InitRound`).
+Tensor bytes never pass through it: it hands out placements and leases, records the shards workers verified,
+and tells workers when a shard's memory may be recycled.
+
+Requests (see :mod:`refbus.protocol.messages_ps`): ``ps-register``, ``ps-push-begin``, ``ps-shard-commit``
+(from workers), ``ps-pull-begin``, ``ps-lease-renew``, ``ps-lease-release``, ``ps-manifest``, ``ps-status``,
+``ps-init`` (+ ``ps-init-done``/``ps-init-failed`` from workers), ``ps-reserve``, ``ps-occupy``,
+``ps-consume``, ``ps-abort``, ``ps-inventory``. Event: ``version-bump`` after every commit, never before.
+
+Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
+version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
+A ``node-down`` of a worker removes it and fails an init it takes part in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import REGISTRY, Histogram
+from prometheus_client.registry import CollectorRegistry
+
+from ...bus.metrics import register_live
+from ...bus.reqrep import Client, HandlerError, Pending
+from ...bus.runtime import NodeRuntime
+from ...protocol.envelope import Message
+from ...protocol.messages import Body, Error, NodeDown, Ok, VersionBump
+from ...protocol.messages_ps import (
+    Abort,
+    Aborted,
+    Batch,
+    BatchEntry,
+    Committed,
+    Consume,
+    InitDone,
+    InitFailed,
+    InitPlan,
+    InitRequest,
+    InitResult,
+    InventoryBuffer,
+    InventoryQuery,
+    InventoryState,
+    LeaseRelease,
+    LeaseRenew,
+    LeaseState,
+    Location,
+    Manifest,
+    ManifestEntry,
+    ManifestInfo,
+    ManifestQuery,
+    Occupy,
+    Placed,
+    PsRegister,
+    PsState,
+    PsStatus,
+    PullBegin,
+    PullGrant,
+    PushBegin,
+    PushGrant,
+    Release,
+    Reserve,
+    Reserved,
+    ShardCommit,
+    WorkerInfo,
+)
+from ..config import Config, PsSection
+from . import manifest as mf
+from .broadcast import InitRound, rounds
+from .leases import Lease, LeaseTable
+from .manifest import ManifestError
+from .staleness import StalenessError, StalenessInventory
+from .versions import Shard, VersionStore
+
+log = structlog.get_logger(__name__)
+
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    endpoint: str = "tcp://127.0.0.1:7780"
+    retain_versions: int = 2
+    lease_ttl_s: float = 10.0
+    push_timeout_s: float = 300.0
+    eta: int = 1
+    batch_size: int = 64
+    chunk_bytes: int = 8 << 20
+    ack_timeout_s: float = 10.0
+    init_timeout_s: float = 600.0
+
+    @classmethod
+    def from_config(cls, ps: PsSection) -> ManagerSettings:
+        return cls(ps.manager, ps.retain_versions, ps.lease_ttl_s, ps.push_timeout_s, ps.eta, ps.batch_size,
+                   ps.chunk_bytes, ps.ack_timeout_s, ps.init_timeout_s)
+
+
+def _error_code(exc: StalenessError) -> str:
+    """``VersionAbortedError`` -> ``version-aborted``: the inventory's error classes name the codes."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__.removesuffix("Error")).lower()
+
+
+class PsManager:
+    """The control plane on ``runtime`` (which must join the bus: commits are published)."""
+
+    def __init__(self, runtime: NodeRuntime, settings: ManagerSettings, *,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.versions = VersionStore(settings.retain_versions)
+        self.leases = LeaseTable(settings.lease_ttl_s)
+        self.inventory: StalenessInventory[str] = StalenessInventory(settings.eta, settings.batch_size)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.init: InitRound | None = None
+        self._clients: dict[str, Client] = {}  # worker endpoint -> client
+        self._init_waiting: list[Pending] = []
+        self._init_plan: tuple[str, float] | None = None  # (request id of the plan, sent at)
+        self._init_answers: OrderedDict[str, Body] = OrderedDict()  # ps-init request id -> its answer
+
+        server = self.server = runtime.serve("ps", settings.endpoint)
+        routes: dict[str, Callable[[Message], Body | None]] = {
+            PsRegister.kind: self._register,
+            PushBegin.kind: self._push_begin,
+            ShardCommit.kind: self._shard_commit,
+            PullBegin.kind: self._pull_begin,
+            LeaseRelease.kind: self._lease_release,
+            Reserve.kind: self._reserve,
+            Occupy.kind: self._occupy,
+            Consume.kind: self._consume,
+            Abort.kind: self._abort,
+            InitDone.kind: self._init_done,
+            InitFailed.kind: self._init_failed,
+        }
+        for kind, handler in routes.items():
+            server.on(kind, handler)
+        # Reads and idempotent renewals; ps-init answers late and remembers its answers itself.
+        for kind, handler in ((LeaseRenew.kind, self._lease_renew), (ManifestQuery.kind, self._manifest),
+                              (PsStatus.kind, self._status), (InventoryQuery.kind, self._inventory),
+                              (InitRequest.kind, self._init)):
+            server.on(kind, handler, cached=False)
+        runtime.subscribe(self._node_down, kinds=frozenset({NodeDown.kind}))
+        runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
+        runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
+                                  "workers": float(len(self.workers))}
+        self._metrics(registry)
+
+    # --- registry -----------------------------------------------------------------------------------
+
+    def _register(self, request: Message) -> Body:
+        assert isinstance(request.body, PsRegister)
+        info = request.body.worker
+        self.workers[info.worker] = info
+        self._client(info)
+        log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host)
+        return Ok()
+
+    def _client(self, info: WorkerInfo) -> Client:
+        client = self._clients.get(info.endpoint)
+        if client is None:
+            client = self._clients[info.endpoint] = self.runtime.client(info.endpoint)
+            self.runtime.watch(client.sock, lambda: self._drain_worker(client))
+        return client
+
+    def _send(self, worker: str, body: Body) -> str:
+        """An asynchronous request to a worker; answers arrive in :meth:`_drain_worker`."""
+        info = self.workers.get(worker)
+        if info is None:
+            log.warning("ps.worker_gone", worker=worker, kind=body.kind)
+            return ""
+        return self._client(info).send(body)
+
+    def _drain_worker(self, client: Client) -> None:
+        while (reply := client.recv(0)) is not None:
+            plan = self._init_plan
+            if plan is not None and reply.header.re == plan[0]:
+                self._init_plan = None
+                if isinstance(reply.body, Error) and self.init is not None:
+                    self._fail_init(self.init.names[0], f"rejected the plan: {reply.body.message}")
+            elif isinstance(reply.body, Error):
+                log.warning("ps.worker_error", endpoint=client.endpoint, code=reply.body.code,
+                            error=reply.body.message)
+
+    def _release(self, shards: list[Shard]) -> None:
+        by_worker: defaultdict[str, list[str]] = defaultdict(list)
+        for worker, shard in shards:
+            by_worker[worker].append(shard)
+        for worker, ids in by_worker.items():
+            self._send(worker, Release(ids))
+
+    def _node_down(self, event: Message) -> None:
+        down = event.body
+        assert isinstance(down, NodeDown)
+        if self.workers.pop(down.node_id, None) is None:
+            return
+        log.warning("ps.worker_down", worker=down.node_id, reason=down.reason)
+        if self.init is not None and down.node_id in self.init.names:
+            self._fail_init(down.node_id, f"went down ({down.reason}) during the broadcast")
+        pending = self.versions.pending
+        if pending is not None and any(r.worker == down.node_id for r in pending.ranks.values()):
+            self._abort_push(pending.version, f"worker {down.node_id} went down")
+
+    # --- push ---------------------------------------------------------------------------------------
+
+    def _pick_worker(self, host: str, rank: int) -> WorkerInfo:
+        if not self.workers:
+            raise HandlerError("no-workers", "no ps-worker is registered")
+        local = sorted((w for w in self.workers.values() if w.host == host), key=lambda w: w.worker)
+        candidates = local or sorted(self.workers.values(), key=lambda w: w.worker)
+        return candidates[rank % len(candidates)]
+
+    def _push_begin(self, request: Message) -> Body:
+        begin = request.body
+        assert isinstance(begin, PushBegin)
+        worker = self._pick_worker(begin.host, begin.rank)
+        lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
+        try:
+            tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, worker.worker,
+                                          lease.lease_id, lease.granted)
+        except ManifestError as exc:
+            self.leases.release(lease.lease_id)
+            raise HandlerError(exc.code, str(exc)) from None
+        nbytes = max((t.offset + t.nbytes for t in tensors), default=0)
+        return PushGrant(lease.lease_id, self.settings.lease_ttl_s, worker, nbytes, tensors)
+
+    def _shard_commit(self, request: Message) -> Body:
+        commit = request.body
+        assert isinstance(commit, ShardCommit)
+        latest = self.versions.latest
+        try:
+            _, manifest, freed = self.versions.commit_shard(
+                commit.version, commit.rank, commit.lease, commit.worker, commit.segment, commit.tensors,
+                self.workers.values())
+        except ManifestError as exc:
+            raise HandlerError(exc.code, str(exc)) from None
+        lease = self.leases.release(commit.lease)
+        if lease is not None:
+            self._push_seconds.observe(time.monotonic() - lease.granted)
+        if manifest is not None and self.versions.latest != latest:
+            self._committed(manifest, freed)
+        return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")
+
+    def _committed(self, manifest: Manifest, freed: list[Shard]) -> None:
+        """A version is visible: free what retention dropped, then (never before) publish the bump."""
+        self._release(freed)
+        log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
+                 tensors=len(manifest.entries), digest=manifest.digest)
+        self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
+
+    def _abort_push(self, version: int, reason: str) -> None:
+        shards = self.versions.abort(version)
+        for _, lease_id in shards:
+            self.leases.release(lease_id)
+        self._release(shards)
+        log.warning("ps.push_aborted", version=version, reason=reason, shards=len(shards))
+
+    # --- pull and leases ----------------------------------------------------------------------------
+
+    def _trainer_version(self) -> int:
+        return max(self.versions.latest, self.inventory.trainer_version)
+
+    def _pull_begin(self, request: Message) -> Body:
+        begin = request.body
+        assert isinstance(begin, PullBegin)
+        try:
+            manifest = self.versions.manifest(begin.version)
+        except ManifestError as exc:
+            raise HandlerError(exc.code, str(exc)) from None
+        behind = self._trainer_version() - manifest.version
+        if begin.max_staleness is not None and behind > begin.max_staleness:
+            raise HandlerError("too-stale", f"version {manifest.version} is {behind} versions behind the trainer "
+                               f"(version {self._trainer_version()}), more than max_staleness {begin.max_staleness}")
+        lease = self.leases.grant("pull", begin.holder, manifest.version, time.monotonic())
+        self.versions.pin(manifest.version)
+        return PullGrant(lease.lease_id, self.settings.lease_ttl_s, manifest)
+
+    def _lease_renew(self, request: Message) -> Body:
+        renew = request.body
+        assert isinstance(renew, LeaseRenew)
+        now = time.monotonic()
+        expired = [lease for lease in renew.leases if not self.leases.renew(lease, now)]
+        lost = []
+        for prompt in renew.prompts:
+            try:
+                self.inventory.renew(prompt, now + self.settings.lease_ttl_s)
+            except StalenessError:
+                lost.append(prompt)
+        return LeaseState(expired, lost)
+
+    def _lease_release(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, LeaseRelease)
+        lease = self.leases.release(ask.lease)
+        if lease is None:
+            if self.leases.ended(ask.lease) == "expired":
+                raise HandlerError("lease-expired", f"lease {ask.lease} expired before it was released; what it "
+                                   "held may have been reused")
+            raise HandlerError("unknown-lease", f"lease {ask.lease} is not held")
+        self._ended(lease, "released")
+        return Ok()
+
+    def _ended(self, lease: Lease, how: str) -> None:
+        """Consequences of a lease ending: a read unpins its version; an unfinished push is aborted."""
+        if lease.kind == "pull":
+            self._pull_seconds.observe(time.monotonic() - lease.granted)
+            self._release(self.versions.unpin(lease.version))
+        else:
+            self._abort_push(lease.version, f"push lease of rank {lease.rank} ({lease.holder}) {how} before its "
+                             "shard was committed")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for lease in self.leases.expire(now):
+            log.warning("ps.lease_expired", lease=lease.lease_id, kind=lease.kind, holder=lease.holder,
+                        version=lease.version)
+            self._ended(lease, "expired")
+        pending = self.versions.pending
+        if pending is not None and now - pending.started > self.settings.push_timeout_s:
+            self._abort_push(pending.version, f"not every rank committed within {self.settings.push_timeout_s:g}s")
+        for result in self.inventory.expire(now):
+            log.warning("ps.reservation_expired", prompt=result.prompt_id, buffer=result.version,
+                        evicted=len(result.evicted))
+        self._check_init(now)
+
+    # --- inspection ---------------------------------------------------------------------------------
+
+    def _manifest(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, ManifestQuery)
+        try:
+            return ManifestInfo(self.versions.manifest(ask.version))
+        except ManifestError as exc:
+            raise HandlerError(exc.code, str(exc)) from None
+
+    def _status(self, request: Message) -> Body:
+        pending = self.versions.pending
+        return PsState(
+            latest=self.versions.latest,
+            retained=self.versions.retained(),
+            pinned={str(v): n for v, n in self.versions.pinned().items()},
+            pending=[pending.version] if pending else [],
+            leases=len(self.leases),
+            trainer_version=self._trainer_version(),
+            workers=sorted(self.workers.values(), key=lambda w: w.worker),
+        )
+
+    # --- broadcast init -----------------------------------------------------------------------------
+
+    def _init(self, request: Message) -> Body | None:
+        ask = request.body
+        assert isinstance(ask, InitRequest)
+        request_id = request.header.id
+        if request_id in self._init_answers:
+            return self._init_answers[request_id]
+        if self.init is not None:
+            if self.init.request_id != request_id:
+                raise HandlerError("init-busy", f"broadcast init {self.init.init_id} of {self.init.path} is running")
+            self._init_waiting.append(self.server.pending)
+            return None
+        names = list(ask.workers) or sorted(self.workers)
+        unknown = [n for n in names if n not in self.workers]
+        if unknown or not names:
+            raise HandlerError("unknown-worker", f"not registered: {unknown or 'no workers at all'}")
+        if len(set(names)) != len(names):
+            raise HandlerError("bad-init", f"a worker is named twice in {names}")
+        now = time.monotonic()
+        init_id = f"init-{os.urandom(6).hex()}"
+        workers = [self.workers[n] for n in names]
+        self.init = InitRound(init_id, ask.path, workers, request_id, now, now + self.settings.init_timeout_s)
+        self._init_waiting = [self.server.pending]
+        plan = InitPlan(init_id, ask.path, workers, ask.chunk_bytes or self.settings.chunk_bytes,
+                        self.settings.ack_timeout_s)
+        self._init_plan = (self._send(names[0], plan), now)
+        log.info("ps.init_started", init_id=init_id, path=ask.path, workers=names, rounds=rounds(len(names)))
+        return None
+
+    def _init_done(self, request: Message) -> Body:
+        done = request.body
+        assert isinstance(done, InitDone)
+        if self.init is not None and self.init.init_id == done.init_id:
+            self.init.on_done(done)
+            if self.init.complete:
+                self._finish_init(self.init)
+        return Ok()
+
+    def _init_failed(self, request: Message) -> Body:
+        failed = request.body
+        assert isinstance(failed, InitFailed)
+        if self.init is not None and self.init.init_id == failed.init_id:
+            reporter = "" if failed.reporter == failed.worker else f" (reported by {failed.reporter})"
+            self._fail_init(failed.worker, failed.reason + reporter)
+        return Ok()
+
+    def _check_init(self, now: float) -> None:
+        init = self.init
+        if init is None:
+            return
+        if self._init_plan is not None and now - self._init_plan[1] > self.settings.ack_timeout_s:
+            self._fail_init(init.names[0], f"did not acknowledge the init plan within {self.settings.ack_timeout_s:g}s")
+        elif init.overdue(now):
+            self._fail_init(init.names[0], "")  # overdue() recorded which workers did not finish
+
+    def _finish_init(self, init: InitRound) -> None:
+        entries = [
+            ManifestEntry(t.name, t.dtype, t.shape, t.nbytes, t.checksum,
+                          [Location(w, init.done[w].segment, t.offset) for w in init.names])
+            for t in init.root_layout()
+        ]
+        manifest = mf.build(self.versions.next_version(), entries, init.workers)
+        freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
+        self._committed(manifest, freed)
+        result = InitResult(manifest.version, manifest.digest, init.names, rounds(len(init.names)),
+                            {w: d.file_opens for w, d in init.done.items()}, time.monotonic() - init.started)
+        self._end_init(init, result)
+
+    def _fail_init(self, worker: str, reason: str) -> None:
+        init = self.init
+        if init is None:
+            return
+        message = init.error or init.fail(worker, reason)
+        log.error("ps.init_failed", init_id=init.init_id, error=message)
+        self._release([(w, init.init_id) for w in init.names if w in self.workers])
+        self._end_init(init, Error("init-failed", message, InitRequest.kind))
+
+    def _end_init(self, init: InitRound, answer: Body) -> None:
+        for pending in self._init_waiting:
+            self.server.answer(pending, answer)
+        self._init_answers[init.request_id] = answer
+        while len(self._init_answers) > 64:
+            self._init_answers.popitem(last=False)
+        self.init = None
+        self._init_plan = None
+        self._init_waiting = []
+
+    # --- staleness inventory ------------------------------------------------------------------------
+
+    def _staleness(self, call: Callable[[], Body]) -> Body:
+        try:
+            return call()
+        except StalenessError as exc:
+            raise HandlerError(_error_code(exc), str(exc)) from None
+
+    def _reserve(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Reserve)
+        deadline = time.monotonic() + self.settings.lease_ttl_s if ask.leased else None
+        return self._staleness(lambda: Reserved(
+            self.inventory.reserve(ask.prompt_id, ask.policy_version, ask.count, deadline=deadline)))
+
+    def _occupy(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Occupy)
+
+        def occupy() -> Body:
+            placed = self.inventory.occupy(ask.prompt_id, ask.trajectory, ask.policy_version)
+            if placed.aborted_versions:
+                log.warning("ps.versions_aborted", versions=list(placed.aborted_versions))
+            return Placed(placed.version, placed.staleness, placed.ready, list(placed.aborted_versions))
+
+        return self._staleness(occupy)
+
+    def _consume(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Consume)
+
+        def consume() -> Body:
+            version = self.inventory.trainer_version
+            batch = self.inventory.consume(ask.version)
+            if batch is None:
+                return Batch(version, False)
+            return Batch(batch.version, True,
+                         [BatchEntry(e.prompt_id, e.trajectory, e.policy_version) for e in batch.entries])
+
+        return self._staleness(consume)
+
+    def _abort(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, Abort)
+
+        def abort() -> Body:
+            result = self.inventory.abort(ask.prompt_id)
+            return Aborted(result.version, result.aborted_slots,
+                           [BatchEntry(e.prompt_id, e.trajectory, e.policy_version) for e in result.evicted])
+
+        return self._staleness(abort)
+
+    def _inventory(self, request: Message) -> Body:
+        stats = self.inventory.stats()
+        buffers = [InventoryBuffer(b.version, b.occupied, b.reserved, b.free, b.state.value)
+                   for b in self.inventory.buffers()]
+        return InventoryState(stats.eta, stats.batch_size, stats.trainer_version, stats.highest_aborted, buffers,
+                              dataclasses.asdict(stats))
+
+    # --- metrics ------------------------------------------------------------------------------------
+
+    def _metrics(self, registry: CollectorRegistry) -> None:
+        self._push_seconds = Histogram("refbus_ps_push_seconds", "Push of one rank's shard, begin to commit.",
+                                       buckets=_SECONDS_BUCKETS, registry=registry)
+        self._pull_seconds = Histogram("refbus_ps_pull_seconds", "Pull lease held, begin to release or expiry.",
+                                       buckets=_SECONDS_BUCKETS, registry=registry)
+        register_live("refbus_ps_versions_committed_total", "Versions committed (pushes and inits).",
+                      lambda: {(): float(self.versions.committed_total)}, registry=registry)
+        register_live("refbus_ps_versions_aborted_total", "Pushes aborted before they became visible.",
+                      lambda: {(): float(self.versions.aborted_total)}, registry=registry)
+        register_live("refbus_ps_current_version", "Latest committed version (-1 before the first).",
+                      lambda: {(): float(self.versions.latest)}, kind="gauge", registry=registry)
+        register_live("refbus_ps_version_bytes", "Bytes of every version the workers still hold, all copies.",
+                      lambda: {(): float(self.versions.held_bytes())}, kind="gauge", registry=registry)
+        register_live("refbus_ps_leases_active", "Live leases, by kind.",
+                      lambda: {(k,): float(len(self.leases.live(k))) for k in ("push", "pull")},  # type: ignore[arg-type]
+                      labels=("kind",), kind="gauge", registry=registry)
+        register_live("refbus_ps_leases_expired_total", "Leases that expired without being released, by kind.",
+                      lambda: {(k,): float(v) for k, v in self.leases.expired_total.items()},
+                      labels=("kind",), registry=registry)
+
+
+def run(config: Config, args: argparse.Namespace) -> int:
+    """``refbus node ps-manager``: serve the control plane until SIGINT/SIGTERM."""
+    runtime = NodeRuntime("ps-manager", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    PsManager(runtime, ManagerSettings.from_config(config.ps))
+    runtime.run()
+    return 0

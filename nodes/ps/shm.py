@@ -1,0 +1,238 @@
+"""Shared-memory segments: files in a tmpfs directory (``/dev/shm``) mapped once and reused across versions.
+
+First touch of fresh memory is the slow path on these machines (~1.5 GB/s against ~13 GB/s for a copy into
+memory already mapped), so a ps-worker never frees a segment when a version goes away: it returns it to a
+:class:`SegmentPool` and the next version of the same shard lands in memory that is already faulted in.
+Clients on the same host keep their mappings in :class:`SegmentMaps` for the same reason.
+
+Names are ``<prefix>.<pid>.<n>``: unique per worker process, never reused while it lives, and the pid lets
+:func:`sweep_orphans` remove segments of workers that died without cleaning up (SIGKILL).
+
+Pinned memory: with CUDA, segments are registered with ``cudaHostRegister`` (through torch) so
+host-to-device copies run at full speed; without CUDA the first segment logs one warning and memory stays
+pageable. torch is imported only where a CUDA driver exists (a ps-worker otherwise never loads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_PAGE = mmap.PAGESIZE
+_pin_warned = False
+
+
+def _cuda_torch() -> Any | None:
+    """torch when CUDA is usable here, else None. Without a CUDA driver torch is not imported just to
+    learn that (the import costs seconds)."""
+    if "torch" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+        return None
+    import torch
+
+    return torch if torch.cuda.is_available() else None
+
+
+def _address(mm: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # release the exported buffer so the mapping can be closed later
+
+
+def _pin(mm: mmap.mmap, size: int) -> bool:
+    """Page-lock a mapping for fast device copies; warn once (per process) and return False without CUDA."""
+    global _pin_warned
+    torch = _cuda_torch()
+    if torch is None:
+        if not _pin_warned:
+            _pin_warned = True
+            log.warning("ps.pinned_memory_unavailable", reason="no CUDA device; shards stay in pageable memory")
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(_address(mm), size, 0)
+    if int(err) != 0:
+        log.warning("ps.pin_failed", error=int(err), nbytes=size)
+        return False
+    return True
+
+
+class Segment:
+    """One shared-memory file, mapped read-write by its owner (a ps-worker) until :meth:`close`."""
+
+    def __init__(self, path: Path, capacity: int, *, pin: bool) -> None:
+        self.path = path
+        self.capacity = capacity
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, capacity)
+            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the name stays for same-host readers
+        self.pinned = pin and _pin(self.mm, capacity)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        """A writable view of ``[offset, offset + nbytes)``; raises ValueError outside the segment."""
+        end = self.capacity if nbytes is None else offset + nbytes
+        if offset < 0 or end > self.capacity or end < offset:
+            raise ValueError(f"bytes [{offset}, {end}) are outside segment {self.name} of {self.capacity} bytes")
+        return memoryview(self.mm)[offset:end]
+
+    def close(self) -> None:
+        """Unlink the name and unmap. Views still exported (arrays in flight to ZeroMQ) keep the memory
+        alive until they go; the name is gone at once, so nothing leaks past this process."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        if self.pinned:
+            torch = _cuda_torch()
+            if torch is not None:
+                torch.cuda.cudart().cudaHostUnregister(_address(self.mm))
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+class SegmentPool:
+    """A worker's segments: in use (holding a shard) or free (kept mapped for the next version).
+
+    :meth:`acquire` reuses the smallest free segment that fits, else creates one; :meth:`release` returns
+    a segment to the free list, unlinking the oldest free ones beyond ``max_free``. :meth:`close` unlinks
+    everything. Not thread-safe: the worker's loop owns it.
+    """
+
+    def __init__(self, directory: str | Path, prefix: str, *, pin: bool = True, max_free: int = 4) -> None:
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.pin = pin
+        self.max_free = max_free
+        self.created = 0
+        self.reused = 0
+        self._in_use: dict[str, Segment] = {}
+        self._free: OrderedDict[str, Segment] = OrderedDict()
+
+    @property
+    def in_use_bytes(self) -> int:
+        return sum(s.capacity for s in self._in_use.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(s.capacity for s in self._free.values())
+
+    def get(self, name: str) -> Segment | None:
+        """The in-use segment called ``name`` (free segments hold nothing readable)."""
+        return self._in_use.get(name)
+
+    def acquire(self, nbytes: int) -> Segment:
+        """A segment of at least ``nbytes``, owned by the caller until :meth:`release`."""
+        fits = [s for s in self._free.values() if s.capacity >= nbytes]
+        if fits:
+            segment = min(fits, key=lambda s: s.capacity)
+            del self._free[segment.name]
+            self.reused += 1
+        else:
+            self.created += 1
+            capacity = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+            path = self.directory / f"{self.prefix}.{os.getpid()}.{self.created}"
+            segment = Segment(path, capacity, pin=self.pin)
+        self._in_use[segment.name] = segment
+        return segment
+
+    def release(self, segment: Segment) -> None:
+        """Return a segment to the free list (its bytes are garbage from now on)."""
+        if self._in_use.pop(segment.name, None) is None:
+            return
+        self._free[segment.name] = segment
+        while len(self._free) > self.max_free:
+            _, oldest = self._free.popitem(last=False)
+            oldest.close()
+
+    def close(self) -> None:
+        """Unlink and unmap every segment, in use or free."""
+        for segment in [*self._in_use.values(), *self._free.values()]:
+            segment.close()
+        self._in_use.clear()
+        self._free.clear()
+
+
+def sweep_orphans(directory: str | Path, prefix: str) -> list[str]:
+    """Unlink segments named ``<prefix>.<pid>.<n>`` whose pid is not alive; returns the names removed."""
+    removed = []
+    for path in Path(directory).glob(f"{prefix}.*.*"):
+        pid_text = path.name[len(prefix) + 1 :].partition(".")[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    if removed:
+        log.warning("ps.orphan_segments_removed", count=len(removed), directory=str(directory))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SegmentMaps:
+    """A client's mappings of workers' segments, kept across calls because segments are reused.
+
+    ``readonly`` mappings are for pullers: tensors viewing them cannot be written (writing faults), so a
+    reader can never corrupt the version every other reader holds. Mappings are dropped least recently used
+    beyond ``max_maps``; a mapping still viewed by tensors stays alive until they go.
+    """
+
+    def __init__(self, *, readonly: bool, max_maps: int = 256) -> None:
+        self.readonly = readonly
+        self.max_maps = max_maps
+        self._maps: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
+
+    def view(self, path: str, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` at ``offset`` of the segment file ``path`` (raises OSError if it does not exist)."""
+        mm = self._map(path)
+        if offset + nbytes > len(mm):
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside {path} ({len(mm)} bytes)")
+        return memoryview(mm)[offset : offset + nbytes]
+
+    def _map(self, path: str) -> mmap.mmap:
+        flags = os.O_RDONLY if self.readonly else os.O_RDWR
+        fd = os.open(path, flags)
+        try:
+            # Keyed by inode too: a name reappearing after a worker restart is a different segment.
+            key = (path, os.fstat(fd).st_ino)
+            mm = self._maps.get(key)
+            if mm is None:
+                access = mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE
+                mm = self._maps[key] = mmap.mmap(fd, 0, access=access)
+                while len(self._maps) > self.max_maps:
+                    self._maps.popitem(last=False)
+            else:
+                self._maps.move_to_end(key)
+            return mm
+        finally:
+            os.close(fd)
+
+    def clear(self) -> None:
+        """Forget every mapping (each is unmapped once no tensor views it)."""
+        self._maps.clear()

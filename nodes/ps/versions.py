@@ -1,0 +1,231 @@
+"""The manager's versions: the push being written, the committed versions it retains, and when to free one.
+
+Rules (../shared/DESIGN.md, "Parameter server rules"):
+
+* A version becomes visible only when every rank's shard is committed (written, and its checksums verified by
+  the worker that holds it); until then it is *pending* and nobody can read it. At most one version is
+  pending; it must be ``latest + 1`` (any version when nothing is committed yet).
+* A pending version that loses a rank (its lease expired or was released) or misses the push timeout is
+  aborted: it never becomes visible and its shards are handed back for recycling.
+* The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
+  and its shards are freed as soon as no pull lease holds it.
+
+Pure bookkeeping: no I/O and no clock of its own. Methods return the shards to release; the manager sends
+the ``ps-release`` requests. A shard is ``(worker, shard_id)``: the push lease id, or the broadcast init id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ...protocol.messages_ps import Location, Manifest, ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
+from . import manifest as mf
+from .manifest import ManifestError
+
+Shard = tuple[str, str]  # (worker, shard id)
+
+
+@dataclass
+class _RankShard:
+    lease: str
+    worker: str
+    tensors: list[ShardTensor]
+    segment: str = ""
+    committed: list[ShardTensor] | None = None
+
+
+@dataclass
+class _Pending:
+    version: int
+    world: int
+    started: float
+    ranks: dict[int, _RankShard] = field(default_factory=dict)
+
+    def shards(self) -> list[Shard]:
+        return [(r.worker, r.lease) for r in self.ranks.values()]
+
+
+@dataclass
+class _Stored:
+    manifest: Manifest
+    shards: list[Shard]
+    leases: frozenset[str]
+    readers: int = 0
+    retired: bool = False
+
+
+class VersionStore:
+    """Pending push, committed versions, retention and freeing."""
+
+    def __init__(self, retain: int) -> None:
+        if retain < 1:
+            raise ValueError(f"retain must be >= 1, got {retain}")
+        self.retain = retain
+        self.latest = -1
+        self.committed_total = 0
+        self.aborted_total = 0
+        self.pending: _Pending | None = None
+        self._stored: dict[int, _Stored] = {}
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def retained(self) -> list[int]:
+        """Versions a reader may lease, oldest first."""
+        return sorted(v for v, s in self._stored.items() if not s.retired)
+
+    def pinned(self) -> dict[int, int]:
+        """Version -> number of pull leases holding it (only versions with readers)."""
+        return {v: s.readers for v, s in sorted(self._stored.items()) if s.readers}
+
+    def held_bytes(self) -> int:
+        """Bytes of every version still held by the workers (retained, or retired but read)."""
+        return sum(e.nbytes * len(e.locations) for s in self._stored.values() for e in s.manifest.entries)
+
+    def manifest(self, version: int | None = None) -> Manifest:
+        """The manifest of a retained version (default latest); ManifestError(``unknown-version``)."""
+        if version is None:
+            if self.latest < 0:
+                raise ManifestError("unknown-version", "no version has been committed yet")
+            version = self.latest
+        stored = self._stored.get(version)
+        if stored is None or stored.retired:
+            raise ManifestError(
+                "unknown-version",
+                f"version {version} is not retained (retained: {self.retained() or 'none'}, latest {self.latest})",
+            )
+        return stored.manifest
+
+    def pin(self, version: int) -> None:
+        """A pull lease now holds ``version`` (it must be retained)."""
+        self.manifest(version)
+        self._stored[version].readers += 1
+
+    def unpin(self, version: int) -> list[Shard]:
+        """A pull lease on ``version`` ended; returns the shards to free if that released a retired version."""
+        stored = self._stored.get(version)
+        if stored is None:
+            return []
+        stored.readers -= 1
+        return self._free_if_unread(version)
+
+    # --- pushing ------------------------------------------------------------------------------------
+
+    def begin(
+        self, version: int, rank: int, world: int, specs: list[TensorSpec], worker: str, lease: str, now: float
+    ) -> list[ShardTensor]:
+        """Start rank ``rank``'s shard of ``version`` on ``worker``; returns its layout.
+
+        Raises ManifestError: ``version-conflict`` (not the next version, another version pending, a
+        different world size, a rank already pushing), ``bad-rank``, ``duplicate-name``,
+        ``shape-mismatch``, ``bad-dtype``.
+        """
+        if not 0 <= rank < world:
+            raise ManifestError("bad-rank", f"rank {rank} is outside world size {world}")
+        if self.latest >= 0 and version != self.latest + 1:
+            raise ManifestError(
+                "version-conflict", f"push of version {version}: the next version is {self.latest + 1}"
+            )
+        pending = self.pending
+        if pending is not None and pending.version != version:
+            raise ManifestError(
+                "version-conflict", f"push of version {version}: version {pending.version} is still being pushed"
+            )
+        if pending is not None and pending.world != world:
+            raise ManifestError(
+                "version-conflict",
+                f"push of version {version} with world size {world}: rank(s) {sorted(pending.ranks)} began "
+                f"it with world size {pending.world}",
+            )
+        if pending is not None and rank in pending.ranks:
+            raise ManifestError("version-conflict", f"rank {rank} of version {version} is already pushing")
+        tensors, _ = mf.layout(specs)
+        mf.check_compatible(specs, self._stored[self.latest].manifest if self.latest >= 0 else None)
+        if pending is not None:
+            taken = {t.name: r for r, s in pending.ranks.items() for t in s.tensors}
+            for spec in specs:
+                if spec.name in taken:
+                    raise ManifestError(
+                        "duplicate-name",
+                        f"tensor {spec.name!r} of version {version} is already pushed by rank {taken[spec.name]}",
+                    )
+        if pending is None:
+            pending = self.pending = _Pending(version, world, now)
+        pending.ranks[rank] = _RankShard(lease, worker, tensors)
+        return tensors
+
+    def commit_shard(
+        self, version: int, rank: int, lease: str, worker: str, segment: str, tensors: list[ShardTensor],
+        workers: Iterable[WorkerInfo],
+    ) -> tuple[bool, Manifest | None, list[Shard]]:
+        """Record a rank's verified shard. Returns ``(accepted, manifest, freed)``: the manifest when this
+        was the last rank (the version is now committed), and shards freed by retention.
+
+        Idempotent: a repeated commit of a shard already recorded is accepted again. Raises ManifestError:
+        ``push-aborted`` (no such push in progress), ``manifest-mismatch``.
+        """
+        stored = self._stored.get(version)
+        if stored is not None and lease in stored.leases:
+            return True, stored.manifest, []
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        if shard is None or shard.lease != lease:
+            raise ManifestError(
+                "push-aborted", f"version {version} rank {rank} has no push in progress under this lease"
+            )
+        if worker != shard.worker:
+            raise ManifestError(
+                "manifest-mismatch", f"rank {rank} was granted worker {shard.worker!r}, not {worker!r}"
+            )
+        mf.check_shard(shard.tensors, tensors)
+        shard.segment = segment
+        shard.committed = list(tensors)
+        assert pending is not None
+        if len(pending.ranks) < pending.world or any(r.committed is None for r in pending.ranks.values()):
+            return True, None, []
+        entries = [
+            ManifestEntry(t.name, t.dtype, t.shape, t.nbytes, t.checksum, [Location(r.worker, r.segment, t.offset)])
+            for r in pending.ranks.values()
+            for t in r.committed or ()
+        ]
+        manifest = mf.build(version, entries, workers)
+        leases = frozenset(r.lease for r in pending.ranks.values())
+        self.pending = None
+        return True, manifest, self._store(manifest, pending.shards(), leases)
+
+    def commit_init(self, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
+        """Commit a version loaded by broadcast init; returns shards freed by retention."""
+        if manifest.version <= self.latest:
+            raise ManifestError("version-conflict", f"version {manifest.version} is not after {self.latest}")
+        return self._store(manifest, shards, frozenset())
+
+    def next_version(self) -> int:
+        return self.latest + 1
+
+    def abort(self, version: int) -> list[Shard]:
+        """Drop the pending ``version`` (if it is the pending one); returns its shards to release."""
+        pending = self.pending
+        if pending is None or pending.version != version:
+            return []
+        self.pending = None
+        self.aborted_total += 1
+        return pending.shards()
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _store(self, manifest: Manifest, shards: list[Shard], leases: frozenset[str]) -> list[Shard]:
+        self._stored[manifest.version] = _Stored(manifest, shards, leases)
+        self.latest = manifest.version
+        self.committed_total += 1
+        freed: list[Shard] = []
+        for version in self.retained()[: -self.retain]:
+            self._stored[version].retired = True
+            freed += self._free_if_unread(version)
+        return freed
+
+    def _free_if_unread(self, version: int) -> list[Shard]:
+        stored = self._stored[version]
+        if not stored.retired or stored.readers > 0:
+            return []
+        del self._stored[version]
+        return stored.shards

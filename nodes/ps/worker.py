@@ -1,0 +1,288 @@
+"""The ps-worker role (``refbus node ps-worker``): the parameter server's data plane on one host.
+
+A worker holds shards (one segment each) in shared memory from a :class:`~.shm.SegmentPool`, so memory is
+mapped once and reused version after version:
+
+* **push**: ``ps-shard-open`` gives the pusher a segment (by name: a same-host pusher maps it and writes
+  directly; a cross-host one sends ``ps-shard-write`` frames); ``ps-shard-seal`` hashes every tensor against
+  the pusher's checksums and forwards the verified shard to the manager (``ps-shard-commit``). The pusher's
+  answer is the manager's (the reply is deferred until it arrives), so "acknowledged" means "recorded".
+* **pull**: same-host readers map segments themselves and never talk to the worker; ``ps-shard-read``
+  serves cross-host readers with zero-copy frames that view the segment.
+* **release**: the manager names shards that no version or push needs any more; their segments go back to
+  the pool.
+* **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init.
+
+The worker never decides what is committed or freed: the manager does. Single-threaded on the node loop.
+Tensors are moved as bytes (numpy uint8), so this process never imports torch unless a CUDA driver is
+present (for pinning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+from prometheus_client import REGISTRY
+from prometheus_client.registry import CollectorRegistry
+
+from ...bus.metrics import register_live
+from ...bus.reqrep import Client, HandlerError, Pending, RetryPolicy
+from ...bus.runtime import NodeRuntime
+from ...protocol.codec import checksum
+from ...protocol.envelope import Message
+from ...protocol.messages import Body, Error, Ok
+from ...protocol.messages_ps import (
+    InitChunk,
+    InitEnd,
+    InitHeader,
+    InitPlan,
+    PsRegister,
+    Release,
+    ShardCommit,
+    ShardData,
+    ShardOpen,
+    ShardOpened,
+    ShardRead,
+    ShardSeal,
+    ShardWrite,
+    WorkerInfo,
+)
+from ..config import Config, PsSection
+from .broadcast import Relay
+from .shm import Segment, SegmentPool, sweep_orphans
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    manager: str
+    endpoint: str = "tcp://127.0.0.1:0"
+    shm_dir: str = "/dev/shm"
+    shm_prefix: str = "refbus-ps"
+    pin_memory: bool = True
+    max_free_segments: int = 4
+    register_timeout_s: float = 15.0
+
+    @classmethod
+    def from_config(cls, ps: PsSection, *, connect_timeout_s: float = 15.0) -> WorkerSettings:
+        return cls(ps.manager, ps.worker, ps.shm_dir, ps.shm_prefix, ps.pin_memory, ps.max_free_segments,
+                   connect_timeout_s)
+
+
+class PsWorker:
+    """Serves the data plane on ``runtime``; call :meth:`register` before the runtime runs."""
+
+    def __init__(self, runtime: NodeRuntime, settings: WorkerSettings, *,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        sweep_orphans(settings.shm_dir, settings.shm_prefix)
+        self.pool = SegmentPool(settings.shm_dir, settings.shm_prefix, pin=settings.pin_memory,
+                                max_free=settings.max_free_segments)
+        self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
+        self.relays: dict[str, Relay] = {}
+        self._forwarded: dict[str, list[Pending]] = {}  # manager request id -> pushers waiting on it
+        self._sealing: dict[str, str] = {}  # push lease -> manager request id in flight
+        self._peers: dict[str, Client] = {}
+
+        self.server = runtime.serve("ps", settings.endpoint)
+        self.server.on(ShardOpen.kind, self._open)
+        self.server.on(ShardWrite.kind, self._write)
+        self.server.on(ShardSeal.kind, self._seal, cached=False)
+        self.server.on(ShardRead.kind, self._read, cached=False)
+        self.server.on(Release.kind, self._release)
+        self.server.on(InitPlan.kind, self._plan)
+        self.server.on(InitHeader.kind, self._header)
+        self.server.on(InitChunk.kind, self._chunk)
+        self.server.on(InitEnd.kind, self._end)
+        self.manager = runtime.client(settings.manager)
+        runtime.watch(self.manager.sock, self._drain_manager)
+        runtime.every(0.05, self._check_relays)
+        runtime.shutdown_hooks.append(self.pool.close)
+        runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
+                                  "free_bytes": float(self.pool.free_bytes)}
+        register_live("refbus_ps_held_bytes", "Shared memory held by this ps-worker, in use or kept for reuse.",
+                      lambda: {("in_use",): float(self.pool.in_use_bytes), ("free",): float(self.pool.free_bytes)},
+                      labels=("state",), kind="gauge", registry=registry)
+        register_live("refbus_ps_segments_created_total", "Shared-memory segments created (not reused).",
+                      lambda: {(): float(self.pool.created)}, registry=registry)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
+                          self.settings.shm_dir, os.getpid())
+
+    def register(self) -> None:
+        """Join the parameter server (blocking, before the loop runs); RequestTimeout if no manager answers."""
+        policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.register_timeout_s)), backoff=1.0)
+        self.manager.request(PsRegister(self.info()), policy=policy)
+        log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
+
+    # --- push ---------------------------------------------------------------------------------------
+
+    def _shard(self, lease: str) -> Segment:
+        segment = self.shards.get(lease)
+        if segment is None:
+            raise HandlerError("unknown-shard", f"no open shard for {lease!r} (aborted, released or never opened)")
+        return segment
+
+    def _open(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, ShardOpen)
+        segment = self.shards.get(ask.lease)
+        if segment is None:
+            segment = self.shards[ask.lease] = self.pool.acquire(ask.nbytes)
+        elif segment.capacity < ask.nbytes:
+            raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
+                               f"not {ask.nbytes}")
+        return ShardOpened(segment.name, segment.capacity)
+
+    def _write(self, request: Message) -> Body:
+        write = request.body
+        assert isinstance(write, ShardWrite)
+        segment = self._shard(write.lease)
+        if len(write.offsets) != len(write.data):
+            raise HandlerError("bad-write", f"{len(write.offsets)} offsets for {len(write.data)} buffers")
+        for offset, data in zip(write.offsets, write.data, strict=True):
+            source = np.asarray(data).reshape(-1).view(np.uint8)
+            try:
+                target = segment.view(offset, source.nbytes)
+            except ValueError as exc:
+                raise HandlerError("out-of-bounds", str(exc)) from None
+            np.frombuffer(target, np.uint8)[:] = source
+        return Ok()
+
+    def _seal(self, request: Message) -> Body | None:
+        """Verify every checksum, then let the manager's answer be the pusher's answer."""
+        seal = request.body
+        assert isinstance(seal, ShardSeal)
+        segment = self._shard(seal.lease)
+        for t in seal.tensors:
+            try:
+                got = checksum(segment.view(t.offset, t.nbytes))
+            except ValueError as exc:
+                raise HandlerError("out-of-bounds", f"tensor {t.name!r}: {exc}") from None
+            if got != t.checksum:
+                raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
+                                   f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
+        in_flight = self._sealing.get(seal.lease)
+        if in_flight is None:
+            commit = ShardCommit(seal.lease, seal.version, seal.rank, self.runtime.node_id, segment.name, seal.tensors)
+            in_flight = self._sealing[seal.lease] = self.manager.send(commit)
+            self._forwarded[in_flight] = []
+        self._forwarded[in_flight].append(self.server.pending)
+        return None
+
+    def _drain_manager(self) -> None:
+        while (reply := self.manager.recv(0)) is not None:
+            waiting = self._forwarded.pop(reply.header.re, None)
+            if waiting is None:
+                if isinstance(reply.body, Error):
+                    log.warning("ps.manager_error", code=reply.body.code, error=reply.body.message)
+                continue
+            self._sealing = {lease: rid for lease, rid in self._sealing.items() if rid != reply.header.re}
+            for pending in waiting:
+                self.server.answer(pending, reply.body)
+
+    # --- pull and release ---------------------------------------------------------------------------
+
+    def _read(self, request: Message) -> Body:
+        read = request.body
+        assert isinstance(read, ShardRead)
+        segment = self.pool.get(read.segment)
+        if segment is None:
+            raise HandlerError("unknown-segment", f"segment {read.segment!r} holds no shard on {self.runtime.node_id}")
+        try:
+            # Zero-copy: the frames view the segment, which the reader's pull lease keeps from being reused.
+            return ShardData([np.frombuffer(segment.view(r.offset, r.nbytes), np.uint8) for r in read.ranges])
+        except ValueError as exc:
+            raise HandlerError("out-of-bounds", str(exc)) from None
+
+    def _release(self, request: Message) -> Body:
+        release = request.body
+        assert isinstance(release, Release)
+        for shard in release.shards:
+            self.relays.pop(shard, None)
+            segment = self.shards.pop(shard, None)
+            if segment is not None:
+                self.pool.release(segment)
+        return Ok()
+
+    # --- broadcast init -----------------------------------------------------------------------------
+
+    def _relay(self, init_id: str) -> Relay:
+        relay = self.relays.get(init_id)
+        if relay is None:
+            relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
+                                                 send=self._send_peer, report=self.manager.send)
+        return relay
+
+    def _acquire(self, shard: str, nbytes: int) -> Segment:
+        segment = self.shards.get(shard)
+        if segment is None:
+            segment = self.shards[shard] = self.pool.acquire(nbytes)
+        return segment
+
+    def _send_peer(self, peer: WorkerInfo, body: Body) -> str:
+        client = self._peers.get(peer.endpoint)
+        if client is None:
+            client = self._peers[peer.endpoint] = self.runtime.client(peer.endpoint)
+            self.runtime.watch(client.sock, lambda: self._drain_peer(client))
+        return client.send(body)
+
+    def _drain_peer(self, client: Client) -> None:
+        while (reply := client.recv(0)) is not None:
+            if not any(relay.on_reply(reply.header.re, reply) for relay in self.relays.values()):
+                log.debug("ps.stray_ack", endpoint=client.endpoint)
+
+    def _check_relays(self) -> None:
+        for client in self._peers.values():
+            self._drain_peer(client)
+        now = time.monotonic()
+        for relay in self.relays.values():
+            relay.check(now)
+
+    def _plan(self, request: Message) -> Body:
+        plan = request.body
+        assert isinstance(plan, InitPlan)
+        relay = self._relay(plan.init_id)
+
+        # Answer the plan first, then stream on the loop: the manager learns at once that the root is alive.
+        self.runtime.call_soon(lambda: relay.stream_from(plan))
+        return Ok()
+
+    def _header(self, request: Message) -> Body:
+        header = request.body
+        assert isinstance(header, InitHeader)
+        self._relay(header.init_id).on_header(header)
+        return Ok()
+
+    def _chunk(self, request: Message) -> Body:
+        chunk = request.body
+        assert isinstance(chunk, InitChunk)
+        self._relay(chunk.init_id).on_chunk(chunk)
+        return Ok()
+
+    def _end(self, request: Message) -> Body:
+        end = request.body
+        assert isinstance(end, InitEnd)
+        self._relay(end.init_id).on_end(end)
+        return Ok()
+
+
+def run(config: Config, args: argparse.Namespace) -> int:
+    """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
+    runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    worker = PsWorker(runtime, WorkerSettings.from_config(config.ps, connect_timeout_s=config.node.connect_timeout_s))
+    try:
+        worker.register()
+    except BaseException:
+        runtime.close()
+        raise
+    runtime.run()
+    return 0

@@ -1,0 +1,346 @@
+"""The parameter server as real processes: push, pull, leases, crashes, retention, casts and bad input.
+
+Every cluster is a broker, a ps-manager and ps-workers started through ``NodeProcess`` with a 1 s lease TTL;
+trainer ranks and rollout workers that must die are actor processes (``ps_support.py``). Each test checks at
+the end that no shared-memory segment of its cluster is left behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from ps_support import (
+    Actor,
+    PsCluster,
+    checksums,
+    make_state,
+    rank_part,
+    scrape,
+    segments,
+    start_cluster,
+    wait_for,
+)
+from refbus.bus.reqrep import RemoteError
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.ps.client import PsError
+from refbus.protocol.codec import checksum
+from refbus.protocol.messages import VersionBump
+from refbus.protocol.messages_ps import PushBegin, ShardOpen, ShardSeal, ShardTensor, ShardWrite, TensorSpec
+
+TTL_S = 1.0
+
+
+@pytest.fixture
+def cluster(bus, spawn, request) -> Iterator[PsCluster]:
+    _, control = bus
+    extra = getattr(request, "param", [])
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=2, extra=extra)
+    actors: list[Actor] = []
+    cluster.actors = actors  # type: ignore[attr-defined]
+    yield cluster
+    for actor in actors:
+        actor.stop()
+    for proc in [*cluster.workers.values(), cluster.manager_proc]:
+        assert proc is not None and proc.stop() == 0, proc.log_tail() if proc else ""
+    assert segments(cluster.prefix) == [], "shared-memory segments leaked"
+
+
+def actor(cluster: PsCluster, *args: str) -> Actor:
+    started = Actor(*args, "--manager", cluster.manager)
+    cluster.actors.append(started)  # type: ignore[attr-defined]
+    return started
+
+
+def test_two_trainer_ranks_push_and_two_rollouts_pull_byte_identical(cluster: PsCluster) -> None:
+    state = make_state(seed=7)
+    pushers = [actor(cluster, "push", "--version", "0", "--rank", str(r), "--world", "2", "--seed", "7")
+               for r in range(2)]
+    results = [p.expect("pushed") for p in pushers]
+    assert sorted(r["committed"] for r in results) == [False, True]  # the last rank's ack commits
+    digest = next(r["digest"] for r in results if r["committed"])
+    pullers = [actor(cluster, "pull") for _ in range(2)]
+    pulled = [p.expect("pulled") for p in pullers]
+    assert all(p["version"] == 0 and p["digest"] == digest for p in pulled)
+    assert all(p["checksums"] == checksums(state) for p in pulled)
+
+    runtime, ps = cluster.client(transport="frames")
+    try:
+        over_frames = ps.pull(verify=True)
+        assert over_frames.digest == digest
+        assert all(torch.equal(over_frames[name], t) for name, t in state.items())
+        placed = {loc.worker for e in ps.manifest().entries for loc in e.locations}
+        assert placed == {"w0", "w1"}  # each rank's shard went to its own worker
+    finally:
+        runtime.close()
+
+
+def test_readers_never_wait_for_a_push_and_never_see_a_torn_version(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        first = ps.push(make_state(seed=1), 0)
+        pusher = actor(cluster, "push", "--version", "1", "--seed", "2", "--pause")
+        pusher.expect("paused")  # version 1 is half written and stays so while the readers run
+        digests = {first.digest}
+        seen: list[tuple[int, str, float]] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def reader(index: int) -> None:
+            rt, client = cluster.client(name=f"reader-{index}")
+            try:
+                while not stop.is_set():
+                    started = time.monotonic()
+                    pulled = client.pull(verify=True)  # verify: the bytes hash to the manifest
+                    seen.append((pulled.version, pulled.digest, time.monotonic() - started))
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                rt.close()
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(seen) >= 24, 20, "pulls while the push is open")
+        assert {v for v, _, _ in seen} == {0}, "a reader saw the version still being pushed"
+        assert max(s for _, _, s in seen) < TTL_S, "a reader waited"
+        pusher.resume()
+        second = pusher.expect("pushed")
+        digests.add(second["digest"])
+        count = len(seen)
+        wait_for(lambda: any(v == 1 for v, _, _ in seen[count:]), 20, "readers to see version 1")
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not errors, errors
+        assert {(v, d) for v, d, _ in seen} <= {(0, first.digest), (1, second["digest"])}
+    finally:
+        runtime.close()
+
+
+def test_killed_puller_lease_expires_and_pushes_proceed(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        ps.push(make_state(seed=1), 0)
+        one_version = cluster.held("w0")
+        holder = actor(cluster, "pull", "--hold")
+        assert holder.expect("pulled")["version"] == 0
+        holder.expect("holding")
+        assert ps.status().pinned == {"0": 1}
+        holder.kill()
+        # Pushes never wait for readers, and version 0 stays held for the dead reader until its lease ends.
+        for version in (1, 2, 3):
+            assert ps.push(make_state(seed=version), version).committed
+        state = ps.status()
+        assert state.retained == [2, 3] and state.pinned == {"0": 1}
+        wait_for(lambda: ps.status().pinned == {}, 5 * TTL_S, "the dead reader's lease to expire")
+        assert ps.status().leases == 0
+        # Version 0 is freed: only the two retained versions' shards stay in use on w0.
+        wait_for(lambda: cluster.held("w0") == 2 * one_version, 5, "version 0's shard to be released")
+        log = cluster.manager_proc.log_tail(200)  # type: ignore[union-attr]
+        assert '"ps.lease_expired"' in log and '"kind": "pull"' in log
+        assert scrape(cluster.manager_metrics, "refbus_ps_leases_expired_total", kind="pull") == 1
+        assert scrape(cluster.manager_metrics, "refbus_ps_leases_active", kind="pull") == 0
+    finally:
+        runtime.close()
+
+
+def test_killed_pusher_never_commits_and_its_memory_is_reclaimed(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        ps.push(make_state(seed=1), 0)
+        before = cluster.held("w0")
+        pusher = actor(cluster, "push", "--version", "1", "--seed", "2", "--pause")
+        pusher.expect("paused")
+        assert ps.status().pending == [1]
+        assert cluster.held("w0") > before  # its segment is in use
+        pusher.kill()
+        wait_for(lambda: ps.status().pending == [], 5 * TTL_S, "the dead pusher's lease to expire")
+        assert ps.status().latest == 0
+        wait_for(lambda: cluster.held("w0") == before, 5, "the aborted shard's memory to be released")
+        with pytest.raises(RemoteError) as err:
+            ps.pull(1)
+        assert err.value.code == "unknown-version"
+        # The version can be pushed again, into the recycled segment (no new memory).
+        created = _segments_created(cluster)
+        assert ps.push(make_state(seed=2), 1).committed
+        assert _segments_created(cluster) == created
+    finally:
+        runtime.close()
+
+
+def _segments_created(cluster: PsCluster) -> float:
+    return scrape(cluster.worker_info["w0"]["metrics"], "refbus_ps_segments_created_total")
+
+
+def test_retained_versions_and_freeing_once_unread(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        states = [make_state(seed=v) for v in range(5)]
+        ps.push(states[0], 0)
+        ps.push(states[1], 1)
+        reader = ps.pull(1, shared=True)  # holds version 1 while it is retired
+        for version in (2, 3, 4):
+            ps.push(states[version], version)
+        status = ps.status()
+        assert status.retained == [3, 4] and status.pinned == {"1": 1}
+        assert all(torch.equal(reader[name], t) for name, t in states[1].items())  # still intact
+        with pytest.raises(RemoteError) as err:
+            ps.pull(1)
+        assert err.value.code == "unknown-version" and "retained: [3, 4]" in str(err.value)
+        held = cluster.held("w0")
+        reader.release()
+        assert ps.status().pinned == {}
+        wait_for(lambda: cluster.held("w0") < held, 5, "version 1 to be freed")
+        assert cluster.held("w0", "free") > 0  # kept mapped for reuse, not unmapped
+        latest = ps.pull()
+        assert latest.version == 4 and all(torch.equal(latest[n], t) for n, t in states[4].items())
+        metrics = cluster.manager_metrics
+        assert scrape(metrics, "refbus_ps_current_version") == 4
+        assert scrape(metrics, "refbus_ps_versions_committed_total") == 5
+        assert scrape(metrics, "refbus_ps_push_seconds_count") == 5
+        assert scrape(metrics, "refbus_ps_pull_seconds_count") == 2
+    finally:
+        runtime.close()
+
+
+def test_pull_casts_with_keep_fp32_and_into_existing_tensors(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        state = make_state(seed=3)
+        ps.push(state, 0)
+        cast = ps.pull(dtype=torch.bfloat16, keep_fp32=("*.norm.weight", "scale"))
+        for name, tensor in state.items():
+            if not tensor.is_floating_point():
+                assert cast[name].dtype == tensor.dtype and torch.equal(cast[name], tensor)
+            elif name.endswith(".norm.weight") or name == "scale":
+                assert cast[name].dtype == torch.float32 and torch.equal(cast[name], tensor.float())
+            else:
+                assert cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], tensor.to(torch.bfloat16))
+        out = {name: torch.zeros_like(t) for name, t in state.items()}
+        into = ps.pull(out=out)
+        assert all(into[name] is out[name] and torch.equal(out[name], t) for name, t in state.items())
+        with ps.pull(shared=True) as shared:
+            weight = shared["layer0.weight"]
+            assert torch.equal(weight, state["layer0.weight"])
+        with pytest.raises(PsError, match="shape"):
+            ps.pull(out={"layer0.weight": torch.zeros(1)})
+    finally:
+        runtime.close()
+
+
+def test_version_bump_is_published_after_the_commit(cluster: PsCluster) -> None:
+    watcher = NodeRuntime("watcher", RuntimeSettings(bus=cluster.control, metrics_port=-1))
+    bumps: list[VersionBump] = []
+    pullable: list[bool] = []
+    runtime, ps = cluster.client()
+
+    def on_bump(message) -> None:
+        bumps.append(message.body)
+        # The bump is never ahead of the commit: the version is already readable when it arrives.
+        pullable.append(ps.manifest(message.body.version).digest == message.body.manifest_digest)
+
+    watcher.subscribe(on_bump, kinds=frozenset({VersionBump.kind}))
+    try:
+        watcher.start()
+        results = []
+        for version in range(3):
+            results.append(ps.push(make_state(seed=version), version))
+            watcher.loop(until=lambda: len(bumps) > version)  # noqa: B023 - evaluated within the iteration
+        assert [b.version for b in bumps] == [0, 1, 2]
+        assert [b.manifest_digest for b in bumps] == [r.digest for r in results]
+        assert pullable == [True, True, True]
+    finally:
+        watcher.close()
+        runtime.close()
+
+
+def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        with pytest.raises(RemoteError) as err:
+            ps.pull()
+        assert err.value.code == "unknown-version" and "no version" in str(err.value)
+        state = make_state(seed=1)
+        ps.push(state, 0)
+        with pytest.raises(RemoteError) as err:
+            ps.pull(7)
+        assert err.value.code == "unknown-version" and "version 7" in str(err.value)
+        with pytest.raises(RemoteError) as err:
+            ps.push(state, 5)
+        assert err.value.code == "version-conflict" and "next version is 1" in str(err.value)
+        wrong = dict(state, **{"layer0.weight": torch.zeros(3, 3)})
+        with pytest.raises(RemoteError) as err:
+            ps.push(wrong, 1)
+        assert err.value.code == "shape-mismatch" and "layer0.weight" in str(err.value)
+        assert ps.status().pending == []  # a refused push leaves nothing behind
+
+        # Two ranks claiming the same tensor, and a rank outside the world.
+        with ps.begin_push(rank_part(state, 0, 2), 1, rank=0, world=2):
+            with pytest.raises(RemoteError) as err:
+                ps.push(rank_part(state, 0, 2), 1, rank=1, world=2)
+            assert err.value.code == "duplicate-name"
+        with pytest.raises(RemoteError) as err:
+            ps.push(state, 1, rank=2, world=2)
+        assert err.value.code == "bad-rank"
+
+        # A shard whose declared layout or checksums do not match what was granted and written.
+        manager = runtime.client(cluster.manager)
+        specs = [TensorSpec("a", "float32", [4]), TensorSpec("b", "int64", [2])]
+        grant = manager.request(PushBegin(1, 0, 1, "raw", specs)).body
+        worker = runtime.client(grant.worker.endpoint)
+        worker.request(ShardOpen(grant.lease, grant.nbytes))
+        data = [np.ones(4, np.float32).view(np.uint8), np.array([5, 6], np.int64).view(np.uint8)]
+        worker.request(ShardWrite(grant.lease, [t.offset for t in grant.tensors], data))
+        right = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, checksum(d))
+                 for t, d in zip(grant.tensors, data, strict=True)]
+        wrong_sum = [right[0], msgspec.structs.replace(right[1], checksum=right[1].checksum ^ 1)]
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardSeal(grant.lease, 1, 0, wrong_sum))
+        assert err.value.code == "checksum" and "'b'" in str(err.value)
+        reshaped = [right[0], ShardTensor("b", "int64", [1], right[1].offset, 8, checksum(data[1][:8]))]
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardSeal(grant.lease, 1, 0, reshaped))
+        assert err.value.code == "manifest-mismatch" and "'b'" in str(err.value) and "shape" in str(err.value)
+        assert worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
+        pulled = ps.pull()
+        assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [["--ps-eta", "1", "--ps-batch-size", "2"]], indirect=True)
+def test_staleness_inventory_through_the_manager(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        assert ps.reserve("p0", 0, 2) == 1  # the highest buffer in [0, 0 + eta]
+        assert ps.reserve("p1", 0, 2) == 0
+        placed = [ps.occupy("p1", f"traj-p1-{i}", 0) for i in range(2)]
+        assert placed[-1].ready and placed[-1].version == 0
+        with pytest.raises(RemoteError) as err:
+            ps.consume(1)
+        assert err.value.code == "out-of-order"
+        batch = ps.consume()
+        assert batch.ready and batch.version == 0 and [e.trajectory for e in batch.entries] == ["traj-p1-0",
+                                                                                              "traj-p1-1"]
+        aborted = ps.abort("p0")
+        assert aborted.slots == 2 and aborted.evicted == []
+        with pytest.raises(RemoteError) as err:
+            ps.occupy("p0", "late", 0)
+        assert err.value.code == "reservation-aborted"
+        with pytest.raises(RemoteError) as err:
+            ps.reserve("p2", 5)
+        assert err.value.code == "version-mismatch"
+        # A leased reservation whose holder stops renewing is aborted after the lease TTL.
+        ps.reserve("p3", 1, 2, leased=True)
+        wait_for(lambda: ps.inventory().counters["expired_prompts_total"] == 1, 5 * TTL_S, "the lease to expire")
+        with pytest.raises(RemoteError) as err:
+            ps.occupy("p3", "late", 1)
+        assert err.value.code == "reservation-aborted"
+    finally:
+        runtime.close()

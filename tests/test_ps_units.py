@@ -1,0 +1,146 @@
+"""Parameter-server building blocks in-process: segments, leases, versions and retention, manifests, and
+the safetensors reader."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from refbus.nodes.ps import shm
+from refbus.nodes.ps.checkpoint import read_layout
+from refbus.nodes.ps.leases import LeaseTable
+from refbus.nodes.ps.manifest import ManifestError, check_shard, digest, layout
+from refbus.nodes.ps.shm import SegmentMaps, SegmentPool, sweep_orphans
+from refbus.nodes.ps.versions import VersionStore
+from refbus.protocol.codec import checksum
+from refbus.protocol.messages_ps import ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
+from safetensors.torch import save
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    return tmp_path  # tmpfs or not, the pool's contract is the same
+
+
+def test_pool_reuses_segments_and_unlinks_everything_on_close(shm_dir: Path) -> None:
+    pool = SegmentPool(shm_dir, "unit", pin=False, max_free=1)
+    a = pool.acquire(10_000)
+    a.view(0, 4)[:] = b"abcd"
+    maps = SegmentMaps(readonly=True)
+    assert bytes(maps.view(str(a.path), 0, 4)) == b"abcd"  # another mapping sees the same memory
+    pool.release(a)
+    b = pool.acquire(5_000)  # best fit among free segments: the same one, already faulted in
+    assert b is a and pool.reused == 1 and pool.created == 1
+    c, d = pool.acquire(100), pool.acquire(100)
+    pool.release(c)
+    pool.release(d)  # beyond max_free: the older free one is unlinked now
+    assert not c.path.exists() and d.path.exists()
+    assert pool.in_use_bytes == a.capacity and pool.free_bytes == d.capacity
+    with pytest.raises(ValueError, match="outside"):
+        b.view(b.capacity - 1, 2)
+    pool.close()
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_sweep_removes_only_segments_of_dead_processes(shm_dir: Path) -> None:
+    dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000
+    (shm_dir / f"unit.{dead}.1").write_bytes(b"x")
+    (shm_dir / f"unit.{os.getpid()}.1").write_bytes(b"x")
+    assert sweep_orphans(shm_dir, "unit") == [f"unit.{dead}.1"]
+    assert [p.name for p in shm_dir.iterdir()] == [f"unit.{os.getpid()}.1"]
+
+
+def test_pinning_without_cuda_warns_once(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "_pin_warned", False)
+    monkeypatch.setattr(shm, "_cuda_torch", lambda: None)
+    pool = SegmentPool(shm_dir, "pin", pin=True)
+    with structlog.testing.capture_logs() as logs:
+        segments = [pool.acquire(100) for _ in range(3)]
+    assert [e["event"] for e in logs] == ["ps.pinned_memory_unavailable"]
+    assert not any(s.pinned for s in segments)
+    pool.close()
+
+
+def test_leases_expire_unless_renewed_and_remember_how_they_ended() -> None:
+    table = LeaseTable(ttl_s=1.0)
+    kept = table.grant("pull", "r1", 3, now=0.0)
+    lost = table.grant("push", "t0", 4, now=0.0)
+    assert table.renew(kept.lease_id, now=0.9)
+    assert table.expire(now=1.5) == [lost]
+    assert table.ended(lost.lease_id) == "expired" and table.expired_total == {"push": 1, "pull": 0}
+    assert table.release(lost.lease_id) is None
+    assert table.release(kept.lease_id) is kept and table.ended(kept.lease_id) == "released"
+
+
+def _entries(version: int) -> list[ManifestEntry]:
+    return [ManifestEntry("w", "float32", [2], 8, version, [])]
+
+
+def test_versions_commit_only_when_every_rank_did_and_retain_k() -> None:
+    store = VersionStore(retain=2)
+    workers = [WorkerInfo("w0", "tcp://x", "h", "/dev/shm")]
+    specs = [TensorSpec("a", "float32", [2]), TensorSpec("b", "int8", [3])]
+    for version in range(4):
+        rank0 = store.begin(version, 0, 2, specs[:1], "w0", f"L{version}.0", now=0.0)
+        rank1 = store.begin(version, 1, 2, specs[1:], "w0", f"L{version}.1", now=0.0)
+        _, manifest, _ = store.commit_shard(version, 0, f"L{version}.0", "w0", "s0", rank0, workers)
+        assert manifest is None and store.latest == version - 1  # not visible with one rank missing
+        _, manifest, freed = store.commit_shard(version, 1, f"L{version}.1", "w0", "s1", rank1, workers)
+        assert manifest is not None and manifest.version == store.latest == version
+        if version == 1:
+            store.pin(1)  # a reader holds version 1 across its retirement
+        # Retiring version 0 frees it at once; version 1 is retired too but still read, so it stays.
+        assert freed == {2: [("w0", "L0.0"), ("w0", "L0.1")]}.get(version, [])
+    assert store.retained() == [2, 3] and store.pinned() == {1: 1}
+    with pytest.raises(ManifestError, match="not retained"):
+        store.pin(1)
+    assert store.unpin(1) == [("w0", "L1.0"), ("w0", "L1.1")]
+
+
+def test_versions_abort_and_refuse_what_does_not_fit() -> None:
+    store = VersionStore(retain=1)
+    spec = [TensorSpec("a", "float32", [2])]
+    granted = store.begin(0, 0, 1, spec, "w0", "L0", now=0.0)
+    bad = [ShardTensor("a", "float32", [2], 64, 8)]
+    with pytest.raises(ManifestError) as err:
+        store.commit_shard(0, 0, "L0", "w0", "s", bad, [])
+    assert err.value.code == "manifest-mismatch" and "offset" in str(err.value)
+    with pytest.raises(ManifestError) as err:
+        store.begin(1, 0, 1, spec, "w0", "L1", now=0.0)
+    assert err.value.code == "version-conflict" and "still being pushed" in str(err.value)
+    assert store.abort(0) == [("w0", "L0")] and store.pending is None
+    with pytest.raises(ManifestError) as err:
+        store.commit_shard(0, 0, "L0", "w0", "s", granted, [])
+    assert err.value.code == "push-aborted"
+
+
+def test_layout_aligns_and_digest_ignores_placement() -> None:
+    tensors, total = layout([TensorSpec("a", "uint8", [3]), TensorSpec("b", "bfloat16", [5, 2])])
+    assert [(t.offset, t.nbytes) for t in tensors] == [(0, 3), (64, 20)] and total == 128
+    with pytest.raises(ManifestError) as err:
+        layout([TensorSpec("x", "complex32", [1])])
+    assert err.value.code == "bad-dtype"
+    check_shard(tensors, tensors)
+    here = ManifestEntry("a", "uint8", [3], 3, 9, [])
+    assert digest([here]) == digest([ManifestEntry("a", "uint8", [3], 3, 9, [])])
+    assert digest([here]) != digest([ManifestEntry("a", "uint8", [3], 3, 10, [])])
+
+
+def test_checkpoint_layout_matches_safetensors() -> None:
+    state = {"z": torch.arange(6, dtype=torch.int64).reshape(2, 3), "a": torch.randn(4).to(torch.bfloat16),
+             "m": torch.tensor([True, False])}
+    blob = save(state)
+    found = read_layout(io.BytesIO(blob), "mem")
+    assert {t.name: (t.dtype, t.shape) for t in found.tensors} == {
+        "z": ("int64", [2, 3]), "a": ("bfloat16", [4]), "m": ("bool", [2])}
+    for t in found.tensors:
+        start = found.data_start + t.offset
+        raw = blob[start : start + t.nbytes]
+        assert checksum(raw) == checksum(state[t.name].reshape(-1).view(torch.uint8).numpy())
+    with pytest.raises(ManifestError) as err:
+        read_layout(io.BytesIO(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!"), "bad")
+    assert err.value.code == "bad-checkpoint"
