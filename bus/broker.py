@@ -15,6 +15,10 @@ counted. The ring keeps the most recent events, bounded by count and by bytes.
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s``, is
 removed with ``node-down``. The broker's own events come from its node id with their own sequence.
+
+Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
+endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
+cluster from one fixed address.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import structlog
@@ -46,12 +52,15 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
+from .metrics import ROUTES
 from .pubsub import SYNC_KIND
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
 from .sockets import EVENT_OPTIONS, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
+
+SD_PATH = "/sd"  # the service-discovery path of the broker's metrics endpoint
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class BrokerSettings:
     ring_events: int = 65_536
     ring_bytes: int = 256 << 20
     node_timeout_s: float = 5.0
+    cluster: str = "local"  # the ``cluster`` label of every service-discovery target
 
 
 @dataclass
@@ -134,6 +144,9 @@ class Broker:
         self.dropped: Counter[str] = Counter()
         self.seq = 0
         self._header = msgspec.msgpack.Decoder(Header)
+        # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
+        # mutated), so the HTTP thread reads a consistent snapshot without a lock.
+        self._targets: tuple[dict[str, Any], ...] = ()
 
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, EVENT_OPTIONS)
         self.xsub.send(b"\x01")  # subscribe to everything: the ring must see every event
@@ -150,6 +163,8 @@ class Broker:
         runtime.every(min(settings.node_timeout_s / 4, 0.5), self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
+        ROUTES[SD_PATH] = self.service_discovery
+        runtime.shutdown_hooks.append(self._unroute)
 
     # --- event path ---------------------------------------------------------------------------------
 
@@ -207,6 +222,7 @@ class Broker:
                 member.live = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
                 self.emit(NodeUp(node=member.info))
+                self._refresh_targets()
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -219,6 +235,8 @@ class Broker:
             self._remove(old, "replaced")
         live = old is not None and old.live and old.info.pid == node.pid
         self.members[node.node_id] = _Member(node, hello.token, live=live)
+        if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
+            self._refresh_targets()
         return Welcome(
             broker_id=self.runtime.node_id,
             events_in=self.runtime.endpoints["events_in"],
@@ -279,8 +297,15 @@ class Broker:
         if member.live:
             log.info("node.down", node=info.node_id, role=info.role, reason=reason)
             self.emit(NodeDown(node_id=info.node_id, role=info.role, reason=reason, last_seen=info.last_seen))
+            self._refresh_targets()
 
     def _expire(self) -> None:
+        # Heartbeats may be queued behind a busy loop: read them before judging anyone silent.
+        while True:
+            try:
+                self.server.handle_one(zmq.NOBLOCK)
+            except zmq.Again:
+                break
         now = time.time()
         for member in list(self.members.values()):
             if now - member.info.last_seen > self.settings.node_timeout_s:
@@ -289,6 +314,32 @@ class Broker:
         for token, seen in list(self.seen_tokens.items()):
             if seen < horizon:
                 del self.seen_tokens[token]
+
+    # --- service discovery (Prometheus http_sd) -------------------------------------------------------
+
+    def service_discovery(self) -> list[dict[str, Any]]:
+        """Prometheus ``http_sd_configs`` targets: one group ``{"targets": ["host:port"], "labels": {node,
+        role, cluster, __metrics_path__}}`` for the broker and for every live node that serves metrics.
+
+        Runs on the metrics HTTP thread: it reads only the snapshot the loop thread replaces whole.
+        """
+        own = [self._sd_group(self.runtime.node_id, self.runtime.role, self.runtime.metrics_url)]
+        return own + list(self._targets) if self.runtime.metrics_url else list(self._targets)
+
+    def _sd_group(self, node_id: str, role: str, metrics_url: str) -> dict[str, Any]:
+        url = urlsplit(metrics_url)
+        labels = {"node": node_id, "role": role, "cluster": self.settings.cluster, "__metrics_path__": url.path}
+        return {"targets": [url.netloc], "labels": labels}
+
+    def _refresh_targets(self) -> None:
+        """Rebuild the /sd snapshot from the live members (loop thread only)."""
+        self._targets = tuple(self._sd_group(m.info.node_id, m.info.role, m.info.metrics)
+                              for m in self.members.values() if m.live and m.info.metrics)
+
+    def _unroute(self) -> None:
+        """Stop serving /sd from this broker (a process may host another broker later)."""
+        if ROUTES.get(SD_PATH) == self.service_discovery:
+            del ROUTES[SD_PATH]
 
     def _register_metrics(self) -> None:
         self.runtime.metric("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",

@@ -3,13 +3,18 @@
 Hot paths (every event, every request) keep plain integer counters on their objects; a
 :class:`LiveCounters` collector reads them at scrape time, so the cost is paid per scrape, not per message.
 Names follow ``refbus_<noun>_<unit>``; labels never carry ids (blob, episode, message).
+
+The endpoint can also answer extra paths with JSON (:data:`ROUTES`): the broker serves Prometheus service
+discovery there (``/sd``), so one fixed address finds every node of a cluster.
 """
 
 from __future__ import annotations
 
+import json
 import socketserver
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, make_wsgi_app
@@ -17,6 +22,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 Sample = Mapping[tuple[str, ...], float]
+
+Route = Callable[[], object]
+"""An extra path of the metrics endpoint: called on the HTTP thread per request; returns a JSON-able value."""
+
+ROUTES: dict[str, Route] = {}
+"""The process's extra paths (path -> route), served by :func:`serve_metrics` by default; like
+prometheus_client's ``REGISTRY``, a process-wide table, so a role adds a path without owning the server."""
 
 
 class LiveCounters(Collector):
@@ -67,13 +79,38 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes are not worth a log line each."""
 
 
-def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> tuple[str, Callable[[], None]]:
-    """Start the metrics endpoint in a daemon thread; returns its URL and a function that stops it.
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
-    prometheus_client's own server polls for shutdown every 0.5 s; this one every 50 ms, so a node exits
-    promptly.
+
+def _with_routes(metrics_app: WsgiApp, routes: Mapping[str, Route]) -> WsgiApp:
+    """A WSGI app answering ``routes``' paths with their JSON and every other path with ``metrics_app``.
+
+    ``routes`` is looked up per request, so a path added after the server started is served.
     """
-    server = make_server(host, port, make_wsgi_app(registry), _ThreadingWSGIServer, handler_class=_QuietHandler)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        route = routes.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return metrics_app(environ, start_response)
+        body = json.dumps(route()).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def serve_metrics(
+    host: str, port: int, registry: CollectorRegistry = REGISTRY, routes: Mapping[str, Route] = ROUTES
+) -> tuple[str, Callable[[], None]]:
+    """Start the metrics endpoint in a daemon thread; returns its URL (``.../metrics``) and a function that
+    stops it.
+
+    Every path answers with ``registry``'s metrics (as prometheus_client's own server does), except the
+    paths of ``routes``, which answer with their route's value as JSON. prometheus_client's server polls for
+    shutdown every 0.5 s; this one every 50 ms, so a node exits promptly.
+    """
+    app = _with_routes(make_wsgi_app(registry), routes)
+    server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                               name="metrics")
     thread.start()

@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -190,14 +190,23 @@ class NodeRuntime:
         self._callbacks[sock] = callback
         self._poller.register(sock, zmq.POLLIN)
 
+    def broker(self) -> Client:
+        """The client of the broker's control endpoint, made on first use: registry queries and replays work
+        for a node that does not register too (a CLI command, a launcher)."""
+        if self.control is None:
+            self.control = self.client(self.settings.bus)
+            self.control.on_stray = self._on_control_reply
+            self.watch(self.control.sock, self._drain_control)
+        return self.control
+
     def replay(self, *, since: int = 0, src: str = "", until: int | None = None) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
         ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor."""
-        assert self.control is not None
+        broker = self.broker()
         events: list[Message] = []
         cursor = 0
         while True:
-            reply = self.control.request(Replay(since=since, src=src, cursor=cursor))
+            reply = broker.request(Replay(since=since, src=src, cursor=cursor))
             page = reply.body
             assert isinstance(page, Replayed)
             for event in page.events:
@@ -285,12 +294,21 @@ class NodeRuntime:
 
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """Start, loop until stopped (or ``until()`` is true), then shut down cleanly."""
+        with self.stop_on_signals():
+            try:
+                self.start()
+                self.loop(until=until)
+            finally:
+                self.close()
+
+    @contextlib.contextmanager
+    def stop_on_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM ask the node to stop (:meth:`stop`) instead of killing the process, so its
+        shutdown hooks run; for roles that drive the loop themselves (a training loop). Main thread only."""
         previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
-            self.loop(until=until)
+            yield
         finally:
-            self.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -404,10 +422,8 @@ class NodeRuntime:
 
     def _join(self) -> None:
         """Register with the broker and prove the event path live before anything is published."""
-        if self.control is None:
-            self.control = self.client(self.settings.bus)
-            self.control.on_stray = self._on_control_reply
-            self.watch(self.control.sock, self._drain_control)
+        self.broker()
+        assert self.control is not None
         token = self.codec.new_id()
         connect = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
         try:
@@ -487,13 +503,16 @@ class NodeRuntime:
             while not self._stopping and (message := subscriber.pop()) is not None:
                 handler(message)
 
-    def _drain(self, handle: Callable[[int], None], budget: int = 256) -> None:
+    def _drain(self, handle: Callable[[int], None], budget: int = 256, slice_s: float = 0.005) -> None:
         """Handle what is waiting (``handle(zmq.NOBLOCK)`` until ``zmq.Again``), at most ``budget`` messages
-        so other sockets get a turn."""
+        or ``slice_s`` seconds, so other sockets (a version-bump behind a queue of slow requests) get a turn."""
+        deadline = time.monotonic() + slice_s
         for _ in range(budget):
             try:
                 handle(zmq.NOBLOCK)
             except zmq.Again:
+                break
+            if time.monotonic() > deadline:
                 break
         self._deliver_ready()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import sys
@@ -20,6 +21,7 @@ from ..protocol.messages import NodeList, Nodes
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 from .ledger import Ledger, format_report, read_records
 from .monitor import run_monitor
+from .top import run_top
 from .up import run_up
 
 DESCRIPTION = """\
@@ -32,8 +34,9 @@ flags (every key has one: `refbus node bus --help` lists them)."""
 
 
 def run_bus(config: Config, args: argparse.Namespace) -> int:
-    runtime = NodeRuntime("bus", config.runtime(node_id=args.node_id or "bus", ready_file=args.ready_file),
-                          register=False)
+    settings = config.runtime(node_id=args.node_id or "bus", ready_file=args.ready_file)
+    # The broker's endpoint is the cluster's service discovery: its own, fixed port (bus.metrics_port).
+    runtime = NodeRuntime("bus", dataclasses.replace(settings, metrics_port=config.bus.metrics_port), register=False)
     Broker(runtime, config.broker())
     runtime.run()
     return 0
@@ -47,6 +50,10 @@ ROLES: dict[str, tuple[str, str]] = {
                    "refbus.nodes.ps.manager:run"),
     "ps-worker": ("parameter-server data plane: shards in shared memory, push/pull, broadcast init",
                   "refbus.nodes.ps.worker:run"),
+    "trainer": ("one trainer rank: fetch by reference, train with router replay, push weights",
+                "refbus.nodes.rl.trainer:run"),
+    "rollout": ("a rollout worker: generate with the latest pulled weights, record per-token arrays",
+                "refbus.nodes.rl.rollout:run"),
     "orchestrator": ("groups episodes, ships steps to trainer ranks by reference, deletes what it drops",
                      "refbus.nodes.payload.orchestrator_node:run"),
     "env-server": ("keeps episode arrays and serves them by reference (keep, claim, fetch, delete)",
@@ -102,12 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
     _node_flags(ledger)
 
     up = commands.add_parser(
-        "up", help="start a local cluster and show its event stream",
-        description="Start a local cluster from the config (default: built-in), show its event stream while nodes "
-                    "join, leave and die, then stop everything and print a summary.")
-    up.add_argument("--nodes", default="worker-a,worker-b,worker-c", metavar="IDS",
-                    help="comma-separated ids of the nodes to start (default: worker-a,worker-b,worker-c)")
+        "up", help="run a whole cluster on this host: a real async RL loop on a tiny MoE policy",
+        description="Start a local cluster (broker, parameter server, env servers, orchestrator, trainer ranks, "
+                    "rollout workers; each its own process) from the config, run up.steps steps of asynchronous "
+                    "RL with router replay, show progress, stop everything and print a summary. Ctrl-C stops "
+                    "the cluster cleanly at any moment.")
+    up.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
+                    help="cluster TOML (same as --config; default: built-in)")
+    up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here")
+    up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here")
+    up.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs, config) afterwards")
     add_config_flags(up)
+
+    top = commands.add_parser(
+        "top", help="a live table of the nodes: role, host, blobs and bytes held, version, lag, heartbeat age",
+        description="Show the broker's registry as a table, refreshed every second (redrawn in place on a "
+                    "terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts.")
+    top.add_argument("--once", action="store_true", help="print one table and exit")
+    top.add_argument("--json", action="store_true", help="print each table as a JSON array (one line)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes")
+    add_config_flags(top)
 
     nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",
                                 description="List the live nodes in the broker's registry.")
@@ -125,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _list_nodes(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("cli", config.runtime(), register=False)
     try:
-        client = runtime.client(config.bus.control)
-        reply = client.request(Nodes(role=args.role)).body
+        reply = runtime.broker().request(Nodes(role=args.role)).body
         assert isinstance(reply, NodeList)
     finally:
         runtime.close()
@@ -157,12 +177,16 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "config_file", None):
+        args.config = args.config_file
     try:
         config = load_config(args)
     except ConfigError as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.node.log_level, config.node.log_format,  # type: ignore[arg-type]
+    # Commands a person runs in a terminal log warnings only: their output is the point, not the log.
+    level = config.node.log_level if args.command == "node" else "warning"
+    configure_logging(level, config.node.log_format,  # type: ignore[arg-type]
                       cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
     try:
         if args.command == "node":
@@ -176,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_up(config, args)
         if args.command == "nodes":
             return _list_nodes(config, args)
+        if args.command == "top":
+            return run_top(config, args)
         print(to_toml(config), end="")
         return 0
     except BusUnavailable as exc:

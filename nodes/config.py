@@ -39,6 +39,9 @@ class BusSection:
     ring_bytes: int = _key(256 << 20, "Bytes kept in the broker's replay ring.")
     heartbeat_interval_s: float = _key(1.0, "Seconds between node heartbeats.")
     node_timeout_s: float = _key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
+    metrics_port: int = _key(7779, "Port of the broker's Prometheus endpoint, used by the broker instead of "
+                             "node.metrics_port; it also serves /sd (every node's endpoint, for Prometheus's "
+                             "http_sd_configs), so it is fixed for a scrape config to name. 0: a free one, -1: none.")
 
 
 @dataclass
@@ -106,11 +109,17 @@ class EnvServerSection:
 class OrchestratorSection:
     seq_len: int = _key(2048, "Tokens per micro batch (samples longer than this are truncated).")
     group_size: int = _key(4, "Episodes per group (one prompt); advantages are computed within a group.")
-    groups_per_step: int = _key(4, "Complete groups shipped per trainer step.")
+    groups_per_step: int = _key(16, "Complete groups shipped per trainer step.")
     max_staleness: int = _key(1, "Versions a sample's policy may lag the current one when its step is packed.")
     max_steps: int = _key(0, "Steps to ship before deleting everything that arrives (0: no limit).")
     trainers: int = _key(1, "Trainer ranks to wait for (from the registry) before the first step.")
     group_timeout_s: float = _key(120.0, "Seconds an incomplete group may wait before it is dropped.")
+    dispatch: bool = _key(False, "Send runs to the env servers (the RL loop of `refbus up`); off: only take the "
+                          "episodes others send.")
+    prompt: str = _key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
+    seed: int = _key(0, "Seed of the prompt stream.")
+    max_groups_in_flight: int = _key(16, "Groups whose runs may be in flight at once.")
+    eval_every: int = _key(0, "Steps between eval groups (0: none); eval episodes are scored, never trained.")
 
 
 @dataclass
@@ -123,8 +132,7 @@ class RlSection:
     optimizer: str = _key("refbus.nodes.toy.train:make_optimizer", "Entry point: f(model, lr) -> optimizer.")
     train_step: str = _key("refbus.nodes.toy.train:train_step", "Entry point: f(model, optimizer, micro_batches, "
                            "temperature=) -> metrics dict (see refbus.nodes.toy.train for the batch keys).")
-    prompt: str = _key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
-    seed: int = _key(0, "Seed of the initial weights and of the prompt stream.")
+    seed: int = _key(0, "Seed of the initial weights and of the rollout workers' sampling.")
     lr: float = _key(5e-3, "Learning rate.")
     temperature: float = _key(1.0, "Sampling temperature (the train step divides logits by it too).")
     top_k_logprobs: int = _key(4, "Width of the sampler's recorded top-k logprob heads.")
@@ -148,6 +156,15 @@ class RolloutSection:
 
 
 @dataclass
+class UpSection:
+    steps: int = _key(80, "Trainer steps `refbus up` runs before it stops the cluster.")
+    env_servers: int = _key(2, "Env-server processes (replicas of one source).")
+    trainers: int = _key(2, "Trainer ranks (torch.distributed world size).")
+    rollouts: int = _key(2, "Rollout worker processes.")
+    ps_workers: int = _key(2, "Parameter-server worker processes.")
+
+
+@dataclass
 class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     bus: BusSection = field(default_factory=BusSection)
@@ -160,6 +177,7 @@ class Config:
     rl: RlSection = field(default_factory=RlSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    up: UpSection = field(default_factory=UpSection)
     ps: PsSection = field(default_factory=PsSection)
 
     def runtime(self, *, node_id: str = "", ready_file: str = "") -> RuntimeSettings:
@@ -190,6 +208,7 @@ class Config:
             ring_events=self.bus.ring_events,
             ring_bytes=self.bus.ring_bytes,
             node_timeout_s=self.bus.node_timeout_s,
+            cluster=self.cluster.name,
         )
 
 

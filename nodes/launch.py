@@ -8,6 +8,7 @@ to a file per node so a failing start can say why.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -20,6 +21,15 @@ from pathlib import Path
 from typing import IO, Any
 
 READY_POLL_S = 0.01
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class NodeStartError(RuntimeError):
@@ -44,12 +54,16 @@ class NodeProcess:
         self.log_path = self.workdir / f"{self.name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         argv = [sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which stops its nodes in order.
+        # PDEATHSIG: a launcher that is killed outright does not leave its nodes behind.
         self.proc = subprocess.Popen(
             argv,
             stdout=stdout if stdout is not None else self._log,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     @property
@@ -103,7 +117,7 @@ def start_bus(workdir: Path, *, extra: Sequence[str] = (), timeout: float = 30.0
     """A broker on ephemeral loopback ports; returns it and its control endpoint."""
     bus = NodeProcess(
         ["node", "bus", "--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
-         "--bus-events-out", "tcp://127.0.0.1:0", *extra],
+         "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0", *extra],
         workdir=workdir,
         name="bus",
     )

@@ -1,65 +1,348 @@
-"""`refbus up`: start a local cluster from the config and show its event stream.
+"""`refbus up [CONFIG]`: a whole cluster on this host, running a real asynchronous RL loop.
 
-This is the foundation's version of the main job: it starts the broker on the config's endpoints, watches
-the stream, and walks a short scripted lifecycle (nodes join, one leaves cleanly, one is killed and is
-declared down by missed heartbeats), then stops everything and prints a summary. Each node is a separate
-``refbus node``/``refbus monitor`` process started through :class:`~refbus.nodes.launch.NodeProcess`.
+Starts, each as its own ``refbus node <role>`` process and in dependency order: the broker, the ps-manager,
+``up.ps_workers`` ps-workers, ``up.env_servers`` env servers (replicas of one source), the orchestrator
+(dispatching runs), ``up.trainers`` trainer ranks (torch.distributed, gloo, rendezvous through a file) and
+``up.rollouts`` rollout workers. Every child gets the same cluster config file (the effective config,
+written to the run directory), so one TOML describes the run.
+
+While the trainers work, a watcher on the event stream prints one line per version (step, reward, fetch
+time, bytes held per node). When the trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes
+are stopped in order (orchestrator first: it deletes what it holds; env servers last among the data plane:
+they delete whatever is left), and the summary is printed, and written as JSON (``--summary-out``) and as a
+PNG (``--plot-out``, matplotlib). The blob accounting comes from the broker's replay ring, read after every
+other node has stopped: every kept blob, who deleted it and why, leaks and violations.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
+import shutil
+import signal
+import statistics
 import tempfile
+import threading
 import time
-from collections import Counter
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
+import structlog
+
+from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Message, describe
-from .config import Config
-from .launch import NodeProcess
-from .monitor import format_line
+from ..protocol.messages import EpisodeFinished, FetchAck, NodeList, Nodes, VersionBump
+from .config import Config, to_toml
+from .launch import NodeProcess, NodeStartError
+from .ledger import Ledger
+
+log = structlog.get_logger(__name__)
+
+MiB = 1 << 20
+PROGRESS_INTERVAL_S = 0.5
 
 
-def _config_flags(config: Config) -> list[str]:
-    return ["--bus-control", config.bus.control, "--bus-heartbeat-interval-s", str(config.bus.heartbeat_interval_s),
-            "--bus-node-timeout-s", str(config.bus.node_timeout_s)]
+@dataclasses.dataclass
+class RunRecord:
+    """What the watcher saw, folded as it arrives."""
+
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    eval_rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    kept_bytes: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> slowest rank
+    failed_micro_batches: int = 0
+    versions: list[int] = dataclasses.field(default_factory=list)
+    version_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def on_event(self, message: Message) -> None:
+        body = message.body
+        if isinstance(body, EpisodeFinished):
+            reward = float(body.info.get("reward", 0.0))
+            target = self.eval_rewards if body.info.get("eval") else self.rewards
+            target[body.policy_version].append(reward)
+            self.kept_bytes += sum(ref.nbytes for ref in body.refs)
+        elif isinstance(body, FetchAck):
+            self.fetched_bytes += body.nbytes
+            self.fetch_seconds[body.step] = max(self.fetch_seconds.get(body.step, 0.0), body.seconds)
+            self.failed_micro_batches += body.failed
+        elif isinstance(body, VersionBump):
+            self.versions.append(body.version)
+            self.version_seconds.append(time.monotonic() - self.started)
+
+    def reward_curve(self) -> list[tuple[int, float]]:
+        return [(v, statistics.fmean(r)) for v, r in sorted(self.rewards.items()) if r]
+
+
+class LocalCluster:
+    """The processes of one local cluster, started in dependency order and stopped in reverse."""
+
+    def __init__(self, config: Config, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.config_file = workdir / "cluster.toml"
+        self.config_file.write_text(to_toml(config))
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, name: str, *command: str, wait: bool = True) -> NodeProcess:
+        node = NodeProcess([*command, "--config", str(self.config_file), "--node-id", name],
+                           workdir=self.workdir, name=name)
+        self.nodes.append(node)
+        if wait:
+            node.wait_ready(self.config.node.connect_timeout_s * 2)
+        return node
+
+    def by_role(self, prefix: str) -> list[NodeProcess]:
+        return [node for node in self.nodes if node.name.startswith(prefix)]
+
+    def stop(self, nodes: Iterable[NodeProcess]) -> None:
+        """SIGTERM to all of ``nodes`` at once, then wait for each (SIGKILL after the grace period)."""
+        nodes = [node for node in nodes if node.proc.poll() is None]
+        for node in nodes:
+            node.signal(signal.SIGTERM)
+        for node in nodes:
+            node.stop()
+
+    def stop_all(self) -> None:
+        """Orchestrator, then trainers and rollouts, then env servers, then the PS, the broker last."""
+        for prefix in ("orchestrator", "trainer", "rollout", "env", "ps-worker", "ps-manager"):
+            self.stop(self.by_role(prefix))
+        self.stop(self.nodes[:1])  # the broker: stopped after the ledger was read from its ring
 
 
 def run_up(config: Config, args: argparse.Namespace) -> int:
+    up = config.up
     workdir = Path(tempfile.mkdtemp(prefix="refbus-up-"))
-    flags = _config_flags(config)
-    bus = NodeProcess(["node", "bus", *flags, "--bus-events-in", config.bus.events_in,
-                       "--bus-events-out", config.bus.events_out], workdir=workdir, name="bus")
-    nodes: list[NodeProcess] = []
-    seen: list[Message] = []
+    config = _cluster_config(config, workdir)
+    cluster = LocalCluster(config, workdir)
+    record = RunRecord()
+    # The watcher's loop runs in its own thread (heartbeats go on while this thread starts processes);
+    # registry queries and the final replay use a second, non-registering runtime owned by this thread.
+    watcher = NodeRuntime("monitor", config.runtime(node_id="up-watcher"))
+    watcher.subscribe(record.on_event, kinds=frozenset({EpisodeFinished.kind, FetchAck.kind, VersionBump.kind}))
+    probe = NodeRuntime("up", config.runtime(node_id="up"), register=False)
+    stop = _StopFlag()
+    summary: dict[str, Any] = {}
+    print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     try:
-        bus.wait_ready()
-        watcher = NodeRuntime("monitor", config.runtime(node_id="up-watcher"))
-
-        def show(message: Message) -> None:
-            seen.append(message)
-            print(format_line(describe(message)), flush=True)
-
-        watcher.subscribe(show)
-        watcher.start()
-        for name in args.nodes.split(","):
-            node = NodeProcess(["monitor", *flags, "--node-id", name, "--kind", "none"], workdir=workdir, name=name)
-            nodes.append(node)
-            node.wait_ready()
-        expect = len(nodes)
-        watcher.loop(until=lambda: sum(m.kind == "node-up" for m in seen) >= expect)
-        nodes[0].stop()
-        if len(nodes) > 1:
-            nodes[1].proc.kill()
-        downs = min(2, len(nodes))
-        deadline = time.monotonic() + config.bus.node_timeout_s * 3
-        watcher.loop(until=lambda: sum(m.kind == "node-down" for m in seen) >= downs or time.monotonic() > deadline)
-        watcher.close()
+        with stop.on_signals():
+            cluster.start("bus", "node", "bus")
+            watcher.start_background()
+            _start_nodes(cluster, up, record, stop)
+            progress = _Progress(probe, record, up.steps)
+            trainers = cluster.by_role("trainer")
+            while not (stop.requested or all(t.proc.poll() is not None for t in trainers) or _died(cluster)):
+                progress.poll()
+                stop.wait(PROGRESS_INTERVAL_S)
+            progress.poll()
+        failed = [t.name for t in cluster.by_role("trainer") if t.proc.poll() not in (0, None)]
+        peak_rss = _peak_rss(cluster.by_role("orchestrator")[0].pid)
+        for prefix in ("orchestrator", "trainer", "rollout", "env"):
+            cluster.stop(cluster.by_role(prefix))
+        watcher.join(timeout=10)
+        ledger = Ledger()
+        for event in probe.replay(since=0):
+            ledger.apply(describe(event))
+        summary = _summary(record, ledger, peak_rss, config, interrupted=stop.requested, failed=failed)
+    except NodeStartError as exc:
+        print(f"refbus up: a node failed to start: {exc}", flush=True)
+        return 1
     finally:
-        for node in nodes:
-            node.stop()
-        bus.stop()
-    kinds = Counter(m.kind for m in seen)
-    print(f"summary: {dict(kinds)} events; logs in {workdir}")
-    return 0 if kinds["node-down"] >= min(2, len(nodes)) else 1
+        watcher.join(timeout=10)
+        probe.close()
+        cluster.stop_all()
+    _report(summary, args)
+    if not args.keep_logs:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if stop.requested:
+        return 130
+    return 0 if summary["ok"] else 1
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set it (the launcher then stops the cluster in order); waits wake at once."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> None:
+        self._event.wait(seconds)
+
+    @contextlib.contextmanager
+    def on_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, lambda *_: self._event.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _cluster_config(config: Config, workdir: Path) -> Config:
+    """The run's config: the given one with the RL loop switched on and the rendezvous in the run dir."""
+    config = dataclasses.replace(config)
+    up = config.up
+    config.orchestrator = dataclasses.replace(config.orchestrator, dispatch=True, trainers=up.trainers,
+                                              max_steps=up.steps)
+    config.trainer = dataclasses.replace(config.trainer, steps=up.steps, world_size=up.trainers,
+                                         init_method=f"file://{workdir}/gloo-rendezvous")
+    config.env_server = dataclasses.replace(config.env_server, source=config.env_server.source or "env")
+    return config
+
+
+def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopFlag) -> None:
+    """Everything after the broker. The orchestrator comes last, once version 0 of the weights exists:
+    before that no rollout worker could serve a run."""
+    cluster.start("ps-manager", "node", "ps-manager")
+    for i in range(up.ps_workers):
+        cluster.start(f"ps-worker-{i}", "node", "ps-worker")
+    for i in range(up.env_servers):
+        cluster.start(f"env-{i}", "node", "env-server")
+    # Ranks rendezvous with each other before they are ready: start them all, then wait.
+    ranks = [cluster.start(f"trainer-{r}", "node", "trainer", "--trainer-rank", str(r), wait=False)
+             for r in range(up.trainers)]
+    for rank in ranks:
+        rank.wait_ready(cluster.config.node.connect_timeout_s * 4)
+    for i in range(up.rollouts):
+        cluster.start(f"rollout-{i}", "node", "rollout")
+    deadline = time.monotonic() + cluster.config.node.connect_timeout_s * 4
+    while not (record.versions or stop.requested or time.monotonic() > deadline):
+        stop.wait(0.05)
+    if not record.versions and not stop.requested:
+        raise NodeStartError("the trainers did not publish version 0 of the weights in time")
+    cluster.start("orchestrator", "node", "orchestrator")
+
+
+def _died(cluster: LocalCluster) -> bool:
+    """A node other than a finished trainer exited: the run cannot go on."""
+    for node in cluster.nodes:
+        code = node.proc.poll()
+        if code is not None and not (node.name.startswith("trainer") and code == 0):
+            log.error("node.exited", node=node.name, code=code, log=node.log_tail(10))
+            return True
+    return False
+
+
+def _peak_rss(pid: int) -> int:
+    """Peak resident set size of a live process (Linux VmHWM), in bytes; 0 when unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _Progress:
+    """One line per new version: step, reward, fetch time, bytes held per node."""
+
+    def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int) -> None:
+        self.probe = probe
+        self.record = record
+        self.steps = steps
+        self.shown = -1
+
+    def poll(self) -> None:
+        record = self.record
+        version = max(record.versions, default=0)
+        if version == self.shown:
+            return
+        self.shown = version
+        recent = [r for v in sorted(record.rewards)[-3:] for r in record.rewards[v]]
+        reward = f"{statistics.fmean(recent):.3f}" if recent else "-"
+        fetch = record.fetch_seconds.get(version - 1)
+        fetch_text = f"{fetch * 1000:.1f} ms" if fetch is not None else "-"
+        held = " ".join(f"{name}={nbytes / MiB:.2f}MiB" for name, nbytes in self._held())
+        print(f"step {version:>3}/{self.steps}  reward {reward}  fetch {fetch_text}  held {held}", flush=True)
+
+    def _held(self) -> list[tuple[str, float]]:
+        try:
+            listed = self.probe.broker().request(Nodes()).body
+        except (RemoteError, RequestTimeout):
+            return []
+        assert isinstance(listed, NodeList)
+        return sorted((n.node_id, n.status["bytes_held"]) for n in listed.nodes if "bytes_held" in n.status)
+
+
+def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *, interrupted: bool,
+             failed: list[str]) -> dict[str, Any]:
+    curve = record.reward_curve()
+    rewards = [r for _, rs in sorted(record.rewards.items()) for r in rs]
+    fifth = max(1, len(rewards) // 5)
+    start, end = (statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])) if rewards else (0.0, 0.0)
+    totals = ledger.report().totals()
+    fetch = [record.fetch_seconds[s] for s in sorted(record.fetch_seconds)]
+    steps = max(record.versions, default=0)
+    return {
+        "ok": not interrupted and not failed and totals["violations"] == 0 and totals["leaked"] == 0
+        and totals["held"] == 0 and steps >= config.up.steps and end > start,
+        "interrupted": interrupted,
+        "failed_nodes": failed,
+        "steps": steps,
+        "seconds": round(time.monotonic() - record.started, 1),
+        "reward": {"start": round(start, 4), "end": round(end, 4),
+                   "by_version": [[v, round(r, 4)] for v, r in curve]},
+        "eval_reward": {str(v): round(statistics.fmean(r), 4) for v, r in sorted(record.eval_rewards.items())},
+        "bytes": {"by_reference_fetched": record.fetched_bytes, "inline_through_orchestrator": record.kept_bytes},
+        "orchestrator_peak_rss_bytes": peak_rss,
+        "fetch_seconds_per_step": [round(s, 5) for s in fetch],
+        "blobs": totals,
+        "dropped_micro_batches": record.failed_micro_batches,
+        "ps_versions": sorted(set(record.versions)),
+    }
+
+
+def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
+    if not summary:
+        return
+    blobs = summary["blobs"]
+    fetch = summary["fetch_seconds_per_step"]
+    print("\nsummary")
+    print(f"  steps                 {summary['steps']} in {summary['seconds']} s"
+          + ("  (interrupted)" if summary["interrupted"] else ""))
+    print(f"  reward                start {summary['reward']['start']:.3f} -> end {summary['reward']['end']:.3f}")
+    print(f"  by reference          {summary['bytes']['by_reference_fetched'] / MiB:.2f} MiB fetched by trainers; "
+          f"inline would have pushed {summary['bytes']['inline_through_orchestrator'] / MiB:.2f} MiB "
+          "through the orchestrator")
+    print(f"  orchestrator peak RSS {summary['orchestrator_peak_rss_bytes'] / MiB:.1f} MiB")
+    if fetch:
+        print(f"  fetch per step        mean {statistics.fmean(fetch) * 1000:.1f} ms, max {max(fetch) * 1000:.1f} ms")
+    print(f"  blobs                 kept {blobs['kept']}, deleted {blobs['deleted_total']} {blobs['deleted']}, "
+          f"held {blobs['held']}, leaked {blobs['leaked']}")
+    print(f"  ownership violations  {blobs['violations']}")
+    print(f"  dropped micro batches {summary['dropped_micro_batches']}")
+    print(f"  ps versions           {len(summary['ps_versions'])} (last {max(summary['ps_versions'], default=-1)})")
+    print(f"  result                {'ok' if summary['ok'] else 'NOT ok'}", flush=True)
+    if args.summary_out:
+        Path(args.summary_out).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot_out:
+        _plot(summary, Path(args.plot_out))
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward_ax, fetch_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    curve = summary["reward"]["by_version"]
+    reward_ax.plot([v for v, _ in curve], [r for _, r in curve], marker=".")
+    reward_ax.set(title="mean reward by policy version", xlabel="policy version", ylabel="reward")
+    fetch = summary["fetch_seconds_per_step"]
+    fetch_ax.plot(range(len(fetch)), [s * 1000 for s in fetch], marker=".")
+    fetch_ax.set(title="payload fetch per step (slowest rank)", xlabel="step", ylabel="ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

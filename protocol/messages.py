@@ -181,11 +181,15 @@ class Reference(Body, frozen=True):
 
 @register_kind("fetch-ack")
 class FetchAck(Body, frozen=True):
-    """Event: ``holder`` fetched and verified ``blob_ids`` for ``step``."""
+    """Event: ``holder`` fetched and verified ``blob_ids`` for ``step`` (``nbytes`` in ``seconds``, until the
+    tensors were assembled; ``failed``: micro batches it could not fetch)."""
 
     step: NonNegative
     holder: Name
     blob_ids: list[str]
+    nbytes: NonNegative = 0
+    seconds: float = 0.0
+    failed: NonNegative = 0
 
 
 @register_kind("version-bump")

@@ -162,7 +162,7 @@ def test_sigterm_leaves_no_process_and_no_socket_file(tmp_path: Path, spawn) -> 
     sockets.mkdir()
     endpoints = {name: f"ipc://{sockets}/{name}" for name in ("control", "in", "out")}
     bus = spawn(["node", "bus", "--bus-control", endpoints["control"], "--bus-events-in", endpoints["in"],
-                 "--bus-events-out", endpoints["out"]], "ipc-bus")
+                 "--bus-events-out", endpoints["out"], "--bus-metrics-port", "0"], "ipc-bus")
     bus.wait_ready()
     node = spawn(["monitor", "--bus-control", endpoints["control"], "--node-id", "ipc-node"], "ipc-node")
     node.wait_ready()

@@ -379,3 +379,19 @@ def assemble_dropped(
         topk = (ids_tensor, lp_tensor, valid_tensor)
 
     return _result(micro_batch, loss_mask, routing, sampling_mask, topk, dropped=True)
+
+
+def packed_position_ids(lengths: Sequence[int], length: int) -> torch.Tensor:
+    """int64 ``[1, length]`` position ids for samples of ``lengths`` packed from offset 0, then padding.
+
+    Each sample counts from 0; the padding after them counts from 0 too (``range(pad)``), so it is a
+    sequence of its own that no sample attends to.
+
+    Raises:
+        ValueError: a length below 1, or samples longer than ``length`` in total.
+    """
+    if any(n < 1 for n in lengths) or sum(lengths) > length:
+        raise ValueError(f"lengths: expected each >= 1 and a total <= {length}, got {list(lengths)}")
+    pad = length - sum(lengths)
+    parts = [torch.arange(n) for n in lengths] + ([torch.arange(pad)] if pad else [])
+    return torch.cat(parts).unsqueeze(0)

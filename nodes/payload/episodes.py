@@ -77,10 +77,8 @@ class EpisodeRunner:
         runtime.every(min(1.0, settings.generate_timeout_s / 4), self._expire)
 
     def _refresh_rollouts(self) -> None:
-        if self.runtime.control is None:
-            return
         try:
-            listed = self.runtime.control.request(Nodes(role="rollout")).body
+            listed = self.runtime.broker().request(Nodes(role="rollout")).body
         except (RemoteError, RequestTimeout) as exc:
             log.warning("rollouts.lookup_failed", error=str(exc))
             return

@@ -199,8 +199,9 @@ class TrainSink:
         self.seq_len = seq_len
         self.max_staleness = max_staleness
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.queue: list[Sample] = []
-        self.dropped: Counter[str] = Counter()
+        self.queue: list[list[Sample]] = []  # whole groups, oldest first: a group is never split across steps
+        self.dropped: Counter[str] = Counter()  # samples, by reason
+        self.dropped_groups = 0  # groups that will never train (filtered, or stale to the last sample)
         self.trainers: list[TrainerAddress] = []
         self.data_ranks = 0
         if trainers:
@@ -222,11 +223,13 @@ class TrainSink:
         delete it now when every advantage is zero (nothing to learn). Returns whether it was queued."""
         if not any(advantages):
             self.drop(samples, "filtered")
+            self.dropped_groups += 1
             return False
-        for sample, advantage in zip(samples, advantages, strict=True):
-            per_token = np.full(sample.tokens, advantage, dtype=np.float32)
-            self.queue.append(Sample(sample.sample_id, sample.tokens, sample.ref, sample.policy_version,
-                                     {**sample.inputs, "advantages": per_token}))
+        self.queue.append([
+            Sample(sample.sample_id, sample.tokens, sample.ref, sample.policy_version,
+                   {**sample.inputs, "advantages": np.full(sample.tokens, advantage, dtype=np.float32)})
+            for sample, advantage in zip(samples, advantages, strict=True)
+        ])
         return True
 
     def drop(self, samples: Iterable[Sample], reason: str) -> None:
@@ -235,15 +238,21 @@ class TrainSink:
         self.dropped[reason] += len(samples)
         self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
 
-    def ship(self, step: int, policy_version: int, *, max_samples: int | None = None) -> PackPlan | None:
-        """Pack the queued samples (oldest first, at most ``max_samples``) for ``step`` and hand each rank
-        its micro batches. Samples older than ``max_staleness`` versions are deleted (reason ``stale``).
+    def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> PackPlan | None:
+        """Pack the queued groups (oldest first, at most ``max_groups``) for ``step`` and hand each rank its
+        micro batches. Samples older than ``max_staleness`` versions are deleted first (reason ``stale``).
         Returns the plan, or None when nothing is left to ship."""
-        fresh = [s for s in self.queue if policy_version - s.policy_version <= self.max_staleness]
-        stale = [s for s in self.queue if policy_version - s.policy_version > self.max_staleness]
-        self.drop(stale, "stale")
-        take = fresh if max_samples is None else fresh[:max_samples]
-        self.queue = fresh[len(take):]
+        fresh_groups = []
+        for group in self.queue:
+            fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
+            self.drop((s for s in group if policy_version - s.policy_version > self.max_staleness), "stale")
+            if fresh:
+                fresh_groups.append(fresh)
+            else:
+                self.dropped_groups += 1
+        groups = fresh_groups if max_groups is None else fresh_groups[:max_groups]
+        self.queue = fresh_groups[len(groups):]
+        take = [sample for group in groups for sample in group]
         if not take:
             return None
         if not self.trainers:
@@ -261,7 +270,7 @@ class TrainSink:
     def close(self) -> None:
         """Shutdown: delete whatever is still queued."""
         queued, self.queue = self.queue, []
-        self.drop(queued, "shutdown")
+        self.drop((s for group in queued for s in group), "shutdown")
 
 
 class EvalSink:
@@ -270,9 +279,12 @@ class EvalSink:
     def __init__(self, holder: ReferenceHolder) -> None:
         self.holder = holder
         self.episodes = 0
+        self.samples = 0
 
     def add(self, samples: Iterable[Sample]) -> None:
+        samples = list(samples)
         self.episodes += 1
+        self.samples += len(samples)
         self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
 
 

@@ -40,11 +40,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from ...bus.reqrep import RemoteError, RequestTimeout
+from ...bus.reqrep import Client, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import EpisodeFinished, NodeList, Nodes, VersionBump
-from .orchestrator import DeliveryError, EvalSink, ReferenceHolder, Sample, TrainerAddress, TrainSink
+from ...protocol.messages import EpisodeFinished, Error, NodeList, Nodes, Run, VersionBump
+from ..entry_points import load_entry_point
+from .orchestrator import (
+    DeliveryError,
+    EvalSink,
+    ReferenceHolder,
+    ReplicaRouter,
+    Sample,
+    TrainerAddress,
+    TrainSink,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -56,11 +65,16 @@ log = structlog.get_logger(__name__)
 class OrchestratorSettings:
     seq_len: int = 2048
     group_size: int = 4
-    groups_per_step: int = 4
+    groups_per_step: int = 16
     max_staleness: int = 1
     max_steps: int = 0  # 0: no limit
     trainers: int = 1  # trainer ranks to wait for before the first step
     group_timeout_s: float = 120.0
+    dispatch: bool = False  # send runs to env servers (the RL loop), or only take episodes as they come
+    prompt: str = "refbus.nodes.toy.task:make_prompt"
+    seed: int = 0
+    max_groups_in_flight: int = 16
+    eval_every: int = 0  # steps between eval groups (0: none)
 
 
 @dataclass
@@ -82,8 +96,8 @@ class Orchestrator:
         self.step = 0
         self.groups: dict[str, _Group] = {}
         self.closed_groups: set[str] = set()
-        self.dropped: Counter[str] = Counter()
         self.episodes = 0
+        self.abandoned_groups = 0
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
         runtime.every(min(1.0, settings.group_timeout_s / 4), self._expire_groups)
         runtime.shutdown_hooks.append(self.close)
@@ -108,11 +122,10 @@ class Orchestrator:
         group_id = str(info.get("group", episode.episode_id))
         if info.get("eval"):
             self.eval_sink.add(samples)
-        elif self.settings.max_steps and self.step >= self.settings.max_steps:
-            self._drop(samples, "max_steps")
+        elif self.finished:
+            self.sink.drop(samples, "max_steps")
         elif group_id in self.closed_groups:
-            self.dropped["late"] += len(samples)
-            self.holder.release(s.ref for s in samples if s.ref is not None)
+            self.sink.drop(samples, "late")
         else:
             group = self.groups.setdefault(group_id, _Group(started=time.monotonic()))
             group.episodes.append((float(info.get("reward", 0.0)), samples))
@@ -127,7 +140,7 @@ class Orchestrator:
             ref_index = int(entry.get("ref", -1))
             ref = episode.refs[ref_index] if 0 <= ref_index < len(episode.refs) else None
             if ref is not None and ref.blob_id not in claimed:
-                self.dropped["missing"] += 1
+                self.sink.dropped["missing"] += 1
                 continue
             input_ids = np.asarray(entry["input_ids"], dtype=np.int64)
             inputs: dict[str, Any] = {"input_ids": input_ids}
@@ -146,19 +159,32 @@ class Orchestrator:
         for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
             samples.extend(episode_samples)
             per_sample.extend([float(advantage)] * len(episode_samples))
-        if not self.sink.add_group(samples, per_sample):
-            self.dropped["filtered"] += len(samples)
-
-    def _drop(self, samples: list[Sample], reason: str) -> None:
-        self.dropped[reason] += len(samples)
-        self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
+        self.sink.add_group(samples, per_sample)
 
     def _expire_groups(self) -> None:
         horizon = time.monotonic() - self.settings.group_timeout_s
         for group_id in [g for g, group in self.groups.items() if group.started < horizon]:
-            group = self.groups.pop(group_id)
-            self.closed_groups.add(group_id)
-            self._drop([s for _, samples in group.episodes for s in samples], "incomplete")
+            self.abandon(group_id)
+
+    def abandon(self, group_id: str) -> None:
+        """A group that will never complete (timed out, or one of its runs failed): delete what arrived;
+        its stragglers are deleted as ``late`` when they come."""
+        if group_id in self.closed_groups:
+            return
+        self.closed_groups.add(group_id)
+        self.abandoned_groups += 1
+        group = self.groups.pop(group_id, None)
+        if group is not None:
+            self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
+
+    @property
+    def groups_released(self) -> int:
+        """Groups that will never train: their admission slots are free again."""
+        return self.abandoned_groups + self.sink.dropped_groups
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.settings.max_steps) and self.step >= self.settings.max_steps
 
     # --- steps --------------------------------------------------------------------------------------
 
@@ -166,9 +192,8 @@ class Orchestrator:
         """Ask the registry for the trainer ranks until ``settings.trainers`` of them are live."""
         if len(self.sink.trainers) >= self.settings.trainers:
             return True
-        assert self.runtime.control is not None
         try:
-            listed = self.runtime.control.request(Nodes(role="trainer")).body
+            listed = self.runtime.broker().request(Nodes(role="trainer")).body
         except (RemoteError, RequestTimeout) as exc:
             log.warning("trainers.lookup_failed", error=str(exc))
             return False
@@ -181,13 +206,13 @@ class Orchestrator:
         return True
 
     def _ship_ready(self) -> None:
-        per_step = self.settings.group_size * self.settings.groups_per_step
+        per_step = self.settings.groups_per_step
         sink = self.sink
-        while len(sink.queue) >= per_step and not (self.settings.max_steps and self.step >= self.settings.max_steps):
+        while len(sink.queue) >= per_step and not self.finished:
             if not self._find_trainers():
                 return
             try:
-                plan = sink.ship(self.step, self.policy_version, max_samples=per_step)
+                plan = sink.ship(self.step, self.policy_version, max_groups=per_step)
             except DeliveryError as exc:
                 log.error("step.undelivered", step=self.step, error=str(exc))
                 return
@@ -196,17 +221,24 @@ class Orchestrator:
             log.info("step.shipped", step=self.step, version=self.policy_version,
                      micro_batches=plan.micro_batches_per_rank, dummies=plan.dummy_count)
             self.step += 1
-        if self.settings.max_steps and self.step >= self.settings.max_steps and sink.queue:
+        if self.finished and sink.queue:
             queued, sink.queue = sink.queue, []
-            self._drop(queued, "max_steps")
+            sink.drop((s for group in queued for s in group), "max_steps")
 
     def close(self) -> None:
-        """Shutdown: delete what is queued or still grouped."""
+        """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
+        no trainer acknowledged)."""
         for group in self.groups.values():
-            self._drop([s for _, samples in group.episodes for s in samples], "shutdown")
+            self.sink.drop((s for _, samples in group.episodes for s in samples), "shutdown")
         self.groups.clear()
-        queued, self.sink.queue = self.sink.queue, []
-        self._drop(queued, "shutdown")
+        self.sink.close()
+        self.holder.delete(list(self.holder.held.values()), "shutdown")
+
+    def _dropped_samples(self) -> dict[tuple[str, ...], float]:
+        counts = {(reason,): float(n) for reason, n in self.sink.dropped.items()}
+        if self.eval_sink.samples:
+            counts[("eval",)] = float(self.eval_sink.samples)
+        return counts
 
     def status(self) -> dict[str, float]:
         return {"step": float(self.step), "version": float(self.policy_version),
@@ -220,12 +252,105 @@ class Orchestrator:
         self.runtime.metric("refbus_orchestrator_steps_total", "Steps shipped to the trainer ranks.",
                       lambda: {(): float(self.step)})
         self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
-                      lambda: {(reason,): float(n) for reason, n in self.dropped.items()}, labels=("reason",))
+                            self._dropped_samples, labels=("reason",))
+
+
+class RunDispatcher:
+    """Sends runs (one prompt, ``group_size`` episodes) to env servers, within the staleness bound.
+
+    Admission (AReaL's rule): at most ``(max_staleness + v + 1) * groups_per_step`` groups may be trained,
+    queued or running while the trainer is at version ``v`` (groups dropped untrained give their slot
+    back), and at most ``max_groups_in_flight`` run at once; so no episode can be more than
+    ``max_staleness`` versions old when its step is packed, unless the trainer stalls. Sources take turns;
+    each run goes to the least-loaded replica of its source (registry lookup every second). A failed run
+    abandons its group. Every ``eval_every`` steps one eval group is sent.
+    """
+
+    def __init__(self, runtime: NodeRuntime, orchestrator: Orchestrator) -> None:
+        self.runtime = runtime
+        self.orchestrator = orchestrator
+        self.settings = orchestrator.settings
+        self.prompts = load_entry_point(self.settings.prompt)
+        self.rng = np.random.default_rng(self.settings.seed)
+        self.router = ReplicaRouter()
+        self.running: dict[str, tuple[str, str]] = {}  # run msg id -> (group id, endpoint)
+        self.groups_running: Counter[str] = Counter()
+        self.groups_sent = 0
+        self.train_groups_sent = 0
+        self.eval_sent_at = -1
+        self.failed_runs = 0
+        self._clients: dict[str, Client] = {}
+        runtime.every(1.0, self._refresh)
+        runtime.every(0.02, self.dispatch)
+
+    def _refresh(self) -> None:
+        try:
+            listed = self.runtime.broker().request(Nodes(role="env-server")).body
+        except (RemoteError, RequestTimeout) as exc:
+            log.warning("env_servers.lookup_failed", error=str(exc))
+            return
+        assert isinstance(listed, NodeList)
+        self.router.update(listed.nodes)
+
+    def dispatch(self) -> None:
+        if self.orchestrator.finished or not self.router.replicas:
+            return
+        settings, orchestrator = self.settings, self.orchestrator
+        step = orchestrator.step
+        if settings.eval_every and step % settings.eval_every == 0 and step != self.eval_sent_at:
+            self.eval_sent_at = step
+            self._send_group(evaluation=True)
+        bound = (settings.max_staleness + orchestrator.policy_version + 1) * settings.groups_per_step
+        while (len(self.groups_running) < settings.max_groups_in_flight
+               and self.train_groups_sent - orchestrator.groups_released < bound):
+            self._send_group(evaluation=False)
+
+    def _send_group(self, *, evaluation: bool) -> None:
+        group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}"
+        self.groups_sent += 1
+        self.train_groups_sent += not evaluation
+        prompt = [int(t) for t in self.prompts(self.rng)]
+        sources = sorted(self.router.replicas)
+        source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
+        for member in range(self.settings.group_size):
+            endpoint = self.router.pick(source)
+            msg_id = self._client(endpoint).send(Run(episode_id=f"{group_id}-{member}", group=group_id,
+                                                     prompt=prompt, eval=evaluation))
+            self.running[msg_id] = (group_id, endpoint)
+            self.groups_running[group_id] += 1
+
+    def _client(self, endpoint: str) -> Client:
+        if endpoint not in self._clients:
+            client = self.runtime.client(endpoint)
+            client.on_stray = self._on_reply
+            self.runtime.watch(client.sock, lambda: self._drain(client))
+            self._clients[endpoint] = client
+        return self._clients[endpoint]
+
+    def _drain(self, client: Client) -> None:
+        while (reply := client.recv(0)) is not None:
+            self._on_reply(reply)
+
+    def _on_reply(self, reply: Message) -> None:
+        entry = self.running.pop(reply.header.re, None)
+        if entry is None:
+            return
+        group_id, endpoint = entry
+        self.router.done(endpoint)
+        self.groups_running[group_id] -= 1
+        if self.groups_running[group_id] <= 0:
+            del self.groups_running[group_id]
+        if isinstance(reply.body, Error):
+            self.failed_runs += 1
+            log.warning("run.failed", group=group_id, code=reply.body.code, error=reply.body.message)
+            self.orchestrator.abandon(group_id)
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node orchestrator``: serve until SIGINT/SIGTERM."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    Orchestrator(runtime, OrchestratorSettings(**dataclasses.asdict(config.orchestrator)))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(**dataclasses.asdict(config.orchestrator)))
+    if orchestrator.settings.dispatch:
+        RunDispatcher(runtime, orchestrator)
     runtime.run()
     return 0

@@ -296,7 +296,8 @@ class TrainerRank:
 
     def _fetch(self, step: int, batch: StepBatch) -> StepFetch:
         fetch = self.fetcher.fetch(step, batch.micro_batches)
-        self.runtime.publish(FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids)))
+        self.runtime.publish(FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids),
+                                      nbytes=fetch.nbytes, seconds=fetch.seconds, failed=len(fetch.failed)))
         return fetch
 
     def _agree(self, step: int, fetch: StepFetch) -> tuple[tuple[int, ...], int]:

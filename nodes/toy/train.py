@@ -48,7 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..payload.assemble import packed_position_ids
 from .policy import TinyMoEPolicy
+
+__all__ = ["TrainMicroBatch", "make_optimizer", "packed_position_ids", "train_step"]
 
 
 class TrainMicroBatch(TypedDict):
@@ -72,22 +75,6 @@ _LOSS, _RATIO, _CLIPPED, _UNAVAILABLE, _ENTROPY = range(5)
 def make_optimizer(model: nn.Module, lr: float = 3e-3) -> torch.optim.Optimizer:
     """The optimizer the toy recipe was tuned with (Adam, no weight decay)."""
     return torch.optim.Adam(model.parameters(), lr=lr)
-
-
-def packed_position_ids(lengths: Sequence[int], length: int) -> torch.Tensor:
-    """int64 ``[1, length]`` position ids for samples of ``lengths`` packed from offset 0, then padding.
-
-    Each sample counts from 0; the padding after them counts from 0 too (``range(pad)``), so it is a
-    sequence of its own that no sample attends to.
-
-    Raises:
-        ValueError: a length below 1, or samples longer than ``length`` in total.
-    """
-    if any(n < 1 for n in lengths) or sum(lengths) > length:
-        raise ValueError(f"lengths: expected each >= 1 and a total <= {length}, got {list(lengths)}")
-    pad = length - sum(lengths)
-    parts = [torch.arange(n) for n in lengths] + ([torch.arange(pad)] if pad else [])
-    return torch.cat(parts).unsqueeze(0)
 
 
 def train_step(

@@ -1,0 +1,1 @@
+"""The asynchronous RL loop as node roles: trainer ranks and rollout workers (torch)."""

@@ -1,0 +1,160 @@
+"""`refbus top`: a live table of the cluster's nodes, from the broker's registry.
+
+Every refresh asks the broker for its registry (a ``nodes`` request) and shows one row per live node: id,
+role, host, pid, blobs and bytes held, version, lag and heartbeat age. Blobs, bytes and version come from
+the ``status`` numbers each node sends with its heartbeats (``blobs_held``, ``bytes_held``, ``version``, or
+``step`` for roles that count steps); a role that does not report one shows ``-``. Lag is the highest
+version any node reports minus the node's own. The broker itself is not a registry member, so it is not a
+row; the title line names the cluster and the broker's address.
+
+On a terminal the table is redrawn in place (ANSI); otherwise each refresh is printed after the last.
+``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON array (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TextIO
+
+from ..bus.reqrep import RemoteError, RequestTimeout
+from ..bus.runtime import BusUnavailable, NodeRuntime
+from ..protocol.messages import NodeInfo, NodeList, Nodes
+from .config import Config
+
+# A terminal's screen is redrawn from its top-left corner, erasing what the last frame left below.
+_HOME_AND_CLEAR = "\x1b[H\x1b[J"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One node as `refbus top` shows it; ``None`` where the node does not report the number."""
+
+    node_id: str
+    role: str
+    host: str
+    pid: int
+    blobs_held: float | None
+    bytes_held: float | None
+    version: float | None
+    lag: float | None
+    heartbeat_age_s: float
+
+
+def rows(nodes: Sequence[NodeInfo], now: float) -> list[Row]:
+    """The table for ``nodes`` at wall-clock time ``now``, sorted by role then node id.
+
+    ``version`` is the node's ``version`` status, else its ``step``; ``lag`` is the highest version of all
+    rows minus this one's (both known); heartbeat age is ``now - last_seen``, never negative (the broker's
+    clock stamps ``last_seen``; another host's clock may run slightly ahead).
+    """
+    versions = {n.node_id: n.status.get("version", n.status.get("step")) for n in nodes}
+    known = [v for v in versions.values() if v is not None]
+    newest = max(known) if known else None
+    table = []
+    for node in sorted(nodes, key=lambda n: (n.role, n.node_id)):
+        version = versions[node.node_id]
+        table.append(Row(
+            node_id=node.node_id,
+            role=node.role,
+            host=node.host,
+            pid=node.pid,
+            blobs_held=node.status.get("blobs_held"),
+            bytes_held=node.status.get("bytes_held"),
+            version=version,
+            lag=newest - version if newest is not None and version is not None else None,
+            heartbeat_age_s=max(0.0, now - node.last_seen),
+        ))
+    return table
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    scaled, unit = value, "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if scaled < 1024:
+            break
+        scaled, unit = scaled / 1024, larger
+    return f"{scaled:.0f} {unit}" if unit == "B" else f"{scaled:.1f} {unit}"
+
+
+_COLUMNS = ("NODE", "ROLE", "HOST", "PID", "BLOBS", "BYTES", "VERSION", "LAG", "HEARTBEAT")
+
+
+def format_table(table: Sequence[Row], title: str) -> str:
+    """``title``, then an aligned text table with a header line (one line per row)."""
+    cells = [_COLUMNS] + [
+        (r.node_id, r.role, r.host, str(r.pid), _number(r.blobs_held), _bytes(r.bytes_held), _number(r.version),
+         _number(r.lag), f"{r.heartbeat_age_s:.1f}s")
+        for r in table
+    ]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+    lines = [title] + ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                       for line in cells]
+    return "\n".join(lines) + "\n"
+
+
+class Top:
+    """Asks the broker at ``config.bus.control`` for its registry and prints the table to ``out``."""
+
+    def __init__(self, config: Config, *, as_json: bool = False, out: TextIO = sys.stdout) -> None:
+        self.config = config
+        self.as_json = as_json
+        self.out = out
+        self.redraw = out.isatty() and not as_json
+        # Not a node: it neither registers nor serves metrics, so watching never changes what it watches.
+        self.runtime = NodeRuntime("top", config.runtime(), register=False)
+        self.client = self.runtime.client(config.bus.control)
+
+    def fetch(self) -> list[Row]:
+        """The current table; :class:`BusUnavailable` when the broker does not answer within the retries."""
+        try:
+            reply = self.client.request(Nodes()).body
+        except (RequestTimeout, RemoteError) as exc:
+            raise BusUnavailable(f"no registry from the broker at {self.config.bus.control}: {exc}") from None
+        assert isinstance(reply, NodeList)
+        return rows(reply.nodes, time.time())
+
+    def show(self, table: Sequence[Row]) -> None:
+        if self.as_json:
+            self.out.write(json.dumps([asdict(r) for r in table]) + "\n")
+        else:
+            stamp = time.strftime("%H:%M:%S")
+            title = (f"refbus top · cluster {self.config.cluster.name} · broker {self.config.bus.control} · "
+                     f"{len(table)} nodes · {stamp}")
+            self.out.write((_HOME_AND_CLEAR if self.redraw else "") + format_table(table, title)
+                           + ("" if self.redraw else "\n"))
+        self.out.flush()
+
+    def run(self, *, once: bool, interval_s: float) -> None:
+        """Show the table once, or every ``interval_s`` until interrupted. While live, a broker that stops
+        answering is reported in place of the table and asked again (it may be restarting)."""
+        try:
+            while True:
+                try:
+                    self.show(self.fetch())
+                except BusUnavailable as exc:
+                    if once:
+                        raise
+                    self.out.write((_HOME_AND_CLEAR if self.redraw else "") + f"refbus top: {exc}\n")
+                    self.out.flush()
+                if once:
+                    return
+                time.sleep(interval_s)  # the refresh period of a display, not a wait for a condition
+        finally:
+            self.runtime.close()
+
+
+def run_top(config: Config, args: argparse.Namespace) -> int:
+    """``refbus top``: see the module docstring; returns 0 (errors raise :class:`BusUnavailable`)."""
+    Top(config, as_json=args.json).run(once=args.once, interval_s=args.interval)
+    return 0

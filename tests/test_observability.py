@@ -1,0 +1,394 @@
+"""Observability: `refbus top`, the broker's Prometheus service discovery (/sd), the shipped scrape config, and
+every PromQL expression of the Grafana dashboard evaluated by a real Prometheus scraping a real cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import FAST_LIVENESS
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
+from refbus.bus.sockets import make_socket
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.top import rows
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Delete, Keep, Kept, NodeInfo, Nodes, Sync
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "dashboards" / "refbus.json"
+SCRAPE_CONFIG = ROOT / "dashboards" / "prometheus.yml"
+PROMETHEUS = shutil.which("prometheus")  # Debian's package installs both in /usr/bin; `make test` installs it
+PROMTOOL = shutil.which("promtool")
+WAIT_S = 30.0
+PATIENT = RetryPolicy(timeout_s=10.0, attempts=1)
+
+# Dashboard expressions that only trainer ranks, the parameter server or rollout workers can feed. The
+# partial cluster of this test cannot, so for these the test checks only that Prometheus parses them. Once
+# the test runs a full `refbus up` cluster, this list is emptied and every expression must return data.
+NEEDS_FULL_CLUSTER = [
+    "sum by (node) (rate(refbus_fetch_bytes_total[$__rate_interval]))",
+    "refbus_trainer_blobs_held",
+    "histogram_quantile(0.5, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
+    "histogram_quantile(0.95, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
+    "histogram_quantile(0.99, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
+    "sum(rate(refbus_fetch_seconds_sum[$__rate_interval])) / sum(rate(refbus_fetch_seconds_count[$__rate_interval]))",
+    "sum by (node) (refbus_dropped_micro_batches_total)",
+    "max(refbus_ps_current_version)",
+    "sum(rate(refbus_ps_versions_committed_total[$__rate_interval]))",
+    "sum(rate(refbus_ps_versions_aborted_total[$__rate_interval]))",
+    "histogram_quantile(0.5, sum by (le) (rate(refbus_ps_push_seconds_bucket[$__rate_interval])))",
+    "histogram_quantile(0.95, sum by (le) (rate(refbus_ps_push_seconds_bucket[$__rate_interval])))",
+    "histogram_quantile(0.5, sum by (le) (rate(refbus_ps_pull_seconds_bucket[$__rate_interval])))",
+    "histogram_quantile(0.95, sum by (le) (rate(refbus_ps_pull_seconds_bucket[$__rate_interval])))",
+    "sum(refbus_ps_version_bytes)",
+    "sum by (node, state) (refbus_ps_held_bytes)",
+    "sum by (kind) (refbus_ps_leases_active)",
+    "sum by (kind) (rate(refbus_ps_leases_expired_total[$__rate_interval]))",
+]
+
+# Grafana fills these in; for an instant query any window holding a few 1 s scrapes will do.
+GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$__interval": "10s", "$__range": "10s"}
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def ready_info(proc: NodeProcess) -> dict[str, Any]:
+    """A running node's registry entry, from its ready file."""
+    return json.loads(proc.ready_file.read_text())
+
+
+def sd_url(broker: NodeProcess) -> str:
+    return ready_info(broker)["metrics"].removesuffix("/metrics") + "/sd"
+
+
+def poll(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+    """``check()``'s first truthy result, asked every 50 ms; fails naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {result!r})")
+        time.sleep(0.05)
+
+
+def scraped(url: str, series: str) -> bool:
+    """Whether a node's metrics endpoint shows a sample whose name and labels start with ``series``."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return any(line.startswith(series) for line in response.read().decode().splitlines())
+
+
+def branch(tokens: int) -> dict[str, np.ndarray]:
+    """One branch's arrays, as a rollout worker would keep them."""
+    rng = np.random.default_rng(tokens)
+    counts = rng.integers(0, 3, tokens).astype(np.int32)
+    return {
+        "routed_experts": rng.integers(0, 8, (tokens, 2, 2)).astype(np.uint8),
+        "topk_ids": rng.integers(0, 64, (tokens, 2)).astype(np.int32),
+        "topk_logprobs": rng.standard_normal((tokens, 2)).astype(np.float32),
+        "mask_ids": rng.integers(0, 64, int(counts.sum())).astype(np.int32),
+        "mask_counts": counts,
+    }
+
+
+def episode(episode_id: str, **info: Any) -> Keep:
+    """A one-sample episode with arrays (what the orchestrator groups, claims and ships or drops)."""
+    sample = {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "ref": 0}
+    return Keep(episode_id=episode_id, branches=[branch(4)], info={"samples": [sample], **info})
+
+
+def top(control: str, *flags: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "top", "--once", "--bus-control", control,
+                             *flags], capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of every panel, rows' nested panels included."""
+    def walk(panels: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+        for panel in panels:
+            yield from ((panel["title"], target["expr"]) for target in panel.get("targets", []))
+            yield from walk(panel.get("panels", []))
+
+    return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prometheus(binary: str, workdir: Path, sd: str) -> Iterator[str]:
+    """A Prometheus server (``binary``) scraping every 1 s what ``sd`` lists, with the shipped scrape config (only the
+    address and intervals changed); yields its API base URL and always reaps the process."""
+    shipped = SCRAPE_CONFIG.read_text()
+    for fixed in ("http://127.0.0.1:7779/sd", "scrape_interval: 2s", "refresh_interval: 2s"):
+        assert fixed in shipped, f"{SCRAPE_CONFIG} no longer says {fixed!r}: update this test"
+    config = workdir / "prometheus.yml"
+    config.write_text(shipped.replace("http://127.0.0.1:7779/sd", sd).replace(": 2s", ": 1s"))
+    address = f"127.0.0.1:{free_port()}"
+    log_path = workdir / "prometheus.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+                                 f"--web.listen-address={address}"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    base = f"http://{address}"
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{base}/-/ready", timeout=1) as response:
+                return response.status == 200
+            return False
+
+        poll(ready, "prometheus ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def query(base: str, expr: str) -> dict[str, Any]:
+    """An instant query through the HTTP API: its JSON answer (also for errors, which come with a 400)."""
+    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    try:
+        return get_json(url)
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+# --- refbus top ------------------------------------------------------------------------------------------
+
+
+def test_top_once_shows_every_node_with_its_status(bus, spawn) -> None:
+    _, control = bus
+    env = spawn(["node", "env-server", "--bus-control", control, "--node-id", "top-env", *FAST_LIVENESS], "top-env")
+    watch = spawn(["monitor", "--bus-control", control, "--node-id", "top-watch", *FAST_LIVENESS], "top-watch")
+    endpoint = env.wait_ready()["endpoints"]["blobs"]
+    watch.wait_ready()
+    ctx = zmq.Context()
+    try:
+        kept = Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT).request(episode("top-ep")).body
+        assert isinstance(kept, Kept)
+    finally:
+        ctx.destroy(linger=0)
+
+    def env_row_with_blob() -> dict[str, dict[str, Any]] | None:
+        found = {row["node_id"]: row for row in json.loads(top(control, "--json"))}
+        return found if found.get("top-env", {}).get("blobs_held") == 1 else None
+
+    found = poll(env_row_with_blob, "top shows the env server's kept blob")  # after its next heartbeat
+    assert set(found) == {"top-env", "top-watch"}  # the broker is not a registry member, top is not a node
+    for node_id, proc, role in (("top-env", env, "env-server"), ("top-watch", watch, "monitor")):
+        row = found[node_id]
+        assert (row["role"], row["pid"], row["host"]) == (role, proc.pid, socket.gethostname())
+        assert 0 <= row["heartbeat_age_s"] < 5
+    assert found["top-env"]["bytes_held"] == kept.refs[0].nbytes
+    assert found["top-watch"]["blobs_held"] is None and found["top-watch"]["lag"] is None  # reports neither
+
+    table = top(control)
+    assert "cluster local" in table.splitlines()[0]
+    assert re.search(r"^NODE\s+ROLE\s+HOST\s+PID\s+BLOBS\s+BYTES\s+VERSION\s+LAG\s+HEARTBEAT$", table, re.MULTILINE)
+    assert re.search(rf"^top-env\s+env-server\s+\S+\s+{env.pid}\s+1\s+\d+ B\s+-\s+-\s+[\d.]+s$", table, re.MULTILINE)
+
+
+def test_top_rows_version_lag_and_age() -> None:
+    def node(node_id: str, role: str, status: dict[str, float], last_seen: float = 99.0) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role=role, host="h", pid=1, last_seen=last_seen, status=status)
+
+    table = rows([node("r1", "rollout", {"version": 3.0}), node("m", "ps-manager", {"version": 5.0}),
+                  node("t0", "trainer", {"step": 4.0, "blobs_held": 2.0}), node("x", "monitor", {}, last_seen=101.0)],
+                 now=100.0)
+    assert [(r.node_id, r.version, r.lag) for r in table] == [
+        ("x", None, None), ("m", 5.0, 0.0), ("r1", 3.0, 2.0), ("t0", 4.0, 1.0)]  # by role, then id
+    assert [r.heartbeat_age_s for r in table] == [0.0, 1.0, 1.0, 1.0]  # a clock ahead never reads negative
+    assert table[3].blobs_held == 2.0 and table[3].bytes_held is None
+
+
+# --- service discovery -----------------------------------------------------------------------------------
+
+
+def test_sd_lists_the_broker_and_live_nodes_and_drops_them_when_down(bus, spawn) -> None:
+    broker, control = bus
+    url = sd_url(broker)
+    nodes = {name: spawn(["monitor", "--bus-control", control, "--node-id", name, *FAST_LIVENESS], name)
+             for name in ("sd-stays", "sd-leaves", "sd-killed")}
+    endpoints = {name: proc.wait_ready()["metrics"] for name, proc in nodes.items()}
+    endpoints["bus"] = ready_info(broker)["metrics"]
+
+    def listed() -> dict[str, dict[str, Any]]:
+        groups = get_json(url)
+        return {group["labels"]["node"]: group for group in groups}
+
+    groups = poll(lambda: (found := listed()).keys() == endpoints.keys() and found, "every node listed in /sd")
+    for name, group in groups.items():
+        metrics = urllib.parse.urlsplit(endpoints[name])
+        assert group["targets"] == [metrics.netloc]
+        assert group["labels"] == {"node": name, "role": "bus" if name == "bus" else "monitor", "cluster": "local",
+                                   "__metrics_path__": metrics.path}
+
+    assert nodes["sd-leaves"].stop() == 0  # bye: gone at once
+    poll(lambda: listed().keys() == {"bus", "sd-stays", "sd-killed"}, "a node that said bye dropped from /sd")
+    nodes["sd-killed"].proc.kill()  # missed heartbeats: gone after the node timeout
+    poll(lambda: listed().keys() == {"bus", "sd-stays"}, "a killed node dropped from /sd")
+
+
+# --- shipped configs -------------------------------------------------------------------------------------
+
+
+def test_shipped_scrape_config_is_valid() -> None:
+    if PROMTOOL is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it)")
+    result = subprocess.run([PROMTOOL, "check", "config", str(SCRAPE_CONFIG)], capture_output=True, text=True,
+                            timeout=WAIT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_provisions_as_is() -> None:
+    text = DASHBOARD.read_text()
+    dashboard = json.loads(text)
+    assert "__inputs" not in dashboard and "${DS_" not in text
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
+    assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
+    expressions = dashboard_expressions()
+    assert len(expressions) >= 20
+    assert set(NEEDS_FULL_CLUSTER) <= {expr for _, expr in expressions}, "NEEDS_FULL_CLUSTER names a removed query"
+
+    def datasources(node: Any) -> Iterator[Any]:
+        if isinstance(node, dict):
+            if "datasource" in node:
+                yield node["datasource"]
+            for value in node.values():
+                yield from datasources(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from datasources(value)
+
+    assert all(ds == {"type": "prometheus", "uid": "${datasource}"} for ds in datasources(dashboard["panels"]))
+
+
+# --- the dashboard against a real Prometheus ---------------------------------------------------------------
+
+
+def _provoke_errors(events_in: str, broker_metrics: str, monitor_metrics: str) -> None:
+    """Make the error counters exist: an event of an unknown kind (forwarded by the broker, rejected by the
+    monitor) and a malformed event (dropped by the broker). Sent until both are counted, because a new PUB
+    connection loses what it sends before it is up."""
+    ctx = zmq.Context()
+    try:
+        pub = make_socket(ctx, zmq.PUB, connect=events_in)
+        codec = WireCodec("bad-publisher")
+        seq = 0
+
+        def counted() -> bool:
+            nonlocal seq
+            seq += 1
+            _, header, body = codec.encode(Sync(token="x"), seq=seq)
+            pub.send_multipart([b"no-such-kind", header, body])
+            pub.send_multipart([b"too-few-frames"])
+            return (scraped(broker_metrics, 'refbus_bus_events_dropped_total{reason="malformed"}')
+                    and scraped(monitor_metrics, 'refbus_bus_events_rejected_total{code="unknown-kind"}'))
+
+        poll(counted, "a rejected and a dropped event counted")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _traffic(env: dict[str, str]) -> None:
+    """Episodes for the orchestrator (group size 2): a group of equal rewards (filtered: deleted on both env
+    servers), half a group (held by reference), an eval episode (deleted) that two holders then delete again
+    (at least one ownership violation, whichever delete came first); and one request of a kind an env server
+    does not serve (a request error)."""
+    ctx = zmq.Context()
+    try:
+        client = {name: Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT) for name, endpoint in env.items()}
+        client["env-0"].request(episode("flat-0", group="flat", reward=1.0))
+        client["env-1"].request(episode("flat-1", group="flat", reward=1.0))
+        client["env-1"].request(episode("half-0", group="half", reward=0.5))
+        kept = client["env-0"].request(episode("eval-0", group="eval", eval=True)).body
+        assert isinstance(kept, Kept)
+        blob = kept.refs[0].blob_id
+        for holder in ("tester-a", "tester-b"):
+            client["env-0"].request(Delete(blob_ids=[blob], holder=holder, reason="trained"))
+        with pytest.raises(RemoteError):
+            client["env-0"].request(Nodes())
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_every_dashboard_expression_parses_and_returns_data(bus, spawn, tmp_path: Path) -> None:
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (Debian package prometheus; `make test` installs it)")
+    broker, control = bus
+    with prometheus(PROMETHEUS, tmp_path, sd_url(broker)) as api:
+        flags = ["--bus-control", control, *FAST_LIVENESS]
+        # Started (and stopped) before the env servers, so the orchestrator's shutdown deletes reach them.
+        procs = {
+            "watch": spawn(["monitor", "--node-id", "watch", *flags], "watch"),
+            "orchestrator": spawn(["node", "orchestrator", "--node-id", "orchestrator", "--orchestrator-group-size",
+                                   "2", *flags], "orchestrator"),
+            **{name: spawn(["node", "env-server", "--node-id", name, *flags], name) for name in ("env-0", "env-1")},
+        }
+        info = {name: proc.wait_ready() for name, proc in procs.items()}
+        _traffic({name: info[name]["endpoints"]["blobs"] for name in ("env-0", "env-1")})
+        broker_info = ready_info(broker)
+        _provoke_errors(broker_info["endpoints"]["events_in"], broker_info["metrics"], info["watch"]["metrics"])
+
+        expected = {"bus", *procs}
+
+        def all_up() -> bool:
+            targets = get_json(f"{api}/api/v1/targets")["data"]["activeTargets"]
+            return {t["labels"]["node"] for t in targets if t["health"] == "up"} == expected
+
+        poll(all_up, f"prometheus scraping every node ({sorted(expected)}) through /sd")
+
+        failures: list[str] = []
+        deadline = time.monotonic() + WAIT_S  # rates need two scrapes; counters appear on their first event
+        for title, expr in dashboard_expressions():
+            promql = expr
+            for variable, value in GRAFANA_VARIABLES.items():
+                promql = promql.replace(variable, value)
+            while True:
+                answer = query(api, promql)
+                if answer["status"] != "success":
+                    failures.append(f"{title}: {expr}: {answer.get('error')}")
+                    break
+                if answer["data"]["result"] or expr in NEEDS_FULL_CLUSTER:
+                    break
+                if time.monotonic() > deadline:
+                    failures.append(f"{title}: {expr}: no data")
+                    break
+                time.sleep(0.2)
+        assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
+
+        # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.
+        by_role = query(api, "sum by (role) (refbus_bus_nodes)")["data"]["result"]
+        assert {r["metric"]["role"]: float(r["value"][1]) for r in by_role} == {
+            "monitor": 1, "orchestrator": 1, "env-server": 2}
