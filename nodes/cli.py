@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here")
     up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here")
     up.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs, config) afterwards")
+    up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files; kept); default: a "
+                    "temporary one, removed at the end unless --keep-logs")
     add_config_flags(up)
 
     top = commands.add_parser(

@@ -49,6 +49,7 @@ class NodeProcess:
         stdout: int | IO[Any] | None = None,
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="refbus-"))
+        self.info: dict[str, Any] = {}  # the registry entry, once wait_ready() returned it
         self.name = name or command[0]
         self.ready_file = self.workdir / f"{self.name}.ready.json"
         self.log_path = self.workdir / f"{self.name}.log"
@@ -75,7 +76,8 @@ class NodeProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.ready_file.exists():
-                return json.loads(self.ready_file.read_text())
+                self.info = json.loads(self.ready_file.read_text())
+                return self.info
             if self.proc.poll() is not None:
                 raise NodeStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             time.sleep(READY_POLL_S)
