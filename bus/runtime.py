@@ -38,7 +38,20 @@ from prometheus_client import REGISTRY
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
 from ..protocol.errors import ProtocolError
-from ..protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, Replay, Replayed, Sync, Welcome
+from ..protocol.messages import (
+    Body,
+    Bye,
+    Error,
+    Heartbeat,
+    Hello,
+    NodeInfo,
+    NodeList,
+    Nodes,
+    Replay,
+    Replayed,
+    Sync,
+    Welcome,
+)
 from .metrics import LiveCounters, register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
 from .reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, Server
@@ -198,6 +211,17 @@ class NodeRuntime:
             self.control.on_stray = self._on_control_reply
             self.watch(self.control.sock, self._drain_control)
         return self.control
+
+    def lookup(self, role: str = "") -> list[NodeInfo] | None:
+        """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
+        broker does not answer (callers try again on their next tick)."""
+        try:
+            listed = self.broker().request(Nodes(role=role)).body
+        except (RemoteError, RequestTimeout) as exc:
+            log.warning("registry.lookup_failed", role=role, error=str(exc))
+            return None
+        assert isinstance(listed, NodeList)
+        return listed.nodes
 
     def replay(self, *, since: int = 0, src: str = "", until: int | None = None) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one

@@ -17,7 +17,6 @@ from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, NodeRuntime
 from ..protocol.envelope import describe
-from ..protocol.messages import NodeList, Nodes
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 from .ledger import Ledger, format_report, read_records
 from .monitor import run_monitor
@@ -148,14 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _list_nodes(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("cli", config.runtime(), register=False)
     try:
-        reply = runtime.broker().request(Nodes(role=args.role)).body
-        assert isinstance(reply, NodeList)
+        nodes = runtime.lookup(args.role)
     finally:
         runtime.close()
+    if nodes is None:
+        raise BusUnavailable(f"no registry from the broker at {config.bus.control}")
     if args.json:
-        print(json.dumps(msgspec.to_builtins(reply.nodes), indent=2))
+        print(json.dumps(msgspec.to_builtins(nodes), indent=2))
     else:
-        for info in reply.nodes:
+        for info in nodes:
             endpoints = " ".join(f"{k}={v}" for k, v in info.endpoints.items())
             print(f"{info.node_id:<32} {info.role:<12} {info.host}:{info.pid:<8} {endpoints}")
     return 0

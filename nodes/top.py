@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
-from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import BusUnavailable, NodeRuntime
-from ..protocol.messages import NodeInfo, NodeList, Nodes
+from ..protocol.messages import NodeInfo
 from .config import Config
 
 # A terminal's screen is redrawn from its top-left corner, erasing what the last frame left below.
@@ -113,16 +112,13 @@ class Top:
         self.redraw = out.isatty() and not as_json
         # Not a node: it neither registers nor serves metrics, so watching never changes what it watches.
         self.runtime = NodeRuntime("top", config.runtime(), register=False)
-        self.client = self.runtime.client(config.bus.control)
 
     def fetch(self) -> list[Row]:
         """The current table; :class:`BusUnavailable` when the broker does not answer within the retries."""
-        try:
-            reply = self.client.request(Nodes()).body
-        except (RequestTimeout, RemoteError) as exc:
-            raise BusUnavailable(f"no registry from the broker at {self.config.bus.control}: {exc}") from None
-        assert isinstance(reply, NodeList)
-        return rows(reply.nodes, time.time())
+        nodes = self.runtime.lookup()
+        if nodes is None:
+            raise BusUnavailable(f"no registry from the broker at {self.config.bus.control}")
+        return rows(nodes, time.time())
 
     def show(self, table: Sequence[Row]) -> None:
         if self.as_json:

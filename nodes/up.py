@@ -33,10 +33,9 @@ from typing import Any
 
 import structlog
 
-from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Message, describe
-from ..protocol.messages import EpisodeFinished, FetchAck, NodeList, Nodes, VersionBump
+from ..protocol.messages import EpisodeFinished, FetchAck, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError
 from .ledger import Ledger
@@ -287,12 +286,8 @@ class _Progress:
         print(f"step {version:>3}/{self.steps}  reward {reward}  fetch {fetch_text}  held {held}", flush=True)
 
     def _held(self) -> list[tuple[str, float]]:
-        try:
-            listed = self.probe.broker().request(Nodes()).body
-        except (RemoteError, RequestTimeout):
-            return []
-        assert isinstance(listed, NodeList)
-        return sorted((n.node_id, n.status["bytes_held"]) for n in listed.nodes if "bytes_held" in n.status)
+        nodes = self.probe.lookup() or []
+        return sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
 
 
 def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *, interrupted: bool,

@@ -80,18 +80,6 @@ def segments(prefix: str, directory: str = "/dev/shm") -> list[str]:
     return sorted(p.name for p in Path(directory).glob(f"{prefix}.*"))
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll_s: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll_s)
-
-
 @dataclass
 class PsCluster:
     """A bus, a ps-manager and ps-workers as processes; every process is stopped by the ``spawn`` fixture."""

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 import traceback
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -214,18 +212,6 @@ class Registry:
     def close(self) -> None:
         self.client.close()
         self.ctx.destroy(linger=0)
-
-
-def poll(what: str, probe: Callable[[], T | None], timeout: float = WAIT_S) -> T:
-    """``probe()``'s first truthy value, polled every ``POLL_S`` until ``timeout``; fails naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(POLL_S)
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------

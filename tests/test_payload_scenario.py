@@ -43,6 +43,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
+from polling import wait_for
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
@@ -64,7 +65,6 @@ from scenario_support import (
     advantages,
     expected_inline,
     expected_rows,
-    poll,
     rank_main,
     read_dump,
 )
@@ -196,7 +196,7 @@ class Driver:
             node = self.registry.nodes("orchestrator").get(ORCHESTRATOR)
             return node is not None and all(node.status.get(k) == float(v) for k, v in expected.items())
 
-        poll(f"the orchestrator to report {what} ({expected})", reached)
+        wait_for(reached, WAIT_S, f"the orchestrator to report {what} ({expected})")
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -281,7 +281,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         entries = {name: proc.wait_ready(WAIT_S) for name, proc in nodes.items()}
         endpoints = {name: entries[name]["endpoints"]["blobs"] for name in ("env-0", "env-1")}
         endpoints[FLAKY] = flaky.endpoint
-        poll("both trainer ranks in the registry", lambda: len(registry.nodes("trainer")) == 2, timeout=60)
+        wait_for(lambda: len(registry.nodes("trainer")) == 2, 60, "both trainer ranks in the registry")
 
         driver = Driver(registry, endpoints, version_node)
         stack.callback(driver.close)
@@ -492,7 +492,7 @@ def test_a_step_ships_whole_groups_when_episodes_keep_several_samples(bus, spawn
                   episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)),
                   episode("b2", "env-0", "B", 0.0, SampleSpec(8, mask=True)))
         driver.feed(*groups)
-        (step,) = poll("the first step batch", lambda: list(rank.batches))
+        (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
         shipped = sorted(s.sample_id for mb in step.micro_batches if not mb.dummy for s in mb.samples)
         assert shipped == sorted(driver.sent), "a step must ship complete groups, groups_per_step of them"
     finally:

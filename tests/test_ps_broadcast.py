@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ps_support import PsCluster, make_state, segments, start_cluster, wait_for
+from polling import wait_for
+from ps_support import PsCluster, make_state, segments, start_cluster
 from refbus.bus.reqrep import RemoteError
 from refbus.nodes.ps.broadcast import children, parent, rounds
 from refbus.nodes.ps.shm import sweep_orphans

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from polling import wait_for
 from ps_support import (
     Actor,
     PsCluster,
@@ -24,7 +25,6 @@ from ps_support import (
     scrape,
     segments,
     start_cluster,
-    wait_for,
 )
 from refbus.bus.reqrep import RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ...bus.reqrep import Client, HandlerError, Pending, RemoteError, RequestTimeout
+from ...bus.reqrep import Client, HandlerError, Pending
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import Error, Generate, Generated, NodeList, Nodes, Ok, Run
+from ...protocol.messages import Error, Generate, Generated, Ok, Run
 from ..entry_points import load_entry_point
 from .env_server import ROLE, EnvServer, EnvServerSettings
 from .keeper import KeepError
@@ -77,13 +77,7 @@ class EpisodeRunner:
         runtime.every(min(1.0, settings.generate_timeout_s / 4), self._expire)
 
     def _refresh_rollouts(self) -> None:
-        try:
-            listed = self.runtime.broker().request(Nodes(role="rollout")).body
-        except (RemoteError, RequestTimeout) as exc:
-            log.warning("rollouts.lookup_failed", error=str(exc))
-            return
-        assert isinstance(listed, NodeList)
-        for node in listed.nodes:
+        for node in self.runtime.lookup("rollout") or ():
             endpoint = node.endpoints.get("generate")
             if endpoint and endpoint not in self.rollouts:
                 client = self.runtime.client(endpoint)

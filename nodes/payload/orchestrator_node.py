@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from ...bus.reqrep import Client, RemoteError, RequestTimeout
+from ...bus.reqrep import Client
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import EpisodeFinished, Error, NodeList, Nodes, Run, VersionBump
+from ...protocol.messages import EpisodeFinished, Error, Run, VersionBump
 from ..entry_points import load_entry_point
 from .orchestrator import (
     DeliveryError,
@@ -192,13 +192,7 @@ class Orchestrator:
         """Ask the registry for the trainer ranks until ``settings.trainers`` of them are live."""
         if len(self.sink.trainers) >= self.settings.trainers:
             return True
-        try:
-            listed = self.runtime.broker().request(Nodes(role="trainer")).body
-        except (RemoteError, RequestTimeout) as exc:
-            log.warning("trainers.lookup_failed", error=str(exc))
-            return False
-        assert isinstance(listed, NodeList)
-        trainers = [TrainerAddress.from_node(node) for node in listed.nodes]
+        trainers = [TrainerAddress.from_node(node) for node in self.runtime.lookup("trainer") or ()]
         if len(trainers) < self.settings.trainers:
             return False
         self.sink.use_trainers(trainers)
@@ -284,13 +278,9 @@ class RunDispatcher:
         runtime.every(0.02, self.dispatch)
 
     def _refresh(self) -> None:
-        try:
-            listed = self.runtime.broker().request(Nodes(role="env-server")).body
-        except (RemoteError, RequestTimeout) as exc:
-            log.warning("env_servers.lookup_failed", error=str(exc))
-            return
-        assert isinstance(listed, NodeList)
-        self.router.update(listed.nodes)
+        nodes = self.runtime.lookup("env-server")
+        if nodes is not None:
+            self.router.update(nodes)
 
     def dispatch(self) -> None:
         if self.orchestrator.finished or not self.router.replicas:
