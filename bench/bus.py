@@ -53,7 +53,15 @@ from refbus.bus.logs import configure_logging
 from refbus.bus.pubsub import Publisher, Subscriber
 from refbus.bus.reqrep import Client, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import EVENT_HWM, SocketOptions, bound_endpoint, make_socket, recv_frames, wildcard_port
+from refbus.bus.sockets import (
+    EVENT_HWM,
+    SocketOptions,
+    bound_endpoint,
+    make_socket,
+    recv_frames,
+    send_frames,
+    wildcard_port,
+)
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Blobs, Body, Bye, Delete, Fetch, FetchedBlob, Ok, Sync
 
@@ -506,8 +514,7 @@ def _profile_send(sock: zmq.Socket, codec: WireCodec, flavor: Flavor, count: int
     encoded: list[list[Any]] = []
     return {
         "encode": timed_us(lambda seq: encoded.append(codec.encode(body, seq=seq)), range(1, count + 1), CPU),
-        "send": timed_us(lambda frames: sock.send_multipart(frames, copy=False), encoded, CPU),
-        "zmq.SNDMORE | flags, x2": 2 * timed_us(lambda flags: zmq.SNDMORE | flags, [0] * count, CPU),
+        "send": timed_us(lambda frames: send_frames(sock, frames), encoded, CPU),
     }
 
 
@@ -549,15 +556,12 @@ def _drain(subscriber: Subscriber) -> None:
 def _profile_decode(sock: zmq.Socket, received: list[list[Any]]) -> dict[str, float]:
     """Decode-side stages of the refbus path, and the costs inside them that stand out."""
     codec = WireCodec("bench-sub")
-    messages = [codec.decode(frames) for frames in received]
-    header = messages[0].header
+    checked = [codec.decode_header(frames) for frames in received]
     return {
         "poll": timed_us(lambda _: sock.poll(0, zmq.POLLIN), received, CPU),
-        "decode": timed_us(codec.decode, received, CPU),
         "decode_header": timed_us(codec.decode_header, received, CPU),
-        "sock.rcvmore, x3": 3 * timed_us(lambda _: sock.rcvmore, received, CPU),
-        "Message(...)": timed_us(lambda m: Message(m.kind, header, m.body, ()), messages, CPU),
-        "sum(memoryview(f).nbytes)": timed_us(lambda f: sum(memoryview(x).nbytes for x in f), received, CPU),
+        "decode_body": timed_us(lambda pair: codec.decode(pair[0], checked=pair[1]),
+                                list(zip(received, checked, strict=True)), CPU),
     }
 
 
@@ -708,7 +712,7 @@ def bulk_sender(ch: Channel, flavor: Flavor, endpoint: str, nbytes: int, count: 
             if flavor == "raw":
                 sock.send(memoryview(array), copy=False)
             else:
-                sock.send_multipart(codec.encode(body), copy=False)
+                send_frames(sock, codec.encode(body))
         ch.recv()  # the receiver has everything: closing (linger 0) earlier would discard queued frames
     finally:
         ctx.destroy(linger=0)
@@ -886,23 +890,17 @@ def _pad(cell: str, width: int, column: int) -> str:
 
 PROFILE_LINES = (
     ("sender", "encode", "WireCodec.encode"),
-    ("sender", "send", "sock.send_multipart(copy=False)   [raw: sock.send]"),
-    ("receiver", "poll", "sock.poll(), once per Subscriber.recv"),
+    ("sender", "send", "send_frames (3 frames)           [raw: sock.send]"),
+    ("receiver", "poll", "sock.poll() (Subscriber.recv polls only when idle)"),
     ("receiver", "drain", "Subscriber.drain_one: recv_frames, decode, seq check"),
-    ("receiver", "recv", "  recv_frames                     [raw: sock.recv]"),
-    ("receiver", "decode", "  WireCodec.decode (validates)"),
-    ("receiver", "decode_header", "    of which decode_header"),
+    ("receiver", "recv", "  recv_frames (3 frames)          [raw: sock.recv]"),
+    ("receiver", "decode_header", "  WireCodec.decode_header"),
+    ("receiver", "decode_body", "  WireCodec.decode (body, validates)"),
 )
 TOTALS = {
-    "refbus": {"sender": ("encode", "send"), "receiver": ("poll", "drain")},
+    "refbus": {"sender": ("encode", "send"), "receiver": ("drain",)},
     "raw": {"sender": ("send",), "receiver": ("recv",)},
 }
-HOTSPOT_LINES = (
-    ("receiver", "sock.rcvmore, x3", "recv_frames: `sock.rcvmore` property, once per frame"),
-    ("sender", "zmq.SNDMORE | flags, x2", "send_multipart: `zmq.SNDMORE | flags` (IntFlag), per frame"),
-    ("receiver", "Message(...)", "decode: frozen-dataclass `Message(...)`"),
-    ("receiver", "sum(memoryview(f).nbytes)", "decode_header: size sum over all frames"),
-)
 
 
 def format_profile(profile: dict[str, dict[str, dict[str, float]]], count: int) -> str:
@@ -920,8 +918,6 @@ def format_profile(profile: dict[str, dict[str, dict[str, float]]], count: int) 
                                  for flavor in ("refbus", "raw"))
         lines.append(f"  {side + ' total (capacity ' + f'{1e6 / ours_total / 1e3:.0f}k/s)':56s} "
                      f"{ours_total:7.2f} {raw_total:7.2f}")
-    lines.append("  inside those stages:")
-    lines += [f"    {label:54s} {ours[side][key]:7.2f}" for side, key, label in HOTSPOT_LINES]
     return "\n".join(lines)
 
 
