@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,6 +30,10 @@ def _die_with_parent() -> None:
     """In the child before exec: ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class StartCancelled(Exception):
+    """The caller gave up waiting for a node (it is shutting down); the node may still be starting."""
 
 
 class NodeStartError(RuntimeError):
@@ -71,10 +75,13 @@ class NodeProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
-        """The node's registry entry once it is ready; raises :class:`NodeStartError` if it dies first."""
+    def wait_ready(self, timeout: float = 30.0, *, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """The node's registry entry once it is ready; raises :class:`NodeStartError` if it dies first and
+        :class:`StartCancelled` as soon as ``cancelled()`` is true."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise StartCancelled(self.name)
             if self.ready_file.exists():
                 self.info = json.loads(self.ready_file.read_text())
                 return self.info

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Message, describe
 from ..protocol.messages import EpisodeFinished, FetchAck, VersionBump
 from .config import Config, to_toml
-from .launch import NodeProcess, NodeStartError
+from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import Ledger
 
 log = structlog.get_logger(__name__)
@@ -82,8 +82,9 @@ class RunRecord:
 class LocalCluster:
     """The processes of one local cluster, started in dependency order and stopped in reverse."""
 
-    def __init__(self, config: Config, workdir: Path) -> None:
+    def __init__(self, config: Config, workdir: Path, *, cancelled: Callable[[], bool] = lambda: False) -> None:
         self.config = config
+        self.cancelled = cancelled
         self.workdir = workdir
         self.config_file = workdir / "cluster.toml"
         self.config_file.write_text(to_toml(config))
@@ -96,12 +97,18 @@ class LocalCluster:
         self.config_file.write_text(to_toml(self.config))
 
     def start(self, name: str, *command: str, wait: bool = True) -> NodeProcess:
+        """Start a node (and wait until it is ready); :class:`StartCancelled` once the run is being stopped."""
+        if self.cancelled():
+            raise StartCancelled(name)
         node = NodeProcess([*command, "--config", str(self.config_file), "--node-id", name],
                            workdir=self.workdir, name=name)
         self.nodes.append(node)
         if wait:
-            node.wait_ready(self.config.node.connect_timeout_s * 2)
+            self.wait_ready(node, self.config.node.connect_timeout_s * 2)
         return node
+
+    def wait_ready(self, node: NodeProcess, timeout: float) -> None:
+        node.wait_ready(timeout, cancelled=self.cancelled)
 
     def by_role(self, prefix: str) -> list[NodeProcess]:
         return [node for node in self.nodes if node.name.startswith(prefix)]
@@ -126,13 +133,13 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     workdir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config = _cluster_config(config, workdir)
-    cluster = LocalCluster(config, workdir)
+    stop = _StopFlag()
+    cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested)
     record = RunRecord()
     # The watcher's loop runs in its own thread (heartbeats go on while this thread starts processes);
     # registry queries and the final replay use a second, non-registering runtime owned by this thread.
     watcher: NodeRuntime | None = None
     probe: NodeRuntime | None = None
-    stop = _StopFlag()
     summary: dict[str, Any] = {}
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     try:
@@ -142,20 +149,22 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
             watcher = _watcher(cluster.config, record)
             probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
             watcher.start_background()
-            _start_nodes(cluster, up, record, stop)
-            progress = _Progress(probe, record, up.steps)
-            trainers = cluster.by_role("trainer")
-            while not (stop.requested or all(t.proc.poll() is not None for t in trainers) or _died(cluster)):
+            try:
+                _start_nodes(cluster, up, record, stop)
+                progress = _Progress(probe, record, up.steps)
+                trainers = cluster.by_role("trainer")
+                while not (stop.requested or all(t.proc.poll() is not None for t in trainers) or _died(cluster)):
+                    progress.poll()
+                    stop.wait(PROGRESS_INTERVAL_S)
                 progress.poll()
-                stop.wait(PROGRESS_INTERVAL_S)
-            progress.poll()
+            except StartCancelled:
+                pass  # Ctrl-C while starting: account for what ran, then stop it
         failed = [t.name for t in cluster.by_role("trainer") if t.proc.poll() not in (0, None)]
-        peak_rss = _peak_rss(cluster.by_role("orchestrator")[0].pid)
+        peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
         for prefix in ("orchestrator", "trainer", "rollout", "env"):
             cluster.stop(cluster.by_role(prefix))
         watcher.join(timeout=10)
         ledger = Ledger()
-        assert probe is not None
         for event in probe.replay(since=0):
             ledger.apply(describe(event))
         summary = _summary(record, ledger, peak_rss, config, interrupted=stop.requested, failed=failed)
@@ -231,13 +240,15 @@ def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopF
     ranks = [cluster.start(f"trainer-{r}", "node", "trainer", "--trainer-rank", str(r), wait=False)
              for r in range(up.trainers)]
     for rank in ranks:
-        rank.wait_ready(cluster.config.node.connect_timeout_s * 4)
+        cluster.wait_ready(rank, cluster.config.node.connect_timeout_s * 4)
     for i in range(up.rollouts):
         cluster.start(f"rollout-{i}", "node", "rollout")
     deadline = time.monotonic() + cluster.config.node.connect_timeout_s * 4
     while not (record.versions or stop.requested or time.monotonic() > deadline):
         stop.wait(0.05)
-    if not record.versions and not stop.requested:
+    if stop.requested:
+        raise StartCancelled("orchestrator")
+    if not record.versions:
         raise NodeStartError("the trainers did not publish version 0 of the weights in time")
     cluster.start("orchestrator", "node", "orchestrator")
 

@@ -1,5 +1,6 @@
 """Observability: `refbus top`, the broker's Prometheus service discovery (/sd), the shipped scrape config, and
-every PromQL expression of the Grafana dashboard evaluated by a real Prometheus scraping a real cluster."""
+every PromQL expression of the Grafana dashboard evaluated by a real Prometheus scraping a full `refbus up`
+cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +29,8 @@ from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Delete, Keep, Kept, NodeInfo, Nodes, Sync
+from refbus.protocol.messages import Blobs, Fetch, Keep, Kept, NodeInfo, Nodes, Sync
+from test_up import NODES, STOP_S, Up
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "refbus.json"
@@ -36,30 +39,6 @@ PROMETHEUS = shutil.which("prometheus")  # Debian's package installs both in /us
 PROMTOOL = shutil.which("promtool")
 WAIT_S = 30.0
 PATIENT = RetryPolicy(timeout_s=10.0, attempts=1)
-
-# Dashboard expressions that only trainer ranks, the parameter server or rollout workers can feed. The
-# partial cluster of this test cannot, so for these the test checks only that Prometheus parses them. Once
-# the test runs a full `refbus up` cluster, this list is emptied and every expression must return data.
-NEEDS_FULL_CLUSTER = [
-    "sum by (node) (rate(refbus_fetch_bytes_total[$__rate_interval]))",
-    "refbus_trainer_blobs_held",
-    "histogram_quantile(0.5, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
-    "histogram_quantile(0.95, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
-    "histogram_quantile(0.99, sum by (le) (rate(refbus_fetch_seconds_bucket[$__rate_interval])))",
-    "sum(rate(refbus_fetch_seconds_sum[$__rate_interval])) / sum(rate(refbus_fetch_seconds_count[$__rate_interval]))",
-    "sum by (node) (refbus_dropped_micro_batches_total)",
-    "max(refbus_ps_current_version)",
-    "sum(rate(refbus_ps_versions_committed_total[$__rate_interval]))",
-    "sum(rate(refbus_ps_versions_aborted_total[$__rate_interval]))",
-    "histogram_quantile(0.5, sum by (le) (rate(refbus_ps_push_seconds_bucket[$__rate_interval])))",
-    "histogram_quantile(0.95, sum by (le) (rate(refbus_ps_push_seconds_bucket[$__rate_interval])))",
-    "histogram_quantile(0.5, sum by (le) (rate(refbus_ps_pull_seconds_bucket[$__rate_interval])))",
-    "histogram_quantile(0.95, sum by (le) (rate(refbus_ps_pull_seconds_bucket[$__rate_interval])))",
-    "sum(refbus_ps_version_bytes)",
-    "sum by (node, state) (refbus_ps_held_bytes)",
-    "sum by (kind) (refbus_ps_leases_active)",
-    "sum by (kind) (rate(refbus_ps_leases_expired_total[$__rate_interval]))",
-]
 
 # Grafana fills these in; for an instant query any window holding a few 1 s scrapes will do.
 GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$__interval": "10s", "$__range": "10s"}
@@ -279,7 +258,6 @@ def test_dashboard_provisions_as_is() -> None:
     assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
     expressions = dashboard_expressions()
     assert len(expressions) >= 20
-    assert set(NEEDS_FULL_CLUSTER) <= {expr for _, expr in expressions}, "NEEDS_FULL_CLUSTER names a removed query"
 
     def datasources(node: Any) -> Iterator[Any]:
         if isinstance(node, dict):
@@ -321,74 +299,87 @@ def _provoke_errors(events_in: str, broker_metrics: str, monitor_metrics: str) -
         ctx.destroy(linger=0)
 
 
-def _traffic(env: dict[str, str]) -> None:
-    """Episodes for the orchestrator (group size 2): a group of equal rewards (filtered: deleted on both env
-    servers), half a group (held by reference), an eval episode (deleted) that two holders then delete again
-    (at least one ownership violation, whichever delete came first); and one request of a kind an env server
-    does not serve (a request error)."""
+def _provoke_violation_and_request_error(events: Path) -> None:
+    """Make the ownership-violation and request-error counters exist in a healthy cluster: fetch a blob after
+    its owner deleted it (refused and counted as a violation by the env server that kept it; read-only, the
+    run goes on), and send that env server a request of a kind it does not serve. ``events``: what a
+    `refbus monitor --json` attached to the cluster printed."""
+    def deleted_blob() -> tuple[str, str] | None:
+        endpoints: dict[str, str] = {}
+        for line in events.read_text().splitlines()[:-1]:  # the last line may be half written
+            record = json.loads(line)
+            if record["type"] == "episode-finished":
+                endpoints.update((ref["blob_id"], ref["endpoint"]) for ref in record["refs"])
+            elif record["type"] == "delete" and (known := [b for b in record["blob_ids"] if b in endpoints]):
+                return known[0], endpoints[known[0]]
+        return None
+
+    blob_id, endpoint = poll(deleted_blob, "a blob kept and deleted while the monitor watched")
     ctx = zmq.Context()
     try:
-        client = {name: Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT) for name, endpoint in env.items()}
-        client["env-0"].request(episode("flat-0", group="flat", reward=1.0))
-        client["env-1"].request(episode("flat-1", group="flat", reward=1.0))
-        client["env-1"].request(episode("half-0", group="half", reward=0.5))
-        kept = client["env-0"].request(episode("eval-0", group="eval", eval=True)).body
-        assert isinstance(kept, Kept)
-        blob = kept.refs[0].blob_id
-        for holder in ("tester-a", "tester-b"):
-            client["env-0"].request(Delete(blob_ids=[blob], holder=holder, reason="trained"))
+        client = Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT)
+        reply = client.request(Fetch(blob_ids=[blob_id], holder="dashboard-test")).body
+        assert isinstance(reply, Blobs) and (reply.blobs, reply.missing) == ([], [blob_id])
         with pytest.raises(RemoteError):
-            client["env-0"].request(Nodes())
+            client.request(Nodes())
     finally:
         ctx.destroy(linger=0)
 
 
-def test_every_dashboard_expression_parses_and_returns_data(bus, spawn, tmp_path: Path) -> None:
+@pytest.mark.timeout(300)  # every wait below is bounded and fails with a message (and reaps the run) before this
+def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Path) -> None:
     if PROMETHEUS is None:
         pytest.skip("prometheus is not installed (Debian package prometheus; `make test` installs it)")
-    broker, control = bus
-    with prometheus(PROMETHEUS, tmp_path, sd_url(broker)) as api:
-        flags = ["--bus-control", control, *FAST_LIVENESS]
-        # Started (and stopped) before the env servers, so the orchestrator's shutdown deletes reach them.
-        procs = {
-            "watch": spawn(["monitor", "--node-id", "watch", *flags], "watch"),
-            "orchestrator": spawn(["node", "orchestrator", "--node-id", "orchestrator", "--orchestrator-group-size",
-                                   "2", *flags], "orchestrator"),
-            **{name: spawn(["node", "env-server", "--node-id", name, *flags], name) for name in ("env-0", "env-1")},
-        }
-        info = {name: proc.wait_ready() for name, proc in procs.items()}
-        _traffic({name: info[name]["endpoints"]["blobs"] for name in ("env-0", "env-1")})
-        broker_info = ready_info(broker)
-        _provoke_errors(broker_info["endpoints"]["events_in"], broker_info["metrics"], info["watch"]["metrics"])
+    up = Up(tmp_path, 1000)  # runs until this test has what it needs, then gets Ctrl-C
+    try:
+        broker = up.bus()
+        control = broker["endpoints"]["control"]
+        with prometheus(PROMETHEUS, tmp_path, broker["metrics"].removesuffix("/metrics") + "/sd") as api:
+            # A second terminal's `refbus monitor`, as a user watches a run: one more node to scrape.
+            events = tmp_path / "watch.jsonl"
+            with open(events, "wb") as out:
+                watch = spawn(["monitor", "--json", "--node-id", "watch", "--bus-control", control], "watch",
+                              stdout=out)
+            watch_info = watch.wait_ready()
+            expected = {"bus", "watch", *NODES}
 
-        expected = {"bus", *procs}
+            def all_up() -> bool:
+                targets = get_json(f"{api}/api/v1/targets")["data"]["activeTargets"]
+                return up.alive() and {t["labels"]["node"] for t in targets if t["health"] == "up"} == expected
 
-        def all_up() -> bool:
-            targets = get_json(f"{api}/api/v1/targets")["data"]["activeTargets"]
-            return {t["labels"]["node"] for t in targets if t["health"] == "up"} == expected
+            poll(all_up, f"prometheus scraping every node ({sorted(expected)}) through /sd", 2 * WAIT_S)
+            poll(lambda: up.alive() and query(api, "max(refbus_ps_current_version) >= 2")["data"]["result"],
+                 "the cluster training (version 2 scraped)", 2 * WAIT_S)
+            _provoke_errors(broker["endpoints"]["events_in"], broker["metrics"], watch_info["metrics"])
+            _provoke_violation_and_request_error(events)
 
-        poll(all_up, f"prometheus scraping every node ({sorted(expected)}) through /sd")
+            failures: list[str] = []
+            deadline = time.monotonic() + WAIT_S  # rates need two scrapes; counters appear on their first event
+            for title, expr in dashboard_expressions():
+                promql = expr
+                for variable, value in GRAFANA_VARIABLES.items():
+                    promql = promql.replace(variable, value)
+                while True:
+                    answer = query(api, promql)
+                    if answer["status"] != "success":
+                        failures.append(f"{title}: {expr}: {answer.get('error')}")
+                        break
+                    if answer["data"]["result"]:
+                        break
+                    if time.monotonic() > deadline:
+                        failures.append(f"{title}: {expr}: no data")
+                        break
+                    time.sleep(0.2)
+            assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
 
-        failures: list[str] = []
-        deadline = time.monotonic() + WAIT_S  # rates need two scrapes; counters appear on their first event
-        for title, expr in dashboard_expressions():
-            promql = expr
-            for variable, value in GRAFANA_VARIABLES.items():
-                promql = promql.replace(variable, value)
-            while True:
-                answer = query(api, promql)
-                if answer["status"] != "success":
-                    failures.append(f"{title}: {expr}: {answer.get('error')}")
-                    break
-                if answer["data"]["result"] or expr in NEEDS_FULL_CLUSTER:
-                    break
-                if time.monotonic() > deadline:
-                    failures.append(f"{title}: {expr}: no data")
-                    break
-                time.sleep(0.2)
-        assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
+            # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.
+            by_role = query(api, "sum by (role) (refbus_bus_nodes)")["data"]["result"]
+            assert {r["metric"]["role"]: float(r["value"][1]) for r in by_role} == {
+                "monitor": 2, "ps-manager": 1, "ps-worker": 2, "env-server": 2, "trainer": 2, "rollout": 2,
+                "orchestrator": 1}
 
-        # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.
-        by_role = query(api, "sum by (role) (refbus_bus_nodes)")["data"]["result"]
-        assert {r["metric"]["role"]: float(r["value"][1]) for r in by_role} == {
-            "monitor": 1, "orchestrator": 1, "env-server": 2}
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(STOP_S) == 130, up.output()
+        assert up.leftovers() == []
+    finally:
+        up.close()

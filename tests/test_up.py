@@ -1,0 +1,301 @@
+"""`refbus up` end to end: a whole local cluster runs the RL loop for a few steps, checked from its JSON summary
+and from the event stream (`refbus monitor --json`, fed to the ledger); and Ctrl-C mid-run (SIGINT to the
+launcher only, as a terminal delivers it) stops everything within seconds, frees every kept blob and leaves no
+process and no shared-memory segment behind.
+
+:class:`Up` (one `refbus up` run on ephemeral ports) is also what tests/test_observability.py scrapes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.ledger import Ledger
+
+CLI = [sys.executable, "-m", "refbus.nodes.cli"]
+# Every endpoint the launcher binds, ephemeral: runs never collide with each other or with a user's cluster.
+EPHEMERAL_PORTS = ["--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
+                   "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0",
+                   "--ps-manager", "tcp://127.0.0.1:0"]
+# The nodes the default config starts (besides the broker); "up-watcher" is the launcher's own watcher.
+NODES = {"ps-manager", "ps-worker-0", "ps-worker-1", "env-0", "env-1", "trainer-0", "trainer-1", "rollout-0",
+         "rollout-1", "orchestrator", "up-watcher"}
+START_S = 60.0  # broker up, or the cluster running its first steps (torch imports on 2 busy cores)
+RUN_S = 240.0  # a short run, start to summary
+STOP_S = 30.0  # Ctrl-C to exit: "within seconds", with room for a loaded CI machine
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MONITOR_ID = "test-monitor"
+# Above the suite's default (120 s): the waits in these tests are bounded on their own and fail with a message
+# (and reap the run) before this.
+pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
+
+
+def poll(check: Callable[[], Any], what: str, timeout: float, every: float = 0.05) -> Any:
+    """``check()``'s first truthy result; fails naming ``what`` (and the last result) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {result!r})")
+        time.sleep(every)
+
+
+class Up:
+    """One `refbus up` run: a child in its own process group (a terminal's foreground job), on ephemeral
+    ports, with its run directory, JSON summary and plot under ``workdir``. :meth:`close` reaps every
+    process of the run whatever happened."""
+
+    def __init__(self, workdir: Path, steps: int, *flags: str) -> None:
+        self.run_dir = workdir / "run"
+        self.summary_path = workdir / "summary.json"
+        self.plot_path = workdir / "plot.png"
+        self.output_path = workdir / "up.out"
+        self.pids: dict[str, int] = {}  # node name -> pid, from the ready files while they exist
+        with open(self.output_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*CLI, "up", "--up-steps", str(steps), *EPHEMERAL_PORTS, "--run-dir", str(self.run_dir),
+                 "--summary-out", str(self.summary_path), "--plot-out", str(self.plot_path), *flags],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0)
+
+    def output(self, chars: int = 4000) -> str:
+        return self.output_path.read_text(errors="replace")[-chars:]
+
+    def alive(self) -> bool:
+        assert self.proc.poll() is None, f"refbus up exited with {self.proc.returncode}:\n{self.output()}"
+        return True
+
+    def bus(self) -> dict[str, Any]:
+        """The broker's registry entry (real endpoints and metrics URL), once it is up."""
+        ready = self.run_dir / "bus.ready.json"  # written atomically (rename)
+        poll(lambda: self.alive() and ready.exists(), "the broker of refbus up ready", START_S)
+        return json.loads(ready.read_text())
+
+    def note_pids(self) -> dict[str, int]:
+        """Record the pid of every node whose ready file exists now (a node removes it when it stops)."""
+        for path in self.run_dir.glob("*.ready.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                self.pids[path.name.removesuffix(".ready.json")] = json.loads(path.read_text())["pid"]
+        return self.pids
+
+    def wait(self, timeout: float) -> int:
+        """The exit code, noting pids while the run goes on; fails (with the output) after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            self.note_pids()
+            assert time.monotonic() < deadline, f"refbus up still running after {timeout:.0f}s:\n{self.output()}"
+            time.sleep(0.1)
+        return self.proc.returncode
+
+    def summary(self) -> dict[str, Any]:
+        assert self.summary_path.exists(), f"no summary written:\n{self.output()}"
+        return json.loads(self.summary_path.read_text())
+
+    def leftovers(self) -> list[tuple[int, str]]:
+        """Live processes (other than this one) whose command line names the run directory."""
+        return [(pid, cmdline) for pid, cmdline in _processes() if str(self.run_dir) in cmdline and pid != os.getpid()]
+
+    def segments(self, pids: set[int]) -> list[str]:
+        """Shared-memory segments (``<shm_dir>/<prefix>.<pid>.<n>``, from the run's config) of ``pids``."""
+        ps = tomllib.loads((self.run_dir / "cluster.toml").read_text())["ps"]
+        return sorted(str(path) for pid in pids for path in Path(ps["shm_dir"]).glob(f"{ps['shm_prefix']}.{pid}.*"))
+
+    def close(self) -> None:
+        """Ctrl-C if still running, SIGKILL to its process group if that does not end it; then SIGKILL any
+        process of the run still alive (each started in its own session, so the group does not reach them)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid, _ in self.leftovers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _processes() -> list[tuple[int, str]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+    return found
+
+
+class EventLog:
+    """What `refbus monitor --json --since 0` (attached to a run's broker) printed, read incrementally."""
+
+    def __init__(self, workdir: Path, control: str) -> None:
+        workdir.mkdir()
+        self.path = workdir / "events.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        with open(self.path, "wb") as out:
+            self.monitor = NodeProcess(["monitor", "--json", "--since", "0", "--bus-control", control,
+                                        "--node-id", MONITOR_ID], workdir=workdir, name="monitor", stdout=out)
+
+    def refresh(self) -> list[dict[str, Any]]:
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
+        self._offset += len(complete)
+        self.records.extend(json.loads(line) for line in complete.splitlines() if line.strip())
+        return self.records
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["type"] == kind]
+
+    def version(self) -> int:
+        self.refresh()
+        return max((r["version"] for r in self.of("version-bump")), default=-1)
+
+    def finish(self) -> None:
+        """After the run: read until every node that came up said goodbye (the broker forwards the last
+        ``node-down`` just before it stops), then stop the monitor (its broker is gone)."""
+        def still_up() -> set[str]:
+            self.refresh()
+            came_up = {r["node"]["node_id"] for r in self.of("node-up")} - {MONITOR_ID}
+            return came_up - {r["node_id"] for r in self.of("node-down")}
+
+        try:
+            poll(lambda: not still_up(), "the monitor saw every node of the run leave", 20)
+        finally:
+            self.monitor.stop()
+            self.refresh()
+
+
+def check_blobs(log: EventLog, up_blobs: dict[str, Any]) -> None:
+    """From the stream alone: every kept blob deleted exactly once, by its owner, none held, no violation;
+    the same account as the launcher's summary."""
+    ledger = Ledger()
+    for record in log.records:
+        ledger.apply(record)
+    report = ledger.report()
+    totals = report.totals()
+    assert report.violations == [] and not log.of("violation")
+    assert totals["kept"] == totals["deleted_total"] > 0 and totals["held"] == totals["leaked"] == 0, totals
+    assert totals == up_blobs  # the launcher read the same stream from the broker's ring
+
+    kept = [ref["blob_id"] for r in log.of("episode-finished") for ref in r["refs"]]
+    deleted = Counter(blob_id for r in log.of("delete") for blob_id in r["blob_ids"])
+    assert len(kept) == len(set(kept)) == totals["kept"]
+    assert set(deleted) == set(kept) and set(deleted.values()) == {1}
+
+
+def check_no_process_and_no_segment(up: Up, log: EventLog) -> None:
+    assert up.leftovers() == []
+    workers = {r["node"]["pid"] for r in log.of("node-up") if r["node"]["role"] == "ps-worker"}
+    assert len(workers) == 2 and workers == {pid for name, pid in up.pids.items() if name.startswith("ps-worker")}
+    assert up.segments(workers) == []
+
+
+def check_every_node_said_bye(log: EventLog) -> None:
+    down = {r["node_id"]: r["reason"] for r in log.of("node-down")}
+    assert down == dict.fromkeys(NODES, "bye")  # a clean exit each, none timed out
+
+
+def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path) -> None:
+    started = time.monotonic()
+    up = Up(tmp_path, 4)
+    log = None
+    try:
+        log = EventLog(tmp_path / "watch", up.bus()["endpoints"]["control"])
+        assert up.wait(RUN_S) == 0, up.output()
+        log.finish()
+
+        summary = up.summary()
+        assert (summary["ok"], summary["interrupted"], summary["failed_nodes"]) == (True, False, [])
+        assert summary["steps"] == 4 and summary["ps_versions"] == [0, 1, 2, 3, 4]
+        blobs = summary["blobs"]
+        assert blobs["kept"] == blobs["deleted_total"] > 0, blobs
+        assert blobs["held"] == blobs["leaked"] == blobs["violations"] == 0, blobs
+        by_version = summary["reward"]["by_version"]
+        assert by_version and {v for v, _ in by_version} <= {0, 1, 2, 3, 4}
+        assert all(math.isfinite(r) for _, r in by_version)
+        assert summary["orchestrator_peak_rss_bytes"] > 0
+        assert len(summary["fetch_seconds_per_step"]) == 4 and all(s > 0 for s in summary["fetch_seconds_per_step"])
+        assert summary["bytes"]["by_reference_fetched"] > 0 and summary["dropped_micro_batches"] == 0
+        assert up.plot_path.read_bytes().startswith(PNG_SIGNATURE)
+
+        check_blobs(log, blobs)
+        assert [r["version"] for r in log.of("version-bump")] == [0, 1, 2, 3, 4]  # one new version per step
+        acks = Counter((r["step"], r["holder"]) for r in log.of("fetch-ack"))
+        assert acks == Counter({(step, f"trainer-{rank}"): 1 for step in range(4) for rank in range(2)})
+        episodes = log.of("episode-finished")
+        assert episodes and all(math.isfinite(r["info"]["reward"]) for r in episodes)
+        assert {r["policy_version"] for r in episodes} <= {0, 1, 2, 3, 4}
+        check_every_node_said_bye(log)
+        check_no_process_and_no_segment(up, log)
+        print(f"refbus up, 4 steps: {time.monotonic() - started:.1f}s")
+    finally:
+        up.close()
+        if log is not None:
+            log.monitor.stop()
+
+
+def test_ctrl_c_mid_run_stops_everything_and_frees_every_blob(tmp_path: Path) -> None:
+    up = Up(tmp_path, 200)
+    log = None
+    try:
+        log = EventLog(tmp_path / "watch", up.bus()["endpoints"]["control"])
+        poll(lambda: up.alive() and log.version() >= 2, "version 2 published", START_S + RUN_S / 4, every=0.1)
+        workers = {pid for name, pid in up.note_pids().items() if name.startswith("ps-worker")}
+        assert len(workers) == 2 and up.segments(workers)  # the run holds weights in shared memory now
+        assert {up.proc.pid, *up.pids.values()} <= {pid for pid, _ in up.leftovers()}  # the scan sees the run
+
+        interrupted = time.monotonic()
+        up.proc.send_signal(signal.SIGINT)  # to the launcher only: its nodes run in their own sessions
+        try:
+            code = up.proc.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"refbus up still running {STOP_S:.0f}s after Ctrl-C:\n{up.output()}") from None
+        took = time.monotonic() - interrupted
+        assert code == 130, up.output()
+        log.finish()
+
+        summary = up.summary()
+        assert summary["interrupted"] is True and summary["ok"] is False
+        assert 2 <= summary["steps"] < 200
+        blobs = summary["blobs"]
+        assert blobs["kept"] == blobs["deleted_total"] > 0, blobs
+        assert blobs["held"] == blobs["leaked"] == blobs["violations"] == 0, blobs
+        check_blobs(log, blobs)
+        check_every_node_said_bye(log)
+        check_no_process_and_no_segment(up, log)
+        print(f"Ctrl-C to exit: {took:.1f}s")
+    finally:
+        up.close()
+        if log is not None:
+            log.monitor.stop()
+
+
+def test_ctrl_c_during_start_up_starts_no_further_node(tmp_path: Path) -> None:
+    up = Up(tmp_path, 200)
+    try:
+        up.bus()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(STOP_S + START_S) == 130, up.output()
+        assert up.leftovers() == []
+        # The nodes the launcher starts a few seconds after the broker (each leaves its log file) never start.
+        started = sorted(path.stem for path in up.run_dir.glob("*.log"))
+        assert not {"trainer-0", "trainer-1", "rollout-0", "rollout-1", "orchestrator"} & set(started), started
+    finally:
+        up.close()
