@@ -38,6 +38,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bus
+	$(PY) -m bench.payload
+	$(PY) -m bench.ps
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
