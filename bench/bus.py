@@ -197,11 +197,15 @@ class Worker:
         self._conn.close()
 
 
+_open_pools = [0]  # nesting depth of workers(): the resource tracker is reaped when the outermost closes
+
+
 @contextlib.contextmanager
 def workers(*names: str) -> Iterator[list[Worker]]:
-    """Spawned workers (starting concurrently), all reaped on exit whatever happened."""
+    """Spawned workers (starting concurrently), all reaped on exit whatever happened. May nest."""
     ctx = multiprocessing.get_context("spawn")
     started: list[Worker] = []
+    _open_pools[0] += 1
     try:
         for name in names:
             started.append(Worker(ctx, name))
@@ -211,7 +215,10 @@ def workers(*names: str) -> Iterator[list[Worker]]:
             worker.ask_exit()
         for worker in started:
             worker.reap(5.0)
-        _reap_resource_tracker()
+        _open_pools[0] -= 1
+        if not _open_pools[0]:
+            # Workers of an outer pool still hold the tracker's pipe: stopping it earlier would wait forever.
+            _reap_resource_tracker()
 
 
 def _reap_resource_tracker() -> None:

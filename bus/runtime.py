@@ -92,6 +92,17 @@ class BusUnavailable(RuntimeError):
     """The broker could not be reached or did not complete the handshake in time."""
 
 
+@contextlib.contextmanager
+def on_signals(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM call ``callback`` (then the previous handlers come back)."""
+    previous = {sig: signal.signal(sig, lambda *_: callback()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
     total: Counter[str] = Counter()
     for counter in counters:
@@ -325,16 +336,10 @@ class NodeRuntime:
             finally:
                 self.close()
 
-    @contextlib.contextmanager
-    def stop_on_signals(self) -> Iterator[None]:
+    def stop_on_signals(self) -> contextlib.AbstractContextManager[None]:
         """SIGINT and SIGTERM ask the node to stop (:meth:`stop`) instead of killing the process, so its
         shutdown hooks run; for roles that drive the loop themselves (a training loop). Main thread only."""
-        previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        return on_signals(self.stop)
 
     def start(self) -> None:
         self._serve_metrics()

@@ -27,13 +27,13 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from ..bus.runtime import NodeRuntime
+from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message, describe
 from ..protocol.messages import EpisodeFinished, FetchAck, VersionBump
 from .config import Config, to_toml
@@ -205,14 +205,8 @@ class _StopFlag:
     def wait(self, seconds: float) -> None:
         self._event.wait(seconds)
 
-    @contextlib.contextmanager
-    def on_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, lambda *_: self._event.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def on_signals(self) -> contextlib.AbstractContextManager[None]:
+        return on_signals(self._event.set)
 
 
 def _cluster_config(config: Config, workdir: Path) -> Config:
