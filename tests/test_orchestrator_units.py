@@ -1,0 +1,44 @@
+"""Orchestrator pieces without a cluster: replica routing and trainer addressing."""
+
+from __future__ import annotations
+
+import pytest
+from refbus.nodes.payload.orchestrator import ReplicaRouter, TrainerAddress, TrainSink
+from refbus.protocol.messages import NodeInfo
+
+
+def _env(node_id: str, source: str | None, endpoint: str) -> NodeInfo:
+    labels = {"source": source} if source else {}
+    return NodeInfo(node_id=node_id, role="env-server", host="h", pid=1, endpoints={"blobs": endpoint},
+                    labels=labels)
+
+
+def test_runs_go_to_the_replica_of_their_source_with_the_fewest_in_flight() -> None:
+    router = ReplicaRouter()
+    router.update([
+        _env("a0", "A", "tcp://a0"), _env("a1", "A", "tcp://a1"), _env("solo", None, "tcp://solo"),
+        NodeInfo(node_id="r", role="rollout", host="h", pid=2, endpoints={"generate": "tcp://r"}),
+    ])
+    assert router.replicas == {"A": ["tcp://a0", "tcp://a1"], "solo": ["tcp://solo"]}
+    picks = [router.pick("A") for _ in range(4)]
+    assert sorted(picks) == ["tcp://a0", "tcp://a0", "tcp://a1", "tcp://a1"]
+    router.done("tcp://a1")
+    assert router.pick("A") == "tcp://a1"  # a1 has one in flight now, a0 two
+    router.done("tcp://never-picked")  # harmless
+    assert router.in_flight["tcp://never-picked"] == 0
+    with pytest.raises(LookupError, match="no live env-server replica for source 'B'"):
+        router.pick("B")
+
+
+def test_trainer_addresses_come_from_registry_labels_and_are_checked() -> None:
+    node = NodeInfo(node_id="t1", role="trainer", host="h", pid=3, endpoints={"trainer": "tcp://t1"},
+                    labels={"rank": "1", "data_rank": "0", "leader": "0"})
+    assert TrainerAddress.from_node(node) == TrainerAddress("tcp://t1", 1, 0, leader=False)
+    sink = TrainSink(holder=None, seq_len=64, max_staleness=1)  # type: ignore[arg-type]
+    sink.use_trainers([TrainerAddress("tcp://t1", 1, 0, leader=False), TrainerAddress("tcp://t0", 0, 0)])
+    assert [t.endpoint for t in sink.trainers] == ["tcp://t0", "tcp://t1"]  # leader first
+    assert sink.data_ranks == 1
+    with pytest.raises(ValueError, match="exactly one leader"):
+        sink.use_trainers([TrainerAddress("tcp://t0", 0, 0), TrainerAddress("tcp://t1", 1, 0)])
+    with pytest.raises(ValueError, match=r"0\.\.n-1"):
+        sink.use_trainers([TrainerAddress("tcp://t0", 0, 1)])
