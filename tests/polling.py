@@ -16,5 +16,5 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll_s: fl
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
         time.sleep(poll_s)

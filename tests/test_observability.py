@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
+from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
@@ -59,18 +60,6 @@ def ready_info(proc: NodeProcess) -> dict[str, Any]:
 
 def sd_url(broker: NodeProcess) -> str:
     return ready_info(broker)["metrics"].removesuffix("/metrics") + "/sd"
-
-
-def poll(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
-    """``check()``'s first truthy result, asked every 50 ms; fails naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {result!r})")
-        time.sleep(0.05)
 
 
 def scraped(url: str, series: str) -> bool:
@@ -143,7 +132,7 @@ def prometheus(binary: str, workdir: Path, sd: str) -> Iterator[str]:
                 return response.status == 200
             return False
 
-        poll(ready, "prometheus ready")
+        wait_for(ready, WAIT_S, "prometheus ready")
         yield base
     finally:
         proc.terminate()
@@ -183,7 +172,7 @@ def test_top_once_shows_every_node_with_its_status(bus, spawn) -> None:
         found = {row["node_id"]: row for row in json.loads(top(control, "--json"))}
         return found if found.get("top-env", {}).get("blobs_held") == 1 else None
 
-    found = poll(env_row_with_blob, "top shows the env server's kept blob")  # after its next heartbeat
+    found = wait_for(env_row_with_blob, WAIT_S, "top shows the env server's kept blob")  # after its next heartbeat
     assert set(found) == {"top-env", "top-watch"}  # the broker is not a registry member, top is not a node
     for node_id, proc, role in (("top-env", env, "env-server"), ("top-watch", watch, "monitor")):
         row = found[node_id]
@@ -226,7 +215,8 @@ def test_sd_lists_the_broker_and_live_nodes_and_drops_them_when_down(bus, spawn)
         groups = get_json(url)
         return {group["labels"]["node"]: group for group in groups}
 
-    groups = poll(lambda: (found := listed()).keys() == endpoints.keys() and found, "every node listed in /sd")
+    groups = wait_for(lambda: (found := listed()).keys() == endpoints.keys() and found, WAIT_S,
+                      "every node listed in /sd")
     for name, group in groups.items():
         metrics = urllib.parse.urlsplit(endpoints[name])
         assert group["targets"] == [metrics.netloc]
@@ -234,9 +224,10 @@ def test_sd_lists_the_broker_and_live_nodes_and_drops_them_when_down(bus, spawn)
                                    "__metrics_path__": metrics.path}
 
     assert nodes["sd-leaves"].stop() == 0  # bye: gone at once
-    poll(lambda: listed().keys() == {"bus", "sd-stays", "sd-killed"}, "a node that said bye dropped from /sd")
+    wait_for(lambda: listed().keys() == {"bus", "sd-stays", "sd-killed"}, WAIT_S,
+             "a node that said bye dropped from /sd")
     nodes["sd-killed"].proc.kill()  # missed heartbeats: gone after the node timeout
-    poll(lambda: listed().keys() == {"bus", "sd-stays"}, "a killed node dropped from /sd")
+    wait_for(lambda: listed().keys() == {"bus", "sd-stays"}, WAIT_S, "a killed node dropped from /sd")
 
 
 # --- shipped configs -------------------------------------------------------------------------------------
@@ -294,7 +285,7 @@ def _provoke_errors(events_in: str, broker_metrics: str, monitor_metrics: str) -
             return (scraped(broker_metrics, 'refbus_bus_events_dropped_total{reason="malformed"}')
                     and scraped(monitor_metrics, 'refbus_bus_events_rejected_total{code="unknown-kind"}'))
 
-        poll(counted, "a rejected and a dropped event counted")
+        wait_for(counted, WAIT_S, "a rejected and a dropped event counted")
     finally:
         ctx.destroy(linger=0)
 
@@ -314,7 +305,7 @@ def _provoke_violation_and_request_error(events: Path) -> None:
                 return known[0], endpoints[known[0]]
         return None
 
-    blob_id, endpoint = poll(deleted_blob, "a blob kept and deleted while the monitor watched")
+    blob_id, endpoint = wait_for(deleted_blob, WAIT_S, "a blob kept and deleted while the monitor watched")
     ctx = zmq.Context()
     try:
         client = Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT)
@@ -347,9 +338,9 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
                 targets = get_json(f"{api}/api/v1/targets")["data"]["activeTargets"]
                 return up.alive() and {t["labels"]["node"] for t in targets if t["health"] == "up"} == expected
 
-            poll(all_up, f"prometheus scraping every node ({sorted(expected)}) through /sd", 2 * WAIT_S)
-            poll(lambda: up.alive() and query(api, "max(refbus_ps_current_version) >= 2")["data"]["result"],
-                 "the cluster training (version 2 scraped)", 2 * WAIT_S)
+            wait_for(all_up, 2 * WAIT_S, f"prometheus scraping every node ({sorted(expected)}) through /sd")
+            wait_for(lambda: up.alive() and query(api, "max(refbus_ps_current_version) >= 2")["data"]["result"],
+                     2 * WAIT_S, "the cluster training (version 2 scraped)")
             _provoke_errors(broker["endpoints"]["events_in"], broker["metrics"], watch_info["metrics"])
             _provoke_violation_and_request_error(events)
 

@@ -17,11 +17,11 @@ import sys
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import wait_for
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
 
@@ -41,18 +41,6 @@ MONITOR_ID = "test-monitor"
 # Above the suite's default (120 s): the waits in these tests are bounded on their own and fail with a message
 # (and reap the run) before this.
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
-
-
-def poll(check: Callable[[], Any], what: str, timeout: float, every: float = 0.05) -> Any:
-    """``check()``'s first truthy result; fails naming ``what`` (and the last result) after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {result!r})")
-        time.sleep(every)
 
 
 class Up:
@@ -82,7 +70,7 @@ class Up:
     def bus(self) -> dict[str, Any]:
         """The broker's registry entry (real endpoints and metrics URL), once it is up."""
         ready = self.run_dir / "bus.ready.json"  # written atomically (rename)
-        poll(lambda: self.alive() and ready.exists(), "the broker of refbus up ready", START_S)
+        wait_for(lambda: self.alive() and ready.exists(), START_S, "the broker of refbus up ready")
         return json.loads(ready.read_text())
 
     def note_pids(self) -> dict[str, int]:
@@ -176,7 +164,7 @@ class EventLog:
             return came_up - {r["node_id"] for r in self.of("node-down")}
 
         try:
-            poll(lambda: not still_up(), "the monitor saw every node of the run leave", 20)
+            wait_for(lambda: not still_up(), 20, "the monitor saw every node of the run leave")
         finally:
             self.monitor.stop()
             self.refresh()
@@ -256,7 +244,7 @@ def test_ctrl_c_mid_run_stops_everything_and_frees_every_blob(tmp_path: Path) ->
     log = None
     try:
         log = EventLog(tmp_path / "watch", up.bus()["endpoints"]["control"])
-        poll(lambda: up.alive() and log.version() >= 2, "version 2 published", START_S + RUN_S / 4, every=0.1)
+        wait_for(lambda: up.alive() and log.version() >= 2, START_S + RUN_S / 4, "version 2 published", poll_s=0.1)
         workers = {pid for name, pid in up.note_pids().items() if name.startswith("ps-worker")}
         assert len(workers) == 2 and up.segments(workers)  # the run holds weights in shared memory now
         assert {up.proc.pid, *up.pids.values()} <= {pid for pid, _ in up.leftovers()}  # the scan sees the run
