@@ -360,7 +360,7 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
                     if time.monotonic() > deadline:
                         failures.append(f"{title}: {expr}: no data")
                         break
-                    time.sleep(0.2)
+                    time.sleep(0.05)
             assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
 
             # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.

@@ -86,7 +86,7 @@ class Up:
         while self.proc.poll() is None:
             self.note_pids()
             assert time.monotonic() < deadline, f"refbus up still running after {timeout:.0f}s:\n{self.output()}"
-            time.sleep(0.1)
+            time.sleep(0.05)
         return self.proc.returncode
 
     def summary(self) -> dict[str, Any]:
