@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from refbus.bus.logs import configure_logging
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ps.client import PsClient
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     # One intra-op thread everywhere (baselines included): on a 2-core machine shared with other work,
     # torch's spinning OpenMP workers make a 2-thread copy ~40x slower than a 1-thread one.
     torch.set_num_threads(1)
+    configure_logging(level="warning")  # the bench's own in-process nodes must not interleave log lines
 
     def report(line: str) -> None:
         print(line, flush=True)

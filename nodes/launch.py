@@ -41,7 +41,11 @@ class NodeStartError(RuntimeError):
 
 
 class NodeProcess:
-    """A refbus child process. The caller owns it: call :meth:`stop` (or use it as a context manager)."""
+    """A refbus child process. The caller owns it: call :meth:`stop` (or use it as a context manager).
+
+    The child gets SIGTERM when the *thread* that started it ends (Linux's parent-death signal follows the
+    thread): start nodes from a thread that outlives them, as the launcher and the tests do.
+    """
 
     def __init__(
         self,
