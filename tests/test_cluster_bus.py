@@ -14,7 +14,7 @@ import zmq
 from conftest import FAST_LIVENESS
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
-from refbus.nodes.launch import NodeProcess
+from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
 from refbus.protocol.messages import Delete, Error, NodeList, Nodes, Sync
 
@@ -180,3 +180,17 @@ def test_every_command_has_help(command: list[str]) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "usage: refbus" in result.stdout and len(result.stdout.splitlines()) > 5
+
+
+def test_signed_cluster_admits_its_nodes_and_refuses_a_wrong_secret(tmp_path: Path, spawn) -> None:
+    bus, control = start_bus(tmp_path, extra=["--security-secret", "s3cret"])
+    try:
+        good = spawn(["monitor", "--bus-control", control, "--security-secret", "s3cret", "--node-id", "good"], "good")
+        assert good.wait_ready()["node_id"] == "good"
+        bad = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "monitor", "--bus-control", control,
+                              "--security-secret", "wrong", "--node-connect-timeout-s", "2", "--requests-attempts",
+                              "1"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "no broker answered" in bad.stderr
+        assert "signature" in bus.log_tail(200)  # the broker said why it refused
+    finally:
+        assert bus.stop() == 0
