@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from branches import random_arrays
 from conftest import FAST_LIVENESS
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
@@ -50,15 +51,7 @@ OWNERSHIP_KINDS = frozenset({"episode-finished", "claim", "delete", "violation"}
 
 def branch(tokens: int, *, routing: type = np.uint8, seed: int = 0) -> dict[str, np.ndarray]:
     """Every field of a branch: routing [tokens, 4, 2], top-k [tokens, 3], masks of 0..3 ids per token."""
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 4, tokens).astype(np.int32)
-    return {
-        "routed_experts": rng.integers(0, 512 if routing is np.uint16 else 256, (tokens, 4, 2)).astype(routing),
-        "topk_ids": rng.integers(0, 50_000, (tokens, 3)).astype(np.int32),
-        "topk_logprobs": rng.standard_normal((tokens, 3)).astype(np.float32),
-        "mask_ids": rng.integers(0, 50_000, int(counts.sum())).astype(np.int32),
-        "mask_counts": counts,
-    }
+    return random_arrays(tokens, seed=seed, layers=4, top_k=2, k=3, max_count=3, routing_dtype=routing)
 
 
 class Observer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
+from branches import random_arrays
 from refbus.nodes.payload.branch import Branch
 from refbus.nodes.payload.keeper import DISCARDED, SHUTDOWN, UNDELIVERED, Keeper, KeepError, blob_checksum
 from refbus.protocol.codec import checksum
@@ -23,15 +24,7 @@ class Clock:
 
 def arrays(tokens: int = 6, *, routing: type = np.uint8, seed: int = 0) -> dict[str, np.ndarray]:
     """Every field, consistent: routing [tokens, 3, 2], top-k [tokens, 4], masks of 0..2 ids per token."""
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 3, tokens).astype(np.int32)
-    return {
-        "routed_experts": rng.integers(0, 300 if routing is np.uint16 else 255, (tokens, 3, 2)).astype(routing),
-        "topk_ids": rng.integers(0, 1000, (tokens, 4)).astype(np.int32),
-        "topk_logprobs": rng.standard_normal((tokens, 4)).astype(np.float32),
-        "mask_ids": rng.integers(0, 1000, int(counts.sum())).astype(np.int32),
-        "mask_counts": counts,
-    }
+    return random_arrays(tokens, seed=seed, layers=3, top_k=2, k=4, max_count=2, routing_dtype=routing)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from branches import random_arrays
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
@@ -70,15 +71,7 @@ def scraped(url: str, series: str) -> bool:
 
 def branch(tokens: int) -> dict[str, np.ndarray]:
     """One branch's arrays, as a rollout worker would keep them."""
-    rng = np.random.default_rng(tokens)
-    counts = rng.integers(0, 3, tokens).astype(np.int32)
-    return {
-        "routed_experts": rng.integers(0, 8, (tokens, 2, 2)).astype(np.uint8),
-        "topk_ids": rng.integers(0, 64, (tokens, 2)).astype(np.int32),
-        "topk_logprobs": rng.standard_normal((tokens, 2)).astype(np.float32),
-        "mask_ids": rng.integers(0, 64, int(counts.sum())).astype(np.int32),
-        "mask_counts": counts,
-    }
+    return random_arrays(tokens, seed=tokens, layers=2, top_k=2, k=2, max_count=2)
 
 
 def episode(episode_id: str, **info: Any) -> Keep:

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from branches import random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from refbus.nodes.payload.assemble import (
@@ -28,16 +29,8 @@ MASK = ("mask_ids", "mask_counts")
 def make_branch(
     tokens: int, fields: tuple[str, ...] = FIELDS, *, seed: int = 0, routing_dtype: type = np.uint8, max_count: int = 4
 ) -> Branch:
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, max_count + 1, tokens).astype(np.int32)
-    arrays = {
-        "routed_experts": rng.integers(1, np.iinfo(routing_dtype).max, (tokens, LAYERS, TOP_K), dtype=routing_dtype),
-        "topk_ids": rng.integers(1, 50_000, (tokens, K), dtype=np.int32),
-        "topk_logprobs": -rng.random((tokens, K), dtype=np.float32) - 0.01,
-        "mask_ids": rng.integers(0, 50_000, int(counts.sum()), dtype=np.int32),
-        "mask_counts": counts,
-    }
-    return Branch(**{name: arrays[name] for name in fields})
+    return Branch(**random_arrays(tokens, seed=seed, layers=LAYERS, top_k=TOP_K, k=K, max_count=max_count,
+                                  routing_dtype=routing_dtype, fields=fields))
 
 
 def as_frames(branch: Branch) -> Branch:

@@ -7,32 +7,14 @@ import sys
 
 import numpy as np
 import pytest
+from branches import random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from refbus.nodes.payload.branch import FIELDS, Branch, BranchError
 
 
-def make_branch(
-    tokens: int,
-    *,
-    seed: int = 0,
-    layers: int = 3,
-    top_k: int = 2,
-    k: int = 4,
-    max_count: int = 5,
-    routing_dtype: type = np.uint8,
-    fields: tuple[str, ...] = FIELDS,
-) -> Branch:
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, max_count + 1, tokens).astype(np.int32)
-    arrays = {
-        "routed_experts": rng.integers(0, np.iinfo(routing_dtype).max, (tokens, layers, top_k), dtype=routing_dtype),
-        "topk_ids": rng.integers(0, 50_000, (tokens, k), dtype=np.int32),
-        "topk_logprobs": -rng.random((tokens, k), dtype=np.float32),
-        "mask_ids": rng.integers(0, 50_000, int(counts.sum()), dtype=np.int32),
-        "mask_counts": counts,
-    }
-    return Branch(**{name: arrays[name] for name in fields})
+def make_branch(tokens: int, *, max_count: int = 5, **shape: object) -> Branch:
+    return Branch(**random_arrays(tokens, max_count=max_count, **shape))  # type: ignore[arg-type]
 
 
 def test_helpers_report_shape_and_size() -> None:
