@@ -19,6 +19,14 @@ from ..bus.broker import BrokerSettings
 from ..bus.reqrep import RetryPolicy
 from ..bus.runtime import RuntimeSettings
 from ..protocol.envelope import Limits
+from .payload.env_server import EnvServerSettings
+from .payload.episodes import EpisodeSettings
+from .payload.orchestrator_node import OrchestratorSettings
+
+# Role settings own their defaults; the config sections read them, so the two cannot drift apart.
+_ORCHESTRATOR = OrchestratorSettings()
+_ENV_SERVER = EnvServerSettings()
+_EPISODES = EpisodeSettings()
 
 
 def _key(default: Any, help: str) -> Any:
@@ -39,9 +47,12 @@ class BusSection:
     ring_bytes: int = _key(256 << 20, "Bytes kept in the broker's replay ring.")
     heartbeat_interval_s: float = _key(1.0, "Seconds between node heartbeats.")
     node_timeout_s: float = _key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
-    metrics_port: int = _key(7779, "Port of the broker's Prometheus endpoint, used by the broker instead of "
-                             "node.metrics_port; it also serves /sd (every node's endpoint, for Prometheus's "
-                             "http_sd_configs), so it is fixed for a scrape config to name. 0: a free one, -1: none.")
+    metrics_port: int = _key(
+        7779,
+        "Port of the broker's Prometheus endpoint, used by the broker instead of "
+        "node.metrics_port; it also serves /sd (every node's endpoint, for Prometheus's "
+        "http_sd_configs), so it is fixed for a scrape config to name. 0: a free one, -1: none.",
+    )
 
 
 @dataclass
@@ -94,44 +105,77 @@ class PsSection:
 
 @dataclass
 class EnvServerSection:
-    endpoint: str = _key("tcp://127.0.0.1:0", "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: "
-                         "ephemeral, advertised.")
-    source: str = _key("", "Source name in blob references; replicas of one source share it (default: the node id).")
-    budget_bytes: int = _key(16 << 30, "Array bytes an env server may hold; a keep beyond it fails (never evicts).")
-    handover_lease_s: float = _key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
-    score: str = _key("refbus.nodes.toy.task:score", "Entry point 'module:function' scoring an episode: "
-                      "score(prompt, completion) -> reward. Must not import torch.")
-    max_new_tokens: int = _key(6, "Tokens a rollout worker generates per episode.")
-    generate_timeout_s: float = _key(30.0, "Seconds a run may wait for its generation before it fails.")
+    endpoint: str = _key(
+        _ENV_SERVER.endpoint,
+        "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: ephemeral, advertised.",
+    )
+    source: str = _key(
+        _ENV_SERVER.source, "Source name in blob references; replicas of one source share it (default: the node id)."
+    )
+    budget_bytes: int = _key(
+        _ENV_SERVER.budget_bytes, "Array bytes an env server may hold; a keep beyond it fails (never evicts)."
+    )
+    handover_lease_s: float = _key(
+        _ENV_SERVER.handover_lease_s, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered."
+    )
+    score: str = _key(
+        _EPISODES.score,
+        "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
+    )
+    max_new_tokens: int = _key(_EPISODES.max_new_tokens, "Tokens a rollout worker generates per episode.")
+    generate_timeout_s: float = _key(
+        _EPISODES.generate_timeout_s, "Seconds a run may wait for its generation before it fails."
+    )
 
 
 @dataclass
 class OrchestratorSection:
-    seq_len: int = _key(2048, "Tokens per micro batch (samples longer than this are truncated).")
-    group_size: int = _key(4, "Episodes per group (one prompt); advantages are computed within a group.")
-    groups_per_step: int = _key(16, "Complete groups shipped per trainer step.")
-    max_staleness: int = _key(1, "Versions a sample's policy may lag the current one when its step is packed.")
-    max_steps: int = _key(0, "Steps to ship before deleting everything that arrives (0: no limit).")
-    trainers: int = _key(1, "Trainer ranks to wait for (from the registry) before the first step.")
-    group_timeout_s: float = _key(120.0, "Seconds an incomplete group may wait before it is dropped.")
-    dispatch: bool = _key(False, "Send runs to the env servers (the RL loop of `refbus up`); off: only take the "
-                          "episodes others send.")
-    prompt: str = _key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
-    seed: int = _key(0, "Seed of the prompt stream.")
-    max_groups_in_flight: int = _key(16, "Groups whose runs may be in flight at once.")
-    eval_every: int = _key(0, "Steps between eval groups (0: none); eval episodes are scored, never trained.")
+    seq_len: int = _key(_ORCHESTRATOR.seq_len, "Tokens per micro batch (samples longer than this are truncated).")
+    group_size: int = _key(
+        _ORCHESTRATOR.group_size, "Episodes per group (one prompt); advantages are computed within a group."
+    )
+    groups_per_step: int = _key(_ORCHESTRATOR.groups_per_step, "Complete groups shipped per trainer step.")
+    max_staleness: int = _key(
+        _ORCHESTRATOR.max_staleness, "Versions a sample's policy may lag the current one when its step is packed."
+    )
+    max_steps: int = _key(
+        _ORCHESTRATOR.max_steps, "Steps to ship before deleting everything that arrives (0: no limit)."
+    )
+    trainers: int = _key(_ORCHESTRATOR.trainers, "Trainer ranks to wait for (from the registry) before the first step.")
+    group_timeout_s: float = _key(
+        _ORCHESTRATOR.group_timeout_s, "Seconds an incomplete group may wait before it is dropped."
+    )
+    dispatch: bool = _key(
+        _ORCHESTRATOR.dispatch,
+        "Send runs to the env servers (the RL loop of `refbus up`); off: only take the episodes others send.",
+    )
+    prompt: str = _key(_ORCHESTRATOR.prompt, "Entry point: f(numpy Generator) -> prompt token ids.")
+    seed: int = _key(_ORCHESTRATOR.seed, "Seed of the prompt stream.")
+    max_groups_in_flight: int = _key(_ORCHESTRATOR.max_groups_in_flight, "Groups whose runs may be in flight at once.")
+    eval_every: int = _key(
+        _ORCHESTRATOR.eval_every, "Steps between eval groups (0: none); eval episodes are scored, never trained."
+    )
 
 
 @dataclass
 class RlSection:
-    policy: str = _key("refbus.nodes.toy.policy:make_policy", "Entry point building the policy: f(seed) -> "
-                       "torch.nn.Module (trainer ranks and rollout workers build the same one).")
-    generate: str = _key("refbus.nodes.toy.policy:generate", "Entry point generating completions: f(model, prompts "
-                         "[1, P], max_new_tokens, temperature=, top_k_logprobs=, sampling_top_k=) -> [rollout with "
-                         ".tokens and .branch()].")
+    policy: str = _key(
+        "refbus.nodes.toy.policy:make_policy",
+        "Entry point building the policy: f(seed) -> "
+        "torch.nn.Module (trainer ranks and rollout workers build the same one).",
+    )
+    generate: str = _key(
+        "refbus.nodes.toy.policy:generate",
+        "Entry point generating completions: f(model, prompts "
+        "[1, P], max_new_tokens, temperature=, top_k_logprobs=, sampling_top_k=) -> [rollout with "
+        ".tokens and .branch()].",
+    )
     optimizer: str = _key("refbus.nodes.toy.train:make_optimizer", "Entry point: f(model, lr) -> optimizer.")
-    train_step: str = _key("refbus.nodes.toy.train:train_step", "Entry point: f(model, optimizer, micro_batches, "
-                           "temperature=) -> metrics dict (see refbus.nodes.toy.train for the batch keys).")
+    train_step: str = _key(
+        "refbus.nodes.toy.train:train_step",
+        "Entry point: f(model, optimizer, micro_batches, "
+        "temperature=) -> metrics dict (see refbus.nodes.toy.train for the batch keys).",
+    )
     seed: int = _key(0, "Seed of the initial weights and of the rollout workers' sampling.")
     lr: float = _key(5e-3, "Learning rate.")
     temperature: float = _key(1.0, "Sampling temperature (the train step divides logits by it too).")
