@@ -144,12 +144,12 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     try:
         with stop.on_signals():
-            bus = cluster.start("bus", "node", "bus")
-            cluster.pin("bus", control=bus.info["endpoints"]["control"])
-            watcher = _watcher(cluster.config, record)
-            probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
-            watcher.start_background()
             try:
+                bus = cluster.start("bus", "node", "bus")
+                cluster.pin("bus", control=bus.info["endpoints"]["control"])
+                watcher = _watcher(cluster.config, record)
+                probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
+                watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
                 progress = _Progress(probe, record, up.steps)
                 trainers = cluster.by_role("trainer")
@@ -159,15 +159,16 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 progress.poll()
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
-        failed = [t.name for t in cluster.by_role("trainer") if t.proc.poll() not in (0, None)]
-        peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
-        for prefix in ("orchestrator", "trainer", "rollout", "env"):
-            cluster.stop(cluster.by_role(prefix))
-        watcher.join(timeout=10)
-        ledger = Ledger()
-        for event in probe.replay(since=0):
-            ledger.apply(describe(event))
-        summary = _summary(record, ledger, peak_rss, config, interrupted=stop.requested, failed=failed)
+        if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
+            failed = [t.name for t in cluster.by_role("trainer") if t.proc.poll() not in (0, None)]
+            peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
+            for prefix in ("orchestrator", "trainer", "rollout", "env"):
+                cluster.stop(cluster.by_role(prefix))
+            watcher.join(timeout=10)
+            ledger = Ledger()
+            for event in probe.replay(since=0):
+                ledger.apply(describe(event))
+            summary = _summary(record, ledger, peak_rss, config, interrupted=stop.requested, failed=failed)
     except NodeStartError as exc:
         print(f"refbus up: a node failed to start: {exc}", flush=True)
         return 1
