@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded"})
+_STAGE = {"claim": 1, "reference": 2}  # env server (0) -> orchestrator -> trainer rank
 
 
 @dataclass
 class _Blob:
     source: str
     owner: str
+    stage: int = 0  # how far along the hand-over chain the owner is (see _STAGE)
     deleted_by: str = ""
     reason: str = ""
 
@@ -87,11 +89,14 @@ class Ledger:
         if kind == "episode-finished":
             for ref in record["refs"]:
                 self.blobs[ref["blob_id"]] = _Blob(source=ref["source"], owner=ref["source"])
-        elif kind in ("claim", "reference"):
+        elif kind in _STAGE:
+            # Moves come from different nodes (the env server mirrors a claim, the trainer a reference), so
+            # the broker may relay them out of causal order: a blob only ever moves forward along the chain.
+            stage = _STAGE[kind]
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)
-                if blob is not None and not blob.deleted_by:
-                    blob.owner = record["holder"]
+                if blob is not None and not blob.deleted_by and stage > blob.stage:
+                    blob.owner, blob.stage = record["holder"], stage
         elif kind == "fetch-ack":
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)

@@ -302,7 +302,8 @@ def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *
     rewards = [r for _, rs in sorted(record.rewards.items()) for r in rs]
     fifth = max(1, len(rewards) // 5)
     start, end = (statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])) if rewards else (0.0, 0.0)
-    totals = ledger.report().totals()
+    report = ledger.report()
+    totals = report.totals()
     fetch = [record.fetch_seconds[s] for s in sorted(record.fetch_seconds)]
     steps = max(record.versions, default=0)
     return {
@@ -322,6 +323,7 @@ def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *
         "orchestrator_peak_rss_bytes": peak_rss,
         "fetch_seconds_per_step": [round(s, 5) for s in fetch],
         "blobs": totals,
+        "violations": report.violations[:50],
         "dropped_micro_batches": record.failed_micro_batches,
         "ps_versions": sorted(set(record.versions)),
     }

@@ -45,6 +45,15 @@ def test_clean_lifecycle_has_everything_deleted_once() -> None:
     assert report.as_dict()["sources"]["env-1"] == {"kept": 1, "deleted": {"trained": 1}, "held": {}, "leaked": 0}
 
 
+def test_moves_relayed_out_of_order_still_end_with_the_last_holder() -> None:
+    # The trainer's reference can reach the broker before the env server's mirror of the claim.
+    claim, reference = LIFECYCLE[2], LIFECYCLE[5]
+    reordered = [*LIFECYCLE[:2], reference, claim, *LIFECYCLE[3:5], *LIFECYCLE[6:]]
+    report = _run(reordered).report()
+    assert report.violations == []
+    assert report.totals()["deleted_total"] == 4 and report.totals()["held"] == 0
+
+
 def test_second_delete_non_owner_delete_and_late_fetch_are_violations() -> None:
     ledger = _run([
         *LIFECYCLE[:5],
