@@ -1,6 +1,6 @@
 """Bus benchmarks: refbus against raw pyzmq doing the same, measured in the same run.
 
-Four comparisons, each printed as refbus / baseline with the goal from issue 2:
+Four comparisons, each printed as refbus / baseline with its goal:
 
 1. **envelope**: events/s of ``WireCodec.encode`` + ``Publisher.publish`` -> ``Subscriber.recv`` (decode and
    validate) with a ~100-byte ``delete`` body, against raw pyzmq PUB->SUB of 100-byte single frames

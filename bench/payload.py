@@ -1,5 +1,5 @@
 """Payload benchmarks: a trainer rank's fetch by reference, and the orchestrator's memory, against baselines
-measured in the same run and process tree (issue 4).
+measured in the same run and process tree.
 
 1. **fetch**: one step's arrays for a trainer rank from two env servers (real ``refbus node env-server``
    processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher.fetch``:

@@ -1,4 +1,4 @@
-"""Parameter-server benchmarks: refbus against the baselines from issue 3, measured in the same run.
+"""Parameter-server benchmarks: refbus against their baselines, measured in the same run.
 
 1. **transfer**: push then pull of a state dict (1 GiB, ~200 tensors of mixed sizes and dtypes) on one host,
    through shared memory and through ZeroMQ frames, against a memcpy of the same bytes into buffers that are

@@ -17,7 +17,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import zmq
 
@@ -46,7 +45,6 @@ def make_socket(
     bind: str | None = None,
     connect: str | None = None,
     options: SocketOptions = DEFAULT_OPTIONS,
-    identity: bytes | None = None,
 ) -> zmq.Socket:
     """A socket with refbus's options, bound or connected. The caller owns and closes it."""
     sock = ctx.socket(socket_type)
@@ -58,8 +56,6 @@ def make_socket(
     sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if identity is not None:
-        sock.setsockopt(zmq.ROUTING_ID, identity)
     try:
         if bind is not None:
             sock.bind(wildcard_port(bind))
@@ -88,14 +84,6 @@ def advertised(endpoint: str, host: str) -> str:
             return endpoint.replace(wildcard, f"://{host}:")
     return endpoint
 
-
-def is_loopback(endpoint: str) -> bool:
-    """Whether a bind endpoint stays on this host (loopback TCP, ipc, inproc)."""
-    parsed = urlparse(endpoint)
-    if parsed.scheme in ("ipc", "inproc"):
-        return True
-    host = parsed.hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def remove_ipc_file(endpoint: str) -> None:

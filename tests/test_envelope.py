@@ -112,7 +112,7 @@ def with_array(array: Any) -> list:
 
 # --- round trips --------------------------------------------------------------------------------------
 
-# Kinds whose schema other issues do not reshape (the by-reference kinds are covered by their own tests).
+# Kinds covered by these round trips (the by-reference kinds are covered by their own tests).
 NODE = NodeInfo(node_id="env-0", role="env-server", host="h", pid=12, endpoints={"blobs": "tcp://h:1"},
                 status={"load": 0.5})
 SAMPLES = [
@@ -154,7 +154,7 @@ def test_every_kind_round_trips(body: Any) -> None:
     assert message.buffers == []
 
 
-def test_samples_cover_the_kinds_of_issue_2() -> None:
+def test_samples_cover_the_core_kinds() -> None:
     required = {"episode-finished", "reference", "fetch-ack", "version-bump", "delete", "hello", "heartbeat",
                 "fetch", "error"}
     assert required <= set(KINDS)

@@ -29,7 +29,7 @@ from refbus.nodes.payload.fetcher import (
     StepFetcher,
     to_micro_batch,
 )
-from refbus.nodes.payload.keeper import pack as keep_pack
+from refbus.nodes.payload.keeper import pack_branches
 from refbus.nodes.payload.packing import SampleInfo, pack
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
@@ -75,7 +75,7 @@ class FakeEnvServer:
         server.on(Delete.kind, self._delete)
 
     def keep(self, blob_id: str, branch: Branch) -> BlobRef:
-        (kept,) = keep_pack([branch])
+        (kept,) = pack_branches([branch])
         self.blobs[blob_id] = dict(kept.arrays)
         return BlobRef(endpoint=self.endpoint, source=self.source, blob_id=blob_id, fields=list(kept.arrays),
                        tokens=kept.tokens, nbytes=kept.nbytes, checksum=kept.checksum,

@@ -55,7 +55,6 @@ def check_plan(samples: Sequence[SampleInfo], plan: PackPlan, *, seq_len: int, d
         kept = [packed.kept for packed in mb.samples]
         assert kept == sorted(kept, reverse=True), "packing order: longest first"
         if mb.dummy:
-            assert not mb.carries_loss, "dummies carry no loss"
             assert all(p.fields == (ROUTED if mb.has_routing else ()) for p in mb.samples), "dummy fields"
             layout = [(p.sample.sample_id, p.offset, p.kept) for p in mb.samples]
             assert any(
@@ -63,7 +62,6 @@ def check_plan(samples: Sequence[SampleInfo], plan: PackPlan, *, seq_len: int, d
                 for other in real
             ), "a dummy copies a real micro batch's layout"
         else:
-            assert mb.carries_loss
             assert all(p.fields == p.sample.fields for p in mb.samples)
 
     for routed in (True, False):
@@ -157,7 +155,7 @@ def test_dummies_borrow_routing_rows_of_a_real_micro_batch() -> None:
     assert not real.dummy and real.samples[0].fields == samples[0].fields
     assert len(dummies) == 2
     for dummy in dummies:
-        assert dummy.dummy and not dummy.carries_loss
+        assert dummy.dummy
         assert dummy.length == real.length == 8
         assert [(p.sample, p.kept, p.fields) for p in dummy.samples] == [(samples[0], 7, ROUTED)]
     assert [p.sample.sample_id for p in plan.real_samples()] == ["only"]

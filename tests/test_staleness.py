@@ -23,15 +23,15 @@ from hypothesis.stateful import (
 )
 from refbus.nodes.ps.staleness import (
     AbortResult,
-    Batch,
     BufferState,
     DoubleOccupyError,
     InvalidArgumentError,
     InventoryClosedError,
+    InventoryMisuseError,
     NoRoomError,
     OutOfOrderError,
     PromptReusedError,
-    ProtocolError,
+    ReadyBatch,
     ReservationAbortedError,
     ReservationConflictError,
     ReservationEndedError,
@@ -182,7 +182,7 @@ def test_refusals_are_not_protocol_errors() -> None:
     assert not issubclass(ReserveRefused, ValueError)
     assert issubclass(NoRoomError, ReserveRefused)
     assert issubclass(VersionAbortedError, ReserveRefused)
-    assert issubclass(UnknownReservationError, ProtocolError)
+    assert issubclass(UnknownReservationError, InventoryMisuseError)
     assert issubclass(DoubleOccupyError, ReservationEndedError)
 
 
@@ -741,7 +741,7 @@ class Simulation:
     ticks: int = 0
     live: dict[str, int] = field(default_factory=dict)  # groups still running -> reserved version
     hung: set[str] = field(default_factory=set)
-    batches: list[Batch[Traj]] = field(default_factory=list)
+    batches: list[ReadyBatch[Traj]] = field(default_factory=list)
     reserved: Counter[str] = field(default_factory=Counter)  # slots reserved per prompt
     ended: Counter[str] = field(default_factory=Counter)  # slots ended (occupied or aborted) per prompt
     stored: Counter[Traj] = field(default_factory=Counter)  # trajectories accepted by occupy

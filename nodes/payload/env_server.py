@@ -66,7 +66,7 @@ from ...protocol.messages import (
     Violation,
 )
 from .branch import Branch
-from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack
+from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack_branches
 
 log = structlog.get_logger(__name__)
 
@@ -141,7 +141,7 @@ class EnvServer:
             KeepError: a bad branch, over budget, a duplicate episode id, or shutting down; nothing is kept.
         """
         try:
-            packed = pack(branches)
+            packed = pack_branches(branches)
             with self._lock:
                 refs = self.keeper.store(episode_id, packed)
                 # Queued under the lock: a shutdown that deletes these blobs then finds this event queued

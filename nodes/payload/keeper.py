@@ -1,6 +1,6 @@
 """The env server's blob store: kept branch arrays and who owns each blob, with no sockets.
 
-Life of a blob (DESIGN.md, "Ownership rules"):
+Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
 
 1. :meth:`Keeper.keep` copies an episode's branches into one buffer per branch (a *blob*) and returns a
    :class:`~refbus.protocol.messages.BlobRef` per branch. The env server (``source``) owns it.
@@ -13,7 +13,7 @@ Life of a blob (DESIGN.md, "Ownership rules"):
 
 Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
 node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
-thread, or a lock around every call (the env server's). :func:`pack` is pure and thread-safe, so the
+thread, or a lock around every call (the env server's). :func:`pack_branches` is pure and thread-safe, so the
 copy and hashing of :meth:`Keeper.keep` can run outside that lock (:meth:`Keeper.store`).
 
 This module imports numpy and the protocol's types only. Env servers import it; they never load torch.
@@ -84,7 +84,7 @@ class PackedBranch:
     routing_shape: tuple[int, int] | None
 
 
-def pack(branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> tuple[PackedBranch, ...]:
+def pack_branches(branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> tuple[PackedBranch, ...]:
     """Validate every branch, then copy each into its own contiguous buffer and hash it.
 
     Mappings are validated with :meth:`Branch.from_arrays`. Ownership: the result is a copy; the caller may
@@ -250,7 +250,7 @@ class Keeper:
         Raises:
             KeepError: see :func:`pack` and :meth:`store`; nothing is kept.
         """
-        return self.store(episode_id, pack(branches))
+        return self.store(episode_id, pack_branches(branches))
 
     def store(self, episode_id: str, packed: Sequence[PackedBranch]) -> list[BlobRef]:
         """Keep already packed branches (the keeper takes their buffers); one reference per branch.

@@ -146,11 +146,6 @@ class MicroBatch:
         """Positions after the last sample, filled with padding."""
         return self.length - self.tokens
 
-    @property
-    def carries_loss(self) -> bool:
-        """False for dummies: their loss mask is zero everywhere."""
-        return not self.dummy
-
     def fields(self) -> tuple[str, ...]:
         """Fields listed by at least one sample, in canonical order: which tensors assembly produces."""
         listed = {name for packed in self.samples for name in packed.fields}

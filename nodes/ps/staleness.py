@@ -1,68 +1,9 @@
 """Staleness inventory of the ps-manager: the Reserve / Occupy / Consume protocol with bound η.
 
 Pure bookkeeping, no I/O, no clock and no threads: the manager owns one instance, calls it from a single
-thread (its event loop) and maps each call to a wire message. Nothing here is thread safe.
-
-Versions
---------
-- ``trainer_version`` T is the version of the weights the trainer holds and therefore the version of the
-  next batch it trains on. ``consume()`` hands over the READY buffer T and advances T to T + 1; the trainer
-  then pushes weights T + 1.
-- A rollout's ``policy_version`` V is the weights version it starts generating with. Weights newer than T do
-  not exist, so V <= T is a precondition (a larger V is a caller bug and raises).
-- There is one buffer per target training version b >= T, holding one batch of ``batch_size`` (B) slots.
-  Buffer b accepts trajectories with b - η <= V <= b, so staleness ``b - V`` is in [0, η]. With η = 0 every
-  trajectory trains at exactly the version that generated it: synchronous RL.
-
-Slots
------
-A slot of a buffer is free, reserved (a rollout is in flight) or occupied (a trajectory is stored). A buffer
-is READY when all B slots are occupied and STUCK when every slot is taken but some are still reserved.
-
-- ``reserve`` (dispatch) takes ``count`` slots in the *highest* buffer of [max(V, T), V + η] with room for
-  all of them. Reservations are admission control: at most (η + 1) · B slots are ever in flight or waiting.
-- ``occupy`` (completion) drops the reservation and stores the trajectory in the *lowest* buffer of the
-  range with room, so the batch the trainer waits for fills first. The buffer the reservation held always
-  qualifies, hence a live reservation can always be occupied.
-- ``consume`` (trainer) takes buffer T only when it is READY: batches leave strictly in version order.
-- ``abort`` (failed rollout) ends the prompt's remaining reservations.
-
-Choices where the spec is silent
---------------------------------
-- **Groups.** ``reserve(prompt_id, V, count=G)`` reserves the G slots of a group at once, in one buffer;
-  each member then calls ``occupy`` with the shared prompt id. The first ``occupy`` moves all of the group's
-  still-reserved slots to the lowest buffer with room for *all* of them and later members follow, so a
-  group is never split across batches (group-relative advantages need the whole group in one step). The
-  group's range is computed from the reserved version, which is the smallest member version (members must
-  report ``policy_version`` >= the reserved one), so every member satisfies the bound.
-- **Idempotent reserve.** Reserving a live prompt id again returns the buffer that currently holds its
-  slots (which may differ from the first answer once the group has been placed); a different version or
-  count raises ``ReservationConflictError``. The deadline of a repeat is ignored (use ``renew``).
-- **Prompt ids** must be unique per dispatch. A finished id is remembered until its buffer's version has
-  been consumed, so a late duplicate ``occupy``/``abort``/``reserve`` gets a precise error
-  (``DoubleOccupyError``, ``ReservationAbortedError``, ``PromptReusedError``); after that it is forgotten
-  (memory stays bounded) and is treated as unknown or as a new prompt.
-- **Abort evicts by default.** ``abort`` drops the group's already occupied members too and returns them
-  so the caller deletes what will never be shipped. This keeps every buffer's free space a multiple of the
-  group size; keeping a partial group (``keep_occupied=True``) can leave a hole that only a smaller
-  reservation can fill.
-- **Aborted versions** are *policy* versions. V is aborted once every buffer of [max(V, T), V + η] is READY
-  (or the range lies below T): such trajectories can never be placed again, so rollouts still on V must
-  pull newer weights. Because V <= T, the ranges of older versions are prefixes of newer ones, so the set is
-  always "every V <= ``highest_aborted``"; ``highest_aborted`` = (end of the run of READY buffers starting
-  at T) - η. Only ``occupy`` can make a buffer READY, so it reports newly aborted versions in its result.
-  Refusals: V <= ``highest_aborted`` raises ``VersionAbortedError`` (permanent); otherwise a range whose
-  buffers are all taken raises ``NoRoomError`` (transient: retry after completions, aborts or a consume).
-- **Liveness.** A buffer that is not READY is always still fillable (V = its own version is never
-  aborted), so with dispatch continuing and reservations either completing or aborted, the trainer cannot
-  deadlock, provided reservation sizes can tile the free space (e.g. one group size G dividing B).
-- **Leases.** The inventory keeps no clock. ``reserve(..., deadline=t)`` attaches a lease deadline in the
-  caller's monotonic time, ``renew`` moves it and ``expire(now)`` aborts every reservation whose deadline
-  has passed, so a crashed rollout cannot leave a buffer STUCK forever.
-- ``consume()`` returns ``None`` when buffer T is not READY (the trainer polls or waits for a placement
-  with ``ready=True``); ``consume(version)`` additionally checks which batch the caller expects.
-- ``close()`` ends the run: it aborts every live reservation and returns every stored trajectory so the
-  owner deletes them; afterwards every call raises ``InventoryClosedError``.
+thread (its event loop) and maps each call to a wire message. Nothing here is thread safe. The protocol
+(versions, slots, groups, idempotence, aborted versions, liveness, leases) is specified in
+``docs/STALENESS.md``; the property tests in ``tests/test_staleness.py`` hold this module to it.
 """
 
 from __future__ import annotations
@@ -73,7 +14,6 @@ from typing import Generic, TypeVar
 
 __all__ = [
     "AbortResult",
-    "Batch",
     "BufferInfo",
     "BufferState",
     "CloseReport",
@@ -81,12 +21,13 @@ __all__ = [
     "Entry",
     "InvalidArgumentError",
     "InventoryClosedError",
+    "InventoryMisuseError",
     "InventoryStats",
     "NoRoomError",
     "OutOfOrderError",
     "Placement",
     "PromptReusedError",
-    "ProtocolError",
+    "ReadyBatch",
     "ReservationAbortedError",
     "ReservationConflictError",
     "ReservationEndedError",
@@ -150,7 +91,7 @@ class NoRoomError(ReserveRefused):
     """
 
 
-class ProtocolError(StalenessError, ValueError):
+class InventoryMisuseError(StalenessError, ValueError):
     """The caller broke the protocol (wrong order, unknown prompt, inconsistent versions)."""
 
     def __init__(self, message: str, *, prompt_id: str | None = None) -> None:
@@ -158,11 +99,11 @@ class ProtocolError(StalenessError, ValueError):
         self.prompt_id = prompt_id
 
 
-class UnknownReservationError(ProtocolError):
+class UnknownReservationError(InventoryMisuseError):
     """Occupy, abort or renew for a prompt id that holds no reservation (never reserved, or forgotten)."""
 
 
-class ReservationEndedError(ProtocolError):
+class ReservationEndedError(InventoryMisuseError):
     """The prompt's reservation already ended; ``outcome`` is "occupied" or "aborted"."""
 
     def __init__(self, message: str, *, prompt_id: str, outcome: str) -> None:
@@ -182,15 +123,15 @@ class PromptReusedError(ReservationEndedError):
     """Reserve with the id of a prompt that already finished while its buffer is still live."""
 
 
-class ReservationConflictError(ProtocolError):
+class ReservationConflictError(InventoryMisuseError):
     """A repeated reserve for a live prompt id asks for a different policy version or count."""
 
 
-class VersionMismatchError(ProtocolError):
+class VersionMismatchError(InventoryMisuseError):
     """A policy version that cannot be right: newer than the trainer, or older than the reservation."""
 
 
-class OutOfOrderError(ProtocolError):
+class OutOfOrderError(InventoryMisuseError):
     """``consume(version)`` named a version other than the next one in order."""
 
 
@@ -218,7 +159,7 @@ class Entry(Generic[TrajT]):
 
 
 @dataclass(frozen=True, slots=True)
-class Batch(Generic[TrajT]):
+class ReadyBatch(Generic[TrajT]):
     """A consumed buffer: ``version`` is the training version; entries are in completion order."""
 
     version: int
@@ -543,7 +484,7 @@ class StalenessInventory(Generic[TrajT]):
             aborted_versions=aborted,
         )
 
-    def consume(self, version: int | None = None) -> Batch[TrajT] | None:
+    def consume(self, version: int | None = None) -> ReadyBatch[TrajT] | None:
         """Hand the trainer buffer T if it is READY and advance T; ``None`` when it is not READY yet.
 
         ``version``, when given, must equal T (``OutOfOrderError`` otherwise): a guard for a trainer that
@@ -564,7 +505,7 @@ class StalenessInventory(Generic[TrajT]):
             self._ended.pop(prompt_id, None)
         self._consumed_batches += 1
         self._consumed_trajectories += len(buf.entries)
-        return Batch(version=current, entries=tuple(buf.entries))
+        return ReadyBatch(version=current, entries=tuple(buf.entries))
 
     def abort(self, prompt_id: str, *, keep_occupied: bool = False) -> AbortResult[TrajT]:
         """End every remaining reservation of a prompt (failed rollout or cancelled group).

@@ -1,6 +1,6 @@
 """The manager's versions: the push being written, the committed versions it retains, and when to free one.
 
-Rules (../shared/DESIGN.md, "Parameter server rules"):
+Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
 
 * A version becomes visible only when every rank's shard is committed (written, and its checksums verified by
   the worker that holds it); until then it is *pending* and nobody can read it. At most one version is
