@@ -22,34 +22,25 @@ Senders and receivers run in separate spawned worker processes over loopback TCP
 wait is bounded and every worker is reaped. Event rates are counted by the receiver over a fixed window
 after a warm-up, so a PUB socket dropping at its high-water mark only shows the slower side's capacity.
 Throughputs are the best of several interleaved rounds (other load on the machine only ever slows a run).
+Workers, timing and the table come from ``bench.harness``.
 
     python -m bench.bus [--quick] [--json PATH] [--only events|rpc|bulk]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import gc
-import json
-import multiprocessing
-import os
 import secrets
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext
 from typing import Any, Literal
 
 import numpy as np
 import zmq
 from refbus.bus.broker import Broker, BrokerSettings
-from refbus.bus.logs import configure_logging
 from refbus.bus.pubsub import Publisher, Subscriber
 from refbus.bus.reqrep import Client, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
@@ -65,24 +56,39 @@ from refbus.bus.sockets import (
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Blobs, Body, Bye, Delete, Fetch, FetchedBlob, Ok, Sync
 
+from bench.harness import (
+    MIB,
+    WAIT_S,
+    BenchError,
+    Channel,
+    Rate,
+    Row,
+    Worker,
+    best_rates,
+    figures,
+    format_table,
+    gc_paused,
+    lower_priority,
+    parse_args,
+    run_line,
+    seconds_each,
+    timed_us,
+    workers,
+    write_json,
+)
+
 Flavor = Literal["raw", "refbus"]
 RpcFlavor = Literal["raw", "refbus", "runtime"]
 
 LOOPBACK = "tcp://127.0.0.1:0"
 RAW_EVENT_BYTES = 100
 BATCH = 256  # messages between clock reads / stop checks in hot loops
-WAIT_S = 30.0  # the longest any step waits for a peer before the bench fails
 WAIT_MS = int(WAIT_S * 1000)
 QUIET_S = 0.1  # a broker that forwarded nothing for this long has drained its backlog
 BULK_HWM = 2  # messages queued per bulk socket: bounds memory at 64 MiB messages
 BULK_MIN_MESSAGES = 4
 BULK_SIZES_MIB = (1, 16, 64)
-MIB = 1 << 20
 CPU = time.thread_time
-
-
-class BenchError(RuntimeError):
-    """A worker failed, or a peer did not answer in time."""
 
 
 @dataclass(frozen=True)
@@ -105,128 +111,7 @@ QUICK = Settings(rounds=1, warmup_s=0.05, window_s=0.2, rtt_warmup=20, rtt_sampl
                  bulk_bytes=64 * MIB, profile_events=2_000)
 
 
-# --- workers: the one way this module starts processes -----------------------------------------------
-
-
-class Channel:
-    """A task's line to the parent: :meth:`send` reports progress, :meth:`recv`/:meth:`poll` take orders."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-
-    def send(self, value: Any) -> None:
-        self._conn.send(("msg", value))
-
-    def poll(self, timeout_s: float = 0.0) -> bool:
-        """Whether the parent sent an order (to running loops: stop), waiting up to ``timeout_s``."""
-        return self._conn.poll(timeout_s)
-
-    def recv(self, timeout_s: float = WAIT_S) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise BenchError(f"no order from the parent within {timeout_s}s")
-        _, value = self._conn.recv()
-        return value
-
-
-def _worker_main(conn: Connection) -> None:
-    """Run tasks sent by the parent until it sends None (or goes away)."""
-    configure_logging(level="error")
-    with contextlib.suppress(EOFError, KeyboardInterrupt):
-        while (job := conn.recv()) is not None:
-            if job[0] != "call":
-                continue  # an order for a task that has already ended
-            _, task, args = job
-            try:
-                conn.send(("done", task(Channel(conn), *args)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-
-
-class Worker:
-    """A spawned process that runs module-level tasks ``task(channel, *args)`` one at a time."""
-
-    def __init__(self, ctx: SpawnContext, name: str) -> None:
-        self.name = name
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), name=name, daemon=True)
-        self.process.start()
-        child.close()
-
-    def submit(self, task: Callable[..., Any], *args: Any) -> None:
-        self._conn.send(("call", task, args))
-
-    def tell(self, order: Any) -> None:
-        """Send an order to the running task (``go``, ``stop``, ...)."""
-        self._conn.send(("tell", order))
-
-    def message(self, timeout_s: float = WAIT_S) -> Any:
-        """The next progress report of the running task."""
-        return self._next("msg", timeout_s)
-
-    def result(self, timeout_s: float = WAIT_S) -> Any:
-        """The running task's return value."""
-        return self._next("done", timeout_s)
-
-    def call(self, task: Callable[..., Any], *args: Any, timeout_s: float = WAIT_S) -> Any:
-        self.submit(task, *args)
-        return self.result(timeout_s)
-
-    def _next(self, expected: str, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise BenchError(f"{self.name}: no {expected!r} within {timeout_s:.0f}s")
-        tag, value = self._conn.recv()
-        if tag == "error":
-            raise BenchError(f"{self.name} failed:\n{value}")
-        if tag != expected:
-            raise BenchError(f"{self.name}: expected {expected!r}, got {tag!r}: {value!r}")
-        return value
-
-    def ask_exit(self) -> None:
-        with contextlib.suppress(OSError):
-            self.tell("stop")
-            self._conn.send(None)
-
-    def reap(self, timeout_s: float) -> None:
-        """Wait for the process to exit; terminate, then kill, if it does not."""
-        self.process.join(timeout_s)
-        for end in (self.process.terminate, self.process.kill):
-            if self.process.exitcode is not None:
-                break
-            end()
-            self.process.join(2.0)
-        self._conn.close()
-
-
-_open_pools = [0]  # nesting depth of workers(): the resource tracker is reaped when the outermost closes
-
-
-@contextlib.contextmanager
-def workers(*names: str) -> Iterator[list[Worker]]:
-    """Spawned workers (starting concurrently), all reaped on exit whatever happened. May nest."""
-    ctx = multiprocessing.get_context("spawn")
-    started: list[Worker] = []
-    _open_pools[0] += 1
-    try:
-        for name in names:
-            started.append(Worker(ctx, name))
-        yield started
-    finally:
-        for worker in started:
-            worker.ask_exit()
-        for worker in started:
-            worker.reap(5.0)
-        _open_pools[0] -= 1
-        if not _open_pools[0]:
-            # Workers of an outer pool still hold the tracker's pipe: stopping it earlier would wait forever.
-            _reap_resource_tracker()
-
-
-def _reap_resource_tracker() -> None:
-    """Spawning also starts multiprocessing's resource tracker process; stop and reap it too, or it ends
-    as a zombie when this process exits under an init that does not reap (as in containers)."""
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, but the only way to reap it
-    if stop is not None:
-        stop()
+# --- the workers of one run --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -250,95 +135,6 @@ def pool() -> Iterator[Pool]:
         for pub in (pub0, pub1):
             pub.call(lower_priority)
         yield Pool(rx, tx, (pub0, pub1), broker, aux)
-
-
-def lower_priority(ch: Channel) -> int:
-    """Give this worker (and the ZeroMQ threads it starts later) the lowest CPU priority."""
-    return os.nice(19)
-
-
-# --- measuring ---------------------------------------------------------------------------------------
-
-
-def timed_us(
-    action: Callable[[Any], object], items: Sequence[Any], clock: Callable[[], float] = time.perf_counter
-) -> float:
-    """Mean microseconds of ``action(item)`` over ``items``: the one timing helper of this module.
-
-    Profiles pass ``clock=time.thread_time``: CPU time of the calling thread, which neither waiting for a
-    message nor being preempted by other load on the machine adds to.
-    """
-    start = clock()
-    for item in items:
-        action(item)
-    return (clock() - start) * 1e6 / max(1, len(items))
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Profiles keep thousands of messages alive; a streaming node does not. Keep the collector out."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-@dataclass(frozen=True)
-class Rate:
-    """``count`` units (events, messages) in ``seconds``; ``nbytes`` per unit for byte rates."""
-
-    count: int
-    seconds: float
-    nbytes: int = 0
-    cpu_s: float = 0.0  # CPU seconds the measuring process spent meanwhile (all its threads)
-
-    @property
-    def per_s(self) -> float:
-        return self.count / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def gb_s(self) -> float:
-        return self.per_s * self.nbytes / 1e9
-
-    @property
-    def cpu_us(self) -> float:
-        """CPU microseconds per unit: what the rate would be bound by on an idle core, whatever the load."""
-        return 1e6 * self.cpu_s / self.count if self.count else 0.0
-
-
-def best_rates(measures: dict[str, Callable[[], Rate]], rounds: int) -> dict[str, Rate]:
-    """Run every measure once per round, interleaved, and keep each one's best rate."""
-    best: dict[str, Rate] = {}
-    for _ in range(rounds):
-        for name, measure in measures.items():
-            rate = measure()
-            if name not in best or rate.per_s > best[name].per_s:
-                best[name] = rate
-    return best
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of the result table."""
-
-    section: str
-    metric: str
-    unit: str  # "events/s", "us", "GB/s"
-    refbus: float
-    baseline: float
-    goal: float | None  # a ratio; None for informational rows
-    higher_is_better: bool = True
-
-    @property
-    def ratio(self) -> float:
-        return self.refbus / self.baseline if self.baseline else float("nan")
-
-    @property
-    def met(self) -> bool | None:
-        if self.goal is None:
-            return None
-        return self.ratio >= self.goal if self.higher_is_better else self.ratio <= self.goal
 
 
 # --- sockets and bodies ------------------------------------------------------------------------------
@@ -652,8 +448,7 @@ def rpc_client(
 
 
 def _latencies_us(round_trip: Callable[[], object], count: int) -> list[float]:
-    calls = [round_trip]
-    return [timed_us(lambda call: call(), calls) for _ in range(count)]
+    return [seconds * 1e6 for seconds in seconds_each(round_trip, count)]
 
 
 def _rpc_caller(
@@ -860,41 +655,6 @@ def bench_bulk(pool: Pool, settings: Settings) -> list[Row]:
 # --- report ------------------------------------------------------------------------------------------
 
 
-def _value(value: float, unit: str) -> str:
-    if unit == "events/s":
-        return f"{value / 1e3:,.1f}k/s"
-    if unit == "us":
-        return f"{value:,.1f} us"
-    return f"{value:.2f} {unit}"
-
-
-def _ratio(row: Row) -> str:
-    return f"{row.ratio:.0%}" if row.higher_is_better else f"{row.ratio:.2f}x"
-
-
-def _goal(row: Row) -> str:
-    if row.goal is None:
-        return "-"
-    return f">= {row.goal:.0%}" if row.higher_is_better else f"<= {row.goal:.2f}x"
-
-
-def _met(row: Row) -> str:
-    return {True: "met", False: "NOT MET", None: "-"}[row.met]
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    header = ("metric", "refbus", "baseline", "ratio", "goal", "")
-    lines = [header, *((f"{r.section}: {r.metric}", _value(r.refbus, r.unit), _value(r.baseline, r.unit),
-                        _ratio(r), _goal(r), _met(r)) for r in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(_pad(cell, width, i) for i, (cell, width) in enumerate(zip(line, widths, strict=True)))
-                     for line in lines)
-
-
-def _pad(cell: str, width: int, column: int) -> str:
-    return cell.ljust(width) if column == 0 else cell.rjust(width)
-
-
 PROFILE_LINES = (
     ("sender", "encode", "WireCodec.encode"),
     ("sender", "send", "send_frames (3 frames)           [raw: sock.send]"),
@@ -958,21 +718,13 @@ def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[st
 SECTIONS = ("events", "rpc", "bulk")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.bus",
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(
+        argv, prog="python -m bench.bus", sections=SECTIONS,
         description="refbus bus benchmarks: envelope, broker, request/reply and bulk frames, each printed as a "
                     "ratio to raw pyzmq (or to direct delivery) measured in the same run, in separate processes.",
+        quick_help="short windows and few samples (smoke test, < 10 s)",
     )
-    parser.add_argument("--quick", action="store_true", help="short windows and few samples (smoke test, < 10 s)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--only", choices=SECTIONS, action="append", default=[],
-                        help="run only this section (repeatable); default: all")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     settings = QUICK if args.quick else FULL
     started = time.monotonic()
     rows, extra = run(settings, args.only or SECTIONS)
@@ -982,19 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_profile(extra["profile"], settings.profile_events))
         print(format_cpu(extra))
     elapsed = time.monotonic() - started
-    parts = ", ".join(f"{name} {secs:.1f} s" for name, secs in extra["section_seconds"].items())
-    print(f"\n{'quick' if args.quick else 'full'} run: {elapsed:.1f} s ({parts}); load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"\n{run_line(args.quick, elapsed, extra['section_seconds'])}")
     if args.json:
-        figures = {
-            "quick": args.quick,
-            "settings": asdict(settings),
-            "seconds": elapsed,
-            "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows],
-            **extra,
-        }
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_json(args.json, figures(settings, args.quick, elapsed, rows, extra))
     return 0
 
 

@@ -19,17 +19,15 @@ measured in the same run and process tree.
 
 Every timing is the best of the repeats after one warm-up (steady state, as in training; best-of because the
 machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
-(``bench.bus.workers``); every wait is bounded and every process reaped.
+(``bench.harness.workers``); every wait is bounded and every process reaped.
 
     python -m bench.payload [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.server
-import json
 import resource
 import socket
 import sys
@@ -38,7 +36,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -52,9 +50,21 @@ from refbus.nodes.launch import NodeProcess, bus_flags, start_bus
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import BlobRef, EpisodeFinished, Keep, Kept, MicroBatchRefs, Ok, SampleSlice
 
-from bench.bus import WAIT_S, BenchError, Channel, Row, format_table, workers
+from bench.harness import (
+    MIB,
+    WAIT_S,
+    BenchError,
+    Channel,
+    Row,
+    figures,
+    format_table,
+    parse_args,
+    run_line,
+    seconds_each,
+    workers,
+    write_json,
+)
 
-MIB = 1 << 20
 LAYERS, TOP_K = 64, 8
 TOKEN_BYTES = LAYERS * TOP_K  # uint8 routing: 512 B per token
 SEQ_LEN = 65_536  # tokens per micro batch: 32 MiB of routing in, 128 MiB of int32 out
@@ -95,10 +105,6 @@ def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
     return [MicroBatchRefs(samples=s, length=sum(x.tokens for x in s)) for s in batches]
 
 
-def _best_s(samples: Sequence[float]) -> float:
-    return min(samples)
-
-
 # --- tasks: the trainer side (one worker) ----------------------------------------------------------------
 
 
@@ -134,10 +140,8 @@ def raw_fetch(ch: Channel, port: int, nbytes: int, repeats: int) -> list[float]:
     """The raw limit: ``nbytes`` per step over one TCP connection into one preallocated (warm) buffer."""
     buffer = np.ones(nbytes, dtype=np.uint8)
     view = memoryview(buffer)
-    seconds = []
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+        def step() -> None:
             sock.sendall(b"g")
             got = 0
             while got < nbytes:
@@ -145,8 +149,8 @@ def raw_fetch(ch: Channel, port: int, nbytes: int, repeats: int) -> list[float]:
                 if not chunk:
                     raise BenchError("raw server closed early")
                 got += chunk
-            seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+
+        return seconds_each(step, repeats + 1)[1:]
 
 
 def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str], parallel: int,
@@ -166,10 +170,8 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str],
         with opener.open(urls[blob_id], timeout=WAIT_S) as response:
             return blob_id, response.read()
 
-    seconds = []
     with ThreadPoolExecutor(parallel) as pool_threads:
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+        def step() -> None:
             pool.recycle()
             bodies = dict(pool_threads.map(get, refs))
             shape = (LAYERS, TOP_K)
@@ -177,8 +179,8 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str],
                         for blob_id, body in bodies.items()}
             for plan, mb in zip(plans, batches, strict=True):
                 assemble(plan, [branches[s.ref.blob_id] for s in mb.samples if s.ref is not None], allocator=pool)
-            seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+
+        return seconds_each(step, repeats + 1)[1:]
 
 
 # --- tasks: baseline servers -----------------------------------------------------------------------------
@@ -338,12 +340,12 @@ def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) 
         total = count * nbytes
         batches = micro_batches(keep_all(endpoints, count, nbytes))
         timings = trainer.call(refbus_fetch, batches, repeats, timeout_s=WAIT_S * (repeats + 1))
-        ours = _best_s([total_s for total_s, _ in timings])
-        transfer = _best_s([transfer_s for _, transfer_s in timings])
+        ours = min([total_s for total_s, _ in timings])
+        transfer = min([transfer_s for _, transfer_s in timings])
 
         raw_srv = servers[0]
         raw_srv.submit(raw_server, total, repeats)
-        raw = _best_s(trainer.call(raw_fetch, raw_srv.message(), total, repeats))
+        raw = min(trainer.call(raw_fetch, raw_srv.message(), total, repeats))
         raw_srv.result()
 
         ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
@@ -355,7 +357,7 @@ def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) 
             port = server.message()
             urls |= {blob_id: f"http://127.0.0.1:{port}/{blob_id}" for blob_id in half}
         try:
-            http_by_parallel = {p: _best_s(trainer.call(http_fetch, batches, urls, p, repeats,
+            http_by_parallel = {p: min(trainer.call(http_fetch, batches, urls, p, repeats,
                                                           timeout_s=WAIT_S * (repeats + 1)))
                                 for p in HTTP_PARALLEL}
         finally:
@@ -423,16 +425,9 @@ def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[st
 SECTIONS = ("fetch", "memory")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.payload", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and 256 MiB in flight (~20 s)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, prog="python -m bench.payload", description=__doc__.split("\n\n")[0],
+                      quick_help="fewer repeats and 256 MiB in flight (~20 s)", sections=SECTIONS)
     configure_logging(level="warning")
     settings = QUICK if args.quick else FULL
     started = time.monotonic()
@@ -441,12 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "env_servers" in extra:
         print(f"\nenv servers: {extra['env_servers']}; trainer: StepFetcher in its own process")
     elapsed = time.monotonic() - started
-    print(f"{'quick' if args.quick else 'full'} run, {elapsed:.1f} s")
+    print(run_line(args.quick, elapsed))
     if args.json:
-        figures = {"settings": asdict(settings), "quick": args.quick, "seconds": elapsed,
-                   "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows], **extra}
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_json(args.json, figures(settings, args.quick, elapsed, rows, extra))
     return 0
 
 

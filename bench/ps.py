@@ -13,27 +13,24 @@
 3. **pull under push**: latency of a pull (shared memory, into reused buffers) while another process pushes
    the next versions back to back, against no push running (goal: within 1.2x).
 
-Every process is a real node (``NodeProcess``) or a spawned helper, every wait is bounded, everything is
-stopped and no segment is left in /dev/shm.
+Every process is a real node (``NodeProcess``) or a spawned worker (``bench.harness.workers``), every wait is
+bounded, everything is stopped and no segment is left in /dev/shm.
 
     python -m bench.ps [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing
+import itertools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +42,10 @@ from refbus.nodes.ps.client import PsClient
 from refbus.nodes.ps.shm import sweep_orphans
 from safetensors.torch import save_file
 
-GIB = 1 << 30
+from bench.harness import GIB, MIB, Channel, best_seconds, parse_args, seconds_each, workers, write_json
+
 RETAIN = 2
-MIB = 1 << 20
+PUSHER_WAIT_S = 120.0  # a push of the full state with the machine saturated, plus the pusher's start-up
 
 
 @dataclass(frozen=True)
@@ -85,16 +83,6 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def best(fn: Callable[[], Any], repeats: int) -> float:
-    """Fastest of ``repeats`` runs, in seconds (other load only ever slows a run down)."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 @dataclass
 class Cluster:
     workdir: Path
@@ -110,7 +98,7 @@ class Cluster:
 
 
 @contextmanager
-def cluster(workers: int) -> Iterator[Cluster]:
+def cluster(ps_workers: int) -> Iterator[Cluster]:
     workdir = Path(tempfile.mkdtemp(prefix="refbus-bench-ps-"))
     prefix = f"refbus-bench-{os.getpid()}"
     # A generous node timeout: the bench saturates both cores on purpose, and a starved loop must not be
@@ -125,7 +113,7 @@ def cluster(workers: int) -> Iterator[Cluster]:
         procs.append(manager)
         endpoint = manager.wait_ready()["endpoints"]["ps"]
         started = [NodeProcess(["node", "ps-worker", "--node-id", f"w{i}", "--ps-manager", endpoint, *flags],
-                               workdir=workdir, name=f"w{i}") for i in range(workers)]
+                               workdir=workdir, name=f"w{i}") for i in range(ps_workers)]
         procs += started
         for proc in started:
             proc.wait_ready()
@@ -152,7 +140,7 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
         for name, t in state.items():
             out[name].copy_(t)
 
-    memcpy_s = best(memcpy, 3 * settings.repeats)
+    memcpy_s = best_seconds(memcpy, 3 * settings.repeats)
     results: dict[str, Any] = {"bytes": size, "tensors": len(state), "memcpy_s": memcpy_s}
     report(f"state: {len(state)} tensors, {size / MIB:.0f} MiB; memcpy {gb / memcpy_s:.2f} GB/s (baseline)")
 
@@ -166,7 +154,7 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
             def load(path: Path = path) -> None:
                 torch.load(path, mmap=False)
 
-            save_load[where] = (best(save, settings.repeats), best(load, settings.repeats))
+            save_load[where] = (best_seconds(save, settings.repeats), best_seconds(load, settings.repeats))
         finally:
             path.unlink(missing_ok=True)
         save_s, load_s = save_load[where]
@@ -177,17 +165,13 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
     for transport in ("shm", "frames"):
         runtime, ps = c.client(f"bench-{transport}", transport=transport)
         try:
-            version = ps.status().latest + 1
-            pushes = []
+            versions = itertools.count(ps.status().latest + 1)
             # Steady state needs retain + 1 segments (the next version is written while `retain` are kept).
-            for _ in range(RETAIN + 1 + settings.repeats):
-                started = time.perf_counter()
-                ps.push(state, version)
-                pushes.append(time.perf_counter() - started)
-                version += 1
+            pushes = seconds_each(lambda ps=ps, versions=versions: ps.push(state, next(versions)),
+                                  RETAIN + 1 + settings.repeats)
             push_s = min(pushes[RETAIN + 1 :])
-            pull_s = best(lambda ps=ps: ps.pull(out=out), settings.repeats)
-            shared_s = best(lambda ps=ps: ps.pull(shared=True).release(), settings.repeats)
+            pull_s = best_seconds(lambda ps=ps: ps.pull(out=out), settings.repeats)
+            shared_s = best_seconds(lambda ps=ps: ps.pull(shared=True).release(), settings.repeats)
             assert all(torch.equal(out[n], t) for n, t in state.items())
         finally:
             runtime.close()
@@ -229,13 +213,13 @@ def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None])
             for n in settings.broadcast_sizes:
                 names = [f"w{i}" for i in range(n)]
                 tree = ps.init(path, workers=names)
-                tree_s = best(lambda names=names: ps.init(path, workers=names), settings.repeats - 1 or 1)
+                tree_s = best_seconds(lambda names=names: ps.init(path, workers=names), settings.repeats - 1 or 1)
 
                 def star(names: list[str] = names) -> int:
                     return sum(sum(ps.init(path, workers=[names[0], w]).file_opens.values()) for w in names[1:])
 
                 star_reads = star()
-                star_s = best(star, settings.repeats - 1 or 1)
+                star_s = best_seconds(star, settings.repeats - 1 or 1)
 
                 def each_reads(n: int = n) -> None:
                     # Threads, not processes, so process start-up is not counted against the baseline;
@@ -246,7 +230,7 @@ def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None])
                     for reader in readers:
                         reader.join()
 
-                each_s = best(each_reads, settings.repeats - 1 or 1)
+                each_s = best_seconds(each_reads, settings.repeats - 1 or 1)
                 reads = sum(tree.file_opens.values())
                 results[str(n)] = {"tree_s": tree_s, "tree_reads": reads, "star_s": star_s,
                                    "star_reads": star_reads, "each_reads_s": each_s, "each_reads": n,
@@ -263,7 +247,9 @@ def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None])
 # --- 3. pull latency under push ---------------------------------------------------------------------
 
 
-def _push_loop(manager: str, control: str, total: int, count: int, first: int, stop: Any, started: Any) -> None:
+def push_loop(ch: Channel, manager: str, control: str, total: int, count: int, first: int) -> int:
+    """A task: push versions ``first``, ``first + 1``, ... back to back, reporting ``pushed`` after the first,
+    until told to stop; returns how many were pushed."""
     torch.set_num_threads(1)
     runtime = NodeRuntime("bench-pusher", RuntimeSettings(bus=control, node_id="bench-pusher", metrics_port=-1),
                           register=False)
@@ -271,10 +257,12 @@ def _push_loop(manager: str, control: str, total: int, count: int, first: int, s
     state = make_state(total, count, seed=2)
     version = first
     try:
-        while not stop.is_set():
+        while not ch.poll():
             ps.push(state, version)
+            if version == first:
+                ch.send("pushed")
             version += 1
-            started.set()
+        return version - first
     finally:
         runtime.close()
 
@@ -282,36 +270,24 @@ def _push_loop(manager: str, control: str, total: int, count: int, first: int, s
 def bench_pull_under_push(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
     state = make_state(settings.state_bytes, settings.tensors, seed=2)
     out = {name: torch.zeros_like(t) for name, t in state.items()}
-    spawn = multiprocessing.get_context("spawn")
     runtime, ps = c.client("bench-reader")
     try:
         first = ps.status().latest + 1
         ps.push(state, first)
 
         def pulls() -> list[float]:
-            times = []
-            for _ in range(settings.latency_pulls):
-                started = time.perf_counter()
-                ps.pull(out=out)
-                times.append(time.perf_counter() - started)
-            return times
+            return seconds_each(lambda: ps.pull(out=out), settings.latency_pulls)
 
         pulls()  # warm
         quiet = pulls()
-        stop, started = spawn.Event(), spawn.Event()
-        pusher = spawn.Process(target=_push_loop, args=(c.manager, c.control, settings.state_bytes,
-                                                        settings.tensors, first + 1, stop, started))
-        pusher.start()
-        try:
-            if not started.wait(120):
-                raise RuntimeError("the pusher never committed a version")
-            busy = pulls()
-        finally:
-            stop.set()
-            pusher.join(120)
-            if pusher.is_alive():
-                pusher.kill()
-                pusher.join()
+        with workers("bench-pusher") as (pusher,):
+            pusher.submit(push_loop, c.manager, c.control, settings.state_bytes, settings.tensors, first + 1)
+            pusher.message(timeout_s=PUSHER_WAIT_S)  # pushed: a version is committed
+            try:
+                busy = pulls()
+            finally:
+                pusher.tell("stop")
+                pusher.result(timeout_s=PUSHER_WAIT_S)
     finally:
         runtime.close()
     q, b = statistics.median(quiet), statistics.median(busy)
@@ -321,10 +297,8 @@ def bench_pull_under_push(c: Cluster, settings: Settings, report: Callable[..., 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ps", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, well under 15 s)")
-    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    args = parser.parse_args(argv)
+    args = parse_args(argv, prog="python -m bench.ps", description=__doc__.split("\n\n")[0],
+                      quick_help="small sizes (a smoke run, well under 15 s)")
     settings = QUICK if args.quick else FULL
     # One intra-op thread everywhere (baselines included): on a 2-core machine shared with other work,
     # torch's spinning OpenMP workers make a 2-thread copy ~40x slower than a 1-thread one.
@@ -334,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, flush=True)
 
-    results: dict[str, Any] = {"settings": settings.__dict__}
+    results: dict[str, Any] = {"settings": asdict(settings)}
     with cluster(max(settings.broadcast_sizes)) as c:  # pushes go to w0; inits use w0..w(N-1)
         print("== 1. push + pull on one host ==", flush=True)
         results["transfer"] = bench_transfer(c, settings, report)
@@ -343,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== 3. pull latency while a push runs ==", flush=True)
         results["pull_under_push"] = bench_pull_under_push(c, settings, report)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=list))
+        write_json(args.json, results)
     return 0
 
 
