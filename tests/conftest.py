@@ -1,10 +1,12 @@
-"""Shared fixtures: real broker processes on ephemeral loopback ports, always reaped."""
+"""Shared fixtures: real broker processes on ephemeral loopback ports, always reaped; namespace hosts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import hosts as namespace_hosts
 import pytest
 from refbus.nodes.launch import NodeProcess, start_bus
 
@@ -35,3 +37,27 @@ def spawn(tmp_path: Path) -> Iterator:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
+    """``make_hosts(n, names=...)``: ``n`` namespace hosts (tests/hosts.py), all torn down afterwards.
+
+    Skips with the reason where they cannot be built (not root, no iproute2); with ``REFBUS_REQUIRE_NETNS=1``
+    (set by CI) that is a failure instead.
+    """
+    built: list[namespace_hosts.Hosts] = []
+
+    def make(count: int, **kwargs: object) -> namespace_hosts.Hosts:
+        try:
+            cluster = namespace_hosts.build(count, **kwargs)  # type: ignore[arg-type]
+        except namespace_hosts.HostsUnavailable as exc:
+            if os.environ.get("REFBUS_REQUIRE_NETNS") == "1":
+                pytest.fail(f"REFBUS_REQUIRE_NETNS=1 but namespace hosts are unavailable: {exc}")
+            pytest.skip(str(exc))
+        built.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in built:
+        cluster.down()
