@@ -26,7 +26,8 @@ def bus(tmp_path: Path) -> Iterator[tuple[NodeProcess, str]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator:
-    """``spawn(command, name)`` starts a refbus child; every one is stopped at teardown."""
+    """``spawn(command, name)`` starts a refbus child; every one is stopped at teardown, the last started
+    first (a broker started here outlives its nodes, so their goodbyes reach it)."""
     started: list[NodeProcess] = []
 
     def start(command: list[str], name: str, **kwargs: object) -> NodeProcess:
@@ -35,7 +36,7 @@ def spawn(tmp_path: Path) -> Iterator:
         return proc
 
     yield start
-    for proc in started:
+    for proc in reversed(started):
         proc.stop()
 
 
