@@ -6,6 +6,7 @@ inside the hosts; every node binds the wildcard address and advertises its host 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from host_probe import branches, digest
 from prometheus_client.parser import text_string_to_metric_families
 from ps_support import Actor, checksums, make_state
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.toy.policy import make_policy
 
 PROBE = str(Path(__file__).with_name("host_probe.py"))
 WAIT_S = 10.0
@@ -114,3 +116,38 @@ def test_ps_pulls_map_shared_memory_on_the_workers_host_and_use_frames_across(ma
     assert local["digest"] == remote["digest"] == pushed["digest"]
     assert local["frames"] == 0  # mapped from hostB's shared memory
     assert remote["frames"] >= sum(1 for t in make_state(7).values() if t.numel())  # every tensor as frames
+
+
+def test_torchrun_trainer_ranks_on_two_hosts_rendezvous_and_push_one_version(make_hosts, spawn, actors,
+                                                                            tmp_path: Path) -> None:
+    cluster = make_hosts(3)
+    a, b, c = cluster
+    _broker(spawn, a)
+    manager = _node(spawn, a, "ps-manager", "ps-manager", "--bus-control", CONTROL, "--ps-manager",
+                    "tcp://0.0.0.0:7780")["endpoints"]["ps"]
+    for host in (b, c):
+        _node(spawn, host, f"w-{host.name}", "ps-worker", "--bus-control", CONTROL, "--ps-manager", manager,
+              "--ps-worker", "tcp://0.0.0.0:0")
+    # The README's torchrun line (c10d rendezvous on hostB), one rank per host; no steps: the ranks meet
+    # through torchrun, connect gloo across the hosts, join the bus and push version 0 together.
+    logs = {}
+    ranks = {}
+    for host in (b, c):
+        logs[host.name] = open(tmp_path / f"torchrun-{host.name}.log", "wb")  # noqa: SIM115 - closed below
+        ranks[host.name] = host.popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", "hostB:29500",
+             "-m", "refbus.nodes.cli", "node", "trainer", "--bus-control", CONTROL, "--ps-manager", manager,
+             "--trainer-endpoint", "tcp://0.0.0.0:0", "--trainer-steps", "0", "--node-host", host.name],
+            stdout=logs[host.name], stderr=subprocess.STDOUT)
+    try:
+        codes = {name: proc.wait(WAIT_S * 9) for name, proc in ranks.items()}
+    finally:
+        for log in logs.values():
+            log.close()
+    tails = {name: (tmp_path / f"torchrun-{name}.log").read_text()[-3000:] for name in ranks}
+    assert codes == {"hostB": 0, "hostC": 0}, tails
+
+    pulled = Actor("pull", "--version", "0", "--manager", manager, prefix=a.argv(()))
+    actors.append(pulled)
+    assert pulled.expect("pulled", WAIT_S * 3)["checksums"] == checksums(make_policy(0).state_dict())
