@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean prometheus
+.PHONY: demo test lint bench clean prometheus iproute2
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,15 @@ prometheus:
 		else echo "prometheus is missing and cannot be installed here: its test will skip"; exit 0; fi; \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: $(STAMP) prometheus
+# The cross-host tests build hosts from network namespaces (tests/hosts.py): root and iproute2's `ip`.
+# Installed when missing and this user is root; elsewhere those tests skip and say why (a failure under
+# REFBUS_REQUIRE_NETNS=1, which .ci/run sets).
+iproute2:
+	@command -v ip >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends iproute2; \
+		else echo "iproute2 is missing and cannot be installed here: the namespace-host tests will skip"; fi; }
+
+test: $(STAMP) prometheus iproute2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 

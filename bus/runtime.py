@@ -4,7 +4,8 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 (:meth:`subscribe`), publishes (:meth:`publish`), opens clients to peers (:meth:`client`) and adds timers
 (:meth:`every`); then :meth:`run` does the rest:
 
-1. start the Prometheus endpoint (127.0.0.1 and an ephemeral port unless configured);
+1. start the Prometheus endpoint (127.0.0.1 and an ephemeral port unless configured; a wildcard bind is
+   advertised as ``host``, like the ZeroMQ endpoints);
 2. register with the broker (``hello`` → ``welcome``), connect the PUB socket to the broker and prove it
    live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
    live the same way and replay what was asked for;
@@ -407,7 +408,8 @@ class NodeRuntime:
     def _serve_metrics(self) -> None:
         if self.settings.metrics_port < 0:
             return
-        self.metrics_url, self._stop_metrics = serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+        bound, self._stop_metrics = serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+        self.metrics_url = advertised(bound, self.settings.host)
         self.metric("refbus_node_info", "This node's identity (value 1).",
                     lambda: {(self.node_id, self.role): 1.0}, labels=("node", "role"), kind="gauge")
         self.metric("refbus_wire_array_frames_received_total", "Array (buffer) frames this process received.",

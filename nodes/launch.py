@@ -55,6 +55,7 @@ class NodeProcess:
         name: str = "",
         env: dict[str, str] | None = None,
         stdout: int | IO[Any] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="refbus-"))
         self.info: dict[str, Any] = {}  # the registry entry, once wait_ready() returned it
@@ -62,7 +63,9 @@ class NodeProcess:
         self.ready_file = self.workdir / f"{self.name}.ready.json"
         self.log_path = self.workdir / f"{self.name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
+        # ``prefix`` runs the node through a launcher that execs it (e.g. one that enters a namespace), so
+        # the pid, the signals and the parent-death signal are still the node's own.
+        argv = [*prefix, sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
         # Own session: a terminal's Ctrl-C reaches the launcher only, which stops its nodes in order.
         # PDEATHSIG: a launcher that is killed outright does not leave its nodes behind.
         self.proc = subprocess.Popen(

@@ -1,10 +1,12 @@
-"""Shared fixtures: real broker processes on ephemeral loopback ports, always reaped."""
+"""Shared fixtures: real broker processes on ephemeral loopback ports, always reaped; namespace hosts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import hosts as namespace_hosts
 import pytest
 from refbus.nodes.launch import NodeProcess, start_bus
 
@@ -24,7 +26,8 @@ def bus(tmp_path: Path) -> Iterator[tuple[NodeProcess, str]]:
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator:
-    """``spawn(command, name)`` starts a refbus child; every one is stopped at teardown."""
+    """``spawn(command, name)`` starts a refbus child; every one is stopped at teardown, the last started
+    first (a broker started here outlives its nodes, so their goodbyes reach it)."""
     started: list[NodeProcess] = []
 
     def start(command: list[str], name: str, **kwargs: object) -> NodeProcess:
@@ -33,5 +36,29 @@ def spawn(tmp_path: Path) -> Iterator:
         return proc
 
     yield start
-    for proc in started:
+    for proc in reversed(started):
         proc.stop()
+
+
+@pytest.fixture
+def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
+    """``make_hosts(n, names=...)``: ``n`` namespace hosts (tests/hosts.py), all torn down afterwards.
+
+    Skips with the reason where they cannot be built (not root, no iproute2); with ``REFBUS_REQUIRE_NETNS=1``
+    (set by CI) that is a failure instead.
+    """
+    built: list[namespace_hosts.Hosts] = []
+
+    def make(count: int, **kwargs: object) -> namespace_hosts.Hosts:
+        try:
+            cluster = namespace_hosts.build(count, **kwargs)  # type: ignore[arg-type]
+        except namespace_hosts.HostsUnavailable as exc:
+            if os.environ.get("REFBUS_REQUIRE_NETNS") == "1":
+                pytest.fail(f"REFBUS_REQUIRE_NETNS=1 but namespace hosts are unavailable: {exc}")
+            pytest.skip(str(exc))
+        built.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in built:
+        cluster.down()

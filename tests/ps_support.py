@@ -5,8 +5,9 @@ Run as a script, this module is one actor process (a trainer rank or a rollout w
     python ps_support.py push --manager EP --version V --rank R --world W [--seed S] [--pause]
     python ps_support.py pull --manager EP [--version V] [--hold]
 
-It prints one JSON object per line (``{"event": ...}``). ``--pause`` stops a push after half of its tensors
-and ``--hold`` keeps a shared pull's lease; both wait for a line on stdin (or to be killed).
+It prints one JSON object per line (``{"event": ...}``; a pull also reports the array frames it received).
+``--pause`` stops a push after half of its tensors and ``--hold`` keeps a shared pull's lease; both wait for
+a line on stdin (or to be killed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from refbus.bus.logs import configure_logging
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import FrameCounter
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps.client import PsClient
 from refbus.protocol.codec import checksum
@@ -126,9 +128,10 @@ def start_cluster(spawn: Callable[..., NodeProcess], control: str, tag: str, *, 
 class Actor:
     """An actor process (this file run as a script) with line-based stdin/stdout; :meth:`stop` reaps it."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a launcher that execs the actor (e.g. into a namespace host)."""
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, str(HERE), *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*prefix, sys.executable, str(HERE), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log)
         self._pending = b""
         self._selector = selectors.DefaultSelector()
@@ -205,7 +208,7 @@ def _main() -> int:
         else:
             pulled = ps.pull(args.version, shared=args.hold, verify=True)
             _emit("pulled", version=pulled.version, digest=pulled.digest,
-                  checksums=checksums(dict(pulled)))
+                  checksums=checksums(dict(pulled)), frames=FrameCounter.frames)
             if args.hold:
                 _emit("holding")
                 sys.stdin.readline()
