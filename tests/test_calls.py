@@ -25,6 +25,7 @@ import pytest
 import zmq
 from refbus.bus.reqrep import (
     SEND_ONCE,
+    Client,
     HandlerError,
     Outcome,
     PeerDown,
@@ -36,7 +37,7 @@ from refbus.bus.reqrep import (
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import bound_endpoint, recv_frames, send_frames
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Delete, Error, Ok
+from refbus.protocol.messages import Bye, Delete, Error, NodeList, Nodes, Ok
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -453,6 +454,32 @@ def test_a_calls_client_serves_blocking_requests_too(caller: NodeRuntime, peers:
     with pytest.raises(RequestTimeout):  # the raw peer never answers the blocking request itself
         client.request(DELETE, policy=blocking)
     assert done.one("async").body == Ok(detail="async")
+
+
+def test_a_node_the_broker_forgot_learns_it_from_a_heartbeat_and_joins_again(bus: Any) -> None:
+    """Heartbeats are calls: the broker's ``unknown-node`` answer to one makes the node register again."""
+    _, control = bus
+    runtime = NodeRuntime("rejoiner", RuntimeSettings(bus=control, node_id="rejoiner", metrics_port=-1))
+    runtime.every(0.01, lambda: None)
+    runtime.start()
+    other = Client(runtime.ctx, control, WireCodec("other"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+
+        def registered() -> bool:
+            listed = other.request(Nodes(role="rejoiner")).body
+            assert isinstance(listed, NodeList)
+            return any(node.node_id == "rejoiner" for node in listed.nodes)
+
+        assert registered()
+        other.request(Bye(node_id="rejoiner"))  # the broker forgets the node; the node does not know yet
+        assert not registered()
+        interval = runtime.welcome.heartbeat_interval if runtime.welcome else 1.0
+        pump(runtime, lambda: runtime.calls.outcomes["remote-error"] >= 1, "a heartbeat refused",
+             timeout=10 * interval)
+        pump(runtime, registered, "the node registered again", timeout=10 * interval)
+    finally:
+        other.close()  # before the runtime terms the context they share
+        runtime.close()
 
 
 def test_policies_always_end() -> None:
