@@ -104,7 +104,11 @@ class EpisodeRunner:
     def _finish(self, run: Run, pending: Pending, generated: Generated) -> None:
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]
-        reward = float(self.score(run.prompt, completion))
+        try:
+            reward = float(self.score(run.prompt, completion))
+        except Exception as exc:  # user code: its failure is this run's answer, not the node's
+            self._fail(run, pending, "score-failed", f"{self.settings.score}: {type(exc).__name__}: {exc}")
+            return
         info = {
             "group": run.group,
             "reward": reward,
