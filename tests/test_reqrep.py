@@ -543,3 +543,20 @@ def test_gather_returns_outcomes_in_order(serve: Any, clients: Any, sockets: Any
     assert [o.body.detail.split()[1] for o in outcomes[4:]] == [f"b{i}" for i in range(20)]
     assert handlers.calls["delete"] == 22
     assert nobody.retries == 1
+
+
+def test_gather_deadline_outlasts_the_attempts_and_cuts_them_short(clients: Any, sockets: Any) -> None:
+    silent = sockets(zmq.ROUTER, bind=LOOPBACK)
+    endpoint = bound_endpoint(silent)
+    client = clients(endpoint)
+    started = time.monotonic()
+    waited = gather([(client, DELETE)], policy=RetryPolicy(timeout_s=0.05, attempts=1), deadline_s=0.3)
+    assert isinstance(waited[0], RequestTimeout)
+    assert time.monotonic() - started >= 0.3  # one send, then the wait runs to the deadline
+    cut = gather([(client, DELETE)], policy=RetryPolicy(timeout_s=0.05, attempts=50, backoff=1.0), deadline_s=0.12)
+    assert isinstance(cut[0], RequestTimeout)
+    ids = Counter()
+    while silent.poll(0, zmq.POLLIN):
+        ids[REPLIES.decode(recv_frames(silent)[1:]).header.id] += 1
+    assert sorted(ids.values())[0] == 1  # the first call: sent once
+    assert 1 <= sorted(ids.values())[1] <= 3  # the second: no attempt after 0.12 s of 50 ms timeouts

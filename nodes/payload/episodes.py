@@ -6,10 +6,10 @@
     orchestrator ◀──ok──  env server
 
 The ``run`` reply is deferred (the env server keeps serving fetches and deletes while a rollout generates),
-and the ``generate`` request is sent without waiting: replies are handled when they arrive. Each run goes to
-the rollout worker with the fewest generations in flight (workers found in the broker's registry). A run
-whose generation fails or takes longer than ``generate_timeout_s`` is answered with an error; nothing is
-kept for it.
+and the ``generate`` request is an asynchronous call (``runtime.calls``) whose deadline is
+``generate_timeout_s``. Each run goes to the rollout worker with the fewest generations in flight (workers
+found in the broker's registry). A run whose generation fails, misses its deadline or whose worker leaves
+the registry is answered with an error; nothing is kept for it.
 
 The episode record published with the kept arrays (``info``) is what the orchestrator reads: ``group``,
 ``reward``, ``eval`` and one sample ``{"input_ids": [...], "loss_mask": [...], "ref": 0}`` whose loss mask
@@ -19,15 +19,13 @@ covers the completion only. Never imports torch: the score function must not eit
 from __future__ import annotations
 
 import argparse
-import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
-from ...bus.reqrep import Client, HandlerError, Pending
+from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Error, Generate, Generated, Ok, Run
@@ -51,14 +49,6 @@ class EpisodeSettings:
     rollout_refresh_s: float = 1.0
 
 
-@dataclass
-class _InFlight:
-    run: Run
-    pending: Pending
-    client: Client
-    sent: float
-
-
 class EpisodeRunner:
     """Serves ``run`` on an :class:`EnvServer`'s endpoint (loop thread only)."""
 
@@ -67,23 +57,20 @@ class EpisodeRunner:
         self.env_server = env_server
         self.settings = settings
         self.score: Score = load_entry_point(settings.score)
-        self.rollouts: dict[str, Client] = {}
-        self.load: Counter[str] = Counter()
-        self.in_flight: dict[str, _InFlight] = {}
+        self.rollouts: set[str] = set()  # generate endpoints
         self.finished = 0
         self.failed = 0
         env_server.server.on(Run.kind, self._on_run)
         runtime.every(settings.rollout_refresh_s, self._refresh_rollouts)
-        runtime.every(min(1.0, settings.generate_timeout_s / 4), self._expire)
 
     def _refresh_rollouts(self) -> None:
-        for node in self.runtime.lookup("rollout") or ():
-            endpoint = node.endpoints.get("generate")
-            if endpoint and endpoint not in self.rollouts:
-                client = self.runtime.client(endpoint)
-                client.on_stray = self._on_reply
-                self.runtime.watch(client.sock, lambda c=client: self._drain(c))
-                self.rollouts[endpoint] = client
+        nodes = self.runtime.lookup("rollout")
+        if nodes is None:
+            return  # the broker did not answer: keep what we know
+        live = {endpoint for node in nodes if (endpoint := node.endpoints.get("generate"))}
+        for endpoint in self.rollouts - live:  # gone from the registry: its generations will not come back
+            self.runtime.calls.peer_down(endpoint, "no longer in the registry")
+        self.rollouts = live
 
     def _on_run(self, request: Message) -> None:
         run = request.body
@@ -92,33 +79,36 @@ class EpisodeRunner:
             self._refresh_rollouts()
         if not self.rollouts:
             raise HandlerError("no-rollout", "no rollout worker is registered yet")
-        endpoint = min(self.rollouts, key=lambda ep: self.load[ep])
-        client = self.rollouts[endpoint]
-        msg_id = client.send(Generate(prompt=run.prompt, max_new_tokens=self.settings.max_new_tokens))
-        self.load[endpoint] += 1
-        self.in_flight[msg_id] = _InFlight(run, self.env_server.server.pending, client, time.monotonic())
-        return None  # answered when the generation comes back
+        calls = self.runtime.calls
+        endpoint = min(sorted(self.rollouts), key=calls.in_flight)
+        pending = self.env_server.server.pending
+        # Sent once: a rollout worker does not cache generations, so a resend would generate twice.
+        calls.request(endpoint, Generate(prompt=run.prompt, max_new_tokens=self.settings.max_new_tokens),
+                      lambda outcome: self._generated(run, pending, endpoint, outcome),
+                      deadline_s=self.settings.generate_timeout_s, policy=SEND_ONCE, backend="numpy")
+        return None  # answered when the generation's outcome is known
 
-    def _drain(self, client: Client) -> None:
-        while (reply := client.recv(0, backend="numpy")) is not None:
-            self._on_reply(reply)
+    def _generated(self, run: Run, pending: Pending, endpoint: str, outcome: Outcome) -> None:
+        if isinstance(outcome, RemoteError):
+            self._fail(run, pending, outcome.code, f"rollout {endpoint}: {outcome.detail}")
+        elif isinstance(outcome, RequestTimeout):
+            self._fail(run, pending, "timeout", f"no generation from {endpoint} within "
+                                                f"{self.settings.generate_timeout_s}s")
+        elif isinstance(outcome, PeerDown):
+            self._fail(run, pending, "rollout-down", str(outcome))
+        elif isinstance(outcome.body, Generated):
+            self._finish(run, pending, outcome.body)
+        else:
+            self._fail(run, pending, "internal", f"rollout {endpoint} answered {outcome.kind}, not generated")
 
-    def _on_reply(self, reply: Message) -> None:
-        flight = self.in_flight.pop(reply.header.re, None)
-        if flight is None:
-            return  # a late answer to a run already failed by timeout
-        self.load[flight.client.endpoint] -= 1
-        body = reply.body
-        if isinstance(body, Error):
-            self._fail(flight, body.code, f"rollout {flight.client.endpoint}: {body.message}")
-        elif isinstance(body, Generated):
-            self._finish(flight, body)
-
-    def _finish(self, flight: _InFlight, generated: Generated) -> None:
-        run = flight.run
+    def _finish(self, run: Run, pending: Pending, generated: Generated) -> None:
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]
-        reward = float(self.score(run.prompt, completion))
+        try:
+            reward = float(self.score(run.prompt, completion))
+        except Exception as exc:  # user code: its failure is this run's answer, not the node's
+            self._fail(run, pending, "score-failed", f"{self.settings.score}: {type(exc).__name__}: {exc}")
+            return
         info = {
             "group": run.group,
             "reward": reward,
@@ -133,24 +123,15 @@ class EpisodeRunner:
             self.env_server.keep(run.episode_id, [generated.arrays], policy_version=generated.policy_version,
                                  info=info)
         except KeepError as exc:
-            self._fail(flight, exc.code, str(exc))
+            self._fail(run, pending, exc.code, str(exc))
             return
         self.finished += 1
-        self.env_server.server.answer(flight.pending, Ok(detail=f"reward={reward:.3f}"))
+        self.env_server.server.answer(pending, Ok(detail=f"reward={reward:.3f}"))
 
-    def _fail(self, flight: _InFlight, code: str, message: str) -> None:
+    def _fail(self, run: Run, pending: Pending, code: str, message: str) -> None:
         self.failed += 1
-        log.warning("run.failed", episode_id=flight.run.episode_id, code=code, error=message)
-        self.env_server.server.answer(flight.pending, Error(code=code, message=message, request_kind=Run.kind))
-
-    def _expire(self) -> None:
-        horizon = time.monotonic() - self.settings.generate_timeout_s
-        for msg_id in [m for m, f in self.in_flight.items() if f.sent < horizon]:
-            flight = self.in_flight.pop(msg_id)
-            self.load[flight.client.endpoint] -= 1
-            self._fail(flight, "timeout", f"no generation from {flight.client.endpoint} within "
-                                          f"{self.settings.generate_timeout_s}s")
-
+        log.warning("run.failed", episode_id=run.episode_id, code=code, error=message)
+        self.env_server.server.answer(pending, Error(code=code, message=message, request_kind=Run.kind))
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""

@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 import torch
 
-from ...bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, gather
+from ...bus.reqrep import Client, RequestTimeout, RetryPolicy, gather, split_outcomes
 from ...protocol.messages import BlobRef, Blobs, Fetch, FetchedBlob, MicroBatchRefs
 from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
@@ -296,11 +296,11 @@ class StepFetcher:
 
         branches: dict[str, Branch] = {}
         failures: dict[str, FetchFailure] = {}
-        for (_, request), outcome in zip(calls, outcomes, strict=True):
-            if isinstance(outcome, RemoteError | RequestTimeout):
-                reason = "timeout" if isinstance(outcome, RequestTimeout) else "remote-error"
-                failures.update({i: FetchFailure(reason, str(outcome), (i,)) for i in request.blob_ids})
-                continue
+        replies, failed = split_outcomes(zip(calls, outcomes, strict=True))
+        for (_, request), error in failed:
+            reason = "timeout" if isinstance(error, RequestTimeout) else "remote-error"
+            failures.update({i: FetchFailure(reason, str(error), (i,)) for i in request.blob_ids})
+        for (_, request), outcome in replies:
             reply = outcome.body
             if not isinstance(reply, Blobs):
                 failures.update({i: FetchFailure("remote-error", f"expected blobs, got {reply.kind}", (i,))

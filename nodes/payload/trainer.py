@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import Counter, Gauge, Histogram
 
-from ...bus.reqrep import HandlerError, RemoteError, RequestTimeout, gather
+from ...bus.reqrep import HandlerError, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepBatch
@@ -341,11 +341,11 @@ class TrainerRank:
         violations: list[str] = []
         failed: list[str] = []
         outcomes = gather(calls, window=self.settings.fetch.window, policy=self.settings.fetch.policy)
-        for (client, request), outcome in zip(calls, outcomes, strict=True):
-            if isinstance(outcome, RemoteError | RequestTimeout):
-                log.error("delete.failed", endpoint=client.endpoint, blobs=len(request.blob_ids), error=str(outcome))
-                failed += request.blob_ids
-                continue
+        replies, failures = split_outcomes(zip(calls, outcomes, strict=True))
+        for (client, request), error in failures:
+            log.error("delete.failed", endpoint=client.endpoint, blobs=len(request.blob_ids), error=str(error))
+            failed += request.blob_ids
+        for (client, request), outcome in replies:
             reply = outcome.body
             assert isinstance(reply, Deleted)
             deleted += reply.blob_ids

@@ -9,8 +9,8 @@ another.
 Verification: every chunk frame carries the sender's xxh3 checksum and is verified on receipt; at the end the
 root's per-tensor checksums travel down the tree and every worker hashes its own copy against them.
 
-Failure is loud and bounded: every message to a child is a request that must be acknowledged within
-``ack_timeout_s``; a child that does not answer (dead, stuck) or answers with an error is reported to the
+Failure is loud and bounded: every message to a child is a request whose deadline is ``ack_timeout_s``; a
+child that does not answer by then (dead, stuck), goes down or answers with an error is reported to the
 manager by name, and the manager fails the whole init. Nothing waits without a deadline.
 
 :class:`Relay` is one worker's part in one init (worker side); :class:`InitRound` is the manager's view of
@@ -19,16 +19,16 @@ one init. Both are single-threaded state machines driven by their node's loop.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 
+from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout
 from ...protocol.codec import checksum
 from ...protocol.envelope import Message
-from ...protocol.messages import Body, Error
+from ...protocol.messages import Body
 from ...protocol.messages_ps import (
     InitChunk,
     InitDone,
@@ -66,17 +66,11 @@ def parent(rank: int) -> int | None:
 
 Acquire = Callable[[str, int], Segment]
 """``acquire(init_id, nbytes)``: a segment the worker records as shard ``init_id``."""
-Send = Callable[[WorkerInfo, Body], str]
-"""``send(peer, body)``: an asynchronous request to a peer worker; returns its message id."""
+Send = Callable[[WorkerInfo, Body, float, Callable[[Outcome], None]], None]
+"""``send(peer, body, deadline_s, on_done)``: an asynchronous request to a peer worker; its outcome goes to
+``on_done`` (on the loop thread)."""
 Report = Callable[[Body], None]
 """``report(body)``: an asynchronous request to the manager (``ps-init-done``/``ps-init-failed``)."""
-
-
-@dataclass
-class _Outstanding:
-    child: str
-    what: str
-    sent: float
 
 
 class Relay:
@@ -101,12 +95,6 @@ class Relay:
         self._ack_timeout_s = 0.0
         self._segment: Segment | None = None
         self._tensors: list[ShardTensor] = []
-        self._outstanding: dict[str, _Outstanding] = {}
-
-    @property
-    def done(self) -> bool:
-        """Nothing left to do: verified and every child acknowledged everything, or failed."""
-        return self.failed or (self.verified and not self._outstanding)
 
     # --- the stream ---------------------------------------------------------------------------------
 
@@ -155,28 +143,8 @@ class Relay:
         """Pass the root's checksums on, then verify this worker's copy against them."""
         self._finish(end.tensors)
 
-    def on_reply(self, msg_id: str, reply: Message) -> bool:
-        """A child's acknowledgement; False when ``msg_id`` is not one of this relay's requests."""
-        sent = self._outstanding.pop(msg_id, None)
-        if sent is None:
-            return False
-        if isinstance(reply.body, Error) and not self.failed:
-            self.fail(sent.child, f"rejected the {sent.what}: [{reply.body.code}] {reply.body.message}")
-        return True
-
-    def check(self, now: float) -> None:
-        """Report the first child whose acknowledgement is overdue (call after draining replies)."""
-        if self.failed:
-            return
-        for sent in self._outstanding.values():
-            if now - sent.sent > self._ack_timeout_s:
-                self.fail(sent.child, f"did not acknowledge the {sent.what} within {self._ack_timeout_s:g}s "
-                          "(dead or stuck)")
-                return
-
     def fail(self, worker: str, reason: str) -> None:
         self.failed = True
-        self._outstanding.clear()
         log.error("ps.init_failed", init_id=self.init_id, worker=worker, reason=reason)
         self._report(InitFailed(self.init_id, self.me, worker, reason))
 
@@ -192,9 +160,20 @@ class Relay:
         self._forward(InitHeader(self.init_id, workers, ack_timeout_s, nbytes, self._tensors), "header")
 
     def _forward(self, body: Body, what: str) -> None:
-        now = time.monotonic()
         for child in self._children:
-            self._outstanding[self._send(child, body)] = _Outstanding(child.worker, what, now)
+            self._send(child, body, self._ack_timeout_s,
+                       lambda outcome, child=child.worker: self._acknowledged(child, what, outcome))
+
+    def _acknowledged(self, child: str, what: str, outcome: Outcome) -> None:
+        """A child's answer to a forwarded message: anything but ok fails the init (the first failure wins)."""
+        if self.failed or isinstance(outcome, Message):
+            return
+        if isinstance(outcome, RemoteError):
+            self.fail(child, f"rejected the {what}: [{outcome.code}] {outcome.detail}")
+        elif isinstance(outcome, RequestTimeout):
+            self.fail(child, f"did not acknowledge the {what} within {self._ack_timeout_s:g}s (dead or stuck)")
+        elif isinstance(outcome, PeerDown):
+            self.fail(child, f"went down before acknowledging the {what} ({outcome.reason})")
 
     def _finish(self, tensors: list[ShardTensor]) -> None:
         if self.failed:

@@ -31,7 +31,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.registry import CollectorRegistry
 
 from ...bus.metrics import register_live
-from ...bus.reqrep import Client, HandlerError, Pending
+from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Body, Error, NodeDown, Ok, VersionBump
@@ -121,9 +121,7 @@ class PsManager:
         self.inventory: StalenessInventory[str] = StalenessInventory(settings.eta, settings.batch_size)
         self.workers: dict[str, WorkerInfo] = {}
         self.init: InitRound | None = None
-        self._clients: dict[str, Client] = {}  # worker endpoint -> client
         self._init_waiting: list[Pending] = []
-        self._init_plan: tuple[str, float] | None = None  # (request id of the plan, sent at)
         self._init_answers: OrderedDict[str, Body] = OrderedDict()  # ps-init request id -> its answer
 
         server = self.server = runtime.serve("ps", settings.endpoint)
@@ -159,47 +157,34 @@ class PsManager:
         assert isinstance(request.body, PsRegister)
         info = request.body.worker
         self.workers[info.worker] = info
-        self._client(info)
         log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host)
         return Ok()
 
-    def _client(self, info: WorkerInfo) -> Client:
-        client = self._clients.get(info.endpoint)
-        if client is None:
-            client = self._clients[info.endpoint] = self.runtime.client(info.endpoint)
-            self.runtime.watch(client.sock, lambda: self._drain_worker(client))
-        return client
-
-    def _send(self, worker: str, body: Body) -> str:
-        """An asynchronous request to a worker; answers arrive in :meth:`_drain_worker`."""
+    def _send(self, worker: str, body: Body, on_done: Callable[[Outcome], None], *,
+              deadline_s: float | None = None) -> None:
+        """An asynchronous request to a registered worker (``runtime.calls``): ``on_done`` gets its outcome."""
         info = self.workers.get(worker)
         if info is None:
             log.warning("ps.worker_gone", worker=worker, kind=body.kind)
-            return ""
-        return self._client(info).send(body)
+            return
+        self.runtime.calls.request(info.endpoint, body, on_done, deadline_s=deadline_s)
 
-    def _drain_worker(self, client: Client) -> None:
-        while (reply := client.recv(0)) is not None:
-            plan = self._init_plan
-            if plan is not None and reply.header.re == plan[0]:
-                self._init_plan = None
-                if isinstance(reply.body, Error) and self.init is not None:
-                    self._fail_init(self.init.names[0], f"rejected the plan: {reply.body.message}")
-            elif isinstance(reply.body, Error):
-                log.warning("ps.worker_error", endpoint=client.endpoint, code=reply.body.code,
-                            error=reply.body.message)
+    def _released(self, worker: str, outcome: Outcome) -> None:
+        if not isinstance(outcome, Message):
+            log.warning("ps.release_failed", worker=worker, error=str(outcome))
 
     def _release(self, shards: list[Shard]) -> None:
         by_worker: defaultdict[str, list[str]] = defaultdict(list)
         for worker, shard in shards:
             by_worker[worker].append(shard)
         for worker, ids in by_worker.items():
-            self._send(worker, Release(ids))
+            self._send(worker, Release(ids), lambda outcome, w=worker: self._released(w, outcome))
 
     def _node_down(self, event: Message) -> None:
         down = event.body
         assert isinstance(down, NodeDown)
-        if self.workers.pop(down.node_id, None) is None:
+        info = self.workers.pop(down.node_id, None)
+        if info is None:
             return
         log.warning("ps.worker_down", worker=down.node_id, reason=down.reason)
         if self.init is not None and down.node_id in self.init.names:
@@ -207,6 +192,7 @@ class PsManager:
         pending = self.versions.pending
         if pending is not None and any(r.worker == down.node_id for r in pending.ranks.values()):
             self._abort_push(pending.version, f"worker {down.node_id} went down")
+        self.runtime.calls.peer_down(info.endpoint, f"node-down: {down.reason}")
 
     # --- push ---------------------------------------------------------------------------------------
 
@@ -378,9 +364,23 @@ class PsManager:
         self._init_waiting = [self.server.pending]
         plan = InitPlan(init_id, ask.path, workers, ask.chunk_bytes or self.settings.chunk_bytes,
                         self.settings.ack_timeout_s)
-        self._init_plan = (self._send(names[0], plan), now)
+        self._send(names[0], plan, lambda outcome: self._planned(init_id, outcome),
+                   deadline_s=self.settings.ack_timeout_s)
         log.info("ps.init_started", init_id=init_id, path=ask.path, workers=names, rounds=rounds(len(names)))
         return None
+
+    def _planned(self, init_id: str, outcome: Outcome) -> None:
+        """The root's answer to the plan: anything but ok fails the init."""
+        init = self.init
+        if init is None or init.init_id != init_id or isinstance(outcome, Message):
+            return
+        if isinstance(outcome, RemoteError):
+            reason = f"rejected the plan: {outcome.detail}"
+        elif isinstance(outcome, RequestTimeout):
+            reason = f"did not acknowledge the init plan within {self.settings.ack_timeout_s:g}s"
+        else:
+            reason = f"went down before acknowledging the init plan ({outcome.reason})"
+        self._fail_init(init.names[0], reason)
 
     def _init_done(self, request: Message) -> Body:
         done = request.body
@@ -403,9 +403,7 @@ class PsManager:
         init = self.init
         if init is None:
             return
-        if self._init_plan is not None and now - self._init_plan[1] > self.settings.ack_timeout_s:
-            self._fail_init(init.names[0], f"did not acknowledge the init plan within {self.settings.ack_timeout_s:g}s")
-        elif init.overdue(now):
+        if init.overdue(now):
             self._fail_init(init.names[0], "")  # overdue() recorded which workers did not finish
 
     def _finish_init(self, init: InitRound) -> None:
@@ -437,7 +435,6 @@ class PsManager:
         while len(self._init_answers) > 64:
             self._init_answers.popitem(last=False)
         self.init = None
-        self._init_plan = None
         self._init_waiting = []
 
     # --- staleness inventory ------------------------------------------------------------------------

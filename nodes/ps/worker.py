@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +31,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
 from ...bus.metrics import register_live
-from ...bus.reqrep import Client, HandlerError, Pending, RetryPolicy
+from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RetryPolicy
 from ...bus.runtime import NodeRuntime
 from ...protocol.codec import checksum
 from ...protocol.envelope import Message
@@ -87,9 +87,7 @@ class PsWorker:
                                 max_free=settings.max_free_segments)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
         self.relays: dict[str, Relay] = {}
-        self._forwarded: dict[str, list[Pending]] = {}  # manager request id -> pushers waiting on it
-        self._sealing: dict[str, str] = {}  # push lease -> manager request id in flight
-        self._peers: dict[str, Client] = {}
+        self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
 
         self.server = runtime.serve("ps", settings.endpoint)
         self.server.on(ShardOpen.kind, self._open)
@@ -101,9 +99,7 @@ class PsWorker:
         self.server.on(InitHeader.kind, self._header)
         self.server.on(InitChunk.kind, self._chunk)
         self.server.on(InitEnd.kind, self._end)
-        self.manager = runtime.client(settings.manager)
-        runtime.watch(self.manager.sock, self._drain_manager)
-        runtime.every(0.05, self._check_relays)
+        self.manager = runtime.calls.client(settings.manager)
         runtime.shutdown_hooks.append(self.pool.close)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
@@ -170,24 +166,33 @@ class PsWorker:
             if got != t.checksum:
                 raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
                                    f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
-        in_flight = self._sealing.get(seal.lease)
-        if in_flight is None:
+        waiting = self._sealing.get(seal.lease)
+        if waiting is None:  # a pusher's retry joins the commit in flight
+            waiting = self._sealing[seal.lease] = []
             commit = ShardCommit(seal.lease, seal.version, seal.rank, self.runtime.node_id, segment.name, seal.tensors)
-            in_flight = self._sealing[seal.lease] = self.manager.send(commit)
-            self._forwarded[in_flight] = []
-        self._forwarded[in_flight].append(self.server.pending)
+            self.runtime.calls.request(self.settings.manager, commit,
+                                       lambda outcome: self._committed(seal.lease, outcome))
+        waiting.append(self.server.pending)
         return None
 
-    def _drain_manager(self) -> None:
-        while (reply := self.manager.recv(0)) is not None:
-            waiting = self._forwarded.pop(reply.header.re, None)
-            if waiting is None:
-                if isinstance(reply.body, Error):
-                    log.warning("ps.manager_error", code=reply.body.code, error=reply.body.message)
-                continue
-            self._sealing = {lease: rid for lease, rid in self._sealing.items() if rid != reply.header.re}
-            for pending in waiting:
-                self.server.answer(pending, reply.body)
+    def _committed(self, lease: str, outcome: Outcome) -> None:
+        """The manager's answer to a commit is the answer to every pusher waiting on it."""
+        if isinstance(outcome, Message):
+            answer = outcome.body
+        elif isinstance(outcome, RemoteError):
+            answer = Error(outcome.code, outcome.detail, ShardCommit.kind)
+        else:
+            answer = Error("manager-unreachable", f"the commit was not recorded: {outcome}", ShardCommit.kind)
+        for pending in self._sealing.pop(lease, []):
+            self.server.answer(pending, answer)
+
+    def _report(self, body: Body) -> None:
+        self.runtime.calls.request(self.settings.manager, body, self._reported)
+
+    @staticmethod
+    def _reported(outcome: Outcome) -> None:
+        if not isinstance(outcome, Message):
+            log.warning("ps.manager_error", error=str(outcome))
 
     # --- pull and release ---------------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class PsWorker:
         relay = self.relays.get(init_id)
         if relay is None:
             relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
-                                                 send=self._send_peer, report=self.manager.send)
+                                                 send=self._send_peer, report=self._report)
         return relay
 
     def _acquire(self, shard: str, nbytes: int) -> Segment:
@@ -228,24 +233,10 @@ class PsWorker:
             segment = self.shards[shard] = self.pool.acquire(nbytes)
         return segment
 
-    def _send_peer(self, peer: WorkerInfo, body: Body) -> str:
-        client = self._peers.get(peer.endpoint)
-        if client is None:
-            client = self._peers[peer.endpoint] = self.runtime.client(peer.endpoint)
-            self.runtime.watch(client.sock, lambda: self._drain_peer(client))
-        return client.send(body)
-
-    def _drain_peer(self, client: Client) -> None:
-        while (reply := client.recv(0)) is not None:
-            if not any(relay.on_reply(reply.header.re, reply) for relay in self.relays.values()):
-                log.debug("ps.stray_ack", endpoint=client.endpoint)
-
-    def _check_relays(self) -> None:
-        for client in self._peers.values():
-            self._drain_peer(client)
-        now = time.monotonic()
-        for relay in self.relays.values():
-            relay.check(now)
+    def _send_peer(self, peer: WorkerInfo, body: Body, deadline_s: float, on_done: Callable[[Outcome], None]) -> None:
+        # Sent once: the stream is pipelined over reliable connections; a child that misses its deadline fails
+        # the init rather than being fed the chunk again.
+        self.runtime.calls.request(peer.endpoint, body, on_done, deadline_s=deadline_s, policy=SEND_ONCE)
 
     def _plan(self, request: Message) -> Body:
         plan = request.body

@@ -1,0 +1,111 @@
+"""Running episodes (``run`` → ``generate``) on a real broker: an in-process env server with its
+:class:`EpisodeRunner`, and in-process rollout nodes whose ``generate`` answers the test controls. Each way a
+generation ends reaches the orchestrator's ``run`` once: generated and kept, the rollout worker leaving the
+registry (its runs fail at once, not at the deadline), no answer by ``generate_timeout_s``, and a
+generation the score function refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from branches import random_arrays
+from polling import wait_for
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, Server
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
+from refbus.nodes.payload.episodes import EpisodeRunner, EpisodeSettings
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Generate, Generated, Ok, Run
+
+GENERATE_TIMEOUT_S = 3.0
+REFRESH_S = 0.1
+PATIENT = RetryPolicy(timeout_s=10 * GENERATE_TIMEOUT_S, attempts=1)
+
+
+class Rollout:
+    """An in-process rollout node (loop in a thread) that holds every ``generate`` until told to answer."""
+
+    def __init__(self, control: str, node_id: str) -> None:
+        self.runtime = NodeRuntime("rollout", RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1))
+        self.server: Server = self.runtime.serve("generate", "tcp://127.0.0.1:0")
+        self.held: list[tuple[Any, Generate]] = []
+        self.server.on(Generate.kind, self._hold, cached=False)
+        self.runtime.start_background()
+
+    def _hold(self, request: Message) -> None:
+        assert isinstance(request.body, Generate)
+        self.held.append((self.server.pending, request.body))
+
+    def answer(self, index: int) -> None:
+        pending, ask = self.held[index]
+        tokens = [*ask.prompt, ask.prompt[0] + 1]  # the toy task's right answer
+        arrays = random_arrays(len(tokens), seed=index, layers=4, top_k=2, k=3, max_count=3, routing_dtype=np.uint8)
+        self.runtime.call_soon(lambda: self.server.answer(pending, Generated(tokens, 0, arrays)))
+
+
+@pytest.fixture
+def env_server(bus: tuple[NodeProcess, str]) -> Iterator[tuple[EpisodeRunner, str]]:
+    runtime = NodeRuntime("env-server", RuntimeSettings(bus=bus[1], node_id="env-episodes", metrics_port=-1))
+    env = EnvServer(runtime, EnvServerSettings(source="episodes"))
+    runner = EpisodeRunner(runtime, env, EpisodeSettings(generate_timeout_s=GENERATE_TIMEOUT_S,
+                                                         rollout_refresh_s=REFRESH_S))
+    runtime.start_background()
+    yield runner, runtime.endpoints["blobs"]
+    runtime.join(timeout=10 * GENERATE_TIMEOUT_S)
+
+
+def run_async(client: Client, episode: str, prompt: int = 3) -> str:
+    return client.send(Run(episode_id=episode, group="g", prompt=[prompt]))
+
+
+def answer_to(client: Client, msg_id: str) -> Message:
+    reply = client.recv(int(10 * GENERATE_TIMEOUT_S * 1000))
+    assert reply is not None and reply.header.re == msg_id, reply
+    return reply
+
+
+def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess, str], env_server: Any) -> None:
+    runner, endpoint = env_server
+    orchestrator = Client(runner.runtime.ctx, endpoint, WireCodec("orchestrator"), policy=PATIENT)
+    first = Rollout(bus[1], "rollout-first")
+    try:
+        wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
+        generated, stranded = run_async(orchestrator, "ep-0"), run_async(orchestrator, "ep-1")
+        wait_for(lambda: len(first.held) == 2, 5, "both generations at the rollout")
+        first.answer(0)
+        reply = answer_to(orchestrator, generated)
+        assert isinstance(reply.body, Ok) and reply.body.detail.startswith("reward=")
+        assert runner.env_server.stats().kept_total == 1
+
+        unscorable = run_async(orchestrator, "ep-bad", prompt=99)  # the score function refuses this prompt
+        wait_for(lambda: len(first.held) == 3, 5, "the third generation at the rollout")
+        first.answer(2)
+        reply = answer_to(orchestrator, unscorable)
+        assert reply.kind == "error" and reply.body.code == "score-failed", reply.body
+        assert runner.env_server.stats().kept_total == 1
+
+        first.runtime.join(timeout=5)  # bye: the registry drops it, its generation will never come
+        reply = answer_to(orchestrator, stranded)
+        assert reply.kind == "error" and reply.body.code == "rollout-down", reply.body
+
+        silent = Rollout(bus[1], "rollout-silent")
+        try:
+            wait_for(lambda: runner.rollouts == {silent.runtime.endpoints["generate"]}, 10 * REFRESH_S + 5,
+                     "only the silent rollout in the registry")
+            unanswered = run_async(orchestrator, "ep-2")
+            reply = answer_to(orchestrator, unanswered)
+            assert reply.kind == "error" and reply.body.code == "timeout", reply.body
+            assert len(silent.held) == 1  # sent once: a generation is never asked for twice
+        finally:
+            silent.runtime.join(timeout=5)
+        assert (runner.finished, runner.failed) == (1, 3)
+        with pytest.raises(RemoteError, match="no-rollout"):
+            wait_for(lambda: not runner.rollouts, 10 * REFRESH_S + 5, "the registry emptied")
+            orchestrator.request(Run(episode_id="ep-3", group="g", prompt=[3]))
+    finally:
+        first.runtime.join(timeout=5)
+        orchestrator.close()
