@@ -9,8 +9,11 @@ The contract:
 * Every failure becomes an ``error`` reply with a stable code: malformed frames, unknown kinds, schema and
   version errors, oversized messages, handler errors (:class:`HandlerError`), unexpected exceptions
   (``internal``). The server keeps serving others whatever it receives.
-* A client raises :class:`RemoteError` for an ``error`` reply and :class:`RequestTimeout` once its
-  :class:`RetryPolicy` is exhausted. Late replies to earlier requests are passed to ``on_stray``.
+* No request without a deadline: every request ends by its :class:`RetryPolicy` (finite attempts, each with a
+  finite timeout) or an explicit deadline. A client raises :class:`RemoteError` for an ``error`` reply and
+  :class:`RequestTimeout` at the deadline. Late replies to earlier requests are passed to ``on_stray``.
+* Requests issued from a node loop that must not block it go through :class:`~.calls.Calls`; outcomes of
+  either path are sorted by :func:`split_outcomes`.
 
 Neither class is thread-safe: one owner thread each.
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from math import isfinite
+from typing import TypeVar
 
 import msgspec
 import structlog
@@ -44,15 +49,53 @@ class RetryPolicy:
     backoff: float = 2.0
     max_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        # A policy is a request's deadline: it must end.
+        if self.attempts < 1 or not (self.timeout_s > 0 and isfinite(self.timeout_s) and isfinite(self.max_timeout_s)):
+            raise ValueError(f"a retry policy needs attempts >= 1 and finite positive timeouts, not {self}")
+
     def timeouts(self) -> Iterator[float]:
         timeout = self.timeout_s
         for _ in range(self.attempts):
             yield timeout
             timeout = min(timeout * self.backoff, self.max_timeout_s)
 
+    @property
+    def deadline_s(self) -> float:
+        """The default deadline of a request under this policy: the sum of its attempts' timeouts."""
+        return sum(self.timeouts())
+
+
+SEND_ONCE = RetryPolicy(attempts=1)
+"""For requests whose handler answers late (a deferred reply is not cached, so a resend would run it again):
+one send, then wait until the call's deadline."""
+
+
+class Attempts:
+    """When one request is (re)sent and when it is given up: the policy's attempts, none after ``deadline``
+    (absolute, monotonic); the last attempt waits until the deadline."""
+
+    __slots__ = ("_timeouts", "deadline", "sent")
+
+    def __init__(self, policy: RetryPolicy, deadline_s: float | None, now: float) -> None:
+        self._timeouts = policy.timeouts()
+        self.deadline = now + (policy.deadline_s if deadline_s is None else deadline_s)
+        self.sent = 0
+
+    def next(self, now: float) -> tuple[bool, float] | None:
+        """Call when the request is due (and once at the start): ``(send now?, when it is due next)``, or
+        None once the deadline has passed."""
+        if now >= self.deadline:
+            return None
+        timeout = next(self._timeouts, None)
+        if timeout is None:
+            return False, self.deadline
+        self.sent += 1
+        return True, min(now + timeout, self.deadline)
+
 
 class RequestTimeout(TimeoutError):
-    """No reply after every attempt of the retry policy."""
+    """No reply by the request's deadline (every attempt of its retry policy sent)."""
 
 
 class RemoteError(Exception):
@@ -63,6 +106,37 @@ class RemoteError(Exception):
         self.detail = error.message
         self.endpoint = endpoint
         super().__init__(f"{endpoint} rejected {error.request_kind or 'request'}: [{error.code}] {error.message}")
+
+
+class PeerDown(Exception):
+    """The peer was reported down (registry ``node-down``) while the request was pending, or before it was
+    sent."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        self.peer = peer
+        self.reason = reason
+        super().__init__(f"{peer} went down: {reason}")
+
+
+Outcome = Message | RemoteError | RequestTimeout | PeerDown
+"""How a request ended: its reply, or why there is none."""
+
+Failure = RemoteError | RequestTimeout | PeerDown
+
+K = TypeVar("K")
+
+
+def split_outcomes(keyed: Iterable[tuple[K, Outcome]]) -> tuple[list[tuple[K, Message]], list[tuple[K, Failure]]]:
+    """Sort :func:`gather` / :class:`~.calls.Calls` outcomes into replies and failures, keeping the caller's
+    keys (and their order): ``split_outcomes(zip(calls, gather(calls)))``."""
+    replies: list[tuple[K, Message]] = []
+    failures: list[tuple[K, Failure]] = []
+    for key, outcome in keyed:
+        if isinstance(outcome, Message):
+            replies.append((key, outcome))
+        else:
+            failures.append((key, outcome))
+    return replies, failures
 
 
 class HandlerError(Exception):
@@ -120,7 +194,7 @@ class Client:
             deadline = time.monotonic() + timeout
             while (reply := self.recv(_ms_until(deadline), backend=backend)) is not None:
                 if reply.header.re != msg_id:
-                    self._stray(reply)
+                    self.stray(reply)
                 elif isinstance(reply.body, Error):
                     raise RemoteError(reply.body, self.endpoint)
                 else:
@@ -142,7 +216,8 @@ class Client:
             except ProtocolError as exc:
                 log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
 
-    def _stray(self, reply: Message) -> None:
+    def stray(self, reply: Message) -> None:
+        """Hand a reply that answers none of the caller's requests to ``on_stray`` (logged when unset)."""
         if self.on_stray is not None:
             self.on_stray(reply)
         elif isinstance(reply.body, Error):
@@ -163,12 +238,8 @@ class _Call:
     kind: str
     msg_id: str
     frames: list
-    timeouts: Iterator[float]
-    attempts: int = 0
-    deadline: float = 0.0
-
-
-Outcome = Message | RemoteError | RequestTimeout
+    attempts: Attempts
+    due: float = 0.0
 
 
 def gather(
@@ -176,14 +247,17 @@ def gather(
     *,
     window: int = 8,
     policy: RetryPolicy | None = None,
+    deadline_s: float | None = None,
     backend: ArrayBackend = "native",
     verify: bool = True,
-) -> list[Outcome]:
+) -> list[Message | RemoteError | RequestTimeout]:
     """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
-    its client's). Returns one outcome per call, in order: the reply, or the :class:`RemoteError` /
-    :class:`RequestTimeout` it ended with. Late duplicate replies go to each client's ``on_stray``.
-    ``verify=False`` skips frame checksums for callers that verify the bytes themselves."""
-    results: list[Outcome | None] = [None] * len(calls)
+    its client's) until its deadline: ``deadline_s`` after it is first sent (default: the sum of the
+    policy's timeouts), as for :class:`~.calls.Calls`. Returns one outcome per call, in order: the reply,
+    or the :class:`RemoteError` / :class:`RequestTimeout` it ended with (sort them with
+    :func:`split_outcomes`). Late duplicate replies go to each client's ``on_stray``. ``verify=False``
+    skips frame checksums for callers that verify the bytes themselves."""
+    results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
     queued: dict[Client, deque[int]] = {}
     for index, (client, _) in enumerate(calls):
         queued.setdefault(client, deque()).append(index)
@@ -191,17 +265,17 @@ def gather(
     busy: Counter[Client] = Counter()
 
     def attempt(call: _Call) -> None:
-        timeout = next(call.timeouts, None)
-        if timeout is None:
+        step = call.attempts.next(time.monotonic())
+        if step is None:
             finish(call, RequestTimeout(
-                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts} attempts"))
+                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts.sent} attempts"))
             return
-        call.attempts += 1
-        if call.attempts > 1:
-            call.client.retries += 1
-            log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts)
-        send_frames(call.client.sock, call.frames)
-        call.deadline = time.monotonic() + timeout
+        send, call.due = step
+        if send:
+            if call.attempts.sent > 1:
+                call.client.retries += 1
+                log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts.sent)
+            send_frames(call.client.sock, call.frames)
 
     def launch(client: Client) -> None:
         while queued[client] and busy[client] < window:
@@ -209,12 +283,12 @@ def gather(
             body = calls[index][1]
             msg_id = client.codec.new_id()
             call = _Call(index, client, body.kind, msg_id, client.codec.encode(body, msg_id=msg_id),
-                         (policy or client.policy).timeouts())
+                         Attempts(policy or client.policy, deadline_s, time.monotonic()))
             in_flight[msg_id] = call
             busy[client] += 1
             attempt(call)
 
-    def finish(call: _Call, outcome: Outcome) -> None:
+    def finish(call: _Call, outcome: Message | RemoteError | RequestTimeout) -> None:
         results[call.index] = outcome
         del in_flight[call.msg_id]
         busy[call.client] -= 1
@@ -228,16 +302,16 @@ def gather(
     by_socket = {client.sock: client for client in queued}
     while in_flight:
         now = time.monotonic()
-        for call in [c for c in in_flight.values() if c.deadline <= now]:
+        for call in [c for c in in_flight.values() if c.due <= now]:
             attempt(call)
         if not in_flight:
             break
-        for sock, _ in poller.poll(_ms_until(min(c.deadline for c in in_flight.values()))):
+        for sock, _ in poller.poll(_ms_until(min(c.due for c in in_flight.values()))):
             client = by_socket[sock]
             while (reply := client.recv(0, backend=backend, verify=verify)) is not None:
                 call = in_flight.get(reply.header.re)
                 if call is None or call.client is not client:
-                    client._stray(reply)
+                    client.stray(reply)
                 elif isinstance(reply.body, Error):
                     finish(call, RemoteError(reply.body, client.endpoint))
                 else:

@@ -8,8 +8,8 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 2. register with the broker (``hello`` → ``welcome``), connect the PUB socket to the broker and prove it
    live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
    live the same way and replay what was asked for;
-3. loop: one poller over every socket, timers, heartbeats (with the role's ``status``), re-registering if
-   the broker forgot the node;
+3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
+   deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node;
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, say ``bye``, close every socket (linger
    0), remove ipc socket files and the ready file.
 
@@ -52,9 +52,10 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
+from .calls import Calls
 from .metrics import LiveCounters, register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
-from .reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, Server
+from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .sockets import (
     EVENT_OPTIONS,
     FrameCounter,
@@ -156,6 +157,8 @@ class NodeRuntime:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self.calls = Calls(self.client, self.watch, settings.retry)
+        """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
 
     # --- building blocks for roles -------------------------------------------------------------------
 
@@ -218,9 +221,7 @@ class NodeRuntime:
         """The client of the broker's control endpoint, made on first use: registry queries and replays work
         for a node that does not register too (a CLI command, a launcher)."""
         if self.control is None:
-            self.control = self.client(self.settings.bus)
-            self.control.on_stray = self._on_control_reply
-            self.watch(self.control.sock, self._drain_control)
+            self.control = self.calls.client(self.settings.bus)
         return self.control
 
     def lookup(self, role: str = "") -> list[NodeInfo] | None:
@@ -366,12 +367,16 @@ class NodeRuntime:
                 self._rejoin = False
                 self._join()
             timeout_ms = self._run_timers()
+            calls_wait = self.calls.wait_s()
+            if calls_wait is not None:
+                timeout_ms = min(timeout_ms, int(calls_wait * 1000) + 1)
             for sock, _ in self._poller.poll(timeout_ms):
                 if sock is self._wake_r or sock == self._wake_r.fileno():
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(64)
                     continue
                 self._callbacks[sock]()
+            self.calls.tick()
 
     def close(self) -> None:
         for hook in self.shutdown_hooks:
@@ -383,6 +388,7 @@ class NodeRuntime:
         if self.control is not None and self.welcome is not None:
             with contextlib.suppress(Exception):
                 self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=0.5, attempts=1))
+        self.calls.close()
         for client in self._clients:
             client.close()
         for sock in self._owned:
@@ -434,6 +440,12 @@ class NodeRuntime:
                     lambda: {(): float(sum(server.duplicates for server in self._servers))})
         self.metric("refbus_request_retries_total", "Requests this node sent again after a timeout.",
                     lambda: {(): float(sum(client.retries for client in self._clients))})
+        self.metric("refbus_request_outcomes_total", "Asynchronous requests resolved, by outcome.",
+                    lambda: {(k,): float(v) for k, v in self.calls.outcomes.items()}, labels=("outcome",))
+        self.metric("refbus_replies_late_total", "Replies that arrived after their request's outcome (dropped).",
+                    lambda: {(): float(self.calls.late)})
+        self.metric("refbus_replies_rejected_total", "Malformed replies dropped, by error code.",
+                    lambda: {(k,): float(v) for k, v in self.calls.rejected.items()}, labels=("code",))
 
     def metric(
         self,
@@ -524,7 +536,7 @@ class NodeRuntime:
                 if isinstance(reply.body, Error):
                     raise BusUnavailable(f"broker refused the event handshake: {reply.body.message}")
                 return
-            self._on_control_reply(reply)
+            self.control.stray(reply)
         raise BusUnavailable(f"the broker did not see this node's events within {timeout_s:.1f}s")
 
     def _deliver_ready(self) -> None:
@@ -545,22 +557,21 @@ class NodeRuntime:
                 break
         self._deliver_ready()
 
-    def _drain_control(self) -> None:
-        assert self.control is not None
-        while (reply := self.control.recv(0)) is not None:
-            self._on_control_reply(reply)
+    def _heartbeat(self) -> None:
+        # Not resent: the next heartbeat is due when this one's deadline passes.
+        if self.control is not None and self.welcome is not None:
+            self.calls.request(self.settings.bus, Heartbeat(node_id=self.node_id, status=self.status()),
+                               self._on_heartbeat, deadline_s=self.welcome.heartbeat_interval, policy=SEND_ONCE)
 
-    def _on_control_reply(self, reply: Message) -> None:
-        if isinstance(reply.body, Error):
-            if reply.body.code == "unknown-node":
-                log.warning("node.forgotten_by_broker", detail=reply.body.message)
+    def _on_heartbeat(self, outcome: Outcome) -> None:
+        if isinstance(outcome, RemoteError):
+            if outcome.code == "unknown-node":
+                log.warning("node.forgotten_by_broker", detail=outcome.detail)
                 self._rejoin = True
             else:
-                log.warning("control.error", code=reply.body.code, error=reply.body.message)
-
-    def _heartbeat(self) -> None:
-        if self.control is not None and self.welcome is not None:
-            self.control.send(Heartbeat(node_id=self.node_id, status=self.status()))
+                log.warning("control.error", code=outcome.code, error=outcome.detail)
+        elif isinstance(outcome, RequestTimeout):
+            log.debug("heartbeat.unanswered", bus=self.settings.bus)
 
     def _run_timers(self) -> int:
         now = time.monotonic()

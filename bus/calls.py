@@ -1,0 +1,217 @@
+"""Asynchronous requests from a node loop: send now, get exactly one outcome later, never block the loop.
+
+Every call has a deadline. Its outcome is exactly one of: the reply (a :class:`Message`), the server's
+``error`` reply (:class:`RemoteError`), no reply by the deadline (:class:`RequestTimeout`), or the peer
+reported down meanwhile (:class:`PeerDown`). It reaches the call's ``on_done`` on the loop thread, once;
+replies arriving after that are dropped and counted (``late``), malformed ones are counted by error code
+(``rejected``) and resolve nothing.
+
+Retries resend the same frames (the same message id) at the times the call's :class:`RetryPolicy` gives,
+so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its
+reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import zmq
+
+from ..protocol.codec import ArrayBackend
+from ..protocol.envelope import Message
+from ..protocol.errors import ProtocolError
+from ..protocol.messages import Body, Error
+from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy
+from .sockets import recv_frames, send_frames
+
+log = structlog.get_logger(__name__)
+
+OnDone = Callable[[Outcome], None]
+Connect = Callable[[str], Client]
+Watch = Callable[[zmq.Socket, Callable[[], None]], None]
+
+
+@dataclass
+class _Call:
+    msg_id: str
+    endpoint: str
+    kind: str
+    frames: list
+    on_done: OnDone
+    backend: ArrayBackend
+    attempts: Attempts
+    due: float = 0.0
+
+
+class Calls:
+    """Asynchronous requests issued from the node loop thread. Owned by the :class:`NodeRuntime`
+    (``runtime.calls``), which drives it: :meth:`wait_s` bounds the loop's poll, :meth:`tick` runs after
+    it every turn, and each peer's socket is drained when readable.
+
+    :meth:`request` sends at once and returns; exactly one of reply / remote error / timeout / peer down
+    reaches ``on_done``, on the loop thread, exactly once (an exception it raises is logged, not
+    propagated). Late replies after the outcome are dropped (counted). Loop thread only: from other threads
+    go through ``runtime.call_soon``.
+    """
+
+    def __init__(self, connect: Connect, watch: Watch, policy: RetryPolicy, *, budget: int = 256) -> None:
+        """``connect(endpoint)`` makes the one client per endpoint (closed by its maker); ``watch(sock, cb)``
+        has ``cb`` called when ``sock`` is readable; ``policy`` is the default retry policy; ``budget``
+        caps the replies handled per socket per turn, so other sockets get theirs."""
+        self._connect = connect
+        self._watch = watch
+        self.policy = policy
+        self._budget = budget
+        self._clients: dict[str, Client] = {}
+        self._pending: dict[str, _Call] = {}
+        self._per_endpoint: Counter[str] = Counter()
+        self._due: list[tuple[float, int, str]] = []  # (due, tie-break, msg id); stale entries are skipped
+        self._order = itertools.count()
+        self.outcomes: Counter[str] = Counter()  # reply / remote-error / timeout / peer-down
+        self.late = 0
+        self.rejected: Counter[str] = Counter()
+
+    def client(self, endpoint: str) -> Client:
+        """The one client to ``endpoint``, made and watched on first use. Blocking ``request`` on it is
+        allowed (before the loop runs, or for a short round trip): replies it meets that belong to pending
+        calls are handed back here (decoded with that request's backend)."""
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = self._connect(endpoint)
+            client.on_stray = lambda reply: self._resolve(reply, endpoint)
+            self._watch(client.sock, lambda: self._drain(client))
+        return client
+
+    def request(
+        self,
+        endpoint: str,
+        body: Body,
+        on_done: OnDone,
+        *,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        backend: ArrayBackend = "native",
+    ) -> str:
+        """Send ``body`` to ``endpoint`` now; its outcome goes to ``on_done`` later. ``deadline_s`` from now
+        (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
+        to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out). The reply's arrays
+        belong to ``on_done``. Returns the message id (for :meth:`cancel`)."""
+        client = self.client(endpoint)
+        msg_id = client.codec.new_id()
+        call = _Call(msg_id, endpoint, body.kind, client.codec.encode(body, msg_id=msg_id), on_done, backend,
+                     Attempts(policy or self.policy, deadline_s, _now()))
+        self._pending[msg_id] = call
+        self._per_endpoint[endpoint] += 1
+        self._attempt(call, _now())
+        return msg_id
+
+    def peer_down(self, endpoint: str, reason: str) -> int:
+        """Resolve every pending call to ``endpoint`` with :class:`PeerDown`; returns how many."""
+        calls = [c for c in self._pending.values() if c.endpoint == endpoint]
+        for call in calls:
+            self._finish(call, PeerDown(endpoint, reason))
+        return len(calls)
+
+    def cancel(self, msg_id: str) -> bool:
+        """Forget a pending call without calling its ``on_done``; False when it is not pending."""
+        call = self._pending.get(msg_id)
+        if call is None:
+            return False
+        self._forget(call)
+        return True
+
+    def in_flight(self, endpoint: str | None = None) -> int:
+        """Pending calls (to ``endpoint``, or to all)."""
+        return len(self._pending) if endpoint is None else self._per_endpoint[endpoint]
+
+    def tick(self) -> None:
+        """Resend what is due and time out what has reached its deadline."""
+        now = _now()
+        while self._due and self._due[0][0] <= now:
+            due, _, msg_id = heapq.heappop(self._due)
+            call = self._pending.get(msg_id)
+            if call is not None and call.due == due:
+                self._attempt(call, now)
+
+    def wait_s(self) -> float | None:
+        """Seconds until :meth:`tick` has something to do; None when nothing is pending."""
+        if not self._pending:
+            self._due.clear()  # only stale entries are left
+            return None
+        return max(0.0, self._due[0][0] - _now())
+
+    def close(self) -> None:
+        """Drop every pending call without an outcome (the node is shutting down; its sockets close)."""
+        self._pending.clear()
+        self._per_endpoint.clear()
+        self._due.clear()
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _attempt(self, call: _Call, now: float) -> None:
+        step = call.attempts.next(now)
+        if step is None:
+            self._finish(call, RequestTimeout(f"no reply from {call.endpoint} to {call.kind} within the deadline "
+                                              f"({call.attempts.sent} attempts)"))
+            return
+        send, call.due = step
+        heapq.heappush(self._due, (call.due, next(self._order), call.msg_id))
+        if send:
+            client = self._clients[call.endpoint]
+            if call.attempts.sent > 1:
+                client.retries += 1
+                log.info("request.retry", kind=call.kind, endpoint=call.endpoint, attempt=call.attempts.sent)
+            send_frames(client.sock, call.frames)
+
+    def _drain(self, client: Client) -> None:
+        for _ in range(self._budget):
+            try:
+                frames = recv_frames(client.sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                checked = client.codec.decode_header(frames)
+                call = self._pending.get(checked[1].re)
+                # A reply to no pending call is decoded without torch: it is only counted.
+                backend = call.backend if call is not None else "numpy"
+                reply = client.codec.decode(frames, backend=backend, checked=checked)
+            except ProtocolError as exc:
+                self.rejected[exc.code] += 1
+                log.warning("reply.rejected", endpoint=client.endpoint, code=exc.code, error=str(exc))
+                continue
+            self._resolve(reply, client.endpoint)
+
+    def _resolve(self, reply: Message, endpoint: str) -> None:
+        call = self._pending.get(reply.header.re)
+        if call is None or call.endpoint != endpoint:
+            self.late += 1
+            log.debug("reply.late", endpoint=endpoint, kind=reply.kind)
+            return
+        body = reply.body
+        self._finish(call, RemoteError(body, call.endpoint) if isinstance(body, Error) else reply)
+
+    def _forget(self, call: _Call) -> None:
+        del self._pending[call.msg_id]
+        self._per_endpoint[call.endpoint] -= 1
+        if not self._per_endpoint[call.endpoint]:
+            del self._per_endpoint[call.endpoint]
+
+    def _finish(self, call: _Call, outcome: Outcome) -> None:
+        self._forget(call)
+        self.outcomes[_OUTCOME_NAMES[type(outcome)]] += 1
+        try:
+            call.on_done(outcome)
+        except Exception:
+            log.exception("request.on_done_failed", kind=call.kind, endpoint=call.endpoint)
+
+
+_OUTCOME_NAMES: dict[type, str] = {Message: "reply", RemoteError: "remote-error", RequestTimeout: "timeout",
+                                   PeerDown: "peer-down"}
+
+_now = time.monotonic

@@ -1,0 +1,462 @@
+"""Asynchronous requests (``runtime.calls``) over real loopback sockets: the caller is a real
+:class:`NodeRuntime` whose loop the test drives on its own thread; the peers are raw ROUTERs the test answers
+by hand (so every interleaving is chosen, not hoped for), a :class:`Server` thread, or a server process
+killed with SIGKILL.
+
+Covers each outcome (reply, remote error, timeout at the deadline, peer down), retries with the same id,
+cancel, late and malformed replies (counted, resolving nothing), exactly-once delivery under mixed
+interleavings, the loop's poll bounded by the earliest deadline, and shutdown with calls pending.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from refbus.bus.reqrep import (
+    SEND_ONCE,
+    HandlerError,
+    Outcome,
+    PeerDown,
+    RemoteError,
+    RequestTimeout,
+    RetryPolicy,
+    split_outcomes,
+)
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import bound_endpoint, recv_frames, send_frames
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Delete, Error, Ok
+
+pytest_plugins = ["wire_fixtures"]
+
+LOOPBACK = "tcp://127.0.0.1:0"
+WAIT_S = 5.0  # upper bound for anything that should arrive promptly on loopback
+PEER = WireCodec("peer")
+DELETE = Delete(blob_ids=["b1"], holder="caller", reason="trained")
+FAST = RetryPolicy(timeout_s=0.05, attempts=3, backoff=1.0)  # resends every 50 ms, three sends in all
+
+
+def make_caller(*, ticker: bool = True) -> NodeRuntime:
+    """A started, unregistered runtime. ``ticker`` adds a 10 ms timer so every loop turn is short (the
+    test's predicates poll peers between turns); without it only the runtime's own deadlines wake it."""
+    runtime = NodeRuntime("caller", RuntimeSettings(node_id="caller", metrics_port=-1, heartbeat_interval_s=3600.0),
+                          register=False)
+    if ticker:
+        runtime.every(0.01, lambda: None)
+    runtime.start()
+    return runtime
+
+
+@pytest.fixture
+def caller() -> Iterator[NodeRuntime]:
+    runtime = make_caller()
+    yield runtime
+    runtime.close()
+
+
+def pump(runtime: NodeRuntime, predicate: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+    """Run the caller's loop on this thread until ``predicate()`` holds; fail naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    runtime.loop(until=lambda: bool(predicate()) or time.monotonic() > deadline)
+    value = predicate()
+    assert value, f"timed out after {timeout}s waiting for {what}"
+    return value
+
+
+class Recorder:
+    """``on_done`` callbacks that record every outcome by key (so a second delivery shows)."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[Any, list[Outcome]] = {}
+
+    def __call__(self, key: Any) -> Callable[[Outcome], None]:
+        self.outcomes.setdefault(key, [])
+        return lambda outcome: self.outcomes[key].append(outcome)
+
+    def one(self, key: Any) -> Outcome:
+        got = self.outcomes[key]
+        assert len(got) == 1, f"{key}: {len(got)} outcomes {got!r}"
+        return got[0]
+
+    def resolved(self, *keys: Any) -> bool:
+        return all(self.outcomes[k] for k in keys)
+
+
+class Peer:
+    """A raw ROUTER the test answers by hand."""
+
+    def __init__(self, sockets: Any) -> None:
+        self.sock = sockets(zmq.ROUTER, bind=LOOPBACK)
+        self.endpoint = bound_endpoint(self.sock)
+        self.received: list[tuple[bytes, Message]] = []
+
+    def poll(self) -> int:
+        """Take whatever has arrived; how many requests arrived so far."""
+        while self.sock.poll(0, zmq.POLLIN):
+            frames = recv_frames(self.sock)
+            self.received.append((bytes(frames[0]), PEER.decode(frames[1:])))
+        return len(self.received)
+
+    def ids(self) -> list[str]:
+        return [m.header.id for _, m in self.received]
+
+    def answer(self, msg_id: str, body: Any = None) -> None:
+        identity = next(i for i, m in self.received if m.header.id == msg_id)
+        send_frames(self.sock, [identity, *PEER.encode(body or Ok(detail=msg_id), reply_to=msg_id)])
+
+    def send_raw(self, msg_id: str, frames: list[bytes]) -> None:
+        identity = next(i for i, m in self.received if m.header.id == msg_id)
+        self.sock.send_multipart([identity, *frames])
+
+
+@pytest.fixture
+def peers(sockets: Any) -> Callable[[], Peer]:
+    return lambda: Peer(sockets)
+
+
+def one_turn(runtime: NodeRuntime) -> None:
+    turns = iter((False, True))
+    runtime.loop(until=lambda: next(turns))
+
+
+def wait_received(runtime: NodeRuntime, peer: Peer, count: int) -> None:
+    pump(runtime, lambda: peer.poll() >= count, f"{count} requests at {peer.endpoint}")
+
+
+# --- each outcome -------------------------------------------------------------------------------------
+
+
+def test_reply_and_remote_error_from_a_server(caller: NodeRuntime, serve: Any) -> None:
+    def delete(request: Message) -> Ok:
+        if request.body.blob_ids == ["missing"]:
+            raise HandlerError("unknown-blob", "no blob 'missing'")
+        return Ok(detail="deleted")
+
+    srv = serve(lambda server: server.on("delete", delete))
+    done = Recorder()
+    ok_id = caller.calls.request(srv.endpoint, DELETE, done("ok"))
+    caller.calls.request(srv.endpoint, Delete(blob_ids=["missing"], holder="caller", reason="r"), done("err"))
+    assert caller.calls.in_flight(srv.endpoint) == 2 and caller.calls.in_flight() == 2
+    pump(caller, lambda: done.resolved("ok", "err"), "both outcomes")
+    reply = done.one("ok")
+    assert isinstance(reply, Message) and reply.body == Ok(detail="deleted") and reply.header.re == ok_id
+    error = done.one("err")
+    assert isinstance(error, RemoteError) and error.code == "unknown-blob" and error.endpoint == srv.endpoint
+    assert caller.calls.in_flight() == 0 and caller.calls.in_flight(srv.endpoint) == 0
+    assert caller.calls.outcomes == Counter({"reply": 1, "remote-error": 1})
+    replies, failures = split_outcomes((key, got[0]) for key, got in sorted(done.outcomes.items()))
+    assert replies == [("ok", reply)] and failures == [("err", error)]
+
+
+def test_retries_resend_the_same_id_then_the_reply_resolves(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("call"), policy=FAST, deadline_s=60.0)
+    wait_received(caller, peer, 2)
+    assert set(peer.ids()) == {msg_id}, "a retry must resend the same message id"
+    peer.answer(msg_id, Ok(detail="second"))
+    pump(caller, lambda: done.resolved("call"), "the reply")
+    assert done.one("call").body == Ok(detail="second")
+    retries = caller.calls.client(peer.endpoint).retries
+    assert retries >= 1
+    peer.answer(msg_id, Ok(detail="again"))  # the answer to a resend, after the outcome
+    pump(caller, lambda: caller.calls.late == 1, "the late duplicate to be counted")
+    assert len(done.outcomes["call"]) == 1
+
+
+def test_timeout_comes_at_the_deadline_after_every_attempt(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    sent = time.monotonic()
+    once = caller.calls.request(peer.endpoint, DELETE, done("once"), policy=SEND_ONCE, deadline_s=0.3)
+    retried = caller.calls.request(peer.endpoint, DELETE, done("retried"), policy=FAST, deadline_s=0.4)
+    default = caller.calls.request(peer.endpoint, DELETE, done("default"), policy=FAST)  # deadline: 3 x 50 ms
+    pump(caller, lambda: done.resolved("once", "retried", "default"), "three timeouts", timeout=WAIT_S + 0.4)
+    for key in ("once", "retried", "default"):
+        assert isinstance(done.one(key), RequestTimeout), done.one(key)
+    peer.poll()
+    assert Counter(peer.ids()) == Counter({once: 1, retried: 3, default: 3})
+    assert caller.calls.outcomes == Counter({"timeout": 3})
+    assert caller.calls.in_flight() == 0
+    # Never before the deadline: FAST's three attempts are sent by 0.1 s, the call waits until 0.4 s.
+    assert time.monotonic() - sent >= 0.4
+
+
+def test_the_loop_wakes_for_a_deadline_without_any_other_reason(peers: Any) -> None:
+    runtime = make_caller(ticker=False)  # the only timer is an hourly heartbeat
+    try:
+        peer = peers()
+        done = Recorder()
+        sent = time.monotonic()
+        runtime.calls.request(peer.endpoint, DELETE, done("call"), policy=SEND_ONCE, deadline_s=0.2)
+        runtime.loop(until=lambda: done.resolved("call"))
+        assert isinstance(done.one("call"), RequestTimeout)
+        # Bounded by the deadline, not by the hour the heartbeat timer would otherwise let the poll block.
+        assert time.monotonic() - sent < 60 * 0.2
+    finally:
+        runtime.close()
+
+
+def test_peer_down_resolves_each_call_to_that_peer_once(caller: NodeRuntime, peers: Any) -> None:
+    down, up = peers(), peers()
+    done = Recorder()
+    ids = [caller.calls.request(down.endpoint, DELETE, done(i), deadline_s=60.0) for i in range(3)]
+    other = caller.calls.request(up.endpoint, DELETE, done("other"), deadline_s=60.0)
+    wait_received(caller, down, 3)
+    assert caller.calls.peer_down(down.endpoint, "node-down: timeout") == 3
+    assert caller.calls.peer_down(down.endpoint, "again") == 0
+    for i in range(3):
+        outcome = done.one(i)
+        assert isinstance(outcome, PeerDown) and outcome.peer == down.endpoint and "timeout" in outcome.reason
+    assert caller.calls.in_flight(down.endpoint) == 0 and caller.calls.in_flight() == 1
+    for msg_id in ids:  # the peer was only slow: its answers now come late
+        down.answer(msg_id)
+    pump(caller, lambda: caller.calls.late == 3, "three late replies")
+    assert all(len(done.outcomes[i]) == 1 for i in range(3))
+    wait_received(caller, up, 1)
+    up.answer(other)
+    pump(caller, lambda: done.resolved("other"), "the other peer's reply")
+    assert isinstance(done.one("other"), Message)
+
+
+def test_cancel_forgets_a_call_and_its_reply_is_late(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("cancelled"), policy=SEND_ONCE, deadline_s=0.2)
+    kept = caller.calls.request(peer.endpoint, DELETE, done("kept"), deadline_s=60.0)
+    assert caller.calls.cancel(msg_id) is True
+    assert caller.calls.cancel(msg_id) is False
+    assert caller.calls.in_flight(peer.endpoint) == 1
+    wait_received(caller, peer, 2)
+    peer.answer(msg_id)
+    peer.answer(kept)
+    pump(caller, lambda: done.resolved("kept") and caller.calls.late == 1, "the kept reply and the late one")
+    time_past_deadline = time.monotonic() + 0.25
+    pump(caller, lambda: time.monotonic() > time_past_deadline, "the cancelled call's deadline to pass")
+    assert done.outcomes["cancelled"] == []
+
+
+def test_late_reply_after_a_timeout_is_dropped_and_counted(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("call"), policy=SEND_ONCE, deadline_s=0.1)
+    pump(caller, lambda: done.resolved("call"), "the timeout")
+    peer.poll()
+    peer.answer(msg_id)
+    pump(caller, lambda: caller.calls.late == 1, "the late reply")
+    assert isinstance(done.one("call"), RequestTimeout)
+
+
+# --- garbage ------------------------------------------------------------------------------------------
+
+
+def test_malformed_replies_are_counted_and_resolve_nothing(caller: NodeRuntime, peers: Any) -> None:
+    peer, impostor = peers(), peers()
+    done = Recorder()
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("call"), deadline_s=60.0)
+    caller.calls.request(impostor.endpoint, DELETE, done("impostor"), deadline_s=60.0)
+    wait_received(caller, peer, 1)
+    wait_received(caller, impostor, 1)
+    good = [bytes(f) for f in PEER.encode(Ok(detail="real"), reply_to=msg_id)]
+    garbage = {
+        "one-frame": [b"\x00\xffgarbage"],
+        "not-ascii-kind": [b"\xff\xfe", good[1], good[2]],
+        "bad-header": [good[0], b"\xc1\xc1", good[2]],
+        "bad-body": [good[0], good[1], b"\xc1"],
+        "unknown-kind": [b"teleport", good[1], good[2]],
+        "stray-buffer": [*good, b"extra"],
+    }
+    for frames in garbage.values():
+        peer.send_raw(msg_id, frames)
+    # A well-formed reply carrying this call's id, from another peer, is not its answer.
+    impostor.send_raw(impostor.ids()[0], good)
+    pump(caller, lambda: sum(caller.calls.rejected.values()) == len(garbage) and caller.calls.late == 1,
+         "every malformed reply rejected and the impostor's counted late")
+    assert set(caller.calls.rejected) <= {"malformed", "unknown-kind"}
+    assert done.outcomes["call"] == [] and caller.calls.in_flight(peer.endpoint) == 1
+    peer.answer(msg_id, Ok(detail="real"))
+    pump(caller, lambda: done.resolved("call"), "the real reply")
+    assert done.one("call").body == Ok(detail="real")
+    assert done.outcomes["impostor"] == []
+
+
+# --- exactly once -------------------------------------------------------------------------------------
+
+
+ACTIONS = ("reply", "reply-twice", "error", "garbage-then-reply", "cancel", "timeout", "peer-down", "done-cancels")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_every_outcome_is_delivered_exactly_once_whatever_the_interleaving(
+    caller: NodeRuntime, peers: Any, seed: int
+) -> None:
+    rng = random.Random(seed)
+    endpoints = [peers() for _ in range(3)]
+    downed = endpoints[2]
+    counts: Counter[str] = Counter()
+    calls: dict[str, tuple[Peer, str]] = {}
+    cancelled: set[str] = set()
+
+    def on_done(box: list[str]) -> Callable[[Outcome], None]:
+        def done(outcome: Outcome) -> None:
+            msg_id = box[0]
+            counts[msg_id] += 1
+            action = calls[msg_id][1]
+            # Re-entrancy: an outcome handler that cancels another call and starts a new one.
+            if action == "done-cancels":
+                victim = next((m for m, (_, a) in calls.items() if a == "timeout" and m not in cancelled
+                               and counts[m] == 0), None)
+                if victim is not None and caller.calls.cancel(victim):
+                    cancelled.add(victim)
+        return done
+
+    for _ in range(40):
+        action = rng.choice(ACTIONS)
+        peer = downed if action == "peer-down" else rng.choice(endpoints[:2])  # the downed peer answers nothing
+        deadline = 0.3 if action == "timeout" else 60.0
+        box: list[str] = []  # the id, known once the request is sent
+        box.append(caller.calls.request(peer.endpoint, DELETE, on_done(box), policy=FAST, deadline_s=deadline))
+        calls[box[0]] = (peer, action)
+    for peer in endpoints:
+        mine = {m for m, (p, _) in calls.items() if p is peer}
+        pump(caller, lambda p=peer, ids=mine: (p.poll(), ids <= set(p.ids()))[1], f"every request at {peer.endpoint}")
+    order = list(calls)
+    rng.shuffle(order)
+    for msg_id in order:
+        peer, action = calls[msg_id]
+        if action in ("reply", "done-cancels"):
+            peer.answer(msg_id)
+        elif action == "reply-twice":
+            peer.answer(msg_id)
+            peer.answer(msg_id)
+        elif action == "error":
+            peer.answer(msg_id, Error(code="nope", message="refused", request_kind="delete"))
+        elif action == "garbage-then-reply":
+            peer.send_raw(msg_id, [b"\x00garbage"])
+            peer.answer(msg_id)
+        elif action == "cancel" and caller.calls.cancel(msg_id):
+            cancelled.add(msg_id)
+        if rng.random() < 0.3:
+            one_turn(caller)  # let some outcomes land between the peer's answers
+    caller.calls.peer_down(downed.endpoint, "killed")
+    pump(caller, lambda: caller.calls.in_flight() == 0, "every call resolved", timeout=WAIT_S + 0.3)
+    for msg_id, (peer, _) in calls.items():  # every call is answered once more, after its outcome
+        peer.answer(msg_id)
+    late = len(calls) + sum(action == "reply-twice" for _, action in calls.values())
+    pump(caller, lambda: caller.calls.late >= late, "every answer after an outcome counted late")
+    assert caller.calls.late == late
+    for msg_id, (_, action) in calls.items():
+        expected = 0 if msg_id in cancelled else 1
+        assert counts[msg_id] == expected, (msg_id, action, counts[msg_id])
+    assert sum(caller.calls.outcomes.values()) == len(calls) - len(cancelled)
+
+
+# --- a server killed with SIGKILL ---------------------------------------------------------------------
+
+CHILD = """
+import sys, zmq
+from refbus.bus.reqrep import Server
+from refbus.bus.sockets import bound_endpoint, make_socket
+from refbus.protocol.envelope import WireCodec
+
+sock = make_socket(zmq.Context(), zmq.ROUTER, bind="tcp://127.0.0.1:0")
+server = Server(sock, WireCodec("doomed"))
+
+def hold(request):
+    print("held", request.header.id, flush=True)
+    return None  # never answered: the caller's calls stay pending until the process dies
+
+server.on("delete", hold, cached=False)
+print(bound_endpoint(sock), flush=True)
+while True:
+    server.handle_one()
+"""
+
+
+def read_line(proc: subprocess.Popen, timeout: float = WAIT_S) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the child said nothing within {timeout}s"
+    return proc.stdout.readline().decode().strip()
+
+
+def test_calls_to_a_server_killed_with_sigkill_resolve_by_their_deadline(caller: NodeRuntime, serve: Any) -> None:
+    # Unbuffered, so select() sees every line the child wrote (a buffered reader would hold some back).
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, bufsize=0)
+    try:
+        endpoint = read_line(proc)
+        done = Recorder()
+        short = [caller.calls.request(endpoint, DELETE, done(("short", i)), policy=SEND_ONCE, deadline_s=0.5)
+                 for i in range(3)]
+        long = [caller.calls.request(endpoint, DELETE, done(("long", i)), policy=SEND_ONCE, deadline_s=600.0)
+                for i in range(2)]
+        held = {read_line(proc).split()[1] for _ in range(5)}
+        assert held == set(short + long)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(WAIT_S) == -signal.SIGKILL
+        pump(caller, lambda: done.resolved(*[("short", i) for i in range(3)]), "the short deadlines",
+             timeout=10 * 0.5)
+        assert all(isinstance(done.one(("short", i)), RequestTimeout) for i in range(3))
+        assert caller.calls.in_flight(endpoint) == 2
+        # The registry would report the node down: the long calls end then, not in ten minutes.
+        assert caller.calls.peer_down(endpoint, "node-down: killed") == 2
+        assert all(isinstance(done.one(("long", i)), PeerDown) for i in range(2))
+        # The caller is unharmed: a live server still answers.
+        srv = serve(lambda server: server.on("delete", lambda _: Ok()))
+        caller.calls.request(srv.endpoint, DELETE, done("live"))
+        pump(caller, lambda: done.resolved("live"), "a live server's reply")
+        assert isinstance(done.one("live"), Message)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(WAIT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+# --- shutdown -----------------------------------------------------------------------------------------
+
+
+def test_close_drops_pending_calls_without_an_outcome(peers: Any) -> None:
+    runtime = make_caller()
+    peer = peers()
+    done = Recorder()
+    runtime.calls.request(peer.endpoint, DELETE, done("call"), deadline_s=60.0)
+    wait_received(runtime, peer, 1)
+    runtime.close()
+    assert runtime.calls.in_flight() == 0 and runtime.calls.wait_s() is None
+    assert done.outcomes["call"] == []
+
+
+def test_a_calls_client_serves_blocking_requests_too(caller: NodeRuntime, peers: Any, serve: Any) -> None:
+    """A blocking request on the same socket hands replies of pending calls back to their outcomes."""
+    peer = peers()
+    done = Recorder()
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("async"), deadline_s=60.0)
+    wait_received(caller, peer, 1)
+    peer.answer(msg_id, Ok(detail="async"))
+    client = caller.calls.client(peer.endpoint)
+    assert client is caller.calls.client(peer.endpoint)
+    blocking = RetryPolicy(timeout_s=0.2, attempts=1)
+    with pytest.raises(RequestTimeout):  # the raw peer never answers the blocking request itself
+        client.request(DELETE, policy=blocking)
+    assert done.one("async").body == Ok(detail="async")
+
+
+def test_policies_always_end() -> None:
+    for bad in (dict(attempts=0), dict(timeout_s=0.0), dict(timeout_s=float("inf")), dict(max_timeout_s=float("nan"))):
+        with pytest.raises(ValueError, match="retry policy"):
+            RetryPolicy(**bad)  # type: ignore[arg-type]
+    assert RetryPolicy(timeout_s=2.0, attempts=3).deadline_s == 14.0
