@@ -49,8 +49,8 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ledger import Ledger, read_records
 from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
-from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Kept, StepBatch, VersionBump
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Kept, Run, StepBatch, VersionBump
 from scenario_support import (
     INLINE,
     SEQ_LEN,
@@ -548,3 +548,35 @@ def test_a_step_a_rank_refused_is_redelivered_to_it_and_the_next_step_follows(bu
 
 def _content(batch: StepBatch) -> tuple:
     return batch.step, batch.rank, batch.owned, [[s.sample_id for s in mb.samples] for mb in batch.micro_batches]
+
+
+def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
+    """Regression: a run never answered held its admission slot forever, so after ``max_groups_in_flight``
+    such runs dispatch stopped. Here an env server takes every run and answers none: each run expires
+    after ``env_server.generate_timeout_s`` plus the request retry schedule, its group is abandoned, and
+    new runs keep coming, each sent once."""
+    _, control = bus
+    silent = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-silent", metrics_port=-1))
+    runs: list[Run] = []
+
+    def never_answer(request: Message) -> None:
+        assert isinstance(request.body, Run)
+        runs.append(request.body)
+
+    silent.serve("blobs", "tcp://127.0.0.1:0").on(Run.kind, never_answer)
+    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
+                                      "--orchestrator-dispatch", "true", "--orchestrator-group-size", "1",
+                                      "--orchestrator-max-groups-in-flight", "2",
+                                      "--env-server-generate-timeout-s", "0.3", "--requests-timeout-s", "0.2",
+                                      "--requests-attempts", "1"),
+                         ORCHESTRATOR)
+    try:
+        silent.start_background()
+        orchestrator.wait_ready(WAIT_S)
+        wait_for(lambda: len(runs) >= 3 * 2, WAIT_S, "runs beyond max_groups_in_flight, three times over")
+        seen = list(runs)
+        assert len({r.episode_id for r in seen}) == len(seen), "a run is sent once, never resent"
+        assert orchestrator.proc.poll() is None
+    finally:
+        orchestrator.stop()
+        silent.join(WAIT_S)
