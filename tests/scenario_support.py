@@ -16,9 +16,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 import zmq
-from refbus.bus.reqrep import Client, RetryPolicy
+from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.protocol.envelope import Message, WireCodec
@@ -180,18 +181,40 @@ class FlakyEnvServer(EnvServer):
 
 class RecordingTrainer:
     """A stand-in trainer rank without torch: registers like a ``TrainerRank`` (``trainer`` endpoint, rank
-    labels), acknowledges every step batch and keeps it in ``batches``. Runs in a background thread."""
+    labels), acknowledges step batches as a ``TrainerRank`` does (another batch for a step it has is refused
+    as ``duplicate-step``, an identical repeat of its latest is ok) and keeps each new one in ``batches``.
+    ``refuse_first``: refuse the first step batch (``not-ready``), as a rank that is not ready yet. Runs in a
+    background thread."""
 
-    def __init__(self, control: str, rank: int = 0) -> None:
+    def __init__(self, control: str, rank: int = 0, *, refuse_first: bool = False) -> None:
         self.runtime = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id=f"trainer-{rank}", metrics_port=-1))
         self.runtime.labels.update(rank=str(rank), data_rank=str(rank), leader="1")
         self.batches: list[StepBatch] = []
+        self.refused: list[StepBatch] = []
+        self.repeats = 0
+        self.refuse_first = refuse_first
         self.runtime.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, self._on_step_batch)
 
     def _on_step_batch(self, request: Message) -> Ok:
-        assert isinstance(request.body, StepBatch)
-        self.batches.append(request.body)
+        batch = request.body
+        assert isinstance(batch, StepBatch)
+        if self.refuse_first and not self.refused:
+            self.refused.append(batch)
+            raise HandlerError("not-ready", f"rank {batch.rank} is not ready yet")
+        if self.batches and _encoded(batch) == _encoded(self.batches[-1]):
+            self.repeats += 1
+            return Ok()
+        if any(b.step == batch.step for b in self.batches):
+            raise HandlerError("duplicate-step", f"rank {batch.rank} already has step {batch.step}")
+        self.batches.append(batch)
         return Ok()
+
+
+def _encoded(batch: StepBatch) -> bytes:
+    """A step batch's content, comparable (its inline arrays as bytes)."""
+    inputs = [{name: np.asarray(a).tobytes() for name, a in mb.inputs.items()} for mb in batch.micro_batches]
+    samples = [mb.samples for mb in batch.micro_batches]
+    return msgspec.msgpack.encode((batch.step, batch.rank, batch.owned, samples, inputs))
 
 
 # --- the registry ---------------------------------------------------------------------------------------

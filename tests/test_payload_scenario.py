@@ -49,8 +49,8 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ledger import Ledger, read_records
 from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
-from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Kept, VersionBump
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Kept, Run, StepBatch, VersionBump
 from scenario_support import (
     INLINE,
     SEQ_LEN,
@@ -502,3 +502,81 @@ def test_a_step_ships_whole_groups_when_episodes_keep_several_samples(bus, spawn
         registry.close()
         for node in (rank.runtime, env_node):
             node.join(WAIT_S)
+
+
+def test_a_step_a_rank_refused_is_redelivered_to_it_and_the_next_step_follows(bus, spawn) -> None:
+    """Regression: when one rank refused its step batch, the step's groups left the queue, its blobs stayed
+    held and the step number was reused, so the rank that had accepted refused every later step as
+    ``duplicate-step``. Now the same step goes again to the rank that refused it (after one request
+    timeout), and only once every rank has it does the next step ship."""
+    _, control = bus
+    env_node = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-0", metrics_port=-1))
+    env = EnvServer(env_node, EnvServerSettings())
+    ranks = [RecordingTrainer(control, 0), RecordingTrainer(control, 1, refuse_first=True)]
+    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
+                                      "--orchestrator-trainers", "2", "--orchestrator-seq-len", str(SEQ_LEN),
+                                      "--orchestrator-group-size", "2", "--orchestrator-groups-per-step", "1",
+                                      "--requests-timeout-s", "0.5"),
+                         ORCHESTRATOR)
+    registry = Registry(control)
+    driver: Driver | None = None
+    try:
+        for node in (env_node, *(rank.runtime for rank in ranks)):
+            node.start_background()
+        orchestrator.wait_ready(WAIT_S)
+        driver = Driver(registry, {"env-0": env.endpoint})
+        driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)), episode("a2", "env-0", "A", 0.0,
+                                                                                   SampleSpec(12, R8)))
+        wait_for(lambda: [b.step for b in ranks[1].batches] == [0], WAIT_S, "step 0 re-delivered to rank 1")
+        driver.feed(episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)), episode("b2", "env-0", "B", 0.0,
+                                                                                   SampleSpec(8, R8)))
+        driver.wait_orchestrator("step 1 acknowledged by both ranks", step=2, blobs_held=0)
+        for rank in ranks:
+            assert [b.step for b in rank.batches] == [0, 1], rank.runtime.node_id
+        (refused,) = ranks[1].refused
+        assert _content(refused) == _content(ranks[1].batches[0]), "the same step batch, re-delivered"
+        assert ranks[0].repeats == 0, "the rank that acknowledged got nothing twice"
+        assert orchestrator.proc.poll() is None
+    finally:
+        orchestrator.stop()  # before the env server it deletes from
+        if driver is not None:
+            driver.close()
+        registry.close()
+        for node in (*(rank.runtime for rank in ranks), env_node):
+            node.join(WAIT_S)
+
+
+def _content(batch: StepBatch) -> tuple:
+    return batch.step, batch.rank, batch.owned, [[s.sample_id for s in mb.samples] for mb in batch.micro_batches]
+
+
+def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
+    """Regression: a run never answered held its admission slot forever, so after ``max_groups_in_flight``
+    such runs dispatch stopped. Here an env server takes every run and answers none: each run expires
+    after ``env_server.generate_timeout_s`` plus the request retry schedule, its group is abandoned, and
+    new runs keep coming, each sent once."""
+    _, control = bus
+    silent = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-silent", metrics_port=-1))
+    runs: list[Run] = []
+
+    def never_answer(request: Message) -> None:
+        assert isinstance(request.body, Run)
+        runs.append(request.body)
+
+    silent.serve("blobs", "tcp://127.0.0.1:0").on(Run.kind, never_answer)
+    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
+                                      "--orchestrator-dispatch", "true", "--orchestrator-group-size", "1",
+                                      "--orchestrator-max-groups-in-flight", "2",
+                                      "--env-server-generate-timeout-s", "0.3", "--requests-timeout-s", "0.2",
+                                      "--requests-attempts", "1"),
+                         ORCHESTRATOR)
+    try:
+        silent.start_background()
+        orchestrator.wait_ready(WAIT_S)
+        wait_for(lambda: len(runs) >= 3 * 2, WAIT_S, "runs beyond max_groups_in_flight, three times over")
+        seen = list(runs)
+        assert len({r.episode_id for r in seen}) == len(seen), "a run is sent once, never resent"
+        assert orchestrator.proc.poll() is None
+    finally:
+        orchestrator.stop()
+        silent.join(WAIT_S)

@@ -227,8 +227,14 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
     ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=2)
     try:
         clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
-        for step, data in enumerate((partial, nothing)):
-            hand_over(clients, [step_batch(step, rank, data, rank) for rank in (0, 1)])
+        hand_over(clients, [step_batch(0, rank, partial, rank) for rank in (0, 1)])
+        # A re-delivery of a step batch (a new request, the same batch) is acknowledged again and changes
+        # nothing; a different batch for the same step is refused.
+        hand_over(clients, [step_batch(0, rank, partial, rank) for rank in (0, 1)])
+        for rank in (0, 1):
+            (other,) = gather([(clients[rank], step_batch(0, rank, nothing, rank))])
+            assert isinstance(other, RemoteError) and other.code == "duplicate-step", other
+        hand_over(clients, [step_batch(1, rank, nothing, rank) for rank in (0, 1)])
         reports = [[ranks.recv(rank) for _ in range(2)] for rank in (0, 1)]
     finally:
         exits = ranks.close()

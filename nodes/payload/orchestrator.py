@@ -1,14 +1,13 @@
-"""The orchestrator side of arrays by reference: it holds references, never array bytes.
+"""The orchestrator's pieces of arrays by reference, all pure bookkeeping (no sockets, no clock): it holds
+references, never array bytes.
 
-Three pieces, one job each:
-
-* :class:`ReferenceHolder` — every blob the orchestrator owns, and the only two ways it lets go of one:
-  hand it to a trainer rank (an acknowledged ``step-batch``) or delete it (an acknowledged ``delete`` to the
-  env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
+* :class:`Holdings` — every blob the orchestrator owns, and the only two ways it lets go of one: hand it to
+  a trainer rank (an acknowledged ``step-batch``) or delete it (a delete it decides, sent by the executor to
+  the env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
 * :class:`TrainSink` — the one place that decides what ships. Whatever it will not ship is deleted at that
   moment with its reason: filtered groups (zero advantage), dropped traces, pruned samples, samples too
   stale for the bound, what is still queued at shutdown. :class:`EvalSink` deletes every eval episode's
-  arrays; :meth:`ReferenceHolder.release` covers late returns of dropped groups.
+  arrays.
 * :class:`ReplicaRouter` — picks, for a source, the env-server replica with the fewest runs in flight.
 
 Samples carry small inline arrays (``inputs``: token ids, advantages, loss masks: a few bytes per token) that
@@ -26,24 +25,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
-import structlog
 
-from ...bus.reqrep import Client, RemoteError, RequestTimeout, gather
-from ...bus.runtime import NodeRuntime
 from ...protocol.messages import (
     BlobRef,
-    Claim,
-    Claimed,
-    Delete,
-    Deleted,
     MicroBatchRefs,
     NodeInfo,
     SampleSlice,
     StepBatch,
 )
 from .packing import MicroBatch, PackPlan, SampleInfo, pack
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,107 +50,60 @@ class Sample:
     inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
-class DeliveryError(RuntimeError):
-    """A trainer rank did not accept its step batch; the step's blobs stay with the orchestrator."""
+class Holdings:
+    """The blobs the orchestrator owns, and the deletes it decided on. Pure bookkeeping: ``outbox`` collects
+    each delete (refs, reason) for the executor to send; nothing here touches a socket.
 
-
-class ReferenceHolder:
-    """The orchestrator's blobs. All methods run on the node's loop thread.
-
-    Counters (``claimed``, ``missing``, ``deleted`` by reason, ``handed_over``) feed metrics and the summary.
+    Ownership arrives by an acknowledged ``claim`` (:meth:`take`) and leaves by a decided delete
+    (:meth:`delete`) or an acknowledged ``step-batch`` (:meth:`hand_over`).
     """
 
-    def __init__(self, runtime: NodeRuntime, *, window: int = 8) -> None:
-        self.runtime = runtime
-        self.holder = runtime.node_id
-        self.window = window
+    def __init__(self) -> None:
         self.held: dict[str, BlobRef] = {}
-        self.claimed = 0
-        self.missing = 0
         self.handed_over = 0
-        self.deleted: Counter[str] = Counter()
-        self.failed_deletes = 0
-        self._clients: dict[str, Client] = {}
-
-    def client(self, endpoint: str) -> Client:
-        if endpoint not in self._clients:
-            self._clients[endpoint] = self.runtime.client(endpoint)
-        return self._clients[endpoint]
+        self.outbox: list[tuple[list[BlobRef], str]] = []
 
     @property
     def held_bytes(self) -> int:
         return sum(ref.nbytes for ref in self.held.values())
 
-    def claim(self, refs: Sequence[BlobRef]) -> list[BlobRef]:
-        """Take ownership of ``refs``; returns those claimed. Refs whose blobs are gone (their hand-over
-        lease ended, or the env server is unreachable) are returned as missing: their samples have no arrays.
-        """
-        by_endpoint = _group(refs)
-        calls = [(self.client(ep), Claim(blob_ids=[r.blob_id for r in group], holder=self.holder))
-                 for ep, group in by_endpoint.items()]
-        claimed: list[BlobRef] = []
-        for (endpoint, group), outcome in zip(by_endpoint.items(), gather(calls, window=self.window), strict=True):
-            if isinstance(outcome, RemoteError | RequestTimeout):
-                log.warning("claim.failed", endpoint=endpoint, blobs=len(group), error=str(outcome))
-                self.missing += len(group)
-                continue
-            reply = outcome.body
-            assert isinstance(reply, Claimed)
-            granted = set(reply.blob_ids)
-            for ref in group:
-                if ref.blob_id in granted:
-                    self.held[ref.blob_id] = ref
-                    claimed.append(ref)
-            self.claimed += len(granted)
-            self.missing += len(reply.missing)
-        return claimed
+    def take(self, refs: Iterable[BlobRef]) -> None:
+        """Own ``refs`` (their claims were granted)."""
+        for ref in refs:
+            self.held[ref.blob_id] = ref
 
     def delete(self, refs: Iterable[BlobRef], reason: str) -> None:
-        """Delete blobs this orchestrator holds, now, for ``reason``. Refs it does not hold are ignored
-        (a sample without a claimed blob), so callers can pass whatever they drop."""
+        """Delete blobs held here for ``reason``: they leave ``held`` now and go to ``outbox``. Refs not held
+        are ignored (a sample without a claimed blob), so callers can pass whatever they drop."""
         mine = [self.held.pop(ref.blob_id) for ref in refs if ref.blob_id in self.held]
-        if not mine:
-            return
-        by_endpoint = _group(mine)
-        calls = [(self.client(ep), Delete(blob_ids=[r.blob_id for r in group], holder=self.holder, reason=reason))
-                 for ep, group in by_endpoint.items()]
-        for (endpoint, group), outcome in zip(by_endpoint.items(), gather(calls, window=self.window), strict=True):
-            if isinstance(outcome, RemoteError | RequestTimeout):
-                self.failed_deletes += len(group)
-                log.error("delete.failed", endpoint=endpoint, blobs=len(group), reason=reason, error=str(outcome))
-                continue
-            reply = outcome.body
-            assert isinstance(reply, Deleted)
-            self.deleted[reason] += len(reply.blob_ids)
-            if reply.violations:
-                log.error("delete.violation", endpoint=endpoint, blob_ids=reply.violations, reason=reason)
+        if mine:
+            self.outbox.append((mine, reason))
 
-    def release(self, refs: Iterable[BlobRef], reason: str = "late") -> None:
-        """Delete the arrays of episodes that came back after their group was dropped (dispatcher)."""
-        self.delete(refs, reason)
+    def hand_over(self, batch: StepBatch) -> None:
+        """A trainer rank acknowledged ``batch``: its ``owned`` blobs are that rank's now."""
+        for blob_id in batch.owned:
+            self.held.pop(blob_id, None)
+        self.handed_over += len(batch.owned)
 
-    def hand_over(self, batches: Mapping[str, StepBatch]) -> None:
-        """Send each trainer endpoint its step batch. Ownership of each batch's ``owned`` blobs moves to
-        the rank that acknowledged it; if any rank refuses or times out, :class:`DeliveryError` is raised
-        and the blobs of unacknowledged batches stay held here (the caller deletes or retries)."""
-        calls = [(self.client(endpoint), batch) for endpoint, batch in batches.items()]
-        failures = []
-        for (endpoint, batch), outcome in zip(batches.items(), gather(calls, window=self.window), strict=True):
-            if isinstance(outcome, RemoteError | RequestTimeout):
-                failures.append(f"{endpoint}: {outcome}")
-                continue
-            for blob_id in batch.owned:
-                self.held.pop(blob_id, None)
-            self.handed_over += len(batch.owned)
-        if failures:
-            raise DeliveryError("; ".join(failures))
+    def take_outbox(self) -> list[tuple[list[BlobRef], str]]:
+        outbox, self.outbox = self.outbox, []
+        return outbox
 
 
-def _group(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
+def group_by_endpoint(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
+    """``refs`` by the endpoint of the env server that keeps them, in first-seen order."""
     by_endpoint: dict[str, list[BlobRef]] = defaultdict(list)
     for ref in refs:
         by_endpoint[ref.endpoint].append(ref)
     return dict(by_endpoint)
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """One packed step: the plan, and each trainer endpoint's step batch (non-leaders' carry no ``owned``)."""
+
+    plan: PackPlan
+    batches: Mapping[str, StepBatch]
 
 
 @dataclass(frozen=True)
@@ -188,7 +131,7 @@ class TrainSink:
 
     def __init__(
         self,
-        holder: ReferenceHolder,
+        holder: Holdings,
         trainers: Sequence[TrainerAddress] = (),
         *,
         seq_len: int,
@@ -238,10 +181,11 @@ class TrainSink:
         self.dropped[reason] += len(samples)
         self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
 
-    def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> PackPlan | None:
-        """Pack the queued groups (oldest first, at most ``max_groups``) for ``step`` and hand each rank its
-        micro batches. Samples older than ``max_staleness`` versions are deleted first (reason ``stale``).
-        Returns the plan, or None when nothing is left to ship."""
+    def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> Shipment | None:
+        """Pack the queued groups (oldest first, at most ``max_groups``) for ``step``: one step batch per rank.
+        Samples older than ``max_staleness`` versions are deleted first (reason ``stale``). Returns the
+        shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
+        the queue; their blobs stay held until a rank acknowledges its batch."""
         fresh_groups = []
         for group in self.queue:
             fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
@@ -256,7 +200,7 @@ class TrainSink:
         if not take:
             return None
         if not self.trainers:
-            raise DeliveryError("no trainer ranks known: call use_trainers() first")
+            raise RuntimeError("no trainer ranks known: call use_trainers() first")
         plan = pack([_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
                     pad_to_multiple_of=self.pad_to_multiple_of)
         by_id = {s.sample_id: s for s in take}
@@ -264,8 +208,7 @@ class TrainSink:
         for trainer in self.trainers:
             batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
             batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
-        self.holder.hand_over(batches)
-        return plan
+        return Shipment(plan, batches)
 
     def close(self) -> None:
         """Shutdown: delete whatever is still queued."""
@@ -276,7 +219,7 @@ class TrainSink:
 class EvalSink:
     """Eval episodes are scored, never trained: their arrays are deleted as soon as they arrive."""
 
-    def __init__(self, holder: ReferenceHolder) -> None:
+    def __init__(self, holder: Holdings) -> None:
         self.holder = holder
         self.episodes = 0
         self.samples = 0

@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -164,6 +165,7 @@ class TrainerRank:
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
         self._next_step = 0
+        self._accepted: StepBatch | None = None  # the last step batch taken: an identical repeat is answered ok
         self._cond = threading.Condition()
         self.server = runtime.serve("trainer", self.settings.endpoint)
         self.server.on(StepBatch.kind, self._on_step_batch)
@@ -263,9 +265,12 @@ class TrainerRank:
             raise HandlerError("bad-step-batch", f"step {batch.step}: owned blobs {unknown[:4]} are referenced "
                                                  "by no micro batch, so their env server is unknown")
         with self._cond:
+            if self._accepted is not None and _same_batch(batch, self._accepted):
+                return Ok(detail="repeat")  # a re-delivery whose first acknowledgement was lost or late
             if batch.step < self._next_step or batch.step in self._received:
                 raise HandlerError("duplicate-step", f"rank {self.rank} already has step {batch.step}")
             self._received[batch.step] = _Received(batch, endpoints)
+            self._accepted = batch
             self.held.update(batch.owned)
             BLOBS_HELD.set(len(self.held))
             self._cond.notify_all()
@@ -378,6 +383,19 @@ class TrainerRank:
         if not ok:
             raise value
         return value
+
+
+def _same_batch(a: StepBatch, b: StepBatch) -> bool:
+    """Whether two step batches are the same (inline arrays compared by value)."""
+    if (a.step, a.rank, a.owned, a.policy_version, len(a.micro_batches)) != (
+            b.step, b.rank, b.owned, b.policy_version, len(b.micro_batches)):
+        return False
+    for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
+        if (x.samples, x.length, x.dummy, sorted(x.inputs)) != (y.samples, y.length, y.dummy, sorted(y.inputs)):
+            return False
+        if not all(np.array_equal(x.inputs[name], y.inputs[name]) for name in x.inputs):
+            return False
+    return True
 
 
 def _reasons(fetch: StepFetch) -> str:

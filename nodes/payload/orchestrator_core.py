@@ -1,0 +1,410 @@
+"""The orchestrator's decisions, pure: state in, actions out.
+
+:class:`OrchestratorCore` is told what happened (an episode arrived with its claimed blobs, the policy
+version moved, a rank acknowledged or refused its step batch, a run was answered) and what time it is
+(``now``, monotonic seconds, passed in by the caller); it answers with the actions to take. It never touches
+a socket or a clock: the executor (``orchestrator_node.Orchestrator``) does every request and feeds each
+outcome back. So every decision is testable in-process on an injected clock.
+
+Decisions and their rules:
+
+* **Groups.** Episodes of one group (``info["group"]``) wait until ``group_size`` have arrived; their
+  advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
+  episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
+* **Shipping.** Once ``groups_per_step`` groups are queued and the trainer ranks are known, the next step is
+  packed and each rank gets its :class:`DeliverBatch`. One step is in delivery at a time: the next one is
+  packed only when every rank acknowledged. A rank that refused or did not answer gets the *same* step
+  batch again (same step number, same micro batches; a rank answers an identical repeat with ok) every
+  ``redeliver_after_s``, because the ranks that acknowledged already wait in the step's collective. When
+  ``delivery_s`` has passed since the step was packed, the core halts (:class:`Halt`, naming the ranks).
+* **Admission.** At most ``(max_staleness + v + 1) * groups_per_step`` groups may be trained, queued or
+  running while the trainer is at version ``v`` (groups dropped untrained give their slot back), and at most
+  ``max_groups_in_flight`` run at once. Sources take turns; each run goes to the least-loaded replica.
+* **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
+  abandoned and its slot is free again.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+
+from ...protocol.messages import BlobRef, EpisodeFinished, NodeInfo, Run, StepBatch
+from .orchestrator import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
+
+if TYPE_CHECKING:
+    from .orchestrator_node import OrchestratorSettings
+
+log = structlog.get_logger(__name__)
+
+Prompts = Callable[[np.random.Generator], Sequence[int]]
+
+
+# --- actions: what the executor does -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeleteBlobs:
+    """Delete ``refs`` (held by the orchestrator until now) on their env servers, for ``reason``."""
+
+    refs: tuple[BlobRef, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeliverBatch:
+    """Send ``batch`` (step ``step``) to the rank at ``endpoint``; report the outcome with
+    :meth:`OrchestratorCore.on_delivered`. A re-delivery is the same batch, as a new request."""
+
+    step: int
+    endpoint: str
+    batch: StepBatch
+
+
+@dataclass(frozen=True)
+class SendRun:
+    """Send ``run`` to the env server at ``endpoint``; report the outcome with
+    :meth:`OrchestratorCore.on_run_done` (keyed by ``run.episode_id``) within ``deadline_s``."""
+
+    endpoint: str
+    run: Run
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Halt:
+    """The run cannot go on (a step that could not be delivered): stop, loudly, with ``reason``."""
+
+    reason: str
+
+
+Action = DeleteBlobs | DeliverBatch | SendRun | Halt
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long the orchestrator waits for each peer, each derived from the setting of the peer it waits for.
+
+    ``delivery_s``: a step batch is re-delivered until then (the trainer's ``batch_timeout_s``: a rank that
+    has not received its batch by then has failed the step itself); ``redeliver_after_s``: the pause before
+    re-delivering to a rank that refused (the request policy's first timeout); ``run_s``: how long a run
+    may go unanswered (the env server's ``generate_timeout_s``, after which it answers with an error
+    itself, plus the request policy's whole retry schedule as slack for a busy env server).
+    """
+
+    delivery_s: float = 300.0
+    redeliver_after_s: float = 2.0
+    run_s: float = 44.0
+
+
+# --- state ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    started: float
+    episodes: list[tuple[float, list[Sample]]] = field(default_factory=list)  # (reward, samples)
+
+
+@dataclass
+class _Delivery:
+    """The step being delivered: which ranks still owe an acknowledgement, and when each is re-sent."""
+
+    step: int
+    batches: Mapping[str, StepBatch]  # endpoint -> its batch
+    deadline: float
+    in_flight: set[str]  # endpoints with a request out
+    retry_at: dict[str, float] = field(default_factory=dict)  # endpoint -> when to re-deliver
+    errors: dict[str, str] = field(default_factory=dict)  # endpoint -> its last failure
+
+    @property
+    def unacknowledged(self) -> list[str]:
+        return sorted(self.in_flight | set(self.retry_at))
+
+
+@dataclass(frozen=True)
+class _RunInFlight:
+    group_id: str
+    endpoint: str
+    deadline: float
+
+
+class OrchestratorCore:
+    """Every decision of the orchestrator (see the module doc). Not thread-safe: one caller.
+
+    Every method that takes ``now`` returns the actions to take, in order; deletes decided along the way
+    come first. Counters feed metrics and the summary.
+    """
+
+    def __init__(self, settings: OrchestratorSettings, deadlines: Deadlines | None = None, *,
+                 prompts: Prompts | None = None) -> None:
+        self.settings = settings
+        self.deadlines = deadlines or Deadlines()
+        self.holdings = Holdings()
+        self.eval_sink = EvalSink(self.holdings)
+        self.sink = TrainSink(self.holdings, seq_len=settings.seq_len, max_staleness=settings.max_staleness)
+        self.policy_version = 0
+        self.step = 0  # the next step number; a step counts once packed
+        self.groups: dict[str, _Group] = {}
+        self.closed_groups: set[str] = set()
+        self.episodes = 0
+        self.abandoned_groups = 0
+        self.delivery: _Delivery | None = None
+        self.redeliveries = 0
+        self.failure = ""  # why the run halted; empty while it goes on
+        # runs (dispatch)
+        self.prompts = prompts
+        self.rng = np.random.default_rng(settings.seed)
+        self.router = ReplicaRouter()
+        self.runs: dict[str, _RunInFlight] = {}  # episode id -> its run
+        self.groups_running: Counter[str] = Counter()
+        self.groups_sent = 0
+        self.train_groups_sent = 0
+        self.eval_sent_at = -1
+        self.failed_runs = 0
+        self.expired_runs = 0
+
+    # --- what the executor asks ----------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.settings.max_steps) and self.step >= self.settings.max_steps
+
+    @property
+    def wants_trainers(self) -> bool:
+        """A step is ready to pack but the trainer ranks are not all known: look them up and
+        :meth:`use_trainers`."""
+        return (len(self.sink.trainers) < self.settings.trainers and not self.finished
+                and len(self.sink.queue) >= self.settings.groups_per_step)
+
+    @property
+    def groups_released(self) -> int:
+        """Groups that will never train: their admission slots are free again."""
+        return self.abandoned_groups + self.sink.dropped_groups
+
+    # --- events --------------------------------------------------------------------------------------
+
+    def on_version(self, version: int) -> None:
+        self.policy_version = max(self.policy_version, version)
+
+    def on_episode(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef]) -> list[Action]:
+        """An episode arrived; ``claimed``: those of its refs the orchestrator now owns (the others' blobs
+        were gone or their env server did not answer)."""
+        self.episodes += 1
+        self.holdings.take(claimed)
+        samples = self._samples(episode, {ref.blob_id for ref in claimed})
+        info = episode.info
+        group_id = str(info.get("group", episode.episode_id))
+        if info.get("eval"):
+            self.eval_sink.add(samples)
+        elif self.finished:
+            self.sink.drop(samples, "max_steps")
+        elif group_id in self.closed_groups:
+            self.sink.drop(samples, "late")
+        else:
+            group = self.groups.setdefault(group_id, _Group(started=now))
+            group.episodes.append((float(info.get("reward", 0.0)), samples))
+            if len(group.episodes) >= self.settings.group_size:
+                self._complete(group_id)
+        return self._ship_ready(now)
+
+    def use_trainers(self, now: float, nodes: Iterable[NodeInfo]) -> list[Action]:
+        """The trainer ranks from the registry; shipping starts once ``settings.trainers`` are known."""
+        trainers = [TrainerAddress.from_node(node) for node in nodes]
+        if len(trainers) < self.settings.trainers:
+            return []
+        self.sink.use_trainers(trainers)
+        log.info("trainers.found", ranks=[t.rank for t in self.sink.trainers])
+        return self._ship_ready(now)
+
+    def on_delivered(self, now: float, step: int, endpoint: str, error: str | None) -> list[Action]:
+        """The outcome of a :class:`DeliverBatch`: ``error`` None when the rank acknowledged."""
+        delivery = self.delivery
+        if delivery is None or delivery.step != step or endpoint not in delivery.in_flight:
+            return []  # an outcome for a step already settled
+        delivery.in_flight.discard(endpoint)
+        if error is None:
+            self.holdings.hand_over(delivery.batches[endpoint])
+            delivery.errors.pop(endpoint, None)
+            if delivery.unacknowledged:
+                return []
+            self.delivery = None
+            return self._ship_ready(now)
+        delivery.errors[endpoint] = error
+        delivery.retry_at[endpoint] = now + self.deadlines.redeliver_after_s
+        log.warning("step.redeliver", step=step, rank=delivery.batches[endpoint].rank, endpoint=endpoint,
+                    error=error, in_s=self.deadlines.redeliver_after_s)
+        return self._check_delivery(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Timers: expire groups and runs, re-deliver what is due, halt a delivery past its deadline."""
+        horizon = now - self.settings.group_timeout_s
+        for group_id in [g for g, group in self.groups.items() if group.started < horizon]:
+            self.abandon(group_id)
+        for episode_id in [e for e, run in self.runs.items() if run.deadline <= now]:
+            self.expired_runs += 1
+            self._run_done(episode_id, f"no answer within {self.deadlines.run_s:g}s")
+        return self._flush(self._check_delivery(now))
+
+    # --- groups --------------------------------------------------------------------------------------
+
+    def abandon(self, group_id: str) -> None:
+        """A group that will never complete (timed out, or one of its runs failed): delete what arrived;
+        its stragglers are deleted as ``late`` when they come."""
+        if group_id in self.closed_groups:
+            return
+        self.closed_groups.add(group_id)
+        self.abandoned_groups += 1
+        group = self.groups.pop(group_id, None)
+        if group is not None:
+            self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
+
+    def _samples(self, episode: EpisodeFinished, claimed: set[str]) -> list[Sample]:
+        """The episode's trainable samples; a sample whose blob could not be claimed is counted and left
+        out (training it without its arrays would be training on something it did not do)."""
+        samples = []
+        for index, entry in enumerate(episode.info.get("samples", [])):
+            ref_index = int(entry.get("ref", -1))
+            ref = episode.refs[ref_index] if 0 <= ref_index < len(episode.refs) else None
+            if ref is not None and ref.blob_id not in claimed:
+                self.sink.dropped["missing"] += 1
+                continue
+            input_ids = np.asarray(entry["input_ids"], dtype=np.int64)
+            inputs: dict[str, Any] = {"input_ids": input_ids}
+            if "loss_mask" in entry:
+                inputs["loss_mask"] = np.asarray(entry["loss_mask"], dtype=np.bool_)
+            samples.append(Sample(f"{episode.episode_id}/{index}", len(input_ids), ref, episode.policy_version,
+                                  inputs))
+        return samples
+
+    def _complete(self, group_id: str) -> None:
+        group = self.groups.pop(group_id)
+        self.closed_groups.add(group_id)
+        rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        samples, per_sample = [], []
+        for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
+            samples.extend(episode_samples)
+            per_sample.extend([float(advantage)] * len(episode_samples))
+        self.sink.add_group(samples, per_sample)
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def _ship_ready(self, now: float) -> list[Action]:
+        per_step = self.settings.groups_per_step
+        sink = self.sink
+        actions: list[Action] = []
+        while (self.delivery is None and not self.failure and not self.finished
+               and len(sink.queue) >= per_step and len(sink.trainers) >= self.settings.trainers):
+            shipment = sink.ship(self.step, self.policy_version, max_groups=per_step)
+            if shipment is None:
+                continue
+            log.info("step.shipped", step=self.step, version=self.policy_version,
+                     micro_batches=shipment.plan.micro_batches_per_rank, dummies=shipment.plan.dummy_count)
+            self.delivery = _Delivery(self.step, shipment.batches, now + self.deadlines.delivery_s,
+                                      in_flight=set(shipment.batches))
+            actions += [DeliverBatch(self.step, endpoint, batch) for endpoint, batch in shipment.batches.items()]
+            self.step += 1
+        if self.finished and sink.queue:
+            queued, sink.queue = sink.queue, []
+            sink.drop((s for group in queued for s in group), "max_steps")
+        return self._flush(actions)
+
+    def _check_delivery(self, now: float) -> list[Action]:
+        delivery = self.delivery
+        if delivery is None:
+            return []
+        if now >= delivery.deadline:
+            ranks = sorted(delivery.batches[endpoint].rank for endpoint in delivery.unacknowledged)
+            errors = "; ".join(f"rank {delivery.batches[ep].rank} ({ep}): {delivery.errors.get(ep, 'no answer')}"
+                               for ep in delivery.unacknowledged)
+            self.failure = (f"step {delivery.step} was not acknowledged by trainer ranks {ranks} within "
+                            f"{self.deadlines.delivery_s:g}s: {errors}")
+            self.delivery = None
+            log.error("step.undeliverable", step=delivery.step, ranks=ranks, error=self.failure)
+            return self._flush([Halt(self.failure)])
+        due = sorted(endpoint for endpoint, at in delivery.retry_at.items() if at <= now)
+        for endpoint in due:
+            del delivery.retry_at[endpoint]
+            delivery.in_flight.add(endpoint)
+            self.redeliveries += 1
+        return [DeliverBatch(delivery.step, endpoint, delivery.batches[endpoint]) for endpoint in due]
+
+    # --- runs ----------------------------------------------------------------------------------------
+
+    def use_replicas(self, nodes: Iterable[NodeInfo]) -> None:
+        """The env servers from the registry (runs go to their ``blobs`` endpoints)."""
+        self.router.update(nodes)
+
+    def dispatch(self, now: float) -> list[Action]:
+        """The runs admission allows now (see the module doc); needs ``prompts``. Every ``eval_every`` steps
+        one eval group goes first."""
+        if self.finished or self.failure or not self.router.replicas:
+            return []
+        settings = self.settings
+        actions: list[Action] = []
+        if settings.eval_every and self.step % settings.eval_every == 0 and self.step != self.eval_sent_at:
+            self.eval_sent_at = self.step
+            actions += self._send_group(now, evaluation=True)
+        bound = (settings.max_staleness + self.policy_version + 1) * settings.groups_per_step
+        while (len(self.groups_running) < settings.max_groups_in_flight
+               and self.train_groups_sent - self.groups_released < bound):
+            actions += self._send_group(now, evaluation=False)
+        return actions
+
+    def on_run_done(self, episode_id: str, error: str | None) -> list[Action]:
+        """A run was answered: ``error`` None for ok. An outcome after the run's deadline is ignored."""
+        self._run_done(episode_id, error)
+        return self._flush([])
+
+    def _send_group(self, now: float, *, evaluation: bool) -> list[Action]:
+        assert self.prompts is not None, "dispatching needs prompts"
+        group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}"
+        self.groups_sent += 1
+        self.train_groups_sent += not evaluation
+        prompt = [int(t) for t in self.prompts(self.rng)]
+        sources = sorted(self.router.replicas)
+        source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
+        actions: list[Action] = []
+        for member in range(self.settings.group_size):
+            endpoint = self.router.pick(source)
+            run = Run(episode_id=f"{group_id}-{member}", group=group_id, prompt=prompt, eval=evaluation)
+            self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s)
+            self.groups_running[group_id] += 1
+            actions.append(SendRun(endpoint, run, self.deadlines.run_s))
+        return actions
+
+    def _run_done(self, episode_id: str, error: str | None) -> None:
+        run = self.runs.pop(episode_id, None)
+        if run is None:
+            return
+        self.router.done(run.endpoint)
+        self.groups_running[run.group_id] -= 1
+        if self.groups_running[run.group_id] <= 0:
+            del self.groups_running[run.group_id]
+        if error is not None:
+            self.failed_runs += 1
+            log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
+            self.abandon(run.group_id)
+
+    # --- shutdown ------------------------------------------------------------------------------------
+
+    def close(self) -> list[Action]:
+        """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
+        no trainer acknowledged)."""
+        for group in self.groups.values():
+            self.sink.drop((s for _, samples in group.episodes for s in samples), "shutdown")
+        self.groups.clear()
+        self.sink.close()
+        self.holdings.delete(list(self.holdings.held.values()), "shutdown")
+        return self._flush([])
+
+    def _flush(self, actions: list[Action]) -> list[Action]:
+        """Deletes decided so far first, then ``actions``."""
+        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason) for refs, reason in self.holdings.take_outbox()]
+        return deletes + actions

@@ -1,0 +1,217 @@
+"""The orchestrator's decisions in-process, on an injected clock, without sockets: state in, actions out.
+
+Each test plays the executor: it feeds :class:`OrchestratorCore` what happened (episodes with the blobs
+claimed for them, hand-over and run outcomes, the time) and checks the actions that come back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from refbus.nodes.payload.orchestrator_core import (
+    Action,
+    Deadlines,
+    DeleteBlobs,
+    DeliverBatch,
+    Halt,
+    OrchestratorCore,
+    SendRun,
+)
+from refbus.nodes.payload.orchestrator_node import OrchestratorSettings
+from refbus.protocol.messages import BlobRef, EpisodeFinished, NodeInfo
+
+DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0)
+T0 = 1000.0  # the injected clock's start: anything but zero, so no decision leans on it
+
+
+def settings(**overrides: object) -> OrchestratorSettings:
+    base = dict(seq_len=64, group_size=2, groups_per_step=1, max_staleness=1, trainers=2, group_timeout_s=10.0,
+                max_groups_in_flight=4, prompt="refbus.nodes.toy.task:make_prompt")
+    return OrchestratorSettings(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def trainer(rank: int) -> NodeInfo:
+    return NodeInfo(node_id=f"trainer-{rank}", role="trainer", host="h", pid=rank, endpoints={"trainer": f"tcp://t{rank}"},
+                    labels={"rank": str(rank), "data_rank": str(rank), "leader": "1"})
+
+
+def env_server(node_id: str) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role="env-server", host="h", pid=9, endpoints={"blobs": f"tcp://{node_id}"})
+
+
+def episode(episode_id: str, group: str, reward: float, *, env: str = "env-a") -> EpisodeFinished:
+    """One episode with one 8-token routed sample kept on ``env``."""
+    ref = BlobRef(endpoint=f"tcp://{env}", source=env, blob_id=f"b-{episode_id}", fields=["routed_experts"],
+                  tokens=8, nbytes=96, checksum=1, routing_shape=[3, 2])
+    info = {"group": group, "reward": reward,
+            "samples": [{"input_ids": list(range(8)), "loss_mask": [0, 0, 0] + [1] * 5, "ref": 0}]}
+    return EpisodeFinished(episode_id=episode_id, source=env, refs=[ref], info=info)
+
+
+def feed_group(core: OrchestratorCore, now: float, group: str, *, claim: bool = True) -> list[Action]:
+    """Both episodes of ``group`` (rewards 1 and 0), each with its blob claimed unless ``claim`` is false."""
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0)):
+        ep = episode(f"{group}-{member}", group, reward)
+        actions += core.on_episode(now, ep, ep.refs if claim else [])
+    return actions
+
+
+def of(kind: type, actions: Sequence[Action]) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def deletes(actions: Sequence[Action]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for action in of(DeleteBlobs, actions):
+        out.setdefault(action.reason, []).extend(ref.blob_id for ref in action.refs)
+    return out
+
+
+def shipping_core() -> tuple[OrchestratorCore, list[DeliverBatch]]:
+    """A core with two ranks known and step 0 packed: returns its two deliveries."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    assert core.use_trainers(T0, [trainer(0), trainer(1)]) == []
+    deliveries = of(DeliverBatch, feed_group(core, T0, "g0"))
+    assert [(d.step, d.endpoint) for d in deliveries] == [(0, "tcp://t0"), (0, "tcp://t1")]
+    return core, deliveries
+
+
+def test_a_failed_hand_over_is_redelivered_as_the_same_step_to_the_rank_that_did_not_acknowledge() -> None:
+    core, (to0, to1) = shipping_core()
+    owned = set(to0.batch.owned) | set(to1.batch.owned)
+    assert owned == set(core.holdings.held)
+    assert core.on_delivered(T0 + 0.1, 0, "tcp://t0", None) == []
+    assert set(core.holdings.held) == set(to1.batch.owned)  # rank 0 owns its part now
+    assert core.on_delivered(T0 + 0.2, 0, "tcp://t1", "[duplicate-step] rank 1 already has step 0") == []
+    # While step 0 is undelivered, the next complete group waits: no second step reuses or skips a number.
+    assert of(DeliverBatch, feed_group(core, T0 + 0.3, "g1")) == []
+    assert core.tick(T0 + 0.2 + DEADLINES.redeliver_after_s - 0.01) == []
+    again = core.tick(T0 + 0.2 + DEADLINES.redeliver_after_s)
+    assert again == [DeliverBatch(0, "tcp://t1", to1.batch)]  # the same batch, to rank 1 only
+    assert again[0].batch is to1.batch
+    assert core.redeliveries == 1
+    assert core.tick(T0 + 10.0) == []  # in flight: nothing re-sent twice
+    next_step = core.on_delivered(T0 + 10.1, 0, "tcp://t1", None)
+    assert [(d.step, d.endpoint) for d in of(DeliverBatch, next_step)] == [(1, "tcp://t0"), (1, "tcp://t1")]
+    assert not owned & set(core.holdings.held)
+    assert core.holdings.handed_over == len(owned)
+    assert core.step == 2 and not core.failure
+
+
+def test_a_step_acknowledged_by_some_ranks_only_halts_at_its_deadline_naming_the_ranks() -> None:
+    core, (_, to1) = shipping_core()
+    core.on_delivered(T0 + 0.1, 0, "tcp://t0", None)
+    now = T0 + 0.1
+    while now < T0 + DEADLINES.delivery_s - DEADLINES.redeliver_after_s:
+        core.on_delivered(now, 0, "tcp://t1", "no reply from tcp://t1 to step-batch after 3 attempts")
+        now += DEADLINES.redeliver_after_s
+        assert core.tick(now) == [DeliverBatch(0, "tcp://t1", to1.batch)]
+    core.on_delivered(now, 0, "tcp://t1", "no reply")
+    actions = core.tick(T0 + DEADLINES.delivery_s)
+    assert of(Halt, actions) == [Halt(core.failure)]
+    assert "trainer ranks [1]" in core.failure and "step 0" in core.failure and "tcp://t1" in core.failure
+    # Halted: nothing more ships or runs; what rank 1 never took is still held, deleted at shutdown.
+    assert of(DeliverBatch, feed_group(core, T0 + 31, "g1")) == []
+    core.use_replicas([env_server("env-a")])
+    assert core.dispatch(T0 + 31) == []
+    assert core.tick(T0 + 100) == []
+    assert core.on_delivered(T0 + 100, 0, "tcp://t1", None) == []  # too late: ignored
+    closing = deletes(core.close())
+    assert set(closing["shutdown"]) == set(to1.batch.owned) | {"b-g1-0", "b-g1-1"}
+    assert not core.holdings.held
+
+
+def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_not_the_run() -> None:
+    core = OrchestratorCore(settings(group_size=1), DEADLINES, prompts=lambda rng: [int(rng.integers(9))])
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    # Its claims fail: the samples are counted missing and left out; nothing is held for them.
+    gone = episode("lost", "g-lost", 1.0, env="env-gone")
+    assert core.on_episode(T0, gone, []) == []
+    assert core.sink.dropped["missing"] == 1 and not core.holdings.held
+    # Its runs fail (peer down): their groups are abandoned and their slots come back.
+    core.use_replicas([env_server("env-gone"), env_server("env-b")])
+    sent = of(SendRun, core.dispatch(T0))  # bound: 2 groups, plus the one filtered above
+    assert [s.endpoint for s in sent] == ["tcp://env-gone", "tcp://env-b", "tcp://env-gone"]  # sources in turn
+    core.use_replicas([env_server("env-b")])
+    for run in [s for s in sent if s.endpoint == "tcp://env-gone"]:
+        core.on_run_done(run.run.episode_id, "tcp://env-gone went down: node-down")
+    assert core.failed_runs == 2 and core.abandoned_groups == 2
+    resent = of(SendRun, core.dispatch(T0 + 0.1))
+    assert [s.endpoint for s in resent] == ["tcp://env-b"] * 2
+    assert len(core.groups_running) == 3
+
+
+def test_runs_never_answered_expire_and_give_their_slots_back() -> None:
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [int(rng.integers(9))])
+    core.use_replicas([env_server("env-a")])
+    first = of(SendRun, core.dispatch(T0))
+    assert len(first) == 2 * 2  # admission: (max_staleness + 0 + 1) * groups_per_step groups of 2 runs
+    assert all(s.deadline_s == DEADLINES.run_s for s in first)
+    for _ in range(5):  # nothing answers: the bound holds, no slot frees by itself
+        assert core.dispatch(T0 + 1) == []
+    assert core.tick(T0 + DEADLINES.run_s - 0.01) == []
+    core.tick(T0 + DEADLINES.run_s)
+    assert core.expired_runs == 4 and not core.runs and not core.groups_running and core.abandoned_groups == 2
+    assert core.router.in_flight["tcp://env-a"] == 0
+    second = of(SendRun, core.dispatch(T0 + DEADLINES.run_s))
+    assert len(second) == 4 and {s.run.group for s in second}.isdisjoint({s.run.group for s in first})
+    # The late episodes of an expired run are deleted as late, and its late answer changes nothing.
+    late = episode(first[0].run.episode_id, first[0].run.group, 1.0)
+    assert deletes(core.on_episode(T0 + 50, late, late.refs)) == {"late": [late.refs[0].blob_id]}
+    assert core.on_run_done(first[0].run.episode_id, None) == [] and core.failed_runs == 4
+
+
+def test_more_unanswered_runs_than_slots_never_stop_dispatch() -> None:
+    """Regression: a run never answered held its slot forever; after ``max_groups_in_flight`` such runs
+    dispatch stopped for good."""
+    core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=16), DEADLINES,
+                            prompts=lambda rng: [1])
+    core.use_replicas([env_server("env-a")])
+    now, groups = T0, 0
+    for _ in range(4):
+        sent = of(SendRun, core.dispatch(now))
+        assert len({s.run.group for s in sent}) == 16
+        groups += 16
+        now += DEADLINES.run_s
+        core.tick(now)
+    assert groups == 64 and core.abandoned_groups == 64
+
+
+def test_an_incomplete_group_expires_and_a_version_bump_widens_admission() -> None:
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1])
+    first = episode("a-0", "a", 1.0)
+    core.on_episode(T0, first, first.refs)
+    assert core.tick(T0 + 10.0) == []
+    assert deletes(core.tick(T0 + 10.01)) == {"incomplete": ["b-a-0"]}
+    late = episode("a-1", "a", 0.0)
+    assert deletes(core.on_episode(T0 + 11, late, late.refs)) == {"late": ["b-a-1"]}
+    core.use_replicas([env_server("env-a")])
+    assert len(of(SendRun, core.dispatch(T0))) == 3 * 2  # bound 2 groups, plus the one released by expiry
+    assert core.dispatch(T0) == []
+    core.on_version(3)
+    assert len(of(SendRun, core.dispatch(T0))) == 1 * 2  # max_groups_in_flight (4) stops it now
+    core.on_version(1)  # versions only move forward
+    assert core.policy_version == 3
+
+
+def test_a_group_whose_blobs_are_all_missing_still_completes_and_ships_without_them() -> None:
+    core = OrchestratorCore(settings(trainers=1), DEADLINES)
+    core.use_trainers(T0, [trainer(0)])
+    ok = episode("m-0", "m", 1.0)
+    core.on_episode(T0, ok, ok.refs)
+    (deliver,) = of(DeliverBatch, core.on_episode(T0, episode("m-1", "m", 0.0), []))
+    assert deliver.batch.owned == ["b-m-0"]
+    assert core.sink.dropped["missing"] == 1
+
+
+@pytest.mark.parametrize("max_steps", [1])
+def test_after_the_last_step_the_queue_and_late_episodes_are_dropped(max_steps: int) -> None:
+    core = OrchestratorCore(settings(trainers=1, max_steps=max_steps), DEADLINES)
+    core.use_trainers(T0, [trainer(0)])
+    assert len(of(DeliverBatch, feed_group(core, T0, "g0"))) == 1
+    assert core.finished
+    assert set(deletes(feed_group(core, T0, "g1"))) == {"max_steps"}
+    assert np.isclose(core.sink.dropped["max_steps"], 2)
