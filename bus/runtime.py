@@ -13,7 +13,10 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, say ``bye``, close every socket (linger
    0), remove ipc socket files and the ready file.
 
-Single-threaded by design: handlers run on the loop thread and must not block for long.
+Single-threaded by design: handlers run on the loop thread and must not block for long. User code that
+may compute for long (a training step, a generation) runs on another thread, so the loop keeps answering
+heartbeats and requests meanwhile: either the loop runs in its own thread (:meth:`start_background`) or
+the role hands the work to an :class:`~refbus.bus.offload.Offload` thread.
 """
 
 from __future__ import annotations
@@ -312,6 +315,11 @@ class NodeRuntime:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread :meth:`start_background` runs the loop in; None when the node is not embedded that way."""
+        return self._thread
 
     def info(self) -> NodeInfo:
         return NodeInfo(

@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     trainer = TrainerRank(runtime, settings=settings, data_rank=config.data_rank, data_ranks=config.data_ranks,
                           leader=config.leader)
     try:
-        runtime.start()
+        runtime.start_background()
         conn.send(runtime.endpoints["trainer"])
         for step in range(steps):
             report: dict[str, Any] = {}
@@ -101,7 +101,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
             report["held_metric"] = REGISTRY.get_sample_value("refbus_trainer_blobs_held")
             conn.send(report)
     finally:
-        runtime.close()
+        runtime.join()
         dist.destroy_process_group()
 
 

@@ -2,14 +2,15 @@
 
     orchestrator ──run──▶ env server ──generate──▶ rollout worker
                           env server ◀──generated── (tokens, policy version, the branch arrays as frames)
-                          score(prompt, completion); keep the arrays; publish episode-finished
+                          score(prompt, completion) off the loop; keep the arrays; publish episode-finished
     orchestrator ◀──ok──  env server
 
 The ``run`` reply is deferred (the env server keeps serving fetches and deletes while a rollout generates),
 and the ``generate`` request is sent without waiting: replies are handled when they arrive. Each run goes to
 the rollout worker with the fewest generations in flight (workers found in the broker's registry). A run
 whose generation fails or takes longer than ``generate_timeout_s`` is answered with an error; nothing is
-kept for it.
+kept for it. The score function is user code: it runs on an :class:`~refbus.bus.offload.Offload` thread,
+one episode at a time, so a slow one never stalls the loop (a score that raises fails its run).
 
 The episode record published with the kept arrays (``info``) is what the orchestrator reads: ``group``,
 ``reward``, ``eval`` and one sample ``{"input_ids": [...], "loss_mask": [...], "ref": 0}`` whose loss mask
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ...bus.offload import Offload
 from ...bus.reqrep import Client, HandlerError, Pending
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -67,6 +69,7 @@ class EpisodeRunner:
         self.env_server = env_server
         self.settings = settings
         self.score: Score = load_entry_point(settings.score)
+        self.scoring = Offload(runtime, "score")  # user code: scores never stall the env server's loop
         self.rollouts: dict[str, Client] = {}
         self.load: Counter[str] = Counter()
         self.in_flight: dict[str, _InFlight] = {}
@@ -116,9 +119,18 @@ class EpisodeRunner:
 
     def _finish(self, flight: _InFlight, generated: Generated) -> None:
         run = flight.run
+        completion = generated.tokens[len(run.prompt):]
+        self.scoring.submit(lambda: float(self.score(run.prompt, completion)),
+                            lambda reward: self._scored(flight, generated, reward))
+
+    def _scored(self, flight: _InFlight, generated: Generated, reward: float | Exception) -> None:
+        if isinstance(reward, Exception):
+            log.error("score.failed", episode_id=flight.run.episode_id, exc_info=reward)
+            self._fail(flight, "score-failed", f"the score function raised {type(reward).__name__}: {reward}")
+            return
+        run = flight.run
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]
-        reward = float(self.score(run.prompt, completion))
         info = {
             "group": run.group,
             "reward": reward,
