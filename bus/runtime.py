@@ -181,7 +181,8 @@ class NodeRuntime:
         return server
 
     def client(self, endpoint: str, *, policy: RetryPolicy | None = None) -> Client:
-        """A request client to a peer, closed at shutdown."""
+        """A request client to a peer, closed at shutdown. It belongs to one thread: the loop thread unless it
+        is watched nowhere and another thread (a training loop) uses it until the node stops."""
         client = Client(self.ctx, endpoint, self.codec, policy=policy or self.settings.retry, options=self.options)
         self._clients.append(client)
         return client
