@@ -13,8 +13,9 @@ number) but not its body: subscribers validate bodies. Events with an unreadable
 counted. The ring keeps the most recent events, bounded by count and by bytes.
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
-the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s``, is
-removed with ``node-down``. The broker's own events come from its node id with their own sequence.
+the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
+the monotonic clock), is removed with ``node-down``. The broker's own events come from its node id with
+their own sequence.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
@@ -26,6 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -85,10 +87,10 @@ class _Entry:
 
 @dataclass
 class _Member:
-    info: NodeInfo
+    info: NodeInfo  # ``last_seen`` is wall-clock time, for display only
     token: str
+    heard: float  # the broker's monotonic clock at the last hello or heartbeat: what liveness is judged on
     live: bool = False
-    status: dict[str, float] | None = None
 
 
 class ReplayRing:
@@ -130,11 +132,18 @@ class ReplayRing:
 
 
 class Broker:
-    """The bus role. Owns its sockets through ``runtime`` and runs on its loop."""
+    """The bus role. Owns its sockets through ``runtime`` and runs on its loop.
 
-    def __init__(self, runtime: NodeRuntime, settings: BrokerSettings) -> None:
+    Liveness is judged on ``clock`` (monotonic: a wall-clock step must not expire or revive a node); the
+    wall clock only stamps ``NodeInfo.last_seen`` for display.
+    """
+
+    def __init__(
+        self, runtime: NodeRuntime, settings: BrokerSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.runtime = runtime
         self.settings = settings
+        self.clock = clock
         self.codec = runtime.codec
         self.ring = ReplayRing(settings.ring_events, settings.ring_bytes)
         self.members: dict[str, _Member] = {}
@@ -213,7 +222,7 @@ class Broker:
             log.warning("sync.rejected", error=str(exc))
             return
         assert isinstance(probe, Sync)
-        self.seen_tokens[probe.token] = time.monotonic()
+        self.seen_tokens[probe.token] = self.clock()
         pending = self.waiting.pop(probe.token, None)
         if pending is not None:
             self.server.answer(pending, Ok("seen"))
@@ -234,7 +243,7 @@ class Broker:
         if old is not None and old.live and old.info.pid != node.pid:
             self._remove(old, "replaced")
         live = old is not None and old.live and old.info.pid == node.pid
-        self.members[node.node_id] = _Member(node, hello.token, live=live)
+        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()
         return Welcome(
@@ -263,6 +272,7 @@ class Broker:
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
+        member.heard = self.clock()
         return Ok()
 
     def _bye(self, request: Message) -> Body:
@@ -306,11 +316,11 @@ class Broker:
                 self.server.handle_one(zmq.NOBLOCK)
             except zmq.Again:
                 break
-        now = time.time()
+        now = self.clock()
         for member in list(self.members.values()):
-            if now - member.info.last_seen > self.settings.node_timeout_s:
+            if now - member.heard > self.settings.node_timeout_s:
                 self._remove(member, "timeout")
-        horizon = time.monotonic() - 60.0
+        horizon = self.clock() - 60.0
         for token, seen in list(self.seen_tokens.items()):
             if seen < horizon:
                 del self.seen_tokens[token]

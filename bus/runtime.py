@@ -14,7 +14,10 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, say ``bye``, close every socket (linger
    0), remove ipc socket files and the ready file.
 
-Single-threaded by design: handlers run on the loop thread and must not block for long.
+Single-threaded by design: handlers run on the loop thread and must not block for long. User code that
+may compute for long (a training step, a generation) runs on another thread, so the loop keeps answering
+heartbeats and requests meanwhile: either the loop runs in its own thread (:meth:`start_background`) or
+the role hands the work to an :class:`~refbus.bus.offload.Offload` thread.
 """
 
 from __future__ import annotations
@@ -182,7 +185,8 @@ class NodeRuntime:
         return server
 
     def client(self, endpoint: str, *, policy: RetryPolicy | None = None) -> Client:
-        """A request client to a peer, closed at shutdown."""
+        """A request client to a peer, closed at shutdown. It belongs to one thread: the loop thread unless it
+        is watched nowhere and another thread (a training loop) uses it until the node stops."""
         client = Client(self.ctx, endpoint, self.codec, policy=policy or self.settings.retry, options=self.options)
         self._clients.append(client)
         return client
@@ -314,6 +318,11 @@ class NodeRuntime:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread :meth:`start_background` runs the loop in; None when the node is not embedded that way."""
+        return self._thread
 
     def info(self) -> NodeInfo:
         return NodeInfo(

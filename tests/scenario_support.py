@@ -301,7 +301,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, steps: int, dump_path:
         runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=-1,
                                                          connect_timeout_s=WAIT_S))
         policy = RetryPolicy(timeout_s=2.0, attempts=3)
-        settings = TrainerSettings(background=True, batch_timeout_s=WAIT_S, topk_k=HEADS_K,
+        settings = TrainerSettings(batch_timeout_s=WAIT_S, topk_k=HEADS_K,
                                    fetch=FetchSettings(policy=policy))
         trainer = TrainerRank(runtime, settings=settings)
         runtime.start_background()

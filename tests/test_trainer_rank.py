@@ -7,7 +7,8 @@ every rank learns the run-wide count; peers of one data rank (tensor-parallel st
 on both, and only the leader deletes; a step with nothing fetchable raises ``StepFailed`` on every rank and
 its blobs are still deleted; every owned blob is deleted exactly once with the right reason; ``reference``
 and ``fetch-ack`` mirrors reach the event stream; a non-leader refuses owned blobs. Every wait is bounded and
-every process reaped.
+every process reaped. A step that computes for three node timeouts keeps the rank registered, and the
+next step's batch is acknowledged while it computes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,12 +29,13 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import FAST_LIVENESS
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import FetchAck, Ok, Reference, Replay, Replayed, StepBatch
+from refbus.protocol.messages import FetchAck, NodeDown, Ok, Reference, Replay, Replayed, StepBatch
 from test_fetcher import FakeEnvServer, SampleSpec, Step, check_assembled, make_step, start_env_server
 
 pytest_plugins = ["wire_fixtures"]
@@ -56,6 +59,7 @@ class RankConfig:
     data_rank: int | None = None  # None: the torch rank
     data_ranks: int | None = None  # None: the world size
     leader: bool = True
+    compute_s: float = 0.0  # > 0: step 0 "computes" this long, then until the test says go
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -79,7 +83,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     trainer = TrainerRank(runtime, settings=settings, data_rank=config.data_rank, data_ranks=config.data_ranks,
                           leader=config.leader)
     try:
-        runtime.start()
+        runtime.start_background()
         conn.send(runtime.endpoints["trainer"])
         for step in range(steps):
             report: dict[str, Any] = {}
@@ -95,13 +99,17 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                     | {"dropped": b.dropped} for b in result.batches
                 ]
                 report["routing_rows"] = result.fetch.routing_rows.numpy().copy()
+            if config.compute_s and step == 0:
+                conn.send(("computing", step))
+                time.sleep(config.compute_s)  # the training step: the node loop gets no help from this thread
+                assert conn.recv() == ("go", step)
             release = trainer.end_step(step)
             report["deleted"] = release.deleted
             report["dropped_metric"] = REGISTRY.get_sample_value("refbus_dropped_micro_batches_total")
             report["held_metric"] = REGISTRY.get_sample_value("refbus_trainer_blobs_held")
             conn.send(report)
     finally:
-        runtime.close()
+        runtime.join()
         dist.destroy_process_group()
 
 
@@ -302,3 +310,33 @@ def test_peers_of_one_data_rank_drop_together_and_only_the_leader_deletes(bus, e
     assert deletes(envs) == Counter(
         {(blob_id, "trainer-0", "dropped" if blob_id in dropped_blobs else "trained"): 1 for blob_id in data.owned[0]})
     assert reports[1]["deleted"] == ()
+
+
+def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
+    envs, orchestrator, zmq_ctx, tmp_path: Path
+) -> None:
+    node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+    proc, bus = start_bus(tmp_path, extra=FAST_LIVENESS)
+    try:
+        steps = [make_step(envs, SPECS, data_ranks=2, prefix=prefix, seed=seed) for seed, prefix in enumerate("xy")]
+        computing = RankConfig(compute_s=3 * node_timeout_s)
+        ranks = Ranks(bus, (computing, computing), steps=2)
+        try:
+            clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+            hand_over(clients, [step_batch(0, rank, steps[0], rank) for rank in (0, 1)])
+            assert [ranks.recv(rank) for rank in (0, 1)] == [("computing", 0)] * 2
+            # Step 1's batch while step 0 computes: acknowledged, or the ranks would wait for "go" forever.
+            hand_over(clients, [step_batch(1, rank, steps[1], rank) for rank in (0, 1)])
+            for rank in (0, 1):
+                ranks.conns[rank].send(("go", 0))
+            reports = [ranks.recv(rank) for _ in (0, 1) for rank in (0, 1)]
+            assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
+        finally:
+            exits = ranks.close()
+        assert exits == [0, 0]
+        assert [client.retries for client in clients] == [0, 0]
+        # Both ranks left with "bye"; none was ever declared down for silence.
+        down = sorted((event.node_id, event.reason) for event in events(bus, zmq_ctx, NodeDown.kind))
+        assert down == [("trainer-0", "bye"), ("trainer-1", "bye")]
+    finally:
+        assert proc.stop() == 0, proc.log_tail()

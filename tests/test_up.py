@@ -1,5 +1,6 @@
-"""`refbus up` end to end: a whole local cluster runs the RL loop for a few steps, checked from its JSON summary
-and from the event stream (`refbus monitor --json`, fed to the ledger); and Ctrl-C mid-run (SIGINT to the
+"""`refbus up` end to end: a whole local cluster runs the RL loop for a few steps (a first training step and a
+first generation longer than the node timeout among them), checked from its JSON summary and from the event
+stream (`refbus monitor --json`, fed to the ledger); and Ctrl-C mid-run (SIGINT to the
 launcher only, as a terminal delivers it) stops everything within seconds, frees every kept blob and leaves no
 process and no shared-memory segment behind.
 
@@ -21,11 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
+from refbus.protocol.messages import StepBatch
+from stalling_entry_points import STALL_ENV
 
 CLI = [sys.executable, "-m", "refbus.nodes.cli"]
+TESTS = Path(__file__).parent
 # Every endpoint the launcher binds, ephemeral: runs never collide with each other or with a user's cluster.
 EPHEMERAL_PORTS = ["--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
                    "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0",
@@ -200,9 +205,15 @@ def check_every_node_said_bye(log: EventLog) -> None:
     assert down == dict.fromkeys(NODES, "bye")  # a clean exit each, none timed out
 
 
-def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path) -> None:
+def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: each trainer rank's first step and each rollout's first generation block for three node timeouts
+    (entry points given by name, as a user's are): no node is declared down, no step batch is sent twice."""
     started = time.monotonic()
-    up = Up(tmp_path, 4)
+    node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+    monkeypatch.setenv(STALL_ENV, str(3 * node_timeout_s))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    up = Up(tmp_path, 4, *FAST_LIVENESS, "--rl-train-step", "stalling_entry_points:train_step",
+            "--rl-generate", "stalling_entry_points:generate")
     log = None
     try:
         log = EventLog(tmp_path / "watch", up.bus()["endpoints"]["control"])
@@ -231,6 +242,9 @@ def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path) -> None:
         assert episodes and all(math.isfinite(r["info"]["reward"]) for r in episodes)
         assert {r["policy_version"] for r in episodes} <= {0, 1, 2, 3, 4}
         check_every_node_said_bye(log)
+        resent = [line for line in (up.run_dir / "orchestrator.log").read_text().splitlines()
+                  if "request.retry" in line and StepBatch.kind in line]
+        assert resent == []
         check_no_process_and_no_segment(up, log)
         print(f"refbus up, 4 steps: {time.monotonic() - started:.1f}s")
     finally:

@@ -9,7 +9,9 @@ The ``run`` reply is deferred (the env server keeps serving fetches and deletes 
 and the ``generate`` request is an asynchronous call (``runtime.calls``) whose deadline is
 ``generate_timeout_s``. Each run goes to the rollout worker with the fewest generations in flight (workers
 found in the broker's registry). A run whose generation fails, misses its deadline or whose worker leaves
-the registry is answered with an error; nothing is kept for it.
+the registry is answered with an error; nothing is kept for it. The score function is user code: it runs on
+an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
+(a score that raises fails its run with ``score-failed``).
 
 The episode record published with the kept arrays (``info``) is what the orchestrator reads: ``group``,
 ``reward``, ``eval`` and one sample ``{"input_ids": [...], "loss_mask": [...], "ref": 0}`` whose loss mask
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ...bus.offload import Offload
 from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -57,6 +60,7 @@ class EpisodeRunner:
         self.env_server = env_server
         self.settings = settings
         self.score: Score = load_entry_point(settings.score)
+        self.scoring = Offload(runtime, "score")  # user code: scores never stall the env server's loop
         self.rollouts: set[str] = set()  # generate endpoints
         self.finished = 0
         self.failed = 0
@@ -102,13 +106,17 @@ class EpisodeRunner:
             self._fail(run, pending, "internal", f"rollout {endpoint} answered {outcome.kind}, not generated")
 
     def _finish(self, run: Run, pending: Pending, generated: Generated) -> None:
+        completion = generated.tokens[len(run.prompt):]
+        self.scoring.submit(lambda: float(self.score(run.prompt, completion)),
+                            lambda reward: self._scored(run, pending, generated, reward))
+
+    def _scored(self, run: Run, pending: Pending, generated: Generated, reward: float | Exception) -> None:
+        if isinstance(reward, Exception):  # user code: its failure is this run's answer, not the node's
+            self._fail(run, pending, "score-failed",
+                       f"{self.settings.score}: {type(reward).__name__}: {reward}")
+            return
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]
-        try:
-            reward = float(self.score(run.prompt, completion))
-        except Exception as exc:  # user code: its failure is this run's answer, not the node's
-            self._fail(run, pending, "score-failed", f"{self.settings.score}: {type(exc).__name__}: {exc}")
-            return
         info = {
             "group": run.group,
             "reward": reward,

@@ -25,16 +25,15 @@ rank enters the all-reduce only after its fetch returned, so it is also the poin
 has fetched: ``end_step`` needs no further collective before deleting. The group must hold every rank
 that may fetch a blob of the step (dummies borrow other ranks' blobs): the default world group does.
 
-**Threading.** Sockets belong to the thread that runs the :class:`NodeRuntime` loop. Two models:
-
-* ``background=False`` (default): the training loop's thread is the loop thread. Build the runtime and
-  :class:`TrainerRank`, call ``runtime.start()``, then ``begin_step``/``end_step`` drive the loop
-  (``runtime.loop(until=...)``) while they wait, and fetch and delete on the same thread. Nothing is served
-  between those calls, heartbeats included: the broker's ``node_timeout_s`` must exceed the longest
-  stretch between them (forward/backward), or the node is declared down and re-registers.
-* ``background=True``: the caller ran ``runtime.start_background()``; the loop thread serves step batches
-  and heartbeats throughout, and ``begin_step``/``end_step`` hand their socket work to it
-  (``runtime.call_soon``) and wait. torch.distributed collectives always run on the caller's thread.
+**Threading.** Sockets belong to the thread that runs the :class:`NodeRuntime` loop, and that loop runs in
+its own thread (``runtime.start_background()``), so step batches, heartbeats and events are served while
+the training loop computes: the step batch for step N+1 is acknowledged while step N trains, and a step
+longer than the broker's ``node_timeout_s`` does not make the rank look dead. ``begin_step``/``end_step``
+hand their socket work (fetch, delete) to the loop thread (``runtime.call_soon``) and wait for it;
+torch.distributed collectives run on the caller's thread. Call them from one thread (the training loop's),
+never from the loop thread. :meth:`TrainerRank.interrupt` (safe from signal handlers) makes a waiting
+``begin_step`` give up, for a clean shutdown; stop the node with ``runtime.join()`` once the training loop
+is done with it.
 
 Memory ownership: tensors returned by :meth:`TrainerRank.begin_step` live in the fetcher's buffer pool
 and are reused by the next ``begin_step``; the caller copies (or moves to the device) what it keeps.
@@ -43,7 +42,6 @@ and are reused by the next ``begin_step``; the caller copies (or moves to the de
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -88,15 +86,15 @@ class StepFailed(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     """``endpoint``: where the ``trainer`` ROUTER binds (loopback unless configured); ``batch_timeout_s``:
-    how long ``begin_step`` waits for its step batch; ``topk_k``: the top-k width, needed to stand in for a
-    dropped micro batch with top-k heads when no other micro batch of the step has them."""
+    how long ``begin_step`` waits for its step batch (and either call for the loop thread to do its socket
+    work); ``topk_k``: the top-k width, needed to stand in for a dropped micro batch with top-k heads when no
+    other micro batch of the step has them."""
 
     endpoint: str = "tcp://127.0.0.1:0"
     fetch: FetchSettings = field(default_factory=FetchSettings)
     batch_timeout_s: float = 600.0
     blobs_per_delete: int = 1024
     topk_k: int | None = None
-    background: bool = False
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -137,8 +135,8 @@ class TrainerRank:
     """One torch rank's end of the payload path: serves ``step-batch``, fetches before each step, agrees
     on failures with the other ranks, deletes what it owns after the step (see the module doc).
 
-    Construct before ``runtime.start()`` (the ``trainer`` endpoint is advertised at registration) and after
-    ``dist.init_process_group``. ``group`` defaults to the world.
+    Construct before ``runtime.start_background()`` (the ``trainer`` endpoint is advertised at registration)
+    and after ``dist.init_process_group``. ``group`` defaults to the world.
     """
 
     def __init__(
@@ -166,12 +164,15 @@ class TrainerRank:
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
         self._next_step = 0
         self._accepted: StepBatch | None = None  # the last step batch taken: an identical repeat is answered ok
+        self._interrupted = False
+        self._loop_ended = False
         self._cond = threading.Condition()
         self.server = runtime.serve("trainer", self.settings.endpoint)
         self.server.on(StepBatch.kind, self._on_step_batch)
         runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step)}
         # What the orchestrator needs to address this rank: its data rank, and whether it deletes.
         runtime.labels.update(rank=str(self.rank), data_rank=str(self.data_rank), leader=str(int(leader)))
+        runtime.shutdown_hooks.append(self._on_loop_ended)
 
     # --- the training loop's API ---------------------------------------------------------------------
 
@@ -179,8 +180,10 @@ class TrainerRank:
         """Wait for this rank's step batch, fetch and assemble it, agree with every rank on what failed.
 
         Collective: every rank of the group calls it for the same step. Raises :class:`StepFailed` (on every
-        rank) when the step cannot run.
+        rank) when the step cannot run, and on this rank when it was interrupted or the node stopped.
         """
+        if self.runtime.loop_thread is None:
+            raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
         received = self._wait_for(step)
         fetch = self._on_loop(lambda: self._fetch(step, received.batch))
         FETCH_SECONDS.observe(fetch.seconds)
@@ -242,6 +245,18 @@ class TrainerRank:
             BLOBS_HELD.set(len(self.held))
         return release
 
+    def interrupt(self) -> None:
+        """A shutdown was asked for: a ``begin_step`` waiting for its step batch raises :class:`StepFailed`
+        now, and so does every later one whose step batch has not arrived. Safe from any thread and from
+        signal handlers (the loop thread wakes the waiter)."""
+        self._interrupted = True
+        self.runtime.call_soon(self._wake)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether :meth:`interrupt` was called."""
+        return self._interrupted
+
     # --- requests (loop thread) ----------------------------------------------------------------------
 
     def _on_step_batch(self, request: Message) -> Ok:
@@ -280,24 +295,25 @@ class TrainerRank:
     # --- internals -----------------------------------------------------------------------------------
 
     def _wait_for(self, step: int) -> _Received:
-        timeout = self.settings.batch_timeout_s
-        deadline = time.monotonic() + timeout
-
-        def arrived() -> bool:
-            return step in self._received or self.runtime.stopping
-
-        if self.settings.background:
-            with self._cond:
-                self._cond.wait_for(arrived, timeout)
-        else:
-            self.runtime.loop(until=lambda: arrived() or time.monotonic() >= deadline)
         with self._cond:
+            self._cond.wait_for(lambda: step in self._received or self._interrupted or self._loop_ended,
+                                self.settings.batch_timeout_s)
             received = self._received.pop(step, None)
             if received is None:
-                raise StepFailed(f"rank {self.rank}: no step batch for step {step} within "
-                                 f"{self.settings.batch_timeout_s:.0f}s")
+                why = ("interrupted" if self._interrupted else "the node stopped" if self._loop_ended else
+                       f"nothing within {self.settings.batch_timeout_s:.0f}s")
+                raise StepFailed(f"rank {self.rank}: no step batch for step {step} ({why})")
             self._next_step = step + 1
         return received
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_loop_ended(self) -> None:
+        with self._cond:
+            self._loop_ended = True
+            self._cond.notify_all()
 
     def _fetch(self, step: int, batch: StepBatch) -> StepFetch:
         fetch = self.fetcher.fetch(step, batch.micro_batches)
@@ -361,24 +377,25 @@ class TrainerRank:
         return StepRelease(tuple(deleted), tuple(violations), tuple(failed))
 
     def _on_loop(self, work: Callable[[], T]) -> T:
-        """Run ``work`` on the loop thread: here in the driven model, handed over in the background one."""
-        if not self.settings.background:
-            return work()
-        done = threading.Event()
+        """Run ``work`` on the loop thread and return its result (or raise its exception) here."""
         outcome: list[tuple[bool, Any]] = []
 
         def run() -> None:
             try:
-                outcome.append((True, work()))
+                result = (True, work())
             except BaseException as exc:  # re-raised on the caller's thread
-                outcome.append((False, exc))
-            finally:
-                done.set()
+                result = (False, exc)
+            with self._cond:
+                outcome.append(result)
+                self._cond.notify_all()
 
         self.runtime.call_soon(run)
-        if not done.wait(self.settings.batch_timeout_s):
-            raise StepFailed(f"rank {self.rank}: the node loop did not run the request within "
-                             f"{self.settings.batch_timeout_s:.0f}s")
+        with self._cond:
+            if not self._cond.wait_for(lambda: outcome or self._loop_ended, self.settings.batch_timeout_s):
+                raise StepFailed(f"rank {self.rank}: the node loop did not run the request within "
+                                 f"{self.settings.batch_timeout_s:.0f}s")
+            if not outcome:
+                raise StepFailed(f"rank {self.rank}: the node stopped before it ran the request")
         ok, value = outcome[0]
         if not ok:
             raise value

@@ -10,6 +10,12 @@ into its model's own tensors (no allocation per version). Staleness is then boun
 runs ahead of the orchestrator's admission: the orchestrator never admits more work than its bound allows,
 and the trainer drops what is too stale when it is packed. Until version 0 exists, ``generate`` is refused
 (``no-weights``) and the env server's run fails cleanly.
+
+Threads: generations and weight pulls run one at a time on one :class:`~refbus.bus.offload.Offload`
+thread, so the node loop answers heartbeats and takes requests and bumps while the model computes, and a
+pull never changes the weights under a generation. A pull goes ahead of the generations still queued: a
+bump is acted on once the generation in progress ends. The ``generate`` reply is deferred and sent from
+the loop thread.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
+from ...bus.offload import Offload
 from ...bus.reqrep import HandlerError, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import Generate, Generated, VersionBump
+from ...protocol.messages import Body, Error, Generate, Generated, VersionBump
 from ..entry_points import load_entry_point
 from ..ps.client import PsClient, PsError
 
@@ -35,7 +42,8 @@ log = structlog.get_logger(__name__)
 
 
 class RolloutWorker:
-    """The rollout role on a :class:`NodeRuntime` (loop thread only)."""
+    """The rollout role on a :class:`NodeRuntime`: requests and events on the loop thread, the model (its
+    generations and weight pulls) on the offload thread."""
 
     def __init__(self, runtime: NodeRuntime, config: Config) -> None:
         rl = config.rl
@@ -43,38 +51,57 @@ class RolloutWorker:
         self.rl = rl
         self.model = load_entry_point(rl.policy)(rl.seed)
         self.generate = load_entry_point(rl.generate)
+        # Made before the PsClient: its shutdown hook must stop a pull in progress before the client closes.
+        self.offload = Offload(runtime, "rollout-model")
         self.ps = PsClient(runtime, config.ps.manager)
-        self.version = -1
+        self.version = -1  # written on the offload thread only
         self.generated = 0
+        self._refresh_queued = False  # loop thread
         # Each worker samples its own stream (crc32: stable across processes, unlike hash()).
         self.generator = torch.Generator().manual_seed(rl.seed + zlib.crc32(runtime.node_id.encode()))
-        server = runtime.serve("generate", config.rollout.endpoint)
-        server.on(Generate.kind, self._on_generate, cached=False)
+        self.server = runtime.serve("generate", config.rollout.endpoint)
+        self.server.on(Generate.kind, self._on_generate, cached=False)
         runtime.subscribe(self._on_bump, kinds=frozenset({VersionBump.kind}))
-        runtime.every(1.0, self._poll)
+        runtime.every(1.0, self._want_refresh)
         runtime.status = lambda: {"version": float(self.version), "generated": float(self.generated)}
         runtime.metric("refbus_rollout_policy_version", "Weights version this rollout worker serves.",
                        lambda: {(): float(self.version)}, kind="gauge")
         runtime.metric("refbus_rollout_generated_total", "Sequences generated.", lambda: {(): float(self.generated)})
 
+    # --- loop thread ---------------------------------------------------------------------------------
+
     def _on_bump(self, message: Message) -> None:
         bump = message.body
         assert isinstance(bump, VersionBump)
         if bump.version > self.version:
-            self.refresh()
+            self._want_refresh()
 
-    def _poll(self) -> None:
-        try:
-            latest = self.ps.status().latest
-        except (RemoteError, RequestTimeout) as exc:
-            log.warning("weights.status_failed", error=str(exc))
-            return
-        if latest > self.version:
-            self.refresh()
+    def _want_refresh(self) -> None:
+        """Queue one refresh ahead of the generations (none while one is queued or running)."""
+        if not self._refresh_queued:
+            self._refresh_queued = True
+            self.offload.submit(self.refresh, self._refreshed, urgent=True)
+
+    def _refreshed(self, outcome: object) -> None:
+        self._refresh_queued = False
+        if isinstance(outcome, Exception):
+            log.error("weights.refresh_failed", exc_info=outcome)
+
+    def _on_generate(self, request: Message) -> None:
+        ask = request.body
+        assert isinstance(ask, Generate)
+        pending = self.server.pending
+        self.offload.submit(lambda: self._generate(ask), lambda reply: self.server.answer(pending, _reply(reply)))
+        return None  # answered from the loop thread once generated
+
+    # --- offload thread ------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Pull the latest committed version if it is newer than the one served."""
+        """Pull the latest committed version if it is newer than the one served (offload thread)."""
         try:
+            latest = self.ps.status().latest
+            if latest <= self.version:
+                return
             state = self.ps.pull(out=self.model.state_dict())
         except RemoteError as exc:
             if exc.code != "unknown-version":  # nothing committed yet is normal at start-up
@@ -87,9 +114,7 @@ class RolloutWorker:
             log.info("weights.pulled", version=state.version, previous=self.version)
             self.version = state.version
 
-    def _on_generate(self, request: Message) -> Generated:
-        ask = request.body
-        assert isinstance(ask, Generate)
+    def _generate(self, ask: Generate) -> Generated:
         if self.version < 0:
             self.refresh()
         if self.version < 0:
@@ -102,6 +127,16 @@ class RolloutWorker:
         self.generated += 1
         arrays: dict[str, Any] = rollout.branch().to_arrays()
         return Generated(tokens=[int(t) for t in rollout.tokens], policy_version=self.version, arrays=arrays)
+
+
+def _reply(outcome: Generated | Exception) -> Body:
+    """The ``generate`` reply: the generation, or the error it failed with (as a handler's would be)."""
+    if isinstance(outcome, HandlerError):
+        return Error(outcome.code, str(outcome), Generate.kind)
+    if isinstance(outcome, Exception):
+        log.error("generate.failed", exc_info=outcome)
+        return Error("internal", f"{type(outcome).__name__}: {outcome}", Generate.kind)
+    return outcome
 
 
 def run(config: Config, args: argparse.Namespace) -> int:

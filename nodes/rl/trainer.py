@@ -23,7 +23,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ...bus.runtime import NodeRuntime
+from ...bus.runtime import NodeRuntime, on_signals
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
 from ..payload.trainer import StepBatches, StepFailed, TrainerRank, TrainerSettings
@@ -83,15 +83,17 @@ def run(config: Config, args: argparse.Namespace) -> int:
     model = load_entry_point(rl.policy)(rl.seed)
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)
     train_step = load_entry_point(rl.train_step)
-    with runtime.stop_on_signals():
+    # SIGINT/SIGTERM end the run after the step in progress (its blobs deleted, its weights pushed): the node
+    # loop keeps serving until then, and stops once the training loop is done with it.
+    with on_signals(trainer.interrupt):
         try:
-            runtime.start()
+            runtime.start_background()
             ps.push(shard_of(model.state_dict(), rank, world), 0, rank=rank, world=world)
             for step in range(section.steps):
                 try:
                     batches = trainer.begin_step(step)
                 except StepFailed:
-                    if runtime.stopping:  # asked to stop while waiting for work: not a failure
+                    if trainer.interrupted:  # asked to stop while waiting for work: not a failure
                         break
                     raise
                 metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
@@ -99,10 +101,10 @@ def run(config: Config, args: argparse.Namespace) -> int:
                 ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world)
                 log.info("step.trained", step=step, dropped=batches.dropped_global,
                          fetch_s=round(batches.fetch.seconds, 4), **_rounded(metrics))
-                if runtime.stopping:
+                if trainer.interrupted:
                     break
         finally:
-            runtime.close()
+            runtime.join()
             dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,94 @@
+"""The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
+revives none; only time on the liveness clock does. A real broker on loopback sockets, its clock injected."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+import zmq
+from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.reqrep import Client, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Heartbeat, Hello, NodeInfo, Ok, Welcome
+
+T = TypeVar("T")
+NODE_TIMEOUT_S = 1.0
+WAIT_S = 10.0
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def broker() -> Iterator[tuple[Broker, FakeClock]]:
+    clock = FakeClock()
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    settings = BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK,
+                              node_timeout_s=NODE_TIMEOUT_S)
+    node = Broker(runtime, settings, clock=clock)
+    runtime.start_background()
+    try:
+        yield node, clock
+    finally:
+        runtime.join(WAIT_S)
+
+
+def on_loop(broker: Broker, work: Callable[[], T]) -> T:
+    """Run ``work`` on the broker's loop thread (where its registry lives) and return its result."""
+    done = threading.Event()
+    result: list[T] = []
+    broker.runtime.call_soon(lambda: (result.append(work()), done.set()))
+    assert done.wait(WAIT_S), "the broker's loop did not run the call"
+    return result[0]
+
+
+def expire_now(broker: Broker) -> set[str]:
+    """One liveness pass now; the registered node ids after it."""
+    def run() -> set[str]:
+        broker._expire()
+        return set(broker.members)
+
+    return on_loop(broker, run)
+
+
+def test_a_wall_clock_step_expires_no_node_and_the_liveness_clock_does(
+    broker: tuple[Broker, FakeClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node, clock = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("worker-1"),
+                    policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+        info = NodeInfo(node_id="worker-1", role="worker", host="localhost", pid=1)
+        assert isinstance(client.request(Hello(node=info, token="t-1")).body, Welcome)
+        assert "worker-1" in expire_now(node)
+
+        real_time = time.time
+        for step_s in (3600.0, -3600.0):  # the wall clock jumps an hour ahead, then an hour back
+            monkeypatch.setattr(time, "time", lambda step_s=step_s: real_time() + step_s)
+            assert "worker-1" in expire_now(node), f"a wall-clock step of {step_s:+.0f}s expired the node"
+        monkeypatch.setattr(time, "time", real_time)
+
+        # A heartbeat within the timeout (liveness clock) keeps it; silence beyond it removes it.
+        clock.now += NODE_TIMEOUT_S * 0.75
+        assert isinstance(client.request(Heartbeat(node_id="worker-1")).body, Ok)
+        clock.now += NODE_TIMEOUT_S * 0.75
+        assert "worker-1" in expire_now(node)
+        seen = on_loop(node, lambda: node.members["worker-1"].info.last_seen)
+        assert abs(seen - time.time()) < 60  # the displayed last-seen stays wall-clock time
+        clock.now += NODE_TIMEOUT_S * 1.5
+        assert "worker-1" not in expire_now(node)
+    finally:
+        client.close()
+        ctx.term()
