@@ -31,11 +31,10 @@ The current policy version comes from ``version-bump`` events (the parameter ser
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import structlog
@@ -44,7 +43,9 @@ from ...bus.reqrep import Client
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import EpisodeFinished, Error, Run, VersionBump
+from ..config import Config
 from ..entry_points import load_entry_point
+from ..settings import OrchestratorSettings
 from .orchestrator import (
     DeliveryError,
     EvalSink,
@@ -55,26 +56,7 @@ from .orchestrator import (
     TrainSink,
 )
 
-if TYPE_CHECKING:
-    from ..config import Config
-
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class OrchestratorSettings:
-    seq_len: int = 2048
-    group_size: int = 4
-    groups_per_step: int = 16
-    max_staleness: int = 1
-    max_steps: int = 0  # 0: no limit
-    trainers: int = 1  # trainer ranks to wait for before the first step
-    group_timeout_s: float = 120.0
-    dispatch: bool = False  # send runs to env servers (the RL loop), or only take episodes as they come
-    prompt: str = "refbus.nodes.toy.task:make_prompt"
-    seed: int = 0
-    max_groups_in_flight: int = 16
-    eval_every: int = 0  # steps between eval groups (0: none)
 
 
 @dataclass
@@ -339,7 +321,7 @@ class RunDispatcher:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node orchestrator``: serve until SIGINT/SIGTERM."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(**dataclasses.asdict(config.orchestrator)))
+    orchestrator = Orchestrator(runtime, config.orchestrator)
     if orchestrator.settings.dispatch:
         RunDispatcher(runtime, orchestrator)
     runtime.run()
