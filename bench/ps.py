@@ -102,8 +102,9 @@ def cluster(ps_workers: int) -> Iterator[Cluster]:
     workdir = Path(tempfile.mkdtemp(prefix="refbus-bench-ps-"))
     prefix = f"refbus-bench-{os.getpid()}"
     # A generous node timeout: the bench saturates both cores on purpose, and a starved loop must not be
-    # mistaken for a dead node (liveness is what the tests check, not this).
-    bus, control = start_bus(workdir, extra=["--bus-node-timeout-s", "60"])
+    # mistaken for a dead node (liveness is what the tests check, not this). The longest the default request
+    # retry schedule (14 s) allows.
+    bus, control = start_bus(workdir, extra=["--bus-node-timeout-s", "12"])
     procs = [bus]
     try:
         flags = ["--bus-control", control, "--ps-shm-prefix", prefix, "--ps-retain-versions", str(RETAIN),

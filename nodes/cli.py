@@ -18,10 +18,6 @@ from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, NodeRuntime
 from ..protocol.envelope import describe
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
-from .ledger import Ledger, format_report, read_records
-from .monitor import run_monitor
-from .top import run_top
-from .up import run_up
 
 DESCRIPTION = """\
 refbus: the data plane for asynchronous RL. Per-token training arrays stay on the env servers that made
@@ -42,7 +38,8 @@ def run_bus(config: Config, args: argparse.Namespace) -> int:
 
 
 # role -> (summary, "module:function"). Modules are imported only for the role that runs, so a process
-# never loads what another role needs (an env server must never import torch).
+# never loads what another role needs (an env server must never import torch); the other commands' modules
+# are imported when their command runs, for the same reason.
 ROLES: dict[str, tuple[str, str]] = {
     "bus": ("the broker: event forwarding, node registry, replay ring", "refbus.nodes.cli:run_bus"),
     "ps-manager": ("parameter-server control plane: versions, manifests, leases, staleness inventory, init",
@@ -60,7 +57,8 @@ ROLES: dict[str, tuple[str, str]] = {
 }
 
 
-def _role_entry(role: str) -> Callable[[Config, argparse.Namespace], int]:
+def role_entry(role: str) -> Callable[[Config, argparse.Namespace], int]:
+    """The entry of ``refbus node <role>``; imports that role's modules and nothing else's."""
     module, _, function = ROLES[role][1].partition(":")
     return getattr(importlib.import_module(module), function)
 
@@ -162,6 +160,8 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
 
 
 def run_ledger(config: Config, args: argparse.Namespace) -> int:
+    from .ledger import Ledger, format_report, read_records
+
     ledger = Ledger()
     if args.file is not None:
         with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
@@ -192,17 +192,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
     try:
         if args.command == "node":
-            return _role_entry(args.role)(config, args)
+            return role_entry(args.role)(config, args)
         if args.command == "monitor":
+            from .monitor import run_monitor
+
             return run_monitor(config.runtime(node_id=args.node_id, ready_file=args.ready_file), as_json=args.json,
                                kinds=tuple(args.kind), since=args.since, count=args.count, duration=args.duration)
         if args.command == "ledger":
             return run_ledger(config, args)
         if args.command == "up":
+            from .up import run_up
+
             return run_up(config, args)
         if args.command == "nodes":
             return _list_nodes(config, args)
         if args.command == "top":
+            from .top import run_top
+
             return run_top(config, args)
         print(to_toml(config), end="")
         return 0

@@ -35,6 +35,8 @@ from refbus.nodes.ps.client import PsClient
 from refbus.protocol.codec import checksum
 
 HERE = Path(__file__).resolve()
+# The ps lease TTL of every test cluster: short, yet above the request timeout as the config requires.
+LEASE_TTL_S = 2.5
 
 
 def make_state(seed: int, *, tensors: int = 12, scale: int = 1) -> dict[str, torch.Tensor]:
@@ -110,7 +112,7 @@ def start_cluster(spawn: Callable[..., NodeProcess], control: str, tag: str, *, 
     """Start a ps-manager and ``workers`` ps-workers (w0, w1, ...) on the broker at ``control``."""
     prefix = f"refbus-test-{tag}-{os.getpid()}"
     flags = ["--bus-control", control, "--bus-heartbeat-interval-s", "0.2", "--ps-shm-prefix", prefix,
-             "--ps-lease-ttl-s", "1.0", *(extra or [])]
+             "--ps-lease-ttl-s", str(LEASE_TTL_S), *(extra or [])]
     manager = spawn(["node", "ps-manager", "--node-id", "ps-manager", "--ps-manager", "tcp://127.0.0.1:0", *flags],
                     "ps-manager")
     ready = manager.wait_ready()

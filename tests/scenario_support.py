@@ -290,7 +290,8 @@ def rank_main(rank: int, world: int, init: str, bus: str, steps: int, dump_path:
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
     from refbus.nodes.payload.fetcher import FetchFailure, FetchSettings
-    from refbus.nodes.payload.trainer import TrainerRank, TrainerSettings
+    from refbus.nodes.payload.trainer import TrainerRank
+    from refbus.nodes.settings import TrainerSettings
 
     torch.set_num_threads(1)
     configure_logging(level="error")
@@ -301,9 +302,8 @@ def rank_main(rank: int, world: int, init: str, bus: str, steps: int, dump_path:
         runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=-1,
                                                          connect_timeout_s=WAIT_S))
         policy = RetryPolicy(timeout_s=2.0, attempts=3)
-        settings = TrainerSettings(batch_timeout_s=WAIT_S, topk_k=HEADS_K,
-                                   fetch=FetchSettings(policy=policy))
-        trainer = TrainerRank(runtime, settings=settings)
+        trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), topk_k=HEADS_K,
+                              fetch=FetchSettings(policy=policy))
         runtime.start_background()
         try:
             for step in range(steps):

@@ -189,7 +189,7 @@ def test_signed_cluster_admits_its_nodes_and_refuses_a_wrong_secret(tmp_path: Pa
         assert good.wait_ready()["node_id"] == "good"
         bad = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "monitor", "--bus-control", control,
                               "--security-secret", "wrong", "--node-connect-timeout-s", "2", "--requests-attempts",
-                              "1"], capture_output=True, text=True, timeout=60)
+                              "1", *FAST_LIVENESS], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "no broker answered" in bad.stderr
         assert "signature" in bus.log_tail(200)  # the broker said why it refused
     finally:

@@ -23,8 +23,9 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
-from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
+from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.keeper import blob_checksum
+from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     Blobs,
@@ -195,7 +196,9 @@ def test_a_retried_delete_is_answered_twice_and_executed_once(
 
 
 def test_unclaimed_blobs_are_deleted_as_undelivered(env_server: EnvServerFactory, observer: Observer, peer) -> None:
-    _, info = env_server("env-b", "--env-server-handover-lease-s", "0.3")
+    # The shortest lease the config allows: above a node timeout plus the request retry schedule.
+    _, info = env_server("env-b", "--requests-timeout-s", "0.6", "--requests-attempts", "2",
+                         "--env-server-handover-lease-s", "3.0")
     client = peer(info["endpoints"]["blobs"])
     ids = [ref.blob_id for ref in ask(client, Keep(episode_id="ep", branches=[branch(4), branch(5)])).refs]
     assert isinstance(observer.next(), EpisodeFinished)
@@ -305,7 +308,7 @@ def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess
 def test_the_env_server_path_never_imports_torch() -> None:
     # The role's entry point as the CLI loads it, plus the default score function it imports.
     code = ("import sys, refbus.nodes.cli as cli, refbus.nodes.payload.keeper, refbus.nodes.toy.task; "
-            "cli._role_entry('env-server'); "
+            "cli.role_entry('env-server'); "
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
             "assert not loaded, loaded")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -16,8 +16,9 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
-from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
-from refbus.nodes.payload.episodes import EpisodeRunner, EpisodeSettings
+from refbus.nodes.payload.env_server import EnvServer
+from refbus.nodes.payload.episodes import EpisodeRunner
+from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Generate, Generated, Ok, Run
 
@@ -50,9 +51,9 @@ class Rollout:
 @pytest.fixture
 def env_server(bus: tuple[NodeProcess, str]) -> Iterator[tuple[EpisodeRunner, str]]:
     runtime = NodeRuntime("env-server", RuntimeSettings(bus=bus[1], node_id="env-episodes", metrics_port=-1))
-    env = EnvServer(runtime, EnvServerSettings(source="episodes"))
-    runner = EpisodeRunner(runtime, env, EpisodeSettings(generate_timeout_s=GENERATE_TIMEOUT_S,
-                                                         rollout_refresh_s=REFRESH_S))
+    settings = EnvServerSettings(source="episodes", generate_timeout_s=GENERATE_TIMEOUT_S)
+    env = EnvServer(runtime, settings)
+    runner = EpisodeRunner(runtime, env, settings, rollout_refresh_s=REFRESH_S)
     runtime.start_background()
     yield runner, runtime.endpoints["blobs"]
     runtime.join(timeout=10 * GENERATE_TIMEOUT_S)

@@ -48,7 +48,8 @@ from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ledger import Ledger, read_records
-from refbus.nodes.payload.env_server import EnvServer, EnvServerSettings
+from refbus.nodes.payload.env_server import EnvServer
+from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Kept, Run, StepBatch, VersionBump
 from scenario_support import (

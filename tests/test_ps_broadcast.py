@@ -71,9 +71,9 @@ def test_broadcast_init_over_1_2_3_5_8_workers(bus, spawn, checkpoint) -> None:
 def test_a_dead_interior_worker_fails_init_by_name(bus, spawn, checkpoint) -> None:
     path, _ = checkpoint
     _, control = bus
-    # A long node timeout: the manager still believes w1 alive, so the tree itself must notice.
-    cluster = start_cluster(spawn, control, "bdead", workers=4,
-                            extra=[*CHUNK, "--ps-ack-timeout-s", "3.0", "--bus-node-timeout-s", "30"])
+    # The init starts at once, before the broker declares w1 down: the manager still believes w1 alive, so
+    # the tree itself must notice.
+    cluster = start_cluster(spawn, control, "bdead", workers=4, extra=[*CHUNK, "--ps-ack-timeout-s", "3.0"])
     runtime, ps = cluster.client()
     try:
         victim = cluster.workers["w1"]  # rank 1 of 4 relays to rank 3

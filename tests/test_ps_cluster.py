@@ -1,6 +1,6 @@
 """The parameter server as real processes: push, pull, leases, crashes, retention, casts and bad input.
 
-Every cluster is a broker, a ps-manager and ps-workers started through ``NodeProcess`` with a 1 s lease TTL;
+Every cluster is a broker, a ps-manager and ps-workers started through ``NodeProcess`` with a short lease TTL;
 trainer ranks and rollout workers that must die are actor processes (``ps_support.py``). Each test checks at
 the end that no shared-memory segment of its cluster is left behind.
 """
@@ -17,6 +17,7 @@ import pytest
 import torch
 from polling import wait_for
 from ps_support import (
+    LEASE_TTL_S,
     Actor,
     PsCluster,
     checksums,
@@ -32,8 +33,6 @@ from refbus.nodes.ps.client import PsError
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import VersionBump
 from refbus.protocol.messages_ps import PushBegin, ShardOpen, ShardSeal, ShardTensor, ShardWrite, TensorSpec
-
-TTL_S = 1.0
 
 
 @pytest.fixture
@@ -108,7 +107,7 @@ def test_readers_never_wait_for_a_push_and_never_see_a_torn_version(cluster: PsC
             thread.start()
         wait_for(lambda: len(seen) >= 24, 20, "pulls while the push is open")
         assert {v for v, _, _ in seen} == {0}, "a reader saw the version still being pushed"
-        assert max(s for _, _, s in seen) < TTL_S, "a reader waited"
+        assert max(s for _, _, s in seen) < LEASE_TTL_S, "a reader waited"
         pusher.resume()
         second = pusher.expect("pushed")
         digests.add(second["digest"])
@@ -138,7 +137,7 @@ def test_killed_puller_lease_expires_and_pushes_proceed(cluster: PsCluster) -> N
             assert ps.push(make_state(seed=version), version).committed
         state = ps.status()
         assert state.retained == [2, 3] and state.pinned == {"0": 1}
-        wait_for(lambda: ps.status().pinned == {}, 5 * TTL_S, "the dead reader's lease to expire")
+        wait_for(lambda: ps.status().pinned == {}, 5 * LEASE_TTL_S, "the dead reader's lease to expire")
         assert ps.status().leases == 0
         # Version 0 is freed: only the two retained versions' shards stay in use on w0.
         wait_for(lambda: cluster.held("w0") == 2 * one_version, 5, "version 0's shard to be released")
@@ -160,7 +159,7 @@ def test_killed_pusher_never_commits_and_its_memory_is_reclaimed(cluster: PsClus
         assert ps.status().pending == [1]
         assert cluster.held("w0") > before  # its segment is in use
         pusher.kill()
-        wait_for(lambda: ps.status().pending == [], 5 * TTL_S, "the dead pusher's lease to expire")
+        wait_for(lambda: ps.status().pending == [], 5 * LEASE_TTL_S, "the dead pusher's lease to expire")
         assert ps.status().latest == 0
         wait_for(lambda: cluster.held("w0") == before, 5, "the aborted shard's memory to be released")
         with pytest.raises(RemoteError) as err:
@@ -338,7 +337,7 @@ def test_staleness_inventory_through_the_manager(cluster: PsCluster) -> None:
         assert err.value.code == "version-mismatch"
         # A leased reservation whose holder stops renewing is aborted after the lease TTL.
         ps.reserve("p3", 1, 2, leased=True)
-        wait_for(lambda: ps.inventory().counters["expired_prompts_total"] == 1, 5 * TTL_S, "the lease to expire")
+        wait_for(lambda: ps.inventory().counters["expired_prompts_total"] == 1, 5 * LEASE_TTL_S, "the lease to expire")
         with pytest.raises(RemoteError) as err:
             ps.occupy("p3", "late", 1)
         assert err.value.code == "reservation-aborted"

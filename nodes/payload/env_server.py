@@ -39,7 +39,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,22 +64,13 @@ from ...protocol.messages import (
     Kept,
     Violation,
 )
+from ..settings import EnvServerSettings
 from .branch import Branch
 from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack_branches
 
 log = structlog.get_logger(__name__)
 
 ROLE = "env-server"
-
-
-@dataclass(frozen=True)
-class EnvServerSettings:
-    """What an env server needs beyond the node runtime (``[env_server]`` in the cluster config)."""
-
-    endpoint: str = "tcp://127.0.0.1:0"
-    source: str = ""  # "" = the node id; replicas of one source share it
-    budget_bytes: int = 16 << 30
-    handover_lease_s: float = 60.0
 
 
 class EnvServer:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,30 +30,22 @@ from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, PeerDown, Pending, R
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Error, Generate, Generated, Ok, Run
+from ..config import Config
 from ..entry_points import load_entry_point
-from .env_server import ROLE, EnvServer, EnvServerSettings
+from ..settings import EnvServerSettings
+from .env_server import ROLE, EnvServer
 from .keeper import KeepError
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 log = structlog.get_logger(__name__)
 
 Score = Callable[[Sequence[int], Sequence[int]], float]
 
 
-@dataclass(frozen=True)
-class EpisodeSettings:
-    score: str = "refbus.nodes.toy.task:score"
-    max_new_tokens: int = 6
-    generate_timeout_s: float = 30.0
-    rollout_refresh_s: float = 1.0
-
-
 class EpisodeRunner:
     """Serves ``run`` on an :class:`EnvServer`'s endpoint (loop thread only)."""
 
-    def __init__(self, runtime: NodeRuntime, env_server: EnvServer, settings: EpisodeSettings) -> None:
+    def __init__(self, runtime: NodeRuntime, env_server: EnvServer, settings: EnvServerSettings, *,
+                 rollout_refresh_s: float = 1.0) -> None:
         self.runtime = runtime
         self.env_server = env_server
         self.settings = settings
@@ -65,7 +55,7 @@ class EpisodeRunner:
         self.finished = 0
         self.failed = 0
         env_server.server.on(Run.kind, self._on_run)
-        runtime.every(settings.rollout_refresh_s, self._refresh_rollouts)
+        runtime.every(rollout_refresh_s, self._refresh_rollouts)
 
     def _refresh_rollouts(self) -> None:
         nodes = self.runtime.lookup("rollout")
@@ -143,14 +133,10 @@ class EpisodeRunner:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
-    section = config.env_server
-    settings = EnvServerSettings(endpoint=section.endpoint, source=section.source,
-                                 budget_bytes=section.budget_bytes, handover_lease_s=section.handover_lease_s)
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
-        env_server = EnvServer(runtime, settings)
-        EpisodeRunner(runtime, env_server, EpisodeSettings(score=section.score, max_new_tokens=section.max_new_tokens,
-                                                           generate_timeout_s=section.generate_timeout_s))
+        env_server = EnvServer(runtime, config.env_server)
+        EpisodeRunner(runtime, env_server, config.env_server)
     except ValueError as exc:  # a budget, lease or entry point that cannot be used
         log.error("env_server.bad_config", error=str(exc))
         runtime.close()

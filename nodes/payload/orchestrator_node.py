@@ -37,12 +37,10 @@ node (``step.undeliverable``, exit status 1).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -50,38 +48,20 @@ from ...bus.reqrep import SEND_ONCE, Outcome, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import BlobRef, Claim, Claimed, Delete, Deleted, EpisodeFinished, VersionBump
+from ..config import Config
 from ..entry_points import load_entry_point
+from ..settings import OrchestratorSettings
 from .orchestrator import group_by_endpoint
 from .orchestrator_core import Action, Deadlines, DeleteBlobs, DeliverBatch, Halt, OrchestratorCore, SendRun
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class OrchestratorSettings:
-    seq_len: int = 2048
-    group_size: int = 4
-    groups_per_step: int = 16
-    max_staleness: int = 1
-    max_steps: int = 0  # 0: no limit
-    trainers: int = 1  # trainer ranks to wait for before the first step
-    group_timeout_s: float = 120.0
-    dispatch: bool = False  # send runs to env servers (the RL loop), or only take episodes as they come
-    prompt: str = "refbus.nodes.toy.task:make_prompt"
-    seed: int = 0
-    max_groups_in_flight: int = 16
-    eval_every: int = 0  # steps between eval groups (0: none)
-
-
 def deadlines_from(config: Config) -> Deadlines:
     """The orchestrator's waits, from the settings of the peers it waits for (see :class:`Deadlines`)."""
-    policy = config.runtime().retry
-    schedule = sum(policy.timeouts())
+    policy = config.retry()
     return Deadlines(delivery_s=config.trainer.batch_timeout_s, redeliver_after_s=policy.timeout_s,
-                     run_s=config.env_server.generate_timeout_s + schedule)
+                     run_s=config.env_server.generate_timeout_s + policy.deadline_s)
 
 
 @dataclass
@@ -276,7 +256,6 @@ def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status 1 when the run halted (a step
     the trainer ranks did not all acknowledge in time)."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(**dataclasses.asdict(config.orchestrator)),
-                                deadlines_from(config))
+    orchestrator = Orchestrator(runtime, config.orchestrator, deadlines_from(config))
     runtime.run()
     return 1 if orchestrator.failure else 0

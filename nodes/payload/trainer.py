@@ -44,7 +44,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,6 +57,7 @@ from ...bus.reqrep import HandlerError, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepBatch
+from ..settings import TrainerSettings
 from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
 from .fetcher import FetchSettings, PlanError, StepFetch, StepFetcher, needed_refs, to_micro_batch
@@ -81,20 +82,6 @@ class StepFailed(RuntimeError):
     """The step cannot run: nothing could be fetched anywhere, a data rank cannot stand in for its dropped
     micro batches, or the step batch never came. Raised on every rank alike (except a missing step batch,
     which the other ranks see as a collective timeout); stop the run."""
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerSettings:
-    """``endpoint``: where the ``trainer`` ROUTER binds (loopback unless configured); ``batch_timeout_s``:
-    how long ``begin_step`` waits for its step batch (and either call for the loop thread to do its socket
-    work); ``topk_k``: the top-k width, needed to stand in for a dropped micro batch with top-k heads when no
-    other micro batch of the step has them."""
-
-    endpoint: str = "tcp://127.0.0.1:0"
-    fetch: FetchSettings = field(default_factory=FetchSettings)
-    batch_timeout_s: float = 600.0
-    blobs_per_delete: int = 1024
-    topk_k: int | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,7 +123,11 @@ class TrainerRank:
     on failures with the other ranks, deletes what it owns after the step (see the module doc).
 
     Construct before ``runtime.start_background()`` (the ``trainer`` endpoint is advertised at registration)
-    and after ``dist.init_process_group``. ``group`` defaults to the world.
+    and after ``dist.init_process_group``. ``group`` defaults to the world. ``settings``: the ``[trainer]``
+    section (``endpoint``: where the ``trainer`` ROUTER binds; ``batch_timeout_s``: how long ``begin_step``
+    waits for its step batch, and either call for the loop thread to do its socket work). Not user config:
+    ``fetch`` (how the fetcher batches and retries), ``blobs_per_delete``, ``topk_k`` (the top-k width, needed
+    to stand in for a dropped micro batch with top-k heads when no other micro batch of the step has them).
     """
 
     def __init__(
@@ -148,9 +139,15 @@ class TrainerRank:
         data_rank: int | None = None,
         data_ranks: int | None = None,
         leader: bool = True,
+        fetch: FetchSettings | None = None,
+        blobs_per_delete: int = 1024,
+        topk_k: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
+        self.fetch_settings = fetch or FetchSettings()
+        self.blobs_per_delete = blobs_per_delete
+        self.topk_k = topk_k
         self.group = group
         self.rank = dist.get_rank()
         self.data_rank = self.rank if data_rank is None else data_rank
@@ -158,7 +155,7 @@ class TrainerRank:
         if not 0 <= self.data_rank < self.data_ranks:
             raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
         self.leader = leader
-        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.settings.fetch)
+        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.fetch_settings)
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
@@ -199,8 +196,8 @@ class TrainerRank:
                 batch = assemble_dropped(
                     fetch.micro_batches[index],
                     fetch.routing_rows,
-                    mask_width=self.settings.fetch.mask_width or 1,
-                    topk_k=self.settings.topk_k or fetch.topk_k,
+                    mask_width=self.fetch_settings.mask_width or 1,
+                    topk_k=self.topk_k or fetch.topk_k,
                     allocator=self.fetcher.pool,
                 )
             # Every local failure was flagged for this data rank, so it is in the agreed drop set.
@@ -347,11 +344,11 @@ class TrainerRank:
         micro batch that would need them failed here, and those are dropped whatever the others report."""
         plans = fetch.micro_batches
         no_rows = fetch.routing_rows is None and any(plan.has_routing for plan in plans)
-        no_k = (self.settings.topk_k or fetch.topk_k) is None and any(TOPK_IDS in plan.fields() for plan in plans)
+        no_k = (self.topk_k or fetch.topk_k) is None and any(TOPK_IDS in plan.fields() for plan in plans)
         return no_rows or no_k
 
     def _delete(self, groups: Mapping[tuple[str, str], list[str]]) -> StepRelease:
-        size = self.settings.blobs_per_delete
+        size = self.blobs_per_delete
         calls = [
             (self.fetcher.client(endpoint), Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id,
                                                    reason=reason))
@@ -361,7 +358,7 @@ class TrainerRank:
         deleted: list[str] = []
         violations: list[str] = []
         failed: list[str] = []
-        outcomes = gather(calls, window=self.settings.fetch.window, policy=self.settings.fetch.policy)
+        outcomes = gather(calls, window=self.fetch_settings.window, policy=self.fetch_settings.policy)
         replies, failures = split_outcomes(zip(calls, outcomes, strict=True))
         for (client, request), error in failures:
             log.error("delete.failed", endpoint=client.endpoint, blobs=len(request.blob_ids), error=str(error))

@@ -24,7 +24,6 @@ import re
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 from prometheus_client import REGISTRY, Histogram
@@ -73,7 +72,8 @@ from ...protocol.messages_ps import (
     ShardCommit,
     WorkerInfo,
 )
-from ..config import Config, PsSection
+from ..config import Config
+from ..settings import PsSettings
 from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import Lease, LeaseTable
@@ -86,24 +86,6 @@ log = structlog.get_logger(__name__)
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-@dataclass(frozen=True)
-class ManagerSettings:
-    endpoint: str = "tcp://127.0.0.1:7780"
-    retain_versions: int = 2
-    lease_ttl_s: float = 10.0
-    push_timeout_s: float = 300.0
-    eta: int = 1
-    batch_size: int = 64
-    chunk_bytes: int = 8 << 20
-    ack_timeout_s: float = 10.0
-    init_timeout_s: float = 600.0
-
-    @classmethod
-    def from_config(cls, ps: PsSection) -> ManagerSettings:
-        return cls(ps.manager, ps.retain_versions, ps.lease_ttl_s, ps.push_timeout_s, ps.eta, ps.batch_size,
-                   ps.chunk_bytes, ps.ack_timeout_s, ps.init_timeout_s)
-
-
 def _error_code(exc: StalenessError) -> str:
     """``VersionAbortedError`` -> ``version-aborted``: the inventory's error classes name the codes."""
     return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__.removesuffix("Error")).lower()
@@ -112,7 +94,7 @@ def _error_code(exc: StalenessError) -> str:
 class PsManager:
     """The control plane on ``runtime`` (which must join the bus: commits are published)."""
 
-    def __init__(self, runtime: NodeRuntime, settings: ManagerSettings, *,
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *,
                  registry: CollectorRegistry = REGISTRY) -> None:
         self.runtime = runtime
         self.settings = settings
@@ -124,7 +106,7 @@ class PsManager:
         self._init_waiting: list[Pending] = []
         self._init_answers: OrderedDict[str, Body] = OrderedDict()  # ps-init request id -> its answer
 
-        server = self.server = runtime.serve("ps", settings.endpoint)
+        server = self.server = runtime.serve("ps", settings.manager)
         routes: dict[str, Callable[[Message], Body | None]] = {
             PsRegister.kind: self._register,
             PushBegin.kind: self._push_begin,
@@ -522,6 +504,6 @@ class PsManager:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-manager``: serve the control plane until SIGINT/SIGTERM."""
     runtime = NodeRuntime("ps-manager", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    PsManager(runtime, ManagerSettings.from_config(config.ps))
+    PsManager(runtime, config.ps)
     runtime.run()
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -52,36 +51,22 @@ from ...protocol.messages_ps import (
     ShardWrite,
     WorkerInfo,
 )
-from ..config import Config, PsSection
+from ..config import Config
+from ..settings import PsSettings
 from .broadcast import Relay
 from .shm import Segment, SegmentPool, sweep_orphans
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    manager: str
-    endpoint: str = "tcp://127.0.0.1:0"
-    shm_dir: str = "/dev/shm"
-    shm_prefix: str = "refbus-ps"
-    pin_memory: bool = True
-    max_free_segments: int = 4
-    register_timeout_s: float = 15.0
-
-    @classmethod
-    def from_config(cls, ps: PsSection, *, connect_timeout_s: float = 15.0) -> WorkerSettings:
-        return cls(ps.manager, ps.worker, ps.shm_dir, ps.shm_prefix, ps.pin_memory, ps.max_free_segments,
-                   connect_timeout_s)
-
-
 class PsWorker:
     """Serves the data plane on ``runtime``; call :meth:`register` before the runtime runs."""
 
-    def __init__(self, runtime: NodeRuntime, settings: WorkerSettings, *,
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0,
                  registry: CollectorRegistry = REGISTRY) -> None:
         self.runtime = runtime
         self.settings = settings
+        self.register_timeout_s = register_timeout_s
         sweep_orphans(settings.shm_dir, settings.shm_prefix)
         self.pool = SegmentPool(settings.shm_dir, settings.shm_prefix, pin=settings.pin_memory,
                                 max_free=settings.max_free_segments)
@@ -89,7 +74,7 @@ class PsWorker:
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
 
-        self.server = runtime.serve("ps", settings.endpoint)
+        self.server = runtime.serve("ps", settings.worker)
         self.server.on(ShardOpen.kind, self._open)
         self.server.on(ShardWrite.kind, self._write)
         self.server.on(ShardSeal.kind, self._seal, cached=False)
@@ -115,7 +100,7 @@ class PsWorker:
 
     def register(self) -> None:
         """Join the parameter server (blocking, before the loop runs); RequestTimeout if no manager answers."""
-        policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.register_timeout_s)), backoff=1.0)
+        policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
         self.manager.request(PsRegister(self.info()), policy=policy)
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
 
@@ -269,7 +254,7 @@ class PsWorker:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    worker = PsWorker(runtime, WorkerSettings.from_config(config.ps, connect_timeout_s=config.node.connect_timeout_s))
+    worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s)
     try:
         worker.register()
     except BaseException:

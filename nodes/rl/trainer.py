@@ -17,20 +17,18 @@ import argparse
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
 from ...bus.runtime import NodeRuntime, on_signals
+from ..config import Config
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
-from ..payload.trainer import StepBatches, StepFailed, TrainerRank, TrainerSettings
+from ..payload.trainer import StepBatches, StepFailed, TrainerRank
 from ..ps.client import PsClient
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 log = structlog.get_logger(__name__)
 
@@ -77,8 +75,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
                             timeout=timedelta(seconds=section.batch_timeout_s))
     runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
                                                     ready_file=args.ready_file))
-    trainer = TrainerRank(runtime, settings=TrainerSettings(endpoint=section.endpoint,
-                                                            batch_timeout_s=section.batch_timeout_s))
+    trainer = TrainerRank(runtime, settings=section)
     ps = PsClient(runtime, config.ps.manager)
     model = load_entry_point(rl.policy)(rl.seed)
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)

@@ -1,0 +1,203 @@
+"""Every cluster config key, declared once: one frozen dataclass per TOML section, each key's help as metadata.
+
+The TOML of ``refbus config show``, the ``--section-key`` flags and the README's configuration reference are
+all generated from these classes (:mod:`refbus.nodes.config`). A role takes its section object as it is
+(``OrchestratorSettings``, ``EnvServerSettings``, ``TrainerSettings``, ``PsSettings``); what is not user
+config (internal knobs, test hooks) stays a keyword parameter of the role's constructor.
+
+A leaf module: it imports no role and nothing outside the standard library, so every process can load the
+config without loading another role's code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def key(default: Any, help: str) -> Any:
+    """A config key: its default and its help (the TOML comment, the flag's help, the README's meaning)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """``[cluster]``: the cluster's identity."""
+
+    name: str = key("local", "Cluster name, shown in logs and by `refbus top`.")
+
+
+@dataclass(frozen=True)
+class BusSettings:
+    """``[bus]``: the broker (translated to ``BrokerSettings`` and the nodes' heartbeat in ``Config``)."""
+
+    control: str = key("tcp://127.0.0.1:7770", "Broker control endpoint (ROUTER): every node connects here first.")
+    events_in: str = key("tcp://127.0.0.1:7771", "Broker endpoint where nodes publish events (XSUB).")
+    events_out: str = key("tcp://127.0.0.1:7772", "Broker endpoint where subscribers receive events (XPUB).")
+    ring_events: int = key(65_536, "Events kept in the broker's replay ring.")
+    ring_bytes: int = key(256 << 20, "Bytes kept in the broker's replay ring.")
+    heartbeat_interval_s: float = key(1.0, "Seconds between node heartbeats.")
+    node_timeout_s: float = key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
+    metrics_port: int = key(
+        7779,
+        "Port of the broker's Prometheus endpoint, used by the broker instead of "
+        "node.metrics_port; it also serves /sd (every node's endpoint, for Prometheus's "
+        "http_sd_configs), so it is fixed for a scrape config to name. 0: a free one, -1: none.",
+    )
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """``[node]``: what every node process shares (translated to ``RuntimeSettings`` in ``Config``)."""
+
+    host: str = key("", "Host name advertised for wildcard binds (default: this machine's host name).")
+    connect_timeout_s: float = key(15.0, "Seconds a starting node waits for the broker.")
+    metrics_host: str = key("127.0.0.1", "Address of each node's Prometheus endpoint.")
+    metrics_port: int = key(0, "Port of the Prometheus endpoint: 0 picks a free one, -1 disables it.")
+    log_level: str = key("info", "Log level: debug, info, warning, error.")
+    log_format: str = key("auto", "Log format: auto (JSON unless stderr is a terminal), json, console.")
+
+
+@dataclass(frozen=True)
+class RequestsSettings:
+    """``[requests]``: the retry policy of every request (``RetryPolicy``, built in ``Config.retry``)."""
+
+    timeout_s: float = key(2.0, "Seconds to wait for a reply before retrying.")
+    attempts: int = key(3, "Attempts per request, the first included.")
+    backoff: float = key(2.0, "Factor applied to the timeout after each attempt.")
+    max_timeout_s: float = key(10.0, "Upper bound of the per-attempt timeout.")
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    """``[limits]``: what a node accepts from the wire (``Limits``, built in ``Config.runtime``)."""
+
+    max_body_bytes: int = key(16 << 20, "Largest msgpack body accepted.")
+    max_message_bytes: int = key(8 << 30, "Largest message (all frames) accepted.")
+    max_frame_bytes: int = key(-1, "ZeroMQ per-frame cap (MAXMSGSIZE); -1: none.")
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """``[security]``: message signing."""
+
+    secret: str = key("", "Shared secret that signs every message (HMAC-SHA256); empty: unsigned.")
+
+
+@dataclass(frozen=True)
+class PsSettings:
+    """``[ps]``: the parameter server; both ``PsManager`` and ``PsWorker`` take it."""
+
+    manager: str = key("tcp://127.0.0.1:7780", "ps-manager endpoint (ROUTER): workers and clients connect here.")
+    worker: str = key("tcp://127.0.0.1:0", "ps-worker data endpoint to bind (port 0: ephemeral, advertised).")
+    retain_versions: int = key(2, "Committed versions the ps-manager keeps readable; older ones are freed unread.")
+    lease_ttl_s: float = key(10.0, "Seconds a push or pull lease lives without renewal.")
+    push_timeout_s: float = key(300.0, "Seconds every rank of a version has to commit its shard before it is aborted.")
+    shm_dir: str = key("/dev/shm", "Directory (tmpfs) of the ps-workers' shared-memory segments.")
+    shm_prefix: str = key("refbus-ps", "File name prefix of the shared-memory segments.")
+    pin_memory: bool = key(True, "Page-lock segments for device copies when CUDA is available.")
+    max_free_segments: int = key(4, "Freed segments a ps-worker keeps mapped for reuse.")
+    eta: int = key(1, "Staleness bound: a trajectory trains at most eta versions after its policy version.")
+    batch_size: int = key(64, "Trajectories per training batch in the staleness inventory.")
+    chunk_bytes: int = key(8 << 20, "Bytes per chunk of the broadcast-init stream.")
+    ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message.")
+    init_timeout_s: float = key(600.0, "Seconds a broadcast init may take before it fails.")
+
+
+@dataclass(frozen=True)
+class EnvServerSettings:
+    """``[env_server]``: ``EnvServer`` (blobs) and ``EpisodeRunner`` (runs) take it."""
+
+    endpoint: str = key(
+        "tcp://127.0.0.1:0",
+        "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: ephemeral, advertised.",
+    )
+    source: str = key("", "Source name in blob references; replicas of one source share it (default: the node id).")
+    budget_bytes: int = key(16 << 30, "Array bytes an env server may hold; a keep beyond it fails (never evicts).")
+    handover_lease_s: float = key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
+    score: str = key(
+        "refbus.nodes.toy.task:score",
+        "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
+    )
+    max_new_tokens: int = key(6, "Tokens a rollout worker generates per episode.")
+    generate_timeout_s: float = key(30.0, "Seconds a run may wait for its generation before it fails.")
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    """``[orchestrator]``: ``Orchestrator`` and ``RunDispatcher`` read it."""
+
+    seq_len: int = key(2048, "Tokens per micro batch (samples longer than this are truncated).")
+    group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group.")
+    groups_per_step: int = key(16, "Complete groups shipped per trainer step.")
+    max_staleness: int = key(1, "Versions a sample's policy may lag the current one when its step is packed.")
+    max_steps: int = key(0, "Steps to ship before deleting everything that arrives (0: no limit).")
+    trainers: int = key(1, "Trainer ranks to wait for (from the registry) before the first step.")
+    group_timeout_s: float = key(120.0, "Seconds an incomplete group may wait before it is dropped.")
+    dispatch: bool = key(
+        False,
+        "Send runs to the env servers (the RL loop of `refbus up`); off: only take the episodes others send.",
+    )
+    prompt: str = key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
+    seed: int = key(0, "Seed of the prompt stream.")
+    max_groups_in_flight: int = key(16, "Groups whose runs may be in flight at once.")
+    eval_every: int = key(0, "Steps between eval groups (0: none); eval episodes are scored, never trained.")
+
+
+@dataclass(frozen=True)
+class RlSettings:
+    """``[rl]``: the user code of the RL loop (entry points) and its hyperparameters."""
+
+    policy: str = key(
+        "refbus.nodes.toy.policy:make_policy",
+        "Entry point building the policy: f(seed) -> "
+        "torch.nn.Module (trainer ranks and rollout workers build the same one).",
+    )
+    generate: str = key(
+        "refbus.nodes.toy.policy:generate",
+        "Entry point generating completions: f(model, prompts "
+        "[1, P], max_new_tokens, temperature=, top_k_logprobs=, sampling_top_k=) -> [rollout with "
+        ".tokens and .branch()].",
+    )
+    optimizer: str = key("refbus.nodes.toy.train:make_optimizer", "Entry point: f(model, lr) -> optimizer.")
+    train_step: str = key(
+        "refbus.nodes.toy.train:train_step",
+        "Entry point: f(model, optimizer, micro_batches, "
+        "temperature=) -> metrics dict (see refbus.nodes.toy.train for the batch keys).",
+    )
+    seed: int = key(0, "Seed of the initial weights and of the rollout workers' sampling.")
+    lr: float = key(5e-3, "Learning rate.")
+    temperature: float = key(1.0, "Sampling temperature (the train step divides logits by it too).")
+    top_k_logprobs: int = key(4, "Width of the sampler's recorded top-k logprob heads.")
+    sampling_top_k: int = key(4, "Top-k sampling filter (recorded as the sampling mask).")
+    torch_threads: int = key(1, "torch intra-op threads per process (many processes share few cores).")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """``[trainer]``: one trainer rank; ``TrainerRank`` takes it."""
+
+    endpoint: str = key("tcp://127.0.0.1:0", "Trainer rank endpoint (ROUTER: step-batch); port 0: ephemeral.")
+    rank: int = key(-1, "torch.distributed rank (-1: $RANK, as torchrun sets it).")
+    world_size: int = key(-1, "torch.distributed world size (-1: $WORLD_SIZE).")
+    init_method: str = key("env://", "torch.distributed init method (env:// reads $MASTER_ADDR/$MASTER_PORT).")
+    steps: int = key(20, "Steps to train before the rank exits.")
+    batch_timeout_s: float = key(300.0, "Seconds a rank waits for its step batch before failing the step.")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """``[rollout]``: one rollout worker."""
+
+    endpoint: str = key("tcp://127.0.0.1:0", "Rollout worker endpoint (ROUTER: generate); port 0: ephemeral.")
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    """``[up]``: the local cluster of ``refbus up``."""
+
+    steps: int = key(80, "Trainer steps `refbus up` runs before it stops the cluster.")
+    env_servers: int = key(2, "Env-server processes (replicas of one source).")
+    trainers: int = key(2, "Trainer ranks (torch.distributed world size).")
+    rollouts: int = key(2, "Rollout worker processes.")
+    ps_workers: int = key(2, "Parameter-server worker processes.")

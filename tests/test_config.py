@@ -1,0 +1,107 @@
+"""The cluster config: one declaration per section, flags and files over the defaults, relations checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST_LIVENESS
+from refbus.nodes.cli import build_parser
+from refbus.nodes.config import RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
+
+
+def load(*flags: str, config_file: Path | None = None) -> Config:
+    extra = ["--config", str(config_file)] if config_file else []
+    return load_config(build_parser().parse_args(["config", "show", *extra, *flags]))
+
+
+def refbus(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "refbus.nodes.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_defaults_load_and_satisfy_every_relation() -> None:
+    assert load() == Config()
+
+
+def test_flags_override_the_file_which_overrides_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text('[orchestrator]\nseed = 7\ngroup_size = 8\n[ps]\nlease_ttl_s = 20\n')
+    config = load("--orchestrator-seed", "9", config_file=path)
+    assert (config.orchestrator.seed, config.orchestrator.group_size, config.ps.lease_ttl_s) == (9, 8, 20.0)
+    assert config.trainer == Config().trainer
+
+
+def test_config_show_reads_back_as_the_same_config(tmp_path: Path) -> None:
+    shown = refbus("config", "show", "--trainer-steps", "3", "--orchestrator-dispatch", "true")
+    assert shown.returncode == 0, shown.stderr
+    path = tmp_path / "shown.toml"
+    path.write_text(shown.stdout)
+    config = load(config_file=path)
+    assert config.trainer.steps == 3 and config.orchestrator.dispatch is True
+    assert to_toml(config) == shown.stdout
+
+
+# Per relation: flags that break it and nothing else. Every relation must have its case here.
+BREAKS: dict[tuple[str, tuple[str, ...]], list[str]] = {
+    ("bus.node_timeout_s", ("bus.heartbeat_interval_s",)): ["--bus-heartbeat-interval-s", "2.0"],
+    (RETRY_SCHEDULE, ("bus.node_timeout_s",)): ["--requests-attempts", "1"],
+    ("env_server.handover_lease_s", ("bus.node_timeout_s", RETRY_SCHEDULE)): ["--env-server-handover-lease-s", "10"],
+    ("orchestrator.group_timeout_s", ("env_server.generate_timeout_s",)): ["--env-server-generate-timeout-s", "200"],
+    ("trainer.batch_timeout_s", ("orchestrator.group_timeout_s",)): ["--trainer-batch-timeout-s", "100"],
+    ("ps.lease_ttl_s", ("requests.timeout_s",)): ["--ps-lease-ttl-s", "1.5"],
+}
+
+
+def test_every_relation_has_a_case() -> None:
+    assert set(BREAKS) == {(relation.key, relation.bound) for relation in RELATIONS}
+
+
+@pytest.mark.parametrize("relation", RELATIONS, ids=lambda relation: relation.key)
+def test_a_broken_relation_is_an_error_naming_both_sides(relation) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(*BREAKS[relation.key, relation.bound])
+    message = str(err.value)
+    for name in (relation.key, *relation.bound):
+        assert name in message
+    assert relation.why in message
+
+
+def test_a_relation_is_checked_on_the_effective_config_not_per_key(tmp_path: Path) -> None:
+    # Each value alone is fine; together with the file's node timeout the lease is too short.
+    path = tmp_path / "cluster.toml"
+    path.write_text("[bus]\nnode_timeout_s = 12.0\n")
+    load(config_file=path)
+    with pytest.raises(ConfigError, match=r"env_server\.handover_lease_s > bus\.node_timeout_s"):
+        load("--env-server-handover-lease-s", "25", config_file=path)
+    # Moving the bound with it makes the same lease valid.
+    assert load("--env-server-handover-lease-s", "25", "--bus-node-timeout-s", "10").env_server.handover_lease_s == 25
+
+
+def test_the_short_timings_the_tests_use_are_consistent() -> None:
+    config = load(*FAST_LIVENESS)
+    assert config.bus.node_timeout_s == 1.0
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("[bus]\nnode_timeout_s = 0.5\n", "does not hold"),
+    ("[bus]\nnode_timeout = 5\n", "unknown key bus.node_timeout"),
+    ("[buss]\n", "unknown section [buss]"),
+    ('[bus]\nnode_timeout_s = "5"\n', "bus.node_timeout_s must be float, got str"),
+    ("[bus\n", "cannot read config"),
+    ("bus = 3\n", "[bus] must be a table"),
+])
+def test_a_bad_config_file_is_refused_with_exit_2(tmp_path: Path, content: str, says: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(content)
+    result = refbus("config", "show", "--config", str(path))
+    assert result.returncode == 2 and says in result.stderr and result.stdout == ""
+
+
+def test_sections_are_frozen_so_a_role_never_sees_its_settings_change() -> None:
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.trainer.steps = 3  # type: ignore[misc]
