@@ -568,8 +568,8 @@ def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
     orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
                                       "--orchestrator-dispatch", "true", "--orchestrator-group-size", "1",
                                       "--orchestrator-max-groups-in-flight", "2",
-                                      "--env-server-generate-timeout-s", "0.3", "--requests-timeout-s", "0.2",
-                                      "--requests-attempts", "1"),
+                                      "--env-server-generate-timeout-s", "0.3", "--requests-timeout-s", "0.5",
+                                      "--requests-attempts", "2"),
                          ORCHESTRATOR)
     try:
         silent.start_background()
