@@ -78,6 +78,8 @@ class LimitsSection:
     max_body_bytes: int = _key(16 << 20, "Largest msgpack body accepted.")
     max_message_bytes: int = _key(8 << 30, "Largest message (all frames) accepted.")
     max_frame_bytes: int = _key(-1, "ZeroMQ per-frame cap (MAXMSGSIZE); -1: none.")
+    max_depth: int = _key(32, "Deepest nesting of lists and maps accepted in a body.")
+    max_items: int = _key(1 << 20, "Most list elements and map entries accepted in one body, all together.")
 
 
 @dataclass
@@ -236,7 +238,8 @@ class Config:
             metrics_host=self.node.metrics_host,
             metrics_port=self.node.metrics_port,
             ready_file=ready_file,
-            limits=Limits(self.limits.max_body_bytes, self.limits.max_message_bytes),
+            limits=Limits(self.limits.max_body_bytes, self.limits.max_message_bytes, self.limits.max_depth,
+                          self.limits.max_items),
             retry=RetryPolicy(
                 self.requests.timeout_s, self.requests.attempts, self.requests.backoff, self.requests.max_timeout_s
             ),
