@@ -9,8 +9,9 @@ Sockets (all bound):
 * ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``.
 
 The broker checks each event's envelope header (it must place it in the ring by source and sequence
-number) but not its body: subscribers validate bodies. Events with an unreadable header are dropped and
-counted. The ring keeps the most recent events, bounded by count and by bytes.
+number; the kind frame, version and sizes are checked with it) but never decodes its body: subscribers
+validate bodies. Events with an unreadable header, a kind that is not ASCII or another major version are
+dropped and counted by error code. The ring keeps the most recent events, bounded by count and by bytes.
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
@@ -36,7 +37,8 @@ import msgspec
 import structlog
 import zmq
 
-from ..protocol.envelope import Header, Message
+from ..protocol.envelope import Message
+from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
     Bye,
@@ -55,7 +57,6 @@ from ..protocol.messages import (
     Welcome,
 )
 from .metrics import ROUTES
-from .pubsub import SYNC_KIND
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
 from .sockets import EVENT_OPTIONS, recv_frames, send_frames
@@ -152,7 +153,6 @@ class Broker:
         self.forwarded = 0
         self.dropped: Counter[str] = Counter()
         self.seq = 0
-        self._header = msgspec.msgpack.Decoder(Header)
         # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
         self._targets: tuple[dict[str, Any], ...] = ()
@@ -184,16 +184,14 @@ class Broker:
                 frames = recv_frames(xsub, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) < 3:
-                self.dropped["malformed"] += 1
-                continue
             try:
-                header = self._header.decode(frames[1])
-            except msgspec.MsgspecError:
-                self.dropped["malformed"] += 1
-                log.warning("event.dropped", reason="unreadable header", kind=bytes(frames[0])[:64])
+                # The header only (bodies are the subscribers'); kinds newer than this broker pass.
+                kind, header = self.codec.decode_header(frames, known=False)
+            except ProtocolError as exc:
+                self.dropped[exc.code] += 1
+                log.warning("event.dropped", code=exc.code, error=str(exc))
                 continue
-            if frames[0] == SYNC_KIND:
+            if kind == Sync.kind:
                 self._probe_seen(frames)
                 continue
             send_frames(xpub, frames)

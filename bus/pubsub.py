@@ -56,7 +56,8 @@ class Subscriber:
     The socket always carries the whole stream, because gaps can only be told from sequence numbers when
     every event of a source arrives; ``kinds`` selects what is *delivered* (bodies of other kinds are not
     even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
-    must not stop a subscriber. ``sync`` probes are consumed here and recorded in :attr:`tokens`.
+    must not stop a subscriber (anything unexpected is counted as ``internal``). ``sync`` probes are
+    consumed here and recorded in :attr:`tokens`.
     """
 
     def __init__(
@@ -119,6 +120,9 @@ class Subscriber:
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))
+        except Exception:  # a bug the event exposed: counted and logged, the stream goes on
+            self.rejected["internal"] += 1
+            log.exception("event.failed")
 
     def hold(self) -> None:
         """Park incoming events (not yet sequence-checked) while a replay is merged in front of them."""

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from math import isfinite
 from typing import TypeVar
 
-import msgspec
 import structlog
 import zmq
 
 from ..protocol.codec import ArrayBackend
-from ..protocol.envelope import Header, Message, WireCodec
+from ..protocol.envelope import Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
 from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, send_frames
@@ -342,21 +341,33 @@ class Server:
 
     A handler gets the decoded :class:`Message` and returns the reply body. It owns the request's arrays
     after the call (they view the received frames). Raise :class:`HandlerError` for an expected failure.
+    Bodies of kinds without a handler are never decoded.
+
+    Replies of cached routes are kept per ``(source, id)``, at most ``cache_size`` of them and
+    ``cache_bytes`` in all, evicted oldest first; a reply larger than ``cache_bytes`` is sent, not kept.
     """
 
     def __init__(
-        self, sock: zmq.Socket, codec: WireCodec, *, cache_size: int = 4096, backend: ArrayBackend = "native"
+        self,
+        sock: zmq.Socket,
+        codec: WireCodec,
+        *,
+        cache_size: int = 4096,
+        cache_bytes: int = 64 << 20,
+        backend: ArrayBackend = "native",
     ) -> None:
         self.sock = sock
         self.codec = codec
         self.backend = backend
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.routes: dict[str, _Route] = {}
         self.handled: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.duplicates = 0
         self.undeliverable = 0
-        self._replies: OrderedDict[tuple[str, str], list] = OrderedDict()
+        self._replies: OrderedDict[tuple[str, str], tuple[list, int]] = OrderedDict()
+        self._cached_bytes = 0
         self._current = Pending(b"", "")
 
     def on(self, kind: str, handler: Handler, *, cached: bool = True) -> None:
@@ -368,37 +379,52 @@ class Server:
         """The request being handled; a handler that returns None keeps this to :meth:`answer` later."""
         return self._current
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the replies held for retries."""
+        return self._cached_bytes
+
     def answer(self, pending: Pending, body: Body) -> None:
         """Reply to a deferred request (not cached: a retry re-runs its handler, which defers again)."""
         self._send(pending.identity, body, pending.reply_to)
 
     def handle_one(self, flags: int = 0) -> None:
-        """Receive one request and answer it. Never raises for anything a peer sent."""
+        """Receive one request and answer it. Never raises for anything a peer sent: what the decoder or a
+        handler does not expect is answered ``internal`` and logged."""
         frames = recv_frames(self.sock, flags, copied=4)
         identity, envelope = frames[0], frames[1:]
         try:
-            request = self.codec.decode(envelope, backend=self.backend)
+            self._dispatch(identity, envelope)
+        except Exception as exc:
+            self.rejected["internal"] += 1
+            log.exception("request.failed")
+            self._send(identity, Error("internal", f"{type(exc).__name__}: {exc}"), self._peek_id(envelope))
+
+    def _dispatch(self, identity: bytes, envelope: list) -> None:
+        try:
+            kind, header = self.codec.decode_header(envelope)
+            route = self.routes.get(kind)
+            if route is None:
+                self.rejected["unexpected-kind"] += 1
+                self._send(identity, Error("unexpected-kind", f"this node does not serve {kind!r} requests", kind),
+                           header.id)
+                return
+            request = self.codec.decode(envelope, backend=self.backend, checked=(kind, header))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))
             self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self._peek_id(envelope))
             return
-        header = request.header
         key = (header.src, header.id)
         cached = self._replies.get(key)
         if cached is not None:
             self.duplicates += 1
-            self._send_frames(identity, cached)
+            self._send_frames(identity, cached[0])
             return
-        route = self.routes.get(request.kind)
-        if route is None:
-            self.rejected["unexpected-kind"] += 1
-            reply: Body = Error("unexpected-kind", f"this node does not serve {request.kind!r} requests", request.kind)
-        else:
-            self._current = Pending(identity, header.id)
-            reply = self._run(route.handler, request)
-            if reply is None:
-                return
+        self._current = Pending(identity, header.id)
+        reply = self._run(route.handler, request)
+        if reply is None:
+            return
         try:
             frames_out = self.codec.encode(reply, reply_to=header.id)
         except (ProtocolError, NotImplementedError, TypeError, ValueError) as exc:
@@ -406,11 +432,18 @@ class Server:
             log.exception("reply.unencodable", kind=request.kind, reply_kind=reply.kind)
             frames_out = self.codec.encode(Error("internal", f"reply could not be encoded: {exc}", request.kind),
                                            reply_to=header.id)
-        if route is not None and route.cached:
-            self._replies[key] = frames_out
-            if len(self._replies) > self.cache_size:
-                self._replies.popitem(last=False)
+        if route.cached:
+            self._cache(key, frames_out)
         self._send_frames(identity, frames_out)
+
+    def _cache(self, key: tuple[str, str], frames: list) -> None:
+        nbytes = sum(memoryview(frame).nbytes for frame in frames)
+        if nbytes > self.cache_bytes:
+            return
+        self._replies[key] = (frames, nbytes)
+        self._cached_bytes += nbytes
+        while len(self._replies) > self.cache_size or self._cached_bytes > self.cache_bytes:
+            self._cached_bytes -= self._replies.popitem(last=False)[1][1]
 
     def _run(self, handler: Handler, request: Message) -> Body | None:
         try:
@@ -439,11 +472,10 @@ class Server:
             self.undeliverable += 1
             log.warning("reply.undeliverable", error=str(exc))
 
-    @staticmethod
-    def _peek_id(envelope: list) -> str:
+    def _peek_id(self, envelope: list) -> str:
         if len(envelope) < 2:
             return ""
         try:
-            return msgspec.msgpack.decode(envelope[1], type=Header).id
-        except (msgspec.MsgspecError, TypeError):
+            return self.codec.read_header(envelope[1]).id
+        except ProtocolError:
             return ""

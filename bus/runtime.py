@@ -252,7 +252,7 @@ class NodeRuntime:
             assert isinstance(page, Replayed)
             for event in page.events:
                 try:
-                    events.append(self.codec.decode([event.kind.encode("ascii"), event.header, event.body,
+                    events.append(self.codec.decode([event.kind.encode("ascii", "replace"), event.header, event.body,
                                                      *event.buffers]))
                 except ProtocolError as exc:  # one bad event in the ring must not cost the others
                     log.warning("replay.rejected", code=exc.code, error=str(exc))
@@ -385,7 +385,10 @@ class NodeRuntime:
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(64)
                     continue
-                self._callbacks[sock]()
+                try:
+                    self._callbacks[sock]()
+                except Exception:  # whatever a peer sent, the node keeps serving the others
+                    log.exception("node.callback_failed")
             self.calls.tick()
 
     def close(self) -> None:
@@ -553,7 +556,11 @@ class NodeRuntime:
     def _deliver_ready(self) -> None:
         for subscriber, handler, _ in self._subscriptions:
             while not self._stopping and (message := subscriber.pop()) is not None:
-                handler(message)
+                try:
+                    handler(message)
+                except Exception:  # one event the role cannot handle must not cost it the stream
+                    subscriber.rejected["internal"] += 1
+                    log.exception("event.handler_failed", kind=message.kind, src=message.header.src)
 
     def _drain(self, handle: Callable[[int], None], budget: int = 256, slice_s: float = 0.005) -> None:
         """Handle what is waiting (``handle(zmq.NOBLOCK)`` until ``zmq.Again``), at most ``budget`` messages

@@ -33,6 +33,8 @@ from .errors import ArrayError, ChecksumMismatch
 EXT_NUMPY = 1
 EXT_TORCH = 2
 
+MAX_DIMS = 32  # numpy allows 64; no array that travels has more than a handful
+
 ArrayBackend = Literal["native", "numpy", "torch"]
 Buffer = Any  # bytes, memoryview, zmq.Frame: anything exposing the buffer protocol
 
@@ -136,11 +138,16 @@ class ArrayUnpacker:
     body. ``backend`` picks the result type: ``native`` (what the sender used), ``numpy`` or ``torch``.
     With ``verify`` every frame's checksum is checked. Results view the frames (no copy) and keep them
     alive. After decoding, :attr:`used` counts the referenced frames so the caller can reject stray ones.
+
+    A shape may have at most :data:`MAX_DIMS` dimensions and, its zero dimensions counted as one, at most
+    ``max_elements`` elements: a zero-sized array matches an empty frame whatever its other dimensions, and
+    a receiver must never size a buffer from ``[0, 2**59, 8]``.
     """
 
-    __slots__ = ("_backend", "_buffers", "_used", "_verify")
+    __slots__ = ("_backend", "_buffers", "_max_elements", "_used", "_verify")
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_elements: int = 1 << 40) -> None:
+        self._max_elements = max_elements
         self._buffers: Sequence[Buffer] = ()
         self._backend: ArrayBackend = "native"
         self._verify = True
@@ -167,8 +174,14 @@ class ArrayUnpacker:
             raise ArrayError(f"descriptor points at buffer frame {index}, message has {len(self._buffers)}")
         if index in self._used:
             raise ArrayError(f"buffer frame {index} is referenced twice")
+        if len(shape) > MAX_DIMS:
+            raise ArrayError(f"{dtype} shape has {len(shape)} dimensions, at most {MAX_DIMS} travel")
         if any(dim < 0 for dim in shape):
             raise ArrayError(f"negative dimension in shape {list(shape)}")
+        if math.prod(dim or 1 for dim in shape) > self._max_elements:
+            raise ArrayError(
+                f"{dtype}{list(shape)} has more than {self._max_elements} elements (limits.max_message_bytes)"
+            )
         self._used.add(index)
         view = memoryview(self._buffers[index])
         expected = math.prod(shape) * dtype_width(dtype)  # Python ints: a hostile shape cannot wrap around

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from .bounds import check_depth, check_structure, open_kinds
 from .codec import ArrayBackend, ArrayPacker, ArrayUnpacker, Buffer
 from .errors import (
     BadSignature,
@@ -56,10 +57,19 @@ class Header(msgspec.Struct, frozen=True, omit_defaults=True):
 
 @dataclass(frozen=True)
 class Limits:
-    """Size limits checked before a body is decoded."""
+    """Bounds checked before a body is decoded, so no peer can make a node allocate or recurse without end.
+
+    ``max_items`` (list elements and map entries of one body, all together) is checked on the raw bytes of
+    every body longer than ``max_items`` bytes (a shorter one cannot hold more values than it has bytes);
+    ``max_depth`` on those bytes too, and after decoding on kinds with ``Any``-typed fields (typed fields
+    bound their own depth). ``max_message_bytes`` also bounds the element count of every array, zero-sized
+    ones included. See :mod:`refbus.protocol.bounds`.
+    """
 
     max_body_bytes: int = 16 << 20
     max_message_bytes: int = 8 << 30
+    max_depth: int = 32
+    max_items: int = 1 << 20
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -101,12 +111,13 @@ class WireCodec:
         self._secret = secret
         self._ids = MessageIds()
         self._packer = ArrayPacker()
-        self._unpacker = ArrayUnpacker()
+        self._unpacker = ArrayUnpacker(max_elements=self.limits.max_message_bytes)
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._packer.enc_hook)
         self._header_decoder = msgspec.msgpack.Decoder(Header)
         self._body_decoders = {
             kind: msgspec.msgpack.Decoder(cls, ext_hook=self._unpacker.ext_hook) for kind, cls in KINDS.items()
         }
+        self._open_kinds = open_kinds(KINDS)
         self._kind_frames = {kind: kind.encode("ascii") for kind in KINDS}
         self._kind_names = {frame: kind for kind, frame in self._kind_frames.items()}
 
@@ -137,8 +148,9 @@ class WireCodec:
 
     # --- decode -------------------------------------------------------------------------------------
 
-    def decode_header(self, frames: Sequence[Buffer]) -> tuple[str, Header]:
-        """Kind and header of an envelope, checked for shape, version and size; the body is not read."""
+    def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> tuple[str, Header]:
+        """Kind and header of an envelope, checked for shape, version and size; the body is not read.
+        ``known=False`` lets an ASCII kind this node does not define pass (what a forwarder needs)."""
         if len(frames) < MIN_FRAMES:
             raise MalformedMessage(
                 f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers], got {len(frames)}"
@@ -150,17 +162,14 @@ class WireCodec:
                 kind = raw_kind.decode("ascii")
             except UnicodeDecodeError:
                 raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
-        try:
-            header = self._header_decoder.decode(frames[1])
-        except msgspec.MsgspecError as exc:
-            raise MalformedMessage(f"header frame: {exc}", kind=kind) from None
+        header = self.read_header(frames[1], kind=kind)
         if header.v[0] != PROTOCOL_VERSION[0]:
             raise VersionMismatch(
                 f"protocol {header.v[0]}.{header.v[1]} from {header.src!r}, this node speaks "
                 f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
                 kind=kind,
             )
-        if kind not in KINDS:
+        if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
         body_size = memoryview(frames[2]).nbytes
         if body_size > self.limits.max_body_bytes:
@@ -169,6 +178,15 @@ class WireCodec:
         if total > self.limits.max_message_bytes:
             raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
         return kind, header
+
+    def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
+        """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""
+        try:
+            return self._header_decoder.decode(frame)
+        except msgspec.MsgspecError as exc:
+            raise MalformedMessage(f"header frame: {exc}", kind=kind) from None
+        except Exception as exc:  # RecursionError (deep unknown fields), MemoryError, ...: never the caller's
+            raise MalformedMessage(f"header frame: {type(exc).__name__}: {exc}", kind=kind) from None
 
     def decode(
         self,
@@ -187,9 +205,17 @@ class WireCodec:
         if self._secret:
             self._check_mac(kind, header, frames)
         buffers = frames[MIN_FRAMES:]
+        raw_body = frames[2]
+        limits = self.limits
+        if memoryview(raw_body).nbytes > limits.max_items:
+            try:
+                check_structure(_as_bytes(raw_body), max_depth=limits.max_depth, max_items=limits.max_items)
+            except ProtocolError as exc:
+                exc.kind = kind
+                raise
         self._unpacker.begin(buffers, backend=backend, verify=verify or bool(self._secret))
         try:
-            body = self._body_decoders[kind].decode(frames[2])
+            body = self._body_decoders[kind].decode(raw_body)
         except msgspec.ValidationError as exc:
             raise SchemaError(str(exc), kind=kind) from None
         except msgspec.DecodeError as exc:
@@ -197,6 +223,16 @@ class WireCodec:
         except ProtocolError as exc:
             exc.kind = exc.kind or kind
             raise
+        except RecursionError:  # unknown fields are skipped recursively, unchecked by the bounds above
+            raise MalformedMessage("body frame nests deeper than the decoder can follow", kind=kind) from None
+        except Exception as exc:  # whatever else a hostile body provokes is the peer's error, never ours
+            raise MalformedMessage(f"body frame: {type(exc).__name__}: {exc}", kind=kind) from None
+        if kind in self._open_kinds:
+            try:
+                check_depth(body, max_depth=limits.max_depth)
+            except ProtocolError as exc:
+                exc.kind = kind
+                raise
         if self._unpacker.used != len(buffers):
             raise MalformedMessage(
                 f"{len(buffers)} buffer frames but the body describes {self._unpacker.used}", kind=kind
@@ -210,6 +246,10 @@ class WireCodec:
         expected = self._mac(bytes(frames[0]), unsigned, bytes(frames[2]), frames[MIN_FRAMES:])
         if not hmac.compare_digest(expected, header.mac):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+
+
+def _as_bytes(frame: Buffer) -> bytes:
+    return frame if isinstance(frame, bytes) else bytes(memoryview(frame))
 
 
 def incarnation(msg_id: str) -> str:

@@ -89,8 +89,13 @@ class Counting:
         assert isinstance(request.body, Delete)
         return Ok(detail=f"deleted {','.join(request.body.blob_ids)} #{self.calls['delete']}")
 
+    def blobs(self, request: Message) -> Ok:
+        self.calls["blobs"] += 1
+        return Ok()
+
     def setup(self, server: Server) -> None:
         server.on("delete", self.delete)
+        server.on("blobs", self.blobs)  # a kind with arrays: the server decodes only bodies it serves
 
 
 # --- normal operation ---------------------------------------------------------------------------------
@@ -204,6 +209,7 @@ def test_malformed_request_gets_an_error_reply_and_the_server_keeps_serving(
 
     assert well_behaved.request(DELETE).body.detail == "deleted b1 #2"
     assert handlers.calls["delete"] == 2  # the malformed request never reached the handler
+    assert handlers.calls["blobs"] == 0
 
 
 def test_a_burst_of_garbage_is_answered_one_by_one(serve: Any, clients: Any, raw_dealer: Any) -> None:
@@ -218,13 +224,17 @@ def test_a_burst_of_garbage_is_answered_one_by_one(serve: Any, clients: Any, raw
     assert sum(srv.server.rejected.values()) == len(MALFORMED)
 
 
-def test_a_kind_the_server_does_not_serve(serve: Any, clients: Any) -> None:
+def test_a_kind_the_server_does_not_serve(serve: Any, clients: Any, raw_dealer: Any) -> None:
     srv = serve(Counting().setup)
     with pytest.raises(RemoteError) as info:
         clients(srv.endpoint).request(Fetch(blob_ids=["b1"], holder="t"))
     assert info.value.code == "unexpected-kind"
     assert info.value.detail == "this node does not serve 'fetch' requests"
     assert srv.server.rejected["unexpected-kind"] == 1
+    # Its body is never decoded: an undecodable one gets the same answer, not a decoder's error.
+    reply = exchange(raw_dealer(srv.endpoint), [b"fetch", raw_header(), b"\xc1"])
+    assert (reply.body.code, reply.header.re) == ("unexpected-kind", "raw-1")
+    assert srv.server.rejected["unexpected-kind"] == 2
 
 
 def test_descriptor_with_an_impossible_shape_gets_an_error_reply(
@@ -260,6 +270,38 @@ def test_same_frames_twice_execute_once_and_are_answered_twice(serve: Any, raw_d
     assert handlers.calls["delete"] == 1
     assert srv.server.duplicates == 1
     assert srv.server.handled["delete"] == 1
+
+
+def test_reply_cache_is_bounded_in_bytes_and_evicts_oldest_first(serve: Any, raw_dealer: Any) -> None:
+    """Replies are kept within ``cache_bytes``, oldest evicted first; one larger than the budget is sent
+    but not kept, so its retry runs the handler again."""
+    runs: Counter[str] = Counter()
+
+    def padded(request: Message) -> Ok:
+        size = int(request.body.reason)
+        runs[request.header.id] += 1
+        return Ok(detail="x" * size)
+
+    def setup(server: Server) -> None:
+        server.cache_bytes = 10_000
+        server.on("delete", padded)
+
+    srv = serve(setup)
+    dealer = raw_dealer(srv.endpoint)
+
+    def ask(msg_id: str, size: int) -> Message:
+        return exchange(dealer, raw_frames(Delete(blob_ids=["b"], holder="h", reason=str(size)), msg_id=msg_id))
+
+    for index in range(4):
+        assert len(ask(f"m-{index}", 3000).body.detail) == 3000
+    assert srv.server.cached_bytes <= 10_000
+    assert len(ask("huge", 20_000).body.detail) == 20_000  # sent, though larger than the whole cache
+    assert len(ask("huge", 20_000).body.detail) == 20_000
+    assert srv.server.cached_bytes <= 10_000
+    ask("m-3", 3000)  # the newest entry: answered from the cache
+    ask("m-0", 3000)  # the oldest: evicted, so executed again
+    assert runs == Counter({"m-0": 2, "m-1": 1, "m-2": 1, "m-3": 1, "huge": 2})
+    assert srv.server.duplicates == 1
 
 
 def test_idempotency_is_per_source_and_message_id(serve: Any, raw_dealer: Any) -> None:

@@ -2,7 +2,8 @@
 
 A :class:`Branch` holds any subset of:
 
-- ``routed_experts``: ``[tokens, layers, top_k]`` uint8, or uint16 for models with more than 255 experts.
+- ``routed_experts``: ``[tokens, layers, top_k]`` uint8, or uint16 for models with more than 255 experts;
+  ``layers`` and ``top_k`` within :data:`MAX_ROUTING_LAYERS` and :data:`MAX_ROUTING_TOP_K`.
 - ``topk_ids`` ``[tokens, k]`` int32 with ``topk_logprobs`` ``[tokens, k]`` float32 (both or neither).
 - ``mask_ids`` (int32, flat) together with ``mask_counts`` (int32, one per token, 0 = no mask), with
   ``len(mask_ids) == sum(mask_counts)`` (both or neither).
@@ -33,6 +34,11 @@ FIELDS: Final[tuple[str, ...]] = (ROUTED_EXPERTS, TOPK_IDS, TOPK_LOGPROBS, MASK_
 
 PAIRED_FIELDS: Final[tuple[tuple[str, str], ...]] = ((TOPK_IDS, TOPK_LOGPROBS), (MASK_IDS, MASK_COUNTS))
 """Fields that are meaningless alone: a branch (or a sample description) has both of a pair or neither."""
+
+MAX_ROUTING_LAYERS: Final = 1024
+MAX_ROUTING_TOP_K: Final = 256
+"""Bounds of a routing shape ``(layers, top_k)``: far above any model's, far below what would let a peer make
+a trainer size buffers from an absurd shape."""
 
 ROUTING_DTYPES: Final[tuple[np.dtype, ...]] = (np.dtype(np.uint8), np.dtype(np.uint16))
 _INT32: Final = np.dtype(np.int32)
@@ -117,8 +123,12 @@ class Branch:
                 ROUTING_DTYPES,
                 "uint8 or uint16 [tokens, layers, top_k]",
             )
-            if routing.shape[1] < 1 or routing.shape[2] < 1:
-                raise BranchError(ROUTED_EXPERTS, "layers >= 1 and top_k >= 1", _describe(routing))
+            if not (1 <= routing.shape[1] <= MAX_ROUTING_LAYERS and 1 <= routing.shape[2] <= MAX_ROUTING_TOP_K):
+                raise BranchError(
+                    ROUTED_EXPERTS,
+                    f"1 <= layers <= {MAX_ROUTING_LAYERS} and 1 <= top_k <= {MAX_ROUTING_TOP_K}",
+                    _describe(routing),
+                )
             object.__setattr__(self, ROUTED_EXPERTS, routing)
             tokens.append((ROUTED_EXPERTS, routing.shape[0]))
         if self.topk_ids is not None:

@@ -42,7 +42,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from numbers import Integral
 
-from .branch import FIELDS, ROUTED_EXPERTS, BranchError, check_pairs
+from .branch import FIELDS, MAX_ROUTING_LAYERS, MAX_ROUTING_TOP_K, ROUTED_EXPERTS, BranchError, check_pairs
 
 
 class PackingError(ValueError):
@@ -65,7 +65,8 @@ class SampleInfo:
         tokens: the sequence's full token count (>= 1), before any truncation.
         fields: names of the arrays kept for it (subset of :data:`~.branch.FIELDS`, pairs complete);
             normalised to canonical order. Empty for a sample without arrays.
-        routing_shape: ``(layers, top_k)`` when it has routing and the reference says so, else ``None``.
+        routing_shape: ``(layers, top_k)`` when it has routing and the reference says so, else ``None``;
+            bounded like a branch's (:data:`~.branch.MAX_ROUTING_LAYERS`, :data:`~.branch.MAX_ROUTING_TOP_K`).
     """
 
     sample_id: Hashable
@@ -95,6 +96,11 @@ class SampleInfo:
                 )
             layers = _positive_int(f"sample {self.sample_id!r} routing layers", self.routing_shape[0])
             top_k = _positive_int(f"sample {self.sample_id!r} routing top_k", self.routing_shape[1])
+            if layers > MAX_ROUTING_LAYERS or top_k > MAX_ROUTING_TOP_K:
+                raise PackingError(
+                    f"sample {self.sample_id!r} routing_shape: expected at most ({MAX_ROUTING_LAYERS}, "
+                    f"{MAX_ROUTING_TOP_K}), got {self.routing_shape!r}"
+                )
             object.__setattr__(self, "routing_shape", (layers, top_k))
 
     @property
