@@ -215,15 +215,16 @@ def trainer_rank_main(bus: str, init: str, conn: Connection) -> None:
     import torch.distributed as dist
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-    from refbus.nodes.payload.trainer import StepFailed, TrainerRank, TrainerSettings
+    from refbus.nodes.payload.trainer import StepFailed, TrainerRank
+    from refbus.nodes.settings import TrainerSettings
 
     configure_logging(level="error")
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=1, timeout=timedelta(seconds=60))
     runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id="fuzz-trainer", metrics_port=-1,
                                                      connect_timeout_s=20))
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=3600))
+    runtime.start_background()
     try:
-        runtime.start()
         conn.send(runtime.endpoints["trainer"])
         while not runtime.stopping:
             try:
@@ -231,7 +232,7 @@ def trainer_rank_main(bus: str, init: str, conn: Connection) -> None:
             except StepFailed:
                 break
     finally:
-        runtime.close()
+        runtime.join()
         dist.destroy_process_group()
 
 
