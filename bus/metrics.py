@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-Sample = Mapping[tuple[str, ...], float]
+Readings = Mapping[tuple[str, ...], float]
 
 Route = Callable[[], object]
 """An extra path of the metrics endpoint: called on the HTTP thread per request; returns a JSON-able value."""
@@ -37,7 +37,7 @@ class LiveCounters(Collector):
     ``read`` returns ``{label_values: value}``; ``kind`` is ``counter`` or ``gauge``.
     """
 
-    def __init__(self, name: str, doc: str, labels: Iterable[str], read: Callable[[], Sample], kind: str = "counter"):
+    def __init__(self, name: str, doc: str, labels: Iterable[str], read: Callable[[], Readings], kind: str = "counter"):
         self.name = name
         self.doc = doc
         self.labels = list(labels)
@@ -59,7 +59,7 @@ class LiveCounters(Collector):
 def register_live(
     name: str,
     doc: str,
-    read: Callable[[], Sample],
+    read: Callable[[], Readings],
     *,
     labels: Iterable[str] = (),
     kind: str = "counter",

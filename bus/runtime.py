@@ -31,13 +31,14 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 import zmq
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Histogram
+from prometheus_client.registry import Collector
 
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
@@ -57,7 +58,7 @@ from ..protocol.messages import (
     Welcome,
 )
 from .calls import Calls
-from .metrics import LiveCounters, register_live, serve_metrics
+from .metrics import register_live, serve_metrics
 from .pubsub import Publisher, Subscriber
 from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .sockets import (
@@ -148,7 +149,7 @@ class NodeRuntime:
         self._bound_ipc: list[str] = []
         self._clients: list[Client] = []
         self._servers: list[Server] = []
-        self._collectors: list[LiveCounters] = []
+        self._collectors: list[Collector] = []
         self._subscriptions: list[tuple[Subscriber, Callable[[Message], None], int | None]] = []
         self._timers: list[_Timer] = []
         self._stopping = False
@@ -474,6 +475,16 @@ class NodeRuntime:
         while the node runs; nothing when the node serves no metrics."""
         if self.settings.metrics_port >= 0:
             self._collectors.append(register_live(name, doc, read, labels=labels, kind=kind))
+
+    def histogram(self, name: str, doc: str, *, buckets: Sequence[float]) -> Histogram:
+        """A histogram to ``observe`` into (any thread), exposed on this node's metrics endpoint while the node
+        runs. Counters and gauges are :meth:`metric` reads of plain attributes instead: they cost nothing on
+        hot paths."""
+        histogram = Histogram(name, doc, buckets=buckets, registry=None)
+        if self.settings.metrics_port >= 0:
+            REGISTRY.register(histogram)
+            self._collectors.append(histogram)
+        return histogram
 
     def _join(self) -> None:
         """Register with the broker and prove the event path live before anything is published."""

@@ -51,9 +51,9 @@ ROLES: dict[str, tuple[str, str]] = {
     "rollout": ("a rollout worker: generate with the latest pulled weights, record per-token arrays",
                 "refbus.nodes.rl.rollout:run"),
     "orchestrator": ("groups episodes, ships steps to trainer ranks by reference, deletes what it drops",
-                     "refbus.nodes.payload.orchestrator_node:run"),
+                     "refbus.nodes.payload.orchestrator:run"),
     "env-server": ("keeps episode arrays and serves them by reference (keep, claim, fetch, delete)",
-                   "refbus.nodes.payload.episodes:run"),
+                   "refbus.nodes.payload.env_server:run"),
 }
 
 

@@ -215,7 +215,7 @@ def trainer_rank_main(bus: str, init: str, conn: Connection) -> None:
     import torch.distributed as dist
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-    from refbus.nodes.payload.trainer import StepFailed, TrainerRank
+    from refbus.nodes.payload.trainer_rank import StepFailed, TrainerRank
     from refbus.nodes.settings import TrainerSettings
 
     configure_logging(level="error")

@@ -290,7 +290,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, steps: int, dump_path:
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
     from refbus.nodes.payload.fetcher import FetchFailure, FetchSettings
-    from refbus.nodes.payload.trainer import TrainerRank
+    from refbus.nodes.payload.trainer_rank import TrainerRank
     from refbus.nodes.settings import TrainerSettings
 
     torch.set_num_threads(1)
@@ -299,7 +299,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, steps: int, dump_path:
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=WAIT_S))
-        runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=-1,
+        runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=0,
                                                          connect_timeout_s=WAIT_S))
         policy = RetryPolicy(timeout_s=2.0, attempts=3)
         trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), topk_k=HEADS_K,

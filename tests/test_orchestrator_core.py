@@ -19,7 +19,7 @@ from refbus.nodes.payload.orchestrator_core import (
     OrchestratorCore,
     SendRun,
 )
-from refbus.nodes.payload.orchestrator_node import OrchestratorSettings
+from refbus.nodes.settings import OrchestratorSettings
 from refbus.protocol.messages import BlobRef, EpisodeFinished, NodeInfo
 
 DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0)

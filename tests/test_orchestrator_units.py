@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from refbus.nodes.payload.orchestrator import ReplicaRouter, TrainerAddress, TrainSink
+from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink
 from refbus.protocol.messages import NodeInfo
 
 

@@ -73,12 +73,12 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
     from refbus.nodes.payload.fetcher import FetchSettings
-    from refbus.nodes.payload.trainer import StepFailed, TrainerRank
+    from refbus.nodes.payload.trainer_rank import StepFailed, TrainerRank
     from refbus.nodes.settings import TrainerSettings
 
     configure_logging(level="error")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
-    runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=-1,
+    runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=0,
                                                      retry=FAST, connect_timeout_s=10))
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), data_rank=config.data_rank,
                           data_ranks=config.data_ranks, leader=config.leader,

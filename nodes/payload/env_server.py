@@ -35,6 +35,7 @@ Never imports torch, directly or through anything it imports.
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections import deque
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ...bus.metrics import Sample
+from ...bus.metrics import Readings
 from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -64,8 +65,10 @@ from ...protocol.messages import (
     Kept,
     Violation,
 )
+from ..config import Config
 from ..settings import EnvServerSettings
 from .branch import Branch
+from .episodes import EpisodeRunner
 from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack_branches
 
 log = structlog.get_logger(__name__)
@@ -265,7 +268,7 @@ class EnvServer:
     # --- metrics ------------------------------------------------------------------------------------
 
     def _register_metrics(self) -> None:
-        def read(values: Callable[[KeeperStats], Sample]) -> Callable[[], Sample]:
+        def read(values: Callable[[KeeperStats], Readings]) -> Callable[[], Readings]:
             return lambda: values(self.stats())
 
         self.runtime.metric("refbus_blobs_held", "Blobs this env server holds.",
@@ -280,3 +283,17 @@ class EnvServer:
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
                             read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
                             labels=("action",))
+
+
+def run(config: Config, args: argparse.Namespace) -> int:
+    """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
+    runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    try:
+        env_server = EnvServer(runtime, config.env_server)
+        EpisodeRunner(runtime, env_server, config.env_server)
+    except ValueError as exc:  # a budget, lease or entry point that cannot be used
+        log.error("env_server.bad_config", error=str(exc))
+        runtime.close()
+        return 2
+    runtime.run()
+    return 0

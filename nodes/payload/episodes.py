@@ -20,8 +20,8 @@ covers the completion only. Never imports torch: the score function must not eit
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -30,11 +30,12 @@ from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, PeerDown, Pending, R
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Error, Generate, Generated, Ok, Run
-from ..config import Config
 from ..entry_points import load_entry_point
 from ..settings import EnvServerSettings
-from .env_server import ROLE, EnvServer
 from .keeper import KeepError
+
+if TYPE_CHECKING:
+    from .env_server import EnvServer
 
 log = structlog.get_logger(__name__)
 
@@ -130,16 +131,3 @@ class EpisodeRunner:
         self.failed += 1
         log.warning("run.failed", episode_id=run.episode_id, code=code, error=message)
         self.env_server.server.answer(pending, Error(code=code, message=message, request_kind=Run.kind))
-
-def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
-    runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    try:
-        env_server = EnvServer(runtime, config.env_server)
-        EpisodeRunner(runtime, env_server, config.env_server)
-    except ValueError as exc:  # a budget, lease or entry point that cannot be used
-        log.error("env_server.bad_config", error=str(exc))
-        runtime.close()
-        return 2
-    runtime.run()
-    return 0

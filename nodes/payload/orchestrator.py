@@ -1,303 +1,261 @@
-"""The orchestrator's pieces of arrays by reference, all pure bookkeeping (no sockets, no clock): it holds
-references, never array bytes.
+"""`refbus node orchestrator`: turns finished episodes into trainer steps, holding references only.
 
-* :class:`Holdings` — every blob the orchestrator owns, and the only two ways it lets go of one: hand it to
-  a trainer rank (an acknowledged ``step-batch``) or delete it (a delete it decides, sent by the executor to
-  the env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
-* :class:`TrainSink` — the one place that decides what ships. Whatever it will not ship is deleted at that
-  moment with its reason: filtered groups (zero advantage), dropped traces, pruned samples, samples too
-  stale for the bound, what is still queued at shutdown. :class:`EvalSink` deletes every eval episode's
-  arrays.
-* :class:`ReplicaRouter` — picks, for a source, the env-server replica with the fewest runs in flight.
+Episodes arrive as ``episode-finished`` events (published by env servers when they keep an episode). The
+orchestrator claims their blobs at once (so their hand-over lease does not run out), groups episodes,
+computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
+point deletes at that moment, with its reason:
 
-Samples carry small inline arrays (``inputs``: token ids, advantages, loss masks: a few bytes per token) that
-travel with the micro batch; the kept kinds (routing, top-k heads, sampling masks: hundreds of bytes per
-token) only ever appear here as :class:`~refbus.protocol.messages.BlobRef`.
+============== ====================================================================================
+reason         when
+============== ====================================================================================
+``filtered``   a complete group whose advantages are all zero (nothing to learn)
+``stale``      a queued sample older than ``max_staleness`` versions when its step is packed
+``eval``       every eval episode (scored, never trained)
+``incomplete`` a group still incomplete after ``group_timeout_s``
+``late``       an episode of a group that was already completed or dropped
+``max_steps``  anything arriving after the last step was shipped
+``missing``    (counted, nothing to delete) a sample whose blob was gone before it could be claimed
+``shutdown``   what is still queued or grouped when the node stops
+============== ====================================================================================
 
-This module never imports torch.
+The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
+
+* ``group`` (str, default: the episode id): episodes of one prompt; ``reward`` (float); ``eval`` (bool);
+* ``samples``: one entry per trainable sequence: ``{"input_ids": [int], "loss_mask": [0|1], "ref": i}``
+  where ``ref`` indexes ``refs`` (``-1``: a sample that kept no arrays). Lists, not arrays: the
+  orchestrator must never receive an array frame.
+
+The current policy version comes from ``version-bump`` events (the parameter server's commits).
+
+Every decision (grouping, shipping, re-delivery, admission, run and group deadlines) is
+:class:`~.orchestrator_core.OrchestratorCore`'s; this module executes its actions with ``runtime.calls``
+and feeds the outcomes back. An ``incomplete`` group also comes from a run that failed or went unanswered
+past its deadline. A step the trainer ranks do not all acknowledge by ``trainer.batch_timeout_s`` halts the
+node (``step.undeliverable``, exit status 1).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+import argparse
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-import numpy as np
+import structlog
 
-from ...protocol.messages import (
-    BlobRef,
-    MicroBatchRefs,
-    NodeInfo,
-    SampleSlice,
-    StepBatch,
-)
-from .packing import MicroBatch, PackPlan, SampleInfo, pack
+from ...bus.reqrep import SEND_ONCE, Outcome, gather, split_outcomes
+from ...bus.runtime import NodeRuntime
+from ...protocol.envelope import Message
+from ...protocol.messages import BlobRef, Claim, Claimed, Delete, Deleted, EpisodeFinished, VersionBump
+from ..config import Config
+from ..entry_points import load_entry_point
+from ..settings import OrchestratorSettings
+from .orchestrator_core import Action, Deadlines, DeleteBlobs, DeliverBatch, Halt, OrchestratorCore, SendRun
+from .shipping import group_by_endpoint
+
+log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One trainable sequence: its reference (None when it kept no arrays) and small per-token inputs.
+def deadlines_from(config: Config) -> Deadlines:
+    """The orchestrator's waits, from the settings of the peers it waits for (see :class:`Deadlines`)."""
+    policy = config.retry()
+    return Deadlines(delivery_s=config.trainer.batch_timeout_s, redeliver_after_s=policy.timeout_s,
+                     run_s=config.env_server.generate_timeout_s + policy.deadline_s)
 
-    Every array in ``inputs`` has ``tokens`` rows; they are cut and padded like the kept arrays.
+
+@dataclass
+class _Arrival:
+    """An event waiting its turn: events reach the core in arrival order, an episode once its claims are in."""
+
+    message: Message
+    claims_pending: int = 0
+    claimed: list[BlobRef] = field(default_factory=list)
+
+
+class Orchestrator:
+    """The orchestrator role on a :class:`NodeRuntime`: the executor of :class:`OrchestratorCore`'s actions.
+
+    Every request goes out through ``runtime.calls`` (each with a deadline; the loop never waits on one) and
+    its outcome is fed back to the core; only the deletes at shutdown, when the loop has stopped, wait
+    (bounded by the retry policy). All work runs on the loop thread. ``clock`` is the core's time source.
     """
 
-    sample_id: str
-    tokens: int
-    ref: BlobRef | None = None
-    policy_version: int = 0
-    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
-
-
-class Holdings:
-    """The blobs the orchestrator owns, and the deletes it decided on. Pure bookkeeping: ``outbox`` collects
-    each delete (refs, reason) for the executor to send; nothing here touches a socket.
-
-    Ownership arrives by an acknowledged ``claim`` (:meth:`take`) and leaves by a decided delete
-    (:meth:`delete`) or an acknowledged ``step-batch`` (:meth:`hand_over`).
-    """
-
-    def __init__(self) -> None:
-        self.held: dict[str, BlobRef] = {}
-        self.handed_over = 0
-        self.outbox: list[tuple[list[BlobRef], str]] = []
+    def __init__(self, runtime: NodeRuntime, settings: OrchestratorSettings, deadlines: Deadlines | None = None,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.clock = clock
+        prompts = load_entry_point(settings.prompt) if settings.dispatch else None
+        self.core = OrchestratorCore(settings, deadlines, prompts=prompts)
+        self.claimed = 0
+        self.missing = 0
+        self.deleted: Counter[str] = Counter()
+        self.failed_deletes = 0
+        self._arrivals: deque[_Arrival] = deque()
+        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
+        d = self.core.deadlines
+        runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
+        if settings.dispatch:
+            runtime.every(1.0, self._refresh_replicas)
+            runtime.every(0.02, self._dispatch)
+        runtime.shutdown_hooks.append(self.close)
+        runtime.status = self.status
+        self._register_metrics()
 
     @property
-    def held_bytes(self) -> int:
-        return sum(ref.nbytes for ref in self.held.values())
+    def failure(self) -> str:
+        """Why the run halted (a step no rank set could take); empty while it goes on."""
+        return self.core.failure
 
-    def take(self, refs: Iterable[BlobRef]) -> None:
-        """Own ``refs`` (their claims were granted)."""
-        for ref in refs:
-            self.held[ref.blob_id] = ref
+    # --- events, in arrival order --------------------------------------------------------------------
 
-    def delete(self, refs: Iterable[BlobRef], reason: str) -> None:
-        """Delete blobs held here for ``reason``: they leave ``held`` now and go to ``outbox``. Refs not held
-        are ignored (a sample without a claimed blob), so callers can pass whatever they drop."""
-        mine = [self.held.pop(ref.blob_id) for ref in refs if ref.blob_id in self.held]
-        if mine:
-            self.outbox.append((mine, reason))
+    def _on_event(self, message: Message) -> None:
+        arrival = _Arrival(message)
+        self._arrivals.append(arrival)
+        body = message.body
+        if isinstance(body, EpisodeFinished) and body.refs:
+            by_endpoint = group_by_endpoint(body.refs)
+            arrival.claims_pending = len(by_endpoint)
+            for endpoint, refs in by_endpoint.items():
+                claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
+                self.runtime.calls.request(
+                    endpoint, claim, lambda outcome, a=arrival, e=endpoint, r=refs: self._on_claimed(a, e, r, outcome))
+        self._feed()
 
-    def hand_over(self, batch: StepBatch) -> None:
-        """A trainer rank acknowledged ``batch``: its ``owned`` blobs are that rank's now."""
-        for blob_id in batch.owned:
-            self.held.pop(blob_id, None)
-        self.handed_over += len(batch.owned)
+    def _on_claimed(self, arrival: _Arrival, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome) -> None:
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            log.warning("claim.failed", endpoint=endpoint, blobs=len(refs), error=str(error))
+            self.missing += len(refs)
+        for _, reply in replies:
+            claimed = reply.body
+            assert isinstance(claimed, Claimed)
+            granted = set(claimed.blob_ids)
+            arrival.claimed += [ref for ref in refs if ref.blob_id in granted]
+            self.claimed += len(granted)
+            self.missing += len(claimed.missing)
+        arrival.claims_pending -= 1
+        self._feed()
 
-    def take_outbox(self) -> list[tuple[list[BlobRef], str]]:
-        outbox, self.outbox = self.outbox, []
-        return outbox
+    def _feed(self) -> None:
+        """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
+        while self._arrivals and self._arrivals[0].claims_pending == 0:
+            arrival = self._arrivals.popleft()
+            body = arrival.message.body
+            if isinstance(body, VersionBump):
+                self.core.on_version(body.version)
+            elif isinstance(body, EpisodeFinished):
+                self._execute(self.core.on_episode(self.clock(), body, arrival.claimed))
 
+    # --- timers --------------------------------------------------------------------------------------
 
-def group_by_endpoint(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
-    """``refs`` by the endpoint of the env server that keeps them, in first-seen order."""
-    by_endpoint: dict[str, list[BlobRef]] = defaultdict(list)
-    for ref in refs:
-        by_endpoint[ref.endpoint].append(ref)
-    return dict(by_endpoint)
+    def _tick(self) -> None:
+        self._execute(self.core.tick(self.clock()))
 
+    def _refresh_replicas(self) -> None:
+        nodes = self.runtime.lookup("env-server")
+        if nodes is not None:
+            self.core.use_replicas(nodes)
 
-@dataclass(frozen=True)
-class Shipment:
-    """One packed step: the plan, and each trainer endpoint's step batch (non-leaders' carry no ``owned``)."""
+    def _dispatch(self) -> None:
+        self._execute(self.core.dispatch(self.clock()))
 
-    plan: PackPlan
-    batches: Mapping[str, StepBatch]
+    # --- actions -------------------------------------------------------------------------------------
 
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, DeleteBlobs):
+                self._delete(action)
+            elif isinstance(action, DeliverBatch):
+                self.runtime.calls.request(
+                    action.endpoint, action.batch, lambda outcome, a=action: self._on_delivered(a, outcome))
+            elif isinstance(action, SendRun):
+                # Sent once: a run is answered when its episode ends, and a resent run would run it twice.
+                self.runtime.calls.request(
+                    action.endpoint, action.run, lambda outcome, a=action: self._on_run_done(a, outcome),
+                    deadline_s=action.deadline_s, policy=SEND_ONCE)
+            elif isinstance(action, Halt):
+                log.error("orchestrator.halted", reason=action.reason)
+                self.runtime.stop()
+        if self.core.wants_trainers:
+            nodes = self.runtime.lookup("trainer")
+            if nodes is not None:
+                self._execute(self.core.use_trainers(self.clock(), nodes))
 
-@dataclass(frozen=True)
-class TrainerAddress:
-    """One trainer rank as the orchestrator addresses it (from its registry entry)."""
+    def _on_delivered(self, action: DeliverBatch, outcome: Outcome) -> None:
+        _, failures = split_outcomes([(action.endpoint, outcome)])
+        error = str(failures[0][1]) if failures else None
+        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error))
 
-    endpoint: str
-    rank: int
-    data_rank: int
-    leader: bool = True
+    def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:
+        _, failures = split_outcomes([(action.endpoint, outcome)])
+        error = str(failures[0][1]) if failures else None
+        self._execute(self.core.on_run_done(action.run.episode_id, error))
 
-    @classmethod
-    def from_node(cls, node: NodeInfo) -> TrainerAddress:
-        labels = node.labels
-        return cls(node.endpoints["trainer"], int(labels["rank"]), int(labels["data_rank"]),
-                   labels.get("leader", "1") == "1")
+    def _delete(self, action: DeleteBlobs) -> None:
+        for endpoint, refs in group_by_endpoint(action.refs).items():
+            request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason)
+            self.runtime.calls.request(
+                endpoint, request, lambda outcome, e=endpoint, r=request: self._on_deleted(e, r, outcome))
 
+    def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome) -> None:
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            self.failed_deletes += len(request.blob_ids)
+            log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), reason=request.reason,
+                      error=str(error))
+        for _, reply in replies:
+            deleted = reply.body
+            assert isinstance(deleted, Deleted)
+            self.deleted[request.reason] += len(deleted.blob_ids)
+            if deleted.violations:
+                log.error("delete.violation", endpoint=endpoint, blob_ids=deleted.violations, reason=request.reason)
 
-class TrainSink:
-    """Decides what ships to the trainer ranks; deletes, at that moment, everything it will not ship.
-
-    ``trainers``: every trainer rank. Ranks of one data rank get the same micro batches; only the data
-    rank's leader gets ``owned`` (it deletes them after the step).
-    """
-
-    def __init__(
-        self,
-        holder: Holdings,
-        trainers: Sequence[TrainerAddress] = (),
-        *,
-        seq_len: int,
-        max_staleness: int,
-        pad_to_multiple_of: int = 1,
-    ) -> None:
-        self.holder = holder
-        self.seq_len = seq_len
-        self.max_staleness = max_staleness
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.queue: list[list[Sample]] = []  # whole groups, oldest first: a group is never split across steps
-        self.dropped: Counter[str] = Counter()  # samples, by reason
-        self.dropped_groups = 0  # groups that will never train (filtered, or stale to the last sample)
-        self.trainers: list[TrainerAddress] = []
-        self.data_ranks = 0
-        if trainers:
-            self.use_trainers(trainers)
-
-    def use_trainers(self, trainers: Sequence[TrainerAddress]) -> None:
-        """Set the ranks steps go to (checked: data ranks 0..n-1, one leader each)."""
-        ordered = sorted(trainers, key=lambda t: (t.data_rank, not t.leader, t.rank))
-        data_ranks = sorted({t.data_rank for t in ordered})
-        if data_ranks != list(range(len(data_ranks))):
-            raise ValueError(f"trainer data ranks must be 0..n-1, got {data_ranks}")
-        if any(sum(t.leader for t in ordered if t.data_rank == d) != 1 for d in data_ranks):
-            raise ValueError("every data rank needs exactly one leader rank")
-        self.trainers = ordered
-        self.data_ranks = len(data_ranks)
-
-    def add_group(self, samples: Sequence[Sample], advantages: Sequence[float]) -> bool:
-        """Queue a group with its advantages (added to each sample's ``inputs`` as ``advantages``), or
-        delete it now when every advantage is zero (nothing to learn). Returns whether it was queued."""
-        if not any(advantages):
-            self.drop(samples, "filtered")
-            self.dropped_groups += 1
-            return False
-        self.queue.append([
-            Sample(sample.sample_id, sample.tokens, sample.ref, sample.policy_version,
-                   {**sample.inputs, "advantages": np.full(sample.tokens, advantage, dtype=np.float32)})
-            for sample, advantage in zip(samples, advantages, strict=True)
-        ])
-        return True
-
-    def drop(self, samples: Iterable[Sample], reason: str) -> None:
-        """Not shipping these (dropped trace, untrained branch, pruned sample): delete their arrays now."""
-        samples = list(samples)
-        self.dropped[reason] += len(samples)
-        self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
-
-    def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> Shipment | None:
-        """Pack the queued groups (oldest first, at most ``max_groups``) for ``step``: one step batch per rank.
-        Samples older than ``max_staleness`` versions are deleted first (reason ``stale``). Returns the
-        shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
-        the queue; their blobs stay held until a rank acknowledges its batch."""
-        fresh_groups = []
-        for group in self.queue:
-            fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
-            self.drop((s for s in group if policy_version - s.policy_version > self.max_staleness), "stale")
-            if fresh:
-                fresh_groups.append(fresh)
-            else:
-                self.dropped_groups += 1
-        groups = fresh_groups if max_groups is None else fresh_groups[:max_groups]
-        self.queue = fresh_groups[len(groups):]
-        take = [sample for group in groups for sample in group]
-        if not take:
-            return None
-        if not self.trainers:
-            raise RuntimeError("no trainer ranks known: call use_trainers() first")
-        plan = pack([_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
-                    pad_to_multiple_of=self.pad_to_multiple_of)
-        by_id = {s.sample_id: s for s in take}
-        batches = {}
-        for trainer in self.trainers:
-            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
-            batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
-        return Shipment(plan, batches)
+    # --- shutdown ------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Shutdown: delete whatever is still queued."""
-        queued, self.queue = self.queue, []
-        self.drop((s for group in queued for s in group), "shutdown")
+        """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
+        no trainer acknowledged). The loop has stopped, so these deletes wait for their replies (each
+        bounded by the retry policy); events still waiting for claims are dropped (their blobs unclaimed)."""
+        deletes = [action for action in self.core.close() if isinstance(action, DeleteBlobs)]
+        requests = [(endpoint, Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id,
+                                      reason=action.reason))
+                    for action in deletes for endpoint, refs in group_by_endpoint(action.refs).items()]
+        clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in requests}
+        outcomes = gather([(clients[endpoint], request) for endpoint, request in requests])
+        for (endpoint, request), outcome in zip(requests, outcomes, strict=True):
+            self._on_deleted(endpoint, request, outcome)
+
+    # --- observability -------------------------------------------------------------------------------
+
+    def _dropped_samples(self) -> dict[tuple[str, ...], float]:
+        counts = {(reason,): float(n) for reason, n in self.core.sink.dropped.items()}
+        if self.core.eval_sink.samples:
+            counts[("eval",)] = float(self.core.eval_sink.samples)
+        return counts
+
+    def status(self) -> dict[str, float]:
+        holdings = self.core.holdings
+        return {"step": float(self.core.step), "version": float(self.core.policy_version),
+                "blobs_held": float(len(holdings.held)), "bytes_held": float(holdings.held_bytes)}
+
+    def _register_metrics(self) -> None:
+        holdings = self.core.holdings
+        self.runtime.metric("refbus_orchestrator_blobs_held", "Blobs the orchestrator owns (references only).",
+                            lambda: {(): float(len(holdings.held))}, kind="gauge")
+        self.runtime.metric("refbus_orchestrator_referenced_bytes", "Array bytes the orchestrator holds by reference.",
+                            lambda: {(): float(holdings.held_bytes)}, kind="gauge")
+        self.runtime.metric("refbus_orchestrator_steps_total", "Steps shipped to the trainer ranks.",
+                            lambda: {(): float(self.core.step)})
+        self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
+                            self._dropped_samples, labels=("reason",))
 
 
-class EvalSink:
-    """Eval episodes are scored, never trained: their arrays are deleted as soon as they arrive."""
-
-    def __init__(self, holder: Holdings) -> None:
-        self.holder = holder
-        self.episodes = 0
-        self.samples = 0
-
-    def add(self, samples: Iterable[Sample]) -> None:
-        samples = list(samples)
-        self.episodes += 1
-        self.samples += len(samples)
-        self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
-
-
-def _info(sample: Sample) -> SampleInfo:
-    ref = sample.ref
-    if ref is None:
-        return SampleInfo(sample.sample_id, sample.tokens)
-    shape = tuple(ref.routing_shape) if ref.routing_shape else None
-    return SampleInfo(sample.sample_id, sample.tokens, tuple(ref.fields), shape)  # type: ignore[arg-type]
-
-
-def _step_batch(
-    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int
-) -> StepBatch:
-    refs: list[MicroBatchRefs] = []
-    owned: list[str] = []
-    for mb in micro_batches:
-        slices = []
-        for packed in mb.samples:
-            sample = samples[packed.sample.sample_id]  # type: ignore[index]
-            slices.append(SampleSlice(str(sample.sample_id), packed.kept, sample.ref))
-            if not mb.dummy and sample.ref is not None:
-                owned.append(sample.ref.blob_id)
-        refs.append(MicroBatchRefs(samples=slices, length=mb.length, dummy=mb.dummy,
-                                   inputs=_inputs(mb, samples)))
-    return StepBatch(step=step, rank=rank, micro_batches=refs, owned=owned, policy_version=policy_version)
-
-
-def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarray]:
-    """Concatenate the samples' inline inputs in packing order, cut to each kept count, zero-padded."""
-    names = sorted({name for p in mb.samples for name in samples[p.sample.sample_id].inputs})  # type: ignore[index]
-    out: dict[str, np.ndarray] = {}
-    for name in names:
-        parts = [samples[p.sample.sample_id].inputs.get(name) for p in mb.samples]  # type: ignore[index]
-        dtype = next(a.dtype for a in parts if a is not None)
-        column = np.zeros(mb.length, dtype=dtype)
-        for packed, part in zip(mb.samples, parts, strict=True):
-            if part is not None:
-                column[packed.offset : packed.stop] = part[: packed.kept]
-        out[name] = column
-    return out
-
-
-class ReplicaRouter:
-    """Sends each run to the replica of its source with the fewest runs in flight.
-
-    Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
-    it has one, else its node id.
-    """
-
-    def __init__(self) -> None:
-        self.replicas: dict[str, list[str]] = {}
-        self.in_flight: Counter[str] = Counter()
-
-    def update(self, nodes: Iterable[NodeInfo]) -> None:
-        replicas: dict[str, list[str]] = defaultdict(list)
-        for node in nodes:
-            if node.role == "env-server" and "blobs" in node.endpoints:
-                replicas[node.labels.get("source", node.node_id)].append(node.endpoints["blobs"])
-        self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
-
-    def pick(self, source: str) -> str:
-        """The endpoint of ``source``'s least-loaded replica (ties: stable order); counts the run in flight."""
-        candidates = self.replicas.get(source)
-        if not candidates:
-            raise LookupError(f"no live env-server replica for source {source!r}")
-        endpoint = min(candidates, key=lambda ep: self.in_flight[ep])
-        self.in_flight[endpoint] += 1
-        return endpoint
-
-    def done(self, endpoint: str) -> None:
-        if self.in_flight[endpoint] > 0:
-            self.in_flight[endpoint] -= 1
+def run(config: Config, args: argparse.Namespace) -> int:
+    """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status 1 when the run halted (a step
+    the trainer ranks did not all acknowledge in time)."""
+    runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    orchestrator = Orchestrator(runtime, config.orchestrator, deadlines_from(config))
+    runtime.run()
+    return 1 if orchestrator.failure else 0

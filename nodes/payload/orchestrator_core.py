@@ -3,7 +3,7 @@
 :class:`OrchestratorCore` is told what happened (an episode arrived with its claimed blobs, the policy
 version moved, a rank acknowledged or refused its step batch, a run was answered) and what time it is
 (``now``, monotonic seconds, passed in by the caller); it answers with the actions to take. It never touches
-a socket or a clock: the executor (``orchestrator_node.Orchestrator``) does every request and feeds each
+a socket or a clock: the executor (``orchestrator.Orchestrator``) does every request and feeds each
 outcome back. So every decision is testable in-process on an injected clock.
 
 Decisions and their rules:
@@ -35,10 +35,10 @@ import numpy as np
 import structlog
 
 from ...protocol.messages import BlobRef, EpisodeFinished, NodeInfo, Run, StepBatch
-from .orchestrator import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
+from .shipping import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
 
 if TYPE_CHECKING:
-    from .orchestrator_node import OrchestratorSettings
+    from ..settings import OrchestratorSettings
 
 log = structlog.get_logger(__name__)
 

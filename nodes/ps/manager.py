@@ -26,10 +26,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 import structlog
-from prometheus_client import REGISTRY, Histogram
-from prometheus_client.registry import CollectorRegistry
 
-from ...bus.metrics import register_live
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -94,8 +91,7 @@ def _error_code(exc: StalenessError) -> str:
 class PsManager:
     """The control plane on ``runtime`` (which must join the bus: commits are published)."""
 
-    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings) -> None:
         self.runtime = runtime
         self.settings = settings
         self.versions = VersionStore(settings.retain_versions)
@@ -131,7 +127,7 @@ class PsManager:
         runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
-        self._metrics(registry)
+        self._metrics()
 
     # --- registry -----------------------------------------------------------------------------------
 
@@ -480,25 +476,28 @@ class PsManager:
 
     # --- metrics ------------------------------------------------------------------------------------
 
-    def _metrics(self, registry: CollectorRegistry) -> None:
-        self._push_seconds = Histogram("refbus_ps_push_seconds", "Push of one rank's shard, begin to commit.",
-                                       buckets=_SECONDS_BUCKETS, registry=registry)
-        self._pull_seconds = Histogram("refbus_ps_pull_seconds", "Pull lease held, begin to release or expiry.",
-                                       buckets=_SECONDS_BUCKETS, registry=registry)
-        register_live("refbus_ps_versions_committed_total", "Versions committed (pushes and inits).",
-                      lambda: {(): float(self.versions.committed_total)}, registry=registry)
-        register_live("refbus_ps_versions_aborted_total", "Pushes aborted before they became visible.",
-                      lambda: {(): float(self.versions.aborted_total)}, registry=registry)
-        register_live("refbus_ps_current_version", "Latest committed version (-1 before the first).",
-                      lambda: {(): float(self.versions.latest)}, kind="gauge", registry=registry)
-        register_live("refbus_ps_version_bytes", "Bytes of every version the workers still hold, all copies.",
-                      lambda: {(): float(self.versions.held_bytes())}, kind="gauge", registry=registry)
-        register_live("refbus_ps_leases_active", "Live leases, by kind.",
-                      lambda: {(k,): float(len(self.leases.live(k))) for k in ("push", "pull")},  # type: ignore[arg-type]
-                      labels=("kind",), kind="gauge", registry=registry)
-        register_live("refbus_ps_leases_expired_total", "Leases that expired without being released, by kind.",
-                      lambda: {(k,): float(v) for k, v in self.leases.expired_total.items()},
-                      labels=("kind",), registry=registry)
+    def _metrics(self) -> None:
+        metric = self.runtime.metric
+        self._push_seconds = self.runtime.histogram("refbus_ps_push_seconds",
+                                                    "Push of one rank's shard, begin to commit.",
+                                                    buckets=_SECONDS_BUCKETS)
+        self._pull_seconds = self.runtime.histogram("refbus_ps_pull_seconds",
+                                                    "Pull lease held, begin to release or expiry.",
+                                                    buckets=_SECONDS_BUCKETS)
+        metric("refbus_ps_versions_committed_total", "Versions committed (pushes and inits).",
+               lambda: {(): float(self.versions.committed_total)})
+        metric("refbus_ps_versions_aborted_total", "Pushes aborted before they became visible.",
+               lambda: {(): float(self.versions.aborted_total)})
+        metric("refbus_ps_current_version", "Latest committed version (-1 before the first).",
+               lambda: {(): float(self.versions.latest)}, kind="gauge")
+        metric("refbus_ps_version_bytes", "Bytes of every version the workers still hold, all copies.",
+               lambda: {(): float(self.versions.held_bytes())}, kind="gauge")
+        metric("refbus_ps_leases_active", "Live leases, by kind.",
+               lambda: {(k,): float(len(self.leases.live(k))) for k in ("push", "pull")},  # type: ignore[arg-type]
+               labels=("kind",), kind="gauge")
+        metric("refbus_ps_leases_expired_total", "Leases that expired without being released, by kind.",
+               lambda: {(k,): float(v) for k, v in self.leases.expired_total.items()},
+               labels=("kind",))
 
 
 def run(config: Config, args: argparse.Namespace) -> int:

@@ -26,10 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import structlog
-from prometheus_client import REGISTRY
-from prometheus_client.registry import CollectorRegistry
 
-from ...bus.metrics import register_live
 from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RetryPolicy
 from ...bus.runtime import NodeRuntime
 from ...protocol.codec import checksum
@@ -62,8 +59,7 @@ log = structlog.get_logger(__name__)
 class PsWorker:
     """Serves the data plane on ``runtime``; call :meth:`register` before the runtime runs."""
 
-    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0) -> None:
         self.runtime = runtime
         self.settings = settings
         self.register_timeout_s = register_timeout_s
@@ -88,11 +84,11 @@ class PsWorker:
         runtime.shutdown_hooks.append(self.pool.close)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
-        register_live("refbus_ps_held_bytes", "Shared memory held by this ps-worker, in use or kept for reuse.",
-                      lambda: {("in_use",): float(self.pool.in_use_bytes), ("free",): float(self.pool.free_bytes)},
-                      labels=("state",), kind="gauge", registry=registry)
-        register_live("refbus_ps_segments_created_total", "Shared-memory segments created (not reused).",
-                      lambda: {(): float(self.pool.created)}, registry=registry)
+        runtime.metric("refbus_ps_held_bytes", "Shared memory held by this ps-worker, in use or kept for reuse.",
+                       lambda: {("in_use",): float(self.pool.in_use_bytes), ("free",): float(self.pool.free_bytes)},
+                       labels=("state",), kind="gauge")
+        runtime.metric("refbus_ps_segments_created_total", "Shared-memory segments created (not reused).",
+                       lambda: {(): float(self.pool.created)})
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,

@@ -1,7 +1,7 @@
 """`refbus node trainer`: one trainer rank of the RL loop (torch.distributed with gloo on CPU).
 
 Each step: wait for this rank's step batch (references only), fetch and assemble the arrays
-(:class:`~refbus.nodes.payload.trainer.TrainerRank`), run the configured train step with router replay,
+(:class:`~refbus.nodes.payload.trainer_rank.TrainerRank`), run the configured train step with router replay,
 delete the step's blobs, then push this rank's share of the weights as the next version: the parameter
 server commits the version once every rank's shard is in, and publishes ``version-bump``.
 
@@ -27,7 +27,7 @@ from ...bus.runtime import NodeRuntime, on_signals
 from ..config import Config
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
-from ..payload.trainer import StepBatches, StepFailed, TrainerRank
+from ..payload.trainer_rank import StepBatches, StepFailed, TrainerRank
 from ..ps.client import PsClient
 
 log = structlog.get_logger(__name__)

@@ -51,7 +51,6 @@ import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
-from prometheus_client import Counter, Gauge, Histogram
 
 from ...bus.reqrep import HandlerError, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
@@ -66,13 +65,7 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-FETCH_SECONDS = Histogram(
-    "refbus_fetch_seconds", "Seconds from the start of a step's fetch until its tensors are assembled.",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-)
-FETCH_BYTES = Counter("refbus_fetch_bytes", "Array bytes fetched and verified by this trainer rank.")
-DROPPED = Counter("refbus_dropped_micro_batches", "Micro batches this rank ran as dropped (zero loss).")
-BLOBS_HELD = Gauge("refbus_trainer_blobs_held", "Blobs owned by this trainer rank and not yet deleted.")
+FETCH_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 TRAINED = "trained"
 DROPPED_REASON = "dropped"
@@ -167,6 +160,17 @@ class TrainerRank:
         self.server = runtime.serve("trainer", self.settings.endpoint)
         self.server.on(StepBatch.kind, self._on_step_batch)
         runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step)}
+        self.fetched_bytes = 0
+        self.dropped_micro_batches = 0
+        self._fetch_seconds = runtime.histogram(
+            "refbus_fetch_seconds", "Seconds from the start of a step's fetch until its tensors are assembled.",
+            buckets=FETCH_SECONDS_BUCKETS)
+        runtime.metric("refbus_fetch_bytes_total", "Array bytes fetched and verified by this trainer rank.",
+                       lambda: {(): float(self.fetched_bytes)})
+        runtime.metric("refbus_dropped_micro_batches_total", "Micro batches this rank ran as dropped (zero loss).",
+                       lambda: {(): float(self.dropped_micro_batches)})
+        runtime.metric("refbus_trainer_blobs_held", "Blobs owned by this trainer rank and not yet deleted.",
+                       lambda: {(): float(len(self.held))}, kind="gauge")
         # What the orchestrator needs to address this rank: its data rank, and whether it deletes.
         runtime.labels.update(rank=str(self.rank), data_rank=str(self.data_rank), leader=str(int(leader)))
         runtime.shutdown_hooks.append(self._on_loop_ended)
@@ -183,8 +187,8 @@ class TrainerRank:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
         received = self._wait_for(step)
         fetch = self._on_loop(lambda: self._fetch(step, received.batch))
-        FETCH_SECONDS.observe(fetch.seconds)
-        FETCH_BYTES.inc(fetch.nbytes)
+        self._fetch_seconds.observe(fetch.seconds)
+        self.fetched_bytes += fetch.nbytes
         try:
             dropped, dropped_global = self._agree(step, fetch)
         except StepFailed:
@@ -204,7 +208,7 @@ class TrainerRank:
             assert isinstance(batch, AssembledBatch)
             batches.append(batch)
         if dropped:
-            DROPPED.inc(len(dropped))
+            self.dropped_micro_batches += len(dropped)
             log.warning("step.dropped_micro_batches", step=step, dropped=len(dropped), dropped_global=dropped_global,
                         local_failures=_reasons(fetch))
         trained = frozenset(
@@ -239,7 +243,6 @@ class TrainerRank:
         release = self._on_loop(lambda: self._delete(groups))
         with self._cond:
             self.held.difference_update(release.deleted, release.violations)
-            BLOBS_HELD.set(len(self.held))
         return release
 
     def interrupt(self) -> None:
@@ -284,7 +287,6 @@ class TrainerRank:
             self._received[batch.step] = _Received(batch, endpoints)
             self._accepted = batch
             self.held.update(batch.owned)
-            BLOBS_HELD.set(len(self.held))
             self._cond.notify_all()
         self.runtime.publish(Reference(step=batch.step, holder=self.runtime.node_id, blob_ids=list(batch.owned)))
         return Ok()

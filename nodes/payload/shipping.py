@@ -1,0 +1,303 @@
+"""The orchestrator's pieces of arrays by reference, all pure bookkeeping (no sockets, no clock): it holds
+references, never array bytes.
+
+* :class:`Holdings` — every blob the orchestrator owns, and the only two ways it lets go of one: hand it to
+  a trainer rank (an acknowledged ``step-batch``) or delete it (a delete it decides, sent by the executor to
+  the env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
+* :class:`TrainSink` — the one place that decides what ships. Whatever it will not ship is deleted at that
+  moment with its reason: filtered groups (zero advantage), dropped traces, pruned samples, samples too
+  stale for the bound, what is still queued at shutdown. :class:`EvalSink` deletes every eval episode's
+  arrays.
+* :class:`ReplicaRouter` — picks, for a source, the env-server replica with the fewest runs in flight.
+
+Samples carry small inline arrays (``inputs``: token ids, advantages, loss masks: a few bytes per token) that
+travel with the micro batch; the kept kinds (routing, top-k heads, sampling masks: hundreds of bytes per
+token) only ever appear here as :class:`~refbus.protocol.messages.BlobRef`.
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from ...protocol.messages import (
+    BlobRef,
+    MicroBatchRefs,
+    NodeInfo,
+    SampleSlice,
+    StepBatch,
+)
+from .packing import MicroBatch, PackPlan, SampleInfo, pack
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trainable sequence: its reference (None when it kept no arrays) and small per-token inputs.
+
+    Every array in ``inputs`` has ``tokens`` rows; they are cut and padded like the kept arrays.
+    """
+
+    sample_id: str
+    tokens: int
+    ref: BlobRef | None = None
+    policy_version: int = 0
+    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+class Holdings:
+    """The blobs the orchestrator owns, and the deletes it decided on. Pure bookkeeping: ``outbox`` collects
+    each delete (refs, reason) for the executor to send; nothing here touches a socket.
+
+    Ownership arrives by an acknowledged ``claim`` (:meth:`take`) and leaves by a decided delete
+    (:meth:`delete`) or an acknowledged ``step-batch`` (:meth:`hand_over`).
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[str, BlobRef] = {}
+        self.handed_over = 0
+        self.outbox: list[tuple[list[BlobRef], str]] = []
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self.held.values())
+
+    def take(self, refs: Iterable[BlobRef]) -> None:
+        """Own ``refs`` (their claims were granted)."""
+        for ref in refs:
+            self.held[ref.blob_id] = ref
+
+    def delete(self, refs: Iterable[BlobRef], reason: str) -> None:
+        """Delete blobs held here for ``reason``: they leave ``held`` now and go to ``outbox``. Refs not held
+        are ignored (a sample without a claimed blob), so callers can pass whatever they drop."""
+        mine = [self.held.pop(ref.blob_id) for ref in refs if ref.blob_id in self.held]
+        if mine:
+            self.outbox.append((mine, reason))
+
+    def hand_over(self, batch: StepBatch) -> None:
+        """A trainer rank acknowledged ``batch``: its ``owned`` blobs are that rank's now."""
+        for blob_id in batch.owned:
+            self.held.pop(blob_id, None)
+        self.handed_over += len(batch.owned)
+
+    def take_outbox(self) -> list[tuple[list[BlobRef], str]]:
+        outbox, self.outbox = self.outbox, []
+        return outbox
+
+
+def group_by_endpoint(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
+    """``refs`` by the endpoint of the env server that keeps them, in first-seen order."""
+    by_endpoint: dict[str, list[BlobRef]] = defaultdict(list)
+    for ref in refs:
+        by_endpoint[ref.endpoint].append(ref)
+    return dict(by_endpoint)
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """One packed step: the plan, and each trainer endpoint's step batch (non-leaders' carry no ``owned``)."""
+
+    plan: PackPlan
+    batches: Mapping[str, StepBatch]
+
+
+@dataclass(frozen=True)
+class TrainerAddress:
+    """One trainer rank as the orchestrator addresses it (from its registry entry)."""
+
+    endpoint: str
+    rank: int
+    data_rank: int
+    leader: bool = True
+
+    @classmethod
+    def from_node(cls, node: NodeInfo) -> TrainerAddress:
+        labels = node.labels
+        return cls(node.endpoints["trainer"], int(labels["rank"]), int(labels["data_rank"]),
+                   labels.get("leader", "1") == "1")
+
+
+class TrainSink:
+    """Decides what ships to the trainer ranks; deletes, at that moment, everything it will not ship.
+
+    ``trainers``: every trainer rank. Ranks of one data rank get the same micro batches; only the data
+    rank's leader gets ``owned`` (it deletes them after the step).
+    """
+
+    def __init__(
+        self,
+        holder: Holdings,
+        trainers: Sequence[TrainerAddress] = (),
+        *,
+        seq_len: int,
+        max_staleness: int,
+        pad_to_multiple_of: int = 1,
+    ) -> None:
+        self.holder = holder
+        self.seq_len = seq_len
+        self.max_staleness = max_staleness
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.queue: list[list[Sample]] = []  # whole groups, oldest first: a group is never split across steps
+        self.dropped: Counter[str] = Counter()  # samples, by reason
+        self.dropped_groups = 0  # groups that will never train (filtered, or stale to the last sample)
+        self.trainers: list[TrainerAddress] = []
+        self.data_ranks = 0
+        if trainers:
+            self.use_trainers(trainers)
+
+    def use_trainers(self, trainers: Sequence[TrainerAddress]) -> None:
+        """Set the ranks steps go to (checked: data ranks 0..n-1, one leader each)."""
+        ordered = sorted(trainers, key=lambda t: (t.data_rank, not t.leader, t.rank))
+        data_ranks = sorted({t.data_rank for t in ordered})
+        if data_ranks != list(range(len(data_ranks))):
+            raise ValueError(f"trainer data ranks must be 0..n-1, got {data_ranks}")
+        if any(sum(t.leader for t in ordered if t.data_rank == d) != 1 for d in data_ranks):
+            raise ValueError("every data rank needs exactly one leader rank")
+        self.trainers = ordered
+        self.data_ranks = len(data_ranks)
+
+    def add_group(self, samples: Sequence[Sample], advantages: Sequence[float]) -> bool:
+        """Queue a group with its advantages (added to each sample's ``inputs`` as ``advantages``), or
+        delete it now when every advantage is zero (nothing to learn). Returns whether it was queued."""
+        if not any(advantages):
+            self.drop(samples, "filtered")
+            self.dropped_groups += 1
+            return False
+        self.queue.append([
+            Sample(sample.sample_id, sample.tokens, sample.ref, sample.policy_version,
+                   {**sample.inputs, "advantages": np.full(sample.tokens, advantage, dtype=np.float32)})
+            for sample, advantage in zip(samples, advantages, strict=True)
+        ])
+        return True
+
+    def drop(self, samples: Iterable[Sample], reason: str) -> None:
+        """Not shipping these (dropped trace, untrained branch, pruned sample): delete their arrays now."""
+        samples = list(samples)
+        self.dropped[reason] += len(samples)
+        self.holder.delete((s.ref for s in samples if s.ref is not None), reason)
+
+    def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> Shipment | None:
+        """Pack the queued groups (oldest first, at most ``max_groups``) for ``step``: one step batch per rank.
+        Samples older than ``max_staleness`` versions are deleted first (reason ``stale``). Returns the
+        shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
+        the queue; their blobs stay held until a rank acknowledges its batch."""
+        fresh_groups = []
+        for group in self.queue:
+            fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
+            self.drop((s for s in group if policy_version - s.policy_version > self.max_staleness), "stale")
+            if fresh:
+                fresh_groups.append(fresh)
+            else:
+                self.dropped_groups += 1
+        groups = fresh_groups if max_groups is None else fresh_groups[:max_groups]
+        self.queue = fresh_groups[len(groups):]
+        take = [sample for group in groups for sample in group]
+        if not take:
+            return None
+        if not self.trainers:
+            raise RuntimeError("no trainer ranks known: call use_trainers() first")
+        plan = pack([_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
+                    pad_to_multiple_of=self.pad_to_multiple_of)
+        by_id = {s.sample_id: s for s in take}
+        batches = {}
+        for trainer in self.trainers:
+            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
+            batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
+        return Shipment(plan, batches)
+
+    def close(self) -> None:
+        """Shutdown: delete whatever is still queued."""
+        queued, self.queue = self.queue, []
+        self.drop((s for group in queued for s in group), "shutdown")
+
+
+class EvalSink:
+    """Eval episodes are scored, never trained: their arrays are deleted as soon as they arrive."""
+
+    def __init__(self, holder: Holdings) -> None:
+        self.holder = holder
+        self.episodes = 0
+        self.samples = 0
+
+    def add(self, samples: Iterable[Sample]) -> None:
+        samples = list(samples)
+        self.episodes += 1
+        self.samples += len(samples)
+        self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
+
+
+def _info(sample: Sample) -> SampleInfo:
+    ref = sample.ref
+    if ref is None:
+        return SampleInfo(sample.sample_id, sample.tokens)
+    shape = tuple(ref.routing_shape) if ref.routing_shape else None
+    return SampleInfo(sample.sample_id, sample.tokens, tuple(ref.fields), shape)  # type: ignore[arg-type]
+
+
+def _step_batch(
+    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int
+) -> StepBatch:
+    refs: list[MicroBatchRefs] = []
+    owned: list[str] = []
+    for mb in micro_batches:
+        slices = []
+        for packed in mb.samples:
+            sample = samples[packed.sample.sample_id]  # type: ignore[index]
+            slices.append(SampleSlice(str(sample.sample_id), packed.kept, sample.ref))
+            if not mb.dummy and sample.ref is not None:
+                owned.append(sample.ref.blob_id)
+        refs.append(MicroBatchRefs(samples=slices, length=mb.length, dummy=mb.dummy,
+                                   inputs=_inputs(mb, samples)))
+    return StepBatch(step=step, rank=rank, micro_batches=refs, owned=owned, policy_version=policy_version)
+
+
+def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarray]:
+    """Concatenate the samples' inline inputs in packing order, cut to each kept count, zero-padded."""
+    names = sorted({name for p in mb.samples for name in samples[p.sample.sample_id].inputs})  # type: ignore[index]
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        parts = [samples[p.sample.sample_id].inputs.get(name) for p in mb.samples]  # type: ignore[index]
+        dtype = next(a.dtype for a in parts if a is not None)
+        column = np.zeros(mb.length, dtype=dtype)
+        for packed, part in zip(mb.samples, parts, strict=True):
+            if part is not None:
+                column[packed.offset : packed.stop] = part[: packed.kept]
+        out[name] = column
+    return out
+
+
+class ReplicaRouter:
+    """Sends each run to the replica of its source with the fewest runs in flight.
+
+    Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
+    it has one, else its node id.
+    """
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, list[str]] = {}
+        self.in_flight: Counter[str] = Counter()
+
+    def update(self, nodes: Iterable[NodeInfo]) -> None:
+        replicas: dict[str, list[str]] = defaultdict(list)
+        for node in nodes:
+            if node.role == "env-server" and "blobs" in node.endpoints:
+                replicas[node.labels.get("source", node.node_id)].append(node.endpoints["blobs"])
+        self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
+
+    def pick(self, source: str) -> str:
+        """The endpoint of ``source``'s least-loaded replica (ties: stable order); counts the run in flight."""
+        candidates = self.replicas.get(source)
+        if not candidates:
+            raise LookupError(f"no live env-server replica for source {source!r}")
+        endpoint = min(candidates, key=lambda ep: self.in_flight[ep])
+        self.in_flight[endpoint] += 1
+        return endpoint
+
+    def done(self, endpoint: str) -> None:
+        if self.in_flight[endpoint] > 0:
+            self.in_flight[endpoint] -= 1
