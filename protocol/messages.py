@@ -73,7 +73,7 @@ class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
     """Where one kept branch lives and what it holds: what travels instead of the arrays."""
 
     endpoint: str  # the env server's blob endpoint (fetch, claim, delete)
-    source: Name  # node id of the env server that keeps it
+    source: Name  # the env server's source name: replicas of one source share it (default: its node id)
     blob_id: Name
     fields: list[str]
     tokens: NonNegative
