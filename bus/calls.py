@@ -2,9 +2,9 @@
 
 Every call has a deadline. Its outcome is exactly one of: the reply (a :class:`Message`), the server's
 ``error`` reply (:class:`RemoteError`), no reply by the deadline (:class:`RequestTimeout`), or the peer
-reported down meanwhile or before it was sent (:class:`PeerDown`). It reaches the call's ``on_done`` on the loop thread, once;
-replies arriving after that are dropped and counted (``late``), malformed ones are counted by error code
-(``rejected``) and resolve nothing.
+reported down meanwhile or before it was sent (:class:`PeerDown`). It reaches the call's ``on_done`` on
+the loop thread, once; replies arriving after that are dropped and counted (``late``), malformed ones are
+counted by error code (``rejected``) and resolve nothing.
 
 Retries resend the same frames (the same message id) at the times the call's :class:`RetryPolicy` gives,
 so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its

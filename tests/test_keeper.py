@@ -256,7 +256,7 @@ def test_a_holder_down_past_its_grace_loses_what_it_holds_and_no_one_else_does(k
 
 
 def test_a_holder_back_within_the_grace_keeps_everything(keeper: Keeper, clock: Clock) -> None:
-    ids = _claimed(keeper, "ep", "orch")
+    _claimed(keeper, "ep", "orch")
     keeper.holder_down("orch", GRACE_S)
     keeper.holder_back("orch")
     clock.now += GRACE_S * 2
