@@ -2,13 +2,18 @@
 
 Every call has a deadline. Its outcome is exactly one of: the reply (a :class:`Message`), the server's
 ``error`` reply (:class:`RemoteError`), no reply by the deadline (:class:`RequestTimeout`), or the peer
-reported down meanwhile (:class:`PeerDown`). It reaches the call's ``on_done`` on the loop thread, once;
-replies arriving after that are dropped and counted (``late``), malformed ones are counted by error code
-(``rejected``) and resolve nothing.
+reported down meanwhile or before it was sent (:class:`PeerDown`). It reaches the call's ``on_done`` on
+the loop thread, once; replies arriving after that are dropped and counted (``late``), malformed ones are
+counted by error code (``rejected``) and resolve nothing.
 
 Retries resend the same frames (the same message id) at the times the call's :class:`RetryPolicy` gives,
 so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its
 reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs.
+
+An endpoint marked down (:meth:`Calls.mark_down`, fed by the registry's ``node-down`` through
+:class:`~refbus.bus.peers.Peers`) gets no retry schedule: its pending calls end with :class:`PeerDown` at
+once, and so does every new request to it (on the next loop turn, never inside :meth:`Calls.request`),
+until it is marked up again.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class Calls:
         self._per_endpoint: Counter[str] = Counter()
         self._due: list[tuple[float, int, str]] = []  # (due, tie-break, msg id); stale entries are skipped
         self._order = itertools.count()
+        self._down: dict[str, str] = {}  # endpoint -> why it is down
+        self._refused: list[_Call] = []  # requests to a down endpoint: PeerDown on the next tick
         self.outcomes: Counter[str] = Counter()  # reply / remote-error / timeout / peer-down
         self.late = 0
         self.rejected: Counter[str] = Counter()
@@ -108,7 +115,10 @@ class Calls:
                      Attempts(policy or self.policy, deadline_s, _now()))
         self._pending[msg_id] = call
         self._per_endpoint[endpoint] += 1
-        self._attempt(call, _now())
+        if endpoint in self._down:
+            self._refused.append(call)  # resolved by the next tick: on_done never runs inside request()
+        else:
+            self._attempt(call, _now())
         return msg_id
 
     def peer_down(self, endpoint: str, reason: str) -> int:
@@ -117,6 +127,20 @@ class Calls:
         for call in calls:
             self._finish(call, PeerDown(endpoint, reason))
         return len(calls)
+
+    def mark_down(self, endpoint: str, reason: str) -> int:
+        """The registry reports the peer at ``endpoint`` down: resolve its pending calls with :class:`PeerDown`
+        (returns how many) and refuse new requests to it the same way until :meth:`mark_up`."""
+        self._down[endpoint] = reason
+        return self.peer_down(endpoint, reason)
+
+    def mark_up(self, endpoint: str) -> None:
+        """The peer at ``endpoint`` is live again (it re-registered): requests to it are sent again."""
+        self._down.pop(endpoint, None)
+
+    def down_reason(self, endpoint: str) -> str | None:
+        """Why ``endpoint`` is marked down, or None while it is not."""
+        return self._down.get(endpoint)
 
     def cancel(self, msg_id: str) -> bool:
         """Forget a pending call without calling its ``on_done``; False when it is not pending."""
@@ -132,6 +156,10 @@ class Calls:
 
     def tick(self) -> None:
         """Resend what is due and time out what has reached its deadline."""
+        refused, self._refused = self._refused, []
+        for call in refused:
+            if call.msg_id in self._pending:  # not cancelled meanwhile
+                self._finish(call, PeerDown(call.endpoint, self._down.get(call.endpoint, "reported down")))
         now = _now()
         while self._due and self._due[0][0] <= now:
             due, _, msg_id = heapq.heappop(self._due)
@@ -144,6 +172,8 @@ class Calls:
         if not self._pending:
             self._due.clear()  # only stale entries are left
             return None
+        if self._refused:
+            return 0.0
         return max(0.0, self._due[0][0] - _now())
 
     def close(self) -> None:
@@ -151,6 +181,7 @@ class Calls:
         self._pending.clear()
         self._per_endpoint.clear()
         self._due.clear()
+        self._refused.clear()
 
     # --- internals ----------------------------------------------------------------------------------
 

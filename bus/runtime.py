@@ -59,6 +59,8 @@ from ..protocol.messages import (
 )
 from .calls import Calls
 from .metrics import register_live, serve_metrics
+from .peers import KINDS as PEER_KINDS
+from .peers import Peers
 from .pubsub import Publisher, Subscriber
 from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .sockets import (
@@ -164,6 +166,7 @@ class NodeRuntime:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.calls = Calls(self.client, self.watch, settings.retry)
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
+        self._peers: Peers | None = None
 
     # --- building blocks for roles -------------------------------------------------------------------
 
@@ -207,6 +210,15 @@ class NodeRuntime:
         subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds)
         self._subscriptions.append((subscriber, handler, since))
         return subscriber
+
+    def track_peers(self) -> Peers:
+        """The registry as this node sees it (:class:`~refbus.bus.peers.Peers`), made on first call: from
+        then on a peer the broker reports down fails every pending and new :attr:`calls` request to its
+        endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``): call it before :meth:`run`."""
+        if self._peers is None:
+            self._peers = Peers(self.calls, self.node_id)
+            self.subscribe(self._peers.handle, kinds=PEER_KINDS)
+        return self._peers
 
     def publish(self, body: Body) -> int:
         """Publish an event through the broker; returns its sequence number."""
@@ -359,6 +371,8 @@ class NodeRuntime:
             self._join()
         for subscriber, _, since in self._subscriptions:
             self._go_live(subscriber, since)
+        if self._peers is not None:  # peers up before the subscription was live: node-up came before it
+            self._peers.seed(self.lookup() or ())
         # The broker's interval wins: it is the one that judges liveness.
         interval = self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
         self.every(interval, self._heartbeat)

@@ -124,9 +124,9 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(RETRY_SCHEDULE, ("bus.node_timeout_s",),
              why="a request never gives up on a peer that the broker still counts as live; a dead peer is "
                  "reported down before requests to it time out"),
-    Relation("env_server.handover_lease_s", ("bus.node_timeout_s", RETRY_SCHEDULE),
-             why="an orchestrator that stalls just short of being declared down and then needs every retry of "
-                 "its claim still finds the episode's blobs"),
+    Relation("env_server.handover_lease_s", ("bus.node_timeout_s", "node.restart_grace_s", RETRY_SCHEDULE),
+             why="an orchestrator that stalls just short of being declared down, or is restarted within the "
+                 "grace, and then needs every retry of its claim still finds the episode's blobs"),
     Relation("orchestrator.group_timeout_s", ("env_server.generate_timeout_s",),
              why="a group is not dropped as incomplete while its runs may still be generating"),
     Relation("trainer.batch_timeout_s", ("orchestrator.group_timeout_s",),

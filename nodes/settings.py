@@ -52,6 +52,12 @@ class NodeSettings:
 
     host: str = key("", "Host name advertised for wildcard binds (default: this machine's host name).")
     connect_timeout_s: float = key(15.0, "Seconds a starting node waits for the broker.")
+    restart_grace_s: float = key(
+        10.0,
+        "Seconds a node reported down has to come back (re-register under the same id) before peers act on "
+        "it: stores delete what a dead holder held (holder-down), the orchestrator drops references to a dead "
+        "store's blobs (lost).",
+    )
     metrics_host: str = key("127.0.0.1", "Address of each node's Prometheus endpoint.")
     metrics_port: int = key(0, "Port of the Prometheus endpoint: 0 picks a free one, -1 disables it.")
     log_level: str = key("info", "Log level: debug, info, warning, error.")

@@ -202,11 +202,17 @@ class VersionBump(Body, frozen=True):
 @register_kind("delete")
 class Delete(Body, frozen=True):
     """Request to an env server and its mirror event: ``holder`` deletes ``blob_ids`` for ``reason``
-    (``trained``, ``filtered``, ``stale``, ``eval``, ``undelivered``, ``shutdown``, ...)."""
+    (``trained``, ``filtered``, ``stale``, ``eval``, ``undelivered``, ``shutdown``, ...).
+
+    Two reasons come from liveness and name a ``node``: ``holder-down`` (the env server deleted what that
+    holder held: it went down and was not back within ``node.restart_grace_s``) and ``lost`` (an event only,
+    published by the holder: the store ``node`` went down and was not back within the grace, so its blobs
+    are gone without a delete)."""
 
     blob_ids: list[str]
     holder: Name
     reason: Name
+    node: str = ""  # the node whose going down caused it: the dead holder (holder-down), the dead store (lost)
 
 
 @register_kind("violation")

@@ -49,7 +49,8 @@ def test_config_show_reads_back_as_the_same_config(tmp_path: Path) -> None:
 BREAKS: dict[tuple[str, tuple[str, ...]], list[str]] = {
     ("bus.node_timeout_s", ("bus.heartbeat_interval_s",)): ["--bus-heartbeat-interval-s", "2.0"],
     (RETRY_SCHEDULE, ("bus.node_timeout_s",)): ["--requests-attempts", "1"],
-    ("env_server.handover_lease_s", ("bus.node_timeout_s", RETRY_SCHEDULE)): ["--env-server-handover-lease-s", "10"],
+    ("env_server.handover_lease_s", ("bus.node_timeout_s", "node.restart_grace_s", RETRY_SCHEDULE)):
+        ["--env-server-handover-lease-s", "25"],
     ("orchestrator.group_timeout_s", ("env_server.generate_timeout_s",)): ["--env-server-generate-timeout-s", "200"],
     ("trainer.batch_timeout_s", ("orchestrator.group_timeout_s",)): ["--trainer-batch-timeout-s", "100"],
     ("ps.lease_ttl_s", ("requests.timeout_s",)): ["--ps-lease-ttl-s", "1.5"],
@@ -78,7 +79,8 @@ def test_a_relation_is_checked_on_the_effective_config_not_per_key(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"env_server\.handover_lease_s > bus\.node_timeout_s"):
         load("--env-server-handover-lease-s", "25", config_file=path)
     # Moving the bound with it makes the same lease valid.
-    assert load("--env-server-handover-lease-s", "25", "--bus-node-timeout-s", "10").env_server.handover_lease_s == 25
+    assert load("--env-server-handover-lease-s", "25", "--bus-node-timeout-s", "10",
+                "--node-restart-grace-s", "0.5").env_server.handover_lease_s == 25
 
 
 def test_the_short_timings_the_tests_use_are_consistent() -> None:

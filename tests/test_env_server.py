@@ -196,9 +196,9 @@ def test_a_retried_delete_is_answered_twice_and_executed_once(
 
 
 def test_unclaimed_blobs_are_deleted_as_undelivered(env_server: EnvServerFactory, observer: Observer, peer) -> None:
-    # The shortest lease the config allows: above a node timeout plus the request retry schedule.
+    # The shortest lease the config allows: above a node timeout, the restart grace and the retry schedule.
     _, info = env_server("env-b", "--requests-timeout-s", "0.6", "--requests-attempts", "2",
-                         "--env-server-handover-lease-s", "3.0")
+                         "--node-restart-grace-s", "0.1", "--env-server-handover-lease-s", "3.0")
     client = peer(info["endpoints"]["blobs"])
     ids = [ref.blob_id for ref in ask(client, Keep(episode_id="ep", branches=[branch(4), branch(5)])).refs]
     assert isinstance(observer.next(), EpisodeFinished)

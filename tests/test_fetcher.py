@@ -342,6 +342,24 @@ def test_a_failed_blob_fails_exactly_its_micro_batch(envs, connect, failure) -> 
         check_assembled(batch, step.ranks[0][index], step.branches)
 
 
+def test_blobs_on_an_env_server_reported_down_fail_at_once_without_a_request(envs, connect) -> None:
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
+    dead = envs[0]
+    dead.silent.update(dead.blobs)  # were it asked, it would cost the whole retry schedule
+    down = {dead.endpoint: "env-a reported down (timeout)"}
+    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1), down=down.get)
+    result = fetcher.fetch(0, step.ranks[0])
+    dead_ids = set(dead.blobs)
+    assert dead.endpoint not in fetcher._clients, "no request went to the dead env server"
+    for refs, batch in zip(step.ranks[0], result.batches, strict=True):
+        ids = {item.ref.blob_id for item in refs.samples if item.ref is not None}
+        if ids & dead_ids:
+            assert isinstance(batch, FetchFailure) and batch.reason == "peer-down" and "reported down" in batch.detail
+        else:
+            assert isinstance(batch, AssembledBatch)
+    assert result.failed and not dead_ids & set(result.blob_ids)
+
+
 def test_references_that_describe_no_micro_batch_are_rejected(envs) -> None:
     step = make_step(envs, [SampleSpec(20)])
     refs = step.ranks[0][0]

@@ -8,7 +8,15 @@ import pytest
 import xxhash
 from branches import random_arrays
 from refbus.nodes.payload.branch import Branch
-from refbus.nodes.payload.keeper import DISCARDED, SHUTDOWN, UNDELIVERED, Keeper, KeepError, blob_checksum
+from refbus.nodes.payload.keeper import (
+    DISCARDED,
+    HOLDER_DOWN,
+    SHUTDOWN,
+    UNDELIVERED,
+    Keeper,
+    KeepError,
+    blob_checksum,
+)
 from refbus.protocol.codec import checksum
 
 LEASE_S = 10.0
@@ -218,3 +226,64 @@ def test_settings_are_checked(kwargs: dict) -> None:
     settings = {"budget_bytes": 1, "handover_lease_s": 1.0, **kwargs}
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         Keeper("env-a", "e", **settings)
+
+
+GRACE_S = 5.0
+
+
+def _claimed(keeper: Keeper, episode: str, holder: str, count: int = 2) -> list[str]:
+    ids = [ref.blob_id for ref in keeper.keep(episode, [arrays(4, seed=i) for i in range(count)])]
+    assert keeper.claim(ids, holder).claimed == tuple(ids)
+    return ids
+
+
+def test_a_holder_down_past_its_grace_loses_what_it_holds_and_no_one_else_does(keeper: Keeper, clock: Clock) -> None:
+    dead = _claimed(keeper, "ep-dead", "orch")
+    other = _claimed(keeper, "ep-other", "orch-2")
+    unclaimed = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3)])]
+    keeper.holder_down("orch", GRACE_S)
+    clock.now += GRACE_S - 0.1
+    assert keeper.reclaim() == {}
+    clock.now += 0.1
+    result = keeper.reclaim()
+    assert list(result) == ["orch"]
+    assert (result["orch"].deleted, result["orch"].holder, result["orch"].reason) == (tuple(dead), "env-a", HOLDER_DOWN)
+    assert keeper.stats().deleted == {HOLDER_DOWN: 2}
+    assert keeper.reclaim() == {}  # once
+    # Its blobs are tombstoned like any delete; the others are untouched.
+    assert keeper.delete(dead, "orch", "trained").violations[0].owner == "env-a"
+    assert set(keeper.fetch([*other, *unclaimed], "t").arrays) == {*other, *unclaimed}
+
+
+def test_a_holder_back_within_the_grace_keeps_everything(keeper: Keeper, clock: Clock) -> None:
+    _claimed(keeper, "ep", "orch")
+    keeper.holder_down("orch", GRACE_S)
+    keeper.holder_back("orch")
+    clock.now += GRACE_S * 2
+    assert keeper.reclaim() == {}
+    assert keeper.blobs_held == 2
+
+
+def test_a_restarted_holder_keeps_what_it_claims_again_within_the_grace(keeper: Keeper, clock: Clock) -> None:
+    ids = _claimed(keeper, "ep", "orch", count=3)
+    keeper.holder_down("orch", GRACE_S)
+    clock.now += 1.0
+    again = keeper.claim(ids[:2], "orch")  # idempotent: the current holder's claim is answered ok
+    assert (again.claimed, again.already, again.violations) == ((), tuple(ids[:2]), ())
+    keeper.holder_down("orch", GRACE_S)  # a second report does not move the deadline
+    clock.now += GRACE_S - 1.0
+    assert keeper.reclaim()["orch"].deleted == (ids[2],)
+    assert set(keeper.fetch(ids[:2], "t").arrays) == set(ids[:2])
+
+
+def test_blobs_handed_to_a_trainer_rank_are_its_own(keeper: Keeper, clock: Clock) -> None:
+    ids = _claimed(keeper, "ep", "orch", count=3)
+    free = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3)])]
+    assert keeper.hand_over([*ids[:2], *free, "nope"], "rank-0") == ids[:2]  # unclaimed and unknown: left alone
+    assert keeper.holds("rank-0") and keeper.holds("orch")
+    keeper.holder_down("orch", GRACE_S)
+    keeper.holder_down("rank-0", GRACE_S)
+    clock.now += GRACE_S
+    result = keeper.reclaim()
+    assert (result["orch"].deleted, result["rank-0"].deleted) == ((ids[2],), tuple(ids[:2]))
+    assert keeper.blobs_held == 1  # the unclaimed one waits for its lease

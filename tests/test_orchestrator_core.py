@@ -16,6 +16,7 @@ from refbus.nodes.payload.orchestrator_core import (
     DeleteBlobs,
     DeliverBatch,
     Halt,
+    LoseBlobs,
     OrchestratorCore,
     SendRun,
 )
@@ -215,3 +216,61 @@ def test_after_the_last_step_the_queue_and_late_episodes_are_dropped(max_steps: 
     assert core.finished
     assert set(deletes(feed_group(core, T0, "g1"))) == {"max_steps"}
     assert np.isclose(core.sink.dropped["max_steps"], 2)
+
+
+GRACE = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0, restart_grace_s=5.0)
+
+
+def test_a_store_down_past_its_grace_loses_its_blobs_naming_it_and_they_never_ship() -> None:
+    core = OrchestratorCore(settings(groups_per_step=2), GRACE)
+    feed_group(core, T0, "g0")  # queued (no trainers yet): b-g0-0 and b-g0-1 on env-a
+    kept = episode("b0", "gb", 1.0, env="env-b")
+    core.on_episode(T0, kept, kept.refs)  # env-b: grouped, waiting for its second member
+    assert core.store_down(T0, env_server("env-a")) == []
+    # A delete decided while env-a is down waits for it instead of failing against a dead peer.
+    stale = episode("late", "g0", 1.0)
+    assert core.on_episode(T0 + 1, stale, stale.refs) == []
+    assert core.tick(T0 + GRACE.restart_grace_s - 0.01) == []
+    lost = of(LoseBlobs, core.tick(T0 + GRACE.restart_grace_s))
+    assert [(a.node_id, sorted(r.blob_id for r in a.refs)) for a in lost] == [
+        ("env-a", ["b-g0-0", "b-g0-1", "b-late"])]
+    assert core.lost == {"env-a": 3} and core.sink.dropped["lost"] == 2
+    assert set(core.holdings.held) == {"b-b0"} and core.sink.queue == []
+    assert core.groups_released == 1  # the emptied group gives its admission slot back
+    assert of(LoseBlobs, core.tick(T0 + 100)) == []  # lost once
+    core.use_trainers(T0 + 100, [trainer(0), trainer(1)])
+    shipped = of(DeliverBatch, feed_group(core, T0 + 100, "g1") + feed_group(core, T0 + 100, "g2"))
+    names = {s.sample_id for d in shipped for mb in d.batch.micro_batches for s in mb.samples}
+    assert names and not any(name.startswith("g0-") for name in names)
+
+
+def test_a_store_back_as_the_same_process_keeps_its_blobs_and_gets_the_deletes_that_waited() -> None:
+    core = OrchestratorCore(settings(), GRACE)
+    feed_group(core, T0, "g0")
+    core.store_down(T0, env_server("env-a"))
+    late = episode("late", "g0", 1.0)
+    assert core.on_episode(T0, late, late.refs) == []
+    sent = [DeleteBlobs(tuple(late.refs), "late")]
+    assert core.store_up(env_server("env-a")) == sent
+    assert of(LoseBlobs, core.tick(T0 + 100)) == [] and not core.lost
+    assert set(core.holdings.held) == {"b-g0-0", "b-g0-1"}
+
+
+def test_a_store_restarted_as_a_new_process_loses_the_old_ones_blobs_at_once() -> None:
+    core = OrchestratorCore(settings(), GRACE)
+    feed_group(core, T0, "g0")
+    core.store_down(T0, env_server("env-a"))
+    restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-b2"})
+    lost = of(LoseBlobs, core.store_up(restarted))
+    assert [(a.node_id, len(a.refs)) for a in lost] == [("env-a", 2)] and not core.holdings.held
+
+
+def test_no_run_goes_to_a_store_reported_down_and_a_store_down_at_shutdown_is_lost() -> None:
+    core = OrchestratorCore(settings(group_size=1), GRACE, prompts=lambda rng: [int(rng.integers(9))])
+    core.use_replicas([env_server("env-a"), env_server("env-b")])
+    core.store_down(T0, env_server("env-a"))
+    assert {s.endpoint for s in of(SendRun, core.dispatch(T0))} == {"tcp://env-b"}
+    ep = episode("e", "g", 1.0)
+    core.on_episode(T0, ep, ep.refs)
+    closing = core.close()
+    assert deletes(closing) == {} and [(a.node_id, len(a.refs)) for a in of(LoseBlobs, closing)] == [("env-a", 1)]

@@ -18,7 +18,12 @@ request     reply        effect and events
 =========== ============ ====================================================================================
 
 Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
-Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``); at
+Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``). A holder
+the registry reports down (``node-down``) that is not back within ``node.restart_grace_s`` loses what it
+held here (``delete``, reason ``holder-down``, ``node``: the holder), except blobs its restarted
+incarnation (same node id) claimed again meanwhile; the same process re-registering (a holder that was
+slow, not dead) keeps everything. ``reference`` events tell the env server which blobs a trainer rank
+took over from the orchestrator, so each holder loses only its own. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
 
@@ -46,6 +51,7 @@ import numpy as np
 import structlog
 
 from ...bus.metrics import Readings
+from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -63,6 +69,9 @@ from ...protocol.messages import (
     FetchedBlob,
     Keep,
     Kept,
+    NodeDown,
+    NodeInfo,
+    Reference,
     Violation,
 )
 from ..config import Config
@@ -80,15 +89,22 @@ class EnvServer:
     """Serves a :class:`Keeper` on ``runtime`` and mirrors every ownership move on the event stream.
 
     Construct before ``runtime.run()`` / ``runtime.start_background()``: it binds the ``blobs`` endpoint,
-    labels the node with its source, sets the heartbeat status, a lease timer, a shutdown hook
-    and its metrics (exposed while the runtime serves metrics).
+    labels the node with its source, tracks peers (``runtime.track_peers()``) and ``reference`` events,
+    sets the heartbeat status, lease and reclaim timers, a shutdown hook and its metrics (exposed while the
+    runtime serves metrics). ``restart_grace_s`` (``node.restart_grace_s``): how long a holder reported down
+    has to come back before what it holds is deleted.
 
     Threads: :meth:`keep` and :meth:`discard` may be called from any thread; the keeper is behind a lock
     and events are published on the loop thread only.
     """
 
     def __init__(
-        self, runtime: NodeRuntime, settings: EnvServerSettings, *, clock: Callable[[], float] = time.monotonic
+        self,
+        runtime: NodeRuntime,
+        settings: EnvServerSettings,
+        *,
+        restart_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
         self.source = settings.source or runtime.node_id
@@ -102,6 +118,8 @@ class EnvServer:
         # Events from other threads wait here for the loop thread; flushed before any other publish so the
         # stream never shows a claim before the episode-finished it refers to.
         self._outbox: deque[Body] = deque()
+        self.restart_grace_s = restart_grace_s
+        self._holders_down: dict[str, tuple[str, int, float] | None] = {}  # node id -> incarnation that went down
 
         self.server.on(Keep.kind, self._on_keep)
         self.server.on(Discard.kind, self._on_discard)
@@ -110,6 +128,12 @@ class EnvServer:
         self.server.on(Delete.kind, self._on_delete)
         # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
         runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
+        peers = runtime.track_peers()
+        peers.on_down(self._on_node_down)
+        peers.on_up(self._on_node_up)
+        runtime.subscribe(self._on_reference, kinds=frozenset({Reference.kind}))
+        # What a dead holder held goes within a quarter grace (at most 1 s) of the grace's end.
+        runtime.every(min(1.0, max(0.05, restart_grace_s / 4)), self._reclaim)
         runtime.status = self.status
         runtime.shutdown_hooks.append(self._shutdown)
         self._register_metrics()
@@ -223,6 +247,43 @@ class EnvServer:
             log.warning("blobs.undelivered", count=len(result.deleted), lease_s=self.keeper.handover_lease_s)
             self._announce(result)
 
+    def _reclaim(self) -> None:
+        with self._lock:
+            results = self.keeper.reclaim()
+        for holder, result in results.items():
+            self._holders_down.pop(holder, None)
+            if result.deleted:
+                log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
+                            grace_s=self.restart_grace_s)
+                self._announce(result, node=holder)
+
+    # --- liveness (loop thread) ---------------------------------------------------------------------
+
+    def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
+        with self._lock:
+            if not self.keeper.holds(down.node_id):
+                return
+            self.keeper.holder_down(down.node_id, self.restart_grace_s)
+        self._holders_down.setdefault(down.node_id, incarnation(info) if info else None)
+        log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
+
+    def _on_node_up(self, info: NodeInfo) -> None:
+        if info.node_id not in self._holders_down:
+            return
+        if self._holders_down[info.node_id] == incarnation(info):  # the same process: slow, not dead
+            del self._holders_down[info.node_id]
+            with self._lock:
+                self.keeper.holder_back(info.node_id)
+            log.info("holder.back", holder=info.node_id)
+        else:  # a restart: it keeps what it claims again before the grace ends
+            log.info("holder.restarted", holder=info.node_id)
+
+    def _on_reference(self, message: Message) -> None:
+        reference = message.body
+        assert isinstance(reference, Reference)
+        with self._lock:
+            self.keeper.hand_over(reference.blob_ids, reference.holder)
+
     def _shutdown(self) -> None:
         with self._lock:
             result = self.keeper.close()
@@ -255,9 +316,10 @@ class EnvServer:
         self._flush_outbox()
         self.runtime.publish(body)
 
-    def _announce(self, result: DeleteResult) -> None:
+    def _announce(self, result: DeleteResult, *, node: str = "") -> None:
         if result.deleted:
-            self._publish(Delete(blob_ids=list(result.deleted), holder=result.holder, reason=result.reason))
+            self._publish(Delete(blob_ids=list(result.deleted), holder=result.holder, reason=result.reason,
+                                 node=node))
 
     def _report(self, violations: Sequence[Violation]) -> None:
         for violation in violations:
@@ -289,7 +351,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
-        env_server = EnvServer(runtime, config.env_server)
+        env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s)
         EpisodeRunner(runtime, env_server, config.env_server)
     except ValueError as exc:  # a budget, lease or entry point that cannot be used
         log.error("env_server.bad_config", error=str(exc))

@@ -11,7 +11,9 @@ verified against its reference and assembled into reused torch buffers.
    paid per few MiB, not per blob; large ones travel alone or in pairs, so replies pipeline.
 2. **Fetch.** All requests run concurrently through :func:`refbus.bus.reqrep.gather`: at most ``window``
    in flight per endpoint, each retried with backoff per the one :class:`~refbus.bus.reqrep.RetryPolicy`.
-   One :class:`~refbus.bus.reqrep.Client` per endpoint, cached across steps.
+   One :class:`~refbus.bus.reqrep.Client` per endpoint, cached across steps. An endpoint the registry
+   reports down (``down(endpoint)``, e.g. ``runtime.track_peers().down_reason``) is not asked at all: its
+   blobs fail at once (``peer-down``) instead of running the retry schedule against a dead node.
 3. **Verify.** A blob counts as fetched only if it carries exactly its reference's fields and
    :func:`~.keeper.blob_checksum` of its arrays equals ``BlobRef.checksum``: an end-to-end check against
    what the env server hashed at ``keep`` time, not only against what it sent (which the codec checks).
@@ -169,8 +171,9 @@ class BufferPool:
 @dataclass(frozen=True, slots=True)
 class FetchFailure:
     """Why a micro batch could not be assembled. ``reason`` is stable: ``missing`` (unknown or deleted at
-    the env server), ``remote-error``, ``timeout``, ``checksum``, ``malformed`` (fields or shapes wrong)
-    or ``assembly``; ``blob_ids`` are the failed blobs of this micro batch."""
+    the env server), ``remote-error``, ``timeout``, ``peer-down`` (its env server is reported down),
+    ``checksum``, ``malformed`` (fields or shapes wrong) or ``assembly``; ``blob_ids`` are the failed blobs
+    of this micro batch."""
 
     reason: str
     detail: str
@@ -234,12 +237,14 @@ class StepFetcher:
 
     ``connect(endpoint)`` makes the client for an env-server endpoint, once per endpoint; whoever made it
     closes it (``NodeRuntime.client`` closes its clients at shutdown). ``holder`` names this rank in
-    ``fetch`` requests.
+    ``fetch`` requests. ``down(endpoint)`` says why an endpoint is reported down (None while it is not).
     """
 
-    def __init__(self, holder: str, connect: Callable[[str], Client], settings: FetchSettings | None = None) -> None:
+    def __init__(self, holder: str, connect: Callable[[str], Client], settings: FetchSettings | None = None,
+                 *, down: Callable[[str], str | None] = lambda endpoint: None) -> None:
         self.holder = holder
         self.settings = settings or FetchSettings()
+        self._down = down
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
         self._connect = connect
         self._clients: dict[str, Client] = {}
@@ -287,15 +292,18 @@ class StepFetcher:
     def _fetch_blobs(
         self, step: int, refs: Mapping[str, BlobRef]
     ) -> tuple[dict[str, Branch], dict[str, FetchFailure]]:
-        calls = [(self.client(endpoint), Fetch(blob_ids=ids, holder=self.holder, step=step))
-                 for endpoint, ids in self._requests(refs)]
+        branches: dict[str, Branch] = {}
+        failures: dict[str, FetchFailure] = {}
+        calls = []
+        for endpoint, ids in self._requests(refs):
+            if (why := self._down(endpoint)) is not None:
+                failures.update({i: FetchFailure("peer-down", f"{endpoint}: {why}", (i,)) for i in ids})
+            else:
+                calls.append((self.client(endpoint), Fetch(blob_ids=ids, holder=self.holder, step=step)))
         # Frames are not checksummed on decode: every blob is verified against its BlobRef below, which also
         # proves it is what the env server hashed at keep time.
         outcomes = gather(calls, window=self.settings.window, policy=self.settings.policy, backend="numpy",
                           verify=False)
-
-        branches: dict[str, Branch] = {}
-        failures: dict[str, FetchFailure] = {}
         replies, failed = split_outcomes(zip(calls, outcomes, strict=True))
         for (_, request), error in failed:
             reason = "timeout" if isinstance(error, RequestTimeout) else "remote-error"

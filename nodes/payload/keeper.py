@@ -7,6 +7,11 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
 2. :meth:`Keeper.claim` hands it to the first claimer (the orchestrator). Unclaimed blobs are deleted by
    :meth:`Keeper.expire` once their hand-over lease ends (reason ``undelivered``); :meth:`Keeper.discard`
    deletes an abandoned episode's unclaimed blobs; :meth:`Keeper.close` deletes everything (``shutdown``).
+   A holder reported down (:meth:`Keeper.holder_down`) that is not back (:meth:`Keeper.holder_back`)
+   within its grace loses, at :meth:`Keeper.reclaim`, every blob it holds here (reason ``holder-down``)
+   except those its restarted incarnation claimed again meanwhile (a claim by the current holder is
+   answered ok). :meth:`Keeper.hand_over` follows the orchestrator's hand-over to a trainer rank (the
+   ``reference`` event), so a rank's blobs are its own and not the orchestrator's.
 3. :meth:`Keeper.fetch` reads it, any number of times, by anyone (trainer ranks fetch what they train).
 4. :meth:`Keeper.delete` removes it exactly once, whoever asks; a tombstone remembers who and why, so a
    second delete or a later fetch is reported as an ownership violation naming both holders.
@@ -36,6 +41,7 @@ from .branch import Branch, BranchError
 UNDELIVERED = "undelivered"
 SHUTDOWN = "shutdown"
 DISCARDED = "discarded"
+HOLDER_DOWN = "holder-down"
 
 DEFAULT_MAX_TOMBSTONES = 1_000_000
 
@@ -189,6 +195,12 @@ class _Blob:
     holder: str = ""  # "" until claimed: the env server itself owns it
 
 
+@dataclass
+class _HolderDown:
+    until: float  # when its grace ends
+    claimed_again: set[str] = field(default_factory=set)  # blob ids its new incarnation claimed since
+
+
 @dataclass(frozen=True, slots=True)
 class _Tombstone:
     holder: str
@@ -237,6 +249,7 @@ class Keeper:
         # so expiry pops from the front and costs nothing for blobs that are not due.
         self._leases: deque[tuple[float, str]] = deque()
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._holders_down: dict[str, _HolderDown] = {}
         self._bytes_held = 0
         self._closed = False
 
@@ -311,10 +324,48 @@ class Keeper:
                 claimed.append(blob_id)
             elif blob.holder == holder:
                 already.append(blob_id)
+                if (down := self._holders_down.get(holder)) is not None:
+                    down.claimed_again.add(blob_id)  # its restarted incarnation takes it back
             else:
                 violations.append(self._violation(
                     blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
         return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations))
+
+    def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
+        """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
+        ``reference`` event); unclaimed, deleted or unknown ids are left alone. Returns the ids moved."""
+        moved = []
+        for blob_id in blob_ids:
+            blob = self._blobs.get(blob_id)
+            if blob is not None and blob.holder and blob.holder != holder:
+                self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
+                moved.append(blob_id)
+        return moved
+
+    def holds(self, holder: str) -> bool:
+        """Whether ``holder`` holds any blob here."""
+        return any(blob.holder == holder for blob in self._blobs.values())
+
+    def holder_down(self, holder: str, grace_s: float, now: float | None = None) -> None:
+        """``holder`` was reported down: unless it is back (:meth:`holder_back`) within ``grace_s``,
+        :meth:`reclaim` deletes what it holds here. A second report keeps the first deadline."""
+        now = self.clock() if now is None else now
+        self._holders_down.setdefault(holder, _HolderDown(now + grace_s))
+
+    def holder_back(self, holder: str) -> None:
+        """``holder`` is live again as the same process (it was slow, not dead): it keeps everything."""
+        self._holders_down.pop(holder, None)
+
+    def reclaim(self, now: float | None = None) -> dict[str, DeleteResult]:
+        """Delete what each holder whose grace has ended still holds (holder: the env server, reason
+        ``holder-down``), except what its restarted incarnation claimed again; by the holder that went down."""
+        now = self.clock() if now is None else now
+        results: dict[str, DeleteResult] = {}
+        for holder in [h for h, down in self._holders_down.items() if down.until <= now]:
+            kept = self._holders_down.pop(holder).claimed_again
+            ids = [i for i, blob in self._blobs.items() if blob.holder == holder and i not in kept]
+            results[holder] = self._remove(ids, self.source, HOLDER_DOWN)
+        return results
 
     def fetch(self, blob_ids: Sequence[str], holder: str) -> FetchResult:
         """The arrays of live blobs (anyone may fetch; repeated ids count once).

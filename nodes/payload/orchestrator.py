@@ -15,6 +15,9 @@ reason         when
 ``late``       an episode of a group that was already completed or dropped
 ``max_steps``  anything arriving after the last step was shipped
 ``missing``    (counted, nothing to delete) a sample whose blob was gone before it could be claimed
+``lost``       (nothing to delete) the env server keeping the blob went down and was not back within
+               ``node.restart_grace_s``: published as a ``delete`` event with reason ``lost`` and ``node``
+               the env server's node id; its samples are never shipped
 ``shutdown``   what is still queued or grouped when the node stops
 ============== ====================================================================================
 
@@ -30,8 +33,10 @@ The current policy version comes from ``version-bump`` events (the parameter ser
 Every decision (grouping, shipping, re-delivery, admission, run and group deadlines) is
 :class:`~.orchestrator_core.OrchestratorCore`'s; this module executes its actions with ``runtime.calls``
 and feeds the outcomes back. An ``incomplete`` group also comes from a run that failed or went unanswered
-past its deadline. A step the trainer ranks do not all acknowledge by ``trainer.batch_timeout_s`` halts the
-node (``step.undeliverable``, exit status 1).
+past its deadline. It tracks peers (``runtime.track_peers()``): an env server reported down fails its runs
+in flight at once (their groups are abandoned, new runs go to live replicas), and deletes for it wait for it
+to come back or for its blobs to be lost. A step the trainer ranks do not all acknowledge by
+``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
 """
 
 from __future__ import annotations
@@ -44,14 +49,34 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ...bus.reqrep import SEND_ONCE, Outcome, gather, split_outcomes
+from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import BlobRef, Claim, Claimed, Delete, Deleted, EpisodeFinished, VersionBump
+from ...protocol.messages import (
+    BlobRef,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    EpisodeFinished,
+    NodeDown,
+    NodeInfo,
+    VersionBump,
+)
 from ..config import Config
 from ..entry_points import load_entry_point
 from ..settings import OrchestratorSettings
-from .orchestrator_core import Action, Deadlines, DeleteBlobs, DeliverBatch, Halt, OrchestratorCore, SendRun
+from .orchestrator_core import (
+    LOST,
+    Action,
+    Deadlines,
+    DeleteBlobs,
+    DeliverBatch,
+    Halt,
+    LoseBlobs,
+    OrchestratorCore,
+    SendRun,
+)
 from .shipping import group_by_endpoint
 
 log = structlog.get_logger(__name__)
@@ -61,7 +86,8 @@ def deadlines_from(config: Config) -> Deadlines:
     """The orchestrator's waits, from the settings of the peers it waits for (see :class:`Deadlines`)."""
     policy = config.retry()
     return Deadlines(delivery_s=config.trainer.batch_timeout_s, redeliver_after_s=policy.timeout_s,
-                     run_s=config.env_server.generate_timeout_s + policy.deadline_s)
+                     run_s=config.env_server.generate_timeout_s + policy.deadline_s,
+                     restart_grace_s=config.node.restart_grace_s)
 
 
 @dataclass
@@ -92,8 +118,12 @@ class Orchestrator:
         self.missing = 0
         self.deleted: Counter[str] = Counter()
         self.failed_deletes = 0
+        self.lost = 0  # references dropped because their store went down for good
         self._arrivals: deque[_Arrival] = deque()
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
+        peers = runtime.track_peers()
+        peers.on_down(self._on_node_down)
+        peers.on_up(self._on_node_up)
         d = self.core.deadlines
         runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
         if settings.dispatch:
@@ -153,6 +183,14 @@ class Orchestrator:
     def _tick(self) -> None:
         self._execute(self.core.tick(self.clock()))
 
+    def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
+        if info is not None and info.role == "env-server":
+            self._execute(self.core.store_down(self.clock(), info))
+
+    def _on_node_up(self, info: NodeInfo) -> None:
+        if info.role == "env-server":
+            self._execute(self.core.store_up(info))
+
     def _refresh_replicas(self) -> None:
         nodes = self.runtime.lookup("env-server")
         if nodes is not None:
@@ -175,6 +213,8 @@ class Orchestrator:
                 self.runtime.calls.request(
                     action.endpoint, action.run, lambda outcome, a=action: self._on_run_done(a, outcome),
                     deadline_s=action.deadline_s, policy=SEND_ONCE)
+            elif isinstance(action, LoseBlobs):
+                self._lose(action)
             elif isinstance(action, Halt):
                 log.error("orchestrator.halted", reason=action.reason)
                 self.runtime.stop()
@@ -197,9 +237,17 @@ class Orchestrator:
         for endpoint, refs in group_by_endpoint(action.refs).items():
             request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason)
             self.runtime.calls.request(
-                endpoint, request, lambda outcome, e=endpoint, r=request: self._on_deleted(e, r, outcome))
+                endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs))
 
-    def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome) -> None:
+    def _lose(self, action: LoseBlobs) -> None:
+        self.lost += len(action.refs)
+        if action.refs:
+            self.runtime.publish(Delete(blob_ids=[r.blob_id for r in action.refs], holder=self.runtime.node_id,
+                                        reason=LOST, node=action.node_id))
+
+    def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome, refs: Sequence[BlobRef] = ()) -> None:
+        if isinstance(outcome, PeerDown) and self.core.delete_undelivered(refs, request.reason):
+            return  # waits for its store: sent when it is back, lost when its grace ends
         replies, failures = split_outcomes([(endpoint, outcome)])
         for _, error in failures:
             self.failed_deletes += len(request.blob_ids)
@@ -216,12 +264,17 @@ class Orchestrator:
 
     def close(self) -> None:
         """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
-        no trainer acknowledged). The loop has stopped, so these deletes wait for their replies (each
-        bounded by the retry policy); events still waiting for claims are dropped (their blobs unclaimed)."""
-        deletes = [action for action in self.core.close() if isinstance(action, DeleteBlobs)]
+        no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
+        stopped, so these deletes wait for their replies (each bounded by the retry policy); events still
+        waiting for claims are dropped (their blobs unclaimed)."""
+        actions = self.core.close()
+        for action in actions:
+            if isinstance(action, LoseBlobs):
+                self._lose(action)
         requests = [(endpoint, Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id,
                                       reason=action.reason))
-                    for action in deletes for endpoint, refs in group_by_endpoint(action.refs).items()]
+                    for action in actions if isinstance(action, DeleteBlobs)
+                    for endpoint, refs in group_by_endpoint(action.refs).items()]
         clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in requests}
         outcomes = gather([(clients[endpoint], request) for endpoint, request in requests])
         for (endpoint, request), outcome in zip(requests, outcomes, strict=True):
@@ -250,6 +303,9 @@ class Orchestrator:
                             lambda: {(): float(self.core.step)})
         self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
                             self._dropped_samples, labels=("reason",))
+        self.runtime.metric("refbus_orchestrator_blobs_lost_total",
+                            "References dropped because their env server went down and was not back in time.",
+                            lambda: {(): float(self.lost)})
 
 
 def run(config: Config, args: argparse.Namespace) -> int:

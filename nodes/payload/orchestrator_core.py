@@ -22,6 +22,12 @@ Decisions and their rules:
   ``max_groups_in_flight`` run at once. Sources take turns; each run goes to the least-loaded replica.
 * **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
   abandoned and its slot is free again.
+* **Stores down.** An env server the registry reports down (:meth:`OrchestratorCore.store_down`) gets no
+  new runs and no deletes (deletes decided meanwhile wait). Back as the same process within
+  ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`), the waiting deletes go out; otherwise (the grace
+  ends, or it comes back as a new process, whose store starts empty) every reference held to its blobs is
+  dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
+  shipped (counted as dropped ``lost``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, NodeInfo, Run, StepBatch
 from .shipping import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
 
@@ -77,13 +84,25 @@ class SendRun:
 
 
 @dataclass(frozen=True)
+class LoseBlobs:
+    """The store ``node_id`` went down and was not back within the grace: ``refs`` (held until now) are
+    gone with it. Nothing to delete: report the loss (a ``delete`` event with reason ``lost`` naming the
+    node)."""
+
+    refs: tuple[BlobRef, ...]
+    node_id: str
+
+
+@dataclass(frozen=True)
 class Halt:
     """The run cannot go on (a step that could not be delivered): stop, loudly, with ``reason``."""
 
     reason: str
 
 
-Action = DeleteBlobs | DeliverBatch | SendRun | Halt
+Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | Halt
+
+LOST = "lost"
 
 
 @dataclass(frozen=True)
@@ -94,12 +113,15 @@ class Deadlines:
     has not received its batch by then has failed the step itself); ``redeliver_after_s``: the pause before
     re-delivering to a rank that refused (the request policy's first timeout); ``run_s``: how long a run
     may go unanswered (the env server's ``generate_timeout_s``, after which it answers with an error
-    itself, plus the request policy's whole retry schedule as slack for a busy env server).
+    itself, plus the request policy's whole retry schedule as slack for a busy env server);
+    ``restart_grace_s``: how long a store reported down has to come back before its blobs count as lost
+    (``node.restart_grace_s``).
     """
 
     delivery_s: float = 300.0
     redeliver_after_s: float = 2.0
     run_s: float = 44.0
+    restart_grace_s: float = 10.0
 
 
 # --- state ---------------------------------------------------------------------------------------------------
@@ -125,6 +147,17 @@ class _Delivery:
     @property
     def unacknowledged(self) -> list[str]:
         return sorted(self.in_flight | set(self.retry_at))
+
+
+@dataclass
+class _StoreDown:
+    """An env server reported down: its endpoints, which process it was, when its grace ends, and the deletes
+    decided for its blobs meanwhile."""
+
+    endpoints: frozenset[str]
+    incarnation: tuple[str, int, float]
+    until: float
+    deletes: list[tuple[list[BlobRef], str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -168,6 +201,9 @@ class OrchestratorCore:
         self.eval_sent_at = -1
         self.failed_runs = 0
         self.expired_runs = 0
+        # stores down
+        self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
+        self.lost: Counter[str] = Counter()  # blobs lost, by store node id
 
     # --- what the executor asks ----------------------------------------------------------------------
 
@@ -249,7 +285,78 @@ class OrchestratorCore:
         for episode_id in [e for e, run in self.runs.items() if run.deadline <= now]:
             self.expired_runs += 1
             self._run_done(episode_id, f"no answer within {self.deadlines.run_s:g}s")
-        return self._flush(self._check_delivery(now))
+        lost = [self._lose(node_id) for node_id, down in list(self.stores_down.items()) if down.until <= now]
+        return self._flush([*lost, *self._check_delivery(now)])
+
+    # --- stores down ---------------------------------------------------------------------------------
+
+    def store_down(self, now: float, node: NodeInfo) -> list[Action]:
+        """The env server ``node`` (its last registry entry) was reported down: no runs go to it from now
+        on, and deletes of its blobs wait until it is back or its grace ends. Runs in flight on it end by
+        their own outcomes (the executor's requests fail at once)."""
+        endpoints = frozenset(node.endpoints.values())
+        self.stores_down.setdefault(
+            node.node_id, _StoreDown(endpoints, incarnation(node), now + self.deadlines.restart_grace_s))
+        self.router.drop(endpoints)
+        log.warning("store.down", node=node.node_id, grace_s=self.deadlines.restart_grace_s,
+                    blobs_held=sum(ref.endpoint in endpoints for ref in self.holdings.held.values()))
+        return self._flush([])
+
+    def store_up(self, node: NodeInfo) -> list[Action]:
+        """The env server ``node`` registered again: the same process keeps its blobs (the deletes that
+        waited go out now); a new process under the same id starts empty, so the old one's blobs are lost."""
+        down = self.stores_down.get(node.node_id)
+        if down is None:
+            return []
+        if down.incarnation != incarnation(node):
+            return self._flush([self._lose(node.node_id)])
+        del self.stores_down[node.node_id]
+        log.info("store.back", node=node.node_id)
+        return [DeleteBlobs(tuple(refs), reason) for refs, reason in down.deletes]
+
+    def delete_undelivered(self, refs: Sequence[BlobRef], reason: str) -> bool:
+        """A delete the executor sent ended with its store reported down: it waits with the store's other
+        deletes (sent when the store is back, lost when its grace ends). False when no store of ``refs`` is
+        down (the delete simply failed)."""
+        return not self._defer([(list(refs), reason)])
+
+    def _store_of(self, endpoint: str) -> _StoreDown | None:
+        return next((down for down in self.stores_down.values() if endpoint in down.endpoints), None)
+
+    def _lose(self, node_id: str) -> LoseBlobs:
+        """Every reference to the store ``node_id``'s blobs is dropped: held ones, queued and grouped samples,
+        and deletes that waited for it."""
+        down = self.stores_down.pop(node_id)
+        gone = down.endpoints
+
+        def on_store(sample: Sample) -> bool:
+            return sample.ref is not None and sample.ref.endpoint in gone
+
+        refs = {ref.blob_id: ref for ref in self.holdings.held.values() if ref.endpoint in gone}
+        for blob_id in refs:
+            del self.holdings.held[blob_id]
+        refs.update((ref.blob_id, ref) for deferred, _ in down.deletes for ref in deferred)
+        lost_samples = 0
+        queue = []
+        for group in self.sink.queue:
+            kept = [s for s in group if not on_store(s)]
+            lost_samples += len(group) - len(kept)
+            if kept:
+                queue.append(kept)
+            else:
+                self.sink.dropped_groups += 1
+        self.sink.queue = queue
+        for group in self.groups.values():
+            for index, (reward, samples) in enumerate(group.episodes):
+                kept = [s for s in samples if not on_store(s)]
+                lost_samples += len(samples) - len(kept)
+                group.episodes[index] = (reward, kept)
+        if lost_samples:
+            self.sink.dropped[LOST] += lost_samples
+        self.lost[node_id] += len(refs)
+        log.error("blobs.lost", node=node_id, blobs=len(refs), samples=lost_samples,
+                  grace_s=self.deadlines.restart_grace_s)
+        return LoseBlobs(tuple(refs.values()), node_id)
 
     # --- groups --------------------------------------------------------------------------------------
 
@@ -396,15 +503,37 @@ class OrchestratorCore:
 
     def close(self) -> list[Action]:
         """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
-        no trainer acknowledged)."""
+        no trainer acknowledged); what is held on stores that are down now is lost."""
         for group in self.groups.values():
             self.sink.drop((s for _, samples in group.episodes for s in samples), "shutdown")
         self.groups.clear()
         self.sink.close()
         self.holdings.delete(list(self.holdings.held.values()), "shutdown")
-        return self._flush([])
+        deletes = self._flush([])
+        return [*deletes, *(self._lose(node_id) for node_id in list(self.stores_down))]
 
     def _flush(self, actions: list[Action]) -> list[Action]:
-        """Deletes decided so far first, then ``actions``."""
-        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason) for refs, reason in self.holdings.take_outbox()]
+        """Deletes decided so far first (those for stores that are down wait for them), then ``actions``."""
+        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason)
+                                 for refs, reason in self._defer(self.holdings.take_outbox())]
         return deletes + actions
+
+    def _defer(self, deletes: list[tuple[list[BlobRef], str]]) -> list[tuple[list[BlobRef], str]]:
+        """Park the refs of ``deletes`` whose store is down with that store; returns the rest."""
+        if not self.stores_down:
+            return deletes
+        now: list[tuple[list[BlobRef], str]] = []
+        for refs, reason in deletes:
+            live = []
+            parked: dict[int, tuple[_StoreDown, list[BlobRef]]] = {}
+            for ref in refs:
+                down = self._store_of(ref.endpoint)
+                if down is None:
+                    live.append(ref)
+                else:
+                    parked.setdefault(id(down), (down, []))[1].append(ref)
+            for down, mine in parked.values():
+                down.deletes.append((mine, reason))
+            if live:
+                now.append((live, reason))
+        return now

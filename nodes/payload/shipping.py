@@ -298,6 +298,12 @@ class ReplicaRouter:
         self.in_flight[endpoint] += 1
         return endpoint
 
+    def drop(self, endpoints: Iterable[str]) -> None:
+        """Replicas at ``endpoints`` went down: no run goes to them until the registry lists them again."""
+        gone = set(endpoints)
+        self.replicas = {source: live for source, candidates in self.replicas.items()
+                         if (live := [ep for ep in candidates if ep not in gone])}
+
     def done(self, endpoint: str) -> None:
         if self.in_flight[endpoint] > 0:
             self.in_flight[endpoint] -= 1

@@ -148,7 +148,9 @@ class TrainerRank:
         if not 0 <= self.data_rank < self.data_ranks:
             raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
         self.leader = leader
-        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.fetch_settings)
+        # A fetch from an env server the registry reports down fails at once (the micro batch is dropped).
+        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.fetch_settings,
+                                   down=runtime.track_peers().down_reason)
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)

@@ -1,0 +1,123 @@
+"""The registry as one node sees it: which peers are live, which the broker reported down, and their endpoints.
+
+:class:`Peers` is fed by the broker's ``node-up`` (the node's :class:`~refbus.protocol.messages.NodeInfo`,
+with its endpoints) and ``node-down`` (its node id) events, and seeded with one registry lookup when the
+node starts (peers that were up before it subscribed). A ``node-down`` does, in this order:
+
+1. the role's listeners (:meth:`Peers.on_down`) learn of it, with the last :class:`NodeInfo` known for the
+   node (None when it was never seen up), so a role knows a store is down before the outcomes below reach it;
+2. every endpoint the node advertised is marked down in ``runtime.calls``: pending calls to it end with
+   ``PeerDown`` at once and new ones fail at once, instead of running a retry schedule against a node the
+   registry reports down (a deadline against a down peer is zero).
+
+A ``node-up`` marks the node's endpoints up again, then tells the listeners (:meth:`Peers.on_up`). Whether
+a node that comes back is the same process (:func:`incarnation`) or a restart, and how long to wait
+for it (``node.restart_grace_s``), is the role's decision: this view only reports.
+
+Opt-in (``runtime.track_peers()``): it subscribes to the node's own share of the event stream, which only
+roles that act on liveness need. Loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from ..protocol.envelope import Message
+from ..protocol.messages import NodeDown, NodeInfo, NodeUp
+from .calls import Calls
+
+log = structlog.get_logger(__name__)
+
+OnUp = Callable[[NodeInfo], None]
+OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
+
+KINDS = frozenset({NodeUp.kind, NodeDown.kind})
+
+
+def incarnation(node: NodeInfo) -> tuple[str, int, float]:
+    """What tells one process from a restart under the same node id: host, pid and start time."""
+    return node.host, node.pid, node.started
+
+
+class Peers:
+    """Live and down peers with their endpoints (see the module doc). Owned by the runtime
+    (``runtime.track_peers()``), which feeds it events (:meth:`handle`) and the start-up lookup (:meth:`seed`).
+    ``self_id`` is this node's own id: a ``node-down`` about itself (the broker forgot it) changes nothing."""
+
+    def __init__(self, calls: Calls, self_id: str) -> None:
+        self._calls = calls
+        self._self_id = self_id
+        self.live: dict[str, NodeInfo] = {}
+        self.down: dict[str, NodeInfo | None] = {}  # node id -> its last known entry
+        self._up_listeners: list[OnUp] = []
+        self._down_listeners: list[OnDown] = []
+
+    def on_up(self, listener: OnUp) -> None:
+        """Call ``listener(info)`` for every ``node-up`` (after its endpoints are marked up)."""
+        self._up_listeners.append(listener)
+
+    def on_down(self, listener: OnDown) -> None:
+        """Call ``listener(event, last_info)`` for every ``node-down`` (before pending calls to it resolve)."""
+        self._down_listeners.append(listener)
+
+    def seed(self, nodes: Iterable[NodeInfo]) -> None:
+        """Peers already live when this node started (one registry lookup); listeners are not called."""
+        for node in nodes:
+            if node.node_id != self._self_id:
+                self.live.setdefault(node.node_id, node)
+
+    def handle(self, message: Message) -> None:
+        body = message.body
+        if isinstance(body, NodeUp):
+            self._up(body.node)
+        elif isinstance(body, NodeDown):
+            self._down(body)
+
+    def node_of(self, endpoint: str) -> str | None:
+        """The id of the node (live or down) that advertised ``endpoint``, or None."""
+        for nodes in (self.live, self.down):
+            for node_id, info in nodes.items():
+                if info is not None and endpoint in info.endpoints.values():
+                    return node_id
+        return None
+
+    def down_reason(self, endpoint: str) -> str | None:
+        """Why requests to ``endpoint`` fail at once (its node is reported down), or None."""
+        return self._calls.down_reason(endpoint)
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _up(self, node: NodeInfo) -> None:
+        if node.node_id == self._self_id:
+            return
+        self.down.pop(node.node_id, None)
+        self.live[node.node_id] = node
+        for endpoint in node.endpoints.values():
+            self._calls.mark_up(endpoint)
+        for listener in self._up_listeners:
+            self._notify(listener, node)
+
+    def _down(self, event: NodeDown) -> None:
+        if event.node_id == self._self_id:
+            return
+        info = self.live.pop(event.node_id, None)
+        if info is None:
+            info = self.down.get(event.node_id)
+        self.down[event.node_id] = info
+        log.info("peer.down", node=event.node_id, role=event.role, reason=event.reason,
+                 endpoints=sorted(info.endpoints.values()) if info else [])
+        for listener in self._down_listeners:
+            self._notify(listener, event, info)
+        if info is not None:
+            reason = f"{event.node_id} reported down ({event.reason})"
+            for endpoint in info.endpoints.values():
+                self._calls.mark_down(endpoint, reason)
+
+    @staticmethod
+    def _notify(listener: Callable[..., None], *args: object) -> None:
+        try:
+            listener(*args)
+        except Exception:  # one role's failing listener must not cost the others their news
+            log.exception("peers.listener_failed")

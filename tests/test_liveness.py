@@ -1,0 +1,226 @@
+"""Liveness drives ownership, with real processes killed by SIGKILL: a peer the registry reports down ends
+every request to it at once; an orchestrator names a dead store's blobs ``lost`` after the restart grace;
+an env server deletes a dead holder's blobs (``holder-down``) after the grace, except those a restarted
+holder under the same id claimed back first."""
+
+from __future__ import annotations
+
+import json
+import queue
+import select
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from branches import random_arrays
+from conftest import FAST_LIVENESS
+from refbus.bus.reqrep import Client, Outcome, PeerDown, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Fetch, Keep, Kept, NodeInfo
+
+NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS
+HEARTBEAT_S = 0.2
+START_S = 30.0  # a process start on a loaded machine
+CLAIMER = Path(__file__).with_name("claimer_node.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Observer:
+    """An in-process node that queues every event of ``kinds`` (its loop runs in a thread)."""
+
+    def __init__(self, control: str, kinds: frozenset[str]) -> None:
+        self.runtime = NodeRuntime("observer", RuntimeSettings(bus=control, node_id="observer", metrics_port=-1,
+                                                               heartbeat_interval_s=HEARTBEAT_S))
+        self.events: queue.Queue[Message] = queue.Queue()
+        self.runtime.subscribe(self.events.put, kinds=kinds)
+        self.runtime.start_background()
+
+    def wait(self, match: Callable[[Message], bool], timeout: float, what: str) -> Message:
+        """The next event that ``match``es (others are skipped), within ``timeout`` seconds."""
+        while True:
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {what} within {timeout}s") from None
+            if match(event):
+                return event
+
+
+@pytest.fixture
+def observer(bus: tuple[NodeProcess, str]) -> Iterator[Observer]:
+    watcher = Observer(bus[1], frozenset({"claim", "delete", "node-down", "node-up"}))
+    yield watcher
+    watcher.runtime.join(timeout=START_S)
+
+
+@pytest.fixture
+def client() -> Iterator[Callable[[str], Client]]:
+    import zmq
+
+    ctx = zmq.Context()
+    yield lambda endpoint: Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=START_S, attempts=1))
+    ctx.destroy(linger=0)
+
+
+def env_server(spawn: Callable[..., NodeProcess], control: str, node_id: str, *flags: str) -> tuple[NodeProcess, str]:
+    proc = spawn(["node", "env-server", "--bus-control", control, "--node-id", node_id, *FAST_LIVENESS, *flags],
+                 node_id)
+    return proc, proc.wait_ready(START_S)["endpoints"]["blobs"]
+
+
+def keep(client: Client, episode_id: str, branches: int) -> list[str]:
+    arrays = [random_arrays(4, seed=i, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+              for i in range(branches)]
+    samples = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1], "ref": i} for i in range(branches)]
+    kept = client.request(Keep(episode_id=episode_id, branches=arrays,
+                               info={"group": episode_id, "reward": 1.0, "samples": samples})).body
+    assert isinstance(kept, Kept)
+    return [ref.blob_id for ref in kept.refs]
+
+
+def is_down(node_id: str) -> Callable[[Message], bool]:
+    return lambda event: event.kind == "node-down" and event.body.node_id == node_id
+
+
+def is_delete(reason: str, node: str) -> Callable[[Message], bool]:
+    return lambda event: isinstance(event.body, Delete) and (event.body.reason, event.body.node) == (reason, node)
+
+
+def sigkill(proc: NodeProcess) -> None:
+    proc.proc.kill()
+    proc.proc.wait()
+
+
+def test_a_peer_reported_down_ends_pending_and_new_requests_at_once(bus, spawn, observer: Observer) -> None:
+    control = bus[1]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    env, _ = env_server(spawn, control, "env-x", "--env-server-endpoint", endpoint)
+    caller = NodeRuntime("caller", RuntimeSettings(bus=control, node_id="caller", metrics_port=-1,
+                                                   heartbeat_interval_s=HEARTBEAT_S))
+    peers = caller.track_peers()
+    downs: queue.Queue[tuple[str, NodeInfo | None]] = queue.Queue()
+    peers.on_down(lambda event, info: downs.put((event.node_id, info)))
+    caller.start_background()
+    outcomes: queue.Queue[Outcome] = queue.Queue()
+    # Each attempt outlasts the node timeout many times: only the registry's node-down can end it early.
+    patient = RetryPolicy(timeout_s=20 * NODE_TIMEOUT_S, attempts=3)
+
+    def ask() -> None:
+        caller.calls.request(endpoint, Claim(blob_ids=["b"], holder="caller"), outcomes.put, policy=patient)
+
+    try:
+        sigkill(env)
+        caller.call_soon(ask)  # sent to a dead peer the registry does not know is dead yet
+        pending = outcomes.get(timeout=sum(patient.timeouts()) + START_S)
+        assert isinstance(pending, PeerDown) and "env-x reported down" in pending.reason, pending
+        node_id, info = downs.get(timeout=START_S)
+        assert node_id == "env-x" and info is not None and info.endpoints["blobs"] == endpoint
+        caller.call_soon(ask)  # the registry says down: no attempt at all
+        fresh = outcomes.get(timeout=START_S)
+        assert isinstance(fresh, PeerDown) and "env-x reported down" in fresh.reason
+        assert caller.calls.outcomes["peer-down"] == 2 and caller.calls.outcomes["timeout"] == 0
+        # Back under the same id and endpoint: requests go through again.
+        env_server(spawn, control, "env-x", "--env-server-endpoint", endpoint)
+        observer.wait(lambda e: e.kind == "node-up" and e.body.node.node_id == "env-x", START_S, "env-x back up")
+        answered = None
+        while not isinstance(answered, Message):  # the caller may see node-up a little after the observer
+            caller.call_soon(ask)
+            answered = outcomes.get(timeout=sum(patient.timeouts()) + START_S)
+        assert isinstance(answered.body, Claimed) and answered.body.missing == ["b"]
+    finally:
+        caller.join(START_S)
+
+
+def test_the_orchestrator_names_a_killed_stores_blobs_lost_after_the_grace_and_goes_on(
+        bus, spawn, observer: Observer, client) -> None:
+    control = bus[1]
+    grace_s = 1.0
+    dead, dead_endpoint = env_server(spawn, control, "env-dead")
+    _, live_endpoint = env_server(spawn, control, "env-live")
+    orchestrator = spawn(["node", "orchestrator", "--bus-control", control, "--node-id", "orch", *FAST_LIVENESS,
+                          "--node-metrics-port", "-1", "--node-restart-grace-s", str(grace_s)], "orch")
+    orchestrator.wait_ready(START_S)
+    wait_s = 10 * (NODE_TIMEOUT_S + grace_s) + START_S
+
+    def claimed_by_orch(ids: list[str]) -> Callable[[Message], bool]:
+        return lambda e: e.kind == "claim" and e.body.holder == "orch" and set(e.body.blob_ids) == set(ids)
+
+    doomed = keep(client(dead_endpoint), "e-dead", 2)
+    observer.wait(claimed_by_orch(doomed), wait_s, "the orchestrator's claim")
+    sigkill(dead)
+    observer.wait(is_down("env-dead"), wait_s, "env-dead down")
+    lost = observer.wait(is_delete("lost", "env-dead"), wait_s, "the loss of env-dead's blobs").body
+    assert lost.holder == "orch" and sorted(lost.blob_ids) == sorted(doomed)
+    # The run goes on: the next episode, on the live replica, is claimed as before.
+    fresh = keep(client(live_endpoint), "e-live", 1)
+    observer.wait(claimed_by_orch(fresh), wait_s, "a claim after the loss")
+    assert orchestrator.proc.poll() is None
+    assert orchestrator.stop() == 0
+    assert "blobs.lost" in orchestrator.log_path.read_text()
+
+
+
+class Claimer:
+    """``tests/claimer_node.py`` as a process: registers as ``node_id`` and claims ``blob_ids``."""
+
+    def __init__(self, control: str, node_id: str, endpoint: str, blob_ids: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(CLAIMER), control, node_id, endpoint, *blob_ids],
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        readable, _, _ = select.select([self.proc.stdout], [], [], START_S)
+        assert readable, f"{node_id} did not claim within {START_S}s"
+        self.granted = json.loads(self.proc.stdout.readline())["granted"]  # type: ignore[union-attr]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(START_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_killed_holders_blobs_are_reclaimed_after_the_grace_unless_its_restart_claims_them_back(
+        bus, spawn, observer: Observer, client) -> None:
+    control = bus[1]
+    grace_s = 5.0  # room for a holder process to restart and claim again
+    _, endpoint = env_server(spawn, control, "env-h", "--node-restart-grace-s", str(grace_s))
+    store = client(endpoint)
+    ids_a, ids_b = keep(store, "ep-a", 2), keep(store, "ep-b", 1)
+    wait_s = 10 * (NODE_TIMEOUT_S + grace_s) + START_S
+    claimers: list[Claimer] = []
+    try:
+        claimers += [Claimer(control, "holder-a", endpoint, ids_a), Claimer(control, "holder-b", endpoint, ids_b)]
+        assert (claimers[0].granted, claimers[1].granted) == (ids_a, ids_b)
+        claimers[0].kill()
+        observer.wait(is_down("holder-a"), wait_s, "holder-a down")
+        # Restarted under the same id within the grace: it claims one of its blobs back (answered ok).
+        claimers.append(Claimer(control, "holder-a", endpoint, ids_a[:1]))
+        assert claimers[-1].granted == ids_a[:1]
+        claimers[1].kill()  # after holder-a's node-down: its grace ends after holder-a's
+        observer.wait(is_down("holder-b"), wait_s, "holder-b down")
+        reclaimed_a = observer.wait(is_delete("holder-down", "holder-a"), wait_s, "holder-a's reclaim").body
+        reclaimed_b = observer.wait(is_delete("holder-down", "holder-b"), wait_s, "holder-b's reclaim").body
+        assert (reclaimed_a.blob_ids, reclaimed_a.holder) == (ids_a[1:], "env-h")
+        assert (reclaimed_b.blob_ids, reclaimed_b.holder) == (ids_b, "env-h")
+        kept = store.request(Fetch(blob_ids=ids_a, holder="tester")).body
+        assert isinstance(kept, Blobs)
+        assert [b.blob_id for b in kept.blobs] == ids_a[:1] and kept.missing == ids_a[1:]
+    finally:
+        for claimer in claimers:
+            claimer.stop()
