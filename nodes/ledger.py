@@ -253,7 +253,7 @@ class Ledger:
             if reason == HOLDER_DOWN:
                 self.lost_by[blob.owner] += 1
             elif reason != LOST and holder != blob.owner and not (holder == blob.store and reason in STORE_REASONS):
-                if self.missed:  # the move to ``holder`` may be among the missing events
+                if self.missed.total():  # the move to ``holder`` may be among the missing events
                     self.unverified += 1
                 else:
                     self.violations.append(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
@@ -351,7 +351,7 @@ class Ledger:
         totals = report.totals()
         if totals["held"] or totals["lost"]:
             for src, n in sorted(self.missed.items()):
-                if src not in store_nodes:
+                if n and src not in store_nodes:
                     lines.append(f"{src}: {n} events missing from the stream: who holds or lost the "
                                  f"{totals['held'] + totals['lost']} blobs not deleted may be misnamed")
             if report.lost.get(UNKNOWN) or any(UNKNOWN in h for h in report.held.values()):
