@@ -351,10 +351,11 @@ def test_accounts_are_the_counters_the_stream_shows_and_hostile_asks_are_refused
     codec = WireCodec("hostile")
     raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
     header = codec.encode(Accounts())[1]
-    for frames in (codec.encode(Accounts(holders=0)), codec.encode(Accounts(holders=10**6)),
-                   [b"accounts", header, b"\xc1not msgpack"]):
+    for frames, code, says in ((codec.encode(Accounts(holders=0)), "schema", "holders"),
+                               (codec.encode(Accounts(holders=10**6)), "schema", "holders"),
+                               ([b"accounts", header, b"\xc1not msgpack"], "malformed", "")):
         raw.send_multipart(frames)
         assert raw.poll(WAIT_S * 1000), "no reply"
         refusal = codec.decode(recv_frames(raw)).body
-        assert isinstance(refusal, Error) and refusal.code == "malformed", refusal
+        assert isinstance(refusal, Error) and refusal.code == code and says in refusal.message, refusal
     assert ask(client, Accounts()) == account  # nothing changed, and it still serves
