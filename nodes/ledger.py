@@ -361,11 +361,11 @@ class Ledger:
 
 def reconcile_stores(
     runtime: NodeRuntime,
-    reconcile: Callable[[str, str, Mapping[str, Any], bool], Reconciled],
+    reconcile: Callable[..., Reconciled],
     settle: Callable[[], None],
 ) -> list[str]:
     """Ask every live store in the registry for its counters (``accounts``, blocking, the runtime's retry
-    policy) and reconcile each with ``reconcile(node_id, incarnation, account, final)`` (a
+    policy) and reconcile each with ``reconcile(node_id, incarnation, account, final=...)`` (a
     :meth:`Ledger.reconcile`, behind whatever lock the caller's fold needs). ``settle()`` lets the stream
     catch up (a short wait or a turn of the loop that folds it) while a store's events are still on their way;
     a store whose counters run ahead of the fold is asked again. Returns what could not be done, one line
@@ -388,7 +388,7 @@ def reconcile_stores(
                     problems.append(f"store {node.node_id}: answered {reply.kind}, not {Accounted.kind}")
                     break
                 account = msgspec.to_builtins(reply.body)
-            result = reconcile(node.node_id, incarnation(reply.header.id), account, attempt == SETTLE_TRIES - 1)
+            result = reconcile(node.node_id, incarnation(reply.header.id), account, final=attempt == SETTLE_TRIES - 1)
             if result in ("agreed", "corrected"):
                 break
             settle()

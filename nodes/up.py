@@ -87,7 +87,7 @@ class RunRecord:
             self.versions.append(body.version)
             self.version_seconds.append(time.monotonic() - self.started)
 
-    def reconcile(self, node_id: str, incarnation: str, account: Any, final: bool) -> Reconciled:
+    def reconcile(self, node_id: str, incarnation: str, account: Any, *, final: bool) -> Reconciled:
         with self.lock:
             return self.ledger.reconcile(node_id, incarnation, account, final=final)
 

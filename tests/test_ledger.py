@@ -9,8 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zmq
+from branches import random_arrays
+from conftest import FAST_LIVENESS
+from polling import wait_for
+from refbus.bus.reqrep import Client, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger, format_report, read_records
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Claim, Delete, Keep, NodeList, Nodes, RunEnd
+
+WAIT_S = 10.0
 
 INCARNATION = "a1b2c3"
 
@@ -209,3 +221,62 @@ def test_bad_lines_name_their_number() -> None:
     assert next(records)["type"] == "delete"
     with pytest.raises(ValueError, match="line 3"):
         next(records)
+
+
+def _branch(tokens: int) -> dict[str, np.ndarray]:
+    return random_arrays(tokens, seed=tokens, layers=2, top_k=2, k=3, max_count=2, routing_dtype=np.uint8)
+
+
+def test_a_store_killed_mid_run_is_named_and_the_live_ledger_exits_1(
+    bus: tuple[NodeProcess, str], spawn, tmp_path: Path
+) -> None:
+    """Two env servers; the orchestrator's part played by this test. env-1 is SIGKILLed holding three blobs
+    (two claimed): the live `refbus ledger` reports them lost with env-1, reconciles env-0 with its own
+    counters, stops at the launcher's run-end and exits 1."""
+    control = bus[1]
+    stores = {}
+    for name in ("env-0", "env-1"):
+        proc = spawn(["node", "env-server", "--bus-control", control, "--node-id", name, *FAST_LIVENESS], name)
+        stores[name] = (proc, proc.wait_ready(timeout=WAIT_S * 3)["endpoints"]["blobs"])
+    report_path = tmp_path / "ledger.json"
+    with open(report_path, "wb") as out:
+        ledger = spawn(["ledger", "--json", "--bus-control", control, "--node-id", "ledger", *FAST_LIVENESS],
+                       "ledger", stdout=out)
+    ledger.wait_ready(timeout=WAIT_S * 3)
+    launcher = NodeRuntime("launcher", RuntimeSettings(bus=control, node_id="launcher", metrics_port=-1))
+    launcher.start_background()
+    ctx = zmq.Context()
+    try:
+        clients = {name: Client(ctx, endpoint, WireCodec("orch"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+                   for name, (_, endpoint) in stores.items()}
+        kept = {name: [r.blob_id for r in client.request(Keep(episode_id="ep", branches=[_branch(n) for n in sizes]))
+                       .body.refs] for (name, client), sizes in zip(clients.items(), ([3, 4], [5, 6, 7]), strict=True)}
+        clients["env-0"].request(Claim(blob_ids=kept["env-0"][:1], holder="orch"))
+        clients["env-0"].request(Delete(blob_ids=kept["env-0"][:1], holder="orch", reason="filtered"))
+        clients["env-1"].request(Claim(blob_ids=kept["env-1"][:2], holder="orch"))
+
+        stores["env-1"][0].proc.kill()
+        registry = Client(ctx, control, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+        def env_1_gone() -> bool:
+            listed = registry.request(Nodes(role="env-server")).body
+            assert isinstance(listed, NodeList)
+            return "env-1" not in {n.node_id for n in listed.nodes}
+
+        node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+        wait_for(env_1_gone, node_timeout_s * 5, "the broker declared env-1 down")
+        launcher.call_soon(lambda: launcher.publish(RunEnd(reason="failed", steps=0)))
+        assert ledger.proc.wait(timeout=WAIT_S * 3) == 1, ledger.log_tail()
+        for client in (*clients.values(), registry):
+            client.close()
+    finally:
+        launcher.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is False and report["ended"] is True
+    assert report["lost"] == {"env-1": 3} and report["leaked"] == {} and report["held_at_end"] == {}
+    assert report["stores"]["env-0"] == {"kept": 2, "deleted": {"filtered": 1}, "held": {"env-0": 1},
+                                         "reconciled": "agreed"}
+    totals = report["total"]
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (5, 1, 1, 3)
+    assert totals["violations"] == totals["unaccounted"] == totals["missed_events"] == 0
