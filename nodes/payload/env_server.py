@@ -2,24 +2,24 @@
 
 A :class:`~refbus.nodes.payload.keeper.Keeper` behind a ROUTER advertised as ``blobs``:
 
-=========== ============ ====================================================================================
-request     reply        effect and events
-=========== ============ ====================================================================================
-``keep``    ``kept``     keeps the branches; publishes ``episode-finished`` (references and ``info``, never
-                         the branch arrays)
-``discard`` ``deleted``  deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
-``claim``   ``claimed``  moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
-                         ``blob_ids``: now held by the claimer (also those it had claimed before);
-                         ``missing``: deleted or never kept; ``violations``: held by another claimer
-``fetch``   ``blobs``    the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
-                         deleted blob is also a violation). Not cached: a retry reads again
-``delete``  ``deleted``  deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
-                         already deleted; ``missing``: ids never kept here (logged)
+============ ============= ====================================================================================
+request      reply         effect and events
+============ ============= ====================================================================================
+``keep``     ``kept``      keeps the branches; publishes ``episode-finished`` (references and ``info``, never
+                           the branch arrays)
+``discard``  ``deleted``   deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
+``claim``    ``claimed``   moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
+                           ``blob_ids``: now held by the claimer (also those it had claimed before);
+                           ``missing``: deleted or never kept; ``violations``: held by another claimer
+``fetch``    ``blobs``     the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
+                           deleted blob is also a violation). Not cached: a retry reads again
+``delete``   ``deleted``   deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
+                           already deleted; ``missing``: ids never kept here (logged)
 ``accounts`` ``accounted`` the keeper's counters (kept, deleted by reason, held by claimer, reclaimed from
-                         dead holders, violations) as of the sequence number of the last event published:
-                         queued events are published first, so the counters and the stream agree up to it.
-                         Counts only (per-holder maps cut to the request's ``holders``); not cached
-=========== ============ ====================================================================================
+                           dead holders, violations) as of the sequence number of the last event published:
+                           queued events are published first, so the counters and the stream agree up to it.
+                           Counts only (per-holder maps cut to the request's ``holders``); not cached
+============ ============= ====================================================================================
 
 Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
 Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``); at
