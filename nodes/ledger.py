@@ -113,7 +113,8 @@ class LedgerReport:
     def ok(self) -> bool:
         """Every blob deleted once by its owner, or still with its live store; nothing lost, leaked,
         unaccounted or held by a holder when the run ended."""
-        return not (self.violations or self.unaccounted or self.leaked or self.lost or self.held_at_end)
+        return not (self.violations or self.unaccounted or self.leaked.total() or self.lost.total()
+                    or self.held_at_end.total())
 
     def totals(self) -> dict[str, Any]:
         deleted: Counter[str] = Counter()
@@ -334,6 +335,7 @@ class Ledger:
         report.lost.update(self.lost_by)
         if holder_down > self.lost_by.total():
             report.lost[UNKNOWN] += holder_down - self.lost_by.total()
+        report.lost, report.leaked = +report.lost, +report.leaked  # nodes that lost nothing are not named
         report.unaccounted = self._unaccounted(report)
         return report
 

@@ -97,6 +97,11 @@ def test_blobs_held_by_a_node_that_went_down_are_leaked() -> None:
     assert not report.ok
 
 
+def test_a_store_that_leaves_after_deleting_everything_lost_nothing() -> None:
+    report = _run([*LIFECYCLE, {"type": "node-down", "node_id": "env-0", "reason": "bye"}]).report()
+    assert report.lost == {} and report.ok
+
+
 def test_a_holder_back_under_its_id_holds_again() -> None:
     report = _run([*LIFECYCLE[:6], {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
                    {"type": "node-up", "node": {"node_id": "trainer-0"}}]).report()
