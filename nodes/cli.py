@@ -17,7 +17,6 @@ import msgspec
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, NodeRuntime
-from ..protocol.envelope import describe
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -173,7 +172,7 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
                 ledger.apply(record)
     else:
         runtime = NodeRuntime("ledger", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-        runtime.subscribe(lambda message: ledger.apply(describe(message)), since=0)
+        runtime.subscribe(ledger.apply_message, since=0)
         deadline = time.monotonic() + args.duration if args.duration > 0 else math.inf
         with runtime.stop_on_signals():
             try:

@@ -44,8 +44,8 @@ import structlog
 
 from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
-from ..protocol.envelope import incarnation
-from ..protocol.messages import Accounted, Accounts
+from ..protocol.envelope import Message, incarnation
+from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
 
 log = structlog.get_logger(__name__)
 
@@ -223,6 +223,20 @@ class Ledger:
             self.ended = True
             self.held_at_end = Counter(b.owner for b in self.blobs.values()
                                        if b.stage > 0 and not self.stores[b.key].down)
+
+    def apply_message(self, message: Message) -> None:
+        """Fold one decoded event: :meth:`apply` on the fields the ledger reads only (an episode's ``info``
+        and arrays are never converted), so a live fold keeps up with a busy stream."""
+        body = message.body
+        record: dict[str, Any] = {"type": message.kind, "src": message.header.src, "seq": message.header.seq,
+                                  "id": message.header.id}
+        if isinstance(body, EpisodeFinished):
+            record["refs"] = [{"blob_id": ref.blob_id} for ref in body.refs]
+        elif isinstance(body, NodeUp):
+            record["node"] = {"node_id": body.node.node_id}
+        else:
+            record.update(msgspec.structs.asdict(body))
+        self.apply(record)
 
     def _in_order(self, src: str, incarnation: str, seq: int) -> bool:
         last = self._last.get(src)

@@ -40,7 +40,7 @@ from typing import Any
 import structlog
 
 from ..bus.runtime import NodeRuntime, on_signals
-from ..protocol.envelope import Message, describe
+from ..protocol.envelope import Message
 from ..protocol.messages import EpisodeFinished, FetchAck, RunEnd, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
@@ -72,7 +72,7 @@ class RunRecord:
 
     def on_event(self, message: Message) -> None:
         with self.lock:
-            self.ledger.apply(describe(message))
+            self.ledger.apply_message(message)
         body = message.body
         if isinstance(body, EpisodeFinished):
             reward = float(body.info.get("reward", 0.0))
@@ -95,9 +95,9 @@ class RunRecord:
         with self.lock:
             return self.ledger.report()
 
-    def saw_down(self, node_ids: Iterable[str]) -> bool:
+    def saw(self, condition: Callable[[Ledger], bool]) -> bool:
         with self.lock:
-            return set(node_ids) <= self.ledger.down
+            return condition(self.ledger)
 
     def reward_curve(self) -> list[tuple[int, float]]:
         return [(v, statistics.fmean(r)) for v, r in sorted(self.rewards.items()) if r]
@@ -226,11 +226,11 @@ def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, re
     problems = reconcile_stores(probe, record.reconcile, lambda: time.sleep(SETTLE_S))
     steps = max(record.versions, default=0)
     watcher.call_soon(lambda: watcher.publish(RunEnd(reason=reason, steps=steps)))
-    stores = cluster.by_role("env")
-    cluster.stop(stores)
-    deadline = time.monotonic() + cluster.config.bus.node_timeout_s * 2 + 1.0
-    while not record.saw_down(s.name for s in stores) and time.monotonic() < deadline:
-        time.sleep(SETTLE_S)
+    # The end is marked in the fold before a store deletes what holders left behind (``shutdown``).
+    _wait_until(record, lambda ledger: ledger.ended, cluster.config.bus.node_timeout_s)
+    stores = {s.name for s in cluster.by_role("env")}
+    cluster.stop(cluster.by_role("env"))
+    _wait_until(record, lambda ledger: stores <= ledger.down, cluster.config.bus.node_timeout_s * 2 + 1.0)
     watcher.join(timeout=10)
     return problems
 
@@ -298,6 +298,12 @@ def _died(cluster: LocalCluster) -> bool:
             log.error("node.exited", node=node.name, code=code, log=node.log_tail(10))
             return True
     return False
+
+
+def _wait_until(record: RunRecord, condition: Callable[[Ledger], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not record.saw(condition) and time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
 
 
 def _peak_rss(pid: int) -> int:

@@ -19,8 +19,20 @@ from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger, format_report, read_records
-from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Claim, Delete, Keep, NodeList, Nodes, RunEnd
+from refbus.protocol.envelope import WireCodec, describe
+from refbus.protocol.messages import (
+    BlobRef,
+    Claim,
+    Delete,
+    EpisodeFinished,
+    Keep,
+    NodeDown,
+    NodeInfo,
+    NodeList,
+    Nodes,
+    NodeUp,
+    RunEnd,
+)
 
 WAIT_S = 10.0
 
@@ -285,3 +297,19 @@ def test_a_store_killed_mid_run_is_named_and_the_live_ledger_exits_1(
     totals = report["total"]
     assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (5, 1, 1, 3)
     assert totals["violations"] == totals["unaccounted"] == totals["missed_events"] == 0
+
+
+def test_a_decoded_event_folds_as_its_monitor_record_does() -> None:
+    """The live fold reads only what it needs from each message; the account is the same as from the JSON."""
+    codec = WireCodec("env-0")
+    ref = BlobRef(endpoint="tcp://x", source="env", blob_id="a", fields=[], tokens=1, nbytes=1, checksum=0)
+    bodies = [EpisodeFinished(episode_id="e", source="env", refs=[ref], info={"tokens": np.arange(4)}),
+              Claim(blob_ids=["a"], holder="orch"), NodeUp(node=NodeInfo(node_id="orch", role="o", host="h", pid=1)),
+              NodeDown(node_id="orch", role="o", reason="timeout", last_seen=0.0), RunEnd(reason="done")]
+    messages = [codec.decode(codec.encode(body, seq=seq)) for seq, body in enumerate(bodies, 1)]
+    live, recorded = Ledger(), Ledger()
+    for message in messages:
+        live.apply_message(message)
+        recorded.apply(describe(message))
+    assert live.report() == recorded.report()
+    assert live.report().held_at_end == {"orch": 1} and live.report().leaked == {"orch": 1}
