@@ -66,6 +66,7 @@ Reconciled = Literal["agreed", "corrected", "ahead", "behind"]
 @dataclass
 class _Blob:
     store: str  # node id of the env server that keeps it
+    source: str  # the source it keeps for (replicas share one): the holder named in the store's own deletes
     key: tuple[str, str]  # its store incarnation
     owner: str
     stage: int = 0  # how far along the hand-over chain the owner is (see _STAGE)
@@ -190,7 +191,7 @@ class Ledger:
             if store.counts(seq):
                 store.kept += len(record["refs"])
             for ref in record["refs"]:
-                self.blobs[ref["blob_id"]] = _Blob(store=src, key=key, owner=src)
+                self.blobs[ref["blob_id"]] = _Blob(store=src, source=ref.get("source", src), key=key, owner=src)
         elif kind in _STAGE:
             # Moves come from different nodes (the store mirrors a claim, the trainer a reference), so the
             # broker may relay them out of causal order: a blob only ever moves forward along the chain.
@@ -231,7 +232,7 @@ class Ledger:
         record: dict[str, Any] = {"type": message.kind, "src": message.header.src, "seq": message.header.seq,
                                   "id": message.header.id}
         if isinstance(body, EpisodeFinished):
-            record["refs"] = [{"blob_id": ref.blob_id} for ref in body.refs]
+            record["refs"] = [{"blob_id": ref.blob_id, "source": ref.source} for ref in body.refs]
         elif isinstance(body, NodeUp):
             record["node"] = {"node_id": body.node.node_id}
         else:
@@ -267,7 +268,8 @@ class Ledger:
                 continue  # kept before the stream's window (a gap): the store's counters cover it
             if reason == HOLDER_DOWN:
                 self.lost_by[blob.owner] += 1
-            elif reason != LOST and holder != blob.owner and not (holder == blob.store and reason in STORE_REASONS):
+            elif reason != LOST and holder != blob.owner and not (holder in (blob.store, blob.source)
+                                                                  and reason in STORE_REASONS):
                 if self.missed.total():  # the move to ``holder`` may be among the missing events
                     self.unverified += 1
                 else:

@@ -109,6 +109,17 @@ def test_blobs_held_by_a_node_that_went_down_are_leaked() -> None:
     assert not report.ok
 
 
+def test_a_replica_deletes_its_own_blobs_in_its_source_s_name() -> None:
+    """Replicas env-0 and env-1 serve source "env": their own clean-up deletes name the source as holder."""
+    report = _run([
+        {"type": "episode-finished", "src": "env-1", "refs": [_ref("x", "env"), _ref("y", "env")]},
+        {"type": "delete", "src": "env-1", "holder": "env", "reason": "shutdown", "blob_ids": ["x"]},
+        {"type": "delete", "src": "env-1", "holder": "env-0", "reason": "shutdown", "blob_ids": ["y"]},
+    ]).report()
+    assert report.violations == ["env-0 deleted y owned by env-1 (shutdown)"]
+    assert report.deleted["env-1"] == {"shutdown": 2}
+
+
 def test_a_store_that_leaves_after_deleting_everything_lost_nothing() -> None:
     report = _run([*LIFECYCLE, {"type": "node-down", "node_id": "env-0", "reason": "bye"}]).report()
     assert report.lost == {} and report.ok
