@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,6 @@ import msgspec
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, NodeRuntime
-from ..protocol.envelope import describe
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -97,8 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = commands.add_parser(
         "ledger", help="account for every kept blob from the event stream",
         description="Per source and in total: blobs kept, deleted by reason, still held (by whom), leaked (held by "
-                    "a node that is gone) and ownership violations. Reads a `refbus monitor --json` file, or the "
-                    "live stream (replayed from the broker's ring) for --duration seconds or until Ctrl-C.")
+                    "a node that is gone), lost (named with the node whose death lost them), ownership violations "
+                    "and what it could not account for. Reads a `refbus monitor --json` file, or the live stream "
+                    "(replayed from the broker's ring) until the launcher's run-end event, --duration seconds or "
+                    "Ctrl-C, then reconciles with every live env server's own counters. Exits 1 unless every "
+                    "blob is accounted for.")
     ledger.add_argument("file", nargs="?", default=None, help="events file from `refbus monitor --json` ('-': stdin)")
     ledger.add_argument("--json", action="store_true", help="print the report as JSON")
     ledger.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
@@ -160,7 +163,7 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
 
 
 def run_ledger(config: Config, args: argparse.Namespace) -> int:
-    from .ledger import Ledger, format_report, read_records
+    from .ledger import Ledger, format_report, read_records, reconcile_stores
 
     ledger = Ledger()
     if args.file is not None:
@@ -169,12 +172,23 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
                 ledger.apply(record)
     else:
         runtime = NodeRuntime("ledger", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-        runtime.subscribe(lambda message: ledger.apply(describe(message)), since=0)
-        deadline = time.monotonic() + args.duration if args.duration > 0 else None
-        runtime.run(until=(lambda: time.monotonic() >= deadline) if deadline else None)
+        runtime.subscribe(ledger.apply_message, since=0)
+        deadline = time.monotonic() + args.duration if args.duration > 0 else math.inf
+        with runtime.stop_on_signals():
+            try:
+                runtime.start()
+                runtime.loop(until=lambda: ledger.ended or time.monotonic() >= deadline)
+                if not runtime.stopping:  # the run ended (or the duration passed): ask the stores
+                    def settle() -> None:
+                        until = time.monotonic() + 0.05
+                        runtime.loop(until=lambda: time.monotonic() >= until)
+
+                    reconcile_stores(runtime, ledger.reconcile, settle)
+            finally:
+                runtime.close()
     report = ledger.report()
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
-    return 1 if report.violations or report.leaked.total() else 0
+    return 0 if report.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

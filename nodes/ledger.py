@@ -1,145 +1,420 @@
-"""`refbus ledger`: account for every kept blob from the event stream alone.
+"""`refbus ledger`: account for every kept blob, from the event stream and the stores' own counters.
 
 The ledger replays ownership moves as the stream mirrors them:
 
-* ``episode-finished`` — the source keeps the episode's blobs (owner: the env server, ``source``);
+* ``episode-finished`` — the store (the env-server node that published it, ``src``) keeps the episode's
+  blobs; it owns them until a claim;
 * ``claim`` — the orchestrator (``holder``) owns them;
 * ``reference`` — a trainer rank (``holder``) owns them;
 * ``fetch-ack`` — a trainer fetched them (a fetch of a deleted blob is a violation);
-* ``delete`` — they are gone, by ``reason``;
+* ``delete`` — they are gone, by ``reason``. Reasons in :data:`LOSS_REASONS` are losses, named with the
+  node whose death caused them: ``holder-down`` (a store reclaimed what a dead holder held: the holder) and
+  ``lost`` (a holder dropped references to a dead store's blobs: the store);
 * ``violation`` — a store refused something (counted as reported);
-* ``node-down`` — a node left: blobs it still owns are *leaked* unless deleted later.
+* ``node-down`` / ``node-up`` — a node left / came back. A holder that is down *leaks* what it still owns
+  (until its store reclaims it or the node comes back); a store that goes down *loses* every blob it
+  still kept, named with that store;
+* ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak.
 
-It reports, per source and in total: blobs kept, deleted by reason, still held (by whom), leaked,
-violations. Violations it finds itself: a second delete of a blob, a delete by a node that does not own it
-(except the store's own ``undelivered``/``shutdown`` clean-up), a fetch of a deleted blob. Input is the JSON
-record that :func:`refbus.protocol.envelope.describe` makes (what ``refbus monitor --json`` prints), so a
-file and a live subscription go through the same code.
+The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
+``deleted`` counts reasons outside :data:`LOSS_REASONS`. Stores are the authority: each env server counts
+what it kept, deleted (by reason) and holds, and reports it with the sequence number of its last published
+event (``accounts`` → ``accounted``). The ledger keeps the same counters per store incarnation from that
+store's own events and finds gaps itself (per source, from sequence numbers). :meth:`Ledger.reconcile`
+compares a store's counters with the fold at the store's sequence number: equal is *agreed*; different (a
+gap, an event that never made it) is *corrected*: the store's counters replace the fold's from then on.
+What neither can vouch for — a store with missing events whose counters could not be read (it died), or
+events missing from other sources while blobs are still held or lost — is listed as *unaccounted*, and the
+report is then not ok.
+
+Input is the JSON record that :func:`refbus.protocol.envelope.describe` makes (what ``refbus monitor
+--json`` prints), so a file and a live subscription go through the same code.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded"})
-_STAGE = {"claim": 1, "reference": 2}  # env server (0) -> orchestrator -> trainer rank
+import msgspec
+import structlog
+
+from ..bus.reqrep import RemoteError, RequestTimeout
+from ..bus.runtime import NodeRuntime
+from ..protocol.envelope import Message, incarnation
+from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
+
+log = structlog.get_logger(__name__)
+
+STORE_ROLE = "env-server"
+SETTLE_TRIES = 40  # a store's answer waits at most this many settles for its events to arrive
+LOST = "lost"
+HOLDER_DOWN = "holder-down"
+LOSS_REASONS = frozenset({LOST, HOLDER_DOWN})
+STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded", HOLDER_DOWN})  # a store's own deletes
+RUN_END = "run-end"
+UNKNOWN = "?"  # the holder or node of blobs the stream did not show
+DEFAULT_MAX_TOMBSTONES = 1_000_000
+_STAGE = {"claim": 1, "reference": 2}  # store (0) -> orchestrator -> trainer rank
+
+Reconciled = Literal["agreed", "corrected", "ahead", "behind"]
 
 
 @dataclass
 class _Blob:
-    source: str
+    store: str  # node id of the env server that keeps it
+    source: str  # the source it keeps for (replicas share one): the holder named in the store's own deletes
+    key: tuple[str, str]  # its store incarnation
     owner: str
     stage: int = 0  # how far along the hand-over chain the owner is (see _STAGE)
-    deleted_by: str = ""
-    reason: str = ""
+
+
+@dataclass
+class _Store:
+    """Counters of one store incarnation, folded from its own events (or adopted from its ``accounted``)."""
+
+    node_id: str
+    kept: int = 0
+    deleted: Counter[str] = field(default_factory=Counter)
+    violations: int = 0
+    covered: int = 0  # events with seq <= covered are in adopted counters: they move blobs, not counts
+    down: bool = False
+    reconciled: str = ""  # "", "agreed", or what the correction changed
+    held_by: dict[str, int] | None = None  # a corrected store's own view (by claimer) of what it holds
+
+    @property
+    def held(self) -> int:
+        return self.kept - self.deleted.total()
+
+    def counts(self, seq: int) -> bool:
+        """Whether an event of this store with ``seq`` (0: unknown, a record without one) changes its counters."""
+        return not seq or seq > self.covered
 
 
 @dataclass
 class LedgerReport:
-    kept: Counter[str] = field(default_factory=Counter)  # per source
-    deleted: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))  # source -> reason
-    held: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))  # source -> holder
-    leaked: Counter[str] = field(default_factory=Counter)  # per source
+    """Per store node and in total. ``held`` includes ``leaked`` (held by a node that is down)."""
+
+    kept: Counter[str] = field(default_factory=Counter)  # store -> blobs
+    deleted: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))  # store -> reason
+    held: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))  # store -> holder
+    leaked: Counter[str] = field(default_factory=Counter)  # holder that is down -> blobs it still holds
+    lost: Counter[str] = field(default_factory=Counter)  # node whose death lost them -> blobs
     violations: list[str] = field(default_factory=list)
+    unaccounted: list[str] = field(default_factory=list)
+    missed: Counter[str] = field(default_factory=Counter)  # source -> events missing from the stream
+    reconciled: dict[str, str] = field(default_factory=dict)  # store -> agreed / the correction
+    ended: bool = False
+    held_at_end: Counter[str] = field(default_factory=Counter)  # holder -> blobs not their store's at run-end
+
+    @property
+    def ok(self) -> bool:
+        """Every blob deleted once by its owner, or still with its live store; nothing lost, leaked,
+        unaccounted or held by a holder when the run ended."""
+        return not (self.violations or self.unaccounted or self.leaked.total() or self.lost.total()
+                    or self.held_at_end.total())
 
     def totals(self) -> dict[str, Any]:
         deleted: Counter[str] = Counter()
         for reasons in self.deleted.values():
             deleted.update(reasons)
         return {
-            "kept": sum(self.kept.values()),
+            "kept": self.kept.total(),
             "deleted": dict(deleted),
-            "deleted_total": sum(deleted.values()),
-            "held": sum(sum(h.values()) for h in self.held.values()),
-            "leaked": sum(self.leaked.values()),
+            "deleted_total": deleted.total(),
+            "held": sum(h.total() for h in self.held.values()),
+            "leaked": self.leaked.total(),
+            "lost": self.lost.total(),
             "violations": len(self.violations),
+            "unaccounted": len(self.unaccounted),
+            "missed_events": self.missed.total(),
         }
 
     def as_dict(self) -> dict[str, Any]:
-        sources = sorted(set(self.kept) | set(self.deleted) | set(self.held))
+        stores = sorted(set(self.kept) | set(self.deleted) | set(self.held))
         return {
+            "ok": self.ok,
             "total": self.totals(),
-            "sources": {
-                s: {
-                    "kept": self.kept[s],
-                    "deleted": dict(self.deleted.get(s, {})),
-                    "held": dict(self.held.get(s, {})),
-                    "leaked": self.leaked[s],
-                }
-                for s in sources
+            "stores": {
+                s: {"kept": self.kept[s], "deleted": dict(self.deleted.get(s, {})), "held": dict(self.held.get(s, {})),
+                    "reconciled": self.reconciled.get(s, "")}
+                for s in stores
             },
+            "leaked": dict(self.leaked),
+            "lost": dict(self.lost),
+            "held_at_end": dict(self.held_at_end),
+            "ended": self.ended,
+            "missed": dict(self.missed),
             "violations": self.violations,
+            "unaccounted": self.unaccounted,
         }
 
 
 class Ledger:
-    """Folds event records into blob ownership. Feed records in stream order with :meth:`apply`."""
+    """Folds event records into blob ownership and per-store counters. Feed records in stream order with
+    :meth:`apply`; feed stores' ``accounted`` replies to :meth:`reconcile`. Not thread-safe.
 
-    def __init__(self) -> None:
+    Memory is bounded by the blobs still held plus ``max_tombstones`` deleted ids (older deleted ids are
+    forgotten: a second delete of one then goes unnoticed here, but its store still refuses and reports it).
+    """
+
+    def __init__(self, *, max_tombstones: int = DEFAULT_MAX_TOMBSTONES) -> None:
         self.blobs: dict[str, _Blob] = {}
+        self.tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()  # blob id -> (deleter, reason)
+        self.max_tombstones = max_tombstones
+        self.stores: dict[tuple[str, str], _Store] = {}
         self.down: set[str] = set()
         self.violations: list[str] = []
+        self.lost_by: Counter[str] = Counter()  # holder-down losses by the holder (UNKNOWN: blob not seen)
+        self.missed: Counter[str] = Counter()
+        self.unverified = 0  # deletes by a node not shown as the owner, after events went missing
+        self.ended = False
+        self.held_at_end: Counter[str] = Counter()
+        self._last: dict[str, tuple[str, int]] = {}  # src -> (incarnation, last seq)
 
-    def apply(self, record: dict[str, Any]) -> None:
+    # --- folding the stream ---------------------------------------------------------------------------
+
+    def apply(self, record: Mapping[str, Any]) -> None:
+        """Fold one event record. A record repeated (same source incarnation, seq not above the last) is
+        ignored; a jump in a source's seq counts the events between as missed."""
+        src, incarnation = record.get("src", ""), str(record.get("id", "")).partition("-")[0]
+        seq = record.get("seq", 0)
+        if seq and not self._in_order(src, incarnation, seq):
+            return
         kind = record.get("type")
         if kind == "episode-finished":
+            key = (src, incarnation)
+            store = self._store(key)
+            if store.counts(seq):
+                store.kept += len(record["refs"])
             for ref in record["refs"]:
-                self.blobs[ref["blob_id"]] = _Blob(source=ref["source"], owner=ref["source"])
+                self.blobs[ref["blob_id"]] = _Blob(store=src, source=ref.get("source", src), key=key, owner=src)
         elif kind in _STAGE:
-            # Moves come from different nodes (the env server mirrors a claim, the trainer a reference), so
-            # the broker may relay them out of causal order: a blob only ever moves forward along the chain.
+            # Moves come from different nodes (the store mirrors a claim, the trainer a reference), so the
+            # broker may relay them out of causal order: a blob only ever moves forward along the chain.
             stage = _STAGE[kind]
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)
-                if blob is not None and not blob.deleted_by and stage > blob.stage:
+                if blob is not None and stage > blob.stage:
                     blob.owner, blob.stage = record["holder"], stage
         elif kind == "fetch-ack":
             for blob_id in record["blob_ids"]:
-                blob = self.blobs.get(blob_id)
-                if blob is not None and blob.deleted_by:
-                    self._violation(f"{record['holder']} fetched {blob_id} after {blob.deleted_by} deleted it")
+                if (tomb := self.tombstones.get(blob_id)) is not None:
+                    self.violations.append(f"{record['holder']} fetched {blob_id} after {tomb[0]} deleted it")
         elif kind == "delete":
-            self._delete(record)
+            self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
+            if (key := (src, incarnation)) in self.stores and self.stores[key].counts(seq):
+                self.stores[key].violations += 1
             self.violations.append(
-                f"{record['src']} refused {record['action']} of {record['blob_id']} by {record['holder']} "
+                f"{src} refused {record['action']} of {record['blob_id']} by {record['holder']} "
                 f"(owner {record['owner'] or '?'}): {record['detail']}"
             )
         elif kind == "node-down":
             self.down.add(record["node_id"])
+            for key, store in self.stores.items():
+                if key[0] == record["node_id"]:
+                    store.down = True  # an incarnation that is down never comes back: its blobs are lost
+        elif kind == "node-up":
+            self.down.discard(record["node"]["node_id"])  # a holder restarted under its id holds again
+        elif kind == RUN_END:
+            self.ended = True
+            self.held_at_end = Counter(b.owner for b in self.blobs.values()
+                                       if b.stage > 0 and not self.stores[b.key].down)
 
-    def _delete(self, record: dict[str, Any]) -> None:
+    def apply_message(self, message: Message) -> None:
+        """Fold one decoded event: :meth:`apply` on the fields the ledger reads only (an episode's ``info``
+        and arrays are never converted), so a live fold keeps up with a busy stream."""
+        body = message.body
+        record: dict[str, Any] = {"type": message.kind, "src": message.header.src, "seq": message.header.seq,
+                                  "id": message.header.id}
+        if isinstance(body, EpisodeFinished):
+            record["refs"] = [{"blob_id": ref.blob_id, "source": ref.source} for ref in body.refs]
+        elif isinstance(body, NodeUp):
+            record["node"] = {"node_id": body.node.node_id}
+        else:
+            record.update(msgspec.structs.asdict(body))
+        self.apply(record)
+
+    def _in_order(self, src: str, incarnation: str, seq: int) -> bool:
+        last = self._last.get(src)
+        if last is not None and last[0] == incarnation:
+            if seq <= last[1]:
+                return False
+            self.missed[src] += seq - last[1] - 1
+        else:
+            self.missed[src] += seq - 1  # a source seen first mid-stream: what came before is missing
+        self._last[src] = (incarnation, seq)
+        return True
+
+    def _delete(self, record: Mapping[str, Any], key: tuple[str, str], seq: int) -> None:
         holder, reason = record["holder"], record["reason"]
+        if reason != LOST:  # every other delete is a store's mirror of its own removal
+            store = self._store(key)
+            if store.counts(seq):
+                store.deleted[reason] += len(record["blob_ids"])
         for blob_id in record["blob_ids"]:
-            blob = self.blobs.get(blob_id)
-            if blob is None:
-                blob = self.blobs[blob_id] = _Blob(source=record["src"], owner=holder)
-            if blob.deleted_by:
-                self._violation(f"{holder} deleted {blob_id} again (first deleted by {blob.deleted_by})")
+            if (tomb := self.tombstones.get(blob_id)) is not None:
+                self.violations.append(f"{holder} deleted {blob_id} again (first deleted by {tomb[0]})")
                 continue
-            store_cleanup = holder == blob.source and reason in STORE_REASONS
-            if holder != blob.owner and not store_cleanup:
-                self._violation(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
-            blob.deleted_by, blob.reason = holder, reason
+            blob = self.blobs.pop(blob_id, None)
+            self.tombstones[blob_id] = (holder, reason)
+            if blob is None:
+                if reason == HOLDER_DOWN:
+                    self.lost_by[UNKNOWN] += 1
+                continue  # kept before the stream's window (a gap): the store's counters cover it
+            if reason == HOLDER_DOWN:
+                self.lost_by[blob.owner] += 1
+            elif reason != LOST and holder != blob.owner and not (holder in (blob.store, blob.source)
+                                                                  and reason in STORE_REASONS):
+                if self.missed.total():  # the move to ``holder`` may be among the missing events
+                    self.unverified += 1
+                else:
+                    self.violations.append(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
+        while len(self.tombstones) > self.max_tombstones:
+            self.tombstones.popitem(last=False)
 
-    def _violation(self, text: str) -> None:
-        self.violations.append(text)
+    def _store(self, key: tuple[str, str]) -> _Store:
+        store = self.stores.get(key)
+        if store is None:
+            store = self.stores[key] = _Store(key[0], down=key[0] in self.down)
+        return store
+
+    # --- reconciling with the stores ------------------------------------------------------------------
+
+    def reconcile(self, node_id: str, incarnation: str, account: Mapping[str, Any], *, final: bool) -> Reconciled:
+        """Compare a store's own counters (an ``accounted`` body as a dict; ``incarnation`` from its reply's
+        message id) with the fold of that store's events up to the store's ``seq``.
+
+        Returns ``agreed`` (the fold matches), ``corrected`` (it does not: the store's counters replace the
+        fold's, and what changed is recorded), ``ahead`` (the fold already holds later events of the store:
+        ask again) or ``behind`` (events up to ``seq`` may still be on their way: try again shortly, or pass
+        ``final=True`` to adopt the store's counters now, the missing events counted as missed).
+        """
+        seq = account["seq"]
+        last = self._last.get(node_id)
+        seen = last[1] if last is not None and last[0] == incarnation else 0
+        if seen > seq:
+            return "ahead"
+        key = (node_id, incarnation)
+        store = self._store(key)
+        deleted = Counter({r: n for r, n in account.get("deleted", {}).items() if n})
+        violations = sum(account.get("violations", {}).values())
+        same = store.kept == account["kept"] and store.deleted == deleted and store.violations == violations
+        if same and seen == seq:
+            store.reconciled = store.reconciled or "agreed"
+            return "agreed"
+        if seen < seq and not final:
+            return "behind"
+        if seen < seq:
+            self.missed[node_id] += seq - seen
+            self._last[node_id] = (incarnation, seq)
+        if violations > store.violations:
+            self.violations.append(f"{node_id} counted {violations - store.violations} violations the stream "
+                                   "did not show")
+        store.reconciled = (f"corrected: stream kept={store.kept} deleted={store.deleted.total()}, store "
+                            f"kept={account['kept']} deleted={deleted.total()}")
+        store.kept, store.deleted, store.violations = account["kept"], deleted, violations
+        store.held_by = {h or node_id: n for h, n in account.get("held_by", {}).items() if n}
+        store.covered = seq
+        return "corrected"
+
+    # --- the report -----------------------------------------------------------------------------------
 
     def report(self) -> LedgerReport:
-        report = LedgerReport(violations=list(self.violations))
+        report = LedgerReport(violations=list(self.violations), missed=+self.missed, ended=self.ended,
+                              held_at_end=+self.held_at_end)
+        by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():
-            report.kept[blob.source] += 1
-            if blob.deleted_by:
-                report.deleted[blob.source][blob.reason] += 1
-            else:
-                report.held[blob.source][blob.owner] += 1
-                if blob.owner in self.down:
-                    report.leaked[blob.source] += 1
+            by_key[blob.key][blob.owner] += 1
+        for key, store in self.stores.items():
+            node = store.node_id
+            report.kept[node] += store.kept
+            report.deleted[node].update({r: n for r, n in store.deleted.items() if r not in LOSS_REASONS})
+            if store.reconciled:
+                report.reconciled[node] = store.reconciled
+            held = by_key.get(key, Counter())
+            if store.down:
+                report.lost[node] += store.held
+                continue
+            if held.total() != store.held:  # the stream missed moves of this store: its own view wins
+                held = Counter(store.held_by) if store.held_by is not None and store.held_by and \
+                    sum(store.held_by.values()) == store.held else Counter({UNKNOWN: store.held})
+            report.held[node].update(+held)
+            for holder, n in held.items():
+                if holder in self.down:
+                    report.leaked[holder] += n
+        holder_down = sum(s.deleted[HOLDER_DOWN] for s in self.stores.values())
+        report.lost.update(self.lost_by)
+        if holder_down > self.lost_by.total():
+            report.lost[UNKNOWN] += holder_down - self.lost_by.total()
+        report.lost, report.leaked = +report.lost, +report.leaked  # nodes that lost nothing are not named
+        report.unaccounted = self._unaccounted(report)
         return report
+
+    def _unaccounted(self, report: LedgerReport) -> list[str]:
+        """What neither the stream nor a store vouches for."""
+        lines = []
+        store_nodes = {key[0] for key in self.stores}
+        for (node, _), store in sorted(self.stores.items()):
+            if self.missed[node] and not store.reconciled:
+                lines.append(f"store {node}: {self.missed[node]} of its events missing from the stream and its "
+                             "counters not read: its figures are a lower bound")
+        if self.unverified:
+            lines.append(f"{self.unverified} deletes by a node the stream did not show as the owner, after events "
+                         "went missing: a violation cannot be told from a missed hand-over")
+        totals = report.totals()
+        if totals["held"] or totals["lost"]:
+            for src, n in sorted(self.missed.items()):
+                if n and src not in store_nodes:
+                    lines.append(f"{src}: {n} events missing from the stream: who holds or lost the "
+                                 f"{totals['held'] + totals['lost']} blobs not deleted may be misnamed")
+            if report.lost.get(UNKNOWN) or any(UNKNOWN in h for h in report.held.values()):
+                lines.append("blobs whose holder the stream never showed (named '?')")
+        return lines
+
+
+def reconcile_stores(
+    runtime: NodeRuntime,
+    reconcile: Callable[..., Reconciled],
+    settle: Callable[[], None],
+) -> list[str]:
+    """Ask every live store in the registry for its counters (``accounts``, blocking, the runtime's retry
+    policy) and reconcile each with ``reconcile(node_id, incarnation, account, final=...)`` (a
+    :meth:`Ledger.reconcile`, behind whatever lock the caller's fold needs). ``settle()`` lets the stream
+    catch up (a short wait or a turn of the loop that folds it) while a store's events are still on their way;
+    a store whose counters run ahead of the fold is asked again. Returns what could not be done, one line
+    per store (it did not answer, or kept changing)."""
+    problems = []
+    for node in runtime.lookup(STORE_ROLE) or []:
+        endpoint = node.endpoints.get("blobs")
+        if not endpoint:
+            continue
+        client = runtime.client(endpoint)
+        result: Reconciled = "behind"
+        for attempt in range(SETTLE_TRIES):
+            if attempt == 0 or result == "ahead":
+                try:
+                    reply = client.request(Accounts())
+                except (RemoteError, RequestTimeout) as exc:
+                    problems.append(f"store {node.node_id}: counters not read ({exc})")
+                    break
+                if not isinstance(reply.body, Accounted):
+                    problems.append(f"store {node.node_id}: answered {reply.kind}, not {Accounted.kind}")
+                    break
+                account = msgspec.to_builtins(reply.body)
+            result = reconcile(node.node_id, incarnation(reply.header.id), account, final=attempt == SETTLE_TRIES - 1)
+            if result in ("agreed", "corrected"):
+                break
+            settle()
+        else:
+            problems.append(f"store {node.node_id}: its counters kept running ahead of the stream")
+    for problem in problems:
+        log.warning("ledger.store_unread", problem=problem)
+    return problems
 
 
 def read_records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
@@ -155,14 +430,21 @@ def read_records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
 def format_report(report: LedgerReport) -> str:
     lines = []
     data = report.as_dict()
-    for source, entry in data["sources"].items():
+    for store, entry in data["stores"].items():
         deleted = ", ".join(f"{r}={n}" for r, n in sorted(entry["deleted"].items())) or "-"
         held = ", ".join(f"{h}={n}" for h, n in sorted(entry["held"].items())) or "-"
-        lines.append(f"{source}: kept={entry['kept']} deleted[{deleted}] held[{held}] leaked={entry['leaked']}")
+        note = f" ({entry['reconciled']})" if entry["reconciled"] else ""
+        lines.append(f"{store}: kept={entry['kept']} deleted[{deleted}] held[{held}]{note}")
     total = data["total"]
     lines.append(
-        f"total: kept={total['kept']} deleted={total['deleted_total']} held={total['held']} "
-        f"leaked={total['leaked']} violations={total['violations']}"
+        f"total: kept={total['kept']} deleted={total['deleted_total']} held={total['held']} lost={total['lost']} "
+        f"leaked={total['leaked']} violations={total['violations']} missed_events={total['missed_events']}"
     )
+    lines.extend(f"lost: {n} with {node}" for node, n in sorted(report.lost.items()))
+    lines.extend(f"leaked: {n} held by {node} (down)" for node, n in sorted(report.leaked.items()))
+    if report.ended:
+        lines.extend(f"held at run end: {n} by {holder}" for holder, n in sorted(report.held_at_end.items()))
+    lines.extend(f"unaccounted: {u}" for u in report.unaccounted)
     lines.extend(f"violation: {v}" for v in report.violations)
+    lines.append("ok" if report.ok else "NOT ok")
     return "\n".join(lines)

@@ -10,8 +10,14 @@ While the trainers work, a watcher on the event stream prints one line per versi
 time, bytes held per node). When the trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes
 are stopped in order (orchestrator first: it deletes what it holds; env servers last among the data plane:
 they delete whatever is left), and the summary is printed, and written as JSON (``--summary-out``) and as a
-PNG (``--plot-out``, matplotlib). The blob accounting comes from the broker's replay ring, read after every
-other node has stopped: every kept blob, who deleted it and why, leaks and violations.
+PNG (``--plot-out``, matplotlib).
+
+Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledger.Ledger` live, from the
+first event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders
+(orchestrator, trainers, rollouts) have stopped, the launcher asks every env server for its own counters and
+reconciles them with the fold, publishes ``run-end``, then stops the env servers and folds their last
+deletes. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for
+is listed as unaccounted and the run is not ok.
 """
 
 from __future__ import annotations
@@ -34,21 +40,23 @@ from typing import Any
 import structlog
 
 from ..bus.runtime import NodeRuntime, on_signals
-from ..protocol.envelope import Message, describe
-from ..protocol.messages import EpisodeFinished, FetchAck, VersionBump
+from ..protocol.envelope import Message
+from ..protocol.messages import EpisodeFinished, FetchAck, RunEnd, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
-from .ledger import Ledger
+from .ledger import Ledger, LedgerReport, Reconciled, reconcile_stores
 
 log = structlog.get_logger(__name__)
 
 MiB = 1 << 20
 PROGRESS_INTERVAL_S = 0.5
+SETTLE_S = 0.05  # how long the launcher lets the watcher fold before it looks again
 
 
 @dataclasses.dataclass
 class RunRecord:
-    """What the watcher saw, folded as it arrives."""
+    """What the watcher saw, folded as it arrives: the whole stream goes through :attr:`ledger` (under
+    :attr:`lock`, since the launcher's thread reconciles and reads it while the watcher's folds)."""
 
     started: float = dataclasses.field(default_factory=time.monotonic)
     rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
@@ -59,8 +67,12 @@ class RunRecord:
     failed_micro_batches: int = 0
     versions: list[int] = dataclasses.field(default_factory=list)
     version_seconds: list[float] = dataclasses.field(default_factory=list)
+    ledger: Ledger = dataclasses.field(default_factory=Ledger)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def on_event(self, message: Message) -> None:
+        with self.lock:
+            self.ledger.apply_message(message)
         body = message.body
         if isinstance(body, EpisodeFinished):
             reward = float(body.info.get("reward", 0.0))
@@ -74,6 +86,18 @@ class RunRecord:
         elif isinstance(body, VersionBump):
             self.versions.append(body.version)
             self.version_seconds.append(time.monotonic() - self.started)
+
+    def reconcile(self, node_id: str, incarnation: str, account: Any, *, final: bool) -> Reconciled:
+        with self.lock:
+            return self.ledger.reconcile(node_id, incarnation, account, final=final)
+
+    def report(self) -> LedgerReport:
+        with self.lock:
+            return self.ledger.report()
+
+    def saw(self, condition: Callable[[Ledger], bool]) -> bool:
+        with self.lock:
+            return condition(self.ledger)
 
     def reward_curve(self) -> list[tuple[int, float]]:
         return [(v, statistics.fmean(r)) for v, r in sorted(self.rewards.items()) if r]
@@ -125,7 +149,7 @@ class LocalCluster:
         """Orchestrator, then trainers and rollouts, then env servers, then the PS, the broker last."""
         for prefix in ("orchestrator", "trainer", "rollout", "env", "ps-worker", "ps-manager"):
             self.stop(self.by_role(prefix))
-        self.stop(self.nodes[:1])  # the broker: stopped after the ledger was read from its ring
+        self.stop(self.nodes[:1])  # the broker: last, so every node's final events reach the watcher
 
 
 def run_up(config: Config, args: argparse.Namespace) -> int:
@@ -137,7 +161,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested)
     record = RunRecord()
     # The watcher's loop runs in its own thread (heartbeats go on while this thread starts processes);
-    # registry queries and the final replay use a second, non-registering runtime owned by this thread.
+    # registry queries and the stores' counters use a second, non-registering runtime owned by this thread.
     watcher: NodeRuntime | None = None
     probe: NodeRuntime | None = None
     summary: dict[str, Any] = {}
@@ -160,15 +184,14 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
         if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
-            failed = [t.name for t in cluster.by_role("trainer") if t.proc.poll() not in (0, None)]
+            failed = [n.name for n in cluster.nodes if n.proc.poll() not in (0, None)]
             peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
-            for prefix in ("orchestrator", "trainer", "rollout", "env"):
+            for prefix in ("orchestrator", "trainer", "rollout"):
                 cluster.stop(cluster.by_role(prefix))
-            watcher.join(timeout=10)
-            ledger = Ledger()
-            for event in probe.replay(since=0):
-                ledger.apply(describe(event))
-            summary = _summary(record, ledger, peak_rss, config, interrupted=stop.requested, failed=failed)
+            problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
+                                "failed" if failed else "done")
+            summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
+                               problems=problems)
     except NodeStartError as exc:
         print(f"refbus up: a node failed to start: {exc}", flush=True)
         return 1
@@ -187,10 +210,29 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
 
 
 def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
-    """The launcher's view of the run: episodes, fetches and versions, folded into ``record``."""
+    """The launcher's view of the run: every event from the first (the ledger needs them all), folded into
+    ``record``."""
     watcher = NodeRuntime("monitor", config.runtime(node_id="up-watcher"))
-    watcher.subscribe(record.on_event, kinds=frozenset({EpisodeFinished.kind, FetchAck.kind, VersionBump.kind}))
+    watcher.subscribe(record.on_event, since=0)
     return watcher
+
+
+def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, record: RunRecord,
+             reason: str) -> list[str]:
+    """The end of the run's accounting, once the holders have stopped: reconcile the live fold with every env
+    server's counters, publish ``run-end``, stop the env servers and fold their last deletes (until the
+    broker reports each of them down: bounded by the stop grace plus a node timeout). Returns what could not
+    be reconciled."""
+    problems = reconcile_stores(probe, record.reconcile, lambda: time.sleep(SETTLE_S))
+    steps = max(record.versions, default=0)
+    watcher.call_soon(lambda: watcher.publish(RunEnd(reason=reason, steps=steps)))
+    # The end is marked in the fold before a store deletes what holders left behind (``shutdown``).
+    _wait_until(record, lambda ledger: ledger.ended, cluster.config.bus.node_timeout_s)
+    stores = {s.name for s in cluster.by_role("env")}
+    cluster.stop(cluster.by_role("env"))
+    _wait_until(record, lambda ledger: stores <= ledger.down, cluster.config.bus.node_timeout_s * 2 + 1.0)
+    watcher.join(timeout=10)
+    return problems
 
 
 class _StopFlag:
@@ -258,6 +300,12 @@ def _died(cluster: LocalCluster) -> bool:
     return False
 
 
+def _wait_until(record: RunRecord, condition: Callable[[Ledger], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not record.saw(condition) and time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+
+
 def _peak_rss(pid: int) -> int:
     """Peak resident set size of a live process (Linux VmHWM), in bytes; 0 when unknown."""
     try:
@@ -296,21 +344,20 @@ class _Progress:
         return sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
 
 
-def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *, interrupted: bool,
-             failed: list[str]) -> dict[str, Any]:
+def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: bool, failed: list[str],
+             problems: list[str]) -> dict[str, Any]:
     curve = record.reward_curve()
     rewards = [r for _, rs in sorted(record.rewards.items()) for r in rs]
     fifth = max(1, len(rewards) // 5)
     start, end = (statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])) if rewards else (0.0, 0.0)
-    report = ledger.report()
+    report = record.report()
     totals = report.totals()
     fetch = [record.fetch_seconds[s] for s in sorted(record.fetch_seconds)]
     steps = max(record.versions, default=0)
     return {
         # The run's correctness: every step trained, every blob accounted for. Learning is reported apart
         # (reward_rose): a few steps of RL need not improve, and that is no failure of the data plane.
-        "ok": not interrupted and not failed and totals["violations"] == 0 and totals["leaked"] == 0
-        and totals["held"] == 0 and steps >= config.up.steps,
+        "ok": not interrupted and not failed and report.ok and totals["held"] == 0 and steps >= config.up.steps,
         "reward_rose": end > start,
         "interrupted": interrupted,
         "failed_nodes": failed,
@@ -323,6 +370,9 @@ def _summary(record: RunRecord, ledger: Ledger, peak_rss: int, config: Config, *
         "orchestrator_peak_rss_bytes": peak_rss,
         "fetch_seconds_per_step": [round(s, 5) for s in fetch],
         "blobs": totals,
+        "accounting": {"lost": dict(report.lost), "leaked": dict(report.leaked),
+                       "held_at_end": dict(report.held_at_end), "reconciled": report.reconciled,
+                       "unaccounted": report.unaccounted, "stores_unread": problems},
         "violations": report.violations[:50],
         "dropped_micro_batches": record.failed_micro_batches,
         "ps_versions": sorted(set(record.versions)),
@@ -345,8 +395,14 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  orchestrator peak RSS {summary['orchestrator_peak_rss_bytes'] / MiB:.1f} MiB")
     if fetch:
         print(f"  fetch per step        mean {statistics.fmean(fetch) * 1000:.1f} ms, max {max(fetch) * 1000:.1f} ms")
-    print(f"  blobs                 kept {blobs['kept']}, deleted {blobs['deleted_total']} {blobs['deleted']}, "
-          f"held {blobs['held']}, leaked {blobs['leaked']}")
+    accounting = summary["accounting"]
+    print(f"  blobs                 kept {blobs['kept']} = deleted {blobs['deleted_total']} {blobs['deleted']} "
+          f"+ held {blobs['held']} + lost {blobs['lost']} {accounting['lost']}; leaked {blobs['leaked']} "
+          f"{accounting['leaked']}")
+    stores = ", ".join(f"{s} {r}" for s, r in sorted(accounting["reconciled"].items())) or "none read"
+    print(f"  stores' counters      {stores}")
+    for line in accounting["unaccounted"] + accounting["stores_unread"]:
+        print(f"  unaccounted           {line}")
     print(f"  ownership violations  {blobs['violations']}")
     print(f"  dropped micro batches {summary['dropped_micro_batches']}")
     print(f"  ps versions           {len(summary['ps_versions'])} (last {max(summary['ps_versions'], default=-1)})")

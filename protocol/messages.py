@@ -11,11 +11,11 @@ Array-valued fields (typed ``Array``) hold numpy arrays or torch tensors; they t
 Kinds by direction:
 
 * events (PUB/SUB through the broker): ``episode-finished``, ``claim``, ``reference``, ``fetch-ack``,
-  ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``
+  ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``, ``run-end``
 * requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``keep``,
-  ``discard``, ``claim``, ``fetch``, ``delete``, ``step-batch``, ``run``, ``generate``
+  ``discard``, ``claim``, ``fetch``, ``delete``, ``accounts``, ``step-batch``, ``run``, ``generate``
 * replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``kept``, ``blobs``, ``claimed``, ``deleted``,
-  ``generated``, ``error``
+  ``accounted``, ``generated``, ``error``
 """
 
 from __future__ import annotations
@@ -227,6 +227,16 @@ class Violation(Body, frozen=True):
     detail: str
 
 
+@register_kind("run-end")
+class RunEnd(Body, frozen=True):
+    """Event: the launcher finished the run (``reason``: ``done``, ``interrupted`` or ``failed``) after its
+    holders stopped and before its stores do. A live ``refbus ledger`` stops here: a blob then held by
+    anyone but its store is a leak."""
+
+    reason: Name
+    steps: NonNegative = 0
+
+
 # --- requests ---------------------------------------------------------------------------------------
 
 
@@ -324,6 +334,14 @@ class Fetch(Body, frozen=True):
     step: NonNegative = 0
 
 
+@register_kind("accounts")
+class Accounts(Body, frozen=True):
+    """Request to an env server: its blob counters (answered with ``accounted``), ``holders`` at most in
+    ``held_by`` and ``reclaimed`` (the largest; the rest summed under ``*``)."""
+
+    holders: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
+
+
 @register_kind("step-batch")
 class StepBatch(Body, frozen=True):
     """Request from the orchestrator to one trainer rank: its micro batches for ``step``.
@@ -396,6 +414,23 @@ class Deleted(Body, frozen=True):
     blob_ids: list[str]
     violations: list[str] = []
     missing: list[str] = []
+
+
+@register_kind("accounted")
+class Accounted(Body, frozen=True):
+    """Reply to ``accounts``: a store's counters since it started, as of its event ``seq`` (every event it
+    published up to ``seq`` is counted, none after). ``kept = sum(deleted) + held``; ``held_by``: blobs
+    held by claimer (``""``: unclaimed, the store's own); ``reclaimed``: blobs deleted ``holder-down``, by
+    the holder that went down; ``violations``: refused requests by action."""
+
+    store: Name  # node id
+    seq: NonNegative
+    kept: NonNegative
+    held: NonNegative
+    deleted: dict[str, NonNegative] = {}
+    held_by: dict[str, NonNegative] = {}
+    reclaimed: dict[str, NonNegative] = {}
+    violations: dict[str, NonNegative] = {}
 
 
 @register_kind("kept")

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -23,11 +24,14 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.ledger import Ledger
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.keeper import blob_checksum
 from refbus.nodes.settings import EnvServerSettings
-from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.envelope import Message, WireCodec, describe, incarnation
 from refbus.protocol.messages import (
+    Accounted,
+    Accounts,
     Blobs,
     Body,
     Claim,
@@ -271,8 +275,9 @@ def test_replicas_of_one_source_register_with_it_and_report_status(
         if (nodes["env-r0"].status.get("blobs_held") == 1.0 and nodes["env-r1"].status) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes)}
-    assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0}
+    assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes), "blobs_kept": 1.0,
+                                      "blobs_deleted": 0.0}
+    assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0, "blobs_kept": 0.0, "blobs_deleted": 0.0}
 
 
 def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess, str], observer: Observer) -> None:
@@ -313,3 +318,44 @@ def test_the_env_server_path_never_imports_torch() -> None:
             "assert not loaded, loaded")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_accounts_are_the_counters_the_stream_shows_and_hostile_asks_are_refused(
+    env_server: EnvServerFactory, observer: Observer, peer, zmq_ctx: zmq.Context
+) -> None:
+    """The store's counters as of its last event's seq match the ledger's fold of its events exactly; a cap on
+    holders folds the rest under ``*``; a malformed or out-of-range ``accounts`` is refused and the store
+    goes on serving."""
+    _, info = env_server("env-e")
+    endpoint = info["endpoints"]["blobs"]
+    client = peer(endpoint)
+    ids = [r.blob_id for r in ask(client, Keep(episode_id="a", branches=[branch(3), branch(4), branch(2)])).refs]
+    ask(client, Keep(episode_id="b", branches=[branch(5)]))
+    ask(client, Claim(blob_ids=ids[:2], holder="orch"))
+    ask(client, Claim(blob_ids=ids[2:], holder="orch-2"))
+    ask(client, Delete(blob_ids=ids[:1], holder="orch", reason="filtered"))
+    ask(client, Discard(episode_id="b"))
+
+    reply = client.request(Accounts())
+    account = reply.body
+    assert account == Accounted(store="env-e", seq=6, kept=4, held=2, deleted={"filtered": 1, "discarded": 1},
+                                held_by={"orch": 1, "orch-2": 1}, violations={})
+    ledger = Ledger()
+    for _ in range(6):
+        ledger.apply(describe(observer.events.get(timeout=WAIT_S)))
+    reconciled = ledger.reconcile("env-e", incarnation(reply.header.id), msgspec.to_builtins(account), final=False)
+    assert reconciled == "agreed"
+    assert ledger.report().ok and ledger.report().held["env-e"] == {"orch": 1, "orch-2": 1}
+
+    assert ask(client, Accounts(holders=1)).held_by == {"*": 2}
+    codec = WireCodec("hostile")
+    raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
+    header = codec.encode(Accounts())[1]
+    for frames, code, says in ((codec.encode(Accounts(holders=0)), "schema", "holders"),
+                               (codec.encode(Accounts(holders=10**6)), "schema", "holders"),
+                               ([b"accounts", header, b"\xc1not msgpack"], "malformed", "")):
+        raw.send_multipart(frames)
+        assert raw.poll(WAIT_S * 1000), "no reply"
+        refusal = codec.decode(recv_frames(raw)).body
+        assert isinstance(refusal, Error) and refusal.code == code and says in refusal.message, refusal
+    assert ask(client, Accounts()) == account  # nothing changed, and it still serves

@@ -2,20 +2,24 @@
 
 A :class:`~refbus.nodes.payload.keeper.Keeper` behind a ROUTER advertised as ``blobs``:
 
-=========== ============ ====================================================================================
-request     reply        effect and events
-=========== ============ ====================================================================================
-``keep``    ``kept``     keeps the branches; publishes ``episode-finished`` (references and ``info``, never
-                         the branch arrays)
-``discard`` ``deleted``  deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
-``claim``   ``claimed``  moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
-                         ``blob_ids``: now held by the claimer (also those it had claimed before);
-                         ``missing``: deleted or never kept; ``violations``: held by another claimer
-``fetch``   ``blobs``    the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
-                         deleted blob is also a violation). Not cached: a retry reads again
-``delete``  ``deleted``  deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
-                         already deleted; ``missing``: ids never kept here (logged)
-=========== ============ ====================================================================================
+============ ============= ====================================================================================
+request      reply         effect and events
+============ ============= ====================================================================================
+``keep``     ``kept``      keeps the branches; publishes ``episode-finished`` (references and ``info``, never
+                           the branch arrays)
+``discard``  ``deleted``   deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
+``claim``    ``claimed``   moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
+                           ``blob_ids``: now held by the claimer (also those it had claimed before);
+                           ``missing``: deleted or never kept; ``violations``: held by another claimer
+``fetch``    ``blobs``     the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
+                           deleted blob is also a violation). Not cached: a retry reads again
+``delete``   ``deleted``   deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
+                           already deleted; ``missing``: ids never kept here (logged)
+``accounts`` ``accounted`` the keeper's counters (kept, deleted by reason, held by claimer, reclaimed from
+                           dead holders, violations) as of the sequence number of the last event published:
+                           queued events are published first, so the counters and the stream agree up to it.
+                           Counts only (per-holder maps cut to the request's ``holders``); not cached
+============ ============= ====================================================================================
 
 Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
 Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``). A holder
@@ -56,6 +60,8 @@ from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import (
+    Accounted,
+    Accounts,
     BlobRef,
     Blobs,
     Body,
@@ -126,6 +132,7 @@ class EnvServer:
         self.server.on(Claim.kind, self._on_claim)
         self.server.on(Fetch.kind, self._on_fetch, cached=False)  # a read: large replies are not cached
         self.server.on(Delete.kind, self._on_delete)
+        self.server.on(Accounts.kind, self._on_accounts, cached=False)  # a read: a retry counts again
         # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
         runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
         peers = runtime.track_peers()
@@ -186,7 +193,8 @@ class EnvServer:
     def status(self) -> dict[str, float]:
         """Heartbeat status: what the registry shows for this node."""
         stats = self.stats()
-        return {"blobs_held": float(stats.blobs_held), "bytes_held": float(stats.bytes_held)}
+        return {"blobs_held": float(stats.blobs_held), "bytes_held": float(stats.bytes_held),
+                "blobs_kept": float(stats.kept_total), "blobs_deleted": float(sum(stats.deleted.values()))}
 
     # --- request handlers (loop thread) -------------------------------------------------------------
 
@@ -237,6 +245,19 @@ class EnvServer:
             log.warning("delete.unknown", holder=body.holder, count=len(result.unknown), blob_ids=result.unknown[:8])
         return Deleted(blob_ids=list(result.deleted), violations=[v.blob_id for v in result.violations],
                        missing=list(result.unknown))
+
+    def _on_accounts(self, request: Message) -> Accounted:
+        body = request.body
+        assert isinstance(body, Accounts)
+        with self._lock:
+            # Under the lock no keep can queue an event between the flush and the count, and every other
+            # event is published on this thread: the counters cover exactly the events up to ``seq``.
+            self._flush_outbox()
+            stats = self.keeper.stats()
+            seq = self.runtime.publisher.seq if self.runtime.publisher is not None else 0
+        return Accounted(store=self.runtime.node_id, seq=seq, kept=stats.kept_total, held=stats.blobs_held,
+                         deleted=dict(stats.deleted), held_by=_largest(stats.held_by, body.holders),
+                         reclaimed=_largest(stats.reclaimed, body.holders), violations=dict(stats.violations))
 
     # --- timers and shutdown (loop thread) ----------------------------------------------------------
 
@@ -345,6 +366,14 @@ class EnvServer:
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
                             read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
                             labels=("action",))
+
+
+def _largest(counts: Mapping[str, int], limit: int) -> dict[str, int]:
+    """The ``limit`` largest entries of ``counts``; when there are more, the rest summed under ``*``."""
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    kept = dict(ranked[: limit - 1] if len(ranked) > limit else ranked)
+    rest = sum(n for _, n in ranked[len(kept):])
+    return {**kept, "*": rest} if rest else kept
 
 
 def run(config: Config, args: argparse.Namespace) -> int:

@@ -186,6 +186,8 @@ class KeeperStats:
     kept_total: int
     deleted: Mapping[str, int]  # by reason
     violations: Mapping[str, int]  # by action: claim, fetch, delete
+    held_by: Mapping[str, int]  # live blobs by claimer; "" for unclaimed (the env server's own)
+    reclaimed: Mapping[str, int]  # blobs deleted for reason ``holder-down``, by the holder that went down
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +244,8 @@ class Keeper:
         self.kept_total = 0
         self.deleted: Counter[str] = Counter()
         self.violations: Counter[str] = Counter()
+        self.reclaimed: Counter[str] = Counter()
+        self._held_by: Counter[str] = Counter()
         self._ids = MessageIds()
         self._blobs: dict[str, _Blob] = {}
         self._episodes: dict[str, list[str]] = {}
@@ -287,6 +291,7 @@ class Keeper:
         for branch in packed:
             blob_id = self._ids.next()
             self._blobs[blob_id] = _Blob(episode_id, branch)
+            self._held_by[""] += 1
             self._leases.append((deadline, blob_id))
             refs.append(
                 BlobRef(
@@ -321,6 +326,7 @@ class Keeper:
                 (gone if blob_id in self._tombstones else unknown).append(blob_id)
             elif not blob.holder:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
+                self._move(blob.holder, holder)
                 claimed.append(blob_id)
             elif blob.holder == holder:
                 already.append(blob_id)
@@ -450,6 +456,8 @@ class Keeper:
             kept_total=self.kept_total,
             deleted=dict(self.deleted),
             violations=dict(self.violations),
+            held_by=dict(self._held_by),
+            reclaimed=dict(self.reclaimed),
         )
 
     # --- internals ----------------------------------------------------------------------------------
@@ -467,6 +475,9 @@ class Keeper:
         for blob_id in blob_ids:
             blob = self._blobs.pop(blob_id)
             self._bytes_held -= blob.packed.nbytes
+            self._move(blob.holder, None)
+            if reason == HOLDER_DOWN:
+                self.reclaimed[blob.holder] += 1
             siblings = self._episodes[blob.episode_id]
             siblings.remove(blob_id)
             if not siblings:
@@ -477,6 +488,14 @@ class Keeper:
         if blob_ids:
             self.deleted[reason] += len(blob_ids)
         return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations)
+
+    def _move(self, holder: str, to: str | None) -> None:
+        """Count a blob out of ``holder``'s and into ``to``'s (None: deleted); holders holding nothing go."""
+        self._held_by[holder] -= 1
+        if not self._held_by[holder]:
+            del self._held_by[holder]
+        if to is not None:
+            self._held_by[to] += 1
 
     def _violation(self, blob_id: str, action: str, holder: str, owner: str, detail: str) -> Violation:
         self.violations[action] += 1
