@@ -281,9 +281,11 @@ def test_blobs_handed_to_a_trainer_rank_are_its_own(keeper: Keeper, clock: Clock
     free = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3)])]
     assert keeper.hand_over([*ids[:2], *free, "nope"], "rank-0") == ids[:2]  # unclaimed and unknown: left alone
     assert keeper.holds("rank-0") and keeper.holds("orch")
+    assert keeper.stats().held_by == {"orch": 1, "rank-0": 2, "": 1}  # the store's counts follow the hand-over
     keeper.holder_down("orch", GRACE_S)
     keeper.holder_down("rank-0", GRACE_S)
     clock.now += GRACE_S
     result = keeper.reclaim()
     assert (result["orch"].deleted, result["rank-0"].deleted) == ((ids[2],), tuple(ids[:2]))
     assert keeper.blobs_held == 1  # the unclaimed one waits for its lease
+    assert keeper.stats().held_by == {"": 1} and keeper.stats().reclaimed == {"orch": 1, "rank-0": 2}

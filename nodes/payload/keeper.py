@@ -345,6 +345,7 @@ class Keeper:
             blob = self._blobs.get(blob_id)
             if blob is not None and blob.holder and blob.holder != holder:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
+                self._move(blob.holder, holder)
                 moved.append(blob_id)
         return moved
 
