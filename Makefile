@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean prometheus iproute2
+.PHONY: demo test slurm-test lint bench clean prometheus iproute2 slurm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,17 @@ iproute2:
 test: $(STAMP) prometheus iproute2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The README's SLURM script, submitted to a Slurm cluster built on namespace hosts (tests/test_slurm.py):
+# Debian's slurm-wlm and munge, installed when missing and this user is root; elsewhere the test skips and
+# says why (a failure under REFBUS_REQUIRE_NETNS=1, which .ci/run sets).
+slurm:
+	@{ command -v slurmctld && command -v munged; } >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge; \
+		else echo "slurm-wlm and munge are missing and cannot be installed here: the SLURM test will skip"; fi; }
+
+slurm-test: $(STAMP) iproute2 slurm
+	REFBUS_SLURM=1 $(VENV)/bin/pytest $(PYTEST_ARGS) tests/test_slurm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

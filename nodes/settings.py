@@ -139,12 +139,14 @@ class OrchestratorSettings:
     group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group.")
     groups_per_step: int = key(16, "Complete groups shipped per trainer step.")
     max_staleness: int = key(1, "Versions a sample's policy may lag the current one when its step is packed.")
-    max_steps: int = key(0, "Steps to ship before deleting everything that arrives (0: no limit).")
+    max_steps: int = key(0, "Steps to ship before deleting everything that arrives (0: the smallest `trainer.steps` "
+                            "the trainer ranks advertise; none advertised: no limit).")
     trainers: int = key(1, "Trainer ranks to wait for (from the registry) before the first step.")
     group_timeout_s: float = key(120.0, "Seconds an incomplete group may wait before it is dropped.")
     dispatch: bool = key(
         False,
-        "Send runs to the env servers (the RL loop of `refbus up`); off: only take the episodes others send.",
+        "Send runs to the env servers (the RL loop of `refbus up`), from the first committed weights version on; "
+        "off: only take the episodes others send.",
     )
     prompt: str = key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
     seed: int = key(0, "Seed of the prompt stream.")

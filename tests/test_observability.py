@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +103,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def fetch_local(url: str) -> bytes | None:
+    """``url``'s body from this process, None when it does not answer (yet)."""
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+        return response.read()
+    return None
+
+
 @contextlib.contextmanager
-def prometheus(binary: str, workdir: Path, sd: str) -> Iterator[str]:
+def prometheus(binary: str, workdir: Path, sd: str, *, prefix: Sequence[str] = (),
+               fetch: Callable[[str], bytes | None] = fetch_local) -> Iterator[str]:
     """A Prometheus server (``binary``) scraping every 1 s what ``sd`` lists, with the shipped scrape config (only the
-    address and intervals changed); yields its API base URL and always reaps the process."""
+    address and intervals changed); yields its API base URL and always reaps the process. ``prefix`` runs it
+    through a launcher that execs it (a namespace host), ``fetch`` reads a URL where it can be reached."""
     shipped = SCRAPE_CONFIG.read_text()
     for fixed in ("http://127.0.0.1:7779/sd", "scrape_interval: 2s", "refresh_interval: 2s"):
         assert fixed in shipped, f"{SCRAPE_CONFIG} no longer says {fixed!r}: update this test"
@@ -115,15 +124,13 @@ def prometheus(binary: str, workdir: Path, sd: str) -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
     log_path = workdir / "prometheus.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+        proc = subprocess.Popen([*prefix, binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
                                  f"--web.listen-address={address}"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     base = f"http://{address}"
     try:
         def ready() -> bool:
             assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{base}/-/ready", timeout=1) as response:
-                return response.status == 200
-            return False
+            return fetch(f"{base}/-/ready") is not None
 
         wait_for(ready, WAIT_S, "prometheus ready")
         yield base

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 from refbus.nodes.payload.orchestrator_core import (
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
     Action,
     Deadlines,
     DeleteBlobs,
@@ -128,6 +130,7 @@ def test_a_step_acknowledged_by_some_ranks_only_halts_at_its_deadline_naming_the
 def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_not_the_run() -> None:
     core = OrchestratorCore(settings(group_size=1), DEADLINES, prompts=lambda rng: [int(rng.integers(9))])
     core.use_trainers(T0, [trainer(0), trainer(1)])
+    core.on_version(0)
     # Its claims fail: the samples are counted missing and left out; nothing is held for them.
     gone = episode("lost", "g-lost", 1.0, env="env-gone")
     assert core.on_episode(T0, gone, []) == []
@@ -138,7 +141,7 @@ def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_
     assert [s.endpoint for s in sent] == ["tcp://env-gone", "tcp://env-b", "tcp://env-gone"]  # sources in turn
     core.use_replicas([env_server("env-b")])
     for run in [s for s in sent if s.endpoint == "tcp://env-gone"]:
-        core.on_run_done(run.run.episode_id, "tcp://env-gone went down: node-down")
+        core.on_run_done(T0, run.run.episode_id, "tcp://env-gone went down: node-down")
     assert core.failed_runs == 2 and core.abandoned_groups == 2
     resent = of(SendRun, core.dispatch(T0 + 0.1))
     assert [s.endpoint for s in resent] == ["tcp://env-b"] * 2
@@ -148,6 +151,7 @@ def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_
 def test_runs_never_answered_expire_and_give_their_slots_back() -> None:
     core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [int(rng.integers(9))])
     core.use_replicas([env_server("env-a")])
+    core.on_version(0)
     first = of(SendRun, core.dispatch(T0))
     assert len(first) == 2 * 2  # admission: (max_staleness + 0 + 1) * groups_per_step groups of 2 runs
     assert all(s.deadline_s == DEADLINES.run_s for s in first)
@@ -162,7 +166,7 @@ def test_runs_never_answered_expire_and_give_their_slots_back() -> None:
     # The late episodes of an expired run are deleted as late, and its late answer changes nothing.
     late = episode(first[0].run.episode_id, first[0].run.group, 1.0)
     assert deletes(core.on_episode(T0 + 50, late, late.refs)) == {"late": [late.refs[0].blob_id]}
-    assert core.on_run_done(first[0].run.episode_id, None) == [] and core.failed_runs == 4
+    assert core.on_run_done(T0 + 50, first[0].run.episode_id, None) == [] and core.failed_runs == 4
 
 
 def test_more_unanswered_runs_than_slots_never_stop_dispatch() -> None:
@@ -171,6 +175,7 @@ def test_more_unanswered_runs_than_slots_never_stop_dispatch() -> None:
     core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=16), DEADLINES,
                             prompts=lambda rng: [1])
     core.use_replicas([env_server("env-a")])
+    core.on_version(0)
     now, groups = T0, 0
     for _ in range(4):
         sent = of(SendRun, core.dispatch(now))
@@ -190,6 +195,7 @@ def test_an_incomplete_group_expires_and_a_version_bump_widens_admission() -> No
     late = episode("a-1", "a", 0.0)
     assert deletes(core.on_episode(T0 + 11, late, late.refs)) == {"late": ["b-a-1"]}
     core.use_replicas([env_server("env-a")])
+    core.on_version(0)
     assert len(of(SendRun, core.dispatch(T0))) == 3 * 2  # bound 2 groups, plus the one released by expiry
     assert core.dispatch(T0) == []
     core.on_version(3)
@@ -268,9 +274,84 @@ def test_a_store_restarted_as_a_new_process_loses_the_old_ones_blobs_at_once() -
 def test_no_run_goes_to_a_store_reported_down_and_a_store_down_at_shutdown_is_lost() -> None:
     core = OrchestratorCore(settings(group_size=1), GRACE, prompts=lambda rng: [int(rng.integers(9))])
     core.use_replicas([env_server("env-a"), env_server("env-b")])
+    core.on_version(0)
     core.store_down(T0, env_server("env-a"))
     assert {s.endpoint for s in of(SendRun, core.dispatch(T0))} == {"tcp://env-b"}
     ep = episode("e", "g", 1.0)
     core.on_episode(T0, ep, ep.refs)
     closing = core.close()
     assert deletes(closing) == {} and [(a.node_id, len(a.refs)) for a in of(LoseBlobs, closing)] == [("env-a", 1)]
+def ranks_with_budget(steps: Sequence[str]) -> list[NodeInfo]:
+    """Trainer ranks as ``refbus node trainer`` registers them: each advertises its ``trainer.steps``."""
+    return [NodeInfo(node_id=f"trainer-{rank}", role="trainer", host="h", pid=rank,
+                     endpoints={"trainer": f"tcp://t{rank}"},
+                     labels={"rank": str(rank), "data_rank": str(rank), "leader": "1", "steps": budget})
+            for rank, budget in enumerate(steps)]
+
+
+def test_no_run_before_a_version_exists_and_a_committed_version_starts_dispatch() -> None:
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1])
+    core.use_replicas([env_server("env-a")])
+    assert core.dispatch(T0) == [] and core.dispatch(T0 + 100) == []
+    core.on_version(-1)  # the ps-manager's registry entry before its first commit
+    assert core.dispatch(T0 + 101) == [] and not core.version_known
+    core.on_version(0)
+    assert len(of(SendRun, core.dispatch(T0 + 102))) == 2 * 2
+
+
+def test_not_ready_refusals_back_off_doubling_probe_one_group_and_resume_on_success() -> None:
+    core = OrchestratorCore(settings(max_staleness=100), DEADLINES, prompts=lambda rng: [1])
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    assert len({s.run.group for s in sent}) == 4  # max_groups_in_flight
+    # Every run of the burst is refused: one pause (not one per run), no dispatch until it ends.
+    for run in sent:
+        core.on_run_done(T0 + 0.01, run.run.episode_id, "[no-rollout] no rollout worker", "no-rollout")
+    assert core.refused_runs == 8 and core.failed_runs == 8 and not core.groups_running
+    assert core.dispatch(T0 + 0.01 + BACKOFF_FIRST_S - 0.001) == []
+    pause, now = BACKOFF_FIRST_S, T0 + 0.01
+    for _ in range(8):  # each probe is one group, refused again: the pause doubles, up to its bound
+        now += pause
+        probe = of(SendRun, core.dispatch(now))
+        assert len({s.run.group for s in probe}) == 1 and core.dispatch(now) == []
+        for run in probe:
+            core.on_run_done(now, run.run.episode_id, "[no-weights] no committed weights", "no-weights")
+        pause = min(BACKOFF_MAX_S, 2 * pause)
+        assert core.dispatch(now + pause - 0.001) == []
+    assert pause == BACKOFF_MAX_S
+    now += pause
+    probe = of(SendRun, core.dispatch(now))
+    core.on_run_done(now, probe[0].run.episode_id, None)  # a run went through: full admission again
+    assert len({s.run.group for s in of(SendRun, core.dispatch(now))}) == 3
+    # Other failures neither pause dispatch nor count as refusals.
+    core.on_run_done(now, probe[1].run.episode_id, "[timeout] no generation", "timeout")
+    assert len({s.run.group for s in of(SendRun, core.dispatch(now))}) == 1 and core.refused_runs == 8 + 8 * 2
+
+
+def test_the_step_budget_comes_from_the_trainer_ranks_and_nothing_ships_or_runs_after_it() -> None:
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1])
+    assert core.max_steps is None
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    assert core.wants_trainers is False
+    assert of(DeliverBatch, feed_group(core, T0, "g0")) == []
+    assert core.wants_trainers
+    (step0_to0, step0_to1) = of(DeliverBatch, core.use_trainers(T0, ranks_with_budget(["2", "x"])))  # garbage: ignored
+    assert core.max_steps == 2
+    core.on_delivered(T0, 0, step0_to0.endpoint, None)
+    assert of(DeliverBatch, core.on_delivered(T0, 0, step0_to1.endpoint, None)) == []  # no group queued yet
+    (_, last) = of(DeliverBatch, feed_group(core, T0, "g1"))
+    core.on_delivered(T0, 1, "tcp://t0", None)
+    core.on_delivered(T0, 1, last.endpoint, None)
+    assert core.finished and core.step == 2
+    # The ranks trained their two steps and left: nothing more ships to them and no run starts.
+    assert set(deletes(feed_group(core, T0 + 1, "g2"))) == {"max_steps"}
+    assert core.dispatch(T0 + 2) == [] and core.tick(T0 + 3) == []
+
+
+def test_a_configured_max_steps_wins_over_the_ranks_budget() -> None:
+    core = OrchestratorCore(settings(max_steps=1), DEADLINES)
+    feed_group(core, T0, "g0")
+    assert len(of(DeliverBatch, core.use_trainers(T0, ranks_with_budget(["5", "5"])))) == 2
+    assert core.max_steps == 1 and core.finished

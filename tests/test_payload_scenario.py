@@ -566,6 +566,10 @@ def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
         runs.append(request.body)
 
     silent.serve("blobs", "tcp://127.0.0.1:0").on(Run.kind, never_answer)
+    # Runs go only once a weights version exists: the orchestrator reads it from the ps-manager's entry.
+    manager = NodeRuntime("ps-manager", RuntimeSettings(bus=control, node_id="ps-version-0", metrics_port=-1,
+                                                        heartbeat_interval_s=0.2))
+    manager.status = lambda: {"version": 0.0}
     orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
                                       "--orchestrator-dispatch", "true", "--orchestrator-group-size", "1",
                                       "--orchestrator-max-groups-in-flight", "2",
@@ -574,6 +578,7 @@ def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
                          ORCHESTRATOR)
     try:
         silent.start_background()
+        manager.start_background()
         orchestrator.wait_ready(WAIT_S)
         wait_for(lambda: len(runs) >= 3 * 2, WAIT_S, "runs beyond max_groups_in_flight, three times over")
         seen = list(runs)
@@ -582,3 +587,4 @@ def test_runs_never_answered_expire_so_dispatch_goes_on(bus, spawn) -> None:
     finally:
         orchestrator.stop()
         silent.join(WAIT_S)
+        manager.join(WAIT_S)

@@ -28,7 +28,10 @@ The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
   where ``ref`` indexes ``refs`` (``-1``: a sample that kept no arrays). Lists, not arrays: the
   orchestrator must never receive an array frame.
 
-The current policy version comes from ``version-bump`` events (the parameter server's commits).
+The current policy version comes from ``version-bump`` events (the parameter server's commits); a
+dispatching orchestrator that starts after a commit learns it from the ps-manager's registry entry, and
+runs nothing before a version exists. With ``max_steps`` 0 it ships the step budget the trainer ranks
+advertise (``refbus node trainer`` advertises ``trainer.steps``), so it stops once they trained theirs.
 
 Every decision (grouping, shipping, re-delivery, admission, run and group deadlines) is
 :class:`~.orchestrator_core.OrchestratorCore`'s; this module executes its actions with ``runtime.calls``
@@ -42,6 +45,7 @@ to come back or for its blobs to be lost. A step the trainer ranks do not all ac
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, gather, split_outcomes
+from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, RemoteError, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import (
@@ -195,6 +199,11 @@ class Orchestrator:
         nodes = self.runtime.lookup("env-server")
         if nodes is not None:
             self.core.use_replicas(nodes)
+        if not self.core.version_known:  # started after the version-bump, or before any commit
+            for manager in self.runtime.lookup("ps-manager") or []:
+                version = manager.status.get("version", -1.0)
+                if math.isfinite(version):
+                    self.core.on_version(int(version))
 
     def _dispatch(self) -> None:
         self._execute(self.core.dispatch(self.clock()))
@@ -231,7 +240,8 @@ class Orchestrator:
     def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:
         _, failures = split_outcomes([(action.endpoint, outcome)])
         error = str(failures[0][1]) if failures else None
-        self._execute(self.core.on_run_done(action.run.episode_id, error))
+        code = failures[0][1].code if failures and isinstance(failures[0][1], RemoteError) else ""
+        self._execute(self.core.on_run_done(self.clock(), action.run.episode_id, error, code))
 
     def _delete(self, action: DeleteBlobs) -> None:
         for endpoint, refs in group_by_endpoint(action.refs).items():

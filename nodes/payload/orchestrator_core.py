@@ -28,6 +28,14 @@ Decisions and their rules:
   ends, or it comes back as a new process, whose store starts empty) every reference held to its blobs is
   dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
   shipped (counted as dropped ``lost``).
+* **Start and end.** No run is dispatched before a policy version exists (a ``version-bump``, or the
+  parameter server's version learned otherwise: :meth:`~OrchestratorCore.on_version`). A run refused
+  because the loop's other nodes are not up yet (``NOT_READY`` codes) pauses dispatch, for a pause that
+  doubles with each refusal up to ``BACKOFF_MAX_S``, and until a run succeeds at most one group runs at a
+  time; one warning per pause, not one per run. ``max_steps`` 0 takes the step budget the trainer ranks
+  advertise (label ``steps``, the smallest): once that many steps shipped, nothing more ships or runs and
+  whatever arrives is deleted (``max_steps``), so ranks that trained their steps and left are never sent
+  another one.
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 Prompts = Callable[[np.random.Generator], Sequence[int]]
+
+NOT_READY = frozenset({"no-rollout", "no-weights"})  # run refusals that mean "a peer is not up yet", not a fault
+BACKOFF_FIRST_S = 0.25  # dispatch pause after the first not-ready refusal; doubles with each one after
+BACKOFF_MAX_S = 8.0
 
 
 # --- actions: what the executor does -------------------------------------------------------------------
@@ -165,6 +177,7 @@ class _RunInFlight:
     group_id: str
     endpoint: str
     deadline: float
+    sequence: int  # runs sent before this one
 
 
 class OrchestratorCore:
@@ -204,12 +217,20 @@ class OrchestratorCore:
         # stores down
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
+        self.version_known = False  # no run before a policy version exists
+        self.max_steps = settings.max_steps or None  # None: the trainer ranks' budget, once they are known
+        self.refused_runs = 0  # runs refused as not ready (NOT_READY)
+        self._backoff_s = 0.0  # the current dispatch pause; 0 while runs succeed
+        self._runs_sent = 0
+        self._paused_after = 0  # refusals of the runs sent before the current pause are already paid for
+        self._resume_at = float("-inf")
+        self._refused_unlogged = 0
 
     # --- what the executor asks ----------------------------------------------------------------------
 
     @property
     def finished(self) -> bool:
-        return bool(self.settings.max_steps) and self.step >= self.settings.max_steps
+        return self.max_steps is not None and self.step >= self.max_steps
 
     @property
     def wants_trainers(self) -> bool:
@@ -226,7 +247,11 @@ class OrchestratorCore:
     # --- events --------------------------------------------------------------------------------------
 
     def on_version(self, version: int) -> None:
+        """A committed policy version (from a ``version-bump``, or the parameter server's registry entry)."""
+        if version < 0:
+            return
         self.policy_version = max(self.policy_version, version)
+        self.version_known = True
 
     def on_episode(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef]) -> list[Action]:
         """An episode arrived; ``claimed``: those of its refs the orchestrator now owns (the others' blobs
@@ -251,11 +276,15 @@ class OrchestratorCore:
 
     def use_trainers(self, now: float, nodes: Iterable[NodeInfo]) -> list[Action]:
         """The trainer ranks from the registry; shipping starts once ``settings.trainers`` are known."""
+        nodes = list(nodes)
         trainers = [TrainerAddress.from_node(node) for node in nodes]
         if len(trainers) < self.settings.trainers:
             return []
         self.sink.use_trainers(trainers)
-        log.info("trainers.found", ranks=[t.rank for t in self.sink.trainers])
+        budgets = [int(steps) for node in nodes if (steps := node.labels.get("steps", "")).isdigit()]
+        if self.max_steps is None and budgets:
+            self.max_steps = min(budgets)
+        log.info("trainers.found", ranks=[t.rank for t in self.sink.trainers], max_steps=self.max_steps)
         return self._ship_ready(now)
 
     def on_delivered(self, now: float, step: int, endpoint: str, error: str | None) -> list[Action]:
@@ -451,7 +480,9 @@ class OrchestratorCore:
     def dispatch(self, now: float) -> list[Action]:
         """The runs admission allows now (see the module doc); needs ``prompts``. Every ``eval_every`` steps
         one eval group goes first."""
-        if self.finished or self.failure or not self.router.replicas:
+        if self.finished or self.failure or not self.router.replicas or not self.version_known:
+            return []
+        if now < self._resume_at:
             return []
         settings = self.settings
         actions: list[Action] = []
@@ -459,15 +490,37 @@ class OrchestratorCore:
             self.eval_sent_at = self.step
             actions += self._send_group(now, evaluation=True)
         bound = (settings.max_staleness + self.policy_version + 1) * settings.groups_per_step
-        while (len(self.groups_running) < settings.max_groups_in_flight
-               and self.train_groups_sent - self.groups_released < bound):
+        in_flight = 1 if self._backoff_s else settings.max_groups_in_flight  # probing: one group at a time
+        while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
             actions += self._send_group(now, evaluation=False)
         return actions
 
-    def on_run_done(self, episode_id: str, error: str | None) -> list[Action]:
-        """A run was answered: ``error`` None for ok. An outcome after the run's deadline is ignored."""
-        self._run_done(episode_id, error)
+    def on_run_done(self, now: float, episode_id: str, error: str | None, code: str = "") -> list[Action]:
+        """A run was answered: ``error`` None for ok, else with the refusal's ``code`` when the env server
+        gave one. An outcome after the run's deadline is ignored."""
+        run = self.runs.get(episode_id)
+        if run is not None and error is not None and code in NOT_READY:
+            self._refused(now, run, code, error)
+            self._run_done(episode_id, error, quiet=True)
+        else:
+            if run is not None and error is None and self._backoff_s:
+                log.info("dispatch.resumed", after_refused=self.refused_runs)
+                self._backoff_s = 0.0
+            self._run_done(episode_id, error)
         return self._flush([])
+
+    def _refused(self, now: float, run: _RunInFlight, code: str, error: str) -> None:
+        """A not-ready refusal: the first one of runs sent since the last pause starts a longer pause."""
+        self.refused_runs += 1
+        self._refused_unlogged += 1
+        if run.sequence < self._paused_after:
+            return  # sent before the current pause: that pause already answers it
+        self._backoff_s = min(BACKOFF_MAX_S, 2 * self._backoff_s or BACKOFF_FIRST_S)
+        self._paused_after = self._runs_sent
+        self._resume_at = now + self._backoff_s
+        log.warning("dispatch.waiting", code=code, error=error, retry_in_s=self._backoff_s,
+                    refused=self._refused_unlogged)
+        self._refused_unlogged = 0
 
     def _send_group(self, now: float, *, evaluation: bool) -> list[Action]:
         assert self.prompts is not None, "dispatching needs prompts"
@@ -481,12 +534,13 @@ class OrchestratorCore:
         for member in range(self.settings.group_size):
             endpoint = self.router.pick(source)
             run = Run(episode_id=f"{group_id}-{member}", group=group_id, prompt=prompt, eval=evaluation)
-            self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s)
+            self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s, self._runs_sent)
+            self._runs_sent += 1
             self.groups_running[group_id] += 1
             actions.append(SendRun(endpoint, run, self.deadlines.run_s))
         return actions
 
-    def _run_done(self, episode_id: str, error: str | None) -> None:
+    def _run_done(self, episode_id: str, error: str | None, *, quiet: bool = False) -> None:
         run = self.runs.pop(episode_id, None)
         if run is None:
             return
@@ -496,7 +550,8 @@ class OrchestratorCore:
             del self.groups_running[run.group_id]
         if error is not None:
             self.failed_runs += 1
-            log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
+            if not quiet:
+                log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
             self.abandon(run.group_id)
 
     # --- shutdown ------------------------------------------------------------------------------------

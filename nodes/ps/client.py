@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -335,6 +335,7 @@ class PsClient:
         self._writes = SegmentMaps(readonly=False)
         self._reads = SegmentMaps(readonly=True)
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret)
+        self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
         runtime.shutdown_hooks.append(self.close)
 
     def close(self) -> None:
@@ -445,12 +446,14 @@ class PsClient:
                     continue
                 path, offset = local
                 view = self._reads.view(path, offset, entry.nbytes)
+                self.read_bytes["shm"] += entry.nbytes
                 if verify:
                     _verify(entry, view)
                 source = _typed(torch.frombuffer(view, dtype=torch.uint8) if entry.nbytes else None, entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=False, shared=shared)
         for worker_name, items in remote.items():
             result.update(self._read_frames(workers[worker_name], items, cast, verify=verify))
+            self.read_bytes["frames"] += sum(entry.nbytes for entry, _, _ in items)
         return result
 
     def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]], cast: _Cast, *,

@@ -67,6 +67,9 @@ class RolloutWorker:
         runtime.metric("refbus_rollout_policy_version", "Weights version this rollout worker serves.",
                        lambda: {(): float(self.version)}, kind="gauge")
         runtime.metric("refbus_rollout_generated_total", "Sequences generated.", lambda: {(): float(self.generated)})
+        runtime.metric("refbus_rollout_weights_read_bytes_total",
+                       "Weight bytes pulled, by path: shm (mapped from a ps-worker on this host) or frames.",
+                       lambda: {(path,): float(n) for path, n in self.ps.read_bytes.items()}, labels=("path",))
 
     # --- loop thread ---------------------------------------------------------------------------------
 

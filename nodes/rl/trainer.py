@@ -76,6 +76,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
                                                     ready_file=args.ready_file))
     trainer = TrainerRank(runtime, settings=section)
+    runtime.labels["steps"] = str(section.steps)  # this rank's budget: the orchestrator ships no more steps
     ps = PsClient(runtime, config.ps.manager)
     model = load_entry_point(rl.policy)(rl.seed)
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)
