@@ -290,6 +290,21 @@ def test_two_ranks_get_the_gradient_of_the_whole_step(tmp_path: Path) -> None:
             assert torch.allclose(want, got, atol=1e-6)
 
 
+def test_entropy_bonus_raises_the_entropy_of_trained_tokens_only() -> None:
+    """Zero advantages leave the bonus as the whole loss: one step raises the entropy of the distributions
+    of trained tokens; without the bonus nothing moves; a negative weight is refused."""
+    model = make_policy(9)
+    rollouts = _rollouts(model, [2, 2, 7, 7], top_k_logprobs=HEADS, sampling_top_k=SAMPLING_TOP_K)
+    batch = [_micro_batch(rollouts, [0.0] * 4)]
+    still = copy.deepcopy(model)
+    assert train_step(still, torch.optim.SGD(still.parameters(), lr=1.0), batch, entropy_coef=0.0)["grad_norm"] == 0.0
+    before = train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), batch)["entropy"]
+    after = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch)["entropy"]
+    assert after > before
+    with pytest.raises(ValueError, match="entropy_coef"):
+        train_step(model, make_optimizer(model), batch, entropy_coef=-0.1)
+
+
 def test_trained_token_outside_its_sampling_mask_is_rejected() -> None:
     model = make_policy(7)
     rollouts = _rollouts(model, [5], sampling_top_k=2)
