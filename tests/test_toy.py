@@ -290,6 +290,21 @@ def test_two_ranks_get_the_gradient_of_the_whole_step(tmp_path: Path) -> None:
             assert torch.allclose(want, got, atol=1e-6)
 
 
+def test_entropy_bonus_raises_the_entropy_of_trained_tokens_only() -> None:
+    """Zero advantages leave the bonus as the whole loss: one step raises the entropy of the distributions
+    of trained tokens; without the bonus nothing moves; a negative weight is refused."""
+    model = make_policy(9)
+    rollouts = _rollouts(model, [2, 2, 7, 7], top_k_logprobs=HEADS, sampling_top_k=SAMPLING_TOP_K)
+    batch = [_micro_batch(rollouts, [0.0] * 4)]
+    still = copy.deepcopy(model)
+    assert train_step(still, torch.optim.SGD(still.parameters(), lr=1.0), batch, entropy_coef=0.0)["grad_norm"] == 0.0
+    before = train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), batch)["entropy"]
+    after = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch)["entropy"]
+    assert after > before
+    with pytest.raises(ValueError, match="entropy_coef"):
+        train_step(model, make_optimizer(model), batch, entropy_coef=-0.1)
+
+
 def test_trained_token_outside_its_sampling_mask_is_rejected() -> None:
     model = make_policy(7)
     rollouts = _rollouts(model, [5], sampling_top_k=2)
@@ -305,14 +320,20 @@ def test_trained_token_outside_its_sampling_mask_is_rejected() -> None:
 
 
 def test_task_is_deterministic_and_scores_in_unit_interval() -> None:
-    prompts = [make_prompt(np.random.default_rng(9)) for _ in range(2)]
-    assert prompts[0] == prompts[1] and len(prompts[0]) == 1
+    prompts = [[make_prompt(np.random.default_rng(seed)) for seed in range(40)] for _ in range(2)]
+    assert prompts[0] == prompts[1]
+    assert {len(prompt) for prompt in prompts[0]} == {1, 2, 3, 4}  # every difficulty is drawn
     assert score([15], [0, 0, 1, 0]) == 0.75  # successor wraps around
     assert score([3], []) == 0.0 and score([3], [4]) == 1.0 and score([3], [3]) == 0.0
+    assert score([3, 9], [4, 10, 4, 10, 4, 10]) == 1.0  # cycles through the prompt
+    assert score([3, 9, 15], [4, 10, 0, 4, 4, 4]) == 4 / 6
+    one_token = SuccessorTask(max_prompt_tokens=1)
+    assert all(len(one_token.make_prompt(np.random.default_rng(seed))) == 1 for seed in range(10))
+    for bad in ([16], [1, 2, 3, 4, 5], [], [-1]):
+        with pytest.raises(ValueError):
+            score(bad, [0])
     with pytest.raises(ValueError):
-        score([16], [0])
-    with pytest.raises(ValueError):
-        score([1, 2], [0])
+        SuccessorTask(max_prompt_tokens=0)
 
 
 def _grpo_advantages(rewards: np.ndarray) -> np.ndarray:
@@ -321,40 +342,62 @@ def _grpo_advantages(rewards: np.ndarray) -> np.ndarray:
     return (centered / (rewards.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
 
 
-def test_policy_learns_the_toy_task() -> None:
-    """A real in-process RL loop: sample, score, GRPO advantages, replayed-routing train step."""
-    steps = 80
+def _generate_groups(model: TinyMoEPolicy, prompts: Sequence[list[int]], generator: torch.Generator) -> list[Rollout]:
+    """``GROUP`` rollouts of each prompt, in prompt order; prompts of one length share a batch."""
+    rollouts: list[Rollout | None] = [None] * (len(prompts) * GROUP)
+    for length in sorted({len(prompt) for prompt in prompts}):
+        indices = [i for i, prompt in enumerate(prompts) if len(prompt) == length]
+        prompt_ids = torch.tensor([prompts[i] for i in indices for _ in range(GROUP)])
+        batch = generate(
+            model, prompt_ids, NEW_TOKENS, top_k_logprobs=HEADS, sampling_top_k=SAMPLING_TOP_K, generator=generator
+        )
+        for position, i in enumerate(indices):
+            rollouts[i * GROUP : (i + 1) * GROUP] = batch[position * GROUP : (position + 1) * GROUP]
+    return [rollout for rollout in rollouts if rollout is not None]
+
+
+def learning_curve(seed: int, steps: int, lr: float = LR) -> list[float]:
+    """Mean reward per step of a real in-process RL loop: sample, score, GRPO advantages, replayed-routing
+    train step. Groups whose rewards are all equal are left out of the step, as the orchestrator drops them
+    (their advantages are zero, but their tokens would dilute the token-mean loss)."""
     task = SuccessorTask()
-    model = make_policy(0)
-    optimizer = make_optimizer(model, lr=LR)
-    rng, generator = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    model = make_policy(seed)
+    optimizer = make_optimizer(model, lr=lr)
+    rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     curve = []
-    started = time.perf_counter()
     for _ in range(steps):
         prompts = [task.make_prompt(rng) for _ in range(PROMPTS)]
-        prompt_ids = torch.tensor([prompt for prompt in prompts for _ in range(GROUP)])
-        rollouts = generate(
-            model,
-            prompt_ids,
-            NEW_TOKENS,
-            top_k_logprobs=HEADS,
-            sampling_top_k=SAMPLING_TOP_K,
-            generator=generator,
-        )
-        rewards = np.array([task.score(r.tokens[: r.prompt_length], r.completion) for r in rollouts])
+        rollouts = _generate_groups(model, prompts, generator)
+        rewards = np.array([task.score(r.tokens[: r.prompt_length].tolist(), r.completion.tolist()) for r in rollouts])
         curve.append(float(rewards.mean()))
-        advantages = _grpo_advantages(rewards.reshape(PROMPTS, GROUP))
-        half = len(rollouts) // 2
+        groups = rewards.reshape(PROMPTS, GROUP)
+        advantages = _grpo_advantages(groups)
+        kept = np.repeat(groups.std(axis=1) > 0, GROUP)
+        if kept.sum() < 2:
+            continue
+        trained = [rollout for rollout, keep in zip(rollouts, kept, strict=True) if keep]
+        half = len(trained) // 2
         train_step(
             model,
             optimizer,
-            [_micro_batch(rollouts[:half], advantages[:half]), _micro_batch(rollouts[half:], advantages[half:])],
+            [
+                _micro_batch(trained[:half], advantages[kept][:half]),
+                _micro_batch(trained[half:], advantages[kept][half:]),
+            ],
         )
+    return curve
+
+
+def test_policy_learns_the_toy_task() -> None:
+    started = time.perf_counter()
+    curve = learning_curve(seed=0, steps=80)
     elapsed = time.perf_counter() - started
     start, end = float(np.mean(curve[:10])), float(np.mean(curve[-10:]))
-    # Untrained: about 1/16. Measured (means of the first and last 10 steps): 0.07 -> 0.72 with these seeds;
-    # model seeds 0 to 5 start at 0.06-0.09 and end at 0.55-0.78, so the margin does not hinge on a lucky seed,
-    # and a policy that does not learn (lr 0) fails it.
+    # Untrained: about 1/16. Measured (means of the first and last 10 of 80 steps): 0.072 -> 0.144 with these
+    # seeds; model seeds 1 to 5 start at 0.060-0.068 and end at 0.137-0.252 (gains 0.07-0.18), while lr 0
+    # gains 0.002. The task is meant to take hundreds of steps (`refbus up`, which trains only groups that
+    # differ, learns about twice as fast), so the bar is a gain of 0.04: under every measured seed's, far above
+    # a policy that does not learn.
     assert start < 0.15, curve
-    assert end > start + 0.3, curve
+    assert end > start + 0.04, curve
     assert elapsed < 60, elapsed

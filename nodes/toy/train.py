@@ -23,12 +23,13 @@ count on every rank. Each is a mapping of CPU tensors, ``S`` = the micro batch l
 Token ``i`` is predicted by the logits at position ``i - 1``; every per-token key above describes token
 ``i`` at index ``i``, exactly as the assembled tensors do.
 
-Loss: for each trained token, ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with ``r = exp(logp - logp_old)``;
-summed and divided by the number of trained tokens in the whole step (all micro batches, all ranks), so the
-gradient is the token mean however the tokens are spread. ``logp_old`` is the sampler's probability of the
-token, renormalised over the sampling mask when there is one; where the heads cannot give it (token not in
-the heads, or a mask id missing from them) the ratio is 1 for that token and the token is counted in
-``ratio_unavailable_fraction``.
+Loss: for each trained token, ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A) - c * H`` with
+``r = exp(logp - logp_old)``, ``H`` the entropy of the policy's (possibly masked) distribution for that token
+and ``c = entropy_coef``; summed and divided by the number of trained tokens in the whole step (all micro
+batches, all ranks), so the gradient is the token mean however the tokens are spread. ``logp_old`` is the
+sampler's probability of the token, renormalised over the sampling mask when there is one; where the heads
+cannot give it (token not in the heads, or a mask id missing from them) the ratio is 1 for that token and
+the token is counted in ``ratio_unavailable_fraction``.
 
 A micro batch with no trained token still runs forward and backward (zero loss, zero gradient), so every
 rank runs the same operations; a step with no trained token on any rank runs them and skips the update.
@@ -85,6 +86,7 @@ def train_step(
     temperature: float = 1.0,
     clip_epsilon: float = 0.2,
     max_grad_norm: float = 1.0,
+    entropy_coef: float = 0.3,
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """One optimizer step over ``batch`` (see the module docstring for the contract and the loss).
@@ -93,6 +95,9 @@ def train_step(
         temperature: the sampler's temperature; the policy's logits are divided by it, as the sampler's were.
         clip_epsilon: the ratio's clip range.
         max_grad_norm: gradients are clipped to this global norm after the cross-rank reduction.
+        entropy_coef: weight of the entropy bonus. Without it group-normalised policy gradient drives the
+            policy to one answer per prompt (entropy near 0 within about a hundred steps of the toy task);
+            every group then has equal rewards, trains nothing and is dropped, and the loop stalls.
         process_group: the data-parallel group; default the default group when distributed is initialised.
 
     Returns:
@@ -107,8 +112,11 @@ def train_step(
     """
     if not batch:
         raise ValueError("batch: expected at least one micro batch")
-    if not temperature > 0 or not clip_epsilon >= 0:
-        raise ValueError(f"expected temperature > 0 and clip_epsilon >= 0, got {temperature}, {clip_epsilon}")
+    if not temperature > 0 or not clip_epsilon >= 0 or not entropy_coef >= 0:
+        raise ValueError(
+            f"expected temperature > 0, clip_epsilon >= 0 and entropy_coef >= 0, "
+            f"got {temperature}, {clip_epsilon}, {entropy_coef}"
+        )
     trained = [_trained_tokens(micro_batch, index) for index, micro_batch in enumerate(batch)]
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
 
@@ -120,7 +128,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=False)
     sums = torch.zeros(5, dtype=torch.float64)
     for micro_batch, mask in zip(batch, trained, strict=True):
-        loss, micro_sums = _micro_batch_loss(model, micro_batch, mask, temperature, clip_epsilon)
+        loss, micro_sums = _micro_batch_loss(model, micro_batch, mask, temperature, clip_epsilon, entropy_coef)
         (loss / total).backward()
         sums += micro_sums
 
@@ -187,7 +195,12 @@ def _trained_tokens(micro_batch: TrainMicroBatch, index: int) -> torch.Tensor:
 
 
 def _micro_batch_loss(
-    model: TinyMoEPolicy, micro_batch: TrainMicroBatch, trained: torch.Tensor, temperature: float, clip_epsilon: float
+    model: TinyMoEPolicy,
+    micro_batch: TrainMicroBatch,
+    trained: torch.Tensor,
+    temperature: float,
+    clip_epsilon: float,
+    entropy_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro batch's summed per-token loss (with its graph) and its float64 sums for the metrics."""
     input_ids = micro_batch["input_ids"]
@@ -212,7 +225,7 @@ def _micro_batch_loss(
     clipped = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     # where (not a product with the mask): padding positions may hold inf/NaN terms that must not leak.
-    loss = torch.where(trained, per_token, 0.0).sum()
+    loss = torch.where(trained, per_token - entropy_coef * entropy, 0.0).sum()
 
     with torch.no_grad():
         weights = trained.double()
@@ -222,7 +235,7 @@ def _micro_batch_loss(
                 (ratio.double() * weights).sum(),
                 (((ratio - 1).abs() > clip_epsilon).double() * weights).sum(),
                 ((~available).double() * weights).sum(),
-                torch.where(trained, entropy, 0.0).double().sum(),
+                torch.where(trained, entropy.detach(), 0.0).double().sum(),
             ]
         )
     return loss, sums
@@ -231,7 +244,8 @@ def _micro_batch_loss(
 def _policy_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, allowed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of ``targets`` and entropies (detached), restricted to the sampling mask's ids."""
+    """Log-probabilities of ``targets`` and entropies (both with their graphs), restricted to the sampling
+    mask's ids."""
     if allowed is not None:
         valid = allowed >= 0
         in_mask = torch.zeros_like(logits, dtype=torch.int8).scatter_reduce(
@@ -240,8 +254,9 @@ def _policy_logprobs(
         restricted = valid.any(dim=-1, keepdim=True) & (in_mask == 0)
         logits = logits.masked_fill(restricted, -math.inf)
     logprobs = logits.log_softmax(dim=-1)
-    with torch.no_grad():
-        entropy = torch.special.entr(logprobs.exp()).sum(dim=-1)
+    # Ids outside the mask have probability 0 and log-probability -inf: 0 * -inf would poison the gradient.
+    finite = logprobs.masked_fill(~torch.isfinite(logprobs), 0.0)
+    entropy = -(finite.exp() * finite).sum(dim=-1)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
