@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -389,9 +388,7 @@ def learning_curve(seed: int, steps: int, lr: float = LR) -> list[float]:
 
 
 def test_policy_learns_the_toy_task() -> None:
-    started = time.perf_counter()
     curve = learning_curve(seed=0, steps=80)
-    elapsed = time.perf_counter() - started
     start, end = float(np.mean(curve[:10])), float(np.mean(curve[-10:]))
     # Untrained: about 1/16. Measured (means of the first and last 10 of 80 steps): 0.072 -> 0.144 with these
     # seeds; model seeds 1 to 5 start at 0.060-0.068 and end at 0.137-0.252 (gains 0.07-0.18), while lr 0
@@ -400,4 +397,3 @@ def test_policy_learns_the_toy_task() -> None:
     # a policy that does not learn.
     assert start < 0.15, curve
     assert end > start + 0.04, curve
-    assert elapsed < 60, elapsed
