@@ -14,8 +14,9 @@ trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stop
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
 PS; the broker last, so every final event reaches the stream), and the summary is printed, and written as
-JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib). The blob accounting comes from the broker's replay ring, read after every
-other node has stopped: every kept blob, who deleted it and why, leaks and violations.
+JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib). The blob accounting comes from the
+broker's replay ring, read after every other node has stopped: every kept blob, who deleted it and why, leaks
+and violations.
 """
 
 from __future__ import annotations
