@@ -389,9 +389,13 @@ class NodeRuntime:
         return self._shutdown_started if self._shutdown_started is not None else time.monotonic()
 
     def shutdown_left(self) -> float:
-        """Seconds a shutdown hook may still spend (waiting on peers, joining a thread); the rest of the
-        timeout is kept for the final events. 0 once spent."""
-        return max(0.0, self.shutdown_started + self.settings.shutdown_timeout_s * HOOKS_SHARE - time.monotonic())
+        """Seconds a shutdown hook may still spend (waiting on peers, joining a thread); 0 once spent. The hooks
+        get ``HOOKS_SHARE`` of the timeout (the rest is for the final events), and never so long that the
+        broker, missing the heartbeats meanwhile, would declare the node down before its bye."""
+        hooks_s = self.settings.shutdown_timeout_s * HOOKS_SHARE
+        if self.welcome is not None:
+            hooks_s = min(hooks_s, self.welcome.node_timeout - 2 * self.welcome.heartbeat_interval)
+        return max(0.0, self.shutdown_started + hooks_s - time.monotonic())
 
     @property
     def stopping(self) -> bool:
