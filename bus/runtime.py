@@ -29,6 +29,7 @@ import contextlib
 import heapq
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -122,11 +123,12 @@ def on_signals(callback: Callable[[], None]) -> Iterator[None]:
 class ExitWatchdog:
     """Process-wide exit bound for ``refbus node`` processes (never installed in an embedding process).
 
-    Once a node of this process begins its shutdown (:meth:`NodeRuntime.begin_shutdown`, at the first stop or
-    signal), the watchdog stops that node's loop at ``HOOKS_SHARE`` of its ``shutdown_timeout_s`` if it still
-    runs (a training loop that drives the node and is stuck in user code or a collective), and ends the
-    process (``os._exit(1)``) when the whole timeout is spent and it is still alive: whatever a thread still
-    does, the process never outlives its deadline.
+    The shutdown clock starts when SIGINT/SIGTERM arrives (seen through the interpreter's wakeup fd, so even
+    while the main thread is stuck in native code: a collective, a long kernel) or when the node begins its
+    shutdown otherwise (:meth:`NodeRuntime.begin_shutdown`). The watchdog then stops the node's loop at the
+    hooks' share of ``shutdown_timeout_s`` if it still runs (a training loop that drives the node and cannot
+    finish its step), and ends the process when the whole timeout is spent and it is still alive
+    (``os._exit``: status 0 when the node had closed and only the interpreter's exit was left, 1 otherwise).
     """
 
     _installed: ExitWatchdog | None = None
@@ -134,24 +136,39 @@ class ExitWatchdog:
     def __init__(self) -> None:
         self._begun = threading.Event()
         self._node: NodeRuntime | None = None
+        self._signals, signalled = socket.socketpair()
+        signalled.setblocking(False)
+        self._signalled = signalled  # kept open for the process's life: the interpreter writes to it
+        signal.set_wakeup_fd(signalled.fileno(), warn_on_full_buffer=False)
 
     @classmethod
     def install(cls) -> None:
-        """Arm the watchdog for this process (idempotent); it waits for a node's shutdown to begin."""
+        """Arm the watchdog for this process (idempotent; main thread, before any node is made)."""
         if cls._installed is None:
             cls._installed = watchdog = cls()
             threading.Thread(target=watchdog._watch, name="refbus-exit-watchdog", daemon=True).start()
 
     @classmethod
-    def notify(cls, node: NodeRuntime) -> None:
-        """``node`` began its shutdown (safe from signal handlers: the only lock taken is the watchdog's own)."""
+    def attach(cls, node: NodeRuntime) -> None:
+        """``node`` is the one this process runs (the first made wins)."""
         watchdog = cls._installed
         if watchdog is not None and watchdog._node is None:
             watchdog._node = node
-            watchdog._begun.set()
+
+    @classmethod
+    def notify(cls) -> None:
+        """The attached node began its shutdown (safe from signal handlers: the only lock taken is the
+        watchdog's own)."""
+        if cls._installed is not None:
+            cls._installed._begun.set()
 
     def _watch(self) -> None:
-        self._begun.wait()
+        while not self._begun.is_set():
+            ready, _, _ = select.select([self._signals], [], [], 0.1)
+            if ready:
+                self._signals.recv(64)
+                if self._node is not None:
+                    self._node.begin_shutdown()
         node = self._node
         assert node is not None
         timeout = node.settings.shutdown_timeout_s
@@ -160,10 +177,12 @@ class ExitWatchdog:
             log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
             node.stop()
         time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
-        log.error("node.shutdown_overran", shutdown_timeout_s=timeout)
+        if not node.closed:
+            log.error("node.shutdown_overran", shutdown_timeout_s=timeout)
         with contextlib.suppress(Exception):
+            sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(1)
+        os._exit(0 if node.closed else 1)
 
 
 def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
@@ -211,6 +230,7 @@ class NodeRuntime:
         self._timers: list[_Timer] = []
         self._stopping = False
         self._shutdown_started: float | None = None
+        self.closed = False  # close() has finished
         self._rejoin = False
         self._calls: deque[Callable[[], None]] = deque()
         self._confirmed_seq = 0
@@ -222,6 +242,7 @@ class NodeRuntime:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.calls = Calls(self.client, self.watch, settings.retry)
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
+        ExitWatchdog.attach(self)
 
     # --- building blocks for roles -------------------------------------------------------------------
 
@@ -381,7 +402,7 @@ class NodeRuntime:
         whose own loop ends the node later (a training loop finishing its step); :meth:`stop` calls it."""
         if self._shutdown_started is None:
             self._shutdown_started = time.monotonic()
-            ExitWatchdog.notify(self)
+            ExitWatchdog.notify()
 
     @property
     def shutdown_started(self) -> float:
@@ -491,6 +512,7 @@ class NodeRuntime:
         self.calls.close()
         if cut_off:
             self._remove_ready_file()
+            self.closed = True
             log.info("node.stopped", sockets="left open: a shutdown hook was cut off")
             return
         for client in self._clients:
@@ -508,6 +530,7 @@ class NodeRuntime:
         self._wake_w.close()
         self.ctx.term()
         self._remove_ready_file()
+        self.closed = True
         log.info("node.stopped")
 
     def _run_shutdown_hooks(self) -> bool:
