@@ -165,10 +165,9 @@ class ExitWatchdog:
     def _watch(self) -> None:
         while not self._begun.is_set():
             ready, _, _ = select.select([self._signals], [], [], 0.1)
-            if ready:
-                self._signals.recv(64)
-                if self._node is not None:
-                    self._node.begin_shutdown()
+            stopping = {signal.SIGINT, signal.SIGTERM}
+            if ready and stopping & set(self._signals.recv(64)) and self._node is not None:
+                self._node.begin_shutdown()
         node = self._node
         assert node is not None
         timeout = node.settings.shutdown_timeout_s
