@@ -189,7 +189,9 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
         if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
-            failed = supervisor.fatal
+            # A rank that failed as the last one finished ended the loop before the supervisor saw it.
+            failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
+                                          if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
             peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
             for prefix in ("orchestrator", "trainer", "rollout", "env"):
                 cluster.stop(cluster.by_role(prefix))
