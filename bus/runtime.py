@@ -497,10 +497,11 @@ class NodeRuntime:
         """Shut down within ``shutdown_timeout_s`` of the stop: hooks, final events, bye, sockets.
 
         A hook cut off at its share of the deadline may still use this node's sockets on its thread, so they
-        are then left to the process's exit instead of being closed under it."""
+        are then released by that thread once the hook returns (or by the process's exit), never under it."""
         self.begin_shutdown()
         self._stopping = True
-        cut_off = self._run_shutdown_hooks()
+        finals_sent = threading.Event()
+        cut_off = self._run_shutdown_hooks(finals_sent)
         close_by = self.shutdown_started + self.settings.shutdown_timeout_s * CLOSE_SHARE
         bye_s = min(BYE_TIMEOUT_S, self.settings.shutdown_timeout_s * (CLOSE_SHARE - HOOKS_SHARE) / 2)
         self.flush_events(max(0.0, close_by - bye_s - time.monotonic()))
@@ -509,11 +510,18 @@ class NodeRuntime:
                 timeout = max(0.05, min(bye_s, close_by - time.monotonic()))
                 self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=timeout, attempts=1))
         self.calls.close()
+        self._remove_ready_file()
+        self.closed = True
         if cut_off:
-            self._remove_ready_file()
-            self.closed = True
-            log.info("node.stopped", sockets="left open: a shutdown hook was cut off")
+            finals_sent.set()  # the hook thread releases the sockets once its hook returns
+            log.info("node.stopped", sockets="released when the cut-off hook returns")
             return
+        self._release()
+        log.info("node.stopped")
+
+    def _release(self) -> None:
+        """Close every socket and the context, remove ipc files, stop serving metrics (the last step of
+        :meth:`close`, on whichever thread may touch the sockets last)."""
         for client in self._clients:
             client.close()
         for sock in self._owned:
@@ -528,33 +536,38 @@ class NodeRuntime:
         self._wake_r.close()
         self._wake_w.close()
         self.ctx.term()
-        self._remove_ready_file()
-        self.closed = True
-        log.info("node.stopped")
 
-    def _run_shutdown_hooks(self) -> bool:
+    def _run_shutdown_hooks(self, finals_sent: threading.Event) -> bool:
         """Run the hooks in order on a helper thread (the loop has stopped: it hands them its sockets) until
-        the hooks' share of the deadline; True when one was cut off (logged; the hooks after it do not run)."""
+        the hooks' share of the deadline; True when one was cut off (logged; the hooks after it do not run,
+        and once it returns and ``finals_sent`` is set, that thread releases the sockets)."""
         running: list[str] = []
-        cut = threading.Event()
+        state = {"done": False, "cut": False}
+        decided = threading.Lock()  # the hooks ending and the cut-off exclude each other
 
         def run_hooks() -> None:
             for hook in self.shutdown_hooks:
-                if cut.is_set():
-                    return
+                if state["cut"]:
+                    break
                 running[:] = [getattr(hook, "__qualname__", repr(hook))]
                 try:
                     hook()
                 except Exception:
                     log.exception("node.shutdown_hook_failed", hook=running[0])
-            running.clear()
+            with decided:
+                state["done"] = True
+            if state["cut"]:
+                finals_sent.wait()
+                self._release()
 
         thread = threading.Thread(target=run_hooks, name=f"refbus-shutdown-{self.node_id}", daemon=True)
         thread.start()
         thread.join(self.shutdown_left())
-        if not thread.is_alive():
-            return False
-        cut.set()
+        with decided:
+            if state["done"]:
+                thread.join()  # only its last lines are left
+                return False
+            state["cut"] = True
         log.error("node.shutdown_hook_cut_off", hook=next(iter(running), "?"),
                   shutdown_timeout_s=self.settings.shutdown_timeout_s)
         return True

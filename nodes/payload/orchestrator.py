@@ -236,7 +236,8 @@ class Orchestrator:
             outcomes: list[Outcome] = [RequestTimeout("no time left before the shutdown deadline")] * len(reachable)
         else:
             clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in reachable}
-            outcomes = list(gather([(clients[e], request) for e, request in reachable], deadline_s=left))
+            # A tenth of the time left stays for handling the outcomes before the hooks' share ends.
+            outcomes = list(gather([(clients[e], request) for e, request in reachable], deadline_s=left * 0.9))
         for (endpoint, request), outcome in zip(reachable, outcomes, strict=True):
             self._on_deleted(endpoint, request, outcome)
 
