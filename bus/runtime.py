@@ -11,8 +11,11 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
    live the same way and replay what was asked for;
 3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
    deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node;
-4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, say ``bye``, close every socket (linger
-   0), remove ipc socket files and the ready file.
+4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, flush the events published so far, say
+   ``bye``, close every socket (linger 0), remove ipc socket files and the ready file; all of it within
+   ``shutdown_timeout_s`` of the stop (:meth:`shutdown_left` is what a hook that waits on peers may take; a
+   hook still running when the hooks' share is spent is cut off, logged, and the final events go out anyway).
+   In a ``refbus node`` process the :class:`ExitWatchdog` then guarantees the exit itself.
 
 Single-threaded by design: handlers run on the loop thread and must not block for long. User code that
 may compute for long (a training step, a generation) runs on another thread, so the loop keeps answering
@@ -26,8 +29,10 @@ import contextlib
 import heapq
 import json
 import os
+import select
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -76,6 +81,11 @@ from .sockets import (
 log = structlog.get_logger(__name__)
 
 SYNC_PROBE_INTERVAL_MS = 20
+# Shares of ``shutdown_timeout_s``, counted from the stop: the shutdown hooks end by HOOKS_SHARE, the final
+# event flush and bye by CLOSE_SHARE, and the process is gone by the whole (what is left is its exit).
+HOOKS_SHARE = 0.7
+CLOSE_SHARE = 0.95
+BYE_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class RuntimeSettings:
     secret: bytes = b""
     heartbeat_interval_s: float = 1.0
     connect_timeout_s: float = 15.0
+    shutdown_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: ephemeral, -1: no endpoint
     ready_file: str = ""
@@ -109,6 +120,70 @@ def on_signals(callback: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class ExitWatchdog:
+    """Process-wide exit bound for ``refbus node`` processes (never installed in an embedding process).
+
+    The shutdown clock starts when SIGINT/SIGTERM arrives (seen through the interpreter's wakeup fd, so even
+    while the main thread is stuck in native code: a collective, a long kernel) or when the node begins its
+    shutdown otherwise (:meth:`NodeRuntime.begin_shutdown`). The watchdog then stops the node's loop at the
+    hooks' share of ``shutdown_timeout_s`` if it still runs (a training loop that drives the node and cannot
+    finish its step), and ends the process when the whole timeout is spent and it is still alive
+    (``os._exit``: status 0 when the node had closed and only the interpreter's exit was left, 1 otherwise).
+    """
+
+    _installed: ExitWatchdog | None = None
+
+    def __init__(self) -> None:
+        self._begun = threading.Event()
+        self._node: NodeRuntime | None = None
+        self._signals, signalled = socket.socketpair()
+        signalled.setblocking(False)
+        self._signalled = signalled  # kept open for the process's life: the interpreter writes to it
+        signal.set_wakeup_fd(signalled.fileno(), warn_on_full_buffer=False)
+
+    @classmethod
+    def install(cls) -> None:
+        """Arm the watchdog for this process (idempotent; main thread, before any node is made)."""
+        if cls._installed is None:
+            cls._installed = watchdog = cls()
+            threading.Thread(target=watchdog._watch, name="refbus-exit-watchdog", daemon=True).start()
+
+    @classmethod
+    def attach(cls, node: NodeRuntime) -> None:
+        """``node`` is the one this process runs (the first made wins)."""
+        watchdog = cls._installed
+        if watchdog is not None and watchdog._node is None:
+            watchdog._node = node
+
+    @classmethod
+    def notify(cls) -> None:
+        """The attached node began its shutdown (safe from signal handlers: the only lock taken is the
+        watchdog's own)."""
+        if cls._installed is not None:
+            cls._installed._begun.set()
+
+    def _watch(self) -> None:
+        while not self._begun.is_set():
+            ready, _, _ = select.select([self._signals], [], [], 0.1)
+            stopping = {signal.SIGINT, signal.SIGTERM}
+            if ready and stopping & set(self._signals.recv(64)) and self._node is not None:
+                self._node.begin_shutdown()
+        node = self._node
+        assert node is not None
+        timeout = node.settings.shutdown_timeout_s
+        time.sleep(max(0.0, node.shutdown_started + timeout * HOOKS_SHARE - time.monotonic()))
+        if not node.stopping:
+            log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
+            node.stop()
+        time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
+        if not node.closed:
+            log.error("node.shutdown_overran", shutdown_timeout_s=timeout)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(0 if node.closed else 1)
 
 
 def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
@@ -155,6 +230,8 @@ class NodeRuntime:
         self._subscriptions: list[tuple[Subscriber, Callable[[Message], None], int | None]] = []
         self._timers: list[_Timer] = []
         self._stopping = False
+        self._shutdown_started: float | None = None
+        self.closed = False  # close() has finished
         self._rejoin = False
         self._calls: deque[Callable[[], None]] = deque()
         self._confirmed_seq = 0
@@ -167,6 +244,7 @@ class NodeRuntime:
         self.calls = Calls(self.client, self.watch, settings.retry)
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
         self._peers: Peers | None = None
+        ExitWatchdog.attach(self)
 
     # --- building blocks for roles -------------------------------------------------------------------
 
@@ -242,11 +320,12 @@ class NodeRuntime:
             self.control = self.calls.client(self.settings.bus)
         return self.control
 
-    def lookup(self, role: str = "") -> list[NodeInfo] | None:
+    def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
         """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
-        broker does not answer (callers try again on their next tick)."""
+        broker does not answer within ``policy`` (default: the runtime's; callers try again on their next
+        tick)."""
         try:
-            listed = self.broker().request(Nodes(role=role)).body
+            listed = self.broker().request(Nodes(role=role), policy=policy).body
         except (RemoteError, RequestTimeout) as exc:
             log.warning("registry.lookup_failed", role=role, error=str(exc))
             return None
@@ -323,10 +402,32 @@ class NodeRuntime:
             self._thread.join(timeout)
 
     def stop(self) -> None:
-        """Ask the loop to finish (safe from signal handlers and other threads)."""
+        """Ask the loop to finish (safe from signal handlers and other threads); starts the shutdown clock."""
+        self.begin_shutdown()
         self._stopping = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
+
+    def begin_shutdown(self) -> None:
+        """Start the shutdown clock (once): the node is to be gone ``shutdown_timeout_s`` from now. For a role
+        whose own loop ends the node later (a training loop finishing its step); :meth:`stop` calls it."""
+        if self._shutdown_started is None:
+            self._shutdown_started = time.monotonic()
+            ExitWatchdog.notify()
+
+    @property
+    def shutdown_started(self) -> float:
+        """When the shutdown clock started (monotonic); now when it has not."""
+        return self._shutdown_started if self._shutdown_started is not None else time.monotonic()
+
+    def shutdown_left(self) -> float:
+        """Seconds a shutdown hook may still spend (waiting on peers, joining a thread); 0 once spent. The hooks
+        get ``HOOKS_SHARE`` of the timeout (the rest is for the final events), and never so long that the
+        broker, missing the heartbeats meanwhile, would declare the node down before its bye."""
+        hooks_s = self.settings.shutdown_timeout_s * HOOKS_SHARE
+        if self.welcome is not None:
+            hooks_s = min(hooks_s, self.welcome.node_timeout - 2 * self.welcome.heartbeat_interval)
+        return max(0.0, self.shutdown_started + hooks_s - time.monotonic())
 
     @property
     def stopping(self) -> bool:
@@ -362,7 +463,7 @@ class NodeRuntime:
 
     def stop_on_signals(self) -> contextlib.AbstractContextManager[None]:
         """SIGINT and SIGTERM ask the node to stop (:meth:`stop`) instead of killing the process, so its
-        shutdown hooks run; for roles that drive the loop themselves (a training loop). Main thread only."""
+        shutdown hooks run (within ``shutdown_timeout_s``). Main thread only."""
         return on_signals(self.stop)
 
     def start(self) -> None:
@@ -407,16 +508,34 @@ class NodeRuntime:
             self.calls.tick()
 
     def close(self) -> None:
-        for hook in self.shutdown_hooks:
-            try:
-                hook()
-            except Exception:
-                log.exception("node.shutdown_hook_failed")
-        self.flush_events()
+        """Shut down within ``shutdown_timeout_s`` of the stop: hooks, final events, bye, sockets.
+
+        A hook cut off at its share of the deadline may still use this node's sockets on its thread, so they
+        are then released by that thread once the hook returns (or by the process's exit), never under it."""
+        self.begin_shutdown()
+        self._stopping = True
+        finals_sent = threading.Event()
+        cut_off = self._run_shutdown_hooks(finals_sent)
+        close_by = self.shutdown_started + self.settings.shutdown_timeout_s * CLOSE_SHARE
+        bye_s = min(BYE_TIMEOUT_S, self.settings.shutdown_timeout_s * (CLOSE_SHARE - HOOKS_SHARE) / 2)
+        self.flush_events(max(0.0, close_by - bye_s - time.monotonic()))
         if self.control is not None and self.welcome is not None:
             with contextlib.suppress(Exception):
-                self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=0.5, attempts=1))
+                timeout = max(0.05, min(bye_s, close_by - time.monotonic()))
+                self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=timeout, attempts=1))
         self.calls.close()
+        self._remove_ready_file()
+        self.closed = True
+        if cut_off:
+            finals_sent.set()  # the hook thread releases the sockets once its hook returns
+            log.info("node.stopped", sockets="released when the cut-off hook returns")
+            return
+        self._release()
+        log.info("node.stopped")
+
+    def _release(self) -> None:
+        """Close every socket and the context, remove ipc files, stop serving metrics (the last step of
+        :meth:`close`, on whichever thread may touch the sockets last)."""
         for client in self._clients:
             client.close()
         for sock in self._owned:
@@ -431,10 +550,46 @@ class NodeRuntime:
         self._wake_r.close()
         self._wake_w.close()
         self.ctx.term()
+
+    def _run_shutdown_hooks(self, finals_sent: threading.Event) -> bool:
+        """Run the hooks in order on a helper thread (the loop has stopped: it hands them its sockets) until
+        the hooks' share of the deadline; True when one was cut off (logged; the hooks after it do not run,
+        and once it returns and ``finals_sent`` is set, that thread releases the sockets)."""
+        running: list[str] = []
+        state = {"done": False, "cut": False}
+        decided = threading.Lock()  # the hooks ending and the cut-off exclude each other
+
+        def run_hooks() -> None:
+            for hook in self.shutdown_hooks:
+                if state["cut"]:
+                    break
+                running[:] = [getattr(hook, "__qualname__", repr(hook))]
+                try:
+                    hook()
+                except Exception:
+                    log.exception("node.shutdown_hook_failed", hook=running[0])
+            with decided:
+                state["done"] = True
+            if state["cut"]:
+                finals_sent.wait()
+                self._release()
+
+        thread = threading.Thread(target=run_hooks, name=f"refbus-shutdown-{self.node_id}", daemon=True)
+        thread.start()
+        thread.join(self.shutdown_left())
+        with decided:
+            if state["done"]:
+                thread.join()  # only its last lines are left
+                return False
+            state["cut"] = True
+        log.error("node.shutdown_hook_cut_off", hook=next(iter(running), "?"),
+                  shutdown_timeout_s=self.settings.shutdown_timeout_s)
+        return True
+
+    def _remove_ready_file(self) -> None:
         if self.settings.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.settings.ready_file)
-        log.info("node.stopped")
 
     # --- internals ----------------------------------------------------------------------------------
 

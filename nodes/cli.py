@@ -16,7 +16,7 @@ import msgspec
 
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
-from ..bus.runtime import BusUnavailable, NodeRuntime
+from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs, config) afterwards")
     up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files; kept); default: a "
                     "temporary one, removed at the end unless --keep-logs")
+    up.add_argument("--chaos", type=_positive_seconds, default=0.0, metavar="SECONDS",
+                    help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker or ps-worker: "
+                    "the supervisor restarts it, as after any crash. Trainer ranks, the orchestrator, the "
+                    "ps-manager and the broker are never killed: they do not restart yet (trainer ranks need "
+                    "checkpoints)")
+    up.add_argument("--chaos-seed", type=int, default=0, metavar="N",
+                    help="seed of the chaos victims' choice: the same seed picks the same sequence (default: 0)")
     add_config_flags(up)
 
     top = commands.add_parser(
@@ -143,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     add_config_flags(config_commands.add_parser("show", help="print the effective config as TOML"))
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _list_nodes(config: Config, args: argparse.Namespace) -> int:
@@ -206,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
     try:
         if args.command == "node":
+            ExitWatchdog.install()  # a node process is gone node.shutdown_timeout_s after its stop, whatever runs
             return role_entry(args.role)(config, args)
         if args.command == "monitor":
             from .monitor import run_monitor

@@ -68,6 +68,7 @@ class Config:
             secret=self.security.secret.encode(),
             heartbeat_interval_s=self.bus.heartbeat_interval_s,
             connect_timeout_s=self.node.connect_timeout_s,
+            shutdown_timeout_s=self.node.shutdown_timeout_s,
             metrics_host=self.node.metrics_host,
             metrics_port=self.node.metrics_port,
             ready_file=ready_file,

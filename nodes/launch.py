@@ -27,7 +27,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to send SIGTERM when the parent dies (no-op elsewhere)."""
+    """In the child before exec: ask Linux to send SIGTERM when the parent dies (no-op elsewhere). A node
+    process is gone ``node.shutdown_timeout_s`` after it, its final events sent when the broker still runs."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -62,9 +63,11 @@ class NodeProcess:
         self.name = name or command[0]
         self.ready_file = self.workdir / f"{self.name}.ready.json"
         self.log_path = self.workdir / f"{self.name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Appended: a node restarted under the same name keeps its earlier incarnations' logs.
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         # ``prefix`` runs the node through a launcher that execs it (e.g. one that enters a namespace), so
         # the pid, the signals and the parent-death signal are still the node's own.
+        self.ready_file.unlink(missing_ok=True)  # an earlier incarnation's, left by a kill: not this one's
         argv = [*prefix, sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
         # Own session: a terminal's Ctrl-C reaches the launcher only, which stops its nodes in order.
         # PDEATHSIG: a launcher that is killed outright does not leave its nodes behind.

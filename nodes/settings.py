@@ -58,6 +58,11 @@ class NodeSettings:
         "it: stores delete what a dead holder held (holder-down), the orchestrator drops references to a dead "
         "store's blobs (lost).",
     )
+    shutdown_timeout_s: float = key(
+        5.0,
+        "Seconds from SIGTERM (or a stop) until a node process is gone, its final events (shutdown deletes, bye) "
+        "included: shutdown hooks that would take longer are cut off, and a node still alive then exits.",
+    )
     metrics_host: str = key("127.0.0.1", "Address of each node's Prometheus endpoint.")
     metrics_port: int = key(0, "Port of the Prometheus endpoint: 0 picks a free one, -1 disables it.")
     log_level: str = key("info", "Log level: debug, info, warning, error.")
@@ -211,3 +216,11 @@ class UpSettings:
     trainers: int = key(2, "Trainer ranks (torch.distributed world size).")
     rollouts: int = key(2, "Rollout worker processes.")
     ps_workers: int = key(2, "Parameter-server worker processes.")
+    restart_budget: int = key(
+        20,
+        "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers); "
+        "a crash beyond it, or of another role, ends the run.",
+    )
+    restart_backoff_s: float = key(
+        0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."
+    )

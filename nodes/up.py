@@ -7,10 +7,14 @@ Starts, each as its own ``refbus node <role>`` process and in dependency order: 
 written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (step, reward, fetch
-time, bytes held per node). When the trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes
-are stopped in order (orchestrator first: it deletes what it holds; env servers last among the data plane:
-they delete whatever is left), and the summary is printed, and written as JSON (``--summary-out``) and as a
-PNG (``--plot-out``, matplotlib).
+time, bytes held per node). A node that dies is named with its exit status; env servers, rollout workers and
+ps-workers are restarted under the same node id (:mod:`.supervisor`: a restart budget, a backoff), a death of
+any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
+within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
+so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
+PS; the broker last, so every final event reaches the stream), and the summary is printed, and written as
+JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib).
 
 Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledger.Ledger` live, from the
 first event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders
@@ -45,11 +49,13 @@ from ..protocol.messages import EpisodeFinished, FetchAck, RunEnd, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import Ledger, LedgerReport, Reconciled, reconcile_stores
+from .supervisor import Chaos, Supervisor
 
 log = structlog.get_logger(__name__)
 
 MiB = 1 << 20
-PROGRESS_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.1  # the launcher's main loop: deaths, restarts, chaos, progress lines
+STOP_GRACE_FACTOR = 2.0  # a node still running this many node.shutdown_timeout_s after SIGTERM gets SIGKILL
 SETTLE_S = 0.05  # how long the launcher lets the watcher fold before it looks again
 
 
@@ -113,6 +119,7 @@ class LocalCluster:
         self.config_file = workdir / "cluster.toml"
         self.config_file.write_text(to_toml(config))
         self.nodes: list[NodeProcess] = []
+        self._commands: dict[str, tuple[str, ...]] = {}
 
     def pin(self, section: str, **values: Any) -> None:
         """Fix config values learned from a started node (its bound endpoint when the config said port 0),
@@ -124,12 +131,24 @@ class LocalCluster:
         """Start a node (and wait until it is ready); :class:`StartCancelled` once the run is being stopped."""
         if self.cancelled():
             raise StartCancelled(name)
-        node = NodeProcess([*command, "--config", str(self.config_file), "--node-id", name],
-                           workdir=self.workdir, name=name)
+        self._commands[name] = command
+        node = self._spawn(name)
         self.nodes.append(node)
         if wait:
             self.wait_ready(node, self.config.node.connect_timeout_s * 2)
         return node
+
+    def restart(self, dead: NodeProcess) -> NodeProcess:
+        """Start an exited node again, same command and node id, in its place in :attr:`nodes` (so the stop
+        order holds); does not wait for it to be ready."""
+        dead.stop()
+        node = self._spawn(dead.name)
+        self.nodes[self.nodes.index(dead)] = node
+        return node
+
+    def _spawn(self, name: str) -> NodeProcess:
+        return NodeProcess([*self._commands[name], "--config", str(self.config_file), "--node-id", name],
+                           workdir=self.workdir, name=name)
 
     def wait_ready(self, node: NodeProcess, timeout: float) -> None:
         node.wait_ready(timeout, cancelled=self.cancelled)
@@ -138,18 +157,21 @@ class LocalCluster:
         return [node for node in self.nodes if node.name.startswith(prefix)]
 
     def stop(self, nodes: Iterable[NodeProcess]) -> None:
-        """SIGTERM to all of ``nodes`` at once, then wait for each (SIGKILL after the grace period)."""
+        """SIGTERM to all of ``nodes`` at once, then wait for each: each is gone within
+        ``node.shutdown_timeout_s``; one still running at twice that gets SIGKILL."""
         nodes = [node for node in nodes if node.proc.poll() is None]
         for node in nodes:
             node.signal(signal.SIGTERM)
+        grace = self.config.node.shutdown_timeout_s * STOP_GRACE_FACTOR
+        deadline = time.monotonic() + grace
         for node in nodes:
-            node.stop()
+            node.stop(max(0.0, deadline - time.monotonic()))
 
     def stop_all(self) -> None:
         """Orchestrator, then trainers and rollouts, then env servers, then the PS, the broker last."""
         for prefix in ("orchestrator", "trainer", "rollout", "env", "ps-worker", "ps-manager"):
             self.stop(self.by_role(prefix))
-        self.stop(self.nodes[:1])  # the broker: last, so every node's final events reach the watcher
+        self.stop(self.by_role("bus"))  # the broker: last, so every node's final events reach the watcher
 
 
 def run_up(config: Config, args: argparse.Namespace) -> int:
@@ -165,6 +187,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     watcher: NodeRuntime | None = None
     probe: NodeRuntime | None = None
     summary: dict[str, Any] = {}
+    supervisor = Supervisor(cluster, budget=up.restart_budget, backoff_s=up.restart_backoff_s)
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     try:
         with stop.on_signals():
@@ -176,15 +199,22 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
                 progress = _Progress(probe, record, up.steps)
+                chaos = Chaos(cluster, args.chaos, args.chaos_seed) if args.chaos else None
                 trainers = cluster.by_role("trainer")
-                while not (stop.requested or all(t.proc.poll() is not None for t in trainers) or _died(cluster)):
+                while not (stop.requested or all(t.proc.poll() is not None for t in trainers)):
+                    if supervisor.poll() is not None:
+                        break
+                    if chaos is not None:
+                        chaos.poll()
                     progress.poll()
-                    stop.wait(PROGRESS_INTERVAL_S)
+                    stop.wait(POLL_INTERVAL_S)
                 progress.poll()
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
         if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
-            failed = [n.name for n in cluster.nodes if n.proc.poll() not in (0, None)]
+            # A rank that failed as the last one finished ended the loop before the supervisor saw it.
+            failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
+                                          if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
             peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
             for prefix in ("orchestrator", "trainer", "rollout"):
                 cluster.stop(cluster.by_role(prefix))
@@ -192,6 +222,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                                 "failed" if failed else "done")
             summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
                                problems=problems)
+            summary.update(supervisor.report())
     except NodeStartError as exc:
         print(f"refbus up: a node failed to start: {exc}", flush=True)
         return 1
@@ -288,16 +319,6 @@ def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopF
     if not record.versions:
         raise NodeStartError("the trainers did not publish version 0 of the weights in time")
     cluster.start("orchestrator", "node", "orchestrator")
-
-
-def _died(cluster: LocalCluster) -> bool:
-    """A node other than a finished trainer exited: the run cannot go on."""
-    for node in cluster.nodes:
-        code = node.proc.poll()
-        if code is not None and not (node.name.startswith("trainer") and code == 0):
-            log.error("node.exited", node=node.name, code=code, log=node.log_tail(10))
-            return True
-    return False
 
 
 def _wait_until(record: RunRecord, condition: Callable[[Ledger], bool], timeout_s: float) -> None:
@@ -405,6 +426,10 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  unaccounted           {line}")
     print(f"  ownership violations  {blobs['violations']}")
     print(f"  dropped micro batches {summary['dropped_micro_batches']}")
+    deaths = ", ".join(f"{d['node']} ({d['exit']}{'' if d['restarted'] else ', not restarted'})"
+                       for d in summary["deaths"])
+    print(f"  node deaths           {len(summary['deaths'])}{': ' + deaths if deaths else ''}; "
+          f"restarts {summary['restarts']}")
     print(f"  ps versions           {len(summary['ps_versions'])} (last {max(summary['ps_versions'], default=-1)})")
     print(f"  result                {'ok' if summary['ok'] else 'NOT ok'}", flush=True)
     if args.summary_out:

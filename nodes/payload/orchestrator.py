@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, RemoteError, gather, split_outcomes
+from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import (
@@ -275,20 +275,44 @@ class Orchestrator:
     def close(self) -> None:
         """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
-        stopped, so these deletes wait for their replies (each bounded by the retry policy); events still
-        waiting for claims are dropped (their blobs unclaimed)."""
+        stopped, so these deletes wait for their replies, all within the node's shutdown deadline
+        (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all (its deletes fail
+        at once). Events still waiting for claims are dropped (their blobs unclaimed)."""
         actions = self.core.close()
         for action in actions:
             if isinstance(action, LoseBlobs):
                 self._lose(action)
+        deletes = [action for action in actions if isinstance(action, DeleteBlobs)]
         requests = [(endpoint, Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id,
                                       reason=action.reason))
-                    for action in actions if isinstance(action, DeleteBlobs)
-                    for endpoint, refs in group_by_endpoint(action.refs).items()]
-        clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in requests}
-        outcomes = gather([(clients[endpoint], request) for endpoint, request in requests])
-        for (endpoint, request), outcome in zip(requests, outcomes, strict=True):
+                    for action in deletes for endpoint, refs in group_by_endpoint(action.refs).items()]
+        live = self._live_stores() if requests else None
+        reachable: list[tuple[str, Delete]] = []
+        for endpoint, request in requests:
+            if live is None or endpoint in live:
+                reachable.append((endpoint, request))
+            else:
+                self._on_deleted(endpoint, request, PeerDown(endpoint, "not in the registry at shutdown"))
+        left = self.runtime.shutdown_left()
+        if reachable and left <= 0:
+            outcomes: list[Outcome] = [RequestTimeout("no time left before the shutdown deadline")] * len(reachable)
+        else:
+            clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in reachable}
+            # A tenth of the time left stays for handling the outcomes before the hooks' share ends.
+            outcomes = list(gather([(clients[e], request) for e, request in reachable], deadline_s=left * 0.9))
+        for (endpoint, request), outcome in zip(reachable, outcomes, strict=True):
             self._on_deleted(endpoint, request, outcome)
+
+    def _live_stores(self) -> set[str] | None:
+        """The blob endpoints of the env servers the registry lists now; None when the broker does not
+        answer within a quarter of the shutdown time left (then every store is tried)."""
+        timeout = self.runtime.shutdown_left() / 4
+        if timeout <= 0:
+            return None
+        nodes = self.runtime.lookup("env-server", policy=RetryPolicy(timeout_s=timeout, attempts=1))
+        if nodes is None:
+            return None
+        return {endpoint for node in nodes if (endpoint := node.endpoints.get("blobs"))}
 
     # --- observability -------------------------------------------------------------------------------
 

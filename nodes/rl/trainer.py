@@ -82,8 +82,9 @@ def run(config: Config, args: argparse.Namespace) -> int:
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)
     train_step = load_entry_point(rl.train_step)
     # SIGINT/SIGTERM end the run after the step in progress (its blobs deleted, its weights pushed): the node
-    # loop keeps serving until then, and stops once the training loop is done with it.
-    with on_signals(trainer.interrupt):
+    # loop keeps serving until then, and stops once the training loop is done with it. The shutdown clock
+    # starts at the signal: a step that cannot finish in time (a peer rank gone, mid-collective) is cut off.
+    with on_signals(lambda: (trainer.interrupt(), runtime.begin_shutdown())):
         try:
             runtime.start_background()
             ps.push(shard_of(model.state_dict(), rank, world), 0, rank=rank, world=world)

@@ -1,0 +1,156 @@
+"""What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
+
+Restartable today are the roles whose restarted process re-joins under the same node id and needs nothing
+else back: env servers (what a dead one stored is lost), rollout workers and ps-workers. The orchestrator,
+the trainer ranks, the ps-manager and the broker are not: their death ends the run, naming them (a trainer
+rank that exits 0 has finished its steps). Restarts come out of one budget per run (``up.restart_budget``),
+each after a backoff (``up.restart_backoff_s``, doubled for every earlier restart of the same node).
+
+:class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
+SECONDS, so a deployment can be tried against crashes the way the tests do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .launch import NodeProcess
+
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-")
+"""Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
+MAX_BACKOFF_FACTOR = 16
+
+
+class Cluster(Protocol):
+    """What the supervisor needs from the launcher's cluster."""
+
+    nodes: list[NodeProcess]
+
+    def restart(self, node: NodeProcess) -> NodeProcess: ...
+
+
+def restartable(name: str) -> bool:
+    return name.startswith(RESTARTABLE_PREFIXES)
+
+
+def describe_exit(code: int) -> str:
+    """``SIGKILL`` for a process killed by a signal, ``exit 1`` for one that exited."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Death:
+    """One node process that ended while the run went on."""
+
+    node: str
+    pid: int
+    exit: str  # describe_exit()
+    at_s: float  # seconds into the run
+    restarted: bool  # False: the run ended because of it
+
+
+class Supervisor:
+    """Polled by the launcher's main loop (one thread): notices every exit, restarts or gives up.
+
+    The supervisor owns the decision; the cluster owns the processes (``cluster.restart`` starts a node
+    again under its name and replaces it in ``cluster.nodes``). ``say`` prints a progress line."""
+
+    def __init__(self, cluster: Cluster, *, budget: int, backoff_s: float, say: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster = cluster
+        self.budget = budget
+        self.backoff_s = backoff_s
+        self.say = say
+        self.clock = clock
+        self.started = clock()
+        self.deaths: list[Death] = []
+        self.fatal: list[str] = []  # nodes whose death ended the run
+        self.restarts = 0
+        self._per_node: Counter[str] = Counter()
+        self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
+
+    def poll(self) -> str | None:
+        """Handle every node that exited since the last poll and start the restarts that are due; the reason
+        the run cannot go on, or None."""
+        now = self.clock()
+        for node in self.cluster.nodes:
+            code = node.proc.poll()
+            if code is None or node.name in self._due or (node.name.startswith("trainer") and code == 0):
+                continue
+            reason = self._on_death(node, code, now)
+            if reason:
+                return reason
+        for name, (due, node) in list(self._due.items()):
+            if due <= now:
+                del self._due[name]
+                new = self.cluster.restart(node)
+                self.say(f"refbus up: {name} restarted (pid {new.pid})")
+        return None
+
+    def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
+        exit_text = describe_exit(code)
+        at_s = round(now - self.started, 1)
+        if not restartable(node.name):
+            why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
+        elif self.restarts >= self.budget:
+            why = f"{node.name} died ({exit_text}); the restart budget ({self.budget}) is spent: the run ends"
+        else:
+            delay = self.backoff_s * min(2 ** self._per_node[node.name], MAX_BACKOFF_FACTOR)
+            self.restarts += 1
+            self._per_node[node.name] += 1
+            self._due[node.name] = (now + delay, node)
+            self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=True))
+            self.say(f"refbus up: {node.name} died ({exit_text}); restarting it in {delay:.1f} s "
+                     f"(restart {self.restarts}/{self.budget})")
+            return None
+        self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=False))
+        self.fatal.append(node.name)
+        self.say(f"refbus up: {why}\n{node.log_tail(10)}")
+        return why
+
+    def report(self) -> dict[str, Any]:
+        """The summary's part: every death (node, pid, exit, when, restarted) and the restarts made."""
+        return {"restarts": self.restarts, "deaths": [dataclasses.asdict(d) for d in self.deaths]}
+
+
+class Chaos:
+    """Every ``interval_s``, SIGKILL one running restartable node, chosen by a generator seeded with ``seed``
+    (the same seed and interval pick the same sequence of names). Trainer ranks are never chosen: they are
+    not restartable until they restart from checkpoints."""
+
+    def __init__(self, cluster: Cluster, interval_s: float, seed: int, *, say: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"the chaos interval must be positive, not {interval_s}")
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self.rng = random.Random(seed)
+        self.say = say
+        self.clock = clock
+        self.due = clock() + interval_s
+        self.killed: list[str] = []
+
+    def poll(self) -> None:
+        now = self.clock()
+        if now < self.due:
+            return
+        self.due = now + self.interval_s
+        running = sorted((n for n in self.cluster.nodes if restartable(n.name) and n.proc.poll() is None),
+                         key=lambda n: n.name)
+        if not running:
+            return
+        victim = self.rng.choice(running)
+        self.killed.append(victim.name)
+        self.say(f"refbus up: chaos: SIGKILL to {victim.name} (pid {victim.pid})")
+        victim.signal(signal.SIGKILL)

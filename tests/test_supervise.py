@@ -1,0 +1,183 @@
+"""`refbus up` supervises: an env server and a rollout worker killed with SIGKILL mid-run are restarted under
+their node ids and the run completes, every death named (progress output, summary); a death of a role that
+is not restartable ends the run naming it; `--chaos` picks its victims from a seeded generator; and a launcher
+killed with SIGKILL leaves no process of its run behind (every node gets the parent-death signal and is gone
+within ``node.shutdown_timeout_s``, the trainer ranks and the rollout workers' offload threads included)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import FAST_LIVENESS
+from polling import wait_for
+from refbus.nodes.supervisor import Chaos, Supervisor, describe_exit
+from test_up import RUN_S, START_S, STOP_S, Up
+
+SHUTDOWN_S = 1.2
+# A fetch or delete against a killed store gives up within this schedule (1 + 1.5 + 2.25 s), not the default
+# 14 s, so the steps after a kill stay short; it still outlasts the node timeout (a config relation).
+QUICK = [*FAST_LIVENESS, "--node-shutdown-timeout-s", str(SHUTDOWN_S), "--requests-timeout-s", "1.0",
+         "--requests-backoff", "1.5", "--up-restart-backoff-s", "0.2",
+         # Short micro batches (two samples each): a killed store costs the micro batches holding its blobs,
+         # never a whole step.
+         "--orchestrator-seq-len", "16"]
+pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
+
+
+def live(pids: set[int]) -> set[int]:
+    """The processes of ``pids`` that still run (a zombie waiting for its reaper has exited)."""
+    running = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state not in ("Z", "X"):
+                running.add(pid)
+    return running
+
+
+def test_killed_env_server_and_rollout_worker_are_restarted_and_the_run_completes(tmp_path: Path) -> None:
+    steps = 6
+    up = Up(tmp_path, steps, *QUICK)
+    try:
+        wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
+        pids = up.note_pids()
+        victims = {"env-1": pids["env-1"], "rollout-1": pids["rollout-1"]}
+        for pid in victims.values():
+            os.kill(pid, signal.SIGKILL)
+        assert up.wait(RUN_S) in (0, 1), up.output()
+
+        summary = up.summary()
+        output = up.output(20_000)
+        assert summary["steps"] == steps and summary["failed_nodes"] == [], output
+        assert summary["restarts"] == 2, output
+        deaths = {d["node"]: d for d in summary["deaths"]}
+        assert set(deaths) == set(victims), output
+        for name, pid in victims.items():
+            assert (deaths[name]["pid"], deaths[name]["exit"], deaths[name]["restarted"]) == (pid, "SIGKILL", True)
+            assert f"refbus up: {name} died (SIGKILL); restarting it" in output
+            assert f"refbus up: {name} restarted (pid " in output
+        assert "node deaths           2: env-1 (SIGKILL), rollout-1 (SIGKILL); restarts 2" in output
+        assert summary["blobs"]["violations"] == 0
+        assert up.leftovers() == []
+    finally:
+        up.close()
+
+
+def test_launcher_killed_leaves_no_process_of_its_run(tmp_path: Path) -> None:
+    up = Up(tmp_path, 200, *QUICK)
+    try:
+        wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
+        nodes = {pid for pid, _ in up.leftovers()} - {up.proc.pid}
+        assert len(nodes) >= 11  # broker, ps-manager, 2 ps-workers, 2 env servers, 2 ranks, 2 rollouts, orchestrator
+
+        killed = time.monotonic()
+        up.proc.kill()
+        up.proc.wait()
+        # Each node is gone within node.shutdown_timeout_s of its parent-death signal; the slack covers start-up
+        # of the signal handling on a loaded machine. The issue's bound (5 s) is kept with the default timeout.
+        wait_for(lambda: not live(nodes), 4 * SHUTDOWN_S, f"no process of the run left (of {sorted(nodes)})")
+        print(f"launcher SIGKILLed: every node gone after {time.monotonic() - killed:.2f}s")
+    finally:
+        up.close()
+
+
+# --- the supervisor's decisions, on stand-in processes -----------------------------------------------------
+
+
+@dataclass
+class _Proc:
+    code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+@dataclass
+class _Node:
+    name: str
+    pid: int
+    proc: _Proc = field(default_factory=_Proc)
+    signals: list[int] = field(default_factory=list)
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        self.proc.code = -sig
+
+    def log_tail(self, lines: int = 30) -> str:
+        return f"log of {self.name}"
+
+
+class _Cluster:
+    def __init__(self, *names: str) -> None:
+        self.nodes: list[_Node] = [_Node(name, 100 + i) for i, name in enumerate(names)]
+        self.restarted: list[str] = []
+
+    def restart(self, dead: _Node) -> _Node:
+        node = _Node(dead.name, dead.pid + 1000)
+        self.nodes[self.nodes.index(dead)] = node
+        self.restarted.append(dead.name)
+        return node
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_otherwise() -> None:
+    cluster, clock, said = _Cluster("bus", "env-0", "orchestrator", "trainer-0"), _Clock(), []
+    supervisor = Supervisor(cluster, budget=2, backoff_s=1.0, say=said.append, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[1].signal(signal.SIGKILL)
+    assert supervisor.poll() is None and cluster.restarted == []  # waits out the backoff
+    clock.now = 1.0
+    assert supervisor.poll() is None and cluster.restarted == ["env-0"]
+    cluster.nodes[1].proc.code = 1
+    assert supervisor.poll() is None
+    clock.now = 2.5
+    assert supervisor.poll() is None and cluster.restarted == ["env-0"]  # the second backoff is doubled
+    clock.now = 3.0
+    assert supervisor.poll() is None and cluster.restarted == ["env-0", "env-0"]
+    cluster.nodes[3].proc.code = 0  # a trainer rank that finished its steps is no death
+    assert supervisor.poll() is None
+    cluster.nodes[1].signal(signal.SIGKILL)
+    assert "restart budget (2) is spent" in (supervisor.poll() or "")
+    assert supervisor.fatal == ["env-0"] and supervisor.restarts == 2
+    assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("env-0", "SIGKILL", True), ("env-0", "exit 1", True), ("env-0", "SIGKILL", False)]
+
+    cluster, said = _Cluster("orchestrator"), []
+    supervisor = Supervisor(cluster, budget=5, backoff_s=1.0, say=said.append, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[0].proc.code = 1
+    assert "orchestrator died (exit 1); it is not restartable" in (supervisor.poll() or "")
+    assert cluster.restarted == [] and supervisor.fatal == ["orchestrator"]
+    assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
+
+
+def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() -> None:
+    def victims(seed: int) -> list[str]:
+        cluster, clock = _Cluster("bus", "ps-manager", "ps-worker-0", "env-0", "env-1", "trainer-0", "trainer-1",
+                                  "rollout-0", "orchestrator"), _Clock()
+        chaos = Chaos(cluster, 2.0, seed, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+        for tick in range(1, 21):
+            clock.now = tick
+            chaos.poll()
+            for node in cluster.nodes:  # every victim restarted at once
+                if node.proc.code is not None:
+                    cluster.restart(node)
+        return chaos.killed
+
+    first = victims(7)
+    assert len(first) == 10 and set(first) <= {"ps-worker-0", "env-0", "env-1", "rollout-0"}
+    assert victims(7) == first
+    assert any(victims(seed) != first for seed in range(8, 12))
+    with pytest.raises(ValueError):
+        Chaos(_Cluster(), 0.0, 0)  # type: ignore[arg-type]
