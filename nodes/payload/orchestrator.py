@@ -125,9 +125,9 @@ class Orchestrator:
         self.lost = 0  # references dropped because their store went down for good
         self._arrivals: deque[_Arrival] = deque()
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
-        peers = runtime.track_peers()
-        peers.on_down(self._on_node_down)
-        peers.on_up(self._on_node_up)
+        self._peers = runtime.track_peers()
+        self._peers.on_down(self._on_node_down)
+        self._peers.on_up(self._on_node_up)
         d = self.core.deadlines
         runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
         if settings.dispatch:
@@ -276,23 +276,22 @@ class Orchestrator:
         """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
-        (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all (its deletes fail
-        at once). Events still waiting for claims are dropped (their blobs unclaimed)."""
+        (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
+        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed)."""
         actions = self.core.close()
         for action in actions:
             if isinstance(action, LoseBlobs):
                 self._lose(action)
-        deletes = [action for action in actions if isinstance(action, DeleteBlobs)]
-        requests = [(endpoint, Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id,
-                                      reason=action.reason))
-                    for action in deletes for endpoint, refs in group_by_endpoint(action.refs).items()]
-        live = self._live_stores() if requests else None
+        deletes = [(endpoint, action.reason, refs) for action in actions if isinstance(action, DeleteBlobs)
+                   for endpoint, refs in group_by_endpoint(action.refs).items()]
+        live = self._live_stores() if deletes else None
         reachable: list[tuple[str, Delete]] = []
-        for endpoint, request in requests:
+        for endpoint, reason, refs in deletes:
             if live is None or endpoint in live:
-                reachable.append((endpoint, request))
-            else:
-                self._on_deleted(endpoint, request, PeerDown(endpoint, "not in the registry at shutdown"))
+                reachable.append((endpoint, Delete(blob_ids=[r.blob_id for r in refs],
+                                                   holder=self.runtime.node_id, reason=reason)))
+            else:  # gone from the registry: nothing to ask, what it kept is lost with it
+                self._lose(LoseBlobs(tuple(refs), self._peers.node_of(endpoint) or endpoint))
         left = self.runtime.shutdown_left()
         if reachable and left <= 0:
             outcomes: list[Outcome] = [RequestTimeout("no time left before the shutdown deadline")] * len(reachable)
