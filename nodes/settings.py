@@ -138,7 +138,7 @@ class EnvServerSettings:
 
 @dataclass(frozen=True)
 class OrchestratorSettings:
-    """``[orchestrator]``: ``Orchestrator`` and ``RunDispatcher`` read it."""
+    """``[orchestrator]``: the orchestrator node and its decisions (``OrchestratorCore``) read it."""
 
     seq_len: int = key(2048, "Tokens per micro batch (samples longer than this are truncated).")
     group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group.")
