@@ -30,7 +30,7 @@ import structlog
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import Body, Error, NodeDown, Ok, VersionBump
+from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok, VersionBump
 from ...protocol.messages_ps import (
     Abort,
     Aborted,
@@ -123,7 +123,7 @@ class PsManager:
                               (PsStatus.kind, self._status), (InventoryQuery.kind, self._inventory),
                               (InitRequest.kind, self._init)):
             server.on(kind, handler, cached=False)
-        runtime.subscribe(self._node_down, kinds=frozenset({NodeDown.kind}))
+        runtime.track_peers().on_down(self._node_down)
         runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
@@ -158,9 +158,8 @@ class PsManager:
         for worker, ids in by_worker.items():
             self._send(worker, Release(ids), lambda outcome, w=worker: self._released(w, outcome))
 
-    def _node_down(self, event: Message) -> None:
-        down = event.body
-        assert isinstance(down, NodeDown)
+    def _node_down(self, down: NodeDown, _last: NodeInfo | None) -> None:
+        """A worker reported down (its pending and new requests fail at once: the runtime's peer view)."""
         info = self.workers.pop(down.node_id, None)
         if info is None:
             return
@@ -170,7 +169,6 @@ class PsManager:
         pending = self.versions.pending
         if pending is not None and any(r.worker == down.node_id for r in pending.ranks.values()):
             self._abort_push(pending.version, f"worker {down.node_id} went down")
-        self.runtime.calls.peer_down(info.endpoint, f"node-down: {down.reason}")
 
     # --- push ---------------------------------------------------------------------------------------
 
