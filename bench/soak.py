@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the result as JSON here")
     parser.add_argument("up_flags", nargs="*", help="more `refbus up` flags (after --)")
     args = parser.parse_args()
+    # SIGTERM ends the soak like Ctrl-C: through the finally that stops `refbus up` (which stops its nodes).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="refbus-soak-") as tmp:
         memory, code, seconds = soak(args.steps, Path(tmp), args.up_flags)
         summary_tail = (Path(tmp) / "up.out").read_text(errors="replace").split("\nsummary\n")[-1]

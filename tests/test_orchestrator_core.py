@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 from refbus.nodes.payload.orchestrator_core import (
@@ -355,3 +356,25 @@ def test_a_configured_max_steps_wins_over_the_ranks_budget() -> None:
     feed_group(core, T0, "g0")
     assert len(of(DeliverBatch, core.use_trainers(T0, ranks_with_budget(["5", "5"])))) == 2
     assert core.max_steps == 1 and core.finished
+
+
+def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_every_store_is_full() -> None:
+    core = OrchestratorCore(settings(max_staleness=100), DEADLINES, prompts=lambda rng: [1])
+    full_a = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
+                      labels={"source": "env"}, status={"fill": 0.85, "full": 1.0})
+    roomy_b = NodeInfo(node_id="env-b", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-b"},
+                       labels={"source": "env"}, status={"fill": 0.1, "full": 0.0})
+    core.use_replicas([full_a, roomy_b])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    assert sent and {s.endpoint for s in sent} == {"tcp://env-b"}  # the replica with room takes every run
+    for run in sent:
+        core.on_run_done(T0 + 1, run.run.episode_id, None)
+
+    full_b = NodeInfo(**{**msgspec.structs.asdict(roomy_b), "status": {"fill": 0.9, "full": 1.0}})
+    core.use_replicas([full_a, full_b])
+    assert core.dispatch(T0 + 2) == [] and core.stores_full and core.full_pauses == 1
+    assert core.dispatch(T0 + 3) == [] and core.full_pauses == 1  # one pause, however long
+    core.use_replicas([full_a, roomy_b])  # a holder deleted: env-b drained below its high-water mark
+    resumed = of(SendRun, core.dispatch(T0 + 4))
+    assert resumed and {s.endpoint for s in resumed} == {"tcp://env-b"} and not core.stores_full

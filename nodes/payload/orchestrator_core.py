@@ -36,6 +36,10 @@ Decisions and their rules:
   advertise (label ``steps``, the smallest): once that many steps shipped, nothing more ships or runs and
   whatever arrives is deleted (``max_steps``), so ranks that trained their steps and left are never sent
   another one.
+* **Backpressure.** A store at its high-water mark (registry status ``full``) gets no new run while a
+  replica of its source has room; when every store is full no new group starts (logged once per pause,
+  counted in ``full_pauses``) until one drains. Stores drain as holders delete, so trainers slower than
+  rollouts bound the work in flight instead of failing keeps.
 """
 
 from __future__ import annotations
@@ -218,6 +222,8 @@ class OrchestratorCore:
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
         self.version_known = False  # no run before a policy version exists
+        self.stores_full = False  # every store at its high-water mark: no new group until one drains
+        self.full_pauses = 0
         self.max_steps = settings.max_steps or None  # None: the trainer ranks' budget, once they are known
         self.refused_runs = 0  # runs refused as not ready (NOT_READY)
         self._backoff_s = 0.0  # the current dispatch pause; 0 while runs succeed
@@ -492,8 +498,22 @@ class OrchestratorCore:
         bound = (settings.max_staleness + self.policy_version + 1) * settings.groups_per_step
         in_flight = 1 if self._backoff_s else settings.max_groups_in_flight  # probing: one group at a time
         while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
+            if not self._has_room():
+                break
             actions += self._send_group(now, evaluation=False)
         return actions
+
+    def _has_room(self) -> bool:
+        """Backpressure: whether some store is below its high-water mark; a change is logged once."""
+        room = bool(self.router.with_room())
+        if room == self.stores_full:
+            self.stores_full = not room
+            if room:
+                log.info("dispatch.stores_drained", paused=self.full_pauses)
+            else:
+                self.full_pauses += 1
+                log.warning("dispatch.stores_full", stores=sorted(self.router.full))
+        return room
 
     def on_run_done(self, now: float, episode_id: str, error: str | None, code: str = "") -> list[Action]:
         """A run was answered: ``error`` None for ok, else with the refusal's ``code`` when the env server
@@ -528,7 +548,7 @@ class OrchestratorCore:
         self.groups_sent += 1
         self.train_groups_sent += not evaluation
         prompt = [int(t) for t in self.prompts(self.rng)]
-        sources = sorted(self.router.replicas)
+        sources = self.router.with_room() or sorted(self.router.replicas)  # an eval group goes even when full
         source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
         actions: list[Action] = []
         for member in range(self.settings.group_size):

@@ -272,29 +272,41 @@ def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarr
 
 
 class ReplicaRouter:
-    """Sends each run to the replica of its source with the fewest runs in flight.
+    """Sends each run to the replica of its source with the fewest runs in flight, among those with room.
 
     Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
-    it has one, else its node id.
+    it has one, else its node id. A replica whose heartbeat status says ``full`` (at its high-water mark)
+    gets no new run while another replica of its source has room; a source whose replicas are all full is
+    left out of :meth:`with_room` until one drains.
     """
 
     def __init__(self) -> None:
         self.replicas: dict[str, list[str]] = {}
         self.in_flight: Counter[str] = Counter()
+        self.full: set[str] = set()  # endpoints at their high-water mark, as of the last registry read
 
     def update(self, nodes: Iterable[NodeInfo]) -> None:
         replicas: dict[str, list[str]] = defaultdict(list)
+        full: set[str] = set()
         for node in nodes:
             if node.role == "env-server" and "blobs" in node.endpoints:
                 replicas[node.labels.get("source", node.node_id)].append(node.endpoints["blobs"])
+                if node.status.get("full"):
+                    full.add(node.endpoints["blobs"])
         self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
+        self.full = full
+
+    def with_room(self) -> list[str]:
+        """The sources (sorted) with at least one replica below its high-water mark."""
+        return sorted(source for source, endpoints in self.replicas.items() if set(endpoints) - self.full)
 
     def pick(self, source: str) -> str:
-        """The endpoint of ``source``'s least-loaded replica (ties: stable order); counts the run in flight."""
+        """The endpoint of ``source``'s least-loaded replica with room (then the least-loaded full one; ties:
+        stable order); counts the run in flight."""
         candidates = self.replicas.get(source)
         if not candidates:
             raise LookupError(f"no live env-server replica for source {source!r}")
-        endpoint = min(candidates, key=lambda ep: self.in_flight[ep])
+        endpoint = min(candidates, key=lambda ep: (ep in self.full, self.in_flight[ep]))
         self.in_flight[endpoint] += 1
         return endpoint
 
