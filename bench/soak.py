@@ -6,6 +6,11 @@ new step shows on its progress line. It reports, per node, the RSS when the warm
 share of the steps), at the end, and the growth between: a node whose growth after warm-up stays under
 ``--limit`` (5%) levels off. A node restarted meanwhile is reported from its latest process. Not part of
 ``make test``: a soak is long on purpose.
+
+``--slow-trainer F`` makes every training step take F times as long (:func:`slowed_train_step`, the
+configured train step followed by a sleep), so rollouts outrun the trainers: what bounds the work in flight
+is then the orchestrator's admission and the stores' backpressure (give the env servers a small
+``--env-server-budget-bytes`` after ``--`` to see it), and the run must still end with zero losses.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,13 +28,28 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MIB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent  # bench/ is importable from here (the slowed train step)
 STEP_LINE = re.compile(rb"^step +(\d+)/")
 EPHEMERAL = ["--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
              "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0", "--ps-manager", "tcp://127.0.0.1:0"]
 LAUNCHER = "up"
 POLL_S = 0.5
+SLOWDOWN_ENV = "REFBUS_SOAK_SLOWDOWN"
+TRAIN_STEP = "refbus.nodes.toy.train:train_step"
+
+
+def slowed_train_step(*args: Any, **kwargs: Any) -> Any:
+    """The toy train step, then a sleep that makes the whole step ``$REFBUS_SOAK_SLOWDOWN`` times as long
+    (an entry point for ``rl.train_step``: the trainer ranks import it by name)."""
+    from refbus.nodes.entry_points import load_entry_point
+
+    started = time.monotonic()
+    result = load_entry_point(TRAIN_STEP)(*args, **kwargs)
+    time.sleep((float(os.environ[SLOWDOWN_ENV]) - 1) * (time.monotonic() - started))
+    return result
 
 
 @dataclass
@@ -70,15 +91,20 @@ def new_steps(output: Path, offset: int) -> tuple[list[int], int]:
     return steps, offset + len(complete)
 
 
-def soak(steps: int, workdir: Path, extra: list[str]) -> tuple[dict[str, NodeMemory], int, float]:
+def soak(steps: int, workdir: Path, extra: list[str], slowdown: float) -> tuple[dict[str, NodeMemory], int, float]:
     """Run `refbus up` for ``steps`` steps; returns the memory by node, its exit code and its seconds."""
     run_dir, output = workdir / "run", workdir / "up.out"
     memory: dict[str, NodeMemory] = {}
+    env = dict(os.environ)
+    if slowdown != 1:
+        env[SLOWDOWN_ENV] = str(slowdown)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        extra = ["--rl-train-step", "bench.soak:slowed_train_step", *extra]
     started = time.monotonic()
     with open(output, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "refbus.nodes.cli", "up", "--up-steps", str(steps),
                                  *EPHEMERAL, "--run-dir", str(run_dir), *extra],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     offset = 0
     try:
         while proc.poll() is None:
@@ -113,13 +139,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1000, help="steps of the run (default 1000)")
     parser.add_argument("--warmup", type=float, default=0.1, help="share of the steps that warms up (0.1)")
     parser.add_argument("--limit", type=float, default=0.05, help="growth after warm-up that still levels off")
+    parser.add_argument("--slow-trainer", type=float, default=1.0, metavar="F",
+                        help="make every training step F times as long (default 1: as configured)")
     parser.add_argument("--json", type=Path, help="also write the result as JSON here")
     parser.add_argument("up_flags", nargs="*", help="more `refbus up` flags (after --)")
     args = parser.parse_args()
     # SIGTERM ends the soak like Ctrl-C: through the finally that stops `refbus up` (which stops its nodes).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="refbus-soak-") as tmp:
-        memory, code, seconds = soak(args.steps, Path(tmp), args.up_flags)
+        memory, code, seconds = soak(args.steps, Path(tmp), args.up_flags, args.slow_trainer)
         summary_tail = (Path(tmp) / "up.out").read_text(errors="replace").split("\nsummary\n")[-1]
     warm_step = max(1, int(args.steps * args.warmup))
     table = list(rows(memory, warm_step, args.limit))

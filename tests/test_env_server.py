@@ -279,9 +279,10 @@ def test_replicas_of_one_source_register_with_it_and_report_status(
         time.sleep(0.05)
     budget = EnvServerSettings().budget_bytes
     assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes), "blobs_kept": 1.0,
-                                      "blobs_deleted": 0.0, "fill": ref.nbytes / budget, "full": 0.0}
+                                      "blobs_deleted": 0.0, "fill": ref.nbytes / budget, "full": 0.0,
+                                      "budget_bytes": float(budget), "high_water": 0.8}
     assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0, "blobs_kept": 0.0, "blobs_deleted": 0.0,
-                                      "fill": 0.0, "full": 0.0}
+                                      "fill": 0.0, "full": 0.0, "budget_bytes": float(budget), "high_water": 0.8}
 
 
 def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess, str], observer: Observer) -> None:

@@ -34,12 +34,14 @@ broker has those events before it leaves.
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
 orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held``,
-``bytes_held``, ``fill`` (bytes held over the budget) and ``full`` (1.0 from ``env_server.high_water`` on).
+``bytes_held``, ``budget_bytes``, ``high_water``, ``fill`` (bytes held over the budget) and ``full`` (1.0 from
+``env_server.high_water`` on).
 
-Backpressure: the budget is never exceeded and nothing is evicted. A store at its high-water mark says so
-(``full``), and the orchestrator sends it no new runs until it drains; a keep that would exceed the budget is
-refused with ``over-budget`` and ``retry_after_s`` (the error reply's field, :attr:`KeepError.retry_after_s`),
-and a run's own keep waits for room (:class:`~.episodes.EpisodeRunner`) instead of wasting its generation.
+Backpressure: the budget is never exceeded and nothing is evicted. A store says how full it is, and the
+orchestrator sends it only the runs whose episodes fit under its high-water mark; a keep that would exceed
+the budget is refused with ``over-budget`` and ``retry_after_s`` (the error reply's field,
+:attr:`KeepError.retry_after_s`), and a run's own keep waits for room (:class:`~.episodes.EpisodeRunner`)
+instead of wasting its generation.
 
 Embedding: build a :class:`NodeRuntime`, an :class:`EnvServer` on it, call ``runtime.start_background()``,
 then :meth:`EnvServer.keep` / :meth:`EnvServer.discard` from the framework's own threads. A framework that
@@ -232,7 +234,8 @@ class EnvServer:
         pressure = Pressure(stats.bytes_held, self.keeper.budget_bytes, self.high_water)
         return {"blobs_held": float(stats.blobs_held), "bytes_held": float(stats.bytes_held),
                 "blobs_kept": float(stats.kept_total), "blobs_deleted": float(sum(stats.deleted.values())),
-                "fill": pressure.fill, "full": float(pressure.full)}
+                "fill": pressure.fill, "full": float(pressure.full), "budget_bytes": float(pressure.budget_bytes),
+                "high_water": pressure.high_water}
 
     # --- request handlers (loop thread) -------------------------------------------------------------
 
