@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bus
 	$(PY) -m bench.payload
 	$(PY) -m bench.ps
+	$(PY) -m bench.curve
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
