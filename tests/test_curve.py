@@ -1,5 +1,6 @@
 """CURVE clusters: `refbus keys generate`, the ZAP allow-list, src checked against the authenticated node id,
-refused peers counted while the node keeps serving, and the bind refusal of an unprotected node."""
+refused peers counted while the node keeps serving, the parameter server's frames and broadcast init under
+CURVE, and the bind refusal of an unprotected node."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from ps_support import make_state, start_cluster
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.security import Curve, SecurityError, check_bind, generate, load_curve
 from refbus.bus.sockets import EVENT_OPTIONS, SocketOptions, make_socket, send_frames
 from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.ps.client import PsClient
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     Blobs,
@@ -40,6 +44,7 @@ from refbus.protocol.messages import (
     Keep,
     Kept,
 )
+from safetensors.torch import save_file
 
 WAIT_S = 10.0
 PATIENT = RetryPolicy(timeout_s=2.0, attempts=3)
@@ -312,3 +317,30 @@ def test_a_sigkilled_curve_node_comes_back_under_its_key(curve_cluster: dict[str
     kept = tester.request(Keep(episode_id="ep-2", branches=[branch])).body
     assert isinstance(kept, Kept) and len(kept.refs) == 1
     assert next_event(curve_cluster["events"], EpisodeFinished.kind).body.episode_id == "ep-2"
+
+
+def test_ps_broadcast_init_and_a_frames_pull_run_under_curve(tmp_path: Path, spawn: Callable[..., NodeProcess]) -> None:
+    keys = tmp_path / "ps-keys"
+    for node_id, role in {"bus": "bus", "ps-manager": "ps-manager", "w0": "ps-worker", "w1": "ps-worker",
+                          "w2": "ps-worker", "ps-client": "ps-client"}.items():
+        generate(str(keys), node_id, role)
+    curve = ["--security-curve-dir", str(keys)]
+    bus, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, *curve])
+    state = make_state(seed=3, tensors=6, scale=4)
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(checkpoint))
+    cluster = start_cluster(spawn, control, "curve", workers=3, extra=["--ps-chunk-bytes", "4096", *curve])
+    runtime = NodeRuntime("ps-client", RuntimeSettings(bus=control, node_id="ps-client", metrics_port=-1,
+                                                       curve_dir=str(keys)), register=False)
+    try:
+        ps = PsClient(runtime, cluster.manager, transport="frames")
+        result = ps.init(str(checkpoint), workers=["w0", "w1", "w2"], timeout_s=WAIT_S * 3)
+        assert result.workers == ["w0", "w1", "w2"] and result.file_opens == {"w0": 1, "w1": 0, "w2": 0}  # by tree
+        pulled = ps.pull(result.version, verify=True)
+        assert all(torch.equal(pulled[name], tensor) for name, tensor in state.items())
+        assert ps.read_bytes["frames"] == sum(t.numel() * t.element_size() for t in state.values())
+    finally:
+        runtime.close()
+        for proc in [*cluster.workers.values(), cluster.manager_proc]:
+            proc.stop()
+        assert bus.stop() == 0, bus.log_tail()
