@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bus
 	$(PY) -m bench.payload
 	$(PY) -m bench.ps
+	$(PY) -m bench.curve
 
 # A long run (not in `make test`): does every node's memory level off? SOAK_STEPS overrides the length.
 SOAK_STEPS ?= 1000

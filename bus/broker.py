@@ -59,7 +59,7 @@ from ..protocol.messages import (
 from .metrics import ROUTES
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
-from .sockets import EVENT_OPTIONS, recv_frames, send_frames
+from .sockets import recv_frames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -158,9 +158,10 @@ class Broker:
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
         self._targets: tuple[dict[str, Any], ...] = ()
 
-        self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, EVENT_OPTIONS)
+        self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
         self.xsub.send(b"\x01")  # subscribe to everything: the ring must see every event
-        self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, EVENT_OPTIONS)
+        self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, runtime.event_options)
+        self.curve = runtime.curve
         self.server: Server = runtime.serve("control", settings.control)
         self.server.on(Hello.kind, self._hello)
         self.server.on(Sync.kind, self._sync, cached=False)
@@ -182,7 +183,7 @@ class Broker:
         xsub, xpub = self.xsub, self.xpub
         for _ in range(budget):
             try:
-                frames = recv_frames(xsub, zmq.NOBLOCK)
+                frames, peer = recv_from(xsub, zmq.NOBLOCK) if self.curve else (recv_frames(xsub, zmq.NOBLOCK), "")
             except zmq.Again:
                 return
             try:
@@ -191,6 +192,11 @@ class Broker:
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))
+                continue
+            if self.curve and header.src != peer:
+                code = "wrong-src" if peer else "unauthenticated"
+                self.dropped[code] += 1
+                log.warning("event.dropped", code=code, src=header.src, peer=peer, kind=kind)
                 continue
             if kind == Sync.kind:
                 self._probe_seen(frames)
@@ -238,6 +244,7 @@ class Broker:
     def _hello(self, request: Message) -> Body:
         hello = request.body
         assert isinstance(hello, Hello)
+        self._check_own(request, hello.node.node_id, hello.node.role)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
         if old is not None and old.live and old.info.pid != node.pid:
@@ -254,6 +261,18 @@ class Broker:
             node_timeout=self.settings.node_timeout_s,
         )
 
+    def _check_own(self, request: Message, node_id: str, role: str = "") -> None:
+        """With CURVE, a node speaks for itself only: the registry entry it names is its own (the server checked
+        ``src``), registered under the role the allow-list grants its key."""
+        if self.curve is None:
+            return
+        if node_id != request.header.src:
+            raise HandlerError("wrong-src", f"{request.header.src!r} cannot speak for node {node_id!r}")
+        grant = next((g for g in self.curve.allowed.values() if g.node_id == node_id), None)
+        if role and (grant is None or grant.role != role):
+            raise HandlerError("wrong-role", f"{node_id!r} is allowed as {grant.role if grant else 'nothing'!r}, "
+                                             f"not as {role!r}")
+
     def _sync(self, request: Message) -> Body | None:
         sync = request.body
         assert isinstance(sync, Sync)
@@ -268,6 +287,7 @@ class Broker:
     def _heartbeat(self, request: Message) -> Body:
         beat = request.body
         assert isinstance(beat, Heartbeat)
+        self._check_own(request, beat.node_id)
         member = self.members.get(beat.node_id)
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
@@ -278,6 +298,7 @@ class Broker:
     def _bye(self, request: Message) -> Body:
         bye = request.body
         assert isinstance(bye, Bye)
+        self._check_own(request, bye.node_id)
         member = self.members.get(bye.node_id)
         if member is not None:
             self._remove(member, "bye")

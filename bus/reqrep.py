@@ -34,7 +34,7 @@ from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
-from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, send_frames
+from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -327,10 +327,12 @@ Handler = Callable[[Message], Body | None]
 
 @dataclass(frozen=True)
 class Pending:
-    """A request to answer later: who asked, and which message id the reply answers."""
+    """A request to answer later: who asked, and which message id the reply answers. ``peer``: the node id
+    CURVE authenticated the asker as ("" on a plain server)."""
 
     identity: bytes
     reply_to: str
+    peer: str = ""
 
 
 @dataclass
@@ -348,6 +350,9 @@ class Server:
 
     Replies of cached routes are kept per ``(source, id)``, at most ``cache_size`` of them and
     ``cache_bytes`` in all, evicted oldest first; a reply larger than ``cache_bytes`` is sent, not kept.
+
+    ``authenticated`` (a CURVE socket): a request whose ``src`` is not the node id its connection was admitted
+    as is answered ``wrong-src`` (``unauthenticated`` when the connection has none) and never handled.
     """
 
     def __init__(
@@ -358,10 +363,12 @@ class Server:
         cache_size: int = 4096,
         cache_bytes: int = 64 << 20,
         backend: ArrayBackend = "native",
+        authenticated: bool = False,
     ) -> None:
         self.sock = sock
         self.codec = codec
         self.backend = backend
+        self.authenticated = authenticated
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
         self.routes: dict[str, _Route] = {}
@@ -394,18 +401,28 @@ class Server:
     def handle_one(self, flags: int = 0) -> None:
         """Receive one request and answer it. Never raises for anything a peer sent: what the decoder or a
         handler does not expect is answered ``internal`` and logged."""
-        frames = recv_frames(self.sock, flags, copied=4)
+        if self.authenticated:
+            frames, peer = recv_from(self.sock, flags, copied=4)
+        else:
+            frames, peer = recv_frames(self.sock, flags, copied=4), ""
         identity, envelope = frames[0], frames[1:]
         try:
-            self._dispatch(identity, envelope)
+            self._dispatch(identity, envelope, peer)
         except Exception as exc:
             self.rejected["internal"] += 1
             log.exception("request.failed")
             self._send(identity, Error("internal", f"{type(exc).__name__}: {exc}"), self._peek_id(envelope))
 
-    def _dispatch(self, identity: bytes, envelope: list) -> None:
+    def _dispatch(self, identity: bytes, envelope: list, peer: str) -> None:
         try:
             kind, header = self.codec.decode_header(envelope)
+            if self.authenticated and header.src != peer:
+                code = "wrong-src" if peer else "unauthenticated"
+                self.rejected[code] += 1
+                log.warning("request.refused", code=code, src=header.src, peer=peer, kind=kind)
+                self._send(identity, Error(code, f"this connection is authenticated as {peer or 'nobody'!r}, "
+                                                 f"not as {header.src!r}", kind), header.id)
+                return
             route = self.routes.get(kind)
             if route is None:
                 self.rejected["unexpected-kind"] += 1
@@ -424,7 +441,7 @@ class Server:
             self.duplicates += 1
             self._send_frames(identity, cached[0])
             return
-        self._current = Pending(identity, header.id)
+        self._current = Pending(identity, header.id, peer)
         reply = self._run(route.handler, request)
         if reply is None:
             return

@@ -26,6 +26,7 @@ the role hands the work to an :class:`~refbus.bus.offload.Offload` thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import json
 import os
@@ -68,6 +69,7 @@ from .peers import KINDS as PEER_KINDS
 from .peers import Peers
 from .pubsub import Publisher, Subscriber
 from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
+from .security import Curve, ZapHandler, check_bind, load_curve
 from .sockets import (
     EVENT_OPTIONS,
     FrameCounter,
@@ -105,6 +107,9 @@ class RuntimeSettings:
     limits: Limits = field(default_factory=Limits)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_frame_bytes: int = -1
+    curve_dir: str = ""  # key directory of ``refbus keys generate``; empty: no CURVE
+    curve_key: str = ""  # this node's secret key file (default: <curve_dir>/<node_id>.key_secret)
+    insecure: bool = False  # bind non-loopback addresses with neither signing nor CURVE
 
 
 class BusUnavailable(RuntimeError):
@@ -206,11 +211,21 @@ class NodeRuntime:
     def __init__(self, role: str, settings: RuntimeSettings, *, register: bool = True) -> None:
         self.role = role
         self.settings = settings
-        self.node_id = settings.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.register = register
+        self.curve: Curve | None = None
+        if settings.curve_dir:
+            # A registered node must be what its key is granted; a tool that only asks (no registry entry)
+            # may use any granted key, and is its node id.
+            self.curve = load_curve(settings.curve_dir, settings.curve_key, settings.node_id,
+                                    role if register else "")
+        default_id = self.curve.grant.node_id if self.curve else f"{role}-{socket.gethostname()}-{os.getpid()}"
+        self.node_id = settings.node_id or default_id
         self.ctx = zmq.Context()
+        # Before any socket: a CURVE handshake that found no ZAP handler would admit anyone.
+        self.zap = ZapHandler(self.ctx, self.curve.allowed) if self.curve is not None else None
         self.codec = WireCodec(self.node_id, secret=settings.secret, limits=settings.limits)
-        self.options = SocketOptions(max_frame_bytes=settings.max_frame_bytes)
+        self.options = SocketOptions(max_frame_bytes=settings.max_frame_bytes, curve=self.curve)
+        self.event_options = dataclasses.replace(EVENT_OPTIONS, curve=self.curve)
         self.endpoints: dict[str, str] = {}
         self.labels: dict[str, str] = {}
         self.status: Callable[[], dict[str, float]] = dict
@@ -249,7 +264,10 @@ class NodeRuntime:
     # --- building blocks for roles -------------------------------------------------------------------
 
     def bind(self, socket_type: int, name: str, endpoint: str, options: SocketOptions | None = None) -> zmq.Socket:
-        """Bind a socket, advertise it under ``name`` and close it at shutdown."""
+        """Bind a socket, advertise it under ``name`` and close it at shutdown. Raises
+        :class:`~.security.SecurityError` for an address other hosts reach when nothing protects it."""
+        check_bind(endpoint, signed=bool(self.settings.secret), curve=self.curve is not None,
+                   insecure=self.settings.insecure)
         sock = make_socket(self.ctx, socket_type, bind=endpoint, options=options or self.options)
         actual = bound_endpoint(sock)
         if actual.startswith("ipc://"):
@@ -261,7 +279,8 @@ class NodeRuntime:
     def serve(self, name: str, endpoint: str, *, backend: ArrayBackend = "native") -> Server:
         """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend="numpy"``
         keeps torch out of processes that must not load it, whatever peers send."""
-        server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend)
+        server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend,
+                        authenticated=self.curve is not None)
         self._servers.append(server)
         self.watch(server.sock, lambda: self._drain(server.handle_one))
         return server
@@ -282,7 +301,7 @@ class NodeRuntime:
         With ``since``, first replay every ring event with ``seq >= since`` (each source), then go live
         without loss or duplicates. Subscriptions become live during :meth:`run`'s start-up.
         """
-        sock = make_socket(self.ctx, zmq.SUB, options=EVENT_OPTIONS)
+        sock = make_socket(self.ctx, zmq.SUB, options=self.event_options)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._owned.append(sock)
         subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds)
@@ -553,6 +572,8 @@ class NodeRuntime:
         self._collectors.clear()
         self._wake_r.close()
         self._wake_w.close()
+        if self.zap is not None:
+            self.zap.close()
         self.ctx.term()
 
     def _run_shutdown_hooks(self, finals_sent: threading.Event) -> bool:
@@ -632,6 +653,11 @@ class NodeRuntime:
                     lambda: {(k,): float(v) for k, v in self.calls.outcomes.items()}, labels=("outcome",))
         self.metric("refbus_replies_late_total", "Replies that arrived after their request's outcome (dropped).",
                     lambda: {(): float(self.calls.late)})
+        if self.zap is not None:
+            zap = self.zap
+            self.metric("refbus_security_peers_refused_total", "Connections the ZAP handler refused, by reason "
+                        "(unknown-key: a CURVE key not in the allow-list).",
+                        lambda: {(k,): float(v) for k, v in zap.refused.items()}, labels=("reason",))
         self.metric("refbus_replies_rejected_total", "Malformed replies dropped, by error code.",
                     lambda: {(k,): float(v) for k, v in self.calls.rejected.items()}, labels=("code",))
 
@@ -672,7 +698,7 @@ class NodeRuntime:
         welcome = reply.body
         assert isinstance(welcome, Welcome)
         if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
-            pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=EVENT_OPTIONS)
+            pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=self.event_options)
             self._owned.append(pub)
             self.publisher = Publisher(pub, self.codec)
         self.welcome = welcome

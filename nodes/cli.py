@@ -17,6 +17,7 @@ import msgspec
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
+from ..bus.security import SecurityError, generate
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -145,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--json", action="store_true", help="print a JSON array")
     add_config_flags(nodes)
 
+    keys = commands.add_parser("keys", help="make CURVE key pairs and the allow-list of a cluster",
+                               description="Manage a CURVE key directory (security.curve_dir).")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate_keys = keys_commands.add_parser(
+        "generate", help="make the cluster key pair and, with --node-id, one node's key pair",
+        description="Make DIR (mode 0700) and its cluster server key pair (cluster.key, cluster.key_secret) when "
+                    "missing. With --node-id and --role, also make that node's key pair (<node-id>.key, "
+                    "<node-id>.key_secret) and add its public key to DIR/allow-list as that node id and role. "
+                    "Secret files are mode 0600 and never printed; existing keys are never replaced.")
+    generate_keys.add_argument("dir", metavar="DIR", help="key directory (every host of the cluster reads it)")
+    generate_keys.add_argument("--node-id", default="", help="the node id the new key may act as")
+    generate_keys.add_argument("--role", default="", help="the role that node runs (bus, env-server, trainer, ...)")
+
     config = commands.add_parser("config", help="show the effective cluster config",
                                  description="Print the effective config as TOML (defaults, file, flags).")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -210,6 +224,13 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        try:
+            print("\n".join(generate(args.dir, args.node_id, args.role)) or "nothing to make: the keys exist")
+        except (SecurityError, OSError) as exc:
+            print(f"refbus: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if getattr(args, "config_file", None):
         args.config = args.config_file
     try:
@@ -244,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_top(config, args)
         print(to_toml(config), end="")
         return 0
-    except BusUnavailable as exc:
+    except (BusUnavailable, SecurityError) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -76,6 +76,9 @@ class Config:
                           self.limits.max_items),
             retry=self.retry(),
             max_frame_bytes=self.limits.max_frame_bytes,
+            curve_dir=self.security.curve_dir,
+            curve_key=self.security.curve_key,
+            insecure=self.security.insecure,
             **extra,
         )
 

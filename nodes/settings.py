@@ -92,9 +92,20 @@ class LimitsSettings:
 
 @dataclass(frozen=True)
 class SecuritySettings:
-    """``[security]``: message signing."""
+    """``[security]``: message signing, CURVE encryption and authentication, and what a node may bind."""
 
     secret: str = key("", "Shared secret that signs every message (HMAC-SHA256); empty: unsigned.")
+    curve_dir: str = key(
+        "",
+        "Key directory made by `refbus keys generate`: with it every socket is CURVE-encrypted and a node admits "
+        "only the client keys of its allow-list, each as the one node id it names; empty: no CURVE.",
+    )
+    curve_key: str = key("", "This node's secret key file (default: <curve_dir>/<node id>.key_secret).")
+    insecure: bool = key(
+        False,
+        "Let a node bind an address other hosts reach with neither `secret` nor `curve_dir` set (otherwise it "
+        "refuses to start).",
+    )
 
 
 @dataclass(frozen=True)

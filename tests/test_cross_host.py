@@ -1,7 +1,9 @@
 """Real refbus nodes on three namespace hosts (tests/hosts.py): each host has its own network, host name
 and /dev/shm, so a node's advertised endpoints, same-host detection and shared memory are exercised as
 across real machines. The broker and the ps-manager on hostA, data-plane nodes on hostB and hostC, clients
-inside the hosts; every node binds the wildcard address and advertises its host name."""
+inside the hosts; every node binds the wildcard address and advertises its host name, unsigned and
+unencrypted by choice (``INSECURE``): these tests are about hosts, tests/test_readme_hosts.py about the secure
+recipe."""
 
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ PROBE = str(Path(__file__).with_name("host_probe.py"))
 WAIT_S = 10.0
 CONTROL = "tcp://hostA:7770"  # each host has its own ports: the README's fixed ones cannot collide here
 SD = "http://hostA:7779/sd"
+INSECURE = ["--security-insecure", "true"]  # wildcard binds without signing or CURVE: the operator's choice
 
 
 def _node(spawn: Callable[..., NodeProcess], host: hosts.Host, name: str, *flags: str) -> dict[str, Any]:
     """A ``refbus node`` process inside ``host``; its registry entry once ready."""
-    return spawn(["node", *flags, "--node-id", name, *FAST_LIVENESS], name, prefix=host.argv(())).wait_ready(
+    return spawn(["node", *flags, "--node-id", name, *FAST_LIVENESS, *INSECURE], name, prefix=host.argv(())).wait_ready(
         timeout=WAIT_S * 3)
 
 
@@ -138,7 +141,7 @@ def test_torchrun_trainer_ranks_on_two_hosts_rendezvous_and_push_one_version(mak
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", "hostB:29500",
              "-m", "refbus.nodes.cli", "node", "trainer", "--bus-control", CONTROL, "--ps-manager", manager,
-             "--trainer-endpoint", "tcp://0.0.0.0:0", "--trainer-steps", "0", "--node-host", host.name],
+             "--trainer-endpoint", "tcp://0.0.0.0:0", "--trainer-steps", "0", "--node-host", host.name, *INSECURE],
             stdout=logs[host.name], stderr=subprocess.STDOUT)
     try:
         codes = {name: proc.wait(WAIT_S * 9) for name, proc in ranks.items()}

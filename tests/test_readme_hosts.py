@@ -2,8 +2,9 @@
 
 The cluster file is the README's ``toml`` block, the commands are the lines of its first ``sh`` block, each
 run through ``bash -c`` inside the host its comment names (so ``$(hostname)`` is the host's own name), in
-the README's order, with ``refbus`` and ``torchrun`` on the PATH and one ``REFBUS_SECRET`` for all. Nothing
-here repeats a flag of those commands: when the README changes, this test runs the new text.
+the README's order (the key commands first, to completion), from one directory, with ``refbus`` and
+``torchrun`` on the PATH. Nothing here repeats a flag of those commands: when the README changes, this test
+runs the new text.
 
 Checked from the outside, as a user would: ``refbus monitor --json`` on hostA (as the README says) and
 ``refbus ledger`` on its output; Prometheus on hostA with the shipped scrape config pointed at the broker's
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -72,13 +72,16 @@ def readme_recipe(text: str) -> Recipe:
 
 def test_the_readme_recipe_parses_into_the_hosts_it_names() -> None:
     recipe = readme_recipe(README.read_text())
-    assert [g.hosts for g in recipe.groups] == [("hostA",), ("hostB", "hostC"), ("hostB", "hostC"), ("hostA",)]
-    assert [len(g.lines) for g in recipe.groups] == [2, 3, 1, 1]
-    assert recipe.groups[0].lines[0].startswith("refbus node bus ")
-    assert recipe.groups[2].lines[0].startswith("torchrun ")
-    assert recipe.groups[3].lines[0].startswith("refbus node orchestrator ")
+    assert [g.hosts for g in recipe.groups] == [("hostA",), ("hostA",), ("hostB", "hostC"), ("hostB", "hostC"),
+                                                ("hostA",)]
+    assert [len(g.lines) for g in recipe.groups] == [6, 2, 3, 1, 1]
+    assert all("refbus keys generate keys " in line for line in recipe.groups[0].lines)
+    assert recipe.groups[1].lines[0].startswith("refbus node bus ")
+    assert recipe.groups[3].lines[0].startswith("torchrun ")
+    assert recipe.groups[4].lines[0].startswith("refbus node orchestrator ")
     settings = tomllib.loads(recipe.cluster_toml)
     assert settings["bus"]["control"] == "tcp://hostA:7770" and settings["node"]["metrics_host"] == "0.0.0.0"
+    assert settings["security"]["curve_dir"] == "keys"
 
 
 def events(path: Path) -> Iterator[dict[str, Any]]:
@@ -169,18 +172,21 @@ def test_the_readme_per_host_commands_run_as_written_and_train(make_hosts, tmp_p
     cluster = make_hosts(3, names=HOST_NAMES)
     a = cluster["hostA"]
     (tmp_path / "cluster.toml").write_text(recipe.cluster_toml)
-    secret = secrets.token_hex(32)
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "REFBUS_SECRET": secret}
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
     run = Started(tmp_path, env)
-    control, data, trainers, orchestrator = recipe.groups
+    keys, control, data, trainers, orchestrator = recipe.groups
     monitor: NodeProcess | None = None
     record = tmp_path / "events"
     try:
+        for line in keys.lines:
+            assert run.start(a, line).wait(60) == 0, run.tails()
         run.start(a, control.lines[0])  # the broker
-        # The README's watcher, before the run: every blob's story is in its output.
+        # The README's watcher, before the run: every blob's story is in its output. It runs from the test's
+        # directory, so the key directory is named in full.
         with open(record, "wb") as out:
-            monitor = NodeProcess(["monitor", "--config", str(tmp_path / "cluster.toml"), "--json"], workdir=tmp_path,
-                                  name="monitor", env={"REFBUS_SECRET": secret}, stdout=out, prefix=a.argv(()))
+            monitor = NodeProcess(["monitor", "--config", str(tmp_path / "cluster.toml"), "--node-id", "monitor",
+                                   "--security-curve-dir", str(tmp_path / "keys"), "--json"], workdir=tmp_path,
+                                  name="monitor", stdout=out, prefix=a.argv(()))
         monitor.wait_ready(60)
         with prometheus(PROMETHEUS, tmp_path, "http://hostA:7779/sd", prefix=a.argv(()),
                         fetch=lambda url: _get(a, url)) as api:

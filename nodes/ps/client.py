@@ -39,6 +39,7 @@ import zmq
 
 from ...bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
+from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
 from ...protocol.codec import checksum
 from ...protocol.envelope import WireCodec
 from ...protocol.messages import Body
@@ -160,11 +161,13 @@ class LeaseKeeper:
     A process that dies stops renewing, which is the point: its leases then expire at the manager.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, node_id: str, *, secret: bytes = b"") -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, node_id: str, *, secret: bytes = b"",
+                 options: SocketOptions = DEFAULT_OPTIONS) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
         self._node_id = node_id
         self._secret = secret
+        self._options = options  # the node's socket options (its CURVE keys)
         self._held: dict[str, float] = {}  # lease -> TTL
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -190,7 +193,8 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         codec = WireCodec(self._node_id, secret=self._secret)
-        client = Client(self._ctx, self._endpoint, codec, policy=RetryPolicy(timeout_s=1.0, attempts=2))
+        client = Client(self._ctx, self._endpoint, codec, policy=RetryPolicy(timeout_s=1.0, attempts=2),
+                        options=self._options)
         try:
             while not self._stopping:
                 with self._lock:
@@ -334,7 +338,8 @@ class PsClient:
         self._workers: dict[str, Client] = {}
         self._writes = SegmentMaps(readonly=False)
         self._reads = SegmentMaps(readonly=True)
-        self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret)
+        self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
+                                   options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
         runtime.shutdown_hooks.append(self.close)
 
