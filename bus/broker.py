@@ -186,7 +186,7 @@ class Broker:
                 return
             try:
                 # The header only (bodies are the subscribers'); kinds newer than this broker pass.
-                kind, header = self.codec.decode_header(frames, known=False)
+                kind, header, _ = self.codec.decode_header(frames, known=False)
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))

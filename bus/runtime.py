@@ -47,6 +47,7 @@ from prometheus_client.registry import Collector
 
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Limits, Message, WireCodec
+from ..protocol.envelope import incarnation as envelope_incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
@@ -332,9 +333,12 @@ class NodeRuntime:
         assert isinstance(listed, NodeList)
         return listed.nodes
 
-    def replay(self, *, since: int = 0, src: str = "", until: int | None = None) -> list[Message]:
+    def replay(
+        self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = ""
+    ) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
-        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor."""
+        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor.
+        ``incarnation`` keeps only that sender incarnation's events (a restarted source reuses numbers)."""
         broker = self.broker()
         events: list[Message] = []
         cursor = 0
@@ -344,19 +348,22 @@ class NodeRuntime:
             assert isinstance(page, Replayed)
             for event in page.events:
                 try:
-                    events.append(self.codec.decode([event.kind.encode("ascii", "replace"), event.header, event.body,
-                                                     *event.buffers]))
+                    message = self.codec.decode([event.kind.encode("ascii", "replace"), event.header, event.body,
+                                                 *event.buffers])
                 except ProtocolError as exc:  # one bad event in the ring must not cost the others
                     log.warning("replay.rejected", code=exc.code, error=str(exc))
+                    continue
+                if not incarnation or envelope_incarnation(message.header.id) == incarnation:
+                    events.append(message)
             cursor = page.cursor
             done = until is not None and src and events and events[-1].header.seq >= until
             if not page.more or done:
                 return [e for e in events if until is None or e.header.seq <= until]
 
-    def replay_range(self, src: str, first: int, last: int) -> list[Message]:
-        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``."""
+    def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
+        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``."""
         try:
-            return self.replay(since=first, src=src, until=last)
+            return self.replay(since=first, src=src, until=last, incarnation=incarnation)
         except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []

@@ -1,16 +1,19 @@
 """The envelope: how a message becomes ZeroMQ frames and back.
 
-    [kind, header, body, *buffers]
+    [kind, header, body, *buffers]            unsigned
+    [kind, header, body, *buffers, mac]       signed
 
 * ``kind``: ASCII name of the message kind; also the PUB/SUB topic prefix.
 * ``header``: msgpack map :class:`Header` (protocol version, message id, source node, per-source
-  sequence number, timestamp, optional reply-to id and MAC).
+  sequence number, timestamp, optional reply-to id, whether a MAC frame follows).
 * ``body``: msgpack map, validated against the kind's Struct from :mod:`refbus.protocol.messages`.
 * ``buffers``: raw array bytes, one frame per array, described in the body (see :mod:`refbus.protocol.codec`).
-
-Signing (optional, per cluster secret): the MAC is HMAC-SHA256 over ``kind``, the header encoded without its
-MAC, ``body`` and every buffer (checksums are xxh3, fast but not cryptographic, so they cannot stand in
-for the bytes). Signing costs one SHA-256 pass over the arrays on each side.
+* ``mac``: with a cluster secret, HMAC-SHA256 over every frame before it, each as its length (8 bytes,
+  little-endian) then its bytes. It signs the frames exactly as they travel, so a receiver checks the bytes it
+  received (never a re-encoding: a header with a field it does not know, keys in another order or an integer
+  ``ts`` verifies as sent), and it sits outside what it signs. Length prefixes stop bytes from moving between
+  frames. Checksums are xxh3, fast but not cryptographic, so the MAC covers the array bytes themselves: signing
+  costs one SHA-256 pass over the arrays on each side.
 
 A :class:`WireCodec` is not thread-safe: each thread that owns sockets keeps its own.
 """
@@ -24,7 +27,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -41,8 +44,9 @@ from .errors import (
 )
 from .messages import KINDS, Body
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 0)
 MIN_FRAMES = 3
+MAC_BYTES = 32
 
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -50,9 +54,9 @@ class Header(msgspec.Struct, frozen=True, omit_defaults=True):
     id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
     src: str  # sending node id
     seq: int  # per-source sequence number (events), 0 for requests and replies
-    ts: float  # wall-clock seconds at send
+    ts: float  # wall-clock seconds at send (display only: nothing is judged by it)
     re: str = ""  # id of the request this message answers
-    mac: bytes = b""
+    signed: bool = False  # a MAC frame follows the last frame
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,16 @@ class Message(msgspec.Struct, frozen=True):
 
     def __repr__(self) -> str:  # frames can be large; show how many there are
         return f"Message(kind={self.kind!r}, header={self.header!r}, body={self.body!r}, buffers=<{len(self.buffers)}>)"
+
+
+class Received(NamedTuple):
+    """An envelope whose kind, header and sizes are checked (and its MAC, when the codec signs), body unread.
+
+    ``frames`` are the signed frames ``[kind, header, body, *buffers]``, without the MAC frame."""
+
+    kind: str
+    header: Header
+    frames: Sequence[Any]
 
 
 class MessageIds:
@@ -131,26 +145,27 @@ class WireCodec:
         frames = self._packer.begin()
         body_bytes = self._encoder.encode(body)
         kind = self._kind_frames[body.kind]
-        header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to)
-        header_bytes = self._encoder.encode(header)
-        if self._secret:
-            mac = self._mac(kind, header_bytes, body_bytes, frames)
-            header_bytes = self._encoder.encode(msgspec.structs.replace(header, mac=mac))
-        return [kind, header_bytes, body_bytes, *frames]
+        signed = bool(self._secret)
+        header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to, signed)
+        out = [kind, self._encoder.encode(header), body_bytes, *frames]
+        if signed:
+            out.append(self._mac(out))
+        return out
 
-    def _mac(self, kind: bytes, header: bytes, body: bytes, buffers: Sequence[Buffer]) -> bytes:
-        mac = hmac.new(self._secret, kind, hashlib.sha256)
-        mac.update(header)
-        mac.update(body)
-        for buffer in buffers:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
-            mac.update(buffer)
+    def _mac(self, frames: Sequence[Buffer]) -> bytes:
+        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for frame in frames:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
+            view = memoryview(frame)
+            mac.update(view.nbytes.to_bytes(8, "little"))
+            mac.update(view)
         return mac.digest()
 
     # --- decode -------------------------------------------------------------------------------------
 
-    def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> tuple[str, Header]:
-        """Kind and header of an envelope, checked for shape, version and size; the body is not read.
-        ``known=False`` lets an ASCII kind this node does not define pass (what a forwarder needs)."""
+    def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> Received:
+        """Kind and header of an envelope, checked for shape, version, size and (when this codec signs) its MAC;
+        the body is not read. ``known=False`` lets an ASCII kind this node does not define pass (what a
+        forwarder needs). The version is checked before the MAC, so an older peer hears ``version``."""
         if len(frames) < MIN_FRAMES:
             raise MalformedMessage(
                 f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers], got {len(frames)}"
@@ -171,13 +186,18 @@ class WireCodec:
             )
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
+        signed = frames[:-1] if header.signed else frames
+        if len(signed) < MIN_FRAMES:
+            raise MalformedMessage("a signed header, but no frame after the body for its MAC", kind=kind)
         body_size = memoryview(frames[2]).nbytes
         if body_size > self.limits.max_body_bytes:
             raise MessageTooLarge(f"body is {body_size} bytes, limit {self.limits.max_body_bytes}", kind=kind)
         total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
         if total > self.limits.max_message_bytes:
             raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
-        return kind, header
+        if self._secret:
+            self._check_mac(kind, header, signed, frames[-1])
+        return Received(kind, header, signed)
 
     def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
         """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""
@@ -194,16 +214,14 @@ class WireCodec:
         *,
         backend: ArrayBackend = "native",
         verify: bool = True,
-        checked: tuple[str, Header] | None = None,
+        checked: Received | None = None,
     ) -> Message:
         """A validated :class:`Message`, or a :class:`ProtocolError` that says what was wrong.
 
         ``verify`` checks array checksums (always on when signing). Array fields view ``frames``.
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
-        kind, header = checked or self.decode_header(frames)
-        if self._secret:
-            self._check_mac(kind, header, frames)
+        kind, header, frames = checked or self.decode_header(frames)
         buffers = frames[MIN_FRAMES:]
         raw_body = frames[2]
         limits = self.limits
@@ -239,12 +257,14 @@ class WireCodec:
             )
         return Message(kind, header, body, buffers)
 
-    def _check_mac(self, kind: str, header: Header, frames: Sequence[Buffer]) -> None:
-        if not header.mac:
+    def _check_mac(self, kind: str, header: Header, signed: Sequence[Buffer], mac: Buffer) -> None:
+        if not header.signed:
             raise BadSignature(f"unsigned message from {header.src!r} on a signed bus", kind=kind)
-        unsigned = self._encoder.encode(msgspec.structs.replace(header, mac=b""))
-        expected = self._mac(bytes(frames[0]), unsigned, bytes(frames[2]), frames[MIN_FRAMES:])
-        if not hmac.compare_digest(expected, header.mac):
+        received = _as_bytes(mac)
+        if len(received) != MAC_BYTES:
+            raise BadSignature(f"MAC frame of {len(received)} bytes from {header.src!r}, expected {MAC_BYTES}",
+                               kind=kind)
+        if not hmac.compare_digest(self._mac(signed), received):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
 
 

@@ -4,6 +4,8 @@ signing, and ``describe()``."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Callable
@@ -415,16 +417,59 @@ def signed_pair() -> tuple[WireCodec, WireCodec]:
     return WireCodec("signer", secret=SECRET), WireCodec("verifier", secret=SECRET)
 
 
+def mac_of(frames: list, secret: bytes = SECRET) -> bytes:
+    """The wire's MAC, written out from its documented definition (not the codec's helper): HMAC-SHA256 over
+    each frame's length as 8 little-endian bytes followed by the frame."""
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        mac.update(len(frame).to_bytes(8, "little") + bytes(frame))
+    return mac.digest()
+
+
+def signed_by_hand(header: dict[str, Any], body: bytes, *buffers: bytes, kind: bytes = b"delete") -> list[bytes]:
+    """Frames a third-party signer would send: the header map exactly as given, the MAC frame last."""
+    frames = [kind, msgspec.msgpack.encode(header), body, *buffers]
+    return [*frames, mac_of(frames)]
+
+
 def test_signed_round_trip() -> None:
     signer, verifier = signed_pair()
     frames = signer.encode(DELETE, seq=4)
     header = msgspec.msgpack.decode(frames[1], type=Header)
-    assert len(header.mac) == 32
+    assert header.signed and len(frames) == MIN_FRAMES + 1
+    assert frames[-1] == mac_of(frames[:-1])  # the MAC is outside what it signs
     message = verifier.decode(frames)
-    assert message.body == DELETE and message.header.seq == 4
+    assert message.body == DELETE and message.header.seq == 4 and message.buffers == []
     array_frames = signer.encode(Blobs([FetchedBlob("b", {"x": np.arange(5)})]))
-    assert verifier.decode(array_frames).body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3, 4]
-    assert WireCodec("unsigned").decode(frames).body == DELETE  # an unsigned node ignores the MAC
+    decoded = verifier.decode(array_frames)
+    assert decoded.body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3, 4] and len(decoded.buffers) == 1
+    assert WireCodec("unsigned").decode(frames).body == DELETE  # an unsigned node skips the MAC frame
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"v": [2, 7], "id": "x-1", "src": "third-party", "seq": 0, "ts": 1.5, "signed": True, "later": {"a": [1]}},
+        {"signed": True, "ts": 1.5, "seq": 0, "src": "third-party", "id": "x-1", "v": [2, 0]},
+        {"v": [2, 0], "id": "x-1", "src": "third-party", "seq": 0, "ts": 1800000000, "signed": True},
+    ],
+    ids=["unknown-optional-field-newer-minor", "reordered-keys", "integer-ts"],
+)
+def test_the_mac_covers_the_bytes_received_not_a_re_encoding(header: dict[str, Any]) -> None:
+    _, verifier = signed_pair()
+    frames = signed_by_hand(header, msgspec.msgpack.encode(DELETE))
+    message = verifier.decode(frames)
+    assert message.body == DELETE and message.header.src == "third-party"
+
+
+def test_signed_arrays_verify_as_received() -> None:
+    _, verifier = signed_pair()
+    data = np.arange(4, dtype=np.uint8)
+    body = msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": msgspec.msgpack.Ext(
+        EXT_NUMPY, msgspec.msgpack.encode(["uint8", [4], 0, checksum(data.tobytes())]))}}]})
+    header = {"ts": 2, "v": [2, 0], "id": "x-2", "src": "third-party", "seq": 0, "signed": True}
+    frames = signed_by_hand(header, body, data.tobytes(), kind=b"blobs")
+    assert verifier.decode(frames).body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3]
 
 
 def test_unsigned_message_to_a_signed_codec() -> None:
@@ -440,17 +485,38 @@ def test_wrong_secret() -> None:
 
 
 @pytest.mark.parametrize(
+    ("mac", "match"),
+    [(b"", "MAC frame of 0 bytes from 'signer', expected 32"), (b"\0" * 31, "MAC frame of 31 bytes"),
+     (b"\0" * 32, "bad MAC on message from 'signer'"), (b"\0" * 1000, "MAC frame of 1000 bytes")],
+    ids=["empty", "short", "zeros", "long"],
+)
+def test_garbage_mac_frames_are_refused(mac: bytes, match: str) -> None:
+    signer, verifier = signed_pair()
+    frames = [bytes(f) for f in signer.encode(DELETE)]
+    raises(BadSignature, [*frames[:-1], mac], codec=verifier, match=match)
+
+
+def test_a_signed_header_without_a_mac_frame_is_malformed() -> None:
+    signer, verifier = signed_pair()
+    frames = [bytes(f) for f in signer.encode(DELETE)][:-1]
+    for codec in (verifier, RECEIVER):
+        raises(MalformedMessage, frames, codec=codec, match="a signed header, but no frame after the body")
+
+
+@pytest.mark.parametrize(
     "tamper",
     [
-        lambda f: [f[0], f[1], SENDER.encode(Delete(blob_ids=["other"], holder="orchestrator", reason="trained"))[2]],
-        lambda f: [f[0], f[1], f[2][:-1] + b"X"],
+        lambda f: [f[0], f[1], SENDER.encode(Delete(blob_ids=["other"], holder="orchestrator", reason="trained"))[2],
+                   f[3]],
+        lambda f: [f[0], f[1], f[2][:-1] + b"X", f[3]],
         lambda f: [f[0], msgspec.msgpack.encode(msgspec.structs.replace(
-            msgspec.msgpack.decode(f[1], type=Header), seq=99)), f[2]],
+            msgspec.msgpack.decode(f[1], type=Header), seq=99)), f[2], f[3]],
         lambda f: [f[0], msgspec.msgpack.encode(msgspec.structs.replace(
-            msgspec.msgpack.decode(f[1], type=Header), src="someone-else")), f[2]],
-        lambda f: [b"fetch", f[1], f[2]],
+            msgspec.msgpack.decode(f[1], type=Header), src="someone-else")), f[2], f[3]],
+        lambda f: [b"fetch", f[1], f[2], f[3]],
+        lambda f: [f[0], f[1], f[2], b"", f[3]],
     ],
-    ids=["other-body", "flipped-body-byte", "header-seq", "header-src", "kind"],
+    ids=["other-body", "flipped-body-byte", "header-seq", "header-src", "kind", "extra-empty-frame"],
 )
 def test_tampering_breaks_the_signature(tamper: Callable[[list], list]) -> None:
     signer, verifier = signed_pair()
@@ -459,10 +525,20 @@ def test_tampering_breaks_the_signature(tamper: Callable[[list], list]) -> None:
     raises(BadSignature, tamper(frames), codec=verifier, match="bad MAC on message from")
 
 
+def test_bytes_moved_between_frames_break_the_signature() -> None:
+    """Without length prefixes, ``kind ‖ header`` could shift a byte across the frame boundary unnoticed."""
+    signer, verifier = signed_pair()
+    kind, header, body, mac = (bytes(f) for f in signer.encode(DELETE))
+    moved = [kind, header[:-1], header[-1:] + body, mac]
+    assert b"".join(moved[:3]) == kind + header + body
+    with pytest.raises(ProtocolError):
+        verifier.decode(moved)
+
+
 def test_signed_codec_always_verifies_buffers() -> None:
     signer, verifier = signed_pair()
     frames = [bytes(f) for f in signer.encode(Blobs([FetchedBlob("b", {"x": np.arange(4, dtype=np.uint8)})]))]
-    tampered = [*frames[:MIN_FRAMES], b"\x09\x01\x02\x03"]
+    tampered = [*frames[:MIN_FRAMES], b"\x09\x01\x02\x03", frames[-1]]
     raises(BadSignature, tampered, codec=verifier, verify=False, match="bad MAC")
     assert WireCodec("plain").decode(tampered, verify=False).body.blobs[0].arrays["x"].tolist() == [9, 1, 2, 3]
 
