@@ -37,7 +37,7 @@ import msgspec
 import structlog
 import zmq
 
-from ..protocol.envelope import Message
+from ..protocol.envelope import Message, negotiate
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
@@ -236,6 +236,7 @@ class Broker:
     def _hello(self, request: Message) -> Body:
         hello = request.body
         assert isinstance(hello, Hello)
+        wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
         if old is not None and old.live and old.info.pid != node.pid:
@@ -250,6 +251,7 @@ class Broker:
             events_out=self.runtime.endpoints["events_out"],
             heartbeat_interval=self.runtime.settings.heartbeat_interval_s,
             node_timeout=self.settings.node_timeout_s,
+            wire=wire,
         )
 
     def _sync(self, request: Message) -> Body | None:

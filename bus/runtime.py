@@ -46,7 +46,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.registry import Collector
 
 from ..protocol.codec import ArrayBackend
-from ..protocol.envelope import Limits, Message, WireCodec
+from ..protocol.envelope import SPOKEN_MAJORS, Limits, Message, WireCodec
 from ..protocol.envelope import incarnation as envelope_incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
@@ -669,11 +669,15 @@ class NodeRuntime:
         token = self.codec.new_id()
         connect = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
         try:
-            reply = self.control.request(Hello(node=self.info(), token=token), policy=connect)
+            reply = self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
+                                         policy=connect)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
         welcome = reply.body
         assert isinstance(welcome, Welcome)
+        if welcome.wire not in SPOKEN_MAJORS:
+            raise BusUnavailable(f"broker {welcome.broker_id!r} chose protocol major {welcome.wire}, this node "
+                                 f"speaks {list(SPOKEN_MAJORS)}")
         if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
             pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=EVENT_OPTIONS)
             self._owned.append(pub)

@@ -45,6 +45,7 @@ from .errors import (
 from .messages import KINDS, Body
 
 PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+SPOKEN_MAJORS: tuple[int, ...] = (PROTOCOL_VERSION[0],)  # majors this build encodes and decodes
 MIN_FRAMES = 3
 MAC_BYTES = 32
 
@@ -266,6 +267,19 @@ class WireCodec:
                                kind=kind)
         if not hmac.compare_digest(self._mac(signed), received):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+
+
+def negotiate(offered: Sequence[int]) -> int:
+    """The protocol major to speak with a peer that offers ``offered`` (empty: the major of its header,
+    already checked to be ours): the highest both speak, else :class:`VersionMismatch`."""
+    if not offered:
+        return PROTOCOL_VERSION[0]
+    common = set(offered) & set(SPOKEN_MAJORS)
+    if not common:
+        raise VersionMismatch(
+            f"peer speaks protocol majors {sorted(set(offered))}, this node {list(SPOKEN_MAJORS)}", kind="hello"
+        )
+    return max(common)
 
 
 def _as_bytes(frame: Buffer) -> bytes:

@@ -242,8 +242,12 @@ class RunEnd(Body, frozen=True):
 
 @register_kind("hello")
 class Hello(Body, frozen=True):
+    """Registration with the broker. ``wire`` lists the protocol majors the node speaks (empty: only the one
+    in this message's header); the broker answers with the one it chose, or a ``version`` error."""
+
     node: NodeInfo
     token: Name  # the node publishes ``sync`` with this token until the broker has seen it
+    wire: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=65535)]], msgspec.Meta(max_length=16)] = []
 
 
 @register_kind("heartbeat")
@@ -369,6 +373,7 @@ class Welcome(Body, frozen=True):
     events_out: str
     heartbeat_interval: float
     node_timeout: float
+    wire: NonNegative = 0  # the protocol major chosen from the hello's ``wire``
 
 
 @register_kind("ok")
