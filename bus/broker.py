@@ -208,7 +208,7 @@ class Broker:
     def emit(self, body: Body) -> None:
         """Publish the broker's own event to subscribers and the ring."""
         self.seq += 1
-        frames = self.codec.encode(body, seq=self.seq)
+        frames = self.codec.encode(body, seq=self.seq, one_frame=True)
         send_frames(self.xpub, frames)
         self.ring.append(self.runtime.node_id, self.seq, [bytes(f) for f in frames])
 
@@ -296,10 +296,7 @@ class Broker:
         # Replies must fit the peer's body limit: events are small (references, not arrays).
         budget = self.codec.limits.max_body_bytes // 2
         entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
-        events = [
-            ReplayedEvent(bytes(kind).decode("ascii"), bytes(header), bytes(body), [bytes(b) for b in buffers])
-            for kind, header, body, *buffers in (entry.frames for entry in entries)
-        ]
+        events = [ReplayedEvent([bytes(frame) for frame in entry.frames]) for entry in entries]
         return Replayed(events=events, more=more, cursor=cursor)
 
     def _remove(self, member: _Member, reason: str) -> None:

@@ -49,9 +49,10 @@ class Publisher:
         self.seq = 0
 
     def publish(self, body: Body) -> int:
-        """Send ``body`` as the next event; returns its sequence number. Arrays are sent zero-copy."""
+        """Send ``body`` as the next event (one frame when it has no arrays); returns its sequence number.
+        Arrays are sent zero-copy."""
         self.seq += 1
-        send_frames(self.sock, self.codec.encode(body, seq=self.seq))
+        send_frames(self.sock, self.codec.encode(body, seq=self.seq, one_frame=True))
         return self.seq
 
     def publish_raw(self, body: Body, *, seq: int = 0) -> None:

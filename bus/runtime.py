@@ -348,8 +348,7 @@ class NodeRuntime:
             assert isinstance(page, Replayed)
             for event in page.events:
                 try:
-                    message = self.codec.decode([event.kind.encode("ascii", "replace"), event.header, event.body,
-                                                 *event.buffers])
+                    message = self.codec.decode(event.frames)
                 except ProtocolError as exc:  # one bad event in the ring must not cost the others
                     log.warning("replay.rejected", code=exc.code, error=str(exc))
                     continue

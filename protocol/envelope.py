@@ -2,6 +2,12 @@
 
     [kind, header, body, *buffers]            unsigned
     [kind, header, body, *buffers, mac]       signed
+    [kind ‖ 0x00 ‖ len(header) ‖ header ‖ body] (+ [mac])   one frame, for a message without arrays
+
+The one-frame form carries the same kind, header and body in one ZeroMQ frame (``len(header)``: 4 bytes,
+little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind frame never holds a
+NUL byte, so the first frame says which form a message has. Events travel in it (pyzmq's cost per frame is most
+of the event path); every receiver accepts both forms for every message.
 
 * ``kind``: ASCII name of the message kind; also the PUB/SUB topic prefix.
 * ``header``: msgpack map :class:`Header` (protocol version, message id, source node, per-source
@@ -48,6 +54,8 @@ PROTOCOL_VERSION: tuple[int, int] = (2, 0)
 SPOKEN_MAJORS: tuple[int, ...] = (PROTOCOL_VERSION[0],)  # majors this build encodes and decodes
 MIN_FRAMES = 3
 MAC_BYTES = 32
+ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
+MAX_KIND_BYTES = 256
 
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -141,14 +149,22 @@ class WireCodec:
 
     # --- encode -------------------------------------------------------------------------------------
 
-    def encode(self, body: Body, *, seq: int = 0, msg_id: str = "", reply_to: str = "") -> list[Buffer]:
-        """Frames for ``body``. Arrays in it are not copied: keep them unmodified until sent."""
+    def encode(
+        self, body: Body, *, seq: int = 0, msg_id: str = "", reply_to: str = "", one_frame: bool = False
+    ) -> list[Buffer]:
+        """Frames for ``body``. Arrays in it are not copied: keep them unmodified until sent. ``one_frame``:
+        the one-frame form when ``body`` has no arrays."""
         frames = self._packer.begin()
         body_bytes = self._encoder.encode(body)
         kind = self._kind_frames[body.kind]
         signed = bool(self._secret)
         header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to, signed)
-        out = [kind, self._encoder.encode(header), body_bytes, *frames]
+        header_bytes = self._encoder.encode(header)
+        if one_frame and not frames:
+            out = [b"".join((kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
+                             body_bytes))]
+        else:
+            out = [kind, header_bytes, body_bytes, *frames]
         if signed:
             out.append(self._mac(out))
         return out
@@ -166,19 +182,28 @@ class WireCodec:
     def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> Received:
         """Kind and header of an envelope, checked for shape, version, size and (when this codec signs) its MAC;
         the body is not read. ``known=False`` lets an ASCII kind this node does not define pass (what a
-        forwarder needs). The version is checked before the MAC, so an older peer hears ``version``."""
-        if len(frames) < MIN_FRAMES:
+        forwarder needs). The version is checked before the MAC, so an older peer hears ``version``.
+        ``Received.frames`` has the multi-frame form's layout whichever form arrived."""
+        first = (frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])) if frames else b""
+        mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
+        one_frame = mark >= 0
+        if one_frame:
+            parts = _split_one_frame(first, mark)
+        elif len(frames) < MIN_FRAMES:
             raise MalformedMessage(
-                f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers], got {len(frames)}"
+                f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers] or one frame "
+                f"kind ‖ 0x00 ‖ len(header) ‖ header ‖ body, got {len(frames)}"
             )
-        raw_kind = frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])
+        else:
+            parts = frames
+        raw_kind = first if parts is frames else parts[0]
         kind = self._kind_names.get(raw_kind)
         if kind is None:
             try:
                 kind = raw_kind.decode("ascii")
             except UnicodeDecodeError:
                 raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
-        header = self.read_header(frames[1], kind=kind)
+        header = self.read_header(parts[1], kind=kind)
         if header.v[0] != PROTOCOL_VERSION[0]:
             raise VersionMismatch(
                 f"protocol {header.v[0]}.{header.v[1]} from {header.src!r}, this node speaks "
@@ -188,9 +213,12 @@ class WireCodec:
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
         signed = frames[:-1] if header.signed else frames
-        if len(signed) < MIN_FRAMES:
+        if one_frame and len(signed) != 1:
+            raise MalformedMessage(f"one-frame message followed by {len(frames) - 1} frames ("
+                                   f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
+        if not one_frame and len(signed) < MIN_FRAMES:
             raise MalformedMessage("a signed header, but no frame after the body for its MAC", kind=kind)
-        body_size = memoryview(frames[2]).nbytes
+        body_size = memoryview(parts[2]).nbytes
         if body_size > self.limits.max_body_bytes:
             raise MessageTooLarge(f"body is {body_size} bytes, limit {self.limits.max_body_bytes}", kind=kind)
         total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
@@ -198,7 +226,7 @@ class WireCodec:
             raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
         if self._secret:
             self._check_mac(kind, header, signed, frames[-1])
-        return Received(kind, header, signed)
+        return Received(kind, header, parts if one_frame else signed)
 
     def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
         """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""
@@ -267,6 +295,22 @@ class WireCodec:
                                kind=kind)
         if not hmac.compare_digest(self._mac(signed), received):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+
+
+def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
+    """``[kind, header, body]`` of a one-frame message whose kind ends at ``mark``, or
+    :class:`MalformedMessage`. Slices copy, which for frames without arrays is cheaper than views."""
+    if mark == 0:
+        raise MalformedMessage("one-frame message with an empty kind")
+    start = mark + 1 + 4
+    if len(frame) < start:
+        raise MalformedMessage(f"one-frame message of {len(frame)} bytes ends inside its header length")
+    header_end = start + int.from_bytes(frame[mark + 1 : start], "little")
+    if header_end > len(frame):
+        raise MalformedMessage(
+            f"one-frame message declares a {header_end - start}-byte header, {len(frame) - start} bytes follow"
+        )
+    return [frame[:mark], frame[start:header_end], frame[header_end:]]
 
 
 def negotiate(offered: Sequence[int]) -> int:

@@ -101,12 +101,10 @@ class MicroBatchRefs(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
-    """One event of the replay ring, as its original frames."""
+    """One event of the replay ring: its frames exactly as the broker received them (either form, with the
+    MAC frame when signed), so the MAC verifies and the envelope decodes as if it came live."""
 
-    kind: str
-    header: bytes
-    body: bytes
-    buffers: list[bytes]
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]
 
 
 class FetchedBlob(msgspec.Struct, frozen=True):

@@ -36,7 +36,7 @@ CASES: dict[str, tuple[Body, dict[str, Any]]] = {
                   policy_version=7, info={"reward": 1.5}), {}),
     "claim": (Claim(blob_ids=["e1-0", "e1-1"], holder="orchestrator"), {}),
     "delete": (Delete(blob_ids=["e1-0"], holder="trainer-0", reason="trained"), {}),
-    "episode-finished": (EpisodeFinished(episode_id="e1", source="env", refs=[_REF]), {"seq": 3}),
+    "episode-finished": (EpisodeFinished(episode_id="e1", source="env", refs=[_REF]), {"seq": 3, "one_frame": True}),
 }
 
 

@@ -164,7 +164,9 @@ def corrupt_checksum() -> list[bytes]:
 BODY_LIMIT = 4096
 MALFORMED = {
     # name: (frames, code, message fragment, reply's re, request_kind)
-    "garbage-one-frame": (lambda: [b"\x00\xffgarbage\x13"], "malformed", "got 1", "", ""),
+    "garbage-one-frame": (lambda: [b"\xffgarbage\x13"], "malformed", "got 1", "", ""),
+    "one-frame-empty-kind": (lambda: [b"\x00\xffgarbage\x13"], "malformed", "empty kind", "", ""),
+    "one-frame-cut-header": (lambda: [b"delete\x00\x10\x00\x00\x00\x81"], "malformed", "16-byte header", "", ""),
     "garbage-three-frames": (lambda: [b"\x93\x01\x02", b"\xc1\xc1", b"\xff" * 16], "malformed", "not ASCII", "", ""),
     "undecodable-header": (lambda: [b"delete", b"\xc1\xc1", raw_frames()[2]], "malformed", "header frame", "",
                            "delete"),
