@@ -80,6 +80,7 @@ class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
     nbytes: NonNegative
     checksum: NonNegative  # xxh3-64 over the blob's array checksums, in field order
     routing_shape: list[int] | None = None  # [layers, top_k] when routed_experts is kept
+    node: str = ""  # the store's node id: its endpoint is looked up again in the registry if it moved
 
 
 class SampleSlice(msgspec.Struct, frozen=True, omit_defaults=True):

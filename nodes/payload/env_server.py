@@ -119,7 +119,7 @@ class EnvServer:
         self.endpoint = runtime.endpoints["blobs"]
         runtime.labels["source"] = self.source
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
-                             handover_lease_s=settings.handover_lease_s, clock=clock)
+                             handover_lease_s=settings.handover_lease_s, clock=clock, node=runtime.node_id)
         self._lock = threading.Lock()
         # Events from other threads wait here for the loop thread; flushed before any other publish so the
         # stream never shows a claim before the episode-finished it refers to.
