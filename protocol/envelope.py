@@ -103,7 +103,8 @@ class Message(msgspec.Struct, frozen=True):
 class Received(NamedTuple):
     """An envelope whose kind, header and sizes are checked (and its MAC, when the codec signs), body unread.
 
-    ``frames`` are the signed frames ``[kind, header, body, *buffers]``, without the MAC frame."""
+    ``frames``: the parts in the multi-frame layout ``[kind, header, body, *buffers]`` (a one-frame message
+    split), without the MAC frame."""
 
     kind: str
     header: Header
