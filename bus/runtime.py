@@ -620,7 +620,7 @@ class NodeRuntime:
             ("refbus_bus_events_duplicate_total", "Duplicate events dropped by sequence number.", "duplicates"),
         ):
             self.metric(name, doc, lambda a=attribute: {(): float(sum(getattr(s, a) for s in subscribers))})
-        self.metric("refbus_bus_events_rejected_total", "Malformed events counted and dropped, by error code.",
+        self.metric("refbus_bus_events_rejected_total", "Events refused (malformed, forged, replayed), by code.",
                     lambda: _merged(s.rejected for s in subscribers), labels=("code",))
         self.metric("refbus_requests_total", "Requests this node's servers answered, by kind.",
                     lambda: _merged(server.handled for server in self._servers), labels=("kind",))
