@@ -37,7 +37,7 @@ import msgspec
 import structlog
 import zmq
 
-from ..protocol.envelope import Message
+from ..protocol.envelope import Message, negotiate
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
@@ -188,7 +188,7 @@ class Broker:
                 return
             try:
                 # The header only (bodies are the subscribers'); kinds newer than this broker pass.
-                kind, header = self.codec.decode_header(frames, known=False)
+                kind, header, _ = self.codec.decode_header(frames, known=False)
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))
@@ -215,7 +215,7 @@ class Broker:
     def emit(self, body: Body) -> None:
         """Publish the broker's own event to subscribers and the ring."""
         self.seq += 1
-        frames = self.codec.encode(body, seq=self.seq)
+        frames = self.codec.encode(body, seq=self.seq, one_frame=True)
         send_frames(self.xpub, frames)
         self.ring.append(self.runtime.node_id, self.seq, [bytes(f) for f in frames])
 
@@ -245,6 +245,7 @@ class Broker:
         hello = request.body
         assert isinstance(hello, Hello)
         self._check_own(request, hello.node.node_id, hello.node.role)
+        wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
         if old is not None and old.live and old.info.pid != node.pid:
@@ -259,6 +260,7 @@ class Broker:
             events_out=self.runtime.endpoints["events_out"],
             heartbeat_interval=self.runtime.settings.heartbeat_interval_s,
             node_timeout=self.settings.node_timeout_s,
+            wire=wire,
         )
 
     def _check_own(self, request: Message, node_id: str, role: str = "") -> None:
@@ -317,10 +319,7 @@ class Broker:
         # Replies must fit the peer's body limit: events are small (references, not arrays).
         budget = self.codec.limits.max_body_bytes // 2
         entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
-        events = [
-            ReplayedEvent(bytes(kind).decode("ascii"), bytes(header), bytes(body), [bytes(b) for b in buffers])
-            for kind, header, body, *buffers in (entry.frames for entry in entries)
-        ]
+        events = [ReplayedEvent([bytes(frame) for frame in entry.frames]) for entry in entries]
         return Replayed(events=events, more=more, cursor=cursor)
 
     def _remove(self, member: _Member, reason: str) -> None:

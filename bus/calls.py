@@ -208,7 +208,7 @@ class Calls:
                 return
             try:
                 checked = client.codec.decode_header(frames)
-                call = self._pending.get(checked[1].re)
+                call = self._pending.get(checked.header.re)
                 # A reply to no pending call is decoded without torch: it is only counted.
                 backend = call.backend if call is not None else "numpy"
                 reply = client.codec.decode(frames, backend=backend, checked=checked)

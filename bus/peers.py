@@ -75,6 +75,12 @@ class Peers:
         elif isinstance(body, NodeDown):
             self._down(body)
 
+    def endpoint_of(self, node_id: str, name: str) -> str | None:
+        """The endpoint ``name`` that live node ``node_id`` advertises now (a restarted node may have moved),
+        or None when it is not live or advertises none."""
+        info = self.live.get(node_id)
+        return info.endpoints.get(name) if info is not None else None
+
     def node_of(self, endpoint: str) -> str | None:
         """The id of the node (live or down) that advertised ``endpoint``, or None."""
         for nodes in (self.live, self.down):

@@ -6,13 +6,20 @@ when given a ``fill`` function (the broker's replay ring), fetches them and deli
 the event that revealed the gap. Events from a source seen for the first time set its baseline (a live
 subscriber does not want history unless it asks with ``replay``).
 
+Sequence state is kept per source *incarnation* (the sender-process part of the message id) and changes only
+for events whose MAC verified (:meth:`WireCodec.decode_header` checks it first), so a forged event cannot
+move a sequence. An event at or below what its incarnation already delivered that arrives on the socket is a
+replay (PUB/SUB never repeats one): refused as ``replay`` and counted. The same from the ring (a gap fill, a
+``--since`` merge) is an ordinary duplicate. A new incarnation of a known source is a restart: it starts a new
+sequence without a gap; gap fills take only the missing events' own incarnation.
+
 Neither class is thread-safe: one owner thread each.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -27,8 +34,10 @@ log = structlog.get_logger(__name__)
 
 SYNC_KIND = Sync.kind.encode()
 
-Fill = Callable[[str, int, int], Sequence[Message]]
-"""``fill(src, first_seq, last_seq)`` returns the missing events it could recover, in order."""
+Fill = Callable[[str, str, int, int], Sequence[Message]]
+"""``fill(src, incarnation, first_seq, last_seq)`` returns the missing events it could recover, in order."""
+
+MAX_INCARNATIONS = 4096  # per-(source, incarnation) sequences remembered, least recently seen forgotten first
 
 
 class Publisher:
@@ -40,9 +49,10 @@ class Publisher:
         self.seq = 0
 
     def publish(self, body: Body) -> int:
-        """Send ``body`` as the next event; returns its sequence number. Arrays are sent zero-copy."""
+        """Send ``body`` as the next event (one frame when it has no arrays); returns its sequence number.
+        Arrays are sent zero-copy."""
         self.seq += 1
-        send_frames(self.sock, self.codec.encode(body, seq=self.seq))
+        send_frames(self.sock, self.codec.encode(body, seq=self.seq, one_frame=True))
         return self.seq
 
     def publish_raw(self, body: Body, *, seq: int = 0) -> None:
@@ -56,8 +66,9 @@ class Subscriber:
     The socket always carries the whole stream, because gaps can only be told from sequence numbers when
     every event of a source arrives; ``kinds`` selects what is *delivered* (bodies of other kinds are not
     even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
-    must not stop a subscriber (anything unexpected is counted as ``internal``). ``sync`` probes are
-    consumed here and recorded in :attr:`tokens`.
+    must not stop a subscriber (anything unexpected is counted as ``internal``); replays are counted as
+    ``replay``. ``sync`` probes are consumed here and recorded in :attr:`tokens`. :attr:`last_seq` is each
+    source's latest sequence number in its latest incarnation.
     """
 
     def __init__(
@@ -73,12 +84,13 @@ class Subscriber:
         self.fill = fill
         self.kinds = kinds
         self.last_seq: dict[str, int] = {}
-        self._epochs: dict[str, str] = {}
+        self._epochs: dict[str, str] = {}  # each source's latest incarnation
+        self._sequences: OrderedDict[tuple[str, str], int] = OrderedDict()  # (source, incarnation) -> last seq
         self.tokens: set[str] = set()
         self.received = 0
         self.missed = 0  # events detected missing (before any fill)
         self.filled = 0
-        self.duplicates = 0
+        self.duplicates = 0  # events the ring handed over again (fills, merges): not an error
         self.rejected: Counter[str] = Counter()
         self._ready: deque[Message] = deque()
         self._held: list[list] | None = None
@@ -105,18 +117,21 @@ class Subscriber:
             return
         self._take(frames)
 
-    def _take(self, frames: list) -> None:
+    def _take(self, frames: list, *, live: bool = True) -> None:
+        """``live``: straight from the socket, where a repeat can only be a replay (parked events are not:
+        the ring merged in front of them may have delivered them already)."""
         try:
-            kind, header = self.codec.decode_header(frames)
+            checked = self.codec.decode_header(frames)  # MAC verified here, before any state changes
+            kind, header = checked.kind, checked.header
             if kind == Sync.kind:
-                probe = self.codec.decode(frames).body
+                probe = self.codec.decode(frames, checked=checked).body
                 assert isinstance(probe, Sync)
                 self.tokens.add(probe.token)
                 return
-            if not self._track(header.src, header.seq, incarnation(header.id)):
+            if not self._track(header.src, header.seq, incarnation(header.id), live=live):
                 return
             if self.kinds is None or kind in self.kinds:
-                self._ready.append(self.codec.decode(frames, checked=(kind, header)))
+                self._ready.append(self.codec.decode(frames, checked=checked))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))
@@ -133,7 +148,7 @@ class Subscriber:
         held, self._held = self._held or [], None
         for frames in held:
             if bytes(frames[0]) != SYNC_KIND:
-                self._take(frames)
+                self._take(frames, live=False)
 
     def pop(self) -> Message | None:
         return self._ready.popleft() if self._ready else None
@@ -141,42 +156,59 @@ class Subscriber:
     def offer(self, message: Message) -> bool:
         """Sequence-check an already decoded event (replayed or filled); queue it if new and wanted."""
         header = message.header
-        if not self._track(header.src, header.seq, incarnation(header.id)):
+        if not self._track(header.src, header.seq, incarnation(header.id), live=False):
             return False
         if self.kinds is None or message.kind in self.kinds:
             self._ready.append(message)
         return True
 
-    def _track(self, src: str, seq: int, epoch: str) -> bool:
-        """Advance ``src``'s sequence; False for a duplicate. A jump is a gap: fill it first. A new sender
-        incarnation (a restarted node) starts a new baseline."""
-        last = self.last_seq.get(src)
-        if last is not None and self._epochs.get(src) != epoch:
-            log.info("event.source_restarted", src=src, last_seq=last)
-            last = None
-        self._epochs[src] = epoch
-        if last is not None and seq <= last:
-            self.duplicates += 1
+    def _track(self, src: str, seq: int, epoch: str, *, live: bool) -> bool:
+        """Advance the sequence of ``src``'s incarnation ``epoch``; False for an event it already delivered. A
+        jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node)."""
+        key = (src, epoch)
+        last = self._sequences.get(key)
+        if last is None:
+            if src in self._epochs:
+                log.info("event.source_restarted", src=src, last_seq=self.last_seq.get(src))
+            self._remember(key, seq)
+            self._epochs[src] = epoch
+            self.last_seq[src] = seq
+            self.received += 1
+            return True
+        self._sequences.move_to_end(key)
+        if seq <= last:
+            if live:
+                self.rejected["replay"] += 1
+                log.warning("event.rejected", code="replay", src=src, incarnation=epoch, seq=seq, last_seq=last)
+            else:
+                self.duplicates += 1
             return False
-        self.last_seq[src] = seq
+        self._sequences[key] = seq
+        if self._epochs.get(src) == epoch:
+            self.last_seq[src] = seq
         self.received += 1
-        if last is not None and seq > last + 1:
-            self._gap(src, last + 1, seq - 1)
+        if seq > last + 1:
+            self._gap(src, epoch, last + 1, seq - 1)
         return True
 
-    def _gap(self, src: str, first: int, last: int) -> None:
+    def _remember(self, key: tuple[str, str], seq: int) -> None:
+        self._sequences[key] = seq
+        while len(self._sequences) > MAX_INCARNATIONS:
+            self._sequences.popitem(last=False)
+
+    def _gap(self, src: str, epoch: str, first: int, last: int) -> None:
         self.missed += last - first + 1
         recovered: list[Message] = []
         if self.fill is not None:
             try:
-                recovered = list(self.fill(src, first, last))
+                recovered = list(self.fill(src, epoch, first, last))
             except Exception as exc:  # a failed fill loses the gap, never the live event that revealed it
                 log.warning("event.fill_failed", src=src, first=first, last=last, error=str(exc))
+        recovered = [m for m in recovered if first <= m.header.seq <= last and incarnation(m.header.id) == epoch]
         for message in recovered:
-            if first <= message.header.seq <= last:
-                self.received += 1
-                self.filled += 1
-                if self.kinds is None or message.kind in self.kinds:
-                    self._ready.append(message)
+            self.received += 1
+            self.filled += 1
+            if self.kinds is None or message.kind in self.kinds:
+                self._ready.append(message)
         if len(recovered) < last - first + 1:
             log.warning("event.gap", src=src, first=first, last=last, recovered=len(recovered))

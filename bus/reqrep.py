@@ -353,6 +353,11 @@ class Server:
 
     ``authenticated`` (a CURVE socket): a request whose ``src`` is not the node id its connection was admitted
     as is answered ``wrong-src`` (``unauthenticated`` when the connection has none) and never handled.
+    Replays: a request of a cached route whose id is still cached is a retry and gets the cached reply. One
+    whose reply was cached and has since been evicted is a replay, refused with ``replay`` (its handler does not
+    run twice): the ids of the last ``seen_size`` cached replies are remembered, and below them, per sender
+    incarnation (the part of the id before ``-``), the highest evicted counter (ids are ``<incarnation>-<hex
+    counter>``, rising). Pure reads (``cached=False``) and deferred answers run again on a retry, as before.
     """
 
     def __init__(
@@ -362,6 +367,7 @@ class Server:
         *,
         cache_size: int = 4096,
         cache_bytes: int = 64 << 20,
+        seen_size: int = 65536,
         backend: ArrayBackend = "native",
         authenticated: bool = False,
     ) -> None:
@@ -378,6 +384,9 @@ class Server:
         self.undeliverable = 0
         self._replies: OrderedDict[tuple[str, str], tuple[list, int]] = OrderedDict()
         self._cached_bytes = 0
+        self.seen_size = seen_size
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # ids whose reply was cached
+        self._floors: OrderedDict[tuple[str, str], int] = OrderedDict()  # (src, incarnation) -> evicted counter
         self._current = Pending(b"", "")
 
     def on(self, kind: str, handler: Handler, *, cached: bool = True) -> None:
@@ -415,7 +424,8 @@ class Server:
 
     def _dispatch(self, identity: bytes, envelope: list, peer: str) -> None:
         try:
-            kind, header = self.codec.decode_header(envelope)
+            checked = self.codec.decode_header(envelope)
+            kind, header = checked.kind, checked.header
             if self.authenticated and header.src != peer:
                 code = "wrong-src" if peer else "unauthenticated"
                 self.rejected[code] += 1
@@ -429,7 +439,7 @@ class Server:
                 self._send(identity, Error("unexpected-kind", f"this node does not serve {kind!r} requests", kind),
                            header.id)
                 return
-            request = self.codec.decode(envelope, backend=self.backend, checked=(kind, header))
+            request = self.codec.decode(envelope, backend=self.backend, checked=checked)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))
@@ -440,6 +450,12 @@ class Server:
         if cached is not None:
             self.duplicates += 1
             self._send_frames(identity, cached[0])
+            return
+        if route.cached and self._replayed(key):
+            self.rejected["replay"] += 1
+            log.warning("request.rejected", code="replay", kind=kind, src=header.src, id=header.id)
+            self._send(identity, Error("replay", f"request {header.id!r} from {header.src!r} was already "
+                                       "answered; a retry must come while its reply is cached", kind), header.id)
             return
         self._current = Pending(identity, header.id, peer)
         reply = self._run(route.handler, request)
@@ -464,6 +480,29 @@ class Server:
         self._cached_bytes += nbytes
         while len(self._replies) > self.cache_size or self._cached_bytes > self.cache_bytes:
             self._cached_bytes -= self._replies.popitem(last=False)[1][1]
+        self._seen[key] = None
+        while len(self._seen) > self.seen_size:
+            self._raise_floor(self._seen.popitem(last=False)[0])
+
+    def _replayed(self, key: tuple[str, str]) -> bool:
+        """Whether the request ``key`` (not in the reply cache) was answered already."""
+        if key in self._seen:
+            return True
+        split = _split_id(key[1])
+        if split is None:
+            return False
+        floor = self._floors.get((key[0], split[0]))
+        return floor is not None and split[1] <= floor
+
+    def _raise_floor(self, key: tuple[str, str]) -> None:
+        split = _split_id(key[1])
+        if split is None:
+            return
+        incarnation_key = (key[0], split[0])
+        self._floors[incarnation_key] = max(split[1], self._floors.get(incarnation_key, 0))
+        self._floors.move_to_end(incarnation_key)
+        while len(self._floors) > self.seen_size:
+            self._floors.popitem(last=False)
 
     def _run(self, handler: Handler, request: Message) -> Body | None:
         try:
@@ -499,3 +538,15 @@ class Server:
             return self.codec.read_header(envelope[1]).id
         except ProtocolError:
             return ""
+
+
+def _split_id(msg_id: str) -> tuple[str, int] | None:
+    """``(incarnation, counter)`` of an id ``<incarnation>-<hex counter>``; None for any other form (a
+    third-party client's ids need only be unique)."""
+    prefix, dash, counter = msg_id.rpartition("-")
+    if not dash or not prefix or not 0 < len(counter) <= 16:
+        return None
+    try:
+        return prefix, int(counter, 16)
+    except ValueError:
+        return None

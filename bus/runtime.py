@@ -47,7 +47,8 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.registry import Collector
 
 from ..protocol.codec import ArrayBackend
-from ..protocol.envelope import Limits, Message, WireCodec
+from ..protocol.envelope import SPOKEN_MAJORS, Limits, Message, WireCodec
+from ..protocol.envelope import incarnation as envelope_incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
@@ -355,9 +356,12 @@ class NodeRuntime:
         assert isinstance(listed, NodeList)
         return listed.nodes
 
-    def replay(self, *, since: int = 0, src: str = "", until: int | None = None) -> list[Message]:
+    def replay(
+        self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = ""
+    ) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
-        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor."""
+        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor.
+        ``incarnation`` keeps only that sender incarnation's events (a restarted source reuses numbers)."""
         broker = self.broker()
         events: list[Message] = []
         cursor = 0
@@ -367,19 +371,21 @@ class NodeRuntime:
             assert isinstance(page, Replayed)
             for event in page.events:
                 try:
-                    events.append(self.codec.decode([event.kind.encode("ascii", "replace"), event.header, event.body,
-                                                     *event.buffers]))
+                    message = self.codec.decode(event.frames)
                 except ProtocolError as exc:  # one bad event in the ring must not cost the others
                     log.warning("replay.rejected", code=exc.code, error=str(exc))
+                    continue
+                if not incarnation or envelope_incarnation(message.header.id) == incarnation:
+                    events.append(message)
             cursor = page.cursor
             done = until is not None and src and events and events[-1].header.seq >= until
             if not page.more or done:
                 return [e for e in events if until is None or e.header.seq <= until]
 
-    def replay_range(self, src: str, first: int, last: int) -> list[Message]:
-        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``."""
+    def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
+        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``."""
         try:
-            return self.replay(since=first, src=src, until=last)
+            return self.replay(since=first, src=src, until=last, incarnation=incarnation)
         except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []
@@ -639,7 +645,7 @@ class NodeRuntime:
             ("refbus_bus_events_duplicate_total", "Duplicate events dropped by sequence number.", "duplicates"),
         ):
             self.metric(name, doc, lambda a=attribute: {(): float(sum(getattr(s, a) for s in subscribers))})
-        self.metric("refbus_bus_events_rejected_total", "Malformed events counted and dropped, by error code.",
+        self.metric("refbus_bus_events_rejected_total", "Events refused (malformed, forged, replayed), by code.",
                     lambda: _merged(s.rejected for s in subscribers), labels=("code",))
         self.metric("refbus_requests_total", "Requests this node's servers answered, by kind.",
                     lambda: _merged(server.handled for server in self._servers), labels=("kind",))
@@ -692,11 +698,15 @@ class NodeRuntime:
         token = self.codec.new_id()
         connect = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
         try:
-            reply = self.control.request(Hello(node=self.info(), token=token), policy=connect)
+            reply = self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
+                                         policy=connect)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
         welcome = reply.body
         assert isinstance(welcome, Welcome)
+        if welcome.wire not in SPOKEN_MAJORS:
+            raise BusUnavailable(f"broker {welcome.broker_id!r} chose protocol major {welcome.wire}, this node "
+                                 f"speaks {list(SPOKEN_MAJORS)}")
         if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
             pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=self.event_options)
             self._owned.append(pub)

@@ -1,16 +1,25 @@
 """The envelope: how a message becomes ZeroMQ frames and back.
 
-    [kind, header, body, *buffers]
+    [kind, header, body, *buffers]            unsigned
+    [kind, header, body, *buffers, mac]       signed
+    [kind ‖ 0x00 ‖ len(header) ‖ header ‖ body] (+ [mac])   one frame, for a message without arrays
+
+The one-frame form carries the same kind, header and body in one ZeroMQ frame (``len(header)``: 4 bytes,
+little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind frame never holds a
+NUL byte, so the first frame says which form a message has. Events travel in it (pyzmq's cost per frame is most
+of the event path); every receiver accepts both forms for every message.
 
 * ``kind``: ASCII name of the message kind; also the PUB/SUB topic prefix.
 * ``header``: msgpack map :class:`Header` (protocol version, message id, source node, per-source
-  sequence number, timestamp, optional reply-to id and MAC).
+  sequence number, timestamp, optional reply-to id, whether a MAC frame follows).
 * ``body``: msgpack map, validated against the kind's Struct from :mod:`refbus.protocol.messages`.
 * ``buffers``: raw array bytes, one frame per array, described in the body (see :mod:`refbus.protocol.codec`).
-
-Signing (optional, per cluster secret): the MAC is HMAC-SHA256 over ``kind``, the header encoded without its
-MAC, ``body`` and every buffer (checksums are xxh3, fast but not cryptographic, so they cannot stand in
-for the bytes). Signing costs one SHA-256 pass over the arrays on each side.
+* ``mac``: with a cluster secret, HMAC-SHA256 over every frame before it, each as its length (8 bytes,
+  little-endian) then its bytes. It signs the frames exactly as they travel, so a receiver checks the bytes it
+  received (never a re-encoding: a header with a field it does not know, keys in another order or an integer
+  ``ts`` verifies as sent), and it sits outside what it signs. Length prefixes stop bytes from moving between
+  frames. Checksums are xxh3, fast but not cryptographic, so the MAC covers the array bytes themselves: signing
+  costs one SHA-256 pass over the arrays on each side.
 
 A :class:`WireCodec` is not thread-safe: each thread that owns sockets keeps its own.
 """
@@ -24,7 +33,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -41,8 +50,12 @@ from .errors import (
 )
 from .messages import KINDS, Body
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+SPOKEN_MAJORS: tuple[int, ...] = (PROTOCOL_VERSION[0],)  # majors this build encodes and decodes
 MIN_FRAMES = 3
+MAC_BYTES = 32
+ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
+MAX_KIND_BYTES = 256
 
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -50,9 +63,9 @@ class Header(msgspec.Struct, frozen=True, omit_defaults=True):
     id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
     src: str  # sending node id
     seq: int  # per-source sequence number (events), 0 for requests and replies
-    ts: float  # wall-clock seconds at send
+    ts: float  # wall-clock seconds at send (display only: nothing is judged by it)
     re: str = ""  # id of the request this message answers
-    mac: bytes = b""
+    signed: bool = False  # a MAC frame follows the last frame
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,17 @@ class Message(msgspec.Struct, frozen=True):
 
     def __repr__(self) -> str:  # frames can be large; show how many there are
         return f"Message(kind={self.kind!r}, header={self.header!r}, body={self.body!r}, buffers=<{len(self.buffers)}>)"
+
+
+class Received(NamedTuple):
+    """An envelope whose kind, header and sizes are checked (and its MAC, when the codec signs), body unread.
+
+    ``frames``: the parts in the multi-frame layout ``[kind, header, body, *buffers]`` (a one-frame message
+    split), without the MAC frame."""
+
+    kind: str
+    header: Header
+    frames: Sequence[Any]
 
 
 class MessageIds:
@@ -126,43 +150,61 @@ class WireCodec:
 
     # --- encode -------------------------------------------------------------------------------------
 
-    def encode(self, body: Body, *, seq: int = 0, msg_id: str = "", reply_to: str = "") -> list[Buffer]:
-        """Frames for ``body``. Arrays in it are not copied: keep them unmodified until sent."""
+    def encode(
+        self, body: Body, *, seq: int = 0, msg_id: str = "", reply_to: str = "", one_frame: bool = False
+    ) -> list[Buffer]:
+        """Frames for ``body``. Arrays in it are not copied: keep them unmodified until sent. ``one_frame``:
+        the one-frame form when ``body`` has no arrays."""
         frames = self._packer.begin()
         body_bytes = self._encoder.encode(body)
         kind = self._kind_frames[body.kind]
-        header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to)
+        signed = bool(self._secret)
+        header = Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to, signed)
         header_bytes = self._encoder.encode(header)
-        if self._secret:
-            mac = self._mac(kind, header_bytes, body_bytes, frames)
-            header_bytes = self._encoder.encode(msgspec.structs.replace(header, mac=mac))
-        return [kind, header_bytes, body_bytes, *frames]
+        if one_frame and not frames:
+            out = [b"".join((kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
+                             body_bytes))]
+        else:
+            out = [kind, header_bytes, body_bytes, *frames]
+        if signed:
+            out.append(self._mac(out))
+        return out
 
-    def _mac(self, kind: bytes, header: bytes, body: bytes, buffers: Sequence[Buffer]) -> bytes:
-        mac = hmac.new(self._secret, kind, hashlib.sha256)
-        mac.update(header)
-        mac.update(body)
-        for buffer in buffers:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
-            mac.update(buffer)
+    def _mac(self, frames: Sequence[Buffer]) -> bytes:
+        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for frame in frames:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
+            view = memoryview(frame)
+            mac.update(view.nbytes.to_bytes(8, "little"))
+            mac.update(view)
         return mac.digest()
 
     # --- decode -------------------------------------------------------------------------------------
 
-    def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> tuple[str, Header]:
-        """Kind and header of an envelope, checked for shape, version and size; the body is not read.
-        ``known=False`` lets an ASCII kind this node does not define pass (what a forwarder needs)."""
-        if len(frames) < MIN_FRAMES:
+    def decode_header(self, frames: Sequence[Buffer], *, known: bool = True) -> Received:
+        """Kind and header of an envelope, checked for shape, version, size and (when this codec signs) its MAC;
+        the body is not read. ``known=False`` lets an ASCII kind this node does not define pass (what a
+        forwarder needs). The version is checked before the MAC, so an older peer hears ``version``.
+        ``Received.frames`` has the multi-frame form's layout whichever form arrived."""
+        first = (frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])) if frames else b""
+        mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
+        one_frame = mark >= 0
+        if one_frame:
+            parts = _split_one_frame(first, mark)
+        elif len(frames) < MIN_FRAMES:
             raise MalformedMessage(
-                f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers], got {len(frames)}"
+                f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers] or one frame "
+                f"kind ‖ 0x00 ‖ len(header) ‖ header ‖ body, got {len(frames)}"
             )
-        raw_kind = frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])
+        else:
+            parts = frames
+        raw_kind = first if parts is frames else parts[0]
         kind = self._kind_names.get(raw_kind)
         if kind is None:
             try:
                 kind = raw_kind.decode("ascii")
             except UnicodeDecodeError:
                 raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
-        header = self.read_header(frames[1], kind=kind)
+        header = self.read_header(parts[1], kind=kind)
         if header.v[0] != PROTOCOL_VERSION[0]:
             raise VersionMismatch(
                 f"protocol {header.v[0]}.{header.v[1]} from {header.src!r}, this node speaks "
@@ -171,13 +213,21 @@ class WireCodec:
             )
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
-        body_size = memoryview(frames[2]).nbytes
+        signed = frames[:-1] if header.signed else frames
+        if one_frame and len(signed) != 1:
+            raise MalformedMessage(f"one-frame message followed by {len(frames) - 1} frames ("
+                                   f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
+        if not one_frame and len(signed) < MIN_FRAMES:
+            raise MalformedMessage("a signed header, but no frame after the body for its MAC", kind=kind)
+        body_size = memoryview(parts[2]).nbytes
         if body_size > self.limits.max_body_bytes:
             raise MessageTooLarge(f"body is {body_size} bytes, limit {self.limits.max_body_bytes}", kind=kind)
         total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
         if total > self.limits.max_message_bytes:
             raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
-        return kind, header
+        if self._secret:
+            self._check_mac(kind, header, signed, frames[-1])
+        return Received(kind, header, parts if one_frame else signed)
 
     def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
         """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""
@@ -194,16 +244,14 @@ class WireCodec:
         *,
         backend: ArrayBackend = "native",
         verify: bool = True,
-        checked: tuple[str, Header] | None = None,
+        checked: Received | None = None,
     ) -> Message:
         """A validated :class:`Message`, or a :class:`ProtocolError` that says what was wrong.
 
         ``verify`` checks array checksums (always on when signing). Array fields view ``frames``.
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
-        kind, header = checked or self.decode_header(frames)
-        if self._secret:
-            self._check_mac(kind, header, frames)
+        kind, header, frames = checked or self.decode_header(frames)
         buffers = frames[MIN_FRAMES:]
         raw_body = frames[2]
         limits = self.limits
@@ -239,13 +287,44 @@ class WireCodec:
             )
         return Message(kind, header, body, buffers)
 
-    def _check_mac(self, kind: str, header: Header, frames: Sequence[Buffer]) -> None:
-        if not header.mac:
+    def _check_mac(self, kind: str, header: Header, signed: Sequence[Buffer], mac: Buffer) -> None:
+        if not header.signed:
             raise BadSignature(f"unsigned message from {header.src!r} on a signed bus", kind=kind)
-        unsigned = self._encoder.encode(msgspec.structs.replace(header, mac=b""))
-        expected = self._mac(bytes(frames[0]), unsigned, bytes(frames[2]), frames[MIN_FRAMES:])
-        if not hmac.compare_digest(expected, header.mac):
+        received = _as_bytes(mac)
+        if len(received) != MAC_BYTES:
+            raise BadSignature(f"MAC frame of {len(received)} bytes from {header.src!r}, expected {MAC_BYTES}",
+                               kind=kind)
+        if not hmac.compare_digest(self._mac(signed), received):
             raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+
+
+def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
+    """``[kind, header, body]`` of a one-frame message whose kind ends at ``mark``, or
+    :class:`MalformedMessage`. Slices copy, which for frames without arrays is cheaper than views."""
+    if mark == 0:
+        raise MalformedMessage("one-frame message with an empty kind")
+    start = mark + 1 + 4
+    if len(frame) < start:
+        raise MalformedMessage(f"one-frame message of {len(frame)} bytes ends inside its header length")
+    header_end = start + int.from_bytes(frame[mark + 1 : start], "little")
+    if header_end > len(frame):
+        raise MalformedMessage(
+            f"one-frame message declares a {header_end - start}-byte header, {len(frame) - start} bytes follow"
+        )
+    return [frame[:mark], frame[start:header_end], frame[header_end:]]
+
+
+def negotiate(offered: Sequence[int]) -> int:
+    """The protocol major to speak with a peer that offers ``offered`` (empty: the major of its header,
+    already checked to be ours): the highest both speak, else :class:`VersionMismatch`."""
+    if not offered:
+        return PROTOCOL_VERSION[0]
+    common = set(offered) & set(SPOKEN_MAJORS)
+    if not common:
+        raise VersionMismatch(
+            f"peer speaks protocol majors {sorted(set(offered))}, this node {list(SPOKEN_MAJORS)}", kind="hello"
+        )
+    return max(common)
 
 
 def _as_bytes(frame: Buffer) -> bytes:

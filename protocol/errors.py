@@ -68,3 +68,9 @@ class ChecksumMismatch(ArrayError):
     """Array bytes that do not hash to the checksum their descriptor carries."""
 
     code = "checksum"
+
+
+class ReplayedMessage(ProtocolError):
+    """A message its receiver has already taken from that source incarnation: a replay, not a retry."""
+
+    code = "replay"

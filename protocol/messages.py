@@ -80,6 +80,7 @@ class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
     nbytes: NonNegative
     checksum: NonNegative  # xxh3-64 over the blob's array checksums, in field order
     routing_shape: list[int] | None = None  # [layers, top_k] when routed_experts is kept
+    node: str = ""  # the store's node id: its endpoint is looked up again in the registry if it moved
 
 
 class SampleSlice(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -101,12 +102,10 @@ class MicroBatchRefs(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
-    """One event of the replay ring, as its original frames."""
+    """One event of the replay ring: its frames exactly as the broker received them (either form, with the
+    MAC frame when signed), so the MAC verifies and the envelope decodes as if it came live."""
 
-    kind: str
-    header: bytes
-    body: bytes
-    buffers: list[bytes]
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]
 
 
 class FetchedBlob(msgspec.Struct, frozen=True):
@@ -242,8 +241,12 @@ class RunEnd(Body, frozen=True):
 
 @register_kind("hello")
 class Hello(Body, frozen=True):
+    """Registration with the broker. ``wire`` lists the protocol majors the node speaks (empty: only the one
+    in this message's header); the broker answers with the one it chose, or a ``version`` error."""
+
     node: NodeInfo
     token: Name  # the node publishes ``sync`` with this token until the broker has seen it
+    wire: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=65535)]], msgspec.Meta(max_length=16)] = []
 
 
 @register_kind("heartbeat")
@@ -369,6 +372,7 @@ class Welcome(Body, frozen=True):
     events_out: str
     heartbeat_interval: float
     node_timeout: float
+    wire: NonNegative = 0  # the protocol major chosen from the hello's ``wire``
 
 
 @register_kind("ok")

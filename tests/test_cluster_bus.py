@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
+from golden_wire import load
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
-from refbus.protocol.messages import Delete, Error, NodeList, Nodes, Sync
+from refbus.protocol.messages import Delete, Error, Hello, NodeInfo, NodeList, Nodes, Sync, Welcome
 
 
 def _records(path: Path) -> list[dict]:
@@ -149,6 +150,16 @@ def test_bad_requests_get_clear_errors_and_broker_keeps_serving(bus) -> None:
         huge[2] = b"\x81\xa4role\xdb" + (32 << 20).to_bytes(4, "big") + b"x" * (32 << 20)
         assert ask(huge).code == "too-large"
 
+        old = ask(load(PROTOCOL_VERSION[0] - 1, "hello"))  # a peer of the previous major
+        assert old.code == "version" and f"protocol {PROTOCOL_VERSION[0] - 1}.0" in old.message
+        node = NodeInfo(node_id="negotiator", role="monitor", host="h", pid=1)
+        err = ask(codec.encode(Hello(node=node, token="t-1", wire=[PROTOCOL_VERSION[0] + 1])))
+        assert err.code == "version" and "peer speaks protocol majors" in err.message
+
+        raw.send_multipart(codec.encode(Hello(node=node, token="t-2", wire=[PROTOCOL_VERSION[0], 99])))
+        assert raw.poll(10_000)
+        welcome = codec.decode(raw.recv_multipart()).body
+        assert isinstance(welcome, Welcome) and welcome.wire == PROTOCOL_VERSION[0]
         raw.send_multipart(codec.encode(Nodes()))
         assert raw.poll(10_000)
         assert isinstance(codec.decode(raw.recv_multipart()).body, NodeList)

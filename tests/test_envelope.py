@@ -4,7 +4,11 @@ signing, and ``describe()``."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import json
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from fuzz_support import mutate
 from refbus.protocol import errors
 from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum
 from refbus.protocol.envelope import (
@@ -132,7 +137,7 @@ SAMPLES = [
             node_timeout=5.0),
     Ok(detail="fine"),
     NodeList(nodes=[NODE]),
-    Replayed(events=[ReplayedEvent("delete", b"\x80", b"\x80", [b"raw"])], more=True),
+    Replayed(events=[ReplayedEvent([b"delete", b"\x80", b"\x80", b"raw"])], more=True),
     Error(code="unknown-blob", message="no such blob", request_kind="fetch"),
 ]
 
@@ -201,12 +206,12 @@ def test_errors_form_one_family_with_distinct_codes() -> None:
 
 @pytest.mark.parametrize(
     ("frames", "count"),
-    [([], 0), ([b"\x00\xffgarbage\x13"], 1), ([b"delete", header_bytes()], 2)],
+    [([], 0), ([b"\xffgarbage\x13"], 1), ([b"delete", header_bytes()], 2)],
     ids=["none", "garbage", "kind+header"],
 )
 def test_too_few_frames(frames: list, count: int) -> None:
-    err = raises(MalformedMessage, frames, match=rf"expected at least 3 frames \[kind, header, body, \*buffers\], "
-                 rf"got {count}$")
+    err = raises(MalformedMessage, frames, match=rf"expected at least 3 frames \[kind, header, body, \*buffers\] or "
+                 rf"one frame kind ‖ 0x00 ‖ len\(header\) ‖ header ‖ body, got {count}$")
     assert err.kind is None
 
 
@@ -415,16 +420,59 @@ def signed_pair() -> tuple[WireCodec, WireCodec]:
     return WireCodec("signer", secret=SECRET), WireCodec("verifier", secret=SECRET)
 
 
+def mac_of(frames: list, secret: bytes = SECRET) -> bytes:
+    """The wire's MAC, written out from its documented definition (not the codec's helper): HMAC-SHA256 over
+    each frame's length as 8 little-endian bytes followed by the frame."""
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        mac.update(len(frame).to_bytes(8, "little") + bytes(frame))
+    return mac.digest()
+
+
+def signed_by_hand(header: dict[str, Any], body: bytes, *buffers: bytes, kind: bytes = b"delete") -> list[bytes]:
+    """Frames a third-party signer would send: the header map exactly as given, the MAC frame last."""
+    frames = [kind, msgspec.msgpack.encode(header), body, *buffers]
+    return [*frames, mac_of(frames)]
+
+
 def test_signed_round_trip() -> None:
     signer, verifier = signed_pair()
     frames = signer.encode(DELETE, seq=4)
     header = msgspec.msgpack.decode(frames[1], type=Header)
-    assert len(header.mac) == 32
+    assert header.signed and len(frames) == MIN_FRAMES + 1
+    assert frames[-1] == mac_of(frames[:-1])  # the MAC is outside what it signs
     message = verifier.decode(frames)
-    assert message.body == DELETE and message.header.seq == 4
+    assert message.body == DELETE and message.header.seq == 4 and message.buffers == []
     array_frames = signer.encode(Blobs([FetchedBlob("b", {"x": np.arange(5)})]))
-    assert verifier.decode(array_frames).body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3, 4]
-    assert WireCodec("unsigned").decode(frames).body == DELETE  # an unsigned node ignores the MAC
+    decoded = verifier.decode(array_frames)
+    assert decoded.body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3, 4] and len(decoded.buffers) == 1
+    assert WireCodec("unsigned").decode(frames).body == DELETE  # an unsigned node skips the MAC frame
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"v": [2, 7], "id": "x-1", "src": "third-party", "seq": 0, "ts": 1.5, "signed": True, "later": {"a": [1]}},
+        {"signed": True, "ts": 1.5, "seq": 0, "src": "third-party", "id": "x-1", "v": [2, 0]},
+        {"v": [2, 0], "id": "x-1", "src": "third-party", "seq": 0, "ts": 1800000000, "signed": True},
+    ],
+    ids=["unknown-optional-field-newer-minor", "reordered-keys", "integer-ts"],
+)
+def test_the_mac_covers_the_bytes_received_not_a_re_encoding(header: dict[str, Any]) -> None:
+    _, verifier = signed_pair()
+    frames = signed_by_hand(header, msgspec.msgpack.encode(DELETE))
+    message = verifier.decode(frames)
+    assert message.body == DELETE and message.header.src == "third-party"
+
+
+def test_signed_arrays_verify_as_received() -> None:
+    _, verifier = signed_pair()
+    data = np.arange(4, dtype=np.uint8)
+    body = msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": msgspec.msgpack.Ext(
+        EXT_NUMPY, msgspec.msgpack.encode(["uint8", [4], 0, checksum(data.tobytes())]))}}]})
+    header = {"ts": 2, "v": [2, 0], "id": "x-2", "src": "third-party", "seq": 0, "signed": True}
+    frames = signed_by_hand(header, body, data.tobytes(), kind=b"blobs")
+    assert verifier.decode(frames).body.blobs[0].arrays["x"].tolist() == [0, 1, 2, 3]
 
 
 def test_unsigned_message_to_a_signed_codec() -> None:
@@ -440,17 +488,38 @@ def test_wrong_secret() -> None:
 
 
 @pytest.mark.parametrize(
+    ("mac", "match"),
+    [(b"", "MAC frame of 0 bytes from 'signer', expected 32"), (b"\0" * 31, "MAC frame of 31 bytes"),
+     (b"\0" * 32, "bad MAC on message from 'signer'"), (b"\0" * 1000, "MAC frame of 1000 bytes")],
+    ids=["empty", "short", "zeros", "long"],
+)
+def test_garbage_mac_frames_are_refused(mac: bytes, match: str) -> None:
+    signer, verifier = signed_pair()
+    frames = [bytes(f) for f in signer.encode(DELETE)]
+    raises(BadSignature, [*frames[:-1], mac], codec=verifier, match=match)
+
+
+def test_a_signed_header_without_a_mac_frame_is_malformed() -> None:
+    signer, verifier = signed_pair()
+    frames = [bytes(f) for f in signer.encode(DELETE)][:-1]
+    for codec in (verifier, RECEIVER):
+        raises(MalformedMessage, frames, codec=codec, match="a signed header, but no frame after the body")
+
+
+@pytest.mark.parametrize(
     "tamper",
     [
-        lambda f: [f[0], f[1], SENDER.encode(Delete(blob_ids=["other"], holder="orchestrator", reason="trained"))[2]],
-        lambda f: [f[0], f[1], f[2][:-1] + b"X"],
+        lambda f: [f[0], f[1], SENDER.encode(Delete(blob_ids=["other"], holder="orchestrator", reason="trained"))[2],
+                   f[3]],
+        lambda f: [f[0], f[1], f[2][:-1] + b"X", f[3]],
         lambda f: [f[0], msgspec.msgpack.encode(msgspec.structs.replace(
-            msgspec.msgpack.decode(f[1], type=Header), seq=99)), f[2]],
+            msgspec.msgpack.decode(f[1], type=Header), seq=99)), f[2], f[3]],
         lambda f: [f[0], msgspec.msgpack.encode(msgspec.structs.replace(
-            msgspec.msgpack.decode(f[1], type=Header), src="someone-else")), f[2]],
-        lambda f: [b"fetch", f[1], f[2]],
+            msgspec.msgpack.decode(f[1], type=Header), src="someone-else")), f[2], f[3]],
+        lambda f: [b"fetch", f[1], f[2], f[3]],
+        lambda f: [f[0], f[1], f[2], b"", f[3]],
     ],
-    ids=["other-body", "flipped-body-byte", "header-seq", "header-src", "kind"],
+    ids=["other-body", "flipped-body-byte", "header-seq", "header-src", "kind", "extra-empty-frame"],
 )
 def test_tampering_breaks_the_signature(tamper: Callable[[list], list]) -> None:
     signer, verifier = signed_pair()
@@ -459,12 +528,109 @@ def test_tampering_breaks_the_signature(tamper: Callable[[list], list]) -> None:
     raises(BadSignature, tamper(frames), codec=verifier, match="bad MAC on message from")
 
 
+def test_bytes_moved_between_frames_break_the_signature() -> None:
+    """Without length prefixes, ``kind ‖ header`` could shift a byte across the frame boundary unnoticed."""
+    signer, verifier = signed_pair()
+    kind, header, body, mac = (bytes(f) for f in signer.encode(DELETE))
+    moved = [kind, header[:-1], header[-1:] + body, mac]
+    assert b"".join(moved[:3]) == kind + header + body
+    with pytest.raises(ProtocolError):
+        verifier.decode(moved)
+
+
 def test_signed_codec_always_verifies_buffers() -> None:
     signer, verifier = signed_pair()
     frames = [bytes(f) for f in signer.encode(Blobs([FetchedBlob("b", {"x": np.arange(4, dtype=np.uint8)})]))]
-    tampered = [*frames[:MIN_FRAMES], b"\x09\x01\x02\x03"]
+    tampered = [*frames[:MIN_FRAMES], b"\x09\x01\x02\x03", frames[-1]]
     raises(BadSignature, tampered, codec=verifier, verify=False, match="bad MAC")
     assert WireCodec("plain").decode(tampered, verify=False).body.blobs[0].arrays["x"].tolist() == [9, 1, 2, 3]
+
+
+# --- one-frame form ------------------------------------------------------------------------------------
+
+
+def one_frame(kind: bytes, header: bytes, body: bytes) -> bytes:
+    """The one-frame form written out from its documented layout."""
+    return kind + b"\0" + len(header).to_bytes(4, "little") + header + body
+
+
+@pytest.mark.parametrize("secret", [b"", SECRET], ids=["plain", "signed"])
+def test_one_frame_round_trip_in_both_codecs(secret: bytes) -> None:
+    sender, receiver = WireCodec("sender", secret=secret), WireCodec("receiver", secret=secret)
+    frames = sender.encode(DELETE, seq=7, msg_id="m-7", one_frame=True)
+    assert len(frames) == 1 + bool(secret) and frames[0].startswith(b"delete\0")  # still a topic prefix
+    multi = sender.encode(DELETE, seq=7, msg_id="m-7")
+    header, body = multi[1], multi[2]
+    if not secret:  # same header and body bytes as the multi-frame form (ts aside)
+        ts_free = msgspec.msgpack.decode(frames[0][11:11 + int.from_bytes(frames[0][7:11], "little")])
+        assert {k: v for k, v in ts_free.items() if k != "ts"} == {
+            k: v for k, v in msgspec.msgpack.decode(header).items() if k != "ts"}
+        assert frames[0].endswith(body)
+    message = receiver.decode(frames)
+    assert (message.kind, message.body, message.header.seq, message.header.id) == ("delete", DELETE, 7, "m-7")
+    assert message.buffers == []
+    assert WireCodec("unsigned").decode(frames).body == DELETE
+
+
+def test_messages_with_arrays_keep_their_array_frames() -> None:
+    frames = SENDER.encode(Blobs([FetchedBlob("b", {"x": np.arange(3)})]), one_frame=True)
+    assert [bytes(f) for f in frames[:1]] == [b"blobs"] and len(frames) == MIN_FRAMES + 1
+
+
+def test_a_hand_written_one_frame_message_decodes() -> None:
+    header = msgspec.msgpack.encode({"ts": 3, "v": [2, 9], "id": "h-1", "src": "third-party", "seq": 0,
+                                     "later": [1, 2]})
+    message = RECEIVER.decode([one_frame(b"delete", header, msgspec.msgpack.encode(DELETE))])
+    assert message.body == DELETE and message.header.src == "third-party"
+
+
+GOOD_HEADER = msgspec.msgpack.encode({"v": [2, 0], "id": "g-1", "src": "garbage", "seq": 1, "ts": 1.0})
+GOOD_BODY = msgspec.msgpack.encode(DELETE)
+
+
+@pytest.mark.parametrize(
+    ("frames", "exc_type", "match"),
+    [
+        ([b"\0" + GOOD_HEADER], MalformedMessage, "^one-frame message with an empty kind$"),
+        ([b"delete\0\x01\x00"], MalformedMessage, "^one-frame message of 9 bytes ends inside its header length$"),
+        ([b"delete\0\xff\xff\xff\xff" + GOOD_HEADER], MalformedMessage,
+         f"^one-frame message declares a 4294967295-byte header, {len(GOOD_HEADER)} bytes follow$"),
+        ([one_frame(b"delete", GOOD_HEADER[:-3], GOOD_BODY)], MalformedMessage, "^delete: header frame:"),
+        ([one_frame(b"delete", GOOD_HEADER, b"\xc1")], MalformedMessage, "^delete: body frame:"),
+        ([one_frame(b"del\xffete", GOOD_HEADER, GOOD_BODY)], MalformedMessage, "^kind frame is not ASCII"),
+        ([one_frame(b"teleport", GOOD_HEADER, GOOD_BODY)], UnknownKind, "unknown message kind 'teleport'"),
+        ([one_frame(b"delete", GOOD_HEADER, GOOD_BODY), b"extra"], MalformedMessage,
+         r"^delete: one-frame message followed by 1 frames \(none expected\)$"),
+        ([one_frame(b"delete", msgspec.msgpack.encode({"v": [2, 0], "id": "g", "src": "s", "seq": 1, "ts": 1.0,
+                                                       "signed": True}), GOOD_BODY)], MalformedMessage,
+         r"^delete: one-frame message followed by 0 frames \(a MAC frame only expected\)$"),
+        ([one_frame(b"delete", msgspec.msgpack.encode({"v": [1, 0], "id": "g", "src": "s", "seq": 1, "ts": 1.0}),
+                    GOOD_BODY)], VersionMismatch, "^delete: protocol 1.0 from 's'"),
+        ([one_frame(b"delete", GOOD_HEADER, msgspec.msgpack.encode({"blob_ids": 5}))], SchemaError, "blob_ids"),
+    ],
+    ids=["empty-kind", "short-length", "huge-header-length", "cut-header", "bad-body", "non-ascii-kind",
+         "unknown-kind", "extra-frame", "signed-without-mac", "old-version", "schema"],
+)
+def test_garbage_one_frame_messages(frames: list, exc_type: type[ProtocolError], match: str) -> None:
+    raises(exc_type, frames, match=match)
+
+
+def test_a_signing_codec_refuses_an_unsigned_one_frame_message_and_a_moved_mac() -> None:
+    signer, verifier = signed_pair()
+    raises(BadSignature, SENDER.encode(DELETE, one_frame=True), codec=verifier, match="unsigned message")
+    frame, mac = (bytes(f) for f in signer.encode(DELETE, one_frame=True))
+    raises(BadSignature, [frame[:-1] + b"X", mac], codec=verifier, match="bad MAC")
+    raises(MalformedMessage, [frame, mac, mac], codec=verifier, match="followed by 2 frames")
+
+
+def test_random_mutations_of_one_frame_messages_raise_protocol_errors_only() -> None:
+    for secret in (b"", SECRET):
+        codec = WireCodec("fuzzed", secret=secret)
+        valid = [bytes(f) for f in WireCodec("sender", secret=secret).encode(DELETE, seq=1, one_frame=True)]
+        for index in range(500):
+            frames = mutate(valid, random.Random(f"one-frame:{secret!r}:{index}"))
+            with contextlib.suppress(ProtocolError):  # anything else fails the test
+                codec.decode(frames)
 
 
 # --- describe -----------------------------------------------------------------------------------------

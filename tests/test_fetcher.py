@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -27,6 +28,7 @@ from refbus.nodes.payload.fetcher import (
     FetchSettings,
     PlanError,
     StepFetcher,
+    registry_locator,
     to_micro_batch,
 )
 from refbus.nodes.payload.keeper import pack_branches
@@ -385,3 +387,41 @@ def test_buffer_pool_hands_out_distinct_buffers_and_keeps_one_step() -> None:
     assert pool.allocated_bytes == 2 * 16 * 4
     pool.recycle()  # the buffer unused in the last step is released
     assert pool.held_bytes == 16 * 4
+
+
+def _moved(refs: MicroBatchRefs, store: FakeEnvServer, stale: str) -> MicroBatchRefs:
+    """``refs`` as if ``store`` had kept them at ``stale`` before restarting where it listens now."""
+    samples = [SampleSlice(item.sample_id, item.tokens, msgspec.structs.replace(item.ref, endpoint=stale,
+                                                                                node=store.source))
+               if item.ref is not None and item.ref.endpoint == store.endpoint else item for item in refs.samples]
+    return msgspec.structs.replace(refs, samples=samples)
+
+
+def test_a_store_that_moved_is_found_again_through_the_registry(envs, connect) -> None:
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
+    moved = envs[0]
+    stale = "tcp://127.0.0.1:9"  # where the store listened before it restarted: nothing answers there
+    refs = [_moved(mb, moved, stale) for mb in step.ranks[0]]
+    assert any(item.ref is not None and item.ref.endpoint == stale for mb in refs for item in mb.samples)
+    registry = {(moved.source, "blobs"): moved.endpoint}
+    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1),
+                          locate=registry_locator(lambda node, name: registry.get((node, name))))
+    result = fetcher.fetch(0, refs)
+    assert not result.failed and stale not in fetcher._clients
+    for mb_refs, batch in zip(step.ranks[0], result.batches, strict=True):
+        assert isinstance(batch, AssembledBatch)
+        check_assembled(batch, mb_refs, step.branches)
+
+
+@pytest.mark.parametrize("node", ["", "no-such-node", "\x00" * 300])
+def test_references_naming_no_live_store_keep_their_recorded_endpoint(node: str) -> None:
+    ref = BlobRef(endpoint="tcp://127.0.0.1:7001", source="s", blob_id="b", fields=["topk_ids"], tokens=1, nbytes=8,
+                  checksum=0, node=node)
+    asked: list[tuple[str, str]] = []
+
+    def endpoint_of(node_id: str, name: str) -> str | None:
+        asked.append((node_id, name))
+        return None
+
+    assert registry_locator(endpoint_of)(ref) == "tcp://127.0.0.1:7001"
+    assert asked == ([(node, "blobs")] if node else [])

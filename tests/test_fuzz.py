@@ -269,6 +269,10 @@ def test_garbage_events_kill_neither_the_broker_nor_subscribers(cluster: Cluster
         pub.send_multipart(frames)
     for index in range(CASES):
         pub.send_multipart(mutate(episode, random.Random(f"events:{index}")))
+    one_frame = [bytes(f) for f in garbage.encode(EpisodeFinished(episode_id="e", source="s", refs=[], info={"x": 1}),
+                                                  seq=2, one_frame=True)]
+    for index in range(CASES):  # the one-frame form: kind, header length, header and body in one frame
+        pub.send_multipart(mutate(one_frame, random.Random(f"one-frame-events:{index}")))
     wait_for(lambda: shown("fuzz-done"), WAIT_S, "the monitor printing an event sent after the garbage")
 
     assert _alive(cluster.bus.pid) and cluster.bus.proc.poll() is None, cluster.bus.log_tail()

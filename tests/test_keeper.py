@@ -43,7 +43,8 @@ def clock() -> Clock:
 
 @pytest.fixture
 def keeper(clock: Clock) -> Keeper:
-    return Keeper("env-a", "tcp://127.0.0.1:9", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock)
+    return Keeper("env-a", "tcp://127.0.0.1:9", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock,
+                  node="env-a-0")
 
 
 def test_keep_copies_each_branch_and_describes_it(keeper: Keeper) -> None:
@@ -56,7 +57,7 @@ def test_keep_copies_each_branch_and_describes_it(keeper: Keeper) -> None:
     assert [r.tokens for r in refs] == [6, 5, 4]
     assert [r.routing_shape for r in refs] == [[3, 2], [3, 2], None]
     assert [r.nbytes for r in refs] == [sum(a.nbytes for a in b.values()) for b in (full, wide, topk_only)]
-    assert {(r.source, r.endpoint) for r in refs} == {("env-a", "tcp://127.0.0.1:9")}
+    assert {(r.source, r.endpoint, r.node) for r in refs} == {("env-a", "tcp://127.0.0.1:9", "env-a-0")}
     assert len({r.blob_id for r in refs}) == 3
     assert (keeper.blobs_held, keeper.bytes_held) == (3, sum(r.nbytes for r in refs))
 

@@ -40,11 +40,12 @@ def frames_for(codec: WireCodec, seq: int, body: Any = None) -> list[bytes]:
 class Stream:
     """A bound PUB, a connected SUB wrapped in a Subscriber, made live before the test uses them."""
 
-    def __init__(self, pub: zmq.Socket, sub_sock: zmq.Socket, **subscriber: Any) -> None:
+    def __init__(self, pub: zmq.Socket, sub_sock: zmq.Socket, source: WireCodec | None = None,
+                 secret: bytes = b"", **subscriber: Any) -> None:
         self.pub = pub
-        self.source = WireCodec(SRC)
+        self.source = source or WireCodec(SRC, secret=secret)
         self.publisher = Publisher(pub, self.source)
-        self.sub = Subscriber(sub_sock, WireCodec("monitor"), **subscriber)
+        self.sub = Subscriber(sub_sock, WireCodec("monitor", secret=secret), **subscriber)
         self.go_live()
 
     def go_live(self, timeout_s: float = 5.0) -> None:
@@ -154,13 +155,13 @@ class Ring:
     """A stand-in for the broker's replay ring: every event of SRC, and the fill calls it answered."""
 
     def __init__(self, count: int, *, only: set[int] | None = None, extra: tuple[int, ...] = ()) -> None:
-        source, reader = WireCodec(SRC), WireCodec("ring-reader")
-        self.events = {seq: reader.decode(frames_for(source, seq)) for seq in range(1, count + 1)}
+        self.source, reader = WireCodec(SRC), WireCodec("ring-reader")  # the stream's source: one incarnation
+        self.events = {seq: reader.decode(frames_for(self.source, seq)) for seq in range(1, count + 1)}
         self.only = only
         self.extra = extra
         self.calls: list[tuple[str, int, int]] = []
 
-    def fill(self, src: str, first: int, last: int) -> list[Message]:
+    def fill(self, src: str, epoch: str, first: int, last: int) -> list[Message]:
         self.calls.append((src, first, last))
         wanted = [seq for seq in range(first, last + 1) if self.only is None or seq in self.only]
         return [self.events[seq] for seq in sorted([*self.extra, *wanted])]
@@ -168,7 +169,7 @@ class Ring:
 
 def test_gaps_are_filled_in_order(stream: Any) -> None:
     ring = Ring(8)
-    s = stream(fill=ring.fill)
+    s = stream(fill=ring.fill, source=ring.source)
     s.send(1, 2, 5, 6, 8)
     got = s.receive(8)
     assert seqs(got) == list(range(1, 9))
@@ -180,7 +181,7 @@ def test_gaps_are_filled_in_order(stream: Any) -> None:
 
 def test_partial_fill_delivers_what_it_got_and_ignores_events_outside_the_gap(stream: Any) -> None:
     ring = Ring(6, only={4}, extra=(2,))  # recovers 4 of 3..4, and also hands back 2 (already delivered)
-    s = stream(fill=ring.fill)
+    s = stream(fill=ring.fill, source=ring.source)
     s.send(1, 2, 5)
     assert seqs(s.receive(4)) == [1, 2, 4, 5]
     assert ring.calls == [(SRC, 3, 4)]
@@ -188,12 +189,12 @@ def test_partial_fill_delivers_what_it_got_and_ignores_events_outside_the_gap(st
     assert s.nothing_more()
 
 
-def test_duplicates_are_dropped(stream: Any) -> None:
+def test_repeats_on_the_socket_are_refused_as_replays(stream: Any) -> None:
     s = stream()
     s.send(1, 2, 3, 2, 3, 3, 4)
     assert seqs(s.receive(4)) == [1, 2, 3, 4]
-    assert s.sub.duplicates == 3
-    assert s.sub.missed == 0
+    assert s.sub.rejected == {"replay": 3}
+    assert (s.sub.duplicates, s.sub.missed) == (0, 0)
     assert s.nothing_more()
 
 
@@ -210,6 +211,72 @@ def test_restarted_source_is_accepted_from_one(stream: Any) -> None:
     assert got[0].header.id.split("-")[0] != got[3].header.id.split("-")[0]
     assert (s.sub.duplicates, s.sub.missed) == (0, 0)
     assert s.sub.last_seq[SRC] == 2
+
+
+def test_a_new_incarnation_restarts_the_sequence_without_a_gap_fill(stream: Any) -> None:
+    ring = Ring(3)
+    s = stream(fill=ring.fill, source=ring.source)
+    s.send(1, 2, 3)
+    restarted = WireCodec(SRC)
+    for seq in (1, 2):
+        s.pub.send_multipart(frames_for(restarted, seq))
+    assert seqs(s.receive(5)) == [1, 2, 3, 1, 2]
+    assert ring.calls == [] and (s.sub.missed, s.sub.rejected) == (0, {})
+
+
+def test_gap_fills_take_only_the_missing_events_own_incarnation(stream: Any) -> None:
+    """A restarted source reuses sequence numbers: the ring's events of its earlier incarnation with the
+    same numbers are not the missing ones."""
+    earlier, ring = WireCodec(SRC), Ring(6)
+    reader = WireCodec("ring-reader")
+    stale = [reader.decode(frames_for(earlier, seq, event(100 + seq))) for seq in (2, 3)]
+
+    def fill(src: str, epoch: str, first: int, last: int) -> list[Message]:
+        return [*stale, *ring.fill(src, epoch, first, last)]
+
+    s = stream(fill=fill, source=ring.source)
+    s.send(1, 4)
+    got = s.receive(4)
+    assert seqs(got) == [1, 2, 3, 4]
+    assert [m.body for m in got] == [event(i) for i in range(1, 5)]
+    assert (s.sub.missed, s.sub.filled) == (2, 2)
+
+
+SECRET = b"stream-secret"
+
+
+def test_a_forged_high_seq_event_is_refused_and_genuine_events_still_arrive(stream: Any) -> None:
+    ring = Ring(4)
+    s = stream(secret=SECRET)
+    s.sub.fill = ring.fill
+    s.publisher.publish(event(1))
+    forged = [bytes(f) for f in s.source.encode(event(1000), seq=1000)]
+    forged[-1] = bytes(32)  # same source and incarnation, no secret: the MAC cannot be right
+    s.pub.send_multipart(forged)
+    unsigned_forgery = frames_for(WireCodec(SRC), 1000)
+    s.pub.send_multipart(unsigned_forgery)
+    for i in (2, 3):
+        s.publisher.publish(event(i))
+    got = s.receive(3)
+    assert seqs(got) == [1, 2, 3] and [m.body for m in got] == [event(1), event(2), event(3)]
+    assert s.sub.rejected == {"signature": 2}
+    assert (s.sub.missed, s.sub.duplicates, ring.calls) == (0, 0, [])
+    assert s.sub.last_seq[SRC] == 3
+
+
+def test_a_replayed_signed_event_is_refused_as_replay_and_counted(stream: Any) -> None:
+    s = stream(secret=SECRET)
+    sent = [[bytes(f) for f in s.source.encode(event(seq), seq=seq)] for seq in (1, 2, 3)]
+    for frames in sent:
+        s.pub.send_multipart(frames)
+    assert seqs(s.receive(3)) == [1, 2, 3]
+    for frames in (sent[0], sent[2], sent[1]):  # captured and sent again, MAC intact
+        s.pub.send_multipart(frames)
+    s.publisher.seq = 3
+    s.publisher.publish(event(4))
+    assert seqs(s.receive(1)) == [4]
+    assert s.sub.rejected == {"replay": 3}
+    assert s.sub.duplicates == 0 and s.nothing_more()
 
 
 # --- malformed events ---------------------------------------------------------------------------------
@@ -305,7 +372,7 @@ def test_a_failing_fill_does_not_lose_the_live_events(stream: Any) -> None:
     newer_kind = [b"teleport", header(2, src=SRC), GOOD_BODY]  # an event this node cannot decode
     reader = WireCodec("ring-reader")
 
-    def fill(src: str, first: int, last: int) -> list[Message]:  # what replay_range does with that ring entry
+    def fill(src: str, epoch: str, first: int, last: int) -> list[Message]:  # replay_range on that ring entry
         return [reader.decode(newer_kind)]
 
     s = stream(fill=fill)

@@ -164,7 +164,9 @@ def corrupt_checksum() -> list[bytes]:
 BODY_LIMIT = 4096
 MALFORMED = {
     # name: (frames, code, message fragment, reply's re, request_kind)
-    "garbage-one-frame": (lambda: [b"\x00\xffgarbage\x13"], "malformed", "got 1", "", ""),
+    "garbage-one-frame": (lambda: [b"\xffgarbage\x13"], "malformed", "got 1", "", ""),
+    "one-frame-empty-kind": (lambda: [b"\x00\xffgarbage\x13"], "malformed", "empty kind", "", ""),
+    "one-frame-cut-header": (lambda: [b"delete\x00\x10\x00\x00\x00\x81"], "malformed", "16-byte header", "", ""),
     "garbage-three-frames": (lambda: [b"\x93\x01\x02", b"\xc1\xc1", b"\xff" * 16], "malformed", "not ASCII", "", ""),
     "undecodable-header": (lambda: [b"delete", b"\xc1\xc1", raw_frames()[2]], "malformed", "header frame", "",
                            "delete"),
@@ -274,7 +276,8 @@ def test_same_frames_twice_execute_once_and_are_answered_twice(serve: Any, raw_d
 
 def test_reply_cache_is_bounded_in_bytes_and_evicts_oldest_first(serve: Any, raw_dealer: Any) -> None:
     """Replies are kept within ``cache_bytes``, oldest evicted first; one larger than the budget is sent
-    but not kept, so its retry runs the handler again."""
+    but not kept, so its retry runs the handler again; an evicted one's id is remembered, so its repeat is
+    refused as a replay rather than run twice."""
     runs: Counter[str] = Counter()
 
     def padded(request: Message) -> Ok:
@@ -299,9 +302,71 @@ def test_reply_cache_is_bounded_in_bytes_and_evicts_oldest_first(serve: Any, raw
     assert len(ask("huge", 20_000).body.detail) == 20_000
     assert srv.server.cached_bytes <= 10_000
     ask("m-3", 3000)  # the newest entry: answered from the cache
-    ask("m-0", 3000)  # the oldest: evicted, so executed again
-    assert runs == Counter({"m-0": 2, "m-1": 1, "m-2": 1, "m-3": 1, "huge": 2})
+    assert ask("m-0", 3000).body.code == "replay"  # the oldest: evicted, and not run twice
+    assert runs == Counter({"m-0": 1, "m-1": 1, "m-2": 1, "m-3": 1, "huge": 2})
     assert srv.server.duplicates == 1
+    assert srv.server.rejected["replay"] == 1
+
+
+def test_a_replayed_request_is_refused_and_counted_while_retries_get_the_cached_reply(
+    serve: Any, raw_dealer: Any
+) -> None:
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        handlers.setup(server)
+        server.cache_size = 2
+
+    srv = serve(setup)
+    dealer = raw_dealer(srv.endpoint)
+    first = raw_frames(msg_id="0a1b2c-1")
+    assert exchange(dealer, first).body == Ok(detail="deleted b1 #1")
+    assert exchange(dealer, first).body == Ok(detail="deleted b1 #1")  # a retry: the cached reply
+    for counter in (2, 3):
+        assert exchange(dealer, raw_frames(msg_id=f"0a1b2c-{counter}")).kind == "ok"
+    replayed = exchange(dealer, first)  # its reply is evicted now: the same frames are a replay
+    assert isinstance(replayed.body, Error) and replayed.body.code == "replay"
+    assert "'0a1b2c-1'" in replayed.body.message and replayed.header.re == "0a1b2c-1"
+    assert handlers.calls["delete"] == 3
+    assert (srv.server.duplicates, srv.server.rejected["replay"]) == (1, 1)
+
+
+def test_requests_below_an_incarnations_forgotten_ids_are_replays(serve: Any, raw_dealer: Any) -> None:
+    """Past ``seen_size`` ids, what is remembered per sender incarnation is the highest forgotten counter."""
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        handlers.setup(server)
+        server.cache_size = 1
+        server.seen_size = 2
+
+    srv = serve(setup)
+    dealer = raw_dealer(srv.endpoint)
+    for counter in range(1, 6):
+        assert exchange(dealer, raw_frames(msg_id=f"feed-{counter:x}")).kind == "ok"
+    for counter in (1, 3):  # forgotten ids, under the floor of incarnation "feed"
+        assert exchange(dealer, raw_frames(msg_id=f"feed-{counter:x}")).body.code == "replay"
+    assert exchange(dealer, raw_frames(msg_id="beef-1")).kind == "ok"  # another incarnation: its own counters
+    assert handlers.calls["delete"] == 6
+    assert srv.server.rejected["replay"] == 2
+
+
+@pytest.mark.parametrize("msg_id", ["-", "abc-", "-12", "a-zz", "a-" + "f" * 40, "a-b-c", "x-+1", "m-\u00e9"])
+def test_garbage_message_ids_are_served_once_and_refused_when_replayed(
+    serve: Any, raw_dealer: Any, msg_id: str
+) -> None:
+    handlers = Counting()
+
+    def setup(server: Server) -> None:
+        handlers.setup(server)
+        server.cache_size = 1
+
+    srv = serve(setup)
+    dealer = raw_dealer(srv.endpoint)
+    assert exchange(dealer, raw_frames(msg_id=msg_id)).kind == "ok"
+    assert exchange(dealer, raw_frames(msg_id="other-1")).kind == "ok"
+    assert exchange(dealer, raw_frames(msg_id=msg_id)).body.code == "replay"
+    assert handlers.calls["delete"] == 2 and srv.errors == []
 
 
 def test_idempotency_is_per_source_and_message_id(serve: Any, raw_dealer: Any) -> None:

@@ -211,7 +211,7 @@ def events(bus: str, zmq_ctx: zmq.Context, kind: str) -> list[Any]:
     finally:
         client.close()
     assert isinstance(page, Replayed)
-    return [codec.decode([e.kind.encode(), e.header, e.body, *e.buffers]).body for e in page.events if e.kind == kind]
+    return [body for body in (codec.decode(e.frames).body for e in page.events) if body.kind == kind]
 
 
 def check_dropped(batch: dict[str, Any], rows: np.ndarray) -> None:

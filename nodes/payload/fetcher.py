@@ -13,7 +13,10 @@ verified against its reference and assembled into reused torch buffers.
    in flight per endpoint, each retried with backoff per the one :class:`~refbus.bus.reqrep.RetryPolicy`.
    One :class:`~refbus.bus.reqrep.Client` per endpoint, cached across steps. An endpoint the registry
    reports down (``down(endpoint)``, e.g. ``runtime.track_peers().down_reason``) is not asked at all: its
-   blobs fail at once (``peer-down``) instead of running the retry schedule against a dead node.
+   blobs fail at once (``peer-down``) instead of running the retry schedule against a dead node. Where a
+   blob is asked for is ``locate(ref)``: by default its recorded endpoint; with :func:`registry_locator`,
+   the blobs endpoint its store (``BlobRef.node``) advertises now, so a store restarted on another port is
+   found again.
 3. **Verify.** A blob counts as fetched only if it carries exactly its reference's fields and
    :func:`~.keeper.blob_checksum` of its arrays equals ``BlobRef.checksum``: an end-to-end check against
    what the env server hashed at ``keep`` time, not only against what it sent (which the codec checks).
@@ -232,6 +235,17 @@ class FetchSettings:
 # --- the fetcher -----------------------------------------------------------------------------------------
 
 
+def registry_locator(endpoint_of: Callable[[str, str], str | None]) -> Callable[[BlobRef], str]:
+    """``locate`` for :class:`StepFetcher`: the ``blobs`` endpoint the reference's store advertises now
+    (``endpoint_of(node_id, name)``, e.g. ``runtime.track_peers().endpoint_of``), else the recorded one (a
+    reference without a node, or a store the registry does not list live)."""
+
+    def locate(ref: BlobRef) -> str:
+        return (endpoint_of(ref.node, "blobs") if ref.node else None) or ref.endpoint
+
+    return locate
+
+
 class StepFetcher:
     """Fetches, verifies and assembles one rank's micro batches for each step (see the module doc).
 
@@ -241,10 +255,12 @@ class StepFetcher:
     """
 
     def __init__(self, holder: str, connect: Callable[[str], Client], settings: FetchSettings | None = None,
-                 *, down: Callable[[str], str | None] = lambda endpoint: None) -> None:
+                 *, down: Callable[[str], str | None] = lambda endpoint: None,
+                 locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint) -> None:
         self.holder = holder
         self.settings = settings or FetchSettings()
         self._down = down
+        self._locate = locate
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
         self._connect = connect
         self._clients: dict[str, Client] = {}
@@ -333,7 +349,7 @@ class StepFetcher:
         open_ids: dict[str, list[str]] = defaultdict(list)
         open_bytes: Counter[str] = Counter()
         for blob_id, ref in refs.items():
-            endpoint = ref.endpoint
+            endpoint = self._locate(ref)
             open_ids[endpoint].append(blob_id)
             open_bytes[endpoint] += ref.nbytes
             if len(open_ids[endpoint]) >= self.settings.blobs_per_request or \

@@ -235,6 +235,7 @@ class Keeper:
         handover_lease_s: float,
         clock: Callable[[], float] = time.monotonic,
         max_tombstones: int = DEFAULT_MAX_TOMBSTONES,
+        node: str = "",
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
@@ -244,6 +245,7 @@ class Keeper:
             raise ValueError(f"max_tombstones must be >= 1, got {max_tombstones}")
         self.source = source
         self.endpoint = endpoint
+        self.node = node  # the env server's node id, named in every reference
         self.budget_bytes = budget_bytes
         self.handover_lease_s = handover_lease_s
         self.clock = clock
@@ -313,6 +315,7 @@ class Keeper:
                     nbytes=branch.nbytes,
                     checksum=branch.checksum,
                     routing_shape=list(branch.routing_shape) if branch.routing_shape else None,
+                    node=self.node,
                 )
             )
         if refs:

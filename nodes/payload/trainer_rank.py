@@ -59,7 +59,7 @@ from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepB
 from ..settings import TrainerSettings
 from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
-from .fetcher import FetchSettings, PlanError, StepFetch, StepFetcher, needed_refs, to_micro_batch
+from .fetcher import FetchSettings, PlanError, StepFetch, StepFetcher, needed_refs, registry_locator, to_micro_batch
 
 log = structlog.get_logger(__name__)
 
@@ -149,8 +149,9 @@ class TrainerRank:
             raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
         self.leader = leader
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped).
+        peers = runtime.track_peers()
         self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.fetch_settings,
-                                   down=runtime.track_peers().down_reason)
+                                   down=peers.down_reason, locate=registry_locator(peers.endpoint_of))
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
