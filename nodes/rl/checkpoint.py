@@ -98,7 +98,7 @@ def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
     try:
         optimizer_meta = json.loads(metadata["optimizer"])
         model.load_state_dict(model_state, strict=True)
-        optimizer.load_state_dict(_unflatten(tensors, optimizer_meta))
+        optimizer.load_state_dict(_unflatten(tensors, optimizer_meta, optimizer.state_dict()["param_groups"]))
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         raise CheckpointError(f"{path}: does not fit this model and optimizer: {exc}") from None
 
@@ -119,7 +119,12 @@ def _flatten(model_state: Mapping[str, torch.Tensor],
     return tensors, {"param_groups": optimizer_state["param_groups"], "scalars": scalars}
 
 
-def _unflatten(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+def _unflatten(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+               like: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state dict from a file's parts; ``like``: the optimizer's own param groups (JSON has no
+    tuples: a value that is a tuple there, e.g. Adam's ``betas``, becomes one again)."""
+    groups = [{key: tuple(value) if isinstance(mine.get(key), tuple) and isinstance(value, list) else value
+               for key, value in group.items()} for group, mine in zip(meta["param_groups"], like, strict=False)]
     state: dict[int, dict[str, Any]] = {}
     for name, tensor in tensors.items():
         if name.startswith("optim/"):
@@ -127,7 +132,7 @@ def _unflatten(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> 
             state.setdefault(int(index), {})[key] = tensor
     for index, values in meta["scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    return {"state": state, "param_groups": meta["param_groups"]}
+    return {"state": state, "param_groups": groups}
 
 
 def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -1,0 +1,112 @@
+"""Trainer-world restarts, decided in-process: the orchestrator core stops shipping when a rank of its world
+goes down, gives up the step in delivery, waits for a new world (every old rank down, the stores' reclaim
+grace passed, all new ranks reporting one step) and continues from that step, or halts naming the world;
+the supervisor restarts the whole world once for a dead rank and chaos may pick trainer ranks."""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
+from refbus.nodes.supervisor import Chaos, Supervisor
+from refbus.protocol.messages import NodeInfo
+from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
+from test_supervise import _Clock, _Cluster, _Node
+
+GRACE_S = 2.0
+DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0, restart_grace_s=GRACE_S,
+                      world_restart_s=20.0)
+
+
+def restarted(rank: int, step: int) -> NodeInfo:
+    """Rank ``rank`` of a new world (another process) that resumed at ``step``."""
+    return msgspec.structs.replace(trainer(rank), pid=100 + rank, endpoints={"trainer": f"tcp://new{rank}"},
+                                   status={"step": float(step)})
+
+
+def test_a_dead_rank_pauses_shipping_until_a_new_world_reports_its_step_and_the_old_one_is_reclaimed() -> None:
+    core = OrchestratorCore(settings(max_staleness=4), DEADLINES)  # the samples' version 0 is never too stale
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    for step in range(3):  # steps 0..2 shipped and acknowledged
+        delivered = of(DeliverBatch, feed_group(core, T0, f"g{step}"))
+        assert [d.step for d in delivered] == [step, step]
+        for d in delivered:
+            core.on_delivered(T0, d.step, d.endpoint, None)
+    step3 = of(DeliverBatch, feed_group(core, T0, "g3"))
+    core.on_delivered(T0, 3, step3[0].endpoint, None)  # rank 0 took step 3; rank 1 died before it answered
+
+    actions = core.trainer_down(T0 + 1, trainer(1))
+    rank1_owned = sorted(step3[1].batch.owned)
+    assert deletes(actions) == ({TRAINER_DOWN: rank1_owned} if rank1_owned else {})
+    assert of(DeliverBatch, feed_group(core, T0 + 1, "g4")) == []  # nothing ships to a broken world
+    assert of(DeliverBatch, core.tick(T0 + 2)) == []
+
+    new_world = [restarted(0, 2), restarted(1, 2)]
+    assert core.use_trainers(T0 + 2, new_world) == []  # rank 0 of the old world is not reported down yet
+    assert core.trainer_down(T0 + 2, trainer(0)) == []
+    assert core.use_trainers(T0 + 2 + GRACE_S, [restarted(0, 2), restarted(1, 3)]) == []  # not one step yet
+    assert core.use_trainers(T0 + 2 + GRACE_S, new_world) == []  # the stores' reclaim is not over
+    resumed = of(DeliverBatch, core.use_trainers(T0 + 2 + 1.25 * GRACE_S, new_world))
+    assert sorted((d.step, d.endpoint) for d in resumed) == [(2, "tcp://new0"), (2, "tcp://new1")]
+    assert core.step == 3 and core.policy_version == 2 and core.world_restarts == 1
+    assert core.rewound_groups == 2  # steps 2 and 3 of the old world: their admission slots are free again
+    assert core.trainer_down(T0 + 10, trainer(1)) == []  # the old world's processes are no longer the world
+
+
+def test_no_new_world_within_the_wait_halts_naming_the_dead_rank() -> None:
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    core.trainer_down(T0, trainer(0))
+    assert of(Halt, core.tick(T0 + 19)) == []
+    halts = of(Halt, core.tick(T0 + 20))
+    assert len(halts) == 1 and "trainer world went down (trainer-0 first)" in halts[0].reason
+    assert core.failure == halts[0].reason
+
+
+class _WorldCluster(_Cluster):
+    def __init__(self, *names: str) -> None:
+        super().__init__(*names)
+        self.worlds = 0
+
+    def restart_world(self) -> list[_Node]:
+        self.worlds += 1
+        ranks = [n for n in self.nodes if n.name.startswith("trainer-")]
+        return [self.restart(rank) for rank in ranks]
+
+
+def test_the_supervisor_restarts_the_whole_world_once_for_a_dead_rank_after_the_others_had_time_to_exit() -> None:
+    cluster, clock, said = _WorldCluster("orchestrator", "trainer-0", "trainer-1"), _Clock(), []
+    supervisor = Supervisor(cluster, budget=3, backoff_s=0.5, say=said.append, clock=clock,  # type: ignore[arg-type]
+                            world_restarts=True, world_exit_s=2.0)
+    cluster.nodes[2].signal(signal.SIGKILL)
+    assert supervisor.poll() is None and supervisor.world_pending
+    cluster.nodes[1].proc.code = 1  # the survivor ends its broken world: part of the same restart
+    clock.now = 1.9
+    assert supervisor.poll() is None and cluster.worlds == 0
+    clock.now = 2.0
+    assert supervisor.poll() is None and cluster.worlds == 1 and not supervisor.world_pending
+    assert cluster.restarted == ["trainer-0", "trainer-1"]
+    assert supervisor.report() == {"restarts": 1, "world_restarts": ["trainer-1"], "deaths": [
+        {"node": "trainer-1", "pid": 102, "exit": "SIGKILL", "at_s": 0.0, "restarted": True}]}
+    assert "trainer-1 died (SIGKILL); stopping its trainer world" in said[0]
+
+    # Without checkpoints a dead rank ends the run, as before.
+    cluster = _WorldCluster("trainer-0", "trainer-1")
+    supervisor = Supervisor(cluster, budget=3, backoff_s=0.5, say=said.append, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[0].proc.code = 1
+    assert "trainer-0 died (exit 1); it is not restartable" in (supervisor.poll() or "")
+
+
+def test_chaos_picks_trainer_ranks_only_when_worlds_are_restarted() -> None:
+    for worlds in (False, True):
+        cluster, clock = _WorldCluster("env-0", "trainer-0", "trainer-1"), _Clock()
+        chaos = Chaos(cluster, 1.0, 3, say=lambda _: None, clock=clock, worlds=worlds)  # type: ignore[arg-type]
+        for tick in range(1, 31):
+            clock.now = tick
+            chaos.poll()
+            for node in list(cluster.nodes):
+                if node.proc.code is not None:
+                    cluster.restart(node)
+        picked = {name.split("-")[0] for name in chaos.killed}
+        assert picked == ({"env", "trainer"} if worlds else {"env"})
