@@ -39,7 +39,7 @@ Decisions and their rules:
   the new world's blobs for it. It then continues at step K with policy version K (the new lineage's first
   version): the groups shipped in steps >= K give their admission slots back, and queued samples of
   versions above K (the retired lineage's) are dropped as ``stale``. No new world by then: it halts,
-  naming the ranks.
+  naming the ranks. Ranks that leave once the last step's version is committed have finished: no wait.
 * **Start and end.** No run is dispatched before a policy version exists (a ``version-bump``, or the
   parameter server's version learned otherwise: :meth:`~OrchestratorCore.on_version`). A run refused
   because the loop's other nodes are not up yet (``NOT_READY`` codes) pauses dispatch, for a pause that
@@ -366,7 +366,7 @@ class OrchestratorCore:
         if self.world_down is not None and incarnation(node) in self.world_down.incarnations:
             self.world_down.down_at.setdefault(incarnation(node), now)
             return []
-        if self.world_down is not None or incarnation(node) not in self.world or self.finished:
+        if self.world_down is not None or incarnation(node) not in self.world or self._trained_all:
             return []
         self.world_down = _WorldDown(node.node_id, self.world, now + self.deadlines.world_restart_s,
                                      {incarnation(node): now})
@@ -409,8 +409,17 @@ class OrchestratorCore:
         self.policy_version = step
         return self._ship_ready(now)
 
+    @property
+    def _trained_all(self) -> bool:
+        """The ranks pushed the weights of the last step: ranks that leave now have finished."""
+        return self.max_steps is not None and self.policy_version >= self.max_steps
+
     def _check_world(self, now: float) -> list[Action]:
         down = self.world_down
+        if down is not None and self._trained_all:  # it had finished: its last version came after its bye
+            self.world_down = None
+            log.info("trainers.finished", node=down.node_id)
+            return []
         if down is None or now < down.until:
             return []
         self.failure = (f"the trainer world went down ({down.node_id} first) and no new world of "
