@@ -6,11 +6,14 @@ the supervisor restarts the whole world once for a dead rank and chaos may pick 
 from __future__ import annotations
 
 import signal
+import threading
 
 import msgspec
+import pytest
 from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
+from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
-from refbus.protocol.messages import NodeInfo
+from refbus.protocol.messages import NodeDown, NodeInfo
 from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
 from test_supervise import _Clock, _Cluster, _Node
 
@@ -110,3 +113,47 @@ def test_chaos_picks_trainer_ranks_only_when_worlds_are_restarted() -> None:
                     cluster.restart(node)
         picked = {name.split("-")[0] for name in chaos.killed}
         assert picked == ({"env", "trainer"} if worlds else {"env"})
+
+
+class _Peers:
+    def __init__(self) -> None:
+        self.listeners: list = []
+
+    def on_down(self, listener: object) -> None:
+        self.listeners.append(listener)
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.peers = _Peers()
+
+    def track_peers(self) -> _Peers:
+        return self.peers
+
+
+class _Trainer:
+    rank = 0
+    broken = ""
+    interrupted = False
+
+    def abort(self, reason: str) -> None:  # raising stops the listener before it ends this process
+        raise AssertionError(f"aborted: {reason}")
+
+
+def test_a_rank_ignores_the_deaths_of_other_worlds_ranks_of_other_roles_and_of_peers_after_the_last_step() -> None:
+    """The trainer's peer view (refbus node trainer): only a rank of its own world (same pid) ends it."""
+    runtime, done = _Runtime(), threading.Event()
+    broken = end_world_on_peer_death(runtime, _Trainer(), {0: 10, 1: 11}, done, exit_within_s=1.0)  # type: ignore[arg-type]
+    (on_down,) = runtime.peers.listeners
+    old_rank1 = msgspec.structs.replace(trainer(1), pid=7)  # an earlier world's rank 1, under the same node id
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="replaced", last_seen=0.0), old_rank1)
+    on_down(NodeDown(node_id="env-0", role="env-server", reason="timeout", last_seen=0.0),
+            NodeInfo(node_id="env-0", role="env-server", host="h", pid=11))
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="timeout", last_seen=0.0), None)
+    assert not broken.is_set()
+    rank1 = msgspec.structs.replace(trainer(1), pid=11)
+    with pytest.raises(AssertionError, match=r"aborted: trainer rank 1 \(trainer-1, pid 11\) went down \(timeout\)"):
+        on_down(NodeDown(node_id="trainer-1", role="trainer", reason="timeout", last_seen=0.0), rank1)  # this world's
+    done.set()  # past the last step's collective: a peer that finished and left breaks nothing
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="bye", last_seen=0.0), rank1)
+    assert not broken.is_set()

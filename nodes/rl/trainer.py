@@ -18,9 +18,10 @@ there (a dead world's versions above K are retired) and rollout workers have som
 heartbeat status reports ``step`` K at once, for the orchestrator to continue from.
 
 **A dead peer ends the world.** A rank that learns (``runtime.track_peers()``) that a rank of its own world
-went down logs ``trainer.world_broken`` naming it and exits with status 1 within ``bus.node_timeout_s``
-(stopping its node first, so its bye reaches the bus), whatever it was doing: a collective with a dead peer
-would otherwise block until its timeout. What the world held is reclaimed by the stores (``holder-down``)
+went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
+``bus.node_timeout_s`` later (stopping its node first, so its bye reaches the bus), whatever it was doing: a
+collective with a dead peer would otherwise block until its timeout. The broker reports the dead rank
+within a node timeout, so the world is gone within two. What the world held is reclaimed by the stores (``holder-down``)
 unless a new world claims it.
 """
 
