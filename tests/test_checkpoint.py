@@ -72,10 +72,11 @@ def test_older_checkpoints_are_pruned_and_ranks_are_kept_apart(tmp_path: Path) -
         checkpoint.save(tmp_path, 0, step, model, optimizer)
     assert sorted(p.name for p in (tmp_path / "rank-0").iterdir()) == ["step-4.safetensors", "step-6.safetensors"]
     assert checkpoint.latest_step(tmp_path, 0) == 6 and checkpoint.latest_step(tmp_path, 1) == 0
+    os.makedirs(tmp_path / "rank-1")  # rank 0's file under rank 1's name: refused, not loaded
+    os.link(tmp_path / "rank-0" / "step-6.safetensors", tmp_path / "rank-1" / "step-6.safetensors")
     with pytest.raises(checkpoint.CheckpointError, match="rank 0 step 6, not rank 1 step 6"):
-        os.makedirs(tmp_path / "rank-1")
-        os.link(tmp_path / "rank-0" / "step-6.safetensors", tmp_path / "rank-1" / "step-6.safetensors")
         checkpoint.load(tmp_path, 1, 6, model, optimizer)
+    assert checkpoint.latest_step(tmp_path, 1) == 0
 
 
 @pytest.mark.parametrize("damage", ["torn", "garbage", "foreign"])

@@ -1,7 +1,8 @@
 """Trainer-world restarts, decided in-process: the orchestrator core stops shipping when a rank of its world
 goes down, gives up the step in delivery, waits for a new world (every old rank down, the stores' reclaim
 grace passed, all new ranks reporting one step) and continues from that step, or halts naming the world;
-the supervisor restarts the whole world once for a dead rank and chaos may pick trainer ranks."""
+the supervisor restarts the whole world once for a dead rank and chaos may pick trainer ranks; a trainer
+rank ends its world for the death of a rank of that world only."""
 
 from __future__ import annotations
 
