@@ -213,6 +213,13 @@ class TrainerSettings:
     init_method: str = key("env://", "torch.distributed init method (env:// reads $MASTER_ADDR/$MASTER_PORT).")
     steps: int = key(20, "Steps to train before the rank exits.")
     batch_timeout_s: float = key(300.0, "Seconds a rank waits for its step batch before failing the step.")
+    checkpoint_every: int = key(
+        0,
+        "Steps between checkpoints (weights, optimizer state, step: one safetensors file per rank); a world "
+        "started again resumes from the last step every rank has. 0: none (`refbus up` turns them on).",
+    )
+    checkpoint_dir: str = key("trainer-checkpoints", "Directory of the ranks' checkpoints (relative: to the "
+                                                     "working directory).")
 
 
 @dataclass(frozen=True)
@@ -233,9 +240,15 @@ class UpSettings:
     ps_workers: int = key(2, "Parameter-server worker processes.")
     restart_budget: int = key(
         20,
-        "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers); "
-        "a crash beyond it, or of another role, ends the run.",
+        "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers, "
+        "trainer worlds); a crash beyond it, or of another role, ends the run.",
     )
     restart_backoff_s: float = key(
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."
+    )
+    checkpoint_every: int = key(
+        3,
+        "trainer.checkpoint_every of the run (checkpoints in its run directory): with checkpoints on, a dead "
+        "trainer rank stops its world and the whole world restarts from the last checkpoint. 0: off, a dead "
+        "rank ends the run.",
     )

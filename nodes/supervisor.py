@@ -1,13 +1,20 @@
 """What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
 
-Restartable today are the roles whose restarted process re-joins under the same node id and needs nothing
-else back: env servers (what a dead one stored is lost), rollout workers and ps-workers. The orchestrator,
-the trainer ranks, the ps-manager and the broker are not: their death ends the run, naming them (a trainer
-rank that exits 0 has finished its steps). Restarts come out of one budget per run (``up.restart_budget``),
-each after a backoff (``up.restart_backoff_s``, doubled for every earlier restart of the same node).
+Restartable are the roles whose restarted process re-joins under the same node id and needs nothing
+else back: env servers (what a dead one stored is lost), rollout workers and ps-workers. With trainer
+checkpoints on (``world_restarts``), the trainer ranks are restarted too, as a world: a rank that dies
+(exits non-zero) stops its world (the other ranks exit on their own once the bus reports it down: they
+have ``world_exit_s``, then the rest are stopped), and after the backoff every rank starts again together
+(``cluster.restart_world``: a fresh rendezvous), resuming from the newest checkpoint every rank has. A
+world restart counts as one restart, named after the rank that died first; the other ranks' exits meanwhile
+are part of it. The orchestrator, the ps-manager and the broker are not restartable: their death ends the
+run, naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per
+run (``up.restart_budget``), each after a backoff (``up.restart_backoff_s``, doubled for every earlier
+restart of the same node, or of the world).
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
-SECONDS, so a deployment can be tried against crashes the way the tests do.
+SECONDS (trainer ranks included when worlds are restarted), so a deployment can be tried against crashes the
+way the tests do.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from .launch import NodeProcess
 
 RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-")
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
+TRAINER_PREFIX = "trainer-"
+WORLD = "trainer world"  # the name the world's restart is due under
 MAX_BACKOFF_FACTOR = 16
 
 
@@ -34,9 +43,12 @@ class Cluster(Protocol):
 
     def restart(self, node: NodeProcess) -> NodeProcess: ...
 
+    def restart_world(self) -> list[NodeProcess]: ...
 
-def restartable(name: str) -> bool:
-    return name.startswith(RESTARTABLE_PREFIXES)
+
+def restartable(name: str, *, worlds: bool = False) -> bool:
+    """Whether a node of this name is restarted; ``worlds``: trainer ranks are (as a world)."""
+    return name.startswith(RESTARTABLE_PREFIXES) or (worlds and name.startswith(TRAINER_PREFIX))
 
 
 def describe_exit(code: int) -> str:
@@ -67,8 +79,12 @@ class Supervisor:
     again under its name and replaces it in ``cluster.nodes``). ``say`` prints a progress line."""
 
     def __init__(self, cluster: Cluster, *, budget: int, backoff_s: float, say: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, world_restarts: bool = False,
+                 world_exit_s: float = 0.0) -> None:
         self.cluster = cluster
+        self.world_restarts = world_restarts
+        self.world_exit_s = world_exit_s  # how long the other ranks of a broken world have to exit on their own
+        self.world_restarted: list[str] = []  # per world restart, the rank whose death caused it
         self.budget = budget
         self.backoff_s = backoff_s
         self.say = say
@@ -80,13 +96,19 @@ class Supervisor:
         self._per_node: Counter[str] = Counter()
         self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
 
+    @property
+    def world_pending(self) -> bool:
+        """A trainer world is down and due to start again: the run is not over although no rank runs."""
+        return WORLD in self._due
+
     def poll(self) -> str | None:
         """Handle every node that exited since the last poll and start the restarts that are due; the reason
         the run cannot go on, or None."""
         now = self.clock()
         for node in self.cluster.nodes:
             code = node.proc.poll()
-            if code is None or node.name in self._due or (node.name.startswith("trainer") and code == 0):
+            trainer = node.name.startswith(TRAINER_PREFIX)
+            if code is None or node.name in self._due or (trainer and (code == 0 or self.world_pending)):
                 continue
             reason = self._on_death(node, code, now)
             if reason:
@@ -94,6 +116,11 @@ class Supervisor:
         for name, (due, node) in list(self._due.items()):
             if due <= now:
                 del self._due[name]
+                if name == WORLD:
+                    ranks = self.cluster.restart_world()
+                    pids = ", ".join(f"{rank.name} pid {rank.pid}" for rank in ranks)
+                    self.say(f"refbus up: trainer world restarted from its checkpoint ({pids})")
+                    continue
                 new = self.cluster.restart(node)
                 self.say(f"refbus up: {name} restarted (pid {new.pid})")
         return None
@@ -101,18 +128,27 @@ class Supervisor:
     def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
         exit_text = describe_exit(code)
         at_s = round(now - self.started, 1)
-        if not restartable(node.name):
+        world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
+        if not restartable(node.name, worlds=self.world_restarts):
             why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
         elif self.restarts >= self.budget:
             why = f"{node.name} died ({exit_text}); the restart budget ({self.budget}) is spent: the run ends"
         else:
-            delay = self.backoff_s * min(2 ** self._per_node[node.name], MAX_BACKOFF_FACTOR)
+            key = WORLD if world else node.name
+            delay = self.backoff_s * min(2 ** self._per_node[key], MAX_BACKOFF_FACTOR)
+            if world:
+                delay = max(delay, self.world_exit_s)
             self.restarts += 1
-            self._per_node[node.name] += 1
-            self._due[node.name] = (now + delay, node)
+            self._per_node[key] += 1
+            self._due[key] = (now + delay, node)
             self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=True))
-            self.say(f"refbus up: {node.name} died ({exit_text}); restarting it in {delay:.1f} s "
-                     f"(restart {self.restarts}/{self.budget})")
+            if world:
+                self.world_restarted.append(node.name)
+                self.say(f"refbus up: {node.name} died ({exit_text}); stopping its trainer world and restarting "
+                         f"it from the last checkpoint in {delay:.1f} s (restart {self.restarts}/{self.budget})")
+            else:
+                self.say(f"refbus up: {node.name} died ({exit_text}); restarting it in {delay:.1f} s "
+                         f"(restart {self.restarts}/{self.budget})")
             return None
         self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=False))
         self.fatal.append(node.name)
@@ -121,16 +157,18 @@ class Supervisor:
 
     def report(self) -> dict[str, Any]:
         """The summary's part: every death (node, pid, exit, when, restarted) and the restarts made."""
-        return {"restarts": self.restarts, "deaths": [dataclasses.asdict(d) for d in self.deaths]}
+        return {"restarts": self.restarts, "deaths": [dataclasses.asdict(d) for d in self.deaths],
+                "world_restarts": list(self.world_restarted)}
 
 
 class Chaos:
     """Every ``interval_s``, SIGKILL one running restartable node, chosen by a generator seeded with ``seed``
-    (the same seed and interval pick the same sequence of names). Trainer ranks are never chosen: they are
-    not restartable until they restart from checkpoints."""
+    (the same seed and interval pick the same sequence of names). Trainer ranks are chosen only with
+    ``worlds`` (checkpoints on: the supervisor restarts their world)."""
 
     def __init__(self, cluster: Cluster, interval_s: float, seed: int, *, say: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, worlds: bool = False) -> None:
+        self.worlds = worlds
         if not interval_s > 0:
             raise ValueError(f"the chaos interval must be positive, not {interval_s}")
         self.cluster = cluster
@@ -146,7 +184,8 @@ class Chaos:
         if now < self.due:
             return
         self.due = now + self.interval_s
-        running = sorted((n for n in self.cluster.nodes if restartable(n.name) and n.proc.poll() is None),
+        running = sorted((n for n in self.cluster.nodes
+                          if restartable(n.name, worlds=self.worlds) and n.proc.poll() is None),
                          key=lambda n: n.name)
         if not running:
             return

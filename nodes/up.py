@@ -8,9 +8,12 @@ written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
-store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers and
-ps-workers are restarted under the same node id (:mod:`.supervisor`: a restart budget, a backoff), a death of
-any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers
+and ps-workers are restarted under the same node id (:mod:`.supervisor`: a restart budget, a backoff). The
+trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run directory): a
+dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming from the
+newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death of any
+other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
 trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
@@ -144,6 +147,7 @@ class LocalCluster:
         self.config_file = workdir / "cluster.toml"
         self.config_file.write_text(to_toml(config))
         self.nodes: list[NodeProcess] = []
+        self.worlds = 0  # trainer worlds started before the current one
         self._commands: dict[str, tuple[str, ...]] = {}
 
     def pin(self, section: str, **values: Any) -> None:
@@ -170,6 +174,21 @@ class LocalCluster:
         node = self._spawn(dead.name)
         self.nodes[self.nodes.index(dead)] = node
         return node
+
+    def restart_world(self) -> list[NodeProcess]:
+        """Stop every trainer rank still running, then start all of them again (same commands and node ids, in
+        their places in :attr:`nodes`) on a fresh rendezvous file; does not wait for them to be ready."""
+        ranks = self.by_role("trainer")
+        self.stop(ranks)
+        self.worlds += 1
+        self.pin("trainer", init_method=rendezvous(self.workdir, self.worlds))
+        started = []
+        for dead in ranks:
+            dead.stop()
+            node = self._spawn(dead.name)
+            self.nodes[self.nodes.index(dead)] = node
+            started.append(node)
+        return started
 
     def _spawn(self, name: str) -> NodeProcess:
         return NodeProcess([*self._commands[name], "--config", str(self.config_file), "--node-id", name],
@@ -212,7 +231,9 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     watcher: NodeRuntime | None = None
     probe: NodeRuntime | None = None
     summary: dict[str, Any] = {}
-    supervisor = Supervisor(cluster, budget=up.restart_budget, backoff_s=up.restart_backoff_s)
+    supervisor = Supervisor(cluster, budget=up.restart_budget, backoff_s=up.restart_backoff_s,
+                            world_restarts=config.trainer.checkpoint_every > 0,
+                            world_exit_s=2 * config.bus.node_timeout_s)
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     try:
         with stop.on_signals():
@@ -224,9 +245,10 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
                 progress = _Progress(probe, record, up.steps)
-                chaos = Chaos(cluster, args.chaos, args.chaos_seed) if args.chaos else None
-                trainers = cluster.by_role("trainer")
-                while not (stop.requested or all(t.proc.poll() is not None for t in trainers)):
+                chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts)
+                         if args.chaos else None)
+                while not (stop.requested or (not supervisor.world_pending and all(
+                        t.proc.poll() is not None for t in cluster.by_role("trainer")))):
                     if supervisor.poll() is not None:
                         break
                     if chaos is not None:
@@ -315,9 +337,15 @@ def _cluster_config(config: Config, workdir: Path) -> Config:
     config.orchestrator = dataclasses.replace(config.orchestrator, dispatch=True, trainers=up.trainers,
                                               max_steps=up.steps)
     config.trainer = dataclasses.replace(config.trainer, steps=up.steps, world_size=up.trainers,
-                                         init_method=f"file://{workdir}/gloo-rendezvous")
+                                         init_method=rendezvous(workdir, 0), checkpoint_every=up.checkpoint_every,
+                                         checkpoint_dir=str(workdir / "checkpoints"))
     config.env_server = dataclasses.replace(config.env_server, source=config.env_server.source or "env")
     return config
+
+
+def rendezvous(workdir: Path, world: int) -> str:
+    """The init method of trainer world ``world`` (counted from 0): a file no earlier world touched."""
+    return f"file://{workdir}/gloo-rendezvous-{world}"
 
 
 def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopFlag) -> None:
@@ -460,6 +488,9 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
                        for d in summary["deaths"])
     print(f"  node deaths           {len(summary['deaths'])}{': ' + deaths if deaths else ''}; "
           f"restarts {summary['restarts']}")
+    if summary["world_restarts"]:
+        print(f"  trainer worlds        restarted {len(summary['world_restarts'])} times from checkpoints "
+              f"(after the death of {', '.join(summary['world_restarts'])})")
     print(f"  ps versions           {len(summary['ps_versions'])} (last {max(summary['ps_versions'], default=-1)})")
     print(f"  result                {'ok' if summary['ok'] else 'NOT ok'}", flush=True)
     if args.summary_out:

@@ -130,6 +130,9 @@ class PushBegin(Body, frozen=True):
     holder: Name
     tensors: list[TensorSpec]
     host: str = ""  # the pusher's host: a worker there is preferred (writes go through shared memory)
+    # The first push of a trainer world that (re)started from its checkpoint of step ``version``: it starts a
+    # new lineage, the versions >= ``version`` of the old one are retired.
+    resumes: bool = False
 
 
 @register_kind("ps-shard-commit")

@@ -9,7 +9,8 @@ point deletes at that moment, with its reason:
 reason         when
 ============== ====================================================================================
 ``filtered``   a complete group whose advantages are all zero (nothing to learn)
-``stale``      a queued sample older than ``max_staleness`` versions when its step is packed
+``stale``      a queued sample older than ``max_staleness`` versions when its step is packed, or of a
+               version a restarted trainer world retired (above the step it resumed from)
 ``eval``       every eval episode (scored, never trained)
 ``incomplete`` a group still incomplete after ``group_timeout_s``
 ``late``       an episode of a group that was already completed or dropped
@@ -39,7 +40,11 @@ and feeds the outcomes back. An ``incomplete`` group also comes from a run that 
 past its deadline. It tracks peers (``runtime.track_peers()``): an env server reported down fails its runs
 in flight at once (their groups are abandoned, new runs go to live replicas), and deletes for it wait for it
 to come back or for its blobs to be lost. A step the trainer ranks do not all acknowledge by
-``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
+``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1). A trainer rank reported
+down ends its world: the orchestrator stops shipping and waits for a new world (restarted from its
+checkpoints), then continues from the step its ranks report; no new world within ``node.restart_grace_s``
+plus four ``node.connect_timeout_s`` halts it, naming the ranks. What the dead world never acknowledged is
+deleted with reason ``trainer-down``.
 """
 
 from __future__ import annotations
@@ -89,9 +94,12 @@ log = structlog.get_logger(__name__)
 def deadlines_from(config: Config) -> Deadlines:
     """The orchestrator's waits, from the settings of the peers it waits for (see :class:`Deadlines`)."""
     policy = config.retry()
+    # A new trainer world: the dead one is declared down, restarted (within the grace) and its ranks start
+    # (torch import, rendezvous, checkpoint load) and register, each step bounded by the connect timeout.
     return Deadlines(delivery_s=config.trainer.batch_timeout_s, redeliver_after_s=policy.timeout_s,
                      run_s=config.env_server.generate_timeout_s + policy.deadline_s,
-                     restart_grace_s=config.node.restart_grace_s)
+                     restart_grace_s=config.node.restart_grace_s,
+                     world_restart_s=config.node.restart_grace_s + 4 * config.node.connect_timeout_s)
 
 
 @dataclass
@@ -186,10 +194,16 @@ class Orchestrator:
 
     def _tick(self) -> None:
         self._execute(self.core.tick(self.clock()))
+        if self.core.world_down is not None:  # waiting for a new trainer world: is it registered yet?
+            nodes = self.runtime.lookup("trainer")
+            if nodes is not None:
+                self._execute(self.core.use_trainers(self.clock(), nodes))
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
         if info is not None and info.role == "env-server":
             self._execute(self.core.store_down(self.clock(), info))
+        elif info is not None and info.role == "trainer":
+            self._execute(self.core.trainer_down(self.clock(), info))
 
     def _on_node_up(self, info: NodeInfo) -> None:
         if info.role == "env-server":

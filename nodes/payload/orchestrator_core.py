@@ -28,6 +28,18 @@ Decisions and their rules:
   ends, or it comes back as a new process, whose store starts empty) every reference held to its blobs is
   dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
   shipped (counted as dropped ``lost``).
+* **Trainer worlds.** A trainer rank the steps go to reported down (:meth:`OrchestratorCore.trainer_down`)
+  ends its world: nothing more ships, the step in delivery is given up (what no rank acknowledged is
+  deleted, ``trainer-down``; what ranks acknowledged is theirs, and the stores reclaim it once they are
+  gone) and the core waits up to ``world_restart_s`` for a new world: ``trainers`` ranks, none of the old
+  world's processes, all reporting the same ``step`` K in their status (a world resumed from its
+  checkpoint of step K). New ranks usually take the old ones' node ids, so nothing ships to them before
+  every old rank was reported down and ``restart_grace_s`` (plus a quarter of it, the stores' reclaim
+  period) has passed since: the stores have reclaimed what the old world held by then, and cannot take
+  the new world's blobs for it. It then continues at step K with policy version K (the new lineage's first
+  version): the groups shipped in steps >= K give their admission slots back, and queued samples of
+  versions above K (the retired lineage's) are dropped as ``stale``. No new world by then: it halts,
+  naming the ranks. Ranks that leave once the last step's version is committed have finished: no wait.
 * **Start and end.** No run is dispatched before a policy version exists (a ``version-bump``, or the
   parameter server's version learned otherwise: :meth:`~OrchestratorCore.on_version`). A run refused
   because the loop's other nodes are not up yet (``NOT_READY`` codes) pauses dispatch, for a pause that
@@ -122,6 +134,7 @@ class Halt:
 Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | Halt
 
 LOST = "lost"
+TRAINER_DOWN = "trainer-down"
 
 
 @dataclass(frozen=True)
@@ -134,13 +147,15 @@ class Deadlines:
     may go unanswered (the env server's ``generate_timeout_s``, after which it answers with an error
     itself, plus the request policy's whole retry schedule as slack for a busy env server);
     ``restart_grace_s``: how long a store reported down has to come back before its blobs count as lost
-    (``node.restart_grace_s``).
+    (``node.restart_grace_s``); ``world_restart_s``: how long a trainer world that went down has to be
+    back (the restart grace plus the time a world takes to start).
     """
 
     delivery_s: float = 300.0
     redeliver_after_s: float = 2.0
     run_s: float = 44.0
     restart_grace_s: float = 10.0
+    world_restart_s: float = 70.0
 
 
 # --- state ---------------------------------------------------------------------------------------------------
@@ -177,6 +192,23 @@ class _StoreDown:
     incarnation: tuple[str, int, float]
     until: float
     deletes: list[tuple[list[BlobRef], str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _WorldDown:
+    """The trainer world went down: which rank died first, its processes (with when each was reported down),
+    and when the wait ends."""
+
+    node_id: str
+    incarnations: frozenset[tuple[str, int, float]]
+    until: float
+    down_at: dict[tuple[str, int, float], float] = field(default_factory=dict)
+
+    def reclaimed_by(self, grace_s: float) -> float | None:
+        """When the stores have reclaimed what every old rank held; None while one is not reported down."""
+        if set(self.down_at) != self.incarnations:
+            return None
+        return max(self.down_at.values()) + grace_s * 1.25
 
 
 @dataclass(frozen=True)
@@ -235,6 +267,12 @@ class OrchestratorCore:
         self._paused_after = 0  # refusals of the runs sent before the current pause are already paid for
         self._resume_at = float("-inf")
         self._refused_unlogged = 0
+        # trainer worlds
+        self.world: frozenset[tuple[str, int, float]] = frozenset()  # the processes of the ranks steps go to
+        self.world_down: _WorldDown | None = None
+        self.world_restarts = 0
+        self.rewound_groups = 0  # groups trained by a world that went down after its last checkpoint
+        self._groups_of_step: dict[int, int] = {}
 
     # --- what the executor asks ----------------------------------------------------------------------
 
@@ -252,7 +290,7 @@ class OrchestratorCore:
     @property
     def groups_released(self) -> int:
         """Groups that will never train: their admission slots are free again."""
-        return self.abandoned_groups + self.sink.dropped_groups
+        return self.abandoned_groups + self.sink.dropped_groups + self.rewound_groups
 
     # --- events --------------------------------------------------------------------------------------
 
@@ -289,10 +327,13 @@ class OrchestratorCore:
     def use_trainers(self, now: float, nodes: Iterable[NodeInfo]) -> list[Action]:
         """The trainer ranks from the registry; shipping starts once ``settings.trainers`` are known."""
         nodes = list(nodes)
+        if self.world_down is not None:
+            return self._new_world(now, nodes)
         trainers = [TrainerAddress.from_node(node) for node in nodes]
         if len(trainers) < self.settings.trainers:
             return []
         self.sink.use_trainers(trainers)
+        self.world = frozenset(incarnation(node) for node in nodes)
         budgets = [int(steps) for node in nodes if (steps := node.labels.get("steps", "")).isdigit()]
         if self.max_steps is None and budgets:
             self.max_steps = min(budgets)
@@ -327,7 +368,77 @@ class OrchestratorCore:
             self.expired_runs += 1
             self._run_done(episode_id, f"no answer within {self.deadlines.run_s:g}s")
         lost = [self._lose(node_id) for node_id, down in list(self.stores_down.items()) if down.until <= now]
-        return self._flush([*lost, *self._check_delivery(now)])
+        return self._flush([*lost, *self._check_delivery(now), *self._check_world(now)])
+
+    # --- trainer worlds ------------------------------------------------------------------------------
+
+    def trainer_down(self, now: float, node: NodeInfo) -> list[Action]:
+        """A trainer rank was reported down: when it is one the steps go to, its world is over (see the
+        module doc): give up the step in delivery and wait for a new world."""
+        if self.world_down is not None and incarnation(node) in self.world_down.incarnations:
+            self.world_down.down_at.setdefault(incarnation(node), now)
+            return []
+        if self.world_down is not None or incarnation(node) not in self.world or self._trained_all:
+            return []
+        self.world_down = _WorldDown(node.node_id, self.world, now + self.deadlines.world_restart_s,
+                                     {incarnation(node): now})
+        delivery, self.delivery = self.delivery, None
+        if delivery is not None:
+            owned = {blob_id for endpoint in delivery.unacknowledged for blob_id in delivery.batches[endpoint].owned}
+            self.holdings.delete([self.holdings.held[b] for b in sorted(owned) if b in self.holdings.held],
+                                 TRAINER_DOWN)
+        log.error("trainers.world_down", node=node.node_id, rank=node.labels.get("rank"), step=self.step,
+                  waiting_s=self.deadlines.world_restart_s,
+                  undelivered_step=delivery.step if delivery is not None else None)
+        return self._flush([])
+
+    def _new_world(self, now: float, nodes: list[NodeInfo]) -> list[Action]:
+        """During a wait: take the new world once all its ranks report the same step."""
+        down = self.world_down
+        assert down is not None
+        fresh = [node for node in nodes if incarnation(node) not in down.incarnations and "step" in node.status]
+        steps = {int(node.status["step"]) for node in fresh}
+        reclaimed = down.reclaimed_by(self.deadlines.restart_grace_s)
+        if len(fresh) < self.settings.trainers or len(steps) != 1 or reclaimed is None or now < reclaimed:
+            return []
+        (step,) = steps
+        self.world_down = None
+        self.world_restarts += 1
+        self.sink.use_trainers([TrainerAddress.from_node(node) for node in fresh])
+        self.world = frozenset(incarnation(node) for node in fresh)
+        rewound = sum(n for s, n in self._groups_of_step.items() if s >= step)
+        self.rewound_groups += rewound
+        self._groups_of_step = {s: n for s, n in self._groups_of_step.items() if s < step}
+        retired = [s for group in self.sink.queue for s in group if s.policy_version > step]
+        if retired:
+            self.sink.drop(retired, "stale")
+            kept = [[s for s in group if s.policy_version <= step] for group in self.sink.queue]
+            self.sink.dropped_groups += sum(1 for group in kept if not group)
+            self.sink.queue = [group for group in kept if group]
+        log.warning("trainers.world_resumed", step=step, previous_step=self.step, rewound_groups=rewound,
+                    stale_samples=len(retired), ranks=sorted(node.node_id for node in fresh))
+        self.step = step
+        self.policy_version = step
+        return self._ship_ready(now)
+
+    @property
+    def _trained_all(self) -> bool:
+        """The ranks pushed the weights of the last step: ranks that leave now have finished."""
+        return self.max_steps is not None and self.policy_version >= self.max_steps
+
+    def _check_world(self, now: float) -> list[Action]:
+        down = self.world_down
+        if down is not None and self._trained_all:  # it had finished: its last version came after its bye
+            self.world_down = None
+            log.info("trainers.finished", node=down.node_id)
+            return []
+        if down is None or now < down.until:
+            return []
+        self.failure = (f"the trainer world went down ({down.node_id} first) and no new world of "
+                        f"{self.settings.trainers} ranks reported its step within {self.deadlines.world_restart_s:g}s")
+        self.world_down = None
+        log.error("trainers.world_not_back", error=self.failure)
+        return [Halt(self.failure)]
 
     # --- stores down ---------------------------------------------------------------------------------
 
@@ -447,11 +558,13 @@ class OrchestratorCore:
         per_step = self.settings.groups_per_step
         sink = self.sink
         actions: list[Action] = []
-        while (self.delivery is None and not self.failure and not self.finished
+        while (self.delivery is None and not self.failure and not self.finished and self.world_down is None
                and len(sink.queue) >= per_step and len(sink.trainers) >= self.settings.trainers):
+            queued, dropped = len(sink.queue), sink.dropped_groups
             shipment = sink.ship(self.step, self.policy_version, max_groups=per_step)
             if shipment is None:
                 continue
+            self._groups_of_step[self.step] = queued - len(sink.queue) - (sink.dropped_groups - dropped)
             log.info("step.shipped", step=self.step, version=self.policy_version,
                      micro_batches=shipment.plan.micro_batches_per_rank, dummies=shipment.plan.dummy_count)
             self.delivery = _Delivery(self.step, shipment.batches, now + self.deadlines.delivery_s,

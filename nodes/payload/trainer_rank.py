@@ -121,6 +121,8 @@ class TrainerRank:
     waits for its step batch, and either call for the loop thread to do its socket work). Not user config:
     ``fetch`` (how the fetcher batches and retries), ``blobs_per_delete``, ``topk_k`` (the top-k width, needed
     to stand in for a dropped micro batch with top-k heads when no other micro batch of the step has them).
+    ``first_step``: the step this world starts at (a world resumed from its checkpoint of step K starts at
+    K); reported as ``step`` in the heartbeat status until the first step batch arrives.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class TrainerRank:
         fetch: FetchSettings | None = None,
         blobs_per_delete: int = 1024,
         topk_k: int | None = None,
+        first_step: int = 0,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -155,9 +158,10 @@ class TrainerRank:
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
-        self._next_step = 0
+        self._next_step = first_step
         self._accepted: StepBatch | None = None  # the last step batch taken: an identical repeat is answered ok
         self._interrupted = False
+        self._broken = ""  # why this world cannot go on (a peer rank died); empty while it can
         self._loop_ended = False
         self._cond = threading.Condition()
         self.server = runtime.serve("trainer", self.settings.endpoint)
@@ -260,6 +264,17 @@ class TrainerRank:
         """Whether :meth:`interrupt` was called."""
         return self._interrupted
 
+    def abort(self, reason: str) -> None:
+        """The world is broken (a peer rank died): a ``begin_step`` waiting for its step batch, and every later
+        one, raises :class:`StepFailed` with ``reason``. Safe from any thread."""
+        self._broken = reason
+        self.runtime.call_soon(self._wake)
+
+    @property
+    def broken(self) -> str:
+        """Why the world cannot go on (:meth:`abort`); empty while it can."""
+        return self._broken
+
     # --- requests (loop thread) ----------------------------------------------------------------------
 
     def _on_step_batch(self, request: Message) -> Ok:
@@ -298,12 +313,13 @@ class TrainerRank:
 
     def _wait_for(self, step: int) -> _Received:
         with self._cond:
-            self._cond.wait_for(lambda: step in self._received or self._interrupted or self._loop_ended,
-                                self.settings.batch_timeout_s)
-            received = self._received.pop(step, None)
+            self._cond.wait_for(lambda: (step in self._received or self._interrupted or self._loop_ended
+                                         or bool(self._broken)), self.settings.batch_timeout_s)
+            received = None if self._broken else self._received.pop(step, None)
             if received is None:
-                why = ("interrupted" if self._interrupted else "the node stopped" if self._loop_ended else
-                       f"nothing within {self.settings.batch_timeout_s:.0f}s")
+                waited = f"nothing within {self.settings.batch_timeout_s:.0f}s"
+                why = self._broken or ("interrupted" if self._interrupted else
+                                       "the node stopped" if self._loop_ended else waited)
                 raise StepFailed(f"rank {self.rank}: no step batch for step {step} ({why})")
             self._next_step = step + 1
         return received

@@ -351,25 +351,29 @@ class PsClient:
 
     # --- push ---------------------------------------------------------------------------------------
 
-    def push(self, tensors: Mapping[str, torch.Tensor], version: int, *, rank: int = 0, world: int = 1) -> PushResult:
+    def push(self, tensors: Mapping[str, torch.Tensor], version: int, *, rank: int = 0, world: int = 1,
+             resumes: bool = False) -> PushResult:
         """Write this rank's ``tensors`` as its shard of ``version``; returns once the shard is acknowledged.
+        ``resumes``: the first push of a trainer world that starts (again) at step ``version``: it starts a
+        new lineage, the parameter server retires its versions ``>= version`` instead of refusing the push.
 
         Only this rank's own tensors (no all-gather); the last rank's acknowledgement commits the version.
         The caller keeps ownership of ``tensors`` (they are copied out before this returns). Raises
         RemoteError for a refused push (``version-conflict``, ``shape-mismatch``, ``duplicate-name``,
         ``checksum``, ``push-aborted``, ...); any failure aborts the version.
         """
-        with self.begin_push(tensors, version, rank=rank, world=world) as session:
+        with self.begin_push(tensors, version, rank=rank, world=world, resumes=resumes) as session:
             for name, tensor in tensors.items():
                 session.write(name, tensor)
             return session.commit()
 
     def begin_push(self, like: Mapping[str, torch.Tensor], version: int, *, rank: int = 0,
-                   world: int = 1) -> PushSession:
+                   world: int = 1, resumes: bool = False) -> PushSession:
         """Start a streaming push: the shard's layout comes from ``like`` (dtypes and shapes only); write
         each tensor when it is ready (e.g. layer by layer), then commit. See :class:`PushSession`."""
         specs = [TensorSpec(name, wire_dtype(t.dtype), list(t.shape)) for name, t in like.items()]
-        grant = self._ask(self._manager, PushBegin(version, rank, world, self.holder, specs, self.host), PushGrant)
+        grant = self._ask(self._manager, PushBegin(version, rank, world, self.holder, specs, self.host,
+                                                   resumes), PushGrant)
         self._keeper.hold(grant.lease, grant.ttl_s)
         try:
             worker = self._worker(grant.worker)

@@ -10,6 +10,12 @@ Requests (see :mod:`refbus.protocol.messages_ps`): ``ps-register``, ``ps-push-be
 ``ps-init`` (+ ``ps-init-done``/``ps-init-failed`` from workers), ``ps-reserve``, ``ps-occupy``,
 ``ps-consume``, ``ps-abort``, ``ps-inventory``. Event: ``version-bump`` after every commit, never before.
 
+Lineages: a push that declares it resumes (``PushBegin.resumes``: a trainer world restarted from its checkpoint
+of step ``K`` pushes ``K`` first) starts a new lineage: a push of the old world still pending is aborted, the
+old versions ``>= K`` are retired (readers' leases on them run out normally), and ``K``, ``K+1``, ... of the
+new world commit without a conflict (:mod:`.versions`). The ``version-bump`` of the new ``K`` tells readers
+the version went back.
+
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
 A ``node-down`` of a worker removes it and fails an init it takes part in.
@@ -183,15 +189,28 @@ class PsManager:
         begin = request.body
         assert isinstance(begin, PushBegin)
         worker = self._pick_worker(begin.host, begin.rank)
+        if begin.resumes and not self.versions.joins_lineage(begin.version, begin.world):
+            self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
         try:
             tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, worker.worker,
-                                          lease.lease_id, lease.granted)
+                                          lease.lease_id, lease.granted, resumes=begin.resumes)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
             raise HandlerError(exc.code, str(exc)) from None
         nbytes = max((t.offset + t.nbytes for t in tensors), default=0)
         return PushGrant(lease.lease_id, self.settings.lease_ttl_s, worker, nbytes, tensors)
+
+    def _start_lineage(self, version: int, holder: str) -> None:
+        """A trainer world resumes at ``version``: abort the old world's pending push, retire its versions
+        ``>= version`` (see the module doc)."""
+        pending = self.versions.pending
+        if pending is not None:
+            self._abort_push(pending.version, f"{holder} resumes from version {version}: a new lineage")
+        retired = [v for v in self.versions.retained() if v >= version]
+        self._release(self.versions.start_lineage(version))
+        (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
+                                               retired=retired, latest=self.versions.latest)
 
     def _shard_commit(self, request: Message) -> Body:
         commit = request.body
@@ -241,7 +260,7 @@ class PsManager:
             raise HandlerError("too-stale", f"version {manifest.version} is {behind} versions behind the trainer "
                                f"(version {self._trainer_version()}), more than max_staleness {begin.max_staleness}")
         lease = self.leases.grant("pull", begin.holder, manifest.version, time.monotonic())
-        self.versions.pin(manifest.version)
+        self.versions.pin(manifest.version, lease.lease_id)
         return PullGrant(lease.lease_id, self.settings.lease_ttl_s, manifest)
 
     def _lease_renew(self, request: Message) -> Body:
@@ -273,7 +292,7 @@ class PsManager:
         """Consequences of a lease ending: a read unpins its version; an unfinished push is aborted."""
         if lease.kind == "pull":
             self._pull_seconds.observe(time.monotonic() - lease.granted)
-            self._release(self.versions.unpin(lease.version))
+            self._release(self.versions.unpin(lease.version, lease.lease_id))
         else:
             self._abort_push(lease.version, f"push lease of rank {lease.rank} ({lease.holder}) {how} before its "
                              "shard was committed")

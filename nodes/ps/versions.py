@@ -9,6 +9,12 @@ Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
   aborted: it never becomes visible and its shards are handed back for recycling.
 * The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
   and its shards are freed as soon as no pull lease holds it.
+* **Lineages.** A trainer world that starts (again) from its checkpoint of step ``K`` pushes version ``K``
+  declaring it resumes (:meth:`VersionStore.start_lineage`, then ``begin(..., resumes=True)``): that push
+  starts a new lineage. The versions ``>= K`` of the old lineage are retired at once (a reader's lease on
+  one runs out normally, then its shards are freed; no new reader gets one), a push of the old lineage
+  still pending is aborted, and the new lineage's ``K``, ``K+1``, ... follow without a conflict. The
+  versions below ``K`` are the same in both lineages and stay as they are.
 
 Pure bookkeeping: no I/O and no clock of its own. Methods return the shards to release; the manager sends
 the ``ps-release`` requests. A shard is ``(worker, shard_id)``: the push lease id, or the broadcast init id.
@@ -41,12 +47,13 @@ class _Pending:
     world: int
     started: float
     ranks: dict[int, _RankShard] = field(default_factory=dict)
+    resumes: bool = False  # the first push of a new lineage
 
     def shards(self) -> list[Shard]:
         return [(r.worker, r.lease) for r in self.ranks.values()]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two lineages may store the same version number
 class _Stored:
     manifest: Manifest
     shards: list[Shard]
@@ -66,7 +73,10 @@ class VersionStore:
         self.committed_total = 0
         self.aborted_total = 0
         self.pending: _Pending | None = None
+        self.lineages = 0  # lineages started after the first
         self._stored: dict[int, _Stored] = {}
+        self._superseded: list[_Stored] = []  # retired with their lineage, still read
+        self._pins: dict[str, _Stored] = {}  # pull lease id -> the version it holds
 
     # --- reading ------------------------------------------------------------------------------------
 
@@ -76,11 +86,16 @@ class VersionStore:
 
     def pinned(self) -> dict[int, int]:
         """Version -> number of pull leases holding it (only versions with readers)."""
-        return {v: s.readers for v, s in sorted(self._stored.items()) if s.readers}
+        pinned: dict[int, int] = {}
+        for stored in [*self._superseded, *(self._stored[v] for v in sorted(self._stored))]:
+            if stored.readers:
+                pinned[stored.manifest.version] = pinned.get(stored.manifest.version, 0) + stored.readers
+        return pinned
 
     def held_bytes(self) -> int:
         """Bytes of every version still held by the workers (retained, or retired but read)."""
-        return sum(e.nbytes * len(e.locations) for s in self._stored.values() for e in s.manifest.entries)
+        return sum(e.nbytes * len(e.locations) for s in [*self._stored.values(), *self._superseded]
+                   for e in s.manifest.entries)
 
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a retained version (default latest); ManifestError(``unknown-version``)."""
@@ -96,25 +111,54 @@ class VersionStore:
             )
         return stored.manifest
 
-    def pin(self, version: int) -> None:
-        """A pull lease now holds ``version`` (it must be retained)."""
+    def pin(self, version: int, lease: str = "") -> None:
+        """A pull lease now holds ``version`` (it must be retained). Pass the ``lease`` id when a new lineage
+        may retire the version while it is read: :meth:`unpin` then finds the very version it read."""
         self.manifest(version)
-        self._stored[version].readers += 1
+        stored = self._stored[version]
+        stored.readers += 1
+        if lease:
+            self._pins[lease] = stored
 
-    def unpin(self, version: int) -> list[Shard]:
+    def unpin(self, version: int, lease: str = "") -> list[Shard]:
         """A pull lease on ``version`` ended; returns the shards to free if that released a retired version."""
-        stored = self._stored.get(version)
+        stored = self._pins.pop(lease, None) or self._stored.get(version)
         if stored is None:
             return []
         stored.readers -= 1
-        return self._free_if_unread(version)
+        return self._free_if_unread(stored)
+
+    def start_lineage(self, version: int) -> list[Shard]:
+        """A trainer world resumes from its checkpoint of step ``version`` and pushes ``version`` next: retire
+        every version ``>= version`` (see the module doc); returns the shards to free now (those unread).
+        The caller aborts a pending push first, unless :meth:`joins_lineage` (another rank of the new world
+        began it)."""
+        assert self.pending is None, "abort the pending push before a new lineage starts"
+        freed: list[Shard] = []
+        for old in sorted(v for v in self._stored if v >= version):
+            stored = self._stored.pop(old)
+            stored.retired = True
+            if stored.readers:
+                self._superseded.append(stored)
+            else:
+                freed += stored.shards
+        self.latest = max(self.retained(), default=-1)
+        self.lineages += 1
+        return freed
+
+    def joins_lineage(self, version: int, world: int) -> bool:
+        """Whether a resuming push of ``version`` joins the pending one: the new lineage already began."""
+        pending = self.pending
+        return pending is not None and pending.resumes and pending.version == version and pending.world == world
 
     # --- pushing ------------------------------------------------------------------------------------
 
     def begin(
-        self, version: int, rank: int, world: int, specs: list[TensorSpec], worker: str, lease: str, now: float
+        self, version: int, rank: int, world: int, specs: list[TensorSpec], worker: str, lease: str, now: float,
+        *, resumes: bool = False,
     ) -> list[ShardTensor]:
-        """Start rank ``rank``'s shard of ``version`` on ``worker``; returns its layout.
+        """Start rank ``rank``'s shard of ``version`` on ``worker``; returns its layout. ``resumes``: the push
+        starts (or joins) a new lineage at ``version`` (:meth:`start_lineage` came first).
 
         Raises ManifestError: ``version-conflict`` (not the next version, another version pending, a
         different world size, a rank already pushing), ``bad-rank``, ``duplicate-name``,
@@ -122,7 +166,7 @@ class VersionStore:
         """
         if not 0 <= rank < world:
             raise ManifestError("bad-rank", f"rank {rank} is outside world size {world}")
-        if self.latest >= 0 and version != self.latest + 1:
+        if self.latest >= 0 and version != self.latest + 1 and not resumes:
             raise ManifestError(
                 "version-conflict", f"push of version {version}: the next version is {self.latest + 1}"
             )
@@ -140,7 +184,7 @@ class VersionStore:
         if pending is not None and rank in pending.ranks:
             raise ManifestError("version-conflict", f"rank {rank} of version {version} is already pushing")
         tensors, _ = mf.layout(specs)
-        mf.check_compatible(specs, self._stored[self.latest].manifest if self.latest >= 0 else None)
+        mf.check_compatible(specs, self._stored[self.latest].manifest if self.latest in self._stored else None)
         if pending is not None:
             taken = {t.name: r for r, s in pending.ranks.items() for t in s.tensors}
             for spec in specs:
@@ -150,7 +194,7 @@ class VersionStore:
                         f"tensor {spec.name!r} of version {version} is already pushed by rank {taken[spec.name]}",
                     )
         if pending is None:
-            pending = self.pending = _Pending(version, world, now)
+            pending = self.pending = _Pending(version, world, now, resumes=resumes)
         pending.ranks[rank] = _RankShard(lease, worker, tensors)
         return tensors
 
@@ -220,12 +264,15 @@ class VersionStore:
         freed: list[Shard] = []
         for version in self.retained()[: -self.retain]:
             self._stored[version].retired = True
-            freed += self._free_if_unread(version)
+            freed += self._free_if_unread(self._stored[version])
         return freed
 
-    def _free_if_unread(self, version: int) -> list[Shard]:
-        stored = self._stored[version]
+    def _free_if_unread(self, stored: _Stored) -> list[Shard]:
         if not stored.retired or stored.readers > 0:
             return []
-        del self._stored[version]
+        version = stored.manifest.version
+        if self._stored.get(version) is stored:
+            del self._stored[version]
+        elif stored in self._superseded:
+            self._superseded.remove(stored)
         return stored.shards

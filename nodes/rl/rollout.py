@@ -5,10 +5,11 @@ answers with the tokens, the policy version that produced them, and the per-toke
 choices, top-k heads, sampling mask) as zero-copy frames.
 
 Weights: the worker pulls a version from the parameter server whenever a ``version-bump`` announces a
-newer one (and polls the parameter server once a second, for a bump it joined too late to see), copying
-into its model's own tensors (no allocation per version). Staleness is then bounded by how far the trainer
-runs ahead of the orchestrator's admission: the orchestrator never admits more work than its bound allows,
-and the trainer drops what is too stale when it is packed. Until version 0 exists, ``generate`` is refused
+version other than the one it serves (newer; or lower: a restarted trainer world resumed from a checkpoint
+and started a new lineage), and polls the parameter server once a second, for a bump it joined too late to
+see, copying into its model's own tensors (no allocation per version). Staleness is then bounded by how
+far the trainer runs ahead of the orchestrator's admission: the orchestrator never admits more work than its
+bound allows, and the trainer drops what is too stale when it is packed. Until version 0 exists, ``generate`` is refused
 (``no-weights``) and the env server's run fails cleanly.
 
 Threads: generations and weight pulls run one at a time on one :class:`~refbus.bus.offload.Offload`
@@ -76,7 +77,7 @@ class RolloutWorker:
     def _on_bump(self, message: Message) -> None:
         bump = message.body
         assert isinstance(bump, VersionBump)
-        if bump.version > self.version:
+        if bump.version != self.version:  # lower: a restarted trainer world started a new lineage
             self._want_refresh()
 
     def _want_refresh(self) -> None:
@@ -100,10 +101,10 @@ class RolloutWorker:
     # --- offload thread ------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Pull the latest committed version if it is newer than the one served (offload thread)."""
+        """Pull the latest committed version if it is not the one served (offload thread)."""
         try:
             latest = self.ps.status().latest
-            if latest <= self.version:
+            if latest in (self.version, -1):
                 return
             state = self.ps.pull(out=self.model.state_dict())
         except RemoteError as exc:

@@ -6,15 +6,31 @@ delete the step's blobs, then push this rank's share of the weights as the next 
 server commits the version once every rank's shard is in, and publishes ``version-bump``.
 
 Ranks come from the config or from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` with ``trainer.init_method = "env://"``). Every rank is its own data rank. Before the
-first step, every rank pushes the initial weights as version 0, so rollout workers have something to
-serve.
+``MASTER_PORT`` with ``trainer.init_method = "env://"``). Every rank is its own data rank.
+
+**Checkpoints and restarts.** With ``trainer.checkpoint_every`` N > 0, every rank writes its weights,
+optimizer state and step every N steps (:mod:`.checkpoint`, under ``trainer.checkpoint_dir``). A world
+that starts agrees on where to resume: each rank reads the newest checkpoint it has whole, one
+``all_reduce(MIN)`` gives the step K that every rank has, and every rank loads K and trains K, K+1, ...
+(K = 0 with no checkpoint: the initial weights). Before its first step, every rank pushes its starting
+weights as version K declaring that it resumes (``resumes``), so the parameter server starts a new lineage
+there (a dead world's versions above K are retired) and rollout workers have something to serve. Its
+heartbeat status reports ``step`` K at once, for the orchestrator to continue from.
+
+**A dead peer ends the world.** A rank that learns (``runtime.track_peers()``) that a rank of its own world
+went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
+``bus.node_timeout_s`` later (stopping its node first, so its bye reaches the bus), whatever it was doing: a
+collective with a dead peer would otherwise block until its timeout. The broker reports the dead rank
+within a node timeout, so the world is gone within two. What the world held is reclaimed by the stores (``holder-down``)
+unless a new world claims it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -24,11 +40,14 @@ import torch
 import torch.distributed as dist
 
 from ...bus.runtime import NodeRuntime, on_signals
+from ...protocol.messages import NodeDown, NodeInfo
 from ..config import Config
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
 from ..payload.trainer_rank import StepBatches, StepFailed, TrainerRank
 from ..ps.client import PsClient
+from ..settings import TrainerSettings
+from . import checkpoint
 
 log = structlog.get_logger(__name__)
 
@@ -73,39 +92,119 @@ def run(config: Config, args: argparse.Namespace) -> int:
     world = section.world_size if section.world_size >= 0 else int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=section.init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=section.batch_timeout_s))
-    runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
-                                                    ready_file=args.ready_file))
-    trainer = TrainerRank(runtime, settings=section)
-    runtime.labels["steps"] = str(section.steps)  # this rank's budget: the orchestrator ships no more steps
-    ps = PsClient(runtime, config.ps.manager)
+    pids = world_pids(world)
     model = load_entry_point(rl.policy)(rl.seed)
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)
     train_step = load_entry_point(rl.train_step)
+    first = resume(section, rank, model, optimizer)
+    runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
+                                                    ready_file=args.ready_file))
+    trainer = TrainerRank(runtime, settings=section, first_step=first)
+    runtime.labels["steps"] = str(section.steps)  # this rank's budget: the orchestrator ships no more steps
+    collectives_done = threading.Event()  # past the last step's collective: a peer that leaves breaks nothing
+    broken = end_world_on_peer_death(runtime, trainer, pids, collectives_done,
+                                     exit_within_s=config.bus.node_timeout_s)
+    ps = PsClient(runtime, config.ps.manager)
     # SIGINT/SIGTERM end the run after the step in progress (its blobs deleted, its weights pushed): the node
     # loop keeps serving until then, and stops once the training loop is done with it. The shutdown clock
     # starts at the signal: a step that cannot finish in time (a peer rank gone, mid-collective) is cut off.
     with on_signals(lambda: (trainer.interrupt(), runtime.begin_shutdown())):
         try:
             runtime.start_background()
-            ps.push(shard_of(model.state_dict(), rank, world), 0, rank=rank, world=world)
-            for step in range(section.steps):
+            ps.push(shard_of(model.state_dict(), rank, world), first, rank=rank, world=world, resumes=True)
+            for step in range(first, section.steps):
                 try:
                     batches = trainer.begin_step(step)
                 except StepFailed:
-                    if trainer.interrupted:  # asked to stop while waiting for work: not a failure
+                    if trainer.interrupted and not trainer.broken:  # asked to stop while waiting: not a failure
                         break
                     raise
                 metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
+                if step == section.steps - 1:
+                    collectives_done.set()
                 trainer.end_step(step)
                 ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world)
+                if section.checkpoint_every and (step + 1) % section.checkpoint_every == 0:
+                    path = checkpoint.save(section.checkpoint_dir, rank, step + 1, model, optimizer)
+                    log.info("checkpoint.written", step=step + 1, path=str(path))
                 log.info("step.trained", step=step, dropped=batches.dropped_global,
                          fetch_s=round(batches.fetch.seconds, 4), **_rounded(metrics))
                 if trainer.interrupted:
                     break
+        except RuntimeError as exc:
+            if not isinstance(exc, StepFailed):  # gloo may see a dead peer first: the peer view names it, exits
+                broken.wait(config.bus.node_timeout_s * 1.5)
+            raise
         finally:
             runtime.join()
             dist.destroy_process_group()
     return 0
+
+
+def world_pids(world: int) -> dict[int, int]:
+    """Rank -> process id of every rank of this world (one ``all_gather`` of int64s): what tells this world's
+    ranks from those of an earlier world that registered under the same node ids."""
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))
+    return {rank: int(pid.item()) for rank, pid in enumerate(pids)}
+
+
+def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The step this world starts at (collective: every rank calls it): the newest checkpoint step every rank
+    has whole (``all_reduce(MIN)``), loaded into ``model`` and ``optimizer``; 0 (nothing loaded) when
+    checkpoints are off or some rank has none."""
+    if not section.checkpoint_every:
+        return 0
+    mine = checkpoint.latest_step(section.checkpoint_dir, rank)
+    agreed = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    step = int(agreed.item())
+    if step:
+        checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
+    log.info("trainer.resumed" if step else "trainer.fresh_start", step=step, rank=rank, newest_here=mine,
+             checkpoint_dir=section.checkpoint_dir)
+    return step
+
+
+def end_world_on_peer_death(runtime: NodeRuntime, trainer: TrainerRank, pids: Mapping[int, int],
+                            collectives_done: threading.Event, *, exit_within_s: float) -> threading.Event:
+    """When a rank of this world (``pids``: rank -> pid) is reported down, this process ends with status 1,
+    naming it: the node is stopped (its bye reaches the bus) for up to half of ``exit_within_s``, then the
+    process exits whatever the training loop is doing (it may be blocked in a collective with the dead
+    rank). Down events of other processes (an earlier world's ranks, under the same node ids) are ignored,
+    and so is every one once ``collectives_done`` is set (the last step's collective is behind this rank:
+    a peer that finished first and left is no failure) or this rank is stopping itself. Returns the event
+    set once the world is known broken."""
+    broken = threading.Event()
+
+    def on_down(down: NodeDown, info: NodeInfo | None) -> None:
+        if collectives_done.is_set() or trainer.interrupted or info is None or info.role != "trainer":
+            return
+        if not info.labels.get("rank", "").isdigit():
+            return
+        dead = int(info.labels["rank"])
+        if pids.get(dead) != info.pid or trainer.broken:
+            return
+        reason = f"trainer rank {dead} ({down.node_id}, pid {info.pid}) went down ({down.reason})"
+        log.error("trainer.world_broken", rank=trainer.rank, dead_rank=dead, dead_node=down.node_id,
+                  why=down.reason, exit_status=1)
+        trainer.abort(reason)
+        broken.set()
+        threading.Thread(target=_exit_broken, args=(runtime, exit_within_s / 2), name="refbus-world-broken",
+                         daemon=True).start()
+
+    runtime.track_peers().on_down(on_down)
+    return broken
+
+
+def _exit_broken(runtime: NodeRuntime, grace_s: float) -> None:
+    runtime.stop()
+    loop = runtime.loop_thread
+    if loop is not None:
+        loop.join(grace_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _rounded(metrics: Mapping[str, float], digits: int = 4) -> dict[str, float]:

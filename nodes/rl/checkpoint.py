@@ -1,0 +1,178 @@
+"""Trainer checkpoints: one safetensors file per rank and step, written atomically, read back bit-exact.
+
+A checkpoint of step ``K`` holds what a rank needs to train step ``K`` next: the model's state dict (tensors
+named ``model/<name>``), the optimizer's tensor state (``optim/<param index>/<key>``) and, in the file's
+metadata (strings only), the step, the rank and the optimizer's non-tensor parts as JSON (param groups,
+scalar state). safetensors parses a header and raw tensor bytes: loading a file runs no code, unlike a
+pickle.
+
+Writes are atomic: the file is written under a temporary name in the same directory, fsynced, renamed into
+place and the directory fsynced. A process killed mid-write leaves at most a temporary file (ignored, and
+removed by the next write) and the previous checkpoint intact. :func:`latest_step` trusts no file name: it
+opens each candidate, newest first, and skips (with a warning naming it) one it cannot read.
+
+Files: ``<dir>/rank-<rank>/step-<K>.safetensors``; each write keeps the newest :data:`KEEP` of its rank.
+Ranks train in lockstep (every step has a collective), so the newest step every rank has is at most one
+checkpoint behind any rank's own newest: keeping two is enough for the ranks to agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+log = structlog.get_logger(__name__)
+
+FORMAT = "refbus-trainer-checkpoint-1"
+KEEP = 2
+_NAME = re.compile(r"step-(\d+)\.safetensors")
+_TEMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, torn or not one of ours."""
+
+
+def rank_dir(directory: Path | str, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank}"
+
+
+def path_of(directory: Path | str, rank: int, step: int) -> Path:
+    return rank_dir(directory, rank) / f"step-{step}.safetensors"
+
+
+def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer) -> Path:
+    """Write rank ``rank``'s checkpoint of ``step`` atomically; returns its path. Older checkpoints of the rank
+    beyond :data:`KEEP` and leftover temporary files are removed once the new one is in place. The caller
+    keeps ownership of the model and optimizer (their tensors are copied to the file)."""
+    folder = rank_dir(directory, rank)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, optimizer_meta = _flatten(model.state_dict(), optimizer.state_dict())
+    metadata = {"format": FORMAT, "step": str(step), "rank": str(rank), "optimizer": json.dumps(optimizer_meta)}
+    final = path_of(directory, rank, step)
+    temp = final.with_name(final.name + _TEMP_SUFFIX)
+    save_file(tensors, temp, metadata=metadata)
+    _fsync(temp)
+    os.replace(temp, final)
+    _fsync(folder)
+    for old in _steps(folder)[KEEP:]:
+        path_of(directory, rank, old).unlink(missing_ok=True)
+    for leftover in folder.glob(f"*{_TEMP_SUFFIX}"):
+        leftover.unlink(missing_ok=True)
+    return final
+
+
+def latest_step(directory: Path | str, rank: int) -> int:
+    """The newest step of rank ``rank`` whose checkpoint reads back whole; 0 when there is none (a world
+    starts at step 0). A file that cannot be read is skipped with a warning (``checkpoint.unreadable``)."""
+    folder = rank_dir(directory, rank)
+    for step in _steps(folder):
+        try:
+            _check(path_of(directory, rank, step), rank, step)
+        except CheckpointError as exc:
+            log.warning("checkpoint.unreadable", path=str(path_of(directory, rank, step)), error=str(exc),
+                        using="the previous checkpoint")
+            continue
+        return step
+    return 0
+
+
+def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer) -> None:
+    """Load rank ``rank``'s checkpoint of ``step`` into ``model`` and ``optimizer`` (exact: tensors are copied
+    bit for bit, dtypes and shapes must match). Raises :class:`CheckpointError`."""
+    path = path_of(directory, rank, step)
+    metadata, tensors = _read(path)
+    _expect(metadata, path, rank, step)
+    model_state = {name[len("model/"):]: t for name, t in tensors.items() if name.startswith("model/")}
+    try:
+        optimizer_meta = json.loads(metadata["optimizer"])
+        model.load_state_dict(model_state, strict=True)
+        optimizer.load_state_dict(_unflatten(tensors, optimizer_meta, optimizer.state_dict()["param_groups"]))
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"{path}: does not fit this model and optimizer: {exc}") from None
+
+
+# --- internals ---------------------------------------------------------------------------------------------
+
+
+def _flatten(model_state: Mapping[str, torch.Tensor],
+             optimizer_state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {f"model/{name}": t.detach().cpu().contiguous() for name, t in model_state.items()}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{index}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": optimizer_state["param_groups"], "scalars": scalars}
+
+
+def _unflatten(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+               like: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state dict from a file's parts; ``like``: the optimizer's own param groups (JSON has no
+    tuples: a value that is a tuple there, e.g. Adam's ``betas``, becomes one again)."""
+    groups = [{key: tuple(value) if isinstance(mine.get(key), tuple) and isinstance(value, list) else value
+               for key, value in group.items()} for group, mine in zip(meta["param_groups"], like, strict=False)]
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("optim/"):
+            _, index, key = name.split("/", 2)
+            state.setdefault(int(index), {})[key] = tensor
+    for index, values in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": groups}
+
+
+def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    try:
+        with safe_open(path, framework="pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as exc:  # safetensors raises its own error types for every kind of damage
+        raise CheckpointError(f"{path}: {type(exc).__name__}: {exc}") from None
+    return metadata, tensors
+
+
+def _check(path: Path, rank: int, step: int) -> None:
+    """Whether ``path`` reads back whole: header, metadata and every tensor's bytes."""
+    metadata, _ = _read(path)
+    _expect(metadata, path, rank, step)
+    try:
+        json.loads(metadata["optimizer"])
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: optimizer metadata is not JSON: {exc}") from None
+
+
+def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> None:
+    if metadata.get("format") != FORMAT or "optimizer" not in metadata:
+        raise CheckpointError(f"{path}: not a trainer checkpoint (format {metadata.get('format')!r})")
+    if metadata.get("step") != str(step) or metadata.get("rank") != str(rank):
+        raise CheckpointError(f"{path}: holds rank {metadata.get('rank')} step {metadata.get('step')}, "
+                              f"not rank {rank} step {step}")
+
+
+def _steps(folder: Path) -> list[int]:
+    """Steps with a checkpoint file in ``folder``, newest first."""
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))), reverse=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,160 @@
+"""Trainer-world restarts, decided in-process: the orchestrator core stops shipping when a rank of its world
+goes down, gives up the step in delivery, waits for a new world (every old rank down, the stores' reclaim
+grace passed, all new ranks reporting one step) and continues from that step, or halts naming the world;
+the supervisor restarts the whole world once for a dead rank and chaos may pick trainer ranks; a trainer
+rank ends its world for the death of a rank of that world only."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import msgspec
+import pytest
+from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
+from refbus.nodes.rl.trainer import end_world_on_peer_death
+from refbus.nodes.supervisor import Chaos, Supervisor
+from refbus.protocol.messages import NodeDown, NodeInfo
+from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
+from test_supervise import _Clock, _Cluster, _Node
+
+GRACE_S = 2.0
+DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0, restart_grace_s=GRACE_S,
+                      world_restart_s=20.0)
+
+
+def restarted(rank: int, step: int) -> NodeInfo:
+    """Rank ``rank`` of a new world (another process) that resumed at ``step``."""
+    return msgspec.structs.replace(trainer(rank), pid=100 + rank, endpoints={"trainer": f"tcp://new{rank}"},
+                                   status={"step": float(step)})
+
+
+def test_a_dead_rank_pauses_shipping_until_a_new_world_reports_its_step_and_the_old_one_is_reclaimed() -> None:
+    core = OrchestratorCore(settings(max_staleness=4), DEADLINES)  # the samples' version 0 is never too stale
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    for step in range(3):  # steps 0..2 shipped and acknowledged
+        delivered = of(DeliverBatch, feed_group(core, T0, f"g{step}"))
+        assert [d.step for d in delivered] == [step, step]
+        for d in delivered:
+            core.on_delivered(T0, d.step, d.endpoint, None)
+    step3 = of(DeliverBatch, feed_group(core, T0, "g3"))
+    core.on_delivered(T0, 3, step3[0].endpoint, None)  # rank 0 took step 3; rank 1 died before it answered
+
+    actions = core.trainer_down(T0 + 1, trainer(1))
+    rank1_owned = sorted(step3[1].batch.owned)
+    assert deletes(actions) == ({TRAINER_DOWN: rank1_owned} if rank1_owned else {})
+    assert of(DeliverBatch, feed_group(core, T0 + 1, "g4")) == []  # nothing ships to a broken world
+    assert of(DeliverBatch, core.tick(T0 + 2)) == []
+
+    new_world = [restarted(0, 2), restarted(1, 2)]
+    assert core.use_trainers(T0 + 2, new_world) == []  # rank 0 of the old world is not reported down yet
+    assert core.trainer_down(T0 + 2, trainer(0)) == []
+    assert core.use_trainers(T0 + 2 + GRACE_S, [restarted(0, 2), restarted(1, 3)]) == []  # not one step yet
+    assert core.use_trainers(T0 + 2 + GRACE_S, new_world) == []  # the stores' reclaim is not over
+    resumed = of(DeliverBatch, core.use_trainers(T0 + 2 + 1.25 * GRACE_S, new_world))
+    assert sorted((d.step, d.endpoint) for d in resumed) == [(2, "tcp://new0"), (2, "tcp://new1")]
+    assert core.step == 3 and core.policy_version == 2 and core.world_restarts == 1
+    assert core.rewound_groups == 2  # steps 2 and 3 of the old world: their admission slots are free again
+    assert core.trainer_down(T0 + 10, trainer(1)) == []  # the old world's processes are no longer the world
+
+
+def test_no_new_world_within_the_wait_halts_naming_the_dead_rank() -> None:
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    core.trainer_down(T0, trainer(0))
+    assert of(Halt, core.tick(T0 + 19)) == []
+    halts = of(Halt, core.tick(T0 + 20))
+    assert len(halts) == 1 and "trainer world went down (trainer-0 first)" in halts[0].reason
+    assert core.failure == halts[0].reason
+
+
+class _WorldCluster(_Cluster):
+    def __init__(self, *names: str) -> None:
+        super().__init__(*names)
+        self.worlds = 0
+
+    def restart_world(self) -> list[_Node]:
+        self.worlds += 1
+        ranks = [n for n in self.nodes if n.name.startswith("trainer-")]
+        return [self.restart(rank) for rank in ranks]
+
+
+def test_the_supervisor_restarts_the_whole_world_once_for_a_dead_rank_after_the_others_had_time_to_exit() -> None:
+    cluster, clock, said = _WorldCluster("orchestrator", "trainer-0", "trainer-1"), _Clock(), []
+    supervisor = Supervisor(cluster, budget=3, backoff_s=0.5, say=said.append, clock=clock,  # type: ignore[arg-type]
+                            world_restarts=True, world_exit_s=2.0)
+    cluster.nodes[2].signal(signal.SIGKILL)
+    assert supervisor.poll() is None and supervisor.world_pending
+    cluster.nodes[1].proc.code = 1  # the survivor ends its broken world: part of the same restart
+    clock.now = 1.9
+    assert supervisor.poll() is None and cluster.worlds == 0
+    clock.now = 2.0
+    assert supervisor.poll() is None and cluster.worlds == 1 and not supervisor.world_pending
+    assert cluster.restarted == ["trainer-0", "trainer-1"]
+    assert supervisor.report() == {"restarts": 1, "world_restarts": ["trainer-1"], "deaths": [
+        {"node": "trainer-1", "pid": 102, "exit": "SIGKILL", "at_s": 0.0, "restarted": True}]}
+    assert "trainer-1 died (SIGKILL); stopping its trainer world" in said[0]
+
+    # Without checkpoints a dead rank ends the run, as before.
+    cluster = _WorldCluster("trainer-0", "trainer-1")
+    supervisor = Supervisor(cluster, budget=3, backoff_s=0.5, say=said.append, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[0].proc.code = 1
+    assert "trainer-0 died (exit 1); it is not restartable" in (supervisor.poll() or "")
+
+
+def test_chaos_picks_trainer_ranks_only_when_worlds_are_restarted() -> None:
+    for worlds in (False, True):
+        cluster, clock = _WorldCluster("env-0", "trainer-0", "trainer-1"), _Clock()
+        chaos = Chaos(cluster, 1.0, 3, say=lambda _: None, clock=clock, worlds=worlds)  # type: ignore[arg-type]
+        for tick in range(1, 31):
+            clock.now = tick
+            chaos.poll()
+            for node in list(cluster.nodes):
+                if node.proc.code is not None:
+                    cluster.restart(node)
+        picked = {name.split("-")[0] for name in chaos.killed}
+        assert picked == ({"env", "trainer"} if worlds else {"env"})
+
+
+class _Peers:
+    def __init__(self) -> None:
+        self.listeners: list = []
+
+    def on_down(self, listener: object) -> None:
+        self.listeners.append(listener)
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.peers = _Peers()
+
+    def track_peers(self) -> _Peers:
+        return self.peers
+
+
+class _Trainer:
+    rank = 0
+    broken = ""
+    interrupted = False
+
+    def abort(self, reason: str) -> None:  # raising stops the listener before it ends this process
+        raise AssertionError(f"aborted: {reason}")
+
+
+def test_a_rank_ignores_the_deaths_of_other_worlds_ranks_of_other_roles_and_of_peers_after_the_last_step() -> None:
+    """The trainer's peer view (refbus node trainer): only a rank of its own world (same pid) ends it."""
+    runtime, done = _Runtime(), threading.Event()
+    broken = end_world_on_peer_death(runtime, _Trainer(), {0: 10, 1: 11}, done, exit_within_s=1.0)  # type: ignore[arg-type]
+    (on_down,) = runtime.peers.listeners
+    old_rank1 = msgspec.structs.replace(trainer(1), pid=7)  # an earlier world's rank 1, under the same node id
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="replaced", last_seen=0.0), old_rank1)
+    on_down(NodeDown(node_id="env-0", role="env-server", reason="timeout", last_seen=0.0),
+            NodeInfo(node_id="env-0", role="env-server", host="h", pid=11))
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="timeout", last_seen=0.0), None)
+    assert not broken.is_set()
+    rank1 = msgspec.structs.replace(trainer(1), pid=11)
+    with pytest.raises(AssertionError, match=r"aborted: trainer rank 1 \(trainer-1, pid 11\) went down \(timeout\)"):
+        on_down(NodeDown(node_id="trainer-1", role="trainer", reason="timeout", last_seen=0.0), rank1)  # this world's
+    done.set()  # past the last step's collective: a peer that finished and left breaks nothing
+    on_down(NodeDown(node_id="trainer-1", role="trainer", reason="bye", last_seen=0.0), rank1)
+    assert not broken.is_set()
