@@ -68,7 +68,7 @@ soak: $(STAMP)
 
 # Trainers 4x slower than configured and small env-server budgets: backpressure bounds the work in flight.
 soak-slow: $(STAMP)
-	$(PY) -m bench.soak --steps 300 --slow-trainer 4 -- --env-server-budget-bytes 16384
+	$(PY) -m bench.soak --steps 300 --slow-trainer 4 -- --env-server-budget-bytes 32768
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

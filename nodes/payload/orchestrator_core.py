@@ -623,8 +623,9 @@ class OrchestratorCore:
                     # more groups: one group at a time, under the stores' hard budget only.
                     if not self.starved:
                         log.warning("dispatch.stores_full_without_runs", stores=sorted(self.router.replicas),
-                                    hint="env_server.budget_bytes holds less than a step (with the high-water "
-                                         "mark): raise it, or lower orchestrator.groups_per_step")
+                                    hint="the env servers' budgets together (to their high-water marks) must "
+                                         "hold two steps' episodes, the one in training and the next: raise "
+                                         "env_server.budget_bytes or lower orchestrator.groups_per_step")
                     self.starved += 1
                     actions += self._send_group(now, evaluation=False)
                 break
@@ -640,7 +641,7 @@ class OrchestratorCore:
                 log.info("dispatch.stores_drained", paused=self.full_pauses)
             else:
                 self.full_pauses += 1
-                log.warning("dispatch.stores_full", stores=sorted(self.router.full))
+                log.info("dispatch.stores_full", stores=sorted(self.router.full))
         return room
 
     def on_run_done(self, now: float, episode_id: str, error: str | None, code: str = "") -> list[Action]:
