@@ -23,7 +23,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,15 @@ seq_len = 16
 """
 
 
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON lines written so far (a line still being written is left for the next read)."""
+    for line in path.read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
 def _records(path: Path, kind: str, **fields: Any) -> list[dict[str, Any]]:
     return [r for r in events(path) if r.get("type") == kind and all(r.get(k) == v for k, v in fields.items())]
 
@@ -109,7 +118,7 @@ def _frozen_group_held(path: Path, hold_log: Path) -> bool:
     complete (its other run waits on hostC), so the orchestrator holds the blob until the cut."""
     if not hold_log.exists():
         return False
-    held = [json.loads(line)["held"] for line in hold_log.read_text().splitlines()]
+    held = [entry["held"] for entry in _lines(hold_log)]
     records = list(events(path))
     claimed = {b for r in records if r.get("type") == "claim" and r["holder"] == "orchestrator" for b in r["blob_ids"]}
     return any(r["info"]["samples"][0]["input_ids"][:len(prompt)] == prompt and r["refs"][0]["blob_id"] in claimed
@@ -172,7 +181,7 @@ def test_a_host_cut_off_mid_run_loses_what_it_kept_and_its_stale_requests_are_re
 
     def holder_said() -> list[dict[str, Any]]:
         assert holder.poll() is None, (tmp_path / "holder.log").read_text()[-3000:]
-        return [json.loads(line) for line in (tmp_path / "holder.out").read_text().splitlines()]
+        return list(_lines(tmp_path / "holder.out"))
 
     held = wait_for(holder_said, START_S, "the holder on hostC claimed its blobs on hostB")[0]["held"]
     # torch imports in parallel: the trainer rank and the rollout workers
