@@ -150,11 +150,16 @@ def _write(path: Path, value: int) -> None:
 
 
 def _stop(procs: list[NodeProcess]) -> None:
-    """SIGTERM to all at once, then each must exit 0 (every node is gone within its shutdown timeout)."""
+    """SIGTERM to all at once (once: a second one could end a node that has closed but not yet exited), then
+    each must exit 0 within its shutdown timeout."""
     for proc in procs:
         proc.signal(signal.SIGTERM)
     for proc in procs:
-        assert proc.stop(STOP_S) == 0, proc.log_tail()
+        try:
+            code = proc.proc.wait(STOP_S)
+        finally:
+            proc.stop()
+        assert code == 0, f"{proc.name} exited with {code}:\n{proc.log_path.read_text()[-3000:]}"
 
 
 def test_a_host_cut_off_mid_run_loses_what_it_kept_and_its_stale_requests_are_refused(
@@ -259,7 +264,7 @@ def test_a_host_cut_off_mid_run_loses_what_it_kept_and_its_stale_requests_are_re
     orchestrator_log = orchestrator.log_path.read_text()
     assert '"run.failed"' in orchestrator_log and "env-C reported down" in orchestrator_log, orchestrator.log_tail()
     # Stopped as the launcher does: holders first, then the rollout workers, the stores, the PS, the broker last.
-    assert orchestrator.stop(STOP_S) == 0, orchestrator.log_tail()
+    _stop([orchestrator])
     holder.terminate()
     _stop([p for p in started if p.name.startswith("rollout")])
     assert holder.wait(STOP_S) == 0, (tmp_path / "holder.log").read_text()[-3000:]
