@@ -125,6 +125,13 @@ def test_a_store_that_leaves_after_deleting_everything_lost_nothing() -> None:
     assert report.lost == {} and report.ok
 
 
+def test_a_holders_own_delete_relayed_before_its_fetch_ack_is_no_late_fetch() -> None:
+    """The store mirrors the trainer's delete while the trainer's fetch-ack is still on its way (two nodes, two
+    paths to the broker): the fetch came first."""
+    report = _run([*LIFECYCLE[:6], LIFECYCLE[8], LIFECYCLE[6], LIFECYCLE[7]]).report()
+    assert report.violations == [] and report.totals()["deleted"] == {"filtered": 1, "trained": 2}
+
+
 def test_a_holder_back_under_its_id_holds_again() -> None:
     report = _run([*LIFECYCLE[:6], {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
                    {"type": "node-up", "node": {"node_id": "trainer-0"}}]).report()
