@@ -3,18 +3,20 @@
 hostA runs the broker, the ps-manager, the orchestrator and the event recorder (`refbus monitor --json`);
 hostB an env server, a rollout worker, the ps-worker and the trainer rank (a world of one: gloo cannot survive
 a partition, so no rank is on the host that gets cut); hostC an env server, a rollout worker and a holder
-(tests/partition_holder.py) that claimed blobs kept on hostB's env server. hostC's env server scores with
-tests/partition_entry_points.py: held, every group there keeps at most its first episode and its other
-runs stay in flight, so at the cut the orchestrator holds hostC blobs in groups that cannot complete.
+(tests/partition_holder.py) that claimed blobs kept on hostB's env server. tests/partition_entry_points.py
+makes the moment of the cut certain: hostC's env server holds its groups open on request (at the cut the
+orchestrator holds hostC blobs in groups that cannot complete, and runs are in flight there), the cut waits
+until the trainer rank holds none of hostC's blobs, and the rank trains at most two steps while hostC is
+away, the rest after it is back.
 
 While cut (the bridge port of hostC down, as a switch port that fails): hostC's nodes are declared down; the
 runs in flight there fail and new ones go to hostB, and steps go on; after ``node.restart_grace_s`` the
 orchestrator declares the blobs it held on hostC's env server ``lost`` naming it, and hostB's env server
 reclaims the holder's blobs (``holder-down``) naming the holder. Restored, the same processes join again:
 the holder's stale claim and delete are answered ``reclaimed`` (no violation), the orchestrator deletes on
-hostC's env server what it declared lost there (reason ``lost``, counted once by the ledger). The run
-completes its steps with 0 violations and exact accounting, nothing held at the end, every process reaped,
-every namespace removed.
+hostC's env server what it declared lost there (reason ``lost``, counted once by the ledger), and hostC's
+episodes are trained again. The run completes its steps with 0 violations and exact accounting, nothing
+held at the end, every process reaped, every namespace removed.
 """
 
 from __future__ import annotations
