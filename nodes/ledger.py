@@ -6,14 +6,19 @@ The ledger replays ownership moves as the stream mirrors them:
   blobs; it owns them until a claim;
 * ``claim`` — the orchestrator (``holder``) owns them;
 * ``reference`` — a trainer rank (``holder``) owns them;
-* ``fetch-ack`` — a trainer fetched them (a fetch of a deleted blob is a violation);
+* ``fetch-ack`` — a trainer fetched them (a fetch of a blob someone else deleted is a violation; its own
+  delete may be relayed first);
 * ``delete`` — they are gone, by ``reason``. Reasons in :data:`LOSS_REASONS` are losses, named with the
   node whose death caused them: ``holder-down`` (a store reclaimed what a dead holder held: the holder) and
-  ``lost`` (a holder dropped references to a dead store's blobs: the store);
+  ``lost`` (a holder dropped references to a dead store's blobs: the store). A store declared lost that
+  comes back as the same process (it was cut off) deletes those blobs itself when the holder asks, with
+  reason ``lost`` and ``node`` itself: the holder's event and the store's are one loss, counted once, by
+  the store;
 * ``violation`` — a store refused something (counted as reported);
 * ``node-down`` / ``node-up`` — a node left / came back. A holder that is down *leaks* what it still owns
   (until its store reclaims it or the node comes back); a store that goes down *loses* every blob it
-  still kept, named with that store;
+  still kept, named with that store, unless the same incarnation publishes again after its node came back
+  up (a partition, not a death): then it holds them again;
 * ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak.
 
 The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
@@ -81,7 +86,7 @@ class _Store:
     deleted: Counter[str] = field(default_factory=Counter)
     violations: int = 0
     covered: int = 0  # events with seq <= covered are in adopted counters: they move blobs, not counts
-    down: bool = False
+    down: bool = False  # reported down and not heard from since its node came back
     reconciled: str = ""  # "", "agreed", or what the correction changed
     held_by: dict[str, int] | None = None  # a corrected store's own view (by claimer) of what it holds
 
@@ -184,6 +189,8 @@ class Ledger:
         seq = record.get("seq", 0)
         if seq and not self._in_order(src, incarnation, seq):
             return
+        if (back := self.stores.get((src, incarnation))) is not None and back.down and src not in self.down:
+            back.down = False  # its node came back up and this same process publishes: it was cut off, not dead
         kind = record.get("type")
         if kind == "episode-finished":
             key = (src, incarnation)
@@ -202,7 +209,9 @@ class Ledger:
                     blob.owner, blob.stage = record["holder"], stage
         elif kind == "fetch-ack":
             for blob_id in record["blob_ids"]:
-                if (tomb := self.tombstones.get(blob_id)) is not None:
+                # A holder's own delete relayed before its fetch-ack (they come from different nodes) is no
+                # late fetch: it fetches before it deletes, and its store reports any fetch after a delete.
+                if (tomb := self.tombstones.get(blob_id)) is not None and tomb[0] != record["holder"]:
                     self.violations.append(f"{record['holder']} fetched {blob_id} after {tomb[0]} deleted it")
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
@@ -252,12 +261,16 @@ class Ledger:
 
     def _delete(self, record: Mapping[str, Any], key: tuple[str, str], seq: int) -> None:
         holder, reason = record["holder"], record["reason"]
-        if reason != LOST:  # every other delete is a store's mirror of its own removal
+        # Every delete but a holder's ``lost`` event is a store's mirror of its own removal (a lost store back
+        # from a partition deletes what was declared lost there: reason ``lost``, ``node`` itself).
+        if reason != LOST or record.get("node") == key[0]:
             store = self._store(key)
             if store.counts(seq):
                 store.deleted[reason] += len(record["blob_ids"])
         for blob_id in record["blob_ids"]:
             if (tomb := self.tombstones.get(blob_id)) is not None:
+                if tomb[1] == LOST and (reason == LOST or reason in STORE_REASONS):
+                    continue  # the holder's and the store's side of one loss
                 self.violations.append(f"{holder} deleted {blob_id} again (first deleted by {tomb[0]})")
                 continue
             blob = self.blobs.pop(blob_id, None)
@@ -337,6 +350,7 @@ class Ledger:
             if store.reconciled:
                 report.reconciled[node] = store.reconciled
             held = by_key.get(key, Counter())
+            report.lost[node] += store.deleted[LOST]
             if store.down:
                 report.lost[node] += store.held
                 continue

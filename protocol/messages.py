@@ -403,21 +403,25 @@ class Blobs(Body, frozen=True):
 @register_kind("claimed")
 class Claimed(Body, frozen=True):
     """Reply to ``claim``: ids now owned by the claimer, ids that no longer exist (lease ended, never kept),
-    and ids refused because another holder owns them."""
+    ids refused because another holder owns them, and ids refused as stale: the store reclaimed them from a
+    holder that went down (``holder-down``), so nobody may own them again."""
 
     blob_ids: list[str]
     missing: list[str] = []
     violations: list[str] = []
+    reclaimed: list[str] = []
 
 
 @register_kind("deleted")
 class Deleted(Body, frozen=True):
-    """Reply to ``delete``: ids deleted now, ids refused as ownership violations (already deleted), and ids
-    this store never kept."""
+    """Reply to ``delete``: ids deleted now, ids refused as ownership violations (already deleted), ids
+    this store never kept, and ids refused as stale: the store reclaimed them from a holder that went down
+    (``holder-down``), which is no violation."""
 
     blob_ids: list[str]
     violations: list[str] = []
     missing: list[str] = []
+    reclaimed: list[str] = []
 
 
 @register_kind("accounted")

@@ -9,10 +9,11 @@ namespace is not attached to the bridge, so nothing reaches any other network.
 
 Processes enter a host with ``nsenter --net`` (not ``ip netns exec``, which mounts a fresh ``/sys`` and so
 hides the cgroup hierarchy from daemons that check it) and ``unshare --uts --mount``; :meth:`Host.argv`
-wraps a command line so, and :meth:`Host.popen` starts it. Nothing is left behind: :meth:`Hosts.down` kills
-every process inside the cluster's namespaces, deletes the namespaces (which removes the veths and the
-bridge), unmounts the tmpfs mounts and removes the state directory; it runs from the test fixture's
-finalizer, at interpreter exit and on SIGTERM. Names carry the owner's pid (``rbt<pid>-<n>``), so
+wraps a command line so, and :meth:`Host.popen` starts it. :meth:`Host.link` takes a host's bridge port down
+and up again: a partition, as a failed switch port looks to the host. Nothing is left behind:
+:meth:`Hosts.down` kills every process inside the cluster's namespaces, deletes the namespaces (which removes
+the veths and the bridge), unmounts the tmpfs mounts and removes the state directory; it runs from the test
+fixture's finalizer, at interpreter exit and on SIGTERM. Names carry the owner's pid (``rbt<pid>-<n>``), so
 concurrent runs never collide, and every :func:`build` first sweeps what a killed run left behind (clusters
 whose owner is gone).
 
@@ -117,6 +118,12 @@ class Host:
         proc = subprocess.Popen(self.argv(command), **kwargs)
         self.cluster.processes.append(proc)
         return proc
+
+    def link(self, up: bool) -> None:
+        """Bring this host's bridge port up or down: down, nothing reaches or leaves the host (its own
+        interface, addresses and routes stay as they are, so its processes see no error, only silence)."""
+        port = f"v{self.cluster.hosts.index(self)}"
+        _sh("ip", "-n", self.cluster.bridge_netns, "link", "set", port, "up" if up else "down")
 
     def run(self, command: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         """Run ``command`` inside this host to completion (text output captured); raises on timeout."""

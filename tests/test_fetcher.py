@@ -59,7 +59,8 @@ class FakeEnvServer:
     """Serves kept arrays like an env server: ``fetch`` → ``blobs`` (zero-copy frames, not cached),
     ``delete`` → ``deleted``. Injectable failures per blob id: ``missing`` (listed as missing), ``corrupt``
     (one byte flipped, so the checksum fails), ``refused`` (``unknown-blob`` error), ``silent`` (never
-    answered: the client times out); ``missing_for[holder]`` fails only that holder's fetches."""
+    answered: the client times out); ``missing_for[holder]`` fails only that holder's fetches; a delete of
+    a ``reclaimed`` id is answered ``reclaimed`` (the store took it back from a holder that went down)."""
 
     source: str
     endpoint: str = ""
@@ -69,6 +70,7 @@ class FakeEnvServer:
     refused: set[str] = field(default_factory=set)
     silent: set[str] = field(default_factory=set)
     missing_for: dict[str, set[str]] = field(default_factory=dict)
+    reclaimed: set[str] = field(default_factory=set)
     fetches: list[Fetch] = field(default_factory=list)
     deletes: list[Delete] = field(default_factory=list)
 
@@ -110,7 +112,8 @@ class FakeEnvServer:
         body = request.body
         assert isinstance(body, Delete)
         self.deletes.append(body)
-        return Deleted(blob_ids=list(body.blob_ids))
+        return Deleted(blob_ids=[i for i in body.blob_ids if i not in self.reclaimed],
+                       reclaimed=[i for i in body.blob_ids if i in self.reclaimed])
 
 
 def start_env_server(serve: Callable, source: str) -> FakeEnvServer:

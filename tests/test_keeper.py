@@ -254,9 +254,39 @@ def test_a_holder_down_past_its_grace_loses_what_it_holds_and_no_one_else_does(k
     assert (result["orch"].deleted, result["orch"].holder, result["orch"].reason) == (tuple(dead), "env-a", HOLDER_DOWN)
     assert keeper.stats().deleted == {HOLDER_DOWN: 2}
     assert keeper.reclaim() == {}  # once
-    # Its blobs are tombstoned like any delete; the others are untouched.
-    assert keeper.delete(dead, "orch", "trained").violations[0].owner == "env-a"
+    # Its blobs are gone (a later delete is answered reclaimed, not deleted twice); the others are untouched.
+    assert keeper.delete(dead, "orch", "trained").reclaimed == tuple(dead)
     assert set(keeper.fetch([*other, *unclaimed], "t").arrays) == {*other, *unclaimed}
+
+
+def test_stale_requests_for_reclaimed_blobs_are_answered_reclaimed_not_as_violations(keeper: Keeper,
+                                                                                     clock: Clock) -> None:
+    """A holder cut off past its grace comes back as the same process and touches what it held: every claim,
+    fetch and delete of a reclaimed blob, by it or by anyone it handed the reference to, is stale."""
+    reclaimed = _claimed(keeper, "ep-cut", "orch", count=2)
+    live = _claimed(keeper, "ep-live", "orch-2")
+    trained = _claimed(keeper, "ep-trained", "orch-2")
+    assert keeper.delete(trained, "rank-0", "trained").deleted == tuple(trained)
+    keeper.holder_down("orch", GRACE_S)
+    clock.now += GRACE_S
+    assert keeper.reclaim()["orch"].deleted == tuple(reclaimed)
+
+    claim = keeper.claim([*reclaimed, *reclaimed, "never-kept"], "orch")  # repeated ids count once
+    assert (claim.claimed, claim.already, claim.gone, claim.unknown, claim.violations, claim.reclaimed) == (
+        (), (), (), ("never-kept",), (), tuple(reclaimed))
+    fetch = keeper.fetch([reclaimed[0], live[0]], "rank-1")
+    assert (list(fetch.arrays), fetch.unknown, fetch.violations) == ([live[0]], (), ())
+    assert fetch.reclaimed == (reclaimed[0],)
+    # One request mixing a live blob, a reclaimed one, one deleted twice and garbage: each gets its own answer.
+    delete = keeper.delete([live[0], reclaimed[1], trained[0], "x" * 300, ""], "orch", "trained")
+    assert (delete.deleted, delete.reclaimed, delete.unknown) == ((live[0],), (reclaimed[1],), ("x" * 300, ""))
+    assert [(v.blob_id, v.owner) for v in delete.violations] == [(trained[0], "rank-0")]  # a real second delete
+    assert keeper.delete(reclaimed, "orch", "shutdown").reclaimed == tuple(reclaimed)  # and again: still stale
+    stats = keeper.stats()
+    assert stats.violations == {"delete": 1}
+    assert stats.stale == {"claim": 2, "fetch": 1, "delete": 3}
+    assert stats.deleted == {HOLDER_DOWN: 2, "trained": 3}  # nothing reclaimed is counted as deleted twice
+    assert stats.reclaimed == {"orch": 2}
 
 
 def test_a_holder_back_within_the_grace_keeps_everything(keeper: Keeper, clock: Clock) -> None:

@@ -125,6 +125,13 @@ def test_a_store_that_leaves_after_deleting_everything_lost_nothing() -> None:
     assert report.lost == {} and report.ok
 
 
+def test_a_holders_own_delete_relayed_before_its_fetch_ack_is_no_late_fetch() -> None:
+    """The store mirrors the trainer's delete while the trainer's fetch-ack is still on its way (two nodes, two
+    paths to the broker): the fetch came first."""
+    report = _run([*LIFECYCLE[:6], LIFECYCLE[8], LIFECYCLE[6], LIFECYCLE[7]]).report()
+    assert report.violations == [] and report.totals()["deleted"] == {"filtered": 1, "trained": 2}
+
+
 def test_a_holder_back_under_its_id_holds_again() -> None:
     report = _run([*LIFECYCLE[:6], {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
                    {"type": "node-up", "node": {"node_id": "trainer-0"}}]).report()
@@ -147,6 +154,53 @@ def test_a_dead_store_loses_what_it_kept_named_with_the_store() -> None:
     assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (4, 1, 1, 2)
     assert report.held == {"env-0": {"env-0": 1}}  # c: unclaimed, still with its live store
     assert "lost: 1 with env-1" in format_report(report) and not report.ok
+
+
+CUT_OFF = [  # env-1 is cut off (not dead) past the grace, then back as the same process
+    {"type": "episode-finished", "src": "env-1", "refs": [_ref("d", "env-1"), _ref("e", "env-1"), _ref("f", "env-1")]},
+    {"type": "claim", "src": "env-1", "holder": "orch", "blob_ids": ["d", "e"]},
+    {"type": "reference", "src": "trainer-0", "holder": "trainer-0", "blob_ids": ["e"]},
+    {"type": "node-down", "node_id": "env-1", "reason": "timeout"},
+    {"type": "delete", "src": "orch", "holder": "orch", "reason": "lost", "node": "env-1", "blob_ids": ["d"]},
+    # published while cut off, relayed once the link is back, before it registers again: still down
+    {"type": "delete", "src": "env-1", "holder": "env-1", "reason": "undelivered", "blob_ids": ["f"]},
+]
+
+
+def test_a_store_cut_off_past_the_grace_and_back_counts_each_lost_blob_once_with_the_store() -> None:
+    ledger = _run(CUT_OFF)
+    assert ledger.report().lost == {"env-1": 2}  # what it still kept while down: d (declared lost) and e
+    for record in [
+        {"type": "node-up", "node": {"node_id": "env-1"}},
+        # The orchestrator deletes there what it declared lost: the store's side of the same loss.
+        {"type": "delete", "src": "env-1", "holder": "orch", "reason": "lost", "node": "env-1", "blob_ids": ["d"]},
+        {"type": "delete", "src": "env-1", "holder": "trainer-0", "reason": "trained", "blob_ids": ["e"]},
+    ]:
+        ledger.apply(record)
+    report = ledger.report()
+    assert report.lost == {"env-1": 1} and report.violations == [] and report.leaked == {}
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (3, 2, 0, 1)
+    assert totals["deleted"] == {"undelivered": 1, "trained": 1}
+
+
+def test_a_store_back_from_a_cut_that_deletes_a_lost_blob_itself_counts_it_once() -> None:
+    """The store shut down before the holder's delete of what it declared lost reached it: its own delete is
+    the blob's one count (a shutdown, not a second delete), and a repeat of the holder's event changes nothing."""
+    report = _run([
+        *CUT_OFF,
+        {"type": "node-up", "node": {"node_id": "env-1"}},
+        {"type": "delete", "src": "env-1", "holder": "trainer-0", "reason": "trained", "blob_ids": ["e"]},
+        {"type": "delete", "src": "env-1", "holder": "env-1", "reason": "shutdown", "blob_ids": ["d"]},
+        {"type": "delete", "src": "orch", "holder": "orch", "reason": "lost", "node": "env-1", "blob_ids": ["d"]},
+    ]).report()
+    assert report.lost == {} and report.violations == []
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"]) == (3, 3, 0)
+    # A real second delete of a blob deleted by its owner is still a violation.
+    again = _run([*LIFECYCLE, {"type": "delete", "src": "env-0", "holder": "orch", "reason": "lost",
+                              "node": "env-0", "blob_ids": ["a"]}]).report()
+    assert again.violations == ["orch deleted a again (first deleted by trainer-0)"]
 
 
 def _seq(records: list[dict], src: str, start: int = 1) -> list[dict]:

@@ -272,6 +272,37 @@ def test_a_store_restarted_as_a_new_process_loses_the_old_ones_blobs_at_once() -
     assert [(a.node_id, len(a.refs)) for a in lost] == [("env-a", 2)] and not core.holdings.held
 
 
+def test_a_store_back_as_the_same_process_after_its_blobs_were_lost_gets_them_deleted_once() -> None:
+    """A partition longer than the grace: the store never died, so it still keeps what was declared lost."""
+    core = OrchestratorCore(settings(groups_per_step=2), GRACE)
+    feed_group(core, T0, "g0")
+    core.store_down(T0, env_server("env-a"))
+    late = episode("late", "g0", 1.0)
+    core.on_episode(T0, late, late.refs)  # a delete that waits for env-a: lost with the rest
+    lost = of(LoseBlobs, core.tick(T0 + GRACE.restart_grace_s))
+    assert [(a.node_id, len(a.refs)) for a in lost] == [("env-a", 3)]
+    back = core.store_up(env_server("env-a"))
+    assert [(a.reason, a.node, sorted(r.blob_id for r in a.refs)) for a in of(DeleteBlobs, back)] == [
+        ("lost", "env-a", ["b-g0-0", "b-g0-1", "b-late"])]
+    assert core.store_up(env_server("env-a")) == []  # once
+    # Reported down again while that delete was in flight: it waits, and is not declared lost a second time.
+    core.store_down(T0 + 10, env_server("env-a"))
+    assert core.delete_undelivered(of(DeleteBlobs, back)[0].refs, "lost")
+    assert of(LoseBlobs, core.tick(T0 + 10 + GRACE.restart_grace_s)) == [LoseBlobs((), "env-a")]
+    assert core.lost == {"env-a": 3}
+    again = of(DeleteBlobs, core.store_up(env_server("env-a")))
+    assert [(a.reason, a.node, len(a.refs)) for a in again] == [("lost", "env-a", 3)]
+
+
+def test_a_lost_store_back_as_a_new_process_has_nothing_to_delete() -> None:
+    core = OrchestratorCore(settings(), GRACE)
+    feed_group(core, T0, "g0")
+    core.store_down(T0, env_server("env-a"))
+    core.tick(T0 + GRACE.restart_grace_s)
+    restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-a"})
+    assert core.store_up(restarted) == [] and core.store_up(env_server("env-a")) == []
+
+
 def test_no_run_goes_to_a_store_reported_down_and_a_store_down_at_shutdown_is_lost() -> None:
     core = OrchestratorCore(settings(group_size=1), GRACE, prompts=lambda rng: [int(rng.integers(9))])
     core.use_replicas([env_server("env-a"), env_server("env-b")])

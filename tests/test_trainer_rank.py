@@ -232,6 +232,7 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
     for env in envs:
         env.missing_for["trainer-0"] = {victim}
         env.missing |= set(nothing.branches)
+        env.reclaimed |= set(nothing.owned[0][:1])  # answered reclaimed: no longer held, no violation
 
     ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=2)
     try:
@@ -260,7 +261,8 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
             if not batch["dropped"]:
                 check_assembled(received(batch, partial.ranks[rank][index]), partial.ranks[rank][index],
                                 partial.branches)
-    # Step 1: nothing fetchable anywhere: both ranks raise, and still delete what they own.
+    # Step 1: nothing fetchable anywhere: both ranks raise, and still delete what they own (a blob its store
+    # reclaimed meanwhile is no longer held either).
     for rank in (0, 1):
         assert "no micro batch could be fetched on any rank" in reports[rank][1]["failed"]
         assert reports[rank][1]["held_metric"] == 0

@@ -10,11 +10,14 @@ request      reply         effect and events
 ``discard``  ``deleted``   deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
 ``claim``    ``claimed``   moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
                            ``blob_ids``: now held by the claimer (also those it had claimed before);
-                           ``missing``: deleted or never kept; ``violations``: held by another claimer
+                           ``missing``: deleted or never kept; ``violations``: held by another claimer;
+                           ``reclaimed``: reclaimed from a holder that went down (stale, logged)
 ``fetch``    ``blobs``     the arrays as zero-copy frames; ``missing``: unknown or deleted ids (a fetch of a
-                           deleted blob is also a violation). Not cached: a retry reads again
-``delete``   ``deleted``   deletes live blobs once, whoever asks; publishes ``delete``. ``violations``: ids
-                           already deleted; ``missing``: ids never kept here (logged)
+                           deleted blob is also a violation, unless it was reclaimed from a holder that went
+                           down: stale, logged). Not cached: a retry reads again
+``delete``   ``deleted``   deletes live blobs once, whoever asks; publishes ``delete`` (with the request's
+                           ``node``). ``violations``: ids already deleted; ``missing``: ids never kept here
+                           (logged); ``reclaimed``: reclaimed from a holder that went down (stale, logged)
 ``accounts`` ``accounted`` the keeper's counters (kept, deleted by reason, held by claimer, reclaimed from
                            dead holders, violations) as of the sequence number of the last event published:
                            queued events are published first, so the counters and the stream agree up to it.
@@ -26,7 +29,11 @@ Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason 
 the registry reports down (``node-down``) that is not back within ``node.restart_grace_s`` loses what it
 held here (``delete``, reason ``holder-down``, ``node``: the holder), except blobs its restarted
 incarnation (same node id) claimed again meanwhile; the same process re-registering (a holder that was
-slow, not dead) keeps everything. ``reference`` events tell the env server which blobs a trainer rank
+slow, not dead) keeps everything. Requests that touch reclaimed blobs later are stale, not violations: a
+holder cut off by a partition comes back as the same process without knowing it was declared down, so its
+claims and deletes of what it held are answered ``reclaimed`` (per id, in ``claimed`` and ``deleted``;
+counted by action in ``refbus_stale_requests_total``) and logged, never counted or published as
+violations. ``reference`` events tell the env server which blobs a trainer rank
 took over from the orchestrator, so each holder loses only its own. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
@@ -261,8 +268,9 @@ class EnvServer:
         if result.claimed:
             self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
         self._report(result.violations)
+        self._stale("claim", body.holder, result.reclaimed)
         return Claimed(blob_ids=[*result.claimed, *result.already], missing=[*result.gone, *result.unknown],
-                       violations=[v.blob_id for v in result.violations])
+                       violations=[v.blob_id for v in result.violations], reclaimed=list(result.reclaimed))
 
     def _on_fetch(self, request: Message) -> Blobs:
         body = request.body
@@ -270,9 +278,10 @@ class EnvServer:
         with self._lock:
             result = self.keeper.fetch(body.blob_ids, body.holder)
         self._report(result.violations)
+        self._stale("fetch", body.holder, result.reclaimed)
         return Blobs(
             blobs=[FetchedBlob(blob_id=blob_id, arrays=dict(arrays)) for blob_id, arrays in result.arrays.items()],
-            missing=[*result.unknown, *(v.blob_id for v in result.violations)],
+            missing=[*result.unknown, *(v.blob_id for v in result.violations), *result.reclaimed],
         )
 
     def _on_delete(self, request: Message) -> Deleted:
@@ -280,12 +289,13 @@ class EnvServer:
         assert isinstance(body, Delete)
         with self._lock:
             result = self.keeper.delete(body.blob_ids, body.holder, body.reason)
-        self._announce(result)
+        self._announce(result, node=body.node)
         self._report(result.violations)
+        self._stale("delete", body.holder, result.reclaimed)
         if result.unknown:
             log.warning("delete.unknown", holder=body.holder, count=len(result.unknown), blob_ids=result.unknown[:8])
         return Deleted(blob_ids=list(result.deleted), violations=[v.blob_id for v in result.violations],
-                       missing=list(result.unknown))
+                       missing=list(result.unknown), reclaimed=list(result.reclaimed))
 
     def _on_accounts(self, request: Message) -> Accounted:
         body = request.body
@@ -383,6 +393,11 @@ class EnvServer:
             self._publish(Delete(blob_ids=list(result.deleted), holder=result.holder, reason=result.reason,
                                  node=node))
 
+    def _stale(self, action: str, holder: str, reclaimed: Sequence[str]) -> None:
+        if reclaimed:
+            log.warning("request.stale", action=action, holder=holder, count=len(reclaimed), blob_ids=reclaimed[:8],
+                        detail="reclaimed from a holder that went down")
+
     def _report(self, violations: Sequence[Violation]) -> None:
         for violation in violations:
             log.warning("ownership.violation", blob_id=violation.blob_id, action=violation.action,
@@ -411,6 +426,11 @@ class EnvServer:
                             labels=("reason",))
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
                             read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
+                            labels=("action",))
+        self.runtime.metric("refbus_stale_requests_total",
+                            "Blob ids of claims, fetches and deletes answered reclaimed (reclaimed from a holder "
+                            "that went down), by action.",
+                            read(lambda s: {(action,): float(n) for action, n in s.stale.items()}),
                             labels=("action",))
 
 

@@ -14,7 +14,11 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
    ``reference`` event), so a rank's blobs are its own and not the orchestrator's.
 3. :meth:`Keeper.fetch` reads it, any number of times, by anyone (trainer ranks fetch what they train).
 4. :meth:`Keeper.delete` removes it exactly once, whoever asks; a tombstone remembers who and why, so a
-   second delete or a later fetch is reported as an ownership violation naming both holders.
+   second delete or a later fetch is reported as an ownership violation naming both holders. A blob
+   reclaimed from a holder that went down is the exception: a later claim, fetch or delete of it, by
+   whoever asks, is answered ``reclaimed`` and is no violation. Such a request is stale (a holder cut off
+   from the cluster, back as the same process, that never learnt it was declared down, or someone it handed
+   the reference to), and the blob's loss is already on record, named with the holder.
 
 Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
 node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
@@ -152,7 +156,7 @@ class ClaimResult:
     """What a claim did. ``claimed``: moved to the holder now; ``already``: the holder had claimed them
     before (a repeated claim is harmless); ``gone``: deleted before the claim (lease ended, discarded);
     ``unknown``: never kept here (or forgotten past the tombstone window); ``violations``: owned by another
-    holder, refused."""
+    holder, refused; ``reclaimed``: reclaimed from a holder that went down (a stale claim, refused)."""
 
     holder: str
     claimed: tuple[str, ...] = ()
@@ -160,28 +164,33 @@ class ClaimResult:
     gone: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
+    reclaimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
     """What a fetch found. ``arrays``: blob id → fields, read-only views of the keeper's buffers, in request
-    order; ``unknown``: never kept here; ``violations``: fetches of deleted blobs."""
+    order; ``unknown``: never kept here; ``violations``: fetches of deleted blobs; ``reclaimed``: fetches of
+    blobs reclaimed from a holder that went down (stale, no violation)."""
 
     arrays: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
+    reclaimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class DeleteResult:
     """What a delete did: ``deleted`` now by ``holder`` for ``reason``; ``unknown``: never kept here;
-    ``violations``: already deleted (each names the first deleter as ``owner``)."""
+    ``violations``: already deleted (each names the first deleter as ``owner``); ``reclaimed``: already
+    reclaimed from a holder that went down (stale, no violation)."""
 
     holder: str
     reason: str
     deleted: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
+    reclaimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +204,7 @@ class KeeperStats:
     violations: Mapping[str, int]  # by action: claim, fetch, delete
     held_by: Mapping[str, int]  # live blobs by claimer; "" for unclaimed (the env server's own)
     reclaimed: Mapping[str, int]  # blobs deleted for reason ``holder-down``, by the holder that went down
+    stale: Mapping[str, int]  # requests' ids answered ``reclaimed``, by action: claim, fetch, delete
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +222,12 @@ class _HolderDown:
 
 @dataclass(frozen=True, slots=True)
 class _Tombstone:
-    holder: str
+    holder: str  # who deleted it
     reason: str
+
+    @property
+    def reclaimed(self) -> bool:
+        return self.reason == HOLDER_DOWN
 
 
 class Keeper:
@@ -254,6 +268,7 @@ class Keeper:
         self.deleted: Counter[str] = Counter()
         self.violations: Counter[str] = Counter()
         self.reclaimed: Counter[str] = Counter()
+        self.stale: Counter[str] = Counter()
         self._held_by: Counter[str] = Counter()
         self._ids = MessageIds()
         self._blobs: dict[str, _Blob] = {}
@@ -333,10 +348,12 @@ class Keeper:
         gone: list[str] = []
         unknown: list[str] = []
         violations: list[Violation] = []
+        reclaimed: list[str] = []
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is None:
-                (gone if blob_id in self._tombstones else unknown).append(blob_id)
+                tomb = self._tombstones.get(blob_id)
+                (unknown if tomb is None else reclaimed if tomb.reclaimed else gone).append(blob_id)
             elif not blob.holder:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
@@ -348,7 +365,9 @@ class Keeper:
             else:
                 violations.append(self._violation(
                     blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
-        return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations))
+        self._count_stale("claim", reclaimed)
+        return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
+                           tuple(reclaimed))
 
     def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
@@ -396,17 +415,21 @@ class Keeper:
         arrays: dict[str, Mapping[str, np.ndarray]] = {}
         unknown: list[str] = []
         violations: list[Violation] = []
+        reclaimed: list[str] = []
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is not None:
                 arrays[blob_id] = blob.packed.arrays
-            elif (tomb := self._tombstones.get(blob_id)) is not None:
+            elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.reclaimed:
+                reclaimed.append(blob_id)
+            elif tomb is not None:
                 violations.append(self._violation(
                     blob_id, "fetch", holder, tomb.holder,
                     f"{holder} fetched it after {tomb.holder} had deleted it ({tomb.reason})"))
             else:
                 unknown.append(blob_id)
-        return FetchResult(arrays, tuple(unknown), tuple(violations))
+        self._count_stale("fetch", reclaimed)
+        return FetchResult(arrays, tuple(unknown), tuple(violations), tuple(reclaimed))
 
     def delete(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
         """Delete live blobs, whoever holds them (the last holder deletes, and the env server cannot see the
@@ -416,16 +439,21 @@ class Keeper:
         live: list[str] = []
         unknown: list[str] = []
         violations: list[Violation] = []
+        reclaimed: list[str] = []
         for blob_id in dict.fromkeys(blob_ids):
             if blob_id in self._blobs:
                 live.append(blob_id)
-            elif (tomb := self._tombstones.get(blob_id)) is not None:
+            elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.reclaimed:
+                reclaimed.append(blob_id)
+            elif tomb is not None:
                 violations.append(self._violation(
                     blob_id, "delete", holder, tomb.holder,
                     f"{holder} deleted it ({reason}) after {tomb.holder} had deleted it ({tomb.reason})"))
             else:
                 unknown.append(blob_id)
-        return self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations))
+        self._count_stale("delete", reclaimed)
+        return self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations),
+                            reclaimed=tuple(reclaimed))
 
     def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
         """Delete an abandoned episode's unclaimed blobs (holder: the env server); returns their ids.
@@ -472,6 +500,7 @@ class Keeper:
             violations=dict(self.violations),
             held_by=dict(self._held_by),
             reclaimed=dict(self.reclaimed),
+            stale=dict(self.stale),
         )
 
     # --- internals ----------------------------------------------------------------------------------
@@ -484,6 +513,7 @@ class Keeper:
         *,
         unknown: tuple[str, ...] = (),
         violations: tuple[Violation, ...] = (),
+        reclaimed: tuple[str, ...] = (),
     ) -> DeleteResult:
         tomb = _Tombstone(holder, reason)
         for blob_id in blob_ids:
@@ -501,7 +531,11 @@ class Keeper:
             self._tombstones.popitem(last=False)
         if blob_ids:
             self.deleted[reason] += len(blob_ids)
-        return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations)
+        return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations, reclaimed)
+
+    def _count_stale(self, action: str, reclaimed: Sequence[str]) -> None:
+        if reclaimed:
+            self.stale[action] += len(reclaimed)
 
     def _move(self, holder: str, to: str | None) -> None:
         """Count a blob out of ``holder``'s and into ``to``'s (None: deleted); holders holding nothing go."""

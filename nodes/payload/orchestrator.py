@@ -16,9 +16,10 @@ reason         when
 ``late``       an episode of a group that was already completed or dropped
 ``max_steps``  anything arriving after the last step was shipped
 ``missing``    (counted, nothing to delete) a sample whose blob was gone before it could be claimed
-``lost``       (nothing to delete) the env server keeping the blob went down and was not back within
+``lost``       the env server keeping the blob went down and was not back within
                ``node.restart_grace_s``: published as a ``delete`` event with reason ``lost`` and ``node``
-               the env server's node id; its samples are never shipped
+               the env server's node id; its samples are never shipped. Nothing to delete, unless that
+               same process comes back (it was cut off): then the blobs are deleted there, reason ``lost``
 ``shutdown``   what is still queued or grouped when the node stops
 ============== ====================================================================================
 
@@ -176,7 +177,7 @@ class Orchestrator:
             granted = set(claimed.blob_ids)
             arrival.claimed += [ref for ref in refs if ref.blob_id in granted]
             self.claimed += len(granted)
-            self.missing += len(claimed.missing)
+            self.missing += len(claimed.missing) + len(claimed.reclaimed)
         arrival.claims_pending -= 1
         self._feed()
 
@@ -259,7 +260,8 @@ class Orchestrator:
 
     def _delete(self, action: DeleteBlobs) -> None:
         for endpoint, refs in group_by_endpoint(action.refs).items():
-            request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason)
+            request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason,
+                             node=action.node)
             self.runtime.calls.request(
                 endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs))
 
@@ -281,6 +283,8 @@ class Orchestrator:
             deleted = reply.body
             assert isinstance(deleted, Deleted)
             self.deleted[request.reason] += len(deleted.blob_ids)
+            if deleted.reclaimed:  # held before this node was cut off and declared down: reclaimed meanwhile
+                log.warning("delete.reclaimed", endpoint=endpoint, blobs=len(deleted.reclaimed), reason=request.reason)
             if deleted.violations:
                 log.error("delete.violation", endpoint=endpoint, blob_ids=deleted.violations, reason=request.reason)
 

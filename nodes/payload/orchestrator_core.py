@@ -27,7 +27,9 @@ Decisions and their rules:
   ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`), the waiting deletes go out; otherwise (the grace
   ends, or it comes back as a new process, whose store starts empty) every reference held to its blobs is
   dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
-  shipped (counted as dropped ``lost``).
+  shipped (counted as dropped ``lost``). A store declared lost that comes back as the same process (it was
+  cut off, not dead) still keeps those blobs: they are deleted there at once, reason ``lost`` (the store's
+  ``delete`` event confirms the loss; the ledger counts each blob once).
 * **Trainer worlds.** A trainer rank the steps go to reported down (:meth:`OrchestratorCore.trainer_down`)
   ends its world: nothing more ships, the step in delivery is given up (what no rank acknowledged is
   deleted, ``trainer-down``; what ranks acknowledged is theirs, and the stores reclaim it once they are
@@ -88,10 +90,12 @@ BACKOFF_MAX_S = 8.0
 
 @dataclass(frozen=True)
 class DeleteBlobs:
-    """Delete ``refs`` (held by the orchestrator until now) on their env servers, for ``reason``."""
+    """Delete ``refs`` (held by the orchestrator until now) on their env servers, for ``reason``; ``node``: the
+    store whose loss it carries out (reason ``lost``), else empty."""
 
     refs: tuple[BlobRef, ...]
     reason: str
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,8 @@ class OrchestratorCore:
         # stores down
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
+        # node id -> (the incarnation declared lost, its blobs): deleted if that same process comes back
+        self.lost_stores: dict[str, tuple[tuple[str, int, float], tuple[BlobRef, ...]]] = {}
         self.version_known = False  # no run before a policy version exists
         self.stores_full = False  # every store at its high-water mark: no new group until one drains
         self.full_pauses = 0
@@ -456,21 +462,33 @@ class OrchestratorCore:
 
     def store_up(self, node: NodeInfo) -> list[Action]:
         """The env server ``node`` registered again: the same process keeps its blobs (the deletes that
-        waited go out now); a new process under the same id starts empty, so the old one's blobs are lost."""
+        waited go out now); a new process under the same id starts empty, so the old one's blobs are lost.
+        The same process back after its blobs were declared lost (a partition longer than the grace) gets
+        them deleted (reason ``lost``), so it does not keep them forever."""
         down = self.stores_down.get(node.node_id)
         if down is None:
-            return []
+            return self._delete_lost(node)
         if down.incarnation != incarnation(node):
-            return self._flush([self._lose(node.node_id)])
+            lost = self._lose(node.node_id)
+            del self.lost_stores[node.node_id]  # a new process: nothing of the old one's is there to delete
+            return self._flush([lost])
         del self.stores_down[node.node_id]
         log.info("store.back", node=node.node_id)
-        return [DeleteBlobs(tuple(refs), reason) for refs, reason in down.deletes]
+        return [DeleteBlobs(tuple(refs), reason, node.node_id if reason == LOST else "")
+                for refs, reason in down.deletes]
 
     def delete_undelivered(self, refs: Sequence[BlobRef], reason: str) -> bool:
         """A delete the executor sent ended with its store reported down: it waits with the store's other
         deletes (sent when the store is back, lost when its grace ends). False when no store of ``refs`` is
         down (the delete simply failed)."""
         return not self._defer([(list(refs), reason)])
+
+    def _delete_lost(self, node: NodeInfo) -> list[Action]:
+        lost = self.lost_stores.pop(node.node_id, None)
+        if lost is None or lost[0] != incarnation(node) or not lost[1]:
+            return []
+        log.warning("store.back_after_lost", node=node.node_id, blobs=len(lost[1]))
+        return [DeleteBlobs(lost[1], LOST, node.node_id)]
 
     def _store_of(self, endpoint: str) -> _StoreDown | None:
         return next((down for down in self.stores_down.values() if endpoint in down.endpoints), None)
@@ -487,7 +505,10 @@ class OrchestratorCore:
         refs = {ref.blob_id: ref for ref in self.holdings.held.values() if ref.endpoint in gone}
         for blob_id in refs:
             del self.holdings.held[blob_id]
-        refs.update((ref.blob_id, ref) for deferred, _ in down.deletes for ref in deferred)
+        refs.update((ref.blob_id, ref) for deferred, reason in down.deletes if reason != LOST for ref in deferred)
+        # Deletes of blobs declared lost before (the store was back, then went down again) are not lost twice.
+        again = [ref for deferred, reason in down.deletes if reason == LOST for ref in deferred]
+        self.lost_stores[node_id] = (down.incarnation, (*refs.values(), *again))
         lost_samples = 0
         queue = []
         for group in self.sink.queue:

@@ -98,11 +98,13 @@ class StepBatches:
 @dataclass(frozen=True, slots=True)
 class StepRelease:
     """What ``end_step`` deleted: ``deleted`` acknowledged; ``violations`` refused by the env server as
-    already deleted (logged); ``failed`` not confirmed (no reply, or an error reply: logged, still held)."""
+    already deleted (logged); ``failed`` not confirmed (no reply, or an error reply: logged, still held);
+    ``reclaimed`` already reclaimed by the env server from a holder that went down (logged, no longer held)."""
 
     deleted: tuple[str, ...] = ()
     violations: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
+    reclaimed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +251,7 @@ class TrainerRank:
             groups[received.endpoints[blob_id], TRAINED if blob_id in trained else DROPPED_REASON].append(blob_id)
         release = self._on_loop(lambda: self._delete(groups))
         with self._cond:
-            self.held.difference_update(release.deleted, release.violations)
+            self.held.difference_update(release.deleted, release.violations, release.reclaimed)
         return release
 
     def interrupt(self) -> None:
@@ -379,6 +381,7 @@ class TrainerRank:
         deleted: list[str] = []
         violations: list[str] = []
         failed: list[str] = []
+        reclaimed: list[str] = []
         outcomes = gather(calls, window=self.fetch_settings.window, policy=self.fetch_settings.policy)
         replies, failures = split_outcomes(zip(calls, outcomes, strict=True))
         for (client, request), error in failures:
@@ -392,7 +395,11 @@ class TrainerRank:
                 log.warning("delete.violations", endpoint=client.endpoint, holder=self.runtime.node_id,
                             reason=request.reason, blob_ids=reply.violations[:16], count=len(reply.violations))
                 violations += reply.violations
-        return StepRelease(tuple(deleted), tuple(violations), tuple(failed))
+            if reply.reclaimed:
+                log.warning("delete.reclaimed", endpoint=client.endpoint, holder=self.runtime.node_id,
+                            reason=request.reason, count=len(reply.reclaimed))
+                reclaimed += reply.reclaimed
+        return StepRelease(tuple(deleted), tuple(violations), tuple(failed), tuple(reclaimed))
 
     def _on_loop(self, work: Callable[[], T]) -> T:
         """Run ``work`` on the loop thread and return its result (or raise its exception) here."""
