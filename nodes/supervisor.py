@@ -1,8 +1,9 @@
 """What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
 
-Restartable today are the roles whose restarted process re-joins under the same node id and needs nothing
-else back: env servers (what a dead one stored is lost), rollout workers and ps-workers. The orchestrator,
-the trainer ranks, the ps-manager and the broker are not: their death ends the run, naming them (a trainer
+Restartable today are the roles whose restarted process re-joins under the same node id and rebuilds what
+it needs from its peers: env servers (what a dead one stored is lost), rollout workers, ps-workers and the
+orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held).
+The trainer ranks, the ps-manager and the broker are not: their death ends the run, naming them (a trainer
 rank that exits 0 has finished its steps). Restarts come out of one budget per run (``up.restart_budget``),
 each after a backoff (``up.restart_backoff_s``, doubled for every earlier restart of the same node).
 
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 from .launch import NodeProcess
 
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-")
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator")
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 MAX_BACKOFF_FACTOR = 16
 

@@ -40,12 +40,28 @@ past its deadline. It tracks peers (``runtime.track_peers()``): an env server re
 in flight at once (their groups are abandoned, new runs go to live replicas), and deletes for it wait for it
 to come back or for its blobs to be lost. A step the trainer ranks do not all acknowledge by
 ``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
+
+Every start is a possible restart (the same node id after a crash; no flag): before it feeds any event to
+the core it rebuilds its state from the authorities, not from the event ring. It takes the step number
+from the trainer ranks' registry entries (their ``step`` and ``received`` status), asks every env server
+for the episodes whose blobs its node id holds or nobody claimed (``holdings``, paged), claims those blobs
+(again: a store keeps what a down holder held for ``node.restart_grace_s`` when its restarted incarnation
+claims it back) and feeds the episodes to the core as if they had just finished. Events that arrive
+meanwhile wait their turn; the ``episode-finished`` of an episode already recovered is ignored. A store
+that does not answer is logged (``recovery.store_failed``): what this node id held there goes
+``holder-down`` after the grace, named by the store; a blob whose claim fails is counted ``missing``.
+Episodes of the earlier incarnation's runs that finish later are grouped like any other (a group that
+never completes is deleted ``incomplete``). Limits: a step the earlier incarnation had delivered to some
+ranks and not others cannot be completed (its batches are gone with it); the ranks that hold it fail that
+step when ``trainer.batch_timeout_s`` ends. A ``reference`` not yet applied by a store when the restarted
+incarnation asks would list a blob a rank already took; the restart takes seconds, the event milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -63,6 +79,8 @@ from ...protocol.messages import (
     Delete,
     Deleted,
     EpisodeFinished,
+    Held,
+    HoldingsQuery,
     NodeDown,
     NodeInfo,
     VersionBump,
@@ -96,9 +114,10 @@ def deadlines_from(config: Config) -> Deadlines:
 
 @dataclass
 class _Arrival:
-    """An event waiting its turn: events reach the core in arrival order, an episode once its claims are in."""
+    """An event waiting its turn: events reach the core in arrival order, an episode once its claims are in.
+    ``message`` None: the start-up recovery, ahead of every event, fed once every store answered."""
 
-    message: Message
+    message: Message | None
     claims_pending: int = 0
     claimed: list[BlobRef] = field(default_factory=list)
 
@@ -117,13 +136,18 @@ class Orchestrator:
         self.settings = settings
         self.clock = clock
         prompts = load_entry_point(settings.prompt) if settings.dispatch else None
-        self.core = OrchestratorCore(settings, deadlines, prompts=prompts)
+        # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
+        self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
         self.claimed = 0
         self.missing = 0
         self.deleted: Counter[str] = Counter()
         self.failed_deletes = 0
         self.lost = 0  # references dropped because their store went down for good
         self._arrivals: deque[_Arrival] = deque()
+        self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
+        self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
+        self._arrivals.append(self._recovery)
+        runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
         self._peers = runtime.track_peers()
         self._peers.on_down(self._on_node_down)
@@ -176,11 +200,86 @@ class Orchestrator:
         """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
         while self._arrivals and self._arrivals[0].claims_pending == 0:
             arrival = self._arrivals.popleft()
+            if arrival.message is None:
+                self._feed_recovered()
+                continue
             body = arrival.message.body
             if isinstance(body, VersionBump):
                 self.core.on_version(body.version)
             elif isinstance(body, EpisodeFinished):
                 self._execute(self.core.on_episode(self.clock(), body, arrival.claimed))
+
+    # --- start-up recovery ---------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, the
+        episodes it held (or nobody claimed) from every env server. ``claims_pending`` of the recovery
+        arrival counts the requests still out, plus one for this call."""
+        trainers = self.runtime.lookup("trainer")
+        if trainers:
+            self.core.resume_step(trainers)
+        stores = self.runtime.lookup("env-server")
+        if stores is None:
+            log.error("recovery.no_registry", detail="what an earlier incarnation held goes holder-down")
+        for node in stores or ():
+            if endpoint := node.endpoints.get("blobs"):
+                self._ask_holdings(endpoint, 0)
+        self._recovery_done(1)
+
+    def _ask_holdings(self, endpoint: str, after: int) -> None:
+        self._recovery.claims_pending += 1
+        self.runtime.calls.request(endpoint, HoldingsQuery(holder=self.runtime.node_id, after=after),
+                                   lambda outcome: self._on_held(endpoint, outcome))
+
+    def _on_held(self, endpoint: str, outcome: Outcome) -> None:
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            log.error("recovery.store_failed", endpoint=endpoint, node=self._peers.node_of(endpoint),
+                      error=str(error), detail="what this node id held there goes holder-down after the grace")
+        for _, reply in replies:
+            held = reply.body
+            assert isinstance(held, Held)
+            if held.more:
+                self._ask_holdings(endpoint, held.cursor)
+            for entry in held.episodes:
+                refs = self.core.reclaimable(entry)
+                if not refs:
+                    continue
+                self._recovery.claims_pending += 1
+                claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
+                self.runtime.calls.request(
+                    endpoint, claim, lambda outcome, e=entry.episode, r=refs: self._on_reclaimed(e, r, outcome))
+        self._recovery_done(1)
+
+    def _on_reclaimed(self, episode: EpisodeFinished, refs: Sequence[BlobRef], outcome: Outcome) -> None:
+        endpoint = refs[0].endpoint
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            log.warning("recovery.claim_failed", endpoint=endpoint, episode_id=episode.episode_id, error=str(error))
+            self.missing += len(refs)
+        claimed: list[BlobRef] = []
+        for _, reply in replies:
+            answer = reply.body
+            assert isinstance(answer, Claimed)
+            granted = set(answer.blob_ids)
+            claimed = [ref for ref in refs if ref.blob_id in granted]
+            self.claimed += len(claimed)
+            self.missing += len(answer.missing)
+        if claimed:
+            self._recovered.append((episode, claimed))
+        self._recovery_done(1)
+
+    def _recovery_done(self, requests: int) -> None:
+        self._recovery.claims_pending -= requests
+        if self._recovery.claims_pending == 0:
+            self._feed()
+
+    def _feed_recovered(self) -> None:
+        recovered, self._recovered = self._recovered, []
+        if recovered:
+            log.warning("recovery.episodes", episodes=len(recovered), blobs=sum(len(refs) for _, refs in recovered))
+        for episode, claimed in recovered:
+            self._execute(self.core.recover(self.clock(), episode, claimed))
 
     # --- timers --------------------------------------------------------------------------------------
 
