@@ -7,14 +7,14 @@ Starts, each as its own ``refbus node <role>`` process and in dependency order: 
 written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (step, reward, fetch
-time, bytes held per node). A node that dies is named with its exit status; env servers, rollout workers and
-ps-workers are restarted under the same node id (:mod:`.supervisor`: a restart budget, a backoff), a death of
-any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
-trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
-within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
-so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
-PS; the broker last, so every final event reaches the stream), and the summary is printed, and written as
-JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib).
+time, bytes held per node). A node that dies is named with its exit status; env servers, rollout workers,
+ps-workers and the orchestrator are restarted under the same node id (:mod:`.supervisor`: a restart budget, a
+backoff), a death of any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every
+SECONDS. When the trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in
+order, each group within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and
+rollout workers, so their deletes reach the stores; env servers last among the data plane: they delete
+whatever is left; the PS; the broker last, so every final event reaches the stream), and the summary is
+printed, and written as JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib).
 
 Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledger.Ledger` live, from the
 first event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders

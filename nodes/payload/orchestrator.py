@@ -241,32 +241,31 @@ class Orchestrator:
             assert isinstance(held, Held)
             if held.more:
                 self._ask_holdings(endpoint, held.cursor)
-            for entry in held.episodes:
-                refs = self.core.reclaimable(entry)
-                if not refs:
-                    continue
+            wanted = [(entry.episode, refs) for entry in held.episodes if (refs := self.core.reclaimable(entry))]
+            if wanted:  # one claim per page: the store answers each id
                 self._recovery.claims_pending += 1
-                claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
-                self.runtime.calls.request(
-                    endpoint, claim, lambda outcome, e=entry.episode, r=refs: self._on_reclaimed(e, r, outcome))
+                claim = Claim(blob_ids=[r.blob_id for _, refs in wanted for r in refs], holder=self.runtime.node_id)
+                self.runtime.calls.request(endpoint, claim,
+                                           lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome))
         self._recovery_done(1)
 
-    def _on_reclaimed(self, episode: EpisodeFinished, refs: Sequence[BlobRef], outcome: Outcome) -> None:
-        endpoint = refs[0].endpoint
+    def _on_reclaimed(self, endpoint: str, wanted: Sequence[tuple[EpisodeFinished, list[BlobRef]]],
+                      outcome: Outcome) -> None:
         replies, failures = split_outcomes([(endpoint, outcome)])
+        blobs = sum(len(refs) for _, refs in wanted)
         for _, error in failures:
-            log.warning("recovery.claim_failed", endpoint=endpoint, episode_id=episode.episode_id, error=str(error))
-            self.missing += len(refs)
-        claimed: list[BlobRef] = []
+            log.warning("recovery.claim_failed", endpoint=endpoint, episodes=len(wanted), blobs=blobs,
+                        error=str(error), detail="what this node id held there goes holder-down after the grace")
+            self.missing += blobs
         for _, reply in replies:
             answer = reply.body
             assert isinstance(answer, Claimed)
             granted = set(answer.blob_ids)
-            claimed = [ref for ref in refs if ref.blob_id in granted]
-            self.claimed += len(claimed)
+            self.claimed += len(granted)
             self.missing += len(answer.missing)
-        if claimed:
-            self._recovered.append((episode, claimed))
+            for episode, refs in wanted:
+                if claimed := [ref for ref in refs if ref.blob_id in granted]:
+                    self._recovered.append((episode, claimed))
         self._recovery_done(1)
 
     def _recovery_done(self, requests: int) -> None:
@@ -376,7 +375,10 @@ class Orchestrator:
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
         (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
-        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed)."""
+        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed);
+        episodes recovered at start and not fed yet are deleted with the rest."""
+        for _, claimed in self._recovered:
+            self.core.holdings.take(claimed)
         actions = self.core.close()
         for action in actions:
             if isinstance(action, LoseBlobs):
