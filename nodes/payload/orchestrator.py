@@ -47,7 +47,8 @@ from the trainer ranks' registry entries (their ``step`` and ``received`` status
 for the episodes whose blobs its node id holds or nobody claimed (``holdings``, paged), claims those blobs
 (again: a store keeps what a down holder held for ``node.restart_grace_s`` when its restarted incarnation
 claims it back) and feeds the episodes to the core as if they had just finished. Events that arrive
-meanwhile wait their turn; the ``episode-finished`` of an episode already recovered is ignored. A store
+meanwhile wait their turn, and no run goes out (admission counts what comes back); the
+``episode-finished`` of an episode already recovered is ignored. A store
 that does not answer is logged (``recovery.store_failed``): what this node id held there goes
 ``holder-down`` after the grace, named by the store; a blob whose claim fails is counted ``missing``.
 Episodes of the earlier incarnation's runs that finish later are grouped like any other (a group that
@@ -214,7 +215,7 @@ class Orchestrator:
     def _recover(self) -> None:
         """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, the
         episodes it held (or nobody claimed) from every env server. ``claims_pending`` of the recovery
-        arrival counts the requests still out, plus one for this call."""
+        arrival counts the requests still out, plus one for this call; no run is dispatched until it is 0."""
         trainers = self.runtime.lookup("trainer")
         if trainers:
             self.core.resume_step(trainers)
@@ -224,7 +225,7 @@ class Orchestrator:
         for node in stores or ():
             if endpoint := node.endpoints.get("blobs"):
                 self._ask_holdings(endpoint, 0)
-        self._recovery_done(1)
+        self._recovery_done()
 
     def _ask_holdings(self, endpoint: str, after: int) -> None:
         self._recovery.claims_pending += 1
@@ -247,7 +248,7 @@ class Orchestrator:
                 claim = Claim(blob_ids=[r.blob_id for _, refs in wanted for r in refs], holder=self.runtime.node_id)
                 self.runtime.calls.request(endpoint, claim,
                                            lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome))
-        self._recovery_done(1)
+        self._recovery_done()
 
     def _on_reclaimed(self, endpoint: str, wanted: Sequence[tuple[EpisodeFinished, list[BlobRef]]],
                       outcome: Outcome) -> None:
@@ -266,10 +267,10 @@ class Orchestrator:
             for episode, refs in wanted:
                 if claimed := [ref for ref in refs if ref.blob_id in granted]:
                     self._recovered.append((episode, claimed))
-        self._recovery_done(1)
+        self._recovery_done()
 
-    def _recovery_done(self, requests: int) -> None:
-        self._recovery.claims_pending -= requests
+    def _recovery_done(self) -> None:
+        self._recovery.claims_pending -= 1
         if self._recovery.claims_pending == 0:
             self._feed()
 
@@ -304,6 +305,8 @@ class Orchestrator:
                     self.core.on_version(int(version))
 
     def _dispatch(self) -> None:
+        if self._recovery.claims_pending:
+            return  # admission counts what the recovery brings back: no run before it is fed
         self._execute(self.core.dispatch(self.clock()))
 
     # --- actions -------------------------------------------------------------------------------------
