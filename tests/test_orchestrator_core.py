@@ -372,6 +372,8 @@ def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from
     core = OrchestratorCore(settings(max_steps=6, max_groups_in_flight=1), DEADLINES,
                             prompts=lambda rng: [1], tag=".new")
     # Rank 0 accepted step 3 and trains it next; rank 1 already started it: 4 comes next, 4 steps admitted.
+    core.resume_step([ranked(1, step=4, received=3)])  # not every rank listed: nothing decided yet
+    assert (core.step, core.step_resumed) == (0, False)
     core.resume_step([ranked(0, step=3, received=3), ranked(1, step=4, received=3)])
     assert (core.step, core.train_groups_sent, core.resumed) == (4, 4, True)
     core.resume_step([ranked(0, step=9), ranked(1, step=9)])  # once

@@ -424,9 +424,9 @@ class OrchestratorCore:
         ships anything: the highest of each rank's ``step`` (the next it trains) and ``received + 1`` (after
         the last step batch it accepted). The steps before it count as admitted groups (their slots are
         the ones the earlier incarnation used). A rank without status yet (not heartbeating) counts as
-        step 0."""
+        step 0. Fewer than ``settings.trainers`` ranks decide nothing (a missing one may hold a later step)."""
         nodes = list(trainers)
-        if self.step_resumed or self.step or self.delivery is not None or not nodes:
+        if self.step_resumed or self.step or self.delivery is not None or len(nodes) < self.settings.trainers:
             return
         start = max(max(int(node.status.get("step", 0)), int(node.status.get("received", -1)) + 1)
                     for node in nodes)
