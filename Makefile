@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test slurm-test lint bench clean prometheus iproute2 slurm
+.PHONY: demo test slurm-test lint bench soak soak-slow clean prometheus iproute2 slurm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,15 @@ bench: $(STAMP)
 	$(PY) -m bench.bus
 	$(PY) -m bench.payload
 	$(PY) -m bench.ps
+
+# A long run (not in `make test`): does every node's memory level off? SOAK_STEPS overrides the length.
+SOAK_STEPS ?= 1000
+soak: $(STAMP)
+	$(PY) -m bench.soak --steps $(SOAK_STEPS)
+
+# Trainers 4x slower than configured and small env-server budgets: backpressure bounds the work in flight.
+soak-slow: $(STAMP)
+	$(PY) -m bench.soak --steps 300 --slow-trainer 4 -- --env-server-budget-bytes 16384
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -152,6 +152,7 @@ class Broker:
         self.waiting: dict[str, Pending] = {}
         self.forwarded = 0
         self.dropped: Counter[str] = Counter()
+        self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
         self.seq = 0
         # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
@@ -228,6 +229,7 @@ class Broker:
             if member.token == probe.token and not member.live:
                 member.live = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
+                self.joins[(member.info.node_id, member.info.role)] += 1
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
 
@@ -358,6 +360,9 @@ class Broker:
                       lambda: {(): float(len(self.ring))}, kind="gauge")
         self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring.",
                       lambda: {(): float(self.ring.nbytes)}, kind="gauge")
+        # Labelled member/member_role, not node/role: those are the scrape target's own (the broker's).
+        self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",
+                            lambda: {key: float(n) for key, n in self.joins.items()}, labels=("member", "member_role"))
         self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by role.",
                       lambda: dict(Counter((m.info.role,) for m in self.members.values() if m.live)),
                       labels=("role",), kind="gauge")

@@ -103,6 +103,7 @@ class RemoteError(Exception):
     def __init__(self, error: Error, endpoint: str) -> None:
         self.code = error.code
         self.detail = error.message
+        self.retry_after_s = error.retry_after_s
         self.endpoint = endpoint
         super().__init__(f"{endpoint} rejected {error.request_kind or 'request'}: [{error.code}] {error.message}")
 
@@ -139,10 +140,12 @@ def split_outcomes(keyed: Iterable[tuple[K, Outcome]]) -> tuple[list[tuple[K, Me
 
 
 class HandlerError(Exception):
-    """Raised by a handler to answer with an ``error`` reply of ``code`` (e.g. ``unknown-blob``)."""
+    """Raised by a handler to answer with an ``error`` reply of ``code`` (e.g. ``unknown-blob``);
+    ``retry_after_s`` > 0 says the request may succeed when sent again after that long."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, retry_after_s: float = 0.0) -> None:
         self.code = code
+        self.retry_after_s = retry_after_s
         super().__init__(message)
 
 
@@ -450,7 +453,7 @@ class Server:
             reply = handler(request)
         except HandlerError as exc:
             self.rejected[exc.code] += 1
-            return Error(exc.code, str(exc), request.kind)
+            return Error(exc.code, str(exc), request.kind, retry_after_s=exc.retry_after_s)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             return Error(exc.code, str(exc), request.kind)

@@ -196,7 +196,7 @@ def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
 @dataclass(order=True)
 class _Timer:
     due: float
-    interval: float = field(compare=False)
+    interval: float | None = field(compare=False)  # None: once
     callback: Callable[[], None] = field(compare=False)
 
 
@@ -307,6 +307,10 @@ class NodeRuntime:
     def every(self, interval_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop thread every ``interval_s`` seconds."""
         heapq.heappush(self._timers, _Timer(time.monotonic() + interval_s, interval_s, callback))
+
+    def later(self, delay_s: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once on the loop thread after ``delay_s`` seconds (loop thread only)."""
+        heapq.heappush(self._timers, _Timer(time.monotonic() + delay_s, None, callback))
 
     def watch(self, sock: zmq.Socket, callback: Callable[[], None]) -> None:
         """Call ``callback`` on the loop thread whenever ``sock`` is readable."""
@@ -779,8 +783,9 @@ class NodeRuntime:
                 timer.callback()
             except Exception:
                 log.exception("node.timer_failed")
-            timer.due = max(timer.due + timer.interval, now)
-            heapq.heappush(self._timers, timer)
+            if timer.interval is not None:
+                timer.due = max(timer.due + timer.interval, now)
+                heapq.heappush(self._timers, timer)
         if not self._timers:
             return 1000
         return max(0, int((self._timers[0].due - time.monotonic()) * 1000) + 1)

@@ -126,14 +126,18 @@ class EnvServerSettings:
         "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: ephemeral, advertised.",
     )
     source: str = key("", "Source name in blob references; replicas of one source share it (default: the node id).")
-    budget_bytes: int = key(16 << 30, "Array bytes an env server may hold; a keep beyond it fails (never evicts).")
+    budget_bytes: int = key(16 << 30, "Array bytes an env server may hold; a keep beyond it is refused with a "
+                                      "retry-after (never evicts); a run's keep waits for room.")
+    high_water: float = key(0.8, "Share of budget_bytes from which the env server reports itself full (heartbeat "
+                                 "status `full`): the orchestrator sends it no new runs until it drains below.")
     handover_lease_s: float = key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
     score: str = key(
         "refbus.nodes.toy.task:score",
         "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
     )
     max_new_tokens: int = key(6, "Tokens a rollout worker generates per episode.")
-    generate_timeout_s: float = key(30.0, "Seconds a run may wait for its generation before it fails.")
+    generate_timeout_s: float = key(30.0, "Seconds a run may take on the env server (its generation, then waiting "
+                                          "for room to keep it) before it fails.")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ Starts, each as its own ``refbus node <role>`` process and in dependency order: 
 ``up.rollouts`` rollout workers. Every child gets the same cluster config file (the effective config,
 written to the run directory), so one TOML describes the run.
 
-While the trainers work, a watcher on the event stream prints one line per version (step, reward, fetch
-time, bytes held per node). A node that dies is named with its exit status; env servers, rollout workers,
+While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
+reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
+store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers,
 ps-workers and the orchestrator are restarted under the same node id (:mod:`.supervisor`: a restart budget, a
 backoff), a death of any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every
 SECONDS. When the trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import shutil
 import signal
@@ -36,7 +38,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,11 @@ import structlog
 
 from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
-from ..protocol.messages import EpisodeFinished, FetchAck, RunEnd, VersionBump
+from ..protocol.messages import Delete, EpisodeFinished, FetchAck, RunEnd, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
-from .ledger import Ledger, LedgerReport, Reconciled, reconcile_stores
+from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
+from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .supervisor import Chaos, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -73,6 +76,9 @@ class RunRecord:
     failed_micro_batches: int = 0
     versions: list[int] = dataclasses.field(default_factory=list)
     version_seconds: list[float] = dataclasses.field(default_factory=list)
+    episodes: int = 0
+    # Samples deleted while each version was the latest, by reason (the plot's filtered share per step).
+    deleted_by_version: dict[int, Counter[str]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
     ledger: Ledger = dataclasses.field(default_factory=Ledger)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -81,6 +87,7 @@ class RunRecord:
             self.ledger.apply_message(message)
         body = message.body
         if isinstance(body, EpisodeFinished):
+            self.episodes += 1
             reward = float(body.info.get("reward", 0.0))
             target = self.eval_rewards if body.info.get("eval") else self.rewards
             target[body.policy_version].append(reward)
@@ -89,6 +96,8 @@ class RunRecord:
             self.fetched_bytes += body.nbytes
             self.fetch_seconds[body.step] = max(self.fetch_seconds.get(body.step, 0.0), body.seconds)
             self.failed_micro_batches += body.failed
+        elif isinstance(body, Delete) and body.reason != LOST:  # a store's mirror of its own removal
+            self.deleted_by_version[max(self.versions, default=0)][body.reason] += len(body.blob_ids)
         elif isinstance(body, VersionBump):
             self.versions.append(body.version)
             self.version_seconds.append(time.monotonic() - self.started)
@@ -107,6 +116,22 @@ class RunRecord:
 
     def reward_curve(self) -> list[tuple[int, float]]:
         return [(v, statistics.fmean(r)) for v, r in sorted(self.rewards.items()) if r]
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            deleted = self.ledger.report().totals()["deleted"]
+        return Snapshot(at_s=time.monotonic() - self.started, version=max(self.versions, default=0),
+                        episodes=self.episodes, deleted=deleted)
+
+    def seconds_per_step(self) -> list[float]:
+        """The time between consecutive versions (one step each)."""
+        times = self.version_seconds
+        return [round(b - a, 3) for a, b in itertools.pairwise(times)]
+
+    def filtered_share_by_version(self) -> list[tuple[int, float]]:
+        """Per version: the share of the samples deleted meanwhile that were ``filtered``."""
+        return [(v, counts[FILTERED] / counts.total()) for v, counts in sorted(self.deleted_by_version.items())
+                if counts.total()]
 
 
 class LocalCluster:
@@ -339,26 +364,25 @@ def _peak_rss(pid: int) -> int:
 
 
 class _Progress:
-    """One line per new version: step, reward, fetch time, bytes held per node."""
+    """One line per new version (:func:`~.progress.progress_line`): the pace, the drops and their reasons since
+    the previous line, the fetch time and what each store holds."""
 
     def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int) -> None:
         self.probe = probe
         self.record = record
         self.steps = steps
-        self.shown = -1
+        self.last = record.snapshot()
 
     def poll(self) -> None:
         record = self.record
-        version = max(record.versions, default=0)
-        if version == self.shown:
+        now = record.snapshot()
+        if now.version == self.last.version:
             return
-        self.shown = version
         recent = [r for v in sorted(record.rewards)[-3:] for r in record.rewards[v]]
-        reward = f"{statistics.fmean(recent):.3f}" if recent else "-"
-        fetch = record.fetch_seconds.get(version - 1)
-        fetch_text = f"{fetch * 1000:.1f} ms" if fetch is not None else "-"
-        held = " ".join(f"{name}={nbytes / MiB:.2f}MiB" for name, nbytes in self._held())
-        print(f"step {version:>3}/{self.steps}  reward {reward}  fetch {fetch_text}  held {held}", flush=True)
+        print(progress_line(self.last, now, steps=self.steps, reward=statistics.fmean(recent) if recent else None,
+                            fetch_s=record.fetch_seconds.get(now.version - 1), held=self._held(),
+                            left_s=seconds_left(record.version_seconds, now.version, self.steps)), flush=True)
+        self.last = now
 
     def _held(self) -> list[tuple[str, float]]:
         nodes = self.probe.lookup() or []
@@ -390,6 +414,9 @@ def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: b
         "bytes": {"by_reference_fetched": record.fetched_bytes, "inline_through_orchestrator": record.kept_bytes},
         "orchestrator_peak_rss_bytes": peak_rss,
         "fetch_seconds_per_step": [round(s, 5) for s in fetch],
+        "seconds_per_step": record.seconds_per_step(),
+        "deleted_shares": shares(totals["deleted"]),
+        "filtered_share_by_version": [[v, round(share, 4)] for v, share in record.filtered_share_by_version()],
         "blobs": totals,
         "accounting": {"lost": dict(report.lost), "leaked": dict(report.leaked),
                        "held_at_end": dict(report.held_at_end), "reconciled": report.reconciled,
@@ -424,6 +451,9 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  stores' counters      {stores}")
     for line in accounting["unaccounted"] + accounting["stores_unread"]:
         print(f"  unaccounted           {line}")
+    deleted_shares = ", ".join(f"{reason} {share:.1%}" for reason, share in
+                               sorted(summary["deleted_shares"].items(), key=lambda item: -item[1]))
+    print(f"  why samples left      {deleted_shares or '-'}")
     print(f"  ownership violations  {blobs['violations']}")
     print(f"  dropped micro batches {summary['dropped_micro_batches']}")
     deaths = ", ".join(f"{d['node']} ({d['exit']}{'' if d['restarted'] else ', not restarted'})"
@@ -444,13 +474,19 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (reward_ax, fetch_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ((reward_ax, fetch_ax), (filtered_ax, pace_ax)) = plt.subplots(2, 2, figsize=(10, 7))
     curve = summary["reward"]["by_version"]
     reward_ax.plot([v for v, _ in curve], [r for _, r in curve], marker=".")
     reward_ax.set(title="mean reward by policy version", xlabel="policy version", ylabel="reward")
     fetch = summary["fetch_seconds_per_step"]
     fetch_ax.plot(range(len(fetch)), [s * 1000 for s in fetch], marker=".")
     fetch_ax.set(title="payload fetch per step (slowest rank)", xlabel="step", ylabel="ms")
+    filtered = summary["filtered_share_by_version"]
+    filtered_ax.plot([v for v, _ in filtered], [share * 100 for _, share in filtered], marker=".")
+    filtered_ax.set(title="samples filtered (zero advantage)", xlabel="policy version", ylabel="% of deleted")
+    pace = summary["seconds_per_step"]
+    pace_ax.plot(range(1, len(pace) + 1), pace, marker=".")
+    pace_ax.set(title="time per step", xlabel="step", ylabel="s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

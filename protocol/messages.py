@@ -474,8 +474,11 @@ class Kept(Body, frozen=True):
 
 @register_kind("error")
 class Error(Body, frozen=True):
-    """The reply to a request that failed. ``code`` is stable (``malformed``, ``unknown-blob``, ...)."""
+    """The reply to a request that failed. ``code`` is stable (``malformed``, ``unknown-blob``, ...).
+    ``retry_after_s`` > 0: the failure is temporary (a store over its byte budget): the same request may
+    succeed when sent again after that many seconds."""
 
     code: Name
     message: str
     request_kind: str = ""
+    retry_after_s: float = 0.0

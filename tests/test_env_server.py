@@ -248,12 +248,14 @@ def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     err = refused(client, Keep(episode_id="bad", branches=[{"routing": np.zeros(3, np.uint8)}]))
     assert err.code == "bad-branch" and "routing" in err.detail
     err = refused(client, Keep(episode_id="big", branches=[branch(64), branch(64)]))
-    assert err.code == "over-budget" and "4096" in err.detail
+    assert err.code == "over-budget" and "4096" in err.detail and err.retry_after_s == 0  # can never fit
     assert ask(client, Discard(episode_id="never-kept")) == Deleted(blob_ids=[])
 
     (ref,) = ask(client, Keep(episode_id="fits", branches=[branch(4)])).refs
     finished = observer.next()  # the refused keeps announced nothing
     assert isinstance(finished, EpisodeFinished) and finished.episode_id == "fits"
+    err = refused(client, Keep(episode_id="later", branches=[branch(64), branch(32)]))  # fits an empty store
+    assert err.code == "over-budget" and err.retry_after_s > 0, err
     assert ask(client, Discard(episode_id="fits")) == Deleted(blob_ids=[ref.blob_id])
     assert observer.next() == Delete(blob_ids=[ref.blob_id], holder="env-d", reason="discarded")
 
@@ -277,9 +279,12 @@ def test_replicas_of_one_source_register_with_it_and_report_status(
         if (nodes["env-r0"].status.get("blobs_held") == 1.0 and nodes["env-r1"].status) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    budget = EnvServerSettings().budget_bytes
     assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes), "blobs_kept": 1.0,
-                                      "blobs_deleted": 0.0}
-    assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0, "blobs_kept": 0.0, "blobs_deleted": 0.0}
+                                      "blobs_deleted": 0.0, "fill": ref.nbytes / budget, "full": 0.0,
+                                      "budget_bytes": float(budget), "high_water": 0.8}
+    assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0, "blobs_kept": 0.0, "blobs_deleted": 0.0,
+                                      "fill": 0.0, "full": 0.0, "budget_bytes": float(budget), "high_water": 0.8}
 
 
 def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess, str], observer: Observer) -> None:

@@ -2,7 +2,7 @@
 :class:`EpisodeRunner`, and in-process rollout nodes whose ``generate`` answers the test controls. Each way a
 generation ends reaches the orchestrator's ``run`` once: generated and kept, the rollout worker leaving the
 registry (its runs fail at once, not at the deadline), no answer by ``generate_timeout_s``, and a
-generation the score function refuses."""
+generation the score function refuses; and a keep over the store's budget waits for room."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.episodes import EpisodeRunner
+from refbus.nodes.payload.keeper import pack_branches
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Generate, Generated, Ok, Run
@@ -110,3 +111,44 @@ def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess,
     finally:
         first.runtime.join(timeout=5)
         orchestrator.close()
+
+
+def test_a_keep_over_budget_waits_for_room_instead_of_wasting_its_generation(bus: tuple[NodeProcess, str]) -> None:
+    """Backpressure on the run path: the second episode does not fit until the first is discarded; its run
+    waits (retrying the keep) and succeeds. A third that never gets room fails at ``generate_timeout_s``."""
+    sizes = [sum(p.nbytes for p in pack_branches([random_arrays(2, seed=i, layers=4, top_k=2, k=3, max_count=3,
+                                                                routing_dtype=np.uint8)])) for i in range(3)]
+    budget = min(sizes[0] + sizes[1], sizes[1] + sizes[2]) - 1  # what Rollout.answer(i) generates: one at a time
+    runtime = NodeRuntime("env-server", RuntimeSettings(bus=bus[1], node_id="env-small", metrics_port=-1))
+    settings = EnvServerSettings(source="small", generate_timeout_s=GENERATE_TIMEOUT_S, budget_bytes=budget,
+                                 high_water=0.4)
+    env = EnvServer(runtime, settings)
+    runner = EpisodeRunner(runtime, env, settings, rollout_refresh_s=REFRESH_S)
+    runtime.start_background()
+    orchestrator = Client(runtime.ctx, runtime.endpoints["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-bp")
+    try:
+        wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
+        first = run_async(orchestrator, "ep-0")
+        wait_for(lambda: len(rollout.held) == 1, 5, "the first generation at the rollout")
+        rollout.answer(0)
+        assert isinstance(answer_to(orchestrator, first).body, Ok)
+        assert env.pressure().full and env.status()["full"] == 1.0  # about half the budget: above high water
+
+        second = run_async(orchestrator, "ep-1")
+        wait_for(lambda: len(rollout.held) == 2, 5, "the second generation at the rollout")
+        rollout.answer(1)
+        wait_for(lambda: runner.keep_retries >= 2, GENERATE_TIMEOUT_S, "the second keep waiting for room")
+        assert env.discard("ep-0")  # its holder is done with it: room comes back
+        assert isinstance(answer_to(orchestrator, second).body, Ok)
+
+        third = run_async(orchestrator, "ep-2")  # never gets room: ep-1 stays held
+        wait_for(lambda: len(rollout.held) == 3, 5, "the third generation at the rollout")
+        rollout.answer(2)
+        reply = answer_to(orchestrator, third)
+        assert reply.kind == "error" and reply.body.code == "over-budget", reply.body
+        assert (runner.finished, runner.failed, env.stats().kept_total) == (2, 1, 2)
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        runtime.join(timeout=10 * GENERATE_TIMEOUT_S)

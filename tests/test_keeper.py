@@ -11,6 +11,7 @@ from refbus.nodes.payload.branch import Branch
 from refbus.nodes.payload.keeper import (
     DISCARDED,
     HOLDER_DOWN,
+    RETRY_AFTER_S,
     SHUTDOWN,
     UNDELIVERED,
     Keeper,
@@ -102,10 +103,12 @@ def test_budget_refuses_without_evicting(clock: Clock) -> None:
     with pytest.raises(KeepError, match=f"needs {3 * size} bytes, 0 of {2 * size}") as err:
         keeper.keep("too-big", [one, one, one])
     assert err.value.code == "over-budget" and keeper.blobs_held == 0
+    assert err.value.retry_after_s == 0  # larger than the whole budget: retrying cannot help
     (first,) = keeper.keep("a", [one])
     keeper.keep("b", [one])
-    with pytest.raises(KeepError, match=f"needs {size} bytes, {2 * size} of {2 * size}"):
+    with pytest.raises(KeepError, match=f"needs {size} bytes, {2 * size} of {2 * size}") as err:
         keeper.keep("c", [one])
+    assert err.value.retry_after_s == RETRY_AFTER_S > 0  # fits once a holder deletes: backpressure, not a fault
     assert keeper.blobs_held == 2 and first.blob_id in keeper.fetch([first.blob_id], "t").arrays
     keeper.delete([first.blob_id], "t", "trained")
     keeper.keep("c", [one])  # deleting made room

@@ -37,6 +37,8 @@ from test_up import NODES, STOP_S, Up
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "refbus.json"
 SCRAPE_CONFIG = ROOT / "dashboards" / "prometheus.yml"
+ALERT_RULES = ROOT / "dashboards" / "alerts.yml"
+ALERT_TESTS = ROOT / "tests" / "alerts_test.yml"
 PROMETHEUS = shutil.which("prometheus")  # Debian's package installs both in /usr/bin; `make test` installs it
 PROMTOOL = shutil.which("promtool")
 WAIT_S = 30.0
@@ -117,10 +119,11 @@ def prometheus(binary: str, workdir: Path, sd: str, *, prefix: Sequence[str] = (
     address and intervals changed); yields its API base URL and always reaps the process. ``prefix`` runs it
     through a launcher that execs it (a namespace host), ``fetch`` reads a URL where it can be reached."""
     shipped = SCRAPE_CONFIG.read_text()
-    for fixed in ("http://127.0.0.1:7779/sd", "scrape_interval: 2s", "refresh_interval: 2s"):
+    for fixed in ("http://127.0.0.1:7779/sd", "scrape_interval: 2s", "refresh_interval: 2s", "  - alerts.yml"):
         assert fixed in shipped, f"{SCRAPE_CONFIG} no longer says {fixed!r}: update this test"
     config = workdir / "prometheus.yml"
-    config.write_text(shipped.replace("http://127.0.0.1:7779/sd", sd).replace(": 2s", ": 1s"))
+    config.write_text(shipped.replace("http://127.0.0.1:7779/sd", sd).replace(": 2s", ": 1s")
+                      .replace("  - alerts.yml", f"  - {ALERT_RULES}"))
     address = f"127.0.0.1:{free_port()}"
     log_path = workdir / "prometheus.log"
     with open(log_path, "wb") as log:
@@ -238,6 +241,17 @@ def test_shipped_scrape_config_is_valid() -> None:
         pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it)")
     result = subprocess.run([PROMTOOL, "check", "config", str(SCRAPE_CONFIG)], capture_output=True, text=True,
                             timeout=WAIT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", [["check", "rules", str(ALERT_RULES)], ["test", "rules", str(ALERT_TESTS)]],
+                         ids=["check", "unit-tests"])
+def test_alert_rules_are_valid_and_fire_on_what_they_guard(command: list[str]) -> None:
+    """Each alert fires on the series that should trip it, after its ``for``, and not on the others
+    (``tests/alerts_test.yml``)."""
+    if PROMTOOL is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it)")
+    result = subprocess.run([PROMTOOL, *command], capture_output=True, text=True, timeout=WAIT_S)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -362,6 +376,24 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
                         break
                     time.sleep(0.05)
             assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
+
+            # The shipped alerting rules load and evaluate against the live cluster; the violation provoked
+            # above fires its alert (it has no `for`), and a healthy run trips none of the others.
+            def rules_evaluated() -> list[dict[str, Any]] | None:
+                groups = get_json(f"{api}/api/v1/rules")["data"]["groups"]
+                rules = [rule for group in groups for rule in group["rules"]]
+                never = "0001-01-01T00:00:00Z"  # Prometheus's lastEvaluation before the first evaluation
+                return rules if rules and all(rule["lastEvaluation"] != never for rule in rules) else None
+
+            rules = wait_for(rules_evaluated, WAIT_S, "every alerting rule evaluated")
+            assert len(rules) == 6 and all(rule["health"] == "ok" for rule in rules), rules
+
+            def firing() -> set[str]:
+                alerts = get_json(f"{api}/api/v1/alerts")["data"]["alerts"]
+                return {alert["labels"]["alertname"] for alert in alerts if alert["state"] == "firing"}
+
+            wait_for(lambda: "RefbusOwnershipViolation" in firing(), WAIT_S, "the violation's alert firing")
+            assert firing() == {"RefbusOwnershipViolation"}
 
             # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.
             by_role = query(api, "sum by (role) (refbus_bus_nodes)")["data"]["result"]

@@ -419,3 +419,62 @@ def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from
     shipped = [a for ep in fresh for a in core.on_episode(T0 + 20, ep, ep.refs)]
     assert [d.step for d in of(DeliverBatch, shipped)] == [5, 5]
     assert core.finished and set(deletes(feed_group(core, T0 + 20, "g11"))) == {"max_steps"}
+
+
+def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_every_store_is_full() -> None:
+    core = OrchestratorCore(settings(max_staleness=100), DEADLINES, prompts=lambda rng: [1])
+    full_a = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
+                      labels={"source": "env"}, status={"fill": 0.85, "full": 1.0})
+    roomy_b = NodeInfo(node_id="env-b", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-b"},
+                       labels={"source": "env"}, status={"fill": 0.1, "full": 0.0})
+    core.use_replicas([full_a, roomy_b])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    assert sent and {s.endpoint for s in sent} == {"tcp://env-b"}  # the replica with room takes every run
+    for run in sent[:-1]:  # the last one stays in flight: it may still free room, so waiting makes sense
+        core.on_run_done(T0 + 1, run.run.episode_id, None)
+
+    full_b = NodeInfo(**{**msgspec.structs.asdict(roomy_b), "status": {"fill": 0.9, "full": 1.0}})
+    core.use_replicas([full_a, full_b])
+    assert core.dispatch(T0 + 2) == [] and core.stores_full and core.full_pauses == 1
+    assert core.dispatch(T0 + 3) == [] and core.full_pauses == 1  # one pause, however long
+    core.use_replicas([full_a, roomy_b])  # a holder deleted: env-b drained below its high-water mark
+    resumed = of(SendRun, core.dispatch(T0 + 4))
+    assert resumed and {s.endpoint for s in resumed} == {"tcp://env-b"} and not core.stores_full
+
+
+def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water_mark() -> None:
+    """96-byte episodes, a store whose high-water mark is 800 bytes: 8 episodes' worth. With 2 episodes held
+    (one kept since the last registry read), the next dispatch sends 3 groups of 2 runs, and no more until
+    runs finish and their episodes are deleted."""
+    core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=16), DEADLINES, prompts=lambda rng: [1])
+    status = {"bytes_held": 96.0, "budget_bytes": 1000.0, "high_water": 0.8, "full": 0.0}
+    store = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
+                     status=status)
+    core.use_replicas([store])
+    core.on_version(0)
+    core.on_episode(T0, episode("early-0", "early", 1.0), [])  # an episode's size: 96 bytes, kept on env-a
+    assert core.router.held["tcp://env-a"] == 192.0 and core.router.room("tcp://env-a") == 6
+    sent = of(SendRun, core.dispatch(T0))
+    assert len(sent) == 6 and core.router.room("tcp://env-a") == 0 and core.stores_full
+    assert core.dispatch(T0 + 1) == []
+    for run in sent[:2]:  # one group's runs came back and their episodes were deleted meanwhile
+        core.on_run_done(T0 + 2, run.run.episode_id, None)
+    core.use_replicas([store])  # the registry still says 96 bytes held
+    assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.full_pauses == 2  # full again at once
+
+
+def test_backpressure_never_deadlocks_when_the_stores_hold_less_than_a_step() -> None:
+    """Every store full, nothing in flight, and the step still needs groups: waiting would free nothing, so
+    one group at a time goes (the stores' hard budget still decides what is kept)."""
+    core = OrchestratorCore(settings(max_staleness=100, groups_per_step=8), DEADLINES, prompts=lambda rng: [1])
+    full = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
+                    status={"bytes_held": 900.0, "budget_bytes": 1000.0, "high_water": 0.8, "full": 1.0})
+    core.use_replicas([full])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    assert len(sent) == 2 and core.starved == 1  # one group of 2 runs
+    assert core.dispatch(T0 + 1) == []  # its runs are in flight: they may still free room
+    for run in sent:
+        core.on_run_done(T0 + 2, run.run.episode_id, None)
+    assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.starved == 2

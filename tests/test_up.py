@@ -236,6 +236,11 @@ def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path, monkeypatch: 
         assert len(summary["fetch_seconds_per_step"]) == 4 and all(s > 0 for s in summary["fetch_seconds_per_step"])
         assert summary["bytes"]["by_reference_fetched"] > 0 and summary["dropped_micro_batches"] == 0
         assert up.plot_path.read_bytes().startswith(PNG_SIGNATURE)
+        assert len(summary["seconds_per_step"]) == 4 and all(s > 0 for s in summary["seconds_per_step"])
+        shares = summary["deleted_shares"]
+        assert set(shares) == set(blobs["deleted"]) and sum(shares.values()) == pytest.approx(1, abs=1e-3)
+        assert summary["filtered_share_by_version"] and all(0 <= f <= 1 for _, f in summary["filtered_share_by_version"])
+        assert "eps/s" in up.output() and "elapsed, ~" in up.output() and "why samples left" in up.output()
 
         check_blobs(log, blobs)
         assert len(log.records) > SMALL_RING  # more than the ring could replay at the end

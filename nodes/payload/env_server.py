@@ -37,11 +37,20 @@ broker has those events before it leaves.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
-orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held`` and
-``bytes_held``.
+orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held``,
+``bytes_held``, ``budget_bytes``, ``high_water``, ``fill`` (bytes held over the budget) and ``full`` (1.0 from
+``env_server.high_water`` on).
+
+Backpressure: the budget is never exceeded and nothing is evicted. A store says how full it is, and the
+orchestrator sends it only the runs whose episodes fit under its high-water mark; a keep that would exceed
+the budget is refused with ``over-budget`` and ``retry_after_s`` (the error reply's field,
+:attr:`KeepError.retry_after_s`), and a run's own keep waits for room (:class:`~.episodes.EpisodeRunner`)
+instead of wasting its generation.
 
 Embedding: build a :class:`NodeRuntime`, an :class:`EnvServer` on it, call ``runtime.start_background()``,
-then :meth:`EnvServer.keep` / :meth:`EnvServer.discard` from the framework's own threads.
+then :meth:`EnvServer.keep` / :meth:`EnvServer.discard` from the framework's own threads. A framework that
+produces episodes itself slows down through :meth:`EnvServer.pressure` (start no new episode while it says
+``full``) and retries a refused keep after ``KeepError.retry_after_s``.
 
 Never imports torch, directly or through anything it imports.
 """
@@ -53,6 +62,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -99,6 +109,26 @@ log = structlog.get_logger(__name__)
 ROLE = "env-server"
 
 
+@dataclass(frozen=True, slots=True)
+class Pressure:
+    """How full a store is, from its own counters: what it publishes and what a producer asks before it
+    starts an episode."""
+
+    bytes_held: int
+    budget_bytes: int
+    high_water: float
+
+    @property
+    def fill(self) -> float:
+        """Bytes held over the budget (0 to 1)."""
+        return self.bytes_held / self.budget_bytes
+
+    @property
+    def full(self) -> bool:
+        """At or above the high-water mark: start no new episode for this store."""
+        return self.fill >= self.high_water
+
+
 class EnvServer:
     """Serves a :class:`Keeper` on ``runtime`` and mirrors every ownership move on the event stream.
 
@@ -128,6 +158,9 @@ class EnvServer:
         runtime.labels["source"] = self.source
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
                              handover_lease_s=settings.handover_lease_s, clock=clock)
+        if not 0 < settings.high_water <= 1:
+            raise ValueError(f"env_server.high_water must be in (0, 1], got {settings.high_water}")
+        self.high_water = settings.high_water
         self._lock = threading.Lock()
         # Events from other threads wait here for the loop thread; flushed before any other publish so the
         # stream never shows a claim before the episode-finished it refers to.
@@ -183,8 +216,9 @@ class EnvServer:
                                          policy_version=policy_version, info=info or {})
                 self.keeper.record(record)
                 self._post(record)
-        except KeepError as exc:
-            log.warning("keep.refused", episode_id=episode_id, code=exc.code, error=str(exc))
+        except KeepError as exc:  # a refusal to retry is backpressure working, not a fault
+            (log.debug if exc.retry_after_s else log.warning)("keep.refused", episode_id=episode_id, code=exc.code,
+                                                                 error=str(exc))
             raise
         return refs
 
@@ -201,11 +235,18 @@ class EnvServer:
         with self._lock:
             return self.keeper.stats()
 
+    def pressure(self) -> Pressure:
+        """How full this store is now (any thread)."""
+        return Pressure(self.stats().bytes_held, self.keeper.budget_bytes, self.high_water)
+
     def status(self) -> dict[str, float]:
         """Heartbeat status: what the registry shows for this node."""
         stats = self.stats()
+        pressure = Pressure(stats.bytes_held, self.keeper.budget_bytes, self.high_water)
         return {"blobs_held": float(stats.blobs_held), "bytes_held": float(stats.bytes_held),
-                "blobs_kept": float(stats.kept_total), "blobs_deleted": float(sum(stats.deleted.values()))}
+                "blobs_kept": float(stats.kept_total), "blobs_deleted": float(sum(stats.deleted.values())),
+                "fill": pressure.fill, "full": float(pressure.full), "budget_bytes": float(pressure.budget_bytes),
+                "high_water": pressure.high_water}
 
     # --- request handlers (loop thread) -------------------------------------------------------------
 
@@ -215,7 +256,7 @@ class EnvServer:
         try:
             refs = self.keep(body.episode_id, body.branches, policy_version=body.policy_version, info=body.info)
         except KeepError as exc:
-            raise HandlerError(exc.code, str(exc)) from None
+            raise HandlerError(exc.code, str(exc), retry_after_s=exc.retry_after_s) from None
         return Kept(refs=refs)
 
     def _on_discard(self, request: Message) -> Deleted:
@@ -389,6 +430,11 @@ class EnvServer:
                             read(lambda s: {(): float(s.blobs_held)}), kind="gauge")
         self.runtime.metric("refbus_blob_bytes_held", "Array bytes this env server holds.",
                             read(lambda s: {(): float(s.bytes_held)}), kind="gauge")
+        self.runtime.metric("refbus_env_server_fill_ratio", "Array bytes held over env_server.budget_bytes.",
+                            read(lambda s: {(): s.bytes_held / self.keeper.budget_bytes}), kind="gauge")
+        self.runtime.metric("refbus_env_server_high_water_ratio",
+                            "env_server.high_water: from this fill on, the store takes no new runs.",
+                            lambda: {(): self.high_water}, kind="gauge")
         self.runtime.metric("refbus_blobs_kept_total", "Blobs kept (one per branch).",
                             read(lambda s: {(): float(s.kept_total)}))
         self.runtime.metric("refbus_blobs_deleted_total", "Blobs deleted, by reason.",

@@ -13,6 +13,11 @@ the registry is answered with an error; nothing is kept for it. The score functi
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
 (a score that raises fails its run with ``score-failed``).
 
+A keep refused as ``over-budget`` with a ``retry_after_s`` (the store is full for now: its holders have not
+deleted yet) is tried again after that long, holding the generated arrays, until ``generate_timeout_s``
+from the run's arrival: backpressure costs the run time, not its generation. Past that the run fails with
+the keep's code.
+
 The episode record published with the kept arrays (``info``) is what the orchestrator reads: ``group``,
 ``reward``, ``eval`` and one sample ``{"input_ids": [...], "loss_mask": [...], "ref": 0}`` whose loss mask
 covers the completion only. Never imports torch: the score function must not either.
@@ -20,8 +25,9 @@ covers the completion only. Never imports torch: the score function must not eit
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -53,8 +59,10 @@ class EpisodeRunner:
         self.score: Score = load_entry_point(settings.score)
         self.scoring = Offload(runtime, "score")  # user code: scores never stall the env server's loop
         self.rollouts: set[str] = set()  # generate endpoints
+        self.arrived: dict[str, float] = {}  # episode id -> when its run arrived (monotonic), until answered
         self.finished = 0
         self.failed = 0
+        self.keep_retries = 0
         env_server.server.on(Run.kind, self._on_run)
         runtime.every(rollout_refresh_s, self._refresh_rollouts)
 
@@ -70,6 +78,7 @@ class EpisodeRunner:
     def _on_run(self, request: Message) -> None:
         run = request.body
         assert isinstance(run, Run)
+        self.arrived[run.episode_id] = time.monotonic()
         if not self.rollouts:
             self._refresh_rollouts()
         if not self.rollouts:
@@ -118,16 +127,26 @@ class EpisodeRunner:
                 "ref": 0,
             }],
         }
+        self._keep(run, pending, generated, info, reward)
+
+    def _keep(self, run: Run, pending: Pending, generated: Generated, info: dict[str, Any], reward: float) -> None:
         try:
             self.env_server.keep(run.episode_id, [generated.arrays], policy_version=generated.policy_version,
                                  info=info)
         except KeepError as exc:
+            waited = time.monotonic() - self.arrived.get(run.episode_id, 0.0)
+            if exc.retry_after_s > 0 and waited + exc.retry_after_s < self.settings.generate_timeout_s:
+                self.keep_retries += 1
+                self.runtime.later(exc.retry_after_s, lambda: self._keep(run, pending, generated, info, reward))
+                return
             self._fail(run, pending, exc.code, str(exc))
             return
         self.finished += 1
+        self.arrived.pop(run.episode_id, None)
         self.env_server.server.answer(pending, Ok(detail=f"reward={reward:.3f}"))
 
     def _fail(self, run: Run, pending: Pending, code: str, message: str) -> None:
         self.failed += 1
+        self.arrived.pop(run.episode_id, None)
         log.warning("run.failed", episode_id=run.episode_id, code=code, error=message)
         self.env_server.server.answer(pending, Error(code=code, message=message, request_kind=Run.kind))

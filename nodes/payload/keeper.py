@@ -69,12 +69,19 @@ def blob_checksum(arrays: Mapping[str, np.ndarray]) -> int:
     return checksum(digests.tobytes())
 
 
+RETRY_AFTER_S = 0.25
+"""What an ``over-budget`` refusal asks the keeper to wait before trying again: blobs leave as their holders
+delete them, so room comes back in steps, not at a time the store could predict."""
+
+
 class KeepError(ValueError):
     """``keep`` refused an episode and kept nothing. ``code`` is stable (it becomes the error reply's code):
-    ``bad-branch``, ``over-budget``, ``duplicate-episode`` or ``closed``."""
+    ``bad-branch``, ``over-budget``, ``duplicate-episode`` or ``closed``. ``retry_after_s`` > 0 (only
+    ``over-budget`` of an episode that fits the budget at all): the same keep may succeed after that long."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, retry_after_s: float = 0.0) -> None:
         self.code = code
+        self.retry_after_s = retry_after_s
         super().__init__(message)
 
 
@@ -300,9 +307,12 @@ class Keeper:
             raise KeepError("duplicate-episode", f"episode {episode_id!r} is already kept here")
         total = sum(p.nbytes for p in packed)
         if self._bytes_held + total > self.budget_bytes:
+            fits = total <= self.budget_bytes
             raise KeepError(
                 "over-budget",
-                f"episode {episode_id!r} needs {total} bytes, {self._bytes_held} of {self.budget_bytes} are held",
+                f"episode {episode_id!r} needs {total} bytes, {self._bytes_held} of {self.budget_bytes} are held"
+                + (f"; retry after {RETRY_AFTER_S} s" if fits else "; it can never fit"),
+                retry_after_s=RETRY_AFTER_S if fits else 0.0,
             )
         deadline = self.clock() + self.handover_lease_s
         refs: list[BlobRef] = []

@@ -440,6 +440,9 @@ class Orchestrator:
                             lambda: {(): float(self.core.step)})
         self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",
                             self._dropped_samples, labels=("reason",))
+        self.runtime.metric("refbus_orchestrator_backpressure_pauses_total",
+                            "Times every env server was at its high-water mark, so no new group started.",
+                            lambda: {(): float(self.core.full_pauses)})
         self.runtime.metric("refbus_orchestrator_blobs_lost_total",
                             "References dropped because their env server went down and was not back in time.",
                             lambda: {(): float(self.lost)})

@@ -49,6 +49,13 @@ Decisions and their rules:
   take an admission slot; incomplete, they are abandoned after
   ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
   incarnation's ``tag``, so they never collide with the earlier incarnation's.
+* **Backpressure.** Runs go only where there is room (:class:`~.shipping.ReplicaRouter`): a store's bytes
+  held plus the episodes its runs in flight will keep stay under its high-water mark. A group starts only
+  when its source has room for all its runs; when no source has, no new group starts (logged once per pause,
+  counted in ``full_pauses``) until a store drains. Stores drain as holders delete, so trainers slower than
+  rollouts bound the work in flight instead of failing keeps. When nothing is in flight while every store is
+  full, what they hold waits for a step that needs more groups: one group at a time goes anyway (counted in
+  ``starved``, with a warning that the budget holds less than a step), under the stores' hard budget.
 """
 
 from __future__ import annotations
@@ -232,6 +239,9 @@ class OrchestratorCore:
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
         self.version_known = False  # no run before a policy version exists
+        self.stores_full = False  # every store at its high-water mark: no new group until one drains
+        self.full_pauses = 0
+        self.starved = 0  # groups sent though every store was full, since nothing else could free room
         self.max_steps = settings.max_steps or None  # None: the trainer ranks' budget, once they are known
         self.refused_runs = 0  # runs refused as not ready (NOT_READY)
         self._backoff_s = 0.0  # the current dispatch pause; 0 while runs succeed
@@ -284,6 +294,8 @@ class OrchestratorCore:
             return []
         self.episodes += 1
         self.holdings.take(claimed)
+        if episode.refs:
+            self.router.kept(episode.refs[0].endpoint, sum(ref.nbytes for ref in episode.refs))
         samples = self._samples(episode, {ref.blob_id for ref in claimed})
         info = episode.info
         group_id = str(info.get("group", episode.episode_id))
@@ -563,8 +575,31 @@ class OrchestratorCore:
         bound = (settings.max_staleness + self.policy_version + 1) * settings.groups_per_step
         in_flight = 1 if self._backoff_s else settings.max_groups_in_flight  # probing: one group at a time
         while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
+            if not self._has_room():
+                if not self.runs:
+                    # Nothing in flight, so nothing will drain a store before a step ships, and the step needs
+                    # more groups: one group at a time, under the stores' hard budget only.
+                    if not self.starved:
+                        log.warning("dispatch.stores_full_without_runs", stores=sorted(self.router.replicas),
+                                    hint="env_server.budget_bytes holds less than a step (with the high-water "
+                                         "mark): raise it, or lower orchestrator.groups_per_step")
+                    self.starved += 1
+                    actions += self._send_group(now, evaluation=False)
+                break
             actions += self._send_group(now, evaluation=False)
         return actions
+
+    def _has_room(self) -> bool:
+        """Backpressure: whether some store is below its high-water mark; a change is logged once."""
+        room = bool(self.router.with_room(self.settings.group_size))
+        if room == self.stores_full:
+            self.stores_full = not room
+            if room:
+                log.info("dispatch.stores_drained", paused=self.full_pauses)
+            else:
+                self.full_pauses += 1
+                log.warning("dispatch.stores_full", stores=sorted(self.router.full))
+        return room
 
     def on_run_done(self, now: float, episode_id: str, error: str | None, code: str = "") -> list[Action]:
         """A run was answered: ``error`` None for ok, else with the refusal's ``code`` when the env server
@@ -601,7 +636,8 @@ class OrchestratorCore:
             self._admitted.add(group_id)
         self.train_groups_sent += not evaluation
         prompt = [int(t) for t in self.prompts(self.rng)]
-        sources = sorted(self.router.replicas)
+        # An eval group goes even when every store is full.
+        sources = self.router.with_room(self.settings.group_size) or sorted(self.router.replicas)
         source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
         actions: list[Action] = []
         for member in range(self.settings.group_size):

@@ -272,29 +272,69 @@ def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarr
 
 
 class ReplicaRouter:
-    """Sends each run to the replica of its source with the fewest runs in flight.
+    """Sends each run to the replica of its source with the fewest runs in flight, among those with room.
 
     Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
-    it has one, else its node id.
+    it has one, else its node id. Room is backpressure decided before the budget is reached: a replica has
+    room for one more run while what it holds, plus the episodes its runs in flight will keep (each counted
+    at the mean size of the episodes seen so far), stays under its high-water mark (``budget_bytes`` times
+    ``high_water`` from its heartbeat status). What it holds comes from the registry (read every second or
+    so) plus the episodes it kept since (:meth:`kept`), so a burst of runs finishing between two reads
+    cannot overfill it. A replica that publishes no budget always has room, unless its status says ``full``.
     """
 
     def __init__(self) -> None:
         self.replicas: dict[str, list[str]] = {}
         self.in_flight: Counter[str] = Counter()
+        self.held: dict[str, float] = {}  # endpoint -> bytes held, as of the last registry read plus kept()
+        self.limit: dict[str, float] = {}  # endpoint -> its high-water mark in bytes (absent: unknown)
+        self.full: set[str] = set()  # endpoints whose status says they are at their high-water mark
+        self.episode_bytes = 0.0  # mean bytes of an episode's blobs, as kept so far
+        self._episodes = 0
 
     def update(self, nodes: Iterable[NodeInfo]) -> None:
         replicas: dict[str, list[str]] = defaultdict(list)
+        self.held, self.limit, self.full = {}, {}, set()
         for node in nodes:
             if node.role == "env-server" and "blobs" in node.endpoints:
-                replicas[node.labels.get("source", node.node_id)].append(node.endpoints["blobs"])
+                endpoint = node.endpoints["blobs"]
+                replicas[node.labels.get("source", node.node_id)].append(endpoint)
+                status = node.status
+                self.held[endpoint] = status.get("bytes_held", 0.0)
+                if "budget_bytes" in status and "high_water" in status:
+                    self.limit[endpoint] = status["budget_bytes"] * status["high_water"]
+                if status.get("full"):
+                    self.full.add(endpoint)
         self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
 
+    def kept(self, endpoint: str, nbytes: int) -> None:
+        """An episode of ``nbytes`` was kept at ``endpoint``: it holds that much more until the next read."""
+        self._episodes += 1
+        self.episode_bytes += (nbytes - self.episode_bytes) / self._episodes
+        if endpoint in self.held:
+            self.held[endpoint] += nbytes
+
+    def room(self, endpoint: str) -> int:
+        """How many more runs ``endpoint`` can take before its episodes would reach its high-water mark."""
+        if endpoint in self.full:
+            return 0
+        limit = self.limit.get(endpoint)
+        if limit is None or self.episode_bytes <= 0:
+            return 1 << 30
+        return max(0, int((limit - self.held.get(endpoint, 0.0)) // self.episode_bytes) - self.in_flight[endpoint])
+
+    def with_room(self, runs: int = 1) -> list[str]:
+        """The sources (sorted) whose replicas together have room for ``runs`` more runs."""
+        return sorted(source for source, endpoints in self.replicas.items()
+                      if sum(self.room(ep) for ep in endpoints) >= runs)
+
     def pick(self, source: str) -> str:
-        """The endpoint of ``source``'s least-loaded replica (ties: stable order); counts the run in flight."""
+        """The endpoint of ``source``'s least-loaded replica with room (then the least-loaded one; ties:
+        stable order); counts the run in flight."""
         candidates = self.replicas.get(source)
         if not candidates:
             raise LookupError(f"no live env-server replica for source {source!r}")
-        endpoint = min(candidates, key=lambda ep: self.in_flight[ep])
+        endpoint = min(candidates, key=lambda ep: (self.room(ep) <= 0, self.in_flight[ep]))
         self.in_flight[endpoint] += 1
         return endpoint
 
