@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files; kept); default: a "
                     "temporary one, removed at the end unless --keep-logs")
     up.add_argument("--chaos", type=_positive_seconds, default=0.0, metavar="SECONDS",
-                    help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker or ps-worker: "
-                    "the supervisor restarts it, as after any crash. Trainer ranks, the orchestrator, the "
+                    help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker, ps-worker or "
+                    "the orchestrator: the supervisor restarts it, as after any crash. Trainer ranks, the "
                     "ps-manager and the broker are never killed: they do not restart yet (trainer ranks need "
                     "checkpoints)")
     up.add_argument("--chaos-seed", type=int, default=0, metavar="N",

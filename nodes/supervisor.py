@@ -1,16 +1,17 @@
 """What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
 
-Restartable are the roles whose restarted process re-joins under the same node id and needs nothing
-else back: env servers (what a dead one stored is lost), rollout workers and ps-workers. With trainer
-checkpoints on (``world_restarts``), the trainer ranks are restarted too, as a world: a rank that dies
-(exits non-zero) stops its world (the other ranks exit on their own once the bus reports it down: they
-have ``world_exit_s``, then the rest are stopped), and after the backoff every rank starts again together
-(``cluster.restart_world``: a fresh rendezvous), resuming from the newest checkpoint every rank has. A
-world restart counts as one restart, named after the rank that died first; the other ranks' exits meanwhile
-are part of it. The orchestrator, the ps-manager and the broker are not restartable: their death ends the
-run, naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per
-run (``up.restart_budget``), each after a backoff (``up.restart_backoff_s``, doubled for every earlier
-restart of the same node, or of the world).
+Restartable are the roles whose restarted process re-joins under the same node id and rebuilds what it
+needs from its peers: env servers (what a dead one stored is lost), rollout workers, ps-workers and the
+orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held).
+With trainer checkpoints on (``world_restarts``), the trainer ranks are restarted too, as a world: a rank
+that dies (exits non-zero) stops its world (the other ranks exit on their own once the bus reports it down:
+they have ``world_exit_s``, then the rest are stopped), and after the backoff every rank starts again
+together (``cluster.restart_world``: a fresh rendezvous), resuming from the newest checkpoint every rank
+has. A world restart counts as one restart, named after the rank that died first; the other ranks' exits
+meanwhile are part of it. The ps-manager and the broker are not restartable: their death ends the run,
+naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per run
+(``up.restart_budget``), each after a backoff (``up.restart_backoff_s``, doubled for every earlier restart
+of the same node, or of the world).
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted), so a deployment can be tried against crashes the
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 
 from .launch import NodeProcess
 
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-")
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator")
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under

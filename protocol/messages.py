@@ -13,9 +13,10 @@ Kinds by direction:
 * events (PUB/SUB through the broker): ``episode-finished``, ``claim``, ``reference``, ``fetch-ack``,
   ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``, ``run-end``
 * requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``keep``,
-  ``discard``, ``claim``, ``fetch``, ``delete``, ``accounts``, ``step-batch``, ``run``, ``generate``
+  ``discard``, ``claim``, ``fetch``, ``delete``, ``accounts``, ``holdings``, ``step-batch``, ``run``,
+  ``generate``
 * replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``kept``, ``blobs``, ``claimed``, ``deleted``,
-  ``accounted``, ``generated``, ``error``
+  ``accounted``, ``held``, ``generated``, ``error``
 """
 
 from __future__ import annotations
@@ -345,6 +346,18 @@ class Accounts(Body, frozen=True):
     holders: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
 
 
+@register_kind("holdings")
+class HoldingsQuery(Body, frozen=True):
+    """Request to an env server: the episodes with a live blob held by ``holder`` or still unclaimed
+    (answered with ``held``), in keep order, from keep position ``after`` on, at most ``limit`` (and about a
+    quarter of the body limit in bytes) per answer. What a restarted holder asks to take back what its
+    earlier incarnation held."""
+
+    holder: Name
+    after: NonNegative = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256
+
+
 @register_kind("step-batch")
 class StepBatch(Body, frozen=True):
     """Request from the orchestrator to one trainer rank: its micro batches for ``step``.
@@ -439,6 +452,25 @@ class Accounted(Body, frozen=True):
     held_by: dict[str, NonNegative] = {}
     reclaimed: dict[str, NonNegative] = {}
     violations: dict[str, NonNegative] = {}
+
+
+class HeldEpisode(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One episode of a ``held`` answer: its ``episode-finished`` record as published (every ref, whoever
+    holds it now), the ids of its live blobs ``held`` by the asking holder, and those still ``unclaimed``."""
+
+    episode: EpisodeFinished
+    held: list[str] = []
+    unclaimed: list[str] = []
+
+
+@register_kind("held")
+class Held(Body, frozen=True):
+    """Reply to ``holdings``: one page of episodes; ``more`` when the answer was cut (ask again from
+    ``cursor``, the keep position after the last episode examined)."""
+
+    episodes: list[HeldEpisode]
+    cursor: NonNegative
+    more: bool = False
 
 
 @register_kind("kept")

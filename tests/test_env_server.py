@@ -42,6 +42,8 @@ from refbus.protocol.messages import (
     EpisodeFinished,
     Error,
     Fetch,
+    Held,
+    HoldingsQuery,
     Keep,
     Kept,
     NodeList,
@@ -364,3 +366,62 @@ def test_accounts_are_the_counters_the_stream_shows_and_hostile_asks_are_refused
         refusal = codec.decode(recv_frames(raw)).body
         assert isinstance(refusal, Error) and refusal.code == code and says in refusal.message, refusal
     assert ask(client, Accounts()) == account  # nothing changed, and it still serves
+
+
+def test_holdings_page_through_what_a_holder_held_or_nobody_claimed_and_hostile_asks_are_refused(
+    env_server: EnvServerFactory, peer, zmq_ctx: zmq.Context
+) -> None:
+    """Every episode with a blob held by the holder or unclaimed comes back once, with its record as kept,
+    in pages cut by ``limit`` or by bytes (a quarter of the body limit); a malformed, out-of-range or oversized
+    ``holdings`` is refused with a clear error and the store goes on serving."""
+    _, info = env_server("env-h")
+    endpoint = info["endpoints"]["blobs"]
+    client = peer(endpoint)
+    records = {}
+    for index in range(6):
+        pad = "x" * 150_000 if index >= 3 else ""  # records of ~150 KB: a page of 256 KB holds one of them
+        body = {"group": f"g{index}", "reward": float(index), "pad": pad}
+        kept = ask(client, Keep(episode_id=f"ep-{index}", branches=[branch(3), branch(2, seed=index)], info=body))
+        assert isinstance(kept, Kept)
+        records[f"ep-{index}"] = EpisodeFinished(episode_id=f"ep-{index}", source="env-h", refs=kept.refs, info=body)
+    ids = {episode: [ref.blob_id for ref in record.refs] for episode, record in records.items()}
+    ask(client, Claim(blob_ids=[*ids["ep-0"], *ids["ep-3"], *ids["ep-4"], ids["ep-5"][0]], holder="orch"))
+    ask(client, Claim(blob_ids=ids["ep-1"], holder="orch-2"))
+    ask(client, Delete(blob_ids=ids["ep-4"], holder="orch", reason="trained"))
+
+    pages, after, more = [], 0, True
+    while more:
+        page = ask(client, HoldingsQuery(holder="orch", after=after, limit=3))
+        assert isinstance(page, Held) and page.episodes
+        pages.append([entry.episode.episode_id for entry in page.episodes])
+        listed = {entry.episode.episode_id: entry for entry in page.episodes}
+        for episode, entry in listed.items():
+            assert entry.episode == records[episode]
+        after, more = page.cursor, page.more
+    assert pages == [["ep-0", "ep-2", "ep-3"], ["ep-5"]]  # ep-1 is another holder's, ep-4 is gone
+    last = ask(client, HoldingsQuery(holder="orch", after=after))
+    assert last == Held(episodes=[], cursor=after)
+    split = ask(client, HoldingsQuery(holder="orch", after=5))
+    assert [(e.held, e.unclaimed) for e in split.episodes] == [([ids["ep-5"][0]], [ids["ep-5"][1]])]
+    by_bytes = ask(client, HoldingsQuery(holder="orch", after=3))
+    assert [e.episode.episode_id for e in by_bytes.episodes] == ["ep-3"] and by_bytes.more  # 3 + 5: > 256 KB
+
+    codec = WireCodec("hostile")
+    raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
+    kind, header = codec.encode(HoldingsQuery(holder="orch"))[:2]
+    encode = msgspec.msgpack.encode
+    for frames, code, says in ((codec.encode(HoldingsQuery(holder="orch", limit=0)), "schema", "limit"),
+                               (codec.encode(HoldingsQuery(holder="orch", limit=10**6)), "schema", "limit"),
+                               (codec.encode(HoldingsQuery(holder="")), "schema", "holder"),
+                               (codec.encode(HoldingsQuery(holder="x" * 300)), "schema", "holder"),
+                               ([kind, header, encode({"after": -1, "holder": "o"})], "schema", "after"),
+                               ([kind, header, encode({"after": 0})], "schema", "holder"),
+                               ([kind, header, b"\xc1not msgpack"], "malformed", ""),
+                               ([kind, header, b"\x81\xa6holder" + b"\xda\xff\xff" + b"o" * (17 << 20)],
+                                "too-large", "limit")):
+        raw.send_multipart(frames)
+        assert raw.poll(WAIT_S * 1000), "no reply"
+        refusal = codec.decode(recv_frames(raw)).body
+        assert isinstance(refusal, Error) and refusal.code == code and says in refusal.message, refusal
+    assert ask(client, HoldingsQuery(holder="orch", after=5)) == split  # nothing changed, and it still serves
+    raw.close()

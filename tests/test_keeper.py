@@ -19,6 +19,7 @@ from refbus.nodes.payload.keeper import (
     blob_checksum,
 )
 from refbus.protocol.codec import checksum
+from refbus.protocol.messages import EpisodeFinished
 
 LEASE_S = 10.0
 
@@ -308,6 +309,44 @@ def test_a_restarted_holder_keeps_what_it_claims_again_within_the_grace(keeper: 
     clock.now += GRACE_S - 1.0
     assert keeper.reclaim()["orch"].deleted == (ids[2],)
     assert set(keeper.fetch(ids[:2], "t").arrays) == set(ids[:2])
+
+
+def test_a_restarted_holder_keeps_what_it_claims_for_the_first_time_within_the_grace(
+        keeper: Keeper, clock: Clock) -> None:
+    """Blobs unclaimed when the holder went down and claimed by its restarted incarnation are not the dead
+    incarnation's: the reclaim at the grace's end leaves them."""
+    held = _claimed(keeper, "ep-held", "orch")
+    free = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3), arrays(4)])]
+    keeper.holder_down("orch", GRACE_S)
+    assert keeper.claim(free, "orch").claimed == tuple(free)
+    clock.now += GRACE_S
+    assert keeper.reclaim()["orch"].deleted == tuple(held)
+    assert set(keeper.fetch(free, "t").arrays) == set(free)
+
+
+def test_holdings_list_the_records_of_what_a_holder_holds_or_nobody_claimed(keeper: Keeper) -> None:
+    """In keep order, from a keep position on; an episode only partly the holder's lists its part; an episode
+    wholly another holder's, or gone, is not listed; a record leaves with its episode's last blob."""
+    def keep(episode: str, count: int) -> list[str]:
+        refs = keeper.keep(episode, [arrays(3, seed=i) for i in range(count)])
+        keeper.record(EpisodeFinished(episode_id=episode, source="env-a", refs=refs, info={"group": "g"}))
+        return [ref.blob_id for ref in refs]
+
+    mine, split, others = keep("mine", 2), keep("split", 3), keep("others", 1)
+    free, gone = keep("free", 1), keep("gone", 1)
+    keeper.claim([*mine, *split], "orch")
+    keeper.hand_over(split[:1], "rank-0")
+    keeper.claim(others, "orch-2")
+    keeper.delete(gone, "env-a", "discarded")
+    listed = [(h.position, h.record.episode_id, h.held, h.unclaimed) for h in keeper.holdings("orch")]
+    assert listed == [(0, "mine", tuple(mine), ()), (1, "split", tuple(split[1:]), ()), (3, "free", (), tuple(free))]
+    assert [h.record.episode_id for h in keeper.holdings("orch", after=2)] == ["free"]
+    assert [h.record.episode_id for h in keeper.holdings("orch-2")] == ["others", "free"]
+    keeper.delete([*mine, *split], "orch", "trained")
+    keeper.delete(free, "env-a", "discarded")
+    assert list(keeper.holdings("orch")) == [] and keeper.blobs_held == 1
+    keeper.record(EpisodeFinished(episode_id="never-kept", source="env-a", refs=[]))  # no blobs: not filed
+    assert [h.record.episode_id for h in keeper.holdings("orch-2")] == ["others"]
 
 
 def test_blobs_handed_to_a_trainer_rank_are_its_own(keeper: Keeper, clock: Clock) -> None:

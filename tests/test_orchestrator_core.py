@@ -24,7 +24,7 @@ from refbus.nodes.payload.orchestrator_core import (
     SendRun,
 )
 from refbus.nodes.settings import OrchestratorSettings
-from refbus.protocol.messages import BlobRef, EpisodeFinished, NodeInfo
+from refbus.protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo
 
 DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0)
 T0 = 1000.0  # the injected clock's start: anything but zero, so no decision leans on it
@@ -387,6 +387,69 @@ def test_a_configured_max_steps_wins_over_the_ranks_budget() -> None:
     feed_group(core, T0, "g0")
     assert len(of(DeliverBatch, core.use_trainers(T0, ranks_with_budget(["5", "5"])))) == 2
     assert core.max_steps == 1 and core.finished
+
+
+def ranked(rank: int, **status: float) -> NodeInfo:
+    """A trainer rank's registry entry with its heartbeat status."""
+    return msgspec.structs.replace(trainer(rank), status=status)
+
+
+def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from_what_it_held() -> None:
+    """Step: the highest of each rank's next step and last received + 1, taken once. Recovered episodes are
+    grouped as if they had just finished (their own events, if they come, ignored); only the refs a store
+    lists as this holder's or unclaimed are claimed. Groups of the earlier incarnation take admission slots;
+    one that never completes is deleted ``incomplete`` with its stragglers ``late``; the budget still ends
+    the run at its step; this incarnation's runs carry its tag."""
+    core = OrchestratorCore(settings(max_steps=6, max_groups_in_flight=1), DEADLINES,
+                            prompts=lambda rng: [1], tag=".new")
+    # Rank 0 accepted step 3 and trains it next; rank 1 already started it: 4 comes next, 4 steps admitted.
+    core.resume_step([ranked(1, step=4, received=3)])  # not every rank listed: nothing decided yet
+    assert (core.step, core.step_resumed) == (0, False)
+    core.resume_step([ranked(0, step=3, received=3), ranked(1, step=4, received=3)])
+    assert (core.step, core.train_groups_sent, core.resumed) == (4, 4, True)
+    core.resume_step([ranked(0, step=9), ranked(1, step=9)])  # once
+    assert core.step == 4
+
+    # A store lists one episode of which only the second blob is still this holder's (a rank took the first).
+    first, second = episode("x-0", "g7", 1.0), episode("x-0b", "g7", 1.0)
+    split = msgspec.structs.replace(first, refs=[*first.refs, *second.refs])
+    assert core.reclaimable(HeldEpisode(episode=split, held=["b-x-0b"])) == second.refs
+    assert core.reclaimable(HeldEpisode(episode=first, unclaimed=["b-x-0"])) == first.refs
+    assert core.reclaimable(HeldEpisode(episode=first)) == []
+
+    # Both episodes of the earlier incarnation's group g7 were held: the group completes again.
+    done = [episode("g7-0", "g7", 1.0), episode("g7-1", "g7", 0.0)]
+    assert core.recover(T0, done[0], done[0].refs) == []
+    assert core.recover(T0, done[1], done[1].refs) == []  # queued: no trainers known yet
+    assert core.on_episode(T0, done[0], done[0].refs) == []  # its own event, late: ignored
+    assert (core.recovered_episodes, core.episodes, core.adopted_groups) == (2, 2, 1)
+    # One episode of g8 was held, the other's run was in flight in the earlier incarnation.
+    half = episode("g8-0", "g8", 1.0)
+    core.recover(T0, half, half.refs)
+    assert core.train_groups_sent == 4 + 2
+    (deliver, _) = of(DeliverBatch, core.use_trainers(T0, [ranked(0, step=3, received=3), ranked(1, step=4)]))
+    assert deliver.step == 4 and {"b-g7-0", "b-g7-1"} <= set(core.holdings.held)
+    # A late episode of an unknown earlier group is grouped too, and deleted once its group times out.
+    stray = episode("g9-0", "g9", 0.5)
+    core.on_episode(T0 + 1, stray, stray.refs)
+    assert core.adopted_groups == 3
+    expired = deletes(core.tick(T0 + 1 + settings().group_timeout_s + 0.1))
+    assert sorted(expired["incomplete"]) == ["b-g8-0", "b-g9-0"]
+    straggler = episode("g9-1", "g9", 0.5)
+    assert deletes(core.on_episode(T0 + 20, straggler, straggler.refs)) == {"late": ["b-g9-1"]}
+
+    # This incarnation's runs carry its tag, so they never collide with the earlier one's names.
+    core.use_replicas([env_server("env-a")])
+    core.on_version(4)
+    (run, _) = of(SendRun, core.dispatch(T0 + 20))
+    assert (run.run.group, run.run.episode_id) == ("g0.new", "g0.new-0")
+    # Step 4 acknowledged, one more group ships step 5, the last of the budget of 6; then nothing ships.
+    for endpoint in ("tcp://t0", "tcp://t1"):
+        core.on_delivered(T0 + 20, 4, endpoint, None)
+    fresh = [msgspec.structs.replace(episode(f"g10-{m}", "g10", float(m)), policy_version=4) for m in (0, 1)]
+    shipped = [a for ep in fresh for a in core.on_episode(T0 + 20, ep, ep.refs)]
+    assert [d.step for d in of(DeliverBatch, shipped)] == [5, 5]
+    assert core.finished and set(deletes(feed_group(core, T0 + 20, "g11"))) == {"max_steps"}
 
 
 def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_every_store_is_full() -> None:

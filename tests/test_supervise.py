@@ -1,5 +1,6 @@
 """`refbus up` supervises: an env server and a rollout worker killed with SIGKILL mid-run are restarted under
-their node ids and the run completes, every death named (progress output, summary); a death of a role that
+their node ids and the run completes, every death named (progress output, summary); so is an orchestrator,
+whose restart resumes at the trainer ranks' step with what it held, every blob accounted for; a death of a role that
 is not restartable ends the run naming it; `--chaos` picks its victims from a seeded generator; and a launcher
 killed with SIGKILL leaves no process of its run behind (every node gets the parent-death signal and is gone
 within ``node.shutdown_timeout_s``, the trainer ranks and the rollout workers' offload threads included)."""
@@ -64,6 +65,34 @@ def test_killed_env_server_and_rollout_worker_are_restarted_and_the_run_complete
             assert f"refbus up: {name} restarted (pid " in output
         assert "node deaths           2: env-1 (SIGKILL), rollout-1 (SIGKILL); restarts 2" in output
         assert summary["blobs"]["violations"] == 0
+        assert up.leftovers() == []
+    finally:
+        up.close()
+
+
+def test_killed_orchestrator_is_restarted_and_the_run_completes_with_every_blob_accounted_for(
+        tmp_path: Path) -> None:
+    """The restarted orchestrator takes the step from the trainer ranks and claims back what it held: the run
+    ships exactly its steps, every kept blob is deleted once (nothing lost, nothing left held)."""
+    steps = 4
+    up = Up(tmp_path, steps, *QUICK)
+    try:
+        wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
+        pid = up.note_pids()["orchestrator"]
+        os.kill(pid, signal.SIGKILL)
+        code = up.wait(RUN_S)
+        summary = up.summary()
+        output = up.output(20_000)
+        assert code == 0 and summary["ok"], output
+        assert summary["steps"] == steps and summary["failed_nodes"] == [] and summary["restarts"] == 1, output
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("orchestrator", pid, "SIGKILL", True)], output
+        assert "refbus up: orchestrator died (SIGKILL); restarting it" in output
+        assert "refbus up: orchestrator restarted (pid " in output
+        assert "node deaths           1: orchestrator (SIGKILL); restarts 1" in output
+        blobs = summary["blobs"]
+        assert blobs["violations"] == 0 and blobs["held"] == 0 and blobs["lost"] == 0 and blobs["leaked"] == 0, output
+        assert blobs["kept"] == blobs["deleted_total"], output
         assert up.leftovers() == []
     finally:
         up.close()
@@ -154,11 +183,11 @@ def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_oth
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         ("env-0", "SIGKILL", True), ("env-0", "exit 1", True), ("env-0", "SIGKILL", False)]
 
-    cluster, said = _Cluster("orchestrator"), []
+    cluster, said = _Cluster("ps-manager"), []
     supervisor = Supervisor(cluster, budget=5, backoff_s=1.0, say=said.append, clock=clock)  # type: ignore[arg-type]
     cluster.nodes[0].proc.code = 1
-    assert "orchestrator died (exit 1); it is not restartable" in (supervisor.poll() or "")
-    assert cluster.restarted == [] and supervisor.fatal == ["orchestrator"]
+    assert "ps-manager died (exit 1); it is not restartable" in (supervisor.poll() or "")
+    assert cluster.restarted == [] and supervisor.fatal == ["ps-manager"]
     assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
 
 
@@ -176,7 +205,7 @@ def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() ->
         return chaos.killed
 
     first = victims(7)
-    assert len(first) == 10 and set(first) <= {"ps-worker-0", "env-0", "env-1", "rollout-0"}
+    assert len(first) == 10 and set(first) <= {"ps-worker-0", "env-0", "env-1", "rollout-0", "orchestrator"}
     assert victims(7) == first
     assert any(victims(seed) != first for seed in range(8, 12))
     with pytest.raises(ValueError):

@@ -22,6 +22,10 @@ request      reply         effect and events
                            dead holders, violations) as of the sequence number of the last event published:
                            queued events are published first, so the counters and the stream agree up to it.
                            Counts only (per-holder maps cut to the request's ``holders``); not cached
+``holdings`` ``held``      the ``episode-finished`` records of the episodes with a live blob held by
+                           ``holder`` or unclaimed, with those blob ids, in keep order, paged (``limit``
+                           episodes, about a quarter of the body limit in bytes; ``more`` and ``cursor``
+                           to go on): what a restarted holder takes back. A read: no event; not cached
 ============ ============= ====================================================================================
 
 Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
@@ -68,6 +72,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -90,6 +95,9 @@ from ...protocol.messages import (
     EpisodeFinished,
     Fetch,
     FetchedBlob,
+    Held,
+    HeldEpisode,
+    HoldingsQuery,
     Keep,
     Kept,
     NodeDown,
@@ -173,6 +181,7 @@ class EnvServer:
         self.server.on(Fetch.kind, self._on_fetch, cached=False)  # a read: large replies are not cached
         self.server.on(Delete.kind, self._on_delete)
         self.server.on(Accounts.kind, self._on_accounts, cached=False)  # a read: a retry counts again
+        self.server.on(HoldingsQuery.kind, self._on_holdings, cached=False)  # a read: a retry reads again
         # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
         runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
         peers = runtime.track_peers()
@@ -210,8 +219,10 @@ class EnvServer:
                 refs = self.keeper.store(episode_id, packed)
                 # Queued under the lock: a shutdown that deletes these blobs then finds this event queued
                 # and publishes it first.
-                self._post(EpisodeFinished(episode_id=episode_id, source=self.source, refs=refs,
-                                           policy_version=policy_version, info=info or {}))
+                record = EpisodeFinished(episode_id=episode_id, source=self.source, refs=refs,
+                                         policy_version=policy_version, info=info or {})
+                self.keeper.record(record)
+                self._post(record)
         except KeepError as exc:  # a refusal to retry is backpressure working, not a fault
             (log.debug if exc.retry_after_s else log.warning)("keep.refused", episode_id=episode_id, code=exc.code,
                                                                  error=str(exc))
@@ -309,6 +320,26 @@ class EnvServer:
         return Accounted(store=self.runtime.node_id, seq=seq, kept=stats.kept_total, held=stats.blobs_held,
                          deleted=dict(stats.deleted), held_by=_largest(stats.held_by, body.holders),
                          reclaimed=_largest(stats.reclaimed, body.holders), violations=dict(stats.violations))
+
+    def _on_holdings(self, request: Message) -> Held:
+        body = request.body
+        assert isinstance(body, HoldingsQuery)
+        limits = self.runtime.codec.limits
+        # Records are small (references and lists), but a page of them must still fit a body and its item
+        # bound with room to spare: a quarter of the smaller of the two, counted on each record encoded.
+        budget = min(limits.max_body_bytes, limits.max_items) // 4
+        episodes: list[HeldEpisode] = []
+        cursor, more, size = body.after, False, 0
+        with self._lock:
+            for entry in self.keeper.holdings(body.holder, body.after):
+                cost = len(_encode_record(entry.record))
+                if episodes and (len(episodes) >= body.limit or size + cost > budget):
+                    more = True
+                    break
+                episodes.append(HeldEpisode(episode=entry.record, held=list(entry.held),
+                                            unclaimed=list(entry.unclaimed)))
+                cursor, size = entry.position + 1, size + cost
+        return Held(episodes=episodes, cursor=cursor, more=more)
 
     # --- timers and shutdown (loop thread) ----------------------------------------------------------
 
@@ -432,6 +463,12 @@ class EnvServer:
                             "that went down), by action.",
                             read(lambda s: {(action,): float(n) for action, n in s.stale.items()}),
                             labels=("action",))
+
+
+def _encode_record(record: EpisodeFinished) -> bytes:
+    """The record's msgpack body; arrays in ``info`` count nothing here (they travel as frames, outside the
+    body and its bounds)."""
+    return msgspec.msgpack.encode(record, enc_hook=lambda obj: 0)
 
 
 def _largest(counts: Mapping[str, int], limit: int) -> dict[str, int]:

@@ -9,9 +9,13 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
    deletes an abandoned episode's unclaimed blobs; :meth:`Keeper.close` deletes everything (``shutdown``).
    A holder reported down (:meth:`Keeper.holder_down`) that is not back (:meth:`Keeper.holder_back`)
    within its grace loses, at :meth:`Keeper.reclaim`, every blob it holds here (reason ``holder-down``)
-   except those its restarted incarnation claimed again meanwhile (a claim by the current holder is
-   answered ok). :meth:`Keeper.hand_over` follows the orchestrator's hand-over to a trainer rank (the
-   ``reference`` event), so a rank's blobs are its own and not the orchestrator's.
+   except those its restarted incarnation claimed meanwhile (again: a claim by the current holder is
+   answered ok; or for the first time: a blob unclaimed until then). :meth:`Keeper.hand_over` follows the
+   orchestrator's hand-over to a trainer rank (the ``reference`` event), so a rank's blobs are its own and
+   not the orchestrator's.
+   :meth:`Keeper.record` files the episode's ``episode-finished`` record with its blobs, for as long as one
+   of them lives, so :meth:`Keeper.holdings` can tell a restarted holder what it held and what nobody
+   claimed.
 3. :meth:`Keeper.fetch` reads it, any number of times, by anyone (trainer ranks fetch what they train).
 4. :meth:`Keeper.delete` removes it exactly once, whoever asks; a tombstone remembers who and why, so a
    second delete or a later fetch is reported as an ownership violation naming both holders. A blob
@@ -32,14 +36,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...protocol.codec import checksum
 from ...protocol.envelope import MessageIds
-from ...protocol.messages import BlobRef, Violation
+from ...protocol.messages import BlobRef, EpisodeFinished, Violation
 from .branch import Branch, BranchError
 
 UNDELIVERED = "undelivered"
@@ -208,6 +212,17 @@ class KeeperStats:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldRecord:
+    """One episode of :meth:`Keeper.holdings`: its keep position, its record, the ids of its live blobs held
+    by the holder asked about, and those still unclaimed."""
+
+    position: int
+    record: EpisodeFinished
+    held: tuple[str, ...]
+    unclaimed: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Blob:
     episode_id: str
     packed: PackedBranch
@@ -273,6 +288,9 @@ class Keeper:
         self._ids = MessageIds()
         self._blobs: dict[str, _Blob] = {}
         self._episodes: dict[str, list[str]] = {}
+        # episode id -> (keep position, its record), in keep order; gone with the episode's last blob
+        self._records: dict[str, tuple[int, EpisodeFinished]] = {}
+        self._positions = 0
         # (deadline, blob id) in keep order; deadlines never decrease (monotonic clock, one lease length),
         # so expiry pops from the front and costs nothing for blobs that are not due.
         self._leases: deque[tuple[float, str]] = deque()
@@ -339,6 +357,30 @@ class Keeper:
         self.kept_total += len(refs)
         return refs
 
+    def record(self, record: EpisodeFinished) -> None:
+        """File the ``episode-finished`` record of an episode just stored (its blobs live here), for
+        :meth:`holdings`; dropped with the episode's last blob. An episode with no blobs is not filed."""
+        if record.episode_id in self._episodes:
+            self._records[record.episode_id] = (self._positions, record)
+            self._positions += 1
+
+    def holdings(self, holder: str, after: int = 0) -> Iterator[HeldRecord]:
+        """The episodes with a live blob held by ``holder`` or unclaimed, in keep order from keep position
+        ``after`` on. Lazy: consume it before any other call on the keeper."""
+        for episode_id, (position, record) in self._records.items():
+            if position < after:
+                continue
+            held: list[str] = []
+            unclaimed: list[str] = []
+            for blob_id in self._episodes[episode_id]:
+                owner = self._blobs[blob_id].holder
+                if owner == holder:
+                    held.append(blob_id)
+                elif not owner:
+                    unclaimed.append(blob_id)
+            if held or unclaimed:
+                yield HeldRecord(position, record, tuple(held), tuple(unclaimed))
+
     # --- ownership ----------------------------------------------------------------------------------
 
     def claim(self, blob_ids: Sequence[str], holder: str) -> ClaimResult:
@@ -358,6 +400,8 @@ class Keeper:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
                 claimed.append(blob_id)
+                if (down := self._holders_down.get(holder)) is not None:
+                    down.claimed_again.add(blob_id)  # claimed by its restarted incarnation: not the dead one's
             elif blob.holder == holder:
                 already.append(blob_id)
                 if (down := self._holders_down.get(holder)) is not None:
@@ -526,6 +570,7 @@ class Keeper:
             siblings.remove(blob_id)
             if not siblings:
                 del self._episodes[blob.episode_id]
+                self._records.pop(blob.episode_id, None)
             self._tombstones[blob_id] = tomb
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)

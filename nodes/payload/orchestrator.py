@@ -46,12 +46,30 @@ down ends its world: the orchestrator stops shipping and waits for a new world (
 checkpoints), then continues from the step its ranks report; no new world within ``node.restart_grace_s``
 plus four ``node.connect_timeout_s`` halts it, naming the ranks. What the dead world never acknowledged is
 deleted with reason ``trainer-down``.
+``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
+
+Every start is a possible restart (the same node id after a crash; no flag): before it feeds any event to
+the core it rebuilds its state from the authorities, not from the event ring. It takes the step number
+from the trainer ranks' registry entries (their ``step`` and ``received`` status), asks every env server
+for the episodes whose blobs its node id holds or nobody claimed (``holdings``, paged), claims those blobs
+(again: a store keeps what a down holder held for ``node.restart_grace_s`` when its restarted incarnation
+claims it back) and feeds the episodes to the core as if they had just finished. Events that arrive
+meanwhile wait their turn, and no run goes out (admission counts what comes back); the
+``episode-finished`` of an episode already recovered is ignored. A store
+that does not answer is logged (``recovery.store_failed``): what this node id held there goes
+``holder-down`` after the grace, named by the store; a blob whose claim fails is counted ``missing``.
+Episodes of the earlier incarnation's runs that finish later are grouped like any other (a group that
+never completes is deleted ``incomplete``). Limits: a step the earlier incarnation had delivered to some
+ranks and not others cannot be completed (its batches are gone with it); the ranks that hold it fail that
+step when ``trainer.batch_timeout_s`` ends. A ``reference`` not yet applied by a store when the restarted
+incarnation asks would list a blob a rank already took; the restart takes seconds, the event milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -69,6 +87,8 @@ from ...protocol.messages import (
     Delete,
     Deleted,
     EpisodeFinished,
+    Held,
+    HoldingsQuery,
     NodeDown,
     NodeInfo,
     VersionBump,
@@ -105,9 +125,10 @@ def deadlines_from(config: Config) -> Deadlines:
 
 @dataclass
 class _Arrival:
-    """An event waiting its turn: events reach the core in arrival order, an episode once its claims are in."""
+    """An event waiting its turn: events reach the core in arrival order, an episode once its claims are in.
+    ``message`` None: the start-up recovery, ahead of every event, fed once every store answered."""
 
-    message: Message
+    message: Message | None
     claims_pending: int = 0
     claimed: list[BlobRef] = field(default_factory=list)
 
@@ -126,13 +147,18 @@ class Orchestrator:
         self.settings = settings
         self.clock = clock
         prompts = load_entry_point(settings.prompt) if settings.dispatch else None
-        self.core = OrchestratorCore(settings, deadlines, prompts=prompts)
+        # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
+        self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
         self.claimed = 0
         self.missing = 0
         self.deleted: Counter[str] = Counter()
         self.failed_deletes = 0
         self.lost = 0  # references dropped because their store went down for good
         self._arrivals: deque[_Arrival] = deque()
+        self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
+        self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
+        self._arrivals.append(self._recovery)
+        runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
         self._peers = runtime.track_peers()
         self._peers.on_down(self._on_node_down)
@@ -185,11 +211,85 @@ class Orchestrator:
         """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
         while self._arrivals and self._arrivals[0].claims_pending == 0:
             arrival = self._arrivals.popleft()
+            if arrival.message is None:
+                self._feed_recovered()
+                continue
             body = arrival.message.body
             if isinstance(body, VersionBump):
                 self.core.on_version(body.version)
             elif isinstance(body, EpisodeFinished):
                 self._execute(self.core.on_episode(self.clock(), body, arrival.claimed))
+
+    # --- start-up recovery ---------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, the
+        episodes it held (or nobody claimed) from every env server. ``claims_pending`` of the recovery
+        arrival counts the requests still out, plus one for this call; no run is dispatched until it is 0."""
+        trainers = self.runtime.lookup("trainer")
+        if trainers:
+            self.core.resume_step(trainers)
+        stores = self.runtime.lookup("env-server")
+        if stores is None:
+            log.error("recovery.no_registry", detail="what an earlier incarnation held goes holder-down")
+        for node in stores or ():
+            if endpoint := node.endpoints.get("blobs"):
+                self._ask_holdings(endpoint, 0)
+        self._recovery_done()
+
+    def _ask_holdings(self, endpoint: str, after: int) -> None:
+        self._recovery.claims_pending += 1
+        self.runtime.calls.request(endpoint, HoldingsQuery(holder=self.runtime.node_id, after=after),
+                                   lambda outcome: self._on_held(endpoint, outcome))
+
+    def _on_held(self, endpoint: str, outcome: Outcome) -> None:
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            log.error("recovery.store_failed", endpoint=endpoint, node=self._peers.node_of(endpoint),
+                      error=str(error), detail="what this node id held there goes holder-down after the grace")
+        for _, reply in replies:
+            held = reply.body
+            assert isinstance(held, Held)
+            if held.more:
+                self._ask_holdings(endpoint, held.cursor)
+            wanted = [(entry.episode, refs) for entry in held.episodes if (refs := self.core.reclaimable(entry))]
+            if wanted:  # one claim per page: the store answers each id
+                self._recovery.claims_pending += 1
+                claim = Claim(blob_ids=[r.blob_id for _, refs in wanted for r in refs], holder=self.runtime.node_id)
+                self.runtime.calls.request(endpoint, claim,
+                                           lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome))
+        self._recovery_done()
+
+    def _on_reclaimed(self, endpoint: str, wanted: Sequence[tuple[EpisodeFinished, list[BlobRef]]],
+                      outcome: Outcome) -> None:
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        blobs = sum(len(refs) for _, refs in wanted)
+        for _, error in failures:
+            log.warning("recovery.claim_failed", endpoint=endpoint, episodes=len(wanted), blobs=blobs,
+                        error=str(error), detail="what this node id held there goes holder-down after the grace")
+            self.missing += blobs
+        for _, reply in replies:
+            answer = reply.body
+            assert isinstance(answer, Claimed)
+            granted = set(answer.blob_ids)
+            self.claimed += len(granted)
+            self.missing += len(answer.missing)
+            for episode, refs in wanted:
+                if claimed := [ref for ref in refs if ref.blob_id in granted]:
+                    self._recovered.append((episode, claimed))
+        self._recovery_done()
+
+    def _recovery_done(self) -> None:
+        self._recovery.claims_pending -= 1
+        if self._recovery.claims_pending == 0:
+            self._feed()
+
+    def _feed_recovered(self) -> None:
+        recovered, self._recovered = self._recovered, []
+        if recovered:
+            log.warning("recovery.episodes", episodes=len(recovered), blobs=sum(len(refs) for _, refs in recovered))
+        for episode, claimed in recovered:
+            self._execute(self.core.recover(self.clock(), episode, claimed))
 
     # --- timers --------------------------------------------------------------------------------------
 
@@ -221,6 +321,8 @@ class Orchestrator:
                     self.core.on_version(int(version))
 
     def _dispatch(self) -> None:
+        if self._recovery.claims_pending:
+            return  # admission counts what the recovery brings back: no run before it is fed
         self._execute(self.core.dispatch(self.clock()))
 
     # --- actions -------------------------------------------------------------------------------------
@@ -295,7 +397,10 @@ class Orchestrator:
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
         (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
-        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed)."""
+        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed);
+        episodes recovered at start and not fed yet are deleted with the rest."""
+        for _, claimed in self._recovered:
+            self.core.holdings.take(claimed)
         actions = self.core.close()
         for action in actions:
             if isinstance(action, LoseBlobs):

@@ -50,6 +50,19 @@ Decisions and their rules:
   advertise (label ``steps``, the smallest): once that many steps shipped, nothing more ships or runs and
   whatever arrives is deleted (``max_steps``), so ranks that trained their steps and left are never sent
   another one.
+* **Restart.** A started orchestrator may be a restart under the same node id: it rebuilds its state from
+  the authorities, never from the event ring. The step number comes from the trainer ranks
+  (:meth:`~OrchestratorCore.resume_step`): each reports the next step it trains (``step``) and the last step
+  batch it accepted (``received``); shipping goes on at the highest of every rank's ``step`` and
+  ``received + 1``, so no rank is sent a step it already holds (it would refuse it, ``duplicate-step``), and
+  the steps before count as admitted groups. What the stores list for this node id or as unclaimed
+  (:meth:`~OrchestratorCore.reclaimable`, then :meth:`~OrchestratorCore.recover`) is claimed and fed as if
+  it had just finished, so groups and the queue are rebuilt; its own ``episode-finished`` event, if it comes
+  too, is ignored. After a restart (steps or episodes of an earlier incarnation found), episodes of groups
+  this incarnation did not send (the earlier one's runs still in flight) are grouped like any other and
+  take an admission slot; incomplete, they are abandoned after
+  ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
+  incarnation's ``tag``, so they never collide with the earlier incarnation's.
 * **Backpressure.** Runs go only where there is room (:class:`~.shipping.ReplicaRouter`): a store's bytes
   held plus the episodes its runs in flight will keep stay under its high-water mark. A group starts only
   when its source has room for all its runs; when no source has, no new group starts (logged once per pause,
@@ -70,7 +83,7 @@ import numpy as np
 import structlog
 
 from ...bus.peers import incarnation
-from ...protocol.messages import BlobRef, EpisodeFinished, NodeInfo, Run, StepBatch
+from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
 from .shipping import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
 
 if TYPE_CHECKING:
@@ -227,11 +240,12 @@ class OrchestratorCore:
     """Every decision of the orchestrator (see the module doc). Not thread-safe: one caller.
 
     Every method that takes ``now`` returns the actions to take, in order; deletes decided along the way
-    come first. Counters feed metrics and the summary.
+    come first. Counters feed metrics and the summary. ``tag`` goes into every group and run name this
+    incarnation sends (a restart under the same node id must not reuse the earlier one's names).
     """
 
     def __init__(self, settings: OrchestratorSettings, deadlines: Deadlines | None = None, *,
-                 prompts: Prompts | None = None) -> None:
+                 prompts: Prompts | None = None, tag: str = "") -> None:
         self.settings = settings
         self.deadlines = deadlines or Deadlines()
         self.holdings = Holdings()
@@ -279,6 +293,14 @@ class OrchestratorCore:
         self.world_restarts = 0
         self.rewound_groups = 0  # groups trained by a world that went down after its last checkpoint
         self._groups_of_step: dict[int, int] = {}
+        # restart
+        self.tag = tag
+        self.step_resumed = False  # the step number was taken from the trainer ranks
+        self.resumed = False  # an earlier incarnation's steps or episodes were found: this is a restart
+        self.recovered_episodes = 0  # fed from the stores' holdings at start
+        self.adopted_groups = 0  # groups this incarnation did not send (an earlier incarnation's)
+        self._recovered: set[str] = set()  # episode ids recovered whose own event may still come
+        self._admitted: set[str] = set()  # groups sent by this incarnation and not closed yet
 
     # --- what the executor asks ----------------------------------------------------------------------
 
@@ -309,7 +331,11 @@ class OrchestratorCore:
 
     def on_episode(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef]) -> list[Action]:
         """An episode arrived; ``claimed``: those of its refs the orchestrator now owns (the others' blobs
-        were gone or their env server did not answer)."""
+        were gone or their env server did not answer). An episode already recovered from its store is
+        ignored (its claim was a repeat)."""
+        if episode.episode_id in self._recovered:
+            self._recovered.discard(episode.episode_id)
+            return []
         self.episodes += 1
         self.holdings.take(claimed)
         if episode.refs:
@@ -324,6 +350,9 @@ class OrchestratorCore:
         elif group_id in self.closed_groups:
             self.sink.drop(samples, "late")
         else:
+            if self.resumed and group_id not in self.groups and group_id not in self._admitted:
+                self.adopted_groups += 1  # an earlier incarnation's: it takes an admission slot too
+                self.train_groups_sent += 1
             group = self.groups.setdefault(group_id, _Group(started=now))
             group.episodes.append((float(info.get("reward", 0.0)), samples))
             if len(group.episodes) >= self.settings.group_size:
@@ -338,6 +367,7 @@ class OrchestratorCore:
         trainers = [TrainerAddress.from_node(node) for node in nodes]
         if len(trainers) < self.settings.trainers:
             return []
+        self.resume_step(nodes)
         self.sink.use_trainers(trainers)
         self.world = frozenset(incarnation(node) for node in nodes)
         budgets = [int(steps) for node in nodes if (steps := node.labels.get("steps", "")).isdigit()]
@@ -531,6 +561,45 @@ class OrchestratorCore:
                   grace_s=self.deadlines.restart_grace_s)
         return LoseBlobs(tuple(refs.values()), node_id)
 
+    # --- restart -------------------------------------------------------------------------------------
+
+    def resume_step(self, trainers: Iterable[NodeInfo]) -> None:
+        """Take the step number from the trainer ranks' registry entries, once, before this incarnation
+        ships anything: the highest of each rank's ``step`` (the next it trains) and ``received + 1`` (after
+        the last step batch it accepted). The steps before it count as admitted groups (their slots are
+        the ones the earlier incarnation used). A rank without status yet (not heartbeating) counts as
+        step 0. Fewer than ``settings.trainers`` ranks decide nothing (a missing one may hold a later step)."""
+        nodes = list(trainers)
+        if self.step_resumed or self.step or self.delivery is not None or len(nodes) < self.settings.trainers:
+            return
+        start = max(max(int(node.status.get("step", 0)), int(node.status.get("received", -1)) + 1)
+                    for node in nodes)
+        self.step_resumed = True
+        if start:
+            self.resumed = True
+            self.step = start
+            self.train_groups_sent += start * self.settings.groups_per_step
+            log.warning("orchestrator.resumed", step=start, max_steps=self.max_steps,
+                        ranks={node.labels.get("rank", node.node_id): dict(node.status) for node in nodes})
+
+    def reclaimable(self, entry: HeldEpisode) -> list[BlobRef]:
+        """The refs of a store's ``held`` entry to claim (again): those it lists as held by this node id or
+        unclaimed; the others are another holder's (a trainer rank's) and stay untouched."""
+        mine = {*entry.held, *entry.unclaimed}
+        return [ref for ref in entry.episode.refs if ref.blob_id in mine]
+
+    def recover(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef]) -> list[Action]:
+        """An episode found on its store at start (held by an earlier incarnation, or unclaimed), with the
+        refs now claimed: fed as if it had just finished; its own ``episode-finished``, if it still comes,
+        is ignored."""
+        if episode.episode_id in self._recovered:
+            return []
+        self.resumed = True
+        actions = self.on_episode(now, episode, claimed)
+        self._recovered.add(episode.episode_id)
+        self.recovered_episodes += 1
+        return actions
+
     # --- groups --------------------------------------------------------------------------------------
 
     def abandon(self, group_id: str) -> None:
@@ -539,6 +608,7 @@ class OrchestratorCore:
         if group_id in self.closed_groups:
             return
         self.closed_groups.add(group_id)
+        self._admitted.discard(group_id)
         self.abandoned_groups += 1
         group = self.groups.pop(group_id, None)
         if group is not None:
@@ -565,6 +635,7 @@ class OrchestratorCore:
     def _complete(self, group_id: str) -> None:
         group = self.groups.pop(group_id)
         self.closed_groups.add(group_id)
+        self._admitted.discard(group_id)
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         samples, per_sample = [], []
@@ -694,8 +765,10 @@ class OrchestratorCore:
 
     def _send_group(self, now: float, *, evaluation: bool) -> list[Action]:
         assert self.prompts is not None, "dispatching needs prompts"
-        group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}"
+        group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}{self.tag}"
         self.groups_sent += 1
+        if not evaluation:
+            self._admitted.add(group_id)
         self.train_groups_sent += not evaluation
         prompt = [int(t) for t in self.prompts(self.rng)]
         # An eval group goes even when every store is full.

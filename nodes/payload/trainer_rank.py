@@ -168,7 +168,10 @@ class TrainerRank:
         self._cond = threading.Condition()
         self.server = runtime.serve("trainer", self.settings.endpoint)
         self.server.on(StepBatch.kind, self._on_step_batch)
-        runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step)}
+        # ``received``: the last step batch accepted (-1: none), so a restarted orchestrator never sends a
+        # step a rank already holds.
+        runtime.status = lambda: {"blobs_held": float(len(self.held)), "step": float(self._next_step),
+                                  "received": float(self._accepted.step if self._accepted is not None else -1)}
         self.fetched_bytes = 0
         self.dropped_micro_batches = 0
         self._fetch_seconds = runtime.histogram(
