@@ -174,6 +174,7 @@ def test_keep_claim_fetch_delete_and_violations(env_server: EnvServerFactory, ob
     metrics = scrape(info["metrics"])
     for line in ('refbus_ownership_violations_total{action="delete"} 1.0',
                  'refbus_ownership_violations_total{action="fetch"} 1.0',
+                 'refbus_ownership_violations_total{action="claim"} 0.0',
                  'refbus_blobs_deleted_total{reason="trained"} 1.0', "refbus_blobs_kept_total 2.0",
                  "refbus_blobs_held 1.0", f"refbus_blob_bytes_held {float(kept.refs[1].nbytes)}"):
         assert line in metrics.splitlines(), line

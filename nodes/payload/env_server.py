@@ -109,7 +109,16 @@ from ..config import Config
 from ..settings import EnvServerSettings
 from .branch import Branch
 from .episodes import EpisodeRunner
-from .keeper import DISCARDED, DeleteResult, Keeper, KeepError, KeeperStats, pack_branches
+from .keeper import (
+    DISCARDED,
+    HOLDER_DOWN,
+    VIOLATION_ACTIONS,
+    DeleteResult,
+    Keeper,
+    KeepError,
+    KeeperStats,
+    pack_branches,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -452,11 +461,13 @@ class EnvServer:
                             lambda: {(): self.high_water}, kind="gauge")
         self.runtime.metric("refbus_blobs_kept_total", "Blobs kept (one per branch).",
                             read(lambda s: {(): float(s.kept_total)}))
+        # The series alerts watch exist from the start at 0: increase() over a series that first appears at
+        # 1 sees no increase, so a first violation or reclaim would never alert.
         self.runtime.metric("refbus_blobs_deleted_total", "Blobs deleted, by reason.",
-                            read(lambda s: {(reason,): float(n) for reason, n in s.deleted.items()}),
+                            read(lambda s: {(r,): float(n) for r, n in {HOLDER_DOWN: 0, **s.deleted}.items()}),
                             labels=("reason",))
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
-                            read(lambda s: {(action,): float(n) for action, n in s.violations.items()}),
+                            read(lambda s: {(a,): float(s.violations.get(a, 0)) for a in VIOLATION_ACTIONS}),
                             labels=("action",))
         self.runtime.metric("refbus_stale_requests_total",
                             "Blob ids of claims, fetches and deletes answered reclaimed (reclaimed from a holder "

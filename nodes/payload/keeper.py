@@ -50,6 +50,7 @@ UNDELIVERED = "undelivered"
 SHUTDOWN = "shutdown"
 DISCARDED = "discarded"
 HOLDER_DOWN = "holder-down"
+VIOLATION_ACTIONS = ("claim", "fetch", "delete")
 
 DEFAULT_MAX_TOMBSTONES = 1_000_000
 
