@@ -2,7 +2,7 @@
 measured in the same run and process tree.
 
 1. **fetch**: one step's arrays for a trainer rank from two env servers (real ``refbus node env-server``
-   processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher.fetch``:
+   processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher`` start + finish:
    fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
    of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
    (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
@@ -115,7 +115,9 @@ def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
 
 
 def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int) -> list[tuple[float, float]]:
-    """``StepFetcher.fetch`` of the step ``repeats + 1`` times; (total, transfer) seconds of the timed ones."""
+    """``StepFetcher`` start + finish of the step ``repeats + 1`` times; (total, transfer) seconds of the timed
+    ones."""
+    from refbus.bus.calls import PolledCalls
     from refbus.nodes.payload.assemble import AssembledBatch
     from refbus.nodes.payload.fetcher import StepFetcher
 
@@ -127,11 +129,15 @@ def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int) -> li
         clients.append(Client(ctx, endpoint, codec, policy=PATIENT))
         return clients[-1]
 
-    fetcher = StepFetcher("bench-trainer", connect)
+    polled = PolledCalls(connect, PATIENT)
+    fetcher = StepFetcher("bench-trainer", polled.calls)
     try:
         seconds = []
         for step in range(repeats + 1):
-            result = fetcher.fetch(step, batches)
+            in_flight = fetcher.start(step, batches)
+            if not polled.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
+                raise BenchError("refbus fetch: requests outlived their deadline")
+            result = fetcher.finish(in_flight)
             if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
                 raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
             seconds.append((result.seconds, result.transfer_seconds))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -51,6 +51,7 @@ class _Call:
     on_done: OnDone
     backend: ArrayBackend
     attempts: Attempts
+    verify: bool = True
     due: float = 0.0
 
 
@@ -80,6 +81,7 @@ class Calls:
         self._order = itertools.count()
         self._down: dict[str, str] = {}  # endpoint -> why it is down
         self._refused: list[_Call] = []  # requests to a down endpoint: PeerDown on the next tick
+        self._soon: list[Callable[[], None]] = []  # outcomes known at once, delivered on the next tick
         self.outcomes: Counter[str] = Counter()  # reply / remote-error / timeout / peer-down
         self.late = 0
         self.rejected: Counter[str] = Counter()
@@ -104,15 +106,17 @@ class Calls:
         deadline_s: float | None = None,
         policy: RetryPolicy | None = None,
         backend: ArrayBackend = "native",
+        verify: bool = True,
     ) -> str:
         """Send ``body`` to ``endpoint`` now; its outcome goes to ``on_done`` later. ``deadline_s`` from now
         (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
-        to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out). The reply's arrays
-        belong to ``on_done``. Returns the message id (for :meth:`cancel`)."""
+        to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out); ``verify=False``
+        skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
+        ``on_done``. Returns the message id (for :meth:`cancel`)."""
         client = self.client(endpoint)
         msg_id = client.codec.new_id()
         call = _Call(msg_id, endpoint, body.kind, client.codec.encode(body, msg_id=msg_id), on_done, backend,
-                     Attempts(policy or self.policy, deadline_s, _now()))
+                     Attempts(policy or self.policy, deadline_s, _now()), verify)
         self._pending[msg_id] = call
         self._per_endpoint[endpoint] += 1
         if endpoint in self._down:
@@ -120,6 +124,49 @@ class Calls:
         else:
             self._attempt(call, _now())
         return msg_id
+
+    def gather(
+        self,
+        requests: Sequence[tuple[str, Body]],
+        on_done: Callable[[list[Outcome]], None],
+        *,
+        window: int = 8,
+        deadline_s: float | None = None,
+        policy: RetryPolicy | None = None,
+        backend: ArrayBackend = "native",
+        verify: bool = True,
+    ) -> None:
+        """The asynchronous :func:`~.reqrep.gather`: send ``(endpoint, body)`` requests, at most ``window`` in
+        flight per endpoint (the next one is sent when one ends), each as :meth:`request` with the other
+        arguments (``deadline_s`` counts from when each is sent). ``on_done`` gets one outcome per request, in
+        order, once the last one ends: on the loop thread, never inside this call (an empty list included).
+        Sort them with :func:`~.reqrep.split_outcomes`."""
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        queued: dict[str, deque[int]] = defaultdict(deque)
+        for index, (endpoint, _) in enumerate(requests):
+            queued[endpoint].append(index)
+        left = [len(requests)]
+
+        def send(endpoint: str) -> None:
+            index = queued[endpoint].popleft()
+            self.request(endpoint, requests[index][1], lambda outcome: ended(index, endpoint, outcome),
+                         deadline_s=deadline_s, policy=policy, backend=backend, verify=verify)
+
+        def ended(index: int, endpoint: str, outcome: Outcome) -> None:
+            outcomes[index] = outcome
+            left[0] -= 1
+            if queued[endpoint]:
+                send(endpoint)
+            elif not left[0]:
+                on_done(outcomes)  # type: ignore[arg-type]  # every slot is filled
+
+        if not requests:
+            self._soon.append(lambda: on_done([]))
+        for endpoint, indices in queued.items():
+            for _ in range(min(window, len(indices))):
+                send(endpoint)
 
     def peer_down(self, endpoint: str, reason: str) -> int:
         """Resolve every pending call to ``endpoint`` with :class:`PeerDown`; returns how many."""
@@ -156,6 +203,9 @@ class Calls:
 
     def tick(self) -> None:
         """Resend what is due and time out what has reached its deadline."""
+        soon, self._soon = self._soon, []
+        for callback in soon:
+            _run_callback(callback, "gather")
         refused, self._refused = self._refused, []
         for call in refused:
             if call.msg_id in self._pending:  # not cancelled meanwhile
@@ -169,6 +219,8 @@ class Calls:
 
     def wait_s(self) -> float | None:
         """Seconds until :meth:`tick` has something to do; None when nothing is pending."""
+        if self._soon:
+            return 0.0
         if not self._pending:
             self._due.clear()  # only stale entries are left
             return None
@@ -182,6 +234,7 @@ class Calls:
         self._per_endpoint.clear()
         self._due.clear()
         self._refused.clear()
+        self._soon.clear()
 
     # --- internals ----------------------------------------------------------------------------------
 
@@ -211,7 +264,8 @@ class Calls:
                 call = self._pending.get(checked.header.re)
                 # A reply to no pending call is decoded without torch: it is only counted.
                 backend = call.backend if call is not None else "numpy"
-                reply = client.codec.decode(frames, backend=backend, checked=checked)
+                reply = client.codec.decode(frames, backend=backend, verify=call is None or call.verify,
+                                            checked=checked)
             except ProtocolError as exc:
                 self.rejected[exc.code] += 1
                 log.warning("reply.rejected", endpoint=client.endpoint, code=exc.code, error=str(exc))
@@ -236,10 +290,42 @@ class Calls:
     def _finish(self, call: _Call, outcome: Outcome) -> None:
         self._forget(call)
         self.outcomes[_OUTCOME_NAMES[type(outcome)]] += 1
-        try:
-            call.on_done(outcome)
-        except Exception:
-            log.exception("request.on_done_failed", kind=call.kind, endpoint=call.endpoint)
+        _run_callback(lambda: call.on_done(outcome), call.kind, call.endpoint)
+
+
+class PolledCalls:
+    """:class:`Calls` with a poll loop of its own, for a thread that runs no node loop (a benchmark, a test
+    driving a fetcher): :meth:`run_until` serves replies, resends and deadlines until a condition holds.
+    Its clients (from ``connect``) belong to the thread that calls :meth:`run_until`; their maker closes them."""
+
+    def __init__(self, connect: Connect, policy: RetryPolicy) -> None:
+        self._poller = zmq.Poller()
+        self._readable: dict[zmq.Socket, Callable[[], None]] = {}
+        self.calls = Calls(connect, self._watch, policy)
+
+    def _watch(self, sock: zmq.Socket, callback: Callable[[], None]) -> None:
+        self._readable[sock] = callback
+        self._poller.register(sock, zmq.POLLIN)
+
+    def run_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Drive the calls until ``done()`` (True) or ``timeout_s`` passes (False)."""
+        end = _now() + timeout_s
+        while not done():
+            left = end - _now()
+            if left <= 0:
+                return False
+            wait = self.calls.wait_s()
+            for sock, _ in self._poller.poll(1000 * min(left, wait if wait is not None else left)):
+                self._readable[sock]()
+            self.calls.tick()
+        return True
+
+
+def _run_callback(callback: Callable[[], None], kind: str, endpoint: str = "") -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("request.on_done_failed", kind=kind, endpoint=endpoint)
 
 
 _OUTCOME_NAMES: dict[type, str] = {Message: "reply", RemoteError: "remote-error", RequestTimeout: "timeout",

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from refbus.bus.calls import Calls, PolledCalls
 from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.branch import Branch
@@ -27,6 +28,7 @@ from refbus.nodes.payload.fetcher import (
     FetchFailure,
     FetchSettings,
     PlanError,
+    StepFetch,
     StepFetcher,
     registry_locator,
     to_micro_batch,
@@ -246,16 +248,39 @@ def envs(serve: Callable) -> tuple[FakeEnvServer, FakeEnvServer]:
     return start_env_server(serve, "env-a"), start_env_server(serve, "env-b")
 
 
+@dataclass
+class Loop:
+    """What a node loop does for a fetcher, in the test's thread: asynchronous requests driven by a poll loop
+    of their own. ``made``: every client made (one per endpoint, each closed at teardown)."""
+
+    polled: PolledCalls
+    made: list[Client]
+
+    @property
+    def calls(self) -> Calls:
+        return self.polled.calls
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [client.endpoint for client in self.made]
+
+    def fetch(self, fetcher: StepFetcher, step: int, micro_batches: Sequence[MicroBatchRefs]) -> StepFetch:
+        """``start``, serve the requests until every one has its outcome, ``finish``."""
+        in_flight = fetcher.start(step, micro_batches)
+        # Every request ends by its deadline; the window may queue a few behind each other.
+        assert self.polled.run_until(lambda: in_flight.done, 20 * FAST.deadline_s), "a request outlived its deadline"
+        return fetcher.finish(in_flight)
+
+
 @pytest.fixture
-def connect(zmq_ctx: zmq.Context) -> Iterator[Callable[[str], Client]]:
-    """Client factory for a fetcher; every client is closed at teardown."""
+def loop(zmq_ctx: zmq.Context) -> Iterator[Loop]:
     made: list[Client] = []
 
-    def make(endpoint: str) -> Client:
+    def connect(endpoint: str) -> Client:
         made.append(Client(zmq_ctx, endpoint, WireCodec("trainer-0"), policy=FAST))
         return made[-1]
 
-    yield make
+    yield Loop(PolledCalls(connect, FAST), made)
     for client in made:
         client.close()
 
@@ -275,11 +300,11 @@ MIXED = (
 
 
 @pytest.mark.parametrize("routing", [np.uint8, np.uint16], ids=["uint8", "uint16"])
-def test_assembled_tensors_are_the_served_bytes(envs, connect, routing) -> None:
+def test_assembled_tensors_are_the_served_bytes(envs, loop, routing) -> None:
     specs = [SampleSpec(s.tokens, routing if s.routing is not None else None, s.heads, s.mask) for s in MIXED]
     step = make_step(envs, specs)
-    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=2, window=2))
-    result = fetcher.fetch(7, step.ranks[0])
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=2, window=2))
+    result = loop.fetch(fetcher, 7, step.ranks[0])
 
     assert result.failed == ()
     for batch, refs in zip(result.batches, step.ranks[0], strict=True):
@@ -295,12 +320,12 @@ def test_assembled_tensors_are_the_served_bytes(envs, connect, routing) -> None:
         assert all(f.holder == "trainer-0" and f.step == 7 for f in env.fetches)
 
 
-def test_dummies_borrow_routing_and_carry_no_loss(envs, connect) -> None:
+def test_dummies_borrow_routing_and_carry_no_loss(envs, loop) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True, mask=True), SampleSpec(50), SampleSpec(40)], data_ranks=2)
-    fetcher = StepFetcher("trainer-1", connect)
+    fetcher = StepFetcher("trainer-1", loop.calls)
     dummies = 0
     for refs_of_rank in step.ranks:
-        result = fetcher.fetch(0, refs_of_rank)
+        result = loop.fetch(fetcher, 0, refs_of_rank)
         for batch, refs in zip(result.batches, refs_of_rank, strict=True):
             assert isinstance(batch, AssembledBatch)
             check_assembled(batch, refs, step.branches)
@@ -310,15 +335,15 @@ def test_dummies_borrow_routing_and_carry_no_loss(envs, connect) -> None:
     assert dummies == 1
 
 
-def test_clients_and_buffers_are_reused_across_steps(envs, connect) -> None:
+def test_clients_and_buffers_are_reused_across_steps(envs, loop) -> None:
     step = make_step(envs, MIXED)
-    fetcher = StepFetcher("trainer-0", connect)
-    first = fetcher.fetch(0, step.ranks[0])
+    fetcher = StepFetcher("trainer-0", loop.calls)
+    first = loop.fetch(fetcher, 0, step.ranks[0])
     allocated = fetcher.pool.allocated_bytes
     assert allocated > 0
-    second = fetcher.fetch(1, step.ranks[0])
+    second = loop.fetch(fetcher, 1, step.ranks[0])
     assert fetcher.pool.allocated_bytes == allocated, "the second step allocated fresh memory"
-    assert len(fetcher._clients) == 2
+    assert len(loop.endpoints) == 2, "one client per env server, kept across steps"
     for old, new, refs in zip(first.batches, second.batches, step.ranks[0], strict=True):
         assert isinstance(old, AssembledBatch) and isinstance(new, AssembledBatch)
         assert new.loss_mask.data_ptr() == old.loss_mask.data_ptr(), "the same buffer is handed out again"
@@ -326,14 +351,14 @@ def test_clients_and_buffers_are_reused_across_steps(envs, connect) -> None:
 
 
 @pytest.mark.parametrize("failure", ["missing", "corrupt", "refused", "silent"])
-def test_a_failed_blob_fails_exactly_its_micro_batch(envs, connect, failure) -> None:
+def test_a_failed_blob_fails_exactly_its_micro_batch(envs, loop, failure) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
     victim_batch = step.ranks[0][1]
     victim = next(item.ref.blob_id for item in victim_batch.samples if item.ref is not None)
     env = next(e for e in envs if victim in e.blobs)
     getattr(env, failure).add(victim)
-    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1))
-    result = fetcher.fetch(3, step.ranks[0])
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1))
+    result = loop.fetch(fetcher, 3, step.ranks[0])
 
     assert result.failed == (1,)
     failed = result.batches[1]
@@ -347,15 +372,15 @@ def test_a_failed_blob_fails_exactly_its_micro_batch(envs, connect, failure) -> 
         check_assembled(batch, step.ranks[0][index], step.branches)
 
 
-def test_blobs_on_an_env_server_reported_down_fail_at_once_without_a_request(envs, connect) -> None:
+def test_blobs_on_an_env_server_reported_down_fail_at_once_without_a_request(envs, loop) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
     dead = envs[0]
     dead.silent.update(dead.blobs)  # were it asked, it would cost the whole retry schedule
-    down = {dead.endpoint: "env-a reported down (timeout)"}
-    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1), down=down.get)
-    result = fetcher.fetch(0, step.ranks[0])
+    loop.calls.mark_down(dead.endpoint, "env-a reported down (timeout)")
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1))
+    result = loop.fetch(fetcher, 0, step.ranks[0])
     dead_ids = set(dead.blobs)
-    assert dead.endpoint not in fetcher._clients, "no request went to the dead env server"
+    assert dead.fetches == [], "no request went to the dead env server"
     for refs, batch in zip(step.ranks[0], result.batches, strict=True):
         ids = {item.ref.blob_id for item in refs.samples if item.ref is not None}
         if ids & dead_ids:
@@ -400,17 +425,17 @@ def _moved(refs: MicroBatchRefs, store: FakeEnvServer, stale: str) -> MicroBatch
     return msgspec.structs.replace(refs, samples=samples)
 
 
-def test_a_store_that_moved_is_found_again_through_the_registry(envs, connect) -> None:
+def test_a_store_that_moved_is_found_again_through_the_registry(envs, loop) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
     moved = envs[0]
     stale = "tcp://127.0.0.1:9"  # where the store listened before it restarted: nothing answers there
     refs = [_moved(mb, moved, stale) for mb in step.ranks[0]]
     assert any(item.ref is not None and item.ref.endpoint == stale for mb in refs for item in mb.samples)
     registry = {(moved.source, "blobs"): moved.endpoint}
-    fetcher = StepFetcher("trainer-0", connect, FetchSettings(blobs_per_request=1),
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1),
                           locate=registry_locator(lambda node, name: registry.get((node, name))))
-    result = fetcher.fetch(0, refs)
-    assert not result.failed and stale not in fetcher._clients
+    result = loop.fetch(fetcher, 0, refs)
+    assert not result.failed and stale not in loop.endpoints
     for mb_refs, batch in zip(step.ranks[0], result.batches, strict=True):
         assert isinstance(batch, AssembledBatch)
         check_assembled(batch, mb_refs, step.branches)

@@ -8,7 +8,8 @@ on both, and only the leader deletes; a step with nothing fetchable raises ``Ste
 its blobs are still deleted; every owned blob is deleted exactly once with the right reason; ``reference``
 and ``fetch-ack`` mirrors reach the event stream; a non-leader refuses owned blobs. Every wait is bounded and
 every process reaped. A step that computes for three node timeouts keeps the rank registered, and the
-next step's batch is acknowledged while it computes.
+next step's batch is acknowledged while it computes. A fetch from a store that never answers keeps the rank
+heartbeating and serving step batches until its deadline, then drops the blob's micro batch (``timeout``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import torch
 import zmq
 from conftest import FAST_LIVENESS
+from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
@@ -60,6 +62,7 @@ class RankConfig:
     data_ranks: int | None = None  # None: the world size
     leader: bool = True
     compute_s: float = 0.0  # > 0: step 0 "computes" this long, then until the test says go
+    fetch_policy: RetryPolicy = FAST
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -82,7 +85,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                                                      retry=FAST, connect_timeout_s=10))
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), data_rank=config.data_rank,
                           data_ranks=config.data_ranks, leader=config.leader,
-                          fetch=FetchSettings(blobs_per_request=2, policy=FAST))
+                          fetch=FetchSettings(blobs_per_request=2, policy=config.fetch_policy))
     try:
         runtime.start_background()
         conn.send(runtime.endpoints["trainer"])
@@ -100,6 +103,8 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                     | {"dropped": b.dropped} for b in result.batches
                 ]
                 report["routing_rows"] = result.fetch.routing_rows.numpy().copy()
+                report["fetch_failures"] = [getattr(b, "reason", None) for b in result.fetch.batches]
+                report["fetch_seconds"] = result.fetch.seconds
             if config.compute_s and step == 0:
                 conn.send(("computing", step))
                 time.sleep(config.compute_s)  # the training step: the node loop gets no help from this thread
@@ -341,5 +346,50 @@ def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
         # Both ranks left with "bye"; none was ever declared down for silence.
         down = sorted((event.node_id, event.reason) for event in events(bus, zmq_ctx, NodeDown.kind))
         assert down == [("trainer-0", "bye"), ("trainer-1", "bye")]
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+def test_a_fetch_from_a_store_that_never_answers_leaves_the_loop_serving(
+    envs, orchestrator, zmq_ctx, tmp_path: Path
+) -> None:
+    node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+    # The fetch outlives five node timeouts: a rank whose loop waited on it would be declared down.
+    patient = RetryPolicy(timeout_s=node_timeout_s, attempts=5, backoff=1.0)
+    proc, bus = start_bus(tmp_path, extra=FAST_LIVENESS)
+    try:
+        steps = [make_step(envs, SPECS, data_ranks=2, prefix=prefix, seed=seed) for seed, prefix in enumerate("uv")]
+        victim = next(i.ref.blob_id for i in steps[0].ranks[0][0].samples if i.ref is not None)
+        store = next(env for env in envs if victim in env.blobs)
+        store.silent.add(victim)  # the store reads the fetch and never answers it: a store cut off mid-fetch
+        config = RankConfig(fetch_policy=patient)
+        ranks = Ranks(bus, (config, config), steps=2)
+        try:
+            clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+            handed_over = time.monotonic()  # rank 0's fetch starts later, so it cannot end before this + deadline
+            hand_over(clients, [step_batch(0, rank, steps[0], rank) for rank in (0, 1)])
+            wait_for(lambda: any(victim in f.blob_ids and f.holder == "trainer-0" for f in store.fetches),
+                     WAIT_S, "rank 0's fetch of the silenced blob")
+            hand_over(clients, [step_batch(1, rank, steps[1], rank) for rank in (0, 1)])
+            acknowledged = time.monotonic()
+            reports = [ranks.recv(rank) for _ in (0, 1) for rank in (0, 1)]
+        finally:
+            exits = ranks.close()
+        assert exits == [0, 0]
+        assert acknowledged < handed_over + patient.deadline_s, "step 1's batch waited for step 0's fetch"
+        first = reports[0]
+        # The victim's micro batch, and any other whose blob shared the unanswered request, timed out.
+        timed_out = tuple(i for i, reason in enumerate(first["fetch_failures"]) if reason is not None)
+        assert 0 in timed_out and {first["fetch_failures"][i] for i in timed_out} == {"timeout"}
+        assert first["dropped"] == timed_out and first["fetch_seconds"] >= patient.deadline_s
+        check_dropped(first["batches"][0], first["routing_rows"])
+        assert all("failed" not in report for report in reports)
+        assert [report["dropped_global"] for report in reports] == [len(timed_out)] * 2 + [0, 0]
+        # The victim's micro batch was dropped and its owned blobs deleted as such; nothing was trained twice.
+        reasons = {blob_id: reason for blob_id, holder, reason in deletes(envs) if holder == "trainer-0"}
+        assert reasons[victim] == "dropped" if victim in steps[0].owned[0] else victim not in reasons
+        assert [client.retries for client in clients] == [0, 0]
+        down = sorted((event.node_id, event.reason) for event in events(bus, zmq_ctx, NodeDown.kind))
+        assert down == [("trainer-0", "bye"), ("trainer-1", "bye")], "a rank missed its heartbeats"
     finally:
         assert proc.stop() == 0, proc.log_tail()

@@ -1,7 +1,9 @@
 """Trainer side of the fetch: every blob a rank's micro batches reference, fetched right before the step,
 verified against its reference and assembled into reused torch buffers.
 
-:class:`StepFetcher.fetch` does, for one step:
+:class:`StepFetcher` does, for one step, in two halves: :meth:`~StepFetcher.start` (plan and fetch, on the
+node loop thread, never blocking it) and :meth:`~StepFetcher.finish` (verify and assemble, on the caller's
+thread once every request has its outcome):
 
 1. **Plan.** Each :class:`~refbus.protocol.messages.MicroBatchRefs` becomes a packing
    :class:`~.packing.MicroBatch` (:func:`to_micro_batch`); the blobs its samples need are collected once
@@ -9,29 +11,35 @@ verified against its reference and assembled into reused torch buffers.
    and cut into ``fetch`` requests of at most ``blobs_per_request`` ids and about ``request_bytes`` (a
    request is closed once it reaches that size): small blobs share a request, so the per-request cost is
    paid per few MiB, not per blob; large ones travel alone or in pairs, so replies pipeline.
-2. **Fetch.** All requests run concurrently through :func:`refbus.bus.reqrep.gather`: at most ``window``
-   in flight per endpoint, each retried with backoff per the one :class:`~refbus.bus.reqrep.RetryPolicy`.
-   One :class:`~refbus.bus.reqrep.Client` per endpoint, cached across steps. An endpoint the registry
-   reports down (``down(endpoint)``, e.g. ``runtime.track_peers().down_reason``) is not asked at all: its
-   blobs fail at once (``peer-down``) instead of running the retry schedule against a dead node. Where a
-   blob is asked for is ``locate(ref)``: by default its recorded endpoint; with :func:`registry_locator`,
-   the blobs endpoint its store (``BlobRef.node``) advertises now, so a store restarted on another port is
-   found again.
+2. **Fetch.** All requests run concurrently as asynchronous requests of the node loop
+   (:meth:`refbus.bus.calls.Calls.gather`): at most ``window`` in flight per endpoint, each retried with
+   backoff per the one :class:`~refbus.bus.reqrep.RetryPolicy` until its deadline, while the loop goes on
+   serving heartbeats and requests. One client per endpoint, the loop's. An endpoint the registry reports
+   down (``runtime.track_peers()`` marks it down in ``runtime.calls``) is not asked at all, and requests in
+   flight to one reported down meanwhile end at once: their blobs fail (``peer-down``) instead of running the
+   retry schedule against a dead node. Where a blob is asked for is ``locate(ref)``: by default its recorded
+   endpoint; with :func:`registry_locator`, the blobs endpoint its store (``BlobRef.node``) advertises now,
+   so a store restarted on another port is found again.
 3. **Verify.** A blob counts as fetched only if it carries exactly its reference's fields and
    :func:`~.keeper.blob_checksum` of its arrays equals ``BlobRef.checksum``: an end-to-end check against
-   what the env server hashed at ``keep`` time, not only against what it sent (which the codec checks).
+   what the env server hashed at ``keep`` time, not only against what it sent (so frames are not checksummed
+   again on decode).
 4. **Assemble.** Each micro batch whose blobs all verified goes through :func:`~.assemble.assemble`, which
    writes every sample's rows straight into tensors handed out by a :class:`BufferPool`. A micro batch with
-   any blob missing, refused (``RemoteError``), unanswered (``RequestTimeout``), corrupt or malformed
-   becomes a :class:`FetchFailure`: it is never assembled from partial data, never trained on zeros.
+   any blob missing, refused (``RemoteError``), unanswered (``RequestTimeout``), on a store reported down
+   (``PeerDown``), corrupt or malformed becomes a :class:`FetchFailure`: it is never assembled from partial
+   data, never trained on zeros.
 
-Memory ownership: received frames are read once (checksum, then the copy into the batch tensors) and
-released when :meth:`StepFetcher.fetch` returns; nothing in the result views a frame. The batch tensors
-belong to the fetcher's pool: they stay valid until the next :meth:`StepFetcher.fetch`, which reuses them
-(copy what must outlive the step). Why reuse: first touch of fresh pages runs at ~1.5 GB/s on these
-machines against ~13 GB/s for a copy into memory already in use, so the copy lands in warm buffers.
+Memory ownership: received frames are held by the :class:`FetchInFlight` until :meth:`StepFetcher.finish`,
+read once there (checksum, then the copy into the batch tensors) and released with it; nothing in the
+result views a frame. The batch tensors belong to the fetcher's pool: they stay valid until the next
+:meth:`StepFetcher.finish`, which reuses them (copy what must outlive the step). Why reuse: first touch of
+fresh pages runs at ~1.5 GB/s on these machines against ~13 GB/s for a copy into memory already in use, so
+the copy lands in warm buffers.
 
-Not thread-safe: call it from the thread that owns the clients' sockets (see :mod:`.trainer`).
+Threads: :meth:`StepFetcher.start` on the thread that drives ``calls`` (the node loop); :meth:`StepFetcher.finish`
+and the pool on one other thread at a time (see :mod:`.trainer_rank`). Without a node loop (a benchmark), drive
+the calls with :class:`~refbus.bus.calls.PolledCalls`.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ import numpy as np
 import structlog
 import torch
 
-from ...bus.reqrep import Client, RequestTimeout, RetryPolicy, gather, split_outcomes
+from ...bus.calls import Calls
+from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, split_outcomes
 from ...protocol.messages import BlobRef, Blobs, Fetch, FetchedBlob, MicroBatchRefs
 from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
@@ -246,34 +255,47 @@ def registry_locator(endpoint_of: Callable[[str, str], str | None]) -> Callable[
     return locate
 
 
+@dataclass(eq=False)
+class FetchInFlight:
+    """One step's fetch between :meth:`StepFetcher.start` and :meth:`StepFetcher.finish`: the plan, and the
+    requests' outcomes once ``done`` (filled on the loop thread; read by ``finish`` only after ``done``)."""
+
+    step: int
+    micro_batches: tuple[MicroBatchRefs, ...]
+    plans: tuple[MicroBatch, ...]
+    refs: Mapping[str, BlobRef]
+    started: float
+    requests: list[tuple[str, Fetch]]
+    failures: dict[str, FetchFailure]
+    outcomes: list[Outcome] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has its outcome."""
+        return self.outcomes is not None
+
+
 class StepFetcher:
     """Fetches, verifies and assembles one rank's micro batches for each step (see the module doc).
 
-    ``connect(endpoint)`` makes the client for an env-server endpoint, once per endpoint; whoever made it
-    closes it (``NodeRuntime.client`` closes its clients at shutdown). ``holder`` names this rank in
-    ``fetch`` requests. ``down(endpoint)`` says why an endpoint is reported down (None while it is not).
+    ``calls`` sends the ``fetch`` requests (``runtime.calls``: the node loop's asynchronous requests, one
+    client per endpoint; an endpoint it has marked down fails at once). ``holder`` names this rank in
+    ``fetch`` requests.
     """
 
-    def __init__(self, holder: str, connect: Callable[[str], Client], settings: FetchSettings | None = None,
-                 *, down: Callable[[str], str | None] = lambda endpoint: None,
-                 locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint) -> None:
+    def __init__(self, holder: str, calls: Calls, settings: FetchSettings | None = None,
+                 *, locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint) -> None:
         self.holder = holder
         self.settings = settings or FetchSettings()
-        self._down = down
+        self._calls = calls
         self._locate = locate
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
-        self._connect = connect
-        self._clients: dict[str, Client] = {}
 
-    def client(self, endpoint: str) -> Client:
-        """The cached client for ``endpoint``."""
-        if endpoint not in self._clients:
-            self._clients[endpoint] = self._connect(endpoint)
-        return self._clients[endpoint]
-
-    def fetch(self, step: int, micro_batches: Sequence[MicroBatchRefs]) -> StepFetch:
-        """Fetch and assemble ``micro_batches`` for ``step``; failures are reported per micro batch, never
-        raised. Recycles the pool: tensors of the previous call are reused from here on.
+    def start(self, step: int, micro_batches: Sequence[MicroBatchRefs],
+              on_done: Callable[[FetchInFlight], None] = lambda fetch: None) -> FetchInFlight:
+        """Plan the fetch of ``micro_batches`` for ``step`` and send its requests; ``on_done`` gets the
+        :class:`FetchInFlight` once every request has its outcome (a reply, or the failure it ended with at
+        its deadline). Loop thread only (it uses ``calls``); never blocks.
 
         Raises:
             PlanError: references that describe no valid micro batch (validate at hand-over to avoid this).
@@ -281,48 +303,58 @@ class StepFetcher:
         started = time.perf_counter()
         plans = tuple(to_micro_batch(mb) for mb in micro_batches)
         refs = needed_refs(micro_batches)
+        requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
+                    for endpoint, ids in self._requests(refs)]
+        fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests, {})
+
+        def ended(outcomes: list[Outcome]) -> None:
+            fetch.outcomes = outcomes
+            on_done(fetch)
+
+        # Frames are not checksummed on decode: every blob is verified against its BlobRef in finish(), which
+        # also proves it is what the env server hashed at keep time.
+        self._calls.gather(requests, ended, window=self.settings.window, policy=self.settings.policy,
+                           backend="numpy", verify=False)
+        return fetch
+
+    def finish(self, fetch: FetchInFlight) -> StepFetch:
+        """Verify and assemble a fetch that is ``done``; failures are reported per micro batch, never raised.
+        Recycles the pool: tensors of the previous call are reused from here on. Runs on any one thread (the
+        training loop's): it touches no socket."""
+        assert fetch.outcomes is not None, "finish() before the fetch is done"
         self.pool.recycle()
-        branches, failures = self._fetch_blobs(step, refs)
+        branches, failures = self._verified(fetch, fetch.outcomes)
         transferred = time.perf_counter()
         batches: list[AssembledBatch | FetchFailure] = []
-        for plan, refs_mb in zip(plans, micro_batches, strict=True):
+        for plan, refs_mb in zip(fetch.plans, fetch.micro_batches, strict=True):
             batches.append(self._assemble(plan, refs_mb, branches, failures))
         fetched = tuple(branches)
         result = StepFetch(
-            step=step,
-            micro_batches=plans,
+            step=fetch.step,
+            micro_batches=fetch.plans,
             batches=tuple(batches),
             blob_ids=fetched,
             nbytes=sum(branch.nbytes for branch in branches.values()),
-            seconds=time.perf_counter() - started,
-            transfer_seconds=transferred - started,
+            seconds=time.perf_counter() - fetch.started,
+            transfer_seconds=transferred - fetch.started,
             routing_rows=_routing_rows(batches),
             topk_k=next((int(b.topk_ids.shape[2]) for b in batches
                          if isinstance(b, AssembledBatch) and b.topk_ids is not None), None),
         )
         if failures:
-            log.warning("fetch.failed_blobs", step=step, failed=len(failures), fetched=len(fetched),
+            log.warning("fetch.failed_blobs", step=fetch.step, failed=len(failures), fetched=len(fetched),
                         reasons=sorted({f.reason for f in failures.values()}))
         return result
 
-    def _fetch_blobs(
-        self, step: int, refs: Mapping[str, BlobRef]
+    def _verified(
+        self, fetch: FetchInFlight, outcomes: Sequence[Outcome]
     ) -> tuple[dict[str, Branch], dict[str, FetchFailure]]:
+        refs = fetch.refs
         branches: dict[str, Branch] = {}
         failures: dict[str, FetchFailure] = {}
-        calls = []
-        for endpoint, ids in self._requests(refs):
-            if (why := self._down(endpoint)) is not None:
-                failures.update({i: FetchFailure("peer-down", f"{endpoint}: {why}", (i,)) for i in ids})
-            else:
-                calls.append((self.client(endpoint), Fetch(blob_ids=ids, holder=self.holder, step=step)))
-        # Frames are not checksummed on decode: every blob is verified against its BlobRef below, which also
-        # proves it is what the env server hashed at keep time.
-        outcomes = gather(calls, window=self.settings.window, policy=self.settings.policy, backend="numpy",
-                          verify=False)
-        replies, failed = split_outcomes(zip(calls, outcomes, strict=True))
+        replies, failed = split_outcomes(zip(fetch.requests, outcomes, strict=True))
         for (_, request), error in failed:
-            reason = "timeout" if isinstance(error, RequestTimeout) else "remote-error"
+            reason = _FAILURE_REASONS[type(error)]
             failures.update({i: FetchFailure(reason, str(error), (i,)) for i in request.blob_ids})
         for (_, request), outcome in replies:
             reply = outcome.body
@@ -377,6 +409,9 @@ class StepFetcher:
                             mask_width=self.settings.mask_width, allocator=self.pool)
         except AssemblyError as exc:
             return FetchFailure("assembly", str(exc), tuple(i for i in ids if i is not None))
+
+
+_FAILURE_REASONS: dict[type, str] = {RemoteError: "remote-error", RequestTimeout: "timeout", PeerDown: "peer-down"}
 
 
 def _verify(ref: BlobRef, blob: FetchedBlob) -> Branch | FetchFailure:

@@ -29,7 +29,10 @@ that may fetch a blob of the step (dummies borrow other ranks' blobs): the defau
 its own thread (``runtime.start_background()``), so step batches, heartbeats and events are served while
 the training loop computes: the step batch for step N+1 is acknowledged while step N trains, and a step
 longer than the broker's ``node_timeout_s`` does not make the rank look dead. ``begin_step``/``end_step``
-hand their socket work (fetch, delete) to the loop thread (``runtime.call_soon``) and wait for it;
+hand their requests (fetch, delete) to the loop thread (``runtime.call_soon``), which sends them as
+asynchronous requests with deadlines (``runtime.calls``) and goes on serving while they are in flight, so a
+store that stops answering mid-fetch costs this rank no heartbeat and no step batch; the caller's thread
+waits until the last outcome is in, then verifies and assembles the fetched blobs itself (no socket work);
 torch.distributed collectives run on the caller's thread. Call them from one thread (the training loop's),
 never from the loop thread. :meth:`TrainerRank.interrupt` (safe from signal handlers) makes a waiting
 ``begin_step`` give up, for a clean shutdown; stop the node with ``runtime.join()`` once the training loop
@@ -52,7 +55,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ...bus.reqrep import HandlerError, gather, split_outcomes
+from ...bus.reqrep import HandlerError, Outcome, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepBatch
@@ -155,8 +158,8 @@ class TrainerRank:
         self.leader = leader
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped).
         peers = runtime.track_peers()
-        self.fetcher = StepFetcher(runtime.node_id, runtime.client, self.fetch_settings,
-                                   down=peers.down_reason, locate=registry_locator(peers.endpoint_of))
+        self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings,
+                                   locate=registry_locator(peers.endpoint_of))
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
@@ -198,7 +201,11 @@ class TrainerRank:
         if self.runtime.loop_thread is None:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
         received = self._wait_for(step)
-        fetch = self._on_loop(lambda: self._fetch(step, received.batch))
+        in_flight = self._on_loop(lambda done: self.fetcher.start(step, received.batch.micro_batches, done))
+        fetch = self.fetcher.finish(in_flight)
+        ack = FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids), nbytes=fetch.nbytes,
+                       seconds=fetch.seconds, failed=len(fetch.failed))
+        self.runtime.call_soon(lambda: self.runtime.publish(ack))
         self._fetch_seconds.observe(fetch.seconds)
         self.fetched_bytes += fetch.nbytes
         try:
@@ -252,7 +259,7 @@ class TrainerRank:
         groups: dict[tuple[str, str], list[str]] = defaultdict(list)
         for blob_id in owned:
             groups[received.endpoints[blob_id], TRAINED if blob_id in trained else DROPPED_REASON].append(blob_id)
-        release = self._on_loop(lambda: self._delete(groups))
+        release = self._on_loop(lambda done: self._delete(groups, done))
         with self._cond:
             self.held.difference_update(release.deleted, release.violations, release.reclaimed)
         return release
@@ -338,12 +345,6 @@ class TrainerRank:
             self._loop_ended = True
             self._cond.notify_all()
 
-    def _fetch(self, step: int, batch: StepBatch) -> StepFetch:
-        fetch = self.fetcher.fetch(step, batch.micro_batches)
-        self.runtime.publish(FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids),
-                                      nbytes=fetch.nbytes, seconds=fetch.seconds, failed=len(fetch.failed)))
-        return fetch
-
     def _agree(self, step: int, fetch: StepFetch) -> tuple[tuple[int, ...], int]:
         """The one all-reduce: which micro batches of this data rank to drop, and how many across all."""
         per_rank = len(fetch.batches)
@@ -373,57 +374,69 @@ class TrainerRank:
         no_k = (self.topk_k or fetch.topk_k) is None and any(TOPK_IDS in plan.fields() for plan in plans)
         return no_rows or no_k
 
-    def _delete(self, groups: Mapping[tuple[str, str], list[str]]) -> StepRelease:
+    def _delete(self, groups: Mapping[tuple[str, str], list[str]], done: Callable[[StepRelease], None]) -> None:
+        """Send the deletes (loop thread); ``done`` gets what became of them once every one has its outcome."""
         size = self.blobs_per_delete
-        calls = [
-            (self.fetcher.client(endpoint), Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id,
-                                                   reason=reason))
+        requests = [
+            (endpoint, Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id, reason=reason))
             for (endpoint, reason), ids in groups.items()
             for i in range(0, len(ids), size)
         ]
+        self.runtime.calls.gather(requests, lambda outcomes: done(self._released(requests, outcomes)),
+                                  window=self.fetch_settings.window, policy=self.fetch_settings.policy)
+
+    def _released(self, requests: list[tuple[str, Delete]], outcomes: list[Outcome]) -> StepRelease:
         deleted: list[str] = []
         violations: list[str] = []
         failed: list[str] = []
         reclaimed: list[str] = []
-        outcomes = gather(calls, window=self.fetch_settings.window, policy=self.fetch_settings.policy)
-        replies, failures = split_outcomes(zip(calls, outcomes, strict=True))
-        for (client, request), error in failures:
-            log.error("delete.failed", endpoint=client.endpoint, blobs=len(request.blob_ids), error=str(error))
+        replies, failures = split_outcomes(zip(requests, outcomes, strict=True))
+        for (endpoint, request), error in failures:
+            log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), error=str(error))
             failed += request.blob_ids
-        for (client, request), outcome in replies:
+        for (endpoint, request), outcome in replies:
             reply = outcome.body
-            assert isinstance(reply, Deleted)
+            if not isinstance(reply, Deleted):
+                log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids),
+                          error=f"expected deleted, got {reply.kind}")
+                failed += request.blob_ids
+                continue
             deleted += reply.blob_ids
             if reply.violations:
-                log.warning("delete.violations", endpoint=client.endpoint, holder=self.runtime.node_id,
+                log.warning("delete.violations", endpoint=endpoint, holder=self.runtime.node_id,
                             reason=request.reason, blob_ids=reply.violations[:16], count=len(reply.violations))
                 violations += reply.violations
             if reply.reclaimed:
-                log.warning("delete.reclaimed", endpoint=client.endpoint, holder=self.runtime.node_id,
+                log.warning("delete.reclaimed", endpoint=endpoint, holder=self.runtime.node_id,
                             reason=request.reason, count=len(reply.reclaimed))
                 reclaimed += reply.reclaimed
         return StepRelease(tuple(deleted), tuple(violations), tuple(failed), tuple(reclaimed))
 
-    def _on_loop(self, work: Callable[[], T]) -> T:
-        """Run ``work`` on the loop thread and return its result (or raise its exception) here."""
+    def _on_loop(self, start: Callable[[Callable[[T], None]], object]) -> T:
+        """Run ``start(done)`` on the loop thread, which sends requests and returns; wait here until the loop
+        calls ``done(result)`` and return that result (or raise what ``start`` raised). The loop serves
+        heartbeats and requests meanwhile: only this thread waits."""
         outcome: list[tuple[bool, Any]] = []
+
+        def finish(result: tuple[bool, Any]) -> None:
+            with self._cond:
+                if not outcome:
+                    outcome.append(result)
+                self._cond.notify_all()
 
         def run() -> None:
             try:
-                result = (True, work())
+                start(lambda value: finish((True, value)))
             except BaseException as exc:  # re-raised on the caller's thread
-                result = (False, exc)
-            with self._cond:
-                outcome.append(result)
-                self._cond.notify_all()
+                finish((False, exc))
 
         self.runtime.call_soon(run)
         with self._cond:
             if not self._cond.wait_for(lambda: outcome or self._loop_ended, self.settings.batch_timeout_s):
-                raise StepFailed(f"rank {self.rank}: the node loop did not run the request within "
+                raise StepFailed(f"rank {self.rank}: the node loop did not end the requests within "
                                  f"{self.settings.batch_timeout_s:.0f}s")
             if not outcome:
-                raise StepFailed(f"rank {self.rank}: the node stopped before it ran the request")
+                raise StepFailed(f"rank {self.rank}: the node stopped before its requests ended")
         ok, value = outcome[0]
         if not ok:
             raise value
