@@ -258,6 +258,7 @@ class NodeRuntime:
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.calls = Calls(self.client, self.watch, settings.retry)
+        self._lookups: dict[str, list[Callable[[list[NodeInfo] | None], None]]] = {}  # role -> waiting callers
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
         self._peers: Peers | None = None
         ExitWatchdog.attach(self)
@@ -355,6 +356,36 @@ class NodeRuntime:
             return None
         assert isinstance(listed, NodeList)
         return listed.nodes
+
+    def lookup_async(self, role: str, on_done: Callable[[list[NodeInfo] | None], None], *,
+                     deadline_s: float | None = None) -> None:
+        """The :meth:`lookup` for a node loop, which must never wait on the broker: ``on_done`` gets the live
+        nodes of ``role`` (all roles with ``""``), or None (logged) when the broker did not answer within
+        ``deadline_s`` (default: the runtime's retry schedule) or answered an error. Called on the loop thread,
+        once, never inside this call. A lookup of ``role`` already in flight is joined, not repeated (its
+        deadline holds; an ``on_done`` already waiting is not added twice), so a periodic caller facing a broker
+        that stopped answering has one request out and one answer coming, not one per tick. Loop thread only."""
+        waiting = self._lookups.get(role)
+        if waiting is not None:
+            if on_done not in waiting:
+                waiting.append(on_done)
+            return
+        self._lookups[role] = [on_done]
+
+        def done(outcome: Outcome) -> None:
+            nodes: list[NodeInfo] | None = None
+            if isinstance(outcome, Message) and isinstance(outcome.body, NodeList):
+                nodes = outcome.body.nodes
+            else:
+                log.warning("registry.lookup_failed", role=role,
+                            error=str(outcome.body if isinstance(outcome, Message) else outcome))
+            for callback in self._lookups.pop(role, ()):
+                try:
+                    callback(nodes)
+                except Exception:  # one caller's failure must not cost the others their answer
+                    log.exception("registry.lookup_callback_failed", role=role)
+
+        self.calls.request(self.settings.bus, Nodes(role=role), done, deadline_s=deadline_s)
 
     def replay(
         self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = ""

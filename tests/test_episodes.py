@@ -2,10 +2,14 @@
 :class:`EpisodeRunner`, and in-process rollout nodes whose ``generate`` answers the test controls. Each way a
 generation ends reaches the orchestrator's ``run`` once: generated and kept, the rollout worker leaving the
 registry (its runs fail at once, not at the deadline), no answer by ``generate_timeout_s``, and a
-generation the score function refuses; and a keep over the store's budget waits for room."""
+generation the score function refuses; and a keep over the store's budget waits for room. A broker stopped
+(SIGSTOP) mid-run: the registry refresh fails at its deadline without stalling the loop, the known rollout
+workers are kept, and runs are still served."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +30,7 @@ from refbus.protocol.messages import Generate, Generated, Ok, Run
 GENERATE_TIMEOUT_S = 3.0
 REFRESH_S = 0.1
 PATIENT = RetryPolicy(timeout_s=10 * GENERATE_TIMEOUT_S, attempts=1)
+LOOKUP = RetryPolicy(timeout_s=0.5, attempts=2, backoff=1.0)  # the env server's requests to the broker
 
 
 class Rollout:
@@ -149,6 +154,51 @@ def test_a_keep_over_budget_waits_for_room_instead_of_wasting_its_generation(bus
         assert reply.kind == "error" and reply.body.code == "over-budget", reply.body
         assert (runner.finished, runner.failed, env.stats().kept_total) == (2, 1, 2)
     finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        runtime.join(timeout=10 * GENERATE_TIMEOUT_S)
+
+
+def test_a_broker_that_stops_answering_never_stalls_the_env_server(bus: tuple[NodeProcess, str]) -> None:
+    broker, control = bus
+    runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-cutoff", metrics_port=-1,
+                                                        retry=LOOKUP))
+    settings = EnvServerSettings(source="cutoff", generate_timeout_s=GENERATE_TIMEOUT_S)
+    env = EnvServer(runtime, settings)
+    runner = EpisodeRunner(runtime, env, settings, rollout_refresh_s=REFRESH_S)
+    failed_lookups: list[str] = []
+    lookup_async = runtime.lookup_async
+
+    def counted(role: str, on_done: Any, **kwargs: Any) -> None:  # records the lookups that came back empty
+        def done(nodes: Any) -> None:
+            if nodes is None:
+                failed_lookups.append(role)
+            on_done(nodes)
+        lookup_async(role, done, **kwargs)
+
+    runtime.lookup_async = counted  # type: ignore[method-assign]
+    runtime.start_background()
+    orchestrator = Client(runtime.ctx, runtime.endpoints["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(control, "rollout-cutoff")
+    stopped = False
+    try:
+        wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
+        known = set(runner.rollouts)
+        os.kill(broker.pid, signal.SIGSTOP)  # cut off: it reads nothing and answers nothing
+        stopped = True
+        wait_for(lambda: "rollout" in failed_lookups, 10 * LOOKUP.deadline_s, "a registry refresh to fail")
+        assert runner.rollouts == known, "a refresh that failed must keep the rollout workers it knew"
+        # The loop serves while refreshes go unanswered: a run goes to the known worker and is answered.
+        served = run_async(orchestrator, "ep-cutoff")
+        wait_for(lambda: len(rollout.held) == 1, 10 * LOOKUP.deadline_s, "the generation at the rollout")
+        rollout.answer(0)
+        reply = answer_to(orchestrator, served)
+        assert isinstance(reply.body, Ok), reply.body
+        assert runner.env_server.stats().kept_total == 1
+        assert len(failed_lookups) >= 1 and runner.rollouts == known
+    finally:
+        if stopped:
+            os.kill(broker.pid, signal.SIGCONT)
         rollout.runtime.join(timeout=5)
         orchestrator.close()
         runtime.join(timeout=10 * GENERATE_TIMEOUT_S)

@@ -8,8 +8,11 @@
 The ``run`` reply is deferred (the env server keeps serving fetches and deletes while a rollout generates),
 and the ``generate`` request is an asynchronous call (``runtime.calls``) whose deadline is
 ``generate_timeout_s``. Each run goes to the rollout worker with the fewest generations in flight (workers
-found in the broker's registry). A run whose generation fails, misses its deadline or whose worker leaves
-the registry is answered with an error; nothing is kept for it. The score function is user code: it runs on
+found in the broker's registry, refreshed every ``rollout_refresh_s`` by an asynchronous ``nodes`` request,
+so a broker that stops answering never stalls the loop: what is known is kept until it answers again; a
+run that arrives while no worker is known waits for the next answer, then fails ``no-rollout`` if there
+is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is
+answered with an error; nothing is kept for it. The score function is user code: it runs on
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
 (a score that raises fails its run with ``score-failed``).
 
@@ -32,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ...bus.offload import Offload
-from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
+from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import Error, Generate, Generated, Ok, Run
+from ...protocol.messages import Error, Generate, Generated, NodeInfo, Ok, Run
 from ..entry_points import load_entry_point
 from ..settings import EnvServerSettings
 from .keeper import KeepError
@@ -63,34 +66,46 @@ class EpisodeRunner:
         self.finished = 0
         self.failed = 0
         self.keep_retries = 0
+        self._unplaced: list[tuple[Run, Pending]] = []  # runs that arrived while no rollout worker was known
         env_server.server.on(Run.kind, self._on_run)
         runtime.every(rollout_refresh_s, self._refresh_rollouts)
 
     def _refresh_rollouts(self) -> None:
-        nodes = self.runtime.lookup("rollout")
-        if nodes is None:
-            return  # the broker did not answer: keep what we know
-        live = {endpoint for node in nodes if (endpoint := node.endpoints.get("generate"))}
-        for endpoint in self.rollouts - live:  # gone from the registry: its generations will not come back
-            self.runtime.calls.peer_down(endpoint, "no longer in the registry")
-        self.rollouts = live
+        """Ask the registry for the rollout workers, without waiting: :meth:`_refreshed` gets the answer."""
+        self.runtime.lookup_async("rollout", self._refreshed)
+
+    def _refreshed(self, nodes: list[NodeInfo] | None) -> None:
+        if nodes is not None:  # None: the broker did not answer, keep what we know
+            live = {endpoint for node in nodes if (endpoint := node.endpoints.get("generate"))}
+            for endpoint in self.rollouts - live:  # gone from the registry: its generations will not come back
+                self.runtime.calls.peer_down(endpoint, "no longer in the registry")
+            self.rollouts = live
+        unplaced, self._unplaced = self._unplaced, []
+        for run, pending in unplaced:
+            if self.rollouts:
+                self._dispatch(run, pending)
+            else:
+                self._fail(run, pending, "no-rollout", "no rollout worker is registered yet")
 
     def _on_run(self, request: Message) -> None:
         run = request.body
         assert isinstance(run, Run)
         self.arrived[run.episode_id] = time.monotonic()
-        if not self.rollouts:
+        pending = self.env_server.server.pending
+        if self.rollouts:
+            self._dispatch(run, pending)
+        else:  # none known yet: placed when the registry answers
+            self._unplaced.append((run, pending))
             self._refresh_rollouts()
-        if not self.rollouts:
-            raise HandlerError("no-rollout", "no rollout worker is registered yet")
+        return None  # answered when the generation's outcome is known
+
+    def _dispatch(self, run: Run, pending: Pending) -> None:
         calls = self.runtime.calls
         endpoint = min(sorted(self.rollouts), key=calls.in_flight)
-        pending = self.env_server.server.pending
         # Sent once: a rollout worker does not cache generations, so a resend would generate twice.
         calls.request(endpoint, Generate(prompt=run.prompt, max_new_tokens=self.settings.max_new_tokens),
                       lambda outcome: self._generated(run, pending, endpoint, outcome),
                       deadline_s=self.settings.generate_timeout_s, policy=SEND_ONCE, backend="numpy")
-        return None  # answered when the generation's outcome is known
 
     def _generated(self, run: Run, pending: Pending, endpoint: str, outcome: Outcome) -> None:
         if isinstance(outcome, RemoteError):

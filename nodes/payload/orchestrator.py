@@ -223,13 +223,18 @@ class Orchestrator:
     # --- start-up recovery ---------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, the
-        episodes it held (or nobody claimed) from every env server. ``claims_pending`` of the recovery
-        arrival counts the requests still out, plus one for this call; no run is dispatched until it is 0."""
-        trainers = self.runtime.lookup("trainer")
+        """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, then the
+        episodes it held (or nobody claimed) from every env server, each registry lookup asynchronous.
+        ``claims_pending`` of the recovery arrival counts the requests still out, plus one until the stores
+        are known; no run is dispatched until it is 0."""
+        self.runtime.lookup_async("trainer", self._recover_step)
+
+    def _recover_step(self, trainers: list[NodeInfo] | None) -> None:
         if trainers:
             self.core.resume_step(trainers)
-        stores = self.runtime.lookup("env-server")
+        self.runtime.lookup_async("env-server", self._recover_holdings)
+
+    def _recover_holdings(self, stores: list[NodeInfo] | None) -> None:
         if stores is None:
             log.error("recovery.no_registry", detail="what an earlier incarnation held goes holder-down")
         for node in stores or ():
@@ -296,9 +301,12 @@ class Orchestrator:
     def _tick(self) -> None:
         self._execute(self.core.tick(self.clock()))
         if self.core.world_down is not None:  # waiting for a new trainer world: is it registered yet?
-            nodes = self.runtime.lookup("trainer")
-            if nodes is not None:
-                self._execute(self.core.use_trainers(self.clock(), nodes))
+            self.runtime.lookup_async("trainer", self._found_trainers)
+
+    def _found_trainers(self, nodes: list[NodeInfo] | None) -> None:
+        # Still wanted when the registry answers? A lookup joined by both callers is answered once.
+        if nodes is not None and (self.core.world_down is not None or self.core.wants_trainers):
+            self._execute(self.core.use_trainers(self.clock(), nodes))
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
         if info is not None and info.role == "env-server":
@@ -311,14 +319,19 @@ class Orchestrator:
             self._execute(self.core.store_up(info))
 
     def _refresh_replicas(self) -> None:
-        nodes = self.runtime.lookup("env-server")
-        if nodes is not None:
-            self.core.use_replicas(nodes)
+        self.runtime.lookup_async("env-server", self._found_replicas)
         if not self.core.version_known:  # started after the version-bump, or before any commit
-            for manager in self.runtime.lookup("ps-manager") or []:
-                version = manager.status.get("version", -1.0)
-                if math.isfinite(version):
-                    self.core.on_version(int(version))
+            self.runtime.lookup_async("ps-manager", self._found_managers)
+
+    def _found_replicas(self, nodes: list[NodeInfo] | None) -> None:
+        if nodes is not None:  # None: the broker did not answer, keep what we know
+            self.core.use_replicas(nodes)
+
+    def _found_managers(self, managers: list[NodeInfo] | None) -> None:
+        for manager in managers or ():
+            version = manager.status.get("version", -1.0)
+            if math.isfinite(version):
+                self.core.on_version(int(version))
 
     def _dispatch(self) -> None:
         if self._recovery.claims_pending:
@@ -345,9 +358,7 @@ class Orchestrator:
                 log.error("orchestrator.halted", reason=action.reason)
                 self.runtime.stop()
         if self.core.wants_trainers:
-            nodes = self.runtime.lookup("trainer")
-            if nodes is not None:
-                self._execute(self.core.use_trainers(self.clock(), nodes))
+            self.runtime.lookup_async("trainer", self._found_trainers)
 
     def _on_delivered(self, action: DeliverBatch, outcome: Outcome) -> None:
         _, failures = split_outcomes([(action.endpoint, outcome)])
