@@ -14,6 +14,9 @@ An endpoint marked down (:meth:`Calls.mark_down`, fed by the registry's ``node-d
 :class:`~refbus.bus.peers.Peers`) gets no retry schedule: its pending calls end with :class:`PeerDown` at
 once, and so does every new request to it (on the next loop turn, never inside :meth:`Calls.request`),
 until it is marked up again.
+
+:meth:`Calls.gather` sends many requests at once (a window per endpoint) and hands their outcomes over in one
+list when the last one ends. :class:`PolledCalls` drives a :class:`Calls` from a thread without a node loop.
 """
 
 from __future__ import annotations

@@ -89,10 +89,6 @@ class Peers:
                     return node_id
         return None
 
-    def down_reason(self, endpoint: str) -> str | None:
-        """Why requests to ``endpoint`` fail at once (its node is reported down), or None."""
-        return self._calls.down_reason(endpoint)
-
     # --- internals ----------------------------------------------------------------------------------
 
     def _up(self, node: NodeInfo) -> None:

@@ -347,8 +347,8 @@ class NodeRuntime:
 
     def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
         """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
-        broker does not answer within ``policy`` (default: the runtime's; callers try again on their next
-        tick)."""
+        broker does not answer within ``policy`` (default: the runtime's). Blocks until then: for start-up,
+        shutdown and commands; a running node loop uses :meth:`lookup_async`."""
         try:
             listed = self.broker().request(Nodes(role=role), policy=policy).body
         except (RemoteError, RequestTimeout) as exc:

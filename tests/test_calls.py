@@ -5,7 +5,9 @@ killed with SIGKILL.
 
 Covers each outcome (reply, remote error, timeout at the deadline, peer down), retries with the same id,
 cancel, late and malformed replies (counted, resolving nothing), exactly-once delivery under mixed
-interleavings, the loop's poll bounded by the earliest deadline, and shutdown with calls pending.
+interleavings, the loop's poll bounded by the earliest deadline, ``gather``'s window per endpoint and its
+one ordered list of outcomes, ``lookup_async`` (joined while in flight, None at its deadline), and shutdown
+with calls pending.
 """
 
 from __future__ import annotations
@@ -428,6 +430,66 @@ def test_calls_to_a_server_killed_with_sigkill_resolve_by_their_deadline(caller:
 
 
 # --- shutdown -----------------------------------------------------------------------------------------
+
+
+def test_gather_keeps_a_window_per_endpoint_and_hands_over_every_outcome_once_in_order(
+    caller: NodeRuntime, peers: Any
+) -> None:
+    slow, fast = peers(), peers()
+    got: list[list[Outcome]] = []
+    requests = [(slow.endpoint, Delete(blob_ids=[f"s{i}"], holder="caller", reason="trained")) for i in range(3)]
+    requests.insert(1, (fast.endpoint, DELETE))
+    caller.calls.gather(requests, got.append, window=2, policy=SEND_ONCE, deadline_s=60.0)
+    wait_received(caller, fast, 1)
+    wait_received(caller, slow, 2)
+    one_turn(caller)
+    assert slow.poll() == 2, "a third request to one endpoint went out with a window of two"
+    fast.answer(fast.ids()[0])
+    slow.answer(slow.ids()[0])
+    wait_received(caller, slow, 3)  # one ended: the queued one goes out
+    slow.answer(slow.ids()[1], Error("unknown-blob", "gone"))
+    assert not got, "outcomes handed over before the last request ended"
+    slow.answer(slow.ids()[2])
+    pump(caller, lambda: got, "the gathered outcomes")
+    assert len(got) == 1
+    (outcomes,) = got  # in the order asked: slow 0, fast, slow 1 (refused), slow 2
+    assert [type(o) for o in outcomes] == [Message, Message, RemoteError, Message], outcomes
+    assert [o.body.detail for o in outcomes if isinstance(o, Message)] == [slow.ids()[0], fast.ids()[0],
+                                                                          slow.ids()[2]]
+    assert outcomes[2].code == "unknown-blob"
+    empty: list[list[Outcome]] = []
+    caller.calls.gather([], empty.append)
+    assert not empty, "on_done ran inside gather()"
+    pump(caller, lambda: empty, "the empty gather's outcome")
+    assert empty == [[]]
+
+
+def test_lookup_async_joins_a_lookup_in_flight_and_answers_none_at_its_deadline(peers: Any) -> None:
+    broker = peers()  # stands in for the broker: the test answers registry requests by hand
+    runtime = NodeRuntime("caller", RuntimeSettings(bus=broker.endpoint, node_id="caller", metrics_port=-1,
+                                                    heartbeat_interval_s=3600.0, retry=FAST), register=False)
+    runtime.every(0.01, lambda: None)
+    runtime.start()
+    try:
+        answers: list[tuple[str, Any]] = []
+        runtime.lookup_async("rollout", lambda nodes: answers.append(("first", nodes)))
+        runtime.lookup_async("rollout", lambda nodes: answers.append(("second", nodes)))
+        wait_received(runtime, broker, 1)
+        one_turn(runtime)
+        assert broker.poll() == 1 and answers == [], "a lookup in flight is joined, not sent again"
+        (_, asked), = broker.received
+        assert asked.body == Nodes(role="rollout")
+        broker.answer(asked.header.id, NodeList(nodes=[]))
+        pump(runtime, lambda: len(answers) == 2, "both callers answered")
+        assert answers == [("first", []), ("second", [])]
+        # Unanswered: None once the deadline passes (a retry resends the same id), never an exception.
+        runtime.lookup_async("rollout", lambda nodes: answers.append(("unanswered", nodes)), deadline_s=0.2)
+        pump(runtime, lambda: len(answers) == 3, "the unanswered lookup to end", timeout=WAIT_S + 0.2)
+        assert answers[2] == ("unanswered", None)
+        broker.poll()
+        assert len(broker.ids()) > 2 and len(set(broker.ids()[1:])) == 1
+    finally:
+        runtime.close()
 
 
 def test_close_drops_pending_calls_without_an_outcome(peers: Any) -> None:
