@@ -265,9 +265,9 @@ class Calls:
             try:
                 checked = client.codec.decode_header(frames)
                 call = self._pending.get(checked.header.re)
-                # A reply to no pending call is decoded without torch: it is only counted.
+                # A reply to no pending call is decoded without torch or checksums: it is only counted.
                 backend = call.backend if call is not None else "numpy"
-                reply = client.codec.decode(frames, backend=backend, verify=call is None or call.verify,
+                reply = client.codec.decode(frames, backend=backend, verify=call is not None and call.verify,
                                             checked=checked)
             except ProtocolError as exc:
                 self.rejected[exc.code] += 1

@@ -129,8 +129,8 @@ def _frozen_group_held(path: Path, hold_log: Path) -> bool:
 
 def _trainer_done_with_env_c(path: Path) -> bool:
     """No blob of hostC is with the trainer rank or in a complete group: all were trained or dropped. Under the
-    hold no group there completes any more, so from now on the trainer never asks hostC for anything (a rank
-    whose fetch or delete waits on a store that is cut off stalls its node loop: see docs, Partitions)."""
+    hold no group there completes any more, so from now on the trainer never asks hostC for anything (a fetch
+    or delete to a store that is cut off would end only at its deadline, costing the run steps)."""
     records = list(events(path))
     ledger = Ledger()
     for record in records:
