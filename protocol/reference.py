@@ -22,6 +22,7 @@ from .messages import KINDS, Body
 LEGEND = (
     ("Name", "str of 1 to 256 characters"),
     ("NonNegative", "int ≥ 0"),
+    ("Major", "int 0 to 65535: a protocol major version"),
     ("Positive", "int ≥ 1"),
     ("Seconds", "float ≥ 0"),
     ("Array", "an array: a msgpack ext value (code 1 numpy, 2 torch) holding its descriptor; its bytes travel "
