@@ -135,7 +135,7 @@ class NodeDown(Body, frozen=True):
 
 @register_kind("sync")
 class Sync(Body, frozen=True):
-    """Slow-joiner handshake; never shown as an event.
+    """Slow-joiner handshake; refbus subscribers consume it (a raw SUB socket sees it, with ``seq`` 0).
 
     As an event: a probe with ``token``. As a request to the broker: ``path="pub"`` is answered once the
     broker has received the node's probe through its PUB socket (answered late, when it arrives);
