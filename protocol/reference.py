@@ -36,6 +36,8 @@ _PS_SHARED = (messages_ps.TensorSpec, messages_ps.ShardTensor, messages_ps.Locat
               messages_ps.WorkerInfo, messages_ps.Manifest, messages_ps.ByteRange, messages_ps.BatchEntry,
               messages_ps.InventoryBuffer)
 _COMMENT = re.compile(r"^\s+(\w+)\s*:.*?\s#\s(.*)$")
+_COMMENT_LINE = re.compile(r"^\s+#\s?(.*)$")
+_FIELD = re.compile(r"^\s+(\w+)\s*:")
 
 
 def protocol_tables() -> str:
@@ -82,11 +84,18 @@ def _structs(classes: Iterable[type[msgspec.Struct]], heading: Callable[[type], 
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """The comment on each field's line of the class body: what the field means."""
+    """What each field means: the comment on its line of the class body, else the comment lines just above it."""
     comments: dict[str, str] = {}
+    above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
+        if match := _COMMENT_LINE.match(line):
+            above.append(match.group(1))
+            continue
         if match := _COMMENT.match(line):
             comments[match.group(1)] = match.group(2).replace("|", "\\|")
+        elif (match := _FIELD.match(line)) and above:
+            comments[match.group(1)] = " ".join(above).replace("|", "\\|")
+        above = []
     return comments
 
 
