@@ -113,6 +113,12 @@ def run_the_life_cycle(ctx: zmq.Context, control_endpoint: str, secret: bytes) -
         blobs.request("fetch", {"blob_ids": ids, "holder": ""}, timeout_s=WAIT_S)
     assert unknown.value.code == "schema"  # an empty Name
 
+    _, frames = wire.encode("fetch", {"blob_ids": ids, "holder": holder})
+    blobs.sock.send_multipart([b"", *frames])  # what a REQ socket sends: its reply has no delimiter, REQ drops it
+    assert blobs.sock.poll(int(WAIT_S * 1000))
+    reply = wire.decode(blobs.sock.recv_multipart())
+    assert (reply.kind, reply.body["code"], reply.header.get("re", "")) == ("error", "malformed", "")
+
     if secret:  # the same request unsigned, or signed with another secret, is refused
         for intruder in (client.Wire("intruder"), client.Wire("intruder", b"another-secret")):
             stranger = client.Peer(ctx, store["endpoints"]["blobs"], intruder)
