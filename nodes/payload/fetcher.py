@@ -51,6 +51,7 @@ from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
 from .packing import MicroBatch, PackedSample, PackingError, SampleInfo
+from .shipping import registry_locator as registry_locator  # a trainer rank's ``locate``, shared with the orchestrator
 
 log = structlog.get_logger(__name__)
 
@@ -233,17 +234,6 @@ class FetchSettings:
 
 
 # --- the fetcher -----------------------------------------------------------------------------------------
-
-
-def registry_locator(endpoint_of: Callable[[str, str], str | None]) -> Callable[[BlobRef], str]:
-    """``locate`` for :class:`StepFetcher`: the ``blobs`` endpoint the reference's store advertises now
-    (``endpoint_of(node_id, name)``, e.g. ``runtime.track_peers().endpoint_of``), else the recorded one (a
-    reference without a node, or a store the registry does not list live)."""
-
-    def locate(ref: BlobRef) -> str:
-        return (endpoint_of(ref.node, "blobs") if ref.node else None) or ref.endpoint
-
-    return locate
 
 
 class StepFetcher:
