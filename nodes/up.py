@@ -247,9 +247,13 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 progress = _Progress(probe, record, up.steps)
                 chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts)
                          if args.chaos else None)
-                while not (stop.requested or (not supervisor.world_pending and all(
-                        t.proc.poll() is not None for t in cluster.by_role("trainer")))):
+                while not stop.requested:
+                    # The supervisor sees every exit before the loop asks whether the trainers are all gone:
+                    # ranks that failed together start a world restart, not the end of the run.
                     if supervisor.poll() is not None:
+                        break
+                    if not supervisor.world_pending and all(t.proc.poll() is not None
+                                                            for t in cluster.by_role("trainer")):
                         break
                     if chaos is not None:
                         chaos.poll()

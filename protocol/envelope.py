@@ -59,6 +59,8 @@ MAX_KIND_BYTES = 256
 
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The envelope's header frame: a msgpack map, default-valued fields omitted."""
+
     v: tuple[int, int]  # protocol (major, minor)
     id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
     src: str  # sending node id

@@ -28,6 +28,7 @@ import msgspec
 Array = Any  # numpy.ndarray or torch.Tensor; carried as a buffer frame (see codec)
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Major = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # a protocol major version
 
 
 class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -58,16 +59,16 @@ def register_kind(name: str) -> Any:
 class NodeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """A live node as the broker's registry knows it."""
 
-    node_id: Name
-    role: Name
-    host: str
-    pid: NonNegative
-    endpoints: dict[str, str] = {}
+    node_id: Name  # unique node id
+    role: Name  # `bus`, `env-server`, `orchestrator`, `trainer`, ...
+    host: str  # host name the node runs on
+    pid: NonNegative  # process id
+    endpoints: dict[str, str] = {}  # name -> endpoint it serves (`control`, `blobs`, ...)
     labels: dict[str, str] = {}  # role facts peers select on: an env server's source, a trainer's rank
     metrics: str = ""  # http://host:port/metrics, or "" when the node serves none
-    started: float = 0.0
-    last_seen: float = 0.0
-    status: dict[str, float] = {}
+    started: float = 0.0  # wall-clock start time
+    last_seen: float = 0.0  # wall-clock time of its last heartbeat
+    status: dict[str, float] = {}  # role numbers from its heartbeats
 
 
 class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -75,10 +76,10 @@ class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
 
     endpoint: str  # the env server's blob endpoint (fetch, claim, delete)
     source: Name  # the env server's source name: replicas of one source share it (default: its node id)
-    blob_id: Name
-    fields: list[str]
-    tokens: NonNegative
-    nbytes: NonNegative
+    blob_id: Name  # the store's id of this blob
+    fields: list[str]  # the branch's array fields, in canonical order
+    tokens: NonNegative  # tokens of the branch
+    nbytes: NonNegative  # bytes of its arrays
     checksum: NonNegative  # xxh3-64 over the blob's array checksums, in field order
     routing_shape: list[int] | None = None  # [layers, top_k] when routed_experts is kept
     node: str = ""  # the store's node id: its endpoint is looked up again in the registry if it moved
@@ -87,31 +88,33 @@ class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
 class SampleSlice(msgspec.Struct, frozen=True, omit_defaults=True):
     """One sample of a micro batch: its blob (None: a sample without arrays) and its kept token count."""
 
-    sample_id: str
-    tokens: NonNegative
-    ref: BlobRef | None = None
+    sample_id: str  # the sample's id
+    tokens: NonNegative  # tokens kept for it in this micro batch
+    ref: BlobRef | None = None  # its blob
 
 
 class MicroBatchRefs(msgspec.Struct, frozen=True, omit_defaults=True):
     """A packed micro batch as references, in packing order; ``inputs`` carries small inline arrays
     (token ids, advantages) that the framework ships with it."""
 
-    samples: list[SampleSlice]
-    length: NonNegative
-    dummy: bool = False
-    inputs: dict[str, Array] = {}
+    samples: list[SampleSlice]  # the samples, in packing order
+    length: NonNegative  # padded token length
+    dummy: bool = False  # padding batch: trained with zero weight
+    inputs: dict[str, Array] = {}  # small inline arrays, by name
 
 
 class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
     """One event of the replay ring: its frames exactly as the broker received them (either form, with the
     MAC frame when signed), so the MAC verifies and the envelope decodes as if it came live."""
 
-    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]  # one event's frames as received
 
 
 class FetchedBlob(msgspec.Struct, frozen=True):
-    blob_id: Name
-    arrays: dict[str, Array]
+    """One blob of a ``blobs`` answer: its arrays, each a buffer frame."""
+
+    blob_id: Name  # the blob
+    arrays: dict[str, Array]  # field -> array, in the blob's field order
 
 
 # --- events -----------------------------------------------------------------------------------------
@@ -119,20 +122,20 @@ class FetchedBlob(msgspec.Struct, frozen=True):
 
 @register_kind("node-up")
 class NodeUp(Body, frozen=True):
-    node: NodeInfo
+    node: NodeInfo  # the node, as registered
 
 
 @register_kind("node-down")
 class NodeDown(Body, frozen=True):
-    node_id: Name
-    role: Name
+    node_id: Name  # the node gone
+    role: Name  # its role
     reason: str  # "bye" (clean exit) or "timeout" (missed heartbeats)
-    last_seen: float
+    last_seen: float  # wall-clock time of its last heartbeat
 
 
 @register_kind("sync")
 class Sync(Body, frozen=True):
-    """Slow-joiner handshake; never shown as an event.
+    """Slow-joiner handshake; refbus subscribers consume it (a raw SUB socket sees it, with ``seq`` 0).
 
     As an event: a probe with ``token``. As a request to the broker: ``path="pub"`` is answered once the
     broker has received the node's probe through its PUB socket (answered late, when it arrives);
@@ -140,8 +143,8 @@ class Sync(Body, frozen=True):
     subscription is live.
     """
 
-    token: Name
-    path: Literal["pub", "sub"] = "pub"
+    token: Name  # probe token chosen by the node
+    path: Literal["pub", "sub"] = "pub"  # which path the probe proves (requests only)
 
 
 @register_kind("episode-finished")
@@ -151,11 +154,11 @@ class EpisodeFinished(Body, frozen=True):
     ``info`` is the framework's small episode record (reward, token ids, ...); arrays in it ride as frames.
     """
 
-    episode_id: Name
-    source: Name
-    refs: list[BlobRef]
-    policy_version: NonNegative = 0
-    info: dict[str, Any] = {}
+    episode_id: Name  # the episode
+    source: Name  # the store's source name
+    refs: list[BlobRef]  # one per kept branch, in order
+    policy_version: NonNegative = 0  # version that produced it
+    info: dict[str, Any] = {}  # the framework's episode record
 
 
 @register_kind("claim")
@@ -165,8 +168,8 @@ class Claim(Body, frozen=True):
     The acknowledged hand-over from the env server; unclaimed blobs are deleted when their lease ends.
     """
 
-    blob_ids: list[str]
-    holder: Name
+    blob_ids: list[str]  # blobs to take over
+    holder: Name  # the new owner
 
 
 @register_kind("reference")
@@ -174,9 +177,9 @@ class Reference(Body, frozen=True):
     """Event: the orchestrator handed ``blob_ids`` to trainer ``holder`` for ``step`` (mirror of the
     acknowledged ``step-batch`` request)."""
 
-    step: NonNegative
-    holder: Name
-    blob_ids: list[str]
+    step: NonNegative  # training step
+    holder: Name  # the trainer rank
+    blob_ids: list[str]  # blobs handed over
 
 
 @register_kind("fetch-ack")
@@ -184,19 +187,19 @@ class FetchAck(Body, frozen=True):
     """Event: ``holder`` fetched and verified ``blob_ids`` for ``step`` (``nbytes`` in ``seconds``, until the
     tensors were assembled; ``failed``: micro batches it could not fetch)."""
 
-    step: NonNegative
-    holder: Name
-    blob_ids: list[str]
-    nbytes: NonNegative = 0
-    seconds: float = 0.0
-    failed: NonNegative = 0
+    step: NonNegative  # training step
+    holder: Name  # the trainer rank
+    blob_ids: list[str]  # blobs fetched and verified
+    nbytes: NonNegative = 0  # bytes fetched
+    seconds: float = 0.0  # fetch and assembly time
+    failed: NonNegative = 0  # micro batches not fetched
 
 
 @register_kind("version-bump")
 class VersionBump(Body, frozen=True):
-    version: NonNegative
-    nbytes: NonNegative
-    manifest_digest: str
+    version: NonNegative  # the committed policy version
+    nbytes: NonNegative  # bytes of its weights
+    manifest_digest: str  # digest of its manifest
 
 
 @register_kind("delete")
@@ -209,9 +212,9 @@ class Delete(Body, frozen=True):
     published by the holder: the store ``node`` went down and was not back within the grace, so its blobs
     are gone without a delete)."""
 
-    blob_ids: list[str]
-    holder: Name
-    reason: Name
+    blob_ids: list[str]  # blobs to delete
+    holder: Name  # who deletes them (their owner)
+    reason: Name  # why (see above)
     node: str = ""  # the node whose going down caused it: the dead holder (holder-down), the dead store (lost)
 
 
@@ -220,11 +223,11 @@ class Violation(Body, frozen=True):
     """Event: an ownership rule was broken (a second delete, a delete or claim by a non-owner, a fetch of
     a deleted blob). Logged and counted where it happened; tests assert there are none."""
 
-    blob_id: str
+    blob_id: str  # the blob
     action: Name  # delete, fetch, claim
     holder: Name  # who tried
     owner: str  # who held it (or who deleted it), "" if never known
-    detail: str
+    detail: str  # what happened, for people
 
 
 @register_kind("run-end")
@@ -233,8 +236,8 @@ class RunEnd(Body, frozen=True):
     holders stopped and before its stores do. A live ``refbus ledger`` stops here: a blob then held by
     anyone but its store is a leak."""
 
-    reason: Name
-    steps: NonNegative = 0
+    reason: Name  # `done`, `interrupted` or `failed`
+    steps: NonNegative = 0  # steps trained
 
 
 # --- requests ---------------------------------------------------------------------------------------
@@ -245,21 +248,21 @@ class Hello(Body, frozen=True):
     """Registration with the broker. ``wire`` lists the protocol majors the node speaks (empty: only the one
     in this message's header); the broker answers with the one it chose, or a ``version`` error."""
 
-    node: NodeInfo
+    node: NodeInfo  # the registering node
     token: Name  # the node publishes ``sync`` with this token until the broker has seen it
-    wire: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=65535)]], msgspec.Meta(max_length=16)] = []
+    wire: Annotated[list[Major], msgspec.Meta(max_length=16)] = []  # protocol majors spoken
 
 
 @register_kind("heartbeat")
 class Heartbeat(Body, frozen=True):
-    node_id: Name
-    status: dict[str, float] = {}
+    node_id: Name  # the node
+    status: dict[str, float] = {}  # role numbers shown in the registry
 
 
 @register_kind("bye")
 class Bye(Body, frozen=True):
-    node_id: Name
-    reason: str = "shutdown"
+    node_id: Name  # the node leaving
+    reason: str = "shutdown"  # why it leaves
 
 
 @register_kind("nodes")
@@ -272,10 +275,10 @@ class Replay(Body, frozen=True):
     """Events with per-source ``seq >= since`` from the broker's ring, in ring order, from ring position
     ``cursor`` on, at most ``limit`` (and about half the body limit in bytes) per answer."""
 
-    since: NonNegative = 0
+    since: NonNegative = 0  # first per-source seq wanted
     src: str = ""  # "" replays every source
-    limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000
-    cursor: NonNegative = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000  # most events per answer
+    cursor: NonNegative = 0  # ring position to start from
 
 
 @register_kind("keep")
@@ -286,18 +289,18 @@ class Keep(Body, frozen=True):
     ``mask_counts``) to arrays. Answered with ``kept``; the env server then publishes ``episode-finished``.
     """
 
-    episode_id: Name
-    branches: list[dict[str, Array]]
-    policy_version: NonNegative = 0
-    info: dict[str, Any] = {}
+    episode_id: Name  # unique per store
+    branches: list[dict[str, Array]]  # per branch: field -> array
+    policy_version: NonNegative = 0  # version that produced it
+    info: dict[str, Any] = {}  # small episode record, published as is
 
 
 @register_kind("discard")
 class Discard(Body, frozen=True):
     """Request to an env server: the client abandoned this episode; delete what it kept (once)."""
 
-    episode_id: Name
-    reason: Name = "discarded"
+    episode_id: Name  # the episode
+    reason: Name = "discarded"  # delete reason
 
 
 @register_kind("run")
@@ -305,18 +308,18 @@ class Run(Body, frozen=True):
     """Request from the orchestrator to an env server: run one episode of ``prompt`` (answered with ``ok``
     once the episode is kept and ``episode-finished`` is published, or with an error)."""
 
-    episode_id: Name
-    group: Name
-    prompt: list[int]
-    eval: bool = False
+    episode_id: Name  # the episode to run
+    group: Name  # its group
+    prompt: list[int]  # token ids
+    eval: bool = False  # an evaluation episode
 
 
 @register_kind("generate")
 class Generate(Body, frozen=True):
     """Request from an env server to a rollout worker: complete ``prompt`` with the weights it serves."""
 
-    prompt: list[int]
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    prompt: list[int]  # token ids
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)]  # tokens to generate at most
 
 
 @register_kind("generated")
@@ -324,18 +327,18 @@ class Generated(Body, frozen=True):
     """Reply to ``generate``: the full sequence (prompt included), the policy version that produced it,
     and the per-token arrays to keep (a branch: field name -> array, as frames)."""
 
-    tokens: list[int]
-    policy_version: NonNegative
-    arrays: dict[str, Array]
+    tokens: list[int]  # prompt and completion token ids
+    policy_version: NonNegative  # version of the weights used
+    arrays: dict[str, Array]  # the branch to keep: field -> array
 
 
 @register_kind("fetch")
 class Fetch(Body, frozen=True):
     """Request to an env server: the arrays of ``blob_ids`` (answered with ``blobs``)."""
 
-    blob_ids: list[str]
-    holder: Name
-    step: NonNegative = 0
+    blob_ids: list[str]  # blobs wanted
+    holder: Name  # who asks
+    step: NonNegative = 0  # training step it is for
 
 
 @register_kind("accounts")
@@ -343,7 +346,7 @@ class Accounts(Body, frozen=True):
     """Request to an env server: its blob counters (answered with ``accounted``), ``holders`` at most in
     ``held_by`` and ``reclaimed`` (the largest; the rest summed under ``*``)."""
 
-    holders: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
+    holders: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64  # most holders listed by name
 
 
 @register_kind("holdings")
@@ -353,9 +356,9 @@ class HoldingsQuery(Body, frozen=True):
     quarter of the body limit in bytes) per answer. What a restarted holder asks to take back what its
     earlier incarnation held."""
 
-    holder: Name
-    after: NonNegative = 0
-    limit: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256
+    holder: Name  # whose holdings
+    after: NonNegative = 0  # keep position to start from
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 256  # most episodes per answer
 
 
 @register_kind("step-batch")
@@ -366,11 +369,11 @@ class StepBatch(Body, frozen=True):
     micro batches may also reference blobs owned by other ranks (dummies repeat real routing rows).
     """
 
-    step: NonNegative
-    rank: NonNegative
-    micro_batches: list[MicroBatchRefs]
-    owned: list[str]
-    policy_version: NonNegative = 0
+    step: NonNegative  # training step
+    rank: NonNegative  # the trainer rank
+    micro_batches: list[MicroBatchRefs]  # its micro batches
+    owned: list[str]  # blobs this rank deletes after the step
+    policy_version: NonNegative = 0  # version the batch is for
 
 
 # --- replies ----------------------------------------------------------------------------------------
@@ -380,27 +383,27 @@ class StepBatch(Body, frozen=True):
 class Welcome(Body, frozen=True):
     """The broker's answer to ``hello``: where to publish and subscribe, and the liveness timing."""
 
-    broker_id: Name
-    events_in: str
-    events_out: str
-    heartbeat_interval: float
-    node_timeout: float
+    broker_id: Name  # the broker's node id
+    events_in: str  # XSUB endpoint to publish to
+    events_out: str  # XPUB endpoint to subscribe to
+    heartbeat_interval: float  # seconds between heartbeats
+    node_timeout: float  # seconds without one before node-down
     wire: NonNegative = 0  # the protocol major chosen from the hello's ``wire``
 
 
 @register_kind("ok")
 class Ok(Body, frozen=True):
-    detail: str = ""
+    detail: str = ""  # optional note
 
 
 @register_kind("node-list")
 class NodeList(Body, frozen=True):
-    nodes: list[NodeInfo]
+    nodes: list[NodeInfo]  # the live nodes
 
 
 @register_kind("replayed")
 class Replayed(Body, frozen=True):
-    events: list[ReplayedEvent]
+    events: list[ReplayedEvent]  # ring events, in ring order
     more: bool  # True when the answer was cut; ask again from ``cursor``
     cursor: NonNegative = 0  # ring position after the last event examined
 
@@ -409,8 +412,8 @@ class Replayed(Body, frozen=True):
 class Blobs(Body, frozen=True):
     """Reply to ``fetch``: the blobs found, and the ids that were unknown or already deleted."""
 
-    blobs: list[FetchedBlob]
-    missing: list[str] = []
+    blobs: list[FetchedBlob]  # blobs found, in request order
+    missing: list[str] = []  # ids unknown or deleted
 
 
 @register_kind("claimed")
@@ -419,10 +422,10 @@ class Claimed(Body, frozen=True):
     ids refused because another holder owns them, and ids refused as stale: the store reclaimed them from a
     holder that went down (``holder-down``), so nobody may own them again."""
 
-    blob_ids: list[str]
-    missing: list[str] = []
-    violations: list[str] = []
-    reclaimed: list[str] = []
+    blob_ids: list[str]  # now owned by the claimer
+    missing: list[str] = []  # gone or never kept
+    violations: list[str] = []  # owned by another holder
+    reclaimed: list[str] = []  # taken back from a holder that went down
 
 
 @register_kind("deleted")
@@ -431,10 +434,10 @@ class Deleted(Body, frozen=True):
     this store never kept, and ids refused as stale: the store reclaimed them from a holder that went down
     (``holder-down``), which is no violation."""
 
-    blob_ids: list[str]
-    violations: list[str] = []
-    missing: list[str] = []
-    reclaimed: list[str] = []
+    blob_ids: list[str]  # deleted now
+    violations: list[str] = []  # already deleted
+    missing: list[str] = []  # never kept here
+    reclaimed: list[str] = []  # taken back from a holder that went down
 
 
 @register_kind("accounted")
@@ -445,22 +448,22 @@ class Accounted(Body, frozen=True):
     the holder that went down; ``violations``: refused requests by action."""
 
     store: Name  # node id
-    seq: NonNegative
-    kept: NonNegative
-    held: NonNegative
-    deleted: dict[str, NonNegative] = {}
-    held_by: dict[str, NonNegative] = {}
-    reclaimed: dict[str, NonNegative] = {}
-    violations: dict[str, NonNegative] = {}
+    seq: NonNegative  # the store's last event seq counted
+    kept: NonNegative  # blobs kept
+    held: NonNegative  # blobs alive now
+    deleted: dict[str, NonNegative] = {}  # deleted, by reason
+    held_by: dict[str, NonNegative] = {}  # alive, by holder
+    reclaimed: dict[str, NonNegative] = {}  # deleted holder-down, by holder
+    violations: dict[str, NonNegative] = {}  # refused requests, by action
 
 
 class HeldEpisode(msgspec.Struct, frozen=True, omit_defaults=True):
     """One episode of a ``held`` answer: its ``episode-finished`` record as published (every ref, whoever
     holds it now), the ids of its live blobs ``held`` by the asking holder, and those still ``unclaimed``."""
 
-    episode: EpisodeFinished
-    held: list[str] = []
-    unclaimed: list[str] = []
+    episode: EpisodeFinished  # as published
+    held: list[str] = []  # its blobs held by the asker
+    unclaimed: list[str] = []  # its blobs nobody claimed
 
 
 @register_kind("held")
@@ -468,16 +471,16 @@ class Held(Body, frozen=True):
     """Reply to ``holdings``: one page of episodes; ``more`` when the answer was cut (ask again from
     ``cursor``, the keep position after the last episode examined)."""
 
-    episodes: list[HeldEpisode]
-    cursor: NonNegative
-    more: bool = False
+    episodes: list[HeldEpisode]  # one page
+    cursor: NonNegative  # keep position to ask from next
+    more: bool = False  # the answer was cut
 
 
 @register_kind("kept")
 class Kept(Body, frozen=True):
     """Reply to ``keep``: one reference per branch, in order."""
 
-    refs: list[BlobRef]
+    refs: list[BlobRef]  # one per branch, in order
 
 
 @register_kind("error")
@@ -486,7 +489,7 @@ class Error(Body, frozen=True):
     ``retry_after_s`` > 0: the failure is temporary (a store over its byte budget): the same request may
     succeed when sent again after that many seconds."""
 
-    code: Name
-    message: str
-    request_kind: str = ""
-    retry_after_s: float = 0.0
+    code: Name  # stable error code
+    message: str  # what was wrong and where
+    request_kind: str = ""  # kind of the failed request
+    retry_after_s: float = 0.0  # > 0: temporary, retry after this long

@@ -32,81 +32,81 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     """A tensor a pusher is about to write: its name, dtype and shape."""
 
-    name: Name
-    dtype: str
-    shape: list[NonNegative]
+    name: Name  # tensor name
+    dtype: str  # portable dtype name
+    shape: list[NonNegative]  # dimensions
 
 
 class ShardTensor(msgspec.Struct, frozen=True, array_like=True):
     """A tensor inside one shard segment; ``checksum`` is 0 until the bytes are written."""
 
-    name: Name
-    dtype: str
-    shape: list[NonNegative]
-    offset: NonNegative
-    nbytes: NonNegative
-    checksum: NonNegative = 0
+    name: Name  # tensor name
+    dtype: str  # portable dtype name
+    shape: list[NonNegative]  # dimensions
+    offset: NonNegative  # byte offset in the segment
+    nbytes: NonNegative  # bytes
+    checksum: NonNegative = 0  # xxh3-64 of the bytes
 
 
 class Location(msgspec.Struct, frozen=True, array_like=True):
     """Where one copy of a tensor lives: a worker, a segment of it and the byte offset inside."""
 
-    worker: Name
-    segment: Name
-    offset: NonNegative
+    worker: Name  # ps-worker node id
+    segment: Name  # shared-memory segment name
+    offset: NonNegative  # byte offset in the segment
 
 
 class ManifestEntry(msgspec.Struct, frozen=True, array_like=True):
     """One tensor of a committed version. Pushed tensors have one location; broadcast-init ones, one per
     worker that received the checkpoint."""
 
-    name: Name
-    dtype: str
-    shape: list[NonNegative]
-    nbytes: NonNegative
-    checksum: NonNegative
-    locations: list[Location]
+    name: Name  # tensor name
+    dtype: str  # portable dtype name
+    shape: list[NonNegative]  # dimensions
+    nbytes: NonNegative  # bytes
+    checksum: NonNegative  # xxh3-64 of the bytes
+    locations: list[Location]  # where its copies live
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """A registered ps-worker: its node id, data endpoint, host and shared-memory directory."""
 
-    worker: Name
-    endpoint: str
-    host: str
-    shm_dir: str
-    pid: NonNegative = 0
+    worker: Name  # its node id
+    endpoint: str  # its data endpoint
+    host: str  # its host
+    shm_dir: str  # its shared-memory directory
+    pid: NonNegative = 0  # its process id
 
 
 class Manifest(msgspec.Struct, frozen=True):
     """A committed version: every tensor, where it lives, and the digest over (name, dtype, shape, nbytes,
     checksum) of all tensors, independent of placement."""
 
-    version: NonNegative
-    digest: str
-    nbytes: NonNegative
-    entries: list[ManifestEntry]
-    workers: list[WorkerInfo]
+    version: NonNegative  # policy version
+    digest: str  # manifest digest
+    nbytes: NonNegative  # bytes
+    entries: list[ManifestEntry]  # every tensor
+    workers: list[WorkerInfo]  # the workers
 
 
 class ByteRange(msgspec.Struct, frozen=True, array_like=True):
-    offset: NonNegative
-    nbytes: NonNegative
+    offset: NonNegative  # first byte
+    nbytes: NonNegative  # bytes to read
 
 
 class BatchEntry(msgspec.Struct, frozen=True, array_like=True):
     """One trajectory of the staleness inventory: a reference (the manager never holds its bytes)."""
 
-    prompt_id: Name
-    trajectory: str
-    policy_version: NonNegative
+    prompt_id: Name  # the rollout group's prompt
+    trajectory: str  # reference to the trajectory (the manager holds no bytes)
+    policy_version: NonNegative  # weights version the rollout started with
 
 
 class InventoryBuffer(msgspec.Struct, frozen=True, array_like=True):
-    version: NonNegative
-    occupied: NonNegative
-    reserved: NonNegative
-    free: NonNegative
+    version: NonNegative  # target training version
+    occupied: NonNegative  # slots holding a trajectory
+    reserved: NonNegative  # slots reserved by rollouts in flight
+    free: NonNegative  # slots free
     state: str  # open, stuck, ready
 
 
@@ -117,18 +117,18 @@ class InventoryBuffer(msgspec.Struct, frozen=True, array_like=True):
 class PsRegister(Body, frozen=True):
     """A ps-worker joins (or re-joins after a manager restart) the parameter server."""
 
-    worker: WorkerInfo
+    worker: WorkerInfo  # ps-worker node id
 
 
 @register_kind("ps-push-begin")
 class PushBegin(Body, frozen=True):
     """Trainer rank ``rank`` of ``world`` starts writing its own tensors of ``version``."""
 
-    version: NonNegative
-    rank: NonNegative
-    world: Positive
-    holder: Name
-    tensors: list[TensorSpec]
+    version: NonNegative  # version being pushed
+    rank: NonNegative  # trainer rank
+    world: Positive  # ranks in the trainer world
+    holder: Name  # the pusher
+    tensors: list[TensorSpec]  # this rank's tensors
     host: str = ""  # the pusher's host: a worker there is preferred (writes go through shared memory)
     # The first push of a trainer world that (re)started from its checkpoint of step ``version``: it starts a
     # new lineage, the versions >= ``version`` of the old one are retired.
@@ -140,12 +140,12 @@ class ShardCommit(Body, frozen=True):
     """Sent by the worker once a rank's shard is written and every checksum verified: the worker's
     acknowledgement. The last rank's commit commits the version."""
 
-    lease: Name
-    version: NonNegative
-    rank: NonNegative
-    worker: Name
-    segment: Name
-    tensors: list[ShardTensor]
+    lease: Name  # lease id
+    version: NonNegative  # policy version
+    rank: NonNegative  # trainer rank
+    worker: Name  # ps-worker node id
+    segment: Name  # shared-memory segment name
+    tensors: list[ShardTensor]  # layout and verified checksums
 
 
 @register_kind("ps-pull-begin")
@@ -153,17 +153,17 @@ class PullBegin(Body, frozen=True):
     """Lease a committed version for reading: ``version`` (default latest), refused when it is more than
     ``max_staleness`` versions behind the trainer."""
 
-    holder: Name
-    version: NonNegative | None = None
-    max_staleness: NonNegative | None = None
+    holder: Name  # the reader
+    version: NonNegative | None = None  # version wanted; nil: the latest
+    max_staleness: NonNegative | None = None  # most versions behind the trainer; nil: any
 
 
 @register_kind("ps-lease-renew")
 class LeaseRenew(Body, frozen=True):
     """Keep leases (and staleness reservations, by prompt id) alive for another TTL."""
 
-    leases: list[str] = []
-    prompts: list[str] = []
+    leases: list[str] = []  # lease ids to renew
+    prompts: list[str] = []  # prompt ids whose reservations to renew
 
 
 @register_kind("ps-lease-release")
@@ -171,12 +171,12 @@ class LeaseRelease(Body, frozen=True):
     """End a lease. Releasing a push lease before its shard commit aborts the push; releasing a pull lease
     that already expired is a ``lease-expired`` error (the bytes read may have been reused)."""
 
-    lease: Name
+    lease: Name  # the lease to end
 
 
 @register_kind("ps-manifest")
 class ManifestQuery(Body, frozen=True):
-    version: NonNegative | None = None
+    version: NonNegative | None = None  # nil: the latest
 
 
 @register_kind("ps-status")
@@ -189,8 +189,8 @@ class InitRequest(Body, frozen=True):
     """Load a safetensors checkpoint into ``workers`` (default: every registered one) by binary-tree
     broadcast; answered once every worker verified its copy, or with ``init-failed``."""
 
-    path: str
-    workers: list[str] = []
+    path: str  # safetensors checkpoint path
+    workers: list[str] = []  # worker ids; empty: every registered one
     chunk_bytes: NonNegative = 0  # 0: the manager's configured chunk size
 
 
@@ -198,9 +198,9 @@ class InitRequest(Body, frozen=True):
 class InitDone(Body, frozen=True):
     """A worker holds and verified the whole checkpoint of ``init_id``."""
 
-    init_id: Name
-    worker: Name
-    segment: Name
+    init_id: Name  # the broadcast's id
+    worker: Name  # ps-worker node id
+    segment: Name  # segment holding the copy
     file_opens: NonNegative  # how many times this worker opened the checkpoint file
     tensors: list[ShardTensor] = []  # the root's layout and checksums (the root reports them)
 
@@ -209,10 +209,10 @@ class InitDone(Body, frozen=True):
 class InitFailed(Body, frozen=True):
     """``reporter`` saw ``worker`` fail during broadcast ``init_id``."""
 
-    init_id: Name
-    reporter: Name
-    worker: Name
-    reason: str
+    init_id: Name  # the broadcast's id
+    reporter: Name  # the worker that saw it
+    worker: Name  # the worker that failed
+    reason: str  # what failed
 
 
 @register_kind("ps-reserve")
@@ -220,27 +220,27 @@ class Reserve(Body, frozen=True):
     """Reserve ``count`` slots for a rollout group starting at ``policy_version``. A ``leased`` reservation
     is aborted after the manager's lease TTL unless renewed (``ps-lease-renew{prompts}``)."""
 
-    prompt_id: Name
-    policy_version: NonNegative
-    count: Positive = 1
-    leased: bool = False
+    prompt_id: Name  # the rollout group's prompt
+    policy_version: NonNegative  # weights version the rollout started with
+    count: Positive = 1  # slots to reserve
+    leased: bool = False  # abort unless renewed within the lease TTL
 
 
 @register_kind("ps-occupy")
 class Occupy(Body, frozen=True):
-    prompt_id: Name
-    trajectory: str
-    policy_version: NonNegative
+    prompt_id: Name  # the rollout group's prompt
+    trajectory: str  # reference to the trajectory (the manager holds no bytes)
+    policy_version: NonNegative  # weights version the rollout started with
 
 
 @register_kind("ps-consume")
 class Consume(Body, frozen=True):
-    version: NonNegative | None = None
+    version: NonNegative | None = None  # buffer to consume; nil: the trainer's version
 
 
 @register_kind("ps-abort")
 class Abort(Body, frozen=True):
-    prompt_id: Name
+    prompt_id: Name  # the group whose reservations end
 
 
 @register_kind("ps-inventory")
@@ -255,42 +255,42 @@ class InventoryQuery(Body, frozen=True):
 class ShardOpen(Body, frozen=True):
     """Allocate (or reuse) a segment of at least ``nbytes`` for the push holding ``lease``."""
 
-    lease: Name
-    nbytes: NonNegative
+    lease: Name  # lease id
+    nbytes: NonNegative  # bytes needed at least
 
 
 @register_kind("ps-shard-write")
 class ShardWrite(Body, frozen=True):
     """Bytes of a shard through frames (cross-host): ``data[i]`` (uint8) goes to ``offsets[i]``."""
 
-    lease: Name
-    offsets: list[NonNegative]
-    data: list[Array]
+    lease: Name  # lease id
+    offsets: list[NonNegative]  # where each data frame goes
+    data: list[Array]  # uint8 arrays, one per offset
 
 
 @register_kind("ps-shard-seal")
 class ShardSeal(Body, frozen=True):
     """Every byte is written: verify ``tensors``' checksums and commit the shard at the manager."""
 
-    lease: Name
-    version: NonNegative
-    rank: NonNegative
-    tensors: list[ShardTensor]
+    lease: Name  # lease id
+    version: NonNegative  # version pushed
+    rank: NonNegative  # trainer rank
+    tensors: list[ShardTensor]  # layout and checksums to verify
 
 
 @register_kind("ps-shard-read")
 class ShardRead(Body, frozen=True):
     """Read byte ranges of a segment (cross-host pulls). The caller holds a pull lease on the version."""
 
-    segment: Name
-    ranges: list[ByteRange]
+    segment: Name  # shared-memory segment name
+    ranges: list[ByteRange]  # byte ranges wanted
 
 
 @register_kind("ps-release")
 class Release(Body, frozen=True):
     """Manager to worker: the shards (push leases or init ids) are no longer needed; recycle their memory."""
 
-    shards: list[str]
+    shards: list[str]  # push lease ids or init ids
 
 
 @register_kind("ps-init-plan")
@@ -298,28 +298,28 @@ class InitPlan(Body, frozen=True):
     """Manager to the root worker: read ``path`` and broadcast it to ``workers`` (rank order; the root is
     rank 0). Each worker derives its children from its rank, so the plan travels down with the header."""
 
-    init_id: Name
-    path: str
-    workers: list[WorkerInfo]
-    chunk_bytes: Positive
-    ack_timeout_s: Seconds
+    init_id: Name  # the broadcast's id
+    path: str  # safetensors checkpoint path
+    workers: list[WorkerInfo]  # the tree, in rank order (root first)
+    chunk_bytes: Positive  # bytes per broadcast chunk
+    ack_timeout_s: Seconds  # how long a parent waits for a child's acknowledgement
 
 
 @register_kind("ps-init-header")
 class InitHeader(Body, frozen=True):
     """Parent to child: the tree and the checkpoint's layout, so the child can allocate its segment."""
 
-    init_id: Name
-    workers: list[WorkerInfo]
-    ack_timeout_s: Seconds
-    nbytes: NonNegative
-    tensors: list[ShardTensor]
+    init_id: Name  # the broadcast's id
+    workers: list[WorkerInfo]  # the tree, in rank order (root first)
+    ack_timeout_s: Seconds  # how long a parent waits for a child's acknowledgement
+    nbytes: NonNegative  # bytes of the checkpoint
+    tensors: list[ShardTensor]  # the checkpoint's layout
 
 
 @register_kind("ps-init-chunk")
 class InitChunk(Body, frozen=True):
-    init_id: Name
-    offset: NonNegative
+    init_id: Name  # the broadcast's id
+    offset: NonNegative  # byte offset in the checkpoint
     data: Array  # uint8; its frame checksum is verified on receipt
 
 
@@ -327,8 +327,8 @@ class InitChunk(Body, frozen=True):
 class InitEnd(Body, frozen=True):
     """Parent to child: every chunk was sent; ``tensors`` carry the root's checksums to verify against."""
 
-    init_id: Name
-    tensors: list[ShardTensor]
+    init_id: Name  # the broadcast's id
+    tensors: list[ShardTensor]  # the root's layout and checksums
 
 
 # --- replies ----------------------------------------------------------------------------------------
@@ -338,110 +338,110 @@ class InitEnd(Body, frozen=True):
 class PushGrant(Body, frozen=True):
     """Where rank's shard goes: the worker, the layout (offsets) and the lease to renew while writing."""
 
-    lease: Name
-    ttl_s: Seconds
-    worker: WorkerInfo
-    nbytes: NonNegative
-    tensors: list[ShardTensor]
+    lease: Name  # lease id
+    ttl_s: Seconds  # lease lifetime; renew before it ends
+    worker: WorkerInfo  # where the shard goes
+    nbytes: NonNegative  # shard bytes
+    tensors: list[ShardTensor]  # the layout (offsets)
 
 
 @register_kind("ps-shard-opened")
 class ShardOpened(Body, frozen=True):
-    segment: Name
-    capacity: NonNegative
+    segment: Name  # the segment to write
+    capacity: NonNegative  # its bytes
 
 
 @register_kind("ps-committed")
 class Committed(Body, frozen=True):
     """A rank's shard is acknowledged; ``committed`` when it was the last one and the version is visible."""
 
-    version: NonNegative
-    committed: bool
-    digest: str = ""
+    version: NonNegative  # the version
+    committed: bool  # this was the last rank: the version is visible
+    digest: str = ""  # the manifest digest, once committed
 
 
 @register_kind("ps-pull-grant")
 class PullGrant(Body, frozen=True):
-    lease: Name
-    ttl_s: Seconds
-    manifest: Manifest
+    lease: Name  # lease id
+    ttl_s: Seconds  # lease lifetime; renew before it ends
+    manifest: Manifest  # the version's manifest
 
 
 @register_kind("ps-lease-state")
 class LeaseState(Body, frozen=True):
     """Answer to a renewal: what is no longer held (expired or never known)."""
 
-    expired: list[str] = []
-    prompts_expired: list[str] = []
+    expired: list[str] = []  # leases no longer held
+    prompts_expired: list[str] = []  # prompts whose reservations ended
 
 
 @register_kind("ps-manifest-info")
 class ManifestInfo(Body, frozen=True):
-    manifest: Manifest
+    manifest: Manifest  # the version's manifest
 
 
 @register_kind("ps-state")
 class PsState(Body, frozen=True):
     """The manager's view: ``latest`` is -1 before the first commit."""
 
-    latest: int
-    retained: list[NonNegative]
+    latest: int  # latest committed version
+    retained: list[NonNegative]  # versions kept
     pinned: dict[str, NonNegative]  # version (as text) -> pull leases holding it
-    pending: list[NonNegative]
-    leases: NonNegative
-    trainer_version: int
-    workers: list[WorkerInfo]
+    pending: list[NonNegative]  # versions being pushed
+    leases: NonNegative  # live leases
+    trainer_version: int  # version the trainer trains next
+    workers: list[WorkerInfo]  # registered workers
 
 
 @register_kind("ps-shard-data")
 class ShardData(Body, frozen=True):
-    data: list[Array]
+    data: list[Array]  # one uint8 array per range asked
 
 
 @register_kind("ps-init-result")
 class InitResult(Body, frozen=True):
-    version: NonNegative
-    digest: str
-    workers: list[str]
-    rounds: NonNegative
-    file_opens: dict[str, NonNegative]
-    seconds: float
+    version: NonNegative  # version the checkpoint became
+    digest: str  # its manifest digest
+    workers: list[str]  # workers holding it
+    rounds: NonNegative  # broadcast rounds
+    file_opens: dict[str, NonNegative]  # checkpoint file opens, by worker
+    seconds: float  # broadcast time
 
 
 @register_kind("ps-reserved")
 class Reserved(Body, frozen=True):
-    version: NonNegative
+    version: NonNegative  # buffer the slots are in
 
 
 @register_kind("ps-placed")
 class Placed(Body, frozen=True):
-    version: NonNegative
-    staleness: NonNegative
-    ready: bool
-    aborted_versions: list[NonNegative] = []
+    version: NonNegative  # buffer the trajectory went to
+    staleness: NonNegative  # version minus policy version
+    ready: bool  # the buffer is full
+    aborted_versions: list[NonNegative] = []  # policy versions this placement aborted
 
 
 @register_kind("ps-batch")
 class Batch(Body, frozen=True):
     """The consumed batch, or ``ready=False`` when buffer ``version`` is not READY yet."""
 
-    version: NonNegative
-    ready: bool
-    entries: list[BatchEntry] = []
+    version: NonNegative  # the buffer
+    ready: bool  # false: not full yet
+    entries: list[BatchEntry] = []  # the batch
 
 
 @register_kind("ps-aborted")
 class Aborted(Body, frozen=True):
-    version: NonNegative
-    slots: NonNegative
-    evicted: list[BatchEntry] = []
+    version: NonNegative  # highest version aborted
+    slots: NonNegative  # reservations ended
+    evicted: list[BatchEntry] = []  # trajectories removed
 
 
 @register_kind("ps-inventory-state")
 class InventoryState(Body, frozen=True):
-    eta: NonNegative
-    batch_size: NonNegative
-    trainer_version: NonNegative
-    highest_aborted: int
-    buffers: list[InventoryBuffer]
-    counters: dict[str, int]
+    eta: NonNegative  # most versions a trajectory may lag (η)
+    batch_size: NonNegative  # slots per buffer (B)
+    trainer_version: NonNegative  # version the trainer trains next
+    highest_aborted: int  # every policy version up to it is aborted
+    buffers: list[InventoryBuffer]  # one per target version
+    counters: dict[str, int]  # event counters

@@ -1,10 +1,10 @@
-"""Orchestrator pieces without a cluster: replica routing and trainer addressing."""
+"""Orchestrator pieces without a cluster: replica routing, trainer addressing, where a blob's store is asked."""
 
 from __future__ import annotations
 
 import pytest
-from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink
-from refbus.protocol.messages import NodeInfo
+from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
+from refbus.protocol.messages import BlobRef, NodeInfo
 
 
 def _env(node_id: str, source: str | None, endpoint: str) -> NodeInfo:
@@ -42,3 +42,20 @@ def test_trainer_addresses_come_from_registry_labels_and_are_checked() -> None:
         sink.use_trainers([TrainerAddress("tcp://t0", 0, 0), TrainerAddress("tcp://t1", 1, 0)])
     with pytest.raises(ValueError, match=r"0\.\.n-1"):
         sink.use_trainers([TrainerAddress("tcp://t0", 0, 1)])
+
+
+def _ref(blob_id: str, endpoint: str, node: str = "") -> BlobRef:
+    return BlobRef(endpoint=endpoint, source="s", blob_id=blob_id, fields=["topk_ids"], tokens=1, nbytes=4, checksum=0,
+                   node=node)
+
+
+def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> None:
+    """A store restarted on another port is asked at its new endpoint; a reference without a node, or whose store
+    the registry does not list live, at the endpoint recorded at keep time."""
+    moved, kept, unnamed = _ref("a", "tcp://old:1", "env-0"), _ref("b", "tcp://old:2", "env-1"), _ref("c", "tcp://old:3")
+    also_moved = _ref("d", "tcp://old:1", "env-0")
+    registry = {("env-0", "blobs"): "tcp://new:9"}
+    locate = registry_locator(lambda node, name: registry.get((node, name)))
+    assert group_by_endpoint([moved, kept, unnamed, also_moved], locate) == {
+        "tcp://new:9": [moved, also_moved], "tcp://old:2": [kept], "tcp://old:3": [unnamed]}
+    assert group_by_endpoint([moved, kept]) == {"tcp://old:1": [moved], "tcp://old:2": [kept]}

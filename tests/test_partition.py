@@ -61,6 +61,8 @@ heartbeat_interval_s = {heartbeat}
 node_timeout_s = {node_timeout}
 [node]
 restart_grace_s = {grace}
+[security]
+insecure = true  # wildcard binds without signing or CURVE: this test is about partitions, not security
 [requests]
 timeout_s = {timeout_s}
 attempts = {attempts}

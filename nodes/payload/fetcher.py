@@ -60,6 +60,7 @@ from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
 from .packing import MicroBatch, PackedSample, PackingError, SampleInfo
+from .shipping import registry_locator as registry_locator  # a trainer rank's ``locate``, shared with the orchestrator
 
 log = structlog.get_logger(__name__)
 
@@ -244,17 +245,6 @@ class FetchSettings:
 # --- the fetcher -----------------------------------------------------------------------------------------
 
 
-def registry_locator(endpoint_of: Callable[[str, str], str | None]) -> Callable[[BlobRef], str]:
-    """``locate`` for :class:`StepFetcher`: the ``blobs`` endpoint the reference's store advertises now
-    (``endpoint_of(node_id, name)``, e.g. ``runtime.track_peers().endpoint_of``), else the recorded one (a
-    reference without a node, or a store the registry does not list live)."""
-
-    def locate(ref: BlobRef) -> str:
-        return (endpoint_of(ref.node, "blobs") if ref.node else None) or ref.endpoint
-
-    return locate
-
-
 @dataclass(eq=False)
 class FetchInFlight:
     """One step's fetch between :meth:`StepFetcher.start` and :meth:`StepFetcher.finish`: the plan, and the
@@ -266,7 +256,6 @@ class FetchInFlight:
     refs: Mapping[str, BlobRef]
     started: float
     requests: list[tuple[str, Fetch]]
-    failures: dict[str, FetchFailure]
     outcomes: list[Outcome] | None = None
 
     @property
@@ -305,7 +294,7 @@ class StepFetcher:
         refs = needed_refs(micro_batches)
         requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
                     for endpoint, ids in self._requests(refs)]
-        fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests, {})
+        fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests)
 
         def ended(outcomes: list[Outcome]) -> None:
             fetch.outcomes = outcomes

@@ -107,7 +107,7 @@ from .orchestrator_core import (
     OrchestratorCore,
     SendRun,
 )
-from .shipping import group_by_endpoint
+from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
 
@@ -163,6 +163,7 @@ class Orchestrator:
         self._peers = runtime.track_peers()
         self._peers.on_down(self._on_node_down)
         self._peers.on_up(self._on_node_up)
+        self._locate = registry_locator(self._peers.endpoint_of)  # a store restarted on another port is found
         d = self.core.deadlines
         runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
         if settings.dispatch:
@@ -184,7 +185,7 @@ class Orchestrator:
         self._arrivals.append(arrival)
         body = message.body
         if isinstance(body, EpisodeFinished) and body.refs:
-            by_endpoint = group_by_endpoint(body.refs)
+            by_endpoint = group_by_endpoint(body.refs, self._locate)
             arrival.claims_pending = len(by_endpoint)
             for endpoint, refs in by_endpoint.items():
                 claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
@@ -372,7 +373,7 @@ class Orchestrator:
         self._execute(self.core.on_run_done(self.clock(), action.run.episode_id, error, code))
 
     def _delete(self, action: DeleteBlobs) -> None:
-        for endpoint, refs in group_by_endpoint(action.refs).items():
+        for endpoint, refs in group_by_endpoint(action.refs, self._locate).items():
             request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason,
                              node=action.node)
             self.runtime.calls.request(
@@ -417,7 +418,7 @@ class Orchestrator:
             if isinstance(action, LoseBlobs):
                 self._lose(action)
         deletes = [(endpoint, action.reason, refs) for action in actions if isinstance(action, DeleteBlobs)
-                   for endpoint, refs in group_by_endpoint(action.refs).items()]
+                   for endpoint, refs in group_by_endpoint(action.refs, self._locate).items()]
         live = self._live_stores() if deletes else None
         reachable: list[tuple[str, Delete]] = []
         for endpoint, reason, refs in deletes:

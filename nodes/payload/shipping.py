@@ -20,7 +20,7 @@ This module never imports torch.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -90,11 +90,25 @@ class Holdings:
         return outbox
 
 
-def group_by_endpoint(refs: Iterable[BlobRef]) -> dict[str, list[BlobRef]]:
-    """``refs`` by the endpoint of the env server that keeps them, in first-seen order."""
+def registry_locator(endpoint_of: Callable[[str, str], str | None]) -> Callable[[BlobRef], str]:
+    """Where to ask for a blob: the ``blobs`` endpoint the reference's store advertises now
+    (``endpoint_of(node_id, name)``, e.g. ``runtime.track_peers().endpoint_of``), else the recorded one (a
+    reference without a node, or a store the registry does not list live)."""
+
+    def locate(ref: BlobRef) -> str:
+        return (endpoint_of(ref.node, "blobs") if ref.node else None) or ref.endpoint
+
+    return locate
+
+
+def group_by_endpoint(
+    refs: Iterable[BlobRef], locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint
+) -> dict[str, list[BlobRef]]:
+    """``refs`` by the endpoint of the env server that keeps them (``locate(ref)``: by default the one
+    recorded at keep time; :func:`registry_locator` finds a store that moved), in first-seen order."""
     by_endpoint: dict[str, list[BlobRef]] = defaultdict(list)
     for ref in refs:
-        by_endpoint[ref.endpoint].append(ref)
+        by_endpoint[locate(ref)].append(ref)
     return dict(by_endpoint)
 
 
