@@ -306,8 +306,12 @@ class Orchestrator:
 
     def _found_trainers(self, nodes: list[NodeInfo] | None) -> None:
         # Still wanted when the registry answers? A lookup joined by both callers is answered once.
-        if nodes is not None and (self.core.world_down is not None or self.core.wants_trainers):
-            self._execute(self.core.use_trainers(self.clock(), nodes))
+        if nodes is None or (self.core.world_down is None and not self.core.wants_trainers):
+            return
+        # Too few ranks yet decides nothing: the next tick or dispatch asks again, not this answer at once
+        # (that would chain lookups back to back while the ranks start).
+        if actions := self.core.use_trainers(self.clock(), nodes):
+            self._execute(actions)
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
         if info is not None and info.role == "env-server":
