@@ -216,3 +216,20 @@ def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() ->
     assert any(victims(seed) != first for seed in range(8, 12))
     with pytest.raises(ValueError):
         Chaos(_Cluster(), 0.0, 0)  # type: ignore[arg-type]
+
+
+def test_deaths_chaos_causes_are_restarted_without_spending_the_budget() -> None:
+    cluster, clock = _Cluster("bus", "env-0", "rollout-0"), _Clock()
+    supervisor = Supervisor(cluster, budget=1, backoff_s=0.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    chaos = Chaos(cluster, 1.0, 3, say=lambda _: None, clock=clock, on_kill=supervisor.expect_death)  # type: ignore[arg-type]
+    for tick in range(1, 6):  # five deliberate kills against a budget of one
+        clock.now = tick
+        chaos.poll()
+        assert supervisor.poll() is None
+        assert supervisor.poll() is None  # the restart is due at once (no backoff)
+    assert len(chaos.killed) == 5 and supervisor.restarts == 5 and supervisor.charged == 0
+    cluster.nodes[1].proc.code = 1  # a crash nobody asked for is charged
+    assert supervisor.poll() is None and supervisor.charged == 1
+    supervisor.poll()
+    cluster.nodes[1].proc.code = 1
+    assert "restart budget (1) is spent" in (supervisor.poll() or "")
