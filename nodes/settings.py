@@ -142,6 +142,8 @@ class EnvServerSettings:
     high_water: float = key(0.8, "Share of budget_bytes from which the env server reports itself full (heartbeat "
                                  "status `full`): the orchestrator sends it no new runs until it drains below.")
     handover_lease_s: float = key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
+    tombstone_s: float = key(300.0, "Seconds a deleted blob id is remembered: a second delete or a fetch of it "
+                                    "meanwhile is an ownership violation, later the id reads as unknown.")
     score: str = key(
         "refbus.nodes.toy.task:score",
         "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
