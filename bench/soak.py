@@ -37,6 +37,7 @@ EPHEMERAL = ["--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127
              "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0", "--ps-manager", "tcp://127.0.0.1:0"]
 LAUNCHER = "up"
 POLL_S = 0.5
+SERIES_EVERY = 50  # steps between the RSS samples kept in the JSON result
 SLOWDOWN_ENV = "REFBUS_SOAK_SLOWDOWN"
 TRAIN_STEP = "refbus.nodes.toy.train:train_step"
 
@@ -131,13 +132,17 @@ def rows(memory: dict[str, NodeMemory], warm_step: int, limit: float) -> Iterato
         growth = (end - warm) / warm if warm else None
         yield {"node": name, "warm_mib": round(warm / MIB, 1) if warm else None, "end_mib": round(end / MIB, 1),
                "growth": None if growth is None else round(growth, 4),
-               "levels_off": growth is not None and growth < limit}
+               "levels_off": growth is not None and growth < limit,
+               "mib_by_step": {step: round(value / MIB, 1) for step, value in sorted(node.by_step.items())
+                               if step % SERIES_EVERY == 0}}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000, help="steps of the run (default 1000)")
-    parser.add_argument("--warmup", type=float, default=0.1, help="share of the steps that warms up (0.1)")
+    parser.add_argument("--warmup", type=float, default=0.5,
+                        help="share of the steps that warms up (0.5: bounded caches fill first, e.g. the broker's "
+                             "ring and the stores' tombstone window)")
     parser.add_argument("--limit", type=float, default=0.05, help="growth after warm-up that still levels off")
     parser.add_argument("--slow-trainer", type=float, default=1.0, metavar="F",
                         help="make every training step F times as long (default 1: as configured)")

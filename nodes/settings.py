@@ -142,6 +142,8 @@ class EnvServerSettings:
     high_water: float = key(0.8, "Share of budget_bytes from which the env server reports itself full (heartbeat "
                                  "status `full`): the orchestrator sends it no new runs until it drains below.")
     handover_lease_s: float = key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")
+    tombstone_s: float = key(300.0, "Seconds a deleted blob id is remembered: a second delete or a fetch of it "
+                                    "meanwhile is an ownership violation, later the id reads as unknown.")
     score: str = key(
         "refbus.nodes.toy.task:score",
         "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
@@ -241,7 +243,8 @@ class UpSettings:
     restart_budget: int = key(
         20,
         "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers, "
-        "the orchestrator, trainer worlds); a crash beyond it, or of another role, ends the run.",
+        "the orchestrator, trainer worlds; --chaos kills are not charged); a crash beyond it, or of another role, "
+        "ends the run.",
     )
     restart_backoff_s: float = key(
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."

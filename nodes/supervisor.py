@@ -10,8 +10,8 @@ together (``cluster.restart_world``: a fresh rendezvous), resuming from the newe
 has. A world restart counts as one restart, named after the rank that died first; the other ranks' exits
 meanwhile are part of it. The ps-manager and the broker are not restartable: their death ends the run,
 naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per run
-(``up.restart_budget``), each after a backoff (``up.restart_backoff_s``, doubled for every earlier restart
-of the same node, or of the world).
+(``up.restart_budget``; the deaths ``--chaos`` causes are not charged to it), each after a backoff
+(``up.restart_backoff_s``, doubled for every earlier restart of the same node, or of the world).
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted), so a deployment can be tried against crashes the
@@ -94,8 +94,15 @@ class Supervisor:
         self.deaths: list[Death] = []
         self.fatal: list[str] = []  # nodes whose death ended the run
         self.restarts = 0
+        self.charged = 0  # restarts out of the budget: deaths nobody caused on purpose
+        self._deliberate: set[int] = set()  # pids killed on purpose (chaos): their restarts are not charged
         self._per_node: Counter[str] = Counter()
         self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
+
+    def expect_death(self, node: NodeProcess) -> None:
+        """``node`` is being killed on purpose (``--chaos``): its restart does not come out of the budget,
+        which guards against crash loops, not against the deaths a user asked for."""
+        self._deliberate.add(node.pid)
 
     @property
     def world_pending(self) -> bool:
@@ -130,9 +137,10 @@ class Supervisor:
         exit_text = describe_exit(code)
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
+        deliberate = node.pid in self._deliberate
         if not restartable(node.name, worlds=self.world_restarts):
             why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
-        elif self.restarts >= self.budget:
+        elif not deliberate and self.charged >= self.budget:
             why = f"{node.name} died ({exit_text}); the restart budget ({self.budget}) is spent: the run ends"
         else:
             key = WORLD if world else node.name
@@ -140,16 +148,17 @@ class Supervisor:
             if world:
                 delay = max(delay, self.world_exit_s)
             self.restarts += 1
+            self.charged += not deliberate
             self._per_node[key] += 1
             self._due[key] = (now + delay, node)
             self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=True))
+            count = "chaos, not charged" if deliberate else f"restart {self.charged}/{self.budget}"
             if world:
                 self.world_restarted.append(node.name)
                 self.say(f"refbus up: {node.name} died ({exit_text}); stopping its trainer world and restarting "
-                         f"it from the last checkpoint in {delay:.1f} s (restart {self.restarts}/{self.budget})")
+                         f"it from the last checkpoint in {delay:.1f} s ({count})")
             else:
-                self.say(f"refbus up: {node.name} died ({exit_text}); restarting it in {delay:.1f} s "
-                         f"(restart {self.restarts}/{self.budget})")
+                self.say(f"refbus up: {node.name} died ({exit_text}); restarting it in {delay:.1f} s ({count})")
             return None
         self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=False))
         self.fatal.append(node.name)
@@ -168,8 +177,10 @@ class Chaos:
     ``worlds`` (checkpoints on: the supervisor restarts their world)."""
 
     def __init__(self, cluster: Cluster, interval_s: float, seed: int, *, say: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic, worlds: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, worlds: bool = False,
+                 on_kill: Callable[[NodeProcess], None] = lambda node: None) -> None:
         self.worlds = worlds
+        self.on_kill = on_kill
         if not interval_s > 0:
             raise ValueError(f"the chaos interval must be positive, not {interval_s}")
         self.cluster = cluster
@@ -192,5 +203,6 @@ class Chaos:
             return
         victim = self.rng.choice(running)
         self.killed.append(victim.name)
+        self.on_kill(victim)
         self.say(f"refbus up: chaos: SIGKILL to {victim.name} (pid {victim.pid})")
         victim.signal(signal.SIGKILL)

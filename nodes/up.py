@@ -245,8 +245,8 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
                 progress = _Progress(probe, record, up.steps)
-                chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts)
-                         if args.chaos else None)
+                chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts,
+                               on_kill=supervisor.expect_death) if args.chaos else None)
                 while not stop.requested:
                     # The supervisor sees every exit before the loop asks whether the trainers are all gone:
                     # ranks that failed together start a world restart, not the end of the run.

@@ -174,6 +174,23 @@ def test_tombstones_are_bounded(clock: Clock) -> None:
     assert again.unknown == (ids[0],) and [v.blob_id for v in again.violations] == ids[1:]
 
 
+def test_tombstones_are_forgotten_after_their_window(clock: Clock) -> None:
+    """Memory levels off at the delete rate times ``tombstone_s``: a repeat within the window is a violation,
+    after it the id reads as unknown."""
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock, tombstone_s=10.0)
+    old, recent = (r.blob_id for r in keeper.keep("ep", [arrays(1), arrays(1)]))
+    keeper.delete([old], "t", "trained")
+    clock.now += 6
+    keeper.delete([recent], "t", "trained")
+    assert [v.blob_id for v in keeper.delete([old], "u", "trained").violations] == [old]  # 6 s: remembered
+    clock.now += 5
+    keeper.delete([], "t", "trained")  # any delete prunes what is older than the window
+    again = keeper.delete([old, recent], "u", "trained")
+    assert again.unknown == (old,) and [v.blob_id for v in again.violations] == [recent]
+    with pytest.raises(ValueError, match="tombstone_s"):
+        Keeper("env-a", "e", budget_bytes=1, handover_lease_s=1.0, tombstone_s=0.0)
+
+
 def test_unclaimed_blobs_expire_as_undelivered(keeper: Keeper, clock: Clock) -> None:
     early = [r.blob_id for r in keeper.keep("early", [arrays(2), arrays(2)])]
     clock.now += 5

@@ -343,3 +343,33 @@ def test_staleness_inventory_through_the_manager(cluster: PsCluster) -> None:
         assert err.value.code == "reservation-aborted"
     finally:
         runtime.close()
+
+
+def test_a_push_waits_out_a_moment_without_ps_workers(bus, spawn, request) -> None:
+    """Every ps-worker down at once (chaos, a restart): the push waits for one to register instead of
+    failing its trainer world; with nothing coming back it fails with ``no-workers`` once its wait is over."""
+    _, control = bus
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=0)
+    state = make_state(5, tensors=3)
+    runtime, quick = cluster.client("pusher-quick", wait_workers_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match="no-workers"):
+            quick.push(state, 0)
+        assert time.monotonic() - started >= 0.25  # it waited (one pause) before giving up
+    finally:
+        runtime.close()
+    runtime, patient = cluster.client("pusher-patient", wait_workers_s=30.0)
+    try:
+        pushed: list[object] = []
+        thread = threading.Thread(target=lambda: pushed.append(patient.push(state, 0)), daemon=True)
+        thread.start()
+        worker = spawn(["node", "ps-worker", "--node-id", "w-late", "--ps-manager", cluster.manager, *cluster.flags],
+                       "w-late")
+        worker.wait_ready()
+        thread.join(30.0)
+        assert pushed and not thread.is_alive()  # committed on the worker that came up meanwhile
+        assert worker.stop() == 0
+    finally:
+        runtime.close()
+    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0

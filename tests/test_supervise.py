@@ -1,9 +1,10 @@
-"""`refbus up` supervises: an env server and a rollout worker killed with SIGKILL mid-run are restarted under
-their node ids and the run completes, every death named (progress output, summary); so is an orchestrator,
-whose restart resumes at the trainer ranks' step with what it held, every blob accounted for; a death of a role that
-is not restartable ends the run naming it; `--chaos` picks its victims from a seeded generator; and a launcher
-killed with SIGKILL leaves no process of its run behind (every node gets the parent-death signal and is gone
-within ``node.shutdown_timeout_s``, the trainer ranks and the rollout workers' offload threads included)."""
+"""`refbus up` supervises: an env server, a rollout worker and a ps-worker killed with SIGKILL mid-run are
+restarted under their node ids and the run completes, every death named (progress output, summary), every
+kept blob deleted once or lost with the store that died; so is an orchestrator, whose restart resumes at the
+trainer ranks' step with what it held; a death of a role that is not restartable ends the run naming it;
+`--chaos` picks its victims from a seeded generator; and a launcher killed with SIGKILL leaves no process of
+its run behind (every node gets the parent-death signal and is gone within ``node.shutdown_timeout_s``, the
+trainer ranks and the rollout workers' offload threads included)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def live(pids: set[int]) -> set[int]:
     return running
 
 
-def test_killed_env_server_and_rollout_worker_are_restarted_and_the_run_completes(tmp_path: Path) -> None:
+def test_killed_env_server_rollout_worker_and_ps_worker_are_restarted_and_the_run_completes(tmp_path: Path) -> None:
     steps = 6
     up = Up(tmp_path, steps, *QUICK)
     try:
         wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
         pids = up.note_pids()
-        victims = {"env-1": pids["env-1"], "rollout-1": pids["rollout-1"]}
+        victims = {name: pids[name] for name in ("env-1", "rollout-1", "ps-worker-1")}
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
         assert up.wait(RUN_S) in (0, 1), up.output()
@@ -56,15 +57,20 @@ def test_killed_env_server_and_rollout_worker_are_restarted_and_the_run_complete
         summary = up.summary()
         output = up.output(20_000)
         assert summary["steps"] == steps and summary["failed_nodes"] == [], output
-        assert summary["restarts"] == 2, output
+        assert summary["restarts"] == 3, output
         deaths = {d["node"]: d for d in summary["deaths"]}
         assert set(deaths) == set(victims), output
         for name, pid in victims.items():
             assert (deaths[name]["pid"], deaths[name]["exit"], deaths[name]["restarted"]) == (pid, "SIGKILL", True)
             assert f"refbus up: {name} died (SIGKILL); restarting it" in output
             assert f"refbus up: {name} restarted (pid " in output
-        assert "node deaths           2: env-1 (SIGKILL), rollout-1 (SIGKILL); restarts 2" in output
-        assert summary["blobs"]["violations"] == 0
+        named = "env-1 (SIGKILL), rollout-1 (SIGKILL), ps-worker-1 (SIGKILL)"
+        assert f"node deaths           3: {named}; restarts 3" in output
+        # Every kept blob is deleted once or lost with the store that died; nothing held or leaked.
+        blobs = summary["blobs"]
+        assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
+        assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
+        assert set(summary["accounting"]["lost"]) <= {"env-1"}, summary["accounting"]
         assert up.leftovers() == []
     finally:
         up.close()
@@ -210,3 +216,20 @@ def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() ->
     assert any(victims(seed) != first for seed in range(8, 12))
     with pytest.raises(ValueError):
         Chaos(_Cluster(), 0.0, 0)  # type: ignore[arg-type]
+
+
+def test_deaths_chaos_causes_are_restarted_without_spending_the_budget() -> None:
+    cluster, clock = _Cluster("bus", "env-0", "rollout-0"), _Clock()
+    supervisor = Supervisor(cluster, budget=1, backoff_s=0.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    chaos = Chaos(cluster, 1.0, 3, say=lambda _: None, clock=clock, on_kill=supervisor.expect_death)  # type: ignore[arg-type]
+    for tick in range(1, 6):  # five deliberate kills against a budget of one
+        clock.now = tick
+        chaos.poll()
+        assert supervisor.poll() is None
+        assert supervisor.poll() is None  # the restart is due at once (no backoff)
+    assert len(chaos.killed) == 5 and supervisor.restarts == 5 and supervisor.charged == 0
+    cluster.nodes[1].proc.code = 1  # a crash nobody asked for is charged
+    assert supervisor.poll() is None and supervisor.charged == 1
+    supervisor.poll()
+    cluster.nodes[1].proc.code = 1
+    assert "restart budget (1) is spent" in (supervisor.poll() or "")

@@ -173,7 +173,8 @@ class EnvServer:
         self.endpoint = runtime.endpoints["blobs"]
         runtime.labels["source"] = self.source
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
-                             handover_lease_s=settings.handover_lease_s, clock=clock, node=runtime.node_id)
+                             handover_lease_s=settings.handover_lease_s, tombstone_s=settings.tombstone_s,
+                             clock=clock, node=runtime.node_id)
         if not 0 < settings.high_water <= 1:
             raise ValueError(f"env_server.high_water must be in (0, 1], got {settings.high_water}")
         self.high_water = settings.high_water

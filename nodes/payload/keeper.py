@@ -53,6 +53,7 @@ HOLDER_DOWN = "holder-down"
 VIOLATION_ACTIONS = ("claim", "fetch", "delete")
 
 DEFAULT_MAX_TOMBSTONES = 1_000_000
+DEFAULT_TOMBSTONE_S = 300.0  # five handover leases: a late repeat comes within a retry schedule or a step
 
 # Offsets of the fields inside a blob's buffer are multiples of this, so every field view is naturally
 # aligned for its dtype (itemsize <= 8) and numpy takes its fast paths.
@@ -240,6 +241,7 @@ class _HolderDown:
 class _Tombstone:
     holder: str  # who deleted it
     reason: str
+    at: float  # when (the keeper's clock)
 
     @property
     def reclaimed(self) -> bool:
@@ -252,8 +254,9 @@ class Keeper:
     ``budget_bytes`` caps the array bytes held: a keep beyond it fails and nothing is ever evicted.
     ``handover_lease_s`` is how long a blob may stay unclaimed before :meth:`expire` deletes it.
     ``clock`` (monotonic seconds) stamps keeps; tests inject their own. Blob ids are a random per-keeper
-    prefix plus a counter, so a restarted env server never reissues an id. The last ``max_tombstones``
-    deleted ids are remembered; older ones read as unknown.
+    prefix plus a counter, so a restarted env server never reissues an id. Deleted ids are remembered for
+    ``tombstone_s`` seconds (at most the last ``max_tombstones``), so memory levels off at the delete rate
+    times the window; older ones read as unknown.
     """
 
     def __init__(
@@ -265,6 +268,7 @@ class Keeper:
         handover_lease_s: float,
         clock: Callable[[], float] = time.monotonic,
         max_tombstones: int = DEFAULT_MAX_TOMBSTONES,
+        tombstone_s: float = DEFAULT_TOMBSTONE_S,
         node: str = "",
     ) -> None:
         if budget_bytes <= 0:
@@ -273,6 +277,9 @@ class Keeper:
             raise ValueError(f"handover_lease_s must be > 0, got {handover_lease_s}")
         if max_tombstones < 1:
             raise ValueError(f"max_tombstones must be >= 1, got {max_tombstones}")
+        if tombstone_s <= 0:
+            raise ValueError(f"tombstone_s must be > 0, got {tombstone_s}")
+        self.tombstone_s = tombstone_s
         self.source = source
         self.endpoint = endpoint
         self.node = node  # the env server's node id, named in every reference
@@ -560,7 +567,8 @@ class Keeper:
         violations: tuple[Violation, ...] = (),
         reclaimed: tuple[str, ...] = (),
     ) -> DeleteResult:
-        tomb = _Tombstone(holder, reason)
+        now = self.clock()
+        tomb = _Tombstone(holder, reason, now)
         for blob_id in blob_ids:
             blob = self._blobs.pop(blob_id)
             self._bytes_held -= blob.packed.nbytes
@@ -573,8 +581,9 @@ class Keeper:
                 del self._episodes[blob.episode_id]
                 self._records.pop(blob.episode_id, None)
             self._tombstones[blob_id] = tomb
-        while len(self._tombstones) > self.max_tombstones:
-            self._tombstones.popitem(last=False)
+        tombs = self._tombstones
+        while tombs and (len(tombs) > self.max_tombstones or next(iter(tombs.values())).at < now - self.tombstone_s):
+            tombs.popitem(last=False)
         if blob_ids:
             self.deleted[reason] += len(blob_ids)
         return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations, reclaimed)

@@ -87,6 +87,8 @@ log = structlog.get_logger(__name__)
 
 Transport = Literal["auto", "shm", "frames"]
 _WINDOW = 4  # frame messages in flight per worker
+WORKERS_FIRST_PAUSE_S = 0.25  # a push finding no ps-worker polls again after this, doubling
+WORKERS_MAX_PAUSE_S = 2.0
 ReplyT = TypeVar("ReplyT", bound=Body)
 
 
@@ -328,8 +330,10 @@ class PsClient:
     """
 
     def __init__(self, runtime: NodeRuntime, manager: str, *, transport: Transport = "auto",
-                 chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None) -> None:
+                 chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None,
+                 wait_workers_s: float = 30.0) -> None:
         self.runtime = runtime
+        self.wait_workers_s = wait_workers_s
         self.transport = transport
         self.chunk_bytes = chunk_bytes
         self.holder = runtime.node_id
@@ -372,8 +376,7 @@ class PsClient:
         """Start a streaming push: the shard's layout comes from ``like`` (dtypes and shapes only); write
         each tensor when it is ready (e.g. layer by layer), then commit. See :class:`PushSession`."""
         specs = [TensorSpec(name, wire_dtype(t.dtype), list(t.shape)) for name, t in like.items()]
-        grant = self._ask(self._manager, PushBegin(version, rank, world, self.holder, specs, self.host,
-                                                   resumes), PushGrant)
+        grant = self._grant(PushBegin(version, rank, world, self.holder, specs, self.host, resumes))
         self._keeper.hold(grant.lease, grant.ttl_s)
         try:
             worker = self._worker(grant.worker)
@@ -383,6 +386,22 @@ class PsClient:
             self._abort_push(grant.lease)
             raise
         return PushSession(self, grant, version, rank, worker, path)
+
+    def _grant(self, begin: PushBegin) -> PushGrant:
+        """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) is waited
+        out, polling with a doubling pause, for up to ``wait_workers_s``: a push is worth a short wait,
+        a trainer world that fails over it is not."""
+        deadline = time.monotonic() + self.wait_workers_s
+        pause = WORKERS_FIRST_PAUSE_S
+        while True:
+            try:
+                return self._ask(self._manager, begin, PushGrant)
+            except RemoteError as exc:
+                if exc.code != "no-workers" or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("push.waiting_for_workers", version=begin.version, retry_in_s=pause)
+                time.sleep(pause)
+                pause = min(2 * pause, WORKERS_MAX_PAUSE_S)
 
     def _abort_push(self, lease: str) -> None:
         """Releasing an uncommitted push lease aborts the version at once (no waiting for the TTL)."""
