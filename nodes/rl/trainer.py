@@ -119,9 +119,12 @@ def run(config: Config, args: argparse.Namespace) -> int:
                     if trainer.interrupted and not trainer.broken:  # asked to stop while waiting: not a failure
                         break
                     raise
-                metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
                 if step == section.steps - 1:
+                    # The last collective every rank is sure to make is begin_step's agreement; one inside a
+                    # user's train_step cannot return on a peer before this rank entered it too. So a peer
+                    # that trains faster and leaves from here on has finished, not died.
                     collectives_done.set()
+                metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
                 trainer.end_step(step)
                 ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world)
                 if section.checkpoint_every and (step + 1) % section.checkpoint_every == 0:
