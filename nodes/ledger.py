@@ -6,8 +6,9 @@ The ledger replays ownership moves as the stream mirrors them:
   blobs; it owns them until a claim;
 * ``claim`` — the orchestrator (``holder``) owns them;
 * ``reference`` — a trainer rank (``holder``) owns them;
-* ``fetch-ack`` — a trainer fetched them (a fetch of a blob someone else deleted is a violation; its own
-  delete may be relayed first);
+* ``fetch-ack`` — a trainer fetched them. It says nothing about ownership: a fetch-ack means the store
+  served the fetch, so before any delete there, whatever order the broker relays the two in (they come from
+  different nodes); a fetch after a delete is refused by the store, which publishes the ``violation``;
 * ``delete`` — they are gone, by ``reason``. Reasons in :data:`LOSS_REASONS` are losses, named with the
   node whose death caused them: ``holder-down`` (a store reclaimed what a dead holder held: the holder) and
   ``lost`` (a holder dropped references to a dead store's blobs: the store). A store declared lost that
@@ -207,12 +208,6 @@ class Ledger:
                 blob = self.blobs.get(blob_id)
                 if blob is not None and stage > blob.stage:
                     blob.owner, blob.stage = record["holder"], stage
-        elif kind == "fetch-ack":
-            for blob_id in record["blob_ids"]:
-                # A holder's own delete relayed before its fetch-ack (they come from different nodes) is no
-                # late fetch: it fetches before it deletes, and its store reports any fetch after a delete.
-                if (tomb := self.tombstones.get(blob_id)) is not None and tomb[0] != record["holder"]:
-                    self.violations.append(f"{record['holder']} fetched {blob_id} after {tomb[0]} deleted it")
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
