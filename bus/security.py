@@ -95,14 +95,17 @@ def peer_id(frame: zmq.Frame) -> str:
 # --- key files -----------------------------------------------------------------------------------------
 
 
-def _read_key(path: Path, what: str) -> bytes:
+def _read_text(path: Path, what: str) -> str:
     try:
-        text = path.read_text().strip()
+        return path.read_text()
     except FileNotFoundError:
-        raise SecurityError(f"{what} {path} does not exist (make it with `refbus keys generate`)") from None
+        raise SecurityError(f"{what} {path} does not exist (made by `refbus keys generate`)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SecurityError(f"{what} {path} cannot be read: {exc}") from None
-    return _parse_key(text, f"{what} {path}")
+
+
+def _read_key(path: Path, what: str) -> bytes:
+    return _parse_key(_read_text(path, what).strip(), f"{what} {path}")
 
 
 def _parse_key(text: str, where: str) -> bytes:
@@ -130,12 +133,7 @@ def _read_pair(secret_path: Path, what: str) -> tuple[bytes, bytes]:
 
 def read_allow_list(path: Path) -> dict[bytes, Grant]:
     """The allow-list at ``path``: public key -> grant. Every malformed line is an error naming it."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise SecurityError(f"allow-list {path} does not exist (made by `refbus keys generate`)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SecurityError(f"allow-list {path} cannot be read: {exc}") from None
+    lines = _read_text(path, "allow-list").splitlines()
     allowed: dict[bytes, Grant] = {}
     node_ids: set[str] = set()
     for number, line in enumerate(lines, 1):

@@ -46,6 +46,8 @@ from refbus.protocol.messages import (
 )
 from safetensors.torch import save_file
 
+pytest_plugins = ["wire_fixtures"]  # zmq_ctx
+
 WAIT_S = 10.0
 PATIENT = RetryPolicy(timeout_s=2.0, attempts=3)
 # A refused or plain peer never gets an answer: one short attempt bounds the wait.
@@ -66,12 +68,6 @@ def keys(tmp_path: Path) -> Path:
 def curve_of(keys: Path, node_id: str) -> Curve:
     return load_curve(str(keys), "", node_id, NODES[node_id])
 
-
-@pytest.fixture
-def zmq_ctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -51,6 +51,7 @@ from refbus.protocol.messages import (
     Violation,
 )
 
+pytest_plugins = ["wire_fixtures"]  # zmq_ctx
 WAIT_S = 10.0
 PATIENT = RetryPolicy(timeout_s=WAIT_S, attempts=1)
 OWNERSHIP_KINDS = frozenset({"episode-finished", "claim", "delete", "violation"})
@@ -83,12 +84,6 @@ def observer(bus: tuple[NodeProcess, str]) -> Iterator[Observer]:
     yield watcher
     watcher.runtime.join(timeout=WAIT_S)
 
-
-@pytest.fixture
-def zmq_ctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import third_party_client as client
 import zmq
 from conftest import FAST_LIVENESS
 from refbus.nodes.launch import NodeProcess, start_bus
+
+pytest_plugins = ["wire_fixtures"]  # zmq_ctx
 
 WAIT_S = 10.0
 CLIENT_MODULES = {"__future__", "collections", "dataclasses", "hashlib", "hmac", "itertools", "os", "socket",
@@ -36,12 +37,6 @@ def test_the_client_imports_nothing_but_pyzmq_msgpack_and_the_standard_library()
         cwd=Path(client.__file__).parent, capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert not {"refbus", "msgspec", "numpy", "torch"} & {name.split(".")[0] for name in loaded}
 
-
-@pytest.fixture
-def zmq_ctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def branch(tokens: int, *, layers: int = 3, top_k: int = 2, k: int = 4) -> dict[str, client.Array]:
