@@ -407,9 +407,11 @@ class _Progress:
 
     def poll(self) -> None:
         record = self.record
-        now = record.snapshot()
-        if now.version == self.last.version:
+        # A snapshot folds the ledger's whole report under the watcher's lock: once per new version, not on
+        # every turn of the launcher's loop.
+        if max(record.versions, default=0) == self.last.version:
             return
+        now = record.snapshot()
         recent = [r for v in sorted(record.rewards)[-3:] for r in record.rewards[v]]
         print(progress_line(self.last, now, steps=self.steps, reward=statistics.fmean(recent) if recent else None,
                             fetch_s=record.fetch_seconds.get(now.version - 1), held=self._held(),

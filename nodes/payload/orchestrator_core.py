@@ -733,7 +733,7 @@ class OrchestratorCore:
                 log.info("dispatch.stores_drained", paused=self.full_pauses)
             else:
                 self.full_pauses += 1
-                log.info("dispatch.stores_full", stores=sorted(self.router.full))
+                log.info("dispatch.stores_full", stores=self.router.without_room())
         return room
 
     def on_run_done(self, now: float, episode_id: str, error: str | None, code: str = "") -> list[Action]:

@@ -337,6 +337,10 @@ class ReplicaRouter:
             return 1 << 30
         return max(0, int((limit - self.held.get(endpoint, 0.0)) // self.episode_bytes) - self.in_flight[endpoint])
 
+    def without_room(self) -> list[str]:
+        """The endpoints (sorted) that can take no more run now."""
+        return sorted(ep for endpoints in self.replicas.values() for ep in endpoints if self.room(ep) <= 0)
+
     def with_room(self, runs: int = 1) -> list[str]:
         """The sources (sorted) whose replicas together have room for ``runs`` more runs."""
         return sorted(source for source, endpoints in self.replicas.items()
