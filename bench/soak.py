@@ -82,14 +82,15 @@ def node_pids(run_dir: Path) -> dict[str, int]:
     return pids
 
 
-def new_steps(output: Path, offset: int) -> tuple[list[int], int]:
-    """Steps shown on progress lines written since ``offset``; the offset after the last complete line."""
+def new_steps(output: Path, offset: int) -> tuple[list[int], bytes, int]:
+    """Steps shown on progress lines written since ``offset``, the last complete line, and the offset after
+    it."""
     with open(output, "rb") as f:
         f.seek(offset)
         data = f.read()
-    complete = data[: data.rfind(b"\n") + 1]
-    steps = [int(m.group(1)) for line in complete.splitlines() if (m := STEP_LINE.match(line))]
-    return steps, offset + len(complete)
+    lines = data[: data.rfind(b"\n") + 1].splitlines(keepends=True)
+    steps = [int(m.group(1)) for line in lines if (m := STEP_LINE.match(line))]
+    return steps, lines[-1] if lines else b"", offset + sum(map(len, lines))
 
 
 def soak(steps: int, workdir: Path, extra: list[str], slowdown: float) -> tuple[dict[str, NodeMemory], int, float]:
@@ -109,14 +110,14 @@ def soak(steps: int, workdir: Path, extra: list[str], slowdown: float) -> tuple[
     offset = 0
     try:
         while proc.poll() is None:
-            shown, offset = new_steps(output, offset)
+            shown, last, offset = new_steps(output, offset)
             if shown:
                 for name, pid in {**node_pids(run_dir), LAUNCHER: proc.pid}.items():
                     if (value := rss(pid)) is not None:
                         node = memory.setdefault(name, NodeMemory(pid))
                         node.pid = pid
                         node.by_step[shown[-1]] = value
-                print(output.read_bytes()[:offset].splitlines()[-1].decode(errors="replace"), flush=True)
+                print(last.decode(errors="replace").rstrip("\n"), flush=True)
             time.sleep(POLL_S)
     finally:
         if proc.poll() is None:
