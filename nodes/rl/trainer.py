@@ -111,6 +111,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     with on_signals(lambda: (trainer.interrupt(), runtime.begin_shutdown())):
         try:
             runtime.start_background()
+            if first >= section.steps:
+                collectives_done.set()  # nothing left to train: the start-up collectives were the last ones
             ps.push(shard_of(model.state_dict(), rank, world), first, rank=rank, world=world, resumes=True)
             for step in range(first, section.steps):
                 try:
