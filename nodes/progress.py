@@ -4,12 +4,13 @@ The line is a pure function of two snapshots of the run (the one at the previous
 says can be checked without a cluster::
 
     step  12/300  reward 0.412  18.3 eps/s  dropped +40 (filtered 36, stale 4)  fetch 3.1 ms
-        held env-0=0.20MiB env-1=0.18MiB  0:42 elapsed, ~9:58 left
+        held env-0=0.20MiB env-1=0.18MiB  task level=2 level_reward=0.53  0:42 elapsed, ~9:58 left
 
 ``dropped`` counts the samples deleted since the previous line for any reason but ``trained`` (in
 `refbus up`'s loop each episode keeps one sample, one blob), by reason, most frequent first. The time left
 extrapolates the mean time per step over the last :data:`PACE_WINDOW` lines, so a run that slows down says
-so at once instead of averaging its fast start in.
+so at once instead of averaging its fast start in. ``task`` shows the prompt source's numbers (a curriculum's
+level), when it reports any.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def clock(seconds: float) -> str:
 
 
 def progress_line(before: Snapshot, now: Snapshot, *, steps: int, reward: float | None, fetch_s: float | None,
-                  held: Sequence[tuple[str, float]], left_s: float | None) -> str:
-    """One progress line (see the module doc); ``held``: (node, bytes held) per store."""
+                  held: Sequence[tuple[str, float]], left_s: float | None,
+                  task: Mapping[str, float] | None = None) -> str:
+    """One progress line (see the module doc); ``held``: (node, bytes held) per store; ``task``: the prompt
+    source's numbers (none: no ``task`` part)."""
     span = now.at_s - before.at_s
     rate = (now.episodes - before.episodes) / span if span > 0 else 0.0
     dropped = dropped_since(before, now)
@@ -72,6 +75,7 @@ def progress_line(before: Snapshot, now: Snapshot, *, steps: int, reward: float 
         f"dropped +{dropped.total()}" + (f" ({why})" if why else ""),
         f"fetch {fetch_s * 1000:.1f} ms" if fetch_s is not None else "fetch -",
         "held " + " ".join(f"{name}={nbytes / MiB:.2f}MiB" for name, nbytes in held),
+        *(["task " + " ".join(f"{name}={value:g}" for name, value in task.items())] if task else []),
         f"{clock(now.at_s)} elapsed" + (f", ~{clock(left_s)} left" if left_s is not None else ""),
     ]
     return "  ".join(parts)

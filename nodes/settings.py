@@ -170,7 +170,10 @@ class OrchestratorSettings:
         "Send runs to the env servers (the RL loop of `refbus up`), from the first committed weights version on; "
         "off: only take the episodes others send.",
     )
-    prompt: str = key("refbus.nodes.toy.task:make_prompt", "Entry point: f(numpy Generator) -> prompt token ids.")
+    prompt: str = key("refbus.nodes.toy.task:Curriculum",
+                      "Entry point of the prompt source: a function f(numpy Generator) -> prompt token ids, or a "
+                      "class with make_prompt(rng), optionally observe(prompt, rewards) (each completed group) and "
+                      "status() -> {name: number} (shown as task_<name>), built once (a curriculum).")
     seed: int = key(0, "Seed of the prompt stream.")
     max_groups_in_flight: int = key(16, "Groups whose runs may be in flight at once.")
     eval_every: int = key(0, "Steps between eval groups (0: none); eval episodes are scored, never trained.")

@@ -54,6 +54,7 @@ from ..protocol.messages import Delete, EpisodeFinished, FetchAck, RunEnd, Versi
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
+from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .supervisor import Chaos, Supervisor
 
@@ -82,6 +83,8 @@ class RunRecord:
     episodes: int = 0
     # Samples deleted while each version was the latest, by reason (the plot's filtered share per step).
     deleted_by_version: dict[int, Counter[str]] = dataclasses.field(default_factory=lambda: defaultdict(Counter))
+    # The prompt source's numbers (the orchestrator's ``task_`` status), as each progress line read them.
+    task_by_version: list[tuple[int, dict[str, float]]] = dataclasses.field(default_factory=list)
     ledger: Ledger = dataclasses.field(default_factory=Ledger)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -413,14 +416,17 @@ class _Progress:
             return
         now = record.snapshot()
         recent = [r for v in sorted(record.rewards)[-3:] for r in record.rewards[v]]
-        print(progress_line(self.last, now, steps=self.steps, reward=statistics.fmean(recent) if recent else None,
-                            fetch_s=record.fetch_seconds.get(now.version - 1), held=self._held(),
-                            left_s=seconds_left(record.version_seconds, now.version, self.steps)), flush=True)
-        self.last = now
-
-    def _held(self) -> list[tuple[str, float]]:
         nodes = self.probe.lookup() or []
-        return sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
+        held = sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
+        task = {name.removeprefix(TASK_PREFIX): value for n in nodes if n.role == "orchestrator"
+                for name, value in sorted(n.status.items()) if name.startswith(TASK_PREFIX)}
+        if task:
+            record.task_by_version.append((now.version, task))
+        print(progress_line(self.last, now, steps=self.steps, reward=statistics.fmean(recent) if recent else None,
+                            fetch_s=record.fetch_seconds.get(now.version - 1), held=held,
+                            left_s=seconds_left(record.version_seconds, now.version, self.steps), task=task),
+              flush=True)
+        self.last = now
 
 
 def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: bool, failed: list[str],
@@ -451,6 +457,7 @@ def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: b
         "seconds_per_step": record.seconds_per_step(),
         "deleted_shares": shares(totals["deleted"]),
         "filtered_share_by_version": [[v, round(share, 4)] for v, share in record.filtered_share_by_version()],
+        "task_by_version": [[v, task] for v, task in record.task_by_version],
         "blobs": totals,
         "accounting": {"lost": dict(report.lost), "leaked": dict(report.leaked),
                        "held_at_end": dict(report.held_at_end), "reconciled": report.reconciled,
@@ -488,6 +495,9 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
     deleted_shares = ", ".join(f"{reason} {share:.1%}" for reason, share in
                                sorted(summary["deleted_shares"].items(), key=lambda item: -item[1]))
     print(f"  why samples left      {deleted_shares or '-'}")
+    if task := summary["task_by_version"]:
+        print(f"  task                  {_numbers(task[0][1])} at version {task[0][0]} -> {_numbers(task[-1][1])} "
+              f"at version {task[-1][0]}")
     print(f"  ownership violations  {blobs['violations']}")
     print(f"  dropped micro batches {summary['dropped_micro_batches']}")
     deaths = ", ".join(f"{d['node']} ({d['exit']}{'' if d['restarted'] else ', not restarted'})"
@@ -503,6 +513,10 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
         Path(args.summary_out).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot_out:
         _plot(summary, Path(args.plot_out))
+
+
+def _numbers(values: dict[str, float]) -> str:
+    return " ".join(f"{name}={value:g}" for name, value in values.items())
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:

@@ -38,7 +38,7 @@ _trained = 0
 
 def make_prompt(rng: np.random.Generator) -> list[int]:
     number = next(_groups)
-    vocab = task.DEFAULT_TASK.vocab_size
+    vocab = task.TASK.vocab_size
     return [(number // vocab**i) % vocab for i in range(PROMPT_TOKENS)]
 
 

@@ -23,6 +23,7 @@ from refbus.nodes.payload.orchestrator_core import (
     OrchestratorCore,
     SendRun,
 )
+from refbus.nodes.payload.prompts import PromptSource, as_prompt_source, load_prompt_source
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo
 
@@ -509,3 +510,70 @@ def test_backpressure_never_deadlocks_when_the_stores_hold_less_than_a_step() ->
     for run in sent:
         core.on_run_done(T0 + 2, run.run.episode_id, None)
     assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.starved == 2
+
+
+class _Heard:
+    """A prompt source in class form that records what the core tells it."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[tuple[int, ...], list[float]]] = []
+        self.made = 0
+
+    def make_prompt(self, rng: np.random.Generator) -> list[int]:
+        self.made += 1
+        return [self.made]
+
+    def observe(self, prompt: Sequence[int], rewards: Sequence[float]) -> None:
+        self.heard.append((tuple(prompt), list(rewards)))
+
+
+def test_the_prompt_source_hears_each_completed_training_group_with_its_prompt_and_rewards() -> None:
+    heard = _Heard()
+    core = OrchestratorCore(settings(eval_every=1, max_groups_in_flight=3), DEADLINES,
+                            prompts=PromptSource(heard.make_prompt, heard.observe))
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    runs = of(SendRun, core.dispatch(T0))
+    groups: dict[str, list[SendRun]] = {}
+    for send in runs:
+        groups.setdefault(send.run.group, []).append(send)
+    evaluation, done, failed = groups  # the eval group first, then the two training groups admission allows
+    assert [groups[g][0].run.prompt for g in groups] == [[1], [2], [3]]
+    for send, reward in zip(groups[done], (0.25, 0.75), strict=True):
+        ep = episode(send.run.episode_id, done, reward)
+        core.on_episode(T0 + 1, ep, ep.refs)
+    for send in groups[evaluation]:
+        ep = episode(send.run.episode_id, evaluation, 1.0)
+        ep.info["eval"] = True
+        core.on_episode(T0 + 1, ep, ep.refs)
+    core.on_run_done(T0 + 1, groups[failed][0].run.episode_id, "boom")  # abandoned: nothing to hear
+    assert heard.heard == [((2,), [0.25, 0.75])]
+
+
+def test_a_prompt_function_is_a_source_that_hears_nothing_and_a_class_must_make_prompts() -> None:
+    source = as_prompt_source(lambda rng: [7])
+    assert source.make_prompt(np.random.default_rng(0)) == [7]
+    source.observe([7], [1.0])  # heard by nobody
+    assert source.numbers() == {}
+
+    class Noisy:
+        def make_prompt(self, rng: np.random.Generator) -> list[int]:
+            return [1]
+
+        def status(self) -> dict[str, object]:
+            return {"level": 3, "name": "x", "on": True, "share": 0.5}
+
+    assert as_prompt_source(Noisy).numbers() == {"level": 3.0, "share": 0.5}  # numbers only
+    assert as_prompt_source(source) is source
+
+    class NoPrompts:
+        pass
+
+    for bad in (NoPrompts, 42):
+        with pytest.raises(ValueError, match="prompt source"):
+            as_prompt_source(bad)
+    for spec in ("no-colon", "refbus.nodes.toy.task:missing", "refbus.nodes.toy.task:TASK"):
+        with pytest.raises(ValueError):
+            load_prompt_source(spec)
+    assert isinstance(load_prompt_source("refbus.nodes.toy.task:Curriculum").make_prompt(np.random.default_rng(0)),
+                      list)

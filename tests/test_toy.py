@@ -12,7 +12,7 @@ import pytest
 import torch
 from refbus.nodes.payload.branch import Branch
 from refbus.nodes.toy.policy import Rollout, TinyMoEPolicy, generate, make_policy
-from refbus.nodes.toy.task import SuccessorTask, make_prompt, score
+from refbus.nodes.toy.task import TASK, Curriculum, CurriculumRule, SuccessorTask, make_prompt, next_level, score
 from refbus.nodes.toy.train import TrainMicroBatch, make_optimizer, packed_position_ids, train_step
 
 # The recipe the learning test checks (and `refbus up` is sized from): 16 prompts x group 4 per step.
@@ -328,11 +328,48 @@ def test_task_is_deterministic_and_scores_in_unit_interval() -> None:
     assert score([3, 9, 15], [4, 10, 0, 4, 4, 4]) == 4 / 6
     one_token = SuccessorTask(max_prompt_tokens=1)
     assert all(len(one_token.make_prompt(np.random.default_rng(seed))) == 1 for seed in range(10))
-    for bad in ([16], [1, 2, 3, 4, 5], [], [-1]):
+    for bad in ([16], list(range(9)), [], [-1]):
         with pytest.raises(ValueError):
             score(bad, [0])
     with pytest.raises(ValueError):
         SuccessorTask(max_prompt_tokens=0)
+
+
+def test_curriculum_moves_on_once_the_last_window_of_groups_scores_well_enough() -> None:
+    rule = CurriculumRule(threshold=0.5, window=3)
+    assert next_level(1, [0.9, 0.9], rule, top=8) == 1  # fewer groups than the window never move it
+    assert next_level(1, [0.9, 0.2, 0.3], rule, top=8) == 1  # mean 0.47: below
+    assert next_level(1, [0.5, 0.5, 0.5], rule, top=8) == 2  # at the threshold: moves on
+    assert next_level(1, [0.0, 0.0, 0.6, 0.6, 0.6], rule, top=8) == 2  # only the last window counts
+    assert next_level(1, [1.0, 1.0, 0.0, 0.3, 0.3], rule, top=8) == 1
+    assert next_level(8, [1.0, 1.0, 1.0], rule, top=8) == 8  # never above the top
+    for bad in (dict(threshold=1.5), dict(threshold=-0.1), dict(window=0), dict(window=True)):
+        with pytest.raises(ValueError):
+            CurriculumRule(**bad)  # type: ignore[arg-type]
+
+
+def test_curriculum_lengthens_its_prompts_as_their_groups_are_learned() -> None:
+    class Quick(Curriculum):
+        rule = CurriculumRule(threshold=0.5, window=2)
+
+    curriculum, rng = Quick(), np.random.default_rng(0)
+    assert curriculum.status() == {"level": 1.0, "level_reward": 0.0}
+    assert all(len(curriculum.make_prompt(rng)) == 1 for _ in range(5))
+    curriculum.observe([3], [1.0, 0.0, 0.0, 0.0])
+    curriculum.observe([4], [0.5, 0.5])
+    assert curriculum.status() == {"level": 1.0, "level_reward": 0.375}  # mean of the window: not yet
+    curriculum.observe([5], [1.0, 1.0])
+    assert curriculum.status() == {"level": 2.0, "level_reward": 0.0}  # moved on; the new level heard nothing
+    prompt = curriculum.make_prompt(rng)
+    assert len(prompt) == 2 and score(prompt, [(t + 1) % 16 for t in prompt]) == 1.0
+    curriculum.observe([6], [1.0, 1.0])  # a group of the earlier level, completed late: does not count
+    curriculum.observe([1, 2], [])  # nothing to hear
+    assert curriculum.status() == {"level": 2.0, "level_reward": 0.0}
+    for _ in range(2 * TASK.max_prompt_tokens):
+        prompt = curriculum.make_prompt(rng)
+        curriculum.observe(prompt, [1.0])
+    assert curriculum.level == TASK.max_prompt_tokens  # tops out at the longest prompt the score accepts
+    assert len(curriculum.make_prompt(rng)) == TASK.max_prompt_tokens
 
 
 def _grpo_advantages(rewards: np.ndarray) -> np.ndarray:

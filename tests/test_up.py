@@ -208,7 +208,8 @@ def check_every_node_said_bye(log: EventLog) -> None:
 
 def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Also: each trainer rank's first step and each rollout's first generation block for three node timeouts
-    (entry points given by name, as a user's are): no node is declared down, no step batch is sent twice.
+    (entry points given by name, as a user's are): no node is declared down, no step batch is sent twice. The
+prompt source is a quick curriculum whose rising level the progress lines and the summary report.
     The broker's ring holds fewer events than the run publishes: the launcher's account, folded live and
     reconciled with every env server's own counters, is exact all the same."""
     started = time.monotonic()
@@ -216,7 +217,8 @@ def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv(STALL_ENV, str(3 * node_timeout_s))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     up = Up(tmp_path, 4, *FAST_LIVENESS, "--rl-train-step", "stalling_entry_points:train_step",
-            "--rl-generate", "stalling_entry_points:generate", "--bus-ring-events", str(SMALL_RING))
+            "--rl-generate", "stalling_entry_points:generate", "--bus-ring-events", str(SMALL_RING),
+            "--orchestrator-prompt", "curriculum_entry_points:QuickCurriculum")
     log = None
     try:
         log = EventLog(tmp_path / "watch", up.bus()["endpoints"]["control"])
@@ -242,6 +244,11 @@ def test_up_runs_steps_and_accounts_for_every_blob(tmp_path: Path, monkeypatch: 
         filtered = summary["filtered_share_by_version"]
         assert filtered and all(0 <= share <= 1 for _, share in filtered)
         assert "eps/s" in up.output() and "elapsed, ~" in up.output() and "why samples left" in up.output()
+        # The prompt source (a curriculum moving on every GROUPS_PER_LEVEL completed groups) hears the groups
+        # the orchestrator completes, and its level shows on the progress lines and in the summary.
+        levels = [task["level"] for _, task in summary["task_by_version"]]
+        assert levels == sorted(levels) and levels[-1] > levels[0] >= 1, summary["task_by_version"]
+        assert "task level=" in up.output()
 
         check_blobs(log, blobs)
         assert len(log.records) > SMALL_RING  # more than the ring could replay at the end

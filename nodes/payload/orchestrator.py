@@ -94,7 +94,6 @@ from ...protocol.messages import (
     VersionBump,
 )
 from ..config import Config
-from ..entry_points import load_entry_point
 from ..settings import OrchestratorSettings
 from .orchestrator_core import (
     LOST,
@@ -107,6 +106,7 @@ from .orchestrator_core import (
     OrchestratorCore,
     SendRun,
 )
+from .prompts import TASK_PREFIX, load_prompt_source
 from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
@@ -146,7 +146,7 @@ class Orchestrator:
         self.runtime = runtime
         self.settings = settings
         self.clock = clock
-        prompts = load_entry_point(settings.prompt) if settings.dispatch else None
+        prompts = load_prompt_source(settings.prompt) if settings.dispatch else None
         # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
         self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
         self.claimed = 0
@@ -463,7 +463,12 @@ class Orchestrator:
     def status(self) -> dict[str, float]:
         holdings = self.core.holdings
         return {"step": float(self.core.step), "version": float(self.core.policy_version),
-                "blobs_held": float(len(holdings.held)), "bytes_held": float(holdings.held_bytes)}
+                "blobs_held": float(len(holdings.held)), "bytes_held": float(holdings.held_bytes),
+                **{f"{TASK_PREFIX}{name}": value for name, value in self._task().items()}}
+
+    def _task(self) -> dict[str, float]:
+        """The prompt source's numbers (its ``status()``); none when not dispatching."""
+        return self.core.prompts.numbers() if self.core.prompts is not None else {}
 
     def _register_metrics(self) -> None:
         holdings = self.core.holdings
@@ -478,6 +483,10 @@ class Orchestrator:
         self.runtime.metric("refbus_orchestrator_backpressure_pauses_total",
                             "Times every env server was at its high-water mark, so no new group started.",
                             lambda: {(): float(self.core.full_pauses)})
+        self.runtime.metric("refbus_orchestrator_task", "The prompt source's numbers (its status(), e.g. a "
+                            "curriculum's level), by name.",
+                            lambda: {(name,): value for name, value in self._task().items()}, labels=("name",),
+                            kind="gauge")
         self.runtime.metric("refbus_orchestrator_blobs_lost_total",
                             "References dropped because their env server went down and was not back in time.",
                             lambda: {(): float(self.lost)})

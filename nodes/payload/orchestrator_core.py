@@ -75,7 +75,7 @@ Decisions and their rules:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,14 +84,13 @@ import structlog
 
 from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
+from .prompts import MakePrompt, PromptSource, as_prompt_source
 from .shipping import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
 
 if TYPE_CHECKING:
     from ..settings import OrchestratorSettings
 
 log = structlog.get_logger(__name__)
-
-Prompts = Callable[[np.random.Generator], Sequence[int]]
 
 NOT_READY = frozenset({"no-rollout", "no-weights"})  # run refusals that mean "a peer is not up yet", not a fault
 BACKOFF_FIRST_S = 0.25  # dispatch pause after the first not-ready refusal; doubles with each one after
@@ -245,7 +244,7 @@ class OrchestratorCore:
     """
 
     def __init__(self, settings: OrchestratorSettings, deadlines: Deadlines | None = None, *,
-                 prompts: Prompts | None = None, tag: str = "") -> None:
+                 prompts: PromptSource | MakePrompt | None = None, tag: str = "") -> None:
         self.settings = settings
         self.deadlines = deadlines or Deadlines()
         self.holdings = Holdings()
@@ -261,7 +260,7 @@ class OrchestratorCore:
         self.redeliveries = 0
         self.failure = ""  # why the run halted; empty while it goes on
         # runs (dispatch)
-        self.prompts = prompts
+        self.prompts = as_prompt_source(prompts) if prompts is not None else None
         self.rng = np.random.default_rng(settings.seed)
         self.router = ReplicaRouter()
         self.runs: dict[str, _RunInFlight] = {}  # episode id -> its run
@@ -300,7 +299,9 @@ class OrchestratorCore:
         self.recovered_episodes = 0  # fed from the stores' holdings at start
         self.adopted_groups = 0  # groups this incarnation did not send (an earlier incarnation's)
         self._recovered: set[str] = set()  # episode ids recovered whose own event may still come
-        self._admitted: set[str] = set()  # groups sent by this incarnation and not closed yet
+        # Groups sent by this incarnation and not closed yet, with their prompts (told to the prompt source
+        # with the group's rewards once it completes).
+        self._admitted: dict[str, tuple[int, ...]] = {}
 
     # --- what the executor asks ----------------------------------------------------------------------
 
@@ -608,7 +609,7 @@ class OrchestratorCore:
         if group_id in self.closed_groups:
             return
         self.closed_groups.add(group_id)
-        self._admitted.discard(group_id)
+        self._admitted.pop(group_id, None)
         self.abandoned_groups += 1
         group = self.groups.pop(group_id, None)
         if group is not None:
@@ -635,8 +636,10 @@ class OrchestratorCore:
     def _complete(self, group_id: str) -> None:
         group = self.groups.pop(group_id)
         self.closed_groups.add(group_id)
-        self._admitted.discard(group_id)
+        prompt = self._admitted.pop(group_id, None)
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
+        if prompt is not None and self.prompts is not None:
+            self.prompts.observe(prompt, rewards.tolist())
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         samples, per_sample = [], []
         for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
@@ -767,10 +770,10 @@ class OrchestratorCore:
         assert self.prompts is not None, "dispatching needs prompts"
         group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}{self.tag}"
         self.groups_sent += 1
+        prompt = [int(t) for t in self.prompts.make_prompt(self.rng)]
         if not evaluation:
-            self._admitted.add(group_id)
+            self._admitted[group_id] = tuple(prompt)
         self.train_groups_sent += not evaluation
-        prompt = [int(t) for t in self.prompts(self.rng)]
         # An eval group goes even when every store is full.
         sources = self.router.with_room(self.settings.group_size) or sorted(self.router.replicas)
         source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
