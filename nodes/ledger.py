@@ -40,7 +40,7 @@ Input is the JSON record that :func:`refbus.protocol.envelope.describe` makes (w
 from __future__ import annotations
 
 import json
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -52,6 +52,7 @@ from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Message, incarnation
 from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
+from .tombstones import DEFAULT_RECENT, FORGOTTEN, Tombstones
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,6 @@ LOSS_REASONS = frozenset({LOST, HOLDER_DOWN})
 STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded", HOLDER_DOWN})  # a store's own deletes
 RUN_END = "run-end"
 UNKNOWN = "?"  # the holder or node of blobs the stream did not show
-DEFAULT_MAX_TOMBSTONES = 1_000_000
 _STAGE = {"claim": 1, "reference": 2}  # store (0) -> orchestrator -> trainer rank
 
 Reconciled = Literal["agreed", "corrected", "ahead", "behind"]
@@ -163,14 +163,16 @@ class Ledger:
     """Folds event records into blob ownership and per-store counters. Feed records in stream order with
     :meth:`apply`; feed stores' ``accounted`` replies to :meth:`reconcile`. Not thread-safe.
 
-    Memory is bounded by the blobs still held plus ``max_tombstones`` deleted ids (older deleted ids are
-    forgotten: a second delete of one then goes unnoticed here, but its store still refuses and reports it).
+    Memory follows the blobs still held, not the blobs ever kept: every deleted id is remembered for the whole
+    run, exactly (a second delete is a violation however long after the first), in compact runs of a store's
+    id counters (:class:`~refbus.nodes.tombstones.Tombstones`). The price: who deleted an id first, and why,
+    is kept for the latest deletes (and every ``lost`` one) only, so a second delete of an older id is
+    reported without naming the first deleter.
     """
 
-    def __init__(self, *, max_tombstones: int = DEFAULT_MAX_TOMBSTONES) -> None:
+    def __init__(self, *, recent_tombstones: int = DEFAULT_RECENT) -> None:
         self.blobs: dict[str, _Blob] = {}
-        self.tombstones: OrderedDict[str, tuple[str, str]] = OrderedDict()  # blob id -> (deleter, reason)
-        self.max_tombstones = max_tombstones
+        self.tombstones = Tombstones(recent=recent_tombstones, always_named=frozenset({LOST}))
         self.stores: dict[tuple[str, str], _Store] = {}
         self.down: set[str] = set()
         self.violations: list[str] = []
@@ -266,10 +268,11 @@ class Ledger:
             if (tomb := self.tombstones.get(blob_id)) is not None:
                 if tomb[1] == LOST and (reason == LOST or reason in STORE_REASONS):
                     continue  # the holder's and the store's side of one loss
-                self.violations.append(f"{holder} deleted {blob_id} again (first deleted by {tomb[0]})")
+                first = f"first deleted by {tomb[0]}" if tomb[0] != FORGOTTEN else "first deleted long before"
+                self.violations.append(f"{holder} deleted {blob_id} again ({first})")
                 continue
             blob = self.blobs.pop(blob_id, None)
-            self.tombstones[blob_id] = (holder, reason)
+            self.tombstones.add(blob_id, holder, reason)
             if blob is None:
                 if reason == HOLDER_DOWN:
                     self.lost_by[UNKNOWN] += 1
@@ -282,8 +285,6 @@ class Ledger:
                     self.unverified += 1
                 else:
                     self.violations.append(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
-        while len(self.tombstones) > self.max_tombstones:
-            self.tombstones.popitem(last=False)
 
     def _store(self, key: tuple[str, str]) -> _Store:
         store = self.stores.get(key)

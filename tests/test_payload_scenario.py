@@ -398,7 +398,7 @@ def test_every_kept_blob_is_deleted_exactly_once_by_its_owner(outcome: Outcome) 
     assert {"filtered", "stale", "eval", "trained", "shutdown", "dropped"} <= set(totals["deleted"])
     assert Counter(totals["deleted"]) == EXPECTED_REASONS
     assert outcome.ledger.blobs == {}  # nothing still held
-    deleted = {blob_id: (reason, deleter) for blob_id, (deleter, reason) in outcome.ledger.tombstones.items()}
+    deleted = {blob_id: (reason, deleter) for blob_id, (deleter, reason) in outcome.ledger.tombstones.recent.items()}
     assert deleted == {blob_id: fate(outcome, blob_id) for blob_id in outcome.kept}
     assert report.kept == Counter(outcome.kept.values())  # each blob counted with the env server that kept it
     assert report.ok, report.as_dict()
