@@ -5,7 +5,10 @@ The ledger replays ownership moves as the stream mirrors them:
 * ``episode-finished`` — the store (the env-server node that published it, ``src``) keeps the episode's
   blobs; it owns them until a claim;
 * ``claim`` — the orchestrator (``holder``) owns them;
-* ``reference`` — a trainer rank (``holder``) owns them;
+* ``reference`` — a trainer rank (``holder``) owns them. The rank publishes it, and the store mirrors the
+  rank's delete, so the broker may relay the delete first: a delete by a node other than the owner while the
+  blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:
+  nothing was wrong); until it comes, the report lists the delete as a violation;
 * ``fetch-ack`` — a trainer fetched them. It says nothing about ownership: a fetch-ack means the store
   served the fetch, so before any delete there, whatever order the broker relays the two in (they come from
   different nodes); a fetch after a delete is refused by the store, which publishes the ``violation``;
@@ -179,6 +182,8 @@ class Ledger:
         self.lost_by: Counter[str] = Counter()  # holder-down losses by the holder (UNKNOWN: blob not seen)
         self.missed: Counter[str] = Counter()
         self.unverified = 0  # deletes by a node not shown as the owner, after events went missing
+        # blob id -> (deleter, owner, reason): deleted by a node before its reference to the blob was folded
+        self.awaiting_reference: dict[str, tuple[str, str, str]] = {}
         self.ended = False
         self.held_at_end: Counter[str] = Counter()
         self._last: dict[str, tuple[str, int]] = {}  # src -> (incarnation, last seq)
@@ -210,6 +215,10 @@ class Ledger:
                 blob = self.blobs.get(blob_id)
                 if blob is not None and stage > blob.stage:
                     blob.owner, blob.stage = record["holder"], stage
+                elif blob is None and kind == "reference" and blob_id in self.awaiting_reference:
+                    deleter, _, reason = self.awaiting_reference.pop(blob_id)
+                    if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
+                        self.violations.append(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
@@ -283,6 +292,8 @@ class Ledger:
                                                                   and reason in STORE_REASONS):
                 if self.missed.total():  # the move to ``holder`` may be among the missing events
                     self.unverified += 1
+                elif blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
+                    self.awaiting_reference[blob_id] = (holder, blob.owner, reason)
                 else:
                     self.violations.append(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
 
@@ -334,7 +345,9 @@ class Ledger:
     # --- the report -----------------------------------------------------------------------------------
 
     def report(self) -> LedgerReport:
-        report = LedgerReport(violations=list(self.violations), missed=+self.missed, ended=self.ended,
+        early = [f"{deleter} deleted {blob_id} owned by {owner} ({reason}; no reference by {deleter} folded)"
+                 for blob_id, (deleter, owner, reason) in self.awaiting_reference.items()]
+        report = LedgerReport(violations=[*self.violations, *early], missed=+self.missed, ended=self.ended,
                               held_at_end=+self.held_at_end)
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():

@@ -97,8 +97,22 @@ def test_second_delete_non_owner_delete_and_a_refused_fetch_are_violations() -> 
     violations = ledger.report().violations
     assert len(violations) == 3
     assert "trainer-1 deleted b again (first deleted by orch)" in violations[0]
-    assert "trainer-1 deleted a owned by orch (trained)" in violations[1]
-    assert violations[2].startswith("env-0 refused delete of b by trainer-1")
+    assert violations[1].startswith("env-0 refused delete of b by trainer-1")
+    # While the orchestrator owns it, a rank's delete waits for that rank's reference: none came.
+    assert violations[2] == "trainer-1 deleted a owned by orch (trained; no reference by trainer-1 folded)"
+
+
+def test_a_ranks_delete_relayed_before_its_reference_is_no_violation_unless_another_rank_was_referenced() -> None:
+    """The store mirrors a rank's delete, the rank publishes its reference: the broker may relay either first."""
+    delete_a, delete_d = LIFECYCLE[7], LIFECYCLE[8]
+    reordered = [*LIFECYCLE[:5], delete_a, delete_d, LIFECYCLE[5], LIFECYCLE[9]]
+    ledger = _run(reordered[:7])
+    assert len(ledger.report().violations) == 2  # until the reference comes, the deletes are not the owner's
+    ledger = _run(reordered)
+    assert ledger.report().violations == [] and ledger.report().ok and not ledger.awaiting_reference
+    other = _run([*reordered[:7], {**LIFECYCLE[5], "holder": "trainer-1", "src": "trainer-1"}])
+    assert other.report().violations == ["trainer-0 deleted a owned by trainer-1 (trained)",
+                                         "trainer-0 deleted d owned by trainer-1 (trained)"]
 
 
 def test_blobs_held_by_a_node_that_went_down_are_leaked() -> None:
