@@ -19,7 +19,8 @@ import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.nodes.supervisor import Chaos, Supervisor, describe_exit
-from test_up import RUN_S, START_S, STOP_S, Up
+from stalling_entry_points import STALL_ENV
+from test_up import RUN_S, START_S, STOP_S, TESTS, Up
 
 SHUTDOWN_S = 1.2
 # A fetch or delete against a killed store gives up within this schedule (1 + 1.5 + 2.25 s), not the default
@@ -29,6 +30,10 @@ QUICK = [*FAST_LIVENESS, "--node-shutdown-timeout-s", str(SHUTDOWN_S), "--reques
          # Short micro batches (two samples each): a killed store costs the micro batches holding its blobs,
          # never a whole step.
          "--orchestrator-seq-len", "16"]
+# Stores of this budget (to their high-water marks) hold less than one step's episodes while a first training
+# step that stalls this long lets rollouts run ahead: the orchestrator has to pause on full stores.
+SMALL_BUDGET = 16 << 10
+STALL_S = 3.0
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 
 
@@ -73,6 +78,41 @@ def test_killed_env_server_rollout_worker_and_ps_worker_are_restarted_and_the_ru
         assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
         # Lost: what env-1 kept, and what a broken world's ranks held (reclaimed as holder-down).
         assert set(summary["accounting"]["lost"]) <= {"env-1", *others}, summary["accounting"]
+        assert up.leftovers() == []
+    finally:
+        up.close()
+
+
+def test_an_env_server_killed_while_dispatch_waits_on_full_stores_is_restarted_and_dispatch_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgets far below the work admission allows, and a first training step that stalls: the stores fill to
+    their high-water marks and the orchestrator starts no group. env-1 is SIGKILLed during that pause: it is
+    restarted, dispatch resumes once a store drains, and the run completes with every kept blob deleted
+    once or lost with env-1 (what it held died with it), nothing held, leaked or unaccounted."""
+    monkeypatch.setenv(STALL_ENV, str(STALL_S))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    steps = 4
+    up = Up(tmp_path, steps, *QUICK, "--env-server-budget-bytes", str(SMALL_BUDGET),
+            "--rl-train-step", "stalling_entry_points:train_step")
+    orchestrator_log = up.run_dir / "orchestrator.log"
+    try:
+        wait_for(lambda: up.alive() and orchestrator_log.exists() and "dispatch.stores_full" in
+                 orchestrator_log.read_text(), RUN_S / 2, "the orchestrator paused on full stores", poll_s=0.05)
+        paused_at = len(orchestrator_log.read_text())
+        pid = up.note_pids()["env-1"]
+        os.kill(pid, signal.SIGKILL)
+        assert up.wait(RUN_S) in (0, 1), up.output()
+
+        summary = up.summary()
+        output = up.output(20_000)
+        assert summary["steps"] == steps and summary["failed_nodes"] == [], output
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("env-1", pid, "SIGKILL", True)], output
+        assert "dispatch.stores_drained" in orchestrator_log.read_text()[paused_at:]  # the pause ended
+        blobs = summary["blobs"]
+        assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
+        assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
+        assert set(summary["accounting"]["lost"]) <= {"env-1"}, summary["accounting"]
         assert up.leftovers() == []
     finally:
         up.close()
