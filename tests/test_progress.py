@@ -22,6 +22,14 @@ def test_line_before_anything_is_known() -> None:
     assert line == "step   0/5  reward -  0.0 eps/s  dropped +0  fetch -  held   0:00 elapsed"
 
 
+def test_line_shows_the_prompt_sources_numbers_when_it_reports_any() -> None:
+    start = Snapshot(at_s=0.0, version=0, episodes=0, deleted={})
+    line = progress_line(start, start, steps=5, reward=None, fetch_s=None, held=[], left_s=None,
+                         task={"level": 2.0, "level_reward": 0.53})
+    assert line.endswith("held   task level=2 level_reward=0.53  0:00 elapsed")
+    assert "task" not in progress_line(start, start, steps=5, reward=None, fetch_s=None, held=[], left_s=None, task={})
+
+
 def test_trained_samples_are_not_drops() -> None:
     before = Snapshot(at_s=0.0, version=0, episodes=0, deleted={"trained": 5})
     now = Snapshot(at_s=1.0, version=1, episodes=8, deleted={"trained": 13, "late": 1})
