@@ -569,7 +569,14 @@ def test_a_prompt_function_is_a_source_that_hears_nothing_and_a_class_must_make_
     class NoPrompts:
         pass
 
-    for bad in (NoPrompts, 42):
+    class NeedsArguments:
+        def __init__(self, level: int) -> None:
+            self.level = level
+
+        def make_prompt(self, rng: np.random.Generator) -> list[int]:
+            return [self.level]
+
+    for bad in (NoPrompts, NeedsArguments, 42):
         with pytest.raises(ValueError, match="prompt source"):
             as_prompt_source(bad)
     for spec in ("no-colon", "refbus.nodes.toy.task:missing", "refbus.nodes.toy.task:TASK"):

@@ -58,12 +58,16 @@ def as_prompt_source(target: object) -> PromptSource:
     ``status`` used where it has them), any other callable as a fixed ``make_prompt``.
 
     Raises:
-        ValueError: a class without a callable ``make_prompt``, or something that is not callable.
+        ValueError: a class that cannot be built with no argument or has no callable ``make_prompt``, or
+            something that is not callable.
     """
     if isinstance(target, PromptSource):
         return target
     if inspect.isclass(target):
-        instance = target()
+        try:
+            instance = target()
+        except Exception as exc:  # user code: whatever it raises, the config names the culprit
+            raise ValueError(f"prompt source {target.__name__}() could not be built: {exc!r}") from exc
         make_prompt = getattr(instance, "make_prompt", None)
         if not callable(make_prompt):
             raise ValueError(f"prompt source {target.__name__} has no make_prompt(rng) method")
