@@ -41,6 +41,7 @@ import statistics
 import tempfile
 import threading
 import time
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -66,14 +67,20 @@ STOP_GRACE_FACTOR = 2.0  # a node still running this many node.shutdown_timeout_
 SETTLE_S = 0.05  # how long the launcher lets the watcher fold before it looks again
 
 
+def _doubles() -> array[float]:
+    return array("d")
+
+
 @dataclasses.dataclass
 class RunRecord:
     """What the watcher saw, folded as it arrives: the whole stream goes through :attr:`ledger` (under
     :attr:`lock`, since the launcher's thread reconciles and reads it while the watcher's folds)."""
 
     started: float = dataclasses.field(default_factory=time.monotonic)
-    rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-    eval_rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    # Rewards by policy version, as C doubles: 8 bytes an episode, not a float object's 32, since a long run's
+    # launcher keeps every one (the summary's start and end fifth, the curve).
+    rewards: dict[int, array[float]] = dataclasses.field(default_factory=lambda: defaultdict(_doubles))
+    eval_rewards: dict[int, array[float]] = dataclasses.field(default_factory=lambda: defaultdict(_doubles))
     kept_bytes: int = 0
     fetched_bytes: int = 0
     fetch_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> slowest rank
