@@ -291,7 +291,7 @@ class Broker:
         assert isinstance(beat, Heartbeat)
         self._check_own(request, beat.node_id)
         member = self.members.get(beat.node_id)
-        if member is None:
+        if member is None or not member.live:  # not live: its join broke off before the sync proof
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
         member.heard = self.clock()

@@ -9,11 +9,12 @@ written to the run directory), so one TOML describes the run.
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
 store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers,
-ps-workers and the orchestrator are restarted under the same node id (:mod:`.supervisor`: a restart budget, a
-backoff). The trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run
-directory): a dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming
-from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death
-of any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+ps-workers, the orchestrator and the broker are restarted under the same node id (:mod:`.supervisor`: a
+restart budget, a backoff; the broker on the addresses the first one bound, so the nodes find it again). The
+trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run directory): a
+dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming from the newest
+checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death of any other role
+(the ps-manager) ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
 trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
@@ -45,6 +46,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -55,6 +57,7 @@ from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
+from .settings import BusSettings
 from .supervisor import Chaos, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -239,7 +242,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
         with stop.on_signals():
             try:
                 bus = cluster.start("bus", "node", "bus")
-                cluster.pin("bus", control=bus.info["endpoints"]["control"])
+                cluster.pin("bus", **bound_addresses(cluster.config.bus, bus.info))
                 watcher = _watcher(cluster.config, record)
                 probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
                 watcher.start_background()
@@ -289,6 +292,21 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     if stop.requested:
         return 130
     return 0 if summary["ok"] else 1
+
+
+def bound_addresses(bus: BusSettings, info: dict[str, Any]) -> dict[str, Any]:
+    """The broker's config with each ephemeral port (``:0``) replaced by the one the started broker bound (from
+    its registry entry ``info``), so a restarted broker binds the same addresses and the nodes find it there.
+    Hosts stay as configured (a wildcard bind stays one)."""
+    endpoints = info["endpoints"]
+    pinned: dict[str, Any] = {}
+    for name in ("control", "events_in", "events_out"):
+        configured = getattr(bus, name)
+        if configured.startswith("tcp://") and configured.endswith(":0"):
+            pinned[name] = configured[:-1] + endpoints[name].rsplit(":", 1)[1]
+    if bus.metrics_port == 0 and info.get("metrics"):
+        pinned["metrics_port"] = urlsplit(info["metrics"]).port
+    return pinned
 
 
 def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
