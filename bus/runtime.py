@@ -562,8 +562,9 @@ class NodeRuntime:
                 self._rejoin = False
                 try:
                     self._join()
-                except BusUnavailable as exc:  # gone again: the next heartbeat's answer decides
+                except BusUnavailable as exc:  # gone again, or slow: try again a heartbeat later
                     log.warning("bus.rejoin_failed", error=str(exc))
+                    self.later(self.settings.heartbeat_interval_s, self._request_rejoin)
             timeout_ms = self._run_timers()
             calls_wait = self.calls.wait_s()
             if calls_wait is not None:
@@ -874,9 +875,12 @@ class NodeRuntime:
         if isinstance(outcome, RemoteError):
             if outcome.code == "unknown-node":
                 log.warning("node.forgotten_by_broker", detail=outcome.detail)
-                self._rejoin = True
+                self._request_rejoin()
             else:
                 log.warning("control.error", code=outcome.code, error=outcome.detail)
+
+    def _request_rejoin(self) -> None:
+        self._rejoin = True
 
     def _run_timers(self) -> int:
         now = time.monotonic()
