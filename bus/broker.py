@@ -458,7 +458,9 @@ class Broker:
     def _register_metrics(self) -> None:
         self.runtime.metric("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
                       lambda: {(): float(self.forwarded)})
-        self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker could not forward, by reason.",
+        self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker refused to forward (with CURVE: "
+                            "a src not its connection's) or found unreadable in its ring when a replay read them, "
+                            "by reason.",
                       lambda: {(k,): float(v) for k, v in self.dropped.items()}, labels=("reason",))
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
