@@ -65,6 +65,7 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
         nodes: list[NodeRuntime]) -> None:
     first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
     buses = [first]
+    asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
     try:
         endpoints = first.info["endpoints"]
         _, blobs = env_server(spawn, control, "env-x")
@@ -74,7 +75,6 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
         nodes += [publisher, subscriber]
         for runtime in nodes:
             runtime.start_background()
-        asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
 
         def registered() -> set[str]:
             return {n.node_id for n in asker.lookup(policy=QUICK) or ()}
@@ -124,6 +124,7 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
         assert len(got) + lost == IN_FLIGHT + 1, (len(got), lost)
         assert [m.header.seq for m in got] == sorted(m.header.seq for m in got)
     finally:
+        asker.close()
         while nodes:  # before the broker: their goodbyes reach it
             nodes.pop().join(timeout=START_S)
         for bus in buses:
