@@ -8,10 +8,14 @@ Sockets (all bound):
   re-encoded, array frames are not copied).
 * ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``.
 
-The broker checks each event's envelope header (it must place it in the ring by source and sequence
-number; the kind frame, version and sizes are checked with it) but never decodes its body: subscribers
-validate bodies. Events with an unreadable header, a kind that is not ASCII or another major version are
-dropped and counted by error code. The ring keeps the most recent events, bounded by count and by bytes.
+Without CURVE, events are forwarded by ZeroMQ's proxy on a thread of its own (:mod:`.forwarder`) and never
+read on the way: subscribers check every event end to end (shape, version, sizes, MAC). The ring is filled
+from the forwarder's capture in batches and reads an event's header (source, sequence number) only when a
+replay first looks at it; one it cannot read is skipped and counted by error code. With CURVE the broker
+forwards in Python, reading each event's header to refuse a ``src`` other than its connection's key (and
+what it cannot read). The ring keeps the most recent events, bounded by count and by bytes. A broker that
+dies takes its ring and registry with it; restarted on the same addresses, it rebuilds the registry from the
+nodes' re-joins (see :mod:`.runtime`).
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
