@@ -223,10 +223,10 @@ class Broker:
         if self.curve is None:
             self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub)
             self.own = forwarder.own  # the broker's events go through the forwarder like every node's
+            runtime.shutdown_hooks.append(forwarder.stop)  # before the runtime closes the XSUB and XPUB
             forwarder.start(runtime.settings.connect_timeout_s)
             runtime.watch(forwarder.capture, lambda: forwarder.drain(self._record))
             runtime.watch(forwarder.probes, lambda: forwarder.drain_probes(self._probe_seen))
-            runtime.shutdown_hooks.append(forwarder.stop)
         else:  # each event's src is checked against its connection's key: Python reads every event
             self.xsub.send(SUBSCRIBE_ALL)
             self.own = self.xpub
