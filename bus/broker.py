@@ -107,7 +107,7 @@ NOT_REPLAYED = ("", -1)  # the key of what no replay selects: unreadable headers
 
 
 def frames_of(entry: Any) -> list:
-    """A ring entry's frames: a one-frame event is kept as its frame alone (no list to make per event)."""
+    """A ring entry's frames: a one-frame message is kept as its frame alone (no list to make per event)."""
     return entry if isinstance(entry, list) else [entry]
 
 
@@ -221,7 +221,8 @@ class Broker:
         self.curve = runtime.curve
         self.forwarder: Forwarder | None = None
         if self.curve is None:
-            self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub)
+            self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub,
+                                                   signed=bool(runtime.settings.secret))
             self.own = forwarder.own  # the broker's events go through the forwarder like every node's
             runtime.shutdown_hooks.append(forwarder.stop)  # before the runtime closes the XSUB and XPUB
             forwarder.start(runtime.settings.connect_timeout_s)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import structlog
 import zmq
 
+from ..protocol.envelope import MAX_KIND_BYTES, ONE_FRAME_MARK
 from ..protocol.messages import Sync
 from .sockets import EVENT_HWM, recv_frames
 
@@ -37,6 +38,7 @@ log = structlog.get_logger(__name__)
 CAPTURE_HWM = 4 * EVENT_HWM  # copies queued for the ring before the capture drops them
 SUBSCRIBE_ALL = b"\x01"
 NOBLOCK = int(zmq.NOBLOCK)  # pyzmq's enum arithmetic costs on the per-message path
+RCVMORE = int(zmq.RCVMORE)
 START_PROBE = b"\x02refbus-forwarder-probe"  # not an event: a kind never starts with a control byte
 _names = itertools.count()
 
@@ -50,10 +52,11 @@ def is_event(first_frame: bytes) -> bool:
 class Forwarder:
     """``zmq_proxy`` from ``xsub`` to ``xpub`` on its own thread, a capture for the ring, and a PUB for the
     broker's own events. ``ctx`` must be the context of ``xsub`` and ``xpub`` (inproc endpoints are per
-    context)."""
+    context); ``signed``: the cluster signs messages (a MAC frame ends each)."""
 
-    def __init__(self, ctx: zmq.Context, xsub: zmq.Socket, xpub: zmq.Socket) -> None:
+    def __init__(self, ctx: zmq.Context, xsub: zmq.Socket, xpub: zmq.Socket, *, signed: bool) -> None:
         self.ctx = ctx
+        self.signed = signed  # events carry a MAC frame: no message is one frame by its first frame alone
         self.xsub = xsub
         self.xpub = xpub
         name = f"refbus-forwarder-{next(_names)}-{id(self):x}"
@@ -104,32 +107,38 @@ class Forwarder:
 
     def drain(self, on_events: Callable[[list, list[int]], None], budget: int = 4096) -> int:
         """Hand what the capture holds, at most ``budget`` messages, to ``on_events(entries, sizes)``: each
-        entry a ``zmq.Frame`` (a one-frame message) or a list of them, with its size in bytes. Control messages
+        entry one frame (``bytes``) or a list of frames, with its size in bytes. Control messages
         (subscriptions, start probes: :func:`is_event` tells them) come along, rare as they are: reading each
         message's first byte here would cost every event. Returns how many messages were read (loop thread
-        only). Per message this is one ``recv`` and two appends: everything else is done per batch."""
-        recv = self.capture.recv
+        only).
+
+        Per event this is one ``recv`` and two appends. An unsigned one-frame event is told by its first
+        frame alone (the kind ends in a NUL, which the multi-frame form's kind frame never holds), so only
+        other messages pay for asking ZeroMQ whether more frames follow. A sender that breaks that rule
+        splits its own message into entries no replay can read (skipped and counted), nobody else's."""
+        recv, more = self.capture.recv, self.capture.get
+        trust_mark = not self.signed
         entries: list = []
         sizes: list[int] = []
         count = 0
         for count in range(1, budget + 1):
             try:
-                frame = recv(NOBLOCK, copy=False)
+                first = recv(NOBLOCK)
             except zmq.Again:
                 count -= 1
                 break
-            if frame.more:
-                frames = [frame]
-                size = len(frame)
-                while frame.more:
-                    frame = recv(copy=False)
-                    frames.append(frame)
-                    size += len(frame)
-                entries.append(frames)
-                sizes.append(size)
-            else:
-                entries.append(frame)
-                sizes.append(len(frame))
+            if (trust_mark and first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES) >= 0) or not more(RCVMORE):
+                entries.append(first)
+                sizes.append(len(first))
+                continue
+            frames = [first]
+            size = len(first)
+            while more(RCVMORE):
+                frame = recv(copy=False)  # array frames stay in ZeroMQ's buffer
+                frames.append(frame)
+                size += len(frame)
+            entries.append(frames)
+            sizes.append(size)
         if entries:
             on_events(entries, sizes)
         return count
