@@ -28,7 +28,9 @@ delivered, broker CPU per event (its whole process: forwarding, ring, heartbeats
 orchestrator latency p50/p99 (the envelope's send timestamp against the receive time, one host clock) and the
 orchestrator's subscription CPU per episode (20 events). **Headroom** is the largest count sustained (p99 <
 50 ms and >= 95% of the offered events delivered) over 64 and over 256: the factor by which this machine's
-bus could grow past the model run (the goal is >= 4 at 64).
+bus could grow past the model run (the goal is >= 4 at 64). The projection fits the broker's CPU to the event
+copies it sends (events x subscribers: the fan-out grows with the node count twice) over the counts
+sustained, and extrapolates to 64 and 256 nodes.
 
     python -m bench.scale [--quick] [--json PATH] [--nodes 16 64 128 ...]
 
@@ -109,6 +111,7 @@ class Point:
     delivered_per_s: float
     broker_cpu_us: float  # the broker process's CPU per event it captured (heartbeats and lookups included)
     broker_core: float  # the broker process's CPU seconds per second (1.0: a whole core)
+    subscribers: int  # whole-stream subscriptions: every event is sent this many times
     p50_ms: float
     p99_ms: float
     orchestrator_cpu_us_per_episode: float
@@ -242,6 +245,12 @@ class _SimNode:
         self.publisher = Publisher(pub, codec)
 
 
+def subscribers(model: Model, nodes: int) -> int:
+    """Whole-stream subscriptions of a run of ``nodes``: every env server and trainer rank (peer tracking),
+    the orchestrator and the launcher's watcher."""
+    return nodes + model.trainer_ranks + 2
+
+
 def _after(seconds: float) -> Any:
     deadline = time.monotonic() + seconds
     return lambda: time.monotonic() >= deadline
@@ -256,7 +265,7 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
     endpoints = broker.message()
     seconds = settings.warmup_s + settings.window_s + 0.5
     orchestrator.submit(orchestrator_task, endpoints["control"], settings.warmup_s, settings.window_s)
-    fanout.submit(fanout_task, endpoints["events_out"], nodes + model.trainer_ranks + 1)
+    fanout.submit(fanout_task, endpoints["events_out"], subscribers(model, nodes) - 1)  # and the orchestrator
     run = secrets.token_hex(3)
     ids = [f"env-{run}-{i}" for i in range(nodes)]
     for index, worker in enumerate(pubs):
@@ -283,6 +292,7 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
         delivered_per_s=events / seen["seconds"],
         broker_cpu_us=1e6 * cpu["cpu_s"] / max(1, cpu["forwarded"]),
         broker_core=cpu["cpu_s"] / cpu["seconds"],
+        subscribers=subscribers(model, nodes),
         p50_ms=seen["p50_s"] * 1e3,
         p99_ms=seen["p99_s"] * 1e3,
         orchestrator_cpu_us_per_episode=1e6 * seen["cpu_s"] / max(1, events) * model.events_per_episode,
@@ -314,23 +324,27 @@ def format_report(points: Sequence[Point], model: Model) -> str:
         lines.append(f"  {p.nodes:5d} {p.offered_per_s:10.0f} {p.delivered_per_s:12.0f} {p.broker_core:12.0%} "
                      f"{p.p50_ms:8.2f} {p.p99_ms:8.2f} {p.orchestrator_cpu_us_per_episode:16.1f}  "
                      f"{'yes' if p.sustained else 'no'}")
-    idle, per_event = broker_cost(points)
+    idle, per_copy = broker_cost(points)
     for nodes in (64, 256):
         events = nodes * model.events_per_node_s
-        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s, broker "
-                     f"{100 * (idle + per_event * events):.0f}% of a core ({100 * idle:.0f}% idle + "
-                     f"{per_event * 1e6:.2f} us/event, fitted); headroom x{headroom(points, nodes):.2f} "
-                     f"(largest count sustained with p99 < {P99_LIMIT_S * 1e3:.0f} ms, over {nodes})")
+        copies = events * subscribers(model, nodes)
+        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s to {subscribers(model, nodes)} "
+                     f"subscribers; broker {100 * (idle + per_copy * copies):.0f}% of a core ({100 * idle:.0f}% "
+                     f"idle + {per_copy * 1e6:.2f} us per event copy, fitted); headroom "
+                     f"x{headroom(points, nodes):.2f} (largest count sustained here, over {nodes})")
     return "\n".join(lines)
 
 
 def broker_cost(points: Sequence[Point]) -> tuple[float, float]:
-    """The broker's CPU as ``idle + per_event * events/s`` (cores; least squares over the sweep): at low rates
-    its loop's fixed cost dominates the per-event figure, so projections use the slope."""
-    if len(points) < 2:
-        return 0.0, points[0].broker_cpu_us * 1e-6 if points else 0.0
-    per_event, idle = np.polyfit([p.delivered_per_s for p in points], [p.broker_core for p in points], 1)
-    return max(0.0, float(idle)), max(0.0, float(per_event))
+    """The broker's CPU as ``idle + per_copy * copies/s`` (cores; least squares over the sustained counts, or
+    all when fewer than two were): it sends every event once per subscriber, so copies, not events, drive it."""
+    fitted = [p for p in points if p.sustained]
+    fitted = fitted if len(fitted) >= 2 else list(points)
+    copies = [p.delivered_per_s * p.subscribers for p in fitted]
+    if len(fitted) < 2:
+        return 0.0, fitted[0].broker_core / copies[0] if fitted and copies[0] else 0.0
+    per_copy, idle = np.polyfit(copies, [p.broker_core for p in fitted], 1)
+    return max(0.0, float(idle)), max(0.0, float(per_copy))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
