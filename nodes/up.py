@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from ..bus.reqrep import RetryPolicy
 from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
 from ..protocol.messages import Delete, EpisodeFinished, FetchAck, RunEnd, VersionBump
@@ -247,7 +248,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
                 watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
-                progress = _Progress(probe, record, up.steps)
+                progress = _Progress(probe, record, up.steps, config.bus.heartbeat_interval_s)
                 chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts,
                                on_kill=supervisor.expect_death) if args.chaos else None)
                 while not stop.requested:
@@ -417,11 +418,12 @@ class _Progress:
     """One line per new version (:func:`~.progress.progress_line`): the pace, the drops and their reasons since
     the previous line, the fetch time and what each store holds."""
 
-    def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int) -> None:
+    def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int, lookup_s: float) -> None:
         self.probe = probe
         self.record = record
         self.steps = steps
         self.last = record.snapshot()
+        self.lookup_policy = RetryPolicy(timeout_s=lookup_s, attempts=1)
 
     def poll(self) -> None:
         record = self.record
@@ -437,7 +439,8 @@ class _Progress:
         self.last = now
 
     def _held(self) -> list[tuple[str, float]]:
-        nodes = self.probe.lookup() or []
+        # One short try: a broker that is down (and being restarted) must not hold up the launcher's loop.
+        nodes = self.probe.lookup(policy=self.lookup_policy) or []
         return sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
 
 
