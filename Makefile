@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test slurm-test lint bench soak soak-slow clean prometheus iproute2 slurm
+.PHONY: demo test slurm-test lint bench scale soak soak-slow clean prometheus iproute2 slurm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,10 @@ bench: $(STAMP)
 	$(PY) -m bench.payload
 	$(PY) -m bench.ps
 	$(PY) -m bench.curve
+
+# The control plane at a large run's rates (not in `make test`): broker CPU, latency, headroom at 64/256 nodes.
+scale: $(STAMP)
+	$(PY) -m bench.scale
 
 # A long run (not in `make test`): does every node's memory level off? SOAK_STEPS overrides the length.
 SOAK_STEPS ?= 1000

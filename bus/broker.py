@@ -8,10 +8,14 @@ Sockets (all bound):
   re-encoded, array frames are not copied).
 * ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``.
 
-The broker checks each event's envelope header (it must place it in the ring by source and sequence
-number; the kind frame, version and sizes are checked with it) but never decodes its body: subscribers
-validate bodies. Events with an unreadable header, a kind that is not ASCII or another major version are
-dropped and counted by error code. The ring keeps the most recent events, bounded by count and by bytes.
+Without CURVE, events are forwarded by ZeroMQ's proxy on a thread of its own (:mod:`.forwarder`) and never
+read on the way: subscribers check every event end to end (shape, version, sizes, MAC). The ring is filled
+from the forwarder's capture in batches and reads an event's header (source, sequence number) only when a
+replay first looks at it; one it cannot read is skipped and counted by error code. With CURVE the broker
+forwards in Python, reading each event's header to refuse a ``src`` other than its connection's key (and
+what it cannot read). The ring keeps the most recent events, bounded by count and by bytes. A broker that
+dies takes its ring and registry with it; restarted on the same addresses, it rebuilds the registry from the
+nodes' re-joins (see :mod:`.runtime`).
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
@@ -56,10 +60,11 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
+from .forwarder import SUBSCRIBE_ALL, Forwarder, is_event
 from .metrics import ROUTES
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
-from .sockets import recv_frames, recv_from, send_frames
+from .sockets import recv_from, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -77,13 +82,15 @@ class BrokerSettings:
     cluster: str = "local"  # the ``cluster`` label of every service-discovery target
 
 
-@dataclass
-class _Entry:
-    index: int  # ring position: grows by one per event, never reused
+@dataclass(frozen=True)
+class RingEvent:
+    """One event a replay selected: its ring position (grows by one per event, never reused), source, sequence
+    number and frames as received."""
+
+    index: int
     src: str
     seq: int
     frames: list
-    nbytes: int
 
 
 @dataclass
@@ -94,42 +101,93 @@ class _Member:
     live: bool = False
 
 
-class ReplayRing:
-    """The most recent events, oldest first, bounded by count and bytes."""
+Index = Callable[[list], "tuple[str, int] | None"]
+"""``index(frames)``: an event's (source, sequence number); None when its header cannot be read."""
+NOT_REPLAYED = ("", -1)  # the key of what no replay selects: unreadable headers, ``sync`` probes
 
-    def __init__(self, max_events: int, max_bytes: int) -> None:
+
+def frames_of(entry: Any) -> list:
+    """A ring entry's frames: a one-frame message is kept as its frame alone (no list to make per event)."""
+    return entry if isinstance(entry, list) else [entry]
+
+
+class ReplayRing:
+    """The most recent events, oldest first, bounded by count and bytes.
+
+    Appending stores the frames only, in batches (:meth:`extend`): an event's source and sequence number are
+    read (``index``) the first time a replay looks at it, and remembered, so neither the forwarding path nor
+    the capture parses headers. Events whose header cannot be read are skipped by replays and counted in
+    :attr:`unreadable`; ``index`` returns :data:`NOT_REPLAYED` for what is no event (a ``sync`` probe).
+    """
+
+    def __init__(self, max_events: int, max_bytes: int, index: Index) -> None:
         self.max_events = max_events
         self.max_bytes = max_bytes
+        self.index = index
         self.nbytes = 0
         self.evicted = 0
         self.appended = 0
-        self._entries: deque[_Entry] = deque()
+        self.unreadable = 0
+        self._entries: deque[Any] = deque(maxlen=max_events)  # a frame, or a list of frames
+        self._sizes: deque[int] = deque(maxlen=max_events)
+        self._keys: dict[int, tuple[str, int]] = {}  # ring position -> (src, seq), once read
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def append(self, src: str, seq: int, frames: list) -> None:
-        nbytes = sum(len(f) for f in frames)
-        self._entries.append(_Entry(self.appended, src, seq, frames, nbytes))
-        self.appended += 1
-        self.nbytes += nbytes
-        while len(self._entries) > self.max_events or (self.nbytes > self.max_bytes and len(self._entries) > 1):
-            self.nbytes -= self._entries.popleft().nbytes
+    def append(self, frames: list, key: tuple[str, int] | None = None) -> None:
+        """Keep one event (``key``: its (source, seq) when the caller has read them already)."""
+        if key is not None:
+            self._keys[self.appended] = key
+        self.extend([frames], [sum(len(f) for f in frames)])
+
+    def extend(self, entries: list, sizes: list[int]) -> None:
+        """Keep events (each a frame, or a list of frames) of ``sizes`` bytes, oldest first."""
+        count = len(entries)
+        overflow = len(self._entries) + count - self.max_events
+        if overflow > 0:  # the deques drop these as they extend: take their bytes off first
+            self.nbytes -= sum(itertools.islice(self._sizes, 0, overflow))
+            self.evicted += overflow
+        self._entries.extend(entries)
+        self._sizes.extend(sizes)
+        self.appended += count
+        self.nbytes += sum(sizes)
+        while self.nbytes > self.max_bytes and len(self._entries) > 1:
+            self._entries.popleft()
+            self.nbytes -= self._sizes.popleft()
             self.evicted += 1
 
-    def select(self, since: int, src: str, limit: int, max_bytes: int, cursor: int) -> tuple[list[_Entry], int, bool]:
-        """Entries at ring position ``>= cursor`` with ``seq >= since`` (of ``src`` when given), oldest first,
+    def select(
+        self, since: int, src: str, limit: int, max_bytes: int, cursor: int
+    ) -> tuple[list[RingEvent], int, bool]:
+        """Events at ring position ``>= cursor`` with ``seq >= since`` (of ``src`` when given), oldest first,
         at most ``limit`` of them and about ``max_bytes``; the cursor to continue from; whether more remain."""
-        found: list[_Entry] = []
+        found: list[RingEvent] = []
         nbytes = 0
-        start = max(0, cursor - (self.appended - len(self._entries)))  # skip what the cursor already passed
-        for entry in itertools.islice(self._entries, start, None):
-            if entry.seq >= since and (not src or entry.src == src):
-                if len(found) == limit or (found and nbytes + entry.nbytes > max_bytes):
-                    return found, entry.index, True
-                found.append(entry)
-                nbytes += entry.nbytes
+        first = self.appended - len(self._entries)
+        keys = self._keys
+        if len(keys) > 2 * len(self._entries):  # forget what was read of evicted events
+            self._keys = keys = {i: key for i, key in keys.items() if i >= first}
+        start = max(0, cursor - first)  # skip what the cursor already passed
+        entries = zip(itertools.islice(self._entries, start, None), itertools.islice(self._sizes, start, None),
+                      strict=True)
+        for index, (entry, size) in enumerate(entries, first + start):
+            key = keys.get(index)
+            if key is None:
+                key = keys[index] = self._read(entry)
+            if key[1] >= since and (not src or key[0] == src):
+                if len(found) == limit or (found and nbytes + size > max_bytes):
+                    return found, index, True
+                found.append(RingEvent(index, key[0], key[1], frames_of(entry)))
+                nbytes += size
         return found, self.appended, False
+
+    def _read(self, entry: Any) -> tuple[str, int]:
+        key = self.index(frames_of(entry))
+        if key is None:
+            self.unreadable += 1
+            return NOT_REPLAYED
+        return key
 
 
 class Broker:
@@ -146,7 +204,7 @@ class Broker:
         self.settings = settings
         self.clock = clock
         self.codec = runtime.codec
-        self.ring = ReplayRing(settings.ring_events, settings.ring_bytes)
+        self.ring = ReplayRing(settings.ring_events, settings.ring_bytes, self._index)
         self.members: dict[str, _Member] = {}
         self.seen_tokens: dict[str, float] = {}
         self.waiting: dict[str, Pending] = {}
@@ -159,9 +217,22 @@ class Broker:
         self._targets: tuple[dict[str, Any], ...] = ()
 
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
-        self.xsub.send(b"\x01")  # subscribe to everything: the ring must see every event
         self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, runtime.event_options)
         self.curve = runtime.curve
+        self.forwarder: Forwarder | None = None
+        if self.curve is None:
+            self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub,
+                                                   signed=bool(runtime.settings.secret))
+            self.own = forwarder.own  # the broker's events go through the forwarder like every node's
+            runtime.shutdown_hooks.append(forwarder.stop)  # before the runtime closes the XSUB and XPUB
+            forwarder.start(runtime.settings.connect_timeout_s)
+            runtime.watch(forwarder.capture, lambda: forwarder.drain(self._record))
+            runtime.watch(forwarder.probes, lambda: forwarder.drain_probes(self._probe_seen))
+        else:  # each event's src is checked against its connection's key: Python reads every event
+            self.xsub.send(SUBSCRIBE_ALL)
+            self.own = self.xpub
+            runtime.watch(self.xsub, self._forward)
+            runtime.watch(self.xpub, self._drain_subscriptions)
         self.server: Server = runtime.serve("control", settings.control)
         self.server.on(Hello.kind, self._hello)
         self.server.on(Sync.kind, self._sync, cached=False)
@@ -169,8 +240,6 @@ class Broker:
         self.server.on(Bye.kind, self._bye)
         self.server.on(Nodes.kind, self._nodes, cached=False)
         self.server.on(Replay.kind, self._replay, cached=False)
-        runtime.watch(self.xsub, self._forward)
-        runtime.watch(self.xpub, self._drain_subscriptions)
         runtime.every(min(settings.node_timeout_s / 4, 0.5), self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
@@ -179,11 +248,29 @@ class Broker:
 
     # --- event path ---------------------------------------------------------------------------------
 
+    def _record(self, entries: list, sizes: list[int]) -> None:
+        """Captured events (the forwarder already sent them on) into the ring."""
+        self.ring.extend(entries, sizes)
+        self.forwarded += len(entries)
+
+    def _index(self, frames: list) -> tuple[str, int] | None:
+        frames = [bytes(f) for f in frames]
+        if not is_event(frames[0]):  # a subscription or start probe the capture brought along
+            return NOT_REPLAYED
+        try:
+            kind, header, _ = self.codec.decode_header(frames, known=False)
+        except ProtocolError as exc:
+            self.dropped[exc.code] += 1
+            log.warning("ring.unreadable", code=exc.code, error=str(exc))
+            return None
+        return NOT_REPLAYED if kind == Sync.kind else (header.src, header.seq)
+
     def _forward(self, budget: int = 1024) -> None:
+        """With CURVE: forward in Python, each event's ``src`` checked against its connection's key first."""
         xsub, xpub = self.xsub, self.xpub
         for _ in range(budget):
             try:
-                frames, peer = recv_from(xsub, zmq.NOBLOCK) if self.curve else (recv_frames(xsub, zmq.NOBLOCK), "")
+                frames, peer = recv_from(xsub, zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -193,7 +280,7 @@ class Broker:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))
                 continue
-            if self.curve and header.src != peer:
+            if header.src != peer:
                 code = "wrong-src" if peer else "unauthenticated"
                 self.dropped[code] += 1
                 log.warning("event.dropped", code=code, src=header.src, peer=peer, kind=kind)
@@ -202,7 +289,7 @@ class Broker:
                 self._probe_seen(frames)
                 continue
             send_frames(xpub, frames)
-            self.ring.append(header.src, header.seq, frames)
+            self.ring.append(frames, (header.src, header.seq))
             self.forwarded += 1
 
     def _drain_subscriptions(self) -> None:
@@ -215,9 +302,10 @@ class Broker:
     def emit(self, body: Body) -> None:
         """Publish the broker's own event to subscribers and the ring."""
         self.seq += 1
-        frames = self.codec.encode(body, seq=self.seq, one_frame=True)
-        send_frames(self.xpub, frames)
-        self.ring.append(self.runtime.node_id, self.seq, [bytes(f) for f in frames])
+        frames = [bytes(f) for f in self.codec.encode(body, seq=self.seq, one_frame=True)]
+        send_frames(self.own, frames)
+        if self.forwarder is None:  # else the capture brings it to the ring
+            self.ring.append(frames, (self.runtime.node_id, self.seq))
 
     def _probe_seen(self, frames: list) -> None:
         try:
@@ -226,7 +314,8 @@ class Broker:
             self.dropped["malformed"] += 1
             log.warning("sync.rejected", error=str(exc))
             return
-        assert isinstance(probe, Sync)
+        if not isinstance(probe, Sync):  # a kind that merely starts with "sync"
+            return
         self.seen_tokens[probe.token] = self.clock()
         pending = self.waiting.pop(probe.token, None)
         if pending is not None:
@@ -279,7 +368,7 @@ class Broker:
         sync = request.body
         assert isinstance(sync, Sync)
         if sync.path == "sub":
-            send_frames(self.xpub, self.codec.encode(Sync(token=sync.token)))
+            send_frames(self.own, self.codec.encode(Sync(token=sync.token)))
             return Ok("published")
         if sync.token in self.seen_tokens:
             return Ok("seen")
@@ -319,7 +408,7 @@ class Broker:
         # Replies must fit the peer's body limit: events are small (references, not arrays).
         budget = self.codec.limits.max_body_bytes // 2
         entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
-        events = [ReplayedEvent([bytes(frame) for frame in entry.frames]) for entry in entries]
+        events = [ReplayedEvent([bytes(frame) for frame in event.frames]) for event in entries]
         return Replayed(events=events, more=more, cursor=cursor)
 
     def _remove(self, member: _Member, reason: str) -> None:
@@ -374,7 +463,9 @@ class Broker:
     def _register_metrics(self) -> None:
         self.runtime.metric("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
                       lambda: {(): float(self.forwarded)})
-        self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker could not forward, by reason.",
+        self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker refused to forward (with CURVE: "
+                            "a src not its connection's) or found unreadable in its ring when a replay read them, "
+                            "by reason.",
                       lambda: {(k,): float(v) for k, v in self.dropped.items()}, labels=("reason",))
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")

@@ -90,6 +90,7 @@ class Subscriber:
         self.received = 0
         self.missed = 0  # events detected missing (before any fill)
         self.filled = 0
+        self.lost: Counter[str] = Counter()  # source -> events found missing that no fill recovered (gone)
         self.duplicates = 0  # events the ring handed over again (fills, merges): not an error
         self.rejected: Counter[str] = Counter()
         self._ready: deque[Message] = deque()
@@ -211,4 +212,5 @@ class Subscriber:
             if self.kinds is None or message.kind in self.kinds:
                 self._ready.append(message)
         if len(recovered) < last - first + 1:
+            self.lost[src] += last - first + 1 - len(recovered)
             log.warning("event.gap", src=src, first=first, last=last, recovered=len(recovered))

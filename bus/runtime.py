@@ -10,7 +10,12 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
    live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
    live the same way and replay what was asked for;
 3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
-   deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node;
+   deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node. A
+   broker that died and came back under the same address answers the next heartbeat ``unknown-node``: the
+   node says ``hello`` again and proves its PUB path (the registry is rebuilt from these re-joins); its
+   sockets reconnect by themselves, and the events the old broker held in flight show up at subscribers as
+   sequence gaps its new ring cannot fill (counted as lost). While the broker is away, point-to-point
+   requests between nodes go on; only registry lookups and replays fail (by their deadlines);
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, flush the events published so far, say
    ``bye``, close every socket (linger 0), remove ipc socket files and the ready file; all of it within
    ``shutdown_timeout_s`` of the stop (:meth:`shutdown_left` is what a hook that waits on peers may take; a
@@ -89,6 +94,7 @@ SYNC_PROBE_INTERVAL_MS = 20
 HOOKS_SHARE = 0.7
 CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
+BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,9 @@ class NodeRuntime:
         self._shutdown_started: float | None = None
         self.closed = False  # close() has finished
         self._rejoin = False
+        self.broker_incarnation = ""  # the incarnation of the broker process that welcomed this node last
+        self.broker_restarts = 0  # re-joins that found a new broker process (it died and came back)
+        self._heartbeats_unanswered = 0
         self._calls: deque[Callable[[], None]] = deque()
         self._confirmed_seq = 0
         self._thread: threading.Thread | None = None
@@ -551,7 +560,11 @@ class NodeRuntime:
             self._deliver_ready()
             if self._rejoin:
                 self._rejoin = False
-                self._join()
+                try:
+                    self._join()
+                except BusUnavailable as exc:  # gone again, or slow: try again a heartbeat later
+                    log.warning("bus.rejoin_failed", error=str(exc))
+                    self.later(self.settings.heartbeat_interval_s, self._request_rejoin)
             timeout_ms = self._run_timers()
             calls_wait = self.calls.wait_s()
             if calls_wait is not None:
@@ -676,8 +689,13 @@ class NodeRuntime:
             ("refbus_bus_events_duplicate_total", "Duplicate events dropped by sequence number.", "duplicates"),
         ):
             self.metric(name, doc, lambda a=attribute: {(): float(sum(getattr(s, a) for s in subscribers))})
+        self.metric("refbus_bus_events_lost_total", "Events found missing that the replay ring could not recover "
+                    "(a broker that died took them with its ring, or the ring had evicted them).",
+                    lambda: {(): float(sum(s.lost.total() for s in subscribers))})
         self.metric("refbus_bus_events_rejected_total", "Events refused (malformed, forged, replayed), by code.",
                     lambda: _merged(s.rejected for s in subscribers), labels=("code",))
+        self.metric("refbus_bus_broker_restarts_total", "Times this node re-joined a broker that had died and "
+                    "come back.", lambda: {(): float(self.broker_restarts)})
         self.metric("refbus_requests_total", "Requests this node's servers answered, by kind.",
                     lambda: _merged(server.handled for server in self._servers), labels=("kind",))
         self.metric("refbus_requests_rejected_total", "Requests answered with an error, by code.",
@@ -741,7 +759,19 @@ class NodeRuntime:
         if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
             pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=self.event_options)
             self._owned.append(pub)
+            seq = self.publisher.seq if self.publisher is not None else 0
             self.publisher = Publisher(pub, self.codec)
+            self.publisher.seq = seq  # one stream per incarnation: a moved broker is no new sequence
+        if self.welcome is not None and self.welcome.events_out != welcome.events_out:
+            for subscriber, _, _ in self._subscriptions:  # live subscriptions follow a broker that moved
+                subscriber.sock.disconnect(self.welcome.events_out)
+                subscriber.sock.connect(welcome.events_out)
+        broker = envelope_incarnation(reply.header.id)
+        if self.broker_incarnation and broker != self.broker_incarnation:
+            self.broker_restarts += 1
+            log.warning("bus.broker_restarted", broker=welcome.broker_id, detail="registered again; events the "
+                        "old broker held in flight are counted as lost where subscribers see the gap")
+        self.broker_incarnation = broker
         self.welcome = welcome
         self._prove_published(token, self.settings.connect_timeout_s)
         self._confirmed_seq = self.publisher.seq
@@ -833,14 +863,24 @@ class NodeRuntime:
                                self._on_heartbeat, deadline_s=self.welcome.heartbeat_interval, policy=SEND_ONCE)
 
     def _on_heartbeat(self, outcome: Outcome) -> None:
+        if isinstance(outcome, RequestTimeout):
+            self._heartbeats_unanswered += 1
+            if self._heartbeats_unanswered == BROKER_SILENT_BEATS:
+                log.warning("bus.silent", bus=self.settings.bus, heartbeats_unanswered=BROKER_SILENT_BEATS,
+                            detail="registry lookups and replays fail meanwhile; requests between nodes go on")
+            return
+        if self._heartbeats_unanswered >= BROKER_SILENT_BEATS:
+            log.info("bus.answering", bus=self.settings.bus, heartbeats_unanswered=self._heartbeats_unanswered)
+        self._heartbeats_unanswered = 0
         if isinstance(outcome, RemoteError):
             if outcome.code == "unknown-node":
                 log.warning("node.forgotten_by_broker", detail=outcome.detail)
-                self._rejoin = True
+                self._request_rejoin()
             else:
                 log.warning("control.error", code=outcome.code, error=outcome.detail)
-        elif isinstance(outcome, RequestTimeout):
-            log.debug("heartbeat.unanswered", bus=self.settings.bus)
+
+    def _request_rejoin(self) -> None:
+        self._rejoin = True
 
     def _run_timers(self) -> int:
         now = time.monotonic()

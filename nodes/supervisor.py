@@ -1,21 +1,25 @@
 """What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
 
 Restartable are the roles whose restarted process re-joins under the same node id and rebuilds what it
-needs from its peers: env servers (what a dead one stored is lost), rollout workers, ps-workers and the
-orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held).
+needs from its peers: env servers (what a dead one stored is lost), rollout workers, ps-workers, the
+orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held) and
+the broker (it binds the addresses the first one bound: every node re-joins at its next heartbeat and the
+registry is rebuilt from those re-joins; the events the dead one held in flight are lost, and counted where
+subscribers see the gap; requests between nodes go on meanwhile).
 With trainer checkpoints on (``world_restarts``), the trainer ranks are restarted too, as a world: a rank
 that dies (exits non-zero) stops its world (the other ranks exit on their own once the bus reports it down:
 they have ``world_exit_s``, then the rest are stopped), and after the backoff every rank starts again
 together (``cluster.restart_world``: a fresh rendezvous), resuming from the newest checkpoint every rank
 has. A world restart counts as one restart, named after the rank that died first; the other ranks' exits
-meanwhile are part of it. The ps-manager and the broker are not restartable: their death ends the run,
+meanwhile are part of it. The ps-manager is not restartable: its death ends the run,
 naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per run
 (``up.restart_budget``; the deaths ``--chaos`` causes are not charged to it), each after a backoff
 (``up.restart_backoff_s``, doubled for every earlier restart of the same node, or of the world).
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
-SECONDS (trainer ranks included when worlds are restarted), so a deployment can be tried against crashes the
-way the tests do.
+SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the
+stream the events it held, which a run's ledger may then be unable to vouch for), so a deployment can be
+tried against crashes the way the tests do.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Any, Protocol
 
 from .launch import NodeProcess
 
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator")
+BROKER = "bus"  # the broker's node name in `refbus up`
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator", BROKER)
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under
@@ -196,8 +201,8 @@ class Chaos:
         if now < self.due:
             return
         self.due = now + self.interval_s
-        running = sorted((n for n in self.cluster.nodes
-                          if restartable(n.name, worlds=self.worlds) and n.proc.poll() is None),
+        running = sorted((n for n in self.cluster.nodes if n.name != BROKER
+                          and restartable(n.name, worlds=self.worlds) and n.proc.poll() is None),
                          key=lambda n: n.name)
         if not running:
             return

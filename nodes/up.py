@@ -9,11 +9,12 @@ written to the run directory), so one TOML describes the run.
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
 store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers,
-ps-workers and the orchestrator are restarted under the same node id (:mod:`.supervisor`: a restart budget, a
-backoff). The trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run
-directory): a dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming
-from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death
-of any other role ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+ps-workers, the orchestrator and the broker are restarted under the same node id (:mod:`.supervisor`: a
+restart budget, a backoff; the broker on the addresses the first one bound, so the nodes find it again). The
+trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run directory): a
+dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming from the newest
+checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death of any other role
+(the ps-manager) ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
 trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
@@ -46,9 +47,11 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
+from ..bus.reqrep import RetryPolicy
 from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
 from ..protocol.messages import Delete, EpisodeFinished, FetchAck, RunEnd, VersionBump
@@ -57,6 +60,7 @@ from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
 from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
+from .settings import BusSettings
 from .supervisor import Chaos, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -249,12 +253,12 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
         with stop.on_signals():
             try:
                 bus = cluster.start("bus", "node", "bus")
-                cluster.pin("bus", control=bus.info["endpoints"]["control"])
+                cluster.pin("bus", **bound_addresses(cluster.config.bus, bus.info))
                 watcher = _watcher(cluster.config, record)
                 probe = NodeRuntime("up", cluster.config.runtime(node_id="up"), register=False)
                 watcher.start_background()
                 _start_nodes(cluster, up, record, stop)
-                progress = _Progress(probe, record, up.steps)
+                progress = _Progress(probe, record, up.steps, config.bus.heartbeat_interval_s)
                 chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts,
                                on_kill=supervisor.expect_death) if args.chaos else None)
                 while not stop.requested:
@@ -299,6 +303,21 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     if stop.requested:
         return 130
     return 0 if summary["ok"] else 1
+
+
+def bound_addresses(bus: BusSettings, info: dict[str, Any]) -> dict[str, Any]:
+    """The broker's config with each ephemeral port (``:0``) replaced by the one the started broker bound (from
+    its registry entry ``info``), so a restarted broker binds the same addresses and the nodes find it there.
+    Hosts stay as configured (a wildcard bind stays one)."""
+    endpoints = info["endpoints"]
+    pinned: dict[str, Any] = {}
+    for name in ("control", "events_in", "events_out"):
+        configured = getattr(bus, name)
+        if configured.startswith("tcp://") and configured.endswith(":0"):
+            pinned[name] = configured[:-1] + endpoints[name].rsplit(":", 1)[1]
+    if bus.metrics_port == 0 and info.get("metrics"):
+        pinned["metrics_port"] = urlsplit(info["metrics"]).port
+    return pinned
 
 
 def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
@@ -409,11 +428,12 @@ class _Progress:
     """One line per new version (:func:`~.progress.progress_line`): the pace, the drops and their reasons since
     the previous line, the fetch time and what each store holds."""
 
-    def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int) -> None:
+    def __init__(self, probe: NodeRuntime, record: RunRecord, steps: int, lookup_s: float) -> None:
         self.probe = probe
         self.record = record
         self.steps = steps
         self.last = record.snapshot()
+        self.lookup_policy = RetryPolicy(timeout_s=lookup_s, attempts=1)
 
     def poll(self) -> None:
         record = self.record
@@ -423,7 +443,8 @@ class _Progress:
             return
         now = record.snapshot()
         recent = [r for v in sorted(record.rewards)[-3:] for r in record.rewards[v]]
-        nodes = self.probe.lookup() or []
+        # One short try: a broker that is down (and being restarted) must not hold up the launcher's loop.
+        nodes = self.probe.lookup(policy=self.lookup_policy) or []
         held = sorted((n.node_id, n.status["bytes_held"]) for n in nodes if "bytes_held" in n.status)
         task = {name.removeprefix(TASK_PREFIX): value for n in nodes if n.role == "orchestrator"
                 for name, value in sorted(n.status.items()) if name.startswith(TASK_PREFIX)}

@@ -31,7 +31,7 @@ from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Blobs, Fetch, Keep, Kept, NodeInfo, Nodes, Sync
+from refbus.protocol.messages import Blobs, Fetch, Keep, Kept, NodeInfo, Nodes, Replay, Sync
 from test_up import NODES, STOP_S, Up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,14 +280,15 @@ def test_dashboard_provisions_as_is() -> None:
 # --- the dashboard against a real Prometheus ---------------------------------------------------------------
 
 
-def _provoke_errors(events_in: str, broker_metrics: str, monitor_metrics: str) -> None:
+def _provoke_errors(broker: dict[str, Any], monitor_metrics: str) -> None:
     """Make the error counters exist: an event of an unknown kind (forwarded by the broker, rejected by the
-    monitor) and a malformed event (dropped by the broker). Sent until both are counted, because a new PUB
-    connection loses what it sends before it is up."""
+    monitor) and a malformed event (forwarded too, and unreadable for the broker's ring when a replay reads
+    it). Sent until both are counted, because a new PUB connection loses what it sends before it is up."""
     ctx = zmq.Context()
     try:
-        pub = make_socket(ctx, zmq.PUB, connect=events_in)
+        pub = make_socket(ctx, zmq.PUB, connect=broker["endpoints"]["events_in"])
         codec = WireCodec("bad-publisher")
+        control = Client(ctx, broker["endpoints"]["control"], codec, policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
         seq = 0
 
         def counted() -> bool:
@@ -296,7 +297,8 @@ def _provoke_errors(events_in: str, broker_metrics: str, monitor_metrics: str) -
             _, header, body = codec.encode(Sync(token="x"), seq=seq)
             pub.send_multipart([b"no-such-kind", header, body])
             pub.send_multipart([b"too-few-frames"])
-            return (scraped(broker_metrics, 'refbus_bus_events_dropped_total{reason="malformed"}')
+            control.request(Replay(since=seq, src="no-such-source"))  # reads every ring event it has not read
+            return (scraped(broker["metrics"], 'refbus_bus_events_dropped_total{reason="malformed"}')
                     and scraped(monitor_metrics, 'refbus_bus_events_rejected_total{code="unknown-kind"}'))
 
         wait_for(counted, WAIT_S, "a rejected and a dropped event counted")
@@ -355,7 +357,7 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
             wait_for(all_up, 2 * WAIT_S, f"prometheus scraping every node ({sorted(expected)}) through /sd")
             wait_for(lambda: up.alive() and query(api, "max(refbus_ps_current_version) >= 2")["data"]["result"],
                      2 * WAIT_S, "the cluster training (version 2 scraped)")
-            _provoke_errors(broker["endpoints"]["events_in"], broker["metrics"], watch_info["metrics"])
+            _provoke_errors(broker, watch_info["metrics"])
             _provoke_violation_and_request_error(events)
 
             failures: list[str] = []

@@ -1,17 +1,27 @@
-"""The broker's replay ring: bounds, and paging by cursor across interleaved sources."""
+"""The broker's replay ring: bounds, paging by cursor across interleaved sources, and events indexed (source,
+sequence number) only when a replay first looks at them, unreadable ones skipped and counted."""
 
 from __future__ import annotations
 
 from refbus.bus.broker import ReplayRing
 
 
+def _index(frames: list) -> tuple[str, int] | None:
+    """A stand-in header: the source and sequence number in the first two frames ("bad": unreadable)."""
+    return None if frames[0] == b"bad" else (frames[0].decode(), int(frames[1]))
+
+
+def ring_of(max_events: int, max_bytes: int) -> ReplayRing:
+    return ReplayRing(max_events=max_events, max_bytes=max_bytes, index=_index)
+
+
 def _fill(ring: ReplayRing, events: list[tuple[str, int]]) -> None:
     for src, seq in events:
-        ring.append(src, seq, [b"kind", b"header", b"x" * 10])
+        ring.append([src.encode(), f"{seq:06d}".encode(), b"x" * 13])
 
 
 def test_pages_cover_every_matching_event_once_whatever_the_sources_seqs() -> None:
-    ring = ReplayRing(max_events=100, max_bytes=1 << 20)
+    ring = ring_of(100, 1 << 20)
     # Two sources whose seqs interleave: paging by seq would skip one source's events.
     events = [("a", i) if i % 2 else ("b", i * 10) for i in range(1, 21)]
     _fill(ring, events)
@@ -25,7 +35,7 @@ def test_pages_cover_every_matching_event_once_whatever_the_sources_seqs() -> No
 
 
 def test_ring_is_bounded_by_count_and_bytes_and_cursors_survive_eviction() -> None:
-    ring = ReplayRing(max_events=5, max_bytes=1 << 20)
+    ring = ring_of(5, 1 << 20)
     _fill(ring, [("a", i) for i in range(1, 9)])
     assert len(ring) == 5 and ring.evicted == 3
     page, cursor, more = ring.select(since=0, src="", limit=2, max_bytes=1 << 20, cursor=0)
@@ -34,8 +44,26 @@ def test_ring_is_bounded_by_count_and_bytes_and_cursors_survive_eviction() -> No
     page, cursor, more = ring.select(since=0, src="", limit=10, max_bytes=1 << 20, cursor=cursor)
     assert [e.seq for e in page] == [6, 7, 8, 9, 10] and not more
 
-    small = ReplayRing(max_events=100, max_bytes=60)  # each entry is 20 bytes
+    small = ring_of(100, 60)  # each entry is 20 bytes
     _fill(small, [("a", i) for i in range(1, 6)])
     assert len(small) == 3 and small.nbytes == 60
     page, _, more = small.select(since=0, src="", limit=10, max_bytes=30, cursor=0)
     assert len(page) == 1 and more  # a page stops at about max_bytes, but always holds one event
+
+
+def test_events_are_indexed_once_when_a_replay_first_needs_them_and_unreadable_ones_are_skipped() -> None:
+    calls: list[bytes] = []
+
+    def counting(frames: list) -> tuple[str, int] | None:
+        calls.append(frames[1])
+        return _index(frames)
+
+    ring = ReplayRing(max_events=10, max_bytes=1 << 20, index=counting)
+    _fill(ring, [("a", 1), ("a", 2)])
+    ring.append([b"bad", b"garbage"])
+    ring.append([b"a", b"3", b"x"], ("a", 3))  # indexed by the caller already
+    assert calls == []  # appending reads no header
+    page, _, _ = ring.select(since=0, src="a", limit=10, max_bytes=1 << 20, cursor=0)
+    assert [e.seq for e in page] == [1, 2, 3] and ring.unreadable == 1
+    ring.select(since=0, src="", limit=10, max_bytes=1 << 20, cursor=0)
+    assert len(calls) == 3  # a second replay reads nothing again

@@ -1,0 +1,50 @@
+"""The scale bench: its model's arithmetic, its headroom rule, and a tiny sweep end to end (real broker,
+simulated nodes, orchestrator and fan-out processes, all reaped)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from bench.scale import Model, Point, Settings, broker_cost, format_report, headroom, sweep
+
+
+def point(nodes: int, p99_ms: float, delivered_share: float = 1.0) -> Point:
+    return Point(nodes=nodes, offered_per_s=100.0 * nodes, delivered_per_s=100.0 * nodes * delivered_share,
+                 broker_cpu_us=3.0, broker_core=0.01 * nodes, subscribers=nodes + 18, p50_ms=1.0, p99_ms=p99_ms,
+                 orchestrator_cpu_us_per_episode=100.0)
+
+
+def test_the_model_runs_rates_follow_from_its_documented_arithmetic() -> None:
+    model = Model()
+    # 1,024 episodes a step over 64 nodes every 26 s, 4 blobs x 5 events an episode, bursts of 4x the average.
+    assert math.isclose(model.events_per_node_s, 1024 / 64 / 26 * 20 * 4)
+    assert model.events_per_episode == 20
+
+
+def test_headroom_is_the_largest_count_sustained_with_p99_under_50_ms_and_the_events_delivered() -> None:
+    points = [point(64, 5.0), point(128, 20.0), point(192, 49.0, delivered_share=0.9), point(256, 80.0)]
+    assert headroom(points, 64) == 2.0  # 192 delivered too little, 256 was too slow
+    assert headroom(points, 256) == 0.5
+    assert headroom([point(16, 60.0)], 64) == 0.0
+
+
+def test_the_brokers_cost_is_fitted_to_event_copies_over_the_counts_sustained() -> None:
+    def on_the_line(nodes: int) -> Point:  # 5% of a core idle, 2 us per copy of an event sent
+        copies = 100.0 * nodes * (nodes + 18)
+        return dataclasses.replace(point(nodes, 5.0), broker_core=0.05 + 2e-6 * copies)
+
+    starved = dataclasses.replace(point(128, 900.0), broker_core=0.01)  # not sustained: left out of the fit
+    idle, per_copy = broker_cost([on_the_line(16), on_the_line(32), on_the_line(64), starved])
+    assert math.isclose(idle, 0.05, abs_tol=1e-9) and math.isclose(per_copy, 2e-6)
+
+
+def test_a_tiny_sweep_measures_every_figure_and_reports_the_projection() -> None:
+    model = Model()
+    points = sweep(model, Settings(sizes=(2,), warmup_s=0.1, window_s=0.3))
+    (measured,) = points
+    assert measured.nodes == 2 and measured.delivered_per_s > 0
+    assert 0 < measured.p50_ms <= measured.p99_ms and measured.broker_core > 0
+    assert measured.orchestrator_cpu_us_per_episode > 0
+    report = format_report(points, model)
+    assert "projected to 64 nodes" in report and "projected to 256 nodes" in report

@@ -1,0 +1,89 @@
+"""The broker forwards in ZeroMQ's proxy without reading events, so garbage on ``events_in`` reaches the
+subscribers, who refuse and count it; the broker keeps forwarding, its ring keeps serving replays (skipping
+and counting what it cannot read), and its own events and the ``sync`` handshake keep working."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from polling import wait_for
+from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.forwarder import is_event
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import EVENT_OPTIONS, make_socket
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import RunEnd, Sync
+
+LOOPBACK = "tcp://127.0.0.1:0"
+WAIT_S = 30.0
+GARBAGE = [
+    [b"\x00"],  # looks like an unsubscription
+    [b"\x01anything"],  # looks like a subscription
+    [b"too-few-frames"],
+    [b"run-end", b"not msgpack", b"\xc1"],
+    [b"\xff\xfe kind not ascii", b"", b""],
+    [b"run-end\x00\xff\xff\xff\x7f" + b"x" * 8],  # one frame whose header length runs past its end
+    [b"sync", b"\x80", b"\x80"],  # a probe that is not one
+]
+
+
+@pytest.fixture
+def broker() -> Iterator[Broker]:
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
+    runtime.start_background()
+    try:
+        yield node
+    finally:
+        runtime.join(WAIT_S)
+
+
+def test_control_bytes_tell_captured_subscriptions_from_events() -> None:
+    assert not is_event(b"\x01") and not is_event(b"\x00topic") and not is_event(b"")
+    assert is_event(b"run-end") and is_event(b"sync\x00header")
+
+
+def test_garbage_on_events_in_is_forwarded_refused_by_subscribers_and_skipped_by_replays(broker: Broker) -> None:
+    control = broker.runtime.endpoints["control"]
+    received: queue.Queue[Message] = queue.Queue()
+    subscriber_node = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    subscription = subscriber_node.subscribe(received.put, kinds=frozenset({RunEnd.kind}))
+    publisher_node = NodeRuntime("pub", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1))
+    ctx = zmq.Context()
+    try:
+        subscriber_node.start_background()  # joins: hello, sync proof through the forwarder, node-up
+        publisher_node.start_background()
+        raw = make_socket(ctx, zmq.PUB, connect=broker.runtime.endpoints["events_in"], options=EVENT_OPTIONS)
+        codec = WireCodec("prober")
+
+        def garbage_counted() -> bool:
+            for frames in GARBAGE:
+                raw.send_multipart(frames)
+            raw.send_multipart(codec.encode(Sync(token="raw-probe")))  # marks when the garbage went through
+            return "raw-probe" in subscription.tokens and sum(subscription.rejected.values()) >= 4
+
+        wait_for(garbage_counted, WAIT_S, "the subscriber refusing the garbage", poll_s=0.05)
+        assert set(subscription.rejected) <= {"malformed", "unknown-kind", "bad-kind", "too-large", "version"}
+
+        publisher_node.call_soon(lambda: publisher_node.publish(RunEnd(reason="after-garbage", steps=1)))
+        event = received.get(timeout=WAIT_S)
+        assert (event.header.src, event.body.reason) == ("pub", "after-garbage")
+
+        replayed = publisher_node_replay(subscriber_node)
+        assert [(m.header.src, m.kind) for m in replayed if m.kind == RunEnd.kind] == [("pub", RunEnd.kind)]
+        unread = wait_for(lambda: broker.ring.unreadable, WAIT_S, "the ring counting what it could not read")
+        assert unread >= 4 and broker.dropped["malformed"] >= unread  # (bad "sync" probes are counted too)
+    finally:
+        ctx.destroy(linger=0)
+        publisher_node.join(WAIT_S)
+        subscriber_node.join(WAIT_S)
+
+
+def publisher_node_replay(node: NodeRuntime) -> list[Message]:
+    """Every ring event, read through ``node``'s loop thread (its control client is that thread's)."""
+    done: queue.Queue[list[Message]] = queue.Queue()
+    node.call_soon(lambda: done.put(node.replay(since=0)))
+    return done.get(timeout=WAIT_S)
