@@ -161,8 +161,8 @@ class StoreSettings:
                               "the same node id re-adopts them (see docs/STORE.md); false: in process memory.")
     directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
                                      "its size must cover env_server.budget_bytes.")
-    run: str = key("", "Run id naming the store directories (default: cluster.name); `refbus up` sets a fresh one "
-                       "per run, so a new run never re-adopts an old run's blobs.")
+    run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "
+                       "sets a fresh one per run, so a new run never re-adopts an old run's blobs.")
 
 
 @dataclass(frozen=True)

@@ -562,7 +562,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s,
-                               store=config.store, run=config.cluster.name)
+                               store=config.store, run=f"{config.cluster.name}-{config.bus.control}")
         EpisodeRunner(runtime, env_server, config.env_server)
     except (ValueError, StoreError) as exc:  # a budget, lease, entry point or store that cannot be used
         log.error("env_server.bad_config", error=str(exc))
