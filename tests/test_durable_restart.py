@@ -1,6 +1,7 @@
 """Stores that survive their process, end to end under `refbus up`: an env server killed with SIGKILL while
-it holds blobs is restarted under its node id, re-adopts its durable store and the run loses no blob (the
-ledger exact, no violation); the store directories are gone once the run ends."""
+it holds blobs is restarted under its node id, re-adopts its durable store and the run loses no blob and no
+micro batch (trainer fetches wait for the restart; the ledger is exact, no violation); the store directories
+are gone once the run ends."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def test_killed_env_server_readopts_its_store_and_the_run_loses_no_blob(tmp_path
         blobs = summary["blobs"]
         assert blobs["lost"] == blobs["violations"] == blobs["held"] == blobs["leaked"] == 0, blobs
         assert blobs["unaccounted"] == 0 and blobs["kept"] == blobs["deleted_total"], blobs
+        assert summary["dropped_micro_batches"] == 0, output  # fetches waited for the restart
         assert code == 0 and summary["ok"], output
         print(f"env-1 re-adopted {readopted[0]['blobs']} blobs ({readopted[0]['bytes']} bytes) in "
               f"{readopted[0]['seconds']:.4f}s; aborted {readopted[0]['aborted']}")
