@@ -155,10 +155,12 @@ class EnvServerSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """``[store]``: the durable store of env servers (blobs) that outlives their processes."""
+    """``[store]``: the durable stores of env servers (blobs) and ps-workers (shards) that outlive their
+    processes."""
 
-    durable: bool = key(True, "Keep env-server blobs in files on a tmpfs that outlive the process: a restart under "
-                              "the same node id re-adopts them (see docs/STORE.md); false: in process memory.")
+    durable: bool = key(True, "Keep env-server blobs and ps-worker shards in files on a tmpfs that outlive the "
+                              "process: a restart under the same node id re-adopts them (docs/STORE.md); false: "
+                              "blobs in process memory, shards in ps.shm_dir, both lost with their process.")
     directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
                                      "its size must cover env_server.budget_bytes.")
     run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "

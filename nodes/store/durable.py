@@ -9,9 +9,11 @@ One directory per store per run, ``<directory>/refbus-store.<run>.<node>``, hold
 * ``id``: the store's identity, random, written once when the directory is made. A restarted process that
   re-adopts the store keeps it (peers tell a re-adopted store from a fresh one by it).
 * ``journal``: the commit journal (:mod:`.journal`). What a record means is the owner's business.
-* ``seg-*``: segments, each a header (magic, format version, byte count, xxh3-64 of the bytes) then the
-  bytes. A segment means nothing until a committed journal record names it; :meth:`DurableStore.sweep`
-  removes those none does (a write cut off before its record was committed).
+* segments: ``seg-*`` (:meth:`DurableStore.write`) are a header (magic, format version, byte count, xxh3-64
+  of the bytes) then the bytes; an owner may also keep raw files of its own layout here (a ps-worker's
+  shards, mapped by same-host peers at tensor offsets: their format version and checksums are in the
+  journal record that names them). A segment means nothing until a committed journal record names it;
+  :meth:`DurableStore.sweep` removes those none does (a write cut off before its record was committed).
 
 Contract (*acknowledged = durable*): a caller answers a request only after :meth:`DurableStore.commit`
 returned for its record, and the segments the record names were written (:meth:`DurableStore.write`)
@@ -55,6 +57,7 @@ FORMAT_VERSION = journal.FORMAT_VERSION
 _SEGMENT_HEADER = struct.Struct("<8sIIQQ")
 DATA_OFFSET = 64  # segment bytes start here: aligned for any dtype
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_OWN_FILES = frozenset({"lock", "id", "id.new", "journal", "journal.new"})
 
 
 class StoreError(RuntimeError):
@@ -199,9 +202,10 @@ class DurableStore:
                 (self.path / name).unlink()
 
     def sweep(self, keep: Iterable[str]) -> list[str]:
-        """Remove every segment not in ``keep`` (none of its records committed, or dropped); their names."""
-        keep = set(keep)
-        removed = sorted(p.name for p in self.path.glob("seg-*") if p.name not in keep)
+        """Remove every segment (any file but the store's own) not in ``keep``: none of its records
+        committed, or dropped; their names."""
+        keep = {*keep, *_OWN_FILES}
+        removed = sorted(p.name for p in self.path.iterdir() if p.name not in keep)
         self.unlink(removed)
         return removed
 
