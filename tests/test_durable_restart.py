@@ -1,7 +1,7 @@
-"""Stores that survive their process, end to end under `refbus up`: an env server killed with SIGKILL while
-it holds blobs is restarted under its node id, re-adopts its durable store and the run loses no blob and no
-micro batch (trainer fetches wait for the restart; the ledger is exact, no violation); the store directories
-are gone once the run ends."""
+"""Stores that survive their process, end to end under `refbus up`: an env server holding blobs and a
+ps-worker holding shards, killed with SIGKILL, are restarted under their node ids and re-adopt their durable
+stores; the run loses no blob, no micro batch (trainer fetches wait for the restart; the ledger is exact, no
+violation) and no version; the store directories are gone once the run ends."""
 
 from __future__ import annotations
 
@@ -33,30 +33,43 @@ def log_events(log: Path, event: str) -> list[dict]:
     return found
 
 
-def test_killed_env_server_readopts_its_store_and_the_run_loses_no_blob(tmp_path: Path) -> None:
+def shard_files(shm: Path, node: str) -> int:
+    own = {"lock", "id", "journal"}
+    return sum(1 for p in shm.glob(f"refbus-store.*.{node}/*") if p.name not in own)
+
+
+def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_lost(tmp_path: Path) -> None:
     steps = 5
     shm = tmp_path / "shm"
     up = Up(tmp_path, steps, *QUICK, "--store-directory", str(shm))
     try:
         wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
-        wait_for(lambda: up.alive() and segments(shm, "env-1") > 0, RUN_S / 4, "env-1 holding blobs", poll_s=0.02)
-        pid = up.note_pids()["env-1"]
-        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: up.alive() and segments(shm, "env-1") > 0 and shard_files(shm, "ps-worker-1") > 0,
+                 RUN_S / 4, "env-1 holding blobs and ps-worker-1 shards", poll_s=0.02)
+        pids = up.note_pids()
+        victims = {name: pids[name] for name in ("env-1", "ps-worker-1")}
+        for pid in victims.values():
+            os.kill(pid, signal.SIGKILL)
         code = up.wait(RUN_S)
         summary = up.summary()
         output = up.output(20_000)
         assert summary["steps"] == steps and summary["failed_nodes"] == [], output
-        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
-            ("env-1", pid, "SIGKILL", True)], output
-        readopted = log_events(up.run_dir / "env-1.log", "store.readopted")
-        assert len(readopted) == 1 and readopted[0]["blobs"] > 0 and readopted[0]["lost"] == 0, readopted
+        assert sorted((d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]) == [
+            (name, pid, "SIGKILL", True) for name, pid in sorted(victims.items())], output
+        blobs_back = log_events(up.run_dir / "env-1.log", "store.readopted")
+        assert len(blobs_back) == 1 and blobs_back[0]["blobs"] > 0 and blobs_back[0]["lost"] == 0, blobs_back
+        shards_back = log_events(up.run_dir / "ps-worker-1.log", "store.readopted")
+        assert len(shards_back) == 1 and shards_back[0]["shards"] > 0 and shards_back[0]["lost"] == 0, shards_back
+        assert not log_events(up.run_dir / "ps-manager.log", "ps.versions_lost_on_worker"), "a version was lost"
         blobs = summary["blobs"]
         assert blobs["lost"] == blobs["violations"] == blobs["held"] == blobs["leaked"] == 0, blobs
         assert blobs["unaccounted"] == 0 and blobs["kept"] == blobs["deleted_total"], blobs
-        assert summary["dropped_micro_batches"] == 0, output  # fetches waited for the restart
+        assert summary["dropped_micro_batches"] == 0, output  # fetches waited for the env server's restart
         assert code == 0 and summary["ok"], output
-        print(f"env-1 re-adopted {readopted[0]['blobs']} blobs ({readopted[0]['bytes']} bytes) in "
-              f"{readopted[0]['seconds']:.4f}s; aborted {readopted[0]['aborted']}")
+        print(f"env-1 re-adopted {blobs_back[0]['blobs']} blobs ({blobs_back[0]['bytes']} bytes) in "
+              f"{blobs_back[0]['seconds']:.4f}s, aborted {blobs_back[0]['aborted']}; ps-worker-1 re-adopted "
+              f"{shards_back[0]['shards']} shards of versions {shards_back[0]['versions']} in "
+              f"{shards_back[0]['seconds']:.4f}s")
         assert not list(shm.glob("refbus-store.*")), "store directories left after the run"
         assert up.leftovers() == []
     finally:
