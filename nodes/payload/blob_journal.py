@@ -25,6 +25,7 @@ Not thread-safe: the env server calls it under its keeper lock, except :meth:`Bl
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,7 +60,7 @@ class BlobJournal:
 
     def __init__(self, store: DurableStore) -> None:
         self.store = store
-        self._segments: dict[str, str] = {}  # live blob id -> its segment
+        self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
         self._since_compact = 0
 
     # --- writing (any thread) -----------------------------------------------------------------------
@@ -89,9 +90,9 @@ class BlobJournal:
 
     def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
         """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, in one commit."""
-        pairs = list(zip(record.refs, packed, strict=True))
-        self._commit(_keep(record.episode_id, [_layout(ref.blob_id, branch) for ref, branch in pairs], record))
-        self._segments.update((ref.blob_id, branch.segment) for ref, branch in pairs)
+        layouts = [_layout(ref.blob_id, branch) for ref, branch in zip(record.refs, packed, strict=True)]
+        self._commit(_keep(record.episode_id, layouts, record))
+        self._layouts.update((layout["id"], layout) for layout in layouts)
 
     def claimed(self, blob_ids: Sequence[str], holder: str) -> None:
         if blob_ids:
@@ -105,7 +106,8 @@ class BlobJournal:
         if result.deleted:
             self._commit({"op": "drop", "ids": list(result.deleted), "holder": result.holder,
                           "reason": result.reason})
-            self.store.unlink(self._segments.pop(blob_id) for blob_id in result.deleted if blob_id in self._segments)
+            self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
+                              if blob_id in self._layouts)
 
     def violated(self, violations: Sequence[Violation]) -> None:
         for action, n in Counter(v.action for v in violations).items():
@@ -116,7 +118,7 @@ class BlobJournal:
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
-        self.store.compact(_snapshot(keeper))
+        self.store.compact(_snapshot(keeper, self._layouts))
         self._since_compact = 0
 
     def close(self, *, remove: bool) -> None:
@@ -131,7 +133,7 @@ class BlobJournal:
     def readopt(self, keeper: Keeper) -> Readoption:
         """Replay the store's journal into ``keeper`` (fresh, nothing kept yet), then drop as ``lost`` what
         fails verification or exceeds the budget (committed, so the keeper's counters carry the loss), remove
-        segments of keeps never committed, and compact. The lost ids are named in the result; the caller
+        segments of keeps never committed, and compact when the journal has grown or was cut. The lost ids are named in the result; the caller
         publishes their deletes."""
         started = time.perf_counter()
         replay = self.store.replay
@@ -147,7 +149,7 @@ class BlobJournal:
                         broken[blob_id] = found
                     packed = _packed(layout, found if isinstance(found, Segment) else None)
                     keeper.restore(record["ep"], blob_id, packed)
-                    self._segments[blob_id] = layout["segment"]
+                    self._layouts[blob_id] = layout
                 if record.get("rec"):
                     keeper.record(msgspec.msgpack.decode(record["rec"], type=EpisodeFinished))
             elif op == "claim":
@@ -157,7 +159,7 @@ class BlobJournal:
             elif op == "drop":
                 keeper.restore_drop(record["ids"], record["holder"], record["reason"])
                 for blob_id in record["ids"]:
-                    self._segments.pop(blob_id, None)
+                    self._layouts.pop(blob_id, None)
             elif op == "violation":
                 keeper.violations[record["action"]] += record["n"]
             elif op == "counters":
@@ -167,8 +169,10 @@ class BlobJournal:
         broken.update(over)
         if broken:
             self.dropped(keeper.restore_drop(list(broken), keeper.source, LOST))
-        aborted = self.store.sweep(self._segments.values())
-        self.compact(keeper)
+        aborted = self.store.sweep(layout["segment"] for layout in self._layouts.values())
+        self._since_compact += len(replay.records)
+        if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
+            self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
                           time.perf_counter() - started)
 
@@ -194,7 +198,7 @@ def _packed(layout: Mapping[str, Any], segment: Segment | None) -> PackedBranch:
     if segment is not None:
         for name, dtype, shape, offset in layout["fields"]:
             dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)
             arrays[name] = buffer[offset : offset + count * dt.itemsize].view(dt).reshape(shape)
     routing = layout["routing"]
     return PackedBranch(arrays=arrays, buffer=buffer, tokens=layout["tokens"], nbytes=layout["nbytes"],
@@ -225,12 +229,12 @@ def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
     return over
 
 
-def _snapshot(keeper: Keeper) -> Iterator[dict[str, Any]]:
+def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals."""
     holders: dict[str, list[str]] = {}
     episodes: dict[str, list[dict[str, Any]]] = {}
-    for blob_id, episode_id, holder, packed in keeper.blobs():
-        episodes.setdefault(episode_id, []).append(_layout(blob_id, packed))
+    for blob_id, episode_id, holder, _ in keeper.blobs():
+        episodes.setdefault(episode_id, []).append(layouts[blob_id])
         if holder:
             holders.setdefault(holder, []).append(blob_id)
     for episode_id, layouts in episodes.items():

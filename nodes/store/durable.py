@@ -31,6 +31,7 @@ process, not its machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -38,6 +39,7 @@ import os
 import re
 import shutil
 import struct
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,11 @@ _SEGMENT_HEADER = struct.Struct("<8sIIQQ")
 DATA_OFFSET = 64  # segment bytes start here: aligned for any dtype
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _OWN_FILES = frozenset({"lock", "id", "id.new", "journal", "journal.new"})
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class StoreError(RuntimeError):
@@ -124,6 +131,7 @@ class DurableStore:
         check_capacity(directory, budget_bytes, what)
         self.path = store_path(directory, run, node)
         self.path.mkdir(exist_ok=True)
+        self._dir = str(self.path)
         self._lock_fd = _lock(self.path)
         self._prefix = f"seg-{os.urandom(4).hex()}-"
         self._counter = 0
@@ -191,7 +199,7 @@ class DurableStore:
         cannot be used (missing, another format, cut short, bytes that do not match): a loss to name."""
         found = self._verified.get(name)
         if found is None:
-            found = self._verified[name] = _read_segment(self.path / name)
+            found = self._verified[name] = _read_segment(os.path.join(self._dir, name))
         return found
 
     def unlink(self, names: Iterable[str]) -> None:
@@ -299,31 +307,43 @@ def _new_journal(path: Path) -> int:
 
 
 def _map(fd: int, size: int) -> np.ndarray:
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    view = np.frombuffer(mm, dtype=np.uint8, offset=DATA_OFFSET)
+    """A read-only view of a segment's bytes, mapped shared; unmapped once the last view of it is gone.
+
+    Mapped through libc, not :class:`mmap.mmap`: that keeps a duplicate of the file descriptor per mapping,
+    and a store holds one mapping per blob (hundreds of thousands), far past any descriptor limit.
+    """
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+    memory = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(memory, _libc.munmap, addr, size)
+    view = np.frombuffer(memory, dtype=np.uint8, offset=DATA_OFFSET)
+    view.flags.writeable = False
     return view
 
 
-def _read_segment(path: Path) -> Segment | str:
+def _read_segment(path: str) -> Segment | str:
+    name = os.path.basename(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return f"segment {path.name} is missing"
+        return f"segment {name} is missing"
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, _SEGMENT_HEADER.size, 0)
         if len(head) < _SEGMENT_HEADER.size:
-            return f"segment {path.name}: {size} bytes, shorter than its header"
+            return f"segment {name}: {size} bytes, shorter than its header"
         magic, version, _, nbytes, digest = _SEGMENT_HEADER.unpack(head)
         if magic != SEGMENT_MAGIC:
-            return f"segment {path.name}: not a refbus segment (magic {magic!r})"
+            return f"segment {name}: not a refbus segment (magic {magic!r})"
         if version != FORMAT_VERSION:
-            return f"segment {path.name}: format version {version}, this build reads version {FORMAT_VERSION}"
+            return f"segment {name}: format version {version}, this build reads version {FORMAT_VERSION}"
         if size != DATA_OFFSET + nbytes:
-            return f"segment {path.name}: {size - DATA_OFFSET} bytes, its header says {nbytes}"
+            return f"segment {name}: {size - DATA_OFFSET} bytes, its header says {nbytes}"
         data = _map(fd, size)
         if checksum(memoryview(data)) != digest:
-            return f"segment {path.name}: its bytes do not match their checksum"
-        return Segment(path.name, nbytes, digest, data)
+            return f"segment {name}: its bytes do not match their checksum"
+        return Segment(name, nbytes, digest, data)
     finally:
         os.close(fd)
