@@ -133,8 +133,8 @@ class BlobJournal:
     def readopt(self, keeper: Keeper) -> Readoption:
         """Replay the store's journal into ``keeper`` (fresh, nothing kept yet), then drop as ``lost`` what
         fails verification or exceeds the budget (committed, so the keeper's counters carry the loss), remove
-        segments of keeps never committed, and compact when the journal has grown or was cut. The lost ids are named in the result; the caller
-        publishes their deletes."""
+        segments of keeps never committed, and compact when the journal has grown or was cut. The lost ids
+        are named in the result; the caller publishes their deletes."""
         started = time.perf_counter()
         replay = self.store.replay
         live = _live_at_end(replay.records)
