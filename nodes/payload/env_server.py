@@ -42,6 +42,14 @@ took over from the orchestrator, so each holder loses only its own. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
 
+Durability (``store.durable``, the default in ``refbus node env-server``): blobs live in the node's durable
+store (:mod:`refbus.nodes.store.durable`, :mod:`.blob_journal`), and ``kept``, ``claimed`` and ``deleted``
+are answered (and their events published) only after their journal record is committed. A process
+restarted under the same node id re-adopts what was committed (verified; losses deleted with reason
+``lost``, ``node`` itself), continues the counters ``accounted`` reports, and registers with the store's
+identity as label ``store``, by which the orchestrator, trainer ranks and the ledger know it as the same
+store. A retried delete by the holder that deleted the blob before the restart is answered as deleted.
+
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
 orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held``,
