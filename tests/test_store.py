@@ -1,6 +1,6 @@
-"""The durable store alone and an env server's keeper on it: commit, abort, re-adoption with verified
-checksums, the lock, gc, capacity, format versions, garbage, and a process killed between a record's bytes
-and its commit flag."""
+"""The durable store alone, an env server's keeper and a ps-worker's shards on it: commit, abort,
+re-adoption with verified checksums, the lock, gc (and `refbus shm gc`), capacity, format versions,
+garbage, and a process killed between a record's bytes and its commit flag."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from branches import random_arrays
+from refbus.nodes.cli import main
 from refbus.nodes.payload.blob_journal import BlobJournal
 from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
+from refbus.nodes.ps.shard_journal import ShardJournal
+from refbus.nodes.ps.shm import SegmentPool
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError, StoreLocked, gc, store_path
+from refbus.protocol.codec import checksum
 from refbus.protocol.messages import EpisodeFinished
+from refbus.protocol.messages_ps import ShardTensor
 
 BUDGET = 1 << 20
 
@@ -252,3 +257,47 @@ def test_sigkill_between_the_bytes_and_the_commit_flag_aborts_that_keep_only(tmp
     assert restarted.readoption.aborted == 3  # type: ignore[attr-defined]
     assert second.blobs_held == 1 and second.kept_total == 1
     assert len(list(restarted.store.path.glob("seg-*"))) == 1
+
+
+def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    held = open_store(tmp_path, node="env-0")
+    open_store(tmp_path, node="env-1").close(remove=False)
+    assert main(["shm", "gc", "--store-directory", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == ["removed", str(store_path(tmp_path, "run-a", "env-1"))]
+    assert held.path.exists()
+    held.close(remove=True)
+
+
+def sealed_shard(directory: Path, pool: SegmentPool, journal_: ShardJournal, lease: str, version: int) -> str:
+    """What a ps-worker does for a push: a segment written by the pusher, then the verified seal committed."""
+    segment = pool.acquire(4096)
+    data = np.frombuffer(segment.view(0, 4096), np.uint8)
+    data[:] = np.arange(4096) % 251
+    tensors = [ShardTensor("w", "uint8", [4096], 0, 4096, checksum(segment.view(0, 4096)))]
+    journal_.sealed(lease, version, 0, segment.name, tensors)
+    return segment.name
+
+
+def test_a_restarted_ps_worker_readopts_its_sealed_shards_and_names_a_corrupt_one(tmp_path: Path) -> None:
+    store = open_store(tmp_path, node="ps-worker-0", budget=0)
+    shards, pool = ShardJournal(store), SegmentPool(store.path, "refbus-ps", pin=False)
+    assert shards.readopt().shards == ()
+    kept = sealed_shard(tmp_path, pool, shards, "lease-a", 1)
+    corrupt = sealed_shard(tmp_path, pool, shards, "lease-b", 2)
+    released = sealed_shard(tmp_path, pool, shards, "lease-c", 3)
+    shards.released(["lease-c"])
+    unsealed = pool.acquire(4096).name  # opened by a pusher, never sealed
+    with open(store.path / corrupt, "r+b") as out:
+        out.write(b"\xff")
+    store.close(remove=False)  # the process died: the mappings and the files stay
+
+    again = ShardJournal(open_store(tmp_path, node="ps-worker-0", budget=0))
+    found = again.readopt()
+    assert [(s.lease, s.version, s.segment) for s in found.shards] == [("lease-a", 1, kept)]
+    assert list(found.lost) == ["lease-b"] and "checksum" in found.lost["lease-b"]
+    assert found.swept == 3  # the corrupt, the released and the unsealed segments
+    left = {p.name for p in again.store.path.iterdir()}
+    assert kept in left and not {corrupt, released, unsealed} & left
+    adopted = SegmentPool(again.store.path, "refbus-ps", pin=False).adopt(kept)
+    assert np.array_equal(np.frombuffer(adopted.view(0, 4096), np.uint8), np.arange(4096) % 251)
+    pool.close()
