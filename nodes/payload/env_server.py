@@ -568,12 +568,15 @@ def _largest(counts: Mapping[str, int], limit: int) -> dict[str, int]:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    env_server: EnvServer | None = None
     try:
         env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s,
                                store=config.store, run=f"{config.cluster.name}-{config.bus.control}")
         EpisodeRunner(runtime, env_server, config.env_server)
     except (ValueError, StoreError) as exc:  # a budget, lease, entry point or store that cannot be used
         log.error("env_server.bad_config", error=str(exc))
+        if env_server is not None and env_server.journal is not None:
+            env_server.journal.close(remove=False)  # no shutdown: a restart with the config fixed re-adopts it
         runtime.close()
         return 2
     runtime.run()
