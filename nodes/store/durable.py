@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import re
@@ -118,7 +119,7 @@ class DurableStore:
     Opening replays the journal: :attr:`replay` holds the committed records in order (the owner rebuilds its
     state from them), the uncommitted tail and any damage. :attr:`fresh` is True when the directory was made
     now. Not thread-safe: the owner serialises :meth:`commit`; :meth:`write` of a new segment may run on any
-    thread (it touches no shared state but a counter behind the GIL).
+    thread (it takes a fresh name from an atomic counter and shares nothing else).
 
     Raises (from the constructor): :class:`StoreLocked`, :class:`StoreError` (capacity, a journal of
     another format version or that is not a journal).
@@ -134,7 +135,7 @@ class DurableStore:
         self._dir = str(self.path)
         self._lock_fd = _lock(self.path)
         self._prefix = f"seg-{os.urandom(4).hex()}-"
-        self._counter = 0
+        self._names = itertools.count(1)  # next() is atomic: writers on several threads never share a name
         self._verified: dict[str, Segment | str] = {}
         try:
             self.identity, self.fresh = _identity(self.path)
@@ -169,8 +170,7 @@ class DurableStore:
             StoreFull: the tmpfs has no room (nothing is left behind).
         """
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        self._counter += 1
-        name = f"{self._prefix}{self._counter}"
+        name = f"{self._prefix}{next(self._names)}"
         path = self.path / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
