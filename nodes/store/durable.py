@@ -255,20 +255,20 @@ def gc(directory: str | Path, run: str = "") -> list[Path]:
     """Remove the store directories under ``directory`` (of ``run`` only, when given) that no live process
     holds; the paths removed. A directory whose lock is held is left alone."""
     pattern = f"{PREFIX}{_SAFE.sub('_', run)}.*" if run else f"{PREFIX}*"
-    removed = []
-    for path in sorted(Path(directory).glob(pattern)):
-        if not path.is_dir():
-            continue
-        try:
-            fd = _lock(path)
-        except StoreLocked:
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed
+    return [path for path in sorted(Path(directory).glob(pattern)) if path.is_dir() and remove_unheld(path)]
+
+
+def remove_unheld(path: Path) -> bool:
+    """Remove the store directory ``path`` unless a live process holds its lock; whether it was removed."""
+    try:
+        fd = _lock(path)
+    except StoreLocked:
+        return False
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _lock(path: Path) -> int:
