@@ -544,6 +544,13 @@ class EnvServer:
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
                             read(lambda s: {(a,): float(s.violations.get(a, 0)) for a in VIOLATION_ACTIONS}),
                             labels=("action",))
+        if self.readoption is not None:
+            found = self.readoption
+            self.runtime.metric("refbus_store_readopted_blobs",
+                                "Blobs this env server's durable store held at its start, by what became of them: "
+                                "readopted, lost (failed verification or over budget) or aborted (never committed).",
+                                lambda: {("readopted",): float(found.blobs), ("lost",): float(len(found.lost)),
+                                         ("aborted",): float(found.aborted)}, labels=("state",), kind="gauge")
         self.runtime.metric("refbus_stale_requests_total",
                             "Blob ids of claims, fetches and deletes answered reclaimed (reclaimed from a holder "
                             "that went down), by action.",
