@@ -70,7 +70,8 @@ class BlobJournal:
         committed yet (:meth:`kept` does).
 
         Raises:
-            KeepError: ``over-budget`` with a retry-after when the tmpfs has no room (nothing is left).
+            KeepError: ``over-budget`` with a retry-after when the tmpfs has no room (nothing is left);
+                ``closed`` once a shutdown removed the store.
         """
         written: list[PackedBranch] = []
         try:
@@ -80,6 +81,8 @@ class BlobJournal:
             self.store.unlink(b.segment for b in written)
             raise KeepError("over-budget", f"{exc}; retry after {RETRY_AFTER_S} s",
                             retry_after_s=RETRY_AFTER_S) from None
+        except FileNotFoundError:  # the store was closed and removed meanwhile: a shutdown
+            raise KeepError("closed", "the env server is shutting down") from None
         return written
 
     def discard(self, packed: Sequence[PackedBranch]) -> None:
