@@ -22,7 +22,13 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
    reclaimed from a holder that went down is the exception: a later claim, fetch or delete of it, by
    whoever asks, is answered ``reclaimed`` and is no violation. Such a request is stale (a holder cut off
    from the cluster, back as the same process, that never learnt it was declared down, or someone it handed
-   the reference to), and the blob's loss is already on record, named with the holder.
+   the reference to), and the blob's loss is already on record, named with the holder. So is a blob this
+   store lost (reason ``lost``: it failed verification when a restart re-adopted the store).
+
+A restarted env server on a durable store rebuilds its keeper from the store's journal
+(:mod:`.blob_journal`) through :meth:`Keeper.restore`, :meth:`Keeper.restore_drop` and
+:meth:`Keeper.restore_counters`, then :meth:`Keeper.adopt_tombstones`: a delete its earlier process had
+done is answered ``repeated`` when the same holder asks again (a retry across the restart), not refused.
 
 Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
 node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
