@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from branches import random_arrays
-from refbus.nodes.cli import main
 from refbus.nodes.payload.blob_journal import BlobJournal
 from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
@@ -259,11 +258,13 @@ def test_sigkill_between_the_bytes_and_the_commit_flag_aborts_that_keep_only(tmp
     assert len(list(restarted.store.path.glob("seg-*"))) == 1
 
 
-def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    held = open_store(tmp_path, node="env-0")
+def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:
+    held = open_store(tmp_path, node="env-0")  # held by this process: a live store
     open_store(tmp_path, node="env-1").close(remove=False)
-    assert main(["shm", "gc", "--store-directory", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.split() == ["removed", str(store_path(tmp_path, "run-a", "env-1"))]
+    gc_cli = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "shm", "gc", "--store-directory", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert gc_cli.returncode == 0, gc_cli.stderr
+    assert gc_cli.stdout.split() == ["removed", str(store_path(tmp_path, "run-a", "env-1"))]
     assert held.path.exists()
     held.close(remove=True)
 
