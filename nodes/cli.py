@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate_keys.add_argument("--node-id", default="", help="the node id the new key may act as")
     generate_keys.add_argument("--role", default="", help="the role that node runs (bus, env-server, trainer, ...)")
 
+    shm = commands.add_parser("shm", help="manage the durable stores' tmpfs directories",
+                              description="Manage the durable stores under store.directory.")
+    shm_commands = shm.add_subparsers(dest="shm_command", required=True, metavar="ACTION")
+    shm_gc = shm_commands.add_parser(
+        "gc", help="remove the store directories no live process holds",
+        description="Remove every store directory under store.directory (of --run only, when given) whose lock no "
+                    "live process holds: what crashed nodes of ended runs left. A store in use is never touched.")
+    shm_gc.add_argument("--run", default="", help="only the stores of this run id (store.run)")
+    add_config_flags(shm_gc)
+
     config = commands.add_parser("config", help="show the effective cluster config",
                                  description="Print the effective config as TOML (defaults, file, flags).")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -263,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .top import run_top
 
             return run_top(config, args)
+        if args.command == "shm":
+            from .store.durable import gc
+
+            for path in gc(config.store.directory, args.run):
+                print(f"removed {path}")
+            return 0
         print(to_toml(config), end="")
         return 0
     except (BusUnavailable, SecurityError) as exc:

@@ -31,6 +31,7 @@ from .settings import (
     RlSettings,
     RolloutSettings,
     SecuritySettings,
+    StoreSettings,
     TrainerSettings,
     UpSettings,
 )
@@ -47,6 +48,7 @@ class Config:
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     env_server: EnvServerSettings = field(default_factory=EnvServerSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
     orchestrator: OrchestratorSettings = field(default_factory=OrchestratorSettings)
     rl: RlSettings = field(default_factory=RlSettings)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)

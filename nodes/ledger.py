@@ -22,7 +22,8 @@ The ledger replays ownership moves as the stream mirrors them:
 * ``node-down`` / ``node-up`` — a node left / came back. A holder that is down *leaks* what it still owns
   (until its store reclaims it or the node comes back); a store that goes down *loses* every blob it
   still kept, named with that store, unless the same incarnation publishes again after its node came back
-  up (a partition, not a death): then it holds them again;
+  up (a partition, not a death), or a restarted process re-adopted its durable store (``node-up`` with the
+  same ``store`` label): then it holds them again, and the store's counters go on under the new process;
 * ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak.
 
 The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
@@ -86,6 +87,7 @@ class _Store:
     """Counters of one store incarnation, folded from its own events (or adopted from its ``accounted``)."""
 
     node_id: str
+    identity: str = ""  # a durable store's identity (label ``store``): restarts that re-adopt it continue it
     kept: int = 0
     deleted: Counter[str] = field(default_factory=Counter)
     violations: int = 0
@@ -187,6 +189,7 @@ class Ledger:
         self.ended = False
         self.held_at_end: Counter[str] = Counter()
         self._last: dict[str, tuple[str, int]] = {}  # src -> (incarnation, last seq)
+        self._identity: dict[str, str] = {}  # node id -> the durable store its latest process serves
 
     # --- folding the stream ---------------------------------------------------------------------------
 
@@ -234,7 +237,9 @@ class Ledger:
                 if key[0] == record["node_id"]:
                     store.down = True  # an incarnation that is down never comes back: its blobs are lost
         elif kind == "node-up":
-            self.down.discard(record["node"]["node_id"])  # a holder restarted under its id holds again
+            node = record["node"]
+            self.down.discard(node["node_id"])  # a holder restarted under its id holds again
+            self._identity[node["node_id"]] = node.get("labels", {}).get("store", "")
         elif kind == RUN_END:
             self.ended = True
             self.held_at_end = Counter(b.owner for b in self.blobs.values()
@@ -249,7 +254,7 @@ class Ledger:
         if isinstance(body, EpisodeFinished):
             record["refs"] = [{"blob_id": ref.blob_id, "source": ref.source} for ref in body.refs]
         elif isinstance(body, NodeUp):
-            record["node"] = {"node_id": body.node.node_id}
+            record["node"] = {"node_id": body.node.node_id, "labels": body.node.labels}
         else:
             record.update(msgspec.structs.asdict(body))
         self.apply(record)
@@ -300,7 +305,24 @@ class Ledger:
     def _store(self, key: tuple[str, str]) -> _Store:
         store = self.stores.get(key)
         if store is None:
-            store = self.stores[key] = _Store(key[0], down=key[0] in self.down)
+            store = self.stores[key] = self._continued(key) or _Store(key[0], self._identity.get(key[0], ""),
+                                                                      down=key[0] in self.down)
+        return store
+
+    def _continued(self, key: tuple[str, str]) -> _Store | None:
+        """The store an earlier process of ``key``'s node served, when ``key``'s process re-adopted it (same
+        durable identity): its counters and blobs go on under ``key``, nothing of it is lost."""
+        identity = self._identity.get(key[0], "")
+        earlier = next((k for k, s in self.stores.items() if identity and k[0] == key[0] and s.identity == identity),
+                       None)
+        if earlier is None:
+            return None
+        store = self.stores.pop(earlier)
+        store.down = key[0] in self.down
+        store.covered = 0  # sequence numbers start again with the new process
+        for blob in self.blobs.values():
+            if blob.key == earlier:
+                blob.key = key
         return store
 
     # --- reconciling with the stores ------------------------------------------------------------------

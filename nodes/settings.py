@@ -154,6 +154,20 @@ class EnvServerSettings:
 
 
 @dataclass(frozen=True)
+class StoreSettings:
+    """``[store]``: the durable stores of env servers (blobs) and ps-workers (shards) that outlive their
+    processes."""
+
+    durable: bool = key(True, "Keep env-server blobs and ps-worker shards in files on a tmpfs that outlive the "
+                              "process: a restart under the same node id re-adopts them (docs/STORE.md); false: "
+                              "blobs in process memory, shards in ps.shm_dir, both lost with their process.")
+    directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
+                                     "its size must cover env_server.budget_bytes.")
+    run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "
+                       "sets a fresh one per run, so a new run never re-adopts an old run's blobs.")
+
+
+@dataclass(frozen=True)
 class OrchestratorSettings:
     """``[orchestrator]``: the orchestrator node and its decisions (``OrchestratorCore``) read it."""
 

@@ -1,7 +1,8 @@
 """What `refbus up` does when a node process dies: name it, restart it when its role allows, or end the run.
 
 Restartable are the roles whose restarted process re-joins under the same node id and rebuilds what it
-needs from its peers: env servers (what a dead one stored is lost), rollout workers, ps-workers, the
+needs from its peers or its durable store: env servers and ps-workers (they re-adopt the blobs and shards
+they committed, docs/STORE.md; without ``store.durable`` what a dead one held is lost), rollout workers, the
 orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held) and
 the broker (it binds the addresses the first one bound: every node re-joins at its next heartbeat and the
 registry is rebuilt from those re-joins; the events the dead one held in flight are lost, and counted where

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -61,6 +62,7 @@ from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
 from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .settings import BusSettings
+from .store.durable import gc
 from .supervisor import Chaos, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -297,6 +299,8 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
         if probe is not None:
             probe.close()
         cluster.stop_all()
+        if config.store.durable:  # what nodes that died at the end (or were killed) left behind
+            gc(config.store.directory, config.store.run)
     _report(summary, args)
     if not (args.keep_logs or args.run_dir):
         shutil.rmtree(workdir, ignore_errors=True)
@@ -373,6 +377,8 @@ def _cluster_config(config: Config, workdir: Path) -> Config:
                                          init_method=rendezvous(workdir, 0), checkpoint_every=up.checkpoint_every,
                                          checkpoint_dir=str(workdir / "checkpoints"))
     config.env_server = dataclasses.replace(config.env_server, source=config.env_server.source or "env")
+    # A fresh run id: a new run never re-adopts what crashed nodes of an earlier one left in their stores.
+    config.store = dataclasses.replace(config.store, run=config.store.run or f"up-{os.urandom(6).hex()}")
     return config
 
 

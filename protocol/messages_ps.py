@@ -118,6 +118,7 @@ class PsRegister(Body, frozen=True):
     """A ps-worker joins (or re-joins after a manager restart) the parameter server."""
 
     worker: WorkerInfo  # ps-worker node id
+    segments: list[Name] = []  # segments of the sealed shards it holds (a restart: those it re-adopted)
 
 
 @register_kind("ps-push-begin")

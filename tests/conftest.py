@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hosts as namespace_hosts
 import pytest
 from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.settings import StoreSettings
+from refbus.nodes.store.durable import PREFIX, remove_unheld
 
 # Short liveness timing so node-down tests finish quickly.
 FAST_LIVENESS = ["--bus-heartbeat-interval-s", "0.2", "--bus-node-timeout-s", "1.0"]
@@ -62,3 +66,16 @@ def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
     yield make
     for cluster in built:
         cluster.down()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def durable_stores_left() -> Iterator[None]:
+    """At the end of the session, remove the durable stores that nodes the tests killed left under the default
+    store directory (test clusters: cluster ``local`` on a loopback broker), made during the session and held
+    by no live process."""
+    started = time.time()
+    yield
+    for path in Path(StoreSettings().directory).glob(f"{PREFIX}local-tcp___127.0.0.1_*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime >= started:
+                remove_unheld(path)

@@ -327,8 +327,11 @@ def _install_cleanup() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "256m", keep: bool = False) -> Hosts:
+def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "32g", keep: bool = False) -> Hosts:
     """Build ``count`` hosts (named ``names``, default hostA, hostB, ...); the caller calls :meth:`Hosts.down`.
+
+    ``shm_size`` caps each host's tmpfs (a limit, not an allocation): the default leaves room for the default
+    ``env_server.budget_bytes`` (16 GiB), which a durable store checks against its tmpfs at start.
 
     Raises :class:`HostsUnavailable` when this machine or user cannot (see :func:`unsupported`). ``keep``
     marks the cluster as made from the command line: it outlives this process and only ``down`` removes it.

@@ -32,6 +32,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import FrameCounter
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps.client import PsClient
+from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.protocol.codec import checksum
 
 HERE = Path(__file__).resolve()
@@ -81,7 +82,17 @@ def scrape(url: str, name: str, **labels: str) -> float:
 
 
 def segments(prefix: str, directory: str = "/dev/shm") -> list[str]:
-    return sorted(p.name for p in Path(directory).glob(f"{prefix}.*"))
+    """Shared-memory segments named ``<prefix>.*``: in ``directory`` itself or in a ps-worker's durable store
+    directory under it (where workers keep them with ``store.durable``)."""
+    return sorted(p.name for pattern in (f"{prefix}.*", f"{STORE_PREFIX}*/{prefix}.*")
+                  for p in Path(directory).glob(pattern))
+
+
+def segment_file(name: str, directory: str = "/dev/shm") -> Path:
+    """The file of the segment ``name`` (see :func:`segments`)."""
+    found = [*Path(directory).glob(name), *Path(directory).glob(f"{STORE_PREFIX}*/{name}")]
+    assert len(found) == 1, f"segment {name}: {found or 'no file'}"
+    return found[0]
 
 
 @dataclass

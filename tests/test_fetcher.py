@@ -11,6 +11,7 @@ The fake env server and the step builder are also used by ``test_trainer_rank``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from refbus.nodes.payload.fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
+    StoreRestarts,
     registry_locator,
     to_micro_batch,
 )
@@ -439,6 +441,50 @@ def test_a_store_that_moved_is_found_again_through_the_registry(envs, loop) -> N
     for mb_refs, batch in zip(step.ranks[0], result.batches, strict=True):
         assert isinstance(batch, AssembledBatch)
         check_assembled(batch, mb_refs, step.branches)
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["back", "never-back"])
+def test_a_durable_store_down_mid_fetch_is_asked_again_until_it_is_back_or_the_wait_ends(envs, loop, back) -> None:
+    """Its blobs fail (``peer-down``) while it is down; asked again, re-located, they are fetched once a
+    restart re-adopted them; never back, they fail once the wait is over, as before."""
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
+    moved = envs[0]
+    stale = "tcp://127.0.0.1:9"
+    refs = [_moved(mb, moved, stale) for mb in step.ranks[0]]
+    loop.calls.mark_down(stale, "env-a reported down (timeout)")
+    registry: dict[tuple[str, str], str] = {}
+    timers: list[tuple[float, Callable[[], None]]] = []
+    asked: list[str] = []
+
+    def durable(node: str) -> bool:
+        asked.append(node)
+        if back:  # its restart registers once the first attempt has failed
+            registry[(moved.source, "blobs")] = moved.endpoint
+        return True
+
+    restarts = StoreRestarts(durable, lambda delay, callback: timers.append((time.monotonic() + delay, callback)),
+                             wait_s=0.5, poll_s=0.05)
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1),
+                          locate=registry_locator(lambda node, name: registry.get((node, name))), restarts=restarts)
+    in_flight = fetcher.start(0, refs)
+
+    deadline = time.monotonic() + 20 * FAST.deadline_s + restarts.wait_s
+    while not in_flight.done:  # the node loop: its timers, and the calls between them
+        assert time.monotonic() < deadline, "the fetch outlived its deadlines"
+        for due in [t for t in timers if t[0] <= time.monotonic()]:
+            timers.remove(due)
+            due[1]()
+        loop.polled.run_until(lambda: in_flight.done, restarts.poll_s / 2)
+    result = fetcher.finish(in_flight)
+    assert asked and set(asked) == {moved.source}
+    if back:
+        assert not result.failed
+        for mb_refs, batch in zip(step.ranks[0], result.batches, strict=True):
+            assert isinstance(batch, AssembledBatch)
+            check_assembled(batch, mb_refs, step.branches)
+    else:
+        assert result.failed and len(asked) > 1
+        assert {b.reason for b in result.batches if isinstance(b, FetchFailure)} == {"peer-down"}
 
 
 @pytest.mark.parametrize("node", ["", "no-such-node", "\x00" * 300])

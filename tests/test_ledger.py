@@ -393,3 +393,36 @@ def test_a_decoded_event_folds_as_its_monitor_record_does() -> None:
         recorded.apply(describe(message))
     assert live.report() == recorded.report()
     assert live.report().held_at_end == {"orch": 1} and live.report().leaked == {"orch": 1}
+
+
+def _store_up(identity: str) -> dict:
+    return {"type": "node-up", "node": {"node_id": "env-1", "labels": {"store": identity}}}
+
+
+READOPTED = [  # env-1 is killed holding d and e; its restarted process re-adopts its durable store
+    _store_up("s1"),
+    {"type": "episode-finished", "src": "env-1", "id": "p1-1", "seq": 1,
+     "refs": [_ref("d", "env-1"), _ref("e", "env-1")]},
+    {"type": "claim", "src": "env-1", "id": "p1-2", "seq": 2, "holder": "orch", "blob_ids": ["d", "e"]},
+    {"type": "node-down", "node_id": "env-1", "reason": "replaced"},
+    _store_up("s1"),
+    {"type": "delete", "src": "env-1", "id": "p2-1", "seq": 1, "holder": "orch", "reason": "filtered",
+     "blob_ids": ["d"]},
+]
+
+
+def test_a_store_readopted_by_its_restarted_process_loses_nothing_and_its_counters_go_on() -> None:
+    ledger = _run(READOPTED)
+    report = ledger.report()
+    assert report.lost == {} and report.violations == [] and report.held == {"env-1": {"orch": 1}}
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (2, 1, 1, 0)
+    # the restarted process counts on from what its store committed: the fold agrees with it
+    account = {"seq": 1, "kept": 2, "deleted": {"filtered": 1}, "violations": {}}
+    assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
+
+
+def test_a_fresh_store_under_the_same_node_id_does_not_continue_the_dead_one() -> None:
+    report = _run([*READOPTED[:4], _store_up("s2"), {"type": "episode-finished", "src": "env-1", "id": "p2-1",
+                                                      "seq": 1, "refs": [_ref("x", "env-1")]}]).report()
+    assert report.lost == {"env-1": 2} and report.totals()["kept"] == 3

@@ -49,7 +49,7 @@ def env_server(node_id: str) -> NodeInfo:
 def episode(episode_id: str, group: str, reward: float, *, env: str = "env-a") -> EpisodeFinished:
     """One episode with one 8-token routed sample kept on ``env``."""
     ref = BlobRef(endpoint=f"tcp://{env}", source=env, blob_id=f"b-{episode_id}", fields=["routed_experts"],
-                  tokens=8, nbytes=96, checksum=1, routing_shape=[3, 2])
+                  tokens=8, nbytes=96, checksum=1, routing_shape=[3, 2], node=env)
     info = {"group": group, "reward": reward,
             "samples": [{"input_ids": list(range(8)), "loss_mask": [0, 0, 0] + [1] * 5, "ref": 0}]}
     return EpisodeFinished(episode_id=episode_id, source=env, refs=[ref], info=info)
@@ -271,6 +271,24 @@ def test_a_store_restarted_as_a_new_process_loses_the_old_ones_blobs_at_once() -
     restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-b2"})
     lost = of(LoseBlobs, core.store_up(restarted))
     assert [(a.node_id, len(a.refs)) for a in lost] == [("env-a", 2)] and not core.holdings.held
+
+
+def test_a_store_restarted_on_its_readopted_durable_store_keeps_the_blobs_and_gets_the_deletes() -> None:
+    core = OrchestratorCore(settings(), GRACE)
+    feed_group(core, T0, "g0")
+    durable = {"source": "env-a", "store": "s1"}
+    core.store_down(T0, msgspec.structs.replace(env_server("env-a"), labels=durable))
+    late = episode("late", "g0", 1.0)
+    assert core.on_episode(T0, late, late.refs) == []
+    restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-b2"},
+                         labels=durable)
+    assert core.store_up(restarted) == [DeleteBlobs(tuple(late.refs), "late")]
+    assert of(LoseBlobs, core.tick(T0 + 100)) == [] and not core.lost
+    assert set(core.holdings.held) == {"b-g0-0", "b-g0-1"}
+    # a fresh durable store under the same id (another identity) is a new store: the old one's blobs are lost
+    core.store_down(T0 + 100, restarted)
+    fresh = msgspec.structs.replace(restarted, pid=11, labels={"source": "env-a", "store": "s2"})
+    assert [(a.node_id, len(a.refs)) for a in of(LoseBlobs, core.store_up(fresh))] == [("env-a", 2)]
 
 
 def test_a_store_back_as_the_same_process_after_its_blobs_were_lost_gets_them_deleted_once() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, segments, start_cluster
+from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
 from refbus.bus.reqrep import RemoteError
 from refbus.nodes.ps.broadcast import children, parent, rounds
 from refbus.nodes.ps.shm import sweep_orphans
@@ -56,7 +56,7 @@ def test_broadcast_init_over_1_2_3_5_8_workers(bus, spawn, checkpoint) -> None:
                 want = checksum(state[entry.name].contiguous().reshape(-1).view(torch.uint8).numpy())
                 assert entry.checksum == want, entry.name
                 for loc in entry.locations:  # every worker's own copy, read from its segment
-                    with open(f"/dev/shm/{loc.segment}", "rb") as f:
+                    with open(segment_file(loc.segment), "rb") as f:
                         f.seek(loc.offset)
                         assert checksum(f.read(entry.nbytes)) == want, (entry.name, loc.worker)
             pulled = ps.pull(result.version, verify=True)

@@ -26,6 +26,7 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
+from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.protocol.messages import StepBatch
 from stalling_entry_points import STALL_ENV
 
@@ -104,9 +105,13 @@ class Up:
         return [(pid, cmdline) for pid, cmdline in _processes() if str(self.run_dir) in cmdline and pid != os.getpid()]
 
     def segments(self, pids: set[int]) -> list[str]:
-        """Shared-memory segments (``<shm_dir>/<prefix>.<pid>.<n>``, from the run's config) of ``pids``."""
-        ps = tomllib.loads((self.run_dir / "cluster.toml").read_text())["ps"]
-        return sorted(str(path) for pid in pids for path in Path(ps["shm_dir"]).glob(f"{ps['shm_prefix']}.{pid}.*"))
+        """Shared-memory segments (``<prefix>.<pid>.<n>``, from the run's config) of ``pids``: in ``ps.shm_dir``,
+        or in the workers' durable store directories under ``store.directory``."""
+        config = tomllib.loads((self.run_dir / "cluster.toml").read_text())
+        ps, store = config["ps"], config["store"]
+        patterns = [(ps["shm_dir"], "{}"), (store["directory"], f"{STORE_PREFIX}*/{{}}")]
+        return sorted(str(path) for pid in pids for directory, pattern in patterns
+                      for path in Path(directory).glob(pattern.format(f"{ps['shm_prefix']}.{pid}.*")))
 
     def close(self) -> None:
         """Ctrl-C if still running, SIGKILL to its process group if that does not end it; then SIGKILL any

@@ -42,6 +42,14 @@ took over from the orchestrator, so each holder loses only its own. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
 
+Durability (``store.durable``, the default in ``refbus node env-server``): blobs live in the node's durable
+store (:mod:`refbus.nodes.store.durable`, :mod:`.blob_journal`), and ``kept``, ``claimed`` and ``deleted``
+are answered (and their events published) only after their journal record is committed. A process
+restarted under the same node id re-adopts what was committed (verified; losses deleted with reason
+``lost``, ``node`` itself), continues the counters ``accounted`` reports, and registers with the store's
+identity as label ``store``, by which the orchestrator, trainer ranks and the ledger know it as the same
+store. A retried delete by the holder that deleted the blob before the restart is answered as deleted.
+
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
 orchestrator finds every replica of a source with a ``nodes`` request. Heartbeats carry ``blobs_held``,
@@ -106,12 +114,15 @@ from ...protocol.messages import (
     Violation,
 )
 from ..config import Config
-from ..settings import EnvServerSettings
+from ..settings import EnvServerSettings, StoreSettings
+from ..store.durable import DurableStore, StoreError
+from .blob_journal import BlobJournal, Readoption
 from .branch import Branch
 from .episodes import EpisodeRunner
 from .keeper import (
     DISCARDED,
     HOLDER_DOWN,
+    LOST,
     VIOLATION_ACTIONS,
     DeleteResult,
     Keeper,
@@ -165,6 +176,8 @@ class EnvServer:
         *,
         restart_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        store: StoreSettings | None = None,
+        run: str = "",
     ) -> None:
         self.runtime = runtime
         self.source = settings.source or runtime.node_id
@@ -184,6 +197,10 @@ class EnvServer:
         self._outbox: deque[Body] = deque()
         self.restart_grace_s = restart_grace_s
         self._holders_down: dict[str, tuple[str, int, float] | None] = {}  # node id -> incarnation that went down
+        self.journal: BlobJournal | None = None
+        self.readoption: Readoption | None = None
+        if store is not None and store.durable:
+            self._open_store(store, run)
 
         self.server.on(Keep.kind, self._on_keep)
         self.server.on(Discard.kind, self._on_discard)
@@ -203,6 +220,30 @@ class EnvServer:
         runtime.status = self.status
         runtime.shutdown_hooks.append(self._shutdown)
         self._register_metrics()
+        if self.journal is not None:
+            runtime.every(1.0, self._compact)
+
+    def _open_store(self, settings: StoreSettings, run: str) -> None:
+        """Open (or re-adopt) this node's durable store; its identity becomes the ``store`` label, by which
+        peers tell a re-adopted store (same blobs) from a fresh one. What re-adoption lost is deleted with
+        reason ``lost`` (``node``: this store) once the loop runs.
+
+        Raises:
+            StoreError: the store is held by another process, its tmpfs is smaller than the budget, or its
+                journal is of another format.
+        """
+        durable = DurableStore(settings.directory, settings.run or run, self.runtime.node_id,
+                               budget_bytes=self.keeper.budget_bytes, what="env_server.budget_bytes")
+        self.journal = BlobJournal(durable)
+        self.runtime.labels["store"] = durable.identity
+        self.readoption = found = self.journal.readopt(self.keeper)
+        if not durable.fresh:
+            log.info("store.readopted", store=str(durable.path), blobs=found.blobs, bytes=found.bytes,
+                     lost=len(found.lost), aborted=found.aborted, seconds=round(found.seconds, 4))
+        for blob_id, why in found.lost.items():
+            log.error("store.blob_lost", blob_id=blob_id, detail=why)
+        if found.lost:
+            self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -225,13 +266,22 @@ class EnvServer:
         """
         try:
             packed = pack_branches(branches)
+            if self.journal is not None:
+                packed = self.journal.write(packed)  # bytes first; the keep record commits them below
             with self._lock:
-                refs = self.keeper.store(episode_id, packed)
+                try:
+                    refs = self.keeper.store(episode_id, packed)
+                except KeepError:
+                    if self.journal is not None:
+                        self.journal.discard(packed)
+                    raise
                 # Queued under the lock: a shutdown that deletes these blobs then finds this event queued
                 # and publishes it first.
                 record = EpisodeFinished(episode_id=episode_id, source=self.source, refs=refs,
                                          policy_version=policy_version, info=info or {})
                 self.keeper.record(record)
+                if self.journal is not None:
+                    self.journal.kept(record, packed)
                 self._post(record)
         except KeepError as exc:  # a refusal to retry is backpressure working, not a fault
             (log.debug if exc.retry_after_s else log.warning)("keep.refused", episode_id=episode_id, code=exc.code,
@@ -243,6 +293,8 @@ class EnvServer:
         """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids."""
         with self._lock:
             deleted = self.keeper.discard(episode_id, reason)
+            if self.journal is not None:
+                self.journal.dropped(DeleteResult(self.source, reason, tuple(deleted)))
             if deleted:
                 self._post(Delete(blob_ids=deleted, holder=self.source, reason=reason))
         return deleted
@@ -286,6 +338,9 @@ class EnvServer:
         assert isinstance(body, Claim)
         with self._lock:
             result = self.keeper.claim(body.blob_ids, body.holder)
+            if self.journal is not None:
+                self.journal.claimed(result.claimed, result.holder)
+                self.journal.violated(result.violations)
         if result.claimed:
             self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
         self._report(result.violations)
@@ -298,6 +353,8 @@ class EnvServer:
         assert isinstance(body, Fetch)
         with self._lock:
             result = self.keeper.fetch(body.blob_ids, body.holder)
+            if self.journal is not None:
+                self.journal.violated(result.violations)
         self._report(result.violations)
         self._stale("fetch", body.holder, result.reclaimed)
         return Blobs(
@@ -310,12 +367,15 @@ class EnvServer:
         assert isinstance(body, Delete)
         with self._lock:
             result = self.keeper.delete(body.blob_ids, body.holder, body.reason)
+            if self.journal is not None:
+                self.journal.dropped(result)
+                self.journal.violated(result.violations)
         self._announce(result, node=body.node)
         self._report(result.violations)
         self._stale("delete", body.holder, result.reclaimed)
         if result.unknown:
             log.warning("delete.unknown", holder=body.holder, count=len(result.unknown), blob_ids=result.unknown[:8])
-        return Deleted(blob_ids=list(result.deleted), violations=[v.blob_id for v in result.violations],
+        return Deleted(blob_ids=[*result.deleted, *result.repeated], violations=[v.blob_id for v in result.violations],
                        missing=list(result.unknown), reclaimed=list(result.reclaimed))
 
     def _on_accounts(self, request: Message) -> Accounted:
@@ -356,6 +416,8 @@ class EnvServer:
     def _expire(self) -> None:
         with self._lock:
             result = self.keeper.expire()
+            if self.journal is not None:
+                self.journal.dropped(result)
         if result.deleted:
             log.warning("blobs.undelivered", count=len(result.deleted), lease_s=self.keeper.handover_lease_s)
             self._announce(result)
@@ -363,6 +425,9 @@ class EnvServer:
     def _reclaim(self) -> None:
         with self._lock:
             results = self.keeper.reclaim()
+            if self.journal is not None:
+                for result in results.values():
+                    self.journal.dropped(result)
         for holder, result in results.items():
             self._holders_down.pop(holder, None)
             if result.deleted:
@@ -395,11 +460,20 @@ class EnvServer:
         reference = message.body
         assert isinstance(reference, Reference)
         with self._lock:
-            self.keeper.hand_over(reference.blob_ids, reference.holder)
+            moved = self.keeper.hand_over(reference.blob_ids, reference.holder)
+            if self.journal is not None:
+                self.journal.moved(moved, reference.holder)
+
+    def _compact(self) -> None:
+        with self._lock:
+            if self.journal is not None and self.journal.compact_due(self.keeper):
+                self.journal.compact(self.keeper)
 
     def _shutdown(self) -> None:
         with self._lock:
             result = self.keeper.close()
+            if self.journal is not None:  # everything is deleted: nothing is left to re-adopt
+                self.journal.close(remove=True)
         if self.runtime.publisher is None:
             if result.deleted:
                 log.warning("blobs.shutdown_unannounced", count=len(result.deleted), detail="never joined")
@@ -470,6 +544,13 @@ class EnvServer:
         self.runtime.metric("refbus_ownership_violations_total", "Ownership violations refused, by action.",
                             read(lambda s: {(a,): float(s.violations.get(a, 0)) for a in VIOLATION_ACTIONS}),
                             labels=("action",))
+        if self.readoption is not None:
+            found = self.readoption
+            self.runtime.metric("refbus_store_readopted_blobs",
+                                "Blobs this env server's durable store held at its start, by what became of them: "
+                                "readopted, lost (failed verification or over budget) or aborted (never committed).",
+                                lambda: {("readopted",): float(found.blobs), ("lost",): float(len(found.lost)),
+                                         ("aborted",): float(found.aborted)}, labels=("state",), kind="gauge")
         self.runtime.metric("refbus_stale_requests_total",
                             "Blob ids of claims, fetches and deletes answered reclaimed (reclaimed from a holder "
                             "that went down), by action.",
@@ -494,11 +575,15 @@ def _largest(counts: Mapping[str, int], limit: int) -> dict[str, int]:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM."""
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
+    env_server: EnvServer | None = None
     try:
-        env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s)
+        env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s,
+                               store=config.store, run=f"{config.cluster.name}-{config.bus.control}")
         EpisodeRunner(runtime, env_server, config.env_server)
-    except ValueError as exc:  # a budget, lease or entry point that cannot be used
+    except (ValueError, StoreError) as exc:  # a budget, lease, entry point or store that cannot be used
         log.error("env_server.bad_config", error=str(exc))
+        if env_server is not None and env_server.journal is not None:
+            env_server.journal.close(remove=False)  # no shutdown: a restart with the config fixed re-adopts it
         runtime.close()
         return 2
     runtime.run()

@@ -242,6 +242,19 @@ class FetchSettings:
                              f"{self.blobs_per_request}, {self.request_bytes}, {self.window}")
 
 
+@dataclass(frozen=True)
+class StoreRestarts:
+    """How a fetch outlives a store's restart: blobs of a durable store (``durable(node id)``: its registry
+    entry has a ``store`` label) whose requests failed (down, or unanswered) are asked again, re-located,
+    every ``poll_s`` (``later(delay, callback)``: the node loop's timer) until ``wait_s`` after the fetch
+    started (``node.restart_grace_s``): a restarted process re-adopts the store and serves them again."""
+
+    durable: Callable[[str], bool]
+    later: Callable[[float, Callable[[], None]], None]
+    wait_s: float
+    poll_s: float = 0.1
+
+
 # --- the fetcher -----------------------------------------------------------------------------------------
 
 
@@ -273,11 +286,13 @@ class StepFetcher:
     """
 
     def __init__(self, holder: str, calls: Calls, settings: FetchSettings | None = None,
-                 *, locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint) -> None:
+                 *, locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint,
+                 restarts: StoreRestarts | None = None) -> None:
         self.holder = holder
         self.settings = settings or FetchSettings()
         self._calls = calls
         self._locate = locate
+        self._restarts = restarts
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
 
     def start(self, step: int, micro_batches: Sequence[MicroBatchRefs],
@@ -295,16 +310,43 @@ class StepFetcher:
         requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
                     for endpoint, ids in self._requests(refs)]
         fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests)
+        self._send(fetch, requests, [], on_done)
+        return fetch
+
+    def _send(self, fetch: FetchInFlight, requests: list[tuple[str, Fetch]], settled: list[tuple[tuple[str, Fetch],
+              Outcome]], on_done: Callable[[FetchInFlight], None]) -> None:
+        """Send ``requests``; once all have outcomes, ask again for what a restarting durable store could still
+        serve (:class:`StoreRestarts`), else hand the fetch over with ``settled`` and these outcomes."""
 
         def ended(outcomes: list[Outcome]) -> None:
-            fetch.outcomes = outcomes
+            done = settled + list(zip(requests, outcomes, strict=True))
+            again = self._retryable(fetch, done)
+            if again:
+                assert self._restarts is not None
+                kept = [entry for entry in done if entry[0][1] not in again]
+                ids = [i for request in again for i in request.blob_ids]
+                self._restarts.later(self._restarts.poll_s, lambda: self._send(
+                    fetch, [(endpoint, Fetch(blob_ids=blob_ids, holder=self.holder, step=fetch.step))
+                            for endpoint, blob_ids in self._requests({i: fetch.refs[i] for i in ids})],
+                    kept, on_done))
+                return
+            fetch.requests = [request for request, _ in done]
+            fetch.outcomes = [outcome for _, outcome in done]
             on_done(fetch)
 
         # Frames are not checksummed on decode: every blob is verified against its BlobRef in finish(), which
         # also proves it is what the env server hashed at keep time.
         self._calls.gather(requests, ended, window=self.settings.window, policy=self.settings.policy,
                            backend="numpy", verify=False)
-        return fetch
+
+    def _retryable(self, fetch: FetchInFlight, done: list[tuple[tuple[str, Fetch], Outcome]]) -> list[Fetch]:
+        """The failed requests worth asking again: every blob on a durable store, time left to wait."""
+        restarts = self._restarts
+        if restarts is None or time.perf_counter() - fetch.started >= restarts.wait_s:
+            return []
+        return [request for (_, request), outcome in done
+                if isinstance(outcome, PeerDown | RequestTimeout)
+                and all(fetch.refs[i].node and restarts.durable(fetch.refs[i].node) for i in request.blob_ids)]
 
     def finish(self, fetch: FetchInFlight) -> StepFetch:
         """Verify and assemble a fetch that is ``done``; failures are reported per micro batch, never raised.

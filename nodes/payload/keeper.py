@@ -22,7 +22,13 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
    reclaimed from a holder that went down is the exception: a later claim, fetch or delete of it, by
    whoever asks, is answered ``reclaimed`` and is no violation. Such a request is stale (a holder cut off
    from the cluster, back as the same process, that never learnt it was declared down, or someone it handed
-   the reference to), and the blob's loss is already on record, named with the holder.
+   the reference to), and the blob's loss is already on record, named with the holder. So is a blob this
+   store lost (reason ``lost``: it failed verification when a restart re-adopted the store).
+
+A restarted env server on a durable store rebuilds its keeper from the store's journal
+(:mod:`.blob_journal`) through :meth:`Keeper.restore`, :meth:`Keeper.restore_drop` and
+:meth:`Keeper.restore_counters`, then :meth:`Keeper.adopt_tombstones`: a delete its earlier process had
+done is answered ``repeated`` when the same holder asks again (a retry across the restart), not refused.
 
 Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
 node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
@@ -37,7 +43,7 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -50,6 +56,7 @@ UNDELIVERED = "undelivered"
 SHUTDOWN = "shutdown"
 DISCARDED = "discarded"
 HOLDER_DOWN = "holder-down"
+LOST = "lost"
 VIOLATION_ACTIONS = ("claim", "fetch", "delete")
 
 DEFAULT_MAX_TOMBSTONES = 1_000_000
@@ -105,6 +112,7 @@ class PackedBranch:
     nbytes: int
     checksum: int
     routing_shape: tuple[int, int] | None
+    segment: str = ""  # the durable store's segment holding ``buffer`` ("" when it is private memory)
 
 
 def pack_branches(branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> tuple[PackedBranch, ...]:
@@ -189,7 +197,8 @@ class FetchResult:
 class DeleteResult:
     """What a delete did: ``deleted`` now by ``holder`` for ``reason``; ``unknown``: never kept here;
     ``violations``: already deleted (each names the first deleter as ``owner``); ``reclaimed``: already
-    reclaimed from a holder that went down (stale, no violation)."""
+    reclaimed from a holder that went down, or lost (stale, no violation); ``repeated``: deleted by the same
+    holder before this store restarted (a retry across the restart: answered as deleted, nothing moves)."""
 
     holder: str
     reason: str
@@ -197,6 +206,7 @@ class DeleteResult:
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
     reclaimed: tuple[str, ...] = ()
+    repeated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +252,12 @@ class _Tombstone:
     holder: str  # who deleted it
     reason: str
     at: float  # when (the keeper's clock)
+    adopted: bool = False  # replayed by a restarted store: a repeat of its delete is answered, not refused
 
     @property
     def reclaimed(self) -> bool:
-        return self.reason == HOLDER_DOWN
+        """Gone with a node's death (a dead holder's, or lost by this store): later requests are stale."""
+        return self.reason in (HOLDER_DOWN, LOST)
 
 
 class Keeper:
@@ -492,10 +504,13 @@ class Keeper:
         unknown: list[str] = []
         violations: list[Violation] = []
         reclaimed: list[str] = []
+        repeated: list[str] = []
         for blob_id in dict.fromkeys(blob_ids):
             if blob_id in self._blobs:
                 live.append(blob_id)
-            elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.reclaimed:
+            elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.adopted and tomb.holder == holder:
+                repeated.append(blob_id)
+            elif tomb is not None and tomb.reclaimed:
                 reclaimed.append(blob_id)
             elif tomb is not None:
                 violations.append(self._violation(
@@ -504,8 +519,9 @@ class Keeper:
             else:
                 unknown.append(blob_id)
         self._count_stale("delete", reclaimed)
-        return self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations),
-                            reclaimed=tuple(reclaimed))
+        result = self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations),
+                              reclaimed=tuple(reclaimed))
+        return replace(result, repeated=tuple(repeated)) if repeated else result
 
     def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
         """Delete an abandoned episode's unclaimed blobs (holder: the env server); returns their ids.
@@ -532,6 +548,53 @@ class Keeper:
         self._closed = True
         self._leases.clear()
         return self._remove(list(self._blobs), self.source, SHUTDOWN)
+
+    # --- re-adoption (a restarted store replays its journal through these) ----------------------------
+
+    def restore(self, episode_id: str, blob_id: str, packed: PackedBranch) -> None:
+        """Hold a blob kept by an earlier process of this store, unclaimed, with a fresh hand-over lease
+        (the earlier process's deadline is on another clock); counted as kept."""
+        self._blobs[blob_id] = _Blob(episode_id, packed)
+        self._episodes.setdefault(episode_id, []).append(blob_id)
+        self._held_by[""] += 1
+        self._leases.append((self.clock() + self.handover_lease_s, blob_id))
+        self._bytes_held += packed.nbytes
+        self.kept_total += 1
+
+    def restore_drop(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
+        """Replay a delete: live blobs go as :meth:`delete` would remove them; ids no longer live (a
+        compacted journal keeps their tombstones only) get their tombstone back."""
+        live = [b for b in blob_ids if b in self._blobs]
+        now = self.clock()
+        for blob_id in blob_ids:
+            if blob_id not in self._blobs:
+                self._tombstones[blob_id] = _Tombstone(holder, reason, now)
+        return self._remove(live, holder, reason)
+
+    def restore_counters(self, kept: int, deleted: Mapping[str, int], violations: Mapping[str, int],
+                         reclaimed: Mapping[str, int]) -> None:
+        """Set the counters an earlier process of this store had reached (a compacted journal's totals)."""
+        self.kept_total = kept
+        self.deleted, self.violations, self.reclaimed = Counter(deleted), Counter(violations), Counter(reclaimed)
+
+    def adopt_tombstones(self) -> None:
+        """Mark every tombstone as an earlier process's: a repeat of its delete by the same holder is
+        answered ``repeated`` (a retry across the restart), not refused."""
+        for blob_id, tomb in self._tombstones.items():
+            self._tombstones[blob_id] = replace(tomb, adopted=True)
+
+    def tombstones(self) -> Iterator[tuple[str, str, str]]:
+        """(blob id, deleter, reason) of every remembered deletion, oldest first."""
+        return ((blob_id, tomb.holder, tomb.reason) for blob_id, tomb in self._tombstones.items())
+
+    def blobs(self) -> Iterator[tuple[str, str, str, PackedBranch]]:
+        """(blob id, episode id, holder, packed) of every live blob, in keep order ("": unclaimed)."""
+        return ((blob_id, blob.episode_id, blob.holder, blob.packed) for blob_id, blob in self._blobs.items())
+
+    def record_of(self, episode_id: str) -> EpisodeFinished | None:
+        """The filed ``episode-finished`` record of a live episode (None: none filed)."""
+        filed = self._records.get(episode_id)
+        return filed[1] if filed is not None else None
 
     # --- state --------------------------------------------------------------------------------------
 

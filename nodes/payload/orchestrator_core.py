@@ -23,9 +23,10 @@ Decisions and their rules:
 * **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
   abandoned and its slot is free again.
 * **Stores down.** An env server the registry reports down (:meth:`OrchestratorCore.store_down`) gets no
-  new runs and no deletes (deletes decided meanwhile wait). Back as the same process within
-  ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`), the waiting deletes go out; otherwise (the grace
-  ends, or it comes back as a new process, whose store starts empty) every reference held to its blobs is
+  new runs and no deletes (deletes decided meanwhile wait). Back as the same store within
+  ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`): the same process, or a restart that re-adopted
+  its durable store (same ``store`` label, :func:`store_identity`), the waiting deletes go out; otherwise
+  (the grace ends, or it comes back with a fresh store that starts empty) every reference held to its blobs is
   dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
   shipped (counted as dropped ``lost``). A store declared lost that comes back as the same process (it was
   cut off, not dead) still keeps those blobs: they are deleted there at once, reason ``lost`` (the store's
@@ -199,15 +200,28 @@ class _Delivery:
         return sorted(self.in_flight | set(self.retry_at))
 
 
+def store_identity(node: NodeInfo) -> tuple[object, ...]:
+    """What tells one store from another under a node id: a durable store's identity (label ``store``: the
+    same across restarts that re-adopt it), else the process (an in-memory store dies with it)."""
+    label = node.labels.get("store")
+    return ("store", label) if label else incarnation(node)
+
+
 @dataclass
 class _StoreDown:
     """An env server reported down: its endpoints, which process it was, when its grace ends, and the deletes
     decided for its blobs meanwhile."""
 
+    node_id: str
     endpoints: frozenset[str]
-    incarnation: tuple[str, int, float]
+    incarnation: tuple[object, ...]  # store_identity()
     until: float
     deletes: list[tuple[list[BlobRef], str]] = field(default_factory=list)
+
+    def keeps(self, ref: BlobRef) -> bool:
+        """Whether ``ref``'s blob is in this store: by node id (a store restarted on a re-adopted durable
+        store serves its blobs at a new endpoint), by endpoint for references that name no node."""
+        return ref.node == self.node_id if ref.node else ref.endpoint in self.endpoints
 
 
 @dataclass(frozen=True)
@@ -274,7 +288,7 @@ class OrchestratorCore:
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
         # node id -> (the incarnation declared lost, its blobs): deleted if that same process comes back
-        self.lost_stores: dict[str, tuple[tuple[str, int, float], tuple[BlobRef, ...]]] = {}
+        self.lost_stores: dict[str, tuple[tuple[object, ...], tuple[BlobRef, ...]]] = {}
         self.version_known = False  # no run before a policy version exists
         self.stores_full = False  # every store at its high-water mark: no new group until one drains
         self.full_pauses = 0
@@ -484,22 +498,23 @@ class OrchestratorCore:
         on, and deletes of its blobs wait until it is back or its grace ends. Runs in flight on it end by
         their own outcomes (the executor's requests fail at once)."""
         endpoints = frozenset(node.endpoints.values())
-        self.stores_down.setdefault(
-            node.node_id, _StoreDown(endpoints, incarnation(node), now + self.deadlines.restart_grace_s))
+        until = now + self.deadlines.restart_grace_s
+        self.stores_down.setdefault(node.node_id, _StoreDown(node.node_id, endpoints, store_identity(node), until))
         self.router.drop(endpoints)
         log.warning("store.down", node=node.node_id, grace_s=self.deadlines.restart_grace_s,
-                    blobs_held=sum(ref.endpoint in endpoints for ref in self.holdings.held.values()))
+                    blobs_held=sum(self.stores_down[node.node_id].keeps(ref) for ref in self.holdings.held.values()))
         return self._flush([])
 
     def store_up(self, node: NodeInfo) -> list[Action]:
-        """The env server ``node`` registered again: the same process keeps its blobs (the deletes that
-        waited go out now); a new process under the same id starts empty, so the old one's blobs are lost.
-        The same process back after its blobs were declared lost (a partition longer than the grace) gets
-        them deleted (reason ``lost``), so it does not keep them forever."""
+        """The env server ``node`` registered again: the same store keeps its blobs (the deletes that
+        waited go out now, found at its new endpoint); a new process under the same id with a fresh store
+        starts empty, so the old one's blobs are lost. The same store back after its blobs were declared lost
+        (a partition longer than the grace, or a restart that took longer) gets them deleted (reason
+        ``lost``), so it does not keep them forever."""
         down = self.stores_down.get(node.node_id)
         if down is None:
             return self._delete_lost(node)
-        if down.incarnation != incarnation(node):
+        if down.incarnation != store_identity(node):
             lost = self._lose(node.node_id)
             del self.lost_stores[node.node_id]  # a new process: nothing of the old one's is there to delete
             return self._flush([lost])
@@ -516,24 +531,23 @@ class OrchestratorCore:
 
     def _delete_lost(self, node: NodeInfo) -> list[Action]:
         lost = self.lost_stores.pop(node.node_id, None)
-        if lost is None or lost[0] != incarnation(node) or not lost[1]:
+        if lost is None or lost[0] != store_identity(node) or not lost[1]:
             return []
         log.warning("store.back_after_lost", node=node.node_id, blobs=len(lost[1]))
         return [DeleteBlobs(lost[1], LOST, node.node_id)]
 
-    def _store_of(self, endpoint: str) -> _StoreDown | None:
-        return next((down for down in self.stores_down.values() if endpoint in down.endpoints), None)
+    def _store_of(self, ref: BlobRef) -> _StoreDown | None:
+        return next((down for down in self.stores_down.values() if down.keeps(ref)), None)
 
     def _lose(self, node_id: str) -> LoseBlobs:
         """Every reference to the store ``node_id``'s blobs is dropped: held ones, queued and grouped samples,
         and deletes that waited for it."""
         down = self.stores_down.pop(node_id)
-        gone = down.endpoints
 
         def on_store(sample: Sample) -> bool:
-            return sample.ref is not None and sample.ref.endpoint in gone
+            return sample.ref is not None and down.keeps(sample.ref)
 
-        refs = {ref.blob_id: ref for ref in self.holdings.held.values() if ref.endpoint in gone}
+        refs = {ref.blob_id: ref for ref in self.holdings.held.values() if down.keeps(ref)}
         for blob_id in refs:
             del self.holdings.held[blob_id]
         refs.update((ref.blob_id, ref) for deferred, reason in down.deletes if reason != LOST for ref in deferred)
@@ -829,7 +843,7 @@ class OrchestratorCore:
             live = []
             parked: dict[int, tuple[_StoreDown, list[BlobRef]]] = {}
             for ref in refs:
-                down = self._store_of(ref.endpoint)
+                down = self._store_of(ref)
                 if down is None:
                     live.append(ref)
                 else:

@@ -55,14 +55,24 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from ...bus.peers import Peers
 from ...bus.reqrep import HandlerError, Outcome, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import Delete, Deleted, FetchAck, Ok, Reference, StepBatch
+from ...protocol.messages import BlobRef, Delete, Deleted, FetchAck, Ok, Reference, StepBatch
 from ..settings import TrainerSettings
 from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
-from .fetcher import FetchSettings, PlanError, StepFetch, StepFetcher, needed_refs, registry_locator, to_micro_batch
+from .fetcher import (
+    FetchSettings,
+    PlanError,
+    StepFetch,
+    StepFetcher,
+    StoreRestarts,
+    needed_refs,
+    registry_locator,
+    to_micro_batch,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -113,7 +123,7 @@ class StepRelease:
 @dataclass(frozen=True, slots=True)
 class _Received:
     batch: StepBatch
-    endpoints: Mapping[str, str]  # owned blob id -> its env server's endpoint
+    refs: Mapping[str, BlobRef]  # owned blob id -> its reference (located again when it is deleted)
 
 
 class TrainerRank:
@@ -128,6 +138,7 @@ class TrainerRank:
     to stand in for a dropped micro batch with top-k heads when no other micro batch of the step has them).
     ``first_step``: the step this world starts at (a world resumed from its checkpoint of step K starts at
     K); reported as ``step`` in the heartbeat status until the first step batch arrives.
+    ``restart_grace_s`` (``node.restart_grace_s``): how long a fetch waits for a durable store to come back.
     """
 
     def __init__(
@@ -143,6 +154,7 @@ class TrainerRank:
         blobs_per_delete: int = 1024,
         topk_k: int | None = None,
         first_step: int = 0,
+        restart_grace_s: float = 10.0,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -156,10 +168,13 @@ class TrainerRank:
         if not 0 <= self.data_rank < self.data_ranks:
             raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
         self.leader = leader
-        # A fetch from an env server the registry reports down fails at once (the micro batch is dropped).
+        # A fetch from an env server the registry reports down fails at once (the micro batch is dropped),
+        # unless its store is durable: then it is asked again until a restart re-adopted it, within the grace.
         peers = runtime.track_peers()
-        self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings,
-                                   locate=registry_locator(peers.endpoint_of))
+        self._locate = registry_locator(peers.endpoint_of)
+        self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
+                                   restarts=StoreRestarts(lambda node: _durable(peers, node), runtime.later,
+                                                          restart_grace_s))
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
@@ -258,7 +273,9 @@ class TrainerRank:
             return StepRelease()
         groups: dict[tuple[str, str], list[str]] = defaultdict(list)
         for blob_id in owned:
-            groups[received.endpoints[blob_id], TRAINED if blob_id in trained else DROPPED_REASON].append(blob_id)
+            # Located now: a store restarted since the step batch came (re-adopting its blobs) has moved.
+            groups[self._locate(received.refs[blob_id]), TRAINED if blob_id in trained else DROPPED_REASON].append(
+                blob_id)
         release = self._on_loop(lambda done: self._delete(groups, done))
         with self._cond:
             self.held.difference_update(release.deleted, release.violations, release.reclaimed)
@@ -303,9 +320,9 @@ class TrainerRank:
             needed_refs(batch.micro_batches)
         except PlanError as exc:
             raise HandlerError("bad-step-batch", f"step {batch.step}: {exc}") from None
-        endpoints = {item.ref.blob_id: item.ref.endpoint for mb in batch.micro_batches for item in mb.samples
-                     if item.ref is not None}
-        unknown = [blob_id for blob_id in batch.owned if blob_id not in endpoints]
+        refs = {item.ref.blob_id: item.ref for mb in batch.micro_batches for item in mb.samples
+                if item.ref is not None}
+        unknown = [blob_id for blob_id in batch.owned if blob_id not in refs]
         if unknown:
             raise HandlerError("bad-step-batch", f"step {batch.step}: owned blobs {unknown[:4]} are referenced "
                                                  "by no micro batch, so their env server is unknown")
@@ -314,7 +331,7 @@ class TrainerRank:
                 return Ok(detail="repeat")  # a re-delivery whose first acknowledgement was lost or late
             if batch.step < self._next_step or batch.step in self._received:
                 raise HandlerError("duplicate-step", f"rank {self.rank} already has step {batch.step}")
-            self._received[batch.step] = _Received(batch, endpoints)
+            self._received[batch.step] = _Received(batch, refs)
             self._accepted = batch
             self.held.update(batch.owned)
             self._cond.notify_all()
@@ -460,3 +477,8 @@ def _reasons(fetch: StepFetch) -> str:
     reasons = sorted({b.reason for b in fetch.batches if not isinstance(b, AssembledBatch)})
     return ", ".join(reasons) or "none failed"
 
+
+def _durable(peers: Peers, node_id: str) -> bool:
+    """Whether ``node_id``'s last registry entry names a durable store (a restart re-adopts its blobs)."""
+    info = peers.live.get(node_id) or peers.down.get(node_id)
+    return info is not None and "store" in info.labels

@@ -141,7 +141,16 @@ class PsManager:
         assert isinstance(request.body, PsRegister)
         info = request.body.worker
         self.workers[info.worker] = info
-        log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host)
+        log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host,
+                 segments=len(request.body.segments))
+        held = set(request.body.segments)
+        # A worker restarted under its id serves the shards it re-adopted from its durable store; a version
+        # with a copy on it that it no longer holds has lost that copy: say which.
+        lost = [v for v in self.versions.retained() if any(
+            loc.worker == info.worker and loc.segment not in held
+            for entry in self.versions.manifest(v).entries for loc in entry.locations)]
+        if lost:
+            log.error("ps.versions_lost_on_worker", worker=info.worker, versions=lost)
         return Ok()
 
     def _send(self, worker: str, body: Body, on_done: Callable[[Outcome], None], *,

@@ -69,17 +69,25 @@ def _pin(mm: mmap.mmap, size: int) -> bool:
 class Segment:
     """One shared-memory file, mapped read-write by its owner (a ps-worker) until :meth:`close`."""
 
-    def __init__(self, path: Path, capacity: int, *, pin: bool) -> None:
+    def __init__(self, path: Path, capacity: int, *, pin: bool, existing: bool = False) -> None:
+        """Create the file (or map an ``existing`` one: a shard a restarted worker re-adopts).
+
+        Raises:
+            OSError: ``ENOSPC`` when the tmpfs has no room: the memory is allocated whole here, so a full
+                tmpfs fails this call instead of a later write into the mapping (``SIGBUS``).
+        """
         self.path = path
         self.capacity = capacity
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR) if existing else os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, capacity)
+            if not existing:
+                os.posix_fallocate(fd, 0, capacity)
             self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if not existing:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             raise
         os.close(fd)  # the mapping keeps the memory; the name stays for same-host readers
         self.pinned = pin and _pin(self.mm, capacity)
@@ -150,6 +158,13 @@ class SegmentPool:
             capacity = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
             path = self.directory / f"{self.prefix}.{os.getpid()}.{self.created}"
             segment = Segment(path, capacity, pin=self.pin)
+        self._in_use[segment.name] = segment
+        return segment
+
+    def adopt(self, name: str) -> Segment:
+        """Map the existing segment file ``name`` (a shard an earlier process of this worker sealed) as in use."""
+        path = self.directory / name
+        segment = Segment(path, os.stat(path).st_size, pin=self.pin, existing=True)
         self._in_use[segment.name] = segment
         return segment
 

@@ -21,8 +21,10 @@ present (for pinning).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import structlog
@@ -49,8 +51,10 @@ from ...protocol.messages_ps import (
     WorkerInfo,
 )
 from ..config import Config
-from ..settings import PsSettings
+from ..settings import PsSettings, StoreSettings
+from ..store.durable import DurableStore, StoreError
 from .broadcast import Relay
+from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
 log = structlog.get_logger(__name__)
@@ -59,14 +63,27 @@ log = structlog.get_logger(__name__)
 class PsWorker:
     """Serves the data plane on ``runtime``; call :meth:`register` before the runtime runs."""
 
-    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0) -> None:
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0,
+                 store: StoreSettings | None = None, run: str = "") -> None:
         self.runtime = runtime
         self.settings = settings
         self.register_timeout_s = register_timeout_s
-        sweep_orphans(settings.shm_dir, settings.shm_prefix)
-        self.pool = SegmentPool(settings.shm_dir, settings.shm_prefix, pin=settings.pin_memory,
+        self.journal: ShardJournal | None = None
+        self.readoption: ShardReadoption | None = None
+        directory = Path(settings.shm_dir)
+        if store is not None and store.durable:
+            # Segments live in the durable store's directory: same-host peers map them there, before and
+            # after a restart. The worker has no byte budget of its own: a full tmpfs refuses the next shard.
+            self.journal = ShardJournal(DurableStore(store.directory, store.run or run, runtime.node_id,
+                                                     budget_bytes=0, what="ps"))
+            directory = self.journal.store.path
+        else:
+            sweep_orphans(settings.shm_dir, settings.shm_prefix)
+        self.pool = SegmentPool(directory, settings.shm_prefix, pin=settings.pin_memory,
                                 max_free=settings.max_free_segments)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
+        if self.journal is not None:
+            self._readopt(self.journal)
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
 
@@ -81,7 +98,7 @@ class PsWorker:
         self.server.on(InitChunk.kind, self._chunk)
         self.server.on(InitEnd.kind, self._end)
         self.manager = runtime.calls.client(settings.manager)
-        runtime.shutdown_hooks.append(self.pool.close)
+        runtime.shutdown_hooks.append(self._close)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
         runtime.metric("refbus_ps_held_bytes", "Shared memory held by this ps-worker, in use or kept for reuse.",
@@ -92,13 +109,33 @@ class PsWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
-                          self.settings.shm_dir, os.getpid())
+                          str(self.pool.directory), os.getpid())
 
     def register(self) -> None:
-        """Join the parameter server (blocking, before the loop runs); RequestTimeout if no manager answers."""
+        """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
+        restart's re-adopted ones); RequestTimeout if no manager answers."""
         policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
-        self.manager.request(PsRegister(self.info()), policy=policy)
+        held = sorted(segment.name for lease, segment in self.shards.items() if lease not in self.relays)
+        self.manager.request(PsRegister(self.info(), held), policy=policy)
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
+
+    def _readopt(self, journal: ShardJournal) -> None:
+        """Serve again the shards an earlier process of this worker sealed, each verified (a shard that fails
+        is lost, named)."""
+        self.readoption = found = journal.readopt()
+        for shard in found.shards:
+            self.shards[shard.lease] = self.pool.adopt(shard.segment)
+        if not journal.store.fresh:
+            log.info("store.readopted", store=str(journal.store.path), shards=len(found.shards),
+                     versions=sorted({s.version for s in found.shards}), lost=len(found.lost), swept=found.swept,
+                     seconds=round(found.seconds, 4))
+        for lease, why in found.lost.items():
+            log.error("store.shard_lost", shard=lease, detail=why)
+
+    def _close(self) -> None:
+        self.pool.close()
+        if self.journal is not None:  # every segment is unlinked: nothing is left to re-adopt
+            self.journal.close(remove=True)
 
     # --- push ---------------------------------------------------------------------------------------
 
@@ -113,7 +150,7 @@ class PsWorker:
         assert isinstance(ask, ShardOpen)
         segment = self.shards.get(ask.lease)
         if segment is None:
-            segment = self.shards[ask.lease] = self.pool.acquire(ask.nbytes)
+            segment = self.shards[ask.lease] = self._acquire_room(ask.nbytes)
         elif segment.capacity < ask.nbytes:
             raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
                                f"not {ask.nbytes}")
@@ -147,6 +184,8 @@ class PsWorker:
             if got != t.checksum:
                 raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
                                    f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
+        if self.journal is not None:  # durable before anyone is told: the manager, then the pusher
+            self.journal.sealed(seal.lease, seal.version, seal.rank, segment.name, seal.tensors)
         waiting = self._sealing.get(seal.lease)
         if waiting is None:  # a pusher's retry joins the commit in flight
             waiting = self._sealing[seal.lease] = []
@@ -192,6 +231,8 @@ class PsWorker:
     def _release(self, request: Message) -> Body:
         release = request.body
         assert isinstance(release, Release)
+        if self.journal is not None:
+            self.journal.released(release.shards)
         for shard in release.shards:
             self.relays.pop(shard, None)
             segment = self.shards.pop(shard, None)
@@ -211,8 +252,16 @@ class PsWorker:
     def _acquire(self, shard: str, nbytes: int) -> Segment:
         segment = self.shards.get(shard)
         if segment is None:
-            segment = self.shards[shard] = self.pool.acquire(nbytes)
+            segment = self.shards[shard] = self._acquire_room(nbytes)
         return segment
+
+    def _acquire_room(self, nbytes: int) -> Segment:
+        try:
+            return self.pool.acquire(nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise HandlerError("no-room", f"{self.pool.directory} has no room for {nbytes} bytes") from None
 
     def _send_peer(self, peer: WorkerInfo, body: Body, deadline_s: float, on_done: Callable[[Outcome], None]) -> None:
         # Sent once: the stream is pipelined over reliable connections; a child that misses its deadline fails
@@ -250,7 +299,13 @@ class PsWorker:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s)
+    try:
+        worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s, store=config.store,
+                          run=f"{config.cluster.name}-{config.bus.control}")
+    except StoreError as exc:
+        log.error("ps.store_unusable", error=str(exc))
+        runtime.close()
+        return 2
     try:
         worker.register()
     except BaseException:

@@ -1,0 +1,263 @@
+"""An env server's blobs in a :class:`~refbus.nodes.store.durable.DurableStore`: what each change of its
+:class:`~.keeper.Keeper` commits, and how a restarted env server re-adopts what an earlier process kept.
+
+Every blob's bytes live in a segment of the store; the keeper's arrays are read-only views of it. Records
+(one per change, committed before the change is answered):
+
+============= ===================================================================================
+``keep``      an episode's blobs (id, segment and layout of each; segments written before the record)
+              and its ``episode-finished`` record (arrays in ``info`` are kept as lists)
+``claim``     blob ids moved to ``holder`` by a claim
+``move``      blob ids handed over to ``holder`` (a ``reference`` event)
+``drop``      blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after)
+``violation`` ``n`` violations of ``action`` refused (the ledger's counters stay exact)
+``counters``  a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
+============= ===================================================================================
+
+:meth:`BlobJournal.readopt` replays them into a fresh keeper: blobs live at the end whose segment fails
+verification, or that exceed the budget, are *lost*: deleted with reason ``lost`` and named in the result.
+Segments no committed ``keep`` names (a keep cut off before its commit flag) are removed and counted as
+*aborted*: that keep was never acknowledged, so its run failed and is sent again. Deleted ids keep their
+tombstones, so a repeated delete by the same holder across the restart is answered, not refused.
+
+Not thread-safe: the env server calls it under its keeper lock, except :meth:`BlobJournal.write`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ...protocol.messages import EpisodeFinished, Violation
+from ..store.durable import DurableStore, Segment, StoreFull
+from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
+
+COMPACT_MIN_RECORDS = 4096  # and four times the live blobs: compaction costs a pass over the live state
+
+
+@dataclass(frozen=True, slots=True)
+class Readoption:
+    """What a restart found: ``blobs`` re-adopted live; ``lost`` (blob id -> why) deleted with reason ``lost``;
+    ``aborted`` segments of keeps never committed; ``damaged``: the journal's damage ("" if none)."""
+
+    blobs: int
+    bytes: int
+    lost: Mapping[str, str]
+    aborted: int
+    damaged: str
+    seconds: float
+
+
+class BlobJournal:
+    """Commits a keeper's changes to ``store`` (see the module doc)."""
+
+    def __init__(self, store: DurableStore) -> None:
+        self.store = store
+        self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
+        self._since_compact = 0
+
+    # --- writing (any thread) -----------------------------------------------------------------------
+
+    def write(self, packed: Sequence[PackedBranch]) -> list[PackedBranch]:
+        """Copy each packed branch into a segment; the same branches, viewing their segments. Nothing is
+        committed yet (:meth:`kept` does).
+
+        Raises:
+            KeepError: ``over-budget`` with a retry-after when the tmpfs has no room (nothing is left);
+                ``closed`` once a shutdown removed the store.
+        """
+        written: list[PackedBranch] = []
+        try:
+            for branch in packed:
+                written.append(_view(self.store.write(branch.buffer), branch))
+        except StoreFull as exc:
+            self.store.unlink(b.segment for b in written)
+            raise KeepError("over-budget", f"{exc}; retry after {RETRY_AFTER_S} s",
+                            retry_after_s=RETRY_AFTER_S) from None
+        except FileNotFoundError:  # the store was closed and removed meanwhile: a shutdown
+            raise KeepError("closed", "the env server is shutting down") from None
+        return written
+
+    def discard(self, packed: Sequence[PackedBranch]) -> None:
+        """Remove the segments of branches :meth:`write` wrote that the keeper refused."""
+        self.store.unlink(b.segment for b in packed if b.segment)
+
+    # --- committing (under the keeper's lock) -------------------------------------------------------
+
+    def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
+        """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, in one commit."""
+        layouts = [_layout(ref.blob_id, branch) for ref, branch in zip(record.refs, packed, strict=True)]
+        self._commit(_keep(record.episode_id, layouts, record))
+        self._layouts.update((layout["id"], layout) for layout in layouts)
+
+    def claimed(self, blob_ids: Sequence[str], holder: str) -> None:
+        if blob_ids:
+            self._commit({"op": "claim", "ids": list(blob_ids), "holder": holder})
+
+    def moved(self, blob_ids: Sequence[str], holder: str) -> None:
+        if blob_ids:
+            self._commit({"op": "move", "ids": list(blob_ids), "holder": holder})
+
+    def dropped(self, result: DeleteResult) -> None:
+        if result.deleted:
+            self._commit({"op": "drop", "ids": list(result.deleted), "holder": result.holder,
+                          "reason": result.reason})
+            self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
+                              if blob_id in self._layouts)
+
+    def violated(self, violations: Sequence[Violation]) -> None:
+        for action, n in Counter(v.action for v in violations).items():
+            self._commit({"op": "violation", "action": action, "n": n})
+
+    def compact_due(self, keeper: Keeper) -> bool:
+        return self._since_compact > max(COMPACT_MIN_RECORDS, 4 * keeper.blobs_held)
+
+    def compact(self, keeper: Keeper) -> None:
+        """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
+        self.store.compact(_snapshot(keeper, self._layouts))
+        self._since_compact = 0
+
+    def close(self, *, remove: bool) -> None:
+        self.store.close(remove=remove)
+
+    def _commit(self, record: dict[str, Any]) -> None:
+        self.store.commit(record)
+        self._since_compact += 1
+
+    # --- re-adoption --------------------------------------------------------------------------------
+
+    def readopt(self, keeper: Keeper) -> Readoption:
+        """Replay the store's journal into ``keeper`` (fresh, nothing kept yet), then drop as ``lost`` what
+        fails verification or exceeds the budget (committed, so the keeper's counters carry the loss), remove
+        segments of keeps never committed, and compact when the journal has grown or was cut. The lost ids
+        are named in the result; the caller publishes their deletes."""
+        started = time.perf_counter()
+        replay = self.store.replay
+        live = _live_at_end(replay.records)
+        broken: dict[str, str] = {}
+        for record in replay.records:
+            op = record.get("op")
+            if op == "keep":
+                for layout in record["blobs"]:
+                    blob_id = layout["id"]
+                    found = self.store.segment(layout["segment"]) if blob_id in live else None
+                    if isinstance(found, str):
+                        broken[blob_id] = found
+                    packed = _packed(layout, found if isinstance(found, Segment) else None)
+                    keeper.restore(record["ep"], blob_id, packed)
+                    self._layouts[blob_id] = layout
+                if record.get("rec"):
+                    keeper.record(msgspec.msgpack.decode(record["rec"], type=EpisodeFinished))
+            elif op == "claim":
+                keeper.claim(record["ids"], record["holder"])
+            elif op == "move":
+                keeper.hand_over(record["ids"], record["holder"])
+            elif op == "drop":
+                keeper.restore_drop(record["ids"], record["holder"], record["reason"])
+                for blob_id in record["ids"]:
+                    self._layouts.pop(blob_id, None)
+            elif op == "violation":
+                keeper.violations[record["action"]] += record["n"]
+            elif op == "counters":
+                keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
+        keeper.adopt_tombstones()
+        over = _over_budget(keeper, broken)
+        broken.update(over)
+        if broken:
+            self.dropped(keeper.restore_drop(list(broken), keeper.source, LOST))
+        aborted = self.store.sweep(layout["segment"] for layout in self._layouts.values())
+        self._since_compact += len(replay.records)
+        if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
+            self.compact(keeper)
+        return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
+                          time.perf_counter() - started)
+
+
+def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
+    base = branch.buffer.ctypes.data
+    return {"id": blob_id, "segment": branch.segment, "tokens": branch.tokens, "nbytes": branch.nbytes,
+            "checksum": branch.checksum, "routing": list(branch.routing_shape) if branch.routing_shape else None,
+            "fields": [[name, a.dtype.str, list(a.shape), a.ctypes.data - base] for name, a in branch.arrays.items()]}
+
+
+def _view(segment: Segment, branch: PackedBranch) -> PackedBranch:
+    """``branch`` with its arrays viewing ``segment`` (same layout) instead of its private buffer."""
+    layout = _layout("", branch)
+    return _packed({**layout, "segment": segment.name}, segment)
+
+
+def _packed(layout: Mapping[str, Any], segment: Segment | None) -> PackedBranch:
+    """A packed branch from its committed layout, viewing ``segment`` (None: a placeholder without arrays,
+    for a blob that is lost or deleted later in the journal)."""
+    arrays: dict[str, np.ndarray] = {}
+    buffer = segment.data if segment is not None else np.empty(0, np.uint8)
+    if segment is not None:
+        for name, dtype, shape, offset in layout["fields"]:
+            dt = np.dtype(dtype)
+            count = math.prod(shape)
+            arrays[name] = buffer[offset : offset + count * dt.itemsize].view(dt).reshape(shape)
+    routing = layout["routing"]
+    return PackedBranch(arrays=arrays, buffer=buffer, tokens=layout["tokens"], nbytes=layout["nbytes"],
+                        checksum=layout["checksum"], routing_shape=tuple(routing) if routing else None,
+                        segment=layout["segment"])
+
+
+def _live_at_end(records: Sequence[Mapping[str, Any]]) -> set[str]:
+    live: set[str] = set()
+    for record in records:
+        if record.get("op") == "keep":
+            live.update(layout["id"] for layout in record["blobs"])
+        elif record.get("op") == "drop":
+            live.difference_update(record["ids"])
+    return live
+
+
+def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
+    """The newest live blobs beyond the keeper's budget (a restart under a smaller one): lost, named."""
+    excess = keeper.bytes_held - sum(p.nbytes for b, _, _, p in keeper.blobs() if b in broken) - keeper.budget_bytes
+    over: dict[str, str] = {}
+    for blob_id, _, _, packed in reversed(list(keeper.blobs())):
+        if excess <= 0:
+            break
+        if blob_id not in broken:
+            over[blob_id] = f"over env_server.budget_bytes = {keeper.budget_bytes} after the restart"
+            excess -= packed.nbytes
+    return over
+
+
+def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals."""
+    holders: dict[str, list[str]] = {}
+    episodes: dict[str, list[dict[str, Any]]] = {}
+    for blob_id, episode_id, holder, _ in keeper.blobs():
+        episodes.setdefault(episode_id, []).append(layouts[blob_id])
+        if holder:
+            holders.setdefault(holder, []).append(blob_id)
+    for episode_id, layouts in episodes.items():
+        yield _keep(episode_id, layouts, keeper.record_of(episode_id))
+    for holder, ids in holders.items():
+        yield {"op": "claim", "ids": ids, "holder": holder}
+    for blob_id, holder, reason in keeper.tombstones():
+        yield {"op": "drop", "ids": [blob_id], "holder": holder, "reason": reason}
+    stats = keeper.stats()
+    yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
+           "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
+
+
+def _keep(episode_id: str, layouts: list[dict[str, Any]], record: EpisodeFinished | None) -> dict[str, Any]:
+    rec = msgspec.msgpack.encode(record, enc_hook=_plain) if record is not None else b""
+    return {"op": "keep", "ep": episode_id, "blobs": layouts, "rec": rec}
+
+
+def _plain(obj: Any) -> Any:
+    """Arrays and numpy scalars in a record's ``info`` as plain lists and numbers."""
+    if isinstance(obj, np.ndarray | np.generic):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot journal {type(obj).__name__}")

@@ -1,0 +1,349 @@
+"""A durable store: bytes in tmpfs files that outlive the process that wrote them, and a journal of what
+they mean.
+
+One directory per store per run, ``<directory>/refbus-store.<run>.<node>``, holds:
+
+* ``lock``: held with ``fcntl.flock`` for as long as a process serves the store, with that process's pid in
+  it. A second process (a replacement started while an old one, cut off by a partition, still runs) is
+  refused with :class:`StoreLocked`, naming the holder: never two processes serving one store.
+* ``id``: the store's identity, random, written once when the directory is made. A restarted process that
+  re-adopts the store keeps it (peers tell a re-adopted store from a fresh one by it).
+* ``journal``: the commit journal (:mod:`.journal`). What a record means is the owner's business.
+* segments: ``seg-*`` (:meth:`DurableStore.write`) are a header (magic, format version, byte count, xxh3-64
+  of the bytes) then the bytes; an owner may also keep raw files of its own layout here (a ps-worker's
+  shards, mapped by same-host peers at tensor offsets: their format version and checksums are in the
+  journal record that names them). A segment means nothing until a committed journal record names it;
+  :meth:`DurableStore.sweep` removes those none does (a write cut off before its record was committed).
+
+Contract (*acknowledged = durable*): a caller answers a request only after :meth:`DurableStore.commit`
+returned for its record, and the segments the record names were written (:meth:`DurableStore.write`)
+before. The commit flag is the last byte written, so a process killed at any point leaves either the
+committed record or nothing the next process will act on.
+
+Room: at open the tmpfs size is checked against the owner's budget (:func:`check_capacity`); a segment is
+allocated whole (``posix_fallocate``) before any byte is written, so a full tmpfs is a clean
+:class:`StoreFull` (never a ``SIGBUS`` on a mapped page), which the owner turns into a refusal.
+
+A host failure (reboot, power) loses everything here: tmpfs lives in memory. The store survives its
+process, not its machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import re
+import shutil
+import struct
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ...protocol.codec import checksum
+from . import journal
+
+log = structlog.get_logger(__name__)
+
+PREFIX = "refbus-store."
+SEGMENT_MAGIC = b"RBSEGM\0\0"
+FORMAT_VERSION = journal.FORMAT_VERSION
+_SEGMENT_HEADER = struct.Struct("<8sIIQQ")
+DATA_OFFSET = 64  # segment bytes start here: aligned for any dtype
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_OWN_FILES = frozenset({"lock", "id", "id.new", "journal", "journal.new"})
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or used as configured; the message says why and what to change."""
+
+
+class StoreLocked(StoreError):
+    """Another live process serves this store (``pid``)."""
+
+    def __init__(self, path: Path, pid: int) -> None:
+        self.pid = pid
+        super().__init__(f"store {path} is held by process {pid or '?'}: a store is served by one process only "
+                         "(the old one must exit first, or the node id is used twice)")
+
+
+class StoreFull(StoreError):
+    """The tmpfs has no room for a segment: refuse the write, retry once room comes back."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Segment:
+    """One segment's bytes, a read-only view of its mapping (valid after the file is unlinked, for as long
+    as a view of it lives)."""
+
+    name: str
+    nbytes: int
+    checksum: int
+    data: np.ndarray = field(repr=False)
+
+
+def store_path(directory: str | Path, run: str, node: str) -> Path:
+    """The directory of ``node``'s store in ``run``."""
+    return Path(directory) / f"{PREFIX}{_SAFE.sub('_', run)}.{_SAFE.sub('_', node)}"
+
+
+def check_capacity(directory: str | Path, budget_bytes: int, what: str) -> None:
+    """Raise :class:`StoreError` when the filesystem at ``directory`` is smaller than ``budget_bytes``
+    (``what`` names the setting): a store that can never hold its budget fails at start, not mid-run."""
+    stat = os.statvfs(directory)
+    size = stat.f_blocks * stat.f_frsize
+    if budget_bytes > size:
+        raise StoreError(
+            f"{directory} holds {size / 2**20:.0f} MiB, less than {what} = {budget_bytes / 2**20:.0f} MiB: "
+            "lower the budget, give the tmpfs more room (docker --shm-size; a container's default /dev/shm is "
+            "64 MiB), point store.directory at a larger tmpfs, or set store.durable = false")
+
+
+class DurableStore:
+    """One store directory, open and locked by this process (see the module doc) until :meth:`close`.
+
+    Opening replays the journal: :attr:`replay` holds the committed records in order (the owner rebuilds its
+    state from them), the uncommitted tail and any damage. :attr:`fresh` is True when the directory was made
+    now. Not thread-safe: the owner serialises :meth:`commit`; :meth:`write` of a new segment may run on any
+    thread (it takes a fresh name from an atomic counter and shares nothing else).
+
+    Raises (from the constructor): :class:`StoreLocked`, :class:`StoreError` (capacity, a journal of
+    another format version or that is not a journal).
+    """
+
+    before_flag: Any = None  # a test's crash point between a record's bytes and its commit flag
+
+    def __init__(self, directory: str | Path, run: str, node: str, *, budget_bytes: int, what: str) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        check_capacity(directory, budget_bytes, what)
+        self.path = store_path(directory, run, node)
+        self.path.mkdir(exist_ok=True)
+        self._dir = str(self.path)
+        self._lock_fd = _lock(self.path)
+        self._prefix = f"seg-{os.urandom(4).hex()}-"
+        self._names = itertools.count(1)  # next() is atomic: writers on several threads never share a name
+        self._verified: dict[str, Segment | str] = {}
+        try:
+            self.identity, self.fresh = _identity(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / "journal.new").unlink()  # a compaction cut short: the old journal stands
+            journal_path = self.path / "journal"
+            if journal_path.exists():
+                try:
+                    self.replay = journal.replay(journal_path.read_bytes(), str(journal_path))
+                except journal.FormatError as exc:
+                    raise StoreError(f"{exc}; remove {self.path} (refbus shm gc, once no process holds it)") from None
+                self._fd = os.open(journal_path, os.O_RDWR)
+                os.ftruncate(self._fd, self.replay.end)
+                os.lseek(self._fd, self.replay.end, os.SEEK_SET)
+            else:
+                self.replay = journal.Replay([], None, "", 0)
+                self._fd = _new_journal(journal_path)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        if self.replay.damaged:
+            log.error("store.journal_damaged", store=str(self.path), detail=self.replay.damaged,
+                      records=len(self.replay.records))
+
+    # --- segments -----------------------------------------------------------------------------------
+
+    def write(self, data: np.ndarray) -> Segment:
+        """Copy ``data`` (any contiguous array; its bytes) into a new segment; a read-only view of it.
+        Nothing names the segment until a committed record does.
+
+        Raises:
+            StoreFull: the tmpfs has no room (nothing is left behind).
+        """
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        name = f"{self._prefix}{next(self._names)}"
+        path = self.path / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            size = DATA_OFFSET + raw.nbytes
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise StoreFull(f"no room in {self.path.parent} for {raw.nbytes} bytes") from None
+            digest = checksum(memoryview(raw))
+            os.pwrite(fd, _SEGMENT_HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, raw.nbytes, digest), 0)
+            if raw.nbytes:
+                os.pwrite(fd, memoryview(raw), DATA_OFFSET)
+            segment = Segment(name, raw.nbytes, digest, _map(fd, size))
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self._verified[name] = segment
+        return segment
+
+    def segment(self, name: str) -> Segment | str:
+        """The segment ``name``, its bytes verified against its checksum (once per process), or why it
+        cannot be used (missing, another format, cut short, bytes that do not match): a loss to name."""
+        found = self._verified.get(name)
+        if found is None:
+            found = self._verified[name] = _read_segment(os.path.join(self._dir, name))
+        return found
+
+    def unlink(self, names: Iterable[str]) -> None:
+        """Remove segments (their records were committed as dropped); views of them stay valid."""
+        for name in names:
+            self._verified.pop(name, None)
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+
+    def sweep(self, keep: Iterable[str]) -> list[str]:
+        """Remove every segment (any file but the store's own) not in ``keep``: none of its records
+        committed, or dropped; their names."""
+        keep = {*keep, *_OWN_FILES}
+        removed = sorted(p.name for p in self.path.iterdir() if p.name not in keep)
+        self.unlink(removed)
+        return removed
+
+    # --- journal ------------------------------------------------------------------------------------
+
+    def commit(self, record: dict[str, Any]) -> None:
+        """Append ``record`` and its commit flag: once this returns, a restart replays it."""
+        journal.append(self._fd, record, before_flag=self.before_flag)
+
+    def compact(self, records: Iterable[dict[str, Any]]) -> None:
+        """Replace the journal by ``records`` (the owner's state now), atomically: a kill at any point leaves
+        the old journal or the new one, never a mix."""
+        new_path = self.path / "journal.new"
+        fd = _new_journal(new_path)
+        try:
+            for record in records:
+                journal.append(fd, record)
+        except BaseException:
+            os.close(fd)
+            new_path.unlink(missing_ok=True)
+            raise
+        os.rename(new_path, self.path / "journal")
+        os.close(self._fd)
+        self._fd = fd
+
+    def close(self, *, remove: bool) -> None:
+        """Release the store; ``remove``: delete its directory too (a clean shutdown deleted everything in
+        it). Idempotent."""
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+
+
+def gc(directory: str | Path, run: str = "") -> list[Path]:
+    """Remove the store directories under ``directory`` (of ``run`` only, when given) that no live process
+    holds; the paths removed. A directory whose lock is held is left alone."""
+    pattern = f"{PREFIX}{_SAFE.sub('_', run)}.*" if run else f"{PREFIX}*"
+    return [path for path in sorted(Path(directory).glob(pattern)) if path.is_dir() and remove_unheld(path)]
+
+
+def remove_unheld(path: Path) -> bool:
+    """Remove the store directory ``path`` unless a live process holds its lock; whether it was removed."""
+    try:
+        fd = _lock(path)
+    except StoreLocked:
+        return False
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StoreLocked(path, int(holder) if holder.isdigit() else 0) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _identity(path: Path) -> tuple[str, bool]:
+    """The store's identity and whether it was made now (written whole or not at all: tmp file, rename)."""
+    id_path = path / "id"
+    with contextlib.suppress(FileNotFoundError):
+        text = id_path.read_text().strip()
+        if text:
+            return text, False
+    identity = os.urandom(8).hex()
+    tmp = path / "id.new"
+    tmp.write_text(identity + "\n")
+    os.rename(tmp, id_path)
+    for stale in [*path.glob("seg-*"), path / "journal"]:  # left by a store whose id never got written
+        stale.unlink(missing_ok=True)
+    return identity, True
+
+
+def _new_journal(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, journal.header())
+    return fd
+
+
+def _map(fd: int, size: int) -> np.ndarray:
+    """A read-only view of a segment's bytes, mapped shared; unmapped once the last view of it is gone.
+
+    Mapped through libc, not :class:`mmap.mmap`: that keeps a duplicate of the file descriptor per mapping,
+    and a store holds one mapping per blob (hundreds of thousands), far past any descriptor limit.
+    """
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+    memory = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(memory, _libc.munmap, addr, size)
+    view = np.frombuffer(memory, dtype=np.uint8, offset=DATA_OFFSET)
+    view.flags.writeable = False
+    return view
+
+
+def _read_segment(path: str) -> Segment | str:
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return f"segment {name} is missing"
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _SEGMENT_HEADER.size, 0)
+        if len(head) < _SEGMENT_HEADER.size:
+            return f"segment {name}: {size} bytes, shorter than its header"
+        magic, version, _, nbytes, digest = _SEGMENT_HEADER.unpack(head)
+        if magic != SEGMENT_MAGIC:
+            return f"segment {name}: not a refbus segment (magic {magic!r})"
+        if version != FORMAT_VERSION:
+            return f"segment {name}: format version {version}, this build reads version {FORMAT_VERSION}"
+        if size != DATA_OFFSET + nbytes:
+            return f"segment {name}: {size - DATA_OFFSET} bytes, its header says {nbytes}"
+        data = _map(fd, size)
+        if checksum(memoryview(data)) != digest:
+            return f"segment {name}: its bytes do not match their checksum"
+        return Segment(name, nbytes, digest, data)
+    finally:
+        os.close(fd)

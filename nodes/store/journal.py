@@ -1,0 +1,123 @@
+"""The store's journal: an append-only file of records, each committed by a flag byte written last.
+
+Layout (all integers little-endian)::
+
+    file header   8 bytes magic ``RBJRNL\\0\\0``, u32 format version, u32 zero
+    record        u32 payload length, u64 xxh3-64 of the payload, payload (msgpack map), u8 commit flag (1)
+
+A record is written in two system calls: length, checksum and payload, then the flag. A process killed
+between the two leaves an *uncommitted* record at the end; :func:`replay` hands it back apart (decoded
+when its bytes are whole) and the journal is cut before it, so the next append follows the last committed
+record. Bytes that do not parse as a record (a checksum that does not match, a length past the end) end
+the replay there: what follows is named in :attr:`Replay.damaged`, never applied.
+
+Pure file handling: no sockets, no threads; the store (:mod:`.durable`) owns the file descriptor.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ...protocol.codec import checksum
+
+MAGIC = b"RBJRNL\0\0"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sII")
+_RECORD = struct.Struct("<IQ")
+COMMITTED = b"\x01"
+MAX_RECORD_BYTES = 64 << 20  # a length above this is garbage, not a record
+
+
+class FormatError(ValueError):
+    """A journal or segment file this build cannot read (wrong magic or format version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What :func:`replay` read: the committed records in order; the uncommitted tail record (decoded, or
+    None when there was none or its bytes were cut); ``damaged``: why the replay stopped early ("" when it
+    read to the end); ``end``: the offset the journal is cut at."""
+
+    records: list[dict[str, Any]]
+    uncommitted: dict[str, Any] | None
+    damaged: str
+    end: int
+
+
+def header() -> bytes:
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0)
+
+
+def check_header(data: bytes, what: str) -> None:
+    """Raise :class:`FormatError` naming ``what`` unless ``data`` starts with this build's journal header."""
+    if len(data) < _HEADER.size:
+        raise FormatError(f"{what}: {len(data)} bytes, shorter than a journal header")
+    magic, version, _ = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise FormatError(f"{what}: not a refbus store journal (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{what}: journal format version {version}, this build reads version {FORMAT_VERSION}")
+
+
+def encode(record: dict[str, Any]) -> tuple[bytes, bytes]:
+    """A record's bytes before its flag, and the flag: the two writes of an append."""
+    payload = msgspec.msgpack.encode(record)
+    return _RECORD.pack(len(payload), checksum(payload)) + payload, COMMITTED
+
+
+def append(fd: int, record: dict[str, Any], *, before_flag: Callable[[], None] | None = None) -> int:
+    """Append ``record`` to the journal open at ``fd`` (positioned at its end); the bytes appended.
+    ``before_flag`` runs between the record's bytes and its flag (a test's crash point)."""
+    body, flag = encode(record)
+    _write_all(fd, body)
+    if before_flag is not None:
+        before_flag()
+    _write_all(fd, flag)
+    return len(body) + len(flag)
+
+
+def replay(data: bytes, what: str) -> Replay:
+    """Parse a whole journal file's bytes (see the module doc). Raises :class:`FormatError` for a header
+    this build cannot read; any other damage is reported in the result, never raised."""
+    check_header(data, what)
+    records: list[dict[str, Any]] = []
+    offset = _HEADER.size
+    while offset < len(data):
+        if len(data) - offset < _RECORD.size:
+            return Replay(records, None, "", offset)  # a record cut inside its length: never committed
+        length, digest = _RECORD.unpack_from(data, offset)
+        start, stop = offset + _RECORD.size, offset + _RECORD.size + length
+        if length > MAX_RECORD_BYTES:
+            return Replay(records, None, f"garbage at byte {offset}: record length {length}", offset)
+        if stop > len(data):
+            return Replay(records, None, "", offset)  # cut inside its payload: never committed
+        payload = data[start:stop]
+        if checksum(payload) != digest:
+            return Replay(records, None, f"garbage at byte {offset}: record checksum does not match", offset)
+        try:
+            record = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError as exc:
+            return Replay(records, None, f"garbage at byte {offset}: {exc}", offset)
+        if not isinstance(record, dict):
+            return Replay(records, None, f"garbage at byte {offset}: a record is a map", offset)
+        flag = data[stop : stop + 1]
+        if flag != COMMITTED:
+            if flag or stop + 1 < len(data):  # a flag byte that is not 1, or bytes after the tail
+                return Replay(records, None, f"garbage at byte {stop}: commit flag {flag!r}", offset)
+            return Replay(records, record, "", offset)
+        records.append(record)
+        offset = stop + 1
+    return Replay(records, None, "", offset)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

@@ -1,0 +1,304 @@
+"""The durable store alone, an env server's keeper and a ps-worker's shards on it: commit, abort,
+re-adoption with verified checksums, the lock, gc (and `refbus shm gc`), capacity, format versions,
+garbage, and a process killed between a record's bytes and its commit flag."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from branches import random_arrays
+from refbus.nodes.payload.blob_journal import BlobJournal
+from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
+from refbus.nodes.ps.shard_journal import ShardJournal
+from refbus.nodes.ps.shm import SegmentPool
+from refbus.nodes.store import journal
+from refbus.nodes.store.durable import DurableStore, StoreError, StoreLocked, gc, store_path
+from refbus.protocol.codec import checksum
+from refbus.protocol.messages import EpisodeFinished
+from refbus.protocol.messages_ps import ShardTensor
+
+BUDGET = 1 << 20
+
+
+def open_store(directory: Path, *, budget: int = BUDGET, node: str = "env-0") -> DurableStore:
+    return DurableStore(directory, "run-a", node, budget_bytes=budget, what="env_server.budget_bytes")
+
+
+def keeper(budget: int = BUDGET) -> Keeper:
+    return Keeper("env", "tcp://127.0.0.1:9", budget_bytes=budget, handover_lease_s=60.0, node="env-0")
+
+
+def keep(journal_: BlobJournal, keeper_: Keeper, episode_id: str, seeds: tuple[int, ...]) -> list[str]:
+    """What the env server does for a keep: bytes to segments, the keeper, then one commit."""
+    packed = journal_.write(pack_branches([random_arrays(5 + s, seed=s) for s in seeds]))
+    refs = keeper_.store(episode_id, packed)
+    record = EpisodeFinished(episode_id=episode_id, source="env", refs=refs, info={"reward": np.float32(0.5)})
+    keeper_.record(record)
+    journal_.kept(record, packed)
+    return [ref.blob_id for ref in refs]
+
+
+def restart(directory: Path, dead: BlobJournal | None, *, budget: int = BUDGET) -> tuple[Keeper, BlobJournal]:
+    """A new process's keeper on the store ``dead`` served (its lock let go as a dying process's is, nothing
+    else done)."""
+    if dead is not None:
+        dead.store.close(remove=False)
+    restarted = keeper(budget)
+    durable = BlobJournal(open_store(directory, budget=budget))
+    durable.readoption = durable.readopt(restarted)  # type: ignore[attr-defined]
+    return restarted, durable
+
+
+def test_commit_then_reopen_replays_records_and_verified_segments(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    assert store.fresh
+    segment = store.write(np.arange(100, dtype=np.int64))
+    store.commit({"op": "x", "segment": segment.name})
+    store.close(remove=False)
+
+    again = open_store(tmp_path)
+    assert not again.fresh and again.identity == store.identity
+    assert again.replay.records == [{"op": "x", "segment": segment.name}]
+    found = again.segment(segment.name)
+    assert not isinstance(found, str)
+    assert np.array_equal(found.data.view(np.int64), np.arange(100))
+    again.close(remove=True)
+    assert not store.path.exists()
+
+
+def test_keeper_state_survives_a_restart_exactly(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    a = keep(durable, first, "ep-a", (1, 2))
+    b = keep(durable, first, "ep-b", (3,))
+    c = keep(durable, first, "ep-c", (4,))
+    claim = first.claim([*a, *b, *c], "orchestrator")
+    durable.claimed(claim.claimed, "orchestrator")
+    durable.moved(first.hand_over(b, "trainer-0"), "trainer-0")
+    deleted = first.delete(c, "orchestrator", "consumed")
+    durable.dropped(deleted)
+    again = first.delete(c, "orchestrator", "consumed")  # a second delete in one process: a violation
+    durable.violated(again.violations)
+    before = first.stats()
+    held = {blob_id: {k: v.copy() for k, v in first.fetch([blob_id], "x").arrays[blob_id].items()} for blob_id in a + b}
+
+    second, restarted = restart(tmp_path, durable)  # the first process "died": its store was never closed
+    assert second.stats() == before
+    assert restarted.readoption.blobs == 3 and not restarted.readoption.lost  # type: ignore[attr-defined]
+    for blob_id, fields in held.items():
+        for name, array in second.fetch([blob_id], "x").arrays[blob_id].items():
+            assert np.array_equal(array, fields[name])
+    # Retries across the restart are answered from what was committed, never refused:
+    assert second.claim(a, "orchestrator").already == tuple(a)
+    repeat = second.delete(c, "orchestrator", "consumed")
+    assert repeat.repeated == tuple(c) and not repeat.violations and not repeat.deleted
+    assert second.delete(c, "trainer-0", "consumed").violations  # by another holder it still is one
+    records = [h.record.episode_id for h in second.holdings("orchestrator")]
+    assert records == ["ep-a"]
+    assert [h.record.info for h in second.holdings("trainer-0")] == [{"reward": 0.5}]
+
+
+def test_a_keep_cut_before_its_commit_flag_is_aborted(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    kept = keep(durable, first, "ep-a", (1,))
+
+    def crash() -> None:
+        raise KeyboardInterrupt  # stands for the process dying here; the SIGKILL test below kills it for real
+
+    durable.store.before_flag = crash
+    with pytest.raises(KeyboardInterrupt):
+        keep(durable, first, "ep-b", (2, 3))
+    second, restarted = restart(tmp_path, durable)
+    assert restarted.readoption.aborted == 2  # type: ignore[attr-defined]
+    assert [b for b, *_ in second.blobs()] == kept
+    assert second.kept_total == 1
+    assert restarted.store.replay.uncommitted is not None and restarted.store.replay.uncommitted["ep"] == "ep-b"
+    assert [p.name for p in restarted.store.path.glob("seg-*")] == [p.segment for *_, p in second.blobs()]
+
+
+def test_a_blob_failing_its_checksum_is_lost_and_named_never_served(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    good = keep(durable, first, "ep-a", (1,))
+    bad = keep(durable, first, "ep-b", (2,))
+    segment = next(p for b, _, _, p in first.blobs() if b == bad[0]).segment
+    path = durable.store.path / segment
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    second, restarted = restart(tmp_path, durable)
+    lost = restarted.readoption.lost  # type: ignore[attr-defined]
+    assert list(lost) == bad and "checksum" in lost[bad[0]]
+    assert second.fetch(bad, "trainer").arrays == {} and second.fetch(bad, "trainer").reclaimed == tuple(bad)
+    assert list(second.fetch(good, "trainer").arrays) == good
+    assert second.stats().deleted == {LOST: 1} and second.kept_total == 2
+
+
+def test_a_smaller_budget_after_the_restart_drops_and_names_the_newest(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    old = keep(durable, first, "ep-a", (1,))
+    new = keep(durable, first, "ep-b", (2,))
+    second, restarted = restart(tmp_path, durable, budget=first.bytes_held - 1)
+    assert list(restarted.readoption.lost) == new  # type: ignore[attr-defined]
+    assert [b for b, *_ in second.blobs()] == old
+
+
+def test_a_second_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    with pytest.raises(StoreLocked, match=f"held by process {os.getpid()}") as refused:
+        open_store(tmp_path)
+    assert refused.value.pid == os.getpid()
+    store.close(remove=False)
+    open_store(tmp_path).close(remove=False)  # free again once the holder let go
+
+
+def test_gc_removes_only_stores_no_live_process_holds(tmp_path: Path) -> None:
+    held = open_store(tmp_path, node="env-0")
+    open_store(tmp_path, node="env-1").close(remove=False)
+    DurableStore(tmp_path, "run-b", "env-1", budget_bytes=BUDGET, what="b").close(remove=False)
+    assert gc(tmp_path, "run-a") == [store_path(tmp_path, "run-a", "env-1")]
+    assert gc(tmp_path) == [store_path(tmp_path, "run-b", "env-1")]
+    assert held.path.exists()
+    held.close(remove=False)
+    assert gc(tmp_path) == [held.path]
+
+
+def test_a_budget_larger_than_the_tmpfs_is_a_clear_error(tmp_path: Path) -> None:
+    size = os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(StoreError, match=r"env_server.budget_bytes = .* store.durable = false"):
+        open_store(tmp_path, budget=size + 1)
+
+
+def test_no_room_refuses_the_keep_with_a_retry_and_leaves_nothing(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(KeepError) as refused:
+        durable.write(pack_branches([random_arrays(5, seed=1)]))
+    assert refused.value.code == "over-budget" and refused.value.retry_after_s > 0
+    assert not list(durable.store.path.glob("seg-*"))
+
+
+def test_another_format_version_is_refused_clearly(tmp_path: Path) -> None:
+    open_store(tmp_path).close(remove=False)
+    path = store_path(tmp_path, "run-a", "env-0") / "journal"
+    data = bytearray(path.read_bytes())
+    data[8] = journal.FORMAT_VERSION + 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"format version {journal.FORMAT_VERSION + 1}, this build reads"):
+        open_store(tmp_path)
+    path.write_bytes(b"garbage!" * 4)
+    with pytest.raises(StoreError, match="not a refbus store journal"):
+        open_store(tmp_path)
+
+
+@pytest.mark.parametrize("garbage", [b"\x00", b"\xff" * 13, os.urandom(64)])
+def test_garbage_after_the_journal_keeps_what_came_before(tmp_path: Path, garbage: bytes) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    kept = keep(durable, first, "ep-a", (1,))
+    with open(durable.store.path / "journal", "ab") as out:
+        out.write(garbage)
+    second, restarted = restart(tmp_path, durable)
+    assert [b for b, *_ in second.blobs()] == kept
+    keep(restarted, second, "ep-b", (2,))  # the journal was cut after the last good record: appends go on
+    third, _ = restart(tmp_path, restarted)
+    assert third.blobs_held == 2
+
+
+def test_a_segment_of_another_format_is_named_as_lost(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    kept = keep(durable, first, "ep-a", (1,))
+    segment = next(iter(durable.store.path.glob("seg-*")))
+    data = bytearray(segment.read_bytes())
+    data[8] = 9
+    segment.write_bytes(bytes(data))
+    _, restarted = restart(tmp_path, durable)
+    assert "format version 9" in restarted.readoption.lost[kept[0]]  # type: ignore[attr-defined]
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from test_store import keep, keeper, open_store
+    from refbus.nodes.payload.blob_journal import BlobJournal
+    from pathlib import Path
+    k, durable = keeper(), BlobJournal(open_store(Path(sys.argv[1])))
+    durable.readopt(k)
+    keep(durable, k, "ep-a", (1,))
+    durable.store.before_flag = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    keep(durable, k, "ep-b", (2, 3, 4))
+""")
+
+
+def test_sigkill_between_the_bytes_and_the_commit_flag_aborts_that_keep_only(tmp_path: Path) -> None:
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(Path(__file__).parent)],
+                           capture_output=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    second, restarted = restart(tmp_path, None)
+    assert restarted.readoption.aborted == 3  # type: ignore[attr-defined]
+    assert second.blobs_held == 1 and second.kept_total == 1
+    assert len(list(restarted.store.path.glob("seg-*"))) == 1
+
+
+def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:
+    held = open_store(tmp_path, node="env-0")  # held by this process: a live store
+    open_store(tmp_path, node="env-1").close(remove=False)
+    gc_cli = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "shm", "gc", "--store-directory", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert gc_cli.returncode == 0, gc_cli.stderr
+    assert gc_cli.stdout.split() == ["removed", str(store_path(tmp_path, "run-a", "env-1"))]
+    assert held.path.exists()
+    held.close(remove=True)
+
+
+def sealed_shard(directory: Path, pool: SegmentPool, journal_: ShardJournal, lease: str, version: int) -> str:
+    """What a ps-worker does for a push: a segment written by the pusher, then the verified seal committed."""
+    segment = pool.acquire(4096)
+    data = np.frombuffer(segment.view(0, 4096), np.uint8)
+    data[:] = np.arange(4096) % 251
+    tensors = [ShardTensor("w", "uint8", [4096], 0, 4096, checksum(segment.view(0, 4096)))]
+    journal_.sealed(lease, version, 0, segment.name, tensors)
+    return segment.name
+
+
+def test_a_restarted_ps_worker_readopts_its_sealed_shards_and_names_a_corrupt_one(tmp_path: Path) -> None:
+    store = open_store(tmp_path, node="ps-worker-0", budget=0)
+    shards, pool = ShardJournal(store), SegmentPool(store.path, "refbus-ps", pin=False)
+    assert shards.readopt().shards == ()
+    kept = sealed_shard(tmp_path, pool, shards, "lease-a", 1)
+    corrupt = sealed_shard(tmp_path, pool, shards, "lease-b", 2)
+    released = sealed_shard(tmp_path, pool, shards, "lease-c", 3)
+    shards.released(["lease-c"])
+    unsealed = pool.acquire(4096).name  # opened by a pusher, never sealed
+    with open(store.path / corrupt, "r+b") as out:
+        out.write(b"\xff")
+    store.close(remove=False)  # the process died: the mappings and the files stay
+
+    again = ShardJournal(open_store(tmp_path, node="ps-worker-0", budget=0))
+    found = again.readopt()
+    assert [(s.lease, s.version, s.segment) for s in found.shards] == [("lease-a", 1, kept)]
+    assert list(found.lost) == ["lease-b"] and "checksum" in found.lost["lease-b"]
+    assert found.swept == 3  # the corrupt, the released and the unsealed segments
+    left = {p.name for p in again.store.path.iterdir()}
+    assert kept in left and not {corrupt, released, unsealed} & left
+    adopted = SegmentPool(again.store.path, "refbus-ps", pin=False).adopt(kept)
+    assert np.array_equal(np.frombuffer(adopted.view(0, 4096), np.uint8), np.arange(4096) % 251)
+    pool.close()
