@@ -33,7 +33,7 @@ import zmq
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Message, WireCodec
 from ..protocol.errors import ProtocolError
-from ..protocol.messages import Body, Error
+from ..protocol.messages import Body, Error, Ok
 from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
@@ -252,13 +252,16 @@ def gather(
     deadline_s: float | None = None,
     backend: ArrayBackend = "native",
     verify: bool = True,
+    on_reply: Callable[[int, Message], None] | None = None,
 ) -> list[Message | RemoteError | RequestTimeout]:
     """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
     its client's) until its deadline: ``deadline_s`` after it is first sent (default: the sum of the
     policy's timeouts), as for :class:`~.calls.Calls`. Returns one outcome per call, in order: the reply,
     or the :class:`RemoteError` / :class:`RequestTimeout` it ended with (sort them with
     :func:`split_outcomes`). Late duplicate replies go to each client's ``on_stray``. ``verify=False``
-    skips frame checksums for callers that verify the bytes themselves."""
+    skips frame checksums for callers that verify the bytes themselves. ``on_reply(index, reply)``, when
+    given, takes each successful reply as it arrives; it is not kept (its slot holds its header with an ``Ok``
+    body), so a caller streaming large replies holds about ``window`` of them at a time."""
     results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
     queued: dict[Client, deque[int]] = {}
     for index, (client, _) in enumerate(calls):
@@ -316,6 +319,9 @@ def gather(
                     client.stray(reply)
                 elif isinstance(reply.body, Error):
                     finish(call, RemoteError(reply.body, client.endpoint))
+                elif on_reply is not None:
+                    on_reply(call.index, reply)
+                    finish(call, Message(reply.kind, reply.header, Ok()))
                 else:
                     finish(call, reply)
     return results  # type: ignore[return-value]
