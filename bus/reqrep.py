@@ -345,6 +345,7 @@ class Pending:
 class _Route:
     handler: Handler
     cached: bool
+    verify: bool
 
 
 class Server:
@@ -395,9 +396,11 @@ class Server:
         self._floors: OrderedDict[tuple[str, str], int] = OrderedDict()  # (src, incarnation) -> evicted counter
         self._current = Pending(b"", "")
 
-    def on(self, kind: str, handler: Handler, *, cached: bool = True) -> None:
-        """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice."""
-        self.routes[kind] = _Route(handler, cached)
+    def on(self, kind: str, handler: Handler, *, cached: bool = True, verify: bool = True) -> None:
+        """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice.
+        ``verify=False`` skips the frame checksums on decode, for handlers whose bytes are verified end to end
+        later (always checked on a signed bus)."""
+        self.routes[kind] = _Route(handler, cached, verify)
 
     @property
     def pending(self) -> Pending:
@@ -445,7 +448,7 @@ class Server:
                 self._send(identity, Error("unexpected-kind", f"this node does not serve {kind!r} requests", kind),
                            header.id)
                 return
-            request = self.codec.decode(envelope, backend=self.backend, checked=checked)
+            request = self.codec.decode(envelope, backend=self.backend, verify=route.verify, checked=checked)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))
