@@ -1,9 +1,12 @@
 """Cross-host pulls as frames (refbus.nodes.ps.frames) against a fake worker on a real socket: tensors read
 in pieces that cross tensor and request boundaries land byte-identical in their destinations; corrupt, short
-or missing answers fail the read with what went wrong."""
+or missing answers, and a worker process SIGKILLed mid-read, fail the read with what went wrong."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
+from refbus.bus.reqrep import Client, HandlerError, RetryPolicy, Server
 from refbus.bus.sockets import bound_endpoint
 from refbus.nodes.ps.frames import FramesError, Wanted, read_frames
 from refbus.protocol.codec import checksum
@@ -107,3 +110,46 @@ def test_a_worker_that_never_answers_fails_the_read_at_its_deadline(client: Any,
     with pytest.raises(FramesError, match="no reply"):
         read_frames(client(silent, RetryPolicy(timeout_s=0.05, attempts=2)), wanted,
                     lambda e: torch.empty(e.nbytes, dtype=torch.uint8), chunk_bytes=12, window=2, piece_bytes=5)
+
+
+def _dying_worker(endpoint_out: Any) -> None:
+    """A worker process that answers the first read, then is SIGKILLed by the second (mid-pull)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:0")
+    data, _ = segment_and_wanted()
+    reads: list[ShardRead] = []
+
+    def read(request: Message) -> ShardData:
+        if reads:
+            os.kill(os.getpid(), signal.SIGKILL)
+        reads.append(request.body)
+        return ShardData([data[r.offset : r.offset + r.nbytes] for r in request.body.ranges])
+
+    server = Server(sock, WireCodec("dying-worker"))
+    server.on(ShardRead.kind, read, cached=False)
+    endpoint_out.send(bound_endpoint(sock))
+    while True:
+        if sock.poll(1000, zmq.POLLIN):
+            server.handle_one()
+
+
+def test_a_worker_killed_mid_read_fails_it_within_the_policy(client: Any) -> None:
+    _, wanted = segment_and_wanted()
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    proc = multiprocessing.get_context("spawn").Process(target=_dying_worker, args=(theirs,), daemon=True)
+    proc.start()
+    try:
+        assert ours.poll(30), "worker never started"
+        endpoint = ours.recv()
+        policy = RetryPolicy(timeout_s=0.2, attempts=2)
+        with pytest.raises(FramesError, match="no reply"):
+            read_frames(client(endpoint, policy), wanted, lambda e: torch.empty(e.nbytes, dtype=torch.uint8),
+                        chunk_bytes=12, window=1, piece_bytes=5)
+        proc.join(timeout=10)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)
