@@ -8,9 +8,10 @@ measured in the same run and process tree.
    (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
    ``recv_into``), nothing assembled; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
    GET per blob, the best of 1, 2, 4 and 8 parallel requests, then the same assembly into the same kind of
-   reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB; >= 1.2x http
-   at 4 MiB and >= 5x at 64 KiB. An informational row shows refbus until every blob is received and verified
-   (before assembly widens uint8 rows into int32 tensors, 4x the bytes written).
+   reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB and >= 50% at
+   64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An
+   informational row shows refbus until every blob is received and verified (before assembly copies the
+   uint8 rows into the batch tensors).
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
    receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
    one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
@@ -73,7 +74,7 @@ from bench.harness import (
 
 LAYERS, TOP_K = 64, 8
 TOKEN_BYTES = LAYERS * TOP_K  # uint8 routing: 512 B per token
-SEQ_LEN = 65_536  # tokens per micro batch: 32 MiB of routing in, 128 MiB of int32 out
+SEQ_LEN = 65_536  # tokens per micro batch: 32 MiB of uint8 routing in and out
 HTTP_PARALLEL = (1, 2, 4, 8)
 MEMORY_BLOB = 1 * MIB
 PATIENT = RetryPolicy(timeout_s=WAIT_S, attempts=1)
@@ -382,9 +383,10 @@ def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) 
         big = nbytes >= MIB
         rows += [
             Row("fetch", f"{label} → assembled (vs raw TCP, bytes only)", "GB/s", total / ours / 1e9,
-                total / raw / 1e9, 0.80 if big else None),
-            Row("fetch", f"{label} → assembled (vs HTTP, best: {best_parallel} parallel)", "GB/s",
-                total / ours / 1e9, total / http_s / 1e9, 1.2 if big else 5.0),
+                total / raw / 1e9, 0.80 if big else 0.50),
+            Row("fetch", f"{label} → assembled (vs HTTP, best: {best_parallel} parallel; raw TCP "
+                         f"{total / raw / 1e9:.2f} GB/s)", "GB/s", total / ours / 1e9, total / http_s / 1e9,
+                1.2 if big else 5.0),
             Row("fetch", f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
                 total / raw / 1e9, None),
         ]

@@ -5,7 +5,10 @@
    already mapped, and against ``torch.save`` + ``torch.load`` through /dev/shm and through the disk (the
    filesystem weight broadcast). Goals: same-host pull >= 50% of memcpy bandwidth; push + pull >= 3x the
    torch.save/load path. Pushes and pulls are steady state (segments and destination buffers reused, as a
-   trainer and a rollout worker do every step); the first, cold push is reported too.
+   trainer and a rollout worker do every step); the first, cold push is reported too. The frames path (the one
+   every pull from another host takes) is also set against raw TCP between this process and another one on
+   the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
+   pull >= 80% of it.
 2. **broadcast**: init of N = 2, 4, 8 workers from a 256 MiB safetensors file (N copies of every retained
    version must fit in this machine's 24 GiB), against every worker reading the file
    itself (N concurrent reader processes) and against the reader sending to each worker in turn (N - 1
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from refbus.bus.logs import configure_logging
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
@@ -42,7 +47,19 @@ from refbus.nodes.ps.client import PsClient
 from refbus.nodes.ps.shm import sweep_orphans
 from safetensors.torch import save_file
 
-from bench.harness import GIB, MIB, Channel, best_seconds, parse_args, seconds_each, workers, write_json
+from bench.harness import (
+    GIB,
+    MIB,
+    WAIT_S,
+    BenchError,
+    Channel,
+    Worker,
+    best_seconds,
+    parse_args,
+    seconds_each,
+    workers,
+    write_json,
+)
 
 RETAIN = 2
 PUSHER_WAIT_S = 120.0  # a push of the full state with the machine saturated, plus the pusher's start-up
@@ -129,6 +146,54 @@ def cluster(ps_workers: int) -> Iterator[Cluster]:
 # --- 1. transfer ------------------------------------------------------------------------------------
 
 
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        chunk = sock.recv_into(view[got:])
+        if not chunk:
+            raise BenchError("raw TCP peer closed early")
+        got += chunk
+
+
+def raw_peer(ch: Channel, nbytes: int, runs: int, direction: str) -> None:
+    """The raw limit's far end, on one TCP connection: for each one-byte order, send ``nbytes`` (``pull``), or
+    receive them into a warm buffer and answer one byte (``push``)."""
+    view = memoryview(np.full(nbytes, 7, dtype=np.uint8))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ch.send(listener.getsockname()[1])
+        listener.settimeout(WAIT_S)
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(WAIT_S)
+            for _ in range(runs):
+                if conn.recv(1) != b"g":
+                    raise BenchError("raw TCP client went away")
+                if direction == "pull":
+                    conn.sendall(view)
+                else:
+                    _recv_exactly(conn, view)
+                    conn.sendall(b"k")
+
+
+def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str) -> float:
+    """Best seconds to move ``nbytes`` between this process and ``peer`` over plain TCP (after one warm-up)."""
+    peer.submit(raw_peer, nbytes, repeats + 1, direction)
+    view = memoryview(np.ones(nbytes, dtype=np.uint8))
+    with socket.create_connection(("127.0.0.1", peer.message()), timeout=WAIT_S) as sock:
+        def step() -> None:
+            sock.sendall(b"g")
+            if direction == "pull":
+                _recv_exactly(sock, view)
+            else:
+                sock.sendall(view)
+                if sock.recv(1) != b"k":
+                    raise BenchError("raw TCP peer did not acknowledge")
+
+        seconds = min(seconds_each(step, repeats + 1)[1:])
+    peer.result()
+    return seconds
+
+
 def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
     state = make_state(settings.state_bytes, settings.tensors)
     size = nbytes(state)
@@ -163,6 +228,12 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
         report(f"torch.save + torch.load via {where}: {save_s:.3f} + {load_s:.3f} s = {save_s + load_s:.3f} s "
                "(baseline)")
 
+    with workers("bench-raw-peer") as (peer,):
+        raw = {direction: raw_tcp(peer, size, settings.repeats, direction) for direction in ("pull", "push")}
+    results["raw_tcp_s"] = raw
+    report(f"raw TCP to another process: pull {gb / raw['pull']:.2f} GB/s, push {gb / raw['push']:.2f} GB/s "
+           "(baseline)")
+
     for transport in ("shm", "frames"):
         runtime, ps = c.client(f"bench-{transport}", transport=transport)
         try:
@@ -181,14 +252,17 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
         report(f"{transport:>6}: push {push_s:.3f} s ({gb / push_s:.2f} GB/s, cold {pushes[0]:.3f} s), "
                f"pull into buffers {pull_s:.3f} s ({gb / pull_s:.2f} GB/s) = {ratio_pull:.0%} of memcpy"
                + (" [goal >= 50%]" if transport == "shm" else ""))
+        if transport == "frames":
+            results["frames"]["vs_raw_tcp"] = {"pull": raw["pull"] / pull_s, "push": raw["push"] / push_s}
+            report(f"        vs raw TCP: pull {raw['pull'] / pull_s:.0%}, push {raw['push'] / push_s:.0%} "
+                   "[goal >= 80%]")
         if transport == "shm":
             results["shm"]["pull_shared_s"] = shared_s
             report(f"        pull shared (views of the segments, no copy) {shared_s * 1e3:.1f} ms")
         for where, (save_s, load_s) in save_load.items():
             speedup = (save_s + load_s) / (push_s + pull_s)
             results[transport][f"speedup_vs_torch_{where}"] = speedup
-            report(f"        push + pull vs torch.save + torch.load via {where}: {speedup:.1f}x"
-                   + (" [goal >= 3x]" if transport == "shm" else ""))
+            report(f"        push + pull vs torch.save + torch.load via {where}: {speedup:.1f}x [goal >= 3x]")
     return results
 
 

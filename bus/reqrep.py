@@ -33,7 +33,7 @@ import zmq
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Message, WireCodec
 from ..protocol.errors import ProtocolError
-from ..protocol.messages import Body, Error
+from ..protocol.messages import Body, Error, Ok
 from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
@@ -252,13 +252,16 @@ def gather(
     deadline_s: float | None = None,
     backend: ArrayBackend = "native",
     verify: bool = True,
+    on_reply: Callable[[int, Message], None] | None = None,
 ) -> list[Message | RemoteError | RequestTimeout]:
     """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
     its client's) until its deadline: ``deadline_s`` after it is first sent (default: the sum of the
     policy's timeouts), as for :class:`~.calls.Calls`. Returns one outcome per call, in order: the reply,
     or the :class:`RemoteError` / :class:`RequestTimeout` it ended with (sort them with
     :func:`split_outcomes`). Late duplicate replies go to each client's ``on_stray``. ``verify=False``
-    skips frame checksums for callers that verify the bytes themselves."""
+    skips frame checksums for callers that verify the bytes themselves. ``on_reply(index, reply)``, when
+    given, takes each successful reply as it arrives; it is not kept (its slot holds its header with an ``Ok``
+    body), so a caller streaming large replies holds about ``window`` of them at a time."""
     results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
     queued: dict[Client, deque[int]] = {}
     for index, (client, _) in enumerate(calls):
@@ -316,6 +319,9 @@ def gather(
                     client.stray(reply)
                 elif isinstance(reply.body, Error):
                     finish(call, RemoteError(reply.body, client.endpoint))
+                elif on_reply is not None:
+                    on_reply(call.index, reply)
+                    finish(call, Message(reply.kind, reply.header, Ok()))
                 else:
                     finish(call, reply)
     return results  # type: ignore[return-value]
@@ -339,6 +345,7 @@ class Pending:
 class _Route:
     handler: Handler
     cached: bool
+    verify: bool
 
 
 # Ids of cached replies remembered exactly (older ones only per sender incarnation, as a floor): four reply
@@ -396,9 +403,11 @@ class Server:
         self._floors: OrderedDict[tuple[str, str], int] = OrderedDict()  # (src, incarnation) -> evicted counter
         self._current = Pending(b"", "")
 
-    def on(self, kind: str, handler: Handler, *, cached: bool = True) -> None:
-        """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice."""
-        self.routes[kind] = _Route(handler, cached)
+    def on(self, kind: str, handler: Handler, *, cached: bool = True, verify: bool = True) -> None:
+        """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice.
+        ``verify=False`` skips the frame checksums on decode, for handlers whose bytes are verified end to end
+        later (always checked on a signed bus)."""
+        self.routes[kind] = _Route(handler, cached, verify)
 
     @property
     def pending(self) -> Pending:
@@ -446,7 +455,7 @@ class Server:
                 self._send(identity, Error("unexpected-kind", f"this node does not serve {kind!r} requests", kind),
                            header.id)
                 return
-            request = self.codec.decode(envelope, backend=self.backend, checked=checked)
+            request = self.codec.decode(envelope, backend=self.backend, verify=route.verify, checked=checked)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))

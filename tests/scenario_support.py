@@ -11,6 +11,7 @@ import os
 import pickle
 import traceback
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -120,10 +121,17 @@ class Sent:
 # --- expected assembled rows ---------------------------------------------------------------------------------
 
 
-def expected_rows(sent: Sent, name: str, shape: tuple[int, ...], *, dummy: bool) -> np.ndarray:
+def routing_dtype(sents: Iterable[Sent]) -> np.dtype:
+    """The routing dtype a micro batch of ``sents`` is assembled in: its wire dtype, uint16 as soon as one
+    routed sample carries it."""
+    dtypes = {a["routed_experts"].dtype for s in sents if "routed_experts" in (a := s.spec.arrays(s.sample_id))}
+    return np.dtype(np.uint16) if np.dtype(np.uint16) in dtypes else np.dtype(np.uint8)
+
+
+def expected_rows(sent: Sent, name: str, shape: tuple[int, ...], *, dummy: bool, routing: np.dtype) -> np.ndarray:
     """What assembly must write for ``sent`` into tensor ``name`` (rows cut to the kept count; ``shape`` is
-    the dumped rows' shape, which fixes the micro batch's mask width). Fields the sample lacks (all but
-    routing in a dummy) are padding."""
+    the dumped rows' shape, which fixes the micro batch's mask width; ``routing`` the micro batch's routing
+    dtype, :func:`routing_dtype`). Fields the sample lacks (all but routing in a dummy) are padding."""
     kept = sent.kept
     arrays = sent.spec.arrays(sent.sample_id)
     fields = set(arrays) & {"routed_experts"} if dummy else set(arrays)
@@ -131,7 +139,7 @@ def expected_rows(sent: Sent, name: str, shape: tuple[int, ...], *, dummy: bool)
     if name == "loss_mask":
         return np.full(kept, not dummy)
     if name == "routed_experts":
-        return arrays["routed_experts"][:kept].astype(np.int32) if has(name) else np.zeros(shape, np.int32)
+        return arrays["routed_experts"][:kept].astype(routing) if has(name) else np.zeros(shape, routing)
     if name == "topk_ids":
         return arrays["topk_ids"][:kept].astype(np.int64) if has(name) else np.zeros(shape, np.int64)
     if name == "topk_logprobs":

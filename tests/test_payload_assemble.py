@@ -50,7 +50,7 @@ def reference(mb: MicroBatch, branches: list[Branch | None], width: int) -> dict
     """Naive per-token construction, independent of the implementation's vectorised writes."""
     length = mb.length
     out = {
-        "routed_experts": np.zeros((1, length, LAYERS, TOP_K), np.int32),
+        "routed_experts": np.zeros((1, length, LAYERS, TOP_K), _routing_dtype(branches)),
         "sampling_mask": np.full((1, length, width), -1, np.int32),
         "topk_ids": np.zeros((1, length, K), np.int64),
         "topk_logprobs": np.zeros((1, length, K), np.float32),
@@ -76,6 +76,12 @@ def reference(mb: MicroBatch, branches: list[Branch | None], width: int) -> dict
     return out
 
 
+def _routing_dtype(branches: list[Branch | None]) -> np.dtype:
+    """The wire dtype assembly keeps: uint16 as soon as one branch carries it."""
+    dtypes = [b.routed_experts.dtype for b in branches if b is not None and b.routed_experts is not None]
+    return np.dtype(np.uint16) if np.dtype(np.uint16) in dtypes else np.dtype(np.uint8)
+
+
 def assert_matches(got: AssembledBatch, expected: dict[str, np.ndarray]) -> None:
     fields = got.micro_batch.fields()
     present = {
@@ -87,7 +93,7 @@ def assert_matches(got: AssembledBatch, expected: dict[str, np.ndarray]) -> None
         "loss_mask": True,
     }
     dtypes = {
-        "routed_experts": torch.int32,
+        "routed_experts": getattr(torch, str(expected["routed_experts"].dtype)),
         "sampling_mask": torch.int32,
         "topk_ids": torch.int64,
         "topk_logprobs": torch.float32,
@@ -169,14 +175,20 @@ def test_mask_rows_are_ids_then_minus_one_and_kept_tokens_only() -> None:
     assert got.routed_experts is None and got.topk_ids is None
 
 
-def test_uint16_routing_is_widened_to_int32_without_loss() -> None:
-    rows = np.array([[[300, 65_535]], [[256, 0]]], np.uint16)
-    branch = Branch(routed_experts=rows)
-    (rank,) = pack([info("a", branch)], seq_len=4, data_ranks=1).ranks
-    got = assemble(rank[0], [as_frames(branch)])
-    assert got.routed_experts is not None
-    assert got.routed_experts.dtype == torch.int32
-    assert got.routed_experts[0].tolist() == [[[300, 65_535]], [[256, 0]]]
+def test_routing_stays_in_its_wire_dtype_and_uint16_wins_in_a_mixed_micro_batch() -> None:
+    narrow = Branch(routed_experts=np.array([[[7, 255]]], np.uint8))
+    (rank,) = pack([info("n", narrow)], seq_len=2, data_ranks=1).ranks
+    got = assemble(rank[0], [as_frames(narrow)])
+    assert got.routed_experts is not None and got.routed_experts.dtype == torch.uint8
+    assert got.routed_experts[0, :1].tolist() == [[[7, 255]]] and not bool(got.routed_experts[0, 1:].any())
+    wide = Branch(routed_experts=np.array([[[300, 65_535]], [[256, 0]]], np.uint16))
+    (rank,) = pack([info("w", wide), info("n", narrow)], seq_len=4, data_ranks=1).ranks
+    (mb,) = rank
+    by_id = {"w": wide, "n": narrow}
+    got = assemble(mb, [as_frames(by_id[p.sample.sample_id]) for p in mb.samples])
+    assert got.routed_experts is not None and got.routed_experts.dtype == torch.uint16
+    rows = {p.sample.sample_id: got.routed_experts[0, p.offset : p.stop].tolist() for p in mb.samples}
+    assert rows == {"w": [[[300, 65_535]], [[256, 0]]], "n": [[[7, 255]]]}
 
 
 def test_fetched_branch_longer_than_kept_is_cut_here() -> None:
@@ -317,7 +329,7 @@ def test_dropped_micro_batch_repeats_real_rows_with_zero_loss() -> None:
     got = assemble_dropped(mb, rows, mask_width=5, topk_k=K)
     assert got.dropped and got.length == 7
     assert not bool(got.loss_mask.any())
-    assert got.routed_experts is not None and got.routed_experts.dtype == torch.int32
+    assert got.routed_experts is not None and got.routed_experts.dtype == torch.uint8
     for position in range(7):
         assert np.array_equal(got.routed_experts[0, position].numpy(), rows[position % 3]), position
     assert got.sampling_mask is not None and got.sampling_mask.shape == (1, 7, 5)
@@ -328,11 +340,12 @@ def test_dropped_micro_batch_repeats_real_rows_with_zero_loss() -> None:
 
 
 def test_dropped_micro_batch_accepts_more_rows_than_positions_and_torch_rows() -> None:
-    rows = torch.arange(10 * LAYERS * TOP_K, dtype=torch.int32).reshape(10, LAYERS, TOP_K)
+    rows = torch.from_numpy(np.arange(10 * LAYERS * TOP_K, dtype=np.uint16).reshape(10, LAYERS, TOP_K))
     mb = _one_sample(("routed_experts",), tokens=4)
     got = assemble_dropped(mb, rows)
     assert got.routed_experts is not None
-    assert torch.equal(got.routed_experts[0], rows[:4])
+    assert got.routed_experts.dtype == torch.uint16
+    assert np.array_equal(got.routed_experts[0].numpy(), rows[:4].numpy())
     assert got.sampling_mask is None and got.topk_ids is None
 
 
@@ -356,6 +369,7 @@ def test_dropped_unrouted_micro_batch_needs_no_rows() -> None:
         (np.zeros((0, LAYERS, TOP_K), np.uint8), {}, "routing_rows"),
         (np.zeros((2, LAYERS * TOP_K), np.uint8), {}, "routing_rows"),
         (np.zeros((2, LAYERS, TOP_K), np.float32), {}, "routing_rows"),
+        (np.zeros((2, LAYERS, TOP_K), np.int32), {}, "routing_rows"),
         (np.zeros((2, LAYERS, TOP_K), np.uint8), {"topk_k": None}, "topk_k"),
     ],
 )

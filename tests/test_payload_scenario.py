@@ -68,6 +68,7 @@ from scenario_support import (
     expected_rows,
     rank_main,
     read_dump,
+    routing_dtype,
 )
 
 R8, R16 = np.uint8, np.uint16
@@ -412,6 +413,7 @@ def test_every_fetched_row_is_byte_identical_to_what_was_kept(outcome: Outcome) 
             for index, mb in enumerate(step.micro_batches):
                 if mb["dropped"]:
                     continue
+                routing = routing_dtype(outcome.sent[sample["sample_id"]] for sample in mb["samples"])
                 for sample in mb["samples"]:
                     sent = outcome.sent[sample["sample_id"]]
                     where = f"rank {dump.rank} step {step.step} micro batch {index} {sent.sample_id}"
@@ -420,8 +422,8 @@ def test_every_fetched_row_is_byte_identical_to_what_was_kept(outcome: Outcome) 
                     fields = set(sent.spec.arrays(sent.sample_id))
                     assert ("routed_experts" in expected_tensors) == ("routed_experts" in fields), where
                     for name, rows in sample["rows"].items():
-                        assert_identical(rows, expected_rows(sent, name, rows.shape, dummy=mb["dummy"]),
-                                         f"{where} {name}")
+                        assert_identical(rows, expected_rows(sent, name, rows.shape, dummy=mb["dummy"],
+                                                             routing=routing), f"{where} {name}")
                         checked[name] += 1
                     # A dummy borrows its samples' token ids (so it routes like real data); it trains nothing,
                     # which its all-False loss mask (checked above) says.

@@ -667,3 +667,35 @@ def test_gather_deadline_outlasts_the_attempts_and_cuts_them_short(clients: Any,
         ids[REPLIES.decode(recv_frames(silent)[1:]).header.id] += 1
     assert sorted(ids.values())[0] == 1  # the first call: sent once
     assert 1 <= sorted(ids.values())[1] <= 3  # the second: no attempt after 0.12 s of 50 ms timeouts
+
+
+def test_gather_hands_replies_to_on_reply_as_they_arrive_and_keeps_only_their_headers(
+    serve: Any, clients: Any, sockets: Any
+) -> None:
+    def echo(request: Message) -> Blobs:
+        return Blobs([FetchedBlob(request.body.holder, {"x": np.full(4, len(request.body.holder), np.uint8)})])
+
+    srv = serve(lambda server: server.on("fetch", echo))
+    client = clients(srv.endpoint)
+    dead = clients(bound_endpoint(sockets(zmq.ROUTER, bind=LOOPBACK)), policy=RetryPolicy(timeout_s=0.05, attempts=1))
+    seen: dict[int, list[int]] = {}
+    outcomes = gather([(client, Fetch(blob_ids=["b"], holder="h" * n)) for n in (1, 2, 3)] + [(dead, DELETE)],
+                      window=2, on_reply=lambda index, reply: seen.setdefault(
+                          index, reply.body.blobs[0].arrays["x"].tolist()))
+    assert seen == {0: [1] * 4, 1: [2] * 4, 2: [3] * 4}
+    assert [o.body for o in outcomes[:3]] == [Ok()] * 3 and all(not o.buffers for o in outcomes[:3])
+    assert isinstance(outcomes[3], RequestTimeout)  # failures are returned as before, never handed over
+
+
+def test_a_route_without_verify_takes_frames_whose_checksum_does_not_match(serve: Any, raw_dealer: Any) -> None:
+    received: list[list[int]] = []
+
+    def blobs(request: Message) -> Ok:
+        received.append(request.body.blobs[0].arrays["x"].view(np.uint8).tolist())
+        return Ok()
+
+    checked = serve(lambda server: server.on("blobs", blobs))
+    unchecked = serve(lambda server: server.on("blobs", blobs, verify=False))
+    assert exchange(raw_dealer(checked.endpoint), corrupt_checksum()).body.code == "checksum"
+    assert exchange(raw_dealer(unchecked.endpoint), corrupt_checksum()).body == Ok()
+    assert received == [[0xFF, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]]  # arange(4) int32, first byte overwritten

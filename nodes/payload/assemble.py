@@ -6,16 +6,19 @@ dtype in the same pass. There is no per-sample tensor and no concatenation after
 
 Tensors and their padding (positions after the last sample, and rows of a sample that lacks the field):
 
-- ``routed_experts``: int32 ``[1, L, layers, top_k]``; padding 0 (prime-rl's convention: routes to expert 0).
+- ``routed_experts``: ``[1, L, layers, top_k]`` in its wire dtype (uint8, or uint16 when any sample of the micro
+  batch carries uint16); padding 0 (prime-rl's convention: routes to expert 0).
 - sampling mask: int32 ``[1, L, width]``; a token's ids first, then -1; padding -1 (count 0 = no mask).
 - ``topk_ids``: int64 ``[1, L, k]``; padding 0, with ``topk_valid`` (bool ``[1, L]``) False.
 - ``topk_logprobs``: float32 ``[1, L, k]``; padding 0.0 (not -inf, so padding cannot turn into NaN).
 - loss mask: bool ``[1, L]``; True only on the kept tokens of real samples; False on padding, dummies and
   dropped micro batches.
 
-Dtype choices: top-k ids are int64 because ``torch.gather``/``scatter`` index with int64 only and k is small.
-The dense sampling mask stays int32: it is the widest tensor (width up to 512) and vocabulary ids fit; cast
-on the device when an int64 index is needed.
+Dtype choices: routing stays in its wire dtype, so assembly writes each received byte once instead of widening
+it 4x into int32 (widening to an index dtype, e.g. ``.long()`` for ``gather``, is the consumer's, best done on
+the device after the host-to-device copy of the narrow rows). Top-k ids are int64 because
+``torch.gather``/``scatter`` index with int64 only and k is small. The dense sampling mask stays int32: it is
+the widest tensor (width up to 512) and vocabulary ids fit; cast on the device when an int64 index is needed.
 
 A micro batch whose arrays could not be fetched is never trained on zeros: :func:`assemble_dropped` gives it
 the same tensors with a zero loss mask and routing made of repeated real rows, so the forward pass still
@@ -32,10 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .branch import MASK_IDS, ROUTED_EXPERTS, TOPK_IDS, Branch
+from .branch import MASK_IDS, ROUTED_EXPERTS, ROUTING_DTYPES, TOPK_IDS, Branch
 from .packing import MicroBatch
 
-ROUTING_DTYPE = torch.int32
+ROUTING_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 MASK_DTYPE = torch.int32
 TOPK_IDS_DTYPE = torch.int64
 TOPK_LOGPROBS_DTYPE = torch.float32
@@ -123,12 +126,17 @@ def _fill_gaps(target: np.ndarray, covered: Sequence[tuple[int, int]], length: i
         target[0, position:length] = value
 
 
+def _routing_dtype(dtypes: Iterable[np.dtype]) -> torch.dtype:
+    """The assembled routing dtype: the widest wire dtype among ``dtypes`` (all in ``ROUTING_DTYPES``)."""
+    return ROUTING_TORCH_DTYPES[np.result_type(*dtypes)]
+
+
 def _as_routing_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(rows, torch.Tensor):
         rows = rows.detach().cpu().numpy()
-    if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.dtype.kind not in "iu" or rows.shape[0] < 1:
+    if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.dtype not in ROUTING_DTYPES or rows.shape[0] < 1:
         raise AssemblyError(
-            "routing_rows: expected an integer array [rows >= 1, layers, top_k], "
+            "routing_rows: expected a uint8 or uint16 array [rows >= 1, layers, top_k], "
             f"got {getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}"
         )
     return rows
@@ -210,11 +218,12 @@ def assemble(
         if len(shapes) != 1:
             raise AssemblyError(f"routed_experts: expected one (layers, top_k) per micro batch, got {shapes}")
         layers, top_k = shapes.pop()
-        tensor, target = _allocate(allocate, (1, length, layers, top_k), ROUTING_DTYPE)
+        rows = [(p, b.routed_experts) for p, b in routed if b is not None and b.routed_experts is not None]
+        dtype = _routing_dtype(r.dtype for _, r in rows)
+        tensor, target = _allocate(allocate, (1, length, layers, top_k), dtype)
         spans = []
-        for packed, branch in routed:
-            assert branch is not None and branch.routed_experts is not None
-            np.copyto(target[0, packed.offset : packed.stop], branch.routed_experts, casting="safe")
+        for packed, routing_rows in rows:
+            np.copyto(target[0, packed.offset : packed.stop], routing_rows, casting="safe")
             spans.append((packed.offset, packed.stop))
         _fill_gaps(target, spans, length, 0)
         routing = tensor
@@ -316,9 +325,9 @@ def assemble_dropped(
 
     Args:
         micro_batch: the micro batch being dropped.
-        routing_rows: ``[rows >= 1, layers, top_k]`` real rows from anywhere in the step (e.g.
-            :func:`find_routing_rows`, or a real span of another assembled batch). Only read. Needed only
-            when the micro batch has routing.
+        routing_rows: ``[rows >= 1, layers, top_k]`` uint8 or uint16 real rows from anywhere in the step
+            (e.g. :func:`find_routing_rows`, or a real span of another assembled batch); the routing tensor
+            takes their dtype. Only read. Needed only when the micro batch has routing.
         mask_width: width of the all -1 sampling mask, when the micro batch has masks.
         topk_k: width of the top-k heads; required when the micro batch has them.
         allocator: as for :func:`assemble`.
@@ -348,9 +357,9 @@ def assemble_dropped(
         shape = (int(rows.shape[1]), int(rows.shape[2]))
         if declared is not None and declared != shape:
             raise AssemblyError(f"routing_rows: expected (layers, top_k) = {declared}, got {shape}")
-        tensor, target = _allocate(allocate, (1, length, *shape), ROUTING_DTYPE)
+        tensor, target = _allocate(allocate, (1, length, *shape), _routing_dtype([rows.dtype]))
         first = min(length, rows.shape[0])
-        np.copyto(target[0, :first], rows[:first], casting="same_kind")
+        np.copyto(target[0, :first], rows[:first], casting="no")
         # Doubling: each pass copies everything written so far, so log2(length / rows) passes instead of one
         # per repetition.
         filled = first

@@ -201,7 +201,7 @@ class StepFetch:
     ``blob_ids`` are the blobs fetched and verified, ``nbytes`` their array bytes, ``seconds`` the wall time
     until the last tensor was assembled, of which ``transfer_seconds`` until every blob was received and
     verified. ``routing_rows`` are real routing rows from this step (a view into
-    an assembled batch, int32 ``[rows, layers, top_k]``) to stand in for dropped micro batches, or ``None``;
+    an assembled batch, ``[rows, layers, top_k]`` in the wire dtype) to stand in for dropped micro batches, or ``None``;
     ``topk_k`` the top-k width seen in this step, or ``None``.
     """
 

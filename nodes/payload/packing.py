@@ -50,6 +50,8 @@ class PackingError(ValueError):
 
 
 def _positive_int(name: str, value: object) -> int:
+    if type(value) is int and value >= 1:  # the common case, without the ABC check (a step plans thousands)
+        return value
     # Integral admits numpy integers (token counts often come out of arrays); bool is excluded on purpose.
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise PackingError(f"{name}: expected an int >= 1, got {value!r}")

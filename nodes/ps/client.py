@@ -47,7 +47,6 @@ from ...protocol.messages_ps import (
     Abort,
     Aborted,
     Batch,
-    ByteRange,
     Committed,
     Consume,
     InitRequest,
@@ -71,16 +70,15 @@ from ...protocol.messages_ps import (
     PushGrant,
     Reserve,
     Reserved,
-    ShardData,
     ShardOpen,
     ShardOpened,
-    ShardRead,
     ShardSeal,
     ShardTensor,
     ShardWrite,
     TensorSpec,
     WorkerInfo,
 )
+from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
 from .shm import SegmentMaps
 
 log = structlog.get_logger(__name__)
@@ -266,8 +264,9 @@ class PushSession:
         data = _as_bytes(tensor)
         self._sums[name] = checksum(data)
         chunk = self._client.chunk_bytes
-        for start in range(0, max(1, data.nbytes), chunk):
-            piece = data[start : start + chunk]
+        # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames).
+        for start in range(0, max(1, data.nbytes), PIECE_BYTES):
+            piece = data[start : start + PIECE_BYTES]
             if self._queued_bytes + piece.nbytes > _WINDOW * chunk:
                 self._flush()
             self._queued.append((spec.offset + start, piece))
@@ -430,7 +429,7 @@ class PsClient:
         * ``out``: copy (and cast) into these existing tensors instead of allocating; they are returned.
         * ``shared``: tensors on this host are read-only views of the workers' shared memory (no copy at
           all), valid until ``release()``; cast or ``out`` tensors are copies as usual.
-        * ``verify``: hash every tensor against the manifest (frames are always verified in transit).
+        * ``verify``: hash every tensor against the manifest (tensors read as frames always are).
 
         Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, PsError.
         """
@@ -480,35 +479,36 @@ class PsClient:
                 source = _typed(torch.frombuffer(view, dtype=torch.uint8) if entry.nbytes else None, entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=False, shared=shared)
         for worker_name, items in remote.items():
-            result.update(self._read_frames(workers[worker_name], items, cast, verify=verify))
+            result.update(self._read_frames(workers[worker_name], items, cast))
             self.read_bytes["frames"] += sum(entry.nbytes for entry, _, _ in items)
         return result
 
-    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]], cast: _Cast, *,
-                     verify: bool) -> dict[str, torch.Tensor]:
-        client = self._worker(worker)
-        groups: list[list[tuple[ManifestEntry, int, str]]] = []
-        size = 0
-        for item in items:
-            if not groups or size + item[0].nbytes > self.chunk_bytes or groups[-1][0][2] != item[2]:
-                groups.append([])
-                size = 0
-            groups[-1].append(item)
-            size += item[0].nbytes
-        calls: list[tuple[Client, Body]] = [
-            (client, ShardRead(group[0][2], [ByteRange(offset, e.nbytes) for e, offset, _ in group]))
-            for group in groups
-        ]
+    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]],
+                     cast: _Cast) -> dict[str, torch.Tensor]:
+        wanted = [Wanted(entry, offset, segment) for entry, offset, segment in items]
+        direct: dict[str, torch.Tensor] = {}
+
+        def destination(entry: ManifestEntry) -> torch.Tensor:
+            # Bytes go straight into an output tensor of the same layout; anything else via a buffer and deliver.
+            target = cast.out.get(entry.name)
+            if (target is not None and target.device.type == "cpu" and target.is_contiguous()
+                    and target.dtype == torch_dtype(entry.dtype) and list(target.shape) == entry.shape):
+                direct[entry.name] = target
+                return target.reshape(-1).view(torch.uint8)
+            return torch.empty(entry.nbytes, dtype=torch.uint8)
+
+        try:
+            raws = read_frames(self._worker(worker), wanted, destination, chunk_bytes=self.chunk_bytes,
+                               window=_WINDOW)
+        except FramesError as exc:
+            raise PsError(f"{worker.worker}: {exc}") from exc
         result: dict[str, torch.Tensor] = {}
-        for group, outcome in zip(groups, gather(calls, window=_WINDOW, backend="numpy"), strict=True):
-            if isinstance(outcome, Exception):
-                raise PsError(f"reading from {worker.worker} failed: {outcome}") from outcome
-            data = outcome.body
-            assert isinstance(data, ShardData)
-            for (entry, _, _), array in zip(group, data.data, strict=True):
-                if verify:
-                    _verify(entry, array)
-                source = _typed(torch.from_numpy(array), entry)
+        for item, raw in zip(wanted, raws, strict=True):
+            entry = item.entry
+            if entry.name in direct:
+                result[entry.name] = direct[entry.name]
+            else:
+                source = _typed(raw if entry.nbytes else None, entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=True, shared=False)
         return result
 

@@ -1,0 +1,97 @@
+"""Cross-host pulls as ZeroMQ frames: a shard's tensors read from a worker in pieces, straight into their
+destination.
+
+Why pieces: ZeroMQ allocates each received frame. A frame of tens of MiB is a fresh ``mmap`` whose pages
+are faulted in as the bytes arrive and unmapped once it is freed, so every pull paid first-touch (~1.5 GB/s
+on these machines) on every byte. Frames of at most :data:`PIECE_BYTES` come from the heap instead, which
+glibc reuses from one piece to the next (its mmap threshold adapts to freed blocks of up to 32 MiB), so
+they land in memory already in use; the one copy into the destination reads them while they are hot.
+
+Why one check: frames are not hashed on decode. Each tensor is hashed once, streaming over its pieces,
+against the manifest's checksum: the end-to-end check of the bytes the pusher wrote (a frame corrupted in
+transit fails it the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from ...bus.reqrep import Client, gather
+from ...protocol.envelope import Message
+from ...protocol.messages_ps import ByteRange, ManifestEntry, ShardData, ShardRead
+
+PIECE_BYTES = 4 << 20  # well under glibc's 32 MiB mmap threshold ceiling, large enough that per-frame work is noise
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One tensor to read: its manifest entry and where its bytes start in ``segment``."""
+
+    entry: ManifestEntry
+    offset: int
+    segment: str
+
+
+class FramesError(Exception):
+    """A read failed (the request's outcome) or a tensor does not match its manifest checksum."""
+
+
+def _pieces(wanted: Sequence[Wanted], piece_bytes: int) -> Iterator[tuple[int, ByteRange]]:
+    """``(index into wanted, range)`` for every piece, in order."""
+    for index, item in enumerate(wanted):
+        nbytes = item.entry.nbytes
+        for start in range(0, nbytes, piece_bytes):
+            yield index, ByteRange(item.offset + start, min(piece_bytes, nbytes - start))
+
+
+def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[[ManifestEntry], torch.Tensor], *,
+                chunk_bytes: int, window: int, piece_bytes: int = PIECE_BYTES) -> list[torch.Tensor]:
+    """Read every ``wanted`` tensor from ``worker`` into ``destination(entry)`` (a writable, contiguous flat
+    uint8 tensor of ``entry.nbytes``, e.g. a view of the caller's output or a fresh buffer); the destinations,
+    in order, each verified against its entry's checksum.
+
+    Requests carry up to ``chunk_bytes`` of pieces of one segment, ``window`` in flight; each reply's pieces are
+    copied into their destinations as it arrives and released, so about ``window`` replies' frames are held.
+
+    Raises:
+        FramesError: a request failed (its outcome is the cause) or a tensor's bytes do not match.
+    """
+    targets = [destination(item.entry) for item in wanted]
+    views = [t.numpy() if t.numel() else np.empty(0, np.uint8) for t in targets]
+    hashes = [xxhash.xxh3_64() for _ in wanted]
+    requests: list[tuple[ShardRead, list[tuple[int, int]]]] = []  # request, [(index, start in the tensor)]
+    size = 0
+    for index, piece in _pieces(wanted, piece_bytes):
+        segment = wanted[index].segment
+        if not requests or size + piece.nbytes > chunk_bytes or requests[-1][0].segment != segment:
+            requests.append((ShardRead(segment, []), []))
+            size = 0
+        requests[-1][0].ranges.append(piece)
+        requests[-1][1].append((index, piece.offset - wanted[index].offset))
+        size += piece.nbytes
+
+    def arrived(number: int, reply: Message) -> None:
+        read, places = requests[number]
+        data = reply.body
+        if not isinstance(data, ShardData) or len(data.data) != len(read.ranges):
+            raise FramesError(f"{worker.endpoint} answered a read of {len(read.ranges)} ranges with {data.kind}")
+        for (index, start), array, piece in zip(places, data.data, read.ranges, strict=True):
+            if array.nbytes != piece.nbytes:
+                raise FramesError(f"{worker.endpoint} sent {array.nbytes} bytes for a range of {piece.nbytes}")
+            views[index][start : start + piece.nbytes] = array
+            hashes[index].update(array)
+
+    outcomes = gather([(worker, read) for read, _ in requests], window=window, backend="numpy", verify=False,
+                      on_reply=arrived)
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise FramesError(f"reading from {worker.endpoint} failed: {outcome}") from outcome
+    for item, digest in zip(wanted, hashes, strict=True):
+        if digest.intdigest() != item.entry.checksum:
+            raise FramesError(f"tensor {item.entry.name!r} does not match the checksum of its manifest")
+    return targets
