@@ -12,7 +12,9 @@ midway releases its lease, which aborts the version (a push that dies midway sto
 Pull: the manager grants a lease on a committed version and its manifest; tensors on this host are read
 straight from the workers' segments (mapped once, kept mapped, no socket), others come as frames. The lease
 is released at the end; if it had expired (the version's memory may have been reused), the pull fails with
-:class:`LeaseExpired` instead of returning torn bytes. ``shared=True`` returns tensors that *are* the
+:class:`LeaseExpired` instead of returning torn bytes. A pull into ``out=`` (how rollout workers refresh in
+place) either returns with every tensor of ``out`` holding the returned version, or raises
+:class:`TornPull` naming what it wrote: ``out`` is then torn and must not be used until a full pull. ``shared=True`` returns tensors that *are* the
 segment's memory (read-only, valid until :meth:`PulledState.release`).
 
 Leases are renewed by a daemon thread while this process lives (:class:`LeaseKeeper`). Not thread-safe
@@ -28,8 +30,8 @@ import threading
 import time
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -98,6 +100,21 @@ class PsError(RuntimeError):
 
 class LeaseExpired(PsError):
     """A lease ran out before it was released: bytes read under it may belong to a later version."""
+
+
+class TornPull(PsError):
+    """A pull into ``out=`` failed after it had written into ``out``: those tensors (``written``) may hold
+    another version than the rest, so ``out`` as a whole holds no version. ``cause`` is the failure
+    (``LeaseExpired`` when the lease ran out: then even the written bytes may be torn). Only a later full
+    pull into the same ``out`` makes it whole again."""
+
+    def __init__(self, version: int, written: Sequence[str], cause: BaseException) -> None:
+        self.version = version
+        self.written = tuple(written)
+        self.cause = cause
+        super().__init__(f"pull of version {version} into out= failed after writing {len(self.written)} "
+                         f"tensor(s) ({', '.join(self.written[:3])}{', ...' if len(self.written) > 3 else ''}): "
+                         f"out is torn ({type(cause).__name__}: {cause})")
 
 
 def wire_dtype(dtype: torch.dtype) -> str:
@@ -345,6 +362,9 @@ class PsClient:
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
+        # Called with each name just before a pull writes it into ``out``: lets a test freeze or fail a pull
+        # half-way (what a lost worker or an expired lease does in production).
+        self.before_write: Callable[[str], None] | None = None
         runtime.shutdown_hooks.append(self.close)
 
     def close(self) -> None:
@@ -428,25 +448,37 @@ class PsClient:
         * ``dtype``: cast floating-point tensors to it, except names matching a ``keep_fp32`` pattern
           (fnmatch), which become float32.
         * ``out``: copy (and cast) into these existing tensors instead of allocating; they are returned.
+          Every name of ``out`` must be in the version with the same shape (checked before anything is
+          written: PsError leaves ``out`` untouched). When this returns, every tensor of ``out`` holds the
+          returned version; a failure after the first write raises :class:`TornPull` (``out`` is torn).
         * ``shared``: tensors on this host are read-only views of the workers' shared memory (no copy at
           all), valid until ``release()``; cast or ``out`` tensors are copies as usual.
         * ``verify``: hash every tensor against the manifest (frames are always verified in transit).
 
-        Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, PsError.
+        Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, TornPull, PsError.
         """
         grant = self._ask(self._manager, PullBegin(self.holder, version, max_staleness), PullGrant)
         self._keeper.hold(grant.lease, grant.ttl_s)
-        cast = _Cast(dtype, tuple(keep_fp32), out or {})
+        cast = _Cast(dtype, tuple(keep_fp32), out or {}, self.before_write)
         try:
+            cast.check(grant.manifest)
             tensors = self._read(grant.manifest, cast, shared=shared, verify=verify)
-        except BaseException:
+        except BaseException as exc:
             self._keeper.drop(grant.lease)
             with contextlib.suppress(RemoteError, RequestTimeout):
                 self._manager.request(LeaseRelease(grant.lease))
+            if cast.written and isinstance(exc, Exception):
+                raise TornPull(grant.manifest.version, cast.written, exc) from exc
             raise
         if shared:
             return PulledState(grant.manifest, tensors, self, grant.lease)
-        self._end_pull(grant.lease, grant.manifest.version)
+        try:
+            # The lease is checked before the pull is reported done: bytes copied after it ran out may be torn.
+            self._end_pull(grant.lease, grant.manifest.version)
+        except LeaseExpired as exc:
+            if cast.written:
+                raise TornPull(grant.manifest.version, cast.written, exc) from exc
+            raise
         return PulledState(grant.manifest, tensors)
 
     def _end_pull(self, lease: str, version: int) -> None:
@@ -591,6 +623,19 @@ class _Cast:
     dtype: torch.dtype | None
     keep_fp32: tuple[str, ...]
     out: Mapping[str, torch.Tensor]
+    before_write: Callable[[str], None] | None = None
+    written: list[str] = field(default_factory=list)  # names of ``out`` written so far, in order
+
+    def check(self, manifest: Manifest) -> None:
+        """Refuse, before anything is written, an ``out`` that this version cannot fill completely."""
+        entries = {e.name: e for e in manifest.entries}
+        missing = sorted(set(self.out) - set(entries))
+        if missing:
+            raise PsError(f"out has tensors that version {manifest.version} lacks: {missing[:5]}")
+        for name, target in self.out.items():
+            if list(target.shape) != entries[name].shape:
+                raise PsError(f"out[{name!r}] has shape {list(target.shape)}, version {manifest.version} has "
+                              f"{entries[name].shape}")
 
     def target(self, name: str, source: torch.Tensor) -> torch.dtype:
         if self.dtype is None or not source.is_floating_point():
@@ -603,8 +648,9 @@ class _Cast:
         """``source`` views shared memory (``private=False``) or memory this process owns."""
         target = self.out.get(name)
         if target is not None:
-            if target.shape != source.shape:
-                raise PsError(f"out[{name!r}] has shape {list(target.shape)}, the version has {list(source.shape)}")
+            if self.before_write is not None:
+                self.before_write(name)
+            self.written.append(name)  # before the copy: a copy that fails half-way has torn this tensor too
             return target.copy_(source)
         dtype = self.target(name, source)
         if dtype != source.dtype:
