@@ -306,7 +306,14 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         with pytest.raises(RemoteError) as err:
             worker.request(ShardSeal(grant.lease, 1, 0, reshaped))
         assert err.value.code == "manifest-mismatch" and "'b'" in str(err.value) and "shape" in str(err.value)
-        assert worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
+        # One verified copy of the two the grant names (ps.replicas 2) does not commit the version.
+        assert not worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
+        assert ps.status().latest == 0
+        (replica,) = grant.replicas
+        other = runtime.client(replica.endpoint)
+        other.request(ShardOpen(grant.lease, grant.nbytes))
+        other.request(ShardWrite(grant.lease, [t.offset for t in grant.tensors], data))
+        assert other.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         pulled = ps.pull()
         assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
     finally:

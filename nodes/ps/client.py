@@ -14,8 +14,9 @@ straight from the workers' segments (mapped once, kept mapped, no socket), other
 is released at the end; if it had expired (the version's memory may have been reused), the pull fails with
 :class:`LeaseExpired` instead of returning torn bytes. A pull into ``out=`` (how rollout workers refresh in
 place) either returns with every tensor of ``out`` holding the returned version, or raises
-:class:`TornPull` naming what it wrote: ``out`` is then torn and must not be used until a full pull. ``shared=True`` returns tensors that *are* the
-segment's memory (read-only, valid until :meth:`PulledState.release`).
+:class:`TornPull` naming what it wrote: ``out`` is then torn and must not be used until a full pull.
+``shared=True`` returns tensors that *are* the segment's memory (read-only, valid until
+:meth:`PulledState.release`).
 
 Leases are renewed by a daemon thread while this process lives (:class:`LeaseKeeper`). Not thread-safe
 otherwise: one PsClient per thread, like the runtime it uses.
@@ -32,7 +33,7 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, NoReturn, TypeVar
 
 import numpy as np
 import structlog
@@ -59,6 +60,7 @@ from ...protocol.messages_ps import (
     LeaseRelease,
     LeaseRenew,
     LeaseState,
+    Location,
     Manifest,
     ManifestEntry,
     ManifestInfo,
@@ -83,15 +85,20 @@ from ...protocol.messages_ps import (
     TensorSpec,
     WorkerInfo,
 )
+from . import host_proof
 from .shm import SegmentMaps
 
 log = structlog.get_logger(__name__)
 
 Transport = Literal["auto", "shm", "frames"]
 _WINDOW = 4  # frame messages in flight per worker
+PUSH_ATTEMPTS = 3  # grants one rank's push may use when workers fail under it (the first included)
+# Error codes of a worker that lost the shard or segment asked about (it restarted): try another copy.
+_WORKER_LOST = frozenset({"unknown-shard", "unknown-segment"})
 WORKERS_FIRST_PAUSE_S = 0.25  # a push finding no ps-worker polls again after this, doubling
 WORKERS_MAX_PAUSE_S = 2.0
 ReplyT = TypeVar("ReplyT", bound=Body)
+T = TypeVar("T")
 
 
 class PsError(RuntimeError):
@@ -239,30 +246,67 @@ class LeaseKeeper:
                 self._held.pop(lease, None)
 
 
-class PushSession:
-    """One rank's shard of one version being written.
+class _WorkerFailed(PsError):
+    """A ps-worker did not answer (dead, or unreachable) or no longer knows the shard (it restarted)."""
 
-    :meth:`write` each granted tensor (any order), then :meth:`commit`. Same-host shards are copied into
-    the worker's segment at once; cross-host ones travel as frames (messages of up to the client's chunk
-    size, a few in flight) and reference the caller's memory until sent, so tensors must stay unchanged
-    until :meth:`commit` returns. Leaving a ``with`` block without committing (or :meth:`abort`) aborts the
-    version.
+    def __init__(self, worker: str, cause: BaseException) -> None:
+        self.worker = worker
+        super().__init__(f"ps-worker {worker} failed: {cause}")
+
+
+def _raise_from(worker: str, exc: BaseException) -> NoReturn:
+    """Raise ``exc`` as :class:`_WorkerFailed` when it is a failure of ``worker`` itself (worth trying
+    another worker), else as it is (a refusal)."""
+    if isinstance(exc, RequestTimeout) or (isinstance(exc, RemoteError) and exc.code in _WORKER_LOST):
+        raise _WorkerFailed(worker, exc) from exc
+    raise exc
+
+
+@dataclass
+class _Copy:
+    """One worker receiving a copy of the shard: its client, and its segment's file when mapped here."""
+
+    info: WorkerInfo
+    client: Client
+    path: str | None
+
+
+class PushSession:
+    """One rank's shard of one version being written, one copy to each worker of the grant.
+
+    :meth:`write` each granted tensor (any order), then :meth:`commit`. Copies on this host are copied into
+    the workers' segments at once; cross-host ones travel as frames (messages of up to the client's chunk
+    size, a few in flight) and reference the caller's memory until sent. Tensors must stay unchanged until
+    :meth:`commit` returns: a copy whose worker fails is written again, to another worker the manager grants
+    (up to ``PUSH_ATTEMPTS`` grants in all). Leaving a ``with`` block without committing (or :meth:`abort`)
+    aborts the version.
     """
 
-    def __init__(self, client: PsClient, grant: PushGrant, version: int, rank: int, worker: Client,
-                 path: str | None) -> None:
+    def __init__(self, client: PsClient, grant: PushGrant, version: int, rank: int, world: int) -> None:
         self.version = version
         self.rank = rank
+        self.world = world
+        self.grants = 1
         self._client = client
         self._grant = grant
-        self._worker = worker
-        self._path = path
         self._layout = {t.name: t for t in grant.tensors}
+        self._written: dict[str, torch.Tensor] = {}
         self._sums: dict[str, int] = {}
+        self._copies: list[_Copy] = []
         self._queued: list[tuple[int, np.ndarray]] = []
         self._queued_bytes = 0
+        self._avoid: set[str] = set()
         self._started = time.monotonic()
         self._open = True
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers of the current grant, the first one first."""
+        return [self._grant.worker.worker, *(w.worker for w in self._grant.replicas)]
+
+    def start(self) -> None:
+        """Open the shard on every worker of the grant (a failing worker is replaced by another)."""
+        self._attempt(lambda: None)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one granted tensor (same dtype and shape as announced; any device, any strides)."""
@@ -273,35 +317,19 @@ class PushSession:
             raise PsError(f"tensor {name!r} is {wire_dtype(tensor.dtype)}{list(tensor.shape)}, the push announced "
                           f"{spec.dtype}{spec.shape}")
         tensor = tensor.detach()
-        if self._path is not None:
-            view = self._client._writes.view(self._path, spec.offset, spec.nbytes)
-            if spec.nbytes:
-                # One copy from wherever the tensor lives (strided, or on a device) into the mapped segment.
-                torch.frombuffer(view, dtype=tensor.dtype).reshape(tensor.shape).copy_(tensor)
-            self._sums[name] = checksum(view)
-            return
-        data = _as_bytes(tensor)
-        self._sums[name] = checksum(data)
-        chunk = self._client.chunk_bytes
-        for start in range(0, max(1, data.nbytes), chunk):
-            piece = data[start : start + chunk]
-            if self._queued_bytes + piece.nbytes > _WINDOW * chunk:
-                self._flush()
-            self._queued.append((spec.offset + start, piece))
-            self._queued_bytes += piece.nbytes
+        self._written[name] = tensor
+        self._attempt(lambda: self._put(spec, tensor))
 
     def commit(self) -> PushResult:
-        """Seal the shard: the worker verifies every checksum and commits it at the manager."""
-        missing = sorted(set(self._layout) - set(self._sums))
+        """Seal the shard on every worker: each verifies every checksum and commits its copy at the manager;
+        the version commits with the last copy of the last rank."""
+        missing = sorted(set(self._layout) - set(self._written))
         if missing:
             raise PsError(f"push of version {self.version} rank {self.rank}: never written: {missing[:5]}")
-        self._flush()
-        sealed = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, self._sums[t.name])
-                  for t in self._grant.tensors]
-        done = self._client._ask(self._worker, ShardSeal(self._grant.lease, self.version, self.rank, sealed),
-                                 Committed)
+        answers = self._attempt(self._seal)
         self._open = False
         self._client._keeper.drop(self._grant.lease)
+        done = next((a for a in answers if a.committed), answers[-1])
         return PushResult(self.version, done.committed, done.digest, self._grant.nbytes,
                           time.monotonic() - self._started)
 
@@ -310,26 +338,104 @@ class PushSession:
             self._open = False
             self._client._abort_push(self._grant.lease)
 
+    def _attempt(self, step: Callable[[], T]) -> T:
+        """Run ``step``; when a worker fails, ask for a new grant without it, open and write every tensor
+        again there, then run ``step`` again."""
+        while True:
+            try:
+                if not self._copies:
+                    self._open_copies()
+                return step()
+            except _WorkerFailed as failed:
+                self._avoid.add(failed.worker)
+                if self.grants >= PUSH_ATTEMPTS:
+                    raise PsError(f"push of version {self.version} rank {self.rank}: {failed} (after "
+                                  f"{self.grants} grants; workers failed: {sorted(self._avoid)})") from failed
+                log.warning("push.worker_failed", version=self.version, rank=self.rank, worker=failed.worker,
+                            error=str(failed))
+                self._regrant()
+
+    def _regrant(self) -> None:
+        old = self._grant
+        self._grant = self._client._grant(PushBegin(
+            self.version, self.rank, self.world, self._client.holder, [], self._client.host, retry=old.lease,
+            avoid=sorted(self._avoid)))
+        self.grants += 1
+        self._client._keeper.drop(old.lease)
+        self._client._keeper.hold(self._grant.lease, self._grant.ttl_s)
+        self._copies, self._queued, self._queued_bytes = [], [], 0
+        self._open_copies()
+        for name, tensor in self._written.items():
+            self._put(self._layout[name], tensor)
+
+    def _open_copies(self) -> None:
+        copies = []
+        for info in [self._grant.worker, *self._grant.replicas]:
+            client = self._client._worker(info)
+            try:
+                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes), ShardOpened)
+            except (RequestTimeout, RemoteError) as exc:
+                _raise_from(info.worker, exc)
+            copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
+        self._copies = copies
+
+    def _put(self, spec: ShardTensor, tensor: torch.Tensor) -> None:
+        for copy in self._copies:
+            if copy.path is None:
+                continue
+            view = self._client._writes.view(copy.path, spec.offset, spec.nbytes)
+            if spec.nbytes:
+                # One copy from wherever the tensor lives (strided, or on a device) into the mapped segment.
+                torch.frombuffer(view, dtype=tensor.dtype).reshape(tensor.shape).copy_(tensor)
+            self._sums[spec.name] = checksum(view)
+        if all(copy.path is not None for copy in self._copies):
+            return
+        data = _as_bytes(tensor)
+        self._sums[spec.name] = checksum(data)
+        chunk = self._client.chunk_bytes
+        for start in range(0, max(1, data.nbytes), chunk):
+            piece = data[start : start + chunk]
+            if self._queued_bytes + piece.nbytes > _WINDOW * chunk:
+                self._flush()
+            self._queued.append((spec.offset + start, piece))
+            self._queued_bytes += piece.nbytes
+
+    def _seal(self) -> list[Committed]:
+        self._flush()
+        sealed = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, self._sums[t.name])
+                  for t in self._grant.tensors]
+        seal = ShardSeal(self._grant.lease, self.version, self.rank, sealed)
+        answers = []
+        for copy, outcome in zip(self._copies, gather([(c.client, seal) for c in self._copies]), strict=True):
+            if isinstance(outcome, Exception):
+                _raise_from(copy.info.worker, outcome)
+            if not isinstance(outcome.body, Committed):
+                raise PsError(f"{copy.info.worker} answered {seal.kind} with {outcome.body.kind}")
+            answers.append(outcome.body)
+        return answers
+
     def _flush(self) -> None:
         if not self._queued:
             return
         chunk = self._client.chunk_bytes
-        batches: list[tuple[Client, Body]] = []
+        writes: list[Body] = []
         offsets: list[int] = []
         pieces: list[np.ndarray] = []
         size = 0
         for offset, piece in self._queued:
             if pieces and size + piece.nbytes > chunk:
-                batches.append((self._worker, ShardWrite(self._grant.lease, offsets, pieces)))
+                writes.append(ShardWrite(self._grant.lease, offsets, pieces))
                 offsets, pieces, size = [], [], 0
             offsets.append(offset)
             pieces.append(piece)
             size += piece.nbytes
-        batches.append((self._worker, ShardWrite(self._grant.lease, offsets, pieces)))
+        writes.append(ShardWrite(self._grant.lease, offsets, pieces))
         self._queued, self._queued_bytes = [], 0
-        for outcome in gather(batches, window=_WINDOW):
+        remote = [copy for copy in self._copies if copy.path is None]
+        calls = [(copy, (copy.client, write)) for copy in remote for write in writes]
+        for (copy, _), outcome in zip(calls, gather([call for _, call in calls], window=_WINDOW), strict=True):
             if isinstance(outcome, Exception):
-                raise outcome
+                _raise_from(copy.info.worker, outcome)
 
     def __enter__(self) -> PushSession:
         return self
@@ -359,6 +465,8 @@ class PsClient:
         self._workers: dict[str, Client] = {}
         self._writes = SegmentMaps(readonly=False)
         self._reads = SegmentMaps(readonly=True)
+        self._boot_id = host_proof.boot_id()
+        self._proofs: dict[tuple[str, str], str | None] = {}  # (worker, nonce) -> why not same host, or None
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
@@ -398,14 +506,13 @@ class PsClient:
         specs = [TensorSpec(name, wire_dtype(t.dtype), list(t.shape)) for name, t in like.items()]
         grant = self._grant(PushBegin(version, rank, world, self.holder, specs, self.host, resumes))
         self._keeper.hold(grant.lease, grant.ttl_s)
+        session = PushSession(self, grant, version, rank, world)
         try:
-            worker = self._worker(grant.worker)
-            opened = self._ask(worker, ShardOpen(grant.lease, grant.nbytes), ShardOpened)
-            path = self._local_path(grant.worker, opened.segment)
+            session.start()
         except BaseException:
-            self._abort_push(grant.lease)
+            session.abort()
             raise
-        return PushSession(self, grant, version, rank, worker, path)
+        return session
 
     def _grant(self, begin: PushBegin) -> PushGrant:
         """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) is waited
@@ -492,17 +599,18 @@ class PsClient:
             raise
 
     def _read(self, manifest: Manifest, cast: _Cast, *, shared: bool, verify: bool) -> dict[str, torch.Tensor]:
+        """Every tensor of ``manifest``: mapped from a copy this host proved it sees, else as frames from
+        one copy's worker; a worker that fails (dead, unreachable, restarted) is replaced by the next copy's."""
         workers = {w.worker: w for w in manifest.workers}
         result: dict[str, torch.Tensor] = {}
-        remote: defaultdict[str, list[tuple[ManifestEntry, int, str]]] = defaultdict(list)
+        remote: defaultdict[str, list[tuple[ManifestEntry, list[Location]]]] = defaultdict(list)
         with warnings.catch_warnings():
             # Read-only mappings are intended: torch warns that its tensors cannot be written through.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for entry in manifest.entries:
                 local = self._local_location(entry, workers)
                 if local is None:
-                    location = entry.locations[0]
-                    remote[location.worker].append((entry, location.offset, location.segment))
+                    remote[entry.locations[0].worker].append((entry, list(entry.locations)))
                     continue
                 path, offset = local
                 view = self._reads.view(path, offset, entry.nbytes)
@@ -511,38 +619,56 @@ class PsClient:
                     _verify(entry, view)
                 source = _typed(torch.frombuffer(view, dtype=torch.uint8) if entry.nbytes else None, entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=False, shared=shared)
-        for worker_name, items in remote.items():
-            result.update(self._read_frames(workers[worker_name], items, cast, verify=verify))
-            self.read_bytes["frames"] += sum(entry.nbytes for entry, _, _ in items)
+        failed: dict[str, str] = {}
+        while remote:
+            worker_name = next(iter(remote))
+            items = remote.pop(worker_name)
+            try:
+                self._read_frames(workers[worker_name], items, cast, result, verify=verify)
+            except _WorkerFailed as exc:
+                failed[worker_name] = str(exc.__cause__ or exc)
+                log.warning("pull.copy_failed", version=manifest.version, worker=worker_name, error=failed[worker_name])
+                for entry, locations in items:
+                    if entry.name in result:
+                        continue
+                    left = [loc for loc in locations if loc.worker not in failed]
+                    if not left:
+                        raise PsError(f"tensor {entry.name!r} of version {manifest.version}: every copy failed: "
+                                      f"{failed}") from exc
+                    remote[left[0].worker].append((entry, left))
         return result
 
-    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]], cast: _Cast, *,
-                     verify: bool) -> dict[str, torch.Tensor]:
+    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, list[Location]]], cast: _Cast,
+                     result: dict[str, torch.Tensor], *, verify: bool) -> None:
+        """Read ``items`` from their first location, all on ``worker``, into ``result`` as they arrive.
+        Raises _WorkerFailed when the worker does not serve them (the caller tries another copy)."""
         client = self._worker(worker)
-        groups: list[list[tuple[ManifestEntry, int, str]]] = []
+        groups: list[list[tuple[ManifestEntry, Location]]] = []
         size = 0
-        for item in items:
-            if not groups or size + item[0].nbytes > self.chunk_bytes or groups[-1][0][2] != item[2]:
+        for entry, locations in items:
+            location = locations[0]
+            if not groups or size + entry.nbytes > self.chunk_bytes or groups[-1][0][1].segment != location.segment:
                 groups.append([])
                 size = 0
-            groups[-1].append(item)
-            size += item[0].nbytes
+            groups[-1].append((entry, location))
+            size += entry.nbytes
         calls: list[tuple[Client, Body]] = [
-            (client, ShardRead(group[0][2], [ByteRange(offset, e.nbytes) for e, offset, _ in group]))
+            (client, ShardRead(group[0][1].segment, [ByteRange(loc.offset, e.nbytes) for e, loc in group]))
             for group in groups
         ]
-        result: dict[str, torch.Tensor] = {}
         for group, outcome in zip(groups, gather(calls, window=_WINDOW, backend="numpy"), strict=True):
             if isinstance(outcome, Exception):
-                raise PsError(f"reading from {worker.worker} failed: {outcome}") from outcome
+                # Any failure, a refusal included (a restarted worker reusing a segment name), is worth the
+                # next copy: a read changes nothing.
+                raise _WorkerFailed(worker.worker, outcome) from outcome
             data = outcome.body
             assert isinstance(data, ShardData)
-            for (entry, _, _), array in zip(group, data.data, strict=True):
+            for (entry, _), array in zip(group, data.data, strict=True):
                 if verify:
                     _verify(entry, array)
                 source = _typed(torch.from_numpy(array), entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=True, shared=False)
-        return result
+                self.read_bytes["frames"] += entry.nbytes
 
     # --- broadcast init, inspection -----------------------------------------------------------------
 
@@ -596,10 +722,13 @@ class PsClient:
         return client
 
     def _local_path(self, worker: WorkerInfo, segment: str) -> str | None:
-        """The segment's file when this client may map it (same host, visible), else None."""
-        if self.transport == "frames" or worker.host != self.host:
+        """The segment's file when this client may map it (same host by proof, visible), else None."""
+        if self.transport == "frames":
+            return None
+        refused = self._same_host_refusal(worker)
+        if refused is not None:
             if self.transport == "shm":
-                raise PsError(f"worker {worker.worker} is on {worker.host}, not this host {self.host}")
+                raise PsError(f"worker {worker.worker} is not proved to be on this host: {refused}")
             return None
         path = os.path.join(worker.shm_dir, segment)
         if os.path.exists(path):
@@ -607,6 +736,17 @@ class PsClient:
         if self.transport == "shm":
             raise PsError(f"segment {path} of worker {worker.worker} is not visible from this process")
         return None
+
+    def _same_host_refusal(self, worker: WorkerInfo) -> str | None:
+        """Why ``worker``'s segments may not be mapped here (None: proved they may), once per worker process.
+        A worker whose host name is this one's but whose proof fails is logged as an error: the name lied."""
+        key = (worker.worker, worker.nonce)
+        if key not in self._proofs:
+            refused = self._proofs[key] = host_proof.refusal(worker, self._boot_id)
+            if refused is not None and worker.host == self.host:
+                log.error("ps.same_host_unproved", worker=worker.worker, host=worker.host, reason=refused,
+                          using="frames" if self.transport == "auto" else "nothing")
+        return self._proofs[key]
 
     def _local_location(self, entry: ManifestEntry, workers: Mapping[str, WorkerInfo]) -> tuple[str, int] | None:
         for location in entry.locations:

@@ -7,7 +7,8 @@ mapped once and reused version after version:
   directly; a cross-host one sends ``ps-shard-write`` frames); ``ps-shard-seal`` hashes every tensor against
   the pusher's checksums and forwards the verified shard to the manager (``ps-shard-commit``). The pusher's
   answer is the manager's (the reply is deferred until it arrives), so "acknowledged" means "recorded".
-* **pull**: same-host readers map segments themselves and never talk to the worker; ``ps-shard-read``
+* **pull**: same-host readers (proved by the kernel's boot id and a nonce file next to the segments,
+  :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
   serves cross-host readers with zero-copy frames that view the segment.
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
   the pool.
@@ -51,6 +52,7 @@ from ...protocol.messages_ps import (
 from ..config import Config
 from ..settings import PsSettings
 from .broadcast import Relay
+from .host_proof import NonceFile, boot_id
 from .shm import Segment, SegmentPool, sweep_orphans
 
 log = structlog.get_logger(__name__)
@@ -64,6 +66,8 @@ class PsWorker:
         self.settings = settings
         self.register_timeout_s = register_timeout_s
         sweep_orphans(settings.shm_dir, settings.shm_prefix)
+        self.host_proof = NonceFile.create(settings.shm_dir, settings.shm_prefix)
+        runtime.shutdown_hooks.append(self.host_proof.remove)
         self.pool = SegmentPool(settings.shm_dir, settings.shm_prefix, pin=settings.pin_memory,
                                 max_free=settings.max_free_segments)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
@@ -92,7 +96,8 @@ class PsWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
-                          self.settings.shm_dir, os.getpid())
+                          self.settings.shm_dir, os.getpid(), boot_id(), self.host_proof.path.name,
+                          self.host_proof.nonce)
 
     def register(self) -> None:
         """Join the parameter server (blocking, before the loop runs); RequestTimeout if no manager answers."""
