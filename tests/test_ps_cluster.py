@@ -348,6 +348,10 @@ def test_staleness_inventory_through_the_manager(cluster: PsCluster) -> None:
         with pytest.raises(RemoteError) as err:
             ps.occupy("p3", "late", 1)
         assert err.value.code == "reservation-aborted"
+        # Commits move the trainer version: weights 3 exist once version 3 is committed, never before.
+        for version in range(4):
+            ps.push(make_state(seed=version), version)
+        assert ps.inventory().trainer_version == 3 and ps.reserve("p4", 3) == 4
     finally:
         runtime.close()
 

@@ -16,6 +16,9 @@ old versions ``>= K`` are retired (readers' leases on them run out normally), an
 new world commit without a conflict (:mod:`.versions`). The ``version-bump`` of the new ``K`` tells readers
 the version went back.
 
+Staleness inventory: a commit of ``V`` moves its trainer version up to ``V`` when it is behind (a trainer
+that does not consume through it); a new lineage at ``K`` rewinds it to ``K`` (docs/STALENESS.md).
+
 Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), the pusher writes a copy to
 each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
 again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
@@ -87,7 +90,7 @@ from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import Lease, LeaseTable
 from .manifest import ManifestError
-from .staleness import StalenessError, StalenessInventory
+from .staleness import CloseReport, StalenessError, StalenessInventory
 from .versions import Shard, VersionStore
 
 log = structlog.get_logger(__name__)
@@ -255,6 +258,7 @@ class PsManager:
             self._abort_push(pending.version, f"{holder} resumes from version {version}: a new lineage")
         retired = [v for v in self.versions.retained() if v >= version]
         self._release(self.versions.start_lineage(version))
+        self._inventory_dropped("rewound", version, self.inventory.rewind(version))
         (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
                                                retired=retired, latest=self.versions.latest)
 
@@ -276,8 +280,10 @@ class PsManager:
         return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")
 
     def _committed(self, manifest: Manifest, freed: list[Shard]) -> None:
-        """A version is visible: free what retention dropped, then (never before) publish the bump."""
+        """A version is visible: free what retention dropped, move the inventory's trainer version up to it,
+        then (never before) publish the bump."""
         self._release(freed)
+        self._inventory_dropped("advanced", manifest.version, self.inventory.advance(manifest.version))
         log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
                  tensors=len(manifest.entries), digest=manifest.digest)
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
@@ -480,6 +486,14 @@ class PsManager:
         self._init_waiting = []
 
     # --- staleness inventory ------------------------------------------------------------------------
+
+    def _inventory_dropped(self, how: str, version: int, report: CloseReport[str]) -> None:
+        """The inventory's trainer version moved with the versions; say what that ended (callers learn it
+        from their next occupy, ``reservation-aborted``)."""
+        if report.aborted_prompts or report.discarded:
+            log.warning("ps.inventory_dropped", how=how, trainer_version=version,
+                        aborted_prompts=len(report.aborted_prompts), aborted_slots=report.aborted_slots,
+                        discarded=len(report.discarded))
 
     def _staleness(self, call: Callable[[], Body]) -> Body:
         try:
