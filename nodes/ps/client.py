@@ -317,8 +317,8 @@ class PushSession:
             raise PsError(f"tensor {name!r} is {wire_dtype(tensor.dtype)}{list(tensor.shape)}, the push announced "
                           f"{spec.dtype}{spec.shape}")
         tensor = tensor.detach()
-        self._written[name] = tensor
         self._attempt(lambda: self._put(spec, tensor))
+        self._written[name] = tensor
 
     def commit(self) -> PushResult:
         """Seal the shard on every worker: each verifies every checksum and commits its copy at the manager;
@@ -339,12 +339,14 @@ class PushSession:
             self._client._abort_push(self._grant.lease)
 
     def _attempt(self, step: Callable[[], T]) -> T:
-        """Run ``step``; when a worker fails, ask for a new grant without it, open and write every tensor
-        again there, then run ``step`` again."""
+        """Run ``step``; when a worker fails, ask for a new grant without it, open the shard and write every
+        tensor written so far again there, then run ``step`` again."""
         while True:
             try:
                 if not self._copies:
                     self._open_copies()
+                    for name, tensor in self._written.items():
+                        self._put(self._layout[name], tensor)
                 return step()
             except _WorkerFailed as failed:
                 self._avoid.add(failed.worker)
@@ -356,6 +358,7 @@ class PushSession:
                 self._regrant()
 
     def _regrant(self) -> None:
+        """A new grant for this rank, avoiding the workers that failed; the version stays pending."""
         old = self._grant
         self._grant = self._client._grant(PushBegin(
             self.version, self.rank, self.world, self._client.holder, [], self._client.host, retry=old.lease,
@@ -364,9 +367,6 @@ class PushSession:
         self._client._keeper.drop(old.lease)
         self._client._keeper.hold(self._grant.lease, self._grant.ttl_s)
         self._copies, self._queued, self._queued_bytes = [], [], 0
-        self._open_copies()
-        for name, tensor in self._written.items():
-            self._put(self._layout[name], tensor)
 
     def _open_copies(self) -> None:
         copies = []
