@@ -27,7 +27,7 @@ Liveness: a timer expires leases (an expired pull lease unpins its version; an e
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
 A ``node-down`` of a worker removes it: it is never granted again, pull grants leave its copies out (a pull
 of a version with a tensor whose every copy is down fails at once, naming the workers), a pending push with
-a copy already verified there is aborted, and an init it takes part in fails.
+a rank whose every verified copy was there is aborted, and an init it takes part in fails.
 """
 
 from __future__ import annotations
@@ -186,10 +186,13 @@ class PsManager:
         if self.init is not None and down.node_id in self.init.names:
             self._fail_init(down.node_id, f"went down ({down.reason}) during the broadcast")
         pending = self.versions.pending
-        # A copy still being written is the pusher's to retry elsewhere; one already verified there cannot be
-        # (its pusher has its answer), so the version could never have all its copies.
-        if pending is not None and any(down.node_id in r.segments for r in pending.ranks.values()):
-            self._abort_push(pending.version, f"worker {down.node_id}, holding a verified copy, went down")
+        # A copy still being written is the pusher's to retry elsewhere. A rank whose copies were all verified
+        # has its answer: it lost one copy as a committed version would, unless it lost them all.
+        orphaned = [rank for rank, r in (pending.ranks.items() if pending else ())
+                    if r.done and not any(w in self.workers for w in r.segments)]
+        if pending is not None and orphaned:
+            self._abort_push(pending.version, f"worker {down.node_id} held the last verified copy of rank(s) "
+                             f"{orphaned}")
 
     def _dead_copies(self, manifest: Manifest) -> dict[str, list[str]]:
         """Tensor -> its copies' workers, for each tensor with no copy on a live worker."""
