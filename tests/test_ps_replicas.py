@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, segments, start_cluster
+from ps_support import PsCluster, make_state, rank_part, segments, start_cluster
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps import host_proof
@@ -244,4 +244,26 @@ def test_a_pull_falls_to_the_next_copy_when_a_worker_dies_unannounced(cluster: P
         assert ps.status().leases == 0
     finally:
         reader_runtime.close()
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_worker_death_between_two_ranks_keeps_the_pending_version(cluster: PsCluster) -> None:
+    """Rank 0's copies are verified on w0 and w1, then w1 dies before rank 1 pushes: rank 0 lost one copy
+    (as a committed version would), the version still commits and reads whole from w0."""
+    runtime, ps = _client(cluster, "ranks")
+    try:
+        state = make_state(seed=6)
+        assert not ps.push(rank_part(state, 0, 2), 0, rank=0, world=2).committed
+        _kill(cluster, "w1")
+        wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
+                 "the manager to learn that w1 is down")
+        assert ps.status().pending == [0]
+        assert ps.push(rank_part(state, 1, 2), 0, rank=1, world=2).committed
+        assert _workers_of(ps, 0) == {"w0", "w1"}  # the manifest records both copies of rank 0
+        grant = _grant(runtime, cluster, 0)
+        assert {loc.worker for e in grant.manifest.entries for loc in e.locations} == {"w0"}  # w1 never handed out
+        pulled = ps.pull(verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
         runtime.close()

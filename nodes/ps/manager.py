@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
@@ -209,10 +210,10 @@ class PsManager:
                                f"(e.g. {next(iter(dead))!r}) is on a worker that is down: {workers}")
         if all(loc.worker in self.workers for e in manifest.entries for loc in e.locations):
             return manifest
-        entries = [dataclasses.replace(e, locations=[loc for loc in e.locations if loc.worker in self.workers])
+        entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if loc.worker in self.workers])
                    for e in manifest.entries]
-        return dataclasses.replace(manifest, entries=entries,
-                                   workers=[w for w in manifest.workers if w.worker in self.workers])
+        return msgspec.structs.replace(manifest, entries=entries,
+                                       workers=[w for w in manifest.workers if w.worker in self.workers])
 
     # --- push ---------------------------------------------------------------------------------------
 
