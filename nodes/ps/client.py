@@ -4,13 +4,17 @@
     ps.push(model.state_dict(), version)              # trainer rank: its own tensors only
     weights = ps.pull(dtype=torch.bfloat16, keep_fp32=("*.norm.weight",))    # rollout: latest version
 
-Push: the manager places the rank's shard on a worker (one on this host when there is one) and grants a
-lease; the bytes go into the worker's shared-memory segment directly (same host) or as ZeroMQ frames; the
-worker verifies every checksum and its acknowledgement commits the shard at the manager. A push that fails
-midway releases its lease, which aborts the version (a push that dies midway stops renewing: same result).
+Push: the manager places the rank's shard on ``ps.replicas`` workers (the first on this host when there is
+one) and grants a lease; the bytes go into each worker's shared-memory segment directly (same host, proved
+by :mod:`.host_proof`) or as ZeroMQ frames; each worker verifies every checksum and its acknowledgement
+commits its copy at the manager (the version commits with the last copy of the last rank). A worker that
+fails under the push is replaced: the rank asks for a new grant and writes its tensors again. A push that
+fails otherwise releases its lease, which aborts the version (a push that dies midway stops renewing: same
+result).
 
-Pull: the manager grants a lease on a committed version and its manifest; tensors on this host are read
-straight from the workers' segments (mapped once, kept mapped, no socket), others come as frames. The lease
+Pull: the manager grants a lease on a committed version and its manifest (copies on workers it knows down
+left out); tensors on this host are read straight from the workers' segments (mapped once, kept mapped, no
+socket), others come as frames, from the next copy when a worker fails. The lease
 is released at the end; if it had expired (the version's memory may have been reused), the pull fails with
 :class:`LeaseExpired` instead of returning torn bytes. A pull into ``out=`` (how rollout workers refresh in
 place) either returns with every tensor of ``out`` holding the returned version, or raises
