@@ -15,6 +15,11 @@
    two-worker inits one after another). Reports file reads (goal: 1) and time.
 3. **pull under push**: latency of a pull (shared memory, into reused buffers) while another process pushes
    the next versions back to back, against no push running (goal: within 1.2x).
+4. **replicas**: a same-host push with ``ps.replicas`` 2 (the default: the pusher writes a copy to each of
+   two workers) against ``ps.replicas`` 1, as a ratio of push times (no goal: the price of surviving a
+   worker's death).
+
+Sections 1-3 run with ``ps.replicas`` 1, so their figures compare with those before replicas existed.
 
 Every process is a real node (``NodeProcess``) or a spawned worker (``bench.harness.workers``), every wait is
 bounded, everything is stopped and no segment is left in /dev/shm.
@@ -115,7 +120,7 @@ class Cluster:
 
 
 @contextmanager
-def cluster(ps_workers: int) -> Iterator[Cluster]:
+def cluster(ps_workers: int, replicas: int = 1) -> Iterator[Cluster]:
     workdir = Path(tempfile.mkdtemp(prefix="refbus-bench-ps-"))
     prefix = f"refbus-bench-{os.getpid()}"
     # A generous node timeout: the bench saturates both cores on purpose, and a starved loop must not be
@@ -125,7 +130,7 @@ def cluster(ps_workers: int) -> Iterator[Cluster]:
     procs = [bus]
     try:
         flags = ["--bus-control", control, "--ps-shm-prefix", prefix, "--ps-retain-versions", str(RETAIN),
-                 "--ps-max-free-segments", "1", "--node-log-level", "warning"]
+                 "--ps-max-free-segments", "1", "--node-log-level", "warning", "--ps-replicas", str(replicas)]
         manager = NodeProcess(["node", "ps-manager", "--node-id", "mgr", "--ps-manager", "tcp://127.0.0.1:0",
                                *flags], workdir=workdir, name="mgr")
         procs.append(manager)
@@ -371,6 +376,32 @@ def bench_pull_under_push(c: Cluster, settings: Settings, report: Callable[..., 
     return {"quiet_p50_s": q, "busy_p50_s": b, "ratio": b / q, "quiet_max_s": max(quiet), "busy_max_s": max(busy)}
 
 
+# --- 4. replicas -------------------------------------------------------------------------------------
+
+
+def steady_push_s(c: Cluster, state: dict[str, torch.Tensor], repeats: int) -> float:
+    """The fastest steady-state push of ``state`` (after the segments of ``RETAIN + 1`` versions exist)."""
+    runtime, ps = c.client("bench-replicas")
+    try:
+        versions = itertools.count(ps.status().latest + 1)
+        return min(seconds_each(lambda: ps.push(state, next(versions)), RETAIN + 1 + repeats)[RETAIN + 1 :])
+    finally:
+        runtime.close()
+
+
+def bench_replicas(settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
+    state = make_state(settings.state_bytes, settings.tensors, seed=3)
+    gb = nbytes(state) / 1e9
+    seconds = {}
+    for replicas in (1, 2):
+        with cluster(2, replicas=replicas) as c:
+            seconds[replicas] = steady_push_s(c, state, settings.repeats)
+        report(f"replicas {replicas}: push {seconds[replicas]:.3f} s ({gb / seconds[replicas]:.2f} GB/s)")
+    ratio = seconds[2] / seconds[1]
+    report(f"push with 2 replicas / 1 replica: {ratio:.2f}x")
+    return {"push_1_s": seconds[1], "push_2_s": seconds[2], "ratio": ratio}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, prog="python -m bench.ps", description=__doc__.split("\n\n")[0],
                       quick_help="small sizes (a smoke run, well under 15 s)")
@@ -391,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         results["broadcast"] = bench_broadcast(c, settings, report)
         print("== 3. pull latency while a push runs ==", flush=True)
         results["pull_under_push"] = bench_pull_under_push(c, settings, report)
+    print("== 4. replicas: push cost ==", flush=True)
+    results["replicas"] = bench_replicas(settings, report)
     if args.json:
         write_json(args.json, results)
     return 0

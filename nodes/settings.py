@@ -126,6 +126,9 @@ class PsSettings:
     chunk_bytes: int = key(8 << 20, "Bytes per chunk of the broadcast-init stream.")
     ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message.")
     init_timeout_s: float = key(600.0, "Seconds a broadcast init may take before it fails.")
+    replicas: int = key(2, "Copies of every pushed shard, each on its own ps-worker (capped to the live workers): a "
+                           "version commits once every copy is verified, so it survives the death of replicas - 1 "
+                           "workers.")
 
 
 @dataclass(frozen=True)

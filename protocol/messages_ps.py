@@ -76,6 +76,9 @@ class WorkerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     host: str  # its host
     shm_dir: str  # its shared-memory directory
     pid: NonNegative = 0  # its process id
+    boot_id: str = ""  # its kernel's boot id: a client elsewhere reads another one (or none)
+    nonce_file: str = ""  # a file in shm_dir holding ``nonce``: only a client on its host reads it there
+    nonce: str = ""  # random per worker process (hex); a client maps segments only after reading it back
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -134,6 +137,10 @@ class PushBegin(Body, frozen=True):
     # The first push of a trainer world that (re)started from its checkpoint of step ``version``: it starts a
     # new lineage, the versions >= ``version`` of the old one are retired.
     resumes: bool = False
+    # The lease of this rank's attempt that failed on a worker (it died or could not be reached): that
+    # attempt's copies are dropped and the rank starts over on other workers; the version stays pending.
+    retry: str = ""
+    avoid: list[Name] = []  # workers the pusher could not reach: not granted again for this push
 
 
 @register_kind("ps-shard-commit")
@@ -344,6 +351,9 @@ class PushGrant(Body, frozen=True):
     worker: WorkerInfo  # where the shard goes
     nbytes: NonNegative  # shard bytes
     tensors: list[ShardTensor]  # the layout (offsets)
+    # Further workers that each get a full copy (written by the pusher like the first); the version commits
+    # only once every copy of every rank is verified.
+    replicas: list[WorkerInfo] = []
 
 
 @register_kind("ps-shard-opened")

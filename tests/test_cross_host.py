@@ -92,12 +92,20 @@ def actors() -> Any:
         actor.stop()
 
 
+def _segments(host: hosts.Host) -> list[Path]:
+    """The ps segments in a host's /dev/shm, in the workers' durable store directories or not (not the
+    stores' own files, nor the workers' host-proof nonce files)."""
+    return [p for p in host.shm.rglob("*")
+            if p.is_file() and p.name not in ("lock", "id", "journal") and not p.name.endswith(".nonce")]
+
+
 def test_ps_pulls_map_shared_memory_on_the_workers_host_and_use_frames_across(make_hosts, spawn, actors) -> None:
     cluster = make_hosts(3)
     a, b, c = cluster
     _broker(spawn, a)
+    # One copy per shard, so the pull on the other host has nothing of its own host to map.
     manager = _node(spawn, a, "ps-manager", "ps-manager", "--bus-control", CONTROL, "--ps-manager",
-                    "tcp://0.0.0.0:7780")["endpoints"]["ps"]
+                    "tcp://0.0.0.0:7780", "--ps-replicas", "1")["endpoints"]["ps"]
     assert manager == "tcp://hostA:7780"
     for host in (b, c):
         worker = _node(spawn, host, f"w-{host.name}", "ps-worker", "--bus-control", CONTROL, "--ps-manager", manager,
@@ -112,10 +120,7 @@ def test_ps_pulls_map_shared_memory_on_the_workers_host_and_use_frames_across(ma
     assert pushed["committed"]
     # The push went to the worker on the pusher's host: its segments are in hostB's /dev/shm only (each
     # worker's durable store directory is there from its start, with the store's own files).
-    def segments(host: hosts.Host) -> list[Path]:
-        return [p for p in host.shm.rglob("*") if p.is_file() and p.name not in ("lock", "id", "journal")]
-
-    assert segments(b) and not segments(c)
+    assert _segments(b) and not _segments(c)
     expected = checksums(make_state(7))
     local = actor(b, "pull", "--version", "0").expect("pulled", WAIT_S * 3)
     remote = actor(c, "pull", "--version", "0").expect("pulled", WAIT_S * 3)
@@ -123,6 +128,33 @@ def test_ps_pulls_map_shared_memory_on_the_workers_host_and_use_frames_across(ma
     assert local["digest"] == remote["digest"] == pushed["digest"]
     assert local["frames"] == 0  # mapped from hostB's shared memory
     assert remote["frames"] >= sum(1 for t in make_state(7).values() if t.numel())  # every tensor as frames
+
+
+def test_a_worker_whose_host_name_lies_is_read_through_frames_never_mapped(make_hosts, spawn, actors) -> None:
+    """A ps-worker on hostC advertises the host name hostB (a copied config, a container sharing names), and
+    hostB's /dev/shm holds decoys under its file names. Both hosts share a kernel (same boot id), so only the
+    nonce read back tells them apart: a pull on hostB gets frames with the right bytes, never the decoys."""
+    cluster = make_hosts(3)
+    a, b, c = cluster
+    _broker(spawn, a)
+    manager = _node(spawn, a, "ps-manager", "ps-manager", "--bus-control", CONTROL, "--ps-manager",
+                    "tcp://0.0.0.0:7780")["endpoints"]["ps"]
+    _node(spawn, c, "w-liar", "ps-worker", "--bus-control", CONTROL, "--ps-manager", manager,
+          "--ps-worker", "tcp://hostC:0", "--node-host", "hostB")  # reachable at hostC, named hostB
+
+    def actor(host: hosts.Host, *args: str) -> Actor:
+        actors.append(Actor(*args, "--manager", manager, prefix=host.argv(())))
+        return actors[-1]
+
+    pushed = actor(b, "push", "--version", "0", "--seed", "7").expect("pushed", WAIT_S * 3)
+    assert pushed["committed"] and _segments(c) and not _segments(b)  # the bytes went as frames to hostC
+    for real in (p for p in c.shm.rglob("*") if p.is_file()):  # decoys at the same paths: the nonce file
+        decoy = b.shm / real.relative_to(c.shm)                   # garbled, segments zeros of the same size
+        decoy.parent.mkdir(parents=True, exist_ok=True)
+        decoy.write_bytes(b"decoy" if real.name.endswith(".nonce") else bytes(real.stat().st_size))
+    pulled = actor(b, "pull", "--version", "0").expect("pulled", WAIT_S * 3)
+    assert pulled["checksums"] == checksums(make_state(7)) and pulled["digest"] == pushed["digest"]
+    assert pulled["frames"] >= sum(1 for t in make_state(7).values() if t.numel())  # none mapped
 
 
 def test_torchrun_trainer_ranks_on_two_hosts_rendezvous_and_push_one_version(make_hosts, spawn, actors,

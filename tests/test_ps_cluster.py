@@ -306,7 +306,14 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         with pytest.raises(RemoteError) as err:
             worker.request(ShardSeal(grant.lease, 1, 0, reshaped))
         assert err.value.code == "manifest-mismatch" and "'b'" in str(err.value) and "shape" in str(err.value)
-        assert worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
+        # One verified copy of the two the grant names (ps.replicas 2) does not commit the version.
+        assert not worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
+        assert ps.status().latest == 0
+        (replica,) = grant.replicas
+        other = runtime.client(replica.endpoint)
+        other.request(ShardOpen(grant.lease, grant.nbytes))
+        other.request(ShardWrite(grant.lease, [t.offset for t in grant.tensors], data))
+        assert other.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         pulled = ps.pull()
         assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
     finally:
@@ -341,6 +348,10 @@ def test_staleness_inventory_through_the_manager(cluster: PsCluster) -> None:
         with pytest.raises(RemoteError) as err:
             ps.occupy("p3", "late", 1)
         assert err.value.code == "reservation-aborted"
+        # Commits move the trainer version: weights 3 exist once version 3 is committed, never before.
+        for version in range(4):
+            ps.push(make_state(seed=version), version)
+        assert ps.inventory().trainer_version == 3 and ps.reserve("p4", 3) == 4
     finally:
         runtime.close()
 

@@ -19,7 +19,7 @@ def _push(store: VersionStore, version: int, lineage: str, *, resumes: bool = Fa
     push after :meth:`VersionStore.start_lineage`, as the manager calls it for the first rank."""
     for rank in (0, 1):
         assert store.joins_lineage(version, 2) == (resumes and rank == 1)
-        layout = store.begin(version, rank, 2, SPECS[rank:rank + 1], "w0", f"{lineage}{version}.{rank}", now=0.0,
+        layout = store.begin(version, rank, 2, SPECS[rank:rank + 1], ["w0"], f"{lineage}{version}.{rank}", now=0.0,
                              resumes=resumes)
         store.commit_shard(version, rank, f"{lineage}{version}.{rank}", "w0", f"s{rank}", layout, WORKERS)
     assert store.latest == version
@@ -36,7 +36,7 @@ def test_a_resumed_world_starts_a_new_lineage_and_readers_of_the_old_one_free_ex
     store.pin(3, "R3")
     store.pin(4, "R4")
     with pytest.raises(ManifestError) as err:  # without declaring it resumes, K is a conflict as before
-        store.begin(2, 0, 2, SPECS[:1], "w0", "x", now=0.0)
+        store.begin(2, 0, 2, SPECS[:1], ["w0"], "x", now=0.0)
     assert err.value.code == "version-conflict"
 
     freed = store.start_lineage(2)
@@ -65,12 +65,12 @@ def test_a_resumed_push_never_joins_an_old_worlds_pending_push() -> None:
     store = VersionStore(retain=2)
     for version in range(3):
         _push(store, version, "old")
-    store.begin(3, 0, 2, SPECS[:1], "w0", "old3.0", now=0.0)  # the old world died while pushing 3
+    store.begin(3, 0, 2, SPECS[:1], ["w0"], "old3.0", now=0.0)  # the old world died while pushing 3
     assert not store.joins_lineage(3, 2)  # not a resuming push: the caller aborts it first
     assert store.abort(3) == [("w0", "old3.0")]
     assert store.start_lineage(1) == _shards("old", 1) + _shards("old", 2)
     _push(store, 1, "new", resumes=True)
     assert store.latest == 1 and store.retained() == [1]
     with pytest.raises(AssertionError):
-        store.begin(2, 0, 2, SPECS[:1], "w0", "new2.0", now=0.0)
+        store.begin(2, 0, 2, SPECS[:1], ["w0"], "new2.0", now=0.0)
         store.start_lineage(2)  # a pending push must be aborted before a lineage starts

@@ -85,8 +85,8 @@ def test_versions_commit_only_when_every_rank_did_and_retain_k() -> None:
     workers = [WorkerInfo("w0", "tcp://x", "h", "/dev/shm")]
     specs = [TensorSpec("a", "float32", [2]), TensorSpec("b", "int8", [3])]
     for version in range(4):
-        rank0 = store.begin(version, 0, 2, specs[:1], "w0", f"L{version}.0", now=0.0)
-        rank1 = store.begin(version, 1, 2, specs[1:], "w0", f"L{version}.1", now=0.0)
+        rank0 = store.begin(version, 0, 2, specs[:1], ["w0"], f"L{version}.0", now=0.0)
+        rank1 = store.begin(version, 1, 2, specs[1:], ["w0"], f"L{version}.1", now=0.0)
         _, manifest, _ = store.commit_shard(version, 0, f"L{version}.0", "w0", "s0", rank0, workers)
         assert manifest is None and store.latest == version - 1  # not visible with one rank missing
         _, manifest, freed = store.commit_shard(version, 1, f"L{version}.1", "w0", "s1", rank1, workers)
@@ -104,13 +104,13 @@ def test_versions_commit_only_when_every_rank_did_and_retain_k() -> None:
 def test_versions_abort_and_refuse_what_does_not_fit() -> None:
     store = VersionStore(retain=1)
     spec = [TensorSpec("a", "float32", [2])]
-    granted = store.begin(0, 0, 1, spec, "w0", "L0", now=0.0)
+    granted = store.begin(0, 0, 1, spec, ["w0"], "L0", now=0.0)
     bad = [ShardTensor("a", "float32", [2], 64, 8)]
     with pytest.raises(ManifestError) as err:
         store.commit_shard(0, 0, "L0", "w0", "s", bad, [])
     assert err.value.code == "manifest-mismatch" and "offset" in str(err.value)
     with pytest.raises(ManifestError) as err:
-        store.begin(1, 0, 1, spec, "w0", "L1", now=0.0)
+        store.begin(1, 0, 1, spec, ["w0"], "L1", now=0.0)
     assert err.value.code == "version-conflict" and "still being pushed" in str(err.value)
     assert store.abort(0) == [("w0", "L0")] and store.pending is None
     with pytest.raises(ManifestError) as err:

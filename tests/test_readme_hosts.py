@@ -217,11 +217,12 @@ def test_the_readme_per_host_commands_run_as_written_and_train(make_hosts, tmp_p
             assert [r.returncode for r in ranks] == [0] * len(ranks), run.tails()
             bumps = [r["version"] for r in events(record) if r.get("type") == "version-bump"]
             assert max(bumps) == steps, bumps  # version 0, then one per step
-            # Each rollout worker mapped its own host's shard and got the other host's as frames.
+            # ps.replicas 2 puts a copy of every shard on each host's ps-worker: each rollout worker mapped
+            # every tensor from its own host's copy, none came as frames.
             reads = {(s["metric"]["instance"].split(":")[0], s["metric"]["path"]): float(s["value"][1])
                      for s in _query(a, api, "refbus_rollout_weights_read_bytes_total")}
             for host in ("hostB", "hostC"):
-                assert reads.get((host, "shm"), 0) > 0 and reads.get((host, "frames"), 0) > 0, reads
+                assert reads.get((host, "shm"), 0) > 0 and reads.get((host, "frames"), 0) == 0, reads
 
         orchestrator_log = (tmp_path / f"{run.named('orchestrator')[0]}.log").read_text()
         # It waited for version 0 instead of failing runs, and shipped no step past the ranks' budget.

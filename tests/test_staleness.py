@@ -320,6 +320,43 @@ def test_member_with_newer_policy_version_is_accepted() -> None:
 # ----------------------------------------------------------------------------------------- consume
 
 
+def _balanced(inv: StalenessInventory[Traj]) -> None:
+    s = inv.stats()
+    assert s.reserved_total == s.occupied_total + s.aborted_total + s.reserved_slots
+    assert s.occupied_total == s.consumed_trajectories + s.evicted_total + s.discarded_total + s.occupied_slots
+
+
+def test_a_commit_ahead_of_the_trainer_version_advances_it_and_drops_what_fell_behind() -> None:
+    inv = make(eta=1, batch_size=2)
+    fill(inv, "a", 1, 0)  # a stored trajectory
+    inv.reserve("g", 0, 2)  # a group in flight, one member stored
+    inv.occupy("g", ("g", 0), 0)
+    assert inv.advance(0).discarded == () and inv.trainer_version == 0  # not ahead: nothing happens
+    with pytest.raises(VersionMismatchError):
+        inv.reserve("late", 3)
+    report = inv.advance(3)  # e.g. three commits by a trainer that never consumed here
+    assert inv.trainer_version == 3 and inv.highest_aborted == 3 - 1 - 1  # T - 1 - eta
+    assert report.aborted_prompts == ("g",) and report.aborted_slots == 1
+    assert sorted(e.prompt_id for e in report.discarded) == ["a0", "g"]
+    assert inv.buffers() == [] and inv.reserve("late", 3) == 4
+    with pytest.raises(UnknownReservationError):
+        inv.occupy("g", ("g", 1), 0)
+    _balanced(inv)
+
+
+def test_a_new_lineage_rewinds_the_trainer_version_and_drops_every_buffer() -> None:
+    inv = make(eta=1, batch_size=1)
+    fill(inv, "a", 2, 0)
+    assert inv.consume(0) is not None and inv.consume(1) is not None and inv.trainer_version == 2
+    inv.reserve("b", 2)
+    report = inv.rewind(1)
+    assert inv.trainer_version == 1 and report.aborted_prompts == ("b",) and inv.buffers() == []
+    assert inv.reserve("c", 1) == 2 and inv.highest_aborted == -1
+    with pytest.raises(InvalidArgumentError):
+        inv.advance(-1)
+    _balanced(inv)
+
+
 def test_consume_returns_batch_in_order_and_advances() -> None:
     inv = make(0, 3)
     fill(inv, "a", 3, 0)

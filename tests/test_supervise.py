@@ -67,17 +67,17 @@ def test_killed_env_server_rollout_worker_and_ps_worker_are_restarted_and_the_ru
             assert (deaths[name]["pid"], deaths[name]["exit"], deaths[name]["restarted"]) == (pid, "SIGKILL", True)
             assert f"refbus up: {name} died (SIGKILL); restarting it" in output
             assert f"refbus up: {name} restarted (pid " in output
-        # A push granted to the ps-worker just before it was killed fails its rank: that may cost a world
-        # restart from the checkpoint, never the run. Nothing else may die.
+        # A push granted to the ps-worker just before it was killed is retried on another worker: no trainer
+        # rank fails and the world never restarts. Nothing else may die.
         others = set(deaths) - set(victims)
-        assert others <= {"trainer-0", "trainer-1"} and len(summary["world_restarts"]) == (1 if others else 0), output
-        assert summary["restarts"] == 3 + len(summary["world_restarts"]), output
+        assert others == set() and summary["world_restarts"] == [], output
+        assert summary["restarts"] == 3, output
         # Every kept blob is deleted once or lost with the store that died; nothing held or leaked.
         blobs = summary["blobs"]
         assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
         assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
-        # Lost: what env-1 kept, and what a broken world's ranks held (reclaimed as holder-down).
-        assert set(summary["accounting"]["lost"]) <= {"env-1", *others}, summary["accounting"]
+        # Lost: what env-1 kept.
+        assert set(summary["accounting"]["lost"]) <= {"env-1"}, summary["accounting"]
         assert up.leftovers() == []
     finally:
         up.close()

@@ -4,16 +4,23 @@
     ps.push(model.state_dict(), version)              # trainer rank: its own tensors only
     weights = ps.pull(dtype=torch.bfloat16, keep_fp32=("*.norm.weight",))    # rollout: latest version
 
-Push: the manager places the rank's shard on a worker (one on this host when there is one) and grants a
-lease; the bytes go into the worker's shared-memory segment directly (same host) or as ZeroMQ frames; the
-worker verifies every checksum and its acknowledgement commits the shard at the manager. A push that fails
-midway releases its lease, which aborts the version (a push that dies midway stops renewing: same result).
+Push: the manager places the rank's shard on ``ps.replicas`` workers (the first on this host when there is
+one) and grants a lease; the bytes go into each worker's shared-memory segment directly (same host, proved
+by :mod:`.host_proof`) or as ZeroMQ frames; each worker verifies every checksum and its acknowledgement
+commits its copy at the manager (the version commits with the last copy of the last rank). A worker that
+fails under the push is replaced: the rank asks for a new grant and writes its tensors again. A push that
+fails otherwise releases its lease, which aborts the version (a push that dies midway stops renewing: same
+result).
 
-Pull: the manager grants a lease on a committed version and its manifest; tensors on this host are read
-straight from the workers' segments (mapped once, kept mapped, no socket), others come as frames. The lease
+Pull: the manager grants a lease on a committed version and its manifest (copies on workers it knows down
+left out); tensors on this host are read straight from the workers' segments (mapped once, kept mapped, no
+socket), others come as frames, from the next copy when a worker fails. The lease
 is released at the end; if it had expired (the version's memory may have been reused), the pull fails with
-:class:`LeaseExpired` instead of returning torn bytes. ``shared=True`` returns tensors that *are* the
-segment's memory (read-only, valid until :meth:`PulledState.release`).
+:class:`LeaseExpired` instead of returning torn bytes. A pull into ``out=`` (how rollout workers refresh in
+place) either returns with every tensor of ``out`` holding the returned version, or raises
+:class:`TornPull` naming what it wrote: ``out`` is then torn and must not be used until a full pull.
+``shared=True`` returns tensors that *are* the segment's memory (read-only, valid until
+:meth:`PulledState.release`).
 
 Leases are renewed by a daemon thread while this process lives (:class:`LeaseKeeper`). Not thread-safe
 otherwise: one PsClient per thread, like the runtime it uses.
@@ -28,9 +35,9 @@ import threading
 import time
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NoReturn, TypeVar
 
 import numpy as np
 import structlog
@@ -56,6 +63,7 @@ from ...protocol.messages_ps import (
     LeaseRelease,
     LeaseRenew,
     LeaseState,
+    Location,
     Manifest,
     ManifestEntry,
     ManifestInfo,
@@ -78,6 +86,7 @@ from ...protocol.messages_ps import (
     TensorSpec,
     WorkerInfo,
 )
+from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
 from .shm import SegmentMaps
 
@@ -85,9 +94,13 @@ log = structlog.get_logger(__name__)
 
 Transport = Literal["auto", "shm", "frames"]
 _WINDOW = 4  # frame messages in flight per worker
+PUSH_ATTEMPTS = 3  # grants one rank's push may use when workers fail under it (the first included)
+# Error codes of a worker that lost the shard or segment asked about (it restarted): try another copy.
+_WORKER_LOST = frozenset({"unknown-shard", "unknown-segment"})
 WORKERS_FIRST_PAUSE_S = 0.25  # a push finding no ps-worker polls again after this, doubling
 WORKERS_MAX_PAUSE_S = 2.0
 ReplyT = TypeVar("ReplyT", bound=Body)
+T = TypeVar("T")
 
 
 class PsError(RuntimeError):
@@ -96,6 +109,21 @@ class PsError(RuntimeError):
 
 class LeaseExpired(PsError):
     """A lease ran out before it was released: bytes read under it may belong to a later version."""
+
+
+class TornPull(PsError):
+    """A pull into ``out=`` failed after it had written into ``out``: those tensors (``written``) may hold
+    another version than the rest, so ``out`` as a whole holds no version. ``cause`` is the failure
+    (``LeaseExpired`` when the lease ran out: then even the written bytes may be torn). Only a later full
+    pull into the same ``out`` makes it whole again."""
+
+    def __init__(self, version: int, written: Sequence[str], cause: BaseException) -> None:
+        self.version = version
+        self.written = tuple(written)
+        self.cause = cause
+        super().__init__(f"pull of version {version} into out= failed after writing {len(self.written)} "
+                         f"tensor(s) ({', '.join(self.written[:3])}{', ...' if len(self.written) > 3 else ''}): "
+                         f"out is torn ({type(cause).__name__}: {cause})")
 
 
 def wire_dtype(dtype: torch.dtype) -> str:
@@ -220,30 +248,67 @@ class LeaseKeeper:
                 self._held.pop(lease, None)
 
 
-class PushSession:
-    """One rank's shard of one version being written.
+class _WorkerFailed(PsError):
+    """A ps-worker did not answer (dead, or unreachable) or no longer knows the shard (it restarted)."""
 
-    :meth:`write` each granted tensor (any order), then :meth:`commit`. Same-host shards are copied into
-    the worker's segment at once; cross-host ones travel as frames (messages of up to the client's chunk
-    size, a few in flight) and reference the caller's memory until sent, so tensors must stay unchanged
-    until :meth:`commit` returns. Leaving a ``with`` block without committing (or :meth:`abort`) aborts the
-    version.
+    def __init__(self, worker: str, cause: BaseException) -> None:
+        self.worker = worker
+        super().__init__(f"ps-worker {worker} failed: {cause}")
+
+
+def _raise_from(worker: str, exc: BaseException) -> NoReturn:
+    """Raise ``exc`` as :class:`_WorkerFailed` when it is a failure of ``worker`` itself (worth trying
+    another worker), else as it is (a refusal)."""
+    if isinstance(exc, RequestTimeout) or (isinstance(exc, RemoteError) and exc.code in _WORKER_LOST):
+        raise _WorkerFailed(worker, exc) from exc
+    raise exc
+
+
+@dataclass
+class _Copy:
+    """One worker receiving a copy of the shard: its client, and its segment's file when mapped here."""
+
+    info: WorkerInfo
+    client: Client
+    path: str | None
+
+
+class PushSession:
+    """One rank's shard of one version being written, one copy to each worker of the grant.
+
+    :meth:`write` each granted tensor (any order), then :meth:`commit`. Copies on this host are copied into
+    the workers' segments at once; cross-host ones travel as frames (messages of up to the client's chunk
+    size, a few in flight) and reference the caller's memory until sent. Tensors must stay unchanged until
+    :meth:`commit` returns: a copy whose worker fails is written again, to another worker the manager grants
+    (up to ``PUSH_ATTEMPTS`` grants in all). Leaving a ``with`` block without committing (or :meth:`abort`)
+    aborts the version.
     """
 
-    def __init__(self, client: PsClient, grant: PushGrant, version: int, rank: int, worker: Client,
-                 path: str | None) -> None:
+    def __init__(self, client: PsClient, grant: PushGrant, version: int, rank: int, world: int) -> None:
         self.version = version
         self.rank = rank
+        self.world = world
+        self.grants = 1
         self._client = client
         self._grant = grant
-        self._worker = worker
-        self._path = path
         self._layout = {t.name: t for t in grant.tensors}
+        self._written: dict[str, torch.Tensor] = {}
         self._sums: dict[str, int] = {}
+        self._copies: list[_Copy] = []
         self._queued: list[tuple[int, np.ndarray]] = []
         self._queued_bytes = 0
+        self._avoid: set[str] = set()
         self._started = time.monotonic()
         self._open = True
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers of the current grant, the first one first."""
+        return [self._grant.worker.worker, *(w.worker for w in self._grant.replicas)]
+
+    def start(self) -> None:
+        """Open the shard on every worker of the grant (a failing worker is replaced by another)."""
+        self._attempt(lambda: None)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one granted tensor (same dtype and shape as announced; any device, any strides)."""
@@ -254,15 +319,81 @@ class PushSession:
             raise PsError(f"tensor {name!r} is {wire_dtype(tensor.dtype)}{list(tensor.shape)}, the push announced "
                           f"{spec.dtype}{spec.shape}")
         tensor = tensor.detach()
-        if self._path is not None:
-            view = self._client._writes.view(self._path, spec.offset, spec.nbytes)
+        self._attempt(lambda: self._put(spec, tensor))
+        self._written[name] = tensor
+
+    def commit(self) -> PushResult:
+        """Seal the shard on every worker: each verifies every checksum and commits its copy at the manager;
+        the version commits with the last copy of the last rank."""
+        missing = sorted(set(self._layout) - set(self._written))
+        if missing:
+            raise PsError(f"push of version {self.version} rank {self.rank}: never written: {missing[:5]}")
+        answers = self._attempt(self._seal)
+        self._open = False
+        self._client._keeper.drop(self._grant.lease)
+        done = next((a for a in answers if a.committed), answers[-1])
+        return PushResult(self.version, done.committed, done.digest, self._grant.nbytes,
+                          time.monotonic() - self._started)
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._client._abort_push(self._grant.lease)
+
+    def _attempt(self, step: Callable[[], T]) -> T:
+        """Run ``step``; when a worker fails, ask for a new grant without it, open the shard and write every
+        tensor written so far again there, then run ``step`` again."""
+        while True:
+            try:
+                if not self._copies:
+                    self._open_copies()
+                    for name, tensor in self._written.items():
+                        self._put(self._layout[name], tensor)
+                return step()
+            except _WorkerFailed as failed:
+                self._avoid.add(failed.worker)
+                if self.grants >= PUSH_ATTEMPTS:
+                    raise PsError(f"push of version {self.version} rank {self.rank}: {failed} (after "
+                                  f"{self.grants} grants; workers failed: {sorted(self._avoid)})") from failed
+                log.warning("push.worker_failed", version=self.version, rank=self.rank, worker=failed.worker,
+                            error=str(failed))
+                self._regrant()
+
+    def _regrant(self) -> None:
+        """A new grant for this rank, avoiding the workers that failed; the version stays pending."""
+        old = self._grant
+        self._grant = self._client._grant(PushBegin(
+            self.version, self.rank, self.world, self._client.holder, [], self._client.host, retry=old.lease,
+            avoid=sorted(self._avoid)))
+        self.grants += 1
+        self._client._keeper.drop(old.lease)
+        self._client._keeper.hold(self._grant.lease, self._grant.ttl_s)
+        self._copies, self._queued, self._queued_bytes = [], [], 0
+
+    def _open_copies(self) -> None:
+        copies = []
+        for info in [self._grant.worker, *self._grant.replicas]:
+            client = self._client._worker(info)
+            try:
+                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes), ShardOpened)
+            except (RequestTimeout, RemoteError) as exc:
+                _raise_from(info.worker, exc)
+            copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
+        self._copies = copies
+
+    def _put(self, spec: ShardTensor, tensor: torch.Tensor) -> None:
+        for copy in self._copies:
+            if copy.path is None:
+                continue
+            view = self._client._writes.view(copy.path, spec.offset, spec.nbytes)
             if spec.nbytes:
                 # One copy from wherever the tensor lives (strided, or on a device) into the mapped segment.
                 torch.frombuffer(view, dtype=tensor.dtype).reshape(tensor.shape).copy_(tensor)
-            self._sums[name] = checksum(view)
+            self._sums[spec.name] = checksum(view)
+        if all(copy.path is not None for copy in self._copies):
             return
         data = _as_bytes(tensor)
-        self._sums[name] = checksum(data)
+        self._sums[spec.name] = checksum(data)
         chunk = self._client.chunk_bytes
         # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames).
         for start in range(0, max(1, data.nbytes), PIECE_BYTES):
@@ -272,46 +403,42 @@ class PushSession:
             self._queued.append((spec.offset + start, piece))
             self._queued_bytes += piece.nbytes
 
-    def commit(self) -> PushResult:
-        """Seal the shard: the worker verifies every checksum and commits it at the manager."""
-        missing = sorted(set(self._layout) - set(self._sums))
-        if missing:
-            raise PsError(f"push of version {self.version} rank {self.rank}: never written: {missing[:5]}")
+    def _seal(self) -> list[Committed]:
         self._flush()
         sealed = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, self._sums[t.name])
                   for t in self._grant.tensors]
-        done = self._client._ask(self._worker, ShardSeal(self._grant.lease, self.version, self.rank, sealed),
-                                 Committed)
-        self._open = False
-        self._client._keeper.drop(self._grant.lease)
-        return PushResult(self.version, done.committed, done.digest, self._grant.nbytes,
-                          time.monotonic() - self._started)
-
-    def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self._client._abort_push(self._grant.lease)
+        seal = ShardSeal(self._grant.lease, self.version, self.rank, sealed)
+        answers = []
+        for copy, outcome in zip(self._copies, gather([(c.client, seal) for c in self._copies]), strict=True):
+            if isinstance(outcome, Exception):
+                _raise_from(copy.info.worker, outcome)
+            if not isinstance(outcome.body, Committed):
+                raise PsError(f"{copy.info.worker} answered {seal.kind} with {outcome.body.kind}")
+            answers.append(outcome.body)
+        return answers
 
     def _flush(self) -> None:
         if not self._queued:
             return
         chunk = self._client.chunk_bytes
-        batches: list[tuple[Client, Body]] = []
+        writes: list[Body] = []
         offsets: list[int] = []
         pieces: list[np.ndarray] = []
         size = 0
         for offset, piece in self._queued:
             if pieces and size + piece.nbytes > chunk:
-                batches.append((self._worker, ShardWrite(self._grant.lease, offsets, pieces)))
+                writes.append(ShardWrite(self._grant.lease, offsets, pieces))
                 offsets, pieces, size = [], [], 0
             offsets.append(offset)
             pieces.append(piece)
             size += piece.nbytes
-        batches.append((self._worker, ShardWrite(self._grant.lease, offsets, pieces)))
+        writes.append(ShardWrite(self._grant.lease, offsets, pieces))
         self._queued, self._queued_bytes = [], 0
-        for outcome in gather(batches, window=_WINDOW):
+        remote = [copy for copy in self._copies if copy.path is None]
+        calls = [(copy, (copy.client, write)) for copy in remote for write in writes]
+        for (copy, _), outcome in zip(calls, gather([call for _, call in calls], window=_WINDOW), strict=True):
             if isinstance(outcome, Exception):
-                raise outcome
+                _raise_from(copy.info.worker, outcome)
 
     def __enter__(self) -> PushSession:
         return self
@@ -341,9 +468,14 @@ class PsClient:
         self._workers: dict[str, Client] = {}
         self._writes = SegmentMaps(readonly=False)
         self._reads = SegmentMaps(readonly=True)
+        self._boot_id = host_proof.boot_id()
+        self._proofs: dict[tuple[str, str], str | None] = {}  # (worker, nonce) -> why not same host, or None
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
+        # Called with each name just before a pull writes it into ``out``: lets a test freeze or fail a pull
+        # half-way (what a lost worker or an expired lease does in production).
+        self.before_write: Callable[[str], None] | None = None
         runtime.shutdown_hooks.append(self.close)
 
     def close(self) -> None:
@@ -377,14 +509,13 @@ class PsClient:
         specs = [TensorSpec(name, wire_dtype(t.dtype), list(t.shape)) for name, t in like.items()]
         grant = self._grant(PushBegin(version, rank, world, self.holder, specs, self.host, resumes))
         self._keeper.hold(grant.lease, grant.ttl_s)
+        session = PushSession(self, grant, version, rank, world)
         try:
-            worker = self._worker(grant.worker)
-            opened = self._ask(worker, ShardOpen(grant.lease, grant.nbytes), ShardOpened)
-            path = self._local_path(grant.worker, opened.segment)
+            session.start()
         except BaseException:
-            self._abort_push(grant.lease)
+            session.abort()
             raise
-        return PushSession(self, grant, version, rank, worker, path)
+        return session
 
     def _grant(self, begin: PushBegin) -> PushGrant:
         """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) is waited
@@ -427,25 +558,37 @@ class PsClient:
         * ``dtype``: cast floating-point tensors to it, except names matching a ``keep_fp32`` pattern
           (fnmatch), which become float32.
         * ``out``: copy (and cast) into these existing tensors instead of allocating; they are returned.
+          Every name of ``out`` must be in the version with the same shape (checked before anything is
+          written: PsError leaves ``out`` untouched). When this returns, every tensor of ``out`` holds the
+          returned version; a failure after the first write raises :class:`TornPull` (``out`` is torn).
         * ``shared``: tensors on this host are read-only views of the workers' shared memory (no copy at
           all), valid until ``release()``; cast or ``out`` tensors are copies as usual.
         * ``verify``: hash every tensor against the manifest (tensors read as frames always are).
 
-        Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, PsError.
+        Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, TornPull, PsError.
         """
         grant = self._ask(self._manager, PullBegin(self.holder, version, max_staleness), PullGrant)
         self._keeper.hold(grant.lease, grant.ttl_s)
-        cast = _Cast(dtype, tuple(keep_fp32), out or {})
+        cast = _Cast(dtype, tuple(keep_fp32), out or {}, self.before_write)
         try:
+            cast.check(grant.manifest)
             tensors = self._read(grant.manifest, cast, shared=shared, verify=verify)
-        except BaseException:
+        except BaseException as exc:
             self._keeper.drop(grant.lease)
             with contextlib.suppress(RemoteError, RequestTimeout):
                 self._manager.request(LeaseRelease(grant.lease))
+            if cast.written and isinstance(exc, Exception):
+                raise TornPull(grant.manifest.version, cast.written, exc) from exc
             raise
         if shared:
             return PulledState(grant.manifest, tensors, self, grant.lease)
-        self._end_pull(grant.lease, grant.manifest.version)
+        try:
+            # The lease is checked before the pull is reported done: bytes copied after it ran out may be torn.
+            self._end_pull(grant.lease, grant.manifest.version)
+        except LeaseExpired as exc:
+            if cast.written:
+                raise TornPull(grant.manifest.version, cast.written, exc) from exc
+            raise
         return PulledState(grant.manifest, tensors)
 
     def _end_pull(self, lease: str, version: int) -> None:
@@ -459,17 +602,18 @@ class PsClient:
             raise
 
     def _read(self, manifest: Manifest, cast: _Cast, *, shared: bool, verify: bool) -> dict[str, torch.Tensor]:
+        """Every tensor of ``manifest``: mapped from a copy this host proved it sees, else as frames from
+        one copy's worker; a worker that fails (dead, unreachable, restarted) is replaced by the next copy's."""
         workers = {w.worker: w for w in manifest.workers}
         result: dict[str, torch.Tensor] = {}
-        remote: defaultdict[str, list[tuple[ManifestEntry, int, str]]] = defaultdict(list)
+        remote: defaultdict[str, list[tuple[ManifestEntry, list[Location]]]] = defaultdict(list)
         with warnings.catch_warnings():
             # Read-only mappings are intended: torch warns that its tensors cannot be written through.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for entry in manifest.entries:
                 local = self._local_location(entry, workers)
                 if local is None:
-                    location = entry.locations[0]
-                    remote[location.worker].append((entry, location.offset, location.segment))
+                    remote[entry.locations[0].worker].append((entry, list(entry.locations)))
                     continue
                 path, offset = local
                 view = self._reads.view(path, offset, entry.nbytes)
@@ -478,14 +622,31 @@ class PsClient:
                     _verify(entry, view)
                 source = _typed(torch.frombuffer(view, dtype=torch.uint8) if entry.nbytes else None, entry)
                 result[entry.name] = cast.deliver(entry.name, source, private=False, shared=shared)
-        for worker_name, items in remote.items():
-            result.update(self._read_frames(workers[worker_name], items, cast))
-            self.read_bytes["frames"] += sum(entry.nbytes for entry, _, _ in items)
+        failed: dict[str, str] = {}
+        while remote:
+            worker_name = next(iter(remote))
+            items = remote.pop(worker_name)
+            try:
+                self._read_frames(workers[worker_name], items, cast, result)
+            except _WorkerFailed as exc:
+                failed[worker_name] = str(exc.__cause__ or exc)
+                log.warning("pull.copy_failed", version=manifest.version, worker=worker_name, error=failed[worker_name])
+                for entry, locations in items:
+                    if entry.name in result:
+                        continue
+                    left = [loc for loc in locations if loc.worker not in failed]
+                    if not left:
+                        raise PsError(f"tensor {entry.name!r} of version {manifest.version}: every copy failed: "
+                                      f"{failed}") from exc
+                    remote[left[0].worker].append((entry, left))
         return result
 
-    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]],
-                     cast: _Cast) -> dict[str, torch.Tensor]:
-        wanted = [Wanted(entry, offset, segment) for entry, offset, segment in items]
+    def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, list[Location]]], cast: _Cast,
+                     result: dict[str, torch.Tensor]) -> None:
+        """Read ``items`` from their first location, all on ``worker``, into ``result`` (in pieces, each
+        tensor hashed once against the manifest: see .frames). Raises _WorkerFailed when the worker does not
+        serve them all (the caller tries another copy; what it wrote into ``out`` is rewritten then)."""
+        wanted = [Wanted(entry, locations[0].offset, locations[0].segment) for entry, locations in items]
         direct: dict[str, torch.Tensor] = {}
 
         def destination(entry: ManifestEntry) -> torch.Tensor:
@@ -497,20 +658,25 @@ class PsClient:
                 return target.reshape(-1).view(torch.uint8)
             return torch.empty(entry.nbytes, dtype=torch.uint8)
 
+        def first_write(entry: ManifestEntry) -> None:
+            if entry.name in direct:
+                cast.writing(entry.name)
+
         try:
             raws = read_frames(self._worker(worker), wanted, destination, chunk_bytes=self.chunk_bytes,
-                               window=_WINDOW)
+                               window=_WINDOW, first_write=first_write)
         except FramesError as exc:
-            raise PsError(f"{worker.worker}: {exc}") from exc
-        result: dict[str, torch.Tensor] = {}
+            # Any failure, a refusal included (a restarted worker reusing a segment name), is worth the next
+            # copy: a read changes nothing on the worker.
+            raise _WorkerFailed(worker.worker, exc) from exc
         for item, raw in zip(wanted, raws, strict=True):
             entry = item.entry
             if entry.name in direct:
                 result[entry.name] = direct[entry.name]
             else:
-                source = _typed(raw if entry.nbytes else None, entry)
-                result[entry.name] = cast.deliver(entry.name, source, private=True, shared=False)
-        return result
+                result[entry.name] = cast.deliver(entry.name, _typed(raw if entry.nbytes else None, entry),
+                                                  private=True, shared=False)
+            self.read_bytes["frames"] += entry.nbytes
 
     # --- broadcast init, inspection -----------------------------------------------------------------
 
@@ -564,10 +730,13 @@ class PsClient:
         return client
 
     def _local_path(self, worker: WorkerInfo, segment: str) -> str | None:
-        """The segment's file when this client may map it (same host, visible), else None."""
-        if self.transport == "frames" or worker.host != self.host:
+        """The segment's file when this client may map it (same host by proof, visible), else None."""
+        if self.transport == "frames":
+            return None
+        refused = self._same_host_refusal(worker)
+        if refused is not None:
             if self.transport == "shm":
-                raise PsError(f"worker {worker.worker} is on {worker.host}, not this host {self.host}")
+                raise PsError(f"worker {worker.worker} is not proved to be on this host: {refused}")
             return None
         path = os.path.join(worker.shm_dir, segment)
         if os.path.exists(path):
@@ -575,6 +744,17 @@ class PsClient:
         if self.transport == "shm":
             raise PsError(f"segment {path} of worker {worker.worker} is not visible from this process")
         return None
+
+    def _same_host_refusal(self, worker: WorkerInfo) -> str | None:
+        """Why ``worker``'s segments may not be mapped here (None: proved they may), once per worker process.
+        A worker whose host name is this one's but whose proof fails is logged as an error: the name lied."""
+        key = (worker.worker, worker.nonce)
+        if key not in self._proofs:
+            refused = self._proofs[key] = host_proof.refusal(worker, self._boot_id)
+            if refused is not None and worker.host == self.host:
+                log.error("ps.same_host_unproved", worker=worker.worker, host=worker.host, reason=refused,
+                          using="frames" if self.transport == "auto" else "nothing")
+        return self._proofs[key]
 
     def _local_location(self, entry: ManifestEntry, workers: Mapping[str, WorkerInfo]) -> tuple[str, int] | None:
         for location in entry.locations:
@@ -591,6 +771,19 @@ class _Cast:
     dtype: torch.dtype | None
     keep_fp32: tuple[str, ...]
     out: Mapping[str, torch.Tensor]
+    before_write: Callable[[str], None] | None = None
+    written: list[str] = field(default_factory=list)  # names of ``out`` written so far, in order
+
+    def check(self, manifest: Manifest) -> None:
+        """Refuse, before anything is written, an ``out`` that this version cannot fill completely."""
+        entries = {e.name: e for e in manifest.entries}
+        missing = sorted(set(self.out) - set(entries))
+        if missing:
+            raise PsError(f"out has tensors that version {manifest.version} lacks: {missing[:5]}")
+        for name, target in self.out.items():
+            if list(target.shape) != entries[name].shape:
+                raise PsError(f"out[{name!r}] has shape {list(target.shape)}, version {manifest.version} has "
+                              f"{entries[name].shape}")
 
     def target(self, name: str, source: torch.Tensor) -> torch.dtype:
         if self.dtype is None or not source.is_floating_point():
@@ -599,12 +792,19 @@ class _Cast:
             return torch.float32
         return self.dtype
 
+    def writing(self, name: str) -> None:
+        """Bytes are about to be written into ``out[name]``: recorded first, since a write that fails
+        half-way has torn that tensor too."""
+        if self.before_write is not None:
+            self.before_write(name)
+        if name not in self.written:
+            self.written.append(name)
+
     def deliver(self, name: str, source: torch.Tensor, *, private: bool, shared: bool) -> torch.Tensor:
         """``source`` views shared memory (``private=False``) or memory this process owns."""
         target = self.out.get(name)
         if target is not None:
-            if target.shape != source.shape:
-                raise PsError(f"out[{name!r}] has shape {list(target.shape)}, the version has {list(source.shape)}")
+            self.writing(name)
             return target.copy_(source)
         dtype = self.target(name, source)
         if dtype != source.dtype:

@@ -50,13 +50,16 @@ def _pieces(wanted: Sequence[Wanted], piece_bytes: int) -> Iterator[tuple[int, B
 
 
 def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[[ManifestEntry], torch.Tensor], *,
-                chunk_bytes: int, window: int, piece_bytes: int = PIECE_BYTES) -> list[torch.Tensor]:
+                chunk_bytes: int, window: int, piece_bytes: int = PIECE_BYTES,
+                first_write: Callable[[ManifestEntry], None] | None = None) -> list[torch.Tensor]:
     """Read every ``wanted`` tensor from ``worker`` into ``destination(entry)`` (a writable, contiguous flat
     uint8 tensor of ``entry.nbytes``, e.g. a view of the caller's output or a fresh buffer); the destinations,
     in order, each verified against its entry's checksum.
 
     Requests carry up to ``chunk_bytes`` of pieces of one segment, ``window`` in flight; each reply's pieces are
     copied into their destinations as it arrives and released, so about ``window`` replies' frames are held.
+    ``first_write(entry)`` runs before the first byte of a tensor is written into its destination: a caller
+    writing into tensors it already holds learns exactly which ones a failed read changed.
 
     Raises:
         FramesError: a request failed (its outcome is the cause) or a tensor's bytes do not match.
@@ -64,6 +67,7 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
     targets = [destination(item.entry) for item in wanted]
     views = [t.numpy() if t.numel() else np.empty(0, np.uint8) for t in targets]
     hashes = [xxhash.xxh3_64() for _ in wanted]
+    written = [False] * len(wanted)
     requests: list[tuple[ShardRead, list[tuple[int, int]]]] = []  # request, [(index, start in the tensor)]
     size = 0
     for index, piece in _pieces(wanted, piece_bytes):
@@ -83,6 +87,10 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
         for (index, start), array, piece in zip(places, data.data, read.ranges, strict=True):
             if array.nbytes != piece.nbytes:
                 raise FramesError(f"{worker.endpoint} sent {array.nbytes} bytes for a range of {piece.nbytes}")
+            if not written[index]:
+                written[index] = True
+                if first_write is not None:
+                    first_write(wanted[index].entry)
             views[index][start : start + piece.nbytes] = array
             hashes[index].update(array)
 

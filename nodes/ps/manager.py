@@ -16,9 +16,18 @@ old versions ``>= K`` are retired (readers' leases on them run out normally), an
 new world commit without a conflict (:mod:`.versions`). The ``version-bump`` of the new ``K`` tells readers
 the version went back.
 
+Staleness inventory: a commit of ``V`` moves its trainer version up to ``V`` when it is behind (a trainer
+that does not consume through it); a new lineage at ``K`` rewinds it to ``K`` (docs/STALENESS.md).
+
+Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), the pusher writes a copy to
+each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
+again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
+
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
-A ``node-down`` of a worker removes it and fails an init it takes part in.
+A ``node-down`` of a worker removes it: it is never granted again, pull grants leave its copies out (a pull
+of a version with a tensor whose every copy is down fails at once, naming the workers), a pending push with
+a rank whose every verified copy was there is aborted, and an init it takes part in fails.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
@@ -81,7 +91,7 @@ from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import Lease, LeaseTable
 from .manifest import ManifestError
-from .staleness import StalenessError, StalenessInventory
+from .staleness import CloseReport, StalenessError, StalenessInventory
 from .versions import Shard, VersionStore
 
 log = structlog.get_logger(__name__)
@@ -98,6 +108,8 @@ class PsManager:
     """The control plane on ``runtime`` (which must join the bus: commits are published)."""
 
     def __init__(self, runtime: NodeRuntime, settings: PsSettings) -> None:
+        if settings.replicas < 1:
+            raise ValueError(f"ps.replicas must be >= 1, got {settings.replicas}")
         self.runtime = runtime
         self.settings = settings
         self.versions = VersionStore(settings.retain_versions)
@@ -178,37 +190,78 @@ class PsManager:
         info = self.workers.pop(down.node_id, None)
         if info is None:
             return
-        log.warning("ps.worker_down", worker=down.node_id, reason=down.reason)
+        lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
+        (log.error if lost else log.warning)("ps.worker_down", worker=down.node_id, reason=down.reason,
+                                             versions_lost=lost)
         if self.init is not None and down.node_id in self.init.names:
             self._fail_init(down.node_id, f"went down ({down.reason}) during the broadcast")
         pending = self.versions.pending
-        if pending is not None and any(r.worker == down.node_id for r in pending.ranks.values()):
-            self._abort_push(pending.version, f"worker {down.node_id} went down")
+        # A copy still being written is the pusher's to retry elsewhere. A rank whose copies were all verified
+        # has its answer: it lost one copy as a committed version would, unless it lost them all.
+        orphaned = [rank for rank, r in (pending.ranks.items() if pending else ())
+                    if r.done and not any(w in self.workers for w in r.segments)]
+        if pending is not None and orphaned:
+            self._abort_push(pending.version, f"worker {down.node_id} held the last verified copy of rank(s) "
+                             f"{orphaned}")
+
+    def _dead_copies(self, manifest: Manifest) -> dict[str, list[str]]:
+        """Tensor -> its copies' workers, for each tensor with no copy on a live worker."""
+        return {e.name: [loc.worker for loc in e.locations] for e in manifest.entries
+                if e.locations and not any(loc.worker in self.workers for loc in e.locations)}
+
+    def _live_copies(self, manifest: Manifest) -> Manifest:
+        """The manifest narrowed to copies on live workers (a pull never reads from a worker known down).
+        Raises HandlerError(``copies-down``) naming the workers when some tensor has no live copy left."""
+        dead = self._dead_copies(manifest)
+        if dead:
+            workers = sorted({w for names in dead.values() for w in names})
+            raise HandlerError("copies-down", f"version {manifest.version}: every copy of {len(dead)} tensor(s) "
+                               f"(e.g. {next(iter(dead))!r}) is on a worker that is down: {workers}")
+        if all(loc.worker in self.workers for e in manifest.entries for loc in e.locations):
+            return manifest
+        entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if loc.worker in self.workers])
+                   for e in manifest.entries]
+        return msgspec.structs.replace(manifest, entries=entries,
+                                       workers=[w for w in manifest.workers if w.worker in self.workers])
 
     # --- push ---------------------------------------------------------------------------------------
 
-    def _pick_worker(self, host: str, rank: int) -> WorkerInfo:
-        if not self.workers:
-            raise HandlerError("no-workers", "no ps-worker is registered")
-        local = sorted((w for w in self.workers.values() if w.host == host), key=lambda w: w.worker)
-        candidates = local or sorted(self.workers.values(), key=lambda w: w.worker)
-        return candidates[rank % len(candidates)]
+    def _pick_workers(self, host: str, rank: int, avoid: set[str]) -> list[WorkerInfo]:
+        """``ps.replicas`` live workers (fewer if fewer live), none in ``avoid``: the first on the pusher's
+        host when there is one (its writes go through shared memory), the others in turn after it."""
+        live = sorted((w for w in self.workers.values() if w.worker not in avoid), key=lambda w: w.worker)
+        if not live:
+            detail = f"all are down or unreachable by the pusher: {sorted(avoid)}" if avoid else "none is registered"
+            raise HandlerError("no-workers", f"no ps-worker to push to ({detail})")
+        local = [w for w in live if w.host == host]
+        first = (local or live)[rank % len(local or live)]
+        start = live.index(first)
+        return (live[start:] + live[:start])[: self.settings.replicas]
 
     def _push_begin(self, request: Message) -> Body:
         begin = request.body
         assert isinstance(begin, PushBegin)
-        worker = self._pick_worker(begin.host, begin.rank)
-        if begin.resumes and not self.versions.joins_lineage(begin.version, begin.world):
+        workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
+        names = [w.worker for w in workers]
+        if begin.resumes and not begin.retry and not self.versions.joins_lineage(begin.version, begin.world):
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
         try:
-            tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, worker.worker,
-                                          lease.lease_id, lease.granted, resumes=begin.resumes)
+            if begin.retry:
+                tensors, failed = self.versions.retry(begin.version, begin.rank, begin.retry, names, lease.lease_id)
+            else:
+                tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, names,
+                                              lease.lease_id, lease.granted, resumes=begin.resumes)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
             raise HandlerError(exc.code, str(exc)) from None
+        if begin.retry:
+            # Ended without aborting: the version goes on under the new lease.
+            self.leases.release(begin.retry)
+            self._release([(w, shard) for w, shard in failed if w in self.workers])
+            log.warning("ps.push_retried", version=begin.version, rank=begin.rank, avoid=begin.avoid, workers=names)
         nbytes = max((t.offset + t.nbytes for t in tensors), default=0)
-        return PushGrant(lease.lease_id, self.settings.lease_ttl_s, worker, nbytes, tensors)
+        return PushGrant(lease.lease_id, self.settings.lease_ttl_s, workers[0], nbytes, tensors, workers[1:])
 
     def _start_lineage(self, version: int, holder: str) -> None:
         """A trainer world resumes at ``version``: abort the old world's pending push, retire its versions
@@ -218,6 +271,7 @@ class PsManager:
             self._abort_push(pending.version, f"{holder} resumes from version {version}: a new lineage")
         retired = [v for v in self.versions.retained() if v >= version]
         self._release(self.versions.start_lineage(version))
+        self._inventory_dropped("rewound", version, self.inventory.rewind(version))
         (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
                                                retired=retired, latest=self.versions.latest)
 
@@ -239,8 +293,10 @@ class PsManager:
         return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")
 
     def _committed(self, manifest: Manifest, freed: list[Shard]) -> None:
-        """A version is visible: free what retention dropped, then (never before) publish the bump."""
+        """A version is visible: free what retention dropped, move the inventory's trainer version up to it,
+        then (never before) publish the bump."""
         self._release(freed)
+        self._inventory_dropped("advanced", manifest.version, self.inventory.advance(manifest.version))
         log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
                  tensors=len(manifest.entries), digest=manifest.digest)
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
@@ -268,9 +324,10 @@ class PsManager:
         if begin.max_staleness is not None and behind > begin.max_staleness:
             raise HandlerError("too-stale", f"version {manifest.version} is {behind} versions behind the trainer "
                                f"(version {self._trainer_version()}), more than max_staleness {begin.max_staleness}")
+        live = self._live_copies(manifest)
         lease = self.leases.grant("pull", begin.holder, manifest.version, time.monotonic())
         self.versions.pin(manifest.version, lease.lease_id)
-        return PullGrant(lease.lease_id, self.settings.lease_ttl_s, manifest)
+        return PullGrant(lease.lease_id, self.settings.lease_ttl_s, live)
 
     def _lease_renew(self, request: Message) -> Body:
         renew = request.body
@@ -442,6 +499,14 @@ class PsManager:
         self._init_waiting = []
 
     # --- staleness inventory ------------------------------------------------------------------------
+
+    def _inventory_dropped(self, how: str, version: int, report: CloseReport[str]) -> None:
+        """The inventory's trainer version moved with the versions; say what that ended (callers learn it
+        from their next occupy, ``reservation-aborted``)."""
+        if report.aborted_prompts or report.discarded:
+            log.warning("ps.inventory_dropped", how=how, trainer_version=version,
+                        aborted_prompts=len(report.aborted_prompts), aborted_slots=report.aborted_slots,
+                        discarded=len(report.discarded))
 
     def _staleness(self, call: Callable[[], Body]) -> Body:
         try:

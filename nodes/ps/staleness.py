@@ -9,6 +9,7 @@ thread (its event loop) and maps each call to a wire message. Nothing here is th
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -533,6 +534,48 @@ class StalenessInventory(Generic[TrajT]):
         )
         self._expired_total += len(due)
         return [self._abort(self._live[prompt_id], keep_occupied=False) for _, prompt_id in due]
+
+    def advance(self, version: int) -> CloseReport[TrajT]:
+        """Weights ``version`` were committed: T becomes ``version`` when it is behind (a trainer that does
+        not ``consume`` through this inventory); nothing happens otherwise (``consume`` already moved T).
+
+        Buffers below the new T can never be consumed in order: their live reservations are aborted
+        (evicting what they occupied) and their other trajectories discarded; both are returned.
+        """
+        self._check_open()
+        _check_int("version", version, minimum=0)
+        if version <= self._trainer_version:
+            return CloseReport(aborted_prompts=(), aborted_slots=0, discarded=())
+        report = self._drop(lambda buffer: buffer < version)
+        self._trainer_version = version
+        self._ready_frontier = max(self._ready_frontier, version - 1)
+        self._advance_frontier()
+        return report
+
+    def rewind(self, version: int) -> CloseReport[TrajT]:
+        """A trainer world restarted from its checkpoint of step ``version`` (a new lineage of versions): T
+        becomes ``version`` and every buffer is dropped (its trajectories may come from versions the new
+        lineage replaces): live reservations aborted, trajectories discarded, both returned. The one case
+        where T and ``highest_aborted`` go back."""
+        self._check_open()
+        _check_int("version", version, minimum=0)
+        report = self._drop(lambda buffer: True)
+        self._trainer_version = version
+        self._ready_frontier = version - 1
+        return report
+
+    def _drop(self, doomed: Callable[[int], bool]) -> CloseReport[TrajT]:
+        aborted = [self._abort(res, keep_occupied=False) for res in list(self._live.values()) if doomed(res.buffer)]
+        discarded: list[Entry[TrajT]] = []
+        for version in sorted(v for v in self._buffers if doomed(v)):
+            discarded += self._buffers.pop(version).entries
+        for version in [v for v in self._ended_by_version if doomed(v)]:
+            for prompt_id in self._ended_by_version.pop(version):
+                self._ended.pop(prompt_id, None)
+        self._discarded_total += len(discarded)
+        return CloseReport(aborted_prompts=tuple(a.prompt_id for a in aborted),
+                           aborted_slots=sum(a.aborted_slots for a in aborted),
+                           discarded=tuple(e for a in aborted for e in a.evicted) + tuple(discarded))
 
     def close(self) -> CloseReport[TrajT]:
         """End the run: abort every live reservation, return every stored trajectory, refuse later calls."""

@@ -2,11 +2,14 @@
 
 Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
 
-* A version becomes visible only when every rank's shard is committed (written, and its checksums verified by
-  the worker that holds it); until then it is *pending* and nobody can read it. At most one version is
+* A version becomes visible only when every rank's shard is committed: written to each of the workers its
+  grant named (``replicas`` copies), and its checksums verified by every one of them; until then it is
+  *pending* and nobody can read it. At most one version is
   pending; it must be ``latest + 1`` (any version when nothing is committed yet).
 * A pending version that loses a rank (its lease expired or was released) or misses the push timeout is
-  aborted: it never becomes visible and its shards are handed back for recycling.
+  aborted: it never becomes visible and its shards are handed back for recycling. A rank whose attempt
+  failed on a worker (it died or could not be reached) may start over on other workers
+  (:meth:`VersionStore.retry`): only that attempt's copies are dropped, the version stays pending.
 * The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
   and its shards are freed as soon as no pull lease holds it.
 * **Lineages.** A trainer world that starts (again) from its checkpoint of step ``K`` pushes version ``K``
@@ -35,10 +38,14 @@ Shard = tuple[str, str]  # (worker, shard id)
 @dataclass
 class _RankShard:
     lease: str
-    worker: str
+    workers: list[str]  # every worker granted a copy, the first one first
     tensors: list[ShardTensor]
-    segment: str = ""
-    committed: list[ShardTensor] | None = None
+    segments: dict[str, str] = field(default_factory=dict)  # worker -> segment of each verified copy
+    committed: list[ShardTensor] | None = None  # the verified layout and checksums (the same on every copy)
+
+    @property
+    def done(self) -> bool:
+        return len(self.segments) == len(self.workers)
 
 
 @dataclass
@@ -50,7 +57,7 @@ class _Pending:
     resumes: bool = False  # the first push of a new lineage
 
     def shards(self) -> list[Shard]:
-        return [(r.worker, r.lease) for r in self.ranks.values()]
+        return [(w, r.lease) for r in self.ranks.values() for w in r.workers]
 
 
 @dataclass(eq=False)  # identity: two lineages may store the same version number
@@ -154,11 +161,11 @@ class VersionStore:
     # --- pushing ------------------------------------------------------------------------------------
 
     def begin(
-        self, version: int, rank: int, world: int, specs: list[TensorSpec], worker: str, lease: str, now: float,
-        *, resumes: bool = False,
+        self, version: int, rank: int, world: int, specs: list[TensorSpec], workers: list[str], lease: str,
+        now: float, *, resumes: bool = False,
     ) -> list[ShardTensor]:
-        """Start rank ``rank``'s shard of ``version`` on ``worker``; returns its layout. ``resumes``: the push
-        starts (or joins) a new lineage at ``version`` (:meth:`start_lineage` came first).
+        """Start rank ``rank``'s shard of ``version``, one copy on each of ``workers``; returns its layout.
+        ``resumes``: the push starts (or joins) a new lineage at ``version`` (:meth:`start_lineage` came first).
 
         Raises ManifestError: ``version-conflict`` (not the next version, another version pending, a
         different world size, a rank already pushing), ``bad-rank``, ``duplicate-name``,
@@ -195,15 +202,34 @@ class VersionStore:
                     )
         if pending is None:
             pending = self.pending = _Pending(version, world, now, resumes=resumes)
-        pending.ranks[rank] = _RankShard(lease, worker, tensors)
+        pending.ranks[rank] = _RankShard(lease, list(workers), tensors)
         return tensors
+
+    def retry(self, version: int, rank: int, failed: str, workers: list[str], lease: str) -> tuple[
+            list[ShardTensor], list[Shard]]:
+        """Rank ``rank``'s attempt under lease ``failed`` could not finish (a worker died or was unreachable):
+        it starts over under ``lease`` on ``workers``, the version stays pending. Returns the layout (the
+        same as before) and the failed attempt's copies to release.
+
+        Raises ManifestError(``push-aborted``) when ``failed`` is not that rank's attempt in progress.
+        """
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        if shard is None or shard.lease != failed:
+            raise ManifestError("push-aborted", f"version {version} rank {rank} has no push in progress under "
+                                f"lease {failed!r} to retry")
+        old = [(w, shard.lease) for w in shard.workers]
+        assert pending is not None
+        pending.ranks[rank] = _RankShard(lease, list(workers), shard.tensors)
+        return shard.tensors, old
 
     def commit_shard(
         self, version: int, rank: int, lease: str, worker: str, segment: str, tensors: list[ShardTensor],
         workers: Iterable[WorkerInfo],
     ) -> tuple[bool, Manifest | None, list[Shard]]:
-        """Record a rank's verified shard. Returns ``(accepted, manifest, freed)``: the manifest when this
-        was the last rank (the version is now committed), and shards freed by retention.
+        """Record one verified copy of a rank's shard. Returns ``(accepted, manifest, freed)``: the manifest
+        when this was the last copy of the last rank (the version is now committed), and shards freed by
+        retention.
 
         Idempotent: a repeated commit of a shard already recorded is accepted again. Raises ManifestError:
         ``push-aborted`` (no such push in progress), ``manifest-mismatch``.
@@ -217,18 +243,22 @@ class VersionStore:
             raise ManifestError(
                 "push-aborted", f"version {version} rank {rank} has no push in progress under this lease"
             )
-        if worker != shard.worker:
+        if worker not in shard.workers:
             raise ManifestError(
-                "manifest-mismatch", f"rank {rank} was granted worker {shard.worker!r}, not {worker!r}"
+                "manifest-mismatch", f"rank {rank} was granted workers {shard.workers}, not {worker!r}"
             )
         mf.check_shard(shard.tensors, tensors)
-        shard.segment = segment
+        if shard.committed is not None and [t.checksum for t in tensors] != [t.checksum for t in shard.committed]:
+            raise ManifestError("manifest-mismatch", f"rank {rank}'s copy on {worker!r} has other checksums than "
+                                f"its copy on {next(iter(shard.segments))!r}")
+        shard.segments[worker] = segment
         shard.committed = list(tensors)
         assert pending is not None
-        if len(pending.ranks) < pending.world or any(r.committed is None for r in pending.ranks.values()):
+        if len(pending.ranks) < pending.world or not all(r.done for r in pending.ranks.values()):
             return True, None, []
         entries = [
-            ManifestEntry(t.name, t.dtype, t.shape, t.nbytes, t.checksum, [Location(r.worker, r.segment, t.offset)])
+            ManifestEntry(t.name, t.dtype, t.shape, t.nbytes, t.checksum,
+                          [Location(w, r.segments[w], t.offset) for w in r.workers])
             for r in pending.ranks.values()
             for t in r.committed or ()
         ]

@@ -7,7 +7,8 @@ mapped once and reused version after version:
   directly; a cross-host one sends ``ps-shard-write`` frames); ``ps-shard-seal`` hashes every tensor against
   the pusher's checksums and forwards the verified shard to the manager (``ps-shard-commit``). The pusher's
   answer is the manager's (the reply is deferred until it arrives), so "acknowledged" means "recorded".
-* **pull**: same-host readers map segments themselves and never talk to the worker; ``ps-shard-read``
+* **pull**: same-host readers (proved by the kernel's boot id and a nonce file next to the segments,
+  :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
   serves cross-host readers with zero-copy frames that view the segment.
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
   the pool.
@@ -54,6 +55,7 @@ from ..config import Config
 from ..settings import PsSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
 from .broadcast import Relay
+from .host_proof import NonceFile, boot_id
 from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
@@ -84,6 +86,9 @@ class PsWorker:
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
         if self.journal is not None:
             self._readopt(self.journal)
+        # Made after re-adoption, whose sweep removes the proof file a killed process left in the directory.
+        self.host_proof = NonceFile.create(directory, settings.shm_prefix)
+        runtime.shutdown_hooks.append(self.host_proof.remove)
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
 
@@ -110,7 +115,8 @@ class PsWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
-                          str(self.pool.directory), os.getpid())
+                          str(self.pool.directory), os.getpid(), boot_id(), self.host_proof.path.name,
+                          self.host_proof.nonce)
 
     def register(self) -> None:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a

@@ -12,6 +12,11 @@ far the trainer runs ahead of the orchestrator's admission: the orchestrator nev
 bound allows, and the trainer drops what is too stale when it is packed. Until version 0 exists, ``generate`` is refused
 (``no-weights``) and the env server's run fails cleanly.
 
+Torn weights: a pull copies into the model's tensors (there is no memory for a second copy), so a pull
+that fails part-way (:class:`~refbus.nodes.ps.client.TornPull`) leaves a model mixing two versions. The
+worker then serves no version: ``generate`` is refused with ``no-weights`` (retryable: the run is sent
+again) until a full pull succeeds, which it attempts before every refusal and on every refresh tick.
+
 Threads: generations and weight pulls run one at a time on one :class:`~refbus.bus.offload.Offload`
 thread, so the node loop answers heartbeats and takes requests and bumps while the model computes, and a
 pull never changes the weights under a generation. A pull goes ahead of the generations still queued: a
@@ -34,7 +39,7 @@ from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Body, Error, Generate, Generated, VersionBump
 from ..entry_points import load_entry_point
-from ..ps.client import PsClient, PsError
+from ..ps.client import PsClient, PsError, TornPull
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -55,7 +60,9 @@ class RolloutWorker:
         # Made before the PsClient: its shutdown hook must stop a pull in progress before the client closes.
         self.offload = Offload(runtime, "rollout-model")
         self.ps = PsClient(runtime, config.ps.manager)
-        self.version = -1  # written on the offload thread only
+        self.version = -1  # written on the offload thread only; -1 also while the weights are torn
+        self.torn: TornPull | None = None  # the failed pull that tore the weights, until a full pull (offload)
+        self.torn_pulls = 0
         self.generated = 0
         self._refresh_queued = False  # loop thread
         # Each worker samples its own stream (crc32: stable across processes, unlike hash()).
@@ -64,10 +71,14 @@ class RolloutWorker:
         self.server.on(Generate.kind, self._on_generate, cached=False)
         runtime.subscribe(self._on_bump, kinds=frozenset({VersionBump.kind}))
         runtime.every(1.0, self._want_refresh)
-        runtime.status = lambda: {"version": float(self.version), "generated": float(self.generated)}
+        runtime.status = lambda: {"version": float(self.version), "generated": float(self.generated),
+                                  "torn": float(self.torn is not None)}
         runtime.metric("refbus_rollout_policy_version", "Weights version this rollout worker serves.",
                        lambda: {(): float(self.version)}, kind="gauge")
         runtime.metric("refbus_rollout_generated_total", "Sequences generated.", lambda: {(): float(self.generated)})
+        runtime.metric("refbus_rollout_torn_pulls_total",
+                       "Weight pulls that failed part-way and left the model torn (generation refused until a "
+                       "full pull).", lambda: {(): float(self.torn_pulls)})
         runtime.metric("refbus_rollout_weights_read_bytes_total",
                        "Weight bytes pulled, by path: shm (mapped from a ps-worker on this host) or frames.",
                        lambda: {(path,): float(n) for path, n in self.ps.read_bytes.items()}, labels=("path",))
@@ -107,6 +118,11 @@ class RolloutWorker:
             if latest in (self.version, -1):
                 return
             state = self.ps.pull(out=self.model.state_dict())
+        except TornPull as exc:
+            self.torn, self.version = exc, -1
+            self.torn_pulls += 1
+            log.error("weights.torn", version=exc.version, written=len(exc.written), error=str(exc.cause))
+            return
         except RemoteError as exc:
             if exc.code != "unknown-version":  # nothing committed yet is normal at start-up
                 log.warning("weights.pull_failed", code=exc.code, error=exc.detail)
@@ -115,12 +131,16 @@ class RolloutWorker:
             log.warning("weights.pull_failed", error=str(exc))
             return
         if state.version != self.version:
-            log.info("weights.pulled", version=state.version, previous=self.version)
+            log.info("weights.pulled", version=state.version, previous=self.version, repaired=self.torn is not None)
             self.version = state.version
+        self.torn = None
 
     def _generate(self, ask: Generate) -> Generated:
         if self.version < 0:
             self.refresh()
+        if self.torn is not None:
+            raise HandlerError("no-weights", f"the weights are torn ({self.torn}); generation is refused until a "
+                               "full pull succeeds")
         if self.version < 0:
             raise HandlerError("no-weights", "no committed weights version yet")
         rl = self.rl

@@ -1,0 +1,269 @@
+"""PS replicas and same host by proof, as real processes.
+
+* Every shard has ``ps.replicas`` copies on distinct workers; a version commits once all are verified.
+* kill -9 of a worker holding one copy mid-run: pulls go on with 0 failures (the client switches copies),
+  no committed version is lost, a push granted to it is retried on another worker, and once the manager
+  knows it is down it never hands it out again; with every copy down a pull fails at once naming them.
+* A client maps a worker's segments only after proving it is on the worker's host (boot id + nonce file);
+  a forged or garbled proof means frames, or a clear error when the client insists on shared memory.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from polling import wait_for
+from ps_support import PsCluster, make_state, rank_part, segment_file, segments, start_cluster
+from refbus.bus.reqrep import RemoteError, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.ps import host_proof
+from refbus.nodes.ps.client import PsClient, PsError
+from refbus.protocol.messages import Ok
+from refbus.protocol.messages_ps import (
+    LeaseRelease,
+    PsRegister,
+    PullBegin,
+    PullGrant,
+    PushBegin,
+    TensorSpec,
+    WorkerInfo,
+)
+
+# Requests to a killed worker give up after 0.3 + 0.3 s (the broker declares it down after 1 s).
+FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
+NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
+
+
+@pytest.fixture
+def cluster(bus, spawn, request) -> Iterator[PsCluster]:
+    _, control = bus
+    workers = getattr(request, "param", 3)
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=workers)
+    yield cluster
+    for name, proc in cluster.workers.items():
+        if proc.proc.poll() is None:
+            assert proc.stop() == 0, proc.log_tail()
+        else:
+            assert proc.proc.returncode == -signal.SIGKILL, name
+    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0
+    for stale in segments(cluster.prefix):  # the killed workers' files (a restart would sweep them)
+        segment_file(stale).unlink()
+
+
+def _client(cluster: PsCluster, name: str, **kwargs) -> tuple[NodeRuntime, PsClient]:
+    settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=FAST_RETRY)
+    runtime = NodeRuntime("ps-client", settings, register=False)
+    return runtime, PsClient(runtime, cluster.manager, **kwargs)
+
+
+def _kill(cluster: PsCluster, name: str) -> None:
+    cluster.workers[name].signal(signal.SIGKILL)
+    cluster.workers[name].proc.wait(10)
+
+
+def _workers_of(ps: PsClient, version: int) -> set[str]:
+    return {loc.worker for e in ps.manifest(version).entries for loc in e.locations}
+
+
+def _grant(runtime: NodeRuntime, cluster: PsCluster, version: int | None = None) -> PullGrant:
+    """A raw pull grant (released at once): what the manager hands out."""
+    manager = runtime.client(cluster.manager)
+    grant = manager.request(PullBegin("inspector", version)).body
+    assert isinstance(grant, PullGrant)
+    manager.request(LeaseRelease(grant.lease))
+    return grant
+
+
+def test_sigkill_of_a_worker_holding_copies_loses_no_version_and_fails_no_pull(cluster: PsCluster) -> None:
+    runtime, ps = _client(cluster, "pusher")
+    reader_runtime, reader = _client(cluster, "reader", transport="frames")  # every byte through a worker
+    stop = threading.Event()
+    pulls: list[int] = []
+    failures: list[BaseException] = []
+
+    def read_loop() -> None:
+        while not stop.is_set():
+            try:
+                state = reader.pull(verify=True)
+                assert torch.equal(state["scale"], torch.tensor(float(state.version)))
+                pulls.append(state.version)
+            except BaseException as exc:
+                failures.append(exc)
+
+    thread = threading.Thread(target=read_loop)
+    try:
+        for version in range(2):
+            assert ps.push(make_state(seed=version), version).committed
+        assert _workers_of(ps, 0) == {"w0", "w1"}  # ps.replicas defaults to 2: rank 0 on w0, then w1
+        thread.start()
+        wait_for(lambda: len(pulls) >= 3, 10, "the reader's first pulls")
+
+        # A push is half-written to w0 and w1 when w1 dies: it is retried on w0 and w2.
+        state = make_state(seed=2)
+        names = list(state)
+        with ps.begin_push(state, 2) as session:
+            assert session.workers == ["w0", "w1"]
+            for name in names[: len(names) // 2]:
+                session.write(name, state[name])
+            _kill(cluster, "w1")
+            for name in names[len(names) // 2 :]:
+                session.write(name, state[name])
+            result = session.commit()
+        assert result.committed and session.grants == 2 and session.workers == ["w0", "w2"]
+        assert _workers_of(ps, 2) == {"w0", "w2"}
+
+        wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
+                 "the manager to learn that w1 is down")
+        for version in (3, 4):
+            assert ps.push(make_state(seed=version), version).committed
+            assert "w1" not in _workers_of(ps, version)
+        count = len(pulls)
+        wait_for(lambda: len(pulls) >= count + 3, 10, "pulls after the kill")
+        stop.set()
+        thread.join(30)
+        assert failures == [], failures[:3]
+        # No version lost: every retained one is whole and readable, and never handed out with w1 in it.
+        for version in ps.status().retained:
+            grant = _grant(runtime, cluster, version)
+            assert "w1" not in {w.worker for w in grant.manifest.workers}
+            assert all(loc.worker != "w1" for e in grant.manifest.entries for loc in e.locations)
+            assert reader.pull(version, verify=True).version == version
+
+        # Every copy down: the pull fails at once, by the manager, naming the workers.
+        _kill(cluster, "w0")
+        _kill(cluster, "w2")
+        wait_for(lambda: ps.status().workers == [], 5 * NODE_TIMEOUT_S, "the manager to learn all are down")
+        with pytest.raises(RemoteError) as err:
+            reader.pull()
+        assert err.value.code == "copies-down" and "'w0'" in str(err.value) and "'w2'" in str(err.value)
+        log = cluster.manager_proc.log_tail(300)  # type: ignore[union-attr]
+        assert '"ps.push_retried"' in log and '"ps.worker_down"' in log
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(30)
+        reader_runtime.close()
+        runtime.close()
+
+
+def test_bad_replica_and_grant_fields_get_clear_errors(cluster: PsCluster) -> None:
+    runtime, ps = _client(cluster, "garbage")
+    try:
+        ps.push(make_state(seed=1), 0)
+        manager = runtime.client(cluster.manager)
+        specs = [TensorSpec("scale", "float32", [])]
+        with pytest.raises(RemoteError) as err:  # a retry of a lease that is no push in progress
+            manager.request(PushBegin(1, 0, 1, "raw", specs, retry="push-nonsense"))
+        assert err.value.code == "push-aborted" and "push-nonsense" in str(err.value)
+        with pytest.raises(RemoteError) as err:  # every worker avoided
+            manager.request(PushBegin(1, 0, 1, "raw", specs, avoid=["w0", "w1", "w2"]))
+        assert err.value.code == "no-workers" and "'w2'" in str(err.value)
+        grant = manager.request(PushBegin(1, 0, 1, "raw", specs, avoid=["w0", "not-a-worker"])).body
+        assert grant.worker.worker == "w1" and [w.worker for w in grant.replicas] == ["w2"]
+        with pytest.raises(RemoteError) as err:  # another rank's lease
+            manager.request(PushBegin(1, 1, 2, "raw", specs, retry=grant.lease))
+        assert err.value.code == "push-aborted"
+        manager.request(LeaseRelease(grant.lease))  # aborts version 1
+        # A malformed field is refused by the manager's decoder, naming it, and the manager goes on serving.
+        with pytest.raises(RemoteError) as err:
+            manager.request(PushBegin(1, 0, 1, "raw", specs, avoid=[""]))
+        assert "avoid" in str(err.value)
+        assert ps.push(make_state(seed=2), 1).committed
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_same_host_by_proof_and_a_garbled_proof_means_frames(cluster: PsCluster) -> None:
+    runtime, ps = _client(cluster, "prover")
+    try:
+        state = make_state(seed=3)
+        ps.push(state, 0)
+        info = ps.status().workers[0]
+        assert info.boot_id == host_proof.boot_id() and info.nonce and info.nonce_file
+        assert host_proof.refusal(info, host_proof.boot_id()) is None
+        assert ps.pull().version == 0 and ps.read_bytes["shm"] > 0 and ps.read_bytes["frames"] == 0
+
+        # The host name says "same host" but the proof does not hold: frames, and an error in the log.
+        nonces = [Path(w.shm_dir) / w.nonce_file for w in ps.status().workers]
+        nonce = nonces[0]
+        for forged in (msgspec.structs.replace(info, boot_id="0" * 36),
+                       msgspec.structs.replace(info, nonce="f" * 32),
+                       msgspec.structs.replace(info, nonce_file="../../etc/hostname"),
+                       msgspec.structs.replace(info, nonce_file="", nonce="", boot_id="")):
+            assert host_proof.refusal(forged, host_proof.boot_id()) is not None
+        original = nonce.read_bytes()
+        for garbage in (b"", b"\xff\x00" * 100, original + b"\n", b"x" * 4096):
+            nonce.write_bytes(garbage)
+            assert "another nonce" in (host_proof.refusal(info, host_proof.boot_id()) or "")
+        originals = [path.read_bytes() for path in nonces]
+        for path in nonces:
+            path.write_bytes(b"\x00garbled")
+        fresh_runtime, fresh = _client(cluster, "fresh")
+        strict_runtime, strict = _client(cluster, "strict", transport="shm")
+        try:
+            pulled = fresh.pull(verify=True)
+            assert pulled.version == 0 and fresh.read_bytes["shm"] == 0 and fresh.read_bytes["frames"] > 0
+            assert all(torch.equal(pulled[name], state[name]) for name in state)
+            with pytest.raises(PsError, match="not proved to be on this host"):
+                strict.pull()
+        finally:
+            fresh_runtime.close()
+            strict_runtime.close()
+        for path, content in zip(nonces, originals, strict=True):
+            path.write_bytes(content)
+        # The workers kept serving: a push and a mapped pull work as before.
+        assert ps.push(make_state(seed=4), 1).committed
+        assert ps.pull().version == 1
+
+        # A registration carrying a garbled proof is kept as data, never trusted: pulls avoid mapping it.
+        fake = WorkerInfo("fake", "tcp://127.0.0.1:9", info.host, info.shm_dir, 1, "\x00" * 3, "/etc/passwd", "")
+        assert isinstance(runtime.client(cluster.manager).request(PsRegister(fake)).body, Ok)
+        assert host_proof.refusal(fake, host_proof.boot_id()) is not None
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_pull_falls_to_the_next_copy_when_a_worker_dies_unannounced(cluster: PsCluster) -> None:
+    """Reads that a killed worker (not yet known down) never answers go to the next copy."""
+    runtime, ps = _client(cluster, "pusher")
+    reader_runtime, reader = _client(cluster, "reader", transport="frames")
+    try:
+        ps.push(make_state(seed=5), 0)
+        _kill(cluster, "w0")  # the first copy of every tensor; the manager does not know yet
+        pulled = reader.pull(verify=True)
+        assert pulled.version == 0 and torch.equal(pulled["scale"], torch.tensor(5.0))
+        assert reader.read_bytes["frames"] > 0
+        assert ps.status().leases == 0
+    finally:
+        reader_runtime.close()
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_worker_death_between_two_ranks_keeps_the_pending_version(cluster: PsCluster) -> None:
+    """Rank 0's copies are verified on w0 and w1, then w1 dies before rank 1 pushes: rank 0 lost one copy
+    (as a committed version would), the version still commits and reads whole from w0."""
+    runtime, ps = _client(cluster, "ranks")
+    try:
+        state = make_state(seed=6)
+        assert not ps.push(rank_part(state, 0, 2), 0, rank=0, world=2).committed
+        _kill(cluster, "w1")
+        wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
+                 "the manager to learn that w1 is down")
+        assert ps.status().pending == [0]
+        assert ps.push(rank_part(state, 1, 2), 0, rank=1, world=2).committed
+        assert _workers_of(ps, 0) == {"w0", "w1"}  # the manifest records both copies of rank 0
+        grant = _grant(runtime, cluster, 0)
+        assert {loc.worker for e in grant.manifest.entries for loc in e.locations} == {"w0"}  # w1 never handed out
+        pulled = ps.pull(verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
+        runtime.close()

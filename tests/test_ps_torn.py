@@ -1,0 +1,140 @@
+"""Pulls never leave torn weights: a pull into ``out=`` that fails part-way says so (``TornPull``), and a
+rollout worker whose weights it tore refuses to generate until a full pull succeeds.
+
+The rollout worker runs in this process on a real PS cluster (processes); its model methods are called
+directly on the test thread (they are what its offload thread runs). The pull is frozen half-way by the
+client's ``before_write`` hook while the ps-worker holding the other half is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ps_support import PsCluster, make_state, rank_part, segment_file, segments, start_cluster
+from refbus.bus.reqrep import HandlerError, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.config import Config
+from refbus.nodes.ps.client import PsClient, PsError, TornPull
+from refbus.nodes.rl.rollout import RolloutWorker
+from refbus.nodes.toy.policy import make_policy
+from refbus.protocol.messages import Generate
+
+# Requests to a killed worker give up after 0.3 + 0.3 s: the torn pull fails quickly.
+FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
+
+
+@pytest.fixture
+def cluster(bus, spawn, request) -> Iterator[PsCluster]:
+    _, control = bus
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=2, extra=["--ps-replicas", "1"])
+    yield cluster
+    for name, proc in cluster.workers.items():
+        if proc.proc.poll() is None:
+            assert proc.stop() == 0, proc.log_tail()
+        else:
+            assert proc.proc.returncode == -signal.SIGKILL, name
+    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0
+    for stale in segments(cluster.prefix):  # the killed worker's files (its restart would sweep them)
+        segment_file(stale).unlink()
+
+
+def _rollout(cluster: PsCluster) -> tuple[NodeRuntime, RolloutWorker]:
+    config = Config()
+    config = dataclasses.replace(config, ps=dataclasses.replace(config.ps, manager=cluster.manager))
+    settings = RuntimeSettings(bus=cluster.control, node_id="rollout-torn", metrics_port=-1, retry=FAST_RETRY)
+    runtime = NodeRuntime("rollout", settings, register=False)
+    worker = RolloutWorker(runtime, config)
+    worker.ps.transport = "frames"  # every byte goes through the workers, so a dead one fails the pull
+    return runtime, worker
+
+
+def _push_world_of_two(ps: PsClient, state: dict[str, torch.Tensor], version: int) -> None:
+    """Rank r's shard goes to worker w<r>: half of the model on each worker."""
+    for rank in (0, 1):
+        ps.push(rank_part(state, rank, 2), version, rank=rank, world=2)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(name for name in a if torch.equal(a[name], b[name]))
+
+
+def test_a_pull_torn_half_way_stops_generation_until_a_full_pull(cluster: PsCluster) -> None:
+    pusher_runtime, pusher = cluster.client("pusher")
+    runtime, worker = _rollout(cluster)
+    try:
+        old, new = make_policy(1).state_dict(), make_policy(2).state_dict()
+        pusher.push(dict(old), 0)  # on w0 alone
+        worker.refresh()
+        assert worker.version == 0 and worker.torn is None
+        ask = Generate(prompt=[1, 2, 3], max_new_tokens=2)
+        assert worker._generate(ask).policy_version == 0
+
+        _push_world_of_two(pusher, dict(new), 1)
+        frozen: list[str] = []
+
+        def freeze_and_kill(name: str) -> None:
+            # Half-way: w0's half of version 1 is being written; w1, which holds the other half, dies.
+            if not frozen:
+                cluster.workers["w1"].signal(signal.SIGKILL)
+                cluster.workers["w1"].proc.wait(10)
+            frozen.append(name)
+
+        worker.ps.before_write = freeze_and_kill
+        with pytest.raises(TornPull) as torn:
+            worker.ps.pull(out=worker.model.state_dict())
+        assert torn.value.version == 1 and torn.value.written
+        assert isinstance(torn.value.cause, PsError) and "w1" in str(torn.value.cause)
+        # The model really is a mix: some tensors from version 1, the rest still version 0.
+        mixed = _weights(worker.model)
+        assert set(_same(mixed, new)) >= set(torn.value.written) and _same(mixed, old)
+
+        # The rollout worker's own refresh meets the same tear (w0's half is written again, w1's fails):
+        # it then serves no version and refuses to generate.
+        worker.ps.before_write = None
+        worker.refresh()
+        assert worker.torn is not None and worker.version == -1 and worker.torn_pulls == 1
+        generated = worker.generated
+        for _ in range(3):
+            with pytest.raises(HandlerError) as refused:
+                worker._generate(ask)  # tries a full pull first: version 1 lost half its copies, so it fails
+            assert refused.value.code == "no-weights" and "torn" in str(refused.value)
+        assert worker.generated == generated, "an episode was generated with mixed weights"
+
+        # A full pull of a version that is whole restores service, with exactly its bytes.
+        newest = make_policy(3).state_dict()
+        pusher.push(dict(newest), 2)
+        reply = worker._generate(ask)
+        assert reply.policy_version == 2 and worker.torn is None
+        assert _same(_weights(worker.model), newest) == sorted(newest)
+    finally:
+        runtime.close()
+        pusher_runtime.close()
+
+
+def test_an_out_the_version_cannot_fill_is_refused_before_any_write(cluster: PsCluster) -> None:
+    runtime, ps = cluster.client()
+    try:
+        state = make_state(seed=4)
+        ps.push(state, 0)
+        out = {name: torch.zeros_like(t) for name, t in state.items()}
+        extra = {**out, "not.in.the.version": torch.zeros(3)}
+        with pytest.raises(PsError, match="lacks") as err:
+            ps.pull(out=extra)
+        assert not isinstance(err.value, TornPull)
+        wrong = {**out, "layer0.weight": torch.zeros(2, 2)}
+        with pytest.raises(PsError, match="shape"):
+            ps.pull(out=wrong)
+        assert all(not t.any() for t in out.values()), "a refused pull wrote into out"
+        assert ps.pull(out=out).version == 0
+        assert all(torch.equal(out[name], state[name]) for name in state)
+        assert ps.status().leases == 0
+    finally:
+        runtime.close()
