@@ -126,6 +126,8 @@ class PsSettings:
     chunk_bytes: int = key(8 << 20, "Bytes per chunk of the broadcast-init stream.")
     ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message.")
     init_timeout_s: float = key(600.0, "Seconds a broadcast init may take before it fails.")
+    transport: str = key("frames", "How pulls from ps-workers on other hosts travel: `frames` (ZeroMQ) or `nixl` "
+                         "(NIXL READs; needs the optional extra `refbus[nixl]`).")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ from ...protocol.messages_ps import (
     ManifestEntry,
     ManifestInfo,
     ManifestQuery,
+    NixlOpen,
+    NixlOpened,
     Occupy,
     Placed,
     PsState,
@@ -79,11 +81,13 @@ from ...protocol.messages_ps import (
     WorkerInfo,
 )
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
+from .nixl import NixlError, NixlReader
 from .shm import SegmentMaps
 
 log = structlog.get_logger(__name__)
 
 Transport = Literal["auto", "shm", "frames"]
+Remote = Literal["frames", "nixl"]  # how bytes not mapped from shared memory travel (``ps.transport``)
 _WINDOW = 4  # frame messages in flight per worker
 WORKERS_FIRST_PAUSE_S = 0.25  # a push finding no ps-worker polls again after this, doubling
 WORKERS_MAX_PAUSE_S = 2.0
@@ -330,7 +334,7 @@ class PsClient:
 
     def __init__(self, runtime: NodeRuntime, manager: str, *, transport: Transport = "auto",
                  chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None,
-                 wait_workers_s: float = 30.0) -> None:
+                 wait_workers_s: float = 30.0, remote: Remote = "frames") -> None:
         self.runtime = runtime
         self.wait_workers_s = wait_workers_s
         self.transport = transport
@@ -343,7 +347,9 @@ class PsClient:
         self._reads = SegmentMaps(readonly=True)
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
-        self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
+        self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped), "frames" or "nixl"
+        # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
+        self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         runtime.shutdown_hooks.append(self.close)
 
     def close(self) -> None:
@@ -480,7 +486,7 @@ class PsClient:
                 result[entry.name] = cast.deliver(entry.name, source, private=False, shared=shared)
         for worker_name, items in remote.items():
             result.update(self._read_frames(workers[worker_name], items, cast))
-            self.read_bytes["frames"] += sum(entry.nbytes for entry, _, _ in items)
+            self.read_bytes["frames" if self._nixl is None else "nixl"] += sum(entry.nbytes for entry, _, _ in items)
         return result
 
     def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, int, str]],
@@ -497,10 +503,16 @@ class PsClient:
                 return target.reshape(-1).view(torch.uint8)
             return torch.empty(entry.nbytes, dtype=torch.uint8)
 
+        client = self._worker(worker)
         try:
-            raws = read_frames(self._worker(worker), wanted, destination, chunk_bytes=self.chunk_bytes,
-                               window=_WINDOW)
-        except FramesError as exc:
+            if self._nixl is not None:
+                # The bound the frames path gives the same bytes: one retry schedule per chunk_bytes request.
+                chunks = -(-sum(item.entry.nbytes for item in wanted) // self.chunk_bytes)
+                raws = self._nixl.read(wanted, lambda segment: self._ask(client, NixlOpen(segment), NixlOpened),
+                                       destination, deadline_s=sum(client.policy.timeouts()) * max(1, chunks))
+            else:
+                raws = read_frames(client, wanted, destination, chunk_bytes=self.chunk_bytes, window=_WINDOW)
+        except (FramesError, NixlError) as exc:
             raise PsError(f"{worker.worker}: {exc}") from exc
         result: dict[str, torch.Tensor] = {}
         for item, raw in zip(wanted, raws, strict=True):

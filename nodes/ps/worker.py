@@ -39,6 +39,7 @@ from ...protocol.messages_ps import (
     InitEnd,
     InitHeader,
     InitPlan,
+    NixlOpen,
     PsRegister,
     Release,
     ShardCommit,
@@ -54,6 +55,7 @@ from ..config import Config
 from ..settings import PsSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
 from .broadcast import Relay
+from .nixl import NixlError, NixlExport
 from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
@@ -93,6 +95,8 @@ class PsWorker:
         self.server.on(ShardWrite.kind, self._write, verify=False)
         self.server.on(ShardSeal.kind, self._seal, cached=False)
         self.server.on(ShardRead.kind, self._read, cached=False)
+        self.nixl = NixlExport(runtime.node_id)
+        self.server.on(NixlOpen.kind, self._nixl_open, cached=False)
         self.server.on(Release.kind, self._release)
         self.server.on(InitPlan.kind, self._plan)
         self.server.on(InitHeader.kind, self._header)
@@ -134,6 +138,7 @@ class PsWorker:
             log.error("store.shard_lost", shard=lease, detail=why)
 
     def _close(self) -> None:
+        self.nixl.close()
         self.pool.close()
         if self.journal is not None:  # every segment is unlinked: nothing is left to re-adopt
             self.journal.close(remove=True)
@@ -229,7 +234,18 @@ class PsWorker:
         except ValueError as exc:
             raise HandlerError("out-of-bounds", str(exc)) from None
 
-    def _release(self, request: Message) -> Body:
+    def _nixl_open(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, NixlOpen)
+        segment = self.pool.get(ask.segment)
+        if segment is None:
+            raise HandlerError("unknown-segment", f"segment {ask.segment!r} holds no shard on {self.runtime.node_id}")
+        try:  # registered until released, as the frames' views are: the reader's pull lease keeps it from reuse
+            return self.nixl.open(segment.name, segment.address, segment.capacity)
+        except NixlError as exc:
+            raise HandlerError("nixl-unavailable", str(exc)) from None
+
+
         release = request.body
         assert isinstance(release, Release)
         if self.journal is not None:
@@ -238,6 +254,7 @@ class PsWorker:
             self.relays.pop(shard, None)
             segment = self.shards.pop(shard, None)
             if segment is not None:
+                self.nixl.forget(segment.name)
                 self.pool.release(segment)
         return Ok()
 
