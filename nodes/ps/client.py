@@ -329,12 +329,15 @@ class PsClient:
 
     ``runtime`` need not run its loop (a trainer rank can build one with ``register=False``); the client
     closes itself in the runtime's shutdown hooks. ``transport``: ``auto`` uses shared memory for workers on
-    this host and frames otherwise; ``frames`` never maps memory; ``shm`` insists on it.
+    this host and frames otherwise; ``frames`` never maps memory; ``shm`` insists on it. ``remote``: how the
+    bytes not mapped travel, ``frames`` (ZeroMQ) or ``nixl`` (NIXL READs; NixlError here when NIXL is missing).
     """
 
     def __init__(self, runtime: NodeRuntime, manager: str, *, transport: Transport = "auto",
                  chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None,
                  wait_workers_s: float = 30.0, remote: Remote = "frames") -> None:
+        # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
+        self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         self.runtime = runtime
         self.wait_workers_s = wait_workers_s
         self.transport = transport
@@ -348,8 +351,6 @@ class PsClient:
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped), "frames" or "nixl"
-        # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
-        self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         runtime.shutdown_hooks.append(self.close)
 
     def close(self) -> None:

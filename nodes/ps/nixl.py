@@ -91,7 +91,7 @@ class NixlReader:
 
     def __init__(self, node_id: str) -> None:
         self._agent = _agent(node_id)
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata last loaded
 
     def read(self, wanted: Sequence[Wanted], opened: Callable[[str], NixlOpened],
              destination: Callable[[ManifestEntry], torch.Tensor], *, deadline_s: float) -> list[torch.Tensor]:
@@ -124,7 +124,9 @@ class NixlReader:
         for item in wanted:
             if item.offset + item.entry.nbytes > remote.capacity:
                 raise NixlError(f"tensor {item.entry.name!r} ends past segment {segment} of {remote.capacity} bytes")
-        if remote.agent not in self._peers:
+        # The metadata lists the worker's registrations: loaded again whenever it changed (a segment registered
+        # since), which NIXL takes as an update of the agent it knows.
+        if self._peers.get(remote.agent) != remote.metadata:
             try:
                 added = self._agent.add_remote_agent(remote.metadata)
             except Exception as exc:  # NIXL raises its own types for metadata it cannot parse
@@ -132,7 +134,7 @@ class NixlReader:
             added = added.decode() if isinstance(added, bytes) else added
             if added != remote.agent:
                 raise NixlError(f"segment {segment}: the metadata names agent {added!r}, the answer {remote.agent!r}")
-            self._peers.add(remote.agent)
+            self._peers[remote.agent] = remote.metadata
         places = [(t.data_ptr(), t.numel()) for t in targets]
         registration = self._agent.register_memory([(addr, n, 0, "") for addr, n in places], "DRAM")
         try:
@@ -167,4 +169,4 @@ class NixlReader:
             try:
                 self._agent.release_xfer_handle(handle)
             except Exception:  # a handle of a failed or abandoned transfer may refuse release: the peer is gone
-                self._peers.discard(peer)
+                self._peers.pop(peer, None)

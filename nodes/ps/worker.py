@@ -245,7 +245,7 @@ class PsWorker:
         except NixlError as exc:
             raise HandlerError("nixl-unavailable", str(exc)) from None
 
-
+    def _release(self, request: Message) -> Body:
         release = request.body
         assert isinstance(release, Release)
         if self.journal is not None:
