@@ -92,7 +92,8 @@ def test_garbage_fails_clearly_and_the_worker_keeps_serving(cluster: PsCluster) 
             read(NixlOpened("someone-else", real.metadata, real.address, real.capacity))
         with pytest.raises(NixlError):  # an address the worker never registered: refused or failed, never read
             read(NixlOpened(real.agent, real.metadata, real.address + (1 << 40), real.capacity))
-        shifted = [Wanted(w.entry, w.offset + 1, w.segment) for w in wanted if w.offset + w.entry.nbytes < real.capacity]
+        shifted = [Wanted(w.entry, w.offset + 1, w.segment) for w in wanted
+                   if w.offset + w.entry.nbytes < real.capacity]
         with pytest.raises(NixlError, match="does not match the checksum"):  # the wrong bytes never pass
             reader.read(shifted, lambda _: real, lambda e: torch.empty(e.nbytes, dtype=torch.uint8), deadline_s=5.0)
 

@@ -336,6 +336,8 @@ class PsClient:
     def __init__(self, runtime: NodeRuntime, manager: str, *, transport: Transport = "auto",
                  chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None,
                  wait_workers_s: float = 30.0, remote: Remote = "frames") -> None:
+        if remote not in ("frames", "nixl"):
+            raise ValueError(f"ps.transport must be 'frames' or 'nixl', not {remote!r}")
         # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
         self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         self.runtime = runtime

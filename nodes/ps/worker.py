@@ -55,7 +55,7 @@ from ..config import Config
 from ..settings import PsSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
 from .broadcast import Relay
-from .nixl import NixlError, NixlExport
+from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
@@ -316,6 +316,12 @@ class PsWorker:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
+    if config.ps.transport == "nixl":  # readers will ask for NIXL reads: refuse to start without it
+        try:
+            require_nixl()
+        except NixlError as exc:
+            log.error("ps.nixl_missing", error=str(exc))
+            return 2
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s, store=config.store,

@@ -54,7 +54,7 @@ class RolloutWorker:
         self.generate = load_entry_point(rl.generate)
         # Made before the PsClient: its shutdown hook must stop a pull in progress before the client closes.
         self.offload = Offload(runtime, "rollout-model")
-        self.ps = PsClient(runtime, config.ps.manager)
+        self.ps = PsClient(runtime, config.ps.manager, remote=config.ps.transport)  # type: ignore[arg-type]
         self.version = -1  # written on the offload thread only
         self.generated = 0
         self._refresh_queued = False  # loop thread
