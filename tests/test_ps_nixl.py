@@ -5,11 +5,13 @@ SIGKILLed mid-transfer failing the pull instead of returning torn bytes, and a c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +25,8 @@ from refbus.nodes.ps.nixl import NixlError, NixlReader
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.protocol.messages_ps import NixlOpen, NixlOpened
 
-pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra (make test installs it)")
+needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
+                                reason="NIXL is an optional extra (make test installs it)")
 
 
 @pytest.fixture
@@ -45,6 +48,7 @@ def nixl_client(cluster: PsCluster, name: str) -> tuple[Any, PsClient]:
     return cluster.client(name, transport="frames", remote="nixl")
 
 
+@needs_nixl
 def test_pull_over_nixl_is_byte_identical_and_verified(cluster: PsCluster) -> None:
     runtime, ps = nixl_client(cluster, "nixl-reader")
     try:
@@ -63,6 +67,7 @@ def test_pull_over_nixl_is_byte_identical_and_verified(cluster: PsCluster) -> No
         runtime.close()
 
 
+@needs_nixl
 def test_garbage_fails_clearly_and_the_worker_keeps_serving(cluster: PsCluster) -> None:
     runtime, ps = nixl_client(cluster, "nixl-garbage")
     try:
@@ -103,6 +108,7 @@ def test_garbage_fails_clearly_and_the_worker_keeps_serving(cluster: PsCluster) 
         runtime.close()
 
 
+@needs_nixl
 @pytest.mark.parametrize("when", ["before-the-read", "during-the-read"])
 def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsCluster, when: str) -> None:
     runtime, ps = nixl_client(cluster, "nixl-killed")
@@ -163,3 +169,15 @@ def test_missing_nixl_is_a_clear_error_at_start(cluster: PsCluster, monkeypatch:
         assert PsClient(runtime, cluster.manager).pull  # frames (the default) needs no NIXL
     finally:
         runtime.close()
+
+
+def test_a_worker_configured_for_nixl_without_it_refuses_to_start(bus, spawn, tmp_path: Path) -> None:
+    _, control = bus
+    hidden = tmp_path / "hidden"
+    (hidden / "nixl_cu12").mkdir(parents=True)
+    (hidden / "nixl_cu12" / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    path = os.pathsep.join(p for p in (str(hidden), os.environ.get("PYTHONPATH", "")) if p)
+    proc = spawn(["node", "ps-worker", "--node-id", "w-nonixl", "--bus-control", control, "--ps-transport", "nixl",
+                  "--ps-manager", "tcp://127.0.0.1:9"], "w-nonixl", env={"PYTHONPATH": path})
+    assert proc.proc.wait(timeout=60) == 2, proc.log_tail()
+    assert "pip install --no-deps nixl-cu12" in proc.log_tail() and "hidden by the test" in proc.log_tail()
