@@ -127,7 +127,7 @@ class PsSettings:
     ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message.")
     init_timeout_s: float = key(600.0, "Seconds a broadcast init may take before it fails.")
     transport: str = key("frames", "How pulls from ps-workers on other hosts travel: `frames` (ZeroMQ) or `nixl` "
-                         "(NIXL READs; needs the optional extra `refbus[nixl]`).")
+                         "(NIXL READs; needs the `nixl` extra: `pip install --no-deps nixl-cu12==1.5.1`).")
 
 
 @dataclass(frozen=True)

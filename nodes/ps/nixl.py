@@ -9,9 +9,9 @@ the worker's segment into its destination, one-sided, with no message per piece.
   caller still checks its pull lease after the read (a segment reused under an expired lease fails one or
   the other).
 
-NIXL is an optional extra (``pip install 'refbus[nixl]'``, or ``pip install --no-deps nixl-cu12``); without
-it, :func:`require_nixl` says how to install it. NIXL's UCX backend moves DRAM to DRAM on machines without a
-GPU.
+NIXL is the optional ``nixl`` extra, installed with ``pip install --no-deps nixl-cu12==1.5.1`` (its wheel
+declares CUDA libraries this path does not use); without it, :func:`require_nixl` says how to install it.
+NIXL's UCX backend moves DRAM to DRAM on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the worker side must not import torch (see .worker)
 
     from .frames import Wanted
 
-INSTALL_HINT = "install the optional extra: pip install 'refbus[nixl]' (or: pip install --no-deps nixl-cu12==1.5.1)"
+INSTALL_HINT = "install the optional `nixl` extra: pip install --no-deps nixl-cu12==1.5.1"
 _POLL_MAX_S = 0.001  # longest pause between polls of a transfer: short next to any transfer worth NIXL
 
 
