@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0 || \
 		$(PY) -m pip install --quiet 'torch>=2.4' --index-url https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install --quiet -e '.[test,plot]'
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1 || \
+		echo "nixl-cu12 is not installable here: the NIXL tests will skip"  # the `nixl` extra, without CUDA deps
 	rm -f $(VENV)/.installed-*
 	touch $@
 

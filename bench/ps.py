@@ -8,7 +8,8 @@
    trainer and a rollout worker do every step); the first, cold push is reported too. The frames path (the one
    every pull from another host takes) is also set against raw TCP between this process and another one on
    the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
-   pull >= 80% of it.
+   pull >= 80% of it. With NIXL installed (the ``nixl`` extra), a pull over NIXL READs is set against the
+   frames pull and raw TCP (skipped, saying why, without it).
 2. **broadcast**: init of N = 2, 4, 8 workers from a 256 MiB safetensors file (N copies of every retained
    version must fit in this machine's 24 GiB), against every worker reading the file
    itself (N concurrent reader processes) and against the reader sending to each worker in turn (N - 1
@@ -49,6 +50,7 @@ from refbus.bus.logs import configure_logging
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ps.client import PsClient
+from refbus.nodes.ps.nixl import NixlError
 from refbus.nodes.ps.shm import sweep_orphans
 from safetensors.torch import save_file
 
@@ -268,7 +270,33 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
             speedup = (save_s + load_s) / (push_s + pull_s)
             results[transport][f"speedup_vs_torch_{where}"] = speedup
             report(f"        push + pull vs torch.save + torch.load via {where}: {speedup:.1f}x [goal >= 3x]")
+    results["nixl"] = bench_nixl_pull(c, settings, state, out, raw["pull"], results["frames"]["pull_s"], report)
     return results
+
+
+def bench_nixl_pull(c: Cluster, settings: Settings, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
+                    raw_pull_s: float, frames_pull_s: float, report: Callable[..., None]) -> dict[str, Any]:
+    """The latest version pulled over NIXL (``ps.transport = "nixl"``) into the same buffers, against the frames
+    pull and raw TCP of the same bytes; skipped, saying why, where NIXL is not installed."""
+    gb = nbytes(state) / 1e9
+    runtime = NodeRuntime("bench", RuntimeSettings(bus=c.control, node_id="bench-nixl", metrics_port=-1),
+                          register=False)
+    try:
+        try:
+            ps = PsClient(runtime, c.manager, transport="frames", remote="nixl")
+        except NixlError as exc:
+            report(f"  nixl: skipped: {exc}")
+            return {"skipped": str(exc)}
+        for t in out.values():
+            t.zero_()
+        ps.pull(out=out)
+        assert all(torch.equal(out[n], t) for n, t in state.items())
+        pull_s = best_seconds(lambda: ps.pull(out=out), settings.repeats)
+    finally:
+        runtime.close()
+    report(f"  nixl: pull into buffers {pull_s:.3f} s ({gb / pull_s:.2f} GB/s) = {frames_pull_s / pull_s:.2f}x "
+           f"frames, {raw_pull_s / pull_s:.0%} of raw TCP")
+    return {"pull_s": pull_s, "vs_frames": frames_pull_s / pull_s, "vs_raw_tcp": raw_pull_s / pull_s}
 
 
 # --- 2. broadcast init ------------------------------------------------------------------------------

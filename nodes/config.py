@@ -147,15 +147,23 @@ def _label(name: str) -> str:
     return "the request retry schedule (requests.*)" if name == RETRY_SCHEDULE else name
 
 
-def _quantity(config: Config, name: str) -> float:
+def _quantity(config: Config, name: str) -> Any:
     if name == RETRY_SCHEDULE:
         return sum(config.retry().timeouts())
     section, _, key = name.partition(".")
     return getattr(getattr(config, section), key)
 
 
+CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
+"""Keys that take one of a few words."""
+
+
 def check_relations(config: Config) -> None:
-    """Raise :class:`ConfigError` naming both sides of the first relation in :data:`RELATIONS` that fails."""
+    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, or both sides
+    of the first relation in :data:`RELATIONS` that fails."""
+    for name, words in CHOICES.items():
+        if (value := _quantity(config, name)) not in words:
+            raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
     for relation in RELATIONS:
         value = _quantity(config, relation.key)
         bound = relation.factor * sum(_quantity(config, name) for name in relation.bound)

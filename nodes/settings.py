@@ -129,6 +129,8 @@ class PsSettings:
     replicas: int = key(2, "Copies of every pushed shard, each on its own ps-worker (capped to the live workers): a "
                            "version commits once every copy is verified, so it survives the death of replicas - 1 "
                            "workers.")
+    transport: str = key("frames", "How pulls from ps-workers on other hosts travel: `frames` (ZeroMQ) or `nixl` "
+                         "(NIXL READs; needs the `nixl` extra: `pip install --no-deps nixl-cu12==1.5.1`).")
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,14 @@ class ShardRead(Body, frozen=True):
     ranges: list[ByteRange]  # byte ranges wanted
 
 
+@register_kind("ps-nixl-open")
+class NixlOpen(Body, frozen=True):
+    """Expose a segment for NIXL reads (pulls with ``ps.transport = "nixl"``). The caller holds a pull lease
+    on the version."""
+
+    segment: Name  # shared-memory segment name
+
+
 @register_kind("ps-release")
 class Release(Body, frozen=True):
     """Manager to worker: the shards (push leases or init ids) are no longer needed; recycle their memory."""
@@ -360,6 +368,16 @@ class PushGrant(Body, frozen=True):
 class ShardOpened(Body, frozen=True):
     segment: Name  # the segment to write
     capacity: NonNegative  # its bytes
+
+
+@register_kind("ps-nixl-opened")
+class NixlOpened(Body, frozen=True):
+    """A segment registered with the worker's NIXL agent, until it is released."""
+
+    agent: str  # the worker's NIXL agent name (unique per worker incarnation)
+    metadata: bytes  # the agent's metadata, for the reader's add_remote_agent
+    address: NonNegative  # the segment's first byte in the worker's address space
+    capacity: NonNegative  # the segment's bytes
 
 
 @register_kind("ps-committed")

@@ -107,3 +107,9 @@ def test_sections_are_frozen_so_a_role_never_sees_its_settings_change() -> None:
     config = Config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.trainer.steps = 3  # type: ignore[misc]
+
+
+def test_a_key_of_a_few_words_refuses_any_other() -> None:
+    assert load("--ps-transport", "nixl").ps.transport == "nixl"
+    with pytest.raises(ConfigError, match=r"ps\.transport must be one of frames, nixl, got 'ucx'"):
+        load("--ps-transport", "ucx")

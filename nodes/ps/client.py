@@ -68,6 +68,8 @@ from ...protocol.messages_ps import (
     ManifestEntry,
     ManifestInfo,
     ManifestQuery,
+    NixlOpen,
+    NixlOpened,
     Occupy,
     Placed,
     PsState,
@@ -88,11 +90,13 @@ from ...protocol.messages_ps import (
 )
 from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
+from .nixl import NixlError, NixlReader
 from .shm import SegmentMaps
 
 log = structlog.get_logger(__name__)
 
 Transport = Literal["auto", "shm", "frames"]
+Remote = Literal["frames", "nixl"]  # how bytes not mapped from shared memory travel (``ps.transport``)
 _WINDOW = 4  # frame messages in flight per worker
 PUSH_ATTEMPTS = 3  # grants one rank's push may use when workers fail under it (the first included)
 # Error codes of a worker that lost the shard or segment asked about (it restarted): try another copy.
@@ -452,12 +456,17 @@ class PsClient:
 
     ``runtime`` need not run its loop (a trainer rank can build one with ``register=False``); the client
     closes itself in the runtime's shutdown hooks. ``transport``: ``auto`` uses shared memory for workers on
-    this host and frames otherwise; ``frames`` never maps memory; ``shm`` insists on it.
+    this host and frames otherwise; ``frames`` never maps memory; ``shm`` insists on it. ``remote``: how the
+    bytes not mapped travel, ``frames`` (ZeroMQ) or ``nixl`` (NIXL READs; NixlError here when NIXL is missing).
     """
 
     def __init__(self, runtime: NodeRuntime, manager: str, *, transport: Transport = "auto",
                  chunk_bytes: int = 64 << 20, policy: RetryPolicy | None = None,
-                 wait_workers_s: float = 30.0) -> None:
+                 wait_workers_s: float = 30.0, remote: Remote = "frames") -> None:
+        if remote not in ("frames", "nixl"):
+            raise ValueError(f"ps.transport must be 'frames' or 'nixl', not {remote!r}")
+        # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
+        self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         self.runtime = runtime
         self.wait_workers_s = wait_workers_s
         self.transport = transport
@@ -472,7 +481,7 @@ class PsClient:
         self._proofs: dict[tuple[str, str], str | None] = {}  # (worker, nonce) -> why not same host, or None
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
-        self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped) or "frames"
+        self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped), "frames" or "nixl"
         # Called with each name just before a pull writes it into ``out``: lets a test freeze or fail a pull
         # half-way (what a lost worker or an expired lease does in production).
         self.before_write: Callable[[str], None] | None = None
@@ -662,10 +671,20 @@ class PsClient:
             if entry.name in direct:
                 cast.writing(entry.name)
 
+        client = self._worker(worker)
         try:
-            raws = read_frames(self._worker(worker), wanted, destination, chunk_bytes=self.chunk_bytes,
-                               window=_WINDOW, first_write=first_write)
-        except FramesError as exc:
+            if self._nixl is not None:
+                # A READ may land any of its bytes first: every out tensor it targets counts as written.
+                for item in wanted:
+                    first_write(item.entry)
+                # The bound the frames path gives the same bytes: one retry schedule per chunk_bytes request.
+                chunks = -(-sum(item.entry.nbytes for item in wanted) // self.chunk_bytes)
+                raws = self._nixl.read(wanted, lambda segment: self._ask(client, NixlOpen(segment), NixlOpened),
+                                       destination, deadline_s=sum(client.policy.timeouts()) * max(1, chunks))
+            else:
+                raws = read_frames(client, wanted, destination, chunk_bytes=self.chunk_bytes, window=_WINDOW,
+                                   first_write=first_write)
+        except (FramesError, NixlError) as exc:
             # Any failure, a refusal included (a restarted worker reusing a segment name), is worth the next
             # copy: a read changes nothing on the worker.
             raise _WorkerFailed(worker.worker, exc) from exc
@@ -676,7 +695,7 @@ class PsClient:
             else:
                 result[entry.name] = cast.deliver(entry.name, _typed(raw if entry.nbytes else None, entry),
                                                   private=True, shared=False)
-            self.read_bytes["frames"] += entry.nbytes
+            self.read_bytes["frames" if self._nixl is None else "nixl"] += entry.nbytes
 
     # --- broadcast init, inspection -----------------------------------------------------------------
 

@@ -96,6 +96,11 @@ class Segment:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def address(self) -> int:
+        """The mapping's first byte in this process (valid until :meth:`close`)."""
+        return _address(self.mm)
+
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         """A writable view of ``[offset, offset + nbytes)``; raises ValueError outside the segment."""
         end = self.capacity if nbytes is None else offset + nbytes

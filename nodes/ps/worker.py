@@ -40,6 +40,7 @@ from ...protocol.messages_ps import (
     InitEnd,
     InitHeader,
     InitPlan,
+    NixlOpen,
     PsRegister,
     Release,
     ShardCommit,
@@ -56,6 +57,7 @@ from ..settings import PsSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
 from .broadcast import Relay
 from .host_proof import NonceFile, boot_id
+from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
@@ -98,6 +100,8 @@ class PsWorker:
         self.server.on(ShardWrite.kind, self._write, verify=False)
         self.server.on(ShardSeal.kind, self._seal, cached=False)
         self.server.on(ShardRead.kind, self._read, cached=False)
+        self.nixl = NixlExport(runtime.node_id)
+        self.server.on(NixlOpen.kind, self._nixl_open, cached=False)
         self.server.on(Release.kind, self._release)
         self.server.on(InitPlan.kind, self._plan)
         self.server.on(InitHeader.kind, self._header)
@@ -140,6 +144,7 @@ class PsWorker:
             log.error("store.shard_lost", shard=lease, detail=why)
 
     def _close(self) -> None:
+        self.nixl.close()
         self.pool.close()
         if self.journal is not None:  # every segment is unlinked: nothing is left to re-adopt
             self.journal.close(remove=True)
@@ -235,6 +240,17 @@ class PsWorker:
         except ValueError as exc:
             raise HandlerError("out-of-bounds", str(exc)) from None
 
+    def _nixl_open(self, request: Message) -> Body:
+        ask = request.body
+        assert isinstance(ask, NixlOpen)
+        segment = self.pool.get(ask.segment)
+        if segment is None:
+            raise HandlerError("unknown-segment", f"segment {ask.segment!r} holds no shard on {self.runtime.node_id}")
+        try:  # registered until released, as the frames' views are: the reader's pull lease keeps it from reuse
+            return self.nixl.open(segment.name, segment.address, segment.capacity)
+        except NixlError as exc:
+            raise HandlerError("nixl-unavailable", str(exc)) from None
+
     def _release(self, request: Message) -> Body:
         release = request.body
         assert isinstance(release, Release)
@@ -244,6 +260,7 @@ class PsWorker:
             self.relays.pop(shard, None)
             segment = self.shards.pop(shard, None)
             if segment is not None:
+                self.nixl.forget(segment.name)
                 self.pool.release(segment)
         return Ok()
 
@@ -305,6 +322,12 @@ class PsWorker:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
+    if config.ps.transport == "nixl":  # readers will ask for NIXL reads: refuse to start without it
+        try:
+            require_nixl()
+        except NixlError as exc:
+            log.error("ps.nixl_missing", error=str(exc))
+            return 2
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s, store=config.store,

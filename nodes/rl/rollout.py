@@ -59,7 +59,7 @@ class RolloutWorker:
         self.generate = load_entry_point(rl.generate)
         # Made before the PsClient: its shutdown hook must stop a pull in progress before the client closes.
         self.offload = Offload(runtime, "rollout-model")
-        self.ps = PsClient(runtime, config.ps.manager)
+        self.ps = PsClient(runtime, config.ps.manager, remote=config.ps.transport)  # type: ignore[arg-type]
         self.version = -1  # written on the offload thread only; -1 also while the weights are torn
         self.torn: TornPull | None = None  # the failed pull that tore the weights, until a full pull (offload)
         self.torn_pulls = 0
