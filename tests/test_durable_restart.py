@@ -53,7 +53,7 @@ def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_los
         code = up.wait(RUN_S)
         summary = up.summary()
         output = up.output(20_000)
-        assert summary["steps"] == steps and summary["failed_nodes"] == [], output
+        assert summary["steps"] == steps and summary["failed_nodes"] == [], (output, summary["accounting"])
         deaths = {d["node"]: d for d in summary["deaths"]}
         for name, pid in victims.items():
             assert (deaths[name]["pid"], deaths[name]["exit"], deaths[name]["restarted"]) == (pid, "SIGKILL", True)
@@ -73,7 +73,7 @@ def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_los
         assert set(summary["accounting"]["lost"]) <= world, summary["accounting"]  # never a store's
         if not others:
             assert blobs["lost"] == 0 and summary["dropped_micro_batches"] == 0, output  # fetches waited
-            assert code == 0 and summary["ok"], output
+            assert code == 0 and summary["ok"], (output, summary["accounting"], summary["interrupted"])
         print(f"env-1 re-adopted {blobs_back[0]['blobs']} blobs ({blobs_back[0]['bytes']} bytes) in "
               f"{blobs_back[0]['seconds']:.4f}s, aborted {blobs_back[0]['aborted']}; ps-worker-1 re-adopted "
               f"{shards_back[0]['shards']} shards of versions {shards_back[0]['versions']} in "
