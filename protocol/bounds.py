@@ -8,12 +8,14 @@ break whatever walks them later, and 16 MiB of empty maps become ~1 GiB of Pytho
 * :func:`check_structure` walks encoded bytes without recursion or allocation: too many values are refused
   before the decoder builds them. It costs ~0.5 µs per value, so it runs on large bodies only (a body
   cannot hold more values than it has bytes).
-* :func:`check_depth` walks a decoded body of an :func:`open_kinds` kind without recursion; scalar lists
-  are passed over at C speed (their element types are collected with ``map``).
+* :func:`check_depth` walks a decoded value without recursion; scalar lists are passed over at C speed
+  (their element types are collected with ``map``). :func:`depth_checks` applies it, per kind, only to
+  the values its schema leaves open (typed ``Any``), so typed parts of a body cost nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -109,9 +111,92 @@ def _is_container(value: Any) -> bool:
     return isinstance(value, _CONTAINERS)
 
 
-def open_kinds(kinds: dict[str, type[Any]]) -> frozenset[str]:
-    """The kinds whose schema reaches a field typed ``Any``: their bodies can nest without bound."""
-    return frozenset(kind for kind, cls in kinds.items() if _reaches_any(msgspec.inspect.type_info(cls), set()))
+DepthCheck = Callable[[Any, int], None]  # (decoded body, max_depth): raises MalformedMessage
+
+
+def depth_checks(kinds: dict[str, type[Any]]) -> dict[str, DepthCheck]:
+    """Per kind whose schema reaches a field typed ``Any`` (its bodies can nest without bound), a check
+    equivalent to :func:`check_depth` on the whole body that walks only the values the schema leaves open:
+    typed parts are bounded by the decoder, so a ``blobs`` reply costs one pass over its array slots instead
+    of a visit to every struct, list and map of it."""
+    checks = {}
+    for kind, cls in kinds.items():
+        walk = _open_walker(msgspec.inspect.type_info(cls), set())
+        if walk is not None:
+            checks[kind] = _depth_check(walk)
+    return checks
+
+
+# A walker visits a value of its type at a depth, calling ``visit(value, depth)`` on every value the schema
+# leaves open (typed ``Any``, or too intricate to follow: recursive types, unions of containers).
+Walker = Callable[[Any, int, Callable[[Any, int], None]], None]
+
+
+def _depth_check(walk: Walker) -> DepthCheck:
+    def check(body: Any, max_depth: int) -> None:
+        def visit(value: Any, depth: int) -> None:
+            if depth > max_depth or isinstance(value, _CONTAINERS):
+                check_depth(value, max_depth=max_depth - depth + 1)
+
+        walk(body, 1, visit)
+
+    return check
+
+
+def _open_walker(info: msgspec.inspect.Type, seen: set[int]) -> Walker | None:
+    """A walker for values of ``info``, or None when no value of it is open."""
+    if not _reaches_any(info, set()):
+        return None
+    if isinstance(info, msgspec.inspect.AnyType) or id(info) in seen:
+        return _open
+    seen = seen | {id(info)}
+    if isinstance(info, msgspec.inspect.StructType | msgspec.inspect.DataclassType | msgspec.inspect.TypedDictType):
+        fields = [(f.name, w) for f in info.fields if (w := _open_walker(f.type, seen)) is not None]
+        getter = (lambda value, name: value[name]) if isinstance(info, msgspec.inspect.TypedDictType) else getattr
+
+        def struct(value: Any, depth: int, visit: Callable[[Any, int], None]) -> None:
+            for name, walk in fields:
+                walk(getter(value, name), depth + 1, visit)
+
+        return struct
+    if isinstance(info, msgspec.inspect.UnionType):
+        typed = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(typed) != 1:
+            return _open
+        inner = _open_walker(typed[0], seen)
+        assert inner is not None  # the union reaches Any through its one typed member
+
+        def optional(value: Any, depth: int, visit: Callable[[Any, int], None]) -> None:
+            if value is not None:
+                inner(value, depth, visit)
+
+        return optional
+    if isinstance(info, msgspec.inspect.DictType):
+        keys, values = _open_walker(info.key_type, seen), _open_walker(info.value_type, seen)
+
+        def mapping(value: Any, depth: int, visit: Callable[[Any, int], None]) -> None:
+            for key, item in value.items():
+                if keys is not None:
+                    keys(key, depth + 1, visit)
+                if values is not None:
+                    values(item, depth + 1, visit)
+
+        return mapping
+    if isinstance(info, msgspec.inspect.ListType | msgspec.inspect.SetType | msgspec.inspect.FrozenSetType |
+                  msgspec.inspect.VarTupleType):
+        items = _open_walker(info.item_type, seen)
+        assert items is not None
+
+        def sequence(value: Any, depth: int, visit: Callable[[Any, int], None]) -> None:
+            for item in value:
+                items(item, depth + 1, visit)
+
+        return sequence
+    return _open  # fixed tuples and anything else: checked whole
+
+
+def _open(value: Any, depth: int, visit: Callable[[Any, int], None]) -> None:
+    visit(value, depth)
 
 
 def _reaches_any(info: msgspec.inspect.Type, seen: set[int]) -> bool:

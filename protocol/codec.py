@@ -176,15 +176,18 @@ class ArrayUnpacker:
             raise ArrayError(f"buffer frame {index} is referenced twice")
         if len(shape) > MAX_DIMS:
             raise ArrayError(f"{dtype} shape has {len(shape)} dimensions, at most {MAX_DIMS} travel")
-        if any(dim < 0 for dim in shape):
+        if shape and min(shape) < 0:
             raise ArrayError(f"negative dimension in shape {list(shape)}")
-        if math.prod(dim or 1 for dim in shape) > self._max_elements:
+        elements = math.prod(shape)  # Python ints: a hostile shape cannot wrap around
+        if elements > self._max_elements or (
+            not elements and math.prod(dim or 1 for dim in shape) > self._max_elements
+        ):
             raise ArrayError(
                 f"{dtype}{list(shape)} has more than {self._max_elements} elements (limits.max_message_bytes)"
             )
         self._used.add(index)
         view = memoryview(self._buffers[index])
-        expected = math.prod(shape) * dtype_width(dtype)  # Python ints: a hostile shape cannot wrap around
+        expected = elements * dtype_width(dtype)
         if view.nbytes != expected:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"

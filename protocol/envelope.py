@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from .bounds import check_depth, check_structure, open_kinds
+from .bounds import check_structure, depth_checks
 from .codec import ArrayBackend, ArrayPacker, ArrayUnpacker, Buffer
 from .errors import (
     BadSignature,
@@ -143,7 +143,7 @@ class WireCodec:
         self._body_decoders = {
             kind: msgspec.msgpack.Decoder(cls, ext_hook=self._unpacker.ext_hook) for kind, cls in KINDS.items()
         }
-        self._open_kinds = open_kinds(KINDS)
+        self._depth_checks = depth_checks(KINDS)
         self._kind_frames = {kind: kind.encode("ascii") for kind in KINDS}
         self._kind_names = {frame: kind for kind, frame in self._kind_frames.items()}
 
@@ -277,9 +277,10 @@ class WireCodec:
             raise MalformedMessage("body frame nests deeper than the decoder can follow", kind=kind) from None
         except Exception as exc:  # whatever else a hostile body provokes is the peer's error, never ours
             raise MalformedMessage(f"body frame: {type(exc).__name__}: {exc}", kind=kind) from None
-        if kind in self._open_kinds:
+        depth_check = self._depth_checks.get(kind)
+        if depth_check is not None:
             try:
-                check_depth(body, max_depth=limits.max_depth)
+                depth_check(body, limits.max_depth)
             except ProtocolError as exc:
                 exc.kind = kind
                 raise
