@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,19 @@ def start_cluster(spawn: Callable[..., NodeProcess], control: str, tag: str, *, 
         cluster.worker_info[name] = proc.wait_ready()
         cluster.workers[name] = proc
     return cluster
+
+
+def stop_cluster_after_kills(cluster: PsCluster) -> None:
+    """A test's end: every live process stops with exit 0, every dead one was SIGKILLed (by the test), and the
+    killed workers' segments are removed (a restart would have swept them)."""
+    for name, proc in cluster.workers.items():
+        if proc.proc.poll() is None:
+            assert proc.stop() == 0, proc.log_tail()
+        else:
+            assert proc.proc.returncode == -signal.SIGKILL, name
+    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0
+    for stale in segments(cluster.prefix):
+        segment_file(stale).unlink()
 
 
 class Actor:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, rank_part, segment_file, segments, start_cluster
+from ps_support import PsCluster, make_state, rank_part, start_cluster, stop_cluster_after_kills
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps import host_proof
@@ -46,14 +46,7 @@ def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     workers = getattr(request, "param", 3)
     cluster = start_cluster(spawn, control, request.node.name[:24], workers=workers)
     yield cluster
-    for name, proc in cluster.workers.items():
-        if proc.proc.poll() is None:
-            assert proc.stop() == 0, proc.log_tail()
-        else:
-            assert proc.proc.returncode == -signal.SIGKILL, name
-    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0
-    for stale in segments(cluster.prefix):  # the killed workers' files (a restart would sweep them)
-        segment_file(stale).unlink()
+    stop_cluster_after_kills(cluster)
 
 
 def _client(cluster: PsCluster, name: str, **kwargs) -> tuple[NodeRuntime, PsClient]:

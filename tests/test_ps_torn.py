@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ps_support import PsCluster, make_state, rank_part, segment_file, segments, start_cluster
+from ps_support import PsCluster, make_state, rank_part, start_cluster, stop_cluster_after_kills
 from refbus.bus.reqrep import HandlerError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import Config
@@ -32,14 +32,7 @@ def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     _, control = bus
     cluster = start_cluster(spawn, control, request.node.name[:24], workers=2, extra=["--ps-replicas", "1"])
     yield cluster
-    for name, proc in cluster.workers.items():
-        if proc.proc.poll() is None:
-            assert proc.stop() == 0, proc.log_tail()
-        else:
-            assert proc.proc.returncode == -signal.SIGKILL, name
-    assert cluster.manager_proc is not None and cluster.manager_proc.stop() == 0
-    for stale in segments(cluster.prefix):  # the killed worker's files (its restart would sweep them)
-        segment_file(stale).unlink()
+    stop_cluster_after_kills(cluster)
 
 
 def _rollout(cluster: PsCluster) -> tuple[NodeRuntime, RolloutWorker]:
