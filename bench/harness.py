@@ -21,6 +21,7 @@ import gc
 import json
 import multiprocessing
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from multiprocessing.context import SpawnContext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from refbus.bus.logs import configure_logging
 
 WAIT_S = 30.0  # the longest any step waits for a peer before the bench fails
@@ -167,6 +169,36 @@ def _reap_resource_tracker() -> None:
     stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, but the only way to reap it
     if stop is not None:
         stop()
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (BenchError if the peer closes first)."""
+    got = 0
+    while got < view.nbytes:
+        chunk = sock.recv_into(view[got:])
+        if not chunk:
+            raise BenchError("raw TCP peer closed early")
+        got += chunk
+
+
+def raw_peer(ch: Channel, nbytes: int, runs: int, direction: str) -> None:
+    """The raw limit's far end, on one TCP connection: for each one-byte order, send ``nbytes`` (``pull``), or
+    receive them into a warm buffer and answer one byte (``push``)."""
+    view = memoryview(np.full(nbytes, 7, dtype=np.uint8))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ch.send(listener.getsockname()[1])
+        listener.settimeout(WAIT_S)
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(WAIT_S)
+            for _ in range(runs):
+                if conn.recv(1) != b"g":
+                    raise BenchError("raw TCP client went away")
+                if direction == "pull":
+                    conn.sendall(view)
+                else:
+                    recv_exactly(conn, view)
+                    conn.sendall(b"k")
 
 
 def lower_priority(ch: Channel) -> int:

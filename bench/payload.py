@@ -66,6 +66,8 @@ from bench.harness import (
     figures,
     format_table,
     parse_args,
+    raw_peer,
+    recv_exactly,
     run_line,
     seconds_each,
     workers,
@@ -156,12 +158,7 @@ def raw_fetch(ch: Channel, port: int, nbytes: int, repeats: int) -> list[float]:
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
         def step() -> None:
             sock.sendall(b"g")
-            got = 0
-            while got < nbytes:
-                chunk = sock.recv_into(view[got:], nbytes - got)
-                if not chunk:
-                    raise BenchError("raw server closed early")
-                got += chunk
+            recv_exactly(sock, view)
 
         return seconds_each(step, repeats + 1)[1:]
 
@@ -197,21 +194,6 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str],
 
 
 # --- tasks: baseline servers -----------------------------------------------------------------------------
-
-
-def raw_server(ch: Channel, nbytes: int, repeats: int) -> None:
-    """Send ``nbytes`` (one buffer) for each one-byte request on one TCP connection."""
-    payload = np.full(nbytes, 7, dtype=np.uint8)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        ch.send(listener.getsockname()[1])
-        listener.settimeout(WAIT_S)
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(WAIT_S)
-            for _ in range(repeats + 1):
-                if conn.recv(1) != b"g":
-                    raise BenchError("raw client went away")
-                conn.sendall(memoryview(payload))
 
 
 class _BlobHandler(http.server.BaseHTTPRequestHandler):
@@ -357,7 +339,7 @@ def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) 
         transfer = min([transfer_s for _, transfer_s in timings])
 
         raw_srv = servers[0]
-        raw_srv.submit(raw_server, total, repeats)
+        raw_srv.submit(raw_peer, total, repeats + 1, "pull")
         raw = min(trainer.call(raw_fetch, raw_srv.message(), total, repeats))
         raw_srv.result()
 

@@ -63,6 +63,8 @@ from bench.harness import (
     Worker,
     best_seconds,
     parse_args,
+    raw_peer,
+    recv_exactly,
     seconds_each,
     workers,
     write_json,
@@ -153,35 +155,6 @@ def cluster(ps_workers: int, replicas: int = 1) -> Iterator[Cluster]:
 # --- 1. transfer ------------------------------------------------------------------------------------
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        chunk = sock.recv_into(view[got:])
-        if not chunk:
-            raise BenchError("raw TCP peer closed early")
-        got += chunk
-
-
-def raw_peer(ch: Channel, nbytes: int, runs: int, direction: str) -> None:
-    """The raw limit's far end, on one TCP connection: for each one-byte order, send ``nbytes`` (``pull``), or
-    receive them into a warm buffer and answer one byte (``push``)."""
-    view = memoryview(np.full(nbytes, 7, dtype=np.uint8))
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        ch.send(listener.getsockname()[1])
-        listener.settimeout(WAIT_S)
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(WAIT_S)
-            for _ in range(runs):
-                if conn.recv(1) != b"g":
-                    raise BenchError("raw TCP client went away")
-                if direction == "pull":
-                    conn.sendall(view)
-                else:
-                    _recv_exactly(conn, view)
-                    conn.sendall(b"k")
-
-
 def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str) -> float:
     """Best seconds to move ``nbytes`` between this process and ``peer`` over plain TCP (after one warm-up)."""
     peer.submit(raw_peer, nbytes, repeats + 1, direction)
@@ -190,7 +163,7 @@ def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str) -> float:
         def step() -> None:
             sock.sendall(b"g")
             if direction == "pull":
-                _recv_exactly(sock, view)
+                recv_exactly(sock, view)
             else:
                 sock.sendall(view)
                 if sock.recv(1) != b"k":
