@@ -39,7 +39,7 @@ from ...protocol.messages import EpisodeFinished, Violation
 from ..store.durable import DurableStore, Segment, StoreFull
 from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
 
-COMPACT_MIN_RECORDS = 4096  # and four times the live blobs: compaction costs a pass over the live state
+COMPACT_MIN_RECORDS = 4096  # records since the last compaction before one is due (DurableStore.compact_due)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,6 @@ class BlobJournal:
     def __init__(self, store: DurableStore) -> None:
         self.store = store
         self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
-        self._since_compact = 0
 
     # --- writing (any thread) -----------------------------------------------------------------------
 
@@ -94,42 +93,37 @@ class BlobJournal:
     def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
         """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, in one commit."""
         layouts = [_layout(ref.blob_id, branch) for ref, branch in zip(record.refs, packed, strict=True)]
-        self._commit(_keep(record.episode_id, layouts, record))
+        self.store.commit(_keep(record.episode_id, layouts, record))
         self._layouts.update((layout["id"], layout) for layout in layouts)
 
     def claimed(self, blob_ids: Sequence[str], holder: str) -> None:
         if blob_ids:
-            self._commit({"op": "claim", "ids": list(blob_ids), "holder": holder})
+            self.store.commit({"op": "claim", "ids": list(blob_ids), "holder": holder})
 
     def moved(self, blob_ids: Sequence[str], holder: str) -> None:
         if blob_ids:
-            self._commit({"op": "move", "ids": list(blob_ids), "holder": holder})
+            self.store.commit({"op": "move", "ids": list(blob_ids), "holder": holder})
 
     def dropped(self, result: DeleteResult) -> None:
         if result.deleted:
-            self._commit({"op": "drop", "ids": list(result.deleted), "holder": result.holder,
+            self.store.commit({"op": "drop", "ids": list(result.deleted), "holder": result.holder,
                           "reason": result.reason})
             self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
                               if blob_id in self._layouts)
 
     def violated(self, violations: Sequence[Violation]) -> None:
         for action, n in Counter(v.action for v in violations).items():
-            self._commit({"op": "violation", "action": action, "n": n})
+            self.store.commit({"op": "violation", "action": action, "n": n})
 
     def compact_due(self, keeper: Keeper) -> bool:
-        return self._since_compact > max(COMPACT_MIN_RECORDS, 4 * keeper.blobs_held)
+        return self.store.compact_due(keeper.blobs_held, COMPACT_MIN_RECORDS)
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
         self.store.compact(_snapshot(keeper, self._layouts))
-        self._since_compact = 0
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
-
-    def _commit(self, record: dict[str, Any]) -> None:
-        self.store.commit(record)
-        self._since_compact += 1
 
     # --- re-adoption --------------------------------------------------------------------------------
 
@@ -173,7 +167,6 @@ class BlobJournal:
         if broken:
             self.dropped(keeper.restore_drop(list(broken), keeper.source, LOST))
         aborted = self.store.sweep(layout["segment"] for layout in self._layouts.values())
-        self._since_compact += len(replay.records)
         if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
             self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,

@@ -32,6 +32,7 @@ from ...protocol.messages_ps import ShardTensor
 from ..store.durable import DurableStore
 
 SHARD_FORMAT = 1  # raw tensor bytes at the offsets the seal lists
+COMPACT_MIN_RECORDS = 1024  # records since the last compaction before one is due (DurableStore.compact_due)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,6 @@ class ShardJournal:
 
     def __init__(self, store: DurableStore) -> None:
         self.store = store
-        self._since_compact = 0
         self._sealed: dict[str, dict] = {}  # live shard -> its seal record
 
     def sealed(self, lease: str, version: int, rank: int, segment: str, tensors: Sequence[ShardTensor]) -> None:
@@ -72,7 +72,7 @@ class ShardJournal:
                   "format": SHARD_FORMAT, "tensors": msgspec.to_builtins(list(tensors))}
         self.store.commit(record)
         self._sealed[lease] = record
-        self._tick()
+        self._compact_if_due()
 
     def released(self, leases: Iterable[str]) -> None:
         gone = [lease for lease in leases if lease in self._sealed]
@@ -80,7 +80,7 @@ class ShardJournal:
             self.store.commit({"op": "release", "leases": gone})
             for lease in gone:
                 del self._sealed[lease]
-            self._tick()
+            self._compact_if_due()
 
     def readopt(self) -> ShardReadoption:
         """Replay the journal, verify every live shard, sweep the rest and compact (see the module doc)."""
@@ -109,14 +109,12 @@ class ShardJournal:
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
 
-    def _tick(self) -> None:
-        self._since_compact += 1
-        if self._since_compact > max(1024, 4 * len(self._sealed)):
+    def _compact_if_due(self) -> None:
+        if self.store.compact_due(len(self._sealed), COMPACT_MIN_RECORDS):
             self._compact()
 
     def _compact(self) -> None:
         self.store.compact(self._sealed.values())
-        self._since_compact = 0
 
 
 def _verify(path: os.PathLike[str], record: dict) -> str:

@@ -156,6 +156,7 @@ class DurableStore:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        self.records_since_compact = len(self.replay.records)
         if self.replay.damaged:
             log.error("store.journal_damaged", store=str(self.path), detail=self.replay.damaged,
                       records=len(self.replay.records))
@@ -222,6 +223,12 @@ class DurableStore:
     def commit(self, record: dict[str, Any]) -> None:
         """Append ``record`` and its commit flag: once this returns, a restart replays it."""
         journal.append(self._fd, record, before_flag=self.before_flag)
+        self.records_since_compact += 1
+
+    def compact_due(self, live: int, least: int) -> bool:
+        """Whether the journal is worth rewriting: more records since the last compaction than ``least`` and
+        than four times the ``live`` records a compaction would keep (it costs a pass over the live state)."""
+        return self.records_since_compact > max(least, 4 * live)
 
     def compact(self, records: Iterable[dict[str, Any]]) -> None:
         """Replace the journal by ``records`` (the owner's state now), atomically: a kill at any point leaves
@@ -238,6 +245,7 @@ class DurableStore:
         os.rename(new_path, self.path / "journal")
         os.close(self._fd)
         self._fd = fd
+        self.records_since_compact = 0
 
     def close(self, *, remove: bool) -> None:
         """Release the store; ``remove``: delete its directory too (a clean shutdown deleted everything in
