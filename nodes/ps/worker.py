@@ -228,12 +228,17 @@ class PsWorker:
 
     # --- pull and release ---------------------------------------------------------------------------
 
+    def _serving(self, name: str) -> Segment:
+        """The segment ``name`` that readers may read; HandlerError ``unknown-segment`` when it holds no shard."""
+        segment = self.pool.get(name)
+        if segment is None:
+            raise HandlerError("unknown-segment", f"segment {name!r} holds no shard on {self.runtime.node_id}")
+        return segment
+
     def _read(self, request: Message) -> Body:
         read = request.body
         assert isinstance(read, ShardRead)
-        segment = self.pool.get(read.segment)
-        if segment is None:
-            raise HandlerError("unknown-segment", f"segment {read.segment!r} holds no shard on {self.runtime.node_id}")
+        segment = self._serving(read.segment)
         try:
             # Zero-copy: the frames view the segment, which the reader's pull lease keeps from being reused.
             return ShardData([np.frombuffer(segment.view(r.offset, r.nbytes), np.uint8) for r in read.ranges])
@@ -243,9 +248,7 @@ class PsWorker:
     def _nixl_open(self, request: Message) -> Body:
         ask = request.body
         assert isinstance(ask, NixlOpen)
-        segment = self.pool.get(ask.segment)
-        if segment is None:
-            raise HandlerError("unknown-segment", f"segment {ask.segment!r} holds no shard on {self.runtime.node_id}")
+        segment = self._serving(ask.segment)
         try:  # registered until released, as the frames' views are: the reader's pull lease keeps it from reuse
             return self.nixl.open(segment.name, segment.address, segment.capacity)
         except NixlError as exc:
