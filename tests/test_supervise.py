@@ -20,7 +20,7 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.nodes.supervisor import Chaos, Supervisor, describe_exit
 from stalling_entry_points import STALL_ENV
-from test_up import RUN_S, START_S, STOP_S, TESTS, Up
+from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted
 
 SHUTDOWN_S = 1.2
 # A fetch or delete against a killed store gives up within this schedule (1 + 1.5 + 2.25 s), not the default
@@ -73,11 +73,7 @@ def test_killed_env_server_rollout_worker_and_ps_worker_are_restarted_and_the_ru
         assert others == set() and summary["world_restarts"] == [], output
         assert summary["restarts"] == 3, output
         # Every kept blob is deleted once or lost with the store that died; nothing held or leaked.
-        blobs = summary["blobs"]
-        assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
-        assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
-        # Lost: what env-1 kept.
-        assert set(summary["accounting"]["lost"]) <= {"env-1"}, summary["accounting"]
+        check_accounted(summary, {"env-1"})  # lost: what env-1 kept
         assert up.leftovers() == []
     finally:
         up.close()
@@ -109,10 +105,7 @@ def test_an_env_server_killed_while_dispatch_waits_on_full_stores_is_restarted_a
         assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
             ("env-1", pid, "SIGKILL", True)], output
         assert "dispatch.stores_drained" in orchestrator_log.read_text()[paused_at:]  # the pause ended
-        blobs = summary["blobs"]
-        assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
-        assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
-        assert set(summary["accounting"]["lost"]) <= {"env-1"}, summary["accounting"]
+        check_accounted(summary, {"env-1"})
         assert up.leftovers() == []
     finally:
         up.close()

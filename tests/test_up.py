@@ -199,6 +199,16 @@ def check_blobs(log: EventLog, up_blobs: dict[str, Any]) -> None:
     assert set(deleted) == set(kept) and set(deleted.values()) == {1}
 
 
+def check_accounted(summary: dict[str, Any], losers: set[str]) -> dict[str, Any]:
+    """A run after deaths: every kept blob deleted once or lost, only with ``losers``; no violation, nothing
+    held, leaked or unaccounted. Returns the summary's blob totals."""
+    blobs = summary["blobs"]
+    assert blobs["violations"] == blobs["held"] == blobs["leaked"] == blobs["unaccounted"] == 0, blobs
+    assert blobs["kept"] == blobs["deleted_total"] + blobs["lost"], blobs
+    assert set(summary["accounting"]["lost"]) <= losers, summary["accounting"]
+    return blobs
+
+
 def check_no_process_and_no_segment(up: Up, log: EventLog) -> None:
     assert up.leftovers() == []
     workers = {r["node"]["pid"] for r in log.of("node-up") if r["node"]["role"] == "ps-worker"}
