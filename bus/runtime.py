@@ -255,6 +255,7 @@ class NodeRuntime:
         self._shutdown_started: float | None = None
         self.closed = False  # close() has finished
         self._rejoin = False
+        self._resume_pending = False  # the broker restarted and live subscriptions have not yet resumed
         self.broker_incarnation = ""  # the incarnation of the broker process that welcomed this node last
         self.broker_restarts = 0  # re-joins that found a new broker process (it died and came back)
         self._heartbeats_unanswered = 0
@@ -561,8 +562,11 @@ class NodeRuntime:
             if self._rejoin:
                 self._rejoin = False
                 try:
-                    self._join()
-                except BusUnavailable as exc:  # gone again, or slow: try again a heartbeat later
+                    self._resume_pending |= self._join()
+                    if self._resume_pending:
+                        self._resume_subscriptions()
+                        self._resume_pending = False
+                except (BusUnavailable, RequestTimeout, RemoteError) as exc:  # gone again, or slow: retry later
                     log.warning("bus.rejoin_failed", error=str(exc))
                     self.later(self.settings.heartbeat_interval_s, self._request_rejoin)
             timeout_ms = self._run_timers()
@@ -740,8 +744,9 @@ class NodeRuntime:
             self._collectors.append(histogram)
         return histogram
 
-    def _join(self) -> None:
-        """Register with the broker and prove the event path live before anything is published."""
+    def _join(self) -> bool:
+        """Register with the broker and prove the event path live before anything is published. True when
+        the broker is a new process (it died and came back) or moved: live subscriptions must resume."""
         self.broker()
         assert self.control is not None
         token = self.codec.new_id()
@@ -767,7 +772,9 @@ class NodeRuntime:
                 subscriber.sock.disconnect(self.welcome.events_out)
                 subscriber.sock.connect(welcome.events_out)
         broker = envelope_incarnation(reply.header.id)
-        if self.broker_incarnation and broker != self.broker_incarnation:
+        moved = self.welcome is not None and self.welcome.events_out != welcome.events_out
+        restarted = bool(self.broker_incarnation) and broker != self.broker_incarnation
+        if restarted:
             self.broker_restarts += 1
             log.warning("bus.broker_restarted", broker=welcome.broker_id, detail="registered again; events the "
                         "old broker held in flight are counted as lost where subscribers see the gap")
@@ -776,27 +783,47 @@ class NodeRuntime:
         self._prove_published(token, self.settings.connect_timeout_s)
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
+        return restarted or moved
 
     def _go_live(self, subscriber: Subscriber, since: int | None) -> None:
         """Connect a subscription, wait until a broker probe arrives through it (so no window is lost),
         merge the requested replay, then hand it to the loop."""
         assert self.welcome is not None and self.control is not None, "subscriptions need a registered node"
         subscriber.sock.connect(self.welcome.events_out)
-        subscriber.hold()
-        token = self.codec.new_id()
-        deadline = time.monotonic() + self.settings.connect_timeout_s
-        while token not in subscriber.tokens:
-            if time.monotonic() > deadline:
-                raise BusUnavailable(f"no events arrived from {self.welcome.events_out} within the connect timeout")
-            self.control.request(Sync(token=token, path="sub"))
-            if subscriber.sock.poll(SYNC_PROBE_INTERVAL_MS, zmq.POLLIN):
-                while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
-                    subscriber.drain_one()
-        if since is not None:
-            for event in self.replay(since=since):
-                subscriber.offer(event)
-        subscriber.release()
+        self._prove_subscribed(subscriber, since)
         self.watch(subscriber.sock, lambda: self._drain(subscriber.drain_one))
+        self._deliver_ready()
+
+    def _prove_subscribed(self, subscriber: Subscriber, since: int | None) -> None:
+        """Wait until a broker probe arrives through ``subscriber`` (from then on no event misses it), then
+        merge the ring's events with ``seq >= since`` (each source) in front of what arrived meanwhile."""
+        assert self.welcome is not None and self.control is not None
+        subscriber.hold()
+        try:
+            token = self.codec.new_id()
+            deadline = time.monotonic() + self.settings.connect_timeout_s
+            while token not in subscriber.tokens:
+                if time.monotonic() > deadline:
+                    raise BusUnavailable(f"no events arrived from {self.welcome.events_out} within the connect "
+                                         "timeout")
+                self.control.request(Sync(token=token, path="sub"))
+                if subscriber.sock.poll(SYNC_PROBE_INTERVAL_MS, zmq.POLLIN):
+                    while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
+                        subscriber.drain_one()
+            if since is not None:
+                for event in self.replay(since=since):
+                    subscriber.offer(event)
+        finally:
+            subscriber.release()
+
+    def _resume_subscriptions(self) -> None:
+        """After a broker restart: events published before a subscription's socket reconnected were dropped
+        by the new broker's XPUB but are in its ring (it holds only what came after its start), so each
+        subscription proves itself live again and takes the whole new ring; what it already has is a
+        duplicate, and what neither delivered shows as a gap and is counted lost, even when no later event
+        from that source comes to reveal it."""
+        for subscriber, _, _ in self._subscriptions:
+            self._prove_subscribed(subscriber, 0)
         self._deliver_ready()
 
     def flush_events(self, timeout_s: float = 2.0) -> bool:

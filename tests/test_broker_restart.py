@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -133,4 +134,46 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
         for bus in buses:
             if bus.proc.poll() is None:
                 os.kill(bus.pid, signal.SIGCONT)
+            bus.stop()
+
+
+def test_events_published_before_a_subscriber_rejoined_a_restarted_broker_reach_it_from_the_new_ring(
+        tmp_path: Path, nodes: list[NodeRuntime]) -> None:
+    """The new broker's XPUB drops what comes before a subscriber's socket is connected to it, and no later
+    event may come to reveal the gap: a subscription resumes by proving itself live and taking the new ring.
+    Here the broker comes back on another events port, so the subscriber cannot connect before it re-joins."""
+    first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    buses = [first]
+    asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
+    try:
+        publisher, subscriber = node(control, "pub"), node(control, "sub")
+        delivered: queue.Queue[Message] = queue.Queue()
+        subscription = subscriber.subscribe(delivered.put, kinds=frozenset({RunEnd.kind}))
+        nodes += [publisher, subscriber]
+        for runtime in nodes:
+            runtime.start_background()
+        publisher.call_soon(lambda: publisher.publish(RunEnd(reason="tick", steps=0)))
+        assert delivered.get(timeout=START_S).header.seq == 1
+
+        blocked, gate = threading.Event(), threading.Event()
+        subscriber.call_soon(lambda: (blocked.set(), gate.wait(START_S)))  # its loop stalls: no re-join yet
+        assert blocked.wait(START_S)
+        first.proc.kill()
+        first.proc.wait()
+        buses.append(restart_bus(tmp_path, {**first.info["endpoints"], "events_out": "tcp://127.0.0.1:0"}))
+        wait_for(lambda: "pub" in {n.node_id for n in asker.lookup(policy=QUICK) or ()}, START_S,
+                 "the publisher registered again")
+        for step in (1, 2):
+            publisher.call_soon(lambda step=step: publisher.publish(RunEnd(reason="tick", steps=step)))
+        wait_for(lambda: len(asker.replay(src="pub")) == 2, START_S, "both events in the new broker's ring")
+
+        gate.set()
+        got = [delivered.get(timeout=START_S) for _ in range(2)]
+        assert [m.header.seq for m in got] == [2, 3]
+        assert subscription.lost.total() == 0 and subscriber.broker_restarts == 1
+    finally:
+        asker.close()
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        for bus in buses:
             bus.stop()
