@@ -425,10 +425,16 @@ class TrainerRank:
                     if (node := refs[request.blob_ids[0]].node) in self._peers.live
                     and self._process(node) != sent_to.get(node)]
 
-        self._restarts.gather(
-            self.runtime.calls, requests(reasons), lambda sent: done(self._released(sent)), again=again,
-            relocate=lambda failed: requests(i for request in failed for i in request.blob_ids),
-            window=self.fetch_settings.window, policy=self.fetch_settings.policy)
+        def relocate(failed: list[Delete]) -> list[tuple[str, Delete]]:
+            ids = [i for request in failed for i in request.blob_ids]
+            if ids:
+                log.info("delete.sent_again", blobs=len(ids), stores=sorted({refs[i].node for i in ids}),
+                         detail="a restarted process serves the store")
+            return requests(ids)
+
+        self._restarts.gather(self.runtime.calls, requests(reasons), lambda sent: done(self._released(sent)),
+                              again=again, relocate=relocate, window=self.fetch_settings.window,
+                              policy=self.fetch_settings.policy)
 
     def _process(self, node: str) -> tuple[str, int, float] | None:
         """The process serving ``node`` as this rank last heard (live or down; None: none known)."""
