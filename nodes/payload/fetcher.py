@@ -48,7 +48,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import structlog
@@ -61,6 +61,7 @@ from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
 from .packing import MicroBatch, PackedSample, PackingError, SampleInfo
+from .restarts import Sent, StoreRestarts
 from .shipping import registry_locator as registry_locator  # a trainer rank's ``locate``, shared with the orchestrator
 
 log = structlog.get_logger(__name__)
@@ -241,46 +242,6 @@ class FetchSettings:
         if min(self.blobs_per_request, self.request_bytes, self.window) < 1:
             raise ValueError(f"blobs_per_request, request_bytes and window must be >= 1, got "
                              f"{self.blobs_per_request}, {self.request_bytes}, {self.window}")
-
-
-R = TypeVar("R")
-Sent = tuple[tuple[str, R], Outcome]  # a request (endpoint, body) and how it ended
-
-
-@dataclass(frozen=True)
-class StoreRestarts:
-    """How a request outlives a store's restart: one to a durable store (``durable(node id)``: its registry
-    entry has a ``store`` label) that failed (down, or unanswered) is sent again, re-located, every ``poll_s``
-    (``later(delay, callback)``: the node loop's timer) until ``wait_s`` after it was first sent
-    (``node.restart_grace_s``): a restarted process re-adopts the store and serves its blobs again. Which
-    failed requests may be sent again is the caller's rule (:meth:`gather`'s ``again``): a fetch always, a
-    delete only to a restarted process."""
-
-    durable: Callable[[str], bool]
-    later: Callable[[float, Callable[[], None]], None]
-    wait_s: float
-    poll_s: float = 0.1
-
-    def gather(self, calls: Calls, requests: list[tuple[str, R]], done: Callable[[list[Sent[R]]], None], *,
-               again: Callable[[list[Sent[R]]], list[R] | None],
-               relocate: Callable[[list[R]], list[tuple[str, R]]], settled: Sequence[Sent[R]] = (),
-               **options: Any) -> None:
-        """Send ``requests`` (``calls.gather`` with ``options``); once each has its outcome, ``again(sent)``
-        picks the failed ones to send again after ``poll_s`` (``relocate`` turns them into new requests, to
-        their stores' endpoints then), or ``[]`` to look again after ``poll_s`` without sending, or None: then
-        ``done`` gets every request's last outcome (``settled`` ones included). Loop thread only."""
-
-        def ended(outcomes: list[Outcome]) -> None:
-            sent = [*settled, *zip(requests, outcomes, strict=True)]
-            retry = again(sent)
-            if retry is None:
-                done(sent)
-                return
-            kept = [entry for entry in sent if not any(entry[0][1] is request for request in retry)]
-            self.later(self.poll_s, lambda: self.gather(calls, relocate(retry), done, again=again, relocate=relocate,
-                                                        settled=kept, **options))
-
-        calls.gather(requests, ended, **options)
 
 
 # --- the fetcher -----------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ...bus.peers import Peers, incarnation
+from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError, PeerDown, RequestTimeout, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -67,14 +67,13 @@ from .branch import TOPK_IDS
 from .fetcher import (
     FetchSettings,
     PlanError,
-    Sent,
     StepFetch,
     StepFetcher,
-    StoreRestarts,
     needed_refs,
     registry_locator,
     to_micro_batch,
 )
+from .restarts import Sent, StoreRestarts, durable_store
 
 log = structlog.get_logger(__name__)
 
@@ -176,7 +175,7 @@ class TrainerRank:
         # Deletes outlive a restart of a durable store the same way (see _delete).
         self._peers = peers = runtime.track_peers()
         self._locate = registry_locator(peers.endpoint_of)
-        self._restarts = StoreRestarts(lambda node: _durable(peers, node), runtime.later, restart_grace_s)
+        self._restarts = StoreRestarts(lambda node: durable_store(peers, node), runtime.later, restart_grace_s)
         self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
                                    restarts=self._restarts)
         self.held: set[str] = set()
@@ -515,9 +514,3 @@ def _same_batch(a: StepBatch, b: StepBatch) -> bool:
 def _reasons(fetch: StepFetch) -> str:
     reasons = sorted({b.reason for b in fetch.batches if not isinstance(b, AssembledBatch)})
     return ", ".join(reasons) or "none failed"
-
-
-def _durable(peers: Peers, node_id: str) -> bool:
-    """Whether ``node_id``'s last registry entry names a durable store (a restart re-adopts its blobs)."""
-    info = peers.live.get(node_id) or peers.down.get(node_id)
-    return info is not None and "store" in info.labels
