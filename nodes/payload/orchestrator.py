@@ -212,9 +212,18 @@ class Orchestrator:
             return [claim for (_, claim), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
                     and all(refs[i].node and self._restarts.durable(refs[i].node) for i in claim.blob_ids)] or None
 
+        waited: list[str] = []  # the stores waited for, logged once
+
+        def relocate(failed: list[Claim]) -> list[tuple[str, Claim]]:
+            ids = [i for claim in failed for i in claim.blob_ids]
+            if not waited:
+                waited.extend(sorted({refs[i].node for i in ids}))
+                log.info("claim.waiting", blobs=len(ids), stores=waited, detail="a durable store restarting")
+            return claims(ids)
+
         arrival.claims_pending = 1
         self._restarts.gather(self.runtime.calls, claims(refs), lambda sent: self._on_claimed(arrival, refs, sent),
-                              again=again, relocate=lambda failed: claims(i for c in failed for i in c.blob_ids))
+                              again=again, relocate=relocate)
 
     def _on_claimed(self, arrival: _Arrival, refs: Mapping[str, BlobRef], sent: list[Sent[Claim]]) -> None:
         replies, failures = split_outcomes(sent)
