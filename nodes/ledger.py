@@ -23,7 +23,10 @@ The ledger replays ownership moves as the stream mirrors them:
   (until its store reclaims it or the node comes back); a store that goes down *loses* every blob it
   still kept, named with that store, unless the same incarnation publishes again after its node came back
   up (a partition, not a death), or a restarted process re-adopted its durable store (``node-up`` with the
-  same ``store`` label): then it holds them again, and the store's counters go on under the new process;
+  same ``store`` label): then it holds them again, and the store's counters go on under the new process. A
+  node's first events may be relayed before its ``node-up`` (the broker announces a node when the node may
+  already publish): a store incarnation seen first after the last ``node-up`` was taken is the process the
+  next ``node-up`` announces, so the account does not depend on that order;
 * ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak.
 
 The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
@@ -88,6 +91,7 @@ class _Store:
 
     node_id: str
     identity: str = ""  # a durable store's identity (label ``store``): restarts that re-adopt it continue it
+    labeled: bool = False  # its process's node-up was folded (``identity`` is that node-up's label)
     kept: int = 0
     deleted: Counter[str] = field(default_factory=Counter)
     violations: int = 0
@@ -189,7 +193,9 @@ class Ledger:
         self.ended = False
         self.held_at_end: Counter[str] = Counter()
         self._last: dict[str, tuple[str, int]] = {}  # src -> (incarnation, last seq)
-        self._identity: dict[str, str] = {}  # node id -> the durable store its latest process serves
+        # node id -> the store label of its latest node-up, until a store incarnation of that node takes it
+        self._unclaimed: dict[str, str] = {}
+        self._newest: dict[str, tuple[str, str]] = {}  # node id -> its store incarnation seen first most recently
 
     # --- folding the stream ---------------------------------------------------------------------------
 
@@ -239,7 +245,7 @@ class Ledger:
         elif kind == "node-up":
             node = record["node"]
             self.down.discard(node["node_id"])  # a holder restarted under its id holds again
-            self._identity[node["node_id"]] = node.get("labels", {}).get("store", "")
+            self._up(node["node_id"], node.get("labels", {}).get("store", ""))
         elif kind == RUN_END:
             self.ended = True
             self.held_at_end = Counter(b.owner for b in self.blobs.values()
@@ -305,25 +311,42 @@ class Ledger:
     def _store(self, key: tuple[str, str]) -> _Store:
         store = self.stores.get(key)
         if store is None:
-            store = self.stores[key] = self._continued(key) or _Store(key[0], self._identity.get(key[0], ""),
-                                                                      down=key[0] in self.down)
+            store = self.stores[key] = _Store(key[0], down=key[0] in self.down)
+            self._newest[key[0]] = key
+            if key[0] in self._unclaimed:  # its node-up came first: it is that node-up's process
+                self._label(key, self._unclaimed.pop(key[0]))
         return store
 
-    def _continued(self, key: tuple[str, str]) -> _Store | None:
-        """The store an earlier process of ``key``'s node served, when ``key``'s process re-adopted it (same
-        durable identity): its counters and blobs go on under ``key``, nothing of it is lost."""
-        identity = self._identity.get(key[0], "")
-        earlier = next((k for k, s in self.stores.items() if identity and k[0] == key[0] and s.identity == identity),
-                       None)
-        if earlier is None:
-            return None
-        store = self.stores.pop(earlier)
+    def _up(self, node_id: str, identity: str) -> None:
+        """A node-up of ``node_id``, labeled ``identity`` (its durable store; "" for none). A node publishes
+        once the broker has seen its probe, and the broker publishes the node-up then too, so the node's first
+        events may come before it: a store incarnation first seen since the last node-up was taken is the
+        process this one announces. Else the next incarnation to publish takes it."""
+        newest = self._newest.get(node_id)
+        if newest is not None and not self.stores[newest].labeled:
+            self._label(newest, identity)
+        else:
+            self._unclaimed[node_id] = identity
+
+    def _label(self, key: tuple[str, str], identity: str) -> None:
+        """``key``'s process serves ``identity`` and its node is up. When an earlier process of the node served
+        the same durable store, ``key``'s process re-adopted it: the earlier counters and blobs go on under
+        ``key`` (added to what ``key`` counted already), nothing of it is lost."""
+        store = self.stores[key]
+        store.identity, store.labeled = identity, True
         store.down = key[0] in self.down
-        store.covered = 0  # sequence numbers start again with the new process
+        earlier = next((k for k, s in self.stores.items()
+                        if identity and k != key and k[0] == key[0] and s.labeled and s.identity == identity), None)
+        if earlier is None:
+            return
+        old = self.stores.pop(earlier)
+        store.kept += old.kept
+        store.deleted.update(old.deleted)
+        store.violations += old.violations
+        store.reconciled = store.reconciled or old.reconciled
         for blob in self.blobs.values():
             if blob.key == earlier:
                 blob.key = key
-        return store
 
     # --- reconciling with the stores ------------------------------------------------------------------
 

@@ -31,12 +31,12 @@ from refbus.nodes.payload.fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
-    StoreRestarts,
     registry_locator,
     to_micro_batch,
 )
 from refbus.nodes.payload.keeper import pack_branches
 from refbus.nodes.payload.packing import SampleInfo, pack
+from refbus.nodes.payload.restarts import StoreRestarts
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     BlobRef,

@@ -426,3 +426,41 @@ def test_a_fresh_store_under_the_same_node_id_does_not_continue_the_dead_one() -
     report = _run([*READOPTED[:4], _store_up("s2"), {"type": "episode-finished", "src": "env-1", "id": "p2-1",
                                                       "seq": 1, "refs": [_ref("x", "env-1")]}]).report()
     assert report.lost == {"env-1": 2} and report.totals()["kept"] == 3
+
+
+# The broker publishes a node's node-up once it saw the node's first probe, and the node may publish the moment
+# it was answered: the broker's forwarder may relay the node's first events before its node-up, at its first
+# start and after a restart. A re-adopted store's account must not depend on that order.
+A_UP, A_KEEPS = _store_up("s1"), [
+    {"type": "episode-finished", "src": "env-1", "id": "p1-1", "seq": 1,
+     "refs": [_ref("d", "env-1"), _ref("e", "env-1"), _ref("f", "env-1")]},
+    {"type": "claim", "src": "env-1", "id": "p1-2", "seq": 2, "holder": "orch", "blob_ids": ["d", "e"]},
+    {"type": "reference", "src": "trainer-0", "holder": "trainer-0", "blob_ids": ["d", "e"]},
+]
+A_DOWN = {"type": "node-down", "node_id": "env-1", "reason": "timeout"}
+B_DELETES = [{"type": "delete", "src": "env-1", "id": "p2-1", "seq": 1, "holder": "trainer-0", "reason": "trained",
+              "blob_ids": ["d", "e"]}]
+RACES = {
+    "in order": [A_UP, *A_KEEPS, A_DOWN, _store_up("s1"), *B_DELETES],
+    "restarted store's deletes before its node-up": [A_UP, *A_KEEPS, A_DOWN, *B_DELETES, _store_up("s1")],
+    "first events before the first node-up": [*A_KEEPS, A_UP, A_DOWN, _store_up("s1"), *B_DELETES],
+    "both": [*A_KEEPS, A_UP, A_DOWN, *B_DELETES, _store_up("s1")],
+}
+
+
+@pytest.mark.parametrize("order", RACES)
+def test_a_readopted_store_is_accounted_the_same_whatever_the_order_of_its_node_ups(order: str) -> None:
+    ledger = _run([*RACES[order], {"type": "run-end", "reason": "done", "steps": 1}])
+    report = ledger.report()
+    assert report.held_at_end == {} and report.lost == {} and report.violations == [], report
+    assert report.held == {"env-1": {"env-1": 1}} and report.ok  # f: unclaimed, still with its live store
+    account = {"seq": 1, "kept": 3, "deleted": {"trained": 2}, "violations": {}}
+    assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
+
+
+@pytest.mark.parametrize("fresh_first", [True, False], ids=["node-up first", "deletes first"])
+def test_a_fresh_store_whose_events_overtake_its_node_up_does_not_continue_the_dead_one(fresh_first: bool) -> None:
+    fresh = [_store_up("s2"), {"type": "episode-finished", "src": "env-1", "id": "p2-1", "seq": 1,
+                               "refs": [_ref("x", "env-1")]}]
+    report = _run([A_UP, *A_KEEPS, A_DOWN, *(fresh if fresh_first else fresh[::-1])]).report()
+    assert report.lost == {"env-1": 3} and report.totals()["kept"] == 4 and report.held == {"env-1": {"env-1": 1}}

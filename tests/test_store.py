@@ -1,10 +1,11 @@
 """The durable store alone, an env server's keeper and a ps-worker's shards on it: commit, abort,
 re-adoption with verified checksums, the lock, gc (and `refbus shm gc`), capacity, format versions,
-garbage, and a process killed between a record's bytes and its commit flag."""
+garbage, and a process killed between a record's bytes and its commit flag or in the middle of a compaction."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from refbus.nodes.store.durable import DurableStore, StoreError, StoreLocked, gc
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import EpisodeFinished
 from refbus.protocol.messages_ps import ShardTensor
+from structlog.testing import capture_logs
 
 BUDGET = 1 << 20
 
@@ -256,6 +258,88 @@ def test_sigkill_between_the_bytes_and_the_commit_flag_aborts_that_keep_only(tmp
     assert restarted.readoption.aborted == 3  # type: ignore[attr-defined]
     assert second.blobs_held == 1 and second.kept_total == 1
     assert len(list(restarted.store.path.glob("seg-*"))) == 1
+
+
+def busy_store(directory: Path) -> tuple[Keeper, BlobJournal]:
+    """A store with every kind of record: blobs unclaimed, claimed and handed over, deletes, a violation."""
+    k, durable = keeper(), BlobJournal(open_store(directory))
+    durable.readopt(k)
+    a, b, c, d = (keep(durable, k, f"ep-{n}", seeds) for n, seeds in enumerate(((1, 2), (3,), (4,), (5, 6))))
+    keep(durable, k, "ep-unclaimed", (7,))
+    durable.claimed(k.claim([*a, *b, *c, *d], "orchestrator").claimed, "orchestrator")
+    durable.moved(k.hand_over([*b, d[0]], "trainer-0"), "trainer-0")
+    durable.dropped(k.delete(c, "orchestrator", "consumed"))
+    durable.dropped(k.delete(d[:1], "trainer-0", "trained"))
+    durable.violated(k.delete(c, "orchestrator", "consumed").violations)
+    return k, durable
+
+
+def state(k: Keeper) -> dict:
+    """What a restart must re-adopt exactly: counters, live blobs (holder, bytes' checksum), tombstones."""
+    stats = k.stats()
+    return {"stats": [stats.blobs_held, stats.bytes_held, stats.kept_total, dict(stats.deleted),
+                      dict(stats.violations), dict(stats.held_by)],
+            "blobs": [[blob_id, episode, holder, packed.checksum] for blob_id, episode, holder, packed in k.blobs()],
+            "tombstones": [list(t) for t in k.tombstones()]}
+
+
+COMPACTING_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    from test_store import busy_store, state
+
+    directory, point, at = Path(sys.argv[1]), sys.argv[3], int(sys.argv[4])
+    k, durable = busy_store(directory)
+    (directory / "expected.json").write_text(json.dumps(state(k)))
+    calls = iter(range(1, 1000))
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if point == "flag":  # between the bytes and the flag of the compaction's record number ``at``
+        durable.store.before_flag = lambda: kill() if next(calls) == at else None
+    elif point == "rename":
+        durable.store.before_rename = kill
+    durable.compact(k)
+    kill()  # "after": the compacted journal is in place
+""")
+
+
+@pytest.mark.parametrize(("point", "at"), [("flag", 1), ("flag", 5), ("flag", 9), ("rename", 0), ("after", 0)])
+def test_sigkill_mid_compaction_loses_nothing_committed(tmp_path: Path, point: str, at: int) -> None:
+    """The journal is rewritten from the live state (compaction) and the process is SIGKILLed at a chosen
+    point of it: before a record of the new journal is committed (the first, one in the middle, the last),
+    with the new journal whole but not yet in place, or just after. The restart re-adopts exactly what was
+    committed; a new journal left unfinished is removed, logged; appends and restarts go on from there."""
+    child = subprocess.run([sys.executable, "-c", COMPACTING_CHILD, str(tmp_path), str(Path(__file__).parent),
+                            point, str(at)], capture_output=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    expected = json.loads((tmp_path / "expected.json").read_text())
+    path = store_path(tmp_path, "run-a", "env-0")
+    assert (path / "journal.new").exists() == (point != "after")
+    with capture_logs() as logs:
+        second, restarted = restart(tmp_path, None)
+    discarded = [e for e in logs if e["event"] == "store.compaction_discarded"]
+    assert len(discarded) == (point != "after") and not (path / "journal.new").exists()
+    assert state(second) == expected
+    assert restarted.readoption.lost == {} and restarted.readoption.aborted == 0  # type: ignore[attr-defined]
+    consumed = [blob_id for blob_id, _, reason in second.tombstones() if reason == "consumed"]
+    assert second.delete(consumed, "orchestrator", "consumed").repeated == tuple(consumed)  # a retry is answered
+    more = keep(restarted, second, "ep-after", (8,))
+    third, _ = restart(tmp_path, restarted)
+    assert [b for b, *_ in third.blobs()] == [*(b[0] for b in expected["blobs"]), *more]
+    assert third.kept_total == expected["stats"][2] + 1
+
+
+@pytest.mark.parametrize("garbage", [b"", os.urandom(40), journal.header() + os.urandom(100)])
+def test_a_garbage_new_journal_left_behind_is_removed_with_a_log_and_the_journal_stands(
+        tmp_path: Path, garbage: bytes) -> None:
+    first, durable = busy_store(tmp_path)
+    expected = state(first)
+    (durable.store.path / "journal.new").write_bytes(garbage)
+    with capture_logs() as logs:
+        second, restarted = restart(tmp_path, durable)
+    (discarded,) = [e for e in logs if e["event"] == "store.compaction_discarded"]
+    assert discarded["bytes"] == len(garbage) and discarded["log_level"] == "warning"
+    assert state(second) == expected and not (restarted.store.path / "journal.new").exists()
 
 
 def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:

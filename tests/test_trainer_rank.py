@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import time
 from collections import Counter
@@ -35,9 +36,23 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
+from refbus.nodes.payload.branch import FIELDS, Branch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import FetchAck, NodeDown, Ok, Reference, Replay, Replayed, StepBatch
+from refbus.protocol.messages import (
+    Accounted,
+    Accounts,
+    BlobRef,
+    FetchAck,
+    Keep,
+    Kept,
+    NodeDown,
+    Ok,
+    Reference,
+    Replay,
+    Replayed,
+    StepBatch,
+)
 from test_fetcher import FakeEnvServer, SampleSpec, Step, check_assembled, make_step, start_env_server
 
 pytest_plugins = ["wire_fixtures"]
@@ -393,3 +408,62 @@ def test_a_fetch_from_a_store_that_never_answers_leaves_the_loop_serving(
         assert down == [("trainer-0", "bye"), ("trainer-1", "bye")], "a rank missed its heartbeats"
     finally:
         assert proc.stop() == 0, proc.log_tail()
+
+
+@dataclass
+class DurableStore:
+    """``make_step``'s env server played by a real one (a durable ``env-server`` node): each branch is kept
+    there with a ``keep`` request; the store names its own blob ids."""
+
+    client: Client
+
+    def keep(self, blob_id: str, branch: Branch) -> BlobRef:
+        arrays = {name: getattr(branch, name) for name in FIELDS if getattr(branch, name) is not None}
+        kept = self.client.request(Keep(episode_id=blob_id, branches=[arrays])).body
+        assert isinstance(kept, Kept), kept
+        return kept.refs[0]
+
+
+def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orchestrator, spawn, tmp_path: Path,
+                                                                         zmq_ctx) -> None:
+    """A durable env server is SIGKILLed while the ranks train on its blobs, and restarted under its node id
+    (re-adopting its store, listening elsewhere) only after the ranks' deletes failed against the dead one:
+    the deletes wait for the new process and reach it, so every blob is deleted once, by its rank, and
+    nothing stays held (before, the ranks gave up and held them until the store's shutdown)."""
+    command = ["node", "env-server", "--bus-control", bus, "--node-id", "env-d", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "deletes", "--env-server-budget-bytes", str(64 << 20),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-d")
+    policy = RetryPolicy(timeout_s=WAIT_S, attempts=1)
+    client = Client(zmq_ctx, first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("producer"),
+                    policy=policy)
+    try:
+        data = make_step([DurableStore(client)], SPECS, data_ranks=2, prefix="d")
+    finally:
+        client.close()
+    computing = RankConfig(compute_s=0.01)
+    ranks = Ranks(bus, (computing, computing), steps=1)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        hand_over(clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])
+        assert [ranks.recv(rank) for rank in (0, 1)] == [("computing", 0)] * 2  # both fetched: the blobs were read
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        for rank in (0, 1):
+            ranks.conns[rank].send(("go", 0))  # the deletes go to the dead process: nothing answers there
+        restarted = spawn(command, "env-d-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
+    assert [sorted(report["deleted"]) for report in reports] == [sorted(owned) for owned in data.owned]
+    assert [report["held_metric"] for report in reports] == [0, 0]
+    client = Client(zmq_ctx, restarted, WireCodec("probe"), policy=policy)
+    try:
+        account = client.request(Accounts()).body
+    finally:
+        client.close()
+    assert isinstance(account, Accounted)
+    kept = sum(len(owned) for owned in data.owned)
+    assert (account.kept, account.held, account.deleted, account.violations) == (kept, 0, {"trained": kept}, {})

@@ -48,6 +48,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -60,6 +61,7 @@ from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
 from .packing import MicroBatch, PackedSample, PackingError, SampleInfo
+from .restarts import Sent, StoreRestarts
 from .shipping import registry_locator as registry_locator  # a trainer rank's ``locate``, shared with the orchestrator
 
 log = structlog.get_logger(__name__)
@@ -242,19 +244,6 @@ class FetchSettings:
                              f"{self.blobs_per_request}, {self.request_bytes}, {self.window}")
 
 
-@dataclass(frozen=True)
-class StoreRestarts:
-    """How a fetch outlives a store's restart: blobs of a durable store (``durable(node id)``: its registry
-    entry has a ``store`` label) whose requests failed (down, or unanswered) are asked again, re-located,
-    every ``poll_s`` (``later(delay, callback)``: the node loop's timer) until ``wait_s`` after the fetch
-    started (``node.restart_grace_s``): a restarted process re-adopts the store and serves them again."""
-
-    durable: Callable[[str], bool]
-    later: Callable[[float, Callable[[], None]], None]
-    wait_s: float
-    poll_s: float = 0.1
-
-
 # --- the fetcher -----------------------------------------------------------------------------------------
 
 
@@ -310,43 +299,44 @@ class StepFetcher:
         requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
                     for endpoint, ids in self._requests(refs)]
         fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests)
-        self._send(fetch, requests, [], on_done)
+        self._send(fetch, requests, on_done)
         return fetch
 
-    def _send(self, fetch: FetchInFlight, requests: list[tuple[str, Fetch]], settled: list[tuple[tuple[str, Fetch],
-              Outcome]], on_done: Callable[[FetchInFlight], None]) -> None:
-        """Send ``requests``; once all have outcomes, ask again for what a restarting durable store could still
-        serve (:class:`StoreRestarts`), else hand the fetch over with ``settled`` and these outcomes."""
+    def _send(self, fetch: FetchInFlight, requests: list[tuple[str, Fetch]],
+              on_done: Callable[[FetchInFlight], None]) -> None:
+        """Send ``requests``; once all have outcomes (what a restarting durable store could still serve asked
+        again, :class:`StoreRestarts`), hand the fetch over."""
 
-        def ended(outcomes: list[Outcome]) -> None:
-            done = settled + list(zip(requests, outcomes, strict=True))
-            again = self._retryable(fetch, done)
-            if again:
-                assert self._restarts is not None
-                kept = [entry for entry in done if entry[0][1] not in again]
-                ids = [i for request in again for i in request.blob_ids]
-                self._restarts.later(self._restarts.poll_s, lambda: self._send(
-                    fetch, [(endpoint, Fetch(blob_ids=blob_ids, holder=self.holder, step=fetch.step))
-                            for endpoint, blob_ids in self._requests({i: fetch.refs[i] for i in ids})],
-                    kept, on_done))
-                return
-            fetch.requests = [request for request, _ in done]
-            fetch.outcomes = [outcome for _, outcome in done]
+        def done(sent: list[Sent[Fetch]]) -> None:
+            fetch.requests = [request for request, _ in sent]
+            fetch.outcomes = [outcome for _, outcome in sent]
             on_done(fetch)
+
+        def relocate(again: list[Fetch]) -> list[tuple[str, Fetch]]:
+            ids = [i for request in again for i in request.blob_ids]
+            return [(endpoint, Fetch(blob_ids=blob_ids, holder=self.holder, step=fetch.step))
+                    for endpoint, blob_ids in self._requests({i: fetch.refs[i] for i in ids})]
 
         # Frames are not checksummed on decode: every blob is verified against its BlobRef in finish(), which
         # also proves it is what the env server hashed at keep time.
-        self._calls.gather(requests, ended, window=self.settings.window, policy=self.settings.policy,
-                           backend="numpy", verify=False)
+        options: dict[str, Any] = {"window": self.settings.window, "policy": self.settings.policy,
+                                   "backend": "numpy", "verify": False}
+        if self._restarts is None:
+            self._calls.gather(requests, lambda outcomes: done(list(zip(requests, outcomes, strict=True))),
+                               **options)
+        else:
+            self._restarts.gather(self._calls, requests, done, again=lambda sent: self._retryable(fetch, sent),
+                                  relocate=relocate, **options)
 
-    def _retryable(self, fetch: FetchInFlight, done: list[tuple[tuple[str, Fetch], Outcome]]) -> list[Fetch]:
-        """The failed requests worth asking again: every blob on a durable store, time left to wait."""
+    def _retryable(self, fetch: FetchInFlight, done: list[Sent[Fetch]]) -> list[Fetch] | None:
+        """The failed requests worth asking again (None: none): every blob on a durable store, time left."""
         restarts = self._restarts
         if restarts is None or time.perf_counter() - fetch.started >= restarts.wait_s:
-            return []
+            return None
         return [request for (_, request), outcome in done
                 if isinstance(outcome, PeerDown | RequestTimeout)
-                and all(fetch.refs[i].node and restarts.durable(fetch.refs[i].node) for i in request.blob_ids)]
+                and all(fetch.refs[i].node and restarts.durable(fetch.refs[i].node) for i in request.blob_ids)
+                ] or None
 
     def finish(self, fetch: FetchInFlight) -> StepFetch:
         """Verify and assemble a fetch that is ``done``; failures are reported per micro batch, never raised.

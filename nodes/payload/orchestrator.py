@@ -1,7 +1,9 @@
 """`refbus node orchestrator`: turns finished episodes into trainer steps, holding references only.
 
 Episodes arrive as ``episode-finished`` events (published by env servers when they keep an episode). The
-orchestrator claims their blobs at once (so their hand-over lease does not run out), groups episodes,
+orchestrator claims their blobs at once (so their hand-over lease does not run out; a claim that fails on
+a durable store is sent again until its restarted process grants it, within ``node.restart_grace_s``, while
+later events wait their turn), groups episodes,
 computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
 point deletes at that moment, with its reason:
 
@@ -72,7 +74,7 @@ import math
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -107,6 +109,7 @@ from .orchestrator_core import (
     SendRun,
 )
 from .prompts import TASK_PREFIX, load_prompt_source
+from .restarts import Sent, StoreRestarts, durable_store
 from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
@@ -164,6 +167,9 @@ class Orchestrator:
         self._peers.on_down(self._on_node_down)
         self._peers.on_up(self._on_node_up)
         self._locate = registry_locator(self._peers.endpoint_of)  # a store restarted on another port is found
+        # A claim that failed against a durable store is sent again until its restarted process answers.
+        self._restarts = StoreRestarts(lambda node: durable_store(self._peers, node), runtime.later,
+                                       self.core.deadlines.restart_grace_s)
         d = self.core.deadlines
         runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
         if settings.dispatch:
@@ -185,27 +191,54 @@ class Orchestrator:
         self._arrivals.append(arrival)
         body = message.body
         if isinstance(body, EpisodeFinished) and body.refs:
-            by_endpoint = group_by_endpoint(body.refs, self._locate)
-            arrival.claims_pending = len(by_endpoint)
-            for endpoint, refs in by_endpoint.items():
-                claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
-                self.runtime.calls.request(
-                    endpoint, claim, lambda outcome, a=arrival, e=endpoint, r=refs: self._on_claimed(a, e, r, outcome))
+            self._claim(arrival, {ref.blob_id: ref for ref in body.refs})
         self._feed()
 
-    def _on_claimed(self, arrival: _Arrival, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome) -> None:
-        replies, failures = split_outcomes([(endpoint, outcome)])
-        for _, error in failures:
-            log.warning("claim.failed", endpoint=endpoint, blobs=len(refs), error=str(error))
-            self.missing += len(refs)
+    def _claim(self, arrival: _Arrival, refs: Mapping[str, BlobRef]) -> None:
+        """Claim an episode's blobs, one request per store. A claim that failed (down, or unanswered) on a
+        durable store is sent again, re-located, every 0.1 s until ``node.restart_grace_s`` after the first
+        (:class:`StoreRestarts`): a restarted process that re-adopted the store grants it (or answers
+        ``already`` when its predecessor had committed it), so a store killed around an episode's end costs
+        no sample. The episode, and every event after it, waits for the outcome."""
+        started = time.monotonic()
+
+        def claims(blob_ids: Iterable[str]) -> list[tuple[str, Claim]]:
+            return [(endpoint, Claim(blob_ids=[r.blob_id for r in group], holder=self.runtime.node_id))
+                    for endpoint, group in group_by_endpoint([refs[i] for i in blob_ids], self._locate).items()]
+
+        def again(sent: list[Sent[Claim]]) -> list[Claim] | None:
+            if time.monotonic() - started >= self._restarts.wait_s:
+                return None
+            return [claim for (_, claim), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
+                    and all(refs[i].node and self._restarts.durable(refs[i].node) for i in claim.blob_ids)] or None
+
+        waited: list[str] = []  # the stores waited for, logged once
+
+        def relocate(failed: list[Claim]) -> list[tuple[str, Claim]]:
+            ids = [i for claim in failed for i in claim.blob_ids]
+            if not waited:
+                waited.extend(sorted({refs[i].node for i in ids}))
+                log.info("claim.waiting", blobs=len(ids), stores=waited, detail="a durable store restarting")
+            return claims(ids)
+
+        arrival.claims_pending = 1
+        self._restarts.gather(self.runtime.calls, claims(refs), lambda sent: self._on_claimed(arrival, refs, sent),
+                              again=again, relocate=relocate)
+
+    def _on_claimed(self, arrival: _Arrival, refs: Mapping[str, BlobRef], sent: list[Sent[Claim]]) -> None:
+        replies, failures = split_outcomes(sent)
+        for (endpoint, claim), error in failures:
+            log.warning("claim.failed", endpoint=endpoint, blobs=len(claim.blob_ids), error=str(error))
+            self.missing += len(claim.blob_ids)
+        granted: set[str] = set()
         for _, reply in replies:
             claimed = reply.body
             assert isinstance(claimed, Claimed)
-            granted = set(claimed.blob_ids)
-            arrival.claimed += [ref for ref in refs if ref.blob_id in granted]
-            self.claimed += len(granted)
+            granted.update(claimed.blob_ids)
+            self.claimed += len(claimed.blob_ids)
             self.missing += len(claimed.missing) + len(claimed.reclaimed)
-        arrival.claims_pending -= 1
+        arrival.claimed = [ref for blob_id, ref in refs.items() if blob_id in granted]
+        arrival.claims_pending = 0
         self._feed()
 
     def _feed(self) -> None:

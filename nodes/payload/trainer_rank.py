@@ -45,8 +45,9 @@ and are reused by the next ``begin_step``; the caller copies (or moves to the de
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -55,8 +56,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ...bus.peers import Peers
-from ...bus.reqrep import HandlerError, Outcome, split_outcomes
+from ...bus.peers import incarnation
+from ...bus.reqrep import HandlerError, PeerDown, RequestTimeout, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import BlobRef, Delete, Deleted, FetchAck, Ok, Reference, StepBatch
@@ -68,11 +69,11 @@ from .fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
-    StoreRestarts,
     needed_refs,
     registry_locator,
     to_micro_batch,
 )
+from .restarts import Sent, StoreRestarts, durable_store
 
 log = structlog.get_logger(__name__)
 
@@ -138,7 +139,8 @@ class TrainerRank:
     to stand in for a dropped micro batch with top-k heads when no other micro batch of the step has them).
     ``first_step``: the step this world starts at (a world resumed from its checkpoint of step K starts at
     K); reported as ``step`` in the heartbeat status until the first step batch arrives.
-    ``restart_grace_s`` (``node.restart_grace_s``): how long a fetch waits for a durable store to come back.
+    ``restart_grace_s`` (``node.restart_grace_s``): how long a fetch or a delete waits for a durable store to come
+    back.
     """
 
     def __init__(
@@ -170,11 +172,12 @@ class TrainerRank:
         self.leader = leader
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped),
         # unless its store is durable: then it is asked again until a restart re-adopted it, within the grace.
-        peers = runtime.track_peers()
+        # Deletes outlive a restart of a durable store the same way (see _delete).
+        self._peers = peers = runtime.track_peers()
         self._locate = registry_locator(peers.endpoint_of)
+        self._restarts = StoreRestarts(lambda node: durable_store(peers, node), runtime.later, restart_grace_s)
         self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
-                                   restarts=StoreRestarts(lambda node: _durable(peers, node), runtime.later,
-                                                          restart_grace_s))
+                                   restarts=self._restarts)
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
@@ -271,12 +274,8 @@ class TrainerRank:
         owned = received.batch.owned
         if not owned:
             return StepRelease()
-        groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for blob_id in owned:
-            # Located now: a store restarted since the step batch came (re-adopting its blobs) has moved.
-            groups[self._locate(received.refs[blob_id]), TRAINED if blob_id in trained else DROPPED_REASON].append(
-                blob_id)
-        release = self._on_loop(lambda done: self._delete(groups, done))
+        reasons = {blob_id: TRAINED if blob_id in trained else DROPPED_REASON for blob_id in owned}
+        release = self._on_loop(lambda done: self._delete(received.refs, reasons, done))
         with self._cond:
             self.held.difference_update(release.deleted, release.violations, release.reclaimed)
         return release
@@ -391,23 +390,62 @@ class TrainerRank:
         no_k = (self.topk_k or fetch.topk_k) is None and any(TOPK_IDS in plan.fields() for plan in plans)
         return no_rows or no_k
 
-    def _delete(self, groups: Mapping[tuple[str, str], list[str]], done: Callable[[StepRelease], None]) -> None:
-        """Send the deletes (loop thread); ``done`` gets what became of them once every one has its outcome."""
-        size = self.blobs_per_delete
-        requests = [
-            (endpoint, Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id, reason=reason))
-            for (endpoint, reason), ids in groups.items()
-            for i in range(0, len(ids), size)
-        ]
-        self.runtime.calls.gather(requests, lambda outcomes: done(self._released(requests, outcomes)),
-                                  window=self.fetch_settings.window, policy=self.fetch_settings.policy)
+    def _delete(self, refs: Mapping[str, BlobRef], reasons: Mapping[str, str], done: Callable[[StepRelease], None]
+                ) -> None:
+        """Delete the blobs of ``reasons`` (id -> reason) per store and reason (loop thread); ``done`` gets what
+        became of them once every request has its outcome.
 
-    def _released(self, requests: list[tuple[str, Delete]], outcomes: list[Outcome]) -> StepRelease:
+        A store killed before it answered is restarted under its node id, re-adopts its durable store and may
+        listen elsewhere. A delete to a durable store that failed (down, or unanswered) waits for another
+        process to serve the store, then is sent there, re-located, until ``node.restart_grace_s`` after the
+        first (:class:`StoreRestarts`); that process answers a delete its predecessor had committed as done
+        (``repeated``). Never again to the process it went to: that one may have deleted them already, and a
+        second delete is a violation."""
+        started = time.monotonic()
+        sent_to: dict[str, tuple[str, int, float] | None] = {}  # store node -> the process its deletes went to
+
+        def requests(blob_ids: Iterable[str]) -> list[tuple[str, Delete]]:
+            # Located now: a store restarted since the step batch came (re-adopting its blobs) has moved.
+            groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+            for blob_id in blob_ids:
+                node = refs[blob_id].node
+                sent_to[node] = self._process(node)
+                groups[self._locate(refs[blob_id]), reasons[blob_id]].append(blob_id)
+            size = self.blobs_per_delete
+            return [(endpoint, Delete(blob_ids=ids[i : i + size], holder=self.runtime.node_id, reason=reason))
+                    for (endpoint, reason), ids in groups.items() for i in range(0, len(ids), size)]
+
+        def again(sent: list[Sent[Delete]]) -> list[Delete] | None:
+            waiting = [request for (_, request), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
+                       and (node := refs[request.blob_ids[0]].node) and self._restarts.durable(node)]
+            if not waiting or time.monotonic() - started >= self._restarts.wait_s:
+                return None
+            return [request for request in waiting
+                    if (node := refs[request.blob_ids[0]].node) in self._peers.live
+                    and self._process(node) != sent_to.get(node)]
+
+        def relocate(failed: list[Delete]) -> list[tuple[str, Delete]]:
+            ids = [i for request in failed for i in request.blob_ids]
+            if ids:
+                log.info("delete.sent_again", blobs=len(ids), stores=sorted({refs[i].node for i in ids}),
+                         detail="a restarted process serves the store")
+            return requests(ids)
+
+        self._restarts.gather(self.runtime.calls, requests(reasons), lambda sent: done(self._released(sent)),
+                              again=again, relocate=relocate, window=self.fetch_settings.window,
+                              policy=self.fetch_settings.policy)
+
+    def _process(self, node: str) -> tuple[str, int, float] | None:
+        """The process serving ``node`` as this rank last heard (live or down; None: none known)."""
+        info = self._peers.live.get(node) or self._peers.down.get(node)
+        return incarnation(info) if info is not None else None
+
+    def _released(self, sent: list[Sent[Delete]]) -> StepRelease:
         deleted: list[str] = []
         violations: list[str] = []
         failed: list[str] = []
         reclaimed: list[str] = []
-        replies, failures = split_outcomes(zip(requests, outcomes, strict=True))
+        replies, failures = split_outcomes(sent)
         for (endpoint, request), error in failures:
             log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), error=str(error))
             failed += request.blob_ids
@@ -476,9 +514,3 @@ def _same_batch(a: StepBatch, b: StepBatch) -> bool:
 def _reasons(fetch: StepFetch) -> str:
     reasons = sorted({b.reason for b in fetch.batches if not isinstance(b, AssembledBatch)})
     return ", ".join(reasons) or "none failed"
-
-
-def _durable(peers: Peers, node_id: str) -> bool:
-    """Whether ``node_id``'s last registry entry names a durable store (a restart re-adopts its blobs)."""
-    info = peers.live.get(node_id) or peers.down.get(node_id)
-    return info is not None and "store" in info.labels

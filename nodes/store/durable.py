@@ -125,7 +125,8 @@ class DurableStore:
     another format version or that is not a journal).
     """
 
-    before_flag: Any = None  # a test's crash point between a record's bytes and its commit flag
+    before_flag: Any = None  # a test's crash point between a record's bytes and its commit flag (compactions too)
+    before_rename: Any = None  # a test's crash point: a compaction's new journal written, not yet in place
 
     def __init__(self, directory: str | Path, run: str, node: str, *, budget_bytes: int, what: str) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -139,8 +140,7 @@ class DurableStore:
         self._verified: dict[str, Segment | str] = {}
         try:
             self.identity, self.fresh = _identity(self.path)
-            with contextlib.suppress(FileNotFoundError):
-                (self.path / "journal.new").unlink()  # a compaction cut short: the old journal stands
+            _discard_compaction(self.path)
             journal_path = self.path / "journal"
             if journal_path.exists():
                 try:
@@ -237,7 +237,9 @@ class DurableStore:
         fd = _new_journal(new_path)
         try:
             for record in records:
-                journal.append(fd, record)
+                journal.append(fd, record, before_flag=self.before_flag)
+            if self.before_rename is not None:
+                self.before_rename()
         except BaseException:
             os.close(fd)
             new_path.unlink(missing_ok=True)
@@ -306,6 +308,19 @@ def _identity(path: Path) -> tuple[str, bool]:
     for stale in [*path.glob("seg-*"), path / "journal"]:  # left by a store whose id never got written
         stale.unlink(missing_ok=True)
     return identity, True
+
+
+def _discard_compaction(path: Path) -> None:
+    """Remove a compaction's new journal a dead process left unfinished (it only takes effect by its rename
+    over ``journal``, so the old journal stands whole); whatever its bytes, they are never read."""
+    new = path / "journal.new"
+    try:
+        size = new.stat().st_size
+    except FileNotFoundError:
+        return
+    new.unlink()
+    log.warning("store.compaction_discarded", store=str(path), bytes=size,
+                detail="a compaction cut short by the death of its process: the journal it was to replace stands")
 
 
 def _new_journal(path: Path) -> int:

@@ -1,0 +1,67 @@
+"""Requests that outlive a durable store's restart.
+
+A durable env server killed with SIGKILL is restarted under its node id, re-adopts its store (every blob it
+had acknowledged, with its holder and tombstones) and may listen on another port. A request to it that
+failed meanwhile (``PeerDown``: the registry reported it down; ``RequestTimeout``: nothing answered) is not
+lost: :class:`StoreRestarts` sends it again, re-located to where the store's node id listens then, until
+``node.restart_grace_s`` after it was first sent. Fetches (trainer ranks) and claims (the orchestrator) are
+answered the same however often they arrive (a claim repeated by its holder is ``already``), so they are
+sent again to any process; a delete (trainer ranks) only to another process than the one it went to, which
+answers what its predecessor had committed as done (``repeated``).
+
+No torch here: the orchestrator uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ...bus.calls import Calls
+from ...bus.peers import Peers
+from ...bus.reqrep import Outcome
+
+R = TypeVar("R")
+Sent = tuple[tuple[str, R], Outcome]  # a request (endpoint, body) and how it ended
+
+
+def durable_store(peers: Peers, node_id: str) -> bool:
+    """Whether ``node_id``'s last registry entry names a durable store (a restart re-adopts its blobs)."""
+    info = peers.live.get(node_id) or peers.down.get(node_id)
+    return info is not None and "store" in info.labels
+
+
+@dataclass(frozen=True)
+class StoreRestarts:
+    """How a request outlives a store's restart: one to a durable store (``durable(node id)``, e.g.
+    :func:`durable_store`) that failed (down, or unanswered) is sent again, re-located, every ``poll_s``
+    (``later(delay, callback)``: the node loop's timer) until ``wait_s`` after it was first sent
+    (``node.restart_grace_s``). Which failed requests may be sent again, and when, is the caller's rule
+    (:meth:`gather`'s ``again``)."""
+
+    durable: Callable[[str], bool]
+    later: Callable[[float, Callable[[], None]], None]
+    wait_s: float
+    poll_s: float = 0.1
+
+    def gather(self, calls: Calls, requests: list[tuple[str, R]], done: Callable[[list[Sent[R]]], None], *,
+               again: Callable[[list[Sent[R]]], list[R] | None],
+               relocate: Callable[[list[R]], list[tuple[str, R]]], settled: Sequence[Sent[R]] = (),
+               **options: Any) -> None:
+        """Send ``requests`` (``calls.gather`` with ``options``); once each has its outcome, ``again(sent)``
+        picks the failed ones to send again after ``poll_s`` (``relocate`` turns them into new requests, to
+        their stores' endpoints then), or ``[]`` to look again after ``poll_s`` without sending, or None: then
+        ``done`` gets every request's last outcome (``settled`` ones included). Loop thread only."""
+
+        def ended(outcomes: list[Outcome]) -> None:
+            sent = [*settled, *zip(requests, outcomes, strict=True)]
+            retry = again(sent)
+            if retry is None:
+                done(sent)
+                return
+            kept = [entry for entry in sent if not any(entry[0][1] is request for request in retry)]
+            self.later(self.poll_s, lambda: self.gather(calls, relocate(retry), done, again=again, relocate=relocate,
+                                                        settled=kept, **options))
+
+        calls.gather(requests, ended, **options)
