@@ -45,6 +45,7 @@ import torch
 import xxhash
 import zmq
 
+from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
@@ -473,6 +474,7 @@ class PsClient:
         # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
         self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         self.runtime = runtime
+        keep_receive_memory()  # pulled pieces land where the last pull's were, not on fresh pages
         self.wait_workers_s = wait_workers_s
         self.transport = transport
         self.chunk_bytes = chunk_bytes
