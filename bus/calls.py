@@ -27,6 +27,7 @@ import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import zmq
@@ -143,33 +144,15 @@ class Calls:
         flight per endpoint (the next one is sent when one ends), each as :meth:`request` with the other
         arguments (``deadline_s`` counts from when each is sent). ``on_done`` gets one outcome per request, in
         order, once the last one ends: on the loop thread, never inside this call (an empty list included).
-        Sort them with :func:`~.reqrep.split_outcomes`."""
+        Sort them with :func:`~.reqrep.split_outcomes`. Nothing here keeps the outcomes once ``on_done`` has
+        them, so the frames of a reply are freed as soon as the caller drops it (no garbage collection needed)."""
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        queued: dict[str, deque[int]] = defaultdict(deque)
-        for index, (endpoint, _) in enumerate(requests):
-            queued[endpoint].append(index)
-        left = [len(requests)]
-
-        def send(endpoint: str) -> None:
-            index = queued[endpoint].popleft()
-            self.request(endpoint, requests[index][1], lambda outcome: ended(index, endpoint, outcome),
-                         deadline_s=deadline_s, policy=policy, backend=backend, verify=verify)
-
-        def ended(index: int, endpoint: str, outcome: Outcome) -> None:
-            outcomes[index] = outcome
-            left[0] -= 1
-            if queued[endpoint]:
-                send(endpoint)
-            elif not left[0]:
-                on_done(outcomes)  # type: ignore[arg-type]  # every slot is filled
-
+        gathering = _Gathering(self, requests, on_done, window,
+                               dict(deadline_s=deadline_s, policy=policy, backend=backend, verify=verify))
         if not requests:
             self._soon.append(lambda: on_done([]))
-        for endpoint, indices in queued.items():
-            for _ in range(min(window, len(indices))):
-                send(endpoint)
+        gathering.start()
 
     def peer_down(self, endpoint: str, reason: str) -> int:
         """Resolve every pending call to ``endpoint`` with :class:`PeerDown`; returns how many."""
@@ -335,3 +318,43 @@ _OUTCOME_NAMES: dict[type, str] = {Message: "reply", RemoteError: "remote-error"
                                    PeerDown: "peer-down"}
 
 _now = time.monotonic
+
+
+class _Gathering:
+    """One :meth:`Calls.gather` in progress. An object, not closures that call each other: such closures form a
+    reference cycle through their cells, and the outcomes (received frames of every reply) would then live until
+    the garbage collector happens to run, so each step's frames landed in fresh, page-faulting memory."""
+
+    __slots__ = ("_calls", "_left", "_on_done", "_options", "_outcomes", "_queued", "_requests", "_window")
+
+    def __init__(self, calls: Calls, requests: Sequence[tuple[str, Body]], on_done: Callable[[list[Outcome]], None],
+                 window: int, options: dict[str, Any]) -> None:
+        self._calls = calls
+        self._requests = requests
+        self._on_done = on_done
+        self._options = options
+        self._outcomes: list[Outcome | None] = [None] * len(requests)
+        self._queued: dict[str, deque[int]] = defaultdict(deque)
+        for index, (endpoint, _) in enumerate(requests):
+            self._queued[endpoint].append(index)
+        self._left = len(requests)
+        self._window = window
+
+    def start(self) -> None:
+        for endpoint, indices in list(self._queued.items()):
+            for _ in range(min(self._window, len(indices))):
+                self._send(endpoint)
+
+    def _send(self, endpoint: str) -> None:
+        index = self._queued[endpoint].popleft()
+        self._calls.request(endpoint, self._requests[index][1],
+                            lambda outcome: self._ended(index, endpoint, outcome), **self._options)
+
+    def _ended(self, index: int, endpoint: str, outcome: Outcome) -> None:
+        self._outcomes[index] = outcome
+        self._left -= 1
+        if self._queued[endpoint]:
+            self._send(endpoint)
+        elif not self._left:
+            outcomes, self._outcomes = self._outcomes, []  # handed over: the caller alone decides how long they live
+            self._on_done(outcomes)  # type: ignore[arg-type]  # every slot is filled

@@ -244,6 +244,55 @@ class _Call:
     due: float = 0.0
 
 
+class _Gathering:
+    """The state of one :func:`gather`. An object, not closures that call each other: those form a reference
+    cycle through their cells that would keep every reply (its received frames) alive until the garbage
+    collector happens to run, so large replies kept landing in fresh, page-faulting memory."""
+
+    def __init__(self, calls: Sequence[tuple[Client, Body]], window: int, policy: RetryPolicy | None,
+                 deadline_s: float | None) -> None:
+        self.calls = calls
+        self.window = window
+        self.policy = policy
+        self.deadline_s = deadline_s
+        self.results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
+        self.queued: dict[Client, deque[int]] = {}
+        for index, (client, _) in enumerate(calls):
+            self.queued.setdefault(client, deque()).append(index)
+        self.in_flight: dict[str, _Call] = {}
+        self.busy: Counter[Client] = Counter()
+
+    def attempt(self, call: _Call) -> None:
+        step = call.attempts.next(time.monotonic())
+        if step is None:
+            self.finish(call, RequestTimeout(
+                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts.sent} attempts"))
+            return
+        send, call.due = step
+        if send:
+            if call.attempts.sent > 1:
+                call.client.retries += 1
+                log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts.sent)
+            send_frames(call.client.sock, call.frames)
+
+    def launch(self, client: Client) -> None:
+        while self.queued[client] and self.busy[client] < self.window:
+            index = self.queued[client].popleft()
+            body = self.calls[index][1]
+            msg_id = client.codec.new_id()
+            call = _Call(index, client, body.kind, msg_id, client.codec.encode(body, msg_id=msg_id),
+                         Attempts(self.policy or client.policy, self.deadline_s, time.monotonic()))
+            self.in_flight[msg_id] = call
+            self.busy[client] += 1
+            self.attempt(call)
+
+    def finish(self, call: _Call, outcome: Message | RemoteError | RequestTimeout) -> None:
+        self.results[call.index] = outcome
+        del self.in_flight[call.msg_id]
+        self.busy[call.client] -= 1
+        self.launch(call.client)
+
+
 def gather(
     calls: Sequence[tuple[Client, Body]],
     *,
@@ -262,53 +311,18 @@ def gather(
     skips frame checksums for callers that verify the bytes themselves. ``on_reply(index, reply)``, when
     given, takes each successful reply as it arrives; it is not kept (its slot holds its header with an ``Ok``
     body), so a caller streaming large replies holds about ``window`` of them at a time."""
-    results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
-    queued: dict[Client, deque[int]] = {}
-    for index, (client, _) in enumerate(calls):
-        queued.setdefault(client, deque()).append(index)
-    in_flight: dict[str, _Call] = {}
-    busy: Counter[Client] = Counter()
-
-    def attempt(call: _Call) -> None:
-        step = call.attempts.next(time.monotonic())
-        if step is None:
-            finish(call, RequestTimeout(
-                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts.sent} attempts"))
-            return
-        send, call.due = step
-        if send:
-            if call.attempts.sent > 1:
-                call.client.retries += 1
-                log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts.sent)
-            send_frames(call.client.sock, call.frames)
-
-    def launch(client: Client) -> None:
-        while queued[client] and busy[client] < window:
-            index = queued[client].popleft()
-            body = calls[index][1]
-            msg_id = client.codec.new_id()
-            call = _Call(index, client, body.kind, msg_id, client.codec.encode(body, msg_id=msg_id),
-                         Attempts(policy or client.policy, deadline_s, time.monotonic()))
-            in_flight[msg_id] = call
-            busy[client] += 1
-            attempt(call)
-
-    def finish(call: _Call, outcome: Message | RemoteError | RequestTimeout) -> None:
-        results[call.index] = outcome
-        del in_flight[call.msg_id]
-        busy[call.client] -= 1
-        launch(call.client)
-
-    for client in queued:
-        launch(client)
+    run = _Gathering(calls, window, policy, deadline_s)
+    for client in run.queued:
+        run.launch(client)
     poller = zmq.Poller()
-    for client in queued:
+    for client in run.queued:
         poller.register(client.sock, zmq.POLLIN)
-    by_socket = {client.sock: client for client in queued}
+    by_socket = {client.sock: client for client in run.queued}
+    in_flight = run.in_flight
     while in_flight:
         now = time.monotonic()
         for call in [c for c in in_flight.values() if c.due <= now]:
-            attempt(call)
+            run.attempt(call)
         if not in_flight:
             break
         for sock, _ in poller.poll(_ms_until(min(c.due for c in in_flight.values()))):
@@ -318,12 +332,13 @@ def gather(
                 if call is None or call.client is not client:
                     client.stray(reply)
                 elif isinstance(reply.body, Error):
-                    finish(call, RemoteError(reply.body, client.endpoint))
+                    run.finish(call, RemoteError(reply.body, client.endpoint))
                 elif on_reply is not None:
                     on_reply(call.index, reply)
-                    finish(call, Message(reply.kind, reply.header, Ok()))
+                    run.finish(call, Message(reply.kind, reply.header, Ok()))
                 else:
-                    finish(call, reply)
+                    run.finish(call, reply)
+    results, run.results = run.results, []
     return results  # type: ignore[return-value]
 
 

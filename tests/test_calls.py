@@ -12,6 +12,7 @@ with calls pending.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import select
@@ -19,10 +20,12 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 from refbus.bus.reqrep import (
@@ -39,7 +42,7 @@ from refbus.bus.reqrep import (
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import bound_endpoint, recv_frames, send_frames
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Bye, Delete, Error, NodeList, Nodes, Ok
+from refbus.protocol.messages import Blobs, Bye, Delete, Error, FetchedBlob, NodeList, Nodes, Ok
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -47,6 +50,7 @@ LOOPBACK = "tcp://127.0.0.1:0"
 WAIT_S = 5.0  # upper bound for anything that should arrive promptly on loopback
 PEER = WireCodec("peer")
 DELETE = Delete(blob_ids=["b1"], holder="caller", reason="trained")
+BLOBS = Blobs([FetchedBlob("b1", {"x": np.ones(8, np.uint8)})])
 FAST = RetryPolicy(timeout_s=0.05, attempts=3, backoff=1.0)  # resends every 50 ms, three sends in all
 
 
@@ -462,6 +466,25 @@ def test_gather_keeps_a_window_per_endpoint_and_hands_over_every_outcome_once_in
     assert not empty, "on_done ran inside gather()"
     pump(caller, lambda: empty, "the empty gather's outcome")
     assert empty == [[]]
+
+
+def test_gathered_outcomes_die_with_the_callers_last_reference(caller: NodeRuntime, peers: Any) -> None:
+    """Replies hold received frames (MiBs each in a fetch): nothing of gather may keep them alive in a reference
+    cycle, or every step's frames wait for the garbage collector and land in fresh, page-faulting memory."""
+    peer = peers()
+    got: list[list[Outcome]] = []
+    gc.disable()
+    try:
+        caller.calls.gather([(peer.endpoint, DELETE)] * 3, got.append, window=2, policy=SEND_ONCE, deadline_s=60.0)
+        for count in (2, 3):
+            wait_received(caller, peer, count)
+            peer.answer(peer.ids()[count - 2], BLOBS)
+        peer.answer(peer.ids()[2], BLOBS)
+        pump(caller, lambda: got, "the gathered outcomes")
+        replies = [weakref.ref(o.body.blobs[0].arrays["x"]) for o in got.pop()]
+        assert [r() for r in replies] == [None] * 3, "a reply outlived its last reference (a reference cycle)"
+    finally:
+        gc.enable()
 
 
 def test_lookup_async_joins_a_lookup_in_flight_and_answers_none_at_its_deadline(peers: Any) -> None:

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from refbus.bus.sockets import recv_frames
-from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum, dtype_width
+from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, Hashed, checksum, dtype_width
 from refbus.protocol.envelope import MIN_FRAMES, WireCodec
-from refbus.protocol.errors import ArrayError
+from refbus.protocol.errors import ArrayError, ChecksumMismatch
 from refbus.protocol.messages import Blobs, FetchedBlob
 
 pytest_plugins = ["wire_fixtures"]
@@ -306,6 +306,22 @@ def test_dtype_width_and_checksum() -> None:
         dtype_width("float128")
     assert checksum(b"abc") == checksum(memoryview(b"abc")) == checksum(bytearray(b"abc"))
     assert checksum(b"abc") != checksum(b"abd")
+
+
+def test_a_hashed_array_travels_with_the_checksum_its_sender_gave_and_the_receiver_still_verifies_it() -> None:
+    array = np.arange(4096, dtype=np.uint8).reshape(64, 64)
+    frames = pack(Hashed(array, checksum(array.tobytes())))
+    assert address(frames[MIN_FRAMES]) == array.ctypes.data  # zero copy as for a plain array
+    (decoded,) = unpack(frames)
+    assert decoded.tobytes() == array.tobytes() and decoded.shape == array.shape
+    wrong = pack(Hashed(array, checksum(array.tobytes()) ^ 1))  # not hashed again: the given value travels
+    with pytest.raises(ChecksumMismatch):
+        unpack(wrong)
+    big_endian = array.astype(">u2")  # converted to other bytes on the way: the given checksum is not used
+    (swapped,) = unpack(pack(Hashed(big_endian, checksum(big_endian.tobytes()))))
+    assert swapped.tolist() == big_endian.tolist()
+    with pytest.raises(ArrayError, match="numpy array"):
+        pack(Hashed(torch.zeros(3), 0))
 
 
 # --- zero copy ----------------------------------------------------------------------------------------

@@ -73,6 +73,11 @@ def test_keep_copies_each_branch_and_describes_it(keeper: Keeper) -> None:
     assert stored["routed_experts"].dtype == np.uint8
     assert keeper.fetch([refs[1].blob_id], "t").arrays[refs[1].blob_id]["routed_experts"].dtype == np.uint16
     assert refs[0].checksum == blob_checksum(originals)
+    packed = keeper.fetch([refs[0].blob_id], "t").blobs[refs[0].blob_id]
+    # the checksums of keep time travel with every fetch (a send never hashes again)
+    sendable = packed.sendable()
+    assert [h.checksum for h in sendable.values()] == [checksum(a.tobytes()) for a in originals.values()]
+    assert [h.array for h in sendable.values()] == list(stored.values())
 
 
 def test_blob_checksum_hashes_the_wire_checksums_in_field_order() -> None:

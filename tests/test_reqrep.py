@@ -8,8 +8,10 @@ of the right code while the server keeps serving, idempotent retries (executed o
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -685,6 +687,22 @@ def test_gather_hands_replies_to_on_reply_as_they_arrive_and_keeps_only_their_he
     assert seen == {0: [1] * 4, 1: [2] * 4, 2: [3] * 4}
     assert [o.body for o in outcomes[:3]] == [Ok()] * 3 and all(not o.buffers for o in outcomes[:3])
     assert isinstance(outcomes[3], RequestTimeout)  # failures are returned as before, never handed over
+
+
+def test_gather_keeps_no_reply_alive_once_the_caller_drops_it(serve: Any, clients: Any) -> None:
+    """Replies hold received frames (MiBs each): they must be freed when the caller drops them, not whenever the
+    garbage collector next runs, or every step's frames land in fresh memory that page-faults."""
+    blobs = Blobs([FetchedBlob("b", {"x": np.ones(8, np.uint8)})])
+    srv = serve(lambda server: server.on("fetch", lambda request: blobs))
+    client = clients(srv.endpoint)
+    gc.disable()
+    try:
+        outcomes = gather([(client, Fetch(blob_ids=["b"], holder="h"))] * 3, window=2)
+        arrays = [weakref.ref(o.body.blobs[0].arrays["x"]) for o in outcomes]
+        del outcomes
+        assert [a() for a in arrays] == [None] * 3, "a reply outlived its last reference (a reference cycle)"
+    finally:
+        gc.enable()
 
 
 def test_a_route_without_verify_takes_frames_whose_checksum_does_not_match(serve: Any, raw_dealer: Any) -> None:

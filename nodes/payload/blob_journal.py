@@ -29,7 +29,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -183,7 +183,7 @@ def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
 def _view(segment: Segment, branch: PackedBranch) -> PackedBranch:
     """``branch`` with its arrays viewing ``segment`` (same layout) instead of its private buffer."""
     layout = _layout("", branch)
-    return _packed({**layout, "segment": segment.name}, segment)
+    return replace(_packed({**layout, "segment": segment.name}, segment), digests=branch.digests)
 
 
 def _packed(layout: Mapping[str, Any], segment: Segment | None) -> PackedBranch:

@@ -358,7 +358,7 @@ class EnvServer:
         self._report(result.violations)
         self._stale("fetch", body.holder, result.reclaimed)
         return Blobs(
-            blobs=[FetchedBlob(blob_id=blob_id, arrays=dict(arrays)) for blob_id, arrays in result.arrays.items()],
+            blobs=[FetchedBlob(blob_id=blob_id, arrays=packed.sendable()) for blob_id, packed in result.blobs.items()],
             missing=[*result.unknown, *(v.blob_id for v in result.violations), *result.reclaimed],
         )
 

@@ -55,6 +55,7 @@ import structlog
 import torch
 
 from ...bus.calls import Calls
+from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, split_outcomes
 from ...protocol.messages import BlobRef, Blobs, Fetch, FetchedBlob, MicroBatchRefs
 from .assemble import AssembledBatch, AssemblyError, assemble
@@ -283,6 +284,7 @@ class StepFetcher:
         self._locate = locate
         self._restarts = restarts
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
+        keep_receive_memory()  # every step's frames land where the last step's were, not on fresh pages
 
     def start(self, step: int, micro_batches: Sequence[MicroBatchRefs],
               on_done: Callable[[FetchInFlight], None] = lambda fetch: None) -> FetchInFlight:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ...protocol.codec import checksum
+from ...protocol.codec import Hashed, checksum
 from ...protocol.envelope import MessageIds
 from ...protocol.messages import BlobRef, EpisodeFinished, Violation
 from .branch import Branch, BranchError
@@ -67,19 +67,22 @@ DEFAULT_TOMBSTONE_S = 300.0  # five handover leases: a late repeat comes within 
 _ALIGN = 8
 
 
-def blob_checksum(arrays: Mapping[str, np.ndarray]) -> int:
+def array_checksums(arrays: Mapping[str, np.ndarray]) -> tuple[int, ...]:
+    """:func:`refbus.protocol.codec.checksum` of each array's C-order bytes, in the mapping's order: the values
+    the wire descriptors carry."""
+    return tuple(checksum(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))) for a in arrays.values())
+
+
+def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | None = None) -> int:
     """The checksum of a blob (``BlobRef.checksum``): xxh3-64 over the little-endian uint64 checksums of its
     arrays, in the mapping's order, which must be the canonical field order (:data:`branch.FIELDS`).
 
-    Each per-array checksum is :func:`refbus.protocol.codec.checksum` of the array's C-order bytes, the
-    same value the wire descriptor carries, so a receiver that verified its frames hashes only 8 bytes
-    per field more. The arrays are read, not kept.
+    Each per-array checksum is :func:`array_checksums`' value, the same the wire descriptor carries, so a
+    receiver that verified its frames hashes only 8 bytes per field more. ``digests``: those checksums when
+    the caller already has them. The arrays are read, not kept.
     """
-    digests = np.array(
-        [checksum(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))) for a in arrays.values()],
-        dtype="<u8",
-    )
-    return checksum(digests.tobytes())
+    values = array_checksums(arrays) if digests is None else digests
+    return checksum(np.array(values, dtype="<u8").tobytes())
 
 
 RETRY_AFTER_S = 0.25
@@ -113,6 +116,15 @@ class PackedBranch:
     checksum: int
     routing_shape: tuple[int, int] | None
     segment: str = ""  # the durable store's segment holding ``buffer`` ("" when it is private memory)
+    digests: tuple[int, ...] = ()  # checksum of each array, in field order (empty: not known, hashed on send)
+
+    def sendable(self) -> dict[str, np.ndarray | Hashed]:
+        """The arrays as a ``fetch`` reply carries them: with their checksums from keep time when known, so a
+        send never hashes them again (they are read-only, so those checksums still hold)."""
+        if not self.digests:
+            return dict(self.arrays)
+        return {name: Hashed(array, digest) for (name, array), digest in zip(self.arrays.items(), self.digests,
+                                                                           strict=True)}
 
 
 def pack_branches(branches: Sequence[Branch | Mapping[str, np.ndarray]]) -> tuple[PackedBranch, ...]:
@@ -155,13 +167,15 @@ def _pack_one(branch: Branch) -> PackedBranch:
         view.flags.writeable = False
         arrays[name] = view
     buffer.flags.writeable = False
+    digests = array_checksums(arrays)
     return PackedBranch(
         arrays=arrays,
         buffer=buffer,
         tokens=branch.token_count,
         nbytes=branch.nbytes,
-        checksum=blob_checksum(arrays),
+        checksum=blob_checksum(arrays, digests),
         routing_shape=branch.routing_shape,
+        digests=digests,
     )
 
 
@@ -183,14 +197,19 @@ class ClaimResult:
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
-    """What a fetch found. ``arrays``: blob id → fields, read-only views of the keeper's buffers, in request
-    order; ``unknown``: never kept here; ``violations``: fetches of deleted blobs; ``reclaimed``: fetches of
-    blobs reclaimed from a holder that went down (stale, no violation)."""
+    """What a fetch found. ``blobs``: blob id → its packed branch (arrays are read-only views of the keeper's
+    buffers), in request order; ``unknown``: never kept here; ``violations``: fetches of deleted blobs;
+    ``reclaimed``: fetches of blobs reclaimed from a holder that went down (stale, no violation)."""
 
-    arrays: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
+    blobs: Mapping[str, PackedBranch] = field(default_factory=dict)
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
     reclaimed: tuple[str, ...] = ()
+
+    @property
+    def arrays(self) -> dict[str, Mapping[str, np.ndarray]]:
+        """blob id → fields."""
+        return {blob_id: packed.arrays for blob_id, packed in self.blobs.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,14 +495,14 @@ class Keeper:
         Ownership: the arrays are the keeper's read-only views, not copies. They stay valid after the blob
         is deleted (they keep its buffer alive), but the keeper no longer counts those bytes.
         """
-        arrays: dict[str, Mapping[str, np.ndarray]] = {}
+        found: dict[str, PackedBranch] = {}
         unknown: list[str] = []
         violations: list[Violation] = []
         reclaimed: list[str] = []
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is not None:
-                arrays[blob_id] = blob.packed.arrays
+                found[blob_id] = blob.packed
             elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.reclaimed:
                 reclaimed.append(blob_id)
             elif tomb is not None:
@@ -493,7 +512,7 @@ class Keeper:
             else:
                 unknown.append(blob_id)
         self._count_stale("fetch", reclaimed)
-        return FetchResult(arrays, tuple(unknown), tuple(violations), tuple(reclaimed))
+        return FetchResult(found, tuple(unknown), tuple(violations), tuple(reclaimed))
 
     def delete(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
         """Delete live blobs, whoever holds them (the last holder deletes, and the env server cannot see the

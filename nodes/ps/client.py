@@ -42,12 +42,14 @@ from typing import Literal, NoReturn, TypeVar
 import numpy as np
 import structlog
 import torch
+import xxhash
 import zmq
 
+from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
-from ...protocol.codec import checksum
+from ...protocol.codec import Hashed, checksum
 from ...protocol.envelope import WireCodec
 from ...protocol.messages import Body
 from ...protocol.messages_ps import (
@@ -299,7 +301,7 @@ class PushSession:
         self._written: dict[str, torch.Tensor] = {}
         self._sums: dict[str, int] = {}
         self._copies: list[_Copy] = []
-        self._queued: list[tuple[int, np.ndarray]] = []
+        self._queued: list[tuple[int, Hashed]] = []
         self._queued_bytes = 0
         self._avoid: set[str] = set()
         self._started = time.monotonic()
@@ -397,15 +399,19 @@ class PushSession:
         if all(copy.path is not None for copy in self._copies):
             return
         data = _as_bytes(tensor)
-        self._sums[spec.name] = checksum(data)
+        whole = xxhash.xxh3_64()  # streamed over the pieces: the same value as checksum(data)
         chunk = self._client.chunk_bytes
-        # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames).
+        # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames). Each piece
+        # is hashed for its frame while it is still in cache, once for every copy it goes to: the send does
+        # not hash it again (codec.Hashed).
         for start in range(0, max(1, data.nbytes), PIECE_BYTES):
             piece = data[start : start + PIECE_BYTES]
+            whole.update(piece)
             if self._queued_bytes + piece.nbytes > _WINDOW * chunk:
                 self._flush()
-            self._queued.append((spec.offset + start, piece))
+            self._queued.append((spec.offset + start, Hashed(piece, checksum(piece))))
             self._queued_bytes += piece.nbytes
+        self._sums[spec.name] = whole.intdigest()
 
     def _seal(self) -> list[Committed]:
         self._flush()
@@ -427,15 +433,15 @@ class PushSession:
         chunk = self._client.chunk_bytes
         writes: list[Body] = []
         offsets: list[int] = []
-        pieces: list[np.ndarray] = []
+        pieces: list[Hashed] = []
         size = 0
         for offset, piece in self._queued:
-            if pieces and size + piece.nbytes > chunk:
+            if pieces and size + piece.array.nbytes > chunk:
                 writes.append(ShardWrite(self._grant.lease, offsets, pieces))
                 offsets, pieces, size = [], [], 0
             offsets.append(offset)
             pieces.append(piece)
-            size += piece.nbytes
+            size += piece.array.nbytes
         writes.append(ShardWrite(self._grant.lease, offsets, pieces))
         self._queued, self._queued_bytes = [], 0
         remote = [copy for copy in self._copies if copy.path is None]
@@ -468,6 +474,7 @@ class PsClient:
         # NixlError at once (saying how to install it) when NIXL is wanted but missing, not at the first pull.
         self._nixl = NixlReader(runtime.node_id) if remote == "nixl" else None
         self.runtime = runtime
+        keep_receive_memory()  # pulled pieces land where the last pull's were, not on fresh pages
         self.wait_workers_s = wait_workers_s
         self.transport = transport
         self.chunk_bytes = chunk_bytes

@@ -4,7 +4,8 @@ destination.
 Why pieces: ZeroMQ allocates each received frame. A frame of tens of MiB is a fresh ``mmap`` whose pages
 are faulted in as the bytes arrive and unmapped once it is freed, so every pull paid first-touch (~1.5 GB/s
 on these machines) on every byte. Frames of at most :data:`PIECE_BYTES` come from the heap instead, which
-glibc reuses from one piece to the next (its mmap threshold adapts to freed blocks of up to 32 MiB), so
+glibc reuses from one piece to the next (:func:`refbus.bus.memory.keep_receive_memory`, which readers and
+workers call, keeps that heap from being handed back between pulls), so
 they land in memory already in use; the one copy into the destination reads them while they are hot.
 
 Why one check: frames are not hashed on decode. Each tensor is hashed once, streaming over its pieces,

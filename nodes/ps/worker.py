@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RetryPolicy
 from ...bus.runtime import NodeRuntime
 from ...protocol.codec import checksum
@@ -70,6 +71,7 @@ class PsWorker:
     def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, register_timeout_s: float = 15.0,
                  store: StoreSettings | None = None, run: str = "") -> None:
         self.runtime = runtime
+        keep_receive_memory()  # pushed pieces land where the last push's were, not on fresh pages
         self.settings = settings
         self.register_timeout_s = register_timeout_s
         self.journal: ShardJournal | None = None
