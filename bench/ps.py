@@ -80,6 +80,7 @@ from bench.harness import (
 
 RETAIN = 2
 CAP_MBIT = 1000  # a link capped below what two cores move, so that the link is what limits a broadcast
+TRANSFER_ROUNDS = 2  # across hosts: raw TCP and frames measured in turn, this many times
 PUSHER_WAIT_S = 120.0  # a push of the full state with the machine saturated, plus the pusher's start-up
 
 
@@ -515,12 +516,19 @@ def run_across_hosts(settings: Settings, rate_bit: int) -> tuple[list[Row], dict
         with workers("bench-client", python=a.python()) as (by,):
             state_bytes = nbytes(make_state(settings.state_bytes, settings.tensors))
             gb = state_bytes / 1e9
-            with workers("bench-raw-peer", python=b.python()) as (peer,):
-                raw = {d: raw_tcp(peer, state_bytes, settings.repeats, d, by=by, address=b.name)
-                       for d in ("pull", "push")}
-            with cluster(1, on=on) as c:
-                frames = by.call(frames_push_pull, c.control, c.manager, settings.state_bytes, settings.tensors,
-                                 settings.repeats, timeout_s=PUSHER_WAIT_S * (settings.repeats + RETAIN + 2))
+            raw: dict[str, float] = {}
+            frames: dict[str, float] = {}
+            # Raw TCP between two hosts swings 1-3 GB/s run to run here: interleaved rounds, the best of each.
+            with cluster(1, on=on) as c, workers("bench-raw-peer", python=b.python()) as (peer,):
+                for _ in range(TRANSFER_ROUNDS):
+                    for d in ("pull", "push"):
+                        seconds = raw_tcp(peer, state_bytes, settings.repeats, d, by=by, address=b.name)
+                        raw[d] = min(raw.get(d, seconds), seconds)
+                    got = by.call(frames_push_pull, c.control, c.manager, settings.state_bytes, settings.tensors,
+                                  settings.repeats, timeout_s=PUSHER_WAIT_S * (settings.repeats + RETAIN + 2))
+                    # The best of each, but the first round's cold push: later rounds' segments exist.
+                    frames = {k: v if k == "push_cold_s" and k in frames else min(frames.get(k, v), v)
+                              for k, v in got.items()}
             results["transfer"] = {"bytes": state_bytes, "raw_tcp_s": raw, "frames": frames}
             section = f"frames {b.name} <-> {a.name}"
             rows += [
