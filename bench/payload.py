@@ -5,8 +5,9 @@ measured in the same run and process tree.
    processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher`` start + finish:
    fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
    of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
-   (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
-   ``recv_into``), nothing assembled; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
+   (a) raw: the same bytes over plain TCP into a preallocated buffer (``sendall`` / ``recv_into``), half
+   from each of two processes at once (one connection each, as the blobs come from two env servers),
+   nothing assembled but checked; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
    GET per blob, the best of 1, 2, 4 and 8 parallel requests, then the same assembly into the same kind of
    reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB and >= 50% at
    64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An
@@ -22,7 +23,12 @@ Every timing is the best of the repeats after one warm-up (steady state, as in t
 machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
 (``bench.harness.workers``); every wait is bounded and every process reaped.
 
-    python -m bench.payload [--quick] [--json PATH]
+Across hosts (``--hosts``, needs root): the fetch comparison on three namespace hosts (``bench.hosts``): the
+broker and the trainer on hostA, an env server and a baseline server (raw peer, HTTP) on each of hostB and
+hostC, every baseline between the same hosts in the same run; the memory section is host-independent and
+does not run.
+
+    python -m bench.payload [--quick] [--hosts] [--json PATH]
 """
 
 from __future__ import annotations

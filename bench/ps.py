@@ -25,7 +25,14 @@ Sections 1-3 run with ``ps.replicas`` 1, so their figures compare with those bef
 Every process is a real node (``NodeProcess``) or a spawned worker (``bench.harness.workers``), every wait is
 bounded, everything is stopped and no segment is left in /dev/shm.
 
-    python -m bench.ps [--quick] [--json PATH]
+Across hosts (``--hosts``, needs root; ``bench.hosts``, 1 + max N namespace hosts): the broker, the manager
+and the client (a bench worker) on hostA, one ps-worker per other host. (a) Frames pull and push between
+the worker on hostB and the client against raw TCP between the same two hosts, in interleaved rounds
+(goal >= 80%). (b) Every host's link capped with ``tc`` at ``--cap-mbit`` each way; broadcast init over
+N = 2, 4, 8 workers against the reader sending to each in turn (goal: faster for N >= 4) and against
+``ceil(log2 N) x size / link rate`` (goal: within 1.2x). A table of ratios, like the other benches.
+
+    python -m bench.ps [--quick] [--hosts [--cap-mbit M]] [--json PATH]
 """
 
 from __future__ import annotations
