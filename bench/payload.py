@@ -5,14 +5,13 @@ measured in the same run and process tree.
    processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher`` start + finish:
    fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
    of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
-   (a) raw: the same bytes over plain TCP into a preallocated buffer (``sendall`` / ``recv_into``), half
-   from each of two processes at once (one connection each, as the blobs come from two env servers),
-   nothing assembled but checked; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
-   GET per blob, the best of 1, 2, 4 and 8 parallel requests, then the same assembly into the same kind of
-   reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB and >= 50% at
-   64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An
-   informational row shows refbus until every blob is received and verified (before assembly copies the
-   uint8 rows into the batch tensors).
+   (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
+   ``recv_into``), nothing assembled but checked (across hosts: half from each env server's host at once);
+   (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib`` GET per blob, the best of 1, 2, 4 and 8
+   parallel requests, then the same assembly into the same kind of reused buffers (so the comparison isolates the
+   transport). Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the
+   http rows name the raw figure too). An informational row shows refbus until every blob is received and verified
+   (before assembly copies the uint8 rows into the batch tensors).
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
    receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
    one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
@@ -407,12 +406,14 @@ def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: 
         ours = min([total_s for total_s, _ in timings])
         transfer = min([transfer_s for _, transfer_s in timings])
 
-        # The same bytes from the same two processes' hosts, half from each at once, as the blobs come.
-        for server in servers:
-            server.submit(raw_peer, total // len(servers), repeats + 1, "pull", where.bind)
-        peers = [(where.server_address(i), server.message()) for i, server in enumerate(servers)]
+        # Across hosts the same bytes come from both env servers' hosts, half from each at once, as the blobs
+        # do; on one host from one process, as the loopback figures always were (comparable across runs).
+        raw_servers = servers if where.cluster is not None else servers[:1]
+        for server in raw_servers:
+            server.submit(raw_peer, total // len(raw_servers), repeats + 1, "pull", where.bind)
+        peers = [(where.server_address(i), server.message()) for i, server in enumerate(raw_servers)]
         raw = min(trainer.call(raw_fetch, peers, total, repeats))
-        for server in servers:
+        for server in raw_servers:
             server.result()
 
         ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
