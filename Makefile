@@ -31,7 +31,7 @@ prometheus:
 		else echo "prometheus is missing and cannot be installed here: its test will skip"; exit 0; fi; \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq --no-install-recommends prometheus; }
 
-# The cross-host tests build hosts from network namespaces (tests/hosts.py): root and iproute2's `ip`.
+# The cross-host tests build hosts from network namespaces (bench/hosts.py): root and iproute2's `ip`.
 # Installed when missing and this user is root; elsewhere those tests skip and say why (a failure under
 # REFBUS_REQUIRE_NETNS=1, which .ci/run sets).
 iproute2:

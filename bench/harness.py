@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, spawn
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from pathlib import Path
@@ -84,11 +84,22 @@ def _worker_main(conn: Connection) -> None:
 class Worker:
     """A spawned process that runs module-level tasks ``task(channel, *args)`` one at a time."""
 
-    def __init__(self, ctx: SpawnContext, name: str) -> None:
+    def __init__(self, ctx: SpawnContext, name: str, python: str | None = None) -> None:
         self.name = name
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child,), name=name, daemon=True)
-        self.process.start()
+        if python is None:
+            self.process.start()
+        else:
+            # The spawn executable is one setting for the whole module: switched for this start only. The
+            # resource tracker is started first, with the usual executable, so it stays where the parent is.
+            resource_tracker.ensure_running()
+            usual = spawn.get_executable()
+            ctx.set_executable(python)
+            try:
+                self.process.start()
+            finally:
+                ctx.set_executable(usual)
         child.close()
 
     def submit(self, task: Callable[..., Any], *args: Any) -> None:
@@ -143,14 +154,18 @@ _open_pools = [0]  # nesting depth of workers(): the resource tracker is reaped 
 
 
 @contextlib.contextmanager
-def workers(*names: str) -> Iterator[list[Worker]]:
-    """Spawned workers (starting concurrently), all reaped on exit whatever happened. May nest."""
+def workers(*names: str, python: str | None = None) -> Iterator[list[Worker]]:
+    """Spawned workers (starting concurrently), all reaped on exit whatever happened. May nest.
+
+    ``python``: the executable that starts them instead of this interpreter, one that execs it elsewhere
+    (``bench.hosts.Host.python``: inside a namespace host), so a bench places its workers on hosts.
+    """
     ctx = multiprocessing.get_context("spawn")
     started: list[Worker] = []
     _open_pools[0] += 1
     try:
         for name in names:
-            started.append(Worker(ctx, name))
+            started.append(Worker(ctx, name, python))
         yield started
     finally:
         for worker in started:
@@ -181,11 +196,15 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += chunk
 
 
-def raw_peer(ch: Channel, nbytes: int, runs: int, direction: str) -> None:
-    """The raw limit's far end, on one TCP connection: for each one-byte order, send ``nbytes`` (``pull``), or
-    receive them into a warm buffer and answer one byte (``push``)."""
-    view = memoryview(np.full(nbytes, 7, dtype=np.uint8))
-    with socket.create_server(("127.0.0.1", 0)) as listener:
+RAW_BYTE = 7  # what a raw peer sends: every byte of a raw pull is this
+
+
+def raw_peer(ch: Channel, nbytes: int, runs: int, direction: str, bind: str = "127.0.0.1") -> None:
+    """The raw limit's far end, on one TCP connection to a port of ``bind`` (reported first): for each one-byte
+    order, send ``nbytes`` of ``RAW_BYTE`` (``pull``), or receive them into a warm buffer and answer one byte
+    (``push``)."""
+    view = memoryview(np.full(nbytes, RAW_BYTE, dtype=np.uint8))
+    with socket.create_server((bind, 0)) as listener:
         ch.send(listener.getsockname()[1])
         listener.settimeout(WAIT_S)
         conn, _ = listener.accept()
@@ -372,14 +391,20 @@ def run_line(quick: bool, seconds: float, parts: dict[str, float] | None = None)
 
 
 def parse_args(
-    argv: Sequence[str] | None, *, prog: str, description: str, quick_help: str, sections: Sequence[str] = ()
+    argv: Sequence[str] | None, *, prog: str, description: str, quick_help: str, sections: Sequence[str] = (),
+    hosts_help: str = "", more: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
     """``--quick`` and ``--json PATH`` for every bench; ``--only SECTION`` (repeatable, into ``only``: empty
-    means all) for one with ``sections``."""
+    means all) for one with ``sections``; ``--hosts`` (its cross-host mode) for one with ``hosts_help``;
+    ``more`` adds a bench's own options."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    if hosts_help:
+        parser.add_argument("--hosts", action="store_true", help=hosts_help)
     if sections:
         parser.add_argument("--only", choices=sections, action="append", default=[],
                             help="run only this section (repeatable); default: all")
+    if more is not None:
+        more(parser)
     return parser.parse_args(argv)

@@ -6,12 +6,12 @@ measured in the same run and process tree.
    fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
    of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
    (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
-   ``recv_into``), nothing assembled; (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib``
-   GET per blob, the best of 1, 2, 4 and 8 parallel requests, then the same assembly into the same kind of
-   reused buffers (so the comparison isolates the transport). Goals: >= 80% of raw at 4 MiB and >= 50% at
-   64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An
-   informational row shows refbus until every blob is received and verified (before assembly copies the
-   uint8 rows into the batch tensors).
+   ``recv_into``), nothing assembled but checked (across hosts: half from each env server's host at once);
+   (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib`` GET per blob, the best of 1, 2, 4 and 8
+   parallel requests, then the same assembly into the same kind of reused buffers (so the comparison isolates the
+   transport). Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the
+   http rows name the raw figure too). An informational row shows refbus until every blob is received and verified
+   (before assembly copies the uint8 rows into the batch tensors).
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
    receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
    one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
@@ -22,7 +22,12 @@ Every timing is the best of the repeats after one warm-up (steady state, as in t
 machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
 (``bench.harness.workers``); every wait is bounded and every process reaped.
 
-    python -m bench.payload [--quick] [--json PATH]
+Across hosts (``--hosts``, needs root): the fetch comparison on three namespace hosts (``bench.hosts``): the
+broker and the trainer on hostA, an env server and a baseline server (raw peer, HTTP) on each of hostB and
+hostC, every baseline between the same hosts in the same run; the memory section is host-independent and
+does not run.
+
+    python -m bench.payload [--quick] [--hosts] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,12 +62,15 @@ from refbus.nodes.launch import NodeProcess, bus_flags, start_bus
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import BlobRef, EpisodeFinished, Keep, Kept, MicroBatchRefs, Ok, SampleSlice
 
+from bench import hosts
 from bench.harness import (
     MIB,
+    RAW_BYTE,
     WAIT_S,
     BenchError,
     Channel,
     Row,
+    Worker,
     figures,
     format_table,
     parse_args,
@@ -117,9 +125,10 @@ def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
 # --- tasks: the trainer side (one worker) ----------------------------------------------------------------
 
 
-def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int) -> list[tuple[float, float]]:
+def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int, rows: np.ndarray
+                 ) -> tuple[list[tuple[float, float]], int]:
     """``StepFetcher`` start + finish of the step ``repeats + 1`` times; (total, transfer) seconds of the timed
-    ones."""
+    ones, and how many samples of the last step were checked against ``rows`` (every blob's routing rows)."""
     from refbus.bus.calls import PolledCalls
     from refbus.nodes.payload.assemble import AssembledBatch
     from refbus.nodes.payload.fetcher import StepFetcher
@@ -144,23 +153,46 @@ def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int) -> li
             if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
                 raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
             seconds.append((result.seconds, result.transfer_seconds))
-        return seconds[1:]
+        return seconds[1:], _check_assembled(batches, result.batches, rows)
     finally:
         for client in clients:
             client.close()
         ctx.destroy(linger=0)
 
 
-def raw_fetch(ch: Channel, port: int, nbytes: int, repeats: int) -> list[float]:
-    """The raw limit: ``nbytes`` per step over one TCP connection into one preallocated (warm) buffer."""
-    buffer = np.ones(nbytes, dtype=np.uint8)
-    view = memoryview(buffer)
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
-        def step() -> None:
-            sock.sendall(b"g")
-            recv_exactly(sock, view)
+def _check_assembled(batches: Sequence[MicroBatchRefs], assembled: Sequence[Any], rows: np.ndarray) -> int:
+    """Every sample's routing rows in the assembled tensors are ``rows``; returns the samples checked."""
+    checked = 0
+    for refs, batch in zip(batches, assembled, strict=True):
+        routing = batch.routed_experts[0].numpy()
+        offset = 0
+        for sample in refs.samples:
+            if not np.array_equal(routing[offset : offset + sample.tokens], rows[: sample.tokens]):
+                raise BenchError(f"refbus fetch assembled wrong routing rows for {sample.sample_id}")
+            offset += sample.tokens
+            checked += 1
+    return checked
 
-        return seconds_each(step, repeats + 1)[1:]
+
+def raw_fetch(ch: Channel, peers: list[tuple[str, int]], nbytes: int, repeats: int) -> list[float]:
+    """The raw limit: ``nbytes`` per step over one TCP connection to each of ``peers`` (``raw_peer`` s, an equal
+    share from each, received concurrently), into one preallocated (warm) buffer; checks the bytes."""
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    share = nbytes // len(peers)
+    views = [memoryview(buffer)[i * share : (i + 1) * share] for i in range(len(peers))]
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.create_connection(peer, timeout=WAIT_S)) for peer in peers]
+
+        def step() -> None:
+            for sock in socks:
+                sock.sendall(b"g")
+            with ThreadPoolExecutor(len(socks)) as receivers:  # recv_into releases the GIL
+                list(receivers.map(recv_exactly, socks, views))
+
+        seconds = seconds_each(step, repeats + 1)[1:]
+    if np.count_nonzero(buffer[: share * len(peers)] != RAW_BYTE):
+        raise BenchError("raw TCP delivered wrong bytes")
+    return seconds
 
 
 def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str], parallel: int,
@@ -217,11 +249,12 @@ class _BlobHandler(http.server.BaseHTTPRequestHandler):
         """One line per request would dominate the bench."""
 
 
-def http_server(ch: Channel, blob_ids: list[str], nbytes: int, seed: int) -> None:
-    """Serve ``blob_ids`` (``nbytes`` each, distinct objects like separately kept blobs) until told to stop."""
+def http_server(ch: Channel, blob_ids: list[str], nbytes: int, seed: int, bind: str) -> None:
+    """Serve ``blob_ids`` (``nbytes`` each, distinct objects like separately kept blobs) on ``bind`` until told
+    to stop."""
     rows = routing_rows(nbytes, seed)
     handler = type("Handler", (_BlobHandler,), {"blobs": {blob_id: rows.tobytes() for blob_id in blob_ids}})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = http.server.ThreadingHTTPServer((bind, 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -286,17 +319,49 @@ def produce(ch: Channel, endpoint: str, count: int, inline: bool) -> int:
 # --- the comparisons (parent side) -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a fetch comparison runs: every process on this host (loopback), or across namespace hosts (the
+    broker and the trainer on hostA, one env server and one baseline server on each of hostB and hostC)."""
+
+    cluster: hosts.Hosts | None = None
+
+    @property
+    def section(self) -> str:
+        return "fetch" if self.cluster is None else "fetch across hosts"
+
+    @property
+    def bind(self) -> str:
+        """What servers bind: loopback on one host, every interface of their own host across hosts."""
+        return "127.0.0.1" if self.cluster is None else "0.0.0.0"
+
+    def server_address(self, index: int) -> str:
+        """Where the trainer reaches baseline server ``index`` (0 or 1)."""
+        return "127.0.0.1" if self.cluster is None else self.cluster[1 + index].name
+
+    def prefix(self, index: int) -> list[str]:
+        """What starts a node on host ``index`` (nothing on one host)."""
+        return [] if self.cluster is None else self.cluster[index].argv(())
+
+    def python(self, index: int) -> str | None:
+        """What spawns a bench worker on host ``index`` (None: this interpreter, on this host)."""
+        return None if self.cluster is None else self.cluster[index].python()
+
+
 @contextlib.contextmanager
-def env_servers(workdir: Path) -> Iterator[list[str]]:
-    """A broker and two ``refbus node env-server`` processes; their blob endpoints."""
-    bus, control = start_bus(workdir)
+def env_servers(workdir: Path, where: Placement) -> Iterator[list[str]]:
+    """A broker (host 0) and two ``refbus node env-server`` processes (hosts 1 and 2); their blob endpoints.
+    Across hosts they bind every interface of their host and advertise its name, unencrypted (plain mode)."""
+    plain = [] if where.cluster is None else ["--security-insecure", "true"]
+    bus, control = start_bus(workdir, bind=where.bind, prefix=where.prefix(0), extra=plain)
     started: list[NodeProcess] = []
     try:
-        for name in ("env-a", "env-b"):
+        for index, name in ((1, "env-a"), (2, "env-b")):
             started.append(NodeProcess(
                 ["node", "env-server", *bus_flags(control), "--node-id", name, "--env-server-handover-lease-s", "3600",
-                 "--env-server-budget-bytes", str(8 << 30), "--node-metrics-port", "-1", "--node-log-level", "warning"],
-                workdir=workdir, name=name))
+                 "--env-server-endpoint", f"tcp://{where.bind}:0", "--env-server-budget-bytes", str(8 << 30),
+                 "--node-metrics-port", "-1", "--node-log-level", "warning", *plain],
+                workdir=workdir, name=name, prefix=where.prefix(index)))
         yield [proc.wait_ready()["endpoints"]["blobs"] for proc in started]
     finally:
         for proc in started:
@@ -304,8 +369,9 @@ def env_servers(workdir: Path) -> Iterator[list[str]]:
         bus.stop()
 
 
-def keep_all(endpoints: Sequence[str], count: int, nbytes: int) -> list[BlobRef]:
-    """Keep ``count`` routing blobs, alternating between the env servers; their references in step order."""
+def keep_all(ch: Channel, endpoints: Sequence[str], count: int, nbytes: int) -> list[BlobRef]:
+    """A task: keep ``count`` routing blobs, alternating between the env servers; their references in step
+    order."""
     ctx = zmq.Context()
     codec = WireCodec("bench-producer")
     clients = [Client(ctx, endpoint, codec, policy=PATIENT) for endpoint in endpoints]
@@ -326,31 +392,38 @@ def keep_all(endpoints: Sequence[str], count: int, nbytes: int) -> list[BlobRef]
         ctx.destroy(linger=0)
 
 
-def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: Sequence[Worker],
+                endpoints: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
     rows: list[Row] = []
     figures: dict[str, Any] = {}
     repeats = settings.repeats
     for count, nbytes in settings.shapes:
         label = f"{count} x {nbytes // 1024} KiB" if nbytes < MIB else f"{count} x {nbytes // MIB} MiB"
         total = count * nbytes
-        batches = micro_batches(keep_all(endpoints, count, nbytes))
-        timings = trainer.call(refbus_fetch, batches, repeats, timeout_s=WAIT_S * (repeats + 1))
+        batches = micro_batches(servers[0].call(keep_all, endpoints, count, nbytes, timeout_s=WAIT_S * 4))
+        timings, checked = trainer.call(refbus_fetch, batches, repeats, routing_rows(nbytes, seed=count),
+                                        timeout_s=WAIT_S * (repeats + 1))
         ours = min([total_s for total_s, _ in timings])
         transfer = min([transfer_s for _, transfer_s in timings])
 
-        raw_srv = servers[0]
-        raw_srv.submit(raw_peer, total, repeats + 1, "pull")
-        raw = min(trainer.call(raw_fetch, raw_srv.message(), total, repeats))
-        raw_srv.result()
+        # Across hosts the same bytes come from both env servers' hosts, half from each at once, as the blobs
+        # do; on one host from one process, as the loopback figures always were (comparable across runs).
+        raw_servers = servers if where.cluster is not None else servers[:1]
+        for server in raw_servers:
+            server.submit(raw_peer, total // len(raw_servers), repeats + 1, "pull", where.bind)
+        peers = [(where.server_address(i), server.message()) for i, server in enumerate(raw_servers)]
+        raw = min(trainer.call(raw_fetch, peers, total, repeats))
+        for server in raw_servers:
+            server.result()
 
         ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
         halves = (ids[0::2], ids[1::2])
         urls: dict[str, str] = {}
         for server, half, seed in zip(servers, halves, (1, 2), strict=True):
-            server.submit(http_server, half, nbytes, seed)
-        for server, half in zip(servers, halves, strict=True):
+            server.submit(http_server, half, nbytes, seed, where.bind)
+        for index, (server, half) in enumerate(zip(servers, halves, strict=True)):
             port = server.message()
-            urls |= {blob_id: f"http://127.0.0.1:{port}/{blob_id}" for blob_id in half}
+            urls |= {blob_id: f"http://{where.server_address(index)}:{port}/{blob_id}" for blob_id in half}
         try:
             http_by_parallel = {p: min(trainer.call(http_fetch, batches, urls, p, repeats,
                                                           timeout_s=WAIT_S * (repeats + 1)))
@@ -363,18 +436,19 @@ def bench_fetch(settings: Settings, trainer, servers, endpoints: Sequence[str]) 
         best_parallel = min(http_by_parallel, key=http_by_parallel.__getitem__)
         http_s = http_by_parallel[best_parallel]
         big = nbytes >= MIB
+        section = where.section
         rows += [
-            Row("fetch", f"{label} → assembled (vs raw TCP, bytes only)", "GB/s", total / ours / 1e9,
+            Row(section, f"{label} → assembled (vs raw TCP, bytes only)", "GB/s", total / ours / 1e9,
                 total / raw / 1e9, 0.80 if big else 0.50),
-            Row("fetch", f"{label} → assembled (vs HTTP, best: {best_parallel} parallel; raw TCP "
+            Row(section, f"{label} → assembled (vs HTTP, best: {best_parallel} parallel; raw TCP "
                          f"{total / raw / 1e9:.2f} GB/s)", "GB/s", total / ours / 1e9, total / http_s / 1e9,
                 1.2 if big else 5.0),
-            Row("fetch", f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
+            Row(section, f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
                 total / raw / 1e9, None),
         ]
         figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw,
                           "http_s": {str(p): s for p, s in http_by_parallel.items()},
-                          "bytes": total}
+                          "bytes": total, "samples_checked": checked}
     return rows, figures
 
 
@@ -408,8 +482,10 @@ def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[st
     extra: dict[str, Any] = {}
     with workers("bench-trainer", "bench-server-a", "bench-server-b") as (trainer, server_a, server_b):
         if "fetch" in sections:
-            with TemporaryDirectory(prefix="refbus-bench-") as workdir, env_servers(Path(workdir)) as endpoints:
-                fetch_rows, extra["fetch"] = bench_fetch(settings, trainer, (server_a, server_b), endpoints)
+            where = Placement()
+            with TemporaryDirectory(prefix="refbus-bench-") as workdir, \
+                    env_servers(Path(workdir), where) as endpoints:
+                fetch_rows, extra["fetch"] = bench_fetch(settings, where, trainer, (server_a, server_b), endpoints)
                 rows += fetch_rows
             extra["env_servers"] = "refbus node env-server processes (real), one broker"
         if "memory" in sections:
@@ -418,19 +494,39 @@ def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[st
     return rows, extra
 
 
+def run_across_hosts(settings: Settings) -> tuple[list[Row], dict[str, Any]]:
+    """The fetch comparison on three namespace hosts (``bench.hosts``, needs root): the broker and the trainer
+    on hostA, an env server and a baseline server on each of hostB and hostC; everything is torn down after."""
+    cluster = hosts.build(3)
+    try:
+        where = Placement(cluster)
+        with TemporaryDirectory(prefix="refbus-bench-") as workdir, env_servers(Path(workdir), where) as endpoints, \
+                workers("bench-trainer", python=where.python(0)) as (trainer,), \
+                workers("bench-server-b", python=where.python(1)) as (server_b,), \
+                workers("bench-server-c", python=where.python(2)) as (server_c,):
+            rows, fetch = bench_fetch(settings, where, trainer, (server_b, server_c), endpoints)
+    finally:
+        cluster.down()
+    return rows, {"fetch": fetch, "env_servers": "refbus node env-server processes (real) on hostB and hostC, "
+                  "one broker on hostA", "hosts": [f"{h.name} {h.address}" for h in cluster]}
+
+
 SECTIONS = ("fetch", "memory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv, prog="python -m bench.payload", description=__doc__.split("\n\n")[0],
-                      quick_help="fewer repeats and 256 MiB in flight (~20 s)", sections=SECTIONS)
+                      quick_help="fewer repeats and 256 MiB in flight (~20 s)", sections=SECTIONS,
+                      hosts_help="fetch only, across three namespace hosts (needs root): env servers on hostB "
+                                 "and hostC, the trainer on hostA, baselines between the same hosts")
     configure_logging(level="warning")
     settings = QUICK if args.quick else FULL
     started = time.monotonic()
-    rows, extra = run(settings, args.only or SECTIONS)
+    rows, extra = run_across_hosts(settings) if args.hosts else run(settings, args.only or SECTIONS)
     print(format_table(rows))
     if "env_servers" in extra:
-        print(f"\nenv servers: {extra['env_servers']}; trainer: StepFetcher in its own process")
+        where = " on hostA" if args.hosts else ""
+        print(f"\nenv servers: {extra['env_servers']}; trainer: StepFetcher in its own process{where}")
     elapsed = time.monotonic() - started
     print(run_line(args.quick, elapsed))
     if args.json:

@@ -25,7 +25,14 @@ Sections 1-3 run with ``ps.replicas`` 1, so their figures compare with those bef
 Every process is a real node (``NodeProcess``) or a spawned worker (``bench.harness.workers``), every wait is
 bounded, everything is stopped and no segment is left in /dev/shm.
 
-    python -m bench.ps [--quick] [--json PATH]
+Across hosts (``--hosts``, needs root; ``bench.hosts``, 1 + max N namespace hosts): the broker, the manager
+and the client (a bench worker) on hostA, one ps-worker per other host. (a) Frames pull and push between
+the worker on hostB and the client against raw TCP between the same two hosts, in interleaved rounds
+(goal >= 80%). (b) Every host's link capped with ``tc`` at ``--cap-mbit`` each way; broadcast init over
+N = 2, 4, 8 workers against the reader sending to each in turn (goal: faster for N >= 4) and against
+``ceil(log2 N) x size / link rate`` (goal: within 1.2x). A table of ratios, like the other benches.
+
+    python -m bench.ps [--quick] [--hosts [--cap-mbit M]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -49,19 +57,26 @@ import torch
 from refbus.bus.logs import configure_logging
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.ps.broadcast import rounds
 from refbus.nodes.ps.client import PsClient
 from refbus.nodes.ps.nixl import NixlError
 from refbus.nodes.ps.shm import sweep_orphans
+from refbus.protocol.messages_ps import InitResult
 from safetensors.torch import save_file
 
+from bench import hosts
 from bench.harness import (
     GIB,
     MIB,
+    RAW_BYTE,
     WAIT_S,
     BenchError,
     Channel,
+    Row,
     Worker,
     best_seconds,
+    figures,
+    format_table,
     parse_args,
     raw_peer,
     recv_exactly,
@@ -71,6 +86,8 @@ from bench.harness import (
 )
 
 RETAIN = 2
+CAP_MBIT = 1000  # a link capped below what two cores move, so that the link is what limits a broadcast
+TRANSFER_ROUNDS = 2  # across hosts: raw TCP and frames measured in turn, this many times
 PUSHER_WAIT_S = 120.0  # a push of the full state with the machine saturated, plus the pusher's start-up
 
 
@@ -118,29 +135,38 @@ class Cluster:
     procs: list[NodeProcess]
 
     def client(self, name: str, **kwargs: Any) -> tuple[NodeRuntime, PsClient]:
-        runtime = NodeRuntime("bench", RuntimeSettings(bus=self.control, node_id=name, metrics_port=-1),
-                              register=False)
-        return runtime, PsClient(runtime, self.manager, **kwargs)
+        return client(self.control, self.manager, name, **kwargs)
 
 
 @contextmanager
-def cluster(ps_workers: int, replicas: int = 1) -> Iterator[Cluster]:
+def cluster(ps_workers: int, replicas: int = 1, on: hosts.Hosts | None = None) -> Iterator[Cluster]:
+    """A broker, a ps-manager and ``ps_workers`` ps-workers (``w0``, ``w1``, ...) on this host; or ``on``
+    namespace hosts: the broker and the manager on the first, worker ``wI`` on host ``I + 1``, every node
+    binding its host's interfaces and advertising its name, unencrypted (plain mode)."""
     workdir = Path(tempfile.mkdtemp(prefix="refbus-bench-ps-"))
     prefix = f"refbus-bench-{os.getpid()}"
+    bind = "127.0.0.1" if on is None else "0.0.0.0"
+    plain = [] if on is None else ["--security-insecure", "true"]
+
+    def placed(index: int) -> list[str]:
+        return [] if on is None else on[index].argv(())
+
     # A generous node timeout: the bench saturates both cores on purpose, and a starved loop must not be
     # mistaken for a dead node (liveness is what the tests check, not this). The longest the default request
     # retry schedule (14 s) allows.
-    bus, control = start_bus(workdir, extra=["--bus-node-timeout-s", "12"])
+    bus, control = start_bus(workdir, extra=["--bus-node-timeout-s", "12", *plain], bind=bind, prefix=placed(0))
     procs = [bus]
     try:
         flags = ["--bus-control", control, "--ps-shm-prefix", prefix, "--ps-retain-versions", str(RETAIN),
-                 "--ps-max-free-segments", "1", "--node-log-level", "warning", "--ps-replicas", str(replicas)]
-        manager = NodeProcess(["node", "ps-manager", "--node-id", "mgr", "--ps-manager", "tcp://127.0.0.1:0",
-                               *flags], workdir=workdir, name="mgr")
+                 "--ps-max-free-segments", "1", "--node-log-level", "warning", "--ps-replicas", str(replicas),
+                 *plain]
+        manager = NodeProcess(["node", "ps-manager", "--node-id", "mgr", "--ps-manager", f"tcp://{bind}:0",
+                               *flags], workdir=workdir, name="mgr", prefix=placed(0))
         procs.append(manager)
         endpoint = manager.wait_ready()["endpoints"]["ps"]
-        started = [NodeProcess(["node", "ps-worker", "--node-id", f"w{i}", "--ps-manager", endpoint, *flags],
-                               workdir=workdir, name=f"w{i}") for i in range(ps_workers)]
+        started = [NodeProcess(["node", "ps-worker", "--node-id", f"w{i}", "--ps-manager", endpoint,
+                                "--ps-worker", f"tcp://{bind}:0", *flags],
+                               workdir=workdir, name=f"w{i}", prefix=placed(i + 1)) for i in range(ps_workers)]
         procs += started
         for proc in started:
             proc.wait_ready()
@@ -152,14 +178,21 @@ def cluster(ps_workers: int, replicas: int = 1) -> Iterator[Cluster]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def client(control: str, manager: str, name: str, **kwargs: Any) -> tuple[NodeRuntime, PsClient]:
+    """A PS client that does not register on the bus (the caller closes its runtime)."""
+    runtime = NodeRuntime("bench", RuntimeSettings(bus=control, node_id=name, metrics_port=-1), register=False)
+    return runtime, PsClient(runtime, manager, **kwargs)
+
+
 # --- 1. transfer ------------------------------------------------------------------------------------
 
 
-def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str) -> float:
-    """Best seconds to move ``nbytes`` between this process and ``peer`` over plain TCP (after one warm-up)."""
-    peer.submit(raw_peer, nbytes, repeats + 1, direction)
-    view = memoryview(np.ones(nbytes, dtype=np.uint8))
-    with socket.create_connection(("127.0.0.1", peer.message()), timeout=WAIT_S) as sock:
+def raw_seconds(address: str, port: int, nbytes: int, repeats: int, direction: str) -> float:
+    """Best seconds to move ``nbytes`` to or from a ``raw_peer`` at ``address:port`` over plain TCP (after one
+    warm-up); a pull checks the bytes it got."""
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    with socket.create_connection((address, port), timeout=WAIT_S) as sock:
         def step() -> None:
             sock.sendall(b"g")
             if direction == "pull":
@@ -170,8 +203,55 @@ def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str) -> float:
                     raise BenchError("raw TCP peer did not acknowledge")
 
         seconds = min(seconds_each(step, repeats + 1)[1:])
+    if direction == "pull" and np.count_nonzero(buffer != RAW_BYTE):
+        raise BenchError("raw TCP delivered wrong bytes")
+    return seconds
+
+
+def raw_client(ch: Channel, address: str, port: int, nbytes: int, repeats: int, direction: str) -> float:
+    """A task: :func:`raw_seconds` in a worker (on another host)."""
+    return raw_seconds(address, port, nbytes, repeats, direction)
+
+
+def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str, *, by: Worker | None = None,
+            address: str = "127.0.0.1") -> float:
+    """Best seconds to move ``nbytes`` between ``peer`` and this process (or worker ``by``, which reaches
+    the peer at ``address``) over plain TCP (after one warm-up)."""
+    peer.submit(raw_peer, nbytes, repeats + 1, direction, "127.0.0.1" if by is None else "0.0.0.0")
+    port = peer.message()
+    if by is None:
+        seconds = raw_seconds(address, port, nbytes, repeats, direction)
+    else:
+        seconds = by.call(raw_client, address, port, nbytes, repeats, direction, timeout_s=WAIT_S * (repeats + 1))
     peer.result()
     return seconds
+
+
+def push_pull(ps: PsClient, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
+              repeats: int) -> tuple[list[float], float]:
+    """Seconds of each push of ``state`` (the first cold; steady state needs ``RETAIN + 1`` segments, as the
+    next version is written while ``RETAIN`` are kept) and the best pull into ``out``, checked against it."""
+    versions = itertools.count(ps.status().latest + 1)
+    pushes = seconds_each(lambda: ps.push(state, next(versions)), RETAIN + 1 + repeats)
+    pull_s = best_seconds(lambda: ps.pull(out=out), repeats)
+    if not all(torch.equal(out[n], t) for n, t in state.items()):
+        raise BenchError("a pull delivered other bytes than were pushed")
+    return pushes, pull_s
+
+
+def frames_push_pull(ch: Channel, control: str, manager: str, total: int, count: int,
+                     repeats: int) -> dict[str, float]:
+    """A task: :func:`push_pull` over frames of ``make_state(total, count)``, from a worker (on another host
+    than the ps-worker)."""
+    torch.set_num_threads(1)
+    state = make_state(total, count)
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    runtime, ps = client(control, manager, "bench-frames", transport="frames")
+    try:
+        pushes, pull_s = push_pull(ps, state, out, repeats)
+    finally:
+        runtime.close()
+    return {"push_cold_s": pushes[0], "push_s": min(pushes[RETAIN + 1 :]), "pull_s": pull_s}
 
 
 def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
@@ -217,14 +297,9 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
     for transport in ("shm", "frames"):
         runtime, ps = c.client(f"bench-{transport}", transport=transport)
         try:
-            versions = itertools.count(ps.status().latest + 1)
-            # Steady state needs retain + 1 segments (the next version is written while `retain` are kept).
-            pushes = seconds_each(lambda ps=ps, versions=versions: ps.push(state, next(versions)),
-                                  RETAIN + 1 + settings.repeats)
+            pushes, pull_s = push_pull(ps, state, out, settings.repeats)
             push_s = min(pushes[RETAIN + 1 :])
-            pull_s = best_seconds(lambda ps=ps: ps.pull(out=out), settings.repeats)
             shared_s = best_seconds(lambda ps=ps: ps.pull(shared=True).release(), settings.repeats)
-            assert all(torch.equal(out[n], t) for n, t in state.items())
         finally:
             runtime.close()
         results[transport] = {"push_cold_s": pushes[0], "push_s": push_s, "pull_s": pull_s}
@@ -282,6 +357,36 @@ def _read_file(path: str) -> None:
         f.readinto(buffer)
 
 
+def tree_and_star(ps: PsClient, path: str, n: int, repeats: int) -> tuple[InitResult, float, float, int]:
+    """Broadcast init of ``path`` into workers ``w0 .. w(n-1)``: the first tree init's result, the best
+    seconds of the tree (after that first one) and of the reader ``w0`` sending to each other worker in turn
+    (``n - 1`` two-worker inits, one after another), and the file reads those took."""
+    names = [f"w{i}" for i in range(n)]
+    tree = ps.init(path, workers=names)
+    tree_s = best_seconds(lambda: ps.init(path, workers=names), repeats)
+
+    def star() -> int:
+        return sum(sum(ps.init(path, workers=[names[0], w]).file_opens.values()) for w in names[1:])
+
+    star_reads = star()
+    return tree, tree_s, best_seconds(star, repeats), star_reads
+
+
+def capped_inits(ch: Channel, control: str, manager: str, path: str, sizes: tuple[int, ...],
+                 repeats: int) -> dict[str, Any]:
+    """A task: :func:`tree_and_star` for each N of ``sizes``, from a worker on a host of its own."""
+    runtime, ps = client(control, manager, "bench-init")
+    try:
+        results = {}
+        for n in sizes:
+            tree, tree_s, star_s, star_reads = tree_and_star(ps, path, n, repeats)
+            results[str(n)] = {"tree_s": tree_s, "star_s": star_s, "rounds": tree.rounds,
+                               "tree_reads": sum(tree.file_opens.values()), "star_reads": star_reads}
+        return results
+    finally:
+        runtime.close()
+
+
 def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
     state = make_state(settings.broadcast_bytes, settings.tensors, seed=1, prefix="checkpoint")
     results: dict[str, Any] = {}
@@ -292,15 +397,7 @@ def bench_broadcast(c: Cluster, settings: Settings, report: Callable[..., None])
         runtime, ps = c.client("bench-init")
         try:
             for n in settings.broadcast_sizes:
-                names = [f"w{i}" for i in range(n)]
-                tree = ps.init(path, workers=names)
-                tree_s = best_seconds(lambda names=names: ps.init(path, workers=names), settings.repeats - 1 or 1)
-
-                def star(names: list[str] = names) -> int:
-                    return sum(sum(ps.init(path, workers=[names[0], w]).file_opens.values()) for w in names[1:])
-
-                star_reads = star()
-                star_s = best_seconds(star, settings.repeats - 1 or 1)
+                tree, tree_s, star_s, star_reads = tree_and_star(ps, path, n, settings.repeats - 1 or 1)
 
                 def each_reads(n: int = n) -> None:
                     # Threads, not processes, so process start-up is not counted against the baseline;
@@ -403,10 +500,89 @@ def bench_replicas(settings: Settings, report: Callable[..., None]) -> dict[str,
     return {"push_1_s": seconds[1], "push_2_s": seconds[2], "ratio": ratio}
 
 
+# --- across namespace hosts ------------------------------------------------------------------------
+
+
+def broadcast_bound_s(n: int, nbytes: int, rate_bit: int) -> float:
+    """The least time a tree init of ``nbytes`` over ``n`` workers can take when every link carries
+    ``rate_bit``: the root sends the whole checkpoint to each of its ``ceil(log2 n)`` children."""
+    return rounds(n) * nbytes * 8 / rate_bit
+
+
+def run_across_hosts(settings: Settings, rate_bit: int) -> tuple[list[Row], dict[str, Any]]:
+    """Frames push and pull between two namespace hosts against raw TCP between the same two hosts, then
+    broadcast init with every host's link capped at ``rate_bit`` against the reader sending to each worker
+    in turn and against the bound. ``1 + max(broadcast_sizes)`` hosts (``bench.hosts``, needs root): the
+    broker, the manager and the client (a bench worker) on hostA, one ps-worker on each other host; the
+    caps and the hosts are removed after."""
+    on = hosts.build(1 + max(settings.broadcast_sizes))
+    rows: list[Row] = []
+    results: dict[str, Any] = {"hosts": [f"{h.name} {h.address}" for h in on], "cap_bit_s": rate_bit}
+    try:
+        a, b = on[0], on[1]
+        with workers("bench-client", python=a.python()) as (by,):
+            state_bytes = nbytes(make_state(settings.state_bytes, settings.tensors))
+            gb = state_bytes / 1e9
+            raw: dict[str, float] = {}
+            frames: dict[str, float] = {}
+            # Raw TCP between two hosts swings 1-3 GB/s run to run here: interleaved rounds, the best of each.
+            with cluster(1, on=on) as c, workers("bench-raw-peer", python=b.python()) as (peer,):
+                for _ in range(TRANSFER_ROUNDS):
+                    for d in ("pull", "push"):
+                        seconds = raw_tcp(peer, state_bytes, settings.repeats, d, by=by, address=b.name)
+                        raw[d] = min(raw.get(d, seconds), seconds)
+                    got = by.call(frames_push_pull, c.control, c.manager, settings.state_bytes, settings.tensors,
+                                  settings.repeats, timeout_s=PUSHER_WAIT_S * (settings.repeats + RETAIN + 2))
+                    # The best of each, but the first round's cold push: later rounds' segments exist.
+                    frames = {k: v if k == "push_cold_s" and k in frames else min(frames.get(k, v), v)
+                              for k, v in got.items()}
+            results["transfer"] = {"bytes": state_bytes, "raw_tcp_s": raw, "frames": frames}
+            section = f"frames {b.name} <-> {a.name}"
+            rows += [
+                Row(section, f"pull {state_bytes / MIB:.0f} MiB, {settings.tensors} tensors (vs raw TCP)", "GB/s",
+                    gb / frames["pull_s"], gb / raw["pull"], 0.8),
+                Row(section, f"push {state_bytes / MIB:.0f} MiB (vs raw TCP)", "GB/s", gb / frames["push_s"],
+                    gb / raw["push"], 0.8),
+            ]
+            for host in on:
+                host.cap(rate_bit)
+            try:
+                with tempfile.TemporaryDirectory() as tmp, cluster(max(settings.broadcast_sizes), on=on) as c:
+                    path = str(Path(tmp) / "model.safetensors")
+                    save_file(make_state(settings.broadcast_bytes, settings.tensors, seed=1, prefix="checkpoint"),
+                              path)
+                    size = os.path.getsize(path)
+                    inits = by.call(capped_inits, c.control, c.manager, path, settings.broadcast_sizes,
+                                    settings.repeats - 1 or 1, timeout_s=PUSHER_WAIT_S * 4 * settings.repeats)
+            finally:
+                for host in on:
+                    host.uncap()
+        results["broadcast"] = {"bytes": size, **inits}
+        section = f"broadcast init, links capped at {rate_bit / 1e9:g} Gbit/s"
+        for n in settings.broadcast_sizes:
+            got = inits[str(n)]
+            label = f"N={n}, {size / MIB:.0f} MiB, {got['rounds']} rounds"
+            rows += [
+                Row(section, f"{label}: tree (vs reader sending to each in turn)", "s", got["tree_s"], got["star_s"],
+                    1.0 if n >= 4 else None, higher_is_better=False),
+                Row(section, f"{label}: tree (vs ceil(log2 N) x size / link rate)", "s", got["tree_s"],
+                    broadcast_bound_s(n, size, rate_bit), 1.2 if n > 1 else None, higher_is_better=False),
+            ]
+    finally:
+        on.down()
+    return rows, results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, prog="python -m bench.ps", description=__doc__.split("\n\n")[0],
-                      quick_help="small sizes (a smoke run, well under 15 s)")
+                      quick_help="small sizes (a smoke run, well under 15 s)",
+                      hosts_help="across namespace hosts (needs root): frames push + pull between two hosts "
+                                 "against raw TCP, broadcast init under capped links (--cap-mbit)",
+                      more=lambda parser: parser.add_argument(
+                          "--cap-mbit", type=int, default=CAP_MBIT,
+                          help=f"with --hosts: every host's link rate, each way (default {CAP_MBIT} Mbit/s)"))
     settings = QUICK if args.quick else FULL
+    started = time.monotonic()
     # One intra-op thread everywhere (baselines included): on a 2-core machine shared with other work,
     # torch's spinning OpenMP workers make a 2-thread copy ~40x slower than a 1-thread one.
     torch.set_num_threads(1)
@@ -416,6 +592,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     results: dict[str, Any] = {"settings": asdict(settings)}
+    if args.hosts:
+        rows, results["across_hosts"] = run_across_hosts(settings, args.cap_mbit * 1_000_000)
+        print(format_table(rows), flush=True)
+        if args.json:
+            write_json(args.json, figures(settings, args.quick, time.monotonic() - started, rows, results))
+        return 0
     with cluster(max(settings.broadcast_sizes)) as c:  # pushes go to w0; inits use w0..w(N-1)
         print("== 1. push + pull on one host ==", flush=True)
         results["transfer"] = bench_transfer(c, settings, report)

@@ -132,13 +132,18 @@ def bus_flags(control: str) -> list[str]:
     return ["--bus-control", control]
 
 
-def start_bus(workdir: Path, *, extra: Sequence[str] = (), timeout: float = 30.0) -> tuple[NodeProcess, str]:
-    """A broker on ephemeral loopback ports; returns it and its control endpoint."""
+def start_bus(
+    workdir: Path, *, extra: Sequence[str] = (), timeout: float = 30.0, bind: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> tuple[NodeProcess, str]:
+    """A broker on ephemeral ports of ``bind`` (loopback by default), started through ``prefix`` (see
+    :class:`NodeProcess`); returns it and its control endpoint."""
     bus = NodeProcess(
-        ["node", "bus", "--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
-         "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0", *extra],
+        ["node", "bus", "--bus-control", f"tcp://{bind}:0", "--bus-events-in", f"tcp://{bind}:0",
+         "--bus-events-out", f"tcp://{bind}:0", "--bus-metrics-port", "0", *extra],
         workdir=workdir,
         name="bus",
+        prefix=prefix,
     )
     try:
         info = bus.wait_ready(timeout)

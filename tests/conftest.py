@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import hosts as namespace_hosts
 import pytest
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.settings import StoreSettings
 from refbus.nodes.store.durable import PREFIX, remove_unheld
+
+from bench import hosts as namespace_hosts
 
 # Short liveness timing so node-down tests finish quickly.
 FAST_LIVENESS = ["--bus-heartbeat-interval-s", "0.2", "--bus-node-timeout-s", "1.0"]
@@ -46,7 +47,7 @@ def spawn(tmp_path: Path) -> Iterator:
 
 @pytest.fixture
 def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
-    """``make_hosts(n, names=...)``: ``n`` namespace hosts (tests/hosts.py), all torn down afterwards.
+    """``make_hosts(n, names=...)``: ``n`` namespace hosts (bench/hosts.py), all torn down afterwards.
 
     Skips with the reason where they cannot be built (not root, no iproute2); with ``REFBUS_REQUIRE_NETNS=1``
     (set by CI) that is a failure instead.

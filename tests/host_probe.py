@@ -1,4 +1,4 @@
-"""A client process for the cross-host tests, run inside one namespace host (tests/hosts.py):
+"""A client process for the cross-host tests, run inside one namespace host (bench/hosts.py):
 
     python host_probe.py blobs --endpoint EP --seed S   # keep, claim, fetch, delete on an env server
     python host_probe.py scrape --sd URL --node ID      # a node's metrics, found through the broker's /sd

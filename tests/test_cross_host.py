@@ -1,4 +1,4 @@
-"""Real refbus nodes on three namespace hosts (tests/hosts.py): each host has its own network, host name
+"""Real refbus nodes on three namespace hosts (bench/hosts.py): each host has its own network, host name
 and /dev/shm, so a node's advertised endpoints, same-host detection and shared memory are exercised as
 across real machines. The broker and the ps-manager on hostA, data-plane nodes on hostB and hostC, clients
 inside the hosts; every node binds the wildcard address and advertises its host name, unsigned and
@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hosts
 import pytest
 from conftest import FAST_LIVENESS
 from host_probe import branches, digest
@@ -22,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ps_support import Actor, checksums, make_state
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.toy.policy import make_policy
+
+from bench import hosts
 
 PROBE = str(Path(__file__).with_name("host_probe.py"))
 WAIT_S = 10.0

@@ -1,4 +1,4 @@
-"""The namespace-host harness itself (tests/hosts.py): names resolve everywhere, each host has its own host
+"""The namespace-host harness itself (bench/hosts.py): names resolve everywhere, each host has its own host
 name and /dev/shm, and nothing is left behind: not after a clean teardown, not after SIGTERM, not after the
 owner was killed with SIGKILL (the next build sweeps it)."""
 
@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hosts
 import pytest
 from polling import wait_for
+
+from bench import hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 10.0
@@ -88,9 +89,9 @@ def test_down_kills_every_process_inside_and_removes_everything(make_hosts) -> N
 
 def _owner(*args: str) -> subprocess.Popen[str]:
     """A separate process that builds a cluster and prints its name; then waits to be signalled."""
-    script = ("import sys, time, hosts; cluster = hosts.build(2); print(cluster.name, flush=True); "
+    script = ("import sys, time; from bench import hosts; cluster = hosts.build(2); print(cluster.name, flush=True); "
               "time.sleep(float(sys.argv[1]))")
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT / "tests", stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True)
 
 
@@ -116,7 +117,7 @@ def test_bad_names_and_unknown_clusters_are_refused(make_hosts) -> None:
     for names in (["hostA", "hostA"], ["bridge"], ["no spaces"], ["-x"]):
         with pytest.raises(ValueError, match="host names"):
             hosts.build(len(names), names=names)
-    cli = subprocess.run([sys.executable, "-m", "tests.hosts", "exec", "rbt1-0", "hostA", "--", "true"],
+    cli = subprocess.run([sys.executable, "-m", "bench.hosts", "exec", "rbt1-0", "hostA", "--", "true"],
                          cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
     assert cli.returncode == 1 and "no cluster 'rbt1-0'" in cli.stderr
 
@@ -125,7 +126,7 @@ def test_command_line_up_exec_down(make_hosts) -> None:
     make_hosts(1)
 
     def cli(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "tests.hosts", *args], cwd=ROOT, capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "bench.hosts", *args], cwd=ROOT, capture_output=True,
                                 text=True, timeout=WAIT_S * 3)
         assert result.returncode == 0, result.stderr
         return result.stdout

@@ -1,4 +1,4 @@
-"""A network partition on namespace hosts (tests/hosts.py): hostC's link is cut mid-run and restored.
+"""A network partition on namespace hosts (bench/hosts.py): hostC's link is cut mid-run and restored.
 
 hostA runs the broker, the ps-manager, the orchestrator and the event recorder (`refbus monitor --json`);
 hostB an env server, a rollout worker, the ps-worker and the trainer rank (a world of one: gloo cannot survive
@@ -29,13 +29,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import hosts
 import pytest
 from polling import wait_for
 from refbus.bus.reqrep import RetryPolicy
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
 from test_readme_hosts import events
+
+from bench import hosts
 
 TESTS = Path(__file__).parent
 HOLDER = str(TESTS / "partition_holder.py")

@@ -8,17 +8,25 @@ cluster loses an interior worker of the tree, which must fail the init loudly, b
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from polling import wait_for
 from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
 from refbus.bus.reqrep import RemoteError
-from refbus.nodes.ps.broadcast import children, parent, rounds
+from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.protocol.codec import checksum
+from refbus.protocol.envelope import Message
+from refbus.protocol.messages import Ok
+from refbus.protocol.messages_ps import InitChunk, InitDone, InitEnd, InitHeader, InitPlan, WorkerInfo
 from safetensors.torch import save_file
 
 CHUNK = ["--ps-chunk-bytes", "4096"]  # many chunks even for a small checkpoint: the stream is pipelined
@@ -106,3 +114,129 @@ def test_tree_reaches_every_worker_once_in_ceil_log2_rounds(n: int) -> None:
             received[child] = rank.bit_length() + k + 1
     assert sorted(received) == list(range(n))
     assert max(received.values()) == rounds(n) == (math.ceil(math.log2(n)) if n > 1 else 0)
+
+
+class _Memory:
+    """A segment stand-in for a relay driven by hand: a bytearray with ``view`` and ``name``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = "mem"
+        self.data = bytearray(nbytes)
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        end = len(self.data) if nbytes is None else offset + nbytes
+        if offset < 0 or end > len(self.data) or end < offset:
+            raise ValueError(f"bytes [{offset}, {end}) are outside the segment")
+        return memoryview(self.data)[offset:end]
+
+
+def _tree(n: int) -> list[WorkerInfo]:
+    return [WorkerInfo(f"w{i}", f"tcp://127.0.0.1:{9000 + i}", "here", "/dev/shm") for i in range(n)]
+
+
+def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_only_as_far(checkpoint) -> None:
+    """The root of 4 (children w1, w2) with 64-byte chunks: nothing acknowledged, each child has WINDOW chunks
+    and the file is read no further; each acknowledgement lets exactly one more chunk go to that child; a
+    stuck child does not hold back the other; every child gets every chunk once, in order, then the end. The
+    root reports its own copy done at the end of the file, whatever its children got (each worker reports
+    for itself)."""
+    path, state = checkpoint
+    sent: list[tuple[str, Any, Callable[[Any], None]]] = []
+    reports: list[Any] = []
+    memory: dict[str, _Memory] = {}
+
+    def acquire(shard: str, nbytes: int) -> _Memory:
+        return memory.setdefault(shard, _Memory(nbytes))
+
+    relay = Relay("init-1", "w0", acquire=acquire,  # type: ignore[arg-type]
+                  send=lambda peer, body, deadline_s, on_done: sent.append((peer.worker, body, on_done)),
+                  report=reports.append)
+    chunk = 64
+    relay.stream_from(InitPlan("init-1", str(path), _tree(4), chunk, 5.0))
+
+    def chunks_to(worker: str) -> list[Any]:
+        return [(body, done) for to, body, done in sent if to == worker and isinstance(body, InitChunk)]
+
+    assert next(type(body) for to, body, _ in sent if to == "w1") is InitHeader
+    assert len(chunks_to("w1")) == len(chunks_to("w2")) == WINDOW
+    assert relay._read == WINDOW * chunk  # read only as far as the children take
+    ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
+    acked: set[int] = set()
+
+    def acknowledge(worker: str) -> None:
+        for i, (to, body, done) in enumerate(sent):  # grows as acknowledgements send more
+            if to == worker and isinstance(body, InitChunk) and i not in acked:
+                acked.add(i)
+                done(ok)
+
+    chunks_to("w1")[0][1](ok)
+    acked.add(next(i for i, (to, body, _) in enumerate(sent) if to == "w1" and isinstance(body, InitChunk)))
+    assert len(chunks_to("w1")) == WINDOW + 1 and len(chunks_to("w2")) == WINDOW
+    acknowledge("w1")  # w1 takes everything as it comes while w2 is stuck: the root reads for w1
+    assert relay._read == len(memory["init-1"].data) and len(chunks_to("w2")) == WINDOW
+    assert not any(isinstance(body, InitEnd) for to, body, _ in sent if to == "w2")
+    acknowledge("w2")  # w2 catches up from the segment
+    nbytes = len(memory["init-1"].data)
+    for worker in ("w1", "w2"):
+        messages = [body for to, body, _ in sent if to == worker]
+        offsets = [body.offset for body in messages if isinstance(body, InitChunk)]
+        assert offsets == list(range(0, nbytes, chunk))  # every chunk once, in order
+        assert isinstance(messages[0], InitHeader) and isinstance(messages[-1], InitEnd)
+    assert isinstance(reports[0], InitDone) and reports[0].file_opens == 1 and relay._file is None
+    want = {name: checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for name, t in state.items()}
+    assert {t.name: t.checksum for t in reports[0].tensors} == want
+
+
+def test_a_relay_refuses_a_chunk_before_its_header_or_outside_its_segment_and_holds_nothing() -> None:
+    sent: list[Any] = []
+    relay = Relay("init-2", "w1", acquire=lambda shard, nbytes: _Memory(nbytes),  # type: ignore[arg-type]
+                  send=lambda peer, body, deadline_s, on_done: sent.append(body), report=sent.append)
+    with pytest.raises(ValueError, match="chunk before header"):
+        relay.on_chunk(InitChunk("init-2", 0, np.zeros(8, np.uint8)))
+    relay.on_header(InitHeader("init-2", _tree(4), 5.0, 100, []))  # w1 relays to w3
+    assert [type(body) for body in sent] == [InitHeader]
+    for offset, size in ((96, 8), (1 << 40, 1)):
+        with pytest.raises(ValueError, match="outside the segment"):
+            relay.on_chunk(InitChunk("init-2", offset, np.full(size, 7, np.uint8)))
+    assert relay._chunks == [] and [type(body) for body in sent] == [InitHeader]  # nothing held or passed on
+    relay.on_chunk(InitChunk("init-2", 0, np.full(100, 7, np.uint8)))  # still serves a good chunk
+    assert [type(body) for body in sent] == [InitHeader, InitChunk]
+
+
+def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_the_next(bus, spawn,
+                                                                                     checkpoint) -> None:
+    """w3 (a leaf under w1) is stopped before the init, so the stream stalls on it with chunks in flight,
+    then SIGKILLed once the others hold their copies: the init fails naming w3, the survivors free their
+    partial copies and a broadcast over them succeeds."""
+    path, state = checkpoint
+    _, control = bus
+    cluster = start_cluster(spawn, control, "bkill", workers=4, extra=[*CHUNK, "--ps-ack-timeout-s", "5.0"])
+    runtime, ps = cluster.client()
+    victim = cluster.workers["w3"]
+    try:
+        victim.proc.send_signal(signal.SIGSTOP)
+        outcome: list[BaseException | None] = []
+
+        def init() -> None:
+            try:
+                ps.init(str(path), workers=["w0", "w1", "w2", "w3"], timeout_s=30)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        runner = threading.Thread(target=init)
+        runner.start()
+        wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
+        victim.proc.kill()
+        victim.proc.wait(10)
+        runner.join(30)
+        assert not runner.is_alive() and isinstance(outcome[0], RemoteError), outcome
+        assert outcome[0].code == "init-failed" and "'w3'" in str(outcome[0])
+        wait_for(lambda: all(cluster.held(w) == 0 for w in ("w0", "w1", "w2")), 10, "partial copies to be freed")
+        result = ps.init(str(path), workers=["w0", "w1", "w2"], timeout_s=30)
+        pulled = ps.pull(result.version, verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
+        runtime.close()
+        _stop(cluster)
+    assert segments(cluster.prefix) == []

@@ -1,4 +1,4 @@
-"""The README's "Running for real" section, run as written on three namespace hosts (tests/hosts.py).
+"""The README's "Running for real" section, run as written on three namespace hosts (bench/hosts.py).
 
 The cluster file is the README's ``toml`` block, the commands are the lines of its first ``sh`` block, each
 run through ``bash -c`` inside the host its comment names (so ``$(hostname)`` is the host's own name), in
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hosts
 import pytest
 from polling import wait_for
 from refbus.nodes.launch import NodeProcess
 from test_observability import PROMETHEUS, prometheus
+
+from bench import hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -1,7 +1,7 @@
 """The README's SLURM script, submitted as written to a small Slurm cluster on namespace hosts.
 
 Debian's ``slurm-wlm`` and ``munge``: munged in the root namespace (its socket is a file every host
-reaches), slurmctld on hostA, slurmd on hostB and hostC, entered with ``nsenter --net`` (tests/hosts.py;
+reaches), slurmctld on hostA, slurmd on hostB and hostC, entered with ``nsenter --net`` (bench/hosts.py;
 ``ip netns exec`` would mount a fresh ``/sys`` and slurmd's cgroup check would fail). The job script and
 the cluster file are the README's blocks; the job runs in a directory every host sees, as on a real
 cluster with a shared file system. Only ``make slurm-test`` runs it (REFBUS_SLURM=1; it installs the
@@ -20,10 +20,11 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-import hosts
 import pytest
 from polling import wait_for
 from test_readme_hosts import README, readme_recipe
+
+from bench import hosts
 
 BIN = Path(sys.executable).parent
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "srun")

@@ -4,7 +4,10 @@ Tree (ranks 0..N-1, the root is 0): rank ``r`` receives from ``r - 2**(bitlen(r)
 ``r + 2**k`` for every ``k >= bitlen(r)`` below N, so every rank has the data after ``ceil(log2 N)``
 rounds. The stream is chunked and pipelined: the root forwards each chunk as soon as it is read and every
 interior worker forwards it as soon as it has copied it, so the rounds overlap instead of running one after
-another.
+another. Each child has at most ``WINDOW`` chunks in flight (sent, not yet acknowledged); the others wait in
+the sender's segment, which holds the whole checkpoint anyway, and go out as acknowledgements come back. So
+an acknowledgement's deadline covers a few chunks on the sender's link, never the whole checkpoint queued at
+once (which, on a link slower than ``children x size / ack_timeout_s``, failed inits that were progressing).
 
 Verification: every chunk frame carries the sender's xxh3 checksum and is verified on receipt; at the end the
 root's per-tensor checksums travel down the tree and every worker hashes its own copy against them.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 import structlog
@@ -43,6 +47,8 @@ from .checkpoint import read_layout
 from .shm import Segment
 
 log = structlog.get_logger(__name__)
+
+WINDOW = 4  # chunks in flight to one child: keeps a fast link busy, and bounds what an ack deadline covers
 
 
 def rounds(n: int) -> int:
@@ -73,6 +79,16 @@ Report = Callable[[Body], None]
 """``report(body)``: an asynchronous request to the manager (``ps-init-done``/``ps-init-failed``)."""
 
 
+@dataclass
+class _Child:
+    """What a relay has sent one child: the first ``sent`` chunks, of which ``in_flight`` are unacknowledged."""
+
+    info: WorkerInfo
+    sent: int = 0
+    in_flight: int = 0
+    ended: bool = False
+
+
 class Relay:
     """One worker's part in broadcast ``init_id``: receive (or read) the checkpoint, forward it to its
     children, verify it, report to the manager.
@@ -91,41 +107,73 @@ class Relay:
         self._acquire = acquire
         self._send = send
         self._report = report
-        self._children: list[WorkerInfo] = []
+        self._children: list[_Child] = []
         self._ack_timeout_s = 0.0
         self._segment: Segment | None = None
         self._tensors: list[ShardTensor] = []
+        self._chunks: list[tuple[int, int]] = []  # (offset, nbytes) of every chunk this worker holds, in order
+        self._end: InitEnd | None = None  # passed on to each child once it has every chunk
+        self._segment_bytes = 0
+        # The root's checkpoint while it reads it: the file, its name, the chunk size and the bytes read.
+        self._file: BinaryIO | None = None
+        self._path = ""
+        self._chunk_bytes = 0
+        self._read = 0
 
     # --- the stream ---------------------------------------------------------------------------------
 
     def stream_from(self, plan: InitPlan) -> None:
-        """Root: read ``plan.path`` into a segment, forwarding each chunk, then verify and report.
+        """Root: open ``plan.path``, send the header, and start reading it into the segment (:meth:`_read_on`).
 
-        Runs to completion on the loop thread (children acknowledge into their sockets meanwhile).
+        Reads go only as far ahead as the fastest child takes them, so the loop thread stays free to take
+        acknowledgements however large the checkpoint is.
         """
         try:
-            with open(plan.path, "rb", buffering=0) as f:
-                self.file_opens += 1
-                layout = read_layout(f, plan.path)
-                self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors)
-                assert self._segment is not None
-                f.seek(layout.data_start)
-                offset = 0
-                while offset < layout.nbytes:
-                    view = self._segment.view(offset, min(plan.chunk_bytes, layout.nbytes - offset))
-                    got = f.readinto(view)
-                    if not got:
-                        raise OSError(f"{plan.path} ends {layout.nbytes - offset} bytes early")
-                    self._forward(InitChunk(self.init_id, offset, np.frombuffer(view[:got], np.uint8)), "chunk")
-                    offset += got
+            self._file = open(plan.path, "rb", buffering=0)  # noqa: SIM115 - closed at its end or on failure
+            self.file_opens += 1
+            layout = read_layout(self._file, plan.path)
+            self._file.seek(layout.data_start)
+            self._path, self._chunk_bytes = plan.path, plan.chunk_bytes
+            self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors)
         except (OSError, ValueError) as exc:
+            self._close_file()
             self.fail(self.me, f"cannot read checkpoint {plan.path}: {exc}")
             return
+        self._read_on()
+
+    def _read_on(self) -> None:
+        """Root: read the next chunks while some child has room for one it does not have yet (all of them when
+        it has no children); at the end of the file, checksum every tensor and finish."""
+        if self._file is None or self.failed:
+            return
+        assert self._segment is not None
+        nbytes = self._segment_bytes
+        try:
+            while self._read < nbytes and (not self._children or any(
+                    c.sent == len(self._chunks) and c.in_flight < WINDOW for c in self._children)):
+                view = self._segment.view(self._read, min(self._chunk_bytes, nbytes - self._read))
+                got = self._file.readinto(view)
+                if not got:
+                    raise OSError(f"{self._path} ends {nbytes - self._read} bytes early")
+                self._read += got
+                self._hold(self._read - got, got)
+        except (OSError, ValueError) as exc:
+            self._close_file()
+            self.fail(self.me, f"cannot read checkpoint {self._path}: {exc}")
+            return
+        if self._read < nbytes:
+            return
+        self._close_file()
         tensors = [
             ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, checksum(self._segment.view(t.offset, t.nbytes)))
             for t in self._tensors
         ]
         self._finish(tensors)
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def on_header(self, header: InitHeader) -> None:
         self._start(header.workers, header.ack_timeout_s, header.nbytes, header.tensors)
@@ -137,7 +185,7 @@ class Relay:
         data = np.asarray(chunk.data).reshape(-1)
         view = self._segment.view(chunk.offset, data.nbytes)
         np.frombuffer(view, np.uint8)[:] = data
-        self._forward(InitChunk(self.init_id, chunk.offset, np.frombuffer(view, np.uint8)), "chunk")
+        self._hold(chunk.offset, data.nbytes)
 
     def on_end(self, end: InitEnd) -> None:
         """Pass the root's checksums on, then verify this worker's copy against them."""
@@ -145,6 +193,7 @@ class Relay:
 
     def fail(self, worker: str, reason: str) -> None:
         self.failed = True
+        self._close_file()
         log.error("ps.init_failed", init_id=self.init_id, worker=worker, reason=reason)
         self._report(InitFailed(self.init_id, self.me, worker, reason))
 
@@ -153,32 +202,62 @@ class Relay:
     def _start(self, workers: list[WorkerInfo], ack_timeout_s: float, nbytes: int, tensors: list[ShardTensor]) -> None:
         names = [w.worker for w in workers]
         rank = names.index(self.me)
-        self._children = [workers[c] for c in children(rank, len(workers))]
+        self._children = [_Child(workers[c]) for c in children(rank, len(workers))]
         self._ack_timeout_s = ack_timeout_s
         self._tensors = list(tensors)
         self._segment = self._acquire(self.init_id, nbytes)
-        self._forward(InitHeader(self.init_id, workers, ack_timeout_s, nbytes, self._tensors), "header")
-
-    def _forward(self, body: Body, what: str) -> None:
+        self._segment_bytes = nbytes
         for child in self._children:
-            self._send(child, body, self._ack_timeout_s,
-                       lambda outcome, child=child.worker: self._acknowledged(child, what, outcome))
+            self._send_to(child, InitHeader(self.init_id, workers, ack_timeout_s, nbytes, self._tensors), "header")
 
-    def _acknowledged(self, child: str, what: str, outcome: Outcome) -> None:
-        """A child's answer to a forwarded message: anything but ok fails the init (the first failure wins)."""
-        if self.failed or isinstance(outcome, Message):
+    def _hold(self, offset: int, nbytes: int) -> None:
+        """Chunk ``[offset, offset + nbytes)`` of the segment is written: send it to every child with room."""
+        self._chunks.append((offset, nbytes))
+        for child in self._children:
+            self._pump(child)
+
+    def _pump(self, child: _Child) -> None:
+        """Send ``child`` its next chunks while it has fewer than ``WINDOW`` in flight, then the end once it
+        has them all. Chunks are zero-copy views of the segment, which stays mapped until it is released."""
+        assert self._segment is not None
+        while not self.failed and child.in_flight < WINDOW and child.sent < len(self._chunks):
+            offset, nbytes = self._chunks[child.sent]
+            child.sent += 1
+            child.in_flight += 1
+            self._send_to(child, InitChunk(self.init_id, offset, np.frombuffer(self._segment.view(offset, nbytes),
+                                                                               np.uint8)), "chunk")
+        if self._end is not None and not self.failed and not child.ended and child.sent == len(self._chunks):
+            child.ended = True
+            self._send_to(child, self._end, "end")
+
+    def _send_to(self, child: _Child, body: Body, what: str) -> None:
+        self._send(child.info, body, self._ack_timeout_s,
+                   lambda outcome: self._acknowledged(child, what, outcome))
+
+    def _acknowledged(self, child: _Child, what: str, outcome: Outcome) -> None:
+        """A child's answer to a forwarded message: ok makes room for the next chunk; anything else fails the
+        init (the first failure wins)."""
+        if self.failed:
             return
-        if isinstance(outcome, RemoteError):
-            self.fail(child, f"rejected the {what}: [{outcome.code}] {outcome.detail}")
+        name = child.info.worker
+        if isinstance(outcome, Message):
+            if what == "chunk":
+                child.in_flight -= 1
+                self._pump(child)
+                self._read_on()
+        elif isinstance(outcome, RemoteError):
+            self.fail(name, f"rejected the {what}: [{outcome.code}] {outcome.detail}")
         elif isinstance(outcome, RequestTimeout):
-            self.fail(child, f"did not acknowledge the {what} within {self._ack_timeout_s:g}s (dead or stuck)")
+            self.fail(name, f"did not acknowledge the {what} within {self._ack_timeout_s:g}s (dead or stuck)")
         elif isinstance(outcome, PeerDown):
-            self.fail(child, f"went down before acknowledging the {what} ({outcome.reason})")
+            self.fail(name, f"went down before acknowledging the {what} ({outcome.reason})")
 
     def _finish(self, tensors: list[ShardTensor]) -> None:
         if self.failed:
             return
-        self._forward(InitEnd(self.init_id, tensors), "end")
+        self._end = InitEnd(self.init_id, tensors)
+        for child in self._children:
+            self._pump(child)
         assert self._segment is not None
         # The root computed the checksums from its own segment; every other copy is checked against them.
         for t in tensors if not self.file_opens else ():

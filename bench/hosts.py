@@ -19,9 +19,9 @@ whose owner is gone).
 
 Needs root, iproute2 and util-linux (nsenter, unshare). From the command line (as root)::
 
-    python -m tests.hosts up 3                  # prints the cluster's name and hosts; kept until `down`
-    python -m tests.hosts exec CLUSTER hostB -- hostname
-    python -m tests.hosts down [CLUSTER ...]    # no name: every kept cluster and every stale one
+    python -m bench.hosts up 3                  # prints the cluster's name and hosts; kept until `down`
+    python -m bench.hosts exec CLUSTER hostB -- hostname
+    python -m bench.hosts down [CLUSTER ...]    # no name: every kept cluster and every stale one
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import ipaddress
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,7 @@ KEEP_MARKER = "keep"  # in a cluster's state dir: made from the command line, no
 STOP_TIMEOUT_S = 5.0
 COMMAND_TIMEOUT_S = 10.0
 REAP_POLL_S = 0.02
+CAP_LATENCY_MS = 20  # how long a packet may wait in a capped link's queue before it is dropped
 
 # In the entered host, before exec: the host name, the host's /dev/shm and hosts file. "$0" is the host
 # name, "$1" the shm directory, "$2" the hosts file; the command follows.
@@ -118,6 +120,41 @@ class Host:
         proc = subprocess.Popen(self.argv(command), **kwargs)
         self.cluster.processes.append(proc)
         return proc
+
+    def python(self) -> str:
+        """An executable that runs this machine's Python (``sys.executable``, so the same environment) inside
+        this host with the arguments it is given: what ``multiprocessing``'s ``set_executable`` takes to
+        spawn processes there. A shell script in the cluster's state directory, made on first use."""
+        launcher = self.cluster.state / self.name / "python"
+        if not launcher.exists():
+            if os.statvfs(launcher.parent).f_flag & os.ST_NOEXEC:
+                raise HostsUnavailable(f"{STATE_ROOT} is mounted noexec: cannot run a Python launcher from it")
+            launcher.write_text(f'#!/bin/sh\nexec {shlex.join(self.argv([sys.executable]))} "$@"\n')
+            launcher.chmod(0o755)
+        return str(launcher)
+
+    def cap(self, rate_bit: int) -> None:
+        """Cap this host's link at ``rate_bit`` bits per second each way, as a NIC of that speed would: a
+        token bucket (``tc`` tbf) on its interface (what it sends) and on its bridge port (what it receives).
+        Replaces an earlier cap; :meth:`uncap` removes it, and deleting the namespaces removes it too."""
+        burst = max(rate_bit // 8 // 100, 256 << 10)  # 10 ms of traffic, and never below a few TSO packets
+        tbf = ["root", "tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "latency", f"{CAP_LATENCY_MS}ms"]
+        for netns, dev in self._link_ends():
+            _sh("tc", "-n", netns, "qdisc", "replace", "dev", dev, *tbf)
+
+    def uncap(self) -> None:
+        """Remove the cap of :meth:`cap` (nothing to remove is fine)."""
+        for netns, dev in self._link_ends():
+            _sh("tc", "-n", netns, "qdisc", "del", "dev", dev, "root", check=False)
+
+    def caps(self) -> list[str]:
+        """The token-bucket qdiscs on this host's link, as ``tc qdisc show`` prints them (empty: uncapped)."""
+        shown = [_sh("tc", "-n", netns, "qdisc", "show", "dev", dev).stdout
+                 for netns, dev in self._link_ends()]
+        return [line for text in shown for line in text.splitlines() if " tbf " in f" {line} "]
+
+    def _link_ends(self) -> list[tuple[str, str]]:
+        return [(self.netns, "eth0"), (self.cluster.bridge_netns, f"v{self.cluster.hosts.index(self)}")]
 
     def link(self, up: bool) -> None:
         """Bring this host's bridge port up or down: down, nothing reaches or leaves the host (its own
@@ -377,7 +414,7 @@ def attach(name: str) -> Hosts:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="build a cluster that stays until `down`; prints it as JSON")
     up.add_argument("count", type=int)
