@@ -15,15 +15,17 @@ The model run (``Model``): a 30B MoE (48 layers, top-8 routing), 1,024 episodes 
 * Beside events: every node heartbeats once a ``heartbeat_s`` (env server and rollout worker per inference
   node, one per trainer rank), and each rollout worker refreshes the registry every ``lookup_s``.
 * Fan-out: the orchestrator and the launcher's watcher decode the whole stream; every env server and trainer
-  rank tracks peers, and a subscription carries the whole stream (gaps are told by sequence numbers), so the
-  broker sends every event to ``nodes + trainer_ranks + 2`` subscribers.
+  rank tracks peers with a subscription the broker filters by topic (``node-up`` and ``node-down`` only, the
+  kinds of ``runtime.track_peers()``), so the broker sends every event to 2 subscribers, and the registry's
+  events to ``nodes + trainer_ranks`` more.
 
 For each node count of the sweep, a fresh broker (``Broker`` in a ``NodeRuntime``, as ``refbus node bus``
 runs it) serves: simulated nodes (real PUB and control sockets, many per process, each registered with
 ``hello``, publishing ~170-byte events at the per-node rate and heartbeating), an orchestrator (a registered
-``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does) and the
-fan-out subscribers (SUB sockets that keep only their latest message: ZeroMQ reads every copy off the wire,
-no Python on this machine's two cores pretends to be 80 nodes' own). Reported per count: the event rate offered and
+``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does), the
+watcher and the peer trackers (SUB sockets subscribed as the runtime subscribes them, that keep only their
+latest message: ZeroMQ reads every copy off the wire, no Python on this machine's two cores pretends to be 80
+nodes' own). Reported per count: the event rate offered and
 delivered, broker CPU per event (its whole process: forwarding, ring, heartbeats, lookups), publish-to-
 orchestrator latency p50/p99 (the envelope's send timestamp against the receive time, one host clock) and the
 orchestrator's subscription CPU per episode (20 events). **Headroom** is the largest count sustained (p99 <
@@ -52,12 +54,13 @@ from typing import Any
 import numpy as np
 import zmq
 from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.peers import KINDS as PEER_KINDS
 from refbus.bus.pubsub import Publisher
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes
+from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes, Sync
 
 from bench.harness import WAIT_S, BenchError, Channel, run_line, workers, write_json
 
@@ -65,6 +68,7 @@ LOOPBACK = "tcp://127.0.0.1:0"
 P99_LIMIT_S = 0.050
 DELIVERED_SHARE = 0.95
 PUBLISHER_PROCESSES = 2
+WHOLE_STREAM = 2  # subscriptions of the whole stream in a run of any size: the orchestrator and the watcher
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class Point:
     broker_cpu_us: float  # the broker process's CPU per event it captured (heartbeats and lookups included)
     broker_core: float  # the broker process's CPU seconds per second (1.0: a whole core)
     subscribers: int  # whole-stream subscriptions: every event is sent this many times
+    peer_trackers: int  # topic-filtered subscriptions (registry events only)
     p50_ms: float
     p99_ms: float
     orchestrator_cpu_us_per_episode: float
@@ -172,18 +177,21 @@ def orchestrator_task(ch: Channel, control: str, warmup_s: float, window_s: floa
         runtime.close()
 
 
-def fanout_task(ch: Channel, events_out: str, count: int) -> None:
-    """``count`` subscriptions of the whole stream (peer trackers). Each keeps only its latest message
-    (``CONFLATE``), so ZeroMQ's I/O thread reads the whole stream off every connection (the broker pays for
-    every copy, as with real subscribers) while no Python here costs the machine what real nodes would spend
-    on their own cores."""
+def fanout_task(ch: Channel, events_out: str, whole: int, trackers: int) -> None:
+    """``whole`` subscriptions of the whole stream (the watcher) and ``trackers`` peer-tracking ones (the
+    topics ``runtime.track_peers()`` subscribes to). Each keeps only its latest message (``CONFLATE``), so
+    ZeroMQ's I/O thread reads whatever the broker sends off every connection (the broker pays for every copy,
+    as with real subscribers) while no Python here costs the machine what real nodes would spend on their
+    own cores."""
     ctx = zmq.Context()
+    tracked = [kind.encode() for kind in sorted(PEER_KINDS)] + [Sync.kind.encode()]
     try:
-        for _ in range(count):
+        for index in range(whole + trackers):
             sock = ctx.socket(zmq.SUB)
             sock.linger = 0
             sock.setsockopt(zmq.CONFLATE, 1)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            for topic in [b""] if index < whole else tracked:
+                sock.setsockopt(zmq.SUBSCRIBE, topic)
             sock.connect(events_out)
         ch.send("ready")
         ch.recv(timeout_s=3600)  # stop
@@ -245,10 +253,9 @@ class _SimNode:
         self.publisher = Publisher(pub, codec)
 
 
-def subscribers(model: Model, nodes: int) -> int:
-    """Whole-stream subscriptions of a run of ``nodes``: every env server and trainer rank (peer tracking),
-    the orchestrator and the launcher's watcher."""
-    return nodes + model.trainer_ranks + 2
+def peer_trackers(model: Model, nodes: int) -> int:
+    """Topic-filtered subscriptions of a run of ``nodes``: every env server and trainer rank tracks peers."""
+    return nodes + model.trainer_ranks
 
 
 def _after(seconds: float) -> Any:
@@ -265,7 +272,8 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
     endpoints = broker.message()
     seconds = settings.warmup_s + settings.window_s + 0.5
     orchestrator.submit(orchestrator_task, endpoints["control"], settings.warmup_s, settings.window_s)
-    fanout.submit(fanout_task, endpoints["events_out"], subscribers(model, nodes) - 1)  # and the orchestrator
+    fanout.submit(fanout_task, endpoints["events_out"], WHOLE_STREAM - 1,  # and the orchestrator
+                  peer_trackers(model, nodes))
     run = secrets.token_hex(3)
     ids = [f"env-{run}-{i}" for i in range(nodes)]
     for index, worker in enumerate(pubs):
@@ -292,7 +300,8 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
         delivered_per_s=events / seen["seconds"],
         broker_cpu_us=1e6 * cpu["cpu_s"] / max(1, cpu["forwarded"]),
         broker_core=cpu["cpu_s"] / cpu["seconds"],
-        subscribers=subscribers(model, nodes),
+        subscribers=WHOLE_STREAM,
+        peer_trackers=peer_trackers(model, nodes),
         p50_ms=seen["p50_s"] * 1e3,
         p99_ms=seen["p99_s"] * 1e3,
         orchestrator_cpu_us_per_episode=1e6 * seen["cpu_s"] / max(1, events) * model.events_per_episode,
@@ -327,9 +336,10 @@ def format_report(points: Sequence[Point], model: Model) -> str:
     idle, per_copy = broker_cost(points)
     for nodes in (64, 256):
         events = nodes * model.events_per_node_s
-        copies = events * subscribers(model, nodes)
-        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s to {subscribers(model, nodes)} "
-                     f"subscribers; broker {100 * (idle + per_copy * copies):.0f}% of a core ({100 * idle:.0f}% "
+        copies = events * WHOLE_STREAM
+        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s to {WHOLE_STREAM} "
+                     f"whole-stream subscribers ({peer_trackers(model, nodes)} peer trackers get the registry's "
+                     f"events only); broker {100 * (idle + per_copy * copies):.0f}% of a core ({100 * idle:.0f}% "
                      f"idle + {per_copy * 1e6:.2f} us per event copy, fitted); headroom "
                      f"x{headroom(points, nodes):.2f} (largest count sustained here, over {nodes})")
     return "\n".join(lines)

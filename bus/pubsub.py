@@ -110,9 +110,14 @@ class Publisher:
 class Subscriber:
     """Receives events, validates them, tracks per-source sequence numbers and fills gaps.
 
-    The socket always carries the whole stream, because gaps can only be told from sequence numbers when
-    every event of a source arrives; ``kinds`` selects what is *delivered* (bodies of other kinds are not
-    even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
+    Gaps can only be told from sequence numbers when every event of a source arrives, so the socket carries
+    the whole stream unless ``topics`` names the kinds it is subscribed to (ZeroMQ prefix subscriptions,
+    made by the owner of the socket): then only events of those kinds are tracked, from the socket or the
+    ring, and the sources that publish them must publish no other kind (the broker's ``node-up`` and
+    ``node-down``). A gap that a fill answers with other kinds means that promise is broken: the gap is
+    still accounted for (nothing is lost), and it is logged (``event.topics_incomplete``) and counted in
+    :attr:`outside_topics`. ``kinds`` (within ``topics``) selects what is *delivered* (bodies of other kinds
+    are not even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
     must not stop a subscriber (anything unexpected is counted as ``internal``); replays are counted as
     ``replay``. ``sync`` probes are consumed here and recorded in :attr:`tokens`. :attr:`last_seq` is each
     source's latest sequence number in its latest incarnation.
@@ -125,11 +130,16 @@ class Subscriber:
         *,
         fill: Fill | None = None,
         kinds: frozenset[str] | None = None,
+        topics: frozenset[str] | None = None,
     ) -> None:
+        if topics is not None and (kinds is None or not kinds <= topics):
+            raise ValueError(f"delivered kinds {sorted(kinds or ())} must be within the topics {sorted(topics)}")
         self.sock = sock
         self.codec = codec
         self.fill = fill
         self.kinds = kinds
+        self.topics = topics
+        self.outside_topics = 0  # events a fill answered with kinds outside ``topics`` (see the class doc)
         self.last_seq: dict[str, int] = {}
         self._epochs: dict[str, str] = {}  # each source's latest incarnation
         self._sequences: OrderedDict[tuple[str, str], int] = OrderedDict()  # (source, incarnation) -> last seq
@@ -179,6 +189,8 @@ class Subscriber:
                 if tail and header.seq:
                     self._tail(header.src, header.seq, incarnation(header.id))
                 return
+            if self.topics is not None and kind not in self.topics:
+                return  # a kind that merely starts like a topic: not part of what this subscription tracks
             if not self._track(header.src, header.seq, incarnation(header.id), live=live):
                 return
             if self.kinds is None or kind in self.kinds:
@@ -206,6 +218,8 @@ class Subscriber:
     def offer(self, message: Message) -> bool:
         """Sequence-check an already decoded event (replayed or filled); queue it if new and wanted."""
         header = message.header
+        if self.topics is not None and message.kind not in self.topics:
+            return False
         if not self._track(header.src, header.seq, incarnation(header.id), live=False):
             return False
         if self.kinds is None or message.kind in self.kinds:
@@ -271,6 +285,12 @@ class Subscriber:
         by_seq = {m.header.seq: m for m in recovered if first <= m.header.seq <= last
                   and incarnation(m.header.id) == epoch}
         recovered = [by_seq[seq] for seq in sorted(by_seq)]
+        outside = sum(self.topics is not None and m.kind not in self.topics for m in recovered)
+        if outside:
+            self.outside_topics += outside
+            log.warning("event.topics_incomplete", src=src, events=outside, topics=sorted(self.topics or ()),
+                        detail="this source publishes kinds this subscription does not receive: each of its "
+                        "events of those kinds costs a gap fill")
         for message in recovered:
             self.received += 1
             self.filled += 1

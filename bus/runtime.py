@@ -316,28 +316,37 @@ class NodeRuntime:
         return client
 
     def subscribe(
-        self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None
+        self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None,
+        topics: frozenset[str] | None = None,
     ) -> Subscriber:
         """Deliver events (of ``kinds``, default all) to ``handler`` in per-source order, gaps filled from
         the broker's ring.
 
         With ``since``, first replay every ring event with ``seq >= since`` (each source), then go live
-        without loss or duplicates. Subscriptions become live during :meth:`run`'s start-up.
+        without loss or duplicates. With ``topics`` (a superset of ``kinds``), the broker sends this
+        subscription only events of those kinds (and ``sync`` probes): every kind that the sources of
+        ``kinds`` publish must be in it, or their sequence gaps cannot be told (see
+        :class:`~refbus.bus.pubsub.Subscriber`). Subscriptions become live during :meth:`run`'s start-up.
         """
         sock = make_socket(self.ctx, zmq.SUB, options=self.event_options)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        for topic in sorted(topics) if topics is not None else [""]:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())  # the first frame starts with the kind, either form
+        if topics is not None:
+            sock.setsockopt(zmq.SUBSCRIBE, Sync.kind.encode())  # the liveness handshake and stream tails
         self._owned.append(sock)
-        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds)
+        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds, topics=topics)
         self._subscriptions.append((subscriber, handler, since))
         return subscriber
 
     def track_peers(self) -> Peers:
         """The registry as this node sees it (:class:`~refbus.bus.peers.Peers`), made on first call: from
         then on a peer the broker reports down fails every pending and new :attr:`calls` request to its
-        endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``): call it before :meth:`run`."""
+        endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``, and the broker sends it those
+        kinds only: the broker is their one source and publishes nothing else, so its sequence numbers stay
+        whole): call it before :meth:`run`."""
         if self._peers is None:
             self._peers = Peers(self.calls, self.node_id)
-            self.subscribe(self._peers.handle, kinds=PEER_KINDS)
+            self.subscribe(self._peers.handle, kinds=PEER_KINDS, topics=PEER_KINDS)
         return self._peers
 
     def publish(self, body: Body) -> int:

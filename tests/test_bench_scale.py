@@ -11,8 +11,8 @@ from bench.scale import Model, Point, Settings, broker_cost, format_report, head
 
 def point(nodes: int, p99_ms: float, delivered_share: float = 1.0) -> Point:
     return Point(nodes=nodes, offered_per_s=100.0 * nodes, delivered_per_s=100.0 * nodes * delivered_share,
-                 broker_cpu_us=3.0, broker_core=0.01 * nodes, subscribers=nodes + 18, p50_ms=1.0, p99_ms=p99_ms,
-                 orchestrator_cpu_us_per_episode=100.0)
+                 broker_cpu_us=3.0, broker_core=0.01 * nodes, subscribers=nodes + 18, peer_trackers=0, p50_ms=1.0,
+                 p99_ms=p99_ms, orchestrator_cpu_us_per_episode=100.0)
 
 
 def test_the_model_runs_rates_follow_from_its_documented_arithmetic() -> None:

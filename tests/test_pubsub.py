@@ -242,6 +242,36 @@ def test_a_publisher_holds_its_latest_events_within_its_bounds(stream: Any) -> N
     assert held.blobs[0].arrays["x"].tolist() == list(range(8))
 
 
+def test_a_topic_filtered_socket_gets_only_its_kinds_in_either_form_and_tracks_only_their_sources(
+        bound_pair: Any) -> None:
+    pub, sub_sock, _ = bound_pair(zmq.PUB, zmq.SUB, options=EVENT_OPTIONS)
+    sub_sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+    for topic in (b"delete", b"sync"):  # what runtime.subscribe(topics=...) subscribes to
+        sub_sock.setsockopt(zmq.SUBSCRIBE, topic)
+    s = Stream(pub, sub_sock, kinds=frozenset({"delete"}), topics=frozenset({"delete"}))
+    bumps = Publisher(pub, WireCodec("ps-manager"))
+    s.publisher.publish(event(1))  # the one-frame form: "delete\0..."
+    for version in range(1, 4):
+        bumps.publish(VersionBump(version=version, nbytes=1, manifest_digest="d"))
+    s.pub.send_multipart(frames_for(s.source, 2))  # the multi-frame form: "delete" alone in the first frame
+    assert seqs(s.receive(2)) == [1, 2]
+    assert s.nothing_more()
+    assert s.sub.last_seq == {SRC: 2} and s.sub.received == 2 and not s.sub.rejected
+
+
+def test_a_gap_filled_with_kinds_outside_the_topics_is_accounted_and_flagged_not_lost(stream: Any) -> None:
+    source, reader = WireCodec(SRC), WireCodec("ring-reader")
+    bump = reader.decode(frames_for(source, 3, VersionBump(version=1, nbytes=1, manifest_digest="d")))
+    s = stream(fill=lambda *gap: [bump], source=source, kinds=frozenset({"delete"}), topics=frozenset({"delete"}))
+    s.send(1, 2)
+    s.pub.send_multipart(frames_for(source, 3, bump.body))  # arrives (the socket takes all): not tracked
+    s.send(4)
+    assert seqs(s.receive(3)) == [1, 2, 4]
+    assert (s.sub.missed, s.sub.filled, s.sub.outside_topics, s.sub.lost.total()) == (1, 1, 1, 0)
+    with pytest.raises(ValueError, match="within the topics"):
+        Subscriber(s.sub.sock, reader, kinds=frozenset({"delete", "claim"}), topics=frozenset({"delete"}))
+
+
 def test_repeats_on_the_socket_are_refused_as_replays(stream: Any) -> None:
     s = stream()
     s.send(1, 2, 3, 2, 3, 3, 4)
