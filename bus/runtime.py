@@ -270,7 +270,7 @@ class NodeRuntime:
         self._calls: deque[Callable[[], None]] = deque()
         self._confirmed_seq = 0
         self._pub_endpoint = ""  # the broker's events_in the PUB socket is connected to ("" when none)
-        self._pub_broken = False  # its connection dropped: re-join (and refill) at the next answered heartbeat
+        self.publish_path_lost = False  # the PUB connection dropped: re-join (and refill) at the next answered beat
         self.refilled = 0  # held events handed to a broker's ring again
         self._thread: threading.Thread | None = None
         self._stop_metrics: Callable[[], None] | None = None
@@ -794,13 +794,13 @@ class NodeRuntime:
             self.watch(monitor, lambda: self._on_publish_path(monitor))
             self.publisher = Publisher(pub, self.codec, keep_events=self.settings.held_events)
         refill = bool(self._pub_endpoint) and self._pub_endpoint != welcome.events_in  # the broker moved
-        refill |= self._pub_broken
+        refill |= self.publish_path_lost
         if self._pub_endpoint != welcome.events_in:  # one stream per incarnation: a moved broker is no new one
             if self._pub_endpoint:
                 self.publisher.sock.disconnect(self._pub_endpoint)
             self.publisher.sock.connect(welcome.events_in)
             self._pub_endpoint = welcome.events_in
-        self._pub_broken = False
+        self.publish_path_lost = False
         if self.welcome is not None and self.welcome.events_out != welcome.events_out:
             for subscriber, _, _ in self._subscriptions:  # live subscriptions follow a broker that moved
                 subscriber.sock.disconnect(self.welcome.events_out)
@@ -861,7 +861,7 @@ class NodeRuntime:
                 assert self.publisher is not None
                 self.publisher.sock.disconnect(endpoint)
                 self._pub_endpoint = ""
-                self._pub_broken = True
+                self.publish_path_lost = True
                 log.warning("bus.publish_path_lost", events_in=endpoint, detail="events are held until this "
                             "node re-joins the broker, then handed to its ring")
 
@@ -979,7 +979,7 @@ class NodeRuntime:
         if self._heartbeats_unanswered >= BROKER_SILENT_BEATS:
             log.info("bus.answering", bus=self.settings.bus, heartbeats_unanswered=self._heartbeats_unanswered)
         self._heartbeats_unanswered = 0
-        if self._pub_broken:
+        if self.publish_path_lost:
             self._request_rejoin()
         if isinstance(outcome, RemoteError):
             if outcome.code == "unknown-node":

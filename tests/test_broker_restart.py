@@ -192,3 +192,36 @@ def test_events_published_before_a_subscriber_rejoined_a_restarted_broker_reach_
             nodes.pop().join(timeout=START_S)
         for bus in buses:
             bus.stop()
+
+
+def test_a_publish_path_that_broke_under_a_live_broker_is_dropped_held_and_refilled_when_it_answers_again(
+        tmp_path: Path, nodes: list[NodeRuntime]) -> None:
+    """The broker stalls (SIGSTOP) until ZeroMQ's heartbeats drop the publisher's connection: the publisher drops
+    its PUB queue with it and holds what it publishes meanwhile; once the same broker answers again, it
+    re-joins, refills the ring and its probes reveal the tail, so the subscriber gets every event, in order."""
+    bus, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    try:
+        publisher, subscriber = node(control, "pub"), node(control, "sub")
+        delivered: queue.Queue[Message] = queue.Queue()
+        subscription = subscriber.subscribe(delivered.put, kinds=frozenset({RunEnd.kind}))
+        nodes += [publisher, subscriber]
+        for runtime in nodes:
+            runtime.start_background()
+        publisher.call_soon(lambda: publisher.publish(RunEnd(reason="tick", steps=0)))
+        assert delivered.get(timeout=START_S).header.seq == 1
+
+        bus.signal(signal.SIGSTOP)
+        try:
+            for step in range(1, 4):  # before and after the connection drops
+                publisher.call_soon(lambda step=step: publisher.publish(RunEnd(reason="tick", steps=step)))
+            wait_for(lambda: publisher.publish_path_lost, START_S, "the connection to the stalled broker dropped")
+            publisher.call_soon(lambda: publisher.publish(RunEnd(reason="held", steps=4)))
+        finally:
+            bus.signal(signal.SIGCONT)
+        got = [delivered.get(timeout=START_S) for _ in range(4)]
+        assert [m.header.seq for m in got] == [2, 3, 4, 5] and subscription.lost.total() == 0
+        assert publisher.refilled >= 5 and publisher.broker_restarts == 0
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        bus.stop()
