@@ -15,15 +15,17 @@ The model run (``Model``): a 30B MoE (48 layers, top-8 routing), 1,024 episodes 
 * Beside events: every node heartbeats once a ``heartbeat_s`` (env server and rollout worker per inference
   node, one per trainer rank), and each rollout worker refreshes the registry every ``lookup_s``.
 * Fan-out: the orchestrator and the launcher's watcher decode the whole stream; every env server and trainer
-  rank tracks peers, and a subscription carries the whole stream (gaps are told by sequence numbers), so the
-  broker sends every event to ``nodes + trainer_ranks + 2`` subscribers.
+  rank tracks peers with a subscription the broker filters by topic (``node-up`` and ``node-down`` only, the
+  kinds of ``runtime.track_peers()``), so the broker sends every event to 2 subscribers, and the registry's
+  events to ``nodes + trainer_ranks`` more.
 
 For each node count of the sweep, a fresh broker (``Broker`` in a ``NodeRuntime``, as ``refbus node bus``
 runs it) serves: simulated nodes (real PUB and control sockets, many per process, each registered with
 ``hello``, publishing ~170-byte events at the per-node rate and heartbeating), an orchestrator (a registered
-``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does) and the
-fan-out subscribers (SUB sockets that keep only their latest message: ZeroMQ reads every copy off the wire,
-no Python on this machine's two cores pretends to be 80 nodes' own). Reported per count: the event rate offered and
+``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does), the
+watcher and the peer trackers (SUB sockets subscribed as the runtime subscribes them, that keep only their
+latest message: ZeroMQ reads every copy off the wire, no Python on this machine's two cores pretends to be 80
+nodes' own). Reported per count: the event rate offered and
 delivered, broker CPU per event (its whole process: forwarding, ring, heartbeats, lookups), publish-to-
 orchestrator latency p50/p99 (the envelope's send timestamp against the receive time, one host clock) and the
 orchestrator's subscription CPU per episode (20 events). **Headroom** is the largest count sustained (p99 <
@@ -32,7 +34,11 @@ bus could grow past the model run (the goal is >= 4 at 64). The projection fits 
 copies it sends (events x subscribers: the fan-out grows with the node count twice) over the counts
 sustained, and extrapolates to 64 and 256 nodes.
 
-    python -m bench.scale [--quick] [--json PATH] [--nodes 16 64 128 ...]
+Also reported: the CPU the simulated subscribers spend reading what the broker sends them (``readers core``).
+``--whole-stream-trackers`` runs the baseline, peer trackers subscribed to the whole stream (as before topic
+filtering), for before/after figures from the same code.
+
+    python -m bench.scale [--quick] [--json PATH] [--nodes 16 64 128 ...] [--whole-stream-trackers]
 
 On a 2-core machine every process of the simulation shares the cores with the broker, so the figures are a
 lower bound for a broker with a host of its own.
@@ -41,6 +47,7 @@ lower bound for a broker with a host of its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import secrets
 import sys
@@ -52,12 +59,13 @@ from typing import Any
 import numpy as np
 import zmq
 from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.peers import KINDS as PEER_KINDS
 from refbus.bus.pubsub import Publisher
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes
+from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes, Sync
 
 from bench.harness import WAIT_S, BenchError, Channel, run_line, workers, write_json
 
@@ -65,6 +73,7 @@ LOOPBACK = "tcp://127.0.0.1:0"
 P99_LIMIT_S = 0.050
 DELIVERED_SHARE = 0.95
 PUBLISHER_PROCESSES = 2
+WHOLE_STREAM = 2  # subscriptions of the whole stream in a run of any size: the orchestrator and the watcher
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ class Settings:
     sizes: tuple[int, ...]
     warmup_s: float
     window_s: float
+    filtered: bool = True  # peer trackers subscribe by topic (as built); False: the whole stream (the baseline)
 
 
 FULL = Settings(sizes=(16, 32, 64, 128, 192, 256), warmup_s=1.0, window_s=4.0)
@@ -112,6 +122,8 @@ class Point:
     broker_cpu_us: float  # the broker process's CPU per event it captured (heartbeats and lookups included)
     broker_core: float  # the broker process's CPU seconds per second (1.0: a whole core)
     subscribers: int  # whole-stream subscriptions: every event is sent this many times
+    peer_trackers: int  # topic-filtered subscriptions (registry events only)
+    fanout_core: float  # CPU seconds per second the simulated subscribers spend reading what the broker sends
     p50_ms: float
     p99_ms: float
     orchestrator_cpu_us_per_episode: float
@@ -172,21 +184,26 @@ def orchestrator_task(ch: Channel, control: str, warmup_s: float, window_s: floa
         runtime.close()
 
 
-def fanout_task(ch: Channel, events_out: str, count: int) -> None:
-    """``count`` subscriptions of the whole stream (peer trackers). Each keeps only its latest message
-    (``CONFLATE``), so ZeroMQ's I/O thread reads the whole stream off every connection (the broker pays for
-    every copy, as with real subscribers) while no Python here costs the machine what real nodes would spend
-    on their own cores."""
+def fanout_task(ch: Channel, events_out: str, whole: int, trackers: int) -> dict[str, float]:
+    """``whole`` subscriptions of the whole stream (the watcher) and ``trackers`` peer-tracking ones (the
+    topics ``runtime.track_peers()`` subscribes to). Each keeps only its latest message (``CONFLATE``), so
+    ZeroMQ's I/O thread reads whatever the broker sends off every connection (the broker pays for every copy,
+    as with real subscribers) while no Python here costs the machine what real nodes would spend on their
+    own cores. Returns the process's CPU seconds and wall seconds from ready to stop."""
     ctx = zmq.Context()
+    tracked = [kind.encode() for kind in sorted(PEER_KINDS)] + [Sync.kind.encode()]
     try:
-        for _ in range(count):
+        for index in range(whole + trackers):
             sock = ctx.socket(zmq.SUB)
             sock.linger = 0
             sock.setsockopt(zmq.CONFLATE, 1)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            for topic in [b""] if index < whole else tracked:
+                sock.setsockopt(zmq.SUBSCRIBE, topic)
             sock.connect(events_out)
         ch.send("ready")
+        cpu, start = time.process_time(), time.perf_counter()
         ch.recv(timeout_s=3600)  # stop
+        return {"cpu_s": time.process_time() - cpu, "seconds": time.perf_counter() - start}
     finally:
         ctx.destroy(linger=0)
 
@@ -245,10 +262,16 @@ class _SimNode:
         self.publisher = Publisher(pub, codec)
 
 
-def subscribers(model: Model, nodes: int) -> int:
-    """Whole-stream subscriptions of a run of ``nodes``: every env server and trainer rank (peer tracking),
-    the orchestrator and the launcher's watcher."""
-    return nodes + model.trainer_ranks + 2
+def peer_trackers(model: Model, nodes: int) -> int:
+    """Peer-tracking subscriptions of a run of ``nodes``: every env server and trainer rank tracks peers."""
+    return nodes + model.trainer_ranks
+
+
+def subscriptions(model: Model, nodes: int, filtered: bool) -> tuple[int, int]:
+    """(whole-stream, topic-filtered) subscriptions of a run of ``nodes``; unfiltered, the peer trackers take the
+    whole stream too (as before topic filtering: the baseline)."""
+    trackers = peer_trackers(model, nodes)
+    return (WHOLE_STREAM, trackers) if filtered else (WHOLE_STREAM + trackers, 0)
 
 
 def _after(seconds: float) -> Any:
@@ -265,7 +288,8 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
     endpoints = broker.message()
     seconds = settings.warmup_s + settings.window_s + 0.5
     orchestrator.submit(orchestrator_task, endpoints["control"], settings.warmup_s, settings.window_s)
-    fanout.submit(fanout_task, endpoints["events_out"], subscribers(model, nodes) - 1)  # and the orchestrator
+    whole, filtered = subscriptions(model, nodes, settings.filtered)
+    fanout.submit(fanout_task, endpoints["events_out"], whole - 1, filtered)  # and the orchestrator
     run = secrets.token_hex(3)
     ids = [f"env-{run}-{i}" for i in range(nodes)]
     for index, worker in enumerate(pubs):
@@ -281,7 +305,7 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
     finally:
         fanout.tell("stop")
         broker.tell("stop")
-        fanout.result()
+        readers = fanout.result()
     cpu = broker.result()
     if not sum(s["sent"] for s in sent):
         raise BenchError(f"the publishers of {nodes} nodes sent nothing")
@@ -292,7 +316,9 @@ def measure(pool: dict[str, Any], nodes: int, model: Model, settings: Settings) 
         delivered_per_s=events / seen["seconds"],
         broker_cpu_us=1e6 * cpu["cpu_s"] / max(1, cpu["forwarded"]),
         broker_core=cpu["cpu_s"] / cpu["seconds"],
-        subscribers=subscribers(model, nodes),
+        subscribers=whole,
+        peer_trackers=filtered,
+        fanout_core=readers["cpu_s"] / readers["seconds"],
         p50_ms=seen["p50_s"] * 1e3,
         p99_ms=seen["p99_s"] * 1e3,
         orchestrator_cpu_us_per_episode=1e6 * seen["cpu_s"] / max(1, events) * model.events_per_episode,
@@ -313,23 +339,26 @@ def headroom(points: Sequence[Point], nodes: int) -> float:
     return max((p.nodes for p in points if p.sustained), default=0) / nodes
 
 
-def format_report(points: Sequence[Point], model: Model) -> str:
+def format_report(points: Sequence[Point], model: Model, *, filtered: bool = True) -> str:
     lines = [f"Model run: {model.episodes_per_step} episodes/step every {model.step_s:.0f} s on {model.nodes} "
              f"inference nodes, {model.events_per_episode} events/episode, burst x{model.burst:.0f}: "
              f"{model.events_per_node_s:.1f} events/s per node; {model.trainer_ranks} trainer ranks; heartbeats "
-             f"every {model.heartbeat_s:.0f} s, a lookup every {model.lookup_s:.0f} s per node",
-             f"  {'nodes':>5s} {'offered/s':>10s} {'delivered/s':>12s} {'broker core':>12s} {'p50 ms':>8s} "
-             f"{'p99 ms':>8s} {'orch us/episode':>16s}  sustained"]
+             f"every {model.heartbeat_s:.0f} s, a lookup every {model.lookup_s:.0f} s per node; peer trackers "
+             f"{'topic-filtered' if filtered else 'on the whole stream (baseline)'}",
+             f"  {'nodes':>5s} {'offered/s':>10s} {'delivered/s':>12s} {'broker core':>12s} {'readers core':>13s} "
+             f"{'p50 ms':>8s} {'p99 ms':>8s} {'orch us/episode':>16s}  sustained"]
     for p in points:
         lines.append(f"  {p.nodes:5d} {p.offered_per_s:10.0f} {p.delivered_per_s:12.0f} {p.broker_core:12.0%} "
-                     f"{p.p50_ms:8.2f} {p.p99_ms:8.2f} {p.orchestrator_cpu_us_per_episode:16.1f}  "
-                     f"{'yes' if p.sustained else 'no'}")
+                     f"{p.fanout_core:13.0%} {p.p50_ms:8.2f} {p.p99_ms:8.2f} "
+                     f"{p.orchestrator_cpu_us_per_episode:16.1f}  {'yes' if p.sustained else 'no'}")
     idle, per_copy = broker_cost(points)
     for nodes in (64, 256):
         events = nodes * model.events_per_node_s
-        copies = events * subscribers(model, nodes)
-        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s to {subscribers(model, nodes)} "
-                     f"subscribers; broker {100 * (idle + per_copy * copies):.0f}% of a core ({100 * idle:.0f}% "
+        whole, trackers = subscriptions(model, nodes, filtered)
+        copies = events * whole
+        lines.append(f"  projected to {nodes} nodes: {events:,.0f} events/s to {whole} "
+                     f"whole-stream subscribers ({trackers} peer trackers get the registry's "
+                     f"events only); broker {100 * (idle + per_copy * copies):.0f}% of a core ({100 * idle:.0f}% "
                      f"idle + {per_copy * 1e6:.2f} us per event copy, fitted); headroom "
                      f"x{headroom(points, nodes):.2f} (largest count sustained here, over {nodes})")
     return "\n".join(lines)
@@ -352,14 +381,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two tiny sizes, short windows (smoke test)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--nodes", type=int, nargs="+", help="node counts to sweep (default: 16 ... 256)")
+    parser.add_argument("--whole-stream-trackers", action="store_true",
+                        help="the baseline: peer trackers subscribe to the whole stream, not by topic")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    if args.nodes:
-        settings = Settings(tuple(args.nodes), settings.warmup_s, settings.window_s)
+    settings = dataclasses.replace(settings, sizes=tuple(args.nodes or settings.sizes),
+                                   filtered=not args.whole_stream_trackers)
     model = Model()
     started = time.monotonic()
     points = sweep(model, settings)
-    print(format_report(points, model))
+    print(format_report(points, model, filtered=settings.filtered))
     elapsed = time.monotonic() - started
     print(f"\n{run_line(args.quick, elapsed)}")
     if args.json:

@@ -6,7 +6,7 @@ Sockets (all bound):
   events reach the ring even when no subscriber is connected.
 * ``events_out`` (XPUB): subscribers connect here; events are forwarded unchanged (frames are not
   re-encoded, array frames are not copied).
-* ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``.
+* ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``refill``.
 
 Without CURVE, events are forwarded by ZeroMQ's proxy on a thread of its own (:mod:`.forwarder`) and never
 read on the way: subscribers check every event end to end (shape, version, sizes, MAC). The ring is filled
@@ -15,7 +15,8 @@ replay first looks at it; one it cannot read is skipped and counted by error cod
 forwards in Python, reading each event's header to refuse a ``src`` other than its connection's key (and
 what it cannot read). The ring keeps the most recent events, bounded by count and by bytes. A broker that
 dies takes its ring and registry with it; restarted on the same addresses, it rebuilds the registry from the
-nodes' re-joins (see :mod:`.runtime`).
+nodes' re-joins, and each node hands the new ring the events it still holds (``refill``: into the ring, not
+the live stream), so subscribers' gap fills recover what the dead broker took (see :mod:`.runtime`).
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
@@ -54,6 +55,7 @@ from ..protocol.messages import (
     Nodes,
     NodeUp,
     Ok,
+    Refill,
     Replay,
     Replayed,
     ReplayedEvent,
@@ -240,6 +242,7 @@ class Broker:
         self.server.on(Bye.kind, self._bye)
         self.server.on(Nodes.kind, self._nodes, cached=False)
         self.server.on(Replay.kind, self._replay, cached=False)
+        self.server.on(Refill.kind, self._refill)  # cached: a retried page is not added twice
         runtime.every(min(settings.node_timeout_s / 4, 0.5), self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
@@ -287,6 +290,7 @@ class Broker:
                 continue
             if kind == Sync.kind:
                 self._probe_seen(frames)
+                send_frames(xpub, frames)  # subscribers read the sender's latest sequence number from it
                 continue
             send_frames(xpub, frames)
             self.ring.append(frames, (header.src, header.seq))
@@ -410,6 +414,25 @@ class Broker:
         entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
         events = [ReplayedEvent([bytes(frame) for frame in event.frames]) for event in entries]
         return Replayed(events=events, more=more, cursor=cursor)
+
+    def _refill(self, request: Message) -> Body:
+        """A publisher's own held events into the ring (not to subscribers): each header is read (and its MAC
+        checked when the cluster signs) here, and an event that is not the sender's own, or unreadable, is
+        refused and counted in :attr:`dropped`; the rest are kept."""
+        refill = request.body
+        assert isinstance(refill, Refill)
+        kept = 0
+        for event in refill.events:
+            key = self._index(event.frames)
+            if key is None or key == NOT_REPLAYED:
+                continue  # unreadable (counted by _index) or a probe: nothing a replay could use
+            if key[0] != request.header.src:
+                self.dropped["wrong-src"] += 1
+                log.warning("refill.refused", code="wrong-src", src=key[0], sender=request.header.src)
+                continue
+            self.ring.append(event.frames, key)
+            kept += 1
+        return Ok(f"kept {kept} of {len(refill.events)}")
 
     def _remove(self, member: _Member, reason: str) -> None:
         info = self.members.pop(member.info.node_id, member).info

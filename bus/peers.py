@@ -14,8 +14,10 @@ A ``node-up`` marks the node's endpoints up again, then tells the listeners (:me
 a node that comes back is the same process (:func:`incarnation`) or a restart, and how long to wait
 for it (``node.restart_grace_s``), is the role's decision: this view only reports.
 
-Opt-in (``runtime.track_peers()``): it subscribes to the node's own share of the event stream, which only
-roles that act on liveness need. Loop thread only.
+Opt-in (``runtime.track_peers()``), for roles that act on liveness: its subscription is filtered by topic,
+so the broker sends it ``node-up`` and ``node-down`` only, not the whole stream. Gaps are still told: the
+broker is those events' one source and publishes no other kind, so every event of its sequence arrives (a
+restarted broker is a new incarnation, whose re-joins emit ``node-up`` again). Loop thread only.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ replay (PUB/SUB never repeats one): refused as ``replay`` and counted. The same 
 ``--since`` merge) is an ordinary duplicate. A new incarnation of a known source is a restart: it starts a new
 sequence without a gap; gap fills take only the missing events' own incarnation.
 
+A ``sync`` probe carries its sender's latest sequence number, so the tail of a stream (lost with no later
+event to reveal the gap) is a gap too. A publisher holds its most recent events: after a broker restart, or
+after its publish path broke, the runtime hands them to the broker's ring (``refill``) before its probes go
+out, so the gaps they reveal are filled rather than counted lost. The ring may then hold an event twice, or
+a source's events out of order: fills take each sequence number once, in order.
+
 Neither class is thread-safe: one owner thread each.
 """
 
@@ -38,34 +44,80 @@ Fill = Callable[[str, str, int, int], Sequence[Message]]
 """``fill(src, incarnation, first_seq, last_seq)`` returns the missing events it could recover, in order."""
 
 MAX_INCARNATIONS = 4096  # per-(source, incarnation) sequences remembered, least recently seen forgotten first
+# What a publisher holds for a refill: a broker restart (detected at the next heartbeat) plus a few seconds of
+# events at a busy node's rate; the restarted broker's ring takes every node's refill.
+KEEP_EVENTS = 4096
+KEEP_BYTES = 8 << 20
+
+
+def in_source_order(events: list[Message]) -> list[Message]:
+    """``events`` with each source incarnation's own events sorted by sequence number in the places they held
+    (the order between sources is kept): a publisher's refill lands in a ring after its newer events."""
+    places: dict[tuple[str, str], list[int]] = {}
+    for place, message in enumerate(events):
+        places.setdefault((message.header.src, incarnation(message.header.id)), []).append(place)
+    ordered = list(events)
+    for spots in places.values():
+        for place, message in zip(spots, sorted((events[i] for i in spots), key=lambda m: m.header.seq),
+                                  strict=True):
+            ordered[place] = message
+    return ordered
 
 
 class Publisher:
-    """Publishes events from one source with consecutive sequence numbers starting at 1."""
+    """Publishes events from one source with consecutive sequence numbers starting at 1, and holds its most
+    recent events (at most ``keep_events`` and about ``keep_bytes``) so it can hand them to a broker whose
+    ring lost them (:meth:`held`): a broker that died, or one this publisher's connection to broke."""
 
-    def __init__(self, sock: zmq.Socket, codec: WireCodec) -> None:
+    def __init__(self, sock: zmq.Socket, codec: WireCodec, *, keep_events: int = KEEP_EVENTS,
+                 keep_bytes: int = KEEP_BYTES) -> None:
         self.sock = sock
         self.codec = codec
         self.seq = 0
+        self.keep_bytes = keep_bytes
+        self._kept: deque[tuple[list[bytes], int]] = deque(maxlen=keep_events)  # (frames, size), oldest first
+        self._kept_bytes = 0
 
     def publish(self, body: Body) -> int:
         """Send ``body`` as the next event (one frame when it has no arrays); returns its sequence number.
-        Arrays are sent zero-copy."""
+        Arrays are sent zero-copy (the copy held for a refill is made here)."""
         self.seq += 1
-        send_frames(self.sock, self.codec.encode(body, seq=self.seq, one_frame=True))
+        frames = self.codec.encode(body, seq=self.seq, one_frame=True)
+        send_frames(self.sock, frames)
+        self._keep(frames)
         return self.seq
 
-    def publish_raw(self, body: Body, *, seq: int = 0) -> None:
-        """Send without consuming a sequence number (``sync`` probes are not part of the stream)."""
-        send_frames(self.sock, self.codec.encode(body, seq=seq))
+    def publish_raw(self, body: Body) -> None:
+        """Send a ``sync`` probe: it consumes no sequence number, and carries the latest one (see
+        :class:`~refbus.protocol.messages.Sync`), so a subscriber learns of a tail it lost."""
+        send_frames(self.sock, self.codec.encode(body, seq=self.seq))
+
+    def held(self) -> list[list[bytes]]:
+        """The events held for a refill, oldest first, each one's frames as first sent."""
+        return [frames for frames, _ in self._kept]
+
+    def _keep(self, frames: list) -> None:
+        kept = [f if type(f) is bytes else bytes(memoryview(f)) for f in frames]  # the caller may reuse arrays
+        size = sum(map(len, kept))
+        if len(self._kept) == self._kept.maxlen:
+            self._kept_bytes -= self._kept[0][1]
+        self._kept.append((kept, size))
+        self._kept_bytes += size
+        while self._kept_bytes > self.keep_bytes and len(self._kept) > 1:
+            self._kept_bytes -= self._kept.popleft()[1]
 
 
 class Subscriber:
     """Receives events, validates them, tracks per-source sequence numbers and fills gaps.
 
-    The socket always carries the whole stream, because gaps can only be told from sequence numbers when
-    every event of a source arrives; ``kinds`` selects what is *delivered* (bodies of other kinds are not
-    even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
+    Gaps can only be told from sequence numbers when every event of a source arrives, so the socket carries
+    the whole stream unless ``topics`` names the kinds it is subscribed to (ZeroMQ prefix subscriptions,
+    made by the owner of the socket): then only events of those kinds are tracked, from the socket or the
+    ring, and the sources that publish them must publish no other kind (the broker's ``node-up`` and
+    ``node-down``). A gap that a fill answers with other kinds means that promise is broken: the gap is
+    still accounted for (nothing is lost), and it is logged (``event.topics_incomplete``) and counted in
+    :attr:`outside_topics`. ``kinds`` (within ``topics``) selects what is *delivered* (bodies of other kinds
+    are not even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
     must not stop a subscriber (anything unexpected is counted as ``internal``); replays are counted as
     ``replay``. ``sync`` probes are consumed here and recorded in :attr:`tokens`. :attr:`last_seq` is each
     source's latest sequence number in its latest incarnation.
@@ -78,11 +130,16 @@ class Subscriber:
         *,
         fill: Fill | None = None,
         kinds: frozenset[str] | None = None,
+        topics: frozenset[str] | None = None,
     ) -> None:
+        if topics is not None and (kinds is None or not kinds <= topics):
+            raise ValueError(f"delivered kinds {sorted(kinds or ())} must be within the topics {sorted(topics)}")
         self.sock = sock
         self.codec = codec
         self.fill = fill
         self.kinds = kinds
+        self.topics = topics
+        self.outside_topics = 0  # events a fill answered with kinds outside ``topics`` (see the class doc)
         self.last_seq: dict[str, int] = {}
         self._epochs: dict[str, str] = {}  # each source's latest incarnation
         self._sequences: OrderedDict[tuple[str, str], int] = OrderedDict()  # (source, incarnation) -> last seq
@@ -114,13 +171,14 @@ class Subscriber:
         if self._held is not None:
             self._held.append(frames)
             if bytes(frames[0]) == SYNC_KIND:
-                self._take(frames)  # the handshake must see its probe while events are parked
+                self._take(frames, tail=False)  # the handshake must see its probe while events are parked
             return
         self._take(frames)
 
-    def _take(self, frames: list, *, live: bool = True) -> None:
+    def _take(self, frames: list, *, live: bool = True, tail: bool = True) -> None:
         """``live``: straight from the socket, where a repeat can only be a replay (parked events are not:
-        the ring merged in front of them may have delivered them already)."""
+        the ring merged in front of them may have delivered them already). ``tail``: act on a probe's
+        sequence number (not while events in front of it are parked)."""
         try:
             checked = self.codec.decode_header(frames)  # MAC verified here, before any state changes
             kind, header = checked.kind, checked.header
@@ -128,7 +186,11 @@ class Subscriber:
                 probe = self.codec.decode(frames, checked=checked).body
                 assert isinstance(probe, Sync)
                 self.tokens.add(probe.token)
+                if tail and header.seq:
+                    self._tail(header.src, header.seq, incarnation(header.id))
                 return
+            if self.topics is not None and kind not in self.topics:
+                return  # a kind that merely starts like a topic: not part of what this subscription tracks
             if not self._track(header.src, header.seq, incarnation(header.id), live=live):
                 return
             if self.kinds is None or kind in self.kinds:
@@ -148,8 +210,7 @@ class Subscriber:
         """Process the parked events in arrival order and resume normal delivery."""
         held, self._held = self._held or [], None
         for frames in held:
-            if bytes(frames[0]) != SYNC_KIND:
-                self._take(frames, live=False)
+            self._take(frames, live=False)
 
     def pop(self) -> Message | None:
         return self._ready.popleft() if self._ready else None
@@ -157,6 +218,8 @@ class Subscriber:
     def offer(self, message: Message) -> bool:
         """Sequence-check an already decoded event (replayed or filled); queue it if new and wanted."""
         header = message.header
+        if self.topics is not None and message.kind not in self.topics:
+            return False
         if not self._track(header.src, header.seq, incarnation(header.id), live=False):
             return False
         if self.kinds is None or message.kind in self.kinds:
@@ -192,6 +255,19 @@ class Subscriber:
             self._gap(src, epoch, last + 1, seq - 1)
         return True
 
+    def _tail(self, src: str, seq: int, epoch: str) -> None:
+        """A probe says ``src``'s incarnation ``epoch`` has published up to ``seq``: what this subscriber has not
+        seen of it is a gap (the tail of the stream, lost with no later event to reveal it). A probe never
+        sets a baseline: an incarnation not seen yet is left to its first event."""
+        key = (src, epoch)
+        last = self._sequences.get(key)
+        if last is None or seq <= last:
+            return
+        self._sequences[key] = seq
+        if self._epochs.get(src) == epoch:
+            self.last_seq[src] = seq
+        self._gap(src, epoch, last + 1, seq)
+
     def _remember(self, key: tuple[str, str], seq: int) -> None:
         self._sequences[key] = seq
         while len(self._sequences) > MAX_INCARNATIONS:
@@ -205,7 +281,16 @@ class Subscriber:
                 recovered = list(self.fill(src, epoch, first, last))
             except Exception as exc:  # a failed fill loses the gap, never the live event that revealed it
                 log.warning("event.fill_failed", src=src, first=first, last=last, error=str(exc))
-        recovered = [m for m in recovered if first <= m.header.seq <= last and incarnation(m.header.id) == epoch]
+        # The ring may hold an event twice (forwarded, then refilled by its publisher) and out of order.
+        by_seq = {m.header.seq: m for m in recovered if first <= m.header.seq <= last
+                  and incarnation(m.header.id) == epoch}
+        recovered = [by_seq[seq] for seq in sorted(by_seq)]
+        outside = sum(self.topics is not None and m.kind not in self.topics for m in recovered)
+        if outside:
+            self.outside_topics += outside
+            log.warning("event.topics_incomplete", src=src, events=outside, topics=sorted(self.topics or ()),
+                        detail="this source publishes kinds this subscription does not receive: each of its "
+                        "events of those kinds costs a gap fill")
         for message in recovered:
             self.received += 1
             self.filled += 1

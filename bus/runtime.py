@@ -12,10 +12,14 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
    deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node. A
    broker that died and came back under the same address answers the next heartbeat ``unknown-node``: the
-   node says ``hello`` again and proves its PUB path (the registry is rebuilt from these re-joins); its
-   sockets reconnect by themselves, and the events the old broker held in flight show up at subscribers as
-   sequence gaps its new ring cannot fill (counted as lost). While the broker is away, point-to-point
-   requests between nodes go on; only registry lookups and replays fail (by their deadlines);
+   node says ``hello`` again (the registry is rebuilt from these re-joins). A PUB connection that drops is
+   disconnected at once (its queue with it), so nothing this node publishes reaches a new broker before it
+   has re-joined; at the re-join it hands the new ring the events it holds (``refill``: the dead broker's in
+   flight and what it published meanwhile), then proves its PUB path with probes that carry its latest
+   sequence number, so every subscriber fills the gap from the ring, even with no later event to reveal
+   it. What a node no longer holds is counted lost where subscribers find it missing, never silently. While
+   the broker is away, point-to-point requests between nodes go on; only registry lookups and replays fail
+   (by their deadlines);
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, flush the events published so far, say
    ``bye``, close every socket (linger 0), remove ipc socket files and the ready file; all of it within
    ``shutdown_timeout_s`` of the stop (:meth:`shutdown_left` is what a hook that waits on peers may take; a
@@ -50,6 +54,7 @@ import structlog
 import zmq
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.registry import Collector
+from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import SPOKEN_MAJORS, Limits, Message, WireCodec
@@ -64,8 +69,10 @@ from ..protocol.messages import (
     NodeInfo,
     NodeList,
     Nodes,
+    Refill,
     Replay,
     Replayed,
+    ReplayedEvent,
     Sync,
     Welcome,
 )
@@ -73,7 +80,7 @@ from .calls import Calls
 from .metrics import register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
 from .peers import Peers
-from .pubsub import Publisher, Subscriber
+from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
 from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .security import Curve, ZapHandler, check_bind, load_curve
 from .sockets import (
@@ -117,6 +124,7 @@ class RuntimeSettings:
     curve_dir: str = ""  # key directory of ``refbus keys generate``; empty: no CURVE
     curve_key: str = ""  # this node's secret key file (default: <curve_dir>/<node_id>.key_secret)
     insecure: bool = False  # bind non-loopback addresses with neither signing nor CURVE
+    held_events: int = KEEP_EVENTS  # own recent events held to refill a broker's ring (see Publisher)
 
 
 class BusUnavailable(RuntimeError):
@@ -261,6 +269,9 @@ class NodeRuntime:
         self._heartbeats_unanswered = 0
         self._calls: deque[Callable[[], None]] = deque()
         self._confirmed_seq = 0
+        self._pub_endpoint = ""  # the broker's events_in the PUB socket is connected to ("" when none)
+        self.publish_path_lost = False  # the PUB connection dropped: re-join (and refill) at the next answered beat
+        self.refilled = 0  # held events handed to a broker's ring again
         self._thread: threading.Thread | None = None
         self._stop_metrics: Callable[[], None] | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -305,28 +316,37 @@ class NodeRuntime:
         return client
 
     def subscribe(
-        self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None
+        self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None,
+        topics: frozenset[str] | None = None,
     ) -> Subscriber:
         """Deliver events (of ``kinds``, default all) to ``handler`` in per-source order, gaps filled from
         the broker's ring.
 
         With ``since``, first replay every ring event with ``seq >= since`` (each source), then go live
-        without loss or duplicates. Subscriptions become live during :meth:`run`'s start-up.
+        without loss or duplicates. With ``topics`` (a superset of ``kinds``), the broker sends this
+        subscription only events of those kinds (and ``sync`` probes): every kind that the sources of
+        ``kinds`` publish must be in it, or their sequence gaps cannot be told (see
+        :class:`~refbus.bus.pubsub.Subscriber`). Subscriptions become live during :meth:`run`'s start-up.
         """
         sock = make_socket(self.ctx, zmq.SUB, options=self.event_options)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        for topic in sorted(topics) if topics is not None else [""]:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())  # the first frame starts with the kind, either form
+        if topics is not None:
+            sock.setsockopt(zmq.SUBSCRIBE, Sync.kind.encode())  # the liveness handshake and stream tails
         self._owned.append(sock)
-        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds)
+        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds, topics=topics)
         self._subscriptions.append((subscriber, handler, since))
         return subscriber
 
     def track_peers(self) -> Peers:
         """The registry as this node sees it (:class:`~refbus.bus.peers.Peers`), made on first call: from
         then on a peer the broker reports down fails every pending and new :attr:`calls` request to its
-        endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``): call it before :meth:`run`."""
+        endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``, and the broker sends it those
+        kinds only: the broker is their one source and publishes nothing else, so its sequence numbers stay
+        whole): call it before :meth:`run`."""
         if self._peers is None:
             self._peers = Peers(self.calls, self.node_id)
-            self.subscribe(self._peers.handle, kinds=PEER_KINDS)
+            self.subscribe(self._peers.handle, kinds=PEER_KINDS, topics=PEER_KINDS)
         return self._peers
 
     def publish(self, body: Body) -> int:
@@ -401,10 +421,13 @@ class NodeRuntime:
         self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = ""
     ) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
-        ``src`` this stops paging early), decoded, in ring order. Pages through the ring by its cursor.
-        ``incarnation`` keeps only that sender incarnation's events (a restarted source reuses numbers)."""
+        ``src`` this stops paging once every number up to ``until`` was found), decoded, in ring order except
+        that each source incarnation's events come in sequence order (a refill puts older events after newer
+        ones). Pages through the ring by its cursor. ``incarnation`` keeps only that sender incarnation's
+        events (a restarted source reuses numbers)."""
         broker = self.broker()
         events: list[Message] = []
+        found: set[int] = set()  # numbers since..until seen (with one src): all of them ends the paging
         cursor = 0
         while True:
             reply = broker.request(Replay(since=since, src=src, cursor=cursor))
@@ -418,10 +441,11 @@ class NodeRuntime:
                     continue
                 if not incarnation or envelope_incarnation(message.header.id) == incarnation:
                     events.append(message)
+                    if until is not None and since <= message.header.seq <= until:
+                        found.add(message.header.seq)
             cursor = page.cursor
-            done = until is not None and src and events and events[-1].header.seq >= until
-            if not page.more or done:
-                return [e for e in events if until is None or e.header.seq <= until]
+            if not page.more or (until is not None and src and len(found) > until - since):
+                return in_source_order([e for e in events if until is None or e.header.seq <= until])
 
     def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``."""
@@ -761,12 +785,22 @@ class NodeRuntime:
         if welcome.wire not in SPOKEN_MAJORS:
             raise BusUnavailable(f"broker {welcome.broker_id!r} chose protocol major {welcome.wire}, this node "
                                  f"speaks {list(SPOKEN_MAJORS)}")
-        if self.publisher is None or self.welcome is None or self.welcome.events_in != welcome.events_in:
-            pub = make_socket(self.ctx, zmq.PUB, connect=welcome.events_in, options=self.event_options)
+        if self.publisher is None:
+            pub = make_socket(self.ctx, zmq.PUB, options=self.event_options)
             self._owned.append(pub)
-            seq = self.publisher.seq if self.publisher is not None else 0
-            self.publisher = Publisher(pub, self.codec)
-            self.publisher.seq = seq  # one stream per incarnation: a moved broker is no new sequence
+            monitor = pub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor.linger = 0
+            self._owned.append(monitor)
+            self.watch(monitor, lambda: self._on_publish_path(monitor))
+            self.publisher = Publisher(pub, self.codec, keep_events=self.settings.held_events)
+        refill = bool(self._pub_endpoint) and self._pub_endpoint != welcome.events_in  # the broker moved
+        refill |= self.publish_path_lost
+        if self._pub_endpoint != welcome.events_in:  # one stream per incarnation: a moved broker is no new one
+            if self._pub_endpoint:
+                self.publisher.sock.disconnect(self._pub_endpoint)
+            self.publisher.sock.connect(welcome.events_in)
+            self._pub_endpoint = welcome.events_in
+        self.publish_path_lost = False
         if self.welcome is not None and self.welcome.events_out != welcome.events_out:
             for subscriber, _, _ in self._subscriptions:  # live subscriptions follow a broker that moved
                 subscriber.sock.disconnect(self.welcome.events_out)
@@ -776,14 +810,60 @@ class NodeRuntime:
         restarted = bool(self.broker_incarnation) and broker != self.broker_incarnation
         if restarted:
             self.broker_restarts += 1
-            log.warning("bus.broker_restarted", broker=welcome.broker_id, detail="registered again; events the "
-                        "old broker held in flight are counted as lost where subscribers see the gap")
+            log.warning("bus.broker_restarted", broker=welcome.broker_id, detail="registered again; this node's "
+                        "held events go to the new ring, so subscribers fill what the old broker held in flight")
         self.broker_incarnation = broker
         self.welcome = welcome
+        if (refill or restarted) and self.publisher.seq:  # before the probes: the gaps they reveal fill from it
+            self._refill()
         self._prove_published(token, self.settings.connect_timeout_s)
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
         return restarted or moved
+
+    def _refill(self) -> None:
+        """Hand the broker this node's held events (see :class:`~refbus.bus.pubsub.Publisher`) for its ring, in
+        pages within the body limit. A page the broker does not take is logged: subscribers count its events
+        lost where they find them missing, never silently."""
+        assert self.control is not None and self.publisher is not None
+        budget = self.codec.limits.max_body_bytes // 2
+        held = self.publisher.held()
+        taken = 0
+        page: list[ReplayedEvent] = []
+        size = 0
+        for frames in [*held, []]:  # the empty entry sends the last page
+            nbytes = sum(map(len, frames))
+            if page and (not frames or size + nbytes > budget):
+                try:
+                    self.control.request(Refill(events=page))
+                    taken += len(page)
+                except (RequestTimeout, RemoteError) as exc:
+                    log.warning("bus.refill_failed", events=len(page), error=str(exc))
+                page, size = [], 0
+            if frames:
+                page.append(ReplayedEvent(frames))
+                size += nbytes
+        self.refilled += taken
+        log.info("bus.refilled", events=taken, held=len(held), latest_seq=self.publisher.seq)
+
+    def _on_publish_path(self, monitor: zmq.Socket) -> None:
+        """The PUB socket's connection to the broker dropped: drop its queue with it (disconnect), so nothing
+        reaches a restarted broker before this node has re-joined and refilled its ring; the events published
+        meanwhile are held (:meth:`_refill`). The next answered heartbeat re-joins."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            endpoint = event.get("endpoint", b"")
+            endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+            if event["event"] == zmq.EVENT_DISCONNECTED and endpoint == self._pub_endpoint:
+                assert self.publisher is not None
+                self.publisher.sock.disconnect(endpoint)
+                self._pub_endpoint = ""
+                self.publish_path_lost = True
+                log.warning("bus.publish_path_lost", events_in=endpoint, detail="events are held until this "
+                            "node re-joins the broker, then handed to its ring")
 
     def _go_live(self, subscriber: Subscriber, since: int | None) -> None:
         """Connect a subscription, wait until a broker probe arrives through it (so no window is lost),
@@ -899,6 +979,8 @@ class NodeRuntime:
         if self._heartbeats_unanswered >= BROKER_SILENT_BEATS:
             log.info("bus.answering", bus=self.settings.bus, heartbeats_unanswered=self._heartbeats_unanswered)
         self._heartbeats_unanswered = 0
+        if self.publish_path_lost:
+            self._request_rejoin()
         if isinstance(outcome, RemoteError):
             if outcome.code == "unknown-node":
                 log.warning("node.forgotten_by_broker", detail=outcome.detail)

@@ -135,12 +135,15 @@ class NodeDown(Body, frozen=True):
 
 @register_kind("sync")
 class Sync(Body, frozen=True):
-    """Slow-joiner handshake; refbus subscribers consume it (a raw SUB socket sees it, with ``seq`` 0).
+    """Slow-joiner handshake; refbus subscribers consume it (a raw SUB socket sees it too).
 
-    As an event: a probe with ``token``. As a request to the broker: ``path="pub"`` is answered once the
-    broker has received the node's probe through its PUB socket (answered late, when it arrives);
-    ``path="sub"`` makes the broker publish the probe to subscribers, so a SUB socket can see that its
-    subscription is live.
+    As an event: a probe with ``token``, not part of any sequence. Its header ``seq`` is the sender's latest
+    event sequence number (0 from the broker and before a node's first event): a subscriber that has seen
+    less of that incarnation has lost the tail of its stream and fills it from the ring.
+
+    As a request to the broker: ``path="pub"`` is answered once the broker has received the node's probe
+    through its PUB socket (answered late, when it arrives); ``path="sub"`` makes the broker publish the probe
+    to subscribers, so a SUB socket can see that its subscription is live.
     """
 
     token: Name  # probe token chosen by the node
@@ -279,6 +282,15 @@ class Replay(Body, frozen=True):
     src: str = ""  # "" replays every source
     limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000  # most events per answer
     cursor: NonNegative = 0  # ring position to start from
+
+
+@register_kind("refill")
+class Refill(Body, frozen=True):
+    """A publisher hands the broker its own recent events again (after the broker restarted, or after its
+    publish path broke): the broker adds them to its ring, not to the live stream, so subscribers recover
+    them by gap fill and drop what they already have by sequence number. Answered ``ok``."""
+
+    events: list[ReplayedEvent]  # the sender's own events, oldest first, frames exactly as first published
 
 
 @register_kind("keep")

@@ -1,8 +1,9 @@
 """The broker can die. SIGKILLed and started again on the same addresses (what `refbus up` does, or an
 operator), it is back in service at the nodes' next heartbeats: every node re-joins by itself and the registry
 is rebuilt from those re-joins; requests between nodes (keep, claim, fetch, delete) go on while it is down; a
-subscriber resumes, and the events the dead broker held in flight are counted as lost (metric and log line),
-never missing silently: every event published is either delivered or counted."""
+subscriber resumes, and the events the dead broker held in flight are recovered from their publisher's refill
+of the new ring, with or without a later event to reveal the gap. What a publisher no longer holds is counted
+lost (metric and log line), never missing silently: every event published is either delivered or counted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import FAST_LIVENESS
@@ -26,11 +28,12 @@ from test_liveness import HEARTBEAT_S, START_S, client, env_server, keep  # noqa
 
 QUICK = RetryPolicy(timeout_s=HEARTBEAT_S, attempts=1)
 IN_FLIGHT = 50  # events published while the broker is frozen: some are in its socket buffers when it dies
+HELD_FEW = 10  # a publisher holding fewer events than the dead broker took
 
 
-def node(control: str, node_id: str) -> NodeRuntime:
+def node(control: str, node_id: str, **settings: Any) -> NodeRuntime:
     return NodeRuntime("tester", RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1,
-                                                 heartbeat_interval_s=HEARTBEAT_S))
+                                                 heartbeat_interval_s=HEARTBEAT_S, **settings))
 
 
 def restart_bus(workdir: Path, endpoints: dict[str, str]) -> NodeProcess:
@@ -61,16 +64,20 @@ def nodes() -> Iterator[list[NodeRuntime]]:
         runtime.join(timeout=START_S)
 
 
+@pytest.mark.parametrize(("held", "later"), [(IN_FLIGHT + 3, True), (IN_FLIGHT + 3, False), (HELD_FEW, True)],
+                         ids=["held-then-later-event", "held-no-later-event", "mostly-not-held"])
 def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every_event_is_delivered_or_counted(
         tmp_path: Path, spawn: Callable[..., NodeProcess], client: Callable[[str], Client],  # noqa: F811
-        nodes: list[NodeRuntime]) -> None:
+        nodes: list[NodeRuntime], held: int, later: bool) -> None:
+    """``held``: events the publisher holds for a refill (all it published, or only the last few); ``later``:
+    whether it publishes again after the restart (revealing the gap) or not (its probes carry the tail)."""
     first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
     buses = [first]
     asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
     try:
         endpoints = first.info["endpoints"]
         _, blobs = env_server(spawn, control, "env-x")
-        publisher, subscriber = node(control, "pub"), node(control, "sub")
+        publisher, subscriber = node(control, "pub", held_events=held), node(control, "sub")
         delivered: queue.Queue[Message] = queue.Queue()
         subscription = subscriber.subscribe(delivered.put, kinds=frozenset({RunEnd.kind}))
         nodes += [publisher, subscriber]
@@ -118,15 +125,22 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
               f"(heartbeat interval {HEARTBEAT_S}s)")
         assert publisher.broker_restarts == subscriber.broker_restarts == 1
 
-        # The stream resumes; what the dead broker held is counted as lost where the subscriber sees the gap.
-        publish(1)
+        # The stream resumes: what the dead broker held comes from the publisher's refill of the new ring, and
+        # what the publisher no longer held is counted lost where the subscriber sees the gap.
+        if later:
+            publish(1)
+        last = 3 + IN_FLIGHT + int(later)
         got = [delivered.get(timeout=START_S)]
-        while got[-1].header.seq != 3 + IN_FLIGHT + 1:
+        while got[-1].header.seq != last:
             got.append(delivered.get(timeout=START_S))
         lost = subscription.lost["pub"]
-        assert lost >= 1, "the frozen broker's unread events cannot have reached the subscriber"
-        assert len(got) + lost == IN_FLIGHT + 1, (len(got), lost)
         assert [m.header.seq for m in got] == sorted(m.header.seq for m in got)
+        assert len(got) + lost == last - 3, (len(got), lost)
+        assert publisher.refilled == min(held, 3 + IN_FLIGHT)
+        if held >= 3 + IN_FLIGHT:  # all held: nothing lost
+            assert [m.header.seq for m in got] == list(range(4, last + 1)) and subscription.lost.total() == 0
+        else:  # the frozen broker's unread events cannot have reached the subscriber: older than held, lost
+            assert lost == IN_FLIGHT - held and [m.header.seq for m in got] == list(range(4 + lost, last + 1))
     finally:
         asker.close()
         while nodes:  # before the broker: their goodbyes reach it
@@ -165,7 +179,8 @@ def test_events_published_before_a_subscriber_rejoined_a_restarted_broker_reach_
                  "the publisher registered again")
         for step in (1, 2):
             publisher.call_soon(lambda step=step: publisher.publish(RunEnd(reason="tick", steps=step)))
-        wait_for(lambda: len(asker.replay(src="pub")) == 2, START_S, "both events in the new broker's ring")
+        wait_for(lambda: {m.header.seq for m in asker.replay(src="pub")} == {1, 2, 3}, START_S,
+                 "both events in the new broker's ring, after the refilled first one")
 
         gate.set()
         got = [delivered.get(timeout=START_S) for _ in range(2)]
@@ -177,3 +192,36 @@ def test_events_published_before_a_subscriber_rejoined_a_restarted_broker_reach_
             nodes.pop().join(timeout=START_S)
         for bus in buses:
             bus.stop()
+
+
+def test_a_publish_path_that_broke_under_a_live_broker_is_dropped_held_and_refilled_when_it_answers_again(
+        tmp_path: Path, nodes: list[NodeRuntime]) -> None:
+    """The broker stalls (SIGSTOP) until ZeroMQ's heartbeats drop the publisher's connection: the publisher drops
+    its PUB queue with it and holds what it publishes meanwhile; once the same broker answers again, it
+    re-joins, refills the ring and its probes reveal the tail, so the subscriber gets every event, in order."""
+    bus, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    try:
+        publisher, subscriber = node(control, "pub"), node(control, "sub")
+        delivered: queue.Queue[Message] = queue.Queue()
+        subscription = subscriber.subscribe(delivered.put, kinds=frozenset({RunEnd.kind}))
+        nodes += [publisher, subscriber]
+        for runtime in nodes:
+            runtime.start_background()
+        publisher.call_soon(lambda: publisher.publish(RunEnd(reason="tick", steps=0)))
+        assert delivered.get(timeout=START_S).header.seq == 1
+
+        bus.signal(signal.SIGSTOP)
+        try:
+            for step in range(1, 4):  # before and after the connection drops
+                publisher.call_soon(lambda step=step: publisher.publish(RunEnd(reason="tick", steps=step)))
+            wait_for(lambda: publisher.publish_path_lost, START_S, "the connection to the stalled broker dropped")
+            publisher.call_soon(lambda: publisher.publish(RunEnd(reason="held", steps=4)))
+        finally:
+            bus.signal(signal.SIGCONT)
+        got = [delivered.get(timeout=START_S) for _ in range(4)]
+        assert [m.header.seq for m in got] == [2, 3, 4, 5] and subscription.lost.total() == 0
+        assert publisher.refilled >= 5 and publisher.broker_restarts == 0
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        bus.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import zmq
 from polling import wait_for
@@ -15,7 +16,7 @@ from refbus.bus.forwarder import is_event
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import RunEnd, Sync
+from refbus.protocol.messages import Error, Ok, Refill, ReplayedEvent, RunEnd, Sync
 
 LOOPBACK = "tcp://127.0.0.1:0"
 WAIT_S = 30.0
@@ -87,3 +88,36 @@ def publisher_node_replay(node: NodeRuntime) -> list[Message]:
     done: queue.Queue[list[Message]] = queue.Queue()
     node.call_soon(lambda: done.put(node.replay(since=0)))
     return done.get(timeout=WAIT_S)
+
+
+def test_garbage_refills_are_refused_and_counted_and_the_broker_keeps_its_ring_and_serving(broker: Broker) -> None:
+    control = broker.runtime.endpoints["control"]
+    node = NodeRuntime("pub", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1), register=False)
+    ctx = zmq.Context()
+    try:
+        own, other = WireCodec("pub"), WireCodec("intruder")
+        genuine = [bytes(f) for f in own.encode(RunEnd(reason="held", steps=1), seq=7, one_frame=True)]
+        forged = [bytes(f) for f in other.encode(RunEnd(reason="not-pub's", steps=1), seq=8)]
+        probe = [bytes(f) for f in own.encode(Sync(token="held-probe"), seq=7)]
+        events = [ReplayedEvent(frames) for frames in (*GARBAGE, forged, probe, genuine)]
+        dropped = sum(broker.dropped.values())
+        answer = node.broker().request(Refill(events=events)).body
+        assert isinstance(answer, Ok) and answer.detail == f"kept 1 of {len(events)}"
+        assert broker.dropped["wrong-src"] == 1 and sum(broker.dropped.values()) - dropped >= 5
+
+        # A body that is no refill at all: a schema error, answered; the broker serves on.
+        dealer = make_socket(ctx, zmq.DEALER, connect=control)
+        frames = [bytes(f) for f in own.encode(Refill(events=[]))]
+        for body in (msgspec.msgpack.encode({"events": [["not", 1, "frames"]]}), msgspec.msgpack.encode({"events": 3}),
+                     msgspec.msgpack.encode({"events": [[[]]]})):
+            dealer.send_multipart([frames[0], frames[1], body])
+            assert dealer.poll(int(WAIT_S * 1000)), "the broker answers a garbage refill"
+            reply = own.decode(dealer.recv_multipart()).body
+            assert isinstance(reply, Error) and reply.code == "schema", reply
+
+        replayed = node.replay(src="pub")
+        assert [(m.header.seq, m.body.reason) for m in replayed] == [(7, "held")]
+        assert [m.header.src for m in node.replay()].count("intruder") == 0
+    finally:
+        ctx.destroy(linger=0)
+        node.close()

@@ -189,6 +189,89 @@ def test_partial_fill_delivers_what_it_got_and_ignores_events_outside_the_gap(st
     assert s.nothing_more()
 
 
+def test_a_fill_that_hands_an_event_twice_and_out_of_order_delivers_each_once_in_order(stream: Any) -> None:
+    ring = Ring(6)
+    s = stream(fill=lambda *gap: list(reversed(ring.fill(*gap))) * 2, source=ring.source)  # a refilled ring
+    s.send(1, 5)
+    assert seqs(s.receive(5)) == [1, 2, 3, 4, 5]
+    assert (s.sub.missed, s.sub.filled, s.sub.duplicates) == (3, 3, 0)
+    assert s.nothing_more()
+
+
+def test_a_probe_carrying_a_later_sequence_number_reveals_a_lost_tail(stream: Any) -> None:
+    ring = Ring(5)
+    s = stream(fill=ring.fill, source=ring.source)
+    s.send(1, 2)
+    assert seqs(s.receive(2)) == [1, 2]
+    s.pub.send_multipart(frames_for(ring.source, 5, Sync(token="tail")))  # "I have published up to 5"
+    assert seqs(s.receive(3)) == [3, 4, 5]
+    assert ring.calls == [(SRC, 3, 5)] and s.sub.lost.total() == 0
+    s.pub.send_multipart(frames_for(ring.source, 5, Sync(token="again")))  # nothing more to fill
+    s.send(6)
+    assert seqs(s.receive(1)) == [6] and ring.calls == [(SRC, 3, 5)]
+
+
+def test_a_probe_sets_no_baseline_and_a_tail_no_fill_recovers_is_counted_lost(stream: Any) -> None:
+    s = stream(fill=lambda *gap: [])
+    other = WireCodec("env-1")
+    s.pub.send_multipart(frames_for(other, 9, Sync(token="unknown-source")))  # no history wanted
+    s.send(1)
+    s.pub.send_multipart(frames_for(s.source, 3, Sync(token="tail")))
+    s.pub.send_multipart(frames_for(other, 1))
+    assert [(m.header.src, m.header.seq) for m in s.receive(2)] == [(SRC, 1), ("env-1", 1)]
+    assert s.sub.lost == {SRC: 2} and "unknown-source" in s.sub.tokens
+
+
+def test_a_publisher_holds_its_latest_events_within_its_bounds(stream: Any) -> None:
+    s = stream()
+    s.publisher = Publisher(s.pub, s.source, keep_events=3)
+    for i in range(1, 6):
+        s.publisher.publish(event(i))
+    reader = WireCodec("reader")
+    assert [reader.decode(frames).header.seq for frames in s.publisher.held()] == [3, 4, 5]
+    one_size = sum(map(len, s.publisher.held()[0]))
+    by_bytes = Publisher(s.pub, s.source, keep_bytes=2 * one_size + 1)
+    for i in range(1, 6):
+        by_bytes.publish(event(i))
+    assert [reader.decode(frames).header.seq for frames in by_bytes.held()] == [4, 5]
+    array = np.arange(8, dtype=np.int64)
+    with_array = Publisher(s.pub, s.source)
+    with_array.publish(Blobs([FetchedBlob("b", {"x": array})]))
+    array[:] = -1  # the caller reuses its array after publishing: the held copy is what was sent
+    held = reader.decode(with_array.held()[0]).body
+    assert held.blobs[0].arrays["x"].tolist() == list(range(8))
+
+
+def test_a_topic_filtered_socket_gets_only_its_kinds_in_either_form_and_tracks_only_their_sources(
+        bound_pair: Any) -> None:
+    pub, sub_sock, _ = bound_pair(zmq.PUB, zmq.SUB, options=EVENT_OPTIONS)
+    sub_sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+    for topic in (b"delete", b"sync"):  # what runtime.subscribe(topics=...) subscribes to
+        sub_sock.setsockopt(zmq.SUBSCRIBE, topic)
+    s = Stream(pub, sub_sock, kinds=frozenset({"delete"}), topics=frozenset({"delete"}))
+    bumps = Publisher(pub, WireCodec("ps-manager"))
+    s.publisher.publish(event(1))  # the one-frame form: "delete\0..."
+    for version in range(1, 4):
+        bumps.publish(VersionBump(version=version, nbytes=1, manifest_digest="d"))
+    s.pub.send_multipart(frames_for(s.source, 2))  # the multi-frame form: "delete" alone in the first frame
+    assert seqs(s.receive(2)) == [1, 2]
+    assert s.nothing_more()
+    assert s.sub.last_seq == {SRC: 2} and s.sub.received == 2 and not s.sub.rejected
+
+
+def test_a_gap_filled_with_kinds_outside_the_topics_is_accounted_and_flagged_not_lost(stream: Any) -> None:
+    source, reader = WireCodec(SRC), WireCodec("ring-reader")
+    bump = reader.decode(frames_for(source, 3, VersionBump(version=1, nbytes=1, manifest_digest="d")))
+    s = stream(fill=lambda *gap: [bump], source=source, kinds=frozenset({"delete"}), topics=frozenset({"delete"}))
+    s.send(1, 2)
+    s.pub.send_multipart(frames_for(source, 3, bump.body))  # arrives (the socket takes all): not tracked
+    s.send(4)
+    assert seqs(s.receive(3)) == [1, 2, 4]
+    assert (s.sub.missed, s.sub.filled, s.sub.outside_topics, s.sub.lost.total()) == (1, 1, 1, 0)
+    with pytest.raises(ValueError, match="within the topics"):
+        Subscriber(s.sub.sock, reader, kinds=frozenset({"delete", "claim"}), topics=frozenset({"delete"}))
+
+
 def test_repeats_on_the_socket_are_refused_as_replays(stream: Any) -> None:
     s = stream()
     s.send(1, 2, 3, 2, 3, 3, 4)
