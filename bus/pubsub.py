@@ -228,16 +228,22 @@ class Subscriber:
 
     def _track(self, src: str, seq: int, epoch: str, *, live: bool) -> bool:
         """Advance the sequence of ``src``'s incarnation ``epoch``; False for an event it already delivered. A
-        jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node)."""
+        jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node); when this
+        subscriber already followed the source, that incarnation's every event came after it subscribed, so
+        one that does not start at 1 is a gap from 1 (a restarted broker whose first events were forwarded
+        before this subscriber's socket reconnected, or went before a live one overtook the ring's copy)."""
         key = (src, epoch)
         last = self._sequences.get(key)
         if last is None:
-            if src in self._epochs:
+            restarted = src in self._epochs
+            if restarted:
                 log.info("event.source_restarted", src=src, last_seq=self.last_seq.get(src))
             self._remember(key, seq)
             self._epochs[src] = epoch
             self.last_seq[src] = seq
             self.received += 1
+            if restarted and seq > 1:
+                self._gap(src, epoch, 1, seq - 1)
             return True
         self._sequences.move_to_end(key)
         if seq <= last:

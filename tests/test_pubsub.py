@@ -307,6 +307,25 @@ def test_a_new_incarnation_restarts_the_sequence_without_a_gap_fill(stream: Any)
     assert ring.calls == [] and (s.sub.missed, s.sub.rejected) == (0, {})
 
 
+def test_a_followed_source_whose_new_incarnation_first_shows_after_one_fills_from_one(stream: Any) -> None:
+    """A restarted broker's first events can be forwarded before a subscriber's socket reconnects: the
+    subscriber followed that source before, so the new incarnation's events 1.. all came after it subscribed,
+    and a first event above 1 is a gap (filled from the ring, or counted lost)."""
+    earlier, ring = WireCodec(SRC), Ring(5)
+    s = stream(fill=ring.fill, source=ring.source)
+    s.pub.send_multipart(frames_for(earlier, 1))
+    s.send(4, 5)
+    got = s.receive(6)
+    assert seqs(got) == [1, 1, 2, 3, 4, 5]
+    assert ring.calls == [(SRC, 1, 3)] and (s.sub.missed, s.sub.filled, s.sub.lost.total()) == (3, 3, 0)
+
+    unfilled = stream(source=WireCodec(SRC))
+    unfilled.pub.send_multipart(frames_for(earlier, 1))
+    unfilled.send(3)
+    assert seqs(unfilled.receive(2)) == [1, 3]
+    assert unfilled.sub.lost[SRC] == 2
+
+
 def test_gap_fills_take_only_the_missing_events_own_incarnation(stream: Any) -> None:
     """A restarted source reuses sequence numbers: the ring's events of its earlier incarnation with the
     same numbers are not the missing ones."""

@@ -39,8 +39,14 @@ def test_killed_trainer_rank_restarts_its_world_from_the_checkpoint_and_the_run_
     up = Up(tmp_path, steps, *QUICK, "--up-checkpoint-every", str(CHECKPOINT_EVERY),
             "--node-restart-grace-s", str(RESTART_GRACE_S))
     try:
-        # Past the first checkpoints, before the run's end: the new world resumes from step 2 or later.
-        wait_for(lambda: up.alive() and "step   2/" in up.output(), START_S + RUN_S / 4, "step 2", poll_s=0.1)
+        # Past both ranks' checkpoints of step 2 (the progress line can come before a rank's write), before the
+        # run's end: the new world resumes from step 2 or later.
+        def checkpointed(rank: int) -> int:
+            return max((int(p.stem.split("-")[1]) for p in (up.run_dir / "checkpoints" / f"rank-{rank}")
+                        .glob("step-*.safetensors")), default=0)
+
+        wait_for(lambda: up.alive() and min(checkpointed(0), checkpointed(1)) >= 2, START_S + RUN_S / 4,
+                 "both ranks' checkpoints of step 2", poll_s=0.1)
         victim = up.note_pids()["trainer-1"]
         survivor = up.pids["trainer-0"]
         os.kill(victim, signal.SIGKILL)
