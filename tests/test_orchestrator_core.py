@@ -252,6 +252,19 @@ def test_a_store_down_past_its_grace_loses_its_blobs_naming_it_and_they_never_sh
     assert names and not any(name.startswith("g0-") for name in names)
 
 
+def test_claims_a_store_died_before_answering_are_named_in_its_loss() -> None:
+    """The store may have granted them (its claim event says so) before the reply died with it: its loss names
+    them with the held ones, so nothing stays held by this node in the stream."""
+    core = OrchestratorCore(settings(), GRACE)
+    core.store_down(T0, env_server("env-a"))
+    unanswered = episode("u0", "gu", 1.0)
+    elsewhere = episode("u1", "gv", 1.0, env="env-b")
+    core.claim_unanswered([*unanswered.refs, *elsewhere.refs])  # env-b is up: its failed claim is not unsure
+    lost = of(LoseBlobs, core.tick(T0 + GRACE.restart_grace_s))
+    assert [(a.node_id, sorted(r.blob_id for r in a.refs)) for a in lost] == [("env-a", ["b-u0"])]
+    assert core.lost == {"env-a": 1}
+
+
 def test_a_store_back_as_the_same_process_keeps_its_blobs_and_gets_the_deletes_that_waited() -> None:
     core = OrchestratorCore(settings(), GRACE)
     feed_group(core, T0, "g0")

@@ -230,6 +230,7 @@ class Orchestrator:
         for (endpoint, claim), error in failures:
             log.warning("claim.failed", endpoint=endpoint, blobs=len(claim.blob_ids), error=str(error))
             self.missing += len(claim.blob_ids)
+            self.core.claim_unanswered([refs[blob_id] for blob_id in claim.blob_ids if blob_id in refs])
         granted: set[str] = set()
         for _, reply in replies:
             claimed = reply.body

@@ -217,6 +217,7 @@ class _StoreDown:
     incarnation: tuple[object, ...]  # store_identity()
     until: float
     deletes: list[tuple[list[BlobRef], str]] = field(default_factory=list)
+    unsure: list[BlobRef] = field(default_factory=list)  # claims whose answer died with it (granted or not)
 
     def keeps(self, ref: BlobRef) -> bool:
         """Whether ``ref``'s blob is in this store: by node id (a store restarted on a re-adopted durable
@@ -523,6 +524,14 @@ class OrchestratorCore:
         return [DeleteBlobs(tuple(refs), reason, node.node_id if reason == LOST else "")
                 for refs, reason in down.deletes]
 
+    def claim_unanswered(self, refs: Sequence[BlobRef]) -> None:
+        """Claims whose store went down before answering: if that store's grace ends, they are named in its
+        loss with the blobs this node held there (the store may have granted them)."""
+        for ref in refs:
+            down = self._store_of(ref)
+            if down is not None:
+                down.unsure.append(ref)
+
     def delete_undelivered(self, refs: Sequence[BlobRef], reason: str) -> bool:
         """A delete the executor sent ended with its store reported down: it waits with the store's other
         deletes (sent when the store is back, lost when its grace ends). False when no store of ``refs`` is
@@ -551,6 +560,9 @@ class OrchestratorCore:
         for blob_id in refs:
             del self.holdings.held[blob_id]
         refs.update((ref.blob_id, ref) for deferred, reason in down.deletes if reason != LOST for ref in deferred)
+        # A claim the store may have granted before it died is lost with it too: whether it was granted or not,
+        # the blob is gone, and a loss that did not name it would leave it held by this node in the stream.
+        refs.update((ref.blob_id, ref) for ref in down.unsure)
         # Deletes of blobs declared lost before (the store was back, then went down again) are not lost twice.
         again = [ref for deferred, reason in down.deletes if reason == LOST for ref in deferred]
         self.lost_stores[node_id] = (down.incarnation, (*refs.values(), *again))
