@@ -332,13 +332,10 @@ class StepFetcher:
 
     def _retryable(self, fetch: FetchInFlight, done: list[Sent[Fetch]]) -> list[Fetch] | None:
         """The failed requests worth asking again (None: none): every blob on a durable store, time left."""
-        restarts = self._restarts
-        if restarts is None or time.perf_counter() - fetch.started >= restarts.wait_s:
+        if self._restarts is None:
             return None
-        return [request for (_, request), outcome in done
-                if isinstance(outcome, PeerDown | RequestTimeout)
-                and all(fetch.refs[i].node and restarts.durable(fetch.refs[i].node) for i in request.blob_ids)
-                ] or None
+        return self._restarts.waiting(done, lambda blob_id: fetch.refs[blob_id].node,
+                                      time.perf_counter() - fetch.started)
 
     def finish(self, fetch: FetchInFlight) -> StepFetch:
         """Verify and assemble a fetch that is ``done``; failures are reported per micro batch, never raised.

@@ -207,10 +207,7 @@ class Orchestrator:
                     for endpoint, group in group_by_endpoint([refs[i] for i in blob_ids], self._locate).items()]
 
         def again(sent: list[Sent[Claim]]) -> list[Claim] | None:
-            if time.monotonic() - started >= self._restarts.wait_s:
-                return None
-            return [claim for (_, claim), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
-                    and all(refs[i].node and self._restarts.durable(refs[i].node) for i in claim.blob_ids)] or None
+            return self._restarts.waiting(sent, lambda blob_id: refs[blob_id].node, time.monotonic() - started)
 
         waited: list[str] = []  # the stores waited for, logged once
 

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ...bus.calls import Calls
 from ...bus.peers import Peers
-from ...bus.reqrep import Outcome
+from ...bus.reqrep import Outcome, PeerDown, RequestTimeout
+
+
+class _OfBlobs(Protocol):
+    @property
+    def blob_ids(self) -> list[str]: ...
+
 
 R = TypeVar("R")
+B = TypeVar("B", bound=_OfBlobs)
 Sent = tuple[tuple[str, R], Outcome]  # a request (endpoint, body) and how it ended
 
 
@@ -44,6 +51,16 @@ class StoreRestarts:
     later: Callable[[float, Callable[[], None]], None]
     wait_s: float
     poll_s: float = 0.1
+
+    def waiting(self, sent: Sequence[Sent[B]], node_of: Callable[[str], str], elapsed_s: float) -> list[B] | None:
+        """The requests of ``sent`` that failed for want of their store (down, or unanswered) with every blob
+        (``node_of(blob id)``: its store's node id) on a durable store, or None when there are none or
+        ``elapsed_s`` since the first send is past ``wait_s``: the requests a restarted process may still
+        answer."""
+        if elapsed_s >= self.wait_s:
+            return None
+        return [request for (_, request), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
+                and all((node := node_of(blob_id)) and self.durable(node) for blob_id in request.blob_ids)] or None
 
     def gather(self, calls: Calls, requests: list[tuple[str, R]], done: Callable[[list[Sent[R]]], None], *,
                again: Callable[[list[Sent[R]]], list[R] | None],

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ...bus.peers import incarnation
-from ...bus.reqrep import HandlerError, PeerDown, RequestTimeout, split_outcomes
+from ...bus.reqrep import HandlerError, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import BlobRef, Delete, Deleted, FetchAck, Ok, Reference, StepBatch
@@ -416,9 +416,8 @@ class TrainerRank:
                     for (endpoint, reason), ids in groups.items() for i in range(0, len(ids), size)]
 
         def again(sent: list[Sent[Delete]]) -> list[Delete] | None:
-            waiting = [request for (_, request), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
-                       and (node := refs[request.blob_ids[0]].node) and self._restarts.durable(node)]
-            if not waiting or time.monotonic() - started >= self._restarts.wait_s:
+            waiting = self._restarts.waiting(sent, lambda blob_id: refs[blob_id].node, time.monotonic() - started)
+            if waiting is None:
                 return None
             return [request for request in waiting
                     if (node := refs[request.blob_ids[0]].node) in self._peers.live
