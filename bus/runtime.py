@@ -801,12 +801,13 @@ class NodeRuntime:
             self.publisher.sock.connect(welcome.events_in)
             self._pub_endpoint = welcome.events_in
         self.publish_path_lost = False
-        if self.welcome is not None and self.welcome.events_out != welcome.events_out:
+        moved = self.welcome is not None and self.welcome.events_out != welcome.events_out
+        if moved:
+            assert self.welcome is not None
             for subscriber, _, _ in self._subscriptions:  # live subscriptions follow a broker that moved
                 subscriber.sock.disconnect(self.welcome.events_out)
                 subscriber.sock.connect(welcome.events_out)
         broker = envelope_incarnation(reply.header.id)
-        moved = self.welcome is not None and self.welcome.events_out != welcome.events_out
         restarted = bool(self.broker_incarnation) and broker != self.broker_incarnation
         if restarted:
             self.broker_restarts += 1
