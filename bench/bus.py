@@ -375,8 +375,9 @@ def _profile_decode(sock: zmq.Socket, received: list[list[Any]]) -> dict[str, fl
 # --- tasks: request/reply ----------------------------------------------------------------------------
 
 
-def rpc_server(ch: Channel, flavor: RpcFlavor, reply_bytes: int) -> int:
-    """Serve round trips until the client says stop; returns how many were served."""
+def rpc_server(ch: Channel, flavor: RpcFlavor, reply_bytes: int) -> tuple[int, float]:
+    """Serve round trips until the client says stop; returns how many were served and the CPU seconds this
+    process spent (all its threads, ZeroMQ's I/O thread included) from the first request on."""
     if flavor == "runtime":
         return _runtime_server(ch)
     ctx = zmq.Context()
@@ -389,24 +390,27 @@ def rpc_server(ch: Channel, flavor: RpcFlavor, reply_bytes: int) -> int:
         server = Server(sock, WireCodec("bench-server"))
         stopped: list[bool] = []
         _bench_routes(server, lambda: stopped.append(True))
+        server.handle_one()
+        started = time.process_time()
         while not stopped:
             server.handle_one()
-        return server.handled[Fetch.kind]
+        return server.handled[Fetch.kind], time.process_time() - started
     finally:
         ctx.destroy(linger=0)
 
 
-def _raw_serve(sock: zmq.Socket, reply: bytes) -> int:
+def _raw_serve(sock: zmq.Socket, reply: bytes) -> tuple[int, float]:
+    identity, request = sock.recv_multipart()
+    started = time.process_time()
     served = 0
-    while True:
-        identity, request = sock.recv_multipart()
-        if not request:
-            return served
+    while request:
         sock.send_multipart([identity, reply])
         served += 1
+        identity, request = sock.recv_multipart()
+    return served, time.process_time() - started
 
 
-def _runtime_server(ch: Channel) -> int:
+def _runtime_server(ch: Channel) -> tuple[int, float]:
     """The same routes, served the way every node serves them: from a ``NodeRuntime`` loop."""
     runtime = NodeRuntime("bench-rpc", RuntimeSettings(node_id="bench-rpc", metrics_port=-1), register=False)
     try:
@@ -414,8 +418,10 @@ def _runtime_server(ch: Channel) -> int:
         _bench_routes(server, runtime.stop)
         runtime.start()
         ch.send(runtime.endpoints["rpc"])
+        runtime.loop(until=lambda: bool(server.handled))
+        started = time.process_time()
         runtime.loop()
-        return server.handled[Fetch.kind]
+        return server.handled[Fetch.kind] - 1, time.process_time() - started
     finally:
         runtime.close()
 
@@ -431,22 +437,26 @@ def _bench_routes(server: Server, stop: Callable[[], None]) -> None:
 
 def rpc_client(
     ch: Channel, endpoints: dict[str, str], request_bytes: int, settings: Settings
-) -> dict[str, list[float]]:
+) -> dict[str, tuple[list[float], float]]:
     """Round trips in µs to every server in ``endpoints`` (flavor -> endpoint), interleaved in blocks of
-    ``settings.rtt_block``; then tells each server to stop."""
+    ``settings.rtt_block``, and this thread's CPU seconds over the timed ones; then tells each server to
+    stop."""
     ctx = zmq.Context()
     try:
         callers = {flavor: _rpc_caller(ctx, flavor, endpoint, request_bytes) for flavor, endpoint in endpoints.items()}
         latencies: dict[str, list[float]] = {flavor: [] for flavor in callers}
+        cpu = dict.fromkeys(callers, 0.0)
         for round_trip, _ in callers.values():
             for _ in range(settings.rtt_warmup):
                 round_trip()
         for _ in range(settings.rtt_samples // settings.rtt_block):
             for flavor, (round_trip, _) in callers.items():
+                started = CPU()
                 latencies[flavor] += _latencies_us(round_trip, settings.rtt_block)
+                cpu[flavor] += CPU() - started
         for _, stop in callers.values():
             stop()
-        return latencies
+        return {flavor: (latencies[flavor], cpu[flavor]) for flavor in callers}
     finally:
         ctx.destroy(linger=0)
 
@@ -609,19 +619,22 @@ def _envelope_bytes(body: Body, **encode: Any) -> int:
     return sum(len(frame) for frame in WireCodec("bench-client-refbus").encode(body, **encode))
 
 
-def bench_rpc(pool: Pool, settings: Settings) -> list[Row]:
+def bench_rpc(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, Any]]:
     """Round trips from one client process to three server processes (raw, refbus ``Server``, ``Server`` in
-    a ``NodeRuntime`` loop), interleaved in blocks."""
+    a ``NodeRuntime`` loop), interleaved in blocks; the CPU each side spent per round trip."""
     request_bytes = _envelope_bytes(_fetch_body())
     reply_bytes = _envelope_bytes(Ok(), reply_to=WireCodec("bench-server").new_id())
     servers: dict[str, Worker] = {"raw": pool.rx, "refbus": pool.aux, "runtime": pool.broker}
     for flavor, worker in servers.items():
         worker.submit(rpc_server, flavor, reply_bytes)
     endpoints = {flavor: worker.message() for flavor, worker in servers.items()}
-    samples = pool.tx.call(rpc_client, endpoints, request_bytes, settings,
-                              timeout_s=WAIT_S + 3 * settings.rtt_samples * 0.005)
-    for worker in servers.values():
-        worker.result()
+    measured = pool.tx.call(rpc_client, endpoints, request_bytes, settings,
+                            timeout_s=WAIT_S + 3 * settings.rtt_samples * 0.005)
+    served = {flavor: worker.result() for flavor, worker in servers.items()}
+    samples = {flavor: latencies for flavor, (latencies, _) in measured.items()}
+    cpu_us = {flavor: {"client": 1e6 * client_s / len(samples[flavor]),
+                       "server": 1e6 * served[flavor][1] / max(1, served[flavor][0])}
+              for flavor, (_, client_s) in measured.items()}
     raw = np.percentile(samples["raw"], [50, 99])
     rows = []
     for flavor, label in (("refbus", "Server"), ("runtime", "Server in NodeRuntime loop")):
@@ -631,7 +644,7 @@ def bench_rpc(pool: Pool, settings: Settings) -> list[Row]:
                 higher_is_better=False),
             Row("rpc", f"round trip p99, {label}", "us", float(ours[1]), float(raw[1]), None, higher_is_better=False),
         ]
-    return rows
+    return rows, {"rpc_cpu_us": cpu_us}
 
 
 def measure_bulk(pool: Pool, flavor: Flavor, nbytes: int, count: int) -> Rate:
@@ -704,6 +717,14 @@ def format_cpu(extra: dict[str, Any]) -> str:
             f"(goal <= {BROKER_CPU_GOAL_US:.0f}: {verdict})")
 
 
+def format_rpc_cpu(cpu_us: dict[str, dict[str, float]]) -> str:
+    """CPU per round trip of each side, which other load on the machine distorts less than latencies."""
+    cells = {side: ", ".join(f"{flavor} {sides[side]:.1f}" for flavor, sides in cpu_us.items())
+             for side in ("client", "server")}
+    return (f"CPU us per round trip, client thread: {cells['client']}\n"
+            f"CPU us per round trip, server process (all threads): {cells['server']}")
+
+
 def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
     """The chosen sections, in order; ``extra`` holds the profile, raw rates and seconds per section."""
     rows: list[Row] = []
@@ -715,10 +736,15 @@ def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[st
         for section in sections:
             started = time.monotonic()
             if section == "events":
-                event_rows, extra = bench_events(bench_pool, settings)
+                event_rows, events_extra = bench_events(bench_pool, settings)
                 rows += event_rows
+                extra |= events_extra
+            elif section == "rpc":
+                rpc_rows, rpc_extra = bench_rpc(bench_pool, settings)
+                rows += rpc_rows
+                extra |= rpc_extra
             else:
-                rows += {"rpc": bench_rpc, "bulk": bench_bulk}[section](bench_pool, settings)
+                rows += bench_bulk(bench_pool, settings)
             seconds[section] = time.monotonic() - started
     return rows, extra | {"section_seconds": seconds}
 
@@ -741,6 +767,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(format_profile(extra["profile"], settings.profile_events))
         print(format_cpu(extra))
+    if "rpc_cpu_us" in extra:
+        print()
+        print(format_rpc_cpu(extra["rpc_cpu_us"]))
     elapsed = time.monotonic() - started
     print(f"\n{run_line(args.quick, elapsed, extra['section_seconds'])}")
     if args.json:

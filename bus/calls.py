@@ -118,8 +118,8 @@ class Calls:
         skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
         ``on_done``. Returns the message id (for :meth:`cancel`)."""
         client = self.client(endpoint)
-        msg_id = client.codec.new_id()
-        call = _Call(msg_id, endpoint, body.kind, client.codec.encode(body, msg_id=msg_id), on_done, backend,
+        msg_id, frames = client.encode(body)
+        call = _Call(msg_id, endpoint, body.kind, frames, on_done, backend,
                      Attempts(policy or self.policy, deadline_s, _now()), verify)
         self._pending[msg_id] = call
         self._per_endpoint[endpoint] += 1

@@ -31,10 +31,11 @@ import structlog
 import zmq
 
 from ..protocol.codec import ArrayBackend
-from ..protocol.envelope import Message, WireCodec
+from ..protocol.envelope import MIN_FRAMES, Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error, Ok
-from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_from, send_frames
+from .security import peer_id
+from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_routed, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -168,13 +169,18 @@ class Client:
         self.on_stray = on_stray
         self.retries = 0
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, options=options)
-        self._poller = zmq.Poller()  # kept: Socket.poll builds a new Poller on every call
-        self._poller.register(self.sock, zmq.POLLIN)
+        self._rcvtimeo = self.sock.get(zmq.RCVTIMEO)
+
+    def encode(self, body: Body) -> tuple[str, list]:
+        """A new request's id and frames (sent as they are by every retry): one frame when ``body`` has no
+        arrays, which every receiver accepts and which costs ZeroMQ and pyzmq a third of three frames."""
+        msg_id = self.codec.new_id()
+        return msg_id, self.codec.encode(body, msg_id=msg_id, one_frame=True)
 
     def send(self, body: Body) -> str:
         """Send without waiting; the reply (if any) reaches :meth:`recv` or ``on_stray``. Returns its id."""
-        msg_id = self.codec.new_id()
-        send_frames(self.sock, self.codec.encode(body, msg_id=msg_id))
+        msg_id, frames = self.encode(body)
+        send_frames(self.sock, frames)
         return msg_id
 
     def request(
@@ -186,37 +192,46 @@ class Client:
         The single-request path of :func:`gather`, kept lean because control round trips are latency-bound.
         """
         policy = policy or self.policy
-        msg_id = self.codec.new_id()
-        frames = self.codec.encode(body, msg_id=msg_id)
+        msg_id, frames = self.encode(body)
         for attempt, timeout in enumerate(policy.timeouts()):
             if attempt:
                 self.retries += 1
                 log.info("request.retry", kind=body.kind, endpoint=self.endpoint, attempt=attempt + 1)
             send_frames(self.sock, frames)
             deadline = time.monotonic() + timeout
-            while (reply := self.recv(_ms_until(deadline), backend=backend)) is not None:
+            wait_ms = int(timeout * 1000) + 1  # the same every first wait: the receive timeout is set once
+            while (reply := self.recv(wait_ms, backend=backend)) is not None:
                 if reply.header.re != msg_id:
                     self.stray(reply)
                 elif isinstance(reply.body, Error):
                     raise RemoteError(reply.body, self.endpoint)
                 else:
                     return reply
+                wait_ms = _ms_until(deadline)
         raise RequestTimeout(f"no reply from {self.endpoint} to {body.kind} after {policy.attempts} attempts")
 
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
         deadline = time.monotonic() + timeout_ms / 1000
-        while True:
-            try:
-                frames = recv_frames(self.sock, zmq.NOBLOCK)
-            except zmq.Again:
-                if not self._poller.poll(_ms_until(deadline)):
-                    return None
-                continue
+        while (frames := self._wait(timeout_ms)) is not None:
             try:
                 return self.codec.decode(frames, backend=backend, verify=verify)
             except ProtocolError as exc:
                 log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
+            timeout_ms = _ms_until(deadline)
+        return None
+
+    def _wait(self, timeout_ms: int) -> list | None:
+        """The next message within ``timeout_ms`` (0: only one already waiting), or None. A blocking receive
+        under the socket's receive timeout (set only when it changes) returns as soon as the message is there,
+        where a poll before a receive costs a second call into ZeroMQ on every reply."""
+        if timeout_ms != self._rcvtimeo:
+            self.sock.set(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo = timeout_ms
+        try:
+            return recv_frames(self.sock)
+        except zmq.Again:
+            return None
 
     def stray(self, reply: Message) -> None:
         """Hand a reply that answers none of the caller's requests to ``on_stray`` (logged when unset)."""
@@ -279,8 +294,8 @@ class _Gathering:
         while self.queued[client] and self.busy[client] < self.window:
             index = self.queued[client].popleft()
             body = self.calls[index][1]
-            msg_id = client.codec.new_id()
-            call = _Call(index, client, body.kind, msg_id, client.codec.encode(body, msg_id=msg_id),
+            msg_id, frames = client.encode(body)
+            call = _Call(index, client, body.kind, msg_id, frames,
                          Attempts(self.policy or client.policy, self.deadline_s, time.monotonic()))
             self.in_flight[msg_id] = call
             self.busy[client] += 1
@@ -349,11 +364,13 @@ Handler = Callable[[Message], Body | None]
 @dataclass(frozen=True)
 class Pending:
     """A request to answer later: who asked, and which message id the reply answers. ``peer``: the node id
-    CURVE authenticated the asker as ("" on a plain server)."""
+    CURVE authenticated the asker as ("" on a plain server). ``one_frame``: the form it was asked in, which
+    the reply takes (a client that sends only the multi-frame form, as an older peer's, gets it back)."""
 
     identity: bytes
     reply_to: str
     peer: str = ""
+    one_frame: bool = False
 
 
 @dataclass
@@ -416,7 +433,7 @@ class Server:
         self.seen_size = seen_size
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # ids whose reply was cached
         self._floors: OrderedDict[tuple[str, str], int] = OrderedDict()  # (src, incarnation) -> evicted counter
-        self._current = Pending(b"", "")
+        self._current: tuple[bytes, str, str, bool] = (b"", "", "", False)  # built into a Pending when asked for
 
     def on(self, kind: str, handler: Handler, *, cached: bool = True, verify: bool = True) -> None:
         """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice.
@@ -427,7 +444,7 @@ class Server:
     @property
     def pending(self) -> Pending:
         """The request being handled; a handler that returns None keeps this to :meth:`answer` later."""
-        return self._current
+        return Pending(*self._current)
 
     @property
     def cached_bytes(self) -> int:
@@ -436,24 +453,23 @@ class Server:
 
     def answer(self, pending: Pending, body: Body) -> None:
         """Reply to a deferred request (not cached: a retry re-runs its handler, which defers again)."""
-        self._send(pending.identity, body, pending.reply_to)
+        self._send(pending.identity, body, pending.reply_to, pending.one_frame)
 
     def handle_one(self, flags: int = 0) -> None:
         """Receive one request and answer it. Never raises for anything a peer sent: what the decoder or a
         handler does not expect is answered ``internal`` and logged."""
-        if self.authenticated:
-            frames, peer = recv_from(self.sock, flags, copied=4)
-        else:
-            frames, peer = recv_frames(self.sock, flags, copied=4), ""
-        identity, envelope = frames[0], frames[1:]
+        identity, envelope, last = recv_routed(self.sock, flags)
+        peer = peer_id(last) if self.authenticated else ""
         try:
             self._dispatch(identity, envelope, peer)
         except Exception as exc:
             self.rejected["internal"] += 1
             log.exception("request.failed")
-            self._send(identity, Error("internal", f"{type(exc).__name__}: {exc}"), self._peek_id(envelope))
+            self._send(identity, Error("internal", f"{type(exc).__name__}: {exc}"), self.codec.peek_id(envelope),
+                       len(envelope) < MIN_FRAMES)
 
     def _dispatch(self, identity: bytes, envelope: list, peer: str) -> None:
+        one_frame = len(envelope) < MIN_FRAMES  # the form it was asked in: one frame (and a MAC) or three and more
         try:
             checked = self.codec.decode_header(envelope)
             kind, header = checked.kind, checked.header
@@ -462,19 +478,19 @@ class Server:
                 self.rejected[code] += 1
                 log.warning("request.refused", code=code, src=header.src, peer=peer, kind=kind)
                 self._send(identity, Error(code, f"this connection is authenticated as {peer or 'nobody'!r}, "
-                                                 f"not as {header.src!r}", kind), header.id)
+                                                 f"not as {header.src!r}", kind), header.id, one_frame)
                 return
             route = self.routes.get(kind)
             if route is None:
                 self.rejected["unexpected-kind"] += 1
                 self._send(identity, Error("unexpected-kind", f"this node does not serve {kind!r} requests", kind),
-                           header.id)
+                           header.id, one_frame)
                 return
             request = self.codec.decode(envelope, backend=self.backend, verify=route.verify, checked=checked)
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("request.rejected", code=exc.code, error=str(exc))
-            self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self._peek_id(envelope))
+            self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self.codec.peek_id(envelope), one_frame)
             return
         key = (header.src, header.id)
         cached = self._replies.get(key)
@@ -486,19 +502,20 @@ class Server:
             self.rejected["replay"] += 1
             log.warning("request.rejected", code="replay", kind=kind, src=header.src, id=header.id)
             self._send(identity, Error("replay", f"request {header.id!r} from {header.src!r} was already "
-                                       "answered; a retry must come while its reply is cached", kind), header.id)
+                                       "answered; a retry must come while its reply is cached", kind), header.id,
+                       one_frame)
             return
-        self._current = Pending(identity, header.id, peer)
+        self._current = (identity, header.id, peer, one_frame)
         reply = self._run(route.handler, request)
         if reply is None:
             return
         try:
-            frames_out = self.codec.encode(reply, reply_to=header.id)
+            frames_out = self.codec.encode(reply, reply_to=header.id, one_frame=one_frame)
         except (ProtocolError, NotImplementedError, TypeError, ValueError) as exc:
             self.rejected["internal"] += 1
             log.exception("reply.unencodable", kind=request.kind, reply_kind=reply.kind)
             frames_out = self.codec.encode(Error("internal", f"reply could not be encoded: {exc}", request.kind),
-                                           reply_to=header.id)
+                                           reply_to=header.id, one_frame=one_frame)
         if route.cached:
             self._cache(key, frames_out)
         self._send_frames(identity, frames_out)
@@ -551,8 +568,8 @@ class Server:
         self.handled[request.kind] += 1
         return reply
 
-    def _send(self, identity: bytes, body: Body, reply_to: str) -> None:
-        self._send_frames(identity, self.codec.encode(body, reply_to=reply_to))
+    def _send(self, identity: bytes, body: Body, reply_to: str, one_frame: bool) -> None:
+        self._send_frames(identity, self.codec.encode(body, reply_to=reply_to, one_frame=one_frame))
 
     def _send_frames(self, identity: bytes, frames: list) -> None:
         try:
@@ -561,14 +578,6 @@ class Server:
             # Peer gone (ROUTER_MANDATORY) or not reading: it will retry and be answered from the cache.
             self.undeliverable += 1
             log.warning("reply.undeliverable", error=str(exc))
-
-    def _peek_id(self, envelope: list) -> str:
-        if len(envelope) < 2:
-            return ""
-        try:
-            return self.codec.read_header(envelope[1]).id
-        except ProtocolError:
-            return ""
 
 
 def _split_id(msg_id: str) -> tuple[str, int] | None:

@@ -90,6 +90,7 @@ from .sockets import (
     advertised,
     bound_endpoint,
     make_socket,
+    readable,
     remove_ipc_file,
 )
 
@@ -305,7 +306,7 @@ class NodeRuntime:
         server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend,
                         authenticated=self.curve is not None)
         self._servers.append(server)
-        self.watch(server.sock, lambda: self._drain(server.handle_one))
+        self.watch(server.sock, lambda: self._drain(server.sock, server.handle_one))
         return server
 
     def client(self, endpoint: str, *, policy: RetryPolicy | None = None) -> Client:
@@ -872,7 +873,7 @@ class NodeRuntime:
         assert self.welcome is not None and self.control is not None, "subscriptions need a registered node"
         subscriber.sock.connect(self.welcome.events_out)
         self._prove_subscribed(subscriber, since)
-        self.watch(subscriber.sock, lambda: self._drain(subscriber.drain_one))
+        self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
         self._deliver_ready()
 
     def _prove_subscribed(self, subscriber: Subscriber, since: int | None) -> None:
@@ -951,16 +952,18 @@ class NodeRuntime:
                     subscriber.rejected["internal"] += 1
                     log.exception("event.handler_failed", kind=message.kind, src=message.header.src)
 
-    def _drain(self, handle: Callable[[int], None], budget: int = 256, slice_s: float = 0.005) -> None:
-        """Handle what is waiting (``handle(zmq.NOBLOCK)`` until ``zmq.Again``), at most ``budget`` messages
-        or ``slice_s`` seconds, so other sockets (a version-bump behind a queue of slow requests) get a turn."""
+    def _drain(self, sock: zmq.Socket, handle: Callable[[int], None], budget: int = 256,
+               slice_s: float = 0.005) -> None:
+        """Handle what is waiting on ``sock`` (``handle(zmq.NOBLOCK)`` once per message), at most ``budget``
+        messages or ``slice_s`` seconds, so other sockets (a version-bump behind a queue of slow requests) get a
+        turn. The loop's poll found ``sock`` readable; later messages are asked for with :func:`readable`."""
         deadline = time.monotonic() + slice_s
         for _ in range(budget):
             try:
                 handle(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not readable(sock):
                 break
         self._deliver_ready()
 

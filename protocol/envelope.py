@@ -187,11 +187,14 @@ class WireCodec:
         the body is not read. ``known=False`` lets an ASCII kind this node does not define pass (what a
         forwarder needs). The version is checked before the MAC, so an older peer hears ``version``.
         ``Received.frames`` has the multi-frame form's layout whichever form arrived."""
-        first = (frames[0] if isinstance(frames[0], bytes) else bytes(frames[0])) if frames else b""
+        first = frames[0] if frames else b""
+        if type(first) is not bytes:
+            first = bytes(first)
         mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
         one_frame = mark >= 0
         if one_frame:
             parts = _split_one_frame(first, mark)
+            raw_kind = parts[0]
         elif len(frames) < MIN_FRAMES:
             raise MalformedMessage(
                 f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers] or one frame "
@@ -199,7 +202,7 @@ class WireCodec:
             )
         else:
             parts = frames
-        raw_kind = first if parts is frames else parts[0]
+            raw_kind = first
         kind = self._kind_names.get(raw_kind)
         if kind is None:
             try:
@@ -216,20 +219,34 @@ class WireCodec:
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
         signed = frames[:-1] if header.signed else frames
-        if one_frame and len(signed) != 1:
-            raise MalformedMessage(f"one-frame message followed by {len(frames) - 1} frames ("
-                                   f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
-        if not one_frame and len(signed) < MIN_FRAMES:
+        limits = self.limits
+        if one_frame:
+            if len(signed) != 1:
+                raise MalformedMessage(f"one-frame message followed by {len(frames) - 1} frames ("
+                                       f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
+            body_size = total = len(parts[2])  # split from one bytes frame: bytes too
+        elif len(signed) < MIN_FRAMES:
             raise MalformedMessage("a signed header, but no frame after the body for its MAC", kind=kind)
-        body_size = memoryview(parts[2]).nbytes
-        if body_size > self.limits.max_body_bytes:
-            raise MessageTooLarge(f"body is {body_size} bytes, limit {self.limits.max_body_bytes}", kind=kind)
-        total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
-        if total > self.limits.max_message_bytes:
-            raise MessageTooLarge(f"message is {total} bytes, limit {self.limits.max_message_bytes}", kind=kind)
+        else:
+            body_size = memoryview(parts[2]).nbytes
+            total = sum(memoryview(f).nbytes for f in frames) if len(frames) > MIN_FRAMES else body_size
+        if body_size > limits.max_body_bytes:
+            raise MessageTooLarge(f"body is {body_size} bytes, limit {limits.max_body_bytes}", kind=kind)
+        if total > limits.max_message_bytes:
+            raise MessageTooLarge(f"message is {total} bytes, limit {limits.max_message_bytes}", kind=kind)
         if self._secret:
             self._check_mac(kind, header, signed, frames[-1])
         return Received(kind, header, parts if one_frame else signed)
+
+    def peek_id(self, frames: Sequence[Buffer]) -> str:
+        """The message id in the header of ``frames`` (either form), "" when none can be read: what the error
+        reply to a message that failed its checks answers, so its sender can match it."""
+        first = _as_bytes(frames[0]) if frames else b""
+        mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
+        try:
+            return self.read_header(_split_one_frame(first, mark)[1] if mark >= 0 else frames[1]).id
+        except (IndexError, ProtocolError):
+            return ""
 
     def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
         """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""

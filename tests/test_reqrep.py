@@ -9,6 +9,11 @@ of the right code while the server keeps serving, idempotent retries (executed o
 from __future__ import annotations
 
 import gc
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -255,6 +260,151 @@ def test_descriptor_with_an_impossible_shape_gets_an_error_reply(
     assert REPLIES.decode(recv_frames(dealer)).body.code == "array"
     assert not srv.errors
     assert clients(srv.endpoint).request(DELETE).kind == "ok"
+
+
+# --- the one-frame form -------------------------------------------------------------------------------
+
+
+def one_frame(body: Any = DELETE, msg_id: str = "raw-1", codec: WireCodec = RAW) -> list[bytes]:
+    return [bytes(f) for f in codec.encode(body, msg_id=msg_id, one_frame=True)]
+
+
+def one_frame_with(header: bytes, body: bytes, kind: bytes = b"delete") -> list[bytes]:
+    """A one-frame request with this header and body, whatever they hold."""
+    return [b"".join((kind, b"\0", len(header).to_bytes(4, "little"), header, body))]
+
+
+def test_a_client_asks_in_one_frame_and_a_server_answers_in_the_form_it_was_asked_in(
+    serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    srv = serve(Counting().setup)
+    dealer = raw_dealer(srv.endpoint)
+    client = clients(srv.endpoint)
+    assert client.encode(DELETE)[1] and len(client.encode(DELETE)[1]) == 1  # no arrays: one frame
+    assert len(client.encode(Blobs([FetchedBlob("b", {"x": np.arange(3)})]))[1]) == 4  # arrays: multi-frame
+    for frames, reply_frames in ((one_frame(msg_id="raw-1"), 1), (raw_frames(msg_id="raw-2"), 3)):
+        dealer.send_multipart(frames)
+        assert dealer.poll(WAIT_MS, zmq.POLLIN)
+        reply = recv_frames(dealer)
+        assert len(reply) == reply_frames
+        assert REPLIES.decode(reply).body.detail.startswith("deleted b1")
+    assert client.request(DELETE).body.detail == "deleted b1 #3"
+
+
+def test_a_signed_server_answers_a_signed_one_frame_request_in_one_frame_and_its_mac(
+    serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    secret = b"s3cret"
+    srv = serve(Counting().setup, secret=secret)
+    signing = WireCodec("raw-client", secret=secret)
+    dealer = raw_dealer(srv.endpoint)
+    dealer.send_multipart(one_frame(codec=signing))
+    assert dealer.poll(WAIT_MS, zmq.POLLIN)
+    reply = recv_frames(dealer)
+    assert len(reply) == 2  # the frame and its MAC
+    assert WireCodec("reader", secret=secret).decode(reply).body.detail == "deleted b1 #1"
+    frame, mac = one_frame(codec=signing)
+    dealer.send_multipart([frame[:-1] + bytes([frame[-1] ^ 1]), mac])  # the body changed after signing
+    assert dealer.poll(WAIT_MS, zmq.POLLIN)
+    refused = WireCodec("reader", secret=secret).decode(recv_frames(dealer))
+    assert (refused.body.code, refused.header.re) == ("signature", "raw-1")
+
+
+ONE_FRAME_MALFORMED = {
+    # name: (frames, code, message fragment, reply's re)
+    "schema": (lambda: one_frame_with(raw_header(), msgspec.msgpack.encode({"blob_ids": "b1", "holder": "h",
+                                                                           "reason": "r"})),
+               "schema", "Expected `array`, got `str`", "raw-1"),
+    "undecodable-body": (lambda: one_frame_with(raw_header(), b"\xc1"), "malformed", "body frame", "raw-1"),
+    "undecodable-header": (lambda: one_frame_with(b"\xc1\xc1", raw_frames()[2]), "malformed", "header frame", ""),
+    "signed-without-mac": (lambda: one_frame_with(raw_header(signed=True), raw_frames()[2]), "malformed",
+                           "followed by 0 frames (a MAC frame only expected)", "raw-1"),
+    "followed-by-a-frame": (lambda: [*one_frame(), b"stray"], "malformed", "followed by 1 frames (none expected)",
+                            "raw-1"),
+    "newer-major-version": (lambda: one_frame_with(raw_header(v=[PROTOCOL_VERSION[0] + 1, 0]), raw_frames()[2]),
+                            "version", f"protocol {PROTOCOL_VERSION[0] + 1}.0", "raw-1"),
+    "unknown-kind": (lambda: one_frame_with(raw_header(), raw_frames()[2], kind=b"teleport"), "unknown-kind",
+                     "unknown message kind 'teleport'", "raw-1"),
+    "array-without-frame": (lambda: one_frame_with(raw_header(), msgspec.msgpack.encode(
+        {"blobs": [{"blob_id": "b", "arrays": {"x": msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode(
+            ["uint8", [4], 0, checksum(b"abcd")]))}}]}), kind=b"blobs"), "array", "message has 0", "raw-1"),
+    "header-length-past-the-end": (lambda: [b"delete\0\xff\xff\xff\x7f" + raw_header()], "malformed",
+                                   "byte header", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_FRAME_MALFORMED), ids=list(ONE_FRAME_MALFORMED))
+def test_garbage_in_the_one_frame_form_gets_an_error_reply_it_can_match_and_the_server_keeps_serving(
+    case: str, serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    build, code, fragment, reply_to = ONE_FRAME_MALFORMED[case]
+    handlers = Counting()
+    srv = serve(handlers.setup)
+    dealer = raw_dealer(srv.endpoint)
+    dealer.send_multipart(build())
+    assert dealer.poll(WAIT_MS, zmq.POLLIN), "no error reply"
+    frames = recv_frames(dealer)
+    reply = REPLIES.decode(frames)
+    assert isinstance(reply.body, Error)
+    assert (reply.body.code, reply.header.re) == (code, reply_to), reply.body
+    assert fragment in reply.body.message
+    assert srv.server.rejected == Counter({code: 1})
+    assert clients(srv.endpoint).request(DELETE).body.detail == "deleted b1 #1"
+    assert handlers.calls["blobs"] == 0
+
+
+# --- a server killed with SIGKILL mid-request -----------------------------------------------------------
+
+DOOMED = """
+import zmq
+from refbus.bus.reqrep import Server
+from refbus.bus.sockets import bound_endpoint, make_socket
+from refbus.protocol.envelope import WireCodec
+
+sock = make_socket(zmq.Context(), zmq.ROUTER, bind="tcp://127.0.0.1:0")
+server = Server(sock, WireCodec("doomed"))
+
+def hold(request):
+    print("held", request.header.id, flush=True)
+    return None  # never answered: the request is in the server's hands when it dies
+
+server.on("delete", hold, cached=False)
+print(bound_endpoint(sock), flush=True)
+while True:
+    server.handle_one()
+"""
+
+
+def test_a_request_to_a_server_sigkilled_mid_request_ends_with_a_timeout_by_its_deadline(clients: Any) -> None:
+    # Unbuffered, so select() sees every line the child wrote.
+    proc = subprocess.Popen([sys.executable, "-c", DOOMED], stdout=subprocess.PIPE, bufsize=0)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], WAIT_MS / 1000)
+        assert ready, "the server did not start"
+        endpoint = proc.stdout.readline().decode().strip()
+        policy = RetryPolicy(timeout_s=0.3, attempts=2, backoff=2.0)  # deadline 0.9 s
+
+        def kill_once_held() -> None:
+            ready, _, _ = select.select([proc.stdout], [], [], WAIT_MS / 1000)
+            if ready and proc.stdout.readline().startswith(b"held"):
+                os.kill(proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_held)
+        killer.start()
+        client = clients(endpoint, policy=policy)
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout, match=f"no reply from {endpoint} to delete after 2 attempts"):
+            client.request(DELETE)
+        elapsed = time.monotonic() - started
+        killer.join(WAIT_MS / 1000)
+        assert proc.wait(WAIT_MS / 1000) == -signal.SIGKILL  # it died holding the request
+        assert policy.deadline_s - 0.05 <= elapsed < policy.deadline_s + 2.0  # 2 s: slack for a loaded machine
+        assert client.retries == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(WAIT_MS / 1000)
 
 
 # --- retries and idempotency --------------------------------------------------------------------------
