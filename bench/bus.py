@@ -52,6 +52,7 @@ from refbus.bus.sockets import (
     bound_endpoint,
     make_socket,
     recv_frames,
+    recv_routed,
     send_frames,
     wildcard_port,
 )
@@ -485,6 +486,77 @@ def _rpc_caller(
     return functools.partial(client.request, _fetch_body()), functools.partial(client.request, Bye(node_id="bench"))
 
 
+# --- tasks: request/reply profile --------------------------------------------------------------------
+
+RPC_CLIENT_STAGES = ("encode", "send", "wait", "decode")
+RPC_SERVER_STAGES = ("recv", "decode_header", "decode", "handler", "encode", "send")
+
+
+def rpc_profile_server(ch: Channel, count: int) -> dict[str, float]:
+    """Serve ``count`` round trips through the stages ``Server.handle_one`` runs (one-frame requests, the
+    reply in the form asked), timing each; returns mean wall µs per stage ("recv" from the moment the
+    request could be received, so it excludes the wait but includes the wake-up's cache misses)."""
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.ROUTER)
+        sock.rcvtimeo = WAIT_MS
+        ch.send(_attach(sock, LOOPBACK, bind=True))
+        codec = WireCodec("bench-server")
+        totals = dict.fromkeys(RPC_SERVER_STAGES, 0.0)
+        clock = time.perf_counter
+        with gc_paused():
+            for _ in range(count):
+                sock.poll(WAIT_MS, zmq.POLLIN)
+                t0 = clock()
+                identity, envelope, _ = recv_routed(sock)
+                t1 = clock()
+                checked = codec.decode_header(envelope)
+                t2 = clock()
+                request = codec.decode(envelope, checked=checked)
+                t3 = clock()
+                reply = Ok() if request.kind == Fetch.kind else None
+                t4 = clock()
+                frames = codec.encode(reply, reply_to=checked.header.id, one_frame=len(envelope) < 3)
+                t5 = clock()
+                send_frames(sock, [identity, *frames], zmq.NOBLOCK)
+                t6 = clock()
+                for stage, start, end in zip(RPC_SERVER_STAGES, (t0, t1, t2, t3, t4, t5), (t1, t2, t3, t4, t5, t6),
+                                             strict=True):
+                    totals[stage] += end - start
+        return {stage: 1e6 * seconds / count for stage, seconds in totals.items()}
+    finally:
+        ctx.destroy(linger=0)
+
+
+def rpc_profile_client(ch: Channel, endpoint: str, count: int) -> dict[str, float]:
+    """``count`` round trips through the stages of ``Client.request``, timing each (mean wall µs; "wait"
+    holds the whole time the reply travels and the server works)."""
+    ctx = zmq.Context()
+    try:
+        client = Client(ctx, endpoint, WireCodec("bench-client-profile"))
+        body = _fetch_body()
+        totals = dict.fromkeys(RPC_CLIENT_STAGES, 0.0)
+        clock = time.perf_counter
+        with gc_paused():
+            for _ in range(count):
+                t0 = clock()
+                _, frames = client.encode(body)
+                t1 = clock()
+                send_frames(client.sock, frames)
+                t2 = clock()
+                received = client._wait(WAIT_MS)
+                t3 = clock()
+                if received is None:
+                    raise BenchError(f"no reply within {WAIT_S}s")
+                client.codec.decode(received)
+                t4 = clock()
+                for stage, start, end in zip(RPC_CLIENT_STAGES, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
+                    totals[stage] += end - start
+        return {stage: 1e6 * seconds / count for stage, seconds in totals.items()}
+    finally:
+        ctx.destroy(linger=0)
+
+
 # --- tasks: bulk frames ------------------------------------------------------------------------------
 
 
@@ -646,7 +718,11 @@ def bench_rpc(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, Any]
                 higher_is_better=False),
             Row("rpc", f"round trip p99, {label}", "us", float(ours[1]), float(raw[1]), None, higher_is_better=False),
         ]
-    return rows, {"rpc_cpu_us": cpu_us}
+    pool.rx.submit(rpc_profile_server, settings.rtt_samples)
+    profile_client = pool.tx.call(rpc_profile_client, pool.rx.message(), settings.rtt_samples,
+                                  timeout_s=WAIT_S + settings.rtt_samples * 0.005)
+    profile = {"client": profile_client, "server": pool.rx.result()}
+    return rows, {"rpc_cpu_us": cpu_us, "rpc_profile_us": profile}
 
 
 def measure_bulk(pool: Pool, flavor: Flavor, nbytes: int, count: int) -> Rate:
@@ -727,6 +803,15 @@ def format_rpc_cpu(cpu_us: dict[str, dict[str, float]]) -> str:
             f"CPU us per round trip, server process (all threads): {cells['server']}")
 
 
+def format_rpc_profile(profile: dict[str, dict[str, float]]) -> str:
+    """Wall µs of each stage of a round trip, between processes as in the measurement (one wake-up per side:
+    what a stage costs there, cold caches included, is several times what a loop in one process shows)."""
+    lines = ["Round trip stages, wall us (mean; client, then server; `wait` holds the server's stages):"]
+    for side in ("client", "server"):
+        lines.append(f"  {side:6s} " + ", ".join(f"{stage} {us:.1f}" for stage, us in profile[side].items()))
+    return "\n".join(lines)
+
+
 def run(settings: Settings, sections: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
     """The chosen sections, in order; ``extra`` holds the profile, raw rates and seconds per section."""
     rows: list[Row] = []
@@ -772,6 +857,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "rpc_cpu_us" in extra:
         print()
         print(format_rpc_cpu(extra["rpc_cpu_us"]))
+        print(format_rpc_profile(extra["rpc_profile_us"]))
     elapsed = time.monotonic() - started
     print(f"\n{run_line(args.quick, elapsed, extra['section_seconds'])}")
     if args.json:

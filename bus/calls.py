@@ -37,7 +37,7 @@ from ..protocol.envelope import Message
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
 from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy
-from .sockets import recv_frames, send_frames
+from .sockets import readable, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -188,14 +188,19 @@ class Calls:
         return len(self._pending) if endpoint is None else self._per_endpoint[endpoint]
 
     def tick(self) -> None:
-        """Resend what is due and time out what has reached its deadline."""
-        soon, self._soon = self._soon, []
-        for callback in soon:
-            _run_callback(callback, "gather")
-        refused, self._refused = self._refused, []
-        for call in refused:
-            if call.msg_id in self._pending:  # not cancelled meanwhile
-                self._finish(call, PeerDown(call.endpoint, self._down.get(call.endpoint, "reported down")))
+        """Resend what is due and time out what has reached its deadline. Runs every loop turn: nothing is
+        allocated when nothing is waiting."""
+        if self._soon:
+            soon, self._soon = self._soon, []
+            for callback in soon:
+                _run_callback(callback, "gather")
+        if self._refused:
+            refused, self._refused = self._refused, []
+            for call in refused:
+                if call.msg_id in self._pending:  # not cancelled meanwhile
+                    self._finish(call, PeerDown(call.endpoint, self._down.get(call.endpoint, "reported down")))
+        if not self._due:
+            return
         now = _now()
         while self._due and self._due[0][0] <= now:
             due, _, msg_id = heapq.heappop(self._due)
@@ -240,6 +245,8 @@ class Calls:
             send_frames(client.sock, call.frames)
 
     def _drain(self, client: Client) -> None:
+        """Take the replies waiting on ``client`` (its socket polled readable): at most the budget, each
+        after the first only once :func:`readable` says one is there (a receive that finds none raises)."""
         for _ in range(self._budget):
             try:
                 frames = recv_frames(client.sock, zmq.NOBLOCK)
@@ -255,8 +262,10 @@ class Calls:
             except ProtocolError as exc:
                 self.rejected[exc.code] += 1
                 log.warning("reply.rejected", endpoint=client.endpoint, code=exc.code, error=str(exc))
-                continue
-            self._resolve(reply, client.endpoint)
+            else:
+                self._resolve(reply, client.endpoint)
+            if not readable(client.sock):
+                return
 
     def _resolve(self, reply: Message, endpoint: str) -> None:
         call = self._pending.get(reply.header.re)
