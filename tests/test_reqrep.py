@@ -665,6 +665,36 @@ def test_request_timeout_retries_the_same_frames(sockets: Any, clients: Any) -> 
     assert silent.poll(0, zmq.POLLIN) == 0
 
 
+def test_signals_during_the_wait_do_not_hold_a_request_past_its_deadline(sockets: Any, clients: Any) -> None:
+    """A thread that handles a signal every 20 ms (a timer, a profiler) still gets its timeout on time: the
+    wait is a poll, which pyzmq resumes with the time left (a receive under RCVTIMEO restarts whole)."""
+    silent = sockets(zmq.ROUTER, bind=LOOPBACK)
+    client = clients(bound_endpoint(silent), policy=RetryPolicy(timeout_s=0.3, attempts=1))
+    handled = []
+    stop = threading.Event()
+    waiter = threading.main_thread().ident
+    assert threading.get_ident() == waiter  # handlers run on the main thread, whose wait they interrupt
+
+    def interrupt() -> None:
+        while not stop.wait(0.02):
+            signal.pthread_kill(waiter, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.append(1))
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            client.request(DELETE)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        sender.join(WAIT_MS / 1000)
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(handled) >= 3  # the wait was interrupted, again and again (about 15 times)
+    assert 0.28 <= elapsed < 2.0  # 2 s: slack for a loaded machine; a restarted wait would never end
+
+
 def test_request_timeout_when_nothing_listens(sockets: Any, clients: Any) -> None:
     probe = sockets(zmq.ROUTER, bind=LOOPBACK)
     endpoint = bound_endpoint(probe)
