@@ -187,7 +187,7 @@ class ArrayUnpacker:
         if code not in (EXT_NUMPY, EXT_TORCH):
             raise ArrayError(f"unknown msgpack extension code {code}")
         try:
-            dtype, shape, index, digest = msgspec.msgpack.decode(data, type=_Descriptor)
+            dtype, shape, index, digest = _DESCRIPTOR.decode(data)
         except msgspec.MsgspecError as exc:
             raise ArrayError(f"bad array descriptor: {exc}") from None
         if not 0 <= index < len(self._buffers):
@@ -222,6 +222,7 @@ class ArrayUnpacker:
 
 
 _Descriptor = tuple[str, tuple[int, ...], int, int]
+_DESCRIPTOR = msgspec.msgpack.Decoder(_Descriptor)  # one decoder, not a type lookup per array
 
 
 def _aligned(view: memoryview, alignment: int) -> memoryview:
