@@ -261,12 +261,12 @@ class Broker:
         if not is_event(frames[0]):  # a subscription or start probe the capture brought along
             return NOT_REPLAYED
         try:
-            kind, header, _ = self.codec.decode_header(frames, known=False)
+            received = self.codec.decode_header(frames, known=False)
         except ProtocolError as exc:
             self.dropped[exc.code] += 1
             log.warning("ring.unreadable", code=exc.code, error=str(exc))
             return None
-        return NOT_REPLAYED if kind == Sync.kind else (header.src, header.seq)
+        return NOT_REPLAYED if received.kind == Sync.kind else (received.header.src, received.header.seq)
 
     def _forward(self, budget: int = 1024) -> None:
         """With CURVE: forward in Python, each event's ``src`` checked against its connection's key first."""
@@ -278,7 +278,8 @@ class Broker:
                 return
             try:
                 # The header only (bodies are the subscribers'); kinds newer than this broker pass.
-                kind, header, _ = self.codec.decode_header(frames, known=False)
+                received = self.codec.decode_header(frames, known=False)
+                kind, header = received.kind, received.header
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))
