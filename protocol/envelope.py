@@ -59,7 +59,6 @@ MAC_BYTES = 32
 ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
 MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
-MAX_CACHED_HEADER = 512  # header lengths whose one-frame length prefix is built once per codec
 
 
 class Header(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -151,8 +150,6 @@ class WireCodec:
         self._kind_frames = {kind: kind.encode("ascii") for kind in KINDS}
         self._kind_names = {frame: kind for kind, frame in self._kind_frames.items()}
         self._signed = bool(secret)
-        # The bytes between the kind and the header of a one-frame message, per header length: built once.
-        self._one_frame_marks = [ONE_FRAME_MARK + n.to_bytes(4, "little") for n in range(MAX_CACHED_HEADER)]
         # A one-frame message's body bounds its whole size (it is the only frame): the tighter of both limits.
         self._max_one_frame_body = min(self.limits.max_body_bytes, self.limits.max_message_bytes)
 
@@ -174,9 +171,7 @@ class WireCodec:
         header_bytes = encode(Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(),
                                      reply_to, signed))
         if one_frame and not frames:
-            out = [kind + self._one_frame_marks[len(header_bytes)] + header_bytes + body_bytes
-                   if len(header_bytes) < MAX_CACHED_HEADER else
-                   b"".join((kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
+            out = [b"".join((kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
                              body_bytes))]
         else:
             out = [kind, header_bytes, body_bytes, *frames]
