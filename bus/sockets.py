@@ -119,8 +119,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     """Send one multipart message: small frames copied, large ones zero-copy (ZeroMQ keeps a reference to
     their memory until sent, so the caller must not modify it before)."""
     flags = int(flags)
-    more = flags | _SNDMORE
     last = len(frames) - 1
+    if not last:  # one frame (an event, a request or reply without arrays): no loop
+        frame = frames[0]
+        _zmq_send(sock, frame, flags, len(frame) < COPY_BELOW)
+        return
+    more = flags | _SNDMORE
     for index, frame in enumerate(frames):
         _zmq_send(sock, frame, flags if index == last else more, len(frame) < COPY_BELOW)
 
@@ -137,13 +141,16 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> list[An
     Small header frames are cheaper as bytes; array frames stay in ZeroMQ's buffer (writable, no copy).
     Raises ``zmq.Again`` when ``flags`` has NOBLOCK and nothing is waiting.
     """
-    return _recv_message(sock, flags, copied)[0]
+    frame = _zmq_recv(sock, flags, False)
+    if not frame.more:  # the common message (an event, most requests and replies): one frame
+        return [frame.bytes]
+    return _recv_rest(sock, frame, copied)[0]
 
 
 def recv_from(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> tuple[list[Any], str]:
     """:func:`recv_frames` on a CURVE socket, with the node id its ZAP handler bound to the sender's
     connection ("" when none did)."""
-    frames, last = _recv_message(sock, flags, copied)
+    frames, last = _recv_rest(sock, _zmq_recv(sock, flags, False), copied)
     return frames, peer_id(last)
 
 
@@ -153,12 +160,12 @@ def recv_routed(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> tuple[b
     # ZeroMQ always follows a ROUTER's routing id with the message, so it is received as bytes without a
     # Frame: reading whether more follows costs ~2 us either way (Frame.more or the RCVMORE option).
     identity = _zmq_recv(sock, flags)
-    frames, last = _recv_message(sock, 0, copied)
+    frames, last = _recv_rest(sock, _zmq_recv(sock, 0, False), copied)
     return identity, frames, last
 
 
-def _recv_message(sock: zmq.Socket, flags: int, copied: int) -> tuple[list[Any], zmq.Frame]:
-    frame = _zmq_recv(sock, flags, False)
+def _recv_rest(sock: zmq.Socket, frame: zmq.Frame, copied: int) -> tuple[list[Any], zmq.Frame]:
+    """The message whose first frame is ``frame``, and its last frame."""
     frames: list[Any] = [frame.bytes]
     while frame.more:  # Frame.more is cheap; the RCVMORE socket option costs ~2 us per frame
         frame = _zmq_recv(sock, 0, False)
