@@ -50,7 +50,7 @@ from .errors import (
 )
 from .messages import KINDS, Body
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 1)
 SPOKEN_MAJORS: tuple[int, ...] = (PROTOCOL_VERSION[0],)  # majors this build encodes and decodes
 MIN_FRAMES = 3
 MAC_BYTES = 32
