@@ -8,8 +8,10 @@
    trainer and a rollout worker do every step); the first, cold push is reported too. The frames path (the one
    every pull from another host takes) is also set against raw TCP between this process and another one on
    the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
-   pull >= 80% of it. With NIXL installed (the ``nixl`` extra), a pull over NIXL READs is set against the
-   frames pull and raw TCP (skipped, saying why, without it).
+   pull >= 80% of it. The ceiling row sets raw TCP push + pull against torch.save/load: no transport over
+   this TCP beats it, so it says whether the 3x goal is reachable on the machine at all. With NIXL
+   installed (the ``nixl`` extra), a pull over NIXL READs is set against the frames pull and raw TCP
+   (skipped, saying why, without it).
 2. **broadcast**: init of N = 2, 4, 8 workers from a 256 MiB safetensors file (N copies of every retained
    version must fit in this machine's 24 GiB), against every worker reading the file
    itself (N concurrent reader processes) and against the reader sending to each worker in turn (N - 1
