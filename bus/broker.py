@@ -71,6 +71,8 @@ from .sockets import recv_from, send_frames
 log = structlog.get_logger(__name__)
 
 SD_PATH = "/sd"  # the service-discovery path of the broker's metrics endpoint
+CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, at most
+CAPTURE_REST_S = 0.002  # a capture drained of its backlog waits this long for the next batch
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ class Broker:
             self.own = forwarder.own  # the broker's events go through the forwarder like every node's
             runtime.shutdown_hooks.append(forwarder.stop)  # before the runtime closes the XSUB and XPUB
             forwarder.start(runtime.settings.connect_timeout_s)
-            runtime.watch(forwarder.capture, lambda: forwarder.drain(self._record))
+            runtime.watch(forwarder.capture, self._drain_capture)
             runtime.watch(forwarder.probes, lambda: forwarder.drain_probes(self._probe_seen))
         else:  # each event's src is checked against its connection's key: Python reads every event
             self.xsub.send(SUBSCRIBE_ALL)
@@ -251,6 +253,21 @@ class Broker:
 
     # --- event path ---------------------------------------------------------------------------------
 
+    def _drain_capture(self) -> None:
+        """Captured events into the ring; then, unless a backlog is left, the capture rests for
+        ``CAPTURE_REST_S`` so the next events gather into one batch (the loop wakes once per batch, not per
+        event). Replays and refills catch up with the capture first (:meth:`_catch_up`): a rest delays only
+        the ring's copy, never what a replay sees."""
+        assert self.forwarder is not None
+        if self.forwarder.drain(self._record, CAPTURE_BATCH) < CAPTURE_BATCH:
+            self.runtime.rest(self.forwarder.capture, CAPTURE_REST_S)
+
+    def _catch_up(self) -> None:
+        """Everything the forwarder has passed on so far into the ring."""
+        if self.forwarder is not None:
+            while self.forwarder.drain(self._record, CAPTURE_BATCH) == CAPTURE_BATCH:
+                pass
+
     def _record(self, entries: list, sizes: list[int]) -> None:
         """Captured events (the forwarder already sent them on) into the ring."""
         self.ring.extend(entries, sizes)
@@ -261,12 +278,12 @@ class Broker:
         if not is_event(frames[0]):  # a subscription or start probe the capture brought along
             return NOT_REPLAYED
         try:
-            kind, header, _ = self.codec.decode_header(frames, known=False)
+            received = self.codec.decode_header(frames, known=False)
         except ProtocolError as exc:
             self.dropped[exc.code] += 1
             log.warning("ring.unreadable", code=exc.code, error=str(exc))
             return None
-        return NOT_REPLAYED if kind == Sync.kind else (header.src, header.seq)
+        return NOT_REPLAYED if received.kind == Sync.kind else (received.header.src, received.header.seq)
 
     def _forward(self, budget: int = 1024) -> None:
         """With CURVE: forward in Python, each event's ``src`` checked against its connection's key first."""
@@ -278,7 +295,8 @@ class Broker:
                 return
             try:
                 # The header only (bodies are the subscribers'); kinds newer than this broker pass.
-                kind, header, _ = self.codec.decode_header(frames, known=False)
+                received = self.codec.decode_header(frames, known=False)
+                kind, header = received.kind, received.header
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
                 log.warning("event.dropped", code=exc.code, error=str(exc))
@@ -411,6 +429,7 @@ class Broker:
         assert isinstance(ask, Replay)
         # Replies must fit the peer's body limit: events are small (references, not arrays).
         budget = self.codec.limits.max_body_bytes // 2
+        self._catch_up()
         entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
         events = [ReplayedEvent([bytes(frame) for frame in event.frames]) for event in entries]
         return Replayed(events=events, more=more, cursor=cursor)
@@ -421,6 +440,7 @@ class Broker:
         refused and counted in :attr:`dropped`; the rest are kept."""
         refill = request.body
         assert isinstance(refill, Refill)
+        self._catch_up()  # what the capture holds came first: the ring keeps arrival order where it can
         kept = 0
         for event in refill.events:
             key = self._index(event.frames)

@@ -120,6 +120,7 @@ class Forwarder:
         trust_mark = not self.signed
         entries: list = []
         sizes: list[int] = []
+        keep, size_of = entries.append, sizes.append
         count = 0
         for count in range(1, budget + 1):
             try:
@@ -128,8 +129,8 @@ class Forwarder:
                 count -= 1
                 break
             if (trust_mark and first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES) >= 0) or not more(RCVMORE):
-                entries.append(first)
-                sizes.append(len(first))
+                keep(first)
+                size_of(len(first))
                 continue
             frames = [first]
             size = len(first)

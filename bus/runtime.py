@@ -368,6 +368,12 @@ class NodeRuntime:
         self._callbacks[sock] = callback
         self._poller.register(sock, zmq.POLLIN)
 
+    def rest(self, sock: zmq.Socket, delay_s: float) -> None:
+        """Stop watching ``sock`` for ``delay_s`` seconds (loop thread only): what arrives meanwhile waits in
+        its queue and is handled in one batch, for one wake-up of the loop instead of one each."""
+        self._poller.unregister(sock)
+        self.later(delay_s, lambda: self._poller.register(sock, zmq.POLLIN))
+
     def broker(self) -> Client:
         """The client of the broker's control endpoint, made on first use: registry queries and replays work
         for a node that does not register too (a CLI command, a launcher)."""

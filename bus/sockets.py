@@ -115,6 +115,10 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     their memory until sent, so the caller must not modify it before)."""
     flags = int(flags)
     last = len(frames) - 1
+    if not last:  # one frame (an event): no loop
+        frame = frames[0]
+        sock.send(frame, flags, copy=len(frame) < COPY_BELOW)
+        return
     for index, frame in enumerate(frames):
         sock.send(frame, flags if index == last else flags | _SNDMORE, copy=len(frame) < COPY_BELOW)
 
@@ -125,18 +129,21 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> list[An
     Small header frames are cheaper as bytes; array frames stay in ZeroMQ's buffer (writable, no copy).
     Raises ``zmq.Again`` when ``flags`` has NOBLOCK and nothing is waiting.
     """
-    return _recv(sock, flags, copied)[0]
+    frame = sock.recv(flags, copy=False)
+    if not frame.more:  # the common message (an event, most requests): one frame
+        return [frame.bytes]
+    return _recv_rest(sock, frame, copied)[0]
 
 
 def recv_from(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> tuple[list[Any], str]:
     """:func:`recv_frames` on a CURVE socket, with the node id its ZAP handler bound to the sender's
     connection ("" when none did)."""
-    frames, last = _recv(sock, flags, copied)
+    frames, last = _recv_rest(sock, sock.recv(flags, copy=False), copied)
     return frames, peer_id(last)
 
 
-def _recv(sock: zmq.Socket, flags: int, copied: int) -> tuple[list[Any], zmq.Frame]:
-    frame = sock.recv(flags, copy=False)
+def _recv_rest(sock: zmq.Socket, frame: zmq.Frame, copied: int) -> tuple[list[Any], zmq.Frame]:
+    """The message whose first frame is ``frame``, and its last frame."""
     frames: list[Any] = [frame.bytes]
     while frame.more:  # Frame.more is cheap; the RCVMORE socket option costs ~2 us per frame
         frame = sock.recv(copy=False)

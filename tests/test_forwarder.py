@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 from polling import wait_for
+from refbus.bus import broker as broker_module
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.forwarder import is_event
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
@@ -121,3 +122,32 @@ def test_garbage_refills_are_refused_and_counted_and_the_broker_keeps_its_ring_a
     finally:
         ctx.destroy(linger=0)
         node.close()
+
+
+def test_a_resting_capture_delays_only_the_rings_copy_and_replays_catch_up_first(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between batches the capture rests (here for a minute): events still reach subscribers at once, the
+    ring takes them at the next batch, and a replay in between drains the capture before it answers."""
+    monkeypatch.setattr(broker_module, "CAPTURE_REST_S", 60.0)
+    control = broker.runtime.endpoints["control"]
+    received: queue.Queue[Message] = queue.Queue()
+    subscriber_node = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    subscriber_node.subscribe(received.put, kinds=frozenset({RunEnd.kind}))
+    publisher_node = NodeRuntime("pub", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1))
+    try:
+        subscriber_node.start_background()
+        publisher_node.start_background()
+        wait_for(lambda: broker.forwarded > 0, WAIT_S, "a first batch, after which the capture rests")
+        resting_at = broker.forwarded
+        for steps in range(1, 6):
+            publisher_node.call_soon(lambda steps=steps: publisher_node.publish(RunEnd(reason="rest", steps=steps)))
+        assert [received.get(timeout=WAIT_S).body.steps for _ in range(5)] == [1, 2, 3, 4, 5]
+        assert broker.forwarded == resting_at, "the capture rested: the ring has not taken them yet"
+
+        replayed = publisher_node_replay(subscriber_node)
+        assert [m.body.steps for m in replayed if m.kind == RunEnd.kind and m.header.src == "pub"] == [1, 2, 3, 4, 5]
+        assert broker.forwarded >= resting_at + 5
+    finally:
+        publisher_node.join(WAIT_S)
+        subscriber_node.join(WAIT_S)

@@ -16,6 +16,7 @@ from refbus.nodes.payload.keeper import (
     UNDELIVERED,
     Keeper,
     KeepError,
+    array_checksums,
     blob_checksum,
 )
 from refbus.protocol.codec import checksum
@@ -86,6 +87,18 @@ def test_blob_checksum_hashes_the_wire_checksums_in_field_order() -> None:
                        for a in fields.values())
     assert blob_checksum(fields) == xxhash.xxh3_64_intdigest(digests)
     assert blob_checksum(dict(reversed(fields.items()))) != blob_checksum(fields)
+
+
+def test_array_checksums_are_of_the_c_order_bytes_whatever_the_layout() -> None:
+    """Contiguous arrays are hashed through their own buffer; every other layout through a C-order copy: the
+    checksum is of the same bytes either way (what a receiver hashes in the frame)."""
+    base = np.arange(4 * 6 * 8, dtype=np.int32).reshape(4, 6, 8)
+    layouts = [base, base[:, ::2], np.asfortranarray(base), base.transpose(2, 0, 1), base[1:3], base[:0],
+               np.array(7, dtype=np.uint16), base.astype(np.float32).view(np.uint8), base.astype(">i4")[:2]]
+    for array in layouts:
+        expected = xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).tobytes())
+        assert array_checksums({"a": array}) == (expected,), (array.dtype, array.shape, array.strides)
+    assert blob_checksum({"a": base[:, ::2]}) == blob_checksum({"a": np.ascontiguousarray(base[:, ::2])})
 
 
 def test_a_bad_branch_rejects_the_episode_and_keeps_nothing(keeper: Keeper) -> None:

@@ -128,7 +128,7 @@ def _fill_gaps(target: np.ndarray, covered: Sequence[tuple[int, int]], length: i
 
 def _routing_dtype(dtypes: Iterable[np.dtype]) -> torch.dtype:
     """The assembled routing dtype: the widest wire dtype among ``dtypes`` (all in ``ROUTING_DTYPES``)."""
-    return ROUTING_TORCH_DTYPES[np.result_type(*dtypes)]
+    return ROUTING_TORCH_DTYPES[np.result_type(*set(dtypes))]  # distinct ones: a micro batch has hundreds
 
 
 def _as_routing_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:

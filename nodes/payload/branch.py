@@ -187,7 +187,7 @@ class Branch:
     @property
     def nbytes(self) -> int:
         """Bytes of array data across all present fields (what goes on the wire, headers aside)."""
-        return sum(array.nbytes for array in self.to_arrays().values())
+        return sum(array.nbytes for name in FIELDS if (array := getattr(self, name)) is not None)
 
     def fields(self) -> tuple[str, ...]:
         """Names of the present fields, in the canonical order of :data:`FIELDS`."""

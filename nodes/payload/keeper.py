@@ -40,6 +40,7 @@ This module imports numpy and the protocol's types only. Env servers import it; 
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,7 +71,13 @@ _ALIGN = 8
 def array_checksums(arrays: Mapping[str, np.ndarray]) -> tuple[int, ...]:
     """:func:`refbus.protocol.codec.checksum` of each array's C-order bytes, in the mapping's order: the values
     the wire descriptors carry."""
-    return tuple(checksum(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))) for a in arrays.values())
+    return tuple(_array_checksum(a) for a in arrays.values())
+
+
+def _array_checksum(array: np.ndarray) -> int:
+    if type(array) is np.ndarray and array.flags.c_contiguous:
+        return checksum(array)  # its buffer is exactly its C-order bytes: no view to build (~5 us a blob)
+    return checksum(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
 def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | None = None) -> int:
@@ -82,7 +89,7 @@ def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | Non
     the caller already has them. The arrays are read, not kept.
     """
     values = array_checksums(arrays) if digests is None else digests
-    return checksum(np.array(values, dtype="<u8").tobytes())
+    return checksum(struct.pack(f"<{len(values)}Q", *values))
 
 
 RETRY_AFTER_S = 0.25
