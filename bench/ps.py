@@ -8,8 +8,10 @@
    trainer and a rollout worker do every step); the first, cold push is reported too. The frames path (the one
    every pull from another host takes) is also set against raw TCP between this process and another one on
    the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
-   pull >= 80% of it. With NIXL installed (the ``nixl`` extra), a pull over NIXL READs is set against the
-   frames pull and raw TCP (skipped, saying why, without it).
+   pull >= 80% of it. The ceiling row sets raw TCP push + pull against torch.save/load: no transport over
+   this TCP beats it, so it says whether the 3x goal is reachable on the machine at all. With NIXL
+   installed (the ``nixl`` extra), a pull over NIXL READs is set against the frames pull and raw TCP
+   (skipped, saying why, without it).
 2. **broadcast**: init of N = 2, 4, 8 workers from a 256 MiB safetensors file (N copies of every retained
    version must fit in this machine's 24 GiB), against every worker reading the file
    itself (N concurrent reader processes) and against the reader sending to each worker in turn (N - 1
@@ -32,7 +34,7 @@ the worker on hostB and the client against raw TCP between the same two hosts, i
 N = 2, 4, 8 workers against the reader sending to each in turn (goal: faster for N >= 4) and against
 ``ceil(log2 N) x size / link rate`` (goal: within 1.2x). A table of ratios, like the other benches.
 
-    python -m bench.ps [--quick] [--hosts [--cap-mbit M]] [--json PATH]
+    python -m bench.ps [--quick] [--only SECTION ...] [--hosts [--cap-mbit M]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from bench.harness import (
 )
 
 RETAIN = 2
+SECTIONS = ("transfer", "broadcast", "pull-under-push", "replicas")
 CAP_MBIT = 1000  # a link capped below what two cores move, so that the link is what limits a broadcast
 TRANSFER_ROUNDS = 2  # across hosts: raw TCP and frames measured in turn, this many times
 PUSHER_WAIT_S = 120.0  # a push of the full state with the machine saturated, plus the pusher's start-up
@@ -187,6 +190,23 @@ def client(control: str, manager: str, name: str, **kwargs: Any) -> tuple[NodeRu
 # --- 1. transfer ------------------------------------------------------------------------------------
 
 
+def filesystem(directory: str) -> str:
+    """``type source`` of the mount holding ``directory`` (from /proc/self/mountinfo; "unknown" without it)."""
+    best, found = -1, "unknown"
+    target = os.path.realpath(directory)
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        mount, rest = fields[4], fields[fields.index("-") + 1 :]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= best:
+            best, found = len(mount), f"{rest[0]} {rest[1]}"
+    return found
+
+
 def raw_seconds(address: str, port: int, nbytes: int, repeats: int, direction: str) -> float:
     """Best seconds to move ``nbytes`` to or from a ``raw_peer`` at ``address:port`` over plain TCP (after one
     warm-up); a pull checks the bytes it got."""
@@ -273,6 +293,7 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
     save_load = {}
     for where, directory in (("shm", "/dev/shm"), ("disk", tempfile.gettempdir())):
         path = Path(directory) / f"refbus-bench-{os.getpid()}.pt"
+        results[f"torch_{where}_filesystem"] = filesystem(directory)
         try:
             def save(path: Path = path) -> None:
                 torch.save(state, path)
@@ -285,14 +306,20 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
             path.unlink(missing_ok=True)
         save_s, load_s = save_load[where]
         results[f"torch_save_{where}_s"], results[f"torch_load_{where}_s"] = save_s, load_s
-        report(f"torch.save + torch.load via {where}: {save_s:.3f} + {load_s:.3f} s = {save_s + load_s:.3f} s "
-               "(baseline)")
+        report(f"torch.save + torch.load via {where} ({path.parent}: {results[f'torch_{where}_filesystem']}): "
+               f"{save_s:.3f} + {load_s:.3f} s = {save_s + load_s:.3f} s (baseline; no fsync: the file is "
+               "written to and read from the page cache)")
 
     with workers("bench-raw-peer") as (peer,):
         raw = {direction: raw_tcp(peer, size, settings.repeats, direction) for direction in ("pull", "push")}
     results["raw_tcp_s"] = raw
     report(f"raw TCP to another process: pull {gb / raw['pull']:.2f} GB/s, push {gb / raw['push']:.2f} GB/s "
            "(baseline)")
+    for where, (save_s, load_s) in save_load.items():
+        # What no transport over this TCP can beat: whether the save/load goal is reachable here at all.
+        ceiling = (save_s + load_s) / (raw["push"] + raw["pull"])
+        results[f"ceiling_vs_torch_{where}"] = ceiling
+        report(f"ceiling: raw TCP push + pull vs torch.save + torch.load via {where}: {ceiling:.1f}x")
 
     for transport in ("shm", "frames"):
         runtime, ps = c.client(f"bench-{transport}", transport=transport)
@@ -576,6 +603,7 @@ def run_across_hosts(settings: Settings, rate_bit: int) -> tuple[list[Row], dict
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, prog="python -m bench.ps", description=__doc__.split("\n\n")[0],
                       quick_help="small sizes (a smoke run, well under 15 s)",
+                      sections=SECTIONS,
                       hosts_help="across namespace hosts (needs root): frames push + pull between two hosts "
                                  "against raw TCP, broadcast init under capped links (--cap-mbit)",
                       more=lambda parser: parser.add_argument(
@@ -598,15 +626,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, figures(settings, args.quick, time.monotonic() - started, rows, results))
         return 0
+    only = args.only or SECTIONS
     with cluster(max(settings.broadcast_sizes)) as c:  # pushes go to w0; inits use w0..w(N-1)
-        print("== 1. push + pull on one host ==", flush=True)
-        results["transfer"] = bench_transfer(c, settings, report)
-        print("== 2. broadcast init ==", flush=True)
-        results["broadcast"] = bench_broadcast(c, settings, report)
-        print("== 3. pull latency while a push runs ==", flush=True)
-        results["pull_under_push"] = bench_pull_under_push(c, settings, report)
-    print("== 4. replicas: push cost ==", flush=True)
-    results["replicas"] = bench_replicas(settings, report)
+        if "transfer" in only:
+            print("== 1. push + pull on one host ==", flush=True)
+            results["transfer"] = bench_transfer(c, settings, report)
+        if "broadcast" in only:
+            print("== 2. broadcast init ==", flush=True)
+            results["broadcast"] = bench_broadcast(c, settings, report)
+        if "pull-under-push" in only:
+            print("== 3. pull latency while a push runs ==", flush=True)
+            results["pull_under_push"] = bench_pull_under_push(c, settings, report)
+    if "replicas" in only:
+        print("== 4. replicas: push cost ==", flush=True)
+        results["replicas"] = bench_replicas(settings, report)
     if args.json:
         write_json(args.json, results)
     return 0

@@ -256,23 +256,83 @@ class _Call:
     due: float = 0.0
 
 
-class _Gathering:
-    """The state of one :func:`gather`. An object, not closures that call each other: those form a reference
-    cycle through their cells that would keep every reply (its received frames) alive until the garbage
-    collector happens to run, so large replies kept landing in fresh, page-faulting memory."""
+class Pipeline:
+    """Requests issued as they become ready, at most ``window`` in flight per client, each retried per
+    ``policy`` (or its client's) until its deadline: ``deadline_s`` after it is first sent (default: the sum
+    of the policy's timeouts). :func:`gather` is one pipeline given every request at once; a producer that
+    makes its requests as it goes (a push hashing its pieces) passes each to :meth:`add` when ready and keeps the
+    window full meanwhile, instead of waiting for a batch to drain.
 
-    def __init__(self, calls: Sequence[tuple[Client, Body]], window: int, policy: RetryPolicy | None,
-                 deadline_s: float | None) -> None:
-        self.calls = calls
+    ``outcomes[index]`` (``index`` from :meth:`add`) is set once a request ends: its reply, or the
+    :class:`RemoteError` / :class:`RequestTimeout` it ended with. ``verify=False`` skips frame checksums for
+    callers that verify the bytes themselves. ``on_reply(index, reply)``, when given, takes each successful
+    reply as it arrives; it is not kept (its outcome is its header with an ``Ok`` body), so a caller
+    streaming large replies holds about ``window`` of them at a time. Late duplicate replies go to each
+    client's ``on_stray``.
+
+    An object, not closures that call each other: those form a reference cycle through their cells that would
+    keep every reply (its received frames) alive until the garbage collector happens to run, so large replies
+    kept landing in fresh, page-faulting memory.
+    """
+
+    def __init__(self, *, window: int = 8, policy: RetryPolicy | None = None, deadline_s: float | None = None,
+                 backend: ArrayBackend = "native", verify: bool = True,
+                 on_reply: Callable[[int, Message], None] | None = None) -> None:
         self.window = window
         self.policy = policy
         self.deadline_s = deadline_s
-        self.results: list[Message | RemoteError | RequestTimeout | None] = [None] * len(calls)
+        self.backend: ArrayBackend = backend
+        self.verify = verify
+        self.on_reply = on_reply
+        self.outcomes: list[Message | RemoteError | RequestTimeout | None] = []
+        self._bodies: dict[int, Body] = {}  # queued, not yet sent
         self.queued: dict[Client, deque[int]] = {}
-        for index, (client, _) in enumerate(calls):
-            self.queued.setdefault(client, deque()).append(index)
         self.in_flight: dict[str, _Call] = {}
         self.busy: Counter[Client] = Counter()
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket, Client] = {}
+
+    def add(self, client: Client, body: Body) -> int:
+        """Queue ``body`` for ``client`` and send it at once when its window has room; its index in
+        :attr:`outcomes`. Does not wait for anything."""
+        index = len(self.outcomes)
+        self.outcomes.append(None)
+        self._bodies[index] = body
+        if client not in self.queued:
+            self.queued[client] = deque()
+            self._poller.register(client.sock, zmq.POLLIN)
+            self._by_socket[client.sock] = client
+        self.queued[client].append(index)
+        self.launch(client)
+        return index
+
+    def wait(self, until: Callable[[], bool] | None = None) -> None:
+        """Receive replies (and resend on timeouts) until ``until()`` holds, or until every request added has
+        ended (the default)."""
+        in_flight = self.in_flight
+        while in_flight and not (until is not None and until()):
+            now = time.monotonic()
+            for call in [c for c in in_flight.values() if c.due <= now]:
+                self.attempt(call)
+            if not in_flight:
+                break
+            for sock, _ in self._poller.poll(_ms_until(min(c.due for c in in_flight.values()))):
+                client = self._by_socket[sock]
+                while (reply := client.recv(0, backend=self.backend, verify=self.verify)) is not None:
+                    call = in_flight.get(reply.header.re)
+                    if call is None or call.client is not client:
+                        client.stray(reply)
+                    elif isinstance(reply.body, Error):
+                        self.finish(call, RemoteError(reply.body, client.endpoint))
+                    elif self.on_reply is not None:
+                        self.on_reply(call.index, reply)
+                        self.finish(call, Message(reply.kind, reply.header, Ok()))
+                    else:
+                        self.finish(call, reply)
+
+    def waiting(self, client: Client) -> int:
+        """Requests for ``client`` added but not sent yet (its window is full)."""
+        return len(self.queued.get(client, ()))
 
     def attempt(self, call: _Call) -> None:
         step = call.attempts.next(time.monotonic())
@@ -290,7 +350,7 @@ class _Gathering:
     def launch(self, client: Client) -> None:
         while self.queued[client] and self.busy[client] < self.window:
             index = self.queued[client].popleft()
-            body = self.calls[index][1]
+            body = self._bodies.pop(index)
             msg_id, frames = client.encode(body)
             call = _Call(index, client, body.kind, msg_id, frames,
                          Attempts(self.policy or client.policy, self.deadline_s, time.monotonic()))
@@ -299,7 +359,7 @@ class _Gathering:
             self.attempt(call)
 
     def finish(self, call: _Call, outcome: Message | RemoteError | RequestTimeout) -> None:
-        self.results[call.index] = outcome
+        self.outcomes[call.index] = outcome
         del self.in_flight[call.msg_id]
         self.busy[call.client] -= 1
         self.launch(call.client)
@@ -315,42 +375,14 @@ def gather(
     verify: bool = True,
     on_reply: Callable[[int, Message], None] | None = None,
 ) -> list[Message | RemoteError | RequestTimeout]:
-    """Run requests concurrently, at most ``window`` in flight per client, each retried per ``policy`` (or
-    its client's) until its deadline: ``deadline_s`` after it is first sent (default: the sum of the
-    policy's timeouts), as for :class:`~.calls.Calls`. Returns one outcome per call, in order: the reply,
-    or the :class:`RemoteError` / :class:`RequestTimeout` it ended with (sort them with
-    :func:`split_outcomes`). Late duplicate replies go to each client's ``on_stray``. ``verify=False``
-    skips frame checksums for callers that verify the bytes themselves. ``on_reply(index, reply)``, when
-    given, takes each successful reply as it arrives; it is not kept (its slot holds its header with an ``Ok``
-    body), so a caller streaming large replies holds about ``window`` of them at a time."""
-    run = _Gathering(calls, window, policy, deadline_s)
-    for client in run.queued:
-        run.launch(client)
-    poller = zmq.Poller()
-    for client in run.queued:
-        poller.register(client.sock, zmq.POLLIN)
-    by_socket = {client.sock: client for client in run.queued}
-    in_flight = run.in_flight
-    while in_flight:
-        now = time.monotonic()
-        for call in [c for c in in_flight.values() if c.due <= now]:
-            run.attempt(call)
-        if not in_flight:
-            break
-        for sock, _ in poller.poll(_ms_until(min(c.due for c in in_flight.values()))):
-            client = by_socket[sock]
-            while (reply := client.recv(0, backend=backend, verify=verify)) is not None:
-                call = in_flight.get(reply.header.re)
-                if call is None or call.client is not client:
-                    client.stray(reply)
-                elif isinstance(reply.body, Error):
-                    run.finish(call, RemoteError(reply.body, client.endpoint))
-                elif on_reply is not None:
-                    on_reply(call.index, reply)
-                    run.finish(call, Message(reply.kind, reply.header, Ok()))
-                else:
-                    run.finish(call, reply)
-    results, run.results = run.results, []
+    """Run requests concurrently: one :class:`Pipeline` (same options) given every call at once. Returns one
+    outcome per call, in order (sort them with :func:`split_outcomes`)."""
+    run = Pipeline(window=window, policy=policy, deadline_s=deadline_s, backend=backend, verify=verify,
+                   on_reply=on_reply)
+    for client, body in calls:
+        run.add(client, body)
+    run.wait()
+    results, run.outcomes = run.outcomes, []
     return results  # type: ignore[return-value]
 
 

@@ -3,10 +3,12 @@
 An array inside a message body is replaced by a msgpack extension value (a *descriptor*) and its bytes travel
 as a separate ZeroMQ frame after the body, so they are never copied into the msgpack stream:
 
-    descriptor = [dtype: str, shape: list[int], frame: int, checksum: int]   (msgpack array)
+    descriptor = [dtype: str, shape: list[int], frame: int, checksum: int | nil]   (msgpack array)
 
 ``dtype`` is a portable name (``float32``, ``bfloat16``, ``uint8``, ...; wire bytes are little-endian),
-``frame`` the index into the message's buffer frames, ``checksum`` the xxh3-64 of the bytes. The extension
+``frame`` the index into the message's buffer frames, ``checksum`` the xxh3-64 of the bytes, or nil for a
+frame sent :class:`Unhashed` (wire 2.1): only a decoder told not to verify frames (a route whose bytes are
+verified end to end by other means) accepts one; every other decoder refuses it like a wrong checksum. The extension
 code says which library the sender used (numpy or torch) so the receiver rebuilds the same type by default.
 
 Zero copy: the encoder hands the array's own memory to ZeroMQ when the array is contiguous (the caller must
@@ -91,6 +93,22 @@ class Hashed:
         self.checksum = checksum
 
 
+class Unhashed:
+    """An array to encode without a checksum (nil in its descriptor), for a receiver that verifies the bytes
+    end to end by other means and decodes with ``verify=False``: the parameter server's shard pieces, checked
+    against the manifest's per-tensor checksums (the worker's seal, the reader's pull). Saves the sender a pass
+    over every byte; any receiver that does verify frames refuses the frame.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
+_UNHASHED = -1  # internal marker for the encoder: the descriptor's checksum is nil
+
+
 class ArrayPacker:
     """``enc_hook`` for msgspec that moves arrays out of the body into buffer frames.
 
@@ -113,6 +131,10 @@ class ArrayPacker:
             if not isinstance(obj.array, np.ndarray):
                 raise ArrayError(f"a Hashed value must hold a numpy array, not {type(obj.array).__name__}")
             return self._numpy(obj.array, obj.checksum)
+        if type(obj) is Unhashed:
+            if not isinstance(obj.array, np.ndarray):
+                raise ArrayError(f"an Unhashed value must hold a numpy array, not {type(obj.array).__name__}")
+            return self._numpy(obj.array, _UNHASHED)
         if isinstance(obj, np.ndarray | np.generic):
             return self._numpy(np.asarray(obj))
         if _is_torch_tensor(obj):
@@ -123,7 +145,9 @@ class ArrayPacker:
              digest: int | None = None) -> msgspec.msgpack.Ext:
         index = len(self._frames)
         self._frames.append(data)
-        descriptor = msgspec.msgpack.encode((dtype, shape, index, checksum(data) if digest is None else digest))
+        if digest is None:
+            digest = checksum(data)
+        descriptor = msgspec.msgpack.encode((dtype, shape, index, None if digest == _UNHASHED else digest))
         return msgspec.msgpack.Ext(code, descriptor)
 
     def _numpy(self, array: np.ndarray, digest: int | None = None) -> msgspec.msgpack.Ext:
@@ -135,7 +159,8 @@ class ArrayPacker:
                 raise ArrayError(f"numpy dtype {array.dtype} cannot travel (plain numeric and bool dtypes only)")
             if not array.dtype.isnative:
                 array = array.astype(native)
-                digest = None  # the sender's checksum was of other bytes
+                if digest != _UNHASHED:
+                    digest = None  # the sender's checksum was of other bytes
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         return self._add(EXT_NUMPY, name, array.shape, memoryview(flat), digest)
 
@@ -215,8 +240,10 @@ class ArrayUnpacker:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"
             )
-        if self._verify and checksum(view) != digest:
-            raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) does not match its checksum")
+        if self._verify and (digest is None or checksum(view) != digest):
+            raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) "
+                                   + ("travels unhashed, which only a route that verifies its bytes by other means "
+                                      "accepts" if digest is None else "does not match its checksum"))
         wants_torch = self._backend == "torch" or (self._backend == "native" and code == EXT_TORCH)
         try:
             return _to_torch(view, dtype, shape) if wants_torch else _to_numpy(view, dtype, shape)
@@ -224,7 +251,7 @@ class ArrayUnpacker:
             raise ArrayError(f"cannot build {dtype}{list(shape)} from buffer frame {index}: {exc}") from None
 
 
-_Descriptor = tuple[str, tuple[int, ...], int, int]
+_Descriptor = tuple[str, tuple[int, ...], int, int | None]
 _DESCRIPTOR = msgspec.msgpack.Decoder(_Descriptor)  # one decoder, not a type lookup per array
 
 

@@ -51,7 +51,7 @@ from .errors import (
 )
 from .messages import KINDS, Body
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 1)
 MAJOR = PROTOCOL_VERSION[0]
 SPOKEN_MAJORS: tuple[int, ...] = (MAJOR,)  # majors this build encodes and decodes
 MIN_FRAMES = 3

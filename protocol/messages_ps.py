@@ -273,7 +273,7 @@ class ShardWrite(Body, frozen=True):
 
     lease: Name  # lease id
     offsets: list[NonNegative]  # where each data frame goes
-    data: list[Array]  # uint8 arrays, one per offset
+    data: list[Array]  # uint8 arrays, one per offset; unhashed: the seal verifies every tensor
 
 
 @register_kind("ps-shard-seal")
@@ -424,7 +424,7 @@ class PsState(Body, frozen=True):
 
 @register_kind("ps-shard-data")
 class ShardData(Body, frozen=True):
-    data: list[Array]  # one uint8 array per range asked
+    data: list[Array]  # one uint8 array per range asked; unhashed: the reader verifies every tensor
 
 
 @register_kind("ps-init-result")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from refbus.bus.sockets import recv_frames
-from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, Hashed, checksum, dtype_width
+from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, Hashed, Unhashed, checksum, dtype_width
 from refbus.protocol.envelope import MIN_FRAMES, WireCodec
 from refbus.protocol.errors import ArrayError, ChecksumMismatch
 from refbus.protocol.messages import Blobs, FetchedBlob
@@ -322,6 +322,20 @@ def test_a_hashed_array_travels_with_the_checksum_its_sender_gave_and_the_receiv
     assert swapped.tolist() == big_endian.tolist()
     with pytest.raises(ArrayError, match="numpy array"):
         pack(Hashed(torch.zeros(3), 0))
+
+
+def test_an_unhashed_array_travels_with_a_nil_checksum_that_only_a_decoder_not_verifying_accepts() -> None:
+    array = np.arange(4096, dtype=np.uint8).reshape(64, 64)
+    frames = pack(Unhashed(array))
+    assert address(frames[MIN_FRAMES]) == array.ctypes.data  # zero copy as for a plain array
+    with pytest.raises(ChecksumMismatch, match="unhashed"):  # every verifying receiver refuses it
+        unpack(frames)
+    (decoded,) = CODEC.decode(frames, verify=False).body.blobs[0].arrays.values()  # type: ignore[union-attr]
+    assert decoded.tobytes() == array.tobytes() and decoded.shape == array.shape
+    (swapped,) = CODEC.decode(pack(Unhashed(array.astype(">u2"))), verify=False).body.blobs[0].arrays.values()
+    assert swapped.tolist() == array.astype(">u2").tolist()  # converted on the way, and still sent unhashed
+    with pytest.raises(ArrayError, match="numpy array"):
+        pack(Unhashed(torch.zeros(3)))  # type: ignore[arg-type]
 
 
 # --- zero copy ----------------------------------------------------------------------------------------

@@ -260,3 +260,48 @@ def test_a_worker_death_between_two_ranks_keeps_the_pending_version(cluster: PsC
         assert all(torch.equal(pulled[name], t) for name, t in state.items())
     finally:
         runtime.close()
+
+
+def test_a_frames_push_streaming_to_a_worker_killed_mid_push_is_written_again_elsewhere(cluster: PsCluster) -> None:
+    """The push's writes stream (several in flight, sent as each is ready): the write that meets the dead
+    worker fails the copy, the rank gets a new grant without it and writes everything again there."""
+    runtime, ps = _client(cluster, "pusher", transport="frames", chunk_bytes=1)  # one write per piece
+    reader_runtime, reader = _client(cluster, "reader", transport="frames")
+    try:
+        state = make_state(seed=5)
+        names = list(state)
+        with ps.begin_push(state, 0) as session:
+            assert session.workers == ["w0", "w1"]
+            for name in names[: len(names) // 2]:
+                session.write(name, state[name])
+            _kill(cluster, "w1")
+            for name in names[len(names) // 2 :]:
+                session.write(name, state[name])
+            result = session.commit()
+        assert result.committed and session.grants == 2 and session.workers == ["w0", "w2"]
+        pulled = reader.pull(0, verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+        assert reader.read_bytes["frames"] > 0 and ps.read_bytes["shm"] == 0
+    finally:
+        reader_runtime.close()
+        runtime.close()
+
+
+def test_a_frames_push_whose_every_worker_dies_fails_naming_them(cluster: PsCluster) -> None:
+    runtime, ps = _client(cluster, "pusher", transport="frames", chunk_bytes=1, wait_workers_s=0.0)
+    try:
+        state = make_state(seed=6)
+        names = list(state)
+        with ps.begin_push(state, 0) as session:
+            session.write(names[0], state[names[0]])
+            for name in ("w0", "w1", "w2"):
+                _kill(cluster, name)
+            # Either every grant's workers fail (named, with the grants used), or the manager knows them all
+            # down and has none left to grant.
+            with pytest.raises((PsError, RemoteError), match=r"ps-worker w[012] failed|no-workers"):
+                for name in names[1:]:
+                    session.write(name, state[name])
+                session.commit()
+        assert ps.status().latest == -1  # nothing committed
+    finally:
+        runtime.close()

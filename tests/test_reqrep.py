@@ -30,6 +30,7 @@ from refbus.bus.reqrep import (
     Client,
     HandlerError,
     Pending,
+    Pipeline,
     RemoteError,
     RequestTimeout,
     RetryPolicy,
@@ -37,7 +38,7 @@ from refbus.bus.reqrep import (
     gather,
 )
 from refbus.bus.sockets import bound_endpoint, recv_frames
-from refbus.protocol.codec import EXT_NUMPY, checksum
+from refbus.protocol.codec import EXT_NUMPY, Unhashed, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Limits, Message, WireCodec
 from refbus.protocol.errors import SchemaError
 from refbus.protocol.messages import Blobs, Delete, Error, Fetch, FetchedBlob, Ok
@@ -869,6 +870,28 @@ def test_gather_hands_replies_to_on_reply_as_they_arrive_and_keeps_only_their_he
     assert isinstance(outcomes[3], RequestTimeout)  # failures are returned as before, never handed over
 
 
+def test_a_pipeline_sends_each_request_as_it_is_added_and_waits_only_while_a_window_is_full(
+    serve: Any, clients: Any
+) -> None:
+    seen: list[str] = []
+
+    def delete(request: Message) -> Ok:
+        seen.append(request.body.blob_ids[0])
+        return Ok()
+
+    srv = serve(lambda server: server.on("delete", delete))
+    client = clients(srv.endpoint)
+    stream = Pipeline(window=2)
+    for i in range(7):
+        stream.add(client, Delete(blob_ids=[f"b{i}"], holder="o", reason="r"))
+        assert len(stream.in_flight) <= 2 and stream.waiting(client) <= 1
+        stream.wait(until=lambda: not stream.waiting(client))  # at most the window in flight, nothing queued
+        assert stream.waiting(client) == 0
+    stream.wait()
+    assert not stream.in_flight and all(o is not None and o.kind == "ok" for o in stream.outcomes)
+    assert seen == [f"b{i}" for i in range(7)]  # one connection: served in the order added
+
+
 def test_gather_keeps_no_reply_alive_once_the_caller_drops_it(serve: Any, clients: Any) -> None:
     """Replies hold received frames (MiBs each): they must be freed when the caller drops them, not whenever the
     garbage collector next runs, or every step's frames land in fresh memory that page-faults."""
@@ -897,3 +920,8 @@ def test_a_route_without_verify_takes_frames_whose_checksum_does_not_match(serve
     assert exchange(raw_dealer(checked.endpoint), corrupt_checksum()).body.code == "checksum"
     assert exchange(raw_dealer(unchecked.endpoint), corrupt_checksum()).body == Ok()
     assert received == [[0xFF, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]]  # arange(4) int32, first byte overwritten
+    unhashed = Blobs([FetchedBlob("b", {"x": Unhashed(np.arange(4, dtype=np.uint8))})])
+    sender = WireCodec("unhashed-sender")
+    assert exchange(raw_dealer(checked.endpoint), sender.encode(unhashed)).body.code == "checksum"  # refused
+    assert exchange(raw_dealer(unchecked.endpoint), sender.encode(unhashed)).body == Ok()
+    assert received[-1] == [0, 1, 2, 3]

@@ -46,10 +46,10 @@ import xxhash
 import zmq
 
 from ...bus.memory import keep_receive_memory
-from ...bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy, gather
+from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
-from ...protocol.codec import Hashed, checksum
+from ...protocol.codec import Unhashed, checksum
 from ...protocol.envelope import WireCodec
 from ...protocol.messages import Body
 from ...protocol.messages_ps import (
@@ -301,8 +301,10 @@ class PushSession:
         self._written: dict[str, torch.Tensor] = {}
         self._sums: dict[str, int] = {}
         self._copies: list[_Copy] = []
-        self._queued: list[tuple[int, Hashed]] = []
+        self._queued: list[tuple[int, Unhashed]] = []  # pieces of the next write to the cross-host copies
         self._queued_bytes = 0
+        self._stream: Pipeline | None = None  # the writes in flight to the cross-host copies of this grant
+        self._sent: list[tuple[int, _Copy]] = []  # (index in the stream's outcomes, copy) of writes not yet answered
         self._avoid: set[str] = set()
         self._started = time.monotonic()
         self._open = True
@@ -374,7 +376,9 @@ class PushSession:
         self.grants += 1
         self._client._keeper.drop(old.lease)
         self._client._keeper.hold(self._grant.lease, self._grant.ttl_s)
+        # Writes still in flight to the old grant's copies are abandoned: their answers arrive as strays.
         self._copies, self._queued, self._queued_bytes = [], [], 0
+        self._stream, self._sent = None, []
 
     def _open_copies(self) -> None:
         copies = []
@@ -400,21 +404,24 @@ class PushSession:
             return
         data = _as_bytes(tensor)
         whole = xxhash.xxh3_64()  # streamed over the pieces: the same value as checksum(data)
-        chunk = self._client.chunk_bytes
-        # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames). Each piece
-        # is hashed for its frame while it is still in cache, once for every copy it goes to: the send does
-        # not hash it again (codec.Hashed).
+        # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames). They travel
+        # unhashed (codec.Unhashed): the worker's seal checks every tensor against ``whole``, end to end, so a
+        # frame checksum would be a second pass over every byte that nobody verifies. A write goes out as soon
+        # as it is full, while earlier ones are still in flight: hashing the next pieces overlaps sending these.
         for start in range(0, max(1, data.nbytes), PIECE_BYTES):
             piece = data[start : start + PIECE_BYTES]
             whole.update(piece)
-            if self._queued_bytes + piece.nbytes > _WINDOW * chunk:
-                self._flush()
-            self._queued.append((spec.offset + start, Hashed(piece, checksum(piece))))
+            if self._queued and self._queued_bytes + piece.nbytes > self._client.chunk_bytes:
+                self._send()
+            self._queued.append((spec.offset + start, Unhashed(piece)))
             self._queued_bytes += piece.nbytes
         self._sums[spec.name] = whole.intdigest()
 
     def _seal(self) -> list[Committed]:
-        self._flush()
+        self._send()
+        if self._stream is not None:
+            self._stream.wait()
+        self._check_writes()
         sealed = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, self._sums[t.name])
                   for t in self._grant.tensors]
         seal = ShardSeal(self._grant.lease, self.version, self.rank, sealed)
@@ -427,28 +434,36 @@ class PushSession:
             answers.append(outcome.body)
         return answers
 
-    def _flush(self) -> None:
+    def _send(self) -> None:
+        """Send the queued pieces as one write to every cross-host copy; wait only while a copy's window is
+        full (until this write is on its way), failing on the first write that failed."""
         if not self._queued:
             return
-        chunk = self._client.chunk_bytes
-        writes: list[Body] = []
-        offsets: list[int] = []
-        pieces: list[Hashed] = []
-        size = 0
-        for offset, piece in self._queued:
-            if pieces and size + piece.array.nbytes > chunk:
-                writes.append(ShardWrite(self._grant.lease, offsets, pieces))
-                offsets, pieces, size = [], [], 0
-            offsets.append(offset)
-            pieces.append(piece)
-            size += piece.array.nbytes
-        writes.append(ShardWrite(self._grant.lease, offsets, pieces))
+        offsets = [offset for offset, _ in self._queued]
+        write = ShardWrite(self._grant.lease, offsets, [piece for _, piece in self._queued])
         self._queued, self._queued_bytes = [], 0
+        if self._stream is None:
+            self._stream = Pipeline(window=_WINDOW)
+        stream = self._stream
         remote = [copy for copy in self._copies if copy.path is None]
-        calls = [(copy, (copy.client, write)) for copy in remote for write in writes]
-        for (copy, _), outcome in zip(calls, gather([call for _, call in calls], window=_WINDOW), strict=True):
-            if isinstance(outcome, Exception):
+        for copy in remote:
+            self._sent.append((stream.add(copy.client, write), copy))
+        stream.wait(until=lambda: not any(stream.waiting(copy.client) for copy in remote))
+        self._check_writes()
+
+    def _check_writes(self) -> None:
+        """Forget the writes that succeeded; raise for the first one that failed."""
+        if self._stream is None:
+            return
+        outcomes = self._stream.outcomes
+        pending = []
+        for index, copy in self._sent:
+            outcome = outcomes[index]
+            if outcome is None:
+                pending.append((index, copy))
+            elif isinstance(outcome, Exception):
                 _raise_from(copy.info.worker, outcome)
+        self._sent = pending
 
     def __enter__(self) -> PushSession:
         return self

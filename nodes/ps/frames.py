@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ...bus.reqrep import Client, gather
+from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout
 from ...protocol.envelope import Message
 from ...protocol.messages_ps import ByteRange, ManifestEntry, ShardData, ShardRead
 
@@ -59,6 +59,7 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
 
     Requests carry up to ``chunk_bytes`` of pieces of one segment, ``window`` in flight; each reply's pieces are
     copied into their destinations as it arrives and released, so about ``window`` replies' frames are held.
+    The first request that fails ends the read (no later one is sent).
     ``first_write(entry)`` runs before the first byte of a tensor is written into its destination: a caller
     writing into tensors it already holds learns exactly which ones a failed read changed.
 
@@ -95,12 +96,22 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
             views[index][start : start + piece.nbytes] = array
             hashes[index].update(array)
 
-    outcomes = gather([(worker, read) for read, _ in requests], window=window, backend="numpy", verify=False,
-                      on_reply=arrived)
-    for outcome in outcomes:
-        if isinstance(outcome, Exception):
-            raise FramesError(f"reading from {worker.endpoint} failed: {outcome}") from outcome
+    # Requests are handed over one at a time, so a failed one ends the read at once: the rest are never sent,
+    # and a dead worker costs one request's deadline, not one per window's worth of requests.
+    stream = Pipeline(window=window, backend="numpy", verify=False, on_reply=arrived)
+    for read, _ in requests:
+        stream.add(worker, read)
+        stream.wait(until=lambda: not stream.waiting(worker))
+        _raise_failed(worker, stream.outcomes)
+    stream.wait()
+    _raise_failed(worker, stream.outcomes)
     for item, digest in zip(wanted, hashes, strict=True):
         if digest.intdigest() != item.entry.checksum:
             raise FramesError(f"tensor {item.entry.name!r} does not match the checksum of its manifest")
     return targets
+
+
+def _raise_failed(worker: Client, outcomes: Sequence[Message | RemoteError | RequestTimeout | None]) -> None:
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise FramesError(f"reading from {worker.endpoint} failed: {outcome}") from outcome
