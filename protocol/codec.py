@@ -192,19 +192,26 @@ class ArrayUnpacker:
     a receiver must never size a buffer from ``[0, 2**59, 8]``.
     """
 
-    __slots__ = ("_backend", "_buffers", "_max_elements", "_used", "_verify")
+    __slots__ = ("_backend", "_buffers", "_max_elements", "_unhashed", "_used", "_verify")
 
     def __init__(self, *, max_elements: int = 1 << 40) -> None:
         self._max_elements = max_elements
         self._buffers: Sequence[Buffer] = ()
         self._backend: ArrayBackend = "native"
         self._verify = True
+        self._unhashed = False
         self._used: set[int] = set()
 
-    def begin(self, buffers: Sequence[Buffer], *, backend: ArrayBackend = "native", verify: bool = True) -> None:
+    def begin(self, buffers: Sequence[Buffer], *, backend: ArrayBackend = "native", verify: bool = True,
+              unhashed: bool | None = None) -> None:
+        """Start on one message's ``buffers``. ``verify`` checks each frame's checksum; ``unhashed`` accepts
+        frames sent :class:`Unhashed` (default: when not verifying). They differ on a signed bus, where the
+        envelope verifies every checksum a frame carries but a route that checks its bytes end to end still
+        takes the unhashed ones (the MAC covers their bytes in transit)."""
         self._buffers = buffers
         self._backend = backend
         self._verify = verify
+        self._unhashed = not verify if unhashed is None else unhashed
         self._used = set()
 
     @property
@@ -240,10 +247,12 @@ class ArrayUnpacker:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"
             )
-        if self._verify and (digest is None or checksum(view) != digest):
-            raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) "
-                                   + ("travels unhashed, which only a route that verifies its bytes by other means "
-                                      "accepts" if digest is None else "does not match its checksum"))
+        if digest is None:
+            if not self._unhashed:
+                raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) travels unhashed, which only "
+                                       "a route that verifies its bytes by other means accepts")
+        elif self._verify and checksum(view) != digest:
+            raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) does not match its checksum")
         wants_torch = self._backend == "torch" or (self._backend == "native" and code == EXT_TORCH)
         try:
             return _to_torch(view, dtype, shape) if wants_torch else _to_numpy(view, dtype, shape)

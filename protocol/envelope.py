@@ -52,6 +52,7 @@ from .errors import (
 from .messages import KINDS, Body
 
 PROTOCOL_VERSION: tuple[int, int] = (2, 1)
+NIL_CHECKSUM_SINCE: tuple[int, int] = (2, 1)  # the first version whose decoders read an unhashed frame
 MAJOR = PROTOCOL_VERSION[0]
 SPOKEN_MAJORS: tuple[int, ...] = (MAJOR,)  # majors this build encodes and decodes
 MIN_FRAMES = 3
@@ -306,7 +307,9 @@ class WireCodec:
     ) -> Message:
         """A validated :class:`Message`, or a :class:`ProtocolError` that says what was wrong.
 
-        ``verify`` checks array checksums (always on when signing). Array fields view ``frames``.
+        ``verify`` checks array checksums (always on when signing, for the frames that carry one);
+        ``verify=False`` also accepts frames sent unhashed (see :class:`~.codec.Unhashed`). Array fields view
+        ``frames``.
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
         received = checked or self.decode_header(frames)
@@ -321,7 +324,7 @@ class WireCodec:
             except ProtocolError as exc:
                 exc.kind = kind
                 raise
-        self._unpacker.begin(buffers, backend=backend, verify=verify or self._signed)
+        self._unpacker.begin(buffers, backend=backend, verify=verify or self._signed, unhashed=not verify)
         try:
             body = self._body_decoders[kind].decode(raw_body)
         except msgspec.ValidationError as exc:

@@ -338,6 +338,22 @@ def test_an_unhashed_array_travels_with_a_nil_checksum_that_only_a_decoder_not_v
         pack(Unhashed(torch.zeros(3)))  # type: ignore[arg-type]
 
 
+def test_on_a_signed_bus_a_route_not_verifying_takes_unhashed_frames_and_still_checks_every_checksum_sent() -> None:
+    # Signing turns every carried checksum's check on; it must not turn unhashed frames away from the routes
+    # that verify their bytes end to end (the parameter server's shard pieces), or no shard could move.
+    signed = WireCodec("signed-sender", secret=b"k" * 32)
+    receiver = WireCodec("signed-receiver", secret=b"k" * 32)
+    array = np.arange(64, dtype=np.uint8)
+    unhashed = signed.encode(Blobs([FetchedBlob("b", {"a0": Unhashed(array)})]))
+    (decoded,) = receiver.decode(unhashed, verify=False).body.blobs[0].arrays.values()  # type: ignore[union-attr]
+    assert decoded.tobytes() == array.tobytes()
+    with pytest.raises(ChecksumMismatch, match="unhashed"):
+        receiver.decode(unhashed)
+    wrong = signed.encode(Blobs([FetchedBlob("b", {"a0": Hashed(array, checksum(array) ^ 1)})]))
+    with pytest.raises(ChecksumMismatch, match="does not match"):  # a checksum that is sent is checked
+        receiver.decode(wrong, verify=False)
+
+
 # --- zero copy ----------------------------------------------------------------------------------------
 
 

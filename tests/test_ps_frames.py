@@ -17,8 +17,9 @@ import zmq
 from refbus.bus.reqrep import Client, HandlerError, RetryPolicy, Server
 from refbus.bus.sockets import bound_endpoint
 from refbus.nodes.ps.frames import FramesError, Wanted, read_frames
-from refbus.protocol.codec import checksum
-from refbus.protocol.envelope import Message, WireCodec
+from refbus.nodes.ps.worker import served_pieces
+from refbus.protocol.codec import Unhashed, checksum
+from refbus.protocol.envelope import NIL_CHECKSUM_SINCE, Message, WireCodec
 from refbus.protocol.messages_ps import Location, ManifestEntry, ShardData, ShardRead
 
 pytest_plugins = ["wire_fixtures"]
@@ -80,6 +81,42 @@ def test_pieces_land_byte_identical_in_caller_and_fresh_destinations(serve: Any,
     ranges = [r for read in reads for r in read.ranges]
     assert max(r.nbytes for r in ranges) == 5 and sum(r.nbytes for r in ranges) == sum(SIZES)
     assert all(sum(r.nbytes for r in read.ranges) <= 12 for read in reads) and len(reads) >= 6
+
+
+def test_a_signed_reader_takes_unhashed_pieces_and_the_manifest_still_catches_changed_bytes(
+        serve: Any, zmq_ctx: zmq.Context) -> None:
+    # Workers send shard pieces unhashed; signing (a MAC over every frame) must not turn them away.
+    secret = b"s" * 32
+    data, wanted = segment_and_wanted()
+    unhashed = worker(data, [], lambda read: ShardData([Unhashed(data[r.offset : r.offset + r.nbytes])
+                                                         for r in read.ranges]))
+    reader = Client(zmq_ctx, serve(unhashed, secret=secret).endpoint, WireCodec("reader", secret=secret),
+                    policy=PATIENT)
+    try:
+        got = read_frames(reader, wanted, lambda e: torch.empty(e.nbytes, dtype=torch.uint8), chunk_bytes=12,
+                          window=2, piece_bytes=5)
+        assert [t.numpy().tobytes() for t in got] == [data[w.offset : w.offset + w.entry.nbytes].tobytes()
+                                                      for w in wanted]
+        data[wanted[3].offset] ^= 0x01  # signed and unhashed in transit, still checked against the manifest
+        with pytest.raises(FramesError, match="'t3' does not match the checksum"):
+            read_frames(reader, wanted, lambda e: torch.empty(e.nbytes, dtype=torch.uint8), chunk_bytes=12,
+                        window=2, piece_bytes=5)
+    finally:
+        reader.close()
+
+
+def test_a_worker_hashes_the_pieces_it_serves_to_a_reader_too_old_to_read_unhashed_frames() -> None:
+    pieces = [np.arange(5, dtype=np.uint8), np.arange(3, dtype=np.uint8)]
+    verifying = WireCodec("reader")
+    for asked_in in [(2, 0), (1, 9)]:
+        served = served_pieces(pieces, asked_in)
+        assert not any(isinstance(piece, Unhashed) for piece in served)
+        assert [p.tobytes() for p in served] == [p.tobytes() for p in pieces]
+        verifying.decode(verifying.encode(ShardData(served)))  # every frame carries a checksum that verifies
+    for asked_in in [NIL_CHECKSUM_SINCE, (NIL_CHECKSUM_SINCE[0], NIL_CHECKSUM_SINCE[1] + 1)]:
+        served = served_pieces(pieces, asked_in)
+        assert all(isinstance(piece, Unhashed) for piece in served)
+        assert [p.array.tobytes() for p in served] == [p.tobytes() for p in pieces]  # type: ignore[union-attr]
 
 
 def test_bytes_that_changed_after_the_manifest_fail_the_read_naming_the_tensor(serve: Any, client: Any) -> None:

@@ -34,7 +34,7 @@ from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RetryPolicy
 from ...bus.runtime import NodeRuntime
 from ...protocol.codec import Unhashed, checksum
-from ...protocol.envelope import Message
+from ...protocol.envelope import NIL_CHECKSUM_SINCE, Message
 from ...protocol.messages import Body, Error, Ok
 from ...protocol.messages_ps import (
     InitChunk,
@@ -63,6 +63,15 @@ from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
 
 log = structlog.get_logger(__name__)
+
+
+def served_pieces(pieces: list[np.ndarray], asked_in: tuple[int, int]) -> list[np.ndarray | Unhashed]:
+    """The frames of a shard read asked in protocol ``asked_in``: unhashed, since the reader checks every
+    tensor against the manifest's checksum (see .frames) and a frame checksum would cost this worker a pass
+    over every byte served that nobody needs; hashed for a reader too old to read an unhashed frame."""
+    if tuple(asked_in) < NIL_CHECKSUM_SINCE:
+        return list(pieces)
+    return [Unhashed(piece) for piece in pieces]
 
 
 class PsWorker:
@@ -243,12 +252,10 @@ class PsWorker:
         segment = self._serving(read.segment)
         try:
             # Zero-copy: the frames view the segment, which the reader's pull lease keeps from being reused.
-            # Unhashed: the reader checks every tensor against the manifest's checksum (see .frames), so a frame
-            # checksum would cost this worker a pass over every byte served that nobody verifies.
-            return ShardData([Unhashed(np.frombuffer(segment.view(r.offset, r.nbytes), np.uint8))
-                              for r in read.ranges])
+            pieces = [np.frombuffer(segment.view(r.offset, r.nbytes), np.uint8) for r in read.ranges]
         except ValueError as exc:
             raise HandlerError("out-of-bounds", str(exc)) from None
+        return ShardData(served_pieces(pieces, request.header.v))
 
     def _nixl_open(self, request: Message) -> Body:
         ask = request.body
