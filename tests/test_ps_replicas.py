@@ -98,17 +98,7 @@ def test_sigkill_of_a_worker_holding_copies_loses_no_version_and_fails_no_pull(c
         wait_for(lambda: len(pulls) >= 3, 10, "the reader's first pulls")
 
         # A push is half-written to w0 and w1 when w1 dies: it is retried on w0 and w2.
-        state = make_state(seed=2)
-        names = list(state)
-        with ps.begin_push(state, 2) as session:
-            assert session.workers == ["w0", "w1"]
-            for name in names[: len(names) // 2]:
-                session.write(name, state[name])
-            _kill(cluster, "w1")
-            for name in names[len(names) // 2 :]:
-                session.write(name, state[name])
-            result = session.commit()
-        assert result.committed and session.grants == 2 and session.workers == ["w0", "w2"]
+        _push_killing_w1_halfway(cluster, ps, make_state(seed=2), 2)
         assert _workers_of(ps, 2) == {"w0", "w2"}
 
         wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
@@ -262,6 +252,21 @@ def test_a_worker_death_between_two_ranks_keeps_the_pending_version(cluster: PsC
         runtime.close()
 
 
+def _push_killing_w1_halfway(cluster: PsCluster, ps: PsClient, state: dict[str, torch.Tensor], version: int) -> None:
+    """Push ``state`` granted to w0 and w1, SIGKILL w1 after half the tensors are written: the push must be
+    granted again on w0 and w2 and commit."""
+    names = list(state)
+    with ps.begin_push(state, version) as session:
+        assert session.workers == ["w0", "w1"]
+        for name in names[: len(names) // 2]:
+            session.write(name, state[name])
+        _kill(cluster, "w1")
+        for name in names[len(names) // 2 :]:
+            session.write(name, state[name])
+        result = session.commit()
+    assert result.committed and session.grants == 2 and session.workers == ["w0", "w2"]
+
+
 def test_a_frames_push_streaming_to_a_worker_killed_mid_push_is_written_again_elsewhere(cluster: PsCluster) -> None:
     """The push's writes stream (several in flight, sent as each is ready): the write that meets the dead
     worker fails the copy, the rank gets a new grant without it and writes everything again there."""
@@ -269,16 +274,7 @@ def test_a_frames_push_streaming_to_a_worker_killed_mid_push_is_written_again_el
     reader_runtime, reader = _client(cluster, "reader", transport="frames")
     try:
         state = make_state(seed=5)
-        names = list(state)
-        with ps.begin_push(state, 0) as session:
-            assert session.workers == ["w0", "w1"]
-            for name in names[: len(names) // 2]:
-                session.write(name, state[name])
-            _kill(cluster, "w1")
-            for name in names[len(names) // 2 :]:
-                session.write(name, state[name])
-            result = session.commit()
-        assert result.committed and session.grants == 2 and session.workers == ["w0", "w2"]
+        _push_killing_w1_halfway(cluster, ps, state, 0)
         pulled = reader.pull(0, verify=True)
         assert all(torch.equal(pulled[name], t) for name, t in state.items())
         assert reader.read_bytes["frames"] > 0 and ps.read_bytes["shm"] == 0
