@@ -12,6 +12,7 @@ from bench.scale import Model, Point, Settings, broker_cost, format_report, head
 def point(nodes: int, p99_ms: float, delivered_share: float = 1.0) -> Point:
     return Point(nodes=nodes, offered_per_s=100.0 * nodes, delivered_per_s=100.0 * nodes * delivered_share,
                  broker_cpu_us=3.0, broker_core=0.01 * nodes, subscribers=nodes + 18, peer_trackers=0, fanout_core=0.1,
+                 nodes_core=0.1,
                  p50_ms=1.0, p99_ms=p99_ms, orchestrator_cpu_us_per_episode=100.0)
 
 
@@ -43,7 +44,7 @@ def test_a_tiny_sweep_measures_every_figure_and_reports_the_projection() -> None
     model = Model()
     points = sweep(model, Settings(sizes=(2,), warmup_s=0.1, window_s=0.3))
     (measured,) = points
-    assert measured.nodes == 2 and measured.delivered_per_s > 0 and measured.fanout_core > 0
+    assert measured.nodes == 2 and measured.delivered_per_s > 0 and measured.fanout_core > 0 < measured.nodes_core
     assert (measured.subscribers, measured.peer_trackers) == (2, 2 + model.trainer_ranks)
     assert 0 < measured.p50_ms <= measured.p99_ms and measured.broker_core > 0
     assert measured.orchestrator_cpu_us_per_episode > 0
