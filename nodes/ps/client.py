@@ -56,6 +56,7 @@ from ...protocol.messages_ps import (
     Abort,
     Aborted,
     Batch,
+    ByteRange,
     Committed,
     Consume,
     InitRequest,
@@ -382,10 +383,13 @@ class PushSession:
 
     def _open_copies(self) -> None:
         copies = []
+        # The tensors' ranges let a worker written through frames hash each tensor as its pieces arrive (.streamed).
+        ranges = [ByteRange(t.offset, t.nbytes) for t in self._grant.tensors]
         for info in [self._grant.worker, *self._grant.replicas]:
             client = self._client._worker(info)
             try:
-                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes), ShardOpened)
+                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes, ranges),
+                                           ShardOpened)
             except (RequestTimeout, RemoteError) as exc:
                 _raise_from(info.worker, exc)
             copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
