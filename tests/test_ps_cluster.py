@@ -216,6 +216,24 @@ def test_retained_versions_and_freeing_once_unread(cluster: PsCluster) -> None:
         runtime.close()
 
 
+def test_strided_and_contiguous_tensors_pushed_through_shared_memory_pull_back_byte_identical(
+        cluster: PsCluster) -> None:
+    """A CPU-contiguous tensor is hashed on its way into the segment, any other copied by torch and hashed
+    from the segment: both seal against the worker's own hash of the segment and pull back the same."""
+    runtime, ps = cluster.client()
+    try:
+        base = torch.arange(48 * 70_000, dtype=torch.float32).reshape(48, 70_000)  # 13 MiB: many fused steps
+        state = {"transposed": base[:8, :16].t(), "every-other": base[:, ::2], "contiguous": base,
+                 "bf16": base[0].to(torch.bfloat16), "empty": torch.empty(0, 3)}
+        assert not state["transposed"].is_contiguous() and state["contiguous"].is_contiguous()
+        assert ps.push(state, 0).committed
+        pulled = ps.pull(verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+        assert ps.read_bytes["shm"] > 0
+    finally:
+        runtime.close()
+
+
 def test_pull_casts_with_keep_fp32_and_into_existing_tensors(cluster: PsCluster) -> None:
     runtime, ps = cluster.client()
     try:
