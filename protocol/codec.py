@@ -55,8 +55,43 @@ _TORCH_ONLY_WIDTH = {
 
 
 def checksum(data: Buffer) -> int:
-    """xxh3-64 of a buffer: ~20 GiB/s, so verifying every frame costs little next to moving it."""
+    """xxh3-64 of a buffer: 6.5-9 GB/s from memory on one core, so verifying every frame costs little next to
+    moving it."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+# Sub-chunks of a fused copy: small enough that a sub-chunk hashed is still in L2 (1 MiB a core here) when it is
+# copied, so the copy reads it from cache. Measured here over 4 MiB pieces: 256 KiB-1 MiB alike, 64-128 KiB
+# slower (Python per step and less reuse).
+FUSED_BYTES = 256 << 10
+
+
+def copy_hashing(target: np.ndarray, source: Buffer, digest: xxhash.xxh3_64, *, step: int = FUSED_BYTES) -> None:
+    """Copy ``source`` into ``target`` and feed the same bytes, in order, to ``digest``: one pass over memory.
+
+    Done sub-chunk by sub-chunk (hash ``step`` bytes, then copy those bytes while they are in cache), so it costs
+    little more than a copy, where a whole copy followed by a whole hash reads the source twice (measured here,
+    CPU time over 4 MiB pieces: 4.8 against 3.5 GB/s for pieces still in L3, as received frames are; 4.6
+    against 4.3 from DRAM). ``digest`` afterwards holds what ``digest.update(bytes(source))`` would.
+
+    ``target`` is a writable C-contiguous uint8 array and ``source`` a C-contiguous buffer of exactly
+    ``target.nbytes`` bytes (a uint8 array, ``bytes``, a ZeroMQ frame, ...); ValueError otherwise, with nothing
+    copied or hashed.
+    """
+    try:
+        data = np.frombuffer(source, np.uint8)
+    except (ValueError, TypeError, BufferError) as exc:
+        raise ValueError(f"copy_hashing needs a C-contiguous byte buffer: {exc}") from None
+    if target.dtype != np.uint8 or target.ndim != 1 or not target.flags.c_contiguous or not target.flags.writeable:
+        raise ValueError("copy_hashing writes into a writable C-contiguous 1-d uint8 array")
+    if data.nbytes != target.nbytes:
+        raise ValueError(f"copy_hashing of {data.nbytes} bytes into {target.nbytes}")
+    if step <= 0:
+        raise ValueError(f"copy_hashing step must be positive, not {step}")
+    for start in range(0, data.nbytes, step):
+        part = data[start : start + step]
+        digest.update(part)
+        target[start : start + step] = part
 
 
 def _torch() -> Any:

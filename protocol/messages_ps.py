@@ -265,6 +265,9 @@ class ShardOpen(Body, frozen=True):
 
     lease: Name  # lease id
     nbytes: NonNegative  # bytes needed at least
+    # Each tensor's bytes in the shard, when its pieces will come as ps-shard-write frames: the worker hashes them
+    # as they are written instead of at seal. Optional (omitted when empty), so older peers neither send nor read it.
+    tensors: list[ByteRange] = []
 
 
 @register_kind("ps-shard-write")

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from refbus.protocol.envelope import PROTOCOL_VERSION, WireCodec
 from refbus.protocol.messages import BlobRef, Body, Claim, Delete, EpisodeFinished, Hello, Keep, NodeInfo
+from refbus.protocol.messages_ps import ByteRange, ShardOpen
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MSG_ID = "0123456789ab-1"
@@ -37,6 +38,8 @@ CASES: dict[str, tuple[Body, dict[str, Any]]] = {
     "claim": (Claim(blob_ids=["e1-0", "e1-1"], holder="orchestrator"), {}),
     "delete": (Delete(blob_ids=["e1-0"], holder="trainer-0", reason="trained"), {}),
     "episode-finished": (EpisodeFinished(episode_id="e1", source="env", refs=[_REF]), {"seq": 3, "one_frame": True}),
+    # With its optional tensor ranges: older workers ignore them (docs/PROTOCOL.md, "Versions and negotiation").
+    "ps-shard-open": (ShardOpen(lease="L-1", nbytes=4096, tensors=[ByteRange(0, 1024), ByteRange(1024, 3072)]), {}),
 }
 
 

@@ -14,12 +14,22 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from refbus.bus.sockets import recv_frames
-from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, Hashed, Unhashed, checksum, dtype_width
+from refbus.protocol.codec import (
+    EXT_NUMPY,
+    EXT_TORCH,
+    FUSED_BYTES,
+    Hashed,
+    Unhashed,
+    checksum,
+    copy_hashing,
+    dtype_width,
+)
 from refbus.protocol.envelope import MIN_FRAMES, WireCodec
 from refbus.protocol.errors import ArrayError, ChecksumMismatch
 from refbus.protocol.messages import Blobs, FetchedBlob
@@ -484,3 +494,43 @@ def test_large_numpy_array_through_tcp_is_byte_identical(push_pull: Any, backend
     source = rng.integers(0, 255, size=(1024, 1024), dtype=np.uint8)[:, ::2]  # non-contiguous, 512 KiB
     (decoded,) = unpack(send_and_receive(push_pull, pack(source)), backend)
     assert_same_array(decoded, source, backend)
+
+
+@pytest.mark.parametrize("step", [FUSED_BYTES, 7])
+@pytest.mark.parametrize("offset", [0, 1, -1, 2, 3])  # around multiples of the step: 0, 1, step-1, step, step+1, ...
+def test_copy_hashing_copies_and_hashes_the_same_bytes_at_every_size_around_the_step(step: int, offset: int) -> None:
+    rng = np.random.default_rng(step + offset)
+    for multiple in (0, 1, 3):
+        size = multiple * step + offset
+        if size < 0:
+            continue
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        for source in (data, data.tobytes(), memoryview(data.tobytes()), data.view(np.uint8).reshape(1, -1)):
+            target = np.full(size, 0xAB, np.uint8)
+            digest = xxhash.xxh3_64(b"before")  # a stream already started continues with these bytes
+            copy_hashing(target, source, digest, step=step)
+            assert bytes(target) == data.tobytes()
+            assert digest.intdigest() == xxhash.xxh3_64_intdigest(b"before" + data.tobytes())
+        whole = xxhash.xxh3_64()
+        copy_hashing(np.empty(size, np.uint8), data, whole, step=step)
+        assert whole.intdigest() == checksum(data)
+
+
+def test_copy_hashing_refuses_what_it_cannot_copy_in_one_pass_and_touches_nothing() -> None:
+    data = np.arange(64, dtype=np.uint8)
+    digest = xxhash.xxh3_64()
+    target = np.zeros(32, np.uint8)
+    bad = [
+        (target, data[::2], "C-contiguous byte buffer"),  # strided source
+        (target, memoryview(data.tobytes())[::2], "C-contiguous byte buffer"),
+        (np.zeros(33, np.uint8), data[:32], "32 bytes into 33"),  # lengths differ
+        (np.zeros(64, np.uint8)[::2], data[:32], "writable C-contiguous"),  # strided target
+        (np.zeros(8, np.float32), data[:32], "writable C-contiguous"),  # not bytes
+        (np.frombuffer(bytes(32), np.uint8), data[:32], "writable C-contiguous"),  # read-only
+    ]
+    for into, source, why in bad:
+        with pytest.raises(ValueError, match=why):
+            copy_hashing(into, source, digest)
+    with pytest.raises(ValueError, match="step must be positive"):
+        copy_hashing(target, data[:32], digest, step=0)
+    assert not target.any() and digest.intdigest() == xxhash.xxh3_64_intdigest(b"")

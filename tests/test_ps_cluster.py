@@ -32,7 +32,15 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.client import PsError
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import VersionBump
-from refbus.protocol.messages_ps import PushBegin, ShardOpen, ShardSeal, ShardTensor, ShardWrite, TensorSpec
+from refbus.protocol.messages_ps import (
+    ByteRange,
+    PushBegin,
+    ShardOpen,
+    ShardSeal,
+    ShardTensor,
+    ShardWrite,
+    TensorSpec,
+)
 
 
 @pytest.fixture
@@ -208,6 +216,24 @@ def test_retained_versions_and_freeing_once_unread(cluster: PsCluster) -> None:
         runtime.close()
 
 
+def test_strided_and_contiguous_tensors_pushed_through_shared_memory_pull_back_byte_identical(
+        cluster: PsCluster) -> None:
+    """A CPU-contiguous tensor is hashed on its way into the segment, any other copied by torch and hashed
+    from the segment: both seal against the worker's own hash of the segment and pull back the same."""
+    runtime, ps = cluster.client()
+    try:
+        base = torch.arange(48 * 70_000, dtype=torch.float32).reshape(48, 70_000)  # 13 MiB: many fused steps
+        state = {"transposed": base[:8, :16].t(), "every-other": base[:, ::2], "contiguous": base,
+                 "bf16": base[0].to(torch.bfloat16), "empty": torch.empty(0, 3)}
+        assert not state["transposed"].is_contiguous() and state["contiguous"].is_contiguous()
+        assert ps.push(state, 0).committed
+        pulled = ps.pull(verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+        assert ps.read_bytes["shm"] > 0
+    finally:
+        runtime.close()
+
+
 def test_pull_casts_with_keep_fp32_and_into_existing_tensors(cluster: PsCluster) -> None:
     runtime, ps = cluster.client()
     try:
@@ -316,6 +342,50 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         assert other.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         pulled = ps.pull()
         assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
+    finally:
+        runtime.close()
+
+
+def test_a_seal_uses_streamed_digests_only_for_bytes_written_once_in_order(cluster: PsCluster) -> None:
+    """Tensors named at open and written in order are sealed from their streamed digests; a tensor whose bytes a
+    second, overlapping write changed is hashed from the segment and fails the seal by name. Garbage ranges get
+    a clear error and the worker keeps serving."""
+    runtime, _ = cluster.client()
+    try:
+        manager = runtime.client(cluster.manager)
+        specs = [TensorSpec("a", "float32", [4096]), TensorSpec("b", "int64", [1000]), TensorSpec("c", "uint8", [777])]
+        grant = manager.request(PushBegin(1, 0, 1, "raw", specs)).body
+        worker = runtime.client(grant.worker.endpoint)
+        metrics = cluster.worker_info[grant.worker.worker]["metrics"]
+        ranges = [ByteRange(t.offset, t.nbytes) for t in grant.tensors]
+        garbage = [([ByteRange(0, grant.nbytes + 1)], "bad-layout", "past the shard"),
+                   ([ranges[0], ByteRange(ranges[0].offset + 1, 8)], "bad-layout", "overlap"),
+                   ([ByteRange(-1, 8)], "schema", ">= 0")]  # refused by the schema before the worker sees it
+        for wrong, code, why in garbage:
+            with pytest.raises(RemoteError) as err:
+                worker.request(ShardOpen(grant.lease, grant.nbytes, wrong))
+            assert err.value.code == code and why in str(err.value), err.value
+        worker.request(ShardOpen(grant.lease, grant.nbytes, ranges))
+
+        rng = np.random.default_rng(0)
+        data = [rng.integers(0, 256, t.nbytes, dtype=np.uint8) for t in grant.tensors]
+        for t, d in zip(grant.tensors, data, strict=True):  # in order, in pieces of 1000 bytes
+            worker.request(ShardWrite(grant.lease, [t.offset + i for i in range(0, t.nbytes, 1000)],
+                                      [d[i : i + 1000] for i in range(0, t.nbytes, 1000)]))
+        c = grant.tensors[2]
+        worker.request(ShardWrite(grant.lease, [c.offset + 100], [data[2][100:200] ^ 1]))  # overwrites c's bytes
+        right = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, checksum(d))
+                 for t, d in zip(grant.tensors, data, strict=True)]
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardSeal(grant.lease, 1, 0, right))
+        assert err.value.code == "checksum" and "'c'" in str(err.value)
+        assert scrape(metrics, "refbus_ps_sealed_tensors_total", digest="streamed") == 2  # a and b
+        assert scrape(metrics, "refbus_ps_sealed_tensors_total", digest="segment") == 1  # c, which fails
+
+        worker.request(ShardWrite(grant.lease, [c.offset], [data[2]]))  # c right again, written a third time
+        assert not worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed  # one copy of two
+        assert scrape(metrics, "refbus_ps_sealed_tensors_total", digest="streamed") == 4
+        assert scrape(metrics, "refbus_ps_sealed_tensors_total", digest="segment") == 2
     finally:
         runtime.close()
 

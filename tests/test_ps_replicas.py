@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, rank_part, start_cluster, stop_cluster_after_kills
+from ps_support import PsCluster, make_state, rank_part, scrape, start_cluster, stop_cluster_after_kills
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps import host_proof
@@ -278,6 +278,11 @@ def test_a_frames_push_streaming_to_a_worker_killed_mid_push_is_written_again_el
         pulled = reader.pull(0, verify=True)
         assert all(torch.equal(pulled[name], t) for name, t in state.items())
         assert reader.read_bytes["frames"] > 0 and ps.read_bytes["shm"] == 0
+        # w2 was written only by the second grant, in order: its seal took every digest as the pieces streamed in.
+        metrics = cluster.worker_info["w2"]["metrics"]
+        empty = sum(1 for t in state.values() if t.numel() == 0)  # nothing to stream: hashed (for nothing) at seal
+        assert empty and scrape(metrics, "refbus_ps_sealed_tensors_total", digest="streamed") == len(state) - empty
+        assert scrape(metrics, "refbus_ps_sealed_tensors_total", digest="segment") == empty
     finally:
         reader_runtime.close()
         runtime.close()

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from golden_wire import CASES, MSG_ID, SECRET, SRC, TS, encode, load
+from golden_wire import CASES, FIXTURES, MSG_ID, SECRET, SRC, TS, encode, load
 from refbus.bus.reqrep import Server
 from refbus.protocol import envelope
 from refbus.protocol.envelope import PROTOCOL_VERSION, SPOKEN_MAJORS, WireCodec, negotiate
@@ -52,7 +52,7 @@ def test_this_build_encodes_the_frozen_bytes(case: str, signed: bool, monkeypatc
 
 
 @pytest.mark.parametrize("signed", SIGNED, ids=["plain", "signed"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case in CASES if (FIXTURES / f"wire_v{PREVIOUS}" / f"{case}.json").exists()])
 def test_the_previous_major_is_refused_with_a_version_error(case: str, signed: bool) -> None:
     for codec in (WireCodec("reader"), WireCodec("reader", secret=SECRET)):  # version is checked before the MAC
         with pytest.raises(ProtocolError) as info:

@@ -49,13 +49,14 @@ from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
-from ...protocol.codec import Unhashed, checksum
+from ...protocol.codec import Unhashed, checksum, copy_hashing
 from ...protocol.envelope import WireCodec
 from ...protocol.messages import Body
 from ...protocol.messages_ps import (
     Abort,
     Aborted,
     Batch,
+    ByteRange,
     Committed,
     Consume,
     InitRequest,
@@ -382,22 +383,32 @@ class PushSession:
 
     def _open_copies(self) -> None:
         copies = []
+        # The tensors' ranges let a worker written through frames hash each tensor as its pieces arrive (.streamed).
+        ranges = [ByteRange(t.offset, t.nbytes) for t in self._grant.tensors]
         for info in [self._grant.worker, *self._grant.replicas]:
             client = self._client._worker(info)
             try:
-                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes), ShardOpened)
+                opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes, ranges),
+                                           ShardOpened)
             except (RequestTimeout, RemoteError) as exc:
                 _raise_from(info.worker, exc)
             copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
         self._copies = copies
 
     def _put(self, spec: ShardTensor, tensor: torch.Tensor) -> None:
+        # A CPU-contiguous tensor's bytes are hashed on their way into the segment (one pass over them); any
+        # other is copied by torch from wherever it lives (strided, or on a device), then hashed from the segment.
+        flat = _as_bytes(tensor) if tensor.device.type == "cpu" and tensor.is_contiguous() else None
         for copy in self._copies:
             if copy.path is None:
                 continue
             view = self._client._writes.view(copy.path, spec.offset, spec.nbytes)
+            if flat is not None:
+                digest = xxhash.xxh3_64()
+                copy_hashing(np.frombuffer(view, np.uint8), flat, digest)
+                self._sums[spec.name] = digest.intdigest()
+                continue
             if spec.nbytes:
-                # One copy from wherever the tensor lives (strided, or on a device) into the mapped segment.
                 torch.frombuffer(view, dtype=tensor.dtype).reshape(tensor.shape).copy_(tensor)
             self._sums[spec.name] = checksum(view)
         if all(copy.path is not None for copy in self._copies):

@@ -10,7 +10,8 @@ they land in memory already in use; the one copy into the destination reads them
 
 Why one check: frames are not hashed on decode. Each tensor is hashed once, streaming over its pieces,
 against the manifest's checksum: the end-to-end check of the bytes the pusher wrote (a frame corrupted in
-transit fails it the same way).
+transit fails it the same way). The hash rides on the copy into the destination
+(:func:`~refbus.protocol.codec.copy_hashing`), so each piece is read from memory once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import xxhash
 
 from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout
+from ...protocol.codec import copy_hashing
 from ...protocol.envelope import Message
 from ...protocol.messages_ps import ByteRange, ManifestEntry, ShardData, ShardRead
 
@@ -93,8 +95,7 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
                 written[index] = True
                 if first_write is not None:
                     first_write(wanted[index].entry)
-            views[index][start : start + piece.nbytes] = array
-            hashes[index].update(array)
+            copy_hashing(views[index][start : start + piece.nbytes], array, hashes[index])
 
     # Requests are handed over one at a time, so a failed one ends the read at once: the rest are never sent,
     # and a dead worker costs one request's deadline, not one per window's worth of requests.

@@ -4,8 +4,10 @@ A worker holds shards (one segment each) in shared memory from a :class:`~.shm.S
 mapped once and reused version after version:
 
 * **push**: ``ps-shard-open`` gives the pusher a segment (by name: a same-host pusher maps it and writes
-  directly; a cross-host one sends ``ps-shard-write`` frames); ``ps-shard-seal`` hashes every tensor against
-  the pusher's checksums and forwards the verified shard to the manager (``ps-shard-commit``). The pusher's
+  directly; a cross-host one sends ``ps-shard-write`` frames, hashed per tensor as they are copied in when the
+  open named the tensors' ranges, :mod:`.streamed`); ``ps-shard-seal`` checks every tensor against the
+  pusher's checksums (the streamed digest where it holds, else a hash of the segment) and forwards the
+  verified shard to the manager (``ps-shard-commit``). The pusher's
   answer is the manager's (the reply is deferred until it arrives), so "acknowledged" means "recorded".
 * **pull**: same-host readers (proved by the kernel's boot id and a nonce file next to the segments,
   :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
@@ -61,6 +63,7 @@ from .host_proof import NonceFile, boot_id
 from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
 from .shm import Segment, SegmentPool, sweep_orphans
+from .streamed import BadLayout, StreamedDigests
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +100,7 @@ class PsWorker:
         self.pool = SegmentPool(directory, settings.shm_prefix, pin=settings.pin_memory,
                                 max_free=settings.max_free_segments)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
+        self.streamed: dict[str, StreamedDigests] = {}  # push lease -> digests of its frames as written
         if self.journal is not None:
             self._readopt(self.journal)
         # Made after re-adoption, whose sweep removes the proof file a killed process left in the directory.
@@ -127,6 +131,10 @@ class PsWorker:
                        labels=("state",), kind="gauge")
         runtime.metric("refbus_ps_segments_created_total", "Shared-memory segments created (not reused).",
                        lambda: {(): float(self.pool.created)})
+        self.seal_hashed = {"streamed": 0, "segment": 0}
+        runtime.metric("refbus_ps_sealed_tensors_total", "Tensors a seal verified, by where their digest came "
+                       "from: streamed as frames were written, or hashed from the segment.",
+                       lambda: {(how,): float(n) for how, n in self.seal_hashed.items()}, labels=("digest",))
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
@@ -171,12 +179,18 @@ class PsWorker:
     def _open(self, request: Message) -> Body:
         ask = request.body
         assert isinstance(ask, ShardOpen)
+        try:
+            streamed = StreamedDigests(ask.tensors, ask.nbytes) if ask.tensors else None
+        except BadLayout as exc:
+            raise HandlerError("bad-layout", f"shard {ask.lease!r}: {exc}") from None
         segment = self.shards.get(ask.lease)
         if segment is None:
             segment = self.shards[ask.lease] = self._acquire_room(ask.nbytes)
         elif segment.capacity < ask.nbytes:
             raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
                                f"not {ask.nbytes}")
+        if streamed is not None:  # a repeated open keeps the first one's digests: they hold whatever came since
+            self.streamed.setdefault(ask.lease, streamed)
         return ShardOpened(segment.name, segment.capacity)
 
     def _write(self, request: Message) -> Body:
@@ -185,13 +199,17 @@ class PsWorker:
         segment = self._shard(write.lease)
         if len(write.offsets) != len(write.data):
             raise HandlerError("bad-write", f"{len(write.offsets)} offsets for {len(write.data)} buffers")
+        streamed = self.streamed.get(write.lease)
         for offset, data in zip(write.offsets, write.data, strict=True):
             source = np.asarray(data).reshape(-1).view(np.uint8)
             try:
-                target = segment.view(offset, source.nbytes)
+                target = np.frombuffer(segment.view(offset, source.nbytes), np.uint8)
             except ValueError as exc:
                 raise HandlerError("out-of-bounds", str(exc)) from None
-            np.frombuffer(target, np.uint8)[:] = source
+            if streamed is None:
+                target[:] = source
+            else:
+                streamed.write(target, offset, source)
         return Ok()
 
     def _seal(self, request: Message) -> Body | None:
@@ -199,11 +217,18 @@ class PsWorker:
         seal = request.body
         assert isinstance(seal, ShardSeal)
         segment = self._shard(seal.lease)
+        streamed = self.streamed.get(seal.lease)
         for t in seal.tensors:
+            got = None if streamed is None else streamed.digest(t.offset, t.nbytes)
             try:
-                got = checksum(segment.view(t.offset, t.nbytes))
+                view = segment.view(t.offset, t.nbytes)
             except ValueError as exc:
                 raise HandlerError("out-of-bounds", f"tensor {t.name!r}: {exc}") from None
+            if got is None:
+                got = checksum(view)
+                self.seal_hashed["segment"] += 1
+            else:
+                self.seal_hashed["streamed"] += 1
             if got != t.checksum:
                 raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
                                    f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
@@ -273,6 +298,7 @@ class PsWorker:
             self.journal.released(release.shards)
         for shard in release.shards:
             self.relays.pop(shard, None)
+            self.streamed.pop(shard, None)
             segment = self.shards.pop(shard, None)
             if segment is not None:
                 self.nixl.forget(segment.name)
