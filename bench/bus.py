@@ -8,7 +8,10 @@ Four comparisons, each printed as refbus / baseline with its goal:
 2. **broker**: events/s of N = 1 and 2 publishers (``NodeRuntime`` nodes that completed the broker
    handshake) through a broker process (``NodeRuntime`` + ``Broker``, as ``refbus node bus`` runs it) to a
    subscriber, against the same publishers sending the same envelopes straight to the subscriber
-   (goal >= 80%); and the broker process's CPU per forwarded event over the whole section (goal <= 3 us).
+   (goal >= 80%); and the broker process's CPU per forwarded event over the whole section (goal <= 3 us),
+   as a ratio to a bare ``zmq_proxy`` process (XSUB -> XPUB with the broker's socket options, nothing else)
+   that forwards the same publishers' events to the same subscriber in the same run, with each process's
+   CPU split by thread (loop, ZeroMQ I/O, proxy).
    Publishers run at the lowest CPU priority: on a 2-core machine a PUB socket that never
    blocks would otherwise take a core from the broker or the subscriber and the ratio would measure the
    scheduler, not the broker.
@@ -33,8 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import secrets
+import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -48,6 +54,7 @@ from refbus.bus.reqrep import Client, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import (
     EVENT_HWM,
+    EVENT_OPTIONS,
     SocketOptions,
     bound_endpoint,
     make_socket,
@@ -122,8 +129,8 @@ QUICK = Settings(rounds=1, warmup_s=0.05, window_s=0.2, rtt_warmup=20, rtt_sampl
 @dataclass(frozen=True)
 class Pool:
     """The workers of one run: ``rx`` receives (or serves), ``tx`` sends (or calls); ``pubs`` are the
-    low-priority publishers of the broker comparison; ``broker`` runs the broker, then, like ``aux``, one
-    of the rpc servers."""
+    low-priority publishers of the broker comparison; ``broker`` runs the broker and ``aux`` the bare proxy
+    (its baseline), then each one of the rpc servers."""
 
     rx: Worker
     tx: Worker
@@ -252,42 +259,106 @@ def _publish_until_stopped(ch: Channel, send: Callable[[], object]) -> int:
     return sent
 
 
-def broker_node(ch: Channel) -> dict[str, float]:
+def broker_node(ch: Channel) -> dict[str, Any]:
     """Run a broker (``NodeRuntime`` + ``Broker``, as ``refbus node bus`` does) until told to stop.
 
     The order ``quiesce`` runs it until its backlog is forwarded (nothing for ``QUIET_S``), then reports
     ``quiet``: a publisher that outran the subscriber leaves events queued in the broker's XSUB socket.
-    Returns events forwarded and the broker process's CPU seconds.
+    Returns events forwarded, the broker process's CPU seconds and their split by thread (start-up excluded).
     """
     runtime = NodeRuntime("bus", RuntimeSettings(node_id="bench-bus", metrics_port=-1), register=False)
     # Publishers in this bench run no loop, so they never heartbeat: keep them registered throughout.
     settings = BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK, node_timeout_s=3600)
     broker = Broker(runtime, settings)
-    cpu = time.process_time()
     try:
         runtime.start()
+        cpu, threads = time.process_time(), thread_cpu()
         ch.send(dict(runtime.endpoints))
         while True:
             runtime.loop(until=ch.poll)
             if ch.recv() != "quiesce":
-                return {"forwarded": broker.forwarded, "cpu_s": time.process_time() - cpu}
-            runtime.loop(until=_quiet(broker))
+                return {"forwarded": broker.forwarded, "cpu_s": time.process_time() - cpu,
+                        "threads_s": _spent(threads, thread_cpu())}
+            runtime.loop(until=_quiet(lambda: broker.forwarded))
             ch.send("quiet")
     finally:
         runtime.close()
 
 
-def _quiet(broker: Broker) -> Callable[[], bool]:
-    """True once ``broker`` has forwarded nothing for ``QUIET_S``."""
-    last = [broker.forwarded, time.monotonic()]
+def bare_proxy_node(ch: Channel) -> dict[str, Any]:
+    """The broker's baseline: ``zmq_proxy`` from an XSUB to an XPUB made with the broker's event socket
+    options, on a thread of its own (as the broker's forwarder runs it) and nothing else: no capture, no ring,
+    no loop. Steered only to count (``STATISTICS``) and to end. Same orders and result as :func:`broker_node`,
+    but its CPU is the proxy's and ZeroMQ's threads only: the main thread runs this bench's orders."""
+    ctx = zmq.Context()
+    try:
+        xsub, xpub = (make_socket(ctx, kind, bind=LOOPBACK, options=EVENT_OPTIONS) for kind in (zmq.XSUB, zmq.XPUB))
+        control, steer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        control.bind("inproc://bench-proxy-control")
+        steer.connect("inproc://bench-proxy-control")
+        proxy = threading.Thread(target=zmq.proxy_steerable, args=(xsub, xpub, None, control), daemon=True)
+        proxy.start()
+        threads = thread_cpu()
+        ch.send({"events_in": bound_endpoint(xsub), "events_out": bound_endpoint(xpub)})
+
+        def forwarded() -> int:
+            steer.send(b"STATISTICS")
+            return struct.unpack("=Q", steer.recv_multipart()[0])[0]  # frontend messages in
+
+        try:
+            while True:
+                while not ch.poll(QUIET_S):
+                    pass
+                if ch.recv() != "quiesce":
+                    spent = _spent(threads, thread_cpu())
+                    del spent["loop"]  # this bench's orders and counts, which a bare proxy would not run
+                    return {"forwarded": forwarded(), "cpu_s": sum(spent.values()), "threads_s": spent}
+                quiet = _quiet(forwarded)
+                while not quiet():
+                    time.sleep(QUIET_S / 10)
+                ch.send("quiet")
+        finally:
+            steer.send(b"TERMINATE")
+            proxy.join(WAIT_S)
+    finally:
+        ctx.destroy(linger=0)
+def _quiet(forwarded: Callable[[], int]) -> Callable[[], bool]:
+    """True once the ``forwarded`` count has not moved for ``QUIET_S``."""
+    last = [forwarded(), time.monotonic()]
 
     def quiet() -> bool:
-        now = time.monotonic()
-        if broker.forwarded != last[0]:
-            last[:] = [broker.forwarded, now]
+        now, count = time.monotonic(), forwarded()
+        if count != last[0]:
+            last[:] = [count, now]
         return now - last[1] >= QUIET_S
 
     return quiet
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """This process's threads (Linux ``/proc``): native id -> (role, CPU seconds so far). Roles: ``loop``
+    (the main thread), ``zmq-io`` (ZeroMQ's I/O threads), ``zmq-other`` (its reaper), ``proxy`` (any other:
+    here the ``zmq_proxy`` thread)."""
+    found: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                line = stat.read()
+            comm = line[line.index("(") + 1:line.rindex(")")]
+            fields = line[line.rindex(")") + 2:].split()
+            role = ("loop" if int(tid) == os.getpid() else "zmq-io" if comm.startswith("ZMQbg/IO")
+                    else "zmq-other" if comm.startswith("ZMQbg") else "proxy")
+            found[int(tid)] = role, (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return found
+
+
+def _spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two :func:`thread_cpu` readings."""
+    spent: dict[str, float] = {}
+    for tid, (role, seconds) in after.items():
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(tid, (role, 0.0))[1]
+    return spent
 
 
 # --- tasks: event path profile -----------------------------------------------------------------------
@@ -611,15 +682,18 @@ def bulk_sender(ch: Channel, flavor: Flavor, endpoint: str, nbytes: int, count: 
 
 
 def measure_events(pool: Pool, settings: Settings, flavor: Flavor, senders: Sequence[Worker],
-                   broker: dict[str, str] | None = None) -> Rate:
-    """Events/s at one subscriber from ``senders``, straight or through the broker at ``broker``."""
-    endpoint = broker["events_out"] if broker else LOOPBACK
-    pool.rx.submit(event_receiver, flavor, endpoint, broker is None, settings.warmup_s, settings.window_s)
+                   via: tuple[Worker, dict[str, str]] | None = None) -> Rate:
+    """Events/s at one subscriber from ``senders``: straight, or through the forwarder ``via`` (its worker and
+    endpoints): a broker (``control`` among them: publishers join it as nodes) or the bare proxy."""
+    forwarder, endpoints = via if via else (None, {})
+    brokered = "control" in endpoints
+    endpoint = endpoints["events_out"] if via else LOOPBACK
+    pool.rx.submit(event_receiver, flavor, endpoint, via is None, settings.warmup_s, settings.window_s)
     subscribed = pool.rx.message()
-    target = broker["control"] if broker else subscribed
+    target = endpoints["control"] if brokered else endpoints["events_in"] if via else subscribed
     run = secrets.token_hex(3)  # fresh node ids: the broker may still hold an earlier run's events
     for index, worker in enumerate(senders):
-        worker.submit(event_sender, flavor, target, f"bench-pub-{run}-{index}", broker is not None)
+        worker.submit(event_sender, flavor, target, f"bench-pub-{run}-{index}", brokered)
     for worker in senders:
         if worker.message() != "ready":
             raise BenchError(f"{worker.name} did not get ready")
@@ -632,9 +706,9 @@ def measure_events(pool: Pool, settings: Settings, flavor: Flavor, senders: Sequ
             worker.tell("stop")
         for worker in senders:
             worker.result()
-        if broker:
-            pool.broker.tell("quiesce")
-            pool.broker.message()
+        if forwarder is not None:
+            forwarder.tell("quiesce")
+            forwarder.message()
 
 
 def profile_events(pool: Pool, flavor: Flavor, count: int) -> dict[str, dict[str, float]]:
@@ -655,22 +729,33 @@ def profile_events(pool: Pool, flavor: Flavor, count: int) -> dict[str, dict[str
 
 
 def bench_events(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, Any]]:
-    """Envelope and broker comparisons, then the event-path profile."""
+    """Envelope and broker comparisons (the broker's CPU against the bare proxy's), then the event-path
+    profile."""
     pool.broker.submit(broker_node)
-    endpoints = pool.broker.message()
+    broker = pool.broker, pool.broker.message()
+    pool.aux.submit(bare_proxy_node)
+    proxy = pool.aux, pool.aux.message()
+    cpu: dict[str, dict[str, Any]] = {}
     try:
         one, two = pool.pubs[:1], pool.pubs
         rates = best_rates({
             "raw": lambda: measure_events(pool, settings, "raw", (pool.tx,)),
             "refbus": lambda: measure_events(pool, settings, "refbus", (pool.tx,)),
             "direct": lambda: measure_events(pool, settings, "refbus", one),
-            "brokered": lambda: measure_events(pool, settings, "refbus", one, endpoints),
+            "brokered": lambda: measure_events(pool, settings, "refbus", one, broker),
+            "proxied": lambda: measure_events(pool, settings, "refbus", one, proxy),
             "direct2": lambda: measure_events(pool, settings, "refbus", two),
-            "brokered2": lambda: measure_events(pool, settings, "refbus", two, endpoints),
+            "brokered2": lambda: measure_events(pool, settings, "refbus", two, broker),
+            "proxied2": lambda: measure_events(pool, settings, "refbus", two, proxy),
         }, settings.rounds)
     finally:
-        pool.broker.tell("stop")
-        broker_cpu = pool.broker.result()
+        for name, (worker, _) in (("broker", broker), ("proxy", proxy)):
+            worker.tell("stop")
+            cpu[name] = worker.result()
+    for figures_of in cpu.values():
+        figures_of["cpu_us_per_event"] = 1e6 * figures_of["cpu_s"] / max(1, figures_of["forwarded"])
+        figures_of["threads_us_per_event"] = {role: 1e6 * seconds / max(1, figures_of["forwarded"])
+                                              for role, seconds in figures_of["threads_s"].items()}
     rows = [
         Row("envelope", "events/s, 1 pub -> 1 sub (vs raw 100 B frames)", "events/s",
             rates["refbus"].per_s, rates["raw"].per_s, 0.25),
@@ -678,12 +763,14 @@ def bench_events(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, A
             rates["brokered"].per_s, rates["direct"].per_s, 0.80),
         Row("broker", "events/s, 2 pubs via broker (vs direct)", "events/s",
             rates["brokered2"].per_s, rates["direct2"].per_s, 0.80),
+        Row("broker", "CPU per forwarded event (vs bare zmq_proxy)", "us",
+            cpu["broker"]["cpu_us_per_event"], cpu["proxy"]["cpu_us_per_event"], None, higher_is_better=False),
     ]
     profile = {flavor: profile_events(pool, flavor, settings.profile_events) for flavor in ("refbus", "raw")}
     extra = {
         "profile": profile,
         "rates": {name: asdict(rate) | {"per_s": rate.per_s, "cpu_us": rate.cpu_us} for name, rate in rates.items()},
-        "broker": broker_cpu | {"cpu_us_per_event": 1e6 * broker_cpu["cpu_s"] / max(1, broker_cpu["forwarded"])},
+        **cpu,
     }
     return rows, extra
 
@@ -785,14 +872,20 @@ def format_profile(profile: dict[str, dict[str, dict[str, float]]], count: int) 
 
 
 def format_cpu(extra: dict[str, Any]) -> str:
-    """CPU per event of the subscriber process (all threads) in each best window, and of the broker:
-    figures that other load on the machine does not distort, unlike the rates."""
+    """CPU per event of the subscriber process (all threads) in each best window, and of the broker and the
+    bare proxy per forwarded event, split by thread: figures that other load on the machine distorts less
+    than the rates."""
     cells = ", ".join(f"{name} {rate['cpu_us']:.2f}" for name, rate in extra["rates"].items())
-    broker_us = extra["broker"]["cpu_us_per_event"]
+    broker_us, proxy_us = extra["broker"]["cpu_us_per_event"], extra["proxy"]["cpu_us_per_event"]
     verdict = "met" if broker_us <= BROKER_CPU_GOAL_US else "NOT MET"
-    return (f"CPU us per event, subscriber process (all threads): {cells}\n"
-            f"CPU us per forwarded event, broker process: {broker_us:.2f} "
-            f"(goal <= {BROKER_CPU_GOAL_US:.0f}: {verdict})")
+    lines = [f"CPU us per event, subscriber process (all threads): {cells}",
+             f"CPU us per forwarded event, broker process: {broker_us:.2f} = {broker_us / proxy_us:.2f}x the bare "
+             f"zmq_proxy's {proxy_us:.2f} (goal <= {BROKER_CPU_GOAL_US:.0f} us: {verdict})"]
+    for name in ("broker", "proxy"):
+        figures_of = extra[name]
+        split = ", ".join(f"{role} {us:.2f}" for role, us in sorted(figures_of["threads_us_per_event"].items()))
+        lines.append(f"  {name:6s} by thread, us per event ({figures_of['forwarded']:,} events): {split}")
+    return "\n".join(lines)
 
 
 def format_rpc_cpu(cpu_us: dict[str, dict[str, float]]) -> str:

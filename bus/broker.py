@@ -72,7 +72,7 @@ log = structlog.get_logger(__name__)
 
 SD_PATH = "/sd"  # the service-discovery path of the broker's metrics endpoint
 CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, at most
-CAPTURE_REST_S = 0.002  # a capture drained of its backlog waits this long for the next batch
+CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
 
 
 @dataclass(frozen=True)

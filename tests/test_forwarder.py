@@ -4,7 +4,11 @@ and counting what it cannot read), and its own events and the ``sync`` handshake
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import msgspec
@@ -150,4 +154,105 @@ def test_a_resting_capture_delays_only_the_rings_copy_and_replays_catch_up_first
         assert broker.forwarded >= resting_at + 5
     finally:
         publisher_node.join(WAIT_S)
+        subscriber_node.join(WAIT_S)
+
+
+DOOMED_PUBLISHER = """
+import sys, time
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.protocol.messages import RunEnd
+node = NodeRuntime("pub", RuntimeSettings(bus=sys.argv[1], node_id="doomed", metrics_port=-1))
+node.start()
+steps = 0
+while True:
+    steps += 1
+    node.publish(RunEnd(reason="doomed", steps=steps))
+    time.sleep(0.002)
+"""
+
+
+def _quiet_queue(received: queue.Queue[Message], quiet_s: float = 0.5) -> list[Message]:
+    """Everything ``received`` gets until nothing has come for ``quiet_s``."""
+    got: list[Message] = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            got.append(received.get(timeout=quiet_s))
+    return got
+
+
+def test_a_publisher_sigkilled_mid_stream_while_the_capture_rests_leaves_the_ring_whole(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publisher process killed in the middle of its stream, while the capture holds a rest's worth of its
+    events (a minute here), perhaps mid-message on the wire: the ring then holds exactly what the subscriber
+    got, in order and without holes, and the broker forwards on."""
+    monkeypatch.setattr(broker_module, "CAPTURE_REST_S", 60.0)
+    control = broker.runtime.endpoints["control"]
+    received: queue.Queue[Message] = queue.Queue()
+    subscriber_node = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    subscriber_node.subscribe(received.put, kinds=frozenset({RunEnd.kind}))
+    publisher_node = NodeRuntime("pub", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1))
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED_PUBLISHER, control])
+    try:
+        subscriber_node.start_background()
+        publisher_node.start_background()
+        got = [received.get(timeout=WAIT_S) for _ in range(50)]
+        doomed.send_signal(signal.SIGKILL)
+        assert doomed.wait(WAIT_S) == -signal.SIGKILL
+        got += _quiet_queue(received)
+        steps = [m.body.steps for m in got if m.header.src == "doomed"]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 50
+
+        replayed = publisher_node_replay(subscriber_node)
+        assert [m.body.steps for m in replayed if m.kind == RunEnd.kind and m.header.src == "doomed"] == steps
+        publisher_node.call_soon(lambda: publisher_node.publish(RunEnd(reason="after-kill", steps=1)))
+        assert received.get(timeout=WAIT_S).body.reason == "after-kill"
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+        doomed.wait(WAIT_S)
+        publisher_node.join(WAIT_S)
+        subscriber_node.join(WAIT_S)
+
+
+def test_garbage_between_events_in_one_resting_batch_splits_no_other_message(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Garbage interleaved with valid events, all drained in one batch after a rest: multi-frame garbage whose
+    first frame holds the one-frame mark (the drain takes it for a whole one-frame message, so its later
+    frames come as entries of their own), garbage multi-frame events and control bytes. Every valid event is
+    replayed whole and in order, the garbage is counted, and the broker forwards on."""
+    monkeypatch.setattr(broker_module, "CAPTURE_REST_S", 60.0)
+    control = broker.runtime.endpoints["control"]
+    received: queue.Queue[Message] = queue.Queue()
+    subscriber_node = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    subscriber_node.subscribe(received.put, kinds=frozenset({RunEnd.kind}))
+    ctx = zmq.Context()
+    try:
+        subscriber_node.start_background()
+        raw = make_socket(ctx, zmq.PUB, connect=broker.runtime.endpoints["events_in"], options=EVENT_OPTIONS)
+        warmup = WireCodec("warmup")
+
+        def through() -> bool:  # the broker's subscription reached this PUB
+            raw.send_multipart(warmup.encode(RunEnd(reason="warmup", steps=1), one_frame=True))
+            return not received.empty()
+
+        wait_for(through, WAIT_S, "a raw publisher's first event through the broker", poll_s=0.05)
+        wait_for(lambda: broker.forwarded > 0, WAIT_S, "a first batch, after which the capture rests")
+        unread_before = broker.ring.unreadable
+        mixed = WireCodec("mixed")
+        split_mark = [b"run-end\x00not a header", b"run-end", b"\x00\x01"]  # marked first frame, then two more
+        for seq in range(1, 21):
+            raw.send_multipart(mixed.encode(RunEnd(reason="mixed", steps=seq), seq=seq, one_frame=seq % 2 == 0))
+            raw.send_multipart(split_mark if seq % 3 else GARBAGE[seq % len(GARBAGE)])
+        got = [m for m in _quiet_queue(received) if m.header.src == "mixed"]
+        assert [m.body.steps for m in got] == list(range(1, 21))
+
+        replayed = publisher_node_replay(subscriber_node)
+        assert [m.body.steps for m in replayed if m.header.src == "mixed"] == list(range(1, 21))
+        assert broker.ring.unreadable > unread_before
+        raw.send_multipart(mixed.encode(RunEnd(reason="after-garbage", steps=21), seq=21, one_frame=True))
+        assert received.get(timeout=WAIT_S).body.reason == "after-garbage"
+    finally:
+        ctx.destroy(linger=0)
         subscriber_node.join(WAIT_S)

@@ -1,0 +1,84 @@
+"""The bus bench's broker figures: the bare ``zmq_proxy`` baseline counts what it forwards, CPU is split by
+thread correctly, and a quick events section prints the broker's CPU as a ratio to the baseline's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from bench import bus
+from bench.harness import workers
+
+POLL_MS = 5000
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_thread_cpu_charges_a_busy_thread_to_its_role_and_not_to_the_loop() -> None:
+    before = bus.thread_cpu()
+    busy = threading.Thread(target=_burn, args=(0.3,))
+    busy.start()
+    busy.join()  # ended: its CPU is not in a later reading (nor should it be: it ended before "after")
+    worker = threading.Thread(target=lambda: (_burn(0.3), time.sleep(0.5)))
+    worker.start()
+    time.sleep(0.4)  # burnt, still alive
+    spent = bus._spent(before, bus.thread_cpu())
+    worker.join()
+    assert spent["proxy"] >= 0.25
+    assert spent["loop"] < 0.25
+
+
+def test_the_bare_proxy_forwards_every_event_and_counts_each_once() -> None:
+    with workers("bench-proxy") as (worker,):
+        worker.submit(bus.bare_proxy_node)
+        endpoints = worker.message()
+        ctx = zmq.Context()
+        try:
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            sub.subscribe(b"")
+            sub.connect(endpoints["events_out"])
+            pub = ctx.socket(zmq.PUB)
+            pub.linger = 0
+            pub.connect(endpoints["events_in"])
+            probes = 0
+            while True:  # until the subscription reached the publisher through the proxy
+                pub.send(b"probe")
+                probes += 1
+                if sub.poll(20):
+                    break
+                assert probes < POLL_MS // 20, "the subscription never came through the proxy"
+            received: list[bytes] = []
+            for index in range(500):
+                pub.send(b"event-%d" % index)
+            while len([m for m in received if m.startswith(b"event-")]) < 500:
+                assert sub.poll(POLL_MS), "the proxy stopped forwarding"
+                received.append(sub.recv())
+            worker.tell("quiesce")
+            assert worker.message() == "quiet"
+            worker.tell("stop")
+            figures = worker.result()
+        finally:
+            ctx.destroy(linger=0)
+    assert [m for m in received if m.startswith(b"event-")] == [b"event-%d" % i for i in range(500)]
+    assert 500 < figures["forwarded"] <= 500 + probes  # probes sent before the subscription arrived are dropped
+    assert "loop" not in figures["threads_s"]  # the bench's own orders are not the proxy's cost
+    assert figures["cpu_s"] == sum(figures["threads_s"].values())
+    assert {"proxy", "zmq-io"} <= figures["threads_s"].keys()
+
+
+def test_a_quick_events_section_prints_the_broker_against_the_bare_proxy() -> None:
+    rows, extra = bus.run(bus.QUICK, ["events"])
+    row = next(r for r in rows if r.metric == "CPU per forwarded event (vs bare zmq_proxy)")
+    assert row.refbus == extra["broker"]["cpu_us_per_event"] and row.baseline == extra["proxy"]["cpu_us_per_event"]
+    assert extra["broker"]["forwarded"] > 0 and extra["proxy"]["forwarded"] > 0
+    assert {"loop", "proxy", "zmq-io"} <= extra["broker"]["threads_us_per_event"].keys()
+    printed = bus.format_cpu(extra)
+    assert "x the bare zmq_proxy's" in printed and "goal <= 3 us" in printed
+    assert "proxy  by thread" in printed and "broker by thread" in printed
