@@ -113,7 +113,7 @@ class Settings:
     filtered: bool = True  # peer trackers subscribe by topic (as built); False: the whole stream (the baseline)
 
 
-FULL = Settings(sizes=(16, 32, 64, 128, 192, 256), warmup_s=1.0, window_s=4.0)
+FULL = Settings(sizes=(16, 32, 64, 128, 192, 256, 320, 384), warmup_s=1.0, window_s=4.0)
 QUICK = Settings(sizes=(2, 4), warmup_s=0.2, window_s=0.5)
 
 
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two tiny sizes, short windows (smoke test)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--nodes", type=int, nargs="+", help="node counts to sweep (default: 16 ... 256)")
+    parser.add_argument("--nodes", type=int, nargs="+", help="node counts to sweep (default: 16 ... 384)")
     parser.add_argument("--whole-stream-trackers", action="store_true",
                         help="the baseline: peer trackers subscribe to the whole stream, not by topic")
     args = parser.parse_args(argv)
