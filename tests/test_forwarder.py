@@ -128,11 +128,13 @@ def test_garbage_refills_are_refused_and_counted_and_the_broker_keeps_its_ring_a
         node.close()
 
 
-def test_a_resting_capture_delays_only_the_rings_copy_and_replays_catch_up_first(
-    broker: Broker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Between batches the capture rests (here for a minute): events still reach subscribers at once, the
-    ring takes them at the next batch, and a replay in between drains the capture before it answers."""
+Resting = tuple[queue.Queue[Message], NodeRuntime, NodeRuntime]  # what run-end events the watcher got, it, a publisher
+
+
+@pytest.fixture
+def resting(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> Iterator[Resting]:
+    """``broker`` with a capture that rests a minute between batches, and two nodes joined to it: a watcher
+    whose run-end events land in the queue, and a publisher node. Yields (queue, watcher, publisher)."""
     monkeypatch.setattr(broker_module, "CAPTURE_REST_S", 60.0)
     control = broker.runtime.endpoints["control"]
     received: queue.Queue[Message] = queue.Queue()
@@ -142,19 +144,28 @@ def test_a_resting_capture_delays_only_the_rings_copy_and_replays_catch_up_first
     try:
         subscriber_node.start_background()
         publisher_node.start_background()
-        wait_for(lambda: broker.forwarded > 0, WAIT_S, "a first batch, after which the capture rests")
-        resting_at = broker.forwarded
-        for steps in range(1, 6):
-            publisher_node.call_soon(lambda steps=steps: publisher_node.publish(RunEnd(reason="rest", steps=steps)))
-        assert [received.get(timeout=WAIT_S).body.steps for _ in range(5)] == [1, 2, 3, 4, 5]
-        assert broker.forwarded == resting_at, "the capture rested: the ring has not taken them yet"
-
-        replayed = publisher_node_replay(subscriber_node)
-        assert [m.body.steps for m in replayed if m.kind == RunEnd.kind and m.header.src == "pub"] == [1, 2, 3, 4, 5]
-        assert broker.forwarded >= resting_at + 5
+        yield received, subscriber_node, publisher_node
     finally:
         publisher_node.join(WAIT_S)
         subscriber_node.join(WAIT_S)
+
+
+def test_a_resting_capture_delays_only_the_rings_copy_and_replays_catch_up_first(
+    broker: Broker, resting: Resting
+) -> None:
+    """Between batches the capture rests (here for a minute): events still reach subscribers at once, the
+    ring takes them at the next batch, and a replay in between drains the capture before it answers."""
+    received, subscriber_node, publisher_node = resting
+    wait_for(lambda: broker.forwarded > 0, WAIT_S, "a first batch, after which the capture rests")
+    resting_at = broker.forwarded
+    for steps in range(1, 6):
+        publisher_node.call_soon(lambda steps=steps: publisher_node.publish(RunEnd(reason="rest", steps=steps)))
+    assert [received.get(timeout=WAIT_S).body.steps for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert broker.forwarded == resting_at, "the capture rested: the ring has not taken them yet"
+
+    replayed = publisher_node_replay(subscriber_node)
+    assert [m.body.steps for m in replayed if m.kind == RunEnd.kind and m.header.src == "pub"] == [1, 2, 3, 4, 5]
+    assert broker.forwarded >= resting_at + 5
 
 
 DOOMED_PUBLISHER = """
@@ -181,21 +192,14 @@ def _quiet_queue(received: queue.Queue[Message], quiet_s: float = 0.5) -> list[M
 
 
 def test_a_publisher_sigkilled_mid_stream_while_the_capture_rests_leaves_the_ring_whole(
-    broker: Broker, monkeypatch: pytest.MonkeyPatch
+    broker: Broker, resting: Resting
 ) -> None:
     """A publisher process killed in the middle of its stream, while the capture holds a rest's worth of its
     events (a minute here), perhaps mid-message on the wire: the ring then holds exactly what the subscriber
     got, in order and without holes, and the broker forwards on."""
-    monkeypatch.setattr(broker_module, "CAPTURE_REST_S", 60.0)
-    control = broker.runtime.endpoints["control"]
-    received: queue.Queue[Message] = queue.Queue()
-    subscriber_node = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
-    subscriber_node.subscribe(received.put, kinds=frozenset({RunEnd.kind}))
-    publisher_node = NodeRuntime("pub", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1))
-    doomed = subprocess.Popen([sys.executable, "-c", DOOMED_PUBLISHER, control])
+    received, subscriber_node, publisher_node = resting
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED_PUBLISHER, broker.runtime.endpoints["control"]])
     try:
-        subscriber_node.start_background()
-        publisher_node.start_background()
         got = [received.get(timeout=WAIT_S) for _ in range(50)]
         doomed.send_signal(signal.SIGKILL)
         assert doomed.wait(WAIT_S) == -signal.SIGKILL
@@ -211,8 +215,6 @@ def test_a_publisher_sigkilled_mid_stream_while_the_capture_rests_leaves_the_rin
         if doomed.poll() is None:
             doomed.kill()
         doomed.wait(WAIT_S)
-        publisher_node.join(WAIT_S)
-        subscriber_node.join(WAIT_S)
 
 
 def test_garbage_between_events_in_one_resting_batch_splits_no_other_message(
