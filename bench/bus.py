@@ -322,6 +322,8 @@ def bare_proxy_node(ch: Channel) -> dict[str, Any]:
             proxy.join(WAIT_S)
     finally:
         ctx.destroy(linger=0)
+
+
 def _quiet(forwarded: Callable[[], int]) -> Callable[[], bool]:
     """True once the ``forwarded`` count has not moved for ``QUIET_S``."""
     last = [forwarded(), time.monotonic()]
