@@ -27,7 +27,8 @@ The ledger replays ownership moves as the stream mirrors them:
   node's first events may be relayed before its ``node-up`` (the broker announces a node when the node may
   already publish): a store incarnation seen first after the last ``node-up`` was taken is the process the
   next ``node-up`` announces, so the account does not depend on that order;
-* ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak.
+* ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak
+  (named by the store's own counters where they corrected the fold).
 
 The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
 ``deleted`` counts reasons outside :data:`LOSS_REASONS`. Stores are the authority: each env server counts
@@ -248,8 +249,27 @@ class Ledger:
             self._up(node["node_id"], node.get("labels", {}).get("store", ""))
         elif kind == RUN_END:
             self.ended = True
-            self.held_at_end = Counter(b.owner for b in self.blobs.values()
-                                       if b.stage > 0 and not self.stores[b.key].down)
+            self.held_at_end = self._held_at_end()
+
+    def _held_at_end(self) -> Counter[str]:
+        """Holder -> blobs it holds as the run ends, a store's own unclaimed blobs left out. Per live store, as
+        :meth:`report` names its holders: the fold's owners, or, where the stream missed moves of a corrected
+        store (the fold holds another count than the store's own), the store's own view by claimer. A store
+        killed after deleting blobs but before publishing those deletes said so in its counters; the fold
+        alone would name their last holder for ever."""
+        by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        for blob in self.blobs.values():
+            by_key[blob.key][blob.owner if blob.stage > 0 else ""] += 1
+        held: Counter[str] = Counter()
+        for key, store in self.stores.items():
+            if store.down:
+                continue
+            owners = by_key.get(key, Counter())
+            if owners.total() != store.held and store.held_by is not None \
+                    and sum(store.held_by.values()) == store.held:
+                owners = Counter({h: n for h, n in store.held_by.items() if h != store.node_id})
+            held.update({holder: n for holder, n in owners.items() if holder})
+        return +held
 
     def apply_message(self, message: Message) -> None:
         """Fold one decoded event: :meth:`apply` on the fields the ledger reads only (an episode's ``info``

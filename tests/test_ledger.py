@@ -297,6 +297,25 @@ def test_run_end_names_what_holders_still_hold() -> None:
     assert unclaimed.held_at_end == {} and unclaimed.ok
 
 
+def test_a_store_killed_before_publishing_its_deletes_holds_nothing_at_run_end_by_its_own_counters() -> None:
+    """The orchestrator's delete of b reached the store, which counted it and was killed before publishing it:
+    the fold alone still names the orchestrator as b's holder, the store's own counters (read at the run's
+    end) say nobody holds anything, and they win, as they do for what the report says is held."""
+    ledger = _run(STORE_STREAM)
+    assert ledger.reconcile("env-0", INCARNATION, {**ACCOUNT, "seq": 6, "held": 0, "held_by": {},
+                                                   "deleted": {"filtered": 2, "undelivered": 1}},
+                            final=True) == "corrected"
+    ledger.apply({"type": "run-end", "reason": "done", "steps": 1})
+    report = ledger.report()
+    assert report.held_at_end == {} and report.held["env-0"] == {}
+    assert report.missed == {"env-0": 1} and report.totals()["deleted"] == {"filtered": 2, "undelivered": 1}
+    # A corrected store that still has a blob out names its holder itself.
+    still_out = _run(STORE_STREAM[:4])
+    assert still_out.reconcile("env-0", INCARNATION, {**ACCOUNT, "seq": 5}, final=True) == "corrected"
+    still_out.apply({"type": "run-end", "reason": "done", "steps": 1})
+    assert still_out.report().held_at_end == {"orch": 1}
+
+
 def test_cli_reads_a_monitor_file_and_exits_nonzero_on_violations(tmp_path: Path) -> None:
     clean = tmp_path / "clean.jsonl"
     clean.write_text("\n".join(json.dumps(r) for r in LIFECYCLE) + "\n")
