@@ -214,6 +214,37 @@ def test_same_host_by_proof_and_a_garbled_proof_means_frames(cluster: PsCluster)
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_push_mapping_one_copy_and_sending_the_other_as_frames_hashes_each_tensor_once_and_both_verify(
+    cluster: PsCluster,
+) -> None:
+    """w1's proof is garbled, so a push maps w0's segment and sends w1's copy as frames: each tensor is hashed
+    once, on its way into w0's segment, and that checksum is what w1's seal checks the frames against."""
+    runtime, ps = _client(cluster, "prover")
+    try:
+        w1 = next(w for w in ps.status().workers if w.worker == "w1")
+        nonce = Path(w1.shm_dir) / w1.nonce_file
+        original = nonce.read_bytes()
+        nonce.write_bytes(b"\x00garbled")
+        try:
+            state = make_state(seed=7)
+            assert ps.push(state, 0).committed
+        finally:
+            nonce.write_bytes(original)
+        non_empty = sum(1 for t in state.values() if t.numel())
+        w0, w1_metrics = cluster.worker_info["w0"]["metrics"], cluster.worker_info["w1"]["metrics"]
+        assert scrape(w0, "refbus_ps_sealed_tensors_total", digest="segment") == len(state)  # mapped: no frames
+        assert scrape(w1_metrics, "refbus_ps_sealed_tensors_total", digest="streamed") == non_empty
+        reader_runtime, reader = _client(cluster, "reader", transport="frames")
+        try:
+            pulled = reader.pull(0, verify=True)
+            assert all(torch.equal(pulled[name], t) for name, t in state.items())
+        finally:
+            reader_runtime.close()
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
 def test_a_pull_falls_to_the_next_copy_when_a_worker_dies_unannounced(cluster: PsCluster) -> None:
     """Reads that a killed worker (not yet known down) never answers go to the next copy."""
     runtime, ps = _client(cluster, "pusher")

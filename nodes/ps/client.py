@@ -398,7 +398,9 @@ class PushSession:
     def _put(self, spec: ShardTensor, tensor: torch.Tensor) -> None:
         # A CPU-contiguous tensor's bytes are hashed on their way into the segment (one pass over them); any
         # other is copied by torch from wherever it lives (strided, or on a device), then hashed from the segment.
+        # Either way the checksum is of the tensor's C-order bytes, so the frames below reuse it once it is known.
         flat = _as_bytes(tensor) if tensor.device.type == "cpu" and tensor.is_contiguous() else None
+        known: int | None = None
         for copy in self._copies:
             if copy.path is None:
                 continue
@@ -406,27 +408,31 @@ class PushSession:
             if flat is not None:
                 digest = xxhash.xxh3_64()
                 copy_hashing(np.frombuffer(view, np.uint8), flat, digest)
-                self._sums[spec.name] = digest.intdigest()
+                known = digest.intdigest()
                 continue
             if spec.nbytes:
                 torch.frombuffer(view, dtype=tensor.dtype).reshape(tensor.shape).copy_(tensor)
-            self._sums[spec.name] = checksum(view)
+            known = checksum(view)
         if all(copy.path is not None for copy in self._copies):
+            assert known is not None
+            self._sums[spec.name] = known
             return
-        data = _as_bytes(tensor)
+        data = flat if flat is not None else _as_bytes(tensor)
         whole = xxhash.xxh3_64()  # streamed over the pieces: the same value as checksum(data)
         # Pieces of PIECE_BYTES, so the worker receives them into reused heap memory (see .frames). They travel
-        # unhashed (codec.Unhashed): the worker's seal checks every tensor against ``whole``, end to end, so a
-        # frame checksum would be a second pass over every byte that nobody verifies. A write goes out as soon
-        # as it is full, while earlier ones are still in flight: hashing the next pieces overlaps sending these.
+        # unhashed (codec.Unhashed): the worker's seal checks every tensor against the pusher's checksum, end to
+        # end, so a frame checksum would be a second pass over every byte that nobody verifies. A write goes out
+        # as soon as it is full, while earlier ones are still in flight: hashing the next pieces overlaps sending
+        # these. A tensor a same-host copy already hashed is not hashed again.
         for start in range(0, max(1, data.nbytes), PIECE_BYTES):
             piece = data[start : start + PIECE_BYTES]
-            whole.update(piece)
+            if known is None:
+                whole.update(piece)
             if self._queued and self._queued_bytes + piece.nbytes > self._client.chunk_bytes:
                 self._send()
             self._queued.append((spec.offset + start, Unhashed(piece)))
             self._queued_bytes += piece.nbytes
-        self._sums[spec.name] = whole.intdigest()
+        self._sums[spec.name] = whole.intdigest() if known is None else known
 
     def _seal(self) -> list[Committed]:
         self._send()
