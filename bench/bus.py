@@ -63,7 +63,7 @@ from refbus.bus.sockets import (
     send_frames,
     wildcard_port,
 )
-from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.envelope import MIN_FRAMES, Message, WireCodec
 from refbus.protocol.messages import Blobs, Body, Bye, Delete, Fetch, FetchedBlob, Ok, Sync
 
 from bench.harness import (
@@ -589,7 +589,7 @@ def rpc_profile_server(ch: Channel, count: int) -> dict[str, float]:
                 t3 = clock()
                 reply = Ok() if request.kind == Fetch.kind else None
                 t4 = clock()
-                frames = codec.encode(reply, reply_to=checked.header.id, one_frame=len(envelope) < 3)
+                frames = codec.encode(reply, reply_to=checked.header.id, one_frame=len(envelope) < MIN_FRAMES)
                 t5 = clock()
                 send_frames(sock, [identity, *frames], zmq.NOBLOCK)
                 t6 = clock()
