@@ -25,10 +25,12 @@ def test_thread_cpu_charges_a_busy_thread_to_its_role_and_not_to_the_loop() -> N
     busy = threading.Thread(target=_burn, args=(0.3,))
     busy.start()
     busy.join()  # ended: its CPU is not in a later reading (nor should it be: it ended before "after")
-    worker = threading.Thread(target=lambda: (_burn(0.3), time.sleep(0.5)))
+    burnt, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (_burn(0.3), burnt.set(), release.wait(POLL_MS / 1000)))
     worker.start()
-    time.sleep(0.4)  # burnt, still alive
-    spent = bus._spent(before, bus.thread_cpu())
+    assert burnt.wait(POLL_MS / 1000), "the worker thread never finished burning"
+    spent = bus._spent(before, bus.thread_cpu())  # burnt, still alive
+    release.set()
     worker.join()
     assert spent["proxy"] >= 0.25
     assert spent["loop"] < 0.25
