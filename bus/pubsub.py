@@ -176,7 +176,8 @@ class Subscriber:
             if not deadline:
                 deadline = time.monotonic() + timeout_ms / 1000
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.sock.poll(remaining_ms, POLLIN):
+            # Only this clock ends the wait: pyzmq's poll returns early when signals keep interrupting it.
+            if not self.sock.poll(remaining_ms, POLLIN) and time.monotonic() >= deadline:
                 return None
         return ready.popleft()
 

@@ -211,13 +211,16 @@ class Client:
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
         deadline = time.monotonic() + timeout_ms / 1000
-        while (frames := self._wait(timeout_ms)) is not None:
-            try:
-                return self.codec.decode(frames, backend=backend, verify=verify)
-            except ProtocolError as exc:
-                log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
+        while True:
+            frames = self._wait(timeout_ms)
+            if frames is not None:
+                try:
+                    return self.codec.decode(frames, backend=backend, verify=verify)
+                except ProtocolError as exc:
+                    log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
+            if time.monotonic() >= deadline:  # only this clock ends the wait: an empty poll may come early
+                return None
             timeout_ms = _ms_until(deadline)
-        return None
 
     def _wait(self, timeout_ms: int) -> list | None:
         """The next message within ``timeout_ms`` (0: only one already waiting), or None: a poll, then a
@@ -225,7 +228,9 @@ class Client:
 
         Not a blocking receive under ``RCVTIMEO``, though it saves the poll's call: pyzmq resumes a receive
         that a signal interrupted with the whole timeout again, so signals arriving more often than it would
-        hold a request past its deadline for as long as they come; it resumes a poll with what is left."""
+        hold a request past its deadline for as long as they come. A poll that signals interrupt returns sooner
+        instead (pyzmq takes the time passed off what is left after every interruption, so it runs out early):
+        :meth:`recv` polls again until its own deadline."""
         if not zmq.zmq_poll(self._polled, timeout_ms):
             return None
         return recv_frames(self.sock, zmq.NOBLOCK)
