@@ -31,10 +31,11 @@ from refbus.nodes.payload.fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
+    _verify,
     registry_locator,
     to_micro_batch,
 )
-from refbus.nodes.payload.keeper import pack_branches
+from refbus.nodes.payload.keeper import blob_checksum, pack_branches
 from refbus.nodes.payload.packing import SampleInfo, pack
 from refbus.nodes.payload.restarts import StoreRestarts
 from refbus.protocol.envelope import Message, WireCodec
@@ -403,6 +404,27 @@ def test_references_that_describe_no_micro_batch_are_rejected(envs) -> None:
     overfull = MicroBatchRefs(samples=refs.samples, length=8)
     with pytest.raises(PlanError, match="more than its length"):
         to_micro_batch(overfull)
+
+
+def test_a_blob_verifies_whatever_order_its_arrays_arrive_in_and_only_with_its_exact_fields() -> None:
+    rng = np.random.default_rng(3)
+    arrays = {"routed_experts": rng.integers(0, 9, (4, 3, 2), dtype=np.uint8),
+              "topk_ids": rng.integers(0, 99, (4, 2), dtype=np.int32),
+              "topk_logprobs": rng.standard_normal((4, 2)).astype(np.float32)}
+    ref = BlobRef(endpoint="tcp://env-a:1", source="env-a", blob_id="b1", fields=list(arrays), tokens=4,
+                  nbytes=sum(a.nbytes for a in arrays.values()), checksum=blob_checksum(arrays), routing_shape=[3, 2])
+    expected = Branch.from_arrays(arrays)
+    for order in (arrays, dict(reversed(arrays.items()))):
+        branch = _verify(ref, FetchedBlob(blob_id="b1", arrays=order))
+        assert isinstance(branch, Branch) and branch.equals(expected)
+    corrupt = dict(reversed(arrays.items())) | {"topk_ids": arrays["topk_ids"] + 1}
+    assert _verify(ref, FetchedBlob(blob_id="b1", arrays=corrupt)) == \
+        FetchFailure("checksum", "blob 'b1' from tcp://env-a:1 does not match the checksum of its reference", ("b1",))
+    extra = arrays | {"mask_ids": np.zeros(0, np.int32)}
+    for wrong in ({k: arrays[k] for k in ("topk_ids", "topk_logprobs")}, extra):
+        failure = _verify(ref, FetchedBlob(blob_id="b1", arrays=wrong))
+        assert isinstance(failure, FetchFailure) and failure.reason == "malformed", failure
+        assert failure.detail == f"blob 'b1': fields {sorted(wrong)}, reference lists {ref.fields}"
 
 
 def test_buffer_pool_hands_out_distinct_buffers_and_keeps_one_step() -> None:

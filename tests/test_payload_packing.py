@@ -217,6 +217,28 @@ def test_bad_sample_info_is_rejected(kwargs: dict[str, object], match: str) -> N
         SampleInfo(**arguments)  # type: ignore[arg-type]
 
 
+def test_field_and_shape_checks_hold_for_every_sample_once_a_tuple_has_passed() -> None:
+    """Valid field tuples are cached: a bad tuple is still refused every time, naming each sample, and a
+    cached tuple or shape does not let an equal-comparing bad value (bool, numpy int) through unchanged."""
+    for sample_id in ("bad-1", "bad-2"):
+        with pytest.raises(PackingError, match=rf"topk_logprobs: .*\(sample '{sample_id}'\)"):
+            SampleInfo(sample_id, 4, ("topk_ids",))
+        with pytest.raises(PackingError, match=rf"sample '{sample_id}' fields"):
+            SampleInfo(sample_id, 4, ("routed_experts", "routed_experts"))
+    mixed = ("mask_counts", "routed_experts", "mask_ids")
+    first, second = SampleInfo("a", 4, mixed, (48, 8)), SampleInfo("b", 4, mixed, (48, 8))
+    assert first.fields == second.fields == ("routed_experts", "mask_ids", "mask_counts")
+    assert SampleInfo("c", 4, list(mixed)).fields == first.fields
+    with pytest.raises(PackingError, match="sample 'd' routing layers"):
+        SampleInfo("d", 4, mixed, (True, 8))
+    with pytest.raises(PackingError, match="sample 'e': routing_shape given without routed_experts"):
+        SampleInfo("e", 4, ("mask_ids", "mask_counts"), (48, 8))
+    with pytest.raises(PackingError, match="sample 'f' routing_shape: expected at most"):
+        SampleInfo("f", 4, mixed, (48, 257))
+    widened = SampleInfo("g", np.int64(4), mixed, (np.int32(48), 8))
+    assert widened.routing_shape == (48, 8) and all(type(v) is int for v in (widened.tokens, *widened.routing_shape))
+
+
 @pytest.mark.parametrize(
     ("samples", "kwargs", "match"),
     [

@@ -126,6 +126,18 @@ def _fill_gaps(target: np.ndarray, covered: Sequence[tuple[int, int]], length: i
         target[0, position:length] = value
 
 
+def _runs(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` with each one that starts where the one before it stops merged into it: packed samples are
+    contiguous, so a micro batch's loss mask is one slice assignment instead of one per sample."""
+    runs: list[tuple[int, int]] = []
+    for start, stop in spans:
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], stop)
+        else:
+            runs.append((start, stop))
+    return runs
+
+
 def _routing_dtype(dtypes: Iterable[np.dtype]) -> torch.dtype:
     """The assembled routing dtype: the widest wire dtype among ``dtypes`` (all in ``ROUTING_DTYPES``)."""
     return ROUTING_TORCH_DTYPES[np.result_type(*set(dtypes))]  # distinct ones: a micro batch has hundreds
@@ -187,43 +199,50 @@ def assemble(
         if not packed.fields:
             cut.append(None)
             continue
-        sample_id = packed.sample.sample_id
         if not isinstance(branch, Branch):
-            raise AssemblyError(f"sample {sample_id!r}: expected a Branch with {packed.fields}, got {branch!r}")
+            raise AssemblyError(f"sample {packed.sample.sample_id!r}: expected a Branch with {packed.fields}, "
+                                f"got {branch!r}")
         missing = [name for name in packed.fields if getattr(branch, name) is None]
         if missing:
-            raise AssemblyError(f"sample {sample_id!r}: fetched branch lacks {missing}")
-        if branch.token_count < packed.kept:
+            raise AssemblyError(f"sample {packed.sample.sample_id!r}: fetched branch lacks {missing}")
+        tokens = branch.token_count
+        if tokens < packed.kept:
             raise AssemblyError(
-                f"sample {sample_id!r}: expected at least {packed.kept} tokens, fetched {branch.token_count}"
+                f"sample {packed.sample.sample_id!r}: expected at least {packed.kept} tokens, fetched {tokens}"
             )
-        cut.append(branch.slice_to(packed.kept))
+        cut.append(branch if tokens == packed.kept else branch.slice_to(packed.kept))
 
     needed = micro_batch.fields()
     loss_mask, loss_np = _allocate(allocate, (1, length), torch.bool)
     loss_np[...] = False
     if not micro_batch.dummy:
-        for packed in samples:
-            loss_np[0, packed.offset : packed.stop] = True
+        for start, stop in _runs((packed.offset, packed.stop) for packed in samples):
+            loss_np[0, start:stop] = True
     routing: torch.Tensor | None = None
     sampling_mask: torch.Tensor | None = None
     topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     if ROUTED_EXPERTS in needed:
-        routed = [(p, b) for p, b in zip(samples, cut, strict=True) if ROUTED_EXPERTS in p.fields]
-        shapes = {b.routing_shape for _, b in routed if b is not None}
+        # Every branch here has routing (checked above): [tokens, layers, top_k], so shape[1:] is its
+        # routing_shape, read without the property's per-sample calls.
+        rows = [(p, b.routed_experts) for p, b in zip(samples, cut, strict=True)
+                if b is not None and ROUTED_EXPERTS in p.fields and b.routed_experts is not None]
+        shapes = {r.shape[1:] for _, r in rows}
         declared = _declared_routing_shape(micro_batch)
         if declared is not None:
             shapes.add(declared)
         if len(shapes) != 1:
             raise AssemblyError(f"routed_experts: expected one (layers, top_k) per micro batch, got {shapes}")
         layers, top_k = shapes.pop()
-        rows = [(p, b.routed_experts) for p, b in routed if b is not None and b.routed_experts is not None]
-        dtype = _routing_dtype(r.dtype for _, r in rows)
+        dtype = _routing_dtype({r.dtype for _, r in rows})
         tensor, target = _allocate(allocate, (1, length, layers, top_k), dtype)
+        rows_target = target[0]
         spans = []
         for packed, routing_rows in rows:
-            np.copyto(target[0, packed.offset : packed.stop], routing_rows, casting="safe")
+            if routing_rows.dtype == rows_target.dtype:  # nothing to cast: a plain copy, without copyto's overhead
+                rows_target[packed.offset : packed.stop] = routing_rows
+            else:
+                np.copyto(rows_target[packed.offset : packed.stop], routing_rows, casting="safe")
             spans.append((packed.offset, packed.stop))
         _fill_gaps(target, spans, length, 0)
         routing = tensor

@@ -87,11 +87,9 @@ def to_micro_batch(refs: MicroBatchRefs) -> MicroBatch:
     """
     packed: list[PackedSample] = []
     offset = 0
+    dummy = refs.dummy
     for item in refs.samples:
         ref = item.ref
-        fields = tuple(ref.fields) if ref is not None else ()
-        if refs.dummy:
-            fields = (ROUTED_EXPERTS,) if ROUTED_EXPERTS in fields else ()
         total = ref.tokens if ref is not None else item.tokens
         if item.tokens > total:
             raise PlanError(f"sample {item.sample_id!r}: kept {item.tokens} tokens of a blob with {total}")
@@ -103,7 +101,11 @@ def to_micro_batch(refs: MicroBatchRefs) -> MicroBatch:
                 info = SampleInfo(item.sample_id, total, tuple(ref.fields), shape)  # type: ignore[arg-type]
         except PackingError as exc:
             raise PlanError(str(exc)) from None
-        packed.append(PackedSample(info, offset, item.tokens, tuple(f for f in info.fields if f in fields)))
+        # info.fields are the blob's fields (canonical order); a dummy keeps routing only.
+        fields = info.fields
+        if dummy:
+            fields = (ROUTED_EXPERTS,) if ROUTED_EXPERTS in fields else ()
+        packed.append(PackedSample(info, offset, item.tokens, fields))
         offset += item.tokens
     if offset > refs.length:
         raise PlanError(f"micro batch: samples hold {offset} tokens, more than its length {refs.length}")
@@ -129,7 +131,7 @@ def needed_refs(micro_batches: Iterable[MicroBatchRefs]) -> dict[str, BlobRef]:
             if ref is None or (micro_batch.dummy and ROUTED_EXPERTS not in ref.fields):
                 continue
             known = refs.setdefault(ref.blob_id, ref)
-            if known != ref:
+            if known is not ref and known != ref:
                 raise PlanError(f"blob {ref.blob_id!r}: referenced as {known} and as {ref}")
     return refs
 
@@ -436,10 +438,13 @@ _FAILURE_REASONS: dict[type, str] = {RemoteError: "remote-error", RequestTimeout
 
 def _verify(ref: BlobRef, blob: FetchedBlob) -> Branch | FetchFailure:
     """The blob as a validated branch, if it holds exactly ``ref``'s fields and matches its checksum."""
-    if sorted(blob.arrays) != sorted(ref.fields):
-        return FetchFailure("malformed", f"blob {ref.blob_id!r}: fields {sorted(blob.arrays)}, "
-                                         f"reference lists {ref.fields}", (ref.blob_id,))
-    ordered = {name: blob.arrays[name] for name in ref.fields}
+    ordered = blob.arrays
+    # An env server sends a blob's arrays in its reference's order: then they are hashed in the order they came.
+    if list(ordered) != ref.fields:
+        if sorted(ordered) != sorted(ref.fields):
+            return FetchFailure("malformed", f"blob {ref.blob_id!r}: fields {sorted(ordered)}, "
+                                             f"reference lists {ref.fields}", (ref.blob_id,))
+        ordered = {name: ordered[name] for name in ref.fields}
     if blob_checksum(ordered) != ref.checksum:
         return FetchFailure("checksum", f"blob {ref.blob_id!r} from {ref.endpoint} does not match the "
                                         "checksum of its reference", (ref.blob_id,))

@@ -77,38 +77,62 @@ class SampleInfo:
     routing_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", _positive_int(f"sample {self.sample_id!r} tokens", self.tokens))
-        names = set(self.fields)
-        unknown = sorted(names - set(FIELDS))
-        if unknown or len(names) != len(self.fields):
+        tokens = self.tokens
+        if type(tokens) is not int or tokens < 1:  # the common case sets nothing (a step plans thousands)
+            object.__setattr__(self, "tokens", _positive_int(f"sample {self.sample_id!r} tokens", tokens))
+        # Valid field tuples are few (the subsets of FIELDS), so their check is done once per tuple; a tuple
+        # not in the cache, valid or not, goes through every check and is refused naming this sample.
+        canonical = _CANONICAL_FIELDS.get(self.fields) if type(self.fields) is tuple else None
+        if canonical is None:
+            canonical = _canonical_fields(self.sample_id, self.fields)
+        object.__setattr__(self, "fields", canonical)
+        shape = self.routing_shape
+        if shape is None:
+            return
+        if type(shape) is tuple and len(shape) == 2 and ROUTED_EXPERTS in canonical:
+            layers, top_k = shape
+            # Plain ints within bounds: already what the checks below would make of them.
+            if type(layers) is int and type(top_k) is int and 1 <= layers <= MAX_ROUTING_LAYERS and \
+                    1 <= top_k <= MAX_ROUTING_TOP_K:
+                return
+        if ROUTED_EXPERTS not in canonical:
+            raise PackingError(f"sample {self.sample_id!r}: routing_shape given without {ROUTED_EXPERTS}")
+        if not isinstance(shape, tuple | list) or len(shape) != 2:
+            raise PackingError(f"sample {self.sample_id!r} routing_shape: expected (layers, top_k), got {shape!r}")
+        layers = _positive_int(f"sample {self.sample_id!r} routing layers", shape[0])
+        top_k = _positive_int(f"sample {self.sample_id!r} routing top_k", shape[1])
+        if layers > MAX_ROUTING_LAYERS or top_k > MAX_ROUTING_TOP_K:
             raise PackingError(
-                f"sample {self.sample_id!r} fields: expected distinct names from {FIELDS}, got {self.fields!r}"
+                f"sample {self.sample_id!r} routing_shape: expected at most ({MAX_ROUTING_LAYERS}, "
+                f"{MAX_ROUTING_TOP_K}), got {shape!r}"
             )
-        try:
-            check_pairs(names, where=f"sample {self.sample_id!r}")
-        except BranchError as error:
-            raise PackingError(str(error)) from error
-        object.__setattr__(self, "fields", tuple(name for name in FIELDS if name in names))
-        if self.routing_shape is not None:
-            if ROUTED_EXPERTS not in names:
-                raise PackingError(f"sample {self.sample_id!r}: routing_shape given without {ROUTED_EXPERTS}")
-            if not isinstance(self.routing_shape, tuple | list) or len(self.routing_shape) != 2:
-                raise PackingError(
-                    f"sample {self.sample_id!r} routing_shape: expected (layers, top_k), got {self.routing_shape!r}"
-                )
-            layers = _positive_int(f"sample {self.sample_id!r} routing layers", self.routing_shape[0])
-            top_k = _positive_int(f"sample {self.sample_id!r} routing top_k", self.routing_shape[1])
-            if layers > MAX_ROUTING_LAYERS or top_k > MAX_ROUTING_TOP_K:
-                raise PackingError(
-                    f"sample {self.sample_id!r} routing_shape: expected at most ({MAX_ROUTING_LAYERS}, "
-                    f"{MAX_ROUTING_TOP_K}), got {self.routing_shape!r}"
-                )
-            object.__setattr__(self, "routing_shape", (layers, top_k))
+        object.__setattr__(self, "routing_shape", (layers, top_k))
 
     @property
     def has_routing(self) -> bool:
         """Whether the sample has router-replay rows."""
         return ROUTED_EXPERTS in self.fields
+
+
+_CANONICAL_FIELDS: dict[tuple[str, ...], tuple[str, ...]] = {}
+"""Field tuples that passed :func:`_canonical_fields`, to their canonical order. Only valid tuples get in, and
+their number is bounded by the orderings of :data:`~.branch.FIELDS`' subsets (at most a few hundred)."""
+
+
+def _canonical_fields(sample_id: Hashable, fields: Sequence[str]) -> tuple[str, ...]:
+    """``fields`` in canonical order, or :class:`PackingError` naming ``sample_id`` and what is wrong."""
+    names = set(fields)
+    unknown = sorted(names - set(FIELDS))
+    if unknown or len(names) != len(fields):
+        raise PackingError(f"sample {sample_id!r} fields: expected distinct names from {FIELDS}, got {fields!r}")
+    try:
+        check_pairs(names, where=f"sample {sample_id!r}")
+    except BranchError as error:
+        raise PackingError(str(error)) from error
+    canonical = tuple(name for name in FIELDS if name in names)
+    if type(fields) is tuple and all(type(name) is str for name in fields):
+        _CANONICAL_FIELDS[fields] = canonical
+    return canonical
 
 
 @dataclass(frozen=True, slots=True)
