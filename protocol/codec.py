@@ -254,15 +254,18 @@ class ArrayUnpacker:
         return len(self._used)
 
     def ext_hook(self, code: int, data: memoryview) -> Any:
+        # Called once per array received (a trainer's fetch: one per blob field), so it reads attributes and
+        # the dtype table once and builds numpy arrays inline; every check stays, in the same order.
         if code not in (EXT_NUMPY, EXT_TORCH):
             raise ArrayError(f"unknown msgpack extension code {code}")
         try:
             dtype, shape, index, digest = _DESCRIPTOR.decode(data)
         except msgspec.MsgspecError as exc:
             raise ArrayError(f"bad array descriptor: {exc}") from None
-        if not 0 <= index < len(self._buffers):
-            raise ArrayError(f"descriptor points at buffer frame {index}, message has {len(self._buffers)}")
-        if index in self._used:
+        buffers, used = self._buffers, self._used
+        if not 0 <= index < len(buffers):
+            raise ArrayError(f"descriptor points at buffer frame {index}, message has {len(buffers)}")
+        if index in used:
             raise ArrayError(f"buffer frame {index} is referenced twice")
         if len(shape) > MAX_DIMS:
             raise ArrayError(f"{dtype} shape has {len(shape)} dimensions, at most {MAX_DIMS} travel")
@@ -275,9 +278,11 @@ class ArrayUnpacker:
             raise ArrayError(
                 f"{dtype}{list(shape)} has more than {self._max_elements} elements (limits.max_message_bytes)"
             )
-        self._used.add(index)
-        view = memoryview(self._buffers[index])
-        expected = elements * dtype_width(dtype)
+        used.add(index)
+        buffer = buffers[index]
+        view = memoryview(buffer)
+        np_dtype = _NUMPY_BY_NAME.get(dtype)
+        expected = elements * (np_dtype.itemsize if np_dtype is not None else dtype_width(dtype))
         if view.nbytes != expected:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"
@@ -288,9 +293,19 @@ class ArrayUnpacker:
                                        "a route that verifies its bytes by other means accepts")
         elif self._verify and checksum(view) != digest:
             raise ChecksumMismatch(f"buffer frame {index} ({dtype}{list(shape)}) does not match its checksum")
-        wants_torch = self._backend == "torch" or (self._backend == "native" and code == EXT_TORCH)
+        backend = self._backend
+        wants_torch = backend == "torch" or (backend == "native" and code == EXT_TORCH)
+        if not wants_torch and np_dtype is None:
+            raise ArrayError(f"{dtype} has no numpy equivalent; decode with backend='torch'")
         try:
-            return _to_torch(view, dtype, shape) if wants_torch else _to_numpy(view, dtype, shape)
+            if wants_torch:
+                return _to_torch(view, dtype, shape)
+            # On the frame itself, not the memoryview: the array then keeps the frame alive without one more
+            # object per array for the garbage collector to track.
+            array = np.frombuffer(buffer, dtype=np_dtype)
+            if not array.flags.aligned:
+                array = array.copy()
+            return array.reshape(shape)
         except (ValueError, RuntimeError) as exc:  # e.g. an empty frame with an absurd zero-sized shape
             raise ArrayError(f"cannot build {dtype}{list(shape)} from buffer frame {index}: {exc}") from None
 
@@ -309,16 +324,6 @@ def _aligned(view: memoryview, alignment: int) -> memoryview:
     if data.__array_interface__["data"][0] % alignment == 0:
         return view
     return memoryview(data.copy())
-
-
-def _to_numpy(view: memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    if dtype not in _NUMPY_BY_NAME:
-        raise ArrayError(f"{dtype} has no numpy equivalent; decode with backend='torch'")
-    np_dtype = _NUMPY_BY_NAME[dtype]
-    array = np.frombuffer(view, dtype=np_dtype)
-    if not array.flags.aligned:
-        array = array.copy()
-    return array.reshape(shape)
 
 
 def _to_torch(view: memoryview, dtype: str, shape: tuple[int, ...]) -> Any:
