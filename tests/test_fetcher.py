@@ -11,6 +11,7 @@ The fake env server and the step builder are also used by ``test_trainer_rank``.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -417,6 +418,8 @@ def test_a_blob_verifies_whatever_order_its_arrays_arrive_in_and_only_with_its_e
     for order in (arrays, dict(reversed(arrays.items()))):
         branch = _verify(ref, FetchedBlob(blob_id="b1", arrays=order))
         assert isinstance(branch, Branch) and branch.equals(expected)
+    # One per blob until the step ends, so the garbage collector does not track it.
+    assert not gc.is_tracked(FetchedBlob(blob_id="b1", arrays=dict(arrays)))
     corrupt = dict(reversed(arrays.items())) | {"topk_ids": arrays["topk_ids"] + 1}
     assert _verify(ref, FetchedBlob(blob_id="b1", arrays=corrupt)) == \
         FetchFailure("checksum", "blob 'b1' from tcp://env-a:1 does not match the checksum of its reference", ("b1",))
