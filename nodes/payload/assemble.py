@@ -210,7 +210,7 @@ def assemble(
             raise AssemblyError(
                 f"sample {packed.sample.sample_id!r}: expected at least {packed.kept} tokens, fetched {tokens}"
             )
-        cut.append(branch if tokens == packed.kept else branch.slice_to(packed.kept))
+        cut.append(branch.slice_to(packed.kept))  # itself when nothing is cut; also checks kept is an int
 
     needed = micro_batch.fields()
     loss_mask, loss_np = _allocate(allocate, (1, length), torch.bool)
