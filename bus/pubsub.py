@@ -25,7 +25,7 @@ Neither class is thread-safe: one owner thread each.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -152,7 +152,9 @@ class Subscriber:
         self.outside_topics = 0  # events a fill answered with kinds outside ``topics`` (see the class doc)
         self.last_seq: dict[str, int] = {}
         self._epochs: dict[str, str] = {}  # each source's latest incarnation
-        self._sequences: OrderedDict[tuple[str, str], int] = OrderedDict()  # (source, incarnation) -> last seq
+        # (source, incarnation) -> last seq, least recently seen first: a plain dict, whose order is that of
+        # insertion (an event re-inserts its key), costs half an OrderedDict's get, move_to_end and set
+        self._sequences: dict[tuple[str, str], int] = {}
         self.tokens: set[str] = set()
         self.received = 0
         self.missed = 0  # events detected missing (before any fill)
@@ -184,16 +186,13 @@ class Subscriber:
     def drain(self, budget: int = DRAIN_BUDGET) -> int:
         """Process what is waiting on the socket, at most ``budget`` messages, without blocking; returns how
         many events are ready to be delivered."""
-        sock, held = self.sock, self._held is not None
+        sock, take = self.sock, self._take if self._held is None else self._park
         for _ in range(budget):
             try:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 break
-            if held:
-                self._park(frames)
-            else:
-                self._take(frames)
+            take(frames)
         return len(self._ready)
 
     def drain_one(self, flags: int = 0) -> None:
@@ -210,16 +209,18 @@ class Subscriber:
         if bytes(frames[0]) == SYNC_KIND:
             self._take(frames, tail=False)  # the handshake must see its probe while events are parked
 
-    def _take(self, frames: list, *, live: bool = True, tail: bool = True) -> None:
+    def _take(self, frames: list, live: bool = True, tail: bool = True) -> None:
         """``live``: straight from the socket, where a repeat can only be a replay (parked events are not:
         the ring merged in front of them may have delivered them already). ``tail``: act on a probe's
-        sequence number (not while events in front of it are parked)."""
+        sequence number (not while events in front of it are parked). Positional arguments and
+        :meth:`WireCodec.decode_body`: this runs once per event."""
+        codec = self.codec
         try:
-            checked = self.codec.decode_header(frames)  # MAC verified here, before any state changes
+            checked = codec.decode_header(frames)  # MAC verified here, before any state changes
             kind = checked.kind
             header = checked.header
             if kind == SYNC:
-                probe = self.codec.decode(frames, checked=checked).body
+                probe = codec.decode_body(checked).body
                 assert isinstance(probe, Sync)
                 self.tokens.add(probe.token)
                 if tail and header.seq:
@@ -227,10 +228,10 @@ class Subscriber:
                 return
             if self.topics is not None and kind not in self.topics:
                 return  # a kind that merely starts like a topic: not part of what this subscription tracks
-            if not self._track(header.src, header.seq, incarnation(header.id), live=live):
+            if not self._track(header.src, header.seq, incarnation(header.id), live):
                 return
             if self.kinds is None or kind in self.kinds:
-                self._ready.append(self.codec.decode(frames, checked=checked))
+                self._ready.append(codec.decode_body(checked))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))
@@ -262,14 +263,15 @@ class Subscriber:
             self._ready.append(message)
         return True
 
-    def _track(self, src: str, seq: int, epoch: str, *, live: bool) -> bool:
+    def _track(self, src: str, seq: int, epoch: str, live: bool) -> bool:
         """Advance the sequence of ``src``'s incarnation ``epoch``; False for an event it already delivered. A
         jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node); when this
         subscriber already followed the source, that incarnation's every event came after it subscribed, so
         one that does not start at 1 is a gap from 1 (a restarted broker whose first events were forwarded
         before this subscriber's socket reconnected, or went before a live one overtook the ring's copy)."""
         key = (src, epoch)
-        last = self._sequences.get(key)
+        sequences = self._sequences
+        last = sequences.pop(key, None)  # re-inserted below: the most recently seen is last
         if last is None:
             restarted = src in self._epochs
             if restarted:
@@ -281,15 +283,15 @@ class Subscriber:
             if restarted and seq > 1:
                 self._gap(src, epoch, 1, seq - 1)
             return True
-        self._sequences.move_to_end(key)
         if seq <= last:
+            sequences[key] = last
             if live:
                 self.rejected["replay"] += 1
                 log.warning("event.rejected", code="replay", src=src, incarnation=epoch, seq=seq, last_seq=last)
             else:
                 self.duplicates += 1
             return False
-        self._sequences[key] = seq
+        sequences[key] = seq
         if self._epochs.get(src) == epoch:
             self.last_seq[src] = seq
         self.received += 1
@@ -311,9 +313,10 @@ class Subscriber:
         self._gap(src, epoch, last + 1, seq)
 
     def _remember(self, key: tuple[str, str], seq: int) -> None:
-        self._sequences[key] = seq
-        while len(self._sequences) > MAX_INCARNATIONS:
-            self._sequences.popitem(last=False)
+        sequences = self._sequences
+        sequences[key] = seq
+        while len(sequences) > MAX_INCARNATIONS:
+            del sequences[next(iter(sequences))]  # the least recently seen
 
     def _gap(self, src: str, epoch: str, first: int, last: int) -> None:
         self.missed += last - first + 1

@@ -195,8 +195,8 @@ class WireCodec:
         the body is not read. ``known=False`` lets an ASCII kind this node does not define pass (what a
         forwarder needs). The version is checked before the MAC, so an older peer hears ``version``.
         ``Received.frames`` has the multi-frame form's layout whichever form arrived."""
-        if len(frames) == 1 and not self._signed:
-            received = self._unsigned_one_frame(frames[0])
+        if len(frames) == 1:
+            received = self.event_header(frames[0])
             if received is not None:
                 return received
         first = frames[0] if frames else b""
@@ -260,12 +260,12 @@ class WireCodec:
         except (IndexError, ProtocolError):
             return ""
 
-    def _unsigned_one_frame(self, frame: Buffer) -> Received | None:
+    def event_header(self, frame: Buffer) -> Received | None:
         """:meth:`decode_header` of the common event, an unsigned one-frame message of a kind this node
-        defines, in fewer steps; None for anything else, which the general path then decodes or refuses with
-        its own error. It checks what that path checks of such a message: kind, header length, header,
-        version, no MAC announced (this codec does not sign) and the body's size."""
-        if type(frame) is not bytes:
+        defines received as ``bytes`` by a codec that does not sign, in fewer steps; None for anything else,
+        which :meth:`decode_header` then decodes or refuses with its own error. It checks what that path checks
+        of such a message: kind, header length, header, version, no MAC announced and the body's size."""
+        if self._signed or type(frame) is not bytes:
             return None
         mark = frame.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
         if mark <= 0:
@@ -313,6 +313,16 @@ class WireCodec:
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
         received = checked or self.decode_header(frames)
+        return self.decode_body(received, backend, verify or self._signed, not verify)
+
+    def decode_body(self, received: Received, backend: ArrayBackend = "native", verify: bool = True,
+                    unhashed: bool = False) -> Message:
+        """The :class:`Message` of an envelope :meth:`decode_header` checked: the body's bounds, the array
+        unpacker started on this message's buffer frames (none: no earlier message's frame can be referenced),
+        the schema, the depth of ``Any``-typed fields and every buffer frame referenced once. :meth:`decode`
+        with ``checked``, in fewer steps (what a subscriber calls per event); the arguments are
+        :meth:`ArrayUnpacker.begin`'s.
+        """
         kind = received.kind
         frames = received.frames
         buffers = frames[MIN_FRAMES:]
@@ -324,7 +334,7 @@ class WireCodec:
             except ProtocolError as exc:
                 exc.kind = kind
                 raise
-        self._unpacker.begin(buffers, backend=backend, verify=verify or self._signed, unhashed=not verify)
+        self._unpacker.begin(buffers, backend=backend, verify=verify, unhashed=unhashed)
         try:
             body = self._body_decoders[kind].decode(raw_body)
         except msgspec.ValidationError as exc:

@@ -10,6 +10,7 @@ import hmac
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from refbus.protocol.messages import (
     Blobs,
     Bye,
     Delete,
+    EpisodeFinished,
     Error,
     Fetch,
     FetchAck,
@@ -715,3 +717,66 @@ def test_the_one_step_path_for_unsigned_one_frame_events_decides_as_the_general_
     assert variants > 1000
     ok = receiver.decode_header(frames_of[0])
     assert (ok.kind, ok.header.src, ok.header.seq) == ("delete", "pub-7", 3)
+
+
+def _decode_outcome(decode: Callable[[], Message]) -> Any:
+    try:
+        message = decode()
+    except ProtocolError as exc:
+        return type(exc), str(exc), exc.kind
+    return message.kind, message.header, message.body, list(message.buffers)
+
+
+@pytest.mark.parametrize(("limits", "codes"), [
+    (Limits(max_body_bytes=400, max_items=20, max_depth=3), {"delete": 1, "sync": 1, "malformed": 2, "array": 1}),
+    (Limits(max_body_bytes=400, max_depth=3), {"delete": 2, "sync": 1, "malformed": 1, "array": 1}),
+], ids=["bounds-walked", "depth-checked"])
+def test_the_lean_event_path_accepts_and_refuses_as_decode_does(limits: Limits, codes: dict[str, int]) -> None:
+    """A subscriber decodes the common event with ``event_header`` then ``decode_body``; anything
+    ``event_header`` declines goes to ``decode_header``. For every truncation of an event and every byte
+    replaced by a few values, that path gives what ``decode`` on the general path (a memoryview of the same
+    frame) gives: the same message or the same refusal. The events: bodies over ``max_items`` bytes (walked by
+    ``check_structure``, one with too many items), an ``Any``-typed field nested too deep (refused by the walk,
+    or by the depth check after decoding when ``max_items`` is too large for the walk to run), an array
+    reference with no buffer frame (decoded right after a message with one, so the unpacker must be reset)."""
+    rng = random.Random(15)
+    sender = WireCodec("pub-8")
+    receiver = WireCodec("sub", limits=limits)
+    bodies = [Delete(blob_ids=["b-1", "b-2"], holder="t-0", reason="trained"), Sync(token="t"),
+              Delete(blob_ids=[f"b-{i}" for i in range(30)], holder="t-0", reason="too-many-items"),
+              EpisodeFinished(episode_id="e", source="s", refs=[], info={"a": [[[1]]], "b": "x" * 9})]
+    frames_of = [sender.encode(body, seq=4, one_frame=True) for body in bodies]
+    with_array = sender.encode(EpisodeFinished(episode_id="e", source="s", refs=[], info={"x": np.arange(3)}))
+    header = sender.encode(Ok(), seq=4, one_frame=True)[0].split(b"\0", 1)[1]
+    header = header[4 : 4 + int.from_bytes(header[:4], "little")]
+    # the body of a message with an array, sent without its buffer frame: it references one nobody sent
+    frames_of.append([b"episode-finished\0" + len(header).to_bytes(4, "little") + header + bytes(with_array[2])])
+    variants = lean = 0
+    for (frame,) in frames_of:
+        mutants = [frame[:cut] for cut in range(len(frame))]
+        for at in range(len(frame)):
+            mutants += [frame[:at] + bytes([value]) + frame[at + 1:] for value in (0, rng.randrange(256))]
+        for mutant in [frame, *mutants]:
+            receiver.decode(with_array)  # the unpacker holds another message's buffer frame before each decode
+            checked = receiver.event_header(mutant)
+            if checked is None:
+                fast = _decode_outcome(lambda m=mutant: receiver.decode([m]))
+            else:
+                lean += 1
+                fast = _decode_outcome(lambda c=checked: receiver.decode_body(c))
+            receiver.decode(with_array)
+            general = _decode_outcome(lambda m=mutant: receiver.decode([memoryview(m)]))
+            assert fast == general, mutant
+            variants += 1
+    assert variants > 2000 and lean > 1000, (variants, lean)
+    outcomes: Counter[str] = Counter()
+    for (frame,) in frames_of:
+        receiver.decode(with_array)
+        checked = receiver.event_header(frame)
+        assert checked is not None
+        outcome = _decode_outcome(lambda c=checked: receiver.decode_body(c))
+        outcomes[outcome[0].code if isinstance(outcome[0], type) else outcome[0]] += 1
+    assert outcomes == codes
+    receiver.decode(with_array)
+    with pytest.raises(ArrayError, match="points at buffer frame 0, message has 0"):  # none left from before
+        receiver.decode_body(receiver.event_header(frames_of[-1][0]))  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ PUB socket (to skip, repeat or corrupt sequence numbers).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import Counter
@@ -559,3 +560,59 @@ def test_event_arrays_view_the_received_frame(stream: Any) -> None:
     assert isinstance(message.buffers[0], zmq.Frame)
     assert np.shares_memory(array, np.frombuffer(message.buffers[0], dtype=np.uint8))
     assert array.flags.writeable
+
+
+# --- the lean path --------------------------------------------------------------------------------------
+
+
+def _state(sub: Subscriber) -> tuple[Any, ...]:
+    ready = [(m.kind, m.header, m.body, list(m.buffers)) for m in sub._ready]
+    return (ready, sub.received, sub.missed, sub.filled, sub.lost, sub.duplicates, sub.rejected, sub.last_seq,
+            sub.tokens, sub.outside_topics, list(sub._sequences.items()))
+
+
+@pytest.mark.parametrize("subscriber", [
+    {}, {"kinds": frozenset({"delete"})}, {"kinds": frozenset({"delete"}), "topics": frozenset({"delete", "sync"})},
+    {"parked": True},
+], ids=["all", "kinds", "topics", "parked"])
+def test_an_event_frame_as_bytes_and_as_a_memoryview_leave_a_subscriber_in_the_same_state(
+    zmq_ctx: zmq.Context, subscriber: dict[str, Any]
+) -> None:
+    """A one-frame event received as ``bytes`` takes the lean path (``event_header`` then ``decode_body``); a
+    memoryview of the same frame takes the general one. A stream with gaps (filled in part), replays, a
+    restart, probes, kinds outside ``kinds`` and ``topics``, a kind nobody defines and every mutation of an
+    event and of a probe leaves both subscribers with the same deliveries, counters and sequences."""
+    parked = subscriber.pop("parked", False)
+    rng = random.Random(16)
+    first, restarted, other = WireCodec(SRC), WireCodec(SRC), WireCodec("env-1")
+    ring = {seq: first.decode(first.encode(event(seq), seq=seq, one_frame=True)) for seq in (6, 12)}
+
+    def fill(src: str, epoch: str, low: int, high: int) -> list[Message]:
+        return [ring[seq] for seq in range(low, high + 1) if seq in ring]
+
+    def one(codec: WireCodec, seq: int, body: Any = None) -> bytes:
+        return codec.encode(body if body is not None else event(seq), seq=seq, one_frame=True)[0]
+
+    stream = [one(first, seq) for seq in (1, 2, 3)] + [one(other, 1), one(first, 7), one(first, 2)]
+    stream += [one(first, 8, VersionBump(version=3, nbytes=10, manifest_digest="d")), one(first, 9, Sync(token="p"))]
+    stream += [one(first, 13), one(restarted, 1), one(restarted, 4), one(first, 14)]
+    stream.append(one(first, 15).replace(b"delete", b"deletf", 1))  # a kind nobody defines
+    for frame in (one(first, 16), one(first, 9, Sync(token="q"))):
+        stream += [frame[:cut] for cut in range(len(frame))]
+        for at in range(len(frame)):
+            stream += [frame[:at] + bytes([value]) + frame[at + 1:] for value in (0, rng.randrange(256))]
+    states = []
+    for view in (bytes, memoryview):
+        sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"), fill=fill, **subscriber)
+        if parked:
+            sub.hold()
+        for frame in stream:
+            (sub._park if parked else sub._take)([view(frame)])
+        if parked:
+            sub.release()
+        states.append(_state(sub))
+        sub.sock.close()
+    assert states[0] == states[1]
+    ready, received, missed, filled, lost, duplicates, rejected = states[0][:7]
+    assert len(ready) > 10 and received > 10 and missed and filled and lost and rejected
+    assert duplicates if parked else rejected["replay"]
