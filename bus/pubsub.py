@@ -34,14 +34,13 @@ import zmq
 from ..protocol.envelope import Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
-from .sockets import recv_frames, send_frames
+from .sockets import readable, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
 SYNC = Sync.kind
 SYNC_KIND = SYNC.encode()
 NOBLOCK = int(zmq.NOBLOCK)  # pyzmq's enum arithmetic costs on the per-event path
-POLLIN = int(zmq.POLLIN)
 DRAIN_BUDGET = 256  # messages processed per Subscriber.recv that finds nothing ready
 
 Fill = Callable[[str, str, int, int], Sequence[Message]]
@@ -179,7 +178,7 @@ class Subscriber:
                 deadline = time.monotonic() + timeout_ms / 1000
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             # Only this clock ends the wait: pyzmq's poll returns early when signals keep interrupting it.
-            if not self.sock.poll(remaining_ms, POLLIN) and time.monotonic() >= deadline:
+            if not readable(self.sock, remaining_ms) and time.monotonic() >= deadline:
                 return None
         return ready.popleft()
 

@@ -129,10 +129,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
         _zmq_send(sock, frame, flags if index == last else more, len(frame) < COPY_BELOW)
 
 
-def readable(sock: zmq.Socket) -> bool:
-    """Whether a message is waiting on ``sock``: a zero-timeout poll (~3 us), where a NOBLOCK receive that
-    finds nothing raises ``zmq.Again`` (~8 us), so drain loops ask this before each receive but the first."""
-    return bool(zmq.zmq_poll([(sock, _POLLIN)], 0))
+def readable(sock: zmq.Socket, timeout_ms: int = 0) -> bool:
+    """Whether a message is waiting on ``sock``, or arrives within ``timeout_ms``: a zero-timeout poll (~3 us),
+    where a NOBLOCK receive that finds nothing raises ``zmq.Again`` (~8 us), so drain loops ask this before
+    each receive but the first. ``zmq_poll`` itself: ``Socket.poll`` builds a ``Poller`` and a dict around it
+    (~0.7 us more)."""
+    return bool(zmq.zmq_poll([(sock, _POLLIN)], timeout_ms))
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> list[Any]:
