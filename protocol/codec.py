@@ -237,7 +237,7 @@ class ArrayUnpacker:
         self._unhashed = False
         self._used: set[int] = set()
 
-    def begin(self, buffers: Sequence[Buffer], *, backend: ArrayBackend = "native", verify: bool = True,
+    def begin(self, buffers: Sequence[Buffer], backend: ArrayBackend = "native", verify: bool = True,
               unhashed: bool | None = None) -> None:
         """Start on one message's ``buffers``. ``verify`` checks each frame's checksum; ``unhashed`` accepts
         frames sent :class:`Unhashed` (default: when not verifying). They differ on a signed bus, where the
@@ -247,7 +247,7 @@ class ArrayUnpacker:
         self._backend = backend
         self._verify = verify
         self._unhashed = not verify if unhashed is None else unhashed
-        self._used = set()
+        self._used.clear()
 
     @property
     def used(self) -> int:

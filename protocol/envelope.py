@@ -341,7 +341,7 @@ class WireCodec:
             except ProtocolError as exc:
                 exc.kind = kind
                 raise
-        self._unpacker.begin(buffers, backend=backend, verify=verify, unhashed=unhashed)
+        self._unpacker.begin(buffers, backend, verify, unhashed)
         try:
             body = self._body_decoders[kind].decode(raw_body)
         except msgspec.ValidationError as exc:
