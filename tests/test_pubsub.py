@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from refbus.bus import pubsub
 from refbus.bus.pubsub import Publisher, Subscriber
 from refbus.bus.sockets import EVENT_OPTIONS
 from refbus.protocol.codec import EXT_NUMPY, checksum
@@ -616,3 +617,18 @@ def test_an_event_frame_as_bytes_and_as_a_memoryview_leave_a_subscriber_in_the_s
     ready, received, missed, filled, lost, duplicates, rejected = states[0][:7]
     assert len(ready) > 10 and received > 10 and missed and filled and lost and rejected
     assert duplicates if parked else rejected["replay"]
+
+
+def test_the_least_recently_seen_incarnation_is_forgotten_first(zmq_ctx: zmq.Context, monkeypatch: Any) -> None:
+    """Sequences live in a dict whose order is recency: an event (a replay too) makes its incarnation the most
+    recent, and past ``MAX_INCARNATIONS`` the least recent is forgotten (its next event is a restart, from 1)."""
+    monkeypatch.setattr(pubsub, "MAX_INCARNATIONS", 3)
+    sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"))
+    codecs = {name: WireCodec(name) for name in "abcd"}
+    order = []
+    for name, seq in [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("d", 1), ("a", 2), ("b", 2), ("c", 3), ("d", 2)]:
+        sub._take(codecs[name].encode(event(seq), seq=seq, one_frame=True))
+        order.append("".join(src for src, _ in sub._sequences))
+    assert order == ["a", "ab", "abc", "bca", "cad", "cda", "dab", "abc", "bcd"]
+    assert (sub.received, sub.missed, sub.lost, sub.rejected) == (8, 4, {"b": 1, "c": 2, "d": 1}, {"replay": 1})
+    sub.sock.close()
