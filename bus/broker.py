@@ -339,9 +339,8 @@ class Broker:
         if not isinstance(probe, Sync):  # a kind that merely starts with "sync"
             return
         self.seen_tokens[probe.token] = self.clock()
-        pending = self.waiting.pop(probe.token, None)
-        if pending is not None:
-            self.server.answer(pending, Ok("seen"))
+        # A joining node's node-up goes out before the answer that completes its join, so the node's own
+        # subscription, made after that answer, is not yet there to receive it.
         for member in self.members.values():
             if member.token == probe.token and not member.live:
                 member.live = True
@@ -349,6 +348,9 @@ class Broker:
                 self.joins[(member.info.node_id, member.info.role)] += 1
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
+        pending = self.waiting.pop(probe.token, None)
+        if pending is not None:
+            self.server.answer(pending, Ok("seen"))
 
     # --- control ------------------------------------------------------------------------------------
 
