@@ -62,12 +62,11 @@ MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
 
 
+# Not tracked by the garbage collector (gc=False): its fields are strings and numbers, so it can be in no
+# reference cycle, and the events a subscriber holds ready are fewer objects for each collection to walk. Not
+# in the docstring: that is the protocol reference's text.
 class Header(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
-    """The envelope's header frame: a msgpack map, default-valued fields omitted.
-
-    Not tracked by the garbage collector (``gc=False``): its fields are strings and numbers, so it can be in
-    no reference cycle, and the events a subscriber holds ready are fewer objects for each collection to walk.
-    """
+    """The envelope's header frame: a msgpack map, default-valued fields omitted."""
 
     v: tuple[int, int]  # protocol (major, minor)
     id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
