@@ -339,8 +339,9 @@ class Broker:
         if not isinstance(probe, Sync):  # a kind that merely starts with "sync"
             return
         self.seen_tokens[probe.token] = self.clock()
-        # A joining node's node-up goes out before the answer that completes its join, so the node's own
-        # subscription, made after that answer, is not yet there to receive it.
+        # A joining node's node-up goes out before the answer that completes its join: the node subscribes
+        # only after that answer, so it rarely meets its own node-up live (never a guarantee: with the
+        # forwarder the event still crosses the proxy thread, which may run later).
         for member in self.members.values():
             if member.token == probe.token and not member.live:
                 member.live = True

@@ -319,15 +319,14 @@ class WireCodec:
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
         received = checked or self.decode_header(frames)
-        return self.decode_body(received, backend, verify or self._signed, not verify)
+        return self.decode_body(received, backend, verify)
 
-    def decode_body(self, received: Received, backend: ArrayBackend = "native", verify: bool = True,
-                    unhashed: bool = False) -> Message:
+    def decode_body(self, received: Received, backend: ArrayBackend = "native", verify: bool = True) -> Message:
         """The :class:`Message` of an envelope :meth:`decode_header` checked: the body's bounds, the array
         unpacker started on this message's buffer frames (none: no earlier message's frame can be referenced),
         the schema, the depth of ``Any``-typed fields and every buffer frame referenced once. :meth:`decode`
-        with ``checked``, in fewer steps (what a subscriber calls per event); the arguments are
-        :meth:`ArrayUnpacker.begin`'s.
+        with ``checked``, in fewer steps (what a subscriber calls per event); ``backend`` and ``verify`` as
+        there (a signing codec verifies every checksum a frame carries whatever ``verify`` says).
         """
         kind = received.kind
         frames = received.frames
@@ -340,7 +339,7 @@ class WireCodec:
             except ProtocolError as exc:
                 exc.kind = kind
                 raise
-        self._unpacker.begin(buffers, backend, verify, unhashed)
+        self._unpacker.begin(buffers, backend, verify or self._signed, not verify)
         try:
             body = self._body_decoders[kind].decode(raw_body)
         except msgspec.ValidationError as exc:

@@ -362,6 +362,10 @@ def test_on_a_signed_bus_a_route_not_verifying_takes_unhashed_frames_and_still_c
     wrong = signed.encode(Blobs([FetchedBlob("b", {"a0": Hashed(array, checksum(array) ^ 1)})]))
     with pytest.raises(ChecksumMismatch, match="does not match"):  # a checksum that is sent is checked
         receiver.decode(wrong, verify=False)
+    with pytest.raises(ChecksumMismatch, match="does not match"):  # by the subscriber's entry point too
+        receiver.decode_body(receiver.decode_header(wrong), verify=False)
+    decoded_body = receiver.decode_body(receiver.decode_header(unhashed), verify=False).body
+    assert decoded_body.blobs[0].arrays["a0"].tobytes() == array.tobytes()  # type: ignore[union-attr]
 
 
 # --- zero copy ----------------------------------------------------------------------------------------
