@@ -109,15 +109,10 @@ class Branch:
     mask_counts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        # The field-name checks on plain comparisons (a trainer builds a branch per fetched blob); the sets
-        # and check_pairs' message only when one fails.
-        if (self.topk_ids is None) is not (self.topk_logprobs is None) or \
-                (self.mask_ids is None) is not (self.mask_counts is None) or \
-                (self.routed_experts is None and self.topk_ids is None and self.mask_counts is None):
-            present = {name for name in FIELDS if getattr(self, name) is not None}
-            if not present:
-                raise BranchError("branch", f"at least one of {', '.join(FIELDS)}", "no field")
-            check_pairs(present)
+        present = {name for name in FIELDS if getattr(self, name) is not None}
+        if not present:
+            raise BranchError("branch", f"at least one of {', '.join(FIELDS)}", "no field")
+        check_pairs(present)
 
         tokens: list[tuple[str, int]] = []
         if self.routed_experts is not None:
