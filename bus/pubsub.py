@@ -215,9 +215,7 @@ class Subscriber:
         :meth:`WireCodec.decode_body`: this runs once per event."""
         codec = self.codec
         try:
-            # MAC verified here, before any state changes; the common event in one step (its general path
-            # reads again a one-frame message that step declines, which only an unusual one is)
-            checked = (len(frames) == 1 and codec.event_header(frames[0])) or codec.decode_header(frames)
+            checked = codec.decode_header(frames)  # MAC verified here, before any state changes
             kind = checked.kind
             header = checked.header
             if kind == SYNC:

@@ -732,13 +732,13 @@ def _decode_outcome(decode: Callable[[], Message]) -> Any:
     (Limits(max_body_bytes=400, max_depth=3), {"delete": 2, "sync": 1, "malformed": 1, "array": 1}),
 ], ids=["bounds-walked", "depth-checked"])
 def test_the_lean_event_path_accepts_and_refuses_as_decode_does(limits: Limits, codes: dict[str, int]) -> None:
-    """A subscriber decodes the common event with ``event_header`` then ``decode_body``; anything
-    ``event_header`` declines goes to ``decode_header``. For every truncation of an event and every byte
-    replaced by a few values, that path gives what ``decode`` on the general path (a memoryview of the same
-    frame) gives: the same message or the same refusal. The events: bodies over ``max_items`` bytes (walked by
-    ``check_structure``, one with too many items), an ``Any``-typed field nested too deep (refused by the walk,
-    or by the depth check after decoding when ``max_items`` is too large for the walk to run), an array
-    reference with no buffer frame (decoded right after a message with one, so the unpacker must be reset)."""
+    """A subscriber decodes the common event with ``decode_header``'s first step, ``event_header``, then
+    ``decode_body``; anything ``event_header`` declines goes on through ``decode_header``. For every truncation of an
+    event and every byte replaced by a few values, that path gives what ``decode`` on the general path (a memoryview of
+    the same frame) gives: the same message or the same refusal. The events: bodies over ``max_items`` bytes (walked by
+    ``check_structure``, one with too many items), an ``Any``-typed field nested too deep (refused by the walk, or by
+    the depth check after decoding when ``max_items`` is too large for the walk to run), an array reference with no
+    buffer frame (decoded right after a message with one, so the unpacker must be reset)."""
     rng = random.Random(15)
     sender = WireCodec("pub-8")
     receiver = WireCodec("sub", limits=limits)

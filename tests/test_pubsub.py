@@ -579,9 +579,9 @@ def _state(sub: Subscriber) -> tuple[Any, ...]:
 def test_an_event_frame_as_bytes_and_as_a_memoryview_leave_a_subscriber_in_the_same_state(
     zmq_ctx: zmq.Context, subscriber: dict[str, Any]
 ) -> None:
-    """A one-frame event received as ``bytes`` takes the lean path (``event_header`` then ``decode_body``); a
-    memoryview of the same frame takes the general one. A stream with gaps (filled in part), replays, a
-    restart, probes, kinds outside ``kinds`` and ``topics``, a kind nobody defines and every mutation of an
+    """A one-frame event received as ``bytes`` takes the lean path (``decode_header``'s first step, ``event_header``,
+    then ``decode_body``); a memoryview of the same frame takes the general one. A stream with gaps (filled in part),
+    replays, a restart, probes, kinds outside ``kinds`` and ``topics``, a kind nobody defines and every mutation of an
     event and of a probe leaves both subscribers with the same deliveries, counters and sequences."""
     parked = subscriber.pop("parked", False)
     rng = random.Random(16)
