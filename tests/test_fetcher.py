@@ -12,6 +12,7 @@ The fake env server and the step builder are also used by ``test_trainer_rank``.
 from __future__ import annotations
 
 import gc
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import zmq
 from refbus.bus.calls import Calls, PolledCalls
 from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
 from refbus.nodes.payload.assemble import AssembledBatch
-from refbus.nodes.payload.branch import Branch
+from refbus.nodes.payload.branch import FIELDS, Branch
 from refbus.nodes.payload.fetcher import (
     BufferPool,
     FetchFailure,
@@ -47,6 +48,8 @@ from refbus.protocol.messages import (
     Deleted,
     Fetch,
     FetchedBlob,
+    Keep,
+    Kept,
     MicroBatchRefs,
     SampleSlice,
 )
@@ -54,6 +57,7 @@ from refbus.protocol.messages import (
 pytest_plugins = ["wire_fixtures"]
 
 LAYERS, TOP_K, HEAD_K = 3, 2, 4
+WAIT_S = 30.0  # bounds a process start or exit, never a measurement
 FAST = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
 
 
@@ -120,6 +124,20 @@ class FakeEnvServer:
         self.deletes.append(body)
         return Deleted(blob_ids=[i for i in body.blob_ids if i not in self.reclaimed],
                        reclaimed=[i for i in body.blob_ids if i in self.reclaimed])
+
+
+@dataclass
+class ServedStore:
+    """``make_step``'s env server played by a real one (an ``env-server`` node): each branch is kept there with
+    a ``keep`` request; the store names its own blob ids."""
+
+    client: Client
+
+    def keep(self, blob_id: str, branch: Branch) -> BlobRef:
+        arrays = {name: getattr(branch, name) for name in FIELDS if getattr(branch, name) is not None}
+        kept = self.client.request(Keep(episode_id=blob_id, branches=[arrays])).body
+        assert isinstance(kept, Kept), kept
+        return kept.refs[0]
 
 
 def start_env_server(serve: Callable, source: str) -> FakeEnvServer:
@@ -524,3 +542,46 @@ def test_references_naming_no_live_store_keep_their_recorded_endpoint(node: str)
 
     assert registry_locator(endpoint_of)(ref) == "tcp://127.0.0.1:7001"
     assert asked == ([(node, "blobs")] if node else [])
+
+
+def test_an_env_server_sigkilled_mid_fetch_fails_its_micro_batches_and_the_others_assemble(
+    bus, spawn, zmq_ctx: zmq.Context, loop: Loop
+) -> None:
+    """Two real env-server processes; one is SIGKILLed once the step's first requests are out (one in flight
+    per store, the rest queued behind it). Its micro batches fail with ``timeout`` within the requests'
+    deadlines, naming only its blobs; the other store's assemble the bytes it kept, and the next step, from
+    the survivor alone, fetches whole."""
+    _, control = bus
+    procs = [spawn(["node", "env-server", "--bus-control", control, "--node-id", name,
+                    "--env-server-handover-lease-s", "600"], name) for name in ("env-victim", "env-survivor")]
+    producers = [Client(zmq_ctx, proc.wait_ready()["endpoints"]["blobs"], WireCodec("producer"), policy=FAST)
+                 for proc in procs]
+    try:
+        specs = [SampleSpec(40, heads=True), SampleSpec(30, heads=True), SampleSpec(20), SampleSpec(35)]
+        victim, survivor = (make_step([ServedStore(client)], specs, prefix=prefix, seed=seed)
+                            for seed, (client, prefix) in enumerate(zip(producers, ("k", "s"), strict=True)))
+    finally:
+        for client in producers:
+            client.close()
+    micro_batches = [*victim.ranks[0], *survivor.ranks[0]]
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1, window=1))
+    in_flight = fetcher.start(0, micro_batches)
+    procs[0].proc.kill()
+    assert procs[0].proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+    # One request at a time per store: each of the victim's may take its whole deadline.
+    requests = len(in_flight.requests)
+    assert loop.polled.run_until(lambda: in_flight.done, 2 * requests * FAST.deadline_s), "outlived its deadlines"
+    result = fetcher.finish(in_flight)
+
+    victim_ids = set(victim.branches)
+    branches = victim.branches | survivor.branches
+    failures = [batch for batch in result.batches if isinstance(batch, FetchFailure)]
+    assert failures and all(index < len(victim.ranks[0]) for index in result.failed)
+    assert {f.reason for f in failures} == {"timeout"} and all(set(f.blob_ids) <= victim_ids for f in failures)
+    for refs, batch in zip(micro_batches, result.batches, strict=True):
+        if isinstance(batch, AssembledBatch):
+            check_assembled(batch, refs, branches)
+    again = loop.fetch(fetcher, 1, survivor.ranks[0])
+    assert not again.failed
+    for refs, batch in zip(survivor.ranks[0], again.batches, strict=True):
+        check_assembled(batch, refs, survivor.branches)  # type: ignore[arg-type]

@@ -36,16 +36,12 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
-from refbus.nodes.payload.branch import FIELDS, Branch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
     Accounted,
     Accounts,
-    BlobRef,
     FetchAck,
-    Keep,
-    Kept,
     NodeDown,
     Ok,
     Reference,
@@ -53,7 +49,7 @@ from refbus.protocol.messages import (
     Replayed,
     StepBatch,
 )
-from test_fetcher import FakeEnvServer, SampleSpec, Step, check_assembled, make_step, start_env_server
+from test_fetcher import FakeEnvServer, SampleSpec, ServedStore, Step, check_assembled, make_step, start_env_server
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -410,20 +406,6 @@ def test_a_fetch_from_a_store_that_never_answers_leaves_the_loop_serving(
         assert proc.stop() == 0, proc.log_tail()
 
 
-@dataclass
-class DurableStore:
-    """``make_step``'s env server played by a real one (a durable ``env-server`` node): each branch is kept
-    there with a ``keep`` request; the store names its own blob ids."""
-
-    client: Client
-
-    def keep(self, blob_id: str, branch: Branch) -> BlobRef:
-        arrays = {name: getattr(branch, name) for name in FIELDS if getattr(branch, name) is not None}
-        kept = self.client.request(Keep(episode_id=blob_id, branches=[arrays])).body
-        assert isinstance(kept, Kept), kept
-        return kept.refs[0]
-
-
 def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orchestrator, spawn, tmp_path: Path,
                                                                          zmq_ctx) -> None:
     """A durable env server is SIGKILLed while the ranks train on its blobs, and restarted under its node id
@@ -438,7 +420,7 @@ def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orc
     client = Client(zmq_ctx, first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("producer"),
                     policy=policy)
     try:
-        data = make_step([DurableStore(client)], SPECS, data_ranks=2, prefix="d")
+        data = make_step([ServedStore(client)], SPECS, data_ranks=2, prefix="d")
     finally:
         client.close()
     computing = RankConfig(compute_s=0.01)
