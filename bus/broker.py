@@ -64,6 +64,7 @@ from ..protocol.messages import (
 )
 from .forwarder import SUBSCRIBE_ALL, Forwarder, is_event
 from .metrics import ROUTES
+from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
 from .sockets import recv_from, send_frames
@@ -82,14 +83,16 @@ class BrokerSettings:
     events_out: str = "tcp://127.0.0.1:7772"
     ring_events: int = 65_536
     ring_bytes: int = 256 << 20
+    event_batch: int = BATCH_EVENTS  # what the welcome allows each node: events in one message, at most
     node_timeout_s: float = 5.0
     cluster: str = "local"  # the ``cluster`` label of every service-discovery target
 
 
 @dataclass(frozen=True)
 class RingEvent:
-    """One event a replay selected: its ring position (grows by one per event, never reused), source, sequence
-    number and frames as received."""
+    """One message a replay selected (an event, or a batch of one source's events): its ring position (grows
+    by one per message, never reused), source, the sequence number of its last event and frames as
+    received."""
 
     index: int
     src: str
@@ -116,7 +119,8 @@ def frames_of(entry: Any) -> list:
 
 
 class ReplayRing:
-    """The most recent events, oldest first, bounded by count and bytes.
+    """The most recent event messages (an event, or a batch of one source's events), oldest first, bounded by
+    count and bytes.
 
     Appending stores the frames only, in batches (:meth:`extend`): an event's source and sequence number are
     read (``index``) the first time a replay looks at it, and remembered, so neither the forwarding path nor
@@ -164,8 +168,9 @@ class ReplayRing:
     def select(
         self, since: int, src: str, limit: int, max_bytes: int, cursor: int
     ) -> tuple[list[RingEvent], int, bool]:
-        """Events at ring position ``>= cursor`` with ``seq >= since`` (of ``src`` when given), oldest first,
-        at most ``limit`` of them and about ``max_bytes``; the cursor to continue from; whether more remain."""
+        """Messages at ring position ``>= cursor`` whose last event has ``seq >= since`` (of ``src`` when
+        given), oldest first, at most ``limit`` of them and about ``max_bytes``; the cursor to continue from;
+        whether more remain. A batch comes whole: the reader skips its events below ``since``."""
         found: list[RingEvent] = []
         nbytes = 0
         first = self.appended - len(self._entries)
@@ -212,7 +217,7 @@ class Broker:
         self.members: dict[str, _Member] = {}
         self.seen_tokens: dict[str, float] = {}
         self.waiting: dict[str, Pending] = {}
-        self.forwarded = 0
+        self.forwarded = 0  # event messages (a batch counts once)
         self.dropped: Counter[str] = Counter()
         self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
         self.seq = 0
@@ -274,16 +279,17 @@ class Broker:
         self.forwarded += len(entries)
 
     def _index(self, frames: list) -> tuple[str, int] | None:
+        """A ring entry's source and its last event's sequence number (a batch holds several, one source)."""
         frames = [bytes(f) for f in frames]
         if not is_event(frames[0]):  # a subscription or start probe the capture brought along
             return NOT_REPLAYED
         try:
-            received = self.codec.decode_header(frames, known=False)
+            last = self.codec.read_events(frames, known=False)[-1]
         except ProtocolError as exc:
             self.dropped[exc.code] += 1
             log.warning("ring.unreadable", code=exc.code, error=str(exc))
             return None
-        return NOT_REPLAYED if received.kind == Sync.kind else (received.header.src, received.header.seq)
+        return NOT_REPLAYED if last.kind == Sync.kind else (last.header.src, last.header.seq)
 
     def _forward(self, budget: int = 1024) -> None:
         """With CURVE: forward in Python, each event's ``src`` checked against its connection's key first."""
@@ -294,8 +300,9 @@ class Broker:
             except zmq.Again:
                 return
             try:
-                # The header only (bodies are the subscribers'); kinds newer than this broker pass.
-                received = self.codec.decode_header(frames, known=False)
+                # Headers only (bodies are the subscribers'); kinds newer than this broker pass. A batch holds
+                # one source's events (the reader checks), so its last header speaks for all.
+                received = self.codec.read_events(frames, known=False)[-1]
                 kind, header = received.kind, received.header
             except ProtocolError as exc:
                 self.dropped[exc.code] += 1
@@ -375,6 +382,7 @@ class Broker:
             heartbeat_interval=self.runtime.settings.heartbeat_interval_s,
             node_timeout=self.settings.node_timeout_s,
             wire=wire,
+            event_batch=self.settings.event_batch,
         )
 
     def _check_own(self, request: Message, node_id: str, role: str = "") -> None:
@@ -507,7 +515,8 @@ class Broker:
             del ROUTES[SD_PATH]
 
     def _register_metrics(self) -> None:
-        self.runtime.metric("refbus_bus_events_forwarded_total", "Events forwarded by the broker.",
+        self.runtime.metric("refbus_bus_messages_forwarded_total",
+                            "Event messages forwarded by the broker (a batch of one node's events counts once).",
                       lambda: {(): float(self.forwarded)})
         self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker refused to forward (with CURVE: "
                             "a src not its connection's) or found unreadable in its ring when a replay read them, "

@@ -112,9 +112,10 @@ class Forwarder:
         message's first byte here would cost every event. Returns how many messages were read (loop thread
         only).
 
-        Per event this is one ``recv`` and two appends. An unsigned one-frame event is told by its first
-        frame alone (the kind ends in a NUL, which the multi-frame form's kind frame never holds), so only
-        other messages pay for asking ZeroMQ whether more frames follow. A sender that breaks that rule
+        Per message this is one ``recv`` and two appends. An unsigned one-frame event is told by its first
+        frame alone (the kind ends in a NUL, which the multi-frame form's kind frame never holds; an
+        unsigned batch, one frame too, holds one in its first lengths), so only other messages pay for asking
+        ZeroMQ whether more frames follow. A sender that breaks that rule
         splits its own message into entries no replay can read (skipped and counted), nobody else's."""
         recv, more = self.capture.recv, self.capture.get
         trust_mark = not self.signed

@@ -10,7 +10,10 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
    live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
    live the same way and replay what was asked for;
 3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
-   deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node. A
+   deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node. The
+   events a turn publishes go out before the loop waits again, each run of one kind as one message (the
+   batch form, up to the welcome's ``event_batch`` events): a burst costs one ZeroMQ message, not one per
+   event. A
    broker that died and came back under the same address answers the next heartbeat ``unknown-node``: the
    node says ``hello`` again (the registry is rebuilt from these re-joins). A PUB connection that drops is
    disconnected at once (its queue with it), so nothing this node publishes reaches a new broker before it
@@ -440,19 +443,26 @@ class NodeRuntime:
             reply = broker.request(Replay(since=since, src=src, cursor=cursor))
             page = reply.body
             assert isinstance(page, Replayed)
-            for event in page.events:
-                try:
-                    message = self.codec.decode(event.frames)
-                except ProtocolError as exc:  # one bad event in the ring must not cost the others
-                    log.warning("replay.rejected", code=exc.code, error=str(exc))
+            for message in self._ring_events(page.events):
+                if message.header.seq < since:  # the earlier events of a batch the ring selected
                     continue
                 if not incarnation or envelope_incarnation(message.header.id) == incarnation:
                     events.append(message)
-                    if until is not None and since <= message.header.seq <= until:
+                    if until is not None and message.header.seq <= until:
                         found.add(message.header.seq)
             cursor = page.cursor
             if not page.more or (until is not None and src and len(found) > until - since):
                 return in_source_order([e for e in events if until is None or e.header.seq <= until])
+
+    def _ring_events(self, entries: list[ReplayedEvent]) -> Iterator[Message]:
+        """Each event of the ring's messages, decoded (a batch gives all of its own); a message that fails its
+        checks is logged and skipped, never the others."""
+        codec = self.codec
+        for entry in entries:
+            try:
+                yield from [codec.decode_body(received) for received in codec.read_events(entry.frames)]
+            except ProtocolError as exc:
+                log.warning("replay.rejected", code=exc.code, error=str(exc))
 
     def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``."""
@@ -582,6 +592,13 @@ class NodeRuntime:
         log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)
 
     def loop(self, *, until: Callable[[], bool] | None = None) -> None:
+        """Serve until stopped (or ``until()`` is true). Events published during a turn go out together, as
+        batches, before the loop waits again (see :class:`~.pubsub.Publisher`)."""
+        publisher = self.publisher
+        with publisher.batching() if publisher is not None else contextlib.nullcontext():
+            self._turns(until, publisher)
+
+    def _turns(self, until: Callable[[], bool] | None, publisher: Publisher | None) -> None:
         while not self._stopping and not (until and until()):
             while self._calls:
                 call = self._calls.popleft()
@@ -604,6 +621,8 @@ class NodeRuntime:
             calls_wait = self.calls.wait_s()
             if calls_wait is not None:
                 timeout_ms = min(timeout_ms, int(calls_wait * 1000) + 1)
+            if publisher is not None:
+                publisher.flush()
             for sock, _ in self._poller.poll(timeout_ms):
                 if sock is self._wake_r or sock == self._wake_r.fileno():
                     with contextlib.suppress(BlockingIOError):
@@ -716,6 +735,9 @@ class NodeRuntime:
                     lambda: {(): float(FrameCounter.nbytes)})
         self.metric("refbus_bus_events_published_total", "Events this node published.",
                     lambda: {(): float(self.publisher.seq if self.publisher else 0)})
+        self.metric("refbus_bus_messages_published_total",
+                    "Event messages this node sent (a batch of events counts once).",
+                    lambda: {(): float(self.publisher.messages if self.publisher else 0)})
         subscribers = [s for s, _, _ in self._subscriptions]
         for name, doc, attribute in (
             ("refbus_bus_events_received_total", "Events received by this node's subscriptions.", "received"),
@@ -800,6 +822,7 @@ class NodeRuntime:
             self._owned.append(monitor)
             self.watch(monitor, lambda: self._on_publish_path(monitor))
             self.publisher = Publisher(pub, self.codec, keep_events=self.settings.held_events)
+        self.publisher.batch_events = welcome.event_batch
         refill = bool(self._pub_endpoint) and self._pub_endpoint != welcome.events_in  # the broker moved
         refill |= self.publish_path_lost
         if self._pub_endpoint != welcome.events_in:  # one stream per incarnation: a moved broker is no new one
@@ -839,20 +862,22 @@ class NodeRuntime:
         taken = 0
         page: list[ReplayedEvent] = []
         size = 0
-        for frames in [*held, []]:  # the empty entry sends the last page
+        page_events = 0
+        for frames, events in [*held, ([], 0)]:  # the empty entry sends the last page
             nbytes = sum(map(len, frames))
             if page and (not frames or size + nbytes > budget):
                 try:
                     self.control.request(Refill(events=page))
-                    taken += len(page)
+                    taken += page_events
                 except (RequestTimeout, RemoteError) as exc:
-                    log.warning("bus.refill_failed", events=len(page), error=str(exc))
-                page, size = [], 0
+                    log.warning("bus.refill_failed", events=page_events, error=str(exc))
+                page, size, page_events = [], 0, 0
             if frames:
                 page.append(ReplayedEvent(frames))
                 size += nbytes
+                page_events += events
         self.refilled += taken
-        log.info("bus.refilled", events=taken, held=len(held), latest_seq=self.publisher.seq)
+        log.info("bus.refilled", events=taken, messages=len(held), latest_seq=self.publisher.seq)
 
     def _on_publish_path(self, monitor: zmq.Socket) -> None:
         """The PUB socket's connection to the broker dropped: drop its queue with it (disconnect), so nothing

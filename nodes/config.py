@@ -91,6 +91,7 @@ class Config:
             events_out=self.bus.events_out,
             ring_events=self.bus.ring_events,
             ring_bytes=self.bus.ring_bytes,
+            event_batch=self.bus.event_batch,
             node_timeout_s=self.bus.node_timeout_s,
             cluster=self.cluster.name,
         )
@@ -157,13 +158,19 @@ def _quantity(config: Config, name: str) -> Any:
 CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
 """Keys that take one of a few words."""
 
+RANGES: dict[str, tuple[int, int]] = {"bus.event_batch": (1, 65_535)}
+"""Keys that take a whole number within bounds (inclusive)."""
+
 
 def check_relations(config: Config) -> None:
-    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, or both sides
-    of the first relation in :data:`RELATIONS` that fails."""
+    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first of
+    :data:`RANGES` out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
+    for name, (low, high) in RANGES.items():
+        if not low <= (value := _quantity(config, name)) <= high:
+            raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
     for relation in RELATIONS:
         value = _quantity(config, relation.key)
         bound = relation.factor * sum(_quantity(config, name) for name in relation.bound)

@@ -34,8 +34,16 @@ class BusSettings:
     control: str = key("tcp://127.0.0.1:7770", "Broker control endpoint (ROUTER): every node connects here first.")
     events_in: str = key("tcp://127.0.0.1:7771", "Broker endpoint where nodes publish events (XSUB).")
     events_out: str = key("tcp://127.0.0.1:7772", "Broker endpoint where subscribers receive events (XPUB).")
-    ring_events: int = key(65_536, "Events kept in the broker's replay ring.")
+    ring_events: int = key(
+        65_536, "Messages kept in the broker's replay ring (an event, or a batch of one node's events).")
     ring_bytes: int = key(256 << 20, "Bytes kept in the broker's replay ring.")
+    event_batch: int = key(
+        64,
+        "Events a node may send in one message: what it publishes in one turn of its loop goes out together "
+        "(protocol 2.2's batch form), one ZeroMQ message per burst instead of one per event. 1: one event a "
+        "message, for subscribers older than 2.2 (they refuse a batch as malformed). The broker tells every "
+        "node at join.",
+    )
     heartbeat_interval_s: float = key(1.0, "Seconds between node heartbeats.")
     node_timeout_s: float = key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
     metrics_port: int = key(

@@ -3,11 +3,17 @@
     [kind, header, body, *buffers]            unsigned
     [kind, header, body, *buffers, mac]       signed
     [kind ‖ 0x00 ‖ len(header) ‖ header ‖ body] (+ [mac])   one frame, for a message without arrays
+    [kind ‖ 0x01 ‖ (len(header) ‖ header ‖ len(body) ‖ body)...] (+ [mac])   a batch of events, one frame
 
-The one-frame form carries the same kind, header and body in one ZeroMQ frame (``len(header)``: 4 bytes,
-little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind frame never holds a
-NUL byte, so the first frame says which form a message has. Events travel in it (pyzmq's cost per frame is most
-of the event path); every receiver accepts both forms for every message.
+The one-frame form carries the same kind, header and body in one ZeroMQ frame (lengths: 4 bytes,
+little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind never holds a byte
+below 0x20, so the first such byte of the first frame says which form a message has. Events travel in it
+(pyzmq's cost per message is most of the event path); every receiver accepts both forms for every message.
+
+The batch form (protocol 2.2) carries several events of one kind from one source in one frame, each with its
+own header (its own id and sequence number): a node's loop sends what it published in one turn together, so a
+burst of events costs one ZeroMQ message, one MAC and one pass through the broker. Only events travel so;
+:meth:`WireCodec.read_events` reads every event form, and a batch is refused whole.
 
 * ``kind``: ASCII name of the message kind; also the PUB/SUB topic prefix.
 * ``header``: msgpack map :class:`Header` (protocol version, message id, source node, per-source
@@ -51,15 +57,17 @@ from .errors import (
 )
 from .messages import KINDS, Body
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 1)
+PROTOCOL_VERSION: tuple[int, int] = (2, 2)
 NIL_CHECKSUM_SINCE: tuple[int, int] = (2, 1)  # the first version whose decoders read an unhashed frame
 MAJOR = PROTOCOL_VERSION[0]
 SPOKEN_MAJORS: tuple[int, ...] = (MAJOR,)  # majors this build encodes and decodes
 MIN_FRAMES = 3
 MAC_BYTES = 32
 ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
+BATCH_MARK = b"\1"  # ends the kind in the batch form
 MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
+_LENGTH = struct.Struct("<I").pack
 
 
 # Not tracked by the garbage collector (gc=False): its fields are strings and numbers, so it can be in no
@@ -124,10 +132,11 @@ class Received(msgspec.Struct, frozen=True):
 
 
 class MessageIds:
-    """Cheap unique message ids: a random per-process prefix and a counter (uuid4 costs ~2 µs each)."""
+    """Cheap unique message ids: a random per-process prefix and a counter (uuid4 costs ~2 µs each).
+    ``prefix`` pins the prefix (frozen test messages only: two processes must never share one)."""
 
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex()
+    def __init__(self, prefix: str = "") -> None:
+        self._prefix = prefix or os.urandom(6).hex()
         self._counter = itertools.count(1)
 
     def next(self) -> str:
@@ -186,6 +195,32 @@ class WireCodec:
             out.append(self._mac(out))
         return out
 
+    def batch_item(self, body: Body, seq: int) -> bytes | None:
+        """``body`` as event ``seq`` of a batch (:meth:`encode_batch`): ``len(header) ‖ header ‖ len(body) ‖
+        body``, its header stamped now; None when ``body`` has arrays (such an event travels alone)."""
+        arrays = self._packer.begin()
+        encode = self._encoder.encode
+        body_bytes = encode(body)
+        if arrays:
+            return None
+        header_bytes = encode(Header(PROTOCOL_VERSION, self._ids.next(), self.src, seq, time.time(), "",
+                                     self._signed))
+        return b"".join((_LENGTH(len(header_bytes)), header_bytes, _LENGTH(len(body_bytes)), body_bytes))
+
+    def encode_batch(self, kind: str, items: Sequence[bytes]) -> list[Buffer]:
+        """Frames of the events ``items`` (from :meth:`batch_item`, all of ``kind``, in sequence order): the
+        batch form, or the one-frame form for a single event (what every 2.x subscriber reads)."""
+        raw_kind = self._kind_frames[kind]
+        if len(items) == 1:
+            item = items[0]
+            header_end = 4 + _HEADER_LENGTH(item, 0)[0]
+            out = [b"".join((raw_kind, ONE_FRAME_MARK, item[:header_end], item[header_end + 4:]))]
+        else:
+            out = [b"".join((raw_kind, BATCH_MARK, *items))]
+        if self._signed:
+            out.append(self._mac(out))
+        return out
+
     def _mac(self, frames: Sequence[Buffer]) -> bytes:
         mac = hmac.new(self._secret, digestmod=hashlib.sha256)
         for frame in frames:  # xxh3 checksums are not cryptographic: the MAC covers the bytes themselves
@@ -209,6 +244,8 @@ class WireCodec:
         if type(first) is not bytes:
             first = bytes(first)
         mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
+        if len(frames) <= 2 and first.find(BATCH_MARK, 0, MAX_KIND_BYTES if mark < 0 else mark) >= 0:
+            raise MalformedMessage("a batch of events: only an event stream carries one (see read_events)")
         one_frame = mark >= 0
         if one_frame:
             parts = _split_one_frame(first, mark)
@@ -221,19 +258,9 @@ class WireCodec:
         else:
             parts = frames
             raw_kind = first
-        kind = self._kind_names.get(raw_kind)
-        if kind is None:
-            try:
-                kind = raw_kind.decode("ascii")
-            except UnicodeDecodeError:
-                raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
+        kind = self._kind_of(raw_kind)
         header = self.read_header(parts[1], kind=kind)
-        if header.v[0] != PROTOCOL_VERSION[0]:
-            raise VersionMismatch(
-                f"protocol {header.v[0]}.{header.v[1]} from {header.src!r}, this node speaks "
-                f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
-                kind=kind,
-            )
+        _check_version(header, kind)
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
         signed = frames[:-1] if header.signed else frames
@@ -255,6 +282,54 @@ class WireCodec:
         if self._secret:
             self._check_mac(kind, header, signed, frames[-1])
         return Received(kind, header, parts if one_frame else signed)
+
+    def read_events(self, frames: Sequence[Buffer], *, known: bool = True) -> list[Received]:
+        """Every event of an event message, each as :meth:`decode_header` returns one: a single event in the
+        one-frame or multi-frame form, or each event of a batch in order. A batch is checked whole before any of
+        it is returned (its lengths, every header, the version first, one source and one MAC flag in all, its
+        size, then the MAC): whatever is wrong refuses all of it, with a :class:`ProtocolError` as for one
+        message. ``known`` as in :meth:`decode_header`."""
+        if len(frames) == 1:
+            received = self.event_header(frames[0])
+            if received is not None:
+                return [received]
+        first = _as_bytes(frames[0]) if frames else b""
+        mark = first.find(BATCH_MARK, 0, MAX_KIND_BYTES)
+        if mark < 0 or len(frames) > 2 or first.find(ONE_FRAME_MARK, 0, mark) >= 0:
+            return [self.decode_header(frames, known=known)]
+        if mark == 0:
+            raise MalformedMessage("batch with an empty kind")
+        raw_kind = first[:mark]
+        kind = self._kind_of(raw_kind)
+        limits = self.limits
+        if len(first) > limits.max_body_bytes:
+            raise MessageTooLarge(f"batch is {len(first)} bytes, limit {limits.max_body_bytes}", kind=kind)
+        parts = _split_batch(first, mark, limits.max_items, kind)
+        headers = [self.read_header(raw_header, kind=kind) for raw_header, _ in parts]
+        for header in headers:
+            _check_version(header, kind)
+        lead = headers[0]
+        if known and kind not in KINDS:
+            raise UnknownKind(f"unknown message kind {kind!r} from {lead.src!r}", kind=kind)
+        if any(header.src != lead.src or header.signed != lead.signed for header in headers):
+            raise MalformedMessage(f"a batch from {lead.src!r} mixes sources or MAC flags", kind=kind)
+        signed = frames[:-1] if lead.signed else frames
+        if len(signed) != 1:
+            raise MalformedMessage(f"batch followed by {len(frames) - 1} frames ("
+                                   f"{'a MAC frame only' if lead.signed else 'none'} expected)", kind=kind)
+        if self._secret:
+            self._check_mac(kind, lead, signed, frames[-1])
+        return [Received(kind, header, [raw_kind, raw_header, body])
+                for header, (raw_header, body) in zip(headers, parts, strict=True)]
+
+    def _kind_of(self, raw_kind: bytes) -> str:
+        kind = self._kind_names.get(raw_kind)
+        if kind is None:
+            try:
+                kind = raw_kind.decode("ascii")
+            except UnicodeDecodeError:
+                raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
+        return kind
 
     def peek_id(self, frames: Sequence[Buffer]) -> str:
         """The message id in the header of ``frames`` (either form), "" when none can be read: what the error
@@ -391,6 +466,40 @@ def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
             f"one-frame message declares a {header_end - start}-byte header, {len(frame) - start} bytes follow"
         )
     return [frame[:mark], frame[start:header_end], frame[header_end:]]
+
+
+def _split_batch(frame: bytes, mark: int, max_events: int, kind: str) -> list[tuple[bytes, bytes]]:
+    """``(header, body)`` of each event of a batch whose kind ends at ``mark``, or
+    :class:`MalformedMessage`: every length must stay inside the frame, and the frame hold 1 to
+    ``max_events`` events."""
+    parts: list[tuple[bytes, bytes]] = []
+    pos, end = mark + 1, len(frame)
+    while pos < end:
+        if len(parts) == max_events:
+            raise MalformedMessage(f"batch holds more than {max_events} events", kind=kind)
+        if end - pos < 8:
+            raise MalformedMessage(f"batch of {end} bytes ends inside the lengths of its event at byte {pos}",
+                                   kind=kind)
+        header_end = pos + 4 + _HEADER_LENGTH(frame, pos)[0]
+        if header_end + 4 > end:
+            raise MalformedMessage(f"batch event at byte {pos} declares a header past the frame's end", kind=kind)
+        body_end = header_end + 4 + _HEADER_LENGTH(frame, header_end)[0]
+        if body_end > end:
+            raise MalformedMessage(f"batch event at byte {pos} declares a body past the frame's end", kind=kind)
+        parts.append((frame[pos + 4 : header_end], frame[header_end + 4 : body_end]))
+        pos = body_end
+    if not parts:
+        raise MalformedMessage("batch with no event", kind=kind)
+    return parts
+
+
+def _check_version(header: Header, kind: str) -> None:
+    if header.v[0] != PROTOCOL_VERSION[0]:
+        raise VersionMismatch(
+            f"protocol {header.v[0]}.{header.v[1]} from {header.src!r}, this node speaks "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
+            kind=kind,
+        )
 
 
 def negotiate(offered: Sequence[int]) -> int:

@@ -104,10 +104,11 @@ class MicroBatchRefs(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
-    """One event of the replay ring: its frames exactly as the broker received them (either form, with the
-    MAC frame when signed), so the MAC verifies and the envelope decodes as if it came live."""
+    """One message of the replay ring, an event or a batch of one source's events: its frames exactly as the
+    broker received them (any form, with the MAC frame when signed), so the MAC verifies and the envelope
+    decodes as if it came live."""
 
-    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]  # one event's frames as received
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]  # one message's frames as received
 
 
 # Not tracked by the garbage collector (gc=False): a trainer holds one per blob until its step ends, each a
@@ -280,11 +281,12 @@ class Nodes(Body, frozen=True):
 @register_kind("replay")
 class Replay(Body, frozen=True):
     """Events with per-source ``seq >= since`` from the broker's ring, in ring order, from ring position
-    ``cursor`` on, at most ``limit`` (and about half the body limit in bytes) per answer."""
+    ``cursor`` on, at most ``limit`` messages (and about half the body limit in bytes) per answer. A batch
+    whose last event qualifies comes whole: the reader skips its events below ``since``."""
 
     since: NonNegative = 0  # first per-source seq wanted
     src: str = ""  # "" replays every source
-    limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000  # most events per answer
+    limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 10_000  # most messages per answer
     cursor: NonNegative = 0  # ring position to start from
 
 
@@ -405,6 +407,7 @@ class Welcome(Body, frozen=True):
     heartbeat_interval: float  # seconds between heartbeats
     node_timeout: float  # seconds without one before node-down
     wire: NonNegative = 0  # the protocol major chosen from the hello's ``wire``
+    event_batch: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 1  # events a node may send in one message (2.2)
 
 
 @register_kind("ok")
@@ -419,9 +422,9 @@ class NodeList(Body, frozen=True):
 
 @register_kind("replayed")
 class Replayed(Body, frozen=True):
-    events: list[ReplayedEvent]  # ring events, in ring order
+    events: list[ReplayedEvent]  # ring messages (events, batches of events), in ring order
     more: bool  # True when the answer was cut; ask again from ``cursor``
-    cursor: NonNegative = 0  # ring position after the last event examined
+    cursor: NonNegative = 0  # ring position after the last message examined
 
 
 @register_kind("blobs")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from refbus.protocol.envelope import PROTOCOL_VERSION, WireCodec
+from refbus.protocol.envelope import PROTOCOL_VERSION, MessageIds, WireCodec
 from refbus.protocol.messages import BlobRef, Body, Claim, Delete, EpisodeFinished, Hello, Keep, NodeInfo
 from refbus.protocol.messages_ps import ByteRange, ShardOpen
 
@@ -40,6 +40,9 @@ CASES: dict[str, tuple[Body, dict[str, Any]]] = {
     "episode-finished": (EpisodeFinished(episode_id="e1", source="env", refs=[_REF]), {"seq": 3, "one_frame": True}),
     # With its optional tensor ranges: older workers ignore them (docs/PROTOCOL.md, "Versions and negotiation").
     "ps-shard-open": (ShardOpen(lease="L-1", nbytes=4096, tensors=[ByteRange(0, 1024), ByteRange(1024, 3072)]), {}),
+    # Three events of one kind in the batch form (protocol 2.2), numbered seq, seq + 1, ...; ids MSG_ID's
+    # incarnation with counters 1, 2, 3.
+    "delete-batch": (Delete(blob_ids=["e1-0"], holder="trainer-0", reason="trained"), {"seq": 5, "batch": 3}),
 }
 
 
@@ -56,7 +59,13 @@ def encode(case: str, signed: bool) -> list[bytes]:
     """``case`` as this build encodes it (the caller pins ``time.time`` to :data:`TS`)."""
     body, options = CASES[case]
     codec = WireCodec(SRC, secret=SECRET if signed else b"")
-    return [bytes(memoryview(frame)) for frame in codec.encode(body, msg_id=MSG_ID, **options)]
+    if "batch" in options:
+        codec._ids = MessageIds(MSG_ID.partition("-")[0])
+        items = [codec.batch_item(body, options["seq"] + n) for n in range(options["batch"])]
+        frames = codec.encode_batch(body.kind, [item for item in items if item is not None])
+    else:
+        frames = codec.encode(body, msg_id=MSG_ID, **options)
+    return [bytes(memoryview(frame)) for frame in frames]
 
 
 def freeze() -> Path:

@@ -136,11 +136,13 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
         lost = subscription.lost["pub"]
         assert [m.header.seq for m in got] == sorted(m.header.seq for m in got)
         assert len(got) + lost == last - 3, (len(got), lost)
-        assert publisher.refilled == min(held, 3 + IN_FLIGHT)
-        if held >= 3 + IN_FLIGHT:  # all held: nothing lost
+        # A publisher holds whole messages: a batch that crosses ``held`` is kept whole.
+        refilled = publisher.refilled
+        assert min(held, 3 + IN_FLIGHT) <= refilled <= 3 + IN_FLIGHT
+        if refilled == 3 + IN_FLIGHT:  # all held: nothing lost
             assert [m.header.seq for m in got] == list(range(4, last + 1)) and subscription.lost.total() == 0
         else:  # the frozen broker's unread events cannot have reached the subscriber: older than held, lost
-            assert lost == IN_FLIGHT - held and [m.header.seq for m in got] == list(range(4 + lost, last + 1))
+            assert lost == IN_FLIGHT - refilled and [m.header.seq for m in got] == list(range(4 + lost, last + 1))
     finally:
         asker.close()
         while nodes:  # before the broker: their goodbyes reach it

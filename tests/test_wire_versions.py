@@ -37,11 +37,15 @@ def same_body(decoded: Any, expected: Any) -> bool:
 @pytest.mark.parametrize("case", list(CASES))
 def test_current_fixtures_decode_to_their_bodies(case: str, signed: bool) -> None:
     codec = WireCodec("reader", secret=SECRET if signed else b"")
-    message = codec.decode(load(CURRENT, case, signed))
+    messages = [codec.decode_body(received) for received in codec.read_events(load(CURRENT, case, signed))]
     body, options = CASES[case]
-    assert same_body(message.body, body)
-    assert (message.header.id, message.header.src, message.header.ts) == (MSG_ID, SRC, TS)
-    assert message.header.seq == options.get("seq", 0) and message.header.signed is signed
+    count = options.get("batch", 1)
+    assert len(messages) == count
+    incarnation = MSG_ID.partition("-")[0]
+    for n, message in enumerate(messages):
+        assert same_body(message.body, body)
+        assert (message.header.id, message.header.src, message.header.ts) == (f"{incarnation}-{n + 1}", SRC, TS)
+        assert message.header.seq == options.get("seq", 0) + n and message.header.signed is signed
 
 
 @pytest.mark.parametrize("signed", SIGNED, ids=["plain", "signed"])

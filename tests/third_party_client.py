@@ -31,7 +31,7 @@ try:
 except ImportError:  # the protocol's checksums cannot be computed: received arrays stay unverified
     xxh3 = None
 
-VERSION = [2, 0]
+VERSION = [2, 2]
 EXT_NUMPY = 1
 EXT_TORCH = 2
 MAC_BYTES = 32
@@ -122,11 +122,28 @@ class Wire:
             mac.update(frame)
         return mac.digest()
 
-    def decode(self, frames: Sequence[bytes]) -> Message:
-        """Either form, MAC checked when this client signs, arrays rebuilt and checked against their frames."""
+    def decode_events(self, frames: Sequence[bytes]) -> list[Message]:
+        """An event message's events: the batch form (``kind ‖ 0x01 ‖ (len(header) ‖ header ‖ len(body) ‖
+        body)...``, one MAC for all when signed) gives each of its events, any other form its one message."""
         first = frames[0]
-        mark = first.find(b"\0", 0, 256)
-        header = msgpack.unpackb(frames[1] if mark < 0 else _one_frame_header(first, mark))
+        mark = first.find(b"\1", 0, 256)
+        if mark < 0 or len(frames) > 2 or b"\0" in first[:mark]:
+            return [self.decode(frames)]
+        events, pos = [], mark + 1
+        while pos < len(first):
+            header_len = struct.unpack_from("<I", first, pos)[0]
+            header_bytes = first[pos + 4:pos + 4 + header_len]
+            pos += 4 + header_len
+            body_len = struct.unpack_from("<I", first, pos)[0]
+            body_bytes = first[pos + 4:pos + 4 + body_len]
+            pos += 4 + body_len
+            header = msgpack.unpackb(header_bytes)
+            self.check(first, header, frames)
+            events.append(Message(first[:mark].decode("ascii"), header, msgpack.unpackb(body_bytes)))
+        return events
+
+    def check(self, first: bytes, header: dict[str, Any], frames: Sequence[bytes]) -> list[bytes]:
+        """The frames a message's MAC covers, once its version (and MAC, when this client signs) checked."""
         if header["v"][0] != VERSION[0]:
             raise ClientError(f"protocol {header['v']} from {header['src']}")
         signed = list(frames[:-1]) if header.get("signed") else list(frames)
@@ -135,6 +152,14 @@ class Wire:
                 raise ClientError(f"unsigned {first[:32]!r} on a signed bus")
             if not hmac.compare_digest(self.mac(signed), frames[-1]):
                 raise ClientError(f"bad MAC on {first[:32]!r}")
+        return signed
+
+    def decode(self, frames: Sequence[bytes]) -> Message:
+        """Either form, MAC checked when this client signs, arrays rebuilt and checked against their frames."""
+        first = frames[0]
+        mark = first.find(b"\0", 0, 256)
+        header = msgpack.unpackb(frames[1] if mark < 0 else _one_frame_header(first, mark))
+        signed = self.check(first, header, frames)
         if mark >= 0:
             if len(signed) != 1:
                 raise ClientError("a one-frame message followed by frames other than its MAC")
@@ -209,17 +234,25 @@ class Events:
         self.sock.connect(events_out)
         self.last_seq: dict[tuple[str, str], int] = {}
         self.syncs_seen: list[Message] = []
+        self.ready: list[Message] = []  # the rest of a batch, oldest first
         token = f"sub-{os.urandom(6).hex()}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             control.request("sync", {"token": token, "path": "sub"}, timeout_s=timeout_s)
-            while self.sock.poll(100):
-                event = self.wire.decode(self.sock.recv_multipart())
+            while (event := self.receive(100)) is not None:
                 if event.kind == "sync":
                     self.syncs_seen.append(event)
                     if event.body["token"] == token:
                         return
         raise TimeoutError(f"no sync probe arrived from {events_out} within {timeout_s}s")
+
+    def receive(self, timeout_ms: int) -> Message | None:
+        """The next event, None when none arrives within ``timeout_ms``."""
+        if not self.ready:
+            if not self.sock.poll(timeout_ms):
+                return None
+            self.ready = self.wire.decode_events(self.sock.recv_multipart())
+        return self.ready.pop(0)
 
     def next(self, kind: str, *, timeout_s: float, where: Callable[[dict[str, Any]], bool] = lambda body: True
              ) -> Message:
@@ -227,9 +260,9 @@ class Events:
         source incarnation's ``seq`` must grow."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            if not self.sock.poll(int(left * 1000) + 1):
+            event = self.receive(int(left * 1000) + 1)
+            if event is None:
                 break
-            event = self.wire.decode(self.sock.recv_multipart())
             if event.kind == "sync":
                 self.syncs_seen.append(event)
                 continue
