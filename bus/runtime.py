@@ -460,7 +460,7 @@ class NodeRuntime:
         codec = self.codec
         for entry in entries:
             try:
-                yield from [codec.decode_body(received) for received in codec.read_events(entry.frames)]
+                yield from codec.decode_batch(entry.frames) or [codec.decode(entry.frames)]
             except ProtocolError as exc:
                 log.warning("replay.rejected", code=exc.code, error=str(exc))
 

@@ -3,17 +3,18 @@
     [kind, header, body, *buffers]            unsigned
     [kind, header, body, *buffers, mac]       signed
     [kind ‖ 0x00 ‖ len(header) ‖ header ‖ body] (+ [mac])   one frame, for a message without arrays
-    [kind ‖ 0x01 ‖ (len(header) ‖ header ‖ len(body) ‖ body)...] (+ [mac])   a batch of events, one frame
+    [kind ‖ 0x01 ‖ msgpack [[header, body], ...]] (+ [mac])   a batch of events, one frame
 
-The one-frame form carries the same kind, header and body in one ZeroMQ frame (lengths: 4 bytes,
+The one-frame form carries the same kind, header and body in one ZeroMQ frame (``len(header)``: 4 bytes,
 little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind never holds a byte
 below 0x20, so the first such byte of the first frame says which form a message has. Events travel in it
 (pyzmq's cost per message is most of the event path); every receiver accepts both forms for every message.
 
 The batch form (protocol 2.2) carries several events of one kind from one source in one frame, each with its
 own header (its own id and sequence number): a node's loop sends what it published in one turn together, so a
-burst of events costs one ZeroMQ message, one MAC and one pass through the broker. Only events travel so;
-:meth:`WireCodec.read_events` reads every event form, and a batch is refused whole.
+burst of events costs one ZeroMQ message, one MAC and one pass through the broker, and msgspec encodes and
+decodes all of its headers and bodies in one call each. Only events travel so; a batch is read or refused
+whole (:meth:`WireCodec.read_events` for headers, :meth:`WireCodec.decode_batch` for messages).
 
 * ``kind``: ASCII name of the message kind; also the PUB/SUB topic prefix.
 * ``header``: msgpack map :class:`Header` (protocol version, message id, source node, per-source
@@ -67,7 +68,6 @@ ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
 BATCH_MARK = b"\1"  # ends the kind in the batch form
 MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
-_LENGTH = struct.Struct("<I").pack
 
 
 # Not tracked by the garbage collector (gc=False): its fields are strings and numbers, so it can be in no
@@ -83,6 +83,10 @@ class Header(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     ts: float  # wall-clock seconds at send (display only: nothing is judged by it)
     re: str = ""  # id of the request this message answers
     signed: bool = False  # a MAC frame follows the last frame
+
+
+BatchItem = tuple[Header, msgspec.Raw]
+"""One event of a batch as a publisher holds it until the batch goes: its header and its encoded body."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,11 @@ class WireCodec:
             kind: msgspec.msgpack.Decoder(cls, ext_hook=self._unpacker.ext_hook) for kind, cls in KINDS.items()
         }
         self._depth_checks = depth_checks(KINDS)
+        self._batch_header_decoder = msgspec.msgpack.Decoder(list[tuple[Header, msgspec.Raw]])
+        self._batch_decoders = {
+            kind: msgspec.msgpack.Decoder(list[tuple[Header, cls]], ext_hook=self._unpacker.ext_hook)  # type: ignore[valid-type]
+            for kind, cls in KINDS.items()
+        }
         self._kind_frames = {kind: kind.encode("ascii") for kind in KINDS}
         self._kind_names = {frame: kind for kind, frame in self._kind_frames.items()}
         self._signed = bool(secret)
@@ -195,28 +204,29 @@ class WireCodec:
             out.append(self._mac(out))
         return out
 
-    def batch_item(self, body: Body, seq: int) -> bytes | None:
-        """``body`` as event ``seq`` of a batch (:meth:`encode_batch`): ``len(header) ‖ header ‖ len(body) ‖
-        body``, its header stamped now; None when ``body`` has arrays (such an event travels alone)."""
+    def batch_item(self, body: Body, seq: int) -> BatchItem | None:
+        """``body`` as event ``seq`` of a batch (:meth:`encode_batch`): its header, stamped now, and its encoded
+        body; None when ``body`` has arrays (such an event travels alone). Encoding here, not when the batch goes,
+        is what lets the caller change ``body`` after publishing it."""
         arrays = self._packer.begin()
-        encode = self._encoder.encode
-        body_bytes = encode(body)
+        body_bytes = self._encoder.encode(body)
         if arrays:
             return None
-        header_bytes = encode(Header(PROTOCOL_VERSION, self._ids.next(), self.src, seq, time.time(), "",
-                                     self._signed))
-        return b"".join((_LENGTH(len(header_bytes)), header_bytes, _LENGTH(len(body_bytes)), body_bytes))
+        return Header(PROTOCOL_VERSION, self._ids.next(), self.src, seq, time.time(), "", self._signed), \
+            msgspec.Raw(body_bytes)
 
-    def encode_batch(self, kind: str, items: Sequence[bytes]) -> list[Buffer]:
+    def encode_batch(self, kind: str, items: Sequence[BatchItem]) -> list[Buffer]:
         """Frames of the events ``items`` (from :meth:`batch_item`, all of ``kind``, in sequence order): the
         batch form, or the one-frame form for a single event (what every 2.x subscriber reads)."""
         raw_kind = self._kind_frames[kind]
+        encode = self._encoder.encode
         if len(items) == 1:
-            item = items[0]
-            header_end = 4 + _HEADER_LENGTH(item, 0)[0]
-            out = [b"".join((raw_kind, ONE_FRAME_MARK, item[:header_end], item[header_end + 4:]))]
+            header, body = items[0]
+            header_bytes = encode(header)
+            out = [b"".join((raw_kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
+                             body))]
         else:
-            out = [b"".join((raw_kind, BATCH_MARK, *items))]
+            out = [b"".join((raw_kind, BATCH_MARK, encode(items)))]
         if self._signed:
             out.append(self._mac(out))
         return out
@@ -244,7 +254,7 @@ class WireCodec:
         if type(first) is not bytes:
             first = bytes(first)
         mark = first.find(ONE_FRAME_MARK, 0, MAX_KIND_BYTES)
-        if len(frames) <= 2 and first.find(BATCH_MARK, 0, MAX_KIND_BYTES if mark < 0 else mark) >= 0:
+        if _batch_mark(frames) >= 0:
             raise MalformedMessage("a batch of events: only an event stream carries one (see read_events)")
         one_frame = mark >= 0
         if one_frame:
@@ -284,19 +294,69 @@ class WireCodec:
         return Received(kind, header, parts if one_frame else signed)
 
     def read_events(self, frames: Sequence[Buffer], *, known: bool = True) -> list[Received]:
-        """Every event of an event message, each as :meth:`decode_header` returns one: a single event in the
-        one-frame or multi-frame form, or each event of a batch in order. A batch is checked whole before any of
-        it is returned (its lengths, every header, the version first, one source and one MAC flag in all, its
-        size, then the MAC): whatever is wrong refuses all of it, with a :class:`ProtocolError` as for one
-        message. ``known`` as in :meth:`decode_header`."""
+        """The header of every event of an event message, each as :meth:`decode_header` returns one: a single
+        event in the one-frame or multi-frame form, or each event of a batch in order (see
+        :meth:`_read_batch`: a batch is read or refused whole; its events' ``frames`` hold no header bytes).
+        ``known`` as in :meth:`decode_header`."""
         if len(frames) == 1:
             received = self.event_header(frames[0])
             if received is not None:
                 return [received]
-        first = _as_bytes(frames[0]) if frames else b""
-        mark = first.find(BATCH_MARK, 0, MAX_KIND_BYTES)
-        if mark < 0 or len(frames) > 2 or first.find(ONE_FRAME_MARK, 0, mark) >= 0:
+        mark = _batch_mark(frames)
+        if mark < 0:
             return [self.decode_header(frames, known=known)]
+        kind, raw_kind, events = self._read_batch(frames, mark, known)
+        return [Received(kind, header, [raw_kind, b"", body]) for header, body in events]
+
+    def decode_batch(self, frames: Sequence[Buffer]) -> list[Message] | None:
+        """Every event of a batch, decoded and validated as :meth:`decode` validates one, or a
+        :class:`ProtocolError` for the whole batch; None when ``frames`` is no batch. An unsigned batch of a kind
+        this node defines is decoded in one step (all headers and bodies in one msgspec call); anything that step
+        declines, every error included, goes through :meth:`_read_batch` and :meth:`decode_body`, which decide
+        and word each refusal: the same checks either way."""
+        mark = _batch_mark(frames)
+        if mark < 0:
+            return None
+        if not self._signed and len(frames) == 1:
+            messages = self._decode_batch_in_one_step(_as_bytes(frames[0]), mark)
+            if messages is not None:
+                return messages
+        kind, raw_kind, events = self._read_batch(frames, mark, True)
+        return [self.decode_body(Received(kind, header, [raw_kind, b"", body])) for header, body in events]
+
+    def _decode_batch_in_one_step(self, frame: bytes, mark: int) -> list[Message] | None:
+        kind = self._kind_names.get(frame[:mark])
+        limits = self.limits
+        if kind is None or len(frame) > limits.max_body_bytes or len(frame) > limits.max_items:
+            return None  # a bounds walk, or an error to word: the general path's
+        self._unpacker.begin((), "native", True, False)  # an array reference in a batch has no frame: refused
+        try:
+            events = self._batch_decoders[kind].decode(memoryview(frame)[mark + 1 :])
+        except Exception:  # the general path says what is wrong
+            return None
+        if not events:
+            return None
+        lead = events[0][0]
+        src, prefix = lead.src, lead.id.partition("-")[0] + "-"
+        depth_check = self._depth_checks.get(kind)
+        for header, body in events:
+            if header.v[0] != MAJOR or header.signed or header.src != src or not header.id.startswith(prefix):
+                return None
+            if depth_check is not None:
+                try:
+                    depth_check(body, limits.max_depth)
+                except ProtocolError:
+                    return None
+        return [Message(kind, header, body) for header, body in events]
+
+    def _read_batch(self, frames: Sequence[Buffer], mark: int, known: bool
+                    ) -> tuple[str, bytes, list[tuple[Header, msgspec.Raw]]]:
+        """Kind, kind bytes, and each event's header and raw body of the batch in ``frames`` (kind ending at
+        ``mark``), checked whole: its size and bounds, the event list (1 to ``max_items`` ``[header, body]``
+        pairs), every header (the major first), one source, one incarnation (message ids ``<incarnation>-...``)
+        and one MAC flag in all, the frames, then the MAC.
+        Whatever is wrong refuses all of it, with a :class:`ProtocolError` as for one message."""
+        first = _as_bytes(frames[0])
         if mark == 0:
             raise MalformedMessage("batch with an empty kind")
         raw_kind = first[:mark]
@@ -304,23 +364,37 @@ class WireCodec:
         limits = self.limits
         if len(first) > limits.max_body_bytes:
             raise MessageTooLarge(f"batch is {len(first)} bytes, limit {limits.max_body_bytes}", kind=kind)
-        parts = _split_batch(first, mark, limits.max_items, kind)
-        headers = [self.read_header(raw_header, kind=kind) for raw_header, _ in parts]
-        for header in headers:
+        payload = memoryview(first)[mark + 1 :]
+        if len(payload) > limits.max_items:
+            try:
+                check_structure(bytes(payload), max_depth=limits.max_depth, max_items=limits.max_items)
+            except ProtocolError as exc:
+                exc.kind = kind
+                raise
+        try:
+            events = self._batch_header_decoder.decode(payload)
+        except msgspec.MsgspecError as exc:
+            raise MalformedMessage(f"batch: {exc}", kind=kind) from None
+        except Exception as exc:  # RecursionError, MemoryError, ...: never the caller's
+            raise MalformedMessage(f"batch: {type(exc).__name__}: {exc}", kind=kind) from None
+        if not events:
+            raise MalformedMessage("batch with no event", kind=kind)
+        for header, _ in events:
             _check_version(header, kind)
-        lead = headers[0]
+        lead = events[0][0]
         if known and kind not in KINDS:
             raise UnknownKind(f"unknown message kind {kind!r} from {lead.src!r}", kind=kind)
-        if any(header.src != lead.src or header.signed != lead.signed for header in headers):
-            raise MalformedMessage(f"a batch from {lead.src!r} mixes sources or MAC flags", kind=kind)
+        prefix = incarnation(lead.id) + "-"
+        if any(header.src != lead.src or header.signed != lead.signed or not header.id.startswith(prefix)
+               for header, _ in events):
+            raise MalformedMessage(f"a batch from {lead.src!r} mixes sources, incarnations or MAC flags", kind=kind)
         signed = frames[:-1] if lead.signed else frames
         if len(signed) != 1:
             raise MalformedMessage(f"batch followed by {len(frames) - 1} frames ("
                                    f"{'a MAC frame only' if lead.signed else 'none'} expected)", kind=kind)
         if self._secret:
             self._check_mac(kind, lead, signed, frames[-1])
-        return [Received(kind, header, [raw_kind, raw_header, body])
-                for header, (raw_header, body) in zip(headers, parts, strict=True)]
+        return kind, raw_kind, events
 
     def _kind_of(self, raw_kind: bytes) -> str:
         kind = self._kind_names.get(raw_kind)
@@ -468,29 +542,13 @@ def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
     return [frame[:mark], frame[start:header_end], frame[header_end:]]
 
 
-def _split_batch(frame: bytes, mark: int, max_events: int, kind: str) -> list[tuple[bytes, bytes]]:
-    """``(header, body)`` of each event of a batch whose kind ends at ``mark``, or
-    :class:`MalformedMessage`: every length must stay inside the frame, and the frame hold 1 to
-    ``max_events`` events."""
-    parts: list[tuple[bytes, bytes]] = []
-    pos, end = mark + 1, len(frame)
-    while pos < end:
-        if len(parts) == max_events:
-            raise MalformedMessage(f"batch holds more than {max_events} events", kind=kind)
-        if end - pos < 8:
-            raise MalformedMessage(f"batch of {end} bytes ends inside the lengths of its event at byte {pos}",
-                                   kind=kind)
-        header_end = pos + 4 + _HEADER_LENGTH(frame, pos)[0]
-        if header_end + 4 > end:
-            raise MalformedMessage(f"batch event at byte {pos} declares a header past the frame's end", kind=kind)
-        body_end = header_end + 4 + _HEADER_LENGTH(frame, header_end)[0]
-        if body_end > end:
-            raise MalformedMessage(f"batch event at byte {pos} declares a body past the frame's end", kind=kind)
-        parts.append((frame[pos + 4 : header_end], frame[header_end + 4 : body_end]))
-        pos = body_end
-    if not parts:
-        raise MalformedMessage("batch with no event", kind=kind)
-    return parts
+def _batch_mark(frames: Sequence[Buffer]) -> int:
+    """Where the kind ends in a batch (its first byte below 0x20 is 0x01), -1 for any other form."""
+    if not frames or len(frames) > 2:
+        return -1
+    first = _as_bytes(frames[0])
+    mark = first.find(BATCH_MARK, 0, MAX_KIND_BYTES)
+    return -1 if mark < 0 or first.find(ONE_FRAME_MARK, 0, mark) >= 0 else mark
 
 
 def _check_version(header: Header, kind: str) -> None:

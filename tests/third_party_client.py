@@ -123,24 +123,16 @@ class Wire:
         return mac.digest()
 
     def decode_events(self, frames: Sequence[bytes]) -> list[Message]:
-        """An event message's events: the batch form (``kind ‖ 0x01 ‖ (len(header) ‖ header ‖ len(body) ‖
-        body)...``, one MAC for all when signed) gives each of its events, any other form its one message."""
+        """An event message's events: the batch form (``kind ‖ 0x01 ‖ msgpack [[header, body], ...]``, one MAC
+        for all when signed) gives each of its events, any other form its one message."""
         first = frames[0]
         mark = first.find(b"\1", 0, 256)
         if mark < 0 or len(frames) > 2 or b"\0" in first[:mark]:
             return [self.decode(frames)]
-        events, pos = [], mark + 1
-        while pos < len(first):
-            header_len = struct.unpack_from("<I", first, pos)[0]
-            header_bytes = first[pos + 4:pos + 4 + header_len]
-            pos += 4 + header_len
-            body_len = struct.unpack_from("<I", first, pos)[0]
-            body_bytes = first[pos + 4:pos + 4 + body_len]
-            pos += 4 + body_len
-            header = msgpack.unpackb(header_bytes)
+        kind, events = first[:mark].decode("ascii"), msgpack.unpackb(first[mark + 1:])
+        for header, _ in events:
             self.check(first, header, frames)
-            events.append(Message(first[:mark].decode("ascii"), header, msgpack.unpackb(body_bytes)))
-        return events
+        return [Message(kind, header, body) for header, body in events]
 
     def check(self, first: bytes, header: dict[str, Any], frames: Sequence[bytes]) -> list[bytes]:
         """The frames a message's MAC covers, once its version (and MAC, when this client signs) checked."""
