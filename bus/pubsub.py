@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 import structlog
 import zmq
 
-from ..protocol.envelope import Message, WireCodec, incarnation
+from ..protocol.envelope import BatchItem, Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
 from .sockets import readable, recv_frames, send_frames
@@ -97,50 +97,60 @@ class Publisher:
         self._kept: deque[tuple[list[bytes], int, int]] = deque()  # (frames, size, events), oldest first
         self._kept_bytes = 0
         self._kept_events = 0
-        self._waiting: list[tuple[str, bytes]] | None = None  # (kind, batch item) while batching, in order
+        self._waiting: list[tuple[str, BatchItem]] = []  # (kind, batch item) not sent yet, in order
         self._waiting_bytes = 0
+        self._turns = 0  # open batching() contexts
 
     def publish(self, body: Body) -> int:
         """Send ``body`` as the next event (one frame when it has no arrays), or, inside :meth:`batching`,
         queue it for the batch; returns its sequence number. Arrays are sent at once, zero-copy, after what
         waits (the copy held for a refill is made here)."""
         self.seq = seq = self.seq + 1
-        waiting = self._waiting
-        if waiting is not None and self.batch_events > 1:
+        if self._turns and self.batch_events > 1:
             item = self.codec.batch_item(body, seq)
             if item is not None:
-                waiting.append((body.kind, item))
-                self._waiting_bytes += len(item)
-                if len(waiting) >= self.batch_events or self._waiting_bytes >= BATCH_BYTES:
+                size = len(item[1])
+                if self._waiting_bytes + size > BATCH_BYTES:  # a batch every receiver takes: bounded in bytes
+                    self.flush()
+                self._waiting.append((body.kind, item))
+                self._waiting_bytes += size
+                if len(self._waiting) >= self.batch_events:
                     self.flush()
                 return seq
-            self.flush()
+        if self._waiting:
+            self.flush()  # what waits goes first
         self._send(self.codec.encode(body, seq=seq, one_frame=True))
         return seq
 
     @contextlib.contextmanager
     def batching(self) -> Iterator[None]:
-        """Events published inside wait and go out in batches when it ends (:meth:`flush`)."""
-        self._waiting = []
+        """Events published inside wait and go out in batches when it ends (:meth:`flush`); inside another
+        ``batching``, when the outermost ends."""
+        self._turns += 1
         try:
             yield
         finally:
-            self.flush()
-            self._waiting = None
+            self._turns -= 1
+            if not self._turns:
+                self.flush()
 
     def flush(self) -> None:
-        """Send what waits for a batch: runs of one kind, in publishing order."""
+        """Send what waits for a batch: runs of one kind, in publishing order, at most ``batch_events`` each.
+        A send that fails leaves what it had not sent waiting, in order, for the next flush or publish."""
         waiting = self._waiting
         if not waiting:
             return
-        self._waiting = []
-        self._waiting_bytes = 0
-        encode_batch = self.codec.encode_batch
+        encode_batch, most = self.codec.encode_batch, max(1, self.batch_events)
         start = 0
-        for end in range(1, len(waiting) + 1):
-            if end == len(waiting) or waiting[end][0] != waiting[start][0]:
-                self._send(encode_batch(waiting[start][0], [item for _, item in waiting[start:end]]), end - start)
-                start = end
+        try:
+            for end in range(1, len(waiting) + 1):
+                if end == len(waiting) or waiting[end][0] != waiting[start][0] or end - start == most:
+                    self._send(encode_batch(waiting[start][0], [item for _, item in waiting[start:end]]),
+                               end - start)
+                    start = end
+        finally:
+            del waiting[:start]
+            self._waiting_bytes = sum(len(item[1]) for _, item in waiting)
 
     def publish_raw(self, body: Body) -> None:
         """Send a ``sync`` probe: it consumes no sequence number, and carries the latest one (see
@@ -311,10 +321,6 @@ class Subscriber:
         """The events of one batch (one kind, one source incarnation, which the codec checked), each tracked as
         if it came alone; the common case, numbers that go on from the last one seen, in one step."""
         kind = batch[0].kind
-        if kind == SYNC:  # probes travel alone: they carry no sequence number of their own
-            self.rejected["malformed"] += 1
-            log.warning("event.rejected", code="malformed", error="sync probes in a batch")
-            return
         if self.topics is not None and kind not in self.topics:
             return
         deliver = self.kinds is None or kind in self.kinds

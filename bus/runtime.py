@@ -814,6 +814,8 @@ class NodeRuntime:
         if welcome.wire not in SPOKEN_MAJORS:
             raise BusUnavailable(f"broker {welcome.broker_id!r} chose protocol major {welcome.wire}, this node "
                                  f"speaks {list(SPOKEN_MAJORS)}")
+        if self.publisher is not None:  # what the turn published goes now, ahead of the refill, never after it
+            self.publisher.flush()
         if self.publisher is None:
             pub = make_socket(self.ctx, zmq.PUB, options=self.event_options)
             self._owned.append(pub)

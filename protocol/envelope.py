@@ -56,7 +56,7 @@ from .errors import (
     UnknownKind,
     VersionMismatch,
 )
-from .messages import KINDS, Body
+from .messages import KINDS, Body, Sync
 
 PROTOCOL_VERSION: tuple[int, int] = (2, 2)
 NIL_CHECKSUM_SINCE: tuple[int, int] = (2, 1)  # the first version whose decoders read an unhashed frame
@@ -66,6 +66,7 @@ MIN_FRAMES = 3
 MAC_BYTES = 32
 ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
 BATCH_MARK = b"\1"  # ends the kind in the batch form
+MAX_BATCH_EVENTS = 65_535  # events in one batch, at most (what a welcome's event_batch allows, at most)
 MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
 
@@ -193,8 +194,7 @@ class WireCodec:
         body_bytes = encode(body)
         kind = self._kind_frames[body.kind]
         signed = self._signed
-        header_bytes = encode(Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(),
-                                     reply_to, signed))
+        header_bytes = encode(self._stamp(seq, msg_id, reply_to))
         if one_frame and not frames:
             out = [b"".join((kind, ONE_FRAME_MARK, len(header_bytes).to_bytes(4, "little"), header_bytes,
                              body_bytes))]
@@ -210,10 +210,11 @@ class WireCodec:
         is what lets the caller change ``body`` after publishing it."""
         arrays = self._packer.begin()
         body_bytes = self._encoder.encode(body)
-        if arrays:
-            return None
-        return Header(PROTOCOL_VERSION, self._ids.next(), self.src, seq, time.time(), "", self._signed), \
-            msgspec.Raw(body_bytes)
+        return None if arrays else (self._stamp(seq), msgspec.Raw(body_bytes))
+
+    def _stamp(self, seq: int, msg_id: str = "", reply_to: str = "") -> Header:
+        """The header of a message this codec sends now."""
+        return Header(PROTOCOL_VERSION, msg_id or self._ids.next(), self.src, seq, time.time(), reply_to, self._signed)
 
     def encode_batch(self, kind: str, items: Sequence[BatchItem]) -> list[Buffer]:
         """Frames of the events ``items`` (from :meth:`batch_item`, all of ``kind``, in sequence order): the
@@ -276,9 +277,7 @@ class WireCodec:
         signed = frames[:-1] if header.signed else frames
         limits = self.limits
         if one_frame:
-            if len(signed) != 1:
-                raise MalformedMessage(f"one-frame message followed by {len(frames) - 1} frames ("
-                                       f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
+            _one_frame_and_mac(frames, header, kind, "one-frame message")
             body_size = total = len(parts[2])  # split from one bytes frame: bytes too
         elif len(signed) < MIN_FRAMES:
             raise MalformedMessage("a signed header, but no frame after the body for its MAC", kind=kind)
@@ -327,14 +326,14 @@ class WireCodec:
     def _decode_batch_in_one_step(self, frame: bytes, mark: int) -> list[Message] | None:
         kind = self._kind_names.get(frame[:mark])
         limits = self.limits
-        if kind is None or len(frame) > limits.max_body_bytes or len(frame) > limits.max_items:
+        if kind is None or kind == Sync.kind or len(frame) > self._max_one_frame_body or len(frame) > limits.max_items:
             return None  # a bounds walk, or an error to word: the general path's
         self._unpacker.begin((), "native", True, False)  # an array reference in a batch has no frame: refused
         try:
             events = self._batch_decoders[kind].decode(memoryview(frame)[mark + 1 :])
         except Exception:  # the general path says what is wrong
             return None
-        if not events:
+        if not events or len(events) > MAX_BATCH_EVENTS:
             return None
         lead = events[0][0]
         src, prefix = lead.src, lead.id.partition("-")[0] + "-"
@@ -352,18 +351,26 @@ class WireCodec:
     def _read_batch(self, frames: Sequence[Buffer], mark: int, known: bool
                     ) -> tuple[str, bytes, list[tuple[Header, msgspec.Raw]]]:
         """Kind, kind bytes, and each event's header and raw body of the batch in ``frames`` (kind ending at
-        ``mark``), checked whole: its size and bounds, the event list (1 to ``max_items`` ``[header, body]``
-        pairs), every header (the major first), one source, one incarnation (message ids ``<incarnation>-...``)
-        and one MAC flag in all, the frames, then the MAC.
-        Whatever is wrong refuses all of it, with a :class:`ProtocolError` as for one message."""
+        ``mark``), checked whole: its kind and size; on a signed bus then its MAC, before a byte of the events is
+        parsed (a forged batch costs one pass of SHA-256); its bounds and the event list (1 to
+        ``MAX_BATCH_EVENTS`` ``[header, body]`` pairs); every header (the major first); one source, one
+        incarnation (message ids ``<incarnation>-...``) and one MAC flag in all; the frames. Whatever is wrong
+        refuses all of it, with a :class:`ProtocolError` as for one message (on a signed bus a batch of another
+        major is refused ``bad-signature``: events get no error reply, and no major sends batches but this one)."""
         first = _as_bytes(frames[0])
         if mark == 0:
             raise MalformedMessage("batch with an empty kind")
         raw_kind = first[:mark]
         kind = self._kind_of(raw_kind)
+        if kind == Sync.kind:  # a probe carries the latest sequence number, none of its own
+            raise MalformedMessage("sync probes travel alone, never in a batch", kind=kind)
         limits = self.limits
-        if len(first) > limits.max_body_bytes:
-            raise MessageTooLarge(f"batch is {len(first)} bytes, limit {limits.max_body_bytes}", kind=kind)
+        if len(first) > self._max_one_frame_body:
+            raise MessageTooLarge(f"batch is {len(first)} bytes, limit {self._max_one_frame_body}", kind=kind)
+        if self._secret:
+            if len(frames) != 2:
+                raise BadSignature(f"batch of {kind!r} without its MAC frame on a signed bus", kind=kind)
+            self._verify_mac(frames[:1], frames[1], "(a batch)", kind)
         payload = memoryview(first)[mark + 1 :]
         if len(payload) > limits.max_items:
             try:
@@ -377,8 +384,8 @@ class WireCodec:
             raise MalformedMessage(f"batch: {exc}", kind=kind) from None
         except Exception as exc:  # RecursionError, MemoryError, ...: never the caller's
             raise MalformedMessage(f"batch: {type(exc).__name__}: {exc}", kind=kind) from None
-        if not events:
-            raise MalformedMessage("batch with no event", kind=kind)
+        if not events or len(events) > MAX_BATCH_EVENTS:
+            raise MalformedMessage(f"batch of {len(events)} events, 1 to {MAX_BATCH_EVENTS} expected", kind=kind)
         for header, _ in events:
             _check_version(header, kind)
         lead = events[0][0]
@@ -388,12 +395,7 @@ class WireCodec:
         if any(header.src != lead.src or header.signed != lead.signed or not header.id.startswith(prefix)
                for header, _ in events):
             raise MalformedMessage(f"a batch from {lead.src!r} mixes sources, incarnations or MAC flags", kind=kind)
-        signed = frames[:-1] if lead.signed else frames
-        if len(signed) != 1:
-            raise MalformedMessage(f"batch followed by {len(frames) - 1} frames ("
-                                   f"{'a MAC frame only' if lead.signed else 'none'} expected)", kind=kind)
-        if self._secret:
-            self._check_mac(kind, lead, signed, frames[-1])
+        _one_frame_and_mac(frames, lead, kind, "batch")
         return kind, raw_kind, events
 
     def _kind_of(self, raw_kind: bytes) -> str:
@@ -518,12 +520,14 @@ class WireCodec:
     def _check_mac(self, kind: str, header: Header, signed: Sequence[Buffer], mac: Buffer) -> None:
         if not header.signed:
             raise BadSignature(f"unsigned message from {header.src!r} on a signed bus", kind=kind)
+        self._verify_mac(signed, mac, f"from {header.src!r}", kind)
+
+    def _verify_mac(self, signed: Sequence[Buffer], mac: Buffer, sender: str, kind: str) -> None:
         received = _as_bytes(mac)
         if len(received) != MAC_BYTES:
-            raise BadSignature(f"MAC frame of {len(received)} bytes from {header.src!r}, expected {MAC_BYTES}",
-                               kind=kind)
+            raise BadSignature(f"MAC frame of {len(received)} bytes {sender}, expected {MAC_BYTES}", kind=kind)
         if not hmac.compare_digest(self._mac(signed), received):
-            raise BadSignature(f"bad MAC on message from {header.src!r}", kind=kind)
+            raise BadSignature(f"bad MAC on message {sender}", kind=kind)
 
 
 def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
@@ -540,6 +544,13 @@ def _split_one_frame(frame: bytes, mark: int) -> list[bytes]:
             f"one-frame message declares a {header_end - start}-byte header, {len(frame) - start} bytes follow"
         )
     return [frame[:mark], frame[start:header_end], frame[header_end:]]
+
+
+def _one_frame_and_mac(frames: Sequence[Buffer], header: Header, kind: str, form: str) -> None:
+    """A one-frame message or a batch is its frame and, when ``header`` says so, a MAC frame: nothing else."""
+    if len(frames) != 1 + header.signed:
+        raise MalformedMessage(f"{form} followed by {len(frames) - 1} frames ("
+                               f"{'a MAC frame only' if header.signed else 'none'} expected)", kind=kind)
 
 
 def _batch_mark(frames: Sequence[Buffer]) -> int:

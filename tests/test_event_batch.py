@@ -111,7 +111,7 @@ ARRAY_REF = msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode(["uint8", [3],
 
 
 @pytest.mark.parametrize(("frames", "error", "match"), [
-    ([_batch()], MalformedMessage, "batch with no event"),
+    ([_batch()], MalformedMessage, "batch of 0 events, 1 to 65535 expected"),
     ([b"\x01" + ENCODE([ONE])], MalformedMessage, "batch with an empty kind"),
     ([b"delete\x01" + ENCODE({"a": 1})], MalformedMessage, "batch: Expected `array`"),
     ([_batch(ONE)[:-3]], MalformedMessage, "batch: Input data was truncated"),
@@ -148,15 +148,34 @@ def test_a_bad_batch_is_refused_whole_saying_what_is_wrong(frames: list[bytes], 
 def test_a_signed_bus_refuses_a_batch_without_its_mac_or_with_a_wrong_one() -> None:
     reader = WireCodec("sub", secret=SECRET)
     frames = batch(WireCodec("env-0", secret=SECRET), 1, 3)
-    with pytest.raises(MalformedMessage, match="a MAC frame only expected"):
+    with pytest.raises(BadSignature, match="without its MAC frame on a signed bus"):
         reader.read_events(frames[:1])
     with pytest.raises(BadSignature, match="bad MAC"):
         reader.read_events([frames[0], bytes(32)])
-    with pytest.raises(BadSignature, match="unsigned message"):
+    with pytest.raises(BadSignature, match="without its MAC frame"):
         reader.read_events(batch(WireCodec("env-0"), 1, 3))
     forged = batch(WireCodec("env-0", secret=b"another"), 1, 3)
     with pytest.raises(BadSignature):
         reader.read_events(forged)
+
+
+def test_a_forged_batch_on_a_signed_bus_is_refused_before_its_events_are_parsed() -> None:
+    """The MAC is checked over the frame before a byte of the events is read: a forged batch (here 8 MiB of
+    events) costs one SHA-256 pass, not a parse."""
+
+    class Untouched:
+        def decode(self, data: Any) -> Any:
+            raise AssertionError("the events were parsed before the MAC was checked")
+
+    reader = WireCodec("sub", secret=SECRET)
+    reader._batch_header_decoder = Untouched()  # type: ignore[assignment]
+    forged = batch(WireCodec("env-0", secret=b"not-the-secret"), 1, 2)
+    events = ENCODE([(_header(seq=i, signed=True), delete(i)) for i in range(1, 100_000)])
+    for frames in ([forged[0], bytes(32)], [b"delete\x01" + events, bytes(32)], [b"delete\x01" + events]):
+        with pytest.raises(BadSignature):
+            reader.read_events(frames)
+        with pytest.raises(BadSignature):
+            reader.decode_batch(frames)
 
 
 def _outcome(decode: Callable[[], list[Message] | None]) -> Any:
@@ -262,13 +281,46 @@ def test_a_turn_sends_runs_of_one_kind_in_order_bounded_and_arrays_alone(pair: C
 
 def test_a_turn_closes_a_batch_at_about_its_byte_bound(pair: Callable[..., Pair], monkeypatch: Any) -> None:
     p = pair(batch_events=1000)
-    item = len(WireCodec("env-0").batch_item(delete(1), 1) or b"")
-    monkeypatch.setattr(pubsub, "BATCH_BYTES", 3 * item)
+    item = WireCodec("env-0").batch_item(delete(1), 1)
+    assert item is not None
+    monkeypatch.setattr(pubsub, "BATCH_BYTES", 3 * len(item[1]))
     with p.publisher.batching():
         for i in range(1, 8):
             p.publisher.publish(delete(i))
-    assert p.publisher.messages == 3  # 3 + 3 at the bound, then the last one at the end of the turn
-    assert [m.header.seq for m in p.receive(7)] == list(range(1, 8))
+    assert p.publisher.messages == 3  # 3 + 3 (a 4th would pass the bound), then the last one at the turn's end
+    big = Delete(blob_ids=["x" * 100], holder="t-0", reason="trained")  # larger than the bound: alone
+    with p.publisher.batching():
+        p.publisher.publish(delete(8))
+        p.publisher.publish(big)
+        p.publisher.publish(delete(10))
+    assert p.publisher.messages == 6  # what waited, the large one alone, the last one
+    assert [m.header.seq for m in p.receive(10)] == list(range(1, 11))
+
+
+def test_a_publisher_keeps_order_and_loses_nothing_when_a_send_fails_nests_or_its_limit_drops(
+        pair: Callable[..., Pair], monkeypatch: Any) -> None:
+    p = pair(batch_events=8)
+    real_send, failures = pubsub.send_frames, [1]
+
+    def send_failing_once(sock: zmq.Socket, frames: list) -> None:
+        if failures and bytes(frames[0]).startswith(b"run-end"):
+            failures.pop()
+            raise zmq.ZMQError(zmq.EAGAIN)
+        real_send(sock, frames)
+
+    monkeypatch.setattr(pubsub, "send_frames", send_failing_once)
+    with pytest.raises(zmq.ZMQError), p.publisher.batching():
+        p.publisher.publish(delete(1))
+        with p.publisher.batching():  # nested: the outer turn ends the batch
+            p.publisher.publish(RunEnd(reason="r", steps=2))
+        assert p.publisher.messages == 0
+        p.publisher.publish(delete(3))
+    assert p.publisher.messages == 1  # the deletes' run went; the failed run and what followed wait, in order
+    with p.publisher.batching():
+        p.publisher.publish(delete(4))
+        p.publisher.batch_events = 1  # lowered mid-turn: what waits goes first, then one a message
+        p.publisher.publish(delete(5))
+    assert [m.header.seq for m in p.receive(5)] == [1, 2, 3, 4, 5] and p.sub.lost.total() == 0
 
 
 def test_outside_a_turn_and_with_a_batch_of_one_every_event_goes_alone(pair: Callable[..., Pair]) -> None:
@@ -352,9 +404,19 @@ def test_a_cluster_batches_a_turn_as_its_broker_allows_and_replays_from_inside_a
     _on_loop(pub, lambda: [pub.publish(RunEnd(reason="turn", steps=step)) for step in range(1, 11)])
     messages = _on_loop(pub, lambda: pub.publisher.messages if pub.publisher else 0) - before
     assert messages == (10 if event_batch == 1 else 1)
+
+    def publish_then_rejoin() -> tuple[int, int]:  # a re-join sends what the turn published first, before it
+        assert pub.publisher is not None  # reconnects, refills or probes: never after the refill
+        pub.publish(RunEnd(reason="turn", steps=11))
+        before = pub.publisher.messages
+        pub._join()
+        return before, pub.publisher.messages
+
+    before, after = _on_loop(pub, publish_then_rejoin)
+    assert after == before + (event_batch > 1)
     assert _on_loop(pub, lambda: pub.flush_events(WAIT_S))  # the broker has them: the ring will
     replayed = _on_loop(sub, lambda: sub.replay(since=5, src="pub"))
-    assert [m.body.steps for m in replayed if m.kind == RunEnd.kind] == [5, 6, 7, 8, 9, 10]
+    assert [m.body.steps for m in replayed if m.kind == RunEnd.kind] == [5, 6, 7, 8, 9, 10, 11]
     assert all(m.header.seq >= 5 for m in replayed)
 
 
