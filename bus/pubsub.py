@@ -56,7 +56,10 @@ MAX_INCARNATIONS = 4096  # per-(source, incarnation) sequences remembered, least
 KEEP_EVENTS = 4096
 KEEP_BYTES = 8 << 20
 BATCH_EVENTS = 64  # events a node's loop turn sends in one message, at most (the broker's default)
-BATCH_BYTES = 256 << 10  # about this many bytes of events in one message, at most
+# About this many bytes of events in one message, at most. High-water marks count messages, so this bounds
+# what a stalled subscriber's queue can hold: EVENT_HWM batches of it, where one event a message held as many
+# messages of ~200 B.
+BATCH_BYTES = 16 << 10
 
 
 def in_source_order(events: list[Message]) -> list[Message]:
