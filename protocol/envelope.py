@@ -6,9 +6,10 @@
     [kind ‖ 0x01 ‖ msgpack [[header, body], ...]] (+ [mac])   a batch of events, one frame
 
 The one-frame form carries the same kind, header and body in one ZeroMQ frame (``len(header)``: 4 bytes,
-little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind never holds a byte
-below 0x20, so the first such byte of the first frame says which form a message has. Events travel in it
-(pyzmq's cost per message is most of the event path); every receiver accepts both forms for every message.
+little-endian); it starts with the kind, so PUB/SUB topic prefixes still match, and a kind never holds a NUL
+byte, so the first frame says which form a message has: its kind ends in 0x00 in the one-frame form, in 0x01
+(with no 0x00 before it, one frame and perhaps its MAC) in the batch form. Events travel in one frame (pyzmq's
+cost per message is most of the event path); every receiver accepts both forms for every message.
 
 The batch form (protocol 2.2) carries several events of one kind from one source in one frame, each with its
 own header (its own id and sequence number): a node's loop sends what it published in one turn together, so a
@@ -554,12 +555,14 @@ def _one_frame_and_mac(frames: Sequence[Buffer], header: Header, kind: str, form
 
 
 def _batch_mark(frames: Sequence[Buffer]) -> int:
-    """Where the kind ends in a batch (its first byte below 0x20 is 0x01), -1 for any other form."""
+    """Where the kind ends in a batch (one frame, perhaps with its MAC, whose kind ends in 0x01 with no 0x00
+    before it), -1 for any other form. Reads the first ``MAX_KIND_BYTES`` bytes only."""
     if not frames or len(frames) > 2:
         return -1
-    first = _as_bytes(frames[0])
-    mark = first.find(BATCH_MARK, 0, MAX_KIND_BYTES)
-    return -1 if mark < 0 or first.find(ONE_FRAME_MARK, 0, mark) >= 0 else mark
+    first = frames[0]
+    head = first if type(first) is bytes else bytes(memoryview(first)[:MAX_KIND_BYTES])
+    mark = head.find(BATCH_MARK, 0, MAX_KIND_BYTES)
+    return -1 if mark < 0 or head.find(ONE_FRAME_MARK, 0, mark) >= 0 else mark
 
 
 def _check_version(header: Header, kind: str) -> None:
