@@ -322,23 +322,16 @@ class Subscriber:
 
     def _take_batch(self, batch: list[Message], live: bool) -> None:
         """The events of one batch (one kind, one source incarnation, which the codec checked), each tracked as
-        if it came alone; the common case, numbers that go on from the last one seen, in one step."""
+        if it came alone; the common case, consecutive numbers all new, in one step of :meth:`_track`."""
         kind = batch[0].kind
         if self.topics is not None and kind not in self.topics:
             return
         deliver = self.kinds is None or kind in self.kinds
         lead = batch[0].header
-        src, epoch = lead.src, incarnation(lead.id)
-        key = (src, epoch)
-        last = self._sequences.get(key)
-        if last is not None and all(m.header.seq == seq for seq, m in enumerate(batch, last + 1)):
-            last += len(batch)
-            del self._sequences[key]  # re-inserted: the most recently seen is last
-            self._sequences[key] = last
-            if self._epochs.get(src) == epoch:
-                self.last_seq[src] = last
-            self.received += len(batch)
-            if deliver:
+        src, epoch, first = lead.src, incarnation(lead.id), lead.seq
+        last = self._sequences.get((src, epoch))
+        if (last is None or first > last) and all(m.header.seq == seq for seq, m in enumerate(batch, first)):
+            if self._track(src, first, epoch, live, len(batch)) and deliver:
                 self._ready.extend(batch)
             return
         track, ready = self._track, self._ready
@@ -370,23 +363,26 @@ class Subscriber:
             self._ready.append(message)
         return True
 
-    def _track(self, src: str, seq: int, epoch: str, live: bool) -> bool:
+    def _track(self, src: str, seq: int, epoch: str, live: bool, count: int = 1) -> bool:
         """Advance the sequence of ``src``'s incarnation ``epoch``; False for an event it already delivered. A
         jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node); when this
         subscriber already followed the source, that incarnation's every event came after it subscribed, so
         one that does not start at 1 is a gap from 1 (a restarted broker whose first events were forwarded
-        before this subscriber's socket reconnected, or went before a live one overtook the ring's copy)."""
+        before this subscriber's socket reconnected, or went before a live one overtook the ring's copy).
+        ``count``: the events numbered ``seq`` to ``seq + count - 1`` (part of a batch) in one step, for a caller
+        that knows every one of them is new (``seq`` above the last number seen)."""
         key = (src, epoch)
         sequences = self._sequences
         last = sequences.pop(key, None)  # re-inserted below: the most recently seen is last
+        end = seq + count - 1
         if last is None:
             restarted = src in self._epochs
             if restarted:
                 log.info("event.source_restarted", src=src, last_seq=self.last_seq.get(src))
-            self._remember(key, seq)
+            self._remember(key, end)
             self._epochs[src] = epoch
-            self.last_seq[src] = seq
-            self.received += 1
+            self.last_seq[src] = end
+            self.received += count
             if restarted and seq > 1:
                 self._gap(src, epoch, 1, seq - 1)
             return True
@@ -398,10 +394,10 @@ class Subscriber:
             else:
                 self.duplicates += 1
             return False
-        sequences[key] = seq
+        sequences[key] = end
         if self._epochs.get(src) == epoch:
-            self.last_seq[src] = seq
-        self.received += 1
+            self.last_seq[src] = end
+        self.received += count
         if seq > last + 1:
             self._gap(src, epoch, last + 1, seq - 1)
         return True

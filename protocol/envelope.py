@@ -337,7 +337,7 @@ class WireCodec:
         if not events or len(events) > MAX_BATCH_EVENTS:
             return None
         lead = events[0][0]
-        src, prefix = lead.src, lead.id.partition("-")[0] + "-"
+        src, prefix = lead.src, incarnation(lead.id) + "-"
         depth_check = self._depth_checks.get(kind)
         for header, body in events:
             if header.v[0] != MAJOR or header.signed or header.src != src or not header.id.startswith(prefix):

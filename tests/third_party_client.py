@@ -130,14 +130,14 @@ class Wire:
         if mark < 0 or len(frames) > 2 or b"\0" in first[:mark]:
             return [self.decode(frames)]
         kind, events = first[:mark].decode("ascii"), msgpack.unpackb(first[mark + 1:])
-        for header, _ in events:
-            self.check(first, header, frames)
+        for header, _ in events[1:]:
+            check_version(header)
+        self.check(first, events[0][0], frames)  # one MAC covers the batch
         return [Message(kind, header, body) for header, body in events]
 
     def check(self, first: bytes, header: dict[str, Any], frames: Sequence[bytes]) -> list[bytes]:
         """The frames a message's MAC covers, once its version (and MAC, when this client signs) checked."""
-        if header["v"][0] != VERSION[0]:
-            raise ClientError(f"protocol {header['v']} from {header['src']}")
+        check_version(header)
         signed = list(frames[:-1]) if header.get("signed") else list(frames)
         if self.secret:
             if not header.get("signed") or len(frames[-1]) != MAC_BYTES:
@@ -177,6 +177,11 @@ class Wire:
 
         body = msgpack.unpackb(body_bytes, ext_hook=array_of)
         return Message(kind.decode("ascii"), header, body)
+
+
+def check_version(header: dict[str, Any]) -> None:
+    if header["v"][0] != VERSION[0]:
+        raise ClientError(f"protocol {header['v']} from {header['src']}")
 
 
 def _one_frame_header(frame: bytes, mark: int) -> bytes:
