@@ -102,14 +102,14 @@ class Publisher:
         self._kept_events = 0
         self._waiting: list[tuple[str, BatchItem]] = []  # (kind, batch item) not sent yet, in order
         self._waiting_bytes = 0
-        self._turns = 0  # open batching() contexts
+        self._depth = 0  # batching() contexts open
 
     def publish(self, body: Body) -> int:
         """Send ``body`` as the next event (one frame when it has no arrays), or, inside :meth:`batching`,
         queue it for the batch; returns its sequence number. Arrays are sent at once, zero-copy, after what
         waits (the copy held for a refill is made here)."""
         self.seq = seq = self.seq + 1
-        if self._turns and self.batch_events > 1:
+        if self._depth and self.batch_events > 1:
             item = self.codec.batch_item(body, seq)
             if item is not None:
                 size = len(item[1])
@@ -129,12 +129,12 @@ class Publisher:
     def batching(self) -> Iterator[None]:
         """Events published inside wait and go out in batches when it ends (:meth:`flush`); inside another
         ``batching``, when the outermost ends."""
-        self._turns += 1
+        self._depth += 1
         try:
             yield
         finally:
-            self._turns -= 1
-            if not self._turns:
+            self._depth -= 1
+            if not self._depth:
                 self.flush()
 
     def flush(self) -> None:
