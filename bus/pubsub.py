@@ -78,8 +78,9 @@ def in_source_order(events: list[Message]) -> list[Message]:
 
 class Publisher:
     """Publishes events from one source with consecutive sequence numbers starting at 1, and holds its most
-    recent events (about ``keep_events`` and ``keep_bytes``, whole messages) so it can hand them to a broker whose
-    ring lost them (:meth:`held`): a broker that died, or one this publisher's connection to broke.
+    recent events (at least the last ``keep_events`` within about ``keep_bytes``, whole messages) so it can
+    hand them to a broker whose ring lost them (:meth:`held`): a broker that died, or one this publisher's
+    connection to broke.
 
     Inside :meth:`batching` (a node's loop turn), events without arrays wait and go out together when it
     ends: consecutive events of one kind, up to ``batch_events`` of them and about ``BATCH_BYTES``, as one
@@ -174,8 +175,9 @@ class Publisher:
         self._keep(frames, events)
 
     def _keep(self, frames: list, events: int) -> None:
-        """Hold a sent message; the oldest go while more than ``keep_events`` events or ``keep_bytes`` bytes
-        are held (the newest message always stays)."""
+        """Hold a sent message; the oldest go while more than ``keep_bytes`` bytes are held, or while the others
+        still hold ``keep_events`` events (whole messages: at least the last ``keep_events`` events stay, within
+        the bytes; the newest message always stays)."""
         if len(frames) == 1:  # a one-frame message: its frame is the encoder's bytes, nobody else's
             kept, size = frames, len(frames[0])
         else:
@@ -185,7 +187,8 @@ class Publisher:
         held.append((kept, size, events))
         self._kept_bytes += size
         self._kept_events += events
-        while (self._kept_bytes > self.keep_bytes or self._kept_events > self._keep_events) and len(held) > 1:
+        while len(held) > 1 and (self._kept_bytes > self.keep_bytes
+                                 or self._kept_events - held[0][2] >= self._keep_events):
             _, size, events = held.popleft()
             self._kept_bytes -= size
             self._kept_events -= events

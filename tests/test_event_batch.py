@@ -351,6 +351,21 @@ def test_a_lost_batch_is_a_gap_and_a_garbage_one_is_counted_once(pair: Callable[
     assert p.sub.rejected == {"malformed": 1, "replay": 2}
 
 
+def test_a_publisher_holds_at_least_its_last_keep_events_events_in_whole_messages(
+        pair: Callable[..., Pair]) -> None:
+    p = pair(batch_events=8)
+    p.publisher = Publisher(p.raw, p.publisher.codec, keep_events=10, batch_events=8)
+    seq = 0
+    for size in (5, 8, 5, 3, 8):
+        with p.publisher.batching():
+            for _ in range(size):
+                seq += 1
+                p.publisher.publish(delete(seq))
+        counts = [n for _, n in p.publisher.held()]
+        assert sum(counts) >= min(seq, 10) and sum(counts) - counts[0] < 10, counts
+    assert [n for _, n in p.publisher.held()] == [3, 8]
+
+
 def test_a_subscriber_readies_about_its_budget_of_events_per_drain(pair: Callable[..., Pair]) -> None:
     p = pair(batch_events=64)
     for first in range(1, 64 * 8, 64):
