@@ -12,16 +12,18 @@ import signal
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 from branches import random_arrays
 from polling import wait_for
-from refbus.bus.reqrep import Client, RetryPolicy
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import OrchestratorSettings
+from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Accounted, Accounts, EpisodeFinished, Keep, Kept
 from test_supervise import QUICK
@@ -150,4 +152,47 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         assert isinstance(account, Accounted) and account.held_by == {"orchestrator": 2}, account
     finally:
         orchestrator_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_a_keep_its_journal_cannot_hold_is_refused_whole_and_later_keeps_survive_a_kill(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """Keeps whose record the journal cannot hold (an ``info`` array of a type it cannot write; one too large
+    once its arrays are written as lists) are refused ``bad-info`` with nothing held, no segment left and the
+    store still serving; a keep after them survives SIGKILL and restart. Before, the first was held unannounced
+    with its segment leaked, and the second was committed as a record every restart read as garbage, losing
+    every later keep."""
+    shm = tmp_path / "shm"
+    command = ["node", "env-server", "--bus-control", bus[1], "--node-id", "env-j", "--store-directory", str(shm),
+               "--store-run", "journal", "--env-server-budget-bytes", str(64 << 20),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-j")
+    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    ctx = zmq.Context()
+    try:
+        producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        arrays = random_arrays(6, seed=1)
+        too_large = np.zeros(journal.MAX_RECORD_BYTES // 9 + 1, np.float32)  # 9 msgpack bytes a float as a list
+        for episode, info in (("ep-complex", {"x": np.ones(4, np.complex64)}), ("ep-huge", {"x": too_large})):
+            with pytest.raises(RemoteError) as refused:
+                producer.request(Keep(episode_id=episode, branches=[arrays, arrays], info=info))
+            assert refused.value.code == "bad-info" and episode in refused.value.detail
+        kept = producer.request(Keep(episode_id="ep-good", branches=[arrays], info={"reward": 1.0})).body
+        assert isinstance(kept, Kept)
+        account = producer.request(Accounts()).body
+        assert isinstance(account, Accounted) and (account.kept, account.held) == (1, 1), account
+        assert segments(shm, "env-j") == 1
+        producer.close()
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        restarted = spawn(command, "env-j-restarted")
+        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
+                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        account = probe.request(Accounts()).body
+        probe.close()
+        assert isinstance(account, Accounted) and (account.kept, account.held_by) == (1, {"": 1}), account
+        assert segments(shm, "env-j") == 1
+        readopted = log_events(restarted.log_path, "store.readopted")
+        assert readopted and readopted[0]["blobs"] == 1 and readopted[0]["aborted"] == 0, readopted
+    finally:
         ctx.destroy(linger=0)

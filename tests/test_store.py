@@ -386,3 +386,64 @@ def test_a_restarted_ps_worker_readopts_its_sealed_shards_and_names_a_corrupt_on
     adopted = SegmentPool(again.store.path, "refbus-ps", pin=False).adopt(kept)
     assert np.array_equal(np.frombuffer(adopted.view(0, 4096), np.uint8), np.arange(4096) % 251)
     pool.close()
+
+
+def test_a_record_over_the_limit_is_refused_unwritten_and_later_records_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record a replay could not read back (over MAX_RECORD_BYTES) is refused before a byte is written: before,
+    it was committed and every restart stopped at it as garbage, cutting off every record after it."""
+    monkeypatch.setattr(journal, "MAX_RECORD_BYTES", 4096)
+    store = open_store(tmp_path)
+    store.commit({"op": "x", "n": 1})
+    size = (store.path / "journal").stat().st_size
+    with pytest.raises(journal.RecordTooLarge, match=r"'big' record of \d+ bytes: .* at most 4096"):
+        store.commit({"op": "big", "pad": "y" * 5000})
+    assert (store.path / "journal").stat().st_size == size
+    store.commit({"op": "x", "n": 2})
+    store.close(remove=False)
+    again = open_store(tmp_path)
+    assert again.replay.records == [{"op": "x", "n": 1}, {"op": "x", "n": 2}] and not again.replay.damaged
+    again.close(remove=True)
+
+
+def test_a_commit_that_fails_midway_is_cut_back_and_later_records_replay(tmp_path: Path) -> None:
+    """A write that fails between a record's bytes and its flag (a full disk) leaves no torn record for later
+    appends to follow: the journal is cut back, the next commit replays."""
+    store = open_store(tmp_path)
+    store.commit({"op": "x", "n": 1})
+    size = (store.path / "journal").stat().st_size
+
+    def disk_full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.before_flag = disk_full
+    with pytest.raises(OSError, match="No space"):
+        store.commit({"op": "x", "n": 2})
+    assert (store.path / "journal").stat().st_size == size
+    store.before_flag = None
+    store.commit({"op": "x", "n": 3})
+    store.close(remove=False)
+    again = open_store(tmp_path)
+    assert again.replay.records == [{"op": "x", "n": 1}, {"op": "x", "n": 3}] and not again.replay.damaged
+    assert again.replay.uncommitted is None
+    again.close(remove=True)
+
+
+def test_id_lists_go_in_runs_of_bounded_records_and_replay_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims, moves and drops of many blobs are several records of at most IDS_PER_RECORD ids each (so none can
+    pass the record limit), and a restart replays them all, compacted or not."""
+    from refbus.nodes.payload import blob_journal
+
+    monkeypatch.setattr(blob_journal, "IDS_PER_RECORD", 2)
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    ids = keep(durable, first, "ep-a", (1, 2, 3, 4, 5))
+    durable.claimed(first.claim(ids[:4], "orchestrator").claimed, "orchestrator")
+    durable.dropped(first.delete(ids[:3], "orchestrator", "consumed"))
+    assert durable.store.records_since_compact == 1 + 2 + 2  # the keep, two claim runs, two drop runs
+    second, restarted = restart(tmp_path, durable)
+    assert sorted((b, h) for b, _, h, _ in second.blobs()) == [(ids[3], "orchestrator"), (ids[4], "")]
+    restarted.compact(second)
+    third, _ = restart(tmp_path, restarted)
+    assert sorted((b, h) for b, _, h, _ in third.blobs()) == [(ids[3], "orchestrator"), (ids[4], "")]

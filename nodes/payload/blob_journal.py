@@ -40,6 +40,7 @@ from ..store.durable import DurableStore, Segment, StoreFull
 from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
 
 COMPACT_MIN_RECORDS = 4096  # records since the last compaction before one is due (DurableStore.compact_due)
+IDS_PER_RECORD = 65_536  # blob ids in one claim, move or drop record, at most (ids are under 256 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +98,17 @@ class BlobJournal:
         self._layouts.update((layout["id"], layout) for layout in layouts)
 
     def claimed(self, blob_ids: Sequence[str], holder: str) -> None:
-        if blob_ids:
-            self.store.commit({"op": "claim", "ids": list(blob_ids), "holder": holder})
+        for ids in _runs(blob_ids):
+            self.store.commit({"op": "claim", "ids": ids, "holder": holder})
 
     def moved(self, blob_ids: Sequence[str], holder: str) -> None:
-        if blob_ids:
-            self.store.commit({"op": "move", "ids": list(blob_ids), "holder": holder})
+        for ids in _runs(blob_ids):
+            self.store.commit({"op": "move", "ids": ids, "holder": holder})
 
     def dropped(self, result: DeleteResult) -> None:
         if result.deleted:
-            self.store.commit({"op": "drop", "ids": list(result.deleted), "holder": result.holder,
-                          "reason": result.reason})
+            for ids in _runs(result.deleted):
+                self.store.commit({"op": "drop", "ids": ids, "holder": result.holder, "reason": result.reason})
             self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
                               if blob_id in self._layouts)
 
@@ -235,13 +236,22 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]]) -> Iterator
             holders.setdefault(holder, []).append(blob_id)
     for episode_id, layouts in episodes.items():
         yield _keep(episode_id, layouts, keeper.record_of(episode_id))
-    for holder, ids in holders.items():
-        yield {"op": "claim", "ids": ids, "holder": holder}
+    for holder, held in holders.items():
+        for ids in _runs(held):
+            yield {"op": "claim", "ids": ids, "holder": holder}
     for blob_id, holder, reason in keeper.tombstones():
         yield {"op": "drop", "ids": [blob_id], "holder": holder, "reason": reason}
     stats = keeper.stats()
     yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
+
+
+def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:
+    """``blob_ids`` in runs of at most :data:`IDS_PER_RECORD`: each run one record, of a bounded size (a journal
+    record holds at most ``journal.MAX_RECORD_BYTES``). Each id's change stands alone, so a kill between two
+    runs' records leaves a state the owner's retry completes."""
+    for start in range(0, len(blob_ids), IDS_PER_RECORD):
+        yield list(blob_ids[start : start + IDS_PER_RECORD])
 
 
 def _keep(episode_id: str, layouts: list[dict[str, Any]], record: EpisodeFinished | None) -> dict[str, Any]:

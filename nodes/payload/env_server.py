@@ -128,6 +128,7 @@ from .keeper import (
     Keeper,
     KeepError,
     KeeperStats,
+    PackedBranch,
     pack_branches,
 )
 
@@ -262,7 +263,8 @@ class EnvServer:
         thread (arrays in it zero-copy), so the caller must not modify it afterwards.
 
         Raises:
-            KeepError: a bad branch, over budget, a duplicate episode id, or shutting down; nothing is kept.
+            KeepError: a bad branch, over budget, a duplicate episode id, shutting down, or (with a durable
+                store) an ``info`` the journal cannot hold or a journal write that failed; nothing is kept.
         """
         try:
             packed = pack_branches(branches)
@@ -281,13 +283,26 @@ class EnvServer:
                                          policy_version=policy_version, info=info or {})
                 self.keeper.record(record)
                 if self.journal is not None:
-                    self.journal.kept(record, packed)
+                    self._journal_kept(record, packed)
                 self._post(record)
         except KeepError as exc:  # a refusal to retry is backpressure working, not a fault
             (log.debug if exc.retry_after_s else log.warning)("keep.refused", episode_id=episode_id, code=exc.code,
                                                                  error=str(exc))
             raise
         return refs
+
+    def _journal_kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
+        """Commit a keep just stored; when that fails (an ``info`` the journal cannot hold, a full disk), the
+        keep is undone, so nothing unannounced stays held and no segment is left behind. Under the lock."""
+        assert self.journal is not None
+        try:
+            self.journal.kept(record, packed)
+        except Exception as exc:
+            self.keeper.withdraw(record.episode_id)
+            self.journal.discard(packed)
+            code = "bad-info" if isinstance(exc, ValueError | TypeError | NotImplementedError) else "journal-failed"
+            raise KeepError(code, f"episode {record.episode_id!r} could not be journaled, nothing is kept: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
     def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
         """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids."""

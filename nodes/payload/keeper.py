@@ -99,8 +99,10 @@ delete them, so room comes back in steps, not at a time the store could predict.
 
 class KeepError(ValueError):
     """``keep`` refused an episode and kept nothing. ``code`` is stable (it becomes the error reply's code):
-    ``bad-branch``, ``over-budget``, ``duplicate-episode`` or ``closed``. ``retry_after_s`` > 0 (only
-    ``over-budget`` of an episode that fits the budget at all): the same keep may succeed after that long."""
+    ``bad-branch``, ``over-budget``, ``duplicate-episode``, ``closed``, or from an env server with a durable store
+    ``bad-info`` (its journal cannot hold the episode's record) or ``journal-failed`` (a write failed).
+    ``retry_after_s`` > 0 (only ``over-budget`` of an episode that fits the budget at all): the same keep may
+    succeed after that long."""
 
     def __init__(self, code: str, message: str, *, retry_after_s: float = 0.0) -> None:
         self.code = code
@@ -402,6 +404,17 @@ class Keeper:
         self._bytes_held += total
         self.kept_total += len(refs)
         return refs
+
+    def withdraw(self, episode_id: str) -> None:
+        """Undo the :meth:`store` of ``episode_id`` just made, whose announcement failed (its journal record
+        could not be committed): its blobs, bytes, record and count go as if it had never been kept. Only for
+        an episode no one has heard of yet: its ids leave no tombstones."""
+        for blob_id in self._episodes.pop(episode_id, ()):
+            blob = self._blobs.pop(blob_id)
+            self._bytes_held -= blob.packed.nbytes
+            self._move(blob.holder, None)
+            self.kept_total -= 1
+        self._records.pop(episode_id, None)
 
     def record(self, record: EpisodeFinished) -> None:
         """File the ``episode-finished`` record of an episode just stored (its blobs live here), for

@@ -221,8 +221,16 @@ class DurableStore:
     # --- journal ------------------------------------------------------------------------------------
 
     def commit(self, record: dict[str, Any]) -> None:
-        """Append ``record`` and its commit flag: once this returns, a restart replays it."""
-        journal.append(self._fd, record, before_flag=self.before_flag)
+        """Append ``record`` and its commit flag: once this returns, a restart replays it. When it raises (a
+        record too large, a full disk), the journal is cut back to where it was: a torn record left at its end
+        would end every later replay there, losing the records appended after it."""
+        start = os.lseek(self._fd, 0, os.SEEK_CUR)
+        try:
+            journal.append(self._fd, record, before_flag=self.before_flag)
+        except Exception:  # not BaseException: a test's crash point stands for the process dying there
+            os.ftruncate(self._fd, start)
+            os.lseek(self._fd, start, os.SEEK_SET)
+            raise
         self.records_since_compact += 1
 
     def compact_due(self, live: int, least: int) -> bool:

@@ -38,6 +38,11 @@ class FormatError(ValueError):
     """A journal or segment file this build cannot read (wrong magic or format version)."""
 
 
+class RecordTooLarge(ValueError):
+    """A record whose payload is over :data:`MAX_RECORD_BYTES`: a replay would read it as garbage and stop there,
+    losing every record after it, so it is refused before a byte of it is written."""
+
+
 @dataclass(frozen=True, slots=True)
 class Replay:
     """What :func:`replay` read: the committed records in order; the uncommitted tail record (decoded, or
@@ -66,8 +71,12 @@ def check_header(data: bytes, what: str) -> None:
 
 
 def encode(record: dict[str, Any]) -> tuple[bytes, bytes]:
-    """A record's bytes before its flag, and the flag: the two writes of an append."""
+    """A record's bytes before its flag, and the flag: the two writes of an append. Raises
+    :class:`RecordTooLarge` for a payload a replay could not read back."""
     payload = msgspec.msgpack.encode(record)
+    if len(payload) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(f"a {record.get('op', '?')!r} record of {len(payload)} bytes: a journal record holds "
+                             f"at most {MAX_RECORD_BYTES}")
     return _RECORD.pack(len(payload), checksum(payload)) + payload, COMMITTED
 
 
