@@ -394,6 +394,33 @@ def test_a_failed_blob_fails_exactly_its_micro_batch(envs, loop, failure) -> Non
         check_assembled(batch, step.ranks[0][index], step.branches)
 
 
+class _NoMaskRoom(BufferPool):
+    """A pool that cannot give the dense sampling mask (int32), as an allocator out of memory answers."""
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.int32:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory for {shape}")
+        return super().__call__(shape, dtype)
+
+
+def test_a_tensor_the_allocator_cannot_give_fails_its_micro_batch_not_the_rank(envs, loop) -> None:
+    """An allocation that fails (a huge mask width) fails the micro batch that needed it, like any assembly
+    failure: before, the RuntimeError escaped finish() and the rank died before its collective."""
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True, mask=True), SampleSpec(45)])
+    fetcher = StepFetcher("trainer-0", loop.calls)
+    fetcher.pool = _NoMaskRoom()
+    result = loop.fetch(fetcher, 0, step.ranks[0])
+    masked = [i for i, refs in enumerate(step.ranks[0]) if any(
+        item.ref is not None and "mask_ids" in item.ref.fields for item in refs.samples)]
+    assert masked and result.failed == tuple(masked)
+    for index, batch in enumerate(result.batches):
+        if index in masked:
+            assert isinstance(batch, FetchFailure) and batch.reason == "assembly" and "allocate" in batch.detail
+        else:
+            assert isinstance(batch, AssembledBatch)
+            check_assembled(batch, step.ranks[0][index], step.branches)
+
+
 def test_blobs_on_an_env_server_reported_down_fail_at_once_without_a_request(envs, loop) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
     dead = envs[0]

@@ -10,7 +10,7 @@ import pytest
 from branches import random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from refbus.nodes.payload.branch import FIELDS, Branch, BranchError
+from refbus.nodes.payload.branch import FIELDS, MAX_MASK_WIDTH, Branch, BranchError
 
 
 def make_branch(tokens: int, *, max_count: int = 5, **shape: object) -> Branch:
@@ -149,6 +149,9 @@ BAD_BRANCHES: list[tuple[str, dict[str, object], str, str]] = [
     ("ids beyond counts", _counts_and_ids([1, 0, 0, 0], [5, 6]), "mask_ids", "length 2"),
     ("negative count", _counts_and_ids([2, -1, 0, 0], [5]), "mask_counts", "-1"),
     ("negative id", _counts_and_ids([1, 0, 0, 0], [-1]), "mask_ids", "-1"),
+    # One count past the bound would size a trainer's whole dense mask (tokens x count int32).
+    ("count past the mask width", _counts_and_ids([MAX_MASK_WIDTH + 1, 0, 0, 0], list(range(MAX_MASK_WIDTH + 1))),
+     "mask_counts", f"maximum {MAX_MASK_WIDTH + 1}"),
     (
         "topk fewer tokens",
         _with(topk_ids=np.zeros((3, 4), np.int32), topk_logprobs=np.zeros((3, 4), np.float32)),

@@ -18,7 +18,8 @@ Dtype choices: routing stays in its wire dtype, so assembly writes each received
 it 4x into int32 (widening to an index dtype, e.g. ``.long()`` for ``gather``, is the consumer's, best done on
 the device after the host-to-device copy of the narrow rows). Top-k ids are int64 because
 ``torch.gather``/``scatter`` index with int64 only and k is small. The dense sampling mask stays int32: it is
-the widest tensor (width up to 512) and vocabulary ids fit; cast on the device when an int64 index is needed.
+the widest tensor (width up to ``branch.MAX_MASK_WIDTH``) and vocabulary ids fit; cast on the device when an
+int64 index is needed.
 
 A micro batch whose arrays could not be fetched is never trained on zeros: :func:`assemble_dropped` gives it
 the same tensors with a zero loss mask and routing made of repeated real rows, so the forward pass still

@@ -5,8 +5,8 @@ A :class:`Branch` holds any subset of:
 - ``routed_experts``: ``[tokens, layers, top_k]`` uint8, or uint16 for models with more than 255 experts;
   ``layers`` and ``top_k`` within :data:`MAX_ROUTING_LAYERS` and :data:`MAX_ROUTING_TOP_K`.
 - ``topk_ids`` ``[tokens, k]`` int32 with ``topk_logprobs`` ``[tokens, k]`` float32 (both or neither).
-- ``mask_ids`` (int32, flat) together with ``mask_counts`` (int32, one per token, 0 = no mask), with
-  ``len(mask_ids) == sum(mask_counts)`` (both or neither).
+- ``mask_ids`` (int32, flat) together with ``mask_counts`` (int32, one per token, 0 = no mask, at most
+  :data:`MAX_MASK_WIDTH`), with ``len(mask_ids) == sum(mask_counts)`` (both or neither).
 
 Every present field describes the same tokens, so they agree on the token count. A branch has at least one
 field: a sequence without arrays is represented by no branch at all (``None``), so nothing is kept, referenced
@@ -39,6 +39,11 @@ MAX_ROUTING_LAYERS: Final = 1024
 MAX_ROUTING_TOP_K: Final = 256
 """Bounds of a routing shape ``(layers, top_k)``: far above any model's, far below what would let a peer make
 a trainer size buffers from an absurd shape."""
+
+MAX_MASK_WIDTH: Final = 4096
+"""Ids one token's sampling mask lists, at most. A trainer assembles masks dense, ``[tokens, widest count]``
+int32, so one token's count sizes a whole micro batch's tensor: this bound keeps a peer's single absurd count
+(a keep of 16 MiB can claim four million ids for one token) from asking a trainer for terabytes."""
 
 ROUTING_DTYPES: Final[tuple[np.dtype, ...]] = (np.dtype(np.uint8), np.dtype(np.uint16))
 _INT32: Final = np.dtype(np.int32)
@@ -146,6 +151,8 @@ class Branch:
             mask_ids = _take(MASK_IDS, self.mask_ids, 1, (_INT32,), "int32 [sum(mask_counts)]")
             if counts.size and int(counts.min()) < 0:
                 raise BranchError(MASK_COUNTS, "counts >= 0", f"minimum {int(counts.min())}")
+            if counts.size and int(counts.max()) > MAX_MASK_WIDTH:
+                raise BranchError(MASK_COUNTS, f"counts <= {MAX_MASK_WIDTH}", f"maximum {int(counts.max())}")
             # int64 accumulation: an int32 sum over a long sequence of wide masks can overflow.
             total = int(counts.sum(dtype=np.int64))
             if mask_ids.shape[0] != total:

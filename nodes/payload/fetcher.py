@@ -431,6 +431,8 @@ class StepFetcher:
                             mask_width=self.settings.mask_width, allocator=self.pool)
         except AssemblyError as exc:
             return FetchFailure("assembly", str(exc), tuple(i for i in ids if i is not None))
+        except (MemoryError, RuntimeError) as exc:  # a tensor the allocator cannot give: this batch fails, not the rank
+            return FetchFailure("assembly", f"{type(exc).__name__}: {exc}", tuple(i for i in ids if i is not None))
 
 
 _FAILURE_REASONS: dict[type, str] = {RemoteError: "remote-error", RequestTimeout: "timeout", PeerDown: "peer-down"}
