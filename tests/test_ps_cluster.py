@@ -35,6 +35,7 @@ from refbus.protocol.messages import VersionBump
 from refbus.protocol.messages_ps import (
     ByteRange,
     PushBegin,
+    Release,
     ShardOpen,
     ShardSeal,
     ShardTensor,
@@ -335,6 +336,10 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         # One verified copy of the two the grant names (ps.replicas 2) does not commit the version.
         assert not worker.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         assert ps.status().latest == 0
+        # A verified copy's bytes are what readers will be promised: no write changes them any more.
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardWrite(grant.lease, [grant.tensors[1].offset], [np.zeros(16, np.uint8)]))
+        assert err.value.code == "sealed" and grant.lease in str(err.value)
         (replica,) = grant.replicas
         other = runtime.client(replica.endpoint)
         other.request(ShardOpen(grant.lease, grant.nbytes))
@@ -342,6 +347,13 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         assert other.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         pulled = ps.pull()
         assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
+        # An open handled after its lease's release (the manager gave that attempt up while the open was queued)
+        # takes no segment: nobody would release it again.
+        worker.request(Release(["lease-given-up"]))
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardOpen("lease-given-up", grant.nbytes))
+        assert err.value.code == "released" and "new grant" in str(err.value)
+        assert ps.pull()["b"].tolist() == [5, 6]
     finally:
         runtime.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +68,8 @@ from .streamed import BadLayout, StreamedDigests
 
 log = structlog.get_logger(__name__)
 
+RELEASED_REMEMBERED = 65_536  # released leases an open is checked against (see PsWorker.released)
+
 
 def served_pieces(pieces: list[np.ndarray], asked_in: tuple[int, int]) -> list[np.ndarray | Unhashed]:
     """The frames of a shard read asked in protocol ``asked_in``: unhashed, since the reader checks every
@@ -101,6 +104,11 @@ class PsWorker:
                                 max_free=settings.max_free_segments)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
         self.streamed: dict[str, StreamedDigests] = {}  # push lease -> digests of its frames as written
+        # Leases whose seal verified: their bytes are what readers are promised, so no write may change them.
+        self.sealed: set[str] = set()
+        # Leases released lately: an open that arrives after its release (queued behind it) would take a segment
+        # nobody ever releases again. Leases are never reused, so remembering the last few thousand is enough.
+        self.released: OrderedDict[str, None] = OrderedDict()
         if self.journal is not None:
             self._readopt(self.journal)
         # Made after re-adoption, whose sweep removes the proof file a killed process left in the directory.
@@ -155,6 +163,7 @@ class PsWorker:
         self.readoption = found = journal.readopt()
         for shard in found.shards:
             self.shards[shard.lease] = self.pool.adopt(shard.segment)
+            self.sealed.add(shard.lease)
         if not journal.store.fresh:
             log.info("store.readopted", store=str(journal.store.path), shards=len(found.shards),
                      versions=sorted({s.version for s in found.shards}), lost=len(found.lost), swept=found.swept,
@@ -183,6 +192,8 @@ class PsWorker:
             streamed = StreamedDigests(ask.tensors, ask.nbytes) if ask.tensors else None
         except BadLayout as exc:
             raise HandlerError("bad-layout", f"shard {ask.lease!r}: {exc}") from None
+        if ask.lease in self.released:
+            raise HandlerError("released", f"shard {ask.lease!r} was released: a push needs a new grant")
         segment = self.shards.get(ask.lease)
         if segment is None:
             segment = self.shards[ask.lease] = self._acquire_room(ask.nbytes)
@@ -197,6 +208,8 @@ class PsWorker:
         write = request.body
         assert isinstance(write, ShardWrite)
         segment = self._shard(write.lease)
+        if write.lease in self.sealed:
+            raise HandlerError("sealed", f"shard {write.lease!r} is sealed: its bytes are verified and may be served")
         if len(write.offsets) != len(write.data):
             raise HandlerError("bad-write", f"{len(write.offsets)} offsets for {len(write.data)} buffers")
         streamed = self.streamed.get(write.lease)
@@ -232,6 +245,7 @@ class PsWorker:
             if got != t.checksum:
                 raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
                                    f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
+        self.sealed.add(seal.lease)
         if self.journal is not None:  # durable before anyone is told: the manager, then the pusher
             self.journal.sealed(seal.lease, seal.version, seal.rank, segment.name, seal.tensors)
         waiting = self._sealing.get(seal.lease)
@@ -299,6 +313,11 @@ class PsWorker:
         for shard in release.shards:
             self.relays.pop(shard, None)
             self.streamed.pop(shard, None)
+            self.sealed.discard(shard)
+            self.released[shard] = None
+            self.released.move_to_end(shard)
+            while len(self.released) > RELEASED_REMEMBERED:
+                self.released.popitem(last=False)
             segment = self.shards.pop(shard, None)
             if segment is not None:
                 self.nixl.forget(segment.name)
