@@ -10,6 +10,11 @@ Retries resend the same frames (the same message id) at the times the call's :cl
 so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its
 reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs.
 
+Sends never block the loop: a request the full send queue refuses (the peer gone or partitioned with a
+high-water mark's worth already queued to it) is an attempt without a reply (counted in the client's
+``unsent``, logged), resent when the policy's next attempt is due, and ends in :class:`RequestTimeout` at its
+deadline like any unanswered request.
+
 An endpoint marked down (:meth:`Calls.mark_down`, fed by the registry's ``node-down`` through
 :class:`~refbus.bus.peers.Peers`) gets no retry schedule: its pending calls end with :class:`PeerDown` at
 once, and so does every new request to it (on the next loop turn, never inside :meth:`Calls.request`),
@@ -36,8 +41,8 @@ from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import Message
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
-from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy
-from .sockets import readable, recv_frames, send_frames
+from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, unsent_note
+from .sockets import readable, recv_frames
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +62,7 @@ class _Call:
     attempts: Attempts
     verify: bool = True
     due: float = 0.0
+    unsent: int = 0  # attempts the full send queue refused
 
 
 class Calls:
@@ -112,7 +118,8 @@ class Calls:
         backend: ArrayBackend = "native",
         verify: bool = True,
     ) -> str:
-        """Send ``body`` to ``endpoint`` now; its outcome goes to ``on_done`` later. ``deadline_s`` from now
+        """Send ``body`` to ``endpoint`` now, without blocking (a full send queue makes this attempt one without a
+        reply); its outcome goes to ``on_done`` later. ``deadline_s`` from now
         (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
         to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out); ``verify=False``
         skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
@@ -232,8 +239,9 @@ class Calls:
     def _attempt(self, call: _Call, now: float) -> None:
         step = call.attempts.next(now)
         if step is None:
+            note = unsent_note(call.endpoint, call.unsent)
             self._finish(call, RequestTimeout(f"no reply from {call.endpoint} to {call.kind} within the deadline "
-                                              f"({call.attempts.sent} attempts)"))
+                                              f"({call.attempts.sent} attempts){note}"))
             return
         send, call.due = step
         heapq.heappush(self._due, (call.due, next(self._order), call.msg_id))
@@ -242,7 +250,8 @@ class Calls:
             if call.attempts.sent > 1:
                 client.retries += 1
                 log.info("request.retry", kind=call.kind, endpoint=call.endpoint, attempt=call.attempts.sent)
-            send_frames(client.sock, call.frames)
+            if not client.try_send(call.frames, call.kind):
+                call.unsent += 1  # no reply can come to it: due again at the next attempt, or at the deadline
 
     def _drain(self, client: Client) -> None:
         """Take the replies waiting on ``client`` (its socket polled readable): at most the budget, each

@@ -12,6 +12,11 @@ The contract:
 * No request without a deadline: every request ends by its :class:`RetryPolicy` (finite attempts, each with a
   finite timeout) or an explicit deadline. A client raises :class:`RemoteError` for an ``error`` reply and
   :class:`RequestTimeout` at the deadline. Late replies to earlier requests are passed to ``on_stray``.
+* Sending never waits: a DEALER keeps its queue to a peer whose connection dropped and would block once that
+  queue reaches its high-water mark, so every request is sent with ``NOBLOCK``. A send the full queue refuses
+  is an attempt that gets no reply (counted in :attr:`Client.unsent`, logged): the retry policy resends it when
+  the next attempt is due, and the request ends in :class:`RequestTimeout` at its deadline like any other
+  unanswered one, its message saying that the send queue was full.
 * Requests issued from a node loop that must not block it go through :class:`~.calls.Calls`; outcomes of
   either path are sorted by :func:`split_outcomes`.
 
@@ -151,7 +156,9 @@ class HandlerError(Exception):
 
 
 class Client:
-    """A DEALER connected to one server endpoint."""
+    """A DEALER connected to one server endpoint. Its sends never block (see the module docstring):
+    :attr:`retries` counts resends after a timeout, :attr:`unsent` the sends refused because the queue to the
+    endpoint was full (its high-water mark reached: the peer gone, partitioned or not reading)."""
 
     def __init__(
         self,
@@ -168,6 +175,8 @@ class Client:
         self.policy = policy
         self.on_stray = on_stray
         self.retries = 0
+        self.unsent = 0
+        self._full = False  # the last send was refused: logged once until one goes out again
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, options=options)
         self._polled = [(self.sock, zmq.POLLIN)]  # kept: Socket.poll builds a new Poller on every call
 
@@ -178,26 +187,51 @@ class Client:
         return msg_id, self.codec.encode(body, msg_id=msg_id, one_frame=True)
 
     def send(self, body: Body) -> str:
-        """Send without waiting; the reply (if any) reaches :meth:`recv` or ``on_stray``. Returns its id."""
+        """Send without waiting; the reply (if any) reaches :meth:`recv` or ``on_stray``. Returns its id. A send
+        the full queue refuses (:meth:`try_send`) is counted and logged, and no reply comes: the caller's own
+        deadline ends its wait."""
         msg_id, frames = self.encode(body)
-        send_frames(self.sock, frames)
+        self.try_send(frames, body.kind)
         return msg_id
+
+    def try_send(self, frames: list, kind: str) -> bool:
+        """Send one request's frames without blocking; False (counted in :attr:`unsent`, logged when the queue
+        becomes full) when the queue to the endpoint is full. ZeroMQ takes a multipart message whole or not at
+        all: the high-water mark is checked before its first frame only."""
+        try:
+            send_frames(self.sock, frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent += 1
+            if not self._full:
+                self._full = True
+                log.warning("request.queue_full", kind=kind, endpoint=self.endpoint,
+                            detail="the send queue to this endpoint is full (the peer gone or not reading): "
+                            "requests are not sent and end at their deadlines until it drains")
+            return False
+        if self._full:
+            self._full = False
+            log.info("request.queue_moving", endpoint=self.endpoint, unsent=self.unsent)
+        return True
 
     def request(
         self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "native"
     ) -> Message:
         """Send ``body`` and wait for its reply, retrying per ``policy``. Arrays in the reply are owned by
-        the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`.
+        the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`, at
+        the policy's deadline at the latest: an attempt the full send queue refuses waits out its timeout all the
+        same (a reply to an earlier attempt may still come), and the timeout then says the queue was full.
 
         The single-request path of :func:`gather`, kept lean because control round trips are latency-bound.
         """
         policy = policy or self.policy
         msg_id, frames = self.encode(body)
+        unsent = 0
         for attempt, timeout in enumerate(policy.timeouts()):
             if attempt:
                 self.retries += 1
                 log.info("request.retry", kind=body.kind, endpoint=self.endpoint, attempt=attempt + 1)
-            send_frames(self.sock, frames)
+            if not self.try_send(frames, body.kind):
+                unsent += 1
             deadline = time.monotonic() + timeout
             while (reply := self.recv(_ms_until(deadline), backend=backend)) is not None:
                 if reply.header.re != msg_id:
@@ -206,7 +240,8 @@ class Client:
                     raise RemoteError(reply.body, self.endpoint)
                 else:
                     return reply
-        raise RequestTimeout(f"no reply from {self.endpoint} to {body.kind} after {policy.attempts} attempts")
+        raise RequestTimeout(f"no reply from {self.endpoint} to {body.kind} after {policy.attempts} attempts"
+                             f"{unsent_note(self.endpoint, unsent)}")
 
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
@@ -246,6 +281,11 @@ class Client:
         self.sock.close()
 
 
+def unsent_note(endpoint: str, unsent: int) -> str:
+    """What a :class:`RequestTimeout` adds when ``unsent`` of the request's attempts were never sent."""
+    return f" ({unsent} not sent: the send queue to {endpoint} was full)" if unsent else ""
+
+
 def _ms_until(deadline: float) -> int:
     return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
@@ -259,6 +299,7 @@ class _Call:
     frames: list
     attempts: Attempts
     due: float = 0.0
+    unsent: int = 0  # attempts the full send queue refused
 
 
 class Pipeline:
@@ -343,14 +384,16 @@ class Pipeline:
         step = call.attempts.next(time.monotonic())
         if step is None:
             self.finish(call, RequestTimeout(
-                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts.sent} attempts"))
+                f"no reply from {call.client.endpoint} to {call.kind} after {call.attempts.sent} attempts"
+                f"{unsent_note(call.client.endpoint, call.unsent)}"))
             return
         send, call.due = step
         if send:
             if call.attempts.sent > 1:
                 call.client.retries += 1
                 log.info("request.retry", kind=call.kind, endpoint=call.client.endpoint, attempt=call.attempts.sent)
-            send_frames(call.client.sock, call.frames)
+            if not call.client.try_send(call.frames, call.kind):
+                call.unsent += 1  # an attempt without a reply: resent when the next is due, or ends at the deadline
 
     def launch(self, client: Client) -> None:
         while self.queued[client] and self.busy[client] < self.window:

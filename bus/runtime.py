@@ -106,6 +106,10 @@ HOOKS_SHARE = 0.7
 CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
 BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
+# A gap fill runs on the loop thread (inside a subscriber's take of the event that revealed the gap): all of it,
+# every page of its replay, ends within this share of the heartbeat interval, so a slow broker never holds the
+# loop past a heartbeat (and the node past its node timeout). A fill cut off there counts the gap lost.
+FILL_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -428,19 +432,29 @@ class NodeRuntime:
         self.calls.request(self.settings.bus, Nodes(role=role), done, deadline_s=deadline_s)
 
     def replay(
-        self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = ""
+        self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = "",
+        deadline_s: float | None = None,
     ) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
         ``src`` this stops paging once every number up to ``until`` was found), decoded, in ring order except
         that each source incarnation's events come in sequence order (a refill puts older events after newer
         ones). Pages through the ring by its cursor. ``incarnation`` keeps only that sender incarnation's
-        events (a restarted source reuses numbers)."""
+        events (a restarted source reuses numbers). Blocks: each page's request under the runtime's retry
+        policy, or, with ``deadline_s``, under a short one fitted to what is left of it, so the whole replay
+        ends within ``deadline_s`` (:class:`RequestTimeout` otherwise)."""
         broker = self.broker()
         events: list[Message] = []
         found: set[int] = set()  # numbers since..until seen (with one src): all of them ends the paging
         cursor = 0
+        end = None if deadline_s is None else time.monotonic() + deadline_s
         while True:
-            reply = broker.request(Replay(since=since, src=src, cursor=cursor))
+            policy = None
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise RequestTimeout(f"replay from {self.settings.bus} not complete within {deadline_s:.3f}s")
+                policy = RetryPolicy(timeout_s=left / 3, attempts=2, backoff=2.0, max_timeout_s=left)  # ends by left
+            reply = broker.request(Replay(since=since, src=src, cursor=cursor), policy=policy)
             page = reply.body
             assert isinstance(page, Replayed)
             for message in self._ring_events(page.events):
@@ -464,10 +478,23 @@ class NodeRuntime:
             except ProtocolError as exc:
                 log.warning("replay.rejected", code=exc.code, error=str(exc))
 
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between heartbeats: the broker's (it judges liveness) once joined, the settings' before."""
+        return self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
+
+    def fill_deadline_s(self) -> float:
+        """How long one gap fill (:meth:`replay_range`, every page) may take: ``FILL_SHARE`` of the heartbeat
+        interval."""
+        return FILL_SHARE * self.heartbeat_interval_s
+
     def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
-        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``."""
+        """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``. It runs on
+        the loop thread, so it ends within :meth:`fill_deadline_s`; a broker that does not answer by then (or
+        answers an error) gives nothing, logged, and the subscriber counts the gap lost."""
         try:
-            return self.replay(since=first, src=src, until=last, incarnation=incarnation)
+            return self.replay(since=first, src=src, until=last, incarnation=incarnation,
+                               deadline_s=self.fill_deadline_s())
         except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []
@@ -585,9 +612,7 @@ class NodeRuntime:
             self._go_live(subscriber, since)
         if self._peers is not None:  # peers up before the subscription was live: node-up came before it
             self._peers.seed(self.lookup() or ())
-        # The broker's interval wins: it is the one that judges liveness.
-        interval = self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
-        self.every(interval, self._heartbeat)
+        self.every(self.heartbeat_interval_s, self._heartbeat)  # the broker's interval wins: it judges liveness
         self._write_ready_file()
         log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)
 
@@ -761,6 +786,9 @@ class NodeRuntime:
                     lambda: {(): float(sum(server.duplicates for server in self._servers))})
         self.metric("refbus_request_retries_total", "Requests this node sent again after a timeout.",
                     lambda: {(): float(sum(client.retries for client in self._clients))})
+        self.metric("refbus_request_unsent_total", "Request sends refused because the queue to the peer was full "
+                    "(the peer gone or not reading); each is an attempt without a reply.",
+                    lambda: {(): float(sum(client.unsent for client in self._clients))})
         self.metric("refbus_request_outcomes_total", "Asynchronous requests resolved, by outcome.",
                     lambda: {(k,): float(v) for k, v in self.calls.outcomes.items()}, labels=("outcome",))
         self.metric("refbus_replies_late_total", "Replies that arrived after their request's outcome (dropped).",

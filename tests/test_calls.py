@@ -12,6 +12,7 @@ with calls pending.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -431,6 +432,122 @@ def test_calls_to_a_server_killed_with_sigkill_resolve_by_their_deadline(caller:
         proc.wait(WAIT_S)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+# --- a peer that is gone: full send queues -------------------------------------------------------------
+
+HWM = 20  # a small send high-water mark: the queue to a peer that is gone is full after HWM requests
+
+
+def small_queues(runtime: NodeRuntime) -> NodeRuntime:
+    """The clients ``runtime`` makes from now on queue at most HWM requests to a peer."""
+    runtime.options = dataclasses.replace(runtime.options, sndhwm=HWM)
+    return runtime
+
+
+def test_requests_to_a_peer_that_is_gone_never_block_the_loop_and_end_at_their_deadlines(
+    caller: NodeRuntime, sockets: Any
+) -> None:
+    """A DEALER keeps its queue to a peer it cannot reach and refuses sends once the queue is full: each refused
+    attempt is one without a reply, and the call still ends at its deadline, with the loop turning meanwhile."""
+    probe = sockets(zmq.ROUTER, bind=LOOPBACK)
+    endpoint = bound_endpoint(probe)
+    probe.close()  # nobody serves the endpoint: requests to it queue, up to HWM
+    small_queues(caller)
+    turns = Counter()
+    caller.every(0.01, lambda: turns.update(["turn"]))
+    ended: dict[int, tuple[Outcome, float]] = {}
+    issued: list[float] = []
+    deadline_s = 0.5
+    started = time.monotonic()
+    for i in range(HWM + 50):
+        issued.append(time.monotonic())
+        caller.calls.request(endpoint, DELETE, lambda outcome, i=i: ended.setdefault(i, (outcome, time.monotonic())),
+                             policy=FAST, deadline_s=deadline_s)
+    assert time.monotonic() - started < deadline_s, "issuing the requests waited on the full queue"
+    client = caller.calls.client(endpoint)
+    assert client.unsent == 50  # the first attempts past the high-water mark, refused at once
+    pump(caller, lambda: len(ended) == HWM + 50, "every call to end", timeout=10 * deadline_s)
+    assert turns["turn"] >= 10  # the loop kept turning (every 10 ms) while the calls were pending
+    for i, (outcome, at) in ended.items():
+        assert isinstance(outcome, RequestTimeout), outcome
+        assert at >= issued[i] + deadline_s, f"call {i} ended before its deadline"
+    for i in range(HWM, HWM + 50):  # never sent at all: every attempt found the queue full
+        assert f"not sent: the send queue to {endpoint} was full" in str(ended[i][0]), ended[i][0]
+    assert caller.calls.outcomes == Counter({"timeout": HWM + 50}) and caller.calls.in_flight() == 0
+    assert client.retries > 0 and client.unsent == 50 + client.retries  # nothing drains the queue: no resend went
+
+
+SERVING = """
+import sys, zmq
+from refbus.bus.reqrep import Server
+from refbus.bus.sockets import bound_endpoint, make_socket
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Ok
+
+sock = make_socket(zmq.Context(), zmq.ROUTER, bind=sys.argv[1])
+server = Server(sock, WireCodec("serving"))
+server.on("delete", lambda request: Ok(detail="served"), cached=False)
+print(bound_endpoint(sock), flush=True)
+while True:
+    server.handle_one()
+"""
+
+
+def test_a_peer_sigkilled_while_requests_flow_leaves_the_loop_running_and_is_reached_again_once_back() -> None:
+    """Requests flow to a server process that is SIGKILLed: those sent after its death fill the queue to it and
+    end at their deadlines while the caller's loop keeps issuing; a server back on the same endpoint answers."""
+    caller = small_queues(make_caller())
+    children: list[subprocess.Popen] = []
+
+    def serve_in_child(endpoint: str) -> str:
+        proc = subprocess.Popen([sys.executable, "-c", SERVING, endpoint], stdout=subprocess.PIPE, bufsize=0)
+        children.append(proc)
+        return read_line(proc)
+
+    try:
+        endpoint = serve_in_child(LOOPBACK)
+        deadline_s = 0.3
+        ended: dict[int, Outcome] = {}
+        issued: list[float] = []
+        flowing = [True]
+
+        def issue() -> None:  # a request every loop turn (5 ms), as a role's timers would
+            if flowing[0]:
+                i = len(issued)
+                issued.append(time.monotonic())
+                caller.calls.request(endpoint, DELETE, lambda outcome: ended.setdefault(i, outcome), policy=SEND_ONCE,
+                                     deadline_s=deadline_s)
+
+        caller.every(0.005, issue)
+        pump(caller, lambda: sum(isinstance(o, Message) for o in ended.values()) >= 5, "replies from the server")
+        os.kill(children[0].pid, signal.SIGKILL)
+        assert children[0].wait(WAIT_S) == -signal.SIGKILL
+        killed = len(issued)
+        client = caller.calls.client(endpoint)
+        pump(caller, lambda: client.unsent >= HWM and len(issued) >= killed + 3 * HWM,
+             "the loop to go on issuing requests past a full queue")
+        flowing[0] = False
+        after = range(killed, len(issued))
+        pump(caller, lambda: all(i in ended for i in after), "every request sent after the kill to end",
+             timeout=10 * deadline_s)
+        assert all(isinstance(ended[i], RequestTimeout) for i in after), [ended[i] for i in after]
+        assert any("send queue" in str(ended[i]) for i in after)
+        # Back on the same endpoint: the refused sends of a call are tried again at its next attempts.
+        assert serve_in_child(endpoint) == endpoint
+        done = Recorder()
+        every_100_ms = RetryPolicy(timeout_s=0.1, attempts=int(WAIT_S / 0.1), backoff=1.0)
+        caller.calls.request(endpoint, DELETE, done("back"), policy=every_100_ms)
+        pump(caller, lambda: done.resolved("back"), "the reply of the server that came back", timeout=2 * WAIT_S)
+        assert isinstance(done.one("back"), Message) and done.one("back").body == Ok(detail="served")
+    finally:
+        caller.close()
+        for proc in children:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(WAIT_S)
+            assert proc.stdout is not None
+            proc.stdout.close()
 
 
 # --- shutdown -----------------------------------------------------------------------------------------

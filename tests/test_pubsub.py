@@ -20,7 +20,8 @@ import pytest
 import zmq
 from refbus.bus import pubsub
 from refbus.bus.pubsub import Publisher, Subscriber
-from refbus.bus.sockets import EVENT_OPTIONS
+from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import EVENT_OPTIONS, bound_endpoint, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Message, WireCodec, incarnation
 from refbus.protocol.messages import Blobs, Delete, FetchedBlob, Sync, VersionBump
@@ -484,6 +485,43 @@ def test_a_failing_fill_does_not_lose_the_live_events(stream: Any) -> None:
     s.pub.send_multipart(newer_kind)
     s.send(3, 4)
     assert seqs(s.receive(3, timeout_ms=500)) == [1, 3, 4]
+
+
+def test_a_fill_the_broker_never_answers_ends_within_its_share_of_a_heartbeat_and_counts_the_gap_lost(
+    stream: Any, sockets: Any
+) -> None:
+    """A gap fill runs inside the take of the event that revealed the gap (on a node's loop thread): against a
+    broker that reads the replay request and never answers, it gives up within the runtime's fill deadline (a
+    share of the heartbeat interval, not the default policy's 14 s), the gap is counted lost and the live event
+    is delivered."""
+    silent = sockets(zmq.ROUTER, bind="tcp://127.0.0.1:0")  # a broker's control endpoint that answers nothing
+    heartbeat_s = 0.2
+    runtime = NodeRuntime("monitor", RuntimeSettings(bus=bound_endpoint(silent), node_id="monitor", metrics_port=-1,
+                                                     heartbeat_interval_s=heartbeat_s), register=False)
+    try:
+        assert runtime.fill_deadline_s() == FILL_SHARE * heartbeat_s < heartbeat_s
+        fills: list[float] = []
+
+        def timed_fill(src: str, epoch: str, first: int, last: int) -> list[Message]:
+            started = time.monotonic()
+            try:
+                return runtime.replay_range(src, epoch, first, last)
+            finally:
+                fills.append(time.monotonic() - started)
+
+        s = stream(fill=timed_fill)
+        s.send(1)
+        assert seqs(s.receive(1)) == [1]
+        s.send(3)
+        assert seqs(s.receive(1, timeout_ms=int(10 * heartbeat_s * 1000))) == [3]
+        assert len(fills) == 1
+        assert runtime.fill_deadline_s() - 0.01 <= fills[0] < 5 * heartbeat_s  # 5x: slack for a loaded machine
+        assert (s.sub.missed, s.sub.filled, s.sub.lost[SRC]) == (1, 0, 1)
+        assert silent.poll(WAIT_MS, zmq.POLLIN)
+        request = WireCodec("broker").decode(recv_frames(silent)[1:])
+        assert request.kind == "replay" and (request.body.src, request.body.since) == (SRC, 2)
+    finally:
+        runtime.close()
 
 
 # --- hold / release -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import select
 import signal
 import subprocess
@@ -37,7 +38,7 @@ from refbus.bus.reqrep import (
     Server,
     gather,
 )
-from refbus.bus.sockets import bound_endpoint, recv_frames
+from refbus.bus.sockets import SocketOptions, bound_endpoint, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, Unhashed, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Limits, Message, WireCodec
 from refbus.protocol.errors import SchemaError
@@ -702,6 +703,37 @@ def test_request_timeout_when_nothing_listens(sockets: Any, clients: Any) -> Non
     probe.close()
     with pytest.raises(RequestTimeout):
         clients(endpoint, policy=RetryPolicy(timeout_s=0.05, attempts=2)).request(DELETE)
+
+
+def test_a_full_send_queue_never_blocks_a_request_which_ends_at_its_deadline(
+    zmq_ctx: zmq.Context, sockets: Any
+) -> None:
+    """A DEALER queues requests to an endpoint it cannot reach up to its high-water mark, then refuses them: a
+    send returns at once (counted), and a request or a gather ends in a timeout at its policy's deadline."""
+    probe = sockets(zmq.ROUTER, bind=LOOPBACK)
+    endpoint = bound_endpoint(probe)
+    probe.close()  # nobody serves the endpoint
+    hwm = 10
+    client = Client(zmq_ctx, endpoint, WireCodec("queued"), options=SocketOptions(sndhwm=hwm))
+    try:
+        for _ in range(hwm + 5):
+            client.send(DELETE)
+        assert client.unsent == 5
+        policy = RetryPolicy(timeout_s=0.1, attempts=2, backoff=2.0)  # deadline 0.3 s
+        full = rf"after 2 attempts \(2 not sent: the send queue to {re.escape(endpoint)} was full\)"
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout, match=full):
+            client.request(DELETE, policy=policy)
+        elapsed = time.monotonic() - started
+        assert policy.deadline_s - 0.02 <= elapsed < policy.deadline_s + 2.0  # 2 s: slack for a loaded machine
+        assert (client.unsent, client.retries) == (7, 1)
+        started = time.monotonic()
+        outcomes = gather([(client, DELETE)] * 3, policy=policy)
+        assert time.monotonic() - started < policy.deadline_s + 2.0
+        assert all(isinstance(o, RequestTimeout) and re.search(full, str(o)) for o in outcomes), outcomes
+        assert client.unsent == 13
+    finally:
+        client.close()
 
 
 def test_retry_policy_timeouts() -> None:
