@@ -107,8 +107,10 @@ CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
 BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
 # A gap fill runs on the loop thread (inside a subscriber's take of the event that revealed the gap): all of it,
-# every page of its replay, ends within this share of the heartbeat interval, so a slow broker never holds the
-# loop past a heartbeat (and the node past its node timeout). A fill cut off there counts the gap lost.
+# every page of its replay, ends within this share of the node timeout the broker judges this node by, so a slow
+# broker never holds the loop until the node is declared down (its next heartbeat still goes out in time). A
+# node that has not joined (no broker judges it) takes this share of its heartbeat interval. A fill cut off
+# there counts the gap lost.
 FILL_SHARE = 0.5
 
 
@@ -484,9 +486,9 @@ class NodeRuntime:
         return self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
 
     def fill_deadline_s(self) -> float:
-        """How long one gap fill (:meth:`replay_range`, every page) may take: ``FILL_SHARE`` of the heartbeat
-        interval."""
-        return FILL_SHARE * self.heartbeat_interval_s
+        """How long one gap fill (:meth:`replay_range`, every page) may take: ``FILL_SHARE`` of the broker's node
+        timeout once joined, of the heartbeat interval before."""
+        return FILL_SHARE * (self.welcome.node_timeout if self.welcome else self.settings.heartbeat_interval_s)
 
     def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``. It runs on

@@ -487,13 +487,13 @@ def test_a_failing_fill_does_not_lose_the_live_events(stream: Any) -> None:
     assert seqs(s.receive(3, timeout_ms=500)) == [1, 3, 4]
 
 
-def test_a_fill_the_broker_never_answers_ends_within_its_share_of_a_heartbeat_and_counts_the_gap_lost(
+def test_a_fill_the_broker_never_answers_ends_within_its_deadline_and_counts_the_gap_lost(
     stream: Any, sockets: Any
 ) -> None:
     """A gap fill runs inside the take of the event that revealed the gap (on a node's loop thread): against a
-    broker that reads the replay request and never answers, it gives up within the runtime's fill deadline (a
-    share of the heartbeat interval, not the default policy's 14 s), the gap is counted lost and the live event
-    is delivered."""
+    broker that reads the replay request and never answers, it gives up within the runtime's fill deadline (for
+    a node that has not joined, a share of its heartbeat interval; not the default policy's 14 s), the gap is
+    counted lost and the live event is delivered."""
     silent = sockets(zmq.ROUTER, bind="tcp://127.0.0.1:0")  # a broker's control endpoint that answers nothing
     heartbeat_s = 0.2
     runtime = NodeRuntime("monitor", RuntimeSettings(bus=bound_endpoint(silent), node_id="monitor", metrics_port=-1,
