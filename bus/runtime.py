@@ -610,7 +610,7 @@ class NodeRuntime:
             if self._rejoin:
                 self._rejoin = False
                 try:
-                    self._resume_pending |= self._join()
+                    self._join()  # sets _resume_pending when the broker restarted or moved, before its probe
                     if self._resume_pending:
                         self._resume_subscriptions()
                         self._resume_pending = False
@@ -799,7 +799,10 @@ class NodeRuntime:
 
     def _join(self) -> bool:
         """Register with the broker and prove the event path live before anything is published. True when
-        the broker is a new process (it died and came back) or moved: live subscriptions must resume."""
+        the broker is a new process (it died and came back) or moved: live subscriptions must resume. That is
+        also kept in ``_resume_pending`` as soon as it is known, before the refill and the probe: a join that
+        fails after it (the probe not seen in time) leaves it set for the retry, which finds the same broker
+        incarnation and so cannot tell again."""
         self.broker()
         assert self.control is not None
         token = self.codec.new_id()
@@ -847,6 +850,8 @@ class NodeRuntime:
                         "held events go to the new ring, so subscribers fill what the old broker held in flight")
         self.broker_incarnation = broker
         self.welcome = welcome
+        if restarted or moved:  # kept until the subscriptions resumed, whatever fails from here on
+            self._resume_pending = True
         if (refill or restarted) and self.publisher.seq:  # before the probes: the gaps they reveal fill from it
             self._refill()
         self._prove_published(token, self.settings.connect_timeout_s)
