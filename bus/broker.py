@@ -152,13 +152,18 @@ class ReplayRing:
     def extend(self, entries: list, sizes: list[int]) -> None:
         """Keep events (each a frame, or a list of frames) of ``sizes`` bytes, oldest first."""
         count = len(entries)
+        self.appended += count  # ring positions: one per message handed in, kept or not
+        if count > self.max_events:  # more than the ring holds: only the newest go in, the rest count evicted
+            skipped = count - self.max_events
+            entries, sizes = entries[skipped:], sizes[skipped:]
+            self.evicted += skipped
+            count = self.max_events
         overflow = len(self._entries) + count - self.max_events
         if overflow > 0:  # the deques drop these as they extend: take their bytes off first
             self.nbytes -= sum(itertools.islice(self._sizes, 0, overflow))
             self.evicted += overflow
         self._entries.extend(entries)
         self._sizes.extend(sizes)
-        self.appended += count
         self.nbytes += sum(sizes)
         while self.nbytes > self.max_bytes and len(self._entries) > 1:
             self._entries.popleft()
