@@ -47,6 +47,7 @@ from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
     Bye,
+    Error,
     Heartbeat,
     Hello,
     NodeDown,
@@ -74,6 +75,8 @@ log = structlog.get_logger(__name__)
 SD_PATH = "/sd"  # the service-discovery path of the broker's metrics endpoint
 CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, at most
 CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
+TOKEN_HORIZON_S = 60.0  # probe tokens seen, and PUB handshakes waiting for their probe, are kept this long
+WAITING_MAX = 4096  # PUB handshakes waiting for their probe at most: past it the oldest is answered an error
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,9 @@ class Broker:
         self.ring = ReplayRing(settings.ring_events, settings.ring_bytes, self._index)
         self.members: dict[str, _Member] = {}
         self.seen_tokens: dict[str, float] = {}
-        self.waiting: dict[str, Pending] = {}
+        # sync{path=pub} handshakes whose probe has not come yet: token -> (the deferred answer, when asked), oldest
+        # first; answered an error when the probe has not come within TOKEN_HORIZON_S or beyond WAITING_MAX.
+        self.waiting: dict[str, tuple[Pending, float]] = {}
         self.forwarded = 0  # event messages (a batch counts once)
         self.dropped: Counter[str] = Counter()
         self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
@@ -361,9 +366,9 @@ class Broker:
                 self.joins[(member.info.node_id, member.info.role)] += 1
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
-        pending = self.waiting.pop(probe.token, None)
-        if pending is not None:
-            self.server.answer(pending, Ok("seen"))
+        waiting = self.waiting.pop(probe.token, None)
+        if waiting is not None:
+            self.server.answer(waiting[0], Ok("seen"))
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -410,8 +415,17 @@ class Broker:
             return Ok("published")
         if sync.token in self.seen_tokens:
             return Ok("seen")
-        self.waiting[sync.token] = self.server.pending
+        self.waiting.pop(sync.token, None)  # asked again: it goes last, in the order of when it was asked
+        self.waiting[sync.token] = (self.server.pending, self.clock())
+        while len(self.waiting) > WAITING_MAX:
+            self._give_up(next(iter(self.waiting)), f"more than {WAITING_MAX} handshakes were waiting")
         return None
+
+    def _give_up(self, token: str, why: str) -> None:
+        """Answer a waiting PUB handshake with an error (the node's join fails and is tried again later)."""
+        pending, _ = self.waiting.pop(token)
+        self.server.answer(pending, Error("sync-expired", f"the probe of sync token {token!r} was not seen: {why}",
+                                          Sync.kind))
 
     def _heartbeat(self, request: Message) -> Body:
         beat = request.body
@@ -488,10 +502,14 @@ class Broker:
         for member in list(self.members.values()):
             if now - member.heard > self.settings.node_timeout_s:
                 self._remove(member, "timeout")
-        horizon = self.clock() - 60.0
+        horizon = self.clock() - TOKEN_HORIZON_S
         for token, seen in list(self.seen_tokens.items()):
             if seen < horizon:
                 del self.seen_tokens[token]
+        for token, (_, asked) in list(self.waiting.items()):  # oldest first
+            if asked >= horizon:
+                break
+            self._give_up(token, f"not within {TOKEN_HORIZON_S:g}s")
 
     # --- service discovery (Prometheus http_sd) -------------------------------------------------------
 

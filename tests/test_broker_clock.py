@@ -1,5 +1,6 @@
 """The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
-revives none; only time on the liveness clock does. A real broker on loopback sockets, its clock injected."""
+revives none; only time on the liveness clock does. On the same clock it gives up PUB handshakes whose probe
+never came. A real broker on loopback sockets, its clock injected."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import TypeVar
 
 import pytest
 import zmq
+from polling import wait_for
+from refbus.bus import broker as bus_broker
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Heartbeat, Hello, NodeInfo, Ok, Welcome
+from refbus.protocol.messages import Error, Heartbeat, Hello, NodeInfo, Ok, Sync, Welcome
 
 T = TypeVar("T")
 NODE_TIMEOUT_S = 1.0
@@ -89,6 +92,50 @@ def test_a_wall_clock_step_expires_no_node_and_the_liveness_clock_does(
         assert abs(seen - time.time()) < 60  # the displayed last-seen stays wall-clock time
         clock.now += NODE_TIMEOUT_S * 1.5
         assert "worker-1" not in expire_now(node)
+    finally:
+        client.close()
+        ctx.term()
+
+
+def test_pub_handshakes_whose_probe_never_comes_are_answered_an_error_and_forgotten(
+    broker: tuple[Broker, FakeClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``sync{path=pub}`` waits for its probe on the PUB path. One whose probe never comes (a join that timed
+    out, a broken or hostile client) is answered ``sync-expired`` and forgotten: after the horizon on the broker's
+    clock, or at once, the oldest first, when too many wait."""
+    node, clock = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("asker"))
+
+    def waiting(tokens: list[str]) -> None:
+        wait_for(lambda: on_loop(node, lambda: list(node.waiting)) == tokens, WAIT_S, f"waiting: {tokens}")
+
+    def expired(count: int) -> set[str]:
+        """The ids the next ``count`` replies answer, each ``sync-expired``."""
+        answered = set()
+        for _ in range(count):
+            reply = client.recv(int(WAIT_S * 1000))
+            assert reply is not None, "no answer to a handshake the broker gave up"
+            assert isinstance(reply.body, Error) and reply.body.code == "sync-expired", reply.body
+            answered.add(reply.header.re)
+        return answered
+
+    try:
+        old = [client.send(Sync(token=f"t-{i}", path="pub")) for i in range(2)]
+        waiting(["t-0", "t-1"])
+        clock.now += bus_broker.TOKEN_HORIZON_S / 2
+        recent = client.send(Sync(token="t-2", path="pub"))
+        waiting(["t-0", "t-1", "t-2"])
+        clock.now += bus_broker.TOKEN_HORIZON_S / 2 + 1
+        expire_now(node)
+        assert expired(2) == set(old)
+        waiting(["t-2"])  # asked within the horizon: it still waits
+
+        monkeypatch.setattr(bus_broker, "WAITING_MAX", 3)
+        for i in range(3, 6):
+            client.send(Sync(token=f"t-{i}", path="pub"))
+        assert expired(1) == {recent}  # the fourth waiting pushed the oldest out
+        waiting(["t-3", "t-4", "t-5"])
     finally:
         client.close()
         ctx.term()
