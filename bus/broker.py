@@ -65,6 +65,7 @@ from ..protocol.messages import (
 )
 from .forwarder import SUBSCRIBE_ALL, Forwarder, is_event
 from .metrics import ROUTES
+from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
@@ -379,9 +380,12 @@ class Broker:
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
-        if old is not None and old.live and old.info.pid != node.pid:
+        # Another process under the same id: told by (host, pid, start time), not by pid alone, since a container
+        # restarts its process as pid 1 each time.
+        same = old is not None and old.live and incarnation(old.info) == incarnation(node)
+        if old is not None and old.live and not same:
             self._remove(old, "replaced")
-        live = old is not None and old.live and old.info.pid == node.pid
+        live = same
         self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()

@@ -1,9 +1,11 @@
 """The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
 revives none; only time on the liveness clock does. On the same clock it gives up PUB handshakes whose probe
-never came. A real broker on loopback sockets, its clock injected."""
+never came. It tells a restarted process under the same node id by its incarnation, not its pid. A real broker on
+loopback sockets, its clock injected."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +18,8 @@ from refbus.bus import broker as bus_broker
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Error, Heartbeat, Hello, NodeInfo, Ok, Sync, Welcome
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Error, Heartbeat, Hello, NodeDown, NodeInfo, NodeUp, Ok, Sync, Welcome
 
 T = TypeVar("T")
 NODE_TIMEOUT_S = 1.0
@@ -139,3 +141,40 @@ def test_pub_handshakes_whose_probe_never_comes_are_answered_an_error_and_forgot
     finally:
         client.close()
         ctx.term()
+
+
+def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[Broker, FakeClock]) -> None:
+    """A node SIGKILLed and restarted within the node timeout says hello again under its id; in a container its
+    pid is 1 both times. The start time tells the new process: the old one goes down (``replaced``) and the new
+    one comes up, so peers drop the old endpoints and learn the new ones."""
+    node, _ = broker
+    control = node.runtime.endpoints["control"]
+    events: queue.Queue[Message] = queue.Queue()
+    watcher = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    watcher.subscribe(events.put, kinds=frozenset({NodeUp.kind, NodeDown.kind}))
+    first = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
+    second = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
+    second.started = first.started + 1.0  # the same host and pid: only the start time differs
+    started: list[NodeRuntime] = []
+
+    def next_about_worker() -> Message:
+        while True:
+            event = events.get(timeout=WAIT_S)
+            body = event.body
+            if (body.node.node_id if isinstance(body, NodeUp) else body.node_id) == "worker":
+                return event
+
+    try:
+        for runtime in (watcher, first):
+            runtime.start_background()
+            started.append(runtime)
+        up = next_about_worker().body
+        assert isinstance(up, NodeUp) and up.node.started == first.started
+        second.start_background()  # the restarted process; the first never said bye
+        started.append(second)
+        down, up = next_about_worker().body, next_about_worker().body
+        assert isinstance(down, NodeDown) and down.reason == "replaced"
+        assert isinstance(up, NodeUp) and up.node.started == second.started and up.node.pid == first.info().pid
+    finally:
+        for runtime in reversed(started):  # the second first: its bye removes the entry, the first's then nothing
+            runtime.join(WAIT_S)
