@@ -20,12 +20,13 @@ import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import BusUnavailable, NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, RunEnd
-from test_liveness import HEARTBEAT_S, NODE_TIMEOUT_S, START_S, client, env_server, keep  # noqa: F401  (a fixture)
+from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, NodeDown, NodeInfo, RunEnd
+from test_liveness import HEARTBEAT_S, NODE_TIMEOUT_S, START_S, client, env_server, keep, sigkill  # noqa: F401
 
 QUICK = RetryPolicy(timeout_s=HEARTBEAT_S, attempts=1)
 IN_FLIGHT = 50  # events published while the broker is frozen: some are in its socket buffers when it dies
@@ -286,3 +287,47 @@ def test_a_rejoin_whose_probe_fails_once_still_resumes_subscriptions_on_the_retr
             nodes.pop().join(timeout=START_S)
         for bus in buses:
             bus.join(START_S)
+
+
+def test_a_node_that_died_while_the_broker_was_down_is_reported_down_after_the_restart(
+        tmp_path: Path, spawn: Callable[..., NodeProcess], nodes: list[NodeRuntime]) -> None:
+    """The new broker knows only the nodes that re-join it, so it never publishes node-down for one that died
+    while it was down. A peer tracker that found the new broker looks the registry up once it had time to fill
+    (a node timeout and a heartbeat) and reports down, as the broker would have, every live peer it lacks; the
+    nodes that re-joined stay up."""
+    first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    buses = [first]
+    try:
+        victim = spawn(["monitor", "--bus-control", control, "--node-id", "victim", *FAST_LIVENESS], "victim")
+        victim.wait_ready(START_S)
+        alive, tracker = node(control, "alive"), node(control, "tracker")
+        peers = tracker.track_peers()
+        downs: queue.Queue[tuple[NodeDown, NodeInfo | None]] = queue.Queue()
+        peers.on_down(lambda down, info: downs.put((down, info)))
+        nodes += [alive, tracker]
+        for runtime in nodes:
+            runtime.start_background()
+        wait_for(lambda: {"victim", "alive"} <= set(peers.live), START_S, "the tracker sees both peers live")
+
+        endpoints = first.info["endpoints"]
+        sigkill(first)
+        sigkill(victim)  # dies while no broker can notice
+        buses.append(restart_bus(tmp_path, endpoints))
+        back = time.monotonic()
+        # The tracker re-joins at its next heartbeat, then gives the registry a node timeout and a heartbeat to
+        # fill before it looks; twice that (and a heartbeat for the re-join) for a loaded machine.
+        bound = 2 * (NODE_TIMEOUT_S + 2 * HEARTBEAT_S)
+        try:
+            down, info = downs.get(timeout=bound)
+        except queue.Empty:
+            raise AssertionError(f"no node-down for the dead node within {bound}s of the restart") from None
+        print(f"node-down {time.monotonic() - back:.2f}s after the new broker was ready")
+        assert (down.node_id, down.reason, down.role) == ("victim", ABSENT_AFTER_RESTART, "monitor")
+        assert info is not None and info.pid == victim.pid
+        assert downs.empty() and "alive" in peers.live and "victim" not in peers.live  # one reconcile, done
+        assert tracker.broker_restarts == 1
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        for bus in buses:
+            bus.stop()
