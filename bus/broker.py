@@ -47,6 +47,7 @@ from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
     Body,
     Bye,
+    Error,
     Heartbeat,
     Hello,
     NodeDown,
@@ -64,6 +65,7 @@ from ..protocol.messages import (
 )
 from .forwarder import SUBSCRIBE_ALL, Forwarder, is_event
 from .metrics import ROUTES
+from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
@@ -74,6 +76,8 @@ log = structlog.get_logger(__name__)
 SD_PATH = "/sd"  # the service-discovery path of the broker's metrics endpoint
 CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, at most
 CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
+TOKEN_HORIZON_S = 60.0  # probe tokens seen, and PUB handshakes waiting for their probe, are kept this long
+WAITING_MAX = 4096  # PUB handshakes waiting for their probe at most: past it the oldest is answered an error
 
 
 @dataclass(frozen=True)
@@ -152,13 +156,18 @@ class ReplayRing:
     def extend(self, entries: list, sizes: list[int]) -> None:
         """Keep events (each a frame, or a list of frames) of ``sizes`` bytes, oldest first."""
         count = len(entries)
+        self.appended += count  # ring positions: one per message handed in, kept or not
+        if count > self.max_events:  # more than the ring holds: only the newest go in, the rest count evicted
+            skipped = count - self.max_events
+            entries, sizes = entries[skipped:], sizes[skipped:]
+            self.evicted += skipped
+            count = self.max_events
         overflow = len(self._entries) + count - self.max_events
         if overflow > 0:  # the deques drop these as they extend: take their bytes off first
             self.nbytes -= sum(itertools.islice(self._sizes, 0, overflow))
             self.evicted += overflow
         self._entries.extend(entries)
         self._sizes.extend(sizes)
-        self.appended += count
         self.nbytes += sum(sizes)
         while self.nbytes > self.max_bytes and len(self._entries) > 1:
             self._entries.popleft()
@@ -216,7 +225,9 @@ class Broker:
         self.ring = ReplayRing(settings.ring_events, settings.ring_bytes, self._index)
         self.members: dict[str, _Member] = {}
         self.seen_tokens: dict[str, float] = {}
-        self.waiting: dict[str, Pending] = {}
+        # sync{path=pub} handshakes whose probe has not come yet: token -> (the deferred answer, when asked), oldest
+        # first; answered an error when the probe has not come within TOKEN_HORIZON_S or beyond WAITING_MAX.
+        self.waiting: dict[str, tuple[Pending, float]] = {}
         self.forwarded = 0  # event messages (a batch counts once)
         self.dropped: Counter[str] = Counter()
         self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
@@ -356,9 +367,9 @@ class Broker:
                 self.joins[(member.info.node_id, member.info.role)] += 1
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
-        pending = self.waiting.pop(probe.token, None)
-        if pending is not None:
-            self.server.answer(pending, Ok("seen"))
+        waiting = self.waiting.pop(probe.token, None)
+        if waiting is not None:
+            self.server.answer(waiting[0], Ok("seen"))
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -369,9 +380,12 @@ class Broker:
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
-        if old is not None and old.live and old.info.pid != node.pid:
+        # Another process under the same id: told by (host, pid, start time), not by pid alone, since a container
+        # restarts its process as pid 1 each time.
+        same = old is not None and old.live and incarnation(old.info) == incarnation(node)
+        if old is not None and old.live and not same:
             self._remove(old, "replaced")
-        live = old is not None and old.live and old.info.pid == node.pid
+        live = same
         self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()
@@ -405,8 +419,17 @@ class Broker:
             return Ok("published")
         if sync.token in self.seen_tokens:
             return Ok("seen")
-        self.waiting[sync.token] = self.server.pending
+        self.waiting.pop(sync.token, None)  # asked again: it goes last, in the order of when it was asked
+        self.waiting[sync.token] = (self.server.pending, self.clock())
+        while len(self.waiting) > WAITING_MAX:
+            self._give_up(next(iter(self.waiting)), f"more than {WAITING_MAX} handshakes were waiting")
         return None
+
+    def _give_up(self, token: str, why: str) -> None:
+        """Answer a waiting PUB handshake with an error (the node's join fails and is tried again later)."""
+        pending, _ = self.waiting.pop(token)
+        self.server.answer(pending, Error("sync-expired", f"the probe of sync token {token!r} was not seen: {why}",
+                                          Sync.kind))
 
     def _heartbeat(self, request: Message) -> Body:
         beat = request.body
@@ -483,10 +506,14 @@ class Broker:
         for member in list(self.members.values()):
             if now - member.heard > self.settings.node_timeout_s:
                 self._remove(member, "timeout")
-        horizon = self.clock() - 60.0
+        horizon = self.clock() - TOKEN_HORIZON_S
         for token, seen in list(self.seen_tokens.items()):
             if seen < horizon:
                 del self.seen_tokens[token]
+        for token, (_, asked) in list(self.waiting.items()):  # oldest first
+            if asked >= horizon:
+                break
+            self._give_up(token, f"not within {TOKEN_HORIZON_S:g}s")
 
     # --- service discovery (Prometheus http_sd) -------------------------------------------------------
 

@@ -18,6 +18,12 @@ Opt-in (``runtime.track_peers()``), for roles that act on liveness: its subscrip
 so the broker sends it ``node-up`` and ``node-down`` only, not the whole stream. Gaps are still told: the
 broker is those events' one source and publishes no other kind, so every event of its sequence arrives (a
 restarted broker is a new incarnation, whose re-joins emit ``node-up`` again). Loop thread only.
+
+A restarted broker knows only the nodes that re-join it: one that died while it was down is never reported
+down by it. So after a re-join that found a new broker incarnation the runtime calls :meth:`Peers.expect_rejoins`
+and, once the registry had time to fill (a node timeout and a heartbeat interval), looks it up and hands the
+answer to :meth:`Peers.reconcile`: every live peer neither reported up since nor listed goes down as above,
+reason :data:`ABSENT_AFTER_RESTART`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ OnUp = Callable[[NodeInfo], None]
 OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
 
 KINDS = frozenset({NodeUp.kind, NodeDown.kind})
+ABSENT_AFTER_RESTART = "absent-after-broker-restart"  # the reason of a node-down found by :meth:`Peers.reconcile`
 
 
 def incarnation(node: NodeInfo) -> tuple[str, int, float]:
@@ -55,6 +62,7 @@ class Peers:
         self.down: dict[str, NodeInfo | None] = {}  # node id -> its last known entry
         self._up_listeners: list[OnUp] = []
         self._down_listeners: list[OnDown] = []
+        self._unconfirmed: set[str] = set()  # live peers a restarted broker has not reported up yet
 
     def on_up(self, listener: OnUp) -> None:
         """Call ``listener(info)`` for every ``node-up`` (after its endpoints are marked up)."""
@@ -69,6 +77,26 @@ class Peers:
         for node in nodes:
             if node.node_id != self._self_id:
                 self.live.setdefault(node.node_id, node)
+
+    def expect_rejoins(self) -> None:
+        """The broker restarted (this node found a new incarnation): every live peer must re-join it. Each
+        ``node-up`` from now on confirms one; :meth:`reconcile` settles the others."""
+        self._unconfirmed = set(self.live)
+
+    def reconcile(self, listed: Iterable[NodeInfo]) -> list[str]:
+        """After :meth:`expect_rejoins`, once the new broker's registry had time to fill: mark down (listeners
+        and pending calls as for a ``node-down``, reason :data:`ABSENT_AFTER_RESTART`) every live peer that
+        neither came up since nor is ``listed`` (the registry's answer); returns their ids. A peer whose
+        ``node-up`` crossed the answer is confirmed by that event, so only one the registry lacked goes down
+        (should it come up later after all, its ``node-up`` revives it as any other's does)."""
+        present = {node.node_id for node in listed}
+        gone = sorted(node_id for node_id in self._unconfirmed if node_id in self.live and node_id not in present)
+        self._unconfirmed = set()
+        for node_id in gone:
+            info = self.live[node_id]
+            self._down(NodeDown(node_id=node_id, role=info.role, reason=ABSENT_AFTER_RESTART,
+                                last_seen=info.last_seen))
+        return gone
 
     def handle(self, message: Message) -> None:
         body = message.body
@@ -97,6 +125,7 @@ class Peers:
         if node.node_id == self._self_id:
             return
         self.down.pop(node.node_id, None)
+        self._unconfirmed.discard(node.node_id)
         self.live[node.node_id] = node
         for endpoint in node.endpoints.values():
             self._calls.mark_up(endpoint)

@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import heapq
 import json
+import math
 import os
 import select
 import signal
@@ -637,7 +638,7 @@ class NodeRuntime:
             if self._rejoin:
                 self._rejoin = False
                 try:
-                    self._resume_pending |= self._join()
+                    self._join()  # sets _resume_pending when the broker restarted or moved, before its probe
                     if self._resume_pending:
                         self._resume_subscriptions()
                         self._resume_pending = False
@@ -829,7 +830,10 @@ class NodeRuntime:
 
     def _join(self) -> bool:
         """Register with the broker and prove the event path live before anything is published. True when
-        the broker is a new process (it died and came back) or moved: live subscriptions must resume."""
+        the broker is a new process (it died and came back) or moved: live subscriptions must resume. That is
+        also kept in ``_resume_pending`` as soon as it is known, before the refill and the probe: a join that
+        fails after it (the probe not seen in time) leaves it set for the retry, which finds the same broker
+        incarnation and so cannot tell again."""
         self.broker()
         assert self.control is not None
         token = self.codec.new_id()
@@ -877,12 +881,46 @@ class NodeRuntime:
                         "held events go to the new ring, so subscribers fill what the old broker held in flight")
         self.broker_incarnation = broker
         self.welcome = welcome
+        if restarted or moved:  # kept until the subscriptions resumed, whatever fails from here on
+            self._resume_pending = True
+        if restarted and self._peers is not None:  # peers that died meanwhile: the new broker never saw them
+            self._peers.expect_rejoins()
+            tries = max(1, math.ceil(welcome.node_timeout / welcome.heartbeat_interval))
+            self.later(welcome.node_timeout + welcome.heartbeat_interval,
+                       lambda: self._reconcile_peers(broker, tries))
         if (refill or restarted) and self.publisher.seq:  # before the probes: the gaps they reveal fill from it
             self._refill()
         self._prove_published(token, self.settings.connect_timeout_s)
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
         return restarted or moved
+
+    def _reconcile_peers(self, broker: str, tries: int) -> None:
+        """A node timeout and a heartbeat interval after a re-join found broker incarnation ``broker``, every
+        live peer has re-joined it or is gone: look the registry up (asynchronously) and mark down the peers it
+        lacks (:meth:`~.peers.Peers.reconcile`). A lookup that fails is tried again a heartbeat later, ``tries``
+        times in all, then given up (logged). Nothing is done for a broker that restarted again since (its own
+        re-join scheduled its own check)."""
+        if self._peers is None or self.welcome is None or broker != self.broker_incarnation or self._stopping:
+            return
+        peers, interval = self._peers, self.welcome.heartbeat_interval
+
+        def done(nodes: list[NodeInfo] | None) -> None:
+            if broker != self.broker_incarnation:
+                return
+            if nodes is None:
+                if tries > 1:
+                    self.later(interval, lambda: self._reconcile_peers(broker, tries - 1))
+                else:
+                    log.warning("peers.reconcile_gave_up", detail="the restarted broker's registry did not answer; "
+                                "peers that died while it was down stay live here")
+                return
+            gone = peers.reconcile(nodes)
+            if gone:
+                log.warning("peers.absent_after_broker_restart", nodes=gone,
+                            detail="live before the broker restarted, not re-joined since: reported down")
+
+        self.lookup_async("", done, deadline_s=interval)
 
     def _refill(self) -> None:
         """Hand the broker this node's held events (see :class:`~refbus.bus.pubsub.Publisher`) for its ring, in

@@ -158,7 +158,7 @@ def _quantity(config: Config, name: str) -> Any:
 CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
 """Keys that take one of a few words."""
 
-RANGES: dict[str, tuple[int, int]] = {"bus.event_batch": (1, 65_535)}
+RANGES: dict[str, tuple[int, int]] = {"bus.event_batch": (1, 65_535), "bus.ring_events": (1, 1 << 30)}
 """Keys that take a whole number within bounds (inclusive)."""
 
 

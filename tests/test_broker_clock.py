@@ -1,8 +1,11 @@
 """The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
-revives none; only time on the liveness clock does. A real broker on loopback sockets, its clock injected."""
+revives none; only time on the liveness clock does. On the same clock it gives up PUB handshakes whose probe
+never came. It tells a restarted process under the same node id by its incarnation, not its pid. A real broker on
+loopback sockets, its clock injected."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,11 +13,13 @@ from typing import TypeVar
 
 import pytest
 import zmq
+from polling import wait_for
+from refbus.bus import broker as bus_broker
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Heartbeat, Hello, NodeInfo, Ok, Welcome
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import Error, Heartbeat, Hello, NodeDown, NodeInfo, NodeUp, Ok, Sync, Welcome
 
 T = TypeVar("T")
 NODE_TIMEOUT_S = 1.0
@@ -92,3 +97,84 @@ def test_a_wall_clock_step_expires_no_node_and_the_liveness_clock_does(
     finally:
         client.close()
         ctx.term()
+
+
+def test_pub_handshakes_whose_probe_never_comes_are_answered_an_error_and_forgotten(
+    broker: tuple[Broker, FakeClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``sync{path=pub}`` waits for its probe on the PUB path. One whose probe never comes (a join that timed
+    out, a broken or hostile client) is answered ``sync-expired`` and forgotten: after the horizon on the broker's
+    clock, or at once, the oldest first, when too many wait."""
+    node, clock = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("asker"))
+
+    def waiting(tokens: list[str]) -> None:
+        wait_for(lambda: on_loop(node, lambda: list(node.waiting)) == tokens, WAIT_S, f"waiting: {tokens}")
+
+    def expired(count: int) -> set[str]:
+        """The ids the next ``count`` replies answer, each ``sync-expired``."""
+        answered = set()
+        for _ in range(count):
+            reply = client.recv(int(WAIT_S * 1000))
+            assert reply is not None, "no answer to a handshake the broker gave up"
+            assert isinstance(reply.body, Error) and reply.body.code == "sync-expired", reply.body
+            answered.add(reply.header.re)
+        return answered
+
+    try:
+        old = [client.send(Sync(token=f"t-{i}", path="pub")) for i in range(2)]
+        waiting(["t-0", "t-1"])
+        clock.now += bus_broker.TOKEN_HORIZON_S / 2
+        recent = client.send(Sync(token="t-2", path="pub"))
+        waiting(["t-0", "t-1", "t-2"])
+        clock.now += bus_broker.TOKEN_HORIZON_S / 2 + 1
+        expire_now(node)
+        assert expired(2) == set(old)
+        waiting(["t-2"])  # asked within the horizon: it still waits
+
+        monkeypatch.setattr(bus_broker, "WAITING_MAX", 3)
+        for i in range(3, 6):
+            client.send(Sync(token=f"t-{i}", path="pub"))
+        assert expired(1) == {recent}  # the fourth waiting pushed the oldest out
+        waiting(["t-3", "t-4", "t-5"])
+    finally:
+        client.close()
+        ctx.term()
+
+
+def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[Broker, FakeClock]) -> None:
+    """A node SIGKILLed and restarted within the node timeout says hello again under its id; in a container its
+    pid is 1 both times. The start time tells the new process: the old one goes down (``replaced``) and the new
+    one comes up, so peers drop the old endpoints and learn the new ones."""
+    node, _ = broker
+    control = node.runtime.endpoints["control"]
+    events: queue.Queue[Message] = queue.Queue()
+    watcher = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
+    watcher.subscribe(events.put, kinds=frozenset({NodeUp.kind, NodeDown.kind}))
+    first = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
+    second = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
+    second.started = first.started + 1.0  # the same host and pid: only the start time differs
+    started: list[NodeRuntime] = []
+
+    def next_about_worker() -> Message:
+        while True:
+            event = events.get(timeout=WAIT_S)
+            body = event.body
+            if (body.node.node_id if isinstance(body, NodeUp) else body.node_id) == "worker":
+                return event
+
+    try:
+        for runtime in (watcher, first):
+            runtime.start_background()
+            started.append(runtime)
+        up = next_about_worker().body
+        assert isinstance(up, NodeUp) and up.node.started == first.started
+        second.start_background()  # the restarted process; the first never said bye
+        started.append(second)
+        down, up = next_about_worker().body, next_about_worker().body
+        assert isinstance(down, NodeDown) and down.reason == "replaced"
+        assert isinstance(up, NodeUp) and up.node.started == second.started and up.node.pid == first.info().pid
+    finally:
+        for runtime in reversed(started):  # the second first: its bye removes the entry, the first's then nothing
+            runtime.join(WAIT_S)

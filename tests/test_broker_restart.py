@@ -19,12 +19,14 @@ from typing import Any
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.bus.reqrep import Client, RetryPolicy
-from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.runtime import BusUnavailable, NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, RunEnd
-from test_liveness import HEARTBEAT_S, START_S, client, env_server, keep  # noqa: F401  (client: a fixture)
+from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, NodeDown, NodeInfo, RunEnd
+from test_liveness import HEARTBEAT_S, NODE_TIMEOUT_S, START_S, client, env_server, keep, sigkill  # noqa: F401
 
 QUICK = RetryPolicy(timeout_s=HEARTBEAT_S, attempts=1)
 IN_FLIGHT = 50  # events published while the broker is frozen: some are in its socket buffers when it dies
@@ -43,6 +45,18 @@ def restart_bus(workdir: Path, endpoints: dict[str, str]) -> NodeProcess:
                        *FAST_LIVENESS], workdir=workdir, name="bus")
     bus.wait_ready(START_S)
     return bus
+
+
+def in_process_bus(endpoints: dict[str, str] | None = None) -> NodeRuntime:
+    """A broker on this process's threads (fast to start and stop; its loop in a thread), on ephemeral loopback
+    ports or on ``endpoints`` (a dead one's), with the FAST_LIVENESS heartbeat and node timeout."""
+    ends = endpoints or dict.fromkeys(("control", "events_in", "events_out"), "tcp://127.0.0.1:0")
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1, heartbeat_interval_s=HEARTBEAT_S),
+                          register=False)
+    Broker(runtime, BrokerSettings(control=ends["control"], events_in=ends["events_in"],
+                                   events_out=ends["events_out"], node_timeout_s=NODE_TIMEOUT_S))
+    runtime.start_background()
+    return runtime
 
 
 def received_unread(port: int) -> int:
@@ -227,3 +241,93 @@ def test_a_publish_path_that_broke_under_a_live_broker_is_dropped_held_and_refil
         while nodes:
             nodes.pop().join(timeout=START_S)
         bus.stop()
+
+
+def test_a_rejoin_whose_probe_fails_once_still_resumes_subscriptions_on_the_retry(
+        nodes: list[NodeRuntime], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first re-join with a restarted broker registers (so the node knows the new incarnation) but its PUB
+    probe is not seen in time; the retry, a heartbeat later, finds the same incarnation, and must still make the
+    subscriptions live again on the new broker (events it dropped before they reconnected come from its ring)."""
+    first = in_process_bus()
+    buses = [first]
+    try:
+        subscriber = node(first.endpoints["control"], "sub")
+        subscriber.subscribe(lambda message: None)
+        nodes.append(subscriber)
+        resumed = threading.Event()
+        resume, prove = subscriber._resume_subscriptions, subscriber._prove_published
+        fail_next = threading.Event()
+
+        def resume_and_tell() -> None:
+            resume()
+            resumed.set()
+
+        def prove_or_fail_once(token: str, timeout_s: float) -> None:
+            if fail_next.is_set():
+                fail_next.clear()
+                raise BusUnavailable("simulated: the new broker did not see the probe in time")
+            prove(token, timeout_s)
+
+        monkeypatch.setattr(subscriber, "_resume_subscriptions", resume_and_tell)
+        monkeypatch.setattr(subscriber, "_prove_published", prove_or_fail_once)
+        subscriber.start_background()
+
+        endpoints = dict(first.endpoints)
+        first.join(START_S)
+        fail_next.set()
+        buses.append(in_process_bus(endpoints))
+        # A heartbeat finds the new broker, the first re-join fails at its probe, the retry a heartbeat later.
+        bound = NODE_TIMEOUT_S + 10 * HEARTBEAT_S
+        wait_for(lambda: subscriber.broker_restarts == 1 and not fail_next.is_set(), bound,
+                 "a re-join that reached the new broker and failed at its probe")
+        assert resumed.wait(bound), "the subscriptions did not resume after the retried re-join"
+        wait_for(lambda: not subscriber._resume_pending, bound, "the resume done")
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        for bus in buses:
+            bus.join(START_S)
+
+
+def test_a_node_that_died_while_the_broker_was_down_is_reported_down_after_the_restart(
+        tmp_path: Path, spawn: Callable[..., NodeProcess], nodes: list[NodeRuntime]) -> None:
+    """The new broker knows only the nodes that re-join it, so it never publishes node-down for one that died
+    while it was down. A peer tracker that found the new broker looks the registry up once it had time to fill
+    (a node timeout and a heartbeat) and reports down, as the broker would have, every live peer it lacks; the
+    nodes that re-joined stay up."""
+    first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    buses = [first]
+    try:
+        victim = spawn(["monitor", "--bus-control", control, "--node-id", "victim", *FAST_LIVENESS], "victim")
+        victim.wait_ready(START_S)
+        alive, tracker = node(control, "alive"), node(control, "tracker")
+        peers = tracker.track_peers()
+        downs: queue.Queue[tuple[NodeDown, NodeInfo | None]] = queue.Queue()
+        peers.on_down(lambda down, info: downs.put((down, info)))
+        nodes += [alive, tracker]
+        for runtime in nodes:
+            runtime.start_background()
+        wait_for(lambda: {"victim", "alive"} <= set(peers.live), START_S, "the tracker sees both peers live")
+
+        endpoints = first.info["endpoints"]
+        sigkill(first)
+        sigkill(victim)  # dies while no broker can notice
+        buses.append(restart_bus(tmp_path, endpoints))
+        back = time.monotonic()
+        # The tracker re-joins at its next heartbeat, then gives the registry a node timeout and a heartbeat to
+        # fill before it looks; twice that (and a heartbeat for the re-join) for a loaded machine.
+        bound = 2 * (NODE_TIMEOUT_S + 2 * HEARTBEAT_S)
+        try:
+            down, info = downs.get(timeout=bound)
+        except queue.Empty:
+            raise AssertionError(f"no node-down for the dead node within {bound}s of the restart") from None
+        print(f"node-down {time.monotonic() - back:.2f}s after the new broker was ready")
+        assert (down.node_id, down.reason, down.role) == ("victim", ABSENT_AFTER_RESTART, "monitor")
+        assert info is not None and info.pid == victim.pid
+        assert downs.empty() and "alive" in peers.live and "victim" not in peers.live  # one reconcile, done
+        assert tracker.broker_restarts == 1
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        for bus in buses:
+            bus.stop()

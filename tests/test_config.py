@@ -113,3 +113,10 @@ def test_a_key_of_a_few_words_refuses_any_other() -> None:
     assert load("--ps-transport", "nixl").ps.transport == "nixl"
     with pytest.raises(ConfigError, match=r"ps\.transport must be one of frames, nixl, got 'ucx'"):
         load("--ps-transport", "ucx")
+
+
+def test_the_ring_holds_at_least_one_message() -> None:
+    assert load("--bus-ring-events", "1").bus.ring_events == 1
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match=r"bus\.ring_events must be from 1 to"):
+            load("--bus-ring-events", bad)

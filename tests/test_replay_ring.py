@@ -67,3 +67,22 @@ def test_events_are_indexed_once_when_a_replay_first_needs_them_and_unreadable_o
     assert [e.seq for e in page] == [1, 2, 3] and ring.unreadable == 1
     ring.select(since=0, src="", limit=10, max_bytes=1 << 20, cursor=0)
     assert len(calls) == 3  # a second replay reads nothing again
+
+
+def test_bytes_stay_exact_across_drains_larger_than_the_ring() -> None:
+    """A capture drain hands in up to 4096 messages at once, more than a small ring holds: only the newest are
+    kept, the rest count as appended and evicted, and the byte count is what the ring holds, drain after drain
+    (it used to count the bytes of what the deque dropped, until the byte bound evicted all but one)."""
+    ring = ring_of(10, 1 << 20)
+    seq = 0
+    for count in (25, 3, 10, 11, 40):  # larger than the ring, smaller, equal, one more, larger again
+        entries = [[b"a", f"{seq + i:06d}".encode(), b"x" * (seq + i)] for i in range(1, count + 1)]
+        ring.extend(entries, [sum(map(len, frames)) for frames in entries])
+        seq += count
+        page, _, _ = ring.select(since=0, src="", limit=100, max_bytes=1 << 20, cursor=0)
+        assert [e.seq for e in page] == list(range(seq - len(ring) + 1, seq + 1)) and len(ring) == 10
+        assert ring.nbytes == sum(sum(map(len, e.frames)) for e in page)
+        assert ring.appended == seq and ring.evicted == seq - 10
+    bounded = ring_of(10, 1000)  # and the byte bound still holds what fits, not one message
+    bounded.extend([[b"a", b"000001", b"x" * 93]] * 30, [100] * 30)
+    assert len(bounded) == 10 and bounded.nbytes == 1000
