@@ -134,7 +134,7 @@ class NodeUp(Body, frozen=True):
 class NodeDown(Body, frozen=True):
     node_id: Name  # the node gone
     role: Name  # its role
-    reason: str  # "bye" (clean exit) or "timeout" (missed heartbeats)
+    reason: str  # "bye" (clean exit), "timeout" (missed heartbeats) or "replaced" (another process took the id)
     last_seen: float  # wall-clock time of its last heartbeat
 
 
