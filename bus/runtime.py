@@ -367,7 +367,10 @@ class NodeRuntime:
         return self.publisher.publish(body)
 
     def every(self, interval_s: float, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop thread every ``interval_s`` seconds."""
+        """Run ``callback`` on the loop thread every ``interval_s`` seconds (above 0: a zero interval would keep the
+        loop in its timers for good)."""
+        if not interval_s > 0:
+            raise ValueError(f"a timer's interval must be above 0 seconds, got {interval_s!r}")
         heapq.heappush(self._timers, _Timer(time.monotonic() + interval_s, interval_s, callback))
 
     def later(self, delay_s: float, callback: Callable[[], None]) -> None:

@@ -158,16 +158,38 @@ def _quantity(config: Config, name: str) -> Any:
 CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
 """Keys that take one of a few words."""
 
-RANGES: dict[str, tuple[int, int]] = {"bus.event_batch": (1, 65_535), "bus.ring_events": (1, 1 << 30)}
+RANGES: dict[str, tuple[int, int]] = {
+    "bus.event_batch": (1, 65_535),
+    "bus.ring_events": (1, 1 << 30),
+    "bus.metrics_port": (-1, 65_535),
+    "node.metrics_port": (-1, 65_535),
+    "requests.attempts": (1, 1_000),
+    "up.restart_budget": (0, 1 << 30),
+}
 """Keys that take a whole number within bounds (inclusive)."""
+
+MAY_BE_ZERO: frozenset[str] = frozenset({"node.restart_grace_s", "up.restart_backoff_s"})
+"""Durations for which 0 means "none" (no grace, no backoff); every other ``*_s`` key must be above 0."""
+
+
+def _durations() -> list[str]:
+    return [f"{section_name}.{key.name}" for section_name, section in _sections(Config())
+            for key in dataclasses.fields(section) if key.name.endswith("_s")]
 
 
 def check_relations(config: Config) -> None:
-    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first of
-    :data:`RANGES` out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails."""
+    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first
+    duration (every ``*_s`` key) below 0 or at 0 (unless in :data:`MAY_BE_ZERO`), the first of :data:`RANGES`
+    out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails. A zero interval would
+    spin a node's timers without end; a zero or negative timeout would fail or kill at once."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
+    for name in _durations():
+        value = _quantity(config, name)
+        if value < 0 or (value == 0 and name not in MAY_BE_ZERO):
+            floor = "0 or more" if name in MAY_BE_ZERO else "above 0"
+            raise ConfigError(f"{name} must be {floor} seconds, got {value!r}")
     for name, (low, high) in RANGES.items():
         if not low <= (value := _quantity(config, name)) <= high:
             raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
@@ -262,14 +284,25 @@ def _apply(config: Config, data: dict[str, Any], path: str) -> None:
 # --- rendering -------------------------------------------------------------------------------------------
 
 
-def to_toml(config: Config) -> str:
-    """The config as a TOML document, each key preceded by its help text."""
+SECRETS: frozenset[str] = frozenset({"security.secret"})
+"""Keys whose value is a credential: shown only where asked for (:func:`to_toml`)."""
+
+
+def to_toml(config: Config, *, secrets: bool = False) -> str:
+    """The config as a TOML document, each key preceded by its help text. A set :data:`SECRETS` key is written
+    only with ``secrets`` (a file only its owner reads, for the nodes a launcher starts); otherwise its line is
+    a comment saying it is set, so printing a config never shows a credential (and a document loaded from that
+    output signs nothing until the secret is given again, e.g. with $REFBUS_SECRET)."""
     lines: list[str] = []
     for section_name, section in _sections(config):
         lines.append(f"[{section_name}]")
         for key in dataclasses.fields(section):
             lines.append(f"# {key.metadata['help']}")
-            lines.append(f"{key.name} = {_toml_value(getattr(section, key.name))}")
+            value = getattr(section, key.name)
+            if value and f"{section_name}.{key.name}" in SECRETS and not secrets:
+                lines.append(f"# {key.name} = (set, not shown)")
+            else:
+                lines.append(f"{key.name} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -283,7 +316,11 @@ def reference_tables() -> str:
             shown = "empty" if default == "" else f"`{_toml_value(default)}`"
             lines.append(f"| `{section_name}.{key.name}` | {shown} | {key.metadata['help']} |")
     schedule = " + ".join(f"{t:g}" for t in Config().retry().timeouts())
-    lines += ["", "Checked whenever a config loads (a violation is an error naming both sides). The request retry "
+    zero = " and ".join(f"`{name}`" for name in sorted(MAY_BE_ZERO))
+    bounded = ", ".join(f"`{name}` {low} to {high}" for name, (low, high) in RANGES.items())
+    lines += ["", "Checked whenever a config loads: every duration (`*_s`) is above 0 seconds (0 allowed for "
+              f"{zero}: none); {bounded}; one of its words for " + ", ".join(f"`{name}`" for name in CHOICES)
+              + "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]
     lines += [f"| {relation.rule()} | {relation.why} |" for relation in RELATIONS]

@@ -161,7 +161,7 @@ class LocalCluster:
         self.cancelled = cancelled
         self.workdir = workdir
         self.config_file = workdir / "cluster.toml"
-        self.config_file.write_text(to_toml(config))
+        self._write_config()
         self.nodes: list[NodeProcess] = []
         self.worlds = 0  # trainer worlds started before the current one
         self._commands: dict[str, tuple[str, ...]] = {}
@@ -170,7 +170,17 @@ class LocalCluster:
         """Fix config values learned from a started node (its bound endpoint when the config said port 0),
         so the nodes started after it find it."""
         setattr(self.config, section, dataclasses.replace(getattr(self.config, section), **values))
-        self.config_file.write_text(to_toml(self.config))
+        self._write_config()
+
+    def _write_config(self) -> None:
+        """The nodes' config file, secret included, readable by its owner only, and replaced whole: a node
+        starting meanwhile reads the old file or the new one, never a truncated one (which would load as all
+        defaults)."""
+        staged = self.config_file.with_name(f".{self.config_file.name}.new")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(to_toml(self.config, secrets=True))
+        os.replace(staged, self.config_file)
 
     def start(self, name: str, *command: str, wait: bool = True) -> NodeProcess:
         """Start a node (and wait until it is ready); :class:`StartCancelled` once the run is being stopped."""

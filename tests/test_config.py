@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.cli import build_parser
 from refbus.nodes.config import RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
+from refbus.nodes.up import LocalCluster
 
 
 def load(*flags: str, config_file: Path | None = None) -> Config:
@@ -120,3 +124,55 @@ def test_the_ring_holds_at_least_one_message() -> None:
     for bad in ("0", "-5"):
         with pytest.raises(ConfigError, match=r"bus\.ring_events must be from 1 to"):
             load("--bus-ring-events", bad)
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--bus-heartbeat-interval-s", "0", "bus.heartbeat_interval_s must be above 0 seconds, got 0.0"),
+    ("--node-shutdown-timeout-s", "-1", "node.shutdown_timeout_s must be above 0 seconds, got -1.0"),
+    ("--env-server-generate-timeout-s", "-5", "env_server.generate_timeout_s must be above 0 seconds"),
+    ("--up-restart-backoff-s", "-0.5", "up.restart_backoff_s must be 0 or more seconds, got -0.5"),
+    ("--bus-metrics-port", "70000", "bus.metrics_port must be from -1 to 65535, got 70000"),
+    ("--requests-attempts", "0", "requests.attempts must be from 1 to 1000, got 0"),
+    ("--up-restart-budget", "-1", "up.restart_budget must be from 0 to"),
+])
+def test_a_duration_count_or_port_that_would_break_a_node_is_refused(flag: str, value: str, says: str) -> None:
+    """Before, a zero heartbeat interval passed (its relation only compares keys) and every node that joined spun
+    in its timers for good; a negative shutdown timeout made every stop a kill."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(flag, value)
+
+
+def test_zero_means_none_for_a_grace_or_a_backoff() -> None:
+    config = load("--up-restart-backoff-s", "0", "--node-restart-grace-s", "0",
+                  "--env-server-handover-lease-s", "100")
+    assert (config.up.restart_backoff_s, config.node.restart_grace_s) == (0.0, 0.0)
+
+
+def test_the_secret_is_never_shown_and_only_its_owner_reads_the_nodes_config(tmp_path: Path) -> None:
+    shown = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "config", "show"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "REFBUS_SECRET": "hunter2-topsecret"})
+    assert shown.returncode == 0, shown.stderr
+    assert "hunter2" not in shown.stdout and "# secret = (set, not shown)" in shown.stdout
+    path = tmp_path / "shown.toml"
+    path.write_text(shown.stdout)
+    assert load(config_file=path).security.secret == ""  # signs nothing until the secret is given again
+
+    config = Config()
+    config.security = dataclasses.replace(config.security, secret="hunter2-topsecret")
+    (workdir := tmp_path / "run").mkdir()
+    cluster = LocalCluster(config, workdir)
+    assert cluster.config_file.stat().st_mode & 0o777 == 0o600
+    assert load(config_file=cluster.config_file).security.secret == "hunter2-topsecret"
+    cluster.pin("trainer", steps=3)  # replaced whole, still private
+    assert cluster.config_file.stat().st_mode & 0o777 == 0o600 and list(workdir.iterdir()) == [cluster.config_file]
+    assert load(config_file=cluster.config_file).trainer.steps == 3
+
+
+def test_a_timer_refuses_an_interval_that_would_never_let_the_loop_go() -> None:
+    runtime = NodeRuntime("t", RuntimeSettings(node_id="t", metrics_port=-1), register=False)
+    try:
+        for bad in (0.0, -1.0):
+            with pytest.raises(ValueError, match="above 0 seconds"):
+                runtime.every(bad, lambda: None)
+    finally:
+        runtime.close()
