@@ -92,6 +92,7 @@ class Calls:
         self._down: dict[str, str] = {}  # endpoint -> why it is down
         self._refused: list[_Call] = []  # requests to a down endpoint: PeerDown on the next tick
         self._soon: list[Callable[[], None]] = []  # outcomes known at once, delivered on the next tick
+        self._unsent: set[str] = set()  # ids of requests to endpoints no client could be made for, until delivered
         self.outcomes: Counter[str] = Counter()  # reply / remote-error / timeout / peer-down
         self.late = 0
         self.rejected: Counter[str] = Counter()
@@ -123,8 +124,12 @@ class Calls:
         (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
         to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out); ``verify=False``
         skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
-        ``on_done``. Returns the message id (for :meth:`cancel`)."""
-        client = self.client(endpoint)
+        ``on_done``. Returns the message id (for :meth:`cancel`). An endpoint ZeroMQ cannot connect to (a peer's
+        garbage address) ends the call with :class:`PeerDown` on the next tick, as a down endpoint does."""
+        try:
+            client = self.client(endpoint)
+        except zmq.ZMQError as exc:
+            return self._unreachable(endpoint, body, on_done, exc)
         msg_id, frames = client.encode(body)
         call = _Call(msg_id, endpoint, body.kind, frames, on_done, backend,
                      Attempts(policy or self.policy, deadline_s, _now()), verify)
@@ -161,6 +166,23 @@ class Calls:
             self._soon.append(lambda: on_done([]))
         gathering.start()
 
+    def _unreachable(self, endpoint: str, body: Body, on_done: OnDone, error: zmq.ZMQError) -> str:
+        """A request to an endpoint no client can be made for: no call is kept, and its outcome is a
+        :class:`PeerDown` delivered on the next tick (never inside :meth:`request`)."""
+        log.warning("request.bad_endpoint", kind=body.kind, endpoint=endpoint, error=str(error))
+        msg_id = f"unsent-{next(self._order)}"
+        self._unsent.add(msg_id)
+        outcome = PeerDown(endpoint, f"not an endpoint this node can connect to: {error}")
+
+        def deliver() -> None:
+            if msg_id in self._unsent:  # not cancelled meanwhile
+                self._unsent.discard(msg_id)
+                self.outcomes[_OUTCOME_NAMES[PeerDown]] += 1
+                _run_callback(lambda: on_done(outcome), body.kind, endpoint)
+
+        self._soon.append(deliver)
+        return msg_id
+
     def peer_down(self, endpoint: str, reason: str) -> int:
         """Resolve every pending call to ``endpoint`` with :class:`PeerDown`; returns how many."""
         calls = [c for c in self._pending.values() if c.endpoint == endpoint]
@@ -184,6 +206,9 @@ class Calls:
 
     def cancel(self, msg_id: str) -> bool:
         """Forget a pending call without calling its ``on_done``; False when it is not pending."""
+        if msg_id in self._unsent:
+            self._unsent.discard(msg_id)
+            return True
         call = self._pending.get(msg_id)
         if call is None:
             return False

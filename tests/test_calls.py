@@ -239,6 +239,31 @@ def test_peer_down_resolves_each_call_to_that_peer_once(caller: NodeRuntime, pee
     assert isinstance(done.one("other"), Message)
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://host-without-port", "garbage", "", "ipc://" + "x" * 200])
+def test_a_request_to_an_endpoint_zeromq_refuses_ends_peer_down_and_the_caller_goes_on(
+        caller: NodeRuntime, peers: Any, endpoint: str) -> None:
+    """A peer's garbage address (an event's reference, a registry entry): before, making its client raised out of
+    request(), so the caller's call never got an outcome (an orchestrator's claim stayed pending and every later
+    episode queued behind it). Now the call ends PeerDown on the next tick, never inside request(), and can be
+    cancelled until then."""
+    peer = peers()
+    done = Recorder()
+    msg_id = caller.calls.request(endpoint, DELETE, done("bad"), deadline_s=60.0)
+    cancelled = caller.calls.request(endpoint, DELETE, done("cancelled"), deadline_s=60.0)
+    assert done.outcomes["bad"] == [] and msg_id != cancelled
+    assert caller.calls.cancel(cancelled) is True and caller.calls.cancel(cancelled) is False
+    good = caller.calls.request(peer.endpoint, DELETE, done("good"), deadline_s=60.0)
+    pump(caller, lambda: done.resolved("bad"), "the bad endpoint's outcome")
+    outcome = done.one("bad")
+    assert isinstance(outcome, PeerDown) and outcome.peer == endpoint
+    assert "not an endpoint this node can connect to" in outcome.reason
+    wait_received(caller, peer, 1)
+    peer.answer(good)
+    pump(caller, lambda: done.resolved("good"), "the good peer's reply")
+    assert isinstance(done.one("good"), Message) and done.outcomes["cancelled"] == []
+    assert caller.calls.outcomes["peer-down"] == 1 and caller.calls.in_flight() == 0
+
+
 def test_cancel_forgets_a_call_and_its_reply_is_late(caller: NodeRuntime, peers: Any) -> None:
     peer = peers()
     done = Recorder()
