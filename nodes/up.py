@@ -251,8 +251,10 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                             world_restarts=config.trainer.checkpoint_every > 0,
                             world_exit_s=2 * config.bus.node_timeout_s)
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
-    try:
-        with stop.on_signals():
+    # The handlers stay installed until the launcher is done: a second SIGINT/SIGTERM during the shutdown only
+    # sets the flag again, so the ordered stop, the accounting, the stores' gc and the summary still happen.
+    with stop.on_signals():
+        try:
             try:
                 bus = cluster.start("bus", "node", "bus")
                 cluster.pin("bus", **bound_addresses(cluster.config.bus, bus.info))
@@ -278,32 +280,34 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 progress.poll()
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
-        if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
-            # A rank that failed as the last one finished ended the loop before the supervisor saw it.
-            failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
-                                          if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
-            peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
-            for prefix in ("orchestrator", "trainer", "rollout"):
-                cluster.stop(cluster.by_role(prefix))
-            problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
-                                "failed" if failed else "done")
-            summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
-                               problems=problems)
-            summary.update(supervisor.report())
-    except NodeStartError as exc:
-        print(f"refbus up: a node failed to start: {exc}", flush=True)
-        return 1
-    finally:
-        if watcher is not None:
-            watcher.join(timeout=10)
-        if probe is not None:
-            probe.close()
-        cluster.stop_all()
-        if config.store.durable:  # what nodes that died at the end (or were killed) left behind
-            gc(config.store.directory, config.store.run)
-    _report(summary, args)
-    if not (args.keep_logs or args.run_dir):
-        shutil.rmtree(workdir, ignore_errors=True)
+            if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
+                print("refbus up: stopping the cluster"
+                      + (" (interrupted)" if stop.requested else ""), flush=True)
+                # A rank that failed as the last one finished ended the loop before the supervisor saw it.
+                failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
+                                              if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
+                peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
+                for prefix in ("orchestrator", "trainer", "rollout"):
+                    cluster.stop(cluster.by_role(prefix))
+                problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
+                                    "failed" if failed else "done")
+                summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
+                                   problems=problems)
+                summary.update(supervisor.report())
+        except NodeStartError as exc:
+            print(f"refbus up: a node failed to start: {exc}", flush=True)
+            return 1
+        finally:
+            if watcher is not None:
+                watcher.join(timeout=10)
+            if probe is not None:
+                probe.close()
+            cluster.stop_all()
+            if config.store.durable:  # what nodes that died at the end (or were killed) left behind
+                gc(config.store.directory, config.store.run)
+        _report(summary, args)
+        if not (args.keep_logs or args.run_dir):
+            shutil.rmtree(workdir, ignore_errors=True)
     if stop.requested:
         return 130
     return 0 if summary["ok"] else 1
