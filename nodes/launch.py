@@ -71,6 +71,9 @@ class NodeProcess:
         argv = [*prefix, sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
         # Own session: a terminal's Ctrl-C reaches the launcher only, which stops its nodes in order.
         # PDEATHSIG: a launcher that is killed outright does not leave its nodes behind.
+        # Wall-clock time before the start: the node's registered start time (NodeInfo.started) is later, so
+        # a report about an earlier process that had the same pid is told apart.
+        self.spawned = time.time()
         self.proc = subprocess.Popen(
             argv,
             stdout=stdout if stdout is not None else self._log,

@@ -21,6 +21,14 @@ naming them (a trainer rank that exits 0 has finished its steps). Restarts come 
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the
 stream the events it held, which a run's ledger may then be unable to vouch for), so a deployment can be
 tried against crashes the way the tests do.
+
+A node can also hang: its process alive, its loop stuck (a deadlock, SIGSTOP). The broker then reports it down
+(``node-down``, reason ``timeout``), and the launcher's watcher hands such reports (and every ``node-up``) to
+:meth:`Supervisor.heard`. A restartable node the broker reported down that has not re-joined within
+``hung_grace_s`` (a node merely late with its heartbeats re-joins at its next one) and whose process still runs
+is killed with SIGKILL (logged ``up.node_hung``) and restarted as if it had crashed, charged to the budget. Only
+the incarnation the report names (pid and start time), once; never on ``bye``, never a node that is already
+exiting or due to restart, never while the cluster is being stopped (:func:`kill_hung` decides).
 """
 
 from __future__ import annotations
@@ -30,10 +38,14 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import structlog
+
 from .launch import NodeProcess
+
+log = structlog.get_logger(__name__)
 
 BROKER = "bus"  # the broker's node name in `refbus up`
 RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator", BROKER)
@@ -69,6 +81,44 @@ def describe_exit(code: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Liveness:
+    """What the broker said about one node process: ``node-up`` (``up``) or ``node-down`` (with its reason). The
+    incarnation (pid and wall-clock start) is the one the node registered with (its latest ``node-up``); pid 0
+    when no ``node-up`` of it was seen."""
+
+    node: str
+    up: bool
+    pid: int = 0
+    started: float = 0.0  # the node's wall-clock start (NodeInfo.started)
+    reason: str = ""  # node-down: "bye", "timeout", "replaced"
+
+
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """The supervised process a report names, as the supervisor sees it when it decides."""
+
+    name: str
+    pid: int
+    spawned: float  # wall-clock time just before the process was started
+    running: bool  # it has not exited
+    exiting: bool  # dead and due to restart, killed on purpose (chaos), or its trainer world is restarting
+    killed: bool  # already killed as hung
+
+
+HUNG = "timeout"  # the node-down reason that can mean a hung process (not "bye", not "replaced")
+
+
+def kill_hung(down: Liveness, process: Watched | None, *, stopping: bool, worlds: bool = False) -> bool:
+    """Whether the node-down ``down`` means that ``process`` hangs and must be killed (then restarted):
+    a missed-heartbeats report about this very incarnation of a restartable node whose process still runs,
+    not yet killed for it, while the cluster is not being stopped."""
+    return (not stopping and not down.up and down.reason == HUNG and process is not None
+            and restartable(process.name, worlds=worlds)
+            and down.pid == process.pid and down.started >= process.spawned  # this incarnation, not a reused pid
+            and process.running and not process.exiting and not process.killed)
+
+
+@dataclasses.dataclass(frozen=True)
 class Death:
     """One node process that ended while the run went on."""
 
@@ -87,7 +137,8 @@ class Supervisor:
 
     def __init__(self, cluster: Cluster, *, budget: int, backoff_s: float, say: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic, world_restarts: bool = False,
-                 world_exit_s: float = 0.0) -> None:
+                 world_exit_s: float = 0.0, hung_grace_s: float = 0.0,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.cluster = cluster
         self.world_restarts = world_restarts
         self.world_exit_s = world_exit_s  # how long the other ranks of a broken world have to exit on their own
@@ -104,6 +155,10 @@ class Supervisor:
         self._deliberate: set[int] = set()  # pids killed on purpose (chaos): their restarts are not charged
         self._per_node: Counter[str] = Counter()
         self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
+        self.hung_grace_s = hung_grace_s  # how long a node reported down has to re-join before it is killed
+        self.stopping = stopping  # the cluster is being stopped: nothing is killed as hung
+        self._suspect: dict[str, tuple[float, Liveness]] = {}  # name -> (kill time, the node-down)
+        self._hung: dict[int, str] = {}  # pid -> why it was killed as hung (once per incarnation)
 
     def expect_death(self, node: NodeProcess) -> None:
         """``node`` is being killed on purpose (``--chaos``): its restart does not come out of the budget,
@@ -115,10 +170,51 @@ class Supervisor:
         """A trainer world is down and due to start again: the run is not over although no rank runs."""
         return WORLD in self._due
 
+    def heard(self, reports: Iterable[Liveness]) -> None:
+        """The broker's ``node-up`` and ``node-down`` reports, in stream order: a node reported down that may
+        hang becomes suspect (killed at :meth:`poll` once ``hung_grace_s`` passed); its re-join clears it."""
+        for report in reports:
+            suspect = self._suspect.get(report.node)
+            if report.up:
+                if suspect is not None and (suspect[1].pid, suspect[1].started) == (report.pid, report.started):
+                    del self._suspect[report.node]  # it was late, not hung: it re-joined
+            elif self._may_hang(report):
+                self._suspect[report.node] = (self.clock() + self.hung_grace_s, report)
+
+    def _watched(self, name: str) -> tuple[NodeProcess, Watched] | None:
+        node = next((n for n in self.cluster.nodes if n.name == name), None)
+        if node is None:
+            return None
+        trainer = name.startswith(TRAINER_PREFIX)
+        exiting = name in self._due or node.pid in self._deliberate or (trainer and self.world_pending)
+        return node, Watched(name, node.pid, node.spawned, node.proc.poll() is None, exiting,
+                             node.pid in self._hung)
+
+    def _may_hang(self, down: Liveness) -> bool:
+        watched = self._watched(down.node)
+        return kill_hung(down, watched and watched[1], stopping=self.stopping(), worlds=self.world_restarts)
+
+    def _kill_hung(self, now: float) -> None:
+        for name, (due, down) in list(self._suspect.items()):
+            if due > now:
+                continue
+            del self._suspect[name]
+            watched = self._watched(name)
+            if watched is None or not kill_hung(down, watched[1], stopping=self.stopping(),
+                                                worlds=self.world_restarts):
+                continue
+            node = watched[0]
+            why = f"the broker reports it down ({down.reason}: missed heartbeats) while its process runs"
+            self._hung[node.pid] = why
+            log.warning("up.node_hung", node=name, pid=node.pid, reason=down.reason, detail=why)
+            self.say(f"refbus up: {name} (pid {node.pid}) hangs: {why}; killing it (SIGKILL)")
+            node.signal(signal.SIGKILL)
+
     def poll(self) -> str | None:
-        """Handle every node that exited since the last poll and start the restarts that are due; the reason
-        the run cannot go on, or None."""
+        """Kill the nodes found hung, handle every node that exited since the last poll and start the restarts
+        that are due; the reason the run cannot go on, or None."""
         now = self.clock()
+        self._kill_hung(now)
         for node in self.cluster.nodes:
             code = node.proc.poll()
             trainer = node.name.startswith(TRAINER_PREFIX)
@@ -140,7 +236,7 @@ class Supervisor:
         return None
 
     def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
-        exit_text = describe_exit(code)
+        exit_text = describe_exit(code) + (", hung" if node.pid in self._hung else "")
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
         deliberate = node.pid in self._deliberate

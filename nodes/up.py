@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ import structlog
 from ..bus.reqrep import RetryPolicy
 from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
-from ..protocol.messages import Delete, EpisodeFinished, FetchAck, RunEnd, VersionBump
+from ..protocol.messages import Delete, EpisodeFinished, FetchAck, NodeDown, NodeUp, RunEnd, VersionBump
 from .config import Config, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
@@ -63,7 +63,7 @@ from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .settings import BusSettings
 from .store.durable import gc
-from .supervisor import Chaos, Supervisor
+from .supervisor import BROKER, Chaos, Liveness, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -100,12 +100,24 @@ class RunRecord:
     task_by_version: list[tuple[int, dict[str, float]]] = dataclasses.field(default_factory=list)
     ledger: Ledger = dataclasses.field(default_factory=Ledger)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # The broker's node-up/node-down reports, for the supervisor (which takes them on the launcher's thread),
+    # each naming the incarnation (pid, start time) of the node's latest node-up.
+    liveness: deque[Liveness] = dataclasses.field(default_factory=deque)
+    joined: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
     def on_event(self, message: Message) -> None:
         with self.lock:
             self.ledger.apply_message(message)
         body = message.body
-        if isinstance(body, EpisodeFinished):
+        if isinstance(body, (NodeUp, NodeDown)) and message.header.src == BROKER:  # the broker's word only
+            if isinstance(body, NodeUp):
+                node = body.node
+                self.joined[node.node_id] = (node.pid, node.started)
+                self.liveness.append(Liveness(node.node_id, up=True, pid=node.pid, started=node.started))
+            else:
+                pid, started = self.joined.get(body.node_id, (0, 0.0))
+                self.liveness.append(Liveness(body.node_id, up=False, pid=pid, started=started, reason=body.reason))
+        elif isinstance(body, EpisodeFinished):
             self.episodes += 1
             reward = float(body.info.get("reward", 0.0))
             target = self.eval_rewards if body.info.get("eval") else self.rewards
@@ -120,6 +132,13 @@ class RunRecord:
         elif isinstance(body, VersionBump):
             self.versions.append(body.version)
             self.version_seconds.append(time.monotonic() - self.started)
+
+    def take_liveness(self) -> list[Liveness]:
+        """The node-up/node-down reports since the last call, in stream order."""
+        taken = []
+        while self.liveness:
+            taken.append(self.liveness.popleft())
+        return taken
 
     def reconcile(self, node_id: str, incarnation: str, account: Any, *, final: bool) -> Reconciled:
         with self.lock:
@@ -257,12 +276,18 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     watcher: NodeRuntime | None = None
     probe: NodeRuntime | None = None
     summary: dict[str, Any] = {}
+    stopping = False  # set when the main loop ends: the cluster's own shutdown kills nothing as hung
+    # A node the broker reports down has a node timeout to re-join (one merely late with its heartbeats does,
+    # at its next one) before it is killed as hung.
     supervisor = Supervisor(cluster, budget=up.restart_budget, backoff_s=up.restart_backoff_s,
                             world_restarts=config.trainer.checkpoint_every > 0,
-                            world_exit_s=2 * config.bus.node_timeout_s)
+                            world_exit_s=2 * config.bus.node_timeout_s, hung_grace_s=config.bus.node_timeout_s,
+                            stopping=lambda: stopping or stop.requested)
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
-    try:
-        with stop.on_signals():
+    # The handlers stay installed until the launcher is done: a second SIGINT/SIGTERM during the shutdown only
+    # sets the flag again, so the ordered stop, the accounting, the stores' gc and the summary still happen.
+    with stop.on_signals():
+        try:
             try:
                 bus = cluster.start("bus", "node", "bus")
                 cluster.pin("bus", **bound_addresses(cluster.config.bus, bus.info))
@@ -274,8 +299,10 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 chaos = (Chaos(cluster, args.chaos, args.chaos_seed, worlds=supervisor.world_restarts,
                                on_kill=supervisor.expect_death) if args.chaos else None)
                 while not stop.requested:
-                    # The supervisor sees every exit before the loop asks whether the trainers are all gone:
+                    # The broker's reports first (a node it reported down may hang and is killed, then restarted);
+                    # the supervisor sees every exit before the loop asks whether the trainers are all gone:
                     # ranks that failed together start a world restart, not the end of the run.
+                    supervisor.heard(record.take_liveness())
                     if supervisor.poll() is not None:
                         break
                     if not supervisor.world_pending and all(t.proc.poll() is not None
@@ -288,32 +315,35 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
                 progress.poll()
             except StartCancelled:
                 pass  # Ctrl-C while starting: account for what ran, then stop it
-        if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
-            # A rank that failed as the last one finished ended the loop before the supervisor saw it.
-            failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
-                                          if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
-            peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
-            for prefix in ("orchestrator", "trainer", "rollout"):
-                cluster.stop(cluster.by_role(prefix))
-            problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
-                                "failed" if failed else "done")
-            summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
-                               problems=problems)
-            summary.update(supervisor.report())
-    except NodeStartError as exc:
-        print(f"refbus up: a node failed to start: {exc}", flush=True)
-        return 1
-    finally:
-        if watcher is not None:
-            watcher.join(timeout=10)
-        if probe is not None:
-            probe.close()
-        cluster.stop_all()
-        if config.store.durable:  # what nodes that died at the end (or were killed) left behind
-            gc(config.store.directory, config.store.run)
-    _report(summary, args)
-    if not (args.keep_logs or args.run_dir):
-        shutil.rmtree(workdir, ignore_errors=True)
+            stopping = True  # from here on, nothing is killed as hung: the nodes are being stopped
+            if watcher is not None and probe is not None:  # else stopped before the broker was up: nothing ran
+                print("refbus up: stopping the cluster"
+                      + (" (interrupted)" if stop.requested else ""), flush=True)
+                # A rank that failed as the last one finished ended the loop before the supervisor saw it.
+                failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
+                                              if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
+                peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
+                for prefix in ("orchestrator", "trainer", "rollout"):
+                    cluster.stop(cluster.by_role(prefix))
+                problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
+                                    "failed" if failed else "done")
+                summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
+                                   problems=problems)
+                summary.update(supervisor.report())
+        except NodeStartError as exc:
+            print(f"refbus up: a node failed to start: {exc}", flush=True)
+            return 1
+        finally:
+            if watcher is not None:
+                watcher.join(timeout=10)
+            if probe is not None:
+                probe.close()
+            cluster.stop_all()
+            if config.store.durable:  # what nodes that died at the end (or were killed) left behind
+                gc(config.store.directory, config.store.run)
+        _report(summary, args)
+        if not (args.keep_logs or args.run_dir):
+            shutil.rmtree(workdir, ignore_errors=True)
     if stop.requested:
         return 130
     return 0 if summary["ok"] else 1

@@ -85,9 +85,9 @@ def scrape(url: str, name: str, **labels: str) -> float:
 def segments(prefix: str, directory: str = "/dev/shm") -> list[str]:
     """Shared-memory segments named ``<prefix>.*``: in ``directory`` itself or in a ps-worker's durable store
     directory under it (where workers keep them with ``store.durable``); not the workers' host-proof nonce
-    files, which share the prefix."""
+    files or lock files, which share the prefix."""
     return sorted(p.name for pattern in (f"{prefix}.*", f"{STORE_PREFIX}*/{prefix}.*")
-                  for p in Path(directory).glob(pattern) if not p.name.endswith(".nonce"))
+                  for p in Path(directory).glob(pattern) if not p.name.endswith((".nonce", ".lock")))
 
 
 def segment_file(name: str, directory: str = "/dev/shm") -> Path:

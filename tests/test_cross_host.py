@@ -97,7 +97,7 @@ def _segments(host: hosts.Host) -> list[Path]:
     """The ps segments in a host's /dev/shm, in the workers' durable store directories or not (not the
     stores' own files, nor the workers' host-proof nonce files)."""
     return [p for p in host.shm.rglob("*")
-            if p.is_file() and p.name not in ("lock", "id", "journal") and not p.name.endswith(".nonce")]
+            if p.is_file() and p.name not in ("lock", "id", "journal") and not p.name.endswith((".nonce", ".lock"))]
 
 
 def test_ps_pulls_map_shared_memory_on_the_workers_host_and_use_frames_across(make_hosts, spawn, actors) -> None:

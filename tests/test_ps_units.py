@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
 from refbus.nodes.ps.leases import LeaseTable
 from refbus.nodes.ps.manifest import ManifestError, check_shard, digest, layout
-from refbus.nodes.ps.shm import SegmentMaps, SegmentPool, sweep_orphans
+from refbus.nodes.ps.shm import OwnerLock, SegmentMaps, SegmentPool, sweep_orphans
 from refbus.nodes.ps.versions import VersionStore
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages_ps import ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
@@ -52,6 +55,61 @@ def test_sweep_removes_only_segments_of_dead_processes(shm_dir: Path) -> None:
     (shm_dir / f"unit.{os.getpid()}.1").write_bytes(b"x")
     assert sweep_orphans(shm_dir, "unit") == [f"unit.{dead}.1"]
     assert [p.name for p in shm_dir.iterdir()] == [f"unit.{os.getpid()}.1"]
+
+
+# A process that takes the lock of token ``<pid>``, creates one segment, says so and waits to be killed.
+_HOLDER = """
+import sys, time
+from refbus.nodes.ps.shm import OwnerLock, SegmentPool
+lock = OwnerLock.take(sys.argv[1], "unit", pid=int(sys.argv[2]))
+SegmentPool(sys.argv[1], "unit", pin=False, token=lock.token).acquire(100)
+print(lock.token, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sweep_spares_every_token_whose_lock_is_held_and_removes_it_once_its_holder_died(shm_dir: Path) -> None:
+    """Segments are judged by their lock, not by their pid: a live holder whose pid does not exist here (a
+    worker of another PID namespace) keeps its segments; a SIGKILLed holder's are removed, lock file too."""
+    dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000  # no process here has this pid
+    mine = OwnerLock.take(shm_dir, "unit", pid=dead)
+    pool = SegmentPool(shm_dir, "unit", pin=False, token=mine.token)
+    kept = pool.acquire(100)
+    assert (mine.token, kept.name) == (str(dead), f"unit.{dead}.1")
+    # Another live holder of the same pid (the other namespace's) gets a token of its own, not these names.
+    other = OwnerLock.take(shm_dir, "unit", pid=dead)
+    other_pool = SegmentPool(shm_dir, "unit", pin=False, token=other.token)
+    assert other.token == f"{dead}-1" and other_pool.acquire(1).name == f"unit.{dead}-1.1"
+    # Two holders in child processes (pids that do not exist here either), SIGKILLed below.
+    children = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(shm_dir), str(pid)], stdout=subprocess.PIPE,
+                                 text=True) for pid in (dead + 1, dead + 2)]
+    try:
+        for child, pid in zip(children, (dead + 1, dead + 2), strict=True):
+            assert child.stdout is not None and child.stdout.readline().strip() == str(pid)
+        held = {f"unit.{token}.{n}" for token in (dead, f"{dead}-1", dead + 1, dead + 2) for n in ("1", "lock")}
+        assert sweep_orphans(shm_dir, "unit") == []  # every lock is held: nothing goes, whatever the pids say
+        assert {p.name for p in shm_dir.iterdir()} == held
+        for child in children:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        # A new process that has a dead holder's pid takes its token over; what that one left goes first.
+        reused = OwnerLock.take(shm_dir, "unit", pid=dead + 2)
+        assert reused.token == str(dead + 2) and not (shm_dir / f"unit.{dead + 2}.1").exists()
+        assert sweep_orphans(shm_dir, "unit") == [f"unit.{dead + 1}.1"]  # its holder is gone: its lock goes too
+        assert {p.name for p in shm_dir.iterdir()} == held - {f"unit.{dead + 1}.1", f"unit.{dead + 1}.lock",
+                                                              f"unit.{dead + 2}.1"}
+        reused.release()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+            assert child.stdout is not None
+            child.stdout.close()
+    other_pool.close()
+    other.release()
+    pool.close()
+    mine.release()
+    assert list(shm_dir.iterdir()) == []
 
 
 def test_pinning_without_cuda_warns_once(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

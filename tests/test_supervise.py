@@ -2,23 +2,28 @@
 restarted under their node ids and the run completes, every death named (progress output, summary), every
 kept blob deleted once or lost with the store that died; so is an orchestrator, whose restart resumes at the
 trainer ranks' step with what it held; a death of a role that is not restartable ends the run naming it;
-`--chaos` picks its victims from a seeded generator; and a launcher killed with SIGKILL leaves no process of
-its run behind (every node gets the parent-death signal and is gone within ``node.shutdown_timeout_s``, the
-trainer ranks and the rollout workers' offload threads included)."""
+`--chaos` picks its victims from a seeded generator; a hung (SIGSTOPped) orchestrator is killed and restarted,
+and a second SIGTERM during the launcher's shutdown stops nothing short; and a launcher killed with SIGKILL
+leaves no process of its run behind (every node gets the parent-death signal and is gone within
+``node.shutdown_timeout_s``, the trainer ranks and the rollout workers' offload threads included)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
-from refbus.nodes.supervisor import Chaos, Supervisor, describe_exit
+from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
+from refbus.nodes.supervisor import Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
 from stalling_entry_points import STALL_ENV
 from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted
 
@@ -173,6 +178,62 @@ def test_killed_broker_is_restarted_on_its_addresses_and_the_run_completes_with_
         up.close()
 
 
+def _steps(text: str) -> int:
+    """The latest step a progress line of ``text`` reports (0 before the first)."""
+    return max((int(n) for n in re.findall(r"step +(\d+)/", text)), default=0)
+
+
+def test_hung_orchestrator_is_killed_and_restarted_and_a_second_sigterm_during_shutdown_stops_nothing_short(
+        tmp_path: Path) -> None:
+    """The orchestrator is SIGSTOPped mid-run: the broker reports it down (missed heartbeats) while its process
+    still runs, so the launcher kills it (``up.node_hung``), charged to the restart budget, and restarts it; the
+    run goes on. Then SIGTERM, and a second SIGTERM while the launcher stops the cluster: the shutdown still runs
+    in order to its end (exit 130, summary, every kept blob deleted once, no store directory, no process left)."""
+    node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+    # Down after a node timeout (judged every quarter of one), killed a node timeout later (its grace to
+    # re-join), restarted after the backoff; the slack covers a loaded machine.
+    hung_s = 4 * node_timeout_s + STOP_S / 3
+    up = Up(tmp_path, 200, *QUICK)
+    try:
+        wait_for(lambda: up.alive() and "step   1/" in up.output(), START_S + RUN_S / 4, "step 1", poll_s=0.1)
+        pid = up.note_pids()["orchestrator"]
+        os.kill(pid, signal.SIGSTOP)
+        restarted = "refbus up: orchestrator restarted (pid "
+        wait_for(lambda: up.alive() and restarted in up.output(20_000), hung_s, "the hung orchestrator restarted",
+                 poll_s=0.1)
+        at_restart = _steps(up.output_path.read_text(errors="replace"))
+        wait_for(lambda: up.alive() and _steps(up.output(20_000)) > at_restart, RUN_S / 4,
+                 f"a step after step {at_restart} (the restarted orchestrator dispatches)", poll_s=0.1)
+
+        up.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "refbus up: stopping the cluster" in up.output(), STOP_S, "the launcher stopping the cluster",
+                 poll_s=0.02)
+        up.proc.send_signal(signal.SIGTERM)  # during the shutdown: it only asks again for what is under way
+        try:
+            code = up.proc.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"refbus up still running {STOP_S:.0f}s after SIGTERM:\n{up.output()}") from None
+        output = up.output(40_000)
+        assert code == 130, output
+        summary = up.summary()
+        assert summary["interrupted"] is True and summary["failed_nodes"] == [], output
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("orchestrator", pid, "SIGKILL, hung", True)], output
+        assert summary["restarts"] == 1 and summary["world_restarts"] == [], output
+        assert "up.node_hung" in output and f"refbus up: orchestrator (pid {pid}) hangs: the broker reports it down" \
+            in output, output
+        assert "refbus up: orchestrator died (SIGKILL, hung); restarting it in 0.2 s (restart 1/" in output, output
+        assert output.count(") hangs: ") == 1, output  # once: nothing else, the new orchestrator included
+        assert "node deaths           1: orchestrator (SIGKILL, hung); restarts 1" in output, output
+        blobs = check_accounted(summary, set())  # the restarted orchestrator claimed back what it held
+        assert blobs["lost"] == 0 and blobs["kept"] == blobs["deleted_total"] > 0, blobs
+        config = tomllib.loads((up.run_dir / "cluster.toml").read_text())
+        assert sorted(Path(config["store"]["directory"]).glob(f"{STORE_PREFIX}{config['store']['run']}.*")) == []
+        assert up.leftovers() == []
+    finally:
+        up.close()
+
+
 def test_launcher_killed_leaves_no_process_of_its_run(tmp_path: Path) -> None:
     up = Up(tmp_path, 200, *QUICK)
     try:
@@ -208,6 +269,7 @@ class _Node:
     pid: int
     proc: _Proc = field(default_factory=_Proc)
     signals: list[int] = field(default_factory=list)
+    spawned: float = 0.0
 
     def signal(self, sig: int) -> None:
         self.signals.append(sig)
@@ -302,3 +364,70 @@ def test_deaths_chaos_causes_are_restarted_without_spending_the_budget() -> None
     supervisor.poll()
     cluster.nodes[1].proc.code = 1
     assert "restart budget (1) is spent" in (supervisor.poll() or "")
+
+
+def test_kill_hung_decides_on_a_timeout_of_this_incarnation_of_a_running_restartable_node_only() -> None:
+    down = Liveness("orchestrator", up=False, pid=100, started=10.0, reason="timeout")
+    running = Watched("orchestrator", pid=100, spawned=9.5, running=True, exiting=False, killed=False)
+    assert kill_hung(down, running, stopping=False)
+    assert not kill_hung(down, running, stopping=True)  # the cluster's own shutdown
+    for reason in ("bye", "replaced"):
+        assert not kill_hung(Liveness("orchestrator", up=False, pid=100, started=10.0, reason=reason), running,
+                             stopping=False)
+    assert not kill_hung(Liveness("orchestrator", up=True, pid=100, started=10.0), running, stopping=False)
+    assert not kill_hung(down, None, stopping=False)  # no such node supervised
+    # Another incarnation: another pid, or an earlier process that had this pid (started before this one).
+    assert not kill_hung(down, Watched("orchestrator", 101, 9.5, True, False, False), stopping=False)
+    assert not kill_hung(down, Watched("orchestrator", 100, 10.5, True, False, False), stopping=False)
+    assert not kill_hung(down, Watched("orchestrator", 100, 9.5, False, False, False), stopping=False)  # exited
+    assert not kill_hung(down, Watched("orchestrator", 100, 9.5, True, True, False), stopping=False)  # restarting
+    assert not kill_hung(down, Watched("orchestrator", 100, 9.5, True, False, True), stopping=False)  # killed once
+    manager = Liveness("ps-manager", up=False, pid=7, started=10.0, reason="timeout")
+    assert not kill_hung(manager, Watched("ps-manager", 7, 9.5, True, False, False), stopping=False)
+    rank = Liveness("trainer-0", up=False, pid=8, started=10.0, reason="timeout")
+    assert not kill_hung(rank, Watched("trainer-0", 8, 9.5, True, False, False), stopping=False)
+    assert kill_hung(rank, Watched("trainer-0", 8, 9.5, True, False, False), stopping=False, worlds=True)
+
+
+def test_supervisor_kills_a_node_reported_hung_once_after_the_grace_and_restarts_it_charged() -> None:
+    cluster, clock, said, stopping = _Cluster("bus", "env-0", "orchestrator"), _Clock(), [], [False]
+    supervisor = Supervisor(cluster, budget=3, backoff_s=0.5, say=said.append, clock=clock,  # type: ignore[arg-type]
+                            hung_grace_s=1.0, stopping=lambda: stopping[0])
+    env, orchestrator = cluster.nodes[1], cluster.nodes[2]
+    env.spawned = orchestrator.spawned = 5.0
+
+    def down(node: _Node, reason: str = "timeout", started: float = 6.0) -> Liveness:
+        return Liveness(node.name, up=False, pid=node.pid, started=started, reason=reason)
+
+    # Late, not hung: it re-joins (the same incarnation) within the grace.
+    supervisor.heard([down(env), Liveness(env.name, up=True, pid=env.pid, started=6.0)])
+    clock.now = 2.0
+    assert supervisor.poll() is None and env.signals == []
+    # A clean exit, another incarnation's report, a report during the cluster's shutdown: nothing is killed.
+    supervisor.heard([down(env, "bye"), down(orchestrator, started=4.0)])
+    supervisor.heard([down(env)])
+    stopping[0] = True
+    clock.now = 4.0
+    assert supervisor.poll() is None and env.signals == [] and orchestrator.signals == []
+    stopping[0] = False
+    # Hung: killed once the grace has passed, its death charged and named, then restarted.
+    supervisor.heard([down(orchestrator)])
+    clock.now = 4.5
+    assert supervisor.poll() is None and orchestrator.signals == []
+    clock.now = 5.0
+    assert supervisor.poll() is None and orchestrator.signals == [signal.SIGKILL]
+    assert supervisor.charged == 1 and any("orchestrator (pid 102) hangs" in line for line in said)
+    assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("orchestrator", "SIGKILL, hung", True)]
+    # Reports about the dead incarnation while its restart is due kill nothing.
+    supervisor.heard([down(orchestrator)])
+    clock.now = 7.0
+    assert supervisor.poll() is None and cluster.restarted == ["orchestrator"] and orchestrator.signals == [9]
+    # At most once per incarnation: a process that outlives its SIGKILL (uninterruptible) is not killed again.
+    env.signal = env.signals.append  # type: ignore[method-assign]
+    supervisor.heard([down(env)])
+    clock.now = 8.0
+    assert supervisor.poll() is None and env.signals == [signal.SIGKILL]
+    supervisor.heard([down(env)])
+    clock.now = 9.0
+    assert supervisor.poll() is None and env.signals == [signal.SIGKILL] and supervisor.charged == 1

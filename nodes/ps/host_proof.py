@@ -8,7 +8,7 @@ file (:func:`refusal`). Same kernel and the same file seen means the same memory
 host, another tmpfs mounted at the same path, a stale or garbled file) is a refusal with its reason, and the
 client reads frames instead (or fails, when it insists on shared memory).
 
-The nonce file is named like a segment (``<prefix>.<pid>.nonce``), so the orphan sweep of a restarted
+The nonce file is named like a segment (``<prefix>.<token>.nonce``), so the orphan sweep of a restarted
 worker removes the file of one that was killed.
 """
 
@@ -41,9 +41,10 @@ class NonceFile:
     nonce: str
 
     @classmethod
-    def create(cls, directory: str | Path, prefix: str) -> NonceFile:
+    def create(cls, directory: str | Path, prefix: str, token: str | None = None) -> NonceFile:
+        """``token``: the middle of the worker's segment names (default its pid)."""
         nonce = os.urandom(16).hex()
-        path = Path(directory) / f"{prefix}.{os.getpid()}.nonce"
+        path = Path(directory) / f"{prefix}.{token or os.getpid()}.nonce"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, nonce.encode())

@@ -5,8 +5,12 @@ memory already mapped), so a ps-worker never frees a segment when a version goes
 :class:`SegmentPool` and the next version of the same shard lands in memory that is already faulted in.
 Clients on the same host keep their mappings in :class:`SegmentMaps` for the same reason.
 
-Names are ``<prefix>.<pid>.<n>``: unique per worker process, never reused while it lives, and the pid lets
-:func:`sweep_orphans` remove segments of workers that died without cleaning up (SIGKILL).
+Names are ``<prefix>.<token>.<n>``, the token the worker process's pid (``<pid>-<k>`` when another PID
+namespace's live worker holds that pid's names in the same directory): unique per worker process, never reused
+while it lives. Without the durable store the worker holds an exclusive ``flock`` on ``<prefix>.<token>.lock``
+(:class:`OwnerLock`) for its life, and :func:`sweep_orphans` removes a token's files only when it can take
+that lock: the kernel drops it when the process dies however it dies, in whatever PID namespace, so neither a
+pid that looks dead (another namespace) nor a pid reused by another process misleads it.
 
 Pinned memory: with CUDA, segments are registered with ``cudaHostRegister`` (through torch) so
 host-to-device copies run at full speed; without CUDA the first segment logs one warning and memory stays
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import glob
 import mmap
 import os
 import sys
@@ -129,9 +135,11 @@ class SegmentPool:
     everything. Not thread-safe: the worker's loop owns it.
     """
 
-    def __init__(self, directory: str | Path, prefix: str, *, pin: bool = True, max_free: int = 4) -> None:
+    def __init__(self, directory: str | Path, prefix: str, *, pin: bool = True, max_free: int = 4,
+                 token: str | None = None) -> None:
         self.directory = Path(directory)
         self.prefix = prefix
+        self.token = token or str(os.getpid())  # the middle of every name: an OwnerLock's token, or the pid
         self.pin = pin
         self.max_free = max_free
         self.created = 0
@@ -161,7 +169,7 @@ class SegmentPool:
         else:
             self.created += 1
             capacity = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-            path = self.directory / f"{self.prefix}.{os.getpid()}.{self.created}"
+            path = self.directory / f"{self.prefix}.{self.token}.{self.created}"
             segment = Segment(path, capacity, pin=self.pin)
         self._in_use[segment.name] = segment
         return segment
@@ -190,16 +198,115 @@ class SegmentPool:
         self._free.clear()
 
 
-def sweep_orphans(directory: str | Path, prefix: str) -> list[str]:
-    """Unlink segments named ``<prefix>.<pid>.<n>`` whose pid is not alive; returns the names removed."""
+LOCK_SUFFIX = "lock"
+_MAX_TOKENS = 64  # pids of other PID namespaces sharing one directory that a worker steps around
+
+
+class OwnerLock:
+    """A worker process's claim on the names ``<prefix>.<token>.*`` of a segment directory: an exclusive
+    ``flock`` on ``<prefix>.<token>.lock``, held until :meth:`release` or the process's death (the kernel drops
+    it then). Taken before the first segment is created; :func:`sweep_orphans` leaves a token alone while its
+    lock is held."""
+
+    def __init__(self, path: Path, token: str, fd: int) -> None:
+        self.path = path
+        self.token = token
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, directory: str | Path, prefix: str, *, pid: int | None = None) -> OwnerLock:
+        """Lock the token ``<pid>`` (this process's), or ``<pid>-1``, ... while a live process of another PID
+        namespace holds it. Whatever an earlier, dead holder of the token left (its pid reused by this process)
+        is removed first: it is orphaned.
+
+        Raises:
+            OSError: no token could be locked (``_MAX_TOKENS`` live holders of this pid).
+        """
+        directory = Path(directory)
+        pid = os.getpid() if pid is None else pid
+        for k in range(_MAX_TOKENS):
+            token = str(pid) if k == 0 else f"{pid}-{k}"
+            path = directory / f"{prefix}.{token}.{LOCK_SUFFIX}"
+            fd = _try_lock(path)
+            if fd is None:
+                continue
+            stale = _remove_token(directory, prefix, token)
+            if stale:
+                log.warning("ps.orphan_segments_removed", count=len(stale), directory=str(directory), token=token)
+            return cls(path, token, fd)
+        raise OSError(f"no name token for pid {pid} in {directory}: {_MAX_TOKENS} live holders")
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (after every segment of the token is gone). Safe twice."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on the lock file ``path`` (created if missing), or None when another
+    open file (another process, or another fd of this one) holds it."""
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # a sweep removed the file between our open and our lock: lock the one there now
+    return None
+
+
+def _remove_token(directory: Path, prefix: str, token: str) -> list[str]:
+    """Unlink every file of ``token`` but its lock file (the caller holds that lock); the names removed."""
     removed = []
-    for path in Path(directory).glob(f"{prefix}.*.*"):
-        pid_text = path.name[len(prefix) + 1 :].partition(".")[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
+    for path in directory.glob(f"{glob.escape(prefix)}.{glob.escape(token)}.*"):
+        if path.name.endswith(f".{LOCK_SUFFIX}"):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path.name)
+    return removed
+
+
+def sweep_orphans(directory: str | Path, prefix: str) -> list[str]:
+    """Unlink the files ``<prefix>.<token>.*`` (segments, host-proof nonce files) of every token whose
+    :class:`OwnerLock` no process holds, and then that lock file; returns the names removed (lock files not
+    listed). Files of a token without a lock file (a worker of an earlier build, which took none) are judged by
+    the old rule, the pid alone: removed when no process of that pid is alive here."""
+    directory = Path(directory)
+    tokens: dict[str, list[Path]] = {}
+    for path in directory.glob(f"{glob.escape(prefix)}.*.*"):
+        token, _, rest = path.name[len(prefix) + 1 :].partition(".")
+        if token and rest:
+            tokens.setdefault(token, []).append(path)
+    removed = []
+    for token, paths in sorted(tokens.items()):
+        lock = directory / f"{prefix}.{token}.{LOCK_SUFFIX}"
+        if lock in paths:
+            fd = _try_lock(lock)
+            if fd is None:
+                continue  # its process lives (in whatever PID namespace)
+            try:
+                removed += _remove_token(directory, prefix, token)
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+            finally:
+                os.close(fd)
+        elif token.isdigit() and not _alive(int(token)):
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path.name)
     if removed:
         log.warning("ps.orphan_segments_removed", count=len(removed), directory=str(directory))
     return removed

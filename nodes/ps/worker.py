@@ -63,7 +63,7 @@ from .broadcast import Relay
 from .host_proof import NonceFile, boot_id
 from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
-from .shm import Segment, SegmentPool, sweep_orphans
+from .shm import OwnerLock, Segment, SegmentPool, sweep_orphans
 from .streamed import BadLayout, StreamedDigests
 
 log = structlog.get_logger(__name__)
@@ -92,6 +92,10 @@ class PsWorker:
         self.journal: ShardJournal | None = None
         self.readoption: ShardReadoption | None = None
         directory = Path(settings.shm_dir)
+        # Without the durable store (whose own lock covers its directory), this process's names in the shared
+        # directory are claimed by a lock file held for its life: the sweep of another worker (in any PID
+        # namespace) leaves them alone while it lives, and removes them once it is dead.
+        self.owner: OwnerLock | None = None
         if store is not None and store.durable:
             # Segments live in the durable store's directory: same-host peers map them there, before and
             # after a restart. The worker has no byte budget of its own: a full tmpfs refuses the next shard.
@@ -99,9 +103,11 @@ class PsWorker:
                                                      budget_bytes=0, what="ps"))
             directory = self.journal.store.path
         else:
+            self.owner = OwnerLock.take(settings.shm_dir, settings.shm_prefix)
             sweep_orphans(settings.shm_dir, settings.shm_prefix)
+        token = self.owner.token if self.owner is not None else None
         self.pool = SegmentPool(directory, settings.shm_prefix, pin=settings.pin_memory,
-                                max_free=settings.max_free_segments)
+                                max_free=settings.max_free_segments, token=token)
         self.shards: dict[str, Segment] = {}  # push lease or init id -> its segment
         self.streamed: dict[str, StreamedDigests] = {}  # push lease -> digests of its frames as written
         # Leases whose seal verified: their bytes are what readers are promised, so no write may change them.
@@ -112,7 +118,7 @@ class PsWorker:
         if self.journal is not None:
             self._readopt(self.journal)
         # Made after re-adoption, whose sweep removes the proof file a killed process left in the directory.
-        self.host_proof = NonceFile.create(directory, settings.shm_prefix)
+        self.host_proof = NonceFile.create(directory, settings.shm_prefix, token)
         runtime.shutdown_hooks.append(self.host_proof.remove)
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
@@ -176,6 +182,8 @@ class PsWorker:
         self.pool.close()
         if self.journal is not None:  # every segment is unlinked: nothing is left to re-adopt
             self.journal.close(remove=True)
+        if self.owner is not None:  # last: the segments (and the nonce file, an earlier hook) are gone
+            self.owner.release()
 
     # --- push ---------------------------------------------------------------------------------------
 
