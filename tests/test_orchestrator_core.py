@@ -643,6 +643,8 @@ MALFORMED_RECORDS = {
     "ref not an index": {"ref": "0"},
     "more tokens than the blob": {"input_ids": list(range(9)), "loss_mask": [1] * 9},
     "reward not a number": {"reward": "high"},
+    "reward NaN": {"reward": float("nan")},
+    "reward infinite": {"reward": float("-inf")},
     "samples not a list": {"samples": {"input_ids": [1]}},
     "sample not a map": {"samples": [[1, 2, 3]]},
 }
@@ -710,4 +712,30 @@ def test_a_group_that_makes_packing_fail_is_deleted_malformed_and_the_others_shi
     shipped = {s.sample_id for d in of(DeliverBatch, actions) for mb in d.batch.micro_batches for s in mb.samples}
     assert shipped == {"D-0/0", "D-1/0", "F-0/0", "F-1/0"}
     assert core.sink.dropped["malformed"] == 4 and core.groups_released == 2
+
+
+def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:
+    """Regression: one NaN reward made its whole group's advantages NaN, and they shipped (the weights went
+    NaN and were pushed to every rollout worker). Rewards too large to normalise are refused the same way."""
+    core = OrchestratorCore(settings(group_size=4), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0, float("nan"), 0.5)):
+        ep = episode(f"A-{member}", "A", reward)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert deletes(actions) == {"malformed": ["b-A-2"], "incomplete": ["b-A-0", "b-A-1"], "late": ["b-A-3"]}
+    assert of(DeliverBatch, actions) == []
+    actions = []
+    for member in range(4):
+        ep = episode(f"H-{member}", "H", 1.7e308 if member % 2 else 1.6e308)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert deletes(actions) == {"malformed": [f"b-H-{member}" for member in range(4)]}
+    assert of(DeliverBatch, actions) == [] and core.groups_released == 2
+    actions = []
+    for member, reward in enumerate((1.0, 0.0, 0.0, 0.5)):
+        ep = episode(f"C-{member}", "C", reward)
+        actions += core.on_episode(T0, ep, ep.refs)
+    (to0, to1) = of(DeliverBatch, actions)
+    advantages = [mb.inputs["advantages"] for d in (to0, to1) for mb in d.batch.micro_batches]
+    assert all(np.isfinite(a).all() for a in advantages)
 

@@ -449,3 +449,31 @@ def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orc
     assert isinstance(account, Accounted)
     kept = sum(len(owned) for owned in data.owned)
     assert (account.kept, account.held, account.deleted, account.violations) == (kept, 0, {"trained": kept}, {})
+
+
+# --- without processes: the rank's own bookkeeping ---------------------------------------------------------
+
+
+def _nan_batch(owned: list[str]) -> StepBatch:
+    from refbus.protocol.messages import BlobRef, MicroBatchRefs, SampleSlice
+
+    refs = [BlobRef(endpoint="tcp://e", source="s", blob_id=blob_id, fields=["topk_ids"], tokens=4, nbytes=4,
+                    checksum=0, node="env") for blob_id in owned]
+    inputs = {"input_ids": np.arange(4), "advantages": np.array([np.nan, 1.0, 2.0, 0.0], dtype=np.float32)}
+    mb = MicroBatchRefs(samples=[SampleSlice(f"x/{i}", 4, ref) for i, ref in enumerate(refs)], length=4 * len(refs),
+                        inputs={name: np.concatenate([column] * len(refs)) for name, column in inputs.items()})
+    return StepBatch(step=0, rank=0, micro_batches=[mb], owned=owned)
+
+
+def test_an_identical_step_batch_with_nan_inputs_is_the_same_batch() -> None:
+    """Regression: a re-delivered step batch whose float inputs held a NaN compared unequal to itself, so the
+    rank refused its own step as a duplicate."""
+    from refbus.nodes.payload.trainer_rank import _same_batch
+
+    batch = _nan_batch(["a"])
+    again = _nan_batch(["a"])  # the same values, other arrays
+    assert _same_batch(batch, again)
+    changed = _nan_batch(["a"])
+    changed.micro_batches[0].inputs["advantages"][1] = 5.0
+    assert not _same_batch(batch, changed)
+

@@ -11,7 +11,7 @@ Decisions and their rules:
 * **Groups.** Episodes of one group (``info["group"]``) wait until ``group_size`` have arrived; their
   advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
   episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
-* **Malformed records.** An episode's record is checked before its claimed blobs are taken (a numeric
+* **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
   logged) and its group abandoned. A group that makes a step's packing fail (routing shapes that disagree
@@ -80,6 +80,7 @@ Decisions and their rules:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -707,14 +708,14 @@ class OrchestratorCore:
 
     def _parse(self, episode: EpisodeFinished) -> tuple[float, list[_Entry]]:
         """The episode's reward and its samples' inputs, checked so that nothing later can fail on them: a
-        number as ``reward`` (0 when absent), ``samples`` a list of maps, each with ``input_ids`` (1-D
+        finite number as ``reward`` (0 when absent), ``samples`` a list of maps, each with ``input_ids`` (1-D
         integers, at least one), a ``loss_mask`` of the same length if any, and ``ref`` (an int: the index of
         one of ``episode.refs``, negative for none) whose blob holds at least the sample's tokens and whose
         fields and routing shape packing accepts. Raises :class:`MalformedEpisode` naming what is wrong."""
         info = episode.info
         reward = info.get("reward", 0.0)
-        if isinstance(reward, bool) or not isinstance(reward, Real):
-            raise MalformedEpisode(f"reward: expected a number, got {reward!r}")
+        if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(float(reward)):
+            raise MalformedEpisode(f"reward: expected a finite number, got {reward!r}")
         listed = info.get("samples", [])
         if not isinstance(listed, list):
             raise MalformedEpisode(f"samples: expected a list, got {type(listed).__name__}")
@@ -769,11 +770,17 @@ class OrchestratorCore:
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         if prompt is not None and self.prompts is not None:
             self.prompts.observe(prompt, rewards.tolist())
-        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         samples, per_sample = [], []
         for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
             samples.extend(episode_samples)
             per_sample.extend([float(advantage)] * len(episode_samples))
+        if not np.isfinite(advantages).all():  # finite rewards too large to normalise: never ship a NaN
+            log.warning("group.malformed", group=group_id, rewards=rewards.tolist(), error="advantages not finite")
+            self.sink.drop(samples, MALFORMED)
+            self.sink.dropped_groups += 1
+            return
         self.sink.add_group(samples, per_sample)
 
     # --- steps ---------------------------------------------------------------------------------------
