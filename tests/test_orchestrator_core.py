@@ -739,3 +739,25 @@ def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:
     advantages = [mb.inputs["advantages"] for d in (to0, to1) for mb in d.batch.micro_batches]
     assert all(np.isfinite(a).all() for a in advantages)
 
+
+@pytest.mark.parametrize("seq_len", [8, 64], ids=["on-two-ranks", "on-one-rank"])
+def test_a_blob_two_samples_share_is_owned_by_one_leader_once(seq_len: int) -> None:
+    """Regression: samples of one episode may share a blob (the same ``ref`` index); packed onto two data ranks,
+    both leaders owned it and both deleted it (the second delete is an ownership violation); on one rank it
+    was listed twice."""
+    core = OrchestratorCore(settings(seq_len=seq_len), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0)):
+        ep = episode(f"A-{member}", "A", reward)
+        ep = with_info(ep, samples=[ep.info["samples"][0], dict(ep.info["samples"][0])])
+        actions += core.on_episode(T0, ep, ep.refs)
+    deliveries = of(DeliverBatch, actions)
+    owned = [blob_id for d in deliveries for blob_id in d.batch.owned]
+    assert sorted(owned) == ["b-A-0", "b-A-1"]
+    referenced = {s.ref.blob_id for d in deliveries for mb in d.batch.micro_batches for s in mb.samples}
+    assert referenced == {"b-A-0", "b-A-1"}
+    for d in deliveries:
+        core.on_delivered(T0, 0, d.endpoint, None)
+    assert not core.holdings.held and core.holdings.handed_over == 2
+

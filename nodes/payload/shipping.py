@@ -231,7 +231,9 @@ class TrainSink:
         return shipment
 
     def _shipment(self, step: int, policy_version: int, groups: Sequence[Sequence[Sample]]) -> Shipment:
-        """The step batches of ``groups``; raises what packing or building them raises."""
+        """The step batches of ``groups``; raises what packing or building them raises. Each blob is owned by
+        exactly one data rank's leader (samples of one episode may share a blob and land on several ranks:
+        the others only reference it)."""
         take = [sample for group in groups for sample in group]
         refs: dict[str, BlobRef] = {}
         for sample in take:  # a trainer rank refuses a step naming one blob id with two references
@@ -241,9 +243,11 @@ class TrainSink:
         plan = pack([sample_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
                     pad_to_multiple_of=self.pad_to_multiple_of)
         by_id = {s.sample_id: s for s in take}
+        assigned: set[str] = set()  # blob ids a leader owns already
         batches = {}
         for trainer in self.trainers:
-            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
+            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version,
+                                assigned if trainer.leader else set())
             batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
         return Shipment(plan, batches)
 
@@ -298,8 +302,11 @@ def sample_info(sample: Sample) -> SampleInfo:
 
 
 def _step_batch(
-    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int
+    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int,
+    assigned: set[str],
 ) -> StepBatch:
+    """``rank``'s step batch; ``owned`` lists each blob of its real micro batches not in ``assigned`` yet (and
+    adds it there), so a blob two samples share is owned, and deleted, once."""
     refs: list[MicroBatchRefs] = []
     owned: list[str] = []
     for mb in micro_batches:
@@ -307,7 +314,8 @@ def _step_batch(
         for packed in mb.samples:
             sample = samples[packed.sample.sample_id]  # type: ignore[index]
             slices.append(SampleSlice(str(sample.sample_id), packed.kept, sample.ref))
-            if not mb.dummy and sample.ref is not None:
+            if not mb.dummy and sample.ref is not None and sample.ref.blob_id not in assigned:
+                assigned.add(sample.ref.blob_id)
                 owned.append(sample.ref.blob_id)
         refs.append(MicroBatchRefs(samples=slices, length=mb.length, dummy=mb.dummy,
                                    inputs=_inputs(mb, samples)))
