@@ -761,3 +761,43 @@ def test_a_blob_two_samples_share_is_owned_by_one_leader_once(seq_len: int) -> N
         core.on_delivered(T0, 0, d.endpoint, None)
     assert not core.holdings.held and core.holdings.handed_over == 2
 
+
+def test_closed_groups_are_forgotten_after_the_horizon_and_a_later_straggler_is_still_deleted() -> None:
+    """Regression: every closed group id was kept for the whole run (~92 MiB per million groups). Now each is
+    kept for ``closed_horizon_s``, derived from the run deadline, the restart grace and the group timeout; a
+    straggler within it is deleted ``late``, one after it opens a group that times out ``incomplete``. Either
+    way the admission slots stay even."""
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1], tag=".t")
+    horizon = core.closed_horizon_s
+    assert horizon == 2 * (DEADLINES.run_s + DEADLINES.restart_grace_s + settings().group_timeout_s)
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    runs = of(SendRun, core.dispatch(T0))
+    assert [r.run.group for r in runs] == ["g0.t", "g0.t", "g1.t", "g1.t"]
+    first = episode("g0.t-0", "g0.t", 1.0)
+    core.on_episode(T0 + 1, first, first.refs)
+    abandoned = core.on_run_done(T0 + 1, "g0.t-1", "boom")  # g0 abandoned at T0 + 1
+    assert deletes(abandoned) == {"incomplete": ["b-g0.t-0"]}
+    for member, reward in enumerate((1.0, 0.0)):  # g1 complete at T0 + 2 (queued: no trainers)
+        ep = episode(f"g1.t-{member}", "g1.t", reward)
+        core.on_episode(T0 + 2, ep, ep.refs)
+    assert list(core.closed_groups) == ["g0.t", "g1.t"]
+    outstanding = core.train_groups_sent - core.groups_released
+    late = episode("g0.t-1", "g0.t", 0.0)
+    assert deletes(core.on_episode(T0 + 1 + horizon - 1, late, late.refs)) == {"late": ["b-g0.t-1"]}
+    core.tick(T0 + 1 + horizon)
+    assert list(core.closed_groups) == ["g1.t"]
+    core.tick(T0 + 2 + horizon)
+    assert core.closed_groups == {}
+    # Forgotten: a straggler opens its group again, which never completes and is deleted when it times out.
+    later = episode("g1.t-2", "g1.t", 0.5)
+    now = T0 + 3 + horizon
+    assert deletes(core.on_episode(now, later, later.refs)) == {}
+    assert core.tick(now + settings().group_timeout_s) == []
+    assert deletes(core.tick(now + settings().group_timeout_s + 0.01)) == {"incomplete": ["b-g1.t-2"]}
+    assert core.train_groups_sent - core.groups_released == outstanding
+    # Many groups later, only those of the last horizon are remembered.
+    for index in range(1000):
+        core.abandon(now + index, f"old{index}")
+    core.tick(now + 1000 + horizon / 2)
+    assert len(core.closed_groups) == int(horizon / 2) - 1  # those closed within the horizon before the tick

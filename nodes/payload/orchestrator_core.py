@@ -11,6 +11,8 @@ Decisions and their rules:
 * **Groups.** Episodes of one group (``info["group"]``) wait until ``group_size`` have arrived; their
   advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
   episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
+  A closed group is remembered for :attr:`~OrchestratorCore.closed_horizon_s` (past any straggler's
+  arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``.
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
@@ -303,7 +305,9 @@ class OrchestratorCore:
         self.policy_version = 0
         self.step = 0  # the next step number; a step counts once packed
         self.groups: dict[str, _Group] = {}
-        self.closed_groups: set[str] = set()
+        # group id -> when it closed (completed or abandoned): its stragglers are deleted ``late``. Forgotten
+        # after closed_horizon_s (tick), so the map follows the groups of the last few minutes, not the run.
+        self.closed_groups: dict[str, float] = {}
         self.episodes = 0
         self.abandoned_groups = 0
         self.malformed_episodes = 0  # records that could not be trained as they came: deleted ``malformed``
@@ -409,7 +413,7 @@ class OrchestratorCore:
             group = self._open(now, group_id)
             group.episodes.append((reward, samples))
             if len(group.episodes) >= self.settings.group_size:
-                self._complete(group_id)
+                self._complete(now, group_id)
         return self._ship_ready(now)
 
     def _malformed(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef], group_id: str,
@@ -426,17 +430,22 @@ class OrchestratorCore:
                     blobs=len(claimed), error=error)
         if not episode.info.get("eval") and not self.finished and group_id not in self.closed_groups:
             self._open(now, group_id)  # as its first episode would (see _open: slots stay even), then closed
-            self.abandon(group_id)
+            self.abandon(now, group_id)
         return self._ship_ready(now)
 
     def _open(self, now: float, group_id: str) -> _Group:
         """The open group ``group_id``, opened now if it is not. After a restart, a group this incarnation did
-        not send (an earlier incarnation's) takes an admission slot too."""
+        not send (an earlier incarnation's) takes an admission slot too; so does one it sent and forgot (a
+        straggler of a group closed more than :attr:`closed_horizon_s` ago, named with this incarnation's
+        ``tag``), since abandoning it gives a slot back."""
         group = self.groups.get(group_id)
         if group is None:
-            if self.resumed and group_id not in self._admitted:
-                self.adopted_groups += 1
-                self.train_groups_sent += 1
+            if group_id not in self._admitted:
+                if self.resumed:
+                    self.adopted_groups += 1  # an earlier incarnation's
+                    self.train_groups_sent += 1
+                elif self.tag and group_id.endswith(self.tag):
+                    self.train_groups_sent += 1
             group = self.groups[group_id] = _Group(started=now)
         return group
 
@@ -480,10 +489,11 @@ class OrchestratorCore:
         """Timers: expire groups and runs, re-deliver what is due, halt a delivery past its deadline."""
         horizon = now - self.settings.group_timeout_s
         for group_id in [g for g, group in self.groups.items() if group.started < horizon]:
-            self.abandon(group_id)
+            self.abandon(now, group_id)
         for episode_id in [e for e, run in self.runs.items() if run.deadline <= now]:
             self.expired_runs += 1
-            self._run_done(episode_id, f"no answer within {self.deadlines.run_s:g}s")
+            self._run_done(now, episode_id, f"no answer within {self.deadlines.run_s:g}s")
+        self._forget_closed(now)
         lost = [self._lose(node_id) for node_id, down in list(self.stores_down.items()) if down.until <= now]
         return self._flush([*lost, *self._check_delivery(now), *self._check_world(now)])
 
@@ -694,12 +704,12 @@ class OrchestratorCore:
 
     # --- groups --------------------------------------------------------------------------------------
 
-    def abandon(self, group_id: str) -> None:
+    def abandon(self, now: float, group_id: str) -> None:
         """A group that will never complete (timed out, one of its runs failed, a malformed episode): delete
         what arrived; its stragglers are deleted as ``late`` when they come."""
         if group_id in self.closed_groups:
             return
-        self.closed_groups.add(group_id)
+        self.closed_groups[group_id] = now
         self._admitted.pop(group_id, None)
         self.abandoned_groups += 1
         group = self.groups.pop(group_id, None)
@@ -763,9 +773,31 @@ class OrchestratorCore:
                                   episode.policy_version, entry.inputs))
         return samples
 
-    def _complete(self, group_id: str) -> None:
+    @property
+    def closed_horizon_s(self) -> float:
+        """How long a closed group is remembered (its stragglers deleted ``late``). A straggler is fed within
+        about its run's deadline (``run_s``: the env server answers by then) plus the stores' restart grace (a
+        claim waits that long for a durable store restarting) after its group was sent, and a group closes at
+        the latest ``group_timeout_s`` after its first episode: the sum of the three, doubled for what delays
+        an event beyond them (a slow score function, a gap fill). A straggler later still opens a new group,
+        which never completes: it is deleted ``incomplete`` when that one times out."""
+        d = self.deadlines
+        return 2 * (d.run_s + d.restart_grace_s + self.settings.group_timeout_s)
+
+    def _forget_closed(self, now: float) -> None:
+        """Drop the closed groups older than :attr:`closed_horizon_s` (oldest first: the map is in closing
+        order)."""
+        horizon = now - self.closed_horizon_s
+        closed = self.closed_groups
+        while closed:
+            group_id = next(iter(closed))
+            if closed[group_id] > horizon:
+                break
+            del closed[group_id]
+
+    def _complete(self, now: float, group_id: str) -> None:
         group = self.groups.pop(group_id)
-        self.closed_groups.add(group_id)
+        self.closed_groups[group_id] = now
         prompt = self._admitted.pop(group_id, None)
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         if prompt is not None and self.prompts is not None:
@@ -881,12 +913,12 @@ class OrchestratorCore:
         run = self.runs.get(episode_id)
         if run is not None and error is not None and code in NOT_READY:
             self._refused(now, run, code, error)
-            self._run_done(episode_id, error, quiet=True)
+            self._run_done(now, episode_id, error, quiet=True)
         else:
             if run is not None and error is None and self._backoff_s:
                 log.info("dispatch.resumed", after_refused=self.refused_runs)
                 self._backoff_s = 0.0
-            self._run_done(episode_id, error)
+            self._run_done(now, episode_id, error)
         return self._flush([])
 
     def _refused(self, now: float, run: _RunInFlight, code: str, error: str) -> None:
@@ -923,7 +955,7 @@ class OrchestratorCore:
             actions.append(SendRun(endpoint, run, self.deadlines.run_s))
         return actions
 
-    def _run_done(self, episode_id: str, error: str | None, *, quiet: bool = False) -> None:
+    def _run_done(self, now: float, episode_id: str, error: str | None, *, quiet: bool = False) -> None:
         run = self.runs.pop(episode_id, None)
         if run is None:
             return
@@ -935,7 +967,7 @@ class OrchestratorCore:
             self.failed_runs += 1
             if not quiet:
                 log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
-            self.abandon(run.group_id)
+            self.abandon(now, run.group_id)
 
     # --- shutdown ------------------------------------------------------------------------------------
 
