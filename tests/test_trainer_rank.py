@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -477,3 +478,41 @@ def test_an_identical_step_batch_with_nan_inputs_is_the_same_batch() -> None:
     changed.micro_batches[0].inputs["advantages"][1] = 5.0
     assert not _same_batch(batch, changed)
 
+
+def test_end_step_after_any_step_failure_deletes_what_the_rank_owns_and_held_follows() -> None:
+    """Regression: ``end_step`` after a ``StepFailed`` that ``begin_step`` did not raise from its agreement (the
+    node loop not answering the fetch) failed with a KeyError, and ``held`` (the ``blobs_held`` status) kept
+    every blob whose delete failed or found it missing."""
+    from refbus.nodes.payload.trainer_rank import StepFailed, StepRelease, TrainerRank, _Received
+
+    batch = _nan_batch(["a", "b", "c"])
+    refs = {s.ref.blob_id: s.ref for s in batch.micro_batches[0].samples}
+    rank = object.__new__(TrainerRank)  # its bookkeeping only: no node, no process group
+    rank.runtime = type("Runtime", (), {"loop_thread": object()})()
+    rank._cond = threading.Condition()
+    rank._running = {}
+    rank.held = {"a", "b", "c", "later"}
+    rank._wait_for = lambda step: _Received(batch, refs)
+    asked: list[dict[str, str]] = []
+
+    def on_loop(start: Callable) -> Any:
+        if not asked:
+            asked.append({})
+            raise StepFailed("rank 0: the node loop did not end the requests within 1s")
+        answer: list[Any] = []
+        start(answer.append)
+        return answer[0]
+
+    def delete(refs: Any, reasons: dict[str, str], done: Callable) -> None:
+        asked.append(dict(reasons))
+        done(StepRelease(deleted=("a",), failed=("b",), missing=("c",)))
+
+    rank._on_loop = on_loop
+    rank._delete = delete
+    with pytest.raises(StepFailed, match="did not end the requests"):
+        rank.begin_step(0)
+    release = rank.end_step(0)
+    assert asked[1] == {"a": "dropped", "b": "dropped", "c": "dropped"}
+    assert release == StepRelease(deleted=("a",), failed=("b",), missing=("c",))
+    assert rank.held == {"later"}  # none of the step's is asked for again: the store reclaims what failed
+    assert rank.end_step(0) == StepRelease() and rank.end_step(1) == StepRelease()  # nothing (more) to delete
