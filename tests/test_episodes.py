@@ -118,6 +118,27 @@ def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess,
         orchestrator.close()
 
 
+def test_a_score_that_is_not_a_finite_number_fails_its_run(bus: tuple[NodeProcess, str], env_server: Any) -> None:
+    """Regression: a NaN reward was kept and published; one such reward made its group's advantages NaN and
+    the trained weights with them. Now the run fails ``score-failed`` and nothing is kept."""
+    runner, endpoint = env_server
+    runner.score = lambda prompt, completion: float("nan")  # or an infinity: the same check
+    orchestrator = Client(runner.runtime.ctx, endpoint, WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-nan")
+    try:
+        wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
+        sent = run_async(orchestrator, "ep-nan")
+        wait_for(lambda: len(rollout.held) == 1, 5, "the generation at the rollout")
+        rollout.answer(0)
+        reply = answer_to(orchestrator, sent)
+        assert reply.kind == "error" and reply.body.code == "score-failed", reply.body
+        assert "not a finite number" in reply.body.message
+        assert (runner.finished, runner.failed, runner.env_server.stats().kept_total) == (0, 1, 0)
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+
+
 def test_a_keep_over_budget_waits_for_room_instead_of_wasting_its_generation(bus: tuple[NodeProcess, str]) -> None:
     """Backpressure on the run path: the second episode does not fit until the first is discarded; its run
     waits (retrying the keep) and succeeds. A third that never gets room fails at ``generate_timeout_s``."""

@@ -615,3 +615,189 @@ def test_a_prompt_function_is_a_source_that_hears_nothing_and_a_class_must_make_
             load_prompt_source(spec)
     assert isinstance(load_prompt_source("refbus.nodes.toy.task:Curriculum").make_prompt(np.random.default_rng(0)),
                       list)
+
+
+def with_info(ep: EpisodeFinished, **changes: object) -> EpisodeFinished:
+    """``ep`` with ``changes`` applied to its first sample's entry (key ``reward``/``samples``: to the record)."""
+    info = dict(ep.info)
+    sample = dict(info["samples"][0])
+    for key, value in changes.items():
+        if key in ("reward", "samples"):
+            info[key] = value
+        elif value is None:
+            del sample[key]
+        else:
+            sample[key] = value
+    if "samples" not in changes:
+        info["samples"] = [sample]
+    return msgspec.structs.replace(ep, info=info)
+
+
+MALFORMED_RECORDS = {
+    "loss_mask shorter than input_ids": {"loss_mask": [0, 0, 0, 1, 1, 1, 1]},
+    "loss_mask longer than input_ids": {"loss_mask": [1] * 9},
+    "no token ids": {"input_ids": [], "loss_mask": []},
+    "token ids not integers": {"input_ids": ["a"] * 8},
+    "token ids nested": {"input_ids": [[1, 2]] * 8},
+    "ref out of range": {"ref": 1},
+    "ref not an index": {"ref": "0"},
+    "more tokens than the blob": {"input_ids": list(range(9)), "loss_mask": [1] * 9},
+    "reward not a number": {"reward": "high"},
+    "reward NaN": {"reward": float("nan")},
+    "reward infinite": {"reward": float("-inf")},
+    "samples not a list": {"samples": {"input_ids": [1]}},
+    "sample not a map": {"samples": [[1, 2, 3]]},
+}
+
+
+@pytest.mark.parametrize("changes", list(MALFORMED_RECORDS.values()), ids=list(MALFORMED_RECORDS))
+def test_a_malformed_record_is_deleted_malformed_before_training_and_its_group_abandoned(changes: dict) -> None:
+    """Regression: a record packing or batching could not use (a loss_mask of another length than its token
+    ids) was taken and queued, then made the step's packing raise after its groups had left the queue: they
+    were never shipped nor deleted and their admission slots never came back."""
+    core = OrchestratorCore(settings(groups_per_step=2), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    assert of(DeliverBatch, feed_group(core, T0, "A")) == []  # queued: the step needs two groups
+    good = episode("B-0", "B", 1.0)
+    assert core.on_episode(T0, good, good.refs) == []
+    bad = with_info(episode("B-1", "B", 0.0), **changes)
+    assert deletes(core.on_episode(T0, bad, bad.refs)) == {"malformed": ["b-B-1"], "incomplete": ["b-B-0"]}
+    assert core.malformed_episodes == 1 and core.abandoned_groups == 1 and "B" in core.closed_groups
+    assert set(core.holdings.held) == {"b-A-0", "b-A-1"}
+    straggler = episode("B-2", "B", 0.0)
+    assert deletes(core.on_episode(T0, straggler, straggler.refs)) == {"late": ["b-B-2"]}
+    # Shipping goes on: the next complete group makes the step.
+    (to0, to1) = of(DeliverBatch, feed_group(core, T0 + 1, "C"))
+    assert set(to0.batch.owned) | set(to1.batch.owned) == {"b-A-0", "b-A-1", "b-C-0", "b-C-1"}
+    # An eval episode's malformed record is deleted the same way, and abandons nothing.
+    evaluation = msgspec.structs.replace(bad, episode_id="E-0", info={**bad.info, "eval": True},
+                                         refs=[msgspec.structs.replace(bad.refs[0], blob_id="b-E-0")])
+    assert deletes(core.on_episode(T0 + 2, evaluation, evaluation.refs)) == {"malformed": ["b-E-0"]}
+    assert core.malformed_episodes == 2 and core.abandoned_groups == 1
+
+
+def test_a_group_that_makes_packing_fail_is_deleted_malformed_and_the_others_ship() -> None:
+    """Regression: groups of a step whose packing raised (routed samples of two routing shapes, a sample id
+    twice) had left the queue already: never shipped nor deleted. Now the step ships without the group that
+    broke it, which is deleted ``malformed`` and gives its admission slot back."""
+    core = OrchestratorCore(settings(groups_per_step=3), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+
+    def shaped(group: str, shape: list[int]) -> list[Action]:
+        actions: list[Action] = []
+        for member, reward in enumerate((1.0, 0.0)):
+            ep = episode(f"{group}-{member}", group, reward)
+            ep = msgspec.structs.replace(ep, refs=[msgspec.structs.replace(ep.refs[0], routing_shape=shape)])
+            actions += core.on_episode(T0, ep, ep.refs)
+        return actions
+
+    assert shaped("A", [3, 2]) == [] and shaped("B", [4, 2]) == []  # a store of another model
+    actions = feed_group(core, T0, "C")
+    assert deletes(actions) == {"malformed": ["b-B-0", "b-B-1"]}
+    (to0, to1) = of(DeliverBatch, actions)
+    assert set(to0.batch.owned) | set(to1.batch.owned) == {"b-A-0", "b-A-1", "b-C-0", "b-C-1"}
+    assert core.sink.queue == [] and core.sink.dropped["malformed"] == 2 and core.groups_released == 1
+    assert set(core.holdings.held) == {"b-A-0", "b-A-1", "b-C-0", "b-C-1"}  # until the ranks acknowledge
+
+    # The same episode twice (its sample ids repeat): the later group is deleted, the step ships.
+    for endpoint in ("tcp://t0", "tcp://t1"):
+        core.on_delivered(T0 + 1, 0, endpoint, None)
+    feed_group(core, T0 + 1, "D")
+    again = with_info(msgspec.structs.replace(episode("D-0", "E", 1.0), refs=[]), ref=-1)  # no arrays
+    assert core.on_episode(T0 + 1, again, []) == []
+    other = episode("E-1", "E", 0.0)
+    assert core.on_episode(T0 + 1, other, other.refs) == []  # the step waits for a third group
+    actions = feed_group(core, T0 + 1, "F")
+    assert deletes(actions) == {"malformed": ["b-E-1"]}
+    shipped = {s.sample_id for d in of(DeliverBatch, actions) for mb in d.batch.micro_batches for s in mb.samples}
+    assert shipped == {"D-0/0", "D-1/0", "F-0/0", "F-1/0"}
+    assert core.sink.dropped["malformed"] == 4 and core.groups_released == 2
+
+
+def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:
+    """Regression: one NaN reward made its whole group's advantages NaN, and they shipped (the weights went
+    NaN and were pushed to every rollout worker). Rewards too large to normalise are refused the same way."""
+    core = OrchestratorCore(settings(group_size=4), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0, float("nan"), 0.5)):
+        ep = episode(f"A-{member}", "A", reward)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert deletes(actions) == {"malformed": ["b-A-2"], "incomplete": ["b-A-0", "b-A-1"], "late": ["b-A-3"]}
+    assert of(DeliverBatch, actions) == []
+    actions = []
+    for member in range(4):
+        ep = episode(f"H-{member}", "H", 1.7e308 if member % 2 else 1.6e308)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert deletes(actions) == {"malformed": [f"b-H-{member}" for member in range(4)]}
+    assert of(DeliverBatch, actions) == [] and core.groups_released == 2
+    actions = []
+    for member, reward in enumerate((1.0, 0.0, 0.0, 0.5)):
+        ep = episode(f"C-{member}", "C", reward)
+        actions += core.on_episode(T0, ep, ep.refs)
+    (to0, to1) = of(DeliverBatch, actions)
+    advantages = [mb.inputs["advantages"] for d in (to0, to1) for mb in d.batch.micro_batches]
+    assert all(np.isfinite(a).all() for a in advantages)
+
+
+@pytest.mark.parametrize("seq_len", [8, 64], ids=["on-two-ranks", "on-one-rank"])
+def test_a_blob_two_samples_share_is_owned_by_one_leader_once(seq_len: int) -> None:
+    """Regression: samples of one episode may share a blob (the same ``ref`` index); packed onto two data ranks,
+    both leaders owned it and both deleted it (the second delete is an ownership violation); on one rank it
+    was listed twice."""
+    core = OrchestratorCore(settings(seq_len=seq_len), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0)):
+        ep = episode(f"A-{member}", "A", reward)
+        ep = with_info(ep, samples=[ep.info["samples"][0], dict(ep.info["samples"][0])])
+        actions += core.on_episode(T0, ep, ep.refs)
+    deliveries = of(DeliverBatch, actions)
+    owned = [blob_id for d in deliveries for blob_id in d.batch.owned]
+    assert sorted(owned) == ["b-A-0", "b-A-1"]
+    referenced = {s.ref.blob_id for d in deliveries for mb in d.batch.micro_batches for s in mb.samples}
+    assert referenced == {"b-A-0", "b-A-1"}
+    for d in deliveries:
+        core.on_delivered(T0, 0, d.endpoint, None)
+    assert not core.holdings.held and core.holdings.handed_over == 2
+
+
+def test_closed_groups_are_forgotten_after_the_horizon_and_a_later_straggler_is_still_deleted() -> None:
+    """Regression: every closed group id was kept for the whole run (~92 MiB per million groups). Now each is
+    kept for ``closed_horizon_s``, derived from the run deadline, the restart grace and the group timeout; a
+    straggler within it is deleted ``late``, one after it opens a group that times out ``incomplete``. Either
+    way the admission slots stay even."""
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1], tag=".t")
+    horizon = core.closed_horizon_s
+    assert horizon == 2 * (DEADLINES.run_s + DEADLINES.restart_grace_s + settings().group_timeout_s)
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    runs = of(SendRun, core.dispatch(T0))
+    assert [r.run.group for r in runs] == ["g0.t", "g0.t", "g1.t", "g1.t"]
+    first = episode("g0.t-0", "g0.t", 1.0)
+    core.on_episode(T0 + 1, first, first.refs)
+    abandoned = core.on_run_done(T0 + 1, "g0.t-1", "boom")  # g0 abandoned at T0 + 1
+    assert deletes(abandoned) == {"incomplete": ["b-g0.t-0"]}
+    for member, reward in enumerate((1.0, 0.0)):  # g1 complete at T0 + 2 (queued: no trainers)
+        ep = episode(f"g1.t-{member}", "g1.t", reward)
+        core.on_episode(T0 + 2, ep, ep.refs)
+    assert list(core.closed_groups) == ["g0.t", "g1.t"]
+    outstanding = core.train_groups_sent - core.groups_released
+    late = episode("g0.t-1", "g0.t", 0.0)
+    assert deletes(core.on_episode(T0 + 1 + horizon - 1, late, late.refs)) == {"late": ["b-g0.t-1"]}
+    core.tick(T0 + 1 + horizon)
+    assert list(core.closed_groups) == ["g1.t"]
+    core.tick(T0 + 2 + horizon)
+    assert core.closed_groups == {}
+    # Forgotten: a straggler opens its group again, which never completes and is deleted when it times out.
+    later = episode("g1.t-2", "g1.t", 0.5)
+    now = T0 + 3 + horizon
+    assert deletes(core.on_episode(now, later, later.refs)) == {}
+    assert core.tick(now + settings().group_timeout_s) == []
+    assert deletes(core.tick(now + settings().group_timeout_s + 0.01)) == {"incomplete": ["b-g1.t-2"]}
+    assert core.train_groups_sent - core.groups_released == outstanding
+    # Many groups later, only those of the last horizon are remembered.
+    for index in range(1000):
+        core.abandon(now + index, f"old{index}")
+    core.tick(now + 1000 + horizon / 2)
+    assert len(core.closed_groups) == int(horizon / 2) - 1  # those closed within the horizon before the tick

@@ -1,10 +1,22 @@
-"""Orchestrator pieces without a cluster: replica routing, trainer addressing, where a blob's store is asked."""
+"""Orchestrator pieces without a cluster: replica routing, trainer addressing, where a blob's store is asked. And
+one garbage record over the wire: a real broker, env server and orchestrator, a stand-in trainer rank."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
+from branches import random_arrays
+from polling import wait_for
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.env_server import EnvServer
+from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
-from refbus.protocol.messages import BlobRef, NodeInfo
+from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
+from refbus.protocol.envelope import Message
+from refbus.protocol.messages import BlobRef, NodeInfo, Ok, StepBatch
 
 
 def _env(node_id: str, source: str | None, endpoint: str) -> NodeInfo:
@@ -59,3 +71,53 @@ def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> 
     assert group_by_endpoint([moved, kept, unnamed, also_moved], locate) == {
         "tcp://new:9": [moved, also_moved], "tcp://old:2": [kept], "tcp://old:3": [unnamed]}
     assert group_by_endpoint([moved, kept]) == {"tcp://old:1": [moved], "tcp://old:2": [kept]}
+
+
+def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_train(
+        bus: tuple[NodeProcess, str]) -> None:
+    """An env server publishes an episode whose loss_mask is shorter than its token ids: the orchestrator claims
+    its blob and deletes it (reason ``malformed``) at once; the next group trains. Before, the record was taken
+    and made its step's packing raise: that step's blobs stayed held and nothing shipped again."""
+    control = bus[1]
+    steps: list[StepBatch] = []
+
+    def take(request: Message) -> Ok:
+        assert isinstance(request.body, StepBatch)
+        steps.append(request.body)
+        return Ok()
+
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, take)
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-w", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="w"))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    started = []
+    try:
+        for node in (trainer, env_runtime, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, 10, "the orchestrator's start-up recovery")
+
+        def keep(episode_id: str, group: str, reward: float, loss_mask: list[int]) -> str:
+            arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2,
+                                   routing_dtype=np.uint8)
+            info: dict[str, Any] = {"group": group, "reward": reward,
+                                    "samples": [{"input_ids": list(range(6)), "loss_mask": loss_mask, "ref": 0}]}
+            return env.keep(episode_id, [arrays], info=info)[0].blob_id
+
+        bad = keep("bad", "gb", 1.0, [0, 1, 1])
+        wait_for(lambda: env.stats().deleted.get("malformed"), 10, "the malformed episode's blob deleted")
+        good = [keep(f"good-{m}", "gg", reward, [0, 0, 1, 1, 1, 1]) for m, reward in enumerate((1.0, 0.0))]
+        wait_for(lambda: steps, 10, "a step batch at the trainer rank")
+        assert sorted(steps[0].owned) == sorted(good)
+        assert {s.sample_id for mb in steps[0].micro_batches for s in mb.samples} == {"good-0/0", "good-1/0"}
+        wait_for(lambda: not orchestrator.core.holdings.held, 10, "the step batch acknowledged")
+        stats = env.stats()
+        assert stats.deleted == {"malformed": 1} and stats.blobs_held == 2 and bad not in good
+        assert orchestrator.core.malformed_episodes == 1 and +orchestrator.core.sink.dropped == {"malformed": 1}
+    finally:
+        for node in reversed(started):
+            node.join(timeout=10)

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -449,3 +450,69 @@ def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orc
     assert isinstance(account, Accounted)
     kept = sum(len(owned) for owned in data.owned)
     assert (account.kept, account.held, account.deleted, account.violations) == (kept, 0, {"trained": kept}, {})
+
+
+# --- without processes: the rank's own bookkeeping ---------------------------------------------------------
+
+
+def _nan_batch(owned: list[str]) -> StepBatch:
+    from refbus.protocol.messages import BlobRef, MicroBatchRefs, SampleSlice
+
+    refs = [BlobRef(endpoint="tcp://e", source="s", blob_id=blob_id, fields=["topk_ids"], tokens=4, nbytes=4,
+                    checksum=0, node="env") for blob_id in owned]
+    inputs = {"input_ids": np.arange(4), "advantages": np.array([np.nan, 1.0, 2.0, 0.0], dtype=np.float32)}
+    mb = MicroBatchRefs(samples=[SampleSlice(f"x/{i}", 4, ref) for i, ref in enumerate(refs)], length=4 * len(refs),
+                        inputs={name: np.concatenate([column] * len(refs)) for name, column in inputs.items()})
+    return StepBatch(step=0, rank=0, micro_batches=[mb], owned=owned)
+
+
+def test_an_identical_step_batch_with_nan_inputs_is_the_same_batch() -> None:
+    """Regression: a re-delivered step batch whose float inputs held a NaN compared unequal to itself, so the
+    rank refused its own step as a duplicate."""
+    from refbus.nodes.payload.trainer_rank import _same_batch
+
+    batch = _nan_batch(["a"])
+    again = _nan_batch(["a"])  # the same values, other arrays
+    assert _same_batch(batch, again)
+    changed = _nan_batch(["a"])
+    changed.micro_batches[0].inputs["advantages"][1] = 5.0
+    assert not _same_batch(batch, changed)
+
+
+def test_end_step_after_any_step_failure_deletes_what_the_rank_owns_and_held_follows() -> None:
+    """Regression: ``end_step`` after a ``StepFailed`` that ``begin_step`` did not raise from its agreement (the
+    node loop not answering the fetch) failed with a KeyError, and ``held`` (the ``blobs_held`` status) kept
+    every blob whose delete failed or found it missing."""
+    from refbus.nodes.payload.trainer_rank import StepFailed, StepRelease, TrainerRank, _Received
+
+    batch = _nan_batch(["a", "b", "c"])
+    refs = {s.ref.blob_id: s.ref for s in batch.micro_batches[0].samples}
+    rank = object.__new__(TrainerRank)  # its bookkeeping only: no node, no process group
+    rank.runtime = type("Runtime", (), {"loop_thread": object()})()
+    rank._cond = threading.Condition()
+    rank._running = {}
+    rank.held = {"a", "b", "c", "later"}
+    rank._wait_for = lambda step: _Received(batch, refs)
+    asked: list[dict[str, str]] = []
+
+    def on_loop(start: Callable) -> Any:
+        if not asked:
+            asked.append({})
+            raise StepFailed("rank 0: the node loop did not end the requests within 1s")
+        answer: list[Any] = []
+        start(answer.append)
+        return answer[0]
+
+    def delete(refs: Any, reasons: dict[str, str], done: Callable) -> None:
+        asked.append(dict(reasons))
+        done(StepRelease(deleted=("a",), failed=("b",), missing=("c",)))
+
+    rank._on_loop = on_loop
+    rank._delete = delete
+    with pytest.raises(StepFailed, match="did not end the requests"):
+        rank.begin_step(0)
+    release = rank.end_step(0)
+    assert asked[1] == {"a": "dropped", "b": "dropped", "c": "dropped"}
+    assert release == StepRelease(deleted=("a",), failed=("b",), missing=("c",))
+    assert rank.held == {"later"}  # none of the step's is asked for again: the store reclaims what failed
+    assert rank.end_step(0) == StepRelease() and rank.end_step(1) == StepRelease()  # nothing (more) to delete

@@ -14,7 +14,7 @@ run that arrives while no worker is known waits for the next answer, then fails 
 is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is
 answered with an error; nothing is kept for it. The score function is user code: it runs on
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
-(a score that raises fails its run with ``score-failed``).
+(a score that raises, or returns NaN or an infinity, fails its run with ``score-failed``).
 
 A keep refused as ``over-budget`` with a ``retry_after_s`` (the store is full for now: its holders have not
 deleted yet) is tried again after that long, holding the generated arrays, until ``generate_timeout_s``
@@ -28,6 +28,7 @@ covers the completion only. Never imports torch: the score function must not eit
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,9 @@ class EpisodeRunner:
         if isinstance(reward, Exception):  # user code: its failure is this run's answer, not the node's
             self._fail(run, pending, "score-failed",
                        f"{self.settings.score}: {type(reward).__name__}: {reward}")
+            return
+        if not math.isfinite(reward):  # a NaN would make its whole group's advantages NaN, and the weights
+            self._fail(run, pending, "score-failed", f"{self.settings.score}: returned {reward}, not a finite number")
             return
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]

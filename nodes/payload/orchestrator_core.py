@@ -11,6 +11,13 @@ Decisions and their rules:
 * **Groups.** Episodes of one group (``info["group"]``) wait until ``group_size`` have arrived; their
   advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
   episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
+  A closed group is remembered for :attr:`~OrchestratorCore.closed_horizon_s` (past any straggler's
+  arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``.
+* **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
+  reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
+  refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
+  logged) and its group abandoned. A group that makes a step's packing fail (routing shapes that disagree
+  with the step's, a repeated sample id) is deleted ``malformed`` and the step ships without it.
 * **Shipping.** Once ``groups_per_step`` groups are queued and the trainer ranks are known, the next step is
   packed and each rank gets its :class:`DeliverBatch`. One step is in delivery at a time: the next one is
   packed only when every rank acknowledged. A rank that refused or did not answer gets the *same* step
@@ -75,9 +82,11 @@ Decisions and their rules:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,8 +94,9 @@ import structlog
 
 from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
+from .packing import PackingError
 from .prompts import MakePrompt, PromptSource, as_prompt_source
-from .shipping import EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink
+from .shipping import MALFORMED, EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink, sample_info
 
 if TYPE_CHECKING:
     from ..settings import OrchestratorSettings
@@ -176,6 +186,33 @@ class Deadlines:
 
 
 # --- state ---------------------------------------------------------------------------------------------------
+
+
+class MalformedEpisode(ValueError):
+    """An ``episode-finished`` record that cannot be trained as it came (the message names what is wrong)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One sample of an episode's record, checked (:meth:`OrchestratorCore._parse`)."""
+
+    sample_id: str
+    ref: BlobRef | None
+    inputs: dict[str, Any]
+
+
+def _column(where: str, entry: Mapping[str, Any], name: str, kinds: str) -> np.ndarray | None:
+    """``entry[name]`` as a 1-D array of one of numpy's dtype ``kinds``; None when absent."""
+    if name not in entry:
+        return None
+    try:
+        column = np.asarray(entry[name])
+    except (TypeError, ValueError) as error:
+        raise MalformedEpisode(f"{where}.{name}: {error}") from None
+    if column.ndim != 1 or (column.dtype.kind not in kinds and column.size):
+        raise MalformedEpisode(f"{where}.{name}: expected a list of numbers, got {column.dtype} of shape "
+                               f"{column.shape}")
+    return column
 
 
 @dataclass
@@ -268,9 +305,12 @@ class OrchestratorCore:
         self.policy_version = 0
         self.step = 0  # the next step number; a step counts once packed
         self.groups: dict[str, _Group] = {}
-        self.closed_groups: set[str] = set()
+        # group id -> when it closed (completed or abandoned): its stragglers are deleted ``late``. Forgotten
+        # after closed_horizon_s (tick), so the map follows the groups of the last few minutes, not the run.
+        self.closed_groups: dict[str, float] = {}
         self.episodes = 0
         self.abandoned_groups = 0
+        self.malformed_episodes = 0  # records that could not be trained as they came: deleted ``malformed``
         self.delivery: _Delivery | None = None
         self.redeliveries = 0
         self.failure = ""  # why the run halted; empty while it goes on
@@ -353,12 +393,16 @@ class OrchestratorCore:
             self._recovered.discard(episode.episode_id)
             return []
         self.episodes += 1
-        self.holdings.take(claimed)
         if episode.refs:
             self.router.kept(episode.refs[0].endpoint, sum(ref.nbytes for ref in episode.refs))
-        samples = self._samples(episode, {ref.blob_id for ref in claimed})
         info = episode.info
         group_id = str(info.get("group", episode.episode_id))
+        try:  # before anything is taken: a record that cannot be trained as it came is deleted whole
+            reward, entries = self._parse(episode)
+        except MalformedEpisode as error:
+            return self._malformed(now, episode, claimed, group_id, str(error))
+        self.holdings.take(claimed)
+        samples = self._samples(episode, entries, {ref.blob_id for ref in claimed})
         if info.get("eval"):
             self.eval_sink.add(samples)
         elif self.finished:
@@ -366,14 +410,44 @@ class OrchestratorCore:
         elif group_id in self.closed_groups:
             self.sink.drop(samples, "late")
         else:
-            if self.resumed and group_id not in self.groups and group_id not in self._admitted:
-                self.adopted_groups += 1  # an earlier incarnation's: it takes an admission slot too
-                self.train_groups_sent += 1
-            group = self.groups.setdefault(group_id, _Group(started=now))
-            group.episodes.append((float(info.get("reward", 0.0)), samples))
+            group = self._open(now, group_id)
+            group.episodes.append((reward, samples))
             if len(group.episodes) >= self.settings.group_size:
-                self._complete(group_id)
+                self._complete(now, group_id)
         return self._ship_ready(now)
+
+    def _malformed(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef], group_id: str,
+                   error: str) -> list[Action]:
+        """An episode whose record cannot be trained (see :meth:`_parse`): its claimed blobs are taken and
+        deleted at once (``malformed``), and its group, which can never complete, is abandoned like one whose
+        run failed (what arrived of it is deleted ``incomplete``, its stragglers ``late``)."""
+        self.malformed_episodes += 1
+        entries = episode.info.get("samples")
+        self.sink.dropped[MALFORMED] += len(entries) if isinstance(entries, list) else 0
+        self.holdings.take(claimed)
+        self.holdings.delete(claimed, MALFORMED)
+        log.warning("episode.malformed", episode_id=episode.episode_id, source=episode.source, group=group_id,
+                    blobs=len(claimed), error=error)
+        if not episode.info.get("eval") and not self.finished and group_id not in self.closed_groups:
+            self._open(now, group_id)  # as its first episode would (see _open: slots stay even), then closed
+            self.abandon(now, group_id)
+        return self._ship_ready(now)
+
+    def _open(self, now: float, group_id: str) -> _Group:
+        """The open group ``group_id``, opened now if it is not. After a restart, a group this incarnation did
+        not send (an earlier incarnation's) takes an admission slot too; so does one it sent and forgot (a
+        straggler of a group closed more than :attr:`closed_horizon_s` ago, named with this incarnation's
+        ``tag``), since abandoning it gives a slot back."""
+        group = self.groups.get(group_id)
+        if group is None:
+            if group_id not in self._admitted:
+                if self.resumed:
+                    self.adopted_groups += 1  # an earlier incarnation's
+                    self.train_groups_sent += 1
+                elif self.tag and group_id.endswith(self.tag):
+                    self.train_groups_sent += 1
+            group = self.groups[group_id] = _Group(started=now)
+        return group
 
     def use_trainers(self, now: float, nodes: Iterable[NodeInfo]) -> list[Action]:
         """The trainer ranks from the registry; shipping starts once ``settings.trainers`` are known."""
@@ -415,10 +489,11 @@ class OrchestratorCore:
         """Timers: expire groups and runs, re-deliver what is due, halt a delivery past its deadline."""
         horizon = now - self.settings.group_timeout_s
         for group_id in [g for g, group in self.groups.items() if group.started < horizon]:
-            self.abandon(group_id)
+            self.abandon(now, group_id)
         for episode_id in [e for e, run in self.runs.items() if run.deadline <= now]:
             self.expired_runs += 1
-            self._run_done(episode_id, f"no answer within {self.deadlines.run_s:g}s")
+            self._run_done(now, episode_id, f"no answer within {self.deadlines.run_s:g}s")
+        self._forget_closed(now)
         lost = [self._lose(node_id) for node_id, down in list(self.stores_down.items()) if down.until <= now]
         return self._flush([*lost, *self._check_delivery(now), *self._check_world(now)])
 
@@ -629,48 +704,115 @@ class OrchestratorCore:
 
     # --- groups --------------------------------------------------------------------------------------
 
-    def abandon(self, group_id: str) -> None:
-        """A group that will never complete (timed out, or one of its runs failed): delete what arrived;
-        its stragglers are deleted as ``late`` when they come."""
+    def abandon(self, now: float, group_id: str) -> None:
+        """A group that will never complete (timed out, one of its runs failed, a malformed episode): delete
+        what arrived; its stragglers are deleted as ``late`` when they come."""
         if group_id in self.closed_groups:
             return
-        self.closed_groups.add(group_id)
+        self.closed_groups[group_id] = now
         self._admitted.pop(group_id, None)
         self.abandoned_groups += 1
         group = self.groups.pop(group_id, None)
         if group is not None:
             self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
 
-    def _samples(self, episode: EpisodeFinished, claimed: set[str]) -> list[Sample]:
+    def _parse(self, episode: EpisodeFinished) -> tuple[float, list[_Entry]]:
+        """The episode's reward and its samples' inputs, checked so that nothing later can fail on them: a
+        finite number as ``reward`` (0 when absent), ``samples`` a list of maps, each with ``input_ids`` (1-D
+        integers, at least one), a ``loss_mask`` of the same length if any, and ``ref`` (an int: the index of
+        one of ``episode.refs``, negative for none) whose blob holds at least the sample's tokens and whose
+        fields and routing shape packing accepts. Raises :class:`MalformedEpisode` naming what is wrong."""
+        info = episode.info
+        reward = info.get("reward", 0.0)
+        if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(float(reward)):
+            raise MalformedEpisode(f"reward: expected a finite number, got {reward!r}")
+        listed = info.get("samples", [])
+        if not isinstance(listed, list):
+            raise MalformedEpisode(f"samples: expected a list, got {type(listed).__name__}")
+        entries = []
+        for index, entry in enumerate(listed):
+            where = f"samples[{index}]"
+            if not isinstance(entry, Mapping):
+                raise MalformedEpisode(f"{where}: expected a map, got {type(entry).__name__}")
+            input_ids = _column(where, entry, "input_ids", "iu")
+            if input_ids is None or not len(input_ids):
+                raise MalformedEpisode(f"{where}.input_ids: expected at least one token id")
+            inputs: dict[str, Any] = {"input_ids": input_ids.astype(np.int64, copy=False)}
+            loss_mask = _column(where, entry, "loss_mask", "biuf")
+            if loss_mask is not None:
+                if len(loss_mask) != len(input_ids):
+                    raise MalformedEpisode(f"{where}.loss_mask: {len(loss_mask)} values for {len(input_ids)} "
+                                           "token ids")
+                inputs["loss_mask"] = loss_mask.astype(np.bool_)
+            ref_index = entry.get("ref", -1)
+            if isinstance(ref_index, bool) or not isinstance(ref_index, Integral) or ref_index >= len(episode.refs):
+                raise MalformedEpisode(f"{where}.ref: expected the index of one of the episode's "
+                                       f"{len(episode.refs)} refs (negative: none), got {ref_index!r}")
+            ref = episode.refs[ref_index] if ref_index >= 0 else None
+            sample_id = f"{episode.episode_id}/{index}"
+            if ref is not None:
+                if ref.tokens < len(input_ids):
+                    raise MalformedEpisode(f"{where}: {len(input_ids)} tokens, its blob {ref.blob_id!r} holds "
+                                           f"{ref.tokens}")
+                try:
+                    sample_info(Sample(sample_id, len(input_ids), ref))
+                except PackingError as error:
+                    raise MalformedEpisode(f"{where}: {error}") from None
+            entries.append(_Entry(sample_id, ref, inputs))
+        return float(reward), entries
+
+    def _samples(self, episode: EpisodeFinished, entries: Sequence[_Entry], claimed: set[str]) -> list[Sample]:
         """The episode's trainable samples; a sample whose blob could not be claimed is counted and left
         out (training it without its arrays would be training on something it did not do)."""
         samples = []
-        for index, entry in enumerate(episode.info.get("samples", [])):
-            ref_index = int(entry.get("ref", -1))
-            ref = episode.refs[ref_index] if 0 <= ref_index < len(episode.refs) else None
-            if ref is not None and ref.blob_id not in claimed:
+        for entry in entries:
+            if entry.ref is not None and entry.ref.blob_id not in claimed:
                 self.sink.dropped["missing"] += 1
                 continue
-            input_ids = np.asarray(entry["input_ids"], dtype=np.int64)
-            inputs: dict[str, Any] = {"input_ids": input_ids}
-            if "loss_mask" in entry:
-                inputs["loss_mask"] = np.asarray(entry["loss_mask"], dtype=np.bool_)
-            samples.append(Sample(f"{episode.episode_id}/{index}", len(input_ids), ref, episode.policy_version,
-                                  inputs))
+            samples.append(Sample(entry.sample_id, len(entry.inputs["input_ids"]), entry.ref,
+                                  episode.policy_version, entry.inputs))
         return samples
 
-    def _complete(self, group_id: str) -> None:
+    @property
+    def closed_horizon_s(self) -> float:
+        """How long a closed group is remembered (its stragglers deleted ``late``). A straggler is fed within
+        about its run's deadline (``run_s``: the env server answers by then) plus the stores' restart grace (a
+        claim waits that long for a durable store restarting) after its group was sent, and a group closes at
+        the latest ``group_timeout_s`` after its first episode: the sum of the three, doubled for what delays
+        an event beyond them (a slow score function, a gap fill). A straggler later still opens a new group,
+        which never completes: it is deleted ``incomplete`` when that one times out."""
+        d = self.deadlines
+        return 2 * (d.run_s + d.restart_grace_s + self.settings.group_timeout_s)
+
+    def _forget_closed(self, now: float) -> None:
+        """Drop the closed groups older than :attr:`closed_horizon_s` (oldest first: the map is in closing
+        order)."""
+        horizon = now - self.closed_horizon_s
+        closed = self.closed_groups
+        while closed:
+            group_id = next(iter(closed))
+            if closed[group_id] > horizon:
+                break
+            del closed[group_id]
+
+    def _complete(self, now: float, group_id: str) -> None:
         group = self.groups.pop(group_id)
-        self.closed_groups.add(group_id)
+        self.closed_groups[group_id] = now
         prompt = self._admitted.pop(group_id, None)
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         if prompt is not None and self.prompts is not None:
             self.prompts.observe(prompt, rewards.tolist())
-        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         samples, per_sample = [], []
         for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
             samples.extend(episode_samples)
             per_sample.extend([float(advantage)] * len(episode_samples))
+        if not np.isfinite(advantages).all():  # finite rewards too large to normalise: never ship a NaN
+            log.warning("group.malformed", group=group_id, rewards=rewards.tolist(), error="advantages not finite")
+            self.sink.drop(samples, MALFORMED)
+            self.sink.dropped_groups += 1
+            return
         self.sink.add_group(samples, per_sample)
 
     # --- steps ---------------------------------------------------------------------------------------
@@ -771,12 +913,12 @@ class OrchestratorCore:
         run = self.runs.get(episode_id)
         if run is not None and error is not None and code in NOT_READY:
             self._refused(now, run, code, error)
-            self._run_done(episode_id, error, quiet=True)
+            self._run_done(now, episode_id, error, quiet=True)
         else:
             if run is not None and error is None and self._backoff_s:
                 log.info("dispatch.resumed", after_refused=self.refused_runs)
                 self._backoff_s = 0.0
-            self._run_done(episode_id, error)
+            self._run_done(now, episode_id, error)
         return self._flush([])
 
     def _refused(self, now: float, run: _RunInFlight, code: str, error: str) -> None:
@@ -813,7 +955,7 @@ class OrchestratorCore:
             actions.append(SendRun(endpoint, run, self.deadlines.run_s))
         return actions
 
-    def _run_done(self, episode_id: str, error: str | None, *, quiet: bool = False) -> None:
+    def _run_done(self, now: float, episode_id: str, error: str | None, *, quiet: bool = False) -> None:
         run = self.runs.pop(episode_id, None)
         if run is None:
             return
@@ -825,7 +967,7 @@ class OrchestratorCore:
             self.failed_runs += 1
             if not quiet:
                 log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
-            self.abandon(run.group_id)
+            self.abandon(now, run.group_id)
 
     # --- shutdown ------------------------------------------------------------------------------------
 

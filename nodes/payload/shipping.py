@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import structlog
 
 from ...protocol.messages import (
     BlobRef,
@@ -33,7 +34,11 @@ from ...protocol.messages import (
     SampleSlice,
     StepBatch,
 )
-from .packing import MicroBatch, PackPlan, SampleInfo, pack
+from .packing import MicroBatch, PackingError, PackPlan, SampleInfo, pack
+
+log = structlog.get_logger(__name__)
+
+MALFORMED = "malformed"  # the reason for deleting what cannot be trained as it came (see TrainSink.ship)
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,11 @@ class TrainSink:
         """Pack the queued groups (oldest first, at most ``max_groups``) for ``step``: one step batch per rank.
         Samples older than ``max_staleness`` versions are deleted first (reason ``stale``). Returns the
         shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
-        the queue; their blobs stay held until a rank acknowledges its batch."""
+        the queue; their blobs stay held until a rank acknowledges its batch.
+
+        The queue changes only once the step batches are built. A group that makes packing fail (its samples
+        disagree with the others' routing shape, a sample id repeats, an input's length is not its token
+        count) is deleted, reason ``malformed``, and the others ship without it (:meth:`_without_malformed`)."""
         fresh_groups = []
         for group in self.queue:
             fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
@@ -208,21 +217,58 @@ class TrainSink:
                 fresh_groups.append(fresh)
             else:
                 self.dropped_groups += 1
+        self.queue = fresh_groups  # the stale samples are deleted already
         groups = fresh_groups if max_groups is None else fresh_groups[:max_groups]
-        self.queue = fresh_groups[len(groups):]
-        take = [sample for group in groups for sample in group]
-        if not take:
+        if not groups:
             return None
         if not self.trainers:
             raise RuntimeError("no trainer ranks known: call use_trainers() first")
-        plan = pack([_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
+        try:
+            shipment: Shipment | None = self._shipment(step, policy_version, groups)
+        except Exception as error:  # whatever a group's data breaks, the others ship
+            shipment = self._without_malformed(step, policy_version, groups, error)
+        self.queue = fresh_groups[len(groups):]
+        return shipment
+
+    def _shipment(self, step: int, policy_version: int, groups: Sequence[Sequence[Sample]]) -> Shipment:
+        """The step batches of ``groups``; raises what packing or building them raises. Each blob is owned by
+        exactly one data rank's leader (samples of one episode may share a blob and land on several ranks:
+        the others only reference it)."""
+        take = [sample for group in groups for sample in group]
+        refs: dict[str, BlobRef] = {}
+        for sample in take:  # a trainer rank refuses a step naming one blob id with two references
+            if sample.ref is not None and refs.setdefault(sample.ref.blob_id, sample.ref) != sample.ref:
+                raise PackingError(f"sample {sample.sample_id!r}: blob {sample.ref.blob_id!r} named by two "
+                                   "different references")
+        plan = pack([sample_info(s) for s in take], seq_len=self.seq_len, data_ranks=self.data_ranks,
                     pad_to_multiple_of=self.pad_to_multiple_of)
         by_id = {s.sample_id: s for s in take}
+        assigned: set[str] = set()  # blob ids a leader owns already
         batches = {}
         for trainer in self.trainers:
-            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version)
+            batch = _step_batch(step, trainer.rank, plan.ranks[trainer.data_rank], by_id, policy_version,
+                                assigned if trainer.leader else set())
             batches[trainer.endpoint] = batch if trainer.leader else msgspec.structs.replace(batch, owned=[])
         return Shipment(plan, batches)
+
+    def _without_malformed(self, step: int, policy_version: int, groups: Sequence[Sequence[Sample]],
+                           error: Exception) -> Shipment | None:
+        """Packing ``groups`` failed with ``error``: take them one at a time, oldest first, and delete
+        (``malformed``) each group that makes the step fail with those kept before it; the rest ship. Bounded:
+        one packing per group, only on this rare path."""
+        kept: list[Sequence[Sample]] = []
+        shipment: Shipment | None = None
+        for group in groups:
+            try:
+                shipment = self._shipment(step, policy_version, [*kept, group])
+            except Exception as cause:  # see ship()
+                log.warning("group.malformed", step=step, samples=[s.sample_id for s in group][:8],
+                            error=f"{type(cause).__name__}: {cause}", step_error=str(error))
+                self.drop(group, MALFORMED)
+                self.dropped_groups += 1
+                continue
+            kept.append(group)
+        return shipment if kept else None
 
     def close(self) -> None:
         """Shutdown: delete whatever is still queued."""
@@ -245,7 +291,9 @@ class EvalSink:
         self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
 
 
-def _info(sample: Sample) -> SampleInfo:
+def sample_info(sample: Sample) -> SampleInfo:
+    """What packing knows of ``sample``; raises :class:`~.packing.PackingError` for fields or a routing shape
+    packing refuses."""
     ref = sample.ref
     if ref is None:
         return SampleInfo(sample.sample_id, sample.tokens)
@@ -254,8 +302,11 @@ def _info(sample: Sample) -> SampleInfo:
 
 
 def _step_batch(
-    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int
+    step: int, rank: int, micro_batches: Sequence[MicroBatch], samples: Mapping[str, Sample], policy_version: int,
+    assigned: set[str],
 ) -> StepBatch:
+    """``rank``'s step batch; ``owned`` lists each blob of its real micro batches not in ``assigned`` yet (and
+    adds it there), so a blob two samples share is owned, and deleted, once."""
     refs: list[MicroBatchRefs] = []
     owned: list[str] = []
     for mb in micro_batches:
@@ -263,7 +314,8 @@ def _step_batch(
         for packed in mb.samples:
             sample = samples[packed.sample.sample_id]  # type: ignore[index]
             slices.append(SampleSlice(str(sample.sample_id), packed.kept, sample.ref))
-            if not mb.dummy and sample.ref is not None:
+            if not mb.dummy and sample.ref is not None and sample.ref.blob_id not in assigned:
+                assigned.add(sample.ref.blob_id)
                 owned.append(sample.ref.blob_id)
         refs.append(MicroBatchRefs(samples=slices, length=mb.length, dummy=mb.dummy,
                                    inputs=_inputs(mb, samples)))

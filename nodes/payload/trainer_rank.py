@@ -112,13 +112,16 @@ class StepBatches:
 @dataclass(frozen=True, slots=True)
 class StepRelease:
     """What ``end_step`` deleted: ``deleted`` acknowledged; ``violations`` refused by the env server as
-    already deleted (logged); ``failed`` not confirmed (no reply, or an error reply: logged, still held);
-    ``reclaimed`` already reclaimed by the env server from a holder that went down (logged, no longer held)."""
+    already deleted (logged); ``failed`` not confirmed (no reply, or an error reply: logged; the store
+    reclaims them once this rank is gone);
+    ``reclaimed`` already reclaimed by the env server from a holder that went down (logged, no longer held);
+    ``missing`` never kept by the env server asked (logged)."""
 
     deleted: tuple[str, ...] = ()
     violations: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
     reclaimed: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +222,8 @@ class TrainerRank:
         if self.runtime.loop_thread is None:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
         received = self._wait_for(step)
+        # From here on this rank owns the step's blobs: end_step deletes them (``dropped``) whatever fails below.
+        self._running[step] = (received, frozenset())
         in_flight = self._on_loop(lambda done: self.fetcher.start(step, received.batch.micro_batches, done))
         fetch = self.fetcher.finish(in_flight)
         ack = FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids), nbytes=fetch.nbytes,
@@ -226,11 +231,7 @@ class TrainerRank:
         self.runtime.call_soon(lambda: self.runtime.publish(ack))
         self._fetch_seconds.observe(fetch.seconds)
         self.fetched_bytes += fetch.nbytes
-        try:
-            dropped, dropped_global = self._agree(step, fetch)
-        except StepFailed:
-            self._running[step] = (received, frozenset())  # end_step still deletes what this rank owns
-            raise
+        dropped, dropped_global = self._agree(step, fetch)
         batches: list[AssembledBatch] = []
         for index, batch in enumerate(fetch.batches):
             if index in dropped:
@@ -269,15 +270,26 @@ class TrainerRank:
         """After the optimizer step: delete the step's owned blobs (reason ``trained``, or ``dropped`` for
         blobs of dropped micro batches), grouped per env server. Not collective: ``begin_step``'s all-reduce
         already proved that every rank fetched. Also call it after ``begin_step`` raised :class:`StepFailed`
-        for the step: the rank still owns the blobs and deletes them (reason ``dropped``)."""
-        received, trained = self._running.pop(step)
+        for the step, whatever raised it: the rank still owns the blobs and deletes them (reason ``dropped``);
+        nothing, when the step batch never came.
+
+        Every owned blob leaves ``held`` here (the ``blobs_held`` status): those deleted, and those whose
+        delete ends otherwise, which this rank never asks for again: ``violations`` (deleted already),
+        ``missing`` and ``reclaimed`` (the store holds them for nobody), ``failed`` (the store reclaims them
+        from this rank once it has gone, ``holder-down``, or they went with a store that died)."""
+        running = self._running.pop(step, None)
+        if running is None:
+            return StepRelease()
+        received, trained = running
         owned = received.batch.owned
         if not owned:
             return StepRelease()
         reasons = {blob_id: TRAINED if blob_id in trained else DROPPED_REASON for blob_id in owned}
-        release = self._on_loop(lambda done: self._delete(received.refs, reasons, done))
-        with self._cond:
-            self.held.difference_update(release.deleted, release.violations, release.reclaimed)
+        try:
+            release = self._on_loop(lambda done: self._delete(received.refs, reasons, done))
+        finally:  # never asked for again, even when the loop did not answer (StepFailed)
+            with self._cond:
+                self.held.difference_update(owned)
         return release
 
     def interrupt(self) -> None:
@@ -444,6 +456,7 @@ class TrainerRank:
         violations: list[str] = []
         failed: list[str] = []
         reclaimed: list[str] = []
+        missing: list[str] = []
         replies, failures = split_outcomes(sent)
         for (endpoint, request), error in failures:
             log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), error=str(error))
@@ -464,7 +477,11 @@ class TrainerRank:
                 log.warning("delete.reclaimed", endpoint=endpoint, holder=self.runtime.node_id,
                             reason=request.reason, count=len(reply.reclaimed))
                 reclaimed += reply.reclaimed
-        return StepRelease(tuple(deleted), tuple(violations), tuple(failed), tuple(reclaimed))
+            if reply.missing:
+                log.warning("delete.missing", endpoint=endpoint, holder=self.runtime.node_id,
+                            reason=request.reason, blob_ids=reply.missing[:16], count=len(reply.missing))
+                missing += reply.missing
+        return StepRelease(tuple(deleted), tuple(violations), tuple(failed), tuple(reclaimed), tuple(missing))
 
     def _on_loop(self, start: Callable[[Callable[[T], None]], object]) -> T:
         """Run ``start(done)`` on the loop thread, which sends requests and returns; wait here until the loop
@@ -505,9 +522,15 @@ def _same_batch(a: StepBatch, b: StepBatch) -> bool:
     for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
         if (x.samples, x.length, x.dummy, sorted(x.inputs)) != (y.samples, y.length, y.dummy, sorted(y.inputs)):
             return False
-        if not all(np.array_equal(x.inputs[name], y.inputs[name]) for name in x.inputs):
+        if not all(_same_array(x.inputs[name], y.inputs[name]) for name in x.inputs):
             return False
     return True
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    """Equal by value, NaN equal to NaN where the dtype has NaN (an identical re-delivery is the same)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc")
 
 
 def _reasons(fetch: StepFetch) -> str:
