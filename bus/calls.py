@@ -20,6 +20,10 @@ An endpoint marked down (:meth:`Calls.mark_down`, fed by the registry's ``node-d
 once, and so does every new request to it (on the next loop turn, never inside :meth:`Calls.request`),
 until it is marked up again.
 
+A client is kept per endpoint until :meth:`Calls.forget` closes it: the registry's view
+(:class:`~refbus.bus.peers.Peers`) forgets the endpoints of a peer reported down and those a restarted peer
+no longer advertises, so a long run of restarts (each on a new ephemeral port) leaves no socket behind.
+
 :meth:`Calls.gather` sends many requests at once (a window per endpoint) and hands their outcomes over in one
 list when the last one ends. :class:`PolledCalls` drives a :class:`Calls` from a thread without a node loop.
 """
@@ -38,7 +42,7 @@ import structlog
 import zmq
 
 from ..protocol.codec import ArrayBackend
-from ..protocol.envelope import Message
+from ..protocol.envelope import Message, MessageIds
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error
 from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, unsent_note
@@ -49,6 +53,7 @@ log = structlog.get_logger(__name__)
 OnDone = Callable[[Outcome], None]
 Connect = Callable[[str], Client]
 Watch = Callable[[zmq.Socket, Callable[[], None]], None]
+Release = Callable[[Client], None]
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Call:
     verify: bool = True
     due: float = 0.0
     unsent: int = 0  # attempts the full send queue refused
+    refused: str = ""  # why no client was made for it (its endpoint down or unusable): PeerDown on the next tick
 
 
 class Calls:
@@ -76,12 +82,15 @@ class Calls:
     go through ``runtime.call_soon``.
     """
 
-    def __init__(self, connect: Connect, watch: Watch, policy: RetryPolicy, *, budget: int = 256) -> None:
+    def __init__(self, connect: Connect, watch: Watch, policy: RetryPolicy, *, budget: int = 256,
+                 release: Release | None = None) -> None:
         """``connect(endpoint)`` makes the one client per endpoint (closed by its maker); ``watch(sock, cb)``
-        has ``cb`` called when ``sock`` is readable; ``policy`` is the default retry policy; ``budget``
-        caps the replies handled per socket per turn, so other sockets get theirs."""
+        has ``cb`` called when ``sock`` is readable; ``release(client)`` stops watching a client
+        :meth:`forget` drops and closes it (default: only closes it); ``policy`` is the default retry policy;
+        ``budget`` caps the replies handled per socket per turn, so other sockets get theirs."""
         self._connect = connect
         self._watch = watch
+        self._release = release if release is not None else Client.close
         self.policy = policy
         self._budget = budget
         self._clients: dict[str, Client] = {}
@@ -90,23 +99,48 @@ class Calls:
         self._due: list[tuple[float, int, str]] = []  # (due, tie-break, msg id); stale entries are skipped
         self._order = itertools.count()
         self._down: dict[str, str] = {}  # endpoint -> why it is down
+        self._held: set[str] = set()  # endpoints whose client a caller keeps: never forgotten
+        self._forgetting: set[str] = set()  # to forget once no call to them is pending
+        self._down_ids = MessageIds()  # ids of requests refused without a client (endpoint down or unusable)
         self._refused: list[_Call] = []  # requests to a down endpoint: PeerDown on the next tick
         self._soon: list[Callable[[], None]] = []  # outcomes known at once, delivered on the next tick
-        self._unsent: set[str] = set()  # ids of requests to endpoints no client could be made for, until delivered
         self.outcomes: Counter[str] = Counter()  # reply / remote-error / timeout / peer-down
         self.late = 0
         self.rejected: Counter[str] = Counter()
 
-    def client(self, endpoint: str) -> Client:
+    def client(self, endpoint: str, *, held: bool = False) -> Client:
         """The one client to ``endpoint``, made and watched on first use. Blocking ``request`` on it is
         allowed (before the loop runs, or for a short round trip): replies it meets that belong to pending
-        calls are handed back here (decoded with that request's backend)."""
+        calls are handed back here (decoded with that request's backend). ``held``: the caller keeps the
+        client object itself (the broker's control client), so :meth:`forget` never closes it."""
         client = self._clients.get(endpoint)
         if client is None:
             client = self._clients[endpoint] = self._connect(endpoint)
             client.on_stray = lambda reply: self._resolve(reply, endpoint)
             self._watch(client.sock, lambda: self._drain(client))
+        if held:
+            self._held.add(endpoint)
         return client
+
+    def forget(self, endpoint: str) -> bool:
+        """Close the client to ``endpoint`` (its socket unwatched and closed, linger 0) and drop what is kept
+        about it, once no call to it is pending: at once when none is (True), else when the last one ends
+        (False; a request made meanwhile keeps it until that one ends too). For an endpoint that is gone for
+        good (a restarted peer's old port): its socket would otherwise hold a file descriptor and reconnect
+        to it for ever. A later request to it makes a new client, unless it is still marked down
+        (:meth:`mark_down` marks are not touched here): that request fails at once, as before, and no client
+        is made for it. Unknown and ``held`` endpoints are left alone (False)."""
+        if endpoint in self._held or endpoint not in self._clients:
+            self._forgetting.discard(endpoint)
+            return False
+        if self._per_endpoint[endpoint]:
+            self._forgetting.add(endpoint)
+            return False
+        self._forgetting.discard(endpoint)
+        client = self._clients.pop(endpoint)
+        client.on_stray = None
+        self._release(client)
+        return True
 
     def request(
         self,
@@ -124,18 +158,23 @@ class Calls:
         (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
         to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out); ``verify=False``
         skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
-        ``on_done``. Returns the message id (for :meth:`cancel`). An endpoint ZeroMQ cannot connect to (a peer's
-        garbage address) ends the call with :class:`PeerDown` on the next tick, as a down endpoint does."""
-        try:
-            client = self.client(endpoint)
-        except zmq.ZMQError as exc:
-            return self._unreachable(endpoint, body, on_done, exc)
-        msg_id, frames = client.encode(body)
+        ``on_done``. Returns the message id (for :meth:`cancel`). A request to an endpoint reported down, or to
+        one ZeroMQ cannot connect to (a peer's garbage address), gets no client and ends with :class:`PeerDown`
+        on the next tick."""
+        refused = self._down.get(endpoint)
+        client = None
+        if refused is None:
+            try:
+                client = self.client(endpoint)
+            except zmq.ZMQError as exc:  # the call fails, not the caller
+                log.warning("request.bad_endpoint", kind=body.kind, endpoint=endpoint, error=str(exc))
+                refused = f"not an endpoint this node can connect to: {exc}"
+        msg_id, frames = (self._down_ids.next(), []) if client is None else client.encode(body)
         call = _Call(msg_id, endpoint, body.kind, frames, on_done, backend,
-                     Attempts(policy or self.policy, deadline_s, _now()), verify)
+                     Attempts(policy or self.policy, deadline_s, _now()), verify, refused=refused or "")
         self._pending[msg_id] = call
         self._per_endpoint[endpoint] += 1
-        if endpoint in self._down:
+        if client is None:
             self._refused.append(call)  # resolved by the next tick: on_done never runs inside request()
         else:
             self._attempt(call, _now())
@@ -166,23 +205,6 @@ class Calls:
             self._soon.append(lambda: on_done([]))
         gathering.start()
 
-    def _unreachable(self, endpoint: str, body: Body, on_done: OnDone, error: zmq.ZMQError) -> str:
-        """A request to an endpoint no client can be made for: no call is kept, and its outcome is a
-        :class:`PeerDown` delivered on the next tick (never inside :meth:`request`)."""
-        log.warning("request.bad_endpoint", kind=body.kind, endpoint=endpoint, error=str(error))
-        msg_id = f"unsent-{next(self._order)}"
-        self._unsent.add(msg_id)
-        outcome = PeerDown(endpoint, f"not an endpoint this node can connect to: {error}")
-
-        def deliver() -> None:
-            if msg_id in self._unsent:  # not cancelled meanwhile
-                self._unsent.discard(msg_id)
-                self.outcomes[_OUTCOME_NAMES[PeerDown]] += 1
-                _run_callback(lambda: on_done(outcome), body.kind, endpoint)
-
-        self._soon.append(deliver)
-        return msg_id
-
     def peer_down(self, endpoint: str, reason: str) -> int:
         """Resolve every pending call to ``endpoint`` with :class:`PeerDown`; returns how many."""
         calls = [c for c in self._pending.values() if c.endpoint == endpoint]
@@ -206,9 +228,6 @@ class Calls:
 
     def cancel(self, msg_id: str) -> bool:
         """Forget a pending call without calling its ``on_done``; False when it is not pending."""
-        if msg_id in self._unsent:
-            self._unsent.discard(msg_id)
-            return True
         call = self._pending.get(msg_id)
         if call is None:
             return False
@@ -225,12 +244,12 @@ class Calls:
         if self._soon:
             soon, self._soon = self._soon, []
             for callback in soon:
-                _run_callback(callback, "gather")
+                _run_callback(callback, "deferred")
         if self._refused:
             refused, self._refused = self._refused, []
             for call in refused:
                 if call.msg_id in self._pending:  # not cancelled meanwhile
-                    self._finish(call, PeerDown(call.endpoint, self._down.get(call.endpoint, "reported down")))
+                    self._finish(call, PeerDown(call.endpoint, call.refused))
         if not self._due:
             return
         now = _now()
@@ -258,6 +277,7 @@ class Calls:
         self._due.clear()
         self._refused.clear()
         self._soon.clear()
+        self._forgetting.clear()
 
     # --- internals ----------------------------------------------------------------------------------
 
@@ -298,7 +318,7 @@ class Calls:
                 log.warning("reply.rejected", endpoint=client.endpoint, code=exc.code, error=str(exc))
             else:
                 self._resolve(reply, client.endpoint)
-            if not readable(client.sock):
+            if client.sock.closed or not readable(client.sock):  # an outcome's on_done may forget its client
                 return
 
     def _resolve(self, reply: Message, endpoint: str) -> None:
@@ -311,10 +331,18 @@ class Calls:
         self._finish(call, RemoteError(body, call.endpoint) if isinstance(body, Error) else reply)
 
     def _forget(self, call: _Call) -> None:
+        endpoint = call.endpoint
         del self._pending[call.msg_id]
-        self._per_endpoint[call.endpoint] -= 1
-        if not self._per_endpoint[call.endpoint]:
-            del self._per_endpoint[call.endpoint]
+        self._per_endpoint[endpoint] -= 1
+        if not self._per_endpoint[endpoint]:
+            del self._per_endpoint[endpoint]
+            if endpoint in self._forgetting:
+                # On the next tick, not here: the client may be in the middle of a drain or a blocking request.
+                self._soon.append(lambda: self._forget_idle(endpoint))
+
+    def _forget_idle(self, endpoint: str) -> None:
+        if endpoint in self._forgetting:  # not cancelled meanwhile (close)
+            self.forget(endpoint)
 
     def _finish(self, call: _Call, outcome: Outcome) -> None:
         self._forget(call)
@@ -330,11 +358,16 @@ class PolledCalls:
     def __init__(self, connect: Connect, policy: RetryPolicy) -> None:
         self._poller = zmq.Poller()
         self._readable: dict[zmq.Socket, Callable[[], None]] = {}
-        self.calls = Calls(connect, self._watch, policy)
+        self.calls = Calls(connect, self._watch, policy, release=self._release)
 
     def _watch(self, sock: zmq.Socket, callback: Callable[[], None]) -> None:
         self._readable[sock] = callback
         self._poller.register(sock, zmq.POLLIN)
+
+    def _release(self, client: Client) -> None:
+        if self._readable.pop(client.sock, None) is not None:
+            self._poller.unregister(client.sock)
+        client.close()
 
     def run_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """Drive the calls until ``done()`` (True) or ``timeout_s`` passes (False)."""
@@ -345,7 +378,9 @@ class PolledCalls:
                 return False
             wait = self.calls.wait_s()
             for sock, _ in self._poller.poll(1000 * min(left, wait if wait is not None else left)):
-                self._readable[sock]()
+                callback = self._readable.get(sock)
+                if callback is not None:  # None: forgotten by an earlier callback of this turn
+                    callback()
             self.calls.tick()
         return True
 

@@ -8,10 +8,16 @@ node starts (peers that were up before it subscribed). A ``node-down`` does, in 
    node (None when it was never seen up), so a role knows a store is down before the outcomes below reach it;
 2. every endpoint the node advertised is marked down in ``runtime.calls``: pending calls to it end with
    ``PeerDown`` at once and new ones fail at once, instead of running a retry schedule against a node the
-   registry reports down (a deadline against a down peer is zero).
+   registry reports down (a deadline against a down peer is zero); then their clients are closed
+   (:meth:`~refbus.bus.calls.Calls.forget`: the down marks stay, so new requests still fail at once without
+   a socket, and a client is made again once the node is up).
 
-A ``node-up`` marks the node's endpoints up again, then tells the listeners (:meth:`Peers.on_up`). Whether
-a node that comes back is the same process (:func:`incarnation`) or a restart, and how long to wait
+A ``node-up`` marks the node's endpoints up again, then tells the listeners (:meth:`Peers.on_up`). Endpoints
+the node advertised before and no longer does (a restarted process, on new ephemeral ports) are dead for good:
+their clients are forgotten as well, and their down marks are kept for the last :data:`RETIRED_DOWN_MARKS` of
+them only (a stale reference to one fails at once; an older one would wait out its deadline), so a long run of
+restarts leaves neither sockets nor marks behind. An endpoint another live peer advertises is never forgotten.
+Whether a node that comes back is the same process (:func:`incarnation`) or a restart, and how long to wait
 for it (``node.restart_grace_s``), is the role's decision: this view only reports.
 
 Opt-in (``runtime.track_peers()``), for roles that act on liveness: its subscription is filtered by topic,
@@ -43,6 +49,7 @@ OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
 
 KINDS = frozenset({NodeUp.kind, NodeDown.kind})
 ABSENT_AFTER_RESTART = "absent-after-broker-restart"  # the reason of a node-down found by :meth:`Peers.reconcile`
+RETIRED_DOWN_MARKS = 1024  # down marks kept for endpoints restarted peers left behind (the newest ones)
 
 
 def incarnation(node: NodeInfo) -> tuple[str, int, float]:
@@ -63,6 +70,7 @@ class Peers:
         self._up_listeners: list[OnUp] = []
         self._down_listeners: list[OnDown] = []
         self._unconfirmed: set[str] = set()  # live peers a restarted broker has not reported up yet
+        self._retired: dict[str, None] = {}  # endpoints left behind by restarted peers, oldest first
 
     def on_up(self, listener: OnUp) -> None:
         """Call ``listener(info)`` for every ``node-up`` (after its endpoints are marked up)."""
@@ -124,11 +132,15 @@ class Peers:
     def _up(self, node: NodeInfo) -> None:
         if node.node_id == self._self_id:
             return
-        self.down.pop(node.node_id, None)
+        was_down = self.down.pop(node.node_id, None)
+        before = self.live.get(node.node_id, was_down)  # what it advertised last, live or down (None: unknown)
         self._unconfirmed.discard(node.node_id)
         self.live[node.node_id] = node
         for endpoint in node.endpoints.values():
             self._calls.mark_up(endpoint)
+            self._retired.pop(endpoint, None)
+        if before is not None:
+            self._retire(set(before.endpoints.values()) - set(node.endpoints.values()))
         for listener in self._up_listeners:
             self._notify(listener, node)
 
@@ -147,6 +159,23 @@ class Peers:
             reason = f"{event.node_id} reported down ({event.reason})"
             for endpoint in info.endpoints.values():
                 self._calls.mark_down(endpoint, reason)
+            for endpoint in set(info.endpoints.values()) - self._advertised():
+                self._calls.forget(endpoint)  # its pending calls just ended: closed now (or at the next tick)
+
+    def _advertised(self) -> set[str]:
+        """Every endpoint a live peer advertises."""
+        return {endpoint for info in self.live.values() for endpoint in info.endpoints.values()}
+
+    def _retire(self, endpoints: set[str]) -> None:
+        """``endpoints`` a restarted peer no longer advertises: dead for good unless a live peer has them."""
+        for endpoint in sorted(endpoints - self._advertised()):
+            self._calls.forget(endpoint)
+            if self._calls.down_reason(endpoint) is not None:
+                self._retired[endpoint] = None
+        while len(self._retired) > RETIRED_DOWN_MARKS:
+            oldest = next(iter(self._retired))
+            del self._retired[oldest]
+            self._calls.mark_up(oldest)  # drops only its mark: no client is left to it
 
     @staticmethod
     def _notify(listener: Callable[..., None], *args: object) -> None:

@@ -266,6 +266,8 @@ class NodeRuntime:
         self._owned: list[zmq.Socket] = []
         self._bound_ipc: list[str] = []
         self._clients: list[Client] = []
+        self._clients_lock = threading.Lock()  # a training loop's thread makes and releases clients too
+        self._released: Counter[str] = Counter()  # retries and unsent of released clients: the metrics are counters
         self._servers: list[Server] = []
         self._collectors: list[Collector] = []
         self._subscriptions: list[tuple[Subscriber, Callable[[Message], None], int | None]] = []
@@ -289,7 +291,7 @@ class NodeRuntime:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.calls = Calls(self.client, self.watch, settings.retry)
+        self.calls = Calls(self.client, self.watch, settings.retry, release=self.release_client)
         self._lookups: dict[str, list[Callable[[list[NodeInfo] | None], None]]] = {}  # role -> waiting callers
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
         self._peers: Peers | None = None
@@ -323,8 +325,27 @@ class NodeRuntime:
         """A request client to a peer, closed at shutdown. It belongs to one thread: the loop thread unless it
         is watched nowhere and another thread (a training loop) uses it until the node stops."""
         client = Client(self.ctx, endpoint, self.codec, policy=policy or self.settings.retry, options=self.options)
-        self._clients.append(client)
+        with self._clients_lock:
+            self._clients.append(client)
         return client
+
+    def release_client(self, client: Client) -> None:
+        """Close a client from :meth:`client` before shutdown (its peer is gone for good): unwatched when it
+        was watched, its socket closed at once, its counts kept in the node's metrics. On the thread that
+        owns it (see :meth:`client`); a client this node no longer holds is only closed."""
+        if self._callbacks.pop(client.sock, None) is not None:
+            self._poller.unregister(client.sock)
+        with self._clients_lock:
+            if client in self._clients:
+                self._clients.remove(client)
+                self._released["retries"] += client.retries
+                self._released["unsent"] += client.unsent
+        client.close()
+
+    def _client_total(self, count: str) -> int:
+        """``retries`` or ``unsent`` summed over every client this node made, released ones included."""
+        with self._clients_lock:
+            return self._released[count] + sum(getattr(client, count) for client in self._clients)
 
     def subscribe(
         self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None,
@@ -392,7 +413,7 @@ class NodeRuntime:
         """The client of the broker's control endpoint, made on first use: registry queries and replays work
         for a node that does not register too (a CLI command, a launcher)."""
         if self.control is None:
-            self.control = self.calls.client(self.settings.bus)
+            self.control = self.calls.client(self.settings.bus, held=True)
         return self.control
 
     def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
@@ -659,8 +680,11 @@ class NodeRuntime:
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(64)
                     continue
+                callback = self._callbacks.get(sock)
+                if callback is None:  # a client released by an earlier callback of this turn
+                    continue
                 try:
-                    self._callbacks[sock]()
+                    callback()
                 except Exception:  # whatever a peer sent, the node keeps serving the others
                     log.exception("node.callback_failed")
             self.calls.tick()
@@ -694,7 +718,9 @@ class NodeRuntime:
     def _release(self) -> None:
         """Close every socket and the context, remove ipc files, stop serving metrics (the last step of
         :meth:`close`, on whichever thread may touch the sockets last)."""
-        for client in self._clients:
+        with self._clients_lock:
+            clients = list(self._clients)
+        for client in clients:
             client.close()
         for sock in self._owned:
             sock.close()
@@ -791,10 +817,10 @@ class NodeRuntime:
         self.metric("refbus_requests_duplicate_total", "Retried requests answered from the reply cache.",
                     lambda: {(): float(sum(server.duplicates for server in self._servers))})
         self.metric("refbus_request_retries_total", "Requests this node sent again after a timeout.",
-                    lambda: {(): float(sum(client.retries for client in self._clients))})
+                    lambda: {(): float(self._client_total("retries"))})
         self.metric("refbus_request_unsent_total", "Request sends refused because the queue to the peer was full "
                     "(the peer gone or not reading); each is an attempt without a reply.",
-                    lambda: {(): float(sum(client.unsent for client in self._clients))})
+                    lambda: {(): float(self._client_total("unsent"))})
         self.metric("refbus_request_outcomes_total", "Asynchronous requests resolved, by outcome.",
                     lambda: {(k,): float(v) for k, v in self.calls.outcomes.items()}, labels=("outcome",))
         self.metric("refbus_replies_late_total", "Replies that arrived after their request's outcome (dropped).",

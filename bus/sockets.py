@@ -8,6 +8,8 @@
 * ZeroMQ heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``) on connection-oriented sockets, so dead TCP peers are
   noticed even when no application traffic flows.
 * ``MAXMSGSIZE``: a hard per-frame cap, so a peer cannot make us allocate without bound.
+* ``RECONNECT_IVL_MAX``: reconnecting to a peer that is gone backs off to about one attempt a second instead
+  of ZeroMQ's fixed 100 ms.
 * CURVE (``SocketOptions.curve``): bound sockets serve with the cluster's server key and admit clients through
   the node's ZAP handler; connecting sockets use the node's own key pair (:mod:`.security`).
 """
@@ -32,6 +34,12 @@ _SNDMORE = int(zmq.SNDMORE)  # pyzmq's enum arithmetic costs ~0.6 us per frame o
 _zmq_send = zmq.backend.Socket.send
 _zmq_recv = zmq.backend.Socket.recv
 _POLLIN = int(zmq.POLLIN)
+# ZeroMQ retries a dropped or refused connection every RECONNECT_IVL (100 ms) for ever by default. A node
+# restarted under ``refbus up`` binds a new ephemeral port, so a socket to its old endpoint would try a dead
+# port ten times a second until it is closed: the interval doubles up to this cap instead (plus ZeroMQ's
+# jitter of up to 100 ms). The cap is one default heartbeat interval, not more: a broker restarted on its
+# old address must still be reached within about a heartbeat, as the nodes' re-join promises.
+RECONNECT_IVL_MAX_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ def make_socket(
     sock.setsockopt(zmq.HEARTBEAT_IVL, options.heartbeat_ivl_ms)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, options.heartbeat_timeout_ms)
     sock.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if options.curve is not None:

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from refbus.bus import peers as peers_module
+from refbus.bus.peers import Peers
 from refbus.bus.reqrep import (
     SEND_ONCE,
     Client,
@@ -41,9 +43,21 @@ from refbus.bus.reqrep import (
     split_outcomes,
 )
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import bound_endpoint, recv_frames, send_frames
+from refbus.bus.sockets import RECONNECT_IVL_MAX_MS, bound_endpoint, recv_frames, send_frames
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Blobs, Bye, Delete, Error, FetchedBlob, NodeList, Nodes, Ok
+from refbus.protocol.messages import (
+    Blobs,
+    Bye,
+    Delete,
+    Error,
+    FetchedBlob,
+    NodeDown,
+    NodeInfo,
+    NodeList,
+    Nodes,
+    NodeUp,
+    Ok,
+)
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -707,6 +721,149 @@ def test_a_node_the_broker_forgot_learns_it_from_a_heartbeat_and_joins_again(bus
     finally:
         other.close()  # before the runtime terms the context they share
         runtime.close()
+
+
+# --- forgetting the client of an endpoint that is gone ------------------------------------------------
+
+
+def test_forget_closes_the_client_and_drops_what_is_kept_and_a_later_request_makes_a_new_one(
+        caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    first = caller.calls.request(peer.endpoint, DELETE, done("first"), policy=FAST, deadline_s=60.0)
+    wait_received(caller, peer, 2)  # resent once at least: the client has counted a retry
+    peer.answer(first)
+    pump(caller, lambda: done.resolved("first"), "the first reply")
+    client = caller.calls.client(peer.endpoint)
+    retries = caller._client_total("retries")
+    assert client.retries >= 1 and client.sock in caller._callbacks and client in caller._clients
+
+    assert caller.calls.forget(peer.endpoint) is True
+    assert client.sock.closed and client.on_stray is None
+    assert peer.endpoint not in caller.calls._clients and peer.endpoint not in caller.calls._per_endpoint
+    assert client.sock not in caller._callbacks and client not in caller._clients
+    assert caller._client_total("retries") == retries  # a counter: what the closed client counted stays
+    assert caller.calls.forget(peer.endpoint) is False  # already forgotten: nothing to do
+    one_turn(caller)  # the loop polls on without the closed socket
+
+    again = caller.calls.request(peer.endpoint, DELETE, done("again"), deadline_s=60.0)
+    wait_received(caller, peer, 3)
+    peer.answer(again, Ok(detail="new client"))
+    pump(caller, lambda: done.resolved("again"), "the reply through a new client")
+    assert done.one("again").body == Ok(detail="new client")
+    assert caller.calls.client(peer.endpoint) is not client
+
+
+def test_forget_with_calls_pending_closes_the_client_once_the_last_one_ended(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    ids = [caller.calls.request(peer.endpoint, DELETE, done(i), deadline_s=60.0) for i in range(2)]
+    wait_received(caller, peer, 2)
+    client = caller.calls.client(peer.endpoint)
+    assert caller.calls.forget(peer.endpoint) is False  # deferred: two calls are pending
+    peer.answer(ids[0])
+    pump(caller, lambda: done.resolved(0), "the first reply")
+    one_turn(caller)
+    assert not client.sock.closed and caller.calls.in_flight(peer.endpoint) == 1
+    caller.calls.request(peer.endpoint, DELETE, done("late"), policy=SEND_ONCE, deadline_s=0.2)
+    peer.answer(ids[1])
+    pump(caller, lambda: done.resolved(1), "the second reply")
+    one_turn(caller)
+    assert not client.sock.closed  # a request made meanwhile keeps it until that one ends too
+    pump(caller, lambda: done.resolved("late") and client.sock.closed, "the last call's end, then the close")
+    assert isinstance(done.one(1), Message) and isinstance(done.one("late"), RequestTimeout)
+    assert peer.endpoint not in caller.calls._clients and caller.calls.in_flight() == 0
+    assert caller.calls.wait_s() is None  # nothing left to do: the loop may sleep
+
+
+def test_a_forgotten_endpoint_still_marked_down_fails_at_once_without_a_new_socket(
+        caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    done = Recorder()
+    caller.calls.client(peer.endpoint)
+    caller.calls.mark_down(peer.endpoint, "node-down: timeout")
+    assert caller.calls.forget(peer.endpoint) is True
+    msg_id = caller.calls.request(peer.endpoint, DELETE, done("refused"), deadline_s=60.0)
+    assert caller.calls.in_flight(peer.endpoint) == 1 and peer.endpoint not in caller.calls._clients
+    pump(caller, lambda: done.resolved("refused"), "the refusal")
+    refused = done.one("refused")
+    assert isinstance(refused, PeerDown) and "timeout" in refused.reason
+    assert caller.calls.cancel(msg_id) is False and peer.endpoint not in caller.calls._clients
+    caller.calls.mark_up(peer.endpoint)  # back (the same address): a new client, answered
+    back = caller.calls.request(peer.endpoint, DELETE, done("back"), deadline_s=60.0)
+    wait_received(caller, peer, 1)
+    peer.answer(back)
+    pump(caller, lambda: done.resolved("back"), "the reply once back")
+    assert isinstance(done.one("back"), Message)
+
+
+def test_forgetting_unknown_or_held_endpoints_changes_nothing(caller: NodeRuntime, peers: Any) -> None:
+    peer = peers()
+    for garbage in ("", "not an endpoint", "tcp://127.0.0.1:1", peer.endpoint):
+        assert caller.calls.forget(garbage) is False
+    assert caller.calls._clients == {} and caller.calls._forgetting == set()
+    held = caller.calls.client(peer.endpoint, held=True)  # the broker's control client is held so
+    assert caller.calls.forget(peer.endpoint) is False and not held.sock.closed
+    assert caller.calls.client(peer.endpoint) is held
+
+
+def test_peers_forget_the_endpoints_a_restarted_peer_left_and_keep_a_bounded_number_of_down_marks(
+        caller: NodeRuntime, peers: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers_module, "RETIRED_DOWN_MARKS", 2)
+    view = Peers(caller.calls, "caller")
+    calls = caller.calls
+
+    def event(body: Any) -> Message:
+        return PEER.decode(PEER.encode(body))
+
+    def up(node_id: str, pid: int, **endpoints: str) -> None:
+        view.handle(event(NodeUp(NodeInfo(node_id=node_id, role="env-server", host="h", pid=pid, endpoints=endpoints))))
+
+    def down(node_id: str) -> None:
+        view.handle(event(NodeDown(node_id=node_id, role="env-server", reason="replaced", last_seen=0.0)))
+
+    old = [peers().endpoint for _ in range(4)]
+    up("env-0", 1, blobs=old[0])
+    first = calls.client(old[0])
+    down("env-0")
+    assert first.sock.closed and old[0] not in calls._clients  # no pending call: closed at once
+    assert calls.down_reason(old[0]) is not None  # still refused at once, without a socket
+    for pid, endpoint in enumerate(old[1:], start=2):  # restarts, each on a new port
+        up("env-0", pid, blobs=endpoint)
+        calls.client(endpoint)
+        down("env-0")
+    up("env-0", 9, blobs="tcp://127.0.0.1:9")
+    assert set(calls._clients) == set()
+    # The marks of the two latest endpoints left behind are kept; older ones dropped (the bound).
+    assert [calls.down_reason(endpoint) is not None for endpoint in old] == [False, False, True, True]
+    assert calls.down_reason("tcp://127.0.0.1:9") is None
+    # A peer restarted without a node-down between (its old endpoint never marked down) is forgotten too,
+    # once its pending call ended; an endpoint another live peer advertises is left alone.
+    shared = peers().endpoint
+    up("env-1", 1, blobs=old[3], shared=shared)
+    up("env-2", 1, shared=shared)
+    done = Recorder()
+    calls.request(old[3], DELETE, done("pending"), policy=SEND_ONCE, deadline_s=0.1)
+    kept = calls.client(shared)
+    up("env-1", 2, blobs="tcp://127.0.0.1:10")
+    assert old[3] in calls._clients  # a call to it is pending
+    pump(caller, lambda: done.resolved("pending") and old[3] not in calls._clients, "the deferred forget")
+    assert calls.client(shared) is kept and not kept.sock.closed
+    # Garbage: empty or odd endpoints, an unknown node going down, this node itself.
+    up("env-3", 1)
+    up("env-3", 2, blobs="not an endpoint")
+    up("env-3", 3)
+    down("env-3")
+    down("never-seen")
+    up("caller", 1, blobs=shared)
+    down("caller")
+    assert calls.client(shared) is kept and calls.down_reason(shared) is None
+    assert set(view.live) == {"env-0", "env-1", "env-2"} and set(view.down) == {"env-3", "never-seen"}
+
+
+def test_sockets_back_off_reconnecting_to_a_peer_that_is_gone(sockets: Any) -> None:
+    sock = sockets(zmq.DEALER, connect="tcp://127.0.0.1:1")
+    assert sock.getsockopt(zmq.RECONNECT_IVL_MAX) == RECONNECT_IVL_MAX_MS > sock.getsockopt(zmq.RECONNECT_IVL)
 
 
 def test_policies_always_end() -> None:

@@ -6,11 +6,13 @@ holder under the same id claimed back first."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import select
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -228,3 +230,81 @@ def test_a_killed_holders_blobs_are_reclaimed_after_the_grace_unless_its_restart
     finally:
         for claimer in claimers:
             claimer.stop()
+
+
+SERVED_PEER = Path(__file__).with_name("served_peer.py")
+RESTARTS = 5
+
+
+class ServedPeer:
+    """``tests/served_peer.py`` as a process: registers as ``node_id`` and serves ``claim`` on a new ephemeral
+    port each start (its ``endpoint``)."""
+
+    def __init__(self, control: str, node_id: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SERVED_PEER), control, node_id],
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        readable, _, _ = select.select([self.proc.stdout], [], [], START_S)
+        assert readable, f"{node_id} did not register within {START_S}s"
+        self.endpoint = json.loads(self.proc.stdout.readline())["endpoint"]  # type: ignore[union-attr]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(START_S)
+        self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_peer_restarted_on_new_ports_leaves_no_client_and_no_file_descriptor_behind(bus) -> None:
+    """A peer SIGKILLed and restarted under the same id, each time on a new port (as under ``refbus up``): the
+    caller tracking peers closes its client to every old endpoint, so neither its clients nor its open file
+    descriptors grow with the restarts, and the new endpoint answers each time."""
+    control = bus[1]
+    caller = NodeRuntime("caller", RuntimeSettings(bus=control, node_id="caller", metrics_port=-1,
+                                                   heartbeat_interval_s=HEARTBEAT_S))
+    ups: queue.Queue[NodeInfo] = queue.Queue()
+    caller.track_peers().on_up(ups.put)
+    caller.start_background()
+    outcomes: queue.Queue[Outcome] = queue.Queue()
+    policy = RetryPolicy(timeout_s=START_S, attempts=1)
+
+    def claim(endpoint: str) -> Outcome:
+        caller.call_soon(lambda: caller.calls.request(endpoint, Claim(blob_ids=["b"], holder="caller"), outcomes.put,
+                                                      policy=policy))
+        return outcomes.get(timeout=policy.deadline_s + START_S)
+
+    def state() -> tuple[int, list[str]]:
+        """Open file descriptors of this process and the caller's clients, read on the caller's loop."""
+        answer: queue.Queue[tuple[int, list[str]]] = queue.Queue()
+        caller.call_soon(lambda: answer.put((len(os.listdir("/proc/self/fd")), sorted(caller.calls._clients))))
+        return answer.get(timeout=START_S)
+
+    def up(endpoint: str) -> None:
+        while ups.get(timeout=START_S).endpoints.get("rpc") != endpoint:
+            pass  # another node, or an earlier start of this one
+
+    peer: ServedPeer | None = None
+    fds: list[int] = []
+    left: list[str] = []
+    try:
+        for _ in range(RESTARTS + 1):
+            if peer is not None:
+                left.append(peer.endpoint)
+                peer.kill()
+            peer = ServedPeer(control, "peer-x")
+            up(peer.endpoint)
+            reply = claim(peer.endpoint)
+            assert isinstance(reply, Message) and reply.body == Claimed(blob_ids=[], missing=["b"]), reply
+            open_fds, clients = state()
+            assert clients == sorted([control, peer.endpoint])  # the old endpoints' clients are gone
+            fds.append(open_fds)
+        # ZeroMQ closes a socket's descriptors on its own thread, a moment after: wait for them, bounded.
+        deadline = time.monotonic() + START_S
+        while (open_fds := state()[0]) > fds[0] + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert open_fds <= fds[0] + 2, f"open descriptors grew with the restarts: {fds} then {open_fds}"
+        # A request to a dead endpoint fails at once (its node was reported down) and makes no client.
+        assert isinstance(claim(left[-1]), PeerDown)
+        assert state()[1] == sorted([control, peer.endpoint])
+    finally:
+        if peer is not None and peer.proc.poll() is None:
+            peer.kill()
+        caller.join(START_S)

@@ -202,3 +202,33 @@ def test_checkpoint_layout_matches_safetensors() -> None:
     with pytest.raises(ManifestError) as err:
         read_layout(io.BytesIO(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!"), "bad")
     assert err.value.code == "bad-checkpoint"
+
+
+def test_a_worker_met_again_on_a_new_endpoint_has_its_old_client_closed() -> None:
+    """The PS client keeps one client per worker id: a worker restarted on a new port (what grants and
+    manifests say now) has its old client closed and its earlier processes' host proofs dropped."""
+    from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+    from refbus.nodes.ps.client import PsClient
+
+    runtime = NodeRuntime("ps-client", RuntimeSettings(node_id="t", metrics_port=-1), register=False)
+    ps = PsClient(runtime, "tcp://127.0.0.1:1", transport="frames")
+
+    def info(worker: str, port: int, nonce: str) -> WorkerInfo:
+        return WorkerInfo(worker=worker, endpoint=f"tcp://127.0.0.1:{port}", host="h", shm_dir="/none", nonce=nonce)
+
+    try:
+        first = ps._worker(info("w0", 2, "a"))
+        other = ps._worker(info("w1", 3, "a"))
+        assert ps._worker(info("w0", 2, "a")) is first
+        ps._proofs.update({("w0", "a"): "not proved", ("w1", "a"): None})
+        for restart in range(1, 4):
+            again = ps._worker(info("w0", 3 + restart, f"n{restart}"))
+            assert first.sock.closed and first not in runtime._clients and again in runtime._clients
+            first = again
+        assert sorted(ps._workers) == ["w0", "w1"] and not other.sock.closed and not first.sock.closed
+        assert set(ps._proofs) == {("w1", "a")}
+        assert [client.endpoint for client in runtime._clients if client not in (ps._manager,)] == [
+            "tcp://127.0.0.1:3", "tcp://127.0.0.1:6"]
+    finally:
+        ps.close()
+        runtime.close()

@@ -513,7 +513,7 @@ class PsClient:
         self.holder = runtime.node_id
         self.host = runtime.settings.host
         self._manager = runtime.client(manager, policy=policy)
-        self._workers: dict[str, Client] = {}
+        self._workers: dict[str, Client] = {}  # worker id -> the client to its endpoint now (see _worker)
         self._writes = SegmentMaps(readonly=False)
         self._reads = SegmentMaps(readonly=True)
         self._boot_id = host_proof.boot_id()
@@ -782,9 +782,19 @@ class PsClient:
         return reply
 
     def _worker(self, info: WorkerInfo) -> Client:
-        client = self._workers.get(info.endpoint)
+        """The client to ``info``'s worker, one per worker id: a worker that restarted on a new endpoint (what
+        grants and manifests say now) has its old client closed, not kept (a socket and reconnects to a dead
+        port each), and the proofs of its earlier processes dropped. Each operation takes its workers' clients
+        from the grant or manifest it works on, one operation at a time on the caller's thread; only a push
+        session left open while another operation meets the worker's new endpoint still holds the closed one."""
+        client = self._workers.get(info.worker)
+        if client is not None and client.endpoint != info.endpoint:
+            self.runtime.release_client(client)
+            for key in [key for key in self._proofs if key[0] == info.worker and key[1] != info.nonce]:
+                del self._proofs[key]
+            client = None
         if client is None:
-            client = self._workers[info.endpoint] = self.runtime.client(info.endpoint)
+            client = self._workers[info.worker] = self.runtime.client(info.endpoint)
         return client
 
     def _local_path(self, worker: WorkerInfo, segment: str) -> str | None:

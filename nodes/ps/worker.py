@@ -136,7 +136,7 @@ class PsWorker:
         self.server.on(InitHeader.kind, self._header)
         self.server.on(InitChunk.kind, self._chunk)
         self.server.on(InitEnd.kind, self._end)
-        self.manager = runtime.calls.client(settings.manager)
+        self.manager = runtime.calls.client(settings.manager, held=True)  # kept here: never forgotten
         runtime.shutdown_hooks.append(self._close)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
