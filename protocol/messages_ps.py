@@ -79,6 +79,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     boot_id: str = ""  # its kernel's boot id: a client elsewhere reads another one (or none)
     nonce_file: str = ""  # a file in shm_dir holding ``nonce``: only a client on its host reads it there
     nonce: str = ""  # random per worker process (hex); a client maps segments only after reading it back
+    started: float = 0.0  # its process's start time, as in its registry entry (host, pid and this tell the process)
 
 
 class Manifest(msgspec.Struct, frozen=True):

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -102,6 +103,15 @@ _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 def _error_code(exc: StalenessError) -> str:
     """``VersionAbortedError`` -> ``version-aborted``: the inventory's error classes name the codes."""
     return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__.removesuffix("Error")).lower()
+
+
+def _same_process(worker: WorkerInfo, node: NodeInfo) -> bool:
+    """Whether registry entry ``node`` is the process that registered as ``worker`` (:func:`bus.peers.incarnation`:
+    host, pid, start time). A worker that names no pid (older than this field) is taken to be it."""
+    if not worker.pid:
+        return True
+    started = worker.started or node.started  # an older worker names no start time: host and pid decide
+    return incarnation(node) == (worker.host, worker.pid, started)
 
 
 class PsManager:
@@ -185,11 +195,21 @@ class PsManager:
         for worker, ids in by_worker.items():
             self._send(worker, Release(ids), lambda outcome, w=worker: self._released(w, outcome))
 
-    def _node_down(self, down: NodeDown, _last: NodeInfo | None) -> None:
-        """A worker reported down (its pending and new requests fail at once: the runtime's peer view)."""
-        info = self.workers.pop(down.node_id, None)
+    def _node_down(self, down: NodeDown, last: NodeInfo | None) -> None:
+        """A worker reported down (its pending and new requests fail at once: the runtime's peer view).
+
+        A worker registers before its runtime joins the bus, so the ``node-down`` of the process it replaced
+        under the same id (``replaced``, or a ``timeout`` that came late) may arrive after the new one
+        registered: news of another process than the registered one (``last``, the entry the event is about)
+        changes nothing."""
+        info = self.workers.get(down.node_id)
         if info is None:
             return
+        if last is not None and not _same_process(info, last):
+            log.info("ps.worker_down_of_earlier_process", worker=down.node_id, reason=down.reason,
+                     down_pid=last.pid, registered_pid=info.pid)
+            return
+        del self.workers[down.node_id]
         lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
         (log.error if lost else log.warning)("ps.worker_down", worker=down.node_id, reason=down.reason,
                                              versions_lost=lost)

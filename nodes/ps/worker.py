@@ -147,7 +147,7 @@ class PsWorker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
                           str(self.pool.directory), os.getpid(), boot_id(), self.host_proof.path.name,
-                          self.host_proof.nonce)
+                          self.host_proof.nonce, self.runtime.started)
 
     def register(self) -> None:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
