@@ -123,6 +123,9 @@ class PsRegister(Body, frozen=True):
 
     worker: WorkerInfo  # ps-worker node id
     segments: list[Name] = []  # segments of the sealed shards it holds (a restart: those it re-adopted)
+    # Segment -> its shard id (push lease) for each of ``segments``: the manager releases those no version
+    # or pending push needs any more (their release was lost while the worker was down).
+    shards: dict[Name, Name] = {}
 
 
 @register_kind("ps-push-begin")

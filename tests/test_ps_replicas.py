@@ -379,3 +379,28 @@ def test_a_worker_killed_and_restarted_at_once_under_its_id_stays_registered(pat
     finally:
         runtime.close()
     stop_cluster_after_kills(cluster)
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_restarted_worker_releases_the_readopted_shards_whose_release_it_missed(cluster: PsCluster,
+                                                                                 spawn) -> None:
+    """Version 0 has a copy on w1; w1 is down when version 0 retires, so its release never reaches it. The
+    restarted w1 re-adopts that copy from its durable store and lists it at registration: the manager
+    releases it there and then."""
+    runtime, ps = _client(cluster, "pusher")
+    try:
+        assert ps.push(make_state(seed=1, tensors=2), 0).committed and _workers_of(ps, 0) == {"w0", "w1"}
+        _kill(cluster, "w1")
+        wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
+                 "the manager to learn that w1 is down")
+        for version in (1, 2):
+            assert ps.push(make_state(seed=version, tensors=2), version).committed
+        assert ps.status().retained == [1, 2]  # version 0 retired while w1 was down
+        new = spawn(["node", "ps-worker", "--node-id", "w1", "--ps-manager", cluster.manager, *cluster.flags], "w1")
+        cluster.worker_info["w1"] = new.wait_ready()
+        cluster.workers["w1"] = new
+        assert '"store.readopted"' in new.log_tail(400)
+        wait_for(lambda: cluster.held("w1") == 0, 10, "the restarted w1 to release version 0's copy")
+        assert '"ps.orphans_released"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
+    finally:
+        runtime.close()

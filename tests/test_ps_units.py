@@ -5,19 +5,36 @@ from __future__ import annotations
 
 import io
 import os
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 import structlog
 import torch
 from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
 from refbus.nodes.ps.leases import LeaseTable
+from refbus.nodes.ps.manager import PsManager
 from refbus.nodes.ps.manifest import ManifestError, check_shard, digest, layout
 from refbus.nodes.ps.shm import SegmentMaps, SegmentPool, sweep_orphans
 from refbus.nodes.ps.versions import VersionStore
+from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
-from refbus.protocol.messages_ps import ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
+from refbus.protocol.messages import Body, NodeDown, NodeInfo
+from refbus.protocol.messages_ps import (
+    ManifestEntry,
+    PsRegister,
+    PushBegin,
+    PushGrant,
+    Release,
+    ShardCommit,
+    ShardTensor,
+    TensorSpec,
+    WorkerInfo,
+)
 from safetensors.torch import save
 
 
@@ -144,3 +161,104 @@ def test_checkpoint_layout_matches_safetensors() -> None:
     with pytest.raises(ManifestError) as err:
         read_layout(io.BytesIO(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!"), "bad")
     assert err.value.code == "bad-checkpoint"
+
+
+# --- the manager's handlers on a stub runtime -------------------------------------------------------------
+
+
+class _StubRuntime:
+    """What PsManager uses of a NodeRuntime: its handlers are called directly, its requests recorded."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Callable[..., Any]] = {}
+        self.sent: list[tuple[str, Body, Callable[..., None]]] = []  # (endpoint, body, on_done)
+        self.published: list[Body] = []
+        self.down_listeners: list[Callable[..., None]] = []
+        self.marked_up: list[str] = []
+        self.server = types.SimpleNamespace(on=lambda kind, handler, **_: self.handlers.__setitem__(kind, handler),
+                                            pending=object(), answer=lambda pending, body: None)
+        self.calls = types.SimpleNamespace(
+            request=lambda endpoint, body, on_done, **_: self.sent.append((endpoint, body, on_done)),
+            mark_up=self.marked_up.append)
+
+    def serve(self, name: str, endpoint: str) -> Any:
+        return self.server
+
+    def track_peers(self) -> Any:
+        return types.SimpleNamespace(on_down=self.down_listeners.append)
+
+    def every(self, seconds: float, callback: Callable[[], None]) -> None:
+        pass
+
+    def metric(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def histogram(self, *args: Any, **kwargs: Any) -> Any:
+        return types.SimpleNamespace(observe=lambda value: None)
+
+    def publish(self, body: Body) -> None:
+        self.published.append(body)
+
+    def call(self, body: Body, request_id: str = "r1") -> Any:
+        return self.handlers[body.kind](types.SimpleNamespace(body=body, header=types.SimpleNamespace(id=request_id)))
+
+    def released(self, worker: str) -> list[str]:
+        return [shard for endpoint, body, _ in self.sent if endpoint == f"tcp://{worker}" and isinstance(body, Release)
+                for shard in body.shards]
+
+
+def _manager(**settings: Any) -> tuple[_StubRuntime, PsManager]:
+    runtime = _StubRuntime()
+    return runtime, PsManager(runtime, PsSettings(**settings))  # type: ignore[arg-type]
+
+
+def _worker(name: str, pid: int = 1) -> WorkerInfo:
+    return WorkerInfo(name, f"tcp://{name}", "h", "/dev/shm", pid, "boot", "nonce", "n", started=100.0 + pid)
+
+
+SPEC = [TensorSpec("a", "float32", [4])]
+
+
+def _begin(runtime: _StubRuntime, version: int, rank: int = 0, world: int = 1) -> PushGrant:
+    grant = runtime.call(PushBegin(version, rank, world, "trainer", SPEC, "h"))
+    assert isinstance(grant, PushGrant)
+    return grant
+
+
+def _seal(runtime: _StubRuntime, grant: PushGrant, version: int, worker: str, rank: int = 0) -> Any:
+    tensors = [msgspec.structs.replace(t, checksum=1) for t in grant.tensors]
+    return runtime.call(ShardCommit(grant.lease, version, rank, worker, f"seg-{grant.lease}-{worker}", tensors))
+
+
+def _push(runtime: _StubRuntime, version: int) -> PushGrant:
+    grant = _begin(runtime, version)
+    for worker in [grant.worker, *grant.replicas]:
+        _seal(runtime, grant, version, worker.worker)
+    return grant
+
+
+def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_nothing_needs() -> None:
+    """w1 is down while versions 0 and 1 retire (their releases to it are lost); restarted (durable), it
+    registers re-adopting those copies and others still needed: the manager releases exactly the orphans."""
+    runtime, manager = _manager(replicas=2, retain_versions=3)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grants = {version: _push(runtime, version) for version in range(3)}
+    runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
+    for version in (3, 4):
+        _push(runtime, version)
+    assert manager.versions.retained() == [2, 3, 4] and runtime.released("w1") == []  # w1 was down: nothing sent
+    held = {f"seg-{grants[v].lease}-w1": grants[v].lease for v in range(3)}
+    assert runtime.call(PsRegister(_worker("w1", pid=2), sorted(held), held)).kind == "ok"
+    assert sorted(runtime.released("w1")) == sorted(grants[v].lease for v in (0, 1))  # version 2 is retained
+    assert runtime.marked_up[-1] == "tcp://w1"  # a fixed endpoint marked down by the node-down is usable again
+    # A copy of the pending push is the pusher's (its seal may be retried): kept. An older worker names no
+    # shard ids: nothing is released, as before.
+    pending = _begin(runtime, 5)
+    assert {w.worker for w in [pending.worker, *pending.replicas]} == {"w0", "w1"}
+    runtime.sent.clear()
+    held = {f"seg-{grants[2].lease}-w1": grants[2].lease, "seg-pending": pending.lease}
+    runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
+    runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
+    assert runtime.released("w1") == []

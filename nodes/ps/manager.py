@@ -173,6 +173,19 @@ class PsManager:
             for entry in self.versions.manifest(v).entries for loc in entry.locations)]
         if lost:
             log.error("ps.versions_lost_on_worker", worker=info.worker, versions=lost)
+        # The registration proves the worker live: an endpoint a node-down of its earlier process marked down
+        # (a fixed port) takes requests again before its node-up arrives.
+        self.runtime.calls.mark_up(info.endpoint)
+        # Shards it re-adopted that nothing needs any more (their release was lost while it was down): release
+        # them now, or they would stay in its store for good.
+        needed = self.versions.shards_on(info.worker)
+        if self.init is not None and info.worker in self.init.names:
+            needed.add(self.init.init_id)
+        orphans = sorted({shard for segment, shard in request.body.shards.items()
+                          if segment in held and shard not in needed})
+        if orphans:
+            log.warning("ps.orphans_released", worker=info.worker, shards=orphans)
+            self._release([(info.worker, shard) for shard in orphans])
         return Ok()
 
     def _send(self, worker: str, body: Body, on_done: Callable[[Outcome], None], *,

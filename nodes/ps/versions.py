@@ -104,6 +104,13 @@ class VersionStore:
         return sum(e.nbytes * len(e.locations) for s in [*self._stored.values(), *self._superseded]
                    for e in s.manifest.entries)
 
+    def shards_on(self, worker: str) -> set[str]:
+        """The shard ids on ``worker`` that a version (retained, or retired but read) or the pending push still
+        names: every other shard it holds may be freed."""
+        stored = [*self._stored.values(), *self._superseded]
+        pending = self.pending.shards() if self.pending is not None else []
+        return {shard for w, shard in [*(s for st in stored for s in st.shards), *pending] if w == worker}
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a retained version (default latest); ManifestError(``unknown-version``)."""
         if version is None:

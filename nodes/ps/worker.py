@@ -153,8 +153,8 @@ class PsWorker:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
         restart's re-adopted ones); RequestTimeout if no manager answers."""
         policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
-        held = sorted(segment.name for lease, segment in self.shards.items() if lease not in self.relays)
-        self.manager.request(PsRegister(self.info(), held), policy=policy)
+        held = {segment.name: lease for lease, segment in self.shards.items() if lease not in self.relays}
+        self.manager.request(PsRegister(self.info(), sorted(held), held), policy=policy)
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
 
     def _readopt(self, journal: ShardJournal) -> None:
