@@ -14,6 +14,9 @@ import msgspec
 import pytest
 import structlog
 import torch
+from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.nodes.ps import client as ps_client
+from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
 from refbus.nodes.ps.leases import LeaseTable
@@ -23,8 +26,10 @@ from refbus.nodes.ps.shm import SegmentMaps, SegmentPool, sweep_orphans
 from refbus.nodes.ps.versions import VersionStore
 from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
-from refbus.protocol.messages import Body, NodeDown, NodeInfo
+from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import (
+    InitDone,
+    InitRequest,
     ManifestEntry,
     PsRegister,
     PushBegin,
@@ -262,3 +267,53 @@ def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_noth
     runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
     runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
     assert runtime.released("w1") == []
+
+
+def test_a_broadcast_init_and_a_push_never_commit_the_same_version() -> None:
+    """An init commits the next version: it is refused while a push is pending, and a push is refused while
+    an init runs (retryable), so no version number is committed twice."""
+    runtime, manager = _manager(replicas=1, retain_versions=2)
+    runtime.call(PsRegister(_worker("w0")))
+    _push(runtime, 0)
+    pending = _begin(runtime, 1)
+    with pytest.raises(HandlerError) as err:
+        runtime.call(InitRequest("/x.safetensors", ["w0"]), "init-1")
+    assert err.value.code == "init-busy" and "version 1 is being pushed" in str(err.value)
+    assert manager.init is None
+    _seal(runtime, pending, 1, "w0")  # the push commits; now the init may run, and loads version 2
+    assert runtime.call(InitRequest("/x.safetensors", ["w0"]), "init-2") is None and manager.init is not None
+    init_id = manager.init.init_id
+    with pytest.raises(HandlerError) as err:
+        _begin(runtime, 2)
+    assert err.value.code == "init-running" and err.value.retry_after_s > 0 and init_id in str(err.value)
+    assert manager.versions.pending is None and manager.leases.live() == []
+    runtime.call(InitDone(init_id, "w0", "seg-init", 1, [ShardTensor("a", "float32", [4], 0, 16, 7)]))
+    assert manager.init is None and manager.versions.latest == 2
+    assert [bump.version for bump in runtime.published] == [0, 1, 2]
+    _push(runtime, 3)  # pushes go on after the init's version
+    assert manager.versions.manifest(2).entries[0].locations[0].segment == "seg-init"
+    # Defense in depth: the store itself refuses an init's commit beside a pending push.
+    store = VersionStore(retain=2)
+    store.begin(0, 0, 1, SPEC, ["w0"], "L0", now=0.0)
+    with pytest.raises(ManifestError) as verr:
+        store.commit_init(mf.build(0, [], []), [("w0", "init-x")])
+    assert verr.value.code == "version-conflict"
+
+
+def test_a_push_refused_while_an_init_runs_waits_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client takes ``init-running`` as it takes ``no-workers``: it asks again after ``retry_after_s``."""
+    refusal = Error("init-running", "init x runs", PushBegin.kind, retry_after_s=0.5)
+    answers: list[Any] = [RemoteError(refusal, "tcp://manager"), "grant"]
+    slept: list[float] = []
+    fake = types.SimpleNamespace(wait_workers_s=5.0, _manager=None)
+
+    def ask(_client: Any, _body: Any, _kind: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    fake._ask = ask
+    monkeypatch.setattr(ps_client.time, "sleep", slept.append)
+    assert ps_client.PsClient._grant(fake, PushBegin(0, 0, 1, "t", SPEC)) == "grant"  # type: ignore[arg-type]
+    assert slept == [0.5]  # the refusal's retry_after_s, above the first pause

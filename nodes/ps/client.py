@@ -566,8 +566,9 @@ class PsClient:
         return session
 
     def _grant(self, begin: PushBegin) -> PushGrant:
-        """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) is waited
-        out, polling with a doubling pause, for up to ``wait_workers_s``: a push is worth a short wait,
+        """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) and
+        ``init-running`` (a broadcast init loads the next version) are waited out, polling with a doubling pause
+        (at least the refusal's ``retry_after_s``), for up to ``wait_workers_s``: a push is worth a short wait,
         a trainer world that fails over it is not."""
         deadline = time.monotonic() + self.wait_workers_s
         pause = WORKERS_FIRST_PAUSE_S
@@ -575,9 +576,11 @@ class PsClient:
             try:
                 return self._ask(self._manager, begin, PushGrant)
             except RemoteError as exc:
-                if exc.code != "no-workers" or time.monotonic() + pause > deadline:
+                pause = max(pause, exc.retry_after_s)
+                if exc.code not in ("no-workers", "init-running") or time.monotonic() + pause > deadline:
                     raise
-                log.warning("push.waiting_for_workers", version=begin.version, retry_in_s=pause)
+                log.warning("push.waiting_for_workers" if exc.code == "no-workers" else "push.waiting_for_init",
+                            version=begin.version, retry_in_s=pause)
                 time.sleep(pause)
                 pause = min(2 * pause, WORKERS_MAX_PAUSE_S)
 

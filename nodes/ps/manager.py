@@ -97,6 +97,7 @@ from .versions import Shard, VersionStore
 
 log = structlog.get_logger(__name__)
 
+INIT_RUNNING_RETRY_S = 1.0  # a push refused while a broadcast init runs may ask again after this long
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -274,6 +275,10 @@ class PsManager:
     def _push_begin(self, request: Message) -> Body:
         begin = request.body
         assert isinstance(begin, PushBegin)
+        if self.init is not None:  # the init commits the next version: a push of it would commit it twice
+            raise HandlerError("init-running", f"broadcast init {self.init.init_id} of {self.init.path} is loading "
+                               f"version {self.versions.next_version()}; push again once it ended",
+                               retry_after_s=INIT_RUNNING_RETRY_S)
         workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
         names = [w.worker for w in workers]
         if begin.resumes and not begin.retry and not self.versions.joins_lineage(begin.version, begin.world):
@@ -445,6 +450,10 @@ class PsManager:
                 raise HandlerError("init-busy", f"broadcast init {self.init.init_id} of {self.init.path} is running")
             self._init_waiting.append(self.server.pending)
             return None
+        pending = self.versions.pending
+        if pending is not None:  # the init would commit the version being pushed
+            raise HandlerError("init-busy", f"version {pending.version} is being pushed: an init commits the next "
+                               "version, so it waits until that push committed or aborted")
         names = list(ask.workers) or sorted(self.workers)
         unknown = [n for n in names if n not in self.workers]
         if unknown or not names:
@@ -507,7 +516,11 @@ class PsManager:
             for t in init.root_layout()
         ]
         manifest = mf.build(self.versions.next_version(), entries, init.workers)
-        freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
+        try:
+            freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
+        except ManifestError as exc:
+            self._fail_init(init.names[0], f"could not commit: {exc}")
+            return
         self._committed(manifest, freed)
         result = InitResult(manifest.version, manifest.digest, init.names, rounds(len(init.names)),
                             {w: d.file_opens for w, d in init.done.items()}, time.monotonic() - init.started)

@@ -275,7 +275,12 @@ class VersionStore:
         return True, manifest, self._store(manifest, pending.shards(), leases)
 
     def commit_init(self, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
-        """Commit a version loaded by broadcast init; returns shards freed by retention."""
+        """Commit a version loaded by broadcast init; returns shards freed by retention. ManifestError
+        ``version-conflict`` while a push is pending (it would commit the same version) or when the version is
+        not after the latest."""
+        if self.pending is not None:
+            raise ManifestError("version-conflict", f"version {self.pending.version} is being pushed: an init "
+                                "cannot commit beside it")
         if manifest.version <= self.latest:
             raise ManifestError("version-conflict", f"version {manifest.version} is not after {self.latest}")
         return self._store(manifest, shards, frozenset())
