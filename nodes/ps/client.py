@@ -121,7 +121,8 @@ class LeaseExpired(PsError):
 class TornPull(PsError):
     """A pull into ``out=`` failed after it had written into ``out``: those tensors (``written``) may hold
     another version than the rest, so ``out`` as a whole holds no version. ``cause`` is the failure
-    (``LeaseExpired`` when the lease ran out: then even the written bytes may be torn). Only a later full
+    (``LeaseExpired`` when the lease ran out, or whatever failed the release that proves it held: an
+    ``unknown-lease`` RemoteError, a RequestTimeout; then even the written bytes may be torn). Only a later full
     pull into the same ``out`` makes it whole again."""
 
     def __init__(self, version: int, written: Sequence[str], cause: BaseException) -> None:
@@ -635,8 +636,9 @@ class PsClient:
             return PulledState(grant.manifest, tensors, self, grant.lease)
         try:
             # The lease is checked before the pull is reported done: bytes copied after it ran out may be torn.
+            # Any failure there (expired, unknown to the manager, no answer) leaves that unproven: out is torn.
             self._end_pull(grant.lease, grant.manifest.version)
-        except LeaseExpired as exc:
+        except Exception as exc:
             if cast.written:
                 raise TornPull(grant.manifest.version, cast.written, exc) from exc
             raise
