@@ -30,6 +30,7 @@ from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import (
     InitDone,
     InitRequest,
+    LeaseRelease,
     ManifestEntry,
     PsRegister,
     PushBegin,
@@ -317,3 +318,26 @@ def test_a_push_refused_while_an_init_runs_waits_it_out(monkeypatch: pytest.Monk
     monkeypatch.setattr(ps_client.time, "sleep", slept.append)
     assert ps_client.PsClient._grant(fake, PushBegin(0, 0, 1, "t", SPEC)) == "grant"  # type: ignore[arg-type]
     assert slept == [0.5]  # the refusal's retry_after_s, above the first pause
+
+
+def test_a_push_lease_lives_until_every_copy_is_verified_so_the_pushers_abort_aborts() -> None:
+    """replicas=2: the first copy is verified, the second fails for good and the pusher gives up (releases its
+    lease): the version is no longer pending and the rank pushes it again at once."""
+    runtime, manager = _manager(replicas=2)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grant = _begin(runtime, 0)
+    assert not _seal(runtime, grant, 0, "w0").committed
+    assert [lease.lease_id for lease in manager.leases.live()] == [grant.lease]  # w1's copy is still to come
+    assert runtime.call(LeaseRelease(grant.lease)).kind == "ok"  # the pusher aborts
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+    assert sorted(runtime.released("w0") + runtime.released("w1")) == [grant.lease, grant.lease]
+    again = _begin(runtime, 0)
+    for worker in ("w0", "w1"):
+        answer = _seal(runtime, again, 0, worker)
+    assert answer.committed and manager.leases.live() == []  # the last copy verified: the lease ended
+    # A rank done while another rank is still pushing: its lease ends with its last copy.
+    first = _begin(runtime, 1, rank=0, world=2)
+    for worker in ("w0", "w1"):
+        assert not _seal(runtime, first, 1, worker, rank=0).committed
+    assert first.lease not in {lease.lease_id for lease in manager.leases.live()}

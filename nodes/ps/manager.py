@@ -323,9 +323,12 @@ class PsManager:
                 self.workers.values())
         except ManifestError as exc:
             raise HandlerError(exc.code, str(exc)) from None
-        lease = self.leases.release(commit.lease)
-        if lease is not None:
-            self._push_seconds.observe(time.monotonic() - lease.granted)
+        # The push lease lives until every copy of the rank is verified: while one is still being written, the
+        # pusher's release of it (it gave that copy up) must abort the version, and its expiry too.
+        if manifest is not None or self.versions.rank_done(commit.version, commit.rank, commit.lease):
+            lease = self.leases.release(commit.lease)
+            if lease is not None:
+                self._push_seconds.observe(time.monotonic() - lease.granted)
         if manifest is not None and self.versions.latest != latest:
             self._committed(manifest, freed)
         return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")

@@ -274,6 +274,12 @@ class VersionStore:
         self.pending = None
         return True, manifest, self._store(manifest, pending.shards(), leases)
 
+    def rank_done(self, version: int, rank: int, lease: str) -> bool:
+        """Whether every copy of rank ``rank``'s shard of the pending ``version`` under ``lease`` is verified."""
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        return shard is not None and shard.lease == lease and shard.done
+
     def commit_init(self, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
         """Commit a version loaded by broadcast init; returns shards freed by retention. ManifestError
         ``version-conflict`` while a push is pending (it would commit the same version) or when the version is
