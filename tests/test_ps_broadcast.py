@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -20,13 +21,13 @@ import pytest
 import torch
 from polling import wait_for
 from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
-from refbus.bus.reqrep import RemoteError
+from refbus.bus.reqrep import HandlerError, RemoteError
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import Message
 from refbus.protocol.messages import Ok
-from refbus.protocol.messages_ps import InitChunk, InitDone, InitEnd, InitHeader, InitPlan, WorkerInfo
+from refbus.protocol.messages_ps import InitChunk, InitDone, InitEnd, InitFailed, InitHeader, InitPlan, WorkerInfo
 from safetensors.torch import save_file
 
 CHUNK = ["--ps-chunk-bytes", "4096"]  # many chunks even for a small checkpoint: the stream is pipelined
@@ -240,3 +241,24 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
         runtime.close()
         _stop(cluster)
     assert segments(cluster.prefix) == []
+
+
+def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_the_file(tmp_path: Path,
+                                                                                      checkpoint) -> None:
+    """Whatever fails the root's read (a header that is not an object, a segment it has no room for), the
+    manager hears it now by name (InitFailed), not at the init timeout, and the file is closed."""
+    bad = tmp_path / "list.safetensors"
+    bad.write_bytes(struct.pack("<Q", 2) + b"[]")
+
+    def no_room(shard: str, nbytes: int) -> Any:
+        raise HandlerError("no-room", f"no room for {nbytes} bytes")
+
+    for path, acquire, named in ((bad, lambda shard, nbytes: _Memory(nbytes), "not an object"),
+                                 (checkpoint[0], no_room, "HandlerError: no room for")):
+        reports: list[Any] = []
+        relay = Relay("init-3", "w0", acquire=acquire, send=lambda *args: None,  # type: ignore[arg-type]
+                      report=reports.append)
+        relay.stream_from(InitPlan("init-3", str(path), _tree(2), 64, 5.0))
+        assert relay.failed and relay._file is None
+        assert len(reports) == 1 and isinstance(reports[0], InitFailed) and named in reports[0].reason
+        assert reports[0].worker == "w0" and str(path) in reports[0].reason

@@ -4,7 +4,9 @@ the safetensors reader."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import struct
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -341,3 +343,36 @@ def test_a_push_lease_lives_until_every_copy_is_verified_so_the_pushers_abort_ab
     for worker in ("w0", "w1"):
         assert not _seal(runtime, first, 1, worker, rank=0).committed
     assert first.lease not in {lease.lease_id for lease in manager.leases.live()}
+
+
+@pytest.mark.parametrize(("header", "named"), [
+    (b"[]", "a JSON list, not an object"),
+    (b"3", "a JSON int, not an object"),
+    (b'"x"', "a JSON str, not an object"),
+    (b"null", "a JSON NoneType, not an object"),
+    ({"a": []}, "tensor 'a' has a bad entry: a JSON list, not an object"),
+    ({"a": 3}, "tensor 'a' has a bad entry: a JSON int"),
+    ({"a": {"dtype": "F33", "shape": [4], "data_offsets": [0, 16]}}, "dtype 'F33' is none of"),
+    ({"a": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}, "dtype ['F32'] is none of"),
+    ({"a": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}, "shape [-1, -4] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [2.0, 2], "data_offsets": [0, 16]}}, "shape [2.0, 2] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}}, "shape [True, 4] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}, "shape '4' is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [4]}}, "data_offsets None are not two"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16, 32]}}, "are not two non-negative"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [-16, 0]}}, "are not two non-negative"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}}, "spans [16, 0) but is float32[4]"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, "spans [0, 8) but is float32[4]"),
+    ({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, "past the end of the file"),
+    ({"a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, "past the end of the file"),
+])
+def test_a_malformed_checkpoint_header_is_refused_by_name(header: bytes | dict, named: str) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    blob = struct.pack("<Q", len(raw)) + raw + b"\0" * 16  # 16 data bytes: room for a float32[4]
+    with pytest.raises(ManifestError) as err:
+        read_layout(io.BytesIO(blob), "bad.safetensors")
+    assert err.value.code == "bad-checkpoint" and named in str(err.value), str(err.value)
+    good = {"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    raw = json.dumps(good).encode()
+    found = read_layout(io.BytesIO(struct.pack("<Q", len(raw)) + raw + b"\0" * 16), "good.safetensors")
+    assert found.nbytes == 16 and [(t.name, t.shape) for t in found.tensors] == [("a", [4])]

@@ -51,6 +51,11 @@ log = structlog.get_logger(__name__)
 WINDOW = 4  # chunks in flight to one child: keeps a fast link busy, and bounds what an ack deadline covers
 
 
+def _named(exc: BaseException) -> str:
+    """An error as a reason: its message, with its type when that is not one of the expected ones."""
+    return str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+
+
 def rounds(n: int) -> int:
     """ceil(log2 n): rounds of the binomial tree over ``n`` workers (0 for one worker)."""
     return (n - 1).bit_length() if n > 1 else 0
@@ -135,9 +140,9 @@ class Relay:
             self._file.seek(layout.data_start)
             self._path, self._chunk_bytes = plan.path, plan.chunk_bytes
             self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, the manager hears it now, not at the init timeout
             self._close_file()
-            self.fail(self.me, f"cannot read checkpoint {plan.path}: {exc}")
+            self.fail(self.me, f"cannot read checkpoint {plan.path}: {_named(exc)}")
             return
         self._read_on()
 
@@ -157,9 +162,9 @@ class Relay:
                     raise OSError(f"{self._path} ends {nbytes - self._read} bytes early")
                 self._read += got
                 self._hold(self._read - got, got)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # reported (the manager fails the init by name), the file closed
             self._close_file()
-            self.fail(self.me, f"cannot read checkpoint {self._path}: {exc}")
+            self.fail(self.me, f"cannot read checkpoint {self._path}: {_named(exc)}")
             return
         if self._read < nbytes:
             return
