@@ -133,6 +133,8 @@ class Relay:
         Reads go only as far ahead as the fastest child takes them, so the loop thread stays free to take
         acknowledgements however large the checkpoint is.
         """
+        if self.failed:  # abandoned (released) before the loop got to it
+            return
         try:
             self._file = open(plan.path, "rb", buffering=0)  # noqa: SIM115 - closed at its end or on failure
             self.file_opens += 1
@@ -195,6 +197,12 @@ class Relay:
     def on_end(self, end: InitEnd) -> None:
         """Pass the root's checksums on, then verify this worker's copy against them."""
         self._finish(end.tensors)
+
+    def abandon(self) -> None:
+        """The worker is releasing this init's segment (the manager freed the init): nothing more is read into
+        it, sent from it or reported, whatever acknowledgements are still in flight; the file is closed."""
+        self.failed = True
+        self._close_file()
 
     def fail(self, worker: str, reason: str) -> None:
         self.failed = True
