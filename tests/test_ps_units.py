@@ -376,3 +376,23 @@ def test_a_malformed_checkpoint_header_is_refused_by_name(header: bytes | dict, 
     raw = json.dumps(good).encode()
     found = read_layout(io.BytesIO(struct.pack("<Q", len(raw)) + raw + b"\0" * 16), "good.safetensors")
     assert found.nbytes == 16 and [(t.name, t.shape) for t in found.tensors] == [("a", [4])]
+
+
+def test_a_resuming_push_refused_for_its_request_retires_nothing() -> None:
+    """A push that starts a new lineage is checked (rank, dtypes, names, shapes) before the old lineage's
+    versions are retired: a refused one leaves them readable."""
+    runtime, manager = _manager(replicas=1, retain_versions=3)
+    runtime.call(PsRegister(_worker("w0")))
+    for version in range(3):
+        _push(runtime, version)
+    bad = [(PushBegin(1, 2, 2, "t", SPEC, "h", True), "bad-rank"),
+           (PushBegin(1, 0, 1, "t", [TensorSpec("a", "float32", [5])], "h", True), "shape-mismatch"),
+           (PushBegin(1, 0, 1, "t", [TensorSpec("a", "complex32", [4])], "h", True), "bad-dtype"),
+           (PushBegin(1, 0, 1, "t", SPEC + SPEC, "h", True), "duplicate-name")]
+    for begin, code in bad:
+        with pytest.raises(HandlerError) as err:
+            runtime.call(begin)
+        assert err.value.code == code
+        assert manager.versions.retained() == [0, 1, 2] and manager.versions.lineages == 0
+    grant = runtime.call(PushBegin(1, 0, 1, "t", SPEC, "h", True))  # a good one starts the lineage
+    assert isinstance(grant, PushGrant) and manager.versions.retained() == [0] and manager.versions.lineages == 1

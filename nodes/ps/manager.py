@@ -282,6 +282,10 @@ class PsManager:
         workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
         names = [w.worker for w in workers]
         if begin.resumes and not begin.retry and not self.versions.joins_lineage(begin.version, begin.world):
+            try:  # a request refused must not have retired the old lineage's versions first
+                self.versions.check_specs(begin.rank, begin.world, begin.tensors, lineage_at=begin.version)
+            except ManifestError as exc:
+                raise HandlerError(exc.code, str(exc)) from None
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
         try:

@@ -167,6 +167,16 @@ class VersionStore:
 
     # --- pushing ------------------------------------------------------------------------------------
 
+    def check_specs(self, rank: int, world: int, specs: list[TensorSpec], *, lineage_at: int | None = None) -> None:
+        """What :meth:`begin` checks of a rank's request alone: ``bad-rank``, ``bad-dtype``, ``duplicate-name``,
+        ``shape-mismatch`` against the latest version, or with ``lineage_at`` the latest a new lineage at that
+        version keeps (below it). Raises ManifestError; changes nothing, so a caller checks before it acts."""
+        if not 0 <= rank < world:
+            raise ManifestError("bad-rank", f"rank {rank} is outside world size {world}")
+        mf.layout(specs)
+        base = self.latest if lineage_at is None else max((v for v in self.retained() if v < lineage_at), default=-1)
+        mf.check_compatible(specs, self._stored[base].manifest if base in self._stored else None)
+
     def begin(
         self, version: int, rank: int, world: int, specs: list[TensorSpec], workers: list[str], lease: str,
         now: float, *, resumes: bool = False,
