@@ -79,6 +79,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     boot_id: str = ""  # its kernel's boot id: a client elsewhere reads another one (or none)
     nonce_file: str = ""  # a file in shm_dir holding ``nonce``: only a client on its host reads it there
     nonce: str = ""  # random per worker process (hex); a client maps segments only after reading it back
+    started: float = 0.0  # its process's start time, as in its registry entry (host, pid and this tell the process)
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -122,6 +123,9 @@ class PsRegister(Body, frozen=True):
 
     worker: WorkerInfo  # ps-worker node id
     segments: list[Name] = []  # segments of the sealed shards it holds (a restart: those it re-adopted)
+    # Segment -> its shard id (push lease) for each of ``segments``: the manager releases those no version
+    # or pending push needs any more (their release was lost while the worker was down).
+    shards: dict[Name, Name] = {}
 
 
 @register_kind("ps-push-begin")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import signal
+import struct
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,26 @@ import pytest
 import torch
 from polling import wait_for
 from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
-from refbus.bus.reqrep import RemoteError
+from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
 from refbus.nodes.ps.shm import sweep_orphans
+from refbus.nodes.ps.worker import PsWorker
+from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import Message
 from refbus.protocol.messages import Ok
-from refbus.protocol.messages_ps import InitChunk, InitDone, InitEnd, InitHeader, InitPlan, WorkerInfo
+from refbus.protocol.messages_ps import (
+    InitChunk,
+    InitDone,
+    InitEnd,
+    InitFailed,
+    InitHeader,
+    InitPlan,
+    Release,
+    ShardOpen,
+    WorkerInfo,
+)
 from safetensors.torch import save_file
 
 CHUNK = ["--ps-chunk-bytes", "4096"]  # many chunks even for a small checkpoint: the stream is pipelined
@@ -240,3 +255,70 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
         runtime.close()
         _stop(cluster)
     assert segments(cluster.prefix) == []
+
+
+def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_the_file(tmp_path: Path,
+                                                                                      checkpoint) -> None:
+    """Whatever fails the root's read (a header that is not an object, a segment it has no room for), the
+    manager hears it now by name (InitFailed), not at the init timeout, and the file is closed."""
+    bad = tmp_path / "list.safetensors"
+    bad.write_bytes(struct.pack("<Q", 2) + b"[]")
+
+    def no_room(shard: str, nbytes: int) -> Any:
+        raise HandlerError("no-room", f"no room for {nbytes} bytes")
+
+    for path, acquire, named in ((bad, lambda shard, nbytes: _Memory(nbytes), "not an object"),
+                                 (checkpoint[0], no_room, "HandlerError: no room for")):
+        reports: list[Any] = []
+        relay = Relay("init-3", "w0", acquire=acquire, send=lambda *args: None,  # type: ignore[arg-type]
+                      report=reports.append)
+        relay.stream_from(InitPlan("init-3", str(path), _tree(2), 64, 5.0))
+        assert relay.failed and relay._file is None
+        assert len(reports) == 1 and isinstance(reports[0], InitFailed) and named in reports[0].reason
+        assert reports[0].worker == "w0" and str(path) in reports[0].reason
+
+
+def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: Path, checkpoint) -> None:
+    """A ps-worker (its handlers called directly, its loop not running) roots an init with one child; the
+    manager releases the init mid-stream. The acknowledgements still in flight then read and send nothing,
+    so the segment, handed to the next shard opened, keeps that shard's bytes; a late header or chunk of the
+    released init is refused and takes no segment."""
+    path, _ = checkpoint
+    runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="w0", metrics_port=-1),
+                          register=False)
+    try:
+        settings = PsSettings(manager="tcp://127.0.0.1:9", worker="tcp://127.0.0.1:0", shm_dir=str(tmp_path),
+                              shm_prefix="relay", pin_memory=False)
+        worker = PsWorker(runtime, settings)
+
+        def handle(handler: Callable[[Any], Any], body: Any) -> Any:
+            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2))))
+
+        me = worker.info()
+        child = WorkerInfo("w1", "tcp://127.0.0.1:9", "here", str(tmp_path))
+        relay = worker._relay("init-r")
+        relay.stream_from(InitPlan("init-r", str(path), [me, child], 64, 5.0))
+        child_state = relay._children[0]
+        assert child_state.in_flight == WINDOW and relay._file is not None  # waiting for acknowledgements
+        read, sent = relay._read, child_state.sent
+
+        handle(worker._release, Release(["init-r"]))
+        assert relay.failed and relay._file is None and "init-r" not in worker.relays
+        opened = handle(worker._open, ShardOpen("push-next", 4096))
+        segment = worker.shards["push-next"]
+        assert opened.segment == segment.name  # the pool handed the init's segment on
+        segment.view(0, 4096)[:] = b"\x5a" * 4096
+        ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
+        relay._acknowledged(child_state, "chunk", ok)  # an acknowledgement that was in flight
+        assert relay._read == read and child_state.sent == sent  # nothing read into it, nothing sent from it
+        assert bytes(segment.view(0, 4096)) == b"\x5a" * 4096
+
+        shards = dict(worker.shards)
+        for handler, body in ((worker._header, InitHeader("init-r", [child, me], 5.0, 4096, [])),
+                              (worker._chunk, InitChunk("init-r", 0, np.zeros(8, np.uint8)))):
+            with pytest.raises(HandlerError) as err:
+                handle(handler, body)
+            assert err.value.code == "released"
+        assert worker.shards == shards and "init-r" not in worker.relays
+    finally:
+        runtime.close()

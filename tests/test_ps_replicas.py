@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from polling import wait_for
 from ps_support import PsCluster, make_state, rank_part, scrape, start_cluster, stop_cluster_after_kills
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import start_bus
 from refbus.nodes.ps import host_proof
 from refbus.nodes.ps.client import PsClient, PsError
 from refbus.protocol.messages import Ok
@@ -47,6 +49,17 @@ def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     cluster = start_cluster(spawn, control, request.node.name[:24], workers=workers)
     yield cluster
     stop_cluster_after_kills(cluster)
+
+
+@pytest.fixture
+def patient_bus(tmp_path: Path) -> Iterator[str]:
+    """A broker that times nodes out after 8 s: a worker killed and restarted at once is replaced, not timed
+    out (the supervisor restarts within 0.5 s, the default node timeout is 5 s)."""
+    proc, control = start_bus(tmp_path, extra=["--bus-heartbeat-interval-s", "0.2", "--bus-node-timeout-s", "8.0"])
+    try:
+        yield control
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
 
 
 def _client(cluster: PsCluster, name: str, **kwargs) -> tuple[NodeRuntime, PsClient]:
@@ -335,5 +348,59 @@ def test_a_frames_push_whose_every_worker_dies_fails_naming_them(cluster: PsClus
                     session.write(name, state[name])
                 session.commit()
         assert ps.status().latest == -1  # nothing committed
+    finally:
+        runtime.close()
+
+
+def test_a_worker_killed_and_restarted_at_once_under_its_id_stays_registered(patient_bus, spawn) -> None:
+    """The new w1 registers with the manager before its runtime joins the bus; joining makes the broker report
+    the killed process ``replaced``, which reaches the manager after the new one registered: that news of an
+    earlier process must not drop the live worker."""
+    cluster = start_cluster(spawn, patient_bus, "replaced", workers=2)
+    runtime, ps = _client(cluster, "inspector")
+    try:
+        _kill(cluster, "w1")
+        new = spawn(["node", "ps-worker", "--node-id", "w1", "--ps-manager", cluster.manager, *cluster.flags], "w1")
+        cluster.worker_info["w1"] = new.wait_ready()
+        cluster.workers["w1"] = new
+        manager = cluster.manager_proc
+        assert manager is not None
+
+        def heard_down() -> list[dict]:  # logged by the manager's peer view right before its listener runs
+            records = [json.loads(line) for line in manager.log_tail(400).splitlines() if line.startswith("{")]
+            return [r for r in records if r.get("event") == "peer.down" and r.get("node") == "w1"]
+
+        assert wait_for(heard_down, 10, "the manager to hear that the killed w1 is down")[0]["reason"] == "replaced"
+        registered = {w.worker: w for w in ps.status().workers}
+        assert "w1" in registered and registered["w1"].pid == new.pid
+        assert ps.push(make_state(seed=1, tensors=2), 0).committed
+        assert _workers_of(ps, 0) == {"w0", "w1"}  # the new w1 is granted its copy
+        assert ps.pull(0, verify=True).version == 0
+    finally:
+        runtime.close()
+    stop_cluster_after_kills(cluster)
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_restarted_worker_releases_the_readopted_shards_whose_release_it_missed(cluster: PsCluster,
+                                                                                 spawn) -> None:
+    """Version 0 has a copy on w1; w1 is down when version 0 retires, so its release never reaches it. The
+    restarted w1 re-adopts that copy from its durable store and lists it at registration: the manager
+    releases it there and then."""
+    runtime, ps = _client(cluster, "pusher")
+    try:
+        assert ps.push(make_state(seed=1, tensors=2), 0).committed and _workers_of(ps, 0) == {"w0", "w1"}
+        _kill(cluster, "w1")
+        wait_for(lambda: "w1" not in {w.worker for w in ps.status().workers}, 5 * NODE_TIMEOUT_S,
+                 "the manager to learn that w1 is down")
+        for version in (1, 2):
+            assert ps.push(make_state(seed=version, tensors=2), version).committed
+        assert ps.status().retained == [1, 2]  # version 0 retired while w1 was down
+        new = spawn(["node", "ps-worker", "--node-id", "w1", "--ps-manager", cluster.manager, *cluster.flags], "w1")
+        cluster.worker_info["w1"] = new.wait_ready()
+        cluster.workers["w1"] = new
+        assert '"store.readopted"' in new.log_tail(400)
+        wait_for(lambda: cluster.held("w1") == 0, 10, "the restarted w1 to release version 0's copy")
+        assert '"ps.orphans_released"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
     finally:
         runtime.close()

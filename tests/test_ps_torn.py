@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 from ps_support import PsCluster, make_state, rank_part, start_cluster, stop_cluster_after_kills
-from refbus.bus.reqrep import HandlerError, RetryPolicy
+from refbus.bus.reqrep import HandlerError, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import Config
 from refbus.nodes.ps.client import PsClient, PsError, TornPull
 from refbus.nodes.rl.rollout import RolloutWorker
 from refbus.nodes.toy.policy import make_policy
 from refbus.protocol.messages import Generate
+from refbus.protocol.messages_ps import LeaseRelease
 
 # Requests to a killed worker give up after 0.3 + 0.3 s: the torn pull fails quickly.
 FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
@@ -130,4 +131,47 @@ def test_an_out_the_version_cannot_fill_is_refused_before_any_write(cluster: PsC
         assert all(torch.equal(out[name], state[name]) for name in state)
         assert ps.status().leases == 0
     finally:
+        runtime.close()
+
+
+def test_a_pull_into_out_whose_lease_release_fails_is_torn(cluster: PsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every byte was written into ``out``, but the release that proves the lease held throughout fails: the
+    manager no longer knows the lease (``unknown-lease``), or does not answer. ``out`` is then torn."""
+    runtime, ps = cluster.client()
+    other_runtime, _ = cluster.client("other")
+    try:
+        state = make_state(seed=5)
+        ps.push(state, 0)
+        out = {name: torch.zeros_like(t) for name, t in state.items()}
+
+        def release_behind_its_back(name: str) -> None:
+            if name == next(iter(out)):
+                lease = next(iter(ps._keeper._held))
+                other_runtime.client(cluster.manager).request(LeaseRelease(lease))
+
+        ps.before_write = release_behind_its_back
+        with pytest.raises(TornPull) as torn:
+            ps.pull(out=out)
+        assert isinstance(torn.value.cause, RemoteError) and torn.value.cause.code == "unknown-lease"
+        assert torn.value.version == 0 and set(torn.value.written) == set(out)
+
+        ps.before_write = None
+        real = ps._manager.request
+
+        def no_answer_to_release(body, **kwargs):  # the manager never answers the release
+            if isinstance(body, LeaseRelease):
+                raise RequestTimeout(f"{cluster.manager}: no answer")
+            return real(body, **kwargs)
+
+        monkeypatch.setattr(ps._manager, "request", no_answer_to_release)
+        with pytest.raises(TornPull) as torn:
+            ps.pull(out=out)
+        assert isinstance(torn.value.cause, RequestTimeout)
+        with pytest.raises(RequestTimeout):  # no out: nothing torn, the failure is the pull's
+            ps.pull()
+        monkeypatch.undo()
+        assert ps.pull(out=out).version == 0  # a full pull: out is whole again
+        assert all(torch.equal(out[name], state[name]) for name in state)
+    finally:
+        other_runtime.close()
         runtime.close()

@@ -4,23 +4,48 @@ the safetensors reader."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 import structlog
 import torch
+from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.nodes.ps import client as ps_client
+from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
 from refbus.nodes.ps.leases import LeaseTable
+from refbus.nodes.ps.manager import PsManager
 from refbus.nodes.ps.manifest import ManifestError, check_shard, digest, layout
 from refbus.nodes.ps.shm import OwnerLock, SegmentMaps, SegmentPool, sweep_orphans
 from refbus.nodes.ps.versions import VersionStore
+from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
-from refbus.protocol.messages_ps import ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
+from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
+from refbus.protocol.messages_ps import (
+    InitDone,
+    InitRequest,
+    LeaseRelease,
+    ManifestEntry,
+    PsRegister,
+    PushBegin,
+    PushGrant,
+    Release,
+    ShardCommit,
+    ShardTensor,
+    TensorSpec,
+    WorkerInfo,
+)
 from safetensors.torch import save
 
 
@@ -232,3 +257,230 @@ def test_a_worker_met_again_on_a_new_endpoint_has_its_old_client_closed() -> Non
     finally:
         ps.close()
         runtime.close()
+
+
+# --- the manager's handlers on a stub runtime -------------------------------------------------------------
+
+
+class _StubRuntime:
+    """What PsManager uses of a NodeRuntime: its handlers are called directly, its requests recorded."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Callable[..., Any]] = {}
+        self.sent: list[tuple[str, Body, Callable[..., None]]] = []  # (endpoint, body, on_done)
+        self.published: list[Body] = []
+        self.down_listeners: list[Callable[..., None]] = []
+        self.marked_up: list[str] = []
+        self.server = types.SimpleNamespace(on=lambda kind, handler, **_: self.handlers.__setitem__(kind, handler),
+                                            pending=object(), answer=lambda pending, body: None)
+        self.calls = types.SimpleNamespace(
+            request=lambda endpoint, body, on_done, **_: self.sent.append((endpoint, body, on_done)),
+            mark_up=self.marked_up.append)
+
+    def serve(self, name: str, endpoint: str) -> Any:
+        return self.server
+
+    def track_peers(self) -> Any:
+        return types.SimpleNamespace(on_down=self.down_listeners.append)
+
+    def every(self, seconds: float, callback: Callable[[], None]) -> None:
+        pass
+
+    def metric(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def histogram(self, *args: Any, **kwargs: Any) -> Any:
+        return types.SimpleNamespace(observe=lambda value: None)
+
+    def publish(self, body: Body) -> None:
+        self.published.append(body)
+
+    def call(self, body: Body, request_id: str = "r1") -> Any:
+        return self.handlers[body.kind](types.SimpleNamespace(body=body, header=types.SimpleNamespace(id=request_id)))
+
+    def released(self, worker: str) -> list[str]:
+        return [shard for endpoint, body, _ in self.sent if endpoint == f"tcp://{worker}" and isinstance(body, Release)
+                for shard in body.shards]
+
+
+def _manager(**settings: Any) -> tuple[_StubRuntime, PsManager]:
+    runtime = _StubRuntime()
+    return runtime, PsManager(runtime, PsSettings(**settings))  # type: ignore[arg-type]
+
+
+def _worker(name: str, pid: int = 1) -> WorkerInfo:
+    return WorkerInfo(name, f"tcp://{name}", "h", "/dev/shm", pid, "boot", "nonce", "n", started=100.0 + pid)
+
+
+SPEC = [TensorSpec("a", "float32", [4])]
+
+
+def _begin(runtime: _StubRuntime, version: int, rank: int = 0, world: int = 1) -> PushGrant:
+    grant = runtime.call(PushBegin(version, rank, world, "trainer", SPEC, "h"))
+    assert isinstance(grant, PushGrant)
+    return grant
+
+
+def _seal(runtime: _StubRuntime, grant: PushGrant, version: int, worker: str, rank: int = 0) -> Any:
+    tensors = [msgspec.structs.replace(t, checksum=1) for t in grant.tensors]
+    return runtime.call(ShardCommit(grant.lease, version, rank, worker, f"seg-{grant.lease}-{worker}", tensors))
+
+
+def _push(runtime: _StubRuntime, version: int) -> PushGrant:
+    grant = _begin(runtime, version)
+    for worker in [grant.worker, *grant.replicas]:
+        _seal(runtime, grant, version, worker.worker)
+    return grant
+
+
+def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_nothing_needs() -> None:
+    """w1 is down while versions 0 and 1 retire (their releases to it are lost); restarted (durable), it
+    registers re-adopting those copies and others still needed: the manager releases exactly the orphans."""
+    runtime, manager = _manager(replicas=2, retain_versions=3)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grants = {version: _push(runtime, version) for version in range(3)}
+    runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
+    for version in (3, 4):
+        _push(runtime, version)
+    assert manager.versions.retained() == [2, 3, 4] and runtime.released("w1") == []  # w1 was down: nothing sent
+    held = {f"seg-{grants[v].lease}-w1": grants[v].lease for v in range(3)}
+    assert runtime.call(PsRegister(_worker("w1", pid=2), sorted(held), held)).kind == "ok"
+    assert sorted(runtime.released("w1")) == sorted(grants[v].lease for v in (0, 1))  # version 2 is retained
+    assert runtime.marked_up[-1] == "tcp://w1"  # a fixed endpoint marked down by the node-down is usable again
+    # A copy of the pending push is the pusher's (its seal may be retried): kept. An older worker names no
+    # shard ids: nothing is released, as before.
+    pending = _begin(runtime, 5)
+    assert {w.worker for w in [pending.worker, *pending.replicas]} == {"w0", "w1"}
+    runtime.sent.clear()
+    held = {f"seg-{grants[2].lease}-w1": grants[2].lease, "seg-pending": pending.lease}
+    runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
+    runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
+    assert runtime.released("w1") == []
+
+
+def test_a_broadcast_init_and_a_push_never_commit_the_same_version() -> None:
+    """An init commits the next version: it is refused while a push is pending, and a push is refused while
+    an init runs (retryable), so no version number is committed twice."""
+    runtime, manager = _manager(replicas=1, retain_versions=2)
+    runtime.call(PsRegister(_worker("w0")))
+    _push(runtime, 0)
+    pending = _begin(runtime, 1)
+    with pytest.raises(HandlerError) as err:
+        runtime.call(InitRequest("/x.safetensors", ["w0"]), "init-1")
+    assert err.value.code == "init-busy" and "version 1 is being pushed" in str(err.value)
+    assert manager.init is None
+    _seal(runtime, pending, 1, "w0")  # the push commits; now the init may run, and loads version 2
+    assert runtime.call(InitRequest("/x.safetensors", ["w0"]), "init-2") is None and manager.init is not None
+    init_id = manager.init.init_id
+    with pytest.raises(HandlerError) as err:
+        _begin(runtime, 2)
+    assert err.value.code == "init-running" and err.value.retry_after_s > 0 and init_id in str(err.value)
+    assert manager.versions.pending is None and manager.leases.live() == []
+    runtime.call(InitDone(init_id, "w0", "seg-init", 1, [ShardTensor("a", "float32", [4], 0, 16, 7)]))
+    assert manager.init is None and manager.versions.latest == 2
+    assert [bump.version for bump in runtime.published] == [0, 1, 2]
+    _push(runtime, 3)  # pushes go on after the init's version
+    assert manager.versions.manifest(2).entries[0].locations[0].segment == "seg-init"
+    # Defense in depth: the store itself refuses an init's commit beside a pending push.
+    store = VersionStore(retain=2)
+    store.begin(0, 0, 1, SPEC, ["w0"], "L0", now=0.0)
+    with pytest.raises(ManifestError) as verr:
+        store.commit_init(mf.build(0, [], []), [("w0", "init-x")])
+    assert verr.value.code == "version-conflict"
+
+
+def test_a_push_refused_while_an_init_runs_waits_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client takes ``init-running`` as it takes ``no-workers``: it asks again after ``retry_after_s``."""
+    refusal = Error("init-running", "init x runs", PushBegin.kind, retry_after_s=0.5)
+    answers: list[Any] = [RemoteError(refusal, "tcp://manager"), "grant"]
+    slept: list[float] = []
+    fake = types.SimpleNamespace(wait_workers_s=5.0, _manager=None)
+
+    def ask(_client: Any, _body: Any, _kind: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    fake._ask = ask
+    monkeypatch.setattr(ps_client.time, "sleep", slept.append)
+    assert ps_client.PsClient._grant(fake, PushBegin(0, 0, 1, "t", SPEC)) == "grant"  # type: ignore[arg-type]
+    assert slept == [0.5]  # the refusal's retry_after_s, above the first pause
+
+
+def test_a_push_lease_lives_until_every_copy_is_verified_so_the_pushers_abort_aborts() -> None:
+    """replicas=2: the first copy is verified, the second fails for good and the pusher gives up (releases its
+    lease): the version is no longer pending and the rank pushes it again at once."""
+    runtime, manager = _manager(replicas=2)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grant = _begin(runtime, 0)
+    assert not _seal(runtime, grant, 0, "w0").committed
+    assert [lease.lease_id for lease in manager.leases.live()] == [grant.lease]  # w1's copy is still to come
+    assert runtime.call(LeaseRelease(grant.lease)).kind == "ok"  # the pusher aborts
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+    assert sorted(runtime.released("w0") + runtime.released("w1")) == [grant.lease, grant.lease]
+    again = _begin(runtime, 0)
+    for worker in ("w0", "w1"):
+        answer = _seal(runtime, again, 0, worker)
+    assert answer.committed and manager.leases.live() == []  # the last copy verified: the lease ended
+    # A rank done while another rank is still pushing: its lease ends with its last copy.
+    first = _begin(runtime, 1, rank=0, world=2)
+    for worker in ("w0", "w1"):
+        assert not _seal(runtime, first, 1, worker, rank=0).committed
+    assert first.lease not in {lease.lease_id for lease in manager.leases.live()}
+
+
+@pytest.mark.parametrize(("header", "named"), [
+    (b"[]", "a JSON list, not an object"),
+    (b"3", "a JSON int, not an object"),
+    (b'"x"', "a JSON str, not an object"),
+    (b"null", "a JSON NoneType, not an object"),
+    ({"a": []}, "tensor 'a' has a bad entry: a JSON list, not an object"),
+    ({"a": 3}, "tensor 'a' has a bad entry: a JSON int"),
+    ({"a": {"dtype": "F33", "shape": [4], "data_offsets": [0, 16]}}, "dtype 'F33' is none of"),
+    ({"a": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}, "dtype ['F32'] is none of"),
+    ({"a": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}, "shape [-1, -4] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [2.0, 2], "data_offsets": [0, 16]}}, "shape [2.0, 2] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}}, "shape [True, 4] is not a list of"),
+    ({"a": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}, "shape '4' is not a list of"),
+    ({"a": {"dtype": "F32", "shape": [4]}}, "data_offsets None are not two"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16, 32]}}, "are not two non-negative"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [-16, 0]}}, "are not two non-negative"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}}, "spans [16, 0) but is float32[4]"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, "spans [0, 8) but is float32[4]"),
+    ({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, "past the end of the file"),
+    ({"a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, "past the end of the file"),
+])
+def test_a_malformed_checkpoint_header_is_refused_by_name(header: bytes | dict, named: str) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    blob = struct.pack("<Q", len(raw)) + raw + b"\0" * 16  # 16 data bytes: room for a float32[4]
+    with pytest.raises(ManifestError) as err:
+        read_layout(io.BytesIO(blob), "bad.safetensors")
+    assert err.value.code == "bad-checkpoint" and named in str(err.value), str(err.value)
+    good = {"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    raw = json.dumps(good).encode()
+    found = read_layout(io.BytesIO(struct.pack("<Q", len(raw)) + raw + b"\0" * 16), "good.safetensors")
+    assert found.nbytes == 16 and [(t.name, t.shape) for t in found.tensors] == [("a", [4])]
+
+
+def test_a_resuming_push_refused_for_its_request_retires_nothing() -> None:
+    """A push that starts a new lineage is checked (rank, dtypes, names, shapes) before the old lineage's
+    versions are retired: a refused one leaves them readable."""
+    runtime, manager = _manager(replicas=1, retain_versions=3)
+    runtime.call(PsRegister(_worker("w0")))
+    for version in range(3):
+        _push(runtime, version)
+    bad = [(PushBegin(1, 2, 2, "t", SPEC, "h", True), "bad-rank"),
+           (PushBegin(1, 0, 1, "t", [TensorSpec("a", "float32", [5])], "h", True), "shape-mismatch"),
+           (PushBegin(1, 0, 1, "t", [TensorSpec("a", "complex32", [4])], "h", True), "bad-dtype"),
+           (PushBegin(1, 0, 1, "t", SPEC + SPEC, "h", True), "duplicate-name")]
+    for begin, code in bad:
+        with pytest.raises(HandlerError) as err:
+            runtime.call(begin)
+        assert err.value.code == code
+        assert manager.versions.retained() == [0, 1, 2] and manager.versions.lineages == 0
+    grant = runtime.call(PushBegin(1, 0, 1, "t", SPEC, "h", True))  # a good one starts the lineage
+    assert isinstance(grant, PushGrant) and manager.versions.retained() == [0] and manager.versions.lineages == 1

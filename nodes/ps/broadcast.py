@@ -51,6 +51,11 @@ log = structlog.get_logger(__name__)
 WINDOW = 4  # chunks in flight to one child: keeps a fast link busy, and bounds what an ack deadline covers
 
 
+def _named(exc: BaseException) -> str:
+    """An error as a reason: its message, with its type when that is not one of the expected ones."""
+    return str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+
+
 def rounds(n: int) -> int:
     """ceil(log2 n): rounds of the binomial tree over ``n`` workers (0 for one worker)."""
     return (n - 1).bit_length() if n > 1 else 0
@@ -128,6 +133,8 @@ class Relay:
         Reads go only as far ahead as the fastest child takes them, so the loop thread stays free to take
         acknowledgements however large the checkpoint is.
         """
+        if self.failed:  # abandoned (released) before the loop got to it
+            return
         try:
             self._file = open(plan.path, "rb", buffering=0)  # noqa: SIM115 - closed at its end or on failure
             self.file_opens += 1
@@ -135,9 +142,9 @@ class Relay:
             self._file.seek(layout.data_start)
             self._path, self._chunk_bytes = plan.path, plan.chunk_bytes
             self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, the manager hears it now, not at the init timeout
             self._close_file()
-            self.fail(self.me, f"cannot read checkpoint {plan.path}: {exc}")
+            self.fail(self.me, f"cannot read checkpoint {plan.path}: {_named(exc)}")
             return
         self._read_on()
 
@@ -157,9 +164,9 @@ class Relay:
                     raise OSError(f"{self._path} ends {nbytes - self._read} bytes early")
                 self._read += got
                 self._hold(self._read - got, got)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # reported (the manager fails the init by name), the file closed
             self._close_file()
-            self.fail(self.me, f"cannot read checkpoint {self._path}: {exc}")
+            self.fail(self.me, f"cannot read checkpoint {self._path}: {_named(exc)}")
             return
         if self._read < nbytes:
             return
@@ -190,6 +197,12 @@ class Relay:
     def on_end(self, end: InitEnd) -> None:
         """Pass the root's checksums on, then verify this worker's copy against them."""
         self._finish(end.tensors)
+
+    def abandon(self) -> None:
+        """The worker is releasing this init's segment (the manager freed the init): nothing more is read into
+        it, sent from it or reported, whatever acknowledgements are still in flight; the file is closed."""
+        self.failed = True
+        self._close_file()
 
     def fail(self, worker: str, reason: str) -> None:
         self.failed = True

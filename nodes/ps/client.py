@@ -121,7 +121,8 @@ class LeaseExpired(PsError):
 class TornPull(PsError):
     """A pull into ``out=`` failed after it had written into ``out``: those tensors (``written``) may hold
     another version than the rest, so ``out`` as a whole holds no version. ``cause`` is the failure
-    (``LeaseExpired`` when the lease ran out: then even the written bytes may be torn). Only a later full
+    (``LeaseExpired`` when the lease ran out, or whatever failed the release that proves it held: an
+    ``unknown-lease`` RemoteError, a RequestTimeout; then even the written bytes may be torn). Only a later full
     pull into the same ``out`` makes it whole again."""
 
     def __init__(self, version: int, written: Sequence[str], cause: BaseException) -> None:
@@ -566,8 +567,9 @@ class PsClient:
         return session
 
     def _grant(self, begin: PushBegin) -> PushGrant:
-        """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) is waited
-        out, polling with a doubling pause, for up to ``wait_workers_s``: a push is worth a short wait,
+        """The manager's grant for a push. ``no-workers`` (every ps-worker down, e.g. restarting) and
+        ``init-running`` (a broadcast init loads the next version) are waited out, polling with a doubling pause
+        (at least the refusal's ``retry_after_s``), for up to ``wait_workers_s``: a push is worth a short wait,
         a trainer world that fails over it is not."""
         deadline = time.monotonic() + self.wait_workers_s
         pause = WORKERS_FIRST_PAUSE_S
@@ -575,9 +577,11 @@ class PsClient:
             try:
                 return self._ask(self._manager, begin, PushGrant)
             except RemoteError as exc:
-                if exc.code != "no-workers" or time.monotonic() + pause > deadline:
+                pause = max(pause, exc.retry_after_s)
+                if exc.code not in ("no-workers", "init-running") or time.monotonic() + pause > deadline:
                     raise
-                log.warning("push.waiting_for_workers", version=begin.version, retry_in_s=pause)
+                log.warning("push.waiting_for_workers" if exc.code == "no-workers" else "push.waiting_for_init",
+                            version=begin.version, retry_in_s=pause)
                 time.sleep(pause)
                 pause = min(2 * pause, WORKERS_MAX_PAUSE_S)
 
@@ -632,8 +636,9 @@ class PsClient:
             return PulledState(grant.manifest, tensors, self, grant.lease)
         try:
             # The lease is checked before the pull is reported done: bytes copied after it ran out may be torn.
+            # Any failure there (expired, unknown to the manager, no answer) leaves that unproven: out is torn.
             self._end_pull(grant.lease, grant.manifest.version)
-        except LeaseExpired as exc:
+        except Exception as exc:
             if cast.written:
                 raise TornPull(grant.manifest.version, cast.written, exc) from exc
             raise

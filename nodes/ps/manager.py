@@ -43,6 +43,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
+from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -96,12 +97,22 @@ from .versions import Shard, VersionStore
 
 log = structlog.get_logger(__name__)
 
+INIT_RUNNING_RETRY_S = 1.0  # a push refused while a broadcast init runs may ask again after this long
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 def _error_code(exc: StalenessError) -> str:
     """``VersionAbortedError`` -> ``version-aborted``: the inventory's error classes name the codes."""
     return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__.removesuffix("Error")).lower()
+
+
+def _same_process(worker: WorkerInfo, node: NodeInfo) -> bool:
+    """Whether registry entry ``node`` is the process that registered as ``worker`` (:func:`bus.peers.incarnation`:
+    host, pid, start time). A worker that names no pid (older than this field) is taken to be it."""
+    if not worker.pid:
+        return True
+    started = worker.started or node.started  # an older worker names no start time: host and pid decide
+    return incarnation(node) == (worker.host, worker.pid, started)
 
 
 class PsManager:
@@ -163,6 +174,19 @@ class PsManager:
             for entry in self.versions.manifest(v).entries for loc in entry.locations)]
         if lost:
             log.error("ps.versions_lost_on_worker", worker=info.worker, versions=lost)
+        # The registration proves the worker live: an endpoint a node-down of its earlier process marked down
+        # (a fixed port) takes requests again before its node-up arrives.
+        self.runtime.calls.mark_up(info.endpoint)
+        # Shards it re-adopted that nothing needs any more (their release was lost while it was down): release
+        # them now, or they would stay in its store for good.
+        needed = self.versions.shards_on(info.worker)
+        if self.init is not None and info.worker in self.init.names:
+            needed.add(self.init.init_id)
+        orphans = sorted({shard for segment, shard in request.body.shards.items()
+                          if segment in held and shard not in needed})
+        if orphans:
+            log.warning("ps.orphans_released", worker=info.worker, shards=orphans)
+            self._release([(info.worker, shard) for shard in orphans])
         return Ok()
 
     def _send(self, worker: str, body: Body, on_done: Callable[[Outcome], None], *,
@@ -185,11 +209,21 @@ class PsManager:
         for worker, ids in by_worker.items():
             self._send(worker, Release(ids), lambda outcome, w=worker: self._released(w, outcome))
 
-    def _node_down(self, down: NodeDown, _last: NodeInfo | None) -> None:
-        """A worker reported down (its pending and new requests fail at once: the runtime's peer view)."""
-        info = self.workers.pop(down.node_id, None)
+    def _node_down(self, down: NodeDown, last: NodeInfo | None) -> None:
+        """A worker reported down (its pending and new requests fail at once: the runtime's peer view).
+
+        A worker registers before its runtime joins the bus, so the ``node-down`` of the process it replaced
+        under the same id (``replaced``, or a ``timeout`` that came late) may arrive after the new one
+        registered: news of another process than the registered one (``last``, the entry the event is about)
+        changes nothing."""
+        info = self.workers.get(down.node_id)
         if info is None:
             return
+        if last is not None and not _same_process(info, last):
+            log.info("ps.worker_down_of_earlier_process", worker=down.node_id, reason=down.reason,
+                     down_pid=last.pid, registered_pid=info.pid)
+            return
+        del self.workers[down.node_id]
         lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
         (log.error if lost else log.warning)("ps.worker_down", worker=down.node_id, reason=down.reason,
                                              versions_lost=lost)
@@ -241,9 +275,17 @@ class PsManager:
     def _push_begin(self, request: Message) -> Body:
         begin = request.body
         assert isinstance(begin, PushBegin)
+        if self.init is not None:  # the init commits the next version: a push of it would commit it twice
+            raise HandlerError("init-running", f"broadcast init {self.init.init_id} of {self.init.path} is loading "
+                               f"version {self.versions.next_version()}; push again once it ended",
+                               retry_after_s=INIT_RUNNING_RETRY_S)
         workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
         names = [w.worker for w in workers]
         if begin.resumes and not begin.retry and not self.versions.joins_lineage(begin.version, begin.world):
+            try:  # a request refused must not have retired the old lineage's versions first
+                self.versions.check_specs(begin.rank, begin.world, begin.tensors, lineage_at=begin.version)
+            except ManifestError as exc:
+                raise HandlerError(exc.code, str(exc)) from None
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
         try:
@@ -285,9 +327,12 @@ class PsManager:
                 self.workers.values())
         except ManifestError as exc:
             raise HandlerError(exc.code, str(exc)) from None
-        lease = self.leases.release(commit.lease)
-        if lease is not None:
-            self._push_seconds.observe(time.monotonic() - lease.granted)
+        # The push lease lives until every copy of the rank is verified: while one is still being written, the
+        # pusher's release of it (it gave that copy up) must abort the version, and its expiry too.
+        if manifest is not None or self.versions.rank_done(commit.version, commit.rank, commit.lease):
+            lease = self.leases.release(commit.lease)
+            if lease is not None:
+                self._push_seconds.observe(time.monotonic() - lease.granted)
         if manifest is not None and self.versions.latest != latest:
             self._committed(manifest, freed)
         return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")
@@ -412,6 +457,10 @@ class PsManager:
                 raise HandlerError("init-busy", f"broadcast init {self.init.init_id} of {self.init.path} is running")
             self._init_waiting.append(self.server.pending)
             return None
+        pending = self.versions.pending
+        if pending is not None:  # the init would commit the version being pushed
+            raise HandlerError("init-busy", f"version {pending.version} is being pushed: an init commits the next "
+                               "version, so it waits until that push committed or aborted")
         names = list(ask.workers) or sorted(self.workers)
         unknown = [n for n in names if n not in self.workers]
         if unknown or not names:
@@ -474,7 +523,11 @@ class PsManager:
             for t in init.root_layout()
         ]
         manifest = mf.build(self.versions.next_version(), entries, init.workers)
-        freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
+        try:
+            freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
+        except ManifestError as exc:
+            self._fail_init(init.names[0], f"could not commit: {exc}")
+            return
         self._committed(manifest, freed)
         result = InitResult(manifest.version, manifest.digest, init.names, rounds(len(init.names)),
                             {w: d.file_opens for w, d in init.done.items()}, time.monotonic() - init.started)

@@ -104,6 +104,13 @@ class VersionStore:
         return sum(e.nbytes * len(e.locations) for s in [*self._stored.values(), *self._superseded]
                    for e in s.manifest.entries)
 
+    def shards_on(self, worker: str) -> set[str]:
+        """The shard ids on ``worker`` that a version (retained, or retired but read) or the pending push still
+        names: every other shard it holds may be freed."""
+        stored = [*self._stored.values(), *self._superseded]
+        pending = self.pending.shards() if self.pending is not None else []
+        return {shard for w, shard in [*(s for st in stored for s in st.shards), *pending] if w == worker}
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a retained version (default latest); ManifestError(``unknown-version``)."""
         if version is None:
@@ -159,6 +166,16 @@ class VersionStore:
         return pending is not None and pending.resumes and pending.version == version and pending.world == world
 
     # --- pushing ------------------------------------------------------------------------------------
+
+    def check_specs(self, rank: int, world: int, specs: list[TensorSpec], *, lineage_at: int | None = None) -> None:
+        """What :meth:`begin` checks of a rank's request alone: ``bad-rank``, ``bad-dtype``, ``duplicate-name``,
+        ``shape-mismatch`` against the latest version, or with ``lineage_at`` the latest a new lineage at that
+        version keeps (below it). Raises ManifestError; changes nothing, so a caller checks before it acts."""
+        if not 0 <= rank < world:
+            raise ManifestError("bad-rank", f"rank {rank} is outside world size {world}")
+        mf.layout(specs)
+        base = self.latest if lineage_at is None else max((v for v in self.retained() if v < lineage_at), default=-1)
+        mf.check_compatible(specs, self._stored[base].manifest if base in self._stored else None)
 
     def begin(
         self, version: int, rank: int, world: int, specs: list[TensorSpec], workers: list[str], lease: str,
@@ -267,8 +284,19 @@ class VersionStore:
         self.pending = None
         return True, manifest, self._store(manifest, pending.shards(), leases)
 
+    def rank_done(self, version: int, rank: int, lease: str) -> bool:
+        """Whether every copy of rank ``rank``'s shard of the pending ``version`` under ``lease`` is verified."""
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        return shard is not None and shard.lease == lease and shard.done
+
     def commit_init(self, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
-        """Commit a version loaded by broadcast init; returns shards freed by retention."""
+        """Commit a version loaded by broadcast init; returns shards freed by retention. ManifestError
+        ``version-conflict`` while a push is pending (it would commit the same version) or when the version is
+        not after the latest."""
+        if self.pending is not None:
+            raise ManifestError("version-conflict", f"version {self.pending.version} is being pushed: an init "
+                                "cannot commit beside it")
         if manifest.version <= self.latest:
             raise ManifestError("version-conflict", f"version {manifest.version} is not after {self.latest}")
         return self._store(manifest, shards, frozenset())

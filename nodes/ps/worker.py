@@ -153,14 +153,14 @@ class PsWorker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.runtime.node_id, self.runtime.endpoints["ps"], self.runtime.settings.host,
                           str(self.pool.directory), os.getpid(), boot_id(), self.host_proof.path.name,
-                          self.host_proof.nonce)
+                          self.host_proof.nonce, self.runtime.started)
 
     def register(self) -> None:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
         restart's re-adopted ones); RequestTimeout if no manager answers."""
         policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
-        held = sorted(segment.name for lease, segment in self.shards.items() if lease not in self.relays)
-        self.manager.request(PsRegister(self.info(), held), policy=policy)
+        held = {segment.name: lease for lease, segment in self.shards.items() if lease not in self.relays}
+        self.manager.request(PsRegister(self.info(), sorted(held), held), policy=policy)
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
 
     def _readopt(self, journal: ShardJournal) -> None:
@@ -319,7 +319,9 @@ class PsWorker:
         if self.journal is not None:
             self.journal.released(release.shards)
         for shard in release.shards:
-            self.relays.pop(shard, None)
+            relay = self.relays.pop(shard, None)
+            if relay is not None:  # before its segment goes back to the pool, which may hand it to a new shard
+                relay.abandon()
             self.streamed.pop(shard, None)
             self.sealed.discard(shard)
             self.released[shard] = None
@@ -335,8 +337,12 @@ class PsWorker:
     # --- broadcast init -----------------------------------------------------------------------------
 
     def _relay(self, init_id: str) -> Relay:
+        """The relay of ``init_id``, made on its first message; HandlerError ``released`` once the init was
+        released here (a late header or chunk would make a relay nobody releases again)."""
         relay = self.relays.get(init_id)
         if relay is None:
+            if init_id in self.released:
+                raise HandlerError("released", f"init {init_id!r} was released on {self.runtime.node_id}")
             relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
                                                  send=self._send_peer, report=self._report)
         return relay
@@ -344,6 +350,8 @@ class PsWorker:
     def _acquire(self, shard: str, nbytes: int) -> Segment:
         segment = self.shards.get(shard)
         if segment is None:
+            if shard in self.released:  # a segment taken now would never be released
+                raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
             segment = self.shards[shard] = self._acquire_room(nbytes)
         return segment
 
