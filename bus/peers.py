@@ -27,9 +27,9 @@ restarted broker is a new incarnation, whose re-joins emit ``node-up`` again). L
 
 A restarted broker knows only the nodes that re-join it: one that died while it was down is never reported
 down by it. So after a re-join that found a new broker incarnation the runtime calls :meth:`Peers.expect_rejoins`
-and, once the registry had time to fill (a node timeout and a heartbeat interval), looks it up and hands the
-answer to :meth:`Peers.reconcile`: every live peer neither reported up since nor listed goes down as above,
-reason :data:`ABSENT_AFTER_RESTART`.
+and, once the registry had time to fill (a node timeout, a heartbeat interval and the sockets' reconnect cap),
+looks it up and hands the answer to :meth:`Peers.reconcile`: every live peer neither reported up since nor
+listed goes down as above, reason :data:`ABSENT_AFTER_RESTART`.
 """
 
 from __future__ import annotations

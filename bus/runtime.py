@@ -89,6 +89,7 @@ from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, Ret
 from .security import Curve, ZapHandler, check_bind, load_curve
 from .sockets import (
     EVENT_OPTIONS,
+    RECONNECT_IVL_MAX_MS,
     FrameCounter,
     SocketOptions,
     advertised,
@@ -107,11 +108,11 @@ HOOKS_SHARE = 0.7
 CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
 BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
-# A gap fill runs on the loop thread (inside a subscriber's take of the event that revealed the gap): all of it,
-# every page of its replay, ends within this share of the node timeout the broker judges this node by, so a slow
-# broker never holds the loop until the node is declared down (its next heartbeat still goes out in time). A
-# node that has not joined (no broker judges it) takes this share of its heartbeat interval. A fill cut off
-# there counts the gap lost.
+# A gap fill runs on the loop thread (inside a subscriber's take of the event that revealed the gap): all the fills
+# of one loop turn, every page of their replays, end within this share of the node timeout the broker judges this
+# node by, so a slow broker never holds the loop until the node is declared down (its next heartbeat still goes
+# out in time). A node that has not joined (no broker judges it) takes this share of its heartbeat interval. A
+# fill cut off there counts the gap lost.
 FILL_SHARE = 0.5
 
 
@@ -277,6 +278,10 @@ class NodeRuntime:
         self.closed = False  # close() has finished
         self._rejoin = False
         self._resume_pending = False  # the broker restarted and live subscriptions have not yet resumed
+        # Gap fills inside one loop turn share one fill_deadline_s() (see replay_range): when it ends, what the
+        # turn's fills have not fetched is counted lost. None: no fill yet this turn.
+        self._in_turns = False
+        self._fill_end: float | None = None
         self.broker_incarnation = ""  # the incarnation of the broker process that welcomed this node last
         self.broker_restarts = 0  # re-joins that found a new broker process (it died and came back)
         self._heartbeats_unanswered = 0
@@ -517,11 +522,19 @@ class NodeRuntime:
 
     def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``. It runs on
-        the loop thread, so it ends within :meth:`fill_deadline_s`; a broker that does not answer by then (or
-        answers an error) gives nothing, logged, and the subscriber counts the gap lost."""
+        the loop thread, so all the fills of one loop turn (several gaps at once, e.g. after a queue overflowed)
+        end within one :meth:`fill_deadline_s`; a fill outside the loop gets one of its own. A broker that does
+        not answer by then (or answers an error) gives nothing, logged, and the subscriber counts the gap lost."""
+        now = time.monotonic()
+        if self._fill_end is None or not self._in_turns:
+            self._fill_end = now + self.fill_deadline_s()
+        left = self._fill_end - now
+        if left <= 0:
+            log.warning("replay.skipped", src=src, first=first, last=last,
+                        detail="this loop turn's gap fills used their time: the gap is counted lost")
+            return []
         try:
-            return self.replay(since=first, src=src, until=last, incarnation=incarnation,
-                               deadline_s=self.fill_deadline_s())
+            return self.replay(since=first, src=src, until=last, incarnation=incarnation, deadline_s=left)
         except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []
@@ -651,7 +664,15 @@ class NodeRuntime:
             self._turns(until, publisher)
 
     def _turns(self, until: Callable[[], bool] | None, publisher: Publisher | None) -> None:
+        self._in_turns = True
+        try:
+            self._turns_until(until, publisher)
+        finally:
+            self._in_turns = False
+
+    def _turns_until(self, until: Callable[[], bool] | None, publisher: Publisher | None) -> None:
         while not self._stopping and not (until and until()):
+            self._fill_end = None
             while self._calls:
                 call = self._calls.popleft()
                 try:
@@ -915,8 +936,10 @@ class NodeRuntime:
         if restarted and self._peers is not None:  # peers that died meanwhile: the new broker never saw them
             self._peers.expect_rejoins()
             tries = max(1, math.ceil(welcome.node_timeout / welcome.heartbeat_interval))
-            self.later(welcome.node_timeout + welcome.heartbeat_interval,
-                       lambda: self._reconcile_peers(broker, tries))
+            # Every live peer re-joins by then: its sockets reconnect to the new broker within their reconnect cap,
+            # and it re-joins at its next heartbeat, well within a node timeout.
+            settle_s = welcome.node_timeout + welcome.heartbeat_interval + RECONNECT_IVL_MAX_MS / 1000
+            self.later(settle_s, lambda: self._reconcile_peers(broker, tries))
         if (refill or restarted) and self.publisher.seq:  # before the probes: the gaps they reveal fill from it
             self._refill()
         self._prove_published(token, self.settings.connect_timeout_s)
@@ -925,11 +948,11 @@ class NodeRuntime:
         return restarted or moved
 
     def _reconcile_peers(self, broker: str, tries: int) -> None:
-        """A node timeout and a heartbeat interval after a re-join found broker incarnation ``broker``, every
-        live peer has re-joined it or is gone: look the registry up (asynchronously) and mark down the peers it
-        lacks (:meth:`~.peers.Peers.reconcile`). A lookup that fails is tried again a heartbeat later, ``tries``
-        times in all, then given up (logged). Nothing is done for a broker that restarted again since (its own
-        re-join scheduled its own check)."""
+        """A node timeout, a heartbeat interval and the reconnect cap after a re-join found broker incarnation
+        ``broker``, every live peer has re-joined it or is gone: look the registry up (asynchronously) and mark
+        down the peers it lacks (:meth:`~.peers.Peers.reconcile`). A lookup that fails is tried again a heartbeat
+        later, ``tries`` times in all, then given up (logged). Nothing is done for a broker that restarted again
+        since (its own re-join scheduled its own check)."""
         if self._peers is None or self.welcome is None or broker != self.broker_incarnation or self._stopping:
             return
         peers, interval = self._peers, self.welcome.heartbeat_interval

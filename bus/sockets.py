@@ -38,7 +38,8 @@ _POLLIN = int(zmq.POLLIN)
 # restarted under ``refbus up`` binds a new ephemeral port, so a socket to its old endpoint would try a dead
 # port ten times a second until it is closed: the interval doubles up to this cap instead (plus ZeroMQ's
 # jitter of up to 100 ms). The cap is one default heartbeat interval, not more: a broker restarted on its
-# old address must still be reached within about a heartbeat, as the nodes' re-join promises.
+# old address must still be reached within about a heartbeat, as the nodes' re-join promises (with a shorter
+# heartbeat, within this cap: a peer tracker's check for peers that never re-joined waits it out too).
 RECONNECT_IVL_MAX_MS = 1000
 
 

@@ -23,6 +23,7 @@ from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import BusUnavailable, NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import RECONNECT_IVL_MAX_MS
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, NodeDown, NodeInfo, RunEnd
@@ -57,6 +58,18 @@ def in_process_bus(endpoints: dict[str, str] | None = None) -> NodeRuntime:
                                    events_out=ends["events_out"], node_timeout_s=NODE_TIMEOUT_S))
     runtime.start_background()
     return runtime
+
+
+def all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP takes effect asynchronously: a thread still
+    running may read its socket after the signal was sent)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue
+    return bool(states) and all(state == "T" for state in states)
 
 
 def received_unread(port: int) -> int:
@@ -111,6 +124,7 @@ def test_a_killed_broker_restarted_on_its_addresses_is_back_in_service_and_every
 
         # Freeze the broker so what it receives stays unread in its sockets, then kill it.
         first.signal(signal.SIGSTOP)
+        wait_for(lambda: all_stopped(first.pid), START_S, "every thread of the broker stopped")
         publish(IN_FLIGHT)
         port = int(endpoints["events_in"].rsplit(":", 1)[1])
         # Half the events' bytes, unread: ZeroMQ's own heartbeats on the other connections are a few bytes.
@@ -314,9 +328,9 @@ def test_a_node_that_died_while_the_broker_was_down_is_reported_down_after_the_r
         sigkill(victim)  # dies while no broker can notice
         buses.append(restart_bus(tmp_path, endpoints))
         back = time.monotonic()
-        # The tracker re-joins at its next heartbeat, then gives the registry a node timeout and a heartbeat to
-        # fill before it looks; twice that (and a heartbeat for the re-join) for a loaded machine.
-        bound = 2 * (NODE_TIMEOUT_S + 2 * HEARTBEAT_S)
+        # The tracker re-joins at its next heartbeat, then gives the registry a node timeout, a heartbeat and the
+        # reconnect cap to fill before it looks; twice that (and a heartbeat for the re-join) for a loaded machine.
+        bound = 2 * (NODE_TIMEOUT_S + 2 * HEARTBEAT_S + RECONNECT_IVL_MAX_MS / 1000)
         try:
             down, info = downs.get(timeout=bound)
         except queue.Empty:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import structlog
 import torch
-from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.bus.reqrep import HandlerError, PeerDown, RemoteError
 from refbus.nodes.ps import client as ps_client
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps import shm
@@ -270,6 +270,7 @@ class _StubRuntime:
         self.sent: list[tuple[str, Body, Callable[..., None]]] = []  # (endpoint, body, on_done)
         self.published: list[Body] = []
         self.down_listeners: list[Callable[..., None]] = []
+        self.up_listeners: list[Callable[..., None]] = []
         self.marked_up: list[str] = []
         self.server = types.SimpleNamespace(on=lambda kind, handler, **_: self.handlers.__setitem__(kind, handler),
                                             pending=object(), answer=lambda pending, body: None)
@@ -281,7 +282,7 @@ class _StubRuntime:
         return self.server
 
     def track_peers(self) -> Any:
-        return types.SimpleNamespace(on_down=self.down_listeners.append)
+        return types.SimpleNamespace(on_down=self.down_listeners.append, on_up=self.up_listeners.append)
 
     def every(self, seconds: float, callback: Callable[[], None]) -> None:
         pass
@@ -358,6 +359,31 @@ def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_noth
     runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
     runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
     assert runtime.released("w1") == []
+
+
+def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_node_up() -> None:
+    """A worker restarted on a fixed endpoint registers before it joins the bus; the node-down of its earlier
+    process then marks that endpoint down, so the release sent at the registration ends PeerDown. It is sent
+    again once the registered process's node-up arrives (never for another process's node-up)."""
+    runtime, _ = _manager(replicas=2, retain_versions=1)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grants = {version: _push(runtime, version) for version in range(2)}
+    runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
+    held = {f"seg-{grants[0].lease}-w1": grants[0].lease}
+    runtime.sent.clear()
+    runtime.call(PsRegister(_worker("w1", pid=2), sorted(held), held))
+    (endpoint, release, on_done), = runtime.sent
+    assert isinstance(release, Release) and release.shards == [grants[0].lease]
+    on_done(PeerDown(endpoint, "ps-worker-w1 reported down (replaced)"))
+    runtime.sent.clear()
+    runtime.up_listeners[0](NodeInfo("w1", "ps-worker", "h", 1, started=101.0))  # the earlier process: nothing
+    assert runtime.sent == []
+    runtime.up_listeners[0](NodeInfo("w1", "ps-worker", "h", 2, started=102.0))
+    assert runtime.released("w1") == [grants[0].lease]
+    runtime.up_listeners[0](NodeInfo("w1", "ps-worker", "h", 2, started=102.0))  # sent once
+    assert len(runtime.sent) == 1
 
 
 def test_a_broadcast_init_and_a_push_never_commit_the_same_version() -> None:

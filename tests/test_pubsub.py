@@ -524,6 +524,32 @@ def test_a_fill_the_broker_never_answers_ends_within_its_deadline_and_counts_the
         runtime.close()
 
 
+def test_the_gap_fills_of_one_loop_turn_share_one_deadline(sockets: Any) -> None:
+    """Several gaps found in one loop turn (e.g. after a queue overflowed) against a broker that never answers:
+    the first fill waits out the deadline, the next ones of that turn are counted lost at once, so the turn holds
+    the loop for one deadline, not one per gap; the next turn has a deadline of its own."""
+    silent = sockets(zmq.ROUTER, bind="tcp://127.0.0.1:0")
+    runtime = NodeRuntime("monitor", RuntimeSettings(bus=bound_endpoint(silent), node_id="monitor", metrics_port=-1,
+                                                     heartbeat_interval_s=0.2), register=False)
+    took: list[tuple[int, float]] = []
+
+    def fill_in_one_turn() -> None:
+        for source in ("a", "b", "c"):
+            started = time.monotonic()
+            took.append((len(runtime.replay_range(source, "inc", 2, 2)), time.monotonic() - started))
+        runtime.stop()
+
+    try:
+        runtime.call_soon(fill_in_one_turn)
+        runtime.loop()
+        deadline = runtime.fill_deadline_s()
+        assert [found for found, _ in took] == [0, 0, 0]
+        assert took[0][1] >= deadline - 0.01 and sum(t for _, t in took) < deadline + 5 * 0.2  # one deadline
+        assert all(t < 0.05 for _, t in took[1:])  # spent: no request at all
+    finally:
+        runtime.close()
+
+
 # --- hold / release -----------------------------------------------------------------------------------
 
 

@@ -44,7 +44,7 @@ import msgspec
 import structlog
 
 from ...bus.peers import incarnation
-from ...bus.reqrep import HandlerError, Outcome, Pending, RemoteError, RequestTimeout
+from ...bus.reqrep import HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok, VersionBump
@@ -152,7 +152,12 @@ class PsManager:
                               (PsStatus.kind, self._status), (InventoryQuery.kind, self._inventory),
                               (InitRequest.kind, self._init)):
             server.on(kind, handler, cached=False)
-        runtime.track_peers().on_down(self._node_down)
+        peers = runtime.track_peers()
+        peers.on_down(self._node_down)
+        peers.on_up(self._node_up)
+        # Shards whose release ended PeerDown while the same worker process stayed registered: a node-down of
+        # its earlier process marked its fixed endpoint down meanwhile. Sent again at its node-up.
+        self._unreleased: dict[str, list[str]] = {}
         runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
@@ -198,16 +203,27 @@ class PsManager:
             return
         self.runtime.calls.request(info.endpoint, body, on_done, deadline_s=deadline_s)
 
-    def _released(self, worker: str, outcome: Outcome) -> None:
-        if not isinstance(outcome, Message):
-            log.warning("ps.release_failed", worker=worker, error=str(outcome))
+    def _released(self, worker: str, ids: list[str], info: WorkerInfo | None, outcome: Outcome) -> None:
+        if isinstance(outcome, Message):
+            return
+        if isinstance(outcome, PeerDown) and info is not None and self.workers.get(worker) is info:
+            self._unreleased.setdefault(worker, []).extend(ids)  # see __init__: sent again at its node-up
+            return
+        log.warning("ps.release_failed", worker=worker, shards=ids, error=str(outcome))
 
     def _release(self, shards: list[Shard]) -> None:
         by_worker: defaultdict[str, list[str]] = defaultdict(list)
         for worker, shard in shards:
             by_worker[worker].append(shard)
         for worker, ids in by_worker.items():
-            self._send(worker, Release(ids), lambda outcome, w=worker: self._released(w, outcome))
+            info = self.workers.get(worker)
+            self._send(worker, Release(ids), lambda outcome, w=worker, i=ids, r=info: self._released(w, i, r, outcome))
+
+    def _node_up(self, node: NodeInfo) -> None:
+        """A worker's node-up: the releases that ended PeerDown while this very process was registered go again."""
+        info = self.workers.get(node.node_id)
+        if info is not None and _same_process(info, node) and (ids := self._unreleased.pop(node.node_id, None)):
+            self._release([(node.node_id, shard) for shard in ids])
 
     def _node_down(self, down: NodeDown, last: NodeInfo | None) -> None:
         """A worker reported down (its pending and new requests fail at once: the runtime's peer view).
@@ -224,6 +240,7 @@ class PsManager:
                      down_pid=last.pid, registered_pid=info.pid)
             return
         del self.workers[down.node_id]
+        self._unreleased.pop(down.node_id, None)  # a later process's registration releases what it re-adopted
         lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
         (log.error if lost else log.warning)("ps.worker_down", worker=down.node_id, reason=down.reason,
                                              versions_lost=lost)
