@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,21 @@ def bus(tmp_path: Path) -> Iterator[tuple[NodeProcess, str]]:
         yield proc, control
     finally:
         assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A TCP endpoint on loopback that never answers: it listens and never accepts, so a ZeroMQ peer's connection
+    completes in the kernel's backlog while its handshake never does, and requests to it queue up to the
+    high-water mark and stay there. Unlike a closed port, no other process can take the port meanwhile (and
+    then drain the queue)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
 
 
 @pytest.fixture

@@ -485,13 +485,11 @@ def small_queues(runtime: NodeRuntime) -> NodeRuntime:
 
 
 def test_requests_to_a_peer_that_is_gone_never_block_the_loop_and_end_at_their_deadlines(
-    caller: NodeRuntime, sockets: Any
+    caller: NodeRuntime, silent_endpoint: str
 ) -> None:
     """A DEALER keeps its queue to a peer it cannot reach and refuses sends once the queue is full: each refused
     attempt is one without a reply, and the call still ends at its deadline, with the loop turning meanwhile."""
-    probe = sockets(zmq.ROUTER, bind=LOOPBACK)
-    endpoint = bound_endpoint(probe)
-    probe.close()  # nobody serves the endpoint: requests to it queue, up to HWM
+    endpoint = silent_endpoint  # nobody answers: requests to it queue, up to HWM
     small_queues(caller)
     turns = Counter()
     caller.every(0.01, lambda: turns.update(["turn"]))
