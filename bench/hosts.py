@@ -250,11 +250,12 @@ def _pids_in(inodes: set[int]) -> list[int]:
     return pids
 
 
-def _reap_children() -> None:
-    """Collect exited children of this process that nobody waits for (killed inside a namespace)."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+def _reap_children(pids: Sequence[int]) -> None:
+    """Collect those of ``pids`` (processes just killed inside a namespace) that are exited children of this
+    process. Only those: any other child's exit status belongs to whoever started it (its ``Popen.wait``)."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):  # not our child, or already collected
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _teardown(cluster: str) -> None:
@@ -275,7 +276,7 @@ def _teardown(cluster: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(REAP_POLL_S)
-        _reap_children()
+        _reap_children(survivors)
         survivors = _pids_in(inodes)
     for path in netns:
         _sh("ip", "netns", "del", path.name, check=False)
