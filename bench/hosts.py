@@ -221,22 +221,28 @@ class Hosts:
 
     def down(self) -> None:
         """Kill every process inside the cluster, delete its namespaces, mounts and state directory."""
-        for proc in self.processes:
-            _stop(proc)
-        _teardown(self.name)
+        try:
+            for proc in self.processes:
+                _stop(proc)
+        finally:
+            _teardown(self.name)  # whatever stopping did: it SIGKILLs what is left in the namespaces itself
         with _live_lock:
             _live.pop(self.name, None)
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL, each waited for ``STOP_TIMEOUT_S``; one that outlives both is left to teardown
+    (which kills every process of the namespaces and fails naming any that survive)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         try:
             proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(STOP_TIMEOUT_S)
 
 
 def _pids_in(inodes: set[int]) -> list[int]:

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench import hosts
 
 
@@ -25,3 +27,47 @@ def test_reaping_collects_only_the_killed_survivors_not_other_children() -> None
     hosts._reap_children([killed.pid, 1])  # pid 1 is no child of ours: ignored
     assert other.wait(timeout=10) == 3  # its exit status is still its own
     assert killed.poll() is not None  # collected (Popen then reports it ended, status unknown to it)
+
+
+class _Unkillable:
+    """A Popen that never ends: every wait times out."""
+
+    def __init__(self) -> None:
+        self.signals: list[str] = []
+
+    def poll(self) -> None:
+        return None
+
+    def terminate(self) -> None:
+        self.signals.append("TERM")
+
+    def kill(self) -> None:
+        self.signals.append("KILL")
+
+    def wait(self, timeout: float | None = None) -> int:
+        raise subprocess.TimeoutExpired("unkillable", timeout or 0)
+
+
+def test_stopping_a_process_that_will_not_die_gives_up_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hosts, "STOP_TIMEOUT_S", 0.01)
+    proc = _Unkillable()
+    hosts._stop(proc)  # type: ignore[arg-type]
+    assert proc.signals == ["TERM", "KILL"]
+
+
+def test_down_tears_down_even_when_stopping_a_process_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    torn: list[str] = []
+    stopped: list[object] = []
+
+    def stop(proc: object) -> None:
+        stopped.append(proc)
+        raise subprocess.TimeoutExpired("stuck", 5.0)
+
+    monkeypatch.setattr(hosts, "_stop", stop)
+    monkeypatch.setattr(hosts, "_teardown", torn.append)
+    cluster = hosts.Hosts("rbt1-0", ["hostA"])
+    cluster.processes.append(object())  # type: ignore[arg-type]
+    monkeypatch.setitem(hosts._live, cluster.name, cluster)
+    with pytest.raises(subprocess.TimeoutExpired):
+        cluster.down()
+    assert len(stopped) == 1 and torn == ["rbt1-0"]
