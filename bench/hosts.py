@@ -79,6 +79,12 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _probe_name(owner: int) -> str:
+    """The namespace :func:`unsupported` tries: named as a host of a cluster of ``owner``'s, so a run killed
+    between its ``add`` and ``del`` leaves one the next :func:`sweep` removes."""
+    return f"rbt{owner}-{next(_sequence)}-probe"
+
+
 def unsupported() -> str | None:
     """Why namespace hosts cannot be built here (None: they can)."""
     if not sys.platform.startswith("linux"):
@@ -88,7 +94,7 @@ def unsupported() -> str | None:
     missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "umount") if shutil.which(tool) is None]
     if missing:
         return f"namespace hosts need {', '.join(missing)} (iproute2, util-linux)"
-    probe = f"rbt{os.getpid()}-probe"
+    probe = _probe_name(os.getpid())
     try:
         result = _sh("ip", "netns", "add", probe, check=False)
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,26 @@ def test_down_tears_down_even_when_stopping_a_process_fails(monkeypatch: pytest.
     with pytest.raises(subprocess.TimeoutExpired):
         cluster.down()
     assert len(stopped) == 1 and torn == ["rbt1-0"]
+
+
+def test_a_probe_namespace_left_by_a_dead_owner_is_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    probe = hosts._probe_name(dead.pid)  # what a run killed between `ip netns add` and `del` leaves
+    netns = tmp_path / "netns"
+    netns.mkdir()
+    (netns / probe).touch()
+    deleted: list[str] = []
+
+    def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert argv[:3] == ("ip", "netns", "del"), argv
+        deleted.append(argv[3])
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(hosts, "NETNS_DIR", netns)
+    monkeypatch.setattr(hosts, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(hosts, "_sh", sh)
+    monkeypatch.setattr(hosts, "_pids_in", lambda inodes: [])  # these files are no namespaces: nothing to kill
+    (cluster,) = hosts._known_clusters()
+    assert probe.startswith(f"{cluster}-") and hosts.CLUSTER_NAME.match(cluster).group(1) == str(dead.pid)  # type: ignore[union-attr]
+    assert hosts.sweep() == [cluster] and deleted == [probe]
