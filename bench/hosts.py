@@ -63,7 +63,8 @@ CAP_LATENCY_MS = 20  # how long a packet may wait in a capped link's queue befor
 _ENTER = 'hostname "$0" && mount --bind "$1" /dev/shm && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
 
 _live: dict[str, Hosts] = {}
-_live_lock = threading.Lock()
+# Reentrant: the SIGTERM handler runs _down_all on the main thread, possibly while that thread holds it.
+_live_lock = threading.RLock()
 _sequence = iter(range(1 << 30))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,31 @@ def test_a_probe_namespace_left_by_a_dead_owner_is_swept(tmp_path: Path, monkeyp
     (cluster,) = hosts._known_clusters()
     assert probe.startswith(f"{cluster}-") and hosts.CLUSTER_NAME.match(cluster).group(1) == str(dead.pid)  # type: ignore[union-attr]
     assert hosts.sweep() == [cluster] and deleted == [probe]
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.downs = 0
+
+    def down(self) -> None:
+        self.downs += 1
+
+
+def test_the_sigterm_cleanup_runs_while_its_thread_holds_the_registry_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = _Cluster()
+    monkeypatch.setitem(hosts._live, "rbt1-0", cluster)  # type: ignore[arg-type]
+    done = threading.Event()
+
+    def interrupted_under_the_lock() -> None:
+        with hosts._live_lock:  # as build() holds it when SIGTERM's handler runs on the same thread
+            hosts._down_all()  # the handler's body (before it re-raises SIGTERM)
+        done.set()
+
+    thread = threading.Thread(target=interrupted_under_the_lock, daemon=True)
+    thread.start()
+    finished = done.wait(10)
+    if not finished:  # deadlocked: free it (a plain Lock may be released by any thread) and fail
+        hosts._live_lock.release()
+        thread.join(10)
+    assert finished, "the SIGTERM cleanup deadlocked on _live_lock"
+    assert cluster.downs == 1
