@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts.")
     top.add_argument("--once", action="store_true", help="print one table and exit")
     top.add_argument("--json", action="store_true", help="print each table as a JSON array (one line)")
-    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes")
+    top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (positive)")
     add_config_flags(top)
 
     nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",

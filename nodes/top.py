@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -134,6 +135,9 @@ class Top:
     def run(self, *, once: bool, interval_s: float) -> None:
         """Show the table once, or every ``interval_s`` until interrupted. While live, a broker that stops
         answering is reported in place of the table and asked again (it may be restarting)."""
+        if not once and not 0 < interval_s < math.inf:  # NaN too: a negative sleep raises, zero floods the broker
+            self.runtime.close()
+            raise ValueError(f"the refresh interval must be a positive number of seconds, not {interval_s!r}")
         try:
             while True:
                 try:
