@@ -195,12 +195,15 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
         runtime.close()
     if nodes is None:
         raise BusUnavailable(f"no registry from the broker at {config.bus.control}")
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(nodes), indent=2))
-    else:
+    from .top import json_safe, printable
+
+    if args.json:  # strict JSON: a NaN status number is null
+        print(json.dumps(json_safe(msgspec.to_builtins(nodes)), indent=2, allow_nan=False))
+    else:  # what nodes report is shown escaped: a registry entry cannot drive the terminal
         for info in nodes:
-            endpoints = " ".join(f"{k}={v}" for k, v in info.endpoints.items())
-            print(f"{info.node_id:<32} {info.role:<12} {info.host}:{info.pid:<8} {endpoints}")
+            endpoints = printable(" ".join(f"{k}={v}" for k, v in info.endpoints.items()))
+            print(f"{printable(info.node_id):<32} {printable(info.role):<12} {printable(info.host)}:{info.pid:<8} "
+                  f"{endpoints}")
     return 0
 
 
