@@ -63,7 +63,8 @@ CAP_LATENCY_MS = 20  # how long a packet may wait in a capped link's queue befor
 _ENTER = 'hostname "$0" && mount --bind "$1" /dev/shm && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
 
 _live: dict[str, Hosts] = {}
-_live_lock = threading.Lock()
+# Reentrant: the SIGTERM handler runs _down_all on the main thread, possibly while that thread holds it.
+_live_lock = threading.RLock()
 _sequence = iter(range(1 << 30))
 
 
@@ -79,6 +80,12 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _probe_name(owner: int) -> str:
+    """The namespace :func:`unsupported` tries: named as a host of a cluster of ``owner``'s, so a run killed
+    between its ``add`` and ``del`` leaves one the next :func:`sweep` removes."""
+    return f"rbt{owner}-{next(_sequence)}-probe"
+
+
 def unsupported() -> str | None:
     """Why namespace hosts cannot be built here (None: they can)."""
     if not sys.platform.startswith("linux"):
@@ -88,7 +95,7 @@ def unsupported() -> str | None:
     missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "umount") if shutil.which(tool) is None]
     if missing:
         return f"namespace hosts need {', '.join(missing)} (iproute2, util-linux)"
-    probe = f"rbt{os.getpid()}-probe"
+    probe = _probe_name(os.getpid())
     try:
         result = _sh("ip", "netns", "add", probe, check=False)
     finally:
@@ -221,22 +228,28 @@ class Hosts:
 
     def down(self) -> None:
         """Kill every process inside the cluster, delete its namespaces, mounts and state directory."""
-        for proc in self.processes:
-            _stop(proc)
-        _teardown(self.name)
+        try:
+            for proc in self.processes:
+                _stop(proc)
+        finally:
+            _teardown(self.name)  # whatever stopping did: it SIGKILLs what is left in the namespaces itself
         with _live_lock:
             _live.pop(self.name, None)
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL, each waited for ``STOP_TIMEOUT_S``; one that outlives both is left to teardown
+    (which kills every process of the namespaces and fails naming any that survive)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         try:
             proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(STOP_TIMEOUT_S)
 
 
 def _pids_in(inodes: set[int]) -> list[int]:
@@ -250,11 +263,12 @@ def _pids_in(inodes: set[int]) -> list[int]:
     return pids
 
 
-def _reap_children() -> None:
-    """Collect exited children of this process that nobody waits for (killed inside a namespace)."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+def _reap_children(pids: Sequence[int]) -> None:
+    """Collect those of ``pids`` (processes just killed inside a namespace) that are exited children of this
+    process. Only those: any other child's exit status belongs to whoever started it (its ``Popen.wait``)."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):  # not our child, or already collected
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _teardown(cluster: str) -> None:
@@ -275,7 +289,7 @@ def _teardown(cluster: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(REAP_POLL_S)
-        _reap_children()
+        _reap_children(survivors)
         survivors = _pids_in(inodes)
     for path in netns:
         _sh("ip", "netns", "del", path.name, check=False)

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts.")
     top.add_argument("--once", action="store_true", help="print one table and exit")
     top.add_argument("--json", action="store_true", help="print each table as a JSON array (one line)")
-    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes")
+    top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (positive)")
     add_config_flags(top)
 
     nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",
@@ -194,12 +195,15 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
         runtime.close()
     if nodes is None:
         raise BusUnavailable(f"no registry from the broker at {config.bus.control}")
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(nodes), indent=2))
-    else:
+    from .top import json_safe, printable
+
+    if args.json:  # strict JSON: a NaN status number is null
+        print(json.dumps(json_safe(msgspec.to_builtins(nodes)), indent=2, allow_nan=False))
+    else:  # what nodes report is shown escaped: a registry entry cannot drive the terminal
         for info in nodes:
-            endpoints = " ".join(f"{k}={v}" for k, v in info.endpoints.items())
-            print(f"{info.node_id:<32} {info.role:<12} {info.host}:{info.pid:<8} {endpoints}")
+            endpoints = printable(" ".join(f"{k}={v}" for k, v in info.endpoints.items()))
+            print(f"{printable(info.node_id):<32} {printable(info.role):<12} {printable(info.host)}:{info.pid:<8} "
+                  f"{endpoints}")
     return 0
 
 

@@ -3,9 +3,12 @@
 Every refresh asks the broker for its registry (a ``nodes`` request) and shows one row per live node: id,
 role, host, pid, blobs and bytes held, version, lag and heartbeat age. Blobs, bytes and version come from
 the ``status`` numbers each node sends with its heartbeats (``blobs_held``, ``bytes_held``, ``version``, or
-``step`` for roles that count steps); a role that does not report one shows ``-``. Lag is the highest
-version any node reports minus the node's own. The broker itself is not a registry member, so it is not a
-row; the title line names the cluster and the broker's address.
+``step`` for roles that count steps); a role that does not report one shows ``-``, and so does a version
+below 0 (a rollout worker with no weights, or torn ones) and any number that is not finite. Lag is the
+highest version any node reports minus the node's own. Text a node reports (id, role, host) is shown with
+non-printable characters escaped (``\\x1b``), so a registry entry cannot drive the terminal. The broker
+itself is not a registry member, so it is not a row; the title line names the cluster and the broker's
+address.
 
 On a terminal the table is redrawn in place (ANSI); otherwise each refresh is printed after the last.
 ``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON array (one line).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -44,14 +48,47 @@ class Row:
     heartbeat_age_s: float
 
 
+def finite(value: object) -> float | None:
+    """``value`` as a float when it is a finite number, else None (missing, NaN, infinite, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def json_safe(value: object) -> object:
+    """``value`` (JSON-able builtins) with every non-finite float replaced by None: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (controls, escapes, line breaks) written as an escape."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else
+                                                 f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+                   for ch in text)
+
+
+def _version(status: dict[str, float]) -> float | None:
+    version = finite(status.get("version", status.get("step")))
+    return version if version is not None and version >= 0 else None  # below 0: no (or torn) weights
+
+
 def rows(nodes: Sequence[NodeInfo], now: float) -> list[Row]:
     """The table for ``nodes`` at wall-clock time ``now``, sorted by role then node id.
 
-    ``version`` is the node's ``version`` status, else its ``step``; ``lag`` is the highest version of all
-    rows minus this one's (both known); heartbeat age is ``now - last_seen``, never negative (the broker's
-    clock stamps ``last_seen``; another host's clock may run slightly ahead).
+    ``version`` is the node's ``version`` status, else its ``step`` (None below 0 and when not finite, as
+    every number here); ``lag`` is the highest version of all rows minus this one's (both known); heartbeat
+    age is ``now - last_seen``, never negative (the broker's clock stamps ``last_seen``; another host's clock
+    may run slightly ahead).
     """
-    versions = {n.node_id: n.status.get("version", n.status.get("step")) for n in nodes}
+    versions = {n.node_id: _version(n.status) for n in nodes}
     known = [v for v in versions.values() if v is not None]
     newest = max(known) if known else None
     table = []
@@ -62,11 +99,11 @@ def rows(nodes: Sequence[NodeInfo], now: float) -> list[Row]:
             role=node.role,
             host=node.host,
             pid=node.pid,
-            blobs_held=node.status.get("blobs_held"),
-            bytes_held=node.status.get("bytes_held"),
+            blobs_held=finite(node.status.get("blobs_held")),
+            bytes_held=finite(node.status.get("bytes_held")),
             version=version,
             lag=newest - version if newest is not None and version is not None else None,
-            heartbeat_age_s=max(0.0, now - node.last_seen),
+            heartbeat_age_s=max(0.0, finite(now - node.last_seen) or 0.0),
         ))
     return table
 
@@ -92,13 +129,13 @@ _COLUMNS = ("NODE", "ROLE", "HOST", "PID", "BLOBS", "BYTES", "VERSION", "LAG", "
 def format_table(table: Sequence[Row], title: str) -> str:
     """``title``, then an aligned text table with a header line (one line per row)."""
     cells = [_COLUMNS] + [
-        (r.node_id, r.role, r.host, str(r.pid), _number(r.blobs_held), _bytes(r.bytes_held), _number(r.version),
-         _number(r.lag), f"{r.heartbeat_age_s:.1f}s")
+        (printable(r.node_id), printable(r.role), printable(r.host), str(r.pid), _number(r.blobs_held),
+         _bytes(r.bytes_held), _number(r.version), _number(r.lag), f"{r.heartbeat_age_s:.1f}s")
         for r in table
     ]
     widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-    lines = [title] + ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-                       for line in cells]
+    lines = [printable(title)] + [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells]
     return "\n".join(lines) + "\n"
 
 
@@ -122,7 +159,7 @@ class Top:
 
     def show(self, table: Sequence[Row]) -> None:
         if self.as_json:
-            self.out.write(json.dumps([asdict(r) for r in table]) + "\n")
+            self.out.write(json.dumps(json_safe([asdict(r) for r in table]), allow_nan=False) + "\n")
         else:
             stamp = time.strftime("%H:%M:%S")
             title = (f"refbus top · cluster {self.config.cluster.name} · broker {self.config.bus.control} · "
@@ -134,6 +171,9 @@ class Top:
     def run(self, *, once: bool, interval_s: float) -> None:
         """Show the table once, or every ``interval_s`` until interrupted. While live, a broker that stops
         answering is reported in place of the table and asked again (it may be restarting)."""
+        if not once and not 0 < interval_s < math.inf:  # NaN too: a negative sleep raises, zero floods the broker
+            self.runtime.close()
+            raise ValueError(f"the refresh interval must be a positive number of seconds, not {interval_s!r}")
         try:
             while True:
                 try:
@@ -141,7 +181,7 @@ class Top:
                 except BusUnavailable as exc:
                     if once:
                         raise
-                    self.out.write((_HOME_AND_CLEAR if self.redraw else "") + f"refbus top: {exc}\n")
+                    self.out.write((_HOME_AND_CLEAR if self.redraw else "") + f"refbus top: {printable(str(exc))}\n")
                     self.out.flush()
                 if once:
                     return

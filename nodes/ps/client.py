@@ -93,7 +93,7 @@ from ...protocol.messages_ps import (
 )
 from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
-from .nixl import NixlError, NixlReader
+from .nixl import NixlError, NixlReader, NixlUnusable
 from .shm import SegmentMaps
 
 log = structlog.get_logger(__name__)
@@ -619,6 +619,7 @@ class PsClient:
 
         Raises RemoteError (``unknown-version``, ``too-stale``, ...), LeaseExpired, TornPull, PsError.
         """
+        self._check_out_free(out or {})
         grant = self._ask(self._manager, PullBegin(self.holder, version, max_staleness), PullGrant)
         self._keeper.hold(grant.lease, grant.ttl_s)
         cast = _Cast(dtype, tuple(keep_fp32), out or {}, self.before_write)
@@ -643,6 +644,17 @@ class PsClient:
                 raise TornPull(grant.manifest.version, cast.written, exc) from exc
             raise
         return PulledState(grant.manifest, tensors)
+
+    def _check_out_free(self, out: Mapping[str, torch.Tensor]) -> None:
+        """Refuse (PsError, nothing written) an ``out`` whose memory an abandoned NIXL READ may still write:
+        bytes pulled into it could be overwritten afterwards."""
+        if self._nixl is None:
+            return
+        busy = [name for name, t in out.items() if t.device.type == "cpu" and t.numel()
+                and self._nixl.may_write(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+        if busy:
+            raise PsError(f"out[{busy[0]!r}] (and {len(busy) - 1} more) may still be written by an abandoned NIXL "
+                          f"transfer ({self._nixl.unusable}): pull into other tensors")
 
     def _end_pull(self, lease: str, version: int) -> None:
         self._keeper.drop(lease)
@@ -716,18 +728,28 @@ class PsClient:
                 cast.writing(entry.name)
 
         client = self._worker(worker)
+        # A reader that abandoned a transfer refuses reads: frames then, as without NIXL.
+        nixl = self._nixl if self._nixl is not None and self._nixl.unusable is None else None
         try:
-            if self._nixl is not None:
-                # A READ may land any of its bytes first: every out tensor it targets counts as written.
-                for item in wanted:
-                    first_write(item.entry)
+            if nixl is not None:
+                def read_into(entry: ManifestEntry) -> torch.Tensor:
+                    # A READ may land any of its bytes first: every out tensor it targets counts as written
+                    # (marked here, once ``destination`` has said which ones it targets).
+                    target = destination(entry)
+                    first_write(entry)
+                    return target
+
                 # The bound the frames path gives the same bytes: one retry schedule per chunk_bytes request.
                 chunks = -(-sum(item.entry.nbytes for item in wanted) // self.chunk_bytes)
-                raws = self._nixl.read(wanted, lambda segment: self._ask(client, NixlOpen(segment), NixlOpened),
-                                       destination, deadline_s=sum(client.policy.timeouts()) * max(1, chunks))
+                raws = nixl.read(wanted, lambda segment: self._ask(client, NixlOpen(segment), NixlOpened),
+                                 read_into, deadline_s=sum(client.policy.timeouts()) * max(1, chunks))
             else:
                 raws = read_frames(client, wanted, destination, chunk_bytes=self.chunk_bytes, window=_WINDOW,
                                    first_write=first_write)
+        except NixlUnusable as exc:
+            if direct:  # the abandoned READ may still write into out: no other copy may go there (TornPull)
+                raise PsError(f"worker {worker.worker}: {exc}; out is not written again") from exc
+            raise _WorkerFailed(worker.worker, exc) from exc  # its buffers stay with the reader: another copy
         except (FramesError, NixlError) as exc:
             # Any failure, a refusal included (a restarted worker reusing a segment name), is worth the next
             # copy: a read changes nothing on the worker.
@@ -739,7 +761,7 @@ class PsClient:
             else:
                 result[entry.name] = cast.deliver(entry.name, _typed(raw if entry.nbytes else None, entry),
                                                   private=True, shared=False)
-            self.read_bytes["frames" if self._nixl is None else "nixl"] += entry.nbytes
+            self.read_bytes["frames" if nixl is None else "nixl"] += entry.nbytes
 
     # --- broadcast init, inspection -----------------------------------------------------------------
 

@@ -15,18 +15,23 @@ bound allows, and the trainer drops what is too stale when it is packed. Until v
 Torn weights: a pull copies into the model's tensors (there is no memory for a second copy), so a pull
 that fails part-way (:class:`~refbus.nodes.ps.client.TornPull`) leaves a model mixing two versions. The
 worker then serves no version: ``generate`` is refused with ``no-weights`` (retryable: the run is sent
-again) until a full pull succeeds, which it attempts before every refusal and on every refresh tick.
+again) until a full pull succeeds, which it attempts on every refresh tick and before every refusal, except
+within a tick of an attempt that went unanswered (a manager that does not answer costs the queued
+generations one attempt's retries per tick, not each generation its own).
 
 Threads: generations and weight pulls run one at a time on one :class:`~refbus.bus.offload.Offload`
 thread, so the node loop answers heartbeats and takes requests and bumps while the model computes, and a
 pull never changes the weights under a generation. A pull goes ahead of the generations still queued: a
-bump is acted on once the generation in progress ends. The ``generate`` reply is deferred and sent from
-the loop thread.
+bump is acted on once the generation in progress ends; one that arrives while a refresh is queued or
+running queues another refresh when that one ends. The ``generate`` reply is deferred and sent from the
+loop thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import time
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +50,8 @@ if TYPE_CHECKING:
     from ..config import Config
 
 log = structlog.get_logger(__name__)
+
+REFRESH_EVERY_S = 1.0  # the refresh tick: a poll for a missed bump, and the pace of refreshes before refusals
 
 
 class RolloutWorker:
@@ -65,12 +72,15 @@ class RolloutWorker:
         self.torn_pulls = 0
         self.generated = 0
         self._refresh_queued = False  # loop thread
+        self._refresh_missed = False  # loop thread: a bump came while a refresh was queued or running
+        self._clock = time.monotonic
+        self._unanswered_at = -math.inf  # offload thread: when the last refresh ended unanswered (_clock)
         # Each worker samples its own stream (crc32: stable across processes, unlike hash()).
         self.generator = torch.Generator().manual_seed(rl.seed + zlib.crc32(runtime.node_id.encode()))
         self.server = runtime.serve("generate", config.rollout.endpoint)
         self.server.on(Generate.kind, self._on_generate, cached=False)
         runtime.subscribe(self._on_bump, kinds=frozenset({VersionBump.kind}))
-        runtime.every(1.0, self._want_refresh)
+        runtime.every(REFRESH_EVERY_S, self._want_refresh)
         runtime.status = lambda: {"version": float(self.version), "generated": float(self.generated),
                                   "torn": float(self.torn is not None)}
         runtime.metric("refbus_rollout_policy_version", "Weights version this rollout worker serves.",
@@ -89,18 +99,25 @@ class RolloutWorker:
         bump = message.body
         assert isinstance(bump, VersionBump)
         if bump.version != self.version:  # lower: a restarted trainer world started a new lineage
-            self._want_refresh()
+            self._want_refresh(bumped=True)
 
-    def _want_refresh(self) -> None:
-        """Queue one refresh ahead of the generations (none while one is queued or running)."""
-        if not self._refresh_queued:
-            self._refresh_queued = True
-            self.offload.submit(self.refresh, self._refreshed, urgent=True)
+    def _want_refresh(self, bumped: bool = False) -> None:
+        """Queue one refresh ahead of the generations. While one is queued or running, a tick is dropped (the
+        next tick comes) but a bump is remembered: that refresh may have read the manager before the bump's
+        version committed, so another one is queued when it ends."""
+        if self._refresh_queued:
+            self._refresh_missed = self._refresh_missed or bumped
+            return
+        self._refresh_queued = True
+        self.offload.submit(self.refresh, self._refreshed, urgent=True)
 
     def _refreshed(self, outcome: object) -> None:
         self._refresh_queued = False
         if isinstance(outcome, Exception):
             log.error("weights.refresh_failed", exc_info=outcome)
+        if self._refresh_missed:
+            self._refresh_missed = False
+            self._want_refresh()
 
     def _on_generate(self, request: Message) -> None:
         ask = request.body
@@ -115,6 +132,7 @@ class RolloutWorker:
         """Pull the latest committed version if it is not the one served (offload thread)."""
         try:
             latest = self.ps.status().latest
+            self._unanswered_at = -math.inf
             if latest in (self.version, -1):
                 return
             state = self.ps.pull(out=self.model.state_dict())
@@ -128,6 +146,8 @@ class RolloutWorker:
                 log.warning("weights.pull_failed", code=exc.code, error=exc.detail)
             return
         except (RequestTimeout, PsError) as exc:
+            if isinstance(exc, RequestTimeout):
+                self._unanswered_at = self._clock()
             log.warning("weights.pull_failed", error=str(exc))
             return
         if state.version != self.version:
@@ -136,8 +156,8 @@ class RolloutWorker:
         self.torn = None
 
     def _generate(self, ask: Generate) -> Generated:
-        if self.version < 0:
-            self.refresh()
+        if self.version < 0 and self._clock() - self._unanswered_at >= REFRESH_EVERY_S:
+            self.refresh()  # not again within a tick of one unanswered: each would wait out its whole retries
         if self.torn is not None:
             raise HandlerError("no-weights", f"the weights are torn ({self.torn}); generation is refused until a "
                                "full pull succeeds")

@@ -1,0 +1,126 @@
+"""bench/hosts.py's bookkeeping, without building namespaces (no root needed): reaping only the processes
+teardown killed, teardown that runs whatever stopping the processes did, probes the sweep finds, and a
+SIGTERM cleanup that cannot deadlock on the registry lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from bench import hosts
+
+
+def _exited_unreaped(proc: subprocess.Popen[bytes]) -> None:
+    """Wait until ``proc`` has exited, leaving it to be reaped (WNOWAIT: its status stays for Popen.wait)."""
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_reaping_collects_only_the_killed_survivors_not_other_children() -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    _exited_unreaped(other)
+    _exited_unreaped(killed)
+    hosts._reap_children([killed.pid, 1])  # pid 1 is no child of ours: ignored
+    assert other.wait(timeout=10) == 3  # its exit status is still its own
+    assert killed.poll() is not None  # collected (Popen then reports it ended, status unknown to it)
+
+
+class _Unkillable:
+    """A Popen that never ends: every wait times out."""
+
+    def __init__(self) -> None:
+        self.signals: list[str] = []
+
+    def poll(self) -> None:
+        return None
+
+    def terminate(self) -> None:
+        self.signals.append("TERM")
+
+    def kill(self) -> None:
+        self.signals.append("KILL")
+
+    def wait(self, timeout: float | None = None) -> int:
+        raise subprocess.TimeoutExpired("unkillable", timeout or 0)
+
+
+def test_stopping_a_process_that_will_not_die_gives_up_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hosts, "STOP_TIMEOUT_S", 0.01)
+    proc = _Unkillable()
+    hosts._stop(proc)  # type: ignore[arg-type]
+    assert proc.signals == ["TERM", "KILL"]
+
+
+def test_down_tears_down_even_when_stopping_a_process_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    torn: list[str] = []
+    stopped: list[object] = []
+
+    def stop(proc: object) -> None:
+        stopped.append(proc)
+        raise subprocess.TimeoutExpired("stuck", 5.0)
+
+    monkeypatch.setattr(hosts, "_stop", stop)
+    monkeypatch.setattr(hosts, "_teardown", torn.append)
+    cluster = hosts.Hosts("rbt1-0", ["hostA"])
+    cluster.processes.append(object())  # type: ignore[arg-type]
+    monkeypatch.setitem(hosts._live, cluster.name, cluster)
+    with pytest.raises(subprocess.TimeoutExpired):
+        cluster.down()
+    assert len(stopped) == 1 and torn == ["rbt1-0"]
+
+
+def test_a_probe_namespace_left_by_a_dead_owner_is_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    probe = hosts._probe_name(dead.pid)  # what a run killed between `ip netns add` and `del` leaves
+    netns = tmp_path / "netns"
+    netns.mkdir()
+    (netns / probe).touch()
+    deleted: list[str] = []
+
+    def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        assert argv[:3] == ("ip", "netns", "del"), argv
+        deleted.append(argv[3])
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(hosts, "NETNS_DIR", netns)
+    monkeypatch.setattr(hosts, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(hosts, "_sh", sh)
+    monkeypatch.setattr(hosts, "_pids_in", lambda inodes: [])  # these files are no namespaces: nothing to kill
+    (cluster,) = hosts._known_clusters()
+    assert probe.startswith(f"{cluster}-") and hosts.CLUSTER_NAME.match(cluster).group(1) == str(dead.pid)  # type: ignore[union-attr]
+    assert hosts.sweep() == [cluster] and deleted == [probe]
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.downs = 0
+
+    def down(self) -> None:
+        self.downs += 1
+
+
+def test_the_sigterm_cleanup_runs_while_its_thread_holds_the_registry_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = _Cluster()
+    monkeypatch.setitem(hosts._live, "rbt1-0", cluster)  # type: ignore[arg-type]
+    done = threading.Event()
+
+    def interrupted_under_the_lock() -> None:
+        with hosts._live_lock:  # as build() holds it when SIGTERM's handler runs on the same thread
+            hosts._down_all()  # the handler's body (before it re-raises SIGTERM)
+        done.set()
+
+    thread = threading.Thread(target=interrupted_under_the_lock, daemon=True)
+    thread.start()
+    finished = done.wait(10)
+    if not finished:  # deadlocked: free it (a plain Lock may be released by any thread) and fail
+        hosts._live_lock.release()
+        thread.join(10)
+    assert finished, "the SIGTERM cleanup deadlocked on _live_lock"
+    assert cluster.downs == 1
