@@ -676,10 +676,11 @@ def test_a_malformed_record_is_deleted_malformed_before_training_and_its_group_a
     assert core.malformed_episodes == 2 and core.abandoned_groups == 1
 
 
-def test_a_group_that_makes_packing_fail_is_deleted_malformed_and_the_others_ship() -> None:
+def test_a_group_that_makes_packing_fail_waits_for_the_next_step_or_is_deleted_malformed() -> None:
     """Regression: groups of a step whose packing raised (routed samples of two routing shapes, a sample id
     twice) had left the queue already: never shipped nor deleted. Now the step ships without the group that
-    broke it, which is deleted ``malformed`` and gives its admission slot back."""
+    broke it: one of another routing shape (a store of another model) ships at the next step, first; one that
+    repeats a sample id is deleted ``malformed`` and gives its admission slot back."""
     core = OrchestratorCore(settings(groups_per_step=3), DEADLINES)
     core.use_trainers(T0, [trainer(0), trainer(1)])
 
@@ -693,16 +694,24 @@ def test_a_group_that_makes_packing_fail_is_deleted_malformed_and_the_others_shi
 
     assert shaped("A", [3, 2]) == [] and shaped("B", [4, 2]) == []  # a store of another model
     actions = feed_group(core, T0, "C")
-    assert deletes(actions) == {"malformed": ["b-B-0", "b-B-1"]}
+    assert deletes(actions) == {}
     (to0, to1) = of(DeliverBatch, actions)
     assert set(to0.batch.owned) | set(to1.batch.owned) == {"b-A-0", "b-A-1", "b-C-0", "b-C-1"}
-    assert core.sink.queue == [] and core.sink.dropped["malformed"] == 2 and core.groups_released == 1
-    assert set(core.holdings.held) == {"b-A-0", "b-A-1", "b-C-0", "b-C-1"}  # until the ranks acknowledge
-
-    # The same episode twice (its sample ids repeat): the later group is deleted, the step ships.
+    assert [[s.sample_id for s in group] for group in core.sink.queue] == [["B-0/0", "B-1/0"]]  # next, first
+    assert core.sink.dropped["malformed"] == 0 and core.groups_released == 0
+    assert set(core.holdings.held) == {f"b-{g}-{m}" for g in "ABC" for m in (0, 1)}
     for endpoint in ("tcp://t0", "tcp://t1"):
         core.on_delivered(T0 + 1, 0, endpoint, None)
-    feed_group(core, T0 + 1, "D")
+    assert shaped("G", [4, 2]) == []
+    actions = shaped("H", [4, 2])  # B ships at the next step, first, with the groups of its own shape
+    owned = {b for d in of(DeliverBatch, actions) for b in d.batch.owned}
+    assert owned == {f"b-{g}-{m}" for g in "BGH" for m in (0, 1)} and deletes(actions) == {}
+    assert core.sink.queue == []
+    for endpoint in ("tcp://t0", "tcp://t1"):
+        core.on_delivered(T0 + 2, 1, endpoint, None)
+
+    # The same episode twice (its sample ids repeat): the later group is deleted, the step ships.
+    feed_group(core, T0 + 2, "D")
     again = with_info(msgspec.structs.replace(episode("D-0", "E", 1.0), refs=[]), ref=-1)  # no arrays
     assert core.on_episode(T0 + 1, again, []) == []
     other = episode("E-1", "E", 0.0)
@@ -711,7 +720,7 @@ def test_a_group_that_makes_packing_fail_is_deleted_malformed_and_the_others_shi
     assert deletes(actions) == {"malformed": ["b-E-1"]}
     shipped = {s.sample_id for d in of(DeliverBatch, actions) for mb in d.batch.micro_batches for s in mb.samples}
     assert shipped == {"D-0/0", "D-1/0", "F-0/0", "F-1/0"}
-    assert core.sink.dropped["malformed"] == 4 and core.groups_released == 2
+    assert core.sink.dropped["malformed"] == 2 and core.groups_released == 1  # E only: B shipped
 
 
 def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:

@@ -16,8 +16,9 @@ Decisions and their rules:
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
-  logged) and its group abandoned. A group that makes a step's packing fail (routing shapes that disagree
-  with the step's, a repeated sample id) is deleted ``malformed`` and the step ships without it.
+  logged) and its group abandoned. A group that makes a step's packing fail is left out and the step ships:
+  one of another routing shape than the step's (a store of another model) waits to ship first at the next
+  step; any other (a repeated sample id) is deleted ``malformed``.
 * **Shipping.** Once ``groups_per_step`` groups are queued and the trainer ranks are known, the next step is
   packed and each rank gets its :class:`DeliverBatch`. One step is in delivery at a time: the next one is
   packed only when every rank acknowledged. A rank that refused or did not answer gets the *same* step

@@ -206,9 +206,11 @@ class TrainSink:
         shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
         the queue; their blobs stay held until a rank acknowledges its batch.
 
-        The queue changes only once the step batches are built. A group that makes packing fail (its samples
-        disagree with the others' routing shape, a sample id repeats, an input's length is not its token
-        count) is deleted, reason ``malformed``, and the others ship without it (:meth:`_without_malformed`)."""
+        The queue changes only once the step batches are built. A group that makes packing fail is left out
+        and the others ship (:meth:`_without_malformed`): deleted, reason ``malformed``, when it cannot be packed
+        even alone (a sample id repeats, an input's length is not its token count); kept at the head of the
+        queue for the next step when it only disagrees with the groups before it (another routing shape: one
+        step carries one)."""
         fresh_groups = []
         for group in self.queue:
             fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
@@ -223,11 +225,12 @@ class TrainSink:
             return None
         if not self.trainers:
             raise RuntimeError("no trainer ranks known: call use_trainers() first")
+        deferred: list[Sequence[Sample]] = []
         try:
             shipment: Shipment | None = self._shipment(step, policy_version, groups)
         except Exception as error:  # whatever a group's data breaks, the others ship
-            shipment = self._without_malformed(step, policy_version, groups, error)
-        self.queue = fresh_groups[len(groups):]
+            shipment, deferred = self._without_malformed(step, policy_version, groups, error)
+        self.queue = [*deferred, *fresh_groups[len(groups):]]
         return shipment
 
     def _shipment(self, step: int, policy_version: int, groups: Sequence[Sequence[Sample]]) -> Shipment:
@@ -252,23 +255,40 @@ class TrainSink:
         return Shipment(plan, batches)
 
     def _without_malformed(self, step: int, policy_version: int, groups: Sequence[Sequence[Sample]],
-                           error: Exception) -> Shipment | None:
-        """Packing ``groups`` failed with ``error``: take them one at a time, oldest first, and delete
-        (``malformed``) each group that makes the step fail with those kept before it; the rest ship. Bounded:
-        one packing per group, only on this rare path."""
+                           error: Exception) -> tuple[Shipment | None, list[Sequence[Sample]]]:
+        """Packing ``groups`` failed with ``error``: take them one at a time, oldest first, keeping each that
+        packs with those kept before it. One that does not waits for the next step (returned, oldest first: it
+        then ships first) when it carries a routing shape the kept ones do not and packs alone; any other is
+        malformed (deleted, logged): a sample id it repeats, data that cannot be packed at all. Bounded: at
+        most two packings per group, only on this rare path."""
         kept: list[Sequence[Sample]] = []
+        deferred: list[Sequence[Sample]] = []
         shipment: Shipment | None = None
         for group in groups:
             try:
                 shipment = self._shipment(step, policy_version, [*kept, group])
             except Exception as cause:  # see ship()
+                if _routing_shapes([group]) - _routing_shapes(kept) and self._packs(step, policy_version, group):
+                    log.info("group.deferred", step=step, samples=[s.sample_id for s in group][:8],
+                             error=f"{type(cause).__name__}: {cause}")
+                    deferred.append(group)
+                    continue
                 log.warning("group.malformed", step=step, samples=[s.sample_id for s in group][:8],
                             error=f"{type(cause).__name__}: {cause}", step_error=str(error))
                 self.drop(group, MALFORMED)
                 self.dropped_groups += 1
                 continue
             kept.append(group)
-        return shipment if kept else None
+        if not kept:  # every group was deferred or malformed; ship() built nothing
+            shipment = None
+        return shipment, deferred
+
+    def _packs(self, step: int, policy_version: int, group: Sequence[Sample]) -> bool:
+        try:
+            self._shipment(step, policy_version, [group])
+        except Exception:  # see ship()
+            return False
+        return True
 
     def close(self) -> None:
         """Shutdown: delete whatever is still queued."""
@@ -289,6 +309,11 @@ class EvalSink:
         self.episodes += 1
         self.samples += len(samples)
         self.holder.delete((s.ref for s in samples if s.ref is not None), "eval")
+
+
+def _routing_shapes(groups: Iterable[Sequence[Sample]]) -> set[tuple[int, ...]]:
+    return {tuple(s.ref.routing_shape) for group in groups for s in group
+            if s.ref is not None and s.ref.routing_shape is not None}
 
 
 def sample_info(sample: Sample) -> SampleInfo:
