@@ -252,8 +252,22 @@ def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     assert isinstance(finished, EpisodeFinished) and finished.episode_id == "fits"
     err = refused(client, Keep(episode_id="later", branches=[branch(64), branch(32)]))  # fits an empty store
     assert err.code == "over-budget" and err.retry_after_s > 0, err
+    # The loss reasons carry blame in the ledger: a peer may not use them to delete (or discard) what it does not
+    # own without a violation. Refused whole, nothing deleted.
+    for reason, node in (("holder-down", ""), ("lost", ""), ("lost", "env-other")):
+        err = refused(client, Delete(blob_ids=[ref.blob_id], holder="rank-7", reason=reason, node=node))
+        assert err.code == "bad-reason" and reason in err.detail, err
+    for reason in ("holder-down", "lost", "undelivered", "shutdown"):
+        err = refused(client, Discard(episode_id="fits", reason=reason))
+        assert err.code == "bad-reason" and reason in err.detail, err
     assert ask(client, Discard(episode_id="fits")) == Deleted(blob_ids=[ref.blob_id])
     assert observer.next() == Delete(blob_ids=[ref.blob_id], holder="env-d", reason="discarded")
+    # A holder deleting this store's blobs as lost names it (what an orchestrator does once the store is back).
+    (lost,) = ask(client, Keep(episode_id="given-up", branches=[branch(4)])).refs
+    assert isinstance(observer.next(), EpisodeFinished)
+    assert ask(client, Delete(blob_ids=[lost.blob_id], holder="env-d", reason="lost", node="env-d")) == Deleted(
+        blob_ids=[lost.blob_id])
+    assert observer.next() == Delete(blob_ids=[lost.blob_id], holder="env-d", reason="lost", node="env-d")
 
 
 def test_replicas_of_one_source_register_with_it_and_report_status(

@@ -123,6 +123,8 @@ from .keeper import (
     DISCARDED,
     HOLDER_DOWN,
     LOST,
+    SHUTDOWN,
+    UNDELIVERED,
     VIOLATION_ACTIONS,
     DeleteResult,
     Keeper,
@@ -135,6 +137,8 @@ from .keeper import (
 log = structlog.get_logger(__name__)
 
 ROLE = "env-server"
+STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
+"""Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +350,9 @@ class EnvServer:
     def _on_discard(self, request: Message) -> Deleted:
         body = request.body
         assert isinstance(body, Discard)
+        if body.reason in STORE_REASONS:
+            raise HandlerError("bad-reason", f"a discard's reason may not be {body.reason!r}: this store gives it "
+                               "to the deletes it decides itself")
         return Deleted(blob_ids=self.discard(body.episode_id, body.reason))
 
     def _on_claim(self, request: Message) -> Claimed:
@@ -380,6 +387,12 @@ class EnvServer:
     def _on_delete(self, request: Message) -> Deleted:
         body = request.body
         assert isinstance(body, Delete)
+        # The loss reasons carry blame in the ledger: holder-down only from this store's own reclaim, lost only
+        # for this store's blobs that a holder gave up while it was down (the delete names it).
+        if body.reason == HOLDER_DOWN or (body.reason == LOST and body.node != self.runtime.node_id):
+            raise HandlerError("bad-reason", f"a delete's reason may not be {body.reason!r} here"
+                               + ("" if body.reason == HOLDER_DOWN else f" unless it names this store "
+                                  f"({self.runtime.node_id!r}) as the node whose blobs were lost"))
         with self._lock:
             result = self.keeper.delete(body.blob_ids, body.holder, body.reason)
             if self.journal is not None:
