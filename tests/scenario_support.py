@@ -202,6 +202,8 @@ class RecordingTrainer:
         self.repeats = 0
         self.refuse_first = refuse_first
         self.runtime.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, self._on_step_batch)
+        # A TrainerRank's heartbeat status: the step it trains next (it trains none) and the last accepted.
+        self.runtime.status = lambda: {"step": 0.0, "received": float(self.batches[-1].step if self.batches else -1)}
 
     def _on_step_batch(self, request: Message) -> Ok:
         batch = request.body

@@ -38,8 +38,9 @@ def settings(**overrides: object) -> OrchestratorSettings:
 
 
 def trainer(rank: int) -> NodeInfo:
+    """A fresh rank's registry entry once it heartbeats: it trains step 0 next."""
     return NodeInfo(node_id=f"trainer-{rank}", role="trainer", host="h", pid=rank, endpoints={"trainer": f"tcp://t{rank}"},
-                    labels={"rank": str(rank), "data_rank": str(rank), "leader": "1"})
+                    labels={"rank": str(rank), "data_rank": str(rank), "leader": "1"}, status={"step": 0.0})
 
 
 def env_server(node_id: str) -> NodeInfo:
@@ -347,9 +348,7 @@ def test_no_run_goes_to_a_store_reported_down_and_a_store_down_at_shutdown_is_lo
     assert deletes(closing) == {} and [(a.node_id, len(a.refs)) for a in of(LoseBlobs, closing)] == [("env-a", 1)]
 def ranks_with_budget(steps: Sequence[str]) -> list[NodeInfo]:
     """Trainer ranks as ``refbus node trainer`` registers them: each advertises its ``trainer.steps``."""
-    return [NodeInfo(node_id=f"trainer-{rank}", role="trainer", host="h", pid=rank,
-                     endpoints={"trainer": f"tcp://t{rank}"},
-                     labels={"rank": str(rank), "data_rank": str(rank), "leader": "1", "steps": budget})
+    return [msgspec.structs.replace(trainer(rank), labels={**trainer(rank).labels, "steps": budget})
             for rank, budget in enumerate(steps)]
 
 
@@ -424,6 +423,21 @@ def test_a_configured_max_steps_wins_over_the_ranks_budget() -> None:
 def ranked(rank: int, **status: float) -> NodeInfo:
     """A trainer rank's registry entry with its heartbeat status."""
     return msgspec.structs.replace(trainer(rank), status=status)
+
+
+def test_a_restarted_core_waits_for_every_ranks_heartbeat_before_it_takes_its_step() -> None:
+    """A trainer world restored from a checkpoint registers before its first heartbeat says the step it resumes
+    at. Taking step 0 from those bare entries would ship step 0, refused ``duplicate-step`` at every
+    redelivery: the run would stall. Nothing is decided or shipped until every rank has said its step."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    feed_group(core, T0, "g0")
+    bare = [msgspec.structs.replace(trainer(rank), status={}) for rank in (0, 1)]
+    assert core.resume_step(bare) is False
+    assert core.use_trainers(T0, bare) == [] and core.wants_trainers
+    assert core.use_trainers(T0, [ranked(0, step=9), bare[1]]) == []  # one rank has not said yet
+    assert (core.step, core.step_resumed) == (0, False)
+    deliveries = of(DeliverBatch, core.use_trainers(T0, [ranked(0, step=9), ranked(1, step=9)]))
+    assert [d.step for d in deliveries] == [9, 9] and core.resumed
 
 
 def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from_what_it_held() -> None:

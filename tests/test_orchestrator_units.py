@@ -89,6 +89,7 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
     trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
     trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, take)
     trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}  # as a fresh TrainerRank heartbeats it
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-w", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="w"))
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))

@@ -456,9 +456,8 @@ class OrchestratorCore:
         if self.world_down is not None:
             return self._new_world(now, nodes)
         trainers = [TrainerAddress.from_node(node) for node in nodes]
-        if len(trainers) < self.settings.trainers:
+        if len(trainers) < self.settings.trainers or not self.resume_step(nodes):
             return []
-        self.resume_step(nodes)
         self.sink.use_trainers(trainers)
         self.world = frozenset(incarnation(node) for node in nodes)
         budgets = [int(steps) for node in nodes if (steps := node.labels.get("steps", "")).isdigit()]
@@ -666,16 +665,21 @@ class OrchestratorCore:
 
     # --- restart -------------------------------------------------------------------------------------
 
-    def resume_step(self, trainers: Iterable[NodeInfo]) -> None:
+    def resume_step(self, trainers: Iterable[NodeInfo]) -> bool:
         """Take the step number from the trainer ranks' registry entries, once, before this incarnation
         ships anything: the highest of each rank's ``step`` (the next it trains) and ``received + 1`` (after
         the last step batch it accepted). The steps before it count as admitted groups (their slots are
-        the ones the earlier incarnation used). A rank without status yet (not heartbeating) counts as
-        step 0. Fewer than ``settings.trainers`` ranks decide nothing (a missing one may hold a later step)."""
+        the ones the earlier incarnation used). Returns whether the step is decided: fewer than
+        ``settings.trainers`` ranks, or a rank whose heartbeat has not yet said its ``step``, decide nothing
+        (a missing one may hold a later step; a world restored from a checkpoint registers before its first
+        heartbeat says which step it resumes at, and step 0 sent to it would be refused ``duplicate-step``
+        at every redelivery)."""
         nodes = list(trainers)
-        if self.step_resumed or self.step or self.delivery is not None or len(nodes) < self.settings.trainers:
-            return
-        start = max(max(int(node.status.get("step", 0)), int(node.status.get("received", -1)) + 1)
+        if self.step_resumed or self.step or self.delivery is not None:
+            return True
+        if len(nodes) < self.settings.trainers or any("step" not in node.status for node in nodes):
+            return False
+        start = max(max(int(node.status["step"]), int(node.status.get("received", -1)) + 1)
                     for node in nodes)
         self.step_resumed = True
         if start:
@@ -684,6 +688,7 @@ class OrchestratorCore:
             self.train_groups_sent += start * self.settings.groups_per_step
             log.warning("orchestrator.resumed", step=start, max_steps=self.max_steps,
                         ranks={node.labels.get("rank", node.node_id): dict(node.status) for node in nodes})
+        return True
 
     def reclaimable(self, entry: HeldEpisode) -> list[BlobRef]:
         """The refs of a store's ``held`` entry to claim (again): those it lists as held by this node id or
