@@ -273,8 +273,8 @@ class UpSettings:
     restart_budget: int = key(
         20,
         "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers, "
-        "the orchestrator, trainer worlds; --chaos kills are not charged); a crash beyond it, or of another role, "
-        "ends the run.",
+        "the orchestrator, the broker, trainer worlds; --chaos kills are not charged); a crash beyond it, or of "
+        "another role, ends the run.",
     )
     restart_backoff_s: float = key(
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."
