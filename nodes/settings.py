@@ -125,7 +125,8 @@ class PsSettings:
     retain_versions: int = key(2, "Committed versions the ps-manager keeps readable; older ones are freed unread.")
     lease_ttl_s: float = key(10.0, "Seconds a push or pull lease lives without renewal.")
     push_timeout_s: float = key(300.0, "Seconds every rank of a version has to commit its shard before it is aborted.")
-    shm_dir: str = key("/dev/shm", "Directory (tmpfs) of the ps-workers' shared-memory segments.")
+    shm_dir: str = key("/dev/shm", "Directory (tmpfs) of the ps-workers' shared-memory segments without "
+                       "store.durable (with it, each worker's store directory under store.directory holds them).")
     shm_prefix: str = key("refbus-ps", "File name prefix of the shared-memory segments.")
     pin_memory: bool = key(True, "Page-lock segments for device copies when CUDA is available.")
     max_free_segments: int = key(4, "Freed segments a ps-worker keeps mapped for reuse.")
@@ -273,8 +274,8 @@ class UpSettings:
     restart_budget: int = key(
         20,
         "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers, "
-        "the orchestrator, trainer worlds; --chaos kills are not charged); a crash beyond it, or of another role, "
-        "ends the run.",
+        "the orchestrator, the broker, trainer worlds; --chaos kills are not charged); a crash beyond it, or of "
+        "another role, ends the run.",
     )
     restart_backoff_s: float = key(
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."

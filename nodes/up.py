@@ -1,9 +1,10 @@
 """`refbus up [CONFIG]`: a whole cluster on this host, running a real asynchronous RL loop.
 
 Starts, each as its own ``refbus node <role>`` process and in dependency order: the broker, the ps-manager,
-``up.ps_workers`` ps-workers, ``up.env_servers`` env servers (replicas of one source), the orchestrator
-(dispatching runs), ``up.trainers`` trainer ranks (torch.distributed, gloo, rendezvous through a file) and
-``up.rollouts`` rollout workers. Every child gets the same cluster config file (the effective config,
+``up.ps_workers`` ps-workers, ``up.env_servers`` env servers (replicas of one source), ``up.trainers`` trainer
+ranks (torch.distributed, gloo, rendezvous through a file), ``up.rollouts`` rollout workers and, last, once
+the trainers have published version 0 of the weights (before that no rollout worker could serve a run), the
+orchestrator (dispatching runs). Every child gets the same cluster config file (the effective config,
 written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,

@@ -357,7 +357,7 @@ class WireCodec:
         ``MAX_BATCH_EVENTS`` ``[header, body]`` pairs); every header (the major first); one source, one
         incarnation (message ids ``<incarnation>-...``) and one MAC flag in all; the frames. Whatever is wrong
         refuses all of it, with a :class:`ProtocolError` as for one message (on a signed bus a batch of another
-        major is refused ``bad-signature``: events get no error reply, and no major sends batches but this one)."""
+        major is refused ``signature``: events get no error reply, and no major sends batches but this one)."""
         first = _as_bytes(frames[0])
         if mark == 0:
             raise MalformedMessage("batch with an empty kind")

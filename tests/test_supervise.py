@@ -245,7 +245,7 @@ def test_launcher_killed_leaves_no_process_of_its_run(tmp_path: Path) -> None:
         up.proc.kill()
         up.proc.wait()
         # Each node is gone within node.shutdown_timeout_s of its parent-death signal; the slack covers start-up
-        # of the signal handling on a loaded machine. The bound (5 s) is kept with the default timeout.
+        # of the signal handling on a loaded machine. The required bound (5 s) is kept with the default timeout.
         wait_for(lambda: not live(nodes), 4 * SHUTDOWN_S, f"no process of the run left (of {sorted(nodes)})")
         print(f"launcher SIGKILLed: every node gone after {time.monotonic() - killed:.2f}s")
     finally:

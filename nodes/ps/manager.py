@@ -572,7 +572,7 @@ class PsManager:
 
     def _inventory_dropped(self, how: str, version: int, report: CloseReport[str]) -> None:
         """The inventory's trainer version moved with the versions; say what that ended (callers learn it
-        from their next occupy, ``reservation-aborted``)."""
+        from their next occupy, ``unknown-reservation``)."""
         if report.aborted_prompts or report.discarded:
             log.warning("ps.inventory_dropped", how=how, trainer_version=version,
                         aborted_prompts=len(report.aborted_prompts), aborted_slots=report.aborted_slots,

@@ -3,7 +3,8 @@
 
 Model (:class:`TinyMoEPolicy`): token plus learned position embeddings, then ``n_layers`` pre-norm blocks of
 causal multi-head attention and a top-k mixture of experts, then a linear head. Every decoder layer is an MoE
-layer, so routing rows have one entry per layer, as in the prior art (``[:, :, layer_idx, :]``).
+layer, so routing rows have one entry per layer: ``routed_experts`` is ``[batch, tokens, layers, top_k]``, and
+layer ``i`` reads ``[:, :, i, :]``.
 
 Router replay: :meth:`TinyMoEPolicy.forward` takes ``routed_experts``. Where given, each layer uses exactly
 those experts; the router's softmax still supplies the gate weights of the chosen experts (renormalised
