@@ -205,7 +205,7 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str],
     plans = [to_micro_batch(mb) for mb in batches]
     refs = {s.ref.blob_id: s.ref for mb in batches for s in mb.samples if s.ref is not None}
     pool = BufferPool()
-    # Like the prime-rl fetcher: no proxies, one request per blob.
+    # As the HTTP design fetches: no proxies, one request per blob.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def get(blob_id: str) -> tuple[str, bytes]:
@@ -229,7 +229,7 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str],
 
 
 class _BlobHandler(http.server.BaseHTTPRequestHandler):
-    """GET /<blob id>: the blob's bytes (the prime-rl design: stdlib threaded server, no checksum)."""
+    """GET /<blob id>: the blob's bytes (the design refbus replaces: stdlib threaded server, no checksum)."""
 
     blobs: dict[str, bytes] = {}
     protocol_version = "HTTP/1.1"

@@ -7,7 +7,7 @@ dtype in the same pass. There is no per-sample tensor and no concatenation after
 Tensors and their padding (positions after the last sample, and rows of a sample that lacks the field):
 
 - ``routed_experts``: ``[1, L, layers, top_k]`` in its wire dtype (uint8, or uint16 when any sample of the micro
-  batch carries uint16); padding 0 (prime-rl's convention: routes to expert 0).
+  batch carries uint16); padding 0 (routes to expert 0; the loss mask excludes those rows).
 - sampling mask: int32 ``[1, L, width]``; a token's ids first, then -1; padding -1 (count 0 = no mask).
 - ``topk_ids``: int64 ``[1, L, k]``; padding 0, with ``topk_valid`` (bool ``[1, L]``) False.
 - ``topk_logprobs``: float32 ``[1, L, k]``; padding 0.0 (not -inf, so padding cannot turn into NaN).

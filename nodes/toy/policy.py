@@ -18,7 +18,7 @@ Sampler (:func:`generate`): a loop without a KV cache that records, per token of
 
 - ``routed_experts`` uint8 ``[tokens, layers, top_k]``: the experts used when that token was the model's
   input. The prefix is replayed at every step, so each row is fixed once computed, as with a KV cache. The
-  final token is never fed to the model; its row repeats the previous one (prime-rl's convention).
+  final token is never fed to the model; its row repeats the previous one (the usual convention for routing replay).
 - ``topk_ids`` int32 / ``topk_logprobs`` float32 ``[tokens, k]``: the ``k`` most likely tokens of the
   temperature-scaled distribution (before top-k/top-p filtering) that produced this token, descending.
 - ``mask_ids`` int32 flat / ``mask_counts`` int32 ``[tokens]``: the ascending ids the sampler allowed for this
