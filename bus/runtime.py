@@ -423,14 +423,17 @@ class NodeRuntime:
 
     def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
         """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
-        broker does not answer within ``policy`` (default: the runtime's). Blocks until then: for start-up,
-        shutdown and commands; a running node loop uses :meth:`lookup_async`."""
+        broker does not answer within ``policy`` (default: the runtime's) or answers anything but the list.
+        Blocks until then: for start-up, shutdown and commands; a running node loop uses :meth:`lookup_async`."""
         try:
             listed = self.broker().request(Nodes(role=role), policy=policy).body
         except (RemoteError, RequestTimeout) as exc:
             log.warning("registry.lookup_failed", role=role, error=str(exc))
             return None
-        assert isinstance(listed, NodeList)
+        if not isinstance(listed, NodeList):  # what answers at bus.control is a peer: its reply may be anything
+            log.warning("registry.lookup_failed", role=role, error=f"{self.settings.bus} answered {Nodes.kind} "
+                        f"with {listed.kind}, not {NodeList.kind}")
+            return None
         return listed.nodes
 
     def lookup_async(self, role: str, on_done: Callable[[list[NodeInfo] | None], None], *,

@@ -11,7 +11,10 @@ itself is not a registry member, so it is not a row; the title line names the cl
 address.
 
 On a terminal the table is redrawn in place (ANSI); otherwise each refresh is printed after the last.
-``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON array (one line).
+``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON array (one line). While
+live, a broker that does not answer (or answers anything but its registry) is reported in place of the table,
+as one line (with ``--json``, one JSON object ``{"error": ...}``, so every line stays strict JSON), and asked
+again at the next refresh: a broker restarted on its addresses is shown again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -168,6 +171,15 @@ class Top:
                            + ("" if self.redraw else "\n"))
         self.out.flush()
 
+    def report(self, problem: str) -> None:
+        """``problem`` in place of a table: with ``--json`` a JSON object, not text, so that a reader of the
+        JSON lines can parse every one of them."""
+        if self.as_json:
+            self.out.write(json.dumps({"error": problem}) + "\n")
+        else:
+            self.out.write((_HOME_AND_CLEAR if self.redraw else "") + f"refbus top: {printable(problem)}\n")
+        self.out.flush()
+
     def run(self, *, once: bool, interval_s: float) -> None:
         """Show the table once, or every ``interval_s`` until interrupted. While live, a broker that stops
         answering is reported in place of the table and asked again (it may be restarting)."""
@@ -181,8 +193,7 @@ class Top:
                 except BusUnavailable as exc:
                     if once:
                         raise
-                    self.out.write((_HOME_AND_CLEAR if self.redraw else "") + f"refbus top: {printable(str(exc))}\n")
-                    self.out.flush()
+                    self.report(str(exc))
                 if once:
                     return
                 time.sleep(interval_s)  # the refresh period of a display, not a wait for a condition

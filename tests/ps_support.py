@@ -140,6 +140,15 @@ def start_cluster(spawn: Callable[..., NodeProcess], control: str, tag: str, *, 
     return cluster
 
 
+def restart_worker(spawn: Callable[..., NodeProcess], cluster: PsCluster, name: str) -> NodeProcess:
+    """Start ps-worker ``name`` again under its node id (after the test killed it); it re-adopts its durable
+    store and is registered with the manager once this returns."""
+    new = spawn(["node", "ps-worker", "--node-id", name, "--ps-manager", cluster.manager, *cluster.flags], name)
+    cluster.worker_info[name] = new.wait_ready()
+    cluster.workers[name] = new
+    return new
+
+
 def stop_cluster_after_kills(cluster: PsCluster) -> None:
     """A test's end: every live process stops with exit 0, every dead one was SIGKILLed (by the test), and the
     killed workers' segments are removed (a restart would have swept them)."""

@@ -1,15 +1,20 @@
 """The parameter server as real processes: push, pull, leases, crashes, retention, casts and bad input.
 
 Every cluster is a broker, a ps-manager and ps-workers started through ``NodeProcess`` with a short lease TTL;
-trainer ranks and rollout workers that must die are actor processes (``ps_support.py``). Each test checks at
-the end that no shared-memory segment of its cluster is left behind.
+trainer ranks and rollout workers that must die are actor processes (``ps_support.py``), or a real rollout
+worker whose refresh freezes half-way (``stalling_entry_points.policy``). Each test checks at the end that no
+shared-memory segment of its cluster is left behind.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -30,6 +35,7 @@ from ps_support import (
 from refbus.bus.reqrep import RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.client import PsError
+from refbus.nodes.toy.policy import make_policy
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import VersionBump
 from refbus.protocol.messages_ps import (
@@ -42,6 +48,9 @@ from refbus.protocol.messages_ps import (
     ShardWrite,
     TensorSpec,
 )
+from stalling_entry_points import FREEZE_ENV
+
+TESTS = Path(__file__).parent
 
 
 @pytest.fixture
@@ -154,6 +163,40 @@ def test_killed_puller_lease_expires_and_pushes_proceed(cluster: PsCluster) -> N
         assert '"ps.lease_expired"' in log and '"kind": "pull"' in log
         assert scrape(cluster.manager_metrics, "refbus_ps_leases_expired_total", kind="pull") == 1
         assert scrape(cluster.manager_metrics, "refbus_ps_leases_active", kind="pull") == 0
+    finally:
+        runtime.close()
+
+
+def test_a_rollout_killed_mid_refresh_holds_nothing_once_dead(cluster: PsCluster, spawn, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rollout worker process SIGKILLed in the middle of a weight refresh (a version bump's pull, one tensor
+    of its model written): the pull lease its lease keeper renewed expires, the version it was reading is
+    freed once retired, and no segment is left at the end (the fixture)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    frozen = tmp_path / "frozen"
+    monkeypatch.setenv(FREEZE_ENV, f"2:{frozen}")  # its pull of version 0 completes, the next one freezes
+    runtime, ps = cluster.client()
+    try:
+        ps.push(dict(make_policy(1).state_dict()), 0)
+        one_version = cluster.held("w0")
+        rollout = spawn(["node", "rollout", "--node-id", "rollout-killed", "--ps-manager", cluster.manager,
+                         "--rl-policy", "stalling_entry_points:policy", *cluster.flags], "rollout")
+        metrics = rollout.wait_ready()["metrics"]
+        wait_for(lambda: scrape(metrics, "refbus_rollout_policy_version") == 0, 10, "the rollout to pull version 0")
+        ps.push(dict(make_policy(2).state_dict()), 1)  # its bump starts the refresh that freezes
+        wait_for(frozen.exists, 10, "the rollout's refresh of version 1 to stop half-way")
+        assert ps.status().pinned == {"1": 1}
+        rollout.signal(signal.SIGKILL)
+        assert rollout.proc.wait(10) == -signal.SIGKILL
+        wait_for(lambda: ps.status().pinned == {}, 5 * LEASE_TTL_S, "the killed rollout's lease to expire")
+        assert ps.status().leases == 0
+        records = [json.loads(line) for line in cluster.manager_proc.log_tail(400).splitlines()  # type: ignore[union-attr]
+                   if line.startswith("{")]
+        assert [(r["kind"], r["version"]) for r in records
+                if r.get("event") == "ps.lease_expired" and r.get("holder") == "rollout-killed"] == [("pull", 1)]
+        for version in (2, 3):  # versions 0 and 1 retire: both freed, nothing read them any more
+            assert ps.push(dict(make_policy(version + 1).state_dict()), version).committed
+        wait_for(lambda: cluster.held("w0") == 2 * one_version, 5, "versions 0 and 1 to be released")
     finally:
         runtime.close()
 

@@ -20,7 +20,15 @@ import msgspec
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, rank_part, scrape, start_cluster, stop_cluster_after_kills
+from ps_support import (
+    PsCluster,
+    make_state,
+    rank_part,
+    restart_worker,
+    scrape,
+    start_cluster,
+    stop_cluster_after_kills,
+)
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import start_bus
@@ -360,9 +368,7 @@ def test_a_worker_killed_and_restarted_at_once_under_its_id_stays_registered(pat
     runtime, ps = _client(cluster, "inspector")
     try:
         _kill(cluster, "w1")
-        new = spawn(["node", "ps-worker", "--node-id", "w1", "--ps-manager", cluster.manager, *cluster.flags], "w1")
-        cluster.worker_info["w1"] = new.wait_ready()
-        cluster.workers["w1"] = new
+        new = restart_worker(spawn, cluster, "w1")
         manager = cluster.manager_proc
         assert manager is not None
 
@@ -396,9 +402,7 @@ def test_a_restarted_worker_releases_the_readopted_shards_whose_release_it_misse
         for version in (1, 2):
             assert ps.push(make_state(seed=version, tensors=2), version).committed
         assert ps.status().retained == [1, 2]  # version 0 retired while w1 was down
-        new = spawn(["node", "ps-worker", "--node-id", "w1", "--ps-manager", cluster.manager, *cluster.flags], "w1")
-        cluster.worker_info["w1"] = new.wait_ready()
-        cluster.workers["w1"] = new
+        new = restart_worker(spawn, cluster, "w1")
         assert '"store.readopted"' in new.log_tail(400)
         wait_for(lambda: cluster.held("w1") == 0, 10, "the restarted w1 to release version 0's copy")
         assert '"ps.orphans_released"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]

@@ -3,7 +3,9 @@ rollout worker whose weights it tore refuses to generate until a full pull succe
 
 The rollout worker runs in this process on a real PS cluster (processes); its model methods are called
 directly on the test thread (they are what its offload thread runs). The pull is frozen half-way by the
-client's ``before_write`` hook while the ps-worker holding the other half is killed with SIGKILL.
+client's ``before_write`` hook while the ps-worker holding the other half is killed with SIGKILL. A refresh
+that loses a worker this way is served again by that worker's restart (its copies re-adopted), without a new
+push; with a second copy of every shard the refresh never tears at all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ps_support import PsCluster, make_state, rank_part, start_cluster, stop_cluster_after_kills
+from ps_support import PsCluster, make_state, rank_part, restart_worker, start_cluster, stop_cluster_after_kills
 from refbus.bus.reqrep import HandlerError, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import Config
@@ -30,8 +32,11 @@ FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
 
 @pytest.fixture
 def cluster(bus, spawn, request) -> Iterator[PsCluster]:
+    """Two ps-workers, one copy of every shard (``ps.replicas``: the indirect parameter, 1 by default)."""
     _, control = bus
-    cluster = start_cluster(spawn, control, request.node.name[:24], workers=2, extra=["--ps-replicas", "1"])
+    replicas = getattr(request, "param", 1)
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=2,
+                            extra=["--ps-replicas", str(replicas)])
     yield cluster
     stop_cluster_after_kills(cluster)
 
@@ -108,6 +113,85 @@ def test_a_pull_torn_half_way_stops_generation_until_a_full_pull(cluster: PsClus
         reply = worker._generate(ask)
         assert reply.policy_version == 2 and worker.torn is None
         assert _same(_weights(worker.model), newest) == sorted(newest)
+    finally:
+        runtime.close()
+        pusher_runtime.close()
+
+
+def _kill_at_first_write(cluster: PsCluster, worker: RolloutWorker, victim: str) -> list[str]:
+    """Arm ``worker``'s next pull to SIGKILL ``victim`` just before its first write into the model; returns the
+    list the written names are added to (empty: the pull never wrote)."""
+    written: list[str] = []
+
+    def kill(name: str) -> None:
+        if not written:
+            cluster.workers[victim].signal(signal.SIGKILL)
+            cluster.workers[victim].proc.wait(10)
+        written.append(name)
+
+    worker.ps.before_write = kill
+    return written
+
+
+def test_a_worker_killed_mid_refresh_is_refused_until_its_restart_serves_that_version(cluster: PsCluster,
+                                                                                    spawn) -> None:
+    """The rollout worker's own refresh (a bump to version 1, half of it on w1) loses w1 half-way: it serves no
+    version and refuses to generate. w1 restarted under its id re-adopts its copies, and the next attempt
+    pulls version 1 whole, from the new process, with nothing pushed again."""
+    pusher_runtime, pusher = cluster.client("pusher")
+    runtime, worker = _rollout(cluster)
+    try:
+        old, new = make_policy(1).state_dict(), make_policy(2).state_dict()
+        pusher.push(dict(old), 0)
+        worker.refresh()
+        assert worker.version == 0
+        _push_world_of_two(pusher, dict(new), 1)
+        written = _kill_at_first_write(cluster, worker, "w1")
+        worker.refresh()
+        worker.ps.before_write = None
+        assert written, "the refresh never wrote into the model"
+        assert worker.torn is not None and worker.torn.version == 1 and worker.version == -1
+        assert worker.torn_pulls == 1
+        ask = Generate(prompt=[1, 2, 3], max_new_tokens=2)
+        with pytest.raises(HandlerError) as refused:
+            worker._generate(ask)  # its pull first: w1's half is still missing
+        assert refused.value.code == "no-weights" and worker.generated == 0
+
+        restarted = restart_worker(spawn, cluster, "w1")
+        assert {w.worker: w.pid for w in pusher.status().workers}["w1"] == restarted.pid
+        reply = worker._generate(ask)
+        assert reply.policy_version == 1 and worker.torn is None and worker.generated == 1
+        assert _same(_weights(worker.model), new) == sorted(new)
+        status = pusher.status()
+        assert status.latest == 1 and status.leases == 0  # nothing pushed again, no lease left behind
+    finally:
+        runtime.close()
+        pusher_runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_worker_killed_mid_refresh_with_a_second_copy_never_tears_the_weights(cluster: PsCluster) -> None:
+    """Every shard on both workers: the worker the refresh reads second dies while it writes what the first
+    sent; its tensors come from their other copy, and the model holds version 1 whole."""
+    pusher_runtime, pusher = cluster.client("pusher")
+    runtime, worker = _rollout(cluster)
+    try:
+        old, new = make_policy(1).state_dict(), make_policy(2).state_dict()
+        pusher.push(dict(old), 0)
+        worker.refresh()
+        assert worker.version == 0
+        _push_world_of_two(pusher, dict(new), 1)
+        entries = pusher.manifest(1).entries
+        assert all({loc.worker for loc in e.locations} == {"w0", "w1"} for e in entries)
+        first = entries[0].locations[0].worker  # read first (tensors are read by their first copy's worker)
+        victim = "w1" if first == "w0" else "w0"
+        assert any(e.locations[0].worker == victim for e in entries)  # some tensors must come from the other copy
+        written = _kill_at_first_write(cluster, worker, victim)
+        worker.refresh()
+        assert written and worker.version == 1 and worker.torn is None and worker.torn_pulls == 0
+        assert _same(_weights(worker.model), new) == sorted(new)
+        assert worker._generate(Generate(prompt=[1, 2, 3], max_new_tokens=2)).policy_version == 1
+        assert pusher.status().leases == 0
     finally:
         runtime.close()
         pusher_runtime.close()

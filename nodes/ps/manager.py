@@ -261,19 +261,23 @@ class PsManager:
                 if e.locations and not any(loc.worker in self.workers for loc in e.locations)}
 
     def _live_copies(self, manifest: Manifest) -> Manifest:
-        """The manifest narrowed to copies on live workers (a pull never reads from a worker known down).
-        Raises HandlerError(``copies-down``) naming the workers when some tensor has no live copy left."""
+        """The manifest narrowed to copies on live workers (a pull never reads from a worker known down), each
+        worker as registered now. Raises HandlerError(``copies-down``) naming the workers when some tensor has no
+        live copy left."""
         dead = self._dead_copies(manifest)
         if dead:
             workers = sorted({w for names in dead.values() for w in names})
             raise HandlerError("copies-down", f"version {manifest.version}: every copy of {len(dead)} tensor(s) "
                                f"(e.g. {next(iter(dead))!r}) is on a worker that is down: {workers}")
+        # Each worker as registered now, not as the manifest recorded it at the commit: one restarted under its
+        # id re-adopted its shards but serves them on a new endpoint and proves its host with a new nonce, and a
+        # reader sent to the dead process's endpoint would find no copy there.
+        workers = [self.workers[w.worker] for w in manifest.workers if w.worker in self.workers]
         if all(loc.worker in self.workers for e in manifest.entries for loc in e.locations):
-            return manifest
+            return manifest if workers == manifest.workers else msgspec.structs.replace(manifest, workers=workers)
         entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if loc.worker in self.workers])
                    for e in manifest.entries]
-        return msgspec.structs.replace(manifest, entries=entries,
-                                       workers=[w for w in manifest.workers if w.worker in self.workers])
+        return msgspec.structs.replace(manifest, entries=entries, workers=workers)
 
     # --- push ---------------------------------------------------------------------------------------
 
