@@ -43,6 +43,13 @@ def _strict(line: bytes) -> Any:
     return json.loads(line, parse_constant=refuse)
 
 
+def _ctrl_c_as_a_terminal_has_it() -> None:
+    """In the child before exec: SIGINT back to its default. A suite started in the background by a
+    non-interactive shell runs with SIGINT ignored, which the child would inherit, and Python then raises no
+    KeyboardInterrupt; top in a terminal always has the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Top:
     """``refbus top --json`` live, as a process; :meth:`close` reaps it."""
 
@@ -51,7 +58,7 @@ class Top:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "refbus.nodes.cli", "top", "--json", "--interval", str(INTERVAL_S),
              "--bus-control", control, *FAST_LIVENESS, *REQUESTS],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err)
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._err, preexec_fn=_ctrl_c_as_a_terminal_has_it)
         self._pending = b""
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
