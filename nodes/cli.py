@@ -99,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ledger", help="account for every kept blob from the event stream",
         description="Per source and in total: blobs kept, deleted by reason, still held (by whom), leaked (held by "
                     "a node that is gone), lost (named with the node whose death lost them), ownership violations "
-                    "and what it could not account for. Reads a `refbus monitor --json` file, or the live stream "
-                    "(replayed from the broker's ring) until the launcher's run-end event, --duration seconds or "
-                    "Ctrl-C, then reconciles with every live env server's own counters. Exits 1 unless every "
-                    "blob is accounted for.")
+                    "(counted in blob ids) and what it could not account for. Reads a `refbus monitor --json` "
+                    "file, or the live stream (replayed from the broker's ring) until the launcher's run-end event, "
+                    "--duration seconds or Ctrl-C, then reconciles with every live env server's own counters. "
+                    "Exits 1 unless every blob is accounted for.")
     ledger.add_argument("file", nargs="?", default=None, help="events file from `refbus monitor --json` ('-': stdin)")
     ledger.add_argument("--json", action="store_true", help="print the report as JSON")
     ledger.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
@@ -211,7 +211,7 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
 def run_ledger(config: Config, args: argparse.Namespace) -> int:
     from .ledger import Ledger, format_report, read_records, reconcile_stores
 
-    ledger = Ledger()
+    ledger = Ledger(max_count=config.limits.max_items)
     if args.file is not None:
         with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
             for record in read_records(lines):

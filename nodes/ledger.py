@@ -18,7 +18,12 @@ The ledger replays ownership moves as the stream mirrors them:
   comes back as the same process (it was cut off) deletes those blobs itself when the holder asks, with
   reason ``lost`` and ``node`` itself: the holder's event and the store's are one loss, counted once, by
   the store;
-* ``violation`` — a store refused something (counted as reported);
+* ``violation`` — a store refused ``count`` blob ids of one request alike (1 when absent: an older store's
+  event), counted as that many violations: the report counts violations in blob ids, as the stores'
+  counters do, not in events or lines. An event whose count is not an integer from 1 to ``max_count`` (the
+  configured ``limits.max_items``: no request can name more ids) is refused, logged as
+  ``ledger.violation_refused`` and counted by source; the fold goes on, and the report is then not ok (what
+  the event reported is unaccounted);
 * ``node-down`` / ``node-up`` — a node left / came back. A holder that is down *leaks* what it still owns
   (until its store reclaims it or the node comes back); a store that goes down *loses* every blob it
   still kept, named with that store, unless the same incarnation publishes again after its node came back
@@ -58,7 +63,7 @@ import structlog
 
 from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
-from ..protocol.envelope import Message, incarnation
+from ..protocol.envelope import Limits, Message, incarnation
 from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
 from .tombstones import DEFAULT_RECENT, FORGOTTEN, Tombstones
 
@@ -119,7 +124,9 @@ class LedgerReport:
     held: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))  # store -> holder
     leaked: Counter[str] = field(default_factory=Counter)  # holder that is down -> blobs it still holds
     lost: Counter[str] = field(default_factory=Counter)  # node whose death lost them -> blobs
-    violations: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)  # one line per finding, for people
+    violated: int = 0  # blob ids the violations cover (a store's event of ``count`` ids is one line)
+    refused: Counter[str] = field(default_factory=Counter)  # source -> violation events refused (bad count)
     unaccounted: list[str] = field(default_factory=list)
     missed: Counter[str] = field(default_factory=Counter)  # source -> events missing from the stream
     reconciled: dict[str, str] = field(default_factory=dict)  # store -> agreed / the correction
@@ -144,7 +151,8 @@ class LedgerReport:
             "held": sum(h.total() for h in self.held.values()),
             "leaked": self.leaked.total(),
             "lost": self.lost.total(),
-            "violations": len(self.violations),
+            "violations": self.violated,
+            "refused_events": self.refused.total(),
             "unaccounted": len(self.unaccounted),
             "missed_events": self.missed.total(),
         }
@@ -164,6 +172,7 @@ class LedgerReport:
             "held_at_end": dict(self.held_at_end),
             "ended": self.ended,
             "missed": dict(self.missed),
+            "refused": dict(self.refused),
             "violations": self.violations,
             "unaccounted": self.unaccounted,
         }
@@ -178,14 +187,19 @@ class Ledger:
     id counters (:class:`~refbus.nodes.tombstones.Tombstones`). The price: who deleted an id first, and why,
     is kept for the latest deletes (and every ``lost`` one) only, so a second delete of an older id is
     reported without naming the first deleter.
+
+    ``max_count``: the most blob ids one ``violation`` event may report (``limits.max_items``).
     """
 
-    def __init__(self, *, recent_tombstones: int = DEFAULT_RECENT) -> None:
+    def __init__(self, *, recent_tombstones: int = DEFAULT_RECENT, max_count: int = Limits.max_items) -> None:
+        self.max_count = max_count
         self.blobs: dict[str, _Blob] = {}
         self.tombstones = Tombstones(recent=recent_tombstones, always_named=frozenset({LOST}))
         self.stores: dict[tuple[str, str], _Store] = {}
         self.down: set[str] = set()
         self.violations: list[str] = []
+        self.violated = 0  # blob ids covered by ``violations``
+        self.refused: Counter[str] = Counter()  # source -> violation events refused for their count
         self.lost_by: Counter[str] = Counter()  # holder-down losses by the holder (UNKNOWN: blob not seen)
         self.missed: Counter[str] = Counter()
         self.unverified = 0  # deletes by a node not shown as the owner, after events went missing
@@ -228,16 +242,11 @@ class Ledger:
                 elif blob is None and kind == "reference" and blob_id in self.awaiting_reference:
                     deleter, _, reason = self.awaiting_reference.pop(blob_id)
                     if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
-                        self.violations.append(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
+                        self._violation(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
-            if (key := (src, incarnation)) in self.stores and self.stores[key].counts(seq):
-                self.stores[key].violations += 1
-            self.violations.append(
-                f"{src} refused {record['action']} of {record['blob_id']} by {record['holder']} "
-                f"(owner {record['owner'] or '?'}): {record['detail']}"
-            )
+            self._refusal(record, (src, incarnation), seq)
         elif kind == "node-down":
             self.down.add(record["node_id"])
             for key, store in self.stores.items():
@@ -285,6 +294,26 @@ class Ledger:
             record.update(msgspec.structs.asdict(body))
         self.apply(record)
 
+    def _refusal(self, record: Mapping[str, Any], key: tuple[str, str], seq: int) -> None:
+        """Fold a store's ``violation`` event: ``count`` blob ids refused alike, or refuse the event (logged,
+        counted) when its count is not an integer from 1 to :attr:`max_count`."""
+        count = record.get("count", 1)
+        if type(count) is not int or not 1 <= count <= self.max_count:
+            self.refused[key[0]] += 1
+            log.error("ledger.violation_refused", src=key[0], seq=seq, count=repr(count)[:64],
+                      error=f"a violation's count must be an integer from 1 to {self.max_count} (limits.max_items, "
+                      "the most ids one request can name): its violations are not counted")
+            return
+        if key in self.stores and self.stores[key].counts(seq):
+            self.stores[key].violations += count
+        what = record["blob_id"] if count == 1 else f"{count} blobs ({record['blob_id']} first)"
+        self._violation(f"{key[0]} refused {record['action']} of {what} by {record['holder']} "
+                        f"(owner {record['owner'] or '?'}): {record['detail']}", count)
+
+    def _violation(self, line: str, ids: int = 1) -> None:
+        self.violations.append(line)
+        self.violated += ids
+
     def _in_order(self, src: str, incarnation: str, seq: int) -> bool:
         last = self._last.get(src)
         if last is not None and last[0] == incarnation:
@@ -309,7 +338,7 @@ class Ledger:
                 if tomb[1] == LOST and (reason == LOST or reason in STORE_REASONS):
                     continue  # the holder's and the store's side of one loss
                 first = f"first deleted by {tomb[0]}" if tomb[0] != FORGOTTEN else "first deleted long before"
-                self.violations.append(f"{holder} deleted {blob_id} again ({first})")
+                self._violation(f"{holder} deleted {blob_id} again ({first})")
                 continue
             blob = self.blobs.pop(blob_id, None)
             self.tombstones.add(blob_id, holder, reason)
@@ -326,7 +355,7 @@ class Ledger:
                 elif blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
                     self.awaiting_reference[blob_id] = (holder, blob.owner, reason)
                 else:
-                    self.violations.append(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
+                    self._violation(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
 
     def _store(self, key: tuple[str, str]) -> _Store:
         store = self.stores.get(key)
@@ -398,10 +427,11 @@ class Ledger:
             self.missed[node_id] += seq - seen
             self._last[node_id] = (incarnation, seq)
         if violations > store.violations:
-            self.violations.append(f"{node_id} counted {violations - store.violations} violations the stream "
-                                   "did not show")
-        store.reconciled = (f"corrected: stream kept={store.kept} deleted={store.deleted.total()}, store "
-                            f"kept={account['kept']} deleted={deleted.total()}")
+            self._violation(f"{node_id} counted {violations - store.violations} violations the stream did not show",
+                            violations - store.violations)
+        store.reconciled = (f"corrected: stream kept={store.kept} deleted={store.deleted.total()} "
+                            f"violations={store.violations}, store kept={account['kept']} deleted={deleted.total()} "
+                            f"violations={violations}")
         store.kept, store.deleted, store.violations = account["kept"], deleted, violations
         store.held_by = {h or node_id: n for h, n in account.get("held_by", {}).items() if n}
         store.covered = seq
@@ -412,7 +442,8 @@ class Ledger:
     def report(self) -> LedgerReport:
         early = [f"{deleter} deleted {blob_id} owned by {owner} ({reason}; no reference by {deleter} folded)"
                  for blob_id, (deleter, owner, reason) in self.awaiting_reference.items()]
-        report = LedgerReport(violations=[*self.violations, *early], missed=+self.missed, ended=self.ended,
+        report = LedgerReport(violations=[*self.violations, *early], violated=self.violated + len(early),
+                              refused=+self.refused, missed=+self.missed, ended=self.ended,
                               held_at_end=+self.held_at_end)
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():
@@ -451,6 +482,9 @@ class Ledger:
             if self.missed[node] and not store.reconciled:
                 lines.append(f"store {node}: {self.missed[node]} of its events missing from the stream and its "
                              "counters not read: its figures are a lower bound")
+        for src, n in sorted(self.refused.items()):
+            lines.append(f"{src}: {n} violation events refused for their count (not an integer from 1 to "
+                         f"{self.max_count}): the violations they report are not counted")
         if self.unverified:
             lines.append(f"{self.unverified} deletes by a node the stream did not show as the owner, after events "
                          "went missing: a violation cannot be told from a missed hand-over")

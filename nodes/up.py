@@ -271,7 +271,7 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     config = _cluster_config(config, workdir)
     stop = _StopFlag()
     cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested)
-    record = RunRecord()
+    record = RunRecord(ledger=Ledger(max_count=config.limits.max_items))
     # The watcher's loop runs in its own thread (heartbeats go on while this thread starts processes);
     # registry queries and the stores' counters use a second, non-registering runtime owned by this thread.
     watcher: NodeRuntime | None = None

@@ -27,8 +27,12 @@ import msgspec
 
 Array = Any  # numpy.ndarray or torch.Tensor; carried as a buffer frame (see codec)
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Major = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # a protocol major version
+
+VIOLATION_SAMPLE = 16
+"""Blob ids a ``violation`` event names at most (``sample``), however many its ``count`` says were refused."""
 
 
 class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -229,13 +233,18 @@ class Delete(Body, frozen=True):
 @register_kind("violation")
 class Violation(Body, frozen=True):
     """Event: an ownership rule was broken (a second delete, a delete or claim by a non-owner, a fetch of
-    a deleted blob). Logged and counted where it happened; tests assert there are none."""
+    a deleted blob). Logged and counted where it happened; tests assert there are none. One event per refused
+    request and (``action``, ``holder``, ``owner``), however many ids it names: ``count`` ids were refused,
+    ``blob_id`` is the first of them and ``sample`` the first ``VIOLATION_SAMPLE`` (16), in request order. A
+    reader older than ``count`` reads one violation of ``blob_id``."""
 
-    blob_id: str  # the blob
+    blob_id: str  # the first blob refused
     action: Name  # delete, fetch, claim
     holder: Name  # who tried
     owner: str  # who held it (or who deleted it), "" if never known
-    detail: str  # what happened, for people
+    detail: str  # what happened to the first blob, for people
+    count: Positive = 1  # blob ids refused alike, ``blob_id`` included
+    sample: Annotated[list[str], msgspec.Meta(max_length=VIOLATION_SAMPLE)] = []  # the first ids refused (at most 16)
 
 
 @register_kind("run-end")

@@ -20,9 +20,8 @@ from typing import Annotated
 
 import msgspec
 
-from .messages import Array, Body, Name, NonNegative, register_kind
+from .messages import Array, Body, Name, NonNegative, Positive, register_kind
 
-Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 
 

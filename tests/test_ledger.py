@@ -17,6 +17,7 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.config import Config
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger, format_report, read_records
 from refbus.protocol.envelope import WireCodec, describe
@@ -33,6 +34,7 @@ from refbus.protocol.messages import (
     NodeUp,
     RunEnd,
 )
+from structlog.testing import capture_logs
 
 WAIT_S = 10.0
 
@@ -68,7 +70,8 @@ def test_clean_lifecycle_has_everything_deleted_once() -> None:
     report = _run(LIFECYCLE).report()
     assert report.totals() == {
         "kept": 4, "deleted": {"filtered": 1, "trained": 2, "undelivered": 1}, "deleted_total": 4,
-        "held": 0, "leaked": 0, "lost": 0, "violations": 0, "unaccounted": 0, "missed_events": 0,
+        "held": 0, "leaked": 0, "lost": 0, "violations": 0, "refused_events": 0, "unaccounted": 0,
+        "missed_events": 0,
     }
     assert report.as_dict()["stores"]["env-1"] == {"kept": 1, "deleted": {"trained": 1}, "held": {}, "reconciled": ""}
     assert report.ok
@@ -314,6 +317,77 @@ def test_a_store_killed_before_publishing_its_deletes_holds_nothing_at_run_end_b
     assert still_out.reconcile("env-0", INCARNATION, {**ACCOUNT, "seq": 5}, final=True) == "corrected"
     still_out.apply({"type": "run-end", "reason": "done", "steps": 1})
     assert still_out.report().held_at_end == {"orch": 1}
+
+
+def _refusal(count: object, seq: int) -> dict:
+    """env-0's ``violation`` record after STORE_STREAM: ``count`` ids of trainer-0's refused (None: no count, as an
+    older store's event reads)."""
+    record = {"type": "violation", "action": "delete", "blob_id": "a", "holder": "trainer-1", "owner": "orch",
+              "detail": "trainer-1 deleted it after orch"}
+    return _seq([record if count is None else {**record, "count": count, "sample": ["a"]}], "env-0", seq)[0]
+
+
+def test_a_violation_event_counts_its_ids_as_the_store_does() -> None:
+    """One event of 50,000 refused ids is 50,000 violations (one line), agreeing with the store's counters;
+    an event without a count (an older store's) is one."""
+    ledger = _run([*STORE_STREAM, _refusal(50_000, 6), _refusal(None, 7)])
+    report = ledger.report()
+    assert report.totals()["violations"] == 50_001 and len(report.violations) == 2 and not report.ok
+    assert report.violations[0] == ("env-0 refused delete of 50000 blobs (a first) by trainer-1 (owner orch): "
+                                    "trainer-1 deleted it after orch")
+    assert report.violations[1].startswith("env-0 refused delete of a by trainer-1")
+    account = {**ACCOUNT, "seq": 7, "violations": {"delete": 50_001}}
+    assert ledger.reconcile("env-0", INCARNATION, account, final=False) == "agreed"
+    assert "violations=50001" in format_report(ledger.report())
+
+
+def test_violations_a_store_counted_that_the_stream_missed_count_once_in_ids() -> None:
+    """The store refused 50,000 ids and was killed before publishing the event: its counters say so, and the
+    ledger adds exactly the difference (named), never the stream's and the store's both."""
+    ledger = _run([*STORE_STREAM, _refusal(2, 6)])
+    assert ledger.reconcile("env-0", INCARNATION, {**ACCOUNT, "seq": 6, "violations": {"delete": 50_002}},
+                            final=True) == "corrected"
+    report = ledger.report()
+    assert report.totals()["violations"] == 50_002
+    assert report.violations[1] == "env-0 counted 50000 violations the stream did not show"
+    assert report.reconciled["env-0"].endswith("violations=2, store kept=3 deleted=2 violations=50002")
+
+
+@pytest.mark.parametrize("count", [0, -1, 2**40, (1 << 20) + 1, "7", 1.0, True, None, [3]], ids=repr)
+def test_a_violation_with_a_bad_count_is_refused_logged_and_counted_and_the_fold_goes_on(count: object) -> None:
+    """Not an integer from 1 to ``limits.max_items`` (no request can name more ids): refused with a clear error,
+    counted by source and unaccounted (the report is not ok); the events after it fold as usual."""
+    record = {**_refusal(1, 6), "count": count}
+    with capture_logs() as logs:
+        ledger = _run([*STORE_STREAM, record, _refusal(3, 7)])
+    (refused,) = [entry for entry in logs if entry["event"] == "ledger.violation_refused"]
+    assert (refused["src"], refused["seq"], refused["count"]) == ("env-0", 6, repr(count))
+    assert "integer from 1 to 1048576 (limits.max_items" in refused["error"]
+    report = ledger.report()
+    assert report.refused == {"env-0": 1} and report.totals()["refused_events"] == 1
+    assert report.totals()["violations"] == 3 and len(report.violations) == 1 and not report.ok
+    assert report.unaccounted == ["env-0: 1 violation events refused for their count (not an integer from 1 to "
+                                  "1048576): the violations they report are not counted"]
+    assert ledger.reconcile("env-0", INCARNATION, {**ACCOUNT, "seq": 7, "violations": {"delete": 3}},
+                            final=False) == "agreed"  # the store's counter never held the refused count
+
+
+def test_the_count_bound_is_the_configured_one(tmp_path: Path) -> None:
+    assert _run([]).max_count == Config().limits.max_items
+    small = Ledger(max_count=100)
+    for record in [*STORE_STREAM, _refusal(100, 6), _refusal(101, 7)]:
+        small.apply(record)
+    assert (small.report().totals()["violations"], small.report().refused) == (100, {"env-0": 1})
+    # `refbus ledger` takes it from the config's limits.max_items.
+    events = tmp_path / "events.jsonl"
+    events.write_text("\n".join(json.dumps(r) for r in [*STORE_STREAM, _refusal(100, 6), _refusal(101, 7),
+                                                        _refusal("x", 8), _refusal(5, 9)]) + "\n")
+    run = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "ledger", str(events), "--json",
+                          "--limits-max-items", "100"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    report = json.loads(run.stdout)
+    assert (report["total"]["violations"], report["refused"]) == (105, {"env-0": 2}), report
+    assert run.stderr.count("ledger.violation_refused") == 2 and "'x'" in run.stderr, run.stderr
 
 
 def test_cli_reads_a_monitor_file_and_exits_nonzero_on_violations(tmp_path: Path) -> None:

@@ -28,7 +28,9 @@ request      reply         effect and events
                            to go on): what a restarted holder takes back. A read: no event; not cached
 ============ ============= ====================================================================================
 
-Every violation is answered, logged with both holders, counted and published as a ``violation`` event.
+Every violation is answered and counted per blob id, and logged with both holders and published as one
+``violation`` event per request and (action, holder, owner) (:func:`~.violations.summarize`: ``count`` ids,
+the first 16 as ``sample``), so a request naming many deleted ids costs the stream one event.
 Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason ``undelivered``). A holder
 the registry reports down (``node-down``) that is not back within ``node.restart_grace_s`` loses what it
 held here (``delete``, reason ``holder-down``, ``node``: the holder), except blobs its restarted
@@ -133,6 +135,7 @@ from .keeper import (
     PackedBranch,
     pack_branches,
 )
+from .violations import summarize
 
 log = structlog.get_logger(__name__)
 
@@ -542,9 +545,12 @@ class EnvServer:
                         detail="reclaimed from a holder that went down")
 
     def _report(self, violations: Sequence[Violation]) -> None:
-        for violation in violations:
-            log.warning("ownership.violation", blob_id=violation.blob_id, action=violation.action,
-                        holder=violation.holder, owner=violation.owner, detail=violation.detail)
+        """Log and publish one request's violations (one per refused id, already counted and journaled) as one
+        event per (action, holder, owner)."""
+        for violation in summarize(violations):
+            log.warning("ownership.violation", blob_id=violation.blob_id, count=violation.count,
+                        sample=violation.sample, action=violation.action, holder=violation.holder,
+                        owner=violation.owner, detail=violation.detail)
             self._publish(violation)
 
     # --- metrics ------------------------------------------------------------------------------------
