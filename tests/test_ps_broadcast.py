@@ -30,7 +30,7 @@ from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import Message
-from refbus.protocol.messages import Ok
+from refbus.protocol.messages import NodeDown, NodeInfo, Ok
 from refbus.protocol.messages_ps import (
     InitChunk,
     InitDone,
@@ -320,5 +320,36 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
                 handle(handler, body)
             assert err.value.code == "released"
         assert worker.shards == shards and "init-r" not in worker.relays
+    finally:
+        runtime.close()
+
+
+def test_a_worker_registers_again_with_a_restarted_manager_and_abandons_its_inits_in_progress(
+        tmp_path: Path, checkpoint) -> None:
+    """A ps-worker (handlers and peer listeners called directly) roots an init mid-stream. A node-up of the
+    manager it registered with changes nothing; once the bus says that manager is down and another process of
+    it comes up, the worker abandons the init (the dead manager will never commit or release it: its segment
+    goes back to the pool) and registers again, listing the shards it holds."""
+    path, _ = checkpoint
+    runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="w0", metrics_port=-1),
+                          register=False)
+    try:
+        settings = PsSettings(manager="tcp://127.0.0.1:9", worker="tcp://127.0.0.1:0", shm_dir=str(tmp_path),
+                              shm_prefix="reregister", pin_memory=False)
+        worker = PsWorker(runtime, settings)
+        me = worker.info()
+        relay = worker._relay("init-r")
+        child = WorkerInfo("w1", "tcp://127.0.0.1:8", "here", str(tmp_path))  # not the manager's endpoint
+        relay.stream_from(InitPlan("init-r", str(path), [me, child], 64, 5.0))
+        assert relay._file is not None and worker.pool.in_use_bytes > 0
+        first = NodeInfo("ps-manager", "ps-manager", "h", 10, started=1.0)
+        worker._manager_up(first)  # the manager registered with at start: nothing to do
+        worker._manager_up(first)
+        assert runtime.calls.in_flight(settings.manager) == 0 and "init-r" in worker.relays
+        worker._manager_down(NodeDown("ps-manager", "ps-manager", "timeout", 0.0), first)
+        worker._manager_up(NodeInfo("ps-manager", "ps-manager", "h", 11, started=2.0))
+        assert relay.failed and relay._file is None and "init-r" not in worker.relays
+        assert worker.pool.in_use_bytes == 0 and "init-r" in worker.released
+        assert runtime.calls.in_flight(settings.manager) == 1  # the registration, on its way
     finally:
         runtime.close()

@@ -38,6 +38,7 @@ from refbus.protocol.messages_ps import (
     LeaseRelease,
     ManifestEntry,
     PsRegister,
+    PullBegin,
     PushBegin,
     PushGrant,
     Release,
@@ -359,6 +360,27 @@ def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_noth
     runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
     runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
     assert runtime.released("w1") == []
+
+
+def test_a_pull_grant_names_only_copies_a_registered_worker_listed_or_committed() -> None:
+    """A worker (re-)registers listing the segments it holds (a restarted manager learns where the copies are
+    this way): a copy it did not list is left out of pull grants, and a tensor none holds fails at once."""
+    runtime, _ = _manager(replicas=2)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grant = _push(runtime, 0)
+    both = runtime.call(PullBegin("reader", 0))
+    assert [loc.worker for loc in both.manifest.entries[0].locations] == ["w0", "w1"]
+    runtime.call(PsRegister(_worker("w1", pid=2)))  # back without its copy
+    narrowed = runtime.call(PullBegin("reader", 0))
+    assert [loc.worker for loc in narrowed.manifest.entries[0].locations] == ["w0"]
+    runtime.call(PsRegister(_worker("w0", pid=2), [f"seg-{grant.lease}-w1"]))  # lists another worker's segment
+    with pytest.raises(HandlerError) as err:
+        runtime.call(PullBegin("reader", 0))
+    assert err.value.code == "copies-down" and "no longer holds it" in str(err.value)
+    held = f"seg-{grant.lease}-w0"
+    runtime.call(PsRegister(_worker("w0", pid=3), [held], {held: grant.lease}))
+    assert [loc.worker for loc in runtime.call(PullBegin("reader", 0)).manifest.entries[0].locations] == ["w0"]
 
 
 def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_node_up() -> None:
