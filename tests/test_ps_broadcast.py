@@ -21,10 +21,19 @@ import numpy as np
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
+from ps_support import (
+    LEASE_TTL_S,
+    PsCluster,
+    make_state,
+    restart_manager,
+    segment_file,
+    segments,
+    start_cluster,
+)
 from refbus.bus.reqrep import HandlerError, RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
+from refbus.nodes.ps.client import INIT_ASK_EVERY_S
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
@@ -255,6 +264,52 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
         runtime.close()
         _stop(cluster)
     assert segments(cluster.prefix) == []
+
+
+def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_process(bus, spawn,
+                                                                                      checkpoint) -> None:
+    """w3 (a leaf under w1) is stopped, so the init over w0..w3 stalls; the manager is SIGKILLed and restarted.
+    The client's request, sent again, reaches the new process, which knows no such init and refuses it naming
+    w3 (not registered again: stopped); the copies the dead init left are released; an init over the others
+    then succeeds."""
+    path, state = checkpoint
+    _, control = bus
+    cluster = start_cluster(spawn, control, "binit-restart", workers=4,
+                            extra=[*CHUNK, "--ps-ack-timeout-s", "60.0"])  # the stalled stream never fails by itself
+    runtime, ps = cluster.client()
+    victim = cluster.workers["w3"]
+    try:
+        victim.proc.send_signal(signal.SIGSTOP)
+        outcome: list[BaseException | None] = []
+
+        def init() -> None:
+            try:
+                ps.init(str(path), workers=["w0", "w1", "w2", "w3"], timeout_s=60)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        runner = threading.Thread(target=init)
+        runner.start()
+        wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
+        assert cluster.manager_proc is not None
+        cluster.manager_proc.signal(signal.SIGKILL)
+        cluster.manager_proc.proc.wait(10)
+        restart_manager(spawn, cluster)
+        runner.join(3 * INIT_ASK_EVERY_S)  # the next resend reaches the new process
+        assert not runner.is_alive() and isinstance(outcome[0], RemoteError), outcome
+        assert outcome[0].code == "unknown-worker" and "'w3'" in str(outcome[0])
+        # The dead init's copies are released by the new manager (once a lease TTL passed since its start).
+        wait_for(lambda: all(cluster.held(w) == 0 for w in ("w0", "w1", "w2")), 10 * LEASE_TTL_S,
+                 "the dead init's copies to be freed")
+        result = ps.init(str(path), workers=["w0", "w1", "w2"], timeout_s=30)
+        pulled = ps.pull(result.version, verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
+        victim.proc.kill()
+        victim.proc.wait(10)
+        runtime.close()
+        _stop(cluster)
 
 
 def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_the_file(tmp_path: Path,

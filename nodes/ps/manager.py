@@ -29,10 +29,10 @@ and comes back with the versions it retained; the workers, told of the new proce
 listing the segments they hold, and a version is served only from copies a registered worker listed (or
 committed since). A push pending, leases, reservations and an init round of the dead process are unknown to
 the new one: a commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
-``unknown-lease``, both naming the restart, a renewal lists it expired and a reservation is
-``unknown-reservation``. A reader may still read under a lease of the dead process, so a restarted manager
-releases nothing for one lease TTL: what is to be released meanwhile (retention, orphans the workers list)
-goes out once it has passed.
+``unknown-lease``, both naming the restart, a renewal lists it expired, a reservation is
+``unknown-reservation``, and an init's request, which its client sends again, is answered afresh. A reader
+may still read under a lease of the dead process, so a restarted manager releases nothing for one lease TTL:
+what is to be released meanwhile (retention, orphans the workers list) goes out once it has passed.
 
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
