@@ -9,7 +9,7 @@
   meanwhile do not reuse the memory the reader maps (its bytes stay those of its version); its release is
   refused ``unknown-lease`` naming the restart; afterwards the workers hold exactly the retained versions.
 * A torn last journal record (a crash mid-append) is ignored; garbage or a record of another kind refuses the
-  journal, naming it, and leaves it as it was.
+  journal, naming it, and leaves it as it was. Compacted, the journal replays the same state.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from ps_support import (
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps.client import PsClient
 from refbus.nodes.ps.manager_journal import ManagerJournal
 from refbus.nodes.ps.versions import VersionStore
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError
+from refbus.protocol.messages_ps import Location, ManifestEntry, WorkerInfo
 
 NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
 FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
@@ -234,3 +236,30 @@ def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path:
         with pytest.raises(StoreError, match=r"journal: record 1 is not a ps-manager record"):
             ManagerJournal(store).replay(VersionStore(2))
         store.close(remove=True)
+
+
+def test_the_journal_is_compacted_to_the_retained_versions_and_replays_the_same(tmp_path: Path) -> None:
+    """Hundreds of commits, a lineage and consumed batches: the journal is rewritten to what is retained, and a
+    replay of it (as a restarted manager does) rebuilds the same versions, lineage and trainer version."""
+    workers = [WorkerInfo("w0", "tcp://w0", "h", "/dev/shm", 1, "boot", "n", "nonce")]
+    store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
+    recorder, versions = ManagerJournal(store), VersionStore(3)
+    for version in range(400):
+        if version == 300:  # a trainer world resumed at 290: 290..299 retired, pushed again
+            versions.start_lineage(290)
+            recorder.lineage(290)
+        number = version if version < 300 else version - 10
+        entry = ManifestEntry("a", "float32", [1], 4, version, [Location("w0", f"s{version}", 0)])
+        manifest = mf.build(number, [entry], workers)
+        versions.restore(manifest, [("w0", f"lease-{version}")], frozenset({f"lease-{version}"}))
+        recorder.committed(manifest, [("w0", f"lease-{version}")], [f"lease-{version}"])
+        recorder.trainer(number + 1)
+        recorder.compact_if_due(versions, number + 1)
+    assert store.records_since_compact < 400
+    store.close(remove=False)
+    again = VersionStore(3)
+    recovered = ManagerJournal(DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps",
+                                            strict=True)).replay(again)
+    assert recovered.versions == again.retained() == versions.retained() == [387, 388, 389]
+    assert recovered.trainer_version == 390 and recovered.records < 400
+    assert again.stored(again.retained()) == versions.stored(versions.retained())
