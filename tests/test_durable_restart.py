@@ -54,7 +54,8 @@ def shard_files(shm: Path, node: str) -> int:
     return sum(1 for p in shm.glob(f"refbus-store.*.{node}/*") if p.name not in own)
 
 
-def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_lost(tmp_path: Path) -> None:
+def test_killed_env_server_ps_worker_and_ps_manager_come_back_from_their_stores_and_nothing_is_lost(
+        tmp_path: Path) -> None:
     steps = 5
     shm = tmp_path / "shm"
     up = Up(tmp_path, steps, *QUICK, "--store-directory", str(shm))
