@@ -124,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "temporary one, removed at the end unless --keep-logs")
     up.add_argument("--chaos", type=_positive_seconds, default=0.0, metavar="SECONDS",
                     help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker, ps-worker, "
-                    "the orchestrator or, when world restarts are on (up.checkpoint_every > 0, the default), a "
-                    "trainer rank: the supervisor restarts it (a trainer rank's whole world, from the last "
-                    "checkpoint), as after any crash. The ps-manager is never killed: it does not restart. Nor "
-                    "is the broker: it restarts, but each of its deaths loses the events it held in flight")
+                    "the ps-manager, the orchestrator or, when world restarts are on (up.checkpoint_every > 0, "
+                    "the default), a trainer rank: the supervisor restarts it (a trainer rank's whole world, from "
+                    "the last checkpoint), as after any crash. The broker is never killed: it restarts, but each "
+                    "of its deaths loses the events it held in flight")
     up.add_argument("--chaos-seed", type=int, default=0, metavar="N",
                     help="seed of the chaos victims' choice: the same seed picks the same sequence (default: 0)")
     add_config_flags(up)

@@ -172,9 +172,10 @@ class StoreSettings:
     """``[store]``: the durable stores of env servers (blobs) and ps-workers (shards) that outlive their
     processes."""
 
-    durable: bool = key(True, "Keep env-server blobs and ps-worker shards in files on a tmpfs that outlive the "
-                              "process: a restart under the same node id re-adopts them (docs/STORE.md); false: "
-                              "blobs in process memory, shards in ps.shm_dir, both lost with their process.")
+    durable: bool = key(True, "Keep env-server blobs, ps-worker shards and the ps-manager's journal of committed "
+                              "versions in files on a tmpfs that outlive the process: a restart under the same node "
+                              "id re-adopts them (docs/STORE.md); false: blobs in process memory, shards in "
+                              "ps.shm_dir, versions in the manager's memory, all lost with their process.")
     directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
                                      "its size must cover env_server.budget_bytes.")
     run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "
@@ -274,8 +275,8 @@ class UpSettings:
     restart_budget: int = key(
         20,
         "Restarts of crashed nodes `refbus up` may make in one run (env servers, rollout workers, ps-workers, "
-        "the orchestrator, the broker, trainer worlds; --chaos kills are not charged); a crash beyond it, or of "
-        "another role, ends the run.",
+        "the ps-manager, the orchestrator, the broker, trainer worlds; --chaos kills are not charged); a crash "
+        "beyond it, or of a trainer rank without checkpoints, ends the run.",
     )
     restart_backoff_s: float = key(
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."

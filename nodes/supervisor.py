@@ -2,9 +2,11 @@
 
 Restartable are the roles whose restarted process re-joins under the same node id and rebuilds what it
 needs from its peers or its durable store: env servers and ps-workers (they re-adopt the blobs and shards
-they committed, docs/STORE.md; without ``store.durable`` what a dead one held is lost), rollout workers, the
-orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held) and
-the broker (it binds the addresses the first one bound: every node re-joins at its next heartbeat and the
+they committed, docs/STORE.md; without ``store.durable`` what a dead one held is lost), the ps-manager (it
+replays its journal of committed versions and the workers register again listing their shards; a push in
+flight fails its trainer world, which restarts from its checkpoint as after a rank's death), rollout workers,
+the orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held)
+and the broker (it binds the addresses the first one bound: every node re-joins at its next heartbeat and the
 registry is rebuilt from those re-joins; the events the dead one held in flight are lost, and counted where
 subscribers see the gap; requests between nodes go on meanwhile).
 With trainer checkpoints on (``world_restarts``), the trainer ranks are restarted too, as a world: a rank
@@ -12,8 +14,8 @@ that dies (exits non-zero) stops its world (the other ranks exit on their own on
 they have ``world_exit_s``, then the rest are stopped), and after the backoff every rank starts again
 together (``cluster.restart_world``: a fresh rendezvous), resuming from the newest checkpoint every rank
 has. A world restart counts as one restart, named after the rank that died first; the other ranks' exits
-meanwhile are part of it. The ps-manager is not restartable: its death ends the run,
-naming them (a trainer rank that exits 0 has finished its steps). Restarts come out of one budget per run
+meanwhile are part of it. Without world restarts a trainer rank's death ends the run, naming it (a trainer rank
+that exits 0 has finished its steps). Restarts come out of one budget per run
 (``up.restart_budget``; the deaths ``--chaos`` causes are not charged to it), each after a backoff
 (``up.restart_backoff_s``, doubled for every earlier restart of the same node, or of the world).
 
@@ -48,7 +50,7 @@ from .launch import NodeProcess
 log = structlog.get_logger(__name__)
 
 BROKER = "bus"  # the broker's node name in `refbus up`
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "orchestrator", BROKER)
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "ps-manager", "orchestrator", BROKER)
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under

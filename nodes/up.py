@@ -10,12 +10,12 @@ written to the run directory), so one TOML describes the run.
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
 store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers,
-ps-workers, the orchestrator and the broker are restarted under the same node id (:mod:`.supervisor`: a
-restart budget, a backoff; the broker on the addresses the first one bound, so the nodes find it again). The
-trainer ranks checkpoint every ``up.checkpoint_every`` steps (into ``checkpoints/`` of the run directory): a
-dead rank stops its world and the whole world is restarted (a fresh rendezvous file), resuming from the newest
-checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead rank ends the run). A death of any other role
-(the ps-manager) ends the run; ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+ps-workers, the ps-manager, the orchestrator and the broker are restarted under the same node id
+(:mod:`.supervisor`: a restart budget, a backoff; the broker and the ps-manager on the addresses the first one
+bound, so the nodes find them again). The trainer ranks checkpoint every ``up.checkpoint_every`` steps (into
+``checkpoints/`` of the run directory): a dead rank stops its world and the whole world is restarted (a fresh
+rendezvous file), resuming from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead
+rank ends the run); ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
 trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the

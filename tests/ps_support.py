@@ -149,6 +149,16 @@ def restart_worker(spawn: Callable[..., NodeProcess], cluster: PsCluster, name: 
     return new
 
 
+def restart_manager(spawn: Callable[..., NodeProcess], cluster: PsCluster) -> NodeProcess:
+    """Start the ps-manager again under its node id, on the endpoint the first one bound (after the test killed
+    it); it replays its journal and serves once this returns (the workers register again on their own)."""
+    new = spawn(["node", "ps-manager", "--node-id", "ps-manager", "--ps-manager", cluster.manager, *cluster.flags],
+                "ps-manager")
+    cluster.manager_metrics = new.wait_ready()["metrics"]
+    cluster.manager_proc = new
+    return new
+
+
 def stop_cluster_after_kills(cluster: PsCluster) -> None:
     """A test's end: every live process stops with exit 0, every dead one was SIGKILLed (by the test), and the
     killed workers' segments are removed (a restart would have swept them)."""

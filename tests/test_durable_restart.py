@@ -1,6 +1,7 @@
-"""Stores that survive their process, end to end under `refbus up`: an env server holding blobs and a
-ps-worker holding shards, killed with SIGKILL, are restarted under their node ids and re-adopt their durable
-stores; the run loses no blob, no micro batch (trainer fetches and deletes wait for the restart; the ledger
+"""Stores that survive their process, end to end under `refbus up`: an env server holding blobs, a ps-worker
+holding shards and the ps-manager, killed with SIGKILL together, are restarted under their node ids and
+re-adopt their durable stores (the manager replays its journal of versions; the live worker registers with it
+again); the run loses no blob, no micro batch (trainer fetches and deletes wait for the restart; the ledger
 is exact, no violation, nothing held by a rank at the end) and no version; the store directories are gone
 once the run ends."""
 
@@ -53,7 +54,8 @@ def shard_files(shm: Path, node: str) -> int:
     return sum(1 for p in shm.glob(f"refbus-store.*.{node}/*") if p.name not in own)
 
 
-def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_lost(tmp_path: Path) -> None:
+def test_killed_env_server_ps_worker_and_ps_manager_come_back_from_their_stores_and_nothing_is_lost(
+        tmp_path: Path) -> None:
     steps = 5
     shm = tmp_path / "shm"
     up = Up(tmp_path, steps, *QUICK, "--store-directory", str(shm))
@@ -62,7 +64,7 @@ def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_los
         wait_for(lambda: up.alive() and segments(shm, "env-1") > 0 and shard_files(shm, "ps-worker-1") > 0,
                  RUN_S / 4, "env-1 holding blobs and ps-worker-1 shards", poll_s=0.02)
         pids = up.note_pids()
-        victims = {name: pids[name] for name in ("env-1", "ps-worker-1")}
+        victims = {name: pids[name] for name in ("env-1", "ps-worker-1", "ps-manager")}
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
         code = up.wait(RUN_S)
@@ -72,8 +74,9 @@ def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_los
         deaths = {d["node"]: d for d in summary["deaths"]}
         for name, pid in victims.items():
             assert (deaths[name]["pid"], deaths[name]["exit"], deaths[name]["restarted"]) == (pid, "SIGKILL", True)
-        # A push granted to the ps-worker just before it was killed fails its rank: that may cost a world restart
-        # from the checkpoint (what the ranks held is reclaimed, named with them), never a store's blob.
+        # A push granted to the ps-worker just before it was killed, or in flight when the manager was, fails its
+        # rank: that may cost a world restart from the checkpoint (what the ranks held is reclaimed, named with
+        # them), never a store's blob.
         others = set(deaths) - set(victims)
         assert others <= {"trainer-0", "trainer-1"} and len(summary["world_restarts"]) == (1 if others else 0), output
         blobs_back = log_events(up.run_dir / "env-1.log", "store.readopted")
@@ -81,6 +84,9 @@ def test_killed_env_server_and_ps_worker_readopt_their_stores_and_nothing_is_los
         shards_back = log_events(up.run_dir / "ps-worker-1.log", "store.readopted")
         assert len(shards_back) == 1 and shards_back[0]["shards"] > 0 and shards_back[0]["lost"] == 0, shards_back
         assert not log_events(up.run_dir / "ps-manager.log", "ps.versions_lost_on_worker"), "a version was lost"
+        recovered = log_events(up.run_dir / "ps-manager.log", "ps.manager_recovered")
+        assert len(recovered) == 1 and recovered[0]["versions"], recovered
+        assert log_events(up.run_dir / "ps-worker-0.log", "ps.manager_restarted"), "ps-worker-0 never re-registered"
         # Never a store's loss; a restarted world's ranks all lose what they held.
         blobs = check_accounted(summary, {"trainer-0", "trainer-1"} if others else set())
         if not others:

@@ -21,16 +21,25 @@ import numpy as np
 import pytest
 import torch
 from polling import wait_for
-from ps_support import PsCluster, make_state, segment_file, segments, start_cluster
+from ps_support import (
+    LEASE_TTL_S,
+    PsCluster,
+    make_state,
+    restart_manager,
+    segment_file,
+    segments,
+    start_cluster,
+)
 from refbus.bus.reqrep import HandlerError, RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
+from refbus.nodes.ps.client import INIT_ASK_EVERY_S
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import Message
-from refbus.protocol.messages import Ok
+from refbus.protocol.messages import NodeDown, NodeInfo, Ok
 from refbus.protocol.messages_ps import (
     InitChunk,
     InitDone,
@@ -257,6 +266,52 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
     assert segments(cluster.prefix) == []
 
 
+def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_process(bus, spawn,
+                                                                                      checkpoint) -> None:
+    """w3 (a leaf under w1) is stopped, so the init over w0..w3 stalls; the manager is SIGKILLed and restarted.
+    The client's request, sent again, reaches the new process, which knows no such init and refuses it naming
+    w3 (not registered again: stopped); the copies the dead init left are released; an init over the others
+    then succeeds."""
+    path, state = checkpoint
+    _, control = bus
+    cluster = start_cluster(spawn, control, "binit-restart", workers=4,
+                            extra=[*CHUNK, "--ps-ack-timeout-s", "60.0"])  # the stalled stream never fails by itself
+    runtime, ps = cluster.client()
+    victim = cluster.workers["w3"]
+    try:
+        victim.proc.send_signal(signal.SIGSTOP)
+        outcome: list[BaseException | None] = []
+
+        def init() -> None:
+            try:
+                ps.init(str(path), workers=["w0", "w1", "w2", "w3"], timeout_s=60)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        runner = threading.Thread(target=init)
+        runner.start()
+        wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
+        assert cluster.manager_proc is not None
+        cluster.manager_proc.signal(signal.SIGKILL)
+        cluster.manager_proc.proc.wait(10)
+        restart_manager(spawn, cluster)
+        runner.join(3 * INIT_ASK_EVERY_S)  # the next resend reaches the new process
+        assert not runner.is_alive() and isinstance(outcome[0], RemoteError), outcome
+        assert outcome[0].code == "unknown-worker" and "'w3'" in str(outcome[0])
+        # The dead init's copies are released by the new manager (once a lease TTL passed since its start).
+        wait_for(lambda: all(cluster.held(w) == 0 for w in ("w0", "w1", "w2")), 10 * LEASE_TTL_S,
+                 "the dead init's copies to be freed")
+        result = ps.init(str(path), workers=["w0", "w1", "w2"], timeout_s=30)
+        pulled = ps.pull(result.version, verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
+        victim.proc.kill()
+        victim.proc.wait(10)
+        runtime.close()
+        _stop(cluster)
+
+
 def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_the_file(tmp_path: Path,
                                                                                       checkpoint) -> None:
     """Whatever fails the root's read (a header that is not an object, a segment it has no room for), the
@@ -320,5 +375,36 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
                 handle(handler, body)
             assert err.value.code == "released"
         assert worker.shards == shards and "init-r" not in worker.relays
+    finally:
+        runtime.close()
+
+
+def test_a_worker_registers_again_with_a_restarted_manager_and_abandons_its_inits_in_progress(
+        tmp_path: Path, checkpoint) -> None:
+    """A ps-worker (handlers and peer listeners called directly) roots an init mid-stream. A node-up of the
+    manager it registered with changes nothing; once the bus says that manager is down and another process of
+    it comes up, the worker abandons the init (the dead manager will never commit or release it: its segment
+    goes back to the pool) and registers again, listing the shards it holds."""
+    path, _ = checkpoint
+    runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="w0", metrics_port=-1),
+                          register=False)
+    try:
+        settings = PsSettings(manager="tcp://127.0.0.1:9", worker="tcp://127.0.0.1:0", shm_dir=str(tmp_path),
+                              shm_prefix="reregister", pin_memory=False)
+        worker = PsWorker(runtime, settings)
+        me = worker.info()
+        relay = worker._relay("init-r")
+        child = WorkerInfo("w1", "tcp://127.0.0.1:8", "here", str(tmp_path))  # not the manager's endpoint
+        relay.stream_from(InitPlan("init-r", str(path), [me, child], 64, 5.0))
+        assert relay._file is not None and worker.pool.in_use_bytes > 0
+        first = NodeInfo("ps-manager", "ps-manager", "h", 10, started=1.0)
+        worker._manager_up(first)  # the manager registered with at start: nothing to do
+        worker._manager_up(first)
+        assert runtime.calls.in_flight(settings.manager) == 0 and "init-r" in worker.relays
+        worker._manager_down(NodeDown("ps-manager", "ps-manager", "timeout", 0.0), first)
+        worker._manager_up(NodeInfo("ps-manager", "ps-manager", "h", 11, started=2.0))
+        assert relay.failed and relay._file is None and "init-r" not in worker.relays
+        assert worker.pool.in_use_bytes == 0 and "init-r" in worker.released
+        assert runtime.calls.in_flight(settings.manager) == 1  # the registration, on its way
     finally:
         runtime.close()

@@ -26,10 +26,12 @@ from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
 from refbus.nodes.ps.leases import LeaseTable
 from refbus.nodes.ps.manager import PsManager
+from refbus.nodes.ps.manager_journal import ManagerJournal
 from refbus.nodes.ps.manifest import ManifestError, check_shard, digest, layout
 from refbus.nodes.ps.shm import OwnerLock, SegmentMaps, SegmentPool, sweep_orphans
 from refbus.nodes.ps.versions import VersionStore
 from refbus.nodes.settings import PsSettings
+from refbus.nodes.store.durable import DurableStore
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import (
@@ -38,6 +40,7 @@ from refbus.protocol.messages_ps import (
     LeaseRelease,
     ManifestEntry,
     PsRegister,
+    PullBegin,
     PushBegin,
     PushGrant,
     Release,
@@ -272,6 +275,7 @@ class _StubRuntime:
         self.down_listeners: list[Callable[..., None]] = []
         self.up_listeners: list[Callable[..., None]] = []
         self.marked_up: list[str] = []
+        self.shutdown_hooks: list[Callable[[], None]] = []
         self.server = types.SimpleNamespace(on=lambda kind, handler, **_: self.handlers.__setitem__(kind, handler),
                                             pending=object(), answer=lambda pending, body: None)
         self.calls = types.SimpleNamespace(
@@ -359,6 +363,53 @@ def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_noth
     runtime.call(PsRegister(_worker("w1", pid=3), sorted(held), held))
     runtime.call(PsRegister(_worker("w1", pid=4), sorted(held)))
     assert runtime.released("w1") == []
+
+
+def test_a_pull_grant_names_only_copies_a_registered_worker_listed_or_committed() -> None:
+    """A worker (re-)registers listing the segments it holds (a restarted manager learns where the copies are
+    this way): a copy it did not list is left out of pull grants, and a tensor none holds fails at once."""
+    runtime, _ = _manager(replicas=2)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    grant = _push(runtime, 0)
+    both = runtime.call(PullBegin("reader", 0))
+    assert [loc.worker for loc in both.manifest.entries[0].locations] == ["w0", "w1"]
+    runtime.call(PsRegister(_worker("w1", pid=2)))  # back without its copy
+    narrowed = runtime.call(PullBegin("reader", 0))
+    assert [loc.worker for loc in narrowed.manifest.entries[0].locations] == ["w0"]
+    runtime.call(PsRegister(_worker("w0", pid=2), [f"seg-{grant.lease}-w1"]))  # lists another worker's segment
+    with pytest.raises(HandlerError) as err:
+        runtime.call(PullBegin("reader", 0))
+    assert err.value.code == "copies-down" and "no longer holds it" in str(err.value)
+    held = f"seg-{grant.lease}-w0"
+    runtime.call(PsRegister(_worker("w0", pid=3), [held], {held: grant.lease}))
+    assert [loc.worker for loc in runtime.call(PullBegin("reader", 0)).manifest.entries[0].locations] == ["w0"]
+
+
+def test_a_commit_the_journal_cannot_record_is_served_logged_and_unknown_to_a_restart(tmp_path: Path) -> None:
+    """A journal write that fails (a full tmpfs) does not stop the manager: the version is committed and
+    announced, the failure logged; a restarted manager knows only what was recorded."""
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    runtime = _StubRuntime()
+    recorder = journal()
+    manager = PsManager(runtime, PsSettings(replicas=1), journal=recorder)  # type: ignore[arg-type]
+    runtime.call(PsRegister(_worker("w0")))
+
+    def full() -> None:
+        raise OSError(28, "No space left on device")
+
+    recorder.store.before_flag = full
+    with structlog.testing.capture_logs() as logs:
+        _push(runtime, 0)
+    assert manager.versions.retained() == [0] and [b.version for b in runtime.published] == [0]
+    assert any(entry["event"] == "ps.journal_failed" for entry in logs)
+    recorder.store.before_flag = None
+    _push(runtime, 1)
+    recorder.store.close(remove=False)  # killed, not stopped: its shutdown hooks never ran, the journal stays
+    restarted = PsManager(_StubRuntime(), PsSettings(replicas=1), journal=journal())  # type: ignore[arg-type]
+    assert restarted.versions.retained() == [1] and restarted.versions.latest == 1
 
 
 def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_node_up() -> None:

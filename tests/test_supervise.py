@@ -320,11 +320,15 @@ def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_oth
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         ("env-0", "SIGKILL", True), ("env-0", "exit 1", True), ("env-0", "SIGKILL", False)]
 
-    cluster, said = _Cluster("ps-manager"), []
+    cluster, said = _Cluster("ps-manager", "trainer-0"), []
     supervisor = Supervisor(cluster, budget=5, backoff_s=1.0, say=said.append, clock=clock)  # type: ignore[arg-type]
-    cluster.nodes[0].proc.code = 1
-    assert "ps-manager died (exit 1); it is not restartable" in (supervisor.poll() or "")
-    assert cluster.restarted == [] and supervisor.fatal == ["ps-manager"]
+    cluster.nodes[0].proc.code = 1  # the ps-manager replays its journal: restarted like the others
+    assert supervisor.poll() is None
+    clock.now += 1.0
+    assert supervisor.poll() is None and cluster.restarted == ["ps-manager"]
+    cluster.nodes[1].proc.code = 1  # a trainer rank without world restarts is not restartable
+    assert "trainer-0 died (exit 1); it is not restartable" in (supervisor.poll() or "")
+    assert supervisor.fatal == ["trainer-0"]
     assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
 
 
@@ -342,7 +346,8 @@ def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() ->
         return chaos.killed
 
     first = victims(7)
-    assert len(first) == 10 and set(first) <= {"ps-worker-0", "env-0", "env-1", "rollout-0", "orchestrator"}
+    assert len(first) == 10 and set(first) <= {"ps-manager", "ps-worker-0", "env-0", "env-1", "rollout-0",
+                                               "orchestrator"}
     assert victims(7) == first
     assert any(victims(seed) != first for seed in range(8, 12))
     with pytest.raises(ValueError):
@@ -383,7 +388,7 @@ def test_kill_hung_decides_on_a_timeout_of_this_incarnation_of_a_running_restart
     assert not kill_hung(down, Watched("orchestrator", 100, 9.5, True, True, False), stopping=False)  # restarting
     assert not kill_hung(down, Watched("orchestrator", 100, 9.5, True, False, True), stopping=False)  # killed once
     manager = Liveness("ps-manager", up=False, pid=7, started=10.0, reason="timeout")
-    assert not kill_hung(manager, Watched("ps-manager", 7, 9.5, True, False, False), stopping=False)
+    assert kill_hung(manager, Watched("ps-manager", 7, 9.5, True, False, False), stopping=False)
     rank = Liveness("trainer-0", up=False, pid=8, started=10.0, reason="timeout")
     assert not kill_hung(rank, Watched("trainer-0", 8, 9.5, True, False, False), stopping=False)
     assert kill_hung(rank, Watched("trainer-0", 8, 9.5, True, False, False), stopping=False, worlds=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import os
 import threading
 import time
@@ -104,6 +105,7 @@ _WINDOW = 4  # frame messages in flight per worker
 PUSH_ATTEMPTS = 3  # grants one rank's push may use when workers fail under it (the first included)
 # Error codes of a worker that lost the shard or segment asked about (it restarted): try another copy.
 _WORKER_LOST = frozenset({"unknown-shard", "unknown-segment"})
+INIT_ASK_EVERY_S = 5.0  # a broadcast init's request is sent again this often (see PsClient.init)
 WORKERS_FIRST_PAUSE_S = 0.25  # a push finding no ps-worker polls again after this, doubling
 WORKERS_MAX_PAUSE_S = 2.0
 ReplyT = TypeVar("ReplyT", bound=Body)
@@ -769,9 +771,16 @@ class PsClient:
              timeout_s: float = 600.0) -> InitResult:
         """Load a safetensors checkpoint into ``workers`` (default all) by tree broadcast; the new version.
 
+        The request goes again every ``INIT_ASK_EVERY_S`` until ``timeout_s`` (the same id: the manager running
+        it answers it once, when it ends), so a manager restarted meanwhile, which knows nothing of the init the
+        dead one ran, hears it and starts it over, or refuses it by name (``unknown-worker``: a worker not yet
+        registered with it again).
+
         Raises RemoteError ``init-failed`` naming the worker that failed.
         """
-        policy = RetryPolicy(timeout_s=timeout_s, attempts=1)
+        attempts = max(1, math.ceil(timeout_s / INIT_ASK_EVERY_S))
+        every = timeout_s / attempts
+        policy = RetryPolicy(timeout_s=every, attempts=attempts, backoff=1.0, max_timeout_s=every)
         reply = self._manager.request(InitRequest(path, list(workers), chunk_bytes), policy=policy).body
         assert isinstance(reply, InitResult)
         return reply

@@ -53,6 +53,11 @@ class LeaseTable:
         self._live[lease.lease_id] = lease
         return lease
 
+    def granted_here(self, lease_id: str) -> bool:
+        """Whether this table granted ``lease_id`` (ids carry a prefix drawn per table: a lease of an earlier
+        process of the manager is never one of this one's)."""
+        return lease_id.startswith((f"push-{self._prefix}-", f"pull-{self._prefix}-"))
+
     def ended(self, lease_id: str) -> str | None:
         """``expired``, ``released`` or None (live or never known)."""
         return self._ended.get(lease_id)

@@ -23,6 +23,17 @@ Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), 
 each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
 again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
 
+Restarts: with ``store.durable`` every commit, lineage start and consumed batch is committed to a journal
+(:mod:`.manager_journal`) before anyone hears of it. A process restarted under the same node id replays it
+and comes back with the versions it retained; the workers, told of the new process by the bus, register again
+listing the segments they hold, and a version is served only from copies a registered worker listed (or
+committed since). A push pending, leases, reservations and an init round of the dead process are unknown to
+the new one: a commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
+``unknown-lease``, both naming the restart, a renewal lists it expired, a reservation is
+``unknown-reservation``, and an init's request, which its client sends again, is answered afresh. A reader
+may still read under a lease of the dead process, so a restarted manager releases nothing for one lease TTL:
+what is to be released meanwhile (retention, orphans the workers list) goes out once it has passed.
+
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
 A ``node-down`` of a worker removes it: it is never granted again, pull grants leave its copies out (a pull
@@ -88,9 +99,11 @@ from ...protocol.messages_ps import (
 )
 from ..config import Config
 from ..settings import PsSettings
+from ..store.durable import DurableStore, StoreError
 from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import Lease, LeaseTable
+from .manager_journal import ManagerJournal
 from .manifest import ManifestError
 from .staleness import CloseReport, StalenessError, StalenessInventory
 from .versions import Shard, VersionStore
@@ -116,9 +129,11 @@ def _same_process(worker: WorkerInfo, node: NodeInfo) -> bool:
 
 
 class PsManager:
-    """The control plane on ``runtime`` (which must join the bus: commits are published)."""
+    """The control plane on ``runtime`` (which must join the bus: commits are published). With ``journal`` its
+    durable decisions are committed there, and what an earlier process committed is replayed first (raises
+    StoreError for a journal that is not one)."""
 
-    def __init__(self, runtime: NodeRuntime, settings: PsSettings) -> None:
+    def __init__(self, runtime: NodeRuntime, settings: PsSettings, *, journal: ManagerJournal | None = None) -> None:
         if settings.replicas < 1:
             raise ValueError(f"ps.replicas must be >= 1, got {settings.replicas}")
         self.runtime = runtime
@@ -126,7 +141,25 @@ class PsManager:
         self.versions = VersionStore(settings.retain_versions)
         self.leases = LeaseTable(settings.lease_ttl_s)
         self.inventory: StalenessInventory[str] = StalenessInventory(settings.eta, settings.batch_size)
+        self.journal = journal
+        if journal is not None:
+            recovered = journal.replay(self.versions)
+            if recovered.trainer_version >= 0:
+                self.inventory.advance(recovered.trainer_version)
+            if recovered.records:
+                log.info("ps.manager_recovered", versions=recovered.versions, latest=self.versions.latest,
+                         trainer_version=self.inventory.trainer_version, records=recovered.records)
+            runtime.shutdown_hooks.append(lambda: journal.close(remove=True))  # a clean stop: nothing to come back to
         self.workers: dict[str, WorkerInfo] = {}
+        # Worker -> the segments it holds: listed at its registration, plus the copies it committed since. A copy
+        # is served only from there (a worker restarted without its store, or this manager restarted, must not
+        # send readers to copies nobody holds).
+        self.held: dict[str, set[str]] = {}
+        # After a restart (its store was there already) a reader may still hold a lease of the earlier process:
+        # what that lease reads may be released only once the lease would have expired.
+        restarted = journal is not None and not journal.store.fresh
+        self._releases_from = time.monotonic() + settings.lease_ttl_s if restarted else 0.0
+        self._held_back: list[Shard] = []
         self.init: InitRound | None = None
         self._init_waiting: list[Pending] = []
         self._init_answers: OrderedDict[str, Body] = OrderedDict()  # ps-init request id -> its answer
@@ -169,9 +202,9 @@ class PsManager:
         assert isinstance(request.body, PsRegister)
         info = request.body.worker
         self.workers[info.worker] = info
+        held = self.held[info.worker] = set(request.body.segments)
         log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host,
                  segments=len(request.body.segments))
-        held = set(request.body.segments)
         # A worker restarted under its id serves the shards it re-adopted from its durable store; a version
         # with a copy on it that it no longer holds has lost that copy: say which.
         lost = [v for v in self.versions.retained() if any(
@@ -212,6 +245,9 @@ class PsManager:
         log.warning("ps.release_failed", worker=worker, shards=ids, error=str(outcome))
 
     def _release(self, shards: list[Shard]) -> None:
+        if shards and time.monotonic() < self._releases_from:  # see __init__: sent once a lease TTL passed
+            self._held_back += shards
+            return
         by_worker: defaultdict[str, list[str]] = defaultdict(list)
         for worker, shard in shards:
             by_worker[worker].append(shard)
@@ -240,6 +276,7 @@ class PsManager:
                      down_pid=last.pid, registered_pid=info.pid)
             return
         del self.workers[down.node_id]
+        self.held.pop(down.node_id, None)
         self._unreleased.pop(down.node_id, None)  # a later process's registration releases what it re-adopted
         lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
         (log.error if lost else log.warning)("ps.worker_down", worker=down.node_id, reason=down.reason,
@@ -255,10 +292,14 @@ class PsManager:
             self._abort_push(pending.version, f"worker {down.node_id} held the last verified copy of rank(s) "
                              f"{orphaned}")
 
+    def _serves(self, location: Location) -> bool:
+        """Whether a registered worker holds the copy at ``location``."""
+        return location.worker in self.workers and location.segment in self.held.get(location.worker, ())
+
     def _dead_copies(self, manifest: Manifest) -> dict[str, list[str]]:
-        """Tensor -> its copies' workers, for each tensor with no copy on a live worker."""
+        """Tensor -> its copies' workers, for each tensor with no copy a registered worker holds."""
         return {e.name: [loc.worker for loc in e.locations] for e in manifest.entries
-                if e.locations and not any(loc.worker in self.workers for loc in e.locations)}
+                if e.locations and not any(self._serves(loc) for loc in e.locations)}
 
     def _live_copies(self, manifest: Manifest) -> Manifest:
         """The manifest narrowed to copies on live workers (a pull never reads from a worker known down), each
@@ -268,14 +309,15 @@ class PsManager:
         if dead:
             workers = sorted({w for names in dead.values() for w in names})
             raise HandlerError("copies-down", f"version {manifest.version}: every copy of {len(dead)} tensor(s) "
-                               f"(e.g. {next(iter(dead))!r}) is on a worker that is down: {workers}")
+                               f"(e.g. {next(iter(dead))!r}) is on a worker that is down or no longer holds it: "
+                               f"{workers}")
         # Each worker as registered now, not as the manifest recorded it at the commit: one restarted under its
         # id re-adopted its shards but serves them on a new endpoint and proves its host with a new nonce, and a
         # reader sent to the dead process's endpoint would find no copy there.
         workers = [self.workers[w.worker] for w in manifest.workers if w.worker in self.workers]
-        if all(loc.worker in self.workers for e in manifest.entries for loc in e.locations):
+        if all(self._serves(loc) for e in manifest.entries for loc in e.locations):
             return manifest if workers == manifest.workers else msgspec.structs.replace(manifest, workers=workers)
-        entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if loc.worker in self.workers])
+        entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if self._serves(loc)])
                    for e in manifest.entries]
         return msgspec.structs.replace(manifest, entries=entries, workers=workers)
 
@@ -317,7 +359,7 @@ class PsManager:
                                               lease.lease_id, lease.granted, resumes=begin.resumes)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
-            raise HandlerError(exc.code, str(exc)) from None
+            raise self._refusal(exc, begin.retry) from None
         if begin.retry:
             # Ended without aborting: the version goes on under the new lease.
             self.leases.release(begin.retry)
@@ -333,7 +375,9 @@ class PsManager:
         if pending is not None:
             self._abort_push(pending.version, f"{holder} resumes from version {version}: a new lineage")
         retired = [v for v in self.versions.retained() if v >= version]
-        self._release(self.versions.start_lineage(version))
+        freed = self.versions.start_lineage(version)
+        self._journal(lambda journal: journal.lineage(version))
+        self._release(freed)
         self._inventory_dropped("rewound", version, self.inventory.rewind(version))
         (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
                                                retired=retired, latest=self.versions.latest)
@@ -347,7 +391,8 @@ class PsManager:
                 commit.version, commit.rank, commit.lease, commit.worker, commit.segment, commit.tensors,
                 self.workers.values())
         except ManifestError as exc:
-            raise HandlerError(exc.code, str(exc)) from None
+            raise self._refusal(exc, commit.lease) from None
+        self.held.setdefault(commit.worker, set()).add(commit.segment)
         # The push lease lives until every copy of the rank is verified: while one is still being written, the
         # pusher's release of it (it gave that copy up) must abort the version, and its expiry too.
         if manifest is not None or self.versions.rank_done(commit.version, commit.rank, commit.lease):
@@ -358,11 +403,32 @@ class PsManager:
             self._committed(manifest, freed)
         return Committed(commit.version, manifest is not None, manifest.digest if manifest else "")
 
+    def _refusal(self, exc: ManifestError, lease: str) -> HandlerError:
+        """``exc`` as the refusal of a request about push ``lease``, saying so when an earlier process of the
+        manager granted it: the push it belonged to died with that process."""
+        if exc.code == "push-aborted" and lease and not self.leases.granted_here(lease):
+            return HandlerError("push-aborted", f"{exc}: lease {lease} was granted by an earlier process of the "
+                                "ps-manager, which restarted; the push it belonged to was aborted: push again")
+        return HandlerError(exc.code, str(exc))
+
+    def _journal(self, write: Callable[[ManagerJournal], None]) -> None:
+        """Commit a record to the journal, if any. A write that fails is logged, and the manager goes on serving
+        what it decided: a restart would not know it."""
+        if self.journal is None:
+            return
+        try:
+            write(self.journal)
+        except (OSError, ValueError) as exc:  # a full tmpfs, a record the journal cannot hold
+            log.error("ps.journal_failed", error=str(exc), detail="a restart of this manager would not know it")
+
     def _committed(self, manifest: Manifest, freed: list[Shard]) -> None:
-        """A version is visible: free what retention dropped, move the inventory's trainer version up to it,
-        then (never before) publish the bump."""
+        """A version is visible: record it, free what retention dropped, move the inventory's trainer version up
+        to it, then (never before) publish the bump."""
+        ((_, shards, leases),) = self.versions.stored([manifest.version])
+        self._journal(lambda journal: journal.committed(manifest, shards, leases))
         self._release(freed)
         self._inventory_dropped("advanced", manifest.version, self.inventory.advance(manifest.version))
+        self._journal(lambda journal: journal.compact_if_due(self.versions, self.inventory.trainer_version))
         log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
                  tensors=len(manifest.entries), digest=manifest.digest)
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
@@ -416,6 +482,10 @@ class PsManager:
             if self.leases.ended(ask.lease) == "expired":
                 raise HandlerError("lease-expired", f"lease {ask.lease} expired before it was released; what it "
                                    "held may have been reused")
+            if not self.leases.granted_here(ask.lease):
+                raise HandlerError("unknown-lease", f"lease {ask.lease} was granted by an earlier process of the "
+                                   "ps-manager, which restarted: it is not held here, and what it held may have "
+                                   "been reused")
             raise HandlerError("unknown-lease", f"lease {ask.lease} is not held")
         self._ended(lease, "released")
         return Ok()
@@ -431,6 +501,10 @@ class PsManager:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        if self._held_back and now >= self._releases_from:
+            held_back, self._held_back = self._held_back, []
+            log.info("ps.held_releases_sent", shards=len(held_back))
+            self._release(held_back)
         for lease in self.leases.expire(now):
             log.warning("ps.lease_expired", lease=lease.lease_id, kind=lease.kind, holder=lease.holder,
                         version=lease.version)
@@ -543,6 +617,8 @@ class PsManager:
                           [Location(w, init.done[w].segment, t.offset) for w in init.names])
             for t in init.root_layout()
         ]
+        for worker in init.names:
+            self.held.setdefault(worker, set()).add(init.done[worker].segment)
         manifest = mf.build(self.versions.next_version(), entries, init.workers)
         try:
             freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
@@ -616,6 +692,8 @@ class PsManager:
             batch = self.inventory.consume(ask.version)
             if batch is None:
                 return Batch(version, False)
+            trainer = self.inventory.trainer_version
+            self._journal(lambda journal: journal.trainer(trainer))
             return Batch(batch.version, True,
                          [BatchEntry(e.prompt_id, e.trajectory, e.policy_version) for e in batch.entries])
 
@@ -666,8 +744,26 @@ class PsManager:
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node ps-manager``: serve the control plane until SIGINT/SIGTERM."""
+    """``refbus node ps-manager``: serve the control plane until SIGINT/SIGTERM. With ``store.durable`` its
+    journal lives in the store directory under its node id: a process restarted under that id replays it. Exits
+    2 when the journal cannot be used (held by a live process, or not a ps-manager journal), naming it."""
     runtime = NodeRuntime("ps-manager", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
-    PsManager(runtime, config.ps)
+    try:
+        journal = None
+        if config.store.durable:
+            run_id = config.store.run or f"{config.cluster.name}-{config.bus.control}"  # as the workers' stores
+            store = DurableStore(config.store.directory, run_id, runtime.node_id, budget_bytes=0, what="ps",
+                                 strict=True)
+            journal = ManagerJournal(store)
+        try:
+            PsManager(runtime, config.ps, journal=journal)
+        except StoreError:
+            if journal is not None:
+                journal.close(remove=False)  # refused as found: left for the operator to inspect
+            raise
+    except StoreError as exc:
+        log.error("ps.journal_unusable", error=str(exc))
+        runtime.close()
+        return 2
     runtime.run()
     return 0

@@ -125,6 +125,16 @@ class VersionStore:
             )
         return stored.manifest
 
+    def stored(self, versions: Iterable[int]) -> list[tuple[Manifest, list[Shard], frozenset[str]]]:
+        """Each of ``versions`` (retained) as committed: manifest, shards, the push leases that committed it."""
+        return [(s.manifest, s.shards, s.leases) for s in (self._stored[v] for v in versions)]
+
+    def restore(self, manifest: Manifest, shards: list[Shard], leases: frozenset[str]) -> None:
+        """Replay a commit an earlier process of the manager recorded (its journal), as it was committed then
+        (retention included) but counted nowhere. No reader is known, so what retention retires is dropped at
+        once: its shards are released as the workers re-register listing them."""
+        self._store(manifest, shards, leases, counted=False)
+
     def pin(self, version: int, lease: str = "") -> None:
         """A pull lease now holds ``version`` (it must be retained). Pass the ``lease`` id when a new lineage
         may retire the version while it is read: :meth:`unpin` then finds the very version it read."""
@@ -315,10 +325,11 @@ class VersionStore:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _store(self, manifest: Manifest, shards: list[Shard], leases: frozenset[str]) -> list[Shard]:
+    def _store(self, manifest: Manifest, shards: list[Shard], leases: frozenset[str], *,
+               counted: bool = True) -> list[Shard]:
         self._stored[manifest.version] = _Stored(manifest, shards, leases)
         self.latest = manifest.version
-        self.committed_total += 1
+        self.committed_total += counted
         freed: list[Shard] = []
         for version in self.retained()[: -self.retain]:
             self._stored[version].retired = True

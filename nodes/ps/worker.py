@@ -15,6 +15,11 @@ mapped once and reused version after version:
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
   the pool.
 * **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init.
+* **a restarted manager**: the worker tracks the registry's ``node-up``/``node-down`` events; a ps-manager
+  that comes up as another process than the one it knew (or after the bus reported it down) knows nothing of
+  this worker, so it registers again, listing its segments (a finished init's verified copy among them), and
+  abandons the broadcast inits still in progress (they belonged to the dead process, which will never commit
+  or release them).
 
 The worker never decides what is committed or freed: the manager does. Single-threaded on the node loop.
 Tensors are moved as bytes (numpy uint8), so this process never imports torch unless a CUDA driver is
@@ -34,11 +39,12 @@ import numpy as np
 import structlog
 
 from ...bus.memory import keep_receive_memory
-from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RetryPolicy
+from ...bus.peers import incarnation
+from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RequestTimeout, RetryPolicy
 from ...bus.runtime import NodeRuntime
 from ...protocol.codec import Unhashed, checksum
 from ...protocol.envelope import NIL_CHECKSUM_SINCE, Message
-from ...protocol.messages import Body, Error, Ok
+from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok
 from ...protocol.messages_ps import (
     InitChunk,
     InitEnd,
@@ -137,6 +143,13 @@ class PsWorker:
         self.server.on(InitChunk.kind, self._chunk)
         self.server.on(InitEnd.kind, self._end)
         self.manager = runtime.calls.client(settings.manager, held=True)  # kept here: never forgotten
+        # The manager process registered with last (host, pid, start time; None until the bus names it), and
+        # whether the bus reported it down since: either way a manager that comes up must hear from this worker.
+        self._manager_seen: tuple[str, int, float] | None = None
+        self._manager_lost = False
+        peers = runtime.track_peers()
+        peers.on_up(self._manager_up)
+        peers.on_down(self._manager_down)
         runtime.shutdown_hooks.append(self._close)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
@@ -159,9 +172,53 @@ class PsWorker:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
         restart's re-adopted ones); RequestTimeout if no manager answers."""
         policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
-        held = {segment.name: lease for lease, segment in self.shards.items() if lease not in self.relays}
-        self.manager.request(PsRegister(self.info(), sorted(held), held), policy=policy)
+        self.manager.request(self._registration(), policy=policy)
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
+
+    def _manager_down(self, down: NodeDown, last: NodeInfo | None) -> None:
+        if down.role == "ps-manager":
+            self._manager_lost = True
+            if last is not None:
+                self._manager_seen = incarnation(last)
+
+    def _manager_up(self, node: NodeInfo) -> None:
+        """A ps-manager's node-up: register again when it is not the process this worker registered with (see
+        the module doc); the first one the bus names is taken to be that process."""
+        if node.role != "ps-manager":
+            return
+        seen, self._manager_seen = self._manager_seen, incarnation(node)
+        restarted = seen is not None and seen != self._manager_seen
+        if not (restarted or self._manager_lost):
+            return
+        self._manager_lost = False
+        if restarted:
+            for init_id in [i for i, relay in self.relays.items() if not relay.verified]:
+                log.warning("ps.init_abandoned", init_id=init_id, reason="the ps-manager restarted")
+                self._drop(init_id)
+        log.info("ps.manager_restarted" if restarted else "ps.manager_back", manager=node.node_id, pid=node.pid)
+        self._reregister(self._manager_seen)
+
+    def _reregister(self, manager: tuple[str, int, float]) -> None:
+        """Register with the manager process ``manager`` on the loop; sent again after a request that went
+        unanswered while that process is still the one known (its retry schedule paces the attempts). A manager
+        reported down meanwhile is registered with at its next node-up."""
+        def done(outcome: Outcome) -> None:
+            if isinstance(outcome, Message):
+                log.info("ps.worker_registered", manager=self.settings.manager, again=True)
+                return
+            retry = isinstance(outcome, RequestTimeout) and self._manager_seen == manager and not self._manager_lost
+            log.warning("ps.register_failed", error=str(outcome), retrying=retry)
+            if retry:
+                self._reregister(manager)
+
+        self.runtime.calls.request(self.settings.manager, self._registration(), done)
+
+    def _registration(self) -> PsRegister:
+        """This worker and the shards it holds: its broadcast inits' only once verified (one in progress is its
+        manager's to release)."""
+        held = {segment.name: lease for lease, segment in self.shards.items()
+                if lease not in self.relays or self.relays[lease].verified}
+        return PsRegister(self.info(), sorted(held), held)
 
     def _readopt(self, journal: ShardJournal) -> None:
         """Serve again the shards an earlier process of this worker sealed, each verified (a shard that fails
@@ -319,20 +376,25 @@ class PsWorker:
         if self.journal is not None:
             self.journal.released(release.shards)
         for shard in release.shards:
-            relay = self.relays.pop(shard, None)
-            if relay is not None:  # before its segment goes back to the pool, which may hand it to a new shard
-                relay.abandon()
-            self.streamed.pop(shard, None)
-            self.sealed.discard(shard)
-            self.released[shard] = None
-            self.released.move_to_end(shard)
-            while len(self.released) > RELEASED_REMEMBERED:
-                self.released.popitem(last=False)
-            segment = self.shards.pop(shard, None)
-            if segment is not None:
-                self.nixl.forget(segment.name)
-                self.pool.release(segment)
+            self._drop(shard)
         return Ok()
+
+    def _drop(self, shard: str) -> None:
+        """Hand ``shard``'s segment back to the pool (its release is journaled by the caller, if it was sealed)
+        and remember it released."""
+        relay = self.relays.pop(shard, None)
+        if relay is not None:  # before its segment goes back to the pool, which may hand it to a new shard
+            relay.abandon()
+        self.streamed.pop(shard, None)
+        self.sealed.discard(shard)
+        self.released[shard] = None
+        self.released.move_to_end(shard)
+        while len(self.released) > RELEASED_REMEMBERED:
+            self.released.popitem(last=False)
+        segment = self.shards.pop(shard, None)
+        if segment is not None:
+            self.nixl.forget(segment.name)
+            self.pool.release(segment)
 
     # --- broadcast init -----------------------------------------------------------------------------
 

@@ -122,13 +122,15 @@ class DurableStore:
     thread (it takes a fresh name from an atomic counter and shares nothing else).
 
     Raises (from the constructor): :class:`StoreLocked`, :class:`StoreError` (capacity, a journal of
-    another format version or that is not a journal).
+    another format version or that is not a journal; with ``strict``, a journal with garbage after its last good
+    record, which is otherwise logged and cut off: an owner whose every record matters refuses it instead).
     """
 
     before_flag: Any = None  # a test's crash point between a record's bytes and its commit flag (compactions too)
     before_rename: Any = None  # a test's crash point: a compaction's new journal written, not yet in place
 
-    def __init__(self, directory: str | Path, run: str, node: str, *, budget_bytes: int, what: str) -> None:
+    def __init__(self, directory: str | Path, run: str, node: str, *, budget_bytes: int, what: str,
+                 strict: bool = False) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         check_capacity(directory, budget_bytes, what)
         self.path = store_path(directory, run, node)
@@ -147,6 +149,9 @@ class DurableStore:
                     self.replay = journal.replay(journal_path.read_bytes(), str(journal_path))
                 except journal.FormatError as exc:
                     raise StoreError(f"{exc}; remove {self.path} (refbus shm gc, once no process holds it)") from None
+                if strict and self.replay.damaged:  # refused before the cut below: the file stays as found
+                    raise StoreError(f"{journal_path}: {self.replay.damaged}; this journal is refused whole, "
+                                     f"left as it is: inspect or remove {self.path}")
                 self._fd = os.open(journal_path, os.O_RDWR)
                 os.ftruncate(self._fd, self.replay.end)
                 os.lseek(self._fd, self.replay.end, os.SEEK_SET)

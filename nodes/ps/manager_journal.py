@@ -1,0 +1,122 @@
+"""The ps-manager's decisions that must outlive its process, in a :class:`~refbus.nodes.store.durable.DurableStore`.
+
+A restarted ps-manager (same node id, same run) replays them and comes back with every committed version it
+retained, its lineage and the staleness inventory's trainer version. Records:
+
+=========== ==========================================================================================
+``commit``  a committed version: its manifest, its shards ``[worker, shard id]`` and the push leases that
+            committed it (a pusher's repeated seal of one is answered as committed after a restart too)
+``lineage`` a trainer world resumed at ``version``: the versions ``>= version`` were retired
+``trainer`` the staleness inventory's trainer version after a ``consume``
+=========== ==========================================================================================
+
+Each is committed before anyone learns of the decision (the ``version-bump``, the answers). What is not
+recorded is lost with the process on purpose: a push pending, leases, reservations and an init round belong to
+the incarnation that granted them, and their holders are told so when they come back. Shards are not released
+here: the workers re-register listing what they hold, and the manager releases what no version names.
+
+The journal's own rules hold (:mod:`refbus.nodes.store.journal`): a record torn by a crash mid-append (its commit
+flag never written) is ignored. Anything else that is not a record of this module (garbage, a record of an unknown
+kind or with fields that do not parse) refuses the journal with :class:`~refbus.nodes.store.durable.StoreError`
+naming the file: versions are never silently dropped. Not thread-safe: the manager's loop owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ...protocol.messages_ps import Manifest
+from ..store.durable import DurableStore, StoreError
+from .versions import Shard, VersionStore
+
+COMPACT_MIN_RECORDS = 256  # records since the last compaction before one is due (DurableStore.compact_due)
+
+
+class _Commit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    manifest: Manifest
+    shards: list[tuple[str, str]]
+    leases: list[str]
+
+
+class _Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    version: int
+
+
+# A trainer record has a lineage record's fields: {"op": "trainer", "version": T}.
+_KINDS: dict[str, type[msgspec.Struct]] = {"commit": _Commit, "lineage": _Lineage, "trainer": _Lineage}
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """What a replay rebuilt: the inventory's ``trainer_version`` (-1: nothing moved it), the records read, the
+    versions retained."""
+
+    trainer_version: int
+    records: int
+    versions: list[int]
+
+
+class ManagerJournal:
+    """Commits the manager's durable decisions to ``store`` and replays them (see the module doc)."""
+
+    def __init__(self, store: DurableStore) -> None:
+        self.store = store
+
+    def committed(self, manifest: Manifest, shards: Iterable[Shard], leases: Iterable[str]) -> None:
+        self.store.commit(_commit(manifest, shards, leases))
+
+    def lineage(self, version: int) -> None:
+        self.store.commit({"op": "lineage", "version": version})
+
+    def trainer(self, version: int) -> None:
+        self.store.commit({"op": "trainer", "version": version})
+
+    def replay(self, versions: VersionStore) -> Recovered:
+        """Rebuild ``versions`` (fresh) from the records, in order; raises StoreError naming the journal and the
+        record when one is not a record of this module. Nothing is freed: no reader is known yet."""
+        trainer = -1
+        records = self.store.replay.records
+        for index, raw in enumerate(records):
+            record = self._parse(index, raw)
+            if isinstance(record, _Commit):
+                versions.restore(record.manifest, [(w, s) for w, s in record.shards], frozenset(record.leases))
+                trainer = max(trainer, record.manifest.version)
+            elif record.op == "lineage":
+                versions.start_lineage(record.version)
+                trainer = record.version  # the inventory rewinds with the lineage
+            else:
+                trainer = max(trainer, record.version)
+        return Recovered(trainer, len(records), versions.retained())
+
+    def compact_if_due(self, versions: VersionStore, trainer_version: int) -> None:
+        """Rewrite the journal as the versions retained now and the inventory's trainer version once enough
+        records piled up: a long run keeps a journal the size of its retained versions."""
+        live = versions.retained()
+        if self.store.compact_due(len(live) + 1, COMPACT_MIN_RECORDS):
+            self.store.compact([*(_commit(m, sh, le) for m, sh, le in versions.stored(live)),
+                                {"op": "trainer", "version": trainer_version}])
+
+    def close(self, *, remove: bool) -> None:
+        self.store.close(remove=remove)
+
+    def _parse(self, index: int, raw: dict[str, Any]) -> _Commit | _Lineage:
+        kind = _KINDS.get(raw.get("op"))  # type: ignore[arg-type]
+        try:
+            if kind is None:
+                raise msgspec.ValidationError(f"unknown record kind {raw.get('op')!r}")
+            return msgspec.convert(raw, kind)  # type: ignore[return-value]
+        except msgspec.ValidationError as exc:
+            raise StoreError(f"{self.store.path / 'journal'}: record {index} is not a ps-manager record ({exc}); "
+                             f"this journal is refused whole, left as it is: inspect or remove {self.store.path}") \
+                from None
+
+
+def _commit(manifest: Manifest, shards: Iterable[Shard], leases: Iterable[str]) -> dict[str, Any]:
+    return {"op": "commit", "manifest": msgspec.to_builtins(manifest), "shards": [list(s) for s in shards],
+            "leases": sorted(leases)}

@@ -1,0 +1,265 @@
+"""A ps-manager killed with SIGKILL and restarted under its node id, as real processes.
+
+* Between two pushes: it replays its journal and comes back with the versions it retained (their exact bytes
+  pulled), the workers register again on their own, a new push commits, the staleness inventory's trainer
+  version survives and a reservation of the dead process is refused ``unknown-reservation`` until made again.
+* In the middle of a push (one rank's shard committed): the other rank's commit is refused ``push-aborted``
+  naming the restart; the version is pushed again and commits; the dead push's shards are released, once.
+* While a reader holds a lease: nothing is released for a lease TTL after the restart, so versions committed
+  meanwhile do not reuse the memory the reader maps (its bytes stay those of its version); its release is
+  refused ``unknown-lease`` naming the restart; afterwards the workers hold exactly the retained versions.
+* A torn last journal record (a crash mid-append) is ignored; garbage or a record of another kind refuses the
+  journal, naming it, and leaves it as it was. Compacted, the journal replays the same state.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from polling import wait_for
+from ps_support import (
+    PsCluster,
+    checksums,
+    make_state,
+    rank_part,
+    restart_manager,
+    start_cluster,
+    stop_cluster_after_kills,
+)
+from refbus.bus.reqrep import RemoteError, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import NodeProcess
+from refbus.nodes.ps import manifest as mf
+from refbus.nodes.ps.client import PsClient
+from refbus.nodes.ps.manager_journal import ManagerJournal
+from refbus.nodes.ps.versions import VersionStore
+from refbus.nodes.store import journal
+from refbus.nodes.store.durable import DurableStore, StoreError
+from refbus.protocol.messages_ps import Location, ManifestEntry, WorkerInfo
+
+NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
+FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
+WORKERS = {"w0", "w1"}
+READ_TTL_S = 6.0  # the lease TTL of the reader's cluster: the restart's hold on releases lasts this long
+
+
+def _cluster(spawn, control: str, tag: str, tmp_path: Path, *extra: str) -> PsCluster:
+    return start_cluster(spawn, control, tag, workers=2,
+                         extra=["--store-directory", str(tmp_path / "shm"), *extra])
+
+
+@pytest.fixture
+def cluster(bus, spawn, tmp_path: Path) -> Iterator[PsCluster]:
+    _, control = bus
+    cluster = _cluster(spawn, control, "mgr-restart", tmp_path, "--ps-batch-size", "1", "--ps-eta", "0")
+    yield cluster
+    stop_cluster_after_kills(cluster)
+
+
+def _client(cluster: PsCluster, name: str) -> tuple[NodeRuntime, PsClient]:
+    settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=FAST_RETRY)
+    runtime = NodeRuntime("ps-client", settings, register=False)
+    return runtime, PsClient(runtime, cluster.manager)
+
+
+def _kill(cluster: PsCluster) -> None:
+    assert cluster.manager_proc is not None
+    cluster.manager_proc.signal(signal.SIGKILL)
+    assert cluster.manager_proc.proc.wait(10) == -signal.SIGKILL
+
+
+def _restart(spawn, cluster: PsCluster, ps: PsClient) -> NodeProcess:
+    """Start the (dead) manager again and wait until both workers registered with the new process on their own."""
+    new = restart_manager(spawn, cluster)
+    wait_for(lambda: {w.worker for w in ps.status().workers} == WORKERS, 10 * NODE_TIMEOUT_S,
+             "both workers to register with the restarted manager")
+    return new
+
+
+def _kill_and_restart(spawn, cluster: PsCluster, ps: PsClient) -> NodeProcess:
+    _kill(cluster)
+    return _restart(spawn, cluster, ps)
+
+
+def _retained_bytes(ps: PsClient) -> dict[str, float]:
+    """Worker -> the bytes of the segments the retained versions' copies on it take (their files' sizes)."""
+    status = ps.status()
+    directories = {w.worker: Path(w.shm_dir) for w in status.workers}
+    copies = {(loc.worker, loc.segment) for version in status.retained for entry in ps.manifest(version).entries
+              for loc in entry.locations}
+    return {w: float(sum((directories[w] / segment).stat().st_size for worker, segment in copies if worker == w))
+            for w in WORKERS}
+
+
+def _settles(cluster: PsCluster, ps: PsClient) -> None:
+    """Wait until every worker's memory in use is exactly that of the retained versions' copies on it: what was
+    held back is released, nothing is leaked, nothing still needed was released."""
+    wait_for(lambda: {w: cluster.held(w) for w in WORKERS} == _retained_bytes(ps), 4 * READ_TTL_S,
+             "each worker to hold exactly the retained versions")
+
+
+def _journal_file(tmp_path: Path) -> Path:
+    (path,) = (tmp_path / "shm").glob("refbus-store.*.ps-manager/journal")
+    return path
+
+
+def test_killed_between_pushes_the_manager_comes_back_with_its_versions_and_training_goes_on(
+        cluster: PsCluster, spawn) -> None:
+    runtime, ps = _client(cluster, "trainer")
+    try:
+        digests = {v: ps.push(make_state(seed=v, tensors=4), v).digest for v in (0, 1)}
+        # The inventory: version 1's batch consumed (the trainer version moves to 2), then a live reservation.
+        assert ps.reserve("p1", 1) == 1 and ps.occupy("p1", "t1", 1).ready
+        assert ps.consume(1).ready and ps.inventory().trainer_version == 2
+        assert ps.reserve("p2", 2) == 2
+        new = _kill_and_restart(spawn, cluster, ps)
+        assert '"ps.manager_recovered"' in new.log_tail(200)
+        status = ps.status()
+        assert (status.latest, status.retained, status.trainer_version) == (1, [0, 1], 2)
+        for version in (0, 1):
+            pulled = ps.pull(version, verify=True)
+            assert pulled.digest == digests[version]
+            assert checksums(dict(pulled)) == checksums(make_state(seed=version, tensors=4))
+        with pytest.raises(RemoteError) as refused:
+            ps.occupy("p2", "t2", 2)
+        assert refused.value.code == "unknown-reservation"
+        assert ps.reserve("p2", 2) == 2 and ps.occupy("p2", "t2", 2).ready  # made again, it fills the batch
+        assert ps.push(make_state(seed=2, tensors=4), 2).committed
+        assert ps.status().retained == [1, 2]
+        assert checksums(dict(ps.pull(2, verify=True))) == checksums(make_state(seed=2, tensors=4))
+        _settles(cluster, ps)  # version 0's copies released once the restart's hold ended, and nothing else
+        log = new.log_tail(400)
+        assert '"ps.versions_lost_on_worker"' not in log and '"ps.release_failed"' not in log
+    finally:
+        runtime.close()
+
+
+def test_a_push_in_flight_when_the_manager_dies_is_refused_then_pushed_again(cluster: PsCluster, spawn) -> None:
+    runtime, ps = _client(cluster, "rank0")
+    runtime1, ps1 = _client(cluster, "rank1")
+    state = make_state(seed=5, tensors=6)
+    try:
+        assert ps.push(state, 0).committed
+        first = ps.push(rank_part(state, 0, 2), 1, rank=0, world=2)  # rank 0's shard committed, version pending
+        assert not first.committed
+        part = rank_part(state, 1, 2)
+        with ps1.begin_push(part, 1, rank=1, world=2) as session:
+            for name, tensor in part.items():
+                session.write(name, tensor)
+            _kill_and_restart(spawn, cluster, ps)
+            with pytest.raises(RemoteError) as refused:
+                session.commit()
+        assert refused.value.code == "push-aborted" and "restarted" in refused.value.detail, refused.value
+        assert ps.status().pending == [] and ps.status().latest == 0
+        assert not ps.push(rank_part(state, 0, 2), 1, rank=0, world=2).committed
+        assert ps1.push(part, 1, rank=1, world=2).committed
+        assert checksums(dict(ps.pull(1, verify=True))) == checksums(state)
+        _settles(cluster, ps)  # the dead push's shards released; versions 0 and 1 kept
+    finally:
+        runtime.close()
+        runtime1.close()
+
+
+def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_is_refused(
+        bus, spawn, tmp_path: Path) -> None:
+    _, control = bus
+    cluster = _cluster(spawn, control, "mgr-lease", tmp_path, "--ps-lease-ttl-s", str(READ_TTL_S))
+    runtime, ps = _client(cluster, "trainer")
+    reader_runtime, reader = _client(cluster, "reader")
+    try:
+        for version in (0, 1):
+            assert ps.push(make_state(seed=version, tensors=4), version).committed
+        held = reader.pull(0, shared=True)  # views of the workers' segments, under a lease
+        expected = checksums(make_state(seed=0, tensors=4))
+        assert checksums(dict(held)) == expected
+        _kill_and_restart(spawn, cluster, ps)
+        # Version 2 retires version 0; version 3 would take the memory released by then. The restarted manager
+        # releases nothing for a lease TTL: the reader's bytes are still version 0's.
+        for version in (2, 3):
+            assert ps.push(make_state(seed=version, tensors=4), version).committed
+        assert ps.status().retained == [2, 3]
+        assert checksums(dict(held)) == expected
+        with pytest.raises(RemoteError) as refused:
+            held.release()
+        assert refused.value.code == "unknown-lease" and "restarted" in refused.value.detail, refused.value
+        _settles(cluster, ps)
+        assert checksums(dict(ps.pull(3, verify=True))) == checksums(make_state(seed=3, tensors=4))
+        assert '"ps.held_releases_sent"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
+    finally:
+        runtime.close()
+        reader_runtime.close()
+    stop_cluster_after_kills(cluster)
+
+
+def test_a_torn_last_record_is_ignored_and_garbage_refuses_the_journal(cluster: PsCluster, spawn,
+                                                                       tmp_path: Path) -> None:
+    runtime, ps = _client(cluster, "trainer")
+    try:
+        digest = ps.push(make_state(seed=1, tensors=3), 0).digest
+        path = _journal_file(tmp_path)
+        _kill(cluster)
+        # Killed between a record's bytes and its commit flag: the record never counted.
+        body, _flag = journal.encode({"op": "lineage", "version": 0})
+        with path.open("ab") as out:
+            out.write(body)
+        _restart(spawn, cluster, ps)
+        assert ps.status().retained == [0] and ps.pull(0, verify=True).digest == digest
+        # Garbage after the last record: the journal is refused, named, and left as it is.
+        _kill(cluster)
+        with path.open("ab") as out:
+            out.write(b"\x10\x00\x00\x00" + bytes(range(40)))
+        before = path.read_bytes()
+        refused = spawn(["node", "ps-manager", "--node-id", "ps-manager", "--ps-manager", cluster.manager,
+                         *cluster.flags], "ps-manager-refused")
+        assert refused.proc.wait(30) == 2, refused.log_tail()
+        assert '"ps.journal_unusable"' in refused.log_tail() and str(path) in refused.log_tail()
+        assert path.read_bytes() == before
+        # Cut back to its good records, the journal serves again: nothing was lost.
+        path.write_bytes(before[: len(before) - 44])
+        _restart(spawn, cluster, ps)
+        assert ps.pull(0, verify=True).digest == digest
+    finally:
+        runtime.close()
+
+
+def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path: Path) -> None:
+    for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],
+                                                 "leases": []}, {"op": "lineage"}):
+        store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
+        store.commit({"op": "trainer", "version": 3})
+        store.commit(bad)
+        store.close(remove=False)
+        store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
+        with pytest.raises(StoreError, match=r"journal: record 1 is not a ps-manager record"):
+            ManagerJournal(store).replay(VersionStore(2))
+        store.close(remove=True)
+
+
+def test_the_journal_is_compacted_to_the_retained_versions_and_replays_the_same(tmp_path: Path) -> None:
+    """Hundreds of commits, a lineage and consumed batches: the journal is rewritten to what is retained, and a
+    replay of it (as a restarted manager does) rebuilds the same versions, lineage and trainer version."""
+    workers = [WorkerInfo("w0", "tcp://w0", "h", "/dev/shm", 1, "boot", "n", "nonce")]
+    store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
+    recorder, versions = ManagerJournal(store), VersionStore(3)
+    for version in range(400):
+        if version == 300:  # a trainer world resumed at 290: 290..299 retired, pushed again
+            versions.start_lineage(290)
+            recorder.lineage(290)
+        number = version if version < 300 else version - 10
+        entry = ManifestEntry("a", "float32", [1], 4, version, [Location("w0", f"s{version}", 0)])
+        manifest = mf.build(number, [entry], workers)
+        versions.restore(manifest, [("w0", f"lease-{version}")], frozenset({f"lease-{version}"}))
+        recorder.committed(manifest, [("w0", f"lease-{version}")], [f"lease-{version}"])
+        recorder.trainer(number + 1)
+        recorder.compact_if_due(versions, number + 1)
+    assert store.records_since_compact < 400
+    store.close(remove=False)
+    again = VersionStore(3)
+    recovered = ManagerJournal(DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps",
+                                            strict=True)).replay(again)
+    assert recovered.versions == again.retained() == versions.retained() == [387, 388, 389]
+    assert recovered.trainer_version == 390 and recovered.records < 400
+    assert again.stored(again.retained()) == versions.stored(versions.retained())
