@@ -43,7 +43,9 @@ from refbus.protocol.messages_ps import Location, ManifestEntry, WorkerInfo
 NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
 FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
 WORKERS = {"w0", "w1"}
-READ_TTL_S = 6.0  # the lease TTL of the reader's cluster: the restart's hold on releases lasts this long
+# The lease TTL of the reader's cluster: the restart's hold on releases lasts this long. The test pushes two small
+# versions inside the hold (well under a second when idle), so the TTL leaves a wide margin for a loaded machine.
+READ_TTL_S = 15.0
 
 
 def _cluster(spawn, control: str, tag: str, tmp_path: Path, *extra: str) -> PsCluster:
