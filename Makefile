@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) -m bench.payload
 	$(PY) -m bench.ps
 	$(PY) -m bench.curve
+	$(PY) -m bench.store
 
 # The control plane at a large run's rates (not in `make test`): broker CPU, latency, headroom at 64/256 nodes.
 scale: $(STAMP)

@@ -5,7 +5,9 @@
    already mapped, and against ``torch.save`` + ``torch.load`` through /dev/shm and through the disk (the
    filesystem weight broadcast). Goals: same-host pull >= 50% of memcpy bandwidth; push + pull >= 3x the
    torch.save/load path. Pushes and pulls are steady state (segments and destination buffers reused, as a
-   trainer and a rollout worker do every step); the first, cold push is reported too. The frames path (the one
+   trainer and a rollout worker do every step); the first, cold push is reported too. Every timed pull into
+   buffers starts from buffers zeroed outside the timer and is checked against the pushed state after, so a
+   pull that wrote nothing fails instead of passing on an earlier pull's bytes. The frames path (the one
    every pull from another host takes) is also set against raw TCP between this process and another one on
    the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
    pull >= 80% of it. The ceiling row sets raw TCP push + pull against torch.save/load: no transport over
@@ -247,16 +249,35 @@ def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str, *, by: Work
     return seconds
 
 
+def checked_pull_s(pull: Callable[[], object], out: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                   runs: int) -> float:
+    """The fastest of ``runs`` calls of ``pull``, each into ``out`` zeroed first and checked against ``state``
+    after (both outside the timer). Zeroed, so that a pull that wrote nothing, or only part, fails its check
+    instead of passing on the bytes an earlier pull or the memcpy baseline left in ``out``.
+
+    Raises:
+        BenchError: a pull left ``out`` other than ``state``.
+    """
+    best = float("inf")
+    for _ in range(runs):
+        for t in out.values():
+            t.zero_()
+        start = time.perf_counter()
+        pull()
+        best = min(best, time.perf_counter() - start)
+        if not all(torch.equal(out[n], t) for n, t in state.items()):
+            raise BenchError("a pull delivered other bytes than were pushed")
+    return best
+
+
 def push_pull(ps: PsClient, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
               repeats: int) -> tuple[list[float], float]:
     """Seconds of each push of ``state`` (the first cold; steady state needs ``RETAIN + 1`` segments, as the
-    next version is written while ``RETAIN`` are kept) and the best pull into ``out``, checked against it."""
+    next version is written while ``RETAIN`` are kept) and the best pull into ``out``, each pull checked
+    against it (:func:`checked_pull_s`)."""
     versions = itertools.count(ps.status().latest + 1)
     pushes = seconds_each(lambda: ps.push(state, next(versions)), RETAIN + 1 + repeats)
-    pull_s = best_seconds(lambda: ps.pull(out=out), repeats)
-    if not all(torch.equal(out[n], t) for n, t in state.items()):
-        raise BenchError("a pull delivered other bytes than were pushed")
-    return pushes, pull_s
+    return pushes, checked_pull_s(lambda: ps.pull(out=out), out, state, repeats)
 
 
 def frames_push_pull(ch: Channel, control: str, manager: str, total: int, count: int,
@@ -362,11 +383,8 @@ def bench_nixl_pull(c: Cluster, settings: Settings, state: dict[str, torch.Tenso
         except NixlError as exc:
             report(f"  nixl: skipped: {exc}")
             return {"skipped": str(exc)}
-        for t in out.values():
-            t.zero_()
-        ps.pull(out=out)
-        assert all(torch.equal(out[n], t) for n, t in state.items())
-        pull_s = best_seconds(lambda: ps.pull(out=out), settings.repeats)
+        ps.pull(out=out)  # a warm-up, untimed
+        pull_s = checked_pull_s(lambda: ps.pull(out=out), out, state, settings.repeats)
     finally:
         runtime.close()
     report(f"  nixl: pull into buffers {pull_s:.3f} s ({gb / pull_s:.2f} GB/s) = {frames_pull_s / pull_s:.2f}x "

@@ -1,0 +1,27 @@
+"""The PS bench's checked pulls: each starts from zeroed buffers, so a pull that writes nothing fails its check
+instead of passing on the bytes an earlier pull left (a real cluster: broker, ps-manager, one ps-worker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.harness import BenchError
+from bench.ps import cluster, make_state, push_pull
+
+
+def test_a_pull_that_writes_nothing_fails_its_check_after_a_real_pull_filled_the_buffers() -> None:
+    state = make_state(256 << 10, 8)
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    with cluster(1) as c:
+        runtime, ps = c.client("bench-test-ps")
+        try:
+            pushes, pull_s = push_pull(ps, state, out, repeats=2)
+            assert len(pushes) > 2 and pull_s > 0
+            assert all(torch.equal(out[name], t) for name, t in state.items())  # the buffers hold the pushed bytes
+
+            ps.pull = lambda **_: None  # type: ignore[method-assign]  # a pull that does nothing
+            with pytest.raises(BenchError, match="other bytes than were pushed"):
+                push_pull(ps, state, out, repeats=1)
+        finally:
+            runtime.close()
