@@ -5,6 +5,7 @@ and at once when the registry already reports the store down."""
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -136,6 +137,36 @@ def test_sigterm_ends_each_role_within_the_shutdown_timeout_with_its_final_event
         delete = stream.wait(lambda b: isinstance(b, Delete), SHUTDOWN_S, "the shutdown delete")
         assert sorted(delete.blob_ids) == sorted(kept) and delete.reason == "shutdown"  # type: ignore[attr-defined]
     print(f"{role}: gone {took:.2f}s after SIGTERM")
+
+
+SLOW_EXIT = """
+import time
+
+
+class SlowToFinalize:
+    \"\"\"Held by a module, so the interpreter's exit finalizes it: as slow as tearing torch down on busy cores.\"\"\"
+
+    def __del__(self) -> None:
+        time.sleep(60)
+
+
+held = SlowToFinalize()
+"""
+
+
+def test_a_node_is_gone_within_the_shutdown_timeout_however_slow_its_interpreters_exit(
+    nodes: Callable[..., NodeProcess], stream: Stream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interpreter's exit is not waited for: once it has begun, the exit watchdog's thread can no longer run,
+    so a slow finalization (here a minute, from a sitecustomize every Python process of the node imports) would
+    hold the process past ``node.shutdown_timeout_s``."""
+    site = tmp_path / "slow-exit"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_EXIT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    node = nodes("env-server", "slow-exit")
+    terminate(node)  # gone within GONE_S, status 0
+    stream.wait(said_bye("slow-exit"), SHUTDOWN_S, "the node's bye")
 
 
 def test_a_blocking_shutdown_hook_is_cut_off_and_the_bye_still_goes_out(
