@@ -115,6 +115,9 @@ def test_garbage_fails_clearly_and_the_worker_keeps_serving(cluster: PsCluster) 
 @pytest.mark.parametrize("when", ["before-the-read", "during-the-read"])
 def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsCluster, when: str) -> None:
     runtime, ps = nixl_client(cluster, "nixl-killed")
+    puller = None
+    # The read's own bound (one retry schedule per chunk_bytes) plus the lease release afterwards.
+    pull_bound_s = 2 * sum(runtime.settings.retry.timeouts()) * (1 + (256 << 20) // ps.chunk_bytes)
     try:
         state = {"big": torch.arange(64 << 20, dtype=torch.int32)}  # 256 MiB: a copy long enough to interrupt
         ps.push(state, 0)
@@ -142,8 +145,7 @@ def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsClu
         assert entered.wait(30), "the pull never reached its transfer"
         if when == "during-the-read":
             kill()
-        # The read's own bound (one retry schedule per chunk_bytes) plus the lease release afterwards.
-        puller.join(2 * sum(runtime.settings.retry.timeouts()) * (1 + (256 << 20) // ps.chunk_bytes))
+        puller.join(pull_bound_s)
         assert not puller.is_alive(), "the pull outlived its deadline"
         (result,) = outcome
         if when == "before-the-read" or isinstance(result, BaseException):
@@ -152,6 +154,8 @@ def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsClu
         else:  # the copy won the race with the kill: then every byte must be the pushed one
             assert torch.equal(result["big"], state["big"])  # type: ignore[index]
     finally:
+        if puller is not None:  # a failure above may leave it pulling: it ends by its bound, before the close
+            puller.join(pull_bound_s)
         runtime.close()
 
 
