@@ -212,16 +212,17 @@ def test_timeout_comes_at_the_deadline_after_every_attempt(caller: NodeRuntime, 
     before its deadline."""
     peer = peers()
     done = Recorder()
-    # Issued in deadline order, whatever the time between the issues: 150 ms, then 0.3 s, then 2 s.
+    # default's 150 ms end first; once, issued after patient, ends before it only if its 0.3 s deadline cuts the
+    # 2 s attempt both have short.
     default = caller.calls.request(peer.endpoint, DELETE, done("default"), policy=FAST)  # deadline: 3 x 50 ms
-    once = caller.calls.request(peer.endpoint, DELETE, done("once"), policy=SEND_ONCE, deadline_s=0.3)
     patient = caller.calls.request(peer.endpoint, DELETE, done("patient"), policy=SEND_ONCE)  # its 2 s attempt
+    once = caller.calls.request(peer.endpoint, DELETE, done("once"), policy=SEND_ONCE, deadline_s=0.3)
     retried = caller.calls.request(peer.endpoint, DELETE, done("retried"), policy=FAST, deadline_s=600.0)
     pump(caller, lambda: done.resolved("once", "patient", "default"), "three timeouts",
          timeout=WAIT_S + SEND_ONCE.deadline_s)
     for key in ("once", "patient", "default"):
         assert isinstance(done.one(key), RequestTimeout), done.one(key)
-    assert done.order == ["default", "once", "patient"]  # the deadline cut SEND_ONCE's attempt short for once
+    assert done.order == ["default", "once", "patient"]
 
     # retried made its three attempts, and the last one has timed out once a call sent after it with the same
     # 50 ms has: retried still waits for its deadline, and a reply now resolves it.
