@@ -49,7 +49,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -231,7 +230,7 @@ class ExitWatchdog:
             if not isinstance(exc.code, int | None):
                 print(exc.code, file=sys.stderr)
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())  # as the interpreter reports it (a library may have set its own hook)
             code = 1
         _exit_now(code)
 
