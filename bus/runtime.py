@@ -52,6 +52,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import msgspec
 import structlog
@@ -162,7 +163,8 @@ class ExitWatchdog:
     shutdown otherwise (:meth:`NodeRuntime.begin_shutdown`). The watchdog then stops the node's loop at the
     hooks' share of ``shutdown_timeout_s`` if it still runs (a training loop that drives the node and cannot
     finish its step), and ends the process when the whole timeout is spent and it is still alive
-    (``os._exit``: status 0 when the node had closed and only the interpreter's exit was left, 1 otherwise).
+    (``os._exit``: status 0 when the node had closed, 1 otherwise). The interpreter's own exit is never waited
+    for: :meth:`run` ends the process as soon as the node's main function is done.
     """
 
     _installed: ExitWatchdog | None = None
@@ -212,10 +214,33 @@ class ExitWatchdog:
         time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
         if not node.closed:
             log.error("node.shutdown_overran", shutdown_timeout_s=timeout)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(0 if node.closed else 1)
+        _exit_now(0 if node.closed else 1)
+
+    @staticmethod
+    def run(main: Callable[[], int]) -> NoReturn:
+        """Run a node process's ``main`` and end the process with its status as soon as it returns (status 1,
+        after the traceback the interpreter would print, when it raises). Not through the interpreter's exit:
+        its finalization (modules, torch's among them) takes seconds on a loaded machine, and once it has begun
+        the watchdog's thread can no longer run, so the process would outlive ``shutdown_timeout_s``. Nothing
+        is left for that exit to do: refbus starts only daemon threads and the node has closed."""
+        try:
+            code = main()
+        except SystemExit as exc:  # what the interpreter would make of it
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if not isinstance(exc.code, int | None):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())  # as the interpreter reports it (a library may have set its own hook)
+            code = 1
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` now, its output flushed first."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:

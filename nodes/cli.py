@@ -257,9 +257,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = config.node.log_level if args.command == "node" else "warning"
     configure_logging(level, config.node.log_format,  # type: ignore[arg-type]
                       cluster=config.cluster.name, role=args.role if args.command == "node" else args.command)
+    if args.command == "node":
+        # A node process is gone node.shutdown_timeout_s after its stop, whatever runs; it ends as soon as the
+        # role is done, without waiting for the interpreter's exit.
+        ExitWatchdog.install()
+        ExitWatchdog.run(lambda: _command(config, args))
+    return _command(config, args)
+
+
+def _command(config: Config, args: argparse.Namespace) -> int:
+    """Run the command ``args`` names; its exit status. A bus that cannot be reached or a refused key is a
+    message and status 1, Ctrl-C status 130."""
     try:
         if args.command == "node":
-            ExitWatchdog.install()  # a node process is gone node.shutdown_timeout_s after its stop, whatever runs
             return role_entry(args.role)(config, args)
         if args.command == "monitor":
             from .monitor import run_monitor

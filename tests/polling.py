@@ -1,7 +1,10 @@
-"""The one way tests wait: poll a condition with a short interval until a deadline."""
+"""The one way tests wait: poll a condition with a short interval until a deadline, or a child's next line
+with a bounded select."""
 
 from __future__ import annotations
 
+import select
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,3 +21,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
         time.sleep(poll_s)
+
+
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line ``proc`` writes to its stdout (an unbuffered binary pipe, ``bufsize=0``: a buffered reader
+    would hold lines back from select), stripped; fails after ``timeout`` seconds of silence or when the child
+    closed its stdout (it exited) without a line."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the child (pid {proc.pid}) said nothing within {timeout}s"
+    line = proc.stdout.readline()
+    assert line, f"the child (pid {proc.pid}) closed its stdout without a line (exit {proc.poll()})"
+    return line.decode().strip()

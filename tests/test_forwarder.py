@@ -9,7 +9,7 @@ import queue
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -185,13 +185,39 @@ while True:
 """
 
 
-def _quiet_queue(received: queue.Queue[Message], quiet_s: float = 0.5) -> list[Message]:
-    """Everything ``received`` gets until nothing has come for ``quiet_s``."""
-    got: list[Message] = []
+def _drain(received: queue.Queue[Message], got: list[Message]) -> list[Message]:
+    """Move what ``received`` holds now into ``got``; returns ``got``."""
     with contextlib.suppress(queue.Empty):
         while True:
-            got.append(received.get(timeout=quiet_s))
+            got.append(received.get_nowait())
     return got
+
+
+def _receive_until(received: queue.Queue[Message], got: list[Message], done: Callable[[list[Message]], bool],
+                   what: str) -> list[Message]:
+    """Move what ``received`` gets into ``got`` until ``done(got)``; fails naming ``what`` after WAIT_S."""
+    wait_for(lambda: done(_drain(received, got)), WAIT_S, what)
+    return got
+
+
+def _steps_of(src: str, messages: list[Message]) -> list[int]:
+    return [m.body.steps for m in messages if m.kind == RunEnd.kind and m.header.src == src]
+
+
+def _ring_and_subscriber_agree(subscriber_node: NodeRuntime, received: queue.Queue[Message],
+                               got: list[Message]) -> list[int]:
+    """The dead ``doomed`` publisher's steps once the ring (a replay drains the capture first) and the subscriber
+    hold the same ones; fails when they never do within WAIT_S. Polled, not waited out in a quiet
+    spell: what the publisher wrote before it died may still be on its way through the broker."""
+    ring: list[int] = []
+
+    def agree() -> bool:
+        ring[:] = _steps_of("doomed", publisher_node_replay(subscriber_node))
+        return _steps_of("doomed", _drain(received, got)) == ring
+
+    wait_for(agree, WAIT_S, "the ring and the subscriber to hold the same events of the killed publisher",
+             poll_s=0.1)
+    return ring
 
 
 @pytest.mark.parametrize("burst", [1, 16], ids=["one-a-message", "batches"])
@@ -209,14 +235,12 @@ def test_a_publisher_sigkilled_mid_stream_while_the_capture_rests_leaves_the_rin
         got = [received.get(timeout=WAIT_S) for _ in range(50)]
         doomed.send_signal(signal.SIGKILL)
         assert doomed.wait(WAIT_S) == -signal.SIGKILL
-        got += _quiet_queue(received)
-        steps = [m.body.steps for m in got if m.header.src == "doomed"]
-        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 50 and len(steps) % burst == 0
-
-        replayed = publisher_node_replay(subscriber_node)
-        assert [m.body.steps for m in replayed if m.kind == RunEnd.kind and m.header.src == "doomed"] == steps
         publisher_node.call_soon(lambda: publisher_node.publish(RunEnd(reason="after-kill", steps=1)))
-        assert received.get(timeout=WAIT_S).body.reason == "after-kill"
+        _receive_until(received, got, lambda got: bool(_steps_of("pub", got)), "the event after the kill")
+        assert [m.body.reason for m in got if m.header.src == "pub"] == ["after-kill"]  # the broker forwards on
+
+        steps = _ring_and_subscriber_agree(subscriber_node, received, got)
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 50 and len(steps) % burst == 0
     finally:
         if doomed.poll() is None:
             doomed.kill()
@@ -253,11 +277,11 @@ def test_garbage_between_events_in_one_resting_batch_splits_no_other_message(
         for seq in range(1, 21):
             raw.send_multipart(mixed.encode(RunEnd(reason="mixed", steps=seq), seq=seq, one_frame=seq % 2 == 0))
             raw.send_multipart(split_mark if seq % 3 else GARBAGE[seq % len(GARBAGE)])
-        got = [m for m in _quiet_queue(received) if m.header.src == "mixed"]
-        assert [m.body.steps for m in got] == list(range(1, 21))
+        got = _receive_until(received, [], lambda got: len(_steps_of("mixed", got)) >= 20, "the 20 valid events")
+        assert _steps_of("mixed", got) == list(range(1, 21))
 
         replayed = publisher_node_replay(subscriber_node)
-        assert [m.body.steps for m in replayed if m.header.src == "mixed"] == list(range(1, 21))
+        assert _steps_of("mixed", replayed) == list(range(1, 21))
         assert broker.ring.unreadable > unread_before
         raw.send_multipart(mixed.encode(RunEnd(reason="after-garbage", steps=21), seq=21, one_frame=True))
         assert received.get(timeout=WAIT_S).body.reason == "after-garbage"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing
 import random
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -42,6 +41,7 @@ from polling import wait_for
 from ps_support import start_cluster
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
     BlobRef,
@@ -103,12 +103,6 @@ class Cluster:
     procs: list[NodeProcess] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _ref() -> BlobRef:
     return BlobRef(endpoint="tcp://127.0.0.1:1", source="fuzz-env", blob_id="fuzz-blob", fields=["routed_experts"],
                    tokens=4, nbytes=16, checksum=1, routing_shape=[2, 2])
@@ -121,8 +115,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     procs: list[NodeProcess] = [bus]
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    trainer = ctx.Process(target=trainer_rank_main, args=(control, f"tcp://127.0.0.1:{_free_port()}", child),
-                          daemon=True)
+    trainer = ctx.Process(target=trainer_rank_main, args=(control, rendezvous(workdir, 0), child), daemon=True)
     monitor_out = workdir / "monitor.jsonl"
     out = open(monitor_out, "wb")  # noqa: SIM115 - closed at teardown
     try:

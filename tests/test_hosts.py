@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from polling import read_line, wait_for
 
 from bench import hosts
 
@@ -87,23 +87,31 @@ def test_down_kills_every_process_inside_and_removes_everything(make_hosts) -> N
     cluster.down()  # idempotent
 
 
-def _owner(*args: str) -> subprocess.Popen[str]:
+def _owner(*args: str) -> subprocess.Popen[bytes]:
     """A separate process that builds a cluster and prints its name; then waits to be signalled."""
     script = ("import sys, time; from bench import hosts; cluster = hosts.build(2); print(cluster.name, flush=True); "
               "time.sleep(float(sys.argv[1]))")
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, stdout=subprocess.PIPE, bufsize=0)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signalled_owner_leaves_nothing_after_the_next_build(make_hosts, sig: int) -> None:
     make_hosts(1)  # skips (or fails under REFBUS_REQUIRE_NETNS=1) where hosts cannot be built
     owner = _owner(str(WAIT_S * 3))
-    name = owner.stdout.readline().strip()  # type: ignore[union-attr]
-    assert hosts.CLUSTER_NAME.match(name) and hosts.leftovers(name)
-    owner.send_signal(sig)
-    assert owner.wait(WAIT_S) == -sig
-    owner.stdout.close()  # type: ignore[union-attr]
+    try:
+        name = read_line(owner, WAIT_S)
+        assert hosts.CLUSTER_NAME.match(name) and hosts.leftovers(name)
+        owner.send_signal(sig)
+        assert owner.wait(WAIT_S) == -sig
+    finally:
+        if owner.poll() is None:  # a failure above: SIGTERM lets it take its cluster down, SIGKILL if it hangs
+            owner.terminate()
+            try:
+                owner.wait(WAIT_S)
+            except subprocess.TimeoutExpired:
+                owner.kill()
+                owner.wait()
+        owner.stdout.close()  # type: ignore[union-attr]
     if sig == signal.SIGTERM:
         assert hosts.leftovers(name) == []  # its own handler took the cluster down
     else:

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -32,7 +31,7 @@ from refbus.nodes.launch import NodeProcess
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Blobs, Fetch, Keep, Kept, NodeInfo, Nodes, Replay, Sync
-from test_up import NODES, STOP_S, Up
+from test_up import NODES, START_S, STOP_S, Up
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "refbus.json"
@@ -43,6 +42,11 @@ PROMETHEUS = shutil.which("prometheus")  # Debian's package installs both in /us
 PROMTOOL = shutil.which("promtool")
 WAIT_S = 30.0
 PATIENT = RetryPolicy(timeout_s=10.0, attempts=1)
+SCRAPE_S = 1.0  # the test's scrape (and /sd refresh) interval: the shipped config's, halved
+SCRAPES = 10  # scrapes a series that should exist gets to show up in (a rate needs two)
+OVERRUN = 10  # a wait bounded by scrapes is failed as hung only past this many times its scrapes' worth
+
+LISTENING = re.compile(r'msg="Listening on" address=(127\.0\.0\.1:[1-9]\d*)')  # the port Prometheus bound
 
 # Grafana fills these in; for an instant query any window holding a few 1 s scrapes will do.
 GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$__interval": "10s", "$__range": "10s"}
@@ -99,12 +103,6 @@ def dashboard_expressions() -> list[tuple[str, str]]:
     return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def fetch_local(url: str) -> bytes | None:
     """``url``'s body from this process, None when it does not answer (yet)."""
     with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
@@ -124,13 +122,20 @@ def prometheus(binary: str, workdir: Path, sd: str, *, prefix: Sequence[str] = (
     config = workdir / "prometheus.yml"
     config.write_text(shipped.replace("http://127.0.0.1:7779/sd", sd).replace(": 2s", ": 1s")
                       .replace("  - alerts.yml", f"  - {ALERT_RULES}"))
-    address = f"127.0.0.1:{free_port()}"
     log_path = workdir / "prometheus.log"
+    # Port 0: the kernel picks a free port as Prometheus binds it, so no other process can take it first (a
+    # port picked beforehand could be); Prometheus logs the address it got.
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*prefix, binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                                 f"--web.listen-address={address}"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    base = f"http://{address}"
+                                 "--web.listen-address=127.0.0.1:0"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     try:
+        def listening() -> str | None:
+            assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
+            found = LISTENING.search(log_path.read_text(errors="replace"))
+            return found and found.group(1)
+
+        base = f"http://{wait_for(listening, WAIT_S, 'prometheus listening')}"
+
         def ready() -> bool:
             assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
             return fetch(f"{base}/-/ready") is not None
@@ -153,6 +158,32 @@ def query(base: str, expr: str) -> dict[str, Any]:
         return get_json(url)
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read())
+
+
+def scrapes(base: str, node: str) -> int:
+    """How many times Prometheus has scraped ``node`` so far (its ``up`` samples), answered or not."""
+    result = query(base, f'count_over_time(up{{node="{node}"}}[1h])')["data"]["result"]
+    return int(float(result[0]["value"][1])) if result else 0
+
+
+def answered(base: str) -> dict[str, float]:
+    """How many scrapes each node has answered so far (``up`` was 1): it only grows, so a wait on it does not need
+    every node answering at one moment, which a loaded machine would make a matter of luck."""
+    result = query(base, "sum by (node) (sum_over_time(up[1h]))")["data"]["result"]
+    return {r["metric"]["node"]: float(r["value"][1]) for r in result}
+
+
+def within_scrapes(base: str, check: Callable[[], Any], what: str) -> Any:
+    """``check()``'s first truthy value, polled while Prometheus scrapes SCRAPES more times; fails naming ``what``
+    after that many scrapes without it (the timeout only stops a Prometheus that no longer scrapes)."""
+    since = scrapes(base, "bus")
+
+    def done() -> Any:
+        value = check()
+        assert value or scrapes(base, "bus") < since + SCRAPES, f"no {what} after {SCRAPES} scrapes"
+        return value
+
+    return wait_for(done, OVERRUN * SCRAPES * SCRAPE_S, what)
 
 
 # --- refbus top ------------------------------------------------------------------------------------------
@@ -349,34 +380,39 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
                               stdout=out)
             watch_info = watch.wait_ready()
             expected = {"bus", "watch", *NODES}
-
-            def all_up() -> bool:
-                targets = get_json(f"{api}/api/v1/targets")["data"]["activeTargets"]
-                return up.alive() and {t["labels"]["node"] for t in targets if t["health"] == "up"} == expected
-
-            wait_for(all_up, 2 * WAIT_S, f"prometheus scraping every node ({sorted(expected)}) through /sd")
+            # The run's own start first (its nodes ready, torch imported on busy cores), bounded as the run is;
+            # then Prometheus, counted in scrapes: each node found through /sd and answering, twice (a rate
+            # needs two samples).
+            spawned = NODES - {"up-watcher"}  # node processes, each with its ready file (the watcher is in up's)
+            wait_for(lambda: up.alive() and spawned <= set(up.note_pids()), START_S, "every node of the run ready")
+            within_scrapes(api, lambda: up.alive() and (counts := answered(api)).keys() == expected
+                           and min(counts.values()) >= 2, f"two answered scrapes of every node ({sorted(expected)})")
             wait_for(lambda: up.alive() and query(api, "max(refbus_ps_current_version) >= 2")["data"]["result"],
-                     2 * WAIT_S, "the cluster training (version 2 scraped)")
+                     START_S, "the cluster training (version 2 scraped)")
             _provoke_errors(broker, watch_info["metrics"])
             _provoke_violation_and_request_error(events)
 
-            failures: list[str] = []
-            deadline = time.monotonic() + WAIT_S  # rates need two scrapes; counters appear on their first event
-            for title, expr in dashboard_expressions():
+            def outcome(title: str, expr: str) -> str | None:
+                """None while ``expr`` has no data and Prometheus has scraped fewer than SCRAPES times since
+                ``since`` (counters appear on their first scrape after their first event, rates after two)."""
                 promql = expr
                 for variable, value in GRAFANA_VARIABLES.items():
                     promql = promql.replace(variable, value)
-                while True:
-                    answer = query(api, promql)
-                    if answer["status"] != "success":
-                        failures.append(f"{title}: {expr}: {answer.get('error')}")
-                        break
-                    if answer["data"]["result"]:
-                        break
-                    if time.monotonic() > deadline:
-                        failures.append(f"{title}: {expr}: no data")
-                        break
-                    time.sleep(0.05)
+                answer = query(api, promql)
+                if answer["status"] != "success":
+                    return f"{title}: {expr}: {answer.get('error')}"
+                if answer["data"]["result"]:
+                    return "ok"
+                if scrapes(api, "bus") >= since + SCRAPES:
+                    return f"{title}: {expr}: no data after {SCRAPES} scrapes"
+                return None
+
+            since = scrapes(api, "bus")
+            # The timeout only stops a Prometheus that no longer scrapes: the scrape count bounds each wait.
+            answers = [wait_for(lambda title=title, expr=expr: outcome(title, expr), OVERRUN * SCRAPES * SCRAPE_S,
+                                f"{title}: {expr} answered, or {SCRAPES} scrapes without data")
+                       for title, expr in dashboard_expressions()]
+            failures = [answer for answer in answers if answer != "ok"]
             assert not failures, "dashboard queries that failed:\n" + "\n".join(failures)
 
             # The shipped alerting rules load and evaluate against the live cluster; the violation provoked

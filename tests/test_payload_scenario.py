@@ -31,7 +31,6 @@ import contextlib
 import multiprocessing
 import re
 import signal
-import socket
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.ledger import Ledger, read_records
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.settings import EnvServerSettings
+from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Kept, Run, StepBatch, VersionBump
 from scenario_support import (
@@ -154,12 +154,6 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Driver:
     """The test's side of the run: keeps episodes on the env servers, moves the policy version, and polls
     the orchestrator's registry status (``step``, ``version``, ``blobs_held``) to know what it has seen."""
@@ -254,7 +248,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
 
         # Trainer ranks first: importing torch is the slowest start.
         ctx = multiprocessing.get_context("spawn")
-        init = f"tcp://127.0.0.1:{free_port()}"
+        init = rendezvous(workdir, 0)  # a file: no port to pick that another process could take first
         dump_paths = [workdir / f"rank-{rank}.pickle" for rank in (0, 1)]
         ranks = [ctx.Process(target=rank_main, args=(rank, 2, init, control, STEPS, str(path)), daemon=True)
                  for rank, path in enumerate(dump_paths)]

@@ -11,7 +11,6 @@ import math
 import signal
 import struct
 import threading
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -112,12 +111,13 @@ def test_a_dead_interior_worker_fails_init_by_name(bus, spawn, checkpoint) -> No
         assert children(1, 4) == [3]
         victim.proc.kill()
         victim.proc.wait(10)
-        started = time.monotonic()
         with pytest.raises(RemoteError) as err:
             ps.init(str(path), timeout_s=30)
-        assert time.monotonic() - started < 20  # bounded by the ack timeout, never the 30 s init timeout
         message = str(err.value)
         assert err.value.code == "init-failed" and "'w1'" in message and "rank 1" in message
+        # Ended by w1's missing acknowledgement or its node-down, never by the 30 s init timeout (whose failure
+        # names the workers that "did not finish before the init timeout").
+        assert "init timeout" not in message, message
         # The survivors' partial copies are released, and the failed init committed nothing.
         assert ps.status().latest == -1
         wait_for(lambda: all(cluster.held(w) == 0 for w in ("w0", "w2", "w3")), 10, "partial copies to be freed")
@@ -237,6 +237,7 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
     cluster = start_cluster(spawn, control, "bkill", workers=4, extra=[*CHUNK, "--ps-ack-timeout-s", "5.0"])
     runtime, ps = cluster.client()
     victim = cluster.workers["w3"]
+    runner = None
     try:
         victim.proc.send_signal(signal.SIGSTOP)
         outcome: list[BaseException | None] = []
@@ -261,6 +262,9 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
         pulled = ps.pull(result.version, verify=True)
         assert all(torch.equal(pulled[name], t) for name, t in state.items())
     finally:
+        if runner is not None:  # a failure above may leave the init waiting on the stopped w3: end it first
+            victim.proc.kill()
+            runner.join(30)
         runtime.close()
         _stop(cluster)
     assert segments(cluster.prefix) == []

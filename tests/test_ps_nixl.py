@@ -1,6 +1,7 @@
 """PS pulls over NIXL (``remote="nixl"``) against real ps-worker processes: byte-identical pulls with every
 checksum verified, garbage answers and requests failing clearly while the worker keeps serving, a worker
-SIGKILLed mid-transfer failing the pull instead of returning torn bytes, and a clear error when NIXL is missing.
+SIGKILLed mid-transfer failing the pull instead of returning torn bytes, and a clear error when NIXL is missing
+while the frames path still pushes and pulls.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def test_garbage_fails_clearly_and_the_worker_keeps_serving(cluster: PsCluster) 
 @pytest.mark.parametrize("when", ["before-the-read", "during-the-read"])
 def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsCluster, when: str) -> None:
     runtime, ps = nixl_client(cluster, "nixl-killed")
+    puller = None
+    # The read's own bound (one retry schedule per chunk_bytes) plus the lease release afterwards.
+    pull_bound_s = 2 * sum(runtime.settings.retry.timeouts()) * (1 + (256 << 20) // ps.chunk_bytes)
     try:
         state = {"big": torch.arange(64 << 20, dtype=torch.int32)}  # 256 MiB: a copy long enough to interrupt
         ps.push(state, 0)
@@ -141,8 +145,7 @@ def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsClu
         assert entered.wait(30), "the pull never reached its transfer"
         if when == "during-the-read":
             kill()
-        # The read's own bound (one retry schedule per chunk_bytes) plus the lease release afterwards.
-        puller.join(2 * sum(runtime.settings.retry.timeouts()) * (1 + (256 << 20) // ps.chunk_bytes))
+        puller.join(pull_bound_s)
         assert not puller.is_alive(), "the pull outlived its deadline"
         (result,) = outcome
         if when == "before-the-read" or isinstance(result, BaseException):
@@ -151,6 +154,8 @@ def test_worker_killed_around_a_transfer_never_returns_torn_bytes(cluster: PsClu
         else:  # the copy won the race with the kill: then every byte must be the pushed one
             assert torch.equal(result["big"], state["big"])  # type: ignore[index]
     finally:
+        if puller is not None:  # a failure above may leave it pulling: it ends by its bound, before the close
+            puller.join(pull_bound_s)
         runtime.close()
 
 
@@ -161,14 +166,25 @@ def _pull_or_error(ps: PsClient) -> object:
         return exc
 
 
-def test_missing_nixl_is_a_clear_error_at_start(cluster: PsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_nixl_is_a_clear_error_at_start_and_frames_still_push_and_pull(
+    cluster: PsCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without NIXL, asking for it fails at once saying how to install it; the frames path (the default) works
+    all the same: a real push, and a pull whose every byte crosses from the worker's process over ZeroMQ."""
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # import fails as if it were not installed
     runtime = NodeRuntime("ps-client", RuntimeSettings(bus=cluster.control, node_id="nixl-missing", metrics_port=-1),
                           register=False)
     try:
         with pytest.raises(NixlError, match=r"pip install --no-deps nixl-cu12"):
             PsClient(runtime, cluster.manager, remote="nixl")
-        assert PsClient(runtime, cluster.manager).pull  # frames (the default) needs no NIXL
+        ps = PsClient(runtime, cluster.manager, transport="frames")  # remote="frames": the default
+        state = make_state(seed=11, scale=16)
+        digest = ps.push(state, 0).digest
+        pulled = ps.pull(verify=True)
+        assert pulled.digest == digest
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+        assert ps.read_bytes == {"frames": sum(t.nbytes for t in state.values())}  # nothing over NIXL or mapped
+        assert sys.modules["nixl_cu12"] is None  # the frames path never tried to import it
     finally:
         runtime.close()
 

@@ -131,6 +131,7 @@ def test_sigkill_of_a_worker_holding_copies_loses_no_version_and_fails_no_pull(c
         wait_for(lambda: len(pulls) >= count + 3, 10, "pulls after the kill")
         stop.set()
         thread.join(30)
+        assert not thread.is_alive(), "the reader still pulls"
         assert failures == [], failures[:3]
         # No version lost: every retained one is whole and readable, and never handed out with w1 in it.
         for version in ps.status().retained:
