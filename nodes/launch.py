@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -26,11 +27,16 @@ READY_POLL_S = 0.01
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to send SIGTERM when the parent dies (no-op elsewhere). A node
-    process is gone ``node.shutdown_timeout_s`` after it, its final events sent when the broker still runs."""
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: ask Linux to send SIGTERM when the parent (pid ``parent``) dies (no-op
+    elsewhere). A node process is gone ``node.shutdown_timeout_s`` after it, its final events sent when the
+    broker still runs. A parent that died between the fork and this call sends no signal (the child was already
+    reparented), so the child ends here instead: it has not become a node yet, and ``_exit`` because the
+    parent's Python signal handlers are still installed in this forked copy."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 class StartCancelled(Exception):
@@ -81,7 +87,7 @@ class NodeProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
 
     @property

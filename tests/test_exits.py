@@ -5,9 +5,12 @@ and at once when the registry already reports the store down."""
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +24,7 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.nodes.launch import NodeProcess
+from refbus.nodes.launch import NodeProcess, _die_with_parent
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Body, Claim, Delete, EpisodeFinished, Keep, Kept, NodeDown
 from structlog.testing import capture_logs
@@ -220,3 +223,19 @@ def test_orchestrator_shutdown_deletes_against_a_killed_store_end_by_the_deadlin
     else:
         assert "delete.failed" in log and f'"blobs": {len(kept)}' in log
     print(f"orchestrator gone {took:.2f}s after SIGTERM (store {'reported down' if registry_knows else 'killed'})")
+
+
+def test_a_child_whose_parent_died_before_it_asked_for_the_parent_death_signal_ends_at_once() -> None:
+    """The launcher is killed between the fork and the child's request for a parent-death signal: no signal
+    would ever come, so the child must see its parent changed and end before it becomes a node."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    # Forked by this process, but told its parent was the one that is gone: what a reparented child sees.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             preexec_fn=functools.partial(_die_with_parent, gone.pid))
+    try:
+        assert child.wait(30) == 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
