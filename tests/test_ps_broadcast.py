@@ -32,7 +32,7 @@ from ps_support import (
 from refbus.bus.reqrep import HandlerError, RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
-from refbus.nodes.ps.client import INIT_ASK_EVERY_S
+from refbus.nodes.ps.client import INIT_ASK_EVERY_S, PsClient
 from refbus.nodes.ps.shm import sweep_orphans
 from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
@@ -227,6 +227,24 @@ def test_a_relay_refuses_a_chunk_before_its_header_or_outside_its_segment_and_ho
     assert [type(body) for body in sent] == [InitHeader, InitChunk]
 
 
+def _init_in_background(ps: PsClient, path: Path, workers: list[str],
+                        timeout_s: float) -> tuple[threading.Thread, list[BaseException | None]]:
+    """``ps.init`` on a started thread, as an init over a stalled worker blocks: the thread, and the list its
+    outcome lands in (``None``: it succeeded). The caller joins the thread."""
+    outcome: list[BaseException | None] = []
+
+    def init() -> None:
+        try:
+            ps.init(str(path), workers=workers, timeout_s=timeout_s)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=init)
+    runner.start()
+    return runner, outcome
+
+
 def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_the_next(bus, spawn,
                                                                                      checkpoint) -> None:
     """w3 (a leaf under w1) is stopped before the init, so the stream stalls on it with chunks in flight,
@@ -240,17 +258,7 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
     runner = None
     try:
         victim.proc.send_signal(signal.SIGSTOP)
-        outcome: list[BaseException | None] = []
-
-        def init() -> None:
-            try:
-                ps.init(str(path), workers=["w0", "w1", "w2", "w3"], timeout_s=30)
-                outcome.append(None)
-            except BaseException as exc:
-                outcome.append(exc)
-
-        runner = threading.Thread(target=init)
-        runner.start()
+        runner, outcome = _init_in_background(ps, path, ["w0", "w1", "w2", "w3"], timeout_s=30)
         wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
         victim.proc.kill()
         victim.proc.wait(10)
@@ -282,19 +290,10 @@ def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_
                             extra=[*CHUNK, "--ps-ack-timeout-s", "60.0"])  # the stalled stream never fails by itself
     runtime, ps = cluster.client()
     victim = cluster.workers["w3"]
+    runner = None
     try:
         victim.proc.send_signal(signal.SIGSTOP)
-        outcome: list[BaseException | None] = []
-
-        def init() -> None:
-            try:
-                ps.init(str(path), workers=["w0", "w1", "w2", "w3"], timeout_s=60)
-                outcome.append(None)
-            except BaseException as exc:
-                outcome.append(exc)
-
-        runner = threading.Thread(target=init)
-        runner.start()
+        runner, outcome = _init_in_background(ps, path, ["w0", "w1", "w2", "w3"], timeout_s=60)
         wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
         assert cluster.manager_proc is not None
         cluster.manager_proc.signal(signal.SIGKILL)
@@ -312,6 +311,8 @@ def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_
     finally:
         victim.proc.kill()
         victim.proc.wait(10)
+        if runner is not None:
+            runner.join(30)
         runtime.close()
         _stop(cluster)
 
