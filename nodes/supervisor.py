@@ -3,8 +3,10 @@
 Restartable are the roles whose restarted process re-joins under the same node id and rebuilds what it
 needs from its peers or its durable store: env servers and ps-workers (they re-adopt the blobs and shards
 they committed, docs/STORE.md; without ``store.durable`` what a dead one held is lost), the ps-manager (it
-replays its journal of committed versions and the workers register again listing their shards; a push in
-flight fails its trainer world, which restarts from its checkpoint as after a rank's death), rollout workers,
+replays its journal of committed versions and the workers register again listing their shards; each rank
+of a push in flight starts its push over once the manager is back, unless a rank's shard of it had been
+recorded by the dead process: that version cannot commit, the world's next push fails, and the world restarts
+from its checkpoint as after a rank's death), rollout workers,
 the orchestrator (it takes the step from the trainer ranks and claims back from the env servers what it held)
 and the broker (it binds the addresses the first one bound: every node re-joins at its next heartbeat and the
 registry is rebuilt from those re-joins; the events the dead one held in flight are lost, and counted where

@@ -5,6 +5,10 @@
   version survives and a reservation of the dead process is refused ``unknown-reservation`` until made again.
 * In the middle of a push (one rank's shard committed): the other rank's commit is refused ``push-aborted``
   naming the restart; the version is pushed again and commits; the dead push's shards are released, once.
+* A push (``PsClient.push``) in flight when the manager dies starts over: killed after both ranks' grants, or
+  before any begin is answered, each rank pushes again on its own and one version commits with the exact bytes;
+  a version the dead manager had committed and journaled is taken as committed, not pushed twice; a refusal
+  that does not name a restart still raises at once.
 * While a reader holds a lease: nothing is released for a lease TTL after the restart, so versions committed
   meanwhile do not reuse the memory the reader maps (its bytes stay those of its version); its release is
   refused ``unknown-lease`` naming the restart; afterwards the workers hold exactly the retained versions.
@@ -15,10 +19,15 @@
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+import structlog
+import torch
 from polling import wait_for
 from ps_support import (
     PsCluster,
@@ -33,7 +42,7 @@ from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps import manifest as mf
-from refbus.nodes.ps.client import PsClient
+from refbus.nodes.ps.client import PsClient, PushResult, PushSession
 from refbus.nodes.ps.manager_journal import ManagerJournal
 from refbus.nodes.ps.versions import VersionStore
 from refbus.nodes.store import journal
@@ -61,10 +70,27 @@ def cluster(bus, spawn, tmp_path: Path) -> Iterator[PsCluster]:
     stop_cluster_after_kills(cluster)
 
 
-def _client(cluster: PsCluster, name: str) -> tuple[NodeRuntime, PsClient]:
+class _PausedAfterGrant(PsClient):
+    """A pusher that stops once its first grant is answered (its shard opened on the workers) until ``go``: the
+    test kills the manager there, with every rank's push begun."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.granted = threading.Event()
+        self.go = threading.Event()
+
+    def begin_push(self, like: Any, version: int, **kwargs: Any) -> PushSession:
+        session = super().begin_push(like, version, **kwargs)
+        if not self.granted.is_set():
+            self.granted.set()
+            assert self.go.wait(30), "the test never let the push go on"
+        return session
+
+
+def _client(cluster: PsCluster, name: str, kind: type[PsClient] = PsClient) -> tuple[NodeRuntime, PsClient]:
     settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=FAST_RETRY)
     runtime = NodeRuntime("ps-client", settings, register=False)
-    return runtime, PsClient(runtime, cluster.manager)
+    return runtime, kind(runtime, cluster.manager)
 
 
 def _kill(cluster: PsCluster) -> None:
@@ -163,6 +189,125 @@ def test_a_push_in_flight_when_the_manager_dies_is_refused_then_pushed_again(clu
     finally:
         runtime.close()
         runtime1.close()
+
+
+def _push_in_thread(pool: ThreadPoolExecutor, ps: PsClient, tensors: dict[str, torch.Tensor], version: int,
+                    rank: int, world: int) -> Future[PushResult]:
+    return pool.submit(ps.push, tensors, version, rank=rank, world=world)
+
+
+def _result(push: Future[PushResult], ps: PsClient) -> PushResult:
+    """The push's result, within its restart deadline plus the slowest attempt it may have in flight then."""
+    return push.result(timeout=2 * ps.wait_workers_s)
+
+
+def _restarts(logs: list[dict[str, Any]]) -> dict[int, set[str]]:
+    """Rank -> the reasons ``ps.push_restarted`` gave for it."""
+    reasons: dict[int, set[str]] = {}
+    for entry in logs:
+        if entry["event"] == "ps.push_restarted":
+            reasons.setdefault(entry["rank"], set()).add(entry["reason"])
+    return reasons
+
+
+def test_a_push_begun_by_every_rank_when_the_manager_dies_starts_over_and_commits(cluster: PsCluster,
+                                                                                 spawn) -> None:
+    state = make_state(seed=7, tensors=6)
+    runtime, observer = _client(cluster, "observer")
+    ranks = [_client(cluster, f"rank{rank}", _PausedAfterGrant) for rank in (0, 1)]
+    pausing = [ps for _, ps in ranks if isinstance(ps, _PausedAfterGrant)]
+    try:
+        with structlog.testing.capture_logs() as logs, ThreadPoolExecutor(2) as pool:
+            pushes = [_push_in_thread(pool, ps, rank_part(state, rank, 2), 0, rank, 2)
+                      for rank, ps in enumerate(pausing)]
+            try:
+                for ps in pausing:
+                    assert ps.granted.wait(10 * NODE_TIMEOUT_S), "a rank's push was never granted"
+                _kill_and_restart(spawn, cluster, observer)
+            finally:
+                for ps in pausing:
+                    ps.go.set()
+            results = [_result(push, ps) for push, ps in zip(pushes, pausing, strict=True)]
+        # Each rank's seal was refused by the restarted manager naming the restart, and each started over.
+        assert _restarts(logs) == {0: {"manager-restarted"}, 1: {"manager-restarted"}}, logs
+        assert sorted(r.committed for r in results) == [False, True]
+        status = observer.status()
+        assert (status.latest, status.retained, status.pending) == (0, [0], [])
+        pulled = observer.pull(0, verify=True)
+        assert pulled.digest == next(r.digest for r in results if r.committed)
+        assert checksums(dict(pulled)) == checksums(state)
+        _settles(cluster, observer)  # the dead push's shards released; the committed copies kept
+    finally:
+        for rank_runtime, _ in ranks:
+            rank_runtime.close()
+        runtime.close()
+
+
+def test_a_push_whose_begin_the_dead_manager_never_answered_commits_once_it_is_back(cluster: PsCluster,
+                                                                                   spawn) -> None:
+    state = make_state(seed=8, tensors=6)
+    runtime, observer = _client(cluster, "observer")
+    ranks = [_client(cluster, f"rank{rank}") for rank in (0, 1)]
+    try:
+        _kill(cluster)
+        with structlog.testing.capture_logs() as logs, ThreadPoolExecutor(2) as pool:
+            pushes = [_push_in_thread(pool, ps, rank_part(state, rank, 2), 0, rank, 2)
+                      for rank, (_, ps) in enumerate(ranks)]
+            # Every rank's begin went unanswered (its request policy ran out) before the manager is back.
+            wait_for(lambda: set(_restarts(logs)) == {0, 1}, 4 * FAST_RETRY.deadline_s,
+                     "both ranks to start their push over")
+            _restart(spawn, cluster, observer)
+            results = [_result(push, ps) for push, (_, ps) in zip(pushes, ranks, strict=True)]
+        assert set().union(*_restarts(logs).values()) <= {"manager-timeout", "manager-down"}, logs
+        assert sorted(r.committed for r in results) == [False, True]
+        assert observer.status().latest == 0
+        assert checksums(dict(observer.pull(0, verify=True))) == checksums(state)
+        _settles(cluster, observer)
+    finally:
+        for rank_runtime, _ in ranks:
+            rank_runtime.close()
+        runtime.close()
+
+
+def test_a_restarted_push_of_a_version_the_dead_manager_committed_is_taken_as_committed(cluster: PsCluster,
+                                                                                      spawn) -> None:
+    """The durable manager committed and journaled the version, then died before the pusher heard: the pusher's
+    fresh begin is refused ``version-conflict``, and the replayed manifest holding its bytes makes it done."""
+    state = make_state(seed=9, tensors=4)
+    runtime, observer = _client(cluster, "observer")
+    pusher_runtime, pusher = _client(cluster, "pusher")
+    try:
+        digest = observer.push(state, 0).digest
+        _kill(cluster)
+        with structlog.testing.capture_logs() as logs, ThreadPoolExecutor(1) as pool:
+            push = _push_in_thread(pool, pusher, state, 0, 0, 1)
+            wait_for(lambda: 0 in _restarts(logs), 4 * FAST_RETRY.deadline_s, "the push to start over")
+            _restart(spawn, cluster, observer)
+            result = _result(push, pusher)
+        assert (result.committed, result.digest) == (True, digest)
+        assert any(entry["event"] == "ps.push_found_committed" for entry in logs), logs
+        status = observer.status()
+        assert (status.latest, status.retained, status.pending) == (0, [0], [])  # not pushed twice
+        _settles(cluster, observer)
+    finally:
+        pusher_runtime.close()
+        runtime.close()
+
+
+def test_a_refusal_that_names_no_restart_still_raises_at_once(cluster: PsCluster) -> None:
+    runtime, ps = _client(cluster, "trainer")
+    try:
+        assert ps.push(make_state(seed=1, tensors=2), 0).committed
+        with structlog.testing.capture_logs() as logs, pytest.raises(RemoteError) as refused:
+            ps.push(make_state(seed=2, tensors=2), 5)  # not the next version
+        assert refused.value.code == "version-conflict", refused.value
+        assert _restarts(logs) == {}
+        # A version already committed with other bytes is a conflict too, never taken as done.
+        with pytest.raises(RemoteError) as again:
+            ps.push(make_state(seed=3, tensors=2), 0)
+        assert again.value.code == "version-conflict", again.value
+    finally:
+        runtime.close()
 
 
 def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_is_refused(

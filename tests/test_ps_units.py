@@ -561,3 +561,25 @@ def test_a_resuming_push_refused_for_its_request_retires_nothing() -> None:
         assert manager.versions.retained() == [0, 1, 2] and manager.versions.lineages == 0
     grant = runtime.call(PushBegin(1, 0, 1, "t", SPEC, "h", True))  # a good one starts the lineage
     assert isinstance(grant, PushGrant) and manager.versions.retained() == [0] and manager.versions.lineages == 1
+
+
+def test_a_begin_again_by_the_same_pusher_replaces_its_unwritten_attempt_and_no_one_elses() -> None:
+    """A begin the pusher sent while the manager was away reaches it late and is granted unread: the pusher's
+    fresh begin of that rank replaces that attempt (its lease ended, its copies released, the version still
+    pending); another holder's begin of the rank, or one after the rank's shard is verified, stays a conflict."""
+    runtime, manager = _manager(replicas=1)
+    runtime.call(PsRegister(_worker("w0")))
+    stale = _begin(runtime, 0, rank=0, world=2)
+    fresh = _begin(runtime, 0, rank=0, world=2)
+    assert fresh.lease != stale.lease and manager.leases.get(stale.lease) is None
+    assert runtime.released("w0") == [stale.lease] and manager.versions.pending is not None
+    with pytest.raises(HandlerError) as other:
+        runtime.call(PushBegin(0, 0, 2, "someone-else", SPEC, "h"))
+    assert other.value.code == "version-conflict"
+    _seal(runtime, fresh, 0, "w0")  # rank 0 verified: a begin of it again is not taken for a lost one
+    with pytest.raises(HandlerError) as done:
+        runtime.call(PushBegin(0, 0, 2, "trainer", SPEC, "h"))
+    assert done.value.code == "version-conflict"
+    second = runtime.call(PushBegin(0, 1, 2, "trainer", [TensorSpec("b", "float32", [4])], "h"))
+    committed = _seal(runtime, second, 0, "w0", rank=1)
+    assert committed.committed and manager.versions.latest == 0

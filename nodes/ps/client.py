@@ -10,7 +10,8 @@ by :mod:`.host_proof`) or as ZeroMQ frames; each worker verifies every checksum 
 commits its copy at the manager (the version commits with the last copy of the last rank). A worker that
 fails under the push is replaced: the rank asks for a new grant and writes its tensors again. A push that
 fails otherwise releases its lease, which aborts the version (a push that dies midway stops renewing: same
-result).
+result). A push that fails because the manager restarted or is away starts over once it is back
+(:meth:`PsClient.push`).
 
 Pull: the manager grants a lease on a committed version and its manifest (copies on workers it knows down
 left out); tensors on this host are read straight from the workers' segments (mapped once, kept mapped, no
@@ -47,7 +48,7 @@ import xxhash
 import zmq
 
 from ...bus.memory import keep_receive_memory
-from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
+from ...bus.reqrep import Client, PeerDown, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
 from ...protocol.codec import Unhashed, checksum, copy_hashing
@@ -94,6 +95,7 @@ from ...protocol.messages_ps import (
 )
 from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
+from .leases import RESTARTED
 from .nixl import NixlError, NixlReader, NixlUnusable
 from .shm import SegmentMaps
 
@@ -269,9 +271,20 @@ class _WorkerFailed(PsError):
 def _raise_from(worker: str, exc: BaseException) -> NoReturn:
     """Raise ``exc`` as :class:`_WorkerFailed` when it is a failure of ``worker`` itself (worth trying
     another worker), else as it is (a refusal)."""
-    if isinstance(exc, RequestTimeout) or (isinstance(exc, RemoteError) and exc.code in _WORKER_LOST):
+    if isinstance(exc, (RequestTimeout, PeerDown)) or (isinstance(exc, RemoteError) and exc.code in _WORKER_LOST):
         raise _WorkerFailed(worker, exc) from exc
     raise exc
+
+
+def _manager_away(exc: BaseException) -> str | None:
+    """Why a push's failure ``exc`` means the ps-manager restarted or is away (worth starting the push over),
+    or None for any other failure (a refusal that stands). A worker's own failures never get here: the push
+    session replaces the worker (:class:`_WorkerFailed`), so a timeout or a down peer here is the manager's."""
+    if isinstance(exc, RemoteError):
+        if exc.code == "push-aborted" and RESTARTED in exc.detail:
+            return "manager-restarted"
+        return "manager-unreachable" if exc.code == "manager-unreachable" else None
+    return "manager-timeout" if isinstance(exc, RequestTimeout) else "manager-down"
 
 
 @dataclass
@@ -393,7 +406,7 @@ class PushSession:
             try:
                 opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes, ranges),
                                            ShardOpened)
-            except (RequestTimeout, RemoteError) as exc:
+            except (RequestTimeout, RemoteError, PeerDown) as exc:
                 _raise_from(info.worker, exc)
             copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
         self._copies = copies
@@ -547,11 +560,59 @@ class PsClient:
         The caller keeps ownership of ``tensors`` (they are copied out before this returns). Raises
         RemoteError for a refused push (``version-conflict``, ``shape-mismatch``, ``duplicate-name``,
         ``checksum``, ``push-aborted``, ...); any failure aborts the version.
+
+        A restart of the ps-manager does not fail the push: when it fails because the manager restarted (a
+        ``push-aborted`` naming the restart) or is away (no answer within the request policy, the bus
+        reported it down, a worker could not record the commit there: ``manager-unreachable``), the push
+        starts over from ``tensors`` (a fresh ``ps-push-begin`` of the same version, ``ps.push_restarted``
+        logged), pausing as :meth:`_grant` does, until ``wait_workers_s`` after the first such failure (then
+        the last failure is raised). Every rank of a world that was still pushing does so on its own, and the
+        restarted manager's pending version takes each rank's fresh begin: one version commits. A restarted
+        durable manager that had committed the version before it died refuses the fresh begin
+        ``version-conflict``; when its manifest of ``version`` holds exactly this rank's bytes (names and
+        checksums), the push returns it as committed instead of raising.
         """
-        with self.begin_push(tensors, version, rank=rank, world=world, resumes=resumes) as session:
-            for name, tensor in tensors.items():
-                session.write(name, tensor)
-            return session.commit()
+        started = time.monotonic()
+        deadline: float | None = None
+        pause = WORKERS_FIRST_PAUSE_S
+        sums: dict[str, int] | None = None
+        while True:
+            try:
+                with self.begin_push(tensors, version, rank=rank, world=world, resumes=resumes) as session:
+                    for name, tensor in tensors.items():
+                        session.write(name, tensor)
+                    return session.commit()
+            except (RemoteError, RequestTimeout, PeerDown) as exc:
+                if deadline is not None and isinstance(exc, RemoteError) and exc.code == "version-conflict":
+                    sums = sums if sums is not None else {n: checksum(_as_bytes(t)) for n, t in tensors.items()}
+                    done = self._committed_before(version, sums, time.monotonic() - started)
+                    if done is not None:
+                        log.info("ps.push_found_committed", version=version, rank=rank, digest=done.digest)
+                        return done
+                reason = _manager_away(exc)
+                if reason is None:
+                    raise
+                now = time.monotonic()
+                deadline = now + self.wait_workers_s if deadline is None else deadline
+                if now + pause > deadline:
+                    raise
+                log.warning("ps.push_restarted", version=version, rank=rank, reason=reason, error=str(exc),
+                            retry_in_s=pause)
+                time.sleep(pause)
+                pause = min(2 * pause, WORKERS_MAX_PAUSE_S)
+
+    def _committed_before(self, version: int, sums: Mapping[str, int], seconds: float) -> PushResult | None:
+        """``version`` as this rank's committed push when the manager's manifest of it holds exactly the tensors
+        ``sums`` names, with those checksums (a commit the restarted manager replayed); None otherwise."""
+        try:
+            manifest = self.manifest(version)
+        except RemoteError:  # unknown-version: not committed (or no longer retained)
+            return None
+        held = {e.name: e.checksum for e in manifest.entries}
+        if any(held.get(name) != value for name, value in sums.items()):
+            return None
+        nbytes = sum(e.nbytes for e in manifest.entries if e.name in sums)
+        return PushResult(version, True, manifest.digest, nbytes, seconds)
 
     def begin_push(self, like: Mapping[str, torch.Tensor], version: int, *, rank: int = 0,
                    world: int = 1, resumes: bool = False) -> PushSession:
@@ -590,7 +651,7 @@ class PsClient:
     def _abort_push(self, lease: str) -> None:
         """Releasing an uncommitted push lease aborts the version at once (no waiting for the TTL)."""
         self._keeper.drop(lease)
-        with contextlib.suppress(RemoteError, RequestTimeout):
+        with contextlib.suppress(RemoteError, RequestTimeout, PeerDown):  # a manager away aborts it by its TTL
             self._manager.request(LeaseRelease(lease))
 
     # --- pull ---------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+# Said in every refusal about a lease an earlier process of the manager granted: the pusher starts its push over
+# on this word (PsClient.push), so the manager's refusals and the client share it.
+RESTARTED = "granted by an earlier process of the ps-manager, which restarted"
+
 LeaseKind = Literal["push", "pull"]
 
 
@@ -57,6 +61,10 @@ class LeaseTable:
         """Whether this table granted ``lease_id`` (ids carry a prefix drawn per table: a lease of an earlier
         process of the manager is never one of this one's)."""
         return lease_id.startswith((f"push-{self._prefix}-", f"pull-{self._prefix}-"))
+
+    def get(self, lease_id: str) -> Lease | None:
+        """The live lease ``lease_id``, or None."""
+        return self._live.get(lease_id)
 
     def ended(self, lease_id: str) -> str | None:
         """``expired``, ``released`` or None (live or never known)."""

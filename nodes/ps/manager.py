@@ -29,10 +29,13 @@ and comes back with the versions it retained; the workers, told of the new proce
 listing the segments they hold, and a version is served only from copies a registered worker listed (or
 committed since). A push pending, leases, reservations and an init round of the dead process are unknown to
 the new one: a commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
-``unknown-lease``, both naming the restart, a renewal lists it expired, a reservation is
+``unknown-lease``, both naming the restart (``leases.RESTARTED``; the pusher starts its push over on it), a
+renewal lists it expired, a reservation is
 ``unknown-reservation``, and an init's request, which its client sends again, is answered afresh. A reader
 may still read under a lease of the dead process, so a restarted manager releases nothing for one lease TTL:
-what is to be released meanwhile (retention, orphans the workers list) goes out once it has passed.
+what is to be released meanwhile (retention, orphans the workers list) goes out once it has passed. A begin of
+a rank of the pending version by the holder whose attempt of that rank is still being written replaces that
+attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant).
 
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
@@ -102,7 +105,7 @@ from ..settings import PsSettings
 from ..store.durable import DurableStore, StoreError
 from . import manifest as mf
 from .broadcast import InitRound, rounds
-from .leases import Lease, LeaseTable
+from .leases import RESTARTED, Lease, LeaseTable
 from .manager_journal import ManagerJournal
 from .manifest import ManifestError
 from .staleness import CloseReport, StalenessError, StalenessInventory
@@ -344,7 +347,8 @@ class PsManager:
                                retry_after_s=INIT_RUNNING_RETRY_S)
         workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
         names = [w.worker for w in workers]
-        if begin.resumes and not begin.retry and not self.versions.joins_lineage(begin.version, begin.world):
+        retry = begin.retry or self._given_up(begin)
+        if begin.resumes and not retry and not self.versions.joins_lineage(begin.version, begin.world):
             try:  # a request refused must not have retired the old lineage's versions first
                 self.versions.check_specs(begin.rank, begin.world, begin.tensors, lineage_at=begin.version)
             except ManifestError as exc:
@@ -352,21 +356,35 @@ class PsManager:
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
         try:
-            if begin.retry:
-                tensors, failed = self.versions.retry(begin.version, begin.rank, begin.retry, names, lease.lease_id)
+            if retry:
+                tensors, failed = self.versions.retry(begin.version, begin.rank, retry, names, lease.lease_id)
             else:
                 tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, names,
                                               lease.lease_id, lease.granted, resumes=begin.resumes)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
-            raise self._refusal(exc, begin.retry) from None
-        if begin.retry:
+            raise self._refusal(exc, retry) from None
+        if retry:
             # Ended without aborting: the version goes on under the new lease.
-            self.leases.release(begin.retry)
+            self.leases.release(retry)
             self._release([(w, shard) for w, shard in failed if w in self.workers])
             log.warning("ps.push_retried", version=begin.version, rank=begin.rank, avoid=begin.avoid, workers=names)
         nbytes = max((t.offset + t.nbytes for t in tensors), default=0)
         return PushGrant(lease.lease_id, self.settings.lease_ttl_s, workers[0], nbytes, tensors, workers[1:])
+
+    def _given_up(self, begin: PushBegin) -> str:
+        """The lease of the attempt ``begin`` replaces, when the same holder begins again the same rank of the
+        pending version while that rank's attempt is still being written; "" otherwise. Its pusher gave that
+        attempt up: a pusher starts a push over when this manager restarted or did not answer, and a begin
+        it sent meanwhile may reach the manager late (queued while it was away) and be granted with nobody
+        reading the grant. The fresh begin goes on as a retry of it (the version stays pending), where a
+        refusal would leave the rank unable to push until that grant's lease expires and aborts the version."""
+        pending = self.versions.pending
+        shard = pending.ranks.get(begin.rank) if pending is not None and pending.version == begin.version else None
+        if shard is None or shard.done:
+            return ""
+        lease = self.leases.get(shard.lease)
+        return shard.lease if lease is not None and lease.holder == begin.holder else ""
 
     def _start_lineage(self, version: int, holder: str) -> None:
         """A trainer world resumes at ``version``: abort the old world's pending push, retire its versions
@@ -407,8 +425,8 @@ class PsManager:
         """``exc`` as the refusal of a request about push ``lease``, saying so when an earlier process of the
         manager granted it: the push it belonged to died with that process."""
         if exc.code == "push-aborted" and lease and not self.leases.granted_here(lease):
-            return HandlerError("push-aborted", f"{exc}: lease {lease} was granted by an earlier process of the "
-                                "ps-manager, which restarted; the push it belonged to was aborted: push again")
+            return HandlerError("push-aborted", f"{exc}: lease {lease} was {RESTARTED}; the push it belonged to "
+                                "was aborted: push again")
         return HandlerError(exc.code, str(exc))
 
     def _journal(self, write: Callable[[ManagerJournal], None]) -> None:
@@ -483,9 +501,8 @@ class PsManager:
                 raise HandlerError("lease-expired", f"lease {ask.lease} expired before it was released; what it "
                                    "held may have been reused")
             if not self.leases.granted_here(ask.lease):
-                raise HandlerError("unknown-lease", f"lease {ask.lease} was granted by an earlier process of the "
-                                   "ps-manager, which restarted: it is not held here, and what it held may have "
-                                   "been reused")
+                raise HandlerError("unknown-lease", f"lease {ask.lease} was {RESTARTED}: it is not held here, "
+                                   "and what it held may have been reused")
             raise HandlerError("unknown-lease", f"lease {ask.lease} is not held")
         self._ended(lease, "released")
         return Ok()
