@@ -583,3 +583,20 @@ def test_a_begin_again_by_the_same_pusher_replaces_its_unwritten_attempt_and_no_
     second = runtime.call(PushBegin(0, 1, 2, "trainer", [TensorSpec("b", "float32", [4])], "h"))
     committed = _seal(runtime, second, 0, "w0", rank=1)
     assert committed.committed and manager.versions.latest == 0
+
+
+def test_a_resuming_begin_by_the_same_pusher_starts_a_lineage_instead_of_taking_over_the_dead_worlds_attempt(
+        ) -> None:
+    """A trainer world restarted under the same node ids resumes at the version its dead world was pushing, with
+    that world's rank-0 attempt still leased and its rank 1 already verified: the resuming begin starts a new
+    lineage (the old attempt aborted), never a retry into the dead world's pending version."""
+    runtime, manager = _manager(replicas=1)
+    runtime.call(PsRegister(_worker("w0")))
+    stale = _begin(runtime, 0, rank=0, world=2)
+    other = runtime.call(PushBegin(0, 1, 2, "trainer", [TensorSpec("b", "float32", [4])], "h"))
+    _seal(runtime, other, 0, "w0", rank=1)
+    resumed = runtime.call(PushBegin(0, 0, 2, "trainer", SPEC, "h", True))
+    assert isinstance(resumed, PushGrant) and manager.versions.lineages == 1
+    assert manager.leases.get(stale.lease) is None
+    pending = manager.versions.pending
+    assert pending is not None and pending.version == 0 and 1 not in pending.ranks, pending

@@ -378,7 +378,11 @@ class PsManager:
         attempt up: a pusher starts a push over when this manager restarted or did not answer, and a begin
         it sent meanwhile may reach the manager late (queued while it was away) and be granted with nobody
         reading the grant. The fresh begin goes on as a retry of it (the version stays pending), where a
-        refusal would leave the rank unable to push until that grant's lease expires and aborts the version."""
+        refusal would leave the rank unable to push until that grant's lease expires and aborts the version.
+        Never for a begin that ``resumes``: a trainer world restarted under the same node ids may find the dead
+        world's attempt of that version still leased, and must start its lineage afresh, not write into it."""
+        if begin.resumes:
+            return ""
         pending = self.versions.pending
         shard = pending.ranks.get(begin.rank) if pending is not None and pending.version == begin.version else None
         if shard is None or shard.done:
