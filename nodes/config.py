@@ -84,6 +84,12 @@ class Config:
             **extra,
         )
 
+    def store_run(self) -> str:
+        """The run the durable stores of this cluster's nodes belong to: ``store.run``, else one per cluster
+        name and broker endpoint, so every node of a cluster (env servers, ps-workers, the ps-manager) finds its
+        own store of that run after a restart."""
+        return self.store.run or f"{self.cluster.name}-{self.bus.control}"
+
     def broker(self) -> BrokerSettings:
         return BrokerSettings(
             control=self.bus.control,

@@ -41,6 +41,16 @@ WAIT_S = 10.0
 INCARNATION = "a1b2c3"
 
 
+def spawn_live_ledger(spawn, control: str, report_path: Path) -> NodeProcess:
+    """A live ``refbus ledger --json`` on the broker at ``control``, ready; its report goes to ``report_path``
+    when it stops (the run-end)."""
+    with open(report_path, "wb") as out:
+        ledger = spawn(["ledger", "--json", "--bus-control", control, "--node-id", "ledger", *FAST_LIVENESS],
+                       "ledger", stdout=out)
+    ledger.wait_ready(timeout=WAIT_S * 3)
+    return ledger
+
+
 def _ref(blob_id: str, source: str = "env-0") -> dict:
     return {"blob_id": blob_id, "source": source}
 
@@ -429,10 +439,7 @@ def test_a_store_killed_mid_run_is_named_and_the_live_ledger_exits_1(
         proc = spawn(["node", "env-server", "--bus-control", control, "--node-id", name, *FAST_LIVENESS], name)
         stores[name] = (proc, proc.wait_ready(timeout=WAIT_S * 3)["endpoints"]["blobs"])
     report_path = tmp_path / "ledger.json"
-    with open(report_path, "wb") as out:
-        ledger = spawn(["ledger", "--json", "--bus-control", control, "--node-id", "ledger", *FAST_LIVENESS],
-                       "ledger", stdout=out)
-    ledger.wait_ready(timeout=WAIT_S * 3)
+    ledger = spawn_live_ledger(spawn, control, report_path)
     launcher = NodeRuntime("launcher", RuntimeSettings(bus=control, node_id="launcher", metrics_port=-1))
     launcher.start_background()
     ctx = zmq.Context()

@@ -47,6 +47,7 @@ from refbus.protocol.messages import (
     RunEnd,
     Violation,
 )
+from test_ledger import spawn_live_ledger
 
 pytest_plugins = ["wire_fixtures"]  # zmq_ctx
 WAIT_S = 10.0
@@ -267,10 +268,7 @@ def test_garbage_counts_are_refused_and_the_live_ledger_goes_on(bus: tuple[NodeP
     ``refbus ledger`` keeps folding, counts the 3, and at run-end reports the refusal as unaccounted (exit 1)."""
     control = bus[1]
     out_path = tmp_path / "ledger.json"
-    with open(out_path, "wb") as out:
-        ledger = spawn(["ledger", "--json", "--bus-control", control, "--node-id", "ledger", *FAST_LIVENESS],
-                       "ledger", stdout=out)
-    ledger.wait_ready(timeout=WAIT_S * 3)
+    ledger = spawn_live_ledger(spawn, control, out_path)
     forger = NodeRuntime("forger", RuntimeSettings(bus=control, node_id="forger", metrics_port=-1))
     forger.start_background()
     try:

@@ -612,7 +612,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     env_server: EnvServer | None = None
     try:
         env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s,
-                               store=config.store, run=f"{config.cluster.name}-{config.bus.control}")
+                               store=config.store, run=config.store_run())
         EpisodeRunner(runtime, env_server, config.env_server)
     except (ValueError, StoreError) as exc:  # a budget, lease, entry point or store that cannot be used
         log.error("env_server.bad_config", error=str(exc))

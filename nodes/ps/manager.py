@@ -772,8 +772,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     try:
         journal = None
         if config.store.durable:
-            run_id = config.store.run or f"{config.cluster.name}-{config.bus.control}"  # as the workers' stores
-            store = DurableStore(config.store.directory, run_id, runtime.node_id, budget_bytes=0, what="ps",
+            store = DurableStore(config.store.directory, config.store_run(), runtime.node_id, budget_bytes=0, what="ps",
                                  strict=True)
             journal = ManagerJournal(store)
         try:

@@ -469,7 +469,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s, store=config.store,
-                          run=f"{config.cluster.name}-{config.bus.control}")
+                          run=config.store_run())
     except StoreError as exc:
         log.error("ps.store_unusable", error=str(exc))
         runtime.close()
