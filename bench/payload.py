@@ -129,7 +129,7 @@ def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int, rows:
                  ) -> tuple[list[tuple[float, float]], int]:
     """``StepFetcher`` start + finish of the step ``repeats + 1`` times; (total, transfer) seconds of the timed
     ones, and how many samples of the last step were checked against ``rows`` (every blob's routing rows)."""
-    from refbus.bus.calls import PolledCalls
+    from refbus.bus.calls import Calls
     from refbus.nodes.payload.assemble import AssembledBatch
     from refbus.nodes.payload.fetcher import StepFetcher
 
@@ -141,13 +141,13 @@ def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int, rows:
         clients.append(Client(ctx, endpoint, codec, policy=PATIENT))
         return clients[-1]
 
-    polled = PolledCalls(connect, PATIENT)
-    fetcher = StepFetcher("bench-trainer", polled.calls)
+    calls = Calls(connect, PATIENT)
+    fetcher = StepFetcher("bench-trainer", calls)
     try:
         seconds = []
         for step in range(repeats + 1):
             in_flight = fetcher.start(step, batches)
-            if not polled.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
+            if not calls.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
                 raise BenchError("refbus fetch: requests outlived their deadline")
             result = fetcher.finish(in_flight)
             if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):

@@ -25,7 +25,8 @@ A client is kept per endpoint until :meth:`Calls.forget` closes it: the registry
 no longer advertises, so a long run of restarts (each on a new ephemeral port) leaves no socket behind.
 
 :meth:`Calls.gather` sends many requests at once (a window per endpoint) and hands their outcomes over in one
-list when the last one ends. :class:`PolledCalls` drives a :class:`Calls` from a thread without a node loop.
+list when the last one ends. :meth:`Calls.run_until` drives the calls without a node loop: from a thread that
+runs none (a benchmark, a test driving a fetcher), or from a node's shutdown hooks once its loop has stopped.
 """
 
 from __future__ import annotations
@@ -82,18 +83,20 @@ class Calls:
     go through ``runtime.call_soon``.
     """
 
-    def __init__(self, connect: Connect, watch: Watch, policy: RetryPolicy, *, budget: int = 256,
+    def __init__(self, connect: Connect, policy: RetryPolicy, *, watch: Watch | None = None, budget: int = 256,
                  release: Release | None = None) -> None:
         """``connect(endpoint)`` makes the one client per endpoint (closed by its maker); ``watch(sock, cb)``
-        has ``cb`` called when ``sock`` is readable; ``release(client)`` stops watching a client
-        :meth:`forget` drops and closes it (default: only closes it); ``policy`` is the default retry policy;
-        ``budget`` caps the replies handled per socket per turn, so other sockets get theirs."""
+        has ``cb`` called when ``sock`` is readable (a node loop's poller; None: nothing polls the sockets but
+        :meth:`run_until`); ``release(client)`` stops watching a client :meth:`forget` drops and closes it
+        (default: only closes it); ``policy`` is the default retry policy; ``budget`` caps the replies handled
+        per socket per turn, so other sockets get theirs."""
         self._connect = connect
         self._watch = watch
         self._release = release if release is not None else Client.close
         self.policy = policy
         self._budget = budget
         self._clients: dict[str, Client] = {}
+        self._polled: tuple[list[Client], zmq.Poller] | None = None  # run_until's poller and its clients
         self._pending: dict[str, _Call] = {}
         self._per_endpoint: Counter[str] = Counter()
         self._due: list[tuple[float, int, str]] = []  # (due, tie-break, msg id); stale entries are skipped
@@ -117,7 +120,8 @@ class Calls:
         if client is None:
             client = self._clients[endpoint] = self._connect(endpoint)
             client.on_stray = lambda reply: self._resolve(reply, endpoint)
-            self._watch(client.sock, lambda: self._drain(client))
+            if self._watch is not None:
+                self._watch(client.sock, lambda: self._drain(client))
         if held:
             self._held.add(endpoint)
         return client
@@ -270,6 +274,37 @@ class Calls:
             return 0.0
         return max(0.0, self._due[0][0] - _now())
 
+    def run_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Serve replies, resends and deadlines on this thread until ``done()`` (True) or ``timeout_s`` passes
+        (False). For the owner of sockets no loop polls now: a thread without a node loop, or a node's shutdown
+        hook (its loop has stopped and handed it the sockets). Outcomes reach their ``on_done`` here."""
+        end = _now() + timeout_s
+        while not done():
+            left = end - _now()
+            if left <= 0:
+                return False
+            wait = self.wait_s()
+            clients, poller = self._poller()
+            readable_now = {sock for sock, _ in poller.poll(1000 * min(left, wait if wait is not None else left))}
+            for client in clients:
+                # Not when forgotten by an earlier outcome of this turn (its socket is closed).
+                if client.sock in readable_now and self._clients.get(client.endpoint) is client:
+                    self._drain(client)
+            self.tick()
+        return True
+
+    def _poller(self) -> tuple[list[Client], zmq.Poller]:
+        """A poller of every client's socket, made again only when the clients changed (compared by identity:
+        the kept list holds them, so no identity is reused meanwhile)."""
+        clients = list(self._clients.values())
+        if self._polled is None or len(self._polled[0]) != len(clients) or \
+                any(a is not b for a, b in zip(self._polled[0], clients, strict=True)):
+            poller = zmq.Poller()
+            for client in clients:
+                poller.register(client.sock, zmq.POLLIN)
+            self._polled = (clients, poller)
+        return self._polled
+
     def close(self) -> None:
         """Drop every pending call without an outcome (the node is shutting down; its sockets close)."""
         self._pending.clear()
@@ -348,41 +383,6 @@ class Calls:
         self._forget(call)
         self.outcomes[_OUTCOME_NAMES[type(outcome)]] += 1
         _run_callback(lambda: call.on_done(outcome), call.kind, call.endpoint)
-
-
-class PolledCalls:
-    """:class:`Calls` with a poll loop of its own, for a thread that runs no node loop (a benchmark, a test
-    driving a fetcher): :meth:`run_until` serves replies, resends and deadlines until a condition holds.
-    Its clients (from ``connect``) belong to the thread that calls :meth:`run_until`; their maker closes them."""
-
-    def __init__(self, connect: Connect, policy: RetryPolicy) -> None:
-        self._poller = zmq.Poller()
-        self._readable: dict[zmq.Socket, Callable[[], None]] = {}
-        self.calls = Calls(connect, self._watch, policy, release=self._release)
-
-    def _watch(self, sock: zmq.Socket, callback: Callable[[], None]) -> None:
-        self._readable[sock] = callback
-        self._poller.register(sock, zmq.POLLIN)
-
-    def _release(self, client: Client) -> None:
-        if self._readable.pop(client.sock, None) is not None:
-            self._poller.unregister(client.sock)
-        client.close()
-
-    def run_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
-        """Drive the calls until ``done()`` (True) or ``timeout_s`` passes (False)."""
-        end = _now() + timeout_s
-        while not done():
-            left = end - _now()
-            if left <= 0:
-                return False
-            wait = self.calls.wait_s()
-            for sock, _ in self._poller.poll(1000 * min(left, wait if wait is not None else left)):
-                callback = self._readable.get(sock)
-                if callback is not None:  # None: forgotten by an earlier callback of this turn
-                    callback()
-            self.calls.tick()
-        return True
 
 
 def _run_callback(callback: Callable[[], None], kind: str, endpoint: str = "") -> None:

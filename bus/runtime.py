@@ -321,7 +321,7 @@ class NodeRuntime:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.calls = Calls(self.client, self.watch, settings.retry, release=self.release_client)
+        self.calls = Calls(self.client, settings.retry, watch=self.watch, release=self.release_client)
         self._lookups: dict[str, list[Callable[[list[NodeInfo] | None], None]]] = {}  # role -> waiting callers
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
         self._peers: Peers | None = None

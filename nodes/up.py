@@ -514,10 +514,19 @@ def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: b
     totals = report.totals()
     fetch = [record.fetch_seconds[s] for s in sorted(record.fetch_seconds)]
     steps = max(record.versions, default=0)
+    # The run's correctness: every step trained, every blob accounted for. Learning is reported apart
+    # (reward_rose): a few steps of RL need not improve, and that is no failure of the data plane.
+    not_ok = [why for why, bad in (
+        ("interrupted", interrupted), (f"failed: {', '.join(failed)}", failed),
+        (f"{steps} of {config.up.steps} steps", steps < config.up.steps),
+        (f"{len(report.violations)} violation findings", report.violations),
+        (f"{len(report.unaccounted)} unaccounted", report.unaccounted),
+        (f"lost {dict(report.lost)}", report.lost.total()), (f"leaked {dict(report.leaked)}", report.leaked.total()),
+        (f"held at run end {dict(report.held_at_end)}", report.held_at_end.total()),
+        (f"{totals['held']} blobs still held", totals["held"])) if bad]
     return {
-        # The run's correctness: every step trained, every blob accounted for. Learning is reported apart
-        # (reward_rose): a few steps of RL need not improve, and that is no failure of the data plane.
-        "ok": not interrupted and not failed and report.ok and totals["held"] == 0 and steps >= config.up.steps,
+        "ok": not not_ok,
+        "not_ok": not_ok,
         "reward_rose": end > start,
         "interrupted": interrupted,
         "failed_nodes": failed,
@@ -583,7 +592,8 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  trainer worlds        restarted {len(summary['world_restarts'])} times from checkpoints "
               f"(after the death of {', '.join(summary['world_restarts'])})")
     print(f"  ps versions           {len(summary['ps_versions'])} (last {max(summary['ps_versions'], default=-1)})")
-    print(f"  result                {'ok' if summary['ok'] else 'NOT ok'}", flush=True)
+    print(f"  result                {'ok' if summary['ok'] else 'NOT ok: ' + '; '.join(summary['not_ok'])}",
+          flush=True)
     if args.summary_out:
         Path(args.summary_out).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot_out:

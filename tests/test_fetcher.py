@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from refbus.bus.calls import Calls, PolledCalls
+from refbus.bus.calls import Calls
 from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.branch import FIELDS, Branch
@@ -275,12 +275,8 @@ class Loop:
     """What a node loop does for a fetcher, in the test's thread: asynchronous requests driven by a poll loop
     of their own. ``made``: every client made (one per endpoint, each closed at teardown)."""
 
-    polled: PolledCalls
+    calls: Calls
     made: list[Client]
-
-    @property
-    def calls(self) -> Calls:
-        return self.polled.calls
 
     @property
     def endpoints(self) -> list[str]:
@@ -290,7 +286,7 @@ class Loop:
         """``start``, serve the requests until every one has its outcome, ``finish``."""
         in_flight = fetcher.start(step, micro_batches)
         # Every request ends by its deadline; the window may queue a few behind each other.
-        assert self.polled.run_until(lambda: in_flight.done, 20 * FAST.deadline_s), "a request outlived its deadline"
+        assert self.calls.run_until(lambda: in_flight.done, 20 * FAST.deadline_s), "a request outlived its deadline"
         return fetcher.finish(in_flight)
 
 
@@ -302,7 +298,7 @@ def loop(zmq_ctx: zmq.Context) -> Iterator[Loop]:
         made.append(Client(zmq_ctx, endpoint, WireCodec("trainer-0"), policy=FAST))
         return made[-1]
 
-    yield Loop(PolledCalls(connect, FAST), made)
+    yield Loop(Calls(connect, FAST), made)
     for client in made:
         client.close()
 
@@ -544,7 +540,7 @@ def test_a_durable_store_down_mid_fetch_is_asked_again_until_it_is_back_or_the_w
         for due in [t for t in timers if t[0] <= time.monotonic()]:
             timers.remove(due)
             due[1]()
-        loop.polled.run_until(lambda: in_flight.done, restarts.poll_s / 2)
+        loop.calls.run_until(lambda: in_flight.done, restarts.poll_s / 2)
     result = fetcher.finish(in_flight)
     assert asked and set(asked) == {moved.source}
     if back:
@@ -597,7 +593,7 @@ def test_an_env_server_sigkilled_mid_fetch_fails_its_micro_batches_and_the_other
     assert procs[0].proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     # One request at a time per store: each of the victim's may take its whole deadline.
     requests = len(in_flight.requests)
-    assert loop.polled.run_until(lambda: in_flight.done, 2 * requests * FAST.deadline_s), "outlived its deadlines"
+    assert loop.calls.run_until(lambda: in_flight.done, 2 * requests * FAST.deadline_s), "outlived its deadlines"
     result = fetcher.finish(in_flight)
 
     victim_ids = set(victim.branches)

@@ -3,12 +3,14 @@ one garbage record over the wire: a real broker, env server and orchestrator, a 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from branches import random_arrays
 from polling import wait_for
+from refbus.bus.reqrep import Pending
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
@@ -16,7 +18,7 @@ from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol.envelope import Message
-from refbus.protocol.messages import BlobRef, NodeInfo, Ok, StepBatch
+from refbus.protocol.messages import BlobRef, Claim, Claimed, NodeInfo, Ok, StepBatch
 
 
 def _env(node_id: str, source: str | None, endpoint: str) -> NodeInfo:
@@ -120,5 +122,77 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
         assert stats.deleted == {"malformed": 1} and stats.blobs_held == 2 and bad not in good
         assert orchestrator.core.malformed_episodes == 1 and +orchestrator.core.sink.dropped == {"malformed": 1}
     finally:
+        for node in reversed(started):
+            node.join(timeout=10)
+
+
+def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in_flight(
+        bus: tuple[NodeProcess, str]) -> None:
+    """The store grants a claim and the trainer rank acknowledges a step batch only once the orchestrator has
+    begun to stop: its shutdown waits for both answers, deletes the blob the late claim granted (``shutdown``)
+    and leaves the acknowledged batch's blobs to the rank. Before, both were dropped unanswered: the granted
+    blob stayed held by a node that was gone (a run ended with blobs held at its end), and the batch's blobs
+    were deleted under the rank that had taken them."""
+    control = bus[1]
+    deferred_steps: list[Pending] = []
+    deferred_claims: list[tuple[Pending, Message]] = []
+    defer_claims = threading.Event()
+
+    def take(request: Message) -> None:
+        deferred_steps.append(rank_server.pending)  # answered by the test
+
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    rank_server = trainer.serve("trainer", "tcp://127.0.0.1:0")
+    rank_server.on(StepBatch.kind, take)
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-s", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="s"))
+    grant = env.server.routes[Claim.kind].handler
+
+    def claim(request: Message) -> Claimed | None:
+        if not defer_claims.is_set():
+            return grant(request)
+        deferred_claims.append((env.server.pending, request))  # answered by the test (a resend appends again)
+        return None
+
+    env.server.on(Claim.kind, claim)
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    started = []
+    stopper = threading.Thread(target=runtime.join, kwargs={"timeout": 30})
+    try:
+        for node in (trainer, env_runtime, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, 10, "the orchestrator's start-up recovery")
+
+        def keep(episode_id: str, group: str, reward: float) -> str:
+            arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2,
+                                   routing_dtype=np.uint8)
+            info: dict[str, Any] = {"group": group, "reward": reward,
+                                    "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1],
+                                                 "ref": 0}]}
+            return env.keep(episode_id, [arrays], info=info)[0].blob_id
+
+        shipped = {keep(f"a-{m}", "ga", reward) for m, reward in enumerate((1.0, 0.0))}
+        wait_for(lambda: deferred_steps, 10, "the step batch at the trainer rank, unanswered")
+        defer_claims.set()
+        late = keep("b-0", "gb", 1.0)
+        wait_for(lambda: deferred_claims, 10, "the next episode's claim at the store, unanswered")
+        stopper.start()
+        wait_for(lambda: orchestrator._closing, 10, "the orchestrator's shutdown under way")
+        trainer.call_soon(lambda: [rank_server.answer(pending, Ok()) for pending in deferred_steps])
+        env_runtime.call_soon(lambda: [env.server.answer(pending, grant(request))
+                                       for pending, request in deferred_claims])
+        stopper.join(timeout=30)
+        assert not stopper.is_alive()
+        stats = env.stats()
+        assert stats.deleted == {"shutdown": 1} and stats.blobs_held == 2, stats
+        assert late not in shipped
+    finally:
+        if stopper.is_alive():
+            stopper.join(timeout=30)
         for node in reversed(started):
             node.join(timeout=10)

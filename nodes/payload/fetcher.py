@@ -39,7 +39,7 @@ the copy lands in warm buffers.
 
 Threads: :meth:`StepFetcher.start` on the thread that drives ``calls`` (the node loop); :meth:`StepFetcher.finish`
 and the pool on one other thread at a time (see :mod:`.trainer_rank`). Without a node loop (a benchmark), drive
-the calls with :class:`~refbus.bus.calls.PolledCalls`.
+the calls with :meth:`~refbus.bus.calls.Calls.run_until`.
 """
 
 from __future__ import annotations

@@ -160,6 +160,8 @@ class Orchestrator:
         self._arrivals: deque[_Arrival] = deque()
         self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
+        self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
+        self._delivering = 0  # step batches sent and not answered
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
@@ -241,7 +243,7 @@ class Orchestrator:
 
     def _feed(self) -> None:
         """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
-        while self._arrivals and self._arrivals[0].claims_pending == 0:
+        while not self._closing and self._arrivals and self._arrivals[0].claims_pending == 0:
             arrival = self._arrivals.popleft()
             if arrival.message is None:
                 self._feed_recovered()
@@ -380,7 +382,10 @@ class Orchestrator:
         for action in actions:
             if isinstance(action, DeleteBlobs):
                 self._delete(action)
+            elif self._closing and isinstance(action, DeliverBatch | SendRun):
+                continue  # what it would have handed out stays held here and is deleted with the rest
             elif isinstance(action, DeliverBatch):
+                self._delivering += 1
                 self.runtime.calls.request(
                     action.endpoint, action.batch, lambda outcome, a=action: self._on_delivered(a, outcome))
             elif isinstance(action, SendRun):
@@ -397,6 +402,7 @@ class Orchestrator:
             self.runtime.lookup_async("trainer", self._found_trainers)
 
     def _on_delivered(self, action: DeliverBatch, outcome: Outcome) -> None:
+        self._delivering -= 1
         _, failures = split_outcomes([(action.endpoint, outcome)])
         error = str(failures[0][1]) if failures else None
         self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error))
@@ -444,8 +450,24 @@ class Orchestrator:
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
         (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
-        is reported lost, naming it. Events still waiting for claims are dropped (their blobs unclaimed);
-        episodes recovered at start and not fed yet are deleted with the rest."""
+        is reported lost, naming it. Claims and step batches still in flight are answered first (for at most
+        half the time left), nothing new is sent meanwhile: a store grants a claim and a rank takes a batch
+        whether or not this node still listens, so what the claims grant is deleted with the rest (as are the
+        episodes whose claims were answered but whose turn had not come, and those recovered at start and not
+        fed yet), and an acknowledged batch is its rank's to delete, not this node's. What is unanswered by
+        then is decided as before: a claim is left to its store (reclaimed ``holder-down`` after this node's
+        grace), a batch is deleted here."""
+        self._closing = True
+
+        def claims_out() -> list[_Arrival]:
+            return [a for a in self._arrivals if a.message is not None and a.claims_pending]
+
+        if (claims_out() or self._delivering) and not self.runtime.calls.run_until(
+                lambda: not (claims_out() or self._delivering), self.runtime.shutdown_left() / 2):
+            log.warning("shutdown.unanswered", claims=len(claims_out()), step_batches=self._delivering)
+        for arrival in self._arrivals:
+            if arrival.message is not None and not arrival.claims_pending:
+                self.core.holdings.take(arrival.claimed)
         for _, claimed in self._recovered:
             self.core.holdings.take(claimed)
         actions = self.core.close()
