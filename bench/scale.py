@@ -21,7 +21,8 @@ The model run (``Model``): a 30B MoE (48 layers, top-8 routing), 1,024 episodes 
 
 For each node count of the sweep, a fresh broker (``Broker`` in a ``NodeRuntime``, as ``refbus node bus``
 runs it) serves: simulated nodes (real PUB and control sockets, many per process, each registered with
-``hello``, publishing ~170-byte events at the per-node rate and heartbeating), an orchestrator (a registered
+``hello`` and made live by the ``sync`` handshake, as a real node is: the broker announces its ``node-up`` to
+the peer trackers and lists it in every lookup, publishing ~170-byte events at the per-node rate and heartbeating), an orchestrator (a registered
 ``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does), the
 watcher and the peer trackers (SUB sockets subscribed as the runtime subscribes them, every one held open for
 the whole run; the watcher's keeps only its latest message, ``CONFLATE``, so ZeroMQ reads every copy off the
@@ -79,7 +80,7 @@ from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.peers import KINDS as PEER_KINDS
 from refbus.bus.pubsub import Publisher
 from refbus.bus.reqrep import Client, RetryPolicy
-from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings, prove_published
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes, Sync
@@ -357,10 +358,13 @@ class _SimNode:
         if "control" in endpoints:
             self.control = Client(ctx, endpoints["control"], codec, policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
             info = NodeInfo(node_id=node_id, role="env-server", host="scale", pid=0)
-            welcome = self.control.request(Hello(node=info, token=codec.new_id())).body
+            token = codec.new_id()
+            welcome = self.control.request(Hello(node=info, token=token)).body
             events_in = welcome.events_in  # type: ignore[union-attr]
         pub = make_socket(ctx, zmq.PUB, connect=events_in, options=EVENT_OPTIONS)
         self.publisher = Publisher(pub, codec)
+        if self.control is not None:  # live, as a real node: listed by lookups, announced to the peer trackers
+            prove_published(self.control, self.publisher, token, WAIT_S)
 
 
 def peer_trackers(model: Model, nodes: int) -> int:

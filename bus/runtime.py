@@ -235,6 +235,26 @@ class ExitWatchdog:
         _exit_now(code)
 
 
+def prove_published(control: Client, publisher: Publisher, token: str, timeout_s: float) -> None:
+    """The ``sync`` handshake of a publisher: ask the broker (on ``control``) to answer once it has seen
+    ``token`` come through ``publisher``, probing every ``SYNC_PROBE_INTERVAL_MS`` until it has. With the
+    token of a node's ``hello`` this is what makes the broker list the node live and announce its ``node-up``.
+    Raises :class:`BusUnavailable` when the broker refuses or does not see it within ``timeout_s``."""
+    msg_id = control.send(Sync(token=token, path="pub"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        publisher.publish_raw(Sync(token=token))
+        reply = control.recv(SYNC_PROBE_INTERVAL_MS)
+        if reply is None:
+            continue
+        if reply.header.re == msg_id:
+            if isinstance(reply.body, Error):
+                raise BusUnavailable(f"broker refused the event handshake: {reply.body.message}")
+            return
+        control.stray(reply)
+    raise BusUnavailable(f"the broker did not see this node's events within {timeout_s:.1f}s")
+
+
 def _exit_now(code: int) -> NoReturn:
     """End the process with ``code`` now, its output flushed first."""
     with contextlib.suppress(Exception):
@@ -1109,20 +1129,7 @@ class NodeRuntime:
     def _prove_published(self, token: str, timeout_s: float) -> None:
         """Ask the broker to answer once it has seen ``token`` through our PUB, probing until it has."""
         assert self.control is not None and self.publisher is not None
-        publisher = self.publisher
-        msg_id = self.control.send(Sync(token=token, path="pub"))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            publisher.publish_raw(Sync(token=token))
-            reply = self.control.recv(SYNC_PROBE_INTERVAL_MS)
-            if reply is None:
-                continue
-            if reply.header.re == msg_id:
-                if isinstance(reply.body, Error):
-                    raise BusUnavailable(f"broker refused the event handshake: {reply.body.message}")
-                return
-            self.control.stray(reply)
-        raise BusUnavailable(f"the broker did not see this node's events within {timeout_s:.1f}s")
+        prove_published(self.control, self.publisher, token, timeout_s)
 
     def _deliver_ready(self) -> None:
         for subscriber, handler, _ in self._subscriptions:

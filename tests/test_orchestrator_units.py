@@ -3,22 +3,31 @@ one garbage record over the wire: a real broker, env server and orchestrator, a 
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from branches import random_arrays
 from polling import wait_for
-from refbus.bus.reqrep import Pending
+from refbus.bus.reqrep import Client, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
-from refbus.protocol.envelope import Message
-from refbus.protocol.messages import BlobRef, Claim, Claimed, NodeInfo, Ok, StepBatch
+from refbus.protocol.envelope import Message, WireCodec
+from refbus.protocol.messages import BlobRef, Claim, Claimed, Keep, Kept, NodeInfo, Ok, StepBatch
+from structlog.testing import capture_logs
+
+WAIT_S = 10.0
+STALLER = Path(__file__).with_name("stalled_env_server.py")
 
 
 def _env(node_id: str, source: str | None, endpoint: str) -> NodeInfo:
@@ -184,15 +193,63 @@ def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in
         stopper.start()
         wait_for(lambda: orchestrator._closing, 10, "the orchestrator's shutdown under way")
         trainer.call_soon(lambda: [rank_server.answer(pending, Ok()) for pending in deferred_steps])
-        env_runtime.call_soon(lambda: [env.server.answer(pending, grant(request))
+        # Garbage first on the claim's connection: rejected (counted), and the real answer still settles it.
+        env_runtime.call_soon(lambda: [(send_frames(env.server.sock, [pending.identity, b"\xc1 not a reply"]),
+                                        env.server.answer(pending, grant(request)))
                                        for pending, request in deferred_claims])
         stopper.join(timeout=30)
         assert not stopper.is_alive()
         stats = env.stats()
         assert stats.deleted == {"shutdown": 1} and stats.blobs_held == 2, stats
+        assert runtime.calls.rejected.total() >= 1 and runtime.calls.outcomes["reply"] >= 2, runtime.calls.rejected
         assert late not in shipped
     finally:
         if stopper.is_alive():
             stopper.join(timeout=30)
         for node in reversed(started):
             node.join(timeout=10)
+
+
+def test_a_store_sigkilled_while_the_orchestrators_shutdown_waits_for_its_claim_ends_the_wait_in_bounds(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """The env server stalls on the orchestrator's claim (nothing granted yet), the orchestrator begins to stop
+    and waits for that answer, and the store is SIGKILLed: the wait ends within its share of the shutdown
+    time, the claim is reported unanswered (its blobs are the store's to reclaim) and the rest of the
+    shutdown runs, never cut off at the node's deadline."""
+    control = bus[1]
+    marker = tmp_path / "stalled"
+    store = spawn(["node", "env-server", "--bus-control", control, "--node-id", "env-k", "--store-directory",
+                   str(tmp_path / "shm"), "--store-run", "stall"], "env-k",
+                  prefix=[sys.executable, str(STALLER), "claim", str(marker)])
+    endpoint = store.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    stopper = threading.Thread(target=runtime.join, kwargs={"timeout": WAIT_S})
+    producer = Client(zmq_ctx := zmq.Context(), endpoint, WireCodec("producer"),
+                      policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+        runtime.start_background()
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        info = {"group": "gk", "reward": 1.0,
+                "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
+        arrays = random_arrays(6, seed=3, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+        assert isinstance(producer.request(Keep(episode_id="k-0", branches=[arrays], info=info)).body, Kept)
+        wait_for(marker.exists, WAIT_S, "the store stalled on the orchestrator's claim")
+        with capture_logs() as logs:
+            stopper.start()
+            wait_for(lambda: orchestrator._closing, WAIT_S, "the orchestrator's shutdown under way")
+            store.proc.kill()
+            assert store.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+            stopper.join(timeout=WAIT_S)
+            assert not stopper.is_alive() and runtime.closed
+        events = [entry["event"] for entry in logs]
+        assert "node.shutdown_hook_cut_off" not in events, events
+        assert any(entry["event"] == "shutdown.unanswered" and entry["claims"] == 1 for entry in logs), events
+    finally:
+        producer.close()
+        if stopper.is_alive():
+            stopper.join(timeout=WAIT_S)
+        elif not stopper.ident:
+            runtime.join(timeout=WAIT_S)
+        zmq_ctx.destroy(linger=0)

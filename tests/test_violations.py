@@ -54,7 +54,7 @@ WAIT_S = 10.0
 PATIENT = RetryPolicy(timeout_s=WAIT_S * 3, attempts=1)
 IDS = 50_000  # deleted ids one hostile delete names
 CHUNK = 5_000  # blobs kept (and deleted) per request; the ids refused by the store that is killed
-STALLER = Path(__file__).with_name("stalled_violations.py")
+STALLER = Path(__file__).with_name("stalled_env_server.py")
 
 
 def _violation(blob_id: str, owner: str = "trainer-0", action: str = "delete", holder: str = "trainer-1") -> Violation:
@@ -226,7 +226,8 @@ def test_a_store_killed_between_committing_a_refusal_and_publishing_it_is_counte
     store = ["--bus-control", bus[1], "--node-id", "env-v", *FAST_LIVENESS, "--store-directory",
              str(tmp_path / "shm"), "--store-run", "violations", "--env-server-budget-bytes", str(64 << 20)]
     marker = tmp_path / "stalled"
-    first = spawn(["node", "env-server", *store], "env-v", prefix=[sys.executable, str(STALLER), str(marker)])
+    first = spawn(["node", "env-server", *store], "env-v",
+                  prefix=[sys.executable, str(STALLER), "violations", str(marker)])
     info = first.wait_ready(timeout=WAIT_S * 3)
     client = Client(zmq_ctx, info["endpoints"]["blobs"], WireCodec("tester"), policy=PATIENT)
     ids = _keep_and_delete(client, CHUNK)
