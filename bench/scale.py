@@ -22,12 +22,13 @@ The model run (``Model``): a 30B MoE (48 layers, top-8 routing), 1,024 episodes 
 For each node count of the sweep, a fresh broker (``Broker`` in a ``NodeRuntime``, as ``refbus node bus``
 runs it) serves: simulated nodes (real PUB and control sockets, many per process, each registered with
 ``hello`` and made live by the ``sync`` handshake, as a real node is: the broker announces its ``node-up`` to
-the peer trackers and lists it in every lookup, publishing ~170-byte events at the per-node rate and heartbeating), an orchestrator (a registered
-``NodeRuntime`` whose subscription decodes and sequence-checks every event, as the real one's does), the
-watcher and the peer trackers (SUB sockets subscribed as the runtime subscribes them, every one held open for
-the whole run; the watcher's keeps only its latest message, ``CONFLATE``, so ZeroMQ reads every copy off the
-wire and no Python on this machine's two cores pretends to be 80 nodes' own; a peer tracker's, subscribed to
-several topics, is read in full, since ``CONFLATE`` would also collapse its subscriptions to the last one).
+the peer trackers and lists it in every lookup, or the bench fails; each publishes ~170-byte events at the
+per-node rate and heartbeats), an orchestrator (a registered ``NodeRuntime`` whose subscription decodes and
+sequence-checks every event, as the real one's does), the watcher and the peer trackers (SUB sockets
+subscribed as the runtime subscribes them, every one held open for the whole run; the watcher's keeps only
+its latest message, ``CONFLATE``, so ZeroMQ reads every copy off the wire and no Python on this machine's two
+cores pretends to be 80 nodes' own; a peer tracker's, subscribed to several topics, is read in full, since
+``CONFLATE`` would also collapse its subscriptions to the last one).
 Before the nodes join, every subscription is proved live (it received a ``sync`` probe published into
 ``events_in``), and after the run every one must have heard what it subscribed to (the watcher an event, each
 peer tracker the ``node-up`` of the orchestrator, which joins after the proof), or the bench fails: a
@@ -83,7 +84,7 @@ from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings, prove_published
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, Nodes, Sync
+from refbus.protocol.messages import Delete, Heartbeat, Hello, NodeInfo, NodeList, Nodes, Sync
 
 from bench.bus import bare_proxy_node
 from bench.harness import WAIT_S, BenchError, Channel, Worker, lower_priority, run_line, workers, write_json
@@ -301,7 +302,7 @@ def publisher_task(ch: Channel, endpoints: dict[str, str], node_ids: list[str], 
     """Simulated inference nodes: each publishes at the model's per-node rate for ``seconds`` after ``go``;
     with a broker (``control`` in ``endpoints``) each registers first, heartbeats and looks up the registry,
     without one (the bare proxy) each publishes straight into ``events_in``. Returns events sent, requests
-    made and CPU seconds."""
+    made, the longest list a lookup answered (``listed``) and CPU seconds."""
     ctx = zmq.Context()
     try:
         nodes = [_SimNode(ctx, endpoints, node_id) for node_id in node_ids]
@@ -311,7 +312,8 @@ def publisher_task(ch: Channel, endpoints: dict[str, str], node_ids: list[str], 
         interval = 1.0 / (model.events_per_node_s * len(nodes))
         start = time.perf_counter()
         due = start
-        sent = requests = 0
+        sent = requests = listed = 0
+        codec = WireCodec("scale-replies")  # decodes any sender's replies: the lookups' lists are counted
         # Requests spread evenly: heartbeats and lookups of all nodes, one due every so often.
         requests_due = [(start + model.heartbeat_s * i / len(nodes), model.heartbeat_s, i, True)
                         for i, node in enumerate(nodes) if node.control is not None]
@@ -334,7 +336,9 @@ def publisher_task(ch: Channel, endpoints: dict[str, str], node_ids: list[str], 
                 requests += 1
                 heapq.heappush(requests_due, (at + every, every, index, beat))
             for sock in [sock for sock, _ in zmq.zmq_poll([(sock, zmq.POLLIN) for sock in waiting], 0)]:
-                sock.recv_multipart()
+                reply = codec.decode(sock.recv_multipart(), backend="numpy").body
+                if isinstance(reply, NodeList):
+                    listed = max(listed, len(reply.nodes))
                 waiting[sock] -= 1
                 if not waiting[sock]:
                     del waiting[sock]
@@ -342,7 +346,7 @@ def publisher_task(ch: Channel, endpoints: dict[str, str], node_ids: list[str], 
             # instead of once per event (thousands of wake-ups a second stole a core from the broker).
             next_at = min(due, requests_due[0][0]) if requests_due else due
             time.sleep(max(TICK_S, next_at - time.perf_counter()))
-        return {"sent": sent, "requests": requests, "cpu_s": time.process_time() - cpu}
+        return {"sent": sent, "requests": requests, "listed": listed, "cpu_s": time.process_time() - cpu}
     finally:
         ctx.destroy(linger=0)
 
@@ -452,6 +456,9 @@ def drive(workers_of: Pool, forwarder: Worker, task: Callable[[Channel], Any], n
         raise BenchError(f"the publishers of {nodes} nodes sent nothing")
     deaf = (whole - brokered - readers["whole_heard"]) + (sum(not n for n in readers["registry_heard"])
                                                           if brokered else 0)
+    listed = max(s["listed"] for s in sent)
+    if brokered and listed < nodes:
+        raise BenchError(f"the registry listed {listed} of {nodes} simulated nodes live: lookups would be short")
     if deaf:
         raise BenchError(f"{deaf} of {whole - brokered + trackers} simulated subscriptions heard nothing of what "
                          "they subscribed to: the broker sent fewer copies than the run models")
