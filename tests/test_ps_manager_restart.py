@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 import torch
@@ -43,11 +44,11 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps.client import PsClient, PushResult, PushSession
-from refbus.nodes.ps.manager_journal import ManagerJournal
-from refbus.nodes.ps.versions import VersionStore
+from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS, ManagerJournal
+from refbus.nodes.ps.versions import DoneRank, VersionStore
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError
-from refbus.protocol.messages_ps import Location, ManifestEntry, WorkerInfo
+from refbus.protocol.messages_ps import Location, ManifestEntry, TensorSpec, WorkerInfo
 
 NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
 FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
@@ -55,6 +56,7 @@ WORKERS = {"w0", "w1"}
 # The lease TTL of the reader's cluster: the restart's hold on releases lasts this long. The test pushes two small
 # versions inside the hold (well under a second when idle), so the TTL leaves a wide margin for a loaded machine.
 READ_TTL_S = 15.0
+WORKER = WorkerInfo("w0", "tcp://w0", "h", "/dev/shm", 1, "boot", "n", "nonce")
 
 
 def _cluster(spawn, control: str, tag: str, tmp_path: Path, *extra: str) -> PsCluster:
@@ -165,7 +167,12 @@ def test_killed_between_pushes_the_manager_comes_back_with_its_versions_and_trai
         runtime.close()
 
 
-def test_a_push_in_flight_when_the_manager_dies_is_refused_then_pushed_again(cluster: PsCluster, spawn) -> None:
+def test_a_push_in_flight_when_the_manager_dies_keeps_its_done_ranks_and_commits_when_the_rest_push_again(
+        cluster: PsCluster, spawn) -> None:
+    """Rank 0's shard is done (its push returned) and rank 1's is written but not sealed when the manager is
+    SIGKILLed: the restarted manager restores rank 0 into the pending version from its journal; rank 1's seal
+    is refused naming the restart, its push again alone commits the version with both ranks' exact bytes.
+    Before, the restart forgot rank 0, whose pusher never pushes it again: the version could not commit."""
     runtime, ps = _client(cluster, "rank0")
     runtime1, ps1 = _client(cluster, "rank1")
     state = make_state(seed=5, tensors=6)
@@ -181,11 +188,32 @@ def test_a_push_in_flight_when_the_manager_dies_is_refused_then_pushed_again(clu
             with pytest.raises(RemoteError) as refused:
                 session.commit()
         assert refused.value.code == "push-aborted" and "restarted" in refused.value.detail, refused.value
-        assert ps.status().pending == [] and ps.status().latest == 0
-        assert not ps.push(rank_part(state, 0, 2), 1, rank=0, world=2).committed
+        assert ps.status().pending == [1] and ps.status().latest == 0
         assert ps1.push(part, 1, rank=1, world=2).committed
         assert checksums(dict(ps.pull(1, verify=True))) == checksums(state)
         _settles(cluster, ps)  # the dead push's shards released; versions 0 and 1 kept
+    finally:
+        runtime.close()
+        runtime1.close()
+
+
+def test_a_done_rank_whose_pusher_never_heard_is_written_again_after_the_restart(cluster: PsCluster,
+                                                                                  spawn) -> None:
+    """Rank 0's shard was done and journaled, but its pusher starts its push over (it did not hear the answer,
+    as when the manager dies before it goes out): the restarted manager takes the same holder's begin as a
+    retry of the restored rank, rank 0 is written again, and the version commits once rank 1 pushes."""
+    runtime, ps = _client(cluster, "rank0")
+    runtime1, ps1 = _client(cluster, "rank1")
+    state = make_state(seed=6, tensors=6)
+    try:
+        assert not ps.push(rank_part(state, 0, 2), 0, rank=0, world=2).committed
+        _kill_and_restart(spawn, cluster, ps)
+        assert ps.status().pending == [0]
+        # Refused ``version-conflict`` (rank 0 already pushing) unless taken as the restored rank's retry.
+        assert not ps.push(rank_part(state, 0, 2), 0, rank=0, world=2).committed
+        assert ps1.push(rank_part(state, 1, 2), 0, rank=1, world=2).committed
+        assert checksums(dict(ps.pull(0, verify=True))) == checksums(state)
+        _settles(cluster, ps)  # rank 0's first copies released once the restart's hold ended
     finally:
         runtime.close()
         runtime1.close()
@@ -374,14 +402,15 @@ def test_a_torn_last_record_is_ignored_and_garbage_refuses_the_journal(cluster: 
 
 def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path: Path) -> None:
     for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],
-                                                 "leases": []}, {"op": "lineage"}):
+                                                 "leases": []}, {"op": "lineage"}, {"op": "abort"},
+                {"op": "rank", "version": 1, "world": 2, "rank": 0}):
         store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
         store.commit({"op": "trainer", "version": 3})
         store.commit(bad)
         store.close(remove=False)
         store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
         with pytest.raises(StoreError, match=r"journal: record 1 is not a ps-manager record"):
-            ManagerJournal(store).replay(VersionStore(2))
+            ManagerJournal(store).replay(VersionStore(2), 0.0)
         store.close(remove=True)
 
 
@@ -406,7 +435,71 @@ def test_the_journal_is_compacted_to_the_retained_versions_and_replays_the_same(
     store.close(remove=False)
     again = VersionStore(3)
     recovered = ManagerJournal(DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps",
-                                            strict=True)).replay(again)
+                                            strict=True)).replay(again, 0.0)
     assert recovered.versions == again.retained() == versions.retained() == [387, 388, 389]
     assert recovered.trainer_version == 390 and recovered.records < 400
     assert again.stored(again.retained()) == versions.stored(versions.retained())
+
+
+def _done_rank(versions: VersionStore, version: int, rank: int, holder: str) -> DoneRank:
+    """Rank ``rank`` of ``version`` (world 2) begun and verified on w0, the other rank still missing; what the
+    manager journals of it."""
+    specs = [TensorSpec(f"t{rank}", "float32", [4])]
+    (layout,) = versions.begin(version, rank, 2, specs, ["w0"], f"lease-{version}-{rank}", 0.0, holder=holder)
+    written = msgspec.structs.replace(layout, checksum=1000 + rank)
+    versions.commit_shard(version, rank, f"lease-{version}-{rank}", "w0", f"seg-{version}-{rank}", [written],
+                          [WORKER])
+    done = versions.done_rank(version, rank)
+    assert done is not None
+    return done
+
+
+def test_done_ranks_replay_into_the_pending_version_until_it_commits_aborts_or_a_lineage_starts(
+        tmp_path: Path) -> None:
+    """Unit: a ``rank`` record restores the pending version with that rank done (its copies kept, its holder
+    known); a later commit, abort or lineage leaves nothing pending; a compaction keeps the done ranks."""
+
+    def opened() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True))
+
+    def replayed() -> VersionStore:
+        """What a restarted manager rebuilds now; recording goes on in the reopened journal, as it does."""
+        nonlocal recorder
+        recorder.close(remove=False)
+        recorder = opened()
+        again = VersionStore(3)
+        recorder.replay(again, 5.0)
+        return again
+
+    recorder, versions = opened(), VersionStore(3)
+    recorder.rank_done(_done_rank(versions, 0, 0, "rank0"))
+    again = replayed()
+    assert again.pending is not None and (again.pending.version, sorted(again.pending.ranks)) == (0, [0])
+    assert again.restored_holder(0, 0) == ("rank0", "lease-0-0") and again.shards_on("w0") == {"lease-0-0"}
+    assert again.done_ranks() == versions.done_ranks()
+    recorder.aborted(0)  # e.g. rank 1 never came within the push timeout
+    assert replayed().pending is None
+    versions.abort(0)
+    recorder.rank_done(_done_rank(versions, 0, 0, "rank0"))
+    (layout,) = versions.begin(0, 1, 2, [TensorSpec("t1", "float32", [4])], ["w0"], "lease-0-1", 0.0)
+    _, manifest, _ = versions.commit_shard(0, 1, "lease-0-1", "w0", "seg-0-1",
+                                           [msgspec.structs.replace(layout, checksum=1001)], [WORKER])
+    assert manifest is not None and versions.pending is None  # rank 1 committed the version
+    ((_, shards, leases),) = versions.stored([0])
+    recorder.committed(manifest, shards, leases)
+    again = replayed()
+    assert again.pending is None and again.latest == 0
+    recorder.rank_done(_done_rank(versions, 1, 0, "rank0"))
+    recorder.lineage(1)  # a trainer world resumed at 1: the pending push of the old one was aborted
+    again = replayed()
+    assert again.pending is None and again.retained() == [0]
+    versions.abort(1)
+    versions.start_lineage(1)
+    recorder.rank_done(done := _done_rank(versions, 1, 0, "rank0"))
+    for _ in range(COMPACT_MIN_RECORDS + 1):
+        recorder.trainer(1)
+    recorder.compact_if_due(versions, 1)
+    assert recorder.store.records_since_compact == 0
+    again = replayed()
+    assert again.done_ranks() == [done] and again.retained() == [0]
+    recorder.close(remove=True)

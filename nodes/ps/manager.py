@@ -23,19 +23,22 @@ Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), 
 each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
 again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
 
-Restarts: with ``store.durable`` every commit, lineage start and consumed batch is committed to a journal
-(:mod:`.manager_journal`) before anyone hears of it. A process restarted under the same node id replays it
-and comes back with the versions it retained; the workers, told of the new process by the bus, register again
-listing the segments they hold, and a version is served only from copies a registered worker listed (or
-committed since). A push pending, leases, reservations and an init round of the dead process are unknown to
-the new one: a commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
+Restarts: with ``store.durable`` every commit, lineage start, consumed batch, rank of the pending version
+done and aborted push is committed to a journal (:mod:`.manager_journal`) before anyone hears of it. A
+process restarted under the same node id replays it and comes back with the versions it retained and the
+pending version's done ranks (their pushers have returned; the other ranks start over and the version
+commits); the workers, told of the new process by the bus, register again listing the segments they hold,
+and a version is served only from copies a registered worker listed (or committed since). Attempts still
+being written, leases, reservations and an init round of the dead process are unknown to the new one: a
+commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
 ``unknown-lease``, both naming the restart (``leases.RESTARTED``; the pusher starts its push over on it), a
-renewal lists it expired, a reservation is
-``unknown-reservation``, and an init's request, which its client sends again, is answered afresh. A reader
-may still read under a lease of the dead process, so a restarted manager releases nothing for one lease TTL:
-what is to be released meanwhile (retention, orphans the workers list) goes out once it has passed. A begin of
+renewal lists it expired, a reservation is ``unknown-reservation``, and an init's request, which its client
+sends again, is answered afresh. A reader may still read under a lease of the dead process, so a restarted
+manager releases nothing for one lease TTL: what is to be released meanwhile (retention, orphans the workers
+list) goes out once it has passed. A begin of
 a rank of the pending version by the holder whose attempt of that rank is still being written replaces that
-attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant).
+attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant);
+so does its begin of a rank restored done (it never heard the dead process's answer).
 
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
@@ -146,12 +149,15 @@ class PsManager:
         self.inventory: StalenessInventory[str] = StalenessInventory(settings.eta, settings.batch_size)
         self.journal = journal
         if journal is not None:
-            recovered = journal.replay(self.versions)
+            recovered = journal.replay(self.versions, time.monotonic())
             if recovered.trainer_version >= 0:
                 self.inventory.advance(recovered.trainer_version)
             if recovered.records:
+                pending = self.versions.pending
                 log.info("ps.manager_recovered", versions=recovered.versions, latest=self.versions.latest,
-                         trainer_version=self.inventory.trainer_version, records=recovered.records)
+                         trainer_version=self.inventory.trainer_version, records=recovered.records,
+                         pending=pending.version if pending else None,
+                         ranks_done=sorted(pending.ranks) if pending else [])
             runtime.shutdown_hooks.append(lambda: journal.close(remove=True))  # a clean stop: nothing to come back to
         self.workers: dict[str, WorkerInfo] = {}
         # Worker -> the segments it holds: listed at its registration, plus the copies it committed since. A copy
@@ -360,7 +366,8 @@ class PsManager:
                 tensors, failed = self.versions.retry(begin.version, begin.rank, retry, names, lease.lease_id)
             else:
                 tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, names,
-                                              lease.lease_id, lease.granted, resumes=begin.resumes)
+                                              lease.lease_id, lease.granted, resumes=begin.resumes,
+                                              holder=begin.holder)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
             raise self._refusal(exc, retry) from None
@@ -377,12 +384,17 @@ class PsManager:
         pending version while that rank's attempt is still being written; "" otherwise. Its pusher gave that
         attempt up: a pusher starts a push over when this manager restarted or did not answer, and a begin
         it sent meanwhile may reach the manager late (queued while it was away) and be granted with nobody
-        reading the grant. The fresh begin goes on as a retry of it (the version stays pending), where a
-        refusal would leave the rank unable to push until that grant's lease expires and aborts the version.
+        reading the grant. Likewise for a rank restored done from the journal: its pusher begins it again when
+        the dead process's answer never reached it, and writes it again. The fresh begin goes on as a retry of
+        it (the version stays pending), where a refusal would leave the rank unable to push until that grant's
+        lease expires and aborts the version.
         Never for a begin that ``resumes``: a trainer world restarted under the same node ids may find the dead
         world's attempt of that version still leased, and must start its lineage afresh, not write into it."""
         if begin.resumes:
             return ""
+        holder, restored = self.versions.restored_holder(begin.version, begin.rank)
+        if holder == begin.holder:  # done before this manager restarted; its pusher did not hear of it
+            return restored
         pending = self.versions.pending
         shard = pending.ranks.get(begin.rank) if pending is not None and pending.version == begin.version else None
         if shard is None or shard.done:
@@ -418,6 +430,11 @@ class PsManager:
         # The push lease lives until every copy of the rank is verified: while one is still being written, the
         # pusher's release of it (it gave that copy up) must abort the version, and its expiry too.
         if manifest is not None or self.versions.rank_done(commit.version, commit.rank, commit.lease):
+            # Recorded the first time only (a repeated commit finds its lease released): its pusher returns on
+            # this answer and never pushes it again, so a restart must keep it.
+            done = self.versions.done_rank(commit.version, commit.rank) if self.leases.get(commit.lease) else None
+            if done is not None:
+                self._journal(lambda journal: journal.rank_done(done))
             lease = self.leases.release(commit.lease)
             if lease is not None:
                 self._push_seconds.observe(time.monotonic() - lease.granted)
@@ -456,6 +473,8 @@ class PsManager:
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
 
     def _abort_push(self, version: int, reason: str) -> None:
+        if self.versions.pending is not None and self.versions.pending.version == version:
+            self._journal(lambda journal: journal.aborted(version))
         shards = self.versions.abort(version)
         for _, lease_id in shards:
             self.leases.release(lease_id)

@@ -8,11 +8,17 @@ retained, its lineage and the staleness inventory's trainer version. Records:
             committed it (a pusher's repeated seal of one is answered as committed after a restart too)
 ``lineage`` a trainer world resumed at ``version``: the versions ``>= version`` were retired
 ``trainer`` the staleness inventory's trainer version after a ``consume``
+``rank``    a rank of the pending version done (every copy verified): its layout and checksums, its copies
+            ``{worker: segment}``, its lease and holder; replayed into the pending version, since its pusher
+            has returned and never pushes it again
+``abort``   the pending ``version`` was aborted: its done ranks are not restored
 =========== ==========================================================================================
 
 Each is committed before anyone learns of the decision (the ``version-bump``, the answers). What is not
-recorded is lost with the process on purpose: a push pending, leases, reservations and an init round belong to
-the incarnation that granted them, and their holders are told so when they come back. Shards are not released
+recorded is lost with the process on purpose: a rank still being written, leases, reservations and an init
+round belong to the incarnation that granted them, and their holders are told so when they come back (a
+restored pending version is aborted like any other if its missing ranks do not commit within the push
+timeout of the restart). Shards are not released
 here: the workers re-register listing what they hold, and the manager releases what no version names.
 
 The journal's own rules hold (:mod:`refbus.nodes.store.journal`): a record torn by a crash mid-append (its commit
@@ -29,9 +35,9 @@ from typing import Any
 
 import msgspec
 
-from ...protocol.messages_ps import Manifest
+from ...protocol.messages_ps import Manifest, ShardTensor
 from ..store.durable import DurableStore, StoreError
-from .versions import Shard, VersionStore
+from .versions import DoneRank, Shard, VersionStore
 
 COMPACT_MIN_RECORDS = 256  # records since the last compaction before one is due (DurableStore.compact_due)
 
@@ -48,8 +54,21 @@ class _Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
 
 
-# A trainer record has a lineage record's fields: {"op": "trainer", "version": T}.
-_KINDS: dict[str, type[msgspec.Struct]] = {"commit": _Commit, "lineage": _Lineage, "trainer": _Lineage}
+class _Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    version: int
+    world: int
+    resumes: bool
+    rank: int
+    lease: str
+    holder: str
+    segments: dict[str, str]
+    tensors: list[ShardTensor]
+
+
+# Trainer and abort records have a lineage record's fields: {"op": "trainer", "version": T}.
+_KINDS: dict[str, type[msgspec.Struct]] = {"commit": _Commit, "lineage": _Lineage, "trainer": _Lineage,
+                                           "rank": _Rank, "abort": _Lineage}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +96,16 @@ class ManagerJournal:
     def trainer(self, version: int) -> None:
         self.store.commit({"op": "trainer", "version": version})
 
-    def replay(self, versions: VersionStore) -> Recovered:
+    def rank_done(self, done: DoneRank) -> None:
+        self.store.commit(_rank(done))
+
+    def aborted(self, version: int) -> None:
+        self.store.commit({"op": "abort", "version": version})
+
+    def replay(self, versions: VersionStore, now: float) -> Recovered:
         """Rebuild ``versions`` (fresh) from the records, in order; raises StoreError naming the journal and the
-        record when one is not a record of this module. Nothing is freed: no reader is known yet."""
+        record when one is not a record of this module. Nothing is freed: no reader is known yet. A pending
+        version restored from ``rank`` records counts as started ``now`` (its push timeout runs from there)."""
         trainer = -1
         records = self.store.replay.records
         for index, raw in enumerate(records):
@@ -87,7 +113,14 @@ class ManagerJournal:
             if isinstance(record, _Commit):
                 versions.restore(record.manifest, [(w, s) for w, s in record.shards], frozenset(record.leases))
                 trainer = max(trainer, record.manifest.version)
+            elif isinstance(record, _Rank):
+                versions.restore_rank(DoneRank(record.version, record.world, record.resumes, record.rank,
+                                               record.lease, record.holder, record.segments, record.tensors), now)
+            elif record.op == "abort":
+                versions.abort(record.version)
             elif record.op == "lineage":
+                if versions.pending is not None:  # the lineage's start aborted it
+                    versions.abort(versions.pending.version)
                 versions.start_lineage(record.version)
                 trainer = record.version  # the inventory rewinds with the lineage
             else:
@@ -100,12 +133,13 @@ class ManagerJournal:
         live = versions.retained()
         if self.store.compact_due(len(live) + 1, COMPACT_MIN_RECORDS):
             self.store.compact([*(_commit(m, sh, le) for m, sh, le in versions.stored(live)),
-                                {"op": "trainer", "version": trainer_version}])
+                                {"op": "trainer", "version": trainer_version},
+                                *(_rank(done) for done in versions.done_ranks())])
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
 
-    def _parse(self, index: int, raw: dict[str, Any]) -> _Commit | _Lineage:
+    def _parse(self, index: int, raw: dict[str, Any]) -> _Commit | _Lineage | _Rank:
         kind = _KINDS.get(raw.get("op"))  # type: ignore[arg-type]
         try:
             if kind is None:
@@ -120,3 +154,9 @@ class ManagerJournal:
 def _commit(manifest: Manifest, shards: Iterable[Shard], leases: Iterable[str]) -> dict[str, Any]:
     return {"op": "commit", "manifest": msgspec.to_builtins(manifest), "shards": [list(s) for s in shards],
             "leases": sorted(leases)}
+
+
+
+def _rank(done: DoneRank) -> dict[str, Any]:
+    return msgspec.to_builtins(_Rank("rank", done.version, done.world, done.resumes, done.rank, done.lease,
+                                     done.holder, done.segments, done.tensors))

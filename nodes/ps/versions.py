@@ -10,6 +10,11 @@ Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
   aborted: it never becomes visible and its shards are handed back for recycling. A rank whose attempt
   failed on a worker (it died or could not be reached) may start over on other workers
   (:meth:`VersionStore.retry`): only that attempt's copies are dropped, the version stays pending.
+* **A manager restart** keeps the ranks whose shards were done (every copy verified) when it died: they are
+  restored into the pending version from the manager's journal (:meth:`VersionStore.restore_rank`), since
+  their pushers have returned and never push them again; the other ranks push again and the version commits.
+  A restored rank whose pusher did not hear of it (it starts its push over) writes it again
+  (:meth:`VersionStore.retry`, as the same holder's retry).
 * The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
   and its shards are freed as soon as no pull lease holds it.
 * **Lineages.** A trainer world that starts (again) from its checkpoint of step ``K`` pushes version ``K``
@@ -28,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ...protocol.messages_ps import Location, Manifest, ManifestEntry, ShardTensor, TensorSpec, WorkerInfo
 from . import manifest as mf
 from .manifest import ManifestError
@@ -42,6 +49,8 @@ class _RankShard:
     tensors: list[ShardTensor]
     segments: dict[str, str] = field(default_factory=dict)  # worker -> segment of each verified copy
     committed: list[ShardTensor] | None = None  # the verified layout and checksums (the same on every copy)
+    holder: str = ""  # who pushes it (its lease's holder)
+    restored: bool = False  # done, restored from the journal: its lease died with an earlier manager process
 
     @property
     def done(self) -> bool:
@@ -58,6 +67,20 @@ class _Pending:
 
     def shards(self) -> list[Shard]:
         return [(w, r.lease) for r in self.ranks.values() for w in r.workers]
+
+
+@dataclass(frozen=True, slots=True)
+class DoneRank:
+    """A rank of the pending version whose every copy is verified: what a restart needs to restore it."""
+
+    version: int
+    world: int
+    resumes: bool
+    rank: int
+    lease: str
+    holder: str
+    segments: dict[str, str]  # worker -> segment, in the order the grant named the workers
+    tensors: list[ShardTensor]  # the verified layout and checksums
 
 
 @dataclass(eq=False)  # identity: two lineages may store the same version number
@@ -132,8 +155,47 @@ class VersionStore:
     def restore(self, manifest: Manifest, shards: list[Shard], leases: frozenset[str]) -> None:
         """Replay a commit an earlier process of the manager recorded (its journal), as it was committed then
         (retention included) but counted nowhere. No reader is known, so what retention retires is dropped at
-        once: its shards are released as the workers re-register listing them."""
+        once: its shards are released as the workers re-register listing them. The pending version it
+        committed (restored ranks of it) is pending no more."""
+        if self.pending is not None and self.pending.version <= manifest.version:
+            self.pending = None
         self._store(manifest, shards, leases, counted=False)
+
+    def done_rank(self, version: int, rank: int) -> DoneRank | None:
+        """Rank ``rank`` of the pending ``version`` as a restart would restore it, once every copy of it is
+        verified (None before)."""
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        if pending is None or shard is None or not shard.done or shard.committed is None:
+            return None
+        return DoneRank(version, pending.world, pending.resumes, rank, shard.lease, shard.holder,
+                        {w: shard.segments[w] for w in shard.workers}, list(shard.committed))
+
+    def done_ranks(self) -> list[DoneRank]:
+        """Every done rank of the pending version (none when nothing is pending)."""
+        pending = self.pending
+        if pending is None:
+            return []
+        ranks = (self.done_rank(pending.version, rank) for rank in pending.ranks)
+        return [done for done in ranks if done is not None]
+
+    def restore_rank(self, done: DoneRank, now: float) -> None:
+        """Replay a done rank an earlier process of the manager recorded: it joins the pending version (made,
+        started ``now``, when there is none; one of another version or world is replaced: the journal's later
+        record wins). Its pusher's fresh begin may replace it (see :meth:`restored_holder`)."""
+        pending = self.pending
+        if pending is None or pending.version != done.version or pending.world != done.world:
+            pending = self.pending = _Pending(done.version, done.world, now, resumes=done.resumes)
+        layout = [msgspec.structs.replace(t, checksum=0) for t in done.tensors]  # as a grant hands it out
+        pending.ranks[done.rank] = _RankShard(done.lease, list(done.segments), layout, dict(done.segments),
+                                              list(done.tensors), done.holder, restored=True)
+
+    def restored_holder(self, version: int, rank: int) -> tuple[str, str]:
+        """(holder, lease) of rank ``rank`` of the pending ``version`` when it was restored from the journal;
+        ("", "") otherwise."""
+        pending = self.pending
+        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        return (shard.holder, shard.lease) if shard is not None and shard.restored else ("", "")
 
     def pin(self, version: int, lease: str = "") -> None:
         """A pull lease now holds ``version`` (it must be retained). Pass the ``lease`` id when a new lineage
@@ -189,10 +251,11 @@ class VersionStore:
 
     def begin(
         self, version: int, rank: int, world: int, specs: list[TensorSpec], workers: list[str], lease: str,
-        now: float, *, resumes: bool = False,
+        now: float, *, resumes: bool = False, holder: str = "",
     ) -> list[ShardTensor]:
         """Start rank ``rank``'s shard of ``version``, one copy on each of ``workers``; returns its layout.
         ``resumes``: the push starts (or joins) a new lineage at ``version`` (:meth:`start_lineage` came first).
+        ``holder``: who pushes it (kept for a restart, see :meth:`done_rank`).
 
         Raises ManifestError: ``version-conflict`` (not the next version, another version pending, a
         different world size, a rank already pushing), ``bad-rank``, ``duplicate-name``,
@@ -229,7 +292,7 @@ class VersionStore:
                     )
         if pending is None:
             pending = self.pending = _Pending(version, world, now, resumes=resumes)
-        pending.ranks[rank] = _RankShard(lease, list(workers), tensors)
+        pending.ranks[rank] = _RankShard(lease, list(workers), tensors, holder=holder)
         return tensors
 
     def retry(self, version: int, rank: int, failed: str, workers: list[str], lease: str) -> tuple[
@@ -247,7 +310,7 @@ class VersionStore:
                                 f"lease {failed!r} to retry")
         old = [(w, shard.lease) for w in shard.workers]
         assert pending is not None
-        pending.ranks[rank] = _RankShard(lease, list(workers), shard.tensors)
+        pending.ranks[rank] = _RankShard(lease, list(workers), shard.tensors, holder=shard.holder)
         return shard.tensors, old
 
     def commit_shard(
