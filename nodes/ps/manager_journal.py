@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from ...protocol.messages_ps import Manifest, ShardTensor
+from ...protocol.messages_ps import Manifest
 from ..store.durable import DurableStore, StoreError
 from .versions import DoneRank, Shard, VersionStore
 
@@ -56,14 +56,7 @@ class _Lineage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class _Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op: str
-    version: int
-    world: int
-    resumes: bool
-    rank: int
-    lease: str
-    holder: str
-    segments: dict[str, str]
-    tensors: list[ShardTensor]
+    done: DoneRank
 
 
 # Trainer and abort records have a lineage record's fields: {"op": "trainer", "version": T}.
@@ -114,8 +107,7 @@ class ManagerJournal:
                 versions.restore(record.manifest, [(w, s) for w, s in record.shards], frozenset(record.leases))
                 trainer = max(trainer, record.manifest.version)
             elif isinstance(record, _Rank):
-                versions.restore_rank(DoneRank(record.version, record.world, record.resumes, record.rank,
-                                               record.lease, record.holder, record.segments, record.tensors), now)
+                versions.restore_rank(record.done, now)
             elif record.op == "abort":
                 versions.abort(record.version)
             elif record.op == "lineage":
@@ -157,6 +149,6 @@ def _commit(manifest: Manifest, shards: Iterable[Shard], leases: Iterable[str]) 
 
 
 
+
 def _rank(done: DoneRank) -> dict[str, Any]:
-    return msgspec.to_builtins(_Rank("rank", done.version, done.world, done.resumes, done.rank, done.lease,
-                                     done.holder, done.segments, done.tensors))
+    return {"op": "rank", "done": msgspec.to_builtins(done)}

@@ -69,9 +69,9 @@ class _Pending:
         return [(w, r.lease) for r in self.ranks.values() for w in r.workers]
 
 
-@dataclass(frozen=True, slots=True)
-class DoneRank:
-    """A rank of the pending version whose every copy is verified: what a restart needs to restore it."""
+class DoneRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rank of the pending version whose every copy is verified: what a restart needs to restore it (the
+    manager's journal records it as it is)."""
 
     version: int
     world: int
