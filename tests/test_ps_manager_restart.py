@@ -338,10 +338,15 @@ def test_a_refusal_that_names_no_restart_still_raises_at_once(cluster: PsCluster
         runtime.close()
 
 
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "no-journal"])
 def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_is_refused(
-        bus, spawn, tmp_path: Path) -> None:
+        bus, spawn, tmp_path: Path, durable: bool) -> None:
+    """Durable, the restarted manager knows it restarted (its store was there). Without a journal it learns it
+    from the workers' registrations, listing shards of push leases it never granted; before, it released them
+    at once and version 3 took the memory the reader still read."""
     _, control = bus
-    cluster = _cluster(spawn, control, "mgr-lease", tmp_path, "--ps-lease-ttl-s", str(READ_TTL_S))
+    cluster = _cluster(spawn, control, "mgr-lease", tmp_path, "--ps-lease-ttl-s", str(READ_TTL_S),
+                       "--store-durable", str(durable).lower())
     runtime, ps = _client(cluster, "trainer")
     reader_runtime, reader = _client(cluster, "reader")
     try:
@@ -362,7 +367,8 @@ def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_
         assert refused.value.code == "unknown-lease" and "restarted" in refused.value.detail, refused.value
         _settles(cluster, ps)
         assert checksums(dict(ps.pull(3, verify=True))) == checksums(make_state(seed=3, tensors=4))
-        assert '"ps.held_releases_sent"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
+        log = cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
+        assert '"ps.held_releases_sent"' in log and ('"ps.restart_inferred"' in log) != durable, log
     finally:
         runtime.close()
         reader_runtime.close()

@@ -35,7 +35,8 @@ commit or retry under such a push lease is refused ``push-aborted``, a release o
 renewal lists it expired, a reservation is ``unknown-reservation``, and an init's request, which its client
 sends again, is answered afresh. A reader may still read under a lease of the dead process, so a restarted
 manager releases nothing for one lease TTL: what is to be released meanwhile (retention, orphans the workers
-list) goes out once it has passed. A begin of
+list) goes out once it has passed. Without a journal the restart shows in the workers' registrations (shards
+of push leases this process never granted), and the same hold applies from then on. A begin of
 a rank of the pending version by the holder whose attempt of that rank is still being written replaces that
 attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant);
 so does its begin of a rank restored done (it never heard the dead process's answer).
@@ -166,8 +167,10 @@ class PsManager:
         self.held: dict[str, set[str]] = {}
         # After a restart (its store was there already) a reader may still hold a lease of the earlier process:
         # what that lease reads may be released only once the lease would have expired.
+        # Without a journal a restart shows only in the workers' registrations (see _register).
         restarted = journal is not None and not journal.store.fresh
-        self._releases_from = time.monotonic() + settings.lease_ttl_s if restarted else 0.0
+        self._started = time.monotonic()
+        self._releases_from = self._started + settings.lease_ttl_s if restarted else 0.0
         self._held_back: list[Shard] = []
         self.init: InitRound | None = None
         self._init_waiting: list[Pending] = []
@@ -232,6 +235,15 @@ class PsManager:
         orphans = sorted({shard for segment, shard in request.body.shards.items()
                           if segment in held and shard not in needed})
         if orphans:
+            # A push lease this process never granted: an earlier manager process did (this one may not know it
+            # restarted: it has no journal without store.durable). A reader under that process's lease may read
+            # for one lease TTL after its death: hold every release until then, as a known restart does.
+            foreign = [shard for shard in orphans if shard.startswith("push-") and not self.leases.granted_here(shard)]
+            hold_until = self._started + self.settings.lease_ttl_s
+            if foreign and self._releases_from < hold_until and time.monotonic() < hold_until:
+                self._releases_from = hold_until
+                log.warning("ps.restart_inferred", worker=info.worker, shards=len(foreign),
+                            releases_from_s=round(hold_until - time.monotonic(), 3))
             log.warning("ps.orphans_released", worker=info.worker, shards=orphans)
             self._release([(info.worker, shard) for shard in orphans])
         return Ok()
