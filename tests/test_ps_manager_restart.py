@@ -509,3 +509,23 @@ def test_done_ranks_replay_into_the_pending_version_until_it_commits_aborts_or_a
     again = replayed()
     assert again.done_ranks() == [done] and again.retained() == [0]
     recorder.close(remove=True)
+
+
+def test_a_resuming_push_never_joins_a_pending_version_restored_from_the_journal() -> None:
+    """Unit: a pending version of a new lineage joins the other ranks of that lineage, but once restored from
+    the journal (after a manager restart) it does not: the world that pushed it may be gone and a restarted
+    world pushes the same version, so the resuming push starts the lineage afresh (no lease of the new manager
+    would ever end the restored version: joined, a resuming begin of a restored rank is refused until the push
+    timeout)."""
+    versions = VersionStore(3)
+    versions.start_lineage(4)
+    specs = [TensorSpec("t0", "float32", [4])]
+    (layout,) = versions.begin(4, 0, 2, specs, ["w0"], "lease-4-0", 0.0, resumes=True, holder="rank0")
+    versions.commit_shard(4, 0, "lease-4-0", "w0", "seg-4-0", [msgspec.structs.replace(layout, checksum=7)],
+                          [WORKER])
+    assert versions.joins_lineage(4, 2)
+    done = versions.done_rank(4, 0)
+    assert done is not None and done.resumes
+    restored = VersionStore(3)
+    restored.restore_rank(done, 0.0)
+    assert restored.pending is not None and not restored.joins_lineage(4, 2)

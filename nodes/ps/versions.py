@@ -14,7 +14,8 @@ Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
   restored into the pending version from the manager's journal (:meth:`VersionStore.restore_rank`), since
   their pushers have returned and never push them again; the other ranks push again and the version commits.
   A restored rank whose pusher did not hear of it (it starts its push over) writes it again
-  (:meth:`VersionStore.retry`, as the same holder's retry).
+  (:meth:`VersionStore.retry`, as the same holder's retry). A resuming push never joins a pending version
+  with restored ranks (:meth:`VersionStore.joins_lineage`): it starts its lineage afresh.
 * The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
   and its shards are freed as soon as no pull lease holds it.
 * **Lineages.** A trainer world that starts (again) from its checkpoint of step ``K`` pushes version ``K``
@@ -233,9 +234,13 @@ class VersionStore:
         return freed
 
     def joins_lineage(self, version: int, world: int) -> bool:
-        """Whether a resuming push of ``version`` joins the pending one: the new lineage already began."""
+        """Whether a resuming push of ``version`` joins the pending one: the new lineage already began. Never
+        one with ranks restored from the journal: the world that pushed them may be gone (a world restarted
+        since pushes the same version), and no lease of this process would end that pending version; the
+        resuming push starts the lineage afresh instead."""
         pending = self.pending
-        return pending is not None and pending.resumes and pending.version == version and pending.world == world
+        return (pending is not None and pending.resumes and pending.version == version and pending.world == world
+                and not any(shard.restored for shard in pending.ranks.values()))
 
     # --- pushing ------------------------------------------------------------------------------------
 
