@@ -451,19 +451,25 @@ class Orchestrator:
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
         (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
         is reported lost, naming it. Claims and step batches still in flight are answered first (for at most
-        half the time left), nothing new is sent meanwhile: a store grants a claim and a rank takes a batch
-        whether or not this node still listens, so what the claims grant is deleted with the rest (as are the
-        episodes whose claims were answered but whose turn had not come, and those recovered at start and not
-        fed yet), and an acknowledged batch is its rank's to delete, not this node's. What is unanswered by
-        then is decided as before: a claim is left to its store (reclaimed ``holder-down`` after this node's
-        grace), a batch is deleted here."""
+        half the time left, and only while a request is in flight), nothing new is sent meanwhile: a store
+        grants a claim and a rank takes a batch whether or not this node still listens, so what the claims
+        grant is deleted with the rest (as are the episodes whose claims were answered but whose turn had not
+        come, and those recovered at start and not fed yet), and an acknowledged batch is its rank's to delete,
+        not this node's. What is unanswered by then is decided as before: a claim is left to its store
+        (reclaimed ``holder-down`` after this node's grace), a batch is deleted here."""
         self._closing = True
 
         def claims_out() -> list[_Arrival]:
             return [a for a in self._arrivals if a.message is not None and a.claims_pending]
 
-        if (claims_out() or self._delivering) and not self.runtime.calls.run_until(
-                lambda: not (claims_out() or self._delivering), self.runtime.shutdown_left() / 2):
+        def settled() -> bool:
+            # With no request in flight nothing can answer: a claim still out waits for a timer (its durable
+            # store restarting), and timers no longer run.
+            return not (claims_out() or self._delivering) or not self.runtime.calls.in_flight()
+
+        if not settled():
+            self.runtime.calls.run_until(settled, self.runtime.shutdown_left() / 2)
+        if claims_out() or self._delivering:
             log.warning("shutdown.unanswered", claims=len(claims_out()), step_batches=self._delivering)
         for arrival in self._arrivals:
             if arrival.message is not None and not arrival.claims_pending:
