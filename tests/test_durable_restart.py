@@ -26,7 +26,7 @@ from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Accounted, Accounts, EpisodeFinished, Keep, Kept
+from refbus.protocol.messages import Accounted, Accounts, Claim, Claimed, EpisodeFinished, Keep, Kept
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted
 
@@ -201,4 +201,56 @@ def test_a_keep_its_journal_cannot_hold_is_refused_whole_and_later_keeps_survive
         readopted = log_events(restarted.log_path, "store.readopted")
         assert readopted and readopted[0]["blobs"] == 1 and readopted[0]["aborted"] == 0, readopted
     finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("down", ["before-the-kill", "while-dead"])
+def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_restarted_store(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path, down: str) -> None:
+    """A holder claims two blobs of a durable env server and stops: reported down either before the store is
+    SIGKILLed (its grace running: the store's journal has it) or while the store is dead (the registry no
+    longer lists it). The restarted store gives it the grace it would have had and reclaims both blobs
+    ``holder-down`` when it ends. Before, they stayed held by the dead holder until the store shut down: a
+    chaos soak ended with blobs held at its end by a trainer rank that had long exited."""
+    control = bus[1]
+    grace_s = 1.0
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-h", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "holders", "--node-restart-grace-s", str(grace_s),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-h")
+    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-h", metrics_port=-1))
+    ctx = zmq.Context()
+    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+        holder.start_background()
+        arrays = random_arrays(6, seed=4)
+        kept = client.request(Keep(episode_id="ep", branches=[arrays, arrays])).body
+        assert isinstance(kept, Kept)
+        claimed = client.request(Claim(blob_ids=[r.blob_id for r in kept.refs], holder="trainer-h")).body
+        assert isinstance(claimed, Claimed) and len(claimed.blob_ids) == 2, claimed
+        client.close()
+        if down == "before-the-kill":
+            holder.join(timeout=WAIT_S)  # bye: the broker reports it down
+            wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        if down == "while-dead":
+            holder.join(timeout=WAIT_S)
+        restarted = spawn(command, "env-h-restarted")
+        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
+                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+        def account() -> Accounted:
+            body = probe.request(Accounts()).body
+            assert isinstance(body, Accounted)
+            return body
+
+        wait_for(lambda: account().reclaimed == {"trainer-h": 2}, 10 * grace_s + WAIT_S,
+                 "the restarted store reclaiming the gone holder's blobs")
+        assert (account().held, account().deleted) == (0, {"holder-down": 2})
+        assert '"holder.down_at_restart"' in restarted.log_tail(200)
+        probe.close()
+    finally:
+        holder.join(timeout=WAIT_S)
         ctx.destroy(linger=0)

@@ -447,3 +447,31 @@ def test_id_lists_go_in_runs_of_bounded_records_and_replay_whole(
     restarted.compact(second)
     third, _ = restart(tmp_path, restarted)
     assert sorted((b, h) for b, _, h, _ in third.blobs()) == [(ids[3], "orchestrator"), (ids[4], "")]
+
+
+def test_holders_reported_down_survive_a_restart_and_a_compaction_and_garbage_ones_are_skipped(
+        tmp_path: Path) -> None:
+    """``holder-down`` records replay into the readoption (the latest per holder), a compaction keeps those of
+    holders that still hold blobs and drops settled ones, and records whose fields do not parse are skipped
+    (they only time a reclaim): the rest of the journal still replays."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    blobs = keep(durable, first, "ep-a", (1, 2, 3))
+    for holder, blob_id in zip(("trainer-0", "trainer-1", "orchestrator"), blobs, strict=True):
+        durable.claimed(first.claim([blob_id], holder).claimed, holder)
+    durable.holder_down("trainer-0", ("h", 11, 5.0))
+    durable.holder_down("trainer-1", None)
+    durable.holder_down("orchestrator", ("h", 12, 6.0))
+    durable.holder_settled("orchestrator")  # back as the same process
+    for garbage in ({"op": "holder-down"}, {"op": "holder-down", "holder": "x", "inc": [1, 2]},
+                    {"op": "holder-down", "holder": 5, "inc": None}, {"op": "holder-down", "holder": "y", "inc": "z"}):
+        durable.store.commit(garbage)
+    second, restarted = restart(tmp_path, durable)
+    assert restarted.readoption.holders_down == {  # type: ignore[attr-defined]
+        "trainer-0": ("h", 11, 5.0), "trainer-1": None, "orchestrator": ("h", 12, 6.0)}
+    assert second.stats().held_by == {"trainer-0": 1, "trainer-1": 1, "orchestrator": 1}
+    restarted.holder_settled("orchestrator")
+    restarted.compact(second)
+    _, compacted = restart(tmp_path, restarted)
+    assert compacted.readoption.holders_down == {"trainer-0": ("h", 11, 5.0), "trainer-1": None}  # type: ignore[attr-defined]
+    compacted.store.close(remove=True)

@@ -4,15 +4,17 @@
 Every blob's bytes live in a segment of the store; the keeper's arrays are read-only views of it. Records
 (one per change, committed before the change is answered):
 
-============= ===================================================================================
-``keep``      an episode's blobs (id, segment and layout of each; segments written before the record)
-              and its ``episode-finished`` record (arrays in ``info`` are kept as lists)
-``claim``     blob ids moved to ``holder`` by a claim
-``move``      blob ids handed over to ``holder`` (a ``reference`` event)
-``drop``      blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after)
-``violation`` ``n`` violations of ``action`` refused (the ledger's counters stay exact)
-``counters``  a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
-============= ===================================================================================
+=============== ===================================================================================
+``keep``        an episode's blobs (id, segment and layout of each; segments written before the record)
+                and its ``episode-finished`` record (arrays in ``info`` are kept as lists)
+``claim``       blob ids moved to ``holder`` by a claim
+``move``        blob ids handed over to ``holder`` (a ``reference`` event)
+``drop``        blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after)
+``violation``   ``n`` violations of ``action`` refused (the ledger's counters stay exact)
+``counters``    a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
+``holder-down`` ``holder`` was reported down (``inc``: the incarnation that went down, host, pid and start
+                time, or null): its blobs are reclaimed once its grace ends, by this process or a restarted one
+=============== ===================================================================================
 
 :meth:`BlobJournal.readopt` replays them into a fresh keeper: blobs live at the end whose segment fails
 verification, or that exceed the budget, are *lost*: deleted with reason ``lost`` and named in the result.
@@ -54,6 +56,7 @@ class Readoption:
     aborted: int
     damaged: str
     seconds: float
+    holders_down: Mapping[str, tuple[str, int, float] | None]  # holder -> the incarnation reported down
 
 
 class BlobJournal:
@@ -62,6 +65,8 @@ class BlobJournal:
     def __init__(self, store: DurableStore) -> None:
         self.store = store
         self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
+        # Holders reported down whose reclaim is still to come (kept through compactions).
+        self.holders_down: dict[str, tuple[str, int, float] | None] = {}
 
     # --- writing (any thread) -----------------------------------------------------------------------
 
@@ -112,6 +117,16 @@ class BlobJournal:
             self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
                               if blob_id in self._layouts)
 
+    def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
+        """``holder`` was reported down (``incarnation``: the process that went down, None when unknown)."""
+        self.holders_down[holder] = incarnation
+        self.store.commit({"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None})
+
+    def holder_settled(self, holder: str) -> None:
+        """``holder`` is back as the same process, or what it held was reclaimed: nothing to resume for it (a
+        compaction drops its record; a replay before one finds it and asks the registry again)."""
+        self.holders_down.pop(holder, None)
+
     def violated(self, violations: Sequence[Violation]) -> None:
         for action, n in Counter(v.action for v in violations).items():
             self.store.commit({"op": "violation", "action": action, "n": n})
@@ -121,7 +136,7 @@ class BlobJournal:
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
-        self.store.compact(_snapshot(keeper, self._layouts))
+        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down))
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
@@ -162,6 +177,8 @@ class BlobJournal:
                 keeper.violations[record["action"]] += record["n"]
             elif op == "counters":
                 keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
+            elif op == "holder-down" and (down := _holder_down(record)) is not None:
+                self.holders_down[down[0]] = down[1]
         keeper.adopt_tombstones()
         over = _over_budget(keeper, broken)
         broken.update(over)
@@ -171,7 +188,7 @@ class BlobJournal:
         if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
             self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, dict(self.holders_down))
 
 
 def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
@@ -226,8 +243,24 @@ def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
     return over
 
 
-def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals."""
+def _holder_down(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None] | None:
+    """A ``holder-down`` record's (holder, incarnation); None for one whose fields do not parse (it only
+    decides when a dead holder's blobs are reclaimed: skipped, they stay with their holder as before)."""
+    holder, inc = record.get("holder"), record.get("inc")
+    if not isinstance(holder, str) or not holder:
+        return None
+    if inc is None:
+        return holder, None
+    if isinstance(inc, list) and len(inc) == 3 and isinstance(inc[0], str) and isinstance(inc[1], int) \
+            and isinstance(inc[2], int | float):
+        return holder, (inc[0], inc[1], float(inc[2]))
+    return None
+
+
+def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
+              holders_down: Mapping[str, tuple[str, int, float] | None]) -> Iterator[dict[str, Any]]:
+    """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
+    holders reported down that still hold blobs here."""
     holders: dict[str, list[str]] = {}
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, holder, _ in keeper.blobs():
@@ -244,6 +277,9 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]]) -> Iterator
     stats = keeper.stats()
     yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
+    for holder, incarnation in holders_down.items():
+        if holder in holders:
+            yield {"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None}
 
 
 def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:

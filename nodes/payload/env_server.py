@@ -252,6 +252,38 @@ class EnvServer:
             log.error("store.blob_lost", blob_id=blob_id, detail=why)
         if found.lost:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
+        if not durable.fresh:
+            self.runtime.call_soon(self._holders_after_restart)  # once the registry is known (peers seeded)
+
+    def _holders_after_restart(self) -> None:
+        """The re-adopted blobs' holders that are gone (loop thread, first thing after start). Node-downs
+        this store heard before it died are in its journal; those it missed while dead show in the registry.
+        A holder reported down and not back as the same process, or not live now, gets the grace it would
+        have had (its restarted incarnation keeps what it claims again meanwhile); the rest is reclaimed
+        ``holder-down`` when it ends. Without this, a holder that died around this store's own restart kept
+        its blobs here until the store shut down."""
+        recorded = self.readoption.holders_down if self.readoption is not None else {}
+        live = self.runtime.track_peers().live
+        with self._lock:
+            holders = sorted(h for h in self.keeper.stats().held_by if h)
+            gone: dict[str, tuple[str, int, float] | None] = {}
+            for holder in holders:
+                now = live.get(holder)
+                if holder in recorded:
+                    went_down = recorded[holder]
+                    if now is not None and went_down is not None and incarnation(now) == went_down:
+                        if self.journal is not None:
+                            self.journal.holder_settled(holder)
+                        continue  # reported down, then back as the same process
+                elif now is not None:
+                    continue  # nothing says it went down
+                gone[holder] = recorded.get(holder)
+                self.keeper.holder_down(holder, self.restart_grace_s)
+                if self.journal is not None and holder not in recorded:
+                    self.journal.holder_down(holder, None)
+        for holder, went_down in gone.items():
+            self._holders_down.setdefault(holder, went_down)
+            log.warning("holder.down_at_restart", holder=holder, live=holder in live, grace_s=self.restart_grace_s)
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -461,6 +493,8 @@ class EnvServer:
                     self.journal.dropped(result)
         for holder, result in results.items():
             self._holders_down.pop(holder, None)
+            if self.journal is not None:
+                self.journal.holder_settled(holder)
             if result.deleted:
                 log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
                             grace_s=self.restart_grace_s)
@@ -469,11 +503,14 @@ class EnvServer:
     # --- liveness (loop thread) ---------------------------------------------------------------------
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
+        went_down = incarnation(info) if info else None
         with self._lock:
             if not self.keeper.holds(down.node_id):
                 return
             self.keeper.holder_down(down.node_id, self.restart_grace_s)
-        self._holders_down.setdefault(down.node_id, incarnation(info) if info else None)
+            if self.journal is not None and down.node_id not in self._holders_down:
+                self.journal.holder_down(down.node_id, went_down)  # a restart of this store resumes the grace
+        self._holders_down.setdefault(down.node_id, went_down)
         log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
 
     def _on_node_up(self, info: NodeInfo) -> None:
@@ -483,6 +520,8 @@ class EnvServer:
             del self._holders_down[info.node_id]
             with self._lock:
                 self.keeper.holder_back(info.node_id)
+                if self.journal is not None:
+                    self.journal.holder_settled(info.node_id)
             log.info("holder.back", holder=info.node_id)
         else:  # a restart: it keeps what it claims again before the grace ends
             log.info("holder.restarted", holder=info.node_id)
