@@ -74,6 +74,7 @@ class RankConfig:
     data_ranks: int | None = None  # None: the world size
     leader: bool = True
     compute_s: float = 0.0  # > 0: step 0 "computes" this long, then until the test says go
+    collective_mid_step: bool = False  # step 0's training runs a collective once the test says go
     fetch_policy: RetryPolicy = FAST
 
 
@@ -121,6 +122,10 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                 conn.send(("computing", step))
                 time.sleep(config.compute_s)  # the training step: the node loop gets no help from this thread
                 assert conn.recv() == ("go", step)
+            if config.collective_mid_step and step == 0:
+                conn.send(("computing", step))
+                assert conn.recv() == ("go", step)
+                dist.all_reduce(torch.zeros(1))  # a dead peer breaks the world here: this raises, end_step never runs
             release = trainer.end_step(step)
             report["deleted"] = release.deleted
             report["dropped_metric"] = REGISTRY.get_sample_value("refbus_dropped_micro_batches_total")
@@ -294,6 +299,29 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
         (step, f"trainer-{rank}", data.owned[rank]) for step, data in enumerate((partial, nothing)) for rank in (0, 1)}
     acks = [a for a in events(bus, zmq_ctx, FetchAck.kind) if a.step == 0 and a.holder == "trainer-0"]
     assert len(acks) == 1 and victim not in acks[0].blob_ids
+
+
+def test_a_rank_whose_world_breaks_mid_step_deletes_the_steps_blobs_as_it_stops(bus, envs, orchestrator,
+                                                                                 tmp_path: Path) -> None:
+    """Both ranks fetched step 0 and train it; rank 1 is SIGKILLed there, so rank 0's next collective raises
+    and its process ends without ``end_step``. Rank 0's node shutdown deletes the step's blobs it owns
+    (``dropped``, once each); rank 1's are left to their stores (reclaimed ``holder-down``). Before, rank 0's
+    were left too: a world broken by one rank's death cost every rank's blobs (counted lost)."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="w")
+    config = RankConfig(collective_mid_step=True)
+    ranks = Ranks(bus, (config, config), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        hand_over(clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])
+        for rank in (0, 1):
+            assert ranks.recv(rank) == ("computing", 0)
+        ranks.procs[1].kill()
+        ranks.procs[1].join(WAIT_S)
+        ranks.conns[0].send(("go", 0))
+    finally:
+        exits = ranks.close()
+    assert exits[1] == -signal.SIGKILL and exits[0] not in (0, None), exits
+    assert deletes(envs) == Counter({(blob_id, "trainer-0", "dropped"): 1 for blob_id in data.owned[0]})
 
 
 def test_peers_of_one_data_rank_drop_together_and_only_the_leader_deletes(bus, envs, orchestrator,

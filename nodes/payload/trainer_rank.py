@@ -369,9 +369,29 @@ class TrainerRank:
             self._cond.notify_all()
 
     def _on_loop_ended(self) -> None:
+        """A shutdown hook (the loop has stopped; its sockets are this thread's now): a waiting ``begin_step``
+        gives up, and the blobs of a step begun and never ended (its world broke, or the node was stopped
+        mid-step) are deleted ``dropped`` here, their answers awaited within the hooks' share of the
+        shutdown. No one else would delete them (the orchestrator had this rank's acknowledgement long
+        before): their stores would reclaim them ``holder-down`` once this node's grace ended, counted lost.
+        Step batches received and never begun are left so: the acknowledgement of one that came just now may
+        not have left this node, and the orchestrator would then deal with its blobs itself."""
         with self._cond:
             self._loop_ended = True
             self._cond.notify_all()
+            left: dict[str, BlobRef] = {}
+            for step in list(self._running):  # one at a time: an end_step racing this takes its own
+                running = self._running.pop(step, None)
+                if running is not None:
+                    left.update(running[0].refs)
+            self.held.difference_update(left)
+        if not left:
+            return
+        released: list[StepRelease] = []
+        self._delete(left, dict.fromkeys(left, DROPPED_REASON), released.append)
+        self.runtime.calls.run_until(lambda: bool(released), self.runtime.shutdown_left() * 0.9)
+        log.warning("shutdown.owned_deleted", blobs=len(left),
+                    deleted=len(released[0].deleted) if released else 0, answered=bool(released))
 
     def _agree(self, step: int, fetch: StepFetch) -> tuple[tuple[int, ...], int]:
         """The one all-reduce: which micro batches of this data rank to drop, and how many across all."""
