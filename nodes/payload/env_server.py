@@ -141,6 +141,7 @@ log = structlog.get_logger(__name__)
 
 ROLE = "env-server"
 STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
+HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
 """Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
 
 
@@ -255,19 +256,33 @@ class EnvServer:
         if not durable.fresh:
             self.runtime.call_soon(self._holders_after_restart)  # once the registry is known (peers seeded)
 
-    def _holders_after_restart(self) -> None:
-        """The re-adopted blobs' holders that are gone (loop thread, first thing after start). Node-downs
-        this store heard before it died are in its journal; those it missed while dead show in the registry.
-        A holder reported down and not back as the same process, or not live now, gets the grace it would
-        have had (its restarted incarnation keeps what it claims again meanwhile); the rest is reclaimed
-        ``holder-down`` when it ends. Without this, a holder that died around this store's own restart kept
-        its blobs here until the store shut down."""
+    def _holders_after_restart(self, attempt: int = 0) -> None:
+        """Find the re-adopted blobs' holders that are gone (loop thread, first thing after start): asks the
+        registry, again every quarter grace while the broker does not answer (:data:`HOLDER_CHECKS` times
+        at most; a holder is never judged gone on an unanswered lookup)."""
+        def answered(nodes: list[NodeInfo] | None) -> None:
+            if nodes is not None:
+                self._holders_gone(nodes)
+            elif attempt + 1 < HOLDER_CHECKS:
+                self.runtime.later(max(0.05, self.restart_grace_s / 4),
+                                   lambda: self._holders_after_restart(attempt + 1))
+            else:
+                log.error("holders.unchecked", attempts=HOLDER_CHECKS,
+                          detail="the registry never answered: holders gone around this restart keep their blobs")
+
+        self.runtime.lookup_async("", answered)
+
+    def _holders_gone(self, listed: list[NodeInfo]) -> None:
+        """Node-downs this store heard before it died are in its journal; those it missed while dead show in
+        the registry (``listed``: its live nodes). A holder reported down and not back as the same process, or
+        not live now, gets the grace it would have had (its restarted incarnation keeps what it claims again
+        meanwhile); what it still holds is reclaimed ``holder-down`` when that ends. Without this, a holder
+        that died around this store's own restart kept its blobs here until the store shut down."""
         recorded = self.readoption.holders_down if self.readoption is not None else {}
-        live = self.runtime.track_peers().live
+        live = {node.node_id: node for node in listed}
+        gone: dict[str, tuple[str, int, float] | None] = {}
         with self._lock:
-            holders = sorted(h for h in self.keeper.stats().held_by if h)
-            gone: dict[str, tuple[str, int, float] | None] = {}
-            for holder in holders:
+            for holder in sorted(h for h in self.keeper.stats().held_by if h):
                 now = live.get(holder)
                 if holder in recorded:
                     went_down = recorded[holder]
