@@ -120,7 +120,7 @@ class BlobJournal:
     def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown)."""
         self.holders_down[holder] = incarnation
-        self.store.commit({"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None})
+        self.store.commit(_holder_down_record(holder, incarnation))
 
     def holder_settled(self, holder: str) -> None:
         """``holder`` is back as the same process, or what it held was reclaimed: nothing to resume for it (a
@@ -243,6 +243,10 @@ def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
     return over
 
 
+def _holder_down_record(holder: str, incarnation: tuple[str, int, float] | None) -> dict[str, Any]:
+    return {"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None}
+
+
 def _holder_down(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None] | None:
     """A ``holder-down`` record's (holder, incarnation); None for one whose fields do not parse (it only
     decides when a dead holder's blobs are reclaimed: skipped, they stay with their holder as before)."""
@@ -279,7 +283,7 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
     for holder, incarnation in holders_down.items():
         if holder in holders:
-            yield {"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None}
+            yield _holder_down_record(holder, incarnation)
 
 
 def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:

@@ -141,8 +141,8 @@ log = structlog.get_logger(__name__)
 
 ROLE = "env-server"
 STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
-HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
 """Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
+HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +254,7 @@ class EnvServer:
         if found.lost:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
-            self.runtime.call_soon(self._holders_after_restart)  # once the registry is known (peers seeded)
+            self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
 
     def _holders_after_restart(self, attempt: int = 0) -> None:
         """Find the re-adopted blobs' holders that are gone (loop thread, first thing after start): asks the
@@ -274,31 +274,25 @@ class EnvServer:
 
     def _holders_gone(self, listed: list[NodeInfo]) -> None:
         """Node-downs this store heard before it died are in its journal; those it missed while dead show in
-        the registry (``listed``: its live nodes). A holder reported down and not back as the same process, or
-        not live now, gets the grace it would have had (its restarted incarnation keeps what it claims again
-        meanwhile); what it still holds is reclaimed ``holder-down`` when that ends. Without this, a holder
-        that died around this store's own restart kept its blobs here until the store shut down."""
+        the registry (``listed``: its live nodes). Each such holder of re-adopted blobs is taken down as a
+        ``node-down`` would (the grace it would have had, from now), then, when it is live, up as a ``node-up``
+        would: back as the same process it keeps everything, a restarted incarnation what it claims again
+        meanwhile. Without this, a holder that died around this store's own restart kept its blobs here until
+        the store shut down."""
         recorded = self.readoption.holders_down if self.readoption is not None else {}
         live = {node.node_id: node for node in listed}
-        gone: dict[str, tuple[str, int, float] | None] = {}
         with self._lock:
-            for holder in sorted(h for h in self.keeper.stats().held_by if h):
-                now = live.get(holder)
-                if holder in recorded:
-                    went_down = recorded[holder]
-                    if now is not None and went_down is not None and incarnation(now) == went_down:
-                        if self.journal is not None:
-                            self.journal.holder_settled(holder)
-                        continue  # reported down, then back as the same process
-                elif now is not None:
-                    continue  # nothing says it went down
-                gone[holder] = recorded.get(holder)
-                self.keeper.holder_down(holder, self.restart_grace_s)
-                if self.journal is not None and holder not in recorded:
-                    self.journal.holder_down(holder, None)
-        for holder, went_down in gone.items():
-            self._holders_down.setdefault(holder, went_down)
-            log.warning("holder.down_at_restart", holder=holder, live=holder in live, grace_s=self.restart_grace_s)
+            holders = sorted(h for h in self.keeper.stats().held_by if h)
+        for holder in holders:
+            if holder not in recorded and holder in live:
+                continue  # nothing says it went down
+            if not self._holder_down(holder, recorded.get(holder), journal=holder not in recorded):
+                continue
+            if holder in live:
+                self._on_node_up(live[holder])
+            if holder in self._holders_down:  # not back as the same process
+                log.warning("holder.down_at_restart", holder=holder, live=holder in live,
+                            grace_s=self.restart_grace_s)
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -518,15 +512,21 @@ class EnvServer:
     # --- liveness (loop thread) ---------------------------------------------------------------------
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
-        went_down = incarnation(info) if info else None
+        if self._holder_down(down.node_id, incarnation(info) if info else None, journal=True):
+            log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
+
+    def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool) -> bool:
+        """``holder`` (its process ``went_down``, None when unknown) is down: unless it is back as that same
+        process within the grace, what it holds here is reclaimed. ``journal``: record it, so a restart of
+        this store resumes the grace. False when it holds nothing here."""
         with self._lock:
-            if not self.keeper.holds(down.node_id):
-                return
-            self.keeper.holder_down(down.node_id, self.restart_grace_s)
-            if self.journal is not None and down.node_id not in self._holders_down:
-                self.journal.holder_down(down.node_id, went_down)  # a restart of this store resumes the grace
-        self._holders_down.setdefault(down.node_id, went_down)
-        log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
+            if not self.keeper.holds(holder):
+                return False
+            self.keeper.holder_down(holder, self.restart_grace_s)
+            if journal and self.journal is not None and holder not in self._holders_down:
+                self.journal.holder_down(holder, went_down)
+        self._holders_down.setdefault(holder, went_down)
+        return True
 
     def _on_node_up(self, info: NodeInfo) -> None:
         if info.node_id not in self._holders_down:

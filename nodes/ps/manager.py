@@ -407,8 +407,7 @@ class PsManager:
         holder, restored = self.versions.restored_holder(begin.version, begin.rank)
         if holder == begin.holder:  # done before this manager restarted; its pusher did not hear of it
             return restored
-        pending = self.versions.pending
-        shard = pending.ranks.get(begin.rank) if pending is not None and pending.version == begin.version else None
+        shard = self.versions.pending_rank(begin.version, begin.rank)
         if shard is None or shard.done:
             return ""
         lease = self.leases.get(shard.lease)

@@ -148,7 +148,5 @@ def _commit(manifest: Manifest, shards: Iterable[Shard], leases: Iterable[str]) 
             "leases": sorted(leases)}
 
 
-
-
 def _rank(done: DoneRank) -> dict[str, Any]:
     return {"op": "rank", "done": msgspec.to_builtins(done)}

@@ -162,11 +162,16 @@ class VersionStore:
             self.pending = None
         self._store(manifest, shards, leases, counted=False)
 
+    def pending_rank(self, version: int, rank: int) -> _RankShard | None:
+        """Rank ``rank``'s shard of the pending version when that is ``version``; None otherwise."""
+        pending = self.pending
+        return pending.ranks.get(rank) if pending is not None and pending.version == version else None
+
     def done_rank(self, version: int, rank: int) -> DoneRank | None:
         """Rank ``rank`` of the pending ``version`` as a restart would restore it, once every copy of it is
         verified (None before)."""
         pending = self.pending
-        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        shard = self.pending_rank(version, rank)
         if pending is None or shard is None or not shard.done or shard.committed is None:
             return None
         return DoneRank(version, pending.world, pending.resumes, rank, shard.lease, shard.holder,
@@ -194,8 +199,7 @@ class VersionStore:
     def restored_holder(self, version: int, rank: int) -> tuple[str, str]:
         """(holder, lease) of rank ``rank`` of the pending ``version`` when it was restored from the journal;
         ("", "") otherwise."""
-        pending = self.pending
-        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        shard = self.pending_rank(version, rank)
         return (shard.holder, shard.lease) if shard is not None and shard.restored else ("", "")
 
     def pin(self, version: int, lease: str = "") -> None:
@@ -309,7 +313,7 @@ class VersionStore:
         Raises ManifestError(``push-aborted``) when ``failed`` is not that rank's attempt in progress.
         """
         pending = self.pending
-        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        shard = self.pending_rank(version, rank)
         if shard is None or shard.lease != failed:
             raise ManifestError("push-aborted", f"version {version} rank {rank} has no push in progress under "
                                 f"lease {failed!r} to retry")
@@ -333,7 +337,7 @@ class VersionStore:
         if stored is not None and lease in stored.leases:
             return True, stored.manifest, []
         pending = self.pending
-        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        shard = self.pending_rank(version, rank)
         if shard is None or shard.lease != lease:
             raise ManifestError(
                 "push-aborted", f"version {version} rank {rank} has no push in progress under this lease"
@@ -364,8 +368,7 @@ class VersionStore:
 
     def rank_done(self, version: int, rank: int, lease: str) -> bool:
         """Whether every copy of rank ``rank``'s shard of the pending ``version`` under ``lease`` is verified."""
-        pending = self.pending
-        shard = pending.ranks.get(rank) if pending is not None and pending.version == version else None
+        shard = self.pending_rank(version, rank)
         return shard is not None and shard.lease == lease and shard.done
 
     def commit_init(self, manifest: Manifest, shards: list[Shard]) -> list[Shard]:
