@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from math import isfinite
 from typing import TypeVar
 
@@ -53,17 +53,21 @@ class RetryPolicy:
     attempts: int = 3
     backoff: float = 2.0
     max_timeout_s: float = 10.0
+    _schedule: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A policy is a request's deadline: it must end.
         if self.attempts < 1 or not (self.timeout_s > 0 and isfinite(self.timeout_s) and isfinite(self.max_timeout_s)):
             raise ValueError(f"a retry policy needs attempts >= 1 and finite positive timeouts, not {self}")
+        schedule = [self.timeout_s]
+        for _ in range(self.attempts - 1):
+            schedule.append(min(schedule[-1] * self.backoff, self.max_timeout_s))
+        # Computed once: every request walks it on its round trip's critical path.
+        object.__setattr__(self, "_schedule", tuple(schedule))
 
-    def timeouts(self) -> Iterator[float]:
-        timeout = self.timeout_s
-        for _ in range(self.attempts):
-            yield timeout
-            timeout = min(timeout * self.backoff, self.max_timeout_s)
+    def timeouts(self) -> tuple[float, ...]:
+        """Each attempt's timeout, in order."""
+        return self._schedule
 
     @property
     def deadline_s(self) -> float:
@@ -83,7 +87,7 @@ class Attempts:
     __slots__ = ("_timeouts", "deadline", "sent")
 
     def __init__(self, policy: RetryPolicy, deadline_s: float | None, now: float) -> None:
-        self._timeouts = policy.timeouts()
+        self._timeouts = iter(policy.timeouts())
         self.deadline = now + (policy.deadline_s if deadline_s is None else deadline_s)
         self.sent = 0
 
@@ -233,9 +237,11 @@ class Client:
             if not self.try_send(frames, body.kind):
                 unsent += 1
             deadline = time.monotonic() + timeout
-            while (reply := self.recv(_ms_until(deadline), backend=backend)) is not None:
+            wait_ms = int(timeout * 1000) + 1
+            while (reply := self.recv(wait_ms, backend=backend)) is not None:
                 if reply.header.re != msg_id:
                     self.stray(reply)
+                    wait_ms = _ms_until(deadline)
                 elif isinstance(reply.body, Error):
                     raise RemoteError(reply.body, self.endpoint)
                 else:
@@ -244,31 +250,26 @@ class Client:
                              f"{unsent_note(self.endpoint, unsent)}")
 
     def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
-        """The next valid reply within ``timeout_ms``; invalid replies are logged and skipped."""
+        """The next valid reply within ``timeout_ms`` (0: only one already waiting); invalid replies are logged
+        and skipped.
+
+        A poll, then a receive of what it found (a receive that finds nothing raises ``zmq.Again``, ~8 us); not
+        a blocking receive under ``RCVTIMEO``, though it saves the poll's call: pyzmq resumes a receive that a
+        signal interrupted with the whole timeout again, so signals arriving more often than it would hold a
+        request past its deadline for as long as they come. A poll that signals interrupt returns sooner instead
+        (pyzmq takes the time passed off what is left after every interruption, so it runs out early): this polls
+        again until its own deadline. The round trip's critical path: one call, no helpers."""
         deadline = time.monotonic() + timeout_ms / 1000
+        polled = self._polled
         while True:
-            frames = self._wait(timeout_ms)
-            if frames is not None:
+            if zmq.zmq_poll(polled, timeout_ms):
                 try:
-                    return self.codec.decode(frames, backend=backend, verify=verify)
+                    return self.codec.decode(recv_frames(self.sock, zmq.NOBLOCK), backend=backend, verify=verify)
                 except ProtocolError as exc:
                     log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
             if time.monotonic() >= deadline:  # only this clock ends the wait: an empty poll may come early
                 return None
             timeout_ms = _ms_until(deadline)
-
-    def _wait(self, timeout_ms: int) -> list | None:
-        """The next message within ``timeout_ms`` (0: only one already waiting), or None: a poll, then a
-        receive of what it found (a receive that finds nothing raises ``zmq.Again``, ~8 us).
-
-        Not a blocking receive under ``RCVTIMEO``, though it saves the poll's call: pyzmq resumes a receive
-        that a signal interrupted with the whole timeout again, so signals arriving more often than it would
-        hold a request past its deadline for as long as they come. A poll that signals interrupt returns sooner
-        instead (pyzmq takes the time passed off what is left after every interruption, so it runs out early):
-        :meth:`recv` polls again until its own deadline."""
-        if not zmq.zmq_poll(self._polled, timeout_ms):
-            return None
-        return recv_frames(self.sock, zmq.NOBLOCK)
 
     def stray(self, reply: Message) -> None:
         """Hand a reply that answers none of the caller's requests to ``on_stray`` (logged when unset)."""
@@ -570,7 +571,7 @@ class Server:
             self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self.codec.peek_id(envelope), one_frame)
             return
         key = (header.src, header.id)
-        cached = self._replies.get(key)
+        cached = self._replies.get(key) if route.cached else None  # only cached routes' replies are kept
         if cached is not None:
             self.duplicates += 1
             self._send_frames(identity, cached[0])

@@ -719,6 +719,7 @@ class NodeRuntime:
             self._in_turns = False
 
     def _turns_until(self, until: Callable[[], bool] | None, publisher: Publisher | None) -> None:
+        wake, wake_fd = self._wake_r, self._wake_r.fileno()
         while not self._stopping and not (until and until()):
             self._fill_end = None
             while self._calls:
@@ -745,7 +746,7 @@ class NodeRuntime:
             if publisher is not None:
                 publisher.flush()
             for sock, _ in self._poller.poll(timeout_ms):
-                if sock is self._wake_r or sock == self._wake_r.fileno():
+                if sock is wake or sock == wake_fd:
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(64)
                     continue

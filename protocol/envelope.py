@@ -470,8 +470,9 @@ class WireCodec:
         ``frames``.
         ``checked``: the result of :meth:`decode_header` on these frames, when the caller already has it.
         """
-        received = checked or self.decode_header(frames)
-        return self.decode_body(received, backend, verify)
+        if checked is None:  # the common reply (one unsigned frame) read without decode_header's checks of forms
+            checked = (self.event_header(frames[0]) if len(frames) == 1 else None) or self.decode_header(frames)
+        return self.decode_body(checked, backend, verify)
 
     def decode_body(self, received: Received, backend: ArrayBackend = "native", verify: bool = True) -> Message:
         """The :class:`Message` of an envelope :meth:`decode_header` checked: the body's bounds, the array
