@@ -4,7 +4,9 @@ The ledger replays ownership moves as the stream mirrors them:
 
 * ``episode-finished`` — the store (the env-server node that published it, ``src``) keeps the episode's
   blobs; it owns them until a claim;
-* ``claim`` — the orchestrator (``holder``) owns them;
+* ``claim`` — the orchestrator (``holder``) owns them. A restarted durable store publishes the claims of what
+  it re-adopted again (its process may have died between answering a claim and publishing its event): a
+  repeat moves nothing, a blob only moves forward;
 * ``reference`` — a trainer rank (``holder``) owns them. The rank publishes it, and the store mirrors the
   rank's delete, so the broker may relay the delete first: a delete by a node other than the owner while the
   blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:

@@ -1,8 +1,9 @@
 """A launcher for ``refbus node env-server`` whose env server stops in the middle of a request, for a test to
 SIGKILL it there. ``AT`` says where: ``violations``, the first time a request's violations are about to be
 logged and published (the keeper has counted them, the journal has committed them; no event is out, no reply
-sent); ``claim``, on the first claim, before the keeper sees it (nothing granted, no reply sent). There it
-creates ``MARKER`` and blocks.
+sent); ``claim``, on the first claim, before the keeper sees it (nothing granted, no reply sent); ``claimed``,
+after the first claim is answered, at the start of the loop's next turn (granted, committed and answered; its
+``claim`` event still in the turn's batch, not yet published). There it creates ``MARKER`` and blocks.
 
 ``python tests/stalled_env_server.py AT MARKER python -m refbus.nodes.cli node env-server ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -50,8 +51,21 @@ def stall_at_claim(marker: Path) -> None:
     EnvServer._on_claim = stall_then_claim  # type: ignore[method-assign]
 
 
+def stall_after_claim(marker: Path) -> None:
+    claim = EnvServer._on_claim
+
+    def claim_then_stall(self: EnvServer, request: Message) -> Claimed:
+        claimed = claim(self, request)
+        # Calls queued now run first thing in the loop's next turn: after this reply is sent, before the turn
+        # publishes its batch of events.
+        self.runtime.call_soon(lambda: _stall(marker))
+        return claimed
+
+    EnvServer._on_claim = claim_then_stall  # type: ignore[method-assign]
+
+
 def main(at: str, marker: Path, command: list[str]) -> int:
-    {"violations": stall_at_violations, "claim": stall_at_claim}[at](marker)
+    {"violations": stall_at_violations, "claim": stall_at_claim, "claimed": stall_after_claim}[at](marker)
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 
 

@@ -522,6 +522,38 @@ def test_a_store_readopted_by_its_restarted_process_loses_nothing_and_its_counte
     assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
 
 
+def test_claims_a_restarted_store_publishes_again_move_only_what_the_fold_missed() -> None:
+    """The killed process answered a claim of f and g and died before their ``claim`` event went out; the
+    restarted one publishes the claims of everything re-adopted: f and g move to the orchestrator (so its deletes
+    are no violations), h's repeat moves nothing (a trainer rank has it: a blob only moves forward), and ids the
+    fold never saw kept (x) or saw deleted (d) change nothing."""
+    before = [
+        _store_up("s1"),
+        {"type": "episode-finished", "src": "env-1", "id": "p1-1", "seq": 1,
+         "refs": [_ref(b, "env-1") for b in ("d", "f", "g", "h")]},
+        {"type": "claim", "src": "env-1", "id": "p1-2", "seq": 2, "holder": "orch", "blob_ids": ["d", "h"]},
+        {"type": "delete", "src": "env-1", "id": "p1-3", "seq": 3, "holder": "orch", "reason": "filtered",
+         "blob_ids": ["d"]},
+        {"type": "reference", "src": "orch", "holder": "trainer-0", "blob_ids": ["h"]},
+        {"type": "node-down", "node_id": "env-1", "reason": "replaced"},
+        _store_up("s1"),
+    ]
+    again = [{"type": "claim", "holder": "orch", "blob_ids": ["f", "g", "d", "x"]},
+             {"type": "claim", "holder": "trainer-0", "blob_ids": ["h"]}]
+    delete_f = {"type": "delete", "holder": "orch", "reason": "late", "blob_ids": ["f"]}
+
+    def restarted(events: list[dict]) -> list[dict]:
+        return [*before, *({**event, "src": "env-1", "id": f"p2-{seq}", "seq": seq}
+                           for seq, event in enumerate(events, 1))]
+
+    report = _run(restarted([*again, delete_f])).report()
+    assert report.violations == [] and report.held == {"env-1": {"orch": 1, "trainer-0": 1}}, report
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (4, 2, 2, 0)
+    # without the claims published again, the orchestrator's delete of f is reported
+    assert _run(restarted([delete_f])).report().violations == ["orch deleted f owned by env-1 (late)"]
+
+
 def test_a_fresh_store_under_the_same_node_id_does_not_continue_the_dead_one() -> None:
     report = _run([*READOPTED[:4], _store_up("s2"), {"type": "episode-finished", "src": "env-1", "id": "p2-1",
                                                       "seq": 1, "refs": [_ref("x", "env-1")]}]).report()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import sys
 import time
 import urllib.request
@@ -256,6 +257,44 @@ def test_a_store_killed_between_committing_a_refusal_and_publishing_it_is_counte
     assert (totals["violations"], totals["kept"], totals["deleted_total"], totals["lost"]) == (CHUNK, CHUNK, CHUNK, 0)
     assert report.reconciled["env-v"].startswith("corrected") and f"violations={CHUNK}" in report.reconciled["env-v"]
     assert _summary_of(watch.record)["blobs"]["violations"] == CHUNK
+
+
+def test_a_store_killed_between_answering_a_claim_and_publishing_it_claims_again_after_its_restart(
+        bus: tuple[NodeProcess, str], spawn, watch: _Watch, zmq_ctx: zmq.Context, tmp_path: Path) -> None:
+    """The env server grants a claim, commits and answers it, and is SIGKILLed before the turn's batch with its
+    ``claim`` event goes out. The restarted process (same node id and durable store) publishes the claims of
+    what it re-adopted, so the holder's later deletes are no violations to the ledger. Before, the stream never
+    showed the claim and the ledger reported every such delete as a violation (a chaos soak's two)."""
+    store = ["--bus-control", bus[1], "--node-id", "env-c", *FAST_LIVENESS, "--store-directory",
+             str(tmp_path / "shm"), "--store-run", "claims", "--env-server-budget-bytes", str(64 << 20),
+             "--env-server-handover-lease-s", "600"]
+    marker = tmp_path / "stalled"
+    first = spawn(["node", "env-server", *store], "env-c",
+                  prefix=[sys.executable, str(STALLER), "claimed", str(marker)])
+    client = Client(zmq_ctx, first.wait_ready(timeout=WAIT_S * 3)["endpoints"]["blobs"], WireCodec("orch"),
+                    policy=PATIENT)
+    block = np.ones((3, 1, 1, 1), np.uint8)
+    kept = client.request(Keep(episode_id="ep", branches=[{"routed_experts": row} for row in block])).body
+    assert isinstance(kept, Kept)
+    ids = [ref.blob_id for ref in kept.refs]
+    watch.saw(lambda ledger: ledger.report().totals()["kept"] == 3, "the ledger folding the keep")
+    assert client.request(Claim(blob_ids=ids[:2], holder="orchestrator")).body == Claimed(blob_ids=ids[:2])
+    wait_for(marker.exists, WAIT_S * 3, "the env server stalled before publishing the claim")
+    first.proc.kill()
+    assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+    client.close()
+
+    second = spawn(["node", "env-server", *store], "env-c")
+    again = Client(zmq_ctx, second.wait_ready(timeout=WAIT_S * 3)["endpoints"]["blobs"], WireCodec("orch"),
+                   policy=PATIENT)
+    assert again.request(Delete(blob_ids=ids[:2], holder="orchestrator", reason="filtered")).body == \
+        Deleted(blob_ids=ids[:2])
+    watch.saw(lambda ledger: ledger.report().totals()["deleted_total"] == 2, "the ledger folding the deletes")
+    assert watch.reconcile() == []
+    report = watch.record.report()
+    assert report.violations == [] and report.held == {"env-c": {"env-c": 1}}, report
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["violations"]) == (3, 2, 1, 0)
 
 
 # --- garbage counts on the live stream ------------------------------------------------------------------

@@ -50,7 +50,11 @@ are answered (and their events published) only after their journal record is com
 restarted under the same node id re-adopts what was committed (verified; losses deleted with reason
 ``lost``, ``node`` itself), continues the counters ``accounted`` reports, and registers with the store's
 identity as label ``store``, by which the orchestrator, trainer ranks and the ledger know it as the same
-store. A retried delete by the holder that deleted the blob before the restart is answered as deleted.
+store. It publishes ``claim`` again for every re-adopted blob a holder has (one event per holder and
+:data:`REANNOUNCE_IDS` ids): a claim is answered once committed, and its event leaves with the loop turn's
+batch, so a process killed in between took that event with it, and the stream would show the holder's later
+delete of a blob it never saw claimed. A retried delete by the holder that deleted the blob before the restart
+is answered as deleted.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
@@ -77,7 +81,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +147,7 @@ ROLE = "env-server"
 STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
 """Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
 HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
+REANNOUNCE_IDS = 1024  # blob ids in one re-published claim: about 30 KiB, an event that travels alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +259,19 @@ class EnvServer:
         if found.lost:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
+            self._reannounce_claims()
             self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
+
+    def _reannounce_claims(self) -> None:
+        """Publish ``claim`` for the re-adopted blobs each holder has (see the module doc): repeats of claims the
+        stream already carried change nothing for its readers, for whom a blob only moves forward."""
+        held: dict[str, list[str]] = defaultdict(list)
+        for blob_id, _, holder, _ in self.keeper.blobs():
+            if holder:
+                held[holder].append(blob_id)
+        for holder, blob_ids in sorted(held.items()):
+            for start in range(0, len(blob_ids), REANNOUNCE_IDS):
+                self._post(Claim(blob_ids=blob_ids[start:start + REANNOUNCE_IDS], holder=holder))
 
     def _holders_after_restart(self, attempt: int = 0) -> None:
         """Find the re-adopted blobs' holders that are gone (loop thread, first thing after start): asks the
