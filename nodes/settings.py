@@ -279,7 +279,9 @@ class UpSettings:
         "beyond it, or of a trainer rank without checkpoints, ends the run.",
     )
     restart_backoff_s: float = key(
-        0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most 16x)."
+        0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most "
+        "16x; from 1x again once a node ran 64x it before it died); the orchestrator's at most half "
+        "node.restart_grace_s, so its restart claims back what it held."
     )
     checkpoint_every: int = key(
         3,

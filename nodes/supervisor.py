@@ -19,7 +19,12 @@ has. A world restart counts as one restart, named after the rank that died first
 meanwhile are part of it. Without world restarts a trainer rank's death ends the run, naming it (a trainer rank
 that exits 0 has finished its steps). Restarts come out of one budget per run
 (``up.restart_budget``; the deaths ``--chaos`` causes are not charged to it), each after a backoff
-(``up.restart_backoff_s``, doubled for every earlier restart of the same node, or of the world).
+(``up.restart_backoff_s``, doubled for every earlier restart of the same node, or of the world, up to
+:data:`MAX_BACKOFF_FACTOR` times). The doubling guards against crash loops, so it starts over for a node that
+ran :data:`STABLE_FACTOR` times the longest backoff before it died: a node that crashes once an hour is
+restarted as promptly as after its first crash. The orchestrator's backoff is at most half
+``node.restart_grace_s``: its stores reclaim what it held once the grace ends, and its restarted process needs
+the other half to start and claim it back (a later restart would lose all of it).
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the
@@ -52,11 +57,13 @@ from .launch import NodeProcess
 log = structlog.get_logger(__name__)
 
 BROKER = "bus"  # the broker's node name in `refbus up`
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "ps-manager", "orchestrator", BROKER)
+ORCHESTRATOR = "orchestrator"
+RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "ps-manager", ORCHESTRATOR, BROKER)
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under
 MAX_BACKOFF_FACTOR = 16
+STABLE_FACTOR = 4  # a node that ran this many longest backoffs before it died was in no crash loop
 
 
 class Cluster(Protocol):
@@ -141,7 +148,7 @@ class Supervisor:
 
     def __init__(self, cluster: Cluster, *, budget: int, backoff_s: float, say: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic, world_restarts: bool = False,
-                 world_exit_s: float = 0.0, hung_grace_s: float = 0.0,
+                 world_exit_s: float = 0.0, hung_grace_s: float = 0.0, holder_grace_s: float = 0.0,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.cluster = cluster
         self.world_restarts = world_restarts
@@ -149,6 +156,7 @@ class Supervisor:
         self.world_restarted: list[str] = []  # per world restart, the rank whose death caused it
         self.budget = budget
         self.backoff_s = backoff_s
+        self.holder_grace_s = holder_grace_s  # node.restart_grace_s: the orchestrator's backoff stays within half
         self.say = say
         self.clock = clock
         self.started = clock()
@@ -158,6 +166,7 @@ class Supervisor:
         self.charged = 0  # restarts out of the budget: deaths nobody caused on purpose
         self._deliberate: set[int] = set()  # pids killed on purpose (chaos): their restarts are not charged
         self._per_node: Counter[str] = Counter()
+        self._running_since: dict[str, float] = {}  # name (or WORLD) -> when it was last restarted
         self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
         self.hung_grace_s = hung_grace_s  # how long a node reported down has to re-join before it is killed
         self.stopping = stopping  # the cluster is being stopped: nothing is killed as hung
@@ -230,6 +239,7 @@ class Supervisor:
         for name, (due, node) in list(self._due.items()):
             if due <= now:
                 del self._due[name]
+                self._running_since[name] = now
                 if name == WORLD:
                     ranks = self.cluster.restart_world()
                     pids = ", ".join(f"{rank.name} pid {rank.pid}" for rank in ranks)
@@ -250,7 +260,7 @@ class Supervisor:
             why = f"{node.name} died ({exit_text}); the restart budget ({self.budget}) is spent: the run ends"
         else:
             key = WORLD if world else node.name
-            delay = self.backoff_s * min(2 ** self._per_node[key], MAX_BACKOFF_FACTOR)
+            delay = self._backoff_s(key, node.name, now)
             if world:
                 delay = max(delay, self.world_exit_s)
             self.restarts += 1
@@ -270,6 +280,15 @@ class Supervisor:
         self.fatal.append(node.name)
         self.say(f"refbus up: {why}\n{node.log_tail(10)}")
         return why
+
+    def _backoff_s(self, key: str, name: str, now: float) -> float:
+        """How long the restart of ``key`` (a node's name, or WORLD) waits after the death of ``name``."""
+        if now - self._running_since.get(key, self.started) >= STABLE_FACTOR * self.backoff_s * MAX_BACKOFF_FACTOR:
+            self._per_node[key] = 0  # it ran long enough: this death is no crash loop
+        delay = self.backoff_s * min(2 ** self._per_node[key], MAX_BACKOFF_FACTOR)
+        if name == ORCHESTRATOR and self.holder_grace_s > 0:
+            delay = min(delay, self.holder_grace_s / 2)
+        return delay
 
     def report(self) -> dict[str, Any]:
         """The summary's part: every death (node, pid, exit, when, restarted) and the restarts made."""

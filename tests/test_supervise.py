@@ -332,6 +332,43 @@ def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_oth
     assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
 
 
+def _restart_delays(supervisor: Supervisor, cluster: _Cluster, clock: _Clock, name: str,
+                    ran_s: list[float]) -> list[float]:
+    """Kill ``name`` after it ran each of ``ran_s`` seconds and restart it when due; each restart's delay."""
+    delays: list[float] = []
+    restarted = cluster.restarted.count(name)
+    for ran in ran_s:
+        clock.now += ran
+        node = next(n for n in cluster.nodes if n.name == name)
+        node.signal(signal.SIGKILL)
+        died = clock.now
+        assert supervisor.poll() is None
+        for _ in range(4 * 16):  # quarter seconds up to the longest backoff at 1 s
+            if cluster.restarted.count(name) > restarted + len(delays):
+                break
+            clock.now += 0.25
+            assert supervisor.poll() is None
+        delays.append(clock.now - died)
+    return delays
+
+
+def test_the_backoff_starts_over_after_a_node_ran_long_and_the_orchestrators_stays_within_half_the_grace() -> None:
+    """A crash loop doubles the backoff up to 16x; a node that then ran 4 x the longest backoff (64 s at 1 s)
+    was in no crash loop and is restarted after 1x again (before: 16x, for the rest of the run). The
+    orchestrator's backoff stops at half ``node.restart_grace_s``: past the grace its stores reclaim what it
+    held, so a later restart would lose all of it (a chaos soak lost 429 blobs so); 0 means no grace, no cap."""
+    cluster, clock = _Cluster("bus", "env-0", "orchestrator"), _Clock()
+    supervisor = Supervisor(cluster, budget=100, backoff_s=1.0, say=lambda _: None, clock=clock,  # type: ignore[arg-type]
+                            holder_grace_s=10.0)
+    assert _restart_delays(supervisor, cluster, clock, "env-0", [1, 1, 1, 1, 1, 1]) == [1, 2, 4, 8, 16, 16]
+    assert _restart_delays(supervisor, cluster, clock, "env-0", [63.75, 64, 1]) == [16, 1, 2]
+    assert _restart_delays(supervisor, cluster, clock, "orchestrator", [1, 1, 1, 1, 1]) == [1, 2, 4, 5, 5]
+
+    cluster, clock = _Cluster("bus", "orchestrator"), _Clock()
+    supervisor = Supervisor(cluster, budget=100, backoff_s=1.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    assert _restart_delays(supervisor, cluster, clock, "orchestrator", [1, 1, 1, 1, 1]) == [1, 2, 4, 8, 16]
+
+
 def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() -> None:
     def victims(seed: int) -> list[str]:
         cluster, clock = _Cluster("bus", "ps-manager", "ps-worker-0", "env-0", "env-1", "trainer-0", "trainer-1",
