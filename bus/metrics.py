@@ -10,6 +10,7 @@ discovery there (``/sd``), so one fixed address finds every node of a cluster.
 
 from __future__ import annotations
 
+import errno
 import json
 import socketserver
 import threading
@@ -20,6 +21,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from .sockets import AddressInUse
 
 Readings = Mapping[tuple[str, ...], float]
 
@@ -103,14 +106,19 @@ def serve_metrics(
     host: str, port: int, registry: CollectorRegistry = REGISTRY, routes: Mapping[str, Route] = ROUTES
 ) -> tuple[str, Callable[[], None]]:
     """Start the metrics endpoint in a daemon thread; returns its URL (``.../metrics``) and a function that
-    stops it.
+    stops it. Raises :class:`~.sockets.AddressInUse` when another process holds ``port``.
 
     Every path answers with ``registry``'s metrics (as prometheus_client's own server does), except the
     paths of ``routes``, which answer with their route's value as JSON. prometheus_client's server polls for
     shutdown every 0.5 s; this one every 50 ms, so a node exits promptly.
     """
     app = _with_routes(make_wsgi_app(registry), routes)
-    server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    try:
+        server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUse(f"http://{host}:{port}") from None
+        raise
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                               name="metrics")
     thread.start()

@@ -57,6 +57,15 @@ DEFAULT_OPTIONS = SocketOptions()
 EVENT_OPTIONS = SocketOptions(sndhwm=EVENT_HWM, rcvhwm=EVENT_HWM)
 
 
+class AddressInUse(RuntimeError):
+    """A bind (a socket's, or the metrics endpoint's) to an address another process holds: a second cluster on
+    the same ports, most often. The message says so and what to change."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"cannot bind {address}: another process holds that address (another refbus cluster on "
+                         "this host? give this one other ports in its config)")
+
+
 def make_socket(
     ctx: zmq.Context,
     socket_type: int,
@@ -65,7 +74,8 @@ def make_socket(
     connect: str | None = None,
     options: SocketOptions = DEFAULT_OPTIONS,
 ) -> zmq.Socket:
-    """A socket with refbus's options, bound or connected. The caller owns and closes it."""
+    """A socket with refbus's options, bound or connected. The caller owns and closes it. Raises
+    :class:`AddressInUse` for a bind to an address another process holds."""
     sock = ctx.socket(socket_type)
     sock.linger = 0
     sock.sndhwm = options.sndhwm
@@ -83,8 +93,10 @@ def make_socket(
             sock.bind(wildcard_port(bind))
         if connect is not None:
             sock.connect(connect)
-    except zmq.ZMQError:
+    except zmq.ZMQError as exc:
         sock.close()
+        if bind is not None and exc.errno == zmq.EADDRINUSE:
+            raise AddressInUse(bind) from None
         raise
     return sock
 

@@ -18,6 +18,7 @@ from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
 from ..bus.security import SecurityError, generate
+from ..bus.sockets import AddressInUse
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -266,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(config: Config, args: argparse.Namespace) -> int:
-    """Run the command ``args`` names; its exit status. A bus that cannot be reached or a refused key is a
-    message and status 1, Ctrl-C status 130."""
+    """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key or an address
+    another process holds is a message and status 1, Ctrl-C status 130."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -296,7 +297,7 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (BusUnavailable, SecurityError) as exc:
+    except (BusUnavailable, SecurityError, AddressInUse) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,3 +213,26 @@ def test_signed_cluster_admits_its_nodes_and_refuses_a_wrong_secret(tmp_path: Pa
         assert "signature" in bus.log_tail(200)  # the broker said why it refused
     finally:
         assert bus.stop() == 0
+
+
+@pytest.mark.parametrize("held", ["control", "metrics"])
+def test_a_broker_whose_port_another_process_holds_says_so_and_exits_1(tmp_path: Path, held: str) -> None:
+    """A second cluster started on the first one's ports (its control endpoint, or the broker's fixed metrics
+    port): the broker names the address and what to change, with no traceback (before: a ZeroMQ or socketserver
+    traceback ending in "Address already in use")."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        taken, flags = (f"tcp://127.0.0.1:{port}", ["--bus-control", f"tcp://127.0.0.1:{port}",
+                                                    "--bus-metrics-port", "0"]) if held == "control" else \
+            (f"http://127.0.0.1:{port}", ["--bus-control", "tcp://127.0.0.1:0", "--bus-metrics-port", str(port)])
+        result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "node", "bus", *flags,
+                                 "--bus-events-in", "tcp://127.0.0.1:0", "--bus-events-out", "tcp://127.0.0.1:0"],
+                                capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    assert f"refbus: cannot bind {taken}: another process holds that address" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
