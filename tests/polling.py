@@ -23,6 +23,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll_s: fl
         time.sleep(poll_s)
 
 
+def holds_for(predicate: Callable[[], Any], duration: float, what: str, poll_s: float = 0.02) -> None:
+    """Poll ``predicate`` for ``duration`` seconds, failing naming ``what`` as soon as it is falsy: that
+    something does not happen within a configured time (a grace, a timeout) it would happen in."""
+    deadline = time.monotonic() + duration
+    while time.monotonic() < deadline:
+        assert predicate(), f"{what} stopped holding within {duration}s"
+        time.sleep(poll_s)
+
+
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
     """The next line ``proc`` writes to its stdout (an unbuffered binary pipe, ``bufsize=0``: a buffered reader
     would hold lines back from select), stripped; fails after ``timeout`` seconds of silence or when the child

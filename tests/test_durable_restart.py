@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from branches import random_arrays
-from polling import wait_for
+from polling import holds_for, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
@@ -253,4 +253,71 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
         probe.close()
     finally:
         holder.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("kill", ["after-the-grace", "within-the-grace"])
+def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_restart(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path, kill: str) -> None:
+    """A holder of two blobs stops; its restarted process (same node id) claims one of them again within the
+    grace. The durable store is SIGKILLed once the grace is over (the other blob reclaimed) or while it runs,
+    and restarted. Either way the restarted store keeps the blob claimed again for the live holder, and
+    reclaims the other one once (before: it found only the ``holder-down`` record, gave the live holder the grace
+    anew and reclaimed both, losing a blob the holder was using: a chaos soak lost 99 of the orchestrator's)."""
+    control = bus[1]
+    grace_s = 3.0
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-a", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "again", "--node-restart-grace-s", str(grace_s),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-a")
+    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
+    again: NodeRuntime | None = None
+    ctx = zmq.Context()
+    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+    def account(via: Client) -> Accounted:
+        body = via.request(Accounts()).body
+        assert isinstance(body, Accounted)
+        return body
+
+    try:
+        holder.start_background()
+        kept = client.request(Keep(episode_id="ep", branches=[random_arrays(6, seed=5)] * 2)).body
+        assert isinstance(kept, Kept)
+        ids = [r.blob_id for r in kept.refs]
+        assert client.request(Claim(blob_ids=ids, holder="trainer-a")).body == Claimed(blob_ids=ids)
+        holder.join(timeout=WAIT_S)  # bye: the broker reports it down
+        wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
+        again = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
+        again.start_background()
+        wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
+        assert client.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])
+        if kill == "after-the-grace":
+            wait_for(lambda: account(client).reclaimed == {"trainer-a": 1}, 10 * grace_s + WAIT_S,
+                     "the grace ending with the blob not claimed again reclaimed")
+        client.close()
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        restarted = spawn(command, "env-a-restarted")
+        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
+                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        wait_for(lambda: '"store.holders_checked"' in restarted.log_tail(200), WAIT_S,
+                 "the restarted store checking its holders")
+        if kill == "after-the-grace":  # a grace given anew would end within two
+            holds_for(lambda: account(probe).reclaimed == {"trainer-a": 1}, 2 * grace_s,
+                      "the live holder keeping the blob it took back")
+            assert '"holder.down_at_restart"' not in restarted.log_tail(200)
+        else:
+            wait_for(lambda: account(probe).reclaimed, 10 * grace_s + WAIT_S,
+                     "the restarted store ending the grace it resumed")
+        final = account(probe)
+        assert (final.held_by, final.reclaimed, final.deleted) == (
+            {"trainer-a": 1}, {"trainer-a": 1}, {"holder-down": 1}), final
+        assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])
+        probe.close()
+    finally:
+        holder.join(timeout=WAIT_S)
+        if again is not None:
+            again.join(timeout=WAIT_S)
         ctx.destroy(linger=0)

@@ -451,27 +451,41 @@ def test_id_lists_go_in_runs_of_bounded_records_and_replay_whole(
 
 def test_holders_reported_down_survive_a_restart_and_a_compaction_and_garbage_ones_are_skipped(
         tmp_path: Path) -> None:
-    """``holder-down`` records replay into the readoption (the latest per holder), a compaction keeps those of
-    holders that still hold blobs and drops settled ones, and records whose fields do not parse are skipped
-    (they only time a reclaim): the rest of the journal still replays."""
+    """``holder-down`` records replay into the readoption (the latest per holder) with what each holder claimed
+    again since (``again``); a settled holder (``holder-settled``: back as the same process, or its grace over)
+    is not down after a restart (before, only a compaction dropped it, and a restart before one gave the holder,
+    by then a newer live process, the grace anew and reclaimed what it held); a compaction keeps the records of
+    holders that still hold blobs; records whose fields do not parse are skipped (they only time a reclaim) and
+    the rest of the journal still replays."""
     first, durable = keeper(), BlobJournal(open_store(tmp_path))
     durable.readopt(first)
-    blobs = keep(durable, first, "ep-a", (1, 2, 3))
-    for holder, blob_id in zip(("trainer-0", "trainer-1", "orchestrator"), blobs, strict=True):
+    blobs = keep(durable, first, "ep-a", (1, 2, 3, 4))
+    for holder, blob_id in zip(("trainer-0", "trainer-1", "orchestrator", "trainer-0"), blobs, strict=True):
         durable.claimed(first.claim([blob_id], holder).claimed, holder)
     durable.holder_down("trainer-0", ("h", 11, 5.0))
+    durable.claimed_back([blobs[3]], "trainer-0")  # its restarted incarnation took one of its two back
+    durable.claimed_back([blobs[1]], "rollout-0")  # not down: nothing to record
     durable.holder_down("trainer-1", None)
     durable.holder_down("orchestrator", ("h", 12, 6.0))
     durable.holder_settled("orchestrator")  # back as the same process
     for garbage in ({"op": "holder-down"}, {"op": "holder-down", "holder": "x", "inc": [1, 2]},
-                    {"op": "holder-down", "holder": 5, "inc": None}, {"op": "holder-down", "holder": "y", "inc": "z"}):
+                    {"op": "holder-down", "holder": 5, "inc": None}, {"op": "holder-down", "holder": "y", "inc": "z"},
+                    {"op": "again"}, {"op": "again", "holder": "trainer-0", "ids": "b"},
+                    {"op": "again", "holder": "trainer-1", "ids": [7]}, {"op": "again", "holder": 3, "ids": []},
+                    {"op": "holder-settled"}, {"op": "holder-settled", "holder": ["trainer-0"]}):
         durable.store.commit(garbage)
     second, restarted = restart(tmp_path, durable)
-    assert restarted.readoption.holders_down == {  # type: ignore[attr-defined]
-        "trainer-0": ("h", 11, 5.0), "trainer-1": None, "orchestrator": ("h", 12, 6.0)}
-    assert second.stats().held_by == {"trainer-0": 1, "trainer-1": 1, "orchestrator": 1}
-    restarted.holder_settled("orchestrator")
+    down = {"trainer-0": ("h", 11, 5.0), "trainer-1": None}
+    assert restarted.readoption.holders_down == down  # type: ignore[attr-defined]
+    assert restarted.readoption.claimed_again == {  # type: ignore[attr-defined]
+        "trainer-0": frozenset({blobs[3]}), "trainer-1": frozenset()}
+    assert second.stats().held_by == {"trainer-0": 2, "trainer-1": 1, "orchestrator": 1}
     restarted.compact(second)
     _, compacted = restart(tmp_path, restarted)
-    assert compacted.readoption.holders_down == {"trainer-0": ("h", 11, 5.0), "trainer-1": None}  # type: ignore[attr-defined]
-    compacted.store.close(remove=True)
+    assert compacted.readoption.holders_down == down  # type: ignore[attr-defined]
+    assert compacted.readoption.claimed_again["trainer-0"] == {blobs[3]}  # type: ignore[attr-defined]
+    compacted.holder_settled("trainer-0")
+    compacted.holder_settled("trainer-1")
+    _, settled = restart(tmp_path, compacted)
+    assert settled.readoption.holders_down == {} and settled.readoption.claimed_again == {}  # type: ignore[attr-defined]
+    settled.store.close(remove=True)

@@ -14,6 +14,10 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
 ``counters``    a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
 ``holder-down`` ``holder`` was reported down (``inc``: the incarnation that went down, host, pid and start
                 time, or null): its blobs are reclaimed once its grace ends, by this process or a restarted one
+``again``       blob ids ``holder``, reported down and in its grace, claimed again (its restarted
+                incarnation's: a restarted store resuming the grace keeps them for it)
+``holder-settled`` ``holder``'s grace ended (what it had not claimed again was reclaimed) or it came back as
+                the same process: nothing is left to resume for it
 =============== ===================================================================================
 
 :meth:`BlobJournal.readopt` replays them into a fresh keeper: blobs live at the end whose segment fails
@@ -57,6 +61,7 @@ class Readoption:
     damaged: str
     seconds: float
     holders_down: Mapping[str, tuple[str, int, float] | None]  # holder -> the incarnation reported down
+    claimed_again: Mapping[str, frozenset[str]]  # holder reported down -> blob ids it claimed again since
 
 
 class BlobJournal:
@@ -65,8 +70,10 @@ class BlobJournal:
     def __init__(self, store: DurableStore) -> None:
         self.store = store
         self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
-        # Holders reported down whose reclaim is still to come (kept through compactions).
+        # Holders reported down whose reclaim is still to come, and what each claimed again since (kept through
+        # compactions).
         self.holders_down: dict[str, tuple[str, int, float] | None] = {}
+        self.claimed_again: dict[str, set[str]] = {}
 
     # --- writing (any thread) -----------------------------------------------------------------------
 
@@ -120,12 +127,24 @@ class BlobJournal:
     def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown)."""
         self.holders_down[holder] = incarnation
+        self.claimed_again[holder] = set()
         self.store.commit(_holder_down_record(holder, incarnation))
 
+    def claimed_back(self, blob_ids: Sequence[str], holder: str) -> None:
+        """``holder``, reported down and in its grace, claimed ``blob_ids`` again (a claim's ``again``)."""
+        if blob_ids and holder in self.holders_down:
+            self.claimed_again[holder].update(blob_ids)
+            for ids in _runs(blob_ids):
+                self.store.commit({"op": "again", "ids": ids, "holder": holder})
+
     def holder_settled(self, holder: str) -> None:
-        """``holder`` is back as the same process, or what it held was reclaimed: nothing to resume for it (a
-        compaction drops its record; a replay before one finds it and asks the registry again)."""
-        self.holders_down.pop(holder, None)
+        """``holder`` is back as the same process, or its grace ended: nothing to resume for it. Committed: a
+        restarted store that found only the ``holder-down`` record would give the holder, live as a newer
+        process that took back what it wanted long ago, the grace anew, and reclaim what it holds."""
+        if holder in self.holders_down:
+            del self.holders_down[holder]
+            self.claimed_again.pop(holder, None)
+            self.store.commit({"op": "holder-settled", "holder": holder})
 
     def violated(self, violations: Sequence[Violation]) -> None:
         for action, n in Counter(v.action for v in violations).items():
@@ -136,7 +155,7 @@ class BlobJournal:
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
-        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down))
+        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down, self.claimed_again))
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
@@ -179,6 +198,12 @@ class BlobJournal:
                 keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
             elif op == "holder-down" and (down := _holder_down(record)) is not None:
                 self.holders_down[down[0]] = down[1]
+                self.claimed_again[down[0]] = set()
+            elif op == "again" and (again := _claimed_again(record)) is not None and again[0] in self.holders_down:
+                self.claimed_again[again[0]].update(again[1])
+            elif op == "holder-settled" and isinstance(holder := record.get("holder"), str):
+                self.holders_down.pop(holder, None)
+                self.claimed_again.pop(holder, None)
         keeper.adopt_tombstones()
         over = _over_budget(keeper, broken)
         broken.update(over)
@@ -188,7 +213,8 @@ class BlobJournal:
         if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
             self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
-                          time.perf_counter() - started, dict(self.holders_down))
+                          time.perf_counter() - started, dict(self.holders_down),
+                          {holder: frozenset(ids) for holder, ids in self.claimed_again.items()})
 
 
 def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
@@ -261,10 +287,20 @@ def _holder_down(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float]
     return None
 
 
+def _claimed_again(record: Mapping[str, Any]) -> tuple[str, list[str]] | None:
+    """An ``again`` record's (holder, blob ids); None for one whose fields do not parse (skipped: those blobs
+    are then reclaimed with the rest of what the holder held when its grace ends, as before such records)."""
+    holder, ids = record.get("holder"), record.get("ids")
+    if isinstance(holder, str) and holder and isinstance(ids, list) and all(isinstance(i, str) for i in ids):
+        return holder, ids
+    return None
+
+
 def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
-              holders_down: Mapping[str, tuple[str, int, float] | None]) -> Iterator[dict[str, Any]]:
+              holders_down: Mapping[str, tuple[str, int, float] | None],
+              claimed_again: Mapping[str, set[str]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
-    holders reported down that still hold blobs here."""
+    holders reported down that still hold blobs here, with what each claimed again."""
     holders: dict[str, list[str]] = {}
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, holder, _ in keeper.blobs():
@@ -284,6 +320,9 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
     for holder, incarnation in holders_down.items():
         if holder in holders:
             yield _holder_down_record(holder, incarnation)
+            again = claimed_again.get(holder, set()).intersection(holders[holder])
+            for ids in _runs(sorted(again)):
+                yield {"op": "again", "ids": ids, "holder": holder}
 
 
 def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:

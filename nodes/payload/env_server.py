@@ -82,7 +82,7 @@ import argparse
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,20 +296,25 @@ class EnvServer:
         would: back as the same process it keeps everything, a restarted incarnation what it claims again
         meanwhile. Without this, a holder that died around this store's own restart kept its blobs here until
         the store shut down."""
-        recorded = self.readoption.holders_down if self.readoption is not None else {}
+        found = self.readoption
+        recorded = found.holders_down if found is not None else {}
         live = {node.node_id: node for node in listed}
         with self._lock:
             holders = sorted(h for h in self.keeper.stats().held_by if h)
+        given = 0
         for holder in holders:
             if holder not in recorded and holder in live:
                 continue  # nothing says it went down
-            if not self._holder_down(holder, recorded.get(holder), journal=holder not in recorded):
+            if not self._holder_down(holder, recorded.get(holder), journal=holder not in recorded,
+                                     claimed_again=found.claimed_again.get(holder, ()) if found else ()):
                 continue
             if holder in live:
                 self._on_node_up(live[holder])
             if holder in self._holders_down:  # not back as the same process
+                given += 1
                 log.warning("holder.down_at_restart", holder=holder, live=holder in live,
                             grace_s=self.restart_grace_s)
+        log.info("store.holders_checked", holders=len(holders), down_at_restart=given)
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -423,6 +428,7 @@ class EnvServer:
             result = self.keeper.claim(body.blob_ids, body.holder)
             if self.journal is not None:
                 self.journal.claimed(result.claimed, result.holder)
+                self.journal.claimed_back(result.again, result.holder)
                 self.journal.violated(result.violations)
         if result.claimed:
             self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
@@ -515,12 +521,11 @@ class EnvServer:
         with self._lock:
             results = self.keeper.reclaim()
             if self.journal is not None:
-                for result in results.values():
+                for holder, result in results.items():
                     self.journal.dropped(result)
+                    self.journal.holder_settled(holder)
         for holder, result in results.items():
             self._holders_down.pop(holder, None)
-            if self.journal is not None:
-                self.journal.holder_settled(holder)
             if result.deleted:
                 log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
                             grace_s=self.restart_grace_s)
@@ -532,14 +537,16 @@ class EnvServer:
         if self._holder_down(down.node_id, incarnation(info) if info else None, journal=True):
             log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
 
-    def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool) -> bool:
+    def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool,
+                     claimed_again: Iterable[str] = ()) -> bool:
         """``holder`` (its process ``went_down``, None when unknown) is down: unless it is back as that same
-        process within the grace, what it holds here is reclaimed. ``journal``: record it, so a restart of
-        this store resumes the grace. False when it holds nothing here."""
+        process within the grace, what it holds here is reclaimed, except what its restarted incarnation claims
+        again (``claimed_again``: what it did before this store restarted). ``journal``: record it, so a restart
+        of this store resumes the grace. False when it holds nothing here."""
         with self._lock:
             if not self.keeper.holds(holder):
                 return False
-            self.keeper.holder_down(holder, self.restart_grace_s)
+            self.keeper.holder_down(holder, self.restart_grace_s, claimed_again=claimed_again)
             if journal and self.journal is not None and holder not in self._holders_down:
                 self.journal.holder_down(holder, went_down)
         self._holders_down.setdefault(holder, went_down)

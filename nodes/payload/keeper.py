@@ -43,7 +43,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -193,7 +193,9 @@ class ClaimResult:
     """What a claim did. ``claimed``: moved to the holder now; ``already``: the holder had claimed them
     before (a repeated claim is harmless); ``gone``: deleted before the claim (lease ended, discarded);
     ``unknown``: never kept here (or forgotten past the tombstone window); ``violations``: owned by another
-    holder, refused; ``reclaimed``: reclaimed from a holder that went down (a stale claim, refused)."""
+    holder, refused; ``reclaimed``: reclaimed from a holder that went down (a stale claim, refused);
+    ``again``: of ``claimed`` and ``already``, those the holder, reported down and in its grace, took back
+    (its restarted incarnation's: kept when the grace ends)."""
 
     holder: str
     claimed: tuple[str, ...] = ()
@@ -202,6 +204,7 @@ class ClaimResult:
     unknown: tuple[str, ...] = ()
     violations: tuple[Violation, ...] = ()
     reclaimed: tuple[str, ...] = ()
+    again: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,27 +453,27 @@ class Keeper:
         unknown: list[str] = []
         violations: list[Violation] = []
         reclaimed: list[str] = []
+        down = self._holders_down.get(holder)
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is None:
                 tomb = self._tombstones.get(blob_id)
                 (unknown if tomb is None else reclaimed if tomb.reclaimed else gone).append(blob_id)
-            elif not blob.holder:
+            elif not blob.holder:  # claimed by its restarted incarnation if it is down: not the dead one's
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
                 claimed.append(blob_id)
-                if (down := self._holders_down.get(holder)) is not None:
-                    down.claimed_again.add(blob_id)  # claimed by its restarted incarnation: not the dead one's
-            elif blob.holder == holder:
+            elif blob.holder == holder:  # taken back by its restarted incarnation if it is down
                 already.append(blob_id)
-                if (down := self._holders_down.get(holder)) is not None:
-                    down.claimed_again.add(blob_id)  # its restarted incarnation takes it back
             else:
                 violations.append(self._violation(
                     blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
+        again = (*claimed, *already) if down is not None else ()
+        if down is not None:
+            down.claimed_again.update(again)
         self._count_stale("claim", reclaimed)
         return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
-                           tuple(reclaimed))
+                           tuple(reclaimed), again)
 
     def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
@@ -488,11 +491,13 @@ class Keeper:
         """Whether ``holder`` holds any blob here."""
         return any(blob.holder == holder for blob in self._blobs.values())
 
-    def holder_down(self, holder: str, grace_s: float, now: float | None = None) -> None:
+    def holder_down(self, holder: str, grace_s: float, now: float | None = None, *,
+                    claimed_again: Iterable[str] = ()) -> None:
         """``holder`` was reported down: unless it is back (:meth:`holder_back`) within ``grace_s``,
-        :meth:`reclaim` deletes what it holds here. A second report keeps the first deadline."""
+        :meth:`reclaim` deletes what it holds here. A second report keeps the first deadline. ``claimed_again``:
+        blobs its restarted incarnation already took back (a restarted store resuming the grace)."""
         now = self.clock() if now is None else now
-        self._holders_down.setdefault(holder, _HolderDown(now + grace_s))
+        self._holders_down.setdefault(holder, _HolderDown(now + grace_s, set(claimed_again)))
 
     def holder_back(self, holder: str) -> None:
         """``holder`` is live again as the same process (it was slow, not dead): it keeps everything."""
