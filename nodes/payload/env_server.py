@@ -293,9 +293,10 @@ class EnvServer:
         """Node-downs this store heard before it died are in its journal; those it missed while dead show in
         the registry (``listed``: its live nodes). Each such holder of re-adopted blobs is taken down as a
         ``node-down`` would (the grace it would have had, from now), then, when it is live, up as a ``node-up``
-        would: back as the same process it keeps everything, a restarted incarnation what it claims again
-        meanwhile. Without this, a holder that died around this store's own restart kept its blobs here until
-        the store shut down."""
+        would: back as the same process it keeps everything, a restarted incarnation what it claimed again,
+        before this store's restart (the journal's ``again``) or after. A holder whose grace ended before
+        (``holder-settled``) is not recorded and, live, left alone. Without this, a holder that died around this
+        store's own restart kept its blobs here until the store shut down."""
         found = self.readoption
         recorded = found.holders_down if found is not None else {}
         live = {node.node_id: node for node in listed}
