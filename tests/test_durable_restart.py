@@ -26,9 +26,10 @@ from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Accounted, Accounts, Claim, Claimed, EpisodeFinished, Keep, Kept
+from refbus.protocol.messages import Claim, Claimed, EpisodeFinished, Keep, Kept
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted
+from test_violations import accounted
 
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 WAIT_S = 30.0
@@ -52,6 +53,33 @@ def log_events(log: Path, event: str) -> list[dict]:
 def shard_files(shm: Path, node: str) -> int:
     own = {"lock", "id", "journal"}
     return sum(1 for p in shm.glob(f"refbus-store.*.{node}/*") if p.name not in own)
+
+
+def _restarted(spawn, command: list[str], name: str, ctx: zmq.Context) -> tuple[NodeProcess, Client]:
+    """A killed env server started again (``command``) under ``name``, ready, and a client of it."""
+    restarted = spawn(command, name)
+    return restarted, Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
+                             policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+
+def _store_with_grace(spawn, control: str, tmp_path: Path, node_id: str,
+                      grace_s: float) -> tuple[list[str], NodeProcess, str]:
+    """A durable env server ``node_id`` giving holders ``grace_s`` of restart grace (hand-over lease long
+    enough never to end in a test): its command (to start it again), its process and its blobs endpoint."""
+    command = ["node", "env-server", "--bus-control", control, "--node-id", node_id, "--store-directory",
+               str(tmp_path / "shm"), "--store-run", node_id, "--node-restart-grace-s", str(grace_s),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, node_id)
+    return command, first, first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+
+
+def _two_claimed(client: Client, holder: str, seed: int) -> list[str]:
+    """Keep an episode of two blobs and claim both for ``holder``; their ids."""
+    kept = client.request(Keep(episode_id="ep", branches=[random_arrays(6, seed=seed)] * 2)).body
+    assert isinstance(kept, Kept)
+    ids = [r.blob_id for r in kept.refs]
+    assert client.request(Claim(blob_ids=ids, holder=holder)).body == Claimed(blob_ids=ids)
+    return ids
 
 
 def test_killed_env_server_ps_worker_and_ps_manager_come_back_from_their_stores_and_nothing_is_lost(
@@ -153,9 +181,9 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         wait_for(lambda: orchestrator.claimed + orchestrator.missing == 2, WAIT_S, "the claim's outcome")
         assert (orchestrator.claimed, orchestrator.missing) == (2, 0)
         probe = Client(ctx, restarted, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        account = probe.request(Accounts()).body
+        account = accounted(probe)
         probe.close()
-        assert isinstance(account, Accounted) and account.held_by == {"orchestrator": 2}, account
+        assert account.held_by == {"orchestrator": 2}, account
     finally:
         orchestrator_runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
@@ -185,18 +213,16 @@ def test_a_keep_its_journal_cannot_hold_is_refused_whole_and_later_keeps_survive
             assert refused.value.code == "bad-info" and episode in refused.value.detail
         kept = producer.request(Keep(episode_id="ep-good", branches=[arrays], info={"reward": 1.0})).body
         assert isinstance(kept, Kept)
-        account = producer.request(Accounts()).body
-        assert isinstance(account, Accounted) and (account.kept, account.held) == (1, 1), account
+        account = accounted(producer)
+        assert (account.kept, account.held) == (1, 1), account
         assert segments(shm, "env-j") == 1
         producer.close()
         first.proc.kill()
         assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
-        restarted = spawn(command, "env-j-restarted")
-        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
-                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        account = probe.request(Accounts()).body
+        restarted, probe = _restarted(spawn, command, "env-j-restarted", ctx)
+        account = accounted(probe)
         probe.close()
-        assert isinstance(account, Accounted) and (account.kept, account.held_by) == (1, {"": 1}), account
+        assert (account.kept, account.held_by) == (1, {"": 1}), account
         assert segments(shm, "env-j") == 1
         readopted = log_events(restarted.log_path, "store.readopted")
         assert readopted and readopted[0]["blobs"] == 1 and readopted[0]["aborted"] == 0, readopted
@@ -214,21 +240,13 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
     chaos soak ended with blobs held at its end by a trainer rank that had long exited."""
     control = bus[1]
     grace_s = 1.0
-    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-h", "--store-directory",
-               str(tmp_path / "shm"), "--store-run", "holders", "--node-restart-grace-s", str(grace_s),
-               "--env-server-handover-lease-s", "600"]
-    first = spawn(command, "env-h")
-    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-h", grace_s)
     holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-h", metrics_port=-1))
     ctx = zmq.Context()
     client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
     try:
         holder.start_background()
-        arrays = random_arrays(6, seed=4)
-        kept = client.request(Keep(episode_id="ep", branches=[arrays, arrays])).body
-        assert isinstance(kept, Kept)
-        claimed = client.request(Claim(blob_ids=[r.blob_id for r in kept.refs], holder="trainer-h")).body
-        assert isinstance(claimed, Claimed) and len(claimed.blob_ids) == 2, claimed
+        _two_claimed(client, "trainer-h", seed=4)
         client.close()
         if down == "before-the-kill":
             holder.join(timeout=WAIT_S)  # bye: the broker reports it down
@@ -237,18 +255,11 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
         assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
         if down == "while-dead":
             holder.join(timeout=WAIT_S)
-        restarted = spawn(command, "env-h-restarted")
-        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
-                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-
-        def account() -> Accounted:
-            body = probe.request(Accounts()).body
-            assert isinstance(body, Accounted)
-            return body
-
-        wait_for(lambda: account().reclaimed == {"trainer-h": 2}, 10 * grace_s + WAIT_S,
+        restarted, probe = _restarted(spawn, command, "env-h-restarted", ctx)
+        wait_for(lambda: accounted(probe).reclaimed == {"trainer-h": 2}, 10 * grace_s + WAIT_S,
                  "the restarted store reclaiming the gone holder's blobs")
-        assert (account().held, account().deleted) == (0, {"holder-down": 2})
+        account = accounted(probe)
+        assert (account.held, account.deleted) == (0, {"holder-down": 2})
         assert '"holder.down_at_restart"' in restarted.log_tail(200)
         probe.close()
     finally:
@@ -266,27 +277,14 @@ def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_rest
     anew and reclaimed both, losing a blob the holder was using: a chaos soak lost 99 of the orchestrator's)."""
     control = bus[1]
     grace_s = 3.0
-    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-a", "--store-directory",
-               str(tmp_path / "shm"), "--store-run", "again", "--node-restart-grace-s", str(grace_s),
-               "--env-server-handover-lease-s", "600"]
-    first = spawn(command, "env-a")
-    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-a", grace_s)
     holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
     again: NodeRuntime | None = None
     ctx = zmq.Context()
     client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-
-    def account(via: Client) -> Accounted:
-        body = via.request(Accounts()).body
-        assert isinstance(body, Accounted)
-        return body
-
     try:
         holder.start_background()
-        kept = client.request(Keep(episode_id="ep", branches=[random_arrays(6, seed=5)] * 2)).body
-        assert isinstance(kept, Kept)
-        ids = [r.blob_id for r in kept.refs]
-        assert client.request(Claim(blob_ids=ids, holder="trainer-a")).body == Claimed(blob_ids=ids)
+        ids = _two_claimed(client, "trainer-a", seed=5)
         holder.join(timeout=WAIT_S)  # bye: the broker reports it down
         wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
         again = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
@@ -294,24 +292,22 @@ def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_rest
         wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
         assert client.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])
         if kill == "after-the-grace":
-            wait_for(lambda: account(client).reclaimed == {"trainer-a": 1}, 10 * grace_s + WAIT_S,
+            wait_for(lambda: accounted(client).reclaimed == {"trainer-a": 1}, 10 * grace_s + WAIT_S,
                      "the grace ending with the blob not claimed again reclaimed")
         client.close()
         first.proc.kill()
         assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
-        restarted = spawn(command, "env-a-restarted")
-        probe = Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
-                       policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        restarted, probe = _restarted(spawn, command, "env-a-restarted", ctx)
         wait_for(lambda: '"store.holders_checked"' in restarted.log_tail(200), WAIT_S,
                  "the restarted store checking its holders")
         if kill == "after-the-grace":  # a grace given anew would end within two
-            holds_for(lambda: account(probe).reclaimed == {"trainer-a": 1}, 2 * grace_s,
+            holds_for(lambda: accounted(probe).reclaimed == {"trainer-a": 1}, 2 * grace_s,
                       "the live holder keeping the blob it took back")
             assert '"holder.down_at_restart"' not in restarted.log_tail(200)
         else:
-            wait_for(lambda: account(probe).reclaimed, 10 * grace_s + WAIT_S,
+            wait_for(lambda: accounted(probe).reclaimed, 10 * grace_s + WAIT_S,
                      "the restarted store ending the grace it resumed")
-        final = account(probe)
+        final = accounted(probe)
         assert (final.held_by, final.reclaimed, final.deleted) == (
             {"trainer-a": 1}, {"trainer-a": 1}, {"holder-down": 1}), final
         assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])

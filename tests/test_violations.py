@@ -177,7 +177,8 @@ def _summary_of(record: RunRecord) -> dict:
     return _summary(record, 0, Config(), interrupted=False, failed=[], problems=[])
 
 
-def _accounted(client: Client) -> Accounted:
+def accounted(client: Client) -> Accounted:
+    """An env server's counters (its ``accounted`` reply)."""
     reply = client.request(Accounts()).body
     assert isinstance(reply, Accounted)
     return reply
@@ -201,7 +202,7 @@ def test_a_delete_naming_50000_deleted_ids_is_one_event_and_every_count_says_500
     after = watch.next_violation()
     assert (after.action, after.holder, after.count, after.sample) == ("fetch", "trainer-2", 1, ids[:1])
 
-    assert _accounted(client).violations == {"delete": IDS, "fetch": 1}
+    assert accounted(client).violations == {"delete": IDS, "fetch": 1}
     with urllib.request.urlopen(info["metrics"], timeout=WAIT_S) as response:
         metrics = response.read().decode().splitlines()
     assert f'refbus_ownership_violations_total{{action="delete"}} {float(IDS)}' in metrics
@@ -244,7 +245,7 @@ def test_a_store_killed_between_committing_a_refusal_and_publishing_it_is_counte
     restarted = second.wait_ready(timeout=WAIT_S * 3)
     assert "store.readopted" in second.log_tail(200)
     again = Client(zmq_ctx, restarted["endpoints"]["blobs"], WireCodec("tester"), policy=PATIENT)
-    assert _accounted(again).violations == {"delete": CHUNK}  # committed before the kill, counted once
+    assert accounted(again).violations == {"delete": CHUNK}  # committed before the kill, counted once
     # The ledger has folded the restarted process's node-up (same store label: the same store goes on).
     wait_for(lambda: watch.record.joined.get("env-v", (0, 0.0))[0] == second.pid, WAIT_S * 3,
              "the restarted store's node-up")

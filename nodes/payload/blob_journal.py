@@ -301,12 +301,10 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
               claimed_again: Mapping[str, set[str]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
     holders reported down that still hold blobs here, with what each claimed again."""
-    holders: dict[str, list[str]] = {}
+    holders = keeper.claimed()
     episodes: dict[str, list[dict[str, Any]]] = {}
-    for blob_id, episode_id, holder, _ in keeper.blobs():
+    for blob_id, episode_id, _, _ in keeper.blobs():
         episodes.setdefault(episode_id, []).append(layouts[blob_id])
-        if holder:
-            holders.setdefault(holder, []).append(blob_id)
     for episode_id, layouts in episodes.items():
         yield _keep(episode_id, layouts, keeper.record_of(episode_id))
     for holder, held in holders.items():

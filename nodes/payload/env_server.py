@@ -81,7 +81,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -265,11 +265,7 @@ class EnvServer:
     def _reannounce_claims(self) -> None:
         """Publish ``claim`` for the re-adopted blobs each holder has (see the module doc): repeats of claims the
         stream already carried change nothing for its readers, for whom a blob only moves forward."""
-        held: dict[str, list[str]] = defaultdict(list)
-        for blob_id, _, holder, _ in self.keeper.blobs():
-            if holder:
-                held[holder].append(blob_id)
-        for holder, blob_ids in sorted(held.items()):
+        for holder, blob_ids in sorted(self.keeper.claimed().items()):
             for start in range(0, len(blob_ids), REANNOUNCE_IDS):
                 self._post(Claim(blob_ids=blob_ids[start:start + REANNOUNCE_IDS], holder=holder))
 

@@ -635,6 +635,15 @@ class Keeper:
         """(blob id, episode id, holder, packed) of every live blob, in keep order ("": unclaimed)."""
         return ((blob_id, blob.episode_id, blob.holder, blob.packed) for blob_id, blob in self._blobs.items())
 
+    def claimed(self) -> dict[str, list[str]]:
+        """Holder -> the ids of the live blobs it has claimed (or took over), in keep order; unclaimed ones left
+        out."""
+        claimed: dict[str, list[str]] = {}
+        for blob_id, blob in self._blobs.items():
+            if blob.holder:
+                claimed.setdefault(blob.holder, []).append(blob_id)
+        return claimed
+
     def record_of(self, episode_id: str) -> EpisodeFinished | None:
         """The filed ``episode-finished`` record of a live episode (None: none filed)."""
         filed = self._records.get(episode_id)
