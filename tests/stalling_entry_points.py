@@ -1,6 +1,7 @@
 """Entry points that stall, for node processes in tests: the toy train step and generate, except that the
 first call in each process first blocks for ``$REFBUS_TEST_STALL_S`` seconds, as a long training step or
-generation does; and the toy policy, except that one weight pull into it stops half-way (``policy``). Node
+generation does (or, with ``$REFBUS_TEST_STALL_UNTIL`` set to a path, until that file exists: the test
+decides when the stall ends); and the toy policy, except that one weight pull into it stops half-way (``policy``). Node
 processes import it by name: the test puts tests/ on their ``PYTHONPATH``."""
 
 from __future__ import annotations
@@ -16,15 +17,23 @@ from refbus.nodes.toy import policy as toy_policy
 from refbus.nodes.toy import train
 
 STALL_ENV = "REFBUS_TEST_STALL_S"
+STALL_UNTIL_ENV = "REFBUS_TEST_STALL_UNTIL"
 FREEZE_ENV = "REFBUS_TEST_FREEZE_PULL"  # "N:PATH": the N-th pull into the policy stops half-way
 FROZEN_S = 120.0  # how long a frozen pull waits to be killed (a test that failed first stops the node anyway)
 _stalled: set[str] = set()
 
 
 def _stall_once(what: str) -> None:
-    if what not in _stalled:
-        _stalled.add(what)
+    if what in _stalled:
+        return
+    _stalled.add(what)
+    until = os.environ.get(STALL_UNTIL_ENV)
+    if not until:
         time.sleep(float(os.environ[STALL_ENV]))
+        return
+    deadline = time.monotonic() + FROZEN_S  # a test that failed first stops the node anyway
+    while not Path(until).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def train_step(*args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,6 @@ once the run ends."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -28,7 +27,7 @@ from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Claim, Claimed, EpisodeFinished, Keep, Kept
 from test_supervise import QUICK
-from test_up import RUN_S, START_S, STOP_S, Up, check_accounted
+from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
 from test_violations import accounted
 
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
@@ -37,17 +36,6 @@ WAIT_S = 30.0
 
 def segments(shm: Path, node: str) -> int:
     return sum(1 for _ in shm.glob(f"refbus-store.*.{node}/seg-*"))
-
-
-def log_events(log: Path, event: str) -> list[dict]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        if f'"{event}"' in line:
-            try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue
-    return found
 
 
 def shard_files(shm: Path, node: str) -> int:

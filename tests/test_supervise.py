@@ -24,8 +24,8 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.nodes.supervisor import Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
-from stalling_entry_points import STALL_ENV
-from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted
+from stalling_entry_points import STALL_ENV, STALL_UNTIL_ENV
+from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted, log_events
 
 SHUTDOWN_S = 1.2
 # A fetch or delete against a killed store gives up within this schedule (1 + 1.5 + 2.25 s), not the default
@@ -113,6 +113,47 @@ def test_an_env_server_killed_while_dispatch_waits_on_full_stores_is_restarted_a
         check_accounted(summary, {"env-1"})
         assert up.leftovers() == []
     finally:
+        up.close()
+
+
+def test_a_step_whose_only_store_was_killed_is_skipped_by_every_rank_and_the_run_completes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One env server, not durable, SIGKILLed while the first training step stalls and after step 1 was shipped:
+    every blob of step 1 died with it, so no rank can fetch any of its micro batches. Every rank skips step 1 at
+    once (one agreement), pushes its unchanged weights as the next version and trains on: no trainer rank dies,
+    the world is not restarted from its checkpoint, and every kept blob is deleted once or lost with env-0."""
+    release = tmp_path / "release-step-0"
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    steps = 4
+    up = Up(tmp_path, steps, *QUICK, "--up-env-servers", "1", "--store-durable", "false",
+            "--rl-train-step", "stalling_entry_points:train_step")
+    orchestrator_log = up.run_dir / "orchestrator.log"
+    try:
+        wait_for(lambda: up.alive() and orchestrator_log.exists()
+                 and any(e["step"] == 1 for e in log_events(orchestrator_log, "step.shipped")),
+                 START_S + RUN_S / 4, "step 1 shipped while step 0 stalls", poll_s=0.05)
+        pid = up.note_pids()["env-0"]
+        os.kill(pid, signal.SIGKILL)
+        release.touch()
+        code = up.wait(RUN_S)
+        summary = up.summary()
+        output = up.output(20_000)
+        assert code in (0, 1), output  # 1: what env-0 held died with it
+        assert summary["steps"] == steps and summary["failed_nodes"] == [], output
+        assert summary["world_restarts"] == [] and summary["restarts"] == 1, output
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("env-0", pid, "SIGKILL", True)], output
+        for rank in (0, 1):
+            skipped = log_events(up.run_dir / f"trainer-{rank}.log", "step.skipped")
+            assert 1 in {e["step"] for e in skipped}, output
+            assert all("no micro batch could be fetched on any rank" in e["reason"] for e in skipped), skipped
+            trained = {e["step"] for e in log_events(up.run_dir / f"trainer-{rank}.log", "step.trained")}
+            assert trained | {e["step"] for e in skipped} == set(range(steps)), (trained, skipped)
+        check_accounted(summary, {"env-0"})
+        assert up.leftovers() == []
+    finally:
+        release.touch()
         up.close()
 
 

@@ -4,7 +4,7 @@ orchestrator: it sends each rank its ``step-batch`` and checks what the ranks tr
 
 Covered: a fetch failure on one data rank drops that micro batch there (zero loss, real routing rows) and
 every rank learns the run-wide count; peers of one data rank (tensor-parallel style) drop together, count
-on both, and only the leader deletes; a step with nothing fetchable raises ``StepFailed`` on every rank and
+on both, and only the leader deletes; a step with nothing fetchable raises ``StepSkipped`` on every rank and
 its blobs are still deleted; every owned blob is deleted exactly once with the right reason; ``reference``
 and ``fetch-ack`` mirrors reach the event stream; a non-leader refuses owned blobs. Every wait is bounded and
 every process reaped. A step that computes for three node timeouts keeps the rank registered, and the
@@ -89,7 +89,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     from refbus.bus.logs import configure_logging
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
     from refbus.nodes.payload.fetcher import FetchSettings
-    from refbus.nodes.payload.trainer_rank import StepFailed, TrainerRank
+    from refbus.nodes.payload.trainer_rank import StepFailed, StepSkipped, TrainerRank
     from refbus.nodes.settings import TrainerSettings
 
     configure_logging(level="error")
@@ -108,6 +108,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                 result = trainer.begin_step(step)
             except StepFailed as exc:
                 report["failed"] = str(exc)
+                report["skipped"] = isinstance(exc, StepSkipped)
             else:
                 report["dropped"] = result.dropped
                 report["dropped_global"] = result.dropped_global
@@ -130,6 +131,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
             report["deleted"] = release.deleted
             report["dropped_metric"] = REGISTRY.get_sample_value("refbus_dropped_micro_batches_total")
             report["held_metric"] = REGISTRY.get_sample_value("refbus_trainer_blobs_held")
+            report["skipped_metric"] = REGISTRY.get_sample_value("refbus_trainer_steps_skipped_total")
             conn.send(report)
     finally:
         runtime.join()
@@ -248,7 +250,9 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
     victim = next(i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None)
     for env in envs:
         env.missing_for["trainer-0"] = {victim}
-        env.missing |= set(nothing.branches)
+        nothing_ids = sorted(nothing.branches)  # absent or garbage (a byte flipped): nothing of step 1 verifies
+        env.missing |= set(nothing_ids[::2])
+        env.corrupt |= set(nothing_ids[1::2])
         env.reclaimed |= set(nothing.owned[0][:1])  # answered reclaimed: no longer held, no violation
 
     ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=2, workdir=tmp_path)
@@ -278,10 +282,12 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
             if not batch["dropped"]:
                 check_assembled(received(batch, partial.ranks[rank][index]), partial.ranks[rank][index],
                                 partial.branches)
-    # Step 1: nothing fetchable anywhere: both ranks raise, and still delete what they own (a blob its store
-    # reclaimed meanwhile is no longer held either).
+    # Step 1: nothing fetchable anywhere: both ranks skip it (the world goes on), and still delete what they own
+    # (a blob its store reclaimed meanwhile is no longer held either).
     for rank in (0, 1):
         assert "no micro batch could be fetched on any rank" in reports[rank][1]["failed"]
+        assert reports[rank][1]["skipped"] and reports[rank][1]["skipped_metric"] == 1
+        assert reports[rank][0]["skipped_metric"] == 0
         assert reports[rank][1]["held_metric"] == 0
 
     done = deletes(envs)

@@ -6,7 +6,6 @@ violation and no process left."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -14,24 +13,13 @@ from pathlib import Path
 import pytest
 from polling import wait_for
 from test_supervise import QUICK
-from test_up import RUN_S, START_S, STOP_S, Up
+from test_up import RUN_S, START_S, STOP_S, Up, log_events
 
 CHECKPOINT_EVERY = 1
 # A short restart grace: the orchestrator waits it out (after the last old rank is down) before it ships to
 # the new world, so the stores have reclaimed what the old world held.
 RESTART_GRACE_S = 2.0
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
-
-
-def _events(log: Path, event: str) -> list[dict]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        if f'"{event}"' in line:
-            try:
-                found.append(json.loads(line[line.index("{"):]))
-            except ValueError:
-                continue
-    return found
 
 
 def test_killed_trainer_rank_restarts_its_world_from_the_checkpoint_and_the_run_completes(tmp_path: Path) -> None:
@@ -71,14 +59,14 @@ def test_killed_trainer_rank_restarts_its_world_from_the_checkpoint_and_the_run_
         assert accounting["stores_unread"] == [] and set(accounting["reconciled"]) == {"env-0", "env-1"}, output
 
         # The surviving rank ended its world loudly, naming the dead rank.
-        broken = _events(up.run_dir / "trainer-0.log", "trainer.world_broken")
+        broken = log_events(up.run_dir / "trainer-0.log", "trainer.world_broken")
         assert broken and broken[0]["dead_rank"] == 1 and broken[0]["dead_node"] == "trainer-1", output
         # The new world agreed on a checkpointed step and the orchestrator continued from it.
-        resumed = _events(up.run_dir / "trainer-0.log", "trainer.resumed")
+        resumed = log_events(up.run_dir / "trainer-0.log", "trainer.resumed")
         assert resumed and 2 <= resumed[-1]["step"] < steps, output
-        continued = _events(up.run_dir / "orchestrator.log", "trainers.world_resumed")
+        continued = log_events(up.run_dir / "orchestrator.log", "trainers.world_resumed")
         assert [e["step"] for e in continued] == [resumed[-1]["step"]], output
-        lineage = _events(up.run_dir / "ps-manager.log", "ps.lineage_started")
+        lineage = log_events(up.run_dir / "ps-manager.log", "ps.lineage_started")
         assert lineage[-1]["version"] == resumed[-1]["step"], output
         assert survivor not in {pid for pid, _ in up.leftovers()}
         assert up.leftovers() == []

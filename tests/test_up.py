@@ -199,6 +199,18 @@ def check_blobs(log: EventLog, up_blobs: dict[str, Any]) -> None:
     assert set(deleted) == set(kept) and set(deleted.values()) == {1}
 
 
+def log_events(log: Path, event: str) -> list[dict]:
+    """The records of ``event`` in a node's JSON log (lines that do not parse are skipped)."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if f'"{event}"' in line:
+            try:
+                found.append(json.loads(line[line.index("{"):]))
+            except ValueError:
+                continue
+    return found
+
+
 def check_accounted(summary: dict[str, Any], losers: set[str]) -> dict[str, Any]:
     """A run after deaths: every kept blob deleted once or lost, only with ``losers``; no violation, nothing
     held, leaked or unaccounted. Returns the summary's blob totals."""

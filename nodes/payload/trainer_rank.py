@@ -19,8 +19,8 @@ refuses a step batch with owned blobs, so a mistake is loud instead of a double 
 micro batch ``i`` of data rank ``d`` failed on any of its ranks, entry ``data_ranks * M + d`` when data rank
 ``d`` could not stand in for a dropped micro batch (no real routing rows or top-k width in its step).
 Every rank reads the same reduced vector, so every rank takes the same decision: drop exactly the flagged
-micro batches of its data rank (zero loss, routing repeating real rows, counted), or raise
-:class:`StepFailed` on all ranks when nothing of the step was fetched anywhere or a data rank is stuck. A
+micro batches of its data rank (zero loss, routing repeating real rows, counted), or skip the step on all
+ranks (:class:`StepSkipped`) when nothing of the step was fetched anywhere or a data rank is stuck. A
 rank enters the all-reduce only after its fetch returned, so it is also the point after which every rank
 has fetched: ``end_step`` needs no further collective before deleting. The group must hold every rank
 that may fetch a blob of the step (dummies borrow other ranks' blobs): the default world group does.
@@ -86,9 +86,18 @@ DROPPED_REASON = "dropped"
 
 
 class StepFailed(RuntimeError):
-    """The step cannot run: nothing could be fetched anywhere, a data rank cannot stand in for its dropped
-    micro batches, or the step batch never came. Raised on every rank alike (except a missing step batch,
-    which the other ranks see as a collective timeout); stop the run."""
+    """The step cannot run on this rank: its step batch never came (the other ranks see a collective
+    timeout), it was interrupted, or the node loop stopped; stop the run. See :class:`StepSkipped` for the
+    one kind the world survives."""
+
+
+class StepSkipped(StepFailed):
+    """Every rank agreed that the step cannot be trained: nothing of it could be fetched anywhere (its stores
+    died or lost its blobs), or a data rank cannot stand in for its dropped micro batches. Raised by
+    ``begin_step`` on every rank of the group at once, from the one agreement, so no rank waits in a collective
+    the others skip: call ``end_step`` for the step (its owned blobs deleted ``dropped``) and go on with the
+    next one, the weights unchanged. Stopping the world instead would cost every step since its last
+    checkpoint for one step whose data is gone."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -198,6 +207,7 @@ class TrainerRank:
                                   "received": float(self._accepted.step if self._accepted is not None else -1)}
         self.fetched_bytes = 0
         self.dropped_micro_batches = 0
+        self.skipped_steps = 0
         self._fetch_seconds = runtime.histogram(
             "refbus_fetch_seconds", "Seconds from the start of a step's fetch until its tensors are assembled.",
             buckets=FETCH_SECONDS_BUCKETS)
@@ -205,6 +215,9 @@ class TrainerRank:
                        lambda: {(): float(self.fetched_bytes)})
         runtime.metric("refbus_dropped_micro_batches_total", "Micro batches this rank ran as dropped (zero loss).",
                        lambda: {(): float(self.dropped_micro_batches)})
+        runtime.metric("refbus_trainer_steps_skipped_total",
+                       "Steps every rank skipped: nothing of them fetched anywhere, or a data rank stuck.",
+                       lambda: {(): float(self.skipped_steps)})
         runtime.metric("refbus_trainer_blobs_held", "Blobs owned by this trainer rank and not yet deleted.",
                        lambda: {(): float(len(self.held))}, kind="gauge")
         # What the orchestrator needs to address this rank: its data rank, and whether it deletes.
@@ -216,8 +229,9 @@ class TrainerRank:
     def begin_step(self, step: int) -> StepBatches:
         """Wait for this rank's step batch, fetch and assemble it, agree with every rank on what failed.
 
-        Collective: every rank of the group calls it for the same step. Raises :class:`StepFailed` (on every
-        rank) when the step cannot run, and on this rank when it was interrupted or the node stopped.
+        Collective: every rank of the group calls it for the same step. Raises :class:`StepSkipped` on every
+        rank when the ranks agreed to skip the step, :class:`StepFailed` on this rank when its step batch never
+        came, it was interrupted or the node stopped.
         """
         if self.runtime.loop_thread is None:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
@@ -270,8 +284,8 @@ class TrainerRank:
         """After the optimizer step: delete the step's owned blobs (reason ``trained``, or ``dropped`` for
         blobs of dropped micro batches), grouped per env server. Not collective: ``begin_step``'s all-reduce
         already proved that every rank fetched. Also call it after ``begin_step`` raised :class:`StepFailed`
-        for the step, whatever raised it: the rank still owns the blobs and deletes them (reason ``dropped``);
-        nothing, when the step batch never came.
+        (:class:`StepSkipped` included) for the step, whatever raised it: the rank still owns the blobs and
+        deletes them (reason ``dropped``); nothing, when the step batch never came.
 
         Every owned blob leaves ``held`` here (the ``blobs_held`` status): those deleted, and those whose
         delete ends otherwise, which this rank never asks for again: ``violations`` (deleted already),
@@ -403,13 +417,17 @@ class TrainerRank:
         flags[width + self.data_rank] = int(self._stuck(fetch))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         failed = flags[:width].view(self.data_ranks, per_rank)
-        if width and bool(failed.all()):
-            raise StepFailed(f"step {step}: no micro batch could be fetched on any rank "
-                             f"({_reasons(fetch)} here)")
+        skipped = ""
         stuck = flags[width:].nonzero().flatten().tolist()
-        if stuck:
-            raise StepFailed(f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
-                             "(no real routing rows or top-k width fetched there)")
+        if width and bool(failed.all()):
+            skipped = f"step {step}: no micro batch could be fetched on any rank ({_reasons(fetch)} here)"
+        elif stuck:
+            skipped = (f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
+                       "(no real routing rows or top-k width fetched there)")
+        if skipped:
+            self.skipped_steps += 1
+            log.warning("step.skipped", step=step, reason=skipped, failed_global=int(failed.sum()))
+            raise StepSkipped(skipped)
         dropped = tuple(failed[self.data_rank].nonzero().flatten().tolist())
         return dropped, int(failed.sum())
 

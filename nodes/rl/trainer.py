@@ -3,7 +3,9 @@
 Each step: wait for this rank's step batch (references only), fetch and assemble the arrays
 (:class:`~refbus.nodes.payload.trainer_rank.TrainerRank`), run the configured train step with router replay,
 delete the step's blobs, then push this rank's share of the weights as the next version: the parameter
-server commits the version once every rank's shard is in, and publishes ``version-bump``.
+server commits the version once every rank's shard is in, and publishes ``version-bump``. A step every rank
+agreed to skip (nothing of it fetched anywhere: its stores died with its blobs) trains nothing and pushes the
+same weights as the next version; the world goes on.
 
 Ranks come from the config or from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` with ``trainer.init_method = "env://"``). Every rank is its own data rank.
@@ -44,7 +46,7 @@ from ...protocol.messages import NodeDown, NodeInfo
 from ..config import Config
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
-from ..payload.trainer_rank import StepBatches, StepFailed, TrainerRank
+from ..payload.trainer_rank import StepBatches, StepFailed, StepSkipped, TrainerRank
 from ..ps.client import PsClient
 from ..settings import TrainerSettings
 from . import checkpoint
@@ -116,7 +118,9 @@ def run(config: Config, args: argparse.Namespace) -> int:
             ps.push(shard_of(model.state_dict(), rank, world), first, rank=rank, world=world, resumes=True)
             for step in range(first, section.steps):
                 try:
-                    batches = trainer.begin_step(step)
+                    batches: StepBatches | None = trainer.begin_step(step)
+                except StepSkipped:
+                    batches = None  # every rank skips it (begin_step logged why): the weights stay as they are
                 except StepFailed:
                     if trainer.interrupted and not trainer.broken:  # asked to stop while waiting: not a failure
                         break
@@ -126,14 +130,18 @@ def run(config: Config, args: argparse.Namespace) -> int:
                     # user's train_step cannot return on a peer before this rank entered it too. So a peer
                     # that trains faster and leaves from here on has finished, not died.
                     collectives_done.set()
-                metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
+                if batches is not None:
+                    metrics = train_step(model, optimizer, micro_batches(batches), temperature=rl.temperature)
                 trainer.end_step(step)
+                # A skipped step still publishes its version (the same weights): rollouts and the orchestrator's
+                # staleness count steps, and the next step's push must follow this one.
                 ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world)
                 if section.checkpoint_every and (step + 1) % section.checkpoint_every == 0:
                     path = checkpoint.save(section.checkpoint_dir, rank, step + 1, model, optimizer)
                     log.info("checkpoint.written", step=step + 1, path=str(path))
-                log.info("step.trained", step=step, dropped=batches.dropped_global,
-                         fetch_s=round(batches.fetch.seconds, 4), **_rounded(metrics))
+                if batches is not None:
+                    log.info("step.trained", step=step, dropped=batches.dropped_global,
+                             fetch_s=round(batches.fetch.seconds, 4), **_rounded(metrics))
                 if trainer.interrupted:
                     break
         except RuntimeError as exc:
