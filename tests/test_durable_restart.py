@@ -255,6 +255,49 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
         ctx.destroy(linger=0)
 
 
+def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_back(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A holder claims two blobs of a durable env server (the store journals which process it is), the store is
+    SIGKILLed, and while it is dead the holder stops and starts again under its node id: no ``node-down``
+    reaches the store, and the registry lists the holder live. The restarted store tells the new process from
+    the one that took the blobs and gives the holder the grace: the blob the new process claims back (before
+    or after the store's check) stays its own, the other one is reclaimed once the grace ends. Before, the
+    store took the live holder for the one that claimed and kept both for a process that knew neither, until
+    the store shut down."""
+    control = bus[1]
+    grace_s = 2.0
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-r", grace_s)
+    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-r", metrics_port=-1))
+    again: NodeRuntime | None = None
+    ctx = zmq.Context()
+    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+        holder.start_background()
+        ids = _two_claimed(client, "trainer-r", seed=6)
+        client.close()
+        wait_for(lambda: '"holder.seen"' in first.log_tail(200), WAIT_S, "the store journaling the holder's process")
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        holder.join(timeout=WAIT_S)
+        again = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-r", metrics_port=-1))
+        again.start_background()
+        restarted, probe = _restarted(spawn, command, "env-r-restarted", ctx)
+        assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-r")).body == Claimed(blob_ids=ids[:1])
+        wait_for(lambda: accounted(probe).reclaimed == {"trainer-r": 1}, 10 * grace_s + WAIT_S,
+                 "the restarted store reclaiming what the holder's earlier process held")
+        final = accounted(probe)
+        assert (final.held_by, final.deleted) == ({"trainer-r": 1}, {"holder-down": 1}), final
+        assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-r")).body == Claimed(blob_ids=ids[:1])
+        down = log_events(restarted.log_path, "holder.down_at_restart")
+        assert [(e["holder"], e["live"]) for e in down] == [("trainer-r", True)], down
+        probe.close()
+    finally:
+        holder.join(timeout=WAIT_S)
+        if again is not None:
+            again.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("kill", ["after-the-grace", "within-the-grace"])
 def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_restart(
         bus: tuple[NodeProcess, str], spawn, tmp_path: Path, kill: str) -> None:

@@ -489,3 +489,38 @@ def test_holders_reported_down_survive_a_restart_and_a_compaction_and_garbage_on
     _, settled = restart(tmp_path, compacted)
     assert settled.readoption.holders_down == {} and settled.readoption.claimed_again == {}  # type: ignore[attr-defined]
     settled.store.close(remove=True)
+
+
+def test_the_process_each_holder_was_survives_a_restart_and_a_compaction_and_garbage_ones_are_skipped(
+        tmp_path: Path) -> None:
+    """``holder-seen`` records (the process a holder was when it took blobs here) replay into the readoption, the
+    latest per holder; one is committed only when the process changed; a compaction keeps those of holders that
+    still hold blobs; records whose fields do not parse, or name no process, are skipped (they only decide
+    whether a holder restarted while the store was dead) and the rest of the journal still replays."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    blobs = keep(durable, first, "ep-a", (1, 2, 3))
+    for holder, blob_id in zip(("orchestrator", "trainer-0", "trainer-1"), blobs, strict=True):
+        durable.claimed(first.claim([blob_id], holder).claimed, holder)
+    assert durable.holder_seen("orchestrator", ("h", 11, 5.0))
+    records = durable.store.records_since_compact
+    assert not durable.holder_seen("orchestrator", ("h", 11, 5.0))  # the same process: nothing committed
+    assert durable.store.records_since_compact == records
+    assert durable.holder_seen("orchestrator", ("h", 12, 6.0))  # restarted: the newer process is recorded
+    assert durable.holder_seen("trainer-0", ("g", 7, 1.5))
+    assert durable.holder_seen("trainer-1", ("g", 8, 1.5))
+    durable.dropped(first.delete([blobs[2]], "trainer-1", "trained"))  # trainer-1 holds nothing any more
+    for garbage in ({"op": "holder-seen"}, {"op": "holder-seen", "holder": "x", "inc": [1, 2]},
+                    {"op": "holder-seen", "holder": "y", "inc": None}, {"op": "holder-seen", "holder": 5,
+                                                                         "inc": ["h", 1, 1.0]},
+                    {"op": "holder-seen", "holder": "trainer-0", "inc": ["h", "pid", 1.0]}):
+        durable.store.commit(garbage)
+    second, restarted = restart(tmp_path, durable)
+    seen = {"orchestrator": ("h", 12, 6.0), "trainer-0": ("g", 7, 1.5), "trainer-1": ("g", 8, 1.5)}
+    assert restarted.readoption.holders_seen == seen  # type: ignore[attr-defined]
+    assert second.stats().held_by == {"orchestrator": 1, "trainer-0": 1}
+    restarted.compact(second)
+    _, compacted = restart(tmp_path, restarted)
+    del seen["trainer-1"]
+    assert compacted.readoption.holders_seen == seen  # type: ignore[attr-defined]
+    compacted.store.close(remove=True)

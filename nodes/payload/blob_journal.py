@@ -18,6 +18,9 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
                 incarnation's: a restarted store resuming the grace keeps them for it)
 ``holder-settled`` ``holder``'s grace ended (what it had not claimed again was reclaimed) or it came back as
                 the same process: nothing is left to resume for it
+``holder-seen`` the process ``holder`` was (``inc``) when it took blobs here, written when that changes: a
+                restarted store that finds another process live under the id knows the holder restarted
+                while the store was dead, though no ``node-down`` reached it
 =============== ===================================================================================
 
 :meth:`BlobJournal.readopt` replays them into a fresh keeper: blobs live at the end whose segment fails
@@ -62,6 +65,7 @@ class Readoption:
     seconds: float
     holders_down: Mapping[str, tuple[str, int, float] | None]  # holder -> the incarnation reported down
     claimed_again: Mapping[str, frozenset[str]]  # holder reported down -> blob ids it claimed again since
+    holders_seen: Mapping[str, tuple[str, int, float]]  # holder -> the incarnation that took blobs here last
 
 
 class BlobJournal:
@@ -74,6 +78,7 @@ class BlobJournal:
         # compactions).
         self.holders_down: dict[str, tuple[str, int, float] | None] = {}
         self.claimed_again: dict[str, set[str]] = {}
+        self.holders_seen: dict[str, tuple[str, int, float]] = {}
 
     # --- writing (any thread) -----------------------------------------------------------------------
 
@@ -128,7 +133,15 @@ class BlobJournal:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown)."""
         self.holders_down[holder] = incarnation
         self.claimed_again[holder] = set()
-        self.store.commit(_holder_down_record(holder, incarnation))
+        self.store.commit(_holder_record("holder-down", holder, incarnation))
+
+    def holder_seen(self, holder: str, incarnation: tuple[str, int, float]) -> bool:
+        """``holder`` is process ``incarnation`` as it takes blobs here: committed when that changed (True)."""
+        if self.holders_seen.get(holder) == incarnation:
+            return False
+        self.holders_seen[holder] = incarnation
+        self.store.commit(_holder_record("holder-seen", holder, incarnation))
+        return True
 
     def claimed_back(self, blob_ids: Sequence[str], holder: str) -> None:
         """``holder``, reported down and in its grace, claimed ``blob_ids`` again (a claim's ``again``)."""
@@ -155,7 +168,8 @@ class BlobJournal:
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
-        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down, self.claimed_again))
+        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down, self.claimed_again,
+                                     self.holders_seen))
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
@@ -196,9 +210,11 @@ class BlobJournal:
                 keeper.violations[record["action"]] += record["n"]
             elif op == "counters":
                 keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
-            elif op == "holder-down" and (down := _holder_down(record)) is not None:
+            elif op == "holder-down" and (down := _holder_incarnation(record)) is not None:
                 self.holders_down[down[0]] = down[1]
                 self.claimed_again[down[0]] = set()
+            elif op == "holder-seen" and (seen := _holder_incarnation(record)) is not None and seen[1] is not None:
+                self.holders_seen[seen[0]] = seen[1]
             elif op == "again" and (again := _claimed_again(record)) is not None and again[0] in self.holders_down:
                 self.claimed_again[again[0]].update(again[1])
             elif op == "holder-settled" and isinstance(holder := record.get("holder"), str):
@@ -214,7 +230,8 @@ class BlobJournal:
             self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
                           time.perf_counter() - started, dict(self.holders_down),
-                          {holder: frozenset(ids) for holder, ids in self.claimed_again.items()})
+                          {holder: frozenset(ids) for holder, ids in self.claimed_again.items()},
+                          dict(self.holders_seen))
 
 
 def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
@@ -269,13 +286,14 @@ def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
     return over
 
 
-def _holder_down_record(holder: str, incarnation: tuple[str, int, float] | None) -> dict[str, Any]:
-    return {"op": "holder-down", "holder": holder, "inc": list(incarnation) if incarnation else None}
+def _holder_record(op: str, holder: str, incarnation: tuple[str, int, float] | None) -> dict[str, Any]:
+    return {"op": op, "holder": holder, "inc": list(incarnation) if incarnation else None}
 
 
-def _holder_down(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None] | None:
-    """A ``holder-down`` record's (holder, incarnation); None for one whose fields do not parse (it only
-    decides when a dead holder's blobs are reclaimed: skipped, they stay with their holder as before)."""
+def _holder_incarnation(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None] | None:
+    """A ``holder-down`` or ``holder-seen`` record's (holder, incarnation); None for one whose fields do not
+    parse (either only decides whether a dead holder's blobs are reclaimed: skipped, they stay with their
+    holder as before)."""
     holder, inc = record.get("holder"), record.get("inc")
     if not isinstance(holder, str) or not holder:
         return None
@@ -298,9 +316,11 @@ def _claimed_again(record: Mapping[str, Any]) -> tuple[str, list[str]] | None:
 
 def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
               holders_down: Mapping[str, tuple[str, int, float] | None],
-              claimed_again: Mapping[str, set[str]]) -> Iterator[dict[str, Any]]:
+              claimed_again: Mapping[str, set[str]],
+              holders_seen: Mapping[str, tuple[str, int, float]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
-    holders reported down that still hold blobs here, with what each claimed again."""
+    holders reported down that still hold blobs here, with what each claimed again, and the process each
+    holder of blobs here was when it last took some."""
     holders = keeper.claimed()
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, _, _ in keeper.blobs():
@@ -315,9 +335,12 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
     stats = keeper.stats()
     yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
+    for holder, seen in holders_seen.items():
+        if holder in holders:
+            yield _holder_record("holder-seen", holder, seen)
     for holder, incarnation in holders_down.items():
         if holder in holders:
-            yield _holder_down_record(holder, incarnation)
+            yield _holder_record("holder-down", holder, incarnation)
             again = claimed_again.get(holder, set()).intersection(holders[holder])
             for ids in _runs(sorted(again)):
                 yield {"op": "again", "ids": ids, "holder": holder}

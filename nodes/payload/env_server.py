@@ -211,6 +211,9 @@ class EnvServer:
         self._outbox: deque[Body] = deque()
         self.restart_grace_s = restart_grace_s
         self._holders_down: dict[str, tuple[str, int, float] | None] = {}  # node id -> incarnation that went down
+        # A restarted store's claims answered before it checked its holders (holder -> blob ids): a holder that
+        # restarted while the store was dead claims back what it wants meanwhile, and must keep it.
+        self._claims_unchecked: dict[str, set[str]] | None = None
         self.journal: BlobJournal | None = None
         self.readoption: Readoption | None = None
         if store is not None and store.durable:
@@ -225,7 +228,7 @@ class EnvServer:
         self.server.on(HoldingsQuery.kind, self._on_holdings, cached=False)  # a read: a retry reads again
         # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
         runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
-        peers = runtime.track_peers()
+        self._peers = peers = runtime.track_peers()
         peers.on_down(self._on_node_down)
         peers.on_up(self._on_node_up)
         runtime.subscribe(self._on_reference, kinds=frozenset({Reference.kind}))
@@ -260,6 +263,7 @@ class EnvServer:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
             self._reannounce_claims()
+            self._claims_unchecked = {}
             self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
 
     def _reannounce_claims(self) -> None:
@@ -280,6 +284,7 @@ class EnvServer:
                 self.runtime.later(max(0.05, self.restart_grace_s / 4),
                                    lambda: self._holders_after_restart(attempt + 1))
             else:
+                self._claims_unchecked = None
                 log.error("holders.unchecked", attempts=HOLDER_CHECKS,
                           detail="the registry never answered: holders gone around this restart keep their blobs")
 
@@ -287,24 +292,35 @@ class EnvServer:
 
     def _holders_gone(self, listed: list[NodeInfo]) -> None:
         """Node-downs this store heard before it died are in its journal; those it missed while dead show in
-        the registry (``listed``: its live nodes). Each such holder of re-adopted blobs is taken down as a
-        ``node-down`` would (the grace it would have had, from now), then, when it is live, up as a ``node-up``
-        would: back as the same process it keeps everything, a restarted incarnation what it claimed again,
-        before this store's restart (the journal's ``again``) or after. A holder whose grace ended before
-        (``holder-settled``) is not recorded and, live, left alone. Without this, a holder that died around this
-        store's own restart kept its blobs here until the store shut down."""
+        the registry (``listed``: its live nodes): a holder it lacks, or one live as another process than the
+        one that last took blobs here (the journal's ``holder-seen``: it restarted while this store was dead).
+        Each such holder of re-adopted blobs is taken down as a ``node-down`` would (the grace it would have
+        had, from now), then, when it is live, up as a ``node-up`` would: back as the same process it keeps
+        everything, a restarted incarnation what it claimed again, before this store's restart (the journal's
+        ``again``) or after (claims answered before this check included). A holder whose grace ended before
+        (``holder-settled``) is not recorded and, live as the process seen last (or none recorded), left alone.
+        Without this, a holder that died around this store's own restart kept its blobs here until the store
+        shut down."""
         found = self.readoption
         recorded = found.holders_down if found is not None else {}
+        seen = found.holders_seen if found is not None else {}
         live = {node.node_id: node for node in listed}
+        claimed_since, self._claims_unchecked = self._claims_unchecked or {}, None
         with self._lock:
             holders = sorted(h for h in self.keeper.stats().held_by if h)
         given = 0
         for holder in holders:
-            if holder not in recorded and holder in live:
+            went_down = recorded.get(holder, seen.get(holder))
+            if holder not in recorded and holder in live and went_down in (None, incarnation(live[holder])):
                 continue  # nothing says it went down
-            if not self._holder_down(holder, recorded.get(holder), journal=holder not in recorded,
-                                     claimed_again=found.claimed_again.get(holder, ()) if found else ()):
+            again = set(found.claimed_again.get(holder, ())) if found else set()
+            since = claimed_since.get(holder, set())
+            if not self._holder_down(holder, went_down, journal=holder not in recorded,
+                                     claimed_again=again | since):
                 continue
+            if since and self.journal is not None:  # so a second restart within this grace keeps them too
+                with self._lock:
+                    self.journal.claimed_back(sorted(since), holder)
             if holder in live:
                 self._on_node_up(live[holder])
             if holder in self._holders_down:  # not back as the same process
@@ -427,6 +443,10 @@ class EnvServer:
                 self.journal.claimed(result.claimed, result.holder)
                 self.journal.claimed_back(result.again, result.holder)
                 self.journal.violated(result.violations)
+                if result.claimed or result.again:
+                    self._seen(result.holder)
+        if self._claims_unchecked is not None:
+            self._claims_unchecked.setdefault(result.holder, set()).update(result.claimed, result.already)
         if result.claimed:
             self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
         self._report(result.violations)
@@ -549,7 +569,22 @@ class EnvServer:
         self._holders_down.setdefault(holder, went_down)
         return True
 
+    def _seen(self, holder: str, info: NodeInfo | None = None) -> None:
+        """Journal the process ``holder`` is as it takes blobs here (``info``: its registry entry, by default
+        the one this node tracks; unknown yet, its ``node-up`` records it). Under the keeper lock, durable
+        stores only."""
+        info = info or self._peers.live.get(holder)
+        if info is not None and self.journal is not None and self.journal.holder_seen(holder, incarnation(info)):
+            log.info("holder.seen", holder=holder, host=info.host, pid=info.pid)
+
     def _on_node_up(self, info: NodeInfo) -> None:
+        if self.journal is not None:
+            # A holder's new process is recorded at once, even in its grace: a restart of this store in the grace
+            # resumes it from the ``holder-down`` record, and after it (settled) knows the live process as the one
+            # that kept what it claimed again.
+            with self._lock:
+                if self.keeper.holds(info.node_id):
+                    self._seen(info.node_id, info)
         if info.node_id not in self._holders_down:
             return
         if self._holders_down[info.node_id] == incarnation(info):  # the same process: slow, not dead
@@ -569,6 +604,8 @@ class EnvServer:
             moved = self.keeper.hand_over(reference.blob_ids, reference.holder)
             if self.journal is not None:
                 self.journal.moved(moved, reference.holder)
+                if moved:
+                    self._seen(reference.holder)
 
     def _compact(self) -> None:
         with self._lock:
