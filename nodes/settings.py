@@ -247,6 +247,13 @@ class TrainerSettings:
     init_method: str = key("env://", "torch.distributed init method (env:// reads $MASTER_ADDR/$MASTER_PORT).")
     steps: int = key(20, "Steps to train before the rank exits.")
     batch_timeout_s: float = key(300.0, "Seconds a rank waits for its step batch before failing the step.")
+    skip_limit: int = key(
+        3,
+        "Steps in a row every rank may skip (none of their micro batches fetched on any rank, or a data rank "
+        "unable to stand in for its dropped ones): the world trains on with the same weights. One more ends "
+        "the world with an error, since the cause persists (stores gone for good, blobs failing verification "
+        "everywhere). 0: never skip, every such step ends the world.",
+    )
     checkpoint_every: int = key(
         0,
         "Steps between checkpoints (weights, optimizer state, step: one safetensors file per rank); a world "

@@ -397,3 +397,17 @@ def test_blobs_handed_to_a_trainer_rank_are_its_own(keeper: Keeper, clock: Clock
     assert (result["orch"].deleted, result["rank-0"].deleted) == ((ids[2],), tuple(ids[:2]))
     assert keeper.blobs_held == 1  # the unclaimed one waits for its lease
     assert keeper.stats().held_by == {"": 1} and keeper.stats().reclaimed == {"orch": 1, "rank-0": 2}
+
+
+def test_blobs_handed_to_a_trainer_rank_in_its_grace_are_its_restarted_worlds(keeper: Keeper, clock: Clock) -> None:
+    """A trainer rank never claims: its restarted world takes blobs by hand-over (``reference``). What moves to
+    it while it is down, in its grace, is the new process's and survives the reclaim of what the dead one
+    held; a hand-over of its own blobs (a repeat) moves nothing."""
+    ids = _claimed(keeper, "ep", "orch", count=3)
+    assert keeper.hand_over(ids[:1], "rank-0") == ids[:1]  # the dead process's
+    keeper.holder_down("rank-0", GRACE_S)
+    assert keeper.hand_over(ids[:2], "rank-0") == ids[1:2]  # the restarted world's step
+    clock.now += GRACE_S
+    assert keeper.reclaim()["rank-0"].deleted == tuple(ids[:1])
+    assert keeper.stats().held_by == {"orch": 1, "rank-0": 1}
+    assert set(keeper.fetch(ids[1:2], "rank-0").arrays) == set(ids[1:2])

@@ -76,6 +76,7 @@ class RankConfig:
     compute_s: float = 0.0  # > 0: step 0 "computes" this long, then until the test says go
     collective_mid_step: bool = False  # step 0's training runs a collective once the test says go
     fetch_policy: RetryPolicy = FAST
+    skip_limit: int = 3  # trainer.skip_limit
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
     runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=0,
                                                      retry=FAST, connect_timeout_s=10))
-    trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), data_rank=config.data_rank,
+    trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S, skip_limit=config.skip_limit),
+                          data_rank=config.data_rank,
                           data_ranks=config.data_ranks, leader=config.leader,
                           fetch=FetchSettings(blobs_per_request=2, policy=config.fetch_policy))
     try:
@@ -247,15 +249,17 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
                                                               tmp_path: Path) -> None:
     partial = make_step(envs, SPECS, data_ranks=2, prefix="a")
     nothing = make_step(envs, SPECS, data_ranks=2, prefix="b", seed=1)
+    nothing_again = make_step(envs, SPECS, data_ranks=2, prefix="c", seed=2)
     victim = next(i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None)
     for env in envs:
         env.missing_for["trainer-0"] = {victim}
         nothing_ids = sorted(nothing.branches)  # absent or garbage (a byte flipped): nothing of step 1 verifies
-        env.missing |= set(nothing_ids[::2])
+        env.missing |= set(nothing_ids[::2]) | set(nothing_again.branches)
         env.corrupt |= set(nothing_ids[1::2])
         env.reclaimed |= set(nothing.owned[0][:1])  # answered reclaimed: no longer held, no violation
 
-    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=2, workdir=tmp_path)
+    # One skip in a row allowed: step 1 is skipped, step 2 (nothing fetchable again) fails.
+    ranks = Ranks(bus, (RankConfig(skip_limit=1), RankConfig(skip_limit=1)), steps=3, workdir=tmp_path)
     try:
         clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
         hand_over(clients, [step_batch(0, rank, partial, rank) for rank in (0, 1)])
@@ -266,7 +270,8 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
             (other,) = gather([(clients[rank], step_batch(0, rank, nothing, rank))])
             assert isinstance(other, RemoteError) and other.code == "duplicate-step", other
         hand_over(clients, [step_batch(1, rank, nothing, rank) for rank in (0, 1)])
-        reports = [[ranks.recv(rank) for _ in range(2)] for rank in (0, 1)]
+        hand_over(clients, [step_batch(2, rank, nothing_again, rank) for rank in (0, 1)])
+        reports = [[ranks.recv(rank) for _ in range(3)] for rank in (0, 1)]
     finally:
         exits = ranks.close()
     assert exits == [0, 0]
@@ -288,12 +293,16 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
         assert "no micro batch could be fetched on any rank" in reports[rank][1]["failed"]
         assert reports[rank][1]["skipped"] and reports[rank][1]["skipped_metric"] == 1
         assert reports[rank][0]["skipped_metric"] == 0
-        assert reports[rank][1]["held_metric"] == 0
+        # Step 2: nothing fetchable again, one skip in a row already: it fails on both ranks, not skipped.
+        assert "trainer.skip_limit = 1: the cause persists" in reports[rank][2]["failed"]
+        assert not reports[rank][2]["skipped"] and reports[rank][2]["skipped_metric"] == 1
+        assert reports[rank][2]["held_metric"] == 0
 
     done = deletes(envs)
-    dropped_blobs = {i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None} | set(nothing.branches)
+    dropped_blobs = ({i.ref.blob_id for i in partial.ranks[0][0].samples if i.ref is not None}
+                     | set(nothing.branches) | set(nothing_again.branches))
     expected = Counter()
-    for data in (partial, nothing):
+    for data in (partial, nothing, nothing_again):
         for rank in (0, 1):
             for blob_id in data.owned[rank]:
                 expected[blob_id, f"trainer-{rank}", "dropped" if blob_id in dropped_blobs else "trained"] += 1
@@ -302,7 +311,8 @@ def test_failures_are_agreed_over_ranks_and_blobs_deleted_once(bus, envs, orches
 
     references = events(bus, zmq_ctx, Reference.kind)
     assert {(r.step, r.holder, tuple(r.blob_ids)) for r in references} >= {
-        (step, f"trainer-{rank}", data.owned[rank]) for step, data in enumerate((partial, nothing)) for rank in (0, 1)}
+        (step, f"trainer-{rank}", data.owned[rank]) for step, data in enumerate((partial, nothing, nothing_again))
+        for rank in (0, 1)}
     acks = [a for a in events(bus, zmq_ctx, FetchAck.kind) if a.step == 0 and a.holder == "trainer-0"]
     assert len(acks) == 1 and victim not in acks[0].blob_ids
 

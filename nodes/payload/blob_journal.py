@@ -139,8 +139,8 @@ class BlobJournal:
         """``holder`` is process ``incarnation`` as it takes blobs here: committed when that changed (True)."""
         if self.holders_seen.get(holder) == incarnation:
             return False
-        self.holders_seen[holder] = incarnation
         self.store.commit(_holder_record("holder-seen", holder, incarnation))
+        self.holders_seen[holder] = incarnation
         return True
 
     def claimed_back(self, blob_ids: Sequence[str], holder: str) -> None:
@@ -168,6 +168,8 @@ class BlobJournal:
 
     def compact(self, keeper: Keeper) -> None:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
+        held = keeper.claimed()
+        self.holders_seen = {holder: seen for holder, seen in self.holders_seen.items() if holder in held}
         self.store.compact(_snapshot(keeper, self._layouts, self.holders_down, self.claimed_again,
                                      self.holders_seen))
 
@@ -320,7 +322,7 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
               holders_seen: Mapping[str, tuple[str, int, float]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
     holders reported down that still hold blobs here, with what each claimed again, and the process each
-    holder of blobs here was when it last took some."""
+    holder was when it last took blobs here (``holders_seen``: pruned to holders of blobs by the caller)."""
     holders = keeper.claimed()
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, _, _ in keeper.blobs():
@@ -336,8 +338,7 @@ def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
     yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
     for holder, seen in holders_seen.items():
-        if holder in holders:
-            yield _holder_record("holder-seen", holder, seen)
+        yield _holder_record("holder-seen", holder, seen)
     for holder, incarnation in holders_down.items():
         if holder in holders:
             yield _holder_record("holder-down", holder, incarnation)

@@ -211,9 +211,9 @@ class EnvServer:
         self._outbox: deque[Body] = deque()
         self.restart_grace_s = restart_grace_s
         self._holders_down: dict[str, tuple[str, int, float] | None] = {}  # node id -> incarnation that went down
-        # A restarted store's claims answered before it checked its holders (holder -> blob ids): a holder that
-        # restarted while the store was dead claims back what it wants meanwhile, and must keep it.
-        self._claims_unchecked: dict[str, set[str]] | None = None
+        # What a restarted store's holders took (claims, hand-overs) before it checked them (holder -> blob ids):
+        # a holder that restarted while the store was dead takes back what it wants meanwhile, and keeps it.
+        self._taken_unchecked: dict[str, set[str]] | None = None
         self.journal: BlobJournal | None = None
         self.readoption: Readoption | None = None
         if store is not None and store.durable:
@@ -263,7 +263,7 @@ class EnvServer:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
             self._reannounce_claims()
-            self._claims_unchecked = {}
+            self._taken_unchecked = {}
             self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
 
     def _reannounce_claims(self) -> None:
@@ -284,7 +284,7 @@ class EnvServer:
                 self.runtime.later(max(0.05, self.restart_grace_s / 4),
                                    lambda: self._holders_after_restart(attempt + 1))
             else:
-                self._claims_unchecked = None
+                self._taken_unchecked = None
                 log.error("holders.unchecked", attempts=HOLDER_CHECKS,
                           detail="the registry never answered: holders gone around this restart keep their blobs")
 
@@ -297,24 +297,25 @@ class EnvServer:
         Each such holder of re-adopted blobs is taken down as a ``node-down`` would (the grace it would have
         had, from now), then, when it is live, up as a ``node-up`` would: back as the same process it keeps
         everything, a restarted incarnation what it claimed again, before this store's restart (the journal's
-        ``again``) or after (claims answered before this check included). A holder whose grace ended before
-        (``holder-settled``) is not recorded and, live as the process seen last (or none recorded), left alone.
+        ``again``) or after (what it claimed or was handed over before this check included). A holder whose
+        grace ended before (``holder-settled``) is not recorded and, live as the process seen last (or none
+        recorded), left alone.
         Without this, a holder that died around this store's own restart kept its blobs here until the store
         shut down."""
         found = self.readoption
         recorded = found.holders_down if found is not None else {}
         seen = found.holders_seen if found is not None else {}
         live = {node.node_id: node for node in listed}
-        claimed_since, self._claims_unchecked = self._claims_unchecked or {}, None
+        taken_since, self._taken_unchecked = self._taken_unchecked or {}, None
         with self._lock:
             holders = sorted(h for h in self.keeper.stats().held_by if h)
         given = 0
         for holder in holders:
-            went_down = recorded.get(holder, seen.get(holder))
+            went_down = recorded.get(holder) or seen.get(holder)  # a down process not recorded: the one seen
             if holder not in recorded and holder in live and went_down in (None, incarnation(live[holder])):
                 continue  # nothing says it went down
             again = set(found.claimed_again.get(holder, ())) if found else set()
-            since = claimed_since.get(holder, set())
+            since = taken_since.get(holder, set())
             if not self._holder_down(holder, went_down, journal=holder not in recorded,
                                      claimed_again=again | since):
                 continue
@@ -445,8 +446,8 @@ class EnvServer:
                 self.journal.violated(result.violations)
                 if result.claimed or result.again:
                     self._seen(result.holder)
-        if self._claims_unchecked is not None:
-            self._claims_unchecked.setdefault(result.holder, set()).update(result.claimed, result.already)
+        if self._taken_unchecked is not None:
+            self._taken_unchecked.setdefault(result.holder, set()).update(result.claimed, result.already)
         if result.claimed:
             self._publish(Claim(blob_ids=list(result.claimed), holder=result.holder))
         self._report(result.violations)
@@ -551,7 +552,11 @@ class EnvServer:
     # --- liveness (loop thread) ---------------------------------------------------------------------
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
-        if self._holder_down(down.node_id, incarnation(info) if info else None, journal=True):
+        if info is not None:
+            went_down: tuple[str, int, float] | None = incarnation(info)
+        else:  # the registry entry is unknown here: the process that last took blobs here, if recorded
+            went_down = self.journal.holders_seen.get(down.node_id) if self.journal is not None else None
+        if self._holder_down(down.node_id, went_down, journal=True):
             log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
 
     def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool,
@@ -604,8 +609,11 @@ class EnvServer:
             moved = self.keeper.hand_over(reference.blob_ids, reference.holder)
             if self.journal is not None:
                 self.journal.moved(moved, reference.holder)
+                self.journal.claimed_back(moved, reference.holder)  # a holder in its grace: kept (the keeper's)
                 if moved:
                     self._seen(reference.holder)
+        if self._taken_unchecked is not None and moved:
+            self._taken_unchecked.setdefault(reference.holder, set()).update(moved)
 
     def _compact(self) -> None:
         with self._lock:

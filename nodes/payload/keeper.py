@@ -477,7 +477,8 @@ class Keeper:
 
     def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
-        ``reference`` event); unclaimed, deleted or unknown ids are left alone. Returns the ids moved."""
+        ``reference`` event); unclaimed, deleted or unknown ids are left alone. Returns the ids moved. What
+        moves to a holder in its grace is its restarted incarnation's: kept as claimed again."""
         moved = []
         for blob_id in blob_ids:
             blob = self._blobs.get(blob_id)
@@ -485,6 +486,9 @@ class Keeper:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
                 moved.append(blob_id)
+        down = self._holders_down.get(holder)
+        if down is not None:
+            down.claimed_again.update(moved)
         return moved
 
     def holds(self, holder: str) -> bool:

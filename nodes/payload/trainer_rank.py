@@ -97,7 +97,8 @@ class StepSkipped(StepFailed):
     ``begin_step`` on every rank of the group at once, from the one agreement, so no rank waits in a collective
     the others skip: call ``end_step`` for the step (its owned blobs deleted ``dropped``) and go on with the
     next one, the weights unchanged. Stopping the world instead would cost every step since its last
-    checkpoint for one step whose data is gone."""
+    checkpoint for one step whose data is gone. At most ``trainer.skip_limit`` steps in a row: the next one
+    raises a plain :class:`StepFailed` on every rank (a cause that persists ends the world, loudly)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -208,6 +209,7 @@ class TrainerRank:
         self.fetched_bytes = 0
         self.dropped_micro_batches = 0
         self.skipped_steps = 0
+        self._skipped_in_a_row = 0  # the same on every rank: each skip is one agreement of the whole world
         self._fetch_seconds = runtime.histogram(
             "refbus_fetch_seconds", "Seconds from the start of a step's fetch until its tensors are assembled.",
             buckets=FETCH_SECONDS_BUCKETS)
@@ -424,9 +426,16 @@ class TrainerRank:
         elif stuck:
             skipped = (f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
                        "(no real routing rows or top-k width fetched there)")
-        if skipped:
+        if not skipped:
+            self._skipped_in_a_row = 0
+        elif self._skipped_in_a_row >= self.settings.skip_limit:
+            raise StepFailed(f"{skipped}; {self._skipped_in_a_row} steps in a row were skipped before it, "
+                             f"trainer.skip_limit = {self.settings.skip_limit}: the cause persists")
+        else:
+            self._skipped_in_a_row += 1
             self.skipped_steps += 1
-            log.warning("step.skipped", step=step, reason=skipped, failed_global=int(failed.sum()))
+            log.warning("step.skipped", step=step, reason=skipped, failed_global=int(failed.sum()),
+                        in_a_row=self._skipped_in_a_row)
             raise StepSkipped(skipped)
         dropped = tuple(failed[self.data_rank].nonzero().flatten().tolist())
         return dropped, int(failed.sum())

@@ -4,8 +4,9 @@ Each step: wait for this rank's step batch (references only), fetch and assemble
 (:class:`~refbus.nodes.payload.trainer_rank.TrainerRank`), run the configured train step with router replay,
 delete the step's blobs, then push this rank's share of the weights as the next version: the parameter
 server commits the version once every rank's shard is in, and publishes ``version-bump``. A step every rank
-agreed to skip (nothing of it fetched anywhere: its stores died with its blobs) trains nothing and pushes the
-same weights as the next version; the world goes on.
+agreed to skip (nothing of it fetched anywhere: its stores died with its blobs; or a data rank unable to stand
+in for its dropped micro batches) trains nothing and pushes the same weights as the next version; the world
+goes on, for at most ``trainer.skip_limit`` steps in a row.
 
 Ranks come from the config or from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` with ``trainer.init_method = "env://"``). Every rank is its own data rank.
