@@ -492,8 +492,8 @@ class Keeper:
         return moved
 
     def holds(self, holder: str) -> bool:
-        """Whether ``holder`` holds any blob here."""
-        return any(blob.holder == holder for blob in self._blobs.values())
+        """Whether ``holder`` holds any blob here (asked on every ``node-up``: a count, not a scan)."""
+        return self._held_by.get(holder, 0) > 0
 
     def holder_down(self, holder: str, grace_s: float, now: float | None = None, *,
                     claimed_again: Iterable[str] = ()) -> None:
