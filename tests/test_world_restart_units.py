@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
 import msgspec
 import pytest
+from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
 from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
@@ -116,9 +118,38 @@ def test_chaos_picks_trainer_ranks_only_when_worlds_are_restarted() -> None:
         assert picked == ({"env", "trainer"} if worlds else {"env"})
 
 
+def test_a_rank_a_restarted_broker_lacked_ends_the_world_only_if_it_is_not_back_a_node_timeout_later() -> None:
+    """A peer rank reported down because a restarted broker's registry lacked it (slow to re-join, perhaps
+    alive) is given ``exit_within_s``: back as the same process by then, the world goes on; still absent, or
+    back as another process, it ends the world as any death does. Before, such a report ended the world at once."""
+    runtime, done = _Runtime(), threading.Event()
+    end_world_on_peer_death(runtime, _Trainer(), {0: 10, 1: 11}, done, exit_within_s=1.0)  # type: ignore[arg-type]
+    (on_down,) = runtime.peers.listeners
+    rank1 = msgspec.structs.replace(trainer(1), pid=11)
+    absent = NodeDown(node_id="trainer-1", role="trainer", reason=ABSENT_AFTER_RESTART, last_seen=0.0)
+    on_down(absent, rank1)
+    (delay_s, check), = runtime.timers
+    assert delay_s == 1.0
+    runtime.peers.live["trainer-1"] = rank1  # it re-joined as the same process
+    check()
+    on_down(absent, rank1)
+    runtime.peers.live["trainer-1"] = msgspec.structs.replace(rank1, pid=99)  # another process under the id
+    with pytest.raises(AssertionError, match=r"aborted: trainer rank 1 \(trainer-1, pid 11\) went down "
+                                             r"\(absent-after-broker-restart\)"):
+        runtime.timers[-1][1]()
+    del runtime.peers.live["trainer-1"]
+    on_down(absent, rank1)
+    with pytest.raises(AssertionError, match="aborted: trainer rank 1"):
+        runtime.timers[-1][1]()  # never back
+    done.set()  # past the last collective: neither a report nor a check that fires then ends the world
+    on_down(absent, rank1)
+    runtime.timers[-1][1]()
+
+
 class _Peers:
     def __init__(self) -> None:
         self.listeners: list = []
+        self.live: dict[str, NodeInfo] = {}
 
     def on_down(self, listener: object) -> None:
         self.listeners.append(listener)
@@ -127,9 +158,13 @@ class _Peers:
 class _Runtime:
     def __init__(self) -> None:
         self.peers = _Peers()
+        self.timers: list[tuple[float, Callable[[], None]]] = []
 
     def track_peers(self) -> _Peers:
         return self.peers
+
+    def later(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self.timers.append((delay_s, callback))
 
 
 class _Trainer:

@@ -24,7 +24,9 @@ heartbeat status reports ``step`` K at once, for the orchestrator to continue fr
 went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
 ``bus.node_timeout_s`` later (stopping its node first, so its bye reaches the bus), whatever it was doing: a
 collective with a dead peer would otherwise block until its timeout. The broker reports the dead rank
-within a node timeout, so the world is gone within two. What the world held is reclaimed by the stores (``holder-down``)
+within a node timeout, so the world is gone within two. A rank reported down only because a restarted
+broker's registry lacked it (late to re-join) ends the world if it is not back as the same process a node
+timeout later. What the world held is reclaimed by the stores (``holder-down``)
 unless a new world claims it.
 """
 
@@ -42,6 +44,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from ...bus.peers import ABSENT_AFTER_RESTART
 from ...bus.runtime import NodeRuntime, on_signals
 from ...protocol.messages import NodeDown, NodeInfo
 from ..config import Config
@@ -187,18 +190,24 @@ def end_world_on_peer_death(runtime: NodeRuntime, trainer: TrainerRank, pids: Ma
     process exits whatever the training loop is doing (it may be blocked in a collective with the dead
     rank). Down events of other processes (an earlier world's ranks, under the same node ids) are ignored,
     and so is every one once ``collectives_done`` is set (the last step's collective is behind this rank:
-    a peer that finished first and left is no failure) or this rank is stopping itself. Returns the event
-    set once the world is known broken."""
+    a peer that finished first and left is no failure) or this rank is stopping itself. A rank a restarted
+    broker's registry lacked (reason ``absent-after-broker-restart``: late to re-join, perhaps not dead) ends
+    the world only if it is not back as the same process ``exit_within_s`` later; a dead one is noticed sooner
+    by any collective with it. Returns the event set once the world is known broken."""
     broken = threading.Event()
+    peers = runtime.track_peers()
 
-    def on_down(down: NodeDown, info: NodeInfo | None) -> None:
-        if collectives_done.is_set() or trainer.interrupted or info is None or info.role != "trainer":
-            return
-        if not info.labels.get("rank", "").isdigit():
-            return
-        dead = int(info.labels["rank"])
-        if pids.get(dead) != info.pid or trainer.broken:
-            return
+    def rank_of(info: NodeInfo | None) -> int | None:
+        """The rank of this world that ``info`` is (its process), None for anyone else or when it no longer
+        matters (past the last collective, stopping, or already broken)."""
+        if collectives_done.is_set() or trainer.interrupted or trainer.broken or info is None:
+            return None
+        if info.role != "trainer" or not info.labels.get("rank", "").isdigit():
+            return None
+        rank = int(info.labels["rank"])
+        return rank if pids.get(rank) == info.pid else None
+
+    def end_world(down: NodeDown, info: NodeInfo, dead: int) -> None:
         reason = f"trainer rank {dead} ({down.node_id}, pid {info.pid}) went down ({down.reason})"
         log.error("trainer.world_broken", rank=trainer.rank, dead_rank=dead, dead_node=down.node_id,
                   why=down.reason, exit_status=1)
@@ -207,7 +216,25 @@ def end_world_on_peer_death(runtime: NodeRuntime, trainer: TrainerRank, pids: Ma
         threading.Thread(target=_exit_broken, args=(runtime, exit_within_s / 2), name="refbus-world-broken",
                          daemon=True).start()
 
-    runtime.track_peers().on_down(on_down)
+    def still_absent(down: NodeDown, info: NodeInfo) -> None:
+        back = peers.live.get(down.node_id)
+        dead = rank_of(info)
+        if back is not None and back.pid == info.pid:
+            log.info("trainer.peer_back", node=down.node_id, pid=info.pid)
+        elif dead is not None:
+            end_world(down, info, dead)
+
+    def on_down(down: NodeDown, info: NodeInfo | None) -> None:
+        dead = rank_of(info)
+        if dead is None or info is None:
+            return
+        if down.reason == ABSENT_AFTER_RESTART:
+            log.warning("trainer.peer_unconfirmed", node=down.node_id, pid=info.pid, wait_s=exit_within_s)
+            runtime.later(exit_within_s, lambda: still_absent(down, info))
+            return
+        end_world(down, info, dead)
+
+    peers.on_down(on_down)
     return broken
 
 
