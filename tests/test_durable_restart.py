@@ -25,7 +25,7 @@ from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Claim, Claimed, EpisodeFinished, Keep, Kept
+from refbus.protocol.messages import Claim, Claimed, EpisodeFinished, Keep, Kept, Reference
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
 from test_violations import accounted
@@ -261,19 +261,26 @@ def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_b
     SIGKILLed, and while it is dead the holder stops and starts again under its node id: no ``node-down``
     reaches the store, and the registry lists the holder live. The restarted store tells the new process from
     the one that took the blobs and gives the holder the grace: the blob the new process claims back (before
-    or after the store's check) stays its own, the other one is reclaimed once the grace ends. Before, the
-    store took the live holder for the one that claimed and kept both for a process that knew neither, until
-    the store shut down."""
+    or after the store's check) stays its own, and so does one handed over to it in that grace (a ``reference``
+    event: a trainer rank's new world takes its step so), the other one is reclaimed once the grace ends.
+    Before, the store took the live holder for the one that claimed and kept both for a process that knew
+    neither, until the store shut down."""
     control = bus[1]
     grace_s = 2.0
     command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-r", grace_s)
     holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-r", metrics_port=-1))
+    orchestrator = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orch-r", metrics_port=-1))
     again: NodeRuntime | None = None
     ctx = zmq.Context()
     client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
     try:
         holder.start_background()
+        orchestrator.start_background()  # live throughout: the restarted store leaves it alone
         ids = _two_claimed(client, "trainer-r", seed=6)
+        kept = client.request(Keep(episode_id="ep-next", branches=[random_arrays(6, seed=7)])).body
+        assert isinstance(kept, Kept)
+        (next_step,) = [r.blob_id for r in kept.refs]  # the orchestrator's until it hands it to the rank
+        assert client.request(Claim(blob_ids=[next_step], holder="orch-r")).body == Claimed(blob_ids=[next_step])
         client.close()
         wait_for(lambda: '"holder.seen"' in first.log_tail(200), WAIT_S, "the store journaling the holder's process")
         first.proc.kill()
@@ -283,16 +290,21 @@ def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_b
         again.start_background()
         restarted, probe = _restarted(spawn, command, "env-r-restarted", ctx)
         assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-r")).body == Claimed(blob_ids=ids[:1])
+        wait_for(lambda: '"holder.down_at_restart"' in restarted.log_tail(200), WAIT_S, "the holder's grace")
+        handed = Reference(step=1, holder="trainer-r", blob_ids=[next_step])
+        again.call_soon(lambda: again.publish(handed))
+        wait_for(lambda: accounted(probe).held_by.get("orch-r", 0) == 0, WAIT_S, "the hand-over reaching the store")
         wait_for(lambda: accounted(probe).reclaimed == {"trainer-r": 1}, 10 * grace_s + WAIT_S,
                  "the restarted store reclaiming what the holder's earlier process held")
         final = accounted(probe)
-        assert (final.held_by, final.deleted) == ({"trainer-r": 1}, {"holder-down": 1}), final
+        assert (final.held_by, final.deleted) == ({"trainer-r": 2}, {"holder-down": 1}), final
         assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-r")).body == Claimed(blob_ids=ids[:1])
         down = log_events(restarted.log_path, "holder.down_at_restart")
         assert [(e["holder"], e["live"]) for e in down] == [("trainer-r", True)], down
         probe.close()
     finally:
         holder.join(timeout=WAIT_S)
+        orchestrator.join(timeout=WAIT_S)
         if again is not None:
             again.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
