@@ -43,11 +43,20 @@ def shard_files(shm: Path, node: str) -> int:
     return sum(1 for p in shm.glob(f"refbus-store.*.{node}/*") if p.name not in own)
 
 
+def _client(ctx: zmq.Context, endpoint: str, name: str = "tester") -> Client:
+    """A client of a store's ``blobs`` endpoint, one attempt per request."""
+    return Client(ctx, endpoint, WireCodec(name), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+
+def _node(control: str, node_id: str, role: str = "trainer") -> NodeRuntime:
+    """An in-process node registered on the bus at ``control`` (a holder, or its restarted process)."""
+    return NodeRuntime(role, RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1))
+
+
 def _restarted(spawn, command: list[str], name: str, ctx: zmq.Context) -> tuple[NodeProcess, Client]:
     """A killed env server started again (``command``) under ``name``, ready, and a client of it."""
     restarted = spawn(command, name)
-    return restarted, Client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
-                             policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    return restarted, _client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], "probe")
 
 
 def _store_with_grace(spawn, control: str, tmp_path: Path, node_id: str,
@@ -168,7 +177,7 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         restarted = spawn(command, "env-d-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
         wait_for(lambda: orchestrator.claimed + orchestrator.missing == 2, WAIT_S, "the claim's outcome")
         assert (orchestrator.claimed, orchestrator.missing) == (2, 0)
-        probe = Client(ctx, restarted, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        probe = _client(ctx, restarted, "probe")
         account = accounted(probe)
         probe.close()
         assert account.held_by == {"orchestrator": 2}, account
@@ -229,9 +238,9 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
     control = bus[1]
     grace_s = 1.0
     command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-h", grace_s)
-    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-h", metrics_port=-1))
+    holder = _node(control, "trainer-h")
     ctx = zmq.Context()
-    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    client = _client(ctx, endpoint)
     try:
         holder.start_background()
         _two_claimed(client, "trainer-h", seed=4)
@@ -268,11 +277,11 @@ def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_b
     control = bus[1]
     grace_s = 2.0
     command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-r", grace_s)
-    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-r", metrics_port=-1))
-    orchestrator = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orch-r", metrics_port=-1))
+    holder = _node(control, "trainer-r")
+    orchestrator = _node(control, "orch-r", "orchestrator")
     again: NodeRuntime | None = None
     ctx = zmq.Context()
-    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    client = _client(ctx, endpoint)
     try:
         holder.start_background()
         orchestrator.start_background()  # live throughout: the restarted store leaves it alone
@@ -286,7 +295,7 @@ def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_b
         first.proc.kill()
         assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
         holder.join(timeout=WAIT_S)
-        again = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-r", metrics_port=-1))
+        again = _node(control, "trainer-r")
         again.start_background()
         restarted, probe = _restarted(spawn, command, "env-r-restarted", ctx)
         assert probe.request(Claim(blob_ids=ids[:1], holder="trainer-r")).body == Claimed(blob_ids=ids[:1])
@@ -321,16 +330,16 @@ def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_rest
     control = bus[1]
     grace_s = 3.0
     command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-a", grace_s)
-    holder = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
+    holder = _node(control, "trainer-a")
     again: NodeRuntime | None = None
     ctx = zmq.Context()
-    client = Client(ctx, endpoint, WireCodec("tester"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    client = _client(ctx, endpoint)
     try:
         holder.start_background()
         ids = _two_claimed(client, "trainer-a", seed=5)
         holder.join(timeout=WAIT_S)  # bye: the broker reports it down
         wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
-        again = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-a", metrics_port=-1))
+        again = _node(control, "trainer-a")
         again.start_background()
         wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
         assert client.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])
