@@ -231,7 +231,10 @@ def events(bus: str, zmq_ctx: zmq.Context, kind: str) -> list[Any]:
     finally:
         client.close()
     assert isinstance(page, Replayed)
-    return [body for body in (codec.decode(e.frames).body for e in page.events) if body.kind == kind]
+    # A node sends what it published in one loop turn as one batch (two step batches taken in one turn: two
+    # ``reference`` events in one message).
+    messages = [m for e in page.events for m in (codec.decode_batch(e.frames) or [codec.decode(e.frames)])]
+    return [m.body for m in messages if m.body.kind == kind]
 
 
 def check_dropped(batch: dict[str, Any], rows: np.ndarray) -> None:
