@@ -86,9 +86,10 @@ DROPPED_REASON = "dropped"
 
 
 class StepFailed(RuntimeError):
-    """The step cannot run on this rank: its step batch never came (the other ranks see a collective
-    timeout), it was interrupted, or the node loop stopped; stop the run. See :class:`StepSkipped` for the
-    one kind the world survives."""
+    """The step cannot run: on this rank, its step batch never came (the other ranks see a collective
+    timeout), it was interrupted, or the node loop stopped; on every rank, more than ``trainer.skip_limit``
+    steps in a row had to be skipped. Stop the run. See :class:`StepSkipped` for the one kind the world
+    survives."""
 
 
 class StepSkipped(StepFailed):
