@@ -170,7 +170,7 @@ class BlobJournal:
         """Rewrite the journal as the keeper's state now (atomic: the old journal or the new one)."""
         held = keeper.claimed()
         self.holders_seen = {holder: seen for holder, seen in self.holders_seen.items() if holder in held}
-        self.store.compact(_snapshot(keeper, self._layouts, self.holders_down, self.claimed_again,
+        self.store.compact(_snapshot(keeper, held, self._layouts, self.holders_down, self.claimed_again,
                                      self.holders_seen))
 
     def close(self, *, remove: bool) -> None:
@@ -316,14 +316,14 @@ def _claimed_again(record: Mapping[str, Any]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _snapshot(keeper: Keeper, layouts: Mapping[str, dict[str, Any]],
+def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping[str, dict[str, Any]],
               holders_down: Mapping[str, tuple[str, int, float] | None],
               claimed_again: Mapping[str, set[str]],
               holders_seen: Mapping[str, tuple[str, int, float]]) -> Iterator[dict[str, Any]]:
-    """The keeper's state as journal records: live blobs with their holders, records, tombstones, totals,
-    holders reported down that still hold blobs here, with what each claimed again, and the process each
-    holder was when it last took blobs here (``holders_seen``: pruned to holders of blobs by the caller)."""
-    holders = keeper.claimed()
+    """The keeper's state as journal records: live blobs with their holders (``holders``: its
+    :meth:`~.keeper.Keeper.claimed`), records, tombstones, totals, holders reported down that still hold blobs
+    here, with what each claimed again, and the process each holder was when it last took blobs here
+    (``holders_seen``: pruned to ``holders`` by the caller)."""
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, _, _ in keeper.blobs():
         episodes.setdefault(episode_id, []).append(layouts[blob_id])

@@ -453,7 +453,6 @@ class Keeper:
         unknown: list[str] = []
         violations: list[Violation] = []
         reclaimed: list[str] = []
-        down = self._holders_down.get(holder)
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is None:
@@ -468,12 +467,9 @@ class Keeper:
             else:
                 violations.append(self._violation(
                     blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
-        again = (*claimed, *already) if down is not None else ()
-        if down is not None:
-            down.claimed_again.update(again)
         self._count_stale("claim", reclaimed)
         return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
-                           tuple(reclaimed), again)
+                           tuple(reclaimed), self._taken_in_grace(holder, (*claimed, *already)))
 
     def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
@@ -486,9 +482,7 @@ class Keeper:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
                 moved.append(blob_id)
-        down = self._holders_down.get(holder)
-        if down is not None:
-            down.claimed_again.update(moved)
+        self._taken_in_grace(holder, moved)
         return moved
 
     def holds(self, holder: str) -> bool:
@@ -711,6 +705,16 @@ class Keeper:
     def _count_stale(self, action: str, reclaimed: Sequence[str]) -> None:
         if reclaimed:
             self.stale[action] += len(reclaimed)
+
+    def _taken_in_grace(self, holder: str, taken: Sequence[str]) -> tuple[str, ...]:
+        """What ``holder`` took (claimed, claimed again or was handed over) counts as claimed again while it is
+        down, in its grace: its restarted incarnation's, kept when the grace ends. Those ids (none when it is
+        not down)."""
+        down = self._holders_down.get(holder)
+        if down is None:
+            return ()
+        down.claimed_again.update(taken)
+        return tuple(taken)
 
     def _move(self, holder: str, to: str | None) -> None:
         """Count a blob out of ``holder``'s and into ``to``'s (None: deleted); holders holding nothing go."""
