@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -325,13 +326,19 @@ def test_a_rank_whose_world_breaks_mid_step_deletes_the_steps_blobs_as_it_stops(
     """Both ranks fetched step 0 and train it; rank 1 is SIGKILLed there, so rank 0's next collective raises
     and its process ends without ``end_step``. Rank 0's node shutdown deletes the step's blobs it owns
     (``dropped``, once each); rank 1's are left to their stores (reclaimed ``holder-down``). Before, rank 0's
-    were left too: a world broken by one rank's death cost every rank's blobs (counted lost)."""
+    were left too: a world broken by one rank's death cost every rank's blobs (counted lost). Each rank's step
+    also has a dummy micro batch borrowing the other's first: a borrowed blob is its owner's, never deleted by
+    the borrower's shutdown (it was, and the owner's own delete of it then counted a violation)."""
     data = make_step(envs, SPECS, data_ranks=2, prefix="w")
     config = RankConfig(collective_mid_step=True)
     ranks = Ranks(bus, (config, config), steps=1, workdir=tmp_path)
     try:
         clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
-        hand_over(clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])
+        batches = [step_batch(0, rank, data, rank) for rank in (0, 1)]
+        borrowing = [msgspec.structs.replace(batch, micro_batches=[
+            *batch.micro_batches, msgspec.structs.replace(batches[1 - rank].micro_batches[0], dummy=True)])
+            for rank, batch in enumerate(batches)]
+        hand_over(clients, borrowing)
         for rank in (0, 1):
             assert ranks.recv(rank) == ("computing", 0)
         ranks.procs[1].kill()

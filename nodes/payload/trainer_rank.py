@@ -399,8 +399,9 @@ class TrainerRank:
             left: dict[str, BlobRef] = {}
             for step in list(self._running):  # one at a time: an end_step racing this takes its own
                 running = self._running.pop(step, None)
-                if running is not None:
-                    left.update(running[0].refs)
+                if running is not None:  # what it owns only: the other refs are a peer's (a dummy borrows them)
+                    refs = running[0].refs
+                    left.update((blob_id, refs[blob_id]) for blob_id in running[0].batch.owned)
             self.held.difference_update(left)
         if not left:
             return
