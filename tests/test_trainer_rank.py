@@ -8,7 +8,8 @@ on both, and only the leader deletes; a step with nothing fetchable raises ``Ste
 its blobs are still deleted; every owned blob is deleted exactly once with the right reason; ``reference``
 and ``fetch-ack`` mirrors reach the event stream; a non-leader refuses owned blobs. Every wait is bounded and
 every process reaped. A step that computes for three node timeouts keeps the rank registered, and the
-next step's batch is acknowledged while it computes. A fetch from a store that never answers keeps the rank
+next step's batch is acknowledged while it computes; step batches beyond what a rank holds not yet begun
+are refused. A fetch from a store that never answers keeps the rank
 heartbeating and serving step batches until its deadline, then drops the blob's micro batch (``timeout``).
 """
 
@@ -38,6 +39,7 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.fetcher import to_micro_batch
+from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS
 from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
@@ -397,6 +399,13 @@ def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
             assert [ranks.recv(rank) for rank in (0, 1)] == [("computing", 0)] * 2
             # Step 1's batch while step 0 computes: acknowledged, or the ranks would wait for "go" forever.
             hand_over(clients, [step_batch(1, rank, steps[1], rank) for rank in (0, 1)])
+            # A rank holds at most RECEIVED_STEPS step batches not yet begun: what a peer sends beyond is refused
+            # (retryable), not kept. Those it holds are never begun here, and own nothing.
+            ahead = [step_batch(step, 1, steps[1], 1, owned=False) for step in range(2, RECEIVED_STEPS + 1)]
+            hand_over([clients[1]] * len(ahead), ahead)
+            with pytest.raises(RemoteError, match="too-many-steps") as refused:
+                clients[1].request(step_batch(RECEIVED_STEPS + 1, 1, steps[1], 1, owned=False))
+            assert refused.value.retry_after_s > 0
             for rank in (0, 1):
                 ranks.conns[rank].send(("go", 0))
             reports = [ranks.recv(rank) for _ in (0, 1) for rank in (0, 1)]

@@ -82,6 +82,9 @@ T = TypeVar("T")
 FETCH_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 TRAINED = "trained"
+# Step batches received and not yet begun, at most: the orchestrator ships about max_staleness + 1 steps ahead
+# of training, so this is never reached in a run; it bounds what a misbehaving peer can make a rank hold.
+RECEIVED_STEPS = 256
 DROPPED_REASON = "dropped"
 
 
@@ -359,6 +362,10 @@ class TrainerRank:
                 return Ok(detail="repeat")  # a re-delivery whose first acknowledgement was lost or late
             if batch.step < self._next_step or batch.step in self._received:
                 raise HandlerError("duplicate-step", f"rank {self.rank} already has step {batch.step}")
+            if len(self._received) >= RECEIVED_STEPS:
+                raise HandlerError("too-many-steps", f"rank {self.rank} holds {len(self._received)} step batches not "
+                                   f"yet begun (at most {RECEIVED_STEPS}); training is at step {self._next_step}",
+                                   retry_after_s=1.0)
             self._received[batch.step] = _Received(batch, refs)
             self._accepted = batch
             self.held.update(batch.owned)
