@@ -473,7 +473,8 @@ class Server:
     Bodies of kinds without a handler are never decoded.
 
     Replies of cached routes are kept per ``(source, id)``, at most ``cache_size`` of them and
-    ``cache_bytes`` in all, evicted oldest first; a reply larger than ``cache_bytes`` is sent, not kept.
+    ``cache_bytes`` in all, evicted oldest first; a reply larger than ``cache_bytes`` is sent, not kept (a
+    retry of its request is then a replay, below).
 
     ``authenticated`` (a CURVE socket): a request whose ``src`` is not the node id its connection was admitted
     as is answered ``wrong-src`` (``unauthenticated`` when the connection has none) and never handled.
@@ -599,6 +600,11 @@ class Server:
         self._send_frames(identity, frames_out)
 
     def _cache(self, key: tuple[str, str], frames: list) -> None:
+        # Seen whether or not the reply is kept: a retry of a request whose reply was too large to keep is
+        # refused as a replay, never run twice.
+        self._seen[key] = None
+        while len(self._seen) > self.seen_size:
+            self._raise_floor(self._seen.popitem(last=False)[0])
         nbytes = sum(memoryview(frame).nbytes for frame in frames)
         if nbytes > self.cache_bytes:
             return
@@ -606,9 +612,6 @@ class Server:
         self._cached_bytes += nbytes
         while len(self._replies) > self.cache_size or self._cached_bytes > self.cache_bytes:
             self._cached_bytes -= self._replies.popitem(last=False)[1][1]
-        self._seen[key] = None
-        while len(self._seen) > self.seen_size:
-            self._raise_floor(self._seen.popitem(last=False)[0])
 
     def _replayed(self, key: tuple[str, str]) -> bool:
         """Whether the request ``key`` (not in the reply cache) was answered already."""
