@@ -42,7 +42,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -70,6 +70,10 @@ BATCH_MARK = b"\1"  # ends the kind in the batch form
 MAX_BATCH_EVENTS = 65_535  # events in one batch, at most (what a welcome's event_batch allows, at most)
 MAX_KIND_BYTES = 256
 _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(header)
+# A header holds ids and numbers: its size is bounded apart from the body's, since a receiver may keep its ids
+# (a server remembers those it answered).
+MAX_HEADER_BYTES = 4096
+Id = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 # Not tracked by the garbage collector (gc=False): its fields are strings and numbers, so it can be in no
@@ -79,11 +83,11 @@ class Header(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """The envelope's header frame: a msgpack map, default-valued fields omitted."""
 
     v: tuple[int, int]  # protocol (major, minor)
-    id: str  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
-    src: str  # sending node id
+    id: Id  # "<incarnation>-<counter>": unique per sender process; retries reuse it (see incarnation())
+    src: Id  # sending node id
     seq: int  # per-source sequence number (events), 0 for requests and replies
     ts: float  # wall-clock seconds at send (display only: nothing is judged by it)
-    re: str = ""  # id of the request this message answers
+    re: Id = ""  # id of the request this message answers
     signed: bool = False  # a MAC frame follows the last frame
 
 
@@ -434,7 +438,7 @@ class WireCodec:
         if kind is None or start > len(frame):
             return None
         header_end = start + _HEADER_LENGTH(frame, mark + 1)[0]
-        if header_end > len(frame):
+        if header_end > len(frame) or header_end - start > MAX_HEADER_BYTES:
             return None
         raw_header = frame[start:header_end]
         try:
@@ -448,6 +452,9 @@ class WireCodec:
 
     def read_header(self, frame: Buffer, *, kind: str | None = None) -> Header:
         """The header in ``frame``, or :class:`MalformedMessage` whatever is wrong with it."""
+        if memoryview(frame).nbytes > MAX_HEADER_BYTES:
+            raise MalformedMessage(f"header frame is {memoryview(frame).nbytes} bytes, limit {MAX_HEADER_BYTES}",
+                                   kind=kind)
         try:
             return self._header_decoder.decode(frame)
         except msgspec.MsgspecError as exc:

@@ -21,6 +21,7 @@ from .messages import KINDS, Body
 
 LEGEND = (
     ("Name", "str of 1 to 256 characters"),
+    ("Id", "str of at most 256 characters"),
     ("NonNegative", "int ≥ 0"),
     ("Major", "int 0 to 65535: a protocol major version"),
     ("Positive", "int ≥ 1"),

@@ -238,8 +238,12 @@ def test_non_ascii_kind_names_the_bytes() -> None:
         (header_bytes(seq="three"), r"header frame: Expected `int`, got `str` - at `\$.seq`"),
         (header_bytes(v=[1]), r"header frame: Expected `array` of length 2, got 1 - at `\$.v`"),
         (header_bytes() + b"\x00", "header frame: Input data was not valid msgpack|trailing characters"),
+        (header_bytes(id="i" * 257), r"header frame: Expected `str` of length <= 256 - at `\$.id`"),
+        (header_bytes(re="r" * 5000), r"header frame is \d+ bytes, limit 4096"),
+        (header_bytes(pad="p" * 5000), r"header frame is \d+ bytes, limit 4096"),  # unknown fields count too
     ],
-    ids=["empty", "not-a-map", "truncated", "missing-src", "seq-type", "short-version", "trailing-bytes"],
+    ids=["empty", "not-a-map", "truncated", "missing-src", "seq-type", "short-version", "trailing-bytes", "long-id",
+         "long-reply-id", "large-header"],
 )
 def test_undecodable_header(header: bytes, match: str) -> None:
     raises(MalformedMessage, [b"ok", header, body_bytes()], match=rf"^ok: {match}")
