@@ -369,3 +369,41 @@ def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_rest
         if again is not None:
             again.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
+
+
+def test_a_holder_restarted_and_gone_again_within_its_grace_loses_what_its_restart_claimed_too(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A holder of two blobs stops; its restarted process (same node id) claims one of them back and a new one
+    within the grace, then stops too and never comes back. Its report starts a fresh grace, at whose end all three
+    are reclaimed. Before, the second report kept the first grace, which spared what the restarted process had
+    claimed: those two blobs stayed held by a process that was gone, until the store shut down."""
+    control = bus[1]
+    grace_s = 3.0
+    _, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-d", grace_s)
+    holder = _node(control, "trainer-d")
+    again: NodeRuntime | None = None
+    ctx = zmq.Context()
+    client = _client(ctx, endpoint)
+    try:
+        holder.start_background()
+        ids = _two_claimed(client, "trainer-d", seed=8)
+        holder.join(timeout=WAIT_S)  # bye: the broker reports it down
+        wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
+        again = _node(control, "trainer-d")
+        again.start_background()
+        wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
+        kept = client.request(Keep(episode_id="ep-new", branches=[random_arrays(6, seed=9)])).body
+        assert isinstance(kept, Kept)
+        new = kept.refs[0].blob_id
+        assert client.request(Claim(blob_ids=[ids[0], new], holder="trainer-d")).body == Claimed(blob_ids=[new, ids[0]])
+        again.join(timeout=WAIT_S)  # and the restarted process is reported down within the grace
+        wait_for(lambda: accounted(client).reclaimed == {"trainer-d": 3}, 10 * grace_s + WAIT_S,
+                 "the fresh grace ending with everything the holder held reclaimed")
+        assert accounted(client).held_by == {}
+        assert [e["holder"] for e in log_events(first.log_path, "holder.down")] == ["trainer-d", "trainer-d"]
+        client.close()
+    finally:
+        holder.join(timeout=WAIT_S)
+        if again is not None:
+            again.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)

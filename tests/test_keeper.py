@@ -346,6 +346,51 @@ def test_a_restarted_holder_keeps_what_it_claims_again_within_the_grace(keeper: 
     assert set(keeper.fetch(ids[:2], "t").arrays) == set(ids[:2])
 
 
+@pytest.mark.parametrize("successor", [False, True])
+def test_a_restarted_holder_down_in_turn_within_the_grace_gets_a_fresh_one_sparing_only_what_a_later_one_claims(
+        keeper: Keeper, clock: Clock, successor: bool) -> None:
+    """Process A of a holder dies holding two blobs; its restarted process B claims one of them back and an
+    unclaimed one within A's grace, then dies too. B's report starts a fresh grace: at its end everything the
+    holder holds is reclaimed, except what a later process C claims in it (exactly that). Before, the second
+    report kept A's deadline and A's grace spared what B had claimed: B's blobs stayed held by a process that
+    was gone, until the store shut down."""
+    held = _claimed(keeper, "ep-held", "orch")
+    free = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3)])]
+    assert keeper.holder_down("orch", GRACE_S, process="A")
+    clock.now += 1.0
+    assert keeper.claim([held[0], *free], "orch").again == (*free, held[0])  # B, the restart
+    clock.now += 1.0
+    assert keeper.holder_down("orch", GRACE_S, process="B")  # B dies within A's grace
+    assert not keeper.holder_down("orch", GRACE_S, process="B")  # a repeat keeps B's deadline
+    assert not keeper.holder_down("orch", GRACE_S)  # and so does a report of an unknown process
+    clock.now += GRACE_S - 2.0
+    assert keeper.reclaim() == {}  # A's deadline: B's grace runs
+    if successor:
+        assert keeper.claim([held[0]], "orch").again == (held[0],)  # C, B's restart, takes one back
+    clock.now += 2.0
+    kept = [held[0]] if successor else []
+    assert keeper.reclaim()["orch"].deleted == tuple(b for b in (*held, *free) if b not in kept)
+    assert keeper.stats().held_by == ({"orch": 1} if successor else {})
+    assert keeper.reclaim() == {} and not keeper.in_grace("orch")
+
+
+def test_a_restarted_holder_reported_down_that_is_back_as_the_same_process_resumes_the_grace_it_cut_short(
+        keeper: Keeper, clock: Clock) -> None:
+    """B, the restart of A, reported down within A's grace, comes back as the same process (slow, not dead): it
+    keeps what it claimed, before its report and after, and A's grace goes on to its own deadline for the rest."""
+    held = _claimed(keeper, "ep-held", "orch", count=3)
+    keeper.holder_down("orch", GRACE_S, process="A")
+    keeper.claim(held[:1], "orch")
+    clock.now += 1.0
+    keeper.holder_down("orch", GRACE_S, process="B")
+    keeper.claim(held[1:2], "orch")
+    assert not keeper.holder_back("orch", "A")  # not the process last reported down
+    assert keeper.holder_back("orch", "B") and keeper.in_grace("orch")
+    clock.now += GRACE_S - 1.0
+    assert keeper.reclaim()["orch"].deleted == (held[2],)
+    assert keeper.stats().held_by == {"orch": 2} and not keeper.in_grace("orch")
+
+
 def test_a_restarted_holder_keeps_what_it_claims_for_the_first_time_within_the_grace(
         keeper: Keeper, clock: Clock) -> None:
     """Blobs unclaimed when the holder went down and claimed by its restarted incarnation are not the dead

@@ -11,19 +11,24 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from branches import random_arrays
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.blob_journal import BlobJournal
+from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
 from refbus.nodes.ps.shm import SegmentPool
+from refbus.nodes.settings import EnvServerSettings, StoreSettings
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError, StoreLocked, gc, store_path
 from refbus.protocol.codec import checksum
-from refbus.protocol.messages import EpisodeFinished
+from refbus.protocol.envelope import Message
+from refbus.protocol.messages import Claim, EpisodeFinished, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import ShardTensor
 from structlog.testing import capture_logs
 
@@ -524,3 +529,113 @@ def test_the_process_each_holder_was_survives_a_restart_and_a_compaction_and_gar
     del seen["trainer-1"]
     assert compacted.readoption.holders_seen == seen  # type: ignore[attr-defined]
     compacted.store.close(remove=True)
+
+
+def test_a_holder_reported_down_again_as_another_process_replays_as_a_fresh_grace_that_can_resume_the_earlier(
+        tmp_path: Path) -> None:
+    """A second ``holder-down`` for a holder already down (its restarted process died in the grace) replays as a
+    fresh grace with nothing claimed again, the grace it cut short kept beside it, through a restart and a
+    compaction; ``holder-back`` (that process back after all) resumes the earlier grace with what was claimed
+    again in either, and ``holder-settled`` ends both."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    blobs = keep(durable, first, "ep-a", (1, 2, 3))
+    durable.claimed(first.claim(blobs, "orchestrator").claimed, "orchestrator")
+    a, b = ("h", 11, 5.0), ("h", 12, 6.0)
+    durable.holder_down("orchestrator", a)
+    durable.claimed_back(blobs[:1], "orchestrator")  # b, the restart, took one back
+    durable.holder_down("orchestrator", b)  # and died
+    second, restarted = restart(tmp_path, durable)
+    found = restarted.readoption  # type: ignore[attr-defined]
+    assert (found.holders_down, found.claimed_again) == ({"orchestrator": b}, {"orchestrator": frozenset()})
+    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]))}
+    restarted.claimed_back(blobs[1:2], "orchestrator")
+    restarted.compact(second)
+    _, compacted = restart(tmp_path, restarted)
+    found = compacted.readoption  # type: ignore[attr-defined]
+    assert (found.holders_down, found.claimed_again) == ({"orchestrator": b}, {"orchestrator": {blobs[1]}})
+    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]))}
+    compacted.holder_back("orchestrator")  # b was slow, not dead
+    _, back = restart(tmp_path, compacted)
+    found = back.readoption  # type: ignore[attr-defined]
+    assert (found.holders_down, found.claimed_again) == ({"orchestrator": a}, {"orchestrator": set(blobs[:2])})
+    assert found.earlier_down == {}
+    back.holder_down("orchestrator", b)
+    back.holder_settled("orchestrator")
+    _, settled = restart(tmp_path, back)
+    found = settled.readoption  # type: ignore[attr-defined]
+    assert found.holders_down == found.claimed_again == found.earlier_down == {}
+    settled.store.close(remove=True)
+
+
+
+GRACE_S = 5.0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env_server(tmp_path: Path) -> Iterator[Callable[[_Clock], EnvServer]]:
+    """``env_server(clock)``: a durable env server on ``tmp_path`` in this process, never joined to a bus (its
+    handlers and liveness listeners are called directly, and what it publishes is dropped); each one still open
+    is closed at teardown."""
+    made: list[NodeRuntime] = []
+
+    def make(clock: _Clock) -> EnvServer:
+        runtime = NodeRuntime("env-server", RuntimeSettings(node_id="env-0", metrics_port=-1))
+        made.append(runtime)
+        runtime.publish = lambda body: 0  # type: ignore[method-assign]
+        return EnvServer(runtime, EnvServerSettings(budget_bytes=BUDGET, handover_lease_s=600.0),
+                         restart_grace_s=GRACE_S, clock=clock,
+                         store=StoreSettings(directory=str(tmp_path), run="run-a"))
+
+    yield make
+    for runtime in made:
+        if not runtime.closed:
+            runtime.close()
+
+
+def _claim(env: EnvServer, blob_ids: list[str]) -> None:
+    claim = Message(kind=Claim.kind, header=None, body=Claim(blob_ids=blob_ids, holder="orch"))  # type: ignore[arg-type]
+    assert sorted(env._on_claim(claim).blob_ids) == sorted(blob_ids)
+
+
+@pytest.mark.parametrize("then", ["no-restart", "restart-gone", "restart-live"])
+def test_a_restarted_holder_that_died_in_its_grace_gets_a_fresh_one_that_a_store_restart_resumes(
+        env_server: Callable[[_Clock], EnvServer], then: str) -> None:
+    """Process A of a holder dies holding two blobs; its restarted process B claims one back and a new one within
+    A's grace, and is reported down too: a fresh grace starts, journaled. At its end all three are reclaimed (B
+    is gone for good), by this store or by one restarted in that grace, which resumes it with nothing claimed
+    again. Were B live after all at the restart (slow, not dead), the grace B's report cut short resumes: B keeps
+    what it claimed and only A's other blob goes. Before, B's report kept A's grace, which spared what B had
+    claimed (and a restarted store resumed A's grace likewise): B's two blobs stayed held by a process that was
+    gone, until the store shut down."""
+    clock = _Clock()
+    env = env_server(clock)
+    held = [ref.blob_id for ref in env.keep("ep-held", [random_arrays(5, seed=1), random_arrays(6, seed=2)])]
+    (new,) = [ref.blob_id for ref in env.keep("ep-new", [random_arrays(7, seed=3)])]
+    _claim(env, held)
+    a, b = (NodeInfo(node_id="orch", role="orchestrator", host="h", pid=pid, started=float(pid)) for pid in (1, 2))
+    down = NodeDown(node_id="orch", role="orchestrator", reason="timeout", last_seen=0.0)
+    env._on_node_down(down, a)
+    env._on_node_up(b)
+    clock.now += 1.0
+    _claim(env, [held[0], new])
+    env._on_node_down(down, b)
+    if then != "no-restart":
+        assert env.journal is not None
+        env.journal.close(remove=False)  # killed: the store stays for the next process
+        env.runtime.close()
+        env = env_server(clock)
+        env._holders_gone([b] if then == "restart-live" else [])
+    clock.now += GRACE_S
+    env._reclaim()
+    stats = env.stats()
+    assert (stats.reclaimed, stats.held_by) == (({"orch": 1}, {"orch": 2}) if then == "restart-live" else
+                                                ({"orch": 3}, {}))

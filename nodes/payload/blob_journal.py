@@ -13,9 +13,13 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
 ``violation``   ``n`` violations of ``action`` refused (the ledger's counters stay exact)
 ``counters``    a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
 ``holder-down`` ``holder`` was reported down (``inc``: the incarnation that went down, host, pid and start
-                time, or null): its blobs are reclaimed once its grace ends, by this process or a restarted one
+                time, or null), a grace starting: its blobs are reclaimed once it ends, by this process or a
+                restarted one. One for a holder already down (another incarnation, a restarted one that died
+                in the grace) starts a fresh grace with nothing claimed again, cutting the earlier one short
 ``again``       blob ids ``holder``, reported down and in its grace, claimed again (its restarted
                 incarnation's: a restarted store resuming the grace keeps them for it)
+``holder-back`` ``holder`` came back as the incarnation its last ``holder-down`` named: the grace that record
+                cut short resumes, with what was claimed again in either
 ``holder-settled`` ``holder``'s grace ended (what it had not claimed again was reclaimed) or it came back as
                 the same process: nothing is left to resume for it
 ``holder-seen`` the process ``holder`` was (``inc``) when it took blobs here, written when that changes: a
@@ -66,6 +70,9 @@ class Readoption:
     holders_down: Mapping[str, tuple[str, int, float] | None]  # holder -> the incarnation reported down
     claimed_again: Mapping[str, frozenset[str]]  # holder reported down -> blob ids it claimed again since
     holders_seen: Mapping[str, tuple[str, int, float]]  # holder -> the incarnation that took blobs here last
+    # holder reported down as another incarnation within a grace -> the grace that cut short: the incarnation
+    # reported down before and what was claimed again in it
+    earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, frozenset[str]]]
 
 
 class BlobJournal:
@@ -75,9 +82,10 @@ class BlobJournal:
         self.store = store
         self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
         # Holders reported down whose reclaim is still to come, and what each claimed again since (kept through
-        # compactions).
+        # compactions); for one reported down again as another incarnation, the grace that cut short.
         self.holders_down: dict[str, tuple[str, int, float] | None] = {}
         self.claimed_again: dict[str, set[str]] = {}
+        self.earlier_down: dict[str, tuple[tuple[str, int, float] | None, set[str]]] = {}
         self.holders_seen: dict[str, tuple[str, int, float]] = {}
 
     # --- writing (any thread) -----------------------------------------------------------------------
@@ -130,9 +138,10 @@ class BlobJournal:
                               if blob_id in self._layouts)
 
     def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
-        """``holder`` was reported down (``incarnation``: the process that went down, None when unknown)."""
-        self.holders_down[holder] = incarnation
-        self.claimed_again[holder] = set()
+        """``holder`` was reported down (``incarnation``: the process that went down, None when unknown), a grace
+        starting (:meth:`~.keeper.Keeper.holder_down`): its first, or a fresh one that cuts short the grace of
+        the incarnation reported down before."""
+        self._went_down(holder, incarnation)
         self.store.commit(_holder_record("holder-down", holder, incarnation))
 
     def holder_seen(self, holder: str, incarnation: tuple[str, int, float]) -> bool:
@@ -150,13 +159,21 @@ class BlobJournal:
             for ids in _runs(blob_ids):
                 self.store.commit({"op": "again", "ids": ids, "holder": holder})
 
+    def holder_back(self, holder: str) -> None:
+        """``holder`` is back as the process last reported down (:meth:`~.keeper.Keeper.holder_back`): the grace
+        that report cut short resumes (``holder-back``), or there is none and it is settled."""
+        if holder not in self.earlier_down:
+            self.holder_settled(holder)
+            return
+        self.store.commit({"op": "holder-back", "holder": holder})
+        self._came_back(holder)
+
     def holder_settled(self, holder: str) -> None:
         """``holder`` is back as the same process, or its grace ended: nothing to resume for it. Committed: a
         restarted store that found only the ``holder-down`` record would give the holder, live as a newer
         process that took back what it wanted long ago, the grace anew, and reclaim what it holds."""
         if holder in self.holders_down:
-            del self.holders_down[holder]
-            self.claimed_again.pop(holder, None)
+            self._settled(holder)
             self.store.commit({"op": "holder-settled", "holder": holder})
 
     def violated(self, violations: Sequence[Violation]) -> None:
@@ -171,7 +188,7 @@ class BlobJournal:
         held = keeper.claimed()
         self.holders_seen = {holder: seen for holder, seen in self.holders_seen.items() if holder in held}
         self.store.compact(_snapshot(keeper, held, self._layouts, self.holders_down, self.claimed_again,
-                                     self.holders_seen))
+                                     self.earlier_down, self.holders_seen))
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
@@ -213,15 +230,16 @@ class BlobJournal:
             elif op == "counters":
                 keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
             elif op == "holder-down" and (down := _holder_incarnation(record)) is not None:
-                self.holders_down[down[0]] = down[1]
-                self.claimed_again[down[0]] = set()
+                self._went_down(*down)
             elif op == "holder-seen" and (seen := _holder_incarnation(record)) is not None and seen[1] is not None:
                 self.holders_seen[seen[0]] = seen[1]
             elif op == "again" and (again := _claimed_again(record)) is not None and again[0] in self.holders_down:
                 self.claimed_again[again[0]].update(again[1])
+            elif op == "holder-back" and isinstance(holder := record.get("holder"), str) \
+                    and holder in self.earlier_down:
+                self._came_back(holder)
             elif op == "holder-settled" and isinstance(holder := record.get("holder"), str):
-                self.holders_down.pop(holder, None)
-                self.claimed_again.pop(holder, None)
+                self._settled(holder)
         keeper.adopt_tombstones()
         over = _over_budget(keeper, broken)
         broken.update(over)
@@ -233,7 +251,29 @@ class BlobJournal:
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
                           time.perf_counter() - started, dict(self.holders_down),
                           {holder: frozenset(ids) for holder, ids in self.claimed_again.items()},
-                          dict(self.holders_seen))
+                          dict(self.holders_seen),
+                          {holder: (down, frozenset(ids)) for holder, (down, ids) in self.earlier_down.items()})
+
+    # --- holders down: the state a live change and its replay share ----------------------------------
+
+    def _went_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
+        """A grace starts with nothing claimed again; a holder already down keeps the grace this one cuts short
+        (only that one: see :meth:`~.keeper.Keeper.holder_down`)."""
+        if holder in self.holders_down:
+            self.earlier_down[holder] = (self.holders_down[holder], self.claimed_again[holder])
+        self.holders_down[holder] = incarnation
+        self.claimed_again[holder] = set()
+
+    def _came_back(self, holder: str) -> None:
+        """The grace ``holder``'s last report cut short resumes, with what was claimed again in either."""
+        incarnation, again = self.earlier_down.pop(holder)
+        self.holders_down[holder] = incarnation
+        self.claimed_again[holder] = again | self.claimed_again[holder]
+
+    def _settled(self, holder: str) -> None:
+        self.holders_down.pop(holder, None)
+        self.claimed_again.pop(holder, None)
+        self.earlier_down.pop(holder, None)
 
 
 def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
@@ -319,11 +359,13 @@ def _claimed_again(record: Mapping[str, Any]) -> tuple[str, list[str]] | None:
 def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping[str, dict[str, Any]],
               holders_down: Mapping[str, tuple[str, int, float] | None],
               claimed_again: Mapping[str, set[str]],
+              earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, set[str]]],
               holders_seen: Mapping[str, tuple[str, int, float]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders (``holders``: its
     :meth:`~.keeper.Keeper.claimed`), records, tombstones, totals, holders reported down that still hold blobs
-    here, with what each claimed again, and the process each holder was when it last took blobs here
-    (``holders_seen``: pruned to ``holders`` by the caller)."""
+    here, with what each claimed again (after the grace a later report cut short, as they replay), and the
+    process each holder was when it last took blobs here (``holders_seen``: pruned to ``holders`` by the
+    caller)."""
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, _, _ in keeper.blobs():
         episodes.setdefault(episode_id, []).append(layouts[blob_id])
@@ -341,10 +383,11 @@ def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping
         yield _holder_record("holder-seen", holder, seen)
     for holder, incarnation in holders_down.items():
         if holder in holders:
-            yield _holder_record("holder-down", holder, incarnation)
-            again = claimed_again.get(holder, set()).intersection(holders[holder])
-            for ids in _runs(sorted(again)):
-                yield {"op": "again", "ids": ids, "holder": holder}
+            graces = [earlier_down[holder]] if holder in earlier_down else []
+            for down, again in [*graces, (incarnation, claimed_again.get(holder, set()))]:
+                yield _holder_record("holder-down", holder, down)
+                for ids in _runs(sorted(again.intersection(holders[holder]))):
+                    yield {"op": "again", "ids": ids, "holder": holder}
 
 
 def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:

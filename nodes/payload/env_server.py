@@ -35,11 +35,13 @@ Unclaimed blobs are deleted when their hand-over lease ends (``delete``, reason 
 the registry reports down (``node-down``) that is not back within ``node.restart_grace_s`` loses what it
 held here (``delete``, reason ``holder-down``, ``node``: the holder), except blobs its restarted
 incarnation (same node id) claimed again meanwhile; the same process re-registering (a holder that was
-slow, not dead) keeps everything. Requests that touch reclaimed blobs later are stale, not violations: a
-holder cut off by a partition comes back as the same process without knowing it was declared down, so its
-claims and deletes of what it held are answered ``reclaimed`` (per id, in ``claimed`` and ``deleted``;
-counted by action in ``refbus_stale_requests_total``) and logged, never counted or published as
-violations. ``reference`` events tell the env server which blobs a trainer rank
+slow, not dead) keeps everything. A restarted incarnation reported down in turn within that grace starts a
+fresh one, in which only what a later incarnation claims is kept (back as the same process after all, it
+keeps what it claimed and the grace its report cut short goes on). Requests that touch reclaimed blobs later
+are stale, not violations: a holder cut off by a partition comes back as the same process without knowing it
+was declared down, so its claims and deletes of what it held are answered ``reclaimed`` (per id, in
+``claimed`` and ``deleted``; counted by action in ``refbus_stale_requests_total``) and logged, never counted
+or published as violations. ``reference`` events tell the env server which blobs a trainer rank
 took over from the orchestrator, so each holder loses only its own. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
@@ -210,7 +212,6 @@ class EnvServer:
         # stream never shows a claim before the episode-finished it refers to.
         self._outbox: deque[Body] = deque()
         self.restart_grace_s = restart_grace_s
-        self._holders_down: dict[str, tuple[str, int, float] | None] = {}  # node id -> incarnation that went down
         # What a restarted store's holders took (claims, hand-overs) before it checked them (holder -> blob ids):
         # a holder that restarted while the store was dead takes back what it wants meanwhile, and keeps it.
         self._taken_unchecked: dict[str, set[str]] | None = None
@@ -297,14 +298,16 @@ class EnvServer:
         Each such holder of re-adopted blobs is taken down as a ``node-down`` would (the grace it would have
         had, from now), then, when it is live, up as a ``node-up`` would: back as the same process it keeps
         everything, a restarted incarnation what it claimed again, before this store's restart (the journal's
-        ``again``) or after (what it claimed or was handed over before this check included). A holder whose
-        grace ended before (``holder-settled``) is not recorded and, live as the process seen last (or none
-        recorded), left alone.
+        ``again``) or after (what it claimed or was handed over before this check included). A holder recorded
+        down a second time (its restarted incarnation died in the grace) gets the grace that report cut short
+        first, then the fresh one, as the node-downs gave them. A holder whose grace ended before
+        (``holder-settled``) is not recorded and, live as the process seen last (or none recorded), left alone.
         Without this, a holder that died around this store's own restart kept its blobs here until the store
         shut down."""
         found = self.readoption
         recorded = found.holders_down if found is not None else {}
         seen = found.holders_seen if found is not None else {}
+        cut_short = found.earlier_down if found is not None else {}
         live = {node.node_id: node for node in listed}
         taken_since, self._taken_unchecked = self._taken_unchecked or {}, None
         with self._lock:
@@ -316,6 +319,10 @@ class EnvServer:
                 continue  # nothing says it went down
             again = set(found.claimed_again.get(holder, ())) if found else set()
             since = taken_since.get(holder, set())
+            if holder in cut_short:  # under the fresh grace, the one it cut short: it resumes if that process is back
+                earlier, earlier_again = cut_short[holder]
+                with self._lock:
+                    self.keeper.holder_down(holder, self.restart_grace_s, process=earlier, claimed_again=earlier_again)
             if not self._holder_down(holder, went_down, journal=holder not in recorded,
                                      claimed_again=again | since):
                 continue
@@ -324,7 +331,9 @@ class EnvServer:
                     self.journal.claimed_back(sorted(since), holder)
             if holder in live:
                 self._on_node_up(live[holder])
-            if holder in self._holders_down:  # not back as the same process
+            with self._lock:
+                still_down = self.keeper.in_grace(holder)  # not back as the same process
+            if still_down:
                 given += 1
                 log.warning("holder.down_at_restart", holder=holder, live=holder in live,
                             grace_s=self.restart_grace_s)
@@ -543,7 +552,6 @@ class EnvServer:
                     self.journal.dropped(result)
                     self.journal.holder_settled(holder)
         for holder, result in results.items():
-            self._holders_down.pop(holder, None)
             if result.deleted:
                 log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
                             grace_s=self.restart_grace_s)
@@ -563,15 +571,17 @@ class EnvServer:
                      claimed_again: Iterable[str] = ()) -> bool:
         """``holder`` (its process ``went_down``, None when unknown) is down: unless it is back as that same
         process within the grace, what it holds here is reclaimed, except what its restarted incarnation claims
-        again (``claimed_again``: what it did before this store restarted). ``journal``: record it, so a restart
-        of this store resumes the grace. False when it holds nothing here."""
+        again (``claimed_again``: what it did before this store restarted). A repeated report of the process
+        recorded keeps its grace; one of another process (a restarted incarnation that died in the grace) starts
+        the grace afresh (:meth:`Keeper.holder_down`). ``journal``: record a grace that starts, so a restart of
+        this store resumes it. False when it holds nothing here."""
         with self._lock:
             if not self.keeper.holds(holder):
                 return False
-            self.keeper.holder_down(holder, self.restart_grace_s, claimed_again=claimed_again)
-            if journal and self.journal is not None and holder not in self._holders_down:
+            started = self.keeper.holder_down(holder, self.restart_grace_s, process=went_down,
+                                              claimed_again=claimed_again)
+            if started and journal and self.journal is not None:
                 self.journal.holder_down(holder, went_down)
-        self._holders_down.setdefault(holder, went_down)
         return True
 
     def _seen(self, holder: str, info: NodeInfo | None = None) -> None:
@@ -583,23 +593,19 @@ class EnvServer:
             log.info("holder.seen", holder=holder, host=info.host, pid=info.pid)
 
     def _on_node_up(self, info: NodeInfo) -> None:
-        if self.journal is not None:
-            # A holder's new process is recorded at once, even in its grace: a restart of this store in the grace
-            # resumes it from the ``holder-down`` record, and after it (settled) knows the live process as the one
-            # that kept what it claimed again.
-            with self._lock:
-                if self.keeper.holds(info.node_id):
-                    self._seen(info.node_id, info)
-        if info.node_id not in self._holders_down:
-            return
-        if self._holders_down[info.node_id] == incarnation(info):  # the same process: slow, not dead
-            del self._holders_down[info.node_id]
-            with self._lock:
-                self.keeper.holder_back(info.node_id)
-                if self.journal is not None:
-                    self.journal.holder_settled(info.node_id)
+        with self._lock:
+            if self.journal is not None and self.keeper.holds(info.node_id):
+                # A holder's new process is recorded at once, even in its grace: a restart of this store in the
+                # grace resumes it from the ``holder-down`` record, and after it (settled) knows the live process
+                # as the one that kept what it claimed again.
+                self._seen(info.node_id, info)
+            back = self.keeper.holder_back(info.node_id, incarnation(info))  # the same process: slow, not dead
+            if back and self.journal is not None:
+                self.journal.holder_back(info.node_id)
+            restarted = not back and self.keeper.in_grace(info.node_id)
+        if back:
             log.info("holder.back", holder=info.node_id)
-        else:  # a restart: it keeps what it claims again before the grace ends
+        elif restarted:  # it keeps what it claims again before the grace ends
             log.info("holder.restarted", holder=info.node_id)
 
     def _on_reference(self, message: Message) -> None:

@@ -7,10 +7,12 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
 2. :meth:`Keeper.claim` hands it to the first claimer (the orchestrator). Unclaimed blobs are deleted by
    :meth:`Keeper.expire` once their hand-over lease ends (reason ``undelivered``); :meth:`Keeper.discard`
    deletes an abandoned episode's unclaimed blobs; :meth:`Keeper.close` deletes everything (``shutdown``).
-   A holder reported down (:meth:`Keeper.holder_down`) that is not back (:meth:`Keeper.holder_back`)
-   within its grace loses, at :meth:`Keeper.reclaim`, every blob it holds here (reason ``holder-down``)
-   except those its restarted incarnation claimed meanwhile (again: a claim by the current holder is
-   answered ok; or for the first time: a blob unclaimed until then). :meth:`Keeper.hand_over` follows the
+   A holder reported down (:meth:`Keeper.holder_down`) that is not back as the same process
+   (:meth:`Keeper.holder_back`) within its grace loses, at :meth:`Keeper.reclaim`, every blob it holds here
+   (reason ``holder-down``) except those its restarted incarnation claimed meanwhile (again: a claim by the
+   current holder is answered ok; or for the first time: a blob unclaimed until then). A restarted
+   incarnation reported down in turn, within that grace, gets a fresh one: only what a later incarnation
+   claims in it is spared. :meth:`Keeper.hand_over` follows the
    orchestrator's hand-over to a trainer rank (the ``reference`` event), so a rank's blobs are its own and
    not the orchestrator's.
    :meth:`Keeper.record` files the episode's ``episode-finished`` record with its blobs, for as long as one
@@ -43,7 +45,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -275,7 +277,11 @@ class _Blob:
 @dataclass
 class _HolderDown:
     until: float  # when its grace ends
+    process: Hashable | None  # the process reported down (None: unknown)
     claimed_again: set[str] = field(default_factory=set)  # blob ids its new incarnation claimed since
+    # The grace this one cut short (``process`` restarted the process that one waits for): it resumes should
+    # ``process`` come back after all, since what that grace would not spare is still the earlier process's.
+    earlier: _HolderDown | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,21 +495,49 @@ class Keeper:
         """Whether ``holder`` holds any blob here (asked on every ``node-up``: a count, not a scan)."""
         return self._held_by.get(holder, 0) > 0
 
-    def holder_down(self, holder: str, grace_s: float, now: float | None = None, *,
-                    claimed_again: Iterable[str] = ()) -> None:
-        """``holder`` was reported down: unless it is back (:meth:`holder_back`) within ``grace_s``,
-        :meth:`reclaim` deletes what it holds here. A second report keeps the first deadline. ``claimed_again``:
-        blobs its restarted incarnation already took back (a restarted store resuming the grace)."""
+    def holder_down(self, holder: str, grace_s: float, now: float | None = None, *, process: Hashable | None = None,
+                    claimed_again: Iterable[str] = ()) -> bool:
+        """``holder`` was reported down (``process``: the process that went down, None when unknown): unless it
+        is back as that process (:meth:`holder_back`) within ``grace_s``, :meth:`reclaim` deletes what it holds
+        here, except what its restarted incarnation claims again. A second report of the same process, or of an
+        unknown one, keeps the first deadline. A report of another process than the one recorded (the restarted
+        incarnation died within the grace) starts a fresh grace of ``grace_s``: what the holder holds is then
+        reclaimed at its end except what a later incarnation claims again in it (what the dead incarnation had
+        claimed is no longer spared). ``claimed_again``: blobs its restarted incarnation already took back (a
+        restarted store resuming the grace). True when a grace started (the first report or a fresh one), False
+        for a repeat."""
         now = self.clock() if now is None else now
-        self._holders_down.setdefault(holder, _HolderDown(now + grace_s, set(claimed_again)))
+        down = self._holders_down.get(holder)
+        if down is not None and (process is None or process == down.process):
+            return False
+        earlier = replace(down, earlier=None) if down is not None else None  # one back: see holder_back
+        self._holders_down[holder] = _HolderDown(now + grace_s, process, set(claimed_again), earlier)
+        return True
 
-    def holder_back(self, holder: str) -> None:
-        """``holder`` is live again as the same process (it was slow, not dead): it keeps everything."""
-        self._holders_down.pop(holder, None)
+    def holder_back(self, holder: str, process: Hashable | None = None) -> bool:
+        """``holder`` is live as ``process``. True when that is the process reported down (it was slow, not dead):
+        it keeps what it holds, unless that report had started a fresh grace (:meth:`holder_down`): the grace it
+        cut short then resumes, with its deadline, sparing what this process claimed in either (it is the
+        restarted incarnation of that grace's process). False when the holder is not down, or live as another
+        process (a restart: it keeps what it claims again within the grace)."""
+        down = self._holders_down.get(holder)
+        if down is None or down.process != process:
+            return False
+        if down.earlier is None:
+            del self._holders_down[holder]
+        else:
+            self._holders_down[holder] = replace(down.earlier,
+                                                 claimed_again=down.earlier.claimed_again | down.claimed_again)
+        return True
+
+    def in_grace(self, holder: str) -> bool:
+        """Whether ``holder`` is reported down and its grace still runs (not back, nothing reclaimed yet)."""
+        return holder in self._holders_down
 
     def reclaim(self, now: float | None = None) -> dict[str, DeleteResult]:
         """Delete what each holder whose grace has ended still holds (holder: the env server, reason
-        ``holder-down``), except what its restarted incarnation claimed again; by the holder that went down."""
+        ``holder-down``), except what its restarted incarnation claimed again in that grace; by the holder that
+        went down. A grace a fresh one cut short ends with it."""
         now = self.clock() if now is None else now
         results: dict[str, DeleteResult] = {}
         for holder in [h for h, down in self._holders_down.items() if down.until <= now]:
