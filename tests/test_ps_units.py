@@ -386,6 +386,48 @@ def test_a_pull_grant_names_only_copies_a_registered_worker_listed_or_committed(
     assert [loc.worker for loc in runtime.call(PullBegin("reader", 0)).manifest.entries[0].locations] == ["w0"]
 
 
+def test_a_done_rank_whose_last_copy_is_lost_aborts_the_pending_version_at_a_registration_or_a_node_down(
+        ) -> None:
+    """replicas=1, world 2: rank 0 is done on w0 (its pusher has returned). w0 restarts without its store and
+    registers, listing no segment, before the node-down of its earlier process arrives (which then changes
+    nothing): the registration aborts the version, which would otherwise commit with rank 0 unreadable. The same
+    rule holds at a node-down: a done rank keeps its answer while a registered worker holds a copy of it."""
+    runtime, manager = _manager(replicas=1)
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    other = [TensorSpec("b", "float32", [4])]
+    first = _begin(runtime, 0, rank=0, world=2)
+    second = runtime.call(PushBegin(0, 1, 2, "trainer", other, "h"))
+    assert (first.worker.worker, second.worker.worker) == ("w0", "w1")
+    _seal(runtime, first, 0, "w0", rank=0)
+    held = {f"seg-{first.lease}-w0": first.lease}
+    runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))  # a restart that re-adopted it: kept
+    assert manager.versions.pending is not None
+    runtime.call(PsRegister(_worker("w0", pid=3)))  # a restart without its store
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+    runtime.down_listeners[0](NodeDown("w0", "ps-worker", "replaced", 0.0),
+                              NodeInfo("w0", "ps-worker", "h", 2, started=102.0))
+    with pytest.raises(HandlerError) as err:
+        _seal(runtime, second, 0, "w1", rank=1)
+    assert err.value.code == "push-aborted" and manager.versions.latest == -1 and runtime.published == []
+    # At a node-down: rank 0 done on w0 and w1 (replicas=2) loses w0's copy, then w1's.
+    runtime, manager = _manager(replicas=2)
+    for name in ("w0", "w1", "w2"):
+        runtime.call(PsRegister(_worker(name)))
+    first = _begin(runtime, 0, rank=0, world=2)
+    assert [first.worker.worker, *(w.worker for w in first.replicas)] == ["w0", "w1"]
+    for name in ("w0", "w1"):
+        _seal(runtime, first, 0, name, rank=0)
+    runtime.down_listeners[0](NodeDown("w2", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w2", "ps-worker", "h", 1, started=101.0))
+    runtime.down_listeners[0](NodeDown("w0", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w0", "ps-worker", "h", 1, started=101.0))
+    assert manager.versions.pending is not None
+    runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+
+
 def test_a_commit_the_journal_cannot_record_is_served_logged_and_unknown_to_a_restart(tmp_path: Path) -> None:
     """A journal write that fails (a full tmpfs) does not stop the manager: the version is committed and
     announced, the failure logged; a restarted manager knows only what was recorded."""

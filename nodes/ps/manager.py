@@ -45,7 +45,10 @@ Liveness: a timer expires leases (an expired pull lease unpins its version; an e
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
 A ``node-down`` of a worker removes it: it is never granted again, pull grants leave its copies out (a pull
 of a version with a tensor whose every copy is down fails at once, naming the workers), a pending push with
-a rank whose every verified copy was there is aborted, and an init it takes part in fails.
+a rank whose every verified copy was there is aborted, and an init it takes part in fails. A worker that
+registers again without a done rank's copy (restarted without its store) aborts that pending push the same
+way when no registered worker holds another copy: the node-down of its earlier process may come later, and is
+then ignored.
 """
 
 from __future__ import annotations
@@ -227,6 +230,9 @@ class PsManager:
         # The registration proves the worker live: an endpoint a node-down of its earlier process marked down
         # (a fixed port) takes requests again before its node-up arrives.
         self.runtime.calls.mark_up(info.endpoint)
+        # The node-down of its earlier process may come after this registration and is then ignored (see
+        # _node_down): a done rank's copy it lost must be judged here.
+        self._abort_if_copies_lost(info.worker, "registered again without its copy")
         # Shards it re-adopted that nothing needs any more (their release was lost while it was down): release
         # them now, or they would stay in its store for good.
         needed = self.versions.shards_on(info.worker)
@@ -304,18 +310,30 @@ class PsManager:
                                              versions_lost=lost)
         if self.init is not None and down.node_id in self.init.names:
             self._fail_init(down.node_id, f"went down ({down.reason}) during the broadcast")
+        self._abort_if_copies_lost(down.node_id, f"went down ({down.reason})")
+
+    def _abort_if_copies_lost(self, worker: str, how: str) -> None:
+        """Abort the pending version when ``worker`` lost its copy of a rank whose every copy was verified (it
+        went down, or registered again without the copy: ``how``) and no registered worker holds another copy of
+        that rank. That rank's pusher has returned and never writes it again, so the version would commit with a
+        tensor nobody can read. A copy still being written is the pusher's to retry elsewhere, and a done rank
+        that keeps a copy has its answer: it lost one copy as a committed version would."""
         pending = self.versions.pending
-        # A copy still being written is the pusher's to retry elsewhere. A rank whose copies were all verified
-        # has its answer: it lost one copy as a committed version would, unless it lost them all.
-        orphaned = [rank for rank, r in (pending.ranks.items() if pending else ())
-                    if r.done and not any(w in self.workers for w in r.segments)]
-        if pending is not None and orphaned:
-            self._abort_push(pending.version, f"worker {down.node_id} held the last verified copy of rank(s) "
-                             f"{orphaned}")
+        if pending is None:
+            return
+        lost = [rank for rank, r in pending.ranks.items()
+                if r.done and worker in r.segments and not any(self._holds(w, s) for w, s in r.segments.items())]
+        if lost:
+            self._abort_push(pending.version, f"worker {worker} {how}: it held the last verified copy of "
+                             f"rank(s) {lost}")
+
+    def _holds(self, worker: str, segment: str) -> bool:
+        """Whether ``worker`` is registered and holds ``segment`` (listed at its registration or committed since)."""
+        return worker in self.workers and segment in self.held.get(worker, ())
 
     def _serves(self, location: Location) -> bool:
         """Whether a registered worker holds the copy at ``location``."""
-        return location.worker in self.workers and location.segment in self.held.get(location.worker, ())
+        return self._holds(location.worker, location.segment)
 
     def _dead_copies(self, manifest: Manifest) -> dict[str, list[str]]:
         """Tensor -> its copies' workers, for each tensor with no copy a registered worker holds."""
