@@ -144,6 +144,10 @@ class PushBegin(Body, frozen=True):
     # attempt's copies are dropped and the rank starts over on other workers; the version stays pending.
     retry: str = ""
     avoid: list[Name] = []  # workers the pusher could not reach: not granted again for this push
+    # Drawn by a trainer world when it starts, the same for all its ranks ("" from a pusher that names none): a
+    # resuming push joins the pending version another rank began only when both name the same token, and a
+    # rank a restarted manager restored from its journal too (the same world, its push started over).
+    world_token: str = ""
 
 
 @register_kind("ps-shard-commit")

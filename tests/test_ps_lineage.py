@@ -74,3 +74,14 @@ def test_a_resumed_push_never_joins_an_old_worlds_pending_push() -> None:
     with pytest.raises(AssertionError):
         store.begin(2, 0, 2, SPECS[:1], ["w0"], "new2.0", now=0.0)
         store.start_lineage(2)  # a pending push must be aborted before a lineage starts
+
+
+def test_a_resuming_push_joins_the_pending_version_of_its_own_world_only() -> None:
+    """A resuming push joins the new lineage another rank began, unless both name a world token and the tokens
+    differ: a dead world's attempt at the same version (still leased) is no part of a new world's."""
+    store = VersionStore(retain=2)
+    store.start_lineage(0)
+    store.begin(0, 0, 2, SPECS[:1], ["w0"], "a0.0", now=0.0, resumes=True, world_token="world-a")
+    assert store.joins_lineage(0, 2, "world-a") and store.joins_lineage(0, 2)  # naming none: as before tokens
+    assert not store.joins_lineage(0, 2, "world-b")
+    assert store.of_world(0, 0, "world-a") and not store.of_world(0, 0, "world-b") and not store.of_world(0, 0, "")

@@ -407,9 +407,11 @@ def test_a_torn_last_record_is_ignored_and_garbage_refuses_the_journal(cluster: 
 
 
 def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path: Path) -> None:
+    done = msgspec.to_builtins(DoneRank(1, 2, True, 0, "lease", "rank0", {"w0": "seg"}, [], "world-a"))
     for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],
                                                  "leases": []}, {"op": "lineage"}, {"op": "abort"},
-                {"op": "rank", "version": 1, "world": 2, "rank": 0}):
+                {"op": "rank", "version": 1, "world": 2, "rank": 0}, {"op": "rank", "done": {**done, "world_token": 7}},
+                {"op": "rank", "done": {**done, "world": "two"}}):
         store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
         store.commit({"op": "trainer", "version": 3})
         store.commit(bad)
@@ -511,21 +513,30 @@ def test_done_ranks_replay_into_the_pending_version_until_it_commits_aborts_or_a
     recorder.close(remove=True)
 
 
-def test_a_resuming_push_never_joins_a_pending_version_restored_from_the_journal() -> None:
+def test_a_resuming_push_joins_a_pending_version_restored_from_the_journal_only_of_its_own_world() -> None:
     """Unit: a pending version of a new lineage joins the other ranks of that lineage, but once restored from
-    the journal (after a manager restart) it does not: the world that pushed it may be gone and a restarted
-    world pushes the same version, so the resuming push starts the lineage afresh (no lease of the new manager
+    the journal (after a manager restart) only a push naming the same world token does (that world's push
+    started over): the world that pushed it may be gone and a restarted world pushes the same version, so a
+    resuming push of another token, or naming none, starts the lineage afresh (no lease of the new manager
     would ever end the restored version: joined, a resuming begin of a restored rank is refused until the push
-    timeout)."""
-    versions = VersionStore(3)
-    versions.start_lineage(4)
-    specs = [TensorSpec("t0", "float32", [4])]
-    (layout,) = versions.begin(4, 0, 2, specs, ["w0"], "lease-4-0", 0.0, resumes=True, holder="rank0")
-    versions.commit_shard(4, 0, "lease-4-0", "w0", "seg-4-0", [msgspec.structs.replace(layout, checksum=7)],
-                          [WORKER])
-    assert versions.joins_lineage(4, 2)
-    done = versions.done_rank(4, 0)
-    assert done is not None and done.resumes
-    restored = VersionStore(3)
-    restored.restore_rank(done, 0.0)
-    assert restored.pending is not None and not restored.joins_lineage(4, 2)
+    timeout). A rank record of a manager older than tokens replays as naming none."""
+    for token in ("world-a", ""):
+        versions = VersionStore(3)
+        versions.start_lineage(4)
+        specs = [TensorSpec("t0", "float32", [4])]
+        (layout,) = versions.begin(4, 0, 2, specs, ["w0"], "lease-4-0", 0.0, resumes=True, holder="rank0",
+                                   world_token=token)
+        versions.commit_shard(4, 0, "lease-4-0", "w0", "seg-4-0", [msgspec.structs.replace(layout, checksum=7)],
+                              [WORKER])
+        assert versions.joins_lineage(4, 2, token) and versions.joins_lineage(4, 2)
+        done = versions.done_rank(4, 0)
+        assert done is not None and done.resumes and done.world_token == token
+        restored = VersionStore(3)
+        restored.restore_rank(done, 0.0)
+        assert restored.pending is not None and not restored.joins_lineage(4, 2)
+        assert not restored.joins_lineage(4, 2, "world-b")
+        assert restored.joins_lineage(4, 2, token) == bool(token)
+        assert restored.of_world(4, 0, token) == bool(token) and not restored.of_world(4, 1, token)
+    old = msgspec.to_builtins(done)
+    del old["world_token"]
+    assert msgspec.convert(old, DoneRank) == done  # the last one named no token

@@ -33,6 +33,8 @@ from refbus.nodes.ps.versions import VersionStore
 from refbus.nodes.settings import PsSettings
 from refbus.nodes.store.durable import DurableStore
 from refbus.protocol.codec import checksum
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.errors import SchemaError
 from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import (
     InitDone,
@@ -426,6 +428,72 @@ def test_a_done_rank_whose_last_copy_is_lost_aborts_the_pending_version_at_a_reg
     runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
                               NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
     assert manager.versions.pending is None and manager.versions.aborted_total == 1
+
+
+def test_a_resuming_push_started_over_after_a_manager_restart_joins_the_ranks_of_its_world_restored(
+        tmp_path: Path) -> None:
+    """A world of two resumes at 5: rank 0 is done (journaled, its pusher returned), rank 1 is being written
+    when the manager is SIGKILLed. Restarted, it restores rank 0; rank 1's push starts over (resuming, as it
+    was) naming the same world token and joins it: version 5 commits with both ranks, rank 0's copy kept. A
+    begin of the same world by the restored rank's own pusher (it never heard its answer) rewrites it. A
+    resuming begin of another token, or naming none, starts the lineage afresh without the restored rank."""
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    other = [TensorSpec("b", "float32", [4])]
+
+    def killed_mid_push(token: str) -> tuple[_StubRuntime, PsManager, PushGrant]:
+        """Rank 0 of world ``token`` done, rank 1 begun, then the manager killed and restarted; w0 registered
+        again listing rank 0's copy."""
+        runtime = _StubRuntime()
+        recorder = journal()
+        PsManager(runtime, PsSettings(replicas=1), journal=recorder)  # type: ignore[arg-type]
+        runtime.call(PsRegister(_worker("w0")))
+        first = runtime.call(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token=token))
+        _seal(runtime, first, 5, "w0", rank=0)
+        runtime.call(PushBegin(5, 1, 2, "rank1", other, "h", True, world_token=token))
+        recorder.close(remove=False)  # SIGKILL: its shutdown hooks never ran
+        runtime = _StubRuntime()
+        manager = PsManager(runtime, PsSettings(replicas=1), journal=journal())  # type: ignore[arg-type]
+        held = {f"seg-{first.lease}-w0": first.lease}
+        runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))
+        assert manager.versions.pending is not None and sorted(manager.versions.pending.ranks) == [0]
+        return runtime, manager, first
+
+    runtime, manager, first = killed_mid_push("world-a")
+    again = runtime.call(PushBegin(5, 1, 2, "rank1", other, "h", True, world_token="world-a"))
+    assert manager.versions.pending is not None and sorted(manager.versions.pending.ranks) == [0, 1]
+    assert _seal(runtime, again, 5, "w0", rank=1).committed and manager.versions.latest == 5
+    assert {e.name: e.locations[0].segment for e in manager.versions.manifest(5).entries} == {
+        "a": f"seg-{first.lease}-w0", "b": f"seg-{again.lease}-w0"}
+    assert manager._held_back == [] and manager.versions.aborted_total == 0  # nothing to release
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+    runtime, manager, first = killed_mid_push("world-a")
+    rewritten = runtime.call(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token="world-a"))
+    assert rewritten.lease != first.lease and manager._held_back == [("w0", first.lease)]  # a TTL after the restart
+    again = runtime.call(PushBegin(5, 1, 2, "rank1", other, "h", True, world_token="world-a"))
+    _seal(runtime, rewritten, 5, "w0", rank=0)
+    assert _seal(runtime, again, 5, "w0", rank=1).committed and manager.versions.latest == 5
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+    for token in ("world-b", ""):
+        runtime, manager, first = killed_mid_push("world-a")
+        runtime.call(PushBegin(5, 1, 2, "rank1", other, "h", True, world_token=token))
+        assert manager.versions.pending is not None and sorted(manager.versions.pending.ranks) == [1]
+        assert manager.versions.aborted_total == 1
+        manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+
+def test_a_world_token_that_is_not_a_string_is_refused_by_the_decoder() -> None:
+    codec = WireCodec("trainer")
+    kind, header, body = codec.encode(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token="world-a"))[:3]
+    assert codec.decode([kind, header, body]).body.world_token == "world-a"
+    for bad in (7, ["world-a"], None):
+        fields = msgspec.msgpack.decode(body)
+        fields["world_token"] = bad
+        with pytest.raises(SchemaError, match=r"at `\$\.world_token`"):
+            codec.decode([kind, header, msgspec.msgpack.encode(fields)])
 
 
 def test_a_commit_the_journal_cannot_record_is_served_logged_and_unknown_to_a_restart(tmp_path: Path) -> None:

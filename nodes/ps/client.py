@@ -551,10 +551,12 @@ class PsClient:
     # --- push ---------------------------------------------------------------------------------------
 
     def push(self, tensors: Mapping[str, torch.Tensor], version: int, *, rank: int = 0, world: int = 1,
-             resumes: bool = False) -> PushResult:
+             resumes: bool = False, world_token: str = "") -> PushResult:
         """Write this rank's ``tensors`` as its shard of ``version``; returns once the shard is acknowledged.
         ``resumes``: the first push of a trainer world that starts (again) at step ``version``: it starts a
         new lineage, the parameter server retires its versions ``>= version`` instead of refusing the push.
+        ``world_token``: drawn by the trainer world when it started, the same on every rank, so the ranks of
+        one world join one resuming version (see below) and a dead world's ranks never do.
 
         Only this rank's own tensors (no all-gather); the last rank's acknowledgement commits the version.
         The caller keeps ownership of ``tensors`` (they are copied out before this returns). Raises
@@ -567,7 +569,9 @@ class PsClient:
         starts over from ``tensors`` (a fresh ``ps-push-begin`` of the same version, ``ps.push_restarted``
         logged), pausing as :meth:`_grant` does, until ``wait_workers_s`` after the first such failure (then
         the last failure is raised). Every rank of a world that was still pushing does so on its own, and the
-        restarted manager's pending version takes each rank's fresh begin: one version commits. A restarted
+        restarted manager's pending version takes each rank's fresh begin: one version commits (a resuming
+        one only when the ranks name their ``world_token``: the restored ranks of a world that names none may
+        be a dead world's, so a resuming push starts its lineage afresh without them). A restarted
         durable manager that had committed the version before it died refuses the fresh begin
         ``version-conflict``; when its manifest of ``version`` holds exactly this rank's bytes (names and
         checksums), the push returns it as committed instead of raising.
@@ -578,7 +582,8 @@ class PsClient:
         sums: dict[str, int] | None = None
         while True:
             try:
-                with self.begin_push(tensors, version, rank=rank, world=world, resumes=resumes) as session:
+                with self.begin_push(tensors, version, rank=rank, world=world, resumes=resumes,
+                                     world_token=world_token) as session:
                     for name, tensor in tensors.items():
                         session.write(name, tensor)
                     return session.commit()
@@ -615,11 +620,13 @@ class PsClient:
         return PushResult(version, True, manifest.digest, nbytes, seconds)
 
     def begin_push(self, like: Mapping[str, torch.Tensor], version: int, *, rank: int = 0,
-                   world: int = 1, resumes: bool = False) -> PushSession:
+                   world: int = 1, resumes: bool = False, world_token: str = "") -> PushSession:
         """Start a streaming push: the shard's layout comes from ``like`` (dtypes and shapes only); write
-        each tensor when it is ready (e.g. layer by layer), then commit. See :class:`PushSession`."""
+        each tensor when it is ready (e.g. layer by layer), then commit. See :class:`PushSession` and
+        :meth:`push` for the arguments."""
         specs = [TensorSpec(name, wire_dtype(t.dtype), list(t.shape)) for name, t in like.items()]
-        grant = self._grant(PushBegin(version, rank, world, self.holder, specs, self.host, resumes))
+        grant = self._grant(PushBegin(version, rank, world, self.holder, specs, self.host, resumes,
+                                      world_token=world_token))
         self._keeper.hold(grant.lease, grant.ttl_s)
         session = PushSession(self, grant, version, rank, world)
         try:

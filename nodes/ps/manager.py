@@ -14,7 +14,8 @@ Lineages: a push that declares it resumes (``PushBegin.resumes``: a trainer worl
 of step ``K`` pushes ``K`` first) starts a new lineage: a push of the old world still pending is aborted, the
 old versions ``>= K`` are retired (readers' leases on them run out normally), and ``K``, ``K+1``, ... of the
 new world commit without a conflict (:mod:`.versions`). The ``version-bump`` of the new ``K`` tells readers
-the version went back.
+the version went back. A resuming push joins the pending version of the new lineage that another rank began,
+unless both name a trainer world token and they differ (that version is a dead world's: it is aborted).
 
 Staleness inventory: a commit of ``V`` moves its trainer version up to ``V`` when it is behind (a trainer
 that does not consume through it); a new lineage at ``K`` rewinds it to ``K`` (docs/STALENESS.md).
@@ -39,7 +40,10 @@ list) goes out once it has passed. Without a journal the restart shows in the wo
 of push leases this process never granted), and the same hold applies from then on. A begin of
 a rank of the pending version by the holder whose attempt of that rank is still being written replaces that
 attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant);
-so does its begin of a rank restored done (it never heard the dead process's answer).
+so does its begin of a rank restored done (it never heard the dead process's answer). A begin that resumes
+does either, and joins a pending version with ranks restored done, only when it names the trainer world token
+of those ranks (``PushBegin.world_token``: the same world, its push started over); otherwise it starts its
+lineage afresh, since the world that pushed them may be gone.
 
 Liveness: a timer expires leases (an expired pull lease unpins its version; an expired push lease aborts the
 version being pushed), pushes past ``push_timeout_s``, leased staleness reservations, and overdue inits.
@@ -384,7 +388,8 @@ class PsManager:
         workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
         names = [w.worker for w in workers]
         retry = begin.retry or self._given_up(begin)
-        if begin.resumes and not retry and not self.versions.joins_lineage(begin.version, begin.world):
+        if begin.resumes and not retry and not self.versions.joins_lineage(begin.version, begin.world,
+                                                                            begin.world_token):
             try:  # a request refused must not have retired the old lineage's versions first
                 self.versions.check_specs(begin.rank, begin.world, begin.tensors, lineage_at=begin.version)
             except ManifestError as exc:
@@ -397,7 +402,7 @@ class PsManager:
             else:
                 tensors = self.versions.begin(begin.version, begin.rank, begin.world, begin.tensors, names,
                                               lease.lease_id, lease.granted, resumes=begin.resumes,
-                                              holder=begin.holder)
+                                              holder=begin.holder, world_token=begin.world_token)
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
             raise self._refusal(exc, retry) from None
@@ -418,9 +423,10 @@ class PsManager:
         the dead process's answer never reached it, and writes it again. The fresh begin goes on as a retry of
         it (the version stays pending), where a refusal would leave the rank unable to push until that grant's
         lease expires and aborts the version.
-        Never for a begin that ``resumes``: a trainer world restarted under the same node ids may find the dead
+        A begin that ``resumes`` does so only when it names the trainer world token of that attempt (the same
+        world started its push over): a trainer world restarted under the same node ids may find the dead
         world's attempt of that version still leased, and must start its lineage afresh, not write into it."""
-        if begin.resumes:
+        if begin.resumes and not self.versions.of_world(begin.version, begin.rank, begin.world_token):
             return ""
         holder, restored = self.versions.restored_holder(begin.version, begin.rank)
         if holder == begin.holder:  # done before this manager restarted; its pusher did not hear of it

@@ -14,8 +14,9 @@ Rules (the parameter server's, as docs/ARCHITECTURE.md states them):
   restored into the pending version from the manager's journal (:meth:`VersionStore.restore_rank`), since
   their pushers have returned and never push them again; the other ranks push again and the version commits.
   A restored rank whose pusher did not hear of it (it starts its push over) writes it again
-  (:meth:`VersionStore.retry`, as the same holder's retry). A resuming push never joins a pending version
-  with restored ranks (:meth:`VersionStore.joins_lineage`): it starts its lineage afresh.
+  (:meth:`VersionStore.retry`, as the same holder's retry). A resuming push joins a pending version with
+  restored ranks only when it names their trainer world's token (:meth:`VersionStore.joins_lineage`: the same
+  world, its push started over); otherwise it starts its lineage afresh.
 * The newest ``retain`` committed versions are kept. An older one is *retired*: no new reader may lease it,
   and its shards are freed as soon as no pull lease holds it.
 * **Lineages.** A trainer world that starts (again) from its checkpoint of step ``K`` pushes version ``K``
@@ -52,6 +53,7 @@ class _RankShard:
     committed: list[ShardTensor] | None = None  # the verified layout and checksums (the same on every copy)
     holder: str = ""  # who pushes it (its lease's holder)
     restored: bool = False  # done, restored from the journal: its lease died with an earlier manager process
+    world_token: str = ""  # the token of the trainer world that pushes it ("" when its pusher named none)
 
     @property
     def done(self) -> bool:
@@ -82,6 +84,7 @@ class DoneRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     holder: str
     segments: dict[str, str]  # worker -> segment, in the order the grant named the workers
     tensors: list[ShardTensor]  # the verified layout and checksums
+    world_token: str = ""  # its trainer world's token ("" in a record of a manager older than tokens)
 
 
 @dataclass(eq=False)  # identity: two lineages may store the same version number
@@ -175,7 +178,7 @@ class VersionStore:
         if pending is None or shard is None or not shard.done or shard.committed is None:
             return None
         return DoneRank(version, pending.world, pending.resumes, rank, shard.lease, shard.holder,
-                        {w: shard.segments[w] for w in shard.workers}, list(shard.committed))
+                        {w: shard.segments[w] for w in shard.workers}, list(shard.committed), shard.world_token)
 
     def done_ranks(self) -> list[DoneRank]:
         """Every done rank of the pending version (none when nothing is pending)."""
@@ -194,7 +197,8 @@ class VersionStore:
             pending = self.pending = _Pending(done.version, done.world, now, resumes=done.resumes)
         layout = [msgspec.structs.replace(t, checksum=0) for t in done.tensors]  # as a grant hands it out
         pending.ranks[done.rank] = _RankShard(done.lease, list(done.segments), layout, dict(done.segments),
-                                              list(done.tensors), done.holder, restored=True)
+                                              list(done.tensors), done.holder, restored=True,
+                                              world_token=done.world_token)
 
     def restored_holder(self, version: int, rank: int) -> tuple[str, str]:
         """(holder, lease) of rank ``rank`` of the pending ``version`` when it was restored from the journal;
@@ -237,14 +241,30 @@ class VersionStore:
         self.lineages += 1
         return freed
 
-    def joins_lineage(self, version: int, world: int) -> bool:
-        """Whether a resuming push of ``version`` joins the pending one: the new lineage already began. Never
-        one with ranks restored from the journal: the world that pushed them may be gone (a world restarted
-        since pushes the same version), and no lease of this process would end that pending version; the
+    def joins_lineage(self, version: int, world: int, world_token: str = "") -> bool:
+        """Whether a resuming push of ``version`` by the trainer world ``world_token`` joins the pending one:
+        another rank of that world began the new lineage. A dead world's leftovers never join a new world's
+        version: not when both name a token and the tokens differ, and not a rank restored from the journal
+        unless it names the same token (else the world that pushed it may be gone, a world restarted since
+        pushing the same version, and no lease of this process would end that pending version); the
         resuming push starts the lineage afresh instead."""
         pending = self.pending
         return (pending is not None and pending.resumes and pending.version == version and pending.world == world
-                and not any(shard.restored for shard in pending.ranks.values()))
+                and all(self._of_world(shard, world_token) for shard in pending.ranks.values()))
+
+    def of_world(self, version: int, rank: int, world_token: str) -> bool:
+        """Whether rank ``rank`` of the pending ``version`` is pushed by the trainer world ``world_token``: both
+        name the same token (a world that names none is never taken for the same)."""
+        shard = self.pending_rank(version, rank)
+        return shard is not None and world_token != "" and shard.world_token == world_token
+
+    @staticmethod
+    def _of_world(shard: _RankShard, world_token: str) -> bool:
+        """Whether ``shard`` may belong to the trainer world ``world_token``: the same token when both name one;
+        otherwise (a pusher older than tokens) as long as it was not restored from the journal."""
+        if world_token and shard.world_token:
+            return world_token == shard.world_token
+        return not shard.restored
 
     # --- pushing ------------------------------------------------------------------------------------
 
@@ -260,11 +280,12 @@ class VersionStore:
 
     def begin(
         self, version: int, rank: int, world: int, specs: list[TensorSpec], workers: list[str], lease: str,
-        now: float, *, resumes: bool = False, holder: str = "",
+        now: float, *, resumes: bool = False, holder: str = "", world_token: str = "",
     ) -> list[ShardTensor]:
         """Start rank ``rank``'s shard of ``version``, one copy on each of ``workers``; returns its layout.
         ``resumes``: the push starts (or joins) a new lineage at ``version`` (:meth:`start_lineage` came first).
-        ``holder``: who pushes it (kept for a restart, see :meth:`done_rank`).
+        ``holder`` and ``world_token``: who pushes it, and its trainer world (kept for a restart, see
+        :meth:`done_rank`).
 
         Raises ManifestError: ``version-conflict`` (not the next version, another version pending, a
         different world size, a rank already pushing), ``bad-rank``, ``duplicate-name``,
@@ -301,7 +322,7 @@ class VersionStore:
                     )
         if pending is None:
             pending = self.pending = _Pending(version, world, now, resumes=resumes)
-        pending.ranks[rank] = _RankShard(lease, list(workers), tensors, holder=holder)
+        pending.ranks[rank] = _RankShard(lease, list(workers), tensors, holder=holder, world_token=world_token)
         return tensors
 
     def retry(self, version: int, rank: int, failed: str, workers: list[str], lease: str) -> tuple[
@@ -319,7 +340,8 @@ class VersionStore:
                                 f"lease {failed!r} to retry")
         old = [(w, shard.lease) for w in shard.workers]
         assert pending is not None
-        pending.ranks[rank] = _RankShard(lease, list(workers), shard.tensors, holder=shard.holder)
+        pending.ranks[rank] = _RankShard(lease, list(workers), shard.tensors, holder=shard.holder,
+                                         world_token=shard.world_token)
         return shard.tensors, old
 
     def commit_shard(

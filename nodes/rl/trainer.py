@@ -18,7 +18,9 @@ that starts agrees on where to resume: each rank reads the newest checkpoint it 
 (K = 0 with no checkpoint: the initial weights). Before its first step, every rank pushes its starting
 weights as version K declaring that it resumes (``resumes``), so the parameter server starts a new lineage
 there (a dead world's versions above K are retired) and rollout workers have something to serve. Its
-heartbeat status reports ``step`` K at once, for the orchestrator to continue from.
+heartbeat status reports ``step`` K at once, for the orchestrator to continue from. Every push names the
+world's token (:func:`world_token`, drawn at its start): a rank whose push starts over after a ps-manager
+restart joins the ranks of its own world the manager restored, never a dead world's.
 
 **A dead peer ends the world.** A rank that learns (``runtime.track_peers()``) that a rank of its own world
 went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
@@ -99,6 +101,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     dist.init_process_group("gloo", init_method=section.init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=section.batch_timeout_s))
     pids = world_pids(world)
+    token = world_token()
     model = load_entry_point(rl.policy)(rl.seed)
     optimizer = load_entry_point(rl.optimizer)(model, rl.lr)
     train_step = load_entry_point(rl.train_step)
@@ -119,7 +122,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
             runtime.start_background()
             if first >= section.steps:
                 collectives_done.set()  # nothing left to train: the start-up collectives were the last ones
-            ps.push(shard_of(model.state_dict(), rank, world), first, rank=rank, world=world, resumes=True)
+            ps.push(shard_of(model.state_dict(), rank, world), first, rank=rank, world=world, resumes=True,
+                    world_token=token)
             for step in range(first, section.steps):
                 try:
                     batches: StepBatches | None = trainer.begin_step(step)
@@ -139,7 +143,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
                 trainer.end_step(step)
                 # A skipped step still publishes its version (the same weights): rollouts and the orchestrator's
                 # staleness count steps, and the next step's push must follow this one.
-                ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world)
+                ps.push(shard_of(model.state_dict(), rank, world), step + 1, rank=rank, world=world,
+                        world_token=token)
                 if section.checkpoint_every and (step + 1) % section.checkpoint_every == 0:
                     path = checkpoint.save(section.checkpoint_dir, rank, step + 1, model, optimizer)
                     log.info("checkpoint.written", step=step + 1, path=str(path))
@@ -164,6 +169,15 @@ def world_pids(world: int) -> dict[int, int]:
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))
     return {rank: int(pid.item()) for rank, pid in enumerate(pids)}
+
+
+def world_token() -> str:
+    """A token every rank of this world shares and no other world has (collective: rank 0 draws 64 random bits
+    and broadcasts them): the parameter server lets a resuming push join the ranks a restarted ps-manager
+    restored only for the same token. Pids would not do: a world restarted in containers has the same ones."""
+    token = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True)], dtype=torch.int64)
+    dist.broadcast(token, src=0)
+    return f"{int(token.item()) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
 
 def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
