@@ -15,9 +15,11 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+import structlog
 import torch
 from polling import wait_for
 from ps_support import (
@@ -29,9 +31,10 @@ from ps_support import (
     start_cluster,
     stop_cluster_after_kills,
 )
-from refbus.bus.reqrep import RemoteError, RetryPolicy
+from refbus.bus.reqrep import RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import start_bus
+from refbus.nodes.ps import client as ps_client
 from refbus.nodes.ps import host_proof
 from refbus.nodes.ps.client import PsClient, PsError
 from refbus.protocol.messages import Ok
@@ -41,6 +44,7 @@ from refbus.protocol.messages_ps import (
     PullBegin,
     PullGrant,
     PushBegin,
+    ShardSeal,
     TensorSpec,
     WorkerInfo,
 )
@@ -154,6 +158,36 @@ def test_sigkill_of_a_worker_holding_copies_loses_no_version_and_fails_no_pull(c
         if thread.is_alive():
             thread.join(30)
         reader_runtime.close()
+        runtime.close()
+
+
+def test_a_push_whose_seal_answer_is_lost_after_the_version_committed_returns_it_committed(
+        cluster: PsCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both copies' seals reach their workers, which commit them at the manager (the version commits and is
+    announced), but w1's answer is lost (it died after forwarding its commit, or answered late): the pusher
+    takes it for a failed worker and asks for a new grant, which is refused ``push-aborted`` (nothing pending
+    to retry). The push returns the committed version instead of failing it, and the next push follows."""
+    runtime, ps = _client(cluster, "pusher")
+    real = ps_client.gather
+    lost: list[str] = []
+
+    def lossy(calls: Any, **kwargs: Any) -> list[Any]:
+        outcomes = real(calls, **kwargs)
+        if not lost and any(isinstance(body, ShardSeal) for _, body in calls):
+            lost.append(calls[1][0].endpoint)
+            outcomes[1] = RequestTimeout(f"no reply from {calls[1][0].endpoint}")
+        return outcomes
+
+    monkeypatch.setattr(ps_client, "gather", lossy)
+    try:
+        state = make_state(seed=1)
+        with structlog.testing.capture_logs() as logs:
+            result = ps.push(state, 0)
+        assert lost and result.committed and result.digest == ps.manifest(0).digest
+        assert [e["event"] for e in logs if e["event"].startswith(("push.", "ps.push"))] == [
+            "push.worker_failed", "ps.push_found_committed"]
+        assert ps.push(make_state(seed=2), 1).committed and ps.status().latest == 1
+    finally:
         runtime.close()
 
 

@@ -8,7 +8,9 @@ Push: the manager places the rank's shard on ``ps.replicas`` workers (the first 
 one) and grants a lease; the bytes go into each worker's shared-memory segment directly (same host, proved
 by :mod:`.host_proof`) or as ZeroMQ frames; each worker verifies every checksum and its acknowledgement
 commits its copy at the manager (the version commits with the last copy of the last rank). A worker that
-fails under the push is replaced: the rank asks for a new grant and writes its tensors again. A push that
+fails under the push is replaced: the rank asks for a new grant and writes its tensors again; one that fails
+after it recorded its commit (the version may have committed meanwhile) fails the push only when the manager's
+manifest of the version does not hold the rank's tensors and checksums. A push that
 fails otherwise releases its lease, which aborts the version (a push that dies midway stops renewing: same
 result). A push that fails because the manager restarted or is away starts over once it is back
 (:meth:`PsClient.push`).
@@ -325,6 +327,7 @@ class PushSession:
         self._avoid: set[str] = set()
         self._started = time.monotonic()
         self._open = True
+        self._sealed = False  # a seal was sent: every copy's commit may have reached the manager
 
     @property
     def workers(self) -> list[str]:
@@ -349,16 +352,45 @@ class PushSession:
 
     def commit(self) -> PushResult:
         """Seal the shard on every worker: each verifies every checksum and commits its copy at the manager;
-        the version commits with the last copy of the last rank."""
+        the version commits with the last copy of the last rank.
+
+        A failure after a seal was sent is raised only when the version is not committed with this rank's
+        tensors: a worker may have recorded its commit at the manager and then failed (or its answer was
+        lost), so the version committed while this pusher saw the copy fail; its new grant is then refused
+        ``push-aborted`` (nothing pending to retry). When the manager's manifest of the version holds exactly
+        this rank's tensors and checksums, that committed version is returned (``ps.push_found_committed``)."""
         missing = sorted(set(self._layout) - set(self._written))
         if missing:
             raise PsError(f"push of version {self.version} rank {self.rank}: never written: {missing[:5]}")
-        answers = self._attempt(self._seal)
-        self._open = False
-        self._client._keeper.drop(self._grant.lease)
+        try:
+            answers = self._attempt(self._seal)
+        except (PsError, RemoteError, RequestTimeout, PeerDown) as exc:
+            found = self._committed_anyway()
+            if found is None:
+                raise
+            log.info("ps.push_found_committed", version=self.version, rank=self.rank, digest=found.digest,
+                     error=str(exc))
+            self._ended()
+            return found
+        self._ended()
         done = next((a for a in answers if a.committed), answers[-1])
         return PushResult(self.version, done.committed, done.digest, self._grant.nbytes,
                           time.monotonic() - self._started)
+
+    def _ended(self) -> None:
+        """The shard is committed: nothing to abort, no lease to renew."""
+        self._open = False
+        self._client._keeper.drop(self._grant.lease)
+
+    def _committed_anyway(self) -> PushResult | None:
+        """This rank's push as committed when a seal was sent and the manager's manifest of the version holds
+        exactly its tensors and checksums; None otherwise, or when the manager does not answer (the caller's
+        failure stands: :meth:`PsClient.push` starts over when the manager is away)."""
+        if not self._sealed:
+            return None
+        with contextlib.suppress(RequestTimeout, PeerDown):
+            return self._client._committed_before(self.version, self._sums, time.monotonic() - self._started)
+        return None
 
     def abort(self) -> None:
         if self._open:
@@ -458,6 +490,7 @@ class PushSession:
         sealed = [ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, self._sums[t.name])
                   for t in self._grant.tensors]
         seal = ShardSeal(self._grant.lease, self.version, self.rank, sealed)
+        self._sealed = True
         answers = []
         for copy, outcome in zip(self._copies, gather([(c.client, seal) for c in self._copies]), strict=True):
             if isinstance(outcome, Exception):
