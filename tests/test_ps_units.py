@@ -38,6 +38,7 @@ from refbus.protocol.errors import SchemaError
 from refbus.protocol.messages import Body, Error, NodeDown, NodeInfo
 from refbus.protocol.messages_ps import (
     InitDone,
+    InitFailed,
     InitRequest,
     LeaseRelease,
     ManifestEntry,
@@ -520,6 +521,27 @@ def test_a_commit_the_journal_cannot_record_is_served_logged_and_unknown_to_a_re
     recorder.store.close(remove=False)  # killed, not stopped: its shutdown hooks never ran, the journal stays
     restarted = PsManager(_StubRuntime(), PsSettings(replicas=1), journal=journal())  # type: ignore[arg-type]
     assert restarted.versions.retained() == [1] and restarted.versions.latest == 1
+
+
+def test_a_manager_without_a_journal_holds_an_init_shard_it_never_made_for_a_lease_ttl() -> None:
+    """A manager without a journal learns it restarted from the registrations: a re-adopted shard it never made
+    may be a version the dead process committed and a reader still reads under its lease, a broadcast init's as
+    much as a push's. Every release is held one lease TTL; an init shard this process made itself (its init
+    failed) holds nothing back."""
+    runtime, manager = _manager(replicas=1)
+    held = {"seg-a": "init-0123456789ab"}  # loaded by an init of the dead process
+    runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))
+    assert runtime.released("w0") == [] and manager._held_back == [("w0", "init-0123456789ab")]
+    assert manager._releases_from > 0.0
+    runtime, manager = _manager(replicas=1)
+    runtime.call(PsRegister(_worker("w0")))
+    assert runtime.call(InitRequest("/x.safetensors", ["w0"]), "init-1") is None and manager.init is not None
+    init_id = manager.init.init_id
+    runtime.call(InitFailed(init_id, "w0", "w0", "no such file"))
+    runtime.sent.clear()
+    held = {"seg-b": init_id}  # its release was lost: the worker restarted, re-adopting it
+    runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))
+    assert runtime.released("w0") == [init_id] and manager._releases_from == 0.0
 
 
 def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_node_up() -> None:

@@ -37,7 +37,8 @@ renewal lists it expired, a reservation is ``unknown-reservation``, and an init'
 sends again, is answered afresh. A reader may still read under a lease of the dead process, so a restarted
 manager releases nothing for one lease TTL: what is to be released meanwhile (retention, orphans the workers
 list) goes out once it has passed. Without a journal the restart shows in the workers' registrations (shards
-of push leases this process never granted), and the same hold applies from then on. A begin of
+this process never made: push leases it never granted, broadcast inits it never ran), and the same hold
+applies from then on. A begin of
 a rank of the pending version by the holder whose attempt of that rank is still being written replaces that
 attempt, as a retry (a begin sent while this process was away, granted late with nobody reading the grant);
 so does its begin of a rank restored done (it never heard the dead process's answer). A begin that resumes
@@ -180,6 +181,7 @@ class PsManager:
         self._releases_from = self._started + settings.lease_ttl_s if restarted else 0.0
         self._held_back: list[Shard] = []
         self.init: InitRound | None = None
+        self._inits_here: set[str] = set()  # ids of the inits this process ran (a few per run: never pruned)
         self._init_waiting: list[Pending] = []
         self._init_answers: OrderedDict[str, Body] = OrderedDict()  # ps-init request id -> its answer
 
@@ -245,10 +247,12 @@ class PsManager:
         orphans = sorted({shard for segment, shard in request.body.shards.items()
                           if segment in held and shard not in needed})
         if orphans:
-            # A push lease this process never granted: an earlier manager process did (this one may not know it
-            # restarted: it has no journal without store.durable). A reader under that process's lease may read
-            # for one lease TTL after its death: hold every release until then, as a known restart does.
-            foreign = [shard for shard in orphans if shard.startswith("push-") and not self.leases.granted_here(shard)]
+            # A shard this process never made (a push lease it never granted, an init it never ran): an earlier
+            # manager process did (this one may not know it restarted: it has no journal without store.durable),
+            # and may have committed it as a version. A reader under that process's lease may read it for one
+            # lease TTL after its death: hold every release until then, as a known restart does.
+            foreign = [shard for shard in orphans
+                       if not self.leases.granted_here(shard) and shard not in self._inits_here]
             hold_until = self._started + self.settings.lease_ttl_s
             if foreign and self._releases_from < hold_until and time.monotonic() < hold_until:
                 self._releases_from = hold_until
@@ -639,6 +643,7 @@ class PsManager:
             raise HandlerError("bad-init", f"a worker is named twice in {names}")
         now = time.monotonic()
         init_id = f"init-{os.urandom(6).hex()}"
+        self._inits_here.add(init_id)
         workers = [self.workers[n] for n in names]
         self.init = InitRound(init_id, ask.path, workers, request_id, now, now + self.settings.init_timeout_s)
         self._init_waiting = [self.server.pending]
