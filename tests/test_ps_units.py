@@ -19,8 +19,9 @@ import msgspec
 import pytest
 import structlog
 import torch
-from refbus.bus.reqrep import HandlerError, PeerDown, RemoteError
+from refbus.bus.reqrep import HandlerError, PeerDown, RemoteError, RequestTimeout
 from refbus.nodes.ps import client as ps_client
+from refbus.nodes.ps import manager as manager_module
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
@@ -567,6 +568,35 @@ def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_
     assert runtime.released("w1") == [grants[0].lease]
     runtime.up_listeners[0](NodeInfo("w1", "ps-worker", "h", 2, started=102.0))  # sent once
     assert len(runtime.sent) == 1
+
+
+def test_a_release_a_live_worker_did_not_answer_or_refused_is_sent_again_a_bounded_number_of_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that times out or is refused leaves the segment in use on a live worker: it is sent again from
+    the timer, up to RELEASE_ATTEMPTS sends in all, and never to another process than the one that failed it
+    (a restarted worker's registration releases what it re-adopted)."""
+    monkeypatch.setattr(manager_module, "RELEASE_AGAIN_S", 0.0)
+    runtime, manager = _manager(replicas=1, retain_versions=1)
+    runtime.call(PsRegister(_worker("w0")))
+    first = _push(runtime, 0)
+    runtime.sent.clear()
+    _push(runtime, 1)  # retires version 0: its shard is released
+    failures: list[Exception] = [RequestTimeout("no reply from tcp://w0"),
+                                 RemoteError(Error("internal", "journal write failed", Release.kind), "tcp://w0")]
+    for attempt in range(1, manager_module.RELEASE_ATTEMPTS + 1):
+        (_, release, on_done), = [sent for sent in runtime.sent if isinstance(sent[1], Release)]
+        assert release.shards == [first.lease], attempt
+        runtime.sent.clear()
+        on_done(failures[attempt % 2])
+        manager._expire()
+    assert runtime.sent == []  # the last send failed too: given up, logged
+    _push(runtime, 2)  # version 1's release times out; the worker restarts before it is sent again
+    (_, _, on_done), = [sent for sent in runtime.sent if isinstance(sent[1], Release)]
+    on_done(RequestTimeout("no reply from tcp://w0"))
+    runtime.call(PsRegister(_worker("w0", pid=2)))
+    runtime.sent.clear()
+    manager._expire()
+    assert runtime.sent == []
 
 
 def test_a_broadcast_init_and_a_push_never_commit_the_same_version() -> None:

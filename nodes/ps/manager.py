@@ -126,12 +126,24 @@ from .versions import Shard, VersionStore
 log = structlog.get_logger(__name__)
 
 INIT_RUNNING_RETRY_S = 1.0  # a push refused while a broadcast init runs may ask again after this long
+RELEASE_ATTEMPTS = 4  # sends of a release that a live worker did not answer or refused, the first included
+RELEASE_AGAIN_S = 1.0  # the pause before the first resend of such a release, doubling after each
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 def _error_code(exc: StalenessError) -> str:
     """``VersionAbortedError`` -> ``version-aborted``: the inventory's error classes name the codes."""
     return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__.removesuffix("Error")).lower()
+
+
+@dataclasses.dataclass
+class _Resend:
+    """A release to send again at ``due``: its ``attempt``-th send failed while ``info`` was registered."""
+
+    due: float
+    info: WorkerInfo
+    shards: list[str]
+    attempt: int
 
 
 def _same_process(worker: WorkerInfo, node: NodeInfo) -> bool:
@@ -212,6 +224,8 @@ class PsManager:
         # Shards whose release ended PeerDown while the same worker process stayed registered: a node-down of
         # its earlier process marked its fixed endpoint down meanwhile. Sent again at its node-up.
         self._unreleased: dict[str, list[str]] = {}
+        # Releases a worker's registered process did not answer in time or refused: sent again from _expire.
+        self._resends: list[_Resend] = []
         runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
@@ -271,13 +285,27 @@ class PsManager:
             return
         self.runtime.calls.request(info.endpoint, body, on_done, deadline_s=deadline_s)
 
-    def _released(self, worker: str, ids: list[str], info: WorkerInfo | None, outcome: Outcome) -> None:
+    def _released(self, worker: str, ids: list[str], info: WorkerInfo | None, attempt: int,
+                  outcome: Outcome) -> None:
+        """The outcome of the ``attempt``-th send of a release of ``ids`` to ``info``, the process of ``worker``
+        registered when it was sent. Unless that process is no longer the registered one (another process's
+        registration releases what it re-adopted; a worker down holds nothing), a failed release is sent again:
+        at that process's node-up after PeerDown, else from the timer up to ``RELEASE_ATTEMPTS`` sends in all,
+        since the segments stay in use on the worker until it is told."""
         if isinstance(outcome, Message):
             return
-        if isinstance(outcome, PeerDown) and info is not None and self.workers.get(worker) is info:
+        registered = info is not None and self.workers.get(worker) is info
+        if isinstance(outcome, PeerDown) and registered:
             self._unreleased.setdefault(worker, []).extend(ids)  # see __init__: sent again at its node-up
             return
-        log.warning("ps.release_failed", worker=worker, shards=ids, error=str(outcome))
+        if registered and attempt < RELEASE_ATTEMPTS:
+            assert info is not None
+            pause = RELEASE_AGAIN_S * 2 ** (attempt - 1)
+            self._resends.append(_Resend(time.monotonic() + pause, info, ids, attempt))
+            log.warning("ps.release_failed", worker=worker, shards=ids, error=str(outcome), attempt=attempt,
+                        again_in_s=pause)
+            return
+        log.warning("ps.release_failed", worker=worker, shards=ids, error=str(outcome), attempt=attempt)
 
     def _release(self, shards: list[Shard]) -> None:
         if shards and time.monotonic() < self._releases_from:  # see __init__: sent once a lease TTL passed
@@ -287,8 +315,11 @@ class PsManager:
         for worker, shard in shards:
             by_worker[worker].append(shard)
         for worker, ids in by_worker.items():
-            info = self.workers.get(worker)
-            self._send(worker, Release(ids), lambda outcome, w=worker, i=ids, r=info: self._released(w, i, r, outcome))
+            self._send_release(worker, ids, 1)
+
+    def _send_release(self, worker: str, ids: list[str], attempt: int) -> None:
+        info = self.workers.get(worker)
+        self._send(worker, Release(ids), lambda outcome: self._released(worker, ids, info, attempt, outcome))
 
     def _node_up(self, node: NodeInfo) -> None:
         """A worker's node-up: the releases that ended PeerDown while this very process was registered go again."""
@@ -584,6 +615,12 @@ class PsManager:
             held_back, self._held_back = self._held_back, []
             log.info("ps.held_releases_sent", shards=len(held_back))
             self._release(held_back)
+        if any(resend.due <= now for resend in self._resends):
+            due = [resend for resend in self._resends if resend.due <= now]
+            self._resends = [resend for resend in self._resends if resend.due > now]
+            for resend in due:
+                if self.workers.get(resend.info.worker) is resend.info:  # else: see _released
+                    self._send_release(resend.info.worker, resend.shards, resend.attempt + 1)
         for lease in self.leases.expire(now):
             log.warning("ps.lease_expired", lease=lease.lease_id, kind=lease.kind, holder=lease.holder,
                         version=lease.version)
