@@ -411,7 +411,9 @@ def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path:
     for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],
                                                  "leases": []}, {"op": "lineage"}, {"op": "abort"},
                 {"op": "rank", "version": 1, "world": 2, "rank": 0}, {"op": "rank", "done": {**done, "world_token": 7}},
-                {"op": "rank", "done": {**done, "world": "two"}}):
+                {"op": "rank", "done": {**done, "world": "two"}}, {"op": "retried", "version": 1, "rank": 0},
+                {"op": "retried", "version": 1, "rank": 0, "lease": 5},
+                {"op": "retried", "version": 1, "rank": 0, "lease": "l", "extra": 1}):
         store = DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps", strict=True)
         store.commit({"op": "trainer", "version": 3})
         store.commit(bad)
@@ -487,6 +489,12 @@ def test_done_ranks_replay_into_the_pending_version_until_it_commits_aborts_or_a
     assert again.done_ranks() == versions.done_ranks()
     recorder.aborted(0)  # e.g. rank 1 never came within the push timeout
     assert replayed().pending is None
+    versions.abort(0)
+    recorder.rank_done(_done_rank(versions, 0, 0, "rank0"))
+    recorder.retried(0, 0, "lease-0-9")  # another attempt's lease: rank 0 stays
+    assert sorted(replayed().pending.ranks) == [0]  # type: ignore[union-attr]
+    recorder.retried(0, 0, "lease-0-0")  # rank 0's pusher retried: its copies were released
+    assert replayed().pending is None  # no rank left: the pushers begin it again
     versions.abort(0)
     recorder.rank_done(_done_rank(versions, 0, 0, "rank0"))
     (layout,) = versions.begin(0, 1, 2, [TensorSpec("t1", "float32", [4])], ["w0"], "lease-0-1", 0.0)

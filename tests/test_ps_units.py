@@ -487,6 +487,37 @@ def test_a_resuming_push_started_over_after_a_manager_restart_joins_the_ranks_of
         manager.journal.close(remove=True)  # type: ignore[union-attr]
 
 
+def test_a_done_rank_replaced_by_a_retry_is_not_restored_after_a_manager_restart(tmp_path: Path) -> None:
+    """replicas=1, world 2: rank 0 is done (journaled) on w0, but its pusher took the seal for failed (the
+    answer was lost) and retries: the new attempt replaces the done rank and its copy is released. The manager
+    is SIGKILLed before the new attempt is done: the restart must not restore the rank whose copy is gone, so
+    rank 0's push starts over and the version commits with the new copy."""
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    runtime = _StubRuntime()
+    recorder = journal()
+    PsManager(runtime, PsSettings(replicas=1), journal=recorder)  # type: ignore[arg-type]
+    runtime.call(PsRegister(_worker("w0")))
+    runtime.call(PsRegister(_worker("w1")))
+    first = _begin(runtime, 0, rank=0, world=2)
+    _seal(runtime, first, 0, "w0", rank=0)
+    retried = runtime.call(PushBegin(0, 0, 2, "trainer", [], "h", retry=first.lease, avoid=["w0"]))
+    assert retried.worker.worker == "w1" and runtime.released("w0") == [first.lease]
+    recorder.close(remove=False)  # SIGKILL: its shutdown hooks never ran
+    runtime = _StubRuntime()
+    manager = PsManager(runtime, PsSettings(replicas=1), journal=journal())  # type: ignore[arg-type]
+    assert manager.versions.pending is None
+    runtime.call(PsRegister(_worker("w0", pid=2)))
+    runtime.call(PsRegister(_worker("w1", pid=2)))
+    again = _begin(runtime, 0, rank=0, world=2)
+    second = runtime.call(PushBegin(0, 1, 2, "trainer", [TensorSpec("b", "float32", [4])], "h"))
+    _seal(runtime, again, 0, again.worker.worker, rank=0)
+    assert _seal(runtime, second, 0, second.worker.worker, rank=1).committed
+    assert manager.versions.manifest(0).entries[0].locations[0].segment == f"seg-{again.lease}-{again.worker.worker}"
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+
 def test_a_world_token_that_is_not_a_string_is_refused_by_the_decoder() -> None:
     codec = WireCodec("trainer")
     kind, header, body = codec.encode(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token="world-a"))[:3]

@@ -25,11 +25,12 @@ each, and the version commits only once every copy is verified. A rank whose att
 again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
 
 Restarts: with ``store.durable`` every commit, lineage start, consumed batch, rank of the pending version
-done and aborted push is committed to a journal (:mod:`.manager_journal`) before anyone hears of it. A
-process restarted under the same node id replays it and comes back with the versions it retained and the
-pending version's done ranks (their pushers have returned; the other ranks start over and the version
-commits); the workers, told of the new process by the bus, register again listing the segments they hold,
-and a version is served only from copies a registered worker listed (or committed since). Attempts still
+done (and its replacement by a retry) and aborted push is committed to a journal (:mod:`.manager_journal`)
+before anyone hears of it. A process restarted under the same node id replays it and comes back with the
+versions it retained and the pending version's done ranks (their pushers have returned; the other ranks
+start over and the version commits); the workers, told of the new process by the bus, register again
+listing the segments they hold, and a version is served only from copies a registered worker listed (or
+committed since). Attempts still
 being written, leases, reservations and an init round of the dead process are unknown to the new one: a
 commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
 ``unknown-lease``, both naming the restart (``leases.RESTARTED``; the pusher starts its push over on it), a
@@ -431,6 +432,7 @@ class PsManager:
                 raise HandlerError(exc.code, str(exc)) from None
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
+        replaces_done = bool(retry) and self.versions.rank_done(begin.version, begin.rank, retry)
         try:
             if retry:
                 tensors, failed = self.versions.retry(begin.version, begin.rank, retry, names, lease.lease_id)
@@ -441,6 +443,9 @@ class PsManager:
         except ManifestError as exc:
             self.leases.release(lease.lease_id)
             raise self._refusal(exc, retry) from None
+        if replaces_done:
+            # Journaled done: a restart must not restore the copies released below.
+            self._journal(lambda journal: journal.retried(begin.version, begin.rank, retry))
         if retry:
             # Ended without aborting: the version goes on under the new lease.
             self.leases.release(retry)

@@ -12,6 +12,9 @@ retained, its lineage and the staleness inventory's trainer version. Records:
             ``{worker: segment}``, its lease and holder; replayed into the pending version, since its pusher
             has returned and never pushes it again
 ``abort``   the pending ``version`` was aborted: its done ranks are not restored
+``retried`` done ``rank`` of the pending ``version`` under ``lease`` was replaced by its pusher's new attempt
+            (a retry: its copies were released): it is not restored; the new attempt has a ``rank`` record
+            of its own once done
 =========== ==========================================================================================
 
 Each is committed before anyone learns of the decision (the ``version-bump``, the answers). What is not
@@ -59,9 +62,16 @@ class _Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     done: DoneRank
 
 
+class _Retried(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    version: int
+    rank: int
+    lease: str
+
+
 # Trainer and abort records have a lineage record's fields: {"op": "trainer", "version": T}.
 _KINDS: dict[str, type[msgspec.Struct]] = {"commit": _Commit, "lineage": _Lineage, "trainer": _Lineage,
-                                           "rank": _Rank, "abort": _Lineage}
+                                           "rank": _Rank, "abort": _Lineage, "retried": _Retried}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,9 @@ class ManagerJournal:
     def aborted(self, version: int) -> None:
         self.store.commit({"op": "abort", "version": version})
 
+    def retried(self, version: int, rank: int, lease: str) -> None:
+        self.store.commit({"op": "retried", "version": version, "rank": rank, "lease": lease})
+
     def replay(self, versions: VersionStore, now: float) -> Recovered:
         """Rebuild ``versions`` (fresh) from the records, in order; raises StoreError naming the journal and the
         record when one is not a record of this module. Nothing is freed: no reader is known yet. A pending
@@ -108,6 +121,8 @@ class ManagerJournal:
                 trainer = max(trainer, record.manifest.version)
             elif isinstance(record, _Rank):
                 versions.restore_rank(record.done, now)
+            elif isinstance(record, _Retried):
+                versions.drop_rank(record.version, record.rank, record.lease)
             elif record.op == "abort":
                 versions.abort(record.version)
             elif record.op == "lineage":
@@ -131,7 +146,7 @@ class ManagerJournal:
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
 
-    def _parse(self, index: int, raw: dict[str, Any]) -> _Commit | _Lineage | _Rank:
+    def _parse(self, index: int, raw: dict[str, Any]) -> _Commit | _Lineage | _Rank | _Retried:
         kind = _KINDS.get(raw.get("op"))  # type: ignore[arg-type]
         try:
             if kind is None:

@@ -200,6 +200,18 @@ class VersionStore:
                                               list(done.tensors), done.holder, restored=True,
                                               world_token=done.world_token)
 
+    def drop_rank(self, version: int, rank: int, lease: str) -> None:
+        """Replay a retry an earlier process of the manager recorded: rank ``rank`` of the pending ``version``,
+        done under ``lease``, was replaced by a new attempt (its copies released), so it is not restored. A
+        pending version left with no rank is pending no more (its pushers begin it again)."""
+        pending = self.pending
+        shard = self.pending_rank(version, rank)
+        if pending is None or shard is None or shard.lease != lease:
+            return
+        del pending.ranks[rank]
+        if not pending.ranks:
+            self.pending = None
+
     def restored_holder(self, version: int, rank: int) -> tuple[str, str]:
         """(holder, lease) of rank ``rank`` of the pending ``version`` when it was restored from the journal;
         ("", "") otherwise."""
