@@ -161,7 +161,9 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         assert reported.wait(WAIT_S)
         producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
         arrays = random_arrays(6, seed=1)
-        kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays])).body
+        samples = [{"input_ids": list(range(6)), "ref": i} for i in range(2)]  # its group waits: both stay held
+        kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays],
+                                     info={"group": "g", "reward": 1.0, "samples": samples})).body
         producer.close()
         assert isinstance(kept, Kept)
         # The keep's answer can precede its episode-finished event: killed in between, the store re-adopts an

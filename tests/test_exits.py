@@ -85,16 +85,19 @@ def nodes(tmp_path: Path, bus: tuple[NodeProcess, str]) -> Iterator[Callable[...
 
 
 def keep_episode(endpoint: str, episode_id: str) -> list[str]:
-    """Keep one two-branch episode on an env server (as a rollout worker would); its blob ids. Fails, naming
+    """Keep one two-branch episode on an env server (as a rollout worker would), each branch a sample of its
+    record, so an orchestrator holds them until its group completes; its blob ids. Fails, naming
     the env server and why, when it does not keep it by the configured request policy's deadline (KEEP: three
     attempts from ``requests.timeout_s``, 7 timeouts in all); the socket is closed whatever happened, since the
     context's term waits for every socket of it."""
     branches = [random_arrays(4, seed=s, layers=2, top_k=2, k=3, max_count=2, routing_dtype=np.uint8)
                 for s in (1, 2)]
+    samples = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1], "ref": i} for i in range(len(branches))]
     ctx = zmq.Context()
     client = Client(ctx, endpoint, WireCodec("tester"), policy=KEEP)
     try:
-        kept = client.request(Keep(episode_id=episode_id, branches=branches)).body
+        kept = client.request(Keep(episode_id=episode_id, branches=branches,
+                                   info={"group": episode_id, "reward": 1.0, "samples": samples})).body
     except (RequestTimeout, RemoteError) as exc:
         raise AssertionError(f"the env server at {endpoint} did not keep {episode_id!r}: {exc}") from exc
     finally:

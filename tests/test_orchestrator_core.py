@@ -690,6 +690,39 @@ def test_a_malformed_record_is_deleted_malformed_before_training_and_its_group_a
     assert core.malformed_episodes == 2 and core.abandoned_groups == 1
 
 
+def with_branches(ep: EpisodeFinished, branches: int) -> EpisodeFinished:
+    """``ep`` keeping ``branches`` blobs (``b-<id>``, ``b-<id>.1``, ...) on its store; its samples unchanged."""
+    extra = [msgspec.structs.replace(ep.refs[0], blob_id=f"{ep.refs[0].blob_id}.{index}")
+             for index in range(1, branches)]
+    return msgspec.structs.replace(ep, refs=[ep.refs[0], *extra])
+
+
+def test_claimed_blobs_no_sample_points_to_are_deleted_unreferenced_at_once() -> None:
+    """Regression: every claimed blob was taken, but only those a sample points to ever shipped or dropped; a
+    blob of an episode with more branches than samples, of a record without samples, or of an eval episode
+    without samples stayed held by the orchestrator (and kept in its store) until shutdown."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member, reward in enumerate((1.0, 0.0)):  # each episode kept two branches, its one sample points to one
+        ep = with_branches(episode(f"A-{member}", "A", reward), 2)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert deletes(actions) == {"unreferenced": ["b-A-0.1", "b-A-1.1"]}
+    deliveries = of(DeliverBatch, actions)
+    assert sorted(blob_id for d in deliveries for blob_id in d.batch.owned) == ["b-A-0", "b-A-1"]
+    for d in deliveries:
+        core.on_delivered(T0, 0, d.endpoint, None)
+    assert not core.holdings.held
+    # A training record without samples: its blob goes, the episode still counts in its group.
+    bare = with_info(episode("B-0", "B", 1.0), samples=[])
+    assert deletes(core.on_episode(T0 + 1, bare, bare.refs)) == {"unreferenced": ["b-B-0"]}
+    assert "B" in core.groups and not core.holdings.held
+    # An eval episode without samples.
+    scored = msgspec.structs.replace(episode("E-0", "E", 1.0), info={"group": "E", "eval": True})
+    assert deletes(core.on_episode(T0 + 2, scored, scored.refs)) == {"unreferenced": ["b-E-0"]}
+    assert not core.holdings.held and core.unreferenced_blobs == 4
+
+
 def test_a_group_that_makes_packing_fail_waits_for_the_next_step_or_is_deleted_malformed() -> None:
     """Regression: groups of a step whose packing raised (routed samples of two routing shapes, a sample id
     twice) had left the queue already: never shipped nor deleted. Now the step ships without the group that

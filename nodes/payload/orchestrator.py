@@ -7,23 +7,25 @@ later events wait their turn), groups episodes,
 computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
 point deletes at that moment, with its reason:
 
-============== ====================================================================================
-reason         when
-============== ====================================================================================
-``filtered``   a complete group whose advantages are all zero (nothing to learn)
-``stale``      a queued sample older than ``max_staleness`` versions when its step is packed, or of a
-               version a restarted trainer world retired (above the step it resumed from)
-``eval``       every eval episode (scored, never trained)
-``incomplete`` a group still incomplete after ``group_timeout_s``
-``late``       an episode of a group that was already completed or dropped
-``max_steps``  anything arriving after the last step was shipped
-``missing``    (counted, nothing to delete) a sample whose blob was gone before it could be claimed
-``lost``       the env server keeping the blob went down and was not back within
-               ``node.restart_grace_s``: published as a ``delete`` event with reason ``lost`` and ``node``
-               the env server's node id; its samples are never shipped. Nothing to delete, unless that
-               same process comes back (it was cut off): then the blobs are deleted there, reason ``lost``
-``shutdown``   what is still queued or grouped when the node stops
-============== ====================================================================================
+================ ====================================================================================
+reason           when
+================ ====================================================================================
+``filtered``     a complete group whose advantages are all zero (nothing to learn)
+``stale``        a queued sample older than ``max_staleness`` versions when its step is packed, or of a
+                 version a restarted trainer world retired (above the step it resumed from)
+``eval``         every eval episode (scored, never trained)
+``incomplete``   a group still incomplete after ``group_timeout_s``
+``late``         an episode of a group that was already completed or dropped
+``max_steps``    anything arriving after the last step was shipped
+``missing``      (counted, nothing to delete) a sample whose blob was gone before it could be claimed
+``unreferenced`` a claimed blob no sample of its episode's record points to (more branches than samples, a
+                 record without samples): deleted at once, counted, logged (``episode.unreferenced``)
+``lost``         the env server keeping the blob went down and was not back within
+                 ``node.restart_grace_s``: published as a ``delete`` event with reason ``lost`` and ``node``
+                 the env server's node id; its samples are never shipped. Nothing to delete, unless that
+                 same process comes back (it was cut off): then the blobs are deleted there, reason ``lost``
+``shutdown``     what is still queued or grouped when the node stops
+================ ====================================================================================
 
 The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
 

@@ -16,7 +16,9 @@ Decisions and their rules:
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
-  logged) and its group abandoned. A group that makes a step's packing fail is left out and the step ships:
+  logged) and its group abandoned. A claimed blob that no sample of its record points to (more branches than
+  samples, a record without samples) is deleted at once (``unreferenced``, counted, logged once per episode):
+  nothing would ever ship or drop it. A group that makes a step's packing fail is left out and the step ships:
   one of another routing shape than the step's (a store of another model) waits to ship first at the next
   step; any other (a repeated sample id) is deleted ``malformed``.
 * **Shipping.** Once ``groups_per_step`` groups are queued and the trainer ranks are known, the next step is
@@ -163,6 +165,7 @@ Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | Halt
 
 LOST = "lost"
 TRAINER_DOWN = "trainer-down"
+UNREFERENCED = "unreferenced"
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,7 @@ class OrchestratorCore:
         self.episodes = 0
         self.abandoned_groups = 0
         self.malformed_episodes = 0  # records that could not be trained as they came: deleted ``malformed``
+        self.unreferenced_blobs = 0  # claimed blobs no sample of their record points to: deleted ``unreferenced``
         self.delivery: _Delivery | None = None
         self.redeliveries = 0
         self.failure = ""  # why the run halted; empty while it goes on
@@ -404,6 +408,7 @@ class OrchestratorCore:
             return self._malformed(now, episode, claimed, group_id, str(error))
         self.holdings.take(claimed)
         samples = self._samples(episode, entries, {ref.blob_id for ref in claimed})
+        self._unreferenced(episode, entries, claimed)
         if info.get("eval"):
             self.eval_sink.add(samples)
         elif self.finished:
@@ -416,6 +421,19 @@ class OrchestratorCore:
             if len(group.episodes) >= self.settings.group_size:
                 self._complete(now, group_id)
         return self._ship_ready(now)
+
+    def _unreferenced(self, episode: EpisodeFinished, entries: Sequence[_Entry], claimed: Collection[BlobRef]) -> None:
+        """Delete at once (``unreferenced``, counted, logged once per episode) the claimed blobs no sample of
+        the record points to (more branches than samples, a record without samples): nothing would ever ship
+        or drop them, so they would stay held here until shutdown."""
+        referenced = {entry.ref.blob_id for entry in entries if entry.ref is not None}
+        unreferenced = [ref for ref in claimed if ref.blob_id not in referenced]
+        if not unreferenced:
+            return
+        self.unreferenced_blobs += len(unreferenced)
+        self.holdings.delete(unreferenced, UNREFERENCED)
+        log.warning("episode.unreferenced", episode_id=episode.episode_id, source=episode.source,
+                    blobs=len(unreferenced), samples=len(entries))
 
     def _malformed(self, now: float, episode: EpisodeFinished, claimed: Collection[BlobRef], group_id: str,
                    error: str) -> list[Action]:
