@@ -23,7 +23,20 @@ from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import BlobRef, Claim, Claimed, Keep, Kept, NodeInfo, Ok, StepBatch
+from refbus.protocol.messages import (
+    BlobRef,
+    Claim,
+    Claimed,
+    EpisodeFinished,
+    Held,
+    HeldEpisode,
+    HoldingsQuery,
+    Keep,
+    Kept,
+    NodeInfo,
+    Ok,
+    StepBatch,
+)
 from structlog.testing import capture_logs
 
 WAIT_S = 10.0
@@ -253,3 +266,52 @@ def test_a_store_sigkilled_while_the_orchestrators_shutdown_waits_for_its_claim_
         elif not stopper.ident:
             runtime.join(timeout=WAIT_S)
         zmq_ctx.destroy(linger=0)
+
+
+def test_a_store_whose_holdings_cursor_does_not_advance_ends_its_recovery_instead_of_paging_for_ever(
+        bus: tuple[NodeProcess, str]) -> None:
+    """A store answers the restarted orchestrator's ``holdings`` with a page that says there is more but whose
+    cursor does not move past the one asked: the page's episode is still claimed and recovered, the store is
+    not asked again, and the recovery ends (logged, naming the store). Before, the orchestrator asked for the
+    same page for ever and its recovery never ended, so nothing was ever dispatched."""
+    control = bus[1]
+    store = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-g", metrics_port=-1))
+    server = store.serve("blobs", "tcp://127.0.0.1:0")
+    asked: list[HoldingsQuery] = []
+    claims: list[Claim] = []
+    ref = BlobRef(endpoint="tcp://127.0.0.1:1", source="g", blob_id="b-g", fields=["routed_experts"], tokens=6,
+                  nbytes=48, checksum=0, routing_shape=[2, 2], node="env-g")
+    record = EpisodeFinished(episode_id="g-0", source="g", refs=[ref], info={
+        "group": "gg", "reward": 1.0, "samples": [{"input_ids": list(range(6)), "ref": 0}]})
+
+    def holdings(request: Message) -> Held:
+        assert isinstance(request.body, HoldingsQuery)
+        asked.append(request.body)
+        return Held(episodes=[HeldEpisode(episode=record, unclaimed=["b-g"])], cursor=request.body.after, more=True)
+
+    def claim(request: Message) -> Claimed:
+        assert isinstance(request.body, Claim)
+        claims.append(request.body)
+        return Claimed(blob_ids=request.body.blob_ids)
+
+    server.on(HoldingsQuery.kind, holdings, cached=False)
+    server.on(Claim.kind, claim)
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    started = []
+    try:
+        store.start_background()
+        started.append(store)
+        with capture_logs() as logs:
+            orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                                      groups_per_step=1, seq_len=64))
+            runtime.start_background()
+            started.append(runtime)
+            wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        assert [query.after for query in asked] == [0]
+        assert [c.blob_ids for c in claims] == [["b-g"]]
+        assert orchestrator.core.recovered_episodes == 1 and set(orchestrator.core.holdings.held) == {"b-g"}
+        stuck = [entry for entry in logs if entry["event"] == "recovery.cursor_stuck"]
+        assert [(entry["node"], entry["after"], entry["cursor"]) for entry in stuck] == [("env-g", 0, 0)]
+    finally:
+        for node in reversed(started):
+            node.join(timeout=10)

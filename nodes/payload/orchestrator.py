@@ -61,7 +61,10 @@ claims it back) and feeds the episodes to the core as if they had just finished.
 meanwhile wait their turn, and no run goes out (admission counts what comes back); the
 ``episode-finished`` of an episode already recovered is ignored. A store
 that does not answer is logged (``recovery.store_failed``): what this node id held there goes
-``holder-down`` after the grace, named by the store; a blob whose claim fails is counted ``missing``.
+``holder-down`` after the grace, named by the store; so does what it held past a page whose cursor does
+not advance (``more`` with a cursor not past the one asked: that store's recovery ends there, logged
+``recovery.cursor_stuck``, instead of asking for the same page for ever); a blob whose claim fails is
+counted ``missing``.
 Episodes of the earlier incarnation's runs that finish later are grouped like any other (a group that
 never completes is deleted ``incomplete``). Limits: a step the earlier incarnation had delivered to some
 ranks and not others cannot be completed (its batches are gone with it); the ranks that hold it fail that
@@ -281,9 +284,13 @@ class Orchestrator:
     def _ask_holdings(self, endpoint: str, after: int) -> None:
         self._recovery.claims_pending += 1
         self.runtime.calls.request(endpoint, HoldingsQuery(holder=self.runtime.node_id, after=after),
-                                   lambda outcome: self._on_held(endpoint, outcome))
+                                   lambda outcome: self._on_held(endpoint, after, outcome))
 
-    def _on_held(self, endpoint: str, outcome: Outcome) -> None:
+    def _on_held(self, endpoint: str, after: int, outcome: Outcome) -> None:
+        """One page of a store's ``holdings`` (asked from keep position ``after``): claim what it lists, and ask
+        for the next page while there is one. A page whose cursor does not move past ``after`` ends that store's
+        recovery (logged): asked again, it would answer the same page for ever, and nothing would ever be
+        dispatched."""
         replies, failures = split_outcomes([(endpoint, outcome)])
         for _, error in failures:
             log.error("recovery.store_failed", endpoint=endpoint, node=self._peers.node_of(endpoint),
@@ -291,7 +298,12 @@ class Orchestrator:
         for _, reply in replies:
             held = reply.body
             assert isinstance(held, Held)
-            if held.more:
+            if held.more and held.cursor <= after:
+                log.error("recovery.cursor_stuck", endpoint=endpoint, node=self._peers.node_of(endpoint),
+                          after=after, cursor=held.cursor,
+                          detail="the store's holdings pages do not advance: its recovery ends here; what this "
+                                 "node id held there beyond this page goes holder-down after the grace")
+            elif held.more:
                 self._ask_holdings(endpoint, held.cursor)
             wanted = [(entry.episode, refs) for entry in held.episodes if (refs := self.core.reclaimable(entry))]
             if wanted:  # one claim per page: the store answers each id
