@@ -28,8 +28,8 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from math import isfinite
+from dataclasses import dataclass, field, replace
+from math import ceil, isfinite
 from typing import TypeVar
 
 import structlog
@@ -73,6 +73,13 @@ class RetryPolicy:
     def deadline_s(self) -> float:
         """The default deadline of a request under this policy: the sum of its attempts' timeouts."""
         return sum(self.timeouts())
+
+    def lasting(self, deadline_s: float) -> RetryPolicy:
+        """This policy with more attempts, so that a request whose outcome must be known is sent again (the
+        same frames: a server answers a repeat from its reply cache) until ``deadline_s``, not only until
+        :attr:`deadline_s`. Pass ``deadline_s`` as the request's deadline too: it, not the count, ends it."""
+        more = max(0.0, deadline_s - self.deadline_s)
+        return replace(self, attempts=self.attempts + ceil(more / self.timeouts()[-1]))
 
 
 SEND_ONCE = RetryPolicy(attempts=1)

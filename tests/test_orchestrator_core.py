@@ -15,6 +15,7 @@ from refbus.nodes.payload.orchestrator_core import (
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,
     Action,
+    ClaimAgain,
     Deadlines,
     DeleteBlobs,
     DeliverBatch,
@@ -264,6 +265,24 @@ def test_claims_a_store_died_before_answering_are_named_in_its_loss() -> None:
     lost = of(LoseBlobs, core.tick(T0 + GRACE.restart_grace_s))
     assert [(a.node_id, sorted(r.blob_id for r in a.refs)) for a in lost] == [("env-a", ["b-u0"])]
     assert core.lost == {"env-a": 1}
+
+
+def test_claims_a_store_went_down_before_answering_are_claimed_again_when_it_is_back_and_granted_ones_deleted() -> None:
+    """The store may have granted them before it was cut off: back as the same store, it keeps them as this
+    node's, so they are claimed again (a repeat is answered ``already``) and what that grants is deleted
+    ``claim-failed`` (their episode went on without them). Before, they were forgotten and stayed held there
+    for this node, which knew nothing of them."""
+    core = OrchestratorCore(settings(), GRACE)
+    core.store_down(T0, env_server("env-a"))
+    unanswered = episode("u0", "gu", 1.0)
+    core.claim_unanswered(unanswered.refs)
+    assert core.on_episode(T0, unanswered, []) == []  # fed without its blob: counted missing
+    assert core.store_up(env_server("env-a")) == [ClaimAgain(tuple(unanswered.refs))]
+    assert deletes(core.claimed_late(unanswered.refs)) == {"claim-failed": ["b-u0"]}
+    assert not core.holdings.held and of(LoseBlobs, core.tick(T0 + 100)) == []
+    held = episode("h0", "gh", 1.0)
+    core.on_episode(T0 + 100, held, held.refs)
+    assert core.claimed_late(held.refs) == [] and set(core.holdings.held) == {"b-h0"}  # held here: not a leak
 
 
 def test_a_store_back_as_the_same_process_keeps_its_blobs_and_gets_the_deletes_that_waited() -> None:

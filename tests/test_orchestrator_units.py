@@ -20,6 +20,7 @@ from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import Orchestrator
+from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol.envelope import Message, WireCodec
@@ -27,6 +28,8 @@ from refbus.protocol.messages import (
     BlobRef,
     Claim,
     Claimed,
+    Delete,
+    Deleted,
     EpisodeFinished,
     Held,
     HeldEpisode,
@@ -312,6 +315,108 @@ def test_a_store_whose_holdings_cursor_does_not_advance_ends_its_recovery_instea
         assert orchestrator.core.recovered_episodes == 1 and set(orchestrator.core.holdings.held) == {"b-g"}
         stuck = [entry for entry in logs if entry["event"] == "recovery.cursor_stuck"]
         assert [(entry["node"], entry["after"], entry["cursor"]) for entry in stuck] == [("env-g", 0, 0)]
+    finally:
+        for node in reversed(started):
+            node.join(timeout=10)
+
+
+SHORT_RETRY = RetryPolicy(timeout_s=0.2, attempts=2)  # a request gives up after 0.6 s
+
+
+def _kept_episode(env: EnvServer, episode_id: str, **info: Any) -> str:
+    """Keep one 6-token episode on ``env`` (its record ``info`` plus one sample pointing to its blob)."""
+    arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+    record = {"reward": 1.0, **info, "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1],
+                                                  "ref": 0}]}
+    return env.keep(episode_id, [arrays], info=record)[0].blob_id
+
+
+def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_deleted(
+        bus: tuple[NodeProcess, str]) -> None:
+    """The store works through a backlog: the orchestrator's claim is granted only after every attempt of it
+    went unanswered. The episode goes on without the blob (``missing``); the orchestrator claims it again (a
+    repeat is answered ``already``) and deletes it (``claim-failed``). Before, the claim only counted as
+    missing: the store kept the blob as the orchestrator's, which knew nothing of it, until its shutdown."""
+    control = bus[1]
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-c", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="c"))
+    grant = env.server.routes[Claim.kind].handler
+    backlog: list[tuple[Pending, Message]] = []
+    worked_through = threading.Event()
+
+    def work_through_backlog() -> None:
+        worked_through.set()
+        for pending, request in backlog:  # in order, as a store answers what it received
+            env.server.answer(pending, grant(request))
+        backlog.clear()
+
+    def claim(request: Message) -> Claimed | None:
+        # Every attempt of the first claim waits in the backlog (a deferred reply is not cached: each one comes here).
+        if not worked_through.is_set() and (not backlog or backlog[0][1].header.id == request.header.id):
+            backlog.append((env.server.pending, request))
+            return None
+        work_through_backlog()
+        return grant(request)
+
+    env.server.on(Claim.kind, claim)
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1,
+                                                          retry=SHORT_RETRY))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    started = []
+    try:
+        for node in (env_runtime, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        blob_id = _kept_episode(env, "c-0", group="gc")
+        wait_for(lambda: orchestrator.missing, WAIT_S, "the orchestrator giving up its claim")
+        env_runtime.call_soon(work_through_backlog)  # granted now: held by the orchestrator in the store
+        wait_for(lambda: env.stats().deleted.get("claim-failed"), WAIT_S, "the late-granted blob deleted")
+        stats = env.stats()
+        assert stats.deleted == {"claim-failed": 1} and stats.blobs_held == 0 and not stats.violations, stats
+        assert orchestrator.missing == 1 and blob_id not in orchestrator.core.holdings.held
+    finally:
+        for node in reversed(started):
+            node.join(timeout=10)
+
+
+def test_a_delete_whose_first_attempts_a_live_store_never_got_is_sent_again_as_the_same_request(
+        bus: tuple[NodeProcess, str]) -> None:
+    """The store never gets the first attempts of a delete (lost on the way) and stays live: the orchestrator
+    sends the same request again (one request id, so a store that had deleted answers from its reply cache)
+    past its retry schedule, and the blob is deleted once. Before, the delete was given up after the schedule
+    and the blob, gone from the orchestrator's holdings, stayed in the store as its own."""
+    control = bus[1]
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-d", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="d"))
+    delete = env.server.routes[Delete.kind].handler
+    received: list[str] = []
+
+    def lossy(request: Message) -> Deleted | None:
+        received.append(request.header.id)
+        if len(received) <= SHORT_RETRY.attempts:
+            return None  # lost: never answered
+        return delete(request)
+
+    env.server.on(Delete.kind, lossy)
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1,
+                                                          retry=SHORT_RETRY))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(busy_store_s=WAIT_S))
+    started = []
+    try:
+        for node in (env_runtime, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        _kept_episode(env, "e-0", group="ge", eval=True)  # scored, never trained: deleted ``eval`` at once
+        wait_for(lambda: env.stats().deleted.get("eval"), WAIT_S, "the eval episode's blob deleted")
+        stats = env.stats()
+        assert stats.deleted == {"eval": 1} and stats.blobs_held == 0 and not stats.violations, stats
+        assert len(received) == SHORT_RETRY.attempts + 1 and len(set(received)) == 1, received
+        assert orchestrator.failed_deletes == 0
     finally:
         for node in reversed(started):
             node.join(timeout=10)

@@ -753,6 +753,9 @@ def test_retry_policy_timeouts() -> None:
     policy = RetryPolicy(timeout_s=1.0, attempts=5, backoff=3.0, max_timeout_s=10.0)
     assert list(policy.timeouts()) == [1.0, 3.0, 9.0, 10.0, 10.0]
     assert list(RetryPolicy(attempts=1).timeouts()) == [2.0]
+    # Lasting: attempts added, at the last timeout or longer, until the sends cover the longer deadline.
+    assert list(policy.lasting(60.0).timeouts()) == [1.0, 3.0, 9.0, 10.0, 10.0, 10.0, 10.0, 10.0]
+    assert policy.lasting(1.0) == policy and sum(policy.lasting(60.0).timeouts()[:-1]) < 60.0
 
 
 def test_an_invalid_reply_does_not_cut_the_wait_short(zmq_ctx: zmq.Context, clients: Any) -> None:

@@ -20,6 +20,9 @@ reason           when
 ``missing``      (counted, nothing to delete) a sample whose blob was gone before it could be claimed
 ``unreferenced`` a claimed blob no sample of its episode's record points to (more branches than samples, a
                  record without samples): deleted at once, counted, logged (``episode.unreferenced``)
+``claim-failed`` a blob whose claim went unanswered (or was answered with an error) while its store was live,
+                 or whose store went down before answering and came back as the same store, that a second
+                 claim found granted after all: its episode went on without it (counted ``missing``)
 ``lost``         the env server keeping the blob went down and was not back within
                  ``node.restart_grace_s``: published as a ``delete`` event with reason ``lost`` and ``node``
                  the env server's node id; its samples are never shipped. Nothing to delete, unless that
@@ -51,6 +54,15 @@ checkpoints), then continues from the step its ranks report; no new world within
 plus four ``node.connect_timeout_s`` halts it, naming the ranks. What the dead world never acknowledged is
 deleted with reason ``trainer-down``.
 ``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
+
+A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
+granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on
+without them; they are claimed again (a claim repeated by its holder is answered ``already``) to learn what
+the store did, and what that grants is deleted (``claim-failed``). A delete is sent again, the same request (a
+store answers a repeat from its reply cache, so it never deletes twice), until a live store answers, within
+``env_server.generate_timeout_s`` plus the request retry schedule (``Deadlines.busy_store_s``); a store
+reported down meanwhile ends it, and the delete waits for the store as above. One that still fails is logged
+(``delete.failed``) and given up: the store keeps those blobs as this node's until this node is gone.
 
 Every start is a possible restart (the same node id after a crash; no flag): before it feeds any event to
 the core it rebuilds its state from the authorities, not from the event ring. It takes the step number
@@ -105,6 +117,7 @@ from ..settings import OrchestratorSettings
 from .orchestrator_core import (
     LOST,
     Action,
+    ClaimAgain,
     Deadlines,
     DeleteBlobs,
     DeliverBatch,
@@ -128,7 +141,8 @@ def deadlines_from(config: Config) -> Deadlines:
     return Deadlines(delivery_s=config.trainer.batch_timeout_s, redeliver_after_s=policy.timeout_s,
                      run_s=config.env_server.generate_timeout_s + policy.deadline_s,
                      restart_grace_s=config.node.restart_grace_s,
-                     world_restart_s=config.node.restart_grace_s + 4 * config.node.connect_timeout_s)
+                     world_restart_s=config.node.restart_grace_s + 4 * config.node.connect_timeout_s,
+                     busy_store_s=config.env_server.generate_timeout_s + policy.deadline_s)
 
 
 @dataclass
@@ -167,6 +181,7 @@ class Orchestrator:
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
         self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
         self._delivering = 0  # step batches sent and not answered
+        self._claiming_again = 0  # ClaimAgain requests sent and not answered
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
@@ -178,6 +193,9 @@ class Orchestrator:
         self._restarts = StoreRestarts(lambda node: durable_store(self._peers, node), runtime.later,
                                        self.core.deadlines.restart_grace_s)
         d = self.core.deadlines
+        # Deletes, and claims sent again to learn what an unanswered one did: the same request until a live store
+        # answers (a repeat is answered from its reply cache), not only for the default retry schedule.
+        self._settle_policy = runtime.calls.policy.lasting(d.busy_store_s)
         runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
         if settings.dispatch:
             runtime.every(1.0, self._refresh_replicas)
@@ -234,7 +252,11 @@ class Orchestrator:
         for (endpoint, claim), error in failures:
             log.warning("claim.failed", endpoint=endpoint, blobs=len(claim.blob_ids), error=str(error))
             self.missing += len(claim.blob_ids)
-            self.core.claim_unanswered([refs[blob_id] for blob_id in claim.blob_ids if blob_id in refs])
+            failed = [refs[blob_id] for blob_id in claim.blob_ids if blob_id in refs]
+            if isinstance(error, PeerDown):
+                self.core.claim_unanswered(failed)
+            else:  # a live store may still grant it (a backlog it works through): learn what it did
+                self._claim_again(ClaimAgain(tuple(failed)))
         granted: set[str] = set()
         for _, reply in replies:
             claimed = reply.body
@@ -409,6 +431,8 @@ class Orchestrator:
                     deadline_s=action.deadline_s, policy=SEND_ONCE)
             elif isinstance(action, LoseBlobs):
                 self._lose(action)
+            elif isinstance(action, ClaimAgain):
+                self._claim_again(action)
             elif isinstance(action, Halt):
                 log.error("orchestrator.halted", reason=action.reason)
                 self.runtime.stop()
@@ -428,11 +452,54 @@ class Orchestrator:
         self._execute(self.core.on_run_done(self.clock(), action.run.episode_id, error, code))
 
     def _delete(self, action: DeleteBlobs) -> None:
+        """Delete ``action.refs``, one request per store. Its refs have left the holdings already, so a delete
+        that went unanswered must not be dropped: the same request (same id: a store answers a repeat from its
+        reply cache, so it never deletes twice) is sent again until a live store answers, within
+        ``busy_store_s``; a store reported down meanwhile ends it at once (the delete then waits for the store,
+        see :meth:`_on_deleted`)."""
         for endpoint, refs in group_by_endpoint(action.refs, self._locate).items():
             request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason,
                              node=action.node)
             self.runtime.calls.request(
-                endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs))
+                endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs),
+                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
+
+    def _claim_again(self, action: ClaimAgain) -> None:
+        """Claim ``action.refs`` again, one request per store, sent again (the same request) until a live store
+        answers, within ``busy_store_s``. A claim repeated by its holder is answered ``already``, so the answer
+        says what the claim whose outcome was unknown did; what it grants is deleted
+        (:meth:`~.orchestrator_core.OrchestratorCore.claimed_late`). A delete in its place would delete a blob
+        that was never granted from under its store (the ledger's violation)."""
+        for endpoint, refs in group_by_endpoint(action.refs, self._locate).items():
+            self._claiming_again += 1
+            claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
+            self.runtime.calls.request(
+                endpoint, claim, lambda outcome, e=endpoint, rs=refs: self._on_claimed_again(e, rs, outcome),
+                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
+
+    def _on_claimed_again(self, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome) -> None:
+        self._claiming_again -= 1
+        if isinstance(outcome, PeerDown):
+            self.core.claim_unanswered(refs)  # named in the store's loss, or claimed again once it is back
+            return
+        replies, failures = split_outcomes([(endpoint, outcome)])
+        for _, error in failures:
+            log.error("claim.unsettled", endpoint=endpoint, blobs=len(refs), blob_ids=[r.blob_id for r in refs][:8],
+                      error=str(error), detail="given up: if the store grants them after all, it keeps them as this "
+                                               "node's until this node is gone (then reclaims them holder-down)")
+        for _, reply in replies:
+            answer = reply.body
+            assert isinstance(answer, Claimed)
+            granted = set(answer.blob_ids)
+            late = [ref for ref in refs if ref.blob_id in granted]
+            if not late:
+                continue
+            log.warning("claim.granted_late", endpoint=endpoint, blobs=len(late),
+                        detail="their episode went on without them: deleted")
+            if self._closing:
+                self.core.holdings.take(late)  # deleted with the rest by the shutdown
+            else:
+                self._execute(self.core.claimed_late(late))
 
     def _lose(self, action: LoseBlobs) -> None:
         self.lost += len(action.refs)
@@ -447,7 +514,9 @@ class Orchestrator:
         for _, error in failures:
             self.failed_deletes += len(request.blob_ids)
             log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), reason=request.reason,
-                      error=str(error))
+                      blob_ids=request.blob_ids[:8], error=str(error),
+                      detail="given up: the store keeps them as this node's until this node is gone (then "
+                             "reclaims them holder-down)")
         for _, reply in replies:
             deleted = reply.body
             assert isinstance(deleted, Deleted)
@@ -464,8 +533,9 @@ class Orchestrator:
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
         (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
-        is reported lost, naming it. Claims and step batches still in flight are answered first (for at most
-        half the time left, and only while a request is in flight), nothing new is sent meanwhile: a store
+        is reported lost, naming it. Claims (those sent again to learn what an unanswered one did included) and
+        step batches still in flight are answered first (for at most half the time left, and only while a
+        request is in flight), nothing new is sent meanwhile but claims sent again: a store
         grants a claim and a rank takes a batch whether or not this node still listens, so what the claims
         grant is deleted with the rest (as are the episodes whose claims were answered but whose turn had not
         come, and those recovered at start and not fed yet), and an acknowledged batch is its rank's to delete,
@@ -479,12 +549,13 @@ class Orchestrator:
         def settled() -> bool:
             # With no request in flight nothing can answer: a claim still out waits for a timer (its durable
             # store restarting), and timers no longer run.
-            return not (claims_out() or self._delivering) or not self.runtime.calls.in_flight()
+            return not (claims_out() or self._delivering or self._claiming_again) or not self.runtime.calls.in_flight()
 
         if not settled():
             self.runtime.calls.run_until(settled, self.runtime.shutdown_left() / 2)
-        if claims_out() or self._delivering:
-            log.warning("shutdown.unanswered", claims=len(claims_out()), step_batches=self._delivering)
+        if claims_out() or self._delivering or self._claiming_again:
+            log.warning("shutdown.unanswered", claims=len(claims_out()), step_batches=self._delivering,
+                        claims_again=self._claiming_again)
         for arrival in self._arrivals:
             if arrival.message is not None and not arrival.claims_pending:
                 self.core.holdings.take(arrival.claimed)

@@ -40,7 +40,10 @@ Decisions and their rules:
   dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
   shipped (counted as dropped ``lost``). A store declared lost that comes back as the same process (it was
   cut off, not dead) still keeps those blobs: they are deleted there at once, reason ``lost`` (the store's
-  ``delete`` event confirms the loss; the ledger counts each blob once).
+  ``delete`` event confirms the loss; the ledger counts each blob once). Claims the store went down before
+  answering (it may have granted them) are named in its loss, or, when it is back as the same store, claimed
+  again (:class:`ClaimAgain`: a claim repeated by its holder is answered ``already``); what that grants is
+  deleted (``claim-failed``, :meth:`~OrchestratorCore.claimed_late`): their episodes went on without them.
 * **Trainer worlds.** A trainer rank the steps go to reported down (:meth:`OrchestratorCore.trainer_down`)
   ends its world: nothing more ships, the step in delivery is given up (what no rank acknowledged is
   deleted, ``trainer-down``; what ranks acknowledged is theirs, and the stores reclaim it once they are
@@ -155,17 +158,28 @@ class LoseBlobs:
 
 
 @dataclass(frozen=True)
+class ClaimAgain:
+    """Claims whose outcome is unknown (no answer in time, an error answer, or their store went down before
+    answering and is back as the same store): the store may have granted them. Claim ``refs`` again (a claim
+    repeated by its holder is answered ``already``) and report what it grants with
+    :meth:`OrchestratorCore.claimed_late`."""
+
+    refs: tuple[BlobRef, ...]
+
+
+@dataclass(frozen=True)
 class Halt:
     """The run cannot go on (a step that could not be delivered): stop, loudly, with ``reason``."""
 
     reason: str
 
 
-Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | Halt
+Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | ClaimAgain | Halt
 
 LOST = "lost"
 TRAINER_DOWN = "trainer-down"
 UNREFERENCED = "unreferenced"
+CLAIM_FAILED = "claim-failed"
 
 
 @dataclass(frozen=True)
@@ -179,7 +193,10 @@ class Deadlines:
     itself, plus the request policy's whole retry schedule as slack for a busy env server);
     ``restart_grace_s``: how long a store reported down has to come back before its blobs count as lost
     (``node.restart_grace_s``); ``world_restart_s``: how long a trainer world that went down has to be
-    back (the restart grace plus the time a world takes to start).
+    back (the restart grace plus the time a world takes to start); ``busy_store_s``: how long a request whose
+    outcome must be known (a delete, a claim sent again to learn what an unanswered one did) is sent again,
+    the same request, to an env server that is live but does not answer (as long as a run may take: the
+    slack the orchestrator gives a busy env server).
     """
 
     delivery_s: float = 300.0
@@ -187,6 +204,7 @@ class Deadlines:
     run_s: float = 44.0
     restart_grace_s: float = 10.0
     world_restart_s: float = 70.0
+    busy_store_s: float = 44.0
 
 
 # --- state ---------------------------------------------------------------------------------------------------
@@ -614,16 +632,27 @@ class OrchestratorCore:
             return self._flush([lost])
         del self.stores_down[node.node_id]
         log.info("store.back", node=node.node_id)
-        return [DeleteBlobs(tuple(refs), reason, node.node_id if reason == LOST else "")
-                for refs, reason in down.deletes]
+        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason, node.node_id if reason == LOST else "")
+                                 for refs, reason in down.deletes]
+        return deletes + ([ClaimAgain(tuple(down.unsure))] if down.unsure else [])
 
     def claim_unanswered(self, refs: Sequence[BlobRef]) -> None:
-        """Claims whose store went down before answering: if that store's grace ends, they are named in its
-        loss with the blobs this node held there (the store may have granted them)."""
+        """Claims whose store went down before answering (the store may have granted them): if that store's
+        grace ends, they are named in its loss with the blobs this node held there; if it is back as the same
+        store, they are claimed again (:class:`ClaimAgain`). Refs of a store that is not down are ignored."""
         for ref in refs:
             down = self._store_of(ref)
             if down is not None:
                 down.unsure.append(ref)
+
+    def claimed_late(self, refs: Sequence[BlobRef]) -> list[Action]:
+        """A :class:`ClaimAgain` granted ``refs`` (now, or the unanswered claim did): their episode went on
+        without them (counted ``missing``), so they are taken and deleted at once (``claim-failed``). Refs
+        already held here (claimed again for another reason meanwhile) stay as they are."""
+        late = [ref for ref in refs if ref.blob_id not in self.holdings.held]
+        self.holdings.take(late)
+        self.holdings.delete(late, CLAIM_FAILED)
+        return self._flush([])
 
     def delete_undelivered(self, refs: Sequence[BlobRef], reason: str) -> bool:
         """A delete the executor sent ended with its store reported down: it waits with the store's other
