@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from refbus.protocol.messages import (
     Kept,
     NodeInfo,
     Ok,
+    Reference,
     StepBatch,
 )
 from structlog.testing import capture_logs
@@ -420,3 +422,56 @@ def test_a_delete_whose_first_attempts_a_live_store_never_got_is_sent_again_as_t
     finally:
         for node in reversed(started):
             node.join(timeout=10)
+
+
+def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_by_the_orchestrator(
+        bus: tuple[NodeProcess, str]) -> None:
+    """A rank takes its step batch (its ``reference`` event makes the blobs its own), trains it, deletes its
+    blobs and leaves before its answer is read: the orchestrator's request ends as the rank goes down, and
+    its world with it. The reference event says the rank took the batch, so the orchestrator deletes nothing
+    of it, at once or once the stores' reclaim period has passed. Before, every batch not acknowledged was
+    deleted ``trainer-down`` as the world went down: a second delete of blobs their owner had deleted (a
+    violation), or a delete of a live rank's blobs."""
+    control = bus[1]
+    grace_s = 0.5
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-t", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="t"), restart_grace_s=grace_s)
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    taken: list[StepBatch] = []
+
+    def take_and_never_answer(request: Message) -> None:
+        assert isinstance(request.body, StepBatch)
+        taken.append(request.body)
+        trainer.publish(Reference(step=request.body.step, holder="trainer-0", blob_ids=list(request.body.owned)))
+
+    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, take_and_never_answer, cached=False)
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(restart_grace_s=grace_s, redeliver_after_s=0.4))
+    started = []
+    ctx = zmq.Context()
+    try:
+        for node in (env_runtime, trainer, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        kept = sorted(_kept_episode(env, f"t-{m}", group="gt", reward=float(m)) for m in range(2))
+        wait_for(lambda: env.stats().held_by.get("trainer-0") == 2, WAIT_S, "the batch's blobs handed over")
+        assert sorted(taken[0].owned) == kept
+        rank = Client(ctx, env.endpoint, WireCodec("trainer-0"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        assert rank.request(Delete(blob_ids=kept, holder="trainer-0", reason="trained")).body.blob_ids == kept
+        rank.close()
+        started.remove(trainer)
+        trainer.join(timeout=WAIT_S)  # its bye: the world is down, its answer never came
+        wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the trainer world down")
+        time.sleep(1.25 * grace_s + 1.5)  # past the stores' reclaim period, and the orchestrator's next tick
+        stats = env.stats()
+        assert stats.deleted == {"trained": 2} and not stats.violations, stats
+        assert not orchestrator.core.holdings.held and not orchestrator.core.world_down.unsettled
+    finally:
+        for node in reversed(started):
+            node.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)

@@ -44,7 +44,8 @@ def test_a_dead_rank_pauses_shipping_until_a_new_world_reports_its_step_and_the_
 
     actions = core.trainer_down(T0 + 1, trainer(1))
     rank1_owned = sorted(step3[1].batch.owned)
-    assert deletes(actions) == ({TRAINER_DOWN: rank1_owned} if rank1_owned else {})
+    assert rank1_owned and deletes(actions) == {}  # it may have taken its batch before it died: nothing yet
+    assert core.on_delivered(T0 + 1, 3, step3[1].endpoint, "tcp://t1 went down: trainer-1 reported down") == []
     assert of(DeliverBatch, feed_group(core, T0 + 1, "g4")) == []  # nothing ships to a broken world
     assert of(DeliverBatch, core.tick(T0 + 2)) == []
 
@@ -53,11 +54,68 @@ def test_a_dead_rank_pauses_shipping_until_a_new_world_reports_its_step_and_the_
     assert core.trainer_down(T0 + 2, trainer(0)) == []
     assert core.use_trainers(T0 + 2 + GRACE_S, [restarted(0, 2), restarted(1, 3)]) == []  # not one step yet
     assert core.use_trainers(T0 + 2 + GRACE_S, new_world) == []  # the stores' reclaim is not over
-    resumed = of(DeliverBatch, core.use_trainers(T0 + 2 + 1.25 * GRACE_S, new_world))
+    resumed = core.use_trainers(T0 + 2 + 1.25 * GRACE_S, new_world)
+    # The stores have reclaimed what the old world held, and no acknowledgement or reference of rank 1 came: it
+    # never took its batch, which is deleted now.
+    assert deletes(resumed) == {TRAINER_DOWN: rank1_owned}
+    resumed = of(DeliverBatch, resumed)
     assert sorted((d.step, d.endpoint) for d in resumed) == [(2, "tcp://new0"), (2, "tcp://new1")]
     assert core.step == 3 and core.policy_version == 2 and core.world_restarts == 1
     assert core.rewound_groups == 2  # steps 2 and 3 of the old world: their admission slots are free again
     assert core.trainer_down(T0 + 10, trainer(1)) == []  # the old world's processes are no longer the world
+
+
+def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and_never_deleted() -> None:
+    """Regression: when a rank died, every batch of the step in delivery that was not acknowledged yet was
+    deleted ``trainer-down`` at once, those still in flight included. A rank of that world still alive takes
+    its batch (its ``reference`` makes the blobs its own) and answers: its fetch and its delete after the step
+    then hit blobs deleted under it (violations), or the orchestrator's delete took a live rank's blobs. Now a
+    batch a rank refused is deleted at once, one acknowledged or referenced (its answer lost) is the rank's,
+    and one whose outcome stays unknown is deleted once the stores have reclaimed the old world's blobs."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    to0, to1 = of(DeliverBatch, feed_group(core, T0, "g0"))
+    assert to0.batch.owned and to1.batch.owned
+    core.on_delivered(T0, 0, to0.endpoint, "[not-leader] rank 0 does not delete for data rank 0", refused=True)
+    actions = core.trainer_down(T0 + 1, trainer(0))  # rank 1's batch is still in flight
+    assert deletes(actions) == {TRAINER_DOWN: to0.batch.owned}  # refused: nothing of it is rank 0's
+    assert core.on_delivered(T0 + 1.1, 0, to1.endpoint, None) == []  # rank 1 took it: its own from now on
+    assert not core.holdings.held and core.holdings.handed_over == len(to1.batch.owned)
+    core.trainer_down(T0 + 2, trainer(1))
+    assert deletes(core.tick(T0 + 2 + 1.25 * GRACE_S)) == {}  # nothing of it is deleted, ever
+    assert deletes(core.use_trainers(T0 + 3 + 1.25 * GRACE_S, [restarted(0, 0), restarted(1, 0)])) == {}
+    assert core.world_restarts == 1 and core.world_down is None
+
+    # A batch that got no answer: the rank may hold it. Deleted once the stores reclaimed the old world's blobs.
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    to0, to1 = of(DeliverBatch, feed_group(core, T0, "g0"))
+    core.on_delivered(T0, 0, to0.endpoint, None)
+    core.on_delivered(T0 + 2, 0, to1.endpoint, "no reply from tcp://t1 to step-batch within the deadline")
+    assert deletes(core.trainer_down(T0 + 3, trainer(0))) == {}
+    assert core.on_delivered(T0 + 3, 0, to1.endpoint, "no reply") == []  # still unknown
+    assert deletes(core.trainer_down(T0 + 4, trainer(1))) == {}
+    assert deletes(core.tick(T0 + 4 + 1.25 * GRACE_S - 0.01)) == {}
+    assert deletes(core.tick(T0 + 4 + 1.25 * GRACE_S)) == {TRAINER_DOWN: to1.batch.owned}
+    assert not core.holdings.held
+
+    # A rank that took its batch, trained it, deleted its blobs and left before its answer was read (the
+    # request ended as its rank went down): its reference event says it took it, before or after the world
+    # went down. Nothing of it is deleted here (that would be a second delete, a violation).
+    for referenced_first in (True, False):
+        core = OrchestratorCore(settings(), DEADLINES)
+        core.use_trainers(T0, [trainer(0), trainer(1)])
+        to0, to1 = of(DeliverBatch, feed_group(core, T0, "g0"))
+        core.on_delivered(T0, 0, to0.endpoint, None)
+        if referenced_first:
+            core.on_reference(0, to1.batch.owned)
+        assert deletes(core.trainer_down(T0 + 1, trainer(1))) == {}
+        core.on_delivered(T0 + 1, 0, to1.endpoint, "tcp://t1 went down: trainer-1 reported down (bye)")
+        if not referenced_first:
+            core.on_reference(0, to1.batch.owned)
+        assert not core.holdings.held and core.holdings.handed_over == len(to0.batch.owned) + len(to1.batch.owned)
+        core.trainer_down(T0 + 1, trainer(0))
+        assert deletes(core.tick(T0 + 1 + 1.25 * GRACE_S)) == {}
 
 
 def test_no_new_world_within_the_wait_halts_naming_the_dead_rank() -> None:

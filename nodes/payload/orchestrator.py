@@ -51,8 +51,11 @@ to come back or for its blobs to be lost. A step the trainer ranks do not all ac
 ``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1). A trainer rank reported
 down ends its world: the orchestrator stops shipping and waits for a new world (restarted from its
 checkpoints), then continues from the step its ranks report; no new world within ``node.restart_grace_s``
-plus four ``node.connect_timeout_s`` halts it, naming the ranks. What the dead world never acknowledged is
-deleted with reason ``trainer-down``.
+plus four ``node.connect_timeout_s`` halts it, naming the ranks. What a rank of the dead world refused is
+deleted with reason ``trainer-down``; a batch whose outcome was unknown (in flight, or unanswered: the rank
+may have taken it) is its rank's once acknowledged or once its ``reference`` event comes (a rank publishes it
+before it answers; the orchestrator follows those events for this), and deleted ``trainer-down`` when
+refused, or when neither came by the time the stores have reclaimed the old world's blobs.
 ``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
@@ -110,6 +113,7 @@ from ...protocol.messages import (
     HoldingsQuery,
     NodeDown,
     NodeInfo,
+    Reference,
     VersionBump,
 )
 from ..config import Config
@@ -184,7 +188,7 @@ class Orchestrator:
         self._claiming_again = 0  # ClaimAgain requests sent and not answered
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
-        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind}))
+        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind}))
         self._peers = runtime.track_peers()
         self._peers.on_down(self._on_node_down)
         self._peers.on_up(self._on_node_up)
@@ -212,6 +216,10 @@ class Orchestrator:
     # --- events, in arrival order --------------------------------------------------------------------
 
     def _on_event(self, message: Message) -> None:
+        if isinstance(message.body, Reference):  # not in turn: it settles a step batch, it claims nothing
+            if not self._closing:
+                self.core.on_reference(message.body.step, message.body.blob_ids)
+            return
         arrival = _Arrival(message)
         self._arrivals.append(arrival)
         body = message.body
@@ -443,7 +451,9 @@ class Orchestrator:
         self._delivering -= 1
         _, failures = split_outcomes([(action.endpoint, outcome)])
         error = str(failures[0][1]) if failures else None
-        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error))
+        # A rank refuses a batch before it takes anything of it; an internal error may come after it took it.
+        refused = isinstance(outcome, RemoteError) and outcome.code != "internal"
+        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
 
     def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:
         _, failures = split_outcomes([(action.endpoint, outcome)])

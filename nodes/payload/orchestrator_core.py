@@ -45,10 +45,13 @@ Decisions and their rules:
   again (:class:`ClaimAgain`: a claim repeated by its holder is answered ``already``); what that grants is
   deleted (``claim-failed``, :meth:`~OrchestratorCore.claimed_late`): their episodes went on without them.
 * **Trainer worlds.** A trainer rank the steps go to reported down (:meth:`OrchestratorCore.trainer_down`)
-  ends its world: nothing more ships, the step in delivery is given up (what no rank acknowledged is
-  deleted, ``trainer-down``; what ranks acknowledged is theirs, and the stores reclaim it once they are
-  gone) and the core waits up to ``world_restart_s`` for a new world: ``trainers`` ranks, none of the old
-  world's processes, all reporting the same ``step`` K in their status (a world resumed from its
+  ends its world: nothing more ships, the step in delivery is given up (what ranks acknowledged, or took as
+  their ``reference`` events say, is theirs, and the stores reclaim it once they are gone; what a rank
+  refused is deleted, ``trainer-down``; a batch whose outcome is unknown, its request in flight or
+  unanswered, may be its rank's already: acknowledged or referenced later it is the rank's, refused it is
+  deleted, and what is still unknown once the stores have reclaimed the old world's blobs was never taken and
+  is deleted then) and the core waits up to ``world_restart_s`` for a new world: ``trainers`` ranks, none of
+  the old world's processes, all reporting the same ``step`` K in their status (a world resumed from its
   checkpoint of step K). New ranks usually take the old ones' node ids, so nothing ships to them before
   every old rank was reported down and ``restart_grace_s`` (plus a quarter of it, the stores' reclaim
   period) has passed since: the stores have reclaimed what the old world held by then, and cannot take
@@ -253,6 +256,10 @@ class _Delivery:
     in_flight: set[str]  # endpoints with a request out
     retry_at: dict[str, float] = field(default_factory=dict)  # endpoint -> when to re-deliver
     errors: dict[str, str] = field(default_factory=dict)  # endpoint -> its last failure
+    # Endpoints whose last outcome was a refusal (the rank answered: it took nothing of the batch); after a
+    # failure without an answer (a timeout, the rank reported down) the rank may hold the batch.
+    refused: set[str] = field(default_factory=set)
+    referenced: set[str] = field(default_factory=set)  # endpoints whose rank's ``reference`` event came: taken
 
     @property
     def unacknowledged(self) -> list[str]:
@@ -293,6 +300,8 @@ class _WorldDown:
     incarnations: frozenset[tuple[str, int, float]]
     until: float
     down_at: dict[tuple[str, int, float], float] = field(default_factory=dict)
+    # The given-up step's batches whose outcome is unknown (endpoint -> batch): the rank may have taken them.
+    unsettled: dict[str, StepBatch] = field(default_factory=dict)
 
     def reclaimed_by(self, grace_s: float) -> float | None:
         """When the stores have reclaimed what every old rank held; None while one is not reported down."""
@@ -502,11 +511,14 @@ class OrchestratorCore:
         log.info("trainers.found", ranks=[t.rank for t in self.sink.trainers], max_steps=self.max_steps)
         return self._ship_ready(now)
 
-    def on_delivered(self, now: float, step: int, endpoint: str, error: str | None) -> list[Action]:
-        """The outcome of a :class:`DeliverBatch`: ``error`` None when the rank acknowledged."""
+    def on_delivered(self, now: float, step: int, endpoint: str, error: str | None, *,
+                     refused: bool = False) -> list[Action]:
+        """The outcome of a :class:`DeliverBatch`: ``error`` None when the rank acknowledged; ``refused`` when
+        the rank answered with an error (it took nothing of the batch), not when nothing answered (a timeout,
+        the rank reported down: it may have taken the batch)."""
         delivery = self.delivery
         if delivery is None or delivery.step != step or endpoint not in delivery.in_flight:
-            return []  # an outcome for a step already settled
+            return self._settle(step, endpoint, error, refused)  # a step given up, or one already settled
         delivery.in_flight.discard(endpoint)
         if error is None:
             self.holdings.hand_over(delivery.batches[endpoint])
@@ -515,6 +527,10 @@ class OrchestratorCore:
                 return []
             self.delivery = None
             return self._ship_ready(now)
+        if refused:
+            delivery.refused.add(endpoint)
+        else:
+            delivery.refused.discard(endpoint)
         delivery.errors[endpoint] = error
         delivery.retry_at[endpoint] = now + self.deadlines.redeliver_after_s
         log.warning("step.redeliver", step=step, rank=delivery.batches[endpoint].rank, endpoint=endpoint,
@@ -535,9 +551,30 @@ class OrchestratorCore:
 
     # --- trainer worlds ------------------------------------------------------------------------------
 
+    def on_reference(self, step: int, blob_ids: Collection[str]) -> None:
+        """A trainer rank's ``reference`` event: it took the step batch of ``step`` that hands over
+        ``blob_ids`` (it publishes the event before it answers, and the stores hand blobs over on it), whether
+        or not its answer ever comes. Decides a batch whose answer was unknown when its world went down (see
+        :meth:`trainer_down`)."""
+        named = set(blob_ids)
+        delivery, down = self.delivery, self.world_down
+        if delivery is not None and delivery.step == step:
+            delivery.referenced.update(ep for ep, batch in delivery.batches.items() if named & set(batch.owned))
+        elif down is not None:
+            taken = [ep for ep, batch in down.unsettled.items() if batch.step == step and named & set(batch.owned)]
+            for endpoint in taken:
+                self.holdings.hand_over(down.unsettled.pop(endpoint))
+
     def trainer_down(self, now: float, node: NodeInfo) -> list[Action]:
         """A trainer rank was reported down: when it is one the steps go to, its world is over (see the
-        module doc): give up the step in delivery and wait for a new world."""
+        module doc): give up the step in delivery and wait for a new world. Of the step's batches, those the
+        ranks acknowledged, or whose ``reference`` event came (:meth:`on_reference`), are theirs; those a rank
+        refused are deleted now (``trainer-down``). Those whose outcome is unknown (a request in flight, or one
+        that got no answer) may be a rank's already (it takes a batch, publishes its ``reference`` and answers,
+        and only the answer can be lost or late): they wait (acknowledged or referenced: the rank's, which it
+        deletes or the stores reclaim from it; refused: deleted), and what is still unknown once the stores have
+        reclaimed the old world's blobs was never taken (no rank can take it any more, and the stores hand blobs
+        over only on the reference event): deleted then."""
         if self.world_down is not None and incarnation(node) in self.world_down.incarnations:
             self.world_down.down_at.setdefault(incarnation(node), now)
             return []
@@ -547,13 +584,52 @@ class OrchestratorCore:
                                      {incarnation(node): now})
         delivery, self.delivery = self.delivery, None
         if delivery is not None:
-            owned = {blob_id for endpoint in delivery.unacknowledged for blob_id in delivery.batches[endpoint].owned}
-            self.holdings.delete([self.holdings.held[b] for b in sorted(owned) if b in self.holdings.held],
-                                 TRAINER_DOWN)
+            for endpoint in delivery.unacknowledged:
+                batch = delivery.batches[endpoint]
+                if endpoint in delivery.referenced:  # taken, its answer lost or still on its way
+                    self.holdings.hand_over(batch)
+                elif endpoint in delivery.retry_at and endpoint in delivery.refused:
+                    self._delete_owned([batch])
+                elif batch.owned:
+                    self.world_down.unsettled[endpoint] = batch
         log.error("trainers.world_down", node=node.node_id, rank=node.labels.get("rank"), step=self.step,
                   waiting_s=self.deadlines.world_restart_s,
-                  undelivered_step=delivery.step if delivery is not None else None)
+                  undelivered_step=delivery.step if delivery is not None else None,
+                  unsettled_ranks=sorted(b.rank for b in self.world_down.unsettled.values()))
         return self._flush([])
+
+    def _settle(self, step: int, endpoint: str, error: str | None, refused: bool) -> list[Action]:
+        """The outcome of a batch of the step given up when the world went down (see :meth:`trainer_down`);
+        an outcome of any other settled step changes nothing."""
+        down = self.world_down
+        batch = down.unsettled.get(endpoint) if down is not None else None
+        if down is None or batch is None or batch.step != step or (error is not None and not refused):
+            return []
+        del down.unsettled[endpoint]
+        if error is None:  # the rank's now: the stores reclaim it from the rank if it is gone
+            self.holdings.hand_over(batch)
+        else:
+            self._delete_owned([batch])
+        return self._flush([])
+
+    def _give_up_unsettled(self, now: float) -> None:
+        """Once the stores have reclaimed what the old world held, delete what is still unsettled: neither
+        acknowledged nor referenced by then, no rank took it, so it is still this node's."""
+        down = self.world_down
+        if down is None or not down.unsettled:
+            return
+        reclaimed = down.reclaimed_by(self.deadlines.restart_grace_s)
+        if reclaimed is None or now < reclaimed:
+            return
+        log.warning("trainers.unsettled_deleted", step=next(iter(down.unsettled.values())).step,
+                    ranks=sorted(batch.rank for batch in down.unsettled.values()))
+        self._delete_owned(down.unsettled.values())
+        down.unsettled.clear()
+
+    def _delete_owned(self, batches: Iterable[StepBatch]) -> None:
+        """Delete (``trainer-down``) the blobs ``batches`` hand over that are still held here."""
+        owned = {blob_id for batch in batches for blob_id in batch.owned}
+        self.holdings.delete([self.holdings.held[b] for b in sorted(owned) if b in self.holdings.held], TRAINER_DOWN)
 
     def _new_world(self, now: float, nodes: list[NodeInfo]) -> list[Action]:
         """During a wait: take the new world once all its ranks report the same step."""
@@ -565,6 +641,7 @@ class OrchestratorCore:
         if len(fresh) < self.settings.trainers or len(steps) != 1 or reclaimed is None or now < reclaimed:
             return []
         (step,) = steps
+        self._give_up_unsettled(now)
         self.world_down = None
         self.world_restarts += 1
         self.sink.use_trainers([TrainerAddress.from_node(node) for node in fresh])
@@ -592,9 +669,12 @@ class OrchestratorCore:
     def _check_world(self, now: float) -> list[Action]:
         down = self.world_down
         if down is not None and self._trained_all:  # it had finished: its last version came after its bye
+            for batch in down.unsettled.values():  # every rank trained every step: each took its batch
+                self.holdings.hand_over(batch)
             self.world_down = None
             log.info("trainers.finished", node=down.node_id)
             return []
+        self._give_up_unsettled(now)
         if down is None or now < down.until:
             return []
         self.failure = (f"the trainer world went down ({down.node_id} first) and no new world of "
