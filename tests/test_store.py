@@ -215,6 +215,95 @@ def test_another_format_version_is_refused_clearly(tmp_path: Path) -> None:
         open_store(tmp_path)
 
 
+def made_store(directory: Path, *, strict: bool = False) -> DurableStore:
+    """Open the store at the state a test left, check it is made and works: a record committed now is
+    replayed by the next open of the same store (same identity, no longer fresh)."""
+    durable = DurableStore(directory, "run-a", "env-0", budget_bytes=BUDGET, what="x", strict=strict)
+    assert durable.fresh and durable.replay.records == [] and not durable.replay.damaged
+    assert not list(durable.path.glob("seg-*")) and not (durable.path / "journal.new").exists()
+    durable.commit({"op": "x"})
+    durable.close(remove=False)
+    again = open_store(directory)
+    assert (again.identity, again.fresh, again.replay.records) == (durable.identity, False, [{"op": "x"}])
+    again.close(remove=False)
+    return durable
+
+
+# What a process killed while making a store leaves (besides the lock), by the step it was killed at. An
+# older build wrote the id first, then the journal in two writes (created, then its header).
+UNFINISHED = {
+    "old: the id, no journal yet": {"id": b"0123abcd\n"},
+    "old: the id and an empty journal": {"id": b"0123abcd\n", "journal": b""},
+    "old: the id and part of the header": {"id": b"0123abcd\n", "journal": journal.header()[:8]},
+    "old: the id and all but a byte of the header": {"id": b"0123abcd\n", "journal": journal.header()[:-1]},
+    "the new journal cut": {"journal.new": journal.header()[:5]},
+    "the new journal whole, not in place": {"journal.new": journal.header()},
+    "the journal in place, no id": {"journal": journal.header(), "id.new": b"0123"},
+}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("left", list(UNFINISHED))
+def test_a_store_whose_making_was_cut_short_is_made_again(tmp_path: Path, left: str, strict: bool) -> None:
+    """Every state a kill mid-way through making a store leaves opens as a fresh, empty store (a strict owner,
+    the ps-manager, too): nothing in it was committed. One the older build left (an id beside no whole header)
+    is logged; no restart refuses it (which, under a supervisor, crash-looped the node)."""
+    path = store_path(tmp_path, "run-a", "env-0")
+    path.mkdir()
+    for name, data in {**UNFINISHED[left], "seg-dead-1": b"never committed"}.items():
+        (path / name).write_bytes(data)
+    with capture_logs() as logs:
+        made = made_store(tmp_path, strict=strict)
+    unfinished = [e for e in logs if e["event"] == "store.making_unfinished"]
+    if "id" in UNFINISHED[left]:
+        (event,) = unfinished
+        assert event["log_level"] == "warning" and event["journal_bytes"] == len(UNFINISHED[left].get("journal", b""))
+        assert made.identity != "0123abcd"  # never published: the process died before it served
+    else:
+        assert unfinished == []
+    assert not [e for e in logs if e["event"] == "store.compaction_discarded"]
+
+
+@pytest.mark.parametrize("journal_bytes", [b"RBJ\xff", b"garbage", journal.header()[:8] + b"\x07"])
+def test_a_short_journal_that_is_not_a_cut_header_is_still_refused_as_found(tmp_path: Path,
+                                                                             journal_bytes: bytes) -> None:
+    open_store(tmp_path).close(remove=False)
+    path = store_path(tmp_path, "run-a", "env-0")
+    identity = (path / "id").read_bytes()
+    (path / "journal").write_bytes(journal_bytes)
+    with pytest.raises(StoreError, match="shorter than a journal header"):
+        open_store(tmp_path)
+    assert (path / "journal").read_bytes() == journal_bytes and (path / "id").read_bytes() == identity
+
+
+MAKING_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from refbus.nodes.store.durable import DurableStore
+
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[2] == "journal":  # the new journal written, not yet renamed into place
+        DurableStore.before_rename = staticmethod(kill)
+    else:  # the journal in place, the id written, not yet renamed into place
+        rename = os.rename
+        os.rename = lambda src, dst: kill() if os.path.basename(dst) == "id" else rename(src, dst)
+    DurableStore(Path(sys.argv[1]), "run-a", "env-0", budget_bytes=1, what="x")
+""")
+
+
+@pytest.mark.parametrize("point", ["journal", "id"])
+def test_sigkill_while_making_a_store_leaves_no_id_and_the_restart_makes_it(tmp_path: Path, point: str) -> None:
+    """A process SIGKILLed at each rename of making a store: the journal goes in first, the id last, so no
+    id is left beside a journal that is not whole, and the restart makes the store again."""
+    child = subprocess.run([sys.executable, "-c", MAKING_CHILD, str(tmp_path), point], capture_output=True,
+                           timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    path = store_path(tmp_path, "run-a", "env-0")
+    assert not (path / "id").exists()
+    assert (path / ("journal.new" if point == "journal" else "journal")).read_bytes() == journal.header()
+    made_store(tmp_path)
+
+
 @pytest.mark.parametrize("garbage", [b"\x00", b"\xff" * 13, os.urandom(64)])
 def test_garbage_after_the_journal_keeps_what_came_before(tmp_path: Path, garbage: bytes) -> None:
     first, durable = keeper(), BlobJournal(open_store(tmp_path))

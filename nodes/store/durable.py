@@ -6,8 +6,9 @@ One directory per store per run, ``<directory>/refbus-store.<run>.<node>``, hold
 * ``lock``: held with ``fcntl.flock`` for as long as a process serves the store, with that process's pid in
   it. A second process (a replacement started while an old one, cut off by a partition, still runs) is
   refused with :class:`StoreLocked`, naming the holder: never two processes serving one store.
-* ``id``: the store's identity, random, written once when the directory is made. A restarted process that
-  re-adopts the store keeps it (peers tell a re-adopted store from a fresh one by it).
+* ``id``: the store's identity, random, written once when the store is made, after its journal: a store
+  with an ``id`` is whole (see :meth:`DurableStore._make`). A restarted process that re-adopts the store
+  keeps it (peers tell a re-adopted store from a fresh one by it).
 * ``journal``: the commit journal (:mod:`.journal`). What a record means is the owner's business.
 * segments: ``seg-*`` (:meth:`DurableStore.write`) are a header (magic, format version, byte count, xxh3-64
   of the bytes) then the bytes; an owner may also keep raw files of its own layout here (a ps-worker's
@@ -117,8 +118,9 @@ class DurableStore:
     """One store directory, open and locked by this process (see the module doc) until :meth:`close`.
 
     Opening replays the journal: :attr:`replay` holds the committed records in order (the owner rebuilds its
-    state from them), the uncommitted tail and any damage. :attr:`fresh` is True when the directory was made
-    now. Not thread-safe: the owner serialises :meth:`commit`; :meth:`write` of a new segment may run on any
+    state from them), the uncommitted tail and any damage. :attr:`fresh` is True when the store was made now
+    (anew, or again over a making a killed process left unfinished: nothing in that was ever committed).
+    Not thread-safe: the owner serialises :meth:`commit`; :meth:`write` of a new segment may run on any
     thread (it takes a fresh name from an atomic counter and shares nothing else).
 
     Raises (from the constructor): :class:`StoreLocked`, :class:`StoreError` (capacity, a journal of
@@ -127,7 +129,7 @@ class DurableStore:
     """
 
     before_flag: Any = None  # a test's crash point between a record's bytes and its commit flag (compactions too)
-    before_rename: Any = None  # a test's crash point: a compaction's new journal written, not yet in place
+    before_rename: Any = None  # a test's crash point: a new journal (a compaction's, a store's) not yet in place
 
     def __init__(self, directory: str | Path, run: str, node: str, *, budget_bytes: int, what: str,
                  strict: bool = False) -> None:
@@ -141,12 +143,17 @@ class DurableStore:
         self._names = itertools.count(1)  # next() is atomic: writers on several threads never share a name
         self._verified: dict[str, Segment | str] = {}
         try:
-            self.identity, self.fresh = _identity(self.path)
-            _discard_compaction(self.path)
-            journal_path = self.path / "journal"
-            if journal_path.exists():
+            made = _made(self.path)
+            self.fresh = made is None
+            if made is None:
+                self.identity, self._fd = self._make()
+                self.replay = journal.Replay([], None, "", 0)
+            else:
+                self.identity, data = made
+                _discard_compaction(self.path)
+                journal_path = self.path / "journal"
                 try:
-                    self.replay = journal.replay(journal_path.read_bytes(), str(journal_path))
+                    self.replay = journal.replay(data, str(journal_path))
                 except journal.FormatError as exc:
                     raise StoreError(f"{exc}; remove {self.path} (refbus shm gc, once no process holds it)") from None
                 if strict and self.replay.damaged:  # refused before the cut below: the file stays as found
@@ -155,9 +162,6 @@ class DurableStore:
                 self._fd = os.open(journal_path, os.O_RDWR)
                 os.ftruncate(self._fd, self.replay.end)
                 os.lseek(self._fd, self.replay.end, os.SEEK_SET)
-            else:
-                self.replay = journal.Replay([], None, "", 0)
-                self._fd = _new_journal(journal_path)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -246,21 +250,58 @@ class DurableStore:
     def compact(self, records: Iterable[dict[str, Any]]) -> None:
         """Replace the journal by ``records`` (the owner's state now), atomically: a kill at any point leaves
         the old journal or the new one, never a mix."""
-        new_path = self.path / "journal.new"
-        fd = _new_journal(new_path)
+        fd = self._install(records)
+        os.close(self._fd)
+        self._fd = fd
+        self.records_since_compact = 0
+
+    def _make(self) -> tuple[str, int]:
+        """Make the store: its new identity and its journal's descriptor. What an unfinished making left is
+        removed first (nothing in it was committed: commits start once the store is made).
+
+        The journal goes in whole (:meth:`_install`: header only), then the ``id``, each by a rename, so an
+        ``id`` means a whole journal and a kill at any point leaves either a made store or no ``id``, which
+        the next open makes again. (An ``id`` first would mean nothing: killed before the journal was
+        whole, it marks a store that cannot be opened. Older builds wrote it first; what such a kill left,
+        an ``id`` beside a journal missing or cut inside its header, :func:`_made` takes for an unfinished
+        making too.)
+        """
+        # The id first: an old one left beside the new journal would pass for a made store.
+        for stale in [self.path / "id", self.path / "journal", *self.path.glob("seg-*")]:
+            stale.unlink(missing_ok=True)
+        fd = self._install(())
         try:
+            identity = os.urandom(8).hex()
+            tmp = self.path / "id.new"
+            tmp.write_text(identity + "\n")
+            os.rename(tmp, self.path / "id")
+        except BaseException:
+            os.close(fd)
+            raise
+        return identity, fd
+
+    def _install(self, records: Iterable[dict[str, Any]]) -> int:
+        """Put a journal of ``records`` in place whole; its descriptor, at its end. It is written as
+        ``journal.new`` (each record committed as usual) and renamed over ``journal``: a kill at any point
+        leaves the journal that was there (or none) and at most a ``journal.new``, which no open reads.
+
+        No fsync: the store outlives its process, not its host (tmpfs), and the rename alone is atomic against
+        the death of a process.
+        """
+        new_path = self.path / "journal.new"
+        fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            journal.write_header(fd)
             for record in records:
                 journal.append(fd, record, before_flag=self.before_flag)
             if self.before_rename is not None:
                 self.before_rename()
+            os.rename(new_path, self.path / "journal")
         except BaseException:
             os.close(fd)
             new_path.unlink(missing_ok=True)
             raise
-        os.rename(new_path, self.path / "journal")
-        os.close(self._fd)
-        self._fd = fd
-        self.records_since_compact = 0
+        return fd
 
     def close(self, *, remove: bool) -> None:
         """Release the store; ``remove``: delete its directory too (a clean shutdown deleted everything in
@@ -307,20 +348,26 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _identity(path: Path) -> tuple[str, bool]:
-    """The store's identity and whether it was made now (written whole or not at all: tmp file, rename)."""
-    id_path = path / "id"
-    with contextlib.suppress(FileNotFoundError):
-        text = id_path.read_text().strip()
-        if text:
-            return text, False
-    identity = os.urandom(8).hex()
-    tmp = path / "id.new"
-    tmp.write_text(identity + "\n")
-    os.rename(tmp, id_path)
-    for stale in [*path.glob("seg-*"), path / "journal"]:  # left by a store whose id never got written
-        stale.unlink(missing_ok=True)
-    return identity, True
+def _made(path: Path) -> tuple[str, bytes] | None:
+    """The identity and journal bytes of the store at ``path`` when it was made; None when its making never
+    finished (see :meth:`DurableStore._make`): no ``id``, or one beside a journal that is missing or cut
+    inside its header (:func:`journal.header_cut`), which only a making killed mid-way leaves, and is logged.
+    A journal whose header is wrong is returned as it is: the replay refuses it."""
+    try:
+        identity = (path / "id").read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not identity:
+        return None
+    try:
+        data = (path / "journal").read_bytes()
+    except FileNotFoundError:
+        data = b""
+    if journal.header_cut(data):
+        log.warning("store.making_unfinished", store=str(path), journal_bytes=len(data),
+                    detail="a process killed while making the store: nothing was committed, it is made again")
+        return None
+    return identity, data
 
 
 def _discard_compaction(path: Path) -> None:
@@ -334,12 +381,6 @@ def _discard_compaction(path: Path) -> None:
     new.unlink()
     log.warning("store.compaction_discarded", store=str(path), bytes=size,
                 detail="a compaction cut short by the death of its process: the journal it was to replace stands")
-
-
-def _new_journal(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.write(fd, journal.header())
-    return fd
 
 
 def _map(fd: int, size: int) -> np.ndarray:

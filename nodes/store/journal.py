@@ -59,6 +59,18 @@ def header() -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0)
 
 
+def write_header(fd: int) -> None:
+    """Write a new journal's header at ``fd``'s position (its start), every byte of it."""
+    _write_all(fd, header())
+
+
+def header_cut(data: bytes) -> bool:
+    """Whether ``data`` is a journal header cut short: fewer bytes than a header, each the header's own. That
+    is what a journal's making cut off leaves, and it holds nothing committed (a record follows a whole
+    header); any other short or wrong start is not this build's journal (:func:`check_header`)."""
+    return len(data) < _HEADER.size and header().startswith(data)
+
+
 def check_header(data: bytes, what: str) -> None:
     """Raise :class:`FormatError` naming ``what`` unless ``data`` starts with this build's journal header."""
     if len(data) < _HEADER.size:
