@@ -25,7 +25,7 @@ from refbus.nodes.ps.shard_journal import ShardJournal
 from refbus.nodes.ps.shm import SegmentPool
 from refbus.nodes.settings import EnvServerSettings, StoreSettings
 from refbus.nodes.store import journal
-from refbus.nodes.store.durable import DurableStore, StoreError, StoreLocked, gc, store_path
+from refbus.nodes.store.durable import DurableStore, Segment, StoreError, StoreLocked, gc, store_path
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import Message
 from refbus.protocol.messages import Claim, EpisodeFinished, NodeDown, NodeInfo
@@ -200,6 +200,39 @@ def test_no_room_refuses_the_keep_with_a_retry_and_leaves_nothing(tmp_path: Path
         durable.write(pack_branches([random_arrays(5, seed=1)]))
     assert refused.value.code == "over-budget" and refused.value.retry_after_s > 0
     assert not list(durable.store.path.glob("seg-*"))
+
+
+def test_a_segment_the_kernel_writes_in_short_writes_is_written_whole(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One write may write less than it was given (Linux: at most 0x7ffff000 bytes, so any blob over 2 GiB):
+    the rest is written too, so the live view and a restart's verified segment hold every byte."""
+    durable = open_store(tmp_path)
+    data = np.random.default_rng(7).integers(0, 256, 10_000, dtype=np.uint8)
+    pwrite, offsets = os.pwrite, []
+
+    def short(fd: int, data: memoryview, offset: int) -> int:
+        offsets.append(offset)
+        return pwrite(fd, memoryview(data)[:4096], offset)
+
+    monkeypatch.setattr(os, "pwrite", short)
+    segment = durable.write(data)
+    monkeypatch.undo()
+    assert np.array_equal(segment.data, data)
+    assert offsets == [0, 64, 64 + 4096, 64 + 8192]  # the header, then the bytes in three writes
+    durable.commit({"op": "keep", "segment": segment.name})
+    durable.close(remove=False)
+    found = open_store(tmp_path).segment(segment.name)
+    assert isinstance(found, Segment) and np.array_equal(found.data, data)
+
+
+def test_a_segment_write_that_writes_nothing_fails_and_leaves_nothing(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    durable = open_store(tmp_path)
+    pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0 if offset else pwrite(fd, data, offset))
+    with pytest.raises(OSError, match="wrote nothing"):
+        durable.write(np.arange(100, dtype=np.float32))
+    assert not list(durable.path.glob("seg-*"))
 
 
 def test_another_format_version_is_refused_clearly(tmp_path: Path) -> None:

@@ -192,9 +192,8 @@ class DurableStore:
                     raise
                 raise StoreFull(f"no room in {self.path.parent} for {raw.nbytes} bytes") from None
             digest = checksum(memoryview(raw))
-            os.pwrite(fd, _SEGMENT_HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, raw.nbytes, digest), 0)
-            if raw.nbytes:
-                os.pwrite(fd, memoryview(raw), DATA_OFFSET)
+            _pwrite_all(fd, _SEGMENT_HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, raw.nbytes, digest), 0)
+            _pwrite_all(fd, raw, DATA_OFFSET)
             segment = Segment(name, raw.nbytes, digest, _map(fd, size))
         except BaseException:
             os.close(fd)
@@ -381,6 +380,18 @@ def _discard_compaction(path: Path) -> None:
     new.unlink()
     log.warning("store.compaction_discarded", store=str(path), bytes=size,
                 detail="a compaction cut short by the death of its process: the journal it was to replace stands")
+
+
+def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
+    """Write every byte of ``data`` at ``offset``. One write may write less than it was given (Linux moves
+    at most 0x7ffff000 bytes per call), and a segment's tail left as ``posix_fallocate``'s zeros would pass
+    for written until its checksum is checked. Raises OSError for a write that writes nothing."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"a write of {len(view)} bytes at offset {offset} wrote nothing")
+        view, offset = view[written:], offset + written
 
 
 def _map(fd: int, size: int) -> np.ndarray:
