@@ -421,7 +421,8 @@ class ManifestInfo(Body, frozen=True):
 
 @register_kind("ps-state")
 class PsState(Body, frozen=True):
-    """The manager's view: ``latest`` is -1 before the first commit."""
+    """The manager's view: ``latest`` is -1 before the first commit. A new lineage commits versions numbered
+    as the ones it retired; ``latest_digest`` tells them apart (an older manager sends none)."""
 
     latest: int  # latest committed version
     retained: list[NonNegative]  # versions kept
@@ -430,6 +431,7 @@ class PsState(Body, frozen=True):
     leases: NonNegative  # live leases
     trainer_version: int  # version the trainer trains next
     workers: list[WorkerInfo]  # registered workers
+    latest_digest: str = ""  # manifest digest of ``latest`` ("" before the first commit)
 
 
 @register_kind("ps-shard-data")

@@ -44,6 +44,7 @@ from refbus.protocol.messages_ps import (
     LeaseRelease,
     ManifestEntry,
     PsRegister,
+    PsStatus,
     PullBegin,
     PushBegin,
     PushGrant,
@@ -754,6 +755,24 @@ def test_a_resuming_push_refused_for_its_request_retires_nothing() -> None:
         assert manager.versions.retained() == [0, 1, 2] and manager.versions.lineages == 0
     grant = runtime.call(PushBegin(1, 0, 1, "t", SPEC, "h", True))  # a good one starts the lineage
     assert isinstance(grant, PushGrant) and manager.versions.retained() == [0] and manager.versions.lineages == 1
+
+
+def test_ps_state_carries_the_latest_digest_which_tells_a_new_lineages_version_from_the_retired_one() -> None:
+    """A trainer world resumed at 1 commits its own version 1 (other bytes) over the retired one: ps-state's
+    number is the same, its digest is the new version's, as in the bump (what a rollout's poll compares)."""
+    runtime, _ = _manager(replicas=1)
+    runtime.call(PsRegister(_worker("w0")))
+    assert runtime.call(PsStatus()).latest_digest == ""  # nothing committed
+    for version in (0, 1):
+        _push(runtime, version)
+    old = runtime.call(PsStatus())
+    assert old.latest == 1 and old.latest_digest == runtime.published[-1].manifest_digest
+    grant = runtime.call(PushBegin(1, 0, 1, "trainer", SPEC, "h", True))
+    tensors = [msgspec.structs.replace(t, checksum=2) for t in grant.tensors]
+    for worker in [grant.worker, *grant.replicas]:
+        runtime.call(ShardCommit(grant.lease, 1, 0, worker.worker, f"seg-{grant.lease}-{worker.worker}", tensors))
+    new = runtime.call(PsStatus())
+    assert new.latest == 1 and new.latest_digest == runtime.published[-1].manifest_digest != old.latest_digest
 
 
 def test_a_begin_again_by_the_same_pusher_replaces_its_unwritten_attempt_and_no_one_elses() -> None:

@@ -1,6 +1,7 @@
 """The rollout worker's weight refreshes, against a fake PS client and offload queue (no processes): a bump
-that arrives while a refresh is queued or running is not lost, and a manager that does not answer costs the
-queued generations one refresh attempt per tick, not one each."""
+that arrives while a refresh is queued or running is not lost, a manager that does not answer costs the
+queued generations one refresh attempt per tick, not one each, and a new lineage's version numbered as the
+retired one the worker serves is pulled, told apart by its manifest digest."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from refbus.bus.reqrep import HandlerError, RequestTimeout
 from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
 from refbus.protocol.messages import Generate, VersionBump
+from refbus.protocol.messages_ps import PsState
 
 
 class FakeOffload:
@@ -55,17 +57,37 @@ class Clock:
         return self.now
 
 
-def _worker(version: int) -> tuple[RolloutWorker, FakeOffload, SilentManager, Clock]:
+class LineageManager:
+    """A PS client whose manager has committed ``latest`` (version, manifest digest); a pull returns it."""
+
+    def __init__(self, version: int, digest: str, *, sends_digest: bool = True) -> None:
+        self.latest = (version, digest)
+        self.sends_digest = sends_digest  # False: a manager from before ps-state carried the digest
+        self.pulled: list[tuple[int, str]] = []
+
+    def status(self) -> PsState:
+        version, digest = self.latest
+        return PsState(latest=version, retained=[version], pinned={}, pending=[], leases=0, trainer_version=version,
+                       workers=[], latest_digest=digest if self.sends_digest else "")
+
+    def pull(self, **kwargs: Any) -> Any:
+        self.pulled.append(self.latest)
+        return SimpleNamespace(version=self.latest[0], digest=self.latest[1])
+
+
+def _worker(version: int, digest: str = "", ps: Any = None) -> tuple[RolloutWorker, FakeOffload, Any, Clock]:
     worker = RolloutWorker.__new__(RolloutWorker)
-    offload, ps, clock = FakeOffload(), SilentManager(), Clock()
+    offload, clock = FakeOffload(), Clock()
+    ps = SilentManager() if ps is None else ps
     worker.offload, worker.ps, worker._clock = offload, ps, clock  # type: ignore[assignment]
-    worker.version, worker.torn, worker.torn_pulls, worker.generated = version, None, 0, 0
+    worker.model = SimpleNamespace(state_dict=dict)  # type: ignore[assignment]
+    worker.version, worker.digest, worker.torn, worker.torn_pulls, worker.generated = version, digest, None, 0, 0
     worker._refresh_queued, worker._refresh_missed, worker._unanswered_at = False, False, -math.inf
     return worker, offload, ps, clock
 
 
-def _bump(version: int) -> Any:
-    return SimpleNamespace(body=VersionBump(version, 0, ""))
+def _bump(version: int, digest: str = "") -> Any:
+    return SimpleNamespace(body=VersionBump(version, 0, digest))
 
 
 def test_a_bump_during_a_refresh_queues_another_refresh_when_it_ends() -> None:
@@ -102,3 +124,36 @@ def test_a_silent_manager_costs_queued_generations_one_refresh_per_tick() -> Non
         with pytest.raises(HandlerError):
             worker._generate(ask)
     assert ps.asked == 2
+
+
+def test_a_bump_of_the_version_served_from_a_new_lineage_is_pulled() -> None:
+    """The worker serves version 5 of the old lineage and missed everything since the trainer world restarted
+    at 3: the new lineage's 5 has the number it serves and another digest, and is pulled; its repeat is not."""
+    ps = LineageManager(5, "new-5")
+    worker, offload, _, _ = _worker(version=5, digest="old-5", ps=ps)
+    worker._on_bump(_bump(5, "new-5"))
+    assert len(offload.jobs) == 1, "a new lineage's version of the number served was taken for the one served"
+    offload.run_next()
+    assert ps.pulled == [(5, "new-5")] and (worker.version, worker.digest) == (5, "new-5")
+    worker._on_bump(_bump(5, "new-5"))
+    assert offload.jobs == []
+
+
+def test_a_poll_that_finds_the_version_served_from_a_new_lineage_pulls_it() -> None:
+    """The same, with the bump missed too: the once-a-tick poll reads the latest digest and pulls it."""
+    ps = LineageManager(5, "new-5")
+    worker, offload, _, _ = _worker(version=5, digest="old-5", ps=ps)
+    worker._want_refresh()
+    offload.run_next()
+    assert ps.pulled == [(5, "new-5")] and (worker.version, worker.digest) == (5, "new-5")
+    worker._want_refresh()
+    offload.run_next()
+    assert ps.pulled == [(5, "new-5")]  # nothing new: no pull
+
+
+def test_a_manager_that_sends_no_digest_is_polled_by_number_alone() -> None:
+    ps = LineageManager(5, "new-5", sends_digest=False)
+    worker, offload, _, _ = _worker(version=5, digest="old-5", ps=ps)
+    worker._want_refresh()
+    offload.run_next()
+    assert ps.pulled == []

@@ -658,6 +658,7 @@ class PsManager:
             leases=len(self.leases),
             trainer_version=self._trainer_version(),
             workers=sorted(self.workers.values(), key=lambda w: w.worker),
+            latest_digest=self.versions.manifest().digest if self.versions.latest >= 0 else "",
         )
 
     # --- broadcast init -----------------------------------------------------------------------------

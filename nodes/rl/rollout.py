@@ -6,7 +6,9 @@ choices, top-k heads, sampling mask) as zero-copy frames.
 
 Weights: the worker pulls a version from the parameter server whenever a ``version-bump`` announces a
 version other than the one it serves (newer; or lower: a restarted trainer world resumed from a checkpoint
-and started a new lineage), and polls the parameter server once a second, for a bump it joined too late to
+and started a new lineage; or the same number with another manifest digest: a new lineage's version that
+replaced the retired one the worker holds, every bump and poll in between missed), and polls the parameter
+server once a second (``ps-status``: the latest version and its digest), for a bump it joined too late to
 see, copying into its model's own tensors (no allocation per version). Staleness is then bounded by how
 far the trainer runs ahead of the orchestrator's admission: the orchestrator never admits more work than its
 bound allows, and the trainer drops what is too stale when it is packed. Until version 0 exists, ``generate`` is refused
@@ -68,6 +70,9 @@ class RolloutWorker:
         self.offload = Offload(runtime, "rollout-model")
         self.ps = PsClient(runtime, config.ps.manager, remote=config.ps.transport)  # type: ignore[arg-type]
         self.version = -1  # written on the offload thread only; -1 also while the weights are torn
+        # The served version's manifest digest (offload thread; "" with version -1): a new lineage numbers
+        # its versions as the ones it retired, so the number alone cannot tell them apart.
+        self.digest = ""
         self.torn: TornPull | None = None  # the failed pull that tore the weights, until a full pull (offload)
         self.torn_pulls = 0
         self.generated = 0
@@ -98,7 +103,7 @@ class RolloutWorker:
     def _on_bump(self, message: Message) -> None:
         bump = message.body
         assert isinstance(bump, VersionBump)
-        if bump.version != self.version:  # lower: a restarted trainer world started a new lineage
+        if (bump.version, bump.manifest_digest) != (self.version, self.digest):  # lower or same: a new lineage
             self._want_refresh(bumped=True)
 
     def _want_refresh(self, bumped: bool = False) -> None:
@@ -129,15 +134,18 @@ class RolloutWorker:
     # --- offload thread ------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Pull the latest committed version if it is not the one served (offload thread)."""
+        """Pull the latest committed version if it is not the one served, by number or digest (offload
+        thread)."""
         try:
-            latest = self.ps.status().latest
+            status = self.ps.status()
             self._unanswered_at = -math.inf
-            if latest in (self.version, -1):
+            # An older manager sends no digest: the number alone decides, as it did there.
+            if status.latest == -1 or (status.latest == self.version
+                                       and status.latest_digest in ("", self.digest)):
                 return
             state = self.ps.pull(out=self.model.state_dict())
         except TornPull as exc:
-            self.torn, self.version = exc, -1
+            self.torn, self.version, self.digest = exc, -1, ""
             self.torn_pulls += 1
             log.error("weights.torn", version=exc.version, written=len(exc.written), error=str(exc.cause))
             return
@@ -150,9 +158,10 @@ class RolloutWorker:
                 self._unanswered_at = self._clock()
             log.warning("weights.pull_failed", error=str(exc))
             return
-        if state.version != self.version:
-            log.info("weights.pulled", version=state.version, previous=self.version, repaired=self.torn is not None)
-            self.version = state.version
+        if (state.version, state.digest) != (self.version, self.digest):
+            log.info("weights.pulled", version=state.version, previous=self.version, digest=state.digest,
+                     previous_digest=self.digest, repaired=self.torn is not None)
+            self.version, self.digest = state.version, state.digest
         self.torn = None
 
     def _generate(self, ask: Generate) -> Generated:
