@@ -51,7 +51,7 @@ from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.settings import EnvServerSettings
 from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Kept, Run, StepBatch, VersionBump
+from refbus.protocol.messages import Accounted, Accounts, Kept, Run, StepBatch, VersionBump
 from scenario_support import (
     INLINE,
     SEQ_LEN,
@@ -70,6 +70,8 @@ from scenario_support import (
     read_dump,
     routing_dtype,
 )
+
+pytest_plugins = ["wire_fixtures"]
 
 R8, R16 = np.uint8, np.uint16
 STEPS = 3
@@ -494,6 +496,50 @@ def test_a_step_ships_whole_groups_when_episodes_keep_several_samples(bus, spawn
         shipped = sorted(s.sample_id for mb in step.micro_batches if not mb.dummy for s in mb.samples)
         assert shipped == sorted(driver.sent), "a step must ship complete groups, groups_per_step of them"
     finally:
+        orchestrator.stop()  # before the env server it deletes from
+        if driver is not None:
+            driver.close()
+        registry.close()
+        for node in (rank.runtime, env_node):
+            node.join(WAIT_S)
+
+
+def test_a_step_batch_a_rank_acknowledged_is_its_own_at_the_store_even_if_its_reference_never_left(
+        bus, spawn, zmq_ctx: zmq.Context) -> None:
+    """A rank answers a step batch, then publishes its ``reference`` (the event the stores hand blobs over on);
+    a rank killed between the two left the blobs with the orchestrator at the store, which no longer knew them
+    (never deleted, never reclaimed with the rank's). The orchestrator now publishes the hand-over too, on the
+    answer. The stand-in rank here answers and never publishes: the store must still list the step's blobs as
+    the rank's."""
+    _, control = bus
+    env_node = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-0", metrics_port=-1))
+    env = EnvServer(env_node, EnvServerSettings())
+    rank = RecordingTrainer(control)
+    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
+                                      "--orchestrator-trainers", "1", "--orchestrator-seq-len", str(SEQ_LEN),
+                                      "--orchestrator-group-size", "2", "--orchestrator-groups-per-step", "1"),
+                         ORCHESTRATOR)
+    registry = Registry(control)
+    driver: Driver | None = None
+    store = Client(zmq_ctx, env.endpoint, WireCodec("scenario-accounts"), policy=RetryPolicy(timeout_s=5, attempts=2))
+    try:
+        for node in (env_node, rank.runtime):
+            node.start_background()
+        orchestrator.wait_ready(WAIT_S)
+        driver = Driver(registry, {"env-0": env.endpoint})
+        driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)), episode("a2", "env-0", "A", 0.0,
+                                                                                   SampleSpec(12, R8)))
+        (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
+        assert len(step.owned) == 2
+
+        def held_by() -> dict[str, int]:
+            reply = store.request(Accounts(holders=4)).body
+            assert isinstance(reply, Accounted)
+            return dict(reply.held_by)
+
+        wait_for(lambda: held_by() == {"trainer-0": 2}, WAIT_S, "the step's blobs held by trainer-0 at the store")
+    finally:
+        store.close()
         orchestrator.stop()  # before the env server it deletes from
         if driver is not None:
             driver.close()

@@ -453,6 +453,11 @@ class Orchestrator:
         error = str(failures[0][1]) if failures else None
         # A rank refuses a batch before it takes anything of it; an internal error may come after it took it.
         refused = isinstance(outcome, RemoteError) and outcome.code != "internal"
+        if error is None and action.batch.owned and (holder := self._peers.node_of(action.endpoint)) is not None:
+            # The rank published this before it answered, but a rank killed right after answering may have
+            # answered and lost the event: the stores hand the blobs over on it (a repeat moves nothing), or
+            # they would stay this node's, which no longer knows them, and never be reclaimed with the rank's.
+            self.runtime.publish(Reference(step=action.step, holder=holder, blob_ids=list(action.batch.owned)))
         self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
 
     def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:

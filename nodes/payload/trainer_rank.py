@@ -371,6 +371,8 @@ class TrainerRank:
             self.held.update(batch.owned)
             self._cond.notify_all()
         self.runtime.publish(Reference(step=batch.step, holder=self.runtime.node_id, blob_ids=list(batch.owned)))
+        if self.runtime.publisher is not None:  # out before the answer, not after it at the end of the turn
+            self.runtime.publisher.flush()
         return Ok()
 
     # --- internals -----------------------------------------------------------------------------------
