@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here")
     up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here")
     up.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs, config) afterwards")
-    up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files; kept); default: a "
-                    "temporary one, removed at the end unless --keep-logs")
+    up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files, trainer checkpoints "
+                    "in checkpoints/<store.run>; kept, and may be given again: a new run resumes nothing of an "
+                    "earlier one unless given its store.run); default: a temporary one, removed at the end unless "
+                    "--keep-logs")
     up.add_argument("--chaos", type=_positive_seconds, default=0.0, metavar="SECONDS",
                     help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker, ps-worker, "
                     "the ps-manager, the orchestrator or, when world restarts are on (up.checkpoint_every > 0, "

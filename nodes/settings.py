@@ -179,7 +179,8 @@ class StoreSettings:
     directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
                                      "its size must cover env_server.budget_bytes.")
     run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "
-                       "sets a fresh one per run, so a new run never re-adopts an old run's blobs.")
+                       "sets a fresh one per run and names its trainer checkpoint directory and rendezvous files "
+                       "after it too, so a new run never re-adopts an old run's blobs nor resumes its checkpoints.")
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ class UpSettings:
     )
     checkpoint_every: int = key(
         3,
-        "trainer.checkpoint_every of the run (checkpoints in its run directory): with checkpoints on, a dead "
-        "trainer rank stops its world and the whole world restarts from the last checkpoint. 0: off, a dead "
-        "rank ends the run.",
+        "trainer.checkpoint_every of the run (checkpoints in `checkpoints/<store.run>` of its run directory): with "
+        "checkpoints on, a dead trainer rank stops its world and the whole world restarts from the last "
+        "checkpoint. 0: off, a dead rank ends the run.",
     )

@@ -13,9 +13,10 @@ store, time elapsed and left). A node that dies is named with its exit status; e
 ps-workers, the ps-manager, the orchestrator and the broker are restarted under the same node id
 (:mod:`.supervisor`: a restart budget, a backoff; the broker and the ps-manager on the addresses the first one
 bound, so the nodes find them again). The trainer ranks checkpoint every ``up.checkpoint_every`` steps (into
-``checkpoints/`` of the run directory): a dead rank stops its world and the whole world is restarted (a fresh
-rendezvous file), resuming from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a dead
-rank ends the run); ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
+``checkpoints/<run>/`` of the run directory, ``<run>`` being ``store.run``: fresh per run unless given, so a
+run directory given again starts from step 0): a dead rank stops its world and the whole world is restarted
+(a fresh rendezvous file), resuming from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a
+dead rank ends the run); ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the
 trainers have run ``up.steps`` steps (or on Ctrl-C / SIGTERM) the nodes are stopped in order, each group
 within ``node.shutdown_timeout_s`` (holders first: the orchestrator, then trainer ranks and rollout workers,
 so their deletes reach the stores; env servers last among the data plane: they delete whatever is left; the
@@ -227,7 +228,7 @@ class LocalCluster:
         ranks = self.by_role("trainer")
         self.stop(ranks)
         self.worlds += 1
-        self.pin("trainer", init_method=rendezvous(self.workdir, self.worlds))
+        self.pin("trainer", init_method=rendezvous(self.workdir, self.config.store.run, self.worlds))
         started = []
         for dead in ranks:
             dead.stop()
@@ -409,23 +410,37 @@ class _StopFlag:
 
 
 def _cluster_config(config: Config, workdir: Path) -> Config:
-    """The run's config: the given one with the RL loop switched on and the rendezvous in the run dir."""
+    """The run's config: the given one with the RL loop switched on, and the checkpoints and the rendezvous of
+    world 0 in the run dir, keyed by the run id (:func:`checkpoint_dir`, :func:`rendezvous`)."""
     config = dataclasses.replace(config)
     up = config.up
+    # A fresh run id: a new run never re-adopts what crashed nodes of an earlier one left in their stores, nor
+    # resumes from an earlier run's checkpoints (a run directory may be given again).
+    run = config.store.run or f"up-{os.urandom(6).hex()}"
+    config.store = dataclasses.replace(config.store, run=run)
     config.orchestrator = dataclasses.replace(config.orchestrator, dispatch=True, trainers=up.trainers,
                                               max_steps=up.steps)
     config.trainer = dataclasses.replace(config.trainer, steps=up.steps, world_size=up.trainers,
-                                         init_method=rendezvous(workdir, 0), checkpoint_every=up.checkpoint_every,
-                                         checkpoint_dir=str(workdir / "checkpoints"))
+                                         init_method=rendezvous(workdir, run, 0), checkpoint_every=up.checkpoint_every,
+                                         checkpoint_dir=str(checkpoint_dir(workdir, run)))
     config.env_server = dataclasses.replace(config.env_server, source=config.env_server.source or "env")
-    # A fresh run id: a new run never re-adopts what crashed nodes of an earlier one left in their stores.
-    config.store = dataclasses.replace(config.store, run=config.store.run or f"up-{os.urandom(6).hex()}")
     return config
 
 
-def rendezvous(workdir: Path, world: int) -> str:
-    """The init method of trainer world ``world`` (counted from 0): a file no earlier world touched."""
-    return f"file://{workdir}/gloo-rendezvous-{world}"
+def checkpoint_dir(workdir: Path, run: str) -> Path:
+    """Where the trainer ranks of run ``run`` (``store.run``) write their checkpoints: ``checkpoints/<run>`` of
+    the run directory. Only a world of the same run resumes from them; each run's stay for inspection."""
+    return workdir / "checkpoints" / run
+
+
+def rendezvous(workdir: Path, run: str, world: int) -> str:
+    """The init method of trainer world ``world`` (counted from 0) of run ``run``: the file
+    ``gloo-rendezvous-<run>-<world>`` of the run directory, which no earlier world touched. A file already
+    there was left by a world of an earlier launcher given the same ``store.run`` (a world's file can outlive
+    it): it is removed, since ranks that read it would try to connect to that world's ranks, long gone."""
+    path = workdir / f"gloo-rendezvous-{run}-{world}"
+    path.unlink(missing_ok=True)
+    return f"file://{path}"
 
 
 def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopFlag) -> None:

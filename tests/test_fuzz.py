@@ -115,7 +115,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     procs: list[NodeProcess] = [bus]
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    trainer = ctx.Process(target=trainer_rank_main, args=(control, rendezvous(workdir, 0), child), daemon=True)
+    trainer = ctx.Process(target=trainer_rank_main, args=(control, rendezvous(workdir, "test", 0), child), daemon=True)
     monitor_out = workdir / "monitor.jsonl"
     out = open(monitor_out, "wb")  # noqa: SIM115 - closed at teardown
     try:

@@ -250,7 +250,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
 
         # Trainer ranks first: importing torch is the slowest start.
         ctx = multiprocessing.get_context("spawn")
-        init = rendezvous(workdir, 0)  # a file: no port to pick that another process could take first
+        init = rendezvous(workdir, "test", 0)  # a file: no port to pick that another process could take first
         dump_paths = [workdir / f"rank-{rank}.pickle" for rank in (0, 1)]
         ranks = [ctx.Process(target=rank_main, args=(rank, 2, init, control, STEPS, str(path)), daemon=True)
                  for rank, path in enumerate(dump_paths)]

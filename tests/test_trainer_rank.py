@@ -148,7 +148,7 @@ class Ranks:
 
     def __init__(self, bus: str, configs: tuple[RankConfig, RankConfig], steps: int, workdir: Path) -> None:
         ctx = multiprocessing.get_context("spawn")
-        init = rendezvous(workdir, 0)  # a file: no port to pick that another process could take first
+        init = rendezvous(workdir, "test", 0)  # a file: no port to pick that another process could take first
         self.conns: list[Connection] = []
         self.procs = []
         for rank, config in enumerate(configs):

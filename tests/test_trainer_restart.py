@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,9 @@ def test_killed_trainer_rank_restarts_its_world_from_the_checkpoint_and_the_run_
         # Past both ranks' checkpoints of step 2 (the progress line can come before a rank's write), before the
         # run's end: the new world resumes from step 2 or later.
         def checkpointed(rank: int) -> int:
-            return max((int(p.stem.split("-")[1]) for p in (up.run_dir / "checkpoints" / f"rank-{rank}")
+            if not (up.run_dir / "cluster.toml").exists():
+                return 0
+            return max((int(p.stem.split("-")[1]) for p in (checkpoints(up) / f"rank-{rank}")
                         .glob("step-*.safetensors")), default=0)
 
         wait_for(lambda: up.alive() and min(checkpointed(0), checkpointed(1)) >= 2, START_S + RUN_S / 4,
@@ -72,3 +75,34 @@ def test_killed_trainer_rank_restarts_its_world_from_the_checkpoint_and_the_run_
         assert up.leftovers() == []
     finally:
         up.close()
+
+
+def checkpoints(up: Up) -> Path:
+    """The checkpoint directory of ``up``'s run, once its config is written: keyed by its run id."""
+    run = tomllib.loads((up.run_dir / "cluster.toml").read_text())["store"]["run"]
+    return up.run_dir / "checkpoints" / run
+
+
+def test_a_run_directory_given_again_starts_the_new_run_from_step_0(tmp_path: Path) -> None:
+    """The checkpoints (and rendezvous files) of a run are its own: a second run in the same run directory
+    trains all its steps from the initial weights, not from where the first one ended, and the first one's
+    checkpoints stay."""
+    steps = 2
+    runs = []
+    for _ in range(2):
+        up = Up(tmp_path, steps, *QUICK, "--up-checkpoint-every", "1")
+        try:
+            assert up.wait(RUN_S) == 0, up.output(20_000)
+            summary = up.summary()
+            assert summary["ok"] and summary["ps_versions"] == list(range(steps + 1)), up.output(20_000)
+            runs.append(checkpoints(up))
+        finally:
+            up.close()
+    first, second = runs
+    assert first != second and first.parent == second.parent == tmp_path / "run" / "checkpoints"
+    for run in runs:
+        assert sorted(p.name for p in (run / "rank-0").iterdir()) == ["step-1.safetensors", "step-2.safetensors"]
+    for rank in (0, 1):  # each rank's log holds both runs (appended): each started fresh, neither resumed
+        log = tmp_path / "run" / f"trainer-{rank}.log"
+        assert [e["step"] for e in log_events(log, "trainer.fresh_start")] == [0, 0]
+        assert log_events(log, "trainer.resumed") == []

@@ -6,16 +6,20 @@ rank ends its world for the death of a rank of that world only."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
 from refbus.bus.peers import ABSENT_AFTER_RESTART
+from refbus.nodes.config import Config
 from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
 from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
+from refbus.nodes.up import LocalCluster, _cluster_config
 from refbus.protocol.messages import NodeDown, NodeInfo
 from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
 from test_supervise import _Clock, _Cluster, _Node
@@ -251,3 +255,27 @@ def test_a_rank_ignores_the_deaths_of_other_worlds_ranks_of_other_roles_and_of_p
     done.set()  # past the last step's collective: a peer that finished and left breaks nothing
     on_down(NodeDown(node_id="trainer-1", role="trainer", reason="bye", last_seen=0.0), rank1)
     assert not broken.is_set()
+
+
+def test_each_run_of_a_run_directory_has_its_own_checkpoints_and_rendezvous_files(tmp_path: Path) -> None:
+    """Two runs in one run directory: each gets a fresh run id that keys its checkpoint directory and its
+    worlds' rendezvous files, so the second neither resumes the first's checkpoints nor meets a rendezvous
+    file a broken world of the first left."""
+    first, second = (_cluster_config(Config(), tmp_path) for _ in range(2))
+    assert first.store.run != second.store.run
+    for config in (first, second):
+        assert config.trainer.checkpoint_dir == str(tmp_path / "checkpoints" / config.store.run)
+        assert config.trainer.init_method == f"file://{tmp_path}/gloo-rendezvous-{config.store.run}-0"
+    cluster = LocalCluster(second, tmp_path)
+    cluster.restart_world()  # no rank runs: only the next world's rendezvous is fixed
+    assert cluster.config.trainer.init_method == f"file://{tmp_path}/gloo-rendezvous-{second.store.run}-1"
+
+    # A run given its run id again continues that run (its stores and checkpoints) but no world meets a file an
+    # earlier launcher's broken world left: ranks that read it would connect to that world's dead ranks.
+    left = tmp_path / "gloo-rendezvous-mine-0"
+    left.write_text("a broken world's")
+    given = Config()
+    given.store = dataclasses.replace(given.store, run="mine")
+    again = _cluster_config(given, tmp_path)
+    assert again.trainer.checkpoint_dir == str(tmp_path / "checkpoints" / "mine")
+    assert again.trainer.init_method == f"file://{left}" and not left.exists()
