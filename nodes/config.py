@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -164,18 +165,61 @@ def _quantity(config: Config, name: str) -> Any:
 CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
 """Keys that take one of a few words."""
 
-RANGES: dict[str, tuple[int, int]] = {
+RANGES: dict[str, tuple[int, int | None]] = {
     "bus.event_batch": (1, 65_535),
     "bus.ring_events": (1, 1 << 30),
+    "bus.ring_bytes": (1, None),
     "bus.metrics_port": (-1, 65_535),
     "node.metrics_port": (-1, 65_535),
     "requests.attempts": (1, 1_000),
+    "limits.max_body_bytes": (1, None),
+    "limits.max_message_bytes": (1, None),
+    "limits.max_frame_bytes": (-1, None),
+    "limits.max_depth": (1, None),
+    "limits.max_items": (1, None),
+    "env_server.budget_bytes": (1, None),
+    "env_server.max_new_tokens": (1, None),
+    "orchestrator.seq_len": (1, None),
+    "orchestrator.group_size": (1, None),
+    "orchestrator.groups_per_step": (1, None),
+    "orchestrator.max_staleness": (0, None),
+    "orchestrator.max_steps": (0, None),
+    "orchestrator.trainers": (1, None),
+    "orchestrator.seed": (0, None),
+    "orchestrator.max_groups_in_flight": (1, None),
+    "orchestrator.eval_every": (0, None),
+    "rl.top_k_logprobs": (1, None),
+    "rl.sampling_top_k": (1, None),
+    "rl.torch_threads": (1, None),
+    "trainer.rank": (-1, None),
+    "trainer.world_size": (-1, None),
+    "trainer.steps": (0, None),
+    "trainer.skip_limit": (0, None),
+    "trainer.checkpoint_every": (0, None),
+    "up.steps": (1, None),
+    "up.env_servers": (1, None),
+    "up.trainers": (1, None),
+    "up.rollouts": (1, None),
+    "up.ps_workers": (1, None),
     "up.restart_budget": (0, 1 << 30),
+    "up.checkpoint_every": (0, None),
+    "ps.retain_versions": (1, None),
+    "ps.max_free_segments": (0, None),
+    "ps.eta": (0, None),
+    "ps.batch_size": (1, None),
+    "ps.chunk_bytes": (1, None),
+    "ps.replicas": (1, None),
 }
-"""Keys that take a whole number within bounds (inclusive)."""
+"""Keys that take a whole number within bounds (inclusive; None: no upper bound). A count below its floor
+need not fail where it is read, but misleads elsewhere: with ``up.checkpoint_every = -1`` the ranks would
+checkpoint every step while the launcher, taking it for "off", would end the run at a rank's death."""
 
 MAY_BE_ZERO: frozenset[str] = frozenset({"node.restart_grace_s", "up.restart_backoff_s"})
 """Durations for which 0 means "none" (no grace, no backoff); every other ``*_s`` key must be above 0."""
+
+MAX_DURATION_S = 365 * 24 * 3600.0
+"""The longest duration (any ``*_s`` key): longer is a typo, and far longer overflows where a node converts
+it (a ``timedelta``, a thread's wait)."""
 
 
 def _durations() -> list[str]:
@@ -183,21 +227,36 @@ def _durations() -> list[str]:
             for key in dataclasses.fields(section) if key.name.endswith("_s")]
 
 
+def _floats() -> list[str]:
+    return [f"{section_name}.{key.name}" for section_name, section in _sections(Config())
+            for key in dataclasses.fields(section) if isinstance(getattr(section, key.name), float)]
+
+
 def check_relations(config: Config) -> None:
     """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first
-    duration (every ``*_s`` key) below 0 or at 0 (unless in :data:`MAY_BE_ZERO`), the first of :data:`RANGES`
-    out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails. A zero interval would
-    spin a node's timers without end; a zero or negative timeout would fail or kill at once."""
+    number that is not finite (nan, inf), the first duration (every ``*_s`` key) below 0, at 0 (unless in
+    :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` out of bounds, or both
+    sides of the first relation in :data:`RELATIONS` that fails. A zero interval would spin a node's timers
+    without end; a zero or negative timeout would fail or kill at once; nan passes every comparison (a backoff
+    of nan seconds never ends) and inf overflows where a node converts it."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
+    for name in _floats():
+        if not math.isfinite(value := _quantity(config, name)):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
     for name in _durations():
         value = _quantity(config, name)
         if value < 0 or (value == 0 and name not in MAY_BE_ZERO):
             floor = "0 or more" if name in MAY_BE_ZERO else "above 0"
             raise ConfigError(f"{name} must be {floor} seconds, got {value!r}")
+        if value > MAX_DURATION_S:
+            raise ConfigError(f"{name} must be at most {MAX_DURATION_S:.0f} seconds (a year), got {value!r}")
     for name, (low, high) in RANGES.items():
-        if not low <= (value := _quantity(config, name)) <= high:
+        value = _quantity(config, name)
+        if high is None and not low <= value:
+            raise ConfigError(f"{name} must be {low} or more, got {value!r}")
+        if high is not None and not low <= value <= high:
             raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
     for relation in RELATIONS:
         value = _quantity(config, relation.key)
@@ -323,9 +382,11 @@ def reference_tables() -> str:
             lines.append(f"| `{section_name}.{key.name}` | {shown} | {key.metadata['help']} |")
     schedule = " + ".join(f"{t:g}" for t in Config().retry().timeouts())
     zero = " and ".join(f"`{name}`" for name in sorted(MAY_BE_ZERO))
-    bounded = ", ".join(f"`{name}` {low} to {high}" for name, (low, high) in RANGES.items())
-    lines += ["", "Checked whenever a config loads: every duration (`*_s`) is above 0 seconds (0 allowed for "
-              f"{zero}: none); {bounded}; one of its words for " + ", ".join(f"`{name}`" for name in CHOICES)
+    bounded = ", ".join(f"`{name}` {low} or more" if high is None else f"`{name}` {low} to {high}"
+                        for name, (low, high) in RANGES.items())
+    lines += ["", "Checked whenever a config loads: every number is finite (no nan, no inf); every duration "
+              f"(`*_s`) is above 0 seconds (0 allowed for {zero}: none) and at most {MAX_DURATION_S:.0f} (a year); "
+              f"{bounded}; one of its words for " + ", ".join(f"`{name}`" for name in CHOICES)
               + "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]

@@ -13,7 +13,7 @@ import pytest
 from conftest import FAST_LIVENESS
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.cli import build_parser
-from refbus.nodes.config import RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
+from refbus.nodes.config import RANGES, RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
 from refbus.nodes.up import LocalCluster
 
 
@@ -140,6 +140,43 @@ def test_a_duration_count_or_port_that_would_break_a_node_is_refused(flag: str, 
     in its timers for good; a negative shutdown timeout made every stop a kill."""
     with pytest.raises(ConfigError, match=re.escape(says)):
         load(flag, value)
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("trainer.batch_timeout_s", "inf", "trainer.batch_timeout_s must be a finite number, got inf"),
+    ("up.restart_backoff_s", "nan", "up.restart_backoff_s must be a finite number, got nan"),
+    ("node.shutdown_timeout_s", "nan", "node.shutdown_timeout_s must be a finite number, got nan"),
+    ("ps.push_timeout_s", "-inf", "ps.push_timeout_s must be a finite number, got -inf"),
+    ("rl.lr", "nan", "rl.lr must be a finite number, got nan"),
+    ("trainer.batch_timeout_s", "1e300", "trainer.batch_timeout_s must be at most 31536000 seconds (a year)"),
+    ("up.checkpoint_every", "-1", "up.checkpoint_every must be 0 or more, got -1"),
+    ("trainer.checkpoint_every", "-3", "trainer.checkpoint_every must be 0 or more, got -3"),
+    ("up.trainers", "0", "up.trainers must be 1 or more, got 0"),
+    ("up.steps", "-5", "up.steps must be 1 or more, got -5"),
+    ("up.env_servers", "-1", "up.env_servers must be 1 or more, got -1"),
+    ("orchestrator.seed", "-1", "orchestrator.seed must be 0 or more, got -1"),
+    ("ps.replicas", "0", "ps.replicas must be 1 or more, got 0"),
+])
+def test_a_number_no_node_could_use_is_refused_from_a_file_and_from_a_flag(tmp_path: Path, key: str, value: str,
+                                                                           says: str) -> None:
+    """Before, nan passed every check (``nan < 0`` is false: a restart backoff of nan never ended), inf and
+    huge durations overflowed in a node (a trainer's process group timeout), and whole numbers outside
+    :data:`RANGES` went unchecked (``up.checkpoint_every = -1`` had the ranks checkpoint every step while the
+    launcher took checkpoints for off)."""
+    section, name = key.split(".")
+    path = tmp_path / "cluster.toml"
+    path.write_text(f"[{section}]\n{name} = {value}\n")  # TOML spells nan, inf and -inf as Python does
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(config_file=path)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(f"--{section}-{name}".replace("_", "-") + f"={value}")  # "=": a flag's value may start with "-"
+
+
+def test_every_whole_number_key_has_a_range_but_the_seed_of_the_weights() -> None:
+    """A new count gets its bounds when it is declared; the weights' seed is any integer torch takes."""
+    whole = {f"{section}.{key.name}" for section, values in dataclasses.asdict(Config()).items()
+             for key in dataclasses.fields(getattr(Config(), section)) if type(values[key.name]) is int}
+    assert whole - set(RANGES) == {"rl.seed"}
 
 
 def test_zero_means_none_for_a_grace_or_a_backoff() -> None:
