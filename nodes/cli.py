@@ -215,6 +215,7 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
     from .ledger import Ledger, format_report, read_records, reconcile_stores
 
     ledger = Ledger(max_count=config.limits.max_items)
+    unread: list[str] = []  # stores whose counters could not be read: the report cannot vouch for them
     if args.file is not None:
         with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
             for record in read_records(lines):
@@ -232,10 +233,11 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
                         until = time.monotonic() + 0.05
                         runtime.loop(until=lambda: time.monotonic() >= until)
 
-                    reconcile_stores(runtime, ledger.reconcile, settle)
+                    unread = reconcile_stores(runtime, ledger.reconcile, settle)
             finally:
                 runtime.close()
     report = ledger.report()
+    report.unaccounted += unread
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
 

@@ -55,8 +55,9 @@ Input is the JSON record that :func:`refbus.protocol.envelope.describe` makes (w
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -505,15 +506,34 @@ def reconcile_stores(
     runtime: NodeRuntime,
     reconcile: Callable[..., Reconciled],
     settle: Callable[[], None],
+    *,
+    expected: Collection[str] = (),
+    wait_s: float = 0.0,
 ) -> list[str]:
     """Ask every live store in the registry for its counters (``accounts``, blocking, the runtime's retry
     policy) and reconcile each with ``reconcile(node_id, incarnation, account, final=...)`` (a
     :meth:`Ledger.reconcile`, behind whatever lock the caller's fold needs). ``settle()`` lets the stream
     catch up (a short wait or a turn of the loop that folds it) while a store's events are still on their way;
-    a store whose counters run ahead of the fold is asked again. Returns what could not be done, one line
-    per store (it did not answer, or kept changing)."""
+    a store whose counters run ahead of the fold is asked again. ``expected``: the node ids of the stores that
+    must be among them (those a launcher started); the registry is asked again, between settles, for up to
+    ``wait_s`` until it lists them all (a store re-joins a restarted broker only at its next heartbeat).
+    Returns what could not be done, one line per store (it did not answer, kept changing, or an expected one
+    is not in the registry), or one line for a registry the broker did not give: an empty list means every
+    store the registry (and ``expected``) named was reconciled."""
     problems = []
-    for node in runtime.lookup(STORE_ROLE) or []:
+    deadline = time.monotonic() + wait_s
+    while True:
+        stores = runtime.lookup(STORE_ROLE)
+        listed = {node.node_id for node in stores or ()}
+        if (stores is not None and listed >= set(expected)) or time.monotonic() >= deadline:
+            break
+        settle()
+    if stores is None:
+        problems.append("stores: the broker did not answer the registry lookup: no store's counters read")
+    else:
+        problems += [f"store {name}: not in the registry: its counters not read"
+                     for name in sorted(set(expected) - listed)]
+    for node in stores or ():
         endpoint = node.endpoints.get("blobs")
         if not endpoint:
             continue

@@ -28,7 +28,8 @@ first event (never from the broker's ring, which keeps only ``bus.ring_events`` 
 (orchestrator, trainers, rollouts) have stopped, the launcher asks every env server for its own counters and
 reconciles them with the fold, publishes ``run-end``, then stops the env servers and folds their last
 deletes. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for
-is listed as unaccounted and the run is not ok.
+is listed as unaccounted, and so is an env server whose counters could not be read (it did not answer, or is
+missing from the registry, or the broker gave no registry): the run is then not ok.
 """
 
 from __future__ import annotations
@@ -379,13 +380,15 @@ def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, re
     """The end of the run's accounting, once the holders have stopped: reconcile the live fold with every env
     server's counters, publish ``run-end``, stop the env servers and fold their last deletes (until the
     broker reports each of them down: bounded by the stop grace plus a node timeout). Returns what could not
-    be reconciled."""
-    problems = reconcile_stores(probe, record.reconcile, lambda: time.sleep(SETTLE_S))
+    be reconciled: a store that did not answer, or is not in the registry (given a node timeout to re-join a
+    restarted broker), or a registry the broker did not give."""
+    stores = {s.name for s in cluster.by_role("env")}
+    problems = reconcile_stores(probe, record.reconcile, lambda: time.sleep(SETTLE_S), expected=stores,
+                                wait_s=cluster.config.bus.node_timeout_s)
     steps = max(record.versions, default=0)
     watcher.call_soon(lambda: watcher.publish(RunEnd(reason=reason, steps=steps)))
     # The end is marked in the fold before a store deletes what holders left behind (``shutdown``).
     _wait_until(record, lambda ledger: ledger.ended, cluster.config.bus.node_timeout_s)
-    stores = {s.name for s in cluster.by_role("env")}
     cluster.stop(cluster.by_role("env"))
     _wait_until(record, lambda ledger: stores <= ledger.down, cluster.config.bus.node_timeout_s * 2 + 1.0)
     watcher.join(timeout=10)
@@ -536,6 +539,7 @@ def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: b
         (f"{steps} of {config.up.steps} steps", steps < config.up.steps),
         (f"{len(report.violations)} violation findings", report.violations),
         (f"{len(report.unaccounted)} unaccounted", report.unaccounted),
+        (f"stores' counters not read ({'; '.join(problems)})", problems),
         (f"lost {dict(report.lost)}", report.lost.total()), (f"leaked {dict(report.leaked)}", report.leaked.total()),
         (f"held at run end {dict(report.held_at_end)}", report.held_at_end.total()),
         (f"{totals['held']} blobs still held", totals["held"])) if bad]
@@ -589,8 +593,10 @@ def _report(summary: dict[str, Any], args: argparse.Namespace) -> None:
           f"{accounting['leaked']}")
     stores = ", ".join(f"{s} {r}" for s, r in sorted(accounting["reconciled"].items())) or "none read"
     print(f"  stores' counters      {stores}")
-    for line in accounting["unaccounted"] + accounting["stores_unread"]:
+    for line in accounting["unaccounted"]:
         print(f"  unaccounted           {line}")
+    for line in accounting["stores_unread"]:
+        print(f"  not reconciled        {line}")
     deleted_shares = ", ".join(f"{reason} {share:.1%}" for reason, share in
                                sorted(summary["deleted_shares"].items(), key=lambda item: -item[1]))
     print(f"  why samples left      {deleted_shares or '-'}")

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,9 +20,10 @@ from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import Config
 from refbus.nodes.launch import NodeProcess
-from refbus.nodes.ledger import Ledger, format_report, read_records
+from refbus.nodes.ledger import STORE_ROLE, Ledger, format_report, read_records, reconcile_stores
 from refbus.protocol.envelope import WireCodec, describe
 from refbus.protocol.messages import (
+    Accounted,
     BlobRef,
     Claim,
     Delete,
@@ -256,6 +258,53 @@ def test_a_store_that_agrees_with_the_fold_is_exact() -> None:
     report = ledger.report()
     assert report.reconciled == {"env-0": "agreed"} and report.held["env-0"] == {"orch": 1}
     assert report.totals()["missed_events"] == 0 and report.unaccounted == []
+
+
+class _Registry:
+    """What :func:`reconcile_stores` asks of a runtime, scripted: each lookup lists the next of ``listings``
+    (the last one from then on; None: the broker did not answer), and every listed store answers its
+    counters."""
+
+    def __init__(self, *listings: list[str] | None) -> None:
+        self.listings = listings
+        self.lookups = 0
+
+    def lookup(self, role: str) -> list[NodeInfo] | None:
+        assert role == STORE_ROLE
+        listing = self.listings[min(self.lookups, len(self.listings) - 1)]
+        self.lookups += 1
+        if listing is None:
+            return None
+        return [NodeInfo(node_id=name, role=role, host="h", pid=1, endpoints={"blobs": name}) for name in listing]
+
+    def client(self, endpoint: str) -> SimpleNamespace:
+        reply = SimpleNamespace(body=Accounted(store=endpoint, seq=0, kept=0, held=0),
+                                header=SimpleNamespace(id=f"{INCARNATION}-1"))
+        return SimpleNamespace(request=lambda request: reply)
+
+
+def _reconcile_with(registry: _Registry, **kwargs: object) -> tuple[list[str], list[str]]:
+    """The problems :func:`reconcile_stores` returns and the stores it reconciled."""
+    reconciled: list[str] = []
+
+    def reconcile(node_id: str, incarnation: str, account: dict, *, final: bool) -> str:
+        reconciled.append(node_id)
+        return "agreed"
+
+    return reconcile_stores(registry, reconcile, lambda: None, **kwargs), reconciled  # type: ignore[arg-type]
+
+
+def test_a_registry_the_broker_did_not_give_or_a_store_missing_from_it_is_a_problem() -> None:
+    """Before, a lookup the broker did not answer read as no store at all, and a store absent from the
+    registry was never asked: the accounting vouched for stores it had not read."""
+    assert _reconcile_with(_Registry(None)) == (
+        ["stores: the broker did not answer the registry lookup: no store's counters read"], [])
+    assert _reconcile_with(_Registry(["env-0"]), expected={"env-0", "env-1"}, wait_s=0.2) == (
+        ["store env-1: not in the registry: its counters not read"], ["env-0"])
+    # One re-joining a restarted broker is waited for, and read.
+    late = _Registry(["env-0"], ["env-0", "env-1"])
+    assert _reconcile_with(late, expected={"env-0", "env-1"}, wait_s=WAIT_S) == ([], ["env-0", "env-1"])
+    assert late.lookups == 2
 
 
 def test_duplicated_records_count_once() -> None:

@@ -8,7 +8,9 @@ process and no shared-memory segment behind.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -24,9 +26,11 @@ from typing import Any
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from refbus.nodes.config import Config
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
+from refbus.nodes.up import RunRecord, _report, _summary
 from refbus.protocol.messages import StepBatch
 from stalling_entry_points import STALL_ENV
 
@@ -298,6 +302,24 @@ prompt source is a quick curriculum whose rising level the progress lines and th
         up.close()
         if log is not None:
             log.monitor.stop()
+
+
+def test_a_store_whose_counters_were_not_read_makes_the_run_not_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the stores the launcher could not reconcile were printed as unaccounted, then "result ok"."""
+    record = RunRecord()
+    record.versions = [0, 1, 2]
+    config = Config()
+    config.up = dataclasses.replace(config.up, steps=2)
+    assert _summary(record, 0, config, interrupted=False, failed=[], problems=[])["ok"]  # every store read
+    problem = "store env-1: not in the registry: its counters not read"
+    summary = _summary(record, 0, config, interrupted=False, failed=[], problems=[problem])
+    assert not summary["ok"] and summary["not_ok"] == [f"stores' counters not read ({problem})"]
+    assert summary["accounting"]["stores_unread"] == [problem]
+    _report({**summary, "restarts": 0, "deaths": [], "world_restarts": []},
+            argparse.Namespace(summary_out=None, plot_out=None))
+    out = capsys.readouterr().out
+    assert f"not reconciled        {problem}" in out
+    assert f"result                NOT ok: stores' counters not read ({problem})" in out
 
 
 def test_ctrl_c_mid_run_stops_everything_and_frees_every_blob(tmp_path: Path) -> None:
