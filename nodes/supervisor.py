@@ -76,6 +76,15 @@ class Cluster(Protocol):
     def restart_world(self) -> list[NodeProcess]: ...
 
 
+Incarnation = tuple[int, float]
+"""One process: its pid and the wall-clock time just before it was started (``NodeProcess.spawned``)."""
+
+
+def incarnation(node: NodeProcess) -> Incarnation:
+    """What tells ``node``'s process from a later one that gets the same pid."""
+    return node.pid, node.spawned
+
+
 def restartable(name: str, *, worlds: bool = False) -> bool:
     """Whether a node of this name is restarted; ``worlds``: trainer ranks are (as a world)."""
     return name.startswith(RESTARTABLE_PREFIXES) or (worlds and name.startswith(TRAINER_PREFIX))
@@ -164,19 +173,21 @@ class Supervisor:
         self.fatal: list[str] = []  # nodes whose death ended the run
         self.restarts = 0
         self.charged = 0  # restarts out of the budget: deaths nobody caused on purpose
-        self._deliberate: set[int] = set()  # pids killed on purpose (chaos): their restarts are not charged
+        # Processes killed on purpose (chaos), by incarnation: their restarts are not charged. Not by pid alone:
+        # a later process may get a dead one's pid.
+        self._deliberate: set[Incarnation] = set()
         self._per_node: Counter[str] = Counter()
         self._running_since: dict[str, float] = {}  # name (or WORLD) -> when it was last restarted
         self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
         self.hung_grace_s = hung_grace_s  # how long a node reported down has to re-join before it is killed
         self.stopping = stopping  # the cluster is being stopped: nothing is killed as hung
         self._suspect: dict[str, tuple[float, Liveness]] = {}  # name -> (kill time, the node-down)
-        self._hung: dict[int, str] = {}  # pid -> why it was killed as hung (once per incarnation)
+        self._hung: set[Incarnation] = set()  # processes killed as hung (once per incarnation)
 
     def expect_death(self, node: NodeProcess) -> None:
         """``node`` is being killed on purpose (``--chaos``): its restart does not come out of the budget,
         which guards against crash loops, not against the deaths a user asked for."""
-        self._deliberate.add(node.pid)
+        self._deliberate.add(incarnation(node))
 
     @property
     def world_pending(self) -> bool:
@@ -199,9 +210,9 @@ class Supervisor:
         if node is None:
             return None
         trainer = name.startswith(TRAINER_PREFIX)
-        exiting = name in self._due or node.pid in self._deliberate or (trainer and self.world_pending)
+        exiting = name in self._due or incarnation(node) in self._deliberate or (trainer and self.world_pending)
         return node, Watched(name, node.pid, node.spawned, node.proc.poll() is None, exiting,
-                             node.pid in self._hung)
+                             incarnation(node) in self._hung)
 
     def _may_hang(self, down: Liveness) -> bool:
         watched = self._watched(down.node)
@@ -218,7 +229,7 @@ class Supervisor:
                 continue
             node = watched[0]
             why = f"the broker reports it down ({down.reason}: missed heartbeats) while its process runs"
-            self._hung[node.pid] = why
+            self._hung.add(incarnation(node))
             log.warning("up.node_hung", node=name, pid=node.pid, reason=down.reason, detail=why)
             self.say(f"refbus up: {name} (pid {node.pid}) hangs: {why}; killing it (SIGKILL)")
             node.signal(signal.SIGKILL)
@@ -250,10 +261,14 @@ class Supervisor:
         return None
 
     def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
-        exit_text = describe_exit(code) + (", hung" if node.pid in self._hung else "")
+        process = incarnation(node)
+        hung, deliberate = process in self._hung, process in self._deliberate
+        # A death is handled once: what was noted about this process is not needed again.
+        self._hung.discard(process)
+        self._deliberate.discard(process)
+        exit_text = describe_exit(code) + (", hung" if hung else "")
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
-        deliberate = node.pid in self._deliberate
         if not restartable(node.name, worlds=self.world_restarts):
             why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
         elif not deliberate and self.charged >= self.budget:

@@ -514,3 +514,64 @@ def test_supervisor_kills_a_node_reported_hung_once_after_the_grace_and_restarts
     supervisor.heard([down(env)])
     clock.now = 9.0
     assert supervisor.poll() is None and env.signals == [signal.SIGKILL] and supervisor.charged == 1
+
+
+class _PidReusingCluster(_Cluster):
+    """Each restart's process gets the next of ``pids`` (the kernel reuses the pids of dead processes), spawned
+    at the clock's time."""
+
+    def __init__(self, clock: _Clock, pids: list[int], *names: str) -> None:
+        super().__init__(*names)
+        self.clock = clock
+        self.pids = pids
+
+    def restart(self, dead: _Node) -> _Node:
+        node = _Node(dead.name, self.pids.pop(0), spawned=self.clock.now)
+        self.nodes[self.nodes.index(dead)] = node
+        self.restarted.append(dead.name)
+        return node
+
+
+def test_a_later_process_with_a_chaos_or_hung_victims_pid_is_supervised_as_any_other() -> None:
+    """Before, the pids killed on purpose or as hung were remembered for the rest of the run: a later process
+    that got one crashed uncharged, was never killed when it hung, and its crash was named ", hung"."""
+    clock = _Clock()
+    # Restarts get, in turn: 201, 202, the hung victim's pid 103, the chaos victim's 101, 103 once more, 204, 205.
+    cluster = _PidReusingCluster(clock, [201, 202, 103, 101, 103, 204, 205], "bus", "env-0", "rollout-0",
+                                 "orchestrator")
+    supervisor = Supervisor(cluster, budget=10, backoff_s=0.0, say=lambda _: None, clock=clock,  # type: ignore[arg-type]
+                            hung_grace_s=1.0)
+    env, rollout, orchestrator = cluster.nodes[1:]
+
+    def by_name(name: str) -> _Node:
+        return next(n for n in cluster.nodes if n.name == name)
+
+    def dies(node: _Node, code: int) -> None:
+        node.proc.code = code
+        clock.now += 1.0
+        assert supervisor.poll() is None
+        assert supervisor.poll() is None  # no backoff: restarted at once
+
+    def hangs(node: _Node) -> None:
+        supervisor.heard([Liveness(node.name, up=False, pid=node.pid, started=clock.now, reason="timeout")])
+        clock.now += 1.0  # the grace
+        assert supervisor.poll() is None
+
+    supervisor.expect_death(env)  # chaos: pid 101, not charged
+    dies(env, -signal.SIGKILL)
+    hangs(orchestrator)  # pid 103: killed, charged
+    assert orchestrator.signals == [signal.SIGKILL] and supervisor.poll() is None and supervisor.charged == 1
+    dies(rollout, 1)  # restarted as pid 103
+    dies(by_name("env-0"), 1)  # restarted as pid 101
+    assert supervisor.charged == 3 and (by_name("rollout-0").pid, by_name("env-0").pid) == (103, 101)
+
+    dies(by_name("rollout-0"), 1)  # pid 103 again, a crash: not named hung; restarted as pid 103 once more
+    dies(by_name("env-0"), 1)  # pid 101 again, a crash nobody asked for: charged
+    assert supervisor.charged == 5
+    hung = by_name("rollout-0")
+    hangs(hung)  # pid 103 again, hung: killed (and restarted)
+    assert hung.signals == [signal.SIGKILL] and supervisor.charged == 6
+    assert [(d["node"], d["pid"], d["exit"]) for d in supervisor.report()["deaths"]] == [
+        ("env-0", 101, "SIGKILL"), ("orchestrator", 103, "SIGKILL, hung"), ("rollout-0", 102, "exit 1"),
+        ("env-0", 201, "exit 1"), ("rollout-0", 103, "exit 1"), ("env-0", 101, "exit 1"),
+        ("rollout-0", 103, "SIGKILL, hung")]
