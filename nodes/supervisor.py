@@ -146,7 +146,7 @@ class Death:
     pid: int
     exit: str  # describe_exit()
     at_s: float  # seconds into the run
-    restarted: bool  # False: the run ended because of it
+    restarted: bool  # False: the run ended because of it, or before its restart was due
 
 
 class Supervisor:
@@ -162,7 +162,7 @@ class Supervisor:
         self.cluster = cluster
         self.world_restarts = world_restarts
         self.world_exit_s = world_exit_s  # how long the other ranks of a broken world have to exit on their own
-        self.world_restarted: list[str] = []  # per world restart, the rank whose death caused it
+        self.world_restarted: list[str] = []  # per world restart made, the rank whose death caused it
         self.budget = budget
         self.backoff_s = backoff_s
         self.holder_grace_s = holder_grace_s  # node.restart_grace_s: the orchestrator's backoff stays within half
@@ -171,14 +171,15 @@ class Supervisor:
         self.started = clock()
         self.deaths: list[Death] = []
         self.fatal: list[str] = []  # nodes whose death ended the run
-        self.restarts = 0
+        self.restarts = 0  # restarts made (not those still due when the run ended)
         self.charged = 0  # restarts out of the budget: deaths nobody caused on purpose
         # Processes killed on purpose (chaos), by incarnation: their restarts are not charged. Not by pid alone:
         # a later process may get a dead one's pid.
         self._deliberate: set[Incarnation] = set()
         self._per_node: Counter[str] = Counter()
         self._running_since: dict[str, float] = {}  # name (or WORLD) -> when it was last restarted
-        self._due: dict[str, tuple[float, NodeProcess]] = {}  # name -> (restart time, the dead process)
+        # name -> (restart time, the dead process, its death's index in deaths)
+        self._due: dict[str, tuple[float, NodeProcess, int]] = {}
         self.hung_grace_s = hung_grace_s  # how long a node reported down has to re-join before it is killed
         self.stopping = stopping  # the cluster is being stopped: nothing is killed as hung
         self._suspect: dict[str, tuple[float, Liveness]] = {}  # name -> (kill time, the node-down)
@@ -247,17 +248,21 @@ class Supervisor:
             reason = self._on_death(node, code, now)
             if reason:
                 return reason
-        for name, (due, node) in list(self._due.items()):
+        for name, (due, node, death) in list(self._due.items()):
             if due <= now:
                 del self._due[name]
                 self._running_since[name] = now
                 if name == WORLD:
                     ranks = self.cluster.restart_world()
+                    self.world_restarted.append(node.name)
                     pids = ", ".join(f"{rank.name} pid {rank.pid}" for rank in ranks)
                     self.say(f"refbus up: trainer world restarted from its checkpoint ({pids})")
-                    continue
-                new = self.cluster.restart(node)
-                self.say(f"refbus up: {name} restarted (pid {new.pid})")
+                else:
+                    new = self.cluster.restart(node)
+                    self.say(f"refbus up: {name} restarted (pid {new.pid})")
+                # Counted once made: a run that ends within a backoff has not restarted the node.
+                self.restarts += 1
+                self.deaths[death] = dataclasses.replace(self.deaths[death], restarted=True)
         return None
 
     def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
@@ -278,14 +283,12 @@ class Supervisor:
             delay = self._backoff_s(key, node.name, now)
             if world:
                 delay = max(delay, self.world_exit_s)
-            self.restarts += 1
-            self.charged += not deliberate
+            self.charged += not deliberate  # out of the budget now: the restart is due, whenever it is made
             self._per_node[key] += 1
-            self._due[key] = (now + delay, node)
-            self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=True))
+            self._due[key] = (now + delay, node, len(self.deaths))
+            self.deaths.append(Death(node.name, node.pid, exit_text, at_s, restarted=False))
             count = "chaos, not charged" if deliberate else f"restart {self.charged}/{self.budget}"
             if world:
-                self.world_restarted.append(node.name)
                 self.say(f"refbus up: {node.name} died ({exit_text}); stopping its trainer world and restarting "
                          f"it from the last checkpoint in {delay:.1f} s ({count})")
             else:
@@ -306,7 +309,8 @@ class Supervisor:
         return delay
 
     def report(self) -> dict[str, Any]:
-        """The summary's part: every death (node, pid, exit, when, restarted) and the restarts made."""
+        """The summary's part: every death (node, pid, exit, when, restarted: False for one whose restart was
+        still due), the restarts made and the trainer worlds restarted."""
         return {"restarts": self.restarts, "deaths": [dataclasses.asdict(d) for d in self.deaths],
                 "world_restarts": list(self.world_restarted)}
 

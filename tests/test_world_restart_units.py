@@ -149,6 +149,8 @@ def test_the_supervisor_restarts_the_whole_world_once_for_a_dead_rank_after_the_
                             world_restarts=True, world_exit_s=2.0)
     cluster.nodes[2].signal(signal.SIGKILL)
     assert supervisor.poll() is None and supervisor.world_pending
+    assert supervisor.report() == {"restarts": 0, "world_restarts": [], "deaths": [  # due, not made yet
+        {"node": "trainer-1", "pid": 102, "exit": "SIGKILL", "at_s": 0.0, "restarted": False}]}
     cluster.nodes[1].proc.code = 1  # the survivor ends its broken world: part of the same restart
     clock.now = 1.9
     assert supervisor.poll() is None and cluster.worlds == 0
