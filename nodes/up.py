@@ -268,7 +268,7 @@ class LocalCluster:
 
 def run_up(config: Config, args: argparse.Namespace) -> int:
     up = config.up
-    workdir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
+    workdir = Path(args.run_dir).absolute() if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config = _cluster_config(config, workdir)
     stop = _StopFlag()
@@ -441,7 +441,8 @@ def rendezvous(workdir: Path, run: str, world: int) -> str:
     ``gloo-rendezvous-<run>-<world>`` of the run directory, which no earlier world touched. A file already
     there was left by a world of an earlier launcher given the same ``store.run`` (a world's file can outlive
     it): it is removed, since ranks that read it would try to connect to that world's ranks, long gone."""
-    path = workdir / f"gloo-rendezvous-{run}-{world}"
+    # Absolute: in ``file://run/...`` torch would read ``run`` as a host name and the rest as the path.
+    path = (workdir / f"gloo-rendezvous-{run}-{world}").absolute()
     path.unlink(missing_ok=True)
     return f"file://{path}"
 

@@ -19,7 +19,7 @@ from refbus.nodes.config import Config
 from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
 from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
-from refbus.nodes.up import LocalCluster, _cluster_config
+from refbus.nodes.up import LocalCluster, _cluster_config, rendezvous
 from refbus.protocol.messages import NodeDown, NodeInfo
 from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
 from test_supervise import _Clock, _Cluster, _Node
@@ -281,3 +281,11 @@ def test_each_run_of_a_run_directory_has_its_own_checkpoints_and_rendezvous_file
     again = _cluster_config(given, tmp_path)
     assert again.trainer.checkpoint_dir == str(tmp_path / "checkpoints" / "mine")
     assert again.trainer.init_method == f"file://{left}" and not left.exists()
+
+
+def test_a_relative_run_directory_gives_absolute_rendezvous_urls(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file://run/x`` is host ``run``, path ``/x`` to torch: a relative run directory (``--run-dir run``) put the
+    rendezvous file at the root of the file system."""
+    monkeypatch.chdir(tmp_path)
+    assert rendezvous(Path("run"), "r1", 2) == f"file://{tmp_path}/run/gloo-rendezvous-r1-2"
