@@ -82,6 +82,23 @@ def test_pool_reuses_segments_and_unlinks_everything_on_close(shm_dir: Path) -> 
     assert list(shm_dir.iterdir()) == []
 
 
+def test_a_pool_that_adopts_an_earlier_process_s_segments_under_its_token_names_new_ones_past_them(
+        shm_dir: Path) -> None:
+    """A durable worker restarted with the pid it had (a container's first process) adopts the shards its
+    earlier process sealed under the same token: the next new segment must not take one of their names (it did:
+    ``FileExistsError``, and the push failed ``internal``)."""
+    earlier = SegmentPool(shm_dir, "unit", pin=False, token="7")
+    sealed = [earlier.acquire(100) for _ in range(3)]
+    restarted = SegmentPool(shm_dir, "unit", pin=False, token="7")
+    for segment in sealed[1:]:  # the first was released before the restart: not adopted
+        restarted.adopt(segment.name)
+    fresh = restarted.acquire(100)
+    assert fresh.name == "unit.7.4" and fresh.name not in {s.name for s in sealed}
+    other = SegmentPool(shm_dir, "unit", pin=False, token="8")
+    other.adopt(sealed[2].name)  # another token's name does not move this pool's numbers
+    assert other.acquire(100).name == "unit.8.1"
+
+
 def test_sweep_removes_only_segments_of_dead_processes(shm_dir: Path) -> None:
     dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000
     (shm_dir / f"unit.{dead}.1").write_bytes(b"x")

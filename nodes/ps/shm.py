@@ -179,6 +179,11 @@ class SegmentPool:
         path = self.directory / name
         segment = Segment(path, os.stat(path).st_size, pin=self.pin, existing=True)
         self._in_use[segment.name] = segment
+        # An earlier process under this token (a durable worker restarted with its pid: a container's first
+        # process) named it: new names must start past it, or the next acquire collides with it.
+        ours, _, number = name.rpartition(".")
+        if ours == f"{self.prefix}.{self.token}" and number.isdigit():
+            self.created = max(self.created, int(number))
         return segment
 
     def release(self, segment: Segment) -> None:
