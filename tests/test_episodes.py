@@ -95,6 +95,17 @@ def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess,
         assert reply.kind == "error" and reply.body.code == "score-failed", reply.body
         assert runner.env_server.stats().kept_total == 1
 
+        def broken_keep(*_: Any, **__: Any) -> None:
+            raise RuntimeError("the store's file system failed")
+
+        runner.env_server.keep = broken_keep  # a keep failing otherwise than KeepError: the run is still answered
+        failing = run_async(orchestrator, "ep-io")
+        wait_for(lambda: len(first.held) == 4, 5, "the fourth generation at the rollout")
+        first.answer(3)
+        reply = answer_to(orchestrator, failing)
+        assert reply.kind == "error" and reply.body.code == "internal" and "file system" in reply.body.message
+        del runner.env_server.keep
+
         first.runtime.join(timeout=5)  # bye: the registry drops it, its generation will never come
         reply = answer_to(orchestrator, stranded)
         assert reply.kind == "error" and reply.body.code == "rollout-down", reply.body
@@ -109,7 +120,7 @@ def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess,
             assert len(silent.held) == 1  # sent once: a generation is never asked for twice
         finally:
             silent.runtime.join(timeout=5)
-        assert (runner.finished, runner.failed) == (1, 3)
+        assert (runner.finished, runner.failed) == (1, 4)
         with pytest.raises(RemoteError, match="no-rollout"):
             wait_for(lambda: not runner.rollouts, 10 * REFRESH_S + 5, "the registry emptied")
             orchestrator.request(Run(episode_id="ep-3", group="g", prompt=[3]))

@@ -202,6 +202,28 @@ def test_no_room_refuses_the_keep_with_a_retry_and_leaves_nothing(tmp_path: Path
     assert not list(durable.store.path.glob("seg-*"))
 
 
+def test_a_keep_the_file_system_fails_midway_is_refused_and_leaves_nothing(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any other error of the file system than a full one (EIO, EMFILE, ENOMEM from a mapping) on the second
+    branch of a keep: refused ``store-failed``, and the first branch's segment is not left on the tmpfs outside
+    the budget (it was, until the process restarted)."""
+    durable = BlobJournal(open_store(tmp_path))
+    durable.readopt(keeper())
+    pwrite, calls = os.pwrite, []
+
+    def failing(fd: int, data: memoryview, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    with pytest.raises(KeepError) as refused:
+        durable.write(pack_branches([random_arrays(5, seed=1), random_arrays(5, seed=2)]))
+    assert refused.value.code == "store-failed" and "Input/output error" in str(refused.value)
+    assert len(calls) == 2 and not list(durable.store.path.glob("seg-*"))
+
+
 def test_a_segment_the_kernel_writes_in_short_writes_is_written_whole(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One write may write less than it was given (Linux: at most 0x7ffff000 bytes, so any blob over 2 GiB):

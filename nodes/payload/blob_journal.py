@@ -96,7 +96,8 @@ class BlobJournal:
 
         Raises:
             KeepError: ``over-budget`` with a retry-after when the tmpfs has no room (nothing is left);
-                ``closed`` once a shutdown removed the store.
+                ``closed`` once a shutdown removed the store; ``store-failed`` for any other error of the
+                file system (nothing is left either).
         """
         written: list[PackedBranch] = []
         try:
@@ -108,6 +109,9 @@ class BlobJournal:
                             retry_after_s=RETRY_AFTER_S) from None
         except FileNotFoundError:  # the store was closed and removed meanwhile: a shutdown
             raise KeepError("closed", "the env server is shutting down") from None
+        except OSError as exc:  # EIO, EMFILE, ENOMEM from a mapping: nothing of the keep may stay behind
+            self.store.unlink(b.segment for b in written)
+            raise KeepError("store-failed", f"the store could not write the blob: {exc}") from None
         return written
 
     def discard(self, packed: Sequence[PackedBranch]) -> None:

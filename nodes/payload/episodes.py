@@ -160,6 +160,10 @@ class EpisodeRunner:
                 return
             self._fail(run, pending, exc.code, str(exc))
             return
+        except Exception as exc:  # the run is answered whatever failed: its caller would wait out its deadline
+            log.exception("run.keep_failed", episode_id=run.episode_id)
+            self._fail(run, pending, "internal", f"{type(exc).__name__}: {exc}")
+            return
         self.finished += 1
         self.arrived.pop(run.episode_id, None)
         self.env_server.server.answer(pending, Ok(detail=f"reward={reward:.3f}"))
