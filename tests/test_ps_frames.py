@@ -83,6 +83,37 @@ def test_pieces_land_byte_identical_in_caller_and_fresh_destinations(serve: Any,
     assert all(sum(r.nbytes for r in read.ranges) <= 12 for read in reads) and len(reads) >= 6
 
 
+def test_a_reply_that_overtakes_an_earlier_one_of_the_same_tensor_still_verifies(serve: Any, client: Any) -> None:
+    """Replies of a window may come in another order than their requests (one resent after a loss comes after
+    later ones): every byte lands in its place, and each tensor's checksum is still over its bytes in order (it
+    was over the order of arrival, so the read failed though every byte was right)."""
+    data, wanted = segment_and_wanted()
+    held: list[Any] = []
+
+    def answer(read: ShardRead) -> ShardData:
+        return ShardData([data[r.offset : r.offset + r.nbytes] for r in read.ranges])
+
+    def setup(server: Server) -> None:
+        def read(request: Message) -> ShardData | None:
+            body = request.body
+            assert isinstance(body, ShardRead)
+            if len(held) < 2:  # the first two: the second answered first, then the first
+                held.append((server.pending, body))
+                if len(held) == 2:
+                    for pending, kept in reversed(held):
+                        server.answer(pending, answer(kept))
+                return None
+            return answer(body)
+
+        server.on(ShardRead.kind, read, cached=False)
+
+    got = read_frames(client(serve(setup).endpoint), wanted, lambda e: torch.empty(e.nbytes, dtype=torch.uint8),
+                      chunk_bytes=12, window=2, piece_bytes=5)
+    assert len(held) == 2 and held[0][1].ranges[-1].offset + 5 == held[1][1].ranges[0].offset  # t2 spans both
+    assert [t.numpy().tobytes() for t in got] == [data[w.offset : w.offset + w.entry.nbytes].tobytes()
+                                                  for w in wanted]
+
+
 def test_a_signed_reader_takes_unhashed_pieces_and_the_manifest_still_catches_changed_bytes(
         serve: Any, zmq_ctx: zmq.Context) -> None:
     # Workers send shard pieces unhashed; signing (a MAC over every frame) must not turn them away.

@@ -71,6 +71,10 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
     targets = [destination(item.entry) for item in wanted]
     views = [t.numpy() if t.numel() else np.empty(0, np.uint8) for t in targets]
     hashes = [xxhash.xxh3_64() for _ in wanted]
+    hashed = [0] * len(wanted)  # bytes of each tensor hashed so far: its checksum is over them in order
+    # Pieces copied ahead of what is hashed (a reply that overtook an earlier one, resent after a loss): start ->
+    # bytes, hashed from the destination once the bytes before them are.
+    ahead: list[dict[int, int]] = [{} for _ in wanted]
     written = [False] * len(wanted)
     requests: list[tuple[ShardRead, list[tuple[int, int]]]] = []  # request, [(index, start in the tensor)]
     size = 0
@@ -95,7 +99,16 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
                 written[index] = True
                 if first_write is not None:
                     first_write(wanted[index].entry)
-            copy_hashing(views[index][start : start + piece.nbytes], array, hashes[index])
+            view, end = views[index], start + piece.nbytes
+            if start != hashed[index]:
+                view[start:end] = np.frombuffer(array, np.uint8)
+                ahead[index][start] = piece.nbytes
+                continue
+            copy_hashing(view[start:end], array, hashes[index])
+            while (later := ahead[index].pop(end, None)) is not None:
+                hashes[index].update(view[end : end + later])
+                end += later
+            hashed[index] = end
 
     # Requests are handed over one at a time, so a failed one ends the read at once: the rest are never sent,
     # and a dead worker costs one request's deadline, not one per window's worth of requests.
