@@ -127,9 +127,10 @@ class ReplayRing:
     count and bytes.
 
     Appending stores the frames only, in batches (:meth:`extend`): an event's source and sequence number are
-    read (``index``) the first time a replay looks at it, and remembered, so neither the forwarding path nor
-    the capture parses headers. Events whose header cannot be read are skipped by replays and counted in
-    :attr:`unreadable`; ``index`` returns :data:`NOT_REPLAYED` for what is no event (a ``sync`` probe).
+    read (``index``) the first time a replay looks at it, and remembered until the entry is evicted, so neither
+    the forwarding path nor the capture parses headers. Events whose header cannot be read are skipped by replays
+    and counted in :attr:`unreadable`; ``index`` returns :data:`NOT_REPLAYED` for what is no event (a ``sync``
+    probe).
     """
 
     def __init__(self, max_events: int, max_bytes: int, index: Index) -> None:
@@ -142,7 +143,8 @@ class ReplayRing:
         self.unreadable = 0
         self._entries: deque[Any] = deque(maxlen=max_events)  # a frame, or a list of frames
         self._sizes: deque[int] = deque(maxlen=max_events)
-        self._keys: dict[int, tuple[str, int]] = {}  # ring position -> (src, seq), once read
+        # Ring position -> (src, seq), once read, of held entries only: an entry's key goes when it is evicted.
+        self._keys: dict[int, tuple[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -156,6 +158,7 @@ class ReplayRing:
     def extend(self, entries: list, sizes: list[int]) -> None:
         """Keep events (each a frame, or a list of frames) of ``sizes`` bytes, oldest first."""
         count = len(entries)
+        oldest = self.appended - len(self._entries)  # the ring position of the oldest entry held
         self.appended += count  # ring positions: one per message handed in, kept or not
         if count > self.max_events:  # more than the ring holds: only the newest go in, the rest count evicted
             skipped = count - self.max_events
@@ -166,13 +169,34 @@ class ReplayRing:
         if overflow > 0:  # the deques drop these as they extend: take their bytes off first
             self.nbytes -= sum(itertools.islice(self._sizes, 0, overflow))
             self.evicted += overflow
+            self._forget_keys(oldest, overflow)
+            oldest += overflow
         self._entries.extend(entries)
         self._sizes.extend(sizes)
         self.nbytes += sum(sizes)
+        evicted = 0
         while self.nbytes > self.max_bytes and len(self._entries) > 1:
             self._entries.popleft()
             self.nbytes -= self._sizes.popleft()
-            self.evicted += 1
+            evicted += 1
+        if evicted:
+            self.evicted += evicted
+            self._forget_keys(oldest, evicted)
+
+    def _forget_keys(self, first: int, count: int) -> None:
+        """Drop the keys of the evicted ring positions ``first`` to ``first + count - 1``: what was read of an
+        entry goes with it, so the keys never outgrow the ring (with CURVE every event comes with its key).
+        Costs the fewer of ``count`` and the keys held."""
+        keys = self._keys
+        if not keys:
+            return
+        end = first + count
+        if count <= len(keys):
+            for index in range(first, end):
+                keys.pop(index, None)
+        else:
+            for index in [index for index in keys if index < end]:
+                del keys[index]
 
     def select(
         self, since: int, src: str, limit: int, max_bytes: int, cursor: int
@@ -184,8 +208,6 @@ class ReplayRing:
         nbytes = 0
         first = self.appended - len(self._entries)
         keys = self._keys
-        if len(keys) > 2 * len(self._entries):  # forget what was read of evicted events
-            self._keys = keys = {i: key for i, key in keys.items() if i >= first}
         start = max(0, cursor - first)  # skip what the cursor already passed
         entries = zip(itertools.islice(self._entries, start, None), itertools.islice(self._sizes, start, None),
                       strict=True)

@@ -86,3 +86,24 @@ def test_bytes_stay_exact_across_drains_larger_than_the_ring() -> None:
     bounded = ring_of(10, 1000)  # and the byte bound still holds what fits, not one message
     bounded.extend([[b"a", b"000001", b"x" * 93]] * 30, [100] * 30)
     assert len(bounded) == 10 and bounded.nbytes == 1000
+
+
+def test_what_was_read_of_an_entry_goes_with_it_when_it_is_evicted() -> None:
+    """With CURVE every event comes with its (source, seq) already read, and a replay remembers what it read:
+    those keys are dropped as their entries are evicted (by count or by bytes), not only when a replay runs, so a
+    broker nobody asks for a replay holds no more keys than entries."""
+    ring = ring_of(10, 1 << 20)
+    for seq in range(1, 1001):
+        ring.append([b"a", f"{seq:06d}".encode(), b"x"], ("a", seq))
+        assert len(ring._keys) <= len(ring) == min(seq, 10)
+    page, _, _ = ring.select(since=0, src="", limit=100, max_bytes=1 << 20, cursor=0)
+    assert [e.seq for e in page] == list(range(991, 1001))
+
+    _fill(ring, [("b", seq) for seq in range(1, 6)])  # read by a replay, then evicted by a drain of the capture
+    ring.select(since=0, src="b", limit=100, max_bytes=1 << 20, cursor=0)
+    ring.extend([[b"c", f"{seq:06d}".encode(), b"x"] for seq in range(1, 26)], [10] * 25)
+    assert ring._keys == {}
+    bounded = ring_of(100, 100)  # each entry is 10 bytes: the byte bound evicts
+    for seq in range(1, 101):
+        bounded.append([b"a", f"{seq:06d}".encode(), b"xyz"], ("a", seq))
+    assert len(bounded) == 10 and sorted(bounded._keys) == list(range(90, 100))
