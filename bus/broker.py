@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
+import msgspec.inspect
 import structlog
 import zmq
 
@@ -78,6 +79,12 @@ CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, 
 CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
 TOKEN_HORIZON_S = 60.0  # probe tokens seen, and PUB handshakes waiting for their probe, are kept this long
 WAITING_MAX = 4096  # PUB handshakes waiting for their probe at most: past it the oldest is answered an error
+# A ``replayed`` body besides its messages' frames: its fields (about 35 bytes), and msgpack's length prefix of
+# each frame, of each message's frame list and of each message (5 bytes each, at most).
+REPLAYED_BYTES = 64
+PREFIX_BYTES = 5
+# Frames of one message a ``replayed`` answer can carry: ReplayedEvent's own bound.
+MAX_REPLAYED_FRAMES: int = msgspec.inspect.type_info(ReplayedEvent).fields[0].type.max_length
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,14 @@ def frames_of(entry: Any) -> list:
     return entry if isinstance(entry, list) else [entry]
 
 
+def fits_reply(entry: Any, size: int, max_body_bytes: int) -> bool:
+    """Whether a ``replayed`` answer whose body is at most ``max_body_bytes`` can carry the ring entry ``entry``
+    (``size`` bytes of frames) alone: what the asking peer's decoder takes (its body limit, the broker's by
+    configuration) and what the message's frame list takes."""
+    frames = len(entry) if isinstance(entry, list) else 1
+    return frames <= MAX_REPLAYED_FRAMES and REPLAYED_BYTES + size + PREFIX_BYTES * (frames + 2) <= max_body_bytes
+
+
 class ReplayRing:
     """The most recent event messages (an event, or a batch of one source's events), oldest first, bounded by
     count and bytes.
@@ -141,10 +156,12 @@ class ReplayRing:
         self.evicted = 0
         self.appended = 0
         self.unreadable = 0
+        self.too_large = 0  # messages replays skipped because no answer could carry them (each counted once)
         self._entries: deque[Any] = deque(maxlen=max_events)  # a frame, or a list of frames
         self._sizes: deque[int] = deque(maxlen=max_events)
         # Ring position -> (src, seq), once read, of held entries only: an entry's key goes when it is evicted.
         self._keys: dict[int, tuple[str, int]] = {}
+        self._too_large: set[int] = set()  # ring positions of held entries a replay skipped as too large
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -169,7 +186,7 @@ class ReplayRing:
         if overflow > 0:  # the deques drop these as they extend: take their bytes off first
             self.nbytes -= sum(itertools.islice(self._sizes, 0, overflow))
             self.evicted += overflow
-            self._forget_keys(oldest, overflow)
+            self._forget(oldest, overflow)
             oldest += overflow
         self._entries.extend(entries)
         self._sizes.extend(sizes)
@@ -181,16 +198,18 @@ class ReplayRing:
             evicted += 1
         if evicted:
             self.evicted += evicted
-            self._forget_keys(oldest, evicted)
+            self._forget(oldest, evicted)
 
-    def _forget_keys(self, first: int, count: int) -> None:
-        """Drop the keys of the evicted ring positions ``first`` to ``first + count - 1``: what was read of an
-        entry goes with it, so the keys never outgrow the ring (with CURVE every event comes with its key).
-        Costs the fewer of ``count`` and the keys held."""
+    def _forget(self, first: int, count: int) -> None:
+        """Drop what is kept about the evicted ring positions ``first`` to ``first + count - 1`` (their keys, their
+        too-large marks): it goes with the entries, so it never outgrows the ring (with CURVE every event comes
+        with its key). Costs the fewer of ``count`` and the keys held."""
+        end = first + count
+        if self._too_large:
+            self._too_large = {index for index in self._too_large if index >= end}
         keys = self._keys
         if not keys:
             return
-        end = first + count
         if count <= len(keys):
             for index in range(first, end):
                 keys.pop(index, None)
@@ -199,11 +218,16 @@ class ReplayRing:
                 del keys[index]
 
     def select(
-        self, since: int, src: str, limit: int, max_bytes: int, cursor: int
+        self, since: int, src: str, limit: int, max_bytes: int, cursor: int, max_reply_bytes: int | None = None
     ) -> tuple[list[RingEvent], int, bool]:
         """Messages at ring position ``>= cursor`` whose last event has ``seq >= since`` (of ``src`` when
         given), oldest first, at most ``limit`` of them and about ``max_bytes``; the cursor to continue from;
-        whether more remain. A batch comes whole: the reader skips its events below ``since``."""
+        whether more remain. A batch comes whole: the reader skips its events below ``since``.
+
+        ``max_reply_bytes``: the body limit of the answer that carries them. A message that would not fit one
+        alone (:func:`fits_reply`) is skipped, the cursor passing it, so it cannot stall every replay that
+        reaches it: counted in :attr:`too_large` and logged the first time a replay skips it. Its reader finds
+        its events missing (a gap fill counts them lost)."""
         found: list[RingEvent] = []
         nbytes = 0
         first = self.appended - len(self._entries)
@@ -216,11 +240,26 @@ class ReplayRing:
             if key is None:
                 key = keys[index] = self._read(entry)
             if key[1] >= since and (not src or key[0] == src):
+                if max_reply_bytes is not None and not fits_reply(entry, size, max_reply_bytes):
+                    self._skip(index, key, entry, size, max_reply_bytes)
+                    continue
                 if len(found) == limit or (found and nbytes + size > max_bytes):
                     return found, index, True
                 found.append(RingEvent(index, key[0], key[1], frames_of(entry)))
                 nbytes += size
         return found, self.appended, False
+
+    def _skip(self, index: int, key: tuple[str, int], entry: Any, size: int, max_reply_bytes: int) -> None:
+        """A replay passes the message at ring position ``index``, too large for an answer: counted and logged
+        once per message, however many replays pass it."""
+        if index in self._too_large:
+            return
+        self._too_large.add(index)
+        self.too_large += 1
+        log.warning("ring.too_large", src=key[0], seq=key[1], bytes=size, frames=len(frames_of(entry)),
+                    max_body_bytes=max_reply_bytes,
+                    detail="a replay cannot carry this message: it is skipped, and a gap fill that needs it "
+                    "counts its events lost")
 
     def _read(self, entry: Any) -> tuple[str, int]:
         key = self.index(frames_of(entry))
@@ -483,10 +522,11 @@ class Broker:
     def _replay(self, request: Message) -> Body:
         ask = request.body
         assert isinstance(ask, Replay)
-        # Replies must fit the peer's body limit: events are small (references, not arrays).
-        budget = self.codec.limits.max_body_bytes // 2
+        # Replies must fit the peer's body limit: events are small (references, not arrays), and a message that
+        # could not fit one alone (an event near the body limit, one with large arrays) is skipped.
+        max_body = self.codec.limits.max_body_bytes
         self._catch_up()
-        entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, budget, ask.cursor)
+        entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, max_body // 2, ask.cursor, max_body)
         events = [ReplayedEvent([bytes(frame) for frame in event.frames]) for event in entries]
         return Replayed(events=events, more=more, cursor=cursor)
 
@@ -563,14 +603,21 @@ class Broker:
         if ROUTES.get(SD_PATH) == self.service_discovery:
             del ROUTES[SD_PATH]
 
+    def _dropped_readings(self) -> dict[tuple[str, ...], float]:
+        readings = {(reason,): float(count) for reason, count in self.dropped.items()}
+        if self.ring.too_large:
+            readings[("too-large",)] = float(self.ring.too_large)
+        return readings
+
     def _register_metrics(self) -> None:
         self.runtime.metric("refbus_bus_messages_forwarded_total",
                             "Event messages forwarded by the broker (a batch of one node's events counts once).",
                       lambda: {(): float(self.forwarded)})
         self.runtime.metric("refbus_bus_events_dropped_total", "Events the broker refused to forward (with CURVE: "
-                            "a src not its connection's) or found unreadable in its ring when a replay read them, "
+                            "a src not its connection's), found unreadable in its ring when a replay read them, or "
+                            "that replays skip because no answer within the body limit can carry them (too-large), "
                             "by reason.",
-                      lambda: {(k,): float(v) for k, v in self.dropped.items()}, labels=("reason",))
+                      self._dropped_readings, labels=("reason",))
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
         self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring.",

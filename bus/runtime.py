@@ -1078,9 +1078,13 @@ class NodeRuntime:
         self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
         self._deliver_ready()
 
-    def _prove_subscribed(self, subscriber: Subscriber, since: int | None) -> None:
+    def _prove_subscribed(self, subscriber: Subscriber, since: int | None, replay_by: float | None = None) -> None:
         """Wait until a broker probe arrives through ``subscriber`` (from then on no event misses it), then
-        merge the ring's events with ``seq >= since`` (each source) in front of what arrived meanwhile."""
+        merge the ring's events with ``seq >= since`` (each source) in front of what arrived meanwhile.
+
+        ``replay_by`` (monotonic): that replay ends by then, and one that does not (or that fails) is logged,
+        not raised: the subscription is live, and what it did not merge shows as gaps, filled or counted lost.
+        Without it the replay runs under the runtime's retry policy and its failure is raised."""
         assert self.welcome is not None and self.control is not None
         subscriber.hold()
         try:
@@ -1095,19 +1099,37 @@ class NodeRuntime:
                     while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
                         subscriber.drain_one()
             if since is not None:
-                for event in self.replay(since=since):
+                for event in self._replay_by(since, replay_by):
                     subscriber.offer(event)
         finally:
             subscriber.release()
+
+    def _replay_by(self, since: int, end: float | None) -> list[Message]:
+        """The ring's events with ``seq >= since`` (each source); with ``end`` (monotonic), only what a replay
+        that ends by then brings, nothing (logged) when it does not."""
+        if end is None:
+            return self.replay(since=since)
+        left = end - time.monotonic()
+        error = "the replays of this resumption used their time"
+        if left > 0:
+            try:
+                return self.replay(since=since, deadline_s=left)
+            except (RequestTimeout, RemoteError, OSError) as exc:
+                error = str(exc)
+        log.warning("replay.resume_failed", since=since, error=error,
+                    detail="the subscription is live; what the ring held for it shows as gaps, filled or counted lost")
+        return []
 
     def _resume_subscriptions(self) -> None:
         """After a broker restart: events published before a subscription's socket reconnected were dropped
         by the new broker's XPUB but are in its ring (it holds only what came after its start), so each
         subscription proves itself live again and takes the whole new ring; what it already has is a
         duplicate, and what neither delivered shows as a gap and is counted lost, even when no later event
-        from that source comes to reveal it."""
+        from that source comes to reveal it. It runs on the loop thread: the replays of all the subscriptions
+        end within one :meth:`fill_deadline_s`, as a loop turn's gap fills do, so heartbeats still go out."""
+        replay_by = time.monotonic() + self.fill_deadline_s()
         for subscriber, _, _ in self._subscriptions:
-            self._prove_subscribed(subscriber, 0)
+            self._prove_subscribed(subscriber, 0, replay_by)
         self._deliver_ready()
 
     def flush_events(self, timeout_s: float = 2.0) -> bool:

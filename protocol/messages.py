@@ -291,7 +291,9 @@ class Nodes(Body, frozen=True):
 class Replay(Body, frozen=True):
     """Events with per-source ``seq >= since`` from the broker's ring, in ring order, from ring position
     ``cursor`` on, at most ``limit`` messages (and about half the body limit in bytes) per answer. A batch
-    whose last event qualifies comes whole: the reader skips its events below ``since``."""
+    whose last event qualifies comes whole: the reader skips its events below ``since``. A message that no
+    answer within the body limit could carry (an event near the limit, one with large array frames) is
+    skipped, and counted by the broker: its events are missing to the reader (a gap fill counts them lost)."""
 
     since: NonNegative = 0  # first per-source seq wanted
     src: str = ""  # "" replays every source

@@ -1,9 +1,25 @@
 """The broker's replay ring: bounds, paging by cursor across interleaved sources, and events indexed (source,
-sequence number) only when a replay first looks at them, unreadable ones skipped and counted."""
+sequence number) only when a replay first looks at them, unreadable ones and those too large for an answer
+skipped and counted; replays and gap fills through an in-process broker around an event too large to replay, and
+a resumption's replays bounded like gap fills."""
 
 from __future__ import annotations
 
-from refbus.bus.broker import ReplayRing
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+from refbus.bus.broker import Broker, BrokerSettings, ReplayRing
+from refbus.bus.reqrep import RequestTimeout
+from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
+from refbus.protocol.envelope import Limits, incarnation
+from refbus.protocol.messages import Delete
+from structlog.testing import capture_logs
+
+T = TypeVar("T")
+WAIT_S = 10.0
+LOOPBACK = "tcp://127.0.0.1:0"
 
 
 def _index(frames: list) -> tuple[str, int] | None:
@@ -107,3 +123,122 @@ def test_what_was_read_of_an_entry_goes_with_it_when_it_is_evicted() -> None:
     for seq in range(1, 101):
         bounded.append([b"a", f"{seq:06d}".encode(), b"xyz"], ("a", seq))
     assert len(bounded) == 10 and sorted(bounded._keys) == list(range(90, 100))
+
+
+def test_a_message_no_answer_can_carry_is_skipped_counted_once_and_passed_by_the_cursor() -> None:
+    """A message too large for a ``replayed`` answer within the body limit (an event near the limit in one frame,
+    one with many or large array frames) used to be sent alone on a page the asking peer refuses: every replay that
+    reached it failed, and its cursor never passed it. It is skipped: the messages after it still come, it is
+    counted (once, however many replays pass it) and logged once."""
+    ring = ring_of(100, 1 << 20)
+    _fill(ring, [("a", 1)])
+    ring.append([b"a", b"000002", b"x" * 950])  # one frame too large for a 1000-byte answer
+    ring.append([b"a", b"000003", *[b""] * 5000])  # more frames than an answer carries
+    _fill(ring, [("b", 1), ("a", 4)])
+    with capture_logs() as logs:
+        page, cursor, more = ring.select(since=0, src="", limit=10, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        assert [(e.src, e.seq) for e in page] == [("a", 1), ("b", 1), ("a", 4)] and not more
+        assert cursor == ring.appended and ring.too_large == 2
+        page, _, _ = ring.select(since=2, src="a", limit=10, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        assert [e.seq for e in page] == [4]  # a gap fill of 2..4 gets 4: 2 and 3 are counted lost by its reader
+        page, cursor, more = ring.select(since=2, src="a", limit=1, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        assert [e.seq for e in page] == [4] and not more
+    assert ring.too_large == 2
+    assert [(entry["event"], entry["seq"]) for entry in logs] == [("ring.too_large", 2), ("ring.too_large", 3)]
+    # What fits an answer alone still comes alone, above the page's byte budget.
+    page, _, _ = ring.select(since=0, src="a", limit=10, max_bytes=10, cursor=0, max_reply_bytes=1 << 20)
+    assert [e.seq for e in page] == [1]
+
+
+def on_loop(runtime: NodeRuntime, work: Callable[[], T]) -> T:
+    """Run ``work`` on ``runtime``'s loop thread and return its result."""
+    done = threading.Event()
+    result: list[T] = []
+    runtime.call_soon(lambda: (result.append(work()), done.set()))
+    assert done.wait(WAIT_S), "the loop did not run the call"
+    return result[0]
+
+
+@pytest.fixture
+def small_bus() -> Iterator[tuple[Broker, Limits]]:
+    """An in-process broker whose nodes take bodies of 4 KiB at most."""
+    limits = Limits(max_body_bytes=4096)
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1, limits=limits), register=False)
+    broker = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
+    runtime.start_background()
+    yield broker, limits
+    runtime.join(WAIT_S)
+
+
+def test_replays_and_gap_fills_across_an_event_too_large_to_replay_return_what_follows(
+    small_bus: tuple[Broker, Limits]
+) -> None:
+    """An event whose body is within the limit (subscribers take it live) but whose one frame is not, inside a
+    ``replayed`` answer: a replay of its source still returns the events after it, and a gap fill over it fills
+    the others and counts it lost, where the asking peer used to refuse every page as too large (a gap fill
+    always failed, and a ``subscribe(since=)`` or a resumption after a broker restart failed the node)."""
+    broker, limits = small_bus
+    control = broker.runtime.endpoints["control"]
+    publisher = NodeRuntime("tester", RuntimeSettings(bus=control, node_id="pub", metrics_port=-1, limits=limits))
+    reader = NodeRuntime("reader", RuntimeSettings(bus=control, node_id="reader", metrics_port=-1, limits=limits),
+                         register=False)
+    publisher.start_background()
+    try:
+        # A body of 4070 bytes, within the limit; its frame (with the kind and header) is 4130.
+        big = Delete(blob_ids=["b" * 100] * 39 + ["c" * 50], holder="pub", reason="filtered")
+        small = [Delete(blob_ids=[f"b{i}"], holder="pub", reason="filtered") for i in (1, 3)]
+
+        def publish_each_alone() -> list[int]:  # not as one batch: each event its own message
+            sent = []
+            for body in (small[0], big, small[1]):
+                sent.append(publisher.publish(body))
+                publisher.publisher.flush()
+            return sent
+
+        assert on_loop(publisher, publish_each_alone) == [1, 2, 3]
+        assert on_loop(publisher, publisher.flush_events)
+        with capture_logs() as logs:
+            events = reader.replay(since=0, src="pub", deadline_s=WAIT_S)
+            assert [m.header.seq for m in events] == [1, 3]
+            epoch = incarnation(events[0].header.id)
+            assert [m.header.seq for m in reader.replay_range("pub", epoch, 1, 3)] == [1, 3]
+        assert broker.ring.too_large == 1
+        assert [entry["seq"] for entry in logs if entry["event"] == "ring.too_large"] == [2]
+        assert broker._dropped_readings()[("too-large",)] == 1.0
+    finally:
+        reader.close()
+        publisher.join(WAIT_S)
+
+
+def test_a_resumption_after_a_broker_restart_replays_within_the_fill_deadline_and_goes_on_without(
+    small_bus: tuple[Broker, Limits], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumption runs on the loop thread: its replays end within the fill deadline (not the retry policy's 14 s
+    a page, which stopped the heartbeats until the node was declared down), and one that does not is logged, not
+    raised (the re-join is not failed and tried again for ever)."""
+    broker, limits = small_bus
+    control = broker.runtime.endpoints["control"]
+    node = NodeRuntime("tester", RuntimeSettings(bus=control, node_id="sub", metrics_port=-1, limits=limits))
+    node.subscribe(lambda message: None)
+    node.start_background()
+    asked: list[float | None] = []
+
+    def unanswered_replay(*, since: int = 0, deadline_s: float | None = None, **_: object) -> list:
+        asked.append(deadline_s)
+        raise RequestTimeout("the broker did not answer in time")
+
+    def resume() -> BaseException | None:
+        try:
+            node._resume_subscriptions()
+        except Exception as exc:
+            return exc
+        return None
+
+    try:
+        monkeypatch.setattr(node, "replay", unanswered_replay)
+        with capture_logs() as logs:
+            assert on_loop(node, resume) is None
+        assert len(asked) == 1 and asked[0] is not None and 0 < asked[0] <= FILL_SHARE * node.welcome.node_timeout
+        assert [entry["event"] for entry in logs if entry["event"].startswith("replay.")] == ["replay.resume_failed"]
+    finally:
+        node.join(WAIT_S)
