@@ -50,7 +50,10 @@ DRAIN_BUDGET = 256  # messages processed per Subscriber.recv that finds nothing 
 Fill = Callable[[str, str, int, int], Sequence[Message]]
 """``fill(src, incarnation, first_seq, last_seq)`` returns the missing events it could recover, in order."""
 
-MAX_INCARNATIONS = 4096  # per-(source, incarnation) sequences remembered, least recently seen forgotten first
+# Per-(source, incarnation) sequences remembered, and per-source state (latest incarnation and sequence number,
+# events lost), each least recently seen forgotten first. As many sources as incarnations: a source is seen
+# whenever one of its incarnations is, so a source is forgotten only once none of its sequences is left.
+MAX_INCARNATIONS = 4096
 # What a publisher holds for a refill: a broker restart (detected at the next heartbeat) plus a few seconds of
 # events at a busy node's rate; the restarted broker's ring takes every node's refill.
 KEEP_EVENTS = 4096
@@ -206,8 +209,15 @@ class Subscriber:
     :attr:`outside_topics`. ``kinds`` (within ``topics``) selects what is *delivered* (bodies of other kinds
     are not even decoded). Malformed events are counted by error code and logged, never raised: a bad publisher
     must not stop a subscriber (anything unexpected is counted as ``internal``); replays are counted as
-    ``replay``. ``sync`` probes are consumed here and recorded in :attr:`tokens`. :attr:`last_seq` is each
-    source's latest sequence number in its latest incarnation.
+    ``replay``. ``sync`` probes are consumed here; the tokens of those a handshake waits for
+    (:meth:`expect`) are recorded in :attr:`tokens`. :attr:`last_seq` is each source's latest sequence
+    number in its latest incarnation.
+
+    What is kept per source and per source incarnation is bounded (``MAX_INCARNATIONS`` of each, the least
+    recently seen forgotten first), so no stream of new sources grows it: a source whose sequence was
+    forgotten but not its latest incarnation goes on from its last number; a source forgotten altogether
+    starts a new baseline at its next event, like one never seen (not a restart: its ring history is not
+    delivered again). Its lost events stay in :attr:`lost_total`.
     """
 
     def __init__(
@@ -228,15 +238,19 @@ class Subscriber:
         self.topics = topics
         self.outside_topics = 0  # events a fill answered with kinds outside ``topics`` (see the class doc)
         self.last_seq: dict[str, int] = {}
-        self._epochs: dict[str, str] = {}  # each source's latest incarnation
+        # Each source's latest incarnation, least recently seen first (an event of any of its incarnations
+        # re-inserts it): the order in which sources, with their ``last_seq`` and ``lost``, are forgotten.
+        self._epochs: dict[str, str] = {}
         # (source, incarnation) -> last seq, least recently seen first: a plain dict, whose order is that of
         # insertion (an event re-inserts its key), costs half an OrderedDict's get, move_to_end and set
         self._sequences: dict[tuple[str, str], int] = {}
-        self.tokens: set[str] = set()
+        self.tokens: set[str] = set()  # expected tokens whose probe arrived (see expect)
+        self._expected: set[str] = set()
         self.received = 0
         self.missed = 0  # events detected missing (before any fill)
         self.filled = 0
         self.lost: Counter[str] = Counter()  # source -> events found missing that no fill recovered (gone)
+        self.lost_total = 0  # all of them, those of forgotten sources too
         self.duplicates = 0  # events the ring handed over again (fills, merges): not an error
         self.rejected: Counter[str] = Counter()
         self._ready: deque[Message] = deque()
@@ -283,6 +297,17 @@ class Subscriber:
         else:
             self._take(frames)
 
+    def expect(self, token: str) -> None:
+        """A handshake waits for the probe ``token``: once it arrives, ``token`` is in :attr:`tokens`. Other
+        probes' tokens are not kept (every node's PUB handshake probes pass every subscriber): call
+        :meth:`forget_token` when the handshake is over."""
+        self._expected.add(token)
+
+    def forget_token(self, token: str) -> None:
+        """The handshake that expected ``token`` is over (whether its probe came or not)."""
+        self._expected.discard(token)
+        self.tokens.discard(token)
+
     def _park(self, frames: list) -> None:
         assert self._held is not None
         self._held.append(frames)
@@ -306,7 +331,8 @@ class Subscriber:
             if kind == SYNC:
                 probe = codec.decode_body(checked).body
                 assert isinstance(probe, Sync)
-                self.tokens.add(probe.token)
+                if probe.token in self._expected:
+                    self.tokens.add(probe.token)
                 if tail and header.seq:
                     self._tail(header.src, header.seq, incarnation(header.id))
                 return
@@ -332,7 +358,7 @@ class Subscriber:
         deliver = self.kinds is None or kind in self.kinds
         lead = batch[0].header
         src, epoch, first = lead.src, incarnation(lead.id), lead.seq
-        last = self._sequences.get((src, epoch))
+        last = self._last(src, epoch)
         if (last is None or first > last) and all(m.header.seq == seq for seq, m in enumerate(batch, first)):
             if self._track(src, first, epoch, live, len(batch)) and deliver:
                 self._ready.extend(batch)
@@ -375,20 +401,29 @@ class Subscriber:
         ``count``: the events numbered ``seq`` to ``seq + count - 1`` (part of a batch) in one step, for a caller
         that knows every one of them is new (``seq`` above the last number seen)."""
         key = (src, epoch)
-        sequences = self._sequences
+        sequences, epochs = self._sequences, self._epochs
         last = sequences.pop(key, None)  # re-inserted below: the most recently seen is last
+        latest = epochs.pop(src, None)  # the same for its source
         end = seq + count - 1
+        if last is None and latest == epoch:
+            # Its sequence was forgotten (other incarnations pushed it out), not its source: it goes on from
+            # there, not as a restart that would fill, and deliver again, all the ring holds of it.
+            last = self.last_seq[src]
+            epochs[src] = epoch
+            self._remember(key, last)
         if last is None:
-            restarted = src in self._epochs
+            restarted = latest is not None
             if restarted:
                 log.info("event.source_restarted", src=src, last_seq=self.last_seq.get(src))
+            epochs[src] = epoch
             self._remember(key, end)
-            self._epochs[src] = epoch
             self.last_seq[src] = end
             self.received += count
             if restarted and seq > 1:
                 self._gap(src, epoch, 1, seq - 1)
             return True
+        if latest is not None:
+            epochs[src] = latest
         if seq <= last:
             sequences[key] = last
             if live:
@@ -398,31 +433,51 @@ class Subscriber:
                 self.duplicates += 1
             return False
         sequences[key] = end
-        if self._epochs.get(src) == epoch:
+        if latest == epoch:
             self.last_seq[src] = end
         self.received += count
         if seq > last + 1:
             self._gap(src, epoch, last + 1, seq - 1)
         return True
 
+    def _last(self, src: str, epoch: str) -> int | None:
+        """The last sequence number delivered of ``src``'s incarnation ``epoch``, forgotten or not while it is
+        the source's latest; None for an incarnation not known."""
+        last = self._sequences.get((src, epoch))
+        if last is None and self._epochs.get(src) == epoch:
+            return self.last_seq[src]
+        return last
+
     def _tail(self, src: str, seq: int, epoch: str) -> None:
         """A probe says ``src``'s incarnation ``epoch`` has published up to ``seq``: what this subscriber has not
         seen of it is a gap (the tail of the stream, lost with no later event to reveal it). A probe never
         sets a baseline: an incarnation not seen yet is left to its first event."""
         key = (src, epoch)
-        last = self._sequences.get(key)
+        last = self._last(src, epoch)
         if last is None or seq <= last:
             return
-        self._sequences[key] = seq
+        if key in self._sequences:
+            self._sequences[key] = seq
+        else:  # the source's latest incarnation, whose sequence was forgotten: remembered again, its source too
+            self._epochs[src] = self._epochs.pop(src)
+            self._remember(key, seq)
         if self._epochs.get(src) == epoch:
             self.last_seq[src] = seq
         self._gap(src, epoch, last + 1, seq)
 
     def _remember(self, key: tuple[str, str], seq: int) -> None:
+        """Set a sequence not held (its source already most recent in ``_epochs``), then forget the least
+        recently seen sequences and sources beyond ``MAX_INCARNATIONS`` each."""
         sequences = self._sequences
         sequences[key] = seq
         while len(sequences) > MAX_INCARNATIONS:
             del sequences[next(iter(sequences))]  # the least recently seen
+        epochs = self._epochs
+        while len(epochs) > MAX_INCARNATIONS:
+            src = next(iter(epochs))  # none of its sequences is left: every source seen since saw one of its own
+            del epochs[src]
+            self.last_seq.pop(src, None)
+            self.lost.pop(src, None)  # still in lost_total
 
     def _gap(self, src: str, epoch: str, first: int, last: int) -> None:
         self.missed += last - first + 1
@@ -449,4 +504,5 @@ class Subscriber:
                 self._ready.append(message)
         if len(recovered) < last - first + 1:
             self.lost[src] += last - first + 1 - len(recovered)
+            self.lost_total += last - first + 1 - len(recovered)
             log.warning("event.gap", src=src, first=first, last=last, recovered=len(recovered))

@@ -875,7 +875,7 @@ class NodeRuntime:
             self.metric(name, doc, lambda a=attribute: {(): float(sum(getattr(s, a) for s in subscribers))})
         self.metric("refbus_bus_events_lost_total", "Events found missing that the replay ring could not recover "
                     "(a broker that died took them with its ring, or the ring had evicted them).",
-                    lambda: {(): float(sum(s.lost.total() for s in subscribers))})
+                    lambda: {(): float(sum(s.lost_total for s in subscribers))})
         self.metric("refbus_bus_events_rejected_total", "Events refused (malformed, forged, replayed), by code.",
                     lambda: _merged(s.rejected for s in subscribers), labels=("code",))
         self.metric("refbus_bus_broker_restarts_total", "Times this node re-joined a broker that had died and "
@@ -1087,8 +1087,9 @@ class NodeRuntime:
         Without it the replay runs under the runtime's retry policy and its failure is raised."""
         assert self.welcome is not None and self.control is not None
         subscriber.hold()
+        token = self.codec.new_id()
+        subscriber.expect(token)
         try:
-            token = self.codec.new_id()
             deadline = time.monotonic() + self.settings.connect_timeout_s
             while token not in subscriber.tokens:
                 if time.monotonic() > deadline:
@@ -1102,6 +1103,7 @@ class NodeRuntime:
                 for event in self._replay_by(since, replay_by):
                     subscriber.offer(event)
         finally:
+            subscriber.forget_token(token)
             subscriber.release()
 
     def _replay_by(self, since: int, end: float | None) -> list[Message]:

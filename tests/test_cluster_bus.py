@@ -116,6 +116,7 @@ def test_gap_is_filled_from_the_ring(bus) -> None:
         assert pub.flush_events(20)  # the broker forwarded them (to nobody) before the subscriber is back
         subscriber.sock.connect(events_out)
         token = sub.codec.new_id()
+        subscriber.expect(token)
         deadline = time.monotonic() + 20
         while token not in subscriber.tokens and time.monotonic() < deadline:
             sub.control.request(Sync(token=token, path="sub"))

@@ -231,6 +231,7 @@ class Pair:
         self.sub = Subscriber(sub, WireCodec("monitor"))
         self.sock = sub
         deadline = time.monotonic() + WAIT_S
+        self.sub.expect("live")
         while "live" not in self.sub.tokens:
             assert time.monotonic() < deadline, "subscription never became live"
             self.publisher.publish_raw(Sync(token="live"))

@@ -64,6 +64,7 @@ def test_garbage_on_events_in_is_forwarded_refused_by_subscribers_and_skipped_by
         publisher_node.start_background()
         raw = make_socket(ctx, zmq.PUB, connect=broker.runtime.endpoints["events_in"], options=EVENT_OPTIONS)
         codec = WireCodec("prober")
+        subscription.expect("raw-probe")
 
         def garbage_counted() -> bool:
             for frames in GARBAGE:

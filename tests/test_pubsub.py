@@ -55,6 +55,7 @@ class Stream:
     def go_live(self, timeout_s: float = 5.0) -> None:
         """Probe with ``sync`` (seq 0, consumed by the subscriber) until one arrives."""
         token = f"live-{time.monotonic_ns():x}"
+        self.sub.expect(token)
         deadline = time.monotonic() + timeout_s
         while token not in self.sub.tokens:
             assert time.monotonic() < deadline, "subscription never became live"
@@ -117,6 +118,7 @@ def test_publisher_numbers_events_from_one(stream: Any) -> None:
 
 def test_sync_probes_do_not_consume_sequence_numbers(stream: Any) -> None:
     s = stream()
+    s.sub.expect("probe-2")
     s.publisher.publish_raw(Sync(token="probe-2"))
     assert s.publisher.publish(event(1)) == 1
     assert seqs(s.receive(1)) == [1]
@@ -218,6 +220,7 @@ def test_a_probe_carrying_a_later_sequence_number_reveals_a_lost_tail(stream: An
 def test_a_probe_sets_no_baseline_and_a_tail_no_fill_recovers_is_counted_lost(stream: Any) -> None:
     s = stream(fill=lambda *gap: [])
     other = WireCodec("env-1")
+    s.sub.expect("unknown-source")
     s.pub.send_multipart(frames_for(other, 9, Sync(token="unknown-source")))  # no history wanted
     s.send(1)
     s.pub.send_multipart(frames_for(s.source, 3, Sync(token="tail")))
@@ -568,6 +571,7 @@ def hold_and_park(s: Stream, *seqs_: int) -> list[list[bytes]]:
     s.sub.hold()
     sent = s.send(*seqs_)
     token = f"during-hold-{len(seqs_)}"
+    s.sub.expect(token)
     s.publisher.publish_raw(Sync(token=token))
     for _ in range(len(sent) + 1):
         assert s.sub.sock.poll(WAIT_MS, zmq.POLLIN)
@@ -679,6 +683,8 @@ def test_an_event_frame_as_bytes_and_as_a_memoryview_leave_a_subscriber_in_the_s
     states = []
     for view in (bytes, memoryview):
         sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"), fill=fill, **subscriber)
+        for token in "pq":
+            sub.expect(token)
         if parked:
             sub.hold()
         for frame in stream:
@@ -695,7 +701,9 @@ def test_an_event_frame_as_bytes_and_as_a_memoryview_leave_a_subscriber_in_the_s
 
 def test_the_least_recently_seen_incarnation_is_forgotten_first(zmq_ctx: zmq.Context, monkeypatch: Any) -> None:
     """Sequences live in a dict whose order is recency: an event (a replay too) makes its incarnation the most
-    recent, and past ``MAX_INCARNATIONS`` the least recent is forgotten (its next event is a restart, from 1)."""
+    recent, and past ``MAX_INCARNATIONS`` the least recent is forgotten, its source with it when the source has no
+    other: its next event sets a new baseline, as a source never seen does (a restart would fill from 1 and
+    deliver again what the ring still holds of it)."""
     monkeypatch.setattr(pubsub, "MAX_INCARNATIONS", 3)
     sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"))
     codecs = {name: WireCodec(name) for name in "abcd"}
@@ -703,6 +711,77 @@ def test_the_least_recently_seen_incarnation_is_forgotten_first(zmq_ctx: zmq.Con
     for name, seq in [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("d", 1), ("a", 2), ("b", 2), ("c", 3), ("d", 2)]:
         sub._take(codecs[name].encode(event(seq), seq=seq, one_frame=True))
         order.append("".join(src for src, _ in sub._sequences))
+        assert list(sub._epochs) == list(order[-1]) and set(sub.last_seq) == set(order[-1])
     assert order == ["a", "ab", "abc", "bca", "cad", "cda", "dab", "abc", "bcd"]
-    assert (sub.received, sub.missed, sub.lost, sub.rejected) == (8, 4, {"b": 1, "c": 2, "d": 1}, {"replay": 1})
+    assert (sub.received, sub.missed, sub.lost, sub.rejected) == (8, 0, {}, {"replay": 1})
+    assert sub.last_seq == {"b": 2, "c": 3, "d": 2}
+    sub.sock.close()
+
+
+def test_a_live_source_whose_sequence_other_incarnations_pushed_out_goes_on_from_its_last_number(
+    zmq_ctx: zmq.Context, monkeypatch: Any
+) -> None:
+    """Past ``MAX_INCARNATIONS`` other incarnations (another source restarting, say), a live source's sequence is
+    forgotten but not its source: its next event goes on from its last number (a gap filled as ever), where it
+    used to be taken for a restart whose gap from 1 filled, and delivered again, everything the ring held of it.
+    A probe of it still reveals a lost tail."""
+    monkeypatch.setattr(pubsub, "MAX_INCARNATIONS", 4)
+    source = WireCodec(SRC)
+    ring = {seq: source.decode(source.encode(event(seq), seq=seq, one_frame=True)) for seq in range(1, 12)}
+    fills: list[tuple[int, int]] = []
+
+    def fill(src: str, epoch: str, first: int, last: int) -> list[Message]:
+        fills.append((first, last))
+        return [ring[seq] for seq in range(first, last + 1)]
+
+    sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"), fill=fill)
+
+    def take(codec: WireCodec, seq: int, body: Any = None) -> list[int]:
+        sub._take(codec.encode(body if body is not None else event(seq), seq=seq, one_frame=True))
+        delivered = [m.header.seq for m in sub._ready if m.header.src == codec.src]
+        sub._ready.clear()
+        return delivered
+
+    def restarts_elsewhere(count: int) -> None:
+        for _ in range(count):  # a new incarnation of env-1 each time: a process restarted under the same id
+            take(WireCodec("env-1"), 1)
+
+    assert [take(source, seq) for seq in (1, 2, 3)] == [[1], [2], [3]]
+    restarts_elsewhere(5)
+    assert (SRC, incarnation(ring[1].header.id)) not in sub._sequences and SRC in sub._epochs
+    assert take(source, 4) == [4] and take(source, 6) == [5, 6]
+    restarts_elsewhere(5)
+    sub._take(source.encode(Sync(token="tail"), seq=8))  # a probe: 7 and 8 went missing
+    assert [m.header.seq for m in sub._ready] == [7, 8]
+    sub._ready.clear()
+    restarts_elsewhere(5)
+    batch = source.encode_batch(event(0).kind, [source.batch_item(event(seq), seq) for seq in (8, 9, 10)])
+    sub._take(batch, live=False)  # a parked batch that starts at a number the probe's fill delivered
+    assert [m.header.seq for m in sub._ready] == [9, 10]
+    assert fills == [(5, 5), (7, 8)] and (sub.missed, sub.filled, sub.lost_total) == (3, 3, 0)
+    assert sub.last_seq[SRC] == 10 and sub.duplicates == 1 and not sub.rejected
+    sub.sock.close()
+
+
+def test_what_a_subscriber_keeps_is_bounded_whatever_the_sources_and_probes_and_totals_survive(
+    zmq_ctx: zmq.Context, monkeypatch: Any
+) -> None:
+    """Every node's PUB handshake probes, and every source, reach every subscriber: a subscriber keeps only the
+    tokens a handshake waits for, until it is over, and the state of the ``MAX_INCARNATIONS`` sources seen last;
+    the events lost stay counted in ``lost_total`` when their source is forgotten."""
+    monkeypatch.setattr(pubsub, "MAX_INCARNATIONS", 8)
+    sub = Subscriber(zmq_ctx.socket(zmq.SUB), WireCodec("monitor"), fill=lambda *gap: [])
+    for i in range(100):
+        codec = WireCodec(f"src-{i}")
+        sub._take(codec.encode(Sync(token=f"t-{i}")))
+        for seq in (1, 3):  # 2 goes missing: lost
+            sub._take(codec.encode(event(seq), seq=seq, one_frame=True))
+    assert sub.tokens == set()
+    assert len(sub._sequences) == len(sub._epochs) == len(sub.last_seq) == len(sub.lost) == 8
+    assert sub.lost_total == 100 and (sub.received, sub.missed) == (200, 100)
+    sub.expect("mine")
+    sub._take(WireCodec("joining").encode(Sync(token="mine")))
+    assert sub.tokens == {"mine"}
+    sub.forget_token("mine")
+    assert sub.tokens == set() and sub._expected == set()
     sub.sock.close()
