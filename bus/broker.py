@@ -64,7 +64,7 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
-from .forwarder import SUBSCRIBE_ALL, Forwarder, is_event
+from .forwarder import CAPTURE_HWM, SUBSCRIBE_ALL, Forwarder, is_event
 from .metrics import ROUTES
 from .peers import incarnation
 from .pubsub import BATCH_EVENTS
@@ -79,6 +79,10 @@ CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, 
 CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
 TOKEN_HORIZON_S = 60.0  # probe tokens seen, and PUB handshakes waiting for their probe, are kept this long
 WAITING_MAX = 4096  # PUB handshakes waiting for their probe at most: past it the oldest is answered an error
+# Control requests read before a liveness pass, at most: the heartbeats queued behind a busy loop, and no more,
+# so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
+# probes undrained, no node ever expired).
+EXPIRE_DRAIN = 4096
 # A ``replayed`` body besides its messages' frames: its fields (about 35 bytes), and msgpack's length prefix of
 # each frame, of each message's frame list and of each message (5 bytes each, at most).
 REPLAYED_BYTES = 64
@@ -340,10 +344,13 @@ class Broker:
             self.runtime.rest(self.forwarder.capture, CAPTURE_REST_S)
 
     def _catch_up(self) -> None:
-        """Everything the forwarder has passed on so far into the ring."""
+        """Everything the forwarder has passed on so far into the ring: what the capture holds, which is at most
+        ``CAPTURE_HWM`` messages, so events that keep coming faster than the ring takes them cannot hold the loop
+        here."""
         if self.forwarder is not None:
-            while self.forwarder.drain(self._record, CAPTURE_BATCH) == CAPTURE_BATCH:
-                pass
+            for _ in range(-(-CAPTURE_HWM // CAPTURE_BATCH)):
+                if self.forwarder.drain(self._record, CAPTURE_BATCH) < CAPTURE_BATCH:
+                    return
 
     def _record(self, entries: list, sizes: list[int]) -> None:
         """Captured events (the forwarder already sent them on) into the ring."""
@@ -559,7 +566,7 @@ class Broker:
 
     def _expire(self) -> None:
         # Heartbeats may be queued behind a busy loop: read them before judging anyone silent.
-        while True:
+        for _ in range(EXPIRE_DRAIN):
             try:
                 self.server.handle_one(zmq.NOBLOCK)
             except zmq.Again:

@@ -1,7 +1,7 @@
 """The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
 revives none; only time on the liveness clock does. On the same clock it gives up PUB handshakes whose probe
-never came. It tells a restarted process under the same node id by its incarnation, not its pid. A real broker on
-loopback sockets, its clock injected."""
+never came. It tells a restarted process under the same node id by its incarnation, not its pid. What it reads
+before a liveness pass, and before a replay, is bounded. A real broker on loopback sockets, its clock injected."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import zmq
 from polling import wait_for
 from refbus.bus import broker as bus_broker
 from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.forwarder import CAPTURE_HWM
 from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.protocol.envelope import Message, WireCodec
@@ -178,3 +179,43 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
     finally:
         for runtime in reversed(started):  # the second first: its bye removes the entry, the first's then nothing
             runtime.join(WAIT_S)
+
+
+def test_requests_and_events_that_keep_coming_hold_neither_the_liveness_pass_nor_a_replay() -> None:
+    """Before judging liveness the broker reads the heartbeats queued behind a busy loop, and before a replay what
+    its capture holds. Both reads are bounded: requests (or events) arriving faster than the broker handles them
+    used to keep it reading for good, its capture and probes undrained and no node ever expired."""
+    clock = FakeClock()
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK,
+                                          node_timeout_s=NODE_TIMEOUT_S), clock=clock)
+    endless = 1_000_000  # reads past this many never end
+    try:
+        handled: list[int] = []
+
+        def one_more_request(flags: int = 0) -> None:  # the queue is never empty
+            handled.append(flags)
+            if len(handled) > endless:
+                raise RuntimeError("the liveness pass kept reading requests")
+
+        node.server.handle_one = one_more_request  # type: ignore[method-assign]
+        info = NodeInfo(node_id="worker-1", role="worker", host="localhost", pid=1)
+        node.members["worker-1"] = bus_broker._Member(info, "t-1", clock.now - 2 * NODE_TIMEOUT_S, live=True)
+        node._expire()
+        assert len(handled) == bus_broker.EXPIRE_DRAIN and "worker-1" not in node.members
+
+        assert node.forwarder is not None
+        drains: list[int] = []
+
+        def full_capture(on_events: Callable[[list, list[int]], None], budget: int = 4096) -> int:
+            drains.append(budget)
+            if len(drains) * budget > endless:
+                raise RuntimeError("the replay kept draining the capture")
+            return budget  # as many as asked: more keep coming
+
+        node.forwarder.drain = full_capture  # type: ignore[method-assign]
+        node._catch_up()
+        batch = bus_broker.CAPTURE_BATCH
+        assert len(drains) * batch >= CAPTURE_HWM > (len(drains) - 1) * batch  # all the capture can hold, no more
+    finally:
+        runtime.close()
