@@ -79,6 +79,12 @@ CAPTURE_BATCH = 4096  # captured events drained into the ring per loop wake-up, 
 CAPTURE_REST_S = 0.050  # a capture drained of its backlog waits this long for the next batch
 TOKEN_HORIZON_S = 60.0  # probe tokens seen, and PUB handshakes waiting for their probe, are kept this long
 WAITING_MAX = 4096  # PUB handshakes waiting for their probe at most: past it the oldest is answered an error
+# Probe tokens seen kept at most, the oldest forgotten first: a handshake whose token was forgotten is answered at
+# its next probe (a node probes until it is).
+SEEN_MAX = 4096
+# (node id, role) pairs whose joins are counted at most: past it the oldest of nodes not registered now are
+# forgotten (default node ids hold the pid: every restart leaves an id behind for good).
+JOINS_MAX = 4096
 # Control requests read before a liveness pass, at most: the heartbeats queued behind a busy loop, and no more,
 # so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
 # probes undrained, no node ever expired).
@@ -289,7 +295,7 @@ class Broker:
         self.codec = runtime.codec
         self.ring = ReplayRing(settings.ring_events, settings.ring_bytes, self._index)
         self.members: dict[str, _Member] = {}
-        self.seen_tokens: dict[str, float] = {}
+        self.seen_tokens: dict[str, float] = {}  # probe token -> when last seen, oldest first
         # sync{path=pub} handshakes whose probe has not come yet: token -> (the deferred answer, when asked), oldest
         # first; answered an error when the probe has not come within TOKEN_HORIZON_S or beyond WAITING_MAX.
         self.waiting: dict[str, tuple[Pending, float]] = {}
@@ -424,7 +430,11 @@ class Broker:
             return
         if not isinstance(probe, Sync):  # a kind that merely starts with "sync"
             return
-        self.seen_tokens[probe.token] = self.clock()
+        seen = self.seen_tokens
+        seen.pop(probe.token, None)  # seen again: it goes last, in the order of when it was seen
+        seen[probe.token] = self.clock()
+        while len(seen) > SEEN_MAX:
+            del seen[next(iter(seen))]
         # A joining node's node-up goes out before the answer that completes its join: the node subscribes
         # only after that answer, so it rarely meets its own node-up live (never a guarantee: with the
         # forwarder the event still crosses the proxy thread, which may run later).
@@ -432,12 +442,22 @@ class Broker:
             if member.token == probe.token and not member.live:
                 member.live = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
-                self.joins[(member.info.node_id, member.info.role)] += 1
+                self._count_join((member.info.node_id, member.info.role))
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
         waiting = self.waiting.pop(probe.token, None)
         if waiting is not None:
             self.server.answer(waiting[0], Ok("seen"))
+
+    def _count_join(self, key: tuple[str, str]) -> None:
+        """One more join of (node id, role); past ``JOINS_MAX`` pairs the oldest joined of the nodes not registered
+        now are forgotten (their series end; a registered node's count never restarts)."""
+        joins = self.joins
+        joins[key] = joins.pop(key, 0) + 1  # the most recently joined last
+        extra = len(joins) - JOINS_MAX
+        if extra > 0:
+            for gone in [key for key in joins if key[0] not in self.members][:extra]:
+                del joins[gone]
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -576,9 +596,10 @@ class Broker:
             if now - member.heard > self.settings.node_timeout_s:
                 self._remove(member, "timeout")
         horizon = self.clock() - TOKEN_HORIZON_S
-        for token, seen in list(self.seen_tokens.items()):
-            if seen < horizon:
-                del self.seen_tokens[token]
+        for token, seen in list(self.seen_tokens.items()):  # oldest first
+            if seen >= horizon:
+                break
+            del self.seen_tokens[token]
         for token, (_, asked) in list(self.waiting.items()):  # oldest first
             if asked >= horizon:
                 break

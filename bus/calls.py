@@ -18,7 +18,8 @@ deadline like any unanswered request.
 An endpoint marked down (:meth:`Calls.mark_down`, fed by the registry's ``node-down`` through
 :class:`~refbus.bus.peers.Peers`) gets no retry schedule: its pending calls end with :class:`PeerDown` at
 once, and so does every new request to it (on the next loop turn, never inside :meth:`Calls.request`),
-until it is marked up again.
+until it is marked up again. The latest ``DOWN_MARKS`` marks are kept: an endpoint whose mark went (its node
+down long ago, while as many others went down since) is asked again and its requests end by their deadlines.
 
 A client is kept per endpoint until :meth:`Calls.forget` closes it: the registry's view
 (:class:`~refbus.bus.peers.Peers`) forgets the endpoints of a peer reported down and those a restarted peer
@@ -50,6 +51,10 @@ from .reqrep import Attempts, Client, Outcome, PeerDown, RemoteError, RequestTim
 from .sockets import readable, recv_frames
 
 log = structlog.get_logger(__name__)
+
+# Endpoints marked down kept at most, the latest marked kept: one whose mark goes (its node down long ago, never
+# back under those endpoints) is asked again like any endpoint, and its requests end by their deadlines.
+DOWN_MARKS = 4096
 
 OnDone = Callable[[Outcome], None]
 Connect = Callable[[str], Client]
@@ -101,7 +106,7 @@ class Calls:
         self._per_endpoint: Counter[str] = Counter()
         self._due: list[tuple[float, int, str]] = []  # (due, tie-break, msg id); stale entries are skipped
         self._order = itertools.count()
-        self._down: dict[str, str] = {}  # endpoint -> why it is down
+        self._down: dict[str, str] = {}  # endpoint -> why it is down, the earliest marked first
         self._held: set[str] = set()  # endpoints whose client a caller keeps: never forgotten
         self._forgetting: set[str] = set()  # to forget once no call to them is pending
         self._down_ids = MessageIds()  # ids of requests refused without a client (endpoint down or unusable)
@@ -218,8 +223,12 @@ class Calls:
 
     def mark_down(self, endpoint: str, reason: str) -> int:
         """The registry reports the peer at ``endpoint`` down: resolve its pending calls with :class:`PeerDown`
-        (returns how many) and refuse new requests to it the same way until :meth:`mark_up`."""
+        (returns how many) and refuse new requests to it the same way until :meth:`mark_up` (or until
+        ``DOWN_MARKS`` endpoints were marked down since)."""
+        self._down.pop(endpoint, None)  # marked again: the latest mark last
         self._down[endpoint] = reason
+        while len(self._down) > DOWN_MARKS:
+            del self._down[next(iter(self._down))]
         return self.peer_down(endpoint, reason)
 
     def mark_up(self, endpoint: str) -> None:

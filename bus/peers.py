@@ -17,8 +17,10 @@ the node advertised before and no longer does (a restarted process, on new ephem
 their clients are forgotten as well, and their down marks are kept for the last :data:`RETIRED_DOWN_MARKS` of
 them only (a stale reference to one fails at once; an older one would wait out its deadline), so a long run of
 restarts leaves neither sockets nor marks behind. An endpoint another live peer advertises is never forgotten.
-Whether a node that comes back is the same process (:func:`incarnation`) or a restart, and how long to wait
-for it (``node.restart_grace_s``), is the role's decision: this view only reports.
+Of the peers that went down, the latest :data:`DOWN_KEPT` are remembered (:attr:`Peers.down`): a node restarted
+under a new id (the default ids hold the pid) leaves its old one behind for good. Whether a node that comes
+back is the same process (:func:`incarnation`) or a restart, and how long to wait for it
+(``node.restart_grace_s``), is the role's decision: this view only reports.
 
 Opt-in (``runtime.track_peers()``), for roles that act on liveness: its subscription is filtered by topic,
 so the broker sends it ``node-up`` and ``node-down`` only, not the whole stream. Gaps are still told: the
@@ -50,6 +52,9 @@ OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
 KINDS = frozenset({NodeUp.kind, NodeDown.kind})
 ABSENT_AFTER_RESTART = "absent-after-broker-restart"  # the reason of a node-down found by :meth:`Peers.reconcile`
 RETIRED_DOWN_MARKS = 1024  # down marks kept for endpoints restarted peers left behind (the newest ones)
+# Down peers remembered (their last entry), the latest to go down kept: a node restarted under a new id (default
+# ids hold the pid) never comes back under the old one.
+DOWN_KEPT = 4096
 
 
 def incarnation(node: NodeInfo) -> tuple[str, int, float]:
@@ -66,7 +71,7 @@ class Peers:
         self._calls = calls
         self._self_id = self_id
         self.live: dict[str, NodeInfo] = {}
-        self.down: dict[str, NodeInfo | None] = {}  # node id -> its last known entry
+        self.down: dict[str, NodeInfo | None] = {}  # node id -> its last known entry, the earliest down first
         self._up_listeners: list[OnUp] = []
         self._down_listeners: list[OnDown] = []
         self._unconfirmed: set[str] = set()  # live peers a restarted broker has not reported up yet
@@ -149,8 +154,10 @@ class Peers:
             return
         info = self.live.pop(event.node_id, None)
         if info is None:
-            info = self.down.get(event.node_id)
+            info = self.down.pop(event.node_id, None)
         self.down[event.node_id] = info
+        while len(self.down) > DOWN_KEPT:
+            del self.down[next(iter(self.down))]
         log.info("peer.down", node=event.node_id, role=event.role, reason=event.reason,
                  endpoints=sorted(info.endpoints.values()) if info else [])
         for listener in self._down_listeners:

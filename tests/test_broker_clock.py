@@ -219,3 +219,33 @@ def test_requests_and_events_that_keep_coming_hold_neither_the_liveness_pass_nor
         assert len(drains) * batch >= CAPTURE_HWM > (len(drains) - 1) * batch  # all the capture can hold, no more
     finally:
         runtime.close()
+
+
+def test_probe_tokens_seen_and_the_joins_counted_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node's PUB handshake probes, and every node id (the default ones hold the pid, so a restart brings a
+    new one), reach the broker: it keeps the latest ``SEEN_MAX`` probe tokens, and the joins of ``JOINS_MAX``
+    (node id, role) pairs, forgetting the oldest joined of the nodes not registered now."""
+    monkeypatch.setattr(bus_broker, "SEEN_MAX", 5)
+    monkeypatch.setattr(bus_broker, "JOINS_MAX", 3)
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
+    prober = WireCodec("prober")
+    try:
+        for i in range(20):
+            node._probe_seen(prober.encode(Sync(token=f"t-{i}")))
+        node._probe_seen(prober.encode(Sync(token="t-16")))  # seen again: the latest
+        assert list(node.seen_tokens) == ["t-15", "t-17", "t-18", "t-19", "t-16"]
+
+        def join(node_id: str) -> None:
+            info = NodeInfo(node_id=node_id, role="worker", host="localhost", pid=1)
+            node.members[node_id] = bus_broker._Member(info, f"join-{node_id}", 0.0)
+            node._probe_seen(prober.encode(Sync(token=f"join-{node_id}")))
+
+        join("stays")  # registered all along: its count is never forgotten
+        for i in range(10):
+            join(f"worker-{i}")
+            node._remove(node.members[f"worker-{i}"], "bye")
+        join("stays")
+        assert dict(node.joins) == {("worker-8", "worker"): 1, ("worker-9", "worker"): 1, ("stays", "worker"): 2}
+    finally:
+        runtime.close()

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import zmq
 from polling import read_line
+from refbus.bus import calls as calls_module
 from refbus.bus import peers as peers_module
 from refbus.bus.peers import Peers
 from refbus.bus.reqrep import (
@@ -876,6 +877,35 @@ def test_peers_forget_the_endpoints_a_restarted_peer_left_and_keep_a_bounded_num
     down("caller")
     assert calls.client(shared) is kept and calls.down_reason(shared) is None
     assert set(view.live) == {"env-0", "env-1", "env-2"} and set(view.down) == {"env-3", "never-seen"}
+
+
+def test_down_peers_and_down_marks_are_bounded_the_latest_kept(caller: NodeRuntime,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node restarted under a new id (the default ids hold the pid) goes down once and never comes back under
+    it: the peers remembered down, and the endpoints marked down, keep the latest ones only. A peer marked down
+    again counts as the latest; live peers are untouched."""
+    monkeypatch.setattr(peers_module, "DOWN_KEPT", 3)
+    monkeypatch.setattr(calls_module, "DOWN_MARKS", 4)
+    view = Peers(caller.calls, "caller")
+
+    def event(body: Any) -> Message:
+        return PEER.decode(PEER.encode(body))
+
+    def up(node_id: str) -> None:
+        endpoints = {"blobs": f"tcp://127.0.0.1:{1000 + int(node_id.split('-')[1])}"}
+        view.handle(event(NodeUp(NodeInfo(node_id=node_id, role="env-server", host="h", pid=1, endpoints=endpoints))))
+
+    def down(node_id: str) -> None:
+        view.handle(event(NodeDown(node_id=node_id, role="env-server", reason="timeout", last_seen=0.0)))
+
+    up("env-0")
+    for i in range(1, 11):
+        up(f"env-{i}")
+        down(f"env-{i}")
+    down("env-8")  # down again: the latest
+    assert list(view.down) == ["env-9", "env-10", "env-8"] and set(view.live) == {"env-0"}
+    assert list(caller.calls._down) == [f"tcp://127.0.0.1:{1000 + i}" for i in (7, 9, 10, 8)]
+    assert caller.calls.down_reason("tcp://127.0.0.1:1008") == "env-8 reported down (timeout)"
 
 
 def test_sockets_back_off_reconnecting_to_a_peer_that_is_gone(sockets: Any) -> None:
