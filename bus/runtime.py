@@ -26,7 +26,8 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 4. on SIGINT/SIGTERM or :meth:`stop`: run the role's shutdown hooks, flush the events published so far, say
    ``bye``, close every socket (linger 0), remove ipc socket files and the ready file; all of it within
    ``shutdown_timeout_s`` of the stop (:meth:`shutdown_left` is what a hook that waits on peers may take; a
-   hook still running when the hooks' share is spent is cut off, logged, and the final events go out anyway).
+   hook still running when the hooks' share is spent is cut off and logged; the sockets stay its thread's,
+   which may still use them, so ``bye`` goes out on a socket of its own and the final events go unconfirmed).
    In a ``refbus node`` process the :class:`ExitWatchdog` then guarantees the exit itself.
 
 Single-threaded by design: handlers run on the loop thread and must not block for long. User code that
@@ -762,28 +763,51 @@ class NodeRuntime:
     def close(self) -> None:
         """Shut down within ``shutdown_timeout_s`` of the stop: hooks, final events, bye, sockets.
 
-        A hook cut off at its share of the deadline may still use this node's sockets on its thread, so they
-        are then released by that thread once the hook returns (or by the process's exit), never under it."""
+        A hook cut off at its share of the deadline may still be using this node's sockets and codec on its
+        thread (a ``calls.run_until`` polling the broker's control client, a publish), and neither ZeroMQ
+        sockets nor the codec are thread-safe: they stay that thread's. The final events then cannot be proven
+        received (that takes the PUB socket and the control client: skipped, logged); the bye goes out on a
+        socket and codec of its own; the hook's thread drops the pending calls and releases the sockets once
+        the hook returns (or the process's exit does)."""
         self.begin_shutdown()
         self._stopping = True
-        finals_sent = threading.Event()
-        cut_off = self._run_shutdown_hooks(finals_sent)
+        cut_off = self._run_shutdown_hooks()
         close_by = self.shutdown_started + self.settings.shutdown_timeout_s * CLOSE_SHARE
         bye_s = min(BYE_TIMEOUT_S, self.settings.shutdown_timeout_s * (CLOSE_SHARE - HOOKS_SHARE) / 2)
+        if cut_off:
+            if self.publisher is not None and self.publisher.seq != self._confirmed_seq:
+                log.warning("events.unconfirmed", error="a cut-off shutdown hook may still be using the PUB socket "
+                            "and the control client")
+            self._say_bye(close_by, bye_s, own_socket=True)
+            self._remove_ready_file()
+            self.closed = True
+            log.info("node.stopped", sockets="released by the cut-off hook's thread once the hook returns")
+            return
         self.flush_events(max(0.0, close_by - bye_s - time.monotonic()))
-        if self.control is not None and self.welcome is not None:
-            with contextlib.suppress(Exception):
-                timeout = max(0.05, min(bye_s, close_by - time.monotonic()))
-                self.control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=timeout, attempts=1))
+        self._say_bye(close_by, bye_s)
         self.calls.close()
         self._remove_ready_file()
         self.closed = True
-        if cut_off:
-            finals_sent.set()  # the hook thread releases the sockets once its hook returns
-            log.info("node.stopped", sockets="released when the cut-off hook returns")
-            return
         self._release()
         log.info("node.stopped")
+
+    def _say_bye(self, close_by: float, bye_s: float, *, own_socket: bool = False) -> None:
+        """Tell the broker this node leaves (one attempt, at most ``bye_s``, by ``close_by``), when it joined.
+        ``own_socket``: on a client and codec made for it alone, closed after (another thread holds the
+        node's)."""
+        if self.control is None or self.welcome is None:
+            return
+        policy = RetryPolicy(timeout_s=max(0.05, min(bye_s, close_by - time.monotonic())), attempts=1)
+        control = self.control
+        with contextlib.suppress(Exception):  # the broker may be gone, the context closing under a cut-off hook
+            if own_socket:
+                codec = WireCodec(self.node_id, secret=self.settings.secret, limits=self.settings.limits)
+                control = Client(self.ctx, self.settings.bus, codec, policy=policy, options=self.options)
+            try:
+                control.request(Bye(node_id=self.node_id), policy=policy)
+            finally:
+                if own_socket:
+                    control.close()
 
     def _release(self) -> None:
         """Close every socket and the context, remove ipc files, stop serving metrics (the last step of
@@ -807,10 +831,11 @@ class NodeRuntime:
             self.zap.close()
         self.ctx.term()
 
-    def _run_shutdown_hooks(self, finals_sent: threading.Event) -> bool:
+    def _run_shutdown_hooks(self) -> bool:
         """Run the hooks in order on a helper thread (the loop has stopped: it hands them its sockets) until
         the hooks' share of the deadline; True when one was cut off (logged; the hooks after it do not run,
-        and once it returns and ``finals_sent`` is set, that thread releases the sockets)."""
+        and the sockets stay that thread's: once the hook returns it drops the pending calls and releases
+        them)."""
         running: list[str] = []
         state = {"done": False, "cut": False}
         decided = threading.Lock()  # the hooks ending and the cut-off exclude each other
@@ -827,7 +852,7 @@ class NodeRuntime:
             with decided:
                 state["done"] = True
             if state["cut"]:
-                finals_sent.wait()
+                self.calls.close()
                 self._release()
 
         thread = threading.Thread(target=run_hooks, name=f"refbus-shutdown-{self.node_id}", daemon=True)

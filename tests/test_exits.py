@@ -1,7 +1,7 @@
 """Bounded exits: after SIGTERM a node process is gone within ``node.shutdown_timeout_s``, its final events
-(shutdown deletes, ``bye``) in the stream; a shutdown hook that would block longer is cut off and the final
-events still go out; the orchestrator's shutdown deletes against a store that was killed end by the deadline,
-and at once when the registry already reports the store down."""
+(shutdown deletes, ``bye``) in the stream; a shutdown hook that would block longer is cut off and the ``bye``
+still goes out, without touching the sockets the hook may still use; the orchestrator's shutdown deletes against
+a store that was killed end by the deadline, and at once when the registry already reports the store down."""
 
 from __future__ import annotations
 
@@ -196,6 +196,56 @@ def test_a_blocking_shutdown_hook_is_cut_off_and_the_bye_still_goes_out(
         assert not later_hook_ran.is_set()  # hooks after a cut-off one do not run concurrently with the close
     finally:
         release.set()
+
+
+def test_a_cut_off_hook_keeps_the_sockets_it_uses_and_the_bye_goes_out_on_one_of_its_own(
+    bus: tuple[NodeProcess, str], stream: Stream
+) -> None:
+    """A hook cut off while it still uses the node's sockets (here ``calls.run_until``, polling the broker's
+    control client, after publishing an event): ZeroMQ sockets are not thread-safe, and the close used to prove
+    the final events and say ``bye`` on those very sockets from its own thread meanwhile (libzmq may abort the
+    process). The close now touches neither the control client nor the PUB socket, nor the calls: the bye goes
+    out on a socket of its own, and the hook's thread releases the sockets once the hook returns."""
+    runtime = NodeRuntime("stuck", RuntimeSettings(bus=bus[1], node_id="stuck-polling", metrics_port=-1,
+                                                   shutdown_timeout_s=SHUTDOWN_S))
+    release = threading.Event()
+    hook_thread: list[threading.Thread] = []
+    used: list[str] = []  # what touched the hook's sockets from another thread while the hook ran
+
+    def polling_hook() -> None:
+        hook_thread.append(threading.current_thread())
+        runtime.publish(Delete(blob_ids=["b-final"], holder="stuck-polling", reason="shutdown"))
+        while not release.is_set():  # nothing pending wakes run_until: short turns
+            runtime.calls.run_until(release.is_set, 0.05)
+
+    def on_hook_sockets(name: str, method: Callable[..., object]) -> Callable[..., object]:
+        def guarded(*args: object, **kwargs: object) -> object:
+            if hook_thread and threading.current_thread() is not hook_thread[0] and not release.is_set():
+                used.append(name)
+                raise RuntimeError(f"{name} while a cut-off hook uses the sockets")
+            return method(*args, **kwargs)
+
+        return guarded
+
+    runtime.shutdown_hooks.append(polling_hook)
+    try:
+        runtime.start_background()
+        assert runtime.control is not None and runtime.publisher is not None
+        runtime.control.request = on_hook_sockets("control.request", runtime.control.request)  # type: ignore[method-assign]
+        runtime.control.send = on_hook_sockets("control.send", runtime.control.send)  # type: ignore[method-assign]
+        runtime.publisher.publish_raw = on_hook_sockets("publish_raw", runtime.publisher.publish_raw)  # type: ignore[method-assign]
+        runtime.calls.close = on_hook_sockets("calls.close", runtime.calls.close)  # type: ignore[method-assign]
+        with capture_logs() as logs:
+            runtime.join(timeout=GONE_S)
+        assert runtime.loop_thread is not None and not runtime.loop_thread.is_alive()
+        assert used == []
+        events = [entry["event"] for entry in logs]
+        assert events.count("node.shutdown_hook_cut_off") == 1 and "events.unconfirmed" in events, events
+        stream.wait(said_bye("stuck-polling"), SHUTDOWN_S, "the bye of the node whose hook was cut off")
+        assert not runtime.ctx.closed  # the hook still holds the sockets
+    finally:
+        release.set()
+    wait_for(lambda: runtime.ctx.closed, SHUTDOWN_S, "the hook's thread releasing the sockets")
 
 
 @pytest.mark.parametrize("registry_knows", [True, False], ids=["store-reported-down", "store-just-killed"])
