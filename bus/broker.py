@@ -65,7 +65,7 @@ from ..protocol.messages import (
     Welcome,
 )
 from .forwarder import CAPTURE_HWM, SUBSCRIBE_ALL, Forwarder, is_event
-from .metrics import ROUTES
+from .metrics import ROUTES, by_label
 from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
@@ -632,7 +632,7 @@ class Broker:
             del ROUTES[SD_PATH]
 
     def _dropped_readings(self) -> dict[tuple[str, ...], float]:
-        readings = {(reason,): float(count) for reason, count in self.dropped.items()}
+        readings = by_label(self.dropped)
         if self.ring.too_large:
             readings[("too-large",)] = float(self.ring.too_large)
         return readings
@@ -652,7 +652,8 @@ class Broker:
                       lambda: {(): float(self.ring.nbytes)}, kind="gauge")
         # Labelled member/member_role, not node/role: those are the scrape target's own (the broker's).
         self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",
-                            lambda: {key: float(n) for key, n in self.joins.items()}, labels=("member", "member_role"))
+                            lambda: {key: float(n) for key, n in dict(self.joins).items()},
+                            labels=("member", "member_role"))
         self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by role.",
-                      lambda: dict(Counter((m.info.role,) for m in self.members.values() if m.live)),
+                      lambda: dict(Counter((m.info.role,) for m in list(self.members.values()) if m.live)),
                       labels=("role",), kind="gauge")

@@ -34,10 +34,19 @@ ROUTES: dict[str, Route] = {}
 prometheus_client's ``REGISTRY``, a process-wide table, so a role adds a path without owning the server."""
 
 
+def by_label(counts: Mapping[str, float]) -> dict[tuple[str, ...], float]:
+    """``counts`` (label value -> count) as one-label readings, from a copy: a read runs on the metrics HTTP
+    thread while the loop thread changes ``counts``, and iterating a dict another thread grows raises."""
+    return {(label,): float(count) for label, count in dict(counts).items()}
+
+
 class LiveCounters(Collector):
     """Exposes values read from callables at scrape time.
 
-    ``read`` returns ``{label_values: value}``; ``kind`` is ``counter`` or ``gauge``.
+    ``read`` returns ``{label_values: value}``; ``kind`` is ``counter`` or ``gauge``. It runs on the metrics
+    HTTP thread: what the loop thread changes it reads from a copy made in one step (``dict(d)``,
+    ``list(d.values())``: one call into C, atomic under the GIL for dicts of plain keys), never by iterating
+    the live dict, which raises when the loop thread adds a key meanwhile (the scrape fails).
     """
 
     def __init__(self, name: str, doc: str, labels: Iterable[str], read: Callable[[], Readings], kind: str = "counter"):

@@ -83,7 +83,7 @@ from ..protocol.messages import (
     Welcome,
 )
 from .calls import Calls
-from .metrics import register_live, serve_metrics
+from .metrics import by_label, register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
 from .peers import Peers
 from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
@@ -265,10 +265,11 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def _merged(counters: Iterable[Counter[str]]) -> dict[tuple[str, ...], float]:
+    """The sum of ``counters`` as one-label readings, each read from a copy (see :func:`.metrics.by_label`)."""
     total: Counter[str] = Counter()
     for counter in counters:
-        total.update(counter)
-    return {(key,): float(value) for key, value in total.items()}
+        total.update(dict(counter))
+    return by_label(total)
 
 
 @dataclass(order=True)
@@ -906,27 +907,27 @@ class NodeRuntime:
         self.metric("refbus_bus_broker_restarts_total", "Times this node re-joined a broker that had died and "
                     "come back.", lambda: {(): float(self.broker_restarts)})
         self.metric("refbus_requests_total", "Requests this node's servers answered, by kind.",
-                    lambda: _merged(server.handled for server in self._servers), labels=("kind",))
+                    lambda: _merged(server.handled for server in list(self._servers)), labels=("kind",))
         self.metric("refbus_requests_rejected_total", "Requests answered with an error, by code.",
-                    lambda: _merged(server.rejected for server in self._servers), labels=("code",))
+                    lambda: _merged(server.rejected for server in list(self._servers)), labels=("code",))
         self.metric("refbus_requests_duplicate_total", "Retried requests answered from the reply cache.",
-                    lambda: {(): float(sum(server.duplicates for server in self._servers))})
+                    lambda: {(): float(sum(server.duplicates for server in list(self._servers)))})
         self.metric("refbus_request_retries_total", "Requests this node sent again after a timeout.",
                     lambda: {(): float(self._client_total("retries"))})
         self.metric("refbus_request_unsent_total", "Request sends refused because the queue to the peer was full "
                     "(the peer gone or not reading); each is an attempt without a reply.",
                     lambda: {(): float(self._client_total("unsent"))})
         self.metric("refbus_request_outcomes_total", "Asynchronous requests resolved, by outcome.",
-                    lambda: {(k,): float(v) for k, v in self.calls.outcomes.items()}, labels=("outcome",))
+                    lambda: by_label(self.calls.outcomes), labels=("outcome",))
         self.metric("refbus_replies_late_total", "Replies that arrived after their request's outcome (dropped).",
                     lambda: {(): float(self.calls.late)})
         if self.zap is not None:
             zap = self.zap
             self.metric("refbus_security_peers_refused_total", "Connections the ZAP handler refused, by reason "
                         "(unknown-key: a CURVE key not in the allow-list).",
-                        lambda: {(k,): float(v) for k, v in zap.refused.items()}, labels=("reason",))
+                        lambda: by_label(zap.refused), labels=("reason",))
         self.metric("refbus_replies_rejected_total", "Malformed replies dropped, by error code.",
-                    lambda: {(k,): float(v) for k, v in self.calls.rejected.items()}, labels=("code",))
+                    lambda: by_label(self.calls.rejected), labels=("code",))
 
     def metric(
         self,

@@ -5,16 +5,18 @@ before a liveness pass, and before a replay, is bounded. A real broker on loopba
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import zmq
 from polling import wait_for
 from refbus.bus import broker as bus_broker
+from refbus.bus import runtime as bus_runtime
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.forwarder import CAPTURE_HWM
 from refbus.bus.reqrep import Client, RetryPolicy
@@ -247,5 +249,73 @@ def test_probe_tokens_seen_and_the_joins_counted_are_bounded(monkeypatch: pytest
             node._remove(node.members[f"worker-{i}"], "bye")
         join("stays")
         assert dict(node.joins) == {("worker-8", "worker"): 1, ("worker-9", "worker"): 1, ("stays", "worker"): 2}
+    finally:
+        runtime.close()
+
+
+class _GrowsItsDict:
+    """A count whose reading adds a key to the dict it is in: what the loop thread may do while the metrics HTTP
+    thread reads that dict (a scrape that iterates the live dict then fails with "changed size")."""
+
+    def __init__(self, counts: dict[Any, Any], key: Callable[[int], Any], value: float = 1.0) -> None:
+        self.counts, self.key, self.value = counts, key, value
+
+    def grow(self) -> None:
+        self.counts[self.key(len(self.counts))] = 0
+
+    def __float__(self) -> float:
+        self.grow()
+        return self.value
+
+    def __add__(self, other: int) -> float:
+        self.grow()
+        return self.value + other
+
+    __radd__ = __add__
+
+
+class _MemberThatJoinsAnother:
+    """A registry entry whose liveness, read, registers another node (a hello on the loop thread meanwhile)."""
+
+    def __init__(self, members: dict[str, Any], role: str) -> None:
+        self.members, self.info = members, NodeInfo(node_id=f"n-{len(members)}", role=role, host="h", pid=1)
+
+    @property
+    def live(self) -> bool:
+        self.members[f"other-{len(self.members)}"] = bus_broker._Member(self.info, "t", 0.0)
+        return True
+
+
+def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metrics are read on the HTTP thread while the loop thread changes the registry and the counters: every
+    reader of a dict reads a copy of it, so a change meanwhile never fails the scrape."""
+    readers: dict[str, Callable[[], dict[tuple[str, ...], float]]] = {}
+
+    def capture(name: str, doc: str, read: Callable[[], Any], **_: Any) -> None:
+        readers[name] = read
+
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    runtime.metric = capture  # type: ignore[method-assign]
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
+    monkeypatch.setattr(bus_runtime, "serve_metrics", lambda host, port: ("http://127.0.0.1:1/metrics", lambda: None))
+    try:
+        runtime.settings = dataclasses.replace(runtime.settings, metrics_port=0)
+        runtime._serve_metrics()
+        node.dropped["malformed"] = _GrowsItsDict(node.dropped, lambda n: f"code-{n}")  # type: ignore[assignment]
+        node.joins[("w", "worker")] = _GrowsItsDict(node.joins, lambda n: (f"w-{n}", "worker"))  # type: ignore[assignment]
+        node.members["w"] = _MemberThatJoinsAnother(node.members, "worker")  # type: ignore[assignment]
+        calls = runtime.calls
+        calls.outcomes["reply"] = _GrowsItsDict(calls.outcomes, lambda n: f"outcome-{n}")  # type: ignore[assignment]
+        calls.rejected["malformed"] = _GrowsItsDict(calls.rejected, lambda n: f"code-{n}")  # type: ignore[assignment]
+        servers = runtime._servers
+        for server in servers:  # two counters merged: the second is added key by key
+            server.handled["sync"] = _GrowsItsDict(server.handled, lambda n: f"kind-{n}")  # type: ignore[assignment]
+        servers.append(servers[0])
+        assert readers["refbus_bus_events_dropped_total"]()[("malformed",)] == 1.0
+        assert readers["refbus_bus_joins_total"]()[("w", "worker")] == 1.0
+        assert readers["refbus_bus_nodes"]() == {("worker",): 1}
+        assert readers["refbus_request_outcomes_total"]()[("reply",)] == 1.0
+        assert readers["refbus_replies_rejected_total"]()[("malformed",)] == 1.0
+        assert readers["refbus_requests_total"]()[("sync",)] == 2.0
     finally:
         runtime.close()
