@@ -111,11 +111,13 @@ class Publisher:
     def publish(self, body: Body) -> int:
         """Send ``body`` as the next event (one frame when it has no arrays), or, inside :meth:`batching`,
         queue it for the batch; returns its sequence number. Arrays are sent at once, zero-copy, after what
-        waits (the copy held for a refill is made here)."""
-        self.seq = seq = self.seq + 1
+        waits (the copy held for a refill is made here). A body that cannot be encoded raises and takes no
+        sequence number: a number taken and never sent would be a gap every subscriber counts lost."""
+        seq = self.seq + 1
         if self._depth and self.batch_events > 1:
             item = self.codec.batch_item(body, seq)
             if item is not None:
+                self.seq = seq
                 size = len(item[1])
                 if self._waiting_bytes + size > BATCH_BYTES:  # a batch every receiver takes: bounded in bytes
                     self.flush()
@@ -124,9 +126,11 @@ class Publisher:
                 if len(self._waiting) >= self.batch_events:
                     self.flush()
                 return seq
+        frames = self.codec.encode(body, seq=seq, one_frame=True)
+        self.seq = seq
         if self._waiting:
             self.flush()  # what waits goes first
-        self._send(self.codec.encode(body, seq=seq, one_frame=True))
+        self._send(frames)
         return seq
 
     @contextlib.contextmanager

@@ -126,6 +126,26 @@ def test_sync_probes_do_not_consume_sequence_numbers(stream: Any) -> None:
     assert s.sub.received == 1
 
 
+def test_an_event_that_cannot_be_encoded_takes_no_sequence_number(stream: Any) -> None:
+    """A body the codec refuses raises at publish, alone or inside a batch, and leaves no hole in the sequence:
+    a number taken and never sent was counted lost by every subscriber."""
+    s = stream()
+    unencodable = [Delete(blob_ids=[object()], holder=SRC, reason="filtered"),  # type: ignore[list-item]
+                   Blobs([FetchedBlob("b", {"x": object()})])]  # type: ignore[dict-item]
+    for body in unencodable:
+        with pytest.raises(Exception, match="cannot encode"):
+            s.publisher.publish(body)
+    assert s.publisher.publish(event(1)) == 1
+    s.publisher.batch_events = 4
+    with s.publisher.batching():
+        for body in unencodable:
+            with pytest.raises(Exception, match="cannot encode"):
+                s.publisher.publish(body)
+        assert s.publisher.publish(event(2)) == 2
+    assert seqs(s.receive(2)) == [1, 2] and s.nothing_more()
+    assert (s.sub.missed, s.sub.lost_total, s.publisher.seq) == (0, 0, 2)
+
+
 def test_first_event_of_a_source_sets_its_baseline(stream: Any) -> None:
     s = stream()
     s.send(7, 8)
