@@ -432,7 +432,7 @@ def test_holdings_list_the_records_of_what_a_holder_holds_or_nobody_claimed(keep
 def test_blobs_handed_to_a_trainer_rank_are_its_own(keeper: Keeper, clock: Clock) -> None:
     ids = _claimed(keeper, "ep", "orch", count=3)
     free = [ref.blob_id for ref in keeper.keep("ep-free", [arrays(3)])]
-    assert keeper.hand_over([*ids[:2], *free, "nope"], "rank-0") == ids[:2]  # unclaimed and unknown: left alone
+    assert keeper.hand_over([*ids[:2], *free, "nope"], "rank-0").moved == tuple(ids[:2])  # unclaimed, unknown: left
     assert keeper.holds("rank-0") and keeper.holds("orch")
     assert keeper.stats().held_by == {"orch": 1, "rank-0": 2, "": 1}  # the store's counts follow the hand-over
     keeper.holder_down("orch", GRACE_S)
@@ -449,10 +449,27 @@ def test_blobs_handed_to_a_trainer_rank_in_its_grace_are_its_restarted_worlds(ke
     it while it is down, in its grace, is the new process's and survives the reclaim of what the dead one
     held; a hand-over of its own blobs (a repeat) moves nothing."""
     ids = _claimed(keeper, "ep", "orch", count=3)
-    assert keeper.hand_over(ids[:1], "rank-0") == ids[:1]  # the dead process's
+    assert keeper.hand_over(ids[:1], "rank-0").moved == tuple(ids[:1])  # the dead process's
     keeper.holder_down("rank-0", GRACE_S)
-    assert keeper.hand_over(ids[:2], "rank-0") == ids[1:2]  # the restarted world's step
+    assert keeper.hand_over(ids[:2], "rank-0").moved == tuple(ids[1:2])  # the restarted world's step
     clock.now += GRACE_S
     assert keeper.reclaim()["rank-0"].deleted == tuple(ids[:1])
     assert keeper.stats().held_by == {"orch": 1, "rank-0": 1}
     assert set(keeper.fetch(ids[1:2], "rank-0").arrays) == set(ids[1:2])
+
+
+def test_a_hand_over_another_node_repeats_in_a_ranks_grace_moves_but_spares_only_what_the_rank_takes_itself(
+        keeper: Keeper, clock: Clock) -> None:
+    """The orchestrator repeats each hand-over on the rank's answer, which can come after the rank died (for a
+    step the dead process took): that repeat moves the blobs, so they are reclaimed with the rank's, but does
+    not count them as its restarted incarnation's (they were kept for good, under a node id whose new process
+    never knew them). The rank's own event does, even when the repeat moved the blobs first."""
+    ids = _claimed(keeper, "ep", "orch", count=3)
+    keeper.holder_down("rank-0", GRACE_S, process="p1")
+    dead_step = keeper.hand_over(ids[:1], "rank-0", by_holder=False)
+    assert (dead_step.moved, dead_step.again) == (tuple(ids[:1]), ())
+    assert keeper.hand_over(ids[1:2], "rank-0", by_holder=False).again == ()  # the repeat came first
+    assert keeper.hand_over(ids[1:2], "rank-0").again == tuple(ids[1:2])  # then the restarted rank's own
+    clock.now += GRACE_S
+    assert keeper.reclaim()["rank-0"].deleted == tuple(ids[:1])
+    assert keeper.stats().held_by == {"orch": 1, "rank-0": 1}

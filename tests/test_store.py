@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,8 +28,8 @@ from refbus.nodes.settings import EnvServerSettings, StoreSettings
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, Segment, StoreError, StoreLocked, gc, store_path
 from refbus.protocol.codec import checksum
-from refbus.protocol.envelope import Message
-from refbus.protocol.messages import Claim, EpisodeFinished, NodeDown, NodeInfo
+from refbus.protocol.envelope import PROTOCOL_VERSION, Header, Message
+from refbus.protocol.messages import Claim, EpisodeFinished, NodeDown, NodeInfo, Reference
 from refbus.protocol.messages_ps import ShardTensor
 from structlog.testing import capture_logs
 
@@ -89,7 +90,7 @@ def test_keeper_state_survives_a_restart_exactly(tmp_path: Path) -> None:
     c = keep(durable, first, "ep-c", (4,))
     claim = first.claim([*a, *b, *c], "orchestrator")
     durable.claimed(claim.claimed, "orchestrator")
-    durable.moved(first.hand_over(b, "trainer-0"), "trainer-0")
+    durable.moved(first.hand_over(b, "trainer-0").moved, "trainer-0")
     deleted = first.delete(c, "orchestrator", "consumed")
     durable.dropped(deleted)
     again = first.delete(c, "orchestrator", "consumed")  # a second delete in one process: a violation
@@ -416,7 +417,7 @@ def busy_store(directory: Path) -> tuple[Keeper, BlobJournal]:
     a, b, c, d = (keep(durable, k, f"ep-{n}", seeds) for n, seeds in enumerate(((1, 2), (3,), (4,), (5, 6))))
     keep(durable, k, "ep-unclaimed", (7,))
     durable.claimed(k.claim([*a, *b, *c, *d], "orchestrator").claimed, "orchestrator")
-    durable.moved(k.hand_over([*b, d[0]], "trainer-0"), "trainer-0")
+    durable.moved(k.hand_over([*b, d[0]], "trainer-0").moved, "trainer-0")
     durable.dropped(k.delete(c, "orchestrator", "consumed"))
     durable.dropped(k.delete(d[:1], "trainer-0", "trained"))
     durable.violated(k.delete(c, "orchestrator", "consumed").violations)
@@ -783,3 +784,38 @@ def test_a_restarted_holder_that_died_in_its_grace_gets_a_fresh_one_that_a_store
     stats = env.stats()
     assert (stats.reclaimed, stats.held_by) == (({"orch": 1}, {"orch": 2}) if then == "restart-live" else
                                                 ({"orch": 3}, {}))
+
+
+def test_a_hand_over_the_orchestrator_repeats_for_a_dead_rank_is_reclaimed_with_the_ranks_blobs(
+        env_server: Callable[[_Clock], EnvServer]) -> None:
+    """The orchestrator repeats a rank's ``reference`` on the rank's answer, which may come after the rank was
+    reported down (it took a step and died before its own event went out). The repeat moves the blobs to the
+    rank, so its grace's end reclaims them; it does not make them the restarted incarnation's, which never knew
+    them (they were kept, under the rank's id, until the store shut down); and when the rank held nothing here
+    at its node-down (its own event never came), the hand-over starts the grace that node-down did not (they
+    were held for good). The restarted rank's own event in the grace takes blobs for its new process, those the
+    repeat moved first as any other."""
+    clock = _Clock()
+    env = env_server(clock)
+    dead_step, new_step = ([ref.blob_id for ref in env.keep(f"ep-{n}", [random_arrays(5, seed=n)])] for n in (1, 2))
+    _claim(env, [*dead_step, *new_step])
+
+    def message(kind: str, src: str, body: Any) -> Message:
+        return Message(kind=kind, header=Header(v=PROTOCOL_VERSION, id=f"{src}-1", src=src, seq=1, ts=0.0),
+                       body=body)
+
+    def reference(src: str, blob_ids: list[str]) -> Message:
+        return message(Reference.kind, src, Reference(step=3, holder="trainer-0", blob_ids=blob_ids))
+
+    env._peers.seed([NodeInfo(node_id="trainer-0", role="trainer", host="h", pid=7, started=7.0)])
+    env._peers.handle(message(NodeDown.kind, "bus", NodeDown(node_id="trainer-0", role="trainer", reason="timeout",
+                                                             last_seen=0.0)))
+    assert not env.keeper.in_grace("trainer-0")  # it held nothing here
+    env._on_reference(reference("orch", dead_step))  # the dead process's step, answered before it died
+    env._on_reference(reference("orch", new_step))  # the restarted rank's step: the repeat came first
+    env._on_reference(reference("trainer-0", new_step))
+    clock.now += GRACE_S
+    env._reclaim()
+    stats = env.stats()
+    assert (stats.reclaimed, stats.held_by) == ({"trainer-0": 1}, {"trainer-0": 1}), stats
+    assert env.keeper.fetch(new_step, "trainer-0").arrays.keys() == set(new_step)

@@ -224,7 +224,7 @@ class BlobJournal:
             elif op == "claim":
                 keeper.claim(record["ids"], record["holder"])
             elif op == "move":
-                keeper.hand_over(record["ids"], record["holder"])
+                keeper.hand_over(record["ids"], record["holder"], by_holder=False)  # ``again`` records say
             elif op == "drop":
                 keeper.restore_drop(record["ids"], record["holder"], record["reason"])
                 for blob_id in record["ids"]:

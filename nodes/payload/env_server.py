@@ -611,15 +611,25 @@ class EnvServer:
     def _on_reference(self, message: Message) -> None:
         reference = message.body
         assert isinstance(reference, Reference)
+        # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
+        # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
+        by_holder = message.header.src == reference.holder
         with self._lock:
-            moved = self.keeper.hand_over(reference.blob_ids, reference.holder)
+            result = self.keeper.hand_over(reference.blob_ids, reference.holder, by_holder=by_holder)
             if self.journal is not None:
-                self.journal.moved(moved, reference.holder)
-                self.journal.claimed_back(moved, reference.holder)  # a holder in its grace: kept (the keeper's)
-                if moved:
+                self.journal.moved(result.moved, reference.holder)
+                self.journal.claimed_back(result.again, reference.holder)  # a holder in its grace: kept
+                if result.moved and by_holder:
                     self._seen(reference.holder)
-        if self._taken_unchecked is not None and moved:
-            self._taken_unchecked.setdefault(reference.holder, set()).update(moved)
+        if self._taken_unchecked is not None and result.again:
+            self._taken_unchecked.setdefault(reference.holder, set()).update(result.again)
+        holder = reference.holder
+        if result.moved and holder in self._peers.down and not self.keeper.in_grace(holder):
+            # Handed to a holder already reported down (the orchestrator's repeat of a dead rank's answer, or
+            # its own event, came late): the grace its node-down started nothing for, holding nothing then, or
+            # what moved would be held for good.
+            info = self._peers.down[holder]
+            self._holder_down(holder, incarnation(info) if info is not None else None, journal=True)
 
     def _compact(self) -> None:
         with self._lock:

@@ -191,6 +191,16 @@ def _pack_one(branch: Branch) -> PackedBranch:
 
 
 @dataclass(frozen=True, slots=True)
+class HandOverResult:
+    """What a hand-over did. ``moved``: claimed blobs that moved to the holder now; ``again``: those the holder,
+    reported down and in its grace, took by its own hand-over (its restarted incarnation's: kept when the grace
+    ends), including any a repeat by another node had moved to it first."""
+
+    moved: tuple[str, ...] = ()
+    again: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimResult:
     """What a claim did. ``claimed``: moved to the holder now; ``already``: the holder had claimed them
     before (a repeated claim is harmless); ``gone``: deleted before the claim (lease ended, discarded);
@@ -282,6 +292,7 @@ class _HolderDown:
     # The grace this one cut short (``process`` restarted the process that one waits for): it resumes should
     # ``process`` come back after all, since what that grace would not spare is still the earlier process's.
     earlier: _HolderDown | None = None
+    handed: set[str] = field(default_factory=set)  # moved to it since by another node's repeat of a hand-over
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,19 +488,35 @@ class Keeper:
         return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
                            tuple(reclaimed), self._taken_in_grace(holder, (*claimed, *already)))
 
-    def hand_over(self, blob_ids: Sequence[str], holder: str) -> list[str]:
+    def hand_over(self, blob_ids: Sequence[str], holder: str, *, by_holder: bool = True) -> HandOverResult:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
-        ``reference`` event); unclaimed, deleted or unknown ids are left alone. Returns the ids moved. What
-        moves to a holder in its grace is its restarted incarnation's: kept as claimed again."""
-        moved = []
+        ``reference`` event); unclaimed, deleted or unknown ids are left alone.
+
+        ``by_holder``: the holder itself published the hand-over. Then what it takes while it is down, in its
+        grace, is its restarted incarnation's (kept as claimed again), whether it moves now or a repeat of the
+        hand-over by another node moved it to the holder first in this grace. A repeat by another node (the
+        orchestrator's, on the rank's answer) moves what the holder's own did not and spares nothing: it may
+        come after the holder died, for a step the dead process took."""
+        down = self._holders_down.get(holder)
+        moved, taken = [], []
         for blob_id in blob_ids:
             blob = self._blobs.get(blob_id)
-            if blob is not None and blob.holder and blob.holder != holder:
+            if blob is None or not blob.holder:
+                continue
+            if blob.holder != holder:
                 self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
                 self._move(blob.holder, holder)
                 moved.append(blob_id)
-        self._taken_in_grace(holder, moved)
-        return moved
+                taken.append(blob_id)
+            elif down is not None and blob_id in down.handed:
+                taken.append(blob_id)
+        if not by_holder:
+            if down is not None:
+                down.handed.update(moved)
+            return HandOverResult(tuple(moved))
+        if down is not None:
+            down.handed.difference_update(taken)
+        return HandOverResult(tuple(moved), self._taken_in_grace(holder, taken))
 
     def holds(self, holder: str) -> bool:
         """Whether ``holder`` holds any blob here (asked on every ``node-up``: a count, not a scan)."""
