@@ -450,6 +450,50 @@ def test_a_done_rank_whose_last_copy_is_lost_aborts_the_pending_version_at_a_reg
     assert manager.versions.pending is None and manager.versions.aborted_total == 1
 
 
+def test_after_a_manager_restart_a_worker_back_without_its_copy_aborts_nothing_while_another_may_still_hold_one(
+        tmp_path: Path) -> None:
+    """replicas=2, world 2: rank 0 is done on w0 and w1 (journaled, its pusher returned); the manager is
+    SIGKILLed and restarted. w0 registers again without its copy while w1 has not registered yet: w1 may still
+    hold its copy, so the version stays pending (it was aborted, and with it a rank that would never be pushed
+    again); w1 back with its copy keeps it. w1 back without it, or reported down before it registers, aborts."""
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    def restarted() -> tuple[_StubRuntime, PsManager, PushGrant]:
+        runtime = _StubRuntime()
+        recorder = journal()
+        PsManager(runtime, PsSettings(replicas=2), journal=recorder)  # type: ignore[arg-type]
+        for name in ("w0", "w1"):
+            runtime.call(PsRegister(_worker(name)))
+        first = runtime.call(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token="world-a"))
+        assert [first.worker.worker, *(w.worker for w in first.replicas)] == ["w0", "w1"]
+        for name in ("w0", "w1"):
+            _seal(runtime, first, 5, name, rank=0)
+        recorder.close(remove=False)  # SIGKILL
+        runtime = _StubRuntime()
+        manager = PsManager(runtime, PsSettings(replicas=2), journal=journal())  # type: ignore[arg-type]
+        runtime.call(PsRegister(_worker("w0", pid=2)))  # back without its store
+        assert manager.versions.pending is not None and manager.versions.aborted_total == 0
+        return runtime, manager, first
+
+    runtime, manager, first = restarted()
+    held = {f"seg-{first.lease}-w1": first.lease}
+    runtime.call(PsRegister(_worker("w1", pid=2), sorted(held), held))
+    assert manager.versions.pending is not None and sorted(manager.versions.pending.ranks) == [0]
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+    runtime, manager, _ = restarted()
+    runtime.call(PsRegister(_worker("w1", pid=2)))
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+    runtime, manager, _ = restarted()
+    runtime.down_listeners[0](NodeDown("w1", "ps-worker", "timeout", 0.0),
+                              NodeInfo("w1", "ps-worker", "h", 1, started=101.0))
+    assert manager.versions.pending is None and manager.versions.aborted_total == 1
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+
 def test_a_resuming_push_started_over_after_a_manager_restart_joins_the_ranks_of_its_world_restored(
         tmp_path: Path) -> None:
     """A world of two resumes at 5: rank 0 is done (journaled, its pusher returned), rank 1 is being written

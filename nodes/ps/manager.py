@@ -186,6 +186,10 @@ class PsManager:
         # is served only from there (a worker restarted without its store, or this manager restarted, must not
         # send readers to copies nobody holds).
         self.held: dict[str, set[str]] = {}
+        # Workers reported down since they last registered: only they have lost their copies for sure. Any other
+        # unregistered worker (after a restart of this manager, one that has not registered again yet) may still
+        # hold its copies.
+        self._gone: set[str] = set()
         # After a restart (its store was there already) a reader may still hold a lease of the earlier process:
         # what that lease reads may be released only once the lease would have expired.
         # Without a journal a restart shows only in the workers' registrations (see _register).
@@ -238,6 +242,7 @@ class PsManager:
         assert isinstance(request.body, PsRegister)
         info = request.body.worker
         self.workers[info.worker] = info
+        self._gone.discard(info.worker)
         held = self.held[info.worker] = set(request.body.segments)
         log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host,
                  segments=len(request.body.segments))
@@ -336,13 +341,16 @@ class PsManager:
         registered: news of another process than the registered one (``last``, the entry the event is about)
         changes nothing."""
         info = self.workers.get(down.node_id)
-        if info is None:
+        if info is None:  # not registered since this manager started: its copies are gone now
+            self._gone.add(down.node_id)
+            self._abort_if_copies_lost(down.node_id, f"went down ({down.reason}) before it registered again")
             return
         if last is not None and not _same_process(info, last):
             log.info("ps.worker_down_of_earlier_process", worker=down.node_id, reason=down.reason,
                      down_pid=last.pid, registered_pid=info.pid)
             return
         del self.workers[down.node_id]
+        self._gone.add(down.node_id)
         self.held.pop(down.node_id, None)
         self._unreleased.pop(down.node_id, None)  # a later process's registration releases what it re-adopted
         lost = [v for v in self.versions.retained() if self._dead_copies(self.versions.manifest(v))]
@@ -354,18 +362,25 @@ class PsManager:
 
     def _abort_if_copies_lost(self, worker: str, how: str) -> None:
         """Abort the pending version when ``worker`` lost its copy of a rank whose every copy was verified (it
-        went down, or registered again without the copy: ``how``) and no registered worker holds another copy of
-        that rank. That rank's pusher has returned and never writes it again, so the version would commit with a
-        tensor nobody can read. A copy still being written is the pusher's to retry elsewhere, and a done rank
-        that keeps a copy has its answer: it lost one copy as a committed version would."""
+        went down, or registered again without the copy: ``how``) and no other copy of that rank may still be
+        held: none on a registered worker that holds it, none on a worker that has not registered since this
+        manager started and was not reported down (it may register with it). That rank's pusher has returned
+        and never writes it again, so the version would commit with a tensor nobody can read. A copy still being
+        written is the pusher's to retry elsewhere, and a done rank that keeps a copy has its answer: it lost
+        one copy as a committed version would."""
         pending = self.versions.pending
         if pending is None:
             return
         lost = [rank for rank, r in pending.ranks.items()
-                if r.done and worker in r.segments and not any(self._holds(w, s) for w, s in r.segments.items())]
+                if r.done and worker in r.segments and not any(self._may_hold(w, s) for w, s in r.segments.items())]
         if lost:
             self._abort_push(pending.version, f"worker {worker} {how}: it held the last verified copy of "
                              f"rank(s) {lost}")
+
+    def _may_hold(self, worker: str, segment: str) -> bool:
+        """Whether ``worker`` holds ``segment``, or may: unregistered and not reported down since it last
+        registered (this manager restarted, and it has not registered again yet)."""
+        return self._holds(worker, segment) or (worker not in self.workers and worker not in self._gone)
 
     def _holds(self, worker: str, segment: str) -> bool:
         """Whether ``worker`` is registered and holds ``segment`` (listed at its registration or committed since)."""
