@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from polling import wait_for
-from refbus.bus.reqrep import Client, Pending, RetryPolicy
+from refbus.bus.reqrep import Client, HandlerError, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
@@ -333,12 +332,15 @@ def _kept_episode(env: EnvServer, episode_id: str, **info: Any) -> str:
     return env.keep(episode_id, [arrays], info=record)[0].blob_id
 
 
+@pytest.mark.parametrize("replayed", [False, True], ids=["answered", "replay-refused"])
 def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_deleted(
-        bus: tuple[NodeProcess, str]) -> None:
+        bus: tuple[NodeProcess, str], replayed: bool) -> None:
     """The store works through a backlog: the orchestrator's claim is granted only after every attempt of it
     went unanswered. The episode goes on without the blob (``missing``); the orchestrator claims it again (a
     repeat is answered ``already``) and deletes it (``claim-failed``). Before, the claim only counted as
-    missing: the store kept the blob as the orchestrator's, which knew nothing of it, until its shutdown."""
+    missing: the store kept the blob as the orchestrator's, which knew nothing of it, until its shutdown.
+    ``replay-refused``: the claim again is refused as a replay (a resend whose first answer left the store's
+    reply cache); claims being idempotent, a new request asks again (it was given up, the blob kept)."""
     control = bus[1]
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-c", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="c"))
@@ -352,12 +354,17 @@ def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_delet
             env.server.answer(pending, grant(request))
         backlog.clear()
 
+    refused: list[str] = []
+
     def claim(request: Message) -> Claimed | None:
         # Every attempt of the first claim waits in the backlog (a deferred reply is not cached: each one comes here).
         if not worked_through.is_set() and (not backlog or backlog[0][1].header.id == request.header.id):
             backlog.append((env.server.pending, request))
             return None
         work_through_backlog()
+        if replayed and not refused:
+            refused.append(request.header.id)
+            raise HandlerError("replay", "answered already; its answer is no longer cached")
         return grant(request)
 
     env.server.on(Claim.kind, claim)
@@ -378,6 +385,7 @@ def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_delet
         stats = env.stats()
         assert stats.deleted == {"claim-failed": 1} and stats.blobs_held == 0 and not stats.violations, stats
         assert orchestrator.missing == 1 and blob_id not in orchestrator.core.holdings.held
+        assert len(refused) == int(replayed)
     finally:
         for node in reversed(started):
             node.join(timeout=10)
@@ -467,7 +475,13 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
         started.remove(trainer)
         trainer.join(timeout=WAIT_S)  # its bye: the world is down, its answer never came
         wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the trainer world down")
-        time.sleep(1.25 * grace_s + 1.5)  # past the stores' reclaim period, and the orchestrator's next tick
+        due = orchestrator.core.world_down.reclaimed_by(grace_s)
+        assert due is not None
+        ticks: list[float] = []
+        core_tick = orchestrator.core.tick
+        orchestrator.core.tick = lambda now: (ticks.append(now), core_tick(now))[1]  # type: ignore[method-assign]
+        wait_for(lambda: any(now >= due for now in ticks), WAIT_S + 1.25 * grace_s,
+                 "a tick of the orchestrator past the stores' reclaim period (it gives up what is unsettled)")
         stats = env.stats()
         assert stats.deleted == {"trained": 2} and not stats.violations, stats
         assert not orchestrator.core.holdings.held and not orchestrator.core.world_down.unsettled

@@ -453,12 +453,13 @@ class Orchestrator:
         error = str(failures[0][1]) if failures else None
         # A rank refuses a batch before it takes anything of it; an internal error may come after it took it.
         refused = isinstance(outcome, RemoteError) and outcome.code != "internal"
+        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
         if error is None and action.batch.owned and (holder := self._peers.node_of(action.endpoint)) is not None:
             # The rank published this before it answered, but a rank killed right after answering may have
-            # answered and lost the event: the stores hand the blobs over on it (a repeat moves nothing), or
-            # they would stay this node's, which no longer knows them, and never be reclaimed with the rank's.
+            # answered and lost the event: the stores hand the blobs over on it (a repeat of a move made moves
+            # nothing), or they would stay this node's, which no longer knows them, and never be reclaimed with
+            # the rank's.
             self.runtime.publish(Reference(step=action.step, holder=holder, blob_ids=list(action.batch.owned)))
-        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
 
     def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:
         _, failures = split_outcomes([(action.endpoint, outcome)])
@@ -479,7 +480,7 @@ class Orchestrator:
                 endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs),
                 policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
 
-    def _claim_again(self, action: ClaimAgain) -> None:
+    def _claim_again(self, action: ClaimAgain, *, fresh: bool = False) -> None:
         """Claim ``action.refs`` again, one request per store, sent again (the same request) until a live store
         answers, within ``busy_store_s``. A claim repeated by its holder is answered ``already``, so the answer
         says what the claim whose outcome was unknown did; what it grants is deleted
@@ -489,15 +490,20 @@ class Orchestrator:
             self._claiming_again += 1
             claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
             self.runtime.calls.request(
-                endpoint, claim, lambda outcome, e=endpoint, rs=refs: self._on_claimed_again(e, rs, outcome),
+                endpoint, claim, lambda outcome, e=endpoint, rs=refs: self._on_claimed_again(e, rs, outcome, fresh),
                 policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
 
-    def _on_claimed_again(self, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome) -> None:
+    def _on_claimed_again(self, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome, fresh: bool) -> None:
         self._claiming_again -= 1
         if isinstance(outcome, PeerDown):
             self.core.claim_unanswered(refs)  # named in the store's loss, or claimed again once it is back
             return
         replies, failures = split_outcomes([(endpoint, outcome)])
+        if any(isinstance(error, RemoteError) and error.code == "replay" for _, error in failures) and not fresh:
+            # A resend after the first answer left the store's reply cache: claims by one holder are idempotent
+            # (a repeat is answered ``already``), so a new request asks the same question once more.
+            self._claim_again(ClaimAgain(tuple(refs)), fresh=True)
+            return
         for _, error in failures:
             log.error("claim.unsettled", endpoint=endpoint, blobs=len(refs), blob_ids=[r.blob_id for r in refs][:8],
                       error=str(error), detail="given up: if the store grants them after all, it keeps them as this "
@@ -527,6 +533,10 @@ class Orchestrator:
             return  # waits for its store: sent when it is back, lost when its grace ends
         replies, failures = split_outcomes([(endpoint, outcome)])
         for _, error in failures:
+            if isinstance(error, RemoteError) and error.code == "replay":  # answered, its answer since evicted
+                log.info("delete.answered_before", endpoint=endpoint, blobs=len(request.blob_ids),
+                         reason=request.reason)
+                continue
             self.failed_deletes += len(request.blob_ids)
             log.error("delete.failed", endpoint=endpoint, blobs=len(request.blob_ids), reason=request.reason,
                       blob_ids=request.blob_ids[:8], error=str(error),

@@ -141,7 +141,8 @@ class StepRelease:
 @dataclass(frozen=True, slots=True)
 class _Received:
     batch: StepBatch
-    refs: Mapping[str, BlobRef]  # owned blob id -> its reference (located again when it is deleted)
+    refs: Mapping[str, BlobRef]  # every blob id its micro batches name -> its reference, borrowed ones too (only
+    # ``batch.owned`` are this rank's to delete; each is located again when it is deleted)
 
 
 class TrainerRank:
@@ -371,8 +372,9 @@ class TrainerRank:
             self.held.update(batch.owned)
             self._cond.notify_all()
         self.runtime.publish(Reference(step=batch.step, holder=self.runtime.node_id, blob_ids=list(batch.owned)))
-        if self.runtime.publisher is not None:  # out before the answer, not after it at the end of the turn
-            self.runtime.publisher.flush()
+        publisher = self.runtime.publisher
+        assert publisher is not None  # publish() above raised otherwise
+        publisher.flush()  # out before the answer, not after it at the end of the turn
         return Ok()
 
     # --- internals -----------------------------------------------------------------------------------
