@@ -468,40 +468,60 @@ def test_the_orchestrator_counts_the_stale_samples_it_drops(outcome: Outcome) ->
     assert metric(outcome.orchestrator_metrics, "refbus_orchestrator_dropped_samples_total", 'reason="stale"') == 1
 
 
-def test_a_step_ships_whole_groups_when_episodes_keep_several_samples(bus, spawn) -> None:
-    """``groups_per_step`` is "complete groups shipped per trainer step". Group A has an episode with two
-    samples (a routed branch and a mask-only one) and one with one; group B two one-sample episodes. Once
-    both groups are complete, the first step must hold both, whole: all five samples."""
+@dataclass
+class RecordedRun:
+    """An in-process env server (``env-0``), stand-in trainer ranks that record their step batches, a spawned
+    orchestrator and a driver feeding episodes: see :func:`recorded_run`."""
+
+    env: EnvServer
+    ranks: list[RecordingTrainer]
+    orchestrator: Any
+    driver: Driver
+
+
+@contextlib.contextmanager
+def recorded_run(bus, spawn, ranks: list[RecordingTrainer], groups_per_step: int, *flags: str) -> Iterator[RecordedRun]:
+    """The orchestrator shipping to ``ranks`` (group size 2, ``groups_per_step``, more orchestrator ``flags``)
+    from one env server in this process; everything stopped at the end, the orchestrator first (it deletes from
+    the env server)."""
     _, control = bus
     env_node = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-0", metrics_port=-1))
     env = EnvServer(env_node, EnvServerSettings())
-    rank = RecordingTrainer(control)
     orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
-                                      "--orchestrator-trainers", "1", "--orchestrator-seq-len", str(SEQ_LEN),
-                                      "--orchestrator-group-size", "2", "--orchestrator-groups-per-step", "2"),
+                                      "--orchestrator-trainers", str(len(ranks)), "--orchestrator-seq-len",
+                                      str(SEQ_LEN), "--orchestrator-group-size", "2",
+                                      "--orchestrator-groups-per-step", str(groups_per_step), *flags),
                          ORCHESTRATOR)
     registry = Registry(control)
     driver: Driver | None = None
     try:
-        for node in (env_node, rank.runtime):
+        for node in (env_node, *(rank.runtime for rank in ranks)):
             node.start_background()
         orchestrator.wait_ready(WAIT_S)
         driver = Driver(registry, {"env-0": env.endpoint})
-        groups = (episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8), SampleSpec(16, mask=True)),
-                  episode("a2", "env-0", "A", 0.0, SampleSpec(12, R8)),
-                  episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)),
-                  episode("b2", "env-0", "B", 0.0, SampleSpec(8, mask=True)))
-        driver.feed(*groups)
-        (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
-        shipped = sorted(s.sample_id for mb in step.micro_batches if not mb.dummy for s in mb.samples)
-        assert shipped == sorted(driver.sent), "a step must ship complete groups, groups_per_step of them"
+        yield RecordedRun(env, ranks, orchestrator, driver)
     finally:
-        orchestrator.stop()  # before the env server it deletes from
+        orchestrator.stop()
         if driver is not None:
             driver.close()
         registry.close()
-        for node in (rank.runtime, env_node):
+        for node in (*(rank.runtime for rank in ranks), env_node):
             node.join(WAIT_S)
+
+
+def test_a_step_ships_whole_groups_when_episodes_keep_several_samples(bus, spawn) -> None:
+    """``groups_per_step`` is "complete groups shipped per trainer step". Group A has an episode with two
+    samples (a routed branch and a mask-only one) and one with one; group B two one-sample episodes. Once
+    both groups are complete, the first step must hold both, whole: all five samples."""
+    rank = RecordingTrainer(bus[1])
+    with recorded_run(bus, spawn, [rank], 2) as run:
+        run.driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8), SampleSpec(16, mask=True)),
+                        episode("a2", "env-0", "A", 0.0, SampleSpec(12, R8)),
+                        episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)),
+                        episode("b2", "env-0", "B", 0.0, SampleSpec(8, mask=True)))
+        (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
+        shipped = sorted(s.sample_id for mb in step.micro_batches if not mb.dummy for s in mb.samples)
+        assert shipped == sorted(run.driver.sent), "a step must ship complete groups, groups_per_step of them"
 
 
 def test_a_step_batch_a_rank_acknowledged_is_its_own_at_the_store_even_if_its_reference_never_left(
@@ -511,41 +531,24 @@ def test_a_step_batch_a_rank_acknowledged_is_its_own_at_the_store_even_if_its_re
     (never deleted, never reclaimed with the rank's). The orchestrator now publishes the hand-over too, on the
     answer. The stand-in rank here answers and never publishes: the store must still list the step's blobs as
     the rank's."""
-    _, control = bus
-    env_node = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-0", metrics_port=-1))
-    env = EnvServer(env_node, EnvServerSettings())
-    rank = RecordingTrainer(control)
-    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
-                                      "--orchestrator-trainers", "1", "--orchestrator-seq-len", str(SEQ_LEN),
-                                      "--orchestrator-group-size", "2", "--orchestrator-groups-per-step", "1"),
-                         ORCHESTRATOR)
-    registry = Registry(control)
-    driver: Driver | None = None
-    store = Client(zmq_ctx, env.endpoint, WireCodec("scenario-accounts"), policy=RetryPolicy(timeout_s=5, attempts=2))
-    try:
-        for node in (env_node, rank.runtime):
-            node.start_background()
-        orchestrator.wait_ready(WAIT_S)
-        driver = Driver(registry, {"env-0": env.endpoint})
-        driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)), episode("a2", "env-0", "A", 0.0,
-                                                                                   SampleSpec(12, R8)))
-        (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
-        assert len(step.owned) == 2
+    rank = RecordingTrainer(bus[1])
+    with recorded_run(bus, spawn, [rank], 1) as run:
+        store = Client(zmq_ctx, run.env.endpoint, WireCodec("scenario-accounts"),
+                       policy=RetryPolicy(timeout_s=5, attempts=2))
 
         def held_by() -> dict[str, int]:
             reply = store.request(Accounts(holders=4)).body
             assert isinstance(reply, Accounted)
             return dict(reply.held_by)
 
-        wait_for(lambda: held_by() == {"trainer-0": 2}, WAIT_S, "the step's blobs held by trainer-0 at the store")
-    finally:
-        store.close()
-        orchestrator.stop()  # before the env server it deletes from
-        if driver is not None:
-            driver.close()
-        registry.close()
-        for node in (rank.runtime, env_node):
-            node.join(WAIT_S)
+        try:
+            run.driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)),
+                            episode("a2", "env-0", "A", 0.0, SampleSpec(12, R8)))
+            (step,) = wait_for(lambda: list(rank.batches), WAIT_S, "the first step batch")
+            assert len(step.owned) == 2
+            wait_for(lambda: held_by() == {"trainer-0": 2}, WAIT_S, "the step's blobs held by trainer-0 at the store")
+        finally:
+            store.close()
 
 
 def test_a_step_a_rank_refused_is_redelivered_to_it_and_the_next_step_follows(bus, spawn) -> None:
@@ -553,41 +556,20 @@ def test_a_step_a_rank_refused_is_redelivered_to_it_and_the_next_step_follows(bu
     held and the step number was reused, so the rank that had accepted refused every later step as
     ``duplicate-step``. Now the same step goes again to the rank that refused it (after one request
     timeout), and only once every rank has it does the next step ship."""
-    _, control = bus
-    env_node = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-0", metrics_port=-1))
-    env = EnvServer(env_node, EnvServerSettings())
-    ranks = [RecordingTrainer(control, 0), RecordingTrainer(control, 1, refuse_first=True)]
-    orchestrator = spawn(node_command("orchestrator", control, ORCHESTRATOR, "--node-metrics-port", "-1",
-                                      "--orchestrator-trainers", "2", "--orchestrator-seq-len", str(SEQ_LEN),
-                                      "--orchestrator-group-size", "2", "--orchestrator-groups-per-step", "1",
-                                      "--requests-timeout-s", "0.5"),
-                         ORCHESTRATOR)
-    registry = Registry(control)
-    driver: Driver | None = None
-    try:
-        for node in (env_node, *(rank.runtime for rank in ranks)):
-            node.start_background()
-        orchestrator.wait_ready(WAIT_S)
-        driver = Driver(registry, {"env-0": env.endpoint})
-        driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)), episode("a2", "env-0", "A", 0.0,
-                                                                                   SampleSpec(12, R8)))
+    ranks = [RecordingTrainer(bus[1], 0), RecordingTrainer(bus[1], 1, refuse_first=True)]
+    with recorded_run(bus, spawn, ranks, 1, "--requests-timeout-s", "0.5") as run:
+        run.driver.feed(episode("a1", "env-0", "A", 1.0, SampleSpec(20, R8)),
+                        episode("a2", "env-0", "A", 0.0, SampleSpec(12, R8)))
         wait_for(lambda: [b.step for b in ranks[1].batches] == [0], WAIT_S, "step 0 re-delivered to rank 1")
-        driver.feed(episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)), episode("b2", "env-0", "B", 0.0,
-                                                                                   SampleSpec(8, R8)))
-        driver.wait_orchestrator("step 1 acknowledged by both ranks", step=2, blobs_held=0)
+        run.driver.feed(episode("b1", "env-0", "B", 1.0, SampleSpec(10, R8)),
+                        episode("b2", "env-0", "B", 0.0, SampleSpec(8, R8)))
+        run.driver.wait_orchestrator("step 1 acknowledged by both ranks", step=2, blobs_held=0)
         for rank in ranks:
             assert [b.step for b in rank.batches] == [0, 1], rank.runtime.node_id
         (refused,) = ranks[1].refused
         assert _content(refused) == _content(ranks[1].batches[0]), "the same step batch, re-delivered"
         assert ranks[0].repeats == 0, "the rank that acknowledged got nothing twice"
-        assert orchestrator.proc.poll() is None
-    finally:
-        orchestrator.stop()  # before the env server it deletes from
-        if driver is not None:
-            driver.close()
-        registry.close()
-        for node in (*(rank.runtime for rank in ranks), env_node):
-            node.join(WAIT_S)
+        assert run.orchestrator.proc.poll() is None
 
 
 def _content(batch: StepBatch) -> tuple:
