@@ -321,6 +321,17 @@ def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_b
         ctx.destroy(linger=0)
 
 
+def _restart_holder(store: NodeProcess, control: str, holder: NodeRuntime) -> NodeRuntime:
+    """Stop ``holder`` (its bye: the broker reports it down) and start its next process under its node id, each
+    once the store has heard of the one before; returns the new process's runtime (the caller joins it)."""
+    holder.join(timeout=WAIT_S)
+    wait_for(lambda: '"holder.down"' in store.log_tail(200), WAIT_S, "the store hearing of the holder's end")
+    again = _node(control, holder.node_id)
+    again.start_background()
+    wait_for(lambda: '"holder.restarted"' in store.log_tail(200), WAIT_S, "the store hearing of its restart")
+    return again
+
+
 @pytest.mark.parametrize("kill", ["after-the-grace", "within-the-grace"])
 def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_restart(
         bus: tuple[NodeProcess, str], spawn, tmp_path: Path, kill: str) -> None:
@@ -339,11 +350,7 @@ def test_a_holder_that_restarted_keeps_what_it_claimed_again_across_a_store_rest
     try:
         holder.start_background()
         ids = _two_claimed(client, "trainer-a", seed=5)
-        holder.join(timeout=WAIT_S)  # bye: the broker reports it down
-        wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
-        again = _node(control, "trainer-a")
-        again.start_background()
-        wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
+        again = _restart_holder(first, control, holder)
         assert client.request(Claim(blob_ids=ids[:1], holder="trainer-a")).body == Claimed(blob_ids=ids[:1])
         if kill == "after-the-grace":
             wait_for(lambda: accounted(client).reclaimed == {"trainer-a": 1}, 10 * grace_s + WAIT_S,
@@ -389,11 +396,7 @@ def test_a_holder_restarted_and_gone_again_within_its_grace_loses_what_its_resta
     try:
         holder.start_background()
         ids = _two_claimed(client, "trainer-d", seed=8)
-        holder.join(timeout=WAIT_S)  # bye: the broker reports it down
-        wait_for(lambda: '"holder.down"' in first.log_tail(200), WAIT_S, "the store hearing of the holder's end")
-        again = _node(control, "trainer-d")
-        again.start_background()
-        wait_for(lambda: '"holder.restarted"' in first.log_tail(200), WAIT_S, "the store hearing of its restart")
+        again = _restart_holder(first, control, holder)
         kept = client.request(Keep(episode_id="ep-new", branches=[random_arrays(6, seed=9)])).body
         assert isinstance(kept, Kept)
         new = kept.refs[0].blob_id
