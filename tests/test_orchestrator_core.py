@@ -208,6 +208,26 @@ def test_an_incomplete_group_expires_and_a_version_bump_widens_admission() -> No
     assert core.policy_version == 3
 
 
+def test_why_nothing_is_dispatched_is_said_while_no_run_is_in_flight() -> None:
+    """``idle_reason``: what an operator asks of an orchestrator that sends no run, one reason at a time."""
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1])
+    assert core.idle_reason(T0)[0] == "no-env-servers"
+    core.use_replicas([env_server("env-a")])
+    assert core.idle_reason(T0)[0] == "no-version"
+    core.on_version(0)
+    assert core.idle_reason(T0) == ("", "")  # it would send
+    sent = of(SendRun, core.dispatch(T0))
+    assert sent and core.idle_reason(T0) == ("", "")  # runs in flight
+    for run in sent:  # every group completes and waits for trainer ranks: admitted, not released
+        finished = episode(run.run.episode_id, run.run.group, float(run.run.episode_id.endswith("0")))
+        core.on_episode(T0 + 1, finished, finished.refs)
+        core.on_run_done(T0 + 1, run.run.episode_id, None, "")
+    kind, detail = core.idle_reason(T0 + 1)
+    assert kind == "admission" and "bound 2 of policy version 0" in detail, detail
+    core.on_version(1)
+    assert core.idle_reason(T0 + 1) == ("", "")
+
+
 def test_a_group_whose_blobs_are_all_missing_still_completes_and_ships_without_them() -> None:
     core = OrchestratorCore(settings(trainers=1), DEADLINES)
     core.use_trainers(T0, [trainer(0)])

@@ -186,6 +186,7 @@ class Orchestrator:
         self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
         self._delivering = 0  # step batches sent and not answered
         self._claiming_again = 0  # ClaimAgain requests sent and not answered
+        self._idle = ""  # why no run goes out, as last logged ("": runs go out or are in flight)
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind}))
@@ -416,9 +417,20 @@ class Orchestrator:
                 self.core.on_version(int(version))
 
     def _dispatch(self) -> None:
-        if self._recovery.claims_pending:
-            return  # admission counts what the recovery brings back: no run before it is fed
-        self._execute(self.core.dispatch(self.clock()))
+        now = self.clock()
+        if self._recovery.claims_pending:  # admission counts what the recovery brings back: no run before it is fed
+            self._say_idle("recovering", f"{self._recovery.claims_pending} start-up recovery requests out")
+            return
+        self._execute(self.core.dispatch(now))
+        self._say_idle(*self.core.idle_reason(now))
+
+    def _say_idle(self, kind: str, detail: str) -> None:
+        """Log why no run goes out, once each time the reason changes (an orchestrator that sends nothing is the
+        first thing an operator asks about)."""
+        if kind != self._idle:
+            self._idle = kind
+            if kind:
+                log.info("dispatch.idle", reason=kind, detail=detail)
 
     # --- actions -------------------------------------------------------------------------------------
 

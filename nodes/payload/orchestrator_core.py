@@ -998,6 +998,30 @@ class OrchestratorCore:
         """The env servers from the registry (runs go to their ``blobs`` endpoints)."""
         self.router.update(nodes)
 
+    def idle_reason(self, now: float) -> tuple[str, str]:
+        """Why :meth:`dispatch` sends nothing now while no run is in flight: ``(kind, detail)``, or ``("", "")``
+        when it would send or runs are in flight. What an operator asks of an orchestrator that sends nothing.
+        A pure read of the state."""
+        if self.runs:
+            return "", ""
+        if self.finished:
+            return "finished", f"the step budget is shipped (max_steps {self.max_steps})"
+        if self.failure:
+            return "halted", self.failure
+        if not self.router.replicas:
+            return "no-env-servers", "no env server is known from the registry"
+        if not self.version_known:
+            return "no-version", "no committed policy version is known yet (version-bump or the ps-manager's entry)"
+        if now < self._resume_at:
+            return "backing-off", f"runs were refused not-ready; trying again in {self._resume_at - now:.1f}s"
+        bound = (self.settings.max_staleness + self.policy_version + 1) * self.settings.groups_per_step
+        if self.train_groups_sent - self.groups_released >= bound:
+            return "admission", (f"{self.train_groups_sent - self.groups_released} groups admitted and not released "
+                                 f"(sent {self.train_groups_sent}, released {self.groups_released}) reach the bound "
+                                 f"{bound} of policy version {self.policy_version} (max_staleness "
+                                 f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
+        return "", ""
+
     def dispatch(self, now: float) -> list[Action]:
         """The runs admission allows now (see the module doc); needs ``prompts``. Every ``eval_every`` steps
         one eval group goes first."""
