@@ -19,7 +19,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.orchestrator import Orchestrator
+from refbus.nodes.payload.orchestrator import IDLE_LOG_S, Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
@@ -489,3 +489,22 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
         for node in reversed(started):
             node.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
+
+
+def test_an_orchestrator_that_sends_no_run_says_why_once_the_reason_has_held_a_while() -> None:
+    """``dispatch.idle``: logged once a reason has held for ``IDLE_LOG_S`` (here: the start-up recovery, which
+    this never-started node never finishes), not again while it holds, and again after it changed and held."""
+    now = [1000.0]
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(node_id="orchestrator-idle", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(trainers=1, group_size=2, groups_per_step=1,
+                                                              seq_len=64), clock=lambda: now[0])
+    try:
+        with capture_logs() as logs:
+            for at in (0.0, IDLE_LOG_S - 0.1, IDLE_LOG_S, IDLE_LOG_S + 1.0):
+                now[0] = 1000.0 + at
+                orchestrator._dispatch()
+        idle = [entry for entry in logs if entry["event"] == "dispatch.idle"]
+        assert [(entry["reason"], entry["idle_s"]) for entry in idle] == [("recovering", IDLE_LOG_S)], idle
+        assert "recovery requests out" in idle[0]["detail"]
+    finally:
+        runtime.close()

@@ -136,6 +136,8 @@ from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
 
+IDLE_LOG_S = 5.0  # how long no run may go out, for one reason, before the reason is logged (dispatch.idle)
+
 
 def deadlines_from(config: Config) -> Deadlines:
     """The orchestrator's waits, from the settings of the peers it waits for (see :class:`Deadlines`)."""
@@ -186,7 +188,8 @@ class Orchestrator:
         self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
         self._delivering = 0  # step batches sent and not answered
         self._claiming_again = 0  # ClaimAgain requests sent and not answered
-        self._idle = ""  # why no run goes out, as last logged ("": runs go out or are in flight)
+        # Why no run goes out (""): runs go out or are in flight), since when, and whether it was logged.
+        self._idle: tuple[str, float, bool] = ("", 0.0, False)
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind}))
@@ -419,18 +422,20 @@ class Orchestrator:
     def _dispatch(self) -> None:
         now = self.clock()
         if self._recovery.claims_pending:  # admission counts what the recovery brings back: no run before it is fed
-            self._say_idle("recovering", f"{self._recovery.claims_pending} start-up recovery requests out")
+            self._say_idle(now, "recovering", f"{self._recovery.claims_pending} start-up recovery requests out")
             return
         self._execute(self.core.dispatch(now))
-        self._say_idle(*self.core.idle_reason(now))
+        self._say_idle(now, *self.core.idle_reason(now))
 
-    def _say_idle(self, kind: str, detail: str) -> None:
-        """Log why no run goes out, once each time the reason changes (an orchestrator that sends nothing is the
-        first thing an operator asks about)."""
-        if kind != self._idle:
-            self._idle = kind
-            if kind:
-                log.info("dispatch.idle", reason=kind, detail=detail)
+    def _say_idle(self, now: float, kind: str, detail: str) -> None:
+        """Log why no run goes out once one reason has held for :data:`IDLE_LOG_S` (an orchestrator that sends
+        nothing is the first thing an operator asks about; shorter pauses, such as waiting for the next version
+        between steps, are the normal rhythm)."""
+        if kind != self._idle[0]:
+            self._idle = (kind, now, False)
+        elif kind and not self._idle[2] and now - self._idle[1] >= IDLE_LOG_S:
+            self._idle = (kind, self._idle[1], True)
+            log.info("dispatch.idle", reason=kind, detail=detail, idle_s=round(now - self._idle[1], 1))
 
     # --- actions -------------------------------------------------------------------------------------
 
