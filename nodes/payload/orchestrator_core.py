@@ -1004,6 +1004,23 @@ class OrchestratorCore:
         A pure read of the state."""
         if self.runs:
             return "", ""
+        if (stopped := self._stopped(now))[0]:
+            return stopped
+        bound = self.admission_bound
+        if self.train_groups_sent - self.groups_released >= bound:
+            return "admission", (f"{self.train_groups_sent - self.groups_released} groups admitted and not released "
+                                 f"(sent {self.train_groups_sent}, released {self.groups_released}) reach the bound "
+                                 f"{bound} of policy version {self.policy_version} (max_staleness "
+                                 f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
+        return "", ""
+
+    @property
+    def admission_bound(self) -> int:
+        """Groups that may be trained, queued or running at the current policy version (see the module doc)."""
+        return (self.settings.max_staleness + self.policy_version + 1) * self.settings.groups_per_step
+
+    def _stopped(self, now: float) -> tuple[str, str]:
+        """Why :meth:`dispatch` sends nothing now whatever admission allows: ``(kind, detail)``, or ``("", "")``."""
         if self.finished:
             return "finished", f"the step budget is shipped (max_steps {self.max_steps})"
         if self.failure:
@@ -1014,27 +1031,19 @@ class OrchestratorCore:
             return "no-version", "no committed policy version is known yet (version-bump or the ps-manager's entry)"
         if now < self._resume_at:
             return "backing-off", f"runs were refused not-ready; trying again in {self._resume_at - now:.1f}s"
-        bound = (self.settings.max_staleness + self.policy_version + 1) * self.settings.groups_per_step
-        if self.train_groups_sent - self.groups_released >= bound:
-            return "admission", (f"{self.train_groups_sent - self.groups_released} groups admitted and not released "
-                                 f"(sent {self.train_groups_sent}, released {self.groups_released}) reach the bound "
-                                 f"{bound} of policy version {self.policy_version} (max_staleness "
-                                 f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
         return "", ""
 
     def dispatch(self, now: float) -> list[Action]:
         """The runs admission allows now (see the module doc); needs ``prompts``. Every ``eval_every`` steps
         one eval group goes first."""
-        if self.finished or self.failure or not self.router.replicas or not self.version_known:
-            return []
-        if now < self._resume_at:
+        if self._stopped(now)[0]:
             return []
         settings = self.settings
         actions: list[Action] = []
         if settings.eval_every and self.step % settings.eval_every == 0 and self.step != self.eval_sent_at:
             self.eval_sent_at = self.step
             actions += self._send_group(now, evaluation=True)
-        bound = (settings.max_staleness + self.policy_version + 1) * settings.groups_per_step
+        bound = self.admission_bound
         in_flight = 1 if self._backoff_s else settings.max_groups_in_flight  # probing: one group at a time
         while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
             if not self._has_room():
