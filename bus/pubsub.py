@@ -261,7 +261,8 @@ class Subscriber:
         self._held: list[list] | None = None
 
     def recv(self, timeout_ms: int) -> Message | None:
-        """The next event in per-source order, or None when nothing arrives within ``timeout_ms``.
+        """The next event in per-source order, or None when none is delivered within ``timeout_ms`` (also while
+        messages keep arriving that deliver none: probes, repeats, refused ones).
 
         When none is ready, it processes everything already waiting on the socket (at most ``DRAIN_BUDGET``
         messages) before it returns one: the loop and clock reads are paid once per batch, not per event."""
@@ -270,11 +271,13 @@ class Subscriber:
             return ready.popleft()
         deadline = 0.0
         while not self.drain():  # may deliver nothing (probe, duplicate, rejected): keep waiting
+            now = time.monotonic()
             if not deadline:
-                deadline = time.monotonic() + timeout_ms / 1000
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                deadline = now + timeout_ms / 1000
+            elif now >= deadline:  # messages keep coming, none deliverable: the wait ends all the same
+                return None
             # Only this clock ends the wait: pyzmq's poll returns early when signals keep interrupting it.
-            if not readable(self.sock, remaining_ms) and time.monotonic() >= deadline:
+            if not readable(self.sock, max(0, int((deadline - now) * 1000))) and time.monotonic() >= deadline:
                 return None
         return ready.popleft()
 

@@ -9,6 +9,8 @@ PUB socket (to skip, repeat or corrupt sequence numbers).
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -18,10 +20,11 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from polling import wait_for
 from refbus.bus import pubsub
 from refbus.bus.pubsub import Publisher, Subscriber
 from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import EVENT_OPTIONS, bound_endpoint, recv_frames
+from refbus.bus.sockets import EVENT_OPTIONS, bound_endpoint, readable, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Message, WireCodec, incarnation
 from refbus.protocol.messages import Blobs, Delete, FetchedBlob, Sync, VersionBump
@@ -495,6 +498,49 @@ def test_recv_waits_its_full_timeout_after_a_rejected_event(stream: Any) -> None
         go.set()
         thread.join(WAIT_MS / 1000)
     assert message is not None and message.header.seq == 1
+
+
+FLOOD = """
+import sys, zmq
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB)
+pub.linger = 0
+pub.sndhwm = 0
+pub.connect(sys.argv[1])
+garbage = b"\\xff" * 4096  # no event: counted malformed. Long enough that what is queued when it stops is read at once
+while True:
+    pub.send(garbage)
+"""
+
+
+def test_recv_ends_at_its_timeout_while_undeliverable_messages_keep_arriving(
+        bound_pair: Any, tmp_path: Any) -> None:
+    """A flood of messages the subscriber refuses, from another process (a thread's flood is too slow to keep
+    the socket from ever running dry), must not hold ``recv`` past its timeout."""
+    sub_sock, _, endpoint = bound_pair(zmq.SUB, zmq.PUB, options=EVENT_OPTIONS)
+    sub_sock.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber = Subscriber(sub_sock, WireCodec("monitor"))
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, endpoint])
+    waited: list[float] = []
+    try:
+        wait_for(lambda: subscriber.drain() == 0 and readable(sub_sock, 10), WAIT_MS / 1000, "the flood")
+        timeout_ms = 100
+
+        def receive() -> None:
+            started = time.monotonic()
+            assert subscriber.recv(timeout_ms) is None
+            waited.append(time.monotonic() - started)
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        receiver.join(20 * timeout_ms / 1000)
+        held = receiver.is_alive()
+    finally:
+        flood.kill()
+        flood.wait()
+    receiver.join(WAIT_MS / 1000)  # the flood is gone: the socket runs dry and an old recv returns too
+    assert not held, f"recv({timeout_ms}) still waiting after {20 * timeout_ms} ms of undeliverable messages"
+    assert waited and waited[0] < 20 * timeout_ms / 1000
 
 
 def test_a_failing_fill_does_not_lose_the_live_events(stream: Any) -> None:
