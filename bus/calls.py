@@ -8,7 +8,8 @@ counted by error code (``rejected``) and resolve nothing.
 
 Retries resend the same frames (the same message id) at the times the call's :class:`RetryPolicy` gives,
 so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its
-reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs.
+reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs. A call that ended without an
+answer is repeated the same way by a new call given its id (``msg_id``).
 
 Sends never block the loop: a request the full send queue refuses (the peer gone or partitioned with a
 high-water mark's worth already queued to it) is an attempt without a reply (counted in the client's
@@ -161,6 +162,7 @@ class Calls:
         policy: RetryPolicy | None = None,
         backend: ArrayBackend = "native",
         verify: bool = True,
+        msg_id: str = "",
     ) -> str:
         """Send ``body`` to ``endpoint`` now, without blocking (a full send queue makes this attempt one without a
         reply); its outcome goes to ``on_done`` later. ``deadline_s`` from now
@@ -169,7 +171,14 @@ class Calls:
         skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
         ``on_done``. Returns the message id (for :meth:`cancel`). A request to an endpoint reported down, or to
         one ZeroMQ cannot connect to (a peer's garbage address), gets no client and ends with :class:`PeerDown`
-        on the next tick."""
+        on the next tick.
+
+        ``msg_id`` (default: a new id) sends it as the request of that id: given the id and body of an earlier
+        call that has ended without an answer (its peer reported down), it is that request again, so a server
+        that carried it out answers from its reply cache (or refuses it ``replay``) instead of running it twice.
+        Raises ``ValueError`` for the id of a call still pending."""
+        if msg_id in self._pending:
+            raise ValueError(f"request {msg_id!r} is still pending: it is resent by its own retry policy")
         refused = self._down.get(endpoint)
         client = None
         if refused is None:
@@ -178,7 +187,7 @@ class Calls:
             except zmq.ZMQError as exc:  # the call fails, not the caller
                 log.warning("request.bad_endpoint", kind=body.kind, endpoint=endpoint, error=str(exc))
                 refused = f"not an endpoint this node can connect to: {exc}"
-        msg_id, frames = (self._down_ids.next(), []) if client is None else client.encode(body)
+        msg_id, frames = (msg_id or self._down_ids.next(), []) if client is None else client.encode(body, msg_id)
         call = _Call(msg_id, endpoint, body.kind, frames, on_done, backend,
                      Attempts(policy or self.policy, deadline_s, _now()), verify, refused=refused or "")
         self._pending[msg_id] = call

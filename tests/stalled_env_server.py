@@ -3,7 +3,8 @@ SIGKILL it there. ``AT`` says where: ``violations``, the first time a request's 
 logged and published (the keeper has counted them, the journal has committed them; no event is out, no reply
 sent); ``claim``, on the first claim, before the keeper sees it (nothing granted, no reply sent); ``claimed``,
 after the first claim is answered, at the start of the loop's next turn (granted, committed and answered; its
-``claim`` event still in the turn's batch, not yet published). There it creates ``MARKER`` and blocks.
+``claim`` event still in the turn's batch, not yet published); ``deleted``, on the first delete once the keeper
+has carried it out (committed, no reply sent). There it creates ``MARKER`` and blocks.
 
 ``python tests/stalled_env_server.py AT MARKER python -m refbus.nodes.cli node env-server ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -20,7 +21,7 @@ from pathlib import Path
 from refbus.nodes import cli
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.protocol.envelope import Message
-from refbus.protocol.messages import Claimed, Violation
+from refbus.protocol.messages import Claimed, Deleted, Violation
 
 STALL_S = 120.0  # how long the stalled node waits to be killed (a test that failed first stops it anyway)
 
@@ -64,8 +65,20 @@ def stall_after_claim(marker: Path) -> None:
     EnvServer._on_claim = claim_then_stall  # type: ignore[method-assign]
 
 
+def stall_after_delete(marker: Path) -> None:
+    delete = EnvServer._on_delete
+
+    def delete_then_stall(self: EnvServer, request: Message) -> Deleted:
+        deleted = delete(self, request)
+        _stall(marker)
+        return deleted
+
+    EnvServer._on_delete = delete_then_stall  # type: ignore[method-assign]
+
+
 def main(at: str, marker: Path, command: list[str]) -> int:
-    {"violations": stall_at_violations, "claim": stall_at_claim, "claimed": stall_after_claim}[at](marker)
+    {"violations": stall_at_violations, "claim": stall_at_claim, "claimed": stall_after_claim,
+     "deleted": stall_after_delete}[at](marker)
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 
 

@@ -309,6 +309,39 @@ def test_a_request_to_an_endpoint_zeromq_refuses_ends_peer_down_and_the_caller_g
     assert caller.calls.outcomes["peer-down"] == 1 and caller.calls.in_flight() == 0
 
 
+def test_a_request_sent_under_an_earlier_calls_id_is_answered_from_the_servers_reply_cache(
+        caller: NodeRuntime, serve: Any, peers: Any) -> None:
+    """``msg_id``: a request sent again under the id of a call that has ended (here answered; a call its peer
+    was reported down before answering is repeated the same way) is that request again: the server answers it
+    from its reply cache and its handler ran once; without it, a new request runs again. The id of a call still
+    pending is refused (its own retries resend it), and a request refused for a down endpoint keeps the id."""
+    ran: list[str] = []
+
+    def delete(request: Message) -> Ok:
+        ran.append(request.header.id)
+        return Ok(detail=f"run {len(ran)}")
+
+    srv = serve(lambda server: server.on("delete", delete))
+    done = Recorder()
+    first = caller.calls.request(srv.endpoint, DELETE, done("first"))
+    pump(caller, lambda: done.resolved("first"), "the first reply")
+    assert caller.calls.request(srv.endpoint, DELETE, done("again"), msg_id=first) == first
+    caller.calls.request(srv.endpoint, DELETE, done("new"))
+    pump(caller, lambda: done.resolved("again", "new"), "both replies")
+    assert [done.one(key).body for key in ("first", "again", "new")] == [Ok(detail="run 1")] * 2 + [
+        Ok(detail="run 2")]
+    assert len(ran) == 2 and ran[0] == first
+    silent = peers()
+    pending = caller.calls.request(silent.endpoint, DELETE, done("pending"), deadline_s=60.0)
+    with pytest.raises(ValueError, match="still pending"):
+        caller.calls.request(silent.endpoint, DELETE, done("twice"), msg_id=pending)
+    assert caller.calls.cancel(pending)
+    caller.calls.mark_down(silent.endpoint, "node-down: timeout")
+    assert caller.calls.request(silent.endpoint, DELETE, done("down"), msg_id=pending) == pending
+    pump(caller, lambda: done.resolved("down"), "the refusal")
+    assert isinstance(done.one("down"), PeerDown)
+
+
 def test_cancel_forgets_a_call_and_its_reply_is_late(caller: NodeRuntime, peers: Any) -> None:
     peer = peers()
     done = Recorder()

@@ -6,6 +6,7 @@ claimed for them, hand-over and run outcomes, the time) and checks the actions t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import msgspec
@@ -357,13 +358,45 @@ def test_a_store_back_as_the_same_process_after_its_blobs_were_lost_gets_them_de
     assert [(a.reason, a.node, sorted(r.blob_id for r in a.refs)) for a in of(DeleteBlobs, back)] == [
         ("lost", "env-a", ["b-g0-0", "b-g0-1", "b-late"])]
     assert core.store_up(env_server("env-a")) == []  # once
-    # Reported down again while that delete was in flight: it waits, and is not declared lost a second time.
+    # Reported down again while that delete was in flight: it waits, and is not declared lost a second time; back,
+    # the store gets it as the request it may have carried out (its id kept).
     core.store_down(T0 + 10, env_server("env-a"))
-    assert core.delete_undelivered(of(DeleteBlobs, back)[0].refs, "lost")
+    assert core.delete_undelivered(dataclasses.replace(of(DeleteBlobs, back)[0], request_id="r-1"))
     assert of(LoseBlobs, core.tick(T0 + 10 + GRACE.restart_grace_s)) == [LoseBlobs((), "env-a")]
     assert core.lost == {"env-a": 3}
     again = of(DeleteBlobs, core.store_up(env_server("env-a")))
-    assert [(a.reason, a.node, len(a.refs)) for a in again] == [("lost", "env-a", 3)]
+    assert [(a.reason, a.node, len(a.refs), a.request_id) for a in again] == [("lost", "env-a", 3, "r-1")]
+
+
+def test_a_delete_its_store_went_down_before_answering_goes_out_under_its_request_id_when_the_store_is_back() -> None:
+    """The store may have carried out the delete before it was reported down: back as the same process (or a
+    restart that re-adopted its durable store), it gets that request again, its id kept, and answers it from its
+    reply cache. A delete decided while it was down was never sent: a new request. Declared lost first, the
+    store gets the refs of that request under its id still (reason ``lost``), the others in a new request.
+    Before, every waiting delete went out as a new request: a second delete of blobs the store had deleted,
+    which it counts as a violation."""
+    core = OrchestratorCore(settings(groups_per_step=2), GRACE)
+    feed_group(core, T0, "g0")
+    core.store_down(T0, env_server("env-a"))
+    sent = episode("sent", "gs", 1.0)
+    assert core.delete_undelivered(DeleteBlobs(tuple(sent.refs), "eval", request_id="r-1"))
+    late = episode("late", "g0", 1.0)
+    assert core.on_episode(T0, late, late.refs) == []
+    assert core.store_up(env_server("env-a")) == [DeleteBlobs(tuple(sent.refs), "eval", request_id="r-1"),
+                                                  DeleteBlobs(tuple(late.refs), "late")]
+    durable = msgspec.structs.replace(env_server("env-a"), labels={"store": "s1"})
+    core.store_down(T0, durable)
+    assert core.delete_undelivered(DeleteBlobs(tuple(sent.refs), "eval", request_id="r-1"))
+    restarted = msgspec.structs.replace(durable, pid=10, endpoints={"blobs": "tcp://env-a2"})
+    assert core.store_up(restarted) == [DeleteBlobs(tuple(sent.refs), "eval", request_id="r-1")]
+    core.store_down(T0 + 10, restarted)
+    assert core.delete_undelivered(DeleteBlobs(tuple(sent.refs), "eval", request_id="r-1"))
+    lost = of(LoseBlobs, core.tick(T0 + 10 + GRACE.restart_grace_s))
+    assert [(a.node_id, sorted(r.blob_id for r in a.refs)) for a in lost] == [
+        ("env-a", ["b-g0-0", "b-g0-1", "b-sent"])]
+    back = core.store_up(restarted)
+    assert [(a.reason, a.node, sorted(r.blob_id for r in a.refs), a.request_id) for a in back] == [
+        ("lost", "env-a", ["b-sent"], "r-1"), ("lost", "env-a", ["b-g0-0", "b-g0-1"], "")]
 
 
 def test_a_lost_store_back_as_a_new_process_has_nothing_to_delete() -> None:

@@ -25,7 +25,10 @@ from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSi
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
+    Accounted,
+    Accounts,
     BlobRef,
+    Body,
     Claim,
     Claimed,
     Delete,
@@ -430,6 +433,97 @@ def test_a_delete_whose_first_attempts_a_live_store_never_got_is_sent_again_as_t
     finally:
         for node in reversed(started):
             node.join(timeout=10)
+
+
+def test_a_delete_its_store_carried_out_before_it_was_reported_down_goes_again_as_the_same_request(
+        bus: tuple[NodeProcess, str]) -> None:
+    """The store carries out the orchestrator's delete, then its loop stalls past the node timeout before it
+    answers: the broker reports it down, the delete waits for it, and the same process comes back (it joins
+    again). The delete goes out again under its request id, and the store answers it from its reply cache: the
+    blob is deleted once, no violation. Before, it went out as a new request, a second delete of a deleted blob,
+    which the store counted as a violation."""
+    control = bus[1]
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-r", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="r"))
+    delete = env.server.routes[Delete.kind].handler
+    carried_out: list[str] = []
+    answer = threading.Event()
+
+    def stall_before_answering(request: Message) -> Body | None:
+        deleted = delete(request)
+        carried_out.append(request.header.id)
+        if len(carried_out) == 1:
+            answer.wait(WAIT_S)  # no heartbeat goes out meanwhile: the broker reports the node down
+        return deleted
+
+    env.server.on(Delete.kind, stall_before_answering)
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(restart_grace_s=WAIT_S))
+    started = []
+    try:
+        for node in (env_runtime, runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        _kept_episode(env, "r-0", group="gr", eval=True)  # scored, never trained: deleted ``eval`` at once
+        wait_for(lambda: (down := orchestrator.core.stores_down.get("env-r")) is not None and down.deletes, WAIT_S,
+                 "the delete waiting for its store, reported down before it answered")
+        answer.set()
+        wait_for(lambda: orchestrator.deleted or env.stats().violations, WAIT_S,
+                 "the delete sent again once the store is back, answered")
+        stats = env.stats()
+        assert stats.deleted == {"eval": 1} and stats.blobs_held == 0 and not stats.violations, stats
+        assert len(carried_out) == 1 and orchestrator.deleted == {"eval": 1}, carried_out
+        assert orchestrator.failed_deletes == 0 and "env-r" not in orchestrator.core.stores_down
+    finally:
+        answer.set()
+        for node in reversed(started):
+            node.join(timeout=10)
+
+
+def test_a_delete_a_killed_durable_store_carried_out_is_answered_done_by_its_restarted_process(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """The durable store commits the orchestrator's delete and is SIGKILLed before it answers; restarted under
+    its node id, it re-adopts the store (with the delete's tombstone) on another port. The delete, waiting for
+    the store, goes to the new process under its request id: that process has no reply cache, runs it and
+    answers the blob its predecessor deleted as done (``repeated``): deleted once, no violation."""
+    control = bus[1]
+    marker = tmp_path / "stalled"
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-k", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "deleted", "--env-server-handover-lease-s", "600"]
+    store = spawn(command, "env-k", prefix=[sys.executable, str(STALLER), "deleted", str(marker)])
+    endpoint = store.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(restart_grace_s=3 * WAIT_S))
+    ctx = zmq.Context()
+    producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    try:
+        runtime.start_background()
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        info = {"group": "gk", "reward": 1.0, "eval": True,  # scored, never trained: deleted ``eval`` at once
+                "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
+        arrays = random_arrays(6, seed=3, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+        assert isinstance(producer.request(Keep(episode_id="k-0", branches=[arrays], info=info)).body, Kept)
+        wait_for(marker.exists, WAIT_S, "the store stalled, the orchestrator's delete carried out and unanswered")
+        store.proc.kill()
+        assert store.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        restarted = spawn(command, "env-k-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+        wait_for(lambda: orchestrator.deleted or orchestrator.failed_deletes or orchestrator.lost, WAIT_S,
+                 "the delete's outcome at the restarted store")
+        assert orchestrator.deleted == {"eval": 1} and not orchestrator.failed_deletes and not orchestrator.lost
+        probe = Client(ctx, restarted, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        account = probe.request(Accounts()).body
+        probe.close()
+        assert isinstance(account, Accounted)
+        assert account.deleted == {"eval": 1} and account.held == 0 and not account.violations, account
+    finally:
+        producer.close()
+        runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
 
 
 def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_by_the_orchestrator(

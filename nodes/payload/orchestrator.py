@@ -64,8 +64,11 @@ without them; they are claimed again (a claim repeated by its holder is answered
 the store did, and what that grants is deleted (``claim-failed``). A delete is sent again, the same request (a
 store answers a repeat from its reply cache, so it never deletes twice), until a live store answers, within
 ``env_server.generate_timeout_s`` plus the request retry schedule (``Deadlines.busy_store_s``); a store
-reported down meanwhile ends it, and the delete waits for the store as above. One that still fails is logged
-(``delete.failed``) and given up: the store keeps those blobs as this node's until this node is gone.
+reported down meanwhile ends it, and the delete waits for the store as above, then goes out under its request
+id again (the store may have carried it out before it was reported down: the same process answers from its
+reply cache, a restarted one that re-adopted the store answers what its predecessor deleted as done). One that
+still fails is logged (``delete.failed``) and given up: the store keeps those blobs as this node's until this
+node is gone.
 
 Every start is a possible restart (the same node id after a crash; no flag): before it feeds any event to
 the core it rebuilds its state from the authorities, not from the event ring. It takes the step number
@@ -489,13 +492,21 @@ class Orchestrator:
         that went unanswered must not be dropped: the same request (same id: a store answers a repeat from its
         reply cache, so it never deletes twice) is sent again until a live store answers, within
         ``busy_store_s``; a store reported down meanwhile ends it at once (the delete then waits for the store,
-        see :meth:`_on_deleted`)."""
-        for endpoint, refs in group_by_endpoint(action.refs, self._locate).items():
+        keeping its request id, see :meth:`_on_deleted`). One that waited so (``action.request_id``) goes out
+        whole under that id, to where its store is now: its store may have carried it out already."""
+        if action.request_id:
+            groups = {self._locate(action.refs[0]): list(action.refs)}  # the core parked it with one store
+        else:
+            groups = group_by_endpoint(action.refs, self._locate)
+        for endpoint, refs in groups.items():
             request = Delete(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id, reason=action.reason,
                              node=action.node)
+            # Chosen here, not by the call: the outcome's handler parks the delete under it.
+            msg_id = action.request_id or self.runtime.codec.new_id()
             self.runtime.calls.request(
-                endpoint, request, lambda outcome, e=endpoint, r=request, rs=refs: self._on_deleted(e, r, outcome, rs),
-                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
+                endpoint, request,
+                lambda outcome, e=endpoint, r=request, rs=refs, i=msg_id: self._on_deleted(e, r, outcome, rs, i),
+                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s, msg_id=msg_id)
 
     def _claim_again(self, action: ClaimAgain, *, fresh: bool = False) -> None:
         """Claim ``action.refs`` again, one request per store, sent again (the same request) until a live store
@@ -545,9 +556,11 @@ class Orchestrator:
             self.runtime.publish(Delete(blob_ids=[r.blob_id for r in action.refs], holder=self.runtime.node_id,
                                         reason=LOST, node=action.node_id))
 
-    def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome, refs: Sequence[BlobRef] = ()) -> None:
-        if isinstance(outcome, PeerDown) and self.core.delete_undelivered(refs, request.reason):
-            return  # waits for its store: sent when it is back, lost when its grace ends
+    def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome, refs: Sequence[BlobRef] = (),
+                    request_id: str = "") -> None:
+        if isinstance(outcome, PeerDown) and self.core.delete_undelivered(
+                DeleteBlobs(tuple(refs), request.reason, request.node, request_id)):
+            return  # waits for its store: sent again under request_id when it is back, lost when its grace ends
         replies, failures = split_outcomes([(endpoint, outcome)])
         for _, error in failures:
             if isinstance(error, RemoteError) and error.code == "replay":  # answered, its answer since evicted

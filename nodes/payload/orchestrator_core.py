@@ -35,12 +35,14 @@ Decisions and their rules:
 * **Stores down.** An env server the registry reports down (:meth:`OrchestratorCore.store_down`) gets no
   new runs and no deletes (deletes decided meanwhile wait). Back as the same store within
   ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`): the same process, or a restart that re-adopted
-  its durable store (same ``store`` label, :func:`store_identity`), the waiting deletes go out; otherwise
-  (the grace ends, or it comes back with a fresh store that starts empty) every reference held to its blobs is
-  dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples whose blobs are lost are never
-  shipped (counted as dropped ``lost``). A store declared lost that comes back as the same process (it was
-  cut off, not dead) still keeps those blobs: they are deleted there at once, reason ``lost`` (the store's
-  ``delete`` event confirms the loss; the ledger counts each blob once). Claims the store went down before
+  its durable store (same ``store`` label, :func:`store_identity`), the waiting deletes go out (one the store
+  went down before answering under the id of the request that carried it, :attr:`DeleteBlobs.request_id`: it
+  may have been carried out); otherwise (the grace ends, or it comes back with a fresh store that starts empty)
+  every reference held to its blobs is dropped as ``lost`` (:class:`LoseBlobs`, naming the node), and samples
+  whose blobs are lost are never shipped (counted as dropped ``lost``). A store declared lost that comes back
+  as the same process (it was cut off, not dead) still keeps those blobs: they are deleted there at once,
+  reason ``lost`` (the store's ``delete`` event confirms the loss; the ledger counts each blob once), those of
+  a delete it went down before answering under that request's id again. Claims the store went down before
   answering (it may have granted them) are named in its loss, or, when it is back as the same store, claimed
   again (:class:`ClaimAgain`: a claim repeated by its holder is answered ``already``); what that grants is
   deleted (``claim-failed``, :meth:`~OrchestratorCore.claimed_late`): their episodes went on without them.
@@ -94,7 +96,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
@@ -123,11 +125,20 @@ BACKOFF_MAX_S = 8.0
 @dataclass(frozen=True)
 class DeleteBlobs:
     """Delete ``refs`` (held by the orchestrator until now) on their env servers, for ``reason``; ``node``: the
-    store whose loss it carries out (reason ``lost``), else empty."""
+    store whose loss it carries out (reason ``lost``), else empty.
+
+    ``request_id``: the id of a request that carried these refs to their store before it was reported down
+    (empty: none did, send a new one). That store may have carried it out, so this goes out under that id, with
+    the same refs, to where the store is now: the same process answers from its reply cache (or refuses a
+    ``replay``) instead of deleting twice, which it would count a violation; another process that re-adopted
+    the durable store has no cache and runs it, answering what its predecessor had deleted as done
+    (``repeated``). Only the reason may differ from that request's: ``lost`` once the store was declared lost
+    meanwhile (then it is carried out only where the request had not been)."""
 
     refs: tuple[BlobRef, ...]
     reason: str
     node: str = ""
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -282,7 +293,7 @@ class _StoreDown:
     endpoints: frozenset[str]
     incarnation: tuple[object, ...]  # store_identity()
     until: float
-    deletes: list[tuple[list[BlobRef], str]] = field(default_factory=list)
+    deletes: list[DeleteBlobs] = field(default_factory=list)  # sent when it is back
     unsure: list[BlobRef] = field(default_factory=list)  # claims whose answer died with it (granted or not)
 
     def keeps(self, ref: BlobRef) -> bool:
@@ -360,8 +371,8 @@ class OrchestratorCore:
         # stores down
         self.stores_down: dict[str, _StoreDown] = {}  # node id -> its state
         self.lost: Counter[str] = Counter()  # blobs lost, by store node id
-        # node id -> (the incarnation declared lost, its blobs): deleted if that same process comes back
-        self.lost_stores: dict[str, tuple[tuple[object, ...], tuple[BlobRef, ...]]] = {}
+        # node id -> (the incarnation declared lost, the deletes of its blobs): sent if that same store comes back
+        self.lost_stores: dict[str, tuple[tuple[object, ...], tuple[DeleteBlobs, ...]]] = {}
         self.version_known = False  # no run before a policy version exists
         self.stores_full = False  # every store at its high-water mark: no new group until one drains
         self.full_pauses = 0
@@ -712,9 +723,7 @@ class OrchestratorCore:
             return self._flush([lost])
         del self.stores_down[node.node_id]
         log.info("store.back", node=node.node_id)
-        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason, node.node_id if reason == LOST else "")
-                                 for refs, reason in down.deletes]
-        return deletes + ([ClaimAgain(tuple(down.unsure))] if down.unsure else [])
+        return [*down.deletes, *([ClaimAgain(tuple(down.unsure))] if down.unsure else [])]
 
     def claim_unanswered(self, refs: Sequence[BlobRef]) -> None:
         """Claims whose store went down before answering (the store may have granted them): if that store's
@@ -734,18 +743,19 @@ class OrchestratorCore:
         self.holdings.delete(late, CLAIM_FAILED)
         return self._flush([])
 
-    def delete_undelivered(self, refs: Sequence[BlobRef], reason: str) -> bool:
-        """A delete the executor sent ended with its store reported down: it waits with the store's other
-        deletes (sent when the store is back, lost when its grace ends). False when no store of ``refs`` is
-        down (the delete simply failed)."""
-        return not self._defer([(list(refs), reason)])
+    def delete_undelivered(self, delete: DeleteBlobs) -> bool:
+        """The executor sent ``delete`` (``request_id``: the request that carried it) and it ended with its store
+        reported down: it waits with the store's other deletes, keeping its request id (see
+        :class:`DeleteBlobs`): sent again when the store is back, lost when its grace ends. False when no store
+        of its refs is down (the delete simply failed)."""
+        return not self._defer([delete])
 
     def _delete_lost(self, node: NodeInfo) -> list[Action]:
         lost = self.lost_stores.pop(node.node_id, None)
         if lost is None or lost[0] != store_identity(node) or not lost[1]:
             return []
-        log.warning("store.back_after_lost", node=node.node_id, blobs=len(lost[1]))
-        return [DeleteBlobs(lost[1], LOST, node.node_id)]
+        log.warning("store.back_after_lost", node=node.node_id, blobs=sum(len(d.refs) for d in lost[1]))
+        return list(lost[1])
 
     def _store_of(self, ref: BlobRef) -> _StoreDown | None:
         return next((down for down in self.stores_down.values() if down.keeps(ref)), None)
@@ -761,13 +771,20 @@ class OrchestratorCore:
         refs = {ref.blob_id: ref for ref in self.holdings.held.values() if down.keeps(ref)}
         for blob_id in refs:
             del self.holdings.held[blob_id]
-        refs.update((ref.blob_id, ref) for deferred, reason in down.deletes if reason != LOST for ref in deferred)
+        refs.update((ref.blob_id, ref) for delete in down.deletes if delete.reason != LOST for ref in delete.refs)
         # A claim the store may have granted before it died is lost with it too: whether it was granted or not,
         # the blob is gone, and a loss that did not name it would leave it held by this node in the stream.
         refs.update((ref.blob_id, ref) for ref in down.unsure)
-        # Deletes of blobs declared lost before (the store was back, then went down again) are not lost twice.
-        again = [ref for deferred, reason in down.deletes if reason == LOST for ref in deferred]
-        self.lost_stores[node_id] = (down.incarnation, (*refs.values(), *again))
+        # Should the same store come back, what was declared lost is deleted there, reason ``lost``. A delete
+        # sent before it went down may have been carried out: its refs go under its request id (answered from the
+        # store's reply cache if it was), the rest in one new request. Deletes of blobs declared lost before
+        # (the store was back, then went down again) are not lost twice.
+        sent = [replace(delete, reason=LOST, node=node_id) for delete in down.deletes if delete.request_id]
+        in_sent = {ref.blob_id for delete in sent for ref in delete.refs}
+        again = [ref for delete in down.deletes if delete.reason == LOST and not delete.request_id
+                 for ref in delete.refs]
+        rest = tuple(ref for ref in (*refs.values(), *again) if ref.blob_id not in in_sent)
+        self.lost_stores[node_id] = (down.incarnation, (*sent, *([DeleteBlobs(rest, LOST, node_id)] if rest else [])))
         lost_samples = 0
         queue = []
         for group in self.sink.queue:
@@ -1150,26 +1167,27 @@ class OrchestratorCore:
 
     def _flush(self, actions: list[Action]) -> list[Action]:
         """Deletes decided so far first (those for stores that are down wait for them), then ``actions``."""
-        deletes: list[Action] = [DeleteBlobs(tuple(refs), reason)
-                                 for refs, reason in self._defer(self.holdings.take_outbox())]
-        return deletes + actions
+        decided = [DeleteBlobs(tuple(refs), reason) for refs, reason in self.holdings.take_outbox()]
+        return [*self._defer(decided), *actions]
 
-    def _defer(self, deletes: list[tuple[list[BlobRef], str]]) -> list[tuple[list[BlobRef], str]]:
-        """Park the refs of ``deletes`` whose store is down with that store; returns the rest."""
+    def _defer(self, deletes: list[DeleteBlobs]) -> list[DeleteBlobs]:
+        """Park the refs of ``deletes`` whose store is down with that store; returns the rest. A delete parked
+        whole with one store keeps its ``request_id``: a request went to one store."""
         if not self.stores_down:
             return deletes
-        now: list[tuple[list[BlobRef], str]] = []
-        for refs, reason in deletes:
+        now: list[DeleteBlobs] = []
+        for delete in deletes:
             live = []
             parked: dict[int, tuple[_StoreDown, list[BlobRef]]] = {}
-            for ref in refs:
+            for ref in delete.refs:
                 down = self._store_of(ref)
                 if down is None:
                     live.append(ref)
                 else:
                     parked.setdefault(id(down), (down, []))[1].append(ref)
+            whole = not live and len(parked) == 1
             for down, mine in parked.values():
-                down.deletes.append((mine, reason))
+                down.deletes.append(replace(delete, refs=tuple(mine), request_id=delete.request_id if whole else ""))
             if live:
-                now.append((live, reason))
+                now.append(replace(delete, refs=tuple(live), request_id=""))
         return now
