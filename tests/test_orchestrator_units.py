@@ -3,9 +3,11 @@ one garbage record over the wire: a real broker, env server and orchestrator, a 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,23 @@ def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> 
     assert group_by_endpoint([moved, kept]) == {"tcp://old:1": [moved], "tcp://old:2": [kept]}
 
 
+@contextlib.contextmanager
+def _running(orchestrator: Orchestrator, *peers: NodeRuntime) -> Iterator[list[NodeRuntime]]:
+    """Start ``peers``, then the orchestrator's node, each on its own loop thread, and wait for the
+    orchestrator's start-up recovery; when the block ends, however it ends, join every node started, the last
+    started first. Yields the nodes to join: a test that stops one itself removes it."""
+    started: list[NodeRuntime] = []
+    try:
+        for node in (*peers, orchestrator.runtime):
+            node.start_background()
+            started.append(node)
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        yield started
+    finally:
+        for node in reversed(started):
+            node.join(timeout=WAIT_S)
+
+
 def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_train(
         bus: tuple[NodeProcess, str]) -> None:
     """An env server publishes an episode whose loss_mask is shorter than its token ids: the orchestrator claims
@@ -126,20 +145,14 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64))
-    started = []
-    try:
-        for node in (trainer, env_runtime, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, 10, "the orchestrator's start-up recovery")
 
-        def keep(episode_id: str, group: str, reward: float, loss_mask: list[int]) -> str:
-            arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2,
-                                   routing_dtype=np.uint8)
-            info: dict[str, Any] = {"group": group, "reward": reward,
-                                    "samples": [{"input_ids": list(range(6)), "loss_mask": loss_mask, "ref": 0}]}
-            return env.keep(episode_id, [arrays], info=info)[0].blob_id
+    def keep(episode_id: str, group: str, reward: float, loss_mask: list[int]) -> str:
+        arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+        info: dict[str, Any] = {"group": group, "reward": reward,
+                                "samples": [{"input_ids": list(range(6)), "loss_mask": loss_mask, "ref": 0}]}
+        return env.keep(episode_id, [arrays], info=info)[0].blob_id
 
+    with _running(orchestrator, trainer, env_runtime):
         bad = keep("bad", "gb", 1.0, [0, 1, 1])
         wait_for(lambda: env.stats().deleted.get("malformed"), 10, "the malformed episode's blob deleted")
         good = [keep(f"good-{m}", "gg", reward, [0, 0, 1, 1, 1, 1]) for m, reward in enumerate((1.0, 0.0))]
@@ -150,9 +163,6 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
         stats = env.stats()
         assert stats.deleted == {"malformed": 1} and stats.blobs_held == 2 and bad not in good
         assert orchestrator.core.malformed_episodes == 1 and +orchestrator.core.sink.dropped == {"malformed": 1}
-    finally:
-        for node in reversed(started):
-            node.join(timeout=10)
 
 
 def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in_flight(
@@ -189,45 +199,38 @@ def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64))
-    started = []
+
+    def keep(episode_id: str, group: str, reward: float) -> str:
+        arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+        info: dict[str, Any] = {"group": group, "reward": reward,
+                                "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
+        return env.keep(episode_id, [arrays], info=info)[0].blob_id
+
     stopper = threading.Thread(target=runtime.join, kwargs={"timeout": 30})
-    try:
-        for node in (trainer, env_runtime, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, 10, "the orchestrator's start-up recovery")
-
-        def keep(episode_id: str, group: str, reward: float) -> str:
-            arrays = random_arrays(6, seed=len(episode_id), layers=2, top_k=2, k=2, max_count=2,
-                                   routing_dtype=np.uint8)
-            info: dict[str, Any] = {"group": group, "reward": reward,
-                                    "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1],
-                                                 "ref": 0}]}
-            return env.keep(episode_id, [arrays], info=info)[0].blob_id
-
-        shipped = {keep(f"a-{m}", "ga", reward) for m, reward in enumerate((1.0, 0.0))}
-        wait_for(lambda: deferred_steps, 10, "the step batch at the trainer rank, unanswered")
-        defer_claims.set()
-        late = keep("b-0", "gb", 1.0)
-        wait_for(lambda: deferred_claims, 10, "the next episode's claim at the store, unanswered")
-        stopper.start()
-        wait_for(lambda: orchestrator._closing, 10, "the orchestrator's shutdown under way")
-        trainer.call_soon(lambda: [rank_server.answer(pending, Ok()) for pending in deferred_steps])
-        # Garbage first on the claim's connection: rejected (counted), and the real answer still settles it.
-        env_runtime.call_soon(lambda: [(send_frames(env.server.sock, [pending.identity, b"\xc1 not a reply"]),
-                                        env.server.answer(pending, grant(request)))
-                                       for pending, request in deferred_claims])
-        stopper.join(timeout=30)
-        assert not stopper.is_alive()
-        stats = env.stats()
-        assert stats.deleted == {"shutdown": 1} and stats.blobs_held == 2, stats
-        assert runtime.calls.rejected.total() >= 1 and runtime.calls.outcomes["reply"] >= 2, runtime.calls.rejected
-        assert late not in shipped
-    finally:
-        if stopper.is_alive():
+    with _running(orchestrator, trainer, env_runtime):
+        try:
+            shipped = {keep(f"a-{m}", "ga", reward) for m, reward in enumerate((1.0, 0.0))}
+            wait_for(lambda: deferred_steps, 10, "the step batch at the trainer rank, unanswered")
+            defer_claims.set()
+            late = keep("b-0", "gb", 1.0)
+            wait_for(lambda: deferred_claims, 10, "the next episode's claim at the store, unanswered")
+            stopper.start()
+            wait_for(lambda: orchestrator._closing, 10, "the orchestrator's shutdown under way")
+            trainer.call_soon(lambda: [rank_server.answer(pending, Ok()) for pending in deferred_steps])
+            # Garbage first on the claim's connection: rejected (counted), and the real answer still settles it.
+            env_runtime.call_soon(lambda: [(send_frames(env.server.sock, [pending.identity, b"\xc1 not a reply"]),
+                                            env.server.answer(pending, grant(request)))
+                                           for pending, request in deferred_claims])
             stopper.join(timeout=30)
-        for node in reversed(started):
-            node.join(timeout=10)
+            assert not stopper.is_alive()
+            stats = env.stats()
+            assert stats.deleted == {"shutdown": 1} and stats.blobs_held == 2, stats
+            calls = runtime.calls
+            assert calls.rejected.total() >= 1 and calls.outcomes["reply"] >= 2, calls.rejected
+            assert late not in shipped
+        finally:  # the stopper joins the orchestrator's node: before the others are joined
+            if stopper.is_alive():
+                stopper.join(timeout=30)
 
 
 def test_a_store_sigkilled_while_the_orchestrators_shutdown_waits_for_its_claim_ends_the_wait_in_bounds(
@@ -304,24 +307,14 @@ def test_a_store_whose_holdings_cursor_does_not_advance_ends_its_recovery_instea
     server.on(HoldingsQuery.kind, holdings, cached=False)
     server.on(Claim.kind, claim)
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
-    started = []
-    try:
-        store.start_background()
-        started.append(store)
-        with capture_logs() as logs:
-            orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                                      groups_per_step=1, seq_len=64))
-            runtime.start_background()
-            started.append(runtime)
-            wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    with capture_logs() as logs, _running(orchestrator, store):
         assert [query.after for query in asked] == [0]
         assert [c.blob_ids for c in claims] == [["b-g"]]
         assert orchestrator.core.recovered_episodes == 1 and set(orchestrator.core.holdings.held) == {"b-g"}
         stuck = [entry for entry in logs if entry["event"] == "recovery.cursor_stuck"]
         assert [(entry["node"], entry["after"], entry["cursor"]) for entry in stuck] == [("env-g", 0, 0)]
-    finally:
-        for node in reversed(started):
-            node.join(timeout=10)
 
 
 SHORT_RETRY = RetryPolicy(timeout_s=0.2, attempts=2)  # a request gives up after 0.6 s
@@ -375,12 +368,7 @@ def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_delet
                                                           retry=SHORT_RETRY))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64))
-    started = []
-    try:
-        for node in (env_runtime, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+    with _running(orchestrator, env_runtime):
         blob_id = _kept_episode(env, "c-0", group="gc")
         wait_for(lambda: orchestrator.missing, WAIT_S, "the orchestrator giving up its claim")
         env_runtime.call_soon(work_through_backlog)  # granted now: held by the orchestrator in the store
@@ -389,9 +377,6 @@ def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_delet
         assert stats.deleted == {"claim-failed": 1} and stats.blobs_held == 0 and not stats.violations, stats
         assert orchestrator.missing == 1 and blob_id not in orchestrator.core.holdings.held
         assert len(refused) == int(replayed)
-    finally:
-        for node in reversed(started):
-            node.join(timeout=10)
 
 
 def test_a_delete_whose_first_attempts_a_live_store_never_got_is_sent_again_as_the_same_request(
@@ -418,21 +403,13 @@ def test_a_delete_whose_first_attempts_a_live_store_never_got_is_sent_again_as_t
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64),
                                 Deadlines(busy_store_s=WAIT_S))
-    started = []
-    try:
-        for node in (env_runtime, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+    with _running(orchestrator, env_runtime):
         _kept_episode(env, "e-0", group="ge", eval=True)  # scored, never trained: deleted ``eval`` at once
         wait_for(lambda: env.stats().deleted.get("eval"), WAIT_S, "the eval episode's blob deleted")
         stats = env.stats()
         assert stats.deleted == {"eval": 1} and stats.blobs_held == 0 and not stats.violations, stats
         assert len(received) == SHORT_RETRY.attempts + 1 and len(set(received)) == 1, received
         assert orchestrator.failed_deletes == 0
-    finally:
-        for node in reversed(started):
-            node.join(timeout=10)
 
 
 def test_a_delete_its_store_carried_out_before_it_was_reported_down_goes_again_as_the_same_request(
@@ -461,26 +438,20 @@ def test_a_delete_its_store_carried_out_before_it_was_reported_down_goes_again_a
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64),
                                 Deadlines(restart_grace_s=WAIT_S))
-    started = []
-    try:
-        for node in (env_runtime, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
-        _kept_episode(env, "r-0", group="gr", eval=True)  # scored, never trained: deleted ``eval`` at once
-        wait_for(lambda: (down := orchestrator.core.stores_down.get("env-r")) is not None and down.deletes, WAIT_S,
-                 "the delete waiting for its store, reported down before it answered")
-        answer.set()
-        wait_for(lambda: orchestrator.deleted or env.stats().violations, WAIT_S,
-                 "the delete sent again once the store is back, answered")
-        stats = env.stats()
-        assert stats.deleted == {"eval": 1} and stats.blobs_held == 0 and not stats.violations, stats
-        assert len(carried_out) == 1 and orchestrator.deleted == {"eval": 1}, carried_out
-        assert orchestrator.failed_deletes == 0 and "env-r" not in orchestrator.core.stores_down
-    finally:
-        answer.set()
-        for node in reversed(started):
-            node.join(timeout=10)
+    with _running(orchestrator, env_runtime):
+        try:
+            _kept_episode(env, "r-0", group="gr", eval=True)  # scored, never trained: deleted ``eval`` at once
+            wait_for(lambda: (down := orchestrator.core.stores_down.get("env-r")) is not None and down.deletes, WAIT_S,
+                     "the delete waiting for its store, reported down before it answered")
+            answer.set()
+            wait_for(lambda: orchestrator.deleted or env.stats().violations, WAIT_S,
+                     "the delete sent again once the store is back, answered")
+            stats = env.stats()
+            assert stats.deleted == {"eval": 1} and stats.blobs_held == 0 and not stats.violations, stats
+            assert len(carried_out) == 1 and orchestrator.deleted == {"eval": 1}, carried_out
+            assert orchestrator.failed_deletes == 0 and "env-r" not in orchestrator.core.stores_down
+        finally:  # the store's loop waits for this: set before it is joined
+            answer.set()
 
 
 def test_a_delete_a_killed_durable_store_carried_out_is_answered_done_by_its_restarted_process(
@@ -502,27 +473,25 @@ def test_a_delete_a_killed_durable_store_carried_out_is_answered_done_by_its_res
     ctx = zmq.Context()
     producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
     try:
-        runtime.start_background()
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
-        info = {"group": "gk", "reward": 1.0, "eval": True,  # scored, never trained: deleted ``eval`` at once
-                "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
-        arrays = random_arrays(6, seed=3, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
-        assert isinstance(producer.request(Keep(episode_id="k-0", branches=[arrays], info=info)).body, Kept)
-        wait_for(marker.exists, WAIT_S, "the store stalled, the orchestrator's delete carried out and unanswered")
-        store.proc.kill()
-        assert store.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
-        restarted = spawn(command, "env-k-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
-        wait_for(lambda: orchestrator.deleted or orchestrator.failed_deletes or orchestrator.lost, WAIT_S,
-                 "the delete's outcome at the restarted store")
-        assert orchestrator.deleted == {"eval": 1} and not orchestrator.failed_deletes and not orchestrator.lost
-        probe = Client(ctx, restarted, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        account = probe.request(Accounts()).body
-        probe.close()
-        assert isinstance(account, Accounted)
-        assert account.deleted == {"eval": 1} and account.held == 0 and not account.violations, account
+        with _running(orchestrator):
+            info = {"group": "gk", "reward": 1.0, "eval": True,  # scored, never trained: deleted ``eval`` at once
+                    "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
+            arrays = random_arrays(6, seed=3, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+            assert isinstance(producer.request(Keep(episode_id="k-0", branches=[arrays], info=info)).body, Kept)
+            wait_for(marker.exists, WAIT_S, "the store stalled, the orchestrator's delete carried out and unanswered")
+            store.proc.kill()
+            assert store.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+            restarted = spawn(command, "env-k-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+            wait_for(lambda: orchestrator.deleted or orchestrator.failed_deletes or orchestrator.lost, WAIT_S,
+                     "the delete's outcome at the restarted store")
+            assert orchestrator.deleted == {"eval": 1} and not orchestrator.failed_deletes and not orchestrator.lost
+            probe = Client(ctx, restarted, WireCodec("probe"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+            account = probe.request(Accounts()).body
+            probe.close()
+            assert isinstance(account, Accounted)
+            assert account.deleted == {"eval": 1} and account.held == 0 and not account.violations, account
     finally:
         producer.close()
-        runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
 
 
@@ -553,35 +522,29 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64),
                                 Deadlines(restart_grace_s=grace_s, redeliver_after_s=0.4))
-    started = []
     ctx = zmq.Context()
     try:
-        for node in (env_runtime, trainer, runtime):
-            node.start_background()
-            started.append(node)
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
-        kept = sorted(_kept_episode(env, f"t-{m}", group="gt", reward=float(m)) for m in range(2))
-        wait_for(lambda: env.stats().held_by.get("trainer-0") == 2, WAIT_S, "the batch's blobs handed over")
-        assert sorted(taken[0].owned) == kept
-        rank = Client(ctx, env.endpoint, WireCodec("trainer-0"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        assert rank.request(Delete(blob_ids=kept, holder="trainer-0", reason="trained")).body.blob_ids == kept
-        rank.close()
-        started.remove(trainer)
-        trainer.join(timeout=WAIT_S)  # its bye: the world is down, its answer never came
-        wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the trainer world down")
-        due = orchestrator.core.world_down.reclaimed_by(grace_s)
-        assert due is not None
-        ticks: list[float] = []
-        core_tick = orchestrator.core.tick
-        orchestrator.core.tick = lambda now: (ticks.append(now), core_tick(now))[1]  # type: ignore[method-assign]
-        wait_for(lambda: any(now >= due for now in ticks), WAIT_S + 1.25 * grace_s,
-                 "a tick of the orchestrator past the stores' reclaim period (it gives up what is unsettled)")
-        stats = env.stats()
-        assert stats.deleted == {"trained": 2} and not stats.violations, stats
-        assert not orchestrator.core.holdings.held and not orchestrator.core.world_down.unsettled
+        with _running(orchestrator, env_runtime, trainer) as started:
+            kept = sorted(_kept_episode(env, f"t-{m}", group="gt", reward=float(m)) for m in range(2))
+            wait_for(lambda: env.stats().held_by.get("trainer-0") == 2, WAIT_S, "the batch's blobs handed over")
+            assert sorted(taken[0].owned) == kept
+            rank = Client(ctx, env.endpoint, WireCodec("trainer-0"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+            assert rank.request(Delete(blob_ids=kept, holder="trainer-0", reason="trained")).body.blob_ids == kept
+            rank.close()
+            started.remove(trainer)
+            trainer.join(timeout=WAIT_S)  # its bye: the world is down, its answer never came
+            wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the trainer world down")
+            due = orchestrator.core.world_down.reclaimed_by(grace_s)
+            assert due is not None
+            ticks: list[float] = []
+            core_tick = orchestrator.core.tick
+            orchestrator.core.tick = lambda now: (ticks.append(now), core_tick(now))[1]  # type: ignore[method-assign]
+            wait_for(lambda: any(now >= due for now in ticks), WAIT_S + 1.25 * grace_s,
+                     "a tick of the orchestrator past the stores' reclaim period (it gives up what is unsettled)")
+            stats = env.stats()
+            assert stats.deleted == {"trained": 2} and not stats.violations, stats
+            assert not orchestrator.core.holdings.held and not orchestrator.core.world_down.unsettled
     finally:
-        for node in reversed(started):
-            node.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
 
 
