@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -411,4 +413,56 @@ def test_a_holder_restarted_and_gone_again_within_its_grace_loses_what_its_resta
         holder.join(timeout=WAIT_S)
         if again is not None:
             again.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def _logged_at(event: dict) -> float:
+    """When a node logged ``event`` (a record of :func:`log_events`), on the wall clock (``time.time()``)."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def test_a_store_killed_twice_in_a_holders_grace_reclaims_when_the_grace_first_given_ends(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A holder of two blobs is reported down, and its durable store is SIGKILLed twice within the grace it gave,
+    restarted each time. The last restarted store reclaims both blobs ``holder-down`` when that first grace ends
+    (its end is journaled on the wall clock): not before, and not a grace after its own start. Before, each
+    restart gave the grace whole again (the ``holder-down`` record kept no end), and the last one reclaimed a
+    grace after its start, past the bound below: a chaos soak with a store killed twice in a holder's grace ended
+    with 35 blobs still held."""
+    control = bus[1]
+    grace_s = 8.0
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-g", grace_s)
+    holder = _node(control, "trainer-g")
+    ctx = zmq.Context()
+    client = _client(ctx, endpoint)
+    try:
+        holder.start_background()
+        _two_claimed(client, "trainer-g", seed=10)
+        client.close()
+        holder.join(timeout=WAIT_S)  # bye: the broker reports it down
+        (down,) = wait_for(lambda: log_events(first.log_path, "holder.down"), WAIT_S,
+                           "the store hearing of the holder's end")
+        ends = _logged_at(down) + grace_s  # the grace's end was journaled just before, on the same clock
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        second, probe = _restarted(spawn, command, "env-g-second", ctx)
+        wait_for(lambda: '"holder.down_at_restart"' in second.log_tail(200), WAIT_S, "the second process's check")
+        # Killed again past half the grace: one given whole by the third process would end a grace after its start,
+        # past the bound below by over a quarter grace.
+        holds_for(lambda: not accounted(probe).reclaimed, ends - grace_s / 2 - time.time(),
+                  "the second process keeping the blobs within the grace")
+        probe.close()
+        second.proc.kill()
+        assert second.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        third, probe = _restarted(spawn, command, "env-g-third", ctx)
+        holds_for(lambda: not accounted(probe).reclaimed, ends - grace_s / 8 - time.time(),
+                  "the third process keeping the blobs until the grace's end")
+        wait_for(lambda: accounted(probe).reclaimed == {"trainer-g": 2}, ends + grace_s / 4 - time.time(),
+                 "the third process reclaiming the blobs when the grace first given ends")
+        assert accounted(probe).deleted == {"holder-down": 2}
+        (resumed,) = log_events(third.log_path, "holder.down_at_restart")
+        assert resumed["grace_s"] < grace_s / 2, resumed  # what was left of it, not a grace anew
+        probe.close()
+    finally:
+        holder.join(timeout=WAIT_S)
         ctx.destroy(linger=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from branches import random_arrays
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.nodes.payload.blob_journal import BlobJournal
+from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
@@ -34,6 +35,18 @@ from refbus.protocol.messages_ps import ShardTensor
 from structlog.testing import capture_logs
 
 BUDGET = 1 << 20
+GRACE_S = 5.0
+WALL = 1_700_000_000.0  # where a test's wall clock starts (seconds since the epoch)
+
+
+class _Clock:
+    """A clock a test sets: the keeper's (monotonic) or a journal's wall clock."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def open_store(directory: Path, *, budget: int = BUDGET, node: str = "env-0") -> DurableStore:
@@ -605,18 +618,20 @@ def test_holders_reported_down_survive_a_restart_and_a_compaction_and_garbage_on
     again since (``again``); a settled holder (``holder-settled``: back as the same process, or its grace over)
     is not down after a restart (before, only a compaction dropped it, and a restart before one gave the holder,
     by then a newer live process, the grace anew and reclaimed what it held); a compaction keeps the records of
-    holders that still hold blobs; records whose fields do not parse are skipped (they only time a reclaim) and
-    the rest of the journal still replays."""
-    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    holders that still hold blobs, each with when its grace ends on the wall clock; records whose fields do not
+    parse are skipped (they only time a reclaim) and the rest of the journal still replays."""
+    wall = _Clock(WALL)
+    first, durable = keeper(), BlobJournal(open_store(tmp_path), wall_clock=wall)
     durable.readopt(first)
     blobs = keep(durable, first, "ep-a", (1, 2, 3, 4))
     for holder, blob_id in zip(("trainer-0", "trainer-1", "orchestrator", "trainer-0"), blobs, strict=True):
         durable.claimed(first.claim([blob_id], holder).claimed, holder)
-    durable.holder_down("trainer-0", ("h", 11, 5.0))
+    durable.holder_down("trainer-0", ("h", 11, 5.0), GRACE_S)
     durable.claimed_back([blobs[3]], "trainer-0")  # its restarted incarnation took one of its two back
     durable.claimed_back([blobs[1]], "rollout-0")  # not down: nothing to record
-    durable.holder_down("trainer-1", None)
-    durable.holder_down("orchestrator", ("h", 12, 6.0))
+    wall.now += 1.5
+    durable.holder_down("trainer-1", None, GRACE_S)
+    durable.holder_down("orchestrator", ("h", 12, 6.0), GRACE_S)
     durable.holder_settled("orchestrator")  # back as the same process
     for garbage in ({"op": "holder-down"}, {"op": "holder-down", "holder": "x", "inc": [1, 2]},
                     {"op": "holder-down", "holder": 5, "inc": None}, {"op": "holder-down", "holder": "y", "inc": "z"},
@@ -626,18 +641,22 @@ def test_holders_reported_down_survive_a_restart_and_a_compaction_and_garbage_on
         durable.store.commit(garbage)
     second, restarted = restart(tmp_path, durable)
     down = {"trainer-0": ("h", 11, 5.0), "trainer-1": None}
+    ends = {"trainer-0": WALL + GRACE_S, "trainer-1": WALL + 1.5 + GRACE_S}
     assert restarted.readoption.holders_down == down  # type: ignore[attr-defined]
+    assert restarted.readoption.grace_ends == ends  # type: ignore[attr-defined]
     assert restarted.readoption.claimed_again == {  # type: ignore[attr-defined]
         "trainer-0": frozenset({blobs[3]}), "trainer-1": frozenset()}
     assert second.stats().held_by == {"trainer-0": 2, "trainer-1": 1, "orchestrator": 1}
     restarted.compact(second)
     _, compacted = restart(tmp_path, restarted)
     assert compacted.readoption.holders_down == down  # type: ignore[attr-defined]
+    assert compacted.readoption.grace_ends == ends  # type: ignore[attr-defined]
     assert compacted.readoption.claimed_again["trainer-0"] == {blobs[3]}  # type: ignore[attr-defined]
     compacted.holder_settled("trainer-0")
     compacted.holder_settled("trainer-1")
     _, settled = restart(tmp_path, compacted)
-    assert settled.readoption.holders_down == {} and settled.readoption.claimed_again == {}  # type: ignore[attr-defined]
+    assert settled.readoption.holders_down == settled.readoption.claimed_again == {}  # type: ignore[attr-defined]
+    assert settled.readoption.grace_ends == {}  # type: ignore[attr-defined]
     settled.store.close(remove=True)
 
 
@@ -680,65 +699,116 @@ def test_a_holder_reported_down_again_as_another_process_replays_as_a_fresh_grac
         tmp_path: Path) -> None:
     """A second ``holder-down`` for a holder already down (its restarted process died in the grace) replays as a
     fresh grace with nothing claimed again, the grace it cut short kept beside it, through a restart and a
-    compaction; ``holder-back`` (that process back after all) resumes the earlier grace with what was claimed
-    again in either, and ``holder-settled`` ends both."""
-    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    compaction, each with its own end; ``holder-back`` (that process back after all) resumes the earlier grace,
+    with its end and what was claimed again in either, and ``holder-settled`` ends both."""
+    wall = _Clock(WALL)
+    first, durable = keeper(), BlobJournal(open_store(tmp_path), wall_clock=wall)
     durable.readopt(first)
     blobs = keep(durable, first, "ep-a", (1, 2, 3))
     durable.claimed(first.claim(blobs, "orchestrator").claimed, "orchestrator")
     a, b = ("h", 11, 5.0), ("h", 12, 6.0)
-    durable.holder_down("orchestrator", a)
+    a_ends, b_ends = WALL + GRACE_S, WALL + 2.0 + GRACE_S
+    durable.holder_down("orchestrator", a, GRACE_S)
     durable.claimed_back(blobs[:1], "orchestrator")  # b, the restart, took one back
-    durable.holder_down("orchestrator", b)  # and died
+    wall.now += 2.0
+    durable.holder_down("orchestrator", b, GRACE_S)  # and died
     second, restarted = restart(tmp_path, durable)
     found = restarted.readoption  # type: ignore[attr-defined]
     assert (found.holders_down, found.claimed_again) == ({"orchestrator": b}, {"orchestrator": frozenset()})
-    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]))}
+    assert found.grace_ends == {"orchestrator": b_ends}
+    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]), a_ends)}
     restarted.claimed_back(blobs[1:2], "orchestrator")
     restarted.compact(second)
     _, compacted = restart(tmp_path, restarted)
     found = compacted.readoption  # type: ignore[attr-defined]
     assert (found.holders_down, found.claimed_again) == ({"orchestrator": b}, {"orchestrator": {blobs[1]}})
-    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]))}
+    assert found.grace_ends == {"orchestrator": b_ends}
+    assert found.earlier_down == {"orchestrator": (a, frozenset(blobs[:1]), a_ends)}
     compacted.holder_back("orchestrator")  # b was slow, not dead
     _, back = restart(tmp_path, compacted)
     found = back.readoption  # type: ignore[attr-defined]
     assert (found.holders_down, found.claimed_again) == ({"orchestrator": a}, {"orchestrator": set(blobs[:2])})
-    assert found.earlier_down == {}
-    back.holder_down("orchestrator", b)
+    assert (found.grace_ends, found.earlier_down) == ({"orchestrator": a_ends}, {})
+    back.holder_down("orchestrator", b, GRACE_S)
     back.holder_settled("orchestrator")
     _, settled = restart(tmp_path, back)
     found = settled.readoption  # type: ignore[attr-defined]
-    assert found.holders_down == found.claimed_again == found.earlier_down == {}
+    assert found.holders_down == found.claimed_again == found.earlier_down == found.grace_ends == {}
     settled.store.close(remove=True)
 
 
+@pytest.mark.parametrize("until", ["soon", math.nan, math.inf, -math.inf, -1.0, -1, True, False, None, [WALL]],
+                         ids=repr)
+def test_a_holder_down_record_whose_grace_end_does_not_parse_is_skipped_and_an_earlier_builds_gets_a_whole_grace(
+        tmp_path: Path, until: Any) -> None:
+    """A ``holder-down`` record's ``until`` (when its grace ends, seconds since the epoch) is a finite number, not
+    negative and not a bool: with any other value the record is garbage, skipped as any holder record whose
+    fields do not parse (it neither starts a grace nor cuts short the one running, and the records after it
+    replay). A record without ``until`` (an earlier build's, in a store it left) replays with its end unknown,
+    which a restarted store resumes as a whole grace. Before ``until`` existed, every one of these records started
+    a grace, each given whole by every restart of the store."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    blobs = keep(durable, first, "ep-a", (1, 2, 3))
+    for holder, blob_id in zip(("trainer-0", "trainer-1", "trainer-2"), blobs, strict=True):
+        durable.claimed(first.claim([blob_id], holder).claimed, holder)
+    for record in ({"holder": "trainer-0", "inc": ["h", 11, 5.0], "until": WALL + GRACE_S},
+                   {"holder": "trainer-0", "inc": ["h", 12, 6.0], "until": until},  # would cut the grace short
+                   {"holder": "trainer-1", "inc": None, "until": until},
+                   {"holder": "trainer-2", "inc": ["h", 13, 7.0]}):  # an earlier build's
+        durable.store.commit({"op": "holder-down", **record})
+    durable.store.commit({"op": "again", "ids": blobs[:1], "holder": "trainer-0"})
+    _, restarted = restart(tmp_path, durable)
+    found = restarted.readoption  # type: ignore[attr-defined]
+    assert found.holders_down == {"trainer-0": ("h", 11, 5.0), "trainer-2": ("h", 13, 7.0)}
+    assert found.grace_ends == {"trainer-0": WALL + GRACE_S, "trainer-2": None}
+    assert (found.claimed_again, found.earlier_down) == ({"trainer-0": {blobs[0]}, "trainer-2": set()}, {})
+    restarted.store.close(remove=True)
 
-GRACE_S = 5.0
+
+def test_a_resumed_grace_is_what_is_left_of_it_never_more_than_a_whole_one_nor_less_than_a_share() -> None:
+    """What a restarted store gives of a journaled grace (ends at ``WALL + GRACE_S``): what is left of it by the
+    wall clock; a whole grace at most, however far the wall clock was set back since it was written; a share of
+    one at least, past its end or however far the clock was set forward (the holder's last chance to claim back
+    what it could not while the store was dead); a whole grace for a record without its end."""
+    least = GRACE_S * MIN_RESUMED_GRACE_SHARE
+    ends = WALL + GRACE_S
+    assert 0 < least < GRACE_S
+    assert resumed_grace(ends, WALL + 2.0, GRACE_S) == GRACE_S - 2.0
+    assert resumed_grace(ends, WALL, GRACE_S) == GRACE_S
+    assert resumed_grace(ends, WALL - 1.0, GRACE_S) == GRACE_S  # set back a second
+    assert resumed_grace(ends, WALL - 86_400.0, GRACE_S) == GRACE_S  # set back a day
+    assert resumed_grace(ends, ends - least / 2, GRACE_S) == least
+    assert resumed_grace(ends, ends + 1.0, GRACE_S) == least  # the store was dead past its end
+    assert resumed_grace(ends, WALL + 86_400.0, GRACE_S) == least  # set forward a day
+    assert resumed_grace(None, WALL, GRACE_S) == GRACE_S
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
 
-    def __call__(self) -> float:
-        return self.now
+
+
+EnvServers = Callable[..., EnvServer]
 
 
 @pytest.fixture
-def env_server(tmp_path: Path) -> Iterator[Callable[[_Clock], EnvServer]]:
-    """``env_server(clock)``: a durable env server on ``tmp_path`` in this process, never joined to a bus (its
-    handlers and liveness listeners are called directly, and what it publishes is dropped); each one still open
-    is closed at teardown."""
+def env_server(tmp_path: Path) -> Iterator[EnvServers]:
+    """``env_server(clock, wall=None)``: a durable env server on ``tmp_path`` in this process, never joined to a
+    bus (its handlers and liveness listeners are called directly, and what it publishes is dropped), timing on
+    ``clock`` and journaling graces' ends on ``wall`` (None: ``time.time``); each one still open is closed at
+    teardown."""
     made: list[NodeRuntime] = []
 
-    def make(clock: _Clock) -> EnvServer:
+    def make(clock: _Clock, wall: _Clock | None = None) -> EnvServer:
         runtime = NodeRuntime("env-server", RuntimeSettings(node_id="env-0", metrics_port=-1))
         made.append(runtime)
         runtime.publish = lambda body: 0  # type: ignore[method-assign]
-        return EnvServer(runtime, EnvServerSettings(budget_bytes=BUDGET, handover_lease_s=600.0),
-                         restart_grace_s=GRACE_S, clock=clock,
-                         store=StoreSettings(directory=str(tmp_path), run="run-a"))
+        env = EnvServer(runtime, EnvServerSettings(budget_bytes=BUDGET, handover_lease_s=600.0),
+                        restart_grace_s=GRACE_S, clock=clock,
+                        store=StoreSettings(directory=str(tmp_path), run="run-a"))
+        if wall is not None:
+            assert env.journal is not None
+            env.journal.wall_clock = wall
+        return env
 
     yield make
     for runtime in made:
@@ -751,9 +821,18 @@ def _claim(env: EnvServer, blob_ids: list[str]) -> None:
     assert sorted(env._on_claim(claim).blob_ids) == sorted(blob_ids)
 
 
+def _killed_and_restarted(env: EnvServer, env_server: EnvServers, clock: _Clock,
+                          wall: _Clock | None = None) -> EnvServer:
+    """``env``'s process killed (its store stays, its lock let go) and the next one started on its store."""
+    assert env.journal is not None
+    env.journal.close(remove=False)
+    env.runtime.close()
+    return env_server(clock, wall)
+
+
 @pytest.mark.parametrize("then", ["no-restart", "restart-gone", "restart-live"])
 def test_a_restarted_holder_that_died_in_its_grace_gets_a_fresh_one_that_a_store_restart_resumes(
-        env_server: Callable[[_Clock], EnvServer], then: str) -> None:
+        env_server: EnvServers, then: str) -> None:
     """Process A of a holder dies holding two blobs; its restarted process B claims one back and a new one within
     A's grace, and is reported down too: a fresh grace starts, journaled. At its end all three are reclaimed (B
     is gone for good), by this store or by one restarted in that grace, which resumes it with nothing claimed
@@ -774,10 +853,7 @@ def test_a_restarted_holder_that_died_in_its_grace_gets_a_fresh_one_that_a_store
     _claim(env, [held[0], new])
     env._on_node_down(down, b)
     if then != "no-restart":
-        assert env.journal is not None
-        env.journal.close(remove=False)  # killed: the store stays for the next process
-        env.runtime.close()
-        env = env_server(clock)
+        env = _killed_and_restarted(env, env_server, clock)
         env._holders_gone([b] if then == "restart-live" else [])
     clock.now += GRACE_S
     env._reclaim()
@@ -787,7 +863,7 @@ def test_a_restarted_holder_that_died_in_its_grace_gets_a_fresh_one_that_a_store
 
 
 def test_a_hand_over_the_orchestrator_repeats_for_a_dead_rank_is_reclaimed_with_the_ranks_blobs(
-        env_server: Callable[[_Clock], EnvServer]) -> None:
+        env_server: EnvServers) -> None:
     """The orchestrator repeats a rank's ``reference`` on the rank's answer, which may come after the rank was
     reported down (it took a step and died before its own event went out). The repeat moves the blobs to the
     rank, so its grace's end reclaims them; it does not make them the restarted incarnation's, which never knew
@@ -819,3 +895,45 @@ def test_a_hand_over_the_orchestrator_repeats_for_a_dead_rank_is_reclaimed_with_
     stats = env.stats()
     assert (stats.reclaimed, stats.held_by) == ({"trainer-0": 1}, {"trainer-0": 1}), stats
     assert env.keeper.fetch(new_step, "trainer-0").arrays.keys() == set(new_step)
+
+
+LEAST_S = GRACE_S * MIN_RESUMED_GRACE_SHARE
+
+
+@pytest.mark.parametrize(("restarts", "left", "earlier_build"), [
+    pytest.param([(2.0, 0.0)], GRACE_S - 2.0, False, id="resumed"),
+    pytest.param([(2.0, 0.0), (1.0, 0.0)], GRACE_S - 3.0, False, id="resumed-twice"),
+    pytest.param([(2.0, -3600.0)], GRACE_S, False, id="wall-clock-set-back"),
+    pytest.param([(2.0, 3600.0)], LEAST_S, False, id="wall-clock-set-forward"),
+    pytest.param([(GRACE_S + 2.0, 0.0)], LEAST_S, False, id="restarted-past-its-end"),
+    pytest.param([(2.0, 0.0)], GRACE_S, True, id="earlier-builds-record"),
+])
+def test_a_store_restarted_in_a_holders_grace_resumes_what_is_left_of_it(
+        env_server: EnvServers, restarts: list[tuple[float, float]], left: float, earlier_build: bool) -> None:
+    """A holder of two blobs is reported down; the store's process is killed and restarted (``restarts``: each
+    after that many seconds, its wall clock set that far off besides), and the last one reclaims both blobs
+    ``left`` seconds after its start: what was left of the grace by the wall clock; a whole grace at most (a wall
+    clock set back), a share of one at least (set forward, or the store dead past the grace's end); a whole grace
+    for a record an earlier build wrote (``earlier_build``), without its end. Before, each restart gave the grace
+    whole again."""
+    clock, wall = _Clock(), _Clock(WALL)
+    env = env_server(clock, wall)
+    held = [ref.blob_id for ref in env.keep("ep-held", [random_arrays(5, seed=1), random_arrays(6, seed=2)])]
+    _claim(env, held)
+    if earlier_build:
+        assert env.journal is not None
+        env.journal.store.commit({"op": "holder-down", "holder": "orch", "inc": ["h", 1, 1.0]})
+    else:
+        gone = NodeInfo(node_id="orch", role="orchestrator", host="h", pid=1, started=1.0)
+        env._on_node_down(NodeDown(node_id="orch", role="orchestrator", reason="timeout", last_seen=0.0), gone)
+    for elapsed, off in restarts:
+        clock.now += elapsed
+        wall.now += elapsed + off
+        env = _killed_and_restarted(env, env_server, clock, wall)
+        env._holders_gone([])
+    clock.now += left - 0.25
+    env._reclaim()
+    assert env.stats().reclaimed == {}
+    clock.now += 0.25
+    env._reclaim()
+    assert (env.stats().reclaimed, env.stats().held_by) == ({"orch": 2}, {})

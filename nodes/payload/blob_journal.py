@@ -13,13 +13,15 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
 ``violation``   ``n`` violations of ``action`` refused (the ledger's counters stay exact)
 ``counters``    a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
 ``holder-down`` ``holder`` was reported down (``inc``: the incarnation that went down, host, pid and start
-                time, or null), a grace starting: its blobs are reclaimed once it ends, by this process or a
-                restarted one. One for a holder already down (another incarnation, a restarted one that died
-                in the grace) starts a fresh grace with nothing claimed again, cutting the earlier one short
+                time, or null), a grace starting: its blobs are reclaimed once it ends (``until``: when, on the
+                wall clock, ``time.time()``), by this process or a restarted one, which gives what is left of
+                it (:func:`resumed_grace`). One for a holder already down (another incarnation, a restarted
+                one that died in the grace) starts a fresh grace with nothing claimed again, cutting the
+                earlier one short. Records of earlier builds have no ``until``: their grace is given whole
 ``again``       blob ids ``holder``, reported down and in its grace, claimed again (its restarted
                 incarnation's: a restarted store resuming the grace keeps them for it)
 ``holder-back`` ``holder`` came back as the incarnation its last ``holder-down`` named: the grace that record
-                cut short resumes, with what was claimed again in either
+                cut short resumes, with its end and what was claimed again in either
 ``holder-settled`` ``holder``'s grace ended (what it had not claimed again was reclaimed) or it came back as
                 the same process: nothing is left to resume for it
 ``holder-seen`` the process ``holder`` was (``inc``) when it took blobs here, written when that changes: a
@@ -33,6 +35,11 @@ Segments no committed ``keep`` names (a keep cut off before its commit flag) are
 *aborted*: that keep was never acknowledged, so its run failed and is sent again. Deleted ids keep their
 tombstones, so a repeated delete by the same holder across the restart is answered, not refused.
 
+A holder record (``holder-down``, ``again``, ``holder-back``, ``holder-settled``, ``holder-seen``) whose fields do
+not parse (a ``holder-down`` whose ``until`` is not a finite number of seconds since the epoch, say) is skipped,
+as if never written, and the rest of the journal replayed: these records only decide which of a dead holder's
+blobs are reclaimed, and when.
+
 Not thread-safe: the env server calls it under its keeper lock, except :meth:`BlobJournal.write`.
 """
 
@@ -41,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,6 +59,15 @@ from ...protocol.messages import EpisodeFinished, Violation
 from ..store.durable import DurableStore, Segment, StoreFull
 from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
 
+# A grace a restarted store resumes is never shorter than this share of a whole one. The holder's restarted
+# incarnation may have tried to claim back while this store was dead, and those claims failed: it sends them
+# again, re-located, once it learns of the restarted process (StoreRestarts: every 0.1 s, for a whole grace
+# after its first send). That takes the process's node-up through the broker, for a claim left pending against
+# the dead process the end of its request attempt (requests.timeout_s, 2 s by default), then the resend and
+# its answer. A share of the grace, not a fixed time, so it scales with what the operator gave holders to come
+# back and never exceeds it: a quarter is 2.5 s at the default 10 s, room for that, while a restart lengthens a
+# grace only when it comes in its last quarter or after its end, and then to a quarter grace past that restart.
+MIN_RESUMED_GRACE_SHARE = 0.25
 COMPACT_MIN_RECORDS = 4096  # records since the last compaction before one is due (DurableStore.compact_due)
 IDS_PER_RECORD = 65_536  # blob ids in one claim, move or drop record, at most (ids are under 256 bytes)
 
@@ -68,24 +84,30 @@ class Readoption:
     damaged: str
     seconds: float
     holders_down: Mapping[str, tuple[str, int, float] | None]  # holder -> the incarnation reported down
+    # holder reported down -> when its grace ends, wall clock (None: a record of an earlier build, without it)
+    grace_ends: Mapping[str, float | None]
     claimed_again: Mapping[str, frozenset[str]]  # holder reported down -> blob ids it claimed again since
     holders_seen: Mapping[str, tuple[str, int, float]]  # holder -> the incarnation that took blobs here last
     # holder reported down as another incarnation within a grace -> the grace that cut short: the incarnation
-    # reported down before and what was claimed again in it
-    earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, frozenset[str]]]
+    # reported down before, what was claimed again in it and when it ends (as ``grace_ends``)
+    earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, frozenset[str], float | None]]
 
 
 class BlobJournal:
-    """Commits a keeper's changes to ``store`` (see the module doc)."""
+    """Commits a keeper's changes to ``store`` (see the module doc). ``wall_clock``: the clock a grace's end is
+    journaled on (``time.time``: it must mean the same to the next process, maybe after a reboot, which a
+    monotonic clock does not)."""
 
-    def __init__(self, store: DurableStore) -> None:
+    def __init__(self, store: DurableStore, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.wall_clock = wall_clock
         self._layouts: dict[str, dict[str, Any]] = {}  # live blob id -> its committed layout (names its segment)
         # Holders reported down whose reclaim is still to come, and what each claimed again since (kept through
         # compactions); for one reported down again as another incarnation, the grace that cut short.
         self.holders_down: dict[str, tuple[str, int, float] | None] = {}
         self.claimed_again: dict[str, set[str]] = {}
-        self.earlier_down: dict[str, tuple[tuple[str, int, float] | None, set[str]]] = {}
+        self.grace_ends: dict[str, float | None] = {}  # wall clock; None: replayed from a record without one
+        self.earlier_down: dict[str, tuple[tuple[str, int, float] | None, set[str], float | None]] = {}
         self.holders_seen: dict[str, tuple[str, int, float]] = {}
 
     # --- writing (any thread) -----------------------------------------------------------------------
@@ -141,12 +163,13 @@ class BlobJournal:
             self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
                               if blob_id in self._layouts)
 
-    def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
+    def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None, grace_s: float) -> None:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown), a grace
-        starting (:meth:`~.keeper.Keeper.holder_down`): its first, or a fresh one that cuts short the grace of
-        the incarnation reported down before."""
-        self._went_down(holder, incarnation)
-        self.store.commit(_holder_record("holder-down", holder, incarnation))
+        of ``grace_s`` from now starting (:meth:`~.keeper.Keeper.holder_down`): its first, or a fresh one that
+        cuts short the grace of the incarnation reported down before. Its end is journaled on the wall clock."""
+        until = self.wall_clock() + grace_s
+        self._went_down(holder, incarnation, until)
+        self.store.commit(_down_record(holder, incarnation, until))
 
     def holder_seen(self, holder: str, incarnation: tuple[str, int, float]) -> bool:
         """``holder`` is process ``incarnation`` as it takes blobs here: committed when that changed (True)."""
@@ -192,7 +215,7 @@ class BlobJournal:
         held = keeper.claimed()
         self.holders_seen = {holder: seen for holder, seen in self.holders_seen.items() if holder in held}
         self.store.compact(_snapshot(keeper, held, self._layouts, self.holders_down, self.claimed_again,
-                                     self.earlier_down, self.holders_seen))
+                                     self.grace_ends, self.earlier_down, self.holders_seen))
 
     def close(self, *, remove: bool) -> None:
         self.store.close(remove=remove)
@@ -233,7 +256,7 @@ class BlobJournal:
                 keeper.violations[record["action"]] += record["n"]
             elif op == "counters":
                 keeper.restore_counters(record["kept"], record["deleted"], record["violations"], record["reclaimed"])
-            elif op == "holder-down" and (down := _holder_incarnation(record)) is not None:
+            elif op == "holder-down" and (down := _holder_down(record)) is not None:
                 self._went_down(*down)
             elif op == "holder-seen" and (seen := _holder_incarnation(record)) is not None and seen[1] is not None:
                 self.holders_seen[seen[0]] = seen[1]
@@ -253,31 +276,49 @@ class BlobJournal:
         if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
             self.compact(keeper)
         return Readoption(keeper.blobs_held, keeper.bytes_held, broken, len(aborted), replay.damaged,
-                          time.perf_counter() - started, dict(self.holders_down),
+                          time.perf_counter() - started, dict(self.holders_down), dict(self.grace_ends),
                           {holder: frozenset(ids) for holder, ids in self.claimed_again.items()},
                           dict(self.holders_seen),
-                          {holder: (down, frozenset(ids)) for holder, (down, ids) in self.earlier_down.items()})
+                          {holder: (down, frozenset(ids), until)
+                           for holder, (down, ids, until) in self.earlier_down.items()})
 
     # --- holders down: the state a live change and its replay share ----------------------------------
 
-    def _went_down(self, holder: str, incarnation: tuple[str, int, float] | None) -> None:
-        """A grace starts with nothing claimed again; a holder already down keeps the grace this one cuts short
-        (only that one: see :meth:`~.keeper.Keeper.holder_down`)."""
+    def _went_down(self, holder: str, incarnation: tuple[str, int, float] | None, until: float | None) -> None:
+        """A grace ending at ``until`` (wall clock; None: unknown) starts with nothing claimed again; a holder
+        already down keeps the grace this one cuts short (only that one: see :meth:`~.keeper.Keeper.holder_down`)."""
         if holder in self.holders_down:
-            self.earlier_down[holder] = (self.holders_down[holder], self.claimed_again[holder])
+            self.earlier_down[holder] = (self.holders_down[holder], self.claimed_again[holder],
+                                         self.grace_ends[holder])
         self.holders_down[holder] = incarnation
         self.claimed_again[holder] = set()
+        self.grace_ends[holder] = until
 
     def _came_back(self, holder: str) -> None:
-        """The grace ``holder``'s last report cut short resumes, with what was claimed again in either."""
-        incarnation, again = self.earlier_down.pop(holder)
+        """The grace ``holder``'s last report cut short resumes, with its end and what was claimed again in
+        either."""
+        incarnation, again, until = self.earlier_down.pop(holder)
         self.holders_down[holder] = incarnation
         self.claimed_again[holder] = again | self.claimed_again[holder]
+        self.grace_ends[holder] = until
 
     def _settled(self, holder: str) -> None:
         self.holders_down.pop(holder, None)
         self.claimed_again.pop(holder, None)
+        self.grace_ends.pop(holder, None)
         self.earlier_down.pop(holder, None)
+
+
+def resumed_grace(until: float | None, now: float, grace_s: float) -> float:
+    """The grace a restarted store gives a holder whose journaled grace ends at ``until`` (wall clock, as
+    ``now``): what is left of it, at most ``grace_s`` (a wall clock set back since the record was written must
+    not lengthen it past a whole grace from now) and at least :data:`MIN_RESUMED_GRACE_SHARE` of ``grace_s``
+    (past its end, or a clock set forward: the holder gets a last chance to claim back what its claims failed
+    to while the store was dead). ``until`` None (a record of an earlier build): the whole grace, as those
+    builds gave it."""
+    if until is None:
+        return grace_s
+    return min(grace_s, max(grace_s * MIN_RESUMED_GRACE_SHARE, until - now))
 
 
 def _layout(blob_id: str, branch: PackedBranch) -> dict[str, Any]:
@@ -336,6 +377,30 @@ def _holder_record(op: str, holder: str, incarnation: tuple[str, int, float] | N
     return {"op": op, "holder": holder, "inc": list(incarnation) if incarnation else None}
 
 
+def _down_record(holder: str, incarnation: tuple[str, int, float] | None, until: float | None) -> dict[str, Any]:
+    """A ``holder-down`` record; one whose end is unknown (replayed from an earlier build's) is written without
+    ``until`` again, so it still replays as such."""
+    record = _holder_record("holder-down", holder, incarnation)
+    if until is not None:
+        record["until"] = until
+    return record
+
+
+def _holder_down(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None, float | None] | None:
+    """A ``holder-down`` record's (holder, incarnation, end of its grace on the wall clock: None for a record of
+    an earlier build, which has no ``until``); None for one whose fields do not parse, ``until`` included (a
+    bool, or not a finite number of seconds since the epoch): skipped, as :func:`_holder_incarnation` says."""
+    down = _holder_incarnation(record)
+    if down is None:
+        return None
+    if "until" not in record:
+        return (*down, None)
+    until = record["until"]
+    if isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until) or until < 0:
+        return None
+    return (*down, float(until))
+
+
 def _holder_incarnation(record: Mapping[str, Any]) -> tuple[str, tuple[str, int, float] | None] | None:
     """A ``holder-down`` or ``holder-seen`` record's (holder, incarnation); None for one whose fields do not
     parse (either only decides whether a dead holder's blobs are reclaimed: skipped, they stay with their
@@ -363,13 +428,14 @@ def _claimed_again(record: Mapping[str, Any]) -> tuple[str, list[str]] | None:
 def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping[str, dict[str, Any]],
               holders_down: Mapping[str, tuple[str, int, float] | None],
               claimed_again: Mapping[str, set[str]],
-              earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, set[str]]],
+              grace_ends: Mapping[str, float | None],
+              earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, set[str], float | None]],
               holders_seen: Mapping[str, tuple[str, int, float]]) -> Iterator[dict[str, Any]]:
     """The keeper's state as journal records: live blobs with their holders (``holders``: its
     :meth:`~.keeper.Keeper.claimed`), records, tombstones, totals, holders reported down that still hold blobs
-    here, with what each claimed again (after the grace a later report cut short, as they replay), and the
-    process each holder was when it last took blobs here (``holders_seen``: pruned to ``holders`` by the
-    caller)."""
+    here, with what each claimed again and when its grace ends (after the grace a later report cut short, as they
+    replay), and the process each holder was when it last took blobs here (``holders_seen``: pruned to
+    ``holders`` by the caller)."""
     episodes: dict[str, list[dict[str, Any]]] = {}
     for blob_id, episode_id, _, _ in keeper.blobs():
         episodes.setdefault(episode_id, []).append(layouts[blob_id])
@@ -388,8 +454,8 @@ def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping
     for holder, incarnation in holders_down.items():
         if holder in holders:
             graces = [earlier_down[holder]] if holder in earlier_down else []
-            for down, again in [*graces, (incarnation, claimed_again.get(holder, set()))]:
-                yield _holder_record("holder-down", holder, down)
+            for down, again, until in [*graces, (incarnation, claimed_again.get(holder, set()), grace_ends[holder])]:
+                yield _down_record(holder, down, until)
                 for ids in _runs(sorted(again.intersection(holders[holder]))):
                     yield {"op": "again", "ids": ids, "holder": holder}
 

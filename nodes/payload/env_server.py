@@ -124,7 +124,7 @@ from ...protocol.messages import (
 from ..config import Config
 from ..settings import EnvServerSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
-from .blob_journal import BlobJournal, Readoption
+from .blob_journal import BlobJournal, Readoption, resumed_grace
 from .branch import Branch
 from .episodes import EpisodeRunner
 from .keeper import (
@@ -179,7 +179,8 @@ class EnvServer:
     labels the node with its source, tracks peers (``runtime.track_peers()``) and ``reference`` events,
     sets the heartbeat status, lease and reclaim timers, a shutdown hook and its metrics (exposed while the
     runtime serves metrics). ``restart_grace_s`` (``node.restart_grace_s``): how long a holder reported down
-    has to come back before what it holds is deleted.
+    has to come back before what it holds is deleted. ``clock`` times leases and graces in this process (a
+    durable store journals a grace's end on the wall clock too: :class:`~.blob_journal.BlobJournal`).
 
     Threads: :meth:`keep` and :meth:`discard` may be called from any thread; the keeper is behind a lock
     and events are published on the loop thread only.
@@ -295,17 +296,22 @@ class EnvServer:
         """Node-downs this store heard before it died are in its journal; those it missed while dead show in
         the registry (``listed``: its live nodes): a holder it lacks, or one live as another process than the
         one that last took blobs here (the journal's ``holder-seen``: it restarted while this store was dead).
-        Each such holder of re-adopted blobs is taken down as a ``node-down`` would (the grace it would have
-        had, from now), then, when it is live, up as a ``node-up`` would: back as the same process it keeps
+        Each such holder of re-adopted blobs is taken down as a ``node-down`` would, then, when it is live, up as
+        a ``node-up`` would. One the journal records down gets what is left of the grace recorded, its deadline
+        (:func:`~.blob_journal.resumed_grace`: at most a whole grace, at least a share of one, so a holder whose
+        claims failed while this store was dead can send them again); any other the whole grace, from now: the
+        grace it would have had. Back as the same process it keeps
         everything, a restarted incarnation what it claimed again, before this store's restart (the journal's
         ``again``) or after (what it claimed or was handed over before this check included). A holder recorded
         down a second time (its restarted incarnation died in the grace) gets the grace that report cut short
         first, then the fresh one, as the node-downs gave them. A holder whose grace ended before
         (``holder-settled``) is not recorded and, live as the process seen last (or none recorded), left alone.
         Without this, a holder that died around this store's own restart kept its blobs here until the store
-        shut down."""
+        shut down; and before graces were resumed from their deadline, every restart of this store within a
+        holder's grace gave it whole again."""
         found = self.readoption
         recorded = found.holders_down if found is not None else {}
+        grace_ends = found.grace_ends if found is not None else {}
         seen = found.holders_seen if found is not None else {}
         cut_short = found.earlier_down if found is not None else {}
         live = {node.node_id: node for node in listed}
@@ -320,11 +326,13 @@ class EnvServer:
             again = set(found.claimed_again.get(holder, ())) if found else set()
             since = taken_since.get(holder, set())
             if holder in cut_short:  # under the fresh grace, the one it cut short: it resumes if that process is back
-                earlier, earlier_again = cut_short[holder]
+                earlier, earlier_again, earlier_end = cut_short[holder]
                 with self._lock:
-                    self.keeper.holder_down(holder, self.restart_grace_s, process=earlier, claimed_again=earlier_again)
-            if not self._holder_down(holder, went_down, journal=holder not in recorded,
-                                     claimed_again=again | since):
+                    self.keeper.holder_down(holder, self._resumed_grace(earlier_end), process=earlier,
+                                            claimed_again=earlier_again)
+            grace_s = self._resumed_grace(grace_ends.get(holder))
+            if not self._holder_down(holder, went_down, journal=holder not in recorded, claimed_again=again | since,
+                                     grace_s=grace_s):
                 continue
             if since and self.journal is not None:  # so a second restart within this grace keeps them too
                 with self._lock:
@@ -336,8 +344,14 @@ class EnvServer:
             if still_down:
                 given += 1
                 log.warning("holder.down_at_restart", holder=holder, live=holder in live,
-                            grace_s=self.restart_grace_s)
+                            grace_s=round(grace_s, 3))
         log.info("store.holders_checked", holders=len(holders), down_at_restart=given)
+
+    def _resumed_grace(self, until: float | None) -> float:
+        """The grace to give at this store's restart for one journaled to end at ``until`` (wall clock; None:
+        none journaled, a whole grace from now)."""
+        assert self.journal is not None  # only a restarted durable store resumes graces
+        return resumed_grace(until, self.journal.wall_clock(), self.restart_grace_s)
 
     # --- the embedding API (any thread) -------------------------------------------------------------
 
@@ -568,20 +582,21 @@ class EnvServer:
             log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
 
     def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool,
-                     claimed_again: Iterable[str] = ()) -> bool:
+                     claimed_again: Iterable[str] = (), grace_s: float | None = None) -> bool:
         """``holder`` (its process ``went_down``, None when unknown) is down: unless it is back as that same
-        process within the grace, what it holds here is reclaimed, except what its restarted incarnation claims
+        process within the grace (``grace_s`` from now, by default ``restart_grace_s``; less for one this store
+        resumes at its restart), what it holds here is reclaimed, except what its restarted incarnation claims
         again (``claimed_again``: what it did before this store restarted). A repeated report of the process
         recorded keeps its grace; one of another process (a restarted incarnation that died in the grace) starts
-        the grace afresh (:meth:`Keeper.holder_down`). ``journal``: record a grace that starts, so a restart of
-        this store resumes it. False when it holds nothing here."""
+        the grace afresh (:meth:`Keeper.holder_down`). ``journal``: record a grace that starts, with its end,
+        so a restart of this store resumes what is left of it. False when it holds nothing here."""
+        grace_s = self.restart_grace_s if grace_s is None else grace_s
         with self._lock:
             if not self.keeper.holds(holder):
                 return False
-            started = self.keeper.holder_down(holder, self.restart_grace_s, process=went_down,
-                                              claimed_again=claimed_again)
+            started = self.keeper.holder_down(holder, grace_s, process=went_down, claimed_again=claimed_again)
             if started and journal and self.journal is not None:
-                self.journal.holder_down(holder, went_down)
+                self.journal.holder_down(holder, went_down, grace_s)
         return True
 
     def _seen(self, holder: str, info: NodeInfo | None = None) -> None:
