@@ -307,8 +307,11 @@ class Ledger:
                       error=f"a violation's count must be an integer from 1 to {self.max_count} (limits.max_items, "
                       "the most ids one request can name): its violations are not counted")
             return
-        if key in self.stores and self.stores[key].counts(seq):
-            self.stores[key].violations += count
+        # The store's entry is made here too: a refusal may be a restarted process's first event, and the
+        # fold must count it for the store's own count of it to agree.
+        store = self._store(key)
+        if store.counts(seq):
+            store.violations += count
         what = record["blob_id"] if count == 1 else f"{count} blobs ({record['blob_id']} first)"
         self._violation(f"{key[0]} refused {record['action']} of {what} by {record['holder']} "
                         f"(owner {record['owner'] or '?'}): {record['detail']}", count)

@@ -233,9 +233,9 @@ def test_a_store_back_from_a_cut_that_deletes_a_lost_blob_itself_counts_it_once(
     assert again.violations == ["orch deleted a again (first deleted by trainer-0)"]
 
 
-def _seq(records: list[dict], src: str, start: int = 1) -> list[dict]:
+def _seq(records: list[dict], src: str, start: int = 1, incarnation: str = INCARNATION) -> list[dict]:
     """``records`` as one source's stream: src, consecutive seq from ``start``, ids of one incarnation."""
-    return [{**r, "src": src, "seq": start + i, "id": f"{INCARNATION}-{start + i:x}"} for i, r in enumerate(records)]
+    return [{**r, "src": src, "seq": start + i, "id": f"{incarnation}-{start + i:x}"} for i, r in enumerate(records)]
 
 
 STORE_STREAM = _seq([
@@ -398,6 +398,27 @@ def test_a_violation_event_counts_its_ids_as_the_store_does() -> None:
     account = {**ACCOUNT, "seq": 7, "violations": {"delete": 50_001}}
     assert ledger.reconcile("env-0", INCARNATION, account, final=False) == "agreed"
     assert "violations=50001" in format_report(ledger.report())
+
+
+@pytest.mark.parametrize("violation_first", [True, False], ids=["violation first", "delete first"])
+def test_a_violation_that_is_a_restarted_stores_first_event_counts_once(violation_first: bool) -> None:
+    """The restarted process of a durable store refuses a second delete before anything else it publishes: the
+    fold counts the refusal under that process, so its counters (going on from the journal) agree, and the
+    violation is reported once."""
+    first = _seq([{"type": "episode-finished", "refs": [_ref("d", "env-1"), _ref("e", "env-1")]},
+                  {"type": "claim", "holder": "orch", "blob_ids": ["d", "e"]},
+                  {"type": "delete", "holder": "orch", "reason": "filtered", "blob_ids": ["d"]}], "env-1", 1, "p1")
+    violation = {"type": "violation", "blob_id": "d", "action": "delete", "holder": "orch", "owner": "orch",
+                 "detail": "already deleted", "count": 1}
+    delete = {"type": "delete", "holder": "orch", "reason": "filtered", "blob_ids": ["e"]}
+    restarted = _seq([violation, delete] if violation_first else [delete, violation], "env-1", 1, "p2")
+    ledger = _run([_store_up("s1"), *first, {"type": "node-down", "node_id": "env-1", "reason": "replaced"},
+                   _store_up("s1"), *restarted])
+    account = {"seq": 2, "kept": 2, "deleted": {"filtered": 2}, "held": 0, "violations": {"delete": 1}}
+    assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
+    report = ledger.report()
+    assert report.violations == ["env-1 refused delete of d by orch (owner orch): already deleted"]
+    assert report.totals()["violations"] == 1
 
 
 def test_violations_a_store_counted_that_the_stream_missed_count_once_in_ids() -> None:
