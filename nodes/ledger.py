@@ -35,16 +35,19 @@ The ledger replays ownership moves as the stream mirrors them:
   already publish): a store incarnation seen first after the last ``node-up`` was taken is the process the
   next ``node-up`` announces, so the account does not depend on that order;
 * ``run-end`` — the launcher finished the run: what is then still held by anyone but its store is a leak
-  (named by the store's own counters where they corrected the fold).
+  (named by the store's own view by claimer, read when reconciled, where events of that store process went
+  missing or the fold names other holders: a lost claim moves no count, so counters that agree do not
+  show it).
 
 The accounting contract: ``kept = deleted + held + lost`` exactly, per store and in total, where
 ``deleted`` counts reasons outside :data:`LOSS_REASONS`. Stores are the authority: each env server counts
 what it kept, deleted (by reason) and holds, and reports it with the sequence number of its last published
 event (``accounts`` → ``accounted``). The ledger keeps the same counters per store incarnation from that
-store's own events and finds gaps itself (per source, from sequence numbers). :meth:`Ledger.reconcile`
+store's own events and finds gaps itself (per source process, from sequence numbers). :meth:`Ledger.reconcile`
 compares a store's counters with the fold at the store's sequence number: equal is *agreed*; different (a
 gap, an event that never made it) is *corrected*: the store's counters replace the fold's from then on.
-What neither can vouch for — a store with missing events whose counters could not be read (it died), or
+What neither can vouch for — a store process with missing events whose counters could not be read (it died;
+a restart that re-adopted its durable store counts on from it, so its counters vouch for it), or
 events missing from other sources while blobs are still held or lost — is listed as *unaccounted*, and the
 report is then not ok.
 
@@ -107,7 +110,7 @@ class _Store:
     covered: int = 0  # events with seq <= covered are in adopted counters: they move blobs, not counts
     down: bool = False  # reported down and not heard from since its node came back
     reconciled: str = ""  # "", "agreed", or what the correction changed
-    held_by: dict[str, int] | None = None  # a corrected store's own view (by claimer) of what it holds
+    held_by: dict[str, int] | None = None  # a reconciled store's own view by claimer (unclaimed: its node id)
 
     @property
     def held(self) -> int:
@@ -204,7 +207,9 @@ class Ledger:
         self.violated = 0  # blob ids covered by ``violations``
         self.refused: Counter[str] = Counter()  # source -> violation events refused for their count
         self.lost_by: Counter[str] = Counter()  # holder-down losses by the holder (UNKNOWN: blob not seen)
-        self.missed: Counter[str] = Counter()
+        # (source, incarnation) -> events missing from the stream: a store is reconciled per process, so a
+        # gap is vouched for only by the counters of the process that published around it
+        self.missed: Counter[tuple[str, str]] = Counter()
         self.unverified = 0  # deletes by a node not shown as the owner, after events went missing
         # blob id -> (deleter, owner, reason): deleted by a node before its reference to the blob was folded
         self.awaiting_reference: dict[str, tuple[str, str, str]] = {}
@@ -265,23 +270,33 @@ class Ledger:
 
     def _held_at_end(self) -> Counter[str]:
         """Holder -> blobs it holds as the run ends, a store's own unclaimed blobs left out. Per live store, as
-        :meth:`report` names its holders: the fold's owners, or, where the stream missed moves of a corrected
-        store (the fold holds another count than the store's own), the store's own view by claimer. A store
-        killed after deleting blobs but before publishing those deletes said so in its counters; the fold
-        alone would name their last holder for ever."""
+        :meth:`report` names its holders: the fold's owners, or the store's own view by claimer where
+        :meth:`_own_view` says it wins. A store killed after deleting blobs but before publishing those
+        deletes said so in its counters, a claim lost from the stream moved no count: the fold alone would
+        name the last holder it saw for ever."""
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():
-            by_key[blob.key][blob.owner if blob.stage > 0 else ""] += 1
+            by_key[blob.key][blob.owner] += 1
         held: Counter[str] = Counter()
         for key, store in self.stores.items():
             if store.down:
                 continue
-            owners = by_key.get(key, Counter())
-            if owners.total() != store.held and store.held_by is not None \
-                    and sum(store.held_by.values()) == store.held:
-                owners = Counter({h: n for h, n in store.held_by.items() if h != store.node_id})
-            held.update({holder: n for holder, n in owners.items() if holder})
+            owners = self._own_view(key, store, by_key.get(key, Counter()))
+            held.update({holder: n for holder, n in owners.items() if holder != store.node_id})
         return +held
+
+    def _own_view(self, key: tuple[str, str], store: _Store, owners: Counter[str]) -> Counter[str]:
+        """Who holds the blobs of store incarnation ``key``: the fold's ``owners`` (by owner, the store itself
+        by its node id), or the store's own view by claimer where it was read, still adds up to what the
+        store holds, and the fold cannot vouch for its owners: events of that process went missing (a lost
+        claim moves no count, so even counters that agree say nothing of who holds what) or the fold names
+        other holders than the store does."""
+        view = store.held_by
+        if view is None or sum(view.values()) != store.held:
+            return owners
+        if self.missed[key] or +owners != Counter(view):
+            return Counter(view)
+        return owners
 
     def apply_message(self, message: Message) -> None:
         """Fold one decoded event: :meth:`apply` on the fields the ledger reads only (an episode's ``info``
@@ -325,9 +340,9 @@ class Ledger:
         if last is not None and last[0] == incarnation:
             if seq <= last[1]:
                 return False
-            self.missed[src] += seq - last[1] - 1
+            self.missed[src, incarnation] += seq - last[1] - 1
         else:
-            self.missed[src] += seq - 1  # a source seen first mid-stream: what came before is missing
+            self.missed[src, incarnation] += seq - 1  # a source seen first mid-stream: what came before is missing
         self._last[src] = (incarnation, seq)
         return True
 
@@ -395,6 +410,7 @@ class Ledger:
         if earlier is None:
             return
         old = self.stores.pop(earlier)
+        self.missed[key] += self.missed.pop(earlier, 0)  # the re-adopted counters go on, so they vouch for them
         store.kept += old.kept
         store.deleted.update(old.deleted)
         store.violations += old.violations
@@ -423,14 +439,18 @@ class Ledger:
         store = self._store(key)
         deleted = Counter({r: n for r, n in account.get("deleted", {}).items() if n})
         violations = sum(account.get("violations", {}).values())
+        held_by = {h or node_id: n for h, n in account.get("held_by", {}).items() if n}
         same = store.kept == account["kept"] and store.deleted == deleted and store.violations == violations
         if same and seen == seq:
             store.reconciled = store.reconciled or "agreed"
+            # Kept even so: a lost claim or reference moves no count, so agreeing counters say nothing of
+            # who holds what.
+            store.held_by = held_by
             return "agreed"
         if seen < seq and not final:
             return "behind"
         if seen < seq:
-            self.missed[node_id] += seq - seen
+            self.missed[key] += seq - seen
             self._last[node_id] = (incarnation, seq)
         if violations > store.violations:
             self._violation(f"{node_id} counted {violations - store.violations} violations the stream did not show",
@@ -439,7 +459,7 @@ class Ledger:
                             f"violations={store.violations}, store kept={account['kept']} deleted={deleted.total()} "
                             f"violations={violations}")
         store.kept, store.deleted, store.violations = account["kept"], deleted, violations
-        store.held_by = {h or node_id: n for h, n in account.get("held_by", {}).items() if n}
+        store.held_by = held_by
         store.covered = seq
         return "corrected"
 
@@ -448,8 +468,11 @@ class Ledger:
     def report(self) -> LedgerReport:
         early = [f"{deleter} deleted {blob_id} owned by {owner} ({reason}; no reference by {deleter} folded)"
                  for blob_id, (deleter, owner, reason) in self.awaiting_reference.items()]
+        missed: Counter[str] = Counter()
+        for (src, _), n in self.missed.items():
+            missed[src] += n
         report = LedgerReport(violations=[*self.violations, *early], violated=self.violated + len(early),
-                              refused=+self.refused, missed=+self.missed, ended=self.ended,
+                              refused=+self.refused, missed=+missed, ended=self.ended,
                               held_at_end=+self.held_at_end)
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():
@@ -460,14 +483,13 @@ class Ledger:
             report.deleted[node].update({r: n for r, n in store.deleted.items() if r not in LOSS_REASONS})
             if store.reconciled:
                 report.reconciled[node] = store.reconciled
-            held = by_key.get(key, Counter())
+            held = self._own_view(key, store, by_key.get(key, Counter()))
             report.lost[node] += store.deleted[LOST]
             if store.down:
                 report.lost[node] += store.held
                 continue
-            if held.total() != store.held:  # the stream missed moves of this store: its own view wins
-                held = Counter(store.held_by) if store.held_by is not None and store.held_by and \
-                    sum(store.held_by.values()) == store.held else Counter({UNKNOWN: store.held})
+            if held.total() != store.held:  # the stream missed moves of this store, and its own view is not read
+                held = Counter({UNKNOWN: store.held})
             report.held[node].update(+held)
             for holder, n in held.items():
                 if holder in self.down:
@@ -484,10 +506,11 @@ class Ledger:
         """What neither the stream nor a store vouches for."""
         lines = []
         store_nodes = {key[0] for key in self.stores}
-        for (node, _), store in sorted(self.stores.items()):
-            if self.missed[node] and not store.reconciled:
-                lines.append(f"store {node}: {self.missed[node]} of its events missing from the stream and its "
-                             "counters not read: its figures are a lower bound")
+        for key, n in sorted(self.missed.items()):
+            store = self.stores.get(key)
+            if n and key[0] in store_nodes and not (store is not None and store.reconciled):
+                lines.append(f"store {key[0]}: {n} of its events missing from the stream and its counters not read: "
+                             "its figures are a lower bound")
         for src, n in sorted(self.refused.items()):
             lines.append(f"{src}: {n} violation events refused for their count (not an integer from 1 to "
                          f"{self.max_count}): the violations they report are not counted")
@@ -496,8 +519,8 @@ class Ledger:
                          "went missing: a violation cannot be told from a missed hand-over")
         totals = report.totals()
         if totals["held"] or totals["lost"]:
-            for src, n in sorted(self.missed.items()):
-                if n and src not in store_nodes:
+            for src, n in sorted(report.missed.items()):
+                if src not in store_nodes:
                     lines.append(f"{src}: {n} events missing from the stream: who holds or lost the "
                                  f"{totals['held'] + totals['lost']} blobs not deleted may be misnamed")
             if report.lost.get(UNKNOWN) or any(UNKNOWN in h for h in report.held.values()):

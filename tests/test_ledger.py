@@ -624,6 +624,77 @@ def test_claims_a_restarted_store_publishes_again_move_only_what_the_fold_missed
     assert _run(restarted([delete_f])).report().violations == ["orch deleted f owned by env-1 (late)"]
 
 
+def test_a_claim_lost_from_the_stream_leaves_its_holder_held_at_run_end_though_the_counters_agree() -> None:
+    """env-0's claim of a and b by the orchestrator never arrived (a gap no replay filled) and the orchestrator's
+    shutdown delete failed: it still holds them at run end. A claim moves no count, so the store's counters
+    agree with the fold, which still shows them as the store's own: the store's view by claimer names the
+    holder, and the run is not ok."""
+    stream = _seq([{"type": "episode-finished", "refs": [_ref("a"), _ref("b")]},
+                   {"type": "claim", "holder": "orch", "blob_ids": ["a", "b"]},
+                   {"type": "episode-finished", "refs": [_ref("c")]},
+                   {"type": "delete", "holder": "env-0", "reason": "undelivered", "blob_ids": ["c"]}], "env-0")
+    account = {"seq": 4, "kept": 3, "deleted": {"undelivered": 1}, "held": 2, "held_by": {"orch": 2},
+               "violations": {}}
+    run_end = {"type": "run-end", "reason": "done", "steps": 1}
+    for lost_claim in (False, True):
+        ledger = _run([stream[0], *stream[2 if lost_claim else 1:]])
+        assert ledger.reconcile("env-0", INCARNATION, account, final=False) == "agreed"
+        ledger.apply(run_end)
+        report = ledger.report()
+        assert report.missed == ({"env-0": 1} if lost_claim else {})
+        assert report.held_at_end == {"orch": 2} and report.held["env-0"] == {"orch": 2} and not report.ok
+
+
+def _process(incarnation: str, records: list[dict], lost: int = 0) -> list[dict]:
+    """One non-durable process of env-0 as the stream shows it: its node-up and ``records`` (seq from 1), but
+    for the one with seq ``lost``, lost from the stream."""
+    stream = _seq(records, "env-0", 1, incarnation)
+    return [{"type": "node-up", "node": {"node_id": "env-0"}}, *(e for e in stream if e["seq"] != lost)]
+
+
+def _kept(blob_id: str, store: str = "env-0") -> dict:
+    return {"type": "episode-finished", "refs": [_ref(blob_id, store)]}
+
+
+def _dropped(blob_id: str) -> dict:
+    return {"type": "delete", "holder": "env-0", "reason": "undelivered", "blob_ids": [blob_id]}
+
+
+def test_events_missing_are_vouched_for_by_the_counters_of_the_process_that_published_them() -> None:
+    """store.durable off: env-0's first process p1 publishes everything it did and is killed holding nothing;
+    its restart p2 has one event no replay recovered, and p2's counters, read at the end, correct the fold.
+    The gap was p2's, so p1 needs no counters of its own: the run is ok. A gap in p1's stream is another
+    matter: p1's counters died with it."""
+    down = {"type": "node-down", "node_id": "env-0", "reason": "timeout"}
+    p2_account = {"seq": 3, "kept": 2, "deleted": {"undelivered": 1}, "held": 1, "held_by": {"": 1},
+                  "violations": {}}
+    ledger = _run([*_process("p1", [_kept("a"), _dropped("a")]), down,
+                   *_process("p2", [_kept("b"), _kept("c"), _dropped("b")], lost=2)])
+    assert ledger.reconcile("env-0", "p2", p2_account, final=False) == "corrected"
+    report = ledger.report()
+    assert report.missed == {"env-0": 1} and report.unaccounted == [] and report.ok, report
+
+    ledger = _run([*_process("p1", [_kept("a"), _kept("z"), _dropped("a")], lost=2), down,
+                   *_process("p2", [_kept("b"), _kept("c"), _dropped("b")])])
+    assert ledger.reconcile("env-0", "p2", p2_account, final=False) == "agreed"
+    assert ledger.report().unaccounted == ["store env-0: 1 of its events missing from the stream and its counters "
+                                           "not read: its figures are a lower bound"]
+
+
+def test_a_gap_before_a_restart_is_vouched_for_by_the_process_that_readopted_the_store() -> None:
+    """With a durable store the restarted process's counters go on from the journal: they cover its earlier
+    process's events too, missing ones included."""
+    first = _seq([_kept("d", "env-1"), {"type": "claim", "holder": "orch", "blob_ids": ["d"]}, _kept("e", "env-1")],
+                 "env-1", 1, "p1")
+    ledger = _run([_store_up("s1"), first[0], first[2], {"type": "node-down", "node_id": "env-1", "reason": "killed"},
+                   _store_up("s1"), *_seq([_kept("f", "env-1")], "env-1", 1, "p2")])
+    assert "store env-1: 1 of its events missing" in ledger.report().unaccounted[0]
+    account = {"seq": 1, "kept": 3, "deleted": {}, "held": 3, "held_by": {"": 2, "orch": 1}, "violations": {}}
+    assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
+    report = ledger.report()
+    assert report.unaccounted == [] and report.held["env-1"] == {"env-1": 2, "orch": 1}, report
+
+
 def test_a_fresh_store_under_the_same_node_id_does_not_continue_the_dead_one() -> None:
     report = _run([*READOPTED[:4], _store_up("s2"), {"type": "episode-finished", "src": "env-1", "id": "p2-1",
                                                       "seq": 1, "refs": [_ref("x", "env-1")]}]).report()
