@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from .errors import ArrayError, ChecksumMismatch
+from .errors import ArrayError, ChecksumMismatch, shown
 
 EXT_NUMPY = 1
 EXT_TORCH = 2
@@ -111,7 +111,7 @@ def dtype_width(name: str) -> int:
         return _NUMPY_BY_NAME[name].itemsize
     if name in _TORCH_ONLY_WIDTH:
         return _TORCH_ONLY_WIDTH[name]
-    raise ArrayError(f"unknown dtype {name!r}")
+    raise ArrayError(f"unknown dtype {shown(name)}")
 
 
 class Hashed:
@@ -262,6 +262,9 @@ class ArrayUnpacker:
             dtype, shape, index, digest = _DESCRIPTOR.decode(data)
         except msgspec.MsgspecError as exc:
             raise ArrayError(f"bad array descriptor: {exc}") from None
+        # The dtype first: the messages below name it, and only a known name may reach them.
+        np_dtype = _NUMPY_BY_NAME.get(dtype)
+        width = np_dtype.itemsize if np_dtype is not None else dtype_width(dtype)
         buffers, used = self._buffers, self._used
         if not 0 <= index < len(buffers):
             raise ArrayError(f"descriptor points at buffer frame {index}, message has {len(buffers)}")
@@ -281,8 +284,7 @@ class ArrayUnpacker:
         used.add(index)
         buffer = buffers[index]
         view = memoryview(buffer)
-        np_dtype = _NUMPY_BY_NAME.get(dtype)
-        expected = elements * (np_dtype.itemsize if np_dtype is not None else dtype_width(dtype))
+        expected = elements * width
         if view.nbytes != expected:
             raise ArrayError(
                 f"buffer frame {index} holds {view.nbytes} bytes, {dtype}{list(shape)} needs {expected}"

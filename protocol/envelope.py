@@ -56,6 +56,7 @@ from .errors import (
     SchemaError,
     UnknownKind,
     VersionMismatch,
+    shown,
 )
 from .messages import KINDS, Body, Sync
 
@@ -271,6 +272,8 @@ class WireCodec:
                 f"expected at least {MIN_FRAMES} frames [kind, header, body, *buffers] or one frame "
                 f"kind ‖ 0x00 ‖ len(header) ‖ header ‖ body, got {len(frames)}"
             )
+        elif len(first) > MAX_KIND_BYTES:  # refused before anything else is read, and never quoted whole
+            raise MalformedMessage(f"kind frame is {len(first)} bytes, limit {MAX_KIND_BYTES}: {shown(first)}")
         else:
             parts = frames
             raw_kind = first
@@ -278,7 +281,7 @@ class WireCodec:
         header = self.read_header(parts[1], kind=kind)
         _check_version(header, kind)
         if known and kind not in KINDS:
-            raise UnknownKind(f"unknown message kind {kind!r} from {header.src!r}", kind=kind)
+            raise UnknownKind(f"unknown message kind {shown(kind)} from {header.src!r}", kind=kind)
         signed = frames[:-1] if header.signed else frames
         limits = self.limits
         if one_frame:
@@ -374,7 +377,7 @@ class WireCodec:
             raise MessageTooLarge(f"batch is {len(first)} bytes, limit {self._max_one_frame_body}", kind=kind)
         if self._secret:
             if len(frames) != 2:
-                raise BadSignature(f"batch of {kind!r} without its MAC frame on a signed bus", kind=kind)
+                raise BadSignature(f"batch of {shown(kind)} without its MAC frame on a signed bus", kind=kind)
             self._verify_mac(frames[:1], frames[1], "(a batch)", kind)
         payload = memoryview(first)[mark + 1 :]
         if len(payload) > limits.max_items:
@@ -395,7 +398,7 @@ class WireCodec:
             _check_version(header, kind)
         lead = events[0][0]
         if known and kind not in KINDS:
-            raise UnknownKind(f"unknown message kind {kind!r} from {lead.src!r}", kind=kind)
+            raise UnknownKind(f"unknown message kind {shown(kind)} from {lead.src!r}", kind=kind)
         prefix = incarnation(lead.id) + "-"
         if any(header.src != lead.src or header.signed != lead.signed or not header.id.startswith(prefix)
                for header, _ in events):
@@ -409,7 +412,7 @@ class WireCodec:
             try:
                 kind = raw_kind.decode("ascii")
             except UnicodeDecodeError:
-                raise MalformedMessage(f"kind frame is not ASCII: {raw_kind[:32]!r}") from None
+                raise MalformedMessage(f"kind frame is not ASCII: {shown(raw_kind)}") from None
         return kind
 
     def peek_id(self, frames: Sequence[Buffer]) -> str:

@@ -6,20 +6,40 @@ metric label) and a message that says what was wrong and where (frame, field, si
 
 from __future__ import annotations
 
+SHOWN_CHARS = 48  # of a value a peer sent (a kind, a dtype, a field), what an error or a log line quotes
+MAX_DETAIL_CHARS = 1024  # of an error's text, what is kept (a library's message may quote a value whole)
+
+
+def shown(value: str | bytes, limit: int = SHOWN_CHARS) -> str:
+    """``value``, something a peer sent, as error texts and logs quote it: its repr, of its first ``limit``
+    characters only, with its whole length when it is cut. What a peer sends is bounded by the body limit,
+    not by what an error should carry: quoting it whole would make every error reply and log line as large
+    as the request that provoked it."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})"
+
 
 class ProtocolError(Exception):
-    """Base of all wire errors. ``code`` is stable and short; ``str(err)`` is for humans."""
+    """Base of all wire errors. ``code`` is stable and short; ``str(err)`` is for humans. The text is kept to
+    ``MAX_DETAIL_CHARS`` (a decoder's message may quote a value whole); the kind, which may be one a peer
+    made up, shows as :func:`shown` does unless it is short and printable."""
 
     code = "protocol"
 
     def __init__(self, message: str, *, kind: str | None = None) -> None:
+        if len(message) > MAX_DETAIL_CHARS:
+            message = f"{message[:MAX_DETAIL_CHARS]}... ({len(message)} characters)"
         self.kind = kind
         self.detail = message
         super().__init__(message)
 
     def __str__(self) -> str:
         # Built at render time: the decoder learns the kind after some errors are raised.
-        return f"{self.kind}: {self.detail}" if self.kind else self.detail
+        kind = self.kind
+        if not kind:
+            return self.detail
+        return f"{kind if len(kind) <= SHOWN_CHARS and kind.isprintable() else shown(kind)}: {self.detail}"
 
 
 class MalformedMessage(ProtocolError):

@@ -318,6 +318,20 @@ def test_dtype_width_and_checksum() -> None:
     assert checksum(b"abc") != checksum(b"abd")
 
 
+@pytest.mark.parametrize("shape", [[1], [1] * 40, [-1], [1 << 62, 1 << 62]], ids=["fits", "deep", "negative", "huge"])
+def test_an_unknown_dtype_is_refused_first_and_quoted_short(shape: list[int]) -> None:
+    """Regression: a descriptor's dtype was quoted whole (a 4 MiB name, a 4 MiB error), and the shape checks
+    named it before it was known to be a dtype at all."""
+    name = "A" * (4 << 20)
+    codec = WireCodec("receiver")
+    descriptor = msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode([name, shape, 0, checksum(b"a")]))
+    frames = [b"blobs", *WireCodec("sender").encode(Blobs([]))[1:2],
+              msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": descriptor}}]}), b"a"]
+    with pytest.raises(ArrayError) as info:
+        codec.decode(frames)
+    assert str(info.value) == f"blobs: unknown dtype '{'A' * 48}'... ({len(name)} characters)"
+
+
 def test_a_hashed_array_travels_with_the_checksum_its_sender_gave_and_the_receiver_still_verifies_it() -> None:
     array = np.arange(4096, dtype=np.uint8).reshape(64, 64)
     frames = pack(Hashed(array, checksum(array.tobytes())))

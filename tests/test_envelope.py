@@ -22,6 +22,7 @@ from fuzz_support import mutate
 from refbus.protocol import errors
 from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum
 from refbus.protocol.envelope import (
+    MAX_KIND_BYTES,
     MIN_FRAMES,
     PROTOCOL_VERSION,
     Header,
@@ -32,6 +33,8 @@ from refbus.protocol.envelope import (
     describe,
 )
 from refbus.protocol.errors import (
+    MAX_DETAIL_CHARS,
+    SHOWN_CHARS,
     ArrayError,
     BadSignature,
     ChecksumMismatch,
@@ -41,6 +44,7 @@ from refbus.protocol.errors import (
     SchemaError,
     UnknownKind,
     VersionMismatch,
+    shown,
 )
 from refbus.protocol.messages import (
     KINDS,
@@ -254,6 +258,35 @@ def test_unknown_kind_names_it_and_its_source() -> None:
                  match="^teleport: unknown message kind 'teleport' from 'env-7'$")
     assert err.kind == "teleport"
     raises(UnknownKind, [b"", header_bytes(), body_bytes()], match="unknown message kind ''")
+
+
+@pytest.mark.parametrize("secret", [b"", b"cluster-secret"], ids=["plain", "signed"])
+def test_a_kind_frame_over_the_limit_is_refused_malformed_before_anything_else_and_quoted_short(secret: bytes) -> None:
+    """Regression: the multi-frame form's kind had no length limit; a 4 MiB kind went on to the kind, header
+    and MAC checks and its ``unknown-kind`` error quoted it whole (a reply three times its size)."""
+    codec = WireCodec("receiver", secret=secret)
+    for kind in (b"k" * (MAX_KIND_BYTES + 1), b"k" * (4 << 20)):
+        # No MAC, an undecodable header: the length is the first thing refused.
+        err = raises(MalformedMessage, [kind, b"\xc1", body_bytes()], codec=codec,
+                     match=rf"^kind frame is {len(kind)} bytes, limit {MAX_KIND_BYTES}: b'k{{48}}'\.\.\. "
+                           rf"\({len(kind)} bytes\)$")
+        assert err.kind is None
+    # At the limit, a kind is read as before (and quoted short).
+    err = raises(UnknownKind, [b"k" * MAX_KIND_BYTES, header_bytes(), body_bytes()],
+                 match=r"unknown message kind 'k{48}'\.\.\. \(256 characters\) from 'sender'$")
+    assert len(str(err)) < 200
+
+
+def test_error_texts_quote_what_a_peer_sent_short() -> None:
+    """A kind a peer made up, or a library's message quoting a value whole, never makes an error text large."""
+    assert shown("dtype") == "'dtype'"
+    assert shown("A" * 100) == f"'{'A' * SHOWN_CHARS}'... (100 characters)"
+    assert shown(b"\x00" * 100) == f"{bytes(SHOWN_CHARS)!r}... (100 bytes)"
+    assert str(UnknownKind("x", kind="tele\nport")) == "'tele\\nport': x"  # not printable: quoted
+    assert str(UnknownKind("x", kind="k" * 100)) == f"{shown('k' * 100)}: x"
+    long_enum = raises(SchemaError, [b"sync", header_bytes(), body_bytes(token="t", path="p" * (1 << 20))],
+                       match=r"^sync: Invalid enum value 'p+\.\.\. \(\d+ characters\)$")
+    assert len(long_enum.detail) < MAX_DETAIL_CHARS + 40
 
 
 @pytest.mark.parametrize("major", [PROTOCOL_VERSION[0] + 1, PROTOCOL_VERSION[0] + 40, PROTOCOL_VERSION[0] - 1])

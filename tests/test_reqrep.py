@@ -284,6 +284,37 @@ def test_descriptor_with_an_impossible_shape_gets_an_error_reply(
     assert clients(srv.endpoint).request(DELETE).kind == "ok"
 
 
+def test_errors_about_what_a_peer_sent_quote_it_short_so_a_large_request_never_gets_a_large_reply(
+    serve: Any, clients: Any, raw_dealer: Any
+) -> None:
+    """Regression: a 4 MiB kind frame sent without a MAC to a signed server was answered ``unknown-kind`` with
+    the kind three times over (12 MiB: message and ``request_kind``), and a 4 MiB dtype name came back whole
+    in an ``array`` error; both went to the log whole too."""
+    secret = b"cluster-secret"
+    handlers = Counting()
+    srv = serve(handlers.setup, secret=secret)
+    dealer = raw_dealer(srv.endpoint)
+    replies = WireCodec("reply-reader", secret=secret)
+    big = 4 << 20
+
+    dealer.send_multipart([b"k" * big, raw_header(), b"\x80"])
+    kind_error = recv_message(dealer, replies)
+    assert (kind_error.body.code, kind_error.body.request_kind) == ("malformed", "")
+    assert kind_error.body.message.startswith(f"kind frame is {big} bytes, limit 256: b'kkk")
+    descriptor = msgspec.msgpack.Ext(EXT_NUMPY, msgspec.msgpack.encode(["A" * big, [1], 0, checksum(b"a")]))
+    body = msgspec.msgpack.encode({"blobs": [{"blob_id": "b", "arrays": {"x": descriptor}}]})
+    frames = [b"blobs", raw_header(id="raw-2", signed=True), body, b"a"]
+    dealer.send_multipart([*frames, WireCodec("raw-client", secret=secret)._mac(frames)])
+    dtype_error = recv_message(dealer, replies)
+    assert (dtype_error.body.code, dtype_error.body.request_kind) == ("array", "blobs")
+    assert dtype_error.body.message == f"blobs: unknown dtype '{'A' * 48}'... ({big} characters)"
+    for reply in (kind_error, dtype_error):
+        assert len(reply.body.message) < 200
+    assert srv.server.rejected == Counter({"malformed": 1, "array": 1})
+    dealer.send_multipart(WireCodec("raw-client", secret=secret).encode(DELETE, msg_id="raw-3"))
+    assert recv_message(dealer, replies).body.detail == "deleted b1 #1"  # and it keeps serving
+
+
 # --- the one-frame form -------------------------------------------------------------------------------
 
 
