@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 import structlog
 import zmq
 
+from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import BatchItem, Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
@@ -222,6 +223,11 @@ class Subscriber:
     forgotten but not its latest incarnation goes on from its last number; a source forgotten altogether
     starts a new baseline at its next event, like one never seen (not a restart: its ring history is not
     delivered again). Its lost events stay in :attr:`lost_total`.
+
+    ``backend`` rebuilds the arrays in events (see :class:`~refbus.protocol.codec.ArrayUnpacker`): ``numpy`` by
+    default, whatever library a publisher tagged them with, so that no publisher can make a subscribing process
+    import torch (the orchestrator and env servers must never load it); ``native`` or ``torch`` only for a role
+    that wants tensors and runs torch anyway. A ``fill`` must decode what it recovers with the same backend.
     """
 
     def __init__(
@@ -232,6 +238,7 @@ class Subscriber:
         fill: Fill | None = None,
         kinds: frozenset[str] | None = None,
         topics: frozenset[str] | None = None,
+        backend: ArrayBackend = "numpy",
     ) -> None:
         if topics is not None and (kinds is None or not kinds <= topics):
             raise ValueError(f"delivered kinds {sorted(kinds or ())} must be within the topics {sorted(topics)}")
@@ -240,6 +247,7 @@ class Subscriber:
         self.fill = fill
         self.kinds = kinds
         self.topics = topics
+        self.backend: ArrayBackend = backend
         self.outside_topics = 0  # events a fill answered with kinds outside ``topics`` (see the class doc)
         self.last_seq: dict[str, int] = {}
         # Each source's latest incarnation, least recently seen first (an event of any of its incarnations
@@ -348,7 +356,7 @@ class Subscriber:
             if not self._track(header.src, header.seq, incarnation(header.id), live):
                 return
             if self.kinds is None or kind in self.kinds:
-                self._ready.append(codec.decode_body(checked))
+                self._ready.append(codec.decode_body(checked, self.backend))
         except ProtocolError as exc:
             self.rejected[exc.code] += 1
             log.warning("event.rejected", code=exc.code, error=str(exc))

@@ -401,7 +401,7 @@ class NodeRuntime:
 
     def subscribe(
         self, handler: Callable[[Message], None], *, kinds: frozenset[str] | None = None, since: int | None = None,
-        topics: frozenset[str] | None = None,
+        topics: frozenset[str] | None = None, backend: ArrayBackend = "numpy",
     ) -> Subscriber:
         """Deliver events (of ``kinds``, default all) to ``handler`` in per-source order, gaps filled from
         the broker's ring.
@@ -410,7 +410,9 @@ class NodeRuntime:
         without loss or duplicates. With ``topics`` (a superset of ``kinds``), the broker sends this
         subscription only events of those kinds (and ``sync`` probes): every kind that the sources of
         ``kinds`` publish must be in it, or their sequence gaps cannot be told (see
-        :class:`~refbus.bus.pubsub.Subscriber`). Subscriptions become live during :meth:`run`'s start-up.
+        :class:`~refbus.bus.pubsub.Subscriber`). ``backend`` rebuilds the arrays in events, live, replayed and
+        filled: numpy unless a role that runs torch asks for tensors, so no publisher can make this node import
+        torch. Subscriptions become live during :meth:`run`'s start-up.
         """
         sock = make_socket(self.ctx, zmq.SUB, options=self.event_options)
         for topic in sorted(topics) if topics is not None else [""]:
@@ -418,7 +420,11 @@ class NodeRuntime:
         if topics is not None:
             sock.setsockopt(zmq.SUBSCRIBE, Sync.kind.encode())  # the liveness handshake and stream tails
         self._owned.append(sock)
-        subscriber = Subscriber(sock, self.codec, fill=self.replay_range, kinds=kinds, topics=topics)
+
+        def fill(src: str, incarnation: str, first: int, last: int) -> list[Message]:
+            return self.replay_range(src, incarnation, first, last, backend=backend)
+
+        subscriber = Subscriber(sock, self.codec, fill=fill, kinds=kinds, topics=topics, backend=backend)
         self._subscriptions.append((subscriber, handler, since))
         return subscriber
 
@@ -515,7 +521,7 @@ class NodeRuntime:
 
     def replay(
         self, *, since: int = 0, src: str = "", until: int | None = None, incarnation: str = "",
-        deadline_s: float | None = None,
+        deadline_s: float | None = None, backend: ArrayBackend = "numpy",
     ) -> list[Message]:
         """Events from the broker's replay ring with ``since <= seq`` (and ``<= until`` when given; with one
         ``src`` this stops paging once every number up to ``until`` was found), decoded, in ring order except
@@ -523,7 +529,8 @@ class NodeRuntime:
         ones). Pages through the ring by its cursor. ``incarnation`` keeps only that sender incarnation's
         events (a restarted source reuses numbers). Blocks: each page's request under the runtime's retry
         policy, or, with ``deadline_s``, under a short one fitted to what is left of it, so the whole replay
-        ends within ``deadline_s`` (:class:`RequestTimeout` otherwise)."""
+        ends within ``deadline_s`` (:class:`RequestTimeout` otherwise). ``backend`` rebuilds the events' arrays
+        (see :meth:`subscribe`)."""
         broker = self.broker()
         events: list[Message] = []
         found: set[int] = set()  # numbers since..until seen (with one src): all of them ends the paging
@@ -539,7 +546,7 @@ class NodeRuntime:
             reply = broker.request(Replay(since=since, src=src, cursor=cursor), policy=policy)
             page = reply.body
             assert isinstance(page, Replayed)
-            for message in self._ring_events(page.events):
+            for message in self._ring_events(page.events, backend):
                 if message.header.seq < since:  # the earlier events of a batch the ring selected
                     continue
                 if not incarnation or envelope_incarnation(message.header.id) == incarnation:
@@ -550,13 +557,13 @@ class NodeRuntime:
             if not page.more or (until is not None and src and len(found) > until - since):
                 return in_source_order([e for e in events if until is None or e.header.seq <= until])
 
-    def _ring_events(self, entries: list[ReplayedEvent]) -> Iterator[Message]:
+    def _ring_events(self, entries: list[ReplayedEvent], backend: ArrayBackend) -> Iterator[Message]:
         """Each event of the ring's messages, decoded (a batch gives all of its own); a message that fails its
         checks is logged and skipped, never the others."""
         codec = self.codec
         for entry in entries:
             try:
-                yield from codec.decode_batch(entry.frames) or [codec.decode(entry.frames)]
+                yield from codec.decode_batch(entry.frames) or [codec.decode(entry.frames, backend=backend)]
             except ProtocolError as exc:
                 log.warning("replay.rejected", code=exc.code, error=str(exc))
 
@@ -570,7 +577,8 @@ class NodeRuntime:
         timeout once joined, of the heartbeat interval before."""
         return FILL_SHARE * (self.welcome.node_timeout if self.welcome else self.settings.heartbeat_interval_s)
 
-    def replay_range(self, src: str, incarnation: str, first: int, last: int) -> list[Message]:
+    def replay_range(self, src: str, incarnation: str, first: int, last: int, *,
+                     backend: ArrayBackend = "numpy") -> list[Message]:
         """Gap fill for subscribers: the ring's events ``first..last`` of ``src``'s ``incarnation``. It runs on
         the loop thread, so all the fills of one loop turn (several gaps at once, e.g. after a queue overflowed)
         end within one :meth:`fill_deadline_s`; a fill outside the loop gets one of its own. A broker that does
@@ -584,7 +592,8 @@ class NodeRuntime:
                         detail="this loop turn's gap fills used their time: the gap is counted lost")
             return []
         try:
-            return self.replay(since=first, src=src, until=last, incarnation=incarnation, deadline_s=left)
+            return self.replay(since=first, src=src, until=last, incarnation=incarnation, deadline_s=left,
+                               backend=backend)
         except (RequestTimeout, RemoteError, OSError) as exc:
             log.warning("replay.failed", src=src, first=first, last=last, error=str(exc))
             return []
@@ -1126,22 +1135,22 @@ class NodeRuntime:
                     while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
                         subscriber.drain_one()
             if since is not None:
-                for event in self._replay_by(since, replay_by):
+                for event in self._replay_by(since, replay_by, subscriber.backend):
                     subscriber.offer(event)
         finally:
             subscriber.forget_token(token)
             subscriber.release()
 
-    def _replay_by(self, since: int, end: float | None) -> list[Message]:
+    def _replay_by(self, since: int, end: float | None, backend: ArrayBackend) -> list[Message]:
         """The ring's events with ``seq >= since`` (each source); with ``end`` (monotonic), only what a replay
         that ends by then brings, nothing (logged) when it does not."""
         if end is None:
-            return self.replay(since=since)
+            return self.replay(since=since, backend=backend)
         left = end - time.monotonic()
         error = "the replays of this resumption used their time"
         if left > 0:
             try:
-                return self.replay(since=since, deadline_s=left)
+                return self.replay(since=since, deadline_s=left, backend=backend)
             except (RequestTimeout, RemoteError, OSError) as exc:
                 error = str(exc)
         log.warning("replay.resume_failed", since=since, error=error,

@@ -8,6 +8,7 @@ PUB socket (to skip, repeat or corrupt sequence numbers).
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -705,6 +706,65 @@ def test_event_arrays_view_the_received_frame(stream: Any) -> None:
     assert isinstance(message.buffers[0], zmq.Frame)
     assert np.shares_memory(array, np.frombuffer(message.buffers[0], dtype=np.uint8))
     assert array.flags.writeable
+
+
+TORCH_TAGGED = """
+import json, sys, threading, time
+import msgspec, zmq
+from refbus.bus.pubsub import Subscriber
+from refbus.bus.reqrep import Server
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import EVENT_OPTIONS, bound_endpoint, make_socket
+from refbus.protocol.codec import EXT_TORCH, checksum
+from refbus.protocol.envelope import PROTOCOL_VERSION, WireCodec
+from refbus.protocol.messages import EpisodeFinished, Replayed, ReplayedEvent, Sync
+
+def event(seq):  # an episode-finished whose info holds a 1-byte array its sender tagged torch
+    header = msgspec.msgpack.encode({"v": list(PROTOCOL_VERSION), "id": "evil-1", "src": "env-0", "seq": seq,
+                                     "ts": 0.0})
+    tagged = msgspec.msgpack.Ext(EXT_TORCH, msgspec.msgpack.encode(["uint8", [1], 0, checksum(b"\\0")]))
+    body = msgspec.msgpack.encode({"episode_id": "e", "source": "s", "refs": [], "info": {"x": tagged}})
+    return [b"episode-finished", header, body, b"\\0"]
+
+seen = {}
+ctx = zmq.Context()
+pub = make_socket(ctx, zmq.PUB, bind="tcp://127.0.0.1:0", options=EVENT_OPTIONS)
+sub = make_socket(ctx, zmq.SUB, connect=bound_endpoint(pub), options=EVENT_OPTIONS)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+subscriber = Subscriber(sub, WireCodec("orchestrator"), kinds=frozenset({EpisodeFinished.kind}))
+subscriber.expect("live")
+deadline = time.monotonic() + 10
+while "live" not in subscriber.tokens and time.monotonic() < deadline:  # the subscription reaches the PUB
+    pub.send_multipart(WireCodec("env-0").encode(Sync(token="live")))
+    subscriber.recv(20)
+pub.send_multipart(event(1))
+seen["live"] = type(subscriber.recv(10_000).body.info["x"]).__module__
+
+# What a runtime replays from the broker's ring (a gap fill, a --since merge) is decoded alike.
+router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+ring = Server(router, WireCodec("bus"))
+ring.on("replay", lambda _: Replayed(events=[ReplayedEvent(event(2))], more=False), cached=False)
+broker = threading.Thread(target=ring.handle_one)
+broker.start()
+runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=bound_endpoint(router), node_id="orchestrator",
+                                                      metrics_port=-1), register=False)
+(replayed,) = runtime.replay(since=2)
+broker.join()
+seen["replayed"] = type(replayed.body.info["x"]).__module__
+runtime.close()
+seen["torch"] = "torch" in sys.modules
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_an_event_whose_array_is_tagged_torch_never_makes_a_subscriber_import_torch() -> None:
+    """Regression: subscribers decoded events with the sender's library, so any publisher could make the
+    orchestrator (or an env server) import torch with one array tagged ext code 2. In a fresh interpreter
+    (this one may have torch loaded): the event arrives live and from the ring, its array is numpy, and torch
+    was never imported."""
+    child = subprocess.run([sys.executable, "-c", TORCH_TAGGED], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.splitlines()[-1]) == {"live": "numpy", "replayed": "numpy", "torch": False}
 
 
 # --- the lean path --------------------------------------------------------------------------------------
