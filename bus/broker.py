@@ -127,6 +127,17 @@ class _Member:
     token: str
     heard: float  # the broker's monotonic clock at the last hello or heartbeat: what liveness is judged on
     live: bool = False
+    size: int = 0  # bytes of ``info`` encoded: what it adds to a ``node-list`` answer
+
+
+# A ``node-list`` body besides its entries: its field names, the list's length prefix and ``omitted`` (about 25
+# bytes).
+NODE_LIST_BYTES = 64
+
+
+def _size(info: NodeInfo) -> int:
+    """Bytes of ``info`` encoded."""
+    return len(msgspec.msgpack.encode(info))
 
 
 Index = Callable[[list], "tuple[str, int] | None"]
@@ -474,7 +485,7 @@ class Broker:
         if old is not None and old.live and not same:
             self._remove(old, "replaced")
         live = same
-        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
+        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live, size=_size(node))
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()
         return Welcome(
@@ -527,6 +538,7 @@ class Broker:
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
+        member.size = _size(member.info)
         member.heard = self.clock()
         return Ok()
 
@@ -543,8 +555,23 @@ class Broker:
         ask = request.body
         assert isinstance(ask, Nodes)
         role = ask.role
-        infos = [m.info for m in self.members.values() if m.live and (not role or m.info.role == role)]
-        return NodeList(nodes=infos)
+        listed = [m for m in self.members.values() if m.live and (not role or m.info.role == role)]
+        budget = self.codec.limits.max_body_bytes - NODE_LIST_BYTES
+        if sum(m.size for m in listed) <= budget:
+            return NodeList(nodes=[m.info for m in listed])
+        # The schema bounds each entry, not how many there are: the smallest go first, so what nodes normally
+        # register (under 1 KB each) is always answered and only the largest entries are left out.
+        kept: set[str] = set()
+        for member in sorted(listed, key=lambda m: m.size):
+            if member.size > budget:
+                break
+            budget -= member.size
+            kept.add(member.info.node_id)
+        omitted = [m.info.node_id for m in listed if m.info.node_id not in kept]
+        log.warning("registry.list_cut", role=role, listed=len(kept), omitted=len(omitted), first_omitted=omitted[:8],
+                    detail=f"the live nodes' entries would not fit the {self.codec.limits.max_body_bytes}-byte body "
+                    "limit: the largest are left out of this answer")
+        return NodeList(nodes=[m.info for m in listed if m.info.node_id in kept], omitted=len(omitted))
 
     def _replay(self, request: Message) -> Body:
         ask = request.body

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import os
@@ -67,6 +68,8 @@ from ..protocol.envelope import SPOKEN_MAJORS, Limits, Message, WireCodec
 from ..protocol.envelope import incarnation as envelope_incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
+    MAX_KEY_CHARS,
+    MAX_NODE_ENTRIES,
     Body,
     Bye,
     Error,
@@ -302,7 +305,10 @@ class NodeRuntime:
         self.event_options = dataclasses.replace(EVENT_OPTIONS, curve=self.curve)
         self.endpoints: dict[str, str] = {}
         self.labels: dict[str, str] = {}
+        # The role's numbers for its heartbeats: at most MAX_NODE_ENTRIES, named in at most MAX_KEY_CHARS
+        # characters (what is over is left out: see _beat_status).
         self.status: Callable[[], dict[str, float]] = dict
+        self._status_cut = False  # _beat_status had to leave numbers out (logged once)
         self.started = time.time()
         self.metrics_url = ""
         self.welcome: Welcome | None = None
@@ -1218,8 +1224,25 @@ class NodeRuntime:
     def _heartbeat(self) -> None:
         # Not resent: the next heartbeat is due when this one's deadline passes.
         if self.control is not None and self.welcome is not None:
-            self.calls.request(self.settings.bus, Heartbeat(node_id=self.node_id, status=self.status()),
+            self.calls.request(self.settings.bus, Heartbeat(node_id=self.node_id, status=self._beat_status()),
                                self._on_heartbeat, deadline_s=self.welcome.heartbeat_interval, policy=SEND_ONCE)
+
+    def _beat_status(self) -> dict[str, float]:
+        """:attr:`status` as a heartbeat carries it, within the schema's bounds: numbers a role adds (an
+        orchestrator's prompt source reports its own) never get the heartbeat refused, which would have the node
+        reported down. What is over is left out (names too long, then the numbers past ``MAX_NODE_ENTRIES``),
+        logged once."""
+        status = self.status()
+        if len(status) <= MAX_NODE_ENTRIES and all(len(name) <= MAX_KEY_CHARS for name in status):
+            return status
+        named = ((name, value) for name, value in status.items() if len(name) <= MAX_KEY_CHARS)
+        fitted = dict(itertools.islice(named, MAX_NODE_ENTRIES))
+        if not self._status_cut:
+            self._status_cut = True
+            log.warning("heartbeat.status_cut", numbers=len(status), kept=len(fitted),
+                        detail=f"a heartbeat carries at most {MAX_NODE_ENTRIES} numbers named in at most "
+                        f"{MAX_KEY_CHARS} characters: the rest are not shown in the registry")
+        return fitted
 
     def _on_heartbeat(self, outcome: Outcome) -> None:
         if isinstance(outcome, RequestTimeout):

@@ -30,6 +30,15 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Major = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # a protocol major version
+MAX_KEY_CHARS = 256
+MAX_NODE_ENTRIES = 64
+"""Entries a node's ``endpoints``, ``labels`` and ``status`` each hold at most. With their keys and values
+bounded too, one registration is at most ~2.3 MB encoded (~0.6 MB in ASCII; real nodes: well under 1 KB), so
+what the broker keeps and answers per node is bounded whatever a node sends."""
+Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]  # a map key, a host name
+Text = Annotated[str, msgspec.Meta(max_length=4096)]  # an endpoint, a URL, a label's value
+Entries = Annotated[dict[Key, Text], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
+Readings = Annotated[dict[Key, float], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
 
 VIOLATION_SAMPLE = 16
 """Blob ids a ``violation`` event names at most (``sample``), however many its ``count`` says were refused."""
@@ -65,14 +74,14 @@ class NodeInfo(msgspec.Struct, frozen=True, omit_defaults=True):
 
     node_id: Name  # unique node id
     role: Name  # `bus`, `env-server`, `orchestrator`, `trainer`, ...
-    host: str  # host name the node runs on
+    host: Key  # host name the node runs on
     pid: NonNegative  # process id
-    endpoints: dict[str, str] = {}  # name -> endpoint it serves (`control`, `blobs`, ...)
-    labels: dict[str, str] = {}  # role facts peers select on: an env server's source, a trainer's rank
-    metrics: str = ""  # http://host:port/metrics, or "" when the node serves none
+    endpoints: Entries = {}  # name -> endpoint it serves (`control`, `blobs`, ...)
+    labels: Entries = {}  # role facts peers select on: an env server's source, a trainer's rank
+    metrics: Text = ""  # http://host:port/metrics, or "" when the node serves none
     started: float = 0.0  # wall-clock start time
     last_seen: float = 0.0  # wall-clock time of its last heartbeat
-    status: dict[str, float] = {}  # role numbers from its heartbeats
+    status: Readings = {}  # role numbers from its heartbeats
 
 
 class BlobRef(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -273,7 +282,7 @@ class Hello(Body, frozen=True):
 @register_kind("heartbeat")
 class Heartbeat(Body, frozen=True):
     node_id: Name  # the node
-    status: dict[str, float] = {}  # role numbers shown in the registry
+    status: Readings = {}  # role numbers shown in the registry
 
 
 @register_kind("bye")
@@ -284,7 +293,7 @@ class Bye(Body, frozen=True):
 
 @register_kind("nodes")
 class Nodes(Body, frozen=True):
-    role: str = ""  # "" lists every role
+    role: Key = ""  # "" lists every role
 
 
 @register_kind("replay")
@@ -429,6 +438,8 @@ class Ok(Body, frozen=True):
 @register_kind("node-list")
 class NodeList(Body, frozen=True):
     nodes: list[NodeInfo]  # the live nodes
+    # live nodes left out, the largest entries first, because the answer would not fit the body limit with them
+    omitted: NonNegative = 0
 
 
 @register_kind("replayed")

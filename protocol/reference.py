@@ -25,6 +25,10 @@ LEGEND = (
     ("NonNegative", "int ≥ 0"),
     ("Major", "int 0 to 65535: a protocol major version"),
     ("Positive", "int ≥ 1"),
+    ("Key", "str of at most 256 characters"),
+    ("Text", "str of at most 4,096 characters"),
+    ("Entries", "map of at most 64 `Key` → `Text` entries"),
+    ("Readings", "map of at most 64 `Key` → float entries"),
     ("Seconds", "float ≥ 0"),
     ("Array", "an array: a msgpack ext value (code 1 numpy, 2 torch) holding its descriptor; its bytes travel "
               "in a buffer frame (see **Arrays**)"),

@@ -1,7 +1,8 @@
 """The broker judges liveness on a monotonic clock: a wall-clock step (NTP, a VM resumed) expires no node and
 revives none; only time on the liveness clock does. On the same clock it gives up PUB handshakes whose probe
 never came. It tells a restarted process under the same node id by its incarnation, not its pid. What it reads
-before a liveness pass, and before a replay, is bounded. A real broker on loopback sockets, its clock injected."""
+before a liveness pass, and before a replay, is bounded, and so is what it keeps and answers of each node. A
+real broker on loopback sockets, its clock injected."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 import zmq
 from polling import wait_for
@@ -19,10 +21,23 @@ from refbus.bus import broker as bus_broker
 from refbus.bus import runtime as bus_runtime
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.forwarder import CAPTURE_HWM
-from refbus.bus.reqrep import Client, RetryPolicy
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Error, Heartbeat, Hello, NodeDown, NodeInfo, NodeUp, Ok, Sync, Welcome
+from refbus.bus.sockets import EVENT_OPTIONS, make_socket
+from refbus.protocol.envelope import Limits, Message, WireCodec
+from refbus.protocol.messages import (
+    Error,
+    Heartbeat,
+    Hello,
+    NodeDown,
+    NodeInfo,
+    NodeList,
+    Nodes,
+    NodeUp,
+    Ok,
+    Sync,
+    Welcome,
+)
 
 T = TypeVar("T")
 NODE_TIMEOUT_S = 1.0
@@ -319,3 +334,72 @@ def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch:
         assert readers["refbus_requests_total"]()[("sync",)] == 2.0
     finally:
         runtime.close()
+
+
+def test_oversized_registrations_are_refused_and_a_registry_answer_always_fits_the_body_limit() -> None:
+    """Regression: ``NodeInfo`` had no bounds, so two ``hello``s with ~9 MiB of labels each made every ``nodes``
+    answer larger than the body limit: refused, and every node's lookups failed while the sender heartbeated.
+    Now a registration or heartbeat over the schema's bounds is refused ``schema``; entries within them that
+    together would not fit are cut from the answer, the largest first (counted in ``omitted``), so a real
+    node's lookups keep working; and a runtime fits the status numbers a role adds to its heartbeats."""
+    limits = Limits(max_body_bytes=256 << 10)  # small, so that a few registrations within the bounds exceed it
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1, limits=limits), register=False)
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK,
+                                          node_timeout_s=60.0))
+    runtime.start_background()
+    control = runtime.endpoints["control"]
+    victim = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="victim", metrics_port=-1, limits=limits))
+    ctx = zmq.Context()
+    codec = WireCodec("fat", limits=limits)
+    client = Client(ctx, control, codec, policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    pub = make_socket(ctx, zmq.PUB, connect=runtime.endpoints["events_in"], options=EVENT_OPTIONS)
+    try:
+        victim.start()
+
+        def refused(body: Any) -> str:
+            with pytest.raises(RemoteError) as info:
+                client.request(body)
+            assert info.value.code == "schema", info.value
+            return info.value.detail
+
+        many = {f"k{i}": "v" for i in range(65)}  # a node's endpoints, labels and status hold 64 entries at most
+        assert "length <= 64 - at `$.node.labels`" in refused(
+            Hello(node=NodeInfo(node_id="fat-x", role="worker", host="h", pid=1, labels=many), token="t-x"))
+        assert "length <= 4096 - at `$.node.endpoints[...]`" in refused(
+            Hello(node=NodeInfo(node_id="fat-y", role="worker", host="h", pid=1, endpoints={"e": "x" * 4097}),
+                  token="t-y"))
+        assert "length <= 64 - at `$.status`" in refused(
+            Heartbeat(node_id="victim", status={name: 1.0 for name in many}))
+        assert on_loop(node, lambda: sorted(node.members)) == ["victim"]
+
+        # Five registrations within the bounds, ~64 KB each: together over the 256 KiB body limit. fat-0's
+        # entry is the largest.
+        for i in range(5):
+            labels = {f"label-{j}": ("x" if i else "y") * (4096 if i == 0 else 4000) for j in range(16)}
+            info = NodeInfo(node_id=f"fat-{i}", role="worker", host="h", pid=1, labels=labels)
+            assert isinstance(client.request(Hello(node=info, token=f"fat-{i}")).body, Welcome)
+
+        def all_live() -> bool:
+            for i in range(5):  # probes until the PUB's connection carries them
+                pub.send_multipart(codec.encode(Sync(token=f"fat-{i}"), one_frame=True))
+            return on_loop(node, lambda: sum(member.live for member in node.members.values())) == 6
+
+        wait_for(all_live, WAIT_S, "every registration live")
+        answer = client.request(Nodes()).body
+        assert isinstance(answer, NodeList)
+        listed = sorted(info.node_id for info in answer.nodes)
+        assert listed == ["fat-1", "fat-2", "fat-3", "fat-4", "victim"] and answer.omitted == 1, answer.omitted
+        assert len(msgspec.msgpack.encode(answer)) <= limits.max_body_bytes
+        nodes = victim.lookup("worker")  # a real node's lookup still works
+        assert nodes is not None and "victim" in {info.node_id for info in nodes}
+
+        victim.status = lambda: {**{f"n{i}": float(i) for i in range(100)}, "x" * 300: 1.0}
+        status = victim._beat_status()
+        assert status == {f"n{i}": float(i) for i in range(64)}
+        assert isinstance(victim.broker().request(Heartbeat(node_id="victim", status=status)).body, Ok)
+    finally:
+        pub.close()
+        client.close()
+        ctx.term()
+        victim.close()
+        runtime.join(WAIT_S)
