@@ -10,7 +10,13 @@ The ledger replays ownership moves as the stream mirrors them:
 * ``reference`` — a trainer rank (``holder``) owns them. The rank publishes it, and the store mirrors the
   rank's delete, so the broker may relay the delete first: a delete by a node other than the owner while the
   blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:
-  nothing was wrong); until it comes, the report lists the delete as a violation;
+  nothing was wrong); until it comes, the report lists the delete as a violation. A ``claim`` or
+  ``reference`` may also come before the blob's ``episode-finished`` (after a broker restart, each node's held
+  events reach the new ring when that node re-joins; a gap fill reorders alike): it waits for it, and moves the
+  blob then, in order (at most ``pending_moves`` blob ids per source wait; past that the oldest are dropped,
+  counted by source, and a delete they would explain is unverified). A delete relayed before the
+  ``episode-finished`` too ends the blob there: its waiting moves go, and the ``episode-finished`` counts it
+  kept in its store's counters without keeping it in the fold;
 * ``fetch-ack`` — a trainer fetched them. It says nothing about ownership: a fetch-ack means the store
   served the fetch, so before any delete there, whatever order the broker relays the two in (they come from
   different nodes); a fetch after a delete is refused by the store, which publishes the ``violation``;
@@ -59,7 +65,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -84,6 +90,9 @@ STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded", HOLDER_DOWN})
 RUN_END = "run-end"
 UNKNOWN = "?"  # the holder or node of blobs the stream did not show
 _STAGE = {"claim": 1, "reference": 2}  # store (0) -> orchestrator -> trainer rank
+# Per source: blob ids whose moves wait for their episode-finished (a few steps of a busy run's references
+# relayed ahead of their store's events; about 5 MB). The oldest go first, counted.
+PENDING_MOVES = 16_384
 
 Reconciled = Literal["agreed", "corrected", "ahead", "behind"]
 
@@ -195,10 +204,16 @@ class Ledger:
     reported without naming the first deleter.
 
     ``max_count``: the most blob ids one ``violation`` event may report (``limits.max_items``).
+    ``pending_moves``: per source, the most blob ids whose ``claim``/``reference`` wait for the blob's
+    ``episode-finished``; past it the oldest are dropped, counted by source (:attr:`moves_dropped`).
     """
 
-    def __init__(self, *, recent_tombstones: int = DEFAULT_RECENT, max_count: int = Limits.max_items) -> None:
+    def __init__(self, *, recent_tombstones: int = DEFAULT_RECENT, max_count: int = Limits.max_items,
+                 pending_moves: int = PENDING_MOVES) -> None:
+        if pending_moves < 1:
+            raise ValueError(f"pending_moves must be >= 1, got {pending_moves}")
         self.max_count = max_count
+        self.pending_moves = pending_moves
         self.blobs: dict[str, _Blob] = {}
         self.tombstones = Tombstones(recent=recent_tombstones, always_named=frozenset({LOST}))
         self.stores: dict[tuple[str, str], _Store] = {}
@@ -210,7 +225,11 @@ class Ledger:
         # (source, incarnation) -> events missing from the stream: a store is reconciled per process, so a
         # gap is vouched for only by the counters of the process that published around it
         self.missed: Counter[tuple[str, str]] = Counter()
-        self.unverified = 0  # deletes by a node not shown as the owner, after events went missing
+        self.unverified = 0  # deletes by a node not shown as the owner, after events went missing or moves dropped
+        # blob id -> its moves (source, stage, holder) folded before its episode-finished, in order
+        self._pending: dict[str, list[tuple[str, int, str]]] = {}
+        self._pending_of: defaultdict[str, OrderedDict[str, None]] = defaultdict(OrderedDict)  # source -> ids
+        self.moves_dropped: Counter[str] = Counter()  # source -> blob ids whose waiting moves it dropped
         # blob id -> (deleter, owner, reason): deleted by a node before its reference to the blob was folded
         self.awaiting_reference: dict[str, tuple[str, str, str]] = {}
         self.ended = False
@@ -238,10 +257,18 @@ class Ledger:
             if store.counts(seq):
                 store.kept += len(record["refs"])
             for ref in record["refs"]:
-                self.blobs[ref["blob_id"]] = _Blob(store=src, source=ref.get("source", src), key=key, owner=src)
+                blob_id = ref["blob_id"]
+                moves = self._unpend(blob_id)
+                if self.tombstones.get(blob_id) is not None:
+                    continue  # its delete was relayed first (by another node): it is gone, not kept again
+                blob = self.blobs[blob_id] = _Blob(store=src, source=ref.get("source", src), key=key, owner=src)
+                for _, stage, holder in moves:
+                    if stage > blob.stage:
+                        blob.owner, blob.stage = holder, stage
         elif kind in _STAGE:
             # Moves come from different nodes (the store mirrors a claim, the trainer a reference), so the
-            # broker may relay them out of causal order: a blob only ever moves forward along the chain.
+            # broker may relay them out of causal order: a blob only ever moves forward along the chain, and a
+            # move of a blob whose episode-finished is still on its way waits for it.
             stage = _STAGE[kind]
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)
@@ -251,6 +278,8 @@ class Ledger:
                     deleter, _, reason = self.awaiting_reference.pop(blob_id)
                     if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
                         self._violation(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
+                elif blob is None and self.tombstones.get(blob_id) is None:
+                    self._pend(src, blob_id, stage, record["holder"])
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
@@ -335,6 +364,33 @@ class Ledger:
         self.violations.append(line)
         self.violated += ids
 
+    def _pend(self, src: str, blob_id: str, stage: int, holder: str) -> None:
+        """Keep ``src``'s move of ``blob_id`` until the blob's episode-finished comes (relay order across
+        nodes is not causal order); past :attr:`pending_moves` ids of ``src``, its oldest is dropped, counted:
+        an id never kept (or kept before the stream's window) must not hold memory for ever."""
+        ids = self._pending_of[src]
+        self._pending.setdefault(blob_id, []).append((src, stage, holder))
+        ids[blob_id] = None
+        if len(ids) <= self.pending_moves:
+            return
+        dropped, _ = ids.popitem(last=False)
+        if left := [move for move in self._pending.pop(dropped) if move[0] != src]:
+            self._pending[dropped] = left  # other sources' moves of it still wait
+        if not self.moves_dropped[src]:
+            log.warning("ledger.moves_dropped", src=src, limit=self.pending_moves,
+                        error="more blob ids moved by this source wait for their episode-finished than the limit: "
+                        "the oldest are dropped, and deletes of them by another node are unverified")
+        self.moves_dropped[src] += 1
+
+    def _unpend(self, blob_id: str) -> list[tuple[str, int, str]]:
+        """The moves of ``blob_id`` waiting for its episode-finished, in order, forgotten here."""
+        moves = self._pending.pop(blob_id, [])
+        for src in {move[0] for move in moves}:
+            del self._pending_of[src][blob_id]
+            if not self._pending_of[src]:
+                del self._pending_of[src]
+        return moves
+
     def _in_order(self, src: str, incarnation: str, seq: int) -> bool:
         last = self._last.get(src)
         if last is not None and last[0] == incarnation:
@@ -364,6 +420,7 @@ class Ledger:
             blob = self.blobs.pop(blob_id, None)
             self.tombstones.add(blob_id, holder, reason)
             if blob is None:
+                self._unpend(blob_id)  # its episode-finished, still on its way, keeps nothing
                 if reason == HOLDER_DOWN:
                     self.lost_by[UNKNOWN] += 1
                 continue  # kept before the stream's window (a gap): the store's counters cover it
@@ -371,7 +428,7 @@ class Ledger:
                 self.lost_by[blob.owner] += 1
             elif reason != LOST and holder != blob.owner and not (holder in (blob.store, blob.source)
                                                                   and reason in STORE_REASONS):
-                if self.missed.total():  # the move to ``holder`` may be among the missing events
+                if self.missed.total() or self.moves_dropped.total():  # the move to ``holder`` may be among them
                     self.unverified += 1
                 elif blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
                     self.awaiting_reference[blob_id] = (holder, blob.owner, reason)

@@ -260,6 +260,66 @@ def test_a_store_that_agrees_with_the_fold_is_exact() -> None:
     assert report.totals()["missed_events"] == 0 and report.unaccounted == []
 
 
+# A restarted broker gets each node's held events when that node re-joins it, so the order across sources follows
+# the re-join order (a gap fill reorders the same way): a rank and the orchestrator re-joining before the store
+# put their references of its blobs ahead of the store's episode-finished and claim.
+REF_FIRST = [
+    {"type": "reference", "src": "trainer-0", "holder": "trainer-0", "blob_ids": ["a", "b"]},
+    {"type": "reference", "src": "orch", "holder": "trainer-0", "blob_ids": ["a", "b"]},
+    *_seq([{"type": "episode-finished", "refs": [_ref("a"), _ref("b")]},
+           {"type": "claim", "holder": "orch", "blob_ids": ["a", "b"]},
+           {"type": "delete", "holder": "trainer-0", "reason": "trained", "blob_ids": ["a", "b"]}], "env-0"),
+]
+
+
+def test_moves_relayed_before_their_blobs_episode_finished_wait_for_it() -> None:
+    """Before, a move of a blob not yet kept was dropped: the claim then left the blobs with the orchestrator
+    and the rank's delete waited for a reference that had come already (a violation, not ok)."""
+    ledger = _run([*REF_FIRST, {"type": "run-end", "reason": "done", "steps": 1}])
+    report = ledger.report()
+    assert report.violations == [] and report.held_at_end == {} and report.ok, report
+    account = {"seq": 3, "kept": 2, "deleted": {"trained": 2}, "violations": {}}
+    assert ledger.reconcile("env-0", INCARNATION, account, final=False) == "agreed"
+    assert not ledger.awaiting_reference and ledger.blobs == {}
+
+
+def test_a_delete_relayed_before_the_episode_finished_drops_its_waiting_moves() -> None:
+    """The orchestrator's ``lost`` delete of a comes before the store's episode-finished too: a is gone, so the
+    episode-finished keeps it in the store's counters (lost with the store) but not in the fold, where the rank's
+    waiting reference would have it held by the rank at run end."""
+    ledger = _run([
+        REF_FIRST[0],
+        {"type": "node-down", "node_id": "env-0", "reason": "timeout"},
+        {"type": "delete", "src": "orch", "holder": "orch", "reason": "lost", "node": "env-0", "blob_ids": ["a"]},
+        REF_FIRST[2],
+        {"type": "run-end", "reason": "done", "steps": 1},
+    ])
+    assert "a" not in ledger.blobs and set(ledger.blobs) == {"b"}
+    report = ledger.report()
+    assert report.lost == {"env-0": 2} and report.held_at_end == {} and report.violations == []
+
+
+def test_moves_waiting_for_their_blob_are_bounded_per_source_and_a_drop_is_counted() -> None:
+    """Moves of ids never kept (garbage, or kept before the stream's window) must not hold memory for ever: past
+    ``pending_moves`` ids of a source its oldest is dropped, logged and counted; a delete that the dropped move
+    would have explained is then unverified, not a violation."""
+    ledger = Ledger(pending_moves=2)
+    with capture_logs() as logs:
+        for record in [{"type": "reference", "src": "trainer-0", "holder": "trainer-0", "blob_ids": [blob]}
+                       for blob in ("x", "a", "b", "y")]:
+            ledger.apply(record)
+    assert ledger.moves_dropped == {"trainer-0": 2}
+    assert [entry["src"] for entry in logs if entry["event"] == "ledger.moves_dropped"] == ["trainer-0"]
+    for record in REF_FIRST[2:]:
+        ledger.apply(record)
+    report = ledger.report()
+    assert report.violations == [] and report.totals()["deleted_total"] == 2
+    assert report.unaccounted == ["1 deletes by a node the stream did not show as the owner, after events went "
+                                  "missing: a violation cannot be told from a missed hand-over"]
+    with pytest.raises(ValueError, match="pending_moves must be >= 1"):
+        Ledger(pending_moves=0)
+
+
 class _Registry:
     """What :func:`reconcile_stores` asks of a runtime, scripted: each lookup lists the next of ``listings``
     (the last one from then on; None: the broker did not answer), and every listed store answers its
@@ -737,3 +797,4 @@ def test_a_fresh_store_whose_events_overtake_its_node_up_does_not_continue_the_d
                                "refs": [_ref("x", "env-1")]}]
     report = _run([A_UP, *A_KEEPS, A_DOWN, *(fresh if fresh_first else fresh[::-1])]).report()
     assert report.lost == {"env-1": 3} and report.totals()["kept"] == 4 and report.held == {"env-1": {"env-1": 1}}
+
