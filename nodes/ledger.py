@@ -51,7 +51,11 @@ what it kept, deleted (by reason) and holds, and reports it with the sequence nu
 event (``accounts`` → ``accounted``). The ledger keeps the same counters per store incarnation from that
 store's own events and finds gaps itself (per source process, from sequence numbers). :meth:`Ledger.reconcile`
 compares a store's counters with the fold at the store's sequence number: equal is *agreed*; different (a
-gap, an event that never made it) is *corrected*: the store's counters replace the fold's from then on.
+gap, an event that never made it) is *corrected*: the store's counters replace the fold's from then on, and
+its own view of who holds what (``held_by``) follows its later events. A store whose events the fold still
+waits for is *behind*; a forced (final) reconcile adopts its counters anyway, and those events, when they come,
+move blobs only (no longer counted missed). A restarted durable store reconciled before its ``node-up`` was
+folded is not added to again by that node-up: its counters already continue the earlier process's.
 What neither can vouch for — a store process with missing events whose counters could not be read (it died;
 a restart that re-adopted its durable store counts on from it, so its counters vouch for it), or
 events missing from other sources while blobs are still held or lost — is listed as *unaccounted*, and the
@@ -77,7 +81,7 @@ from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Limits, Message, incarnation
 from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
-from .tombstones import DEFAULT_RECENT, FORGOTTEN, Tombstones
+from .tombstones import DEFAULT_RECENT, FORGOTTEN, CounterRuns, Tombstones
 
 log = structlog.get_logger(__name__)
 
@@ -117,9 +121,15 @@ class _Store:
     deleted: Counter[str] = field(default_factory=Counter)
     violations: int = 0
     covered: int = 0  # events with seq <= covered are in adopted counters: they move blobs, not counts
+    # seq ranges (after, upto] a forced reconcile adopted before their events arrived, and those that came since
+    awaited: list[tuple[int, int]] = field(default_factory=list)
+    arrived: CounterRuns = field(default_factory=CounterRuns)
+    unseen: int = 0  # violations its store counted that the stream had not shown when they were adopted
     down: bool = False  # reported down and not heard from since its node came back
     reconciled: str = ""  # "", "agreed", or what the correction changed
-    held_by: dict[str, int] | None = None  # a reconciled store's own view by claimer (unclaimed: its node id)
+    # a reconciled store's own view (by claimer; unclaimed: its node id) of what it holds: as of ``covered``,
+    # then moved by its own events
+    held_by: dict[str, int] | None = None
 
     @property
     def held(self) -> int:
@@ -128,6 +138,24 @@ class _Store:
     def counts(self, seq: int) -> bool:
         """Whether an event of this store with ``seq`` (0: unknown, a record without one) changes its counters."""
         return not seq or seq > self.covered
+
+    def late(self, seq: int) -> bool:
+        """Whether an event with ``seq``, at or below the last one folded of this incarnation, is one a forced
+        reconcile adopted before it arrived, arriving now for the first time (it moves blobs): not a repeat."""
+        return any(after < seq <= upto for after, upto in self.awaited) and self.arrived.add(seq)
+
+    def move_held(self, holder: str, to: str | None, seq: int) -> None:
+        """Keep ``held_by`` valid after its store's own event ``seq`` moved a blob out of ``holder``'s and into
+        ``to``'s (None: deleted). Events the adopted view covers moved it already; moves other nodes publish
+        (a rank's ``reference``) are left out: whether the store's view has them is unknown."""
+        if self.held_by is None or not self.counts(seq):
+            return
+        if not (left := self.held_by.get(holder, 0) - 1):
+            self.held_by.pop(holder, None)
+        else:
+            self.held_by[holder] = left
+        if to is not None:
+            self.held_by[to] = self.held_by.get(to, 0) + 1
 
 
 @dataclass
@@ -256,6 +284,8 @@ class Ledger:
             store = self._store(key)
             if store.counts(seq):
                 store.kept += len(record["refs"])
+                if store.held_by is not None:
+                    store.held_by[src] = store.held_by.get(src, 0) + len(record["refs"])
             for ref in record["refs"]:
                 blob_id = ref["blob_id"]
                 moves = self._unpend(blob_id)
@@ -273,6 +303,8 @@ class Ledger:
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)
                 if blob is not None and stage > blob.stage:
+                    if blob.key == (src, incarnation):  # a claim its store mirrors
+                        self.stores[blob.key].move_held(blob.owner, record["holder"], seq)
                     blob.owner, blob.stage = record["holder"], stage
                 elif blob is None and kind == "reference" and blob_id in self.awaiting_reference:
                     deleter, _, reason = self.awaiting_reference.pop(blob_id)
@@ -283,7 +315,9 @@ class Ledger:
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
-            self._refusal(record, (src, incarnation), seq)
+            if (src, incarnation) not in self.stores or self.stores[src, incarnation].counts(seq):
+                self._refusal(record, (src, incarnation), seq)
+            # else: a late one a forced reconcile adopted: its violations are counted among the store's unseen
         elif kind == "node-down":
             self.down.add(record["node_id"])
             for key, store in self.stores.items():
@@ -392,10 +426,16 @@ class Ledger:
         return moves
 
     def _in_order(self, src: str, incarnation: str, seq: int) -> bool:
+        """Whether to fold an event of ``src``'s ``incarnation`` numbered ``seq``: one after the last folded
+        (a jump counts what lies between as missed), or one a forced reconcile adopted before it arrived
+        (no longer missed; it only moves blobs). A repeat is not."""
         last = self._last.get(src)
         if last is not None and last[0] == incarnation:
             if seq <= last[1]:
-                return False
+                if (store := self.stores.get((src, incarnation))) is None or not store.late(seq):
+                    return False
+                self.missed[src, incarnation] = max(0, self.missed[src, incarnation] - 1)
+                return True
             self.missed[src, incarnation] += seq - last[1] - 1
         else:
             self.missed[src, incarnation] += seq - 1  # a source seen first mid-stream: what came before is missing
@@ -424,6 +464,8 @@ class Ledger:
                 if reason == HOLDER_DOWN:
                     self.lost_by[UNKNOWN] += 1
                 continue  # kept before the stream's window (a gap): the store's counters cover it
+            if blob.key == key:  # its store's own mirror
+                self.stores[key].move_held(blob.owner, None, seq)
             if reason == HOLDER_DOWN:
                 self.lost_by[blob.owner] += 1
             elif reason != LOST and holder != blob.owner and not (holder in (blob.store, blob.source)
@@ -458,7 +500,9 @@ class Ledger:
     def _label(self, key: tuple[str, str], identity: str) -> None:
         """``key``'s process serves ``identity`` and its node is up. When an earlier process of the node served
         the same durable store, ``key``'s process re-adopted it: the earlier counters and blobs go on under
-        ``key`` (added to what ``key`` counted already), nothing of it is lost."""
+        ``key`` (added to what ``key`` counted already), nothing of it is lost. Counters ``key`` already
+        reconciled with its store (its node-up folded after the reconcile) are that store's, which its journal
+        carried on from the earlier process: they hold the earlier counts already, and nothing is added."""
         store = self.stores[key]
         store.identity, store.labeled = identity, True
         store.down = key[0] in self.down
@@ -468,10 +512,14 @@ class Ledger:
             return
         old = self.stores.pop(earlier)
         self.missed[key] += self.missed.pop(earlier, 0)  # the re-adopted counters go on, so they vouch for them
-        store.kept += old.kept
-        store.deleted.update(old.deleted)
-        store.violations += old.violations
-        store.reconciled = store.reconciled or old.reconciled
+        if store.reconciled:  # the store's counters: the earlier process's violations the stream showed are in
+            store.unseen = max(0, store.unseen - (old.violations - old.unseen))
+        else:
+            store.kept += old.kept
+            store.deleted.update(old.deleted)
+            store.violations += old.violations
+            store.unseen += old.unseen
+            store.reconciled = old.reconciled
         for blob in self.blobs.values():
             if blob.key == earlier:
                 blob.key = key
@@ -506,12 +554,14 @@ class Ledger:
             return "agreed"
         if seen < seq and not final:
             return "behind"
-        if seen < seq:
+        if seen < seq:  # the events between may still come: they then move blobs, no longer missed
             self.missed[key] += seq - seen
             self._last[node_id] = (incarnation, seq)
-        if violations > store.violations:
-            self._violation(f"{node_id} counted {violations - store.violations} violations the stream did not show",
-                            violations - store.violations)
+            if store.awaited and store.awaited[-1][1] == seen:
+                store.awaited[-1] = (store.awaited[-1][0], seq)
+            else:
+                store.awaited.append((seen, seq))
+        store.unseen += max(0, violations - store.violations)
         store.reconciled = (f"corrected: stream kept={store.kept} deleted={store.deleted.total()} "
                             f"violations={store.violations}, store kept={account['kept']} deleted={deleted.total()} "
                             f"violations={violations}")
@@ -528,7 +578,13 @@ class Ledger:
         missed: Counter[str] = Counter()
         for (src, _), n in self.missed.items():
             missed[src] += n
-        report = LedgerReport(violations=[*self.violations, *early], violated=self.violated + len(early),
+        unseen: Counter[str] = Counter()
+        for store in self.stores.values():
+            unseen[store.node_id] += store.unseen
+        report = LedgerReport(violations=[*self.violations,
+                                          *(f"{node} counted {n} violations the stream did not show"
+                                            for node, n in (+unseen).items()), *early],
+                              violated=self.violated + unseen.total() + len(early),
                               refused=+self.refused, missed=+missed, ended=self.ended,
                               held_at_end=+self.held_at_end)
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)

@@ -798,3 +798,91 @@ def test_a_fresh_store_whose_events_overtake_its_node_up_does_not_continue_the_d
     report = _run([A_UP, *A_KEEPS, A_DOWN, *(fresh if fresh_first else fresh[::-1])]).report()
     assert report.lost == {"env-1": 3} and report.totals()["kept"] == 4 and report.held == {"env-1": {"env-1": 1}}
 
+
+def _durable_restart(events: list[dict]) -> list[dict]:
+    """env-1's second process p2, re-adopting durable store s1 after p1 (READOPTED's, holding d and e) died."""
+    return [{**event, "src": "env-1", "id": f"p2-{seq:x}", "seq": seq} for seq, event in enumerate(events, 1)]
+
+
+@pytest.mark.parametrize("node_up_first", [True, False], ids=["node-up, then reconcile", "reconcile, then node-up"])
+def test_a_readopted_store_reconciled_before_its_node_up_counts_the_earlier_process_once(node_up_first: bool) -> None:
+    """The restarted process's first events may come before its node-up, and the launcher may reconcile in that
+    window: the store's counters, carried on by its journal, hold the earlier process's counts already. Before,
+    the node-up then added them once more (kept 5 where the store kept 3) and named the re-adopted blobs' holder
+    '?'; a violation the earlier process showed was counted again as one the stream did not show."""
+    ledger = _run([
+        *READOPTED[:3],
+        {"type": "violation", "src": "env-1", "id": "p1-3", "seq": 3, "blob_id": "d", "action": "claim",
+         "holder": "orch-2", "owner": "orch", "detail": "orch-2 claimed it after orch had claimed it"},
+        READOPTED[3],
+        *_durable_restart([{"type": "delete", "holder": "orch", "reason": "filtered", "blob_ids": ["d"]},
+                           {"type": "episode-finished", "refs": [_ref("g", "env-1")]}]),
+    ])
+    account = {"seq": 2, "kept": 3, "deleted": {"filtered": 1}, "held": 2, "held_by": {"orch": 1, "": 1},
+               "violations": {"claim": 1}}
+    if node_up_first:
+        ledger.apply(_store_up("s1"))
+    assert ledger.reconcile("env-1", "p2", account, final=False) == ("agreed" if node_up_first else "corrected")
+    if not node_up_first:
+        ledger.apply(_store_up("s1"))
+    ledger.apply({"type": "run-end", "reason": "done", "steps": 1})
+    report = ledger.report()
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (3, 1, 2, 0)
+    assert report.held == {"env-1": {"orch": 1, "env-1": 1}} and report.unaccounted == []
+    assert report.violated == 1 and len(report.violations) == 1 and report.held_at_end == {"orch": 1}
+
+
+def test_events_a_forced_reconcile_adopted_before_they_arrived_still_move_blobs_once() -> None:
+    """The fold lagged: the store's counters were adopted while its delete of b (seq 6) and a refusal (seq 7)
+    were still on their way. Before, both were then refused as repeats: b stayed in the fold, held by the
+    orchestrator, and counted missed for ever."""
+    late_delete, refusal = _seq([{"type": "delete", "holder": "orch", "reason": "filtered", "blob_ids": ["b"]}],
+                                "env-0", 6)[0], _refusal(1, 7)
+    ledger = _run(STORE_STREAM)
+    account = {**ACCOUNT, "seq": 7, "held": 0, "held_by": {}, "deleted": {"filtered": 2, "undelivered": 1},
+               "violations": {"delete": 1}}
+    assert ledger.reconcile("env-0", INCARNATION, account, final=True) == "corrected"
+    assert ledger.report().missed == {"env-0": 2}
+    for record in [late_delete, refusal, late_delete, refusal]:  # each folded once, the repeats ignored
+        ledger.apply(record)
+    assert "b" not in ledger.blobs
+    report = ledger.report()
+    assert report.missed == {} and report.totals()["deleted"] == {"filtered": 2, "undelivered": 1}
+    assert report.violations == ["env-0 counted 1 violations the stream did not show"] and report.violated == 1
+    later = _seq([{"type": "episode-finished", "refs": [_ref("z")]}], "env-0", 8)[0]
+    ledger.apply(later)  # after the adopted ones: counted on top
+    assert ledger.report().totals()["kept"] == 4 and ledger.report().held["env-0"] == {"env-0": 1}
+
+
+LATER = {  # env-0's own events after the reconcile, and who holds what at run end
+    "a lease expires": ([{"type": "delete", "holder": "env-0", "reason": "undelivered", "blob_ids": ["b"]}], {}),
+    "one more claimed": ([{"type": "episode-finished", "refs": [_ref("c")]},
+                          {"type": "claim", "holder": "orch", "blob_ids": ["c"]},
+                          {"type": "delete", "holder": "env-0", "reason": "undelivered", "blob_ids": ["b"]}],
+                         {"orch": 1}),
+}
+
+
+@pytest.mark.parametrize("later", LATER)
+def test_a_corrected_stores_own_view_of_its_holders_follows_its_later_events(later: str) -> None:
+    """env-0 deleted a for trainer-0 and the event never arrived: the reconcile's view by claimer says trainer-0
+    holds nothing. Before, that view stayed as of the reconcile: one more event of the store made its sum differ
+    from the store's counters, and the fold's stale view named trainer-0 at run end (not ok); events that kept
+    the sum left c, held by the orchestrator, named as the store's own (a leak missed)."""
+    stream = _seq([
+        {"type": "episode-finished", "refs": [_ref("a"), _ref("b")]},
+        {"type": "claim", "holder": "orch", "blob_ids": ["a"]},
+    ], "env-0")
+    missing_delete = 3  # trainer-0's delete of a: never delivered
+    ledger = _run([*stream, {"type": "reference", "src": "trainer-0", "holder": "trainer-0", "blob_ids": ["a"]}])
+    assert ledger.reconcile("env-0", INCARNATION, {"seq": missing_delete, "kept": 2, "deleted": {"trained": 1},
+                                                   "held": 1, "held_by": {"": 1}, "violations": {}},
+                            final=True) == "corrected"
+    events, held_at_end = LATER[later]
+    for record in _seq(events, "env-0", missing_delete + 1):
+        ledger.apply(record)
+    ledger.apply({"type": "run-end", "reason": "done", "steps": 1})
+    report = ledger.report()
+    assert report.held_at_end == held_at_end and report.held == {"env-0": held_at_end}
+    assert report.unaccounted == [] and report.missed == {"env-0": 1}
