@@ -150,7 +150,11 @@ class _Store:
         (a rank's ``reference``) are left out: whether the store's view has them is unknown."""
         if self.held_by is None or not self.counts(seq):
             return
-        if not (left := self.held_by.get(holder, 0) - 1):
+        left = self.held_by.get(holder, 0) - 1
+        if left < 0:  # the view gives ``holder`` none: it and the fold disagree on who held that blob (a move
+            self.held_by = None  # one of them missed), so the view can no longer say which: the fold's stands
+            return
+        if not left:
             self.held_by.pop(holder, None)
         else:
             self.held_by[holder] = left
