@@ -214,6 +214,18 @@ def test_a_store_cut_off_past_the_grace_and_back_counts_each_lost_blob_once_with
     assert totals["deleted"] == {"undelivered": 1, "trained": 1}
 
 
+def test_a_holder_declaring_lost_what_its_store_had_deleted_is_no_second_delete() -> None:
+    """The store carried out the orchestrator's delete of b, and its answer died with a store reported down
+    until its grace ended: the orchestrator then declares b lost with the store. b was deleted once."""
+    report = _run([
+        *LIFECYCLE,
+        {"type": "node-down", "node_id": "env-0", "reason": "timeout"},
+        {"type": "delete", "src": "orch", "holder": "orch", "reason": "lost", "node": "env-0", "blob_ids": ["b"]},
+    ]).report()
+    assert report.violations == [] and report.lost == {}
+    assert report.totals()["deleted"] == {"filtered": 1, "trained": 2, "undelivered": 1}
+
+
 def test_a_store_back_from_a_cut_that_deletes_a_lost_blob_itself_counts_it_once() -> None:
     """The store shut down before the holder's delete of what it declared lost reached it: its own delete is
     the blob's one count (a shutdown, not a second delete), and a repeat of the holder's event changes nothing."""
