@@ -160,18 +160,17 @@ class Calls:
         *,
         deadline_s: float | None = None,
         policy: RetryPolicy | None = None,
-        backend: ArrayBackend = "native",
+        backend: ArrayBackend = "numpy",
         verify: bool = True,
         msg_id: str = "",
     ) -> str:
         """Send ``body`` to ``endpoint`` now, without blocking (a full send queue makes this attempt one without a
-        reply); its outcome goes to ``on_done`` later. ``deadline_s`` from now
-        (default: the sum of the policy's attempt timeouts); ``policy`` (default: the runtime's) says when
-        to resend. ``backend`` decodes the reply's arrays (``"numpy"`` keeps torch out); ``verify=False``
-        skips frame checksums for a caller that verifies the bytes itself. The reply's arrays belong to
-        ``on_done``. Returns the message id (for :meth:`cancel`). A request to an endpoint reported down, or to
-        one ZeroMQ cannot connect to (a peer's garbage address), gets no client and ends with :class:`PeerDown`
-        on the next tick.
+        reply); its outcome goes to ``on_done`` later. ``deadline_s`` from now (default: the sum of the policy's attempt
+        timeouts); ``policy`` (default: the runtime's) says when to resend. ``backend`` decodes the reply's arrays
+        (``"numpy"``, the default, keeps torch out whatever the peer tagged); ``verify=False`` skips frame checksums for
+        a caller that verifies the bytes itself. The reply's arrays belong to ``on_done``. Returns the message id (for
+        :meth:`cancel`). A request to an endpoint reported down, or to one ZeroMQ cannot connect to (a peer's garbage
+        address), gets no client and ends with :class:`PeerDown` on the next tick.
 
         ``msg_id`` (default: a new id) sends it as the request of that id: given the id and body of an earlier
         call that has ended without an answer (its peer reported down), it is that request again, so a server
@@ -206,7 +205,7 @@ class Calls:
         window: int = 8,
         deadline_s: float | None = None,
         policy: RetryPolicy | None = None,
-        backend: ArrayBackend = "native",
+        backend: ArrayBackend = "numpy",
         verify: bool = True,
     ) -> None:
         """The asynchronous :func:`~.reqrep.gather`: send ``(endpoint, body)`` requests, at most ``window`` in

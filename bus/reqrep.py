@@ -226,7 +226,7 @@ class Client:
         return True
 
     def request(
-        self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "native"
+        self, body: Body, *, policy: RetryPolicy | None = None, backend: ArrayBackend = "numpy"
     ) -> Message:
         """Send ``body`` and wait for its reply, retrying per ``policy``. Arrays in the reply are owned by
         the caller (they view the received frames). Raises :class:`RemoteError` or :class:`RequestTimeout`, at
@@ -257,7 +257,7 @@ class Client:
         raise RequestTimeout(f"no reply from {self.endpoint} to {body.kind} after {policy.attempts} attempts"
                              f"{unsent_note(self.endpoint, unsent)}")
 
-    def recv(self, timeout_ms: int, *, backend: ArrayBackend = "native", verify: bool = True) -> Message | None:
+    def recv(self, timeout_ms: int, *, backend: ArrayBackend = "numpy", verify: bool = True) -> Message | None:
         """The next valid reply within ``timeout_ms`` (0: only one already waiting); invalid replies are logged
         and skipped.
 
@@ -331,7 +331,7 @@ class Pipeline:
     """
 
     def __init__(self, *, window: int = 8, policy: RetryPolicy | None = None, deadline_s: float | None = None,
-                 backend: ArrayBackend = "native", verify: bool = True,
+                 backend: ArrayBackend = "numpy", verify: bool = True,
                  on_reply: Callable[[int, Message], None] | None = None) -> None:
         self.window = window
         self.policy = policy
@@ -428,7 +428,7 @@ def gather(
     window: int = 8,
     policy: RetryPolicy | None = None,
     deadline_s: float | None = None,
-    backend: ArrayBackend = "native",
+    backend: ArrayBackend = "numpy",
     verify: bool = True,
     on_reply: Callable[[int, Message], None] | None = None,
 ) -> list[Message | RemoteError | RequestTimeout]:
@@ -501,7 +501,7 @@ class Server:
         cache_size: int = 4096,
         cache_bytes: int = 64 << 20,
         seen_size: int = SEEN_SIZE,
-        backend: ArrayBackend = "native",
+        backend: ArrayBackend = "numpy",
         authenticated: bool = False,
     ) -> None:
         self.sock = sock

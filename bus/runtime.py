@@ -370,9 +370,10 @@ class NodeRuntime:
         self._owned.append(sock)
         return sock
 
-    def serve(self, name: str, endpoint: str, *, backend: ArrayBackend = "native") -> Server:
-        """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend="numpy"``
-        keeps torch out of processes that must not load it, whatever peers send."""
+    def serve(self, name: str, endpoint: str, *, backend: ArrayBackend = "numpy") -> Server:
+        """A request server on a bound ROUTER, advertised in the registry as ``name``. ``backend`` rebuilds the
+        arrays in requests: numpy by default, whatever library a peer tagged them with, so no peer can make this
+        process import torch; ``native`` or ``torch`` only for a role that wants tensors and runs torch anyway."""
         server = Server(self.bind(zmq.ROUTER, name, endpoint), self.codec, backend=backend,
                         authenticated=self.curve is not None)
         self._servers.append(server)

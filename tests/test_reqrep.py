@@ -9,6 +9,7 @@ of the right code while the server keeps serving, idempotent retries (executed o
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import select
@@ -156,11 +157,15 @@ def test_arrays_travel_both_ways_and_are_owned_by_the_receiver(serve: Any, clien
         matrix *= 2  # the handler owns the request's arrays
         return Blobs([FetchedBlob("back", {"m": matrix, "t": arrays["t"] + 1})])
 
-    srv = serve(lambda server: server.on("blobs", echo))
+    def setup(server: Server) -> None:
+        server.backend = "native"  # each array as its sender's library made it (the default is numpy)
+        server.on("blobs", echo)
+
+    srv = serve(setup)
     client = clients(srv.endpoint)
     matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
     tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    reply = client.request(Blobs([FetchedBlob("b", {"m": matrix, "t": tensor})]))
+    reply = client.request(Blobs([FetchedBlob("b", {"m": matrix, "t": tensor})]), backend="native")
     assert seen == [(True, 66.0)]
     back = reply.body.blobs[0].arrays
     assert isinstance(back["m"], np.ndarray) and back["m"].flags.writeable
@@ -1023,3 +1028,54 @@ def test_a_route_without_verify_takes_frames_whose_checksum_does_not_match(serve
     assert exchange(raw_dealer(checked.endpoint), sender.encode(unhashed)).body.code == "checksum"  # refused
     assert exchange(raw_dealer(unchecked.endpoint), sender.encode(unhashed)).body == Ok()
     assert received[-1] == [0, 1, 2, 3]
+
+
+TORCH_TAGGED_CALLS = """
+import json, sys
+import msgspec, zmq
+from refbus.bus.reqrep import Client, Server
+from refbus.bus.sockets import bound_endpoint, make_socket
+from refbus.protocol.codec import EXT_TORCH, checksum
+from refbus.protocol.envelope import PROTOCOL_VERSION, WireCodec
+from refbus.protocol.messages import Fetch, Ok
+
+tagged = msgspec.msgpack.Ext(EXT_TORCH, msgspec.msgpack.encode(["uint8", [1], 0, checksum(b"\\0")]))
+
+def frames(kind, body, **header):  # a message whose one array its sender tagged torch
+    head = {"v": list(PROTOCOL_VERSION), "id": "evil-1", "src": "evil", "seq": 0, "ts": 0.0, **header}
+    return [kind, msgspec.msgpack.encode(head), msgspec.msgpack.encode(body), b"\\0"]
+
+seen = {}
+ctx = zmq.Context()
+server = Server(make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0"), WireCodec("env-0"))
+def keep(request):
+    seen["request"] = type(request.body.branches[0]["x"]).__module__
+    return Ok()
+server.on("keep", keep)
+dealer = make_socket(ctx, zmq.DEALER, connect=bound_endpoint(server.sock))
+dealer.send_multipart(frames(b"keep", {"episode_id": "e", "branches": [{"x": tagged}]}))
+server.sock.poll(10_000)
+server.handle_one()
+assert dealer.poll(10_000)
+
+peer = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:0")
+client = Client(ctx, bound_endpoint(peer), WireCodec("orchestrator"))
+msg_id = client.send(Fetch(blob_ids=["b"], holder="orchestrator"))
+assert peer.poll(10_000)
+received = peer.recv_multipart()
+reply = frames(b"blobs", {"blobs": [{"blob_id": "b", "arrays": {"x": tagged}}]}, re=msg_id)
+peer.send_multipart([received[0], *reply])
+seen["reply"] = type(client.recv(10_000).body.blobs[0].arrays["x"]).__module__
+seen["torch"] = "torch" in sys.modules
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_request_or_reply_whose_array_is_tagged_torch_never_makes_a_node_import_torch() -> None:
+    """A server and a client decode arrays as numpy unless their role asks otherwise: any peer could make the
+    orchestrator (or an env server, or the broker) import torch with one array tagged ext code 2. In a fresh
+    interpreter (this one has torch loaded): the request's and the reply's arrays are numpy, torch never
+    imported."""
+    child = subprocess.run([sys.executable, "-c", TORCH_TAGGED_CALLS], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.splitlines()[-1]) == {"request": "numpy", "reply": "numpy", "torch": False}

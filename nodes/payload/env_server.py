@@ -199,7 +199,7 @@ class EnvServer:
         self.runtime = runtime
         self.source = settings.source or runtime.node_id
         # numpy backend: torch tensors sent by a peer must not make this process import torch.
-        self.server = runtime.serve("blobs", settings.endpoint, backend="numpy")
+        self.server = runtime.serve("blobs", settings.endpoint)
         self.endpoint = runtime.endpoints["blobs"]
         runtime.labels["source"] = self.source
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
