@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from fuzz_support import mutate
-from refbus.protocol import errors
+from refbus.protocol import envelope, errors
 from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum
 from refbus.protocol.envelope import (
     MAX_KIND_BYTES,
@@ -536,6 +536,26 @@ def test_garbage_mac_frames_are_refused(mac: bytes, match: str) -> None:
     signer, verifier = signed_pair()
     frames = [bytes(f) for f in signer.encode(DELETE)]
     raises(BadSignature, [*frames[:-1], mac], codec=verifier, match=match)
+
+
+@pytest.mark.parametrize("form", ["frames", "one-frame", "batch"])
+def test_a_long_mac_frame_is_refused_by_its_size_before_any_copy(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last frame of a signed message was copied whole before its size was checked: a forged message whose
+    last frame was 512 MiB cost 512 MiB more. Its size is read from the buffer, and only a 32-byte MAC is copied."""
+    signer, verifier = signed_pair()
+    if form == "batch":
+        items = [signer.batch_item(DELETE, seq) for seq in (1, 2)]
+        signed = [bytes(f) for f in signer.encode_batch(DELETE.kind, [item for item in items if item is not None])]
+    else:
+        signed = [bytes(f) for f in signer.encode(DELETE, one_frame=form == "one-frame")]
+    long_mac = memoryview(bytearray(1 << 20))  # stands for the zmq.Frame a receiver hands over
+    copied: list[int] = []
+    as_bytes = envelope._as_bytes
+    monkeypatch.setattr(envelope, "_as_bytes", lambda frame: copied.append(memoryview(frame).nbytes) or as_bytes(frame))
+    frames = [*signed[:-1], long_mac]
+    with pytest.raises(BadSignature, match=f"MAC frame of {1 << 20} bytes"):
+        verifier.read_events(frames) if form == "batch" else verifier.decode_header(frames)
+    assert 1 << 20 not in copied
 
 
 def test_a_signed_header_without_a_mac_frame_is_malformed() -> None:
