@@ -39,13 +39,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-import msgspec.inspect
 import structlog
 import zmq
 
-from ..protocol.envelope import Message, negotiate
+from ..protocol.envelope import Limits, Message, negotiate
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import (
+    MAX_FRAMES,
     Body,
     Bye,
     Error,
@@ -64,13 +64,13 @@ from ..protocol.messages import (
     Sync,
     Welcome,
 )
-from .forwarder import CAPTURE_HWM, SUBSCRIBE_ALL, Forwarder, is_event
+from .forwarder import CAPTURE_HWM, SUBSCRIBE_ALL, Forwarder, held_bytes, is_event
 from .metrics import ROUTES, by_label
 from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import NodeRuntime
-from .sockets import recv_from, send_frames
+from .sockets import TooManyFrames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -89,12 +89,12 @@ JOINS_MAX = 4096
 # so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
 # probes undrained, no node ever expired).
 EXPIRE_DRAIN = 4096
-# A ``replayed`` body besides its messages' frames: its fields (about 35 bytes), and msgpack's length prefix of
-# each frame, of each message's frame list and of each message (5 bytes each, at most).
+# A ``replayed`` body besides its messages' frames: its fields (about 35 bytes; 3 map entries and the list of
+# messages), and msgpack's length prefix of each frame, of each message's frame list and of each message (5 bytes
+# each, at most).
 REPLAYED_BYTES = 64
+REPLAYED_ITEMS = 4
 PREFIX_BYTES = 5
-# Frames of one message a ``replayed`` answer can carry: ReplayedEvent's own bound.
-MAX_REPLAYED_FRAMES: int = msgspec.inspect.type_info(ReplayedEvent).fields[0].type.max_length
 
 
 @dataclass(frozen=True)
@@ -150,17 +150,29 @@ def frames_of(entry: Any) -> list:
     return entry if isinstance(entry, list) else [entry]
 
 
-def fits_reply(entry: Any, size: int, max_body_bytes: int) -> bool:
-    """Whether a ``replayed`` answer whose body is at most ``max_body_bytes`` can carry the ring entry ``entry``
-    (``size`` bytes of frames) alone: what the asking peer's decoder takes (its body limit, the broker's by
-    configuration) and what the message's frame list takes."""
-    frames = len(entry) if isinstance(entry, list) else 1
-    return frames <= MAX_REPLAYED_FRAMES and REPLAYED_BYTES + size + PREFIX_BYTES * (frames + 2) <= max_body_bytes
+def reply_cost(entry: Any) -> tuple[int, int]:
+    """What the ring entry ``entry`` adds to a ``replayed`` body, bytes and list elements (what the asking
+    peer's ``limits.max_body_bytes`` and ``limits.max_items`` bound): its frames' bytes and msgpack's length
+    prefix of each frame, of its frame list and of the message; an element per frame, for its frame list and for
+    the message. An entry of many empty frames costs by its frames, not its few bytes."""
+    if isinstance(entry, list):
+        return sum(len(frame) for frame in entry) + PREFIX_BYTES * (len(entry) + 2), len(entry) + 2
+    return len(entry) + PREFIX_BYTES * 3, 3
+
+
+def fits_reply(entry: Any, limits: Limits) -> bool:
+    """Whether a ``replayed`` answer within ``limits`` (the asking peer's, the broker's by configuration) can
+    carry the ring entry ``entry`` alone: its body limit, its list elements, and the ``MAX_FRAMES`` frames a
+    ``ReplayedEvent`` holds."""
+    nbytes, items = reply_cost(entry)
+    return (not isinstance(entry, list) or len(entry) <= MAX_FRAMES) and \
+        REPLAYED_BYTES + nbytes <= limits.max_body_bytes and REPLAYED_ITEMS + items <= limits.max_items
 
 
 class ReplayRing:
     """The most recent event messages (an event, or a batch of one source's events), oldest first, bounded by
-    count and bytes.
+    count and bytes: an entry is charged its frames' bytes and, when it has several frames, what holding each
+    costs (:func:`~.forwarder.held_bytes`), so messages of many empty frames cannot fill memory under the bound.
 
     Appending stores the frames only, in batches (:meth:`extend`): an event's source and sequence number are
     read (``index``) the first time a replay looks at it, and remembered until the entry is evicted, so neither
@@ -191,10 +203,11 @@ class ReplayRing:
         """Keep one event (``key``: its (source, seq) when the caller has read them already)."""
         if key is not None:
             self._keys[self.appended] = key
-        self.extend([frames], [sum(len(f) for f in frames)])
+        self.extend([frames], [held_bytes(frames, sum(len(f) for f in frames))])
 
     def extend(self, entries: list, sizes: list[int]) -> None:
-        """Keep events (each a frame, or a list of frames) of ``sizes`` bytes, oldest first."""
+        """Keep events (each a frame, or a list of frames), oldest first, charged ``sizes`` bytes against the
+        bound: a frame's length, a list's :func:`~.forwarder.held_bytes`."""
         count = len(entries)
         oldest = self.appended - len(self._entries)  # the ring position of the oldest entry held
         self.appended += count  # ring positions: one per message handed in, kept or not
@@ -239,46 +252,50 @@ class ReplayRing:
                 del keys[index]
 
     def select(
-        self, since: int, src: str, limit: int, max_bytes: int, cursor: int, max_reply_bytes: int | None = None
+        self, since: int, src: str, limit: int, max_bytes: int, cursor: int, reply_limits: Limits | None = None
     ) -> tuple[list[RingEvent], int, bool]:
         """Messages at ring position ``>= cursor`` whose last event has ``seq >= since`` (of ``src`` when
-        given), oldest first, at most ``limit`` of them and about ``max_bytes``; the cursor to continue from;
-        whether more remain. A batch comes whole: the reader skips its events below ``since``.
+        given), oldest first, at most ``limit`` of them and about ``max_bytes`` of answer body
+        (:func:`reply_cost`); the cursor to continue from; whether more remain. A batch comes whole: the reader
+        skips its events below ``since``.
 
-        ``max_reply_bytes``: the body limit of the answer that carries them. A message that would not fit one
-        alone (:func:`fits_reply`) is skipped, the cursor passing it, so it cannot stall every replay that
-        reaches it: counted in :attr:`too_large` and logged the first time a replay skips it. Its reader finds
-        its events missing (a gap fill counts them lost)."""
+        ``reply_limits``: the limits of the peer that decodes the answer. A page holds at most half its
+        ``max_items`` list elements (the first message alone may take more), as it holds about half its body
+        limit in bytes. A message that would not fit an answer alone (:func:`fits_reply`) is skipped, the cursor
+        passing it, so it cannot stall every replay that reaches it: counted in :attr:`too_large` and logged the
+        first time a replay skips it. Its reader finds its events missing (a gap fill counts them lost)."""
         found: list[RingEvent] = []
-        nbytes = 0
+        nbytes = items = 0
+        max_items = reply_limits.max_items // 2 if reply_limits is not None else None
         first = self.appended - len(self._entries)
         keys = self._keys
         start = max(0, cursor - first)  # skip what the cursor already passed
-        entries = zip(itertools.islice(self._entries, start, None), itertools.islice(self._sizes, start, None),
-                      strict=True)
-        for index, (entry, size) in enumerate(entries, first + start):
+        for index, entry in enumerate(itertools.islice(self._entries, start, None), first + start):
             key = keys.get(index)
             if key is None:
                 key = keys[index] = self._read(entry)
             if key[1] >= since and (not src or key[0] == src):
-                if max_reply_bytes is not None and not fits_reply(entry, size, max_reply_bytes):
-                    self._skip(index, key, entry, size, max_reply_bytes)
+                if reply_limits is not None and not fits_reply(entry, reply_limits):
+                    self._skip(index, key, entry, reply_limits)
                     continue
-                if len(found) == limit or (found and nbytes + size > max_bytes):
+                size, count = reply_cost(entry)
+                if len(found) == limit or (found and (nbytes + size > max_bytes or
+                                                      (max_items is not None and items + count > max_items))):
                     return found, index, True
                 found.append(RingEvent(index, key[0], key[1], frames_of(entry)))
                 nbytes += size
+                items += count
         return found, self.appended, False
 
-    def _skip(self, index: int, key: tuple[str, int], entry: Any, size: int, max_reply_bytes: int) -> None:
+    def _skip(self, index: int, key: tuple[str, int], entry: Any, limits: Limits) -> None:
         """A replay passes the message at ring position ``index``, too large for an answer: counted and logged
         once per message, however many replays pass it."""
         if index in self._too_large:
             return
         self._too_large.add(index)
         self.too_large += 1
-        log.warning("ring.too_large", src=key[0], seq=key[1], bytes=size, frames=len(frames_of(entry)),
-                    max_body_bytes=max_reply_bytes,
+        log.warning("ring.too_large", src=key[0], seq=key[1], bytes=reply_cost(entry)[0],
+                    frames=len(frames_of(entry)), max_body_bytes=limits.max_body_bytes, max_items=limits.max_items,
                     detail="a replay cannot carry this message: it is skipped, and a gap fill that needs it "
                     "counts its events lost")
 
@@ -324,7 +341,7 @@ class Broker:
         self.forwarder: Forwarder | None = None
         if self.curve is None:
             self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub,
-                                                   signed=bool(runtime.settings.secret))
+                                                   signed=bool(runtime.settings.secret), dropped=self.dropped)
             self.own = forwarder.own  # the broker's events go through the forwarder like every node's
             runtime.shutdown_hooks.append(forwarder.stop)  # before the runtime closes the XSUB and XPUB
             forwarder.start(runtime.settings.connect_timeout_s)
@@ -395,6 +412,10 @@ class Broker:
                 frames, peer = recv_from(xsub, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            except TooManyFrames as exc:
+                self.dropped[exc.code] += 1
+                log.warning("event.dropped", code=exc.code, error=str(exc))
+                continue
             try:
                 # Headers only (bodies are the subscribers'); kinds newer than this broker pass. A batch holds
                 # one source's events (the reader checks), so its last header speaks for all.
@@ -578,9 +599,10 @@ class Broker:
         assert isinstance(ask, Replay)
         # Replies must fit the peer's body limit: events are small (references, not arrays), and a message that
         # could not fit one alone (an event near the body limit, one with large arrays) is skipped.
-        max_body = self.codec.limits.max_body_bytes
+        limits = self.codec.limits
         self._catch_up()
-        entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, max_body // 2, ask.cursor, max_body)
+        entries, cursor, more = self.ring.select(ask.since, ask.src, ask.limit, limits.max_body_bytes // 2,
+                                                 ask.cursor, limits)
         events = [ReplayedEvent([bytes(frame) for frame in event.frames]) for event in entries]
         return Replayed(events=events, more=more, cursor=cursor)
 
@@ -675,7 +697,8 @@ class Broker:
                       self._dropped_readings, labels=("reason",))
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
-        self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring.",
+        self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring, each frame of a message of "
+                            "several counted 256 more (what holding it costs).",
                       lambda: {(): float(self.ring.nbytes)}, kind="gauge")
         # Labelled member/member_role, not node/role: those are the scrape target's own (the broker's).
         self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",

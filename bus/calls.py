@@ -355,16 +355,15 @@ class Calls:
         after the first only once :func:`readable` says one is there (a receive that finds none raises)."""
         for _ in range(self._budget):
             try:
-                frames = recv_frames(client.sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
+                frames = recv_frames(client.sock, zmq.NOBLOCK)  # TooManyFrames: a ProtocolError, refused below
                 checked = client.codec.decode_header(frames)
                 call = self._pending.get(checked.header.re)
                 # A reply to no pending call is decoded without torch or checksums: it is only counted.
                 backend = call.backend if call is not None else "numpy"
                 reply = client.codec.decode(frames, backend=backend, verify=call is not None and call.verify,
                                             checked=checked)
+            except zmq.Again:
+                return
             except ProtocolError as exc:
                 self.rejected[exc.code] += 1
                 log.warning("reply.rejected", endpoint=client.endpoint, code=exc.code, error=str(exc))

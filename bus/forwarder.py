@@ -12,7 +12,9 @@ The broker's own events (``node-up``, ``node-down``, the subscribers' ``sync`` p
 ``inproc`` PUB connected to the same XSUB, so they reach subscribers and the ring the way every node's do.
 
 Nothing here reads an event: the kind, header, MAC and size checks are the subscribers' (they verify every
-event end to end), the ring indexes events by source and sequence only when a replay asks.
+event end to end), the ring indexes events by source and sequence only when a replay asks. The one check is
+the frame count: a captured message of more than ``MAX_FRAMES`` frames is read off and dropped, never kept
+(subscribers refuse it the same way).
 
 Sockets: the XSUB and XPUB are bound by the caller (the runtime); this module binds its inproc endpoints on
 them before the proxy starts, and owns the capture pair, the own-events PUB and the proxy's control pair. After
@@ -24,14 +26,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import structlog
 import zmq
 
 from ..protocol.envelope import MAX_KIND_BYTES, ONE_FRAME_MARK
-from ..protocol.messages import Sync
-from .sockets import EVENT_HWM, recv_frames
+from ..protocol.messages import MAX_FRAMES, Sync
+from .sockets import EVENT_HWM, TooManyFrames, discard_rest, recv_frames
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +44,14 @@ NOBLOCK = int(zmq.NOBLOCK)  # pyzmq's enum arithmetic costs on the per-message p
 RCVMORE = int(zmq.RCVMORE)
 START_PROBE = b"\x02refbus-forwarder-probe"  # not an event: a kind never starts with a control byte
 _names = itertools.count()
+# What a kept message of several frames costs per frame besides its bytes: a ``zmq.Frame`` and its list slot
+# (~190 bytes measured). Charged against the ring's byte bound, so frames without bytes cannot fill memory under it.
+HELD_FRAME_BYTES = 256
+
+
+def held_bytes(frames: list, size: int) -> int:
+    """What the ring charges for keeping ``frames`` (a message of several frames, ``size`` bytes of them)."""
+    return size + HELD_FRAME_BYTES * len(frames)
 
 
 def is_event(first_frame: bytes) -> bool:
@@ -52,11 +63,14 @@ def is_event(first_frame: bytes) -> bool:
 class Forwarder:
     """``zmq_proxy`` from ``xsub`` to ``xpub`` on its own thread, a capture for the ring, and a PUB for the
     broker's own events. ``ctx`` must be the context of ``xsub`` and ``xpub`` (inproc endpoints are per
-    context); ``signed``: the cluster signs messages (a MAC frame ends each)."""
+    context); ``signed``: the cluster signs messages (a MAC frame ends each); ``dropped``: where captured
+    messages it drops are counted, by reason (the broker's counter)."""
 
-    def __init__(self, ctx: zmq.Context, xsub: zmq.Socket, xpub: zmq.Socket, *, signed: bool) -> None:
+    def __init__(self, ctx: zmq.Context, xsub: zmq.Socket, xpub: zmq.Socket, *, signed: bool,
+                 dropped: Counter[str]) -> None:
         self.ctx = ctx
         self.signed = signed  # events carry a MAC frame: no message is one frame by its first frame alone
+        self.dropped = dropped
         self.xsub = xsub
         self.xpub = xpub
         name = f"refbus-forwarder-{next(_names)}-{id(self):x}"
@@ -116,7 +130,10 @@ class Forwarder:
         frame alone (the kind ends in a NUL, which the multi-frame form's kind frame never holds; an
         unsigned batch, one frame too, holds one in its first lengths), so only other messages pay for asking
         ZeroMQ whether more frames follow. A sender that breaks that rule
-        splits its own message into entries no replay can read (skipped and counted), nobody else's."""
+        splits its own message into entries no replay can read (skipped and counted), nobody else's.
+
+        A message of more than ``MAX_FRAMES`` frames is read off and dropped (counted in ``dropped`` as
+        ``malformed``, logged); a kept message of several frames is sized with :func:`held_bytes`."""
         recv, more = self.capture.recv, self.capture.get
         trust_mark = not self.signed
         entries: list = []
@@ -136,22 +153,35 @@ class Forwarder:
             frames = [first]
             size = len(first)
             while more(RCVMORE):
+                if len(frames) == MAX_FRAMES:
+                    self._drop(first, MAX_FRAMES + discard_rest(self.capture))
+                    break
                 frame = recv(copy=False)  # array frames stay in ZeroMQ's buffer
                 frames.append(frame)
                 size += len(frame)
-            entries.append(frames)
-            sizes.append(size)
+            else:
+                entries.append(frames)
+                sizes.append(held_bytes(frames, size))
         if entries:
             on_events(entries, sizes)
         return count
 
+    def _drop(self, first: bytes, count: int) -> None:
+        """A captured message of ``count`` frames, more than ``MAX_FRAMES``: read off already, not kept."""
+        error = TooManyFrames(count, [first])
+        self.dropped[error.code] += 1
+        log.warning("event.dropped", code=error.code, kind=first[:MAX_KIND_BYTES], error=str(error))
+
     def drain_probes(self, on_probe: Callable[[list], None], budget: int = 256) -> None:
-        """Hand each captured ``sync`` probe (frames as bytes) to ``on_probe`` (loop thread only)."""
+        """Hand each captured ``sync`` probe (frames as bytes) to ``on_probe`` (loop thread only). A message of
+        more than ``MAX_FRAMES`` frames is read off and skipped: the capture's :meth:`drain` counts it."""
         for _ in range(budget):
             try:
                 frames = recv_frames(self.probes, NOBLOCK)
             except zmq.Again:
                 return
+            except TooManyFrames:
+                continue
             on_probe(frames)
 
     def stop(self) -> None:

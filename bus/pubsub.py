@@ -39,7 +39,7 @@ from ..protocol.codec import ArrayBackend
 from ..protocol.envelope import BatchItem, Message, WireCodec, incarnation
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Sync
-from .sockets import readable, recv_frames, send_frames
+from .sockets import TooManyFrames, readable, recv_frames, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -299,6 +299,9 @@ class Subscriber:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 break
+            except TooManyFrames as exc:  # read off whole, its frames past the cap never kept
+                self._refuse(exc)
+                continue
             take(frames)
             if len(ready) >= budget:
                 break
@@ -306,7 +309,11 @@ class Subscriber:
 
     def drain_one(self, flags: int = 0) -> None:
         """Receive and process one message (``zmq.Again`` with NOBLOCK when none is waiting)."""
-        frames = recv_frames(self.sock, flags)
+        try:
+            frames = recv_frames(self.sock, flags)
+        except TooManyFrames as exc:
+            self._refuse(exc)
+            return
         if self._held is not None:
             self._park(frames)
         else:
@@ -358,11 +365,15 @@ class Subscriber:
             if self.kinds is None or kind in self.kinds:
                 self._ready.append(codec.decode_body(checked, self.backend))
         except ProtocolError as exc:
-            self.rejected[exc.code] += 1
-            log.warning("event.rejected", code=exc.code, error=str(exc))
+            self._refuse(exc)
         except Exception:  # a bug the event exposed: counted and logged, the stream goes on
             self.rejected["internal"] += 1
             log.exception("event.failed")
+
+    def _refuse(self, error: ProtocolError) -> None:
+        """A message refused (counted by code, logged); the stream goes on."""
+        self.rejected[error.code] += 1
+        log.warning("event.rejected", code=error.code, error=str(error))
 
     def _take_batch(self, batch: list[Message], live: bool) -> None:
         """The events of one batch (one kind, one source incarnation, which the codec checked), each tracked as

@@ -40,7 +40,7 @@ from ..protocol.envelope import MIN_FRAMES, Message, WireCodec
 from ..protocol.errors import ProtocolError
 from ..protocol.messages import Body, Error, Ok
 from .security import peer_id
-from .sockets import DEFAULT_OPTIONS, SocketOptions, make_socket, recv_frames, recv_routed, send_frames
+from .sockets import DEFAULT_OPTIONS, SocketOptions, TooManyFrames, make_socket, recv_frames, recv_routed, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -545,7 +545,11 @@ class Server:
     def handle_one(self, flags: int = 0) -> None:
         """Receive one request and answer it. Never raises for anything a peer sent: what the decoder or a
         handler does not expect is answered ``internal`` and logged."""
-        identity, envelope, last = recv_routed(self.sock, flags)
+        try:
+            identity, envelope, last = recv_routed(self.sock, flags)
+        except TooManyFrames as exc:  # read off whole, its frames past the cap never kept
+            self._refuse(exc.identity, exc, exc.head, False)
+            return
         peer = peer_id(last) if self.authenticated else ""
         try:
             self._dispatch(identity, envelope, peer)
@@ -575,9 +579,7 @@ class Server:
                 return
             request = self.codec.decode(envelope, backend=self.backend, verify=route.verify, checked=checked)
         except ProtocolError as exc:
-            self.rejected[exc.code] += 1
-            log.warning("request.rejected", code=exc.code, error=str(exc))
-            self._send(identity, Error(exc.code, str(exc), exc.kind or ""), self.codec.peek_id(envelope), one_frame)
+            self._refuse(identity, exc, envelope, one_frame)
             return
         key = (header.src, header.id)
         cached = self._replies.get(key) if route.cached else None  # only cached routes' replies are kept
@@ -640,6 +642,13 @@ class Server:
         self._floors.move_to_end(incarnation_key)
         while len(self._floors) > self.seen_size:
             self._floors.popitem(last=False)
+
+    def _refuse(self, identity: bytes, error: ProtocolError, envelope: list, one_frame: bool) -> None:
+        """Answer a request that failed the envelope's checks with its error (counted, logged), to the id its
+        ``envelope`` (or the first frames of it) names, when one can be read."""
+        self.rejected[error.code] += 1
+        log.warning("request.rejected", code=error.code, error=str(error))
+        self._send(identity, Error(error.code, str(error), error.kind or ""), self.codec.peek_id(envelope), one_frame)
 
     def _run(self, handler: Handler, request: Message) -> Body | None:
         try:

@@ -7,7 +7,9 @@
 * ``ROUTER_MANDATORY``: a reply to a peer that is gone raises instead of vanishing silently.
 * ZeroMQ heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``) on connection-oriented sockets, so dead TCP peers are
   noticed even when no application traffic flows.
-* ``MAXMSGSIZE``: a hard per-frame cap, so a peer cannot make us allocate without bound.
+* ``MAXMSGSIZE``: a hard per-frame cap, so a peer cannot make us allocate without bound. Frames per message
+  are capped on receipt (``MAX_FRAMES``): ZeroMQ has no such option, so :func:`recv_frames` and its siblings
+  read a longer message off the socket without keeping its frames and raise :class:`TooManyFrames`.
 * ``RECONNECT_IVL_MAX``: reconnecting to a peer that is gone backs off to about one attempt a second instead
   of ZeroMQ's fixed 100 ms.
 * CURVE (``SocketOptions.curve``): bound sockets serve with the cluster's server key and admit clients through
@@ -24,6 +26,8 @@ from typing import Any
 
 import zmq
 
+from ..protocol.errors import MalformedMessage
+from ..protocol.messages import MAX_FRAMES
 from .security import Curve, apply_curve, peer_id
 
 EVENT_HWM = 100_000
@@ -137,6 +141,18 @@ class FrameCounter:
     nbytes = 0
 
 
+class TooManyFrames(MalformedMessage):
+    """A message of more than ``MAX_FRAMES`` frames, read off the socket whole (ZeroMQ delivers a multipart
+    message whole, so what follows is the next message) without keeping its frames past the cap. ``head``: its
+    first frames as bytes (at most the receive's ``copied``), enough to read the id of the request it was;
+    ``identity``: the sender's routing id on a ROUTER (:func:`recv_routed`), else empty."""
+
+    def __init__(self, count: int, head: list[bytes]) -> None:
+        super().__init__(f"message of {count} frames, at most {MAX_FRAMES}: refused unread")
+        self.head = head
+        self.identity = b""
+
+
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
     """Send one multipart message: small frames copied, large ones zero-copy (ZeroMQ keeps a reference to
     their memory until sent, so the caller must not modify it before)."""
@@ -163,7 +179,8 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> list[An
     """One multipart message; the first ``copied`` frames as bytes, the rest zero-copy ``zmq.Frame``s.
 
     Small header frames are cheaper as bytes; array frames stay in ZeroMQ's buffer (writable, no copy).
-    Raises ``zmq.Again`` when ``flags`` has NOBLOCK and nothing is waiting.
+    Raises ``zmq.Again`` when ``flags`` has NOBLOCK and nothing is waiting, :class:`TooManyFrames` for a message
+    of more than ``MAX_FRAMES`` frames (read off the socket all the same: the next receive gets the next one).
     """
     frame = _zmq_recv(sock, flags, False)
     if not frame.more:  # the common message (an event, most requests and replies): one frame
@@ -184,19 +201,39 @@ def recv_routed(sock: zmq.Socket, flags: int = 0, *, copied: int = 3) -> tuple[b
     # ZeroMQ always follows a ROUTER's routing id with the message, so it is received as bytes without a
     # Frame: reading whether more follows costs ~2 us either way (Frame.more or the RCVMORE option).
     identity = _zmq_recv(sock, flags)
-    frames, last = _recv_rest(sock, _zmq_recv(sock, 0, False), copied)
+    try:
+        frames, last = _recv_rest(sock, _zmq_recv(sock, 0, False), copied)
+    except TooManyFrames as exc:
+        exc.identity = identity  # a server answers the refusal to its sender
+        raise
     return identity, frames, last
 
 
 def _recv_rest(sock: zmq.Socket, frame: zmq.Frame, copied: int) -> tuple[list[Any], zmq.Frame]:
-    """The message whose first frame is ``frame``, and its last frame."""
+    """The message whose first frame is ``frame``, and its last frame; :class:`TooManyFrames` past
+    ``MAX_FRAMES``."""
     frames: list[Any] = [frame.bytes]
     while frame.more:  # Frame.more is cheap; the RCVMORE socket option costs ~2 us per frame
         frame = _zmq_recv(sock, 0, False)
-        if len(frames) < copied:
+        held = len(frames)
+        if held < copied:
             frames.append(frame.bytes)
-        else:
+        elif held < MAX_FRAMES:
             FrameCounter.frames += 1
             FrameCounter.nbytes += len(frame)
             frames.append(frame)
+        else:
+            count = held + 1 + (discard_rest(sock) if frame.more else 0)
+            raise TooManyFrames(count, frames[:copied])
     return frames, frame
+
+
+def discard_rest(sock: zmq.Socket) -> int:
+    """Read the rest of the message being received on ``sock`` (more frames follow) without keeping it: one frame
+    held at a time, however many there are. Returns how many frames were read."""
+    count = 0
+    more = True
+    while more:
+        more = _zmq_recv(sock, 0, False).more
+        count += 1
+    return count

@@ -36,7 +36,8 @@ class BusSettings:
     events_out: str = key("tcp://127.0.0.1:7772", "Broker endpoint where subscribers receive events (XPUB).")
     ring_events: int = key(
         65_536, "Messages kept in the broker's replay ring (an event, or a batch of one node's events).")
-    ring_bytes: int = key(256 << 20, "Bytes kept in the broker's replay ring.")
+    ring_bytes: int = key(256 << 20, "Bytes kept in the broker's replay ring (each frame of a message of several "
+                          "counted 256 more).")
     event_batch: int = key(
         64,
         "Events a node may send in one message: what it publishes in one turn of its loop goes out together "

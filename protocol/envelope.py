@@ -22,6 +22,8 @@ whole (:meth:`WireCodec.read_events` for headers, :meth:`WireCodec.decode_batch`
   sequence number, timestamp, optional reply-to id, whether a MAC frame follows).
 * ``body``: msgpack map, validated against the kind's Struct from :mod:`refbus.protocol.messages`.
 * ``buffers``: raw array bytes, one frame per array, described in the body (see :mod:`refbus.protocol.codec`).
+* At most ``MAX_FRAMES`` (4,096) frames in all, the MAC frame included: a receiver reads a longer message off
+  its socket without keeping its frames and refuses it ``malformed`` (:mod:`refbus.bus.sockets`).
 * ``mac``: with a cluster secret, HMAC-SHA256 over every frame before it, each as its length (8 bytes,
   little-endian) then its bytes. It signs the frames exactly as they travel, so a receiver checks the bytes it
   received (never a re-encoding: a header with a field it does not know, keys in another order or an integer
@@ -58,7 +60,7 @@ from .errors import (
     VersionMismatch,
     shown,
 )
-from .messages import KINDS, Body, Sync
+from .messages import KINDS, MAX_FRAMES, Body, Sync
 
 PROTOCOL_VERSION: tuple[int, int] = (2, 2)
 NIL_CHECKSUM_SINCE: tuple[int, int] = (2, 1)  # the first version whose decoders read an unhashed frame
@@ -66,6 +68,7 @@ MAJOR = PROTOCOL_VERSION[0]
 SPOKEN_MAJORS: tuple[int, ...] = (MAJOR,)  # majors this build encodes and decodes
 MIN_FRAMES = 3
 MAC_BYTES = 32
+MAX_BUFFERS = MAX_FRAMES - MIN_FRAMES - 1  # array frames one message carries at most, a MAC frame left room for
 ONE_FRAME_MARK = b"\0"  # ends the kind in the one-frame form
 BATCH_MARK = b"\1"  # ends the kind in the batch form
 MAX_BATCH_EVENTS = 65_535  # events in one batch, at most (what a welcome's event_batch allows, at most)
@@ -194,11 +197,15 @@ class WireCodec:
         self, body: Body, *, seq: int = 0, msg_id: str = "", reply_to: str = "", one_frame: bool = False
     ) -> list[Buffer]:
         """Frames for ``body``. Arrays in it are not copied: keep them unmodified until sent. ``one_frame``:
-        the one-frame form when ``body`` has no arrays."""
+        the one-frame form when ``body`` has no arrays. :class:`MessageTooLarge` when ``body`` holds more than
+        ``MAX_BUFFERS`` arrays (no receiver takes a message of more than ``MAX_FRAMES`` frames)."""
         frames = self._packer.begin()
         encode = self._encoder.encode
         body_bytes = encode(body)
         kind = self._kind_frames[body.kind]
+        if len(frames) > MAX_BUFFERS:  # every receiver would refuse it: say so here, where it can be split
+            raise MessageTooLarge(f"{len(frames)} arrays in one message, at most {MAX_BUFFERS} (one frame each, "
+                                  f"{MAX_FRAMES} frames in all)", kind=body.kind)
         signed = self._signed
         header_bytes = encode(self._stamp(seq, msg_id, reply_to))
         if one_frame and not frames:

@@ -40,6 +40,10 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]  # an endpoint, a URL, a la
 Entries = Annotated[dict[Key, Text], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
 Readings = Annotated[dict[Key, float], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
 
+MAX_FRAMES = 4096
+"""Frames one message has at most (its kind, header, body, buffer frames and MAC frame): a receiver refuses one
+with more (``malformed``) before it holds them, and a sender refuses to build one."""
+
 VIOLATION_SAMPLE = 16
 """Blob ids a ``violation`` event names at most (``sample``), however many its ``count`` says were refused."""
 
@@ -121,7 +125,7 @@ class ReplayedEvent(msgspec.Struct, frozen=True, array_like=True):
     broker received them (any form, with the MAC frame when signed), so the MAC verifies and the envelope
     decodes as if it came live."""
 
-    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=4096)]  # one message's frames as received
+    frames: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=MAX_FRAMES)]  # a message's frames as received
 
 
 # Not tracked by the garbage collector (gc=False): a trainer holds one per blob until its step ends, each a
@@ -299,10 +303,11 @@ class Nodes(Body, frozen=True):
 @register_kind("replay")
 class Replay(Body, frozen=True):
     """Events with per-source ``seq >= since`` from the broker's ring, in ring order, from ring position
-    ``cursor`` on, at most ``limit`` messages (and about half the body limit in bytes) per answer. A batch
-    whose last event qualifies comes whole: the reader skips its events below ``since``. A message that no
-    answer within the body limit could carry (an event near the limit, one with large array frames) is
-    skipped, and counted by the broker: its events are missing to the reader (a gap fill counts them lost)."""
+    ``cursor`` on, at most ``limit`` messages (and about half the body limit in bytes, half ``max_items`` in
+    list elements, each frame counted) per answer. A batch whose last event qualifies comes whole: the reader
+    skips its events below ``since``. A message that no answer within the body limit could carry (an event
+    near the limit, one with large or many array frames) is skipped, and counted by the broker: its events are
+    missing to the reader (a gap fill counts them lost)."""
 
     since: NonNegative = 0  # first per-source seq wanted
     src: str = ""  # "" replays every source

@@ -22,6 +22,7 @@ from fuzz_support import mutate
 from refbus.protocol import envelope, errors
 from refbus.protocol.codec import EXT_NUMPY, EXT_TORCH, checksum
 from refbus.protocol.envelope import (
+    MAX_BUFFERS,
     MAX_KIND_BYTES,
     MIN_FRAMES,
     PROTOCOL_VERSION,
@@ -48,6 +49,7 @@ from refbus.protocol.errors import (
 )
 from refbus.protocol.messages import (
     KINDS,
+    MAX_FRAMES,
     Blobs,
     Bye,
     Delete,
@@ -71,6 +73,7 @@ from refbus.protocol.messages import (
     VersionBump,
     Welcome,
 )
+from refbus.protocol.messages_ps import ShardData
 
 SENDER = WireCodec("sender")
 RECEIVER = WireCodec("receiver")
@@ -556,6 +559,17 @@ def test_a_long_mac_frame_is_refused_by_its_size_before_any_copy(form: str, monk
     with pytest.raises(BadSignature, match=f"MAC frame of {1 << 20} bytes"):
         verifier.read_events(frames) if form == "batch" else verifier.decode_header(frames)
     assert 1 << 20 not in copied
+
+
+def test_a_message_of_more_arrays_than_a_message_has_frames_is_refused_by_its_sender() -> None:
+    """No receiver takes a message of more than ``MAX_FRAMES`` frames: the sender refuses to build one (the caller
+    splits it), where it used to go out and be refused by every receiver."""
+    signer, verifier = signed_pair()
+    full = ShardData(data=[np.zeros(1, np.uint8)] * MAX_BUFFERS)
+    frames = signer.encode(full)
+    assert len(frames) == MAX_FRAMES and len(verifier.decode(frames).body.data) == MAX_BUFFERS
+    with pytest.raises(MessageTooLarge, match=f"{MAX_BUFFERS + 1} arrays in one message, at most {MAX_BUFFERS}"):
+        signer.encode(ShardData(data=[np.zeros(1, np.uint8)] * (MAX_BUFFERS + 1)))
 
 
 def test_a_signed_header_without_a_mac_frame_is_malformed() -> None:

@@ -16,12 +16,12 @@ import pytest
 import zmq
 from polling import wait_for
 from refbus.bus import broker as broker_module
-from refbus.bus.broker import Broker, BrokerSettings
-from refbus.bus.forwarder import is_event
+from refbus.bus.broker import Broker, BrokerSettings, frames_of
+from refbus.bus.forwarder import held_bytes, is_event
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Error, Ok, Refill, ReplayedEvent, RunEnd, Sync
+from refbus.protocol.messages import MAX_FRAMES, Error, Ok, Refill, ReplayedEvent, RunEnd, Sync
 
 LOOPBACK = "tcp://127.0.0.1:0"
 WAIT_S = 30.0
@@ -127,6 +127,37 @@ def test_garbage_refills_are_refused_and_counted_and_the_broker_keeps_its_ring_a
     finally:
         ctx.destroy(linger=0)
         node.close()
+
+
+def test_a_captured_message_of_more_frames_than_any_message_has_is_dropped_not_kept(broker: Broker) -> None:
+    """The proxy forwards without reading, and the capture used to keep every message in the ring as it came: a
+    forged event of 500,000 empty frames was held as 500,000 frame objects, its size counted as a few bytes. The
+    capture reads such a message off and drops it (counted ``malformed``); a message of several frames it keeps is
+    charged per frame."""
+    ctx = zmq.Context()
+    try:
+        raw = make_socket(ctx, zmq.PUB, connect=broker.runtime.endpoints["events_in"], options=EVENT_OPTIONS)
+        codec = WireCodec("forger")
+        kind, header, body = (bytes(f) for f in codec.encode(RunEnd(reason="forged", steps=1), seq=1))
+        marker = [bytes(f) for f in codec.encode(RunEnd(reason="marker", steps=2), seq=2)]  # three frames
+
+        def held() -> list[tuple[int, int]]:  # (frames, bytes charged) of each ring entry, read on the loop thread
+            entries: queue.Queue[list[tuple[int, int]]] = queue.Queue()
+            broker.runtime.call_soon(lambda: entries.put([(len(frames_of(entry)), size) for entry, size in
+                                                          zip(broker.ring._entries, broker.ring._sizes, strict=True)]))
+            return entries.get(timeout=WAIT_S)
+
+        marker_entry = (len(marker), held_bytes(marker, sum(map(len, marker))))
+
+        def dropped_and_marker_kept() -> bool:  # sent until the XSUB's subscription reached the PUB
+            raw.send_multipart([kind, header, body, *[b""] * (2 * MAX_FRAMES)])
+            raw.send_multipart(marker)
+            return broker.dropped["malformed"] >= 1 and marker_entry in held()
+
+        wait_for(dropped_and_marker_kept, WAIT_S, "the capture dropping the long message", poll_s=0.05)
+        assert max(frames for frames, _ in held()) <= MAX_FRAMES
+    finally:
+        ctx.destroy(linger=0)
 
 
 Resting = tuple[queue.Queue[Message], NodeRuntime, NodeRuntime]  # what run-end events the watcher got, it, a publisher

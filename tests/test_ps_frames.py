@@ -19,7 +19,7 @@ from refbus.bus.sockets import bound_endpoint
 from refbus.nodes.ps.frames import FramesError, Wanted, read_frames
 from refbus.nodes.ps.worker import served_pieces
 from refbus.protocol.codec import Unhashed, checksum
-from refbus.protocol.envelope import NIL_CHECKSUM_SINCE, Message, WireCodec
+from refbus.protocol.envelope import MAX_BUFFERS, NIL_CHECKSUM_SINCE, Message, WireCodec
 from refbus.protocol.messages_ps import Location, ManifestEntry, ShardData, ShardRead
 
 pytest_plugins = ["wire_fixtures"]
@@ -81,6 +81,22 @@ def test_pieces_land_byte_identical_in_caller_and_fresh_destinations(serve: Any,
     ranges = [r for read in reads for r in read.ranges]
     assert max(r.nbytes for r in ranges) == 5 and sum(r.nbytes for r in ranges) == sum(SIZES)
     assert all(sum(r.nbytes for r in read.ranges) <= 12 for read in reads) and len(reads) >= 6
+
+
+def test_a_request_asks_for_no_more_pieces_than_one_answer_carries(serve: Any, client: Any) -> None:
+    """Each piece comes back as a frame, and no receiver takes a message of more than ``MAX_FRAMES`` frames: a
+    shard of many small tensors is read in requests of at most ``MAX_BUFFERS`` pieces, however many
+    ``chunk_bytes`` would hold."""
+    count = MAX_BUFFERS + 10
+    data = np.random.default_rng(3).integers(0, 256, count, dtype=np.uint8)
+    wanted = [Wanted(ManifestEntry(f"t{i}", "uint8", [1], 1, checksum(data[i : i + 1]), [Location("w", "seg", i)]),
+                     i, "seg") for i in range(count)]
+    reads: list[ShardRead] = []
+    srv = serve(worker(data, reads))
+    got = read_frames(client(srv.endpoint), wanted, lambda e: torch.empty(e.nbytes, dtype=torch.uint8),
+                      chunk_bytes=1 << 30, window=2)
+    assert bytes(torch.cat(got).numpy()) == data.tobytes()
+    assert len(reads) == 2 and max(len(read.ranges) for read in reads) == MAX_BUFFERS
 
 
 def test_a_reply_that_overtakes_an_earlier_one_of_the_same_tensor_still_verifies(serve: Any, client: Any) -> None:

@@ -25,10 +25,10 @@ from polling import wait_for
 from refbus.bus import pubsub
 from refbus.bus.pubsub import Publisher, Subscriber
 from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import EVENT_OPTIONS, bound_endpoint, readable, recv_frames
+from refbus.bus.sockets import EVENT_OPTIONS, FrameCounter, bound_endpoint, readable, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Message, WireCodec, incarnation
-from refbus.protocol.messages import Blobs, Delete, FetchedBlob, Sync, VersionBump
+from refbus.protocol.messages import MAX_FRAMES, Blobs, Delete, FetchedBlob, Sync, VersionBump
 from structlog.testing import capture_logs
 
 pytest_plugins = ["wire_fixtures"]
@@ -452,6 +452,23 @@ def test_malformed_events_are_counted_by_code_and_the_stream_goes_on(stream: Any
     assert seqs(got) == [1, 2]
     assert s.sub.rejected == Counter(code for _, code in MALFORMED_EVENTS)
     assert s.sub.last_seq[SRC] == 2
+    assert s.nothing_more()
+
+
+def test_an_event_of_more_frames_than_any_message_has_is_refused_unkept_and_the_stream_goes_on(stream: Any) -> None:
+    """An event of [kind, header, body], then many empty frames, then a MAC passes every byte limit: a subscriber
+    used to hold an object per frame before checking the MAC (and the broker forwards it to every subscriber).
+    Past ``MAX_FRAMES`` its frames are read off without being kept and it is refused ``malformed``; the next
+    event is delivered."""
+    s = stream(secret=SECRET)
+    kind, header_frame, body, mac = (bytes(f) for f in s.source.encode(event(1), seq=1))
+    kept_before = FrameCounter.frames
+    s.pub.send_multipart([kind, header_frame, body, *[b""] * (3 * MAX_FRAMES), mac])
+    s.publisher.seq = 0
+    s.publisher.publish(event(1))
+    assert seqs(s.receive(1)) == [1]
+    assert s.sub.rejected == {"malformed": 1}
+    assert FrameCounter.frames - kept_before < MAX_FRAMES  # frames past the cap were never held
     assert s.nothing_more()
 
 

@@ -11,10 +11,11 @@ from typing import TypeVar
 
 import pytest
 from refbus.bus.broker import Broker, BrokerSettings, ReplayRing
+from refbus.bus.forwarder import held_bytes
 from refbus.bus.reqrep import RequestTimeout
 from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
-from refbus.protocol.envelope import Limits, incarnation
-from refbus.protocol.messages import Delete
+from refbus.protocol.envelope import Limits, WireCodec, incarnation
+from refbus.protocol.messages import MAX_FRAMES, Delete, Replayed, ReplayedEvent
 from structlog.testing import capture_logs
 
 T = TypeVar("T")
@@ -60,9 +61,10 @@ def test_ring_is_bounded_by_count_and_bytes_and_cursors_survive_eviction() -> No
     page, cursor, more = ring.select(since=0, src="", limit=10, max_bytes=1 << 20, cursor=cursor)
     assert [e.seq for e in page] == [6, 7, 8, 9, 10] and not more
 
-    small = ring_of(100, 60)  # each entry is 20 bytes
+    entry = held_bytes([b"a", b"000001", b"x" * 13], 20)  # what each entry is charged
+    small = ring_of(100, 3 * entry)
     _fill(small, [("a", i) for i in range(1, 6)])
-    assert len(small) == 3 and small.nbytes == 60
+    assert len(small) == 3 and small.nbytes == 3 * entry
     page, _, more = small.select(since=0, src="", limit=10, max_bytes=30, cursor=0)
     assert len(page) == 1 and more  # a page stops at about max_bytes, but always holds one event
 
@@ -119,7 +121,7 @@ def test_what_was_read_of_an_entry_goes_with_it_when_it_is_evicted() -> None:
     ring.select(since=0, src="b", limit=100, max_bytes=1 << 20, cursor=0)
     ring.extend([[b"c", f"{seq:06d}".encode(), b"x"] for seq in range(1, 26)], [10] * 25)
     assert ring._keys == {}
-    bounded = ring_of(100, 100)  # each entry is 10 bytes: the byte bound evicts
+    bounded = ring_of(100, 10 * held_bytes([b"a", b"000001", b"xyz"], 10))  # the byte bound evicts
     for seq in range(1, 101):
         bounded.append([b"a", f"{seq:06d}".encode(), b"xyz"], ("a", seq))
     assert len(bounded) == 10 and sorted(bounded._keys) == list(range(90, 100))
@@ -130,24 +132,60 @@ def test_a_message_no_answer_can_carry_is_skipped_counted_once_and_passed_by_the
     one with many or large array frames) used to be sent alone on a page the asking peer refuses: every replay that
     reached it failed, and its cursor never passed it. It is skipped: the messages after it still come, it is
     counted (once, however many replays pass it) and logged once."""
-    ring = ring_of(100, 1 << 20)
+    ring = ring_of(100, 16 << 20)
     _fill(ring, [("a", 1)])
     ring.append([b"a", b"000002", b"x" * 950])  # one frame too large for a 1000-byte answer
     ring.append([b"a", b"000003", *[b""] * 5000])  # more frames than an answer carries
     _fill(ring, [("b", 1), ("a", 4)])
+    answer = Limits(max_body_bytes=1000)
     with capture_logs() as logs:
-        page, cursor, more = ring.select(since=0, src="", limit=10, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        page, cursor, more = ring.select(since=0, src="", limit=10, max_bytes=500, cursor=0, reply_limits=answer)
         assert [(e.src, e.seq) for e in page] == [("a", 1), ("b", 1), ("a", 4)] and not more
         assert cursor == ring.appended and ring.too_large == 2
-        page, _, _ = ring.select(since=2, src="a", limit=10, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        page, _, _ = ring.select(since=2, src="a", limit=10, max_bytes=500, cursor=0, reply_limits=answer)
         assert [e.seq for e in page] == [4]  # a gap fill of 2..4 gets 4: 2 and 3 are counted lost by its reader
-        page, cursor, more = ring.select(since=2, src="a", limit=1, max_bytes=500, cursor=0, max_reply_bytes=1000)
+        page, cursor, more = ring.select(since=2, src="a", limit=1, max_bytes=500, cursor=0, reply_limits=answer)
         assert [e.seq for e in page] == [4] and not more
     assert ring.too_large == 2
     assert [(entry["event"], entry["seq"]) for entry in logs] == [("ring.too_large", 2), ("ring.too_large", 3)]
     # What fits an answer alone still comes alone, above the page's byte budget.
-    page, _, _ = ring.select(since=0, src="a", limit=10, max_bytes=10, cursor=0, max_reply_bytes=1 << 20)
+    page, _, _ = ring.select(since=0, src="a", limit=10, max_bytes=10, cursor=0, reply_limits=Limits())
     assert [e.seq for e in page] == [1]
+
+
+def test_messages_of_many_frames_are_charged_per_frame_against_the_byte_bound() -> None:
+    """The byte bound used to count frame bytes only: messages of thousands of empty frames cost nothing, and a
+    ring bound to 256 MiB held gigabytes of frame objects. Each frame of a kept message is charged what holding
+    it costs."""
+    ring = ring_of(100, 4 << 20)
+    frames = [b"a", b"000001", *[b""] * (MAX_FRAMES - 2)]
+    ring.append(frames)
+    assert ring.nbytes == held_bytes(frames, 7) > MAX_FRAMES * 100
+    for seq in range(2, 11):
+        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MAX_FRAMES - 2)])
+    assert len(ring) == 3 and ring.evicted == 7 and ring.nbytes == 3 * held_bytes(frames, 7)
+
+
+@pytest.mark.parametrize("limits", [Limits(max_body_bytes=256 << 10), Limits(max_items=100_000)],
+                         ids=["body-bytes", "list-elements"])
+def test_a_page_of_messages_of_many_frames_fits_the_asking_peers_limits(limits: Limits) -> None:
+    """A page's budget used to count frame bytes only: messages of many empty frames made a page whose body was
+    over the asking peer's body limit, or held more list elements than its ``max_items``, and every replay or gap
+    fill over them was refused. Each message is counted by its frames too: every page decodes, and together they
+    hand over every message."""
+    ring = ring_of(100, 1 << 30)
+    for seq in range(1, 41):
+        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MAX_FRAMES - 2)])
+    broker, peer = WireCodec("bus", limits=limits), WireCodec("asker", limits=limits)
+    seen, cursor, more = [], 0, True
+    while more:  # as the broker's replay handler asks
+        page, cursor, more = ring.select(0, "a", 10_000, limits.max_body_bytes // 2, cursor, limits)
+        answer = Replayed(events=[ReplayedEvent([bytes(f) for f in e.frames]) for e in page], more=more,
+                          cursor=cursor)
+        body = peer.decode(broker.encode(answer, reply_to="x-1")).body
+        assert isinstance(body, Replayed)
+        seen += [int(event.frames[1]) for event in body.events]
+    assert seen == list(range(1, 41))
 
 
 def on_loop(runtime: NodeRuntime, work: Callable[[], T]) -> T:

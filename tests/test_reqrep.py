@@ -40,11 +40,11 @@ from refbus.bus.reqrep import (
     Server,
     gather,
 )
-from refbus.bus.sockets import SocketOptions, bound_endpoint, recv_frames
+from refbus.bus.sockets import FrameCounter, SocketOptions, bound_endpoint, recv_frames
 from refbus.protocol.codec import EXT_NUMPY, Unhashed, checksum
 from refbus.protocol.envelope import MIN_FRAMES, PROTOCOL_VERSION, Limits, Message, WireCodec
 from refbus.protocol.errors import SchemaError
-from refbus.protocol.messages import Blobs, Delete, Error, Fetch, FetchedBlob, Ok
+from refbus.protocol.messages import MAX_FRAMES, Blobs, Delete, Error, Fetch, FetchedBlob, Ok
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -366,6 +366,33 @@ def test_a_signed_server_answers_a_signed_one_frame_request_in_one_frame_and_its
     assert dealer.poll(WAIT_MS, zmq.POLLIN)
     refused = WireCodec("reader", secret=secret).decode(recv_frames(dealer))
     assert (refused.body.code, refused.header.re) == ("signature", "raw-1")
+
+
+def test_a_request_of_more_frames_than_any_message_has_is_refused_unkept_and_the_server_keeps_serving(
+    serve: Any, raw_dealer: Any, zmq_ctx: zmq.Context
+) -> None:
+    """A request of [kind, header, body] and then millions of empty frames passes every byte limit: the server
+    used to build an object per frame, then check its MAC (an outsider could hold its loop for seconds and its
+    memory for gigabytes). Past ``MAX_FRAMES`` its frames are read off without being kept, and it is refused
+    ``malformed``, answered to the id its header names; the next request is served."""
+    secret = b"s3cret"
+    srv = serve(Counting().setup, secret=secret)
+    signing = WireCodec("raw-client", secret=secret)
+    dealer = raw_dealer(srv.endpoint)
+    kind, header, body, mac = (bytes(f) for f in signing.encode(DELETE, msg_id="raw-1"))
+    kept_before = FrameCounter.frames  # array frames received in this process, the server thread's included
+    dealer.send_multipart([kind, header, body, *[b""] * (3 * MAX_FRAMES), mac])
+    refused = recv_message(dealer, WireCodec("reader", secret=secret))
+    assert isinstance(refused.body, Error)
+    assert (refused.body.code, refused.header.re) == ("malformed", "raw-1")
+    assert f"at most {MAX_FRAMES}" in refused.body.message
+    assert FrameCounter.frames - kept_before < MAX_FRAMES  # frames past the cap were never held
+    assert srv.server.rejected == Counter({"malformed": 1})
+    client = Client(zmq_ctx, srv.endpoint, WireCodec("signed-client", secret=secret), policy=PATIENT)
+    try:
+        assert client.request(DELETE).body.detail == "deleted b1 #1"
+    finally:
+        client.close()
 
 
 ONE_FRAME_MALFORMED = {

@@ -9,7 +9,8 @@ thread once every request has its outcome):
    :class:`~.packing.MicroBatch` (:func:`to_micro_batch`); the blobs its samples need are collected once
    (a dummy borrows real references, so the same blob may appear twice), grouped by env-server endpoint
    and cut into ``fetch`` requests of at most ``blobs_per_request`` ids and about ``request_bytes`` (a
-   request is closed once it reaches that size): small blobs share a request, so the per-request cost is
+   request is closed once it reaches that size), whose answer holds at most ``MAX_BUFFERS`` arrays (one frame
+   each: no receiver takes a message of more): small blobs share a request, so the per-request cost is
    paid per few MiB, not per blob; large ones travel alone or in pairs, so replies pipeline.
 2. **Fetch.** All requests run concurrently as asynchronous requests of the node loop
    (:meth:`refbus.bus.calls.Calls.gather`): at most ``window`` in flight per endpoint, each retried with
@@ -57,6 +58,7 @@ import torch
 from ...bus.calls import Calls
 from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, split_outcomes
+from ...protocol.envelope import MAX_BUFFERS
 from ...protocol.messages import BlobRef, Blobs, Fetch, FetchedBlob, MicroBatchRefs
 from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
@@ -398,18 +400,24 @@ class StepFetcher:
         return branches, failures
 
     def _requests(self, refs: Mapping[str, BlobRef]) -> list[tuple[str, list[str]]]:
-        """``(endpoint, blob ids)`` per request, cut by ``blobs_per_request`` and ``request_bytes``."""
+        """``(endpoint, blob ids)`` per request, cut by ``blobs_per_request``, ``request_bytes`` and the
+        ``MAX_BUFFERS`` arrays its answer can hold."""
         requests: list[tuple[str, list[str]]] = []
         open_ids: dict[str, list[str]] = defaultdict(list)
         open_bytes: Counter[str] = Counter()
+        open_arrays: Counter[str] = Counter()
         for blob_id, ref in refs.items():
             endpoint = self._locate(ref)
+            if open_ids[endpoint] and open_arrays[endpoint] + len(ref.fields) > MAX_BUFFERS:
+                requests.append((endpoint, open_ids.pop(endpoint)))
+                del open_bytes[endpoint], open_arrays[endpoint]
             open_ids[endpoint].append(blob_id)
+            open_arrays[endpoint] += len(ref.fields)
             open_bytes[endpoint] += ref.nbytes
             if len(open_ids[endpoint]) >= self.settings.blobs_per_request or \
                     open_bytes[endpoint] >= self.settings.request_bytes:
                 requests.append((endpoint, open_ids.pop(endpoint)))
-                del open_bytes[endpoint]
+                del open_bytes[endpoint], open_arrays[endpoint]
         return requests + list(open_ids.items())
 
     def _assemble(

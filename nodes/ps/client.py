@@ -54,7 +54,7 @@ from ...bus.reqrep import Client, PeerDown, Pipeline, RemoteError, RequestTimeou
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
 from ...protocol.codec import Unhashed, checksum, copy_hashing
-from ...protocol.envelope import WireCodec
+from ...protocol.envelope import MAX_BUFFERS, WireCodec
 from ...protocol.messages import Body
 from ...protocol.messages_ps import (
     Abort,
@@ -476,7 +476,8 @@ class PushSession:
             piece = data[start : start + PIECE_BYTES]
             if known is None:
                 whole.update(piece)
-            if self._queued and self._queued_bytes + piece.nbytes > self._client.chunk_bytes:
+            if self._queued and (self._queued_bytes + piece.nbytes > self._client.chunk_bytes
+                                 or len(self._queued) == MAX_BUFFERS):  # a frame each: no receiver takes more
                 self._send()
             self._queued.append((spec.offset + start, Unhashed(piece)))
             self._queued_bytes += piece.nbytes

@@ -25,7 +25,7 @@ import xxhash
 
 from ...bus.reqrep import Client, Pipeline, RemoteError, RequestTimeout
 from ...protocol.codec import copy_hashing
-from ...protocol.envelope import Message
+from ...protocol.envelope import MAX_BUFFERS, Message
 from ...protocol.messages_ps import ByteRange, ManifestEntry, ShardData, ShardRead
 
 PIECE_BYTES = 4 << 20  # well under glibc's 32 MiB mmap threshold ceiling, large enough that per-frame work is noise
@@ -59,7 +59,8 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
     uint8 tensor of ``entry.nbytes``, e.g. a view of the caller's output or a fresh buffer); the destinations,
     in order, each verified against its entry's checksum.
 
-    Requests carry up to ``chunk_bytes`` of pieces of one segment, ``window`` in flight; each reply's pieces are
+    Requests carry up to ``chunk_bytes`` of pieces of one segment (and at most ``MAX_BUFFERS`` pieces: each
+    comes back as a frame of the reply), ``window`` in flight; each reply's pieces are
     copied into their destinations as it arrives and released, so about ``window`` replies' frames are held.
     The first request that fails ends the read (no later one is sent).
     ``first_write(entry)`` runs before the first byte of a tensor is written into its destination: a caller
@@ -80,7 +81,8 @@ def read_frames(worker: Client, wanted: Sequence[Wanted], destination: Callable[
     size = 0
     for index, piece in _pieces(wanted, piece_bytes):
         segment = wanted[index].segment
-        if not requests or size + piece.nbytes > chunk_bytes or requests[-1][0].segment != segment:
+        if not requests or size + piece.nbytes > chunk_bytes or requests[-1][0].segment != segment or \
+                len(requests[-1][0].ranges) == MAX_BUFFERS:
             requests.append((ShardRead(segment, []), []))
             size = 0
         requests[-1][0].ranges.append(piece)
