@@ -458,10 +458,10 @@ class Ledger:
             if (tomb := self.tombstones.get(blob_id)) is not None:
                 if tomb[1] == LOST and (reason == LOST or reason in STORE_REASONS):
                     continue  # the holder's and the store's side of one loss
-                if reason == LOST and record.get("node") != key[0]:
-                    # A holder declaring lost what its store had already deleted: its delete request was carried
-                    # out, but the answer died with a store reported down until its grace ended. Nothing was
-                    # deleted twice: the declaration only names blobs the holder could no longer account for.
+                if reason == LOST and record.get("node") != key[0] and tomb[0] in (holder, FORGOTTEN):
+                    # A holder declaring lost what its store had deleted at its own request: the request was
+                    # carried out, but the answer died with a store reported down until its grace ended. Nothing
+                    # was deleted twice. Deleted by anyone else, the holder still listed a blob it had handed over.
                     continue
                 first = f"first deleted by {tomb[0]}" if tomb[0] != FORGOTTEN else "first deleted long before"
                 self._violation(f"{holder} deleted {blob_id} again ({first})")

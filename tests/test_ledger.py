@@ -216,7 +216,8 @@ def test_a_store_cut_off_past_the_grace_and_back_counts_each_lost_blob_once_with
 
 def test_a_holder_declaring_lost_what_its_store_had_deleted_is_no_second_delete() -> None:
     """The store carried out the orchestrator's delete of b, and its answer died with a store reported down
-    until its grace ended: the orchestrator then declares b lost with the store. b was deleted once."""
+    until its grace ended: the orchestrator then declares b lost with the store. b was deleted once. A blob the
+    orchestrator had handed over and the rank deleted is another matter."""
     report = _run([
         *LIFECYCLE,
         {"type": "node-down", "node_id": "env-0", "reason": "timeout"},
@@ -224,6 +225,13 @@ def test_a_holder_declaring_lost_what_its_store_had_deleted_is_no_second_delete(
     ]).report()
     assert report.violations == [] and report.lost == {}
     assert report.totals()["deleted"] == {"filtered": 1, "trained": 2, "undelivered": 1}
+    # Deleted by the rank it was handed to: the orchestrator still listed a blob it no longer held.
+    handed = _run([
+        *LIFECYCLE,
+        {"type": "node-down", "node_id": "env-0", "reason": "timeout"},
+        {"type": "delete", "src": "orch", "holder": "orch", "reason": "lost", "node": "env-0", "blob_ids": ["a"]},
+    ]).report()
+    assert handed.violations == ["orch deleted a again (first deleted by trainer-0)"]
 
 
 def test_a_store_back_from_a_cut_that_deletes_a_lost_blob_itself_counts_it_once() -> None:
