@@ -483,16 +483,27 @@ class NodeRuntime:
 
     def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
         """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
-        broker does not answer within ``policy`` (default: the runtime's) or answers anything but the list.
-        Blocks until then: for start-up, shutdown and commands; a running node loop uses :meth:`lookup_async`."""
+        broker does not answer within ``policy`` (default: the runtime's) or answers anything but the whole
+        list (one it had to cut to fit the body limit is no answer: callers take a node missing from the list
+        for a node gone). Blocks until then: for start-up, shutdown and commands; a running node loop uses
+        :meth:`lookup_async`."""
         try:
             listed = self.broker().request(Nodes(role=role), policy=policy).body
         except (RemoteError, RequestTimeout) as exc:
             log.warning("registry.lookup_failed", role=role, error=str(exc))
             return None
+        return self._listed(role, listed)
+
+    def _listed(self, role: str, listed: Body) -> list[NodeInfo] | None:
+        """The nodes of a ``nodes`` answer when it is the whole list; None, logged, otherwise."""
         if not isinstance(listed, NodeList):  # what answers at bus.control is a peer: its reply may be anything
             log.warning("registry.lookup_failed", role=role, error=f"{self.settings.bus} answered {Nodes.kind} "
                         f"with {listed.kind}, not {NodeList.kind}")
+            return None
+        if listed.omitted:
+            log.warning("registry.lookup_failed", role=role, omitted=listed.omitted,
+                        error="the broker left live nodes out of its answer to fit the body limit: a list that "
+                        "lacks them would have them taken for gone")
             return None
         return listed.nodes
 
@@ -500,8 +511,8 @@ class NodeRuntime:
                      deadline_s: float | None = None) -> None:
         """The :meth:`lookup` for a node loop, which must never wait on the broker: ``on_done`` gets the live
         nodes of ``role`` (all roles with ``""``), or None (logged) when the broker did not answer within
-        ``deadline_s`` (default: the runtime's retry schedule) or answered an error. Called on the loop thread,
-        once, never inside this call. A lookup of ``role`` already in flight is joined, not repeated (its
+        ``deadline_s`` (default: the runtime's retry schedule) or answered an error or a cut list. Called on the
+        loop thread, once, never inside this call. A lookup of ``role`` already in flight is joined, not repeated (its
         deadline holds; an ``on_done`` already waiting is not added twice), so a periodic caller facing a broker
         that stopped answering has one request out and one answer coming, not one per tick. Loop thread only."""
         waiting = self._lookups.get(role)
@@ -513,11 +524,10 @@ class NodeRuntime:
 
         def done(outcome: Outcome) -> None:
             nodes: list[NodeInfo] | None = None
-            if isinstance(outcome, Message) and isinstance(outcome.body, NodeList):
-                nodes = outcome.body.nodes
+            if isinstance(outcome, Message):
+                nodes = self._listed(role, outcome.body)
             else:
-                log.warning("registry.lookup_failed", role=role,
-                            error=str(outcome.body if isinstance(outcome, Message) else outcome))
+                log.warning("registry.lookup_failed", role=role, error=str(outcome))
             for callback in self._lookups.pop(role, ()):
                 try:
                     callback(nodes)
