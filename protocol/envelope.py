@@ -22,7 +22,7 @@ whole (:meth:`WireCodec.read_events` for headers, :meth:`WireCodec.decode_batch`
   sequence number, timestamp, optional reply-to id, whether a MAC frame follows).
 * ``body``: msgpack map, validated against the kind's Struct from :mod:`refbus.protocol.messages`.
 * ``buffers``: raw array bytes, one frame per array, described in the body (see :mod:`refbus.protocol.codec`).
-* At most ``MAX_FRAMES`` (4,096) frames in all, the MAC frame included: a receiver reads a longer message off
+* At most ``MAX_FRAMES`` (65,536) frames in all, the MAC frame included: a receiver reads a longer message off
   its socket without keeping its frames and refuses it ``malformed`` (:mod:`refbus.bus.sockets`).
 * ``mac``: with a cluster secret, HMAC-SHA256 over every frame before it, each as its length (8 bytes,
   little-endian) then its bytes. It signs the frames exactly as they travel, so a receiver checks the bytes it

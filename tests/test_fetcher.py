@@ -556,10 +556,10 @@ def test_a_durable_store_down_mid_fetch_is_asked_again_until_it_is_back_or_the_w
 def test_a_request_asks_for_no_more_arrays_than_one_answer_carries(loop: Loop) -> None:
     """An answer carries one frame per array, and no receiver takes a message of more than ``MAX_FRAMES``
     frames: requests are cut so that each answer's arrays stay within ``MAX_BUFFERS``, however many blobs
-    ``blobs_per_request`` allows (a request of 1,000 five-array blobs used to ask for one answer of 5,000)."""
+    ``blobs_per_request`` allows (a request of that many five-array blobs used to ask for one answer of them all)."""
     fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=10_000, request_bytes=1 << 40))
     refs = {f"b{i}": BlobRef(endpoint="tcp://127.0.0.1:7001", source="s", blob_id=f"b{i}", fields=list(FIELDS),
-                             tokens=1, nbytes=8, checksum=0) for i in range(1000)}
+                             tokens=1, nbytes=8, checksum=0) for i in range(MAX_BUFFERS // len(FIELDS) + 10)}
     requests = fetcher._requests(refs)
     assert [blob for _, ids in requests for blob in ids] == list(refs)
     assert len(requests) > 1 and all(len(ids) * len(FIELDS) <= MAX_BUFFERS for _, ids in requests)

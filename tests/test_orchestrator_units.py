@@ -25,6 +25,7 @@ from refbus.nodes.payload.orchestrator import IDLE_LOG_S, Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
+from refbus.protocol import envelope
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     Accounted,
@@ -565,3 +566,30 @@ def test_an_orchestrator_that_sends_no_run_says_why_once_the_reason_has_held_a_w
         assert "recovery requests out" in idle[0]["detail"]
     finally:
         runtime.close()
+
+
+def test_a_step_batch_no_message_can_carry_halts_the_run_naming_why(
+        bus: tuple[NodeProcess, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step batch with more inline arrays than a message carries cannot be sent, now or by any resend: the
+    orchestrator halts at once and says why. Before, the refused encode escaped as a logged callback error, the
+    delivery stayed counted in flight with no outcome to come, and the run stalled until the delivery deadline
+    halted it for 'no answer'. (Three inline arrays a micro batch here against a bound of two.)"""
+    monkeypatch.setattr(envelope, "MAX_BUFFERS", 2)
+    control = bus[1]
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-h", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="h"))
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    taken: list[StepBatch] = []
+    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, lambda request: taken.append(request.body))
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64), Deadlines())
+    with capture_logs() as logs, _running(orchestrator, env_runtime, trainer):
+        for m in range(2):
+            _kept_episode(env, f"h-{m}", group="gh", reward=float(m))
+        wait_for(lambda: [e for e in logs if e["event"] == "orchestrator.halted"], WAIT_S, "the orchestrator halted")
+    (halted,) = [e for e in logs if e["event"] == "orchestrator.halted"]
+    assert "batch for rank 0 cannot be sent" in halted["reason"] and "at most 2" in halted["reason"], halted
+    assert not taken and orchestrator._delivering == 0

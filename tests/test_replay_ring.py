@@ -15,7 +15,7 @@ from refbus.bus.forwarder import held_bytes
 from refbus.bus.reqrep import RequestTimeout
 from refbus.bus.runtime import FILL_SHARE, NodeRuntime, RuntimeSettings
 from refbus.protocol.envelope import Limits, WireCodec, incarnation
-from refbus.protocol.messages import MAX_FRAMES, Delete, Replayed, ReplayedEvent
+from refbus.protocol.messages import Delete, Replayed, ReplayedEvent
 from structlog.testing import capture_logs
 
 T = TypeVar("T")
@@ -153,16 +153,19 @@ def test_a_message_no_answer_can_carry_is_skipped_counted_once_and_passed_by_the
     assert [e.seq for e in page] == [1]
 
 
+MANY_FRAMES = 4096  # frames of each message the tests below keep: many, and within what a message may have
+
+
 def test_messages_of_many_frames_are_charged_per_frame_against_the_byte_bound() -> None:
     """The byte bound used to count frame bytes only: messages of thousands of empty frames cost nothing, and a
     ring bound to 256 MiB held gigabytes of frame objects. Each frame of a kept message is charged what holding
     it costs."""
     ring = ring_of(100, 4 << 20)
-    frames = [b"a", b"000001", *[b""] * (MAX_FRAMES - 2)]
+    frames = [b"a", b"000001", *[b""] * (MANY_FRAMES - 2)]
     ring.append(frames)
-    assert ring.nbytes == held_bytes(frames, 7) > MAX_FRAMES * 100
+    assert ring.nbytes == held_bytes(frames, 7) > MANY_FRAMES * 100
     for seq in range(2, 11):
-        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MAX_FRAMES - 2)])
+        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MANY_FRAMES - 2)])
     assert len(ring) == 3 and ring.evicted == 7 and ring.nbytes == 3 * held_bytes(frames, 7)
 
 
@@ -175,7 +178,7 @@ def test_a_page_of_messages_of_many_frames_fits_the_asking_peers_limits(limits: 
     hand over every message."""
     ring = ring_of(100, 1 << 30)
     for seq in range(1, 41):
-        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MAX_FRAMES - 2)])
+        ring.append([b"a", f"{seq:06d}".encode(), *[b""] * (MANY_FRAMES - 2)])
     broker, peer = WireCodec("bus", limits=limits), WireCodec("asker", limits=limits)
     seen, cursor, more = [], 0, True
     while more:  # as the broker's replay handler asks

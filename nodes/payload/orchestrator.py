@@ -105,6 +105,7 @@ import structlog
 from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, gather, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
+from ...protocol.errors import MessageTooLarge
 from ...protocol.messages import (
     BlobRef,
     Claim,
@@ -449,9 +450,14 @@ class Orchestrator:
             elif self._closing and isinstance(action, DeliverBatch | SendRun):
                 continue  # what it would have handed out stays held here and is deleted with the rest
             elif isinstance(action, DeliverBatch):
-                self._delivering += 1
-                self.runtime.calls.request(
-                    action.endpoint, action.batch, lambda outcome, a=action: self._on_delivered(a, outcome))
+                try:
+                    self.runtime.calls.request(
+                        action.endpoint, action.batch, lambda outcome, a=action: self._on_delivered(a, outcome))
+                except MessageTooLarge as exc:  # no resend can carry it: the run cannot go on as configured
+                    self._execute([Halt(f"step {action.step}'s batch for rank {action.batch.rank} cannot be sent "
+                                        f"({exc}): fewer micro batches a step, or fewer inline inputs")])
+                else:
+                    self._delivering += 1
             elif isinstance(action, SendRun):
                 # Sent once: a run is answered when its episode ends, and a resent run would run it twice.
                 self.runtime.calls.request(
