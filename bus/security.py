@@ -220,11 +220,19 @@ def generate(curve_dir: str, node_id: str = "", role: str = "") -> list[str]:
 # --- binding --------------------------------------------------------------------------------------------
 
 
+LOCAL_SCHEMES = frozenset({"ipc", "inproc"})  # never leave the host
+HOST_SCHEMES = frozenset({"tcp", "ws", "wss"})  # local when their host is a loopback address
+
+
 def is_local(endpoint: str) -> bool:
-    """True for endpoints no other host can reach: ipc, inproc, and tcp on loopback addresses."""
-    if not endpoint.startswith("tcp://"):
+    """True for endpoints no other host can reach: ipc, inproc, and tcp or WebSocket on loopback addresses.
+    Any other transport ZeroMQ may offer (tipc, udp, pgm, vmci, ...) counts as reachable from other hosts."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme in LOCAL_SCHEMES:
         return True
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if scheme not in HOST_SCHEMES:
+        return False
+    host = address.split("/", 1)[0].rsplit(":", 1)[0].strip("[]")  # a WebSocket address may end in a path
     if host in ("*", ""):
         return False
     try:

@@ -236,9 +236,12 @@ def test_a_node_refuses_to_bind_an_unprotected_address() -> None:
     check_bind("tcp://0.0.0.0:7770", signed=True, curve=False, insecure=False)
     check_bind("tcp://0.0.0.0:7770", signed=False, curve=True, insecure=False)
     check_bind("tcp://0.0.0.0:7770", signed=False, curve=False, insecure=True)
-    for local in ("tcp://127.0.0.1:0", "tcp://localhost:0", "tcp://[::1]:0", "ipc:///tmp/x", "inproc://x"):
+    for local in ("tcp://127.0.0.1:0", "tcp://localhost:0", "tcp://[::1]:0", "ipc:///tmp/x", "inproc://x",
+                  "ws://127.0.0.1:0/refbus"):
         check_bind(local, signed=False, curve=False, insecure=False)
-    for remote in ("tcp://*:0", "tcp://0.0.0.0:0", "tcp://[::]:0", "tcp://no-such-host.invalid:0"):
+    # Transports other than tcp and WebSocket were all taken for local, whatever their address.
+    for remote in ("tcp://*:0", "tcp://0.0.0.0:0", "tcp://[::]:0", "tcp://no-such-host.invalid:0",
+                   "ws://0.0.0.0:0/refbus", "wss://*:0", "tipc://{0,1}", "udp://*:5555", "pgm://eth0;239.192.1.1:5555"):
         with pytest.raises(SecurityError):
             check_bind(remote, signed=False, curve=False, insecure=False)
 
