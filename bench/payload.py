@@ -15,8 +15,9 @@ measured in the same run and process tree.
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
    receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
    one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
-   < 5%; inline grows by the full amount (>= 95% of the bytes in flight). A fresh child per variant, so its
-   peak RSS (``ru_maxrss``) is that variant's alone.
+   < 5%; inline grows by the full amount (>= 95% of the bytes in flight). A fresh child per variant, whose
+   peak is read as ``VmHWM`` (the high-water mark of its own address space, from its ``exec``), so it is that
+   variant's alone (``ru_maxrss`` would carry over the bench parent's peak).
 
 Every timing is the best of the repeats after one warm-up (steady state, as in training; best-of because the
 machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import resource
 import socket
 import sys
 import threading
@@ -269,9 +269,23 @@ def http_server(ch: Channel, blob_ids: list[str], nbytes: int, seed: int, bind: 
 # --- tasks: orchestrator memory --------------------------------------------------------------------------
 
 
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes: Linux's ``VmHWM``, the high-water mark of this address
+    space, which begins at the ``exec`` that started the process. Not ``ru_maxrss``: Linux carries that over
+    from the parent across fork and exec, so a spawned worker would report at least the bench parent's peak.
+
+    Raises:
+        BenchError: no ``VmHWM`` (not Linux).
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise BenchError("no VmHWM in /proc/self/status: the memory section needs Linux")
+
+
 def orchestrator_like(ch: Channel) -> int:
     """Hold every request body it receives (as an orchestrator holds what is in flight) until told to stop;
-    returns its peak RSS in bytes."""
+    returns its peak RSS in bytes (:func:`peak_rss`)."""
     ctx = zmq.Context()
     held: list[Any] = []
     try:
@@ -288,7 +302,7 @@ def orchestrator_like(ch: Channel) -> int:
         while not ch.poll(0):
             if sock.poll(20, zmq.POLLIN):
                 server.handle_one()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak_rss()
     finally:
         ctx.destroy(linger=0)
 
