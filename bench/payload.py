@@ -4,14 +4,20 @@ measured in the same run and process tree.
 1. **fetch**: one step's arrays for a trainer rank from two env servers (real ``refbus node env-server``
    processes on a real broker), timed until the assembled torch tensors are ready (``StepFetcher`` start + finish:
    fetch, verify, assemble into reused buffers), in two shapes: 64 blobs of 4 MiB and 1024 blobs of 64 KiB
-   of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token). Baselines:
-   (a) raw: the same bytes over one plain TCP connection into a preallocated buffer (``sendall`` /
-   ``recv_into``), nothing assembled but checked (across hosts: half from each env server's host at once);
-   (b) http: a stdlib ``ThreadingHTTPServer`` per env server, ``urllib`` GET per blob, the best of 1, 2, 4 and 8
-   parallel requests, then the same assembly into the same kind of reused buffers (so the comparison isolates the
-   transport). Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http at 4 MiB and >= 5x at 64 KiB (the
-   http rows name the raw figure too). An informational row shows refbus until every blob is received and verified
-   (before assembly copies the uint8 rows into the batch tensors).
+   of uint8 routing rows (``[tokens, 64 layers, top-8]``, 512 B per token), each blob with bytes of its own
+   (seeded by its index). Every step of every side is checked: its buffers are filled with a sentinel before
+   it and every sample's rows compared with its blob's after, both off the clock, so a fetch that wrote
+   nothing or swapped two blobs fails the bench. Baselines:
+   (a) raw: the same bytes over plain TCP into a preallocated buffer (``sendall`` / ``recv_into``), half from
+   each of two server processes at once, as the blobs come from two env servers (across hosts: from their
+   hosts), received by threads started before the clock; nothing assembled but checked;
+   (b) http: a stdlib ``ThreadingHTTPServer`` per env server holding its blobs, speaking HTTP/1.1 without Nagle
+   delays, a GET per blob from a thread pool whose every thread keeps one connection per server open across
+   steps (``http.client``), then the same assembly into the same kind of reused buffers (so the comparison
+   isolates the transport); its parallelism (1, 2, 4 or 8 threads) is chosen before it is timed, by one
+   untimed warm-up and one step at each. Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http
+   at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An informational row shows refbus
+   until every blob is received and verified (before assembly copies the uint8 rows into the batch tensors).
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
    receives) with 0 and with N GiB of arrays in flight, by reference (it receives ``episode-finished`` with
    one ``BlobRef`` per 1 MiB blob) and inline (it receives the arrays as frames). Goals: by reference grows
@@ -20,8 +26,8 @@ measured in the same run and process tree.
    variant's alone (``ru_maxrss`` would carry over the bench parent's peak).
 
 Every timing is the best of the repeats after one warm-up (steady state, as in training; best-of because the
-machine may be shared), taken the same way for refbus and every baseline. Workers are spawned processes
-(``bench.harness.workers``); every wait is bounded and every process reaped.
+machine may be shared), taken the same way and over as many steps for refbus and every baseline. Workers are
+spawned processes (``bench.harness.workers``); every wait is bounded and every process reaped.
 
 Across hosts (``--hosts``, needs root): the fetch comparison on three namespace hosts (``bench.hosts``): the
 broker and the trainer on hostA, an env server and a baseline server (raw peer, HTTP) on each of hostB and
@@ -34,18 +40,19 @@ does not run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import http.client
 import http.server
 import socket
 import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -77,15 +84,19 @@ from bench.harness import (
     raw_peer,
     recv_exactly,
     run_line,
-    seconds_each,
     workers,
     write_json,
 )
 
+if TYPE_CHECKING:
+    from refbus.bus.calls import Calls
+    from refbus.nodes.payload.fetcher import StepFetcher
+
 LAYERS, TOP_K = 64, 8
 TOKEN_BYTES = LAYERS * TOP_K  # uint8 routing: 512 B per token
 SEQ_LEN = 65_536  # tokens per micro batch: 32 MiB of uint8 routing in and out
-HTTP_PARALLEL = (1, 2, 4, 8)
+HTTP_PARALLEL = (1, 2, 4, 8)  # the HTTP baseline's settings, tried once each before it is timed
+SENTINEL = 0xFF  # what every checked buffer holds before a step: no routing byte (expert ids are below 128)
 MEMORY_BLOB = 1 * MIB
 PATIENT = RetryPolicy(timeout_s=WAIT_S, attempts=1)
 SERVE_S = 600.0  # the longest a baseline server waits to be told to stop
@@ -102,11 +113,13 @@ FULL = Settings(repeats=5, shapes=((64, 4 * MIB), (1024, 64 << 10)), in_flight_b
 QUICK = Settings(repeats=1, shapes=((64, 4 * MIB), (1024, 64 << 10)), in_flight_bytes=256 * MIB)
 
 
-def routing_rows(nbytes: int, seed: int) -> np.ndarray:
-    """One routing array of ``nbytes``, ``[tokens, LAYERS, TOP_K]`` uint8. Every blob of a shape holds these
-    bytes (content does not change the cost of moving or assembling them; generating GiBs would)."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 128, (nbytes // TOKEN_BYTES, LAYERS, TOP_K), dtype=np.uint8)
+def blob_rows(nbytes: int, index: int) -> np.ndarray:
+    """Blob ``index``'s routing rows: ``nbytes`` of ``[tokens, LAYERS, TOP_K]`` uint8 expert ids below 128,
+    seeded by ``index``, so no two blobs hold the same bytes and a fetch that put one blob's rows where
+    another's belong fails its check. (Random bytes masked to 7 bits: a fifth of the cost of drawing
+    integers, which counts at hundreds of MiB per shape in every process that makes or checks them.)"""
+    raw = np.frombuffer(np.random.default_rng(index).bytes(nbytes // TOKEN_BYTES * TOKEN_BYTES), dtype=np.uint8)
+    return (raw & 0x7F).reshape(-1, LAYERS, TOP_K)
 
 
 def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
@@ -125,16 +138,15 @@ def micro_batches(refs: Sequence[BlobRef]) -> list[MicroBatchRefs]:
 # --- tasks: the trainer side (one worker) ----------------------------------------------------------------
 
 
-def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int, rows: np.ndarray
-                 ) -> tuple[list[tuple[float, float]], int]:
-    """``StepFetcher`` start + finish of the step ``repeats + 1`` times; (total, transfer) seconds of the timed
-    ones, and how many samples of the last step were checked against ``rows`` (every blob's routing rows)."""
+@contextlib.contextmanager
+def step_fetcher(holder: str) -> Iterator[tuple[StepFetcher, Calls]]:
+    """A ``StepFetcher`` and the ``Calls`` that drive it (no node loop: ``Calls.run_until``), as a trainer
+    rank's; every client closed on exit."""
     from refbus.bus.calls import Calls
-    from refbus.nodes.payload.assemble import AssembledBatch
     from refbus.nodes.payload.fetcher import StepFetcher
 
     ctx = zmq.Context()
-    codec = WireCodec("bench-trainer")
+    codec = WireCodec(holder)
     clients: list[Client] = []
 
     def connect(endpoint: str) -> Client:
@@ -142,97 +154,175 @@ def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], repeats: int, rows:
         return clients[-1]
 
     calls = Calls(connect, PATIENT)
-    fetcher = StepFetcher("bench-trainer", calls)
     try:
-        seconds = []
-        for step in range(repeats + 1):
-            in_flight = fetcher.start(step, batches)
-            if not calls.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
-                raise BenchError("refbus fetch: requests outlived their deadline")
-            result = fetcher.finish(in_flight)
-            if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
-                raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
-            seconds.append((result.seconds, result.transfer_seconds))
-        return seconds[1:], _check_assembled(batches, result.batches, rows)
+        yield StepFetcher(holder, calls), calls
     finally:
         for client in clients:
             client.close()
         ctx.destroy(linger=0)
 
 
-def _check_assembled(batches: Sequence[MicroBatchRefs], assembled: Sequence[Any], rows: np.ndarray) -> int:
-    """Every sample's routing rows in the assembled tensors are ``rows``; returns the samples checked."""
-    checked = 0
+def checked_fetches(fetcher: StepFetcher, calls: Calls, batches: Sequence[MicroBatchRefs],
+                    expected: Mapping[str, np.ndarray], runs: int) -> list[tuple[float, float]]:
+    """``runs`` steps of ``fetcher`` (start + finish) over ``batches``; (total, transfer) seconds of each, as the
+    fetcher times them. Before each step every buffer its pool will reuse (the previous step's tensors) is
+    filled with ``SENTINEL``, and after it every sample is checked against ``expected`` (blob id -> its rows):
+    both off the clock, so a step that wrote nothing, or put one blob's rows in another's place, fails instead
+    of passing on an earlier step's bytes.
+
+    Raises:
+        BenchError: a fetch failed or outlived its deadline, or a step assembled other rows than ``expected``.
+    """
+    from refbus.nodes.payload.assemble import AssembledBatch
+
+    seconds = []
+    previous: Sequence[Any] = ()
+    for step in range(runs):
+        fill_sentinel(previous)
+        in_flight = fetcher.start(step, batches)
+        if not calls.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
+            raise BenchError("refbus fetch: requests outlived their deadline")
+        result = fetcher.finish(in_flight)
+        if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
+            raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
+        check_assembled(batches, result.batches, expected)
+        seconds.append((result.seconds, result.transfer_seconds))
+        previous = result.batches
+    return seconds
+
+
+def expected_rows(indexes: Mapping[str, int], nbytes: int) -> dict[str, np.ndarray]:
+    """Blob id -> the rows it was kept with (:func:`blob_rows` of its index)."""
+    return {blob_id: blob_rows(nbytes, index) for blob_id, index in indexes.items()}
+
+
+def refbus_fetch(ch: Channel, batches: list[MicroBatchRefs], indexes: dict[str, int], nbytes: int,
+                 repeats: int) -> tuple[list[tuple[float, float]], int]:
+    """``StepFetcher`` start + finish of the step ``repeats + 1`` times, every one checked
+    (:func:`checked_fetches`); (total, transfer) seconds of the timed ones (the first is a warm-up) and how
+    many samples were checked in all."""
+    expected = expected_rows(indexes, nbytes)
+    with step_fetcher("bench-trainer") as (fetcher, calls):
+        seconds = checked_fetches(fetcher, calls, batches, expected, repeats + 1)
+    return seconds[1:], (repeats + 1) * sum(len(mb.samples) for mb in batches)
+
+
+def fill_sentinel(assembled: Sequence[Any]) -> None:
+    """Every byte of every tensor of ``assembled`` (``AssembledBatch`` es) set to ``SENTINEL``."""
+    import torch
+
+    for batch in assembled:
+        for field in dataclasses.fields(batch):
+            value = getattr(batch, field.name)
+            if isinstance(value, torch.Tensor):
+                value.view(torch.uint8).fill_(SENTINEL)
+
+
+def check_assembled(batches: Sequence[MicroBatchRefs], assembled: Sequence[Any],
+                    expected: Mapping[str, np.ndarray]) -> None:
+    """Every sample's routing rows in the assembled tensors are its blob's ``expected`` rows.
+
+    Raises:
+        BenchError: naming the first sample whose rows differ.
+    """
     for refs, batch in zip(batches, assembled, strict=True):
         routing = batch.routed_experts[0].numpy()
         offset = 0
         for sample in refs.samples:
-            if not np.array_equal(routing[offset : offset + sample.tokens], rows[: sample.tokens]):
-                raise BenchError(f"refbus fetch assembled wrong routing rows for {sample.sample_id}")
+            rows = expected[sample.sample_id][: sample.tokens]
+            if not np.array_equal(routing[offset : offset + sample.tokens], rows):
+                raise BenchError(f"a fetch assembled wrong routing rows for {sample.sample_id}")
             offset += sample.tokens
-            checked += 1
-    return checked
 
 
 def raw_fetch(ch: Channel, peers: list[tuple[str, int]], nbytes: int, repeats: int) -> list[float]:
     """The raw limit: ``nbytes`` per step over one TCP connection to each of ``peers`` (``raw_peer`` s, an equal
-    share from each, received concurrently), into one preallocated (warm) buffer; checks the bytes."""
+    share from each, received concurrently by threads started before the clock), into one preallocated (warm)
+    buffer, ``repeats + 1`` times (the first a warm-up); before each step the buffer is filled with
+    ``SENTINEL`` and after it every byte is checked, both off the clock, as the refbus fetch's are."""
     buffer = np.ones(nbytes, dtype=np.uint8)
     share = nbytes // len(peers)
     views = [memoryview(buffer)[i * share : (i + 1) * share] for i in range(len(peers))]
+    received = buffer[: share * len(peers)]
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.create_connection(peer, timeout=WAIT_S)) for peer in peers]
-
-        def step() -> None:
+        receivers = stack.enter_context(ThreadPoolExecutor(len(socks)))  # recv_into releases the GIL
+        seconds = []
+        for _ in range(repeats + 1):
+            received.fill(SENTINEL)
+            start = time.perf_counter()
             for sock in socks:
                 sock.sendall(b"g")
-            with ThreadPoolExecutor(len(socks)) as receivers:  # recv_into releases the GIL
-                list(receivers.map(recv_exactly, socks, views))
-
-        seconds = seconds_each(step, repeats + 1)[1:]
-    if np.count_nonzero(buffer[: share * len(peers)] != RAW_BYTE):
-        raise BenchError("raw TCP delivered wrong bytes")
-    return seconds
+            list(receivers.map(recv_exactly, socks, views))
+            seconds.append(time.perf_counter() - start)
+            if np.count_nonzero(received != RAW_BYTE):
+                raise BenchError("raw TCP delivered wrong bytes")
+    return seconds[1:]
 
 
-def http_fetch(ch: Channel, batches: list[MicroBatchRefs], urls: dict[str, str], parallel: int,
-               repeats: int) -> list[float]:
-    """One GET per blob with ``parallel`` threads, then the same assembly into reused buffers."""
+def http_fetch(ch: Channel, batches: list[MicroBatchRefs], servers: dict[str, tuple[str, int]],
+               indexes: dict[str, int], nbytes: int, parallel: int, repeats: int) -> list[float]:
+    """The HTTP design at its best: one GET per blob (``servers``: blob id -> the server's address and port)
+    from ``parallel`` threads, each holding one keep-alive connection per server for the whole task, then the
+    same assembly into reused buffers; ``repeats + 1`` steps (the first a warm-up, which also opens the
+    connections), each from buffers filled with ``SENTINEL`` and checked after, off the clock, as the refbus
+    fetch's are. Seconds of the timed ones."""
     from refbus.nodes.payload.assemble import assemble
     from refbus.nodes.payload.branch import Branch
     from refbus.nodes.payload.fetcher import BufferPool, to_micro_batch
 
     plans = [to_micro_batch(mb) for mb in batches]
-    refs = {s.ref.blob_id: s.ref for mb in batches for s in mb.samples if s.ref is not None}
+    expected = expected_rows(indexes, nbytes)
     pool = BufferPool()
-    # As the HTTP design fetches: no proxies, one request per blob.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    local = threading.local()
+    opened: list[http.client.HTTPConnection] = []
 
     def get(blob_id: str) -> tuple[str, bytes]:
-        with opener.open(urls[blob_id], timeout=WAIT_S) as response:
-            return blob_id, response.read()
+        connections = local.__dict__.setdefault("connections", {})
+        server = servers[blob_id]
+        if server not in connections:
+            connections[server] = http.client.HTTPConnection(*server, timeout=WAIT_S)  # sets TCP_NODELAY
+            opened.append(connections[server])
+        connection = connections[server]
+        connection.request("GET", f"/{blob_id}")
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200 or response.will_close:
+            raise BenchError(f"HTTP GET {blob_id}: status {response.status}, keep-alive {not response.will_close}")
+        return blob_id, body
 
-    with ThreadPoolExecutor(parallel) as pool_threads:
-        def step() -> None:
-            pool.recycle()
-            bodies = dict(pool_threads.map(get, refs))
-            shape = (LAYERS, TOP_K)
-            branches = {blob_id: Branch(routed_experts=np.frombuffer(body, np.uint8).reshape(-1, *shape))
-                        for blob_id, body in bodies.items()}
-            for plan, mb in zip(plans, batches, strict=True):
-                assemble(plan, [branches[s.ref.blob_id] for s in mb.samples if s.ref is not None], allocator=pool)
-
-        return seconds_each(step, repeats + 1)[1:]
+    seconds = []
+    try:
+        with ThreadPoolExecutor(parallel) as threads:
+            assembled: list[Any] = []
+            for _ in range(repeats + 1):
+                fill_sentinel(assembled)
+                start = time.perf_counter()
+                pool.recycle()
+                bodies = dict(threads.map(get, servers))
+                branches = {blob_id: Branch(routed_experts=np.frombuffer(body, np.uint8).reshape(-1, LAYERS, TOP_K))
+                            for blob_id, body in bodies.items()}
+                assembled = [assemble(plan, [branches[s.ref.blob_id] for s in mb.samples if s.ref is not None],
+                                      allocator=pool) for plan, mb in zip(plans, batches, strict=True)]
+                seconds.append(time.perf_counter() - start)
+                check_assembled(batches, assembled, expected)
+    finally:
+        for connection in opened:
+            connection.close()
+    return seconds[1:]
 
 
 # --- tasks: baseline servers -----------------------------------------------------------------------------
 
 
 class _BlobHandler(http.server.BaseHTTPRequestHandler):
-    """GET /<blob id>: the blob's bytes (the design refbus replaces: stdlib threaded server, no checksum)."""
+    """GET /<blob id>: the blob's bytes (the design refbus replaces: stdlib threaded server, no checksum), at
+    its best: HTTP/1.1, so a client's connection stays open across requests (the stdlib default, HTTP/1.0,
+    closes it after each), and no Nagle delay between the headers and the body's last segment."""
 
     blobs: dict[str, bytes] = {}
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
         body = self.blobs.get(self.path.lstrip("/"))
@@ -249,11 +339,11 @@ class _BlobHandler(http.server.BaseHTTPRequestHandler):
         """One line per request would dominate the bench."""
 
 
-def http_server(ch: Channel, blob_ids: list[str], nbytes: int, seed: int, bind: str) -> None:
-    """Serve ``blob_ids`` (``nbytes`` each, distinct objects like separately kept blobs) on ``bind`` until told
-    to stop."""
-    rows = routing_rows(nbytes, seed)
-    handler = type("Handler", (_BlobHandler,), {"blobs": {blob_id: rows.tobytes() for blob_id in blob_ids}})
+def http_server(ch: Channel, indexes: dict[str, int], nbytes: int, bind: str) -> None:
+    """Serve each blob of ``indexes`` (blob id -> index) with the bytes it was kept with (:func:`blob_rows`)
+    on ``bind`` until told to stop."""
+    blobs = {blob_id: blob_rows(nbytes, index).tobytes() for blob_id, index in indexes.items()}
+    handler = type("Handler", (_BlobHandler,), {"blobs": blobs})
     server = http.server.ThreadingHTTPServer((bind, 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -310,7 +400,7 @@ def orchestrator_like(ch: Channel) -> int:
 def produce(ch: Channel, endpoint: str, count: int, inline: bool) -> int:
     """Send ``count`` episodes of one 1 MiB routing blob: the arrays (inline) or a reference; bytes sent."""
     ctx = zmq.Context()
-    rows = routing_rows(MEMORY_BLOB, seed=3)
+    rows = blob_rows(MEMORY_BLOB, index=3)
     client = Client(ctx, endpoint, WireCodec("bench-env"), policy=PATIENT)
     try:
         def body(index: int) -> Keep | EpisodeFinished:
@@ -384,15 +474,15 @@ def env_servers(workdir: Path, where: Placement) -> Iterator[list[str]]:
 
 
 def keep_all(ch: Channel, endpoints: Sequence[str], count: int, nbytes: int) -> list[BlobRef]:
-    """A task: keep ``count`` routing blobs, alternating between the env servers; their references in step
-    order."""
+    """A task: keep ``count`` routing blobs, blob ``i`` holding :func:`blob_rows` of ``i``, alternating between
+    the env servers; their references in step order (``i``'s ``i``-th)."""
     ctx = zmq.Context()
     codec = WireCodec("bench-producer")
     clients = [Client(ctx, endpoint, codec, policy=PATIENT) for endpoint in endpoints]
     try:
-        rows = routing_rows(nbytes, seed=count)
         calls = [(clients[i % len(clients)], Keep(episode_id=f"ep-{count}-{nbytes}-{i}",
-                                                  branches=[{"routed_experts": rows}])) for i in range(count)]
+                                                  branches=[{"routed_experts": blob_rows(nbytes, i)}]))
+                 for i in range(count)]
         refs = []
         for outcome in gather(calls, window=4):
             if isinstance(outcome, Exception):
@@ -408,6 +498,10 @@ def keep_all(ch: Channel, endpoints: Sequence[str], count: int, nbytes: int) -> 
 
 def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: Sequence[Worker],
                 endpoints: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    """Per shape: the refbus fetch, the raw baseline and the HTTP baseline, each ``repeats + 1`` checked steps
+    of which the first is dropped and the best of the rest counts. Which parallelism the HTTP baseline runs
+    with is chosen before it is timed, by one warm-up and one step at each of ``HTTP_PARALLEL`` (figures kept
+    as ``http_calibration_s``), so its best is taken over as many steps as refbus's."""
     rows: list[Row] = []
     figures: dict[str, Any] = {}
     repeats = settings.repeats
@@ -415,53 +509,55 @@ def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: 
         label = f"{count} x {nbytes // 1024} KiB" if nbytes < MIB else f"{count} x {nbytes // MIB} MiB"
         total = count * nbytes
         batches = micro_batches(servers[0].call(keep_all, endpoints, count, nbytes, timeout_s=WAIT_S * 4))
-        timings, checked = trainer.call(refbus_fetch, batches, repeats, routing_rows(nbytes, seed=count),
+        ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
+        indexes = {blob_id: index for index, blob_id in enumerate(ids)}  # blob i was kept with blob_rows(i)
+        timings, checked = trainer.call(refbus_fetch, batches, indexes, nbytes, repeats,
                                         timeout_s=WAIT_S * (repeats + 1))
         ours = min([total_s for total_s, _ in timings])
         transfer = min([transfer_s for _, transfer_s in timings])
 
-        # Across hosts the same bytes come from both env servers' hosts, half from each at once, as the blobs
-        # do; on one host from one process, as the loopback figures always were (comparable across runs).
-        raw_servers = servers if where.cluster is not None else servers[:1]
-        for server in raw_servers:
-            server.submit(raw_peer, total // len(raw_servers), repeats + 1, "pull", where.bind)
-        peers = [(where.server_address(i), server.message()) for i, server in enumerate(raw_servers)]
-        raw = min(trainer.call(raw_fetch, peers, total, repeats))
-        for server in raw_servers:
+        # The same bytes from two server processes, half from each at once, as the blobs come from the two env
+        # servers (across hosts: from their hosts).
+        for server in servers:
+            server.submit(raw_peer, total // len(servers), repeats + 1, "pull", where.bind)
+        peers = [(where.server_address(i), server.message()) for i, server in enumerate(servers)]
+        raw = min(trainer.call(raw_fetch, peers, total, repeats, timeout_s=WAIT_S * (repeats + 1)))
+        for server in servers:
             server.result()
 
-        ids = [s.ref.blob_id for mb in batches for s in mb.samples if s.ref is not None]
-        halves = (ids[0::2], ids[1::2])
-        urls: dict[str, str] = {}
-        for server, half, seed in zip(servers, halves, (1, 2), strict=True):
-            server.submit(http_server, half, nbytes, seed, where.bind)
+        # Each HTTP server holds the blobs its env server keeps (even indexes on the first, odd on the second).
+        halves = ({i: n for i, n in indexes.items() if n % 2 == 0}, {i: n for i, n in indexes.items() if n % 2})
+        addresses: dict[str, tuple[str, int]] = {}
+        for server, half in zip(servers, halves, strict=True):
+            server.submit(http_server, half, nbytes, where.bind)
         for index, (server, half) in enumerate(zip(servers, halves, strict=True)):
             port = server.message()
-            urls |= {blob_id: f"http://{where.server_address(index)}:{port}/{blob_id}" for blob_id in half}
+            addresses |= dict.fromkeys(half, (where.server_address(index), port))
         try:
-            http_by_parallel = {p: min(trainer.call(http_fetch, batches, urls, p, repeats,
-                                                          timeout_s=WAIT_S * (repeats + 1)))
-                                for p in HTTP_PARALLEL}
+            calibration = {p: min(trainer.call(http_fetch, batches, addresses, indexes, nbytes, p, 1,
+                                               timeout_s=WAIT_S * 2)) for p in HTTP_PARALLEL}
+            best_parallel = min(calibration, key=calibration.__getitem__)
+            http_s = min(trainer.call(http_fetch, batches, addresses, indexes, nbytes, best_parallel, repeats,
+                                      timeout_s=WAIT_S * (repeats + 1)))
         finally:
             for server in servers:
                 server.tell("stop")
             for server in servers:
                 server.result()
-        best_parallel = min(http_by_parallel, key=http_by_parallel.__getitem__)
-        http_s = http_by_parallel[best_parallel]
         big = nbytes >= MIB
         section = where.section
         rows += [
-            Row(section, f"{label} → assembled (vs raw TCP, bytes only)", "GB/s", total / ours / 1e9,
-                total / raw / 1e9, 0.80 if big else 0.50),
-            Row(section, f"{label} → assembled (vs HTTP, best: {best_parallel} parallel; raw TCP "
+            Row(section, f"{label} → assembled (vs raw TCP from both servers, bytes only)", "GB/s",
+                total / ours / 1e9, total / raw / 1e9, 0.80 if big else 0.50),
+            Row(section, f"{label} → assembled (vs HTTP keep-alive, {best_parallel} parallel; raw TCP "
                          f"{total / raw / 1e9:.2f} GB/s)", "GB/s", total / ours / 1e9, total / http_s / 1e9,
                 1.2 if big else 5.0),
             Row(section, f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
                 total / raw / 1e9, None),
         ]
-        figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw,
-                          "http_s": {str(p): s for p, s in http_by_parallel.items()},
+        figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw, "http_s": http_s,
+                          "http_parallel": best_parallel,
+                          "http_calibration_s": {str(p): s for p, s in calibration.items()},
                           "bytes": total, "samples_checked": checked}
     return rows, figures
 

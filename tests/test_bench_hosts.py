@@ -30,10 +30,13 @@ def test_payload_fetch_across_hosts_moves_the_right_bytes_and_prints_every_row(m
     make_hosts(1)  # skips (or fails under REFBUS_REQUIRE_NETNS=1) where hosts cannot be built
     before = _mine()
     shapes = ((4, 64 << 10), (2, 1 * MIB))
-    rows, extra = payload.run_across_hosts(payload.Settings(repeats=1, shapes=shapes, in_flight_bytes=0))
+    settings = payload.Settings(repeats=1, shapes=shapes, in_flight_bytes=0)
+    rows, extra = payload.run_across_hosts(settings)
     _complete(rows, 3 * len(shapes))
     assert {row.section for row in rows} == {"fetch across hosts"}
-    assert [figures["samples_checked"] for figures in extra["fetch"].values()] == [count for count, _ in shapes]
+    # Every blob of every step, the warm-up's included.
+    assert [figures["samples_checked"] for figures in extra["fetch"].values()] == [
+        count * (settings.repeats + 1) for count, _ in shapes]
     assert [h.split()[0] for h in extra["hosts"]] == ["hostA", "hostB", "hostC"]
     assert _mine() == before
 
