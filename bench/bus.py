@@ -302,7 +302,9 @@ def bare_proxy_node(ch: Channel) -> dict[str, Any]:
     """The broker's baseline: ``zmq_proxy`` from an XSUB to an XPUB made with the broker's event socket
     options, on a thread of its own (as the broker's forwarder runs it) and nothing else: no capture, no ring,
     no loop. Steered only to count (``STATISTICS``) and to end. Same orders and result as :func:`broker_node`,
-    but its CPU is the proxy's and ZeroMQ's threads only: the main thread runs this bench's orders."""
+    but its CPU is the proxy's and ZeroMQ's threads only: the main thread runs this bench's orders. Counts
+    from its start, or from the latest ``go`` order (as ``bench.scale``'s broker counts from its ``go``): what
+    came before (subscribers' probes, connections being made) is not forwarding the run's events."""
     ctx = zmq.Context()
     try:
         xsub, xpub = (make_socket(ctx, kind, bind=LOOPBACK, options=EVENT_OPTIONS) for kind in (zmq.XSUB, zmq.XPUB))
@@ -311,21 +313,25 @@ def bare_proxy_node(ch: Channel) -> dict[str, Any]:
         steer.connect("inproc://bench-proxy-control")
         proxy = threading.Thread(target=zmq.proxy_steerable, args=(xsub, xpub, None, control), daemon=True)
         proxy.start()
-        threads = thread_cpu()
-        ch.send({"events_in": bound_endpoint(xsub), "events_out": bound_endpoint(xpub)})
 
         def forwarded() -> int:
             steer.send(b"STATISTICS")
             return struct.unpack("=Q", steer.recv_multipart()[0])[0]  # frontend messages in
 
+        threads, counted = thread_cpu(), forwarded()
+        ch.send({"events_in": bound_endpoint(xsub), "events_out": bound_endpoint(xpub)})
         try:
             while True:
                 while not ch.poll(QUIET_S):
                     pass
-                if ch.recv() != "quiesce":
+                order = ch.recv()
+                if order == "go":
+                    threads, counted = thread_cpu(), forwarded()
+                    continue
+                if order != "quiesce":
                     spent = _spent(threads, thread_cpu())
                     del spent["loop"]  # this bench's orders and counts, which a bare proxy would not run
-                    return {"forwarded": forwarded(), "cpu_s": sum(spent.values()), "threads_s": spent}
+                    return {"forwarded": forwarded() - counted, "cpu_s": sum(spent.values()), "threads_s": spent}
                 quiet = _quiet(forwarded)
                 while not quiet():
                     time.sleep(QUIET_S / 10)
@@ -353,18 +359,21 @@ def _quiet(forwarded: Callable[[], int]) -> Callable[[], bool]:
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """This process's threads (Linux ``/proc``): native id -> (role, CPU seconds so far). Roles: ``loop``
     (the main thread), ``zmq-io`` (ZeroMQ's I/O threads), ``zmq-other`` (its reaper), ``proxy`` (any other:
-    here the ``zmq_proxy`` thread)."""
+    here the ``zmq_proxy`` thread). CPU is the scheduler's run time in nanoseconds (``schedstat``'s first
+    field), not ``stat``'s utime + stime: those count 10 ms clock ticks, coarser than a small run's whole
+    cost."""
     found: dict[int, tuple[str, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                line = stat.read()
-            comm = line[line.index("(") + 1:line.rindex(")")]
-            fields = line[line.rindex(")") + 2:].split()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            with open(f"/proc/self/task/{tid}/comm") as comm_file:
+                comm = comm_file.read().rstrip("\n")
+            with open(f"/proc/self/task/{tid}/schedstat") as schedstat:
+                run_ns = int(schedstat.read().split()[0])
             role = ("loop" if int(tid) == os.getpid() else "zmq-io" if comm.startswith("ZMQbg/IO")
                     else "zmq-other" if comm.startswith("ZMQbg") else "proxy")
-            found[int(tid)] = role, (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            found[int(tid)] = role, run_ns / 1e9
+    if os.getpid() not in found:  # this thread is alive: its file is missing only without schedstats
+        raise BenchError("no /proc/self/task/<tid>/schedstat: per-thread CPU needs Linux with schedstats")
     return found
 
 

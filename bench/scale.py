@@ -40,11 +40,12 @@ orchestrator's subscription CPU per episode (20 events). **Baseline**, at each c
 ``bench.bus.bare_proxy_node``) forwarding the same simulated nodes' events (published straight to it: it has
 no registry, so no heartbeats or lookups) to the same subscriptions (the orchestrator's being one more
 ``CONFLATE`` socket); the broker's CPU per event (its whole process) is printed as a multiple of the proxy's
-(its forwarding only). **Headroom** is the largest count sustained (p99 <
-50 ms and >= 95% of the offered events delivered) over 64 and over 256: the factor by which this machine's
-bus could grow past the model run (the goal is >= 4 at 64). The projection fits the broker's CPU to the event
-copies it sends (events x subscribers: the fan-out grows with the node count twice) over the counts
-sustained, and extrapolates to 64 and 256 nodes.
+(its forwarding threads only, read per thread in nanoseconds), each counted from the nodes' ``go``, so neither
+pays for its set-up, the subscriptions' probes or the connections made before it. **Headroom** is the
+largest count sustained (p99 < 50 ms and >= 95% of the offered events delivered) over 64 and over 256: the
+factor by which this machine's bus could grow past the model run (the goal is >= 4 at 64). The projection fits
+the broker's CPU to the event copies it sends (events x subscribers: the fan-out grows with the node count
+twice) over the counts sustained, and extrapolates to 64 and 256 nodes.
 
 Also reported: the CPU the simulated subscribers spend reading what the broker sends them (``readers core``),
 and the CPU the simulated nodes spend publishing, heartbeating and looking up (``nodes core``): on real hosts
@@ -155,7 +156,7 @@ class Point:
     p99_ms: float
     orchestrator_cpu_us_per_episode: float
     proxy_cpu_us: float  # the bare zmq.proxy's CPU per event it forwarded: same nodes' events, same subscriptions
-    proxy_forwarded: int  # events the bare proxy forwarded (its CPU is read in clock ticks: 0 for a tiny run)
+    proxy_forwarded: int  # events the bare proxy forwarded from go
 
     @property
     def sustained(self) -> bool:
@@ -442,8 +443,8 @@ def drive(workers_of: Pool, forwarder: Worker, task: Callable[[Channel], Any], n
         worker.submit(publisher_task, endpoints, ids[index::len(pubs)], model, seconds)
     for worker in pubs:
         _ready(worker, nodes)
-    for worker in (forwarder, orchestrator, *pubs) if brokered else pubs:
-        worker.tell("go")
+    for worker in (forwarder, orchestrator, *pubs) if brokered else (forwarder, *pubs):
+        worker.tell("go")  # the forwarder counts its events and CPU from here, whichever it is
     try:
         seen = orchestrator.result(seconds + WAIT_S) if brokered else {}
         sent = [worker.result(seconds + WAIT_S) for worker in pubs]
