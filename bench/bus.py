@@ -5,8 +5,11 @@ Four comparisons, each printed as refbus / baseline with its goal:
 1. **envelope**: events/s of ``Publisher.publish`` (encode, send) -> ``Subscriber.recv`` (decode and
    validate each event) with a ~100-byte ``delete`` body, against raw pyzmq PUB->SUB of 100-byte single
    frames: as a node's loop sends them (``BATCH_EVENTS`` events published in one turn travel as one message
-   in the batch form; goal >= 25%), and one event a message (what a publisher outside a loop turn sends; no
-   goal). A stage profile says where the microseconds of one event a message go.
+   in the batch form; goal >= 25%, set against that baseline), and one event a message (what a publisher
+   outside a loop turn sends; no goal). The batch form again, without a goal, against raw pyzmq batched the
+   same way: ``BATCH_EVENTS`` 100-byte events sent as one frame, which the receiver splits into its events,
+   so the row shows the envelope's cost apart from what batching saves. A stage profile says where the
+   microseconds of one event a message go.
 2. **broker**: events/s of N = 1 and 2 publishers (``NodeRuntime`` nodes that completed the broker
    handshake) through a broker process (``NodeRuntime`` + ``Broker``, as ``refbus node bus`` runs it) to a
    subscriber, against the same publishers sending the same envelopes straight to the subscriber
@@ -191,8 +194,10 @@ def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
 # --- tasks: events -----------------------------------------------------------------------------------
 
 
-def event_receiver(ch: Channel, flavor: Flavor, endpoint: str, bind: bool, warmup_s: float, window_s: float) -> Rate:
-    """Subscribe, report the endpoint, then count events over ``window_s`` after ``warmup_s``."""
+def event_receiver(ch: Channel, flavor: Flavor, endpoint: str, bind: bool, warmup_s: float, window_s: float,
+                   batch: int = 1) -> Rate:
+    """Subscribe, report the endpoint, then count events over ``window_s`` after ``warmup_s``. ``batch`` > 1
+    (raw only): each message holds that many ``RAW_EVENT_BYTES`` events in one frame, split into its events."""
     ctx = zmq.Context()
     try:
         sock = _socket(ctx, flavor, zmq.SUB)
@@ -200,7 +205,13 @@ def event_receiver(ch: Channel, flavor: Flavor, endpoint: str, bind: bool, warmu
         ch.send(_attach(sock, endpoint, bind))
         if flavor == "raw":
             sock.rcvtimeo = WAIT_MS
-            return _count_window(sock.recv, warmup_s, window_s)
+
+            def split() -> None:
+                frame = sock.recv()
+                if len([frame[i : i + RAW_EVENT_BYTES] for i in range(0, len(frame), RAW_EVENT_BYTES)]) != batch:
+                    raise BenchError(f"a raw message of {len(frame)} bytes, not {batch} events")
+
+            return _count_window(split if batch > 1 else sock.recv, warmup_s, window_s, batch)
         subscriber = Subscriber(sock, WireCodec("bench-sub"))
 
         def receive() -> None:
@@ -212,10 +223,10 @@ def event_receiver(ch: Channel, flavor: Flavor, endpoint: str, bind: bool, warmu
         ctx.destroy(linger=0)
 
 
-def _count_window(receive: Callable[[], object], warmup_s: float, window_s: float) -> Rate:
+def _count_window(receive: Callable[[], object], warmup_s: float, window_s: float, per_call: int = 1) -> Rate:
     """Events ``receive`` returns within ``window_s``, once ``warmup_s`` has passed since the first one.
 
-    ``receive`` blocks for the next event and raises if the stream stalls.
+    ``receive`` blocks for the next ``per_call`` events and raises if the stream stalls.
     """
     clock = time.perf_counter
     receive()
@@ -225,14 +236,15 @@ def _count_window(receive: Callable[[], object], warmup_s: float, window_s: floa
         while (elapsed := clock() - start) < length:
             for _ in range(BATCH):
                 receive()
-            count += BATCH
+            count += BATCH * per_call
     return Rate(count, elapsed, cpu_s=time.process_time() - cpu)
 
 
 def event_sender(ch: Channel, flavor: Flavor, endpoint: str, node_id: str, via_broker: bool, batch: int = 1) -> int:
     """Connect (or join the broker whose control endpoint is ``endpoint``), say ready, wait for go, then
     publish until stopped; returns how many were sent. ``batch`` > 1: a publisher publishes ``batch`` events
-    per turn, as a node's loop turn does (:meth:`Publisher.batching`), so they travel as one message."""
+    per turn, as a node's loop turn does (:meth:`Publisher.batching`), so they travel as one message; raw, one
+    frame of ``batch`` ``RAW_EVENT_BYTES`` events."""
     if via_broker:
         runtime = NodeRuntime("bench", RuntimeSettings(bus=endpoint, node_id=node_id, metrics_port=-1))
         try:
@@ -245,7 +257,7 @@ def event_sender(ch: Channel, flavor: Flavor, endpoint: str, node_id: str, via_b
         sock = _socket(ctx, flavor, zmq.PUB)
         sock.connect(endpoint)
         if flavor == "raw":
-            return _publish_until_stopped(ch, functools.partial(sock.send, b"x" * RAW_EVENT_BYTES))
+            return _publish_until_stopped(ch, functools.partial(sock.send, b"x" * RAW_EVENT_BYTES * batch), batch)
         publisher = Publisher(sock, WireCodec(node_id), batch_events=batch)
         body = _event_body()
 
@@ -708,11 +720,11 @@ def measure_events(pool: Pool, settings: Settings, flavor: Flavor, senders: Sequ
                    via: tuple[Worker, dict[str, str]] | None = None, batch: int = 1) -> Rate:
     """Events/s at one subscriber from ``senders``: straight, or through the forwarder ``via`` (its worker and
     endpoints): a broker (``control`` among them: publishers join it as nodes) or the bare proxy. ``batch``:
-    events a publisher's turn sends as one message (direct senders only)."""
+    events a publisher's turn sends as one message (direct senders only; raw: one frame the receiver splits)."""
     forwarder, endpoints = via if via else (None, {})
     brokered = "control" in endpoints
     endpoint = endpoints["events_out"] if via else LOOPBACK
-    pool.rx.submit(event_receiver, flavor, endpoint, via is None, settings.warmup_s, settings.window_s)
+    pool.rx.submit(event_receiver, flavor, endpoint, via is None, settings.warmup_s, settings.window_s, batch)
     subscribed = pool.rx.message()
     target = endpoints["control"] if brokered else endpoints["events_in"] if via else subscribed
     run = secrets.token_hex(3)  # fresh node ids: the broker may still hold an earlier run's events
@@ -764,6 +776,7 @@ def bench_events(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, A
         one, two = pool.pubs[:1], pool.pubs
         rates = best_rates({
             "raw": lambda: measure_events(pool, settings, "raw", (pool.tx,)),
+            "raw_batched": lambda: measure_events(pool, settings, "raw", (pool.tx,), batch=BATCH_EVENTS),
             "refbus": lambda: measure_events(pool, settings, "refbus", (pool.tx,)),
             "batched": lambda: measure_events(pool, settings, "refbus", (pool.tx,), batch=BATCH_EVENTS),
             "direct": lambda: measure_events(pool, settings, "refbus", one),
@@ -786,6 +799,8 @@ def bench_events(pool: Pool, settings: Settings) -> tuple[list[Row], dict[str, A
             rates["batched"].per_s, rates["raw"].per_s, 0.25),
         Row("envelope", "events/s, 1 pub -> 1 sub, one a message (vs raw 100 B frames)", "events/s",
             rates["refbus"].per_s, rates["raw"].per_s, None),
+        Row("envelope", f"events/s, 1 pub -> 1 sub, {BATCH_EVENTS} a turn (vs raw {BATCH_EVENTS} x 100 B a message, "
+                        "split per event)", "events/s", rates["batched"].per_s, rates["raw_batched"].per_s, None),
         Row("broker", "events/s, 1 pub via broker (vs direct)", "events/s",
             rates["brokered"].per_s, rates["direct"].per_s, 0.80),
         Row("broker", "events/s, 2 pubs via broker (vs direct)", "events/s",

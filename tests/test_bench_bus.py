@@ -8,6 +8,7 @@ import threading
 import time
 
 import zmq
+from refbus.bus.pubsub import BATCH_EVENTS
 
 from bench import bus
 from bench.harness import workers
@@ -102,6 +103,12 @@ def test_a_quick_events_section_prints_the_broker_against_the_bare_proxy() -> No
     assert extra["broker"]["forwarded"] >= counted["brokered"] > 0
     assert extra["proxy"]["forwarded"] >= counted["proxied"] > 0
     assert {"loop", "proxy", "zmq-io"} <= extra["broker"]["threads_us_per_event"].keys()
+    # The batch form twice: against raw single frames (the goal's baseline) and raw batched the same way.
+    batch_form = f"events/s, 1 pub -> 1 sub, {BATCH_EVENTS} a turn"
+    against_frames, against_batches = (r for r in rows if r.metric.startswith(batch_form))
+    assert against_frames.goal == 0.25 and against_frames.baseline == extra["rates"]["raw"]["per_s"]
+    assert against_batches.goal is None and against_batches.refbus == against_frames.refbus
+    assert against_batches.baseline == extra["rates"]["raw_batched"]["per_s"] > 0
     printed = bus.format_cpu(extra)
     assert "x the bare zmq_proxy's" in printed and "goal <= 3 us" in printed
     assert "proxy  by thread" in printed and "broker by thread" in printed
