@@ -295,6 +295,12 @@ def frames_push_pull(ch: Channel, control: str, manager: str, total: int, count:
     return {"push_cold_s": pushes[0], "push_s": min(pushes[RETAIN + 1 :]), "pull_s": pull_s}
 
 
+def best_of_rounds(best: dict[str, float], got: dict[str, float]) -> dict[str, float]:
+    """The seconds of :func:`frames_push_pull` rounds so far (``best``) with one more (``got``): the best of
+    each figure, but ``push_cold_s`` is the first round's, the only one that pushed into no segment yet."""
+    return {k: best.get(k, v) if k == "push_cold_s" else min(best.get(k, v), v) for k, v in got.items()}
+
+
 def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) -> dict[str, Any]:
     state = make_state(settings.state_bytes, settings.tensors)
     size = nbytes(state)
@@ -578,9 +584,7 @@ def run_across_hosts(settings: Settings, rate_bit: int) -> tuple[list[Row], dict
                         raw[d] = min(raw.get(d, seconds), seconds)
                     got = by.call(frames_push_pull, c.control, c.manager, settings.state_bytes, settings.tensors,
                                   settings.repeats, timeout_s=PUSHER_WAIT_S * (settings.repeats + RETAIN + 2))
-                    # The best of each, but the first round's cold push: later rounds' segments exist.
-                    frames = {k: v if k == "push_cold_s" and k in frames else min(frames.get(k, v), v)
-                              for k, v in got.items()}
+                    frames = best_of_rounds(frames, got)
             results["transfer"] = {"bytes": state_bytes, "raw_tcp_s": raw, "frames": frames}
             section = f"frames {b.name} <-> {a.name}"
             rows += [

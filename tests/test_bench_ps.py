@@ -1,5 +1,6 @@
 """The PS bench's checked pulls: each starts from zeroed buffers, so a pull that writes nothing fails its check
-instead of passing on the bytes an earlier pull left (a real cluster: broker, ps-manager, one ps-worker)."""
+instead of passing on the bytes an earlier pull left (a real cluster: broker, ps-manager, one ps-worker); across
+rounds the frames figures keep the first round's cold push."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from bench.harness import BenchError
-from bench.ps import cluster, make_state, push_pull
+from bench.ps import best_of_rounds, cluster, make_state, push_pull
 
 
 def test_a_pull_that_writes_nothing_fails_its_check_after_a_real_pull_filled_the_buffers() -> None:
@@ -25,3 +26,9 @@ def test_a_pull_that_writes_nothing_fails_its_check_after_a_real_pull_filled_the
                 push_pull(ps, state, out, repeats=1)
         finally:
             runtime.close()
+
+
+def test_the_frames_rounds_keep_the_first_rounds_cold_push_and_the_best_of_the_rest() -> None:
+    first = {"push_cold_s": 9.0, "push_s": 2.0, "pull_s": 1.0}  # the real cold push: no segment existed
+    second = {"push_cold_s": 2.1, "push_s": 2.2, "pull_s": 0.9}  # its segments already existed
+    assert best_of_rounds(best_of_rounds({}, first), second) == {"push_cold_s": 9.0, "push_s": 2.0, "pull_s": 0.9}
