@@ -7,7 +7,8 @@
    torch.save/load path. Pushes and pulls are steady state (segments and destination buffers reused, as a
    trainer and a rollout worker do every step); the first, cold push is reported too. Every timed pull into
    buffers starts from buffers zeroed outside the timer and is checked against the pushed state after, so a
-   pull that wrote nothing fails instead of passing on an earlier pull's bytes. The frames path (the one
+   pull that wrote nothing fails instead of passing on an earlier pull's bytes; the memcpy baseline is timed
+   the same way (the best of as many runs as a pull, after one warm-up dropped on both sides). The frames path (the one
    every pull from another host takes) is also set against raw TCP between this process and another one on
    the same host (``sendall`` / ``recv_into`` of the same bytes into a warm buffer, each way); goal: push and
    pull >= 80% of it. The ceiling row sets raw TCP push + pull against torch.save/load: no transport over
@@ -251,23 +252,25 @@ def raw_tcp(peer: Worker, nbytes: int, repeats: int, direction: str, *, by: Work
 
 def checked_pull_s(pull: Callable[[], object], out: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
                    runs: int) -> float:
-    """The fastest of ``runs`` calls of ``pull``, each into ``out`` zeroed first and checked against ``state``
-    after (both outside the timer). Zeroed, so that a pull that wrote nothing, or only part, fails its check
-    instead of passing on the bytes an earlier pull or the memcpy baseline left in ``out``.
+    """The fastest of ``runs`` calls of ``pull`` after one more as a warm-up (dropped, as raw TCP's is), each
+    into ``out`` zeroed first and checked against ``state`` after (both outside the timer). Zeroed, so that a
+    pull that wrote nothing, or only part, fails its check instead of passing on the bytes an earlier pull or
+    the memcpy baseline left in ``out``. The memcpy baseline is timed by this too, so both sides take the
+    best of as many runs, from the same zeroed buffers.
 
     Raises:
         BenchError: a pull left ``out`` other than ``state``.
     """
-    best = float("inf")
-    for _ in range(runs):
+    seconds = []
+    for _ in range(runs + 1):
         for t in out.values():
             t.zero_()
         start = time.perf_counter()
         pull()
-        best = min(best, time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
         if not all(torch.equal(out[n], t) for n, t in state.items()):
             raise BenchError("a pull delivered other bytes than were pushed")
-    return best
+    return min(seconds[1:])
 
 
 def push_pull(ps: PsClient, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
@@ -313,7 +316,7 @@ def bench_transfer(c: Cluster, settings: Settings, report: Callable[..., None]) 
         for name, t in state.items():
             out[name].copy_(t)
 
-    memcpy_s = best_seconds(memcpy, 3 * settings.repeats)
+    memcpy_s = checked_pull_s(memcpy, out, state, settings.repeats)
     results: dict[str, Any] = {"bytes": size, "tensors": len(state), "memcpy_s": memcpy_s}
     report(f"state: {len(state)} tensors, {size / MIB:.0f} MiB; memcpy {gb / memcpy_s:.2f} GB/s (baseline)")
 
