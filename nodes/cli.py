@@ -26,8 +26,8 @@ refbus: the data plane for asynchronous RL. Per-token training arrays stay on th
 them and travel by reference; weights go through a parameter server; everything is events and requests
 over ZeroMQ between node processes.
 
-Every command reads the cluster config: built-in defaults, then --config FILE (or $REFBUS_CONFIG), then
-flags (every key has one: `refbus node bus --help` lists them)."""
+Every command but `keys` reads the cluster config: built-in defaults, then --config FILE (or
+$REFBUS_CONFIG), then flags (every key has one: `refbus node bus --help` lists them)."""
 
 
 def run_bus(config: Config, args: argparse.Namespace) -> int:
@@ -66,7 +66,9 @@ def role_entry(role: str) -> Callable[[Config, argparse.Namespace], int]:
 
 
 def _node_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node-id", default="", help="node id (default: <role>-<host>-<pid>; 'bus' for the broker)")
+    parser.add_argument("--node-id", default="",
+                        help="node id (default: <role>-<host>-<pid>, or with security.curve_dir set the id its key "
+                        "is granted; 'bus' for the broker, trainer-<rank> for a trainer rank)")
     parser.add_argument("--ready-file", default="", metavar="PATH",
                         help="write this node's registry entry as JSON here once it is ready; removed at exit")
     add_config_flags(parser)
@@ -101,13 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per source and in total: blobs kept, deleted by reason, still held (by whom), leaked (held by "
                     "a node that is gone), lost (named with the node whose death lost them), ownership violations "
                     "(counted in blob ids) and what it could not account for. Reads a `refbus monitor --json` "
-                    "file, or the live stream (replayed from the broker's ring) until the launcher's run-end event, "
-                    "--duration seconds or Ctrl-C, then reconciles with every live env server's own counters. "
-                    "Exits 1 unless every blob is accounted for.")
+                    "file, or the live stream (replayed from the broker's ring) until the launcher's run-end event "
+                    "or --duration seconds, then reconciles with every live env server's own counters; Ctrl-C or "
+                    "SIGTERM stops it there and prints what it read, not reconciled. Exits 1 unless every blob is "
+                    "accounted for.")
     ledger.add_argument("file", nargs="?", default=None, help="events file from `refbus monitor --json` ('-': stdin)")
     ledger.add_argument("--json", action="store_true", help="print the report as JSON")
     ledger.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
-                        help="live mode: stop after SECONDS (default: until Ctrl-C)")
+                        help="live mode: stop after SECONDS, then reconcile (default: until the run-end event or "
+                        "Ctrl-C)")
     _node_flags(ledger)
 
     up = commands.add_parser(
