@@ -13,9 +13,11 @@ wraps a command line so, and :meth:`Host.popen` starts it. :meth:`Host.link` tak
 and up again: a partition, as a failed switch port looks to the host. Nothing is left behind:
 :meth:`Hosts.down` kills every process inside the cluster's namespaces, deletes the namespaces (which removes
 the veths and the bridge), unmounts the tmpfs mounts and removes the state directory; it runs from the test
-fixture's finalizer, at interpreter exit and on SIGTERM. Names carry the owner's pid (``rbt<pid>-<n>``), so
-concurrent runs never collide, and every :func:`build` first sweeps what a killed run left behind (clusters
-whose owner is gone).
+fixture's finalizer, at interpreter exit and on SIGTERM. Names carry the owner: its pid and its start time
+(``rbt<pid>-<start>-<n>``, the start in clock ticks since boot), so concurrent runs never collide, nor does a
+later process that reuses the pid of one that kept a cluster; every :func:`build` first sweeps what a killed
+run left behind (clusters whose owner, that pid with that start time, is gone). A :func:`build` never touches
+a cluster it did not create: should its name exist already, it fails and leaves that cluster as it is.
 
 Needs root, iproute2 and util-linux (nsenter, unshare). From the command line (as root)::
 
@@ -48,8 +50,8 @@ STATE_ROOT = Path("/run/refbus-hosts")
 NETNS_DIR = Path("/run/netns")
 SUBNET = ipaddress.ip_network("198.18.0.0/24")  # inside 198.18.0.0/15, reserved for benchmarking
 MAX_HOSTS = 200
-CLUSTER_NAME = re.compile(r"^rbt(\d+)-(\d+)$")
-CLUSTER_OF_NETNS = re.compile(r"^(rbt\d+-\d+)-")
+CLUSTER_NAME = re.compile(r"^rbt(\d+)-(\d+)-(\d+)$")  # owner's pid, owner's start time, sequence number
+CLUSTER_OF_NETNS = re.compile(r"^(rbt\d+-\d+-\d+)-")
 HOST_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,30}$")
 BRIDGE = "bridge"
 KEEP_MARKER = "keep"  # in a cluster's state dir: made from the command line, not swept
@@ -80,10 +82,30 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _probe_name(owner: int) -> str:
-    """The namespace :func:`unsupported` tries: named as a host of a cluster of ``owner``'s, so a run killed
-    between its ``add`` and ``del`` leaves one the next :func:`sweep` removes."""
-    return f"rbt{owner}-{next(_sequence)}-probe"
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22); None when there
+    is no such process. With the pid it names one process for good: a pid is reused, a (pid, start) pair not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone (or going: a read of an exiting process's stat can fail with ESRCH)
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # after "pid (comm)": field 3 is index 0
+
+
+def _this_owner() -> str:
+    """The prefix of this process's clusters' names: ``rbt<pid>-<start>`` (:data:`CLUSTER_NAME`)."""
+    return f"rbt{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def _new_cluster_name() -> str:
+    return f"{_this_owner()}-{next(_sequence)}"
+
+
+def _probe_name(owner: str) -> str:
+    """The namespace :func:`unsupported` tries: named as a host of a cluster of ``owner``'s (a
+    :func:`_this_owner` prefix), so a run killed between its ``add`` and ``del`` leaves one the next
+    :func:`sweep` removes."""
+    return f"{owner}-{next(_sequence)}-probe"
 
 
 def unsupported() -> str | None:
@@ -95,7 +117,7 @@ def unsupported() -> str | None:
     missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "umount") if shutil.which(tool) is None]
     if missing:
         return f"namespace hosts need {', '.join(missing)} (iproute2, util-linux)"
-    probe = _probe_name(os.getpid())
+    probe = _probe_name(_this_owner())
     try:
         result = _sh("ip", "netns", "add", probe, check=False)
     finally:
@@ -207,7 +229,7 @@ class Hosts:
         return [host.netns for host in self.hosts] + [self.bridge_netns]
 
     def _up(self, shm_size: str) -> None:
-        self.state.mkdir(parents=True)
+        """Build the cluster into its state directory, which :func:`build` created (claiming the name)."""
         lines = ["127.0.0.1 localhost", "::1 localhost"] + [f"{h.address} {h.name}" for h in self.hosts]
         self.hosts_file.write_text("\n".join(lines) + "\n")
         _sh("ip", "netns", "add", self.bridge_netns)
@@ -317,14 +339,13 @@ def leftovers(cluster: str) -> list[str]:
     return found
 
 
-def _owner_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owner_alive(cluster: str) -> bool:
+    """Whether the process that built ``cluster`` still runs: its pid, with the start time its name carries (a
+    later process that reuses the pid is not the owner)."""
+    match = CLUSTER_NAME.match(cluster)
+    assert match is not None, cluster
+    pid, start = int(match.group(1)), int(match.group(2))
+    return _start_time(pid) == start
 
 
 def _known_clusters() -> set[str]:
@@ -337,14 +358,13 @@ def _known_clusters() -> set[str]:
 def sweep() -> list[str]:
     """Tear down the clusters whose owner process is gone and that were not made to be kept; returns them.
 
-    A live owner (even an unrelated process that reuses the pid) keeps its clusters: the sweep only ever
-    removes what nobody can still be using.
+    A live owner keeps its clusters (the owner is the pid with the start time the name carries, so a process
+    that reuses the pid is none): the sweep only ever removes what nobody can still be using.
     """
     swept = []
     for name in sorted(_known_clusters()):
-        owner = int(CLUSTER_NAME.match(name).group(1))  # type: ignore[union-attr]
         kept = (STATE_ROOT / name / KEEP_MARKER).exists()
-        if not kept and not _owner_alive(owner) and name not in _live:
+        if not kept and not _owner_alive(name) and name not in _live:
             _teardown(name)
             swept.append(name)
     return swept
@@ -386,6 +406,8 @@ def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "32
 
     Raises :class:`HostsUnavailable` when this machine or user cannot (see :func:`unsupported`). ``keep``
     marks the cluster as made from the command line: it outlives this process and only ``down`` removes it.
+    The cluster is this call's once it created the cluster's state directory: a name that exists already
+    fails without touching what is there; any later failure takes down what this call built.
     """
     reason = unsupported()
     if reason:
@@ -397,7 +419,11 @@ def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "32
     if bad or len(set(host_names)) != len(host_names):
         raise ValueError(f"host names must be distinct, match {HOST_NAME.pattern} and not be {BRIDGE!r}: {host_names}")
     sweep()
-    cluster = Hosts(f"rbt{os.getpid()}-{next(_sequence)}", host_names)
+    cluster = Hosts(_new_cluster_name(), host_names)
+    try:
+        cluster.state.mkdir(parents=True)  # exclusive: from here on the name is this call's
+    except FileExistsError:
+        raise RuntimeError(f"cluster {cluster.name} exists already: left as it is") from None
     with _live_lock:
         _live[cluster.name] = cluster
     if not keep:

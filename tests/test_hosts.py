@@ -125,9 +125,9 @@ def test_bad_names_and_unknown_clusters_are_refused(make_hosts) -> None:
     for names in (["hostA", "hostA"], ["bridge"], ["no spaces"], ["-x"]):
         with pytest.raises(ValueError, match="host names"):
             hosts.build(len(names), names=names)
-    cli = subprocess.run([sys.executable, "-m", "bench.hosts", "exec", "rbt1-0", "hostA", "--", "true"],
+    cli = subprocess.run([sys.executable, "-m", "bench.hosts", "exec", "rbt1-1-0", "hostA", "--", "true"],
                          cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
-    assert cli.returncode == 1 and "no cluster 'rbt1-0'" in cli.stderr
+    assert cli.returncode == 1 and "no cluster 'rbt1-1-0'" in cli.stderr
 
 
 def test_command_line_up_exec_down(make_hosts) -> None:

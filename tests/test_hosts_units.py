@@ -4,6 +4,7 @@ SIGTERM cleanup that cannot deadlock on the registry lock."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -71,18 +72,18 @@ def test_down_tears_down_even_when_stopping_a_process_fails(monkeypatch: pytest.
 
     monkeypatch.setattr(hosts, "_stop", stop)
     monkeypatch.setattr(hosts, "_teardown", torn.append)
-    cluster = hosts.Hosts("rbt1-0", ["hostA"])
+    cluster = hosts.Hosts("rbt1-1-0", ["hostA"])
     cluster.processes.append(object())  # type: ignore[arg-type]
     monkeypatch.setitem(hosts._live, cluster.name, cluster)
     with pytest.raises(subprocess.TimeoutExpired):
         cluster.down()
-    assert len(stopped) == 1 and torn == ["rbt1-0"]
+    assert len(stopped) == 1 and torn == ["rbt1-1-0"]
 
 
 def test_a_probe_namespace_left_by_a_dead_owner_is_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
-    probe = hosts._probe_name(dead.pid)  # what a run killed between `ip netns add` and `del` leaves
+    probe = hosts._probe_name(f"rbt{dead.pid}-1")  # what a run killed between `ip netns add` and `del` leaves
     netns = tmp_path / "netns"
     netns.mkdir()
     (netns / probe).touch()
@@ -112,7 +113,7 @@ class _Cluster:
 
 def test_the_sigterm_cleanup_runs_while_its_thread_holds_the_registry_lock(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = _Cluster()
-    monkeypatch.setitem(hosts._live, "rbt1-0", cluster)  # type: ignore[arg-type]
+    monkeypatch.setitem(hosts._live, "rbt1-1-0", cluster)  # type: ignore[arg-type]
     done = threading.Event()
 
     def interrupted_under_the_lock() -> None:
@@ -128,3 +129,56 @@ def test_the_sigterm_cleanup_runs_while_its_thread_holds_the_registry_lock(monke
         thread.join(10)
     assert finished, "the SIGTERM cleanup deadlocked on _live_lock"
     assert cluster.downs == 1
+
+
+def _fake_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """Namespace and state directories under ``tmp_path``; every command is recorded and succeeds, ``ip netns
+    del`` removes the (plain) file standing for the namespace. Returns the commands run."""
+    commands: list[tuple[str, ...]] = []
+
+    def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        commands.append(argv)
+        if argv[:3] == ("ip", "netns", "del"):
+            (hosts.NETNS_DIR / argv[3]).unlink()
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    (tmp_path / "netns").mkdir()
+    monkeypatch.setattr(hosts, "NETNS_DIR", tmp_path / "netns")
+    monkeypatch.setattr(hosts, "STATE_ROOT", tmp_path / "state")
+    monkeypatch.setattr(hosts, "_sh", sh)
+    monkeypatch.setattr(hosts, "_pids_in", lambda inodes: [])  # these files are no namespaces: nothing to kill
+    return commands
+
+
+def _stale(name: str) -> None:
+    """What a cluster ``name`` leaves: a namespace and its state directory."""
+    (hosts.NETNS_DIR / f"{name}-hostA").touch()
+    (hosts.STATE_ROOT / name).mkdir(parents=True)
+
+
+def test_a_process_that_reuses_a_dead_owners_pid_is_not_its_owner(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    mine = hosts._new_cluster_name()
+    pid, start, _ = hosts.CLUSTER_NAME.match(mine).groups()  # type: ignore[union-attr]
+    assert (int(pid), int(start)) == (os.getpid(), hosts._start_time(os.getpid()))
+    reused = f"rbt{pid}-{int(start) - 1}-0"  # this pid, an earlier process: its owner is gone
+    _stale(mine)
+    _stale(reused)
+    assert hosts.sweep() == [reused]
+    assert hosts.leftovers(reused) == [] and hosts.leftovers(mine)
+
+
+def test_a_name_that_exists_already_fails_the_build_and_leaves_that_cluster_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _fake_root(tmp_path, monkeypatch)
+    monkeypatch.setattr(hosts, "unsupported", lambda: None)
+    monkeypatch.setattr(hosts, "_sequence", itertools.repeat(7))  # every name the same: a collision
+    monkeypatch.setattr(hosts, "_teardown", lambda name: pytest.fail(f"tore down {name}"))
+    kept = hosts.build(1, keep=True)  # as `python -m bench.hosts up` builds one, then exits
+    assert (kept.state / hosts.KEEP_MARKER).exists()
+    built = len(commands)
+    with pytest.raises(RuntimeError, match=f"cluster {kept.name} exists already"):
+        hosts.build(1, keep=True)
+    assert (kept.state / hosts.KEEP_MARKER).exists() and len(commands) == built
+    assert kept.name not in hosts._live
