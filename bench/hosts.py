@@ -70,6 +70,19 @@ _live_lock = threading.RLock()
 _sequence = iter(range(1 << 30))
 
 
+def default_host_names(count: int) -> list[str]:
+    """The names of ``count`` hosts when none are given: hostA .. hostZ, then hostAA, hostAB, .. hostZZ, ...
+    (letters counted as spreadsheet columns are), each a valid host name (:data:`HOST_NAME`) and all distinct."""
+    names = []
+    for number in range(1, count + 1):
+        letters = ""
+        while number:
+            number, digit = divmod(number - 1, 26)
+            letters = chr(ord("A") + digit) + letters
+        names.append(f"host{letters}")
+    return names
+
+
 class HostsUnavailable(RuntimeError):
     """This machine or user cannot build namespace hosts (the message says why)."""
 
@@ -399,7 +412,7 @@ def _install_cleanup() -> None:
 
 
 def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "32g", keep: bool = False) -> Hosts:
-    """Build ``count`` hosts (named ``names``, default hostA, hostB, ...); the caller calls :meth:`Hosts.down`.
+    """Build ``count`` hosts (named ``names``, default :func:`default_host_names`); the caller calls :meth:`Hosts.down`.
 
     ``shm_size`` caps each host's tmpfs (a limit, not an allocation): the default leaves room for the default
     ``env_server.budget_bytes`` (16 GiB), which a durable store checks against its tmpfs at start.
@@ -412,7 +425,7 @@ def build(count: int, *, names: Sequence[str] | None = None, shm_size: str = "32
     reason = unsupported()
     if reason:
         raise HostsUnavailable(reason)
-    host_names = list(names) if names is not None else [f"host{chr(ord('A') + i)}" for i in range(count)]
+    host_names = list(names) if names is not None else default_host_names(count)
     if not 1 <= len(host_names) <= MAX_HOSTS or len(host_names) != count:
         raise ValueError(f"need 1..{MAX_HOSTS} hosts and one name each, got {count} and {host_names}")
     bad = [n for n in host_names if not HOST_NAME.match(n) or n == BRIDGE]
@@ -458,7 +471,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="build a cluster that stays until `down`; prints it as JSON")
     up.add_argument("count", type=int)
-    up.add_argument("--names", default="", help="comma-separated host names (default hostA, hostB, ...)")
+    up.add_argument("--names", default="", help="comma-separated host names (default hostA .. hostZ, hostAA, ...)")
     run = commands.add_parser("exec", help="run a command inside one host")
     run.add_argument("cluster")
     run.add_argument("host")

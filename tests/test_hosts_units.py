@@ -182,3 +182,14 @@ def test_a_name_that_exists_already_fails_the_build_and_leaves_that_cluster_alon
         hosts.build(1, keep=True)
     assert (kept.state / hosts.KEEP_MARKER).exists() and len(commands) == built
     assert kept.name not in hosts._live
+
+
+def test_the_default_names_of_the_most_hosts_are_valid_and_distinct(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    monkeypatch.setattr(hosts, "unsupported", lambda: None)
+    names = [host.name for host in hosts.build(hosts.MAX_HOSTS, keep=True)]
+    assert names[:3] == ["hostA", "hostB", "hostC"] and names[25:28] == ["hostZ", "hostAA", "hostAB"]
+    assert names[-1] == "hostGR"  # the 200th: 200 = 7 * 26 + 18
+    assert len(set(names)) == len(names) == hosts.MAX_HOSTS
+    assert all(hosts.HOST_NAME.match(name) and name != hosts.BRIDGE for name in names)
