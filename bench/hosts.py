@@ -24,6 +24,9 @@ Needs root, iproute2 and util-linux (nsenter, unshare). From the command line (a
     python -m bench.hosts up 3                  # prints the cluster's name and hosts; kept until `down`
     python -m bench.hosts exec CLUSTER hostB -- hostname
     python -m bench.hosts down [CLUSTER ...]    # no name: every kept cluster and every stale one
+
+``down CLUSTER ...`` removes those clusters only and prints their names; a name that is not a cluster's
+(:data:`CLUSTER_NAME`, ``rbt<pid>-<start>-<n>``) is refused (exit status 2) before anything is removed.
 """
 
 from __future__ import annotations
@@ -476,7 +479,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("cluster")
     run.add_argument("host")
     run.add_argument("argv", nargs=argparse.REMAINDER)
-    down = commands.add_parser("down", help="remove clusters (no name: every kept and every stale one)")
+    down = commands.add_parser("down", help="remove these clusters (no name: every kept and every stale one)")
     down.add_argument("clusters", nargs="*")
     commands.add_parser("sweep", help="remove the clusters whose owner process is gone")
     args = parser.parse_args(argv)
@@ -493,11 +496,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
             host = attach(args.cluster)[args.host]
             os.execvp("nsenter", host.argv(command))
         elif args.command == "down":
+            bad = [name for name in args.clusters if not CLUSTER_NAME.match(name)]
+            if bad:  # a pattern or a path would reach other namespaces (their processes) or other directories
+                parser.error(f"not cluster names (rbt<pid>-<start>-<n>): {', '.join(map(repr, bad))}")
             names = args.clusters or sorted(
                 n for n in _known_clusters() if (STATE_ROOT / n / KEEP_MARKER).exists())
             for name in names:
                 _teardown(name)
-            for name in [*names, *sweep()]:
+            for name in names if args.clusters else [*names, *sweep()]:
                 print(name)
         else:
             for name in sweep():

@@ -193,3 +193,26 @@ def test_the_default_names_of_the_most_hosts_are_valid_and_distinct(tmp_path: Pa
     assert names[-1] == "hostGR"  # the 200th: 200 = 7 * 26 + 18
     assert len(set(names)) == len(names) == hosts.MAX_HOSTS
     assert all(hosts.HOST_NAME.match(name) and name != hosts.BRIDGE for name in names)
+
+
+@pytest.mark.parametrize("name", ["*", "../../..", "rbt1-1-0-hostA", "rbt1-1-0/.."])
+def test_down_refuses_what_is_not_a_cluster_name_before_removing_anything(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    torn: list[str] = []
+    monkeypatch.setattr(hosts, "_teardown", torn.append)
+    monkeypatch.setattr(hosts, "sweep", list)
+    with pytest.raises(SystemExit) as exited:
+        hosts._main(["down", "rbt1-1-0", name])
+    assert exited.value.code == 2 and torn == []
+    assert f"not cluster names (rbt<pid>-<start>-<n>): {name!r}" in capsys.readouterr().err
+
+
+def test_down_with_names_prints_only_those(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    torn: list[str] = []
+    monkeypatch.setattr(hosts, "_teardown", torn.append)
+    monkeypatch.setattr(hosts, "sweep", lambda: ["rbt2-2-0"])  # another run's stale cluster
+    assert hosts._main(["down", "rbt1-1-0"]) == 0
+    assert capsys.readouterr().out.split() == torn == ["rbt1-1-0"]
