@@ -12,8 +12,9 @@ hides the cgroup hierarchy from daemons that check it) and ``unshare --uts --mou
 wraps a command line so, and :meth:`Host.popen` starts it. :meth:`Host.link` takes a host's bridge port down
 and up again: a partition, as a failed switch port looks to the host. Nothing is left behind:
 :meth:`Hosts.down` kills every process inside the cluster's namespaces, deletes the namespaces (which removes
-the veths and the bridge), unmounts the tmpfs mounts and removes the state directory; it runs from the test
-fixture's finalizer, at interpreter exit and on SIGTERM. Names carry the owner: its pid and its start time
+the veths and the bridge), unmounts the tmpfs mounts and removes the state directory, each step whatever
+the others did, and then fails naming anything of the cluster still there; it runs from the test fixture's
+finalizer, at interpreter exit and on SIGTERM. Names carry the owner: its pid and its start time
 (``rbt<pid>-<start>-<n>``, the start in clock ticks since boot), so concurrent runs never collide, nor does a
 later process that reuses the pid of one that kept a cluster; every :func:`build` first sweeps what a killed
 run left behind (clusters whose owner, that pid with that start time, is gone). A :func:`build` never touches
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -265,7 +267,8 @@ class Hosts:
             _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
 
     def down(self) -> None:
-        """Kill every process inside the cluster, delete its namespaces, mounts and state directory."""
+        """Kill every process inside the cluster, delete its namespaces, mounts and state directory; raises
+        when anything of it is left (:func:`_teardown`), after trying every step."""
         try:
             for proc in self.processes:
                 _stop(proc)
@@ -312,8 +315,11 @@ def _reap_children(pids: Sequence[int]) -> None:
 def _teardown(cluster: str) -> None:
     """Remove everything named ``cluster`` (also what a killed run left): processes, namespaces, mounts, dir.
 
-    Every step tolerates what is already gone; a process that survives SIGKILL for ``STOP_TIMEOUT_S``
-    (stuck in the kernel) is an error, since its namespace would outlive the cluster.
+    Every step runs whatever the steps before it did (a command that fails or times out stops none of the
+    rest) and tolerates what is already gone; the state directory is removed only once nothing is mounted
+    under it (a host's tmpfs still mounted is left whole, not emptied). Then anything of the cluster still
+    there (:func:`leftovers`), or a process that survived SIGKILL for ``STOP_TIMEOUT_S`` (stuck in the kernel,
+    its namespace would outlive the cluster), is a RuntimeError naming it and what failed.
     """
     netns = sorted(p for p in NETNS_DIR.glob(f"{cluster}-*")) if NETNS_DIR.is_dir() else []
     inodes = set()
@@ -329,14 +335,28 @@ def _teardown(cluster: str) -> None:
         time.sleep(REAP_POLL_S)
         _reap_children(survivors)
         survivors = _pids_in(inodes)
+    failed: list[str] = []
+
+    def step(*argv: str) -> None:
+        try:
+            result = _sh(*argv, check=False)
+        except subprocess.TimeoutExpired:
+            failed.append(f"{' '.join(argv)} timed out")
+            return
+        if result.returncode != 0:
+            failed.append(f"{' '.join(argv)} failed ({result.returncode}): {result.stderr.strip()}")
+
     for path in netns:
-        _sh("ip", "netns", "del", path.name, check=False)
+        step("ip", "netns", "del", path.name)
     state = STATE_ROOT / cluster
     for mountpoint in sorted(_mounts_under(state), key=len, reverse=True):
-        _sh("umount", "-l", mountpoint, check=False)
-    shutil.rmtree(state, ignore_errors=True)
-    if survivors:
-        raise RuntimeError(f"processes {survivors} of {cluster} survived SIGKILL")
+        step("umount", "-l", mountpoint)
+    if not _mounts_under(state):
+        shutil.rmtree(state, ignore_errors=True)  # what it cannot remove, leftovers() names below
+    left = leftovers(cluster)
+    if survivors or left:
+        raise RuntimeError(f"teardown of {cluster} left {left or 'nothing'}, processes {survivors} survived "
+                           f"SIGKILL; {'; '.join(failed) or 'no command failed'}")
 
 
 def _mounts_under(directory: Path) -> list[str]:
@@ -374,15 +394,24 @@ def _known_clusters() -> set[str]:
 def sweep() -> list[str]:
     """Tear down the clusters whose owner process is gone and that were not made to be kept; returns them.
 
+    One that cannot be torn down is a warning (RuntimeWarning) and stays: it is someone else's leftover, so
+    it must not fail the build (or the test) that happened to sweep; the next sweep tries again.
+
     A live owner keeps its clusters (the owner is the pid with the start time the name carries, so a process
     that reuses the pid is none): the sweep only ever removes what nobody can still be using.
     """
     swept = []
     for name in sorted(_known_clusters()):
         kept = (STATE_ROOT / name / KEEP_MARKER).exists()
-        if not kept and not _owner_alive(name) and name not in _live:
+        if kept or _owner_alive(name) or name in _live:
+            continue
+        try:
             _teardown(name)
-            swept.append(name)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            warnings.warn(f"cannot sweep {name}, left by a process that is gone: {exc}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        swept.append(name)
     return swept
 
 

@@ -63,7 +63,8 @@ def spawn(tmp_path: Path) -> Iterator:
 
 @pytest.fixture
 def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
-    """``make_hosts(n, names=...)``: ``n`` namespace hosts (bench/hosts.py), all torn down afterwards.
+    """``make_hosts(n, names=...)``: ``n`` namespace hosts (bench/hosts.py), all torn down afterwards (each
+    one, even when another's teardown fails; any failure then fails the test).
 
     Skips with the reason where they cannot be built (not root, no iproute2); with ``REFBUS_REQUIRE_NETNS=1``
     (set by CI) that is a failure instead.
@@ -81,8 +82,14 @@ def make_hosts() -> Iterator[Callable[..., namespace_hosts.Hosts]]:
         return cluster
 
     yield make
-    for cluster in built:
-        cluster.down()
+    failed = []
+    for cluster in built:  # each one, whatever the ones before it did
+        try:
+            cluster.down()
+        except Exception as exc:  # reported below, once every cluster had its down
+            failed.append(f"{cluster.name}: {exc!r}")
+    if failed:
+        pytest.fail("namespace hosts left behind:\n" + "\n".join(failed))
 
 
 @pytest.fixture(scope="session", autouse=True)

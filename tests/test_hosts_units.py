@@ -81,26 +81,14 @@ def test_down_tears_down_even_when_stopping_a_process_fails(monkeypatch: pytest.
 
 
 def test_a_probe_namespace_left_by_a_dead_owner_is_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _fake_root(tmp_path, monkeypatch)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     probe = hosts._probe_name(f"rbt{dead.pid}-1")  # what a run killed between `ip netns add` and `del` leaves
-    netns = tmp_path / "netns"
-    netns.mkdir()
-    (netns / probe).touch()
-    deleted: list[str] = []
-
-    def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        assert argv[:3] == ("ip", "netns", "del"), argv
-        deleted.append(argv[3])
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
-    monkeypatch.setattr(hosts, "NETNS_DIR", netns)
-    monkeypatch.setattr(hosts, "STATE_ROOT", tmp_path / "state")
-    monkeypatch.setattr(hosts, "_sh", sh)
-    monkeypatch.setattr(hosts, "_pids_in", lambda inodes: [])  # these files are no namespaces: nothing to kill
+    (hosts.NETNS_DIR / probe).touch()
     (cluster,) = hosts._known_clusters()
     assert probe.startswith(f"{cluster}-") and hosts.CLUSTER_NAME.match(cluster).group(1) == str(dead.pid)  # type: ignore[union-attr]
-    assert hosts.sweep() == [cluster] and deleted == [probe]
+    assert hosts.sweep() == [cluster] and commands == [("ip", "netns", "del", probe)]
 
 
 class _Cluster:
@@ -216,3 +204,63 @@ def test_down_with_names_prints_only_those(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(hosts, "sweep", lambda: ["rbt2-2-0"])  # another run's stale cluster
     assert hosts._main(["down", "rbt1-1-0"]) == 0
     assert capsys.readouterr().out.split() == torn == ["rbt1-1-0"]
+
+
+def test_teardown_runs_every_step_and_then_names_what_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = _fake_root(tmp_path, monkeypatch)
+    fake = hosts._sh
+    name = f"rbt{os.getpid()}-0-0"
+    _stale(name)
+    (hosts.NETNS_DIR / f"{name}-hostB").touch()
+    (hosts.NETNS_DIR / f"{name}-hostC").touch()
+    (hosts.STATE_ROOT / name / "hosts").touch()
+
+    def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        if argv[-1].endswith("-hostA"):
+            raise subprocess.TimeoutExpired(argv, hosts.COMMAND_TIMEOUT_S)
+        if argv[-1].endswith("-hostB"):
+            commands.append(argv)
+            return subprocess.CompletedProcess(argv, 1, "", "Device or resource busy")
+        return fake(*argv, check=check)
+
+    monkeypatch.setattr(hosts, "_sh", sh)
+    with pytest.raises(RuntimeError) as failed:
+        hosts._teardown(name)
+    # The timed-out and the failed deletion stopped none of the rest: hostC's namespace and the directory went.
+    assert [argv[-1] for argv in commands] == [f"{name}-hostB", f"{name}-hostC"]
+    assert hosts.leftovers(name) == [f"netns {name}-hostA", f"netns {name}-hostB"]
+    message = str(failed.value)
+    assert f"netns {name}-hostA" in message and f"{name}-hostA timed out" in message
+    assert f"netns {name}-hostB" in message and "Device or resource busy" in message
+
+
+def test_teardown_leaves_a_tmpfs_it_cannot_unmount_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    name = f"rbt{os.getpid()}-0-0"
+    _stale(name)
+    shm = hosts.STATE_ROOT / name / "hostA" / "shm"
+    shm.mkdir(parents=True)
+    (shm / "segment").write_text("a host's data")
+    monkeypatch.setattr(hosts, "_mounts_under", lambda directory: [str(shm)])  # umount "succeeds", stays
+    with pytest.raises(RuntimeError, match=f"mount {shm}"):
+        hosts._teardown(name)
+    assert (shm / "segment").read_text() == "a host's data"
+
+
+def test_a_stale_cluster_that_cannot_be_torn_down_is_a_warning_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_root(tmp_path, monkeypatch)
+    stuck, gone = f"rbt{os.getpid()}-0-0", f"rbt{os.getpid()}-0-1"  # start time 0: owners that are gone
+    _stale(stuck)
+    _stale(gone)
+    teardown = hosts._teardown
+
+    def failing(name: str) -> None:
+        if name == stuck:
+            raise RuntimeError(f"processes [1] of {name} survived SIGKILL")
+        teardown(name)
+
+    monkeypatch.setattr(hosts, "_teardown", failing)
+    with pytest.warns(RuntimeWarning, match=f"cannot sweep {stuck}.*survived SIGKILL"):
+        assert hosts.sweep() == [gone]
+    assert hosts.leftovers(gone) == [] and hosts.leftovers(stuck)
