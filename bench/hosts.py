@@ -14,7 +14,8 @@ and up again: a partition, as a failed switch port looks to the host. Nothing is
 :meth:`Hosts.down` kills every process inside the cluster's namespaces, deletes the namespaces (which removes
 the veths and the bridge), unmounts the tmpfs mounts and removes the state directory, each step whatever
 the others did, and then fails naming anything of the cluster still there; it runs from the test fixture's
-finalizer, at interpreter exit and on SIGTERM. Names carry the owner: its pid and its start time
+finalizer, at interpreter exit and on SIGTERM (which then exits with status 143 by raising SystemExit, so
+the interrupted code's ``finally`` blocks still run). Names carry the owner: its pid and its start time
 (``rbt<pid>-<start>-<n>``, the start in clock ticks since boot), so concurrent runs never collide, nor does a
 later process that reuses the pid of one that kept a cluster; every :func:`build` first sweeps what a killed
 run left behind (clusters whose owner, that pid with that start time, is gone). A :func:`build` never touches
@@ -424,16 +425,19 @@ def _down_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    """Take this process's clusters down, then exit with status 128 + SIGTERM by raising SystemExit where
+    the main thread was: the stack unwinds, so the interrupted code's ``finally`` blocks and context managers
+    (temporary directories, work directories) still clean up."""
     _down_all()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    raise SystemExit(128 + signum)
 
 
 _cleanup_installed = False
 
 
 def _install_cleanup() -> None:
-    """At exit and on SIGTERM (when nobody else handles it), take down every cluster of this process."""
+    """At exit and on SIGTERM (when nobody else handles it), take down every cluster of this process; SIGTERM
+    then exits (status 143) through SystemExit, unwinding the stack (:func:`_on_sigterm`)."""
     global _cleanup_installed
     if _cleanup_installed:
         return

@@ -1,17 +1,20 @@
 """bench/hosts.py's bookkeeping, without building namespaces (no root needed): reaping only the processes
 teardown killed, teardown that runs whatever stopping the processes did, probes the sweep finds, and a
-SIGTERM cleanup that cannot deadlock on the registry lock."""
+SIGTERM cleanup that cannot deadlock on the registry lock and unwinds the stack; names that carry the owner's start
+time; teardown that tries every step; a command line that refuses what is not a cluster name."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from polling import read_line
 
 from bench import hosts
 
@@ -264,3 +267,30 @@ def test_a_stale_cluster_that_cannot_be_torn_down_is_a_warning_not_an_error(
     with pytest.warns(RuntimeWarning, match=f"cannot sweep {stuck}.*survived SIGKILL"):
         assert hosts.sweep() == [gone]
     assert hosts.leftovers(gone) == [] and hosts.leftovers(stuck)
+
+
+UNWOUND = """
+import sys, time
+from bench import hosts
+hosts._install_cleanup()
+try:
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[1]))
+finally:
+    print("unwound", flush=True)
+"""
+
+
+def test_sigterm_takes_the_clusters_down_and_then_unwinds_the_stack() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", UNWOUND, "60"], cwd=Path(__file__).resolve().parents[1],
+                             stdout=subprocess.PIPE, bufsize=0)
+    try:
+        assert read_line(owner, 30) == "ready"
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(30) == 128 + signal.SIGTERM
+        assert read_line(owner, 30) == "unwound"  # the interrupted code's finally ran
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        owner.stdout.close()  # type: ignore[union-attr]
