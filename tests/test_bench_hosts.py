@@ -15,8 +15,9 @@ CAP_BIT = 200_000_000  # slow enough to shape a 1 MiB checkpoint, fast enough to
 
 
 def _mine() -> set[str]:
-    """This process's clusters that still exist (namespaces, mounts or state)."""
-    return {name for name in hosts._known_clusters() if hosts.leftovers(name)}
+    """This process's clusters that still exist (namespaces, mounts or state); other runs' are theirs."""
+    owner = f"{hosts._this_owner()}-"
+    return {name for name in hosts._known_clusters() if name.startswith(owner) and hosts.leftovers(name)}
 
 
 def _complete(rows: list, count: int) -> None:
