@@ -67,17 +67,24 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 class Slurm:
-    """munged, slurmctld on hostA, slurmd on hostB and hostC; :meth:`stop` reaps them (the harness kills the rest)."""
+    """munged, slurmctld on hostA, slurmd on hostB and hostC: :meth:`start` starts them, :meth:`stop` stops and
+    reaps every one it started, also after a start that failed part way (the harness kills what is left in the
+    hosts; munged runs in the root namespace, so only :meth:`stop` ends it)."""
 
     def __init__(self, cluster: hosts.Hosts, state: Path) -> None:
         self.cluster = cluster
         self.state = state
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.socket = state / "munge-socket" / "munge.sock"
+        self.conf = state / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def start(self) -> None:
+        """Start the daemons and wait until both nodes are idle."""
+        state = self.state
         keys = state / "munge"
         keys.mkdir(mode=0o700, parents=True)
-        sockets = state / "munge-socket"
-        sockets.mkdir(mode=0o755)
-        self.socket = sockets / "munge.sock"
+        self.socket.parent.mkdir(mode=0o755)
         subprocess.run(["mungekey", "-c", "-k", str(keys / "munge.key")], check=True, timeout=WAIT_S,
                        capture_output=True)
         self._start(None, ["munged", "-F", "--force", f"--key-file={keys / 'munge.key'}", f"--socket={self.socket}",
@@ -87,12 +94,11 @@ class Slurm:
         for node in ("hostB", "hostC"):
             (state / "spool" / node).mkdir(parents=True)
         (state / "state").mkdir()
-        self.conf = state / "slurm.conf"
-        self.conf.write_text(SLURM_CONF.format(address=cluster["hostA"].address, socket=self.socket, state=state))
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self._start(cluster["hostA"], ["slurmctld", "-D", "-i"])
+        self.conf.write_text(SLURM_CONF.format(address=self.cluster["hostA"].address, socket=self.socket,
+                                               state=state))
+        self._start(self.cluster["hostA"], ["slurmctld", "-D", "-i"])
         for node in ("hostB", "hostC"):
-            self._start(cluster[node], ["slurmd", "-D", "-N", node])
+            self._start(self.cluster[node], ["slurmd", "-D", "-N", node])
 
         def idle() -> bool:
             states = self.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
@@ -106,7 +112,7 @@ class Slurm:
             if host is None:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             else:
-                proc = host.popen(argv, env=getattr(self, "env", None), stdout=log, stderr=subprocess.STDOUT,
+                proc = host.popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL)
         self.procs.append(proc)
 
@@ -120,6 +126,7 @@ class Slurm:
                          for p in sorted(self.state.glob("*.log")) + sorted(self.state.glob("*.out")))
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL, to each started daemon, the last started first; each one reaped."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -127,7 +134,7 @@ class Slurm:
                     proc.wait(WAIT_S)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    proc.wait(WAIT_S)
 
 
 @pytest.fixture
@@ -145,6 +152,7 @@ def slurm(make_hosts, tmp_path: Path) -> Iterator[Slurm]:
     state.mkdir()
     started = Slurm(cluster, state)
     try:
+        started.start()  # inside the try: what a failed start did start is stopped too
         yield started
     finally:
         started.stop()
