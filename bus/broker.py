@@ -127,7 +127,9 @@ class _Member:
     token: str
     heard: float  # the broker's monotonic clock at the last hello or heartbeat: what liveness is judged on
     live: bool = False
-    size: int = 0  # bytes of ``info`` encoded: what it adds to a ``node-list`` answer
+    # bytes of ``info`` encoded, what it adds to a ``node-list`` answer: read by the first answer after ``info``
+    # changed (None until then), not on every heartbeat, which come far more often than lookups
+    size: int | None = None
 
 
 # A ``node-list`` body besides its entries: its field names, the list's length prefix and ``omitted`` (about 25
@@ -135,9 +137,11 @@ class _Member:
 NODE_LIST_BYTES = 64
 
 
-def _size(info: NodeInfo) -> int:
-    """Bytes of ``info`` encoded."""
-    return len(msgspec.msgpack.encode(info))
+def _size_of(member: _Member) -> int:
+    """Bytes of ``member.info`` encoded, computed once per change of it."""
+    if member.size is None:
+        member.size = len(msgspec.msgpack.encode(member.info))
+    return member.size
 
 
 Index = Callable[[list], "tuple[str, int] | None"]
@@ -506,7 +510,7 @@ class Broker:
         if old is not None and old.live and not same:
             self._remove(old, "replaced")
         live = same
-        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live, size=_size(node))
+        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()
         return Welcome(
@@ -559,7 +563,7 @@ class Broker:
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
-        member.size = _size(member.info)
+        member.size = None
         member.heard = self.clock()
         return Ok()
 
@@ -578,15 +582,16 @@ class Broker:
         role = ask.role
         listed = [m for m in self.members.values() if m.live and (not role or m.info.role == role)]
         budget = self.codec.limits.max_body_bytes - NODE_LIST_BYTES
-        if sum(m.size for m in listed) <= budget:
+        sizes = {m.info.node_id: _size_of(m) for m in listed}
+        if sum(sizes.values()) <= budget:
             return NodeList(nodes=[m.info for m in listed])
         # The schema bounds each entry, not how many there are: the smallest go first, so what nodes normally
         # register (under 1 KB each) is always answered and only the largest entries are left out.
         kept: set[str] = set()
-        for member in sorted(listed, key=lambda m: m.size):
-            if member.size > budget:
+        for member in sorted(listed, key=lambda m: sizes[m.info.node_id]):
+            if sizes[member.info.node_id] > budget:
                 break
-            budget -= member.size
+            budget -= sizes[member.info.node_id]
             kept.add(member.info.node_id)
         omitted = [m.info.node_id for m in listed if m.info.node_id not in kept]
         log.warning("registry.list_cut", role=role, listed=len(kept), omitted=len(omitted), first_omitted=omitted[:8],
