@@ -369,7 +369,7 @@ def _mounts_under(directory: Path) -> list[str]:
 
 def leftovers(cluster: str) -> list[str]:
     """What of ``cluster`` still exists (namespaces, mounts, state directory); empty after a clean down."""
-    found = [f"netns {p.name}" for p in NETNS_DIR.glob(f"{cluster}-*")] if NETNS_DIR.is_dir() else []
+    found = [f"netns {p.name}" for p in sorted(NETNS_DIR.glob(f"{cluster}-*"))] if NETNS_DIR.is_dir() else []
     found += [f"mount {m}" for m in _mounts_under(STATE_ROOT / cluster)]
     if (STATE_ROOT / cluster).exists():
         found.append(f"dir {STATE_ROOT / cluster}")
