@@ -1,14 +1,20 @@
 """Trainer checkpoints: weights and optimizer state come back bit-exact (and training on from them matches
 training on without the round trip); a process killed with SIGKILL while it writes, a torn file or garbage
-under a checkpoint's name leave the previous checkpoint in use, with a warning naming the file."""
+under a checkpoint's name leave the previous checkpoint in use, with a warning naming the file. A world of
+real gloo ranks whose directories hold an earlier world's files that got further agrees on a step every rank
+has, and its own checkpoints are never pruned in favour of the earlier world's."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +22,10 @@ from polling import wait_for
 from refbus.nodes.rl import checkpoint
 from refbus.nodes.toy.policy import make_policy
 from refbus.nodes.toy.train import make_optimizer
+from refbus.nodes.up import rendezvous
 from structlog.testing import capture_logs
+
+WAIT_S = 60.0  # a spawned rank imports torch on a loaded machine; gloo's own timeout is 20 s
 
 
 def _trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -77,6 +86,90 @@ def test_older_checkpoints_are_pruned_and_ranks_are_kept_apart(tmp_path: Path) -
     with pytest.raises(checkpoint.CheckpointError, match="rank 0 step 6, not rank 1 step 6"):
         checkpoint.load(tmp_path, 1, 6, model, optimizer)
     assert checkpoint.latest_step(tmp_path, 1) == 0
+
+
+def test_a_write_below_the_newest_removes_the_files_above_it(tmp_path: Path) -> None:
+    """Files above the step written are an earlier lineage's: kept, they would prune every new checkpoint."""
+    model, optimizer = _trained(0, 1)
+    for step in (98, 100, 2, 4):
+        checkpoint.save(tmp_path, 0, step, model, optimizer)
+    assert sorted(p.name for p in (tmp_path / "rank-0").iterdir()) == ["step-2.safetensors", "step-4.safetensors"]
+    assert checkpoint.latest_step(tmp_path, 0) == 4 and checkpoint.latest_step(tmp_path, 0, at_most=3) == 2
+
+
+def _world_rank(rank: int, init: str, directory: str, saves: list[int], conn: Connection) -> None:
+    """One rank of a 2-rank gloo world: resume (as a trainer does), then save ``saves``; sends the step it
+    resumed at and its files afterwards, or the error."""
+    import types
+
+    import torch.distributed as dist
+    from refbus.nodes.rl.trainer import resume
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    try:
+        model, optimizer = _trained(rank, 0)
+        section: Any = types.SimpleNamespace(checkpoint_every=2, checkpoint_dir=directory)
+        try:
+            first = resume(section, rank, model, optimizer)
+        except checkpoint.CheckpointError as exc:
+            conn.send(f"resume failed: {exc}")
+            return
+        for step in saves:
+            checkpoint.save(directory, rank, step, model, optimizer)
+        conn.send((first, sorted(p.name for p in checkpoint.rank_dir(directory, rank).iterdir())))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_world(directory: Path, world: int, saves: list[int]) -> list[Any]:
+    """What each rank of a fresh 2-rank world sent; every process reaped."""
+    ctx = multiprocessing.get_context("spawn")
+    init = rendezvous(directory, "test", world)
+    procs, conns = [], []
+    try:
+        for rank in range(2):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_world_rank, args=(rank, init, str(directory), saves, child), daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        results = []
+        for rank, conn in enumerate(conns):
+            assert conn.poll(WAIT_S), f"rank {rank} of world {world} sent nothing within {WAIT_S}s"
+            results.append(conn.recv())
+        return results
+    finally:
+        for proc in procs:
+            proc.join(WAIT_S)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        for conn in conns:
+            conn.close()
+
+
+def test_a_world_starting_below_an_earlier_worlds_checkpoints_keeps_its_own_and_resumes_from_them(
+        tmp_path: Path) -> None:
+    """Rank 0 holds steps 98 and 100 of an earlier world, rank 1 nothing (a new rank, or its directory lost):
+    the world starts at 0, its checkpoints 2 and 4 replace the earlier world's, and the next world resumes
+    at 4 on both ranks."""
+    model, optimizer = _trained(0, 1)
+    for step in (98, 100):
+        checkpoint.save(tmp_path, 0, step, model, optimizer)
+    ours = ["step-2.safetensors", "step-4.safetensors"]
+    assert _run_world(tmp_path, 0, [2, 4]) == [(0, ours), (0, ours)]
+    assert _run_world(tmp_path, 1, []) == [(4, ours), (4, ours)]
+
+
+def test_ranks_without_a_common_newest_step_agree_on_the_newest_every_rank_has(tmp_path: Path) -> None:
+    """Rank 0 holds 2 and 100 (another lineage's), rank 1 holds 2 and 4: the minimum of the newest (4) is not
+    on rank 0; the world resumes at 2, and each rank's files above 2 are gone."""
+    model, optimizer = _trained(0, 1)
+    for rank, steps in ((0, (2, 100)), (1, (2, 4))):
+        for step in steps:
+            checkpoint.save(tmp_path, rank, step, model, optimizer)
+    assert _run_world(tmp_path, 0, []) == [(2, ["step-2.safetensors"]), (2, ["step-2.safetensors"])]
 
 
 @pytest.mark.parametrize("damage", ["torn", "garbage", "foreign"])

@@ -11,9 +11,14 @@ place and the directory fsynced. A process killed mid-write leaves at most a tem
 removed by the next write) and the previous checkpoint intact. :func:`latest_step` trusts no file name: it
 opens each candidate, newest first, and skips (with a warning naming it) one it cannot read.
 
-Files: ``<dir>/rank-<rank>/step-<K>.safetensors``; each write keeps the newest :data:`KEEP` of its rank.
-Ranks train in lockstep (every step has a collective), so the newest step every rank has is at most one
-checkpoint behind any rank's own newest: keeping two is enough for the ranks to agree.
+Files: ``<dir>/rank-<rank>/step-<K>.safetensors``. Each write of step ``K`` keeps the newest :data:`KEEP`
+of its rank at or below ``K`` and removes every file above ``K``: those belong to a superseded lineage (an
+earlier world that got further before a world started over below it, e.g. from step 0 when the world grew or
+a rank's directory was lost), and kept they would outrank, and so prune, every new checkpoint. Ranks train in
+lockstep (every step has a collective), so within one lineage the newest step every rank has is at most one
+checkpoint behind any rank's own newest: keeping two is enough for the ranks to agree. Where ranks hold
+checkpoints of different lineages, :func:`latest_step` with ``at_most`` lets them agree on an older step
+every rank has, and :func:`prune` removes what lies above it.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ def path_of(directory: Path | str, rank: int, step: int) -> Path:
 
 def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer) -> Path:
-    """Write rank ``rank``'s checkpoint of ``step`` atomically; returns its path. Older checkpoints of the rank
-    beyond :data:`KEEP` and leftover temporary files are removed once the new one is in place. The caller
-    keeps ownership of the model and optimizer (their tensors are copied to the file)."""
+    """Write rank ``rank``'s checkpoint of ``step`` atomically; returns its path. Once the new one is in place
+    the rank's checkpoints are pruned to ``step`` (:func:`prune`) and leftover temporary files removed. The
+    caller keeps ownership of the model and optimizer (their tensors are copied to the file)."""
     folder = rank_dir(directory, rank)
     folder.mkdir(parents=True, exist_ok=True)
     tensors, optimizer_meta = _flatten(model.state_dict(), optimizer.state_dict())
@@ -65,18 +70,29 @@ def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
     _fsync(temp)
     os.replace(temp, final)
     _fsync(folder)
-    for old in _steps(folder)[KEEP:]:
-        path_of(directory, rank, old).unlink(missing_ok=True)
+    prune(directory, rank, step)
     for leftover in folder.glob(f"*{_TEMP_SUFFIX}"):
         leftover.unlink(missing_ok=True)
     return final
 
 
-def latest_step(directory: Path | str, rank: int) -> int:
-    """The newest step of rank ``rank`` whose checkpoint reads back whole; 0 when there is none (a world
-    starts at step 0). A file that cannot be read is skipped with a warning (``checkpoint.unreadable``)."""
+def prune(directory: Path | str, rank: int, newest: int) -> None:
+    """Remove rank ``rank``'s checkpoints above step ``newest`` (a superseded lineage) and all but the
+    :data:`KEEP` newest at or below it."""
+    steps = _steps(rank_dir(directory, rank))
+    above = [step for step in steps if step > newest]
+    for old in above + [step for step in steps if step <= newest][KEEP:]:
+        path_of(directory, rank, old).unlink(missing_ok=True)
+
+
+def latest_step(directory: Path | str, rank: int, at_most: int | None = None) -> int:
+    """The newest step of rank ``rank`` (not above ``at_most`` when given) whose checkpoint reads back whole;
+    0 when there is none (a world starts at step 0). A file that cannot be read is skipped with a warning
+    (``checkpoint.unreadable``)."""
     folder = rank_dir(directory, rank)
     for step in _steps(folder):
+        if at_most is not None and step > at_most:
+            continue
         try:
             _check(path_of(directory, rank, step), rank, step)
         except CheckpointError as exc:

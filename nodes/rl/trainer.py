@@ -13,9 +13,10 @@ Ranks come from the config or from torchrun's environment (``RANK``, ``WORLD_SIZ
 
 **Checkpoints and restarts.** With ``trainer.checkpoint_every`` N > 0, every rank writes its weights,
 optimizer state and step every N steps (:mod:`.checkpoint`, under ``trainer.checkpoint_dir``). A world
-that starts agrees on where to resume: each rank reads the newest checkpoint it has whole, one
-``all_reduce(MIN)`` gives the step K that every rank has, and every rank loads K and trains K, K+1, ...
-(K = 0 with no checkpoint: the initial weights). Before its first step, every rank pushes its starting
+that starts agrees on where to resume: each rank reads the newest checkpoint it has whole, and
+``all_reduce(MIN)`` rounds (:func:`agreed_step`) give the newest step K that every rank has; every rank loads
+K, removes its checkpoints above K (an earlier world's, which would outrank this world's) and trains K, K+1,
+... (K = 0 with no checkpoint: the initial weights). Before its first step, every rank pushes its starting
 weights as version K declaring that it resumes (``resumes``), so the parameter server starts a new lineage
 there (a dead world's versions above K are retired) and rollout workers have something to serve. Its
 heartbeat status reports ``step`` K at once, for the orchestrator to continue from. Every push names the
@@ -182,19 +183,36 @@ def world_token() -> str:
 
 def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The step this world starts at (collective: every rank calls it): the newest checkpoint step every rank
-    has whole (``all_reduce(MIN)``), loaded into ``model`` and ``optimizer``; 0 (nothing loaded) when
-    checkpoints are off or some rank has none."""
+    has whole (:func:`agreed_step`), loaded into ``model`` and ``optimizer``; 0 (nothing loaded) when
+    checkpoints are off or some rank has none. Once loaded, each rank's checkpoints above that step (an
+    earlier lineage) are removed (:func:`checkpoint.prune`): kept, they would be taken for this world's."""
     if not section.checkpoint_every:
         return 0
     mine = checkpoint.latest_step(section.checkpoint_dir, rank)
-    agreed = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    step = int(agreed.item())
+    step = agreed_step(section.checkpoint_dir, rank, mine)
     if step:
         checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
+    checkpoint.prune(section.checkpoint_dir, rank, step)
     log.info("trainer.resumed" if step else "trainer.fresh_start", step=step, rank=rank, newest_here=mine,
              checkpoint_dir=section.checkpoint_dir)
     return step
+
+
+def agreed_step(directory: str, rank: int, newest: int) -> int:
+    """The newest checkpoint step every rank has whole (collective: every rank calls it; ``newest``: this
+    rank's own newest). Each round, every rank proposes its newest step not above the bound (at first none)
+    and one ``all_reduce(MIN)`` of (proposal, -proposal) gives the lowest and the highest: equal, every rank
+    has that step; else the lowest becomes the bound, which falls every round (down to 0, which every rank
+    has). Ranks of one lineage agree in one round, or two when some rank is a checkpoint behind; ranks
+    holding an earlier world's files that got further take a round per step they disagree on."""
+    proposal = newest
+    while True:
+        extremes = torch.tensor([proposal, -proposal], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+        lowest, highest = int(extremes[0].item()), -int(extremes[1].item())
+        if lowest == highest:
+            return lowest
+        proposal = checkpoint.latest_step(directory, rank, at_most=lowest)
 
 
 def end_world_on_peer_death(runtime: NodeRuntime, trainer: TrainerRank, pids: Mapping[int, int],
