@@ -6,6 +6,7 @@ has, and its own checkpoints are never pruned in favour of the earlier world's."
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import signal
@@ -86,6 +87,27 @@ def test_older_checkpoints_are_pruned_and_ranks_are_kept_apart(tmp_path: Path) -
     with pytest.raises(checkpoint.CheckpointError, match="rank 0 step 6, not rank 1 step 6"):
         checkpoint.load(tmp_path, 1, 6, model, optimizer)
     assert checkpoint.latest_step(tmp_path, 1) == 0
+
+
+def test_a_checkpoint_of_other_dtypes_is_refused_naming_the_tensor_and_changes_nothing(tmp_path: Path) -> None:
+    """Loading casts silently (model weights, and an optimizer's state to its parameter's dtype): a float64
+    checkpoint into a float32 model, or float32 optimizer state into a float64 model's optimizer, would not
+    be the state saved. Both are refused, the model and optimizer left as they were."""
+    model, optimizer = _trained(0, 2)
+    checkpoint.save(tmp_path, 0, 2, model.double(), optimizer)  # weights float64, Adam's state still float32
+    target, target_optimizer = _trained(1, 1)
+    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
+    with pytest.raises(checkpoint.CheckpointError, match=r"model/\S+ is torch.float64 .*need torch.float32"):
+        checkpoint.load(tmp_path, 0, 2, target, target_optimizer)
+    _assert_same_state(weights, target.state_dict())
+    _assert_same_state(state, target_optimizer.state_dict())
+
+    target.double()  # the weights fit now; the optimizer would cast its float32 state to float64
+    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
+    with pytest.raises(checkpoint.CheckpointError, match=r"optim/0/exp_avg\S* is torch.float32 .*need torch.float64"):
+        checkpoint.load(tmp_path, 0, 2, target, target_optimizer)
+    _assert_same_state(weights, target.state_dict())
+    _assert_same_state(state, target_optimizer.state_dict())
 
 
 def test_a_write_below_the_newest_removes_the_files_above_it(tmp_path: Path) -> None:

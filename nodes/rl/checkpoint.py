@@ -106,17 +106,33 @@ def latest_step(directory: Path | str, rank: int, at_most: int | None = None) ->
 def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer) -> None:
     """Load rank ``rank``'s checkpoint of ``step`` into ``model`` and ``optimizer`` (exact: tensors are copied
-    bit for bit, dtypes and shapes must match). Raises :class:`CheckpointError`."""
+    bit for bit; every model tensor must have the name, dtype and shape of the model's own, and every
+    optimizer state tensor must come out of the optimizer's loading with its dtype and shape, uncast).
+    Raises :class:`CheckpointError`, naming the tensor that does not fit, with the model and optimizer as
+    they were."""
     path = path_of(directory, rank, step)
     metadata, tensors = _read(path)
     _expect(metadata, path, rank, step)
     model_state = {name[len("model/"):]: t for name, t in tensors.items() if name.startswith("model/")}
+    _fits(path, "model/", model_state, model.state_dict())
+    # Loading builds a new state and new param groups, leaving these as they were: put back, they undo it
+    # (loading them back instead would cast them too).
+    before = {"state": optimizer.state, "param_groups": optimizer.param_groups}
     try:
         optimizer_meta = json.loads(metadata["optimizer"])
-        model.load_state_dict(model_state, strict=True)
         optimizer.load_state_dict(_unflatten(tensors, optimizer_meta, optimizer.state_dict()["param_groups"]))
+        # torch casts an optimizer's floating state to its parameter's dtype as it loads: what came out is
+        # compared with the file, and a cast one refused.
+        loaded = {f"{index}/{key}": value for index, state in optimizer.state_dict()["state"].items()
+                  for key, value in state.items() if isinstance(value, torch.Tensor)}
+        _fits(path, "optim/", {name[len("optim/"):]: t for name, t in tensors.items() if name.startswith("optim/")},
+              loaded)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        optimizer.__setstate__(before)
+        if isinstance(exc, CheckpointError):
+            raise
         raise CheckpointError(f"{path}: does not fit this model and optimizer: {exc}") from None
+    model.load_state_dict(model_state, strict=True)
 
 
 # --- internals ---------------------------------------------------------------------------------------------
@@ -169,6 +185,21 @@ def _check(path: Path, rank: int, step: int) -> None:
         json.loads(metadata["optimizer"])
     except ValueError as exc:
         raise CheckpointError(f"{path}: optimizer metadata is not JSON: {exc}") from None
+
+
+def _fits(path: Path, prefix: str, given: Mapping[str, torch.Tensor], wanted: Mapping[str, torch.Tensor]) -> None:
+    """That ``given`` (the file's) has exactly the tensors of ``wanted`` (the model's or optimizer's), each of
+    the same dtype and shape."""
+    if missing := sorted(wanted.keys() - given.keys()):
+        raise CheckpointError(f"{path}: lacks {prefix}{missing[0]} (of {len(missing)} missing tensors)")
+    if extra := sorted(given.keys() - wanted.keys()):
+        raise CheckpointError(f"{path}: has {prefix}{extra[0]}, which this model and optimizer lack "
+                              f"(of {len(extra)} such tensors)")
+    for name, tensor in given.items():
+        want = wanted[name]
+        if tensor.dtype != want.dtype or tensor.shape != want.shape:
+            raise CheckpointError(f"{path}: {prefix}{name} is {tensor.dtype} {tuple(tensor.shape)}, this model "
+                                  f"and optimizer need {want.dtype} {tuple(want.shape)}")
 
 
 def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> None:
