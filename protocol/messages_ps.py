@@ -250,6 +250,10 @@ class Occupy(Body, frozen=True):
 
 @register_kind("ps-consume")
 class Consume(Body, frozen=True):
+    """Take the trainer's next batch, answered ``Batch``. The batch the last consume took is answered again to a
+    retry of that request or to a consume naming its buffer, after a ps-manager restart too (it is journaled):
+    a reply lost with the manager loses no batch."""
+
     version: NonNegative | None = None  # buffer to consume; nil: the trainer's version
 
 

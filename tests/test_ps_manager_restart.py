@@ -12,6 +12,9 @@
 * While a reader holds a lease: nothing is released for a lease TTL after the restart, so versions committed
   meanwhile do not reuse the memory the reader maps (its bytes stay those of its version); its release is
   refused ``unknown-lease`` naming the restart; afterwards the workers hold exactly the retained versions.
+* After a consume's batch is journaled, its reply lost with the process: the request sent again (same id) to
+  the restarted manager, and a new consume naming the batch's buffer, get the same batch, not
+  ``out-of-order``; the run goes on with the next buffer.
 * A torn last journal record (a crash mid-append) is ignored; garbage or a record of another kind refuses the
   journal, naming it, and leaves it as it was. Compacted, the journal replays the same state.
 """
@@ -29,6 +32,7 @@ import msgspec
 import pytest
 import structlog
 import torch
+import zmq
 from polling import wait_for
 from ps_support import (
     PsCluster,
@@ -41,14 +45,16 @@ from ps_support import (
 )
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps.client import PsClient, PushResult, PushSession
-from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS, ManagerJournal
+from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS, HandedOut, ManagerJournal
 from refbus.nodes.ps.versions import DoneRank, VersionStore
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError
-from refbus.protocol.messages_ps import Location, ManifestEntry, TensorSpec, WorkerInfo
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages_ps import Batch, BatchEntry, Consume, Location, ManifestEntry, TensorSpec, WorkerInfo
 
 NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
 FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
@@ -375,6 +381,42 @@ def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_
     stop_cluster_after_kills(cluster)
 
 
+def _journaled(path: Path, record: dict[str, Any]) -> bool:
+    """Whether the journal at ``path`` holds a committed record with ``record``'s fields (read as it grows)."""
+    return any(raw.items() >= record.items() for raw in journal.replay(path.read_bytes(), str(path)).records)
+
+
+def test_a_consume_whose_reply_died_with_the_manager_gets_its_batch_from_the_restarted_one(
+        cluster: PsCluster, spawn, tmp_path: Path) -> None:
+    """The manager journals the consume of buffer 0 (the trainer version moves to 1) and is killed before its
+    reply reaches the trainer: the request sent again gets batch 0, not ``out-of-order`` and the batch lost."""
+    runtime, ps = _client(cluster, "trainer")
+    codec = WireCodec("trainer")
+    ctx = zmq.Context()
+    frames = codec.encode(Consume(0), msg_id=codec.new_id())
+    try:
+        assert ps.reserve("p0", 0) == 0 and ps.occupy("p0", "t0", 0).ready
+        lost = make_socket(ctx, zmq.DEALER, connect=cluster.manager)
+        lost.send_multipart(frames)
+        path = _journal_file(tmp_path)
+        wait_for(lambda: _journaled(path, {"op": "trainer", "version": 1}), 10.0, "the consume journaled")
+        lost.close()  # its reply, sent or not, is never read: lost with the process killed next
+        _kill_and_restart(spawn, cluster, ps)
+        retry = make_socket(ctx, zmq.DEALER, connect=cluster.manager)
+        retry.send_multipart(frames)
+        assert retry.poll(10_000, zmq.POLLIN), "no answer to the consume sent again"
+        answer = codec.decode(recv_frames(retry)).body
+        batch0 = Batch(0, True, [BatchEntry("p0", "t0", 0)])
+        assert answer == batch0
+        assert ps.consume(0) == batch0 and ps.inventory().trainer_version == 1
+        assert ps.consume() == Batch(1, False)
+        assert ps.reserve("p1", 1) == 1 and ps.occupy("p1", "t1", 1).ready
+        assert ps.consume(1) == Batch(1, True, [BatchEntry("p1", "t1", 1)]) == ps.consume(1)
+    finally:
+        runtime.close()
+        ctx.destroy(linger=0)  # closes the sockets an assertion left open
+
+
 def test_a_torn_last_record_is_ignored_and_garbage_refuses_the_journal(cluster: PsCluster, spawn,
                                                                        tmp_path: Path) -> None:
     runtime, ps = _client(cluster, "trainer")
@@ -439,15 +481,16 @@ def test_the_journal_is_compacted_to_the_retained_versions_and_replays_the_same(
         manifest = mf.build(number, [entry], workers)
         versions.restore(manifest, [("w0", f"lease-{version}")], frozenset({f"lease-{version}"}))
         recorder.committed(manifest, [("w0", f"lease-{version}")], [f"lease-{version}"])
-        recorder.trainer(number + 1)
-        recorder.compact_if_due(versions, number + 1)
+        handed_out = HandedOut(("trainer", f"id-{number}"), number, [BatchEntry("p", f"t{number}", number)])
+        recorder.trainer(number + 1, handed_out)
+        recorder.compact_if_due(versions, number + 1, handed_out)
     assert store.records_since_compact < 400
     store.close(remove=False)
     again = VersionStore(3)
     recovered = ManagerJournal(DurableStore(tmp_path, "run", "m", budget_bytes=0, what="ps",
                                             strict=True)).replay(again, 0.0)
     assert recovered.versions == again.retained() == versions.retained() == [387, 388, 389]
-    assert recovered.trainer_version == 390 and recovered.records < 400
+    assert recovered.trainer_version == 390 and recovered.records < 400 and recovered.handed_out == handed_out
     assert again.stored(again.retained()) == versions.stored(versions.retained())
 
 
@@ -513,8 +556,8 @@ def test_done_ranks_replay_into_the_pending_version_until_it_commits_aborts_or_a
     versions.start_lineage(1)
     recorder.rank_done(done := _done_rank(versions, 1, 0, "rank0"))
     for _ in range(COMPACT_MIN_RECORDS + 1):
-        recorder.trainer(1)
-    recorder.compact_if_due(versions, 1)
+        recorder.trainer(1, HandedOut(("trainer", "id"), 0, []))
+    recorder.compact_if_due(versions, 1, None)
     assert recorder.store.records_since_compact == 0
     again = replayed()
     assert again.done_ranks() == [done] and again.retained() == [0]

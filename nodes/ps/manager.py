@@ -18,7 +18,10 @@ the version went back. A resuming push joins the pending version of the new line
 unless both name a trainer world token and they differ (that version is a dead world's: it is aborted).
 
 Staleness inventory: a commit of ``V`` moves its trainer version up to ``V`` when it is behind (a trainer
-that does not consume through it); a new lineage at ``K`` rewinds it to ``K`` (docs/STALENESS.md).
+that does not consume through it); a new lineage at ``K`` rewinds it to ``K`` (docs/STALENESS.md). The batch
+the last ``consume`` handed out is answered again to a retry of that request or to a consume naming its
+buffer, restarts included (it is journaled with the trainer version it moved): a reply lost with the process
+does not leave the trainer with ``out-of-order`` and the batch gone.
 
 Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), the pusher writes a copy to
 each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
@@ -27,11 +30,11 @@ again (``PushBegin.retry``) and starts over on other workers; the version stays 
 Restarts: with ``store.durable`` every commit, lineage start, consumed batch, rank of the pending version
 done (and its replacement by a retry) and aborted push is committed to a journal (:mod:`.manager_journal`)
 before anyone hears of it. A process restarted under the same node id replays it and comes back with the
-versions it retained and the pending version's done ranks (their pushers have returned; the other ranks
-start over and the version commits); the workers, told of the new process by the bus, register again
-listing the segments they hold, and a version is served only from copies a registered worker listed (or
-committed since). Attempts still
-being written, leases, reservations and an init round of the dead process are unknown to the new one: a
+versions it retained, the batch last handed out and the pending version's done ranks (their pushers have
+returned; the other ranks start over and the version commits); the workers, told of the new process by the
+bus, register again listing the segments they hold, and a version is served only from copies a registered
+worker listed (or committed since). Attempts still being written, leases, reservations and an init round of
+the dead process are unknown to the new one: a
 commit or retry under such a push lease is refused ``push-aborted``, a release of such a lease
 ``unknown-lease``, both naming the restart (``leases.RESTARTED``; the pusher starts its push over on it), a
 renewal lists it expired, a reservation is ``unknown-reservation``, and an init's request, which its client
@@ -119,7 +122,7 @@ from ..store.durable import DurableStore, StoreError
 from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import RESTARTED, Lease, LeaseTable
-from .manager_journal import ManagerJournal
+from .manager_journal import HandedOut, ManagerJournal
 from .manifest import ManifestError
 from .staleness import CloseReport, StalenessError, StalenessInventory
 from .versions import Shard, VersionStore
@@ -170,10 +173,14 @@ class PsManager:
         self.leases = LeaseTable(settings.lease_ttl_s)
         self.inventory: StalenessInventory[str] = StalenessInventory(settings.eta, settings.batch_size)
         self.journal = journal
+        # The batch the last consume handed out: a retry of that consume, or another naming its buffer, gets it
+        # again (after a restart its reply may never have left; the inventory is past it).
+        self._handed_out: HandedOut | None = None
         if journal is not None:
             recovered = journal.replay(self.versions, time.monotonic())
             if recovered.trainer_version >= 0:
                 self.inventory.advance(recovered.trainer_version)
+            self._handed_out = recovered.handed_out
             if recovered.records:
                 pending = self.versions.pending
                 log.info("ps.manager_recovered", versions=recovered.versions, latest=self.versions.latest,
@@ -501,6 +508,7 @@ class PsManager:
         retired = [v for v in self.versions.retained() if v >= version]
         freed = self.versions.start_lineage(version)
         self._journal(lambda journal: journal.lineage(version))
+        self._handed_out = None  # the new lineage's buffers start at version: none of them was handed out
         self._release(freed)
         self._inventory_dropped("rewound", version, self.inventory.rewind(version))
         (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
@@ -557,7 +565,8 @@ class PsManager:
         self._journal(lambda journal: journal.committed(manifest, shards, leases))
         self._release(freed)
         self._inventory_dropped("advanced", manifest.version, self.inventory.advance(manifest.version))
-        self._journal(lambda journal: journal.compact_if_due(self.versions, self.inventory.trainer_version))
+        self._journal(lambda journal: journal.compact_if_due(self.versions, self.inventory.trainer_version,
+                                                             self._handed_out))
         log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
                  tensors=len(manifest.entries), digest=manifest.digest)
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
@@ -826,14 +835,19 @@ class PsManager:
         assert isinstance(ask, Consume)
 
         def consume() -> Body:
+            request_key = (request.header.src, request.header.id)
+            handed = self._handed_out
+            if handed is not None and (request_key == handed.request or ask.version == handed.version):
+                return Batch(handed.version, True, handed.entries)
             version = self.inventory.trainer_version
             batch = self.inventory.consume(ask.version)
             if batch is None:
                 return Batch(version, False)
+            taken = self._handed_out = HandedOut(request_key, batch.version, [
+                BatchEntry(e.prompt_id, e.trajectory, e.policy_version) for e in batch.entries])
             trainer = self.inventory.trainer_version
-            self._journal(lambda journal: journal.trainer(trainer))
-            return Batch(batch.version, True,
-                         [BatchEntry(e.prompt_id, e.trajectory, e.policy_version) for e in batch.entries])
+            self._journal(lambda journal: journal.trainer(trainer, taken))
+            return Batch(taken.version, True, taken.entries)
 
         return self._staleness(consume)
 
