@@ -21,6 +21,8 @@ import ipaddress
 import os
 import re
 import socket
+import stat
+import struct
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27), per conte
 ZAP_DOMAIN = b"refbus"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KEY_CHARS = 40  # a Z85-encoded 32-byte CURVE key
+# Node ids whose key files would be the directory's own files: a node "cluster" is the cluster key pair.
+RESERVED_IDS = frozenset({CLUSTER, ALLOW_LIST})
 
 
 class SecurityError(ValueError):
@@ -109,14 +113,35 @@ def _read_key(path: Path, what: str) -> bytes:
 
 
 def _parse_key(text: str, where: str) -> bytes:
-    key = text.encode("ascii", "replace")
+    if not text.isascii():
+        raise SecurityError(f"{where} is not a CURVE key: it holds non-ASCII characters, Z85 text expected")
+    key = text.encode("ascii")
     if len(key) != KEY_CHARS:
         raise SecurityError(f"{where} is not a CURVE key: {KEY_CHARS} Z85 characters expected, found {len(key)}")
     try:
         z85.decode(key)
-    except (ValueError, KeyError, IndexError):
+    # struct.error: Z85 characters whose 5-character groups exceed 32 bits (e.g. '#####')
+    except (ValueError, KeyError, IndexError, struct.error):
         raise SecurityError(f"{where} is not a CURVE key: not Z85 text") from None
     return key
+
+
+def _check_private(path: Path, what: str) -> None:
+    """Refuse ``path`` when a user other than this one (or root) could change it: owned by another user, or
+    writable by group or others. Whoever can rewrite the allow-list, or replace files in the key directory,
+    can admit their own key as any node."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SecurityError(f"{what} {path} does not exist (made by `refbus keys generate`)") from None
+    except OSError as exc:
+        raise SecurityError(f"{what} {path} cannot be read: {exc}") from None
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SecurityError(f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
+                            "or root: another user could change the keys it admits")
+    if st.st_mode & 0o022:
+        raise SecurityError(f"{what} {path} is writable by group or others (mode "
+                            f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it")
 
 
 def _read_pair(secret_path: Path, what: str) -> tuple[bytes, bytes]:
@@ -132,7 +157,9 @@ def _read_pair(secret_path: Path, what: str) -> tuple[bytes, bytes]:
 
 
 def read_allow_list(path: Path) -> dict[bytes, Grant]:
-    """The allow-list at ``path``: public key -> grant. Every malformed line is an error naming it."""
+    """The allow-list at ``path``: public key -> grant. Every malformed line is an error naming it, and so is a
+    file another user could change (:func:`_check_private`)."""
+    _check_private(path, "allow-list")
     lines = _read_text(path, "allow-list").splitlines()
     allowed: dict[bytes, Grant] = {}
     node_ids: set[str] = set()
@@ -155,11 +182,13 @@ def load_curve(curve_dir: str, key_file: str, node_id: str = "", role: str = "")
     """The CURVE material of a node: the cluster pair and allow-list in ``curve_dir`` and the node's own pair
     from ``key_file`` (default ``<curve_dir>/<node_id>.key_secret``). The allow-list must grant that key
     ``node_id`` (when given; otherwise the grant names the node) and ``role`` (when given). Raises
-    :class:`SecurityError` naming what to fix."""
+    :class:`SecurityError` naming what to fix, also when another user could change the directory or the
+    allow-list."""
     if not (key_file or node_id):
         raise SecurityError("with security.curve_dir set, a node needs --node-id or security.curve_key to find "
                             "its key")
     directory = Path(curve_dir)
+    _check_private(directory, "key directory")
     server_public, server_secret = _read_pair(directory / (CLUSTER + SECRET_SUFFIX), "cluster secret key")
     secret_path = Path(key_file) if key_file else directory / (node_id + SECRET_SUFFIX)
     public, secret = _read_pair(secret_path, f"secret key of node {node_id or secret_path.stem!r}")
@@ -191,15 +220,24 @@ def _write_pair(directory: Path, stem: str) -> bytes:
 
 
 def generate(curve_dir: str, node_id: str = "", role: str = "") -> list[str]:
-    """Make ``curve_dir`` (mode 0700) and the cluster key pair when missing; with ``node_id``, also that node's
-    pair, listed in the allow-list as ``role``. Returns what was made, one line each (no secret in them)."""
+    """Make ``curve_dir`` and the cluster key pair when missing; with ``node_id``, also that node's pair,
+    listed in the allow-list as ``role``. The directory, made or found, ends mode 0700; one owned by another
+    user is refused. Returns what was made, one line each (no secret in them)."""
     directory = Path(curve_dir)
     if bool(node_id) != bool(role):
         raise SecurityError("--node-id and --role go together")
     for name in (node_id, role):
         if name and not NAME.fullmatch(name):
             raise SecurityError(f"{name!r}: node ids and roles are 1-128 letters, digits, '.', '_' or '-'")
+    if node_id in RESERVED_IDS:
+        raise SecurityError(f"{node_id!r} is reserved: the key directory's own files use that name; pick "
+                            "another node id")
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = directory.stat().st_uid
+    if owner != os.geteuid():
+        raise SecurityError(f"key directory {directory} is owned by uid {owner}, not by this user "
+                            f"(uid {os.geteuid()}): use a directory of your own")
+    directory.chmod(0o700)  # mkdir's mode is cut by the umask, and a directory found may be open to others
     made = []
     allow_list = directory / ALLOW_LIST
     if not (directory / (CLUSTER + SECRET_SUFFIX)).exists():

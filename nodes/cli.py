@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     generate_keys = keys_commands.add_parser(
         "generate", help="make the cluster key pair and, with --node-id, one node's key pair",
-        description="Make DIR (mode 0700) and its cluster server key pair (cluster.key, cluster.key_secret) when "
-                    "missing. With --node-id and --role, also make that node's key pair (<node-id>.key, "
-                    "<node-id>.key_secret) and add its public key to DIR/allow-list as that node id and role. "
+        description="Make DIR and its cluster server key pair (cluster.key, cluster.key_secret) when missing; DIR "
+                    "ends mode 0700 (one another user owns is refused). With --node-id and --role, also make "
+                    "that node's key pair (<node-id>.key, <node-id>.key_secret) and add its public key to "
+                    "DIR/allow-list as that node id and role. The node ids 'cluster' and 'allow-list' are reserved. "
                     "Secret files are mode 0600 and never printed; existing keys are never replaced.")
     generate_keys.add_argument("dir", metavar="DIR", help="key directory (every host of the cluster reads it)")
     generate_keys.add_argument("--node-id", default="", help="the node id the new key may act as")

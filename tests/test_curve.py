@@ -256,6 +256,15 @@ GARBAGE: list[tuple[str, Callable[[Path], None], str]] = [
     ("garbage secret", lambda d: (d / "env-a.key_secret").write_text("not a key\n"), "40 Z85 characters"),
     ("binary secret", lambda d: (d / "env-a.key_secret").write_bytes(b"\xff" * 40), "cannot be read"),
     ("40 non-Z85 chars", lambda d: (d / "env-a.key_secret").write_text("~" * 40), "not Z85"),
+    # Z85 characters whose 5-character groups exceed 32 bits: the decoder's struct.error was not caught.
+    ("overflowing Z85 secret", lambda d: (d / "env-a.key_secret").write_text("#" * 40), "not Z85"),
+    ("overflowing Z85 allow-list key", lambda d: (d / "allow-list").open("a").write("#" * 40 + " env-b x\n"),
+     "line 3 is not a CURVE key: not Z85"),
+    # Once encoded with '?' for each non-ASCII character, a key was taken for Z85 and failed as a pair mismatch.
+    ("non-ASCII secret", lambda d: (d / "env-a.key_secret").write_text(
+        "\u00e9" + (d / "env-a.key_secret").read_text()[1:]), "non-ASCII characters"),
+    ("allow-list writable by others", lambda d: (d / "allow-list").chmod(0o666), "chmod go-w"),
+    ("key directory writable by others", lambda d: d.chmod(0o1777), "writable by group or others"),
     ("pair mismatch", lambda d: (d / "env-a.key").write_text(zmq.curve_keypair()[0].decode()), "not one key pair"),
     ("readable secret", lambda d: (d / "env-a.key_secret").chmod(0o644), "chmod 600"),
     ("missing cluster key", lambda d: (d / "cluster.key_secret").unlink(), "does not exist"),
@@ -274,6 +283,48 @@ def test_garbage_key_files_give_a_clear_error(tmp_path: Path, case: str, spoil: 
     spoil(directory)
     with pytest.raises(SecurityError, match=re.escape(message)):
         load_curve(str(directory), "", "env-a", "env-server")
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root (os.chown)")
+def test_key_files_another_user_could_change_are_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "keys"
+    generate(str(directory), "env-a", "env-server")
+    os.chown(directory / "allow-list", OTHER_UID, OTHER_UID)  # its owner could add their own key to it
+    owned = f"allow-list {directory}/allow-list is owned by uid {OTHER_UID}"
+    with pytest.raises(SecurityError, match=re.escape(owned)):
+        load_curve(str(directory), "", "env-a", "env-server")
+    os.chown(directory / "allow-list", 0, 0)
+    os.chown(directory, OTHER_UID, OTHER_UID)  # its owner could replace any file in it
+    with pytest.raises(SecurityError, match=re.escape(f"key directory {directory} is owned by uid {OTHER_UID}")):
+        load_curve(str(directory), "", "env-a", "env-server")
+    with pytest.raises(SecurityError, match=re.escape(f"key directory {directory} is owned by uid {OTHER_UID}")):
+        generate(str(directory), "env-b", "env-server")
+    assert not (directory / "env-b.key_secret").exists()
+
+
+def test_keys_generate_makes_a_directory_it_reuses_private(tmp_path: Path) -> None:
+    directory = tmp_path / "keys"
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)  # made earlier by a script, or a shared file system's default
+    generate(str(directory), "env-a", "env-server")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    load_curve(str(directory), "", "env-a", "env-server")
+
+
+@pytest.mark.parametrize("node_id", ["cluster", "allow-list"])
+def test_keys_generate_refuses_the_key_directorys_own_names_as_node_ids(tmp_path: Path, node_id: str) -> None:
+    directory = tmp_path / "keys"
+    generate(str(directory))
+    cluster_key = (directory / "cluster.key").read_text()
+    refused = subprocess.run([*CLI, "keys", "generate", str(directory), "--node-id", node_id, "--role", "monitor"],
+                             capture_output=True, text=True, timeout=60)
+    # Before, "cluster" failed on the cluster key's own files, telling the operator to remove the cluster key.
+    assert refused.returncode == 2 and f"'{node_id}' is reserved" in refused.stderr
+    assert "remove it" not in refused.stderr and (directory / "cluster.key").read_text() == cluster_key
+    assert f" {node_id} " not in (directory / "allow-list").read_text()
 
 
 def test_a_node_is_the_node_id_its_key_grants(keys: Path) -> None:
