@@ -25,6 +25,7 @@ from refbus.nodes.ps import manager as manager_module
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps import shm
 from refbus.nodes.ps.checkpoint import read_layout
+from refbus.nodes.ps.host_proof import NonceFile
 from refbus.nodes.ps.leases import LeaseTable
 from refbus.nodes.ps.manager import PsManager
 from refbus.nodes.ps.manager_journal import ManagerJournal
@@ -105,6 +106,51 @@ def test_sweep_removes_only_segments_of_dead_processes(shm_dir: Path) -> None:
     (shm_dir / f"unit.{os.getpid()}.1").write_bytes(b"x")
     assert sweep_orphans(shm_dir, "unit") == [f"unit.{dead}.1"]
     assert [p.name for p in shm_dir.iterdir()] == [f"unit.{os.getpid()}.1"]
+
+
+def test_sweep_skips_a_leftover_it_cannot_remove_and_the_worker_starts(shm_dir: Path) -> None:
+    """A name of a dead token that cannot be unlinked (here a directory) is logged and left: the sweep raised
+    (``IsADirectoryError``), and so did every ps-worker's start on that host."""
+    dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000
+    (shm_dir / f"unit.{dead}.1").mkdir()
+    (shm_dir / f"unit.{dead}.2").write_bytes(b"x")
+    assert sweep_orphans(shm_dir, "unit") == [f"unit.{dead}.2"]
+    assert [p.name for p in shm_dir.iterdir()] == [f"unit.{dead}.1"]
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root (os.chown)")
+def test_files_another_user_planted_are_never_removed_or_taken_as_a_token_s(shm_dir: Path) -> None:
+    """``/dev/shm`` is shared by every user: a file of a dead-looking token planted by another user stays (a
+    worker not running as root failed to unlink it, and failed to start), a token with another user's lock is
+    left alone, and a worker whose own token has another user's file under it takes the next token."""
+    dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000
+    planted = [shm_dir / f"unit.{dead}.1", shm_dir / f"unit.{dead + 1}.{shm.LOCK_SUFFIX}",
+               shm_dir / f"unit.{dead + 1}.1"]
+    for path in planted:
+        path.write_bytes(b"x")
+        os.chown(path, OTHER_UID, OTHER_UID)
+    assert sweep_orphans(shm_dir, "unit") == []
+    lock = OwnerLock.take(shm_dir, "unit", pid=dead)
+    try:
+        assert lock.token == f"{dead}-1"
+        assert all(path.exists() for path in planted)
+    finally:
+        lock.release()
+
+
+def test_the_host_proof_file_replaces_a_symlink_planted_under_its_name(tmp_path: Path) -> None:
+    """The nonce file was opened O_CREAT|O_TRUNC through whatever stood at its name: a symlink there made the
+    worker truncate and overwrite the file it names."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file of the worker's user\n")
+    (tmp_path / "unit.7.nonce").symlink_to(victim)
+    proof = NonceFile.create(tmp_path, "unit", "7")
+    assert victim.read_text() == "a file of the worker's user\n"
+    assert not proof.path.is_symlink() and proof.path.read_text() == proof.nonce
+    proof.remove()
 
 
 # A process that takes the lock of token ``<pid>``, creates one segment, says so and waits to be killed.

@@ -42,10 +42,14 @@ class NonceFile:
 
     @classmethod
     def create(cls, directory: str | Path, prefix: str, token: str | None = None) -> NonceFile:
-        """``token``: the middle of the worker's segment names (default its pid)."""
+        """``token``: the middle of the worker's segment names (default its pid). A file left under that name (by
+        an earlier process of the token, killed) is replaced by a new one, never written through: a symlink
+        planted there is removed, not followed."""
         nonce = os.urandom(16).hex()
         path = Path(directory) / f"{prefix}.{token or os.getpid()}.nonce"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             os.write(fd, nonce.encode())
         finally:

@@ -10,7 +10,9 @@ namespace's live worker holds that pid's names in the same directory): unique pe
 while it lives. Without the durable store the worker holds an exclusive ``flock`` on ``<prefix>.<token>.lock``
 (:class:`OwnerLock`) for its life, and :func:`sweep_orphans` removes a token's files only when it can take
 that lock: the kernel drops it when the process dies however it dies, in whatever PID namespace, so neither a
-pid that looks dead (another namespace) nor a pid reused by another process misleads it.
+pid that looks dead (another namespace) nor a pid reused by another process misleads it. The directory may be
+shared with other users (``/dev/shm`` is): files another user owns are never removed, opened or taken as a
+token's, so nothing planted there stops a worker from starting.
 
 Pinned memory: with CUDA, segments are registered with ``cudaHostRegister`` (through torch) so
 host-to-device copies run at full speed; without CUDA the first segment logs one warning and memory stays
@@ -232,6 +234,8 @@ class OwnerLock:
         for k in range(_MAX_TOKENS):
             token = str(pid) if k == 0 else f"{pid}-{k}"
             path = directory / f"{prefix}.{token}.{LOCK_SUFFIX}"
+            if any(_foreign(p) for p in directory.glob(f"{glob.escape(prefix)}.{glob.escape(token)}.*")):
+                continue  # another user's names: not ours to remove, and our new files would collide with them
             fd = _try_lock(path)
             if fd is None:
                 continue
@@ -253,9 +257,10 @@ class OwnerLock:
 
 def _try_lock(path: Path) -> int | None:
     """An fd holding an exclusive flock on the lock file ``path`` (created if missing), or None when another
-    open file (another process, or another fd of this one) holds it."""
+    open file (another process, or another fd of this one) holds it. Raises OSError (``ELOOP``) for a symlink:
+    a lock is never taken through one."""
     for _ in range(3):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -271,23 +276,42 @@ def _try_lock(path: Path) -> int | None:
     return None
 
 
+def _foreign(path: Path) -> bool:
+    """True when ``path`` (itself, not what a symlink names) belongs to another user."""
+    try:
+        return path.lstat().st_uid != os.geteuid()
+    except FileNotFoundError:
+        return False
+
+
+def _unlink(path: Path) -> bool:
+    """Unlink a leftover file; False (logged, never raised) when it is another user's or cannot be removed, or
+    gone already. A sweep is cleanup: one file it cannot remove must not stop a worker from starting."""
+    if _foreign(path):
+        log.warning("ps.foreign_file_skipped", path=str(path), reason="owned by another user")
+        return False
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("ps.foreign_file_skipped", path=str(path), reason=exc.strerror)
+        return False
+    return True
+
+
 def _remove_token(directory: Path, prefix: str, token: str) -> list[str]:
     """Unlink every file of ``token`` but its lock file (the caller holds that lock); the names removed."""
-    removed = []
-    for path in directory.glob(f"{glob.escape(prefix)}.{glob.escape(token)}.*"):
-        if path.name.endswith(f".{LOCK_SUFFIX}"):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path.name)
-    return removed
+    return [path.name for path in directory.glob(f"{glob.escape(prefix)}.{glob.escape(token)}.*")
+            if not path.name.endswith(f".{LOCK_SUFFIX}") and _unlink(path)]
 
 
 def sweep_orphans(directory: str | Path, prefix: str) -> list[str]:
     """Unlink the files ``<prefix>.<token>.*`` (segments, host-proof nonce files) of every token whose
     :class:`OwnerLock` no process holds, and then that lock file; returns the names removed (lock files not
     listed). Files of a token without a lock file (a worker of an earlier build, which took none) are judged by
-    the old rule, the pid alone: removed when no process of that pid is alive here."""
+    the old rule, the pid alone: removed when no process of that pid is alive here. Files of other users, and
+    tokens whose lock file is another user's, are left alone (logged)."""
     directory = Path(directory)
     tokens: dict[str, list[Path]] = {}
     for path in directory.glob(f"{glob.escape(prefix)}.*.*"):
@@ -298,20 +322,23 @@ def sweep_orphans(directory: str | Path, prefix: str) -> list[str]:
     for token, paths in sorted(tokens.items()):
         lock = directory / f"{prefix}.{token}.{LOCK_SUFFIX}"
         if lock in paths:
-            fd = _try_lock(lock)
+            if _foreign(lock):
+                log.warning("ps.foreign_file_skipped", path=str(lock), reason="owned by another user")
+                continue
+            try:
+                fd = _try_lock(lock)
+            except OSError as exc:
+                log.warning("ps.foreign_file_skipped", path=str(lock), reason=exc.strerror)
+                continue
             if fd is None:
                 continue  # its process lives (in whatever PID namespace)
             try:
                 removed += _remove_token(directory, prefix, token)
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
+                _unlink(lock)
             finally:
                 os.close(fd)
         elif token.isdigit() and not _alive(int(token)):
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    removed.append(path.name)
+            removed += [path.name for path in paths if _unlink(path)]
     if removed:
         log.warning("ps.orphan_segments_removed", count=len(removed), directory=str(directory))
     return removed
