@@ -330,6 +330,48 @@ def test_a_worker_met_again_on_a_new_endpoint_has_its_old_client_closed() -> Non
         runtime.close()
 
 
+def test_a_segment_a_worker_names_outside_its_directory_is_never_mapped(tmp_path: Path) -> None:
+    """A worker's segment names were joined to its directory unchecked and mapped read-write by a pusher: an
+    absolute or '../' name, or a symlink in the worker's own directory (its host proof passing), made the
+    pusher write tensor bytes into a file of its own user."""
+    from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+    from refbus.nodes.ps.client import PsClient, PsError
+    from refbus.nodes.ps.host_proof import boot_id
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file of the pusher's user\n")
+    rogue = tmp_path / "rogue"
+    rogue.mkdir()
+    (rogue / "n.nonce").write_text("abc123")
+    (rogue / "seg").symlink_to(victim)
+    runtime = NodeRuntime("ps-client", RuntimeSettings(node_id="t", metrics_port=-1), register=False)
+    ps = PsClient(runtime, "tcp://127.0.0.1:1")
+    info = WorkerInfo(worker="rogue", endpoint="tcp://127.0.0.1:1", host="h", shm_dir=str(rogue), pid=1,
+                      boot_id=boot_id(), nonce_file="n.nonce", nonce="abc123")
+    try:
+        for segment in (str(victim), "../victim.txt", "..", "a\0b"):
+            with pytest.raises(PsError, match="not a plain file name"):
+                ps._local_path(info, segment)
+        path = ps._local_path(info, "seg")
+        assert path is not None
+        with pytest.raises(OSError):
+            ps._writes.view(path, 0, 4)
+        assert victim.read_text() == "a file of the pusher's user\n"
+    finally:
+        ps.close()
+        runtime.close()
+
+
+def test_segment_maps_refuse_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    """A FIFO where a segment should be is refused at once, for readers too: its open no longer waits for a
+    writer."""
+    fifo = tmp_path / "unit.1.1"
+    os.mkfifo(fifo)
+    for readonly in (False, True):  # read-write first: its open never waited, so the old code failed, not hung
+        with pytest.raises(OSError, match="not a regular file"):
+            SegmentMaps(readonly=readonly).view(str(fifo), 0, 1)
+
+
 # --- the manager's handlers on a stub runtime -------------------------------------------------------------
 
 

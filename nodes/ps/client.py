@@ -936,9 +936,12 @@ class PsClient:
         return client
 
     def _local_path(self, worker: WorkerInfo, segment: str) -> str | None:
-        """The segment's file when this client may map it (same host by proof, visible), else None."""
+        """The segment's file when this client may map it (same host by proof, visible), else None. Raises
+        :class:`PsError` for a segment name that is not a plain file name (it would name a file elsewhere)."""
         if self.transport == "frames":
             return None
+        if not host_proof.plain_name(segment):
+            raise PsError(f"worker {worker.worker} named segment {segment[:64]!r}: not a plain file name")
         refused = self._same_host_refusal(worker)
         if refused is not None:
             if self.transport == "shm":

@@ -61,6 +61,13 @@ class NonceFile:
             self.path.unlink()
 
 
+def plain_name(name: str) -> bool:
+    """True when ``name`` is one file name that stays in the directory it is joined to: not empty, no '/', no
+    NUL, not '.' or '..'. A worker names its nonce file and segments; an absolute or '../' name would make a
+    client open (and, pushing, write into) a file of its own choosing."""
+    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
+
+
 def refusal(worker: WorkerInfo, local_boot_id: str) -> str | None:
     """Why this process may not map ``worker``'s segments, or None when it has proved it may."""
     if not (worker.boot_id and worker.nonce_file and worker.nonce):
@@ -69,7 +76,7 @@ def refusal(worker: WorkerInfo, local_boot_id: str) -> str | None:
         return "this host exposes no kernel boot id"
     if worker.boot_id != local_boot_id:
         return f"its kernel boot id {worker.boot_id[:36]!r} is not this host's {local_boot_id!r}"
-    if "/" in worker.nonce_file or worker.nonce_file in (".", ".."):
+    if not plain_name(worker.nonce_file):
         return f"its nonce file name {worker.nonce_file[:64]!r} is not a plain file name"
     path = os.path.join(worker.shm_dir, worker.nonce_file)
     try:

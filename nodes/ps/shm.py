@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import glob
 import mmap
 import os
+import stat
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -368,16 +370,20 @@ class SegmentMaps:
         self._maps: OrderedDict[tuple[str, int], mmap.mmap] = OrderedDict()
 
     def view(self, path: str, offset: int, nbytes: int) -> memoryview:
-        """``nbytes`` at ``offset`` of the segment file ``path`` (raises OSError if it does not exist)."""
+        """``nbytes`` at ``offset`` of the segment file ``path``. Raises OSError if it does not exist, is a symlink
+        (a worker's directory may hold one naming a file of this process's user) or is not a regular file."""
         mm = self._map(path)
         if offset + nbytes > len(mm):
             raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside {path} ({len(mm)} bytes)")
         return memoryview(mm)[offset : offset + nbytes]
 
     def _map(self, path: str) -> mmap.mmap:
-        flags = os.O_RDONLY if self.readonly else os.O_RDWR
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
+        flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK
         fd = os.open(path, flags)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file: no segment", path)
             # Keyed by inode too: a name reappearing after a worker restart is a different segment.
             key = (path, os.fstat(fd).st_ino)
             mm = self._maps.get(key)
