@@ -8,7 +8,9 @@ import errno
 import json
 import math
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -193,6 +195,46 @@ def test_gc_removes_only_stores_no_live_process_holds(tmp_path: Path) -> None:
     assert held.path.exists()
     held.close(remove=False)
     assert gc(tmp_path) == [held.path]
+
+
+OTHER_UID = 65534  # nobody
+
+
+def test_a_store_directory_others_may_write_is_refused_and_a_new_one_is_private(tmp_path: Path) -> None:
+    """The directory was adopted whatever its mode (another user could replace the journal or plant symlinks
+    in it); a new one is made 0700, and a symlink in place of the directory is refused too."""
+    made = open_store(tmp_path, node="env-0")
+    assert stat.S_IMODE(made.path.stat().st_mode) == 0o700
+    made.close(remove=True)
+    path = store_path(tmp_path, "run-a", "env-0")
+    path.mkdir()
+    path.chmod(0o777)
+    with pytest.raises(StoreError, match=re.escape(f"store directory {path} is writable by group or others")):
+        open_store(tmp_path, node="env-0")
+    path.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StoreError, match=re.escape(f"store directory {path} is not a directory")):
+        open_store(tmp_path, node="env-0")
+    assert gc(tmp_path) == [] and path.is_symlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root (os.chown)")
+def test_a_store_directory_another_user_made_is_refused_and_its_symlinks_never_followed(tmp_path: Path) -> None:
+    """Another user who made the (predictable) store directory first and planted symlinks at ``lock`` and
+    ``journal.new`` had the node truncate and overwrite the files they named; ``refbus shm gc`` removed it."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("the node user's own file\n")
+    path = store_path(tmp_path, "run-a", "env-0")
+    path.mkdir(mode=0o700)
+    for name in ("lock", "journal.new"):
+        (path / name).symlink_to(victim)
+        os.lchown(path / name, OTHER_UID, OTHER_UID)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(StoreError, match=re.escape(f"store directory {path} is owned by uid {OTHER_UID}")):
+        open_store(tmp_path, node="env-0")
+    assert victim.read_text() == "the node user's own file\n"
+    assert gc(tmp_path) == [] and path.is_dir()
 
 
 def test_a_budget_larger_than_the_tmpfs_is_a_clear_error(tmp_path: Path) -> None:

@@ -27,6 +27,11 @@ allocated whole (``posix_fallocate``) before any byte is written, so a full tmpf
 
 A host failure (reboot, power) loses everything here: tmpfs lives in memory. The store survives its
 process, not its machine.
+
+Other users: ``/dev/shm`` is shared by every user and a store's name is predictable, so a store directory is
+made mode 0700, and one found there is used only when it is a directory (not a symlink) this user owns and
+no one else may write (:class:`StoreError` otherwise, naming it); its own files are opened without following
+symlinks. :func:`gc` leaves other users' directories alone.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 import weakref
 from collections.abc import Iterable
@@ -136,7 +142,7 @@ class DurableStore:
         Path(directory).mkdir(parents=True, exist_ok=True)
         check_capacity(directory, budget_bytes, what)
         self.path = store_path(directory, run, node)
-        self.path.mkdir(exist_ok=True)
+        _private_directory(self.path)
         self._dir = str(self.path)
         self._lock_fd = _lock(self.path)
         self._prefix = f"seg-{os.urandom(4).hex()}-"
@@ -159,7 +165,7 @@ class DurableStore:
                 if strict and self.replay.damaged:  # refused before the cut below: the file stays as found
                     raise StoreError(f"{journal_path}: {self.replay.damaged}; this journal is refused whole, "
                                      f"left as it is: inspect or remove {self.path}")
-                self._fd = os.open(journal_path, os.O_RDWR)
+                self._fd = os.open(journal_path, os.O_RDWR | os.O_NOFOLLOW)
                 os.ftruncate(self._fd, self.replay.end)
                 os.lseek(self._fd, self.replay.end, os.SEEK_SET)
         except BaseException:
@@ -288,7 +294,7 @@ class DurableStore:
         the death of a process.
         """
         new_path = self.path / "journal.new"
-        fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             journal.write_header(fd)
             for record in records:
@@ -316,9 +322,42 @@ class DurableStore:
 
 def gc(directory: str | Path, run: str = "") -> list[Path]:
     """Remove the store directories under ``directory`` (of ``run`` only, when given) that no live process
-    holds; the paths removed. A directory whose lock is held is left alone."""
+    holds; the paths removed. A directory whose lock is held is left alone, and so is anything but a directory
+    of this user's (another user's, or a symlink)."""
     pattern = f"{PREFIX}{_SAFE.sub('_', run)}.*" if run else f"{PREFIX}*"
-    return [path for path in sorted(Path(directory).glob(pattern)) if path.is_dir() and remove_unheld(path)]
+    return [path for path in sorted(Path(directory).glob(pattern)) if _owned_directory(path) and remove_unheld(path)]
+
+
+def _owned_directory(path: Path) -> bool:
+    """Whether ``path`` itself (not what a symlink names) is a directory this user owns."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _private_directory(path: Path) -> None:
+    """Make the store directory ``path`` (mode 0700), or check the one there: a directory, not a symlink, of
+    this user's, that group and others cannot write. Anything else may be another user's (the name is
+    predictable): the store's files would be theirs to replace, or would follow their symlinks.
+
+    Raises:
+        StoreError: naming ``path`` and why it is refused.
+    """
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"store directory {path} is not a directory (a symlink, or a file): remove it, or set "
+                         "another store.directory or store.run")
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"store directory {path} is owned by uid {st.st_uid}, not by this user (uid "
+                         f"{os.geteuid()}): another user made it; remove it, or set another store.directory or "
+                         "store.run")
+    if st.st_mode & 0o022:
+        raise StoreError(f"store directory {path} is writable by group or others (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): chmod 700 it, or remove it")
 
 
 def remove_unheld(path: Path) -> bool:
@@ -335,7 +374,7 @@ def remove_unheld(path: Path) -> bool:
 
 
 def _lock(path: Path) -> int:
-    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
