@@ -326,7 +326,9 @@ class Release(Body, frozen=True):
 @register_kind("ps-init-plan")
 class InitPlan(Body, frozen=True):
     """Manager to the root worker: read ``path`` and broadcast it to ``workers`` (rank order; the root is
-    rank 0). Each worker derives its children from its rank, so the plan travels down with the header."""
+    rank 0). Each worker derives its children from its rank, so the plan travels down with the header. A
+    worker takes a plan only from the manager it registered with (``src`` its node id; others: ``not-manager``)
+    and reads only a regular file (anything else fails the init, by name)."""
 
     init_id: Name  # the broadcast's id
     path: str  # safetensors checkpoint path

@@ -8,6 +8,7 @@ cluster loses an interior worker of the tree, which must fail the init loudly, b
 from __future__ import annotations
 
 import math
+import os
 import signal
 import struct
 import threading
@@ -273,6 +274,35 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
         if runner is not None:  # a failure above may leave the init waiting on the stopped w3: end it first
             victim.proc.kill()
             runner.join(30)
+        runtime.close()
+        _stop(cluster)
+    assert segments(cluster.prefix) == []
+
+
+def test_only_the_manager_sends_plans_and_a_checkpoint_that_is_not_a_file_fails_the_init(bus, spawn, checkpoint,
+                                                                                          tmp_path: Path) -> None:
+    """A plan makes its root open the path it names. Any peer could send one (it was answered ``ok``), and a FIFO
+    there blocked the worker's loop in ``open`` for good: alive, answering nothing. Now only the manager the
+    worker registered with is heard, and a path that is not a regular file fails the init at once, by name."""
+    path, state = checkpoint
+    _, control = bus
+    cluster = start_cluster(spawn, control, "bplan", workers=1, extra=CHUNK)
+    runtime, ps = cluster.client()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    me = WorkerInfo(worker="w0", endpoint=cluster.worker_info["w0"]["endpoints"]["ps"], host="h", shm_dir="/none")
+    try:
+        with pytest.raises(RemoteError) as refused:
+            runtime.client(me.endpoint).request(InitPlan("forged", str(fifo), [me], 4096, 5.0))
+        assert refused.value.code == "not-manager" and "'test-client'" in str(refused.value)
+        with pytest.raises(RemoteError) as failed:
+            ps.init(str(fifo), timeout_s=30)
+        assert failed.value.code == "init-failed" and f"{fifo}" in str(failed.value), failed.value
+        assert "not a regular file" in str(failed.value) and "init timeout" not in str(failed.value)
+        result = ps.init(str(path), timeout_s=30)  # the worker serves on
+        pulled = ps.pull(result.version, verify=True)
+        assert all(torch.equal(pulled[name], t) for name, t in state.items())
+    finally:
         runtime.close()
         _stop(cluster)
     assert segments(cluster.prefix) == []

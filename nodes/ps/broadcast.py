@@ -22,6 +22,9 @@ one init. Both are single-threaded state machines driven by their node's loop.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -54,6 +57,20 @@ WINDOW = 4  # chunks in flight to one child: keeps a fast link busy, and bounds 
 def _named(exc: BaseException) -> str:
     """An error as a reason: its message, with its type when that is not one of the expected ones."""
     return str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+
+
+def _open_checkpoint(path: str) -> BinaryIO:
+    """The checkpoint file at ``path``, for reading. The open never waits (``O_NONBLOCK``: a FIFO's would wait
+    for a writer, blocking the loop thread for good) and anything but a regular file (a FIFO, a device, a
+    directory) is refused with an OSError naming it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def rounds(n: int) -> int:
@@ -136,7 +153,7 @@ class Relay:
         if self.failed:  # abandoned (released) before the loop got to it
             return
         try:
-            self._file = open(plan.path, "rb", buffering=0)  # noqa: SIM115 - closed at its end or on failure
+            self._file = _open_checkpoint(plan.path)
             self.file_opens += 1
             layout = read_layout(self._file, plan.path)
             self._file.seek(layout.data_start)

@@ -143,6 +143,8 @@ class PsWorker:
         self.server.on(InitChunk.kind, self._chunk)
         self.server.on(InitEnd.kind, self._end)
         self.manager = runtime.calls.client(settings.manager, held=True)  # kept here: never forgotten
+        # The node id of the manager that answered this worker's last registration: the one sender of plans.
+        self._manager_id = ""
         # The manager process registered with last (host, pid, start time; None until the bus names it), and
         # whether the bus reported it down since: either way a manager that comes up must hear from this worker.
         self._manager_seen: tuple[str, int, float] | None = None
@@ -172,7 +174,7 @@ class PsWorker:
         """Join the parameter server (blocking, before the loop runs), telling it the sealed shards held (a
         restart's re-adopted ones); RequestTimeout if no manager answers."""
         policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.register_timeout_s)), backoff=1.0)
-        self.manager.request(self._registration(), policy=policy)
+        self._manager_id = self.manager.request(self._registration(), policy=policy).header.src
         log.info("ps.worker_registered", manager=self.settings.manager, endpoint=self.runtime.endpoints["ps"])
 
     def _manager_down(self, down: NodeDown, last: NodeInfo | None) -> None:
@@ -204,6 +206,7 @@ class PsWorker:
         reported down meanwhile is registered with at its next node-up."""
         def done(outcome: Outcome) -> None:
             if isinstance(outcome, Message):
+                self._manager_id = outcome.header.src
                 log.info("ps.worker_registered", manager=self.settings.manager, again=True)
                 return
             retry = isinstance(outcome, RequestTimeout) and self._manager_seen == manager and not self._manager_lost
@@ -431,8 +434,14 @@ class PsWorker:
         self.runtime.calls.request(peer.endpoint, body, on_done, deadline_s=deadline_s, policy=SEND_ONCE)
 
     def _plan(self, request: Message) -> Body:
+        """A broadcast init's plan: this worker is the root and reads ``plan.path``. Taken only from the manager
+        this worker registered with (its node id, which CURVE authenticates as the request's ``src``): a plan
+        makes the worker open a file of its choosing."""
         plan = request.body
         assert isinstance(plan, InitPlan)
+        if not self._manager_id or request.header.src != self._manager_id:
+            raise HandlerError("not-manager", f"{request.header.src!r} is not the ps-manager this worker registered "
+                               f"with ({self._manager_id or 'none yet'!r}): only it sends plans")
         relay = self._relay(plan.init_id)
 
         # Answer the plan first, then stream on the loop: the manager learns at once that the root is alive.
