@@ -25,7 +25,8 @@ their own sequence.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
-cluster from one fixed address.
+cluster from one fixed address. A ``hello`` whose ``metrics`` is neither empty nor an ``http://host[:port]/path``
+URL is refused ``schema`` (the node is not registered), so every member's entry can be listed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import structlog
 import zmq
 
 from ..protocol.envelope import Limits, Message, negotiate
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ProtocolError, shown
 from ..protocol.messages import (
     MAX_FRAMES,
     Body,
@@ -107,6 +108,19 @@ class BrokerSettings:
     event_batch: int = BATCH_EVENTS  # what the welcome allows each node: events in one message, at most
     node_timeout_s: float = 5.0
     cluster: str = "local"  # the ``cluster`` label of every service-discovery target
+
+
+def sd_target(metrics_url: str) -> tuple[str, str]:
+    """``(host:port, path)`` of a metrics URL, what an /sd group names (Prometheus scrapes it over http); ValueError,
+    saying why, when ``metrics_url`` is no ``http://host[:port]/path`` URL."""
+    try:
+        url = urlsplit(metrics_url)  # raises on some (an unclosed IPv6 bracket)
+        url.port  # noqa: B018 -- raises on a port that is not a number in 0..65535
+    except ValueError:
+        url = None
+    if url is None or url.scheme != "http" or not url.hostname:
+        raise ValueError(f"{shown(metrics_url)} is not an http://host[:port]/path URL")
+    return url.netloc, url.path
 
 
 @dataclass(frozen=True)
@@ -501,6 +515,11 @@ class Broker:
         hello = request.body
         assert isinstance(hello, Hello)
         self._check_own(request, hello.node.node_id, hello.node.role)
+        if hello.node.metrics:
+            try:
+                sd_target(hello.node.metrics)
+            except ValueError as exc:
+                raise HandlerError("schema", f"hello.node.metrics: {exc}") from None
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
@@ -667,18 +686,29 @@ class Broker:
 
         Runs on the metrics HTTP thread: it reads only the snapshot the loop thread replaces whole.
         """
-        own = [self._sd_group(self.runtime.node_id, self.runtime.role, self.runtime.metrics_url)]
-        return own + list(self._targets) if self.runtime.metrics_url else list(self._targets)
+        if not self.runtime.metrics_url:
+            return list(self._targets)
+        return [self._sd_group(self.runtime.node_id, self.runtime.role, self.runtime.metrics_url), *self._targets]
 
     def _sd_group(self, node_id: str, role: str, metrics_url: str) -> dict[str, Any]:
-        url = urlsplit(metrics_url)
-        labels = {"node": node_id, "role": role, "cluster": self.settings.cluster, "__metrics_path__": url.path}
-        return {"targets": [url.netloc], "labels": labels}
+        """The /sd group of one node; ValueError when ``metrics_url`` is not one (see :func:`sd_target`)."""
+        target, path = sd_target(metrics_url)
+        labels = {"node": node_id, "role": role, "cluster": self.settings.cluster, "__metrics_path__": path}
+        return {"targets": [target], "labels": labels}
 
     def _refresh_targets(self) -> None:
-        """Rebuild the /sd snapshot from the live members (loop thread only)."""
-        self._targets = tuple(self._sd_group(m.info.node_id, m.info.role, m.info.metrics)
-                              for m in self.members.values() if m.live and m.info.metrics)
+        """Rebuild the /sd snapshot from the live members (loop thread only). A member whose metrics URL is not
+        one is left out and logged: hello refuses such URLs, and were one to get in anyway, it must not keep the
+        others out of /sd, nor fail the node-up, bye or expiry that called this."""
+        targets = []
+        for member in self.members.values():
+            if not (member.live and member.info.metrics):
+                continue
+            try:
+                targets.append(self._sd_group(member.info.node_id, member.info.role, member.info.metrics))
+            except ValueError as exc:
+                log.warning("sd.target_skipped", node=member.info.node_id, error=str(exc))
+        self._targets = tuple(targets)
 
     def _unroute(self) -> None:
         """Stop serving /sd from this broker (a process may host another broker later)."""

@@ -26,6 +26,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Limits, Message, WireCodec
 from refbus.protocol.messages import (
+    Bye,
     Error,
     Heartbeat,
     Hello,
@@ -409,3 +410,52 @@ def test_oversized_registrations_are_refused_and_a_registry_answer_always_fits_t
         ctx.term()
         victim.close()
         runtime.join(WAIT_S)
+
+
+def test_a_metrics_url_sd_cannot_list_is_refused_and_never_holds_the_other_targets_out(
+    broker: tuple[Broker, FakeClock],
+) -> None:
+    """Regression: the broker built its /sd answer from every live member's ``metrics`` with urlsplit, which raises
+    on some (``http://[::1``): while such a node was live every rebuild raised, so /sd never changed again, and the
+    node-up, bye or expiry that rebuilt it failed after its member was removed (a bye was answered ``internal``).
+    Now a hello whose metrics URL /sd could not list is refused ``schema`` (the node is not registered), and a
+    rebuild leaves out, logged, a member whose URL is not one while listing every other."""
+    node, _ = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("sd-peer"),
+                    policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+    def info(node_id: str, metrics: str) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role="worker", host="h", pid=1, metrics=metrics)
+
+    def listed() -> list[str]:
+        return sorted(group["labels"]["node"] for group in node.service_discovery())
+
+    try:
+        for bad in ("http://[::1", "http://h:99999/metrics", "http://h:port/metrics", "ftp://h:1/metrics",
+                    "h:1/metrics", "http:///metrics"):
+            with pytest.raises(RemoteError) as refused:
+                client.request(Hello(node=info("sd-bad", bad), token="t-bad"))
+            assert refused.value.code == "schema" and "hello.node.metrics" in refused.value.detail, refused.value
+        assert on_loop(node, lambda: list(node.members)) == []
+
+        for node_id in ("sd-a", "sd-b"):
+            hello = Hello(node=info(node_id, "http://127.0.0.1:9/metrics"), token=node_id)
+            assert isinstance(client.request(hello).body, Welcome)
+
+        def let_one_in_and_rebuild() -> list[str]:
+            # As if a registration had got past hello: live, with a URL /sd cannot list.
+            node.members["sd-bad"] = bus_broker._Member(info("sd-bad", "http://[::1"), "t-bad", node.clock())
+            for member in node.members.values():
+                member.live = True
+            node._refresh_targets()
+            return listed()
+
+        with capture_logs() as logs:
+            assert on_loop(node, let_one_in_and_rebuild) == ["sd-a", "sd-b"]
+        assert [entry["node"] for entry in logs if entry["event"] == "sd.target_skipped"] == ["sd-bad"]
+        assert isinstance(client.request(Bye(node_id="sd-a")).body, Ok)
+        assert listed() == ["sd-b"]
+    finally:
+        client.close()
+        ctx.term()

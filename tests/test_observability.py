@@ -30,7 +30,7 @@ from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Blobs, Fetch, Keep, Kept, NodeInfo, Nodes, Replay, Sync
+from refbus.protocol.messages import Blobs, Fetch, Hello, Keep, Kept, NodeInfo, Nodes, Replay, Sync
 from test_up import NODES, START_S, STOP_S, Up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,8 +238,18 @@ def test_top_rows_version_lag_and_age() -> None:
 
 
 def test_sd_lists_the_broker_and_live_nodes_and_drops_them_when_down(bus, spawn) -> None:
+    """Every live node is listed, and nodes that leave are dropped. A hello whose metrics URL /sd could not list
+    is refused ``schema`` (one such node, registered, once kept /sd from ever changing)."""
     broker, control = bus
     url = sd_url(broker)
+    ctx = zmq.Context()
+    try:
+        hostile = NodeInfo(node_id="sd-hostile", role="monitor", host="h", pid=1, metrics="http://[::1")
+        with pytest.raises(RemoteError) as refused:
+            Client(ctx, control, WireCodec("sd-hostile"), policy=PATIENT).request(Hello(node=hostile, token="t"))
+        assert refused.value.code == "schema", refused.value
+    finally:
+        ctx.destroy(linger=0)
     nodes = {name: spawn(["monitor", "--bus-control", control, "--node-id", name, *FAST_LIVENESS], name)
              for name in ("sd-stays", "sd-leaves", "sd-killed")}
     endpoints = {name: proc.wait_ready()["metrics"] for name, proc in nodes.items()}
