@@ -49,6 +49,14 @@ message's frames held as objects stay within ~12 MiB whatever a peer sends."""
 VIOLATION_SAMPLE = 16
 """Blob ids a ``violation`` event names at most (``sample``), however many its ``count`` says were refused."""
 
+DELETE_REASONS = frozenset({
+    "trained", "dropped", "filtered", "stale", "eval", "incomplete", "late", "max_steps", "unreferenced", "malformed",
+    "claim-failed", "trainer-down", "shutdown", "undelivered", "discarded", "holder-down", "lost",
+})
+"""Every reason refbus gives a ``delete`` or ``discard`` (see :class:`Delete`). An env server refuses any other
+(``bad-reason``): it counts what it deleted by reason (a metric series and an ``accounted`` entry each), so the
+reasons a peer could make up would grow them without bound."""
+
 
 class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
     """Base of all message bodies. Subclasses set ``kind``."""
@@ -231,8 +239,11 @@ class VersionBump(Body, frozen=True):
 
 @register_kind("delete")
 class Delete(Body, frozen=True):
-    """Request to an env server and its mirror event: ``holder`` deletes ``blob_ids`` for ``reason``
-    (``trained``, ``filtered``, ``stale``, ``eval``, ``undelivered``, ``shutdown``, ...).
+    """Request to an env server and its mirror event: ``holder`` deletes ``blob_ids`` for ``reason``, one of
+    ``DELETE_REASONS``: a trainer rank's ``trained`` and ``dropped``; the orchestrator's ``filtered``, ``stale``,
+    ``eval``, ``incomplete``, ``late``, ``max_steps``, ``unreferenced``, ``malformed``, ``claim-failed``,
+    ``trainer-down`` and ``shutdown``; the store's own ``undelivered``, ``shutdown`` and ``discarded``. An env
+    server refuses a request with any other reason ``bad-reason``, deleting nothing.
 
     Two reasons come from liveness and name a ``node``: ``holder-down`` (the env server deleted what that
     holder held: it went down and was not back within ``node.restart_grace_s``) and ``lost`` (an event only,
@@ -342,7 +353,9 @@ class Keep(Body, frozen=True):
 
 @register_kind("discard")
 class Discard(Body, frozen=True):
-    """Request to an env server: the client abandoned this episode; delete what it kept (once)."""
+    """Request to an env server: the client abandoned this episode; delete what it kept (once). ``reason`` is one
+    of ``DELETE_REASONS`` other than those the store gives its own deletes (``holder-down``, ``lost``,
+    ``undelivered``, ``shutdown``); any other is refused ``bad-reason``."""
 
     episode_id: Name  # the episode
     reason: Name = "discarded"  # delete reason

@@ -260,8 +260,19 @@ def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     for reason in ("holder-down", "lost", "undelivered", "shutdown"):
         err = refused(client, Discard(episode_id="fits", reason=reason))
         assert err.code == "bad-reason" and reason in err.detail, err
+    # Every reason is one refbus gives deletes: a made-up one is refused whole, nothing deleted (each one counted
+    # was a series of refbus_blobs_deleted_total and an entry of `accounted.deleted` for good).
+    for made_up in ("fresh", "r000001-" + "x" * 240):
+        err = refused(client, Delete(blob_ids=[ref.blob_id], holder="orch", reason=made_up))
+        assert err.code == "bad-reason" and "none of refbus's delete reasons" in err.detail, err
+        err = refused(client, Discard(episode_id="fits", reason=made_up))
+        assert err.code == "bad-reason" and "none of refbus's delete reasons" in err.detail, err
     assert ask(client, Discard(episode_id="fits")) == Deleted(blob_ids=[ref.blob_id])
     assert observer.next() == Delete(blob_ids=[ref.blob_id], holder="env-d", reason="discarded")
+    counted = ask(client, Accounts())
+    assert isinstance(counted, Accounted) and counted.deleted == {"discarded": 1}, counted
+    assert {line.split('"')[1] for line in scrape(info["metrics"]).splitlines()
+            if line.startswith("refbus_blobs_deleted_total{")} == {"discarded", "holder-down"}
     # A holder deleting this store's blobs as lost names it (what an orchestrator does once the store is back).
     (lost,) = ask(client, Keep(episode_id="given-up", branches=[branch(4)])).refs
     assert isinstance(observer.next(), EpisodeFinished)
@@ -318,6 +329,8 @@ def test_embedded_env_server_keeps_from_framework_threads(bus: tuple[NodeProcess
             assert isinstance(event, EpisodeFinished) and event.source == "embedded"
             announced[event.episode_id] = [r.blob_id for r in event.refs]
         assert announced == refs
+        with pytest.raises(ValueError, match="none of refbus's delete reasons"):
+            server.discard("ep-0", "made-up")
         assert server.discard("ep-0") == refs["ep-0"]
         assert observer.next() == Delete(blob_ids=refs["ep-0"], holder="embedded", reason="discarded")
     finally:

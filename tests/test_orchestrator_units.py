@@ -4,6 +4,7 @@ one garbage record over the wire: a real broker, env server and orchestrator, a 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol import envelope
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
+    DELETE_REASONS,
     Accounted,
     Accounts,
     BlobRef,
@@ -593,3 +595,20 @@ def test_a_step_batch_no_message_can_carry_halts_the_run_naming_why(
     (halted,) = [e for e in logs if e["event"] == "orchestrator.halted"]
     assert "batch for rank 0 cannot be sent" in halted["reason"] and "at most 2" in halted["reason"], halted
     assert not taken and orchestrator._delivering == 0
+
+
+def test_every_reason_refbus_deletes_for_is_one_env_servers_accept() -> None:
+    """An env server refuses (``bad-reason``) a delete whose reason is not in ``DELETE_REASONS``: every reason
+    refbus's own nodes delete for is in it (their reason constants, and the literal reasons of the orchestrator's
+    drops and deletes), and the protocol's ``delete`` documentation names each."""
+    from refbus.nodes.payload import keeper, orchestrator_core, shipping, trainer_rank
+
+    constants = {keeper.UNDELIVERED, keeper.SHUTDOWN, keeper.DISCARDED, keeper.HOLDER_DOWN, keeper.LOST,
+                 orchestrator_core.TRAINER_DOWN, orchestrator_core.UNREFERENCED, orchestrator_core.CLAIM_FAILED,
+                 shipping.MALFORMED, trainer_rank.TRAINED, trainer_rank.DROPPED_REASON}
+    literals = {reason for module in (orchestrator_core, shipping)
+                for reason in re.findall(r'\.(?:drop|delete)\(.*, "([a-z_-]+)"\)$', Path(module.__file__).read_text(),
+                                         re.MULTILINE)}
+    assert literals >= {"filtered", "stale", "eval", "incomplete", "late", "max_steps", "shutdown"}, literals
+    assert constants | literals == DELETE_REASONS
+    assert all(f"``{reason}``" in " ".join((Delete.__doc__ or "").split()) for reason in DELETE_REASONS)

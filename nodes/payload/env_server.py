@@ -97,7 +97,9 @@ from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
+from ...protocol.errors import shown
 from ...protocol.messages import (
+    DELETE_REASONS,
     Accounted,
     Accounts,
     BlobRef,
@@ -150,6 +152,16 @@ STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
 """Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
 HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
 REANNOUNCE_IDS = 1024  # blob ids in one re-published claim: about 30 KiB, an event that travels alone
+
+
+def _unknown_reason(request: str, reason: str) -> str | None:
+    """Why a ``request`` (``delete``, ``discard``) may not have ``reason``, or None when it is one refbus gives
+    deletes (``DELETE_REASONS``). The keeper counts its deletes by reason, and the reasons a peer could make up
+    would grow those counts (each a metric series and an ``accounted`` entry) without bound."""
+    if reason in DELETE_REASONS:
+        return None
+    known = ", ".join(sorted(DELETE_REASONS))
+    return f"a {request}'s reason may not be {shown(reason)}: it is none of refbus's delete reasons ({known})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,7 +424,10 @@ class EnvServer:
                                   f"{type(exc).__name__}: {exc}") from exc
 
     def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
-        """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids."""
+        """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids. ValueError,
+        nothing deleted, when ``reason`` is not one of ``DELETE_REASONS``."""
+        if (refused := _unknown_reason("discard", reason)) is not None:
+            raise ValueError(refused)
         with self._lock:
             deleted = self.keeper.discard(episode_id, reason)
             if self.journal is not None:
@@ -453,6 +468,8 @@ class EnvServer:
     def _on_discard(self, request: Message) -> Deleted:
         body = request.body
         assert isinstance(body, Discard)
+        if (refused := _unknown_reason("discard", body.reason)) is not None:
+            raise HandlerError("bad-reason", refused)
         if body.reason in STORE_REASONS:
             raise HandlerError("bad-reason", f"a discard's reason may not be {body.reason!r}: this store gives it "
                                "to the deletes it decides itself")
@@ -495,6 +512,8 @@ class EnvServer:
     def _on_delete(self, request: Message) -> Deleted:
         body = request.body
         assert isinstance(body, Delete)
+        if (refused := _unknown_reason("delete", body.reason)) is not None:
+            raise HandlerError("bad-reason", refused)
         # The loss reasons carry blame in the ledger: holder-down only from this store's own reclaim, lost only
         # for this store's blobs that a holder gave up while it was down (the delete names it).
         if body.reason == HOLDER_DOWN or (body.reason == LOST and body.node != self.runtime.node_id):
