@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
@@ -18,7 +20,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
-from refbus.protocol.messages import Delete, Error, Hello, NodeInfo, NodeList, Nodes, Sync, Welcome
+from refbus.protocol.messages import Delete, Error, Hello, NodeInfo, NodeList, Nodes, RunEnd, Sync, Welcome
 
 
 def _records(path: Path) -> list[dict]:
@@ -92,6 +94,70 @@ def test_monitor_since_replays_ring_in_order_then_goes_live(bus, spawn, tmp_path
         (kind, f"early-{i}") for i in range(3) for kind in ("node-up", "node-down")
     ]
     assert records[-1]["node"]["node_id"] == "live-one"
+
+
+def test_monitor_shows_hostile_events_escaped_and_its_json_stays_strict(
+    bus, spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a header ts that is not finite or out of the clock's range made a readable line raise (the
+    event was dropped, logged event.handler_failed) and --json print NaN/Infinity (not JSON); terminal control
+    sequences in a sender's id or a string field were written as they came. Now such a ts shows as ``?`` (as
+    ``null`` in JSON) and non-printable characters are escaped."""
+    _, control = bus
+    outs = {mode: tmp_path / f"{mode}.out" for mode in ("text", "json")}
+
+    def watch(mode: str, *flags: str) -> NodeProcess:
+        return spawn(["monitor", *flags, "--bus-control", control, *FAST_LIVENESS, "--kind", "run-end", "--count",
+                      "5"], f"watch-{mode}", stdout=open(outs[mode], "wb"))
+
+    monitors = [watch("text"), watch("json", "--json")]
+    for monitor in monitors:
+        monitor.wait_ready()
+    evil = "evil\x1b]0;pwned\x07\x1b[2J"
+    pub = NodeRuntime("evil", RuntimeSettings(bus=control, node_id=evil, metrics_port=-1, heartbeat_interval_s=0.2))
+    stamps = {2: math.nan, 3: math.inf, 4: 1e300}  # event seq -> the header ts it is sent with
+    stamp = pub.codec._stamp
+
+    def hostile_stamp(seq: int, msg_id: str = "", reply_to: str = "") -> Header:
+        header = stamp(seq, msg_id, reply_to)
+        return msgspec.structs.replace(header, ts=stamps[seq]) if seq in stamps else header
+
+    monkeypatch.setattr(pub.codec, "_stamp", hostile_stamp)
+    reasons = ["first", "ts-nan", "ts-inf", "ts-1e300", "last\x1b[31mRED\x1b[0m"]
+    pub.start_background()
+    try:
+        for reason in reasons:
+            pub.call_soon(lambda reason=reason: pub.publish(RunEnd(reason=reason)))
+        for monitor in monitors:
+            assert monitor.proc.wait(timeout=30) == 0, monitor.log_tail()
+    finally:
+        pub.join(10)
+    text = outs["text"].read_bytes()
+    assert b"\x1b" not in text and b"\x07" not in text
+    lines = text.decode().splitlines()
+    assert len(lines) == 5, lines
+    assert [line.split()[0] == "?" for line in lines] == [False, True, True, True, False], lines
+    assert all("evil\\x1b]0;pwned\\x07\\x1b[2J#" in line for line in lines), lines
+    assert "reason=last\\x1b[31mRED\\x1b[0m" in lines[-1], lines[-1]
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    records = [json.loads(line, parse_constant=strict) for line in outs["json"].read_text().splitlines()]
+    assert [(r["reason"], r["src"]) for r in records] == [(reason, evil) for reason in reasons]
+    assert [r["ts"] is None for r in records] == [False, True, True, False, False]  # 1e300 is a finite number
+
+
+def test_monitor_with_a_duration_ends_then_when_the_broker_does_not_answer(silent_endpoint: str) -> None:
+    """Regression: joining a broker that does not answer took node.connect_timeout_s (15 s) whatever
+    --duration said. Now each step of the join waits at most the duration."""
+    duration_s = 2.0
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "monitor", "--duration", str(duration_s),
+                             "--bus-control", silent_endpoint], capture_output=True, text=True,
+                            timeout=5 * duration_s)  # well under the 15 s connect timeout
+    assert result.returncode == 1 and "no broker answered" in result.stderr, result.stderr
+    assert time.monotonic() - started < 5 * duration_s
 
 
 def test_gap_is_filled_from_the_ring(bus) -> None:
