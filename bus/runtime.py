@@ -481,25 +481,43 @@ class NodeRuntime:
             self.control = self.calls.client(self.settings.bus, held=True)
         return self.control
 
+    def listing(self, role: str = "", *, policy: RetryPolicy | None = None) -> NodeList | None:
+        """The broker's ``node-list`` answer for ``role`` (all roles with ``""``) as it came, whole or cut to fit the
+        body limit (``omitted`` > 0: that many live nodes left out); None, logged, when the broker does not answer
+        within ``policy`` (default: the runtime's) or answers anything else. For a display, which shows what came
+        and says what was left out; whoever takes a node missing from the list for a node gone uses
+        :meth:`lookup`. Blocks."""
+        try:
+            listed = self.broker().request(Nodes(role=role), policy=policy).body
+        except (RemoteError, RequestTimeout) as exc:
+            log.warning("registry.lookup_failed", role=role, error=str(exc))
+            return None
+        return self._node_list(role, listed)
+
     def lookup(self, role: str = "", *, policy: RetryPolicy | None = None) -> list[NodeInfo] | None:
         """The live nodes of ``role`` (all roles with ``""``) in the broker's registry; None, logged, when the
         broker does not answer within ``policy`` (default: the runtime's) or answers anything but the whole
         list (one it had to cut to fit the body limit is no answer: callers take a node missing from the list
         for a node gone). Blocks until then: for start-up, shutdown and commands; a running node loop uses
         :meth:`lookup_async`."""
-        try:
-            listed = self.broker().request(Nodes(role=role), policy=policy).body
-        except (RemoteError, RequestTimeout) as exc:
-            log.warning("registry.lookup_failed", role=role, error=str(exc))
-            return None
-        return self._listed(role, listed)
+        listed = self.listing(role, policy=policy)
+        return None if listed is None else self._whole(role, listed)
 
     def _listed(self, role: str, listed: Body) -> list[NodeInfo] | None:
         """The nodes of a ``nodes`` answer when it is the whole list; None, logged, otherwise."""
+        node_list = self._node_list(role, listed)
+        return None if node_list is None else self._whole(role, node_list)
+
+    def _node_list(self, role: str, listed: Body) -> NodeList | None:
+        """``listed`` when it is a ``node-list``; None, logged, otherwise."""
         if not isinstance(listed, NodeList):  # what answers at bus.control is a peer: its reply may be anything
             log.warning("registry.lookup_failed", role=role, error=f"{self.settings.bus} answered {Nodes.kind} "
                         f"with {listed.kind}, not {NodeList.kind}")
             return None
+        return listed
+
+    def _whole(self, role: str, listed: NodeList) -> list[NodeInfo] | None:
+        """The nodes of ``listed`` when the broker left none out; None, logged, otherwise."""
         if listed.omitted:
             log.warning("registry.lookup_failed", role=role, omitted=listed.omitted,
                         error="the broker left live nodes out of its answer to fit the body limit: a list that "

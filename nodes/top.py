@@ -10,8 +10,13 @@ non-printable characters escaped (``\\x1b``), so a registry entry cannot drive t
 itself is not a registry member, so it is not a row; the title line names the cluster and the broker's
 address.
 
+A registry whose entries would not fit one answer within the body limit comes cut (the broker leaves the largest
+out): top shows the nodes that came and says how many were left out, ``N nodes left out (registry answer over the
+body limit)`` under the table.
+
 On a terminal the table is redrawn in place (ANSI); otherwise each refresh is printed after the last.
-``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON array (one line). While
+``--once`` prints one table and exits; ``--json`` prints each refresh as one JSON object (one line),
+``{"nodes": [row, ...], "omitted": N}``, ``omitted`` the live nodes left out of a cut answer. While
 live, a broker that does not answer (or answers anything but its registry) is reported in place of the table,
 as one line (with ``--json``, one JSON object ``{"error": ...}``, so every line stays strict JSON), and asked
 again at the next refresh: a broker restarted on its addresses is shown again as soon as it answers.
@@ -153,21 +158,26 @@ class Top:
         # Not a node: it neither registers nor serves metrics, so watching never changes what it watches.
         self.runtime = NodeRuntime("top", config.runtime(), register=False)
 
-    def fetch(self) -> list[Row]:
-        """The current table; :class:`BusUnavailable` when the broker does not answer within the retries."""
-        nodes = self.runtime.lookup()
-        if nodes is None:
+    def fetch(self) -> tuple[list[Row], int]:
+        """The current table and how many live nodes the broker left out of it (a registry over its body limit is
+        answered cut: shown as it came, never taken for the cluster); :class:`BusUnavailable` when the broker does
+        not answer within the retries."""
+        listed = self.runtime.listing()
+        if listed is None:
             raise BusUnavailable(f"no registry from the broker at {self.config.bus.control}")
-        return rows(nodes, time.time())
+        return rows(listed.nodes, time.time()), listed.omitted
 
-    def show(self, table: Sequence[Row]) -> None:
+    def show(self, table: Sequence[Row], omitted: int = 0) -> None:
+        """``table``, and ``omitted`` (the live nodes the broker left out of it) when there are any."""
         if self.as_json:
-            self.out.write(json.dumps(json_safe([asdict(r) for r in table]), allow_nan=False) + "\n")
+            shown = {"nodes": [asdict(r) for r in table], "omitted": omitted}
+            self.out.write(json.dumps(json_safe(shown), allow_nan=False) + "\n")
         else:
             stamp = time.strftime("%H:%M:%S")
             title = (f"refbus top · cluster {self.config.cluster.name} · broker {self.config.bus.control} · "
                      f"{len(table)} nodes · {stamp}")
-            self.out.write((_HOME_AND_CLEAR if self.redraw else "") + format_table(table, title)
+            cut = f"{omitted} nodes left out (registry answer over the body limit)\n" if omitted else ""
+            self.out.write((_HOME_AND_CLEAR if self.redraw else "") + format_table(table, title) + cut
                            + ("" if self.redraw else "\n"))
         self.out.flush()
 
@@ -189,7 +199,7 @@ class Top:
         try:
             while True:
                 try:
-                    self.show(self.fetch())
+                    self.show(*self.fetch())
                 except BusUnavailable as exc:
                     if once:
                         raise

@@ -203,7 +203,7 @@ def test_top_once_shows_every_node_with_its_status(bus, spawn) -> None:
         ctx.destroy(linger=0)
 
     def env_row_with_blob() -> dict[str, dict[str, Any]] | None:
-        found = {row["node_id"]: row for row in json.loads(top(control, "--json"))}
+        found = {row["node_id"]: row for row in json.loads(top(control, "--json"))["nodes"]}
         return found if found.get("top-env", {}).get("blobs_held") == 1 else None
 
     found = wait_for(env_row_with_blob, WAIT_S, "top shows the env server's kept blob")  # after its next heartbeat

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -143,11 +144,11 @@ def steady() -> Iterator[Callable[[str], NodeRuntime]]:
 
 def _ids(shown: Any) -> set[str] | None:
     """The node ids of a table; None for anything else (a report)."""
-    return {row["node_id"] for row in shown} if isinstance(shown, list) else None
+    return {row["node_id"] for row in shown["nodes"]} if "nodes" in shown else None
 
 
-def _version(table: list[dict[str, Any]], node_id: str) -> float | None:
-    return next(row["version"] for row in table if row["node_id"] == node_id)
+def _version(table: dict[str, Any], node_id: str) -> float | None:
+    return next(row["version"] for row in table["nodes"] if row["node_id"] == node_id)
 
 
 def test_top_goes_on_while_a_node_it_shows_is_sigkilled(bus, top, steady) -> None:
@@ -192,7 +193,7 @@ def test_top_reports_a_sigkilled_broker_until_its_restart_answers(tmp_path: Path
         assert first.proc.wait(START_S) == -signal.SIGKILL
         # Each refresh that finds no broker is one JSON object naming it (not a table, not a crash, not a hang).
         for _ in range(2):
-            report = watching.until(lambda s: isinstance(s, dict), 5 * (INTERVAL_S + LOOKUP_S), "a report")
+            report = watching.until(lambda s: "error" in s, 5 * (INTERVAL_S + LOOKUP_S), "a report")
             assert set(report) == {"error"} and control in report["error"], report
         assert watching.proc.poll() is None
         restarted = in_process_bus(first.info["endpoints"])  # on the dead one's addresses
@@ -205,6 +206,41 @@ def test_top_reports_a_sigkilled_broker_until_its_restart_answers(tmp_path: Path
         if restarted is not None:
             restarted.join(timeout=START_S)
         first.stop()
+
+
+def test_top_shows_a_registry_answer_cut_to_the_body_limit_and_says_how_many_were_left_out(tmp_path: Path) -> None:
+    """Regression: a registry whose entries do not all fit one answer within the body limit is answered cut (the
+    largest left out, counted in ``omitted``), which top took for no answer: "no registry from the broker", exit 1,
+    no node shown, on every refresh. Now top shows the nodes that came and says how many were left out (the
+    ``omitted`` of its JSON). A real broker with a 64 KiB body limit; three nodes of ~40 KB of labels each."""
+    body_limit = 64 << 10
+    broker, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, "--limits-max-body-bytes", str(body_limit)])
+    started: list[NodeRuntime] = []
+    try:
+        for node_id in ("small", "fat-0", "fat-1", "fat-2"):
+            runtime = NodeRuntime("fat", RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1,
+                                                         heartbeat_interval_s=HEARTBEAT_S))
+            if node_id != "small":  # each fits a hello, but no two of them one answer
+                runtime.labels.update({f"label-{i}": "x" * 4000 for i in range(10)})
+            runtime.start_background()  # back once its join is complete: live in the registry
+            started.append(runtime)
+
+        def once(*flags: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "top", "--once", *flags, "--bus-control",
+                                   control, *FAST_LIVENESS, *REQUESTS], capture_output=True, text=True, timeout=START_S)
+
+        shown = once("--json")
+        assert shown.returncode == 0, shown.stderr
+        table = _strict(shown.stdout.encode())
+        assert table["omitted"] == 2 and len(table["nodes"]) == 2 and "small" in _ids(table), table["omitted"]
+        text = once()
+        assert text.returncode == 0, text.stderr
+        assert "2 nodes left out (registry answer over the body limit)" in text.stdout, text.stdout[-500:]
+        assert re.search(r"^small\s+fat\s", text.stdout, re.MULTILINE), text.stdout[-500:]
+    finally:
+        for runtime in started:
+            runtime.join(timeout=START_S)
+        broker.stop()
 
 
 def _fake_broker(replies: list[Callable[[], Any]]) -> NodeRuntime:
@@ -248,7 +284,9 @@ def test_top_shows_garbage_from_the_registry_escaped_and_reports_what_it_cannot_
     try:
         watching = top(control)
         deadline = 5 * (INTERVAL_S + LOOKUP_S)
-        table = {row["node_id"]: row for row in watching.until(lambda s: True, START_S, "the first table")}
+        first = watching.until(lambda s: True, START_S, "the first table")
+        assert first["omitted"] == 0, first
+        table = {row["node_id"]: row for row in first["nodes"]}
         assert table["ro"]["version"] is None and table["ro"]["lag"] is None  # below 0: no version
         assert table["pm"]["host"] == HOSTILE and table["pm"]["lag"] == 0.0  # JSON escapes the text itself
         assert table["env"]["blobs_held"] is None and table["env"]["bytes_held"] is None
@@ -256,7 +294,7 @@ def test_top_shows_garbage_from_the_registry_escaped_and_reports_what_it_cannot_
         assert table["tr\x1b[2J"]["version"] is None and table["tr\x1b[2J"]["role"] == "trainer\r"
         for what in ("a record that does not decode", "a reply of another kind", "an error"):
             report = watching.until(lambda s: True, deadline, what)
-            assert isinstance(report, dict) and control in report["error"], (what, report)
+            assert set(report) == {"error"} and control in report["error"], (what, report)
         assert _ids(watching.until(lambda s: True, deadline, "the table again")) == {"ro", "pm", "env", "tr\x1b[2J"}
         assert watching.interrupt() == 130 and "Traceback" not in watching.stderr(), watching.stderr()
         # The text table of the same registry: every line printable, one line per node.

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import io
 import json
+from typing import Any
 
 import pytest
 from refbus.nodes import cli
@@ -88,7 +89,9 @@ def test_top_json_is_strict_json() -> None:
     top.as_json, top.out = True, io.StringIO()
     table = rows(_nodes(), 100.0)
     top.show([*table, dataclasses.replace(table[0], node_id="late", heartbeat_age_s=NAN, lag=INF)])
-    found = {row["node_id"]: row for row in _strict(top.out.getvalue())}  # type: ignore[union-attr]
+    shown: Any = _strict(top.out.getvalue())  # type: ignore[union-attr]
+    assert shown["omitted"] == 0
+    found = {row["node_id"]: row for row in shown["nodes"]}
     assert found["ro"]["version"] is None and found["env"]["blobs_held"] is None
     assert found["late"]["heartbeat_age_s"] is None and found["late"]["lag"] is None
     assert found["pm"]["host"] == HOSTILE  # JSON escapes it itself
