@@ -45,9 +45,21 @@ from .sockets import DEFAULT_OPTIONS, SocketOptions, TooManyFrames, make_socket,
 log = structlog.get_logger(__name__)
 
 
+MIN_TIMEOUT_S = 0.001
+"""The shortest wait for a reply a retry policy may schedule: a shorter one is no wait at all (a request resent
+without end, a zero backoff's division by zero), not a schedule anyone meant."""
+
+MAX_ATTEMPTS = 1 << 16
+"""The most attempts of one retry policy: its schedule is a tuple of that many timeouts, computed up front."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """The one retry policy: ``attempts`` tries, the wait growing by ``backoff`` up to ``max_timeout_s``."""
+    """The one retry policy: ``attempts`` tries, the wait growing by ``backoff`` up to ``max_timeout_s``.
+
+    Refused (``ValueError``): fewer than 1 or more than :data:`MAX_ATTEMPTS` attempts, a timeout that is not
+    finite, or any attempt's timeout below :data:`MIN_TIMEOUT_S` (a backoff of 0, or one so small that it shrinks
+    the wait to nothing; a ``max_timeout_s`` that caps it there)."""
 
     timeout_s: float = 2.0
     attempts: int = 3
@@ -57,11 +69,19 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         # A policy is a request's deadline: it must end.
-        if self.attempts < 1 or not (self.timeout_s > 0 and isfinite(self.timeout_s) and isfinite(self.max_timeout_s)):
-            raise ValueError(f"a retry policy needs attempts >= 1 and finite positive timeouts, not {self}")
+        if not 1 <= self.attempts <= MAX_ATTEMPTS or not (
+                self.timeout_s > 0 and isfinite(self.timeout_s) and isfinite(self.max_timeout_s)):
+            raise ValueError(f"a retry policy needs 1 to {MAX_ATTEMPTS} attempts and finite positive timeouts, "
+                             f"not {self}")
+        if not isfinite(self.backoff):
+            raise ValueError(f"a retry policy needs a finite backoff, not {self}")
         schedule = [self.timeout_s]
         for _ in range(self.attempts - 1):
             schedule.append(min(schedule[-1] * self.backoff, self.max_timeout_s))
+        if (shortest := min(schedule)) < MIN_TIMEOUT_S:
+            raise ValueError(f"a retry policy whose attempts wait {shortest:g} s for a reply (under "
+                             f"{MIN_TIMEOUT_S:g} s) resends without waiting: raise its backoff or max_timeout_s, "
+                             f"not {self}")
         # Computed once: every request walks it on its round trip's critical path.
         object.__setattr__(self, "_schedule", tuple(schedule))
 
@@ -77,9 +97,11 @@ class RetryPolicy:
     def lasting(self, deadline_s: float) -> RetryPolicy:
         """This policy with more attempts, so that a request whose outcome must be known is sent again (the
         same frames: a server answers a repeat from its reply cache) until ``deadline_s``, not only until
-        :attr:`deadline_s`. Pass ``deadline_s`` as the request's deadline too: it, not the count, ends it."""
+        :attr:`deadline_s`. Pass ``deadline_s`` as the request's deadline too: it, not the count, ends it. At
+        most :data:`MAX_ATTEMPTS` attempts: a deadline longer than that many of the last timeout is waited out
+        after the last send."""
         more = max(0.0, deadline_s - self.deadline_s)
-        return replace(self, attempts=self.attempts + ceil(more / self.timeouts()[-1]))
+        return replace(self, attempts=min(MAX_ATTEMPTS, self.attempts + ceil(more / self.timeouts()[-1])))
 
 
 SEND_ONCE = RetryPolicy(attempts=1)

@@ -90,7 +90,7 @@ from .metrics import by_label, register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
 from .peers import Peers
 from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
-from .reqrep import SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
+from .reqrep import MIN_TIMEOUT_S, SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .security import Curve, ZapHandler, check_bind, load_curve
 from .sockets import (
     EVENT_OPTIONS,
@@ -575,7 +575,7 @@ class NodeRuntime:
             policy = None
             if end is not None:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left < 3 * MIN_TIMEOUT_S:  # too little left for the policy below to wait for a reply
                     raise RequestTimeout(f"replay from {self.settings.bus} not complete within {deadline_s:.3f}s")
                 policy = RetryPolicy(timeout_s=left / 3, attempts=2, backoff=2.0, max_timeout_s=left)  # ends by left
             reply = broker.request(Replay(since=since, src=src, cursor=cursor), policy=policy)

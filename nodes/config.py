@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..bus.broker import BrokerSettings
-from ..bus.reqrep import RetryPolicy
+from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
 from ..protocol.envelope import Limits
 from .settings import (
@@ -165,13 +165,14 @@ def _quantity(config: Config, name: str) -> Any:
 CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
 """Keys that take one of a few words."""
 
-RANGES: dict[str, tuple[int, int | None]] = {
+RANGES: dict[str, tuple[float, float | None]] = {
     "bus.event_batch": (1, 65_535),
     "bus.ring_events": (1, 1 << 30),
     "bus.ring_bytes": (1, None),
     "bus.metrics_port": (-1, 65_535),
     "node.metrics_port": (-1, 65_535),
     "requests.attempts": (1, 1_000),
+    "requests.backoff": (1, None),
     "limits.max_body_bytes": (1, None),
     "limits.max_message_bytes": (1, None),
     "limits.max_frame_bytes": (-1, None),
@@ -210,12 +211,29 @@ RANGES: dict[str, tuple[int, int | None]] = {
     "ps.chunk_bytes": (1, None),
     "ps.replicas": (1, None),
 }
-"""Keys that take a whole number within bounds (inclusive; None: no upper bound). A count below its floor
-need not fail where it is read, but misleads elsewhere: with ``up.checkpoint_every = -1`` the ranks would
-checkpoint every step while the launcher, taking it for "off", would end the run at a rank's death."""
+"""Keys that take a number within bounds (inclusive; None: no upper bound): every whole number but the weights'
+seed, and the retry backoff (below 1 each attempt would wait less than the one before, down to no wait at all).
+A count below its floor need not fail where it is read, but misleads elsewhere: with ``up.checkpoint_every = -1``
+the ranks would checkpoint every step while the launcher, taking it for "off", would end the run at a rank's
+death."""
+
+POSITIVE: dict[str, float | None] = {
+    "rl.lr": None,
+    "rl.temperature": None,
+    "env_server.high_water": 1.0,
+}
+"""Real numbers that must be above 0 (and at most the bound given; None: no upper bound): a learning rate of 0
+trains nothing, a temperature of 0 divides the logits by 0, an env server full at 0 or never full above 1 is
+refused where it starts."""
 
 MAY_BE_ZERO: frozenset[str] = frozenset({"node.restart_grace_s", "up.restart_backoff_s"})
-"""Durations for which 0 means "none" (no grace, no backoff); every other ``*_s`` key must be above 0."""
+"""Durations for which 0 means "none" (no grace, no backoff); every other ``*_s`` key must be at least
+:data:`MIN_DURATION_S`."""
+
+MIN_DURATION_S = MIN_TIMEOUT_S
+"""The shortest duration (any ``*_s`` key but 0 where :data:`MAY_BE_ZERO`), one millisecond: a shorter interval
+spins a node's timers as a zero one would, a shorter timeout is over before a reply can arrive, and a request
+timeout below it is refused by :class:`~refbus.bus.reqrep.RetryPolicy`."""
 
 MAX_DURATION_S = 365 * 24 * 3600.0
 """The longest duration (any ``*_s`` key): longer is a typo, and far longer overflows where a node converts
@@ -234,11 +252,12 @@ def _floats() -> list[str]:
 
 def check_relations(config: Config) -> None:
     """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first
-    number that is not finite (nan, inf), the first duration (every ``*_s`` key) below 0, at 0 (unless in
-    :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` out of bounds, or both
-    sides of the first relation in :data:`RELATIONS` that fails. A zero interval would spin a node's timers
-    without end; a zero or negative timeout would fail or kill at once; nan passes every comparison (a backoff
-    of nan seconds never ends) and inf overflows where a node converts it."""
+    number that is not finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S`
+    (but 0 where :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or
+    :data:`POSITIVE` out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails. A zero
+    or near-zero interval would spin a node's timers without end; a zero or negative timeout would fail or kill
+    at once; nan passes every comparison (a backoff of nan seconds never ends) and inf overflows where a node
+    converts it."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
@@ -247,8 +266,8 @@ def check_relations(config: Config) -> None:
             raise ConfigError(f"{name} must be a finite number, got {value!r}")
     for name in _durations():
         value = _quantity(config, name)
-        if value < 0 or (value == 0 and name not in MAY_BE_ZERO):
-            floor = "0 or more" if name in MAY_BE_ZERO else "above 0"
+        if value < MIN_DURATION_S and not (value == 0 and name in MAY_BE_ZERO):
+            floor = f"0 or at least {MIN_DURATION_S:g}" if name in MAY_BE_ZERO else f"at least {MIN_DURATION_S:g}"
             raise ConfigError(f"{name} must be {floor} seconds, got {value!r}")
         if value > MAX_DURATION_S:
             raise ConfigError(f"{name} must be at most {MAX_DURATION_S:.0f} seconds (a year), got {value!r}")
@@ -258,6 +277,11 @@ def check_relations(config: Config) -> None:
             raise ConfigError(f"{name} must be {low} or more, got {value!r}")
         if high is not None and not low <= value <= high:
             raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
+    for name, high in POSITIVE.items():
+        value = _quantity(config, name)
+        if not (value > 0 and (high is None or value <= high)):
+            raise ConfigError(f"{name} must be above 0{'' if high is None else f' and at most {high:g}'}, "
+                              f"got {value!r}")
     for relation in RELATIONS:
         value = _quantity(config, relation.key)
         bound = relation.factor * sum(_quantity(config, name) for name in relation.bound)
@@ -384,10 +408,13 @@ def reference_tables() -> str:
     zero = " and ".join(f"`{name}`" for name in sorted(MAY_BE_ZERO))
     bounded = ", ".join(f"`{name}` {low} or more" if high is None else f"`{name}` {low} to {high}"
                         for name, (low, high) in RANGES.items())
+    positive = ", ".join(f"`{name}` above 0" + ("" if high is None else f" and at most {high:g}")
+                         for name, high in POSITIVE.items())
+    words = ", ".join(f"`{name}`" for name in CHOICES)
     lines += ["", "Checked whenever a config loads: every number is finite (no nan, no inf); every duration "
-              f"(`*_s`) is above 0 seconds (0 allowed for {zero}: none) and at most {MAX_DURATION_S:.0f} (a year); "
-              f"{bounded}; one of its words for " + ", ".join(f"`{name}`" for name in CHOICES)
-              + "; and the rules below (a violation is an error naming both sides). The request retry "
+              f"(`*_s`) is at least {MIN_DURATION_S:g} seconds (0 allowed for {zero}: none) and at most "
+              f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; one of its words for {words}"
+              "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]
     lines += [f"| {relation.rule()} | {relation.why} |" for relation in RELATIONS]

@@ -127,17 +127,19 @@ def test_the_ring_holds_at_least_one_message() -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
-    ("--bus-heartbeat-interval-s", "0", "bus.heartbeat_interval_s must be above 0 seconds, got 0.0"),
-    ("--node-shutdown-timeout-s", "-1", "node.shutdown_timeout_s must be above 0 seconds, got -1.0"),
-    ("--env-server-generate-timeout-s", "-5", "env_server.generate_timeout_s must be above 0 seconds"),
-    ("--up-restart-backoff-s", "-0.5", "up.restart_backoff_s must be 0 or more seconds, got -0.5"),
+    ("--bus-heartbeat-interval-s", "0", "bus.heartbeat_interval_s must be at least 0.001 seconds, got 0.0"),
+    ("--bus-heartbeat-interval-s", "1e-6", "bus.heartbeat_interval_s must be at least 0.001 seconds, got 1e-06"),
+    ("--node-shutdown-timeout-s", "-1", "node.shutdown_timeout_s must be at least 0.001 seconds, got -1.0"),
+    ("--env-server-generate-timeout-s", "-5", "env_server.generate_timeout_s must be at least 0.001 seconds"),
+    ("--up-restart-backoff-s", "-0.5", "up.restart_backoff_s must be 0 or at least 0.001 seconds, got -0.5"),
+    ("--up-restart-backoff-s", "1e-9", "up.restart_backoff_s must be 0 or at least 0.001 seconds, got 1e-09"),
     ("--bus-metrics-port", "70000", "bus.metrics_port must be from -1 to 65535, got 70000"),
     ("--requests-attempts", "0", "requests.attempts must be from 1 to 1000, got 0"),
     ("--up-restart-budget", "-1", "up.restart_budget must be from 0 to"),
 ])
 def test_a_duration_count_or_port_that_would_break_a_node_is_refused(flag: str, value: str, says: str) -> None:
     """Before, a zero heartbeat interval passed (its relation only compares keys) and every node that joined spun
-    in its timers for good; a negative shutdown timeout made every stop a kill."""
+    in its timers for good, as it still did at 1e-6 s; a negative shutdown timeout made every stop a kill."""
     with pytest.raises(ConfigError, match=re.escape(says)):
         load(flag, value)
 
@@ -170,6 +172,31 @@ def test_a_number_no_node_could_use_is_refused_from_a_file_and_from_a_flag(tmp_p
         load(config_file=path)
     with pytest.raises(ConfigError, match=re.escape(says)):
         load(f"--{section}-{name}".replace("_", "-") + f"={value}")  # "=": a flag's value may start with "-"
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--requests-backoff", "0", "requests.backoff must be 1 or more, got 0.0"),
+    ("--requests-backoff", "1e-9", "requests.backoff must be 1 or more, got 1e-09"),
+    ("--requests-backoff", "0.5", "requests.backoff must be 1 or more, got 0.5"),
+    ("--rl-temperature", "0", "rl.temperature must be above 0, got 0.0"),
+    ("--rl-temperature", "-1", "rl.temperature must be above 0, got -1.0"),
+    ("--rl-lr", "-1", "rl.lr must be above 0, got -1.0"),
+    ("--rl-lr", "0", "rl.lr must be above 0, got 0.0"),
+    ("--env-server-high-water", "7", "env_server.high_water must be above 0 and at most 1, got 7.0"),
+    ("--env-server-high-water", "0", "env_server.high_water must be above 0 and at most 1, got 0.0"),
+])
+def test_a_real_number_no_node_could_use_is_refused(flag: str, value: str, says: str) -> None:
+    """Before, only whole numbers and durations had bounds: a backoff of 0 killed the orchestrator at start
+    (a division by the zero last timeout of its retry schedule) and 1e-9 had it build a schedule of 1e19
+    attempts; a temperature of 0 or a high water of 7 passed the config and failed in the node."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(f"{flag}={value}")
+
+
+def test_the_real_number_bounds_admit_their_edges() -> None:
+    config = load("--requests-backoff", "1", "--env-server-high-water", "1", "--rl-temperature", "1e-3",
+                  "--bus-heartbeat-interval-s", "0.001")
+    assert (config.requests.backoff, config.env_server.high_water) == (1.0, 1.0)
 
 
 def test_every_whole_number_key_has_a_range_but_the_seed_of_the_weights() -> None:

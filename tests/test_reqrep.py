@@ -30,6 +30,8 @@ import torch
 import zmq
 from polling import read_line
 from refbus.bus.reqrep import (
+    MAX_ATTEMPTS,
+    MIN_TIMEOUT_S,
     Client,
     HandlerError,
     Pending,
@@ -819,6 +821,21 @@ def test_retry_policy_timeouts() -> None:
     # Lasting: attempts added, at the last timeout or longer, until the sends cover the longer deadline.
     assert list(policy.lasting(60.0).timeouts()) == [1.0, 3.0, 9.0, 10.0, 10.0, 10.0, 10.0, 10.0]
     assert policy.lasting(1.0) == policy and sum(policy.lasting(60.0).timeouts()[:-1]) < 60.0
+
+
+@pytest.mark.parametrize("bad", [dict(backoff=0.0), dict(backoff=1e-9), dict(max_timeout_s=1e-6),
+                                 dict(timeout_s=1e-4), dict(backoff=float("nan")),
+                                 dict(attempts=MAX_ATTEMPTS + 1, backoff=1.0)])
+def test_a_retry_policy_that_would_not_wait_for_a_reply_is_refused(bad: dict[str, float]) -> None:
+    """Before, a backoff of 0 made a zero last timeout (``lasting`` then divided by it) and 1e-9 one so short
+    that ``lasting`` built a schedule of about 1e19 attempts."""
+    with pytest.raises(ValueError, match="retry policy"):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_a_lasting_policy_is_bounded_however_long_its_deadline() -> None:
+    short = RetryPolicy(timeout_s=MIN_TIMEOUT_S, attempts=1)
+    assert len(short.lasting(365 * 24 * 3600.0).timeouts()) == MAX_ATTEMPTS
 
 
 def test_an_invalid_reply_does_not_cut_the_wait_short(zmq_ctx: zmq.Context, clients: Any) -> None:

@@ -102,7 +102,17 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, gather, split_outcomes
+from ...bus.reqrep import (
+    MIN_TIMEOUT_S,
+    SEND_ONCE,
+    Outcome,
+    PeerDown,
+    RemoteError,
+    RequestTimeout,
+    RetryPolicy,
+    gather,
+    split_outcomes,
+)
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.errors import MessageTooLarge
@@ -650,7 +660,7 @@ class Orchestrator:
         """The blob endpoints of the env servers the registry lists now; None when the broker does not
         answer within a quarter of the shutdown time left (then every store is tried)."""
         timeout = self.runtime.shutdown_left() / 4
-        if timeout <= 0:
+        if timeout < MIN_TIMEOUT_S:
             return None
         nodes = self.runtime.lookup("env-server", policy=RetryPolicy(timeout_s=timeout, attempts=1))
         if nodes is None:

@@ -50,7 +50,7 @@ import xxhash
 import zmq
 
 from ...bus.memory import keep_receive_memory
-from ...bus.reqrep import Client, PeerDown, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
+from ...bus.reqrep import MAX_ATTEMPTS, Client, PeerDown, Pipeline, RemoteError, RequestTimeout, RetryPolicy, gather
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
 from ...protocol.codec import Unhashed, checksum, copy_hashing
@@ -873,14 +873,15 @@ class PsClient:
              timeout_s: float = 600.0) -> InitResult:
         """Load a safetensors checkpoint into ``workers`` (default all) by tree broadcast; the new version.
 
-        The request goes again every ``INIT_ASK_EVERY_S`` until ``timeout_s`` (the same id: the manager running
+        The request goes again every ``INIT_ASK_EVERY_S`` (rarer for a ``timeout_s`` of more than
+        ``MAX_ATTEMPTS`` of them) until ``timeout_s`` (the same id: the manager running
         it answers it once, when it ends), so a manager restarted meanwhile, which knows nothing of the init the
         dead one ran, hears it and starts it over, or refuses it by name (``unknown-worker``: a worker not yet
         registered with it again).
 
         Raises RemoteError ``init-failed`` naming the worker that failed.
         """
-        attempts = max(1, math.ceil(timeout_s / INIT_ASK_EVERY_S))
+        attempts = min(MAX_ATTEMPTS, max(1, math.ceil(timeout_s / INIT_ASK_EVERY_S)))
         every = timeout_s / attempts
         policy = RetryPolicy(timeout_s=every, attempts=attempts, backoff=1.0, max_timeout_s=every)
         reply = self._manager.request(InitRequest(path, list(workers), chunk_bytes), policy=policy).body
