@@ -421,9 +421,16 @@ def reference_tables() -> str:
     return "\n".join(lines) + "\n"
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
 def _toml_value(value: Any) -> str:
+    """``value`` as a TOML value; a string as a basic string with every character TOML does not allow there
+    escaped (backslash, quote, control characters): a secret from ``base64`` wraps its lines, and one raw
+    newline makes the whole file unloadable for every node that reads it."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                             for c in value) + '"'
     return repr(value)

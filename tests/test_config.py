@@ -232,6 +232,23 @@ def test_the_secret_is_never_shown_and_only_its_owner_reads_the_nodes_config(tmp
     assert load(config_file=cluster.config_file).trainer.steps == 3
 
 
+def test_every_string_reads_back_from_the_toml_written_for_it(tmp_path: Path) -> None:
+    """Before, only backslash and quote were escaped: a secret from ``base64`` (wrapped at 76 characters) or
+    any other value with a control character was written as invalid TOML, and every node ``refbus up``
+    started failed to load its cluster.toml."""
+    every_control = "".join(chr(c) for c in [*range(0x20), 0x7F])
+    for text in (every_control, "a\\b\"c\\u0041\"\"\"", "é ☃ \U0001F600", "QUFB" * 19 + "\nQUFB"):
+        config = Config()
+        config.cluster = dataclasses.replace(config.cluster, name=text)
+        config.security = dataclasses.replace(config.security, secret=text)
+        path = tmp_path / "cluster.toml"
+        path.write_text(to_toml(config, secrets=True))
+        loaded = load(config_file=path)
+        assert (loaded.cluster.name, loaded.security.secret) == (text, text)
+    (workdir := tmp_path / "run").mkdir()
+    assert load(config_file=LocalCluster(config, workdir).config_file).security.secret == text
+
+
 def test_a_timer_refuses_an_interval_that_would_never_let_the_loop_go() -> None:
     runtime = NodeRuntime("t", RuntimeSettings(node_id="t", metrics_port=-1), register=False)
     try:
