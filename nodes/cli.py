@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     monitor = commands.add_parser(
         "monitor", help="print the live event stream",
-        description="Subscribe to the event stream and print one line per event.")
+        description="Subscribe to the event stream and print one line per event. Exits 0 after --count, "
+                    "--duration or Ctrl-C, 141 once its reader goes away (`refbus monitor | head`), as a "
+                    "tool SIGPIPE killed would, 1 when the output cannot be written otherwise.")
     monitor.add_argument("--json", action="store_true",
                          help="one JSON object per line: type, src, seq, ts, id and the body's fields")
     monitor.add_argument("--since", type=int, default=None, metavar="SEQ",

@@ -8,6 +8,10 @@ string fields) has its non-printable characters escaped (``\\x1b``), so an event
 the broker's ring (every source's events with ``seq >= SEQ``), then continues live with no gap and no
 duplicate. With ``--duration S`` each step of joining the bus waits at most ``S`` (not ``node.connect_timeout_s``),
 so a broker that does not answer ends the command about then (exit status 1).
+
+The monitor ends when its output does: a reader that goes away (``refbus monitor | head -5``) ends it with
+status :data:`BROKEN_PIPE_STATUS`, as a shell reports a tool that SIGPIPE killed; any other failure to write
+(a full disk) ends it with a message and status 1.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +30,10 @@ from ..protocol.envelope import Message, describe
 from .top import finite, json_safe, printable
 
 _HEADER_FIELDS = ("type", "src", "seq", "ts", "id")
+
+BROKEN_PIPE_STATUS = 128 + 13
+"""The exit status when the reader of the output went away: 128 + SIGPIPE, what a shell reports for a tool its
+closed pipe killed (Python ignores SIGPIPE, so it is returned, as Ctrl-C's 130 is)."""
 
 
 def _clock(ts: object) -> str:
@@ -59,7 +68,9 @@ def format_json(record: dict[str, Any]) -> str:
 
 
 class Monitor:
-    """Prints events as they arrive; stops after ``count`` events or ``duration`` seconds when given."""
+    """Prints events as they arrive; stops after ``count`` events or ``duration`` seconds when given, and at
+    once when ``out`` cannot be written (:attr:`failed` then holds why): an event handler's errors are logged
+    and the stream goes on, so a reader gone would otherwise cost one error per event, for ever."""
 
     def __init__(
         self,
@@ -76,13 +87,19 @@ class Monitor:
         self.count = count
         self.printed = 0
         self.out = out
+        self.failed: OSError | None = None
         runtime.subscribe(self.show, kinds=frozenset(kinds) or None, since=since)
 
     def show(self, message: Message) -> None:
         record = describe(message)
         line = format_json(record) if self.as_json else format_line(record)
-        self.out.write(line + "\n")
-        self.out.flush()
+        try:
+            self.out.write(line + "\n")
+            self.out.flush()
+        except OSError as exc:
+            self.failed = exc
+            self.runtime.stop()
+            return
         self.printed += 1
         if self.count and self.printed >= self.count:
             self.runtime.stop()
@@ -97,11 +114,22 @@ def run_monitor(
     count: int,
     duration: float,
 ) -> int:
+    """Print the stream to stdout until ``count`` events, ``duration`` seconds or a stop; the exit status: 0,
+    :data:`BROKEN_PIPE_STATUS` when the reader went away, 1 when stdout could not be written otherwise."""
     if duration > 0:  # the join's waits count against the duration (the deadline below starts before it)
         settings = dataclasses.replace(settings, connect_timeout_s=min(settings.connect_timeout_s, duration))
     runtime = NodeRuntime("monitor", settings)
-    Monitor(runtime, as_json=as_json, kinds=kinds, since=since, count=count)
+    monitor = Monitor(runtime, as_json=as_json, kinds=kinds, since=since, count=count)
     deadline = time.monotonic() + duration if duration > 0 else None
     until: Callable[[], bool] | None = (lambda: time.monotonic() >= deadline) if deadline else None
     runtime.run(until=until)
-    return 0
+    if monitor.failed is None:
+        return 0
+    # What is still buffered can never be written: the interpreter's flush at exit would fail on it again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    if isinstance(monitor.failed, BrokenPipeError):
+        return BROKEN_PIPE_STATUS
+    print(f"refbus: cannot write the events: {monitor.failed}", file=sys.stderr)
+    return 1

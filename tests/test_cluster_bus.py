@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ from golden_wire import load
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, start_bus
+from refbus.nodes.monitor import BROKEN_PIPE_STATUS
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
 from refbus.protocol.messages import Delete, Error, Hello, NodeInfo, NodeList, Nodes, RunEnd, Sync, Welcome
 
@@ -158,6 +161,25 @@ def test_monitor_with_a_duration_ends_then_when_the_broker_does_not_answer(silen
                             timeout=5 * duration_s)  # well under the 15 s connect timeout
     assert result.returncode == 1 and "no broker answered" in result.stderr, result.stderr
     assert time.monotonic() - started < 5 * duration_s
+
+
+def test_monitor_ends_when_its_reader_goes_away(bus, spawn) -> None:
+    """``refbus monitor | head -1``: before, each write to the closed pipe failed as one more logged handler
+    error and the monitor ran on for ever."""
+    _, control = bus
+    read_end, write_end = os.pipe()
+    try:
+        watcher = spawn(["monitor", "--json", "--since", "0", "--bus-control", control, *FAST_LIVENESS], "watcher",
+                        stdout=write_end)
+    finally:
+        os.close(write_end)
+    with open(read_end, "rb") as reader:
+        assert select.select([reader], [], [], 30)[0], watcher.log_tail()
+        assert json.loads(reader.readline())["type"] == "node-up"
+    # An event after the reader is gone: the monitor's next write meets the closed pipe.
+    spawn(["monitor", "--bus-control", control, "--node-id", "after"], "after").wait_ready()
+    assert watcher.proc.wait(timeout=30) == BROKEN_PIPE_STATUS, watcher.log_tail()
+    assert "handler_failed" not in watcher.log_tail() and "Exception ignored" not in watcher.log_tail()
 
 
 def test_gap_is_filled_from_the_ring(bus) -> None:
