@@ -19,7 +19,7 @@ from typing import Any
 from ..bus.broker import BrokerSettings
 from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
-from ..protocol.envelope import Limits
+from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits
 from .settings import (
     BusSettings,
     ClusterSettings,
@@ -254,10 +254,10 @@ def check_relations(config: Config) -> None:
     """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first
     number that is not finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S`
     (but 0 where :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or
-    :data:`POSITIVE` out of bounds, or both sides of the first relation in :data:`RELATIONS` that fails. A zero
-    or near-zero interval would spin a node's timers without end; a zero or negative timeout would fail or kill
-    at once; nan passes every comparison (a backoff of nan seconds never ends) and inf overflows where a node
-    converts it."""
+    :data:`POSITIVE` out of bounds, a frame cap (``limits.max_frame_bytes``) that would drop a body the limits
+    admit, or both sides of the first relation in :data:`RELATIONS` that fails. A zero or near-zero interval
+    would spin a node's timers without end; a zero or negative timeout would fail or kill at once; nan passes
+    every comparison (a backoff of nan seconds never ends) and inf overflows where a node converts it."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
@@ -277,6 +277,12 @@ def check_relations(config: Config) -> None:
             raise ConfigError(f"{name} must be {low} or more, got {value!r}")
         if high is not None and not low <= value <= high:
             raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
+    frame, body = config.limits.max_frame_bytes, config.limits.max_body_bytes
+    if frame != -1 and frame < body + ONE_FRAME_OVERHEAD:
+        raise ConfigError(f"limits.max_frame_bytes must be -1 (no cap) or at least limits.max_body_bytes + "
+                          f"{ONE_FRAME_OVERHEAD} (the rest of a message in one frame) = {body + ONE_FRAME_OVERHEAD}, "
+                          f"got {frame}: ZeroMQ drops a larger frame without a word, so messages the limits admit "
+                          "would never arrive")
     for name, high in POSITIVE.items():
         value = _quantity(config, name)
         if not (value > 0 and (high is None or value <= high)):
@@ -413,7 +419,9 @@ def reference_tables() -> str:
     words = ", ".join(f"`{name}`" for name in CHOICES)
     lines += ["", "Checked whenever a config loads: every number is finite (no nan, no inf); every duration "
               f"(`*_s`) is at least {MIN_DURATION_S:g} seconds (0 allowed for {zero}: none) and at most "
-              f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; one of its words for {words}"
+              f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; `limits.max_frame_bytes` -1 or at least "
+              f"`limits.max_body_bytes` + {ONE_FRAME_OVERHEAD} (the rest of a message in one frame: ZeroMQ drops "
+              f"a larger frame without a word); one of its words for {words}"
               "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]

@@ -77,6 +77,9 @@ _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(hea
 # A header holds ids and numbers: its size is bounded apart from the body's, since a receiver may keep its ids
 # (a server remembers those it answered).
 MAX_HEADER_BYTES = 4096
+ONE_FRAME_OVERHEAD = MAX_KIND_BYTES + len(ONE_FRAME_MARK) + 4 + MAX_HEADER_BYTES
+"""The most bytes a one-frame message holds beside its body (kind, mark, ``len(header)``, header): a ZeroMQ
+frame cap (``limits.max_frame_bytes``) below the largest body plus this drops messages the limits admit."""
 Id = Annotated[str, msgspec.Meta(max_length=256)]
 
 

@@ -15,6 +15,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.cli import build_parser
 from refbus.nodes.config import RANGES, RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
 from refbus.nodes.up import LocalCluster
+from refbus.protocol.envelope import ONE_FRAME_OVERHEAD
 
 
 def load(*flags: str, config_file: Path | None = None) -> Config:
@@ -197,6 +198,22 @@ def test_the_real_number_bounds_admit_their_edges() -> None:
     config = load("--requests-backoff", "1", "--env-server-high-water", "1", "--rl-temperature", "1e-3",
                   "--bus-heartbeat-interval-s", "0.001")
     assert (config.requests.backoff, config.env_server.high_water) == (1.0, 1.0)
+
+
+def test_a_frame_cap_must_admit_the_largest_body_the_limits_admit() -> None:
+    """Before, ``limits.max_frame_bytes = 0`` (or any cap under a body) passed the range check, and ZeroMQ then
+    dropped every larger frame without a word: a broker started with it answered no one."""
+    least = Config().limits.max_body_bytes + ONE_FRAME_OVERHEAD
+    for bad in (0, 1, least - 1):
+        with pytest.raises(ConfigError, match=r"limits\.max_frame_bytes must be -1 \(no cap\) or at least "
+                                              r"limits\.max_body_bytes \+ 4357"):
+            load("--limits-max-frame-bytes", str(bad))
+    assert load("--limits-max-frame-bytes", str(least)).limits.max_frame_bytes == least
+    # Checked against the effective body limit: a larger body needs a larger cap.
+    with pytest.raises(ConfigError, match=r"limits\.max_body_bytes"):
+        load("--limits-max-frame-bytes", str(least), "--limits-max-body-bytes", str(least))
+    (field,) = [f for f in dataclasses.fields(Config().limits) if f.name == "max_frame_bytes"]
+    assert str(ONE_FRAME_OVERHEAD) in field.metadata["help"]  # the settings module imports no envelope
 
 
 def test_every_whole_number_key_has_a_range_but_the_seed_of_the_weights() -> None:
