@@ -19,7 +19,9 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ import zmq
 
 from ..protocol.errors import MalformedMessage
 from ..protocol.messages import MAX_FRAMES
-from .security import Curve, apply_curve, peer_id
+from .security import HOST_SCHEMES, Curve, apply_curve, peer_id
 
 EVENT_HWM = 100_000
 COPY_BELOW = 64 * 1024  # frames smaller than this are copied into ZeroMQ: cheaper than tracking a zero-copy
@@ -103,6 +105,45 @@ def make_socket(
             raise AddressInUse(bind) from None
         raise
     return sock
+
+
+ENDPOINT_SCHEMES: tuple[str, ...] = ("tcp", "ipc", *sorted(HOST_SCHEMES - {"tcp"}))
+"""The transports a cluster's endpoints may use: those the processes of a cluster reach each other over with
+the socket types refbus uses (ROUTER, DEALER, PUB, SUB, XPUB, XSUB); not ``inproc`` (one process only), nor
+the multicast and datagram ones (other socket types)."""
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
+
+
+def host_problem(host: str, *, in_endpoint: bool = False) -> str:
+    """What is wrong with ``host`` as a host name or IP address; empty when nothing is. ``in_endpoint``: the
+    host of a ZeroMQ endpoint, which may also be ``*`` (every interface) or an IPv6 address in brackets."""
+    literal = host[1:-1] if in_endpoint and host.startswith("[") and host.endswith("]") else host
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(literal.split("%", 1)[0])  # an IPv6 address may name its zone
+        return ""
+    if (in_endpoint and host == "*") or (len(host) <= 253 and _HOST_NAME.fullmatch(host)):
+        return ""
+    return f"{host!r} is not a host name or IP address" + (" (nor *)" if in_endpoint else "")
+
+
+def endpoint_problem(endpoint: str) -> str:
+    """What is wrong with ``endpoint`` as a cluster endpoint (empty when nothing is): ``ipc://PATH``, or
+    ``tcp://HOST:PORT`` (``ws``/``wss``: then an optional ``/path``) with a host :func:`host_problem` accepts,
+    ``*`` included, and a port from 0 (an ephemeral one, for a bind) to 65535. ZeroMQ would refuse what is wrong
+    only where a node binds or connects it, or take a port above 65535 modulo 65536."""
+    scheme, separator, address = endpoint.partition("://")
+    if not separator or scheme not in ENDPOINT_SCHEMES:
+        return (f"{endpoint!r} is not an endpoint transport://address with transport "
+                f"{', '.join(ENDPOINT_SCHEMES[:-1])} or {ENDPOINT_SCHEMES[-1]}")
+    if scheme == "ipc":
+        return "" if address else f"{endpoint!r} names no path"
+    if scheme != "tcp":
+        address = address.split("/", 1)[0]
+    host, colon, port = address.rpartition(":")
+    if not colon or not (port.isascii() and port.isdigit()) or int(port) > 65_535:
+        return f"{endpoint!r} has no port from 0 to 65535 (write {scheme}://host:port)"
+    return host_problem(host, in_endpoint=True)
 
 
 def wildcard_port(endpoint: str) -> str:

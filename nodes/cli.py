@@ -279,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(config: Config, args: argparse.Namespace) -> int:
     """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key or an address
-    another process holds is a message and status 1, Ctrl-C status 130."""
+    another process holds is a message and status 1, config a role finds unusable (a trainer rank without
+    ``$RANK``) a message and status 2 (as at load), Ctrl-C status 130."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -311,6 +312,9 @@ def _command(config: Config, args: argparse.Namespace) -> int:
     except (BusUnavailable, SecurityError, AddressInUse) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:
+        print(f"refbus: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..bus.broker import BrokerSettings
 from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
+from ..bus.sockets import ENDPOINT_SCHEMES, endpoint_problem, host_problem
 from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits
 from .settings import (
     BusSettings,
@@ -162,8 +163,21 @@ def _quantity(config: Config, name: str) -> Any:
     return getattr(getattr(config, section), key)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {"ps.transport": ("frames", "nixl")}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "ps.transport": ("frames", "nixl"),
+    "node.log_level": ("debug", "info", "warning", "error"),
+    "node.log_format": ("auto", "json", "console"),
+}
 """Keys that take one of a few words."""
+
+ENDPOINTS: tuple[str, ...] = ("bus.control", "bus.events_in", "bus.events_out", "ps.manager", "ps.worker",
+                              "env_server.endpoint", "trainer.endpoint", "rollout.endpoint")
+"""Keys that take a ZeroMQ endpoint (:func:`~refbus.bus.sockets.endpoint_problem`): checked here, so a typo is an
+error naming its key, not a ZeroMQ error (or a wrapped port) in whichever node binds or connects it."""
+
+HOSTS: dict[str, bool] = {"node.host": True, "node.metrics_host": False}
+"""Keys that take a host name or IP address (:func:`~refbus.bus.sockets.host_problem`), each with whether it may
+be empty (``node.host``: this machine's host name)."""
 
 RANGES: dict[str, tuple[float, float | None]] = {
     "bus.event_batch": (1, 65_535),
@@ -251,16 +265,24 @@ def _floats() -> list[str]:
 
 
 def check_relations(config: Config) -> None:
-    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first
-    number that is not finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S`
-    (but 0 where :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or
-    :data:`POSITIVE` out of bounds, a frame cap (``limits.max_frame_bytes``) that would drop a body the limits
-    admit, or both sides of the first relation in :data:`RELATIONS` that fails. A zero or near-zero interval
-    would spin a node's timers without end; a zero or negative timeout would fail or kill at once; nan passes
-    every comparison (a backoff of nan seconds never ends) and inf overflows where a node converts it."""
+    """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first of
+    :data:`ENDPOINTS` that is no endpoint and of :data:`HOSTS` that is no host, the first number that is not
+    finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S` (but 0 where
+    :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or :data:`POSITIVE` out of
+    bounds, a frame cap (``limits.max_frame_bytes``) that would drop a body the limits admit, or both sides of
+    the first relation in :data:`RELATIONS` that fails. A zero or near-zero interval would spin a node's timers
+    without end; a zero or negative timeout would fail or kill at once; nan passes every comparison (a backoff
+    of nan seconds never ends) and inf overflows where a node converts it."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
+    for name in ENDPOINTS:
+        if problem := endpoint_problem(_quantity(config, name)):
+            raise ConfigError(f"{name}: {problem}")
+    for name, may_be_empty in HOSTS.items():
+        value = _quantity(config, name)
+        if not (may_be_empty and value == "") and (problem := host_problem(value)):
+            raise ConfigError(f"{name}: {problem}")
     for name in _floats():
         if not math.isfinite(value := _quantity(config, name)):
             raise ConfigError(f"{name} must be a finite number, got {value!r}")
@@ -417,11 +439,17 @@ def reference_tables() -> str:
     positive = ", ".join(f"`{name}` above 0" + ("" if high is None else f" and at most {high:g}")
                          for name, high in POSITIVE.items())
     words = ", ".join(f"`{name}`" for name in CHOICES)
+    endpoints = ", ".join(f"`{name}`" for name in ENDPOINTS)
+    hosts = " and ".join(f"`{name}`" for name in HOSTS)
+    schemes = ", ".join(f"`{scheme}`" for scheme in ENDPOINT_SCHEMES if scheme not in ("tcp", "ipc"))
     lines += ["", "Checked whenever a config loads: every number is finite (no nan, no inf); every duration "
               f"(`*_s`) is at least {MIN_DURATION_S:g} seconds (0 allowed for {zero}: none) and at most "
               f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; `limits.max_frame_bytes` -1 or at least "
               f"`limits.max_body_bytes` + {ONE_FRAME_OVERHEAD} (the rest of a message in one frame: ZeroMQ drops "
-              f"a larger frame without a word); one of its words for {words}"
+              f"a larger frame without a word); one of its words for {words}; an endpoint for {endpoints} "
+              f"(`tcp://HOST:PORT`, HOST a host name, an IP address, `[IPv6]` or `*`, PORT 0 (ephemeral, for a bind) "
+              f"to 65535; `ipc://PATH`; {schemes} as tcp, with an optional `/path`); a host name or IP address for "
+              f"{hosts} (`node.host` may be empty)"
               "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]

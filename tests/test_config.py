@@ -13,7 +13,7 @@ import pytest
 from conftest import FAST_LIVENESS
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.cli import build_parser
-from refbus.nodes.config import RANGES, RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
+from refbus.nodes.config import ENDPOINTS, RANGES, RELATIONS, RETRY_SCHEDULE, Config, ConfigError, load_config, to_toml
 from refbus.nodes.up import LocalCluster
 from refbus.protocol.envelope import ONE_FRAME_OVERHEAD
 
@@ -118,6 +118,56 @@ def test_a_key_of_a_few_words_refuses_any_other() -> None:
     assert load("--ps-transport", "nixl").ps.transport == "nixl"
     with pytest.raises(ConfigError, match=r"ps\.transport must be one of frames, nixl, got 'ucx'"):
         load("--ps-transport", "ucx")
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--node-log-level", "bogus", "node.log_level must be one of debug, info, warning, error, got 'bogus'"),
+    ("--node-log-format", "xml", "node.log_format must be one of auto, json, console, got 'xml'"),
+    ("--bus-control", "notanendpoint", "bus.control: 'notanendpoint' is not an endpoint transport://address"),
+    ("--bus-control", "tcp://127.0.0.1", "bus.control: 'tcp://127.0.0.1' has no port from 0 to 65535"),
+    ("--bus-control", "tcp://127.0.0.1:70000", "bus.control: 'tcp://127.0.0.1:70000' has no port from 0 to 65535"),
+    ("--bus-events-in", "tcp://127.0.0.1:-1", "bus.events_in: 'tcp://127.0.0.1:-1' has no port"),
+    ("--ps-manager", "inproc://manager", "ps.manager: 'inproc://manager' is not an endpoint"),
+    ("--env-server-endpoint", "ipc://", "env_server.endpoint: 'ipc://' names no path"),
+    ("--trainer-endpoint", "tcp://not a host:0", "trainer.endpoint: 'not a host' is not a host name or IP address"),
+    ("--rollout-endpoint", "tcp://[nope]:0", "rollout.endpoint: '[nope]' is not a host name or IP address"),
+    ("--node-metrics-host", "not a host", "node.metrics_host: 'not a host' is not a host name or IP address"),
+    ("--node-metrics-host", "", "node.metrics_host: '' is not a host name or IP address"),
+    ("--node-host", "*", "node.host: '*' is not a host name or IP address"),
+])
+def test_a_word_endpoint_or_host_no_node_could_use_is_refused_naming_its_key(flag: str, value: str,
+                                                                            says: str) -> None:
+    """Before, strings went unchecked: an unknown log level was a KeyError in every node, an endpoint without a
+    port or transport a ZeroMQ traceback (blamed on security where the node binds it), a port above 65535 was
+    used modulo 65536, a metrics host with a space a gaierror, an unknown log format silently the default."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(f"{flag}={value}")
+
+
+def test_every_endpoint_form_a_cluster_uses_is_accepted() -> None:
+    config = load("--bus-control", "tcp://*:7770", "--bus-events-in", "tcp://[::1]:0", "--bus-events-out",
+                  "ipc:///tmp/refbus-events", "--ps-manager", "tcp://ps.example.com:65535", "--ps-worker",
+                  "ws://0.0.0.0:0/refbus", "--node-host", "node-7.cluster.local", "--node-metrics-host", "::",
+                  "--node-log-level", "debug", "--node-log-format", "json")
+    assert (config.bus.control, config.node.host, config.node.log_level) == ("tcp://*:7770", "node-7.cluster.local",
+                                                                            "debug")
+
+
+def test_every_key_that_holds_an_endpoint_is_checked_as_one() -> None:
+    """A new endpoint key gets the check when it is declared (its default is a tcp:// endpoint)."""
+    defaults = {f"{section}.{key}": value for section, values in dataclasses.asdict(Config()).items()
+                for key, value in values.items()}
+    assert {key for key, value in defaults.items() if str(value).startswith("tcp://")} == set(ENDPOINTS)
+
+
+def test_a_node_given_a_bad_endpoint_says_so_and_exits_2() -> None:
+    """Before: a ZeroMQ traceback, blaming security (``refusing to bind notanendpoint: other hosts could reach
+    it``) where the broker binds it."""
+    for flags in (["node", "bus", "--bus-control", "notanendpoint"],
+                  ["nodes", "--bus-control", "tcp://127.0.0.1:73306"]):
+        result = refbus(*flags)
+        assert result.returncode == 2 and result.stderr.startswith("refbus: bus.control: "), result.stderr
+        assert "Traceback" not in result.stderr and "security" not in result.stderr
 
 
 def test_the_ring_holds_at_least_one_message() -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -36,10 +38,13 @@ import zmq
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
+from refbus.nodes.config import ConfigError
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS
+from refbus.nodes.rl.trainer import rank_and_world
+from refbus.nodes.settings import TrainerSettings
 from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
@@ -580,3 +585,25 @@ def test_end_step_after_any_step_failure_deletes_what_the_rank_owns_and_held_fol
     assert release == StepRelease(deleted=("a",), failed=("b",), missing=("c",))
     assert rank.held == {"later"}  # none of the step's is asked for again: the store reclaims what failed
     assert rank.end_step(0) == StepRelease() and rank.end_step(1) == StepRelease()  # nothing (more) to delete
+
+
+def test_a_rank_without_its_rank_or_world_size_is_told_what_to_set() -> None:
+    """Before, ``refbus node trainer`` run without torchrun died with ``KeyError: 'RANK'``."""
+    unset = TrainerSettings()  # rank and world size -1: from the environment
+    assert rank_and_world(unset, {"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2)
+    assert rank_and_world(TrainerSettings(rank=0, world_size=1), {}) == (0, 1)
+    for environ, says in (({"WORLD_SIZE": "2"}, r"trainer\.rank is -1 \(read \$RANK\) but \$RANK is not set: .*"
+                                                r"--trainer-rank"),
+                          ({"RANK": "0"}, r"\$WORLD_SIZE is not set: .*--trainer-world-size"),
+                          ({"RANK": "one", "WORLD_SIZE": "2"}, r"\$RANK is 'one'"),
+                          ({"RANK": "5", "WORLD_SIZE": "2"}, r"trainer\.rank 5 is not below trainer\.world_size 2")):
+        with pytest.raises(ConfigError, match=says):
+            rank_and_world(unset, environ)
+
+
+def test_a_trainer_node_without_rank_exits_2_with_a_message(tmp_path: Path) -> None:
+    environ = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "node", "trainer", "--node-metrics-port", "-1",
+                             "--bus-control", "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=120,
+                            env=environ, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("refbus: trainer.rank is -1"), result.stderr

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ...bus.peers import ABSENT_AFTER_RESTART
 from ...bus.runtime import NodeRuntime, on_signals
 from ...protocol.messages import NodeDown, NodeInfo
-from ..config import Config
+from ..config import Config, ConfigError
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
 from ..payload.trainer_rank import StepBatches, StepFailed, StepSkipped, TrainerRank
@@ -93,12 +93,34 @@ def _micro_batch(batch: AssembledBatch, inputs: Mapping[str, Any]) -> dict[str, 
     }
 
 
+def rank_and_world(section: TrainerSettings, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """This rank and its world size: ``trainer.rank`` and ``trainer.world_size``, each where -1 read from
+    ``$RANK`` and ``$WORLD_SIZE`` (as torchrun sets them). :class:`ConfigError` naming what to set when one is
+    in neither, or not a whole number, or the rank is not below the world size (torch would wait for the
+    world's rendezvous until its timeout)."""
+
+    def given(value: int, key: str, variable: str) -> int:
+        if value >= 0:
+            return value
+        text = environ.get(variable, "")
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(f"{key} is -1 (read ${variable}) but ${variable} is "
+                              f"{'not set' if variable not in environ else repr(text)}: run the rank under "
+                              f"torchrun, or set ${variable} or give --{key.replace('.', '-').replace('_', '-')}")
+        return int(text)
+
+    rank = given(section.rank, "trainer.rank", "RANK")
+    world = given(section.world_size, "trainer.world_size", "WORLD_SIZE")
+    if not rank < world:
+        raise ConfigError(f"trainer.rank {rank} is not below trainer.world_size {world}: ranks count from 0")
+    return rank, world
+
+
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node trainer``: train ``trainer.steps`` steps, then exit."""
     section, rl = config.trainer, config.rl
     torch.set_num_threads(rl.torch_threads)
-    rank = section.rank if section.rank >= 0 else int(os.environ["RANK"])
-    world = section.world_size if section.world_size >= 0 else int(os.environ["WORLD_SIZE"])
+    rank, world = rank_and_world(section)
     dist.init_process_group("gloo", init_method=section.init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=section.batch_timeout_s))
     pids = world_pids(world)
