@@ -124,9 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "the cluster cleanly at any moment.")
     up.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
                     help="cluster TOML (same as --config; default: built-in)")
-    up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here")
-    up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here")
-    up.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs, config) afterwards")
+    up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here (its directory must "
+                    "exist: checked before anything starts)")
+    up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here; "
+                    "needs matplotlib, the `plot` extra (pip install 'refbus[plot]'): checked before anything "
+                    "starts")
+    up.add_argument("--keep-logs", action="store_true", help="keep the temporary run directory (logs, config with "
+                    "the secret) afterwards, and print its path")
     up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files, trainer checkpoints "
                     "in checkpoints/<store.run>; kept, and may be given again: a new run resumes nothing of an "
                     "earlier one unless given its store.run); default: a temporary one, removed at the end unless "

@@ -59,7 +59,7 @@ from ..bus.reqrep import RetryPolicy
 from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
 from ..protocol.messages import Delete, EpisodeFinished, FetchAck, NodeDown, NodeUp, RunEnd, VersionBump
-from .config import Config, to_toml
+from .config import Config, ConfigError, to_toml
 from .launch import NodeProcess, NodeStartError, StartCancelled
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
 from .payload.prompts import TASK_PREFIX
@@ -266,10 +266,46 @@ class LocalCluster:
         self.stop(self.by_role("bus"))  # the broker: last, so every node's final events reach the watcher
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse (:class:`ConfigError`) before anything starts what the end of the run could not do: a
+    ``--plot-out`` without matplotlib (the ``plot`` extra), a ``--summary-out`` or ``--plot-out`` in a
+    directory that does not exist or cannot be written. Found only at the end, the run would be lost to a
+    traceback."""
+    for flag, path in (("--summary-out", args.summary_out), ("--plot-out", args.plot_out)):
+        if path is None:
+            continue
+        directory = Path(path).absolute().parent
+        if not directory.is_dir():
+            raise ConfigError(f"{flag} {path}: no directory {directory}")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"{flag} {path}: directory {directory} is not writable")
+    if args.plot_out is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"--plot-out {args.plot_out} needs matplotlib: install the plot extra "
+                              "(pip install 'refbus[plot]')") from None
+
+
 def run_up(config: Config, args: argparse.Namespace) -> int:
-    up = config.up
+    """Run the local cluster (module docstring); the exit status: 0 when the run is ok, 1 when not (or a node
+    failed to start), 130 when interrupted; :class:`ConfigError` before anything starts for outputs the run
+    could not write (:func:`check_outputs`). A temporary run directory (no ``--run-dir``) is removed at the end
+    whatever happened, unless ``--keep-logs`` (then its path is printed): it holds the secret."""
+    check_outputs(args)
     workdir = Path(args.run_dir).absolute() if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return _run(config, args, workdir)
+    finally:
+        if not args.run_dir and args.keep_logs:  # a given run directory is kept (and may be given again)
+            print(f"refbus up: run directory kept: {workdir}", flush=True)
+        elif not args.run_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(config: Config, args: argparse.Namespace, workdir: Path) -> int:
+    up = config.up
     config = _cluster_config(config, workdir)
     stop = _StopFlag()
     cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested)
@@ -345,8 +381,6 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
             if config.store.durable:  # what nodes that died at the end (or were killed) left behind
                 gc(config.store.directory, config.store.run)
         _report(summary, args)
-        if not (args.keep_logs or args.run_dir):
-            shutil.rmtree(workdir, ignore_errors=True)
     if stop.requested:
         return 130
     return 0 if summary["ok"] else 1

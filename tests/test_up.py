@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections import Counter
@@ -26,11 +27,12 @@ from typing import Any
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
-from refbus.nodes.config import Config
-from refbus.nodes.launch import NodeProcess
+from refbus.nodes.cli import _command, build_parser
+from refbus.nodes.config import Config, ConfigError, load_config
+from refbus.nodes.launch import NodeProcess, NodeStartError
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
-from refbus.nodes.up import RunRecord, _report, _summary
+from refbus.nodes.up import LocalCluster, RunRecord, _report, _summary, run_up
 from refbus.protocol.messages import StepBatch
 from stalling_entry_points import STALL_ENV
 
@@ -370,3 +372,43 @@ def test_ctrl_c_during_start_up_starts_no_further_node(tmp_path: Path) -> None:
         assert not {"trainer-0", "trainer-1", "rollout-0", "rollout-1", "orchestrator"} & set(started), started
     finally:
         up.close()
+
+
+def _failing_start(self: LocalCluster, name: str, *command: str, wait: bool = True) -> NodeProcess:
+    raise NodeStartError(f"{name} exited with 1:\n(log tail)")
+
+
+@pytest.mark.parametrize("keep_logs", [False, True])
+def test_a_failed_start_removes_the_temporary_run_directory_unless_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], keep_logs: bool) -> None:
+    """Before, a node that failed to start returned before the clean-up: the temporary run directory stayed,
+    with the secret in its cluster.toml. No process starts here: the start of the broker fails at once."""
+    monkeypatch.setattr(LocalCluster, "start", _failing_start)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("REFBUS_SECRET", "s3cret")
+    args = build_parser().parse_args(["up", *(["--keep-logs"] if keep_logs else [])])
+    assert run_up(load_config(args), args) == 1
+    out = capsys.readouterr().out
+    assert "a node failed to start: bus exited with 1" in out
+    left = list(tmp_path.glob("refbus-up-*"))
+    if keep_logs:
+        (kept,) = left
+        assert f"run directory kept: {kept}" in out and "s3cret" in (kept / "cluster.toml").read_text()
+    else:
+        assert left == []
+
+
+def test_outputs_the_end_of_a_run_could_not_write_are_refused_before_anything_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a --plot-out without the plot extra or a --summary-out in a missing directory was a traceback at
+    the very end of the run (and the run directory stayed)."""
+    monkeypatch.setattr(LocalCluster, "start", _failing_start)  # were the check missed: nothing would start
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an install without the plot extra
+    for flags, says in ((["--plot-out", str(tmp_path / "p.png")], r"needs matplotlib: install the plot extra"),
+                        (["--summary-out", str(tmp_path / "no-such-dir" / "s.json")], r"no directory .*no-such-dir")):
+        args = build_parser().parse_args(["up", *flags])
+        with pytest.raises(ConfigError, match=says):
+            run_up(load_config(args), args)
+        assert _command(load_config(args), args) == 2  # the CLI's: a message, as for a bad config
+    assert list(tmp_path.iterdir()) == []  # no run directory made
