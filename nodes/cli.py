@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(counted in blob ids) and what it could not account for. Reads a `refbus monitor --json` "
                     "file, or the live stream (replayed from the broker's ring) until the launcher's run-end event "
                     "or --duration seconds, then reconciles with every live env server's own counters; Ctrl-C or "
-                    "SIGTERM stops it there and prints what it read, not reconciled. Exits 1 unless every blob is "
-                    "accounted for.")
+                    "SIGTERM stops it there and prints what it read, not reconciled. Exits 0 when every blob is "
+                    "accounted for, 1 when not, 2 when the file cannot be read (missing, unreadable, not "
+                    "`refbus monitor --json` records) or the config is refused.")
     ledger.add_argument("file", nargs="?", default=None, help="events file from `refbus monitor --json` ('-': stdin)")
     ledger.add_argument("--json", action="store_true", help="print the report as JSON")
     ledger.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
@@ -228,9 +229,13 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
     ledger = Ledger(max_count=config.limits.max_items)
     unread: list[str] = []  # stores whose counters could not be read: the report cannot vouch for them
     if args.file is not None:
-        with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
-            for record in read_records(lines):
-                ledger.apply(record)
+        try:
+            with open(args.file) if args.file != "-" else contextlib.nullcontext(sys.stdin) as lines:
+                for record in read_records(lines):
+                    ledger.apply(record)
+        except (OSError, ValueError) as exc:  # missing, a directory, unreadable, not UTF-8, not event records
+            print(f"refbus: cannot read the events file {args.file}: {exc}", file=sys.stderr)
+            return 2
     else:
         runtime = NodeRuntime("ledger", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
         runtime.subscribe(ledger.apply_message, since=0)

@@ -710,13 +710,17 @@ def reconcile_stores(
 
 
 def read_records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
-    """Records from ``refbus monitor --json`` output; blank lines skipped, bad lines raise with their number."""
+    """Records from ``refbus monitor --json`` output; blank lines skipped, a line that is not a JSON object
+    raises ``ValueError`` with its number."""
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"line {number}: not a JSON event record ({exc})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {number}: not a JSON event record (a {type(record).__name__}, not an object)")
+            yield record
 
 
 def format_report(report: LedgerReport) -> str:

@@ -571,6 +571,23 @@ def test_bad_lines_name_their_number() -> None:
     assert next(records)["type"] == "delete"
     with pytest.raises(ValueError, match="line 3"):
         next(records)
+    with pytest.raises(ValueError, match=r"line 1: not a JSON event record \(a list, not an object\)"):
+        next(read_records(["[1, 2]"]))
+
+
+def test_a_file_the_ledger_cannot_read_is_a_message_and_exit_2_not_1(tmp_path: Path) -> None:
+    """Before, a missing, unreadable or non-JSON file was a traceback with exit 1, the status that says some
+    blob is not accounted for."""
+    (not_json := tmp_path / "bad.jsonl").write_text("not json\n")
+    (not_utf8 := tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    (a_list := tmp_path / "list.jsonl").write_text("[1]\n")
+    for path, says in ((tmp_path / "missing.jsonl", "No such file"), (tmp_path, "Is a directory"),
+                       (not_json, "line 1: not a JSON event record"), (not_utf8, "codec can't decode"),
+                       (a_list, "not an object")):
+        run = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "ledger", str(path)],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stdout == "", (path, run)
+        assert run.stderr.startswith(f"refbus: cannot read the events file {path}: ") and says in run.stderr, run.stderr
 
 
 def _branch(tokens: int) -> dict[str, np.ndarray]:
