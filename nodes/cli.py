@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "RL with router replay, show progress, stop everything and print a summary. Ctrl-C stops "
                     "the cluster cleanly at any moment.")
     up.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
-                    help="cluster TOML (same as --config; default: built-in)")
+                    help="cluster TOML (as --config, which is then not to be given too; default: built-in)")
     up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here (its directory must "
                     "exist: checked before anything starts)")
     up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here; "
@@ -267,8 +267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"refbus: {exc}", file=sys.stderr)
             return 2
         return 0
-    if getattr(args, "config_file", None):
-        args.config = args.config_file
     try:
         config = load_config(args)
     except ConfigError as exc:

@@ -353,10 +353,16 @@ def _parse_bool(text: str) -> bool:
 
 
 def load_config(args: argparse.Namespace) -> Config:
-    """The effective config: defaults, then the file, then flags, then ``$REFBUS_SECRET``; then every
-    relation in :data:`RELATIONS` is checked (:class:`ConfigError` names the keys of the first that fails)."""
+    """The effective config: defaults, then the file (``--config``, or ``refbus up``'s CONFIG, or
+    ``$REFBUS_CONFIG``), then flags, then ``$REFBUS_SECRET``; then every relation in :data:`RELATIONS` is
+    checked (:class:`ConfigError` names the keys of the first that fails). Also a :class:`ConfigError`: two
+    files given (CONFIG and ``--config``: which one was meant?) and a ``$REFBUS_SECRET`` set but empty (it would
+    silently replace the file's secret with none, and nodes would run unsigned)."""
     config = Config()
-    path = getattr(args, "config", None) or os.environ.get("REFBUS_CONFIG")
+    given = [path for path in (getattr(args, "config_file", None), getattr(args, "config", None)) if path]
+    if len(given) > 1:
+        raise ConfigError(f"two config files given, {given[0]} (CONFIG) and {given[1]} (--config): give one")
+    path = next(iter(given), None) or os.environ.get("REFBUS_CONFIG")
     if path:
         try:
             with open(path, "rb") as f:
@@ -369,6 +375,9 @@ def load_config(args: argparse.Namespace) -> Config:
             _, section, key = name.split("__")
             flags.setdefault(section, {})[key] = value
     if "REFBUS_SECRET" in os.environ:
+        if not os.environ["REFBUS_SECRET"]:
+            raise ConfigError("$REFBUS_SECRET is set but empty: it would replace security.secret with no secret "
+                              "(every message unsigned); unset it, or set it to the secret")
         flags.setdefault("security", {})["secret"] = os.environ["REFBUS_SECRET"]
     for section, values in flags.items():
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))

@@ -316,6 +316,29 @@ def test_every_string_reads_back_from_the_toml_written_for_it(tmp_path: Path) ->
     assert load(config_file=LocalCluster(config, workdir).config_file).security.secret == text
 
 
+def test_an_empty_secret_in_the_environment_is_refused_not_taken_for_none(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, ``REFBUS_SECRET=`` silently replaced the file's secret with none: the nodes ran unsigned."""
+    path = tmp_path / "cluster.toml"
+    path.write_text('[security]\nsecret = "from-the-file"\n')
+    monkeypatch.setenv("REFBUS_SECRET", "")
+    with pytest.raises(ConfigError, match=r"\$REFBUS_SECRET is set but empty"):
+        load(config_file=path)
+    monkeypatch.delenv("REFBUS_SECRET")
+    assert load(config_file=path).security.secret == "from-the-file"
+
+
+def test_up_refuses_two_config_files(tmp_path: Path) -> None:
+    """Before, ``refbus up CONFIG --config OTHER`` silently used CONFIG."""
+    one, other = tmp_path / "one.toml", tmp_path / "other.toml"
+    one.write_text("[orchestrator]\nseed = 1\n")
+    other.write_text("[orchestrator]\nseed = 2\n")
+    with pytest.raises(ConfigError, match=r"two config files given, .*one\.toml \(CONFIG\) and .*other\.toml"):
+        load_config(build_parser().parse_args(["up", str(one), "--config", str(other)]))
+    assert load_config(build_parser().parse_args(["up", str(one)])).orchestrator.seed == 1
+    assert load_config(build_parser().parse_args(["up", "--config", str(other)])).orchestrator.seed == 2
+
+
 def test_a_timer_refuses_an_interval_that_would_never_let_the_loop_go() -> None:
     runtime = NodeRuntime("t", RuntimeSettings(node_id="t", metrics_port=-1), register=False)
     try:
