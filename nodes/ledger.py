@@ -80,7 +80,7 @@ import structlog
 from ..bus.reqrep import RemoteError, RequestTimeout
 from ..bus.runtime import NodeRuntime
 from ..protocol.envelope import Limits, Message, incarnation
-from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp
+from ..protocol.messages import Accounted, Accounts, EpisodeFinished, NodeUp, NonNegative
 from .tombstones import DEFAULT_RECENT, FORGOTTEN, CounterRuns, Tombstones
 
 log = structlog.get_logger(__name__)
@@ -709,9 +709,69 @@ def reconcile_stores(
     return problems
 
 
+class _RecordHeader(msgspec.Struct):
+    """The header fields of a ``refbus monitor --json`` record the fold reads (the rest are the body's)."""
+
+    type: str
+    src: str = ""
+    seq: NonNegative = 0
+    id: str = ""
+
+
+class _Ref(msgspec.Struct):
+    blob_id: str
+    source: str = ""
+
+
+class _Node(msgspec.Struct):
+    node_id: str
+    labels: dict[str, str] = {}
+
+
+class _Finished(msgspec.Struct):
+    refs: list[_Ref]
+
+
+class _Moved(msgspec.Struct):
+    blob_ids: list[str]
+    holder: str
+
+
+class _Deleted(msgspec.Struct):
+    blob_ids: list[str]
+    holder: str
+    reason: str
+    node: str = ""
+
+
+class _Refused(msgspec.Struct):  # its ``count`` is the fold's to judge: a bad one is a refused event, counted
+    blob_id: str
+    action: str
+    holder: str
+    owner: str
+    detail: str
+
+
+class _Down(msgspec.Struct):
+    node_id: str
+
+
+class _Up(msgspec.Struct):
+    node: _Node
+
+
+# What the fold reads of each kind it folds (extra fields are the reader's to ignore: a record filtered down
+# to these, by hand or with jq, is folded alike).
+_READ: dict[str, type[msgspec.Struct]] = {"episode-finished": _Finished, "claim": _Moved, "reference": _Moved,
+                                          "delete": _Deleted, "violation": _Refused, "node-down": _Down,
+                                          "node-up": _Up}
+_HEADER_KEYS = ("type", "src", "seq", "id")
+
+
 def read_records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
-    """Records from ``refbus monitor --json`` output; blank lines skipped, a line that is not a JSON object
-    raises ``ValueError`` with its number."""
+    """Records from ``refbus monitor --json`` output; blank lines skipped. A line that is not a JSON object, or
+    a record whose header or whose fields the fold reads do not have the types it reads them as, raises
+    ``ValueError`` with its number: the fold never meets a field it cannot read."""
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
@@ -720,7 +780,22 @@ def read_records(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
                 raise ValueError(f"line {number}: not a JSON event record ({exc})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"line {number}: not a JSON event record (a {type(record).__name__}, not an object)")
+            _check_record(record, number)
             yield record
+
+
+def _check_record(record: dict[str, Any], number: int) -> None:
+    try:
+        header = msgspec.convert({k: record[k] for k in _HEADER_KEYS if k in record}, _RecordHeader)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"line {number}: not an event record ({exc})") from None
+    read = _READ.get(header.type)
+    if read is None:
+        return
+    try:
+        msgspec.convert(record, read)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"line {number}: not a {header.type} event record ({exc})") from None
 
 
 def format_report(report: LedgerReport) -> str:

@@ -567,12 +567,45 @@ def test_cli_reads_a_monitor_file_and_exits_nonzero_on_violations(tmp_path: Path
 
 
 def test_bad_lines_name_their_number() -> None:
-    records = read_records(['{"type": "delete"}', "", "not json"])
+    delete = {"type": "delete", "src": "orch", "seq": 1, "blob_ids": ["a"], "holder": "orch", "reason": "trained"}
+    records = read_records([json.dumps(delete), "", "not json"])
     assert next(records)["type"] == "delete"
     with pytest.raises(ValueError, match="line 3"):
         next(records)
     with pytest.raises(ValueError, match=r"line 1: not a JSON event record \(a list, not an object\)"):
         next(read_records(["[1, 2]"]))
+
+
+@pytest.mark.parametrize("record", [
+    {"type": "episode-finished", "src": "env-0", "seq": 1},  # no refs
+    {"type": "episode-finished", "src": "env-0", "seq": 1, "episode_id": "e", "source": "env-0", "refs": [{}]},
+    {"type": "claim", "src": "env-0", "seq": 1, "blob_ids": "abc", "holder": "orch"},  # a string, not ids
+    {"type": "reference", "src": "trainer-0", "seq": 1, "blob_ids": ["a"]},  # no holder
+    {"type": "delete", "src": "env-0", "seq": 1, "blob_ids": [1, 2], "holder": "orch", "reason": "trained"},
+    {"type": "node-up", "src": "bus", "seq": 1, "node": 5},
+    {"type": "node-down", "src": "bus", "seq": 1},
+    {"type": "violation", "src": "env-0", "seq": 1, "blob_id": "a", "holder": "t"},  # no action, owner, detail
+    {"type": "claim", "src": 3, "seq": 1, "blob_ids": ["a"], "holder": "orch"},  # a source that is no name
+    {"type": "claim", "src": "env-0", "seq": -1, "blob_ids": ["a"], "holder": "orch"},
+    {"type": "claim", "src": "env-0", "seq": "1", "blob_ids": ["a"], "holder": "orch"},
+    {"src": "env-0", "seq": 1},  # no type
+], ids=lambda record: json.dumps(record)[:60])
+def test_a_record_that_does_not_fit_its_kind_names_its_line_where_the_fold_raised(record: dict[str, object]) -> None:
+    """Before, such a record reached the fold and raised KeyError or TypeError from inside it (a traceback from
+    `refbus ledger FILE`); now the reader checks the fields the fold reads, naming the line."""
+    with pytest.raises(ValueError, match=r"^line 2: not an? .*event record"):
+        list(read_records(['{"type": "heartbeat", "src": "x"}', json.dumps(record)]))
+
+
+def test_kinds_the_fold_ignores_and_a_violation_count_pass_the_reader_for_the_fold_to_judge() -> None:
+    violation = {"type": "violation", "src": "env-0", "seq": 6, "id": "1-6", "blob_id": "a", "action": "delete",
+                 "holder": "trainer-1", "owner": "orch", "detail": "already deleted", "count": 0}
+    other = {"type": "episode-progress", "src": "env-0", "seq": 5, "whatever": [1, {"x": None}]}
+    assert list(read_records([json.dumps(other), json.dumps(violation)])) == [other, violation]
+    ledger = Ledger()
+    for record in read_records([json.dumps(violation)]):
+        ledger.apply(record)
+    assert ledger.report().refused == {"env-0": 1}
 
 
 def test_a_file_the_ledger_cannot_read_is_a_message_and_exit_2_not_1(tmp_path: Path) -> None:
@@ -581,9 +614,10 @@ def test_a_file_the_ledger_cannot_read_is_a_message_and_exit_2_not_1(tmp_path: P
     (not_json := tmp_path / "bad.jsonl").write_text("not json\n")
     (not_utf8 := tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
     (a_list := tmp_path / "list.jsonl").write_text("[1]\n")
+    (no_refs := tmp_path / "no-refs.jsonl").write_text('{"type": "episode-finished", "src": "env-0"}\n')
     for path, says in ((tmp_path / "missing.jsonl", "No such file"), (tmp_path, "Is a directory"),
                        (not_json, "line 1: not a JSON event record"), (not_utf8, "codec can't decode"),
-                       (a_list, "not an object")):
+                       (a_list, "not an object"), (no_refs, "line 1: not a episode-finished event record")):
         run = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "ledger", str(path)],
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and run.stdout == "", (path, run)
