@@ -287,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _command(config: Config, args: argparse.Namespace) -> int:
     """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key or an address
     another process holds is a message and status 1, config a role finds unusable (a trainer rank without
-    ``$RANK``) a message and status 2 (as at load), Ctrl-C status 130."""
+    ``$RANK``) a message and status 2 (as at load), Ctrl-C status 130, an output whose reader went away (a pipe to
+    ``head``) status 141 (128 + SIGPIPE, as a shell reports a tool SIGPIPE killed)."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -324,6 +325,10 @@ def _command(config: Config, args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # its reader went away (`refbus top --json | head -1`): done, as a SIGPIPE would end it
+        from .monitor import reader_gone
+
+        return reader_gone()
 
 
 if __name__ == "__main__":

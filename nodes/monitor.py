@@ -125,11 +125,23 @@ def run_monitor(
     runtime.run(until=until)
     if monitor.failed is None:
         return 0
-    # What is still buffered can never be written: the interpreter's flush at exit would fail on it again.
+    if isinstance(monitor.failed, BrokenPipeError):
+        return reader_gone()
+    drop_stdout()
+    print(f"refbus: cannot write the events: {monitor.failed}", file=sys.stderr)
+    return 1
+
+
+def drop_stdout() -> None:
+    """Point stdout at the null device: what is still buffered can never be written, and the interpreter's
+    flush at exit would fail on it again (``Exception ignored ... BrokenPipeError``)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    if isinstance(monitor.failed, BrokenPipeError):
-        return BROKEN_PIPE_STATUS
-    print(f"refbus: cannot write the events: {monitor.failed}", file=sys.stderr)
-    return 1
+
+
+def reader_gone() -> int:
+    """The exit status of a command whose output's reader went away (``refbus top --json | head -1``), its
+    stdout dropped (:func:`drop_stdout`): :data:`BROKEN_PIPE_STATUS`, no traceback."""
+    drop_stdout()
+    return BROKEN_PIPE_STATUS

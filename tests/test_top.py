@@ -25,6 +25,7 @@ from conftest import FAST_LIVENESS
 from refbus.bus.reqrep import HandlerError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import start_bus
+from refbus.nodes.monitor import BROKEN_PIPE_STATUS
 from refbus.protocol.envelope import Message
 from refbus.protocol.messages import NodeInfo, NodeList, Nodes, Ok
 from scenario_support import Registry
@@ -306,3 +307,13 @@ def test_top_shows_garbage_from_the_registry_escaped_and_reports_what_it_cannot_
         assert "h\\x1b]0;pwned\\x07\\x0a" in once.stdout and "tr\\x1b[2J" in once.stdout
     finally:
         fake.join(timeout=START_S)
+
+
+def test_top_ends_when_its_reader_goes_away(bus, top) -> None:
+    """``refbus top --json | head -1``: before, the next refresh's write raised BrokenPipeError out of the command
+    (a traceback, exit 1); now top ends as a tool SIGPIPE killed would, saying nothing."""
+    watching = top(bus[1])
+    assert "nodes" in watching.until(lambda shown: "nodes" in shown, START_S, "a table")
+    watching.proc.stdout.close()  # type: ignore[union-attr]
+    assert watching.proc.wait(START_S) == BROKEN_PIPE_STATUS, watching.stderr()
+    assert "Traceback" not in watching.stderr() and "Exception ignored" not in watching.stderr(), watching.stderr()
