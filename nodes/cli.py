@@ -157,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(top)
 
     nodes = commands.add_parser("nodes", help="list the live nodes in the broker's registry",
-                                description="List the live nodes in the broker's registry.")
+                                description="List the live nodes in the broker's registry. Exit status: 0; 1 when "
+                                            "the broker does not answer; 3 when it had to cut its answer to fit its "
+                                            "body limit (the nodes that came are listed, the count left out is said "
+                                            "on stderr).")
     nodes.add_argument("--role", default="", help="only nodes of this role")
     nodes.add_argument("--json", action="store_true", help="print a JSON array")
     add_config_flags(nodes)
@@ -203,14 +206,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+NODES_OMITTED_STATUS = 3
+"""``refbus nodes``' exit status when the broker cut its answer to fit its body limit: the nodes that came are
+printed, the count left out is said on stderr (a script taking the list for the whole registry must not)."""
+
+
 def _list_nodes(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("cli", config.runtime(), register=False)
     try:
-        nodes = runtime.lookup(args.role)
+        listed = runtime.listing(args.role)
     finally:
         runtime.close()
-    if nodes is None:
+    if listed is None:
         raise BusUnavailable(f"no registry from the broker at {config.bus.control}")
+    nodes = listed.nodes
     from .top import json_safe, printable
 
     if args.json:  # strict JSON: a NaN status number is null
@@ -220,6 +229,10 @@ def _list_nodes(config: Config, args: argparse.Namespace) -> int:
             endpoints = printable(" ".join(f"{k}={v}" for k, v in info.endpoints.items()))
             print(f"{printable(info.node_id):<32} {printable(info.role):<12} {printable(info.host)}:{info.pid:<8} "
                   f"{endpoints}")
+    if listed.omitted:
+        print(f"refbus: {listed.omitted} nodes left out: the broker cut its answer to the body limit "
+              f"(limits.max_body_bytes)", file=sys.stderr)
+        return NODES_OMITTED_STATUS
     return 0
 
 

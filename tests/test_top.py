@@ -24,6 +24,7 @@ import pytest
 from conftest import FAST_LIVENESS
 from refbus.bus.reqrep import HandlerError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.cli import NODES_OMITTED_STATUS
 from refbus.nodes.launch import start_bus
 from refbus.nodes.monitor import BROKEN_PIPE_STATUS
 from refbus.protocol.envelope import Message
@@ -238,6 +239,13 @@ def test_top_shows_a_registry_answer_cut_to_the_body_limit_and_says_how_many_wer
         assert text.returncode == 0, text.stderr
         assert "2 nodes left out (registry answer over the body limit)" in text.stdout, text.stdout[-500:]
         assert re.search(r"^small\s+fat\s", text.stdout, re.MULTILINE), text.stdout[-500:]
+        # `refbus nodes` likewise lists what came (it said "no registry", exit 1), says how many it left out and
+        # exits 3: a script must not take the list for the whole registry.
+        listed = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "nodes", "--json", "--bus-control", control,
+                                 *FAST_LIVENESS, *REQUESTS], capture_output=True, text=True, timeout=START_S)
+        assert listed.returncode == NODES_OMITTED_STATUS, listed.stderr
+        assert [node["node_id"] for node in _strict(listed.stdout.encode())].count("small") == 1, listed.stdout[-500:]
+        assert "refbus: 2 nodes left out" in listed.stderr, listed.stderr
     finally:
         for runtime in started:
             runtime.join(timeout=START_S)
