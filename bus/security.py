@@ -129,19 +129,35 @@ def _parse_key(text: str, where: str) -> bytes:
 def _check_private(path: Path, what: str) -> None:
     """Refuse ``path`` when a user other than this one (or root) could change it: owned by another user, or
     writable by group or others. Whoever can rewrite the allow-list, or replace files in the key directory,
-    can admit their own key as any node."""
+    can admit their own key as any node. A group- or other-writable file (not a directory) is accepted where
+    no other user can reach it: in a directory this user owns that grants group and others nothing (what
+    ``generate`` leaves, and where a file written under a umask of 002 lands)."""
+    st = _stat(path, what)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SecurityError(f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
+                            "or root: another user could change the keys it admits")
+    if st.st_mode & 0o022 and (stat.S_ISDIR(st.st_mode) or not _only_mine(path.resolve().parent)):
+        raise SecurityError(f"{what} {path} is writable by group or others (mode "
+                            f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it")
+
+
+def _stat(path: Path, what: str) -> os.stat_result:
     try:
-        st = path.stat()
+        return path.stat()
     except FileNotFoundError:
         raise SecurityError(f"{what} {path} does not exist (made by `refbus keys generate`)") from None
     except OSError as exc:
         raise SecurityError(f"{what} {path} cannot be read: {exc}") from None
-    if st.st_uid not in (os.geteuid(), 0):
-        raise SecurityError(f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
-                            "or root: another user could change the keys it admits")
-    if st.st_mode & 0o022:
-        raise SecurityError(f"{what} {path} is writable by group or others (mode "
-                            f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it")
+
+
+def _only_mine(directory: Path) -> bool:
+    """True when no other user (root aside) can reach the files in ``directory``: this user owns it and it
+    grants group and others no access at all."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 def _read_pair(secret_path: Path, what: str) -> tuple[bytes, bytes]:
@@ -203,10 +219,11 @@ def load_curve(curve_dir: str, key_file: str, node_id: str = "", role: str = "")
     return Curve(server_public, server_secret, public, secret, allowed, grant)
 
 
-def _write_secret(path: Path, key: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never briefly readable by others
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` mode 0600 (whatever the umask) holding ``text``; an existing file is an error."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never briefly open to others
     with os.fdopen(fd, "w") as f:
-        f.write(key.decode() + "\n")
+        f.write(text)
 
 
 def _write_pair(directory: Path, stem: str) -> bytes:
@@ -214,15 +231,16 @@ def _write_pair(directory: Path, stem: str) -> bytes:
     if secret_path.exists() or public_path.exists():
         raise SecurityError(f"{secret_path} already exists: remove it first to replace the key")
     public, secret = zmq.curve_keypair()
-    _write_secret(secret_path, secret)
+    _write_private(secret_path, secret.decode() + "\n")
     public_path.write_text(public.decode() + "\n")
     return public
 
 
 def generate(curve_dir: str, node_id: str = "", role: str = "") -> list[str]:
     """Make ``curve_dir`` and the cluster key pair when missing; with ``node_id``, also that node's pair,
-    listed in the allow-list as ``role``. The directory, made or found, ends mode 0700; one owned by another
-    user is refused. Returns what was made, one line each (no secret in them)."""
+    listed in the allow-list as ``role``. The directory, made or found, ends mode 0700 and the allow-list (when
+    this user owns it) 0600, whatever the umask; a directory owned by another user is refused. Returns what
+    was made, one line each (no secret in them)."""
     directory = Path(curve_dir)
     if bool(node_id) != bool(role):
         raise SecurityError("--node-id and --role go together")
@@ -244,7 +262,9 @@ def generate(curve_dir: str, node_id: str = "", role: str = "") -> list[str]:
         public = _write_pair(directory, CLUSTER)
         made.append(f"cluster server key {public.decode()} in {directory / (CLUSTER + PUBLIC_SUFFIX)}")
     if not allow_list.exists():
-        allow_list.write_text("# PUBLIC_KEY NODE_ID ROLE: the client keys this cluster's nodes admit\n")
+        _write_private(allow_list, "# PUBLIC_KEY NODE_ID ROLE: the client keys this cluster's nodes admit\n")
+    elif allow_list.stat().st_uid == os.geteuid():
+        allow_list.chmod(0o600)  # one an earlier version wrote with the umask's mode (0664 under umask 002)
     if node_id:
         if any(g.node_id == node_id for g in read_allow_list(allow_list).values()):
             raise SecurityError(f"node {node_id!r} is already in {allow_list}")

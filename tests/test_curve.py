@@ -264,7 +264,8 @@ GARBAGE: list[tuple[str, Callable[[Path], None], str]] = [
     # Once encoded with '?' for each non-ASCII character, a key was taken for Z85 and failed as a pair mismatch.
     ("non-ASCII secret", lambda d: (d / "env-a.key_secret").write_text(
         "\u00e9" + (d / "env-a.key_secret").read_text()[1:]), "non-ASCII characters"),
-    ("allow-list writable by others", lambda d: (d / "allow-list").chmod(0o666), "chmod go-w"),
+    # Writable by others, in a directory others can reach (in a 0700 directory it is accepted: see the umask test).
+    ("allow-list writable by others", lambda d: (d.chmod(0o755), (d / "allow-list").chmod(0o666)), "chmod go-w"),
     ("key directory writable by others", lambda d: d.chmod(0o1777), "writable by group or others"),
     ("pair mismatch", lambda d: (d / "env-a.key").write_text(zmq.curve_keypair()[0].decode()), "not one key pair"),
     ("readable secret", lambda d: (d / "env-a.key_secret").chmod(0o644), "chmod 600"),
@@ -313,6 +314,32 @@ def test_keys_generate_makes_a_directory_it_reuses_private(tmp_path: Path) -> No
     generate(str(directory), "env-a", "env-server")
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     load_curve(str(directory), "", "env-a", "env-server")
+
+
+def test_keys_made_under_a_umask_of_002_load(tmp_path: Path) -> None:
+    # 002 is the default login umask where each user has a private group (Debian, Ubuntu, Fedora). generate wrote
+    # the allow-list 0664 under it, then refused its own allow-list as group-writable.
+    directory = tmp_path / "keys"
+    allow_list = directory / "allow-list"
+    umask = os.umask(0o002)
+    try:
+        generate(str(directory), "env-a", "env-server")
+        assert stat.S_IMODE(allow_list.stat().st_mode) == 0o600
+        load_curve(str(directory), "", "env-a", "env-server")
+        # An allow-list an earlier version wrote 0664: no other user reaches it in the 0700 directory, so it
+        # loads; the next generate tightens it.
+        allow_list.chmod(0o664)
+        load_curve(str(directory), "", "env-a", "env-server")
+        generate(str(directory), "env-b", "env-server")
+        assert stat.S_IMODE(allow_list.stat().st_mode) == 0o600
+        load_curve(str(directory), "", "env-b", "env-server")
+        # Once the group can reach the directory, a group-writable allow-list is the group's to rewrite.
+        allow_list.chmod(0o664)
+        directory.chmod(0o750)
+        with pytest.raises(SecurityError, match=re.escape(f"allow-list {allow_list} is writable by group")):
+            load_curve(str(directory), "", "env-a", "env-server")
+    finally:
+        os.umask(umask)
 
 
 @pytest.mark.parametrize("node_id", ["cluster", "allow-list"])
