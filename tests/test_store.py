@@ -200,23 +200,38 @@ def test_gc_removes_only_stores_no_live_process_holds(tmp_path: Path) -> None:
 OTHER_UID = 65534  # nobody
 
 
-def test_a_store_directory_others_may_write_is_refused_and_a_new_one_is_private(tmp_path: Path) -> None:
-    """The directory was adopted whatever its mode (another user could replace the journal or plant symlinks
-    in it); a new one is made 0700, and a symlink in place of the directory is refused too."""
+def test_a_new_store_directory_is_private_and_a_symlink_in_its_place_is_refused(tmp_path: Path) -> None:
+    """A new directory is made 0700; a symlink in place of the directory is refused (its target may be another
+    user's to replace files in)."""
     made = open_store(tmp_path, node="env-0")
     assert stat.S_IMODE(made.path.stat().st_mode) == 0o700
     made.close(remove=True)
     path = store_path(tmp_path, "run-a", "env-0")
-    path.mkdir()
-    path.chmod(0o777)
-    with pytest.raises(StoreError, match=re.escape(f"store directory {path} is writable by group or others")):
-        open_store(tmp_path, node="env-0")
-    path.rmdir()
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     path.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(StoreError, match=re.escape(f"store directory {path} is not a directory")):
         open_store(tmp_path, node="env-0")
     assert gc(tmp_path) == [] and path.is_symlink()
+
+
+def test_a_store_directory_an_earlier_version_made_under_umask_002_is_reopened_private(tmp_path: Path) -> None:
+    """An earlier version made the directory with a plain mkdir (0775 under umask 002, the default login umask
+    where each user has a private group); a restarted node refused it and could never re-adopt its store."""
+    umask = os.umask(0o002)
+    try:
+        path = store_path(tmp_path, "run-a", "env-0")
+        earlier = open_store(tmp_path, node="env-0")
+        earlier.commit({"op": "kept", "n": 1})
+        earlier.close(remove=False)
+        path.chmod(0o775)  # what the earlier version's mkdir left
+        with capture_logs() as logs:
+            reopened = open_store(tmp_path, node="env-0")
+        assert reopened.replay.records == [{"op": "kept", "n": 1}]
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert any(e["event"] == "store.directory_made_private" and e["mode"] == "775" for e in logs)
+        reopened.close(remove=True)
+    finally:
+        os.umask(umask)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root (os.chown)")

@@ -339,8 +339,9 @@ def _owned_directory(path: Path) -> bool:
 
 def _private_directory(path: Path) -> None:
     """Make the store directory ``path`` (mode 0700), or check the one there: a directory, not a symlink, of
-    this user's, that group and others cannot write. Anything else may be another user's (the name is
-    predictable): the store's files would be theirs to replace, or would follow their symlinks.
+    this user's. Anything else may be another user's (the name is predictable): the store's files would be
+    theirs to replace, or would follow their symlinks. One of this user's that group or others may reach (an
+    earlier version made it with the umask's mode, 0775 under umask 002) is made 0700, and that is logged.
 
     Raises:
         StoreError: naming ``path`` and why it is refused.
@@ -355,9 +356,9 @@ def _private_directory(path: Path) -> None:
         raise StoreError(f"store directory {path} is owned by uid {st.st_uid}, not by this user (uid "
                          f"{os.geteuid()}): another user made it; remove it, or set another store.directory or "
                          "store.run")
-    if st.st_mode & 0o022:
-        raise StoreError(f"store directory {path} is writable by group or others (mode "
-                         f"{stat.S_IMODE(st.st_mode):o}): chmod 700 it, or remove it")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)  # lstat said a directory, not a symlink: chmod changes this directory itself
+        log.warning("store.directory_made_private", store=str(path), mode=f"{stat.S_IMODE(st.st_mode):o}")
 
 
 def remove_unheld(path: Path) -> bool:
