@@ -90,24 +90,81 @@ def test_older_checkpoints_are_pruned_and_ranks_are_kept_apart(tmp_path: Path) -
 
 
 def test_a_checkpoint_of_other_dtypes_is_refused_naming_the_tensor_and_changes_nothing(tmp_path: Path) -> None:
-    """Loading casts silently (model weights, and an optimizer's state to its parameter's dtype): a float64
-    checkpoint into a float32 model, or float32 optimizer state into a float64 model's optimizer, would not
-    be the state saved. Both are refused, the model and optimizer left as they were."""
+    """Loading casts model weights silently: a float64 checkpoint into a float32 model would not be the state
+    saved. Refused, the model and optimizer left as they were; so is optimizer state of another dtype or shape
+    than the state the optimizer already holds."""
     model, optimizer = _trained(0, 2)
     checkpoint.save(tmp_path, 0, 2, model.double(), optimizer)  # weights float64, Adam's state still float32
     target, target_optimizer = _trained(1, 1)
     weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match=r"model/\S+ is torch.float64 .*need torch.float32"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"model/\S+ is torch.float64 .*needs torch.float32"):
         checkpoint.load(tmp_path, 0, 2, target, target_optimizer)
     _assert_same_state(weights, target.state_dict())
     _assert_same_state(state, target_optimizer.state_dict())
 
-    target.double()  # the weights fit now; the optimizer would cast its float32 state to float64
+    model, optimizer = _bf16_trained(0, 2)
+    checkpoint.save(tmp_path, 0, 4, model, optimizer)
+    target, target_optimizer = _bf16_trained(1, 1)
+    for held in target_optimizer.state.values():  # an optimizer holding float32 state already
+        held["buf"] = held["buf"].float()
     weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match=r"optim/0/exp_avg\S* is torch.float32 .*need torch.float64"):
-        checkpoint.load(tmp_path, 0, 2, target, target_optimizer)
+    with pytest.raises(checkpoint.CheckpointError, match=r"optim/0/buf is torch.bfloat16 .*holds torch.float32"):
+        checkpoint.load(tmp_path, 0, 4, target, target_optimizer)
     _assert_same_state(weights, target.state_dict())
     _assert_same_state(state, target_optimizer.state_dict())
+
+    # Its parameters in another order: the file's state for the first weight would land on the last bias.
+    target, _ = _bf16_trained(1, 0)
+    target_optimizer = Bf16MomentSGD(list(target.parameters())[::-1])
+    _update(target, target_optimizer)
+    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
+    with pytest.raises(checkpoint.CheckpointError, match=r"optim/\d+/buf is torch.bfloat16 \(\d+, \d+\), this "
+                       r"optimizer holds torch.bfloat16 \(\d+,\)"):
+        checkpoint.load(tmp_path, 0, 4, target, target_optimizer)
+    _assert_same_state(weights, target.state_dict())
+    _assert_same_state(state, target_optimizer.state_dict())
+
+
+class Bf16MomentSGD(torch.optim.Optimizer):
+    """SGD with momentum kept in bfloat16 for float32 weights, as memory-saving optimizers keep their state."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p, dtype=torch.bfloat16))
+                buf.mul_(0.9).add_(p.grad.to(torch.bfloat16))
+                p.add_(buf.float(), alpha=-group["lr"])
+
+
+def _bf16_trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = make_policy(seed)
+    optimizer = Bf16MomentSGD(model.parameters())
+    for _ in range(steps):
+        _update(model, optimizer)
+    return model, optimizer
+
+
+def test_optimizer_state_of_another_dtype_than_its_parameters_comes_back_as_saved(tmp_path: Path) -> None:
+    """torch's loading casts optimizer state to its parameter's dtype: bf16 moments of fp32 weights came back
+    fp32 and were refused as cast, so a world whose optimizer keeps such state could never resume."""
+    model, optimizer = _bf16_trained(0, 3)
+    checkpoint.save(tmp_path, 0, 3, model, optimizer)
+    restored, restored_optimizer = _bf16_trained(7, 0)  # other weights, an empty optimizer state
+    checkpoint.load(tmp_path, 0, 3, restored, restored_optimizer)
+    _assert_same_state(model.state_dict(), restored.state_dict())
+    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())  # bfloat16, as saved
+
+    _update(model, optimizer)
+    _update(restored, restored_optimizer)
+    _assert_same_state(model.state_dict(), restored.state_dict())
+    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())
 
 
 def test_a_write_below_the_newest_removes_the_files_above_it(tmp_path: Path) -> None:

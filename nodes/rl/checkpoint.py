@@ -23,6 +23,7 @@ every rank has, and :func:`prune` removes what lies above it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -106,27 +107,35 @@ def latest_step(directory: Path | str, rank: int, at_most: int | None = None) ->
 def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer) -> None:
     """Load rank ``rank``'s checkpoint of ``step`` into ``model`` and ``optimizer`` (exact: tensors are copied
-    bit for bit; every model tensor must have the name, dtype and shape of the model's own, and every
-    optimizer state tensor must come out of the optimizer's loading with its dtype and shape, uncast).
-    Raises :class:`CheckpointError`, naming the tensor that does not fit, with the model and optimizer as
-    they were."""
+    bit for bit). Every model tensor must have the name, dtype and shape of the model's own. The optimizer's
+    state tensors come back as saved, in the file's dtype (an optimizer may keep its state in another dtype
+    than its parameters, e.g. bf16 moments for fp32 weights); each must belong to one of the optimizer's
+    parameters and, where the optimizer already holds that state, have its dtype and shape. Raises
+    :class:`CheckpointError`, naming the tensor that does not fit, with the model and optimizer as they
+    were."""
     path = path_of(directory, rank, step)
     metadata, tensors = _read(path)
     _expect(metadata, path, rank, step)
     model_state = {name[len("model/"):]: t for name, t in tensors.items() if name.startswith("model/")}
-    _fits(path, "model/", model_state, model.state_dict())
+    _model_fits(path, model_state, model.state_dict())
     # Loading builds a new state and new param groups, leaving these as they were: put back, they undo it
     # (loading them back instead would cast them too).
     before = {"state": optimizer.state, "param_groups": optimizer.param_groups}
     try:
         optimizer_meta = json.loads(metadata["optimizer"])
-        optimizer.load_state_dict(_unflatten(tensors, optimizer_meta, optimizer.state_dict()["param_groups"]))
-        # torch casts an optimizer's floating state to its parameter's dtype as it loads: what came out is
-        # compared with the file, and a cast one refused.
-        loaded = {f"{index}/{key}": value for index, state in optimizer.state_dict()["state"].items()
-                  for key, value in state.items() if isinstance(value, torch.Tensor)}
-        _fits(path, "optim/", {name[len("optim/"):]: t for name, t in tensors.items() if name.startswith("optim/")},
-              loaded)
+        state_dict = _unflatten(tensors, optimizer_meta, optimizer.state_dict()["param_groups"])
+        optimizer.load_state_dict(state_dict)  # refuses param groups of other sizes
+        # The file's parameter ids to the optimizer's parameters, as torch's loading paired them.
+        params = dict(zip(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                          itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups), strict=True))
+        _optimizer_fits(path, state_dict["state"], params, before["state"])
+        # torch casts every state tensor but ``step`` to its parameter's dtype as it loads: the optimizer
+        # saved it in its own dtype, and that is what it gets back (on the device torch moved it to).
+        for index, values in state_dict["state"].items():
+            held = optimizer.state[params[index]]
+            for key, tensor in values.items():
+                if isinstance(tensor, torch.Tensor) and held[key].dtype != tensor.dtype:
+                    held[key] = tensor.to(held[key].device)
     except (KeyError, ValueError, RuntimeError, TypeError) as exc:
         optimizer.__setstate__(before)
         if isinstance(exc, CheckpointError):
@@ -187,19 +196,38 @@ def _check(path: Path, rank: int, step: int) -> None:
         raise CheckpointError(f"{path}: optimizer metadata is not JSON: {exc}") from None
 
 
-def _fits(path: Path, prefix: str, given: Mapping[str, torch.Tensor], wanted: Mapping[str, torch.Tensor]) -> None:
-    """That ``given`` (the file's) has exactly the tensors of ``wanted`` (the model's or optimizer's), each of
-    the same dtype and shape."""
+def _model_fits(path: Path, given: Mapping[str, torch.Tensor], wanted: Mapping[str, torch.Tensor]) -> None:
+    """That ``given`` (the file's) has exactly the tensors of ``wanted`` (the model's), each of the same dtype
+    and shape."""
     if missing := sorted(wanted.keys() - given.keys()):
-        raise CheckpointError(f"{path}: lacks {prefix}{missing[0]} (of {len(missing)} missing tensors)")
+        raise CheckpointError(f"{path}: lacks model/{missing[0]} (of {len(missing)} missing tensors)")
     if extra := sorted(given.keys() - wanted.keys()):
-        raise CheckpointError(f"{path}: has {prefix}{extra[0]}, which this model and optimizer lack "
-                              f"(of {len(extra)} such tensors)")
+        raise CheckpointError(f"{path}: has model/{extra[0]}, which this model lacks (of {len(extra)} such "
+                              "tensors)")
     for name, tensor in given.items():
         want = wanted[name]
         if tensor.dtype != want.dtype or tensor.shape != want.shape:
-            raise CheckpointError(f"{path}: {prefix}{name} is {tensor.dtype} {tuple(tensor.shape)}, this model "
-                                  f"and optimizer need {want.dtype} {tuple(want.shape)}")
+            raise CheckpointError(f"{path}: model/{name} is {tensor.dtype} {tuple(tensor.shape)}, this model "
+                                  f"needs {want.dtype} {tuple(want.shape)}")
+
+
+def _optimizer_fits(path: Path, state: Mapping[int, Mapping[str, Any]], params: Mapping[int, torch.Tensor],
+                    own: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
+    """That every state tensor of the file (``state``: parameter id -> key -> value) belongs to one of the
+    optimizer's parameters (``params``: the file's id -> the parameter) and, where the optimizer already
+    holds that state (``own``: its state before loading), has its dtype and shape. A fresh optimizer holds
+    none: the file's is taken as saved."""
+    for index, values in state.items():
+        for key, tensor in values.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if index not in params:
+                raise CheckpointError(f"{path}: has optim/{index}/{key}, for a parameter this optimizer lacks "
+                                      f"(it has {len(params)})")
+            held = own.get(params[index], {}).get(key)
+            if isinstance(held, torch.Tensor) and (held.dtype != tensor.dtype or held.shape != tensor.shape):
+                raise CheckpointError(f"{path}: optim/{index}/{key} is {tensor.dtype} {tuple(tensor.shape)}, this "
+                                      f"optimizer holds {held.dtype} {tuple(held.shape)}")
 
 
 def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> None:
