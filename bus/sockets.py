@@ -130,8 +130,9 @@ def host_problem(host: str, *, in_endpoint: bool = False) -> str:
 def endpoint_problem(endpoint: str) -> str:
     """What is wrong with ``endpoint`` as a cluster endpoint (empty when nothing is): ``ipc://PATH``, or
     ``tcp://HOST:PORT`` (``ws``/``wss``: then an optional ``/path``) with a host :func:`host_problem` accepts,
-    ``*`` included, and a port from 0 (an ephemeral one, for a bind) to 65535. ZeroMQ would refuse what is wrong
-    only where a node binds or connects it, or take a port above 65535 modulo 65536."""
+    ``*`` included, and a port from 0 to 65535 or ``*`` (0 and ``*``: an ephemeral one, for a bind; ZeroMQ's
+    form is ``*``, :func:`wildcard_port`). ZeroMQ would refuse what is wrong only where a node binds or connects
+    it, or take a port above 65535 modulo 65536."""
     scheme, separator, address = endpoint.partition("://")
     if not separator or scheme not in ENDPOINT_SCHEMES:
         return (f"{endpoint!r} is not an endpoint transport://address with transport "
@@ -141,8 +142,8 @@ def endpoint_problem(endpoint: str) -> str:
     if scheme != "tcp":
         address = address.split("/", 1)[0]
     host, colon, port = address.rpartition(":")
-    if not colon or not (port.isascii() and port.isdigit()) or int(port) > 65_535:
-        return f"{endpoint!r} has no port from 0 to 65535 (write {scheme}://host:port)"
+    if not colon or (port != "*" and (not (port.isascii() and port.isdigit()) or int(port) > 65_535)):
+        return f"{endpoint!r} has no port from 0 to 65535 or * (write {scheme}://host:port)"
     return host_problem(host, in_endpoint=True)
 
 

@@ -456,9 +456,9 @@ def reference_tables() -> str:
               f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; `limits.max_frame_bytes` -1 or at least "
               f"`limits.max_body_bytes` + {ONE_FRAME_OVERHEAD} (the rest of a message in one frame: ZeroMQ drops "
               f"a larger frame without a word); one of its words for {words}; an endpoint for {endpoints} "
-              f"(`tcp://HOST:PORT`, HOST a host name, an IP address, `[IPv6]` or `*`, PORT 0 (ephemeral, for a bind) "
-              f"to 65535; `ipc://PATH`; {schemes} as tcp, with an optional `/path`); a host name or IP address for "
-              f"{hosts} (`node.host` may be empty)"
+              f"(`tcp://HOST:PORT`, HOST a host name, an IP address, `[IPv6]` or `*`, PORT 0 to 65535 or `*` (0 "
+              f"and `*`: ephemeral, for a bind); `ipc://PATH`; {schemes} as tcp, with an optional `/path`); a host "
+              f"name or IP address for {hosts} (`node.host` may be empty)"
               "; and the rules below (a violation is an error naming both sides). The request retry "
               "schedule is the sum of every attempt's timeout (`requests.*`; by default "
               f"{schedule} = {sum(Config().retry().timeouts()):g} s).", "", "| rule | so that |", "| --- | --- |"]

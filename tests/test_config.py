@@ -151,6 +151,11 @@ def test_every_endpoint_form_a_cluster_uses_is_accepted() -> None:
                   "--node-log-level", "debug", "--node-log-format", "json")
     assert (config.bus.control, config.node.host, config.node.log_level) == ("tcp://*:7770", "node-7.cluster.local",
                                                                             "debug")
+    # ZeroMQ's ephemeral-port form (what wildcard_port makes of :0) was refused as having no port.
+    config = load("--bus-control", "tcp://127.0.0.1:*", "--bus-events-in", "tcp://*:*")
+    assert (config.bus.control, config.bus.events_in) == ("tcp://127.0.0.1:*", "tcp://*:*")
+    with pytest.raises(ConfigError, match=re.escape("'tcp://127.0.0.1:**' has no port from 0 to 65535 or *")):
+        load("--bus-control", "tcp://127.0.0.1:**")
 
 
 def test_every_key_that_holds_an_endpoint_is_checked_as_one() -> None:
