@@ -20,7 +20,7 @@ from ..bus.broker import BrokerSettings
 from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
 from ..bus.sockets import ENDPOINT_SCHEMES, endpoint_problem, host_problem
-from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits
+from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits, largest_frame
 from .settings import (
     BusSettings,
     ClusterSettings,
@@ -269,10 +269,10 @@ def check_relations(config: Config) -> None:
     :data:`ENDPOINTS` that is no endpoint and of :data:`HOSTS` that is no host, the first number that is not
     finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S` (but 0 where
     :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or :data:`POSITIVE` out of
-    bounds, a frame cap (``limits.max_frame_bytes``) that would drop a body the limits admit, or both sides of
-    the first relation in :data:`RELATIONS` that fails. A zero or near-zero interval would spin a node's timers
-    without end; a zero or negative timeout would fail or kill at once; nan passes every comparison (a backoff
-    of nan seconds never ends) and inf overflows where a node converts it."""
+    bounds, a frame cap (``limits.max_frame_bytes``) below :func:`~refbus.protocol.envelope.largest_frame`, or
+    both sides of the first relation in :data:`RELATIONS` that fails. A zero or near-zero interval would spin a
+    node's timers without end; a zero or negative timeout would fail or kill at once; nan passes every
+    comparison (a backoff of nan seconds never ends) and inf overflows where a node converts it."""
     for name, words in CHOICES.items():
         if (value := _quantity(config, name)) not in words:
             raise ConfigError(f"{name} must be one of {', '.join(words)}, got {value!r}")
@@ -299,12 +299,13 @@ def check_relations(config: Config) -> None:
             raise ConfigError(f"{name} must be {low} or more, got {value!r}")
         if high is not None and not low <= value <= high:
             raise ConfigError(f"{name} must be from {low} to {high}, got {value!r}")
-    frame, body = config.limits.max_frame_bytes, config.limits.max_body_bytes
-    if frame != -1 and frame < body + ONE_FRAME_OVERHEAD:
+    frame = config.limits.max_frame_bytes
+    if frame != -1 and frame < (largest := largest_frame(config.limits.max_body_bytes,
+                                                         config.limits.max_message_bytes)):
         raise ConfigError(f"limits.max_frame_bytes must be -1 (no cap) or at least limits.max_body_bytes + "
-                          f"{ONE_FRAME_OVERHEAD} (the rest of a message in one frame) = {body + ONE_FRAME_OVERHEAD}, "
-                          f"got {frame}: ZeroMQ drops a larger frame without a word, so messages the limits admit "
-                          "would never arrive")
+                          f"{ONE_FRAME_OVERHEAD} (the rest of a message in one frame), or limits.max_message_bytes "
+                          f"where that is smaller (no frame is larger) = {largest}, got {frame}: ZeroMQ drops a "
+                          "larger frame without a word, so messages the limits admit would never arrive")
     for name, high in POSITIVE.items():
         value = _quantity(config, name)
         if not (value > 0 and (high is None or value <= high)):
@@ -454,8 +455,9 @@ def reference_tables() -> str:
     lines += ["", "Checked whenever a config loads: every number is finite (no nan, no inf); every duration "
               f"(`*_s`) is at least {MIN_DURATION_S:g} seconds (0 allowed for {zero}: none) and at most "
               f"{MAX_DURATION_S:.0f} (a year); {bounded}; {positive}; `limits.max_frame_bytes` -1 or at least "
-              f"`limits.max_body_bytes` + {ONE_FRAME_OVERHEAD} (the rest of a message in one frame: ZeroMQ drops "
-              f"a larger frame without a word); one of its words for {words}; an endpoint for {endpoints} "
+              f"`limits.max_body_bytes` + {ONE_FRAME_OVERHEAD} (the rest of a message in one frame), or "
+              "`limits.max_message_bytes` where that is smaller (no frame is larger; ZeroMQ drops a larger frame "
+              f"without a word); one of its words for {words}; an endpoint for {endpoints} "
               f"(`tcp://HOST:PORT`, HOST a host name, an IP address, `[IPv6]` or `*`, PORT 0 to 65535 or `*` (0 "
               f"and `*`: ephemeral, for a bind); `ipc://PATH`; {schemes} as tcp, with an optional `/path`); a host "
               f"name or IP address for {hosts} (`node.host` may be empty)"

@@ -95,7 +95,8 @@ class LimitsSettings:
     max_body_bytes: int = key(16 << 20, "Largest msgpack body accepted.")
     max_message_bytes: int = key(8 << 30, "Largest message (all frames) accepted.")
     max_frame_bytes: int = key(-1, "ZeroMQ per-frame cap (MAXMSGSIZE): a larger frame is dropped unread (an array "
-                                   "frame too); -1: none, else at least max_body_bytes + 4357.")
+                                   "frame too); -1: none, else at least max_body_bytes + 4357, or max_message_bytes "
+                                   "where that is smaller.")
     max_depth: int = key(32, "Deepest nesting of lists and maps accepted in a body.")
     max_items: int = key(1 << 20, "Most list elements and map entries accepted in one body, all together.")
 

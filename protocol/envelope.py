@@ -78,8 +78,15 @@ _HEADER_LENGTH = struct.Struct("<I").unpack_from  # the one-frame form's len(hea
 # (a server remembers those it answered).
 MAX_HEADER_BYTES = 4096
 ONE_FRAME_OVERHEAD = MAX_KIND_BYTES + len(ONE_FRAME_MARK) + 4 + MAX_HEADER_BYTES
-"""The most bytes a one-frame message holds beside its body (kind, mark, ``len(header)``, header): a ZeroMQ
-frame cap (``limits.max_frame_bytes``) below the largest body plus this drops messages the limits admit."""
+"""The most bytes a one-frame message holds beside its body (kind, mark, ``len(header)``, header); see
+:func:`largest_frame`."""
+
+
+def largest_frame(max_body_bytes: int, max_message_bytes: int) -> int:
+    """The largest frame of a message limits of ``max_body_bytes`` and ``max_message_bytes`` admit: a one-frame
+    message's (its body plus :data:`ONE_FRAME_OVERHEAD`), but no frame is larger than the whole message. A
+    ZeroMQ frame cap (``limits.max_frame_bytes``) below it drops messages the limits admit."""
+    return min(max_body_bytes + ONE_FRAME_OVERHEAD, max_message_bytes)
 Id = Annotated[str, msgspec.Meta(max_length=256)]
 
 

@@ -261,12 +261,19 @@ def test_a_frame_cap_must_admit_the_largest_body_the_limits_admit() -> None:
     least = Config().limits.max_body_bytes + ONE_FRAME_OVERHEAD
     for bad in (0, 1, least - 1):
         with pytest.raises(ConfigError, match=r"limits\.max_frame_bytes must be -1 \(no cap\) or at least "
-                                              r"limits\.max_body_bytes \+ 4357"):
+                                              rf"limits\.max_body_bytes \+ 4357 .* = {least}, got {bad}"):
             load("--limits-max-frame-bytes", str(bad))
     assert load("--limits-max-frame-bytes", str(least)).limits.max_frame_bytes == least
     # Checked against the effective body limit: a larger body needs a larger cap.
     with pytest.raises(ConfigError, match=r"limits\.max_body_bytes"):
         load("--limits-max-frame-bytes", str(least), "--limits-max-body-bytes", str(least))
+    # No frame is larger than a whole message: a smaller max_message_bytes is the floor (it was refused).
+    message = 1 << 20
+    assert load("--limits-max-message-bytes", str(message), "--limits-max-frame-bytes",
+                str(message)).limits.max_frame_bytes == message
+    with pytest.raises(ConfigError, match=rf"or limits\.max_message_bytes where that is smaller .* = {message}, "
+                                          rf"got {message - 1}"):
+        load("--limits-max-message-bytes", str(message), "--limits-max-frame-bytes", str(message - 1))
     (field,) = [f for f in dataclasses.fields(Config().limits) if f.name == "max_frame_bytes"]
     assert str(ONE_FRAME_OVERHEAD) in field.metadata["help"]  # the settings module imports no envelope
 
