@@ -151,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show the broker's registry as a table, refreshed every second (redrawn in place on a "
                     "terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts.")
     top.add_argument("--once", action="store_true", help="print one table and exit")
-    top.add_argument("--json", action="store_true", help="print each table as a JSON array (one line)")
+    top.add_argument("--json", action="store_true",
+                     help='print each refresh as one JSON object (one line): {"nodes": [...], "omitted": N}, N the '
+                     'live nodes left out of a registry answer cut to the body limit; a refresh that fails: '
+                     '{"error": "..."}')
     top.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (positive)")
     add_config_flags(top)

@@ -84,13 +84,18 @@ def _strict(text: str) -> object:
     return json.loads(text, parse_constant=refuse)
 
 
-def test_top_json_is_strict_json() -> None:
+def test_top_json_is_strict_json_of_the_form_its_help_says(capsys: pytest.CaptureFixture[str]) -> None:
     top = Top.__new__(Top)
     top.as_json, top.out = True, io.StringIO()
     table = rows(_nodes(), 100.0)
     top.show([*table, dataclasses.replace(table[0], node_id="late", heartbeat_age_s=NAN, lag=INF)])
     shown: Any = _strict(top.out.getvalue())  # type: ignore[union-attr]
     assert shown["omitted"] == 0
+    # The help said "each table as a JSON array" after top had come to print one object per refresh.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["top", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert sorted(shown) == ["nodes", "omitted"] and '{"nodes": [...], "omitted": N}' in said, said
     found = {row["node_id"]: row for row in shown["nodes"]}
     assert found["ro"]["version"] is None and found["env"]["blobs_held"] is None
     assert found["late"]["heartbeat_age_s"] is None and found["late"]["lag"] is None
