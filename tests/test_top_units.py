@@ -13,7 +13,7 @@ from refbus.nodes import cli
 from refbus.nodes.cli import build_parser
 from refbus.nodes.config import Config
 from refbus.nodes.top import Top, format_table, rows
-from refbus.protocol.messages import NodeInfo
+from refbus.protocol.messages import NodeInfo, NodeList
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "-inf", "soon"])
@@ -106,8 +106,8 @@ class _Registry:
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def lookup(self, role: str) -> list[NodeInfo]:
-        return _nodes()
+    def listing(self, role: str) -> NodeList:
+        return NodeList(_nodes())
 
     def close(self) -> None:
         pass
