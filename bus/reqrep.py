@@ -5,7 +5,8 @@ The contract:
 * A request carries a message id. A retry resends the *same* frames, so the same id.
 * The server executes a request once per ``(source, id)``: a retried request is answered again from a reply
   cache and not executed a second time. Handlers registered with ``cached=False`` (reads such as ``fetch``)
-  are simply re-executed, so large replies are not kept.
+  are simply re-executed, so large replies are not kept. Neither is an error reply that asks for a retry
+  (``retry_after_s`` > 0: its handler changed nothing), so the same request sent again runs again.
 * Every failure becomes an ``error`` reply with a stable code: malformed frames, unknown kinds, schema and
   version errors, oversized messages, handler errors (:class:`HandlerError`), unexpected exceptions
   (``internal``). The server keeps serving others whatever it receives.
@@ -180,7 +181,8 @@ def split_outcomes(keyed: Iterable[tuple[K, Outcome]]) -> tuple[list[tuple[K, Me
 
 class HandlerError(Exception):
     """Raised by a handler to answer with an ``error`` reply of ``code`` (e.g. ``unknown-blob``);
-    ``retry_after_s`` > 0 says the request may succeed when sent again after that long."""
+    ``retry_after_s`` > 0 says the request may succeed when sent again after that long: the handler must then
+    have changed nothing, since that reply is not cached and the same request sent again runs again."""
 
     def __init__(self, code: str, message: str, *, retry_after_s: float = 0.0) -> None:
         self.code = code
@@ -512,7 +514,9 @@ class Server:
     whose reply was cached and has since been evicted is a replay, refused with ``replay`` (its handler does not
     run twice): the ids of the last ``seen_size`` cached replies are remembered, and below them, per sender
     incarnation (the part of the id before ``-``), the highest evicted counter (ids are ``<incarnation>-<hex
-    counter>``, rising). Pure reads (``cached=False``) and deferred answers run again on a retry, as before.
+    counter>``, rising). Pure reads (``cached=False``), deferred answers and error replies with a
+    ``retry_after_s`` (the request may succeed when sent again: its handler changed nothing) run again on a
+    retry, as before.
     """
 
     def __init__(
@@ -627,7 +631,7 @@ class Server:
             log.exception("reply.unencodable", kind=request.kind, reply_kind=reply.kind)
             frames_out = self.codec.encode(Error("internal", f"reply could not be encoded: {exc}", request.kind),
                                            reply_to=header.id, one_frame=one_frame)
-        if route.cached:
+        if route.cached and not (isinstance(reply, Error) and reply.retry_after_s > 0):
             self._cache(key, frames_out)
         self._send_frames(identity, frames_out)
 

@@ -547,8 +547,9 @@ class Kept(Body, frozen=True):
 @register_kind("error")
 class Error(Body, frozen=True):
     """The reply to a request that failed. ``code`` is stable (``malformed``, ``unknown-blob``, ...).
-    ``retry_after_s`` > 0: the failure is temporary (a store over its byte budget): the same request may
-    succeed when sent again after that many seconds."""
+    ``retry_after_s`` > 0: the failure is temporary (a store over its byte budget, or unable to journal the
+    change) and the request changed nothing: the same request may succeed when sent again after that many
+    seconds (such a reply is not cached)."""
 
     code: Name  # stable error code
     message: str  # what was wrong and where

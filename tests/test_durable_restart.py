@@ -8,7 +8,9 @@ once the run ends."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from datetime import datetime
@@ -18,16 +20,29 @@ import numpy as np
 import pytest
 import zmq
 from branches import random_arrays
-from polling import holds_for, wait_for
+from polling import holds_for, read_line, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Claim, Claimed, EpisodeFinished, Keep, Kept, Reference
+from refbus.protocol.messages import (
+    Body,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    Discard,
+    EpisodeFinished,
+    Error,
+    Keep,
+    Kept,
+    Reference,
+)
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
 from test_violations import accounted
@@ -466,3 +481,129 @@ def test_a_store_killed_twice_in_a_holders_grace_reclaims_when_the_grace_first_g
     finally:
         holder.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
+
+
+def _send(ctx: zmq.Context, endpoint: str, codec: WireCodec, frames: list) -> Body:
+    """The answer of the store at ``endpoint`` to ``frames`` (a request as first encoded: a retry sends them
+    again, under the same request id), within ``WAIT_S``."""
+    sock = make_socket(ctx, zmq.DEALER, connect=endpoint)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(int(WAIT_S * 1000), zmq.POLLIN), f"no answer from {endpoint} within {WAIT_S}s"
+        return codec.decode(recv_frames(sock)).body
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_keep_and_a_discard_sent_again_to_the_restarted_store_are_answered_as_the_first_process_did(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A producer's keep and discard are carried out and committed, and the store is SIGKILLed: the answers
+    may have died with it, so the producer sends the same requests (same ids) to the restarted process, which
+    has no reply cache. It answers the keep ``kept`` with the references the first process gave (the episode it
+    re-adopted, with the same branches) and the discard with the ids the first one deleted (``repeated``, from
+    the adopted tombstones). A different keep under a re-adopted episode's id is still ``duplicate-episode``.
+    Before, the keep was refused ``duplicate-episode`` and the discard answered an empty list."""
+    command, first, endpoint = _store_with_grace(spawn, bus[1], tmp_path, "env-r", 10.0)
+    codec = WireCodec("producer")
+    ctx = zmq.Context()
+    try:
+        keep = codec.encode(Keep(episode_id="ep-kept", branches=[random_arrays(6, seed=1), random_arrays(7, seed=2)]),
+                            msg_id=codec.new_id())
+        discard = codec.encode(Discard(episode_id="ep-dropped"), msg_id=codec.new_id())
+        kept = _send(ctx, endpoint, codec, keep)
+        dropped = _send(ctx, endpoint, codec, codec.encode(
+            Keep(episode_id="ep-dropped", branches=[random_arrays(5, seed=3)] * 2), msg_id=codec.new_id()))
+        assert isinstance(kept, Kept) and isinstance(dropped, Kept)
+        deleted = _send(ctx, endpoint, codec, discard)
+        assert deleted == Deleted(blob_ids=[ref.blob_id for ref in dropped.refs])
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        restarted, probe = _restarted(spawn, command, "env-r-restarted", ctx)
+        again = restarted.info["endpoints"]["blobs"]
+        assert _send(ctx, again, codec, keep) == kept
+        assert _send(ctx, again, codec, discard) == deleted
+        other = _send(ctx, again, codec, codec.encode(Keep(episode_id="ep-kept", branches=[random_arrays(6, seed=9)]),
+                                                      msg_id=codec.new_id()))
+        assert isinstance(other, Error) and other.code == "duplicate-episode", other
+        account = accounted(probe)
+        probe.close()
+        assert (account.kept, account.held_by, account.deleted) == (4, {"": 2}, {"discarded": 2}), account
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")),
+                    reason="a tmpfs of the test's own needs root, unshare and nsenter (a mount namespace)")
+def test_changes_a_full_tmpfs_cannot_journal_change_nothing_and_go_through_once_there_is_room(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A durable env server on a 2 MiB tmpfs of its own (a private mount namespace) that fills up: a claim and a
+    delete whose journal records cannot be written are answered ``journal-failed`` with ``retry_after_s``, change
+    nothing and are not cached (the same requests sent again run again), and a holder's grace that ends then is
+    reclaimed at a later tick. Once there is room the same requests go through, the reclaim with them, and a
+    SIGKILLed and restarted store re-adopts exactly what was answered. Before, the keeper changed first and the
+    journal raised: the claim answered ``internal`` (cached for good) though the keeper had moved the blob, the
+    delete dropped it from memory with no event and its segment left behind (its retry a violation), the reclaim
+    dropped blobs unannounced, and the restart brought back what had been answered as gone."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    keeper = subprocess.Popen(  # holds the namespace, and with it the tmpfs, across the store's restart
+        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=2m,mode=0700 tmpfs "$0" && echo mounted && '
+         "exec sleep 600", str(mount)], stdout=subprocess.PIPE, bufsize=0)
+    inside = ["nsenter", "-t", str(keeper.pid), "-m", "--"]
+    filler = mount / "filler"
+    control, grace_s = bus[1], 1.0
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-f", "--store-directory", str(mount),
+               "--store-run", "full", "--env-server-budget-bytes", str(1_000_000),
+               "--env-server-handover-lease-s", "600", "--node-restart-grace-s", str(grace_s)]
+    holder = _node(control, "trainer-f")
+    codec = WireCodec("orchestrator")
+    ctx = zmq.Context()
+    try:
+        assert read_line(keeper, WAIT_S) == "mounted"
+        first = spawn(command, "env-f", prefix=inside)
+        endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+        client = _client(ctx, endpoint)
+        kept = client.request(Keep(episode_id="ep", branches=[random_arrays(6, seed=1)] * 200)).body
+        assert isinstance(kept, Kept)
+        ids = [ref.blob_id for ref in kept.refs]
+        holder.start_background()
+        assert client.request(Claim(blob_ids=ids[:10], holder="orchestrator")).body == Claimed(blob_ids=ids[:10])
+        assert client.request(Claim(blob_ids=ids[10:12], holder="trainer-f")).body == Claimed(blob_ids=ids[10:12])
+        subprocess.run([*inside, "dd", "if=/dev/zero", f"of={filler}", "bs=4096"], capture_output=True, check=False)
+        granted = 0
+        for blob_id in ids[12:]:  # what is left of the journal's last page takes a few records: fill it
+            claim = codec.encode(Claim(blob_ids=[blob_id], holder="orchestrator"), msg_id=codec.new_id())
+            answer = _send(ctx, endpoint, codec, claim)
+            if not isinstance(answer, Claimed):
+                break
+            granted += 1
+        assert isinstance(answer, Error) and answer.code == "journal-failed" and answer.retry_after_s > 0, answer
+        delete = codec.encode(Delete(blob_ids=[ids[0]], holder="orchestrator", reason="trained"), msg_id=codec.new_id())
+        refused = _send(ctx, endpoint, codec, delete)
+        assert isinstance(refused, Error) and refused.code == "journal-failed", refused
+        before = accounted(client)
+        assert before.held_by == {"": 188 - granted, "orchestrator": 10 + granted, "trainer-f": 2}, before
+        assert before.deleted == {} and before.violations == {}, before
+        assert _send(ctx, endpoint, codec, claim) == answer  # run again, not a cached answer: still no room
+        holder.join(timeout=WAIT_S)  # bye: its grace ends while the tmpfs is full
+        holds_for(lambda: accounted(client) == before, 3 * grace_s, "nothing changing while the tmpfs is full")
+        subprocess.run([*inside, "rm", "-f", str(filler)], check=True)
+        assert _send(ctx, endpoint, codec, claim) == Claimed(blob_ids=[blob_id])
+        assert _send(ctx, endpoint, codec, delete) == Deleted(blob_ids=[ids[0]])
+        wait_for(lambda: accounted(client).reclaimed == {"trainer-f": 2}, 5 * grace_s, "the reclaim once there is room")
+        after = accounted(client)
+        client.close()
+        assert after.deleted == {"trained": 1, "holder-down": 2} and after.violations == {}, after
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        restarted = spawn(command, "env-f-restarted", prefix=inside)
+        probe = _client(ctx, restarted.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], "probe")
+        again = accounted(probe)
+        probe.close()
+        assert (again.kept, again.held_by, again.deleted, again.reclaimed) == \
+            (after.kept, after.held_by, after.deleted, after.reclaimed), (again, after)
+    finally:
+        holder.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+        keeper.kill()
+        keeper.wait(timeout=WAIT_S)

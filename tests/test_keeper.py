@@ -228,8 +228,8 @@ def test_discard_deletes_only_unclaimed_blobs_of_the_episode(keeper: Keeper) -> 
     a, b = (r.blob_id for r in keeper.keep("ep", [arrays(2), arrays(2)]))
     (other,) = (r.blob_id for r in keeper.keep("other", [arrays(2)]))
     keeper.claim([a], "orch")
-    assert keeper.discard("ep") == [b]
-    assert keeper.discard("ep") == [] and keeper.discard("unknown") == []
+    assert keeper.discard("ep").deleted == (b,)
+    assert keeper.discard("ep").deleted == () and keeper.discard("unknown").deleted == ()
     assert keeper.stats().deleted == {DISCARDED: 1}
     assert set(keeper.fetch([a, other], "t").arrays) == {a, other}
 
@@ -473,3 +473,48 @@ def test_a_hand_over_another_node_repeats_in_a_ranks_grace_moves_but_spares_only
     clock.now += GRACE_S
     assert keeper.reclaim()["rank-0"].deleted == tuple(ids[:1])
     assert keeper.stats().held_by == {"orch": 1, "rank-0": 1}
+
+
+def test_a_commit_that_raises_changes_nothing_and_the_same_call_after_it_does_all(keeper: Keeper,
+                                                                                   clock: Clock) -> None:
+    """Every call that changes ownership hands its decided result to ``commit`` (a durable store's journal
+    record) before it changes anything: when that raises (a full tmpfs), nothing changed (no blob moved or went,
+    no violation counted, no lease or grace ended), and the same call made again does it all. Before, the keeper
+    changed first and the env server's journal raised after it: memory and journal went apart."""
+    kept = [r.blob_id for r in keeper.keep("ep", [arrays(2, seed=n) for n in range(6)])]
+    (late,) = [r.blob_id for r in keeper.keep("late", [arrays(2)])]
+    keeper.claim(kept[:2], "orch")
+    keeper.claim(kept[2:3], "rank-0")
+    keeper.holder_down("rank-0", 1.0, process=("h", 1, 1.0))
+    keeper.delete(kept[5:], "orch", "trained")
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    clock.now += LEASE_S
+    before = keeper.stats()
+    attempts = [
+        lambda commit: keeper.claim([kept[3], kept[0]], "other", commit=commit),  # one claimed, one violation
+        lambda commit: keeper.hand_over(kept[:1], "rank-1", commit=commit),
+        lambda commit: keeper.delete([kept[1], kept[5]], "orch", "trained", commit=commit),  # one a violation
+        lambda commit: keeper.fetch(kept[5:], "orch", commit=commit),  # a violation
+        lambda commit: keeper.discard("late", commit=commit),
+        lambda commit: keeper.expire(commit=commit),
+        lambda commit: keeper.reclaim(commit=commit),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError):
+            attempt(full)
+        assert keeper.stats() == before
+    assert keeper.in_grace("rank-0")
+    results = [attempt(None) for attempt in attempts]
+    assert results[0].claimed == (kept[3],) and len(results[0].violations) == 1
+    assert results[1].moved == (kept[0],)
+    assert results[2].deleted == (kept[1],) and len(results[2].violations) == 1
+    assert results[4].deleted == (late,)
+    assert results[5].deleted == (kept[4],)  # its lease ended; the other unclaimed one was discarded
+    assert results[6]["rank-0"].deleted == (kept[2],) and not keeper.in_grace("rank-0")
+    stats = keeper.stats()
+    assert stats.violations == {"claim": 1, "delete": 1, "fetch": 1}
+    assert stats.deleted == {"trained": 2, DISCARDED: 1, UNDELIVERED: 1, HOLDER_DOWN: 1}
+    assert stats.held_by == {"rank-1": 1, "other": 1}

@@ -680,6 +680,27 @@ def test_handler_errors_are_cached_like_replies(serve: Any, raw_dealer: Any) -> 
     assert srv.server.rejected == Counter({"not-owner": 1})
 
 
+def test_an_error_that_asks_for_a_retry_is_not_cached_so_the_same_request_runs_again(serve: Any,
+                                                                                      raw_dealer: Any) -> None:
+    """A handler that changed nothing and answers ``retry_after_s`` (a store whose journal could not record the
+    change) is asked again by the same request, under the same id: it runs again, and its answer this time is
+    cached as any other. Before, the error was cached and every retry of that id got it for good."""
+    attempts: list[str] = []
+
+    def full_then_room(request: Message) -> Ok:
+        attempts.append(request.header.id)
+        if len(attempts) == 1:
+            raise HandlerError("journal-failed", "no room for the record", retry_after_s=0.25)
+        return Ok()
+
+    srv = serve(lambda server: server.on("delete", full_then_room))
+    dealer = raw_dealer(srv.endpoint)
+    frames = raw_frames(msg_id="del-1")
+    replies = [exchange(dealer, frames) for _ in range(3)]
+    assert [r.body.kind for r in replies] == ["error", "ok", "ok"]
+    assert replies[0].body.retry_after_s == 0.25 and attempts == ["del-1", "del-1"]
+
+
 # --- handler failures ---------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from branches import random_arrays
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.keeper import LOST, Keeper, KeepError, pack_branches
+from refbus.nodes.payload.keeper import LOST, DeleteResult, Keeper, KeepError, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
 from refbus.nodes.ps.shm import SegmentPool
 from refbus.nodes.settings import EnvServerSettings, StoreSettings
@@ -69,6 +69,12 @@ def keep(journal_: BlobJournal, keeper_: Keeper, episode_id: str, seeds: tuple[i
     return [ref.blob_id for ref in refs]
 
 
+def dropped(journal_: BlobJournal, result: DeleteResult) -> None:
+    """What the env server does for a delete the keeper made: commit it, then release its segments."""
+    journal_.dropped(result)
+    journal_.released(result)
+
+
 def restart(directory: Path, dead: BlobJournal | None, *, budget: int = BUDGET) -> tuple[Keeper, BlobJournal]:
     """A new process's keeper on the store ``dead`` served (its lock let go as a dying process's is, nothing
     else done)."""
@@ -107,7 +113,7 @@ def test_keeper_state_survives_a_restart_exactly(tmp_path: Path) -> None:
     durable.claimed(claim.claimed, "orchestrator")
     durable.moved(first.hand_over(b, "trainer-0").moved, "trainer-0")
     deleted = first.delete(c, "orchestrator", "consumed")
-    durable.dropped(deleted)
+    dropped(durable, deleted)
     again = first.delete(c, "orchestrator", "consumed")  # a second delete in one process: a violation
     durable.violated(again.violations)
     before = first.stats()
@@ -480,6 +486,23 @@ def test_sigkill_between_the_bytes_and_the_commit_flag_aborts_that_keep_only(tmp
     assert len(list(restarted.store.path.glob("seg-*"))) == 1
 
 
+def test_a_discard_sent_again_across_a_restart_answers_what_it_deleted_even_after_a_compaction(
+        tmp_path: Path) -> None:
+    """A discard's ``drop`` record names its episode, and so do the tombstones a compaction keeps of it: the
+    restarted store answers the same discard with the ids the first process deleted (``repeated``). Before, it
+    answered nothing (the ids were deleted, but the restarted store could not tell of which episode)."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    dropped = keep(durable, first, "ep-dropped", (1, 2))
+    (other,) = keep(durable, first, "ep-other", (3,))
+    assert first.discard("ep-dropped", commit=durable.dropped).deleted == tuple(dropped)
+    durable.compact(first)  # the discarded episode's keep record goes; its tombstones stay
+    second, _ = restart(tmp_path, durable)
+    again = second.discard("ep-dropped")
+    assert (again.deleted, again.repeated) == ((), tuple(dropped))
+    assert (second.discard("ep-other").deleted, second.discard("unknown").repeated) == ((other,), ())
+
+
 def busy_store(directory: Path) -> tuple[Keeper, BlobJournal]:
     """A store with every kind of record: blobs unclaimed, claimed and handed over, deletes, a violation."""
     k, durable = keeper(), BlobJournal(open_store(directory))
@@ -488,8 +511,8 @@ def busy_store(directory: Path) -> tuple[Keeper, BlobJournal]:
     keep(durable, k, "ep-unclaimed", (7,))
     durable.claimed(k.claim([*a, *b, *c, *d], "orchestrator").claimed, "orchestrator")
     durable.moved(k.hand_over([*b, d[0]], "trainer-0").moved, "trainer-0")
-    durable.dropped(k.delete(c, "orchestrator", "consumed"))
-    durable.dropped(k.delete(d[:1], "trainer-0", "trained"))
+    dropped(durable, k.delete(c, "orchestrator", "consumed"))
+    dropped(durable, k.delete(d[:1], "trainer-0", "trained"))
     durable.violated(k.delete(c, "orchestrator", "consumed").violations)
     return k, durable
 
@@ -541,7 +564,7 @@ def test_sigkill_mid_compaction_loses_nothing_committed(tmp_path: Path, point: s
     assert len(discarded) == (point != "after") and not (path / "journal.new").exists()
     assert state(second) == expected
     assert restarted.readoption.lost == {} and restarted.readoption.aborted == 0  # type: ignore[attr-defined]
-    consumed = [blob_id for blob_id, _, reason in second.tombstones() if reason == "consumed"]
+    consumed = [blob_id for blob_id, _, reason, _ in second.tombstones() if reason == "consumed"]
     assert second.delete(consumed, "orchestrator", "consumed").repeated == tuple(consumed)  # a retry is answered
     more = keep(restarted, second, "ep-after", (8,))
     third, _ = restart(tmp_path, restarted)
@@ -660,7 +683,7 @@ def test_id_lists_go_in_runs_of_bounded_records_and_replay_whole(
     durable.readopt(first)
     ids = keep(durable, first, "ep-a", (1, 2, 3, 4, 5))
     durable.claimed(first.claim(ids[:4], "orchestrator").claimed, "orchestrator")
-    durable.dropped(first.delete(ids[:3], "orchestrator", "consumed"))
+    dropped(durable, first.delete(ids[:3], "orchestrator", "consumed"))
     assert durable.store.records_since_compact == 1 + 2 + 2  # the keep, two claim runs, two drop runs
     second, restarted = restart(tmp_path, durable)
     assert sorted((b, h) for b, _, h, _ in second.blobs()) == [(ids[3], "orchestrator"), (ids[4], "")]
@@ -735,7 +758,7 @@ def test_the_process_each_holder_was_survives_a_restart_and_a_compaction_and_gar
     assert durable.holder_seen("orchestrator", ("h", 12, 6.0))  # restarted: the newer process is recorded
     assert durable.holder_seen("trainer-0", ("g", 7, 1.5))
     assert durable.holder_seen("trainer-1", ("g", 8, 1.5))
-    durable.dropped(first.delete([blobs[2]], "trainer-1", "trained"))  # trainer-1 holds nothing any more
+    dropped(durable, first.delete([blobs[2]], "trainer-1", "trained"))  # trainer-1 holds nothing any more
     for garbage in ({"op": "holder-seen"}, {"op": "holder-seen", "holder": "x", "inc": [1, 2]},
                     {"op": "holder-seen", "holder": "y", "inc": None}, {"op": "holder-seen", "holder": 5,
                                                                          "inc": ["h", 1, 1.0]},

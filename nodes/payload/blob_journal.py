@@ -9,7 +9,8 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
                 and its ``episode-finished`` record (arrays in ``info`` are kept as lists)
 ``claim``       blob ids moved to ``holder`` by a claim
 ``move``        blob ids handed over to ``holder`` (a ``reference`` event)
-``drop``        blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after)
+``drop``        blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after); ``ep``: the
+                episode a discard deleted them of (absent for any other delete)
 ``violation``   ``n`` violations of ``action`` refused (the ledger's counters stay exact)
 ``counters``    a compacted journal's totals (kept, deleted by reason, violations, reclaimed)
 ``holder-down`` ``holder`` was reported down (``inc``: the incarnation that went down, host, pid and start
@@ -91,6 +92,7 @@ class Readoption:
     # holder reported down as another incarnation within a grace -> the grace that cut short: the incarnation
     # reported down before, what was claimed again in it and when it ends (as ``grace_ends``)
     earlier_down: Mapping[str, tuple[tuple[str, int, float] | None, frozenset[str], float | None]]
+    episodes: frozenset[str]  # episodes with a blob re-adopted live: kept by an earlier process of this store
 
 
 class BlobJournal:
@@ -157,11 +159,16 @@ class BlobJournal:
             self.store.commit({"op": "move", "ids": ids, "holder": holder})
 
     def dropped(self, result: DeleteResult) -> None:
-        if result.deleted:
-            for ids in _runs(result.deleted):
-                self.store.commit({"op": "drop", "ids": ids, "holder": result.holder, "reason": result.reason})
-            self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
-                              if blob_id in self._layouts)
+        """Commit ``result``'s deletes (before the keeper makes them: :data:`~.keeper.Commit`); :meth:`released`
+        unlinks their segments once it made them."""
+        for ids in _runs(result.deleted):
+            self.store.commit(_drop_record(ids, result.holder, result.reason, result.episode))
+
+    def released(self, result: DeleteResult) -> None:
+        """Unlink the segments of ``result``'s deletes, committed and made (the keeper's views stay valid). Only
+        then: a blob the keeper still holds keeps its layout, which a compaction writes."""
+        self.store.unlink(self._layouts.pop(blob_id)["segment"] for blob_id in result.deleted
+                          if blob_id in self._layouts)
 
     def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None, grace_s: float) -> None:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown), a grace
@@ -182,9 +189,9 @@ class BlobJournal:
     def claimed_back(self, blob_ids: Sequence[str], holder: str) -> None:
         """``holder``, reported down and in its grace, claimed ``blob_ids`` again (a claim's ``again``)."""
         if blob_ids and holder in self.holders_down:
-            self.claimed_again[holder].update(blob_ids)
             for ids in _runs(blob_ids):
                 self.store.commit({"op": "again", "ids": ids, "holder": holder})
+            self.claimed_again[holder].update(blob_ids)
 
     def holder_back(self, holder: str) -> None:
         """``holder`` is back as the process last reported down (:meth:`~.keeper.Keeper.holder_back`): the grace
@@ -249,7 +256,9 @@ class BlobJournal:
             elif op == "move":
                 keeper.hand_over(record["ids"], record["holder"], by_holder=False)  # ``again`` records say
             elif op == "drop":
-                keeper.restore_drop(record["ids"], record["holder"], record["reason"])
+                episode = record.get("ep", "")  # a discard's (an earlier build's records have none)
+                keeper.restore_drop(record["ids"], record["holder"], record["reason"],
+                                    episode if isinstance(episode, str) else "")
                 for blob_id in record["ids"]:
                     self._layouts.pop(blob_id, None)
             elif op == "violation":
@@ -271,7 +280,9 @@ class BlobJournal:
         over = _over_budget(keeper, broken)
         broken.update(over)
         if broken:
-            self.dropped(keeper.restore_drop(list(broken), keeper.source, LOST))
+            lost = keeper.restore_drop(list(broken), keeper.source, LOST)
+            self.dropped(lost)
+            self.released(lost)
         aborted = self.store.sweep(layout["segment"] for layout in self._layouts.values())
         if self.compact_due(keeper) or replay.uncommitted is not None or replay.damaged:
             self.compact(keeper)
@@ -280,7 +291,8 @@ class BlobJournal:
                           {holder: frozenset(ids) for holder, ids in self.claimed_again.items()},
                           dict(self.holders_seen),
                           {holder: (down, frozenset(ids), until)
-                           for holder, (down, ids, until) in self.earlier_down.items()})
+                           for holder, (down, ids, until) in self.earlier_down.items()},
+                          frozenset(episode for _, episode, _, _ in keeper.blobs()))
 
     # --- holders down: the state a live change and its replay share ----------------------------------
 
@@ -444,8 +456,8 @@ def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping
     for holder, held in holders.items():
         for ids in _runs(held):
             yield {"op": "claim", "ids": ids, "holder": holder}
-    for blob_id, holder, reason in keeper.tombstones():
-        yield {"op": "drop", "ids": [blob_id], "holder": holder, "reason": reason}
+    for blob_id, holder, reason, episode in keeper.tombstones():
+        yield _drop_record([blob_id], holder, reason, episode)
     stats = keeper.stats()
     yield {"op": "counters", "kept": stats.kept_total, "deleted": dict(stats.deleted),
            "violations": dict(stats.violations), "reclaimed": dict(stats.reclaimed)}
@@ -458,6 +470,14 @@ def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping
                 yield _down_record(holder, down, until)
                 for ids in _runs(sorted(again.intersection(holders[holder]))):
                     yield {"op": "again", "ids": ids, "holder": holder}
+
+
+def _drop_record(blob_ids: list[str], holder: str, reason: str, episode: str) -> dict[str, Any]:
+    """A ``drop`` record; ``ep`` only for a discard's (``episode`` not "")."""
+    record: dict[str, Any] = {"op": "drop", "ids": blob_ids, "holder": holder, "reason": reason}
+    if episode:
+        record["ep"] = episode
+    return record
 
 
 def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:

@@ -7,7 +7,8 @@ request      reply         effect and events
 ============ ============= ====================================================================================
 ``keep``     ``kept``      keeps the branches; publishes ``episode-finished`` (references and ``info``, never
                            the branch arrays)
-``discard``  ``deleted``   deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source)
+``discard``  ``deleted``   deletes the episode's unclaimed blobs; publishes ``delete`` (holder: the source).
+                           Sent again to a restarted store: also those its earlier process discarded
 ``claim``    ``claimed``   moves unclaimed blobs to the claimer; publishes ``claim`` for what moved.
                            ``blob_ids``: now held by the claimer (also those it had claimed before);
                            ``missing``: deleted or never kept; ``violations``: held by another claimer;
@@ -56,7 +57,11 @@ store. It publishes ``claim`` again for every re-adopted blob a holder has (one 
 :data:`REANNOUNCE_IDS` ids): a claim is answered once committed, and its event leaves with the loop turn's
 batch, so a process killed in between took that event with it, and the stream would show the holder's later
 delete of a blob it never saw claimed. A retried delete by the holder that deleted the blob before the restart
-is answered as deleted.
+is answered as deleted; a retried keep of an episode it re-adopted, with the same branches, ``kept`` with the
+first process's references; a retried discard with the ids the first process discarded. Every change is
+journaled before the keeper makes it (:data:`~.keeper.Commit`): a journal that cannot take the record (a full
+tmpfs) changes nothing, and the request is answered ``journal-failed`` with ``retry_after_s`` (not cached: the
+same request sent again runs again); a lease's or a grace's end is tried again at the next tick.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
@@ -133,10 +138,14 @@ from .keeper import (
     DISCARDED,
     HOLDER_DOWN,
     LOST,
+    RETRY_AFTER_S,
     SHUTDOWN,
     UNDELIVERED,
     VIOLATION_ACTIONS,
+    ClaimResult,
     DeleteResult,
+    FetchResult,
+    HandOverResult,
     Keeper,
     KeepError,
     KeeperStats,
@@ -392,9 +401,12 @@ class EnvServer:
             with self._lock:
                 try:
                     refs = self.keeper.store(episode_id, packed)
-                except KeepError:
+                except KeepError as exc:
                     if self.journal is not None:
                         self.journal.discard(packed)
+                    if exc.code == "duplicate-episode" and (kept := self._kept_before(episode_id, packed)):
+                        log.info("keep.repeated", episode_id=episode_id, detail="kept by an earlier process")
+                        return kept
                     raise
                 # Queued under the lock: a shutdown that deletes these blobs then finds this event queued
                 # and publishes it first.
@@ -404,11 +416,22 @@ class EnvServer:
                 if self.journal is not None:
                     self._journal_kept(record, packed)
                 self._post(record)
-        except KeepError as exc:  # a refusal to retry is backpressure working, not a fault
-            (log.debug if exc.retry_after_s else log.warning)("keep.refused", episode_id=episode_id, code=exc.code,
-                                                                 error=str(exc))
+        except KeepError as exc:  # a refusal for want of room is backpressure working, not a fault
+            (log.debug if exc.code == "over-budget" and exc.retry_after_s else log.warning)(
+                "keep.refused", episode_id=episode_id, code=exc.code, error=str(exc))
             raise
         return refs
+
+    def _kept_before(self, episode_id: str, packed: Sequence[PackedBranch]) -> list[BlobRef] | None:
+        """The references of ``episode_id`` when an earlier process of this store kept it (re-adopted) with these
+        very branches (the same checksums, in order): a keep whose answer died with that process, sent again to
+        this one, which has no reply cache of it. None otherwise: another keep of the same id. Under the lock."""
+        if self.readoption is None or episode_id not in self.readoption.episodes:
+            return None
+        record = self.keeper.record_of(episode_id)
+        if record is None or [ref.checksum for ref in record.refs] != [branch.checksum for branch in packed]:
+            return None
+        return list(record.refs)
 
     def _journal_kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
         """Commit a keep just stored; when that fails (an ``info`` the journal cannot hold, a full disk), the
@@ -419,22 +442,29 @@ class EnvServer:
         except Exception as exc:
             self.keeper.withdraw(record.episode_id)
             self.journal.discard(packed)
-            code = "bad-info" if isinstance(exc, ValueError | TypeError | NotImplementedError) else "journal-failed"
-            raise KeepError(code, f"episode {record.episode_id!r} could not be journaled, nothing is kept: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, ValueError | TypeError | NotImplementedError):
+                raise KeepError("bad-info", f"episode {record.episode_id!r} could not be journaled, nothing is kept: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+            raise KeepError("journal-failed", f"episode {record.episode_id!r} could not be journaled, nothing is "
+                            f"kept: {type(exc).__name__}: {exc}; retry after {RETRY_AFTER_S} s",
+                            retry_after_s=RETRY_AFTER_S) from exc
 
     def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
-        """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids. ValueError,
-        nothing deleted, when ``reason`` is not one of ``DELETE_REASONS``."""
+        """Delete an abandoned episode's unclaimed blobs now (claimed ones are their holder's); their ids, and
+        those an earlier process of this store discarded of it (a discard sent again across its restart).
+
+        Raises:
+            ValueError: ``reason`` is not one of ``DELETE_REASONS``; nothing deleted.
+            OSError: the durable store could not journal it (a full tmpfs); nothing deleted, call again.
+        """
         if (refused := _unknown_reason("discard", reason)) is not None:
             raise ValueError(refused)
         with self._lock:
-            deleted = self.keeper.discard(episode_id, reason)
-            if self.journal is not None:
-                self.journal.dropped(DeleteResult(self.source, reason, tuple(deleted)))
-            if deleted:
-                self._post(Delete(blob_ids=deleted, holder=self.source, reason=reason))
-        return deleted
+            result = self.keeper.discard(episode_id, reason, commit=self._journal_dropped())
+            self._released(result)
+            if result.deleted:
+                self._post(Delete(blob_ids=list(result.deleted), holder=self.source, reason=reason))
+        return [*result.deleted, *result.repeated]
 
     def stats(self) -> KeeperStats:
         """A consistent snapshot of the keeper's counters (any thread; metrics read it at scrape time)."""
@@ -473,19 +503,20 @@ class EnvServer:
         if body.reason in STORE_REASONS:
             raise HandlerError("bad-reason", f"a discard's reason may not be {body.reason!r}: this store gives it "
                                "to the deletes it decides itself")
-        return Deleted(blob_ids=self.discard(body.episode_id, body.reason))
+        try:
+            return Deleted(blob_ids=self.discard(body.episode_id, body.reason))
+        except OSError as exc:
+            raise _journal_failed("discard", exc) from None
 
     def _on_claim(self, request: Message) -> Claimed:
         body = request.body
         assert isinstance(body, Claim)
         with self._lock:
-            result = self.keeper.claim(body.blob_ids, body.holder)
-            if self.journal is not None:
-                self.journal.claimed(result.claimed, result.holder)
-                self.journal.claimed_back(result.again, result.holder)
-                self.journal.violated(result.violations)
-                if result.claimed or result.again:
-                    self._seen(result.holder)
+            try:
+                result = self.keeper.claim(body.blob_ids, body.holder,
+                                           commit=self._journal_claim if self.journal is not None else None)
+            except OSError as exc:
+                raise _journal_failed("claim", exc) from None
         if self._taken_unchecked is not None:
             self._taken_unchecked.setdefault(result.holder, set()).update(result.claimed, result.already)
         if result.claimed:
@@ -495,13 +526,30 @@ class EnvServer:
         return Claimed(blob_ids=[*result.claimed, *result.already], missing=[*result.gone, *result.unknown],
                        violations=[v.blob_id for v in result.violations], reclaimed=list(result.reclaimed))
 
+    def _journal_claim(self, result: ClaimResult) -> None:
+        """Commit a claim before the keeper makes it (:data:`~.keeper.Commit`): the process the holder is, the
+        violations, what moved and what the holder, down and in its grace, took again."""
+        assert self.journal is not None
+        if result.claimed or result.again:
+            self._seen(result.holder)
+        self.journal.claimed(result.claimed, result.holder)
+        self.journal.claimed_back(result.again, result.holder)
+        self.journal.violated(result.violations)  # last: records before it are repeated harmlessly by a retry
+
     def _on_fetch(self, request: Message) -> Blobs:
         body = request.body
         assert isinstance(body, Fetch)
+
+        def commit(result: FetchResult) -> None:
+            assert self.journal is not None
+            self.journal.violated(result.violations)
+
         with self._lock:
-            result = self.keeper.fetch(body.blob_ids, body.holder)
-            if self.journal is not None:
-                self.journal.violated(result.violations)
+            try:
+                result = self.keeper.fetch(body.blob_ids, body.holder,
+                                           commit=commit if self.journal is not None else None)
+            except OSError as exc:
+                raise _journal_failed("fetch", exc) from None
         self._report(result.violations)
         self._stale("fetch", body.holder, result.reclaimed)
         return Blobs(
@@ -520,11 +568,18 @@ class EnvServer:
             raise HandlerError("bad-reason", f"a delete's reason may not be {body.reason!r} here"
                                + ("" if body.reason == HOLDER_DOWN else f" unless it names this store "
                                   f"({self.runtime.node_id!r}) as the node whose blobs were lost"))
+        def commit(result: DeleteResult) -> None:
+            assert self.journal is not None
+            self.journal.dropped(result)
+            self.journal.violated(result.violations)  # last: records before it are repeated harmlessly by a retry
+
         with self._lock:
-            result = self.keeper.delete(body.blob_ids, body.holder, body.reason)
-            if self.journal is not None:
-                self.journal.dropped(result)
-                self.journal.violated(result.violations)
+            try:
+                result = self.keeper.delete(body.blob_ids, body.holder, body.reason,
+                                            commit=commit if self.journal is not None else None)
+            except OSError as exc:
+                raise _journal_failed("delete", exc) from None
+            self._released(result)
         self._announce(result, node=body.node)
         self._report(result.violations)
         self._stale("delete", body.holder, result.reclaimed)
@@ -570,21 +625,33 @@ class EnvServer:
 
     def _expire(self) -> None:
         with self._lock:
-            result = self.keeper.expire()
-            if self.journal is not None:
-                self.journal.dropped(result)
+            try:
+                result = self.keeper.expire(commit=self._journal_dropped())
+            except OSError as exc:  # the leases end again at the next tick
+                log.error("journal.commit_failed", action="expire", error=str(exc), detail="tried again next tick")
+                return
+            self._released(result)
         if result.deleted:
             log.warning("blobs.undelivered", count=len(result.deleted), lease_s=self.keeper.handover_lease_s)
             self._announce(result)
 
     def _reclaim(self) -> None:
-        with self._lock:
-            results = self.keeper.reclaim()
+        done: dict[str, DeleteResult] = {}  # the holders reclaimed, should a later one's commit fail
+
+        def commit(holder: str, result: DeleteResult) -> None:
             if self.journal is not None:
-                for holder, result in results.items():
-                    self.journal.dropped(result)
-                    self.journal.holder_settled(holder)
-        for holder, result in results.items():
+                self.journal.dropped(result)
+                self.journal.holder_settled(holder)
+            done[holder] = result
+
+        with self._lock:
+            try:
+                self.keeper.reclaim(commit=commit)
+            except OSError as exc:  # that holder's grace has ended still: reclaimed at the next tick
+                log.error("journal.commit_failed", action="reclaim", error=str(exc), detail="tried again next tick")
+            for result in done.values():
+                self._released(result)
+        for holder, result in done.items():
             if result.deleted:
                 log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
                             grace_s=self.restart_grace_s)
@@ -648,13 +715,22 @@ class EnvServer:
         # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
         # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
         by_holder = message.header.src == reference.holder
+
+        def commit(result: HandOverResult) -> None:
+            assert self.journal is not None
+            if result.moved and by_holder:
+                self._seen(reference.holder)
+            self.journal.moved(result.moved, reference.holder)
+            self.journal.claimed_back(result.again, reference.holder)  # a holder in its grace: kept
+
         with self._lock:
-            result = self.keeper.hand_over(reference.blob_ids, reference.holder, by_holder=by_holder)
-            if self.journal is not None:
-                self.journal.moved(result.moved, reference.holder)
-                self.journal.claimed_back(result.again, reference.holder)  # a holder in its grace: kept
-                if result.moved and by_holder:
-                    self._seen(reference.holder)
+            try:
+                result = self.keeper.hand_over(reference.blob_ids, reference.holder, by_holder=by_holder,
+                                               commit=commit if self.journal is not None else None)
+            except OSError as exc:  # the blobs stay where they were, here and in the journal
+                log.error("journal.commit_failed", action="reference", holder=reference.holder,
+                          blobs=len(reference.blob_ids), error=str(exc))
+                return
         if self._taken_unchecked is not None and result.again:
             self._taken_unchecked.setdefault(reference.holder, set()).update(result.again)
         holder = reference.holder
@@ -664,6 +740,15 @@ class EnvServer:
             # what moved would be held for good.
             info = self._peers.down[holder]
             self._holder_down(holder, incarnation(info) if info is not None else None, journal=True)
+
+    def _journal_dropped(self) -> Callable[[DeleteResult], None] | None:
+        """What commits the store's own deletes (:data:`~.keeper.Commit`; None without a durable store)."""
+        return self.journal.dropped if self.journal is not None else None
+
+    def _released(self, result: DeleteResult) -> None:
+        """The segments of deletes the keeper made go (durable stores). Under the lock."""
+        if self.journal is not None:
+            self.journal.released(result)
 
     def _compact(self) -> None:
         with self._lock:
@@ -760,6 +845,15 @@ class EnvServer:
                             "that went down), by action.",
                             read(lambda s: {(action,): float(n) for action, n in s.stale.items()}),
                             labels=("action",))
+
+
+def _journal_failed(action: str, exc: OSError) -> HandlerError:
+    """The answer to a request whose journal records could not be committed (a full tmpfs, an I/O error): the
+    keeper changed nothing, so the same request may succeed when sent again (``retry_after_s``: the reply cache
+    keeps no such answer, and a retry under the same id runs again)."""
+    log.error("journal.commit_failed", action=action, error=str(exc))
+    return HandlerError("journal-failed", f"the store could not journal this {action}, nothing changed: {exc}; "
+                        f"send it again after {RETRY_AFTER_S} s", retry_after_s=RETRY_AFTER_S)
 
 
 def _encode_record(record: EpisodeFinished) -> bytes:

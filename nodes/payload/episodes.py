@@ -16,10 +16,10 @@ answered with an error; nothing is kept for it. The score function is user code:
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
 (a score that raises, or returns NaN or an infinity, fails its run with ``score-failed``).
 
-A keep refused as ``over-budget`` with a ``retry_after_s`` (the store is full for now: its holders have not
-deleted yet) is tried again after that long, holding the generated arrays, until ``generate_timeout_s``
-from the run's arrival: backpressure costs the run time, not its generation. Past that the run fails with
-the keep's code.
+A keep refused with a ``retry_after_s`` (``over-budget``: the store is full for now, its holders have not
+deleted yet; or ``journal-failed``: its tmpfs had no room for the journal record) is tried again after that
+long, holding the generated arrays, until ``generate_timeout_s`` from the run's arrival: backpressure costs
+the run time, not its generation. Past that the run fails with the keep's code.
 
 The episode record published with the kept arrays (``info``) is what the orchestrator reads: ``group``,
 ``reward``, ``eval`` and one sample ``{"input_ids": [...], "loss_mask": [...], "ref": 0}`` whose loss mask

@@ -30,7 +30,9 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
 A restarted env server on a durable store rebuilds its keeper from the store's journal
 (:mod:`.blob_journal`) through :meth:`Keeper.restore`, :meth:`Keeper.restore_drop` and
 :meth:`Keeper.restore_counters`, then :meth:`Keeper.adopt_tombstones`: a delete its earlier process had
-done is answered ``repeated`` when the same holder asks again (a retry across the restart), not refused.
+done is answered ``repeated`` when the same holder asks again (a retry across the restart), not refused, and so
+is a discard of the same episode. Every call that changes ownership takes a ``commit`` (:data:`Commit`), which
+the env server's journal records before anything changes.
 
 Every call returns a frozen result that says what happened (deleted ids, violations, unknown ids), so the
 node can publish the matching events and count them. A :class:`Keeper` is not thread-safe: one owner
@@ -47,6 +49,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -94,17 +97,25 @@ def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | Non
     return checksum(struct.pack(f"<{len(values)}Q", *values))
 
 
+R = TypeVar("R")
+Commit = Callable[[R], None]
+"""What a keeper call that changes ownership runs with its result once it has decided it and before it changes
+anything (a durable env server commits the call's journal records there): when it raises, the call has changed
+nothing (no blob moved or went, no violation or stale request counted) and the exception propagates, so the
+keeper never runs ahead of its journal."""
+
 RETRY_AFTER_S = 0.25
-"""What an ``over-budget`` refusal asks the keeper to wait before trying again: blobs leave as their holders
-delete them, so room comes back in steps, not at a time the store could predict."""
+"""What an ``over-budget`` refusal (or a durable store's ``journal-failed``: its tmpfs full) asks the keeper to
+wait before trying again: blobs leave as their holders delete them, so room comes back in steps, not at a time
+the store could predict."""
 
 
 class KeepError(ValueError):
     """``keep`` refused an episode and kept nothing. ``code`` is stable (it becomes the error reply's code):
     ``bad-branch``, ``over-budget``, ``duplicate-episode``, ``closed``, or from an env server with a durable store
     ``bad-info`` (its journal cannot hold the episode's record) or ``journal-failed`` (a write failed).
-    ``retry_after_s`` > 0 (only ``over-budget`` of an episode that fits the budget at all): the same keep may
-    succeed after that long."""
+    ``retry_after_s`` > 0 (``over-budget`` of an episode that fits the budget at all, ``journal-failed``): the
+    same keep may succeed after that long."""
 
     def __init__(self, code: str, message: str, *, retry_after_s: float = 0.0) -> None:
         self.code = code
@@ -241,7 +252,8 @@ class DeleteResult:
     """What a delete did: ``deleted`` now by ``holder`` for ``reason``; ``unknown``: never kept here;
     ``violations``: already deleted (each names the first deleter as ``owner``); ``reclaimed``: already
     reclaimed from a holder that went down, or lost (stale, no violation); ``repeated``: deleted by the same
-    holder before this store restarted (a retry across the restart: answered as deleted, nothing moves)."""
+    holder (or discarded with the same episode) before this store restarted (a retry across the restart:
+    answered as deleted, nothing moves); ``episode``: the episode a discard deleted them of ("" otherwise)."""
 
     holder: str
     reason: str
@@ -250,6 +262,7 @@ class DeleteResult:
     violations: tuple[Violation, ...] = ()
     reclaimed: tuple[str, ...] = ()
     repeated: tuple[str, ...] = ()
+    episode: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +314,7 @@ class _Tombstone:
     reason: str
     at: float  # when (the keeper's clock)
     adopted: bool = False  # replayed by a restarted store: a repeat of its delete is answered, not refused
+    episode: str = ""  # the episode a discard deleted it of ("" for any other delete)
 
     @property
     def reclaimed(self) -> bool:
@@ -364,6 +378,9 @@ class Keeper:
         self._leases: deque[tuple[float, str]] = deque()
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._holders_down: dict[str, _HolderDown] = {}
+        # Episode -> blob ids an earlier process of this store discarded (adopted tombstones): a discard retried
+        # across the restart answers them. Made once, at the re-adoption; ids whose tombstone went are skipped.
+        self._discarded: dict[str, list[str]] = {}
         self._bytes_held = 0
         self._closed = False
 
@@ -462,8 +479,10 @@ class Keeper:
 
     # --- ownership ----------------------------------------------------------------------------------
 
-    def claim(self, blob_ids: Sequence[str], holder: str) -> ClaimResult:
-        """``holder`` takes ownership of unclaimed blobs (repeated ids count once)."""
+    def claim(self, blob_ids: Sequence[str], holder: str, *, commit: Commit[ClaimResult] | None = None
+              ) -> ClaimResult:
+        """``holder`` takes ownership of unclaimed blobs (repeated ids count once). ``commit``: see
+        :data:`Commit`."""
         claimed: list[str] = []
         already: list[str] = []
         gone: list[str] = []
@@ -476,19 +495,27 @@ class Keeper:
                 tomb = self._tombstones.get(blob_id)
                 (unknown if tomb is None else reclaimed if tomb.reclaimed else gone).append(blob_id)
             elif not blob.holder:  # claimed by its restarted incarnation if it is down: not the dead one's
-                self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
-                self._move(blob.holder, holder)
                 claimed.append(blob_id)
             elif blob.holder == holder:  # taken back by its restarted incarnation if it is down
                 already.append(blob_id)
             else:
-                violations.append(self._violation(
+                violations.append(_violation(
                     blob_id, "claim", holder, blob.holder, f"{holder} claimed it after {blob.holder} had claimed it"))
+        down = self._holders_down.get(holder)
+        result = ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
+                             tuple(reclaimed), (*claimed, *already) if down is not None else ())
+        if commit is not None:
+            commit(result)
+        for blob_id in claimed:
+            self._hand(blob_id, holder)
+        if down is not None:  # its restarted incarnation's: kept when the grace ends
+            down.claimed_again.update(result.again)
+        self._count(violations)
         self._count_stale("claim", reclaimed)
-        return ClaimResult(holder, tuple(claimed), tuple(already), tuple(gone), tuple(unknown), tuple(violations),
-                           tuple(reclaimed), self._taken_in_grace(holder, (*claimed, *already)))
+        return result
 
-    def hand_over(self, blob_ids: Sequence[str], holder: str, *, by_holder: bool = True) -> HandOverResult:
+    def hand_over(self, blob_ids: Sequence[str], holder: str, *, by_holder: bool = True,
+                  commit: Commit[HandOverResult] | None = None) -> HandOverResult:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
         ``reference`` event); unclaimed, deleted or unknown ids are left alone.
 
@@ -496,27 +523,32 @@ class Keeper:
         grace, is its restarted incarnation's (kept as claimed again), whether it moves now or a repeat of the
         hand-over by another node moved it to the holder first in this grace. A repeat by another node (the
         orchestrator's, on the rank's answer) moves what the holder's own did not and spares nothing: it may
-        come after the holder died, for a step the dead process took."""
+        come after the holder died, for a step the dead process took.
+
+        A hand-over repeated by the holder (a rank re-publishing it to a restarted store) changes nothing for what
+        the holder holds already. ``commit``: see :data:`Commit`."""
         down = self._holders_down.get(holder)
         moved, taken = [], []
-        for blob_id in blob_ids:
+        for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is None or not blob.holder:
                 continue
             if blob.holder != holder:
-                self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
-                self._move(blob.holder, holder)
                 moved.append(blob_id)
                 taken.append(blob_id)
             elif down is not None and blob_id in down.handed:
                 taken.append(blob_id)
-        if not by_holder:
-            if down is not None:
-                down.handed.update(moved)
-            return HandOverResult(tuple(moved))
-        if down is not None:
+        result = HandOverResult(tuple(moved), tuple(taken) if by_holder and down is not None else ())
+        if commit is not None:
+            commit(result)
+        for blob_id in moved:
+            self._hand(blob_id, holder)
+        if down is not None and by_holder:  # its restarted incarnation's: kept when the grace ends
             down.handed.difference_update(taken)
-        return HandOverResult(tuple(moved), self._taken_in_grace(holder, taken))
+            down.claimed_again.update(taken)
+        elif down is not None:
+            down.handed.update(moved)
+        return result
 
     def holds(self, holder: str) -> bool:
         """Whether ``holder`` holds any blob here (asked on every ``node-up``: a count, not a scan)."""
@@ -561,20 +593,31 @@ class Keeper:
         """Whether ``holder`` is reported down and its grace still runs (not back, nothing reclaimed yet)."""
         return holder in self._holders_down
 
-    def reclaim(self, now: float | None = None) -> dict[str, DeleteResult]:
+    def reclaim(self, now: float | None = None, *, commit: Callable[[str, DeleteResult], None] | None = None
+                ) -> dict[str, DeleteResult]:
         """Delete what each holder whose grace has ended still holds (holder: the env server, reason
         ``holder-down``), except what its restarted incarnation claimed again in that grace; by the holder that
-        went down. A grace a fresh one cut short ends with it."""
+        went down. A grace a fresh one cut short ends with it.
+
+        ``commit(holder, result)`` runs for each holder in turn before its blobs go (see :data:`Commit`): when
+        it raises, the holders before it are done, that one and those after it still wait (their graces ended:
+        the next call reclaims them), and the exception propagates."""
         now = self.clock() if now is None else now
         results: dict[str, DeleteResult] = {}
         for holder in [h for h, down in self._holders_down.items() if down.until <= now]:
-            kept = self._holders_down.pop(holder).claimed_again
-            ids = [i for i, blob in self._blobs.items() if blob.holder == holder and i not in kept]
-            results[holder] = self._remove(ids, self.source, HOLDER_DOWN)
+            kept = self._holders_down[holder].claimed_again
+            ids = tuple(i for i, blob in self._blobs.items() if blob.holder == holder and i not in kept)
+            result = results[holder] = DeleteResult(self.source, HOLDER_DOWN, ids)
+            if commit is not None:
+                commit(holder, result)
+            del self._holders_down[holder]
+            self._remove(ids, self.source, HOLDER_DOWN)
         return results
 
-    def fetch(self, blob_ids: Sequence[str], holder: str) -> FetchResult:
-        """The arrays of live blobs (anyone may fetch; repeated ids count once).
+    def fetch(self, blob_ids: Sequence[str], holder: str, *, commit: Commit[FetchResult] | None = None
+              ) -> FetchResult:
+        """The arrays of live blobs (anyone may fetch; repeated ids count once). ``commit`` (see :data:`Commit`)
+        records the violations it counts.
 
         Ownership: the arrays are the keeper's read-only views, not copies. They stay valid after the blob
         is deleted (they keep its buffer alive), but the keeper no longer counts those bytes.
@@ -590,18 +633,24 @@ class Keeper:
             elif (tomb := self._tombstones.get(blob_id)) is not None and tomb.reclaimed:
                 reclaimed.append(blob_id)
             elif tomb is not None:
-                violations.append(self._violation(
+                violations.append(_violation(
                     blob_id, "fetch", holder, tomb.holder,
                     f"{holder} fetched it after {tomb.holder} had deleted it ({tomb.reason})"))
             else:
                 unknown.append(blob_id)
+        result = FetchResult(found, tuple(unknown), tuple(violations), tuple(reclaimed))
+        if commit is not None:
+            commit(result)
+        self._count(violations)
         self._count_stale("fetch", reclaimed)
-        return FetchResult(found, tuple(unknown), tuple(violations), tuple(reclaimed))
+        return result
 
-    def delete(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
+    def delete(self, blob_ids: Sequence[str], holder: str, reason: str, *,
+               commit: Commit[DeleteResult] | None = None) -> DeleteResult:
         """Delete live blobs, whoever holds them (the last holder deletes, and the env server cannot see the
         hand-over from orchestrator to trainer). A blob already deleted is a violation (repeated ids in one
         call count once; a retried request is answered from the server's reply cache, never replayed here).
+        ``commit``: see :data:`Commit`.
         """
         live: list[str] = []
         unknown: list[str] = []
@@ -616,41 +665,66 @@ class Keeper:
             elif tomb is not None and tomb.reclaimed:
                 reclaimed.append(blob_id)
             elif tomb is not None:
-                violations.append(self._violation(
+                violations.append(_violation(
                     blob_id, "delete", holder, tomb.holder,
                     f"{holder} deleted it ({reason}) after {tomb.holder} had deleted it ({tomb.reason})"))
             else:
                 unknown.append(blob_id)
+        result = DeleteResult(holder, reason, tuple(live), tuple(unknown), tuple(violations), tuple(reclaimed),
+                              tuple(repeated))
+        if commit is not None:
+            commit(result)
+        self._remove(live, holder, reason)
+        self._count(violations)
         self._count_stale("delete", reclaimed)
-        result = self._remove(live, holder, reason, unknown=tuple(unknown), violations=tuple(violations),
-                              reclaimed=tuple(reclaimed))
-        return replace(result, repeated=tuple(repeated)) if repeated else result
+        return result
 
-    def discard(self, episode_id: str, reason: str = DISCARDED) -> list[str]:
-        """Delete an abandoned episode's unclaimed blobs (holder: the env server); returns their ids.
+    def discard(self, episode_id: str, reason: str = DISCARDED, *, commit: Commit[DeleteResult] | None = None
+                ) -> DeleteResult:
+        """Delete an abandoned episode's unclaimed blobs (holder: the env server, ``episode``: this one).
 
         Claimed blobs are left to their holder, who now decides their fate. An unknown or fully deleted
-        episode returns ``[]``, so a repeated discard is harmless.
+        episode deletes nothing, so a repeated discard is harmless; one an earlier process of this store
+        carried out (a retry across its restart) answers what that discard deleted as ``repeated``.
+        ``commit``: see :data:`Commit`.
         """
-        ids = [b for b in self._episodes.get(episode_id, ()) if not self._blobs[b].holder]
-        return list(self._remove(ids, self.source, reason).deleted)
+        ids = tuple(b for b in self._episodes.get(episode_id, ()) if not self._blobs[b].holder)
+        repeated = tuple(b for b in self._discarded.get(episode_id, ())
+                         if (tomb := self._tombstones.get(b)) is not None and tomb.episode == episode_id)
+        result = DeleteResult(self.source, reason, ids, repeated=repeated, episode=episode_id)
+        if commit is not None:
+            commit(result)
+        self._remove(ids, self.source, reason, episode=episode_id)
+        return result
 
-    def expire(self, now: float | None = None) -> DeleteResult:
-        """Delete blobs still unclaimed when their hand-over lease ends (``now`` defaults to the clock)."""
+    def expire(self, now: float | None = None, *, commit: Commit[DeleteResult] | None = None) -> DeleteResult:
+        """Delete blobs still unclaimed when their hand-over lease ends (``now`` defaults to the clock).
+        ``commit``: see :data:`Commit` (the leases it did not end end at the next call)."""
         now = self.clock() if now is None else now
+        ended = 0
         due: list[str] = []
-        while self._leases and self._leases[0][0] <= now:
-            _, blob_id = self._leases.popleft()
+        for deadline, blob_id in self._leases:
+            if deadline > now:
+                break
+            ended += 1
             blob = self._blobs.get(blob_id)
             if blob is not None and not blob.holder:
                 due.append(blob_id)
-        return self._remove(due, self.source, UNDELIVERED)
+        result = DeleteResult(self.source, UNDELIVERED, tuple(due))
+        if commit is not None:
+            commit(result)
+        for _ in range(ended):
+            self._leases.popleft()
+        self._remove(due, self.source, UNDELIVERED)
+        return result
 
     def close(self) -> DeleteResult:
         """Delete everything still held (reason ``shutdown``) and refuse later keeps. Idempotent."""
         self._closed = True
         self._leases.clear()
-        return self._remove(list(self._blobs), self.source, SHUTDOWN)
+        ids = tuple(self._blobs)
+        self._remove(ids, self.source, SHUTDOWN)
+        return DeleteResult(self.source, SHUTDOWN, ids)
 
     # --- re-adoption (a restarted store replays its journal through these) ----------------------------
 
@@ -664,15 +738,17 @@ class Keeper:
         self._bytes_held += packed.nbytes
         self.kept_total += 1
 
-    def restore_drop(self, blob_ids: Sequence[str], holder: str, reason: str) -> DeleteResult:
-        """Replay a delete: live blobs go as :meth:`delete` would remove them; ids no longer live (a
-        compacted journal keeps their tombstones only) get their tombstone back."""
-        live = [b for b in blob_ids if b in self._blobs]
+    def restore_drop(self, blob_ids: Sequence[str], holder: str, reason: str, episode: str = "") -> DeleteResult:
+        """Replay a delete (``episode``: the episode a discard deleted them of, "" for any other delete): live
+        blobs go as :meth:`delete` would remove them; ids no longer live (a compacted journal keeps their
+        tombstones only) get their tombstone back."""
+        live = tuple(b for b in blob_ids if b in self._blobs)
         now = self.clock()
         for blob_id in blob_ids:
             if blob_id not in self._blobs:
-                self._tombstones[blob_id] = _Tombstone(holder, reason, now)
-        return self._remove(live, holder, reason)
+                self._tombstones[blob_id] = _Tombstone(holder, reason, now, episode=episode)
+        self._remove(live, holder, reason, episode=episode)
+        return DeleteResult(holder, reason, live, episode=episode)
 
     def restore_counters(self, kept: int, deleted: Mapping[str, int], violations: Mapping[str, int],
                          reclaimed: Mapping[str, int]) -> None:
@@ -681,14 +757,16 @@ class Keeper:
         self.deleted, self.violations, self.reclaimed = Counter(deleted), Counter(violations), Counter(reclaimed)
 
     def adopt_tombstones(self) -> None:
-        """Mark every tombstone as an earlier process's: a repeat of its delete by the same holder is
-        answered ``repeated`` (a retry across the restart), not refused."""
+        """Mark every tombstone as an earlier process's: a repeat of its delete by the same holder, or of the
+        discard of its episode, is answered ``repeated`` (a retry across the restart), not refused or ignored."""
         for blob_id, tomb in self._tombstones.items():
             self._tombstones[blob_id] = replace(tomb, adopted=True)
+            if tomb.episode:
+                self._discarded.setdefault(tomb.episode, []).append(blob_id)
 
-    def tombstones(self) -> Iterator[tuple[str, str, str]]:
-        """(blob id, deleter, reason) of every remembered deletion, oldest first."""
-        return ((blob_id, tomb.holder, tomb.reason) for blob_id, tomb in self._tombstones.items())
+    def tombstones(self) -> Iterator[tuple[str, str, str, str]]:
+        """(blob id, deleter, reason, episode discarded or "") of every remembered deletion, oldest first."""
+        return ((blob_id, tomb.holder, tomb.reason, tomb.episode) for blob_id, tomb in self._tombstones.items())
 
     def blobs(self) -> Iterator[tuple[str, str, str, PackedBranch]]:
         """(blob id, episode id, holder, packed) of every live blob, in keep order ("": unclaimed)."""
@@ -732,18 +810,11 @@ class Keeper:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _remove(
-        self,
-        blob_ids: Sequence[str],
-        holder: str,
-        reason: str,
-        *,
-        unknown: tuple[str, ...] = (),
-        violations: tuple[Violation, ...] = (),
-        reclaimed: tuple[str, ...] = (),
-    ) -> DeleteResult:
+    def _remove(self, blob_ids: Sequence[str], holder: str, reason: str, *, episode: str = "") -> None:
+        """Delete live ``blobs_ids`` (``episode``: the episode a discard deletes them of), each leaving a
+        tombstone."""
         now = self.clock()
-        tomb = _Tombstone(holder, reason, now)
+        tomb = _Tombstone(holder, reason, now, episode=episode)
         for blob_id in blob_ids:
             blob = self._blobs.pop(blob_id)
             self._bytes_held -= blob.packed.nbytes
@@ -761,21 +832,19 @@ class Keeper:
             tombs.popitem(last=False)
         if blob_ids:
             self.deleted[reason] += len(blob_ids)
-        return DeleteResult(holder, reason, tuple(blob_ids), unknown, violations, reclaimed)
 
     def _count_stale(self, action: str, reclaimed: Sequence[str]) -> None:
         if reclaimed:
             self.stale[action] += len(reclaimed)
 
-    def _taken_in_grace(self, holder: str, taken: Sequence[str]) -> tuple[str, ...]:
-        """What ``holder`` took (claimed, claimed again or was handed over) counts as claimed again while it is
-        down, in its grace: its restarted incarnation's, kept when the grace ends. Those ids (none when it is
-        not down)."""
-        down = self._holders_down.get(holder)
-        if down is None:
-            return ()
-        down.claimed_again.update(taken)
-        return tuple(taken)
+    def _count(self, violations: Sequence[Violation]) -> None:
+        self.violations.update(v.action for v in violations)
+
+    def _hand(self, blob_id: str, holder: str) -> None:
+        """Live ``blob_id`` is ``holder``'s now."""
+        blob = self._blobs[blob_id]
+        self._blobs[blob_id] = _Blob(blob.episode_id, blob.packed, holder)
+        self._move(blob.holder, holder)
 
     def _move(self, holder: str, to: str | None) -> None:
         """Count a blob out of ``holder``'s and into ``to``'s (None: deleted); holders holding nothing go."""
@@ -785,6 +854,8 @@ class Keeper:
         if to is not None:
             self._held_by[to] += 1
 
-    def _violation(self, blob_id: str, action: str, holder: str, owner: str, detail: str) -> Violation:
-        self.violations[action] += 1
-        return Violation(blob_id=blob_id, action=action, holder=holder, owner=owner, detail=detail)
+
+
+def _violation(blob_id: str, action: str, holder: str, owner: str, detail: str) -> Violation:
+    """A refused request for ``blob_id`` (counted by the keeper once the request's changes are made)."""
+    return Violation(blob_id=blob_id, action=action, holder=holder, owner=owner, detail=detail)
