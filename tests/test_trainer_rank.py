@@ -38,6 +38,7 @@ import zmq
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, gather
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import ConfigError
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
@@ -50,6 +51,8 @@ from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
     Accounted,
     Accounts,
+    Claim,
+    Claimed,
     FetchAck,
     NodeDown,
     Ok,
@@ -521,6 +524,76 @@ def test_deletes_to_a_store_killed_mid_step_reach_its_restarted_process(bus, orc
     assert (account.kept, account.held, account.deleted, account.violations) == (kept, 0, {"trained": kept}, {})
 
 
+def test_hand_overs_published_while_a_durable_store_was_dead_reach_its_restarted_process(spawn, tmp_path: Path,
+                                                                                         zmq_ctx) -> None:
+    """Two ranks take a step batch (their ``reference`` events go out) while the durable env server holding its
+    blobs is dead; its restarted process re-adopts them, still the orchestrator's. The ranks see the new process
+    come up and publish their hand-overs again, so the store holds each blob for its rank, and when the ranks
+    die it reclaims them ``holder-down``, named with them. Before, the restarted store kept them as the
+    orchestrator's: never reclaimed with the ranks (held until the store's shutdown), and a restarted
+    orchestrator would have taken them back and shipped them again."""
+    bus_proc, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+    grace_s = 1.0
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-h", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "hand-overs", "--env-server-budget-bytes", str(64 << 20),
+               "--env-server-handover-lease-s", "600", "--node-restart-grace-s", str(grace_s)]
+    orchestrator_node = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator",
+                                                                    metrics_port=-1))
+    orchestrator_node.start_background()  # the blobs' holder before the hand-over: live all along
+    ranks = None
+    stores: list[NodeProcess] = []
+    policy = RetryPolicy(timeout_s=WAIT_S, attempts=1)
+    try:
+        first = spawn(command, "env-h")
+        stores.append(first)
+        client = Client(zmq_ctx, first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("producer"),
+                        policy=policy)
+        try:
+            data = make_step([ServedStore(client)], SPECS, data_ranks=2, prefix="h")
+            owned = [blob_id for ids in data.owned for blob_id in ids]
+            assert client.request(Claim(blob_ids=owned, holder="orchestrator")).body == Claimed(blob_ids=owned)
+        finally:
+            client.close()
+        ranks = Ranks(control, (RankConfig(compute_s=0.01),) * 2, steps=1, workdir=tmp_path)
+        rank_clients = [Client(zmq_ctx, ranks.recv(rank), WireCodec("orchestrator"), policy=policy)
+                        for rank in (0, 1)]
+        try:
+            first.proc.kill()
+            assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+            hand_over(rank_clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])  # the store is dead
+        finally:
+            for rank_client in rank_clients:
+                rank_client.close()
+        stores.append(spawn(command, "env-h-restarted"))
+        probe = Client(zmq_ctx, stores[-1].wait_ready(timeout=WAIT_S)["endpoints"]["blobs"], WireCodec("probe"),
+                       policy=policy)
+        try:
+            def account() -> Accounted:
+                reply = probe.request(Accounts()).body
+                assert isinstance(reply, Accounted)
+                return reply
+
+            each = {f"trainer-{rank}": len(data.owned[rank]) for rank in (0, 1)}
+            wait_for(lambda: account().held_by == each, 10 * node_timeout_s, "the ranks' hand-overs applied")
+            assert [ranks.recv(rank) for rank in (0, 1)] == [("computing", 0)] * 2  # fetched from the new process
+            for proc in ranks.procs:
+                proc.kill()  # dead mid-step: what they hold is the store's to reclaim
+            wait_for(lambda: account().reclaimed == each, 5 * (node_timeout_s + grace_s),
+                     "the dead ranks' blobs reclaimed holder-down")
+            final = account()
+            assert (final.held_by, final.deleted, final.violations) == ({}, {"holder-down": len(owned)}, {})
+        finally:
+            probe.close()
+    finally:
+        if ranks is not None:
+            ranks.close()
+        orchestrator_node.join(timeout=WAIT_S)
+        for store in stores:  # before the broker, so their goodbyes reach it
+            store.stop()
+        assert bus_proc.stop() == 0, bus_proc.log_tail()
+
+
 # --- without processes: the rank's own bookkeeping ---------------------------------------------------------
 
 
@@ -561,7 +634,7 @@ def test_end_step_after_any_step_failure_deletes_what_the_rank_owns_and_held_fol
     rank._cond = threading.Condition()
     rank._running = {}
     rank.held = {"a", "b", "c", "later"}
-    rank._wait_for = lambda step: _Received(batch, refs)
+    rank._wait_for = lambda step: rank._running.setdefault(step, (_Received(batch, refs), frozenset()))[0]
     asked: list[dict[str, str]] = []
 
     def on_loop(start: Callable) -> Any:

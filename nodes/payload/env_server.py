@@ -61,7 +61,8 @@ is answered as deleted; a retried keep of an episode it re-adopted, with the sam
 first process's references; a retried discard with the ids the first process discarded. Every change is
 journaled before the keeper makes it (:data:`~.keeper.Commit`): a journal that cannot take the record (a full
 tmpfs) changes nothing, and the request is answered ``journal-failed`` with ``retry_after_s`` (not cached: the
-same request sent again runs again); a lease's or a grace's end is tried again at the next tick.
+same request sent again runs again); a lease's or a grace's end is tried again at the next tick. A trainer rank
+repeats to the restarted process the ``reference`` events it published while the store was dead.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the

@@ -38,6 +38,10 @@ never from the loop thread. :meth:`TrainerRank.interrupt` (safe from signal hand
 ``begin_step`` give up, for a clean shutdown; stop the node with ``runtime.join()`` once the training loop
 is done with it.
 
+**Restarted stores.** A durable env server killed and restarted re-adopts its blobs but never sees the
+``reference`` events published while it was dead: at its ``node-up`` as a new process, a rank that holds blobs
+there asks it a read and, once answered (its subscriptions are live by then), publishes those hand-overs again.
+
 Memory ownership: tensors returned by :meth:`TrainerRank.begin_step` live in the fetcher's buffer pool
 and are reused by the next ``begin_step``; the caller copies (or moves to the device) what it keeps.
 """
@@ -57,10 +61,21 @@ import torch
 import torch.distributed as dist
 
 from ...bus.peers import incarnation
-from ...bus.reqrep import HandlerError, split_outcomes
+from ...bus.reqrep import HandlerError, Outcome, PeerDown, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
-from ...protocol.messages import BlobRef, Delete, Deleted, FetchAck, Ok, Reference, StepBatch
+from ...protocol.messages import (
+    Accounts,
+    BlobRef,
+    Delete,
+    Deleted,
+    FetchAck,
+    NodeDown,
+    NodeInfo,
+    Ok,
+    Reference,
+    StepBatch,
+)
 from ..settings import TrainerSettings
 from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
@@ -194,6 +209,11 @@ class TrainerRank:
         self._peers = peers = runtime.track_peers()
         self._locate = registry_locator(peers.endpoint_of)
         self._restarts = StoreRestarts(lambda node: durable_store(peers, node), runtime.later, restart_grace_s)
+        # A durable store restarted re-adopts its blobs but missed the ``reference`` events published while it was
+        # dead: this rank repeats its hand-overs to each new process (see _on_store_up).
+        self._stores_heard: dict[str, tuple[str, int, float]] = {}  # live durable store -> its process last heard
+        peers.on_up(self._on_store_up)
+        peers.on_down(self._on_store_down)
         self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
                                    restarts=self._restarts)
         self.held: set[str] = set()
@@ -242,9 +262,8 @@ class TrainerRank:
         """
         if self.runtime.loop_thread is None:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
-        received = self._wait_for(step)
         # From here on this rank owns the step's blobs: end_step deletes them (``dropped``) whatever fails below.
-        self._running[step] = (received, frozenset())
+        received = self._wait_for(step)
         in_flight = self._on_loop(lambda done: self.fetcher.start(step, received.batch.micro_batches, done))
         fetch = self.fetcher.finish(in_flight)
         ack = FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids), nbytes=fetch.nbytes,
@@ -390,7 +409,56 @@ class TrainerRank:
                                        "the node stopped" if self._loop_ended else waited)
                 raise StepFailed(f"rank {self.rank}: no step batch for step {step} ({why})")
             self._next_step = step + 1
+            # Running in the same breath: a look at what this rank holds (_held_at) never misses it in between.
+            self._running[step] = (received, frozenset())
         return received
+
+    def _on_store_up(self, info: NodeInfo) -> None:
+        """A durable store registered as another process than the one this rank last heard of (a restart that
+        re-adopted its blobs, or one not heard of yet): the ``reference`` events this rank published while it
+        was dead never reached it, so it would hold those blobs for the orchestrator (never reclaimed with this
+        rank's; a restarted orchestrator would take them back and ship them again). When this rank holds blobs
+        there, it asks the new process a read (``accounts``), whose answer says its loop runs and so its
+        subscriptions are live (it registers, hence this ``node-up``, before they are), then publishes again the
+        hand-over of every blob it holds there (:meth:`_hand_over_again`). A store takes a hand-over of a blob
+        already the holder's, deleted or reclaimed as nothing. Loop thread."""
+        endpoint, process = info.endpoints.get("blobs"), incarnation(info)
+        if endpoint is None or not durable_store(self._peers, info.node_id) \
+                or self._stores_heard.get(info.node_id) == process:
+            return  # no env server re-adopting blobs, or the same process joining again (a broker restart)
+        self._stores_heard[info.node_id] = process
+        if self._held_at(info.node_id):
+            self.runtime.calls.request(endpoint, Accounts(holders=1),
+                                       lambda outcome: self._hand_over_again(info.node_id, outcome))
+
+    def _on_store_down(self, down: NodeDown, info: NodeInfo | None) -> None:
+        self._stores_heard.pop(down.node_id, None)  # its next node-up, even of the same process, repeats them
+
+    def _hand_over_again(self, node: str, outcome: Outcome) -> None:
+        """Publish again, one ``reference`` per step, the hand-over of every blob this rank holds on store
+        ``node``, whose new process has answered (``outcome``: its answer, or none by the deadline: a live
+        store whose loop is most likely running by then). Nothing when it went down again: its next process's
+        ``node-up`` asks again."""
+        if isinstance(outcome, PeerDown):
+            return
+        held = self._held_at(node)
+        for step, blob_ids in sorted(held.items()):
+            self.runtime.publish(Reference(step=step, holder=self.runtime.node_id, blob_ids=blob_ids))
+        log.info("reference.repeated", store=node, blobs=sum(map(len, held.values())), steps=len(held),
+                 detail="a restarted store missed the hand-overs published while it was dead")
+
+    def _held_at(self, node: str) -> dict[int, list[str]]:
+        """Step -> the ids of the blobs this rank holds (received or running, not yet deleted) on store ``node``."""
+        with self._cond:
+            batches = [*self._received.values(), *(received for received, _ in self._running.values())]
+            held = set(self.held)
+        steps: dict[int, list[str]] = {}
+        for received in batches:
+            ids = [blob_id for blob_id in received.batch.owned
+                   if blob_id in held and received.refs[blob_id].node == node]
+            if ids:
+                steps[received.batch.step] = ids
+        return steps
 
     def _wake(self) -> None:
         with self._cond:
