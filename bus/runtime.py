@@ -15,7 +15,11 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
    batch form, up to the welcome's ``event_batch`` events): a burst costs one ZeroMQ message, not one per
    event. A
    broker that died and came back under the same address answers the next heartbeat ``unknown-node``: the
-   node says ``hello`` again (the registry is rebuilt from these re-joins). A PUB connection that drops is
+   node says ``hello`` again (the registry is rebuilt from these re-joins). A re-join runs on the loop thread,
+   every step of it (hello, refill, probes, the subscriptions' replays) within one ``FILL_SHARE`` of the node
+   timeout, so a broker that answers heartbeats but not the re-join (crashing again, or swamped by every node
+   re-joining at once) never holds requests, timers or a stop for longer: the re-join is tried again a
+   heartbeat later. A PUB connection that drops is
    disconnected at once (its queue with it), so nothing this node publishes reaches a new broker before it
    has re-joined; at the re-join it hands the new ring the events it holds (``refill``: the dead broker's in
    flight and what it published meanwhile), then proves its PUB path with probes that carry its latest
@@ -113,11 +117,13 @@ HOOKS_SHARE = 0.7
 CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
 BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
-# A gap fill runs on the loop thread (inside a subscriber's take of the event that revealed the gap): all the fills
-# of one loop turn, every page of their replays, end within this share of the node timeout the broker judges this
-# node by, so a slow broker never holds the loop until the node is declared down (its next heartbeat still goes
-# out in time). A node that has not joined (no broker judges it) takes this share of its heartbeat interval. A
-# fill cut off there counts the gap lost.
+# What a loop turn waits on the broker for runs on the loop thread: gap fills (inside a subscriber's take of the
+# event that revealed the gap) and a re-join (hello, refill, probes, the subscriptions' resumption). All of it, in
+# one turn, ends within this share of the node timeout the broker judges this node by, so a slow or dying broker
+# never holds the loop until the node is declared down (its next heartbeat still goes out in time) nor keeps it
+# from requests, timers and a stop meanwhile. A node that has not joined (no broker judges it) takes this share of
+# its heartbeat interval. A fill cut off there counts the gap lost; a re-join cut off there is tried again a
+# heartbeat later.
 FILL_SHARE = 0.5
 
 
@@ -259,6 +265,16 @@ def prove_published(control: Client, publisher: Publisher, token: str, timeout_s
     raise BusUnavailable(f"the broker did not see this node's events within {timeout_s:.1f}s")
 
 
+def policy_by(end: float, what: str) -> RetryPolicy:
+    """A retry policy whose attempts all end by ``end`` (monotonic): a first wait of a third of what is left, then
+    one resend that waits the rest. Raises :class:`RequestTimeout` (``what`` not complete in time) when too
+    little is left to wait for a reply."""
+    left = end - time.monotonic()
+    if left < 3 * MIN_TIMEOUT_S:
+        raise RequestTimeout(f"{what} not complete within its deadline")
+    return RetryPolicy(timeout_s=left / 3, attempts=2, backoff=2.0, max_timeout_s=left)
+
+
 def _exit_now(code: int) -> NoReturn:
     """End the process with ``code`` now, its output flushed first."""
     with contextlib.suppress(Exception):
@@ -331,8 +347,9 @@ class NodeRuntime:
         self.closed = False  # close() has finished
         self._rejoin = False
         self._resume_pending = False  # the broker restarted and live subscriptions have not yet resumed
-        # Gap fills inside one loop turn share one fill_deadline_s() (see replay_range): when it ends, what the
-        # turn's fills have not fetched is counted lost. None: no fill yet this turn.
+        self._refill_pending = False  # the broker restarted or the PUB path broke: held events not yet handed over
+        # The broker work of one loop turn (gap fills, a re-join) shares one fill_deadline_s() (see _turn_deadline):
+        # when it ends, what the turn's fills have not fetched is counted lost. None: none yet this turn.
         self._in_turns = False
         self._fill_end: float | None = None
         self.broker_incarnation = ""  # the incarnation of the broker process that welcomed this node last
@@ -572,12 +589,7 @@ class NodeRuntime:
         cursor = 0
         end = None if deadline_s is None else time.monotonic() + deadline_s
         while True:
-            policy = None
-            if end is not None:
-                left = end - time.monotonic()
-                if left < 3 * MIN_TIMEOUT_S:  # too little left for the policy below to wait for a reply
-                    raise RequestTimeout(f"replay from {self.settings.bus} not complete within {deadline_s:.3f}s")
-                policy = RetryPolicy(timeout_s=left / 3, attempts=2, backoff=2.0, max_timeout_s=left)  # ends by left
+            policy = None if end is None else policy_by(end, f"replay from {self.settings.bus} in {deadline_s:.3f}s")
             reply = broker.request(Replay(since=since, src=src, cursor=cursor), policy=policy)
             page = reply.body
             assert isinstance(page, Replayed)
@@ -608,9 +620,16 @@ class NodeRuntime:
         return self.welcome.heartbeat_interval if self.welcome else self.settings.heartbeat_interval_s
 
     def fill_deadline_s(self) -> float:
-        """How long one gap fill (:meth:`replay_range`, every page) may take: ``FILL_SHARE`` of the broker's node
-        timeout once joined, of the heartbeat interval before."""
+        """How long the broker work of one loop turn (its gap fills, every page; a re-join, every step) may take:
+        ``FILL_SHARE`` of the broker's node timeout once joined, of the heartbeat interval before."""
         return FILL_SHARE * (self.welcome.node_timeout if self.welcome else self.settings.heartbeat_interval_s)
+
+    def _turn_deadline(self) -> float:
+        """When this loop turn's broker work ends (monotonic): one :meth:`fill_deadline_s` from its first piece. Outside
+        the loop each piece gets one of its own."""
+        if self._fill_end is None or not self._in_turns:
+            self._fill_end = time.monotonic() + self.fill_deadline_s()
+        return self._fill_end
 
     def replay_range(self, src: str, incarnation: str, first: int, last: int, *,
                      backend: ArrayBackend = "numpy") -> list[Message]:
@@ -618,10 +637,7 @@ class NodeRuntime:
         the loop thread, so all the fills of one loop turn (several gaps at once, e.g. after a queue overflowed)
         end within one :meth:`fill_deadline_s`; a fill outside the loop gets one of its own. A broker that does
         not answer by then (or answers an error) gives nothing, logged, and the subscriber counts the gap lost."""
-        now = time.monotonic()
-        if self._fill_end is None or not self._in_turns:
-            self._fill_end = now + self.fill_deadline_s()
-        left = self._fill_end - now
+        left = self._turn_deadline() - time.monotonic()
         if left <= 0:
             log.warning("replay.skipped", src=src, first=first, last=last,
                         detail="this loop turn's gap fills used their time: the gap is counted lost")
@@ -777,10 +793,11 @@ class NodeRuntime:
             self._deliver_ready()
             if self._rejoin:
                 self._rejoin = False
+                by = self._turn_deadline()  # every step: a broker that does not answer must not hold the loop
                 try:
-                    self._join()  # sets _resume_pending when the broker restarted or moved, before its probe
+                    self._join(by)  # sets _resume_pending when the broker restarted or moved, before its probe
                     if self._resume_pending:
-                        self._resume_subscriptions()
+                        self._resume_subscriptions(by)
                         self._resume_pending = False
                 except (BusUnavailable, RequestTimeout, RemoteError) as exc:  # gone again, or slow: retry later
                     log.warning("bus.rejoin_failed", error=str(exc))
@@ -997,19 +1014,28 @@ class NodeRuntime:
             self._collectors.append(histogram)
         return histogram
 
-    def _join(self) -> bool:
+    def _join(self, by: float | None = None) -> bool:
         """Register with the broker and prove the event path live before anything is published. True when
         the broker is a new process (it died and came back) or moved: live subscriptions must resume. That is
-        also kept in ``_resume_pending`` as soon as it is known, before the refill and the probe: a join that
-        fails after it (the probe not seen in time) leaves it set for the retry, which finds the same broker
-        incarnation and so cannot tell again."""
+        also kept in ``_resume_pending`` as soon as it is known, before the refill and the probe, and the refill
+        itself in ``_refill_pending`` until it is done: a join that fails after it (the probe not seen in time)
+        leaves them set for the retry, which finds the same broker incarnation and so cannot tell again.
+
+        ``by`` (monotonic): a re-join from the loop, whose every step (hello, each refill page, the probe) ends by
+        then, :class:`BusUnavailable` or :class:`RequestTimeout` otherwise. Without it (the first join, at
+        start) the hello is sent every second for ``connect_timeout_s`` (the broker may still be starting), and
+        the rest takes up to ``connect_timeout_s`` more."""
         self.broker()
         assert self.control is not None
         token = self.codec.new_id()
-        connect = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
+        if by is None:
+            hello_policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)),
+                                       backoff=1.0)
+        else:
+            hello_policy = policy_by(by, f"the re-join of {self.settings.bus}")
         try:
             reply = self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
-                                         policy=connect)
+                                         policy=hello_policy)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
         welcome = reply.body
@@ -1059,9 +1085,14 @@ class NodeRuntime:
             # and it re-joins at its next heartbeat, well within a node timeout.
             settle_s = welcome.node_timeout + welcome.heartbeat_interval + RECONNECT_IVL_MAX_MS / 1000
             self.later(settle_s, lambda: self._reconcile_peers(broker, tries))
-        if (refill or restarted) and self.publisher.seq:  # before the probes: the gaps they reveal fill from it
-            self._refill()
-        self._prove_published(token, self.settings.connect_timeout_s)
+        if refill or restarted:  # kept until handed over, whatever fails from here on
+            self._refill_pending = True
+        end = time.monotonic() + self.settings.connect_timeout_s if by is None else by
+        if self._refill_pending:  # before the probes: the gaps they reveal fill from it
+            if self.publisher.seq:
+                self._refill(end)
+            self._refill_pending = False
+        self._prove_published(token, end - time.monotonic())
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
         return restarted or moved
@@ -1093,10 +1124,12 @@ class NodeRuntime:
 
         self.lookup_async("", done, deadline_s=interval)
 
-    def _refill(self) -> None:
+    def _refill(self, by: float) -> None:
         """Hand the broker this node's held events (see :class:`~refbus.bus.pubsub.Publisher`) for its ring, in
-        pages within the body limit. A page the broker does not take is logged: subscribers count its events
-        lost where they find them missing, never silently."""
+        pages within the body limit, every page by ``by`` (monotonic). A page the broker refuses is logged:
+        subscribers count its events lost where they find them missing, never silently. One it does not answer
+        in time raises :class:`RequestTimeout` (the re-join fails, and its retry hands over every held event
+        again: the ring keeps a duplicate, which subscribers drop)."""
         assert self.control is not None and self.publisher is not None
         budget = self.codec.limits.max_body_bytes // 2
         held = self.publisher.held()
@@ -1108,9 +1141,9 @@ class NodeRuntime:
             nbytes = sum(map(len, frames))
             if page and (not frames or size + nbytes > budget):
                 try:
-                    self.control.request(Refill(events=page))
+                    self.control.request(Refill(events=page), policy=policy_by(by, "the refill"))
                     taken += page_events
-                except (RequestTimeout, RemoteError) as exc:
+                except RemoteError as exc:
                     log.warning("bus.refill_failed", events=page_events, error=str(exc))
                 page, size, page_events = [], 0, 0
             if frames:
@@ -1148,29 +1181,31 @@ class NodeRuntime:
         self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
         self._deliver_ready()
 
-    def _prove_subscribed(self, subscriber: Subscriber, since: int | None, replay_by: float | None = None) -> None:
+    def _prove_subscribed(self, subscriber: Subscriber, since: int | None, by: float | None = None) -> None:
         """Wait until a broker probe arrives through ``subscriber`` (from then on no event misses it), then
         merge the ring's events with ``seq >= since`` (each source) in front of what arrived meanwhile.
 
-        ``replay_by`` (monotonic): that replay ends by then, and one that does not (or that fails) is logged,
-        not raised: the subscription is live, and what it did not merge shows as gaps, filled or counted lost.
-        Without it the replay runs under the runtime's retry policy and its failure is raised."""
+        ``by`` (monotonic): the probes end by then (:class:`BusUnavailable` or :class:`RequestTimeout`
+        otherwise), and so does the replay; one that does not (or that fails) is logged, not raised: the
+        subscription is live, and what it did not merge shows as gaps, filled or counted lost. Without it (at
+        start) the probes take up to ``connect_timeout_s`` and the replay runs under the runtime's retry policy,
+        its failure raised."""
         assert self.welcome is not None and self.control is not None
         subscriber.hold()
         token = self.codec.new_id()
         subscriber.expect(token)
         try:
-            deadline = time.monotonic() + self.settings.connect_timeout_s
+            deadline = time.monotonic() + self.settings.connect_timeout_s if by is None else by
             while token not in subscriber.tokens:
                 if time.monotonic() > deadline:
-                    raise BusUnavailable(f"no events arrived from {self.welcome.events_out} within the connect "
-                                         "timeout")
-                self.control.request(Sync(token=token, path="sub"))
+                    raise BusUnavailable(f"no events arrived from {self.welcome.events_out} in time")
+                self.control.request(Sync(token=token, path="sub"),
+                                     policy=None if by is None else policy_by(by, "the subscription's probe"))
                 if subscriber.sock.poll(SYNC_PROBE_INTERVAL_MS, zmq.POLLIN):
                     while token not in subscriber.tokens and subscriber.sock.poll(0, zmq.POLLIN):
                         subscriber.drain_one()
             if since is not None:
-                for event in self._replay_by(since, replay_by, subscriber.backend):
+                for event in self._replay_by(since, by, subscriber.backend):
                     subscriber.offer(event)
         finally:
             subscriber.forget_token(token)
@@ -1192,16 +1227,16 @@ class NodeRuntime:
                     detail="the subscription is live; what the ring held for it shows as gaps, filled or counted lost")
         return []
 
-    def _resume_subscriptions(self) -> None:
+    def _resume_subscriptions(self, by: float) -> None:
         """After a broker restart: events published before a subscription's socket reconnected were dropped
         by the new broker's XPUB but are in its ring (it holds only what came after its start), so each
         subscription proves itself live again and takes the whole new ring; what it already has is a
         duplicate, and what neither delivered shows as a gap and is counted lost, even when no later event
-        from that source comes to reveal it. It runs on the loop thread: the replays of all the subscriptions
-        end within one :meth:`fill_deadline_s`, as a loop turn's gap fills do, so heartbeats still go out."""
-        replay_by = time.monotonic() + self.fill_deadline_s()
+        from that source comes to reveal it. It runs on the loop thread: the probes and replays of all the
+        subscriptions end by ``by`` (monotonic: the re-join's deadline, see :meth:`_join`), so heartbeats still go
+        out; probes not seen by then raise (the re-join is tried again), replays cut off there are logged."""
         for subscriber, _, _ in self._subscriptions:
-            self._prove_subscribed(subscriber, 0, replay_by)
+            self._prove_subscribed(subscriber, 0, by)
         self._deliver_ready()
 
     def flush_events(self, timeout_s: float = 2.0) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,17 +18,39 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.peers import ABSENT_AFTER_RESTART
-from refbus.bus.reqrep import Client, RetryPolicy
-from refbus.bus.runtime import BusUnavailable, NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import RECONNECT_IVL_MAX_MS
+from refbus.bus.reqrep import Client, HandlerError, RequestTimeout, RetryPolicy, Server
+from refbus.bus.runtime import FILL_SHARE, BusUnavailable, NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import RECONNECT_IVL_MAX_MS, make_socket
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, NodeDown, NodeInfo, RunEnd
-from test_liveness import HEARTBEAT_S, NODE_TIMEOUT_S, START_S, client, env_server, keep, sigkill  # noqa: F401
+from refbus.protocol.messages import (
+    Blobs,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    Fetch,
+    Heartbeat,
+    Hello,
+    NodeDown,
+    NodeInfo,
+    RunEnd,
+)
+from test_liveness import (  # noqa: F401
+    HEARTBEAT_S,
+    NODE_TIMEOUT_S,
+    START_S,
+    ServedPeer,
+    client,
+    env_server,
+    keep,
+    sigkill,
+)
 
 QUICK = RetryPolicy(timeout_s=HEARTBEAT_S, attempts=1)
 IN_FLIGHT = 50  # events published while the broker is frozen: some are in its socket buffers when it dies
@@ -272,8 +295,8 @@ def test_a_rejoin_whose_probe_fails_once_still_resumes_subscriptions_on_the_retr
         resume, prove = subscriber._resume_subscriptions, subscriber._prove_published
         fail_next = threading.Event()
 
-        def resume_and_tell() -> None:
-            resume()
+        def resume_and_tell(by: float) -> None:
+            resume(by)
             resumed.set()
 
         def prove_or_fail_once(token: str, timeout_s: float) -> None:
@@ -345,3 +368,82 @@ def test_a_node_that_died_while_the_broker_was_down_is_reported_down_after_the_r
             nodes.pop().join(timeout=START_S)
         for bus in buses:
             bus.stop()
+
+
+class ForgetfulBroker:
+    """A stand-in for a broker that came back and cannot take the re-joins (it crashes again, or every node
+    re-joins it at once): bound at a dead broker's control address, it answers every heartbeat ``unknown-node``
+    (so the node re-joins) and never answers a ``hello``. Serves on its own thread until :meth:`close`."""
+
+    def __init__(self, control: str) -> None:
+        self.ctx = zmq.Context()
+        self.server = Server(make_socket(self.ctx, zmq.ROUTER, bind=control), WireCodec("bus-again"))
+        self.rejoins: set[str] = set()  # the ids of the hellos seen: one per re-join (its resends share it)
+
+        def forgotten(request: Message) -> None:
+            raise HandlerError("unknown-node", "not registered (send hello)")
+
+        def unanswered(request: Message) -> None:
+            self.rejoins.add(request.header.id)
+
+        self.server.on(Heartbeat.kind, forgotten, cached=False)
+        self.server.on(Hello.kind, unanswered, cached=False)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            if self.server.sock.poll(50):
+                self.server.handle_one(zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(START_S)
+        self.ctx.destroy(linger=0)
+
+
+def test_a_broker_that_forgot_the_node_and_never_answers_its_rejoin_holds_none_of_its_requests_nor_its_stop(
+        tmp_path: Path) -> None:
+    """A re-join runs on the loop thread: every step of it ends within a share of the node timeout (the fill
+    deadline), so while the broker that came back answers heartbeats ``unknown-node`` and never the ``hello``, the
+    node answers every peer request in time (not after the 15 s connect timeout a hello waited), tries the re-join
+    again a heartbeat later each time, and a SIGTERM ends it within its shutdown timeout of the turn."""
+    bus, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    peer = ServedPeer(control, "peer-1")
+    stand_in: ForgetfulBroker | None = None
+    ctx = zmq.Context()
+    # A turn's broker work (a re-join, gap fills) ends within the fill deadline; twice the node timeout leaves the
+    # rest of the turn and a loaded machine room.
+    bound = 2 * NODE_TIMEOUT_S
+    probe = Client(ctx, peer.endpoint, WireCodec("prober"), policy=RetryPolicy(timeout_s=bound, attempts=1))
+    try:
+        assert probe.request(Claim(blob_ids=["b"], holder="prober")).body == Claimed(blob_ids=[], missing=["b"])
+        sigkill(bus)
+        stand_in = ForgetfulBroker(control)
+        retries = 3
+        deadline = time.monotonic() + retries * (FILL_SHARE * NODE_TIMEOUT_S + HEARTBEAT_S) + START_S
+        slowest = 0.0
+        while len(stand_in.rejoins) < retries:
+            assert time.monotonic() < deadline, f"{len(stand_in.rejoins)} re-joins tried, not {retries}"
+            sent = time.monotonic()
+            try:
+                probe.request(Claim(blob_ids=["b"], holder="prober"))
+            except RequestTimeout:
+                raise AssertionError(f"a request unanswered for {bound}s while the node re-joined") from None
+            slowest = max(slowest, time.monotonic() - sent)
+        print(f"{len(stand_in.rejoins)} re-joins tried; slowest answer meanwhile {slowest:.3f}s")
+
+        peer.proc.send_signal(signal.SIGTERM)
+        shutdown_s = RuntimeSettings().shutdown_timeout_s
+        try:
+            assert peer.proc.wait(bound + shutdown_s) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"SIGTERM during re-joins: not gone within {bound + shutdown_s}s") from None
+    finally:
+        peer.kill()
+        probe.close()
+        ctx.destroy(linger=0)
+        if stand_in is not None:
+            stand_in.close()
+        bus.stop()

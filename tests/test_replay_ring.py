@@ -6,6 +6,7 @@ a resumption's replays bounded like gap fills."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -270,7 +271,7 @@ def test_a_resumption_after_a_broker_restart_replays_within_the_fill_deadline_an
 
     def resume() -> BaseException | None:
         try:
-            node._resume_subscriptions()
+            node._resume_subscriptions(time.monotonic() + node.fill_deadline_s())
         except Exception as exc:
             return exc
         return None
