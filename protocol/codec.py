@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -58,6 +58,46 @@ def checksum(data: Buffer) -> int:
     """xxh3-64 of a buffer: 6.5-9 GB/s from memory on one core, so verifying every frame costs little next to
     moving it."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+# What one step of SlicedChecksums hashes: about 10 ms at xxh3's rate (see checksum), so a loop thread that hashes
+# gigabytes a step a turn still answers requests and heartbeats within a few steps.
+HASH_SLICE_BYTES = 64 << 20
+
+
+class SlicedChecksums:
+    """The :func:`checksum` of each of several byte ranges, taken at most ``slice_bytes`` a :meth:`step`, so that a
+    node's loop thread can hash gigabytes one step a loop turn and serve in between.
+
+    The bytes are looked at through ``view(offset, nbytes)`` during a step only, never held between steps: the
+    memory behind them may be released between two steps, and whoever releases it simply stops stepping."""
+
+    def __init__(self, view: Callable[[int, int], Buffer], ranges: Sequence[tuple[int, int]], *,
+                 slice_bytes: int = HASH_SLICE_BYTES) -> None:
+        """``ranges``: ``(offset, nbytes)`` each, hashed in order."""
+        self._view = view
+        self._ranges = list(ranges)
+        self._slice_bytes = slice_bytes
+        self._digest = xxhash.xxh3_64()
+        self._hashed = 0  # bytes of the current range hashed so far
+        self.digests: list[int] = []  # one per range hashed whole, in order
+
+    def step(self) -> bool:
+        """Hash up to ``slice_bytes`` more; True once every range is hashed (:attr:`digests` then holds them all)."""
+        budget = self._slice_bytes
+        while len(self.digests) < len(self._ranges):
+            offset, nbytes = self._ranges[len(self.digests)]
+            take = min(budget, nbytes - self._hashed)
+            if take:
+                self._digest.update(self._view(offset + self._hashed, take))
+                self._hashed += take
+                budget -= take
+            if self._hashed < nbytes:
+                return False
+            self.digests.append(self._digest.intdigest())
+            self._digest.reset()
+            self._hashed = 0
+        return True
 
 
 # Sub-chunks of a fused copy: small enough that a sub-chunk hashed is still in L2 (1 MiB a core here) when it is

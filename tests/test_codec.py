@@ -25,6 +25,7 @@ from refbus.protocol.codec import (
     EXT_TORCH,
     FUSED_BYTES,
     Hashed,
+    SlicedChecksums,
     Unhashed,
     checksum,
     copy_hashing,
@@ -552,3 +553,22 @@ def test_copy_hashing_refuses_what_it_cannot_copy_in_one_pass_and_touches_nothin
     with pytest.raises(ValueError, match="step must be positive"):
         copy_hashing(target, data[:32], digest, step=0)
     assert not target.any() and digest.intdigest() == xxhash.xxh3_64_intdigest(b"")
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 7, 100, 1000, 1 << 20])
+def test_sliced_checksums_are_the_whole_ranges_checksums_and_each_step_hashes_at_most_a_slice(slice_bytes: int) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 1000, dtype=np.uint8)
+    ranges = [(0, 100), (100, 0), (100, 333), (433, 567), (0, 1000)]
+    looked_at: list[int] = []
+
+    def view(offset: int, nbytes: int) -> memoryview:
+        looked_at.append(nbytes)
+        return memoryview(data)[offset:offset + nbytes]
+
+    hashing = SlicedChecksums(view, ranges, slice_bytes=slice_bytes)
+    steps = 1
+    while not hashing.step():
+        assert len(hashing.digests) < len(ranges)
+        steps += 1
+    assert hashing.digests == [checksum(data[offset:offset + nbytes]) for offset, nbytes in ranges]
+    assert steps == max(1, -(-2000 // slice_bytes)) and max(looked_at) <= slice_bytes

@@ -7,11 +7,14 @@ cluster loses an interior worker of the tree, which must fail the init loudly, b
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import signal
 import struct
 import threading
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +55,7 @@ from refbus.protocol.messages_ps import (
     WorkerInfo,
 )
 from safetensors.torch import save_file
+from test_liveness import START_S, Observer
 
 CHUNK = ["--ps-chunk-bytes", "4096"]  # many chunks even for a small checkpoint: the stream is pipelined
 
@@ -155,6 +159,29 @@ class _Memory:
         return memoryview(self.data)[offset:end]
 
 
+class _Turns:
+    """A node loop's ``later`` for a relay driven by hand: callbacks wait until :meth:`run` runs them, each in a
+    turn of its own, until none is left."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Callable[[], None]] = []
+        self.turns = 0
+
+    def later(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self.waiting.append(callback)
+
+    def run(self) -> None:
+        while self.waiting:
+            self.turns += 1
+            self.waiting.pop(0)()
+
+
+def _run_timers(runtime: NodeRuntime) -> None:
+    """Run ``runtime``'s timers (its loop not running) until none is due: what a relay asked ``later`` for."""
+    while runtime._timers and runtime._timers[0].due <= time.monotonic():
+        runtime._run_timers()
+
+
 def _tree(n: int) -> list[WorkerInfo]:
     return [WorkerInfo(f"w{i}", f"tcp://127.0.0.1:{9000 + i}", "here", "/dev/shm") for i in range(n)]
 
@@ -173,11 +200,13 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
     def acquire(shard: str, nbytes: int) -> _Memory:
         return memory.setdefault(shard, _Memory(nbytes))
 
+    turns = _Turns()
     relay = Relay("init-1", "w0", acquire=acquire,  # type: ignore[arg-type]
                   send=lambda peer, body, deadline_s, on_done: sent.append((peer.worker, body, on_done)),
-                  report=reports.append)
+                  report=reports.append, later=turns.later)
     chunk = 64
     relay.stream_from(InitPlan("init-1", str(path), _tree(4), chunk, 5.0))
+    turns.run()
 
     def chunks_to(worker: str) -> list[Any]:
         return [(body, done) for to, body, done in sent if to == worker and isinstance(body, InitChunk)]
@@ -193,8 +222,10 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
             if to == worker and isinstance(body, InitChunk) and i not in acked:
                 acked.add(i)
                 done(ok)
+                turns.run()
 
     chunks_to("w1")[0][1](ok)
+    turns.run()
     acked.add(next(i for i, (to, body, _) in enumerate(sent) if to == "w1" and isinstance(body, InitChunk)))
     assert len(chunks_to("w1")) == WINDOW + 1 and len(chunks_to("w2")) == WINDOW
     acknowledge("w1")  # w1 takes everything as it comes while w2 is stuck: the root reads for w1
@@ -215,7 +246,8 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
 def test_a_relay_refuses_a_chunk_before_its_header_or_outside_its_segment_and_holds_nothing() -> None:
     sent: list[Any] = []
     relay = Relay("init-2", "w1", acquire=lambda shard, nbytes: _Memory(nbytes),  # type: ignore[arg-type]
-                  send=lambda peer, body, deadline_s, on_done: sent.append(body), report=sent.append)
+                  send=lambda peer, body, deadline_s, on_done: sent.append(body), report=sent.append,
+                  later=_Turns().later)
     with pytest.raises(ValueError, match="chunk before header"):
         relay.on_chunk(InitChunk("init-2", 0, np.zeros(8, np.uint8)))
     relay.on_header(InitHeader("init-2", _tree(4), 5.0, 100, []))  # w1 relays to w3
@@ -361,7 +393,7 @@ def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_th
                                  (checkpoint[0], no_room, "HandlerError: no room for")):
         reports: list[Any] = []
         relay = Relay("init-3", "w0", acquire=acquire, send=lambda *args: None,  # type: ignore[arg-type]
-                      report=reports.append)
+                      report=reports.append, later=_Turns().later)
         relay.stream_from(InitPlan("init-3", str(path), _tree(2), 64, 5.0))
         assert relay.failed and relay._file is None
         assert len(reports) == 1 and isinstance(reports[0], InitFailed) and named in reports[0].reason
@@ -388,6 +420,7 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
         child = WorkerInfo("w1", "tcp://127.0.0.1:9", "here", str(tmp_path))
         relay = worker._relay("init-r")
         relay.stream_from(InitPlan("init-r", str(path), [me, child], 64, 5.0))
+        _run_timers(runtime)
         child_state = relay._children[0]
         assert child_state.in_flight == WINDOW and relay._file is not None  # waiting for acknowledgements
         read, sent = relay._read, child_state.sent
@@ -443,3 +476,41 @@ def test_a_worker_registers_again_with_a_restarted_manager_and_abandons_its_init
         assert runtime.calls.in_flight(settings.manager) == 1  # the registration, on its way
     finally:
         runtime.close()
+
+
+LARGE_INIT_BYTES = 2 << 30  # reading it and hashing it took this machine about twice the bus's 1 s node timeout
+
+
+def test_a_large_init_onto_one_worker_keeps_it_live(bus, spawn, tmp_path: Path) -> None:
+    """A root with no children reads the checkpoint a chunk a loop turn and hashes it a slice a turn, so its
+    heartbeats keep going out: a 2 GiB init onto one worker, under the bus's 1 s node timeout, succeeds and the
+    broker never reports the worker down (read and hashed in one turn, it was, and the manager failed the init:
+    "went down (timeout) during the broadcast")."""
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * LARGE_INIT_BYTES:  # the worker's segment holds the whole checkpoint; leave others room
+        pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {LARGE_INIT_BYTES >> 20} MiB checkpoint")
+    tensors = 4
+    each = LARGE_INIT_BYTES // tensors
+    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [each], "data_offsets": [i * each, (i + 1) * each]}
+                         for i in range(tensors)}).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "large.safetensors"
+    with open(path, "wb") as f:  # sparse: zeros, no disk
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + LARGE_INIT_BYTES)
+
+    _, control = bus
+    watcher = Observer(control, frozenset({"node-down"}))
+    cluster = start_cluster(spawn, control, "blarge", workers=1)
+    runtime, ps = cluster.client()
+    try:
+        result = ps.init(str(path), workers=["w0"], timeout_s=START_S)
+        assert result.workers == ["w0"] and result.file_opens == {"w0": 1}
+        downs = [watcher.events.get_nowait().body for _ in range(watcher.events.qsize())]
+        assert not [down for down in downs if down.node_id == "w0"], downs
+    finally:
+        runtime.close()
+        watcher.runtime.join(START_S)
+        _stop(cluster)
+        for name in segments(cluster.prefix):  # a worker that did not get to unlink its segment
+            segment_file(name).unlink()

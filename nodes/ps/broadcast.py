@@ -12,6 +12,11 @@ once (which, on a link slower than ``children x size / ack_timeout_s``, failed i
 Verification: every chunk frame carries the sender's xxh3 checksum and is verified on receipt; at the end the
 root's per-tensor checksums travel down the tree and every worker hashes its own copy against them.
 
+The loop thread is never held for long, however large the checkpoint: the root reads one chunk a loop turn, and
+hashing (the root's checksums, each worker's check of its copy) goes one slice a turn
+(:class:`~refbus.protocol.codec.SlicedChecksums`), so heartbeats, acknowledgements and requests are served in
+between and no worker is reported down for loading a large checkpoint.
+
 Failure is loud and bounded: every message to a child is a request whose deadline is ``ack_timeout_s``; a
 child that does not answer by then (dead, stuck), goes down or answers with an error is reported to the
 manager by name, and the manager fails the whole init. Nothing waits without a deadline.
@@ -33,7 +38,7 @@ import numpy as np
 import structlog
 
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout
-from ...protocol.codec import checksum
+from ...protocol.codec import SlicedChecksums
 from ...protocol.envelope import Message
 from ...protocol.messages import Body
 from ...protocol.messages_ps import (
@@ -99,6 +104,8 @@ Send = Callable[[WorkerInfo, Body, float, Callable[[Outcome], None]], None]
 ``on_done`` (on the loop thread)."""
 Report = Callable[[Body], None]
 """``report(body)``: an asynchronous request to the manager (``ps-init-done``/``ps-init-failed``)."""
+Later = Callable[[float, Callable[[], None]], None]
+"""``later(delay_s, callback)``: run ``callback`` on the loop thread, in a later loop turn (``runtime.later``)."""
 
 
 @dataclass
@@ -120,7 +127,7 @@ class Relay:
     the segment, which stays mapped until then.
     """
 
-    def __init__(self, init_id: str, me: str, *, acquire: Acquire, send: Send, report: Report) -> None:
+    def __init__(self, init_id: str, me: str, *, acquire: Acquire, send: Send, report: Report, later: Later) -> None:
         self.init_id = init_id
         self.me = me
         self.file_opens = 0
@@ -129,6 +136,7 @@ class Relay:
         self._acquire = acquire
         self._send = send
         self._report = report
+        self._later = later
         self._children: list[_Child] = []
         self._ack_timeout_s = 0.0
         self._segment: Segment | None = None
@@ -141,14 +149,15 @@ class Relay:
         self._path = ""
         self._chunk_bytes = 0
         self._read = 0
+        self._reading = False  # the next chunk's read is asked for (one a loop turn)
 
     # --- the stream ---------------------------------------------------------------------------------
 
     def stream_from(self, plan: InitPlan) -> None:
         """Root: open ``plan.path``, send the header, and start reading it into the segment (:meth:`_read_on`).
 
-        Reads go only as far ahead as the fastest child takes them, so the loop thread stays free to take
-        acknowledgements however large the checkpoint is.
+        Reads go only as far ahead as the fastest child takes them, one chunk a loop turn, so the loop thread
+        stays free to take acknowledgements (and to answer heartbeats) however large the checkpoint is.
         """
         if self.failed:  # abandoned (released) before the loop got to it
             return
@@ -166,15 +175,26 @@ class Relay:
         self._read_on()
 
     def _read_on(self) -> None:
-        """Root: read the next chunks while some child has room for one it does not have yet (all of them when
-        it has no children); at the end of the file, checksum every tensor and finish."""
+        """Root: ask for the next chunk's read (:meth:`_read_chunk`, in a later loop turn) while some child has
+        room for one it does not have yet (always when it has no children), or for the end of the file."""
+        if self._file is None or self.failed or self._reading:
+            return
+        if self._read < self._segment_bytes and self._children and not any(
+                c.sent == len(self._chunks) and c.in_flight < WINDOW for c in self._children):
+            return  # an acknowledgement asks again
+        self._reading = True
+        self._later(0.0, self._read_chunk)
+
+    def _read_chunk(self) -> None:
+        """Root: read one chunk into the segment and pass it on, then ask for the next; at the end of the file,
+        checksum every tensor (a slice a loop turn) and finish."""
+        self._reading = False
         if self._file is None or self.failed:
             return
         assert self._segment is not None
         nbytes = self._segment_bytes
         try:
-            while self._read < nbytes and (not self._children or any(
-                    c.sent == len(self._chunks) and c.in_flight < WINDOW for c in self._children)):
+            if self._read < nbytes:
                 view = self._segment.view(self._read, min(self._chunk_bytes, nbytes - self._read))
                 got = self._file.readinto(view)
                 if not got:
@@ -186,13 +206,31 @@ class Relay:
             self.fail(self.me, f"cannot read checkpoint {self._path}: {_named(exc)}")
             return
         if self._read < nbytes:
+            self._read_on()
             return
         self._close_file()
-        tensors = [
-            ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, checksum(self._segment.view(t.offset, t.nbytes)))
-            for t in self._tensors
-        ]
-        self._finish(tensors)
+
+        def checksummed(digests: list[int]) -> None:
+            self._finish([ShardTensor(t.name, t.dtype, t.shape, t.offset, t.nbytes, digest)
+                          for t, digest in zip(self._tensors, digests, strict=True)])
+
+        self._hash(self._tensors, checksummed)
+
+    def _hash(self, tensors: list[ShardTensor], then: Callable[[list[int]], None]) -> None:
+        """Checksum ``tensors`` in the segment, a slice a loop turn, then ``then(checksums)``. Stops as soon as
+        the relay failed or was abandoned: its segment may be another shard's by then."""
+        assert self._segment is not None
+        hashing = SlicedChecksums(self._segment.view, [(t.offset, t.nbytes) for t in tensors])
+
+        def step() -> None:
+            if self.failed:
+                return
+            if hashing.step():
+                then(hashing.digests)
+            else:
+                self._later(0.0, step)
+
+        step()
 
     def _close_file(self) -> None:
         if self._file is not None:
@@ -283,19 +321,31 @@ class Relay:
             self.fail(name, f"went down before acknowledging the {what} ({outcome.reason})")
 
     def _finish(self, tensors: list[ShardTensor]) -> None:
+        """Every chunk is here and ``tensors`` carry the root's checksums: pass them on, then report this copy
+        done, verified. The root computed them from its own segment; every other copy is hashed against them
+        first (a slice a loop turn)."""
         if self.failed:
             return
         self._end = InitEnd(self.init_id, tensors)
         for child in self._children:
             self._pump(child)
+        if self.file_opens:
+            self._done(tensors)
+            return
+
+        def check(digests: list[int]) -> None:
+            for t, digest in zip(tensors, digests, strict=True):
+                if digest != t.checksum:
+                    self.fail(self.me, f"tensor {t.name!r} does not match the root's checksum after the broadcast")
+                    return
+            self._done([])
+
+        self._hash(tensors, check)
+
+    def _done(self, root_layout: list[ShardTensor]) -> None:
+        """This worker's copy is verified: tell the manager (the root with the layout and its checksums)."""
         assert self._segment is not None
-        # The root computed the checksums from its own segment; every other copy is checked against them.
-        for t in tensors if not self.file_opens else ():
-            if checksum(self._segment.view(t.offset, t.nbytes)) != t.checksum:
-                self.fail(self.me, f"tensor {t.name!r} does not match the root's checksum after the broadcast")
-                return
         self.verified = True
-        root_layout = tensors if self.file_opens else []
         self._report(InitDone(self.init_id, self.me, self._segment.name, self.file_opens, root_layout))
 
 

@@ -409,7 +409,7 @@ class PsWorker:
             if init_id in self.released:
                 raise HandlerError("released", f"init {init_id!r} was released on {self.runtime.node_id}")
             relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
-                                                 send=self._send_peer, report=self._report)
+                                                 send=self._send_peer, report=self._report, later=self.runtime.later)
         return relay
 
     def _acquire(self, shard: str, nbytes: int) -> Segment:
