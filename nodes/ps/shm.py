@@ -36,6 +36,8 @@ from typing import Any
 
 import structlog
 
+from ..store.durable import map_file
+
 log = structlog.get_logger(__name__)
 
 _PAGE = mmap.PAGESIZE
@@ -52,16 +54,9 @@ def _cuda_torch() -> Any | None:
     return torch if torch.cuda.is_available() else None
 
 
-def _address(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # release the exported buffer so the mapping can be closed later
-
-
-def _pin(mm: mmap.mmap, size: int) -> bool:
-    """Page-lock a mapping for fast device copies; warn once (per process) and return False without CUDA."""
+def _pin(address: int, size: int) -> bool:
+    """Page-lock ``size`` bytes mapped at ``address`` for fast device copies; warn once (per process) and return
+    False without CUDA."""
     global _pin_warned
     torch = _cuda_torch()
     if torch is None:
@@ -69,15 +64,24 @@ def _pin(mm: mmap.mmap, size: int) -> bool:
             _pin_warned = True
             log.warning("ps.pinned_memory_unavailable", reason="no CUDA device; shards stay in pageable memory")
         return False
-    err = torch.cuda.cudart().cudaHostRegister(_address(mm), size, 0)
+    err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
     if int(err) != 0:
         log.warning("ps.pin_failed", error=int(err), nbytes=size)
         return False
     return True
 
 
+def segment_bytes(nbytes: int) -> int:
+    """The size of a segment made for ``nbytes``: whole pages, at least one."""
+    return max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+
+
 class Segment:
-    """One shared-memory file, mapped read-write by its owner (a ps-worker) until :meth:`close`."""
+    """One shared-memory file, mapped read-write by its owner (a ps-worker) until :meth:`close`.
+
+    The mapping holds no file descriptor (:func:`~refbus.nodes.store.durable.map_file`): a worker holds as many
+    segments as its memory allows, whatever its descriptor limit.
+    """
 
     def __init__(self, path: Path, capacity: int, *, pin: bool, existing: bool = False) -> None:
         """Create the file (or map an ``existing`` one: a shard a restarted worker re-adopts).
@@ -92,43 +96,44 @@ class Segment:
         try:
             if not existing:
                 os.posix_fallocate(fd, 0, capacity)
-            self.mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            memory = map_file(fd, capacity, writable=True)
         except BaseException:
-            os.close(fd)
             if not existing:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
-        os.close(fd)  # the mapping keeps the memory; the name stays for same-host readers
-        self.pinned = pin and _pin(self.mm, capacity)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the name stays for same-host readers
+        # Every view is cut from this one (memoryview keeps the mapping alive): dropping it at close unmaps the
+        # segment as soon as no view is left.
+        self._bytes: memoryview | None = memoryview(memory).cast("B")
+        self.address = ctypes.addressof(memory)  # the mapping's first byte in this process (valid until close)
+        self.pinned = pin and _pin(self.address, capacity)
 
     @property
     def name(self) -> str:
         return self.path.name
-
-    @property
-    def address(self) -> int:
-        """The mapping's first byte in this process (valid until :meth:`close`)."""
-        return _address(self.mm)
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         """A writable view of ``[offset, offset + nbytes)``; raises ValueError outside the segment."""
         end = self.capacity if nbytes is None else offset + nbytes
         if offset < 0 or end > self.capacity or end < offset:
             raise ValueError(f"bytes [{offset}, {end}) are outside segment {self.name} of {self.capacity} bytes")
-        return memoryview(self.mm)[offset:end]
+        assert self._bytes is not None, f"segment {self.name} is closed"
+        return self._bytes[offset:end]
 
     def close(self) -> None:
-        """Unlink the name and unmap. Views still exported (arrays in flight to ZeroMQ) keep the memory
-        alive until they go; the name is gone at once, so nothing leaks past this process."""
+        """Unlink the name and unmap (once). Views still exported (arrays in flight to ZeroMQ) keep the memory
+        mapped until they go; the name is gone at once, so nothing leaks past this process."""
+        if self._bytes is None:
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         if self.pinned:
             torch = _cuda_torch()
             if torch is not None:
-                torch.cuda.cudart().cudaHostUnregister(_address(self.mm))
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+        self._bytes = None
 
 
 class SegmentPool:
@@ -172,7 +177,7 @@ class SegmentPool:
             self.reused += 1
         else:
             self.created += 1
-            capacity = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+            capacity = segment_bytes(nbytes)
             path = self.directory / f"{self.prefix}.{self.token}.{self.created}"
             segment = Segment(path, capacity, pin=self.pin)
         self._in_use[segment.name] = segment

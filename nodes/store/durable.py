@@ -434,19 +434,27 @@ def _pwrite_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def _map(fd: int, size: int) -> np.ndarray:
-    """A read-only view of a segment's bytes, mapped shared; unmapped once the last view of it is gone.
+def map_file(fd: int, size: int, *, writable: bool = False) -> ctypes.Array[ctypes.c_uint8]:
+    """The first ``size`` bytes of the file open as ``fd``, mapped shared (read-only unless ``writable``): unmapped
+    once the last reference to the array (a view of it included) is gone. ``fd`` may be closed at once.
 
     Mapped through libc, not :class:`mmap.mmap`: that keeps a duplicate of the file descriptor per mapping,
-    and a store holds one mapping per blob (hundreds of thousands), far past any descriptor limit.
+    and a store holds one mapping per blob (hundreds of thousands), a ps-worker one per segment, far past any
+    descriptor limit. Raises OSError when the kernel refuses the mapping.
     """
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc.mmap(None, size, protection, mmap.MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
     memory = (ctypes.c_uint8 * size).from_address(addr)
     weakref.finalize(memory, _libc.munmap, addr, size)
-    view = np.frombuffer(memory, dtype=np.uint8, offset=DATA_OFFSET)
+    return memory
+
+
+def _map(fd: int, size: int) -> np.ndarray:
+    """A read-only view of a segment's bytes (:func:`map_file`)."""
+    view = np.frombuffer(map_file(fd, size), dtype=np.uint8, offset=DATA_OFFSET)
     view.flags.writeable = False
     return view
 
