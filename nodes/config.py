@@ -220,6 +220,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "up.checkpoint_every": (0, None),
     "ps.retain_versions": (1, None),
     "ps.max_free_segments": (0, None),
+    "ps.max_open_bytes": (0, None),
     "ps.eta": (0, None),
     "ps.batch_size": (1, None),
     "ps.chunk_bytes": (1, None),

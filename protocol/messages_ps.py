@@ -211,7 +211,8 @@ class InitRequest(Body, frozen=True):
 
 @register_kind("ps-init-done")
 class InitDone(Body, frozen=True):
-    """A worker holds and verified the whole checkpoint of ``init_id``."""
+    """A worker holds and verified the whole checkpoint of ``init_id``. The manager releases the copy of an init it
+    never ran (and no version names) as an orphan: nothing else would."""
 
     init_id: Name  # the broadcast's id
     worker: Name  # ps-worker node id
@@ -272,7 +273,9 @@ class InventoryQuery(Body, frozen=True):
 
 @register_kind("ps-shard-open")
 class ShardOpen(Body, frozen=True):
-    """Allocate (or reuse) a segment of at least ``nbytes`` for the push holding ``lease``."""
+    """Allocate (or reuse) a segment of at least ``nbytes`` for the push holding ``lease``. Until its seal verifies,
+    it counts against the worker's ``ps.max_open_bytes`` (beyond: ``open-limit``) and goes back to the pool
+    ``ps.push_timeout_s`` after the open; a later open of that lease is refused ``released``."""
 
     lease: Name  # lease id
     nbytes: NonNegative  # bytes needed at least
@@ -339,7 +342,10 @@ class InitPlan(Body, frozen=True):
 
 @register_kind("ps-init-header")
 class InitHeader(Body, frozen=True):
-    """Parent to child: the tree and the checkpoint's layout, so the child can allocate its segment."""
+    """Parent to child: the tree and the checkpoint's layout, so the child can allocate its segment. Taken only
+    from the worker the tree names as the child's parent (``src``; others: ``not-parent``), once per init, by a
+    worker the tree names below its root (else ``bad-init``). Until verified, the segment counts against
+    ``ps.max_open_bytes`` (``open-limit``) and goes back to the pool ``ps.init_timeout_s`` after the header."""
 
     init_id: Name  # the broadcast's id
     workers: list[WorkerInfo]  # the tree, in rank order (root first)
@@ -350,6 +356,9 @@ class InitHeader(Body, frozen=True):
 
 @register_kind("ps-init-chunk")
 class InitChunk(Body, frozen=True):
+    """Parent to child: bytes of the checkpoint. Taken only after the init's header (else ``unknown-init``) and
+    from its sender (else ``not-parent``)."""
+
     init_id: Name  # the broadcast's id
     offset: NonNegative  # byte offset in the checkpoint
     data: Array  # uint8; its frame checksum is verified on receipt
@@ -357,7 +366,8 @@ class InitChunk(Body, frozen=True):
 
 @register_kind("ps-init-end")
 class InitEnd(Body, frozen=True):
-    """Parent to child: every chunk was sent; ``tensors`` carry the root's checksums to verify against."""
+    """Parent to child: every chunk was sent; ``tensors`` carry the root's checksums to verify against. Taken as
+    the chunks are."""
 
     init_id: Name  # the broadcast's id
     tensors: list[ShardTensor]  # the root's layout and checksums

@@ -414,7 +414,7 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
         worker = PsWorker(runtime, settings)
 
         def handle(handler: Callable[[Any], Any], body: Any) -> Any:
-            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2))))
+            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2), src="w1")))
 
         me = worker.info()
         child = WorkerInfo("w1", "tcp://127.0.0.1:9", "here", str(tmp_path))

@@ -1,7 +1,11 @@
-"""A ps-worker's segments hold no file descriptor; honest pushes and pulls go on beside many of them.
+"""A ps-worker's segments that nobody claims: any peer may open a shard under a lease the ps-manager never
+granted, or send the header of an init it never ran. Such segments are bounded while held (``open-limit``),
+handed back once the manager would have given up on them, and hold no file descriptor; honest pushes, inits
+and pulls go on beside them.
 
-Real processes: a broker, a ps-manager and one ps-worker started under a low descriptor limit (``prlimit``).
-Each test checks at the end that no shared-memory segment of its cluster is left behind.
+Real processes: a broker, a ps-manager and one ps-worker started under a low descriptor limit (``prlimit``),
+with short push and init timeouts and a small bound on unclaimed bytes. Each test checks at the end that no
+shared-memory segment of its cluster is left behind.
 """
 
 from __future__ import annotations
@@ -10,18 +14,27 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from polling import wait_for
 from ps_support import PsCluster, checksums, make_state, segments, start_cluster
+from refbus.bus.reqrep import RemoteError
 from refbus.nodes.ps.shm import SegmentPool
-from refbus.protocol.messages_ps import ShardOpen
+from refbus.protocol.codec import checksum
+from refbus.protocol.messages_ps import InitChunk, InitEnd, InitHeader, ShardOpen, ShardTensor, WorkerInfo
 
+PUSH_TIMEOUT_S = 3.0
+INIT_TIMEOUT_S = 3.0
+OPEN_BYTES = 4 << 20  # ps.max_open_bytes of the worker
 NOFILE = 256  # the worker's descriptor limit: a segment that held one would run it out within the test
 
 
 @pytest.fixture
 def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     _, control = bus
-    cluster = start_cluster(spawn, control, request.node.name[:24], workers=0)
+    cluster = start_cluster(spawn, control, request.node.name[:24], workers=0, extra=[
+        "--ps-push-timeout-s", str(PUSH_TIMEOUT_S), "--ps-init-timeout-s", str(INIT_TIMEOUT_S),
+        "--ps-max-open-bytes", str(OPEN_BYTES)])
     worker = spawn(["node", "ps-worker", "--node-id", "w0", "--ps-manager", cluster.manager, *cluster.flags], "w0",
                    prefix=["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--"])
     cluster.worker_info["w0"] = worker.wait_ready()
@@ -30,6 +43,76 @@ def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     for proc in [worker, cluster.manager_proc]:
         assert proc is not None and proc.stop() == 0, proc.log_tail() if proc else ""
     assert segments(cluster.prefix) == [], "shared-memory segments leaked"
+
+
+def test_opens_under_leases_never_granted_are_bounded_and_handed_back(cluster: PsCluster) -> None:
+    """Made-up opens count against ps.max_open_bytes (the next is refused ``open-limit``) and go back to the pool
+    once a push they belonged to would have been aborted; a sealed shard is kept, and pushes and pulls go on."""
+    runtime, ps = cluster.client()
+    try:
+        state = make_state(seed=1)
+        ps.push(state, 0)  # sealed: claimed, whatever the timeouts
+        held = cluster.held("w0")
+        worker = runtime.client(cluster.worker_info["w0"]["endpoints"]["ps"])
+        for i in range(2):
+            worker.request(ShardOpen(f"push-made-up-{i}", OPEN_BYTES // 2))
+        with pytest.raises(RemoteError) as err:
+            worker.request(ShardOpen("push-made-up-2", 0))
+        assert err.value.code == "open-limit" and "ps.max_open_bytes" in str(err.value)
+        assert cluster.held("w0") == held + OPEN_BYTES
+        wait_for(lambda: cluster.held("w0") == held, 4 * PUSH_TIMEOUT_S, "the unclaimed segments handed back")
+        with pytest.raises(RemoteError) as err:  # a late open of one takes no segment
+            worker.request(ShardOpen("push-made-up-0", OPEN_BYTES // 2))
+        assert err.value.code == "released"
+        assert checksums(ps.pull()) == checksums(state)  # the sealed shard outlived the push timeout
+        later = make_state(seed=2)
+        ps.push(later, 1)
+        assert checksums(ps.pull()) == checksums(later)
+    finally:
+        runtime.close()
+
+
+def test_an_init_the_manager_never_ran_holds_nothing_for_long(cluster: PsCluster) -> None:
+    """A header is taken only from the parent its tree names, chunks and the end only from that sender; an init
+    left unverified goes back to the pool after ps.init_timeout_s, and one verified is released by the manager,
+    which never ran it, at its ``ps-init-done``. Both count against ps.max_open_bytes while held."""
+    runtime, ps = cluster.client("test-parent")
+    try:
+        held = cluster.held("w0")
+        worker = runtime.client(cluster.worker_info["w0"]["endpoints"]["ps"])
+        (me,) = ps.status().workers
+        parent = WorkerInfo("test-parent", "tcp://127.0.0.1:9", "elsewhere", "/nonexistent")
+        other = WorkerInfo("w9", "tcp://127.0.0.1:9", "elsewhere", "/nonexistent")
+        zeros = np.zeros(4096, np.uint8)
+        layout = [ShardTensor("a", "uint8", [4096], 0, 4096, checksum(zeros))]
+
+        refusals = [(InitHeader("init-a", [other, me], 5.0, 4096, layout), "not-parent"),
+                    (InitHeader("init-a", [me, parent], 5.0, 4096, layout), "bad-init"),
+                    (InitChunk("init-a", 0, zeros), "unknown-init"), (InitEnd("init-a", layout), "unknown-init")]
+        for body, code in refusals:
+            with pytest.raises(RemoteError) as err:
+                worker.request(body)
+            assert err.value.code == code, body.kind
+        assert cluster.held("w0") == held
+
+        worker.request(InitHeader("init-unverified", [parent, me], 5.0, 4096, layout))
+        worker.request(InitHeader("init-verified", [parent, me], 5.0, 4096, layout))
+        worker.request(InitChunk("init-verified", 0, zeros))
+        worker.request(InitEnd("init-verified", layout))
+        with pytest.raises(RemoteError) as err:
+            worker.request(InitHeader("init-big", [parent, me], 5.0, OPEN_BYTES, layout))
+        assert err.value.code == "open-limit"
+        wait_for(lambda: cluster.held("w0") == held, 4 * INIT_TIMEOUT_S, "both inits' segments handed back")
+        for body in (InitChunk("init-unverified", 0, zeros), InitEnd("init-verified", layout),
+                     InitHeader("init-big", [parent, me], 5.0, 4096, layout)):
+            with pytest.raises(RemoteError) as err:
+                worker.request(body)
+            assert err.value.code == "released", body.kind
+        state = make_state(seed=3)
+        ps.push(state, 0)
+        assert checksums(ps.pull()) == checksums(state)
+    finally:
+        runtime.close()
 
 
 def test_segments_hold_no_file_descriptor(cluster: PsCluster) -> None:

@@ -274,20 +274,23 @@ class PsManager:
         orphans = sorted({shard for segment, shard in request.body.shards.items()
                           if segment in held and shard not in needed})
         if orphans:
-            # A shard this process never made (a push lease it never granted, an init it never ran): an earlier
-            # manager process did (this one may not know it restarted: it has no journal without store.durable),
-            # and may have committed it as a version. A reader under that process's lease may read it for one
-            # lease TTL after its death: hold every release until then, as a known restart does.
-            foreign = [shard for shard in orphans
-                       if not self.leases.granted_here(shard) and shard not in self._inits_here]
-            hold_until = self._started + self.settings.lease_ttl_s
-            if foreign and self._releases_from < hold_until and time.monotonic() < hold_until:
-                self._releases_from = hold_until
-                log.warning("ps.restart_inferred", worker=info.worker, shards=len(foreign),
-                            releases_from_s=round(hold_until - time.monotonic(), 3))
-            log.warning("ps.orphans_released", worker=info.worker, shards=orphans)
-            self._release([(info.worker, shard) for shard in orphans])
+            self._release_orphans(info.worker, orphans)
         return Ok()
+
+    def _release_orphans(self, worker: str, orphans: list[str]) -> None:
+        """Release shards ``worker`` holds that nothing here needs."""
+        # A shard this process never made (a push lease it never granted, an init it never ran): an earlier
+        # manager process may have made it (this one may not know it restarted: it has no journal without
+        # store.durable), and committed it as a version. A reader under that process's lease may read it for one
+        # lease TTL after its death: hold every release until then, as a known restart does.
+        foreign = [shard for shard in orphans if not self.leases.granted_here(shard) and shard not in self._inits_here]
+        hold_until = self._started + self.settings.lease_ttl_s
+        if foreign and self._releases_from < hold_until and time.monotonic() < hold_until:
+            self._releases_from = hold_until
+            log.warning("ps.restart_inferred", worker=worker, shards=len(foreign),
+                        releases_from_s=round(hold_until - time.monotonic(), 3))
+        log.warning("ps.orphans_released", worker=worker, shards=orphans)
+        self._release([(worker, shard) for shard in orphans])
 
     def _send(self, worker: str, body: Body, on_done: Callable[[Outcome], None], *,
               deadline_s: float | None = None) -> None:
@@ -735,12 +738,17 @@ class PsManager:
         self._fail_init(init.names[0], reason)
 
     def _init_done(self, request: Message) -> Body:
+        """A worker verified its copy of an init. One of an init this process never ran (a peer's made-up one, or
+        an earlier process's that no version names) is an orphan: nothing else would ever release it."""
         done = request.body
         assert isinstance(done, InitDone)
         if self.init is not None and self.init.init_id == done.init_id:
             self.init.on_done(done)
             if self.init.complete:
                 self._finish_init(self.init)
+        elif (done.init_id not in self._inits_here and done.worker in self.workers
+              and done.init_id not in self.versions.shards_on(done.worker)):
+            self._release_orphans(done.worker, [done.init_id])
         return Ok()
 
     def _init_failed(self, request: Message) -> Body:

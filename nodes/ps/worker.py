@@ -14,7 +14,16 @@ mapped once and reused version after version:
   serves cross-host readers with zero-copy frames that view the segment.
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
   the pool.
-* **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init.
+* **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init. The plan is
+  taken from the manager only, a header only from the worker the tree it carries names as this one's parent,
+  and chunks and the end only from the worker whose header made the relay.
+* **unclaimed segments**: any peer may open a shard or send an init header, and the manager releases only
+  what it granted or planned. A segment is claimed by a verified seal (a push) or verification (an init: the
+  manager releases one it never ran at its ``ps-init-done``); until then it counts against
+  ``ps.max_open_bytes`` and ``MAX_OPEN_SHARDS`` (a further one is refused ``open-limit``), and one still
+  unclaimed ``ps.push_timeout_s`` after its open (``ps.init_timeout_s`` after its header or plan) goes back to
+  the pool: by then the manager has aborted any push it granted (every rank commits within
+  ``push_timeout_s`` of its version's first grant) and failed any init it ran.
 * **a restarted manager**: the worker tracks the registry's ``node-up``/``node-down`` events; a ps-manager
   that comes up as another process than the one it knew (or after the bus reported it down) knows nothing of
   this worker, so it registers again, listing its segments (a finished init's verified copy among them), and
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -65,16 +75,19 @@ from ...protocol.messages_ps import (
 from ..config import Config
 from ..settings import PsSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError
-from .broadcast import Relay
+from .broadcast import Relay, parent
 from .host_proof import NonceFile, boot_id
 from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
-from .shm import OwnerLock, Segment, SegmentPool, sweep_orphans
+from .shm import OwnerLock, Segment, SegmentPool, segment_bytes, sweep_orphans
 from .streamed import BadLayout, StreamedDigests
 
 log = structlog.get_logger(__name__)
 
 RELEASED_REMEMBERED = 65_536  # released leases an open is checked against (see PsWorker.released)
+# Segments a worker holds unclaimed at once (see the module doc): a handful per rank of the version being pushed,
+# and one mapping each, so a peer's empty opens cannot run the process into the kernel's map count (65,530).
+MAX_OPEN_SHARDS = 4096
 
 
 def served_pieces(pieces: list[np.ndarray], asked_in: tuple[int, int]) -> list[np.ndarray | Unhashed]:
@@ -121,6 +134,9 @@ class PsWorker:
         # Leases released lately: an open that arrives after its release (queued behind it) would take a segment
         # nobody ever releases again. Leases are never reused, so remembering the last few thousand is enough.
         self.released: OrderedDict[str, None] = OrderedDict()
+        # Shards whose segment is not claimed yet (see the module doc) -> when it goes back to the pool unclaimed.
+        self.unclaimed: dict[str, float] = {}
+        self.max_open_bytes = settings.max_open_bytes or _half_of(directory)
         if self.journal is not None:
             self._readopt(self.journal)
         # Made after re-adoption, whose sweep removes the proof file a killed process left in the directory.
@@ -128,6 +144,7 @@ class PsWorker:
         runtime.shutdown_hooks.append(self.host_proof.remove)
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
+        self._parents: dict[str, str] = {}  # init id -> the node id its header came from: the one sender of its chunks
 
         self.server = runtime.serve("ps", settings.worker)
         self.server.on(ShardOpen.kind, self._open)
@@ -153,6 +170,7 @@ class PsWorker:
         peers.on_up(self._manager_up)
         peers.on_down(self._manager_down)
         runtime.shutdown_hooks.append(self._close)
+        runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire_unclaimed)
         runtime.status = lambda: {"shards": float(len(self.shards)), "in_use_bytes": float(self.pool.in_use_bytes),
                                   "free_bytes": float(self.pool.free_bytes)}
         runtime.metric("refbus_ps_held_bytes", "Shared memory held by this ps-worker, in use or kept for reuse.",
@@ -264,7 +282,7 @@ class PsWorker:
             raise HandlerError("released", f"shard {ask.lease!r} was released: a push needs a new grant")
         segment = self.shards.get(ask.lease)
         if segment is None:
-            segment = self.shards[ask.lease] = self._acquire_room(ask.nbytes)
+            segment = self._take(ask.lease, ask.nbytes, self.settings.push_timeout_s)
         elif segment.capacity < ask.nbytes:
             raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
                                f"not {ask.nbytes}")
@@ -390,6 +408,8 @@ class PsWorker:
             relay.abandon()
         self.streamed.pop(shard, None)
         self.sealed.discard(shard)
+        self.unclaimed.pop(shard, None)
+        self._parents.pop(shard, None)
         self.released[shard] = None
         self.released.move_to_end(shard)
         while len(self.released) > RELEASED_REMEMBERED:
@@ -402,14 +422,32 @@ class PsWorker:
     # --- broadcast init -----------------------------------------------------------------------------
 
     def _relay(self, init_id: str) -> Relay:
-        """The relay of ``init_id``, made on its first message; HandlerError ``released`` once the init was
-        released here (a late header or chunk would make a relay nobody releases again)."""
+        """A new relay of ``init_id``, made by its plan or header; HandlerError ``released`` once the init was
+        released here (a late header would make a relay nobody releases again), ``bad-init`` when it has one."""
+        self._refuse_released(init_id)
+        if init_id in self.relays:
+            raise HandlerError("bad-init", f"init {init_id!r} has started on {self.runtime.node_id} already: a worker "
+                               "takes one plan or header per init")
+        relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
+                                             send=self._send_peer, report=self._report, later=self.runtime.later)
+        return relay
+
+    def _refuse_released(self, init_id: str) -> None:
+        if init_id in self.released:
+            raise HandlerError("released", f"init {init_id!r} was released on {self.runtime.node_id}")
+
+    def _joined(self, init_id: str, src: str) -> Relay:
+        """The relay of ``init_id`` for a chunk or end sent by ``src``: HandlerError ``released`` once the init was
+        released here, ``unknown-init`` before its header, ``not-parent`` from any node but the header's sender."""
         relay = self.relays.get(init_id)
         if relay is None:
-            if init_id in self.released:
-                raise HandlerError("released", f"init {init_id!r} was released on {self.runtime.node_id}")
-            relay = self.relays[init_id] = Relay(init_id, self.runtime.node_id, acquire=self._acquire,
-                                                 send=self._send_peer, report=self._report, later=self.runtime.later)
+            self._refuse_released(init_id)
+            raise HandlerError("unknown-init", f"no header of init {init_id!r} reached {self.runtime.node_id}: its "
+                               "chunks and end follow it")
+        sender = self._parents.get(init_id)
+        if src != sender:
+            raise HandlerError("not-parent", f"{src!r} is not the parent of {self.runtime.node_id} in init "
+                               f"{init_id!r} ({sender or 'none: the root'!r}): only it sends chunks and the end")
         return relay
 
     def _acquire(self, shard: str, nbytes: int) -> Segment:
@@ -417,8 +455,41 @@ class PsWorker:
         if segment is None:
             if shard in self.released:  # a segment taken now would never be released
                 raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
-            segment = self.shards[shard] = self._acquire_room(nbytes)
+            segment = self._take(shard, nbytes, self.settings.init_timeout_s)
         return segment
+
+    def _take(self, shard: str, nbytes: int, claim_within_s: float) -> Segment:
+        """A segment of ``nbytes`` for ``shard``, back to the pool unless claimed within ``claim_within_s`` (see the
+        module doc). HandlerError ``open-limit`` when it would pass the bounds on unclaimed segments, ``no-room``
+        when the filesystem has no room."""
+        unclaimed = self._unclaimed()
+        held = sum(self.shards[s].capacity for s in unclaimed)
+        more = segment_bytes(nbytes)
+        if len(unclaimed) >= MAX_OPEN_SHARDS or held + more > self.max_open_bytes:
+            raise HandlerError("open-limit", f"{self.runtime.node_id} holds {len(unclaimed)} segments ({held} bytes) "
+                               f"for pushes not yet sealed and inits not yet verified; {shard!r} would pass its bound "
+                               f"of {MAX_OPEN_SHARDS} segments and {self.max_open_bytes} bytes (ps.max_open_bytes) "
+                               f"with {more} bytes more: they are freed as they are sealed or released")
+        segment = self.shards[shard] = self._acquire_room(nbytes)
+        self.unclaimed[shard] = time.monotonic() + claim_within_s
+        return segment
+
+    def _unclaimed(self) -> dict[str, float]:
+        """:attr:`unclaimed`, less the shards claimed since: a push sealed, an init verified."""
+        for shard in [s for s in self.unclaimed
+                      if s in self.sealed or (s in self.relays and self.relays[s].verified)]:
+            del self.unclaimed[shard]
+        return self.unclaimed
+
+    def _expire_unclaimed(self) -> None:
+        """Hand back to the pool every segment still unclaimed at its deadline (see the module doc); a late open,
+        header or chunk of it is refused ``released``."""
+        now = time.monotonic()
+        for shard in [s for s, due in self._unclaimed().items() if due <= now]:
+            log.warning("ps.unclaimed_released", shard=shard, nbytes=self.shards[shard].capacity,
+                        detail="neither sealed (or verified) nor released in time: a push or init the ps-manager "
+                               "gave up, or one it never granted")
+            self._drop(shard)
 
     def _acquire_room(self, nbytes: int) -> Segment:
         try:
@@ -449,22 +520,48 @@ class PsWorker:
         return Ok()
 
     def _header(self, request: Message) -> Body:
+        """A header makes this worker's relay of an init: taken only from the worker its tree names as this one's
+        parent (its node id, which CURVE authenticates as the request's ``src``). A header refused or failing
+        leaves nothing behind."""
         header = request.body
         assert isinstance(header, InitHeader)
-        self._relay(header.init_id).on_header(header)
+        me, init_id = self.runtime.node_id, header.init_id
+        self._refuse_released(init_id)
+        names = [w.worker for w in header.workers]
+        rank = names.index(me) if me in names else 0
+        if not rank:
+            raise HandlerError("bad-init", f"the tree of init {init_id!r} does not name {me} below its root")
+        sender = names[parent(rank) or 0]
+        if request.header.src != sender:
+            raise HandlerError("not-parent", f"{request.header.src!r} is not the parent of {me} in init {init_id!r} "
+                               f"({sender!r}): only it sends the header")
+        relay = self._relay(init_id)
+        self._parents[init_id] = sender
+        try:
+            relay.on_header(header)
+        except BaseException:
+            self._drop(init_id)
+            raise
         return Ok()
 
     def _chunk(self, request: Message) -> Body:
         chunk = request.body
         assert isinstance(chunk, InitChunk)
-        self._relay(chunk.init_id).on_chunk(chunk)
+        self._joined(chunk.init_id, request.header.src).on_chunk(chunk)
         return Ok()
 
     def _end(self, request: Message) -> Body:
         end = request.body
         assert isinstance(end, InitEnd)
-        self._relay(end.init_id).on_end(end)
+        self._joined(end.init_id, request.header.src).on_end(end)
         return Ok()
+
+
+def _half_of(directory: Path) -> int:
+    """Half the size of the filesystem holding ``directory``: the default bound on unclaimed segments, which
+    leaves the other half to the versions retained (a worker holds at least the latest besides the pending one)."""
+    fs = os.statvfs(directory)
+    return fs.f_blocks * fs.f_frsize // 2
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
