@@ -424,7 +424,9 @@ class StepBatch(Body, frozen=True):
     """Request from the orchestrator to one trainer rank: its micro batches for ``step``.
 
     Acknowledging it moves ownership of ``owned`` (the blobs this rank deletes after the step) to the rank;
-    micro batches may also reference blobs owned by other ranks (dummies repeat real routing rows).
+    micro batches may also reference blobs owned by other ranks (dummies repeat real routing rows). A rank takes
+    it only from a node its registry lists live as the orchestrator (``not-orchestrator``), and only for a step
+    at most ``orchestrator.max_staleness`` + 2 ahead of the one it trains next (``step-too-far``).
     """
 
     step: NonNegative  # training step

@@ -43,7 +43,7 @@ from refbus.nodes.config import ConfigError
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.fetcher import to_micro_batch
-from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS
+from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS, STEPS_AHEAD_MARGIN
 from refbus.nodes.rl.trainer import rank_and_world
 from refbus.nodes.settings import TrainerSettings
 from refbus.nodes.up import rendezvous
@@ -88,6 +88,7 @@ class RankConfig:
     collective_mid_step: bool = False  # step 0's training runs a collective once the test says go
     fetch_policy: RetryPolicy = FAST
     skip_limit: int = 3  # trainer.skip_limit
+    max_staleness: int = 1  # orchestrator.max_staleness: how far ahead a step batch may be
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                                                      retry=FAST, connect_timeout_s=10))
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S, skip_limit=config.skip_limit),
                           data_rank=config.data_rank,
-                          data_ranks=config.data_ranks, leader=config.leader,
+                          data_ranks=config.data_ranks, leader=config.leader, max_staleness=config.max_staleness,
                           fetch=FetchSettings(blobs_per_request=2, policy=config.fetch_policy))
     try:
         runtime.start_background()
@@ -200,18 +201,42 @@ def envs(serve: Callable) -> tuple[FakeEnvServer, FakeEnvServer]:
     return start_env_server(serve, "env-a"), start_env_server(serve, "env-b")
 
 
+class Orchestrator:
+    """Clients (``orchestrator(endpoint)``) sending as node ``orchestrator``, which is registered with role
+    ``orchestrator`` on every bus :meth:`join` names, before the ranks start: a rank takes step batches only
+    from an orchestrator its registry lists."""
+
+    def __init__(self, zmq_ctx: zmq.Context) -> None:
+        self.zmq_ctx = zmq_ctx
+        self.made: list[Client] = []
+        self.codec = WireCodec("orchestrator")
+
+    @staticmethod
+    def join(bus: str) -> NodeRuntime:
+        """The ``orchestrator`` node, registered on ``bus`` (the caller joins it before the bus stops)."""
+        node = NodeRuntime("orchestrator", RuntimeSettings(bus=bus, node_id="orchestrator", metrics_port=-1))
+        node.start_background()
+        return node
+
+    def __call__(self, endpoint: str) -> Client:
+        self.made.append(Client(self.zmq_ctx, endpoint, self.codec, policy=RetryPolicy(timeout_s=5.0, attempts=1)))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for client in self.made:
+            client.close()
+
+
 @pytest.fixture
-def orchestrator(zmq_ctx: zmq.Context) -> Iterator[Callable[[str], Client]]:
-    made: list[Client] = []
-    codec = WireCodec("orchestrator")
-
-    def connect(endpoint: str) -> Client:
-        made.append(Client(zmq_ctx, endpoint, codec, policy=RetryPolicy(timeout_s=5.0, attempts=1)))
-        return made[-1]
-
-    yield connect
-    for client in made:
-        client.close()
+def orchestrator(bus: str, zmq_ctx: zmq.Context) -> Iterator[Orchestrator]:
+    """An :class:`Orchestrator` registered on the module's bus (a test with a bus of its own joins it too)."""
+    made = Orchestrator(zmq_ctx)
+    node = made.join(bus)
+    try:
+        yield made
+    finally:
+        made.close()
+        node.join(timeout=WAIT_S)
 
 
 def hand_over(clients: list[Client], batches: list[StepBatch]) -> None:
@@ -392,14 +417,46 @@ def test_peers_of_one_data_rank_drop_together_and_only_the_leader_deletes(bus, e
     assert reports[1]["deleted"] == ()
 
 
+def test_step_batches_come_only_from_the_registered_orchestrator_and_never_far_ahead(
+        bus, envs, orchestrator, zmq_ctx, tmp_path: Path) -> None:
+    """Before, any peer could send a rank step batches: 256 of them for far-future steps took every slot for good,
+    the real step 0 was refused ``too-many-steps`` and the rank reported ``received`` a million steps ahead."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="f")
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=1, workdir=tmp_path)
+    forger = None
+    try:
+        endpoints = [ranks.recv(rank) for rank in (0, 1)]
+        forger = Client(zmq_ctx, endpoints[0], WireCodec("forger"), policy=RetryPolicy(timeout_s=5.0, attempts=1))
+        with pytest.raises(RemoteError, match="not-orchestrator") as refused:
+            forger.request(step_batch(0, 0, data, 0, owned=False))
+        assert "'forger' is no orchestrator the registry lists live" in str(refused.value)
+        clients = [orchestrator(endpoint) for endpoint in endpoints]
+        # max_staleness 1: a step batch at most 1 + STEPS_AHEAD_MARGIN steps ahead of step 0 is taken.
+        with pytest.raises(RemoteError, match="step-too-far") as refused:
+            clients[0].request(step_batch(1 + STEPS_AHEAD_MARGIN + 1, 0, data, 0, owned=False))
+        assert refused.value.retry_after_s > 0
+        with pytest.raises(RemoteError, match="step-too-far"):
+            clients[0].request(step_batch(1_000_000, 0, data, 0, owned=False))
+        hand_over(clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        if forger is not None:
+            forger.close()
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
+
+
 def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
     envs, orchestrator, zmq_ctx, tmp_path: Path
 ) -> None:
     node_timeout_s = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
     proc, bus = start_bus(tmp_path, extra=FAST_LIVENESS)
+    registered = orchestrator.join(bus)
     try:
         steps = [make_step(envs, SPECS, data_ranks=2, prefix=prefix, seed=seed) for seed, prefix in enumerate("xy")]
-        computing = RankConfig(compute_s=3 * node_timeout_s)
+        # Staleness enough to hold RECEIVED_STEPS steps ahead: the cap on how many is what is tested here.
+        computing = RankConfig(compute_s=3 * node_timeout_s, max_staleness=RECEIVED_STEPS)
         ranks = Ranks(bus, (computing, computing), steps=2, workdir=tmp_path)
         try:
             clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
@@ -426,6 +483,7 @@ def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
         down = sorted((event.node_id, event.reason) for event in events(bus, zmq_ctx, NodeDown.kind))
         assert down == [("trainer-0", "bye"), ("trainer-1", "bye")]
     finally:
+        registered.join(timeout=WAIT_S)
         assert proc.stop() == 0, proc.log_tail()
 
 
@@ -436,6 +494,7 @@ def test_a_fetch_from_a_store_that_never_answers_leaves_the_loop_serving(
     # The fetch outlives five node timeouts: a rank whose loop waited on it would be declared down.
     patient = RetryPolicy(timeout_s=node_timeout_s, attempts=5, backoff=1.0)
     proc, bus = start_bus(tmp_path, extra=FAST_LIVENESS)
+    registered = orchestrator.join(bus)
     try:
         steps = [make_step(envs, SPECS, data_ranks=2, prefix=prefix, seed=seed) for seed, prefix in enumerate("uv")]
         victim = next(i.ref.blob_id for i in steps[0].ranks[0][0].samples if i.ref is not None)
@@ -476,6 +535,7 @@ def test_a_fetch_from_a_store_that_never_answers_leaves_the_loop_serving(
         down = sorted((event.node_id, event.reason) for event in events(bus, zmq_ctx, NodeDown.kind))
         assert down == [("trainer-0", "bye"), ("trainer-1", "bye")], "a rank missed its heartbeats"
     finally:
+        registered.join(timeout=WAIT_S)
         assert proc.stop() == 0, proc.log_tail()
 
 

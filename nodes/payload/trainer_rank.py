@@ -76,7 +76,7 @@ from ...protocol.messages import (
     Reference,
     StepBatch,
 )
-from ..settings import TrainerSettings
+from ..settings import OrchestratorSettings, TrainerSettings
 from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
 from .fetcher import (
@@ -100,6 +100,13 @@ TRAINED = "trained"
 # Step batches received and not yet begun, at most: the orchestrator ships about max_staleness + 1 steps ahead
 # of training, so this is never reached in a run; it bounds what a misbehaving peer can make a rank hold.
 RECEIVED_STEPS = 256
+# Steps past ``orchestrator.max_staleness`` a step batch may lead the step this rank trains next (see
+# TrainerRank._on_step_batch): the orchestrator admits at most ``max_staleness + v + 1`` steps' groups while
+# the trainer is at policy version ``v``, and ``v`` never leads the rank's next step, so the last step it ships
+# is at most ``max_staleness`` ahead; the margin covers a version that leads by one (published before the
+# rank began its next step).
+STEPS_AHEAD_MARGIN = 2
+ORCHESTRATOR_ROLE = "orchestrator"
 DROPPED_REASON = "dropped"
 
 
@@ -173,7 +180,13 @@ class TrainerRank:
     ``first_step``: the step this world starts at (a world resumed from its checkpoint of step K starts at
     K); reported as ``step`` in the heartbeat status until the first step batch arrives.
     ``restart_grace_s`` (``node.restart_grace_s``): how long a fetch or a delete waits for a durable store to come
-    back.
+    back. ``max_staleness`` (``orchestrator.max_staleness``): how far ahead of training the orchestrator ships,
+    so a step batch further ahead than that (plus :data:`STEPS_AHEAD_MARGIN`) is refused ``step-too-far``.
+
+    Step batches are taken only from a node the registry lists live with role ``orchestrator`` (``src``, which
+    CURVE authenticates); any other sender is refused ``not-orchestrator``. A sender this rank has not seen
+    register yet (its ``node-up`` still on its way) is refused with ``retry_after_s`` while a registry lookup
+    learns of it: the orchestrator sends the batch again.
     """
 
     def __init__(
@@ -190,6 +203,7 @@ class TrainerRank:
         topk_k: int | None = None,
         first_step: int = 0,
         restart_grace_s: float = 10.0,
+        max_staleness: int = OrchestratorSettings.max_staleness,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -203,6 +217,9 @@ class TrainerRank:
         if not 0 <= self.data_rank < self.data_ranks:
             raise ValueError(f"data_rank must be in [0, {self.data_ranks}), got {self.data_rank}")
         self.leader = leader
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.steps_ahead = max_staleness + STEPS_AHEAD_MARGIN
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped),
         # unless its store is durable: then it is asked again until a restart re-adopted it, within the grace.
         # Deletes outlive a restart of a durable store the same way (see _delete).
@@ -360,6 +377,7 @@ class TrainerRank:
     def _on_step_batch(self, request: Message) -> Ok:
         batch = request.body
         assert isinstance(batch, StepBatch)
+        self._check_orchestrator(request.header.src)
         if batch.rank != self.rank:
             raise HandlerError("wrong-rank", f"step batch for rank {batch.rank} sent to rank {self.rank}")
         if batch.owned and not self.leader:
@@ -382,6 +400,11 @@ class TrainerRank:
                 return Ok(detail="repeat")  # a re-delivery whose first acknowledgement was lost or late
             if batch.step < self._next_step or batch.step in self._received:
                 raise HandlerError("duplicate-step", f"rank {self.rank} already has step {batch.step}")
+            if batch.step > self._next_step + self.steps_ahead:
+                raise HandlerError("step-too-far", f"step {batch.step} is more than {self.steps_ahead} steps ahead of "
+                                   f"step {self._next_step}, which rank {self.rank} trains next (max_staleness + "
+                                   f"{STEPS_AHEAD_MARGIN}): the orchestrator never ships so far ahead",
+                                   retry_after_s=1.0)
             if len(self._received) >= RECEIVED_STEPS:
                 raise HandlerError("too-many-steps", f"rank {self.rank} holds {len(self._received)} step batches not "
                                    f"yet begun (at most {RECEIVED_STEPS}); training is at step {self._next_step}",
@@ -397,6 +420,20 @@ class TrainerRank:
         return Ok()
 
     # --- internals -----------------------------------------------------------------------------------
+
+    def _check_orchestrator(self, src: str) -> None:
+        """Raise ``not-orchestrator`` unless ``src`` is a live orchestrator in the registry as this rank sees it.
+        One not seen yet is looked up (one lookup at a time), so the orchestrator's next send finds it."""
+        node = self._peers.live.get(src)
+        if node is not None and node.role == ORCHESTRATOR_ROLE:
+            return
+        if node is None:
+            self.runtime.lookup_async(ORCHESTRATOR_ROLE, self._orchestrators_found)
+        raise HandlerError("not-orchestrator", f"{src!r} is no orchestrator the registry lists live: only the "
+                           "orchestrator sends step batches", retry_after_s=1.0 if node is None else 0.0)
+
+    def _orchestrators_found(self, nodes: list[NodeInfo] | None) -> None:
+        self._peers.seed(nodes or ())
 
     def _wait_for(self, step: int) -> _Received:
         with self._cond:
