@@ -4,6 +4,7 @@ one garbage record over the wire: a real broker, env server and orchestrator, a 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -166,6 +167,41 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
         stats = env.stats()
         assert stats.deleted == {"malformed": 1} and stats.blobs_held == 2 and bad not in good
         assert orchestrator.core.malformed_episodes == 1 and +orchestrator.core.sink.dropped == {"malformed": 1}
+
+
+def test_references_to_stores_the_registry_does_not_list_are_not_claimed_and_leave_no_socket(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """A peer publishes episodes whose references name stores no node registered (or a node that is no env
+    server), each at an endpoint of its own: the orchestrator claims none of them and opens no socket for them,
+    and a real store's episode is still claimed. Before, it kept a client (a file descriptor) for every such
+    endpoint for good: 1,200 forged events exhausted its descriptors and real claims failed."""
+    control = bus[1]
+    forger = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="forger", metrics_port=-1))
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-r", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="r"))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1,
+                                                          retry=SHORT_RETRY))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    forged = 64
+
+    def forge() -> None:
+        for i in range(forged):  # half name a node nobody registered, half the forger (no env server)
+            ref = BlobRef(endpoint=f"ipc://{tmp_path}/nowhere-{i}", source="s", blob_id=f"b{i}",
+                          fields=["routed_experts"], tokens=1, nbytes=1, checksum=0,
+                          node=f"ghost-{i}" if i % 2 else "forger")
+            forger.publish(EpisodeFinished(episode_id=f"e{i}", source="s", refs=[ref]))
+
+    with _running(orchestrator, forger, env_runtime):
+        descriptors = len(os.listdir("/proc/self/fd"))
+        forger.call_soon(forge)
+        wait_for(lambda: orchestrator.core.episodes >= forged, WAIT_S, "the forged episodes fed to the core")
+        assert orchestrator.claimed == 0 and orchestrator.missing == forged
+        assert len(os.listdir("/proc/self/fd")) < descriptors + forged // 4, "a socket per forged endpoint"
+        arrays = random_arrays(6, seed=1, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+        env.keep("real", [arrays], info={"group": "g", "reward": 1.0,
+                                         "samples": [{"input_ids": list(range(6)), "loss_mask": [1] * 6, "ref": 0}]})
+        wait_for(lambda: env.stats().held_by.get("orchestrator") == 1, WAIT_S, "the real store's blob claimed")
 
 
 def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in_flight(

@@ -3,7 +3,9 @@
 Episodes arrive as ``episode-finished`` events (published by env servers when they keep an episode). The
 orchestrator claims their blobs at once (so their hand-over lease does not run out; a claim that fails on
 a durable store is sent again until its restarted process grants it, within ``node.restart_grace_s``, while
-later events wait their turn), groups episodes,
+later events wait their turn), at the stores the registry lists only: a reference naming a node that is no
+env server the registry lists (after one lookup) is not claimed, counted ``missing`` and logged
+(``claim.unregistered_store``), so no endpoint a peer invents costs a socket. It groups episodes,
 computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
 point deletes at that moment, with its reason:
 
@@ -150,6 +152,8 @@ from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
 
+STORE_ROLE = "env-server"
+
 IDLE_LOG_S = 5.0  # how long no run may go out, for one reason, before the reason is logged (dispatch.idle)
 
 
@@ -242,8 +246,47 @@ class Orchestrator:
         self._arrivals.append(arrival)
         body = message.body
         if isinstance(body, EpisodeFinished) and body.refs:
-            self._claim(arrival, {ref.blob_id: ref for ref in body.refs})
+            self._claim_registered(arrival, body)
         self._feed()
+
+    def _claim_registered(self, arrival: _Arrival, episode: EpisodeFinished) -> None:
+        """Claim the episode's blobs at the stores the registry lists (:meth:`_registered`), never at an endpoint a
+        reference merely names: any peer may publish ``episode-finished``, and a client kept for every endpoint it
+        invents would take this node's file descriptors. A store not listed yet (its ``node-up`` still on its
+        way) is looked up first; references to one still not listed are not claimed (logged, counted missing):
+        the episode goes on with the rest, as with blobs a store no longer has."""
+        refs = episode.refs
+        if all(self._registered(ref) for ref in refs):
+            self._claim(arrival, {ref.blob_id: ref for ref in refs})
+            return
+        arrival.claims_pending = 1
+
+        def listed(nodes: list[NodeInfo] | None) -> None:
+            self._peers.seed(nodes or ())
+            known = {ref.blob_id: ref for ref in refs if self._registered(ref)}
+            refused = [ref for ref in refs if ref.blob_id not in known]
+            if refused:
+                self.missing += len(refused)
+                log.warning("claim.unregistered_store", episode_id=episode.episode_id, blobs=len(refused),
+                            nodes=sorted({ref.node for ref in refused})[:8],
+                            detail="no env server the registry lists keeps them: not claimed")
+            if known:
+                self._claim(arrival, known)
+            else:
+                arrival.claims_pending = 0
+                self._feed()
+
+        self.runtime.lookup_async(STORE_ROLE, listed)
+
+    def _registered(self, ref: BlobRef) -> bool:
+        """Whether ``ref`` names a store the registry lists: a live env server (asked where it is now), or one
+        down whose last ``blobs`` endpoint is the recorded one (a request to it fails at once without a socket,
+        its endpoint marked down, until the store is back and asked where it is then)."""
+        live = self._peers.live.get(ref.node)
+        if live is not None:
+            return live.role == STORE_ROLE and "blobs" in live.endpoints
+        down = self._peers.down.get(ref.node)
+        return down is not None and down.role == STORE_ROLE and down.endpoints.get("blobs") == ref.endpoint
 
     def _claim(self, arrival: _Arrival, refs: Mapping[str, BlobRef]) -> None:
         """Claim an episode's blobs, one request per store. A claim that failed (down, or unanswered) on a
@@ -319,7 +362,7 @@ class Orchestrator:
     def _recover_step(self, trainers: list[NodeInfo] | None) -> None:
         if trainers:
             self.core.resume_step(trainers)
-        self.runtime.lookup_async("env-server", self._recover_holdings)
+        self.runtime.lookup_async(STORE_ROLE, self._recover_holdings)
 
     def _recover_holdings(self, stores: list[NodeInfo] | None) -> None:
         if stores is None:
@@ -409,17 +452,17 @@ class Orchestrator:
             self._execute(actions)
 
     def _on_node_down(self, down: NodeDown, info: NodeInfo | None) -> None:
-        if info is not None and info.role == "env-server":
+        if info is not None and info.role == STORE_ROLE:
             self._execute(self.core.store_down(self.clock(), info))
         elif info is not None and info.role == "trainer":
             self._execute(self.core.trainer_down(self.clock(), info))
 
     def _on_node_up(self, info: NodeInfo) -> None:
-        if info.role == "env-server":
+        if info.role == STORE_ROLE:
             self._execute(self.core.store_up(info))
 
     def _refresh_replicas(self) -> None:
-        self.runtime.lookup_async("env-server", self._found_replicas)
+        self.runtime.lookup_async(STORE_ROLE, self._found_replicas)
         if not self.core.version_known:  # started after the version-bump, or before any commit
             self.runtime.lookup_async("ps-manager", self._found_managers)
 
@@ -662,7 +705,7 @@ class Orchestrator:
         timeout = self.runtime.shutdown_left() / 4
         if timeout < MIN_TIMEOUT_S:
             return None
-        nodes = self.runtime.lookup("env-server", policy=RetryPolicy(timeout_s=timeout, attempts=1))
+        nodes = self.runtime.lookup(STORE_ROLE, policy=RetryPolicy(timeout_s=timeout, attempts=1))
         if nodes is None:
             return None
         return {endpoint for node in nodes if (endpoint := node.endpoints.get("blobs"))}
