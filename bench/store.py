@@ -116,7 +116,7 @@ def keep_all(journal: BlobJournal, settings: Settings, raw_dir: Path,
         refs = kept.store(f"ep-{i}", packed)
         record = EpisodeFinished(episode_id=f"ep-{i}", source="env", refs=refs)
         kept.record(record)
-        journal.kept(record, packed)
+        journal.kept(record, packed, 0)  # no info: nothing charged for the record
         if i % 2:
             journal.claimed(kept.claim([refs[0].blob_id], "orchestrator").claimed, "orchestrator")
         middle = clock()

@@ -157,8 +157,9 @@ class EnvServerSettings:
         "env-server blob endpoint (ROUTER: keep, claim, fetch, delete); port 0: ephemeral, advertised.",
     )
     source: str = key("", "Source name in blob references; replicas of one source share it (default: the node id).")
-    budget_bytes: int = key(16 << 30, "Array bytes an env server may hold; a keep beyond it is refused with a "
-                                      "retry-after (never evicts); a run's keep waits for room.")
+    budget_bytes: int = key(16 << 30, "Bytes an env server may hold: each blob's array bytes in whole pages "
+                                      "plus 4 KiB, and each held episode's info; a keep beyond it is refused with "
+                                      "a retry-after (never evicts); a run's keep waits for room.")
     high_water: float = key(0.8, "Share of budget_bytes from which the env server reports itself full (heartbeat "
                                  "status `full`): the orchestrator sends it no new runs until it drains below.")
     handover_lease_s: float = key(60.0, "Seconds a kept blob may stay unclaimed before it is deleted as undelivered.")

@@ -343,6 +343,8 @@ class Keep(Body, frozen=True):
 
     Each branch maps field names (``routed_experts``, ``topk_ids``, ``topk_logprobs``, ``mask_ids``,
     ``mask_counts``) to arrays. Answered with ``kept``; the env server then publishes ``episode-finished``.
+    Refused ``over-budget`` when what it would hold exceeds ``env_server.budget_bytes``: each blob's array bytes
+    in whole pages plus a fixed overhead, and ``info`` (held with the episode's record while a blob of it lives).
     """
 
     episode_id: Name  # unique per store

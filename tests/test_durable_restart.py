@@ -214,7 +214,7 @@ def test_a_keep_its_journal_cannot_hold_is_refused_whole_and_later_keeps_survive
     every later keep."""
     shm = tmp_path / "shm"
     command = ["node", "env-server", "--bus-control", bus[1], "--node-id", "env-j", "--store-directory", str(shm),
-               "--store-run", "journal", "--env-server-budget-bytes", str(64 << 20),
+               "--store-run", "journal", "--env-server-budget-bytes", str(256 << 20),  # the huge info's charge fits
                "--env-server-handover-lease-s", "600"]
     first = spawn(command, "env-j")
     endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]

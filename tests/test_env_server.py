@@ -26,7 +26,7 @@ from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.keeper import blob_checksum
+from refbus.nodes.payload.keeper import PAGE_BYTES, blob_charge, blob_checksum, info_charge
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec, describe, incarnation
 from refbus.protocol.messages import (
@@ -126,8 +126,8 @@ def test_keep_claim_fetch_delete_and_violations(env_server: EnvServerFactory, ob
     proc, info = env_server("env-a")
     client = peer(info["endpoints"]["blobs"])
     branches = [branch(50), branch(40, routing=np.uint16, seed=1)]
-    kept = ask(client, Keep(episode_id="ep-1", branches=branches, policy_version=3,
-                            info={"reward": 0.5, "prompt": np.arange(7, dtype=np.int32)}))
+    episode_info = {"reward": 0.5, "prompt": np.arange(7, dtype=np.int32)}
+    kept = ask(client, Keep(episode_id="ep-1", branches=branches, policy_version=3, info=episode_info))
     assert isinstance(kept, Kept)
     ids = [ref.blob_id for ref in kept.refs]
     assert [(r.source, r.endpoint, r.tokens, r.routing_shape) for r in kept.refs] == [
@@ -171,7 +171,9 @@ def test_keep_claim_fetch_delete_and_violations(env_server: EnvServerFactory, ob
                  'refbus_ownership_violations_total{action="fetch"} 1.0',
                  'refbus_ownership_violations_total{action="claim"} 0.0',
                  'refbus_blobs_deleted_total{reason="trained"} 1.0', "refbus_blobs_kept_total 2.0",
-                 "refbus_blobs_held 1.0", f"refbus_blob_bytes_held {float(kept.refs[1].nbytes)}"):
+                 "refbus_blobs_held 1.0",
+                 # The live blob and its episode's record, held while a blob of it lives.
+                 f"refbus_blob_bytes_held {float(blob_charge(kept.refs[1].nbytes) + info_charge(episode_info))}"):
         assert line in metrics.splitlines(), line
     assert "ownership.violation" in proc.log_tail() and "trainer-1" in proc.log_tail()
 
@@ -223,7 +225,7 @@ def test_sigterm_deletes_what_is_held_and_announces_it(env_server: EnvServerFact
 def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     env_server: EnvServerFactory, observer: Observer, peer, zmq_ctx: zmq.Context
 ) -> None:
-    _, info = env_server("env-d", "--env-server-budget-bytes", "4096")
+    _, info = env_server("env-d", "--env-server-budget-bytes", str(4 * PAGE_BYTES))  # two blobs: see blob_charge
     endpoint = info["endpoints"]["blobs"]
     client = peer(endpoint)
     raw = make_socket(zmq_ctx, zmq.DEALER, connect=endpoint)
@@ -243,8 +245,8 @@ def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     assert err.code == "bad-branch" and "branch 1: mask_ids" in err.detail
     err = refused(client, Keep(episode_id="bad", branches=[{"routing": np.zeros(3, np.uint8)}]))
     assert err.code == "bad-branch" and "routing" in err.detail
-    err = refused(client, Keep(episode_id="big", branches=[branch(64), branch(64)]))
-    assert err.code == "over-budget" and "4096" in err.detail and err.retry_after_s == 0  # can never fit
+    err = refused(client, Keep(episode_id="big", branches=[branch(64)] * 3))
+    assert err.code == "over-budget" and str(4 * PAGE_BYTES) in err.detail and err.retry_after_s == 0  # never fits
     assert ask(client, Discard(episode_id="never-kept")) == Deleted(blob_ids=[])
 
     (ref,) = ask(client, Keep(episode_id="fits", branches=[branch(4)])).refs
@@ -281,6 +283,33 @@ def test_bad_input_is_answered_clearly_and_the_node_keeps_serving(
     assert observer.next() == Delete(blob_ids=[lost.blob_id], holder="env-d", reason="lost", node="env-d")
 
 
+def test_tiny_blobs_and_large_infos_meet_the_budget_as_over_budget(
+    env_server: EnvServerFactory, peer, tmp_path
+) -> None:
+    """A durable env server of a 1 MiB budget: one-byte blobs are refused ``over-budget`` (retry later) once their
+    pages and per-blob overhead fill the budget, and an episode whose ``info`` does not fit is refused too, an
+    honest keep still taken once room comes back. Before, the budget counted array bytes only: 65,000 one-byte
+    blobs later every keep failed ``store-failed`` (the process out of mappings), and any ``info`` up to the body
+    limit was held, in memory and in the journal, without counting."""
+    budget = 1 << 20
+    _, info = env_server("env-t", "--env-server-budget-bytes", str(budget), "--store-directory",
+                         str(tmp_path / "shm"), "--store-run", "tiny")
+    client = peer(info["endpoints"]["blobs"])
+    tiny = {"routed_experts": np.ones((1, 1, 1), np.uint8)}
+    fits = budget // blob_charge(1)
+    refs = ask(client, Keep(episode_id="tiny", branches=[tiny] * (fits - 1))).refs
+    err = refused(client, Keep(episode_id="more", branches=[tiny] * 2))
+    assert err.code == "over-budget" and err.retry_after_s > 0 and "2 array bytes in 2 blobs" in err.detail, err
+    big = np.zeros(budget // 4, np.uint8)  # a quarter of the budget in bytes, more once journaled as a list
+    err = refused(client, Keep(episode_id="info", branches=[tiny], info={"a": big}))
+    assert err.code == "over-budget" and f"and {info_charge({'a': big})} of info" in err.detail, err
+    account = ask(client, Accounts())
+    assert isinstance(account, Accounted) and account.kept == fits - 1
+    assert ask(client, Discard(episode_id="tiny")) == Deleted(blob_ids=[r.blob_id for r in refs])
+    (kept,) = ask(client, Keep(episode_id="honest", branches=[branch(64)], info={"reward": 1.0})).refs
+    assert kept.tokens == 64
+
+
 def test_replicas_of_one_source_register_with_it_and_report_status(
     bus: tuple[NodeProcess, str], env_server: EnvServerFactory, peer
 ) -> None:
@@ -301,8 +330,9 @@ def test_replicas_of_one_source_register_with_it_and_report_status(
             break
         time.sleep(0.05)
     budget = EnvServerSettings().budget_bytes
-    assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(ref.nbytes), "blobs_kept": 1.0,
-                                      "blobs_deleted": 0.0, "fill": ref.nbytes / budget, "full": 0.0,
+    charged = blob_charge(ref.nbytes)
+    assert nodes["env-r0"].status == {"blobs_held": 1.0, "bytes_held": float(charged), "blobs_kept": 1.0,
+                                      "blobs_deleted": 0.0, "fill": charged / budget, "full": 0.0,
                                       "budget_bytes": float(budget), "high_water": 0.8}
     assert nodes["env-r1"].status == {"blobs_held": 0.0, "bytes_held": 0.0, "blobs_kept": 0.0, "blobs_deleted": 0.0,
                                       "fill": 0.0, "full": 0.0, "budget_bytes": float(budget), "high_water": 0.8}

@@ -22,7 +22,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.episodes import EpisodeRunner
-from refbus.nodes.payload.keeper import pack_branches
+from refbus.nodes.payload.keeper import blob_charge, pack_branches
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Generate, Generated, Ok, Run
@@ -153,9 +153,11 @@ def test_a_score_that_is_not_a_finite_number_fails_its_run(bus: tuple[NodeProces
 def test_a_keep_over_budget_waits_for_room_instead_of_wasting_its_generation(bus: tuple[NodeProcess, str]) -> None:
     """Backpressure on the run path: the second episode does not fit until the first is discarded; its run
     waits (retrying the keep) and succeeds. A third that never gets room fails at ``generate_timeout_s``."""
-    sizes = [sum(p.nbytes for p in pack_branches([random_arrays(2, seed=i, layers=4, top_k=2, k=3, max_count=3,
-                                                                routing_dtype=np.uint8)])) for i in range(3)]
-    budget = min(sizes[0] + sizes[1], sizes[1] + sizes[2]) - 1  # what Rollout.answer(i) generates: one at a time
+    sizes = [sum(blob_charge(p.nbytes) for p in pack_branches([random_arrays(2, seed=i, layers=4, top_k=2, k=3,
+                                                                             max_count=3, routing_dtype=np.uint8)]))
+             for i in range(3)]
+    # What Rollout.answer(i) generates, one at a time (each episode's small info is charged on top).
+    budget = min(sizes[0] + sizes[1], sizes[1] + sizes[2]) - 1
     runtime = NodeRuntime("env-server", RuntimeSettings(bus=bus[1], node_id="env-small", metrics_port=-1))
     settings = EnvServerSettings(source="small", generate_timeout_s=GENERATE_TIMEOUT_S, budget_bytes=budget,
                                  high_water=0.4)

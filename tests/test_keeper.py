@@ -11,13 +11,17 @@ from refbus.nodes.payload.branch import Branch
 from refbus.nodes.payload.keeper import (
     DISCARDED,
     HOLDER_DOWN,
+    PAGE_BYTES,
     RETRY_AFTER_S,
     SHUTDOWN,
     UNDELIVERED,
     Keeper,
     KeepError,
     array_checksums,
+    blob_charge,
     blob_checksum,
+    info_charge,
+    pack_branches,
 )
 from refbus.protocol.codec import checksum
 from refbus.protocol.messages import EpisodeFinished
@@ -61,7 +65,7 @@ def test_keep_copies_each_branch_and_describes_it(keeper: Keeper) -> None:
     assert [r.nbytes for r in refs] == [sum(a.nbytes for a in b.values()) for b in (full, wide, topk_only)]
     assert {(r.source, r.endpoint, r.node) for r in refs} == {("env-a", "tcp://127.0.0.1:9", "env-a-0")}
     assert len({r.blob_id for r in refs}) == 3
-    assert (keeper.blobs_held, keeper.bytes_held) == (3, sum(r.nbytes for r in refs))
+    assert (keeper.blobs_held, keeper.bytes_held) == (3, sum(blob_charge(r.nbytes) for r in refs))
 
     originals = {k: v.copy() for k, v in full.items()}
     for array in full.values():
@@ -117,15 +121,15 @@ def test_a_bad_branch_rejects_the_episode_and_keeps_nothing(keeper: Keeper) -> N
 
 def test_budget_refuses_without_evicting(clock: Clock) -> None:
     one = arrays(8)
-    size = sum(a.nbytes for a in one.values())
+    size = blob_charge(sum(a.nbytes for a in one.values()))
     keeper = Keeper("env-a", "e", budget_bytes=2 * size, handover_lease_s=LEASE_S, clock=clock)
-    with pytest.raises(KeepError, match=f"needs {3 * size} bytes, 0 of {2 * size}") as err:
+    with pytest.raises(KeepError, match=f"needs {3 * size} bytes .*, 0 of {2 * size}") as err:
         keeper.keep("too-big", [one, one, one])
     assert err.value.code == "over-budget" and keeper.blobs_held == 0
     assert err.value.retry_after_s == 0  # larger than the whole budget: retrying cannot help
     (first,) = keeper.keep("a", [one])
     keeper.keep("b", [one])
-    with pytest.raises(KeepError, match=f"needs {size} bytes, {2 * size} of {2 * size}") as err:
+    with pytest.raises(KeepError, match=f"needs {size} bytes .*, {2 * size} of {2 * size}") as err:
         keeper.keep("c", [one])
     assert err.value.retry_after_s == RETRY_AFTER_S > 0  # fits once a holder deletes: backpressure, not a fault
     assert keeper.blobs_held == 2 and first.blob_id in keeper.fetch([first.blob_id], "t").arrays
@@ -232,6 +236,59 @@ def test_discard_deletes_only_unclaimed_blobs_of_the_episode(keeper: Keeper) -> 
     assert keeper.discard("ep").deleted == () and keeper.discard("unknown").deleted == ()
     assert keeper.stats().deleted == {DISCARDED: 1}
     assert set(keeper.fetch([a, other], "t").arrays) == {a, other}
+
+
+def test_a_tiny_blob_is_charged_its_pages_and_overhead_so_tiny_blobs_meet_the_budget_first(clock: Clock) -> None:
+    """Before, the budget counted array bytes only: a 1 MiB budget took 65,000 one-byte blobs, each a tmpfs file
+    of a page, a mapping and kilobytes of memory, until the process ran out of mappings (``store-failed``)."""
+    tiny = {"routed_experts": np.ones((1, 1, 1), np.uint8)}
+    assert blob_charge(1) == blob_charge(PAGE_BYTES) > PAGE_BYTES
+    assert blob_charge(PAGE_BYTES + 1) == blob_charge(1) + PAGE_BYTES
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock)
+    kept = 0
+    with pytest.raises(KeepError, match=r"needs .* bytes \(1 array bytes in 1 blobs") as err:
+        while True:
+            keeper.keep(f"ep-{kept}", [tiny])
+            kept += 1
+    assert err.value.code == "over-budget" and err.value.retry_after_s == RETRY_AFTER_S
+    assert kept == (1 << 20) // blob_charge(1) and keeper.bytes_held == kept * blob_charge(1)
+
+
+def test_live_blobs_are_capped_by_max_blobs(clock: Clock) -> None:
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 30, handover_lease_s=LEASE_S, clock=clock, max_blobs=3)
+    (a, _) = keeper.keep("ep-1", [arrays(2), arrays(2)])
+    with pytest.raises(KeepError, match="too many blobs, it needs 2, 2 of at most 3 are held") as err:
+        keeper.keep("ep-2", [arrays(2), arrays(2)])
+    assert err.value.code == "over-budget" and err.value.retry_after_s == RETRY_AFTER_S
+    with pytest.raises(KeepError, match="it can never fit") as err:
+        keeper.keep("ep-3", [arrays(2)] * 4)
+    assert err.value.retry_after_s == 0 and keeper.blobs_held == 2
+    keeper.delete([a.blob_id], "t", "trained")
+    assert len(keeper.keep("ep-2", [arrays(2), arrays(2)])) == 2  # a delete made room
+    with pytest.raises(ValueError, match="max_blobs"):
+        Keeper("env-a", "e", budget_bytes=1, handover_lease_s=1.0, max_blobs=0)
+
+
+def test_an_episodes_info_is_charged_while_its_record_is_held(clock: Clock) -> None:
+    """Before, ``info`` (up to the body limit, held with the record as long as a blob of the episode lived) was
+    never counted against the budget."""
+    info = {"group": "g", "reward": 1.0, "a": np.zeros(1000, np.float32)}
+    charge = info_charge(info)
+    assert charge > 4000 and charge == info_charge({"group": "g", "reward": 1.0, "a": [0.0] * 1000}) + 4000
+    keeper = Keeper("env-a", "e", budget_bytes=1 << 20, handover_lease_s=LEASE_S, clock=clock)
+    refs = keeper.store("ep", pack_branches([arrays(2), arrays(3)]), charge)
+    keeper.record(EpisodeFinished(episode_id="ep", source="env-a", refs=refs, info=info))
+    blobs = sum(blob_charge(r.nbytes) for r in refs)
+    assert keeper.bytes_held == blobs + charge == keeper.stats().bytes_held
+    with pytest.raises(KeepError, match=f"and {1 << 20} of info"):
+        keeper.store("big", pack_branches([arrays(2)]), 1 << 20)
+    keeper.delete([refs[0].blob_id], "t", "trained")
+    assert keeper.bytes_held == blob_charge(refs[1].nbytes) + charge  # held while a blob of the episode lives
+    keeper.delete([refs[1].blob_id], "t", "trained")
+    assert keeper.bytes_held == 0
+    keeper.store("gone", pack_branches([arrays(2)]), charge)
+    keeper.withdraw("gone")
+    assert keeper.bytes_held == 0
 
 
 def test_close_deletes_everything_held(keeper: Keeper) -> None:

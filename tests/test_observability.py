@@ -28,6 +28,7 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.keeper import blob_charge, info_charge
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Blobs, Fetch, Hello, Keep, Kept, NodeInfo, Nodes, Replay, Sync
@@ -197,7 +198,8 @@ def test_top_once_shows_every_node_with_its_status(bus, spawn) -> None:
     watch.wait_ready()
     ctx = zmq.Context()
     try:
-        kept = Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT).request(episode("top-ep")).body
+        keep = episode("top-ep")
+        kept = Client(ctx, endpoint, WireCodec("tester"), policy=PATIENT).request(keep).body
         assert isinstance(kept, Kept)
     finally:
         ctx.destroy(linger=0)
@@ -212,13 +214,14 @@ def test_top_once_shows_every_node_with_its_status(bus, spawn) -> None:
         row = found[node_id]
         assert (row["role"], row["pid"], row["host"]) == (role, proc.pid, socket.gethostname())
         assert 0 <= row["heartbeat_age_s"] < 5
-    assert found["top-env"]["bytes_held"] == kept.refs[0].nbytes
+    assert found["top-env"]["bytes_held"] == blob_charge(kept.refs[0].nbytes) + info_charge(keep.info)
     assert found["top-watch"]["blobs_held"] is None and found["top-watch"]["lag"] is None  # reports neither
 
     table = top(control)
     assert "cluster local" in table.splitlines()[0]
     assert re.search(r"^NODE\s+ROLE\s+HOST\s+PID\s+BLOBS\s+BYTES\s+VERSION\s+LAG\s+HEARTBEAT$", table, re.MULTILINE)
-    assert re.search(rf"^top-env\s+env-server\s+\S+\s+{env.pid}\s+1\s+\d+ B\s+-\s+-\s+[\d.]+s$", table, re.MULTILINE)
+    assert re.search(rf"^top-env\s+env-server\s+\S+\s+{env.pid}\s+1\s+[\d.]+ KiB\s+-\s+-\s+[\d.]+s$", table,
+                     re.MULTILINE)
 
 
 def test_top_rows_version_lag_and_age() -> None:

@@ -24,12 +24,22 @@ from branches import random_arrays
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.keeper import LOST, DeleteResult, Keeper, KeepError, pack_branches
+from refbus.nodes.payload.keeper import LOST, DeleteResult, Keeper, KeepError, info_charge, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
 from refbus.nodes.ps.shm import SegmentPool
 from refbus.nodes.settings import EnvServerSettings, StoreSettings
 from refbus.nodes.store import journal
-from refbus.nodes.store.durable import DurableStore, Segment, StoreError, StoreLocked, gc, store_path
+from refbus.nodes.store.durable import (
+    DEFAULT_MAX_MAP_COUNT,
+    MAP_HEADROOM,
+    DurableStore,
+    Segment,
+    StoreError,
+    StoreLocked,
+    gc,
+    segment_limit,
+    store_path,
+)
 from refbus.protocol.codec import checksum
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, Message
 from refbus.protocol.messages import Claim, EpisodeFinished, NodeDown, NodeInfo, Reference
@@ -55,17 +65,19 @@ def open_store(directory: Path, *, budget: int = BUDGET, node: str = "env-0") ->
     return DurableStore(directory, "run-a", node, budget_bytes=budget, what="env_server.budget_bytes")
 
 
-def keeper(budget: int = BUDGET) -> Keeper:
-    return Keeper("env", "tcp://127.0.0.1:9", budget_bytes=budget, handover_lease_s=60.0, node="env-0")
+def keeper(budget: int = BUDGET, max_blobs: int | None = None) -> Keeper:
+    return Keeper("env", "tcp://127.0.0.1:9", budget_bytes=budget, handover_lease_s=60.0, node="env-0",
+                  max_blobs=max_blobs)
 
 
 def keep(journal_: BlobJournal, keeper_: Keeper, episode_id: str, seeds: tuple[int, ...]) -> list[str]:
     """What the env server does for a keep: bytes to segments, the keeper, then one commit."""
     packed = journal_.write(pack_branches([random_arrays(5 + s, seed=s) for s in seeds]))
-    refs = keeper_.store(episode_id, packed)
-    record = EpisodeFinished(episode_id=episode_id, source="env", refs=refs, info={"reward": np.float32(0.5)})
+    info = {"reward": np.float32(0.5)}
+    refs = keeper_.store(episode_id, packed, info_charge(info))
+    record = EpisodeFinished(episode_id=episode_id, source="env", refs=refs, info=info)
     keeper_.record(record)
-    journal_.kept(record, packed)
+    journal_.kept(record, packed, info_charge(info))
     return [ref.blob_id for ref in refs]
 
 
@@ -75,12 +87,13 @@ def dropped(journal_: BlobJournal, result: DeleteResult) -> None:
     journal_.released(result)
 
 
-def restart(directory: Path, dead: BlobJournal | None, *, budget: int = BUDGET) -> tuple[Keeper, BlobJournal]:
+def restart(directory: Path, dead: BlobJournal | None, *, budget: int = BUDGET,
+            max_blobs: int | None = None) -> tuple[Keeper, BlobJournal]:
     """A new process's keeper on the store ``dead`` served (its lock let go as a dying process's is, nothing
     else done)."""
     if dead is not None:
         dead.store.close(remove=False)
-    restarted = keeper(budget)
+    restarted = keeper(budget, max_blobs)
     durable = BlobJournal(open_store(directory, budget=budget))
     durable.readoption = durable.readopt(restarted)  # type: ignore[attr-defined]
     return restarted, durable
@@ -181,6 +194,31 @@ def test_a_smaller_budget_after_the_restart_drops_and_names_the_newest(tmp_path:
     second, restarted = restart(tmp_path, durable, budget=first.bytes_held - 1)
     assert list(restarted.readoption.lost) == new  # type: ignore[attr-defined]
     assert [b for b, *_ in second.blobs()] == old
+
+
+def test_a_smaller_blob_cap_after_the_restart_drops_and_names_the_newest(tmp_path: Path) -> None:
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    old = keep(durable, first, "ep-a", (1, 2))
+    charged = first.bytes_held
+    new = keep(durable, first, "ep-b", (3,))
+    second, restarted = restart(tmp_path, durable, max_blobs=2)
+    lost = restarted.readoption.lost  # type: ignore[attr-defined]
+    assert lost == {new[0]: "over the store's cap of 2 blobs after the restart"}
+    assert [b for b, *_ in second.blobs()] == old
+    assert second.bytes_held == charged  # the dropped blob's charge and its episode record's are gone
+
+
+def test_the_segment_limit_leaves_the_process_mappings_of_its_own(tmp_path: Path) -> None:
+    """A store maps one segment per blob; past vm.max_map_count every mapping of the process fails (keeps
+    ``store-failed``, threads that cannot start), so its blobs are capped below it, with room for the rest."""
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")
+    assert segment_limit(str(limit)) == 65530 - MAP_HEADROOM
+    limit.write_text("1048576\n")
+    assert segment_limit(str(limit)) == 1048576 - 1048576 // 8
+    assert segment_limit(str(tmp_path / "absent")) == DEFAULT_MAX_MAP_COUNT - MAP_HEADROOM
+    assert 0 < segment_limit() < int(Path("/proc/sys/vm/max_map_count").read_text())
 
 
 def test_a_second_process_is_refused_naming_the_holder(tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
 (one per change, committed before the change is answered):
 
 =============== ===================================================================================
-``keep``        an episode's blobs (id, segment and layout of each; segments written before the record)
-                and its ``episode-finished`` record (arrays in ``info`` are kept as lists)
+``keep``        an episode's blobs (id, segment and layout of each; segments written before the record),
+                its ``episode-finished`` record (arrays in ``info`` are kept as lists) and the record's
+                ``charge`` against the budget (records of earlier builds have none: charged their ``info``
+                as replayed)
 ``claim``       blob ids moved to ``holder`` by a claim
 ``move``        blob ids handed over to ``holder`` (a ``reference`` event)
 ``drop``        blob ids deleted by ``holder`` for ``reason`` (their segments are unlinked after); ``ep``: the
@@ -31,7 +33,8 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
 =============== ===================================================================================
 
 :meth:`BlobJournal.readopt` replays them into a fresh keeper: blobs live at the end whose segment fails
-verification, or that exceed the budget, are *lost*: deleted with reason ``lost`` and named in the result.
+verification, or that exceed the budget or the blob cap, are *lost*: deleted with reason ``lost`` and named in
+the result.
 Segments no committed ``keep`` names (a keep cut off before its commit flag) are removed and counted as
 *aborted*: that keep was never acknowledged, so its run failed and is sent again. Deleted ids keep their
 tombstones, so a repeated delete by the same holder across the restart is answered, not refused.
@@ -58,7 +61,7 @@ import numpy as np
 
 from ...protocol.messages import EpisodeFinished, Violation
 from ..store.durable import DurableStore, Segment, StoreFull
-from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
+from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch, blob_charge
 
 # A grace a restarted store resumes is never shorter than this share of a whole one. The holder's restarted
 # incarnation may have tried to claim back while this store was dead, and those claims failed: it sends them
@@ -144,10 +147,11 @@ class BlobJournal:
 
     # --- committing (under the keeper's lock) -------------------------------------------------------
 
-    def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch]) -> None:
-        """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, in one commit."""
+    def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch], charge: int) -> None:
+        """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, charged ``charge``
+        against the budget (:func:`~.keeper.info_charge` of its ``info`` as it came), in one commit."""
         layouts = [_layout(ref.blob_id, branch) for ref, branch in zip(record.refs, packed, strict=True)]
-        self.store.commit(_keep(record.episode_id, layouts, record))
+        self.store.commit(_keep(record.episode_id, layouts, record, charge))
         self._layouts.update((layout["id"], layout) for layout in layouts)
 
     def claimed(self, blob_ids: Sequence[str], holder: str) -> None:
@@ -250,7 +254,9 @@ class BlobJournal:
                     keeper.restore(record["ep"], blob_id, packed)
                     self._layouts[blob_id] = layout
                 if record.get("rec"):
-                    keeper.record(msgspec.msgpack.decode(record["rec"], type=EpisodeFinished))
+                    charge = record.get("charge")
+                    keeper.restore_record(msgspec.msgpack.decode(record["rec"], type=EpisodeFinished),
+                                          charge if isinstance(charge, int) else None)
             elif op == "claim":
                 keeper.claim(record["ids"], record["holder"])
             elif op == "move":
@@ -373,15 +379,27 @@ def _live_at_end(records: Sequence[Mapping[str, Any]]) -> set[str]:
 
 
 def _over_budget(keeper: Keeper, broken: Mapping[str, str]) -> dict[str, str]:
-    """The newest live blobs beyond the keeper's budget (a restart under a smaller one): lost, named."""
-    excess = keeper.bytes_held - sum(p.nbytes for b, _, _, p in keeper.blobs() if b in broken) - keeper.budget_bytes
+    """The newest live blobs beyond the keeper's budget or its blob cap (a restart under a smaller one): lost,
+    named. A blob dropped frees its charge, the last of its episode's its record's too."""
+    blobs = list(keeper.blobs())
+    left = Counter(episode_id for blob_id, episode_id, _, _ in blobs if blob_id not in broken)
+    count = len(blobs) - len(broken)
+    freed = sum(blob_charge(packed.nbytes) for blob_id, _, _, packed in blobs if blob_id in broken)
+    freed += sum(keeper.charge_of(episode_id) for episode_id in {e for _, e, _, _ in blobs} if not left[episode_id])
+    excess = keeper.bytes_held - keeper.budget_bytes - freed
+    cap = keeper.max_blobs if keeper.max_blobs is not None else count
     over: dict[str, str] = {}
-    for blob_id, _, _, packed in reversed(list(keeper.blobs())):
-        if excess <= 0:
+    for blob_id, episode_id, _, packed in reversed(blobs):
+        if excess <= 0 and count <= cap:
             break
         if blob_id not in broken:
-            over[blob_id] = f"over env_server.budget_bytes = {keeper.budget_bytes} after the restart"
-            excess -= packed.nbytes
+            over[blob_id] = (f"over env_server.budget_bytes = {keeper.budget_bytes}" if excess > 0 else
+                             f"over the store's cap of {cap} blobs") + " after the restart"
+            excess -= blob_charge(packed.nbytes)
+            count -= 1
+            left[episode_id] -= 1
+            if not left[episode_id]:
+                excess -= keeper.charge_of(episode_id)
     return over
 
 
@@ -452,7 +470,7 @@ def _snapshot(keeper: Keeper, holders: Mapping[str, list[str]], layouts: Mapping
     for blob_id, episode_id, _, _ in keeper.blobs():
         episodes.setdefault(episode_id, []).append(layouts[blob_id])
     for episode_id, layouts in episodes.items():
-        yield _keep(episode_id, layouts, keeper.record_of(episode_id))
+        yield _keep(episode_id, layouts, keeper.record_of(episode_id), keeper.charge_of(episode_id))
     for holder, held in holders.items():
         for ids in _runs(held):
             yield {"op": "claim", "ids": ids, "holder": holder}
@@ -488,9 +506,10 @@ def _runs(blob_ids: Sequence[str]) -> Iterator[list[str]]:
         yield list(blob_ids[start : start + IDS_PER_RECORD])
 
 
-def _keep(episode_id: str, layouts: list[dict[str, Any]], record: EpisodeFinished | None) -> dict[str, Any]:
+def _keep(episode_id: str, layouts: list[dict[str, Any]], record: EpisodeFinished | None,
+          charge: int) -> dict[str, Any]:
     rec = msgspec.msgpack.encode(record, enc_hook=_plain) if record is not None else b""
-    return {"op": "keep", "ep": episode_id, "blobs": layouts, "rec": rec}
+    return {"op": "keep", "ep": episode_id, "blobs": layouts, "rec": rec, "charge": charge}
 
 
 def _plain(obj: Any) -> Any:

@@ -70,7 +70,13 @@ orchestrator finds every replica of a source with a ``nodes`` request. Heartbeat
 ``bytes_held``, ``budget_bytes``, ``high_water``, ``fill`` (bytes held over the budget) and ``full`` (1.0 from
 ``env_server.high_water`` on).
 
-Backpressure: the budget is never exceeded and nothing is evicted. A store says how full it is, and the
+Backpressure: the budget (``env_server.budget_bytes``) is never exceeded and nothing is evicted. It is charged
+what a blob costs, not only its array bytes (:func:`~.keeper.blob_charge`: whole pages, at least one, plus a
+per-blob overhead), and each episode's ``info`` (:func:`~.keeper.info_charge`) for as long as a blob of the
+episode lives, so many tiny blobs or a large ``info`` meet ``over-budget`` like any other keep. With a durable
+store the live blobs are also capped under the process's mapping limit (one segment mapped per blob:
+:func:`~refbus.nodes.store.durable.segment_limit`), refused ``over-budget`` (too many blobs) beyond it, before
+any segment is written. A store says how full it is, and the
 orchestrator sends it only the runs whose episodes fit under its high-water mark; a keep that would exceed
 the budget is refused with ``over-budget`` and ``retry_after_s`` (the error reply's field,
 :attr:`KeepError.retry_after_s`), and a run's own keep waits for room (:class:`~.episodes.EpisodeRunner`)
@@ -131,7 +137,7 @@ from ...protocol.messages import (
 )
 from ..config import Config
 from ..settings import EnvServerSettings, StoreSettings
-from ..store.durable import DurableStore, StoreError
+from ..store.durable import DurableStore, StoreError, segment_limit
 from .blob_journal import BlobJournal, Readoption, resumed_grace
 from .branch import Branch
 from .episodes import EpisodeRunner
@@ -151,6 +157,7 @@ from .keeper import (
     KeepError,
     KeeperStats,
     PackedBranch,
+    info_charge,
     pack_branches,
 )
 from .violations import summarize
@@ -224,9 +231,11 @@ class EnvServer:
         self.server = runtime.serve("blobs", settings.endpoint)
         self.endpoint = runtime.endpoints["blobs"]
         runtime.labels["source"] = self.source
+        # A durable store maps a segment per blob: their number is capped under the process's mapping limit.
         self.keeper = Keeper(self.source, self.endpoint, budget_bytes=settings.budget_bytes,
                              handover_lease_s=settings.handover_lease_s, tombstone_s=settings.tombstone_s,
-                             clock=clock, node=runtime.node_id)
+                             clock=clock, node=runtime.node_id,
+                             max_blobs=segment_limit() if store is not None and store.durable else None)
         if not 0 < settings.high_water <= 1:
             raise ValueError(f"env_server.high_water must be in (0, 1], got {settings.high_water}")
         self.high_water = settings.high_water
@@ -397,11 +406,17 @@ class EnvServer:
         """
         try:
             packed = pack_branches(branches)
+            try:
+                record_bytes = info_charge(info or {})
+            except (ValueError, TypeError, NotImplementedError) as exc:
+                raise KeepError("bad-info", f"episode {episode_id!r}: its info cannot be encoded: {exc}") from None
             if self.journal is not None:
+                with self._lock:  # refused before its segments take room and mappings, not after
+                    self.keeper.check(episode_id, [p.nbytes for p in packed], record_bytes)
                 packed = self.journal.write(packed)  # bytes first; the keep record commits them below
             with self._lock:
                 try:
-                    refs = self.keeper.store(episode_id, packed)
+                    refs = self.keeper.store(episode_id, packed, record_bytes)
                 except KeepError as exc:
                     if self.journal is not None:
                         self.journal.discard(packed)
@@ -439,7 +454,7 @@ class EnvServer:
         keep is undone, so nothing unannounced stays held and no segment is left behind. Under the lock."""
         assert self.journal is not None
         try:
-            self.journal.kept(record, packed)
+            self.journal.kept(record, packed, self.keeper.charge_of(record.episode_id))
         except Exception as exc:
             self.keeper.withdraw(record.episode_id)
             self.journal.discard(packed)
@@ -817,9 +832,10 @@ class EnvServer:
 
         self.runtime.metric("refbus_blobs_held", "Blobs this env server holds.",
                             read(lambda s: {(): float(s.blobs_held)}), kind="gauge")
-        self.runtime.metric("refbus_blob_bytes_held", "Array bytes this env server holds.",
+        self.runtime.metric("refbus_blob_bytes_held", "Bytes this env server holds against env_server.budget_bytes "
+                            "(blobs in whole pages plus a per-blob overhead, and episode infos).",
                             read(lambda s: {(): float(s.bytes_held)}), kind="gauge")
-        self.runtime.metric("refbus_env_server_fill_ratio", "Array bytes held over env_server.budget_bytes.",
+        self.runtime.metric("refbus_env_server_fill_ratio", "Bytes held over env_server.budget_bytes.",
                             read(lambda s: {(): s.bytes_held / self.keeper.budget_bytes}), kind="gauge")
         self.runtime.metric("refbus_env_server_high_water_ratio",
                             "env_server.high_water: from this fill on, the store takes no new runs.",

@@ -44,13 +44,15 @@ This module imports numpy and the protocol's types only. Env servers import it; 
 
 from __future__ import annotations
 
+import mmap
 import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from ...protocol.codec import Hashed, checksum
@@ -97,6 +99,42 @@ def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | Non
     return checksum(struct.pack(f"<{len(values)}Q", *values))
 
 
+PAGE_BYTES = mmap.PAGESIZE
+BLOB_OVERHEAD_BYTES = 4096
+"""What each blob costs beyond its pages, charged against the budget: the process memory of its entries, its
+reference and (with a durable store) its mapping, about 3 KiB measured, and a segment header that may take
+another page."""
+
+
+def blob_charge(nbytes: int) -> int:
+    """What a blob of ``nbytes`` array bytes is charged against the budget: its bytes in whole pages (at least
+    one: a durable store's segment is a tmpfs file and a mapping, whole pages each) plus
+    :data:`BLOB_OVERHEAD_BYTES`. So a store of tiny blobs is refused ``over-budget`` at its budget, long before
+    their true cost would exhaust its memory or its mappings."""
+    return max(1, -(-nbytes // PAGE_BYTES)) * PAGE_BYTES + BLOB_OVERHEAD_BYTES
+
+
+def info_charge(info: Mapping[str, Any]) -> int:
+    """What an episode's ``info`` is charged against the budget while its record is held (with its episode's
+    blobs): its msgpack encoding with arrays (and numpy scalars) as lists, as a durable store journals it, plus
+    the bytes of those arrays, held in memory as they came. One encode, with no copy kept.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: ``info`` holds what msgpack cannot encode."""
+    if not info:
+        return 0
+    arrays = 0
+
+    def plain(obj: Any) -> Any:
+        nonlocal arrays
+        if isinstance(obj, np.ndarray | np.generic):
+            arrays += obj.nbytes
+            return obj.tolist()
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+    return len(msgspec.msgpack.encode(info, enc_hook=plain)) + arrays
+
+
 R = TypeVar("R")
 Commit = Callable[[R], None]
 """What a keeper call that changes ownership runs with its result once it has decided it and before it changes
@@ -112,8 +150,9 @@ the store could predict."""
 
 class KeepError(ValueError):
     """``keep`` refused an episode and kept nothing. ``code`` is stable (it becomes the error reply's code):
-    ``bad-branch``, ``over-budget``, ``duplicate-episode``, ``closed``, or from an env server with a durable store
-    ``bad-info`` (its journal cannot hold the episode's record) or ``journal-failed`` (a write failed).
+    ``bad-branch``, ``over-budget``, ``duplicate-episode``, ``closed``, or from an env server ``bad-info`` (its
+    ``info`` cannot be encoded, or a durable store's journal cannot hold the episode's record) or, with a durable
+    store, ``journal-failed`` (a write failed) or ``store-failed``.
     ``retry_after_s`` > 0 (``over-budget`` of an episode that fits the budget at all, ``journal-failed``): the
     same keep may succeed after that long."""
 
@@ -270,7 +309,7 @@ class KeeperStats:
     """A snapshot of the keeper's counters (safe to read after the call returns)."""
 
     blobs_held: int
-    bytes_held: int
+    bytes_held: int  # charged against the budget: each blob's blob_charge, each held record's info_charge
     kept_total: int
     deleted: Mapping[str, int]  # by reason
     violations: Mapping[str, int]  # by action: claim, fetch, delete
@@ -325,7 +364,10 @@ class _Tombstone:
 class Keeper:
     """Kept blobs of one env server (``source``, serving at ``endpoint``) and the exactly-once rules.
 
-    ``budget_bytes`` caps the array bytes held: a keep beyond it fails and nothing is ever evicted.
+    ``budget_bytes`` caps the bytes charged (:attr:`bytes_held`): each blob's :func:`blob_charge` and each held
+    episode record's :func:`info_charge`; a keep beyond it fails and nothing is ever evicted. ``max_blobs`` (None:
+    no cap) caps the live blobs: a durable store maps one segment per blob, and a process has a limited number of
+    mappings (:func:`~refbus.nodes.store.durable.segment_limit`).
     ``handover_lease_s`` is how long a blob may stay unclaimed before :meth:`expire` deletes it.
     ``clock`` (monotonic seconds) stamps keeps; tests inject their own. Blob ids are a random per-keeper
     prefix plus a counter, so a restarted env server never reissues an id. Deleted ids are remembered for
@@ -344,7 +386,10 @@ class Keeper:
         max_tombstones: int = DEFAULT_MAX_TOMBSTONES,
         tombstone_s: float = DEFAULT_TOMBSTONE_S,
         node: str = "",
+        max_blobs: int | None = None,
     ) -> None:
+        if max_blobs is not None and max_blobs < 1:
+            raise ValueError(f"max_blobs must be >= 1, got {max_blobs}")
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
         if handover_lease_s <= 0:
@@ -358,6 +403,7 @@ class Keeper:
         self.endpoint = endpoint
         self.node = node  # the env server's node id, named in every reference
         self.budget_bytes = budget_bytes
+        self.max_blobs = max_blobs
         self.handover_lease_s = handover_lease_s
         self.clock = clock
         self.max_tombstones = max_tombstones
@@ -372,6 +418,7 @@ class Keeper:
         self._episodes: dict[str, list[str]] = {}
         # episode id -> (keep position, its record), in keep order; gone with the episode's last blob
         self._records: dict[str, tuple[int, EpisodeFinished]] = {}
+        self._record_charges: dict[str, int] = {}  # episode id -> its record's charge, while it has blobs
         self._positions = 0
         # (deadline, blob id) in keep order; deadlines never decrease (monotonic clock, one lease length),
         # so expiry pops from the front and costs nothing for blobs that are not due.
@@ -396,26 +443,51 @@ class Keeper:
         """
         return self.store(episode_id, pack_branches(branches))
 
-    def store(self, episode_id: str, packed: Sequence[PackedBranch]) -> list[BlobRef]:
-        """Keep already packed branches (the keeper takes their buffers); one reference per branch.
+    def check(self, episode_id: str, nbytes: Sequence[int], record_bytes: int = 0) -> int:
+        """Whether an episode of blobs of ``nbytes`` array bytes each, and a record charged ``record_bytes``, may be
+        kept now; its charge. Asked by :meth:`store`, and before a durable store writes the blobs' segments.
 
         Raises:
-            KeepError: ``over-budget`` if the bytes held would exceed the budget, ``duplicate-episode`` if
-                ``episode_id`` still has blobs here, ``closed`` after :meth:`close`. Nothing is kept.
+            KeepError: ``over-budget`` if the bytes charged would exceed the budget (``retry_after_s`` > 0 when
+                the episode fits the budget at all) or the live blobs would exceed ``max_blobs`` (too many
+                blobs), ``duplicate-episode`` if ``episode_id`` still has blobs here, ``closed`` after
+                :meth:`close`.
         """
         if self._closed:
             raise KeepError("closed", f"episode {episode_id!r}: the env server is shutting down")
         if episode_id in self._episodes:
             raise KeepError("duplicate-episode", f"episode {episode_id!r} is already kept here")
-        total = sum(p.nbytes for p in packed)
+        if self.max_blobs is not None and len(self._blobs) + len(nbytes) > self.max_blobs:
+            fits = len(nbytes) <= self.max_blobs
+            raise KeepError(
+                "over-budget",
+                f"episode {episode_id!r}: too many blobs, it needs {len(nbytes)}, {len(self._blobs)} of at most "
+                f"{self.max_blobs} are held (a durable store maps each, within the process's vm.max_map_count)"
+                + (f"; retry after {RETRY_AFTER_S} s" if fits else "; it can never fit"),
+                retry_after_s=RETRY_AFTER_S if fits else 0.0,
+            )
+        total = sum(blob_charge(n) for n in nbytes) + record_bytes
         if self._bytes_held + total > self.budget_bytes:
             fits = total <= self.budget_bytes
             raise KeepError(
                 "over-budget",
-                f"episode {episode_id!r} needs {total} bytes, {self._bytes_held} of {self.budget_bytes} are held"
+                f"episode {episode_id!r} needs {total} bytes ({sum(nbytes)} array bytes in {len(nbytes)} blobs, "
+                f"each charged whole pages and {BLOB_OVERHEAD_BYTES} more, and {record_bytes} of info), "
+                f"{self._bytes_held} of {self.budget_bytes} are held"
                 + (f"; retry after {RETRY_AFTER_S} s" if fits else "; it can never fit"),
                 retry_after_s=RETRY_AFTER_S if fits else 0.0,
             )
+        return total
+
+    def store(self, episode_id: str, packed: Sequence[PackedBranch], record_bytes: int = 0) -> list[BlobRef]:
+        """Keep already packed branches (the keeper takes their buffers); one reference per branch.
+        ``record_bytes``: the charge of the record :meth:`record` files next (its :func:`info_charge`), held with
+        the episode's blobs.
+
+        Raises:
+            KeepError: see :meth:`check`. Nothing is kept.
+        """
+        total = self.check(episode_id, [p.nbytes for p in packed], record_bytes)
         deadline = self.clock() + self.handover_lease_s
         refs: list[BlobRef] = []
         for branch in packed:
@@ -438,7 +510,8 @@ class Keeper:
             )
         if refs:
             self._episodes[episode_id] = [ref.blob_id for ref in refs]
-        self._bytes_held += total
+            self._record_charges[episode_id] = record_bytes
+            self._bytes_held += total
         self.kept_total += len(refs)
         return refs
 
@@ -448,17 +521,32 @@ class Keeper:
         an episode no one has heard of yet: its ids leave no tombstones."""
         for blob_id in self._episodes.pop(episode_id, ()):
             blob = self._blobs.pop(blob_id)
-            self._bytes_held -= blob.packed.nbytes
+            self._bytes_held -= blob_charge(blob.packed.nbytes)
             self._move(blob.holder, None)
             self.kept_total -= 1
         self._records.pop(episode_id, None)
+        self._bytes_held -= self._record_charges.pop(episode_id, 0)
 
     def record(self, record: EpisodeFinished) -> None:
         """File the ``episode-finished`` record of an episode just stored (its blobs live here), for
-        :meth:`holdings`; dropped with the episode's last blob. An episode with no blobs is not filed."""
+        :meth:`holdings`; dropped with the episode's last blob. An episode with no blobs is not filed. Its
+        charge was :meth:`store`'s ``record_bytes``."""
         if record.episode_id in self._episodes:
             self._records[record.episode_id] = (self._positions, record)
             self._positions += 1
+
+    def restore_record(self, record: EpisodeFinished, charge: int | None) -> None:
+        """:meth:`record` for a record an earlier process of this store filed (its blobs restored), charged what
+        :meth:`store` charged it then (None: not known, its :func:`info_charge` as it is now)."""
+        if record.episode_id in self._episodes:
+            charge = info_charge(record.info) if charge is None else charge
+            self._bytes_held += charge - self._record_charges.get(record.episode_id, 0)
+            self._record_charges[record.episode_id] = charge
+            self.record(record)
+
+    def charge_of(self, episode_id: str) -> int:
+        """The charge of ``episode_id``'s record (0: none held)."""
+        return self._record_charges.get(episode_id, 0)
 
     def holdings(self, holder: str, after: int = 0) -> Iterator[HeldRecord]:
         """The episodes with a live blob held by ``holder`` or unclaimed, in keep order from keep position
@@ -735,7 +823,7 @@ class Keeper:
         self._episodes.setdefault(episode_id, []).append(blob_id)
         self._held_by[""] += 1
         self._leases.append((self.clock() + self.handover_lease_s, blob_id))
-        self._bytes_held += packed.nbytes
+        self._bytes_held += blob_charge(packed.nbytes)
         self.kept_total += 1
 
     def restore_drop(self, blob_ids: Sequence[str], holder: str, reason: str, episode: str = "") -> DeleteResult:
@@ -817,7 +905,7 @@ class Keeper:
         tomb = _Tombstone(holder, reason, now, episode=episode)
         for blob_id in blob_ids:
             blob = self._blobs.pop(blob_id)
-            self._bytes_held -= blob.packed.nbytes
+            self._bytes_held -= blob_charge(blob.packed.nbytes)
             self._move(blob.holder, None)
             if reason == HOLDER_DOWN:
                 self.reclaimed[blob.holder] += 1
@@ -826,6 +914,7 @@ class Keeper:
             if not siblings:
                 del self._episodes[blob.episode_id]
                 self._records.pop(blob.episode_id, None)
+                self._bytes_held -= self._record_charges.pop(blob.episode_id, 0)
             self._tombstones[blob_id] = tomb
         tombs = self._tombstones
         while tombs and (len(tombs) > self.max_tombstones or next(iter(tombs.values())).at < now - self.tombstone_s):

@@ -103,6 +103,24 @@ class Segment:
     data: np.ndarray = field(repr=False)
 
 
+MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+DEFAULT_MAX_MAP_COUNT = 65_530  # Linux's default, when the file cannot be read
+MAP_HEADROOM = 8192  # mappings left, at least, to the rest of the process: libraries, thread stacks, arenas
+
+
+def segment_limit(path: str = MAX_MAP_COUNT) -> int:
+    """How many segments one process may keep mapped (:meth:`DurableStore.write` maps each): ``vm.max_map_count``
+    (read from ``path``) less an eighth of it, at least :data:`MAP_HEADROOM`, for the rest of the process and the
+    mappings of segments already deleted that a send still reads. Past the limit every ``mmap`` of the process
+    fails (ENOMEM), its thread starts too, so an owner refuses new segments first."""
+    try:
+        with open(path) as file:
+            count = int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        count = DEFAULT_MAX_MAP_COUNT
+    return max(1, count - max(MAP_HEADROOM, count // 8))
+
+
 def store_path(directory: str | Path, run: str, node: str) -> Path:
     """The directory of ``node``'s store in ``run``."""
     return Path(directory) / f"{PREFIX}{_SAFE.sub('_', run)}.{_SAFE.sub('_', node)}"
@@ -439,8 +457,9 @@ def map_file(fd: int, size: int, *, writable: bool = False) -> ctypes.Array[ctyp
     once the last reference to the array (a view of it included) is gone. ``fd`` may be closed at once.
 
     Mapped through libc, not :class:`mmap.mmap`: that keeps a duplicate of the file descriptor per mapping,
-    and a store holds one mapping per blob (hundreds of thousands), a ps-worker one per segment, far past any
-    descriptor limit. Raises OSError when the kernel refuses the mapping.
+    and a store holds one mapping per blob (tens of thousands), a ps-worker one per segment, far past any
+    descriptor limit. Mappings are bounded too (``vm.max_map_count``, 65,530 by default, for the whole process):
+    an owner caps its live segments with :func:`segment_limit`. Raises OSError when the kernel refuses the mapping.
     """
     protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     addr = _libc.mmap(None, size, protection, mmap.MAP_SHARED, fd, 0)
