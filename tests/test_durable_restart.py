@@ -553,7 +553,7 @@ def test_changes_a_full_tmpfs_cannot_journal_change_nothing_and_go_through_once_
     filler = mount / "filler"
     control, grace_s = bus[1], 1.0
     command = ["node", "env-server", "--bus-control", control, "--node-id", "env-f", "--store-directory", str(mount),
-               "--store-run", "full", "--env-server-budget-bytes", str(1_000_000),
+               "--store-run", "full", "--env-server-budget-bytes", str(2_000_000),
                "--env-server-handover-lease-s", "600", "--node-restart-grace-s", str(grace_s)]
     holder = _node(control, "trainer-f")
     codec = WireCodec("orchestrator")

@@ -412,17 +412,20 @@ class EnvServer:
                 raise KeepError("bad-info", f"episode {episode_id!r}: its info cannot be encoded: {exc}") from None
             if self.journal is not None:
                 with self._lock:  # refused before its segments take room and mappings, not after
-                    self.keeper.check(episode_id, [p.nbytes for p in packed], record_bytes)
+                    try:
+                        self.keeper.check(episode_id, [p.nbytes for p in packed], record_bytes)
+                    except KeepError as exc:
+                        if exc.code == "duplicate-episode" and (kept := self._kept_before(episode_id, packed)):
+                            log.info("keep.repeated", episode_id=episode_id, detail="kept by an earlier process")
+                            return kept
+                        raise
                 packed = self.journal.write(packed)  # bytes first; the keep record commits them below
             with self._lock:
                 try:
                     refs = self.keeper.store(episode_id, packed, record_bytes)
-                except KeepError as exc:
+                except KeepError:
                     if self.journal is not None:
                         self.journal.discard(packed)
-                    if exc.code == "duplicate-episode" and (kept := self._kept_before(episode_id, packed)):
-                        log.info("keep.repeated", episode_id=episode_id, detail="kept by an earlier process")
-                        return kept
                     raise
                 # Queued under the lock: a shutdown that deletes these blobs then finds this event queued
                 # and publishes it first.
