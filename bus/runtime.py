@@ -793,11 +793,16 @@ class NodeRuntime:
             self._deliver_ready()
             if self._rejoin:
                 self._rejoin = False
-                by = self._turn_deadline()  # every step: a broker that does not answer must not hold the loop
                 try:
-                    self._join(by)  # sets _resume_pending when the broker restarted or moved, before its probe
+                    # Every step by one deadline: a broker that does not answer must not hold the loop.
+                    self._join(self._turn_deadline())  # sets _resume_pending when the broker restarted or moved
                     if self._resume_pending:
-                        self._resume_subscriptions(by)
+                        # The resumption (probes, the whole ring, the gap fills it reveals) gets a deadline of its
+                        # own: sharing the join's, a join slowed by every node re-joining at once left it nothing,
+                        # and gaps it could have filled were counted lost. Due timers (a heartbeat) go out between.
+                        self._run_timers()
+                        self._fill_end = None
+                        self._resume_subscriptions(self._turn_deadline())
                         self._resume_pending = False
                 except (BusUnavailable, RequestTimeout, RemoteError) as exc:  # gone again, or slow: retry later
                     log.warning("bus.rejoin_failed", error=str(exc))
@@ -1181,7 +1186,8 @@ class NodeRuntime:
         self.watch(subscriber.sock, lambda: self._drain(subscriber.sock, subscriber.drain_one))
         self._deliver_ready()
 
-    def _prove_subscribed(self, subscriber: Subscriber, since: int | None, by: float | None = None) -> None:
+    def _prove_subscribed(self, subscriber: Subscriber, since: int | None, by: float | None = None, *,
+                          keep_held: bool = False) -> None:
         """Wait until a broker probe arrives through ``subscriber`` (from then on no event misses it), then
         merge the ring's events with ``seq >= since`` (each source) in front of what arrived meanwhile.
 
@@ -1189,7 +1195,8 @@ class NodeRuntime:
         otherwise), and so does the replay; one that does not (or that fails) is logged, not raised: the
         subscription is live, and what it did not merge shows as gaps, filled or counted lost. Without it (at
         start) the probes take up to ``connect_timeout_s`` and the replay runs under the runtime's retry policy,
-        its failure raised."""
+        its failure raised. ``keep_held``: what arrived meanwhile stays parked once it is proved (the caller
+        releases it: the gap fills that reveals run then); released at once when the proof fails."""
         assert self.welcome is not None and self.control is not None
         subscriber.hold()
         token = self.codec.new_id()
@@ -1207,8 +1214,12 @@ class NodeRuntime:
             if since is not None:
                 for event in self._replay_by(since, by, subscriber.backend):
                     subscriber.offer(event)
-        finally:
+        except BaseException:
             subscriber.forget_token(token)
+            subscriber.release()
+            raise
+        subscriber.forget_token(token)
+        if not keep_held:
             subscriber.release()
 
     def _replay_by(self, since: int, end: float | None, backend: ArrayBackend) -> list[Message]:
@@ -1234,9 +1245,21 @@ class NodeRuntime:
         duplicate, and what neither delivered shows as a gap and is counted lost, even when no later event
         from that source comes to reveal it. It runs on the loop thread: the probes and replays of all the
         subscriptions end by ``by`` (monotonic: the re-join's deadline, see :meth:`_join`), so heartbeats still go
-        out; probes not seen by then raise (the re-join is tried again), replays cut off there are logged."""
-        for subscriber, _, _ in self._subscriptions:
-            self._prove_subscribed(subscriber, 0, by)
+        out; probes not seen by then raise (the re-join is tried again), replays cut off there are logged. What
+        arrived meanwhile stays parked until every subscription is proved, then the gap fills it reveals get a
+        deadline of their own (a whole-ring replay a busy broker cut off leaves its events to them, so sharing
+        the replays' deadline counted them all lost), due timers (a heartbeat) going out first."""
+        proved: list[Subscriber] = []
+        try:
+            for subscriber, _, _ in self._subscriptions:
+                self._prove_subscribed(subscriber, 0, by, keep_held=True)
+                proved.append(subscriber)
+        finally:
+            if proved:
+                self._run_timers()
+                self._fill_end = None
+            for subscriber in proved:
+                subscriber.release()
         self._deliver_ready()
 
     def flush_events(self, timeout_s: float = 2.0) -> bool:

@@ -284,3 +284,43 @@ def test_a_resumption_after_a_broker_restart_replays_within_the_fill_deadline_an
         assert [entry["event"] for entry in logs if entry["event"].startswith("replay.")] == ["replay.resume_failed"]
     finally:
         node.join(WAIT_S)
+
+
+def test_the_gap_fills_a_resumption_reveals_get_a_deadline_of_their_own(
+    small_bus: tuple[Broker, Limits], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole-ring replay a busy broker cuts off at the resumption's deadline leaves the events it would have
+    brought to the gap fills that the parked events then reveal. Before, those fills shared the replay's deadline,
+    already spent, so every gap was counted lost at once (a broker restart with eight nodes re-joining lost every
+    event of its downtime); now the parked events are released, and their fills run, under a deadline of their own,
+    after every subscription is proved."""
+    broker, limits = small_bus
+    control = broker.runtime.endpoints["control"]
+    node = NodeRuntime("tester", RuntimeSettings(bus=control, node_id="sub", metrics_port=-1, limits=limits))
+    subscriber = node.subscribe(lambda message: None)
+    node.start_background()
+    left_at_release: list[float] = []
+
+    def replay_cut_off(*, deadline_s: float | None = None, **_: object) -> list:
+        assert deadline_s is not None
+        time.sleep(deadline_s)  # a broker too busy to answer within the resumption's time
+        raise RequestTimeout("the broker did not answer in time")
+
+    release = subscriber.release
+
+    def release_and_measure() -> None:
+        left_at_release.append(node._turn_deadline() - time.monotonic())
+        release()
+
+    def resume() -> None:
+        node._fill_end = None  # a fresh turn
+        node._resume_subscriptions(node._turn_deadline())
+
+    try:
+        monkeypatch.setattr(node, "replay", replay_cut_off)
+        monkeypatch.setattr(subscriber, "release", release_and_measure)
+        on_loop(node, resume)
+        assert len(left_at_release) == 1 and left_at_release[0] > FILL_SHARE * node.welcome.node_timeout / 2, \
+            left_at_release
+    finally:
+        node.join(WAIT_S)
