@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 import pytest
+from refbus.nodes.payload.keeper import Keeper, KeepError, episode_charge, info_charge, pack_branches
 from refbus.nodes.payload.orchestrator_core import (
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,
@@ -593,24 +594,49 @@ def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_ever
 
 
 def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water_mark() -> None:
-    """96-byte episodes, a store whose high-water mark is 800 bytes: 8 episodes' worth. With 2 episodes held
-    (one kept since the last registry read), the next dispatch sends 3 groups of 2 runs, and no more until
-    runs finish and their episodes are deleted."""
+    """Episodes of one charge each, a store whose high-water mark is 8 charges: 8 episodes' worth. With 2
+    episodes held (one kept since the last registry read), the next dispatch sends 3 groups of 2 runs, and no
+    more until runs finish and their episodes are deleted."""
     core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=16), DEADLINES, prompts=lambda rng: [1])
-    status = {"bytes_held": 96.0, "budget_bytes": 1000.0, "high_water": 0.8, "full": 0.0}
+    early = episode("early-0", "early", 1.0)
+    charge = float(episode_charge(early))
+    status = {"bytes_held": charge, "budget_bytes": 10 * charge, "high_water": 0.8, "full": 0.0}
     store = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
                      status=status)
     core.use_replicas([store])
     core.on_version(0)
-    core.on_episode(T0, episode("early-0", "early", 1.0), [])  # an episode's size: 96 bytes, kept on env-a
-    assert core.router.held["tcp://env-a"] == 192.0 and core.router.room("tcp://env-a") == 6
+    core.on_episode(T0, early, [])  # kept on env-a
+    assert core.router.held["tcp://env-a"] == 2 * charge and core.router.room("tcp://env-a") == 6
     sent = of(SendRun, core.dispatch(T0))
     assert len(sent) == 6 and core.router.room("tcp://env-a") == 0 and core.stores_full
     assert core.dispatch(T0 + 1) == []
     for run in sent[:2]:  # one group's runs came back and their episodes were deleted meanwhile
         core.on_run_done(T0 + 2, run.run.episode_id, None)
-    core.use_replicas([store])  # the registry still says 96 bytes held
+    core.use_replicas([store])  # the registry still says one episode held
     assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.full_pauses == 2  # full again at once
+
+
+def test_backpressure_counts_an_episode_at_what_its_store_charges_not_its_array_bytes() -> None:
+    """Small episodes (a 64-token routing row set, 256 array bytes) against a 1 MiB store: its budget and
+    ``bytes_held`` count each blob in whole pages plus an overhead, and each episode's info. The room the
+    orchestrator sees after one kept episode matches what the store's keeper still accepts, within one episode,
+    not the hundreds of times more that the raw array bytes would admit."""
+    budget = 1 << 20
+    keeper = Keeper("env-a", "tcp://env-a", budget_bytes=budget, handover_lease_s=60.0)
+    branch = {"routed_experts": np.zeros((64, 2, 2), np.uint8)}
+    info = {"group": "g0", "reward": 1.0, "samples": [{"input_ids": list(range(64)), "loss_mask": [1] * 64, "ref": 0}]}
+    refs = keeper.store("ep-0", pack_branches([branch]), info_charge(info))
+    accepted = 0
+    with pytest.raises(KeepError) as refused:
+        while True:
+            keeper.store(f"more-{accepted}", pack_branches([branch]), info_charge(info))
+            accepted += 1
+    assert refused.value.code == "over-budget"
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.use_replicas([NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
+                                status={"bytes_held": 0.0, "budget_bytes": float(budget), "high_water": 1.0})])
+    core.on_episode(T0, EpisodeFinished(episode_id="ep-0", source="env-a", refs=refs, info=info), [])
+    assert abs(core.router.room("tcp://env-a") - accepted) <= 1
 
 
 def test_backpressure_never_deadlocks_when_the_stores_hold_less_than_a_step() -> None:

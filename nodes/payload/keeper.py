@@ -135,6 +135,13 @@ def info_charge(info: Mapping[str, Any]) -> int:
     return len(msgspec.msgpack.encode(info, enc_hook=plain)) + arrays
 
 
+def episode_charge(episode: EpisodeFinished) -> int:
+    """What ``episode``'s store charged its budget for it while its blobs live: each ref's :func:`blob_charge`
+    plus its ``info``'s :func:`info_charge`. An episode's ``episode-finished`` record came as msgpack, so its
+    ``info`` encodes."""
+    return sum(blob_charge(ref.nbytes) for ref in episode.refs) + info_charge(episode.info)
+
+
 R = TypeVar("R")
 Commit = Callable[[R], None]
 """What a keeper call that changes ownership runs with its result once it has decided it and before it changes

@@ -436,8 +436,7 @@ class OrchestratorCore:
             self._recovered.discard(episode.episode_id)
             return []
         self.episodes += 1
-        if episode.refs:
-            self.router.kept(episode.refs[0].endpoint, sum(ref.nbytes for ref in episode.refs))
+        self.router.kept(episode)
         info = episode.info
         group_id = str(info.get("group", episode.episode_id))
         try:  # before anything is taken: a record that cannot be trained as it came is deleted whole

@@ -29,11 +29,13 @@ import structlog
 
 from ...protocol.messages import (
     BlobRef,
+    EpisodeFinished,
     MicroBatchRefs,
     NodeInfo,
     SampleSlice,
     StepBatch,
 )
+from .keeper import episode_charge
 from .packing import MicroBatch, PackingError, PackPlan, SampleInfo, pack
 
 log = structlog.get_logger(__name__)
@@ -368,10 +370,13 @@ class ReplicaRouter:
     Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
     it has one, else its node id. Room is backpressure decided before the budget is reached: a replica has
     room for one more run while what it holds, plus the episodes its runs in flight will keep (each counted
-    at the mean size of the episodes seen so far), stays under its high-water mark (``budget_bytes`` times
+    at the mean charge of the episodes seen so far), stays under its high-water mark (``budget_bytes`` times
     ``high_water`` from its heartbeat status). What it holds comes from the registry (read every second or
     so) plus the episodes it kept since (:meth:`kept`), so a burst of runs finishing between two reads
-    cannot overfill it. A replica that publishes no budget always has room, unless its status says ``full``.
+    cannot overfill it. Episodes are counted at what the store charges for them (:func:`~.keeper.episode_charge`:
+    whole pages and a per-blob overhead, and the info), the unit of its ``bytes_held`` and budget: their raw
+    array bytes would admit far more small episodes than fit. A replica that publishes no budget always has
+    room, unless its status says ``full``.
     """
 
     def __init__(self) -> None:
@@ -380,7 +385,7 @@ class ReplicaRouter:
         self.held: dict[str, float] = {}  # endpoint -> bytes held, as of the last registry read plus kept()
         self.limit: dict[str, float] = {}  # endpoint -> its high-water mark in bytes (absent: unknown)
         self.full: set[str] = set()  # endpoints whose status says they are at their high-water mark
-        self.episode_bytes = 0.0  # mean bytes of an episode's blobs, as kept so far
+        self.episode_bytes = 0.0  # mean charge of an episode (its episode_charge), as kept so far
         self._episodes = 0
 
     def update(self, nodes: Iterable[NodeInfo]) -> None:
@@ -398,12 +403,16 @@ class ReplicaRouter:
                     self.full.add(endpoint)
         self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
 
-    def kept(self, endpoint: str, nbytes: int) -> None:
-        """An episode of ``nbytes`` was kept at ``endpoint``: it holds that much more until the next read."""
+    def kept(self, episode: EpisodeFinished) -> None:
+        """``episode`` was kept at its first ref's endpoint (none: nothing was kept): that store holds its
+        :func:`~.keeper.episode_charge` more until the next registry read."""
+        if not episode.refs:
+            return
+        endpoint, charge = episode.refs[0].endpoint, episode_charge(episode)
         self._episodes += 1
-        self.episode_bytes += (nbytes - self.episode_bytes) / self._episodes
+        self.episode_bytes += (charge - self.episode_bytes) / self._episodes
         if endpoint in self.held:
-            self.held[endpoint] += nbytes
+            self.held[endpoint] += charge
 
     def room(self, endpoint: str) -> int:
         """How many more runs ``endpoint`` can take before its episodes would reach its high-water mark."""
