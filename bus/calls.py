@@ -9,7 +9,11 @@ counted by error code (``rejected``) and resolve nothing.
 Retries resend the same frames (the same message id) at the times the call's :class:`RetryPolicy` gives,
 so a server answers a repeat from its reply cache instead of running it twice. A handler that defers its
 reply is not cached: call it with :data:`SEND_ONCE` and the deadline it needs. A call that ended without an
-answer is repeated the same way by a new call given its id (``msg_id``).
+answer is repeated the same way by a new call given its id (``msg_id``). A call made with ``retry_after``
+answered an ``error`` with ``retry_after_s`` > 0 (its handler changed nothing and did not cache the error: an
+env server that could not journal a claim, fetch or delete) is sent again, the same frames, that long after,
+its policy's attempts starting over, while that is before its deadline; the error is its outcome once it is
+not.
 
 Sends never block the loop: a request the full send queue refuses (the peer gone or partitioned with a
 high-water mark's worth already queued to it) is an attempt without a reply (counted in the client's
@@ -75,6 +79,7 @@ class _Call:
     verify: bool = True
     due: float = 0.0
     unsent: int = 0  # attempts the full send queue refused
+    retry_after: bool = False  # an error with retry_after_s > 0 is not the outcome while the deadline allows a resend
     refused: str = ""  # why no client was made for it (its endpoint down or unusable): PeerDown on the next tick
 
 
@@ -163,6 +168,7 @@ class Calls:
         backend: ArrayBackend = "numpy",
         verify: bool = True,
         msg_id: str = "",
+        retry_after: bool = False,
     ) -> str:
         """Send ``body`` to ``endpoint`` now, without blocking (a full send queue makes this attempt one without a
         reply); its outcome goes to ``on_done`` later. ``deadline_s`` from now (default: the sum of the policy's attempt
@@ -175,7 +181,13 @@ class Calls:
         ``msg_id`` (default: a new id) sends it as the request of that id: given the id and body of an earlier
         call that has ended without an answer (its peer reported down), it is that request again, so a server
         that carried it out answers from its reply cache (or refuses it ``replay``) instead of running it twice.
-        Raises ``ValueError`` for the id of a call still pending."""
+        Raises ``ValueError`` for the id of a call still pending.
+
+        ``retry_after``: an ``error`` reply with ``retry_after_s`` > 0 (the server changed nothing, and runs the
+        same request again) is not the outcome while the deadline is more than that far off: the request is sent
+        again that long after (logged), its policy's attempts starting over. For requests to a handler that
+        answers so, whose outcome the caller would otherwise give up on (an env server's claims, fetches and
+        deletes: a full tmpfs for a moment)."""
         if msg_id in self._pending:
             raise ValueError(f"request {msg_id!r} is still pending: it is resent by its own retry policy")
         refused = self._down.get(endpoint)
@@ -188,7 +200,8 @@ class Calls:
                 refused = f"not an endpoint this node can connect to: {exc}"
         msg_id, frames = (msg_id or self._down_ids.next(), []) if client is None else client.encode(body, msg_id)
         call = _Call(msg_id, endpoint, body.kind, frames, on_done, backend,
-                     Attempts(policy or self.policy, deadline_s, _now()), verify, refused=refused or "")
+                     Attempts(policy or self.policy, deadline_s, _now()), verify, refused=refused or "",
+                     retry_after=retry_after)
         self._pending[msg_id] = call
         self._per_endpoint[endpoint] += 1
         if client is None:
@@ -207,6 +220,7 @@ class Calls:
         policy: RetryPolicy | None = None,
         backend: ArrayBackend = "numpy",
         verify: bool = True,
+        retry_after: bool = False,
     ) -> None:
         """The asynchronous :func:`~.reqrep.gather`: send ``(endpoint, body)`` requests, at most ``window`` in
         flight per endpoint (the next one is sent when one ends), each as :meth:`request` with the other
@@ -217,7 +231,8 @@ class Calls:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         gathering = _Gathering(self, requests, on_done, window,
-                               dict(deadline_s=deadline_s, policy=policy, backend=backend, verify=verify))
+                               dict(deadline_s=deadline_s, policy=policy, backend=backend, verify=verify,
+                                    retry_after=retry_after))
         if not requests:
             self._soon.append(lambda: on_done([]))
         gathering.start()
@@ -379,7 +394,24 @@ class Calls:
             log.debug("reply.late", endpoint=endpoint, kind=reply.kind)
             return
         body = reply.body
+        if isinstance(body, Error) and self._again_later(call, body):
+            return
         self._finish(call, RemoteError(body, call.endpoint) if isinstance(body, Error) else reply)
+
+    def _again_later(self, call: _Call, error: Error) -> bool:
+        """Whether ``call`` (made with ``retry_after``) is sent again ``error.retry_after_s`` from now, before
+        its deadline, instead of ending with ``error``: the server changed nothing and did not cache it, so the
+        same frames run the request again."""
+        now = _now()
+        due = now + error.retry_after_s
+        if not call.retry_after or error.retry_after_s <= 0 or due >= call.attempts.deadline:
+            return False
+        log.info("request.retry_after", kind=call.kind, endpoint=call.endpoint, code=error.code,
+                 retry_after_s=error.retry_after_s)
+        call.attempts.start_over()
+        call.due = due  # the policy's next resend, already queued, is skipped as stale
+        heapq.heappush(self._due, (due, next(self._order), call.msg_id))
+        return True
 
     def _forget(self, call: _Call) -> None:
         endpoint = call.endpoint

@@ -114,9 +114,10 @@ class Attempts:
     """When one request is (re)sent and when it is given up: the policy's attempts, none after ``deadline``
     (absolute, monotonic); the last attempt waits until the deadline."""
 
-    __slots__ = ("_timeouts", "deadline", "sent")
+    __slots__ = ("_policy", "_timeouts", "deadline", "sent")
 
     def __init__(self, policy: RetryPolicy, deadline_s: float | None, now: float) -> None:
+        self._policy = policy
         self._timeouts = iter(policy.timeouts())
         self.deadline = now + (policy.deadline_s if deadline_s is None else deadline_s)
         self.sent = 0
@@ -131,6 +132,11 @@ class Attempts:
             return False, self.deadline
         self.sent += 1
         return True, min(now + timeout, self.deadline)
+
+    def start_over(self) -> None:
+        """The server asked for the request again later (``retry_after_s``): the next :meth:`next` sends, the
+        policy's attempts starting over; the deadline stays."""
+        self._timeouts = iter(self._policy.timeouts())
 
 
 class RequestTimeout(TimeoutError):

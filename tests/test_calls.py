@@ -207,6 +207,33 @@ def test_retries_resend_the_same_id_then_the_reply_resolves(caller: NodeRuntime,
     assert len(done.outcomes["call"]) == 1
 
 
+def test_an_error_saying_retry_after_is_sent_again_after_it_within_the_deadline_when_asked(
+        caller: NodeRuntime, peers: Any) -> None:
+    """A call made with ``retry_after`` answered an error with ``retry_after_s`` > 0 (its server changed nothing)
+    is sent again, the same id, that long after, even when its policy had no attempt left, and ends with the
+    reply to that; one whose deadline comes first, or made without ``retry_after``, ends with the error."""
+    peer = peers()
+    done = Recorder()
+    later = Error("journal-failed", "no room for now", "delete", retry_after_s=0.05)
+    again = caller.calls.request(peer.endpoint, DELETE, done("again"), policy=SEND_ONCE, deadline_s=60.0,
+                                 retry_after=True)
+    plain = caller.calls.request(peer.endpoint, DELETE, done("plain"), policy=SEND_ONCE, deadline_s=60.0)
+    short = caller.calls.request(peer.endpoint, DELETE, done("short"), policy=SEND_ONCE, deadline_s=WAIT_S,
+                                 retry_after=True)
+    wait_received(caller, peer, 3)
+    for msg_id in (again, plain):
+        peer.answer(msg_id, later)
+    peer.answer(short, Error("journal-failed", "no room for now", "delete", retry_after_s=2 * WAIT_S))
+    pump(caller, lambda: done.resolved("plain", "short"), "the errors given up")
+    assert [error.code for error in (done.one("plain"), done.one("short"))] == ["journal-failed"] * 2
+    wait_received(caller, peer, 4)
+    assert peer.ids()[3] == again and not done.outcomes["again"]
+    peer.answer(again, Ok(detail="room again"))
+    pump(caller, lambda: done.resolved("again"), "the reply to the request sent again")
+    assert done.one("again").body == Ok(detail="room again")
+    assert caller.calls.in_flight() == 0
+
+
 def test_timeout_comes_at_the_deadline_after_every_attempt(caller: NodeRuntime, peers: Any) -> None:
     """Each call ends at its own deadline, shown by the order of the outcomes (calls are due in deadline order,
     however late the loop turns), and a call whose every attempt has timed out still takes a reply that comes

@@ -7,6 +7,7 @@ once the run ends."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -25,9 +26,10 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
-from refbus.nodes.settings import OrchestratorSettings
+from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings, StoreSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
@@ -607,3 +609,105 @@ def test_changes_a_full_tmpfs_cannot_journal_change_nothing_and_go_through_once_
         ctx.destroy(linger=0)
         keeper.kill()
         keeper.wait(timeout=WAIT_S)
+
+
+class _FullOnce:
+    """A durable env server's journal whose next commit of each record kind in ``full`` fails as on a full
+    tmpfs (``ENOSPC``), once: the request is answered ``journal-failed`` with ``retry_after_s``, and the same
+    request sent again finds room."""
+
+    def __init__(self, env: EnvServer, *full: str) -> None:
+        assert env.journal is not None
+        self.commit = env.journal.store.commit
+        self.full = set(full)
+        self.failed: list[str] = []
+        env.journal.store.commit = self
+
+    def __call__(self, record: dict) -> None:
+        if record.get("op") in self.full:
+            self.full.discard(record["op"])
+            self.failed.append(record["op"])
+            raise OSError(errno.ENOSPC, "No space left on device (a full tmpfs, for a moment)")
+        self.commit(record)
+
+
+def _durable_env(control: str, tmp_path: Path, node_id: str) -> tuple[NodeRuntime, EnvServer]:
+    runtime = _node(control, node_id, "env-server")
+    env = EnvServer(runtime, EnvServerSettings(source=node_id), store=StoreSettings(
+        durable=True, directory=str(tmp_path / "shm")), run=node_id)
+    return runtime, env
+
+
+def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through_once_there_is_room(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """The orchestrator claims a malformed episode's blob and deletes it at once (``malformed``) on a durable
+    store whose journal cannot take the claim, then the delete, the first time (a full tmpfs): each is answered
+    ``journal-failed`` with ``retry_after_s``, sent again after it and goes through; nothing is missing, nothing
+    failed, no violation. Before, both were given up: the claim lost the sample and the blob stayed unclaimed,
+    or a failed delete left it held by the orchestrator until it was gone."""
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-jo")
+    full = _FullOnce(env, "claim", "drop")
+    runtime = _node(control, "orchestrator", "orchestrator")
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    env_runtime.start_background()
+    runtime.start_background()
+    try:
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        info = {"group": "g", "reward": 1.0, "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 1], "ref": 0}]}
+        env.keep("bad", [random_arrays(6, seed=3, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)],
+                 info=info)
+        wait_for(lambda: env.stats().deleted.get("malformed"), WAIT_S, "the malformed episode's blob deleted")
+        assert full.failed == ["claim", "drop"]
+        assert (orchestrator.claimed, orchestrator.missing, orchestrator.failed_deletes) == (1, 0, 0)
+        stats = env.stats()
+        assert (stats.deleted, stats.blobs_held, dict(env.keeper._held_by)) == ({"malformed": 1}, 0, {})
+        ctx = zmq.Context()
+        try:
+            assert accounted(_client(ctx, env.endpoint)).violations == {}
+        finally:
+            ctx.destroy(linger=0)
+    finally:
+        runtime.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+
+
+def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_there_is_room(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """A trainer rank deletes a blob it holds on a durable store whose journal cannot take the delete the first
+    time (a full tmpfs): answered ``journal-failed`` with ``retry_after_s``, the delete is sent again after it and
+    deletes the blob once, no violation. Before, the rank gave it up (``failed``) and the store held the blob
+    for the rank until the rank was gone."""
+    import torch.distributed as dist
+    from refbus.nodes.payload.trainer_rank import TrainerRank
+    from refbus.nodes.settings import TrainerSettings
+
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-jt")
+    env_runtime.start_background()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    rank_runtime = _node(control, "trainer-j")
+    try:
+        rank = TrainerRank(rank_runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S), restart_grace_s=WAIT_S)
+        rank_runtime.start_background()
+        ref = env.keep("ep", [random_arrays(6, seed=4, layers=2, top_k=2, k=2, max_count=2,
+                                            routing_dtype=np.uint8)])[0]
+        ctx = zmq.Context()
+        try:
+            client = _client(ctx, env.endpoint)
+            assert client.request(Claim(blob_ids=[ref.blob_id], holder="trainer-j")).body == \
+                Claimed(blob_ids=[ref.blob_id])
+            wait_for(lambda: "env-jt" in rank._peers.live, WAIT_S, "the rank knowing env-jt")
+            full = _FullOnce(env, "drop")
+            release = rank._on_loop(lambda done: rank._delete({ref.blob_id: ref}, {ref.blob_id: "trained"}, done))
+            assert full.failed == ["drop"]
+            assert (release.deleted, release.failed, release.violations) == ((ref.blob_id,), (), ())
+            account = accounted(client)
+            assert (account.held_by, account.deleted, account.violations) == ({}, {"trained": 1}, {})
+        finally:
+            ctx.destroy(linger=0)
+    finally:
+        rank_runtime.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+        dist.destroy_process_group()

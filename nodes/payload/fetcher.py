@@ -326,7 +326,8 @@ class StepFetcher:
         # Frames are not checksummed on decode: every blob is verified against its BlobRef in finish(), which
         # also proves it is what the env server hashed at keep time.
         options: dict[str, Any] = {"window": self.settings.window, "policy": self.settings.policy,
-                                   "backend": "numpy", "verify": False}
+                                   "backend": "numpy", "verify": False,
+                                   "retry_after": True}
         if self._restarts is None:
             self._calls.gather(requests, lambda outcomes: done(list(zip(requests, outcomes, strict=True))),
                                **options)

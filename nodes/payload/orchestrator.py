@@ -314,7 +314,7 @@ class Orchestrator:
 
         arrival.claims_pending = 1
         self._restarts.gather(self.runtime.calls, claims(refs), lambda sent: self._on_claimed(arrival, refs, sent),
-                              again=again, relocate=relocate)
+                              again=again, relocate=relocate, retry_after=True)
 
     def _on_claimed(self, arrival: _Arrival, refs: Mapping[str, BlobRef], sent: list[Sent[Claim]]) -> None:
         replies, failures = split_outcomes(sent)
@@ -401,7 +401,8 @@ class Orchestrator:
                 self._recovery.claims_pending += 1
                 claim = Claim(blob_ids=[r.blob_id for _, refs in wanted for r in refs], holder=self.runtime.node_id)
                 self.runtime.calls.request(endpoint, claim,
-                                           lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome))
+                                           lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome),
+                                           retry_after=True)
         self._recovery_done()
 
     def _on_reclaimed(self, endpoint: str, wanted: Sequence[tuple[EpisodeFinished, list[BlobRef]]],
@@ -552,7 +553,9 @@ class Orchestrator:
         reply cache, so it never deletes twice) is sent again until a live store answers, within
         ``busy_store_s``; a store reported down meanwhile ends it at once (the delete then waits for the store,
         keeping its request id, see :meth:`_on_deleted`). One that waited so (``action.request_id``) goes out
-        whole under that id, to where its store is now: its store may have carried it out already."""
+        whole under that id, to where its store is now: its store may have carried it out already. One answered
+        with ``retry_after_s`` (the store could not journal it: nothing changed) is sent again after it, within
+        ``busy_store_s`` (``retry_after``), as are every claim of this node."""
         if action.request_id:
             groups = {self._locate(action.refs[0]): list(action.refs)}  # the core parked it with one store
         else:
@@ -565,7 +568,8 @@ class Orchestrator:
             self.runtime.calls.request(
                 endpoint, request,
                 lambda outcome, e=endpoint, r=request, rs=refs, i=msg_id: self._on_deleted(e, r, outcome, rs, i),
-                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s, msg_id=msg_id)
+                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s, msg_id=msg_id,
+                retry_after=True)
 
     def _claim_again(self, action: ClaimAgain, *, fresh: bool = False) -> None:
         """Claim ``action.refs`` again, one request per store, sent again (the same request) until a live store
@@ -578,7 +582,7 @@ class Orchestrator:
             claim = Claim(blob_ids=[r.blob_id for r in refs], holder=self.runtime.node_id)
             self.runtime.calls.request(
                 endpoint, claim, lambda outcome, e=endpoint, rs=refs: self._on_claimed_again(e, rs, outcome, fresh),
-                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s)
+                policy=self._settle_policy, deadline_s=self.core.deadlines.busy_store_s, retry_after=True)
 
     def _on_claimed_again(self, endpoint: str, refs: Sequence[BlobRef], outcome: Outcome, fresh: bool) -> None:
         self._claiming_again -= 1

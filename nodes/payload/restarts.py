@@ -7,7 +7,9 @@ lost: :class:`StoreRestarts` sends it again, re-located to where the store's nod
 ``node.restart_grace_s`` after it was first sent. Fetches (trainer ranks) and claims (the orchestrator) are
 answered the same however often they arrive (a claim repeated by its holder is ``already``), so they are
 sent again to any process; a delete (trainer ranks) only to another process than the one it went to, which
-answers what its predecessor had committed as done (``repeated``).
+answers what its predecessor had committed as done (``repeated``). A request its store answered with
+``retry_after_s`` (nothing changed) is not this module's: callers ask ``calls`` to send it again
+(``retry_after``), to the same process, within the request's deadline.
 
 No torch here: the orchestrator uses it.
 """

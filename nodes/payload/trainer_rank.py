@@ -577,7 +577,8 @@ class TrainerRank:
         process to serve the store, then is sent there, re-located, until ``node.restart_grace_s`` after the
         first (:class:`StoreRestarts`); that process answers a delete its predecessor had committed as done
         (``repeated``). Never again to the process it went to: that one may have deleted them already, and a
-        second delete is a violation."""
+        second delete is a violation. A delete the store answered with ``retry_after_s`` (it could not journal
+        it: nothing changed) is the exception, sent again, the same request, by ``calls`` (``retry_after``)."""
         started = time.monotonic()
         sent_to: dict[str, tuple[str, int, float] | None] = {}  # store node -> the process its deletes went to
 
@@ -609,7 +610,7 @@ class TrainerRank:
 
         self._restarts.gather(self.runtime.calls, requests(reasons), lambda sent: done(self._released(sent)),
                               again=again, relocate=relocate, window=self.fetch_settings.window,
-                              policy=self.fetch_settings.policy)
+                              policy=self.fetch_settings.policy, retry_after=True)
 
     def _process(self, node: str) -> tuple[str, int, float] | None:
         """The process serving ``node`` as this rank last heard (live or down; None: none known)."""
