@@ -67,13 +67,18 @@ def test_round_trip_is_bit_exact_and_training_goes_on_identically(tmp_path: Path
 
     restored, restored_optimizer = _trained(7, 0)  # other weights, an empty optimizer state
     checkpoint.load(tmp_path, 1, 3, restored, restored_optimizer)
-    _assert_same_state(model.state_dict(), restored.state_dict())
-    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())
+    _assert_restored_and_trains_on_alike((model, optimizer), (restored, restored_optimizer))
 
-    _update(model, optimizer)
-    _update(restored, restored_optimizer)
-    _assert_same_state(model.state_dict(), restored.state_dict())
-    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())
+
+def _assert_restored_and_trains_on_alike(saved: tuple[torch.nn.Module, torch.optim.Optimizer],
+                                         restored: tuple[torch.nn.Module, torch.optim.Optimizer]) -> None:
+    """``restored`` (just loaded) holds what ``saved`` held, bit for bit, and stays so over one more step each."""
+    for stepped in (False, True):
+        if stepped:
+            _update(*saved)
+            _update(*restored)
+        _assert_same_state(saved[0].state_dict(), restored[0].state_dict())
+        _assert_same_state(saved[1].state_dict(), restored[1].state_dict())  # dtypes as saved
 
 
 def test_older_checkpoints_are_pruned_and_ranks_are_kept_apart(tmp_path: Path) -> None:
@@ -158,13 +163,7 @@ def test_optimizer_state_of_another_dtype_than_its_parameters_comes_back_as_save
     checkpoint.save(tmp_path, 0, 3, model, optimizer)
     restored, restored_optimizer = _bf16_trained(7, 0)  # other weights, an empty optimizer state
     checkpoint.load(tmp_path, 0, 3, restored, restored_optimizer)
-    _assert_same_state(model.state_dict(), restored.state_dict())
-    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())  # bfloat16, as saved
-
-    _update(model, optimizer)
-    _update(restored, restored_optimizer)
-    _assert_same_state(model.state_dict(), restored.state_dict())
-    _assert_same_state(optimizer.state_dict(), restored_optimizer.state_dict())
+    _assert_restored_and_trains_on_alike((model, optimizer), (restored, restored_optimizer))  # bfloat16, as saved
 
 
 def test_a_write_below_the_newest_removes_the_files_above_it(tmp_path: Path) -> None:
