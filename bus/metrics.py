@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -22,7 +23,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .sockets import AddressInUse
+from .sockets import BIND_ERRNOS, AddressInUse, CannotBind
 
 Readings = Mapping[tuple[str, ...], float]
 
@@ -115,7 +116,8 @@ def serve_metrics(
     host: str, port: int, registry: CollectorRegistry = REGISTRY, routes: Mapping[str, Route] = ROUTES
 ) -> tuple[str, Callable[[], None]]:
     """Start the metrics endpoint in a daemon thread; returns its URL (``.../metrics``) and a function that
-    stops it. Raises :class:`~.sockets.AddressInUse` when another process holds ``port``.
+    stops it. Raises :class:`~.sockets.AddressInUse` when another process holds ``port``,
+    :class:`~.sockets.CannotBind` when ``host`` does not resolve or is not this machine's.
 
     Every path answers with ``registry``'s metrics (as prometheus_client's own server does), except the
     paths of ``routes``, which answer with their route's value as JSON. prometheus_client's server polls for
@@ -124,9 +126,13 @@ def serve_metrics(
     app = _with_routes(make_wsgi_app(registry), routes)
     try:
         server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    except socket.gaierror as exc:  # a host name that does not resolve
+        raise CannotBind(f"http://{host}:{port}", f"{host!r} does not resolve ({exc.strerror})") from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise AddressInUse(f"http://{host}:{port}") from None
+        if exc.errno in BIND_ERRNOS:
+            raise CannotBind(f"http://{host}:{port}", exc.strerror or str(exc)) from None
         raise
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                               name="metrics")

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import re
@@ -63,13 +64,26 @@ DEFAULT_OPTIONS = SocketOptions()
 EVENT_OPTIONS = SocketOptions(sndhwm=EVENT_HWM, rcvhwm=EVENT_HWM)
 
 
-class AddressInUse(RuntimeError):
-    """A bind (a socket's, or the metrics endpoint's) to an address another process holds: a second cluster on
-    the same ports, most often. The message says so and what to change."""
+class CannotBind(RuntimeError):
+    """A bind (a socket's, or the metrics endpoint's) the operating system refused: the message names the address
+    and why (a host that is not one of this machine's, a name that does not resolve, an ipc path this user may
+    not create)."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(f"cannot bind {address}: {why}")
+
+
+# Why a bind fails that only the configuration can cure: a message, not a traceback.
+BIND_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EACCES, errno.ENOENT, errno.ENODEV, errno.EPERM})
+
+
+class AddressInUse(CannotBind):
+    """A bind to an address another process holds: a second cluster on the same ports, most often. The message
+    says so and what to change."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(f"cannot bind {address}: another process holds that address (another refbus cluster on "
-                         "this host? give this one other ports in its config)")
+        super().__init__(address, "another process holds that address (another refbus cluster on this host? give "
+                         "this one other ports in its config)")
 
 
 def make_socket(
@@ -81,7 +95,8 @@ def make_socket(
     options: SocketOptions = DEFAULT_OPTIONS,
 ) -> zmq.Socket:
     """A socket with refbus's options, bound or connected. The caller owns and closes it. Raises
-    :class:`AddressInUse` for a bind to an address another process holds."""
+    :class:`AddressInUse` for a bind to an address another process holds, :class:`CannotBind` for one the
+    operating system refuses for a reason only the configuration can cure (:data:`BIND_ERRNOS`)."""
     sock = ctx.socket(socket_type)
     sock.linger = 0
     sock.sndhwm = options.sndhwm
@@ -103,6 +118,8 @@ def make_socket(
         sock.close()
         if bind is not None and exc.errno == zmq.EADDRINUSE:
             raise AddressInUse(bind) from None
+        if bind is not None and exc.errno in BIND_ERRNOS:
+            raise CannotBind(bind, exc.strerror) from None
         raise
     return sock
 

@@ -18,7 +18,7 @@ from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
 from ..bus.security import SecurityError, generate
-from ..bus.sockets import AddressInUse
+from ..bus.sockets import CannotBind
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 
 DESCRIPTION = """\
@@ -333,7 +333,7 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (BusUnavailable, SecurityError, AddressInUse) as exc:
+    except (BusUnavailable, SecurityError, CannotBind) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
     except ConfigError as exc:

@@ -325,3 +325,23 @@ def test_a_broker_whose_port_another_process_holds_says_so_and_exits_1(tmp_path:
     assert result.returncode == 1, result.stderr
     assert f"refbus: cannot bind {taken}: another process holds that address" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+NOT_THIS_MACHINE = "198.51.100.7"  # TEST-NET-2: no interface of this machine has it, so a bind is refused at once
+
+
+@pytest.mark.parametrize("bound", ["control", "metrics"])
+def test_a_broker_given_an_address_not_of_this_machine_says_so_and_exits_1(tmp_path: Path, bound: str) -> None:
+    """A config naming a host that is not this machine's (a copied config, a wrong interface): the broker names
+    the address and why, with no traceback (before: a ZeroMQ or socketserver traceback ending in "Cannot assign
+    requested address"). Nothing is sent anywhere: the bind fails before any traffic."""
+    taken, flags = (f"tcp://{NOT_THIS_MACHINE}:0", ["--bus-control", f"tcp://{NOT_THIS_MACHINE}:0",
+                                                   "--bus-metrics-port", "0"]) if bound == "control" else \
+        (f"http://{NOT_THIS_MACHINE}:0", ["--bus-control", "tcp://127.0.0.1:0", "--bus-metrics-port", "0",
+                                          "--node-metrics-host", NOT_THIS_MACHINE])
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "node", "bus", *flags, "--security-insecure",
+                             "true", "--bus-events-in", "tcp://127.0.0.1:0", "--bus-events-out", "tcp://127.0.0.1:0"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert f"refbus: cannot bind {taken}: Cannot assign requested address" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

@@ -25,8 +25,9 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import Ledger
+from refbus.nodes.payload.charges import PAGE_BYTES, blob_charge, info_charge
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.keeper import PAGE_BYTES, blob_charge, blob_checksum, info_charge
+from refbus.nodes.payload.keeper import blob_checksum
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec, describe, incarnation
 from refbus.protocol.messages import (

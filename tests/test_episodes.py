@@ -20,9 +20,10 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.charges import blob_charge
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.episodes import EpisodeRunner
-from refbus.nodes.payload.keeper import blob_charge, pack_branches
+from refbus.nodes.payload.keeper import pack_branches
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Generate, Generated, Ok, Run

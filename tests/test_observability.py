@@ -28,7 +28,7 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
-from refbus.nodes.payload.keeper import blob_charge, info_charge
+from refbus.nodes.payload.charges import blob_charge, info_charge
 from refbus.nodes.top import rows
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Blobs, Fetch, Hello, Keep, Kept, NodeInfo, Nodes, Replay, Sync

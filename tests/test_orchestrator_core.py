@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 import pytest
-from refbus.nodes.payload.keeper import Keeper, KeepError, episode_charge, info_charge, pack_branches
+from refbus.nodes.payload.charges import episode_charge, info_charge
+from refbus.nodes.payload.keeper import Keeper, KeepError, pack_branches
 from refbus.nodes.payload.orchestrator_core import (
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,

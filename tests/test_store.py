@@ -23,8 +23,9 @@ import pytest
 from branches import random_arrays
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
+from refbus.nodes.payload.charges import info_charge
 from refbus.nodes.payload.env_server import EnvServer
-from refbus.nodes.payload.keeper import LOST, DeleteResult, Keeper, KeepError, info_charge, pack_branches
+from refbus.nodes.payload.keeper import LOST, DeleteResult, Keeper, KeepError, pack_branches
 from refbus.nodes.ps.shard_journal import ShardJournal
 from refbus.nodes.ps.shm import SegmentPool
 from refbus.nodes.settings import EnvServerSettings, StoreSettings

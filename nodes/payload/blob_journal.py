@@ -61,7 +61,8 @@ import numpy as np
 
 from ...protocol.messages import EpisodeFinished, Violation
 from ..store.durable import DurableStore, Segment, StoreFull
-from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch, blob_charge
+from .charges import blob_charge
+from .keeper import LOST, RETRY_AFTER_S, DeleteResult, Keeper, KeepError, PackedBranch
 
 # A grace a restarted store resumes is never shorter than this share of a whole one. The holder's restarted
 # incarnation may have tried to claim back while this store was dead, and those claims failed: it sends them
@@ -149,7 +150,7 @@ class BlobJournal:
 
     def kept(self, record: EpisodeFinished, packed: Sequence[PackedBranch], charge: int) -> None:
         """An episode kept: its blobs (``record.refs``, viewing ``packed``) and its record, charged ``charge``
-        against the budget (:func:`~.keeper.info_charge` of its ``info`` as it came), in one commit."""
+        against the budget (:func:`~.charges.info_charge` of its ``info`` as it came), in one commit."""
         layouts = [_layout(ref.blob_id, branch) for ref, branch in zip(record.refs, packed, strict=True)]
         self.store.commit(_keep(record.episode_id, layouts, record, charge))
         self._layouts.update((layout["id"], layout) for layout in layouts)

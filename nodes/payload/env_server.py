@@ -71,8 +71,8 @@ orchestrator finds every replica of a source with a ``nodes`` request. Heartbeat
 ``env_server.high_water`` on).
 
 Backpressure: the budget (``env_server.budget_bytes``) is never exceeded and nothing is evicted. It is charged
-what a blob costs, not only its array bytes (:func:`~.keeper.blob_charge`: whole pages, at least one, plus a
-per-blob overhead), and each episode's ``info`` (:func:`~.keeper.info_charge`) for as long as a blob of the
+what a blob costs, not only its array bytes (:func:`~.charges.blob_charge`: whole pages, at least one, plus a
+per-blob overhead), and each episode's ``info`` (:func:`~.charges.info_charge`) for as long as a blob of the
 episode lives, so many tiny blobs or a large ``info`` meet ``over-budget`` like any other keep. With a durable
 store the live blobs are also capped under the process's mapping limit (one segment mapped per blob:
 :func:`~refbus.nodes.store.durable.segment_limit`), refused ``over-budget`` (too many blobs) beyond it, before
@@ -140,6 +140,7 @@ from ..settings import EnvServerSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError, segment_limit
 from .blob_journal import BlobJournal, Readoption, resumed_grace
 from .branch import Branch
+from .charges import info_charge
 from .episodes import EpisodeRunner
 from .keeper import (
     DISCARDED,
@@ -157,7 +158,6 @@ from .keeper import (
     KeepError,
     KeeperStats,
     PackedBranch,
-    info_charge,
     pack_branches,
 )
 from .violations import summarize

@@ -44,21 +44,20 @@ This module imports numpy and the protocol's types only. Env servers import it; 
 
 from __future__ import annotations
 
-import mmap
 import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgspec
 import numpy as np
 
 from ...protocol.codec import Hashed, checksum
 from ...protocol.envelope import MessageIds
 from ...protocol.messages import BlobRef, EpisodeFinished, Violation
 from .branch import Branch, BranchError
+from .charges import BLOB_OVERHEAD_BYTES, blob_charge, info_charge
 
 UNDELIVERED = "undelivered"
 SHUTDOWN = "shutdown"
@@ -97,49 +96,6 @@ def blob_checksum(arrays: Mapping[str, np.ndarray], digests: Sequence[int] | Non
     """
     values = array_checksums(arrays) if digests is None else digests
     return checksum(struct.pack(f"<{len(values)}Q", *values))
-
-
-PAGE_BYTES = mmap.PAGESIZE
-BLOB_OVERHEAD_BYTES = 4096
-"""What each blob costs beyond its pages, charged against the budget: the process memory of its entries, its
-reference and (with a durable store) its mapping, about 3 KiB measured, and a segment header that may take
-another page."""
-
-
-def blob_charge(nbytes: int) -> int:
-    """What a blob of ``nbytes`` array bytes is charged against the budget: its bytes in whole pages (at least
-    one: a durable store's segment is a tmpfs file and a mapping, whole pages each) plus
-    :data:`BLOB_OVERHEAD_BYTES`. So a store of tiny blobs is refused ``over-budget`` at its budget, long before
-    their true cost would exhaust its memory or its mappings."""
-    return max(1, -(-nbytes // PAGE_BYTES)) * PAGE_BYTES + BLOB_OVERHEAD_BYTES
-
-
-def info_charge(info: Mapping[str, Any]) -> int:
-    """What an episode's ``info`` is charged against the budget while its record is held (with its episode's
-    blobs): its msgpack encoding with arrays (and numpy scalars) as lists, as a durable store journals it, plus
-    the bytes of those arrays, held in memory as they came. One encode, with no copy kept.
-
-    Raises:
-        TypeError, ValueError, NotImplementedError: ``info`` holds what msgpack cannot encode."""
-    if not info:
-        return 0
-    arrays = 0
-
-    def plain(obj: Any) -> Any:
-        nonlocal arrays
-        if isinstance(obj, np.ndarray | np.generic):
-            arrays += obj.nbytes
-            return obj.tolist()
-        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-    return len(msgspec.msgpack.encode(info, enc_hook=plain)) + arrays
-
-
-def episode_charge(episode: EpisodeFinished) -> int:
-    """What ``episode``'s store charged its budget for it while its blobs live: each ref's :func:`blob_charge`
-    plus its ``info``'s :func:`info_charge`. An episode's ``episode-finished`` record came as msgpack, so its
-    ``info`` encodes."""
-    return sum(blob_charge(ref.nbytes) for ref in episode.refs) + info_charge(episode.info)
 
 
 R = TypeVar("R")
@@ -371,10 +327,10 @@ class _Tombstone:
 class Keeper:
     """Kept blobs of one env server (``source``, serving at ``endpoint``) and the exactly-once rules.
 
-    ``budget_bytes`` caps the bytes charged (:attr:`bytes_held`): each blob's :func:`blob_charge` and each held
-    episode record's :func:`info_charge`; a keep beyond it fails and nothing is ever evicted. ``max_blobs`` (None:
-    no cap) caps the live blobs: a durable store maps one segment per blob, and a process has a limited number of
-    mappings (:func:`~refbus.nodes.store.durable.segment_limit`).
+    ``budget_bytes`` caps the bytes charged (:attr:`bytes_held`): each blob's :func:`~.charges.blob_charge` and
+    each held episode record's :func:`~.charges.info_charge`; a keep beyond it fails and nothing is ever evicted.
+    ``max_blobs`` (None: no cap) caps the live blobs: a durable store maps one segment per blob, and a process has
+    a limited number of mappings (:func:`~refbus.nodes.store.durable.segment_limit`).
     ``handover_lease_s`` is how long a blob may stay unclaimed before :meth:`expire` deletes it.
     ``clock`` (monotonic seconds) stamps keeps; tests inject their own. Blob ids are a random per-keeper
     prefix plus a counter, so a restarted env server never reissues an id. Deleted ids are remembered for
@@ -488,8 +444,8 @@ class Keeper:
 
     def store(self, episode_id: str, packed: Sequence[PackedBranch], record_bytes: int = 0) -> list[BlobRef]:
         """Keep already packed branches (the keeper takes their buffers); one reference per branch.
-        ``record_bytes``: the charge of the record :meth:`record` files next (its :func:`info_charge`), held with
-        the episode's blobs.
+        ``record_bytes``: the charge of the record :meth:`record` files next (its :func:`~.charges.info_charge`),
+        held with the episode's blobs.
 
         Raises:
             KeepError: see :meth:`check`. Nothing is kept.
@@ -544,7 +500,7 @@ class Keeper:
 
     def restore_record(self, record: EpisodeFinished, charge: int | None) -> None:
         """:meth:`record` for a record an earlier process of this store filed (its blobs restored), charged what
-        :meth:`store` charged it then (None: not known, its :func:`info_charge` as it is now)."""
+        :meth:`store` charged it then (None: not known, its :func:`~.charges.info_charge` as it is now)."""
         if record.episode_id in self._episodes:
             charge = info_charge(record.info) if charge is None else charge
             self._bytes_held += charge - self._record_charges.get(record.episode_id, 0)

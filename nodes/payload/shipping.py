@@ -35,7 +35,7 @@ from ...protocol.messages import (
     SampleSlice,
     StepBatch,
 )
-from .keeper import episode_charge
+from .charges import episode_charge
 from .packing import MicroBatch, PackingError, PackPlan, SampleInfo, pack
 
 log = structlog.get_logger(__name__)
@@ -373,7 +373,7 @@ class ReplicaRouter:
     at the mean charge of the episodes seen so far), stays under its high-water mark (``budget_bytes`` times
     ``high_water`` from its heartbeat status). What it holds comes from the registry (read every second or
     so) plus the episodes it kept since (:meth:`kept`), so a burst of runs finishing between two reads
-    cannot overfill it. Episodes are counted at what the store charges for them (:func:`~.keeper.episode_charge`:
+    cannot overfill it. Episodes are counted at what the store charges for them (:func:`~.charges.episode_charge`:
     whole pages and a per-blob overhead, and the info), the unit of its ``bytes_held`` and budget: their raw
     array bytes would admit far more small episodes than fit. A replica that publishes no budget always has
     room, unless its status says ``full``.
@@ -405,7 +405,7 @@ class ReplicaRouter:
 
     def kept(self, episode: EpisodeFinished) -> None:
         """``episode`` was kept at its first ref's endpoint (none: nothing was kept): that store holds its
-        :func:`~.keeper.episode_charge` more until the next registry read."""
+        :func:`~.charges.episode_charge` more until the next registry read."""
         if not episode.refs:
             return
         endpoint, charge = episode.refs[0].endpoint, episode_charge(episode)
