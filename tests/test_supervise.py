@@ -37,7 +37,7 @@ QUICK = [*FAST_LIVENESS, "--node-shutdown-timeout-s", str(SHUTDOWN_S), "--reques
          "--orchestrator-seq-len", "16"]
 # Stores of this budget (to their high-water marks) hold less than one step's episodes while a first training
 # step that stalls this long lets rollouts run ahead: the orchestrator has to pause on full stores.
-SMALL_BUDGET = 96 << 10  # each blob is charged at least two pages (blob_charge)
+SMALL_BUDGET = 348 << 10  # about 43 of this run's episodes, each one blob of ~376 bytes charged ~8.1 KiB (charges)
 STALL_S = 3.0
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 
