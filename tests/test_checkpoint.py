@@ -101,33 +101,35 @@ def test_a_checkpoint_of_other_dtypes_is_refused_naming_the_tensor_and_changes_n
     model, optimizer = _trained(0, 2)
     checkpoint.save(tmp_path, 0, 2, model.double(), optimizer)  # weights float64, Adam's state still float32
     target, target_optimizer = _trained(1, 1)
-    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match=r"model/\S+ is torch.float64 .*needs torch.float32"):
-        checkpoint.load(tmp_path, 0, 2, target, target_optimizer)
-    _assert_same_state(weights, target.state_dict())
-    _assert_same_state(state, target_optimizer.state_dict())
+    _assert_refused_unchanged(tmp_path, 2, target, target_optimizer,
+                              r"model/\S+ is torch.float64 .*needs torch.float32")
 
     model, optimizer = _bf16_trained(0, 2)
     checkpoint.save(tmp_path, 0, 4, model, optimizer)
     target, target_optimizer = _bf16_trained(1, 1)
     for held in target_optimizer.state.values():  # an optimizer holding float32 state already
         held["buf"] = held["buf"].float()
-    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match=r"optim/0/buf is torch.bfloat16 .*holds torch.float32"):
-        checkpoint.load(tmp_path, 0, 4, target, target_optimizer)
-    _assert_same_state(weights, target.state_dict())
-    _assert_same_state(state, target_optimizer.state_dict())
+    _assert_refused_unchanged(tmp_path, 4, target, target_optimizer,
+                              r"optim/0/buf is torch.bfloat16 .*holds torch.float32")
 
     # Its parameters in another order: the file's state for the first weight would land on the last bias.
     target, _ = _bf16_trained(1, 0)
     target_optimizer = Bf16MomentSGD(list(target.parameters())[::-1])
     _update(target, target_optimizer)
-    weights, state = (copy.deepcopy(target.state_dict()), copy.deepcopy(target_optimizer.state_dict()))
-    with pytest.raises(checkpoint.CheckpointError, match=r"optim/\d+/buf is torch.bfloat16 \(\d+, \d+\), this "
-                       r"optimizer holds torch.bfloat16 \(\d+,\)"):
-        checkpoint.load(tmp_path, 0, 4, target, target_optimizer)
-    _assert_same_state(weights, target.state_dict())
-    _assert_same_state(state, target_optimizer.state_dict())
+    _assert_refused_unchanged(tmp_path, 4, target, target_optimizer,
+                              r"optim/\d+/buf is torch.bfloat16 \(\d+, \d+\), this optimizer holds "
+                              r"torch.bfloat16 \(\d+,\)")
+
+
+def _assert_refused_unchanged(directory: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              match: str) -> None:
+    """Loading ``step`` into ``model`` and ``optimizer`` raises a CheckpointError matching ``match`` and leaves
+    both exactly as they were."""
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match=match):
+        checkpoint.load(directory, 0, step, model, optimizer)
+    _assert_same_state(weights, model.state_dict())
+    _assert_same_state(state, optimizer.state_dict())
 
 
 class Bf16MomentSGD(torch.optim.Optimizer):
