@@ -8,19 +8,17 @@ import pytest
 import xxhash
 from branches import random_arrays
 from refbus.nodes.payload.branch import Branch
+from refbus.nodes.payload.charges import PAGE_BYTES, blob_charge, info_charge
 from refbus.nodes.payload.keeper import (
     DISCARDED,
     HOLDER_DOWN,
-    PAGE_BYTES,
     RETRY_AFTER_S,
     SHUTDOWN,
     UNDELIVERED,
     Keeper,
     KeepError,
     array_checksums,
-    blob_charge,
     blob_checksum,
-    info_charge,
     pack_branches,
 )
 from refbus.protocol.codec import checksum
