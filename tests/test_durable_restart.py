@@ -41,8 +41,11 @@ from refbus.protocol.messages import (
     Discard,
     EpisodeFinished,
     Error,
+    Held,
+    HoldingsQuery,
     Keep,
     Kept,
+    NodeDown,
     Reference,
 )
 from test_supervise import QUICK
@@ -611,31 +614,43 @@ def test_changes_a_full_tmpfs_cannot_journal_change_nothing_and_go_through_once_
         keeper.wait(timeout=WAIT_S)
 
 
-class _FullOnce:
-    """A durable env server's journal whose next commit of each record kind in ``full`` fails as on a full
-    tmpfs (``ENOSPC``), once: the request is answered ``journal-failed`` with ``retry_after_s``, and the same
-    request sent again finds room."""
+class _Full:
+    """A durable env server's journal whose commits of the record kinds in ``full`` fail as on a full tmpfs
+    (``ENOSPC``): once each (the same request sent again finds room), or, not ``once``, until :meth:`room`.
+    ``failed``: the kinds refused, in order."""
 
-    def __init__(self, env: EnvServer, *full: str) -> None:
+    def __init__(self, env: EnvServer, *full: str, once: bool = True) -> None:
         assert env.journal is not None
         self.commit = env.journal.store.commit
         self.full = set(full)
+        self.once = once
         self.failed: list[str] = []
         env.journal.store.commit = self
 
     def __call__(self, record: dict) -> None:
         if record.get("op") in self.full:
-            self.full.discard(record["op"])
+            if self.once:
+                self.full.discard(record["op"])
             self.failed.append(record["op"])
             raise OSError(errno.ENOSPC, "No space left on device (a full tmpfs, for a moment)")
         self.commit(record)
 
+    def room(self) -> None:
+        self.full.clear()
 
-def _durable_env(control: str, tmp_path: Path, node_id: str) -> tuple[NodeRuntime, EnvServer]:
+
+def _durable_env(control: str, tmp_path: Path, node_id: str, grace_s: float = 10.0) -> tuple[NodeRuntime, EnvServer]:
     runtime = _node(control, node_id, "env-server")
-    env = EnvServer(runtime, EnvServerSettings(source=node_id), store=StoreSettings(
+    env = EnvServer(runtime, EnvServerSettings(source=node_id), restart_grace_s=grace_s, store=StoreSettings(
         durable=True, directory=str(tmp_path / "shm")), run=node_id)
     return runtime, env
+
+
+def _ops(env: EnvServer) -> list[str]:
+    """The kinds of the records committed to ``env``'s journal, in order."""
+    assert env.journal is not None
+    path = env.journal.store.path / "journal"
+    return [record["op"] for record in journal.replay(path.read_bytes(), str(path)).records]
 
 
 def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through_once_there_is_room(
@@ -647,7 +662,7 @@ def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through
     or a failed delete left it held by the orchestrator until it was gone."""
     control = bus[1]
     env_runtime, env = _durable_env(control, tmp_path, "env-jo")
-    full = _FullOnce(env, "claim", "drop")
+    full = _Full(env, "claim", "drop")
     runtime = _node(control, "orchestrator", "orchestrator")
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64))
@@ -699,7 +714,7 @@ def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_the
             assert client.request(Claim(blob_ids=[ref.blob_id], holder="trainer-j")).body == \
                 Claimed(blob_ids=[ref.blob_id])
             wait_for(lambda: "env-jt" in rank._peers.live, WAIT_S, "the rank knowing env-jt")
-            full = _FullOnce(env, "drop")
+            full = _Full(env, "drop")
             release = rank._on_loop(lambda done: rank._delete({ref.blob_id: ref}, {ref.blob_id: "trained"}, done))
             assert full.failed == ["drop"]
             assert (release.deleted, release.failed, release.violations) == ((ref.blob_id,), (), ())
@@ -711,3 +726,103 @@ def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_the
         rank_runtime.join(timeout=WAIT_S)
         env_runtime.join(timeout=WAIT_S)
         dist.destroy_process_group()
+
+
+def test_a_hand_over_its_store_could_not_journal_waits_and_is_made_before_its_ranks_down(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """A trainer rank takes over a blob the orchestrator claimed (its ``reference`` event) while its durable
+    store's journal cannot take the ``move`` (a full tmpfs), then goes down. The hand-over waits, nothing changed,
+    and the ``holdings`` a restarted orchestrator asks (to claim back and feed again what it held) is refused
+    ``journal-failed`` with ``retry_after_s`` meanwhile; the rank's down waits behind it. Once there is room the
+    hand-over is journaled and made, then the down, in that order: the blob is the rank's and is reclaimed
+    ``holder-down`` with it when its grace ends, and the orchestrator's holdings no longer list it. Before, the
+    event was logged and dropped: the blob stayed the orchestrator's, listed for its restart, and the rank's down
+    found it holding nothing."""
+    control, grace_s = bus[1], 0.5
+    env_runtime, env = _durable_env(control, tmp_path, "env-jr", grace_s)
+    rank = _node(control, "trainer-jr")
+    codec = WireCodec("orchestrator")
+    ctx = zmq.Context()
+    env_runtime.start_background()
+    rank.start_background()
+    try:
+        (ref,) = env.keep("ep", [random_arrays(6, seed=5)])
+        client = _client(ctx, env.endpoint)
+        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
+            Claimed(blob_ids=[ref.blob_id])
+        wait_for(lambda: "trainer-jr" in env._peers.live, WAIT_S, "the store knowing the rank")
+        full = _Full(env, "move", once=False)
+        rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jr", blob_ids=[ref.blob_id])))
+        wait_for(lambda: full.failed, WAIT_S, "the hand-over's journal write failing")
+        holdings = codec.encode(HoldingsQuery(holder="orchestrator"), msg_id=codec.new_id())
+        refused = _send(ctx, env.endpoint, codec, holdings)
+        assert isinstance(refused, Error) and refused.code == "journal-failed" and refused.retry_after_s > 0, refused
+        rank.join(timeout=WAIT_S)  # bye: the broker reports it down
+        wait_for(lambda: "trainer-jr" in env._peers.down, WAIT_S, "the rank's down reaching the store")
+        assert accounted(client).held_by == {"orchestrator": 1}
+        full.room()
+        wait_for(lambda: accounted(client).reclaimed == {"trainer-jr": 1}, 10 * grace_s, "the rank's blob reclaimed")
+        ops = _ops(env)
+        assert ops[ops.index("move"):] == ["move", "holder-down", "drop", "holder-settled"], ops
+        held = _send(ctx, env.endpoint, codec, holdings)  # the same request: an error answer is not cached
+        assert isinstance(held, Held) and held.episodes == [], held
+        client.close()
+    finally:
+        rank.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_a_holders_down_and_back_change_nothing_until_their_records_are_journaled(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """A durable store's journal cannot take a holder's ``holder-down`` (a full tmpfs): nothing changes (no grace
+    runs, nothing is reclaimed) until the record is committed at a later tick, then the grace runs and the blob is
+    reclaimed at its end. A holder reported down and back as the same process (slow, not dead) whose
+    ``holder-settled`` cannot be committed stays in its grace, nothing reclaimed meanwhile, until the record is in;
+    then it keeps its blob. Before, both changed memory first and then failed to journal: the grace ran and
+    reclaimed with no ``holder-down`` on record, and the return was never journaled, so a restarted store would
+    have found that holder still down."""
+    control, grace_s = bus[1], 0.5
+    env_runtime, env = _durable_env(control, tmp_path, "env-jd", grace_s)
+    gone, slow = _node(control, "trainer-gone"), _node(control, "trainer-slow")
+    ctx = zmq.Context()
+    for runtime in (env_runtime, gone, slow):
+        runtime.start_background()
+    try:
+        refs = env.keep("ep", [random_arrays(6, seed=8)] * 2)
+        client = _client(ctx, env.endpoint)
+        for holder, ref in zip(("trainer-gone", "trainer-slow"), refs, strict=True):
+            assert client.request(Claim(blob_ids=[ref.blob_id], holder=holder)).body == Claimed(blob_ids=[ref.blob_id])
+        wait_for(lambda: {"trainer-gone", "trainer-slow"} <= set(env._peers.live), WAIT_S, "the store knowing both")
+        full = _Full(env, "holder-down", once=False)
+        gone.join(timeout=WAIT_S)  # bye: the broker reports it down
+        wait_for(lambda: full.failed, WAIT_S, "the holder-down's journal write failing")
+        before = accounted(client)
+        holds_for(lambda: accounted(client) == before, 3 * grace_s, "no grace while its start is not journaled")
+        full.room()
+        wait_for(lambda: accounted(client).reclaimed == {"trainer-gone": 1}, 10 * grace_s, "the reclaim at its end")
+        ops = _ops(env)
+        assert ops[ops.index("holder-down"):] == ["holder-down", "drop", "holder-settled"], ops
+
+        full = _Full(env, "holder-settled", once=False)
+        info = env._peers.live["trainer-slow"]
+        down = NodeDown(node_id="trainer-slow", role="trainer", reason="timeout", last_seen=0.0)
+        env_runtime.call_soon(lambda: (env._on_node_down(down, info), env._on_node_up(info)))
+        wait_for(lambda: full.failed, WAIT_S, "the holder-settled's journal write failing")
+
+        def in_grace() -> bool:
+            with env._lock:
+                return env.keeper.in_grace("trainer-slow")
+
+        assert in_grace()
+        holds_for(lambda: accounted(client).held_by == {"trainer-slow": 1}, 3 * grace_s, "nothing reclaimed meanwhile")
+        full.room()
+        wait_for(lambda: not in_grace(), 10 * grace_s, "the return made once journaled")
+        assert _ops(env)[-2:] == ["holder-down", "holder-settled"]
+        final = accounted(client)
+        assert (final.held_by, final.reclaimed) == ({"trainer-slow": 1}, {"trainer-gone": 1}), final
+        client.close()
+    finally:
+        for runtime in (slow, gone, env_runtime):
+            runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)

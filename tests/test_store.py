@@ -818,8 +818,9 @@ def test_a_holder_reported_down_again_as_another_process_replays_as_a_fresh_grac
         tmp_path: Path) -> None:
     """A second ``holder-down`` for a holder already down (its restarted process died in the grace) replays as a
     fresh grace with nothing claimed again, the grace it cut short kept beside it, through a restart and a
-    compaction, each with its own end; ``holder-back`` (that process back after all) resumes the earlier grace,
-    with its end and what was claimed again in either, and ``holder-settled`` ends both."""
+    compaction, each with its own end (one for the process already down is a repeat, not written);
+    ``holder-back`` (that process back after all) resumes the earlier grace, with its end and what was claimed
+    again in either, and ``holder-settled`` ends both."""
     wall = _Clock(WALL)
     first, durable = keeper(), BlobJournal(open_store(tmp_path), wall_clock=wall)
     durable.readopt(first)
@@ -829,6 +830,9 @@ def test_a_holder_reported_down_again_as_another_process_replays_as_a_fresh_grac
     a_ends, b_ends = WALL + GRACE_S, WALL + 2.0 + GRACE_S
     durable.holder_down("orchestrator", a, GRACE_S)
     durable.claimed_back(blobs[:1], "orchestrator")  # b, the restart, took one back
+    records = durable.store.records_since_compact
+    durable.holder_down("orchestrator", a, GRACE_S)  # a repeat (a change sent again): nothing written or lost
+    assert durable.store.records_since_compact == records
     wall.now += 2.0
     durable.holder_down("orchestrator", b, GRACE_S)  # and died
     second, restarted = restart(tmp_path, durable)

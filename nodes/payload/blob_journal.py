@@ -178,10 +178,14 @@ class BlobJournal:
     def holder_down(self, holder: str, incarnation: tuple[str, int, float] | None, grace_s: float) -> None:
         """``holder`` was reported down (``incarnation``: the process that went down, None when unknown), a grace
         of ``grace_s`` from now starting (:meth:`~.keeper.Keeper.holder_down`): its first, or a fresh one that
-        cuts short the grace of the incarnation reported down before. Its end is journaled on the wall clock."""
+        cuts short the grace of the incarnation reported down before. Its end is journaled on the wall clock. The
+        process already recorded down is a repeat (a change sent again after a later record of it failed): nothing
+        is written, so the grace recorded first, with what was claimed again in it, stands."""
+        if holder in self.holders_down and self.holders_down[holder] == incarnation:
+            return
         until = self.wall_clock() + grace_s
-        self._went_down(holder, incarnation, until)
         self.store.commit(_down_record(holder, incarnation, until))
+        self._went_down(holder, incarnation, until)
 
     def holder_seen(self, holder: str, incarnation: tuple[str, int, float]) -> bool:
         """``holder`` is process ``incarnation`` as it takes blobs here: committed when that changed (True)."""
@@ -212,8 +216,8 @@ class BlobJournal:
         restarted store that found only the ``holder-down`` record would give the holder, live as a newer
         process that took back what it wanted long ago, the grace anew, and reclaim what it holds."""
         if holder in self.holders_down:
-            self._settled(holder)
             self.store.commit({"op": "holder-settled", "holder": holder})
+            self._settled(holder)
 
     def violated(self, violations: Sequence[Violation]) -> None:
         for action, n in Counter(v.action for v in violations).items():

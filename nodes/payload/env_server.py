@@ -61,8 +61,11 @@ is answered as deleted; a retried keep of an episode it re-adopted, with the sam
 first process's references; a retried discard with the ids the first process discarded. Every change is
 journaled before the keeper makes it (:data:`~.keeper.Commit`): a journal that cannot take the record (a full
 tmpfs) changes nothing, and the request is answered ``journal-failed`` with ``retry_after_s`` (not cached: the
-same request sent again runs again); a lease's or a grace's end is tried again at the next tick. A trainer rank
-repeats to the restarted process the ``reference`` events it published while the store was dead.
+same request sent again runs again); a lease's or a grace's end is tried again at the next tick. A change an
+event asks for (a ``reference``'s hand-over, a holder's ``node-down`` or ``node-up``) waits instead, and is made
+at a later tick, the changes of later events behind it in the order they came; until then claims and
+``holdings`` (which depend on who holds what) are refused ``journal-failed`` and nothing is reclaimed. A trainer
+rank repeats to the restarted process the ``reference`` events it published while the store was dead.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
@@ -247,6 +250,9 @@ class EnvServer:
         # What a restarted store's holders took (claims, hand-overs) before it checked them (holder -> blob ids):
         # a holder that restarted while the store was dead takes back what it wants meanwhile, and keeps it.
         self._taken_unchecked: dict[str, set[str]] | None = None
+        # Changes events asked for (a hand-over, a holder down or back) whose journal records could not be committed
+        # yet, oldest first, each with what it is for the log: made in that order before anything after them.
+        self._waiting: deque[tuple[str, Callable[[], None]]] = deque()
         self.journal: BlobJournal | None = None
         self.readoption: Readoption | None = None
         if store is not None and store.durable:
@@ -349,34 +355,41 @@ class EnvServer:
         taken_since, self._taken_unchecked = self._taken_unchecked or {}, None
         with self._lock:
             holders = sorted(h for h in self.keeper.stats().held_by if h)
-        given = 0
+        given: list[str] = []
         for holder in holders:
             went_down = recorded.get(holder) or seen.get(holder)  # a down process not recorded: the one seen
             if holder not in recorded and holder in live and went_down in (None, incarnation(live[holder])):
                 continue  # nothing says it went down
             again = set(found.claimed_again.get(holder, ())) if found else set()
-            since = taken_since.get(holder, set())
-            if holder in cut_short:  # under the fresh grace, the one it cut short: it resumes if that process is back
-                earlier, earlier_again, earlier_end = cut_short[holder]
-                with self._lock:
-                    self.keeper.holder_down(holder, self._resumed_grace(earlier_end), process=earlier,
-                                            claimed_again=earlier_again)
+            since = sorted(taken_since.get(holder, set()))
             grace_s = self._resumed_grace(grace_ends.get(holder))
-            if not self._holder_down(holder, went_down, journal=holder not in recorded, claimed_again=again | since,
-                                     grace_s=grace_s):
-                continue
-            if since and self.journal is not None:  # so a second restart within this grace keeps them too
+
+            def down(holder: str = holder, went_down: tuple[str, int, float] | None = went_down,
+                     again: set[str] = again, since: list[str] = since, grace_s: float = grace_s) -> None:
+                if holder in cut_short:  # under the fresh grace, the one it cut short: resumes if that process is back
+                    earlier, earlier_again, earlier_end = cut_short[holder]
+                    with self._lock:  # replayed, not a change: made again, it is a repeat
+                        self.keeper.holder_down(holder, self._resumed_grace(earlier_end), process=earlier,
+                                                claimed_again=earlier_again)
+                # ``since`` journaled too: a second restart within this grace keeps them as well
+                self._holder_down(holder, went_down, journal=holder not in recorded, claimed_again=again.union(since),
+                                  grace_s=grace_s, taken=since)
+
+            def checked(holder: str = holder, grace_s: float = grace_s) -> None:
                 with self._lock:
-                    self.journal.claimed_back(sorted(since), holder)
+                    still_down = self.keeper.in_grace(holder)  # not back as the same process
+                if still_down:
+                    given.append(holder)
+                    log.warning("holder.down_at_restart", holder=holder, live=holder in live,
+                                grace_s=round(grace_s, 3))
+
+            self._waiting.append(("holder-down", down))
             if holder in live:
-                self._on_node_up(live[holder])
-            with self._lock:
-                still_down = self.keeper.in_grace(holder)  # not back as the same process
-            if still_down:
-                given += 1
-                log.warning("holder.down_at_restart", holder=holder, live=holder in live,
-                            grace_s=round(grace_s, 3))
-        log.info("store.holders_checked", holders=len(holders), down_at_restart=given)
+                self._waiting.append(("holder-up", self._node_back(live[holder])))
+            self._waiting.append(("holder-checked", checked))
+        self._waiting.append(("holders-checked", lambda: log.info(
+            "store.holders_checked", holders=len(holders), down_at_restart=len(given))))
+        self._catch_up()
 
     def _resumed_grace(self, until: float | None) -> float:
         """The grace to give at this store's restart for one journaled to end at ``until`` (wall clock; None:
@@ -530,6 +543,7 @@ class EnvServer:
     def _on_claim(self, request: Message) -> Claimed:
         body = request.body
         assert isinstance(body, Claim)
+        self._waited("claim")  # a holder's claim after its reported down, say, counts in the grace that report gave
         with self._lock:
             try:
                 result = self.keeper.claim(body.blob_ids, body.holder,
@@ -623,6 +637,7 @@ class EnvServer:
     def _on_holdings(self, request: Message) -> Held:
         body = request.body
         assert isinstance(body, HoldingsQuery)
+        self._waited("holdings")  # what a rank took over is not listed as its orchestrator's
         limits = self.runtime.codec.limits
         # Records are small (references and lists), but a page of them must still fit a body and its item
         # bound with room to spare: a quarter of the smaller of the two, counted on each record encoded.
@@ -655,6 +670,8 @@ class EnvServer:
             self._announce(result)
 
     def _reclaim(self) -> None:
+        if not self._catch_up():  # a hand-over or a holder's return still to be made decides what is reclaimed
+            return
         done: dict[str, DeleteResult] = {}  # the holders reclaimed, should a later one's commit fail
 
         def commit(holder: str, result: DeleteResult) -> None:
@@ -683,25 +700,38 @@ class EnvServer:
             went_down: tuple[str, int, float] | None = incarnation(info)
         else:  # the registry entry is unknown here: the process that last took blobs here, if recorded
             went_down = self.journal.holders_seen.get(down.node_id) if self.journal is not None else None
-        if self._holder_down(down.node_id, went_down, journal=True):
-            log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
+
+        def change() -> None:
+            if self._holder_down(down.node_id, went_down, journal=True):
+                log.warning("holder.down", holder=down.node_id, reason=down.reason, grace_s=self.restart_grace_s)
+
+        self._event_change("holder-down", change)
 
     def _holder_down(self, holder: str, went_down: tuple[str, int, float] | None, *, journal: bool,
-                     claimed_again: Iterable[str] = (), grace_s: float | None = None) -> bool:
+                     claimed_again: Iterable[str] = (), grace_s: float | None = None,
+                     taken: Sequence[str] = ()) -> bool:
         """``holder`` (its process ``went_down``, None when unknown) is down: unless it is back as that same
         process within the grace (``grace_s`` from now, by default ``restart_grace_s``; less for one this store
         resumes at its restart), what it holds here is reclaimed, except what its restarted incarnation claims
         again (``claimed_again``: what it did before this store restarted). A repeated report of the process
         recorded keeps its grace; one of another process (a restarted incarnation that died in the grace) starts
         the grace afresh (:meth:`Keeper.holder_down`). ``journal``: record a grace that starts, with its end,
-        so a restart of this store resumes what is left of it. False when it holds nothing here."""
+        so a restart of this store resumes what is left of it; ``taken``: blobs its restarted incarnation took
+        since this store's restart, journaled as claimed again in it. Journaled first: raises ``OSError`` with
+        nothing changed when a record cannot be committed (a repeat of the call then commits them again). False
+        when it holds nothing here."""
         grace_s = self.restart_grace_s if grace_s is None else grace_s
+
+        def commit(started: bool) -> None:
+            if self.journal is not None:
+                if started and journal:
+                    self.journal.holder_down(holder, went_down, grace_s)
+                self.journal.claimed_back(taken, holder)
+
         with self._lock:
             if not self.keeper.holds(holder):
                 return False
-            started = self.keeper.holder_down(holder, grace_s, process=went_down, claimed_again=claimed_again)
-            if started and journal and self.journal is not None:
-                self.journal.holder_down(holder, went_down, grace_s)
+            self.keeper.holder_down(holder, grace_s, process=went_down, claimed_again=claimed_again, commit=commit)
         return True
 
     def _seen(self, holder: str, info: NodeInfo | None = None) -> None:
@@ -713,20 +743,31 @@ class EnvServer:
             log.info("holder.seen", holder=holder, host=info.host, pid=info.pid)
 
     def _on_node_up(self, info: NodeInfo) -> None:
-        with self._lock:
-            if self.journal is not None and self.keeper.holds(info.node_id):
-                # A holder's new process is recorded at once, even in its grace: a restart of this store in the
-                # grace resumes it from the ``holder-down`` record, and after it (settled) knows the live process
-                # as the one that kept what it claimed again.
-                self._seen(info.node_id, info)
-            back = self.keeper.holder_back(info.node_id, incarnation(info))  # the same process: slow, not dead
-            if back and self.journal is not None:
-                self.journal.holder_back(info.node_id)
-            restarted = not back and self.keeper.in_grace(info.node_id)
-        if back:
-            log.info("holder.back", holder=info.node_id)
-        elif restarted:  # it keeps what it claims again before the grace ends
-            log.info("holder.restarted", holder=info.node_id)
+        self._event_change("holder-up", self._node_back(info))
+
+    def _node_back(self, info: NodeInfo) -> Callable[[], None]:
+        """The change a holder's ``node-up`` (``info``) makes: back as the process reported down (slow, not dead),
+        it keeps what it holds; as another, it keeps what it claims again in the grace."""
+        def change() -> None:
+            with self._lock:
+                if self.journal is not None and self.keeper.holds(info.node_id):
+                    # A holder's new process is recorded at once, even in its grace: a restart of this store in
+                    # the grace resumes it from the ``holder-down`` record, and after it (settled) knows the live
+                    # process as the one that kept what it claimed again.
+                    self._seen(info.node_id, info)
+
+                def commit(back: bool) -> None:
+                    if back and self.journal is not None:
+                        self.journal.holder_back(info.node_id)
+
+                back = self.keeper.holder_back(info.node_id, incarnation(info), commit=commit)
+                restarted = not back and self.keeper.in_grace(info.node_id)
+            if back:
+                log.info("holder.back", holder=info.node_id)
+            elif restarted:  # it keeps what it claims again before the grace ends
+                log.info("holder.restarted", holder=info.node_id)
+
+        return change
 
     def _on_reference(self, message: Message) -> None:
         reference = message.body
@@ -734,31 +775,64 @@ class EnvServer:
         # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
         # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
         by_holder = message.header.src == reference.holder
+        holder = reference.holder
+        late: list[tuple[str, int, float] | None] = []  # the process that went down, for a holder down already
 
         def commit(result: HandOverResult) -> None:
             assert self.journal is not None
             if result.moved and by_holder:
-                self._seen(reference.holder)
-            self.journal.moved(result.moved, reference.holder)
-            self.journal.claimed_back(result.again, reference.holder)  # a holder in its grace: kept
+                self._seen(holder)
+            self.journal.moved(result.moved, holder)
+            self.journal.claimed_back(result.again, holder)  # a holder in its grace: kept
+            if late and result.moved:
+                self.journal.holder_down(holder, late[0], self.restart_grace_s)
 
-        with self._lock:
-            try:
-                result = self.keeper.hand_over(reference.blob_ids, reference.holder, by_holder=by_holder,
+        def change() -> None:
+            late.clear()
+            with self._lock:
+                if holder in self._peers.down and not self.keeper.in_grace(holder):
+                    # Handed to a holder already reported down (the orchestrator's repeat of a dead rank's answer,
+                    # or its own event, came late): the grace its node-down started nothing for, holding nothing
+                    # then, starts with the hand-over, or what moves would be held for good.
+                    info = self._peers.down[holder]
+                    late.append(incarnation(info) if info is not None else None)
+                result = self.keeper.hand_over(reference.blob_ids, holder, by_holder=by_holder,
                                                commit=commit if self.journal is not None else None)
-            except OSError as exc:  # the blobs stay where they were, here and in the journal
-                log.error("journal.commit_failed", action="reference", holder=reference.holder,
-                          blobs=len(reference.blob_ids), error=str(exc))
-                return
-        if self._taken_unchecked is not None and result.again:
-            self._taken_unchecked.setdefault(reference.holder, set()).update(result.again)
-        holder = reference.holder
-        if result.moved and holder in self._peers.down and not self.keeper.in_grace(holder):
-            # Handed to a holder already reported down (the orchestrator's repeat of a dead rank's answer, or
-            # its own event, came late): the grace its node-down started nothing for, holding nothing then, or
-            # what moved would be held for good.
-            info = self._peers.down[holder]
-            self._holder_down(holder, incarnation(info) if info is not None else None, journal=True)
+                if result.moved and late:
+                    self.keeper.holder_down(holder, self.restart_grace_s, process=late[0])
+            if self._taken_unchecked is not None and result.again:
+                self._taken_unchecked.setdefault(holder, set()).update(result.again)
+
+        self._event_change("reference", change)
+
+    def _event_change(self, action: str, change: Callable[[], None]) -> None:
+        """Make ``change`` (``action``, for the log), which an event asks for: after those still waiting, in the
+        order the events came (a hand-over before its holder's down, say). One whose journal records cannot be
+        committed (a full tmpfs) raises ``OSError`` having changed nothing, and waits: an event cannot be answered
+        ``journal-failed``, and dropped, its change would be lost (blobs a rank took would stay the orchestrator's,
+        a holder's grace would never start or never end). Loop thread."""
+        self._waiting.append((action, change))
+        self._catch_up()
+
+    def _catch_up(self) -> bool:
+        """Make the changes events asked for that are still waiting, in order, up to the first whose journal
+        records still cannot be committed (tried again at the next reclaim tick); True when none is left."""
+        while self._waiting:
+            action, change = self._waiting[0]
+            try:
+                change()
+            except OSError as exc:  # nothing changed: the same change is made again later
+                log.error("journal.commit_failed", action=action, waiting=len(self._waiting), error=str(exc),
+                          detail="tried again next tick")
+                return False
+            self._waiting.popleft()
+        return True
+
+    def _waited(self, action: str) -> None:
+        """Before a request whose answer depends on the changes events asked for (who holds what, who is down):
+        make those still waiting, or refuse it ``journal-failed`` (``retry_after_s``: the caller sends it again)."""
+        if not self._catch_up():
+            raise _journal_failed(action, OSError(f"{len(self._waiting)} earlier changes wait for room"))
 
     def _journal_dropped(self) -> Callable[[DeleteResult], None] | None:
         """What commits the store's own deletes (:data:`~.keeper.Commit`; None without a durable store)."""

@@ -606,7 +606,7 @@ class Keeper:
         return self._held_by.get(holder, 0) > 0
 
     def holder_down(self, holder: str, grace_s: float, now: float | None = None, *, process: Hashable | None = None,
-                    claimed_again: Iterable[str] = ()) -> bool:
+                    claimed_again: Iterable[str] = (), commit: Commit[bool] | None = None) -> bool:
         """``holder`` was reported down (``process``: the process that went down, None when unknown): unless it
         is back as that process (:meth:`holder_back`) within ``grace_s``, :meth:`reclaim` deletes what it holds
         here, except what its restarted incarnation claims again. A second report of the same process, or of an
@@ -615,23 +615,30 @@ class Keeper:
         reclaimed at its end except what a later incarnation claims again in it (what the dead incarnation had
         claimed is no longer spared). ``claimed_again``: blobs its restarted incarnation already took back (a
         restarted store resuming the grace). True when a grace started (the first report or a fresh one), False
-        for a repeat."""
+        for a repeat. ``commit`` runs with that answer before the grace starts (see :data:`Commit`)."""
         now = self.clock() if now is None else now
         down = self._holders_down.get(holder)
-        if down is not None and (process is None or process == down.process):
+        started = down is None or (process is not None and process != down.process)
+        if commit is not None:
+            commit(started)
+        if not started:
             return False
         earlier = replace(down, earlier=None) if down is not None else None  # one back: see holder_back
         self._holders_down[holder] = _HolderDown(now + grace_s, process, set(claimed_again), earlier)
         return True
 
-    def holder_back(self, holder: str, process: Hashable | None = None) -> bool:
+    def holder_back(self, holder: str, process: Hashable | None = None, *, commit: Commit[bool] | None = None) -> bool:
         """``holder`` is live as ``process``. True when that is the process reported down (it was slow, not dead):
         it keeps what it holds, unless that report had started a fresh grace (:meth:`holder_down`): the grace it
         cut short then resumes, with its deadline, sparing what this process claimed in either (it is the
         restarted incarnation of that grace's process). False when the holder is not down, or live as another
-        process (a restart: it keeps what it claims again within the grace)."""
+        process (a restart: it keeps what it claims again within the grace). ``commit`` runs with that answer before
+        anything changes (see :data:`Commit`)."""
         down = self._holders_down.get(holder)
-        if down is None or down.process != process:
+        back = down is not None and down.process == process
+        if commit is not None:
+            commit(back)
+        if down is None or not back:
             return False
         if down.earlier is None:
             del self._holders_down[holder]

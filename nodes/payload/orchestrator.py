@@ -374,8 +374,9 @@ class Orchestrator:
 
     def _ask_holdings(self, endpoint: str, after: int) -> None:
         self._recovery.claims_pending += 1
+        # retry_after: a store with a hand-over to a rank it could not journal yet refuses to list until it has
         self.runtime.calls.request(endpoint, HoldingsQuery(holder=self.runtime.node_id, after=after),
-                                   lambda outcome: self._on_held(endpoint, after, outcome))
+                                   lambda outcome: self._on_held(endpoint, after, outcome), retry_after=True)
 
     def _on_held(self, endpoint: str, after: int, outcome: Outcome) -> None:
         """One page of a store's ``holdings`` (asked from keep position ``after``): claim what it lists, and ask
