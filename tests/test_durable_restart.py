@@ -688,6 +688,37 @@ def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through
         env_runtime.join(timeout=WAIT_S)
 
 
+def test_an_orchestrator_shutdown_delete_its_store_could_not_journal_goes_through_once_there_is_room(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """The orchestrator stops holding a blob of a group not yet whole: its shutdown deletes it, and the durable
+    store's journal cannot take that delete the first time (a full tmpfs). Answered ``journal-failed`` with
+    ``retry_after_s``, the delete is sent again after it, within the shutdown's deadline, and goes through.
+    Before, the shutdown gave it up (``delete.failed``): the store held the blob for the gone orchestrator
+    until its grace ended, then reclaimed it ``holder-down``."""
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-js")
+    runtime = _node(control, "orchestrator", "orchestrator")
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    env_runtime.start_background()
+    runtime.start_background()
+    try:
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        info = {"group": "g", "reward": 1.0, "samples": [{"input_ids": list(range(6)), "loss_mask": [0] * 5 + [1],
+                                                          "ref": 0}]}
+        env.keep("half", [random_arrays(6, seed=9, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)],
+                 info=info)
+        wait_for(lambda: env.stats().held_by == {"orchestrator": 1}, WAIT_S, "the orchestrator holding the blob")
+        full = _Full(env, "drop")
+        runtime.join(timeout=WAIT_S)
+        assert full.failed == ["drop"]
+        stats = env.stats()
+        assert (orchestrator.failed_deletes, stats.deleted, stats.blobs_held) == (0, {"shutdown": 1}, 0), stats
+    finally:
+        runtime.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+
+
 def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_there_is_room(
         bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
     """A trainer rank deletes a blob it holds on a durable store whose journal cannot take the delete the first

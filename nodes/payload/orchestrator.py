@@ -112,7 +112,6 @@ from ...bus.reqrep import (
     RemoteError,
     RequestTimeout,
     RetryPolicy,
-    gather,
     split_outcomes,
 )
 from ...bus.runtime import NodeRuntime
@@ -622,7 +621,8 @@ class Orchestrator:
 
     def _on_deleted(self, endpoint: str, request: Delete, outcome: Outcome, refs: Sequence[BlobRef] = (),
                     request_id: str = "") -> None:
-        if isinstance(outcome, PeerDown) and self.core.delete_undelivered(
+        # Only a delete with its refs can wait for its store (the shutdown's cannot: nothing is sent after it).
+        if refs and isinstance(outcome, PeerDown) and self.core.delete_undelivered(
                 DeleteBlobs(tuple(refs), request.reason, request.node, request_id)):
             return  # waits for its store: sent again under request_id when it is back, lost when its grace ends
         replies, failures = split_outcomes([(endpoint, outcome)])
@@ -651,15 +651,15 @@ class Orchestrator:
         """Shutdown: delete what is queued, still grouped, or held for any other reason (a step batch that
         no trainer acknowledged); what is held on stores reported down is published as lost. The loop has
         stopped, so these deletes wait for their replies, all within the node's shutdown deadline
-        (``runtime.shutdown_left``); a store the registry no longer lists is not asked at all: what it kept
-        is reported lost, naming it. Claims (those sent again to learn what an unanswered one did included) and
-        step batches still in flight are answered first (for at most half the time left, and only while a
-        request is in flight), nothing new is sent meanwhile but claims sent again: a store
-        grants a claim and a rank takes a batch whether or not this node still listens, so what the claims
-        grant is deleted with the rest (as are the episodes whose claims were answered but whose turn had not
-        come, and those recovered at start and not fed yet), and an acknowledged batch is its rank's to delete,
-        not this node's. What is unanswered by then is decided as before: a claim is left to its store
-        (reclaimed ``holder-down`` after this node's grace), a batch is deleted here."""
+        (``runtime.shutdown_left``), one a store could not journal sent again after its ``retry_after_s``; a store
+        the registry no longer lists is not asked at all: what it kept is reported lost, naming it. Claims (those
+        sent again to learn what an unanswered one did included) and step batches still in flight are answered
+        first (for at most half the time left, and only while a request is in flight), nothing new is sent
+        meanwhile but claims sent again: a store grants a claim and a rank takes a batch whether or not this node
+        still listens, so what the claims grant is deleted with the rest (as are the episodes whose claims were
+        answered but whose turn had not come, and those recovered at start and not fed yet), and an acknowledged
+        batch is its rank's to delete, not this node's. What is unanswered by then is decided as before: a claim is
+        left to its store (reclaimed ``holder-down`` after this node's grace), a batch is deleted here."""
         self._closing = True
 
         def claims_out() -> list[_Arrival]:
@@ -694,15 +694,25 @@ class Orchestrator:
                                                    holder=self.runtime.node_id, reason=reason)))
             else:  # gone from the registry: nothing to ask, what it kept is lost with it
                 self._lose(LoseBlobs(tuple(refs), self._peers.node_of(endpoint) or endpoint))
-        left = self.runtime.shutdown_left()
-        if reachable and left <= 0:
-            outcomes: list[Outcome] = [RequestTimeout("no time left before the shutdown deadline")] * len(reachable)
-        else:
-            clients = {endpoint: self.runtime.client(endpoint) for endpoint, _ in reachable}
-            # A tenth of the time left stays for handling the outcomes before the hooks' share ends.
-            outcomes = list(gather([(clients[e], request) for e, request in reachable], deadline_s=left * 0.9))
-        for (endpoint, request), outcome in zip(reachable, outcomes, strict=True):
+        for endpoint, request, outcome in self._delete_now(reachable):
             self._on_deleted(endpoint, request, outcome)
+
+    def _delete_now(self, deletes: Sequence[tuple[str, Delete]]) -> list[tuple[str, Delete, Outcome]]:
+        """Send the shutdown's ``deletes`` (endpoint, request) and wait for their outcomes, the loop stopped, within
+        the shutdown time left (a tenth of it stays for handling them before the hooks' share ends). Each is sent
+        again after an answer with ``retry_after_s`` (the store could not journal it: nothing changed) while that
+        is before the deadline, as every delete of this node is (``retry_after``)."""
+        deadline_s = self.runtime.shutdown_left() * 0.9
+        outcomes: dict[int, Outcome] = {}
+        if deadline_s > 0:
+            sent = [self.runtime.calls.request(endpoint, request, lambda outcome, i=i: outcomes.__setitem__(i, outcome),
+                                               deadline_s=deadline_s, retry_after=True)
+                    for i, (endpoint, request) in enumerate(deletes)]
+            if not self.runtime.calls.run_until(lambda: len(outcomes) == len(deletes), deadline_s):
+                for msg_id in sent:  # due by now: their deadline's tick did not come before the wait ended
+                    self.runtime.calls.cancel(msg_id)
+        late = RequestTimeout("no time left before the shutdown deadline")
+        return [(endpoint, request, outcomes.get(i, late)) for i, (endpoint, request) in enumerate(deletes)]
 
     def _live_stores(self) -> set[str] | None:
         """The blob endpoints of the env servers the registry lists now; None when the broker does not
