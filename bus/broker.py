@@ -5,7 +5,8 @@ Sockets (all bound):
 * ``events_in`` (XSUB): every node's PUB connects here. The broker subscribes to everything itself, so
   events reach the ring even when no subscriber is connected.
 * ``events_out`` (XPUB): subscribers connect here; events are forwarded unchanged (frames are not
-  re-encoded, array frames are not copied).
+  re-encoded, array frames are not copied). A subscription to a topic longer than any event kind drops its
+  connection (:func:`max_subscription_bytes`).
 * ``control`` (ROUTER): ``hello``, ``sync``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``refill``.
 
 Without CURVE, events are forwarded by ZeroMQ's proxy on a thread of its own (:mod:`.forwarder`) and never
@@ -31,6 +32,7 @@ URL is refused ``schema`` (the node is not registered), so every member's entry 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter, deque
@@ -43,7 +45,7 @@ import msgspec
 import structlog
 import zmq
 
-from ..protocol.envelope import Limits, Message, negotiate
+from ..protocol.envelope import MAX_KIND_BYTES, Limits, Message, negotiate
 from ..protocol.errors import ProtocolError, shown
 from ..protocol.messages import (
     MAX_FRAMES,
@@ -96,6 +98,21 @@ EXPIRE_DRAIN = 4096
 REPLAYED_BYTES = 64
 REPLAYED_ITEMS = 4
 PREFIX_BYTES = 5
+# What ZeroMQ frames a subscription in: ZMTP 3.1's SUBSCRIBE command (b"\x09SUBSCRIBE" and the topic; ZMTP 3.0's
+# b"\x01" and the topic is shorter), and with CURVE, the MESSAGE command around every message (its name, nonce, MAC
+# and flags).
+SUBSCRIBE_FRAMING = 10
+CURVE_FRAMING = 33
+
+
+def max_subscription_bytes(curve: bool) -> int:
+    """The most one message a subscriber sends the broker's XPUB may take on the wire (its ``ZMQ_MAXMSGSIZE``): a
+    subscription to the longest topic refbus subscribes to, an event kind (``MAX_KIND_BYTES``). ZeroMQ keeps every
+    subscription in a trie, about 80 bytes per byte of topic, and the forwarder passes it upstream to the XSUB and
+    to every publisher's PUB, which keep it too (with CURVE the broker reads them off instead): a connection that
+    sends a longer one is dropped by ZeroMQ as it decodes it, before anything keeps it. With CURVE the bound also
+    holds the handshake's largest command, a SUB's INITIATE (276 bytes)."""
+    return SUBSCRIBE_FRAMING + MAX_KIND_BYTES + (CURVE_FRAMING if curve else 0)
 
 
 @dataclass(frozen=True)
@@ -354,8 +371,9 @@ class Broker:
         self._targets: tuple[dict[str, Any], ...] = ()
 
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
-        self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, runtime.event_options)
         self.curve = runtime.curve
+        self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, dataclasses.replace(
+            runtime.event_options, max_frame_bytes=max_subscription_bytes(self.curve is not None)))
         self.forwarder: Forwarder | None = None
         if self.curve is None:
             self.forwarder = forwarder = Forwarder(runtime.ctx, self.xsub, self.xpub,

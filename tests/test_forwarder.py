@@ -18,10 +18,12 @@ from polling import wait_for
 from refbus.bus import broker as broker_module
 from refbus.bus.broker import Broker, BrokerSettings, frames_of
 from refbus.bus.forwarder import held_bytes, is_event
+from refbus.bus.reqrep import Client, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
-from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import MAX_FRAMES, Error, Ok, Refill, ReplayedEvent, RunEnd, Sync
+from refbus.protocol.envelope import MAX_KIND_BYTES, Message, WireCodec
+from refbus.protocol.messages import MAX_FRAMES, Error, NodeList, Nodes, Ok, Refill, ReplayedEvent, RunEnd, Sync
+from zmq.utils.monitor import recv_monitor_message
 
 LOOPBACK = "tcp://127.0.0.1:0"
 WAIT_S = 30.0
@@ -320,3 +322,44 @@ def test_garbage_between_events_in_one_resting_batch_splits_no_other_message(
     finally:
         ctx.destroy(linger=0)
         subscriber_node.join(WAIT_S)
+
+
+def test_a_subscription_longer_than_any_topic_drops_its_connection_before_anything_keeps_it(broker: Broker) -> None:
+    """Regression: the broker's XPUB took subscriptions of any length. ZeroMQ keeps each in a trie at about 80 bytes
+    per byte of topic, and the forwarder passes it upstream to the XSUB and every publisher's PUB, which keep it
+    too: 1,000 subscriptions of 4 KiB from one subscriber grew the broker by 320 MiB. The XPUB now refuses a
+    message longer than a subscription to the longest topic refbus uses (an event kind, ``MAX_KIND_BYTES``):
+    ZeroMQ drops the connection that sends one as it decodes it, and nothing is kept or passed on; subscribers to
+    topics of that length, and to everything, are served as before."""
+    out, events_in = broker.runtime.endpoints["events_out"], broker.runtime.endpoints["events_in"]
+    longest = b"k" * MAX_KIND_BYTES
+    ctx = zmq.Context()
+    try:
+        upstream = make_socket(ctx, zmq.XPUB, connect=events_in, options=EVENT_OPTIONS)  # sees what goes upstream
+        hostile = make_socket(ctx, zmq.SUB, connect=out, options=EVENT_OPTIONS)
+        dropped = hostile.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        hostile.setsockopt(zmq.SUBSCRIBE, b"h" * 4096)
+        assert dropped.poll(int(WAIT_S * 1000)), "the broker dropping the connection of a 4 KiB subscription"
+        assert recv_monitor_message(dropped)["event"] == zmq.EVENT_DISCONNECTED
+
+        honest = make_socket(ctx, zmq.SUB, connect=out, options=EVENT_OPTIONS)
+        honest.setsockopt(zmq.SUBSCRIBE, longest)
+        seen: list[bytes] = []
+
+        def passed_upstream() -> bool:
+            while upstream.poll(0):
+                seen.append(upstream.recv())
+            return b"\x01" + longest in seen
+
+        wait_for(passed_upstream, WAIT_S, "the longest topic's subscription passed upstream")
+        assert max(len(message) for message in seen) == 1 + MAX_KIND_BYTES, [message[:16] for message in seen]
+
+        publisher = make_socket(ctx, zmq.PUB, connect=events_in, options=EVENT_OPTIONS)
+        event = longest + b"\x00an event of the longest kind"
+        wait_for(lambda: publisher.send(event) or honest.poll(50), WAIT_S, "the honest subscriber's event")
+        assert honest.recv() == event
+        client = Client(ctx, broker.runtime.endpoints["control"], WireCodec("checker"),
+                        policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        assert isinstance(client.request(Nodes()).body, NodeList)  # the broker serves on
+    finally:
+        ctx.destroy(linger=0)
