@@ -27,16 +27,24 @@ their own sequence.
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
 cluster from one fixed address. A ``hello`` whose ``metrics`` is neither empty nor an ``http://host[:port]/path``
-URL is refused ``schema`` (the node is not registered), so every member's entry can be listed.
+URL is refused ``schema`` (the node is not registered), so every member's entry can be listed. An endpoint is
+listed only at the address the node's connection comes from (:func:`metrics_host_problem`): a node cannot
+point Prometheus at another host. The labels that say whose series they are (node, role, cluster) are the
+broker's, which a scrape config that does not honor the target's own labels keeps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import ipaddress
 import itertools
+import queue
+import socket
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,6 +96,9 @@ SEEN_MAX = 4096
 # (node id, role) pairs whose joins are counted at most: past it the oldest of nodes not registered now are
 # forgotten (default node ids hold the pid: every restart leaves an id behind for good).
 JOINS_MAX = 4096
+# Host names of metrics URLs waiting to be resolved, at most: past it such a URL is not listed in /sd (a resolver
+# that hangs must not queue lookups without end).
+LOOKUPS_MAX = 64
 # Control requests read before a liveness pass, at most: the heartbeats queued behind a busy loop, and no more,
 # so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
 # probes undrained, no node ever expired).
@@ -140,6 +151,59 @@ def sd_target(metrics_url: str) -> tuple[str, str]:
     return url.netloc, url.path
 
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _ip(text: str) -> IPAddress | None:
+    """``text`` as an IP address, an IPv4 address mapped into IPv6 as the IPv4 address; None when it is none."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return (ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else ip
+
+
+def of_this_machine(ip: IPAddress) -> bool:
+    """Whether ``ip`` is an address of this machine: loopback, or one a socket can bind."""
+    if ip.is_loopback:
+        return True
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+def metrics_host_problem(addresses: Sequence[str], peer: str) -> str:
+    """Why /sd must not list a metrics endpoint at ``addresses`` (its URL's host: the address, or every address the
+    name resolves to) for a node whose control connection comes from ``peer`` (ZeroMQ's ``Peer-Address``); ""
+    when it may. Each address must be the peer's own, or, for a peer on this machine, one of this machine's
+    (loopback included): Prometheus then scrapes the node that registered, never a host it names. ZeroMQ names
+    an IP address for every transport that crosses hosts, and an ipc peer ``localhost:<uid>:<gid>:<pid>``; a peer
+    it names no address for is accepted nothing."""
+    peer_ip = _ip(peer)
+    local = of_this_machine(peer_ip) if peer_ip is not None else peer.split(":", 1)[0] == "localhost"
+    for address in addresses:
+        ip = _ip(address)
+        if ip is None or not (ip == peer_ip or (local and of_this_machine(ip))):
+            where = "an address of this machine" if local else "the node's own address"
+            source = shown(peer) if peer else "an address ZeroMQ does not name"
+            return (f"{shown(address)} is not {where}, where its connection to the broker comes from ({source}): "
+                    "Prometheus would scrape another host")
+    return ""
+
+
+def resolved_problem(host: str, peer: str) -> str:
+    """:func:`metrics_host_problem` of the host name ``host``, resolved (a lookup that may block: not on the loop
+    thread); why when it does not resolve."""
+    try:
+        addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except OSError as exc:
+        return f"{shown(host)} does not resolve here: {exc}"
+    return metrics_host_problem(addresses, peer)
+
+
 @dataclass(frozen=True)
 class RingEvent:
     """One message a replay selected (an event, or a batch of one source's events): its ring position (grows
@@ -158,6 +222,9 @@ class _Member:
     token: str
     heard: float  # the broker's monotonic clock at the last hello or heartbeat: what liveness is judged on
     live: bool = False
+    # what /sd lists for it once the broker has accepted its metrics endpoint (None until then, and for good when
+    # it has none, or one not at the address its connection comes from)
+    sd: dict[str, Any] | None = None
     # bytes of ``info`` encoded, what it adds to a ``node-list`` answer: read by the first answer after ``info``
     # changed (None until then), not on every heartbeat, which come far more often than lookups
     size: int | None = None
@@ -369,6 +436,10 @@ class Broker:
         # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
         self._targets: tuple[dict[str, Any], ...] = ()
+        # Metrics URL host names to resolve, off the loop thread (a lookup may block for seconds): (member, host,
+        # peer address), at most LOOKUPS_MAX waiting (counted on the loop thread); None ends the resolver.
+        self._lookups: queue.SimpleQueue[tuple[_Member, str, str] | None] = queue.SimpleQueue()
+        self._lookups_waiting = 0
 
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
         self.curve = runtime.curve
@@ -401,6 +472,8 @@ class Broker:
         self._register_metrics()
         ROUTES[SD_PATH] = self.service_discovery
         runtime.shutdown_hooks.append(self._unroute)
+        threading.Thread(target=self._resolve, name="refbus-sd-resolver", daemon=True).start()
+        runtime.shutdown_hooks.append(lambda: self._lookups.put(None))
 
     # --- event path ---------------------------------------------------------------------------------
 
@@ -547,7 +620,9 @@ class Broker:
         if old is not None and old.live and not same:
             self._remove(old, "replaced")
         live = same
-        self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
+        member = self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
+        if node.metrics:
+            self._check_metrics_host(member, self.server.peer_address())
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
             self._refresh_targets()
         return Welcome(
@@ -700,7 +775,8 @@ class Broker:
 
     def service_discovery(self) -> list[dict[str, Any]]:
         """Prometheus ``http_sd_configs`` targets: one group ``{"targets": ["host:port"], "labels": {node,
-        role, cluster, __metrics_path__}}`` for the broker and for every live node that serves metrics.
+        role, cluster, __metrics_path__}}`` for the broker and for every live node whose metrics endpoint it
+        accepted (one at the address the node's connection comes from, :func:`metrics_host_problem`).
 
         Runs on the metrics HTTP thread: it reads only the snapshot the loop thread replaces whole.
         """
@@ -714,19 +790,44 @@ class Broker:
         labels = {"node": node_id, "role": role, "cluster": self.settings.cluster, "__metrics_path__": path}
         return {"targets": [target], "labels": labels}
 
+    def _check_metrics_host(self, member: _Member, peer: str) -> None:
+        """Decide whether /sd lists ``member``'s metrics endpoint (its URL checked by hello already): at once for
+        an address, after a lookup off the loop thread for a host name (:meth:`_resolve`)."""
+        host = urlsplit(member.info.metrics).hostname or ""
+        if _ip(host) is not None:
+            self._decide(member, metrics_host_problem([host], peer), peer)
+        elif self._lookups_waiting >= LOOKUPS_MAX:
+            self._decide(member, f"{LOOKUPS_MAX} host names wait to be resolved already", peer)
+        else:
+            self._lookups_waiting += 1
+            self._lookups.put((member, host, peer))
+
+    def _resolve(self) -> None:
+        """The resolver thread: each host name looked up, the outcome handed to the loop thread."""
+        while (lookup := self._lookups.get()) is not None:
+            member, host, peer = lookup
+            self.runtime.call_soon(functools.partial(self._resolved, member, resolved_problem(host, peer), peer))
+
+    def _resolved(self, member: _Member, problem: str, peer: str) -> None:
+        self._lookups_waiting -= 1
+        if self.members.get(member.info.node_id) is member:  # not replaced or removed meanwhile
+            self._decide(member, problem, peer)
+
+    def _decide(self, member: _Member, problem: str, peer: str) -> None:
+        """List ``member``'s metrics endpoint in /sd, or say why not: the node stays registered, unscraped."""
+        info = member.info
+        if problem:
+            log.warning("sd.target_refused", node=info.node_id, role=info.role, metrics=info.metrics, peer=peer,
+                        error=problem, detail="not listed in /sd: set node.metrics_host (and node.host, for a "
+                        "wildcard bind) to an address of the node that the broker sees it connect from")
+            return
+        member.sd = self._sd_group(info.node_id, info.role, info.metrics)
+        if member.live:
+            self._refresh_targets()
+
     def _refresh_targets(self) -> None:
-        """Rebuild the /sd snapshot from the live members (loop thread only). A member whose metrics URL is not
-        one is left out and logged: hello refuses such URLs, and were one to get in anyway, it must not keep the
-        others out of /sd, nor fail the node-up, bye or expiry that called this."""
-        targets = []
-        for member in self.members.values():
-            if not (member.live and member.info.metrics):
-                continue
-            try:
-                targets.append(self._sd_group(member.info.node_id, member.info.role, member.info.metrics))
-            except ValueError as exc:
-                log.warning("sd.target_skipped", node=member.info.node_id, error=str(exc))
-        self._targets = tuple(targets)
+        """Rebuild the /sd snapshot from the live members whose endpoints were accepted (loop thread only)."""
+        self._targets = tuple(m.sd for m in self.members.values() if m.live and m.sd is not None)
 
     def _unroute(self) -> None:
         """Stop serving /sd from this broker (a process may host another broker later)."""
@@ -753,10 +854,11 @@ class Broker:
         self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring, each frame of a message of "
                             "several counted 256 more (what holding it costs).",
                       lambda: {(): float(self.ring.nbytes)}, kind="gauge")
-        # Labelled member/member_role, not node/role: those are the scrape target's own (the broker's).
+        # Labelled member/member_role, not node/role: those are the scrape target's own (the broker's), which the
+        # scrape config sets over what a target says.
         self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",
                             lambda: {key: float(n) for key, n in dict(self.joins).items()},
                             labels=("member", "member_role"))
-        self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by role.",
+        self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by their role.",
                       lambda: dict(Counter((m.info.role,) for m in list(self.members.values()) if m.live)),
-                      labels=("role",), kind="gauge")
+                      labels=("member_role",), kind="gauge")

@@ -553,6 +553,7 @@ class Server:
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # ids whose reply was cached
         self._floors: OrderedDict[tuple[str, str], int] = OrderedDict()  # (src, incarnation) -> evicted counter
         self._current: tuple[bytes, str, str, bool] = (b"", "", "", False)  # built into a Pending when asked for
+        self._last: zmq.Frame | None = None  # the last frame of the request being handled: its connection's metadata
 
     def on(self, kind: str, handler: Handler, *, cached: bool = True, verify: bool = True) -> None:
         """Route ``kind`` to ``handler``. ``cached=False`` for pure reads that are safe to run twice.
@@ -570,6 +571,17 @@ class Server:
         """Bytes of the replies held for retries."""
         return self._cached_bytes
 
+    def peer_address(self) -> str:
+        """Where the request being handled came from, as ZeroMQ names its connection (``Peer-Address``): an IP
+        address over TCP, ``localhost:...`` over ipc; "" where it names none (inproc) and outside a handler. Read
+        only when a handler asks: most never do."""
+        if self._last is None:
+            return ""
+        try:
+            return self._last.get("Peer-Address")
+        except zmq.ZMQError:
+            return ""
+
     def answer(self, pending: Pending, body: Body) -> None:
         """Reply to a deferred request (not cached: a retry re-runs its handler, which defers again)."""
         self._send(pending.identity, body, pending.reply_to, pending.one_frame)
@@ -583,6 +595,7 @@ class Server:
             self._refuse(exc.identity, exc, exc.head, False)
             return
         peer = peer_id(last) if self.authenticated else ""
+        self._last = last
         try:
             self._dispatch(identity, envelope, peer)
         except Exception as exc:
@@ -590,6 +603,8 @@ class Server:
             log.exception("request.failed")
             self._send(identity, Error("internal", f"{type(exc).__name__}: {exc}"), self.codec.peek_id(envelope),
                        len(envelope) < MIN_FRAMES)
+        finally:
+            self._last = None
 
     def _dispatch(self, identity: bytes, envelope: list, peer: str) -> None:
         one_frame = len(envelope) < MIN_FRAMES  # the form it was asked in: one frame (and a MAC) or three and more

@@ -419,7 +419,8 @@ def test_a_metrics_url_sd_cannot_list_is_refused_and_never_holds_the_other_targe
     on some (``http://[::1``): while such a node was live every rebuild raised, so /sd never changed again, and the
     node-up, bye or expiry that rebuilt it failed after its member was removed (a bye was answered ``internal``).
     Now a hello whose metrics URL /sd could not list is refused ``schema`` (the node is not registered), and a
-    rebuild leaves out, logged, a member whose URL is not one while listing every other."""
+    rebuild lists only the endpoints accepted at hello, so a member that got in anyway is left out, every other
+    listed."""
     node, _ = broker
     ctx = zmq.Context()
     client = Client(ctx, node.runtime.endpoints["control"], WireCodec("sd-peer"),
@@ -451,11 +452,69 @@ def test_a_metrics_url_sd_cannot_list_is_refused_and_never_holds_the_other_targe
             node._refresh_targets()
             return listed()
 
-        with capture_logs() as logs:
-            assert on_loop(node, let_one_in_and_rebuild) == ["sd-a", "sd-b"]
-        assert [entry["node"] for entry in logs if entry["event"] == "sd.target_skipped"] == ["sd-bad"]
+        assert on_loop(node, let_one_in_and_rebuild) == ["sd-a", "sd-b"]
         assert isinstance(client.request(Bye(node_id="sd-a")).body, Ok)
         assert listed() == ["sd-b"]
     finally:
         client.close()
         ctx.term()
+
+
+def test_sd_lists_a_metrics_endpoint_only_at_the_address_its_node_connects_from(
+    broker: tuple[Broker, FakeClock],
+) -> None:
+    """Regression: /sd listed whatever host:port a hello's metrics URL named, so any node that registered made the
+    cluster's Prometheus scrape any host it chose (a cloud metadata address, an internal service). The broker now
+    lists an endpoint only at the address the node's connection comes from, or, for a node on the broker's
+    machine, at an address of that machine (a host name when every address it resolves to is one, resolved off
+    the loop thread): a node that names another host stays registered, unlisted, and ``sd.target_refused`` says
+    why; honest nodes registered after it are listed."""
+    node, _ = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("sd-peer"),
+                    policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    prober = WireCodec("prober")
+
+    def join(node_id: str, metrics: str) -> None:
+        hello = Hello(node=NodeInfo(node_id=node_id, role="worker", host="h", pid=1, metrics=metrics), token=node_id)
+        assert isinstance(client.request(hello).body, Welcome)
+        on_loop(node, lambda: node._probe_seen(prober.encode(Sync(token=node_id))))  # its PUB proven: live
+
+    def listed() -> dict[str, list[str]]:
+        return {group["labels"]["node"]: group["targets"] for group in node.service_discovery()}
+
+    try:
+        with capture_logs() as logs:
+            join("sd-foreign", "http://192.0.2.1:9100/metrics")  # TEST-NET-1: no address of this machine
+            join("sd-metadata", "http://169.254.169.254/latest/meta-data")
+            join("sd-loopback", "http://127.0.0.1:9/metrics")
+            join("sd-named", "http://localhost:9/metrics")
+            wait_for(lambda: "sd-named" in listed(), WAIT_S, "the endpoint named by a host name listed once resolved")
+        assert listed() == {"sd-loopback": ["127.0.0.1:9"], "sd-named": ["localhost:9"]}
+        refused = {entry["node"]: entry["error"] for entry in logs if entry["event"] == "sd.target_refused"}
+        assert refused.keys() == {"sd-foreign", "sd-metadata"}, refused
+        assert "'192.0.2.1' is not an address of this machine" in refused["sd-foreign"]
+        answer = client.request(Nodes()).body  # registered all the same, and the broker serves on
+        assert isinstance(answer, NodeList) and {n.node_id for n in answer.nodes} == {
+            "sd-foreign", "sd-metadata", "sd-loopback", "sd-named"}
+    finally:
+        client.close()
+        ctx.term()
+
+
+def test_a_metrics_host_is_the_nodes_own_address_or_for_a_node_on_this_machine_one_of_its() -> None:
+    """What /sd accepts of a node on another host, whose connection ZeroMQ names by its address, and of one on the
+    broker's machine (loopback, or ipc, which ZeroMQ names ``localhost:...``); of a connection it names no address
+    for, nothing."""
+    remote = "192.0.2.7"
+    assert bus_broker.metrics_host_problem([remote], remote) == ""
+    assert bus_broker.metrics_host_problem([remote], f"::ffff:{remote}") == ""  # an IPv4 peer of a dual-stack socket
+    # Another host, the broker's own loopback, a name that resolves to one more address than the node's own.
+    for elsewhere in (["192.0.2.8"], ["127.0.0.1"], [remote, "192.0.2.8"]):
+        assert "is not the node's own address" in bus_broker.metrics_host_problem(elsewhere, remote), elsewhere
+    assert "is not the node's own address" in bus_broker.resolved_problem("localhost", remote)
+    for local in ("127.0.0.1", "::1", "localhost:0:0:4242"):
+        assert bus_broker.metrics_host_problem(["127.0.0.1", "::1"], local) == ""
+        assert bus_broker.resolved_problem("localhost", local) == ""
+        assert "is not an address of this machine" in bus_broker.metrics_host_problem(["192.0.2.8"], local)
+    assert "is not the node's own address" in bus_broker.metrics_host_problem(["127.0.0.1"], "")  # named none

@@ -5,6 +5,7 @@ cluster."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import re
 import shutil
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,6 +28,7 @@ from branches import random_arrays
 from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.charges import blob_charge, info_charge
@@ -277,6 +280,46 @@ def test_sd_lists_the_broker_and_live_nodes_and_drops_them_when_down(bus, spawn)
     wait_for(lambda: listed().keys() == {"bus", "sd-stays"}, WAIT_S, "a killed node dropped from /sd")
 
 
+def test_a_scraped_node_cannot_pass_its_series_off_as_another_nodes(bus, tmp_path: Path) -> None:
+    """Regression: the shipped scrape config honored a target's own labels, so a registered node whose metrics
+    said ``node="bus", role="bus"`` had its series stored as the broker's. The labels /sd gives a target (node,
+    role, cluster) now win, and what the target says of them, or of its job and instance, is dropped."""
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (Debian package prometheus; `make test` installs it)")
+    broker, control = bus
+    claimed = b'refbus_claimed_total{node="bus",role="bus",cluster="other",job="x",instance="y"} 7\n'
+
+    class Lying(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(claimed)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    target = f"127.0.0.1:{server.server_address[1]}"
+    node = NodeRuntime("monitor", RuntimeSettings(node_id="sd-liar", bus=control, metrics_port=-1))
+    node.metrics_url = f"http://{target}/metrics"  # registered as its endpoint, which serves the lie
+    try:
+        node.start_background()
+        with prometheus(PROMETHEUS, tmp_path, sd_url(broker)) as api:
+            series = within_scrapes(api, lambda: query(api, "refbus_claimed_total")["data"]["result"],
+                                    "the liar's series scraped")
+        assert [s["metric"] for s in series] == [{"__name__": "refbus_claimed_total", "node": "sd-liar",
+                                                 "role": "monitor", "cluster": "local", "job": "refbus",
+                                                 "instance": target}]
+    finally:
+        node.join(WAIT_S)
+        server.shutdown()
+        server.server_close()
+        serving.join(WAIT_S)
+
+
 # --- shipped configs -------------------------------------------------------------------------------------
 
 
@@ -447,9 +490,9 @@ def test_every_dashboard_expression_parses_and_returns_data(spawn, tmp_path: Pat
             wait_for(lambda: "RefbusOwnershipViolation" in firing(), WAIT_S, "the violation's alert firing")
             assert firing() == {"RefbusOwnershipViolation"}
 
-            # The node's own labels win over the target's (honor_labels): the broker counts nodes by their role.
-            by_role = query(api, "sum by (role) (refbus_bus_nodes)")["data"]["result"]
-            assert {r["metric"]["role"]: float(r["value"][1]) for r in by_role} == {
+            # The broker counts nodes by their role, in a label of its own (role is the target's: the broker's).
+            by_role = query(api, "sum by (member_role) (refbus_bus_nodes)")["data"]["result"]
+            assert {r["metric"]["member_role"]: float(r["value"][1]) for r in by_role} == {
                 "monitor": 2, "ps-manager": 1, "ps-worker": 2, "env-server": 2, "trainer": 2, "rollout": 2,
                 "orchestrator": 1}
 
