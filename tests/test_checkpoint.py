@@ -2,7 +2,8 @@
 training on without the round trip); a process killed with SIGKILL while it writes, a torn file or garbage
 under a checkpoint's name leave the previous checkpoint in use, with a warning naming the file. A world of
 real gloo ranks whose directories hold an earlier world's files that got further agrees on a step every rank
-has, and its own checkpoints are never pruned in favour of the earlier world's."""
+has, and its own checkpoints are never pruned in favour of the earlier world's; the files above that step are
+moved aside, never removed, so one rank's damaged checkpoints cost the other ranks none of theirs."""
 
 from __future__ import annotations
 
@@ -168,18 +169,42 @@ def test_optimizer_state_of_another_dtype_than_its_parameters_comes_back_as_save
     _assert_restored_and_trains_on_alike((model, optimizer), (restored, restored_optimizer))  # bfloat16, as saved
 
 
-def test_a_write_below_the_newest_removes_the_files_above_it(tmp_path: Path) -> None:
-    """Files above the step written are an earlier lineage's: kept, they would prune every new checkpoint."""
+def test_a_write_below_the_newest_moves_the_files_above_it_aside(tmp_path: Path) -> None:
+    """Files above the step written are an earlier lineage's: left in place, they would prune every new
+    checkpoint; removed, a readable checkpoint would be lost. They are moved aside, loud, and still load."""
     model, optimizer = _trained(0, 1)
-    for step in (98, 100, 2, 4):
-        checkpoint.save(tmp_path, 0, step, model, optimizer)
-    assert sorted(p.name for p in (tmp_path / "rank-0").iterdir()) == ["step-2.safetensors", "step-4.safetensors"]
+    with capture_logs() as logs:
+        for step in (98, 100, 2, 4):
+            checkpoint.save(tmp_path, 0, step, model, optimizer)
+    assert _files(tmp_path, 0) == (["step-2.safetensors", "step-4.safetensors"],
+                                   ["step-100.safetensors", "step-98.safetensors"])
     assert checkpoint.latest_step(tmp_path, 0) == 4 and checkpoint.latest_step(tmp_path, 0, at_most=3) == 2
+    warnings = [e for e in logs if e["event"] == "checkpoint.superseded"]
+    assert sorted(e["path"] for e in warnings) == [str(checkpoint.path_of(tmp_path, 0, s)) for s in (100, 98)]
+    assert all(e["log_level"] == "warning" and e["cause"] == "step 2 was written below them" for e in warnings)
+    _assert_moved_back_they_load(tmp_path, 0, [e["moved_to"] for e in warnings], 100)
+
+
+def _assert_moved_back_they_load(directory: Path, rank: int, moved: list[str], newest: int) -> None:
+    """Checkpoints moved aside (``moved``: where to) are whole: moved back, the newest is ``newest`` and loads."""
+    for aside in map(Path, moved):
+        assert aside.parent.parent == checkpoint.rank_dir(directory, rank) / checkpoint.SUPERSEDED
+        os.replace(aside, checkpoint.rank_dir(directory, rank) / aside.name)
+    assert checkpoint.latest_step(directory, rank) == newest
+    checkpoint.load(directory, rank, newest, *_trained(7, 0))
+
+
+def _files(directory: Path | str, rank: int) -> tuple[list[str], list[str]]:
+    """Rank ``rank``'s checkpoint files in place and those moved aside (any rewind), by name."""
+    folder = checkpoint.rank_dir(directory, rank)
+    return (sorted(p.name for p in folder.iterdir() if p.is_file()),
+            sorted(p.name for p in (folder / checkpoint.SUPERSEDED).glob("*/*")))
 
 
 def _world_rank(rank: int, init: str, directory: str, saves: list[int], conn: Connection) -> None:
     """One rank of a 2-rank gloo world: resume (as a trainer does), then save ``saves``; sends the step it
-    resumed at and its files afterwards, or the error."""
+    resumed at, its files afterwards (:func:`_files`) and the causes of its ``checkpoint.superseded``
+    warnings, or the error."""
     import types
 
     import torch.distributed as dist
@@ -189,14 +214,16 @@ def _world_rank(rank: int, init: str, directory: str, saves: list[int], conn: Co
     try:
         model, optimizer = _trained(rank, 0)
         section: Any = types.SimpleNamespace(checkpoint_every=2, checkpoint_dir=directory)
-        try:
-            first = resume(section, rank, model, optimizer)
-        except checkpoint.CheckpointError as exc:
-            conn.send(f"resume failed: {exc}")
-            return
-        for step in saves:
-            checkpoint.save(directory, rank, step, model, optimizer)
-        conn.send((first, sorted(p.name for p in checkpoint.rank_dir(directory, rank).iterdir())))
+        with capture_logs() as logs:
+            try:
+                first = resume(section, rank, model, optimizer)
+            except checkpoint.CheckpointError as exc:
+                conn.send(f"resume failed: {exc}")
+                return
+            for step in saves:
+                checkpoint.save(directory, rank, step, model, optimizer)
+        causes = sorted({e["cause"] for e in logs if e["event"] == "checkpoint.superseded"})
+        conn.send((first, _files(directory, rank), causes))
     finally:
         dist.destroy_process_group()
 
@@ -232,24 +259,52 @@ def _run_world(directory: Path, world: int, saves: list[int]) -> list[Any]:
 def test_a_world_starting_below_an_earlier_worlds_checkpoints_keeps_its_own_and_resumes_from_them(
         tmp_path: Path) -> None:
     """Rank 0 holds steps 98 and 100 of an earlier world, rank 1 nothing (a new rank, or its directory lost):
-    the world starts at 0, its checkpoints 2 and 4 replace the earlier world's, and the next world resumes
-    at 4 on both ranks."""
+    the world starts at 0, the earlier world's files are moved aside, its checkpoints 2 and 4 are the ones in
+    place, and the next world resumes at 4 on both ranks."""
     model, optimizer = _trained(0, 1)
     for step in (98, 100):
         checkpoint.save(tmp_path, 0, step, model, optimizer)
     ours = ["step-2.safetensors", "step-4.safetensors"]
-    assert _run_world(tmp_path, 0, [2, 4]) == [(0, ours), (0, ours)]
-    assert _run_world(tmp_path, 1, []) == [(4, ours), (4, ours)]
+    earlier = ["step-100.safetensors", "step-98.safetensors"]
+    assert _run_world(tmp_path, 0, [2, 4]) == [(0, (ours, earlier), ["rank 1 has nothing whole above step 0"]),
+                                               (0, (ours, []), [])]
+    assert _run_world(tmp_path, 1, []) == [(4, (ours, earlier), []), (4, (ours, []), [])]
 
 
 def test_ranks_without_a_common_newest_step_agree_on_the_newest_every_rank_has(tmp_path: Path) -> None:
     """Rank 0 holds 2 and 100 (another lineage's), rank 1 holds 2 and 4: the minimum of the newest (4) is not
-    on rank 0; the world resumes at 2, and each rank's files above 2 are gone."""
+    on rank 0; the world resumes at 2, and each rank's files above 2 are moved aside."""
     model, optimizer = _trained(0, 1)
     for rank, steps in ((0, (2, 100)), (1, (2, 4))):
         for step in steps:
             checkpoint.save(tmp_path, rank, step, model, optimizer)
-    assert _run_world(tmp_path, 0, []) == [(2, ["step-2.safetensors"]), (2, ["step-2.safetensors"])]
+    cause = ("rank 1 has nothing whole above step 4; no step from 3 to 4 is whole on every rank (the ranks hold "
+             "different lineages)")
+    assert _run_world(tmp_path, 0, []) == [(2, (["step-2.safetensors"], ["step-100.safetensors"]), [cause]),
+                                           (2, (["step-2.safetensors"], ["step-4.safetensors"]), [cause])]
+
+
+def test_one_ranks_damaged_checkpoints_cost_the_others_none_of_theirs(tmp_path: Path) -> None:
+    """Both ranks wrote 2 and 4; rank 1's disk tore both, and holds garbage under a checkpoint's name and a
+    name whose step no int64 holds. The world starts at 0 (rank 1 has nothing), but rank 0's readable 2 and
+    4 are moved aside, not removed, with a warning naming rank 1 and its unreadable file; moved back, they
+    load."""
+    model, optimizer = _trained(0, 1)
+    for rank in (0, 1):
+        for step in (2, 4):
+            checkpoint.save(tmp_path, rank, step, model, optimizer)
+    for step in (2, 4):
+        torn = checkpoint.path_of(tmp_path, 1, step)
+        torn.write_bytes(torn.read_bytes()[:100])
+    checkpoint.path_of(tmp_path, 1, 6).write_bytes(os.urandom(512))
+    (checkpoint.rank_dir(tmp_path, 1) / f"step-{10 ** 20}.safetensors").write_bytes(b"not ours")
+    ours = ["step-2.safetensors", "step-4.safetensors"]
+    cause = "rank 1 has nothing whole above step 0, its step-6 file unreadable (rank-1/step-6.safetensors)"
+    rank0, rank1 = _run_world(tmp_path, 0, [])
+    assert rank0 == (0, ([], ours), [cause])
+    assert rank1 == (0, ([f"step-{10 ** 20}.safetensors"], [*ours, "step-6.safetensors"]), [cause])
+
+    _assert_moved_back_they_load(tmp_path, 0, [str(p) for p in checkpoint.rank_dir(tmp_path, 0).glob("*/*/*")], 4)
 
 
 @pytest.mark.parametrize("damage", ["torn", "garbage", "foreign"])

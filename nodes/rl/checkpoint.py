@@ -12,13 +12,15 @@ removed by the next write) and the previous checkpoint intact. :func:`latest_ste
 opens each candidate, newest first, and skips (with a warning naming it) one it cannot read.
 
 Files: ``<dir>/rank-<rank>/step-<K>.safetensors``. Each write of step ``K`` keeps the newest :data:`KEEP`
-of its rank at or below ``K`` and removes every file above ``K``: those belong to a superseded lineage (an
-earlier world that got further before a world started over below it, e.g. from step 0 when the world grew or
-a rank's directory was lost), and kept they would outrank, and so prune, every new checkpoint. Ranks train in
-lockstep (every step has a collective), so within one lineage the newest step every rank has is at most one
-checkpoint behind any rank's own newest: keeping two is enough for the ranks to agree. Where ranks hold
-checkpoints of different lineages, :func:`latest_step` with ``at_most`` lets them agree on an older step
-every rank has, and :func:`prune` removes what lies above it.
+of its rank at or below ``K`` and moves every file above ``K`` aside: those belong to a superseded lineage
+(an earlier world that got further before a world started over below it, e.g. from step 0 when the world
+grew or a rank's checkpoints were lost or damaged), and left in place they would outrank, and so prune,
+every new checkpoint. Moved aside, not removed: a readable checkpoint is never lost as a side effect of
+another rank's damage (:func:`prune`). Ranks train in lockstep (every step has a collective), so within one
+lineage the newest step every rank has is at most one checkpoint behind any rank's own newest: keeping two
+is enough for the ranks to agree. Where ranks hold checkpoints of different lineages, :func:`latest_step`
+with ``at_most`` lets them agree on an older step every rank has, and :func:`prune` moves what lies above it
+aside.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 import json
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,9 @@ log = structlog.get_logger(__name__)
 
 FORMAT = "refbus-trainer-checkpoint-1"
 KEEP = 2
-_NAME = re.compile(r"step-(\d+)\.safetensors")
+SUPERSEDED = "superseded"  # under a rank's directory: its checkpoints above a step its world started over at
+# At most 18 digits: every step fits the int64 the ranks agree with; any other name is not a checkpoint.
+_NAME = re.compile(r"step-(\d{1,18})\.safetensors")
 _TEMP_SUFFIX = ".tmp"
 
 
@@ -71,19 +76,38 @@ def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
     _fsync(temp)
     os.replace(temp, final)
     _fsync(folder)
-    prune(directory, rank, step)
+    prune(directory, rank, step, cause=f"step {step} was written below them")
     for leftover in folder.glob(f"*{_TEMP_SUFFIX}"):
         leftover.unlink(missing_ok=True)
     return final
 
 
-def prune(directory: Path | str, rank: int, newest: int) -> None:
-    """Remove rank ``rank``'s checkpoints above step ``newest`` (a superseded lineage) and all but the
-    :data:`KEEP` newest at or below it."""
-    steps = _steps(rank_dir(directory, rank))
+def prune(directory: Path | str, rank: int, newest: int, *, cause: str) -> list[Path]:
+    """Move rank ``rank``'s checkpoints above step ``newest`` (a superseded lineage) aside, into
+    ``rank-<rank>/superseded/rewound-to-<newest>-<ns>/`` (a folder of their own, so a later rewind never
+    overwrites them), and remove all but the :data:`KEEP` newest at or below ``newest``. Each file moved is
+    logged (``checkpoint.superseded``, a warning naming it, where it went and ``cause``: why the world started
+    over below it); nothing is removed from ``superseded/``, that is the operator's to clear or move back.
+    Returns the moved files' new paths."""
+    folder = rank_dir(directory, rank)
+    steps = _steps(folder)
+    moved = []
     above = [step for step in steps if step > newest]
-    for old in above + [step for step in steps if step <= newest][KEEP:]:
+    if above:
+        aside = folder / SUPERSEDED / f"rewound-to-{newest}-{time.time_ns()}"
+        aside.mkdir(parents=True)
+        for step in above:
+            source = path_of(directory, rank, step)
+            target = aside / source.name
+            os.replace(source, target)
+            moved.append(target)
+            log.warning("checkpoint.superseded", path=str(source), moved_to=str(target), rank=rank,
+                        resumed_at=newest, cause=cause)
+        _fsync(aside)
+        _fsync(folder)
+    for old in [step for step in steps if step <= newest][KEEP:]:
         path_of(directory, rank, old).unlink(missing_ok=True)
+    return moved
 
 
 def latest_step(directory: Path | str, rank: int, at_most: int | None = None) -> int:
@@ -102,6 +126,12 @@ def latest_step(directory: Path | str, rank: int, at_most: int | None = None) ->
             continue
         return step
     return 0
+
+
+def newest_file(directory: Path | str, rank: int) -> int:
+    """The newest step rank ``rank`` has a file named for, whether or not it reads back; 0 when none (what
+    explains a :func:`latest_step` below it: the files between are unreadable)."""
+    return next(iter(_steps(rank_dir(directory, rank))), 0)
 
 
 def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,

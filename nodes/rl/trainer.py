@@ -12,16 +12,17 @@ Ranks come from the config or from torchrun's environment (``RANK``, ``WORLD_SIZ
 ``MASTER_PORT`` with ``trainer.init_method = "env://"``). Every rank is its own data rank.
 
 **Checkpoints and restarts.** With ``trainer.checkpoint_every`` N > 0, every rank writes its weights,
-optimizer state and step every N steps (:mod:`.checkpoint`, under ``trainer.checkpoint_dir``). A world
-that starts agrees on where to resume: each rank reads the newest checkpoint it has whole, and
-``all_reduce(MIN)`` rounds (:func:`agreed_step`) give the newest step K that every rank has; every rank loads
-K, removes its checkpoints above K (an earlier world's, which would outrank this world's) and trains K, K+1,
-... (K = 0 with no checkpoint: the initial weights). Before its first step, every rank pushes its starting
-weights as version K declaring that it resumes (``resumes``), so the parameter server starts a new lineage
-there (a dead world's versions above K are retired) and rollout workers have something to serve. Its
-heartbeat status reports ``step`` K at once, for the orchestrator to continue from. Every push names the
-world's token (:func:`world_token`, drawn at its start): a rank whose push starts over after a ps-manager
-restart joins the ranks of its own world the manager restored, never a dead world's.
+optimizer state and step every N steps (:mod:`.checkpoint`, under ``trainer.checkpoint_dir``). A world that
+starts agrees on where to resume: each rank reads the newest checkpoint it has whole, and one ``all_gather``
+then ``all_reduce(MIN)`` rounds (:func:`agreed_step`) give the newest step K that every rank has; every rank
+loads K, moves its checkpoints above K aside (an earlier world's, or ones another rank lost or holds damaged,
+which would outrank this world's: :func:`checkpoint.prune`, a warning per file naming the ranks that hold
+less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). Before its first step, every
+rank pushes its starting weights as version K declaring that it resumes (``resumes``), so the parameter server
+starts a new lineage there (a dead world's versions above K are retired) and rollout workers have something to
+serve. Its heartbeat status reports ``step`` K at once, for the orchestrator to continue from. Every push
+names the world's token (:func:`world_token`, drawn at its start): a rank whose push starts over after a
+ps-manager restart joins the ranks of its own world the manager restored, never a dead world's.
 
 **A dead peer ends the world.** A rank that learns (``runtime.track_peers()``) that a rank of its own world
 went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
@@ -40,6 +41,7 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -208,34 +210,67 @@ def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimize
     """The step this world starts at (collective: every rank calls it): the newest checkpoint step every rank
     has whole (:func:`agreed_step`), loaded into ``model`` and ``optimizer``; 0 (nothing loaded) when
     checkpoints are off or some rank has none. Once loaded, each rank's checkpoints above that step (an
-    earlier lineage) are removed (:func:`checkpoint.prune`): kept, they would be taken for this world's."""
+    earlier lineage, or ones a rank holding less forces this world below) are moved aside
+    (:func:`checkpoint.prune`, naming the ranks that hold less): left in place, they would be taken for this
+    world's; removed, one rank's damaged disk would cost every rank its progress."""
     if not section.checkpoint_every:
         return 0
     mine = checkpoint.latest_step(section.checkpoint_dir, rank)
-    step = agreed_step(section.checkpoint_dir, rank, mine)
+    agreement = agreed_step(section.checkpoint_dir, rank, mine)
+    step = agreement.step
     if step:
         checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
-    checkpoint.prune(section.checkpoint_dir, rank, step)
+    checkpoint.prune(section.checkpoint_dir, rank, step, cause=agreement.cause())
     log.info("trainer.resumed" if step else "trainer.fresh_start", step=step, rank=rank, newest_here=mine,
              checkpoint_dir=section.checkpoint_dir)
     return step
 
 
-def agreed_step(directory: str, rank: int, newest: int) -> int:
+@dataclass(frozen=True)
+class Agreement:
+    """Where a world resumes (``step``) and what each rank held (``held[r]``: rank r's newest whole
+    checkpoint step and the newest step it has a file named for, readable or not)."""
+
+    step: int
+    held: tuple[tuple[int, int], ...]
+
+    def cause(self) -> str:
+        """Why the world resumes at ``step``, for a rank whose newer checkpoints are moved aside: the ranks
+        holding the least, each with its newest whole step and its newest file when that one is newer
+        (unreadable: torn, damaged or not a checkpoint)."""
+        least = min(whole for whole, _ in self.held)
+        behind = []
+        for rank, (whole, named) in enumerate(self.held):
+            if whole == least:
+                unreadable = f", its step-{named} file unreadable (rank-{rank}/step-{named}.safetensors)" \
+                    if named > whole else ""
+                behind.append(f"rank {rank} has nothing whole above step {whole}{unreadable}")
+        if least > self.step:
+            behind.append(f"no step from {self.step + 1} to {least} is whole on every rank (the ranks hold "
+                          "different lineages)")
+        return "; ".join(behind)
+
+
+def agreed_step(directory: str, rank: int, newest: int) -> Agreement:
     """The newest checkpoint step every rank has whole (collective: every rank calls it; ``newest``: this
-    rank's own newest). Each round, every rank proposes its newest step not above the bound (at first none)
-    and one ``all_reduce(MIN)`` of (proposal, -proposal) gives the lowest and the highest: equal, every rank
-    has that step; else the lowest becomes the bound, which falls every round (down to 0, which every rank
-    has). Ranks of one lineage agree in one round, or two when some rank is a checkpoint behind; ranks
-    holding an earlier world's files that got further take a round per step they disagree on."""
-    proposal = newest
-    while True:
+    rank's own newest), with what each rank held. One ``all_gather`` of each rank's newest whole step (and
+    newest file, to name it when the world goes below it) gives the lowest and the highest: equal, every
+    rank has that step; else each round every rank proposes its newest step not above the lowest and one
+    ``all_reduce(MIN)`` of (proposal, -proposal) gives the lowest and the highest again; the lowest falls
+    every round (down to 0, which every rank has). Ranks of one lineage agree at once, or in one more round
+    when some rank is a checkpoint behind; ranks holding an earlier world's files that got further take a
+    round per step they disagree on."""
+    mine = torch.tensor([newest, checkpoint.newest_file(directory, rank)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    held = tuple((int(t[0].item()), int(t[1].item())) for t in gathered)
+    lowest, highest = min(whole for whole, _ in held), max(whole for whole, _ in held)
+    while lowest != highest:
+        proposal = checkpoint.latest_step(directory, rank, at_most=lowest)
         extremes = torch.tensor([proposal, -proposal], dtype=torch.int64)
         dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
         lowest, highest = int(extremes[0].item()), -int(extremes[1].item())
-        if lowest == highest:
-            return lowest
-        proposal = checkpoint.latest_step(directory, rank, at_most=lowest)
+    return Agreement(lowest, held)
 
 
 def end_world_on_peer_death(runtime: NodeRuntime, trainer: TrainerRank, pids: Mapping[int, int],
