@@ -99,6 +99,9 @@ JOINS_MAX = 4096
 # Host names of metrics URLs waiting to be resolved, at most: past it such a URL is not listed in /sd (a resolver
 # that hangs must not queue lookups without end).
 LOOKUPS_MAX = 64
+# (role, host) pairs whose restarts, and whose departures not yet followed by a join, are counted at most: past it
+# the least recently counted are forgotten (a node names its own host: a peer cannot grow the series for good).
+RESTARTS_MAX = 4096
 # Control requests read before a liveness pass, at most: the heartbeats queued behind a busy loop, and no more,
 # so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
 # probes undrained, no node ever expired).
@@ -245,6 +248,16 @@ def _size_of(member: _Member) -> int:
 Index = Callable[[list], "tuple[str, int] | None"]
 """``index(frames)``: an event's (source, sequence number); None when its header cannot be read."""
 NOT_REPLAYED = ("", -1)  # the key of what no replay selects: unreadable headers, ``sync`` probes
+
+
+def _bounded_add(counts: Counter[tuple[str, str]], key: tuple[str, str], delta: int) -> None:
+    """Add ``delta`` to ``counts[key]`` (a key at 0 is dropped), the key becoming the most recently counted; past
+    ``RESTARTS_MAX`` keys the least recently counted are forgotten."""
+    value = counts.pop(key, 0) + delta
+    if value:
+        counts[key] = value
+    while len(counts) > RESTARTS_MAX:
+        del counts[next(iter(counts))]
 
 
 def frames_of(entry: Any) -> list:
@@ -432,6 +445,10 @@ class Broker:
         self.forwarded = 0  # event messages (a batch counts once)
         self.dropped: Counter[str] = Counter()
         self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
+        # (role, host) -> nodes that went down there and no node of that role has come up there since; and the
+        # joins that followed such a departure: restarts, whether under the same id or a new (pid-based) one.
+        self.departed: Counter[tuple[str, str]] = Counter()
+        self.restarts: Counter[tuple[str, str]] = Counter()
         self.seq = 0
         # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
@@ -584,6 +601,7 @@ class Broker:
                 member.live = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
                 self._count_join((member.info.node_id, member.info.role))
+                self._count_restart((member.info.role, member.info.host))
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
         waiting = self.waiting.pop(probe.token, None)
@@ -599,6 +617,14 @@ class Broker:
         if extra > 0:
             for gone in [key for key in joins if key[0] not in self.members][:extra]:
                 del joins[gone]
+
+    def _count_restart(self, key: tuple[str, str]) -> None:
+        """A node of (role, host) came up: a restart when one of that role went down on that host before and no
+        join has been counted for that departure yet. A restart under a new id that comes up before the broker
+        notices its old process gone counts at the next join there instead (one behind, never lost)."""
+        if self.departed[key]:
+            _bounded_add(self.departed, key, -1)
+            _bounded_add(self.restarts, key, 1)
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -748,6 +774,7 @@ class Broker:
         if member.live:
             log.info("node.down", node=info.node_id, role=info.role, reason=reason)
             self.emit(NodeDown(node_id=info.node_id, role=info.role, reason=reason, last_seen=info.last_seen))
+            _bounded_add(self.departed, (info.role, info.host), 1)
             self._refresh_targets()
 
     def _expire(self) -> None:
@@ -859,6 +886,10 @@ class Broker:
         self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",
                             lambda: {key: float(n) for key, n in dict(self.joins).items()},
                             labels=("member", "member_role"))
+        self.runtime.metric("refbus_bus_restarts_total", "Nodes that came up on a host after a node of their role "
+                            "went down there (a restart, under the same node id or a new one), by role and host.",
+                            lambda: {key: float(n) for key, n in dict(self.restarts).items()},
+                            labels=("member_role", "member_host"))
         self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by their role.",
                       lambda: dict(Counter((m.info.role,) for m in list(self.members.values()) if m.live)),
                       labels=("member_role",), kind="gauge")

@@ -200,6 +200,73 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
             runtime.join(WAIT_S)
 
 
+def test_restarts_are_counted_by_role_and_host_whatever_the_node_ids(broker: tuple[Broker, FakeClock]) -> None:
+    """Default node ids hold the pid, so a node restarting in a loop comes up under a new id each time and its
+    per-id join count never passes 1 (``RefbusNodeRestartLoop`` could not fire). The broker also counts, by role
+    and host, every join that follows a departure there: a worker restarted five times, once before its
+    predecessor left (that one counted at the next join there, still pending), is 4 restarts; env servers that
+    came up once and left cleanly are none."""
+    node, _ = broker
+    control = node.runtime.endpoints["control"]
+
+    def started(role: str, node_id: str, host: str) -> NodeRuntime:
+        runtime = NodeRuntime(role, RuntimeSettings(bus=control, node_id=node_id, host=host, metrics_port=-1))
+        runtime.start_background()
+        wait_for(lambda: on_loop(node, lambda: node_id in node.members and node.members[node_id].live), WAIT_S,
+                 f"{node_id} live")
+        return runtime
+
+    healthy = [started("env-server", f"env-server-h1-{pid}", "h1") for pid in (10, 11, 12)]
+    previous = started("worker", "worker-h1-100", "h1")
+    try:
+        for pid in (101, 102, 103):  # crashed (its bye still sent) and restarted under a new pid
+            previous.join(WAIT_S)
+            previous = started("worker", f"worker-h1-{pid}", "h1")
+        overlapping = started("worker", "worker-h1-104", "h1")  # up before its predecessor is gone
+        previous.join(WAIT_S)
+        previous = overlapping
+        assert on_loop(node, lambda: dict(node.restarts)) == {("worker", "h1"): 3}
+        previous.join(WAIT_S)
+        previous = started("worker", "worker-h1-105", "h1")
+        for runtime in healthy:
+            runtime.join(WAIT_S)
+        assert on_loop(node, lambda: (dict(node.restarts), dict(node.departed))) == (
+            {("worker", "h1"): 4}, {("worker", "h1"): 1, ("env-server", "h1"): 3})
+    finally:
+        previous.join(WAIT_S)
+        for runtime in healthy:
+            runtime.join(WAIT_S)
+
+
+def test_restarts_counted_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host a node names is a key: past ``RESTARTS_MAX`` (role, host) pairs the least recently counted are
+    forgotten, so nodes naming ever new hosts cannot grow the series for good."""
+    monkeypatch.setattr(bus_broker, "RESTARTS_MAX", 2)
+    runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
+    prober = WireCodec("prober")
+    try:
+        def cycle(node_id: str, host: str) -> None:
+            """``node_id`` comes up on ``host`` and goes down."""
+            info = NodeInfo(node_id=node_id, role="worker", host=host, pid=1)
+            node.members[node_id] = bus_broker._Member(info, f"join-{node_id}", 0.0)
+            node._probe_seen(prober.encode(Sync(token=f"join-{node_id}")))
+            node._remove(node.members[node_id], "timeout")
+
+        for i in range(5):
+            cycle(f"a-{i}", "a")
+        assert (dict(node.restarts), dict(node.departed)) == ({("worker", "a"): 4}, {("worker", "a"): 1})
+        for i in range(10):  # hosts named by a peer, each restarted once
+            cycle(f"garbage-{i}-0", f"host-{i}")
+            cycle(f"garbage-{i}-1", f"host-{i}")
+        cycle("a-5", "a")  # its pair was forgotten: counted again from its next departure
+        cycle("a-6", "a")
+        expected = {("worker", "host-9"): 1, ("worker", "a"): 1}
+        assert (dict(node.restarts), dict(node.departed)) == (expected, expected)
+    finally:
+        runtime.close()
+
+
 def test_requests_and_events_that_keep_coming_hold_neither_the_liveness_pass_nor_a_replay() -> None:
     """Before judging liveness the broker reads the heartbeats queued behind a busy loop, and before a replay what
     its capture holds. Both reads are bounded: requests (or events) arriving faster than the broker handles them
@@ -320,6 +387,7 @@ def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch:
         runtime._serve_metrics()
         node.dropped["malformed"] = _GrowsItsDict(node.dropped, lambda n: f"code-{n}")  # type: ignore[assignment]
         node.joins[("w", "worker")] = _GrowsItsDict(node.joins, lambda n: (f"w-{n}", "worker"))  # type: ignore[assignment]
+        node.restarts[("worker", "h")] = _GrowsItsDict(node.restarts, lambda n: ("worker", f"h-{n}"))  # type: ignore[assignment]
         node.members["w"] = _MemberThatJoinsAnother(node.members, "worker")  # type: ignore[assignment]
         calls = runtime.calls
         calls.outcomes["reply"] = _GrowsItsDict(calls.outcomes, lambda n: f"outcome-{n}")  # type: ignore[assignment]
@@ -330,6 +398,7 @@ def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch:
         servers.append(servers[0])
         assert readers["refbus_bus_events_dropped_total"]()[("malformed",)] == 1.0
         assert readers["refbus_bus_joins_total"]()[("w", "worker")] == 1.0
+        assert readers["refbus_bus_restarts_total"]()[("worker", "h")] == 1.0
         assert readers["refbus_bus_nodes"]() == {("worker",): 1}
         assert readers["refbus_request_outcomes_total"]()[("reply",)] == 1.0
         assert readers["refbus_replies_rejected_total"]()[("malformed",)] == 1.0
