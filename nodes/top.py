@@ -1,14 +1,17 @@
 """`refbus top`: a live table of the cluster's nodes, from the broker's registry.
 
 Every refresh asks the broker for its registry (a ``nodes`` request) and shows one row per live node: id,
-role, host, pid, blobs and bytes held, version, lag and heartbeat age. Blobs, bytes and version come from
-the ``status`` numbers each node sends with its heartbeats (``blobs_held``, ``bytes_held``, ``version``, or
-``step`` for roles that count steps); a role that does not report one shows ``-``, and so does a version
-below 0 (a rollout worker with no weights, or torn ones) and any number that is not finite. Lag is the
-highest version any node reports minus the node's own. Text a node reports (id, role, host) is shown with
-non-printable characters escaped (``\\x1b``), so a registry entry cannot drive the terminal. The broker
-itself is not a registry member, so it is not a row; the title line names the cluster and the broker's
-address.
+role, host, pid, blobs and bytes held, version, lag and heartbeat age. Blobs, bytes and version come from the
+``status`` numbers each node sends with its heartbeats (``blobs_held``, ``bytes_held``, ``version``, or
+``step`` for roles that count steps); a role that does not report one shows ``-``, and so does a version below
+0 (a rollout worker with no weights, or torn ones) and any number that is not finite. Lag is how many versions
+a node is behind the newest: the highest ``version`` any node reports (the ps-manager's committed version, a
+rollout worker's weights, the orchestrator's policy) minus the node's own, never below 0. A ``step`` sets no
+newest: a trainer reports the step it trains, which while it trains it is one past the newest version, so a
+rollout worker serving the newest version reads 0, and so does that trainer. Text a node reports (id, role,
+host) is shown with non-printable characters escaped (``\\x1b``), so a registry entry cannot drive the
+terminal. The broker itself is not a registry member, so it is not a row; the title line names the cluster and
+the broker's address.
 
 A registry whose entries would not fit one answer within the body limit comes cut (the broker leaves the largest
 out): top shows the nodes that came and says how many were left out, ``N nodes left out (registry answer over the
@@ -92,12 +95,13 @@ def rows(nodes: Sequence[NodeInfo], now: float) -> list[Row]:
     """The table for ``nodes`` at wall-clock time ``now``, sorted by role then node id.
 
     ``version`` is the node's ``version`` status, else its ``step`` (None below 0 and when not finite, as
-    every number here); ``lag`` is the highest version of all rows minus this one's (both known); heartbeat
+    every number here); ``lag`` is the highest ``version`` status of all rows (a ``step`` is none: see the
+    module docstring) minus this row's version, at least 0 (both known); heartbeat
     age is ``now - last_seen``, never negative (the broker's clock stamps ``last_seen``; another host's clock
     may run slightly ahead).
     """
     versions = {n.node_id: _version(n.status) for n in nodes}
-    known = [v for v in versions.values() if v is not None]
+    known = [v for n in nodes if "version" in n.status and (v := versions[n.node_id]) is not None]
     newest = max(known) if known else None
     table = []
     for node in sorted(nodes, key=lambda n: (n.role, n.node_id)):
@@ -110,7 +114,7 @@ def rows(nodes: Sequence[NodeInfo], now: float) -> list[Row]:
             blobs_held=finite(node.status.get("blobs_held")),
             bytes_held=finite(node.status.get("bytes_held")),
             version=version,
-            lag=newest - version if newest is not None and version is not None else None,
+            lag=max(0.0, newest - version) if newest is not None and version is not None else None,
             heartbeat_age_s=max(0.0, finite(now - node.last_seen) or 0.0),
         ))
     return table

@@ -68,6 +68,21 @@ def test_a_negative_or_non_finite_number_is_no_number() -> None:
     assert table["tr\x1b[2J"].version is None
 
 
+def test_a_rollout_on_the_newest_version_lags_0_while_a_step_is_in_progress() -> None:
+    """A trainer reports the step it trains: while it trains step 4 that is 5, one past the newest version (4).
+    It set the newest, so rollout workers serving version 4 read a lag of 1. A step sets none now, and no
+    garbage number (NaN, negative, not a number) does either."""
+    nodes = [NodeInfo("t0", "trainer", "h", 1, status={"step": 5.0}), NodeInfo("t1", "trainer", "h", 2, status={}),
+             NodeInfo("pm", "ps-manager", "h", 3, status={"version": 4.0}),
+             NodeInfo("r0", "rollout-worker", "h", 4, status={"version": 4.0}),
+             NodeInfo("r1", "rollout-worker", "h", 5, status={"version": 3.0}),
+             NodeInfo("bad", "rollout-worker", "h", 6, status={"version": NAN, "step": 9.0}),
+             NodeInfo("neg", "rollout-worker", "h", 7, status={"version": -5.0})]
+    assert {r.node_id: r.lag for r in rows(nodes, 0.0)} == {
+        "t0": 0.0, "t1": None, "pm": 0.0, "r0": 0.0, "r1": 1.0, "bad": None, "neg": None}
+    assert {r.node_id: r.lag for r in rows(nodes[:2], 0.0)} == {"t0": None, "t1": None}  # no version: no newest
+
+
 def test_the_table_escapes_what_nodes_report() -> None:
     text = format_table(rows(_nodes(), 100.0), "title\x1b[H")
     assert all(line.isprintable() for line in text.splitlines())
