@@ -27,7 +27,10 @@ Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledg
 first event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders
 (orchestrator, trainers, rollouts) have stopped, the launcher asks every env server for its own counters and
 reconciles them with the fold, publishes ``run-end``, then stops the env servers and folds their last
-deletes. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for
+deletes. The steps and versions the summary counts are the ``version-bump`` events of the node the broker
+reported up as the ps-manager; any other sender's are refused (``version_bumps_refused``, the first logged
+``up.version_bump_refused``), and one from a sender not reported up yet is held until the broker says which
+role it is. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for
 is listed as unaccounted, and so is an env server whose counters could not be read (it did not answer, or is
 missing from the registry, or the broker gave no registry): the run is then not ok.
 """
@@ -74,6 +77,11 @@ MiB = 1 << 20
 POLL_INTERVAL_S = 0.1  # the launcher's main loop: deaths, restarts, chaos, progress lines
 STOP_GRACE_FACTOR = 2.0  # a node still running this many node.shutdown_timeout_s after SIGTERM gets SIGKILL
 SETTLE_S = 0.05  # how long the launcher lets the watcher fold before it looks again
+MANAGER_ROLE = "ps-manager"  # the only role whose ``version-bump`` the summary takes
+# ``version-bump`` events from nodes the broker has not reported up yet, held until it says whether each is the
+# ps-manager, at most: past it the oldest is dropped (a genuine one comes after its sender's node-up but for
+# the rare reordering of two publishers; a flood from unknown senders costs no more).
+UNCONFIRMED_BUMPS_MAX = 256
 
 
 def _doubles() -> array[float]:
@@ -107,6 +115,12 @@ class RunRecord:
     # each naming the incarnation (pid, start time) of the node's latest node-up.
     liveness: deque[Liveness] = dataclasses.field(default_factory=deque)
     joined: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # Node ids the broker reported up as the ps-manager (kept once down: a restart keeps the id, and a bump
+    # may come after its sender's node-down), and the bumps of senders it has not reported up yet, with when
+    # each came, oldest first.
+    managers: set[str] = dataclasses.field(default_factory=set)
+    unconfirmed_bumps: deque[tuple[str, int, float]] = dataclasses.field(default_factory=deque)
+    refused_bumps: int = 0
 
     def on_event(self, message: Message) -> None:
         with self.lock:
@@ -117,6 +131,7 @@ class RunRecord:
                 node = body.node
                 self.joined[node.node_id] = (node.pid, node.started)
                 self.liveness.append(Liveness(node.node_id, up=True, pid=node.pid, started=node.started))
+                self._confirm_bumps(node.node_id, node.role)
             else:
                 pid, started = self.joined.get(body.node_id, (0, 0.0))
                 self.liveness.append(Liveness(body.node_id, up=False, pid=pid, started=started, reason=body.reason))
@@ -133,8 +148,38 @@ class RunRecord:
         elif isinstance(body, Delete) and body.reason != LOST:  # a store's mirror of its own removal
             self.deleted_by_version[max(self.versions, default=0)][body.reason] += len(body.blob_ids)
         elif isinstance(body, VersionBump):
-            self.versions.append(body.version)
-            self.version_seconds.append(time.monotonic() - self.started)
+            self._on_bump(message.header.src, body.version, time.monotonic() - self.started)
+
+    def _on_bump(self, src: str, version: int, at_s: float) -> None:
+        """A ``version-bump`` from ``src``: taken when the broker reported ``src`` up as the ps-manager, refused
+        (:meth:`_refuse_bump`) when it reported it up as another role, else held until it does either."""
+        if src in self.managers:
+            self.versions.append(version)
+            self.version_seconds.append(at_s)
+        elif src in self.joined:
+            self._refuse_bump(src, version)
+        else:
+            self.unconfirmed_bumps.append((src, version, at_s))
+            if len(self.unconfirmed_bumps) > UNCONFIRMED_BUMPS_MAX:
+                self._refuse_bump(*self.unconfirmed_bumps.popleft()[:2])
+
+    def _confirm_bumps(self, node_id: str, role: str) -> None:
+        """The broker reported ``node_id`` up as ``role``: its held bumps are taken (the ps-manager) or refused."""
+        if role == MANAGER_ROLE:
+            self.managers.add(node_id)
+        held = [bump for bump in self.unconfirmed_bumps if bump[0] == node_id]
+        if held:
+            self.unconfirmed_bumps = deque(bump for bump in self.unconfirmed_bumps if bump[0] != node_id)
+            for src, version, at_s in held:
+                self._on_bump(src, version, at_s)
+
+    def _refuse_bump(self, src: str, version: int) -> None:
+        """Count a ``version-bump`` not from the ps-manager; the first of each run is logged, naming its sender (a
+        sender that floods costs one line)."""
+        self.refused_bumps += 1
+        if self.refused_bumps == 1:
+            log.warning("up.version_bump_refused", src=src, version=version,
+                        detail="only the ps-manager's version-bump counts; later ones are counted, not logged")
 
     def take_liveness(self) -> list[Liveness]:
         """The node-up/node-down reports since the last call, in stream order."""
@@ -603,6 +648,8 @@ def _summary(record: RunRecord, peak_rss: int, config: Config, *, interrupted: b
         "violations": report.violations[:50],
         "dropped_micro_batches": record.failed_micro_batches,
         "ps_versions": sorted(set(record.versions)),
+        # Not from the ps-manager, or from a sender the broker never reported up: counted in no version.
+        "version_bumps_refused": record.refused_bumps + len(record.unconfirmed_bumps),
     }
 
 

@@ -27,13 +27,18 @@ from typing import Any
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from refbus.bus.broker import Broker, BrokerSettings
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes import up as up_module
 from refbus.nodes.cli import _command, build_parser
 from refbus.nodes.config import Config, ConfigError, load_config
 from refbus.nodes.launch import NodeProcess, NodeStartError
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
+from refbus.nodes.supervisor import BROKER
 from refbus.nodes.up import LocalCluster, RunRecord, _report, _summary, run_up
-from refbus.protocol.messages import StepBatch
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import NodeInfo, NodeUp, StepBatch, VersionBump
 from stalling_entry_points import STALL_ENV
 
 CLI = [sys.executable, "-m", "refbus.nodes.cli"]
@@ -304,6 +309,86 @@ prompt source is a quick curriculum whose rising level the progress lines and th
         up.close()
         if log is not None:
             log.monitor.stop()
+
+
+def test_the_summary_takes_version_bumps_from_the_ps_manager_only() -> None:
+    """Before, ``refbus up`` counted every ``version-bump`` on the stream, whoever sent it: a rollout worker's
+    (or any peer's) bump of version 999 made the summary report 999 steps trained. Against a real broker, a
+    rollout worker's bump is refused and the ps-manager's are taken, by the role the broker reported each up
+    as."""
+    loopback = "tcp://127.0.0.1:0"
+    bus = NodeRuntime(BROKER, RuntimeSettings(node_id=BROKER, metrics_port=-1), register=False)
+    Broker(bus, BrokerSettings(control=loopback, events_in=loopback, events_out=loopback))
+    bus.start_background()
+    control = bus.endpoints["control"]
+    record = RunRecord()
+    started: list[NodeRuntime] = []
+    try:
+        watcher = NodeRuntime("monitor", RuntimeSettings(bus=control, node_id="up-watcher", metrics_port=-1))
+        bumps: list[tuple[str, int]] = []  # every bump the record has folded, by sender
+
+        def on_event(message: Any) -> None:
+            record.on_event(message)
+            if isinstance(message.body, VersionBump):
+                bumps.append((message.header.src, message.body.version))
+
+        watcher.subscribe(on_event, since=0)
+        nodes = {role: NodeRuntime(role, RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1))
+                 for role, node_id in (("ps-manager", "ps-manager"), ("rollout-worker", "rollout-0"))}
+        for runtime in (watcher, *nodes.values()):
+            runtime.start_background()
+            started.append(runtime)
+        wait_for(lambda: {"ps-manager", "rollout-0"} <= record.joined.keys(), START_S, "both nodes reported up")
+
+        def bump(role: str, *versions: int) -> None:
+            nodes[role].call_soon(lambda: [nodes[role].publish(VersionBump(version=v, nbytes=0, manifest_digest="d"))
+                                           for v in versions])
+
+        bump("rollout-worker", 999)
+        bump("ps-manager", 0, 1)
+        wait_for(lambda: len(bumps) == 3, START_S, "the three bumps folded")
+        assert sorted(bumps) == [("ps-manager", 0), ("ps-manager", 1), ("rollout-0", 999)]
+        assert record.versions == [0, 1]
+    finally:
+        for runtime in reversed(started):
+            runtime.join(STOP_S)
+        bus.join(STOP_S)
+    config = Config()
+    config.up = dataclasses.replace(config.up, steps=1)
+    summary = _summary(record, 0, config, interrupted=False, failed=[], problems=[])
+    assert (summary["steps"], summary["ps_versions"], summary["version_bumps_refused"]) == (1, [0, 1], 1)
+
+
+def test_a_bump_before_its_senders_node_up_waits_for_it_and_unknown_senders_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two publishers' events may cross: a bump seen before its sender's node-up is held until the broker says
+    the sender's role (taken for the ps-manager, refused for any other). Bumps of senders never reported up are
+    held at most ``UNCONFIRMED_BUMPS_MAX``, the oldest refused first, and count as refused in the summary."""
+    monkeypatch.setattr(up_module, "UNCONFIRMED_BUMPS_MAX", 3)
+    record = RunRecord()
+
+    def event(src: str, body: Any) -> None:
+        record.on_event(WireCodec(src).decode(WireCodec(src).encode(body)))
+
+    def up(node_id: str, role: str) -> None:
+        event(BROKER, NodeUp(node=NodeInfo(node_id=node_id, role=role, host="h", pid=1)))
+
+    event("ps-manager", VersionBump(version=0, nbytes=0, manifest_digest="d"))
+    event("rollout-0", VersionBump(version=999, nbytes=0, manifest_digest="d"))
+    up("rollout-0", "rollout-worker")
+    up("not-the-broker", "ps-manager")  # a node-up not from the broker says nothing
+    event("not-the-broker", NodeUp(node=NodeInfo(node_id="ps-manager", role="ps-manager", host="h", pid=1)))
+    assert (record.versions, record.refused_bumps) == ([], 1)
+    up("ps-manager", "ps-manager")
+    event("ps-manager", VersionBump(version=1, nbytes=0, manifest_digest="d"))
+    assert (record.versions, record.refused_bumps) == ([0, 1], 1)
+    for i in range(5):  # senders the broker never reported up
+        event(f"ghost-{i}", VersionBump(version=10**6 + i, nbytes=0, manifest_digest="d"))
+    assert record.refused_bumps == 3 and [src for src, *_ in record.unconfirmed_bumps] == ["ghost-2", "ghost-3",
+                                                                                          "ghost-4"]
+    config = Config()
+    summary = _summary(record, 0, config, interrupted=False, failed=[], problems=[])
+    assert (summary["steps"], summary["version_bumps_refused"]) == (1, 6)
 
 
 def test_a_store_whose_counters_were_not_read_makes_the_run_not_ok(capsys: pytest.CaptureFixture[str]) -> None:
