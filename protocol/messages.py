@@ -380,6 +380,9 @@ class Generate(Body, frozen=True):
 
     prompt: list[int]  # token ids
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)]  # tokens to generate at most
+    # Seconds the sender waits for the reply from sending it (0: not said, as by an older sender): a worker
+    # drops a request still queued that long after it arrived, unstarted (answered ``expired``).
+    deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 @register_kind("generated")

@@ -84,6 +84,8 @@ def test_each_way_a_generation_ends_answers_its_run_once(bus: tuple[NodeProcess,
         wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
         generated, stranded = run_async(orchestrator, "ep-0"), run_async(orchestrator, "ep-1")
         wait_for(lambda: len(first.held) == 2, 5, "both generations at the rollout")
+        # Each names how long the env server waits for it: the worker drops it unstarted after that.
+        assert [ask.deadline_s for _, ask in first.held] == [GENERATE_TIMEOUT_S] * 2
         first.answer(0)
         reply = answer_to(orchestrator, generated)
         assert isinstance(reply.body, Ok) and reply.body.detail.startswith("reward=")

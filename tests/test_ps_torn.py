@@ -74,7 +74,7 @@ def test_a_pull_torn_half_way_stops_generation_until_a_full_pull(cluster: PsClus
         worker.refresh()
         assert worker.version == 0 and worker.torn is None
         ask = Generate(prompt=[1, 2, 3], max_new_tokens=2)
-        assert worker._generate(ask).policy_version == 0
+        assert worker._generate(ask, worker._clock()).policy_version == 0
 
         _push_world_of_two(pusher, dict(new), 1)
         frozen: list[str] = []
@@ -103,14 +103,15 @@ def test_a_pull_torn_half_way_stops_generation_until_a_full_pull(cluster: PsClus
         generated = worker.generated
         for _ in range(3):
             with pytest.raises(HandlerError) as refused:
-                worker._generate(ask)  # tries a full pull first: version 1 lost half its copies, so it fails
+                # It tries a full pull first: version 1 lost half its copies, so it fails.
+                worker._generate(ask, worker._clock())
             assert refused.value.code == "no-weights" and "torn" in str(refused.value)
         assert worker.generated == generated, "an episode was generated with mixed weights"
 
         # A full pull of a version that is whole restores service, with exactly its bytes.
         newest = make_policy(3).state_dict()
         pusher.push(dict(newest), 2)
-        reply = worker._generate(ask)
+        reply = worker._generate(ask, worker._clock())
         assert reply.policy_version == 2 and worker.torn is None
         assert _same(_weights(worker.model), newest) == sorted(newest)
     finally:
@@ -154,12 +155,12 @@ def test_a_worker_killed_mid_refresh_is_refused_until_its_restart_serves_that_ve
         assert worker.torn_pulls == 1
         ask = Generate(prompt=[1, 2, 3], max_new_tokens=2)
         with pytest.raises(HandlerError) as refused:
-            worker._generate(ask)  # its pull first: w1's half is still missing
+            worker._generate(ask, worker._clock())  # its pull first: w1's half is still missing
         assert refused.value.code == "no-weights" and worker.generated == 0
 
         restarted = restart_worker(spawn, cluster, "w1")
         assert {w.worker: w.pid for w in pusher.status().workers}["w1"] == restarted.pid
-        reply = worker._generate(ask)
+        reply = worker._generate(ask, worker._clock())
         assert reply.policy_version == 1 and worker.torn is None and worker.generated == 1
         assert _same(_weights(worker.model), new) == sorted(new)
         status = pusher.status()
@@ -190,7 +191,7 @@ def test_a_worker_killed_mid_refresh_with_a_second_copy_never_tears_the_weights(
         worker.refresh()
         assert written and worker.version == 1 and worker.torn is None and worker.torn_pulls == 0
         assert _same(_weights(worker.model), new) == sorted(new)
-        assert worker._generate(Generate(prompt=[1, 2, 3], max_new_tokens=2)).policy_version == 1
+        assert worker._generate(Generate(prompt=[1, 2, 3], max_new_tokens=2), worker._clock()).policy_version == 1
         assert pusher.status().leases == 0
     finally:
         runtime.close()

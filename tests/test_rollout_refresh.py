@@ -1,20 +1,32 @@
 """The rollout worker's weight refreshes, against a fake PS client and offload queue (no processes): a bump
 that arrives while a refresh is queued or running is not lost, a manager that does not answer costs the
 queued generations one refresh attempt per tick, not one each, and a new lineage's version numbered as the
-retired one the worker serves is pulled, told apart by its manifest digest."""
+retired one the worker serves is pulled, told apart by its manifest digest. And its queue of generations,
+against its real socket: one whose sender's deadline passed while queued is dropped unstarted."""
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq
+from polling import wait_for
+from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.reqrep import HandlerError, RequestTimeout
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.sockets import make_socket, recv_frames, send_frames
+from refbus.nodes.config import Config
 from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
-from refbus.protocol.messages import Generate, VersionBump
+from refbus.nodes.toy.policy import generate as toy_generate
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Error, Generate, VersionBump
 from refbus.protocol.messages_ps import PsState
+
+WAIT_S = 10.0
 
 
 class FakeOffload:
@@ -116,13 +128,13 @@ def test_a_silent_manager_costs_queued_generations_one_refresh_per_tick() -> Non
     ask = Generate(prompt=[1, 2], max_new_tokens=2)
     for _ in range(5):  # generations queued while the worker has no weights and the manager is silent
         with pytest.raises(HandlerError) as refused:
-            worker._generate(ask)
+            worker._generate(ask, worker._clock())
         assert refused.value.code == "no-weights"
     assert ps.asked == 1
     clock.now += REFRESH_EVERY_S  # a tick later: one more attempt
     for _ in range(3):
         with pytest.raises(HandlerError):
-            worker._generate(ask)
+            worker._generate(ask, worker._clock())
     assert ps.asked == 2
 
 
@@ -157,3 +169,70 @@ def test_a_manager_that_sends_no_digest_is_polled_by_number_alone() -> None:
     worker._want_refresh()
     offload.run_next()
     assert ps.pulled == []
+
+
+def test_generations_whose_sender_gave_up_are_dropped_unstarted() -> None:
+    """Before, a worker slower than its requests generated every one it had queued, long after the env server
+    had given up on it (``generate`` has no retry: its reply was a stray). Against a real worker's socket: while
+    one generation holds the model, three requests wait past the deadline they name and are answered
+    ``expired``, unstarted; one naming no deadline (an older sender) is generated; a deadline that is no
+    duration (negative, NaN) is refused ``schema`` at once, the worker going on."""
+    loopback = "tcp://127.0.0.1:0"
+    bus = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
+    Broker(bus, BrokerSettings(control=loopback, events_in=loopback, events_out=loopback))
+    bus.start_background()
+    runtime = NodeRuntime("rollout", RuntimeSettings(bus=bus.endpoints["control"], node_id="rollout-x",
+                                                     metrics_port=-1))
+    worker = RolloutWorker(runtime, Config())
+    clock, entered, release = Clock(), threading.Event(), threading.Event()
+    worker.refresh, worker._clock, worker.version = lambda: None, clock, 0  # type: ignore[method-assign]
+
+    def held_first(*args: Any, **kwargs: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(WAIT_S), "the test never released the first generation"
+        return toy_generate(*args, **kwargs)
+
+    worker.generate = held_first
+    ctx = zmq.Context()
+    sock = None
+    try:
+        runtime.start_background()
+        sock = make_socket(ctx, zmq.DEALER, connect=runtime.endpoints["generate"])
+        codec = WireCodec("env-x")
+        sent: dict[str, str] = {}
+
+        def ask(name: str, deadline_s: float) -> None:
+            msg_id = codec.new_id()
+            sent[msg_id] = name
+            send_frames(sock, codec.encode(Generate(prompt=[1, 2], max_new_tokens=2, deadline_s=deadline_s),
+                                           msg_id=msg_id))
+
+        ask("first", 1.0)
+        assert entered.wait(WAIT_S), "the first generation never started"
+        for name, deadline_s in (("late-0", 1.0), ("late-1", 1.0), ("late-2", 1.0), ("no-deadline", 0.0),
+                                 ("negative", -1.0), ("nan", math.nan)):
+            ask(name, deadline_s)
+        answers: dict[str, str] = {}
+
+        def read() -> None:
+            while sock.poll(0):
+                reply = codec.decode(recv_frames(sock))
+                body = reply.body
+                answers[sent[reply.header.re]] = body.code if isinstance(body, Error) else body.kind
+
+        # Refused as they arrive, after the worker's loop took every request sent before them.
+        wait_for(lambda: read() or {"negative", "nan"} <= answers.keys(), WAIT_S, "the garbage refused")
+        clock.now += 1.0  # the senders' deadlines pass while the first generation holds the model
+        release.set()
+        wait_for(lambda: read() or len(answers) == len(sent), WAIT_S, "every request answered")
+        assert answers == {"first": "generated", "late-0": "expired", "late-1": "expired", "late-2": "expired",
+                           "no-deadline": "generated", "negative": "schema", "nan": "schema"}
+        assert (worker.generated, worker.expired) == (2, 3)
+    finally:
+        release.set()
+        if sock is not None:
+            sock.close(linger=0)
+        runtime.join(WAIT_S)
+        bus.join(WAIT_S)
+        ctx.term()

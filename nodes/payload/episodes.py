@@ -104,9 +104,12 @@ class EpisodeRunner:
         calls = self.runtime.calls
         endpoint = min(sorted(self.rollouts), key=calls.in_flight)
         # Sent once: a rollout worker does not cache generations, so a resend would generate twice.
-        calls.request(endpoint, Generate(prompt=run.prompt, max_new_tokens=self.settings.max_new_tokens),
+        # Its deadline goes with it: the worker drops it unstarted once this node has given up on it.
+        deadline_s = self.settings.generate_timeout_s
+        calls.request(endpoint, Generate(prompt=run.prompt, max_new_tokens=self.settings.max_new_tokens,
+                                         deadline_s=deadline_s),
                       lambda outcome: self._generated(run, pending, endpoint, outcome),
-                      deadline_s=self.settings.generate_timeout_s, policy=SEND_ONCE, backend="numpy")
+                      deadline_s=deadline_s, policy=SEND_ONCE, backend="numpy")
 
     def _generated(self, run: Run, pending: Pending, endpoint: str, outcome: Outcome) -> None:
         if isinstance(outcome, RemoteError):

@@ -27,6 +27,13 @@ pull never changes the weights under a generation. A pull goes ahead of the gene
 bump is acted on once the generation in progress ends; one that arrives while a refresh is queued or
 running queues another refresh when that one ends. The ``generate`` reply is deferred and sent from the
 loop thread.
+
+Abandoned requests: a ``generate`` says how long its sender waits (``deadline_s``). One still queued that
+long after it arrived is dropped when its turn comes, unstarted: its sender has given up on it, and a worker
+slower than its requests would otherwise spend all its time on generations nobody waits for. It is answered
+``expired`` (a reply the sender no longer reads), counted (``refbus_rollout_expired_total``) and logged
+(``generate.expired``). The time is measured from its arrival here, never from the sender's clock: the
+worker may start one its sender has just given up on, never drop one its sender still waits for.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class RolloutWorker:
         self.torn: TornPull | None = None  # the failed pull that tore the weights, until a full pull (offload)
         self.torn_pulls = 0
         self.generated = 0
+        self.expired = 0  # generations dropped unstarted: their sender had given up (offload thread)
         self._refresh_queued = False  # loop thread
         self._refresh_missed = False  # loop thread: a bump came while a refresh was queued or running
         self._clock = time.monotonic
@@ -91,6 +99,9 @@ class RolloutWorker:
         runtime.metric("refbus_rollout_policy_version", "Weights version this rollout worker serves.",
                        lambda: {(): float(self.version)}, kind="gauge")
         runtime.metric("refbus_rollout_generated_total", "Sequences generated.", lambda: {(): float(self.generated)})
+        runtime.metric("refbus_rollout_expired_total",
+                       "Generations dropped unstarted: their sender's deadline had passed while they were queued.",
+                       lambda: {(): float(self.expired)})
         runtime.metric("refbus_rollout_torn_pulls_total",
                        "Weight pulls that failed part-way and left the model torn (generation refused until a "
                        "full pull).", lambda: {(): float(self.torn_pulls)})
@@ -128,7 +139,9 @@ class RolloutWorker:
         ask = request.body
         assert isinstance(ask, Generate)
         pending = self.server.pending
-        self.offload.submit(lambda: self._generate(ask), lambda reply: self.server.answer(pending, _reply(reply)))
+        arrived = self._clock()
+        self.offload.submit(lambda: self._generate(ask, arrived),
+                            lambda reply: self.server.answer(pending, _reply(reply)))
         return None  # answered from the loop thread once generated
 
     # --- offload thread ------------------------------------------------------------------------------
@@ -164,7 +177,16 @@ class RolloutWorker:
             self.version, self.digest = state.version, state.digest
         self.torn = None
 
-    def _generate(self, ask: Generate) -> Generated:
+    def _generate(self, ask: Generate, arrived: float) -> Generated:
+        """Generate for ``ask`` (arrived at ``arrived``, on :attr:`_clock`): refused ``expired`` when its sender's
+        deadline has passed since, ``no-weights`` without whole weights."""
+        waited = self._clock() - arrived
+        if 0 < ask.deadline_s <= waited:
+            self.expired += 1
+            log.warning("generate.expired", waited_s=round(waited, 3), deadline_s=ask.deadline_s,
+                        expired=self.expired)
+            raise HandlerError("expired", f"queued {waited:.3f}s, past the sender's deadline of {ask.deadline_s}s: "
+                               "dropped unstarted")
         if self.version < 0 and self._clock() - self._unanswered_at >= REFRESH_EVERY_S:
             self.refresh()  # not again within a tick of one unanswered: each would wait out its whole retries
         if self.torn is not None:
