@@ -7,6 +7,7 @@ claimed for them, hand-over and run outcomes, the time) and checks the actions t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import msgspec
@@ -597,7 +598,9 @@ def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_ever
 def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water_mark() -> None:
     """Episodes of one charge each, a store whose high-water mark is 8 charges: 8 episodes' worth. With 2
     episodes held (one kept since the last registry read), the next dispatch sends 3 groups of 2 runs, and no
-    more until runs finish and their episodes are deleted."""
+    more until runs finish and their episodes are deleted. An answered run keeps its room until its episode
+    counts as held (its answer comes before its episode's event), and an episode kept since the read before
+    the last one still counts (the status a read brings may predate it)."""
     core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=16), DEADLINES, prompts=lambda rng: [1])
     early = episode("early-0", "early", 1.0)
     charge = float(episode_charge(early))
@@ -611,9 +614,15 @@ def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water
     sent = of(SendRun, core.dispatch(T0))
     assert len(sent) == 6 and core.router.room("tcp://env-a") == 0 and core.stores_full
     assert core.dispatch(T0 + 1) == []
-    for run in sent[:2]:  # one group's runs came back and their episodes were deleted meanwhile
+    for run in sent[:2]:  # one group's runs came back
         core.on_run_done(T0 + 2, run.run.episode_id, None)
-    core.use_replicas([store])  # the registry still says one episode held
+    assert core.router.room("tcp://env-a") == 0 and core.dispatch(T0 + 2) == []  # their episodes are on their way
+    for run in sent[:2]:
+        core.on_episode(T0 + 2, episode(run.run.episode_id, run.run.group, 1.0), [])
+    assert core.router.room("tcp://env-a") == 0  # held now, no longer reserved
+    core.use_replicas([store])  # their episodes were deleted meanwhile: the registry still says one held
+    assert core.router.room("tcp://env-a") == 0  # but this status may predate the three episodes kept since
+    core.use_replicas([store])
     assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.full_pauses == 2  # full again at once
 
 
@@ -654,6 +663,85 @@ def test_backpressure_never_deadlocks_when_the_stores_hold_less_than_a_step() ->
     for run in sent:
         core.on_run_done(T0 + 2, run.run.episode_id, None)
     assert len(of(SendRun, core.dispatch(T0 + 3))) == 2 and core.starved == 2
+
+
+def _budgeted(node_id: str, held: float, budget: float) -> NodeInfo:
+    """An env server of source ``env`` holding ``held`` bytes of ``budget`` (high-water mark 0.8)."""
+    return NodeInfo(node_id=node_id, role="env-server", host="h", pid=9, endpoints={"blobs": f"tcp://{node_id}"},
+                    labels={"source": "env"}, status={"bytes_held": held, "budget_bytes": budget, "high_water": 0.8})
+
+
+def test_a_group_started_on_full_stores_reserves_room_under_their_budgets_so_it_can_complete() -> None:
+    """Two stores of 3 episodes' budget (2 under the high-water mark): env-a holds 3, env-b 1, nothing in flight.
+    Before, the group went one run a store in turn, so env-a, at its budget, took runs that could never keep.
+    Now its 3 runs must reserve room under the budgets: env-a has none and env-b room for 2, so none goes (the
+    holders free room as they train); with env-a at 2, one goes there and two to env-b."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+    core = OrchestratorCore(settings(max_staleness=100, group_size=3, groups_per_step=2), DEADLINES,
+                            prompts=lambda rng: [1])
+    core.router.kept(episode("g-0", "g", 1.0))  # an episode's charge is known
+    core.use_replicas([_budgeted("env-a", 3 * charge, 3.2 * charge), _budgeted("env-b", charge, 3.2 * charge)])
+    core.on_version(0)
+    assert core.dispatch(T0) == [] and core.starved == 0 and not core.failure  # waits for holders to delete
+    core.use_replicas([_budgeted("env-a", 2 * charge, 3.2 * charge), _budgeted("env-b", charge, 3.2 * charge)])
+    sent = of(SendRun, core.dispatch(T0 + 1))
+    assert sorted(s.endpoint for s in sent) == ["tcp://env-a", "tcp://env-b", "tcp://env-b"] and core.starved == 1
+    assert core.router.room("tcp://env-a", hard=True) == core.router.room("tcp://env-b", hard=True) == 0
+
+
+def test_a_store_registered_again_has_no_room_until_its_first_heartbeat_says_what_it_holds() -> None:
+    """A store restarted on its durable store holds what it held, but registers before its first heartbeat: with
+    no status it would seem to publish no budget (room without bound). It gets none until its status comes."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.router.kept(episode("g-0", "g", 1.0))
+    charge = core.router.episode_bytes
+    core.use_replicas([_budgeted("env-a", 3 * charge, 3.2 * charge)])
+    restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-a2"})
+    core.use_replicas([restarted])
+    assert core.router.room("tcp://env-a2") == core.router.room("tcp://env-a2", hard=True) == 0
+    assert core.router.capacity() == 3  # its budget still counts
+    core.use_replicas([NodeInfo(**{**msgspec.structs.asdict(restarted), "status": {
+        "bytes_held": 0.0, "budget_bytes": 3.2 * charge, "high_water": 0.8}})])
+    assert core.router.room("tcp://env-a2", hard=True) == 3
+
+
+def test_before_an_episodes_charge_is_known_one_group_runs_at_a_time() -> None:
+    """Room cannot be reserved without an episode's charge: the first group runs alone, and once its episodes
+    are in, as many groups start as the stores' room holds."""
+    charge = float(episode_charge(episode("g0-0", "g0", 1.0)))
+    core = OrchestratorCore(settings(max_staleness=100, max_groups_in_flight=8), DEADLINES, prompts=lambda rng: [1])
+    core.use_replicas([_budgeted("env-a", 0.0, 10 * charge)])
+    core.on_version(0)
+    first = of(SendRun, core.dispatch(T0))
+    assert {s.run.group for s in first} == {"g0"} and core.dispatch(T0) == []
+    for send, reward in zip(first, (1.0, 0.0), strict=True):
+        core.on_run_done(T0 + 1, send.run.episode_id, None)
+        core.on_episode(T0 + 1, episode(send.run.episode_id, "g0", reward), [])
+    assert len(of(SendRun, core.dispatch(T0 + 1))) == 6  # 8 episodes under the high-water mark, 2 held
+
+
+def test_stores_whose_budgets_cannot_hold_one_step_halt_the_run_saying_what_would() -> None:
+    """Two stores of 3 episodes' budget, a step of 4 groups of 2: once they hold all they can and nothing is in
+    flight, no step could ever ship. It halts, naming the numbers and the budget that would hold a step; a store
+    reported down still counts (it may come back), and stores that hold a step together only wait."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+    full = [_budgeted(name, 3 * charge, 3.2 * charge) for name in ("env-a", "env-b")]
+    roomy = OrchestratorCore(settings(max_staleness=100, groups_per_step=3), DEADLINES, prompts=lambda rng: [1])
+    core = OrchestratorCore(settings(max_staleness=100, groups_per_step=4), DEADLINES, prompts=lambda rng: [1])
+    for c in (roomy, core):
+        c.router.kept(episode("g-0", "g", 1.0))
+        c.use_replicas(full)
+        c.on_version(0)
+    assert roomy.dispatch(T0) == [] and not roomy.failure  # 6 episodes hold a step of 3 groups of 2
+    roomy.store_down(T0, full[1])
+    assert roomy.dispatch(T0 + 1) == [] and not roomy.failure  # env-b may come back: 6 still
+    (halt,) = core.dispatch(T0 + 1)
+    assert isinstance(halt, Halt) and halt.reason == core.failure
+    assert core.failure.startswith("the env servers' budgets hold 6 episodes together (2 stores, an episode charged ")
+    assert "one step needs 8 (groups_per_step 4 x group_size 2): no step can ever ship" in core.failure
+    assert core.failure.endswith(f"Raise env_server.budget_bytes to at least {4 * math.ceil(charge)} or lower "
+                                 "orchestrator.groups_per_step to at most 3")
+    assert core.dispatch(T0 + 2) == [] and core.idle_reason(T0 + 2) == ("halted", core.failure)
 
 
 class _Heard:

@@ -69,14 +69,14 @@ def test_runs_go_to_the_replica_of_their_source_with_the_fewest_in_flight() -> N
         NodeInfo(node_id="r", role="rollout", host="h", pid=2, endpoints={"generate": "tcp://r"}),
     ])
     assert router.replicas == {"A": ["tcp://a0", "tcp://a1"], "solo": ["tcp://solo"]}
-    picks = [router.pick("A") for _ in range(4)]
+    picks = [router.pick("A", f"e{n}") for n in range(4)]
     assert sorted(picks) == ["tcp://a0", "tcp://a0", "tcp://a1", "tcp://a1"]
     router.done("tcp://a1")
-    assert router.pick("A") == "tcp://a1"  # a1 has one in flight now, a0 two
+    assert router.pick("A", "e4") == "tcp://a1"  # a1 has one in flight now, a0 two
     router.done("tcp://never-picked")  # harmless
     assert router.in_flight["tcp://never-picked"] == 0
     with pytest.raises(LookupError, match="no live env-server replica for source 'B'"):
-        router.pick("B")
+        router.pick("B", "e5")
 
 
 def test_trainer_addresses_come_from_registry_labels_and_are_checked() -> None:

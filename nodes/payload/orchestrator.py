@@ -57,8 +57,9 @@ plus four ``node.connect_timeout_s`` halts it, naming the ranks. What a rank of 
 deleted with reason ``trainer-down``; a batch whose outcome was unknown (in flight, or unanswered: the rank
 may have taken it) is its rank's once acknowledged or once its ``reference`` event comes (a rank publishes it
 before it answers; the orchestrator follows those events for this), and deleted ``trainer-down`` when
-refused, or when neither came by the time the stores have reclaimed the old world's blobs.
-``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1).
+refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
+budgets together cannot hold one step's episodes halt it too (``dispatch.budget_below_step``, exit status 1,
+naming the budget that would): no step could ever ship.
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
 granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on
@@ -231,7 +232,7 @@ class Orchestrator:
 
     @property
     def failure(self) -> str:
-        """Why the run halted (a step no rank set could take); empty while it goes on."""
+        """Why the run halted (see :class:`~.orchestrator_core.Halt`); empty while it goes on."""
         return self.core.failure
 
     # --- events, in arrival order --------------------------------------------------------------------
@@ -734,9 +735,14 @@ class Orchestrator:
         return counts
 
     def status(self) -> dict[str, float]:
+        """Heartbeat status: the next step and the policy version, the blobs held, the runs in flight and the
+        episodes whose room is reserved at the stores (their runs', until each episode counts as held there),
+        and the prompt source's numbers."""
         holdings = self.core.holdings
         return {"step": float(self.core.step), "version": float(self.core.policy_version),
                 "blobs_held": float(len(holdings.held)), "bytes_held": float(holdings.held_bytes),
+                "runs_in_flight": float(len(self.core.runs)),
+                "episodes_reserved": float(len(self.core.router.reserved)),
                 **{f"{TASK_PREFIX}{name}": value for name, value in self._task().items()}}
 
     def _task(self) -> dict[str, float]:
@@ -767,7 +773,8 @@ class Orchestrator:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status 1 when the run halted (a step
-    the trainer ranks did not all acknowledge in time)."""
+    the trainer ranks did not all acknowledge in time, no new trainer world in time, or env servers whose
+    budgets cannot hold a step)."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     orchestrator = Orchestrator(runtime, config.orchestrator, deadlines_from(config))
     runtime.run()

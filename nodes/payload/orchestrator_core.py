@@ -82,13 +82,20 @@ Decisions and their rules:
   take an admission slot; incomplete, they are abandoned after
   ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
   incarnation's ``tag``, so they never collide with the earlier incarnation's.
-* **Backpressure.** Runs go only where there is room (:class:`~.shipping.ReplicaRouter`): a store's bytes
-  held plus the episodes its runs in flight will keep stay under its high-water mark. A group starts only
-  when its source has room for all its runs; when no source has, no new group starts (logged once per pause,
-  counted in ``full_pauses``) until a store drains. Stores drain as holders delete, so trainers slower than
-  rollouts bound the work in flight instead of failing keeps. When nothing is in flight while every store is
-  full, what they hold waits for a step that needs more groups: one group at a time goes anyway (counted in
-  ``starved``, with a warning that the budget holds less than a step), under the stores' hard budget.
+* **Backpressure.** A group starts only when the room all its runs will keep can be reserved
+  (:class:`~.shipping.ReplicaRouter`): each run reserves one episode (at the mean charge of those seen so far)
+  at a replica of the group's source whose bytes held plus reservations stay under its high-water mark, and
+  keeps it until its episode is counted as held there (or it keeps nothing: it failed, or its group was given
+  up). So a group started can always complete: partial groups never hold the room the others need. Before the
+  first episode's charge is known, one group runs at a time. When no source has room for a group, no new
+  group starts (logged once per pause, counted in ``full_pauses``) until a store drains; stores drain as
+  holders delete, so trainers slower than rollouts bound the work in flight instead of failing keeps. When
+  nothing is in flight while every store is full, what they hold waits for a step that needs more groups: one
+  group at a time goes anyway (counted in ``starved``, with a warning that the budget holds less than two
+  steps), reserving room under the stores' budgets instead; none has room, the core waits for the holders
+  (trainer ranks) to delete, unless the budgets together hold fewer episodes than one step needs
+  (``groups_per_step`` times ``group_size``): then no step could ever ship, and it halts (:class:`Halt`,
+  ``dispatch.budget_below_step``) naming the budget that would.
 """
 
 from __future__ import annotations
@@ -861,6 +868,9 @@ class OrchestratorCore:
         self.closed_groups[group_id] = now
         self._admitted.pop(group_id, None)
         self.abandoned_groups += 1
+        for member in range(self.settings.group_size):  # answered runs whose episodes will not be counted now
+            if (episode_id := f"{group_id}-{member}") not in self.runs:
+                self.router.release(episode_id)
         group = self.groups.pop(group_id, None)
         if group is not None:
             self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
@@ -1028,6 +1038,9 @@ class OrchestratorCore:
                                  f"(sent {self.train_groups_sent}, released {self.groups_released}) reach the bound "
                                  f"{bound} of policy version {self.policy_version} (max_staleness "
                                  f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
+        if self.stores_full:
+            return "stores-full", ("every env server is at its high-water mark and no source has room under its "
+                                   "budgets for a group: waiting for holders to delete")
         return "", ""
 
     @property
@@ -1060,22 +1073,44 @@ class OrchestratorCore:
             self.eval_sent_at = self.step
             actions += self._send_group(now, evaluation=True)
         bound = self.admission_bound
-        in_flight = 1 if self._backoff_s else settings.max_groups_in_flight  # probing: one group at a time
+        # Probing (runs refused not-ready, or no episode's charge known yet to reserve room by): one group at a time.
+        in_flight = 1 if self._backoff_s or not self.router.measured else settings.max_groups_in_flight
         while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
             if not self._has_room():
                 if not self.runs:
-                    # Nothing in flight, so nothing will drain a store before a step ships, and the step needs
-                    # more groups: one group at a time, under the stores' hard budget only.
-                    if not self.starved:
-                        log.warning("dispatch.stores_full_without_runs", stores=sorted(self.router.replicas),
-                                    hint="the env servers' budgets together (to their high-water marks) must "
-                                         "hold two steps' episodes, the one in training and the next: raise "
-                                         "env_server.budget_bytes or lower orchestrator.groups_per_step")
-                    self.starved += 1
-                    actions += self._send_group(now, evaluation=False)
+                    actions += self._starved(now)
                 break
             actions += self._send_group(now, evaluation=False)
         return actions
+
+    def _starved(self, now: float) -> list[Action]:
+        """Every store is at its high-water mark and nothing is in flight, so nothing this node waits for will
+        drain a store before a step ships, and the step needs more groups: one group goes where its runs can
+        reserve room under the stores' budgets. None can: the holders (trainer ranks) free room as they train,
+        unless the budgets of every store seen together cannot hold one step's episodes, which no admission
+        could ever ship: halt."""
+        settings, router = self.settings, self.router
+        if router.with_room(settings.group_size, hard=True):
+            if not self.starved:
+                log.warning("dispatch.stores_full_without_runs", stores=sorted(router.replicas),
+                            hint="the env servers' budgets together (to their high-water marks) should hold two "
+                                 "steps' episodes, the one in training and the next: raise env_server.budget_bytes "
+                                 "or lower orchestrator.groups_per_step")
+            self.starved += 1
+            return self._send_group(now, evaluation=False, hard=True)
+        capacity, needed = router.capacity(), settings.groups_per_step * settings.group_size
+        if capacity is None or capacity >= needed:
+            return []
+        stores = len(router.budgets_seen)
+        fit = capacity // settings.group_size
+        self.failure = (
+            f"the env servers' budgets hold {capacity} episodes together ({stores} stores, an episode charged "
+            f"{router.episode_bytes:.0f} bytes on average), one step needs {needed} (groups_per_step "
+            f"{settings.groups_per_step} x group_size {settings.group_size}): no step can ever ship. Raise "
+            f"env_server.budget_bytes to at least {math.ceil(needed / stores) * math.ceil(router.episode_bytes)}"
+            + (f" or lower orchestrator.groups_per_step to at most {fit}" if fit else ""))
+        log.error("dispatch.budget_below_step", capacity=capacity, needed=needed, error=self.failure)
+        return self._flush([Halt(self.failure)])
 
     def _has_room(self) -> bool:
         """Backpressure: whether some store is below its high-water mark; a change is logged once."""
@@ -1116,7 +1151,9 @@ class OrchestratorCore:
                     refused=self._refused_unlogged)
         self._refused_unlogged = 0
 
-    def _send_group(self, now: float, *, evaluation: bool) -> list[Action]:
+    def _send_group(self, now: float, *, evaluation: bool, hard: bool = False) -> list[Action]:
+        """One group's runs, each reserving room (``hard``: under the stores' budgets, not their high-water
+        marks) at its source's replicas."""
         assert self.prompts is not None, "dispatching needs prompts"
         group_id = f"{'eval' if evaluation else 'g'}{self.groups_sent}{self.tag}"
         self.groups_sent += 1
@@ -1125,12 +1162,12 @@ class OrchestratorCore:
             self._admitted[group_id] = tuple(prompt)
         self.train_groups_sent += not evaluation
         # An eval group goes even when every store is full.
-        sources = self.router.with_room(self.settings.group_size) or sorted(self.router.replicas)
+        sources = self.router.with_room(self.settings.group_size, hard=hard) or sorted(self.router.replicas)
         source = sources[self.groups_sent % len(sources)]  # sources in turn; replicas of one by load
         actions: list[Action] = []
         for member in range(self.settings.group_size):
-            endpoint = self.router.pick(source)
             run = Run(episode_id=f"{group_id}-{member}", group=group_id, prompt=prompt, eval=evaluation)
+            endpoint = self.router.pick(source, run.episode_id, hard=hard)
             self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s, self._runs_sent)
             self._runs_sent += 1
             self.groups_running[group_id] += 1
@@ -1146,6 +1183,7 @@ class OrchestratorCore:
         if self.groups_running[run.group_id] <= 0:
             del self.groups_running[run.group_id]
         if error is not None:
+            self.router.release(episode_id)  # it kept nothing
             self.failed_runs += 1
             if not quiet:
                 log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)

@@ -365,18 +365,24 @@ def _inputs(mb: MicroBatch, samples: Mapping[str, Sample]) -> dict[str, np.ndarr
 
 
 class ReplicaRouter:
-    """Sends each run to the replica of its source with the fewest runs in flight, among those with room.
+    """Sends each run to the replica of its source with the fewest runs in flight, among those with room, and
+    reserves room there for the episode it will keep.
 
     Replicas are env-server nodes from the broker's registry; a node's source is its ``source`` label when
-    it has one, else its node id. Room is backpressure decided before the budget is reached: a replica has
-    room for one more run while what it holds, plus the episodes its runs in flight will keep (each counted
-    at the mean charge of the episodes seen so far), stays under its high-water mark (``budget_bytes`` times
-    ``high_water`` from its heartbeat status). What it holds comes from the registry (read every second or
-    so) plus the episodes it kept since (:meth:`kept`), so a burst of runs finishing between two reads
-    cannot overfill it. Episodes are counted at what the store charges for them (:func:`~.charges.episode_charge`:
-    whole pages and a per-blob overhead, and the info), the unit of its ``bytes_held`` and budget: their raw
-    array bytes would admit far more small episodes than fit. A replica that publishes no budget always has
-    room, unless its status says ``full``.
+    it has one, else its node id. Room is counted in episodes, each at the mean charge of the episodes seen so
+    far (:attr:`episode_bytes`), under a store's high-water mark (``budget_bytes`` times ``high_water`` from its
+    heartbeat status) or, ``hard``, under its budget: what it holds, less the reservations. What it holds comes
+    from the registry (read every second or so) plus the episodes kept since the read before it (:meth:`kept`:
+    the status a read brings may predate them, so a burst of runs finishing between two reads cannot overfill
+    it; counted twice for a read at most, which errs on the side of fewer runs). A run's reservation
+    (:meth:`pick`) lasts until its episode is counted as held (:meth:`kept`) or it keeps nothing
+    (:meth:`release`: it failed, or its group was given up), not until its answer, which comes before its
+    episode's event. Episodes are counted at what the store charges for them
+    (:func:`~.charges.episode_charge`: whole pages and a per-blob overhead, and the info), the unit of its
+    ``bytes_held`` and budget: their raw array bytes would admit far more small episodes than fit. Before the
+    first episode's charge is known (:attr:`measured`), and at a replica that publishes no budget, room is
+    unbounded, unless the status says ``full`` (under the high-water mark only); a store that published a budget
+    before and registered again has none until its first heartbeat says what it holds.
     """
 
     def __init__(self) -> None:
@@ -384,63 +390,107 @@ class ReplicaRouter:
         self.in_flight: Counter[str] = Counter()
         self.held: dict[str, float] = {}  # endpoint -> bytes held, as of the last registry read plus kept()
         self.limit: dict[str, float] = {}  # endpoint -> its high-water mark in bytes (absent: unknown)
+        self.budget: dict[str, float] = {}  # endpoint -> its budget in bytes (absent: unknown)
         self.full: set[str] = set()  # endpoints whose status says they are at their high-water mark
+        # endpoints of stores that published a budget before and no status since they registered again (a
+        # restart that re-adopted a durable store holds what it held): no room until their first heartbeat
+        self.unheard: set[str] = set()
+        # node id -> its budget in bytes (None: it publishes none), of every store seen: one down may come back
+        self.budgets_seen: dict[str, float | None] = {}
         self.episode_bytes = 0.0  # mean charge of an episode (its episode_charge), as kept so far
+        self.reserved: dict[str, str] = {}  # episode id -> the endpoint reserved for it
+        self._reserved_at: Counter[str] = Counter()  # endpoint -> reservations
+        self._since_read: Counter[str] = Counter()  # endpoint -> charges kept since the last registry read
         self._episodes = 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether room can be counted: an episode's charge is known, or no replica publishes a budget."""
+        return self.episode_bytes > 0 or not self.limit
 
     def update(self, nodes: Iterable[NodeInfo]) -> None:
         replicas: dict[str, list[str]] = defaultdict(list)
-        self.held, self.limit, self.full = {}, {}, set()
+        self.held, self.limit, self.budget, self.full, self.unheard = {}, {}, {}, set(), set()
         for node in nodes:
             if node.role == "env-server" and "blobs" in node.endpoints:
                 endpoint = node.endpoints["blobs"]
                 replicas[node.labels.get("source", node.node_id)].append(endpoint)
                 status = node.status
-                self.held[endpoint] = status.get("bytes_held", 0.0)
+                self.held[endpoint] = status.get("bytes_held", 0.0) + self._since_read[endpoint]
                 if "budget_bytes" in status and "high_water" in status:
+                    self.budgets_seen[node.node_id] = self.budget[endpoint] = status["budget_bytes"]
                     self.limit[endpoint] = status["budget_bytes"] * status["high_water"]
+                elif not status and self.budgets_seen.get(node.node_id) is not None:
+                    self.unheard.add(endpoint)
+                else:
+                    self.budgets_seen[node.node_id] = None
                 if status.get("full"):
                     self.full.add(endpoint)
+        self._since_read = Counter()
         self.replicas = {source: sorted(endpoints) for source, endpoints in replicas.items()}
 
     def kept(self, episode: EpisodeFinished) -> None:
         """``episode`` was kept at its first ref's endpoint (none: nothing was kept): that store holds its
-        :func:`~.charges.episode_charge` more until the next registry read."""
+        :func:`~.charges.episode_charge` more until the read after the next registry read; the room reserved
+        for it is its own no longer."""
+        self.release(episode.episode_id)
         if not episode.refs:
             return
         endpoint, charge = episode.refs[0].endpoint, episode_charge(episode)
         self._episodes += 1
         self.episode_bytes += (charge - self.episode_bytes) / self._episodes
+        self._since_read[endpoint] += charge
         if endpoint in self.held:
             self.held[endpoint] += charge
 
-    def room(self, endpoint: str) -> int:
-        """How many more runs ``endpoint`` can take before its episodes would reach its high-water mark."""
-        if endpoint in self.full:
+    def room(self, endpoint: str, *, hard: bool = False) -> int:
+        """How many more episodes ``endpoint`` can take beyond those reserved there: under its high-water mark,
+        or ``hard``, under its budget."""
+        if endpoint in self.unheard or (endpoint in self.full and not hard):
             return 0
-        limit = self.limit.get(endpoint)
-        if limit is None or self.episode_bytes <= 0:
+        cap = (self.budget if hard else self.limit).get(endpoint)
+        if cap is None or self.episode_bytes <= 0:
             return 1 << 30
-        return max(0, int((limit - self.held.get(endpoint, 0.0)) // self.episode_bytes) - self.in_flight[endpoint])
+        return max(0, int((cap - self.held.get(endpoint, 0.0)) // self.episode_bytes) - self._reserved_at[endpoint])
 
     def without_room(self) -> list[str]:
         """The endpoints (sorted) that can take no more run now."""
         return sorted(ep for endpoints in self.replicas.values() for ep in endpoints if self.room(ep) <= 0)
 
-    def with_room(self, runs: int = 1) -> list[str]:
-        """The sources (sorted) whose replicas together have room for ``runs`` more runs."""
+    def with_room(self, runs: int = 1, *, hard: bool = False) -> list[str]:
+        """The sources (sorted) whose replicas together have room (``hard``: under their budgets) for ``runs``
+        more runs."""
         return sorted(source for source, endpoints in self.replicas.items()
-                      if sum(self.room(ep) for ep in endpoints) >= runs)
+                      if sum(self.room(ep, hard=hard) for ep in endpoints) >= runs)
 
-    def pick(self, source: str) -> str:
-        """The endpoint of ``source``'s least-loaded replica with room (then the least-loaded one; ties:
-        stable order); counts the run in flight."""
+    def capacity(self) -> int | None:
+        """How many episodes the budgets of every store seen (by node id, live or not: one down may come back)
+        hold together, each at the mean charge; None while that cannot be told (no charge known yet, or a store
+        that publishes no budget)."""
+        budgets = self.budgets_seen.values()
+        if self.episode_bytes <= 0 or not budgets or None in budgets:
+            return None
+        return sum(int(budget // self.episode_bytes) for budget in budgets if budget is not None)
+
+    def pick(self, source: str, episode_id: str, *, hard: bool = False) -> str:
+        """The endpoint of ``source``'s least-loaded replica with room (``hard``: under its budget; then the
+        least-loaded one; ties: stable order); counts the run in flight and reserves room there for
+        ``episode_id``'s episode."""
         candidates = self.replicas.get(source)
         if not candidates:
             raise LookupError(f"no live env-server replica for source {source!r}")
-        endpoint = min(candidates, key=lambda ep: (self.room(ep) <= 0, self.in_flight[ep]))
+        endpoint = min(candidates, key=lambda ep: (self.room(ep, hard=hard) <= 0, self.in_flight[ep]))
         self.in_flight[endpoint] += 1
+        self.release(episode_id)
+        self.reserved[episode_id] = endpoint
+        self._reserved_at[endpoint] += 1
         return endpoint
+
+    def release(self, episode_id: str) -> None:
+        """Free the room reserved for ``episode_id``'s episode (none: nothing to free)."""
+        endpoint = self.reserved.pop(episode_id, None)
+        if endpoint is not None:
+            self._reserved_at[endpoint] -= 1
 
     def drop(self, endpoints: Iterable[str]) -> None:
         """Replicas at ``endpoints`` went down: no run goes to them until the registry lists them again."""
@@ -449,5 +499,6 @@ class ReplicaRouter:
                          if (live := [ep for ep in candidates if ep not in gone])}
 
     def done(self, endpoint: str) -> None:
+        """A run sent to ``endpoint`` was answered (its reservation lasts until :meth:`kept` or :meth:`release`)."""
         if self.in_flight[endpoint] > 0:
             self.in_flight[endpoint] -= 1
