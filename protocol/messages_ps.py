@@ -321,7 +321,8 @@ class NixlOpen(Body, frozen=True):
 
 @register_kind("ps-release")
 class Release(Body, frozen=True):
-    """Manager to worker: the shards (push leases or init ids) are no longer needed; recycle their memory."""
+    """Manager to worker: the shards (push leases or init ids) are no longer needed; recycle their memory. A worker
+    takes it only from the manager it registered with (``src`` its node id; others: ``not-manager``)."""
 
     shards: list[str]  # push lease ids or init ids
 

@@ -413,8 +413,10 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
                               shm_prefix="relay", pin_memory=False)
         worker = PsWorker(runtime, settings)
 
-        def handle(handler: Callable[[Any], Any], body: Any) -> Any:
-            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2), src="w1")))
+        worker._manager_id = "ps-manager"  # as its registration would have set it
+
+        def handle(handler: Callable[[Any], Any], body: Any, src: str = "w1") -> Any:
+            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2), src=src)))
 
         me = worker.info()
         child = WorkerInfo("w1", "tcp://127.0.0.1:9", "here", str(tmp_path))
@@ -425,7 +427,7 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
         assert child_state.in_flight == WINDOW and relay._file is not None  # waiting for acknowledgements
         read, sent = relay._read, child_state.sent
 
-        handle(worker._release, Release(["init-r"]))
+        handle(worker._release, Release(["init-r"]), "ps-manager")
         assert relay.failed and relay._file is None and "init-r" not in worker.relays
         opened = handle(worker._open, ShardOpen("push-next", 4096))
         segment = worker.shards["push-next"]

@@ -39,6 +39,7 @@ from refbus.protocol.codec import checksum
 from refbus.protocol.messages import VersionBump
 from refbus.protocol.messages_ps import (
     ByteRange,
+    LeaseRelease,
     PushBegin,
     Release,
     ShardOpen,
@@ -392,12 +393,27 @@ def test_bad_input_gets_clear_errors(cluster: PsCluster) -> None:
         assert other.request(ShardSeal(grant.lease, 1, 0, right)).body.committed
         pulled = ps.pull()
         assert pulled["b"].tolist() == [5, 6] and pulled["a"].tolist() == [1.0] * 4
+        # Only the manager frees a copy: a release from any other peer (this client, naming the lease that
+        # committed the version readers pull) is refused, and the bytes stay.
+        for copy in (worker, other):
+            with pytest.raises(RemoteError) as err:
+                copy.request(Release([grant.lease]))
+            assert err.value.code == "not-manager" and "'test-client'" in str(err.value)
+        assert ps.pull(verify=True)["b"].tolist() == [5, 6]
         # An open handled after its lease's release (the manager gave that attempt up while the open was queued)
         # takes no segment: nobody would release it again.
-        worker.request(Release(["lease-given-up"]))
-        with pytest.raises(RemoteError) as err:
-            worker.request(ShardOpen("lease-given-up", grant.nbytes))
-        assert err.value.code == "released" and "new grant" in str(err.value)
+        given_up = manager.request(PushBegin(2, 0, 1, "raw", specs)).body
+        manager.request(LeaseRelease(given_up.lease))  # aborts the push: the manager releases its copies
+
+        def refused_released() -> bool:
+            try:
+                runtime.client(given_up.worker.endpoint).request(ShardOpen(given_up.lease, given_up.nbytes))
+            except RemoteError as exc:
+                assert exc.code == "released" and "new grant" in str(exc)
+                return True
+            return False
+
+        wait_for(refused_released, 4 * LEASE_TTL_S, "the manager's release of the push it gave up")
         assert ps.pull()["b"].tolist() == [5, 6]
     finally:
         runtime.close()

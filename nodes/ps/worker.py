@@ -13,7 +13,7 @@ mapped once and reused version after version:
   :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
   serves cross-host readers with zero-copy frames that view the segment.
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
-  the pool.
+  the pool. Taken from that manager only: any other peer could free a copy readers hold.
 * **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init. The plan is
   taken from the manager only, a header only from the worker the tree it carries names as this one's parent,
   and chunks and the end only from the worker whose header made the relay.
@@ -392,8 +392,12 @@ class PsWorker:
             raise HandlerError("nixl-unavailable", str(exc)) from None
 
     def _release(self, request: Message) -> Body:
+        """The manager frees shards. Taken only from the manager this worker registered with (see
+        :meth:`_from_manager`): a release from any other peer would take the bytes of a version readers hold, or of
+        a copy being pushed, from under them."""
         release = request.body
         assert isinstance(release, Release)
+        self._from_manager(request, "releases")
         if self.journal is not None:
             self.journal.released(release.shards)
         for shard in release.shards:
@@ -506,18 +510,22 @@ class PsWorker:
 
     def _plan(self, request: Message) -> Body:
         """A broadcast init's plan: this worker is the root and reads ``plan.path``. Taken only from the manager
-        this worker registered with (its node id, which CURVE authenticates as the request's ``src``): a plan
-        makes the worker open a file of its choosing."""
+        this worker registered with (:meth:`_from_manager`): a plan makes the worker open a file of its choosing."""
         plan = request.body
         assert isinstance(plan, InitPlan)
-        if not self._manager_id or request.header.src != self._manager_id:
-            raise HandlerError("not-manager", f"{request.header.src!r} is not the ps-manager this worker registered "
-                               f"with ({self._manager_id or 'none yet'!r}): only it sends plans")
+        self._from_manager(request, "plans")
         relay = self._relay(plan.init_id)
 
         # Answer the plan first, then stream on the loop: the manager learns at once that the root is alive.
         self.runtime.call_soon(lambda: relay.stream_from(plan))
         return Ok()
+
+    def _from_manager(self, request: Message, what: str) -> None:
+        """HandlerError ``not-manager`` unless ``request`` comes from the manager that answered this worker's last
+        registration (its node id, which CURVE authenticates as the request's ``src``)."""
+        if not self._manager_id or request.header.src != self._manager_id:
+            raise HandlerError("not-manager", f"{request.header.src!r} is not the ps-manager this worker registered "
+                               f"with ({self._manager_id or 'none yet'!r}): only it sends {what}")
 
     def _header(self, request: Message) -> Body:
         """A header makes this worker's relay of an init: taken only from the worker its tree names as this one's
