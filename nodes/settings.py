@@ -133,9 +133,10 @@ class PsSettings:
     shm_prefix: str = key("refbus-ps", "File name prefix of the shared-memory segments.")
     pin_memory: bool = key(True, "Page-lock segments for device copies when CUDA is available.")
     max_free_segments: int = key(4, "Freed segments a ps-worker keeps mapped for reuse.")
-    max_open_bytes: int = key(0, "Bytes of segments a ps-worker holds for pushes not yet sealed and broadcast inits "
-                                 "not yet verified, all together: a further `ps-shard-open` (or init header) is "
-                                 "refused `open-limit`. 0: half the size of the filesystem holding its segments.")
+    max_open_bytes: int = key(0, "Bytes of segments a ps-worker holds for pushes not yet sealed, all together: a "
+                                 "further `ps-shard-open` is refused `open-limit`. 0: half the size of the filesystem "
+                                 "holding its segments. A broadcast init the ps-manager planned is not counted: it "
+                                 "needs the room free on that filesystem, checked first (`no-room`).")
     eta: int = key(1, "Staleness bound: a trajectory trains at most eta versions after its policy version.")
     batch_size: int = key(64, "Trajectories per training batch in the staleness inventory.")
     chunk_bytes: int = key(8 << 20, "Bytes per chunk of the broadcast-init stream.")

@@ -329,10 +329,11 @@ class Release(Body, frozen=True):
 
 @register_kind("ps-init-plan")
 class InitPlan(Body, frozen=True):
-    """Manager to the root worker: read ``path`` and broadcast it to ``workers`` (rank order; the root is
-    rank 0). Each worker derives its children from its rank, so the plan travels down with the header. A
-    worker takes a plan only from the manager it registered with (``src`` its node id; others: ``not-manager``)
-    and reads only a regular file (anything else fails the init, by name)."""
+    """Manager to every worker of an init's tree (``workers``, rank order; the root, rank 0, last: once every other
+    worker acknowledged its own): the root reads ``path`` and broadcasts it; every other worker takes that init's
+    header only as this plan names it (its tree, from its parent). Each worker derives its children from its rank.
+    A worker takes a plan only from the manager it registered with (``src`` its node id; others: ``not-manager``),
+    naming it (else ``bad-init``), and the root reads only a regular file (anything else fails the init, by name)."""
 
     init_id: Name  # the broadcast's id
     path: str  # safetensors checkpoint path
@@ -343,10 +344,11 @@ class InitPlan(Body, frozen=True):
 
 @register_kind("ps-init-header")
 class InitHeader(Body, frozen=True):
-    """Parent to child: the tree and the checkpoint's layout, so the child can allocate its segment. Taken only
-    from the worker the tree names as the child's parent (``src``; others: ``not-parent``), once per init, by a
-    worker the tree names below its root (else ``bad-init``). Until verified, the segment counts against
-    ``ps.max_open_bytes`` (``open-limit``) and goes back to the pool ``ps.init_timeout_s`` after the header."""
+    """Parent to child: the tree and the checkpoint's layout, so the child can allocate its segment. Taken only for
+    an init the manager's plan announced to the child (else ``not-planned``, before any memory is spent), carrying
+    the plan's tree (else ``bad-init``), from the worker that tree names as the child's parent (``src``; others:
+    ``not-parent``), once per init (else ``bad-init``); ``no-room`` when the child's filesystem cannot hold the
+    segment. Until verified, the segment goes back to the pool ``ps.init_timeout_s`` after the header."""
 
     init_id: Name  # the broadcast's id
     workers: list[WorkerInfo]  # the tree, in rank order (root first)

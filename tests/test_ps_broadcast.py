@@ -278,9 +278,25 @@ def _init_in_background(ps: PsClient, path: Path, workers: list[str],
     return runner, outcome
 
 
+def _stalled_on(cluster: PsCluster, ps: PsClient, path: Path, workers: list[str], victim: str,
+                timeout_s: float) -> tuple[threading.Thread, list[BaseException | None]]:
+    """An init over ``workers`` (see :func:`_init_in_background`) whose stream stalls on ``victim``, a worker below
+    the root: the root is stopped until the victim has taken the manager's plan (the root's plan goes last), then
+    the victim is stopped and the root goes on."""
+    root, stalled = cluster.workers[workers[0]], cluster.workers[victim]
+    root.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = _init_in_background(ps, path, workers, timeout_s)
+        wait_for(lambda: "ps.init_planned" in stalled.log_tail(400), 10, f"{victim} to take its plan")
+        stalled.proc.send_signal(signal.SIGSTOP)
+    finally:
+        root.proc.send_signal(signal.SIGCONT)
+    return started
+
+
 def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_the_next(bus, spawn,
                                                                                      checkpoint) -> None:
-    """w3 (a leaf under w1) is stopped before the init, so the stream stalls on it with chunks in flight,
+    """w3 (a leaf under w1) is stopped once it took its plan, so the stream stalls on it with its header in flight,
     then SIGKILLed once the others hold their copies: the init fails naming w3, the survivors free their
     partial copies and a broadcast over them succeeds."""
     path, state = checkpoint
@@ -290,8 +306,7 @@ def test_a_worker_killed_mid_stream_fails_the_init_by_name_and_the_rest_serve_th
     victim = cluster.workers["w3"]
     runner = None
     try:
-        victim.proc.send_signal(signal.SIGSTOP)
-        runner, outcome = _init_in_background(ps, path, ["w0", "w1", "w2", "w3"], timeout_s=30)
+        runner, outcome = _stalled_on(cluster, ps, path, ["w0", "w1", "w2", "w3"], "w3", 30)
         wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
         victim.proc.kill()
         victim.proc.wait(10)
@@ -342,10 +357,10 @@ def test_only_the_manager_sends_plans_and_a_checkpoint_that_is_not_a_file_fails_
 
 def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_process(bus, spawn,
                                                                                       checkpoint) -> None:
-    """w3 (a leaf under w1) is stopped, so the init over w0..w3 stalls; the manager is SIGKILLed and restarted.
-    The client's request, sent again, reaches the new process, which knows no such init and refuses it naming
-    w3 (not registered again: stopped); the copies the dead init left are released; an init over the others
-    then succeeds."""
+    """w3 (a leaf under w1) is stopped once it took its plan, so the init over w0..w3 stalls; the manager is
+    SIGKILLed and restarted. The client's request, sent again, reaches the new process, which knows no such init
+    and refuses it naming w3 (not registered again: stopped); the copies the dead init left are released; an init
+    over the others then succeeds."""
     path, state = checkpoint
     _, control = bus
     cluster = start_cluster(spawn, control, "binit-restart", workers=4,
@@ -354,8 +369,7 @@ def test_an_init_the_manager_ran_when_it_was_killed_is_refused_by_its_restarted_
     victim = cluster.workers["w3"]
     runner = None
     try:
-        victim.proc.send_signal(signal.SIGSTOP)
-        runner, outcome = _init_in_background(ps, path, ["w0", "w1", "w2", "w3"], timeout_s=60)
+        runner, outcome = _stalled_on(cluster, ps, path, ["w0", "w1", "w2", "w3"], "w3", 60)
         wait_for(lambda: all(cluster.held(w) > 0 for w in ("w0", "w1", "w2")), 10, "the others to hold copies")
         assert cluster.manager_proc is not None
         cluster.manager_proc.signal(signal.SIGKILL)
@@ -516,3 +530,53 @@ def test_a_large_init_onto_one_worker_keeps_it_live(bus, spawn, tmp_path: Path) 
         _stop(cluster)
         for name in segments(cluster.prefix):  # a worker that did not get to unlink its segment
             segment_file(name).unlink()
+
+
+def test_a_worker_takes_an_init_s_header_only_as_the_manager_planned_it_and_bounds_it_by_free_room(
+        tmp_path: Path) -> None:
+    """A ps-worker (handlers called directly) below the root of an init. A header the manager's plan did not
+    announce, or that carries another tree or comes from another parent than planned, is refused before any
+    segment is made; the planned one is taken however much larger than ps.max_open_bytes (that bound is for
+    pushes nobody planned), and one the filesystem has no room for is refused by name before anything is made."""
+    runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="w1", metrics_port=-1),
+                          register=False)
+    try:
+        settings = PsSettings(manager="tcp://127.0.0.1:9", worker="tcp://127.0.0.1:0", shm_dir=str(tmp_path),
+                              shm_prefix="planned", pin_memory=False, max_open_bytes=4096)
+        worker = PsWorker(runtime, settings)
+        worker._manager_id = "ps-manager"  # as its registration would have set it
+
+        def handle(handler: Callable[[Any], Any], body: Any, src: str) -> Any:
+            return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2), src=src)))
+
+        tree = [_tree(1)[0], worker.info(), WorkerInfo("w2", "tcp://127.0.0.1:9002", "here", str(tmp_path))]
+        big = 1 << 20  # 256 times ps.max_open_bytes
+        refusals = [(InitHeader("init-p", tree, 5.0, big, []), "w0", "not-planned"),  # no plan yet
+                    (InitPlan("init-p", "/nonexistent", tree, 64, 5.0), "w0", "not-manager")]
+        for body, src, code in refusals:
+            with pytest.raises(HandlerError) as err:
+                handle(worker._header if isinstance(body, InitHeader) else worker._plan, body, src)
+            assert err.value.code == code, body
+        assert handle(worker._plan, InitPlan("init-p", "/nonexistent", tree, 64, 5.0), "ps-manager") == Ok()
+        assert handle(worker._plan, InitPlan("init-q", "/nonexistent", tree, 64, 5.0), "ps-manager") == Ok()
+        assert worker.relays == {} and worker.pool.in_use_bytes == 0  # a plan below the root reads nothing
+        refusals = [(InitHeader("init-x", tree, 5.0, 4096, []), "w0", "not-planned"),
+                    (InitHeader("init-p", [*tree[:2], tree[0]], 5.0, big, []), "w0", "bad-init"),
+                    (InitHeader("init-p", tree, 5.0, big, []), "w2", "not-parent")]
+        for body, src, code in refusals:
+            with pytest.raises(HandlerError) as err:
+                handle(worker._header, body, src)
+            assert err.value.code == code, (body, src)
+        assert worker.relays == {} and worker.pool.in_use_bytes == 0 and worker.shards == {}
+
+        assert handle(worker._header, InitHeader("init-p", tree, 5.0, big, []), "w0") == Ok()
+        assert worker.pool.in_use_bytes == big  # planned: not bounded by ps.max_open_bytes
+        with pytest.raises(HandlerError) as err:
+            handle(worker._header, InitHeader("init-p", tree, 5.0, big, []), "w0")
+        assert err.value.code == "bad-init"  # one header per init
+        with pytest.raises(HandlerError) as err:  # more than the filesystem holds: said before anything is made
+            handle(worker._header, InitHeader("init-q", tree, 5.0, 1 << 60, []), "w0")
+        assert err.value.code == "no-room" and str(tmp_path) in str(err.value) and "bytes free" in str(err.value)
+        assert worker.pool.in_use_bytes == big and "init-q" not in worker.shards
+    finally:
+        runtime.close()

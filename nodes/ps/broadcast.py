@@ -17,6 +17,10 @@ hashing (the root's checksums, each worker's check of its copy) goes one slice a
 (:class:`~refbus.protocol.codec.SlicedChecksums`), so heartbeats, acknowledgements and requests are served in
 between and no worker is reported down for loading a large checkpoint.
 
+Authentication: the manager sends its plan to every worker of the tree (the root last, once the others
+acknowledged theirs); a worker below the root takes the init's header only as its plan names it (see the
+ps-worker), so no peer makes a worker spend memory on an init the manager did not run.
+
 Failure is loud and bounded: every message to a child is a request whose deadline is ``ack_timeout_s``; a
 child that does not answer by then (dead, stuck), goes down or answers with an error is reported to the
 manager by name, and the manager fails the whole init. Nothing waits without a deadline.
@@ -359,8 +363,10 @@ class InitRound:
     request_id: str
     started: float
     deadline: float
+    plan: InitPlan  # what every worker of the tree is sent
     done: dict[str, InitDone] = field(default_factory=dict)
     error: str = ""
+    unplanned: set[str] = field(default_factory=set)  # workers below the root that have not acknowledged the plan
 
     @property
     def names(self) -> list[str]:

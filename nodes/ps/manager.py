@@ -715,19 +715,33 @@ class PsManager:
         init_id = f"init-{os.urandom(6).hex()}"
         self._inits_here.add(init_id)
         workers = [self.workers[n] for n in names]
-        self.init = InitRound(init_id, ask.path, workers, request_id, now, now + self.settings.init_timeout_s)
-        self._init_waiting = [self.server.pending]
         plan = InitPlan(init_id, ask.path, workers, ask.chunk_bytes or self.settings.chunk_bytes,
                         self.settings.ack_timeout_s)
-        self._send(names[0], plan, lambda outcome: self._planned(init_id, outcome),
-                   deadline_s=self.settings.ack_timeout_s)
+        # Every worker below the root first: each takes the init's header only once it holds the plan, so the root,
+        # whose plan starts the stream, hears last.
+        self.init = InitRound(init_id, ask.path, workers, request_id, now, now + self.settings.init_timeout_s, plan,
+                              unplanned=set(names[1:]))
+        self._init_waiting = [self.server.pending]
+        for name in names[1:] or names[:1]:  # a lone root is planned at once
+            self._send_plan(self.init, name)
         log.info("ps.init_started", init_id=init_id, path=ask.path, workers=names, rounds=rounds(len(names)))
         return None
 
-    def _planned(self, init_id: str, outcome: Outcome) -> None:
-        """The root's answer to the plan: anything but ok fails the init."""
+    def _send_plan(self, init: InitRound, worker: str) -> None:
+        self._send(worker, init.plan, lambda outcome: self._planned(init.init_id, worker, outcome),
+                   deadline_s=self.settings.ack_timeout_s)
+
+    def _planned(self, init_id: str, worker: str, outcome: Outcome) -> None:
+        """``worker``'s answer to the plan: anything but ok fails the init; the root's plan goes once every other
+        worker took its own."""
         init = self.init
-        if init is None or init.init_id != init_id or isinstance(outcome, Message):
+        if init is None or init.init_id != init_id:
+            return
+        if isinstance(outcome, Message):
+            if worker in init.unplanned:
+                init.unplanned.discard(worker)
+                if not init.unplanned:
+                    self._send_plan(init, init.names[0])
             return
         if isinstance(outcome, RemoteError):
             reason = f"rejected the plan: {outcome.detail}"
@@ -735,11 +749,11 @@ class PsManager:
             reason = f"did not acknowledge the init plan within {self.settings.ack_timeout_s:g}s"
         else:
             reason = f"went down before acknowledging the init plan ({outcome.reason})"
-        self._fail_init(init.names[0], reason)
+        self._fail_init(worker, reason)
 
     def _init_done(self, request: Message) -> Body:
-        """A worker verified its copy of an init. One of an init this process never ran (a peer's made-up one, or
-        an earlier process's that no version names) is an orphan: nothing else would ever release it."""
+        """A worker verified its copy of an init. One of an init this process never ran (an earlier process's that
+        no version names) is an orphan: nothing else would ever release it."""
         done = request.body
         assert isinstance(done, InitDone)
         if self.init is not None and self.init.init_id == done.init_id:

@@ -168,11 +168,14 @@ class SegmentPool:
         """The in-use segment called ``name`` (free segments hold nothing readable)."""
         return self._in_use.get(name)
 
+    def reusable(self, nbytes: int) -> Segment | None:
+        """The free segment :meth:`acquire` would hand out for ``nbytes`` (the smallest that fits), if any."""
+        return min((s for s in self._free.values() if s.capacity >= nbytes), key=lambda s: s.capacity, default=None)
+
     def acquire(self, nbytes: int) -> Segment:
         """A segment of at least ``nbytes``, owned by the caller until :meth:`release`."""
-        fits = [s for s in self._free.values() if s.capacity >= nbytes]
-        if fits:
-            segment = min(fits, key=lambda s: s.capacity)
+        segment = self.reusable(nbytes)
+        if segment is not None:
             del self._free[segment.name]
             self.reused += 1
         else:

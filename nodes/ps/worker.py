@@ -14,16 +14,19 @@ mapped once and reused version after version:
   serves cross-host readers with zero-copy frames that view the segment.
 * **release**: the manager names shards that no version or push needs any more; their segments go back to
   the pool. Taken from that manager only: any other peer could free a copy readers hold.
-* **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init. The plan is
-  taken from the manager only, a header only from the worker the tree it carries names as this one's parent,
-  and chunks and the end only from the worker whose header made the relay.
-* **unclaimed segments**: any peer may open a shard or send an init header, and the manager releases only
-  what it granted or planned. A segment is claimed by a verified seal (a push) or verification (an init: the
-  manager releases one it never ran at its ``ps-init-done``); until then it counts against
-  ``ps.max_open_bytes`` and ``MAX_OPEN_SHARDS`` (a further one is refused ``open-limit``), and one still
-  unclaimed ``ps.push_timeout_s`` after its open (``ps.init_timeout_s`` after its header or plan) goes back to
-  the pool: by then the manager has aborted any push it granted (every rank commits within
-  ``push_timeout_s`` of its version's first grant) and failed any init it ran.
+* **broadcast init**: plan, header, chunks and end drive a :class:`~.broadcast.Relay` per init. The manager
+  plans an init with every worker of its tree (plans are taken from the manager only): the root reads the
+  checkpoint, every other worker takes that init's header only when it carries the planned tree and comes
+  from the parent that tree names, so an init the manager never ran takes no memory; chunks and the end are
+  taken only from the worker whose header made the relay. A planned init's segment is bounded by the
+  filesystem's free space, checked before the segment is made (``no-room``), not by ``ps.max_open_bytes``.
+* **unclaimed segments**: any peer may open a shard, and the manager releases only what it granted or
+  planned. A segment is claimed by a verified seal (a push) or verification (an init); until then a push's
+  counts against ``ps.max_open_bytes`` and ``MAX_OPEN_SHARDS`` (a further open is refused ``open-limit``), and
+  one still unclaimed ``ps.push_timeout_s`` after its open (``ps.init_timeout_s`` after its plan or header)
+  goes back to the pool: by then the manager has aborted any push it granted (every rank commits within
+  ``push_timeout_s`` of its version's first grant) and failed any init it ran. A plan whose header never
+  came is forgotten as late.
 * **a restarted manager**: the worker tracks the registry's ``node-up``/``node-down`` events; a ps-manager
   that comes up as another process than the one it knew (or after the bus reported it down) knows nothing of
   this worker, so it registers again, listing its segments (a finished init's verified copy among them), and
@@ -145,6 +148,9 @@ class PsWorker:
         self.relays: dict[str, Relay] = {}
         self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
         self._parents: dict[str, str] = {}  # init id -> the node id its header came from: the one sender of its chunks
+        # Init id -> the manager's plan of an init this worker is below the root of, until its header comes (and
+        # when that plan is forgotten unheard): the one header it takes.
+        self._planned: dict[str, tuple[InitPlan, float]] = {}
 
         self.server = runtime.serve("ps", settings.worker)
         self.server.on(ShardOpen.kind, self._open)
@@ -212,7 +218,7 @@ class PsWorker:
             return
         self._manager_lost = False
         if restarted:
-            for init_id in [i for i, relay in self.relays.items() if not relay.verified]:
+            for init_id in [*(i for i, relay in self.relays.items() if not relay.verified), *self._planned]:
                 log.warning("ps.init_abandoned", init_id=init_id, reason="the ps-manager restarted")
                 self._drop(init_id)
         log.info("ps.manager_restarted" if restarted else "ps.manager_back", manager=node.node_id, pid=node.pid)
@@ -282,6 +288,7 @@ class PsWorker:
             raise HandlerError("released", f"shard {ask.lease!r} was released: a push needs a new grant")
         segment = self.shards.get(ask.lease)
         if segment is None:
+            self._bound_unclaimed(ask.lease, ask.nbytes)
             segment = self._take(ask.lease, ask.nbytes, self.settings.push_timeout_s)
         elif segment.capacity < ask.nbytes:
             raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
@@ -414,6 +421,7 @@ class PsWorker:
         self.sealed.discard(shard)
         self.unclaimed.pop(shard, None)
         self._parents.pop(shard, None)
+        self._planned.pop(shard, None)
         self.released[shard] = None
         self.released.move_to_end(shard)
         while len(self.released) > RELEASED_REMEMBERED:
@@ -455,25 +463,42 @@ class PsWorker:
         return relay
 
     def _acquire(self, shard: str, nbytes: int) -> Segment:
+        """The segment of the planned init ``shard``: HandlerError ``released`` once it was released here,
+        ``no-room`` when the filesystem has not the room (checked before it is made, see :meth:`_check_room`)."""
         segment = self.shards.get(shard)
         if segment is None:
             if shard in self.released:  # a segment taken now would never be released
                 raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
+            self._check_room(shard, nbytes)
             segment = self._take(shard, nbytes, self.settings.init_timeout_s)
         return segment
 
+    def _bound_unclaimed(self, lease: str, nbytes: int) -> None:
+        """HandlerError ``open-limit`` when a segment of ``nbytes`` for push ``lease`` would pass the bounds on the
+        pushes' unclaimed segments (see the module doc; a planned init's are not counted: the manager ran it)."""
+        pushes = [s for s in self._unclaimed() if s not in self.relays]
+        held = sum(self.shards[s].capacity for s in pushes)
+        more = segment_bytes(nbytes)
+        if len(pushes) >= MAX_OPEN_SHARDS or held + more > self.max_open_bytes:
+            raise HandlerError("open-limit", f"{self.runtime.node_id} holds {len(pushes)} segments ({held} bytes) "
+                               f"for pushes not yet sealed; {lease!r} would pass its bound of {MAX_OPEN_SHARDS} "
+                               f"segments and {self.max_open_bytes} bytes (ps.max_open_bytes) with {more} bytes "
+                               "more: they are freed as they are sealed or released")
+
+    def _check_room(self, init_id: str, nbytes: int) -> None:
+        """HandlerError ``no-room`` unless the pool holds a free segment of ``nbytes`` or the filesystem has room
+        for a new one: said before anything is made, where a full filesystem would fail the init midway."""
+        if self.pool.reusable(nbytes) is not None:
+            return
+        fs = os.statvfs(self.pool.directory)
+        free, need = fs.f_bavail * fs.f_frsize, segment_bytes(nbytes)
+        if need > free:
+            raise HandlerError("no-room", f"init {init_id!r} needs a segment of {need} bytes on "
+                               f"{self.runtime.node_id}; {self.pool.directory} has {free} bytes free")
+
     def _take(self, shard: str, nbytes: int, claim_within_s: float) -> Segment:
         """A segment of ``nbytes`` for ``shard``, back to the pool unless claimed within ``claim_within_s`` (see the
-        module doc). HandlerError ``open-limit`` when it would pass the bounds on unclaimed segments, ``no-room``
-        when the filesystem has no room."""
-        unclaimed = self._unclaimed()
-        held = sum(self.shards[s].capacity for s in unclaimed)
-        more = segment_bytes(nbytes)
-        if len(unclaimed) >= MAX_OPEN_SHARDS or held + more > self.max_open_bytes:
-            raise HandlerError("open-limit", f"{self.runtime.node_id} holds {len(unclaimed)} segments ({held} bytes) "
-                               f"for pushes not yet sealed and inits not yet verified; {shard!r} would pass its bound "
-                               f"of {MAX_OPEN_SHARDS} segments and {self.max_open_bytes} bytes (ps.max_open_bytes) "
-                               f"with {more} bytes more: they are freed as they are sealed or released")
+        module doc); HandlerError ``no-room`` when the filesystem has no room."""
         segment = self.shards[shard] = self._acquire_room(nbytes)
         self.unclaimed[shard] = time.monotonic() + claim_within_s
         return segment
@@ -494,6 +519,10 @@ class PsWorker:
                         detail="neither sealed (or verified) nor released in time: a push or init the ps-manager "
                                "gave up, or one it never granted")
             self._drop(shard)
+        for init_id in [i for i, (_, due) in self._planned.items() if due <= now]:
+            log.warning("ps.plan_forgotten", init_id=init_id, detail="its header never came: an init the ps-manager "
+                        "gave up")
+            self._drop(init_id)
 
     def _acquire_room(self, nbytes: int) -> Segment:
         try:
@@ -509,11 +538,24 @@ class PsWorker:
         self.runtime.calls.request(peer.endpoint, body, on_done, deadline_s=deadline_s, policy=SEND_ONCE)
 
     def _plan(self, request: Message) -> Body:
-        """A broadcast init's plan: this worker is the root and reads ``plan.path``. Taken only from the manager
-        this worker registered with (:meth:`_from_manager`): a plan makes the worker open a file of its choosing."""
+        """A broadcast init's plan. Taken only from the manager this worker registered with
+        (:meth:`_from_manager`): a plan makes its root open a file of the manager's choosing, and every other
+        worker of the tree take that init's header (:meth:`_header`). HandlerError ``bad-init`` when the tree
+        does not name this worker, or the init was planned or started here already."""
         plan = request.body
         assert isinstance(plan, InitPlan)
         self._from_manager(request, "plans")
+        names = [w.worker for w in plan.workers]
+        if self.runtime.node_id not in names:
+            raise HandlerError("bad-init", f"the plan of init {plan.init_id!r} does not name {self.runtime.node_id}")
+        if names.index(self.runtime.node_id):  # below the root: the plan names the one header taken
+            self._refuse_released(plan.init_id)
+            if plan.init_id in self._planned or plan.init_id in self.relays:
+                raise HandlerError("bad-init", f"init {plan.init_id!r} was planned on {self.runtime.node_id} already")
+            self._planned[plan.init_id] = (plan, time.monotonic() + self.settings.init_timeout_s)
+            rank = names.index(self.runtime.node_id)
+            log.info("ps.init_planned", init_id=plan.init_id, parent=names[parent(rank) or 0])
+            return Ok()
         relay = self._relay(plan.init_id)
 
         # Answer the plan first, then stream on the loop: the manager learns at once that the root is alive.
@@ -528,21 +570,32 @@ class PsWorker:
                                f"with ({self._manager_id or 'none yet'!r}): only it sends {what}")
 
     def _header(self, request: Message) -> Body:
-        """A header makes this worker's relay of an init: taken only from the worker its tree names as this one's
-        parent (its node id, which CURVE authenticates as the request's ``src``). A header refused or failing
-        leaves nothing behind."""
+        """A header makes this worker's relay of an init: taken only for an init the manager planned here
+        (``not-planned`` otherwise), carrying the plan's tree (``bad-init`` otherwise), from the worker that tree
+        names as this one's parent (its node id, which CURVE authenticates as the request's ``src``;
+        ``not-parent`` otherwise). So a header nobody planned is refused before any memory is spent, and one
+        refused or failing leaves nothing behind."""
         header = request.body
         assert isinstance(header, InitHeader)
         me, init_id = self.runtime.node_id, header.init_id
         self._refuse_released(init_id)
-        names = [w.worker for w in header.workers]
-        rank = names.index(me) if me in names else 0
-        if not rank:
-            raise HandlerError("bad-init", f"the tree of init {init_id!r} does not name {me} below its root")
-        sender = names[parent(rank) or 0]
+        if init_id in self.relays:
+            raise HandlerError("bad-init", f"init {init_id!r} has started on {me} already: a worker takes one header "
+                               "per init")
+        planned = self._planned.get(init_id)
+        if planned is None:
+            raise HandlerError("not-planned", f"the ps-manager planned no init {init_id!r} on {me}: a header is taken "
+                               "only for an init the manager's plan announced")
+        plan, _ = planned
+        names = [w.worker for w in plan.workers]
+        if header.workers != plan.workers:
+            raise HandlerError("bad-init", f"the header of init {init_id!r} carries another tree than the ps-manager's "
+                               f"plan: {[w.worker for w in header.workers]}, planned {names}")
+        sender = names[parent(names.index(me)) or 0]
         if request.header.src != sender:
             raise HandlerError("not-parent", f"{request.header.src!r} is not the parent of {me} in init {init_id!r} "
                                f"({sender!r}): only it sends the header")
+        del self._planned[init_id]
         relay = self._relay(init_id)
         self._parents[init_id] = sender
         try:
