@@ -295,7 +295,9 @@ class ShardWrite(Body, frozen=True):
 
 @register_kind("ps-shard-seal")
 class ShardSeal(Body, frozen=True):
-    """Every byte is written: verify ``tensors``' checksums and commit the shard at the manager."""
+    """Every byte is written: verify ``tensors``' checksums and commit the shard at the manager (answered with the
+    manager's answer). While the worker verifies, the shard takes no write (``sealed``); a release meanwhile is
+    answered ``released``."""
 
     lease: Name  # lease id
     version: NonNegative  # version pushed
@@ -348,7 +350,8 @@ class InitHeader(Body, frozen=True):
     an init the manager's plan announced to the child (else ``not-planned``, before any memory is spent), carrying
     the plan's tree (else ``bad-init``), from the worker that tree names as the child's parent (``src``; others:
     ``not-parent``), once per init (else ``bad-init``); ``no-room`` when the child's filesystem cannot hold the
-    segment. Until verified, the segment goes back to the pool ``ps.init_timeout_s`` after the header."""
+    segment. Answered once the segment is made (the parent sends chunks only then). Until verified, the segment
+    goes back to the pool ``ps.init_timeout_s`` after the header."""
 
     init_id: Name  # the broadcast's id
     workers: list[WorkerInfo]  # the tree, in rank order (root first)

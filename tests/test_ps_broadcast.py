@@ -197,8 +197,8 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
     reports: list[Any] = []
     memory: dict[str, _Memory] = {}
 
-    def acquire(shard: str, nbytes: int) -> _Memory:
-        return memory.setdefault(shard, _Memory(nbytes))
+    def acquire(shard: str, nbytes: int, then: Callable[[_Memory], None]) -> None:
+        then(memory.setdefault(shard, _Memory(nbytes)))
 
     turns = _Turns()
     relay = Relay("init-1", "w0", acquire=acquire,  # type: ignore[arg-type]
@@ -211,10 +211,15 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
     def chunks_to(worker: str) -> list[Any]:
         return [(body, done) for to, body, done in sent if to == worker and isinstance(body, InitChunk)]
 
-    assert next(type(body) for to, body, _ in sent if to == "w1") is InitHeader
+    # Nothing but the header goes to a child until it acknowledges it (its segment is made by then).
+    assert [(to, type(body)) for to, body, _ in sent] == [("w1", InitHeader), ("w2", InitHeader)]
+    assert relay._read == chunk
+    ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
+    for _, _, done in list(sent):
+        done(ok)
+        turns.run()
     assert len(chunks_to("w1")) == len(chunks_to("w2")) == WINDOW
     assert relay._read == WINDOW * chunk  # read only as far as the children take
-    ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
     acked: set[int] = set()
 
     def acknowledge(worker: str) -> None:
@@ -245,13 +250,20 @@ def test_a_relay_keeps_at_most_a_window_of_chunks_in_flight_per_child_and_reads_
 
 def test_a_relay_refuses_a_chunk_before_its_header_or_outside_its_segment_and_holds_nothing() -> None:
     sent: list[Any] = []
-    relay = Relay("init-2", "w1", acquire=lambda shard, nbytes: _Memory(nbytes),  # type: ignore[arg-type]
-                  send=lambda peer, body, deadline_s, on_done: sent.append(body), report=sent.append,
-                  later=_Turns().later)
+    answers: list[Any] = []
+    acknowledge: list[Callable[[Any], None]] = []
+
+    def send(peer: WorkerInfo, body: Any, deadline_s: float, on_done: Callable[[Any], None]) -> None:
+        sent.append(body)
+        acknowledge.append(on_done)
+
+    relay = Relay("init-2", "w1", acquire=lambda shard, nbytes, then: then(_Memory(nbytes)),  # type: ignore[arg-type]
+                  send=send, report=sent.append, later=_Turns().later)
     with pytest.raises(ValueError, match="chunk before header"):
         relay.on_chunk(InitChunk("init-2", 0, np.zeros(8, np.uint8)))
-    relay.on_header(InitHeader("init-2", _tree(4), 5.0, 100, []))  # w1 relays to w3
-    assert [type(body) for body in sent] == [InitHeader]
+    relay.on_header(InitHeader("init-2", _tree(4), 5.0, 100, []), answers.append)  # w1 relays to w3
+    assert [type(body) for body in sent] == [InitHeader] and answers == [Ok()]
+    acknowledge[0](Message(kind="ok", header=None, body=Ok()))  # type: ignore[arg-type]
     for offset, size in ((96, 8), (1 << 40, 1)):
         with pytest.raises(ValueError, match="outside the segment"):
             relay.on_chunk(InitChunk("init-2", offset, np.full(size, 7, np.uint8)))
@@ -400,10 +412,10 @@ def test_a_root_that_cannot_read_the_checkpoint_reports_it_at_once_and_closes_th
     bad = tmp_path / "list.safetensors"
     bad.write_bytes(struct.pack("<Q", 2) + b"[]")
 
-    def no_room(shard: str, nbytes: int) -> Any:
+    def no_room(shard: str, nbytes: int, then: Callable[[Any], None]) -> None:
         raise HandlerError("no-room", f"no room for {nbytes} bytes")
 
-    for path, acquire, named in ((bad, lambda shard, nbytes: _Memory(nbytes), "not an object"),
+    for path, acquire, named in ((bad, lambda shard, nbytes, then: then(_Memory(nbytes)), "not an object"),
                                  (checkpoint[0], no_room, "HandlerError: no room for")):
         reports: list[Any] = []
         relay = Relay("init-3", "w0", acquire=acquire, send=lambda *args: None,  # type: ignore[arg-type]
@@ -438,6 +450,9 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
         relay.stream_from(InitPlan("init-r", str(path), [me, child], 64, 5.0))
         _run_timers(runtime)
         child_state = relay._children[0]
+        ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
+        relay._acknowledged(child_state, "header", ok)
+        _run_timers(runtime)
         assert child_state.in_flight == WINDOW and relay._file is not None  # waiting for acknowledgements
         read, sent = relay._read, child_state.sent
 
@@ -447,7 +462,6 @@ def test_a_released_init_stops_its_relay_before_its_segment_is_reused(tmp_path: 
         segment = worker.shards["push-next"]
         assert opened.segment == segment.name  # the pool handed the init's segment on
         segment.view(0, 4096)[:] = b"\x5a" * 4096
-        ok = Message(kind="ok", header=None, body=Ok())  # type: ignore[arg-type]  # only its type is looked at
         relay._acknowledged(child_state, "chunk", ok)  # an acknowledgement that was in flight
         assert relay._read == read and child_state.sent == sent  # nothing read into it, nothing sent from it
         assert bytes(segment.view(0, 4096)) == b"\x5a" * 4096
@@ -569,8 +583,10 @@ def test_a_worker_takes_an_init_s_header_only_as_the_manager_planned_it_and_boun
             assert err.value.code == code, (body, src)
         assert worker.relays == {} and worker.pool.in_use_bytes == 0 and worker.shards == {}
 
-        assert handle(worker._header, InitHeader("init-p", tree, 5.0, big, []), "w0") == Ok()
-        assert worker.pool.in_use_bytes == big  # planned: not bounded by ps.max_open_bytes
+        answers: list[Any] = []
+        worker.server.answer = lambda pending, body: answers.append(body)  # type: ignore[method-assign]
+        assert handle(worker._header, InitHeader("init-p", tree, 5.0, big, []), "w0") is None  # answered when made
+        assert answers == [Ok()] and worker.pool.in_use_bytes == big  # planned: not bounded by ps.max_open_bytes
         with pytest.raises(HandlerError) as err:
             handle(worker._header, InitHeader("init-p", tree, 5.0, big, []), "w0")
         assert err.value.code == "bad-init"  # one header per init

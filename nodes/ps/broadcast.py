@@ -12,10 +12,11 @@ once (which, on a link slower than ``children x size / ack_timeout_s``, failed i
 Verification: every chunk frame carries the sender's xxh3 checksum and is verified on receipt; at the end the
 root's per-tensor checksums travel down the tree and every worker hashes its own copy against them.
 
-The loop thread is never held for long, however large the checkpoint: the root reads one chunk a loop turn, and
-hashing (the root's checksums, each worker's check of its copy) goes one slice a turn
-(:class:`~refbus.protocol.codec.SlicedChecksums`), so heartbeats, acknowledgements and requests are served in
-between and no worker is reported down for loading a large checkpoint.
+The loop thread is never held for long, however large the checkpoint: the root reads one chunk a loop turn, each
+worker makes its segment one slice a turn (:class:`~refbus.nodes.ps.shm.Allocation`), and hashing (the root's
+checksums, each worker's check of its copy) goes one slice a turn (:class:`~refbus.protocol.codec.SlicedChecksums`),
+so heartbeats, acknowledgements and requests are served in between and no worker is reported down for loading a
+large checkpoint. A child acknowledges the header once its segment is made; its chunks wait for that.
 
 Authentication: the manager sends its plan to every worker of the tree (the root last, once the others
 acknowledged theirs); a worker below the root takes the init's header only as its plan names it (see the
@@ -44,7 +45,7 @@ import structlog
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout
 from ...protocol.codec import SlicedChecksums
 from ...protocol.envelope import Message
-from ...protocol.messages import Body
+from ...protocol.messages import Body, Error, Ok
 from ...protocol.messages_ps import (
     InitChunk,
     InitDone,
@@ -101,8 +102,10 @@ def parent(rank: int) -> int | None:
     return rank - (1 << (rank.bit_length() - 1)) if rank else None
 
 
-Acquire = Callable[[str, int], Segment]
-"""``acquire(init_id, nbytes)``: a segment the worker records as shard ``init_id``."""
+Acquire = Callable[[str, int, Callable[[Segment], None]], None]
+"""``acquire(init_id, nbytes, then)``: make a segment the worker records as shard ``init_id`` and pass it to
+``then`` on the loop thread (in a later loop turn when it is made in slices); raises when refused at once. The
+worker fails the relay when the segment cannot be made midway, and stops making it when the init is released."""
 Send = Callable[[WorkerInfo, Body, float, Callable[[Outcome], None]], None]
 """``send(peer, body, deadline_s, on_done)``: an asynchronous request to a peer worker; its outcome goes to
 ``on_done`` (on the loop thread)."""
@@ -117,6 +120,7 @@ class _Child:
     """What a relay has sent one child: the first ``sent`` chunks, of which ``in_flight`` are unacknowledged."""
 
     info: WorkerInfo
+    headed: bool = False  # it acknowledged the header: its segment is made, chunks may go
     sent: int = 0
     in_flight: int = 0
     ended: bool = False
@@ -154,6 +158,8 @@ class Relay:
         self._chunk_bytes = 0
         self._read = 0
         self._reading = False  # the next chunk's read is asked for (one a loop turn)
+        # The answer to this worker's header (a child's), until its segment is made or the relay fails.
+        self._answer_header: Callable[[Body], None] | None = None
 
     # --- the stream ---------------------------------------------------------------------------------
 
@@ -171,12 +177,10 @@ class Relay:
             layout = read_layout(self._file, plan.path)
             self._file.seek(layout.data_start)
             self._path, self._chunk_bytes = plan.path, plan.chunk_bytes
-            self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors)
+            self._start(plan.workers, plan.ack_timeout_s, layout.nbytes, layout.tensors, self._read_on)
         except Exception as exc:  # whatever it is, the manager hears it now, not at the init timeout
             self._close_file()
             self.fail(self.me, f"cannot read checkpoint {plan.path}: {_named(exc)}")
-            return
-        self._read_on()
 
     def _read_on(self) -> None:
         """Root: ask for the next chunk's read (:meth:`_read_chunk`, in a later loop turn) while some child has
@@ -241,8 +245,20 @@ class Relay:
             self._file.close()
             self._file = None
 
-    def on_header(self, header: InitHeader) -> None:
-        self._start(header.workers, header.ack_timeout_s, header.nbytes, header.tensors)
+    def on_header(self, header: InitHeader, answer: Callable[[Body], None]) -> None:
+        """Make this worker's segment (a slice a loop turn), then ``answer`` the header ``ok`` (only then does the
+        parent send chunks); an ``Error`` when the relay fails or is abandoned first."""
+        self._answer_header = answer
+
+        def made() -> None:
+            self._answer_header = None
+            answer(Ok())
+
+        try:
+            self._start(header.workers, header.ack_timeout_s, header.nbytes, header.tensors, made)
+        except BaseException:
+            self._answer_header = None  # refused at once: the caller answers that
+            raise
 
     def on_chunk(self, chunk: InitChunk) -> None:
         """Copy a verified chunk (the codec checked its frame checksum) and pass it on."""
@@ -260,27 +276,41 @@ class Relay:
     def abandon(self) -> None:
         """The worker is releasing this init's segment (the manager freed the init): nothing more is read into
         it, sent from it or reported, whatever acknowledgements are still in flight; the file is closed."""
-        self.failed = True
-        self._close_file()
+        self._stop("released", f"init {self.init_id} was released on {self.me} before its segment was made")
 
     def fail(self, worker: str, reason: str) -> None:
-        self.failed = True
-        self._close_file()
+        self._stop("init-failed", f"init {self.init_id} failed on {self.me}: {reason}")
         log.error("ps.init_failed", init_id=self.init_id, worker=worker, reason=reason)
         self._report(InitFailed(self.init_id, self.me, worker, reason))
 
+    def _stop(self, code: str, why: str) -> None:
+        """Fail the relay and close the file; a header still waiting for its segment is answered ``code``."""
+        self.failed = True
+        self._close_file()
+        answer, self._answer_header = self._answer_header, None
+        if answer is not None:
+            answer(Error(code, why, InitHeader.kind))
+
     # --- internals ----------------------------------------------------------------------------------
 
-    def _start(self, workers: list[WorkerInfo], ack_timeout_s: float, nbytes: int, tensors: list[ShardTensor]) -> None:
+    def _start(self, workers: list[WorkerInfo], ack_timeout_s: float, nbytes: int, tensors: list[ShardTensor],
+               then: Callable[[], None]) -> None:
+        """Make the segment, then send each child the header and go on with ``then``. A child's chunks and end wait
+        for its acknowledgement of the header: its segment is made by then."""
         names = [w.worker for w in workers]
         rank = names.index(self.me)
         self._children = [_Child(workers[c]) for c in children(rank, len(workers))]
         self._ack_timeout_s = ack_timeout_s
         self._tensors = list(tensors)
-        self._segment = self._acquire(self.init_id, nbytes)
-        self._segment_bytes = nbytes
-        for child in self._children:
-            self._send_to(child, InitHeader(self.init_id, workers, ack_timeout_s, nbytes, self._tensors), "header")
+
+        def made(segment: Segment) -> None:
+            self._segment = segment
+            self._segment_bytes = nbytes
+            for child in self._children:
+                self._send_to(child, InitHeader(self.init_id, workers, ack_timeout_s, nbytes, self._tensors), "header")
+            then()
+
+        self._acquire(self.init_id, nbytes, made)
 
     def _hold(self, offset: int, nbytes: int) -> None:
         """Chunk ``[offset, offset + nbytes)`` of the segment is written: send it to every child with room."""
@@ -292,6 +322,8 @@ class Relay:
         """Send ``child`` its next chunks while it has fewer than ``WINDOW`` in flight, then the end once it
         has them all. Chunks are zero-copy views of the segment, which stays mapped until it is released."""
         assert self._segment is not None
+        if not child.headed:  # its segment may not be made yet: its acknowledgement of the header pumps
+            return
         while not self.failed and child.in_flight < WINDOW and child.sent < len(self._chunks):
             offset, nbytes = self._chunks[child.sent]
             child.sent += 1
@@ -313,10 +345,12 @@ class Relay:
             return
         name = child.info.worker
         if isinstance(outcome, Message):
-            if what == "chunk":
+            if what == "header":
+                child.headed = True
+            elif what == "chunk":
                 child.in_flight -= 1
-                self._pump(child)
-                self._read_on()
+            self._pump(child)
+            self._read_on()
         elif isinstance(outcome, RemoteError):
             self.fail(name, f"rejected the {what}: [{outcome.code}] {outcome.detail}")
         elif isinstance(outcome, RequestTimeout):

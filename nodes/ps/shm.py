@@ -83,25 +83,14 @@ class Segment:
     segments as its memory allows, whatever its descriptor limit.
     """
 
-    def __init__(self, path: Path, capacity: int, *, pin: bool, existing: bool = False) -> None:
-        """Create the file (or map an ``existing`` one: a shard a restarted worker re-adopts).
-
-        Raises:
-            OSError: ``ENOSPC`` when the tmpfs has no room: the memory is allocated whole here, so a full
-                tmpfs fails this call instead of a later write into the mapping (``SIGBUS``).
-        """
+    def __init__(self, path: Path, capacity: int, *, pin: bool) -> None:
+        """Map the file at ``path``, whose ``capacity`` bytes are allocated already (an :class:`Allocation` made it,
+        or it is a shard a restarted worker re-adopts)."""
         self.path = path
         self.capacity = capacity
-        fd = os.open(path, os.O_RDWR) if existing else os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR)
         try:
-            if not existing:
-                os.posix_fallocate(fd, 0, capacity)
             memory = map_file(fd, capacity, writable=True)
-        except BaseException:
-            if not existing:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            raise
         finally:
             os.close(fd)  # the mapping keeps the memory; the name stays for same-host readers
         # Every view is cut from this one (memoryview keeps the mapping alive): dropping it at close unmaps the
@@ -136,10 +125,85 @@ class Segment:
         self._bytes = None
 
 
+# What one Allocation.step allocates: about 55 ms of posix_fallocate on tmpfs here (~0.22 s/GiB, pages zeroed), so
+# a ps-worker making a segment of tens of GiB answers heartbeats and requests between the steps.
+ALLOCATE_SLICE_BYTES = 256 << 20
+
+
+class Allocation:
+    """A segment of a :class:`SegmentPool` being made, ``slice_bytes`` a :meth:`step`: ``posix_fallocate`` of the
+    next slice of its file, then the mapping. The memory is allocated whole before anyone writes a byte, so a full
+    tmpfs fails a step (``ENOSPC``) instead of a later write into the mapping (``SIGBUS``).
+
+    Its file carries the pool's name from the first step (a sweep of a dead worker's token removes it) and is
+    held open until the last step or :meth:`abandon`, which unlinks it; a step that fails unlinks it too. A free
+    segment of the pool that fits is handed over by the first step."""
+
+    def __init__(self, pool: SegmentPool, capacity: int, *, slice_bytes: int,
+                 reused: Segment | None = None) -> None:
+        self.pool = pool
+        self.capacity = capacity
+        self.allocated = 0
+        self._slice_bytes = slice_bytes
+        self._reused = reused
+        self._fd: int | None = None
+        self.path: Path | None = None
+        pool._making.add(self)
+
+    def step(self) -> Segment | None:
+        """Allocate the next slice; the segment (in use in the pool, owned by the caller until it releases it)
+        once it is whole, else None. Raises OSError (``ENOSPC`` when the tmpfs has no room), the file removed."""
+        segment = self._reused
+        if segment is not None:
+            self._reused = None
+            self.pool._making.discard(self)
+            self.pool._in_use[segment.name] = segment
+            return segment
+        try:
+            if self._fd is None:
+                self.pool.created += 1
+                self.path = self.pool.directory / f"{self.pool.prefix}.{self.pool.token}.{self.pool.created}"
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            take = min(self._slice_bytes, self.capacity - self.allocated)
+            os.posix_fallocate(self._fd, self.allocated, take)
+            self.allocated += take
+            if self.allocated < self.capacity:
+                return None
+            path, self.path = self.path, None  # the pool's from here on: abandon leaves it be
+            assert path is not None
+            try:
+                segment = Segment(path, self.capacity, pin=self.pool.pin)
+            except BaseException:
+                os.unlink(path)
+                raise
+        except BaseException:
+            self.abandon()
+            raise
+        self.abandon()  # closes the file, which the mapping does not need
+        self.pool._in_use[segment.name] = segment
+        return segment
+
+    def abandon(self) -> None:
+        """Stop making the segment: its file is closed and unlinked (a free segment not handed over yet goes back to
+        the free list). Safe at any time, and twice; nothing once the segment was handed over."""
+        if self._reused is not None:
+            self.pool._free[self._reused.name] = self._reused
+            self._reused = None
+        self.pool._making.discard(self)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
+
+
 class SegmentPool:
     """A worker's segments: in use (holding a shard) or free (kept mapped for the next version).
 
-    :meth:`acquire` reuses the smallest free segment that fits, else creates one; :meth:`release` returns
+    :meth:`acquire` reuses the smallest free segment that fits, else creates one (:meth:`allocate` the same, a
+    step at a time: :class:`Allocation`); :meth:`release` returns
     a segment to the free list, unlinking the oldest free ones beyond ``max_free``. :meth:`close` unlinks
     everything. Not thread-safe: the worker's loop owns it.
     """
@@ -155,6 +219,7 @@ class SegmentPool:
         self.reused = 0
         self._in_use: dict[str, Segment] = {}
         self._free: OrderedDict[str, Segment] = OrderedDict()
+        self._making: set[Allocation] = set()  # allocations under way: their files go at close too
 
     @property
     def in_use_bytes(self) -> int:
@@ -172,24 +237,28 @@ class SegmentPool:
         """The free segment :meth:`acquire` would hand out for ``nbytes`` (the smallest that fits), if any."""
         return min((s for s in self._free.values() if s.capacity >= nbytes), key=lambda s: s.capacity, default=None)
 
-    def acquire(self, nbytes: int) -> Segment:
-        """A segment of at least ``nbytes``, owned by the caller until :meth:`release`."""
+    def allocate(self, nbytes: int, *, slice_bytes: int = ALLOCATE_SLICE_BYTES) -> Allocation:
+        """A segment of at least ``nbytes``, to make a step at a time (:class:`Allocation`): the smallest free one
+        that fits, else a new one of :func:`segment_bytes` ``(nbytes)``."""
         segment = self.reusable(nbytes)
         if segment is not None:
             del self._free[segment.name]
             self.reused += 1
-        else:
-            self.created += 1
-            capacity = segment_bytes(nbytes)
-            path = self.directory / f"{self.prefix}.{self.token}.{self.created}"
-            segment = Segment(path, capacity, pin=self.pin)
-        self._in_use[segment.name] = segment
+            return Allocation(self, segment.capacity, slice_bytes=slice_bytes, reused=segment)
+        return Allocation(self, segment_bytes(nbytes), slice_bytes=slice_bytes)
+
+    def acquire(self, nbytes: int) -> Segment:
+        """A segment of at least ``nbytes``, made at once, owned by the caller until :meth:`release`. Raises
+        OSError (``ENOSPC`` when the tmpfs has no room)."""
+        allocation = self.allocate(nbytes, slice_bytes=segment_bytes(nbytes))
+        segment = allocation.step()
+        assert segment is not None, "one step makes a segment of one slice"
         return segment
 
     def adopt(self, name: str) -> Segment:
         """Map the existing segment file ``name`` (a shard an earlier process of this worker sealed) as in use."""
         path = self.directory / name
-        segment = Segment(path, os.stat(path).st_size, pin=self.pin, existing=True)
+        segment = Segment(path, os.stat(path).st_size, pin=self.pin)
         self._in_use[segment.name] = segment
         # An earlier process under this token (a durable worker restarted with its pid: a container's first
         # process) named it: new names must start past it, or the next acquire collides with it.
@@ -208,7 +277,9 @@ class SegmentPool:
             oldest.close()
 
     def close(self) -> None:
-        """Unlink and unmap every segment, in use or free."""
+        """Unlink and unmap every segment, in use or free, and the files of allocations under way."""
+        for allocation in list(self._making):
+            allocation.abandon()
         for segment in [*self._in_use.values(), *self._free.values()]:
             segment.close()
         self._in_use.clear()

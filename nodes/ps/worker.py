@@ -6,9 +6,9 @@ mapped once and reused version after version:
 * **push**: ``ps-shard-open`` gives the pusher a segment (by name: a same-host pusher maps it and writes
   directly; a cross-host one sends ``ps-shard-write`` frames, hashed per tensor as they are copied in when the
   open named the tensors' ranges, :mod:`.streamed`); ``ps-shard-seal`` checks every tensor against the
-  pusher's checksums (the streamed digest where it holds, else a hash of the segment) and forwards the
-  verified shard to the manager (``ps-shard-commit``). The pusher's
-  answer is the manager's (the reply is deferred until it arrives), so "acknowledged" means "recorded".
+  pusher's checksums (the streamed digest where it holds, else a hash of the segment, a slice a loop turn) and
+  forwards the verified shard to the manager (``ps-shard-commit``). The pusher's answer is the manager's (the
+  reply is deferred until it arrives), so "acknowledged" means "recorded".
 * **pull**: same-host readers (proved by the kernel's boot id and a nonce file next to the segments,
   :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
   serves cross-host readers with zero-copy frames that view the segment.
@@ -55,7 +55,7 @@ from ...bus.memory import keep_receive_memory
 from ...bus.peers import incarnation
 from ...bus.reqrep import SEND_ONCE, HandlerError, Outcome, Pending, RemoteError, RequestTimeout, RetryPolicy
 from ...bus.runtime import NodeRuntime
-from ...protocol.codec import Unhashed, checksum
+from ...protocol.codec import SlicedChecksums, Unhashed
 from ...protocol.envelope import NIL_CHECKSUM_SINCE, Message
 from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok
 from ...protocol.messages_ps import (
@@ -72,6 +72,7 @@ from ...protocol.messages_ps import (
     ShardOpened,
     ShardRead,
     ShardSeal,
+    ShardTensor,
     ShardWrite,
     WorkerInfo,
 )
@@ -82,7 +83,7 @@ from .broadcast import Relay, parent
 from .host_proof import NonceFile, boot_id
 from .nixl import NixlError, NixlExport, require_nixl
 from .shard_journal import ShardJournal, ShardReadoption
-from .shm import OwnerLock, Segment, SegmentPool, segment_bytes, sweep_orphans
+from .shm import Allocation, OwnerLock, Segment, SegmentPool, segment_bytes, sweep_orphans
 from .streamed import BadLayout, StreamedDigests
 
 log = structlog.get_logger(__name__)
@@ -146,11 +147,13 @@ class PsWorker:
         self.host_proof = NonceFile.create(directory, settings.shm_prefix, token)
         runtime.shutdown_hooks.append(self.host_proof.remove)
         self.relays: dict[str, Relay] = {}
-        self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its commit in flight
+        self._sealing: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its seal: hashing or commit
+        self._hashing: set[str] = set()  # push leases whose seal is hashing the segment, a slice a loop turn
         self._parents: dict[str, str] = {}  # init id -> the node id its header came from: the one sender of its chunks
         # Init id -> the manager's plan of an init this worker is below the root of, until its header comes (and
         # when that plan is forgotten unheard): the one header it takes.
         self._planned: dict[str, tuple[InitPlan, float]] = {}
+        self._making: dict[str, Allocation] = {}  # init id -> its segment, being made a slice a loop turn
 
         self.server = runtime.serve("ps", settings.worker)
         self.server.on(ShardOpen.kind, self._open)
@@ -303,6 +306,8 @@ class PsWorker:
         segment = self._shard(write.lease)
         if write.lease in self.sealed:
             raise HandlerError("sealed", f"shard {write.lease!r} is sealed: its bytes are verified and may be served")
+        if write.lease in self._hashing:
+            raise HandlerError("sealed", f"shard {write.lease!r} is being sealed: its bytes are being verified")
         if len(write.offsets) != len(write.data):
             raise HandlerError("bad-write", f"{len(write.offsets)} offsets for {len(write.data)} buffers")
         streamed = self.streamed.get(write.lease)
@@ -319,36 +324,71 @@ class PsWorker:
         return Ok()
 
     def _seal(self, request: Message) -> Body | None:
-        """Verify every checksum, then let the manager's answer be the pusher's answer."""
+        """Verify every checksum, then let the manager's answer be the pusher's answer. The tensors not streamed
+        are hashed from the segment ``HASH_SLICE_BYTES`` a loop turn (the first in this one): a shard of tens of
+        GiB stalls no heartbeat. Meanwhile the shard takes no write (``sealed``) and is not readable (not sealed
+        yet); a release or the unclaimed timeout stops the hashing (:meth:`_drop` answers ``released``). A
+        pusher's retry joins the seal in progress, hashing or committing."""
         seal = request.body
         assert isinstance(seal, ShardSeal)
         segment = self._shard(seal.lease)
+        waiting = self._sealing.get(seal.lease)
+        if waiting is not None:
+            waiting.append(self.server.pending)
+            return None
         streamed = self.streamed.get(seal.lease)
+        hashed: list[ShardTensor] = []  # the tensors hashed from the segment
         for t in seal.tensors:
-            got = None if streamed is None else streamed.digest(t.offset, t.nbytes)
             try:
-                view = segment.view(t.offset, t.nbytes)
+                segment.view(t.offset, t.nbytes)
             except ValueError as exc:
                 raise HandlerError("out-of-bounds", f"tensor {t.name!r}: {exc}") from None
+            got = None if streamed is None else streamed.digest(t.offset, t.nbytes)
             if got is None:
-                got = checksum(view)
-                self.seal_hashed["segment"] += 1
-            else:
-                self.seal_hashed["streamed"] += 1
+                hashed.append(t)
+                continue
+            self.seal_hashed["streamed"] += 1
             if got != t.checksum:
-                raise HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the "
-                                   f"bytes written hash to {got:#x}, the pusher declared {t.checksum:#x}")
+                raise self._mismatch(seal, t, got)
+        waiting = self._sealing[seal.lease] = [self.server.pending]
+        self._hashing.add(seal.lease)
+        hashing = SlicedChecksums(segment.view, [(t.offset, t.nbytes) for t in hashed])
+
+        def step() -> None:
+            if self._sealing.get(seal.lease) is not waiting:  # released: _drop answered the pushers
+                return
+            if not hashing.step():
+                self.runtime.later(0.0, step)
+                return
+            self._hashing.discard(seal.lease)
+            for t, got in zip(hashed, hashing.digests, strict=True):
+                self.seal_hashed["segment"] += 1
+                if got != t.checksum:
+                    self._answer_sealing(seal.lease, self._mismatch(seal, t, got))
+                    return
+            self._verified(seal, segment)
+
+        step()
+        return None
+
+    @staticmethod
+    def _mismatch(seal: ShardSeal, t: ShardTensor, got: int) -> HandlerError:
+        return HandlerError("checksum", f"tensor {t.name!r} of version {seal.version} rank {seal.rank}: the bytes "
+                            f"written hash to {got:#x}, the pusher declared {t.checksum:#x}")
+
+    def _verified(self, seal: ShardSeal, segment: Segment) -> None:
+        """Every tensor of ``seal`` checked: the shard is sealed (journaled first, when durable) and committed at the
+        manager, whose answer goes to every pusher waiting on the seal."""
         self.sealed.add(seal.lease)
         if self.journal is not None:  # durable before anyone is told: the manager, then the pusher
             self.journal.sealed(seal.lease, seal.version, seal.rank, segment.name, seal.tensors)
-        waiting = self._sealing.get(seal.lease)
-        if waiting is None:  # a pusher's retry joins the commit in flight
-            waiting = self._sealing[seal.lease] = []
-            commit = ShardCommit(seal.lease, seal.version, seal.rank, self.runtime.node_id, segment.name, seal.tensors)
-            self.runtime.calls.request(self.settings.manager, commit,
-                                       lambda outcome: self._committed(seal.lease, outcome))
-        waiting.append(self.server.pending)
-        return None
+        commit = ShardCommit(seal.lease, seal.version, seal.rank, self.runtime.node_id, segment.name, seal.tensors)
+        self.runtime.calls.request(self.settings.manager, commit, lambda outcome: self._committed(seal.lease, outcome))
+
+    def _answer_sealing(self, lease: str, error: HandlerError) -> None:
+        """Refuse the seal in progress of ``lease`` to every pusher waiting on it."""
+        for pending in self._sealing.pop(lease, []):
+            self.server.answer(pending, Error(error.code, str(error), ShardSeal.kind))
 
     def _committed(self, lease: str, outcome: Outcome) -> None:
         """The manager's answer to a commit is the answer to every pusher waiting on it."""
@@ -417,6 +457,10 @@ class PsWorker:
         relay = self.relays.pop(shard, None)
         if relay is not None:  # before its segment goes back to the pool, which may hand it to a new shard
             relay.abandon()
+        if shard in self._hashing:  # before the segment goes back too: the next step sees the seal is over
+            self._hashing.discard(shard)
+            self._answer_sealing(shard, HandlerError("released", f"shard {shard!r} was released while its seal "
+                                                     "was verified"))
         self.streamed.pop(shard, None)
         self.sealed.discard(shard)
         self.unclaimed.pop(shard, None)
@@ -426,6 +470,9 @@ class PsWorker:
         self.released.move_to_end(shard)
         while len(self.released) > RELEASED_REMEMBERED:
             self.released.popitem(last=False)
+        allocation = self._making.pop(shard, None)
+        if allocation is not None:
+            allocation.abandon()
         segment = self.shards.pop(shard, None)
         if segment is not None:
             self.nixl.forget(segment.name)
@@ -462,16 +509,37 @@ class PsWorker:
                                f"{init_id!r} ({sender or 'none: the root'!r}): only it sends chunks and the end")
         return relay
 
-    def _acquire(self, shard: str, nbytes: int) -> Segment:
-        """The segment of the planned init ``shard``: HandlerError ``released`` once it was released here,
-        ``no-room`` when the filesystem has not the room (checked before it is made, see :meth:`_check_room`)."""
-        segment = self.shards.get(shard)
-        if segment is None:
-            if shard in self.released:  # a segment taken now would never be released
-                raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
-            self._check_room(shard, nbytes)
-            segment = self._take(shard, nbytes, self.settings.init_timeout_s)
-        return segment
+    def _acquire(self, shard: str, nbytes: int, then: Callable[[Segment], None]) -> None:
+        """Make the segment of the planned init ``shard``, ``ALLOCATE_SLICE_BYTES`` a loop turn (the first in this
+        one), then ``then(segment)``: a segment of tens of GiB stalls no heartbeat. HandlerError ``released`` once
+        the init was released here, ``no-room`` when the filesystem has not the room (checked before anything is
+        made, see :meth:`_check_room`); a failure midway fails the init's relay. A release meanwhile (:meth:`_drop`)
+        stops it and removes what was made."""
+        if shard in self.released:  # a segment taken now would never be released
+            raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
+        self._check_room(shard, nbytes)
+        allocation = self._making[shard] = self.pool.allocate(nbytes)
+        due = time.monotonic() + self.settings.init_timeout_s
+
+        def step() -> None:
+            if self._making.get(shard) is not allocation:  # released: _drop abandoned it
+                return
+            try:
+                segment = allocation.step()
+            except OSError as exc:  # the allocation removed its file (ENOSPC: another process took the room)
+                del self._making[shard]
+                self.relays[shard].fail(self.runtime.node_id, f"cannot make a segment of {nbytes} bytes in "
+                                        f"{self.pool.directory}: {exc.strerror or exc}")
+                return
+            if segment is None:
+                self.runtime.later(0.0, step)
+                return
+            del self._making[shard]
+            self.shards[shard] = segment
+            self.unclaimed[shard] = due
+            then(segment)
+
+        step()
 
     def _bound_unclaimed(self, lease: str, nbytes: int) -> None:
         """HandlerError ``open-limit`` when a segment of ``nbytes`` for push ``lease`` would pass the bounds on the
@@ -569,7 +637,7 @@ class PsWorker:
             raise HandlerError("not-manager", f"{request.header.src!r} is not the ps-manager this worker registered "
                                f"with ({self._manager_id or 'none yet'!r}): only it sends {what}")
 
-    def _header(self, request: Message) -> Body:
+    def _header(self, request: Message) -> Body | None:
         """A header makes this worker's relay of an init: taken only for an init the manager planned here
         (``not-planned`` otherwise), carrying the plan's tree (``bad-init`` otherwise), from the worker that tree
         names as this one's parent (its node id, which CURVE authenticates as the request's ``src``;
@@ -598,12 +666,13 @@ class PsWorker:
         del self._planned[init_id]
         relay = self._relay(init_id)
         self._parents[init_id] = sender
-        try:
-            relay.on_header(header)
+        pending = self.server.pending
+        try:  # answered once the segment is made: the parent sends chunks only then
+            relay.on_header(header, lambda answer: self.server.answer(pending, answer))
         except BaseException:
             self._drop(init_id)
             raise
-        return Ok()
+        return None
 
     def _chunk(self, request: Message) -> Body:
         chunk = request.body

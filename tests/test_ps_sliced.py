@@ -1,0 +1,231 @@
+"""A ps-worker never spends a long loop turn on one shard: a seal hashes the segment a slice a turn, and a
+broadcast init's segment is made (``posix_fallocate``) a slice a turn, so heartbeats and requests are served
+in between however large the shard. Meanwhile the shard is not readable and takes no write; a release (or the
+unclaimed timeout) stops the slicing and frees what it made; a worker killed in the middle leaves nothing that
+a restarted one keeps, and the manager sees the copy gone.
+
+Run as a script, this module is the worker killed mid-seal: ``python test_ps_sliced.py DIRECTORY``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from polling import read_line, wait_for
+from ps_support import segment_file, segments, start_cluster
+from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.ps.shm import ALLOCATE_SLICE_BYTES, segment_bytes
+from refbus.nodes.ps.worker import PsWorker
+from refbus.nodes.settings import PsSettings
+from refbus.protocol.codec import HASH_SLICE_BYTES, checksum
+from refbus.protocol.messages import Error, Ok
+from refbus.protocol.messages_ps import (
+    InitHeader,
+    InitPlan,
+    Release,
+    ShardOpen,
+    ShardSeal,
+    ShardTensor,
+    ShardWrite,
+    WorkerInfo,
+)
+
+HERE = Path(__file__).resolve()
+SEAL_BYTES = 2 * HASH_SLICE_BYTES + 1  # three slices: hashed over three loop turns
+
+
+def _worker(directory: Path, node_id: str, prefix: str) -> tuple[NodeRuntime, PsWorker]:
+    """A ps-worker whose handlers and timers the test calls itself (its loop does not run), registered with
+    ``ps-manager``; close the runtime when done."""
+    runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id=node_id, metrics_port=-1),
+                          register=False)
+    settings = PsSettings(manager="tcp://127.0.0.1:9", worker="tcp://127.0.0.1:0", shm_dir=str(directory),
+                          shm_prefix=prefix, pin_memory=False)
+    worker = PsWorker(runtime, settings)
+    worker._manager_id = "ps-manager"  # as its registration would have set it
+    return runtime, worker
+
+
+def _handle(handler: Callable[[Any], Any], body: Any, src: str) -> Any:
+    return handler(types.SimpleNamespace(body=body, header=types.SimpleNamespace(id="r", v=(2, 2), src=src)))
+
+
+def _turn(runtime: NodeRuntime) -> None:
+    """One loop turn's timers: those due now, what the worker asked ``later`` for until now (not what they ask
+    for)."""
+    runtime._run_timers()
+
+
+def _seal_begun(worker: PsWorker, lease: str) -> tuple[ShardSeal, list[Any]]:
+    """Open ``lease``, write SEAL_BYTES into it through the mapping (as a same-host pusher does) and send its seal;
+    returns the seal and the list the answers to pushers land in."""
+    opened = _handle(worker._open, ShardOpen(lease, SEAL_BYTES), "pusher")
+    data = np.frombuffer(worker.pool.get(opened.segment).view(0, SEAL_BYTES), np.uint8)
+    data[:] = np.arange(SEAL_BYTES, dtype=np.uint64).astype(np.uint8)
+    seal = ShardSeal(lease, 0, 0, [ShardTensor("t", "uint8", [SEAL_BYTES], 0, SEAL_BYTES, checksum(data))])
+    answers: list[Any] = []
+    worker.server.answer = lambda pending, body: answers.append(body)  # type: ignore[method-assign]
+    assert _handle(worker._seal, seal, "pusher") is None
+    return seal, answers
+
+
+def test_a_seal_hashes_a_slice_a_loop_turn_and_the_shard_is_neither_written_nor_read_meanwhile(
+        tmp_path: Path) -> None:
+    """A seal of three hash slices: after the turn that took it, no commit has gone to the manager, the shard is
+    not sealed (not readable) and takes no write; two more turns verify it and commit. A release between two
+    turns stops the hashing: the pusher is answered ``released``, the segment is free, no commit ever goes."""
+    runtime, worker = _worker(tmp_path, "w0", "seal")
+    try:
+        _seal_begun(worker, "push-a")
+        assert runtime.calls.in_flight(worker.settings.manager) == 0 and "push-a" not in worker.sealed
+        with pytest.raises(HandlerError) as err:
+            _handle(worker._write, ShardWrite("push-a", [0], [np.zeros(8, np.uint8)]), "pusher")
+        assert err.value.code == "sealed" and "being sealed" in str(err.value)
+        _turn(runtime)
+        assert runtime.calls.in_flight(worker.settings.manager) == 0
+        _turn(runtime)
+        assert runtime.calls.in_flight(worker.settings.manager) == 1 and "push-a" in worker.sealed  # the commit
+
+        _, answers = _seal_begun(worker, "push-b")
+        _turn(runtime)
+        _handle(worker._release, Release(["push-b"]), "ps-manager")
+        assert len(answers) == 1 and isinstance(answers[0], Error) and answers[0].code == "released"
+        assert "push-b" not in worker.shards and worker.pool.in_use_bytes == worker.shards["push-a"].capacity
+        _turn(runtime)
+        _turn(runtime)
+        assert runtime.calls.in_flight(worker.settings.manager) == 1 and "push-b" not in worker.sealed  # no commit
+    finally:
+        runtime.close()
+
+
+def test_an_init_segment_is_made_a_slice_a_loop_turn_and_a_release_meanwhile_removes_it(tmp_path: Path) -> None:
+    """The segment of a planned init three allocation slices long: the header is answered only once the last
+    slice is made (the parent sends chunks only then); a release while it is made answers the header
+    ``released`` and removes the file, and nothing of it stays in the pool."""
+    runtime, worker = _worker(tmp_path, "w1", "make")
+    try:
+        answers: list[Any] = []
+        worker.server.answer = lambda pending, body: answers.append(body)  # type: ignore[method-assign]
+        tree = [WorkerInfo("w0", "tcp://127.0.0.1:9", "here", str(tmp_path)), worker.info()]
+        nbytes = 2 * ALLOCATE_SLICE_BYTES + 1
+        for init_id in ("init-a", "init-b"):
+            _handle(worker._plan, InitPlan(init_id, "/nonexistent", tree, 64, 5.0), "ps-manager")
+            assert _handle(worker._header, InitHeader(init_id, tree, 5.0, nbytes, []), "w0") is None
+            _turn(runtime)
+            assert answers == [] and init_id not in worker.shards and worker.pool.in_use_bytes == 0
+            made = [p for p in tmp_path.iterdir() if p.name.startswith("make.") and p.suffix not in (".nonce", ".lock")]
+            assert [p.stat().st_size for p in made] == [2 * ALLOCATE_SLICE_BYTES]  # two slices of three
+            if init_id == "init-a":
+                _handle(worker._release, Release([init_id]), "ps-manager")
+                assert len(answers) == 1 and isinstance(answers[0], Error) and answers[0].code == "released"
+                assert not made[0].exists()
+                answers.clear()
+        _turn(runtime)  # init-a's step, if it were still made, would run here too
+        assert answers == [Ok()] and worker.shards["init-b"].capacity == segment_bytes(nbytes)
+        assert worker.pool.in_use_bytes == segment_bytes(nbytes) and worker.pool.free_bytes == 0
+    finally:
+        runtime.close()
+
+
+def _victim(directory: str) -> None:
+    """A worker that begins a seal (its first hash slice taken, two to go), says ``hashing`` and waits to be
+    killed."""
+    runtime, worker = _worker(Path(directory), "w0", "victim")
+    _seal_begun(worker, "push-k")
+    assert runtime.calls.in_flight(worker.settings.manager) == 0  # nothing committed: the manager knows no copy
+    print("hashing", flush=True)
+    sys.stdin.read()
+
+
+def test_a_worker_killed_mid_seal_leaves_nothing_a_restarted_one_keeps(tmp_path: Path) -> None:
+    """A worker SIGKILLed with its seal half hashed has told the manager nothing (no commit goes before the
+    seal is verified: the manager never lists that copy, and the pusher's push fails over as for any dead
+    worker); the segment file it left is removed by the next worker's start."""
+    victim = subprocess.Popen([sys.executable, str(HERE), str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, bufsize=0)
+    try:
+        assert read_line(victim, 30) == "hashing"
+    finally:
+        victim.kill()
+        victim.wait(10)
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("victim.")]
+    assert any(p.stat().st_size == segment_bytes(SEAL_BYTES) for p in tmp_path.iterdir()), left
+    runtime, worker = _worker(tmp_path, "w0", "victim")
+    try:
+        kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("victim."))
+        assert kept == sorted([worker.host_proof.path.name, f"victim.{worker.pool.token}.lock"]), kept
+    finally:
+        runtime.close()
+
+
+LARGE_INIT_BYTES = 8 * ALLOCATE_SLICE_BYTES  # eight slices: half a second or more of allocation
+
+
+def test_a_worker_killed_while_making_an_init_segment_fails_the_init_and_a_restarted_one_leaks_nothing(
+        bus, spawn, tmp_path: Path) -> None:
+    """The root of an init over one worker is SIGKILLed while its segment is made (the file is there, not whole
+    yet): the manager fails the init naming it, and the worker started again under its id leaves no segment in
+    the directory and serves on."""
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * LARGE_INIT_BYTES:
+        pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {LARGE_INIT_BYTES >> 20} MiB checkpoint")
+    header = json.dumps({"t": {"dtype": "U8", "shape": [LARGE_INIT_BYTES], "data_offsets": [0, LARGE_INIT_BYTES]}})
+    header += " " * (-len(header) % 8)
+    path = tmp_path / "large.safetensors"
+    with open(path, "wb") as f:  # sparse: zeros, no disk
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(8 + len(header) + LARGE_INIT_BYTES)
+    _, control = bus
+    cluster = start_cluster(spawn, control, "sliced-kill", workers=1)
+    runtime, ps = cluster.client()
+    outcome: list[BaseException | None] = []
+
+    def init() -> None:
+        try:
+            ps.init(str(path), workers=["w0"], timeout_s=60)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    def partial() -> bool:
+        sizes = [segment_file(name).stat().st_size for name in segments(cluster.prefix)]
+        return any(0 < size < LARGE_INIT_BYTES for size in sizes)
+
+    runner = threading.Thread(target=init)
+    try:
+        runner.start()
+        wait_for(partial, 30, "the segment being made", poll_s=0.001)
+        cluster.workers["w0"].signal(signal.SIGKILL)
+        cluster.workers["w0"].proc.wait(10)
+        runner.join(60)
+        assert not runner.is_alive() and isinstance(outcome[0], RemoteError), outcome
+        assert outcome[0].code == "init-failed" and "'w0'" in str(outcome[0]) and "went down" in str(outcome[0])
+        new = spawn(["node", "ps-worker", "--node-id", "w0", "--ps-manager", cluster.manager, *cluster.flags], "w0")
+        cluster.worker_info["w0"] = new.wait_ready()
+        cluster.workers["w0"] = new
+        assert segments(cluster.prefix) == []  # its start swept what the killed process was making
+        assert [w.pid for w in ps.status().workers] == [new.pid]
+    finally:
+        runner.join(60)
+        runtime.close()
+        for proc in [*cluster.workers.values(), cluster.manager_proc]:
+            assert proc is not None
+            proc.stop()
+    assert segments(cluster.prefix) == []
+
+
+if __name__ == "__main__":
+    _victim(sys.argv[1])
