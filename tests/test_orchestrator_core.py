@@ -699,7 +699,7 @@ def test_a_store_registered_again_has_no_room_until_its_first_heartbeat_says_wha
     restarted = NodeInfo(node_id="env-a", role="env-server", host="h", pid=10, endpoints={"blobs": "tcp://env-a2"})
     core.use_replicas([restarted])
     assert core.router.room("tcp://env-a2") == core.router.room("tcp://env-a2", hard=True) == 0
-    assert core.router.capacity() == 3  # its budget still counts
+    assert core.router.capacity(3) == 3  # its budget still counts
     core.use_replicas([NodeInfo(**{**msgspec.structs.asdict(restarted), "status": {
         "bytes_held": 0.0, "budget_bytes": 3.2 * charge, "high_water": 0.8}})])
     assert core.router.room("tcp://env-a2", hard=True) == 3
@@ -737,11 +737,83 @@ def test_stores_whose_budgets_cannot_hold_one_step_halt_the_run_saying_what_woul
     assert roomy.dispatch(T0 + 1) == [] and not roomy.failure  # env-b may come back: 6 still
     (halt,) = core.dispatch(T0 + 1)
     assert isinstance(halt, Halt) and halt.reason == core.failure
-    assert core.failure.startswith("the env servers' budgets hold 6 episodes together (2 stores, an episode charged ")
+    assert core.failure.startswith("the env servers' budgets hold 6 episodes in whole groups of 2 at one source "
+                                   "each (2 stores, 1 sources, an episode charged ")
     assert "one step needs 8 (groups_per_step 4 x group_size 2): no step can ever ship" in core.failure
     assert core.failure.endswith(f"Raise env_server.budget_bytes to at least {4 * math.ceil(charge)} or lower "
                                  "orchestrator.groups_per_step to at most 3")
     assert core.dispatch(T0 + 2) == [] and core.idle_reason(T0 + 2) == ("halted", core.failure)
+
+
+def test_a_step_halts_when_no_source_can_hold_a_group_though_the_stores_together_hold_a_step() -> None:
+    """A group's runs all keep at one source. Three empty stores, each its own source, of 2.5 episodes' budget;
+    groups of 3, 2 a step: together they hold 6 episodes, one step's worth, but no source holds one group, so no
+    group could ever start. Before, the halt counted the budgets together: dispatch sent nothing, forever, and
+    its idle reason blamed holders that held nothing. It halts, counting per source in whole groups, and names
+    a budget that holds a step."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+
+    def empty(node_id: str) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role="env-server", host="h", pid=9, endpoints={"blobs": f"tcp://{node_id}"},
+                        labels={"source": node_id},
+                        status={"bytes_held": 0.0, "budget_bytes": 2.5 * charge, "high_water": 0.8})
+
+    core = OrchestratorCore(settings(max_staleness=100, group_size=3, groups_per_step=2), DEADLINES,
+                            prompts=lambda rng: [1])
+    core.router.kept(episode("g-0", "g", 1.0, env="elsewhere"))  # its charge is known; held at no store here
+    core.use_replicas([empty(name) for name in ("env-a", "env-b", "env-c")])
+    core.on_version(0)
+    (halt,) = core.dispatch(T0)
+    assert isinstance(halt, Halt) and halt.reason == core.failure
+    assert core.router.capacity(3) == 0 and core.router.capacity(2) == 6
+    assert core.failure.startswith("the env servers' budgets hold 0 episodes in whole groups of 3 at one source "
+                                   "each (3 stores, 3 sources, an episode charged ")
+    # 3 episodes a store: two sources hold the step's two groups, and no lower groups_per_step would do
+    assert core.failure.endswith(f"no step can ever ship. Raise env_server.budget_bytes to at least "
+                                 f"{3 * math.ceil(charge)}")
+    assert core.idle_reason(T0 + 1) == ("halted", core.failure)
+
+
+def test_stores_that_hold_a_step_only_counted_per_source_in_whole_groups_wait_saying_for_what() -> None:
+    """Per source in whole groups: two replicas of one source, 2.5 episodes' budget each, hold 5 episodes
+    together, one group of 3 (not 5 of the 6 a step of 2 groups needs: it halts); a third store, its own source,
+    of 3.2 episodes holds the other group, so the run waits. What it waits for is said: holders to delete what
+    the stores hold, or a store down to come back, never holders when nothing is held."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+
+    def store(node_id: str, source: str, held: float, budget: float) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role="env-server", host="h", pid=9, endpoints={"blobs": f"tcp://{node_id}"},
+                        labels={"source": source},
+                        status={"bytes_held": held * charge, "budget_bytes": budget * charge, "high_water": 0.8})
+
+    pair = [store("env-a1", "a", 1, 2.5), store("env-a2", "a", 1, 2.5)]  # room for 1 + 1 under the budgets
+    short = OrchestratorCore(settings(max_staleness=100, group_size=3, groups_per_step=2), DEADLINES,
+                             prompts=lambda rng: [1])
+    short.router.kept(episode("g-0", "g", 1.0, env="elsewhere"))
+    short.use_replicas(pair)
+    short.on_version(0)
+    (halt,) = short.dispatch(T0)
+    assert isinstance(halt, Halt)
+    assert short.failure.endswith("Raise env_server.budget_bytes to at least "
+                                  f"{3 * math.ceil(charge)} or lower orchestrator.groups_per_step to at most 1")
+
+    core = OrchestratorCore(settings(max_staleness=100, group_size=3, groups_per_step=2), DEADLINES,
+                            prompts=lambda rng: [1])
+    core.router.kept(episode("g-0", "g", 1.0, env="elsewhere"))
+    env_b = store("env-b", "b", 1, 3.2)  # room for 2
+    core.use_replicas([*pair, env_b])
+    core.on_version(0)
+    assert core.dispatch(T0) == [] and not core.failure
+    kind, detail = core.idle_reason(T0)
+    assert kind == "stores-full" and detail.startswith("no source has room for a group of 3 under its stores' ")
+    assert detail.endswith(f"waiting for holders to delete what the stores hold ({3 * charge:.0f} bytes)")
+    core.store_down(T0, env_b)  # it may come back: its budget counts
+    core.use_replicas([store("env-a1", "a", 0, 2.5)])  # env-a2 is gone from the registry too; nothing held
+    assert core.dispatch(T0 + 1) == [] and not core.failure
+    kind, detail = core.idle_reason(T0 + 1)
+    assert kind == "stores-full" and "holders" not in detail
+    assert detail.endswith("waiting for env-a2, env-b to come back (down; their budgets count)")
+    assert core.router.capacity(3) == 6 and short.router.capacity(3) == 3
 
 
 class _Heard:

@@ -58,8 +58,8 @@ deleted with reason ``trainer-down``; a batch whose outcome was unknown (in flig
 may have taken it) is its rank's once acknowledged or once its ``reference`` event comes (a rank publishes it
 before it answers; the orchestrator follows those events for this), and deleted ``trainer-down`` when
 refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
-budgets together cannot hold one step's episodes halt it too (``dispatch.budget_below_step``, exit status 1,
-naming the budget that would): no step could ever ship.
+budgets cannot hold one step's episodes (in whole groups at one source each) halt it too
+(``dispatch.budget_below_step``, exit status 1, naming the budget that would): no step could ever ship.
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
 granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on

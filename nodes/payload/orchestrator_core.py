@@ -90,12 +90,14 @@ Decisions and their rules:
   first episode's charge is known, one group runs at a time. When no source has room for a group, no new
   group starts (logged once per pause, counted in ``full_pauses``) until a store drains; stores drain as
   holders delete, so trainers slower than rollouts bound the work in flight instead of failing keeps. When
-  nothing is in flight while every store is full, what they hold waits for a step that needs more groups: one
-  group at a time goes anyway (counted in ``starved``, with a warning that the budget holds less than two
-  steps), reserving room under the stores' budgets instead; none has room, the core waits for the holders
-  (trainer ranks) to delete, unless the budgets together hold fewer episodes than one step needs
-  (``groups_per_step`` times ``group_size``): then no step could ever ship, and it halts (:class:`Halt`,
-  ``dispatch.budget_below_step``) naming the budget that would.
+  nothing is in flight while no source has room for a group, what the stores hold waits for a step that needs
+  more groups: one group at a time goes anyway (counted in ``starved``, with a warning that the budget holds
+  less than two steps), reserving room under the stores' budgets instead; none has room, the core waits for
+  the holders (trainer ranks) to delete (:meth:`~OrchestratorCore.idle_reason` says what it waits for: what
+  the stores hold, stores down or not heard from since they registered again), unless the budgets hold fewer
+  episodes than one step needs (``groups_per_step`` times ``group_size``), counted in whole groups at one
+  source each (a group's runs all keep at its source): then no step could ever ship, and it halts
+  (:class:`Halt`, ``dispatch.budget_below_step``) naming the budget that would.
 """
 
 from __future__ import annotations
@@ -1039,8 +1041,8 @@ class OrchestratorCore:
                                  f"{bound} of policy version {self.policy_version} (max_staleness "
                                  f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
         if self.stores_full:
-            return "stores-full", ("every env server is at its high-water mark and no source has room under its "
-                                   "budgets for a group: waiting for holders to delete")
+            return "stores-full", (f"no source has room for a group of {self.settings.group_size} under its stores' "
+                                   f"high-water marks or budgets: {self.router.blocked()}")
         return "", ""
 
     @property
@@ -1084,11 +1086,11 @@ class OrchestratorCore:
         return actions
 
     def _starved(self, now: float) -> list[Action]:
-        """Every store is at its high-water mark and nothing is in flight, so nothing this node waits for will
-        drain a store before a step ships, and the step needs more groups: one group goes where its runs can
-        reserve room under the stores' budgets. None can: the holders (trainer ranks) free room as they train,
-        unless the budgets of every store seen together cannot hold one step's episodes, which no admission
-        could ever ship: halt."""
+        """No source has room for a group under its stores' high-water marks and nothing is in flight, so
+        nothing this node waits for will drain a store before a step ships, and the step needs more groups: one
+        group goes where its runs can reserve room under the stores' budgets. None can: the holders (trainer
+        ranks) free room as they train, unless the budgets of every store seen cannot hold one step's episodes
+        in whole groups at one source each, which no admission could ever ship: halt."""
         settings, router = self.settings, self.router
         if router.with_room(settings.group_size, hard=True):
             if not self.starved:
@@ -1098,16 +1100,17 @@ class OrchestratorCore:
                                  "or lower orchestrator.groups_per_step")
             self.starved += 1
             return self._send_group(now, evaluation=False, hard=True)
-        capacity, needed = router.capacity(), settings.groups_per_step * settings.group_size
+        capacity, needed = router.capacity(settings.group_size), settings.groups_per_step * settings.group_size
         if capacity is None or capacity >= needed:
             return []
-        stores = len(router.budgets_seen)
+        stores, sources = len(router.stores_seen), len({source for source, _ in router.stores_seen.values()})
         fit = capacity // settings.group_size
         self.failure = (
-            f"the env servers' budgets hold {capacity} episodes together ({stores} stores, an episode charged "
-            f"{router.episode_bytes:.0f} bytes on average), one step needs {needed} (groups_per_step "
-            f"{settings.groups_per_step} x group_size {settings.group_size}): no step can ever ship. Raise "
-            f"env_server.budget_bytes to at least {math.ceil(needed / stores) * math.ceil(router.episode_bytes)}"
+            f"the env servers' budgets hold {capacity} episodes in whole groups of {settings.group_size} at one "
+            f"source each ({stores} stores, {sources} sources, an episode charged {router.episode_bytes:.0f} bytes "
+            f"on average), one step needs {needed} (groups_per_step {settings.groups_per_step} x group_size "
+            f"{settings.group_size}): no step can ever ship. Raise env_server.budget_bytes to at least "
+            f"{router.budget_for(settings.groups_per_step, settings.group_size)}"
             + (f" or lower orchestrator.groups_per_step to at most {fit}" if fit else ""))
         log.error("dispatch.budget_below_step", capacity=capacity, needed=needed, error=self.failure)
         return self._flush([Halt(self.failure)])

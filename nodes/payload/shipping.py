@@ -19,6 +19,7 @@ This module never imports torch.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -395,8 +396,10 @@ class ReplicaRouter:
         # endpoints of stores that published a budget before and no status since they registered again (a
         # restart that re-adopted a durable store holds what it held): no room until their first heartbeat
         self.unheard: set[str] = set()
-        # node id -> its budget in bytes (None: it publishes none), of every store seen: one down may come back
-        self.budgets_seen: dict[str, float | None] = {}
+        # node id -> (its source, its budget in bytes: None when it publishes none), of every store seen: one down
+        # may come back
+        self.stores_seen: dict[str, tuple[str, float | None]] = {}
+        self._node_of: dict[str, str] = {}  # endpoint -> the node id of the live store there
         self.episode_bytes = 0.0  # mean charge of an episode (its episode_charge), as kept so far
         self.reserved: dict[str, str] = {}  # episode id -> the endpoint reserved for it
         self._reserved_at: Counter[str] = Counter()  # endpoint -> reservations
@@ -411,19 +414,23 @@ class ReplicaRouter:
     def update(self, nodes: Iterable[NodeInfo]) -> None:
         replicas: dict[str, list[str]] = defaultdict(list)
         self.held, self.limit, self.budget, self.full, self.unheard = {}, {}, {}, set(), set()
+        self._node_of = {}
         for node in nodes:
             if node.role == "env-server" and "blobs" in node.endpoints:
-                endpoint = node.endpoints["blobs"]
-                replicas[node.labels.get("source", node.node_id)].append(endpoint)
+                endpoint, source = node.endpoints["blobs"], node.labels.get("source", node.node_id)
+                replicas[source].append(endpoint)
+                self._node_of[endpoint] = node.node_id
                 status = node.status
                 self.held[endpoint] = status.get("bytes_held", 0.0) + self._since_read[endpoint]
+                budget = self.stores_seen.get(node.node_id, (source, None))[1]
                 if "budget_bytes" in status and "high_water" in status:
-                    self.budgets_seen[node.node_id] = self.budget[endpoint] = status["budget_bytes"]
+                    budget = self.budget[endpoint] = status["budget_bytes"]
                     self.limit[endpoint] = status["budget_bytes"] * status["high_water"]
-                elif not status and self.budgets_seen.get(node.node_id) is not None:
+                elif not status and budget is not None:
                     self.unheard.add(endpoint)
                 else:
-                    self.budgets_seen[node.node_id] = None
+                    budget = None
+                self.stores_seen[node.node_id] = (source, budget)
                 if status.get("full"):
                     self.full.add(endpoint)
         self._since_read = Counter()
@@ -463,14 +470,45 @@ class ReplicaRouter:
         return sorted(source for source, endpoints in self.replicas.items()
                       if sum(self.room(ep, hard=hard) for ep in endpoints) >= runs)
 
-    def capacity(self) -> int | None:
+    def capacity(self, group_size: int) -> int | None:
         """How many episodes the budgets of every store seen (by node id, live or not: one down may come back)
-        hold together, each at the mean charge; None while that cannot be told (no charge known yet, or a store
-        that publishes no budget)."""
-        budgets = self.budgets_seen.values()
-        if self.episode_bytes <= 0 or not budgets or None in budgets:
+        hold in whole groups of ``group_size``, each episode at the mean charge: a group's runs all keep at one
+        source, so per source the episodes its stores' budgets hold together, rounded down to whole groups, summed
+        over the sources. None while that cannot be told (no charge known yet, or a store that publishes no
+        budget)."""
+        budgets = [(source, budget) for source, budget in self.stores_seen.values() if budget is not None]
+        if self.episode_bytes <= 0 or not budgets or len(budgets) < len(self.stores_seen):
             return None
-        return sum(int(budget // self.episode_bytes) for budget in budgets if budget is not None)
+        per_source: Counter[str] = Counter()
+        for source, budget in budgets:
+            per_source[source] += int(budget // self.episode_bytes)
+        return sum(episodes // group_size * group_size for episodes in per_source.values())
+
+    def budget_for(self, groups: int, group_size: int) -> int:
+        """The smallest budget in bytes (whole episodes at the mean charge, rounded up) which, given to every
+        store seen, lets :meth:`capacity` hold ``groups`` groups of ``group_size``; needs a charge known and a
+        store seen."""
+        stores: Counter[str] = Counter(source for source, _ in self.stores_seen.values())
+        episodes = 1  # a store's, in whole episodes: at most groups * group_size (one source of one store)
+        while sum(count * episodes // group_size for count in stores.values()) < groups:
+            episodes += 1
+        return episodes * math.ceil(self.episode_bytes)
+
+    def blocked(self) -> str:
+        """What the orchestrator waits for while no source has room for a group under its stores' budgets,
+        for an operator: the holders' deletes while the live stores hold episodes, runs whose episodes are not
+        counted as held yet, the first heartbeat of stores that registered again, stores seen that are down."""
+        live = [endpoint for endpoints in self.replicas.values() for endpoint in endpoints]
+        held = sum(self.held.get(endpoint, 0.0) for endpoint in live)
+        waits = [f"holders to delete what the stores hold ({held:.0f} bytes)"] if held > 0 else []
+        if self.reserved:
+            waits.append(f"{len(self.reserved)} answered runs' episodes to be counted as held")
+        if unheard := sorted(self.unheard.intersection(live)):
+            waits.append(f"the first heartbeat of {', '.join(unheard)} (registered again)")
+        up = {self._node_of[endpoint] for endpoint in live}
+        if down := sorted(node for node in self.stores_seen if node not in up):
+            waits.append(f"{', '.join(down)} to come back (down; their budgets count)")
+        return "waiting for " + "; ".join(waits) if waits else "no store reports room"
 
     def pick(self, source: str, episode_id: str, *, hard: bool = False) -> str:
         """The endpoint of ``source``'s least-loaded replica with room (``hard``: under its budget; then the
