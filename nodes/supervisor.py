@@ -26,6 +26,12 @@ restarted as promptly as after its first crash. The orchestrator's backoff is at
 ``node.restart_grace_s``: its stores reclaim what it held once the grace ends, and its restarted process needs
 the other half to start and claim it back (a later restart would lose all of it).
 
+A node that exits :data:`~.launch.HALTED_STATUS` (the orchestrator's halts: a step its trainer ranks did not
+acknowledge, budgets that cannot hold a step) decided that the run cannot go on; a restart would only decide it
+again (and measure again for as long as the budget lasts), so it is never restarted, whatever its role: the run
+ends at once, named after the node and the reason its last words give (:func:`~.launch.halt_reason`), its death
+reported ``exit 4, halted``.
+
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the
 stream the events it held, which a run's ledger may then be unable to vouch for), so a deployment can be
@@ -52,7 +58,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from .launch import NodeProcess
+from .launch import HALTED_STATUS, NodeProcess, halt_reason
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +70,7 @@ TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under
 MAX_BACKOFF_FACTOR = 16
 STABLE_FACTOR = 4  # a node that ran this many longest backoffs before it died was in no crash loop
+HALT_TAIL_LINES = 20  # of a halted node's log, searched for its reason: its last words, a thread may log after
 
 
 class Cluster(Protocol):
@@ -271,10 +278,13 @@ class Supervisor:
         # A death is handled once: what was noted about this process is not needed again.
         self._hung.discard(process)
         self._deliberate.discard(process)
-        exit_text = describe_exit(code) + (", hung" if hung else "")
+        halted = code == HALTED_STATUS
+        exit_text = describe_exit(code) + (", hung" if hung else ", halted" if halted else "")
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
-        if not restartable(node.name, worlds=self.world_restarts):
+        if halted:  # it decided the run cannot go on: a restart would decide it again
+            why = f"{node.name} halted the run ({exit_text}): {halt_reason(node.log_tail(HALT_TAIL_LINES))}"
+        elif not restartable(node.name, worlds=self.world_restarts):
             why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
         elif not deliberate and self.charged >= self.budget:
             why = f"{node.name} died ({exit_text}); the restart budget ({self.budget}) is spent: the run ends"

@@ -9,11 +9,12 @@ written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
-store, time elapsed and left). A node that dies is named with its exit status; env servers, rollout workers,
-ps-workers, the ps-manager, the orchestrator and the broker are restarted under the same node id
-(:mod:`.supervisor`: a restart budget, a backoff; the broker and the ps-manager on the addresses the first one
-bound, so the nodes find them again). The trainer ranks checkpoint every ``up.checkpoint_every`` steps (into
-``checkpoints/<run>/`` of the run directory, ``<run>`` being ``store.run``: fresh per run unless given, so a
+store, time elapsed and left). A node that dies is named with its exit status; one that halted the run on
+purpose (``launch.HALTED_STATUS``: the orchestrator's halts) ends it, named with its reason; otherwise env
+servers, rollout workers, ps-workers, the ps-manager, the orchestrator and the broker are restarted under the
+same node id (:mod:`.supervisor`: a restart budget, a backoff; the broker and the ps-manager on the addresses
+the first one bound, so the nodes find them again). The trainer ranks checkpoint every ``up.checkpoint_every``
+steps (into ``checkpoints/<run>/`` of the run directory, ``<run>`` being ``store.run``: fresh per run unless given, so a
 run directory given again starts from step 0): a dead rank stops its world and the whole world is restarted
 (a fresh rendezvous file), resuming from the newest checkpoint every rank has (with ``up.checkpoint_every`` 0 a
 dead rank ends the run); ``--chaos SECONDS`` kills a random restartable node every SECONDS. When the

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,8 @@ from partition_entry_points import PROMPT_TOKENS
 from polling import wait_for
 from refbus.bus.reqrep import Client, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.nodes.launch import NodeProcess
+from refbus.nodes.launch import HALTED_STATUS, NodeProcess, halt_reason
+from refbus.nodes.supervisor import Supervisor
 from refbus.nodes.toy import task
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
@@ -193,9 +195,9 @@ class Cluster:
 
 @pytest.fixture
 def cluster(bus, spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request) -> Iterator[Cluster]:
-    """The cluster of the module doc; ``request.param``: which groups' generations the rollout worker holds, and
-    the env servers' generate timeout (how long they wait for one)."""
-    hold, generate_timeout_s = request.param
+    """The cluster of the module doc; ``request.param``: which groups' generations the rollout worker holds, the
+    env servers' generate timeout (how long they wait for one) and the orchestrator's groups_per_step."""
+    hold, generate_timeout_s, groups_per_step = request.param
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     _, control = bus
     manager = NodeRuntime("ps-manager", RuntimeSettings(bus=control, node_id="ps-version", metrics_port=-1))
@@ -213,7 +215,7 @@ def cluster(bus, spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request
             ["node", "orchestrator", "--bus-control", control, "--node-id", "orchestrator", *FAST_LIVENESS,
              "--node-metrics-port", "-1", "--orchestrator-dispatch", "true", "--orchestrator-trainers", "1",
              "--orchestrator-prompt", "partition_entry_points:make_prompt", "--orchestrator-seq-len", "64",
-             "--orchestrator-group-size", str(GROUP_SIZE), "--orchestrator-groups-per-step", str(GROUPS_PER_STEP),
+             "--orchestrator-group-size", str(GROUP_SIZE), "--orchestrator-groups-per-step", str(groups_per_step),
              "--orchestrator-max-steps", str(STEPS), "--orchestrator-max-staleness", "100",
              "--orchestrator-max-groups-in-flight", "1",
              "--env-server-generate-timeout-s", str(generate_timeout_s)], "orchestrator")
@@ -230,7 +232,7 @@ def cluster(bus, spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request
             node.join(WAIT_S)
 
 
-@pytest.mark.parametrize("cluster", [(lambda group: False, GENERATE_TIMEOUT_S)], indirect=True)
+@pytest.mark.parametrize("cluster", [(lambda group: False, GENERATE_TIMEOUT_S, GROUPS_PER_STEP)], indirect=True)
 def test_stores_that_hold_one_step_train_every_step_and_every_blob_is_deleted_once(cluster: Cluster) -> None:
     """A step's 6 episodes fill both stores to their budgets. The second group of each step finds every store at
     its high-water mark and nothing in flight: before, its runs went one a store in turn, so env-0, two short of
@@ -240,7 +242,7 @@ def test_stores_that_hold_one_step_train_every_step_and_every_blob_is_deleted_on
     cluster.finish()
 
 
-@pytest.mark.parametrize("cluster", [(lambda group: group >= 3, HOLD_S)], indirect=True)
+@pytest.mark.parametrize("cluster", [(lambda group: group >= 3, HOLD_S, GROUPS_PER_STEP)], indirect=True)
 def test_an_env_server_killed_while_runs_hold_room_there_gives_it_back_and_loses_nothing(cluster: Cluster) -> None:
     """Step 0 trained, group 2 is queued (one of its episodes on env-1) and group 3's generations are held with
     two of its runs' room reserved on env-1, when env-1 is SIGKILLed: its runs fail, their room is given back
@@ -266,3 +268,20 @@ def test_an_env_server_killed_while_runs_hold_room_there_gives_it_back_and_loses
         cluster.finish()
     finally:
         assert restarted.stop() == 0, restarted.log_tail()
+
+
+@pytest.mark.parametrize("cluster", [(lambda group: False, GENERATE_TIMEOUT_S, 3)], indirect=True)
+def test_stores_that_cannot_hold_a_step_halt_the_orchestrator_and_the_supervisor_ends_the_run_naming_why(
+        cluster: Cluster) -> None:
+    """Steps of 3 groups of 3 against two stores of 3 episodes each: once they hold two groups no step can ever
+    ship. The real orchestrator halts with ``HALTED_STATUS``, its last words on stderr the reason, and
+    ``refbus up``'s supervisor, watching its process, ends the run naming it and why. Before, it exited 1, a
+    crash to the supervisor, which restarted it to measure and halt again until the restart budget was spent."""
+    orchestrator = cluster.orchestrator
+    assert orchestrator.proc.wait(RUN_WAIT_S) == HALTED_STATUS, orchestrator.log_tail()
+    reason = halt_reason(orchestrator.log_tail())
+    assert "one step needs 9 (groups_per_step 3 x group_size 3): no step can ever ship" in reason, reason
+    supervisor = Supervisor(SimpleNamespace(nodes=[orchestrator]), budget=3, backoff_s=0.0,  # type: ignore[arg-type]
+                            say=lambda _: None)
+    assert supervisor.poll() == f"orchestrator halted the run (exit {HALTED_STATUS}, halted): {reason}"
+    assert supervisor.restarts == 0 and supervisor.fatal == ["orchestrator"]

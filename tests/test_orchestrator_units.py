@@ -611,7 +611,9 @@ def test_a_step_batch_no_message_can_carry_halts_the_run_naming_why(
     """A step batch with more inline arrays than a message carries cannot be sent, now or by any resend: the
     orchestrator halts at once and says why. Before, the refused encode escaped as a logged callback error, the
     delivery stayed counted in flight with no outcome to come, and the run stalled until the delivery deadline
-    halted it for 'no answer'. (Three inline arrays a micro batch here against a bound of two.)"""
+    halted it for 'no answer'. Its failure is that reason, so its process exits ``HALTED_STATUS``: before, this
+    halt, the executor's own, left the failure empty and the process exited 0. (Three inline arrays a micro
+    batch here against a bound of two.)"""
     monkeypatch.setattr(envelope, "MAX_BUFFERS", 2)
     control = bus[1]
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-h", metrics_port=-1))
@@ -631,6 +633,7 @@ def test_a_step_batch_no_message_can_carry_halts_the_run_naming_why(
     (halted,) = [e for e in logs if e["event"] == "orchestrator.halted"]
     assert "batch for rank 0 cannot be sent" in halted["reason"] and "at most 2" in halted["reason"], halted
     assert not taken and orchestrator._delivering == 0
+    assert orchestrator.failure == halted["reason"]
 
 
 def test_every_reason_refbus_deletes_for_is_one_env_servers_accept() -> None:

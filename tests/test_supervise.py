@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from refbus.nodes.launch import HALTED_PREFIX, HALTED_STATUS
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.nodes.supervisor import Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
 from stalling_entry_points import STALL_ENV, STALL_UNTIL_ENV
@@ -311,13 +312,14 @@ class _Node:
     proc: _Proc = field(default_factory=_Proc)
     signals: list[int] = field(default_factory=list)
     spawned: float = 0.0
+    said: list[str] = field(default_factory=list)  # its log's lines after the first
 
     def signal(self, sig: int) -> None:
         self.signals.append(sig)
         self.proc.code = -sig
 
     def log_tail(self, lines: int = 30) -> str:
-        return f"log of {self.name}"
+        return "\n".join([f"log of {self.name}", *self.said][-lines:])
 
 
 class _Cluster:
@@ -371,6 +373,30 @@ def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_oth
     assert "trainer-0 died (exit 1); it is not restartable" in (supervisor.poll() or "")
     assert supervisor.fatal == ["trainer-0"]
     assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
+
+
+def test_a_node_that_halted_the_run_ends_it_at_once_naming_why_and_is_never_restarted() -> None:
+    """A node that exits ``HALTED_STATUS`` decided that the run cannot go on (the orchestrator's halts: budgets
+    that cannot hold a step, a step its ranks did not acknowledge). Before, a restartable one was restarted as a
+    crash, to decide the same again, until the restart budget was spent. Now the run ends at once, named after
+    the node and the reason of its last halt line (its log keeps an earlier incarnation's); a crash before it
+    was restarted as ever."""
+    cluster, clock, said = _Cluster("bus", "env-0", "orchestrator"), _Clock(), []
+    supervisor = Supervisor(cluster, budget=5, backoff_s=1.0, say=said.append, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[2].proc.code = 1
+    assert supervisor.poll() is None
+    clock.now += 1.0
+    assert supervisor.poll() is None and cluster.restarted == ["orchestrator"]
+    orchestrator = cluster.nodes[2]
+    orchestrator.said = [f"{HALTED_PREFIX}an earlier incarnation's halt", '{"event": "node.started"}',
+                         f"{HALTED_PREFIX}no step can ever ship", '{"event": "node.closed"}']
+    orchestrator.proc.code = HALTED_STATUS
+    why = "orchestrator halted the run (exit 4, halted): no step can ever ship"
+    assert supervisor.poll() == why
+    assert cluster.restarted == ["orchestrator"] and supervisor.restarts == supervisor.charged == 1
+    assert supervisor.fatal == ["orchestrator"] and said[-1].startswith(f"refbus up: {why}\nlog of orchestrator")
+    assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("orchestrator", "exit 1", True), ("orchestrator", "exit 4, halted", False)]
 
 
 def _restart_delays(supervisor: Supervisor, cluster: _Cluster, clock: _Clock, name: str,

@@ -50,7 +50,7 @@ and feeds the outcomes back. An ``incomplete`` group also comes from a run that 
 past its deadline. It tracks peers (``runtime.track_peers()``): an env server reported down fails its runs
 in flight at once (their groups are abandoned, new runs go to live replicas), and deletes for it wait for it
 to come back or for its blobs to be lost. A step the trainer ranks do not all acknowledge by
-``trainer.batch_timeout_s`` halts the node (``step.undeliverable``, exit status 1). A trainer rank reported
+``trainer.batch_timeout_s`` halts the node (``step.undeliverable``). A trainer rank reported
 down ends its world: the orchestrator stops shipping and waits for a new world (restarted from its
 checkpoints), then continues from the step its ranks report; no new world within ``node.restart_grace_s``
 plus four ``node.connect_timeout_s`` halts it, naming the ranks. What a rank of the dead world refused is
@@ -59,7 +59,10 @@ may have taken it) is its rank's once acknowledged or once its ``reference`` eve
 before it answers; the orchestrator follows those events for this), and deleted ``trainer-down`` when
 refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
 budgets cannot hold one step's episodes (in whole groups at one source each) halt it too
-(``dispatch.budget_below_step``, exit status 1, naming the budget that would): no step could ever ship.
+(``dispatch.budget_below_step``, naming the budget that would): no step could ever ship. So does a step batch
+no message can carry. A halted node exits with status :data:`~..launch.HALTED_STATUS` (4), its last words on
+stderr the reason (:func:`~..launch.halt`): a restart would decide the same again, so ``refbus up`` ends the
+run naming it and why instead of restarting it as it restarts a crash (exit status 1).
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
 granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on
@@ -133,6 +136,7 @@ from ...protocol.messages import (
     VersionBump,
 )
 from ..config import Config
+from ..launch import halt
 from ..settings import OrchestratorSettings
 from .orchestrator_core import (
     LOST,
@@ -200,6 +204,7 @@ class Orchestrator:
         self.deleted: Counter[str] = Counter()
         self.failed_deletes = 0
         self.lost = 0  # references dropped because their store went down for good
+        self._halted = ""  # the reason of the first Halt carried out
         self._arrivals: deque[_Arrival] = deque()
         self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
@@ -232,8 +237,9 @@ class Orchestrator:
 
     @property
     def failure(self) -> str:
-        """Why the run halted (see :class:`~.orchestrator_core.Halt`); empty while it goes on."""
-        return self.core.failure
+        """Why the run halted (the first :class:`~.orchestrator_core.Halt` carried out: the core's, or this
+        executor's own, a step batch no message can carry); empty while it goes on."""
+        return self._halted
 
     # --- events, in arrival order --------------------------------------------------------------------
 
@@ -523,6 +529,7 @@ class Orchestrator:
             elif isinstance(action, ClaimAgain):
                 self._claim_again(action)
             elif isinstance(action, Halt):
+                self._halted = self._halted or action.reason
                 log.error("orchestrator.halted", reason=action.reason)
                 self.runtime.stop()
         if self.core.wants_trainers:
@@ -772,10 +779,11 @@ class Orchestrator:
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status 1 when the run halted (a step
-    the trainer ranks did not all acknowledge in time, no new trainer world in time, or env servers whose
+    """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status :data:`~..launch.HALTED_STATUS`,
+    the reason on stderr (:func:`~..launch.halt`), when the run halted (a step the trainer ranks did not all
+    acknowledge in time, no new trainer world in time, a step batch no message can carry, or env servers whose
     budgets cannot hold a step)."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     orchestrator = Orchestrator(runtime, config.orchestrator, deadlines_from(config))
     runtime.run()
-    return 1 if orchestrator.failure else 0
+    return halt(orchestrator.failure) if orchestrator.failure else 0
