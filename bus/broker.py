@@ -99,8 +99,8 @@ JOINS_MAX = 4096
 # Host names of metrics URLs waiting to be resolved, at most: past it such a URL is not listed in /sd (a resolver
 # that hangs must not queue lookups without end).
 LOOKUPS_MAX = 64
-# (role, host) pairs whose restarts, and whose departures not yet followed by a join, are counted at most: past it
-# the least recently counted are forgotten (a node names its own host: a peer cannot grow the series for good).
+# (role, host) pairs whose node slots are kept, and (role, host, slot) restart series, at most each: past it the
+# least recently counted are forgotten (a node names its own host: a peer cannot grow the series for good).
 RESTARTS_MAX = 4096
 # Control requests read before a liveness pass, at most: the heartbeats queued behind a busy loop, and no more,
 # so requests that keep coming faster than the broker answers them cannot hold the loop there (its capture and
@@ -231,6 +231,18 @@ class _Member:
     # bytes of ``info`` encoded, what it adds to a ``node-list`` answer: read by the first answer after ``info``
     # changed (None until then), not on every heartbeat, which come far more often than lookups
     size: int | None = None
+    # the slot of its (role, host) it holds, given when it came up (-1 until then): what its restarts count against
+    slot: int = -1
+
+
+@dataclass
+class _Slots:
+    """The node slots of one (role, host): each node up there holds one, and a node that comes up takes back the
+    slot of the latest departure there, so a node restarting in a loop counts its restarts against one slot
+    whatever its ids, while a world whose nodes each restart once counts one restart on each of its slots."""
+
+    given: int = 0  # slots handed out: a node coming up with none vacant gets slot ``given``
+    vacant: list[int] = dataclasses.field(default_factory=list)  # slots of nodes gone down, the latest last
 
 
 # A ``node-list`` body besides its entries: its field names, the list's length prefix and ``omitted`` (about 25
@@ -250,14 +262,13 @@ Index = Callable[[list], "tuple[str, int] | None"]
 NOT_REPLAYED = ("", -1)  # the key of what no replay selects: unreadable headers, ``sync`` probes
 
 
-def _bounded_add(counts: Counter[tuple[str, str]], key: tuple[str, str], delta: int) -> None:
-    """Add ``delta`` to ``counts[key]`` (a key at 0 is dropped), the key becoming the most recently counted; past
-    ``RESTARTS_MAX`` keys the least recently counted are forgotten."""
-    value = counts.pop(key, 0) + delta
-    if value:
-        counts[key] = value
-    while len(counts) > RESTARTS_MAX:
-        del counts[next(iter(counts))]
+def _touched(entries: dict[Any, Any], key: Any, value: Any) -> None:
+    """Set ``entries[key]``, the key becoming the most recently counted; past ``RESTARTS_MAX`` keys the least
+    recently counted are forgotten."""
+    entries.pop(key, None)
+    entries[key] = value
+    while len(entries) > RESTARTS_MAX:
+        del entries[next(iter(entries))]
 
 
 def frames_of(entry: Any) -> list:
@@ -445,10 +456,11 @@ class Broker:
         self.forwarded = 0  # event messages (a batch counts once)
         self.dropped: Counter[str] = Counter()
         self.joins: Counter[tuple[str, str]] = Counter()  # (node id, role) -> times it came up
-        # (role, host) -> nodes that went down there and no node of that role has come up there since; and the
-        # joins that followed such a departure: restarts, whether under the same id or a new (pid-based) one.
-        self.departed: Counter[tuple[str, str]] = Counter()
-        self.restarts: Counter[tuple[str, str]] = Counter()
+        # (role, host) -> its node slots; (role, host, slot) -> joins that took that slot back after a departure:
+        # restarts, whether under the same id or a new (pid-based) one. A slot's series starts at 0 when it is
+        # given, so the first restart is an increase Prometheus sees.
+        self.slots: dict[tuple[str, str], _Slots] = {}
+        self.restarts: dict[tuple[str, str, str], int] = {}
         self.seq = 0
         # What /sd serves, rebuilt on the loop thread at every registry change and replaced whole (never
         # mutated), so the HTTP thread reads a consistent snapshot without a lock.
@@ -601,7 +613,7 @@ class Broker:
                 member.live = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
                 self._count_join((member.info.node_id, member.info.role))
-                self._count_restart((member.info.role, member.info.host))
+                self._count_restart(member)
                 self.emit(NodeUp(node=member.info))
                 self._refresh_targets()
         waiting = self.waiting.pop(probe.token, None)
@@ -618,13 +630,22 @@ class Broker:
             for gone in [key for key in joins if key[0] not in self.members][:extra]:
                 del joins[gone]
 
-    def _count_restart(self, key: tuple[str, str]) -> None:
-        """A node of (role, host) came up: a restart when one of that role went down on that host before and no
-        join has been counted for that departure yet. A restart under a new id that comes up before the broker
-        notices its old process gone counts at the next join there instead (one behind, never lost)."""
-        if self.departed[key]:
-            _bounded_add(self.departed, key, -1)
-            _bounded_add(self.restarts, key, 1)
+    def _count_restart(self, member: _Member) -> None:
+        """``member`` came up: it takes the slot of the latest departure of its role on its host, one restart of
+        that slot, or a new slot (no restart) when none is vacant there. A restart under a new id that comes up
+        before the broker notices its old process gone takes a new slot, and the next join there the old one: a
+        loop whose processes overlap so spreads its restarts over as many slots as overlap, never more."""
+        key = (member.info.role, member.info.host)
+        slots = self.slots.get(key) or _Slots()
+        _touched(self.slots, key, slots)
+        if slots.vacant:
+            member.slot = slots.vacant.pop()
+            restarted = 1
+        else:
+            member.slot, slots.given = slots.given, slots.given + 1
+            restarted = 0
+        series = (*key, str(member.slot))
+        _touched(self.restarts, series, self.restarts.get(series, 0) + restarted)
 
     # --- control ------------------------------------------------------------------------------------
 
@@ -646,7 +667,8 @@ class Broker:
         if old is not None and old.live and not same:
             self._remove(old, "replaced")
         live = same
-        member = self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live)
+        member = self.members[node.node_id] = _Member(node, hello.token, self.clock(), live=live,
+                                                      slot=old.slot if same else -1)
         if node.metrics:
             self._check_metrics_host(member, self.server.peer_address())
         if live:  # a live node registering again (broker forgot it, or new endpoints): its entry may differ
@@ -774,7 +796,10 @@ class Broker:
         if member.live:
             log.info("node.down", node=info.node_id, role=info.role, reason=reason)
             self.emit(NodeDown(node_id=info.node_id, role=info.role, reason=reason, last_seen=info.last_seen))
-            _bounded_add(self.departed, (info.role, info.host), 1)
+            key = (info.role, info.host)
+            slots = self.slots.get(key) or _Slots()
+            slots.vacant.append(member.slot)
+            _touched(self.slots, key, slots)
             self._refresh_targets()
 
     def _expire(self) -> None:
@@ -886,10 +911,11 @@ class Broker:
         self.runtime.metric("refbus_bus_joins_total", "Times each node came up (joined, or re-joined after a restart).",
                             lambda: {key: float(n) for key, n in dict(self.joins).items()},
                             labels=("member", "member_role"))
-        self.runtime.metric("refbus_bus_restarts_total", "Nodes that came up on a host after a node of their role "
-                            "went down there (a restart, under the same node id or a new one), by role and host.",
+        self.runtime.metric("refbus_bus_restarts_total", "Nodes that came up on a host in the slot of a node of their "
+                            "role that went down there (a restart, under the same node id or a new one), by role, "
+                            "host and slot (0 from the slot's first node up).",
                             lambda: {key: float(n) for key, n in dict(self.restarts).items()},
-                            labels=("member_role", "member_host"))
+                            labels=("member_role", "member_host", "member_slot"))
         self.runtime.metric("refbus_bus_nodes", "Live registered nodes, by their role.",
                       lambda: dict(Counter((m.info.role,) for m in list(self.members.values()) if m.live)),
                       labels=("member_role",), kind="gauge")

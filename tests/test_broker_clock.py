@@ -200,12 +200,15 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
             runtime.join(WAIT_S)
 
 
-def test_restarts_are_counted_by_role_and_host_whatever_the_node_ids(broker: tuple[Broker, FakeClock]) -> None:
+def test_restarts_are_counted_per_node_slot_whatever_the_node_ids(broker: tuple[Broker, FakeClock]) -> None:
     """Default node ids hold the pid, so a node restarting in a loop comes up under a new id each time and its
-    per-id join count never passes 1 (``RefbusNodeRestartLoop`` could not fire). The broker also counts, by role
-    and host, every join that follows a departure there: a worker restarted five times, once before its
-    predecessor left (that one counted at the next join there, still pending), is 4 restarts; env servers that
-    came up once and left cleanly are none."""
+    per-id join count never passes 1. The broker gives each node up on a host a slot of its role there, and a
+    node coming up takes back the slot of the latest departure there: a worker restarted four times under new pids
+    (once up before its predecessor left: a new slot, and the next join there takes the old one back) is 4
+    restarts of one slot, what ``RefbusNodeRestartLoop`` fires on; a world of four ranks restarted once, the
+    normal recovery, is one restart of each of four slots, which it does not; env servers that came up once and
+    left cleanly are none. Each slot's series is there at 0 from its first node up, so Prometheus sees the first
+    restart as an increase (it takes a series' first sample as its start)."""
     node, _ = broker
     control = node.runtime.endpoints["control"]
 
@@ -217,30 +220,36 @@ def test_restarts_are_counted_by_role_and_host_whatever_the_node_ids(broker: tup
         return runtime
 
     healthy = [started("env-server", f"env-server-h1-{pid}", "h1") for pid in (10, 11, 12)]
+    world = [started("trainer", f"trainer-{rank}", "h2") for rank in range(4)]
     previous = started("worker", "worker-h1-100", "h1")
     try:
+        assert on_loop(node, lambda: dict(node.restarts)) == {
+            **{("env-server", "h1", str(slot)): 0 for slot in range(3)},
+            **{("trainer", "h2", str(slot)): 0 for slot in range(4)}, ("worker", "h1", "0"): 0}
+        for runtime in world:  # the world ends and is restarted from its checkpoint, under the same rank ids
+            runtime.join(WAIT_S)
+        world = [started("trainer", f"trainer-{rank}", "h2") for rank in range(4)]
         for pid in (101, 102, 103):  # crashed (its bye still sent) and restarted under a new pid
             previous.join(WAIT_S)
             previous = started("worker", f"worker-h1-{pid}", "h1")
         overlapping = started("worker", "worker-h1-104", "h1")  # up before its predecessor is gone
         previous.join(WAIT_S)
-        previous = overlapping
-        assert on_loop(node, lambda: dict(node.restarts)) == {("worker", "h1"): 3}
-        previous.join(WAIT_S)
-        previous = started("worker", "worker-h1-105", "h1")
+        previous = started("worker", "worker-h1-105", "h1")  # overlapping's restart, it too up before it left
+        overlapping.join(WAIT_S)
         for runtime in healthy:
             runtime.join(WAIT_S)
-        assert on_loop(node, lambda: (dict(node.restarts), dict(node.departed))) == (
-            {("worker", "h1"): 4}, {("worker", "h1"): 1, ("env-server", "h1"): 3})
+        assert on_loop(node, lambda: dict(node.restarts)) == {
+            **{("env-server", "h1", str(slot)): 0 for slot in range(3)},
+            **{("trainer", "h2", str(slot)): 1 for slot in range(4)},
+            ("worker", "h1", "0"): 4, ("worker", "h1", "1"): 0}
     finally:
-        previous.join(WAIT_S)
-        for runtime in healthy:
+        for runtime in [previous, *world, *healthy]:
             runtime.join(WAIT_S)
 
 
 def test_restarts_counted_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every host a node names is a key: past ``RESTARTS_MAX`` (role, host) pairs the least recently counted are
-    forgotten, so nodes naming ever new hosts cannot grow the series for good."""
+    """Every host a node names is a key: past ``RESTARTS_MAX`` (role, host) pairs, and as many (role, host, slot)
+    series, the least recently counted are forgotten, so nodes naming ever new hosts cannot grow them for good."""
     monkeypatch.setattr(bus_broker, "RESTARTS_MAX", 2)
     runtime = NodeRuntime("bus", RuntimeSettings(node_id="bus", metrics_port=-1), register=False)
     node = Broker(runtime, BrokerSettings(control=LOOPBACK, events_in=LOOPBACK, events_out=LOOPBACK))
@@ -253,16 +262,17 @@ def test_restarts_counted_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
             node._probe_seen(prober.encode(Sync(token=f"join-{node_id}")))
             node._remove(node.members[node_id], "timeout")
 
+        one_vacant = bus_broker._Slots(given=1, vacant=[0])
         for i in range(5):
             cycle(f"a-{i}", "a")
-        assert (dict(node.restarts), dict(node.departed)) == ({("worker", "a"): 4}, {("worker", "a"): 1})
+        assert (node.restarts, node.slots) == ({("worker", "a", "0"): 4}, {("worker", "a"): one_vacant})
         for i in range(10):  # hosts named by a peer, each restarted once
             cycle(f"garbage-{i}-0", f"host-{i}")
             cycle(f"garbage-{i}-1", f"host-{i}")
-        cycle("a-5", "a")  # its pair was forgotten: counted again from its next departure
+        cycle("a-5", "a")  # its slots were forgotten: counted again from its next departure
         cycle("a-6", "a")
-        expected = {("worker", "host-9"): 1, ("worker", "a"): 1}
-        assert (dict(node.restarts), dict(node.departed)) == (expected, expected)
+        assert (node.restarts, node.slots) == ({("worker", "host-9", "0"): 1, ("worker", "a", "0"): 1},
+                                               {("worker", "host-9"): one_vacant, ("worker", "a"): one_vacant})
     finally:
         runtime.close()
 
@@ -387,7 +397,7 @@ def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch:
         runtime._serve_metrics()
         node.dropped["malformed"] = _GrowsItsDict(node.dropped, lambda n: f"code-{n}")  # type: ignore[assignment]
         node.joins[("w", "worker")] = _GrowsItsDict(node.joins, lambda n: (f"w-{n}", "worker"))  # type: ignore[assignment]
-        node.restarts[("worker", "h")] = _GrowsItsDict(node.restarts, lambda n: ("worker", f"h-{n}"))  # type: ignore[assignment]
+        node.restarts[("worker", "h", "0")] = _GrowsItsDict(node.restarts, lambda n: ("worker", f"h-{n}", "0"))  # type: ignore[assignment]
         node.members["w"] = _MemberThatJoinsAnother(node.members, "worker")  # type: ignore[assignment]
         calls = runtime.calls
         calls.outcomes["reply"] = _GrowsItsDict(calls.outcomes, lambda n: f"outcome-{n}")  # type: ignore[assignment]
@@ -398,7 +408,7 @@ def test_metric_readers_read_copies_of_what_the_loop_thread_changes(monkeypatch:
         servers.append(servers[0])
         assert readers["refbus_bus_events_dropped_total"]()[("malformed",)] == 1.0
         assert readers["refbus_bus_joins_total"]()[("w", "worker")] == 1.0
-        assert readers["refbus_bus_restarts_total"]()[("worker", "h")] == 1.0
+        assert readers["refbus_bus_restarts_total"]()[("worker", "h", "0")] == 1.0
         assert readers["refbus_bus_nodes"]() == {("worker",): 1}
         assert readers["refbus_request_outcomes_total"]()[("reply",)] == 1.0
         assert readers["refbus_replies_rejected_total"]()[("malformed",)] == 1.0
