@@ -199,11 +199,21 @@ def metrics_host_problem(addresses: Sequence[str], peer: str) -> str:
 
 def resolved_problem(host: str, peer: str) -> str:
     """:func:`metrics_host_problem` of the host name ``host``, resolved (a lookup that may block: not on the loop
-    thread); why when it does not resolve."""
+    thread), of its addresses in the IP family of ``peer``'s address only for a peer on another host (every one
+    for a peer on this machine, where any address of this machine will do); why when it does not resolve, or to
+    no address of that family. A dual-stack name resolves to an IPv4 and an IPv6 address while the node reaches
+    the broker over one family, whose addresses are the ones the broker can check; the other family's are the
+    name's word, as its later records are (docs/SECURITY.md)."""
     try:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
     except OSError as exc:
         return f"{shown(host)} does not resolve here: {exc}"
+    peer_ip = _ip(peer)
+    if peer_ip is not None and not of_this_machine(peer_ip):
+        addresses = [a for a in addresses if (ip := _ip(a)) is not None and ip.version == peer_ip.version]
+        if not addresses:
+            return (f"{shown(host)} resolves to no IPv{peer_ip.version} address, the family its connection to the "
+                    f"broker comes over ({shown(peer)}): Prometheus could not scrape the address the broker sees")
     return metrics_host_problem(addresses, peer)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -597,3 +598,23 @@ def test_a_metrics_host_is_the_nodes_own_address_or_for_a_node_on_this_machine_o
         assert bus_broker.resolved_problem("localhost", local) == ""
         assert "is not an address of this machine" in bus_broker.metrics_host_problem(["192.0.2.8"], local)
     assert "is not the node's own address" in bus_broker.metrics_host_problem(["127.0.0.1"], "")  # named none
+
+
+def test_a_dual_stack_metrics_host_name_is_checked_in_the_family_of_the_nodes_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's host name that resolves to an IPv4 and an IPv6 address (dual-stack DNS) is accepted over either
+    family when every address of that family is the node's own; one more address of that family elsewhere, or
+    none of it, is refused."""
+    records = {"gpu-node-7.cluster": ["10.20.0.7", "fd00:20::7"], "two-hosts.cluster": ["10.20.0.7", "10.20.0.8",
+               "fd00:20::7"], "v6-only.cluster": ["fd00:20::7"]}
+
+    def getaddrinfo(host: str, port: None, **_: Any) -> list[tuple[Any, ...]]:
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0))
+                for a in records[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    for peer in ("10.20.0.7", "::ffff:10.20.0.7", "fd00:20::7"):
+        assert bus_broker.resolved_problem("gpu-node-7.cluster", peer) == "", peer
+    assert "'10.20.0.8' is not the node's own address" in bus_broker.resolved_problem("two-hosts.cluster",
+                                                                                       "10.20.0.7")
+    assert "resolves to no IPv4 address" in bus_broker.resolved_problem("v6-only.cluster", "10.20.0.7")
