@@ -185,6 +185,30 @@ def test_a_write_below_the_newest_moves_the_files_above_it_aside(tmp_path: Path)
     _assert_moved_back_they_load(tmp_path, 0, [e["moved_to"] for e in warnings], 100)
 
 
+def test_a_world_that_keeps_dying_in_a_checkpoint_round_keeps_one_copy_of_what_it_loses(tmp_path: Path) -> None:
+    """Rank 0 writes step 4, rank 1 dies writing it, and the world resumes at 2 (rank 0 prunes to 2), again and
+    again: each restart moves rank 0's step 4 aside, and its next write of step 4 removes the copy the previous
+    restart moved, loud, so ``superseded/`` holds one step 4, not one per restart. An earlier lineage's
+    checkpoints above every step written since stay, until the lineage training now writes their steps."""
+    model, optimizer = _trained(0, 1)
+    for step in (98, 100, 2):  # an earlier lineage, then a world started over at 0
+        checkpoint.save(tmp_path, 0, step, model, optimizer)
+    superseded = checkpoint.rank_dir(tmp_path, 0) / checkpoint.SUPERSEDED
+    with capture_logs() as logs:
+        for _ in range(4):
+            checkpoint.save(tmp_path, 0, 4, model, optimizer)
+            checkpoint.prune(tmp_path, 0, 2, cause="rank 1 has nothing whole above step 2")
+            assert _files(tmp_path, 0) == (["step-2.safetensors"],
+                                           ["step-100.safetensors", "step-4.safetensors", "step-98.safetensors"])
+            assert len(list(superseded.iterdir())) == 2
+    removed = [e for e in logs if e["event"] == "checkpoint.superseded_removed"]
+    assert len(removed) == 3 and all(e["log_level"] == "warning" and e["holds"] == 4 for e in removed)
+    for step in (4, 100):
+        checkpoint.save(tmp_path, 0, step, model, optimizer)
+    assert _files(tmp_path, 0) == (["step-100.safetensors", "step-4.safetensors"], [])
+    assert not any(superseded.iterdir())
+
+
 def _assert_moved_back_they_load(directory: Path, rank: int, moved: list[str], newest: int) -> None:
     """Checkpoints moved aside (``moved``: where to) are whole: moved back, the newest is ``newest`` and loads."""
     for aside in map(Path, moved):

@@ -16,11 +16,13 @@ of its rank at or below ``K`` and moves every file above ``K`` aside: those belo
 (an earlier world that got further before a world started over below it, e.g. from step 0 when the world
 grew or a rank's checkpoints were lost or damaged), and left in place they would outrank, and so prune,
 every new checkpoint. Moved aside, not removed: a readable checkpoint is never lost as a side effect of
-another rank's damage (:func:`prune`). Ranks train in lockstep (every step has a collective), so within one
-lineage the newest step every rank has is at most one checkpoint behind any rank's own newest: keeping two
-is enough for the ranks to agree. Where ranks hold checkpoints of different lineages, :func:`latest_step`
-with ``at_most`` lets them agree on an older step every rank has, and :func:`prune` moves what lies above it
-aside.
+another rank's damage (:func:`prune`); one moved aside is removed once the rank holds a checkpoint of its step
+or a later one again (the lineage training now has caught up with it), so a world that keeps dying during a
+checkpoint round keeps one copy of the step it loses, not one per restart. Ranks train in lockstep (every
+step has a collective), so within one lineage the newest step every rank has is at most one checkpoint behind
+any rank's own newest: keeping two is enough for the ranks to agree. Where ranks hold checkpoints of different
+lineages, :func:`latest_step` with ``at_most`` lets them agree on an older step every rank has, and
+:func:`prune` moves what lies above it aside.
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ def rank_dir(directory: Path | str, rank: int) -> Path:
 
 
 def path_of(directory: Path | str, rank: int, step: int) -> Path:
-    return rank_dir(directory, rank) / f"step-{step}.safetensors"
+    return rank_dir(directory, rank) / _file_name(step)
+
+
+def _file_name(step: int) -> str:
+    return f"step-{step}.safetensors"
 
 
 def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
@@ -87,9 +93,12 @@ def prune(directory: Path | str, rank: int, newest: int, *, cause: str) -> list[
     ``rank-<rank>/superseded/rewound-to-<newest>-<ns>/`` (a folder of their own, so a later rewind never
     overwrites them), and remove all but the :data:`KEEP` newest at or below ``newest``. Each file moved is
     logged (``checkpoint.superseded``, a warning naming it, where it went and ``cause``: why the world started
-    over below it); nothing is removed from ``superseded/``, that is the operator's to clear or move back.
-    Returns the moved files' new paths."""
+    over below it). Checkpoints in ``superseded/`` at or below ``newest`` are removed (the rank holds step
+    ``newest`` of the lineage training now, at or past theirs), each with a warning
+    (``checkpoint.superseded_removed``), and a folder they leave empty with them; anything else there is the
+    operator's to clear or move back. Returns the moved files' new paths."""
     folder = rank_dir(directory, rank)
+    _remove_caught_up(folder / SUPERSEDED, rank, newest)
     steps = _steps(folder)
     moved = []
     above = [step for step in steps if step > newest]
@@ -108,6 +117,22 @@ def prune(directory: Path | str, rank: int, newest: int, *, cause: str) -> list[
     for old in [step for step in steps if step <= newest][KEEP:]:
         path_of(directory, rank, old).unlink(missing_ok=True)
     return moved
+
+
+def _remove_caught_up(superseded: Path, rank: int, newest: int) -> None:
+    """Remove the checkpoints in ``superseded``'s folders at or below step ``newest``, and the folders they leave
+    empty: the rank holds ``newest`` of the lineage training now, so each was passed (one copy of each step aside
+    at most, whatever the restarts)."""
+    if not superseded.is_dir():
+        return
+    for aside in superseded.iterdir():
+        for step in [step for step in _steps(aside) if step <= newest]:
+            path = aside / _file_name(step)
+            path.unlink(missing_ok=True)
+            log.warning("checkpoint.superseded_removed", path=str(path), rank=rank, holds=newest,
+                        cause=f"rank {rank} holds step {newest} of the lineage training now")
+        if aside.is_dir() and not any(aside.iterdir()):
+            aside.rmdir()
 
 
 def latest_step(directory: Path | str, rank: int, at_most: int | None = None) -> int:
