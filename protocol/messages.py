@@ -39,6 +39,8 @@ Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]  # a map key, a hos
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # an endpoint, a URL, a label's value
 Entries = Annotated[dict[Key, Text], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
 Readings = Annotated[dict[Key, float], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]
+# One process of a node, what tells it from a restart under the same node id: host, pid, wall-clock start time
+Process = tuple[Key, NonNegative, Annotated[float, msgspec.Meta(ge=0)]]
 
 MAX_FRAMES = 65_536
 """Frames one message has at most (its kind, header, body, buffer frames and MAC frame): a receiver refuses one
@@ -210,11 +212,14 @@ class Claim(Body, frozen=True):
 @register_kind("reference")
 class Reference(Body, frozen=True):
     """Event: the orchestrator handed ``blob_ids`` to trainer ``holder`` for ``step`` (mirror of the
-    acknowledged ``step-batch`` request)."""
+    acknowledged ``step-batch`` request). ``process``: the rank's process that took them (host, pid, start
+    time), which the orchestrator names, so a store that learns of the hand-over after that process is gone
+    reclaims them as that holder's."""
 
     step: NonNegative  # training step
     holder: Name  # the trainer rank
     blob_ids: list[str]  # blobs handed over
+    process: Process | None = None  # the holder's process that took them (None: not named)
 
 
 @register_kind("fetch-ack")

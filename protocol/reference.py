@@ -30,6 +30,7 @@ LEGEND = (
     ("Entries", "map of at most 64 `Key` → `Text` entries"),
     ("Readings", "map of at most 64 `Key` → float entries"),
     ("Seconds", "float ≥ 0"),
+    ("Process", "array `[Key, NonNegative, float ≥ 0]`: a node's process (host, pid, wall-clock start time)"),
     ("Array", "an array: a msgpack ext value (code 1 numpy, 2 torch) holding its descriptor; its bytes travel "
               "in a buffer frame (see **Arrays**)"),
     ("Any", "any msgpack value (arrays inside it travel as frames too); depth bounded by `limits.max_depth`"),

@@ -8,6 +8,7 @@ once the run ends."""
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import threading
 import time
 from datetime import datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,7 @@ from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings, StoreSettings
 from refbus.nodes.store import journal
-from refbus.protocol.envelope import WireCodec
+from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     Body,
     Claim,
@@ -46,7 +48,9 @@ from refbus.protocol.messages import (
     Keep,
     Kept,
     NodeDown,
+    Ok,
     Reference,
+    StepBatch,
 )
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
@@ -856,4 +860,170 @@ def test_a_holders_down_and_back_change_nothing_until_their_records_are_journale
     finally:
         for runtime in (slow, gone, env_runtime):
             runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def _stand_in_rank(control: str, node_id: str, conn: Connection) -> None:
+    """A trainer rank's process as the orchestrator sees it: registered (rank 0, step 0), it takes every step
+    batch, publishes its ``reference`` (as a real rank does before it answers), answers ``ok`` and tells the test
+    (``conn``) the step; until it is killed."""
+    runtime = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id=node_id, metrics_port=-1))
+    server = runtime.serve("trainer", "tcp://127.0.0.1:0")
+
+    def take(request: Message) -> Ok:
+        batch = request.body
+        assert isinstance(batch, StepBatch)
+        runtime.publish(Reference(step=batch.step, holder=node_id, blob_ids=list(batch.owned)))
+        conn.send(batch.step)
+        return Ok()
+
+    server.on(StepBatch.kind, take)
+    runtime.labels.update(rank="0", data_rank="0", leader="1")
+    runtime.status = lambda: {"step": 0.0}
+    runtime.run()
+
+
+@pytest.mark.parametrize("rank_after", ["gone", "restarted"])
+def test_a_hand_over_published_while_its_store_was_dead_is_reclaimed_with_its_rank_that_died_meanwhile(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path, rank_after: str) -> None:
+    """The orchestrator claims a group's two blobs on a durable env server, which is SIGKILLed; then a trainer rank
+    takes the step batch that hands them over (its ``reference`` event and the orchestrator's go out while the
+    store is dead) and is SIGKILLed in turn, before the store comes back; it stays gone, or is restarted under its
+    node id (a new world, which knows nothing of that batch). The restarted store re-adopts the blobs as the
+    orchestrator's; the orchestrator, seeing it back as a new process, publishes the hand-over again naming the
+    rank's process that took it, which the store finds gone: it reclaims both blobs ``holder-down``, named with the
+    rank, and lists none of them to a restarted orchestrator. Before, no one told the restarted store (the rank
+    that repeats its hand-overs was dead): the blobs stayed the orchestrator's there, held until the store's
+    shutdown, and a restarted orchestrator asking its holdings was offered them to claim back and train again."""
+    control, grace_s = bus[1], 1.0
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-k", grace_s)
+    runtime = _node(control, "orchestrator", "orchestrator")
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(restart_grace_s=10 * WAIT_S))
+    ctx = zmq.Context()
+    ranks: list[multiprocessing.process.BaseProcess] = []
+    steps, child = multiprocessing.get_context("spawn").Pipe()
+
+    def start_rank() -> None:
+        ranks.append(multiprocessing.get_context("spawn").Process(target=_stand_in_rank,
+                                                                  args=(control, "trainer-k", child), daemon=True))
+        ranks[-1].start()
+
+    try:
+        runtime.start_background()
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        client = _client(ctx, endpoint)
+        for m in range(2):
+            record = {"group": "gk", "reward": float(m),
+                      "samples": [{"input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1], "ref": 0}]}
+            arrays = random_arrays(6, seed=m, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)
+            assert isinstance(client.request(Keep(episode_id=f"k-{m}", branches=[arrays], info=record)).body, Kept)
+        wait_for(lambda: accounted(client).held_by == {"orchestrator": 2}, WAIT_S, "the orchestrator's claims")
+        client.close()
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        start_rank()
+        assert steps.poll(WAIT_S) and steps.recv() == 0, "the rank took no step batch"
+        wait_for(lambda: not orchestrator.core.holdings.held, WAIT_S, "the step batch acknowledged")
+        ranks[0].kill()  # dead before its store is back: it cannot tell the restarted store what it took
+        ranks[0].join(WAIT_S)
+        wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the rank reported down")
+        if rank_after == "restarted":
+            start_rank()
+            wait_for(lambda: "trainer-k" in orchestrator._peers.live, WAIT_S, "the rank's new process registered")
+        _, probe = _restarted(spawn, command, "env-k-restarted", ctx)
+        wait_for(lambda: accounted(probe).reclaimed == {"trainer-k": 2}, 10 * grace_s + WAIT_S,
+                 "the restarted store reclaiming the dead rank's blobs")
+        final = accounted(probe)
+        assert (final.held_by, final.deleted, final.violations) == ({}, {"holder-down": 2}, {}), final
+        held = probe.request(HoldingsQuery(holder="orchestrator")).body
+        assert isinstance(held, Held) and held.episodes == [], held  # nothing for a restarted orchestrator
+        probe.close()
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.join(WAIT_S)
+        steps.close()
+        child.close()
+        runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_a_reference_naming_a_garbage_process_is_rejected_and_the_store_goes_on(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """``reference`` events whose ``process`` is not a process (a negative pid, a start time that is not a number
+    ≥ 0, too few fields, not an array) are rejected as malformed, counted, and change nothing: the blob stays the
+    orchestrator's, no grace starts. The store goes on: a well-formed hand-over after them, naming the live rank's
+    process, moves the blob to the rank, which keeps it (no grace)."""
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-g", grace_s=0.5)
+    publisher = _node(control, "orchestrator", "orchestrator")
+    rank = _node(control, "trainer-g")
+    env_runtime.start_background()
+    publisher.start_background()
+    rank.start_background()
+    ctx = zmq.Context()
+    try:
+        (ref,) = env.keep("ep", [random_arrays(6, seed=8)])
+        client = _client(ctx, env.endpoint)
+        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
+            Claimed(blob_ids=[ref.blob_id])
+        wait_for(lambda: "trainer-g" in env._peers.live, WAIT_S, "the store knowing the rank")
+        def rejected() -> int:
+            return sum(s.rejected["schema"] for s, _, _ in env_runtime._subscriptions)
+
+        for n, process in enumerate([("h", -1, 1.0), ("h", 1, float("nan")), ("h", 1, -1.0), ("h", 1), "h"], 1):
+            bad = Reference(step=0, holder="trainer-g", blob_ids=[ref.blob_id], process=process)  # type: ignore[arg-type]
+            publisher.call_soon(lambda bad=bad: publisher.publish(bad))
+            wait_for(lambda n=n: rejected() == n, WAIT_S, f"garbage reference {process!r} rejected")
+        assert accounted(client).held_by == {"orchestrator": 1} and not env.keeper.in_grace("trainer-g")
+        info = env._peers.live["trainer-g"]
+        good = Reference(step=0, holder="trainer-g", blob_ids=[ref.blob_id],
+                         process=(info.host, info.pid, info.started))
+        publisher.call_soon(lambda: publisher.publish(good))
+        wait_for(lambda: accounted(client).held_by == {"trainer-g": 1}, WAIT_S, "the well-formed hand-over applied")
+        holds_for(lambda: not env.keeper.in_grace("trainer-g") and accounted(client).reclaimed == {}, 2 * 0.5,
+                  "the live rank keeping what it took")
+        client.close()
+    finally:
+        rank.join(timeout=WAIT_S)
+        publisher.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_a_hand_over_to_a_rank_the_store_has_not_seen_register_yet_is_kept_once_it_registers(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """The orchestrator's ``reference`` names a rank's process that the store has not seen register (its
+    ``node-up`` still on its way): the store takes it for gone and the grace starts with the hand-over, but the
+    rank's ``node-up`` as that very process within the grace brings it back, and it keeps what it took, nothing
+    reclaimed. (A hand-over naming no process would have it taken for a restart, which keeps nothing.)"""
+    control, grace_s = bus[1], 2.0
+    env_runtime, env = _durable_env(control, tmp_path, "env-u", grace_s=grace_s)
+    publisher = _node(control, "orchestrator", "orchestrator")
+    rank = _node(control, "trainer-u")
+    env_runtime.start_background()
+    publisher.start_background()
+    ctx = zmq.Context()
+    try:
+        (ref,) = env.keep("ep", [random_arrays(6, seed=9)])
+        client = _client(ctx, env.endpoint)
+        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
+            Claimed(blob_ids=[ref.blob_id])
+        info = rank.info()
+        handed = Reference(step=0, holder="trainer-u", blob_ids=[ref.blob_id], process=(info.host, info.pid,
+                                                                                          info.started))
+        publisher.call_soon(lambda: publisher.publish(handed))
+        wait_for(lambda: env.keeper.in_grace("trainer-u"), WAIT_S, "the grace started with the hand-over")
+        assert accounted(client).held_by == {"trainer-u": 1}
+        rank.start_background()
+        wait_for(lambda: not env.keeper.in_grace("trainer-u"), grace_s, "the rank back as the process named")
+        holds_for(lambda: accounted(client).held_by == {"trainer-u": 1}, 1.5 * grace_s, "the rank keeping its blob")
+        assert accounted(client).reclaimed == {}
+        client.close()
+    finally:
+        rank.join(timeout=WAIT_S)
+        publisher.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)

@@ -25,7 +25,15 @@ from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import IDLE_LOG_S, Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
-from refbus.nodes.payload.shipping import ReplicaRouter, TrainerAddress, TrainSink, group_by_endpoint, registry_locator
+from refbus.nodes.payload.shipping import (
+    HandedOver,
+    ReplicaRouter,
+    Taker,
+    TrainerAddress,
+    TrainSink,
+    group_by_endpoint,
+    registry_locator,
+)
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings
 from refbus.protocol import envelope
 from refbus.protocol.envelope import Message, WireCodec
@@ -96,6 +104,25 @@ def test_trainer_addresses_come_from_registry_labels_and_are_checked() -> None:
 def _ref(blob_id: str, endpoint: str, node: str = "") -> BlobRef:
     return BlobRef(endpoint=endpoint, source="s", blob_id=blob_id, fields=["topk_ids"], tokens=1, nbytes=4, checksum=0,
                    node=node)
+
+
+def test_hand_overs_are_kept_per_store_until_deleted_and_never_beyond_their_bound() -> None:
+    """What the orchestrator handed over is kept by store, step and rank (the process named) for a store's restart,
+    until a ``delete`` event names it or its store is lost; references without a store node id are not kept. Beyond
+    the bound the oldest are dropped before memory grows, counted and logged loudly."""
+    rank, other = Taker("trainer-0", ("h", 1, 1.0)), Taker("trainer-1", ("h", 2, 1.0))
+    handed = HandedOver(limit=4)
+    handed.add(0, rank, [_ref("a", "tcp://e:1", "env-0"), _ref("b", "tcp://e:2", "env-1"), _ref("c", "tcp://e:3")])
+    handed.add(1, other, [_ref("d", "tcp://e:1", "env-0")])
+    assert handed.at("env-0") == {(0, rank): ["a"], (1, other): ["d"]} and handed.at("env-1") == {(0, rank): ["b"]}
+    handed.gone(["a", "nope"])
+    handed.forget_store("env-1")
+    assert (handed.at("env-0"), handed.at("env-1"), len(handed)) == ({(1, other): ["d"]}, {}, 1)
+    with capture_logs() as logs:
+        handed.add(2, rank, [_ref(f"x{i}", "tcp://e:1", "env-0") for i in range(5)])
+    assert (len(handed), handed.forgotten) == (4, 2)
+    assert handed.at("env-0") == {(2, rank): ["x1", "x2", "x3", "x4"]}
+    assert [(e["event"], e["log_level"], e["blobs"]) for e in logs] == [("handover.forgotten", "error", 2)]
 
 
 def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> None:

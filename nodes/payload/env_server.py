@@ -43,7 +43,9 @@ are stale, not violations: a holder cut off by a partition comes back as the sam
 was declared down, so its claims and deletes of what it held are answered ``reclaimed`` (per id, in
 ``claimed`` and ``deleted``; counted by action in ``refbus_stale_requests_total``) and logged, never counted
 or published as violations. ``reference`` events tell the env server which blobs a trainer rank
-took over from the orchestrator, so each holder loses only its own. At
+took over from the orchestrator, so each holder loses only its own; one that names a process of the rank that is
+not its live one (gone, or followed by a new process) gives that process the grace a ``node-down`` would, so what
+moved is reclaimed with the rank's. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
 broker has those events before it leaves.
 
@@ -65,7 +67,10 @@ same request sent again runs again); a lease's or a grace's end is tried again a
 event asks for (a ``reference``'s hand-over, a holder's ``node-down`` or ``node-up``) waits instead, and is made
 at a later tick, the changes of later events behind it in the order they came; until then claims and
 ``holdings`` (which depend on who holds what) are refused ``journal-failed`` and nothing is reclaimed. A trainer
-rank repeats to the restarted process the ``reference`` events it published while the store was dead.
+rank repeats to the restarted process the ``reference`` events it published while the store was dead, and the
+orchestrator those of every hand-over not yet reported deleted, naming the rank's process (a rank that died
+meanwhile cannot repeat its own); the restarted process makes those that name a process once it has checked its
+holders, claims and ``holdings`` refused ``journal-failed`` until then.
 
 Replicas: several env-server processes may serve one source (``env_server.source``). Each registers with
 the broker with ``endpoints == {"blobs": <endpoint>}`` and ``labels == {"source": <source>}``, so the
@@ -253,6 +258,9 @@ class EnvServer:
         # Changes events asked for (a hand-over, a holder down or back) whose journal records could not be committed
         # yet, oldest first, each with what it is for the log: made in that order before anything after them.
         self._waiting: deque[tuple[str, Callable[[], None]]] = deque()
+        # Hand-overs naming their taker's process that came before this restarted store checked its holders: made
+        # after the check (see _on_reference).
+        self._after_check: list[tuple[str, Callable[[], None]]] = []
         self.journal: BlobJournal | None = None
         self.readoption: Readoption | None = None
         if store is not None and store.durable:
@@ -326,6 +334,7 @@ class EnvServer:
                 self._taken_unchecked = None
                 log.error("holders.unchecked", attempts=HOLDER_CHECKS,
                           detail="the registry never answered: holders gone around this restart keep their blobs")
+                self._checked()
 
         self.runtime.lookup_async("", answered)
 
@@ -389,6 +398,13 @@ class EnvServer:
             self._waiting.append(("holder-checked", checked))
         self._waiting.append(("holders-checked", lambda: log.info(
             "store.holders_checked", holders=len(holders), down_at_restart=len(given))))
+        self._checked()
+
+    def _checked(self) -> None:
+        """This restarted store's holders are checked (or never will be): the hand-overs that waited for it follow
+        the check's changes."""
+        self._waiting.extend(self._after_check)
+        self._after_check.clear()
         self._catch_up()
 
     def _resumed_grace(self, until: float | None) -> float:
@@ -775,8 +791,9 @@ class EnvServer:
         # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
         # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
         by_holder = message.header.src == reference.holder
-        holder = reference.holder
-        late: list[tuple[str, int, float] | None] = []  # the process that went down, for a holder down already
+        holder, named = reference.holder, reference.process
+        # For a hand-over to a process that is gone: that process, and what the holder's live process holds here
+        late: list[tuple[tuple[str, int, float] | None, list[str]]] = []
 
         def commit(result: HandOverResult) -> None:
             assert self.journal is not None
@@ -785,25 +802,50 @@ class EnvServer:
             self.journal.moved(result.moved, holder)
             self.journal.claimed_back(result.again, holder)  # a holder in its grace: kept
             if late and result.moved:
-                self.journal.holder_down(holder, late[0], self.restart_grace_s)
+                self.journal.holder_down(holder, late[0][0], self.restart_grace_s)
+                self.journal.claimed_back(late[0][1], holder)
 
         def change() -> None:
             late.clear()
             with self._lock:
-                if holder in self._peers.down and not self.keeper.in_grace(holder):
-                    # Handed to a holder already reported down (the orchestrator's repeat of a dead rank's answer,
-                    # or its own event, came late): the grace its node-down started nothing for, holding nothing
-                    # then, starts with the hand-over, or what moves would be held for good.
-                    info = self._peers.down[holder]
-                    late.append(incarnation(info) if info is not None else None)
+                if not self.keeper.in_grace(holder) and (gone := self._gone_taker(holder, named)) is not None:
+                    late.append(gone)
                 result = self.keeper.hand_over(reference.blob_ids, holder, by_holder=by_holder,
                                                commit=commit if self.journal is not None else None)
                 if result.moved and late:
-                    self.keeper.holder_down(holder, self.restart_grace_s, process=late[0])
+                    went_down, kept = late[0]
+                    self.keeper.holder_down(holder, self.restart_grace_s, process=went_down, claimed_again=kept)
             if self._taken_unchecked is not None and result.again:
                 self._taken_unchecked.setdefault(holder, set()).update(result.again)
 
+        if named is not None and self._taken_unchecked is not None:
+            # Whether the live holder is the process named, and what it holds here, is known once this restarted
+            # store has checked its holders: made after that check, in order, claims and holdings refused till then.
+            self._after_check.append(("reference", change))
+            return
         self._event_change("reference", change)
+
+    def _gone_taker(self, holder: str, named: tuple[str, int, float] | None
+                    ) -> tuple[tuple[str, int, float] | None, list[str]] | None:
+        """For a hand-over to ``holder`` (``named``: the process that took it, None when not named) that is in no
+        grace here: the process gone, whose grace starts with the hand-over, and what the holder holds here that the
+        grace spares; None when the taker is live. Under the lock.
+
+        A holder reported down already (the orchestrator's repeat of a dead rank's answer, or its own event, came
+        late): the grace its node-down started nothing for, holding nothing then, or what moves would be held for
+        good. A holder live as another process than the one named, or not live at all (the taker died while this
+        store was dead: a restarted orchestrator or rank tells it again), likewise: the hand-over is to a process
+        that is gone. What the live holder holds here is its own (a process that went before it was given its
+        grace, here or at this store's restart check) and is spared. A named process this store has not seen
+        register (its ``node-up`` still to come) is taken for gone too: coming up as that same process, it is back,
+        and keeps everything."""
+        if holder in self._peers.down:
+            info = self._peers.down[holder]
+            return named or (incarnation(info) if info is not None else None), []
+        live = self._peers.live.get(holder)
+        if named is None or (live is not None and incarnation(live) == named):
+            return None
+        return named, self.keeper.claimed().get(holder, []) if live is not None else []
 
     def _event_change(self, action: str, change: Callable[[], None]) -> None:
         """Make ``change`` (``action``, for the log), which an event asks for: after those still waiting, in the
@@ -830,9 +872,14 @@ class EnvServer:
 
     def _waited(self, action: str) -> None:
         """Before a request whose answer depends on the changes events asked for (who holds what, who is down):
-        make those still waiting, or refuse it ``journal-failed`` (``retry_after_s``: the caller sends it again)."""
+        make those still waiting, or refuse it ``journal-failed`` (``retry_after_s``: the caller sends it again),
+        as while hand-overs wait for this restarted store's check of its holders (the registry's answer, due
+        within the request's retries)."""
         if not self._catch_up():
             raise _journal_failed(action, OSError(f"{len(self._waiting)} earlier changes wait for room"))
+        if self._after_check:
+            raise _journal_failed(action, OSError(f"{len(self._after_check)} hand-overs wait for this restarted "
+                                                  "store's check of its holders"))
 
     def _journal_dropped(self) -> Callable[[DeleteResult], None] | None:
         """What commits the store's own deletes (:data:`~.keeper.Commit`; None without a durable store)."""

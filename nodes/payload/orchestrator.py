@@ -94,6 +94,14 @@ never completes is deleted ``incomplete``). Limits: a step the earlier incarnati
 ranks and not others cannot be completed (its batches are gone with it); the ranks that hold it fail that
 step when ``trainer.batch_timeout_s`` ends. A ``reference`` not yet applied by a store when the restarted
 incarnation asks would list a blob a rank already took; the restart takes seconds, the event milliseconds.
+
+Hand-overs outlive a store's restart: every ``reference`` it publishes names the rank's process that took the
+batch, and it keeps each blob it handed over (:class:`~.shipping.HandedOver`: at most
+:data:`~.shipping.HANDED_OVER_KEPT`, the oldest beyond dropped, logged ``handover.forgotten``) until a ``delete``
+event names it or its store is lost. A durable store back as a new process re-adopted those blobs as this node's,
+having missed the events published while it was dead: once it answers a read, this node publishes them again
+(``reference.repeated``), so a rank that died meanwhile (it cannot repeat its own) has them reclaimed as its own,
+not listed to a restarted orchestrator. What it keeps dies with this process.
 """
 
 from __future__ import annotations
@@ -151,7 +159,7 @@ from .orchestrator_core import (
     SendRun,
 )
 from .prompts import TASK_PREFIX, load_prompt_source
-from .restarts import Sent, StoreRestarts, durable_store
+from .restarts import Sent, StoreRestarts, StoreReturns, durable_store
 from .shipping import group_by_endpoint, registry_locator
 
 log = structlog.get_logger(__name__)
@@ -215,10 +223,15 @@ class Orchestrator:
         self._idle: tuple[str, float, bool] = ("", 0.0, False)
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
-        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind}))
+        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind,
+                                                           Delete.kind}))
         self._peers = runtime.track_peers()
         self._peers.on_down(self._on_node_down)
         self._peers.on_up(self._on_node_up)
+        # A durable store that re-adopted its blobs as a new process missed the ``reference`` events published while
+        # it was dead, and a rank that died meanwhile cannot repeat its own: this node does (_hand_over_again).
+        StoreReturns(self._peers, runtime.calls, lambda node: bool(self.core.holdings.handed.at(node)),
+                     self._hand_over_again)
         self._locate = registry_locator(self._peers.endpoint_of)  # a store restarted on another port is found
         # A claim that failed against a durable store is sent again until its restarted process answers.
         self._restarts = StoreRestarts(lambda node: durable_store(self._peers, node), runtime.later,
@@ -247,6 +260,9 @@ class Orchestrator:
         if isinstance(message.body, Reference):  # not in turn: it settles a step batch, it claims nothing
             if not self._closing:
                 self.core.on_reference(message.body.step, message.body.blob_ids)
+            return
+        if isinstance(message.body, Delete):  # not in turn either: gone from their store, nothing to hand over again
+            self.core.holdings.handed.gone(message.body.blob_ids)
             return
         arrival = _Arrival(message)
         self._arrivals.append(arrival)
@@ -542,12 +558,30 @@ class Orchestrator:
         # A rank refuses a batch before it takes anything of it; an internal error may come after it took it.
         refused = isinstance(outcome, RemoteError) and outcome.code != "internal"
         self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
-        if error is None and action.batch.owned and (holder := self._peers.node_of(action.endpoint)) is not None:
+        if error is None and action.batch.owned and (taker := self.core.taker(action.endpoint)) is not None:
             # The rank published this before it answered, but a rank killed right after answering may have
             # answered and lost the event: the stores hand the blobs over on it (a repeat of a move made moves
             # nothing), or they would stay this node's, which no longer knows them, and never be reclaimed with
-            # the rank's.
-            self.runtime.publish(Reference(step=action.step, holder=holder, blob_ids=list(action.batch.owned)))
+            # the rank's. It names the rank's process: a store that hears of it once that process is gone
+            # reclaims the blobs as the rank's.
+            self.runtime.publish(Reference(step=action.step, holder=taker.node_id, blob_ids=list(action.batch.owned),
+                                           process=taker.process))
+
+    def _hand_over_again(self, node: str) -> None:
+        """Publish again, one ``reference`` per step and rank, naming the rank's process, the hand-overs of blobs on
+        store ``node`` that no ``delete`` event reported gone: ``node`` is back as a new process that re-adopted its
+        blobs (:class:`~.restarts.StoreReturns`) and missed the events published while it was dead. A rank still
+        live repeats its own; one that died meanwhile cannot, and without this its blobs stayed this node's there
+        (held until the store's shutdown, listed to a restarted orchestrator to claim back and train again). A
+        store takes a hand-over of a blob already the rank's, deleted or reclaimed as nothing, and one to a process
+        that is gone as that rank's, reclaimed when its grace ends."""
+        if self._closing:
+            return
+        handed = self.core.holdings.handed.at(node)
+        for (step, taker), blob_ids in sorted(handed.items(), key=lambda item: item[0][0]):
+            self.runtime.publish(Reference(step=step, holder=taker.node_id, blob_ids=blob_ids, process=taker.process))
+        log.info("reference.repeated", store=node, blobs=sum(map(len, handed.values())), batches=len(handed),
+                 detail="a restarted store missed the hand-overs published while it was dead")
 
     def _on_run_done(self, action: SendRun, outcome: Outcome) -> None:
         _, failures = split_outcomes([(action.endpoint, outcome)])

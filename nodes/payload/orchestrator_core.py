@@ -116,7 +116,17 @@ from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
 from .packing import PackingError
 from .prompts import MakePrompt, PromptSource, as_prompt_source
-from .shipping import MALFORMED, EvalSink, Holdings, ReplicaRouter, Sample, TrainerAddress, TrainSink, sample_info
+from .shipping import (
+    MALFORMED,
+    EvalSink,
+    Holdings,
+    ReplicaRouter,
+    Sample,
+    Taker,
+    TrainerAddress,
+    TrainSink,
+    sample_info,
+)
 
 if TYPE_CHECKING:
     from ..settings import OrchestratorSettings
@@ -395,6 +405,7 @@ class OrchestratorCore:
         self._refused_unlogged = 0
         # trainer worlds
         self.world: frozenset[tuple[str, int, float]] = frozenset()  # the processes of the ranks steps go to
+        self._takers: dict[str, Taker] = {}  # the world's trainer endpoints -> their ranks (see HandedOver)
         self.world_down: _WorldDown | None = None
         self.world_restarts = 0
         self.rewound_groups = 0  # groups trained by a world that went down after its last checkpoint
@@ -523,12 +534,25 @@ class OrchestratorCore:
         if len(trainers) < self.settings.trainers or not self.resume_step(nodes):
             return []
         self.sink.use_trainers(trainers)
-        self.world = frozenset(incarnation(node) for node in nodes)
+        self._use_world(nodes)
         budgets = [int(steps) for node in nodes if (steps := node.labels.get("steps", "")).isdigit()]
         if self.max_steps is None and budgets:
             self.max_steps = min(budgets)
         log.info("trainers.found", ranks=[t.rank for t in self.sink.trainers], max_steps=self.max_steps)
         return self._ship_ready(now)
+
+    def _use_world(self, nodes: Sequence[NodeInfo]) -> None:
+        """Steps go to the ranks ``nodes`` from now on (the old world's batches are all settled by then)."""
+        self.world = frozenset(incarnation(node) for node in nodes)
+        self._takers = {node.endpoints["trainer"]: Taker(node.node_id, incarnation(node)) for node in nodes}
+
+    def taker(self, endpoint: str) -> Taker | None:
+        """The rank of the current world (or of the one that went down, until a new one is taken) at ``endpoint``."""
+        return self._takers.get(endpoint)
+
+    def _hand_over(self, endpoint: str, batch: StepBatch) -> None:
+        """The rank at ``endpoint`` took ``batch``: its owned blobs are that rank's (kept in ``holdings.handed``)."""
+        self.holdings.hand_over(batch, self._takers.get(endpoint))
 
     def on_delivered(self, now: float, step: int, endpoint: str, error: str | None, *,
                      refused: bool = False) -> list[Action]:
@@ -540,7 +564,7 @@ class OrchestratorCore:
             return self._settle(step, endpoint, error, refused)  # a step given up, or one already settled
         delivery.in_flight.discard(endpoint)
         if error is None:
-            self.holdings.hand_over(delivery.batches[endpoint])
+            self._hand_over(endpoint, delivery.batches[endpoint])
             delivery.errors.pop(endpoint, None)
             if delivery.unacknowledged:
                 return []
@@ -582,7 +606,7 @@ class OrchestratorCore:
         elif down is not None:
             taken = [ep for ep, batch in down.unsettled.items() if batch.step == step and named & set(batch.owned)]
             for endpoint in taken:
-                self.holdings.hand_over(down.unsettled.pop(endpoint))
+                self._hand_over(endpoint, down.unsettled.pop(endpoint))
 
     def trainer_down(self, now: float, node: NodeInfo) -> list[Action]:
         """A trainer rank was reported down: when it is one the steps go to, its world is over (see the
@@ -606,7 +630,7 @@ class OrchestratorCore:
             for endpoint in delivery.unacknowledged:
                 batch = delivery.batches[endpoint]
                 if endpoint in delivery.referenced:  # taken, its answer lost or still on its way
-                    self.holdings.hand_over(batch)
+                    self._hand_over(endpoint, batch)
                 elif endpoint in delivery.retry_at and endpoint in delivery.refused:
                     self._delete_owned([batch])
                 elif batch.owned:
@@ -626,7 +650,7 @@ class OrchestratorCore:
             return []
         del down.unsettled[endpoint]
         if error is None:  # the rank's now: the stores reclaim it from the rank if it is gone
-            self.holdings.hand_over(batch)
+            self._hand_over(endpoint, batch)
         else:
             self._delete_owned([batch])
         return self._flush([])
@@ -664,7 +688,7 @@ class OrchestratorCore:
         self.world_down = None
         self.world_restarts += 1
         self.sink.use_trainers([TrainerAddress.from_node(node) for node in fresh])
-        self.world = frozenset(incarnation(node) for node in fresh)
+        self._use_world(fresh)
         rewound = sum(n for s, n in self._groups_of_step.items() if s >= step)
         self.rewound_groups += rewound
         self._groups_of_step = {s: n for s, n in self._groups_of_step.items() if s < step}
@@ -688,8 +712,8 @@ class OrchestratorCore:
     def _check_world(self, now: float) -> list[Action]:
         down = self.world_down
         if down is not None and self._trained_all:  # it had finished: its last version came after its bye
-            for batch in down.unsettled.values():  # every rank trained every step: each took its batch
-                self.holdings.hand_over(batch)
+            for endpoint, batch in down.unsettled.items():  # every rank trained every step: each took its batch
+                self._hand_over(endpoint, batch)
             self.world_down = None
             log.info("trainers.finished", node=down.node_id)
             return []
@@ -779,6 +803,7 @@ class OrchestratorCore:
         refs = {ref.blob_id: ref for ref in self.holdings.held.values() if down.keeps(ref)}
         for blob_id in refs:
             del self.holdings.held[blob_id]
+        self.holdings.handed.forget_store(node_id)
         refs.update((ref.blob_id, ref) for delete in down.deletes if delete.reason != LOST for ref in delete.refs)
         # A claim the store may have granted before it died is lost with it too: whether it was granted or not,
         # the blob is gone, and a loss that did not name it would leave it held by this node in the stream.

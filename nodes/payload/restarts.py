@@ -11,6 +11,10 @@ answers what its predecessor had committed as done (``repeated``). A request its
 ``retry_after_s`` (nothing changed) is not this module's: callers ask ``calls`` to send it again
 (``retry_after``), to the same process, within the request's deadline.
 
+Events published while a durable store was dead never reach it: :class:`StoreReturns` tells a role when such a
+store is back as a new process, and listening, so it can publish again what that process missed (the
+``reference`` events of hand-overs).
+
 No torch here: the orchestrator uses it.
 """
 
@@ -21,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ...bus.calls import Calls
-from ...bus.peers import Peers
+from ...bus.peers import Peers, incarnation
 from ...bus.reqrep import Outcome, PeerDown, RequestTimeout
+from ...protocol.messages import Accounts, NodeDown, NodeInfo
 
 
 class _OfBlobs(Protocol):
@@ -84,3 +89,37 @@ class StoreRestarts:
                                                         settled=kept, **options))
 
         calls.gather(requests, ended, **options)
+
+
+class StoreReturns:
+    """Calls ``back(node id)`` when a durable env server registers as another process than the one last heard of
+    (a restart that re-adopted its blobs, or one not heard of yet) and ``wanted(node id)`` says this role has
+    something to tell it: first it asks the new process a read (``accounts``), whose answer says its loop runs and
+    so its subscriptions are live (it registers, hence the ``node-up``, before they are); no answer by the deadline
+    still calls ``back`` (a live store whose loop most likely runs by then), one that went down again meanwhile does
+    not (its next process's ``node-up`` asks again). A ``node-down`` forgets the process heard: the next
+    ``node-up``, even of the same process, counts. Subscribes on ``peers``; loop thread only."""
+
+    def __init__(self, peers: Peers, calls: Calls, wanted: Callable[[str], bool], back: Callable[[str], None]) -> None:
+        self._peers = peers
+        self._calls = calls
+        self._wanted = wanted
+        self._back = back
+        self._heard: dict[str, tuple[str, int, float]] = {}  # live durable store -> its process last heard
+        peers.on_up(self._up)
+        peers.on_down(self._down)
+
+    def _up(self, info: NodeInfo) -> None:
+        endpoint, process = info.endpoints.get("blobs"), incarnation(info)
+        if endpoint is None or not durable_store(self._peers, info.node_id) or self._heard.get(info.node_id) == process:
+            return  # no env server re-adopting blobs, or the same process joining again (a broker restart)
+        self._heard[info.node_id] = process
+        if self._wanted(info.node_id):
+            self._calls.request(endpoint, Accounts(holders=1), lambda outcome: self._answered(info.node_id, outcome))
+
+    def _down(self, down: NodeDown, info: NodeInfo | None) -> None:
+        self._heard.pop(down.node_id, None)
+
+    def _answered(self, node: str, outcome: Outcome) -> None:
+        if not isinstance(outcome, PeerDown):
+            self._back(node)

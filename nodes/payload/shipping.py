@@ -4,6 +4,8 @@ references, never array bytes.
 * :class:`Holdings` — every blob the orchestrator owns, and the only two ways it lets go of one: hand it to
   a trainer rank (an acknowledged ``step-batch``) or delete it (a delete it decides, sent by the executor to
   the env server that keeps it). Ownership arrives by ``claim`` (acknowledged by the env server).
+* :class:`HandedOver` — what it handed to trainer ranks and no store has reported gone yet, with the rank's
+  process that took it: published again to a durable store that comes back as a new process.
 * :class:`TrainSink` — the one place that decides what ships. Whatever it will not ship is deleted at that
   moment with its reason: filtered groups (zero advantage), dropped traces, pruned samples, samples too
   stale for the bound, what is still queued at shutdown. :class:`EvalSink` deletes every eval episode's
@@ -42,6 +44,9 @@ from .packing import MicroBatch, PackingError, PackPlan, SampleInfo, pack
 log = structlog.get_logger(__name__)
 
 MALFORMED = "malformed"  # the reason for deleting what cannot be trained as it came (see TrainSink.ship)
+# Blobs handed to trainer ranks kept for a store's restart (:class:`HandedOver`): a few hundred bytes each (tens of
+# MiB at most), where a run keeps those of the few steps its ranks hold at a time.
+HANDED_OVER_KEPT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -58,17 +63,78 @@ class Sample:
     inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Taker:
+    """A trainer rank as it took a step batch: its node id and its process (host, pid, start time)."""
+
+    node_id: str
+    process: tuple[str, int, float]
+
+
+class HandedOver:
+    """The blobs handed to trainer ranks that no store has reported gone yet, each with its store (``BlobRef.node``),
+    its step and the :class:`Taker`. A durable store killed while the ``reference`` events of a hand-over went out
+    re-adopts those blobs as the orchestrator's; a rank still live publishes its hand-overs again to the restarted
+    process, a dead one cannot, so the orchestrator does (:meth:`at`), naming the process that took them.
+
+    A blob leaves when a ``delete`` event names it (:meth:`gone`: its store deleted or reclaimed it, so nothing is
+    left to hand over) or when its store is lost (:meth:`forget_store`). At most ``limit`` blobs are kept: beyond
+    it the oldest are dropped and logged (``handover.forgotten``, an error: a store restarted after that hands
+    them to nobody, and they stay this node's there until it is gone)."""
+
+    def __init__(self, limit: int = HANDED_OVER_KEPT) -> None:
+        self.limit = limit
+        self._blobs: dict[str, tuple[str, int, Taker]] = {}  # blob id -> (store node id, step, taker), oldest first
+        self.forgotten = 0
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def add(self, step: int, taker: Taker, refs: Iterable[BlobRef]) -> None:
+        """``taker`` took ``refs`` (those of stores known by node id) with the step batch of ``step``."""
+        for ref in refs:
+            if ref.node:
+                self._blobs.pop(ref.blob_id, None)
+                self._blobs[ref.blob_id] = (ref.node, step, taker)
+        over = len(self._blobs) - self.limit
+        if over > 0:
+            for blob_id in list(self._blobs)[:over]:
+                del self._blobs[blob_id]
+            self.forgotten += over
+            log.error("handover.forgotten", blobs=over, kept=self.limit,
+                      detail="more hand-overs than kept: a store restarted after this hands them to nobody")
+
+    def gone(self, blob_ids: Iterable[str]) -> None:
+        """A ``delete`` event named ``blob_ids``: gone from their store."""
+        for blob_id in blob_ids:
+            self._blobs.pop(blob_id, None)
+
+    def forget_store(self, node_id: str) -> None:
+        """The store ``node_id`` was lost for good: nothing of it to hand over."""
+        for blob_id in [b for b, (node, _, _) in self._blobs.items() if node == node_id]:
+            del self._blobs[blob_id]
+
+    def at(self, node_id: str) -> dict[tuple[int, Taker], list[str]]:
+        """(step, taker) -> the ids of the blobs handed over on store ``node_id``."""
+        handed: dict[tuple[int, Taker], list[str]] = defaultdict(list)
+        for blob_id, (node, step, taker) in self._blobs.items():
+            if node == node_id:
+                handed[step, taker].append(blob_id)
+        return dict(handed)
+
+
 class Holdings:
     """The blobs the orchestrator owns, and the deletes it decided on. Pure bookkeeping: ``outbox`` collects
     each delete (refs, reason) for the executor to send; nothing here touches a socket.
 
     Ownership arrives by an acknowledged ``claim`` (:meth:`take`) and leaves by a decided delete
-    (:meth:`delete`) or an acknowledged ``step-batch`` (:meth:`hand_over`).
+    (:meth:`delete`) or an acknowledged ``step-batch`` (:meth:`hand_over`, kept in :attr:`handed`).
     """
 
     def __init__(self) -> None:
         self.held: dict[str, BlobRef] = {}
         self.handed_over = 0
+        self.handed = HandedOver()
         self.outbox: list[tuple[list[BlobRef], str]] = []
 
     @property
@@ -87,10 +153,12 @@ class Holdings:
         if mine:
             self.outbox.append((mine, reason))
 
-    def hand_over(self, batch: StepBatch) -> None:
-        """A trainer rank acknowledged ``batch``: its ``owned`` blobs are that rank's now."""
-        for blob_id in batch.owned:
-            self.held.pop(blob_id, None)
+    def hand_over(self, batch: StepBatch, taker: Taker | None) -> None:
+        """A trainer rank (``taker``; None: not known) acknowledged ``batch``: its ``owned`` blobs are that rank's
+        now."""
+        refs = [ref for blob_id in batch.owned if (ref := self.held.pop(blob_id, None)) is not None]
+        if taker is not None:
+            self.handed.add(batch.step, taker, refs)
         self.handed_over += len(batch.owned)
 
     def take_outbox(self) -> list[tuple[list[BlobRef], str]]:

@@ -40,7 +40,8 @@ is done with it.
 
 **Restarted stores.** A durable env server killed and restarted re-adopts its blobs but never sees the
 ``reference`` events published while it was dead: at its ``node-up`` as a new process, a rank that holds blobs
-there asks it a read and, once answered (its subscriptions are live by then), publishes those hand-overs again.
+there asks it a read and, once answered (its subscriptions are live by then), publishes those hand-overs again
+(:class:`~.restarts.StoreReturns`; the orchestrator does too, for a rank that died meanwhile).
 
 Memory ownership: tensors returned by :meth:`TrainerRank.begin_step` live in the fetcher's buffer pool
 and are reused by the next ``begin_step``; the caller copies (or moves to the device) what it keeps.
@@ -61,16 +62,14 @@ import torch
 import torch.distributed as dist
 
 from ...bus.peers import incarnation
-from ...bus.reqrep import HandlerError, Outcome, PeerDown, split_outcomes
+from ...bus.reqrep import HandlerError, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import (
-    Accounts,
     BlobRef,
     Delete,
     Deleted,
     FetchAck,
-    NodeDown,
     NodeInfo,
     Ok,
     Reference,
@@ -88,7 +87,7 @@ from .fetcher import (
     registry_locator,
     to_micro_batch,
 )
-from .restarts import Sent, StoreRestarts, durable_store
+from .restarts import Sent, StoreRestarts, StoreReturns, durable_store
 
 log = structlog.get_logger(__name__)
 
@@ -227,10 +226,8 @@ class TrainerRank:
         self._locate = registry_locator(peers.endpoint_of)
         self._restarts = StoreRestarts(lambda node: durable_store(peers, node), runtime.later, restart_grace_s)
         # A durable store restarted re-adopts its blobs but missed the ``reference`` events published while it was
-        # dead: this rank repeats its hand-overs to each new process (see _on_store_up).
-        self._stores_heard: dict[str, tuple[str, int, float]] = {}  # live durable store -> its process last heard
-        peers.on_up(self._on_store_up)
-        peers.on_down(self._on_store_down)
+        # dead: this rank repeats its hand-overs to each new process (see _hand_over_again).
+        StoreReturns(peers, runtime.calls, lambda node: bool(self._held_at(node)), self._hand_over_again)
         self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
                                    restarts=self._restarts)
         self.held: set[str] = set()
@@ -450,34 +447,12 @@ class TrainerRank:
             self._running[step] = (received, frozenset())
         return received
 
-    def _on_store_up(self, info: NodeInfo) -> None:
-        """A durable store registered as another process than the one this rank last heard of (a restart that
-        re-adopted its blobs, or one not heard of yet): the ``reference`` events this rank published while it
-        was dead never reached it, so it would hold those blobs for the orchestrator (never reclaimed with this
-        rank's; a restarted orchestrator would take them back and ship them again). When this rank holds blobs
-        there, it asks the new process a read (``accounts``), whose answer says its loop runs and so its
-        subscriptions are live (it registers, hence this ``node-up``, before they are), then publishes again the
-        hand-over of every blob it holds there (:meth:`_hand_over_again`). A store takes a hand-over of a blob
-        already the holder's, deleted or reclaimed as nothing. Loop thread."""
-        endpoint, process = info.endpoints.get("blobs"), incarnation(info)
-        if endpoint is None or not durable_store(self._peers, info.node_id) \
-                or self._stores_heard.get(info.node_id) == process:
-            return  # no env server re-adopting blobs, or the same process joining again (a broker restart)
-        self._stores_heard[info.node_id] = process
-        if self._held_at(info.node_id):
-            self.runtime.calls.request(endpoint, Accounts(holders=1),
-                                       lambda outcome: self._hand_over_again(info.node_id, outcome))
-
-    def _on_store_down(self, down: NodeDown, info: NodeInfo | None) -> None:
-        self._stores_heard.pop(down.node_id, None)  # its next node-up, even of the same process, repeats them
-
-    def _hand_over_again(self, node: str, outcome: Outcome) -> None:
-        """Publish again, one ``reference`` per step, the hand-over of every blob this rank holds on store
-        ``node``, whose new process has answered (``outcome``: its answer, or none by the deadline: a live
-        store whose loop is most likely running by then). Nothing when it went down again: its next process's
-        ``node-up`` asks again."""
-        if isinstance(outcome, PeerDown):
-            return
+    def _hand_over_again(self, node: str) -> None:
+        """Publish again, one ``reference`` per step, the hand-over of every blob this rank holds on store ``node``,
+        back as a new process that re-adopted its blobs (:class:`~.restarts.StoreReturns`): the ``reference``
+        events this rank published while it was dead never reached it, so it would hold those blobs for the
+        orchestrator (never reclaimed with this rank's; a restarted orchestrator would take them back and ship them
+        again). A store takes a hand-over of a blob already the holder's, deleted or reclaimed as nothing."""
         held = self._held_at(node)
         for step, blob_ids in sorted(held.items()):
             self.runtime.publish(Reference(step=step, holder=self.runtime.node_id, blob_ids=blob_ids))
