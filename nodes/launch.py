@@ -23,29 +23,6 @@ from typing import IO, Any
 
 READY_POLL_S = 0.01
 
-HALTED_STATUS = 4
-"""The exit status of a node that halted the run on purpose: it decided that the run cannot go on (the
-orchestrator's halts: a step its trainer ranks did not all acknowledge in time, no new trainer world in time, a
-step batch no message can carry, env servers whose budgets cannot hold a step), which a restart would only
-decide again. Its last words on stderr are :func:`halt`'s line, the reason; ``refbus up`` ends the run naming
-the node and that reason instead of restarting it (``supervisor``). Other statuses: 0 done, 1 failed (a crash:
-restartable), 2 a configuration that cannot work."""
-HALTED_PREFIX = "refbus: halted: "
-
-
-def halt(reason: str) -> int:
-    """Say ``reason`` on stderr, on one line that starts with :data:`HALTED_PREFIX`, as a halting node's last
-    words; :data:`HALTED_STATUS`, the exit status it returns."""
-    print(HALTED_PREFIX + " ".join(reason.split()), file=sys.stderr, flush=True)
-    return HALTED_STATUS
-
-
-def halt_reason(log: str) -> str:
-    """The reason the last :func:`halt` line of ``log`` (a node's log, or its tail) gives; empty when none."""
-    said = [line for line in log.splitlines() if line.startswith(HALTED_PREFIX)]
-    return said[-1].removeprefix(HALTED_PREFIX) if said else ""
-
-
 _PR_SET_PDEATHSIG = 1
 
 

@@ -10,7 +10,7 @@ written to the run directory), so one TOML describes the run.
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
 reward, episodes per second, samples dropped since the previous line and why, fetch time, bytes held per
 store, time elapsed and left). A node that dies is named with its exit status; one that halted the run on
-purpose (``launch.HALTED_STATUS``: the orchestrator's halts) ends it, named with its reason; otherwise env
+purpose (``halting.HALTED_STATUS``: the orchestrator's halts) ends it, named with its reason; otherwise env
 servers, rollout workers, ps-workers, the ps-manager, the orchestrator and the broker are restarted under the
 same node id (:mod:`.supervisor`: a restart budget, a backoff; the broker and the ps-manager on the addresses
 the first one bound, so the nodes find them again). The trainer ranks checkpoint every ``up.checkpoint_every``

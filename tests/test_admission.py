@@ -33,7 +33,8 @@ from partition_entry_points import PROMPT_TOKENS
 from polling import wait_for
 from refbus.bus.reqrep import Client, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.nodes.launch import HALTED_STATUS, NodeProcess, halt_reason
+from refbus.nodes.halting import HALTED_STATUS, halt_reason
+from refbus.nodes.launch import NodeProcess
 from refbus.nodes.supervisor import Supervisor
 from refbus.nodes.toy import task
 from refbus.protocol.envelope import Message, WireCodec

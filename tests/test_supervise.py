@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_LIVENESS
 from polling import wait_for
-from refbus.nodes.launch import HALTED_PREFIX, HALTED_STATUS
+from refbus.nodes.halting import HALTED_PREFIX, HALTED_STATUS
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.nodes.supervisor import Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
 from stalling_entry_points import STALL_ENV, STALL_UNTIL_ENV

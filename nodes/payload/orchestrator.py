@@ -60,8 +60,8 @@ before it answers; the orchestrator follows those events for this), and deleted 
 refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
 budgets cannot hold one step's episodes (in whole groups at one source each) halt it too
 (``dispatch.budget_below_step``, naming the budget that would): no step could ever ship. So does a step batch
-no message can carry. A halted node exits with status :data:`~..launch.HALTED_STATUS` (4), its last words on
-stderr the reason (:func:`~..launch.halt`): a restart would decide the same again, so ``refbus up`` ends the
+no message can carry. A halted node exits with status :data:`~..halting.HALTED_STATUS` (4), its last words on
+stderr the reason (:func:`~..halting.halt`): a restart would decide the same again, so ``refbus up`` ends the
 run naming it and why instead of restarting it as it restarts a crash (exit status 1).
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
@@ -144,7 +144,7 @@ from ...protocol.messages import (
     VersionBump,
 )
 from ..config import Config
-from ..launch import halt
+from ..halting import halt
 from ..settings import OrchestratorSettings
 from .orchestrator_core import (
     LOST,
@@ -813,8 +813,8 @@ class Orchestrator:
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status :data:`~..launch.HALTED_STATUS`,
-    the reason on stderr (:func:`~..launch.halt`), when the run halted (a step the trainer ranks did not all
+    """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status :data:`~..halting.HALTED_STATUS`,
+    the reason on stderr (:func:`~..halting.halt`), when the run halted (a step the trainer ranks did not all
     acknowledge in time, no new trainer world in time, a step batch no message can carry, or env servers whose
     budgets cannot hold a step)."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
