@@ -28,6 +28,7 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload import env_server as env_server_module
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
@@ -802,6 +803,49 @@ def test_a_hand_over_its_store_could_not_journal_waits_and_is_made_before_its_ra
         held = _send(ctx, env.endpoint, codec, holdings)  # the same request: an error answer is not cached
         assert isinstance(held, Held) and held.episodes == [], held
         client.close()
+    finally:
+        rank.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_ends_as_a_crash_would(
+        bus: tuple[NodeProcess, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a durable store's journal cannot take a ``move`` (a full tmpfs that stays full), hand-overs wait. One
+    naming blobs never kept here (every store hears every hand-over; any peer may publish one) changes nothing
+    here and does not wait. Past ``WAITING_MAX`` blob ids waiting, the node ends as a crash would: logged, no
+    shutdown deletes, its store left for its restarted process (which learns the hand-overs again as any store
+    back as a new process does), where waiting on grew its memory with the cluster's event rate without end.
+    Before, every hand-over heard waited, whoever's blobs it named, and the queue had no bound."""
+    monkeypatch.setattr(env_server_module, "WAITING_MAX", 8)
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-jw")
+    rank = _node(control, "trainer-jw")
+    ctx = zmq.Context()
+    env_runtime.start_background()
+    rank.start_background()
+    try:
+        (ref,) = env.keep("ep", [random_arrays(6, seed=5)])
+        client = _client(ctx, env.endpoint)
+        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
+            Claimed(blob_ids=[ref.blob_id])
+        client.close()
+        full = _Full(env, "move", once=False)
+        foreign = [f"elsewhere-{i}" for i in range(64)]
+        for _ in range(3):
+            rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jw", blob_ids=foreign)))
+        rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jw", blob_ids=[ref.blob_id])))
+        wait_for(lambda: full.failed, WAIT_S, "the hand-over's journal write failing")
+        assert [action for action, _, _ in env._waiting] == ["reference"] and not env.abandoned
+        for step in range(2, 10):
+            rank.call_soon(lambda step=step: rank.publish(Reference(step=step, holder="trainer-jw",
+                                                                    blob_ids=[ref.blob_id])))
+        assert env_runtime.loop_thread is not None
+        env_runtime.loop_thread.join(timeout=WAIT_S)
+        assert not env_runtime.loop_thread.is_alive() and "WAITING_MAX" not in env.abandoned
+        assert "9 blob ids" in env.abandoned, env.abandoned
+        assert env.journal is not None and (env.journal.store.path / "journal").exists()
+        assert env.stats().held_by == {"orchestrator": 1}  # nothing deleted at the end: the restart's to settle
     finally:
         rank.join(timeout=WAIT_S)
         env_runtime.join(timeout=WAIT_S)

@@ -177,6 +177,12 @@ STORE_REASONS = frozenset({HOLDER_DOWN, LOST, UNDELIVERED, SHUTDOWN})
 """Delete reasons this store gives the deletes it decides itself: no peer's discard may claim one."""
 HOLDER_CHECKS = 20  # registry lookups a restarted store tries before it leaves its holders unchecked
 REANNOUNCE_IDS = 1024  # blob ids in one re-published claim: about 30 KiB, an event that travels alone
+# Changes events asked for that may wait for their journal records at most, each counted by the blob ids it names
+# (at least 1): ~20 MiB of ids. A journal that stays full past it (an operator who never frees the tmpfs) ends the
+# node as a crash would, its store kept: its restarted process learns those changes again as any store back as a
+# new process does (holders and the orchestrator publish their hand-overs again, the registry says who is down),
+# where waiting on would grow its memory with the whole cluster's event rate until the kernel killed it.
+WAITING_MAX = 1 << 18
 
 
 def _unknown_reason(request: str, reason: str) -> str | None:
@@ -257,10 +263,13 @@ class EnvServer:
         self._taken_unchecked: dict[str, set[str]] | None = None
         # Changes events asked for (a hand-over, a holder down or back) whose journal records could not be committed
         # yet, oldest first, each with what it is for the log: made in that order before anything after them.
-        self._waiting: deque[tuple[str, Callable[[], None]]] = deque()
+        self._waiting: deque[tuple[str, Callable[[], None], int]] = deque()
+        self._waiting_weight = 0  # of _waiting and _after_check, in blob ids (see WAITING_MAX)
+        # Why this node ends as a crash would (its durable store kept for its restarted process); "" while it serves.
+        self.abandoned = ""
         # Hand-overs naming their taker's process that came before this restarted store checked its holders: made
         # after the check (see _on_reference).
-        self._after_check: list[tuple[str, Callable[[], None]]] = []
+        self._after_check: list[tuple[str, Callable[[], None], int]] = []
         self.journal: BlobJournal | None = None
         self.readoption: Readoption | None = None
         if store is not None and store.durable:
@@ -392,12 +401,12 @@ class EnvServer:
                     log.warning("holder.down_at_restart", holder=holder, live=holder in live,
                                 grace_s=round(grace_s, 3))
 
-            self._waiting.append(("holder-down", down))
+            self._wait("holder-down", down)
             if holder in live:
-                self._waiting.append(("holder-up", self._node_back(live[holder])))
-            self._waiting.append(("holder-checked", checked))
-        self._waiting.append(("holders-checked", lambda: log.info(
-            "store.holders_checked", holders=len(holders), down_at_restart=len(given))))
+                self._wait("holder-up", self._node_back(live[holder]))
+            self._wait("holder-checked", checked)
+        self._wait("holders-checked", lambda: log.info(
+            "store.holders_checked", holders=len(holders), down_at_restart=len(given)))
         self._checked()
 
     def _checked(self) -> None:
@@ -788,6 +797,10 @@ class EnvServer:
     def _on_reference(self, message: Message) -> None:
         reference = message.body
         assert isinstance(reference, Reference)
+        with self._lock:  # every store hears every hand-over: one of blobs never kept here changes nothing here
+            blob_ids = self.keeper.known(reference.blob_ids)
+        if not blob_ids:
+            return
         # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
         # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
         by_holder = message.header.src == reference.holder
@@ -810,7 +823,7 @@ class EnvServer:
             with self._lock:
                 if not self.keeper.in_grace(holder) and (gone := self._gone_taker(holder, named)) is not None:
                     late.append(gone)
-                result = self.keeper.hand_over(reference.blob_ids, holder, by_holder=by_holder,
+                result = self.keeper.hand_over(blob_ids, holder, by_holder=by_holder,
                                                commit=commit if self.journal is not None else None)
                 if result.moved and late:
                     went_down, kept = late[0]
@@ -821,9 +834,10 @@ class EnvServer:
         if named is not None and self._taken_unchecked is not None:
             # Whether the live holder is the process named, and what it holds here, is known once this restarted
             # store has checked its holders: made after that check, in order, claims and holdings refused till then.
-            self._after_check.append(("reference", change))
+            self._after_check.append(("reference", change, len(blob_ids)))
+            self._weigh(len(blob_ids))
             return
-        self._event_change("reference", change)
+        self._event_change("reference", change, len(blob_ids))
 
     def _gone_taker(self, holder: str, named: tuple[str, int, float] | None
                     ) -> tuple[tuple[str, int, float] | None, list[str]] | None:
@@ -847,20 +861,36 @@ class EnvServer:
             return None
         return named, self.keeper.claimed().get(holder, []) if live is not None else []
 
-    def _event_change(self, action: str, change: Callable[[], None]) -> None:
+    def _event_change(self, action: str, change: Callable[[], None], weight: int = 1) -> None:
         """Make ``change`` (``action``, for the log), which an event asks for: after those still waiting, in the
         order the events came (a hand-over before its holder's down, say). One whose journal records cannot be
         committed (a full tmpfs) raises ``OSError`` having changed nothing, and waits: an event cannot be answered
         ``journal-failed``, and dropped, its change would be lost (blobs a rank took would stay the orchestrator's,
-        a holder's grace would never start or never end). Loop thread."""
-        self._waiting.append((action, change))
+        a holder's grace would never start or never end). ``weight``: the blob ids it names. Loop thread."""
+        self._wait(action, change, weight)
         self._catch_up()
+
+    def _wait(self, action: str, change: Callable[[], None], weight: int = 1) -> None:
+        """Queue ``change`` behind the changes still waiting (see :meth:`_event_change`)."""
+        self._waiting.append((action, change, weight))
+        self._weigh(weight)
+
+    def _weigh(self, weight: int) -> None:
+        """Count ``weight`` more blob ids waiting; past :data:`WAITING_MAX` the node ends as a crash would."""
+        self._waiting_weight += weight
+        if self._waiting_weight > WAITING_MAX and not self.abandoned:
+            self.abandoned = (f"{self._waiting_weight} blob ids of changes wait for journal records that cannot be "
+                              f"committed (at most {WAITING_MAX}): the store is kept for this node's restarted "
+                              "process, which learns those changes again; free room in its tmpfs")
+            log.critical("journal.waiting_overflow", waiting=len(self._waiting) + len(self._after_check),
+                         weight=self._waiting_weight, detail=self.abandoned)
+            self.runtime.stop()
 
     def _catch_up(self) -> bool:
         """Make the changes events asked for that are still waiting, in order, up to the first whose journal
         records still cannot be committed (tried again at the next reclaim tick); True when none is left."""
-        while self._waiting:
-            action, change = self._waiting[0]
+        while self._waiting and not self.abandoned:
+            action, change, weight = self._waiting[0]
             try:
                 change()
             except OSError as exc:  # nothing changed: the same change is made again later
@@ -868,7 +898,8 @@ class EnvServer:
                           detail="tried again next tick")
                 return False
             self._waiting.popleft()
-        return True
+            self._waiting_weight -= weight
+        return not self._waiting
 
     def _waited(self, action: str) -> None:
         """Before a request whose answer depends on the changes events asked for (who holds what, who is down):
@@ -896,6 +927,11 @@ class EnvServer:
                 self.journal.compact(self.keeper)
 
     def _shutdown(self) -> None:
+        if self.abandoned:  # as a crash would: nothing deleted, the store left for the restarted process
+            with self._lock:
+                if self.journal is not None:
+                    self.journal.close(remove=False)
+            return
         with self._lock:
             result = self.keeper.close()
             if self.journal is not None:  # everything is deleted: nothing is left to re-adopt
@@ -1026,4 +1062,4 @@ def run(config: Config, args: argparse.Namespace) -> int:
         runtime.close()
         return 2
     runtime.run()
-    return 0
+    return 1 if env_server.abandoned else 0  # logged journal.waiting_overflow: restartable, as a crash

@@ -601,6 +601,10 @@ class Keeper:
             down.handed.update(moved)
         return result
 
+    def known(self, blob_ids: Sequence[str]) -> tuple[str, ...]:
+        """Those of ``blob_ids`` that are live here, in order (a hand-over of any other changes nothing here)."""
+        return tuple(b for b in blob_ids if b in self._blobs)
+
     def holds(self, holder: str) -> bool:
         """Whether ``holder`` holds any blob here (asked on every ``node-up``: a count, not a scan)."""
         return self._held_by.get(holder, 0) > 0
@@ -800,7 +804,7 @@ class Keeper:
         """Replay a delete (``episode``: the episode a discard deleted them of, "" for any other delete): live
         blobs go as :meth:`delete` would remove them; ids no longer live (a compacted journal keeps their
         tombstones only) get their tombstone back."""
-        live = tuple(b for b in blob_ids if b in self._blobs)
+        live = self.known(blob_ids)
         now = self.clock()
         for blob_id in blob_ids:
             if blob_id not in self._blobs:
