@@ -10,12 +10,11 @@ from __future__ import annotations
 import sys
 
 HALTED_STATUS = 4
-"""The exit status of a node that halted the run on purpose: it decided that the run cannot go on (the
-orchestrator's halts: a step its trainer ranks did not all acknowledge in time, no new trainer world in time, a
-step batch no message can carry, env servers whose budgets cannot hold a step), which a restart would only
-decide again. Its last words on stderr are :func:`halt`'s line, the reason; ``refbus up`` ends the run naming
-the node and that reason instead of restarting it (``supervisor``). Other statuses: 0 done, 1 failed (a crash:
-restartable), 2 a configuration that cannot work."""
+"""The exit status of a node that halted the run on purpose: it decided that the run cannot go on (the orchestrator's
+final halts: a step batch no message can carry, env servers whose budgets cannot hold a step), which a restart would
+only decide again (its halts on deadlines, peers that may yet come, exit 1 as a crash). Its last words on stderr are
+:func:`halt`'s line, the reason; ``refbus up`` ends the run naming the node and that reason instead of restarting it
+(``supervisor``). Other statuses: 0 done, 1 failed (a crash: restartable), 2 a configuration that cannot work."""
 HALTED_PREFIX = "refbus: halted: "
 
 

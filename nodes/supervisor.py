@@ -26,8 +26,8 @@ restarted as promptly as after its first crash. The orchestrator's backoff is at
 ``node.restart_grace_s``: its stores reclaim what it held once the grace ends, and its restarted process needs
 the other half to start and claim it back (a later restart would lose all of it).
 
-A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's halts: a step its trainer ranks did not
-acknowledge, budgets that cannot hold a step) decided that the run cannot go on; a restart would only decide it
+A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
+step, a step batch no message can carry) decided that the run cannot go on; a restart would only decide it
 again (and measure again for as long as the budget lasts), so it is never restarted, whatever its role: the run
 ends at once, named after the node and the reason its last words give (:func:`~.halting.halt_reason`), its death
 reported ``exit 4, halted``.

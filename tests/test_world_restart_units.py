@@ -130,6 +130,9 @@ def test_no_new_world_within_the_wait_halts_naming_the_dead_rank() -> None:
     halts = of(Halt, core.tick(T0 + 20))
     assert len(halts) == 1 and "trainer world went down (trainer-0 first)" in halts[0].reason
     assert core.failure == halts[0].reason
+    # Not final: a world its supervisor's backoff holds back past this wait may yet come; the orchestrator exits
+    # 1 and, restarted, waits for it again (final halts exit HALTED_STATUS: refbus up would end the run).
+    assert not halts[0].final
 
 
 class _WorldCluster(_Cluster):

@@ -60,9 +60,11 @@ before it answers; the orchestrator follows those events for this), and deleted 
 refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
 budgets cannot hold one step's episodes (in whole groups at one source each) halt it too
 (``dispatch.budget_below_step``, naming the budget that would): no step could ever ship. So does a step batch
-no message can carry. A halted node exits with status :data:`~..halting.HALTED_STATUS` (4), its last words on
+no message can carry. Those two halts exit with status :data:`~..halting.HALTED_STATUS` (4), the last words on
 stderr the reason (:func:`~..halting.halt`): a restart would decide the same again, so ``refbus up`` ends the
-run naming it and why instead of restarting it as it restarts a crash (exit status 1).
+run naming it and why instead of restarting it as it restarts a crash. The halts on deadlines (no new world in
+time, a step its ranks did not acknowledge) exit 1, as a crash: the peers may yet come (a world its supervisor's
+growing backoff holds back, ranks slow to start), and a restarted orchestrator waits for them again.
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
 granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on
@@ -213,6 +215,7 @@ class Orchestrator:
         self.failed_deletes = 0
         self.lost = 0  # references dropped because their store went down for good
         self._halted = ""  # the reason of the first Halt carried out
+        self.halt_final = False  # whether that Halt was final (see Halt)
         self._arrivals: deque[_Arrival] = deque()
         self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
@@ -545,7 +548,8 @@ class Orchestrator:
             elif isinstance(action, ClaimAgain):
                 self._claim_again(action)
             elif isinstance(action, Halt):
-                self._halted = self._halted or action.reason
+                if not self._halted:
+                    self._halted, self.halt_final = action.reason, action.final
                 log.error("orchestrator.halted", reason=action.reason)
                 self.runtime.stop()
         if self.core.wants_trainers:
@@ -814,10 +818,12 @@ class Orchestrator:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node orchestrator``: serve until SIGINT/SIGTERM; exit status :data:`~..halting.HALTED_STATUS`,
-    the reason on stderr (:func:`~..halting.halt`), when the run halted (a step the trainer ranks did not all
-    acknowledge in time, no new trainer world in time, a step batch no message can carry, or env servers whose
-    budgets cannot hold a step)."""
+    the reason on stderr (:func:`~..halting.halt`), when the run halted for good (a step batch no message can
+    carry, env servers whose budgets cannot hold a step); 1 when it halted on a deadline (a step the trainer ranks
+    did not all acknowledge in time, no new trainer world in time: see :class:`~.orchestrator_core.Halt`)."""
     runtime = NodeRuntime("orchestrator", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     orchestrator = Orchestrator(runtime, config.orchestrator, deadlines_from(config))
     runtime.run()
+    if orchestrator.failure and not orchestrator.halt_final:
+        return 1  # logged orchestrator.halted: its supervisor restarts it, to wait for those peers again
     return halt(orchestrator.failure) if orchestrator.failure else 0

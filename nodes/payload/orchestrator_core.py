@@ -202,9 +202,14 @@ class ClaimAgain:
 
 @dataclass(frozen=True)
 class Halt:
-    """The run cannot go on (a step that could not be delivered): stop, loudly, with ``reason``."""
+    """The run cannot go on (a step that could not be delivered): stop, loudly, with ``reason``. ``final``: a
+    restart would only decide the same again (budgets that cannot hold a step, a batch no message can carry), so
+    the node exits :data:`~..halting.HALTED_STATUS` and is never restarted; not final: a deadline ran out on peers
+    that may yet come (a trainer world late to come back, ranks that did not acknowledge a step, delayed by their
+    supervisor's backoff or a slow start), and the node exits 1, as a crash, for its supervisor to restart."""
 
     reason: str
+    final: bool = True
 
 
 Action = DeleteBlobs | DeliverBatch | SendRun | LoseBlobs | ClaimAgain | Halt
@@ -724,7 +729,7 @@ class OrchestratorCore:
                         f"{self.settings.trainers} ranks reported its step within {self.deadlines.world_restart_s:g}s")
         self.world_down = None
         log.error("trainers.world_not_back", error=self.failure)
-        return [Halt(self.failure)]
+        return [Halt(self.failure, final=False)]
 
     # --- stores down ---------------------------------------------------------------------------------
 
@@ -1037,7 +1042,7 @@ class OrchestratorCore:
                             f"{self.deadlines.delivery_s:g}s: {errors}")
             self.delivery = None
             log.error("step.undeliverable", step=delivery.step, ranks=ranks, error=self.failure)
-            return self._flush([Halt(self.failure)])
+            return self._flush([Halt(self.failure, final=False)])
         due = sorted(endpoint for endpoint, at in delivery.retry_at.items() if at <= now)
         for endpoint in due:
             del delivery.retry_at[endpoint]
