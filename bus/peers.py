@@ -76,6 +76,9 @@ class Peers:
         self._down_listeners: list[OnDown] = []
         self._unconfirmed: set[str] = set()  # live peers a restarted broker has not reported up yet
         self._retired: dict[str, None] = {}  # endpoints left behind by restarted peers, oldest first
+        # Whether a registry lookup seeded ``live``: until one did, a peer missing from it may be live all the same
+        # (up before this node subscribed, its node-up never heard), so its absence proves nothing.
+        self.seeded = False
 
     def on_up(self, listener: OnUp) -> None:
         """Call ``listener(info)`` for every ``node-up`` (after its endpoints are marked up)."""
@@ -85,8 +88,11 @@ class Peers:
         """Call ``listener(event, last_info)`` for every ``node-down`` (before pending calls to it resolve)."""
         self._down_listeners.append(listener)
 
-    def seed(self, nodes: Iterable[NodeInfo]) -> None:
-        """Peers already live when this node started (one registry lookup); listeners are not called."""
+    def seed(self, nodes: Iterable[NodeInfo], role: str = "") -> None:
+        """Peers live when the registry answered a lookup of ``role``'s nodes ("": every role; at this node's
+        start, or a later lookup its role makes); listeners are not called. After a lookup of every role
+        :attr:`seeded` holds: a peer not live here is not live in the registry."""
+        self.seeded = self.seeded or not role
         for node in nodes:
             if node.node_id != self._self_id:
                 self.live.setdefault(node.node_id, node)

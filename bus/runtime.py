@@ -760,8 +760,8 @@ class NodeRuntime:
             self._join()
         for subscriber, _, since in self._subscriptions:
             self._go_live(subscriber, since)
-        if self._peers is not None:  # peers up before the subscription was live: node-up came before it
-            self._peers.seed(self.lookup() or ())
+        if self._peers is not None and (listed := self.lookup()) is not None:
+            self._peers.seed(listed)  # peers up before the subscription was live: node-up came before it
         self.every(self.heartbeat_interval_s, self._heartbeat)  # the broker's interval wins: it judges liveness
         self._write_ready_file()
         log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)

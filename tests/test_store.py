@@ -1020,6 +1020,36 @@ def test_a_hand_over_the_orchestrator_repeats_for_a_dead_rank_is_reclaimed_with_
     assert env.keeper.fetch(new_step, "trainer-0").arrays.keys() == set(new_step)
 
 
+
+def test_a_hand_over_naming_a_process_no_registry_answer_has_shown_is_never_taken_for_gone(
+        env_server: EnvServers) -> None:
+    """A hand-over names the rank's process that took it; a process not live here is gone (its grace starts), but
+    only once a registry lookup of every role answered this store. Before one did (its start-up lookup unanswered:
+    a busy broker), a rank live since before the store started was never heard coming up, and the orchestrator's
+    hand-overs to it started a grace whose end reclaimed its blobs in the middle of its training."""
+    clock = _Clock()
+    env = env_server(clock)
+    first, second = ([ref.blob_id for ref in env.keep(f"ep-{n}", [random_arrays(5, seed=n)])] for n in (1, 2))
+    _claim(env, [*first, *second])
+
+    def reference(blob_ids: list[str]) -> Message:
+        return Message(kind=Reference.kind, header=Header(v=PROTOCOL_VERSION, id="orch-1", src="orch", seq=1, ts=0.0),
+                       body=Reference(step=3, holder="trainer-0", blob_ids=blob_ids, process=("h", 7, 7.0)))
+
+    assert not env._peers.seeded
+    env._on_reference(reference(first))
+    assert not env.keeper.in_grace("trainer-0")
+    clock.now += GRACE_S
+    env._reclaim()
+    assert (env.stats().reclaimed, env.stats().held_by) == ({}, {"trainer-0": 1, "orch": 1})
+    env._peers.seed([])  # the registry answered: trainer-0 is live nowhere
+    env._on_reference(reference(second))
+    assert env.keeper.in_grace("trainer-0")
+    clock.now += GRACE_S
+    env._reclaim()
+    assert (env.stats().reclaimed, env.stats().held_by) == ({"trainer-0": 2}, {})
+
+
 LEAST_S = GRACE_S * MIN_RESUMED_GRACE_SHARE
 
 

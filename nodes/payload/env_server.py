@@ -370,6 +370,7 @@ class EnvServer:
         seen = found.holders_seen if found is not None else {}
         cut_short = found.earlier_down if found is not None else {}
         live = {node.node_id: node for node in listed}
+        self._peers.seed(listed)  # what the start-up lookup may have missed: the hand-overs after this check ask
         taken_since, self._taken_unchecked = self._taken_unchecked or {}, None
         with self._lock:
             holders = sorted(h for h in self.keeper.stats().held_by if h)
@@ -852,12 +853,16 @@ class EnvServer:
         that is gone. What the live holder holds here is its own (a process that went before it was given its
         grace, here or at this store's restart check) and is spared. A named process this store has not seen
         register (its ``node-up`` still to come) is taken for gone too: coming up as that same process, it is back,
-        and keeps everything."""
+        and keeps everything. But only once a registry lookup of every role answered this store (at its start, or
+        its restart's check of holders): before, a holder missing here may be live all the same, its node-up
+        unheard, and is never judged gone on no answer."""
         if holder in self._peers.down:
             info = self._peers.down[holder]
             return named or (incarnation(info) if info is not None else None), []
         live = self._peers.live.get(holder)
         if named is None or (live is not None and incarnation(live) == named):
+            return None
+        if live is None and not self._peers.seeded:  # no registry answer yet: never judged gone on none
             return None
         return named, self.keeper.claimed().get(holder, []) if live is not None else []
 

@@ -287,7 +287,7 @@ class Orchestrator:
         arrival.claims_pending = 1
 
         def listed(nodes: list[NodeInfo] | None) -> None:
-            self._peers.seed(nodes or ())
+            self._peers.seed(nodes or (), STORE_ROLE)
             known = {ref.blob_id: ref for ref in refs if self._registered(ref)}
             refused = [ref for ref in refs if ref.blob_id not in known]
             if refused:

@@ -430,7 +430,7 @@ class TrainerRank:
                            "orchestrator sends step batches", retry_after_s=1.0 if node is None else 0.0)
 
     def _orchestrators_found(self, nodes: list[NodeInfo] | None) -> None:
-        self._peers.seed(nodes or ())
+        self._peers.seed(nodes or (), ORCHESTRATOR_ROLE)
 
     def _wait_for(self, step: int) -> _Received:
         with self._cond:
