@@ -273,9 +273,12 @@ class InventoryQuery(Body, frozen=True):
 
 @register_kind("ps-shard-open")
 class ShardOpen(Body, frozen=True):
-    """Allocate (or reuse) a segment of at least ``nbytes`` for the push holding ``lease``. Until its seal verifies,
-    it counts against the worker's ``ps.max_open_bytes`` (beyond: ``open-limit``) and goes back to the pool
-    ``ps.push_timeout_s`` after the open; a later open of that lease is refused ``released``."""
+    """Allocate (or reuse) a segment of at least ``nbytes`` for the push holding ``lease``, answered once it is made
+    (a slice a worker's loop turn, about 0.25 s/GiB; a repeated open of the lease meanwhile joins it). Until its
+    seal verifies, it counts against the worker's ``ps.max_open_bytes`` (beyond: ``open-limit``) from the start
+    and goes back to the pool ``ps.push_timeout_s`` after the open; ``no-room`` when the worker's filesystem
+    cannot hold it; ``released`` when the lease is released before the segment is made, and for a later open of
+    that lease."""
 
     lease: Name  # lease id
     nbytes: NonNegative  # bytes needed at least

@@ -4,12 +4,14 @@ in between however large the shard. Meanwhile the shard is not readable and take
 unclaimed timeout) stops the slicing and frees what it made; a worker killed in the middle leaves nothing that
 a restarted one keeps, and the manager sees the copy gone.
 
-Run as a script, this module is the worker killed mid-seal: ``python test_ps_sliced.py DIRECTORY``.
+Run as a script, this module is the worker killed mid-seal (``python test_ps_sliced.py DIRECTORY``) or while
+it makes a push's segment (``python test_ps_sliced.py open PREFIX``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import struct
@@ -25,8 +27,9 @@ import numpy as np
 import pytest
 from polling import read_line, wait_for
 from ps_support import segment_file, segments, start_cluster
-from refbus.bus.reqrep import HandlerError, RemoteError
+from refbus.bus.reqrep import HandlerError, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.ps.client import PsClient, PushSession
 from refbus.nodes.ps.shm import ALLOCATE_SLICE_BYTES, segment_bytes
 from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
@@ -35,8 +38,10 @@ from refbus.protocol.messages import Error, Ok
 from refbus.protocol.messages_ps import (
     InitHeader,
     InitPlan,
+    PushGrant,
     Release,
     ShardOpen,
+    ShardOpened,
     ShardSeal,
     ShardTensor,
     ShardWrite,
@@ -140,6 +145,126 @@ def test_an_init_segment_is_made_a_slice_a_loop_turn_and_a_release_meanwhile_rem
         runtime.close()
 
 
+OPEN_BYTES = 2 * ALLOCATE_SLICE_BYTES + 1  # three allocation slices: made over three loop turns
+
+
+def _made(directory: Path, prefix: str) -> list[Path]:
+    """The segment files of ``prefix`` in ``directory``, whole or being made."""
+    return [p for p in directory.iterdir() if p.name.startswith(f"{prefix}.") and p.suffix not in (".nonce", ".lock")]
+
+
+def test_a_push_open_is_made_a_slice_a_loop_turn_answered_once_made_and_a_release_meanwhile_removes_it(
+        tmp_path: Path) -> None:
+    """A ps-shard-open of three allocation slices is answered only once the last slice is made, its bytes
+    counted against ``ps.max_open_bytes`` from the start; the pusher's retry meanwhile joins it (one segment,
+    both answered). A release while it is made answers the pusher ``released`` and removes the file, and a later
+    open of that lease is refused ``released``."""
+    runtime, worker = _worker(tmp_path, "w0", "open")
+    try:
+        answers: list[Any] = []
+        worker.server.answer = lambda pending, body: answers.append(body)  # type: ignore[method-assign]
+        worker.max_open_bytes = segment_bytes(OPEN_BYTES) + 4096
+        assert _handle(worker._open, ShardOpen("push-a", OPEN_BYTES), "pusher") is None
+        assert [p.stat().st_size for p in _made(tmp_path, "open")] == [ALLOCATE_SLICE_BYTES]
+        with pytest.raises(HandlerError) as err:  # the open being made holds its bytes already
+            _handle(worker._open, ShardOpen("push-other", 8192), "pusher")
+        assert err.value.code == "open-limit"
+        _turn(runtime)
+        assert answers == [] and "push-a" not in worker.shards and worker.pool.in_use_bytes == 0
+        assert [p.stat().st_size for p in _made(tmp_path, "open")] == [2 * ALLOCATE_SLICE_BYTES]
+        assert _handle(worker._open, ShardOpen("push-a", OPEN_BYTES), "pusher") is None  # a retry joins it
+        _turn(runtime)
+        segment = worker.shards["push-a"]
+        assert answers == [ShardOpened(segment.name, segment_bytes(OPEN_BYTES))] * 2
+        assert [p.name for p in _made(tmp_path, "open")] == [segment.name]
+
+        answers.clear()
+        worker.max_open_bytes = 4 * segment_bytes(OPEN_BYTES)
+        assert _handle(worker._open, ShardOpen("push-b", OPEN_BYTES), "pusher") is None
+        _turn(runtime)
+        _handle(worker._release, Release(["push-b"]), "ps-manager")
+        assert len(answers) == 1 and isinstance(answers[0], Error) and answers[0].code == "released"
+        assert [p.name for p in _made(tmp_path, "open")] == [segment.name]
+        _turn(runtime)  # push-b's step, if it were still made, would run here
+        assert len(answers) == 1 and "push-b" not in worker.shards
+        assert worker.pool.in_use_bytes == segment.capacity and worker.pool.free_bytes == 0
+        with pytest.raises(HandlerError) as err:
+            _handle(worker._open, ShardOpen("push-b", OPEN_BYTES), "pusher")
+        assert err.value.code == "released"
+    finally:
+        runtime.close()
+
+
+def test_a_pusher_waits_for_a_segment_made_past_its_request_retry_schedule() -> None:
+    """A ps-shard-open is answered once the worker made the segment, about 0.25 s/GiB: the pusher sends it again
+    (joining the open in progress) until its request retry schedule plus ``ALLOCATE_ALLOWANCE_S_PER_GIB`` a GiB
+    has passed, where it gave the worker up (and asked for another) at the end of the schedule alone."""
+    worker_runtime = NodeRuntime("ps-worker", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="w0",
+                                                              metrics_port=-1), register=False)
+    server = worker_runtime.serve("ps", "tcp://127.0.0.1:0")
+    sent: list[str] = []
+
+    def making(request: Any) -> ShardOpened | None:  # the segment is made by the open's third send
+        sent.append(request.header.id)
+        return ShardOpened("seg", request.body.nbytes) if len(sent) == 3 else None
+
+    server.on(ShardOpen.kind, making, cached=False)
+    schedule = RetryPolicy(timeout_s=0.05, attempts=2, backoff=1.0)  # a request given up after 0.1 s
+    runtime = NodeRuntime("trainer", RuntimeSettings(bus="tcp://127.0.0.1:9", node_id="t", metrics_port=-1,
+                                                     retry=schedule), register=False)
+    ps = PsClient(runtime, "tcp://127.0.0.1:1", transport="frames")
+    grant = PushGrant("push-l", 10.0, WorkerInfo("w0", worker_runtime.endpoints["ps"], "h", "/none"), 1 << 30, [])
+    loop = threading.Thread(target=worker_runtime.loop)
+    loop.start()
+    try:
+        session = PushSession(ps, grant, 0, 0, 1)
+        session._open_copies()  # an allowance of ALLOCATE_ALLOWANCE_S_PER_GIB for the GiB
+        assert [copy.info.worker for copy in session._copies] == ["w0"]
+        assert len(sent) == 3 and len(set(sent)) == 1  # one request, sent again
+    finally:
+        worker_runtime.stop()
+        loop.join(10)
+        worker_runtime.close()
+        ps.close()
+        runtime.close()
+
+
+def _open_victim(prefix: str) -> None:
+    """A worker in /dev/shm that begins the open of a shard three allocation slices long (its first slice made,
+    two to go), says ``making`` and waits to be killed."""
+    _, worker = _worker(Path("/dev/shm"), "w0", prefix)
+    assert _handle(worker._open, ShardOpen("push-k", OPEN_BYTES), "pusher") is None
+    print("making", flush=True)
+    sys.stdin.read()
+
+
+def test_a_worker_killed_while_making_a_push_segment_leaves_nothing_in_dev_shm_after_a_restart() -> None:
+    """A worker SIGKILLed while a push's segment is made leaves the partial file; the next worker's start under
+    that prefix removes it, and nothing of the prefix is left in /dev/shm once that one closes."""
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * OPEN_BYTES:
+        pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {OPEN_BYTES >> 20} MiB shard")
+    prefix = f"open-victim-{os.getpid()}"
+    victim = subprocess.Popen([sys.executable, str(HERE), "open", prefix], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, bufsize=0)
+    try:
+        assert read_line(victim, 30) == "making"
+    finally:
+        victim.kill()
+        victim.wait(10)
+    try:
+        assert [p.stat().st_size for p in _made(Path("/dev/shm"), prefix)] == [ALLOCATE_SLICE_BYTES]
+        runtime, _ = _worker(Path("/dev/shm"), "w0", prefix)
+        try:
+            assert segments(prefix) == []  # its start swept what the killed process was making
+        finally:
+            runtime.close()
+        assert sorted(Path("/dev/shm").glob(f"{prefix}.*")) == []  # its own lock and nonce files too
+    finally:
+        for left in Path("/dev/shm").glob(f"{prefix}.*"):
+            left.unlink(missing_ok=True)
+
+
 def _victim(directory: str) -> None:
     """A worker that begins a seal (its first hash slice taken, two to go), says ``hashing`` and waits to be
     killed."""
@@ -228,4 +353,7 @@ def test_a_worker_killed_while_making_an_init_segment_fails_the_init_and_a_resta
 
 
 if __name__ == "__main__":
-    _victim(sys.argv[1])
+    if sys.argv[1] == "open":
+        _open_victim(sys.argv[2])
+    else:
+        _victim(sys.argv[1])

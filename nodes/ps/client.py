@@ -99,7 +99,7 @@ from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
 from .leases import RESTARTED
 from .nixl import NixlError, NixlReader, NixlUnusable
-from .shm import SegmentMaps
+from .shm import ALLOCATE_ALLOWANCE_S_PER_GIB, SegmentMaps
 
 log = structlog.get_logger(__name__)
 
@@ -435,9 +435,13 @@ class PushSession:
         ranges = [ByteRange(t.offset, t.nbytes) for t in self._grant.tensors]
         for info in [self._grant.worker, *self._grant.replicas]:
             client = self._client._worker(info)
+            # Answered once the worker made the segment, a slice a loop turn: sent again (joining the open in
+            # progress) until the retry schedule plus the allowance for that has passed.
+            making_s = ALLOCATE_ALLOWANCE_S_PER_GIB * self._grant.nbytes / (1 << 30)
+            policy = client.policy.lasting(client.policy.deadline_s + making_s)
             try:
                 opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes, ranges),
-                                           ShardOpened)
+                                           ShardOpened, policy=policy)
             except (RequestTimeout, RemoteError, PeerDown) as exc:
                 _raise_from(info.worker, exc)
             copies.append(_Copy(info, client, self._client._local_path(info, opened.segment)))
@@ -914,8 +918,8 @@ class PsClient:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _ask(self, client: Client, body: Body, expect: type[ReplyT]) -> ReplyT:
-        reply = client.request(body).body
+    def _ask(self, client: Client, body: Body, expect: type[ReplyT], *, policy: RetryPolicy | None = None) -> ReplyT:
+        reply = client.request(body, policy=policy).body
         if not isinstance(reply, expect):
             raise PsError(f"{client.endpoint} answered {body.kind} with {reply.kind}, expected {expect.kind}")
         return reply

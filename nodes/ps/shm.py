@@ -129,6 +129,11 @@ class Segment:
 # a ps-worker making a segment of tens of GiB answers heartbeats and requests between the steps.
 ALLOCATE_SLICE_BYTES = 256 << 20
 
+ALLOCATE_ALLOWANCE_S_PER_GIB = 1.0
+"""What a pusher's ``ps-shard-open`` allows the worker for making the segment, per GiB, beyond the request retry
+schedule: four times the ~0.25 s/GiB of ``posix_fallocate`` on tmpfs, for a worker serving other work between
+the slices."""
+
 
 class Allocation:
     """A segment of a :class:`SegmentPool` being made, ``slice_bytes`` a :meth:`step`: ``posix_fallocate`` of the

@@ -3,12 +3,13 @@
 A worker holds shards (one segment each) in shared memory from a :class:`~.shm.SegmentPool`, so memory is
 mapped once and reused version after version:
 
-* **push**: ``ps-shard-open`` gives the pusher a segment (by name: a same-host pusher maps it and writes
-  directly; a cross-host one sends ``ps-shard-write`` frames, hashed per tensor as they are copied in when the
-  open named the tensors' ranges, :mod:`.streamed`); ``ps-shard-seal`` checks every tensor against the
-  pusher's checksums (the streamed digest where it holds, else a hash of the segment, a slice a loop turn) and
-  forwards the verified shard to the manager (``ps-shard-commit``). The pusher's answer is the manager's (the
-  reply is deferred until it arrives), so "acknowledged" means "recorded".
+* **push**: ``ps-shard-open`` gives the pusher a segment, answered once it is made (a slice a loop turn), by
+  name: a same-host pusher maps it and writes directly; a cross-host one sends ``ps-shard-write`` frames, hashed
+  per tensor as they are copied in when the open named the tensors' ranges (:mod:`.streamed`).
+  ``ps-shard-seal`` checks every tensor against the pusher's checksums (the streamed digest where it holds,
+  else a hash of the segment, a slice a loop turn) and forwards the verified shard to the manager
+  (``ps-shard-commit``). The pusher's answer is the manager's (the reply is deferred until it arrives), so
+  "acknowledged" means "recorded".
 * **pull**: same-host readers (proved by the kernel's boot id and a nonce file next to the segments,
   :mod:`.host_proof`) map segments themselves and never talk to the worker; ``ps-shard-read``
   serves cross-host readers with zero-copy frames that view the segment.
@@ -22,11 +23,11 @@ mapped once and reused version after version:
   filesystem's free space, checked before the segment is made (``no-room``), not by ``ps.max_open_bytes``.
 * **unclaimed segments**: any peer may open a shard, and the manager releases only what it granted or
   planned. A segment is claimed by a verified seal (a push) or verification (an init); until then a push's
-  counts against ``ps.max_open_bytes`` and ``MAX_OPEN_SHARDS`` (a further open is refused ``open-limit``), and
-  one still unclaimed ``ps.push_timeout_s`` after its open (``ps.init_timeout_s`` after its plan or header)
-  goes back to the pool: by then the manager has aborted any push it granted (every rank commits within
-  ``push_timeout_s`` of its version's first grant) and failed any init it ran. A plan whose header never
-  came is forgotten as late.
+  (from the start of its making) counts against ``ps.max_open_bytes`` and ``MAX_OPEN_SHARDS`` (a further open
+  is refused ``open-limit``), and one still unclaimed ``ps.push_timeout_s`` after its open (``ps.init_timeout_s``
+  after its plan or header) goes back to the pool: by then the manager has aborted any push it granted (every
+  rank commits within ``push_timeout_s`` of its version's first grant) and failed any init it ran. A plan whose
+  header never came is forgotten as late.
 * **a restarted manager**: the worker tracks the registry's ``node-up``/``node-down`` events; a ps-manager
   that comes up as another process than the one it knew (or after the bus reported it down) knows nothing of
   this worker, so it registers again, listing its segments (a finished init's verified copy among them), and
@@ -41,7 +42,6 @@ present (for pinning).
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import time
 from collections import OrderedDict
@@ -153,7 +153,8 @@ class PsWorker:
         # Init id -> the manager's plan of an init this worker is below the root of, until its header comes (and
         # when that plan is forgotten unheard): the one header it takes.
         self._planned: dict[str, tuple[InitPlan, float]] = {}
-        self._making: dict[str, Allocation] = {}  # init id -> its segment, being made a slice a loop turn
+        self._making: dict[str, Allocation] = {}  # push lease or init id -> its segment, made a slice a loop turn
+        self._opening: dict[str, list[Pending]] = {}  # push lease -> pushers waiting on its open while it is made
 
         self.server = runtime.serve("ps", settings.worker)
         self.server.on(ShardOpen.kind, self._open)
@@ -280,7 +281,13 @@ class PsWorker:
             raise HandlerError("unknown-shard", f"no open shard for {lease!r} (aborted, released or never opened)")
         return segment
 
-    def _open(self, request: Message) -> Body:
+    def _open(self, request: Message) -> Body | None:
+        """Give the push ``lease`` its segment. A new one is made ``ALLOCATE_SLICE_BYTES`` a loop turn, the first in
+        this one (:meth:`_make`): a shard of tens of GiB stalls no heartbeat. The answer waits until it is made
+        (a free segment of the pool, or one of a slice, is answered at once); it counts against
+        ``ps.max_open_bytes`` from the start. A pusher's retry joins the open in progress; a release or the lease's
+        end meanwhile answers every waiting pusher ``released`` and removes what was made; a failure midway
+        (another process took the room) answers them ``no-room``."""
         ask = request.body
         assert isinstance(ask, ShardOpen)
         try:
@@ -290,15 +297,33 @@ class PsWorker:
         if ask.lease in self.released:
             raise HandlerError("released", f"shard {ask.lease!r} was released: a push needs a new grant")
         segment = self.shards.get(ask.lease)
-        if segment is None:
+        making = self._making.get(ask.lease)
+        if segment is None and making is None:
             self._bound_unclaimed(ask.lease, ask.nbytes)
-            segment = self._take(ask.lease, ask.nbytes, self.settings.push_timeout_s)
-        elif segment.capacity < ask.nbytes:
-            raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {segment.capacity} bytes, "
-                               f"not {ask.nbytes}")
+            segment = self._make(ask.lease, ask.nbytes, self.settings.push_timeout_s,
+                                 lambda made: self._opened(ask.lease, made),
+                                 lambda why: self._not_opened(ask.lease, why))
+        capacity = segment.capacity if segment is not None else self._making[ask.lease].capacity
+        if capacity < ask.nbytes:
+            raise HandlerError("bad-size", f"shard {ask.lease!r} is open with {capacity} bytes, not {ask.nbytes}")
         if streamed is not None:  # a repeated open keeps the first one's digests: they hold whatever came since
             self.streamed.setdefault(ask.lease, streamed)
+        if segment is None:
+            self._opening.setdefault(ask.lease, []).append(self.server.pending)
+            return None
         return ShardOpened(segment.name, segment.capacity)
+
+    def _opened(self, lease: str, segment: Segment) -> None:
+        """The segment of push ``lease`` is made: every pusher waiting on its open hears its name."""
+        for pending in self._opening.pop(lease, []):
+            self.server.answer(pending, ShardOpened(segment.name, segment.capacity))
+
+    def _not_opened(self, lease: str, why: str) -> None:
+        """The segment of push ``lease`` could not be made (what was made is removed): its open is refused to
+        every pusher waiting on it, and a later open starts again."""
+        self.streamed.pop(lease, None)
+        for pending in self._opening.pop(lease, []):
+            self.server.answer(pending, Error("no-room", why, ShardOpen.kind))
 
     def _write(self, request: Message) -> Body:
         write = request.body
@@ -473,6 +498,9 @@ class PsWorker:
         allocation = self._making.pop(shard, None)
         if allocation is not None:
             allocation.abandon()
+        for pending in self._opening.pop(shard, []):
+            self.server.answer(pending, Error("released", f"shard {shard!r} was released while its segment was "
+                                              "made: a push needs a new grant", ShardOpen.kind))
         segment = self.shards.pop(shard, None)
         if segment is not None:
             self.nixl.forget(segment.name)
@@ -510,42 +538,70 @@ class PsWorker:
         return relay
 
     def _acquire(self, shard: str, nbytes: int, then: Callable[[Segment], None]) -> None:
-        """Make the segment of the planned init ``shard``, ``ALLOCATE_SLICE_BYTES`` a loop turn (the first in this
-        one), then ``then(segment)``: a segment of tens of GiB stalls no heartbeat. HandlerError ``released`` once
-        the init was released here, ``no-room`` when the filesystem has not the room (checked before anything is
-        made, see :meth:`_check_room`); a failure midway fails the init's relay. A release meanwhile (:meth:`_drop`)
-        stops it and removes what was made."""
+        """Make the segment of the planned init ``shard`` (:meth:`_make`), then ``then(segment)``. HandlerError
+        ``released`` once the init was released here, ``no-room`` as :meth:`_make` says; a failure midway fails
+        the init's relay."""
         if shard in self.released:  # a segment taken now would never be released
             raise HandlerError("released", f"init {shard!r} was released on {self.runtime.node_id}")
+        segment = self._make(shard, nbytes, self.settings.init_timeout_s, then,
+                             lambda why: self.relays[shard].fail(self.runtime.node_id, why))
+        if segment is not None:
+            then(segment)
+
+    def _make(self, shard: str, nbytes: int, claim_within_s: float, then: Callable[[Segment], None],
+              failed: Callable[[str], None]) -> Segment | None:
+        """Make a segment of ``nbytes`` for ``shard``, ``ALLOCATE_SLICE_BYTES`` a loop turn, the first in this one:
+        a segment of tens of GiB stalls no heartbeat. Returns it when that first step made it (a free segment of
+        the pool that fits, or one slice); else it goes to ``then`` in a later turn. Once made it is the shard's,
+        back to the pool unless claimed within ``claim_within_s`` of now (see the module doc).
+
+        HandlerError ``no-room`` when the filesystem has not the room (checked before anything is made, see
+        :meth:`_check_room`) or the first step fails; a later step that fails (another process took the room)
+        passes why to ``failed``. Either way what was made is removed. A release meanwhile (:meth:`_drop`) stops
+        it and removes what was made; neither callback is called then."""
         self._check_room(shard, nbytes)
         allocation = self._making[shard] = self.pool.allocate(nbytes)
-        due = time.monotonic() + self.settings.init_timeout_s
+        due = time.monotonic() + claim_within_s
 
-        def step() -> None:
+        def step() -> Segment | None:
+            try:
+                segment = allocation.step()
+            except OSError as exc:  # the allocation removed its file
+                del self._making[shard]
+                raise HandlerError("no-room", f"cannot make a segment of {allocation.capacity} bytes for {shard!r} "
+                                   f"in {self.pool.directory}: {exc.strerror or exc}") from None
+            if segment is not None:
+                del self._making[shard]
+                self.shards[shard] = segment
+                self.unclaimed[shard] = due
+            return segment
+
+        def later() -> None:
             if self._making.get(shard) is not allocation:  # released: _drop abandoned it
                 return
             try:
-                segment = allocation.step()
-            except OSError as exc:  # the allocation removed its file (ENOSPC: another process took the room)
-                del self._making[shard]
-                self.relays[shard].fail(self.runtime.node_id, f"cannot make a segment of {nbytes} bytes in "
-                                        f"{self.pool.directory}: {exc.strerror or exc}")
+                segment = step()
+            except HandlerError as exc:
+                failed(str(exc))
                 return
             if segment is None:
-                self.runtime.later(0.0, step)
-                return
-            del self._making[shard]
-            self.shards[shard] = segment
-            self.unclaimed[shard] = due
-            then(segment)
+                self.runtime.later(0.0, later)
+            else:
+                then(segment)
 
-        step()
+        segment = step()
+        if segment is None:
+            self.runtime.later(0.0, later)
+        return segment
 
     def _bound_unclaimed(self, lease: str, nbytes: int) -> None:
         """HandlerError ``open-limit`` when a segment of ``nbytes`` for push ``lease`` would pass the bounds on the
         pushes' unclaimed segments (see the module doc; a planned init's are not counted: the manager ran it)."""
-        pushes = [s for s in self._unclaimed() if s not in self.relays]
-        held = sum(self.shards[s].capacity for s in pushes)
+        # Segments being made count from their start: opens made at once must not pass the bound together.
+        made = [s for s in self._unclaimed() if s not in self.relays]
+        making = [s for s in self._making if s not in self.relays]
+        pushes = made + making
+        held = sum(self.shards[s].capacity for s in made) + sum(self._making[s].capacity for s in making)
         more = segment_bytes(nbytes)
         if len(pushes) >= MAX_OPEN_SHARDS or held + more > self.max_open_bytes:
             raise HandlerError("open-limit", f"{self.runtime.node_id} holds {len(pushes)} segments ({held} bytes) "
@@ -553,23 +609,16 @@ class PsWorker:
                                f"segments and {self.max_open_bytes} bytes (ps.max_open_bytes) with {more} bytes "
                                "more: they are freed as they are sealed or released")
 
-    def _check_room(self, init_id: str, nbytes: int) -> None:
+    def _check_room(self, shard: str, nbytes: int) -> None:
         """HandlerError ``no-room`` unless the pool holds a free segment of ``nbytes`` or the filesystem has room
-        for a new one: said before anything is made, where a full filesystem would fail the init midway."""
+        for a new one: said before anything is made, where a full filesystem would fail the shard midway."""
         if self.pool.reusable(nbytes) is not None:
             return
         fs = os.statvfs(self.pool.directory)
         free, need = fs.f_bavail * fs.f_frsize, segment_bytes(nbytes)
         if need > free:
-            raise HandlerError("no-room", f"init {init_id!r} needs a segment of {need} bytes on "
+            raise HandlerError("no-room", f"shard {shard!r} needs a segment of {need} bytes on "
                                f"{self.runtime.node_id}; {self.pool.directory} has {free} bytes free")
-
-    def _take(self, shard: str, nbytes: int, claim_within_s: float) -> Segment:
-        """A segment of ``nbytes`` for ``shard``, back to the pool unless claimed within ``claim_within_s`` (see the
-        module doc); HandlerError ``no-room`` when the filesystem has no room."""
-        segment = self.shards[shard] = self._acquire_room(nbytes)
-        self.unclaimed[shard] = time.monotonic() + claim_within_s
-        return segment
 
     def _unclaimed(self) -> dict[str, float]:
         """:attr:`unclaimed`, less the shards claimed since: a push sealed, an init verified."""
@@ -591,14 +640,6 @@ class PsWorker:
             log.warning("ps.plan_forgotten", init_id=init_id, detail="its header never came: an init the ps-manager "
                         "gave up")
             self._drop(init_id)
-
-    def _acquire_room(self, nbytes: int) -> Segment:
-        try:
-            return self.pool.acquire(nbytes)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise HandlerError("no-room", f"{self.pool.directory} has no room for {nbytes} bytes") from None
 
     def _send_peer(self, peer: WorkerInfo, body: Body, deadline_s: float, on_done: Callable[[Outcome], None]) -> None:
         # Sent once: the stream is pipelined over reliable connections; a child that misses its deadline fails
