@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from polling import wait_for
+from pool_support import acquire
 from ps_support import PsCluster, checksums, make_state, segments, start_cluster
 from refbus.bus.reqrep import RemoteError
 from refbus.nodes.ps.shm import SegmentPool
@@ -134,7 +135,7 @@ def test_a_segment_is_unmapped_once_released_and_no_view_is_left(tmp_path: Path)
 
     pool = SegmentPool(tmp_path, "unmap", pin=False, max_free=0)
     try:
-        segment = pool.acquire(100)
+        segment = acquire(pool, 100)
         view = segment.view(0, 16)  # e.g. a frame in flight to ZeroMQ
         pool.release(segment)
         assert not segment.path.exists() and mapped(segment.path)

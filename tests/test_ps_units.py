@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import structlog
 import torch
+from pool_support import acquire
 from refbus.bus.reqrep import HandlerError, PeerDown, RemoteError, RequestTimeout
 from refbus.nodes.ps import client as ps_client
 from refbus.nodes.ps import manager as manager_module
@@ -65,14 +66,14 @@ def shm_dir(tmp_path: Path) -> Path:
 
 def test_pool_reuses_segments_and_unlinks_everything_on_close(shm_dir: Path) -> None:
     pool = SegmentPool(shm_dir, "unit", pin=False, max_free=1)
-    a = pool.acquire(10_000)
+    a = acquire(pool, 10_000)
     a.view(0, 4)[:] = b"abcd"
     maps = SegmentMaps(readonly=True)
     assert bytes(maps.view(str(a.path), 0, 4)) == b"abcd"  # another mapping sees the same memory
     pool.release(a)
-    b = pool.acquire(5_000)  # best fit among free segments: the same one, already faulted in
+    b = acquire(pool, 5_000)  # best fit among free segments: the same one, already faulted in
     assert b is a and pool.reused == 1 and pool.created == 1
-    c, d = pool.acquire(100), pool.acquire(100)
+    c, d = acquire(pool, 100), acquire(pool, 100)
     pool.release(c)
     pool.release(d)  # beyond max_free: the older free one is unlinked now
     assert not c.path.exists() and d.path.exists()
@@ -89,15 +90,15 @@ def test_a_pool_that_adopts_an_earlier_process_s_segments_under_its_token_names_
     earlier process sealed under the same token: the next new segment must not take one of their names (it did:
     ``FileExistsError``, and the push failed ``internal``)."""
     earlier = SegmentPool(shm_dir, "unit", pin=False, token="7")
-    sealed = [earlier.acquire(100) for _ in range(3)]
+    sealed = [acquire(earlier, 100) for _ in range(3)]
     restarted = SegmentPool(shm_dir, "unit", pin=False, token="7")
     for segment in sealed[1:]:  # the first was released before the restart: not adopted
         restarted.adopt(segment.name)
-    fresh = restarted.acquire(100)
+    fresh = acquire(restarted, 100)
     assert fresh.name == "unit.7.4" and fresh.name not in {s.name for s in sealed}
     other = SegmentPool(shm_dir, "unit", pin=False, token="8")
     other.adopt(sealed[2].name)  # another token's name does not move this pool's numbers
-    assert other.acquire(100).name == "unit.8.1"
+    assert acquire(other, 100).name == "unit.8.1"
 
 
 def test_sweep_removes_only_segments_of_dead_processes(shm_dir: Path) -> None:
@@ -158,7 +159,7 @@ _HOLDER = """
 import sys, time
 from refbus.nodes.ps.shm import OwnerLock, SegmentPool
 lock = OwnerLock.take(sys.argv[1], "unit", pid=int(sys.argv[2]))
-SegmentPool(sys.argv[1], "unit", pin=False, token=lock.token).acquire(100)
+SegmentPool(sys.argv[1], "unit", pin=False, token=lock.token).allocate(100, slice_bytes=4096).step()
 print(lock.token, flush=True)
 time.sleep(600)
 """
@@ -170,12 +171,12 @@ def test_sweep_spares_every_token_whose_lock_is_held_and_removes_it_once_its_hol
     dead = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000  # no process here has this pid
     mine = OwnerLock.take(shm_dir, "unit", pid=dead)
     pool = SegmentPool(shm_dir, "unit", pin=False, token=mine.token)
-    kept = pool.acquire(100)
+    kept = acquire(pool, 100)
     assert (mine.token, kept.name) == (str(dead), f"unit.{dead}.1")
     # Another live holder of the same pid (the other namespace's) gets a token of its own, not these names.
     other = OwnerLock.take(shm_dir, "unit", pid=dead)
     other_pool = SegmentPool(shm_dir, "unit", pin=False, token=other.token)
-    assert other.token == f"{dead}-1" and other_pool.acquire(1).name == f"unit.{dead}-1.1"
+    assert other.token == f"{dead}-1" and acquire(other_pool, 1).name == f"unit.{dead}-1.1"
     # Two holders in child processes (pids that do not exist here either), SIGKILLed below.
     children = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(shm_dir), str(pid)], stdout=subprocess.PIPE,
                                  text=True) for pid in (dead + 1, dead + 2)]
@@ -213,7 +214,7 @@ def test_pinning_without_cuda_warns_once(shm_dir: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(shm, "_cuda_torch", lambda: None)
     pool = SegmentPool(shm_dir, "pin", pin=True)
     with structlog.testing.capture_logs() as logs:
-        segments = [pool.acquire(100) for _ in range(3)]
+        segments = [acquire(pool, 100) for _ in range(3)]
     assert [e["event"] for e in logs] == ["ps.pinned_memory_unavailable"]
     assert not any(s.pinned for s in segments)
     pool.close()

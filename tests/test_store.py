@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from branches import random_arrays
+from pool_support import acquire
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.charges import info_charge
@@ -637,7 +638,7 @@ def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:
 
 def sealed_shard(directory: Path, pool: SegmentPool, journal_: ShardJournal, lease: str, version: int) -> str:
     """What a ps-worker does for a push: a segment written by the pusher, then the verified seal committed."""
-    segment = pool.acquire(4096)
+    segment = acquire(pool, 4096)
     data = np.frombuffer(segment.view(0, 4096), np.uint8)
     data[:] = np.arange(4096) % 251
     tensors = [ShardTensor("w", "uint8", [4096], 0, 4096, checksum(segment.view(0, 4096)))]
@@ -653,7 +654,7 @@ def test_a_restarted_ps_worker_readopts_its_sealed_shards_and_names_a_corrupt_on
     corrupt = sealed_shard(tmp_path, pool, shards, "lease-b", 2)
     released = sealed_shard(tmp_path, pool, shards, "lease-c", 3)
     shards.released(["lease-c"])
-    unsealed = pool.acquire(4096).name  # opened by a pusher, never sealed
+    unsealed = acquire(pool, 4096).name  # opened by a pusher, never sealed
     with open(store.path / corrupt, "r+b") as out:
         out.write(b"\xff")
     store.close(remove=False)  # the process died: the mappings and the files stay

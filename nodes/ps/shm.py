@@ -207,8 +207,8 @@ class Allocation:
 class SegmentPool:
     """A worker's segments: in use (holding a shard) or free (kept mapped for the next version).
 
-    :meth:`acquire` reuses the smallest free segment that fits, else creates one (:meth:`allocate` the same, a
-    step at a time: :class:`Allocation`); :meth:`release` returns
+    :meth:`allocate` reuses the smallest free segment that fits, else makes a new one a step at a time
+    (:class:`Allocation`); :meth:`release` returns
     a segment to the free list, unlinking the oldest free ones beyond ``max_free``. :meth:`close` unlinks
     everything. Not thread-safe: the worker's loop owns it.
     """
@@ -239,7 +239,7 @@ class SegmentPool:
         return self._in_use.get(name)
 
     def reusable(self, nbytes: int) -> Segment | None:
-        """The free segment :meth:`acquire` would hand out for ``nbytes`` (the smallest that fits), if any."""
+        """The free segment :meth:`allocate` would hand out for ``nbytes`` (the smallest that fits), if any."""
         return min((s for s in self._free.values() if s.capacity >= nbytes), key=lambda s: s.capacity, default=None)
 
     def allocate(self, nbytes: int, *, slice_bytes: int = ALLOCATE_SLICE_BYTES) -> Allocation:
@@ -252,21 +252,13 @@ class SegmentPool:
             return Allocation(self, segment.capacity, slice_bytes=slice_bytes, reused=segment)
         return Allocation(self, segment_bytes(nbytes), slice_bytes=slice_bytes)
 
-    def acquire(self, nbytes: int) -> Segment:
-        """A segment of at least ``nbytes``, made at once, owned by the caller until :meth:`release`. Raises
-        OSError (``ENOSPC`` when the tmpfs has no room)."""
-        allocation = self.allocate(nbytes, slice_bytes=segment_bytes(nbytes))
-        segment = allocation.step()
-        assert segment is not None, "one step makes a segment of one slice"
-        return segment
-
     def adopt(self, name: str) -> Segment:
         """Map the existing segment file ``name`` (a shard an earlier process of this worker sealed) as in use."""
         path = self.directory / name
         segment = Segment(path, os.stat(path).st_size, pin=self.pin)
         self._in_use[segment.name] = segment
         # An earlier process under this token (a durable worker restarted with its pid: a container's first
-        # process) named it: new names must start past it, or the next acquire collides with it.
+        # process) named it: new names must start past it, or the next allocation collides with it.
         ours, _, number = name.rpartition(".")
         if ours == f"{self.prefix}.{self.token}" and number.isdigit():
             self.created = max(self.created, int(number))
