@@ -31,7 +31,7 @@ from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload import env_server as env_server_module
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import Orchestrator
-from refbus.nodes.payload.orchestrator_core import Deadlines
+from refbus.nodes.payload.orchestrator_core import Deadlines, Halt
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings, StoreSettings
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import Message, WireCodec
@@ -719,6 +719,47 @@ def test_an_orchestrator_shutdown_delete_its_store_could_not_journal_goes_throug
         assert full.failed == ["drop"]
         stats = env.stats()
         assert (orchestrator.failed_deletes, stats.deleted, stats.blobs_held) == (0, {"shutdown": 1}, 0), stats
+    finally:
+        runtime.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_an_orchestrator_halted_on_a_deadline_leaves_what_it_holds_for_its_restart(
+        bus: tuple[NodeProcess, str], tmp_path: Path, final: bool) -> None:
+    """An orchestrator holding a blob halts. On a deadline (no new trainer world in time: not final) it ends as a
+    crash would, deleting nothing, and its restarted process claims the blob back from the store's holdings; a
+    final halt (budgets that cannot hold a step) deletes what it holds at shutdown, as any stop. Before, every
+    halt deleted everything: a world merely late past the orchestrator's wait cost the run its buffered
+    rollouts, though the restart it exits for would have fed them."""
+    control = bus[1]
+    env_runtime, env = _durable_env(control, tmp_path, "env-jh")
+    settings = OrchestratorSettings(dispatch=False, trainers=1, group_size=2, groups_per_step=1, seq_len=64)
+    runtime = _node(control, "orchestrator", "orchestrator")
+    orchestrator = Orchestrator(runtime, settings)
+    env_runtime.start_background()
+    runtime.start_background()
+    try:
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        info = {"group": "g", "reward": 1.0, "samples": [{"input_ids": list(range(6)), "loss_mask": [0] * 5 + [1],
+                                                          "ref": 0}]}
+        env.keep("half", [random_arrays(6, seed=9, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)],
+                 info=info)
+        wait_for(lambda: env.stats().held_by == {"orchestrator": 1}, WAIT_S, "the orchestrator holding the blob")
+        runtime.call_soon(lambda: orchestrator._execute([Halt("a deadline ran out", final=final)]))
+        assert runtime.loop_thread is not None
+        runtime.loop_thread.join(timeout=WAIT_S)
+        runtime.join(timeout=WAIT_S)
+        assert orchestrator.failure == "a deadline ran out" and orchestrator.halt_final is final
+        if final:
+            assert (env.stats().deleted, env.stats().blobs_held) == ({"shutdown": 1}, 0)
+            return
+        assert (env.stats().deleted, env.stats().held_by) == ({}, {"orchestrator": 1})
+        runtime = _node(control, "orchestrator", "orchestrator")
+        restarted = Orchestrator(runtime, settings)
+        runtime.start_background()
+        wait_for(lambda: restarted.claimed == 1, WAIT_S, "the restarted orchestrator claiming the blob back")
+        assert env.stats().held_by == {"orchestrator": 1} and env.stats().deleted == {}
     finally:
         runtime.join(timeout=WAIT_S)
         env_runtime.join(timeout=WAIT_S)

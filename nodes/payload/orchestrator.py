@@ -705,8 +705,16 @@ class Orchestrator:
         still listens, so what the claims grant is deleted with the rest (as are the episodes whose claims were
         answered but whose turn had not come, and those recovered at start and not fed yet), and an acknowledged
         batch is its rank's to delete, not this node's. What is unanswered by then is decided as before: a claim is
-        left to its store (reclaimed ``holder-down`` after this node's grace), a batch is deleted here."""
+        left to its store (reclaimed ``holder-down`` after this node's grace), a batch is deleted here.
+
+        After a halt that is not final (a deadline on peers that may yet come: see
+        :class:`~.orchestrator_core.Halt`) nothing is deleted: the node ends as a crash would, and its restarted
+        process claims back what it held (within ``node.restart_grace_s``) and feeds it once the peers are back."""
         self._closing = True
+        if self._halted and not self.halt_final:
+            log.warning("shutdown.holdings_kept", reason=self._halted, held=len(self.core.holdings.held),
+                        detail="left to this node's restarted process, which claims them back")
+            return
 
         def claims_out() -> list[_Arrival]:
             return [a for a in self._arrivals if a.message is not None and a.claims_pending]
