@@ -63,8 +63,9 @@ budgets cannot hold one step's episodes (in whole groups at one source each) hal
 no message can carry. Those two halts exit with status :data:`~..halting.HALTED_STATUS` (4), the last words on
 stderr the reason (:func:`~..halting.halt`): a restart would decide the same again, so ``refbus up`` ends the
 run naming it and why instead of restarting it as it restarts a crash. The halts on deadlines (no new world in
-time, a step its ranks did not acknowledge) exit 1, as a crash: the peers may yet come (a world its supervisor's
-growing backoff holds back, ranks slow to start), and a restarted orchestrator waits for them again.
+time, a step its ranks did not acknowledge) exit 1, as a crash, deleting nothing at shutdown: the peers may yet
+come (a world its supervisor's growing backoff holds back, ranks slow to start), and a restarted orchestrator
+claims back what it held and waits for them again.
 
 A claim that ends without an answer from a live store (none by its deadline, or an error answer) may still be
 granted: a store works through a backlog in order. Its blobs are counted ``missing`` and the episode goes on
