@@ -195,6 +195,35 @@ def test_a_push_open_is_made_a_slice_a_loop_turn_answered_once_made_and_a_releas
         runtime.close()
 
 
+def test_an_open_finds_no_room_that_a_segment_still_being_made_will_take(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room an open checks for is the filesystem's free bytes less what the segments still being made will
+    take: a second open that fits only in bytes the first one's later slices need is refused ``no-room`` up front,
+    and the first is made whole. Before, both were admitted and their interleaved slices failed the earlier one
+    midway (``no-room`` after its pusher had waited), though it fit on its own."""
+    total = segment_bytes(OPEN_BYTES) + ALLOCATE_SLICE_BYTES
+
+    def statvfs(path: Any) -> Any:  # a filesystem of ``total`` bytes, less what the files in it take
+        used = sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+        return types.SimpleNamespace(f_bavail=total - used, f_frsize=1)
+
+    runtime, worker = _worker(tmp_path, "w0", "room")
+    monkeypatch.setattr("refbus.nodes.ps.worker.os.statvfs", statvfs)
+    try:
+        answers: list[Any] = []
+        worker.server.answer = lambda pending, body: answers.append(body)  # type: ignore[method-assign]
+        assert _handle(worker._open, ShardOpen("push-a", OPEN_BYTES), "pusher") is None  # one slice of three made
+        with pytest.raises(HandlerError) as err:  # free now: two slices and a page; push-a needs a slice and a page
+            _handle(worker._open, ShardOpen("push-b", 2 * ALLOCATE_SLICE_BYTES), "pusher")
+        assert err.value.code == "no-room" and "promised" in str(err.value)
+        for _ in range(2):
+            _turn(runtime)
+        segment = worker.shards["push-a"]
+        assert answers == [ShardOpened(segment.name, segment_bytes(OPEN_BYTES))]
+    finally:
+        runtime.close()
+
+
 def test_a_pusher_waits_for_a_segment_made_past_its_request_retry_schedule() -> None:
     """A ps-shard-open is answered once the worker made the segment, about 0.25 s/GiB: the pusher sends it again
     (joining the open in progress) until its request retry schedule plus ``ALLOCATE_ALLOWANCE_S_PER_GIB`` a GiB

@@ -155,6 +155,11 @@ class Allocation:
         self.path: Path | None = None
         pool._making.add(self)
 
+    @property
+    def remaining(self) -> int:
+        """Bytes its steps still take from the filesystem (none for a free segment handed over)."""
+        return 0 if self._reused is not None else self.capacity - self.allocated
+
     def step(self) -> Segment | None:
         """Allocate the next slice; the segment (in use in the pool, owned by the caller until it releases it)
         once it is whole, else None. Raises OSError (``ENOSPC`` when the tmpfs has no room), the file removed."""

@@ -611,14 +611,17 @@ class PsWorker:
 
     def _check_room(self, shard: str, nbytes: int) -> None:
         """HandlerError ``no-room`` unless the pool holds a free segment of ``nbytes`` or the filesystem has room
-        for a new one: said before anything is made, where a full filesystem would fail the shard midway."""
+        for a new one, less what the segments still being made will take: said before anything is made, where a
+        full filesystem would fail the shard midway (or fail one admitted earlier, whose slices it would share)."""
         if self.pool.reusable(nbytes) is not None:
             return
         fs = os.statvfs(self.pool.directory)
-        free, need = fs.f_bavail * fs.f_frsize, segment_bytes(nbytes)
+        promised = sum(allocation.remaining for allocation in self._making.values())
+        free, need = fs.f_bavail * fs.f_frsize - promised, segment_bytes(nbytes)
         if need > free:
             raise HandlerError("no-room", f"shard {shard!r} needs a segment of {need} bytes on "
-                               f"{self.runtime.node_id}; {self.pool.directory} has {free} bytes free")
+                               f"{self.runtime.node_id}; {self.pool.directory} has {free} bytes free (less "
+                               f"{promised} promised to segments still being made)")
 
     def _unclaimed(self) -> dict[str, float]:
         """:attr:`unclaimed`, less the shards claimed since: a push sealed, an init verified."""
