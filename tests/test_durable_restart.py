@@ -30,6 +30,7 @@ from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload import env_server as env_server_module
 from refbus.nodes.payload.env_server import EnvServer
+from refbus.nodes.payload.keeper import KeepError
 from refbus.nodes.payload.orchestrator import Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines, Halt
 from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings, StoreSettings
@@ -887,6 +888,9 @@ def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_
         assert "9 blob ids" in env.abandoned, env.abandoned
         assert env.journal is not None and (env.journal.store.path / "journal").exists()
         assert env.stats().held_by == {"orchestrator": 1}  # nothing deleted at the end: the restart's to settle
+        with pytest.raises(KeepError) as refused:  # an embedder's keep: refused for good, not journal-failed
+            env.keep("after", [random_arrays(6, seed=6)])
+        assert refused.value.code == "closed" and not refused.value.retry_after_s
     finally:
         rank.join(timeout=WAIT_S)
         env_runtime.join(timeout=WAIT_S)

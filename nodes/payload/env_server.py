@@ -443,6 +443,8 @@ class EnvServer:
             KeepError: a bad branch, over budget, a duplicate episode id, shutting down, or (with a durable
                 store) an ``info`` the journal cannot hold or a journal write that failed; nothing is kept.
         """
+        if self.abandoned:  # ended as a crash would: its store is its restarted process's
+            raise KeepError("closed", f"episode {episode_id!r}: the env server ended ({self.abandoned})")
         try:
             packed = pack_branches(branches)
             try:
