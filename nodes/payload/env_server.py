@@ -886,9 +886,10 @@ class EnvServer:
         """Count ``weight`` more blob ids waiting; past :data:`WAITING_MAX` the node ends as a crash would."""
         self._waiting_weight += weight
         if self._waiting_weight > WAITING_MAX and not self.abandoned:
-            self.abandoned = (f"{self._waiting_weight} blob ids of changes wait for journal records that cannot be "
-                              f"committed (at most {WAITING_MAX}): the store is kept for this node's restarted "
-                              "process, which learns those changes again; free room in its tmpfs")
+            behind = "this restarted store's check of its holders (the registry not answering)" \
+                if self._after_check else "journal records that cannot be committed (free room in its tmpfs)"
+            self.abandoned = (f"{self._waiting_weight} blob ids of changes wait for {behind}, at most {WAITING_MAX}: "
+                              "the store is kept for this node's restarted process, which learns those changes again")
             log.critical("journal.waiting_overflow", waiting=len(self._waiting) + len(self._after_check),
                          weight=self._waiting_weight, detail=self.abandoned)
             self.runtime.stop()
