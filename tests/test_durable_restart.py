@@ -7,6 +7,7 @@ once the run ends."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -60,6 +62,7 @@ from test_violations import accounted
 
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 WAIT_S = 30.0
+HALF_GROUP = OrchestratorSettings(dispatch=False, trainers=1, group_size=2, groups_per_step=1, seq_len=64)
 
 
 def segments(shm: Path, node: str) -> int:
@@ -670,8 +673,7 @@ def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through
     env_runtime, env = _durable_env(control, tmp_path, "env-jo")
     full = _Full(env, "claim", "drop")
     runtime = _node(control, "orchestrator", "orchestrator")
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                              groups_per_step=1, seq_len=64))
+    orchestrator = Orchestrator(runtime, HALF_GROUP)
     env_runtime.start_background()
     runtime.start_background()
     try:
@@ -694,18 +696,15 @@ def test_an_orchestrator_claim_and_delete_its_store_could_not_journal_go_through
         env_runtime.join(timeout=WAIT_S)
 
 
-def test_an_orchestrator_shutdown_delete_its_store_could_not_journal_goes_through_once_there_is_room(
-        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
-    """The orchestrator stops holding a blob of a group not yet whole: its shutdown deletes it, and the durable
-    store's journal cannot take that delete the first time (a full tmpfs). Answered ``journal-failed`` with
-    ``retry_after_s``, the delete is sent again after it, within the shutdown's deadline, and goes through.
-    Before, the shutdown gave it up (``delete.failed``): the store held the blob for the gone orchestrator
-    until its grace ended, then reclaimed it ``holder-down``."""
-    control = bus[1]
-    env_runtime, env = _durable_env(control, tmp_path, "env-js")
+@contextlib.contextmanager
+def _holding_half_a_group(control: str, tmp_path: Path, env_id: str
+                          ) -> Iterator[tuple[EnvServer, NodeRuntime, Orchestrator]]:
+    """A durable env server ``env_id`` and an orchestrator (:data:`HALF_GROUP`), both running in this process;
+    the env server keeps one episode of a group of two, which the orchestrator claims and holds while the group
+    is not whole. Both are stopped at the end."""
+    env_runtime, env = _durable_env(control, tmp_path, env_id)
     runtime = _node(control, "orchestrator", "orchestrator")
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                              groups_per_step=1, seq_len=64))
+    orchestrator = Orchestrator(runtime, HALF_GROUP)
     env_runtime.start_background()
     runtime.start_background()
     try:
@@ -715,14 +714,25 @@ def test_an_orchestrator_shutdown_delete_its_store_could_not_journal_goes_throug
         env.keep("half", [random_arrays(6, seed=9, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)],
                  info=info)
         wait_for(lambda: env.stats().held_by == {"orchestrator": 1}, WAIT_S, "the orchestrator holding the blob")
+        yield env, runtime, orchestrator
+    finally:
+        runtime.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+
+
+def test_an_orchestrator_shutdown_delete_its_store_could_not_journal_goes_through_once_there_is_room(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """The orchestrator stops holding a blob of a group not yet whole: its shutdown deletes it, and the durable
+    store's journal cannot take that delete the first time (a full tmpfs). Answered ``journal-failed`` with
+    ``retry_after_s``, the delete is sent again after it, within the shutdown's deadline, and goes through.
+    Before, the shutdown gave it up (``delete.failed``): the store held the blob for the gone orchestrator
+    until its grace ended, then reclaimed it ``holder-down``."""
+    with _holding_half_a_group(bus[1], tmp_path, "env-js") as (env, runtime, orchestrator):
         full = _Full(env, "drop")
         runtime.join(timeout=WAIT_S)
         assert full.failed == ["drop"]
         stats = env.stats()
         assert (orchestrator.failed_deletes, stats.deleted, stats.blobs_held) == (0, {"shutdown": 1}, 0), stats
-    finally:
-        runtime.join(timeout=WAIT_S)
-        env_runtime.join(timeout=WAIT_S)
 
 
 @pytest.mark.parametrize("final", [False, True])
@@ -733,20 +743,7 @@ def test_an_orchestrator_halted_on_a_deadline_leaves_what_it_holds_for_its_resta
     final halt (budgets that cannot hold a step) deletes what it holds at shutdown, as any stop. Before, every
     halt deleted everything: a world merely late past the orchestrator's wait cost the run its buffered
     rollouts, though the restart it exits for would have fed them."""
-    control = bus[1]
-    env_runtime, env = _durable_env(control, tmp_path, "env-jh")
-    settings = OrchestratorSettings(dispatch=False, trainers=1, group_size=2, groups_per_step=1, seq_len=64)
-    runtime = _node(control, "orchestrator", "orchestrator")
-    orchestrator = Orchestrator(runtime, settings)
-    env_runtime.start_background()
-    runtime.start_background()
-    try:
-        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
-        info = {"group": "g", "reward": 1.0, "samples": [{"input_ids": list(range(6)), "loss_mask": [0] * 5 + [1],
-                                                          "ref": 0}]}
-        env.keep("half", [random_arrays(6, seed=9, layers=2, top_k=2, k=2, max_count=2, routing_dtype=np.uint8)],
-                 info=info)
-        wait_for(lambda: env.stats().held_by == {"orchestrator": 1}, WAIT_S, "the orchestrator holding the blob")
+    with _holding_half_a_group(bus[1], tmp_path, "env-jh") as (env, runtime, orchestrator):
         runtime.call_soon(lambda: orchestrator._execute([Halt("a deadline ran out", final=final)]))
         assert runtime.loop_thread is not None
         runtime.loop_thread.join(timeout=WAIT_S)
@@ -756,14 +753,14 @@ def test_an_orchestrator_halted_on_a_deadline_leaves_what_it_holds_for_its_resta
             assert (env.stats().deleted, env.stats().blobs_held) == ({"shutdown": 1}, 0)
             return
         assert (env.stats().deleted, env.stats().held_by) == ({}, {"orchestrator": 1})
-        runtime = _node(control, "orchestrator", "orchestrator")
-        restarted = Orchestrator(runtime, settings)
-        runtime.start_background()
-        wait_for(lambda: restarted.claimed == 1, WAIT_S, "the restarted orchestrator claiming the blob back")
-        assert env.stats().held_by == {"orchestrator": 1} and env.stats().deleted == {}
-    finally:
-        runtime.join(timeout=WAIT_S)
-        env_runtime.join(timeout=WAIT_S)
+        again = _node(bus[1], "orchestrator", "orchestrator")
+        restarted = Orchestrator(again, HALF_GROUP)
+        again.start_background()
+        try:
+            wait_for(lambda: restarted.claimed == 1, WAIT_S, "the restarted orchestrator claiming the blob back")
+            assert env.stats().held_by == {"orchestrator": 1} and env.stats().deleted == {}
+        finally:
+            again.join(timeout=WAIT_S)
 
 
 def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_there_is_room(
@@ -806,6 +803,32 @@ def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_the
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _claimed_by_the_orchestrator(control: str, tmp_path: Path, env_id: str, rank_id: str, grace_s: float = 10.0
+                                 ) -> Iterator[tuple[NodeRuntime, EnvServer, NodeRuntime, Client, str]]:
+    """A durable env server ``env_id`` and a rank ``rank_id`` (a bare node: the test publishes its events), both
+    running in this process, and a client of the store; one blob kept and claimed by the orchestrator. Yields the
+    store's runtime, the store, the rank, the client and the blob id; all stopped at the end."""
+    env_runtime, env = _durable_env(control, tmp_path, env_id, grace_s)
+    rank = _node(control, rank_id)
+    ctx = zmq.Context()
+    env_runtime.start_background()
+    rank.start_background()
+    try:
+        (ref,) = env.keep("ep", [random_arrays(6, seed=5)])
+        client = _client(ctx, env.endpoint)
+        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
+            Claimed(blob_ids=[ref.blob_id])
+        try:
+            yield env_runtime, env, rank, client, ref.blob_id
+        finally:
+            client.close()
+    finally:
+        rank.join(timeout=WAIT_S)
+        env_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
 def test_a_hand_over_its_store_could_not_journal_waits_and_is_made_before_its_ranks_down(
         bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
     """A trainer rank takes over a blob the orchestrator claimed (its ``reference`` event) while its durable
@@ -816,38 +839,29 @@ def test_a_hand_over_its_store_could_not_journal_waits_and_is_made_before_its_ra
     ``holder-down`` with it when its grace ends, and the orchestrator's holdings no longer list it. Before, the
     event was logged and dropped: the blob stayed the orchestrator's, listed for its restart, and the rank's down
     found it holding nothing."""
-    control, grace_s = bus[1], 0.5
-    env_runtime, env = _durable_env(control, tmp_path, "env-jr", grace_s)
-    rank = _node(control, "trainer-jr")
-    codec = WireCodec("orchestrator")
-    ctx = zmq.Context()
-    env_runtime.start_background()
-    rank.start_background()
+    grace_s, codec, ctx = 0.5, WireCodec("orchestrator"), zmq.Context()
     try:
-        (ref,) = env.keep("ep", [random_arrays(6, seed=5)])
-        client = _client(ctx, env.endpoint)
-        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
-            Claimed(blob_ids=[ref.blob_id])
-        wait_for(lambda: "trainer-jr" in env._peers.live, WAIT_S, "the store knowing the rank")
-        full = _Full(env, "move", once=False)
-        rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jr", blob_ids=[ref.blob_id])))
-        wait_for(lambda: full.failed, WAIT_S, "the hand-over's journal write failing")
-        holdings = codec.encode(HoldingsQuery(holder="orchestrator"), msg_id=codec.new_id())
-        refused = _send(ctx, env.endpoint, codec, holdings)
-        assert isinstance(refused, Error) and refused.code == "journal-failed" and refused.retry_after_s > 0, refused
-        rank.join(timeout=WAIT_S)  # bye: the broker reports it down
-        wait_for(lambda: "trainer-jr" in env._peers.down, WAIT_S, "the rank's down reaching the store")
-        assert accounted(client).held_by == {"orchestrator": 1}
-        full.room()
-        wait_for(lambda: accounted(client).reclaimed == {"trainer-jr": 1}, 10 * grace_s, "the rank's blob reclaimed")
-        ops = _ops(env)
-        assert ops[ops.index("move"):] == ["move", "holder-down", "drop", "holder-settled"], ops
-        held = _send(ctx, env.endpoint, codec, holdings)  # the same request: an error answer is not cached
-        assert isinstance(held, Held) and held.episodes == [], held
-        client.close()
+        with _claimed_by_the_orchestrator(bus[1], tmp_path, "env-jr", "trainer-jr", grace_s) as \
+                (_, env, rank, client, blob_id):
+            wait_for(lambda: "trainer-jr" in env._peers.live, WAIT_S, "the store knowing the rank")
+            full = _Full(env, "move", once=False)
+            rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jr", blob_ids=[blob_id])))
+            wait_for(lambda: full.failed, WAIT_S, "the hand-over's journal write failing")
+            holdings = codec.encode(HoldingsQuery(holder="orchestrator"), msg_id=codec.new_id())
+            refused = _send(ctx, env.endpoint, codec, holdings)
+            assert isinstance(refused, Error) and refused.code == "journal-failed", refused
+            assert refused.retry_after_s > 0, refused
+            rank.join(timeout=WAIT_S)  # bye: the broker reports it down
+            wait_for(lambda: "trainer-jr" in env._peers.down, WAIT_S, "the rank's down reaching the store")
+            assert accounted(client).held_by == {"orchestrator": 1}
+            full.room()
+            wait_for(lambda: accounted(client).reclaimed == {"trainer-jr": 1}, 10 * grace_s,
+                     "the rank's blob reclaimed")
+            ops = _ops(env)
+            assert ops[ops.index("move"):] == ["move", "holder-down", "drop", "holder-settled"], ops
+            held = _send(ctx, env.endpoint, codec, holdings)  # the same request: an error answer is not cached
+            assert isinstance(held, Held) and held.episodes == [], held
     finally:
-        rank.join(timeout=WAIT_S)
-        env_runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
 
 
@@ -860,28 +874,18 @@ def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_
     back as a new process does), where waiting on grew its memory with the cluster's event rate without end.
     Before, every hand-over heard waited, whoever's blobs it named, and the queue had no bound."""
     monkeypatch.setattr(env_server_module, "WAITING_MAX", 8)
-    control = bus[1]
-    env_runtime, env = _durable_env(control, tmp_path, "env-jw")
-    rank = _node(control, "trainer-jw")
-    ctx = zmq.Context()
-    env_runtime.start_background()
-    rank.start_background()
-    try:
-        (ref,) = env.keep("ep", [random_arrays(6, seed=5)])
-        client = _client(ctx, env.endpoint)
-        assert client.request(Claim(blob_ids=[ref.blob_id], holder="orchestrator")).body == \
-            Claimed(blob_ids=[ref.blob_id])
-        client.close()
+    with _claimed_by_the_orchestrator(bus[1], tmp_path, "env-jw", "trainer-jw") as \
+            (env_runtime, env, rank, _, blob_id):
         full = _Full(env, "move", once=False)
         foreign = [f"elsewhere-{i}" for i in range(64)]
         for _ in range(3):
             rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jw", blob_ids=foreign)))
-        rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jw", blob_ids=[ref.blob_id])))
+        rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-jw", blob_ids=[blob_id])))
         wait_for(lambda: full.failed, WAIT_S, "the hand-over's journal write failing")
         assert [action for action, _, _ in env._waiting] == ["reference"] and not env.abandoned
         for step in range(2, 10):
             rank.call_soon(lambda step=step: rank.publish(Reference(step=step, holder="trainer-jw",
-                                                                    blob_ids=[ref.blob_id])))
+                                                                    blob_ids=[blob_id])))
         assert env_runtime.loop_thread is not None
         env_runtime.loop_thread.join(timeout=WAIT_S)
         assert not env_runtime.loop_thread.is_alive() and "WAITING_MAX" not in env.abandoned
@@ -891,10 +895,6 @@ def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_
         with pytest.raises(KeepError) as refused:  # an embedder's keep: refused for good, not journal-failed
             env.keep("after", [random_arrays(6, seed=6)])
         assert refused.value.code == "closed" and not refused.value.retry_after_s
-    finally:
-        rank.join(timeout=WAIT_S)
-        env_runtime.join(timeout=WAIT_S)
-        ctx.destroy(linger=0)
 
 
 def test_a_holders_down_and_back_change_nothing_until_their_records_are_journaled(
@@ -987,9 +987,7 @@ def test_a_hand_over_published_while_its_store_was_dead_is_reclaimed_with_its_ra
     control, grace_s = bus[1], 1.0
     command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-k", grace_s)
     runtime = _node(control, "orchestrator", "orchestrator")
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                              groups_per_step=1, seq_len=64),
-                                Deadlines(restart_grace_s=10 * WAIT_S))
+    orchestrator = Orchestrator(runtime, HALF_GROUP, Deadlines(restart_grace_s=10 * WAIT_S))
     ctx = zmq.Context()
     ranks: list[multiprocessing.process.BaseProcess] = []
     steps, child = multiprocessing.get_context("spawn").Pipe()

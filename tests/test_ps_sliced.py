@@ -267,6 +267,17 @@ def _open_victim(prefix: str) -> None:
     sys.stdin.read()
 
 
+def _sigkill_once(args: list[str], says: str) -> None:
+    """Run this module as a script with ``args`` (a worker stopped midway), and SIGKILL it once it ``says`` so."""
+    victim = subprocess.Popen([sys.executable, str(HERE), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              bufsize=0)
+    try:
+        assert read_line(victim, 30) == says
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
 def test_a_worker_killed_while_making_a_push_segment_leaves_nothing_in_dev_shm_after_a_restart() -> None:
     """A worker SIGKILLed while a push's segment is made leaves the partial file; the next worker's start under
     that prefix removes it, and nothing of the prefix is left in /dev/shm once that one closes."""
@@ -274,13 +285,7 @@ def test_a_worker_killed_while_making_a_push_segment_leaves_nothing_in_dev_shm_a
     if free < 2 * OPEN_BYTES:
         pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {OPEN_BYTES >> 20} MiB shard")
     prefix = f"open-victim-{os.getpid()}"
-    victim = subprocess.Popen([sys.executable, str(HERE), "open", prefix], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, bufsize=0)
-    try:
-        assert read_line(victim, 30) == "making"
-    finally:
-        victim.kill()
-        victim.wait(10)
+    _sigkill_once(["open", prefix], "making")
     try:
         assert [p.stat().st_size for p in _made(Path("/dev/shm"), prefix)] == [ALLOCATE_SLICE_BYTES]
         runtime, _ = _worker(Path("/dev/shm"), "w0", prefix)
@@ -308,13 +313,7 @@ def test_a_worker_killed_mid_seal_leaves_nothing_a_restarted_one_keeps(tmp_path:
     """A worker SIGKILLed with its seal half hashed has told the manager nothing (no commit goes before the
     seal is verified: the manager never lists that copy, and the pusher's push fails over as for any dead
     worker); the segment file it left is removed by the next worker's start."""
-    victim = subprocess.Popen([sys.executable, str(HERE), str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, bufsize=0)
-    try:
-        assert read_line(victim, 30) == "hashing"
-    finally:
-        victim.kill()
-        victim.wait(10)
+    _sigkill_once([str(tmp_path)], "hashing")
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith("victim.")]
     assert any(p.stat().st_size == segment_bytes(SEAL_BYTES) for p in tmp_path.iterdir()), left
     runtime, worker = _worker(tmp_path, "w0", "victim")
