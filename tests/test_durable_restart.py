@@ -895,6 +895,9 @@ def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_
         with pytest.raises(KeepError) as refused:  # an embedder's keep: refused for good, not journal-failed
             env.keep("after", [random_arrays(6, seed=6)])
         assert refused.value.code == "closed" and not refused.value.retry_after_s
+        with pytest.raises(KeepError) as refused:  # nor a discard (before: an OSError for ever, "call again")
+            env.discard("ep")
+        assert refused.value.code == "closed"
 
 
 def test_a_holders_down_and_back_change_nothing_until_their_records_are_journaled(

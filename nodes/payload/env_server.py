@@ -515,11 +515,14 @@ class EnvServer:
 
         Raises:
             ValueError: ``reason`` is not one of ``DELETE_REASONS``; nothing deleted.
+            KeepError: ``closed``, the node ended as a crash would (its store is its restarted process's).
             OSError: the durable store could not journal it (a full tmpfs); nothing deleted, call again.
         """
         if (refused := _unknown_reason("discard", reason)) is not None:
             raise ValueError(refused)
         with self._lock:
+            if self.abandoned:
+                raise KeepError("closed", f"episode {episode_id!r}: the env server ended ({self.abandoned})")
             result = self.keeper.discard(episode_id, reason, commit=self._journal_dropped())
             self._released(result)
             if result.deleted:
@@ -939,6 +942,8 @@ class EnvServer:
             with self._lock:
                 if self.journal is not None:
                     self.journal.close(remove=False)
+            if self.runtime.publisher is not None:
+                self._flush_outbox()  # what was made before the end (a discard's delete) is told
             return
         with self._lock:
             result = self.keeper.close()
