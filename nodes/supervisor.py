@@ -24,7 +24,9 @@ that exits 0 has finished its steps). Restarts come out of one budget per run
 ran :data:`STABLE_FACTOR` times the longest backoff before it died: a node that crashes once an hour is
 restarted as promptly as after its first crash. The orchestrator's backoff is at most half
 ``node.restart_grace_s``: its stores reclaim what it held once the grace ends, and its restarted process needs
-the other half to start and claim it back (a later restart would lose all of it).
+the other half to start and claim it back (a later restart would lose all of it). An env server's likewise: the
+orchestrator declares a store's blobs lost once it has been down that grace, though a durable store's restarted
+process would have served them.
 
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
 step, a step batch no message can carry) decided that the run cannot go on; a restart would only decide it
@@ -65,7 +67,8 @@ log = structlog.get_logger(__name__)
 
 BROKER = "bus"  # the broker's node name in `refbus up`
 ORCHESTRATOR = "orchestrator"
-RESTARTABLE_PREFIXES = ("env-", "rollout-", "ps-worker-", "ps-manager", ORCHESTRATOR, BROKER)
+ENV_PREFIX = "env-"
+RESTARTABLE_PREFIXES = (ENV_PREFIX, "rollout-", "ps-worker-", "ps-manager", ORCHESTRATOR, BROKER)
 """Node names (as `refbus up` gives them) of the roles that are restarted under the same id."""
 TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under
@@ -315,7 +318,7 @@ class Supervisor:
         if now - self._running_since.get(key, self.started) >= STABLE_FACTOR * self.backoff_s * MAX_BACKOFF_FACTOR:
             self._per_node[key] = 0  # it ran long enough: this death is no crash loop
         delay = self.backoff_s * min(2 ** self._per_node[key], MAX_BACKOFF_FACTOR)
-        if name == ORCHESTRATOR and self.holder_grace_s > 0:
+        if (name == ORCHESTRATOR or name.startswith(ENV_PREFIX)) and self.holder_grace_s > 0:
             delay = min(delay, self.holder_grace_s / 2)
         return delay
 
