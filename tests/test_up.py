@@ -78,8 +78,11 @@ class Up:
                  "--summary-out", str(self.summary_path), "--plot-out", str(self.plot_path), *flags],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0)
 
-    def output(self, chars: int = 4000) -> str:
-        return self.output_path.read_text(errors="replace")[-chars:]
+    def output(self, chars: int | None = 4000) -> str:
+        """What ``refbus up`` printed: the last ``chars`` characters (for a message), or all of it (None: to look
+        for a line, however much the nodes logged after it)."""
+        said = self.output_path.read_text(errors="replace")
+        return said if chars is None else said[-chars:]
 
     def alive(self) -> bool:
         assert self.proc.poll() is None, f"refbus up exited with {self.proc.returncode}:\n{self.output()}"
