@@ -605,7 +605,7 @@ def test_a_dual_stack_metrics_host_name_is_checked_in_the_family_of_the_nodes_co
     """A node's host name that resolves to an IPv4 and an IPv6 address (dual-stack DNS) is accepted over either
     family when every address of that family is the node's own; one more address of that family elsewhere, or
     none of it, is refused."""
-    records = {"gpu-node-7.cluster": ["10.20.0.7", "fd00:20::7"], "two-hosts.cluster": ["10.20.0.7", "10.20.0.8",
+    records = {"gpu-node-7.cluster": ["198.18.20.7", "fd00:20::7"], "two-hosts.cluster": ["198.18.20.7", "198.18.20.8",
                "fd00:20::7"], "v6-only.cluster": ["fd00:20::7"]}
 
     def getaddrinfo(host: str, port: None, **_: Any) -> list[tuple[Any, ...]]:
@@ -613,8 +613,8 @@ def test_a_dual_stack_metrics_host_name_is_checked_in_the_family_of_the_nodes_co
                 for a in records[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    for peer in ("10.20.0.7", "::ffff:10.20.0.7", "fd00:20::7"):
+    for peer in ("198.18.20.7", "::ffff:198.18.20.7", "fd00:20::7"):
         assert bus_broker.resolved_problem("gpu-node-7.cluster", peer) == "", peer
-    assert "'10.20.0.8' is not the node's own address" in bus_broker.resolved_problem("two-hosts.cluster",
-                                                                                       "10.20.0.7")
-    assert "resolves to no IPv4 address" in bus_broker.resolved_problem("v6-only.cluster", "10.20.0.7")
+    assert "'198.18.20.8' is not the node's own address" in bus_broker.resolved_problem("two-hosts.cluster",
+                                                                                       "198.18.20.7")
+    assert "resolves to no IPv4 address" in bus_broker.resolved_problem("v6-only.cluster", "198.18.20.7")
