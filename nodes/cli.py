@@ -20,6 +20,7 @@ from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
 from ..bus.security import SecurityError, generate
 from ..bus.sockets import CannotBind
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
+from .halting import CONFIG_STATUS, Transient
 
 DESCRIPTION = """\
 refbus: the data plane for asynchronous RL. Per-token training arrays stay on the env servers that made
@@ -289,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args)
     except ConfigError as exc:
         print(f"refbus: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_STATUS
     # Commands a person runs in a terminal log warnings only: their output is the point, not the log.
     level = config.node.log_level if args.command == "node" else "warning"
     configure_logging(level, config.node.log_format,  # type: ignore[arg-type]
@@ -303,10 +304,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(config: Config, args: argparse.Namespace) -> int:
-    """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key or an address
-    another process holds is a message and status 1, config a role finds unusable (a trainer rank without
-    ``$RANK``) a message and status 2 (as at load), Ctrl-C status 130, an output whose reader went away (a pipe to
-    ``head``) status 141 (128 + SIGPIPE, as a shell reports a tool SIGPIPE killed)."""
+    """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key, an address
+    another process holds or a :class:`~.halting.Transient` failure (a durable store its predecessor still holds)
+    is a message and status 1 (restartable), config a role finds unusable (a trainer rank without ``$RANK``, an
+    env server's entry point that cannot be loaded) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
+    final), Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as
+    a shell reports a tool SIGPIPE killed)."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -335,12 +338,12 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (BusUnavailable, SecurityError, CannotBind) as exc:
+    except (BusUnavailable, SecurityError, CannotBind, Transient) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
     except ConfigError as exc:
         print(f"refbus: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_STATUS
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # its reader went away (`refbus top --json | head -1`): done, as a SIGPIPE would end it

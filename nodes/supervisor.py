@@ -29,10 +29,13 @@ orchestrator declares a store's blobs lost once it has been down that grace, tho
 process would have served them.
 
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
-step, a step batch no message can carry) decided that the run cannot go on; a restart would only decide it
-again (and measure again for as long as the budget lasts), so it is never restarted, whatever its role: the run
-ends at once, named after the node and the reason its last words give (:func:`~.halting.halt_reason`), its death
-reported ``exit 4, halted``.
+step, a step batch no message can carry) decided that the run cannot go on, and one that exits
+:data:`~.halting.CONFIG_STATUS` (2: argparse's usage errors, a config refused at load or by its role, a durable
+store that cannot be used as found) cannot run as configured; a restart would only decide it again (and measure
+again for as long as the budget lasts), so neither is ever restarted, whatever its role: the run ends at once,
+named after the node and the reason its last words give (:func:`~.halting.final_reason`), its death reported
+``exit 4, halted`` or ``exit 2, config``. What can clear by itself (a store lock its predecessor, not yet dead,
+still holds; an address it still binds) exits 1, as a crash: restarted.
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the
@@ -60,7 +63,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from .halting import HALTED_STATUS, halt_reason
+from .halting import FINAL_STATUSES, HALTED_STATUS, final_reason
 from .launch import NodeProcess
 
 log = structlog.get_logger(__name__)
@@ -74,7 +77,7 @@ TRAINER_PREFIX = "trainer-"
 WORLD = "trainer world"  # the name the world's restart is due under
 MAX_BACKOFF_FACTOR = 16
 STABLE_FACTOR = 4  # a node that ran this many longest backoffs before it died was in no crash loop
-HALT_TAIL_LINES = 20  # of a halted node's log, searched for its reason: its last words, a thread may log after
+HALT_TAIL_LINES = 20  # of a node's log that exited final, searched for why: a halt's words, a thread may log after
 
 
 class Cluster(Protocol):
@@ -282,12 +285,13 @@ class Supervisor:
         # A death is handled once: what was noted about this process is not needed again.
         self._hung.discard(process)
         self._deliberate.discard(process)
-        halted = code == HALTED_STATUS
-        exit_text = describe_exit(code) + (", hung" if hung else ", halted" if halted else "")
+        final = FINAL_STATUSES.get(code, "")
+        exit_text = describe_exit(code) + (", hung" if hung else f", {final}" if final else "")
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
-        if halted:  # it decided the run cannot go on: a restart would decide it again
-            why = f"{node.name} halted the run ({exit_text}): {halt_reason(node.log_tail(HALT_TAIL_LINES))}"
+        if final:  # it halted the run, or cannot run as configured: a restart would decide it again
+            what = "halted the run" if code == HALTED_STATUS else "cannot run as configured"
+            why = f"{node.name} {what} ({exit_text}): {final_reason(code, node.log_tail(HALT_TAIL_LINES))}"
         elif not restartable(node.name, worlds=self.world_restarts):
             why = f"{node.name} died ({exit_text}); it is not restartable: the run cannot go on"
         elif not deliberate and self.charged >= self.budget:

@@ -14,17 +14,20 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from conftest import FAST_LIVENESS
-from polling import wait_for
+from polling import read_line, wait_for
 from refbus.nodes.halting import HALTED_PREFIX, HALTED_STATUS
+from refbus.nodes.launch import NodeProcess
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
-from refbus.nodes.supervisor import Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
+from refbus.nodes.supervisor import MAX_BACKOFF_FACTOR, Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
 from stalling_entry_points import STALL_ENV, STALL_UNTIL_ENV
 from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted, log_events
 
@@ -621,3 +624,100 @@ def test_a_later_process_with_a_chaos_or_hung_victims_pid_is_supervised_as_any_o
         ("env-0", 101, "SIGKILL"), ("orchestrator", 103, "SIGKILL, hung"), ("rollout-0", 102, "exit 1"),
         ("env-0", 201, "exit 1"), ("rollout-0", 103, "exit 1"), ("env-0", 101, "exit 1"),
         ("rollout-0", 103, "SIGKILL, hung")]
+
+
+# --- final and transient refusals, on real node processes --------------------------------------------------
+
+BACKOFF_S = 0.2
+# A supervised node comes up, or its restarts end, within a start plus the longest backoff.
+SUPERVISED_S = START_S + MAX_BACKOFF_FACTOR * BACKOFF_S
+
+
+class _Processes:
+    """The launcher's cluster, cut down: real ``refbus node`` processes (``spawn``), one command per name."""
+
+    def __init__(self, spawn: Callable[..., NodeProcess], commands: dict[str, list[str]]) -> None:
+        self.spawn, self.commands = spawn, commands
+        self.nodes: list[NodeProcess] = [spawn(command, name) for name, command in commands.items()]
+        self.restarted: list[str] = []
+
+    def restart(self, dead: NodeProcess) -> NodeProcess:
+        dead.stop()
+        node = self.spawn(self.commands[dead.name], dead.name)
+        self.nodes[self.nodes.index(dead)] = node
+        self.restarted.append(dead.name)
+        return node
+
+    def restart_world(self) -> list[NodeProcess]:
+        raise AssertionError("no trainer world here")
+
+
+def _supervised(supervisor: Supervisor, until: Callable[[], object]) -> Callable[[], object]:
+    """A predicate for ``wait_for`` that polls ``supervisor`` first, failing once the run would end."""
+
+    def step() -> object:
+        why = supervisor.poll()
+        assert why is None, why
+        return until()
+
+    return step
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--env-server-high-water", "5"], "env_server.high_water must be above 0 and at most 1, got 5.0"),
+    (["--env-server-score", "no_such_module:score"], "entry point 'no_such_module:score' cannot be loaded"),
+], ids=["at-load", "in-its-role"])
+def test_a_node_whose_config_cannot_work_is_never_restarted_and_the_run_ends_naming_it(
+        spawn, tmp_path: Path, flags: list[str], says: str) -> None:
+    """An env server refused its config (exit status 2): at load, or in its role (an entry point it cannot load).
+    Before, it was restarted with backoff, to refuse the same config again, until the restart budget was spent.
+    Now the run ends at once, named after the node and its refusal's last line; nothing is restarted."""
+    command = ["node", "env-server", "--node-id", "env-0", "--bus-control", "tcp://127.0.0.1:1", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "refused", "--env-server-budget-bytes", str(1 << 20), *flags]
+    cluster = _Processes(spawn, {"env-0": command})
+    supervisor = Supervisor(cluster, budget=3, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
+    why = wait_for(supervisor.poll, SUPERVISED_S, "the run to end")
+    assert why.startswith(f"env-0 cannot run as configured (exit 2, config): {says}"), why
+    assert cluster.restarted == [] and supervisor.fatal == ["env-0"], why
+    assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("env-0", "exit 2, config", False)]
+
+
+HOLD_STORE = """
+import sys
+from refbus.nodes.store.durable import DurableStore
+store = DurableStore(sys.argv[1], sys.argv[2], sys.argv[3], budget_bytes=0, what="a test's hold")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_durable_env_server_whose_store_a_live_process_holds_is_restarted_until_it_is_let_go(
+        bus, spawn, tmp_path: Path) -> None:
+    """Another live process holds env-0's durable store (as a predecessor not yet dead would): env-0 says who
+    holds it and exits 1, a failure that clears by itself, so it is restarted, and it comes up once the holder
+    is SIGKILLed. Before, it exited 2, the status of a config that cannot work."""
+    _, control = bus
+    shm, run = tmp_path / "shm", "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_STORE, str(shm), run, "env-0"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, bufsize=0)
+    try:
+        assert read_line(holder, START_S) == "held"
+        command = ["node", "env-server", "--node-id", "env-0", "--bus-control", control, *FAST_LIVENESS,
+                   "--store-directory", str(shm), "--store-run", run, "--env-server-budget-bytes", str(1 << 20)]
+        cluster = _Processes(spawn, {"env-0": command})
+        supervisor = Supervisor(cluster, budget=10, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
+        wait_for(_supervised(supervisor, lambda: supervisor.deaths), SUPERVISED_S, "env-0 refused the held store")
+        refused = supervisor.deaths[0]
+        assert refused.exit == "exit 1", cluster.nodes[0].log_tail()
+        assert f"refbus: store {shm}/" in cluster.nodes[0].log_tail()
+        assert f"is held by process {holder.pid}" in cluster.nodes[0].log_tail()
+        holder.kill()
+        holder.wait()
+        wait_for(_supervised(supervisor, lambda: cluster.nodes[0].ready_file.exists()), SUPERVISED_S,
+                 "env-0 up once the holder is gone")
+        assert cluster.restarted and set(cluster.restarted) == {"env-0"} and supervisor.fatal == []
+        assert {d.exit for d in supervisor.deaths} == {"exit 1"}
+    finally:
+        holder.kill()
+        holder.wait()

@@ -116,9 +116,9 @@ from ...protocol.messages_ps import (
     ShardCommit,
     WorkerInfo,
 )
-from ..config import Config
+from ..config import Config, ConfigError
 from ..settings import PsSettings
-from ..store.durable import DurableStore, StoreError
+from ..store.durable import DurableStore, StoreError, StoreLocked
 from . import manifest as mf
 from .broadcast import InitRound, rounds
 from .leases import RESTARTED, Lease, LeaseTable
@@ -919,8 +919,10 @@ class PsManager:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node ps-manager``: serve the control plane until SIGINT/SIGTERM. With ``store.durable`` its
-    journal lives in the store directory under its node id: a process restarted under that id replays it. Exits
-    2 when the journal cannot be used (held by a live process, or not a ps-manager journal), naming it."""
+    journal lives in the store directory under its node id: a process restarted under that id replays it. Raises
+    :class:`~..config.ConfigError` (final: exit status 2) when the journal cannot be used (not a ps-manager journal,
+    garbage after its records), naming it; :class:`~..store.durable.StoreLocked` (exit 1: restarted) when a live
+    process holds it."""
     runtime = NodeRuntime("ps-manager", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         journal = None
@@ -934,9 +936,12 @@ def run(config: Config, args: argparse.Namespace) -> int:
             if journal is not None:
                 journal.close(remove=False)  # refused as found: left for the operator to inspect
             raise
+    except StoreLocked:  # its predecessor, not yet dead, may hold it: status 1 (cli), restarted until it exits
+        runtime.close()
+        raise
     except StoreError as exc:
         log.error("ps.journal_unusable", error=str(exc))
         runtime.close()
-        return 2
+        raise ConfigError(str(exc)) from None  # final: said last on stderr (cli), exit status 2
     runtime.run()
     return 0

@@ -76,9 +76,9 @@ from ...protocol.messages_ps import (
     ShardWrite,
     WorkerInfo,
 )
-from ..config import Config
+from ..config import Config, ConfigError
 from ..settings import PsSettings, StoreSettings
-from ..store.durable import DurableStore, StoreError
+from ..store.durable import DurableStore, StoreError, StoreLocked
 from .broadcast import Relay, parent
 from .host_proof import NonceFile, boot_id
 from .nixl import NixlError, NixlExport, require_nixl
@@ -739,21 +739,27 @@ def _half_of(directory: Path) -> int:
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
-    """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit."""
+    """``refbus node ps-worker``: serve shards until SIGINT/SIGTERM; every segment is unlinked at exit. Raises
+    :class:`~..config.ConfigError` (final: exit status 2) without NIXL where ``ps.transport`` asks for it, or for a
+    store that cannot be used, :class:`~..store.durable.StoreLocked` (exit 1: restarted) for a store another live
+    process holds."""
     if config.ps.transport == "nixl":  # readers will ask for NIXL reads: refuse to start without it
         try:
             require_nixl()
         except NixlError as exc:
             log.error("ps.nixl_missing", error=str(exc))
-            return 2
+            raise ConfigError(str(exc)) from None
     runtime = NodeRuntime("ps-worker", config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     try:
         worker = PsWorker(runtime, config.ps, register_timeout_s=config.node.connect_timeout_s, store=config.store,
                           run=config.store_run())
+    except StoreLocked:  # its predecessor, not yet dead, may hold it: status 1 (cli), restarted until it exits
+        runtime.close()
+        raise
     except StoreError as exc:
         log.error("ps.store_unusable", error=str(exc))
         runtime.close()
-        return 2
+        raise ConfigError(str(exc)) from None  # final: said last on stderr (cli), exit status 2
     try:
         worker.register()
     except BaseException:

@@ -57,6 +57,7 @@ import numpy as np
 import structlog
 
 from ...protocol.codec import checksum
+from ..halting import Transient
 from . import journal
 
 log = structlog.get_logger(__name__)
@@ -79,8 +80,10 @@ class StoreError(RuntimeError):
     """The store cannot be opened or used as configured; the message says why and what to change."""
 
 
-class StoreLocked(StoreError):
-    """Another live process serves this store (``pid``)."""
+class StoreLocked(StoreError, Transient):
+    """Another live process serves this store (``pid``): transient, since that may be the predecessor of a restarted
+    process, not yet dead (``refbus node`` exits 1 on it, and is restarted, where other refusals of a store are
+    final)."""
 
     def __init__(self, path: Path, pid: int) -> None:
         self.pid = pid
