@@ -304,12 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(config: Config, args: argparse.Namespace) -> int:
-    """Run the command ``args`` names; its exit status. A bus that cannot be reached, a refused key, an address
-    another process holds or a :class:`~.halting.Transient` failure (a durable store its predecessor still holds)
-    is a message and status 1 (restartable), config a role finds unusable (a trainer rank without ``$RANK``, an
-    env server's entry point that cannot be loaded) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
-    final), Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as
-    a shell reports a tool SIGPIPE killed)."""
+    """Run the command ``args`` names; its exit status. A bus that cannot be reached, an address the operating
+    system refuses (another process holds it) or a :class:`~.halting.Transient` failure (a durable store its
+    predecessor still holds) is a message and status 1 (restartable), config a role finds unusable (a trainer rank
+    without ``$RANK``, an env server's entry point that cannot be loaded) or security refuses (a key file, an
+    unprotected address other hosts reach) a message and :data:`~.halting.CONFIG_STATUS` (as at load: final),
+    Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as a
+    shell reports a tool SIGPIPE killed)."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -338,10 +339,10 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (BusUnavailable, SecurityError, CannotBind, Transient) as exc:
+    except (BusUnavailable, CannotBind, Transient) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
-    except ConfigError as exc:
+    except (ConfigError, SecurityError) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return CONFIG_STATUS
     except KeyboardInterrupt:
