@@ -6,16 +6,20 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from .config import ConfigError
+
 
 def load_entry_point(spec: str) -> Callable[..., Any]:
-    """The callable ``spec`` names; a clear ``ValueError`` when it is malformed, missing or not callable."""
+    """The callable ``spec`` names; a clear :class:`~.config.ConfigError` (a ``ValueError``) when it is malformed,
+    missing or not callable: the config names what cannot work, so a node exits with the final status 2
+    (``halting.CONFIG_STATUS``), never restarted to fail the same way again."""
     module, _, attribute = spec.partition(":")
     if not module or not attribute:
-        raise ValueError(f"entry point {spec!r} must look like 'package.module:attribute'")
+        raise ConfigError(f"entry point {spec!r} must look like 'package.module:attribute'")
     try:
         target = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"entry point {spec!r} cannot be loaded: {exc}") from None
+        raise ConfigError(f"entry point {spec!r} cannot be loaded: {exc}") from None
     if not callable(target):
-        raise ValueError(f"entry point {spec!r} is not callable")
+        raise ConfigError(f"entry point {spec!r} is not callable")
     return target

@@ -672,16 +672,20 @@ UNPROTECTED = "tcp://198.18.0.1:0"  # other hosts would reach it: refused with n
     ([*REFUSING_ENV, "--env-server-high-water", "5"], "env_server.high_water must be above 0 and at most 1, got 5.0"),
     ([*REFUSING_ENV, "--env-server-score", "no_such_module:score"],
      "entry point 'no_such_module:score' cannot be loaded"),
-    (["node", "bus", "--bus-control", UNPROTECTED, "--bus-metrics-port", "0", "--security-insecure", "false"],
-     f"refusing to bind {UNPROTECTED}: other hosts could reach it"),
-], ids=["at-load", "in-its-role", "refused-by-security"])
+    (["node", "bus", "--node-id", "bus", "--bus-control", UNPROTECTED, "--bus-metrics-port", "0",
+      "--security-insecure", "false"], f"refusing to bind {UNPROTECTED}: other hosts could reach it"),
+    (["node", "orchestrator", "--node-id", "orchestrator", "--bus-control", "tcp://127.0.0.1:1",
+      "--orchestrator-dispatch", "true", "--orchestrator-prompt", "no_such_module:prompt"],
+     "entry point 'no_such_module:prompt' cannot be loaded"),
+], ids=["at-load", "in-its-role", "refused-by-security", "an-entry-point"])
 def test_a_node_whose_config_cannot_work_is_never_restarted_and_the_run_ends_naming_it(
         spawn, tmp_path: Path, command: list[str], says: str) -> None:
     """A node refused its config (exit status 2): an env server's at load, or in its role (an entry point it cannot
-    load); a broker's address, which security refuses to bind unprotected (before: exit 1, as a crash). Before,
-    it was restarted with backoff, to refuse the same config again, until the restart budget was spent. Now the
-    run ends at once, named after the node and its refusal's last line; nothing is restarted."""
-    name = "bus" if command[1] == "bus" else "env-0"
+    load); a broker's address, which security refuses to bind unprotected, and an orchestrator's prompt entry
+    point it cannot load (before: exit 1, as a crash). Before, it was restarted with backoff, to refuse the same
+    config again, until the restart budget was spent. Now the run ends at once, named after the node and its
+    refusal's last line; nothing is restarted."""
+    name = command[command.index("--node-id") + 1]
     cluster = _Processes(spawn, {name: [*command, "--store-directory", str(tmp_path / "shm")]})
     supervisor = Supervisor(cluster, budget=3, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
     why = wait_for(supervisor.poll, SUPERVISED_S, "the run to end")

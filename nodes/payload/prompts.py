@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import ConfigError
 from ..entry_points import load_entry_point
 
 MakePrompt = Callable[[np.random.Generator], Sequence[int]]
@@ -58,8 +59,10 @@ def as_prompt_source(target: object) -> PromptSource:
     ``status`` used where it has them), any other callable as a fixed ``make_prompt``.
 
     Raises:
-        ValueError: a class that cannot be built with no argument or has no callable ``make_prompt``, or
-            something that is not callable.
+        ConfigError: a class with no callable ``make_prompt``, or something that is not callable (final: the
+            config names what cannot work).
+        ValueError: a class whose building with no argument raised (user code: it may have failed for a
+            while only, so a node exits as a crash, restartable).
     """
     if isinstance(target, PromptSource):
         return target
@@ -70,11 +73,11 @@ def as_prompt_source(target: object) -> PromptSource:
             raise ValueError(f"prompt source {target.__name__}() could not be built: {exc!r}") from exc
         make_prompt = getattr(instance, "make_prompt", None)
         if not callable(make_prompt):
-            raise ValueError(f"prompt source {target.__name__} has no make_prompt(rng) method")
+            raise ConfigError(f"prompt source {target.__name__} has no make_prompt(rng) method")
         return PromptSource(make_prompt, getattr(instance, "observe", _hears_nothing),
                             getattr(instance, "status", dict))
     if not callable(target):
-        raise ValueError(f"prompt source {target!r} is neither a function nor a class")
+        raise ConfigError(f"prompt source {target!r} is neither a function nor a class")
     return PromptSource(target)  # type: ignore[arg-type]
 
 
