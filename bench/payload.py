@@ -164,25 +164,36 @@ def step_fetcher(holder: str) -> Iterator[tuple[StepFetcher, Calls]]:
 
 def checked_fetches(fetcher: StepFetcher, calls: Calls, batches: Sequence[MicroBatchRefs],
                     expected: Mapping[str, np.ndarray], runs: int) -> list[tuple[float, float]]:
-    """``runs`` steps of ``fetcher`` (start + finish) over ``batches``; (total, transfer) seconds of each, as the
-    fetcher times them. Before each step every buffer its pool will reuse (the previous step's tensors) is
-    filled with ``SENTINEL``, and after it every sample is checked against ``expected`` (blob id -> its rows):
-    both off the clock, so a step that wrote nothing, or put one blob's rows in another's place, fails instead
-    of passing on an earlier step's bytes.
+    """``runs`` steps of ``fetcher`` over ``batches`` (start, then finish while another thread drives the requests,
+    as a rank's node loop does); (total, transfer) seconds of each, as the fetcher times them. Before each step
+    every buffer its pool will reuse (the previous step's tensors) is filled with ``SENTINEL``, and after it every
+    sample is checked against ``expected`` (blob id -> its rows): both off the clock, so a step that wrote
+    nothing, or put one blob's rows in another's place, fails instead of passing on an earlier step's bytes.
 
     Raises:
         BenchError: a fetch failed or outlived its deadline, or a step assembled other rows than ``expected``.
     """
     from refbus.nodes.payload.assemble import AssembledBatch
+    from refbus.nodes.payload.fetcher import FetchUnfinished
 
     seconds = []
     previous: Sequence[Any] = ()
     for step in range(runs):
         fill_sentinel(previous)
         in_flight = fetcher.start(step, batches)
-        if not calls.run_until(lambda fetch=in_flight: fetch.done, 2 * PATIENT.deadline_s):
+        # As in a trainer rank: one thread drives the requests (its node loop), this one assembles what has come.
+        driven: list[bool] = []
+        loop = threading.Thread(target=lambda fetch=in_flight, ended=driven: ended.append(
+            calls.run_until(lambda: fetch.done, 2 * PATIENT.deadline_s)), name="bench-loop")
+        loop.start()
+        try:
+            result = fetcher.finish(in_flight, timeout_s=3 * PATIENT.deadline_s)
+        except FetchUnfinished as exc:
+            raise BenchError(f"refbus fetch: {exc}") from None
+        finally:
+            loop.join()
+        if driven != [True]:
             raise BenchError("refbus fetch: requests outlived their deadline")
-        result = fetcher.finish(in_flight)
         if result.failed or not all(isinstance(b, AssembledBatch) for b in result.batches):
             raise BenchError(f"refbus fetch failed: {result.batches[result.failed[0]]}")
         check_assembled(batches, result.batches, expected)

@@ -31,8 +31,9 @@ A client is kept per endpoint until :meth:`Calls.forget` closes it: the registry
 no longer advertises, so a long run of restarts (each on a new ephemeral port) leaves no socket behind.
 
 :meth:`Calls.gather` sends many requests at once (a window per endpoint) and hands their outcomes over in one
-list when the last one ends. :meth:`Calls.run_until` drives the calls without a node loop: from a thread that
-runs none (a benchmark, a test driving a fetcher), or from a node's shutdown hooks once its loop has stopped.
+list when the last one ends (and, to a caller that asks, each one as it ends). :meth:`Calls.run_until` drives
+the calls without a node loop: from a thread that runs none (a benchmark, a test driving a fetcher), or from a
+node's shutdown hooks once its loop has stopped.
 """
 
 from __future__ import annotations
@@ -221,16 +222,20 @@ class Calls:
         backend: ArrayBackend = "numpy",
         verify: bool = True,
         retry_after: bool = False,
+        on_each: Callable[[Body, Outcome], None] | None = None,
     ) -> None:
         """The asynchronous :func:`~.reqrep.gather`: send ``(endpoint, body)`` requests, at most ``window`` in
         flight per endpoint (the next one is sent when one ends), each as :meth:`request` with the other
         arguments (``deadline_s`` counts from when each is sent). ``on_done`` gets one outcome per request, in
         order, once the last one ends: on the loop thread, never inside this call (an empty list included).
-        Sort them with :func:`~.reqrep.split_outcomes`. Nothing here keeps the outcomes once ``on_done`` has
-        them, so the frames of a reply are freed as soon as the caller drops it (no garbage collection needed)."""
+        Sort them with :func:`~.reqrep.split_outcomes`. ``on_each(body, outcome)``, when given, is told of each
+        request as it ends, on the loop thread, before ``on_done``: a caller that can use the early replies
+        (a fetch assembling what has come while the rest is on the wire) need not wait for the last. Nothing
+        here keeps the outcomes once ``on_done`` has them, so the frames of a reply are freed as soon as the
+        caller drops it (no garbage collection needed)."""
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        gathering = _Gathering(self, requests, on_done, window,
+        gathering = _Gathering(self, requests, on_done, on_each, window,
                                dict(deadline_s=deadline_s, policy=policy, backend=backend, verify=verify,
                                     retry_after=retry_after))
         if not requests:
@@ -451,13 +456,15 @@ class _Gathering:
     reference cycle through their cells, and the outcomes (received frames of every reply) would then live until
     the garbage collector happens to run, so each step's frames landed in fresh, page-faulting memory."""
 
-    __slots__ = ("_calls", "_left", "_on_done", "_options", "_outcomes", "_queued", "_requests", "_window")
+    __slots__ = ("_calls", "_left", "_on_done", "_on_each", "_options", "_outcomes", "_queued", "_requests",
+                 "_window")
 
     def __init__(self, calls: Calls, requests: Sequence[tuple[str, Body]], on_done: Callable[[list[Outcome]], None],
-                 window: int, options: dict[str, Any]) -> None:
+                 on_each: Callable[[Body, Outcome], None] | None, window: int, options: dict[str, Any]) -> None:
         self._calls = calls
         self._requests = requests
         self._on_done = on_done
+        self._on_each = on_each
         self._options = options
         self._outcomes: list[Outcome | None] = [None] * len(requests)
         self._queued: dict[str, deque[int]] = defaultdict(deque)
@@ -479,6 +486,8 @@ class _Gathering:
     def _ended(self, index: int, endpoint: str, outcome: Outcome) -> None:
         self._outcomes[index] = outcome
         self._left -= 1
+        if self._on_each is not None:
+            self._on_each(self._requests[index][1], outcome)
         if self._queued[endpoint]:
             self._send(endpoint)
         elif not self._left:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from polling import wait_for
 from refbus.bus.calls import Calls
 from refbus.bus.reqrep import Client, HandlerError, RetryPolicy
 from refbus.nodes.payload.assemble import AssembledBatch
@@ -29,7 +31,9 @@ from refbus.nodes.payload.branch import FIELDS, Branch
 from refbus.nodes.payload.fetcher import (
     BufferPool,
     FetchFailure,
+    FetchInFlight,
     FetchSettings,
+    FetchUnfinished,
     PlanError,
     StepFetch,
     StepFetcher,
@@ -70,7 +74,8 @@ class FakeEnvServer:
     ``delete`` → ``deleted``. Injectable failures per blob id: ``missing`` (listed as missing), ``corrupt``
     (one byte flipped, so the checksum fails), ``refused`` (``unknown-blob`` error), ``silent`` (never
     answered: the client times out); ``missing_for[holder]`` fails only that holder's fetches; a delete of
-    a ``reclaimed`` id is answered ``reclaimed`` (the store took it back from a holder that went down)."""
+    a ``reclaimed`` id is answered ``reclaimed`` (the store took it back from a holder that went down);
+    ``hold``, once set to an event, keeps every fetch answer until the event is set (a slow store)."""
 
     source: str
     endpoint: str = ""
@@ -83,6 +88,7 @@ class FakeEnvServer:
     reclaimed: set[str] = field(default_factory=set)
     fetches: list[Fetch] = field(default_factory=list)
     deletes: list[Delete] = field(default_factory=list)
+    hold: threading.Event | None = None
 
     def setup(self, server) -> None:  # runs on the server thread
         server.on(Fetch.kind, self._fetch, cached=False)
@@ -99,6 +105,8 @@ class FakeEnvServer:
         body = request.body
         assert isinstance(body, Fetch)
         self.fetches.append(body)
+        if self.hold is not None:
+            assert self.hold.wait(WAIT_S), "the test never let the held answer go"
         ids = set(body.blob_ids)
         if ids & self.silent:
             return None
@@ -282,12 +290,28 @@ class Loop:
     def endpoints(self) -> list[str]:
         return [client.endpoint for client in self.made]
 
-    def fetch(self, fetcher: StepFetcher, step: int, micro_batches: Sequence[MicroBatchRefs]) -> StepFetch:
-        """``start``, serve the requests until every one has its outcome, ``finish``."""
-        in_flight = fetcher.start(step, micro_batches)
-        # Every request ends by its deadline; the window may queue a few behind each other.
-        assert self.calls.run_until(lambda: in_flight.done, 20 * FAST.deadline_s), "a request outlived its deadline"
-        return fetcher.finish(in_flight)
+    def fetch(self, fetcher: StepFetcher, step: int, micro_batches: Sequence[MicroBatchRefs], *,
+              driven: bool = False) -> StepFetch:
+        """``start``, then ``finish``: once the requests were served here until every one had its outcome, or
+        (``driven``) while another thread serves them, as a trainer rank's node loop does."""
+        return self.finish(fetcher, fetcher.start(step, micro_batches), driven=driven)
+
+    def finish(self, fetcher: StepFetcher, in_flight: FetchInFlight, *, driven: bool,
+               deadline_s: float = 20 * FAST.deadline_s) -> StepFetch:
+        """``finish`` a started fetch (see :meth:`fetch`); every request ends by its deadline, the window may queue
+        a few behind each other: ``deadline_s`` bounds them all."""
+        if not driven:
+            assert self.calls.run_until(lambda: in_flight.done, deadline_s), "a request outlived its deadline"
+            return fetcher.finish(in_flight)
+        ended: list[bool] = []
+        driver = threading.Thread(target=lambda: ended.append(self.calls.run_until(lambda: in_flight.done,
+                                                                                   deadline_s)))
+        driver.start()
+        try:
+            return fetcher.finish(in_flight, timeout_s=2 * deadline_s)
+        finally:
+            driver.join()
+            assert ended == [True], "a request outlived its deadline"
 
 
 @pytest.fixture
@@ -317,12 +341,16 @@ MIXED = (
 # --- tests -----------------------------------------------------------------------------------------------
 
 
+DRIVEN = pytest.mark.parametrize("driven", [False, True], ids=["finished-after", "assembled-as-it-comes"])
+
+
+@DRIVEN
 @pytest.mark.parametrize("routing", [np.uint8, np.uint16], ids=["uint8", "uint16"])
-def test_assembled_tensors_are_the_served_bytes(envs, loop, routing) -> None:
+def test_assembled_tensors_are_the_served_bytes(envs, loop, routing, driven) -> None:
     specs = [SampleSpec(s.tokens, routing if s.routing is not None else None, s.heads, s.mask) for s in MIXED]
     step = make_step(envs, specs)
     fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=2, window=2))
-    result = loop.fetch(fetcher, 7, step.ranks[0])
+    result = loop.fetch(fetcher, 7, step.ranks[0], driven=driven)
 
     assert result.failed == ()
     for batch, refs in zip(result.batches, step.ranks[0], strict=True):
@@ -368,15 +396,16 @@ def test_clients_and_buffers_are_reused_across_steps(envs, loop) -> None:
         check_assembled(new, refs, step.branches)
 
 
+@DRIVEN
 @pytest.mark.parametrize("failure", ["missing", "corrupt", "refused", "silent"])
-def test_a_failed_blob_fails_exactly_its_micro_batch(envs, loop, failure) -> None:
+def test_a_failed_blob_fails_exactly_its_micro_batch(envs, loop, failure, driven) -> None:
     step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
     victim_batch = step.ranks[0][1]
     victim = next(item.ref.blob_id for item in victim_batch.samples if item.ref is not None)
     env = next(e for e in envs if victim in e.blobs)
     getattr(env, failure).add(victim)
     fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1))
-    result = loop.fetch(fetcher, 3, step.ranks[0])
+    result = loop.fetch(fetcher, 3, step.ranks[0], driven=driven)
 
     assert result.failed == (1,)
     failed = result.batches[1]
@@ -388,6 +417,52 @@ def test_a_failed_blob_fails_exactly_its_micro_batch(envs, loop, failure) -> Non
         batch = result.batches[index]
         assert isinstance(batch, AssembledBatch)
         check_assembled(batch, step.ranks[0][index], step.branches)
+
+
+def test_a_micro_batch_is_assembled_while_another_is_still_on_the_wire(envs, loop) -> None:
+    """The copies overlap the transfer: with one store's answers held, ``finish`` has already verified and
+    assembled the micro batches the other store served, and assembles the rest once the held answers come."""
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True), SampleSpec(45, heads=True)])
+    slow = envs[1]
+    slow.hold = threading.Event()
+    waiting = [i for i, refs in enumerate(step.ranks[0])
+               if any(item.ref is not None and item.ref.blob_id in slow.blobs for item in refs.samples)]
+    assert waiting and len(waiting) < len(step.ranks[0]), "a micro batch on each store"
+    patient = RetryPolicy(timeout_s=WAIT_S, attempts=1, backoff=1.0)
+    fetcher = StepFetcher("trainer-0", loop.calls, FetchSettings(blobs_per_request=1, policy=patient))
+    in_flight = fetcher.start(0, step.ranks[0])
+    results: list[StepFetch] = []
+    finisher = threading.Thread(target=lambda: results.append(
+        loop.finish(fetcher, in_flight, driven=True, deadline_s=2 * WAIT_S)))
+    finisher.start()
+    try:
+        wait_for(lambda: fetcher.pool.allocated_bytes, WAIT_S, "the first micro batches assembled")
+        assert not in_flight.done, "assembled only once every request had ended"
+    finally:
+        slow.hold.set()
+        finisher.join(4 * WAIT_S)
+    assert not finisher.is_alive() and len(results) == 1
+    (result,) = results
+    assert not result.failed
+    for refs, batch in zip(step.ranks[0], result.batches, strict=True):
+        assert isinstance(batch, AssembledBatch)
+        check_assembled(batch, refs, step.branches)
+
+
+@pytest.mark.parametrize("why", ["timeout", "stopped"])
+def test_finish_gives_up_on_requests_that_do_not_end_within_its_bound_or_once_their_driver_stopped(
+        envs, loop, why) -> None:
+    """``finish`` waits for the replies only as long as it is told: past ``timeout_s``, or once ``stopped()`` (the
+    rank's node loop ended), it raises ``FetchUnfinished`` instead of waiting on requests nobody drives."""
+    step = make_step(envs, [SampleSpec(60, heads=True), SampleSpec(50, heads=True)])
+    fetcher = StepFetcher("trainer-0", loop.calls)
+    in_flight = fetcher.start(0, step.ranks[0])  # nothing drives its requests: they never end
+    bound = {"timeout": {"timeout_s": 0.2}, "stopped": {"stopped": lambda: True}}[why]
+    with pytest.raises(FetchUnfinished, match="within" if why == "timeout" else "stopped"):
+        fetcher.finish(in_flight, **bound)  # type: ignore[arg-type]
+    assert loop.calls.run_until(lambda: in_flight.done, 20 * FAST.deadline_s)
+    result = fetcher.finish(in_flight)  # the requests ended meanwhile: finished as any other
+    assert not result.failed
 
 
 class _NoMaskRoom(BufferPool):
@@ -579,8 +654,9 @@ def test_references_naming_no_live_store_keep_their_recorded_endpoint(node: str)
     assert asked == ([(node, "blobs")] if node else [])
 
 
+@DRIVEN
 def test_an_env_server_sigkilled_mid_fetch_fails_its_micro_batches_and_the_others_assemble(
-    bus, spawn, zmq_ctx: zmq.Context, loop: Loop
+    bus, spawn, zmq_ctx: zmq.Context, loop: Loop, driven: bool
 ) -> None:
     """Two real env-server processes; one is SIGKILLed once the step's first requests are out (one in flight
     per store, the rest queued behind it). Its micro batches fail with ``timeout`` within the requests'
@@ -604,9 +680,7 @@ def test_an_env_server_sigkilled_mid_fetch_fails_its_micro_batches_and_the_other
     procs[0].proc.kill()
     assert procs[0].proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     # One request at a time per store: each of the victim's may take its whole deadline.
-    requests = len(in_flight.requests)
-    assert loop.calls.run_until(lambda: in_flight.done, 2 * requests * FAST.deadline_s), "outlived its deadlines"
-    result = fetcher.finish(in_flight)
+    result = loop.finish(fetcher, in_flight, driven=driven, deadline_s=2 * len(in_flight.requests) * FAST.deadline_s)
 
     victim_ids = set(victim.branches)
     branches = victim.branches | survivor.branches

@@ -3,7 +3,7 @@ verified against its reference and assembled into reused torch buffers.
 
 :class:`StepFetcher` does, for one step, in two halves: :meth:`~StepFetcher.start` (plan and fetch, on the
 node loop thread, never blocking it) and :meth:`~StepFetcher.finish` (verify and assemble, on the caller's
-thread once every request has its outcome):
+thread, as the replies come):
 
 1. **Plan.** Each :class:`~refbus.protocol.messages.MicroBatchRefs` becomes a packing
    :class:`~.packing.MicroBatch` (:func:`to_micro_batch`); the blobs its samples need are collected once
@@ -24,12 +24,15 @@ thread once every request has its outcome):
 3. **Verify.** A blob counts as fetched only if it carries exactly its reference's fields and
    :func:`~.keeper.blob_checksum` of its arrays equals ``BlobRef.checksum``: an end-to-end check against
    what the env server hashed at ``keep`` time, not only against what it sent (so frames are not checksummed
-   again on decode).
+   again on decode). Each reply is verified as soon as it comes (the loop thread hands it to the
+   :class:`FetchInFlight`, ``finish`` takes it on its own thread), while the rest of the step is still on the
+   wire: the hash and the copies below overlap the transfer instead of following it.
 4. **Assemble.** Each micro batch whose blobs all verified goes through :func:`~.assemble.assemble`, which
-   writes every sample's rows straight into tensors handed out by a :class:`BufferPool`. A micro batch with
-   any blob missing, refused (``RemoteError``), unanswered (``RequestTimeout``), on a store reported down
-   (``PeerDown``), corrupt or malformed becomes a :class:`FetchFailure`: it is never assembled from partial
-   data, never trained on zeros.
+   writes every sample's rows straight into tensors handed out by a :class:`BufferPool`: at once when its
+   last blob verified, or, for a micro batch with a failed blob (one a restarting store may still serve),
+   once every request has its last outcome. A micro batch with any blob missing, refused (``RemoteError``),
+   unanswered (``RequestTimeout``), on a store reported down (``PeerDown``), corrupt or malformed becomes a
+   :class:`FetchFailure`: it is never assembled from partial data, never trained on zeros.
 
 Memory ownership: received frames are held by the :class:`FetchInFlight` until :meth:`StepFetcher.finish`,
 read once there (checksum, then the copy into the batch tensors) and released with it; nothing in the
@@ -39,17 +42,20 @@ fresh pages runs at ~1.5 GB/s on these machines against ~13 GB/s for a copy into
 the copy lands in warm buffers.
 
 Threads: :meth:`StepFetcher.start` on the thread that drives ``calls`` (the node loop); :meth:`StepFetcher.finish`
-and the pool on one other thread at a time (see :mod:`.trainer_rank`). Without a node loop (a benchmark), drive
-the calls with :meth:`~refbus.bus.calls.Calls.run_until`.
+and the pool on one other thread at a time (see :mod:`.trainer_rank`), the two meeting only in the
+:class:`FetchInFlight`'s condition. Without a node loop, drive the calls with
+:meth:`~refbus.bus.calls.Calls.run_until`: from another thread while ``finish`` runs (a benchmark, as a rank
+does), or to ``done`` before calling ``finish`` (which then verifies and assembles all at once).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -59,7 +65,7 @@ from ...bus.calls import Calls
 from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, split_outcomes
 from ...protocol.envelope import MAX_BUFFERS
-from ...protocol.messages import BlobRef, Blobs, Fetch, FetchedBlob, MicroBatchRefs
+from ...protocol.messages import BlobRef, Blobs, Body, Fetch, FetchedBlob, MicroBatchRefs
 from .assemble import AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
@@ -252,10 +258,17 @@ class FetchSettings:
 # --- the fetcher -----------------------------------------------------------------------------------------
 
 
+class FetchUnfinished(RuntimeError):
+    """:meth:`StepFetcher.finish` gave up waiting: the requests had not all ended within its ``timeout_s``, or its
+    ``stopped()`` said the thread driving them has stopped. The fetch's blobs are the caller's as before."""
+
+
 @dataclass(eq=False)
 class FetchInFlight:
-    """One step's fetch between :meth:`StepFetcher.start` and :meth:`StepFetcher.finish`: the plan, and the
-    requests' outcomes once ``done`` (filled on the loop thread; read by ``finish`` only after ``done``)."""
+    """One step's fetch between :meth:`StepFetcher.start` and :meth:`StepFetcher.finish`: the plan, the replies
+    as they come and the requests' outcomes once ``done``. The loop thread adds to it (:meth:`arrive`,
+    :meth:`end`), the thread running ``finish`` takes from it (:meth:`take`): the two meet only under
+    ``_changed``."""
 
     step: int
     micro_batches: tuple[MicroBatchRefs, ...]
@@ -264,11 +277,35 @@ class FetchInFlight:
     started: float
     requests: list[tuple[str, Fetch]]
     outcomes: list[Outcome] | None = None
+    _arrived: list[tuple[Fetch, Outcome]] = field(default_factory=list)
+    _changed: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def done(self) -> bool:
         """Whether every request has its outcome."""
         return self.outcomes is not None
+
+    def arrive(self, request: Body, outcome: Outcome) -> None:
+        """A request ended (loop thread): its reply, if it is one, may be verified and used before the others."""
+        if isinstance(request, Fetch) and not isinstance(outcome, Exception):
+            with self._changed:
+                self._arrived.append((request, outcome))
+                self._changed.notify_all()
+
+    def end(self, sent: list[Sent[Fetch]]) -> None:
+        """Every request has its last outcome (loop thread): ``sent`` are the requests as last sent, with them."""
+        with self._changed:
+            self.requests = [request for request, _ in sent]
+            self.outcomes = [outcome for _, outcome in sent]
+            self._changed.notify_all()
+
+    def take(self, timeout_s: float) -> tuple[list[tuple[Fetch, Outcome]], bool]:
+        """The replies that came since the last call, and whether the fetch is ``done``; waits at most
+        ``timeout_s`` for either when there is neither."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._arrived or self.outcomes is not None, timeout_s)
+            arrived, self._arrived = self._arrived, []
+            return arrived, self.outcomes is not None
 
 
 class StepFetcher:
@@ -290,11 +327,10 @@ class StepFetcher:
         self.pool = BufferPool(pin_memory=self.settings.pin_memory)
         keep_receive_memory()  # every step's frames land where the last step's were, not on fresh pages
 
-    def start(self, step: int, micro_batches: Sequence[MicroBatchRefs],
-              on_done: Callable[[FetchInFlight], None] = lambda fetch: None) -> FetchInFlight:
-        """Plan the fetch of ``micro_batches`` for ``step`` and send its requests; ``on_done`` gets the
-        :class:`FetchInFlight` once every request has its outcome (a reply, or the failure it ended with at
-        its deadline). Loop thread only (it uses ``calls``); never blocks.
+    def start(self, step: int, micro_batches: Sequence[MicroBatchRefs]) -> FetchInFlight:
+        """Plan the fetch of ``micro_batches`` for ``step`` and send its requests: the returned
+        :class:`FetchInFlight` gets each reply as it comes and is ``done`` once every request has its outcome (a
+        reply, or the failure it ended with at its deadline). Loop thread only (it uses ``calls``); never blocks.
 
         Raises:
             PlanError: references that describe no valid micro batch (validate at hand-over to avoid this).
@@ -305,18 +341,12 @@ class StepFetcher:
         requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
                     for endpoint, ids in self._requests(refs)]
         fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests)
-        self._send(fetch, requests, on_done)
+        self._send(fetch, requests)
         return fetch
 
-    def _send(self, fetch: FetchInFlight, requests: list[tuple[str, Fetch]],
-              on_done: Callable[[FetchInFlight], None]) -> None:
-        """Send ``requests``; once all have outcomes (what a restarting durable store could still serve asked
-        again, :class:`StoreRestarts`), hand the fetch over."""
-
-        def done(sent: list[Sent[Fetch]]) -> None:
-            fetch.requests = [request for request, _ in sent]
-            fetch.outcomes = [outcome for _, outcome in sent]
-            on_done(fetch)
+    def _send(self, fetch: FetchInFlight, requests: list[tuple[str, Fetch]]) -> None:
+        """Send ``requests``, each reply handed to ``fetch`` as it comes; once all have outcomes (what a
+        restarting durable store could still serve asked again, :class:`StoreRestarts`), end ``fetch``."""
 
         def relocate(again: list[Fetch]) -> list[tuple[str, Fetch]]:
             ids = [i for request in again for i in request.blob_ids]
@@ -327,12 +357,12 @@ class StepFetcher:
         # also proves it is what the env server hashed at keep time.
         options: dict[str, Any] = {"window": self.settings.window, "policy": self.settings.policy,
                                    "backend": "numpy", "verify": False,
-                                   "retry_after": True}
+                                   "retry_after": True, "on_each": fetch.arrive}
         if self._restarts is None:
-            self._calls.gather(requests, lambda outcomes: done(list(zip(requests, outcomes, strict=True))),
+            self._calls.gather(requests, lambda outcomes: fetch.end(list(zip(requests, outcomes, strict=True))),
                                **options)
         else:
-            self._restarts.gather(self._calls, requests, done, again=lambda sent: self._retryable(fetch, sent),
+            self._restarts.gather(self._calls, requests, fetch.end, again=lambda sent: self._retryable(fetch, sent),
                                   relocate=relocate, **options)
 
     def _retryable(self, fetch: FetchInFlight, done: list[Sent[Fetch]]) -> list[Fetch] | None:
@@ -342,28 +372,58 @@ class StepFetcher:
         return self._restarts.waiting(done, lambda blob_id: fetch.refs[blob_id].node,
                                       time.perf_counter() - fetch.started)
 
-    def finish(self, fetch: FetchInFlight) -> StepFetch:
-        """Verify and assemble a fetch that is ``done``; failures are reported per micro batch, never raised.
-        Recycles the pool: tensors of the previous call are reused from here on. Runs on any one thread (the
-        training loop's): it touches no socket."""
-        assert fetch.outcomes is not None, "finish() before the fetch is done"
+    def finish(self, fetch: FetchInFlight, *, timeout_s: float | None = None,
+               stopped: Callable[[], bool] = lambda: False) -> StepFetch:
+        """Verify and assemble the step, waiting on this thread for the requests to end: each micro batch is
+        assembled as soon as every blob it needs has come and verified, while the rest is still on the wire, so
+        the copies overlap the transfer; the micro batches left (a blob failed, or came last) once every request
+        has its outcome. Failures are reported per micro batch, never raised. Recycles the pool: tensors of the
+        previous call are reused from here on. Runs on any one thread (the training loop's): it touches no
+        socket; another thread drives the requests (the node loop), or the caller drove them to ``done`` before.
+
+        Raises:
+            FetchUnfinished: the requests had not all ended within ``timeout_s`` (None: no bound beyond their
+                own deadlines), or ``stopped()``, asked at least every ``STOP_POLL_S``, turned true first.
+        """
         self.pool.recycle()
-        branches, failures = self._verified(fetch, fetch.outcomes)
+        waited_until = None if timeout_s is None else time.monotonic() + timeout_s
+        branches: dict[str, Branch] = {}
+        failures: dict[str, FetchFailure] = {}
+        batches: list[AssembledBatch | FetchFailure | None] = [None] * len(fetch.plans)
+        needs = [_needed_ids(refs_mb, plan) for plan, refs_mb in zip(fetch.plans, fetch.micro_batches, strict=True)]
+        done = False
+        while not done:
+            left_s = STOP_POLL_S if waited_until is None else min(STOP_POLL_S, waited_until - time.monotonic())
+            arrived, done = fetch.take(max(left_s, 0.0))
+            for request, outcome in arrived:
+                self._verify_reply(fetch.refs, request, outcome, branches, failures)
+            for index, batch in enumerate(batches):
+                if batch is None and all(blob_id in branches for blob_id in needs[index] if blob_id is not None):
+                    batches[index] = self._assemble(fetch.plans[index], needs[index], branches, failures)
+            if done:
+                break
+            if stopped():
+                raise FetchUnfinished(f"step {fetch.step}: the requests' driver stopped before they all ended")
+            if waited_until is not None and time.monotonic() >= waited_until:
+                raise FetchUnfinished(f"step {fetch.step}: the requests had not all ended within {timeout_s:.0f}s")
+        assert fetch.outcomes is not None
+        self._verify_outcomes(fetch, fetch.outcomes, branches, failures)
         transferred = time.perf_counter()
-        batches: list[AssembledBatch | FetchFailure] = []
-        for plan, refs_mb in zip(fetch.plans, fetch.micro_batches, strict=True):
-            batches.append(self._assemble(plan, refs_mb, branches, failures))
+        for index, batch in enumerate(batches):
+            if batch is None:
+                batches[index] = self._assemble(fetch.plans[index], needs[index], branches, failures)
+        assembled = cast(list[AssembledBatch | FetchFailure], batches)
         fetched = tuple(branches)
         result = StepFetch(
             step=fetch.step,
             micro_batches=fetch.plans,
-            batches=tuple(batches),
+            batches=tuple(assembled),
             blob_ids=fetched,
             nbytes=sum(branch.nbytes for branch in branches.values()),
             seconds=time.perf_counter() - fetch.started,
             transfer_seconds=transferred - fetch.started,
-            routing_rows=_routing_rows(batches),
-            topk_k=next((int(b.topk_ids.shape[2]) for b in batches
+            routing_rows=_routing_rows(assembled),
+            topk_k=next((int(b.topk_ids.shape[2]) for b in assembled
                          if isinstance(b, AssembledBatch) and b.topk_ids is not None), None),
         )
         if failures:
@@ -371,34 +431,42 @@ class StepFetcher:
                         reasons=sorted({f.reason for f in failures.values()}))
         return result
 
-    def _verified(
-        self, fetch: FetchInFlight, outcomes: Sequence[Outcome]
-    ) -> tuple[dict[str, Branch], dict[str, FetchFailure]]:
+    @staticmethod
+    def _verify_reply(refs: Mapping[str, BlobRef], request: Fetch, outcome: Outcome,
+                      branches: dict[str, Branch], failures: dict[str, FetchFailure]) -> None:
+        """Verify the blobs of one reply to ``request`` that were asked and are not decided yet (the first copy of
+        a blob decides): each goes to ``branches`` or ``failures``."""
+        reply = outcome.body
+        if not isinstance(reply, Blobs):
+            return
+        asked = set(request.blob_ids)
+        for blob in reply.blobs:
+            if blob.blob_id in asked and blob.blob_id not in branches and blob.blob_id not in failures:
+                verified = _verify(refs[blob.blob_id], blob)
+                if isinstance(verified, FetchFailure):
+                    failures[blob.blob_id] = verified
+                else:
+                    branches[blob.blob_id] = verified
+
+    def _verify_outcomes(self, fetch: FetchInFlight, outcomes: Sequence[Outcome], branches: dict[str, Branch],
+                         failures: dict[str, FetchFailure]) -> None:
+        """Every request's last outcome: the replies not verified yet, and a failure for each blob no reply
+        brought (the request's error, a reply of another kind, or ``missing``)."""
         refs = fetch.refs
-        branches: dict[str, Branch] = {}
-        failures: dict[str, FetchFailure] = {}
         replies, failed = split_outcomes(zip(fetch.requests, outcomes, strict=True))
         for (_, request), error in failed:
             reason = _FAILURE_REASONS[type(error)]
-            failures.update({i: FetchFailure(reason, str(error), (i,)) for i in request.blob_ids})
+            failures.update({i: FetchFailure(reason, str(error), (i,)) for i in request.blob_ids if i not in branches})
         for (_, request), outcome in replies:
             reply = outcome.body
             if not isinstance(reply, Blobs):
                 failures.update({i: FetchFailure("remote-error", f"expected blobs, got {reply.kind}", (i,))
-                                 for i in request.blob_ids})
+                                 for i in request.blob_ids if i not in branches})
                 continue
-            asked = set(request.blob_ids)
-            for blob in reply.blobs:
-                if blob.blob_id in asked and blob.blob_id not in branches:
-                    verified = _verify(refs[blob.blob_id], blob)
-                    if isinstance(verified, FetchFailure):
-                        failures[blob.blob_id] = verified
-                    else:
-                        branches[blob.blob_id] = verified
-            for blob_id in asked - branches.keys() - failures.keys():
+            self._verify_reply(refs, request, outcome, branches, failures)
+            for blob_id in set(request.blob_ids) - branches.keys() - failures.keys():
                 failures[blob_id] = FetchFailure("missing", f"{request.holder}: not served by "
                                                  f"{refs[blob_id].endpoint}", (blob_id,))
-        return branches, failures
 
     def _requests(self, refs: Mapping[str, BlobRef]) -> list[tuple[str, list[str]]]:
         """``(endpoint, blob ids)`` per request, cut by ``blobs_per_request``, ``request_bytes`` and the
@@ -421,15 +489,9 @@ class StepFetcher:
                 del open_bytes[endpoint], open_arrays[endpoint]
         return requests + list(open_ids.items())
 
-    def _assemble(
-        self,
-        plan: MicroBatch,
-        refs: MicroBatchRefs,
-        branches: Mapping[str, Branch],
-        failures: Mapping[str, FetchFailure],
-    ) -> AssembledBatch | FetchFailure:
-        ids = [item.ref.blob_id if item.ref is not None and packed.fields else None
-               for item, packed in zip(refs.samples, plan.samples, strict=True)]
+    def _assemble(self, plan: MicroBatch, ids: Sequence[str | None], branches: Mapping[str, Branch],
+                  failures: Mapping[str, FetchFailure]) -> AssembledBatch | FetchFailure:
+        """Micro batch ``plan`` from its samples' blobs (``ids``, :func:`_needed_ids`), or why it cannot be."""
         failed = [failures[i] for i in ids if i is not None and i in failures]
         if failed:
             reasons = sorted({f.reason for f in failed})
@@ -442,6 +504,16 @@ class StepFetcher:
             return FetchFailure("assembly", str(exc), tuple(i for i in ids if i is not None))
         except (MemoryError, RuntimeError) as exc:  # a tensor the allocator cannot give: this batch fails, not the rank
             return FetchFailure("assembly", f"{type(exc).__name__}: {exc}", tuple(i for i in ids if i is not None))
+
+
+STOP_POLL_S = 0.1
+"""How often :meth:`StepFetcher.finish` asks its ``stopped()`` while no reply comes (a reply wakes it at once)."""
+
+
+def _needed_ids(refs: MicroBatchRefs, plan: MicroBatch) -> list[str | None]:
+    """The blob each sample of a micro batch reads, None for a sample that reads none."""
+    return [item.ref.blob_id if item.ref is not None and packed.fields else None
+            for item, packed in zip(refs.samples, plan.samples, strict=True)]
 
 
 _FAILURE_REASONS: dict[type, str] = {RemoteError: "remote-error", RequestTimeout: "timeout", PeerDown: "peer-down"}

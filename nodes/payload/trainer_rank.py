@@ -80,6 +80,7 @@ from .assemble import AssembledBatch, assemble_dropped
 from .branch import TOPK_IDS
 from .fetcher import (
     FetchSettings,
+    FetchUnfinished,
     PlanError,
     StepFetch,
     StepFetcher,
@@ -278,8 +279,12 @@ class TrainerRank:
             raise RuntimeError("TrainerRank needs the node loop in its own thread: call runtime.start_background()")
         # From here on this rank owns the step's blobs: end_step deletes them (``dropped``) whatever fails below.
         received = self._wait_for(step)
-        in_flight = self._on_loop(lambda done: self.fetcher.start(step, received.batch.micro_batches, done))
-        fetch = self.fetcher.finish(in_flight)
+        in_flight = self._on_loop(lambda sent: sent(self.fetcher.start(step, received.batch.micro_batches)))
+        try:  # assembled here as the replies come, while the loop thread receives the rest
+            fetch = self.fetcher.finish(in_flight, timeout_s=self.settings.batch_timeout_s,
+                                        stopped=lambda: self._loop_ended)
+        except FetchUnfinished as exc:
+            raise StepFailed(f"rank {self.rank}: {exc}") from None
         ack = FetchAck(step=step, holder=self.runtime.node_id, blob_ids=list(fetch.blob_ids), nbytes=fetch.nbytes,
                        seconds=fetch.seconds, failed=len(fetch.failed))
         self.runtime.call_soon(lambda: self.runtime.publish(ack))
