@@ -140,8 +140,8 @@ class PsSettings:
     eta: int = key(1, "Staleness bound: a trajectory trains at most eta versions after its policy version.")
     batch_size: int = key(64, "Trajectories per training batch in the staleness inventory.")
     chunk_bytes: int = key(8 << 20, "Bytes per chunk of the broadcast-init stream.")
-    ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message (a header: once it "
-                                     "made its segment, about 0.22 s/GiB on tmpfs).")
+    ack_timeout_s: float = key(10.0, "Seconds a broadcast-init peer has to acknowledge a message; a header, which it "
+                                     "answers once it made its segment, that plus 1 s a GiB of the checkpoint.")
     init_timeout_s: float = key(600.0, "Seconds a broadcast init may take before it fails.")
     replicas: int = key(2, "Copies of every pushed shard, each on its own ps-worker (capped to the live workers): a "
                            "version commits once every copy is verified, so it survives the death of replicas - 1 "

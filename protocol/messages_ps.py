@@ -353,8 +353,9 @@ class InitHeader(Body, frozen=True):
     an init the manager's plan announced to the child (else ``not-planned``, before any memory is spent), carrying
     the plan's tree (else ``bad-init``), from the worker that tree names as the child's parent (``src``; others:
     ``not-parent``), once per init (else ``bad-init``); ``no-room`` when the child's filesystem cannot hold the
-    segment. Answered once the segment is made (the parent sends chunks only then). Until verified, the segment
-    goes back to the pool ``ps.init_timeout_s`` after the header."""
+    segment. Answered once the segment is made (the parent sends chunks only then): the parent waits
+    ``ack_timeout_s`` plus 1 s a GiB of ``nbytes`` for that, the allowance a pusher's ``ps-shard-open`` has too.
+    Until verified, the segment goes back to the pool ``ps.init_timeout_s`` after the header."""
 
     init_id: Name  # the broadcast's id
     workers: list[WorkerInfo]  # the tree, in rank order (root first)

@@ -16,28 +16,30 @@ import struct
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from polling import wait_for
+from polling import holds_for, wait_for
 from ps_support import (
     LEASE_TTL_S,
     PsCluster,
     make_state,
     restart_manager,
+    restart_worker,
     segment_file,
     segments,
     start_cluster,
 )
 from refbus.bus.reqrep import HandlerError, RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import start_bus
 from refbus.nodes.ps.broadcast import WINDOW, Relay, children, parent, rounds
 from refbus.nodes.ps.client import INIT_ASK_EVERY_S, PsClient
-from refbus.nodes.ps.shm import sweep_orphans
+from refbus.nodes.ps.shm import allocation_allowance_s, segment_bytes, sweep_orphans
 from refbus.nodes.ps.worker import PsWorker
 from refbus.nodes.settings import PsSettings
 from refbus.protocol.codec import checksum
@@ -508,6 +510,27 @@ def test_a_worker_registers_again_with_a_restarted_manager_and_abandons_its_init
         runtime.close()
 
 
+def _sparse_checkpoint(path: Path, nbytes: int, *, tensors: int) -> Path:
+    """A safetensors checkpoint at ``path`` of ``tensors`` uint8 tensors, ``nbytes`` of zeros in all: sparse, so it
+    takes no disk (the workers' segments still take ``nbytes`` each)."""
+    each = nbytes // tensors
+    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [each], "data_offsets": [i * each, (i + 1) * each]}
+                         for i in range(tensors)}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + each * tensors)
+    return path
+
+
+def _skip_unless_shm_holds(nbytes: int) -> None:
+    """Skip unless /dev/shm, which other work shares, has twice ``nbytes`` free: room for the test's segments
+    that leaves the others as much."""
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * nbytes:
+        pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {nbytes >> 20} MiB the test's segments take")
+
+
 LARGE_INIT_BYTES = 2 << 30  # reading it and hashing it took this machine about twice the bus's 1 s node timeout
 
 
@@ -516,19 +539,8 @@ def test_a_large_init_onto_one_worker_keeps_it_live(bus, spawn, tmp_path: Path) 
     heartbeats keep going out: a 2 GiB init onto one worker, under the bus's 1 s node timeout, succeeds and the
     broker never reports the worker down (read and hashed in one turn, it was, and the manager failed the init:
     "went down (timeout) during the broadcast")."""
-    free = shutil.disk_usage("/dev/shm").free
-    if free < 2 * LARGE_INIT_BYTES:  # the worker's segment holds the whole checkpoint; leave others room
-        pytest.skip(f"/dev/shm has {free >> 20} MiB free, under twice the {LARGE_INIT_BYTES >> 20} MiB checkpoint")
-    tensors = 4
-    each = LARGE_INIT_BYTES // tensors
-    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [each], "data_offsets": [i * each, (i + 1) * each]}
-                         for i in range(tensors)}).encode()
-    header += b" " * (-len(header) % 8)
-    path = tmp_path / "large.safetensors"
-    with open(path, "wb") as f:  # sparse: zeros, no disk
-        f.write(struct.pack("<Q", len(header)) + header)
-        f.truncate(8 + len(header) + LARGE_INIT_BYTES)
-
+    _skip_unless_shm_holds(LARGE_INIT_BYTES)  # the worker's segment holds the whole checkpoint
+    path = _sparse_checkpoint(tmp_path / "large.safetensors", LARGE_INIT_BYTES, tensors=4)
     _, control = bus
     watcher = Observer(control, frozenset({"node-down"}))
     cluster = start_cluster(spawn, control, "blarge", workers=1)
@@ -596,3 +608,87 @@ def test_a_worker_takes_an_init_s_header_only_as_the_manager_planned_it_and_boun
         assert worker.pool.in_use_bytes == big and "init-q" not in worker.shards
     finally:
         runtime.close()
+
+
+SEGMENT_BYTES = 448 << 20  # the checkpoint of the tests below: the root's and the child's segments, 896 MiB in all
+ACK_S = 0.5  # their ps.ack_timeout_s: far above a chunk's acknowledgement here, below making SEGMENT_BYTES slowly
+PATIENT_NODE_TIMEOUT_S = 3.0  # outlasts a child stopped for ACK_S and the allowance for SEGMENT_BYTES
+
+
+@pytest.fixture
+def patient_bus(tmp_path: Path) -> Iterator[str]:
+    """A broker (its control endpoint) that reports no node down that was stopped under PATIENT_NODE_TIMEOUT_S."""
+    proc, control = start_bus(tmp_path, extra=["--bus-heartbeat-interval-s", "0.2",
+                                               "--bus-node-timeout-s", str(PATIENT_NODE_TIMEOUT_S)])
+    try:
+        yield control
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+def _segment_cluster(spawn: Callable[..., Any], control: str, tag: str, tmp_path: Path) -> tuple[PsCluster, Path]:
+    """Two workers with ``ps.ack_timeout_s`` ACK_S, and a checkpoint of SEGMENT_BYTES for them (skipped when
+    /dev/shm has not the room)."""
+    _skip_unless_shm_holds(2 * SEGMENT_BYTES)
+    path = _sparse_checkpoint(tmp_path / "segment.safetensors", SEGMENT_BYTES, tensors=2)
+    return start_cluster(spawn, control, tag, workers=2,
+                         extra=["--ps-ack-timeout-s", str(ACK_S), "--ps-chunk-bytes", str(1 << 20)]), path
+
+
+def test_a_parent_waits_for_a_child_s_segment_by_the_allowance_for_its_size(patient_bus, spawn,
+                                                                            tmp_path: Path) -> None:
+    """w1 answers the header only once it made its segment, and is slow to (as a loaded host making a large one is:
+    stopped from when it took its plan until ps.ack_timeout_s and half the allowance for the segment's size have
+    passed): its parent waits ack_timeout_s plus ``shm.allocation_allowance_s`` of the segment, the rule a pusher's
+    open uses, and the init succeeds. Waiting ack_timeout_s alone, the parent failed it ("did not acknowledge the
+    header within 0.5s"), however large the segment."""
+    cluster, path = _segment_cluster(spawn, patient_bus, "bslowmake", tmp_path)
+    runtime, ps = cluster.client()
+    child = cluster.workers["w1"]
+    runner = None
+    try:
+        runner, outcome = _stalled_on(cluster, ps, path, ["w0", "w1"], "w1", START_S)
+        holds_for(runner.is_alive, ACK_S + allocation_allowance_s(SEGMENT_BYTES) / 2,
+                  "the init to wait for w1 to make its segment")
+        child.proc.send_signal(signal.SIGCONT)
+        runner.join(START_S)
+        assert not runner.is_alive() and outcome == [None], outcome
+    finally:
+        child.proc.send_signal(signal.SIGCONT)
+        if runner is not None:
+            runner.join(START_S)
+        runtime.close()
+        _stop(cluster)
+    assert segments(cluster.prefix) == []
+
+
+def test_a_child_killed_while_it_makes_its_segment_fails_the_init_by_its_deadline_and_leaves_nothing(
+        bus, spawn, tmp_path: Path) -> None:
+    """w1 is SIGKILLed as soon as the file of its segment appears, a slice of it made: the init fails naming w1 by
+    the header's deadline (ps.ack_timeout_s plus the allowance for the segment) or w1's node-down, never at the
+    init timeout; w0 frees its copy, and w1's partial file is swept when it starts again: nothing is left."""
+    cluster, path = _segment_cluster(spawn, bus[1], "bkillmake", tmp_path)
+    runtime, ps = cluster.client()
+    child = cluster.workers["w1"]
+    token = f"{cluster.prefix}.{child.proc.pid}."
+    runner, outcome = _init_in_background(ps, path, ["w0", "w1"], START_S)
+    try:
+        making = wait_for(lambda: [n for n in segments(cluster.prefix) if n.startswith(token)], START_S,
+                          "w1 to start making its segment", poll_s=0.001)
+        child.proc.kill()
+        child.proc.wait(10)
+        assert segment_file(making[0]).stat().st_size < segment_bytes(SEGMENT_BYTES)  # killed midway
+        # Ended by the header's deadline or w1's node-down (FAST_LIVENESS: 1 s): within twice both together.
+        runner.join(2 * (ACK_S + allocation_allowance_s(SEGMENT_BYTES) + 1.0))
+        assert not runner.is_alive() and isinstance(outcome[0], RemoteError), outcome
+        message = str(outcome[0])
+        assert outcome[0].code == "init-failed" and "'w1'" in message and "init timeout" not in message, message
+        wait_for(lambda: cluster.held("w0") == 0, 10, "w0 to free its copy")
+        restart_worker(spawn, cluster, "w1")  # its start sweeps the dead process's files
+        assert [n for n in segments(cluster.prefix) if n.startswith(token)] == []
+    finally:
+        child.proc.kill()
+        runner.join(START_S)
+        runtime.close()
+        _stop(cluster)
+    assert segments(cluster.prefix) == []

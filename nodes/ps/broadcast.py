@@ -22,9 +22,11 @@ Authentication: the manager sends its plan to every worker of the tree (the root
 acknowledged theirs); a worker below the root takes the init's header only as its plan names it (see the
 ps-worker), so no peer makes a worker spend memory on an init the manager did not run.
 
-Failure is loud and bounded: every message to a child is a request whose deadline is ``ack_timeout_s``; a
-child that does not answer by then (dead, stuck), goes down or answers with an error is reported to the
-manager by name, and the manager fails the whole init. Nothing waits without a deadline.
+Failure is loud and bounded: every message to a child is a request whose deadline is ``ack_timeout_s`` (the
+header's, that plus :func:`~refbus.nodes.ps.shm.allocation_allowance_s` of the checkpoint: its answer waits for
+the child's segment, the rule a pusher's ``ps-shard-open`` allows too); a child that does not answer by then
+(dead, stuck), goes down or answers with an error is reported to the manager by name, and the manager fails the
+whole init. Nothing waits without a deadline.
 
 :class:`Relay` is one worker's part in one init (worker side); :class:`InitRound` is the manager's view of
 one init. Both are single-threaded state machines driven by their node's loop.
@@ -57,7 +59,7 @@ from ...protocol.messages_ps import (
     WorkerInfo,
 )
 from .checkpoint import read_layout
-from .shm import Segment
+from .shm import Segment, allocation_allowance_s
 
 log = structlog.get_logger(__name__)
 
@@ -335,8 +337,15 @@ class Relay:
             self._send_to(child, self._end, "end")
 
     def _send_to(self, child: _Child, body: Body, what: str) -> None:
-        self._send(child.info, body, self._ack_timeout_s,
+        self._send(child.info, body, self._deadline_s(what),
                    lambda outcome: self._acknowledged(child, what, outcome))
+
+    def _deadline_s(self, what: str) -> float:
+        """How long a child has to acknowledge ``what``: ``ack_timeout_s``; for the header, which it answers only
+        once its segment is made, that plus the allowance for making a segment of the checkpoint's size."""
+        if what == "header":
+            return self._ack_timeout_s + allocation_allowance_s(self._segment_bytes)
+        return self._ack_timeout_s
 
     def _acknowledged(self, child: _Child, what: str, outcome: Outcome) -> None:
         """A child's answer to a forwarded message: ok makes room for the next chunk; anything else fails the
@@ -354,7 +363,7 @@ class Relay:
         elif isinstance(outcome, RemoteError):
             self.fail(name, f"rejected the {what}: [{outcome.code}] {outcome.detail}")
         elif isinstance(outcome, RequestTimeout):
-            self.fail(name, f"did not acknowledge the {what} within {self._ack_timeout_s:g}s (dead or stuck)")
+            self.fail(name, f"did not acknowledge the {what} within {self._deadline_s(what):g}s (dead or stuck)")
         elif isinstance(outcome, PeerDown):
             self.fail(name, f"went down before acknowledging the {what} ({outcome.reason})")
 

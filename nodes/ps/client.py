@@ -99,7 +99,7 @@ from . import host_proof
 from .frames import PIECE_BYTES, FramesError, Wanted, read_frames
 from .leases import RESTARTED
 from .nixl import NixlError, NixlReader, NixlUnusable
-from .shm import ALLOCATE_ALLOWANCE_S_PER_GIB, SegmentMaps
+from .shm import SegmentMaps, allocation_allowance_s
 
 log = structlog.get_logger(__name__)
 
@@ -437,7 +437,7 @@ class PushSession:
             client = self._client._worker(info)
             # Answered once the worker made the segment, a slice a loop turn: sent again (joining the open in
             # progress) until the retry schedule plus the allowance for that has passed.
-            making_s = ALLOCATE_ALLOWANCE_S_PER_GIB * self._grant.nbytes / (1 << 30)
+            making_s = allocation_allowance_s(self._grant.nbytes)
             policy = client.policy.lasting(client.policy.deadline_s + making_s)
             try:
                 opened = self._client._ask(client, ShardOpen(self._grant.lease, self._grant.nbytes, ranges),

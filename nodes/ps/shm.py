@@ -130,9 +130,16 @@ class Segment:
 ALLOCATE_SLICE_BYTES = 256 << 20
 
 ALLOCATE_ALLOWANCE_S_PER_GIB = 1.0
-"""What a pusher's ``ps-shard-open`` allows the worker for making the segment, per GiB, beyond the request retry
-schedule: four times the ~0.25 s/GiB of ``posix_fallocate`` on tmpfs, for a worker serving other work between
-the slices."""
+"""What a peer waiting for a worker to make a segment allows for it, per GiB (:func:`allocation_allowance_s`): four
+times the ~0.25 s/GiB of ``posix_fallocate`` on tmpfs, for a worker serving other work between the slices."""
+
+
+def allocation_allowance_s(nbytes: int) -> float:
+    """Seconds a peer allows a worker for making a segment of ``nbytes`` before it answers, on top of the peer's own
+    deadline for the answer: a pusher's ``ps-shard-open`` (beyond its retry schedule) and a broadcast parent's
+    ``ps-init-header`` (beyond ``ack_timeout_s``). The one rule for both, so no configured timeout needs raising
+    for a large shard, and every such wait stays bounded by the shard's size."""
+    return ALLOCATE_ALLOWANCE_S_PER_GIB * nbytes / (1 << 30)
 
 
 class Allocation:
