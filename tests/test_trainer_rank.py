@@ -447,6 +447,37 @@ def test_step_batches_come_only_from_the_registered_orchestrator_and_never_far_a
     assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
 
 
+def test_a_step_batch_naming_an_owned_blob_at_two_stores_is_refused_and_never_deleted_elsewhere(
+        bus, envs, orchestrator, tmp_path: Path) -> None:
+    """Regression: an owned blob referenced again in a dummy micro batch, unrouted (so not fetched there) and at
+    another store, was taken: the rank deleted it at that other store after the step (``delete.failed``) and
+    never at its own, which held it for the rank until it went down. Now the batch is refused ``bad-step-batch``
+    naming the blob, and the right one is trained and deleted once, where the blob lives."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="c")
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        batches = [step_batch(0, rank, data, rank) for rank in (0, 1)]
+        ref = next(s.ref for mb in batches[0].micro_batches for s in mb.samples
+                   if s.ref and s.ref.blob_id in batches[0].owned and len(s.ref.fields) > 1)
+        owned = ref.blob_id
+        elsewhere = msgspec.structs.replace(ref, endpoint="tcp://127.0.0.1:9", node="env-elsewhere",
+                                            fields=[f for f in ref.fields if f != "routed_experts"], routing_shape=None)
+        dummy = msgspec.structs.replace(batches[0].micro_batches[0], dummy=True, samples=[
+            msgspec.structs.replace(batches[0].micro_batches[0].samples[0], ref=elsewhere)])
+        with pytest.raises(RemoteError, match="bad-step-batch") as refused:
+            clients[0].request(msgspec.structs.replace(batches[0], micro_batches=[*batches[0].micro_batches, dummy]))
+        assert f"blob {owned!r}: referenced as" in str(refused.value)
+        hand_over(clients, batches)
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all("failed" not in report for report in reports), reports
+    assert deletes(envs) == Counter({(blob_id, f"trainer-{rank}", "trained"): 1
+                                     for rank in (0, 1) for blob_id in data.owned[rank]})
+
+
 def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
     envs, orchestrator, zmq_ctx, tmp_path: Path
 ) -> None:

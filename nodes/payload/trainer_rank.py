@@ -70,6 +70,7 @@ from ...protocol.messages import (
     Delete,
     Deleted,
     FetchAck,
+    MicroBatchRefs,
     NodeInfo,
     Ok,
     Reference,
@@ -84,7 +85,6 @@ from .fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
-    needed_refs,
     registry_locator,
     to_micro_batch,
 )
@@ -388,11 +388,9 @@ class TrainerRank:
         try:
             for mb in batch.micro_batches:
                 to_micro_batch(mb)
-            needed_refs(batch.micro_batches)
+            refs = _blob_refs(batch.micro_batches)
         except PlanError as exc:
             raise HandlerError("bad-step-batch", f"step {batch.step}: {exc}") from None
-        refs = {item.ref.blob_id: item.ref for mb in batch.micro_batches for item in mb.samples
-                if item.ref is not None}
         unknown = [blob_id for blob_id in batch.owned if blob_id not in refs]
         if unknown:
             raise HandlerError("bad-step-batch", f"step {batch.step}: owned blobs {unknown[:4]} are referenced "
@@ -658,6 +656,23 @@ class TrainerRank:
         if not ok:
             raise value
         return value
+
+
+def _blob_refs(micro_batches: Iterable[MicroBatchRefs]) -> dict[str, BlobRef]:
+    """Every blob id the micro batches name -> its one reference, those fetched or not (a dummy's unrouted ones):
+    the rank deletes an owned blob, and repeats its hand-over, where this reference says it lives.
+
+    Raises:
+        PlanError: one blob id referenced with two different references (``needed_refs`` sees only those fetched,
+            so an owned blob named again elsewhere in a dummy would be deleted from the wrong store).
+    """
+    refs: dict[str, BlobRef] = {}
+    for micro_batch in micro_batches:
+        for item in micro_batch.samples:
+            ref = item.ref
+            if ref is not None and (known := refs.setdefault(ref.blob_id, ref)) != ref:
+                raise PlanError(f"blob {ref.blob_id!r}: referenced as {known} and as {ref}")
+    return refs
 
 
 def _same_batch(a: StepBatch, b: StepBatch) -> bool:
