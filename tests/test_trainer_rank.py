@@ -478,6 +478,29 @@ def test_a_step_batch_naming_an_owned_blob_at_two_stores_is_refused_and_never_de
                                      for rank in (0, 1) for blob_id in data.owned[rank]})
 
 
+def test_step_batches_of_unequal_micro_batch_counts_are_skipped_by_every_rank(bus, envs, orchestrator,
+                                                                              tmp_path: Path) -> None:
+    """Regression: ranks whose step batches held different numbers of micro batches entered the agreement's
+    all-reduce with vectors of different sizes, and gloo aborted a rank's process (SIGABRT), breaking the world.
+    Now every rank skips the step (``StepSkipped``, the same reason on each) and deletes its blobs ``dropped``."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="m")
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        batches = [step_batch(0, rank, data, rank) for rank in (0, 1)]
+        extra = msgspec.structs.replace(batches[0].micro_batches[0], dummy=True)
+        batches[0] = msgspec.structs.replace(batches[0], micro_batches=[*batches[0].micro_batches, extra])
+        hand_over(clients, batches)
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all(report["skipped"] and "hold from 3 to 4 micro batches" in report["failed"] for report in reports), \
+        reports
+    assert deletes(envs) == Counter({(blob_id, f"trainer-{rank}", "dropped"): 1
+                                     for rank in (0, 1) for blob_id in data.owned[rank]})
+
+
 def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
     envs, orchestrator, zmq_ctx, tmp_path: Path
 ) -> None:

@@ -15,7 +15,9 @@ peers receive the same micro batches, and the orchestrator gives ``owned`` to th
 refuses a step batch with owned blobs, so a mistake is loud instead of a double delete).
 
 **Agreement.** One ``all_reduce(MAX)`` over an int32 vector of ``data_ranks * M + data_ranks`` entries
-(``M`` = micro batches per rank, equal on every rank by packing's invariant): entry ``d * M + i`` is 1 when
+(``M`` = micro batches per rank, equal on every rank by packing's invariant, which an ``all_reduce`` of
+``(M, -M)`` checks first: ranks entering one collective with vectors of different sizes abort in gloo, so step
+batches that break it make every rank skip the step instead): entry ``d * M + i`` is 1 when
 micro batch ``i`` of data rank ``d`` failed on any of its ranks, entry ``data_ranks * M + d`` when data rank
 ``d`` could not stand in for a dropped micro batch (no real routing rows or top-k width in its step).
 Every rank reads the same reduced vector, so every rank takes the same decision: drop exactly the flagged
@@ -54,7 +56,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import structlog
@@ -119,7 +121,8 @@ class StepFailed(RuntimeError):
 
 class StepSkipped(StepFailed):
     """Every rank agreed that the step cannot be trained: nothing of it could be fetched anywhere (its stores
-    died or lost its blobs), or a data rank cannot stand in for its dropped micro batches. Raised by
+    died or lost its blobs), a data rank cannot stand in for its dropped micro batches, or the ranks' step batches
+    hold different numbers of micro batches. Raised by
     ``begin_step`` on every rank of the group at once, from the one agreement, so no rank waits in a collective
     the others skip: call ``end_step`` for the step (its owned blobs deleted ``dropped``) and go on with the
     next one, the weights unchanged. Stopping the world instead would cost every step since its last
@@ -506,8 +509,9 @@ class TrainerRank:
                     deleted=len(released[0].deleted) if released else 0, answered=bool(released))
 
     def _agree(self, step: int, fetch: StepFetch) -> tuple[tuple[int, ...], int]:
-        """The one all-reduce: which micro batches of this data rank to drop, and how many across all."""
+        """The agreement: which micro batches of this data rank to drop, and how many across all."""
         per_rank = len(fetch.batches)
+        self._agree_on_count(step, per_rank)
         width = self.data_ranks * per_rank
         flags = torch.zeros(width + self.data_ranks, dtype=torch.int32)
         for index in fetch.failed:
@@ -515,26 +519,39 @@ class TrainerRank:
         flags[width + self.data_rank] = int(self._stuck(fetch))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         failed = flags[:width].view(self.data_ranks, per_rank)
-        skipped = ""
         stuck = flags[width:].nonzero().flatten().tolist()
         if width and bool(failed.all()):
-            skipped = f"step {step}: no micro batch could be fetched on any rank ({_reasons(fetch)} here)"
+            self._skip(step, f"step {step}: no micro batch could be fetched on any rank ({_reasons(fetch)} here)",
+                       failed_global=int(failed.sum()))
         elif stuck:
-            skipped = (f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
-                       "(no real routing rows or top-k width fetched there)")
-        if not skipped:
-            self._skipped_in_a_row = 0
-        elif self._skipped_in_a_row >= self.settings.skip_limit:
-            raise StepFailed(f"{skipped}; {self._skipped_in_a_row} steps in a row were skipped before it, "
-                             f"trainer.skip_limit = {self.settings.skip_limit}: the cause persists")
-        else:
-            self._skipped_in_a_row += 1
-            self.skipped_steps += 1
-            log.warning("step.skipped", step=step, reason=skipped, failed_global=int(failed.sum()),
-                        in_a_row=self._skipped_in_a_row)
-            raise StepSkipped(skipped)
+            self._skip(step, f"step {step}: data ranks {stuck} cannot stand in for their dropped micro batches "
+                             "(no real routing rows or top-k width fetched there)", failed_global=int(failed.sum()))
+        self._skipped_in_a_row = 0
         dropped = tuple(failed[self.data_rank].nonzero().flatten().tolist())
         return dropped, int(failed.sum())
+
+    def _agree_on_count(self, step: int, per_rank: int) -> None:
+        """Skip the step on every rank unless every rank has ``per_rank`` micro batches (packing's invariant, which
+        sizes the agreement's vector): ranks entering one all-reduce with vectors of different sizes abort in
+        gloo, killing the process, so step batches that break it must be found by a collective of fixed size."""
+        counts = torch.tensor([per_rank, -per_rank], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        most, least = int(counts[0]), -int(counts[1])
+        if most != least:
+            self._skip(step, f"step {step}: the ranks' step batches hold from {least} to {most} micro batches "
+                             f"({per_rank} here), where every rank must have as many", failed_global=0)
+
+    def _skip(self, step: int, reason: str, *, failed_global: int) -> NoReturn:
+        """Raise :class:`StepSkipped` for ``reason`` (the same on every rank: it follows an agreement), or
+        :class:`StepFailed` past ``trainer.skip_limit`` skips in a row."""
+        if self._skipped_in_a_row >= self.settings.skip_limit:
+            raise StepFailed(f"{reason}; {self._skipped_in_a_row} steps in a row were skipped before it, "
+                             f"trainer.skip_limit = {self.settings.skip_limit}: the cause persists")
+        self._skipped_in_a_row += 1
+        self.skipped_steps += 1
+        log.warning("step.skipped", step=step, reason=reason, failed_global=failed_global,
+                    in_a_row=self._skipped_in_a_row)
+        raise StepSkipped(reason)
 
     def _stuck(self, fetch: StepFetch) -> bool:
         """Whether a dropped micro batch of this rank could not be stood in for. Exact before agreement:
