@@ -501,6 +501,29 @@ def test_step_batches_of_unequal_micro_batch_counts_are_skipped_by_every_rank(bu
                                      for rank in (0, 1) for blob_id in data.owned[rank]})
 
 
+def test_a_micro_batch_longer_than_seq_len_is_refused_before_the_rank_allocates_it(bus, envs, orchestrator,
+                                                                                   tmp_path: Path) -> None:
+    """Regression: a step batch with a micro batch of 2**40 tokens was taken; its assembly failed to allocate (the
+    micro batch dropped), then so did its stand-in's, and the RuntimeError ended the rank mid-step. Now a micro
+    batch longer than ``orchestrator.seq_len`` is refused ``bad-step-batch``, and the real step trains."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="l")
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        batches = [step_batch(0, rank, data, rank) for rank in (0, 1)]
+        first, *rest = batches[0].micro_batches
+        with pytest.raises(RemoteError, match="bad-step-batch") as refused:
+            clients[0].request(msgspec.structs.replace(batches[0], micro_batches=[
+                msgspec.structs.replace(first, length=2**40), *rest]))
+        assert "micro batch 0 is 1099511627776 tokens long, more than orchestrator.seq_len" in str(refused.value)
+        hand_over(clients, batches)
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
+
+
 def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
     envs, orchestrator, zmq_ctx, tmp_path: Path
 ) -> None:

@@ -185,6 +185,9 @@ class TrainerRank:
     ``restart_grace_s`` (``node.restart_grace_s``): how long a fetch or a delete waits for a durable store to come
     back. ``max_staleness`` (``orchestrator.max_staleness``): how far ahead of training the orchestrator ships,
     so a step batch further ahead than that (plus :data:`STEPS_AHEAD_MARGIN`) is refused ``step-too-far``.
+    ``seq_len`` (``orchestrator.seq_len``): the longest micro batch packing makes, padding included, so one longer
+    is refused ``bad-step-batch`` (the rank allocates its tensors, and a stand-in's when it is dropped: a length
+    no allocation can hold would end the rank mid-step).
 
     Step batches are taken only from a node the registry lists live with role ``orchestrator`` (``src``, which
     CURVE authenticates); any other sender is refused ``not-orchestrator``. A sender this rank has not seen
@@ -207,6 +210,7 @@ class TrainerRank:
         first_step: int = 0,
         restart_grace_s: float = 10.0,
         max_staleness: int = OrchestratorSettings.max_staleness,
+        seq_len: int = OrchestratorSettings.seq_len,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -223,6 +227,9 @@ class TrainerRank:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.steps_ahead = max_staleness + STEPS_AHEAD_MARGIN
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.seq_len = seq_len
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped),
         # unless its store is durable: then it is asked again until a restart re-adopted it, within the grace.
         # Deletes outlive a restart of a durable store the same way (see _delete).
@@ -388,6 +395,11 @@ class TrainerRank:
         if batch.owned and not self.leader:
             raise HandlerError("not-leader", f"rank {self.rank} does not delete for data rank {self.data_rank}; "
                                              "send owned blobs to its leader")
+        too_long = [i for i, mb in enumerate(batch.micro_batches) if mb.length > self.seq_len]
+        if too_long:
+            raise HandlerError("bad-step-batch", f"step {batch.step}: micro batch {too_long[0]} is "
+                               f"{batch.micro_batches[too_long[0]].length} tokens long, more than "
+                               f"orchestrator.seq_len = {self.seq_len} ({len(too_long)} such)")
         try:
             for mb in batch.micro_batches:
                 to_micro_batch(mb)

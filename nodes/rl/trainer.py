@@ -134,7 +134,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
                                                     ready_file=args.ready_file))
     trainer = TrainerRank(runtime, settings=section, first_step=first, restart_grace_s=config.node.restart_grace_s,
-                          max_staleness=config.orchestrator.max_staleness)
+                          max_staleness=config.orchestrator.max_staleness, seq_len=config.orchestrator.seq_len)
     runtime.labels["steps"] = str(section.steps)  # this rank's budget: the orchestrator ships no more steps
     collectives_done = threading.Event()  # past the last step's collective: a peer that leaves breaks nothing
     broken = end_world_on_peer_death(runtime, trainer, pids, collectives_done,
