@@ -817,3 +817,51 @@ def test_a_trainer_node_without_rank_exits_2_with_a_message(tmp_path: Path) -> N
                              "--bus-control", "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=120,
                             env=environ, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("refbus: trainer.rank is -1"), result.stderr
+
+
+def test_end_step_never_changes_the_running_steps_under_the_loop_threads_look_at_them() -> None:
+    """Regression: ``end_step`` (the training thread) took its step out of the running steps without the rank's
+    lock, so the loop thread's look at what the rank holds on a restarted store (``_held_at``, under the lock:
+    which hand-overs to repeat there) failed mid-iteration with "dictionary changed size during iteration", and
+    the repeated hand-overs were lost. Here the look pauses mid-iteration until ``end_step`` returned, or for
+    half a second: ``end_step`` now waits for the lock instead."""
+    from refbus.nodes.payload.trainer_rank import StepRelease, TrainerRank, _Received
+
+    batch = _nan_batch(["a"])
+    refs = {s.ref.blob_id: s.ref for s in batch.micro_batches[0].samples}
+    looking, ended = threading.Event(), threading.Event()
+
+    class Running(dict):
+        """The running steps; an iteration over their values pauses after its start, as a thread switch would."""
+
+        def values(self):  # type: ignore[override]
+            values = iter(dict.values(self))
+            looking.set()
+            ended.wait(0.5)
+            yield from values
+
+    rank = object.__new__(TrainerRank)  # its bookkeeping only: no node, no process group
+    rank._cond = threading.Condition()
+    rank._received = {}
+    rank._running = Running({0: (_Received(batch, refs), frozenset())})
+    rank.held = {"a"}
+    rank._on_loop = lambda start: StepRelease(deleted=("a",))
+    looked: list[Any] = []
+    look = threading.Thread(target=lambda: looked.append(_outcome(lambda: rank._held_at("env"))))
+    look.start()
+    assert looking.wait(WAIT_S)
+    releases: list[Any] = []
+    end = threading.Thread(target=lambda: (releases.append(rank.end_step(0)), ended.set()))
+    end.start()
+    look.join(WAIT_S)
+    end.join(WAIT_S)
+    assert not look.is_alive() and not end.is_alive()
+    assert looked == [{0: ["a"]}] and releases == [StepRelease(deleted=("a",))]
+    assert not rank._running and not rank.held
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:
+        return exc

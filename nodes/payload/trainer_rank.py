@@ -325,7 +325,9 @@ class TrainerRank:
             for item in mb.samples
             if item.ref is not None
         )
-        self._running[step] = (received, trained)
+        with self._cond:  # the loop thread looks at the running steps (_held_at); a hook that took it keeps it
+            if step in self._running:
+                self._running[step] = (received, trained)
         return StepBatches(
             step=step,
             batches=tuple(batches),
@@ -346,7 +348,8 @@ class TrainerRank:
         delete ends otherwise, which this rank never asks for again: ``violations`` (deleted already),
         ``missing`` and ``reclaimed`` (the store holds them for nobody), ``failed`` (the store reclaims them
         from this rank once it has gone, ``holder-down``, or they went with a store that died)."""
-        running = self._running.pop(step, None)
+        with self._cond:  # never under the loop thread's look at the running steps (_held_at)
+            running = self._running.pop(step, None)
         if running is None:
             return StepRelease()
         received, trained = running
