@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -447,6 +448,28 @@ def test_a_micro_batch_is_assembled_while_another_is_still_on_the_wire(envs, loo
     for refs, batch in zip(step.ranks[0], result.batches, strict=True):
         assert isinstance(batch, AssembledBatch)
         check_assembled(batch, refs, step.branches)
+
+
+def test_transfer_seconds_end_before_the_micro_batches_left_once_every_request_ended_are_assembled(
+        envs, loop) -> None:
+    """``transfer_seconds`` is the part of ``seconds`` until every blob was received and verified: what is
+    assembled once the last request ended is not in it. Regression: ``finish`` assembled the micro batches the last
+    replies completed before it took the time, so a fetch finished after its requests ended (all of them then)
+    reported its whole assembly as transfer, ``transfer_seconds`` equal to ``seconds``."""
+    step = make_step(envs, MIXED)
+    fetcher = StepFetcher("trainer-0", loop.calls)
+    assembled_at: list[float] = []
+    assemble = fetcher._assemble
+
+    def timed(*args: Any) -> Any:
+        assembled_at.append(time.perf_counter())
+        return assemble(*args)
+
+    fetcher._assemble = timed  # type: ignore[method-assign]
+    in_flight = fetcher.start(0, step.ranks[0])
+    result = loop.finish(fetcher, in_flight, driven=False)
+    assert not result.failed and len(assembled_at) == len(step.ranks[0])
+    assert in_flight.started + result.transfer_seconds <= min(assembled_at), "assembly counted as transfer"
 
 
 @pytest.mark.parametrize("why", ["timeout", "stopped"])

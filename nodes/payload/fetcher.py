@@ -29,8 +29,9 @@ thread, as the replies come):
    wire: the hash and the copies below overlap the transfer instead of following it.
 4. **Assemble.** Each micro batch whose blobs all verified goes through :func:`~.assemble.assemble`, which
    writes every sample's rows straight into tensors handed out by a :class:`BufferPool`: at once when its
-   last blob verified, or, for a micro batch with a failed blob (one a restarting store may still serve),
-   once every request has its last outcome. A micro batch with any blob missing, refused (``RemoteError``),
+   last blob verified while other requests are still on the wire, or else (a failed blob, which a restarting
+   store may still serve, or one among the last replies) once every request has its last outcome, after the
+   transfer is timed. A micro batch with any blob missing, refused (``RemoteError``),
    unanswered (``RequestTimeout``), on a store reported down (``PeerDown``), corrupt or malformed becomes a
    :class:`FetchFailure`: it is never assembled from partial data, never trained on zeros.
 
@@ -391,17 +392,16 @@ class StepFetcher:
         failures: dict[str, FetchFailure] = {}
         batches: list[AssembledBatch | FetchFailure | None] = [None] * len(fetch.plans)
         needs = [_needed_ids(refs_mb, plan) for plan, refs_mb in zip(fetch.plans, fetch.micro_batches, strict=True)]
-        done = False
-        while not done:
+        while True:
             left_s = STOP_POLL_S if waited_until is None else min(STOP_POLL_S, waited_until - time.monotonic())
             arrived, done = fetch.take(max(left_s, 0.0))
             for request, outcome in arrived:
                 self._verify_reply(fetch.refs, request, outcome, branches, failures)
+            if done:
+                break  # what is left is assembled after ``transferred``, which times the transfer alone
             for index, batch in enumerate(batches):
                 if batch is None and all(blob_id in branches for blob_id in needs[index] if blob_id is not None):
                     batches[index] = self._assemble(fetch.plans[index], needs[index], branches, failures)
-            if done:
-                break
             if stopped():
                 raise FetchUnfinished(f"step {fetch.step}: the requests' driver stopped before they all ended")
             if waited_until is not None and time.monotonic() >= waited_until:
