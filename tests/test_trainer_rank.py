@@ -45,7 +45,7 @@ from refbus.nodes.payload.assemble import AssembledBatch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS, STEPS_AHEAD_MARGIN
 from refbus.nodes.rl.trainer import rank_and_world
-from refbus.nodes.settings import TrainerSettings
+from refbus.nodes.settings import OrchestratorSettings, TrainerSettings
 from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import (
@@ -89,6 +89,7 @@ class RankConfig:
     fetch_policy: RetryPolicy = FAST
     skip_limit: int = 3  # trainer.skip_limit
     max_staleness: int = 1  # orchestrator.max_staleness: how far ahead a step batch may be
+    seq_len: int | None = OrchestratorSettings.seq_len  # as the trainer role passes it; None: none passed
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -112,6 +113,7 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S, skip_limit=config.skip_limit),
                           data_rank=config.data_rank,
                           data_ranks=config.data_ranks, leader=config.leader, max_staleness=config.max_staleness,
+                          **({} if config.seq_len is None else {"seq_len": config.seq_len}),
                           fetch=FetchSettings(blobs_per_request=2, policy=config.fetch_policy))
     try:
         runtime.start_background()
@@ -517,6 +519,26 @@ def test_a_micro_batch_longer_than_seq_len_is_refused_before_the_rank_allocates_
                 msgspec.structs.replace(first, length=2**40), *rest]))
         assert "micro batch 0 is 1099511627776 tokens long, more than orchestrator.seq_len" in str(refused.value)
         hand_over(clients, batches)
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
+
+
+def test_a_rank_given_no_seq_len_takes_the_micro_batches_of_an_orchestrator_that_packs_longer_ones(
+        bus, envs, orchestrator, tmp_path: Path) -> None:
+    """Regression: a rank embedded as the README says (no ``seq_len`` passed) refused ``bad-step-batch`` every
+    micro batch longer than ``orchestrator.seq_len``'s default, so an honest orchestrator packing 4096 tokens had
+    each step refused. A rank told no ``seq_len`` bounds no length; the trainer role passes its config's."""
+    longer = OrchestratorSettings.seq_len + 8
+    data = make_step(envs, (SampleSpec(longer, heads=True), SampleSpec(45, mask=True)), data_ranks=2, prefix="e",
+                     seq_len=2 * OrchestratorSettings.seq_len)
+    assert max(mb.length for rank in data.ranks for mb in rank) > OrchestratorSettings.seq_len
+    ranks = Ranks(bus, (RankConfig(seq_len=None), RankConfig(seq_len=None)), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        hand_over(clients, [step_batch(0, rank, data, rank) for rank in (0, 1)])
         reports = [ranks.recv(rank) for rank in (0, 1)]
     finally:
         exits = ranks.close()

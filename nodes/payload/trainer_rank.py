@@ -187,7 +187,10 @@ class TrainerRank:
     so a step batch further ahead than that (plus :data:`STEPS_AHEAD_MARGIN`) is refused ``step-too-far``.
     ``seq_len`` (``orchestrator.seq_len``): the longest micro batch packing makes, padding included, so one longer
     is refused ``bad-step-batch`` (the rank allocates its tensors, and a stand-in's when it is dropped: a length
-    no allocation can hold would end the rank mid-step).
+    no allocation can hold would end the rank mid-step); None (the default) bounds no length, since only the
+    orchestrator's config knows it: a bound of the rank's own would refuse every step batch of an orchestrator
+    that packs longer micro batches. The trainer role passes its config's; an embedding framework passes its
+    orchestrator's.
 
     Step batches are taken only from a node the registry lists live with role ``orchestrator`` (``src``, which
     CURVE authenticates); any other sender is refused ``not-orchestrator``. A sender this rank has not seen
@@ -210,7 +213,7 @@ class TrainerRank:
         first_step: int = 0,
         restart_grace_s: float = 10.0,
         max_staleness: int = OrchestratorSettings.max_staleness,
-        seq_len: int = OrchestratorSettings.seq_len,
+        seq_len: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -227,7 +230,7 @@ class TrainerRank:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.steps_ahead = max_staleness + STEPS_AHEAD_MARGIN
-        if seq_len < 1:
+        if seq_len is not None and seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.seq_len = seq_len
         # A fetch from an env server the registry reports down fails at once (the micro batch is dropped),
@@ -398,11 +401,12 @@ class TrainerRank:
         if batch.owned and not self.leader:
             raise HandlerError("not-leader", f"rank {self.rank} does not delete for data rank {self.data_rank}; "
                                              "send owned blobs to its leader")
-        too_long = [i for i, mb in enumerate(batch.micro_batches) if mb.length > self.seq_len]
+        bound = self.seq_len
+        too_long = [i for i, mb in enumerate(batch.micro_batches) if bound is not None and mb.length > bound]
         if too_long:
             raise HandlerError("bad-step-batch", f"step {batch.step}: micro batch {too_long[0]} is "
                                f"{batch.micro_batches[too_long[0]].length} tokens long, more than "
-                               f"orchestrator.seq_len = {self.seq_len} ({len(too_long)} such)")
+                               f"orchestrator.seq_len = {bound} ({len(too_long)} such)")
         try:
             for mb in batch.micro_batches:
                 to_micro_batch(mb)
