@@ -31,6 +31,7 @@ from refbus.nodes.payload.orchestrator_core import (
 from refbus.nodes.payload.prompts import PromptSource, as_prompt_source, load_prompt_source
 from refbus.nodes.settings import OrchestratorSettings
 from refbus.protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo
+from structlog.testing import capture_logs
 
 DEADLINES = Deadlines(delivery_s=30.0, redeliver_after_s=2.0, run_s=44.0)
 T0 = 1000.0  # the injected clock's start: anything but zero, so no decision leans on it
@@ -1117,3 +1118,33 @@ def test_closed_groups_are_forgotten_after_the_horizon_and_a_later_straggler_is_
         core.abandon(now + index, f"old{index}")
     core.tick(now + 1000 + horizon / 2)
     assert len(core.closed_groups) == int(horizon / 2) - 1  # those closed within the horizon before the tick
+
+
+def test_answered_runs_whose_episodes_never_come_give_their_room_and_slot_back() -> None:
+    """A group's runs all answered ok, their episodes never fed (the events lost): once ``episode_wait_s`` passed
+    since the answers, their room is free and the group abandoned (its slot back), so the next group starts.
+    Before, the group was in no timer (one times out from its first episode): room and slot stayed taken and
+    dispatch waited for good. An episode fed before its run's answer changes nothing: its group still waits."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+    core = OrchestratorCore(settings(max_staleness=0, group_size=2), DEADLINES, prompts=lambda rng: [1])
+    core.router.kept(episode("x-0", "x", 1.0, env="elsewhere"))
+    core.use_replicas([_budgeted("env-a", 0.0, 3 * charge)])  # room for one group under the high-water mark
+    core.on_version(0)
+    wait_s = core.settings.group_timeout_s + DEADLINES.restart_grace_s  # episode_wait_s
+    sent = of(SendRun, core.dispatch(T0))
+    assert len(sent) == 2 and core.router.room("tcp://env-a") == 0
+    for run in sent:
+        core.on_run_done(T0 + 1, run.run.episode_id, None)
+    core.tick(T0 + 1 + wait_s - 0.01)
+    assert len(core.router.reserved) == 2 and core.dispatch(T0 + 20) == []
+    core.tick(T0 + 1 + wait_s)
+    assert not core.router.reserved and core.abandoned_groups == 1
+    again = of(SendRun, core.dispatch(T0 + 30))
+    assert len(again) == 2 and {s.run.group for s in again} != {s.run.group for s in sent}
+    first, second = again
+    core.on_episode(T0 + 31, episode(first.run.episode_id, first.run.group, 1.0), [])  # before its answer
+    core.on_run_done(T0 + 31, first.run.episode_id, None)
+    with capture_logs() as logs:
+        core.tick(T0 + 31 + wait_s)
+    assert [entry["episode_id"] for entry in logs if entry["event"] == "run.episode_not_come"] == []
+    assert list(core.router.reserved) == [second.run.episode_id]  # in flight: its deadline decides

@@ -56,6 +56,7 @@ from refbus.protocol.messages import (
     NodeInfo,
     Ok,
     Reference,
+    Run,
     StepBatch,
 )
 from structlog.testing import capture_logs
@@ -678,3 +679,32 @@ def test_every_reason_refbus_deletes_for_is_one_env_servers_accept() -> None:
     assert literals >= {"filtered", "stale", "eval", "incomplete", "late", "max_steps", "shutdown"}, literals
     assert constants | literals == DELETE_REASONS
     assert all(f"``{reason}``" in " ".join((Delete.__doc__ or "").split()) for reason in DELETE_REASONS)
+
+
+def test_a_group_whose_runs_were_answered_and_whose_episodes_never_came_gives_its_slot_and_room_back(
+        bus: tuple[NodeProcess, str]) -> None:
+    """An env server answers every run ``ok`` but its ``episode-finished`` events never come (killed between its
+    answer and its event, a broker restart): the orchestrator gives the group up once
+    ``group_timeout_s`` plus the restart grace passed since the answers, frees its admission slot and the room its
+    runs reserved, and the next group goes. Before, a group none of whose episodes came was in no timer: its slot
+    (the only one, at a bound of one group) and its runs' room stayed taken, and no run went out again."""
+    control = bus[1]
+    runs: list[Run] = []
+    manager = NodeRuntime("ps-manager", RuntimeSettings(bus=control, node_id="ps-version", metrics_port=-1))
+    manager.status = lambda: {"version": 0.0}
+    store = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-mute", metrics_port=-1))
+    blobs = store.serve("blobs", "tcp://127.0.0.1:0")
+    blobs.on(Run.kind, lambda request: (runs.append(request.body), Ok())[1])  # answered, never published
+    blobs.on(HoldingsQuery.kind, lambda request: Held(episodes=[], cursor=0))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    settings = OrchestratorSettings(dispatch=True, trainers=1, group_size=2, groups_per_step=1, max_staleness=0,
+                                    max_groups_in_flight=1, group_timeout_s=0.5, seq_len=64,
+                                    prompt="refbus.nodes.toy.task:make_prompt")
+    grace_s = 0.5
+    orchestrator = Orchestrator(runtime, settings, Deadlines(restart_grace_s=grace_s))
+    wait_s = settings.group_timeout_s + grace_s  # how long an answered run's episode may take to come
+    with _running(orchestrator, manager, store):
+        wait_for(lambda: len(runs) >= 2, WAIT_S, "the first group's runs at the env server")
+        first = {run.group for run in runs}
+        wait_for(lambda: {run.group for run in runs} - first, WAIT_S + 10 * wait_s, "another group's runs")
+        assert orchestrator.core.abandoned_groups >= 1 and orchestrator.core.failed_runs == 0

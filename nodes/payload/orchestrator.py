@@ -16,7 +16,8 @@ reason           when
 ``stale``        a queued sample older than ``max_staleness`` versions when its step is packed, or of a
                  version a restarted trainer world retired (above the step it resumed from)
 ``eval``         every eval episode (scored, never trained)
-``incomplete``   a group still incomplete after ``group_timeout_s``
+``incomplete``   a group still incomplete after ``group_timeout_s``, or whose answered runs' episodes did not
+                 come within ``group_timeout_s`` plus ``node.restart_grace_s`` of their answers (events lost)
 ``late``         an episode of a group that was already completed or dropped
 ``max_steps``    anything arriving after the last step was shipped
 ``missing``      (counted, nothing to delete) a sample whose blob was gone before it could be claimed

@@ -31,7 +31,11 @@ Decisions and their rules:
   running while the trainer is at version ``v`` (groups dropped untrained give their slot back), and at most
   ``max_groups_in_flight`` run at once. Sources take turns; each run goes to the least-loaded replica.
 * **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
-  abandoned and its slot is free again.
+  abandoned and its slot is free again. A run answered whose episode is not fed within
+  :attr:`~OrchestratorCore.episode_wait_s` of its answer (its ``episode-finished`` lost: a store killed between
+  its answer and its event, a broker restart) gives its room back, and its group, if still open, is abandoned
+  (``incomplete``): a group none of whose episodes ever came never times out as a group, and would hold its
+  admission slot and its runs' room for good.
 * **Stores down.** An env server the registry reports down (:meth:`OrchestratorCore.store_down`) gets no
   new runs and no deletes (deletes decided meanwhile wait). Back as the same store within
   ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`): the same process, or a restart that re-adopted
@@ -386,6 +390,8 @@ class OrchestratorCore:
         self.rng = np.random.default_rng(settings.seed)
         self.router = ReplicaRouter()
         self.runs: dict[str, _RunInFlight] = {}  # episode id -> its run
+        # episode id -> (its group, when its run was answered ok), until the episode is fed: see episode_wait_s
+        self._answered: dict[str, tuple[str, float]] = {}
         self.groups_running: Counter[str] = Counter()
         self.groups_sent = 0
         self.train_groups_sent = 0
@@ -460,6 +466,7 @@ class OrchestratorCore:
         if episode.episode_id in self._recovered:
             self._recovered.discard(episode.episode_id)
             return []
+        self._answered.pop(episode.episode_id, None)
         self.episodes += 1
         self.router.kept(episode)
         info = episode.info
@@ -593,6 +600,7 @@ class OrchestratorCore:
         for episode_id in [e for e, run in self.runs.items() if run.deadline <= now]:
             self.expired_runs += 1
             self._run_done(now, episode_id, f"no answer within {self.deadlines.run_s:g}s")
+        self._episodes_not_come(now)
         self._forget_closed(now)
         lost = [self._lose(node_id) for node_id, down in list(self.stores_down.items()) if down.until <= now]
         return self._flush([*lost, *self._check_delivery(now), *self._check_world(now)])
@@ -903,6 +911,7 @@ class OrchestratorCore:
         for member in range(self.settings.group_size):  # answered runs whose episodes will not be counted now
             if (episode_id := f"{group_id}-{member}") not in self.runs:
                 self.router.release(episode_id)
+                self._answered.pop(episode_id, None)
         group = self.groups.pop(group_id, None)
         if group is not None:
             self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
@@ -963,6 +972,29 @@ class OrchestratorCore:
             samples.append(Sample(entry.sample_id, len(entry.inputs["input_ids"]), entry.ref,
                                   episode.policy_version, entry.inputs))
         return samples
+
+    @property
+    def episode_wait_s(self) -> float:
+        """How long after a run's ok answer its episode may take to be fed: its store publishes the event before it
+        answers, and the event waits at most the stores' restart grace for its claims (a durable store restarting),
+        so as long as an incomplete group is kept past its first episode (``group_timeout_s``) plus that grace."""
+        return self.settings.group_timeout_s + self.deadlines.restart_grace_s
+
+    def _episodes_not_come(self, now: float) -> None:
+        """Answered runs whose episode was not fed within :attr:`episode_wait_s`: its event was lost (its store
+        killed between its answer and the event, a broker restart). The room reserved for it is given back and its
+        group, if this incarnation still waits for it (open, or sent with no episode fed yet), is abandoned: a group
+        none of whose episodes came is in no timer else, and would hold its admission slot and its runs' room for
+        good, stalling dispatch once the stores' room or the bound is used up."""
+        horizon = now - self.episode_wait_s
+        answered = self._answered  # in answering order: the oldest first
+        while answered and (oldest := next(iter(answered.items())))[1][1] <= horizon:
+            episode_id, (group_id, _) = oldest
+            del answered[episode_id]
+            log.warning("run.episode_not_come", episode_id=episode_id, group=group_id, waited_s=self.episode_wait_s)
+            self.router.release(episode_id)
+            if group_id in self.groups or group_id in self._admitted:
+                self.abandon(now, group_id)
 
     @property
     def closed_horizon_s(self) -> float:
@@ -1215,7 +1247,10 @@ class OrchestratorCore:
         self.groups_running[run.group_id] -= 1
         if self.groups_running[run.group_id] <= 0:
             del self.groups_running[run.group_id]
-        if error is not None:
+        if error is None:
+            if episode_id in self.router.reserved:  # its episode is on its way (not fed before the answer came)
+                self._answered[episode_id] = (run.group_id, now)
+        else:
             self.router.release(episode_id)  # it kept nothing
             self.failed_runs += 1
             if not quiet:

@@ -445,10 +445,10 @@ class ReplicaRouter:
     the status a read brings may predate them, so a burst of runs finishing between two reads cannot overfill
     it; counted twice for a read at most, which errs on the side of fewer runs). A run's reservation
     (:meth:`pick`) lasts until its episode is counted as held (:meth:`kept`) or it keeps nothing
-    (:meth:`release`: it failed, or its group was given up), not until its answer, which comes before its
-    episode's event. Episodes are counted at what the store charges for them
-    (:func:`~.charges.episode_charge`: whole pages and a per-blob overhead, and the info), the unit of its
-    ``bytes_held`` and budget: their raw array bytes would admit far more small episodes than fit. Before the
+    (:meth:`release`: it failed, or its group was given up, or its episode did not come in time after its
+    answer), not until its answer, which comes before its episode's event. Episodes are counted at what the store
+    charges for them (:func:`~.charges.episode_charge`: whole pages and a per-blob overhead, and the info), the unit
+    of its ``bytes_held`` and budget: their raw array bytes would admit far more small episodes than fit. Before the
     first episode's charge is known (:attr:`measured`), and at a replica that publishes no budget, room is
     unbounded, unless the status says ``full`` (under the high-water mark only); a store that published a budget
     before and registered again has none until its first heartbeat says what it holds.
