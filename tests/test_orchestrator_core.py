@@ -1148,3 +1148,21 @@ def test_answered_runs_whose_episodes_never_come_give_their_room_and_slot_back()
         core.tick(T0 + 31 + wait_s)
     assert [entry["episode_id"] for entry in logs if entry["event"] == "run.episode_not_come"] == []
     assert list(core.router.reserved) == [second.run.episode_id]  # in flight: its deadline decides
+
+
+def test_an_episode_finished_that_comes_again_is_never_grouped_twice_nor_deletes_what_it_brought() -> None:
+    """The same ``episode-finished`` fed twice, its claim granted again (a repeat by its holder is answered
+    ``already``). Into its open group: ignored, so the group still waits for its other member. After its group
+    completed and queued for a step: its blob is the queued sample's, not deleted ``late``. Before, the first
+    completed the group with the episode twice (one reward twice, its other member dropped ``late``), the second
+    deleted a blob still queued to ship."""
+    core = OrchestratorCore(settings(groups_per_step=2), DEADLINES)
+    first = episode("g1-0", "g1", 1.0)
+    assert core.on_episode(T0, first, first.refs) == []
+    assert deletes(core.on_episode(T0, first, first.refs)) == {} and "g1" in core.groups
+    assert core.duplicate_episodes == 1
+    second = episode("g1-1", "g1", 0.0)
+    core.on_episode(T0, second, second.refs)
+    assert [[s.sample_id for s in group] for group in core.sink.queue] == [["g1-0/0", "g1-1/0"]]
+    assert deletes(core.on_episode(T0 + 1, first, first.refs)) == {}
+    assert sorted(core.holdings.held) == ["b-g1-0", "b-g1-1"] and not core.sink.dropped["late"]

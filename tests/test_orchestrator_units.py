@@ -708,3 +708,30 @@ def test_a_group_whose_runs_were_answered_and_whose_episodes_never_came_gives_it
         first = {run.group for run in runs}
         wait_for(lambda: {run.group for run in runs} - first, WAIT_S + 10 * wait_s, "another group's runs")
         assert orchestrator.core.abandoned_groups >= 1 and orchestrator.core.failed_runs == 0
+
+
+def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_episode_it_repeats(
+        bus: tuple[NodeProcess, str]) -> None:
+    """A real env server keeps an episode; a peer publishes its ``episode-finished`` again, word for word, once its
+    group is queued for a step: the orchestrator's claim is answered ``already`` (it holds the blob), and
+    the repeat deletes nothing. Before, it was taken as a straggler of the closed group and its blob, queued to
+    ship, deleted ``late`` at the store: the step would have named a deleted blob."""
+    control = bus[1]
+    repeater = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="repeater", metrics_port=-1))
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-d", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="d"))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=2, seq_len=64))
+    held = orchestrator.core.holdings.held
+    with _running(orchestrator, repeater, env_runtime):
+        first = _kept_episode(env, "e0", group="g0")
+        _kept_episode(env, "e0b", group="g0", reward=0.0)
+        wait_for(lambda: orchestrator.core.sink.queue, WAIT_S, "the first group queued")
+        record = env.keeper.record_of("e0")  # as the store published it
+        assert record is not None
+        repeater.call_soon(lambda: repeater.publish(record))
+        later = _kept_episode(env, "e1", group="g1")  # fed after the repeat: events are fed in arrival order
+        wait_for(lambda: later in held, WAIT_S, "the episode after the repeat fed")
+        assert first in held and env.stats().deleted == {}, env.stats().deleted
+        assert [[s.sample_id for s in group] for group in orchestrator.core.sink.queue] == [["e0/0", "e0b/0"]]

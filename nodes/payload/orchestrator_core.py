@@ -12,7 +12,11 @@ Decisions and their rules:
   advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
   episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
   A closed group is remembered for :attr:`~OrchestratorCore.closed_horizon_s` (past any straggler's
-  arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``.
+  arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``. An
+  episode's ``episode-finished`` that comes again (any peer may publish one) is never grouped twice: ignored while
+  its group is open (counted, logged ``episode.duplicate``); and blobs held here already are never an episode's to
+  take or drop (a claim repeated by its holder is answered ``already``: they are an earlier episode's, maybe
+  queued for a step), so one that comes after its group closed deletes nothing ``late``.
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
@@ -283,6 +287,7 @@ def _column(where: str, entry: Mapping[str, Any], name: str, kinds: str) -> np.n
 class _Group:
     started: float
     episodes: list[tuple[float, list[Sample]]] = field(default_factory=list)  # (reward, samples)
+    members: set[str] = field(default_factory=set)  # the ids of the episodes in ``episodes``
 
 
 @dataclass
@@ -381,6 +386,7 @@ class OrchestratorCore:
         self.episodes = 0
         self.abandoned_groups = 0
         self.malformed_episodes = 0  # records that could not be trained as they came: deleted ``malformed``
+        self.duplicate_episodes = 0  # episodes fed again while their group was open: ignored
         self.unreferenced_blobs = 0  # claimed blobs no sample of their record points to: deleted ``unreferenced``
         self.delivery: _Delivery | None = None
         self.redeliveries = 0
@@ -466,11 +472,17 @@ class OrchestratorCore:
         if episode.episode_id in self._recovered:
             self._recovered.discard(episode.episode_id)
             return []
+        # A blob held here already came with an earlier episode: a claim repeated by its holder is answered
+        # ``already``, so a repeated event (or one naming another episode's blobs) is granted them again. They are
+        # that episode's, never this one's to take, group or drop.
+        claimed = [ref for ref in claimed if ref.blob_id not in self.holdings.held]
+        info = episode.info
+        group_id = str(info.get("group", episode.episode_id))
+        if (open_group := self.groups.get(group_id)) is not None and episode.episode_id in open_group.members:
+            return self._duplicate(episode, group_id, claimed)
         self._answered.pop(episode.episode_id, None)
         self.episodes += 1
         self.router.kept(episode)
-        info = episode.info
-        group_id = str(info.get("group", episode.episode_id))
         try:  # before anything is taken: a record that cannot be trained as it came is deleted whole
             reward, entries = self._parse(episode)
         except MalformedEpisode as error:
@@ -487,9 +499,18 @@ class OrchestratorCore:
         else:
             group = self._open(now, group_id)
             group.episodes.append((reward, samples))
+            group.members.add(episode.episode_id)
             if len(group.episodes) >= self.settings.group_size:
                 self._complete(now, group_id)
         return self._ship_ready(now)
+
+    def _duplicate(self, episode: EpisodeFinished, group_id: str, claimed: Collection[BlobRef]) -> list[Action]:
+        """``episode`` is in its open group already (its ``episode-finished`` came again): counted and logged, never
+        grouped twice (its reward twice in the group's advantages, its samples twice in a step). What its claims
+        granted now that the first one's did not went on without it: deleted (``claim-failed``)."""
+        self.duplicate_episodes += 1
+        log.warning("episode.duplicate", episode_id=episode.episode_id, group=group_id, source=episode.source)
+        return self.claimed_late(list(claimed))
 
     def _unreferenced(self, episode: EpisodeFinished, entries: Sequence[_Entry], claimed: Collection[BlobRef]) -> None:
         """Delete at once (``unreferenced``, counted, logged once per episode) the claimed blobs no sample of
