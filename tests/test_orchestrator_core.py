@@ -611,7 +611,7 @@ def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water
                      status=status)
     core.use_replicas([store])
     core.on_version(0)
-    core.on_episode(T0, early, [])  # kept on env-a
+    core.on_episode(T0, early, early.refs)  # kept on env-a
     assert core.router.held["tcp://env-a"] == 2 * charge and core.router.room("tcp://env-a") == 6
     sent = of(SendRun, core.dispatch(T0))
     assert len(sent) == 6 and core.router.room("tcp://env-a") == 0 and core.stores_full
@@ -620,7 +620,8 @@ def test_backpressure_runs_in_flight_count_against_the_room_under_the_high_water
         core.on_run_done(T0 + 2, run.run.episode_id, None)
     assert core.router.room("tcp://env-a") == 0 and core.dispatch(T0 + 2) == []  # their episodes are on their way
     for run in sent[:2]:
-        core.on_episode(T0 + 2, episode(run.run.episode_id, run.run.group, 1.0), [])
+        kept = episode(run.run.episode_id, run.run.group, 1.0)
+        core.on_episode(T0 + 2, kept, kept.refs)
     assert core.router.room("tcp://env-a") == 0  # held now, no longer reserved
     core.use_replicas([store])  # their episodes were deleted meanwhile: the registry still says one held
     assert core.router.room("tcp://env-a") == 0  # but this status may predate the three episodes kept since
@@ -647,7 +648,7 @@ def test_backpressure_counts_an_episode_at_what_its_store_charges_not_its_array_
     core = OrchestratorCore(settings(), DEADLINES)
     core.use_replicas([NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},
                                 status={"bytes_held": 0.0, "budget_bytes": float(budget), "high_water": 1.0})])
-    core.on_episode(T0, EpisodeFinished(episode_id="ep-0", source="env-a", refs=refs, info=info), [])
+    core.on_episode(T0, EpisodeFinished(episode_id="ep-0", source="env-a", refs=refs, info=info), refs)
     assert abs(core.router.room("tcp://env-a") - accepted) <= 1
 
 
@@ -718,7 +719,8 @@ def test_before_an_episodes_charge_is_known_one_group_runs_at_a_time() -> None:
     assert {s.run.group for s in first} == {"g0"} and core.dispatch(T0) == []
     for send, reward in zip(first, (1.0, 0.0), strict=True):
         core.on_run_done(T0 + 1, send.run.episode_id, None)
-        core.on_episode(T0 + 1, episode(send.run.episode_id, "g0", reward), [])
+        kept = episode(send.run.episode_id, "g0", reward)
+        core.on_episode(T0 + 1, kept, kept.refs)
     assert len(of(SendRun, core.dispatch(T0 + 1))) == 6  # 8 episodes under the high-water mark, 2 held
 
 
@@ -1166,3 +1168,22 @@ def test_an_episode_finished_that_comes_again_is_never_grouped_twice_nor_deletes
     assert [[s.sample_id for s in group] for group in core.sink.queue] == [["g1-0/0", "g1-1/0"]]
     assert deletes(core.on_episode(T0 + 1, first, first.refs)) == {}
     assert sorted(core.holdings.held) == ["b-g1-0", "b-g1-1"] and not core.sink.dropped["late"]
+
+
+def test_an_episode_with_no_blob_granted_never_halts_the_run_on_the_size_it_claims() -> None:
+    """A store of 10 episodes' budget, steps of 2 groups of 2. An episode whose blobs no store granted (a forged
+    one: a TiB at that store's endpoint) is fed: admission still counts the charge the kept episodes had, and runs
+    go. Before, its size became the mean charge: no group fit anywhere, and the run halted for good (budgets that
+    cannot hold a step)."""
+    core = OrchestratorCore(settings(max_staleness=100, groups_per_step=2), DEADLINES, prompts=lambda rng: [1])
+    charge = float(episode_charge(episode("y-0", "y", 1.0)))
+    core.router.kept(episode("y-0", "y", 1.0, env="elsewhere"))
+    core.use_replicas([_budgeted("env-a", 0.0, 10 * charge)])
+    core.on_version(0)
+    forged = episode("forged-0", "f", 1.0, env="ghost")
+    forged = msgspec.structs.replace(forged, refs=[msgspec.structs.replace(forged.refs[0], nbytes=1 << 40,
+                                                                           endpoint="tcp://env-a")])
+    core.on_episode(T0, forged, [])
+    assert core.router.episode_bytes == charge and core.router.room("tcp://env-a") == 8
+    actions = core.dispatch(T0 + 1)
+    assert not of(Halt, actions) and len(of(SendRun, actions)) == 8 and not core.failure

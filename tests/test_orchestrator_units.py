@@ -22,6 +22,7 @@ from refbus.bus.reqrep import Client, HandlerError, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.charges import episode_charge
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import IDLE_LOG_S, Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
@@ -735,3 +736,30 @@ def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_ep
         wait_for(lambda: later in held, WAIT_S, "the episode after the repeat fed")
         assert first in held and env.stats().deleted == {}, env.stats().deleted
         assert [[s.sample_id for s in group] for group in orchestrator.core.sink.queue] == [["e0/0", "e0b/0"]]
+
+
+def test_an_episode_whose_blobs_no_store_granted_never_sizes_the_room_admission_counts(
+        bus: tuple[NodeProcess, str]) -> None:
+    """A peer publishes an episode naming a store nobody registered, at a real store's endpoint, its blob a TiB:
+    nothing is claimed, and the episode's word does not change the charge admission reserves per run; a real
+    store's episode sets it. Before, the forged size became the mean
+    charge (so every store seemed to hold no group: with nothing in flight, the orchestrator halted the run for
+    good, exit 4, budgets that cannot hold a step) and filled the real store's room until the next read."""
+    control = bus[1]
+    forger = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="forger", metrics_port=-1))
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-s", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="s"))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    router = orchestrator.core.router
+    with _running(orchestrator, forger, env_runtime):
+        ref = BlobRef(endpoint=env.endpoint, source="s", blob_id="forged", fields=["routed_experts"], tokens=1,
+                      nbytes=1 << 40, checksum=0, node="ghost")
+        forger.call_soon(lambda: forger.publish(EpisodeFinished(episode_id="forged", source="s", refs=[ref])))
+        wait_for(lambda: orchestrator.core.episodes >= 1, WAIT_S, "the forged episode fed to the core")
+        assert router.episode_bytes == 0
+        _kept_episode(env, "real", group="g")
+        wait_for(lambda: orchestrator.core.episodes >= 2, WAIT_S, "the real episode fed to the core")
+        record = env.keeper.record_of("real")
+        assert record is not None and router.episode_bytes == episode_charge(record)

@@ -91,7 +91,8 @@ Decisions and their rules:
   ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
   incarnation's ``tag``, so they never collide with the earlier incarnation's.
 * **Backpressure.** A group starts only when the room all its runs will keep can be reserved
-  (:class:`~.shipping.ReplicaRouter`): each run reserves one episode (at the mean charge of those seen so far)
+  (:class:`~.shipping.ReplicaRouter`): each run reserves one episode (at the mean charge of those kept so far:
+  an episode none of whose blobs a store granted, which any peer may publish, sizes nothing)
   at a replica of the group's source whose bytes held plus reservations stay under its high-water mark, and
   keeps it until its episode is counted as held there (or it keeps nothing: it failed, or its group was given
   up). So a group started can always complete: partial groups never hold the room the others need. Before the
@@ -482,7 +483,10 @@ class OrchestratorCore:
             return self._duplicate(episode, group_id, claimed)
         self._answered.pop(episode.episode_id, None)
         self.episodes += 1
-        self.router.kept(episode)
+        if claimed:  # a store the registry lists granted its blobs: it keeps them, at the episode's charge
+            self.router.kept(episode)
+        else:  # nothing vouches for what it says it keeps (any peer may publish one): its size counts for nothing
+            self.router.release(episode.episode_id)
         try:  # before anything is taken: a record that cannot be trained as it came is deleted whole
             reward, entries = self._parse(episode)
         except MalformedEpisode as error:
