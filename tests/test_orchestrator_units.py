@@ -59,6 +59,7 @@ from refbus.protocol.messages import (
     Reference,
     Run,
     StepBatch,
+    VersionBump,
 )
 from structlog.testing import capture_logs
 
@@ -763,3 +764,28 @@ def test_an_episode_whose_blobs_no_store_granted_never_sizes_the_room_admission_
         wait_for(lambda: orchestrator.core.episodes >= 2, WAIT_S, "the real episode fed to the core")
         record = env.keeper.record_of("real")
         assert record is not None and router.episode_bytes == episode_charge(record)
+
+
+def test_a_version_bump_counts_only_from_the_ps_manager_the_registry_lists(bus: tuple[NodeProcess, str]) -> None:
+    """A rollout worker (any registered node that is no ps-manager) publishes ``version-bump`` 50: the orchestrator
+    ignores it (it would widen the admission bound by 50 steps' groups and drop every queued sample ``stale``); the
+    ps-manager's bump counts. Before, any peer's bump set the policy version."""
+    control = bus[1]
+    forger = NodeRuntime("rollout", RuntimeSettings(bus=control, node_id="rollout-v", metrics_port=-1))
+    manager = NodeRuntime("ps-manager", RuntimeSettings(bus=control, node_id="ps-manager", metrics_port=-1))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64))
+    core = orchestrator.core
+
+    def forge() -> None:
+        forger.publish(VersionBump(version=50, nbytes=1, manifest_digest="forged"))
+        forger.publish(EpisodeFinished(episode_id="after", source="s", refs=[]))  # fed after the bump: in order
+
+    with _running(orchestrator, forger, manager):
+        forger.call_soon(forge)
+        wait_for(lambda: core.episodes >= 1, WAIT_S, "the forger's events fed to the core")
+        assert core.policy_version == 0 and not core.version_known
+        manager.call_soon(lambda: manager.publish(VersionBump(version=1, nbytes=1, manifest_digest="m")))
+        wait_for(lambda: core.version_known, WAIT_S, "the ps-manager's bump")
+        assert core.policy_version == 1

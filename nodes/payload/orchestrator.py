@@ -40,7 +40,8 @@ The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
   where ``ref`` indexes ``refs`` (``-1``: a sample that kept no arrays). Lists, not arrays: the
   orchestrator must never receive an array frame.
 
-The current policy version comes from ``version-bump`` events (the parameter server's commits); a
+The current policy version comes from ``version-bump`` events (the parameter server's commits: only those of a
+node the registry lists as the ps-manager count, any other's is refused, logged ``version.refused``); a
 dispatching orchestrator that starts after a commit learns it from the ps-manager's registry entry, and
 runs nothing before a version exists. With ``max_steps`` 0 it ships the step budget the trainer ranks
 advertise (``refbus node trainer`` advertises ``trainer.steps``), so it stops once they trained theirs.
@@ -169,6 +170,7 @@ from .shipping import group_by_endpoint, registry_locator
 log = structlog.get_logger(__name__)
 
 STORE_ROLE = "env-server"
+MANAGER_ROLE = "ps-manager"  # the only node whose ``version-bump`` moves the policy version
 
 IDLE_LOG_S = 5.0  # how long no run may go out, for one reason, before the reason is logged (dispatch.idle)
 
@@ -193,6 +195,7 @@ class _Arrival:
     message: Message | None
     claims_pending: int = 0
     claimed: list[BlobRef] = field(default_factory=list)
+    refused: bool = False  # a ``version-bump`` of a node that is no ps-manager: ignored in its turn
 
 
 class Orchestrator:
@@ -274,7 +277,34 @@ class Orchestrator:
         body = message.body
         if isinstance(body, EpisodeFinished) and body.refs:
             self._claim_registered(arrival, body)
+        elif isinstance(body, VersionBump):
+            self._vouch(arrival, message.header.src)
         self._feed()
+
+    def _vouch(self, arrival: _Arrival, src: str) -> None:
+        """A ``version-bump`` counts only from a node the registry lists as the ps-manager: any peer may publish one,
+        and the version sets the admission bound (a forged 50 admits 50 steps' groups more), which queued samples
+        are stale against and when the trainer ranks have trained all. One not listed yet is looked up first (its
+        ``node-up`` may still be on its way), the bump waiting its turn; one still not listed is refused, logged
+        (``version.refused``)."""
+        if self._is_manager(src):
+            return
+        arrival.claims_pending = 1
+
+        def listed(nodes: list[NodeInfo] | None) -> None:
+            self._peers.seed(nodes or (), MANAGER_ROLE)
+            if not self._is_manager(src):
+                arrival.refused = True
+                log.warning("version.refused", src=src, detail="a version-bump of a node the registry does not "
+                                                              "list as the ps-manager: ignored")
+            arrival.claims_pending = 0
+            self._feed()
+
+        self.runtime.lookup_async(MANAGER_ROLE, listed)
+
+    def _is_manager(self, node_id: str) -> bool:
+        node = self._peers.live.get(node_id)
+        return node is not None and node.role == MANAGER_ROLE
 
     def _claim_registered(self, arrival: _Arrival, episode: EpisodeFinished) -> None:
         """Claim the episode's blobs at the stores the registry lists (:meth:`_registered`), never at an endpoint a
@@ -373,7 +403,8 @@ class Orchestrator:
                 continue
             body = arrival.message.body
             if isinstance(body, VersionBump):
-                self.core.on_version(body.version)
+                if not arrival.refused:
+                    self.core.on_version(body.version)
             elif isinstance(body, EpisodeFinished):
                 self._execute(self.core.on_episode(self.clock(), body, arrival.claimed))
 
@@ -493,7 +524,7 @@ class Orchestrator:
     def _refresh_replicas(self) -> None:
         self.runtime.lookup_async(STORE_ROLE, self._found_replicas)
         if not self.core.version_known:  # started after the version-bump, or before any commit
-            self.runtime.lookup_async("ps-manager", self._found_managers)
+            self.runtime.lookup_async(MANAGER_ROLE, self._found_managers)
 
     def _found_replicas(self, nodes: list[NodeInfo] | None) -> None:
         if nodes is not None:  # None: the broker did not answer, keep what we know
