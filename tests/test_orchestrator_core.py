@@ -138,7 +138,8 @@ def test_a_step_acknowledged_by_some_ranks_only_halts_at_its_deadline_naming_the
 
 
 def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_not_the_run() -> None:
-    core = OrchestratorCore(settings(group_size=1), DEADLINES, prompts=lambda rng: [int(rng.integers(9))])
+    core = OrchestratorCore(settings(group_size=1, max_staleness=2), DEADLINES,
+                            prompts=lambda rng: [int(rng.integers(9))])
     core.use_trainers(T0, [trainer(0), trainer(1)])
     core.on_version(0)
     # Its claims fail: the samples are counted missing and left out; nothing is held for them.
@@ -147,7 +148,7 @@ def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_
     assert core.sink.dropped["missing"] == 1 and not core.holdings.held
     # Its runs fail (peer down): their groups are abandoned and their slots come back.
     core.use_replicas([env_server("env-gone"), env_server("env-b")])
-    sent = of(SendRun, core.dispatch(T0))  # bound: 2 groups, plus the one filtered above
+    sent = of(SendRun, core.dispatch(T0))  # bound: 3 groups (the one filtered above gave back what it took)
     assert [s.endpoint for s in sent] == ["tcp://env-gone", "tcp://env-b", "tcp://env-gone"]  # sources in turn
     core.use_replicas([env_server("env-b")])
     for run in [s for s in sent if s.endpoint == "tcp://env-gone"]:
@@ -206,10 +207,10 @@ def test_an_incomplete_group_expires_and_a_version_bump_widens_admission() -> No
     assert deletes(core.on_episode(T0 + 11, late, late.refs)) == {"late": ["b-a-1"]}
     core.use_replicas([env_server("env-a")])
     core.on_version(0)
-    assert len(of(SendRun, core.dispatch(T0))) == 3 * 2  # bound 2 groups, plus the one released by expiry
+    assert len(of(SendRun, core.dispatch(T0))) == 2 * 2  # bound 2 groups: the expired one gave back what it took
     assert core.dispatch(T0) == []
     core.on_version(3)
-    assert len(of(SendRun, core.dispatch(T0))) == 1 * 2  # max_groups_in_flight (4) stops it now
+    assert len(of(SendRun, core.dispatch(T0))) == 2 * 2  # max_groups_in_flight (4) stops it now
     core.on_version(1)  # versions only move forward
     assert core.policy_version == 3
 
@@ -1187,3 +1188,20 @@ def test_an_episode_with_no_blob_granted_never_halts_the_run_on_the_size_it_clai
     assert core.router.episode_bytes == charge and core.router.room("tcp://env-a") == 8
     actions = core.dispatch(T0 + 1)
     assert not of(Halt, actions) and len(of(SendRun, actions)) == 8 and not core.failure
+
+
+def test_groups_this_core_did_not_send_take_the_admission_slot_their_closing_gives_back() -> None:
+    """Episodes of groups this core never sent (any peer's, or an earlier incarnation's runs finishing at a restart
+    that found nothing to recover) are grouped; each takes an admission slot, which its closing (expired,
+    filtered) gives back, so five of them closed leave the bound of one group as it was. Before, they took none
+    and gave one back each: five groups more than the bound went out, for good."""
+    core = OrchestratorCore(settings(max_staleness=0, groups_per_step=1), DEADLINES, prompts=lambda rng: [1],
+                            tag=".me")
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    assert len(of(SendRun, core.dispatch(T0))) == 2  # the bound: one group
+    for n in range(5):
+        foreign = episode(f"x{n}-0", f"x{n}", 1.0)
+        core.on_episode(T0, foreign, foreign.refs)
+    core.tick(T0 + settings().group_timeout_s + 0.1)
+    assert core.abandoned_groups == 5 and of(SendRun, core.dispatch(T0 + 11)) == []

@@ -85,9 +85,9 @@ Decisions and their rules:
   the steps before count as admitted groups. What the stores list for this node id or as unclaimed
   (:meth:`~OrchestratorCore.reclaimable`, then :meth:`~OrchestratorCore.recover`) is claimed and fed as if
   it had just finished, so groups and the queue are rebuilt; its own ``episode-finished`` event, if it comes
-  too, is ignored. After a restart (steps or episodes of an earlier incarnation found), episodes of groups
-  this incarnation did not send (the earlier one's runs still in flight) are grouped like any other and
-  take an admission slot; incomplete, they are abandoned after
+  too, is ignored. Episodes of groups this incarnation did not send (after a restart, the earlier one's runs
+  still in flight; or any peer's) are grouped like any other and take an admission slot, which their group
+  gives back when it closes untrained; incomplete, they are abandoned after
   ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
   incarnation's ``tag``, so they never collide with the earlier incarnation's.
 * **Backpressure.** A group starts only when the room all its runs will keep can be reserved
@@ -547,18 +547,17 @@ class OrchestratorCore:
         return self._ship_ready(now)
 
     def _open(self, now: float, group_id: str) -> _Group:
-        """The open group ``group_id``, opened now if it is not. After a restart, a group this incarnation did
-        not send (an earlier incarnation's) takes an admission slot too; so does one it sent and forgot (a
-        straggler of a group closed more than :attr:`closed_horizon_s` ago, named with this incarnation's
-        ``tag``), since abandoning it gives a slot back."""
+        """The open group ``group_id``, opened now if it is not. A group this incarnation did not send takes an
+        admission slot too, since closing it untrained (abandoned, filtered, stale) gives one back: an earlier
+        incarnation's (after a restart, counted adopted; or before one was told, its runs' episodes coming to a
+        restart at step 0 that recovered nothing), one it sent and forgot (a straggler of a group closed more than
+        :attr:`closed_horizon_s` ago), any peer's. Otherwise each such group closed would admit one group more
+        than the bound, for good."""
         group = self.groups.get(group_id)
         if group is None:
             if group_id not in self._admitted:
-                if self.resumed:
-                    self.adopted_groups += 1  # an earlier incarnation's
-                    self.train_groups_sent += 1
-                elif self.tag and group_id.endswith(self.tag):
-                    self.train_groups_sent += 1
+                self.train_groups_sent += 1
+                self.adopted_groups += self.resumed  # an earlier incarnation's
             group = self.groups[group_id] = _Group(started=now)
         return group
 
