@@ -1205,3 +1205,19 @@ def test_groups_this_core_did_not_send_take_the_admission_slot_their_closing_giv
         core.on_episode(T0, foreign, foreign.refs)
     core.tick(T0 + settings().group_timeout_s + 0.1)
     assert core.abandoned_groups == 5 and of(SendRun, core.dispatch(T0 + 11)) == []
+
+
+def test_an_eval_run_that_fails_gives_no_training_slot_back() -> None:
+    """An eval group takes no admission slot, so its runs failing (answered with an error, or expired) give none
+    back: at a bound of one group, the training group in flight stays the only one. Before, each failed eval
+    group was counted abandoned, and one training group more than the bound went out, for good."""
+    core = OrchestratorCore(settings(max_staleness=0, eval_every=1), DEADLINES, prompts=lambda rng: [1])
+    core.use_replicas([env_server("env-a")])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    evals = [s for s in sent if s.run.eval]
+    assert len(evals) == 2 and len(sent) == 4
+    for run in evals:
+        core.on_run_done(T0 + 1, run.run.episode_id, "boom")
+    assert core.failed_runs == 2 and core.abandoned_groups == 0
+    assert of(SendRun, core.dispatch(T0 + 2)) == []

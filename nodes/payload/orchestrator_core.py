@@ -35,11 +35,11 @@ Decisions and their rules:
   running while the trainer is at version ``v`` (groups dropped untrained give their slot back), and at most
   ``max_groups_in_flight`` run at once. Sources take turns; each run goes to the least-loaded replica.
 * **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
-  abandoned and its slot is free again. A run answered whose episode is not fed within
-  :attr:`~OrchestratorCore.episode_wait_s` of its answer (its ``episode-finished`` lost: a store killed between
-  its answer and its event, a broker restart) gives its room back, and its group, if still open, is abandoned
-  (``incomplete``): a group none of whose episodes ever came never times out as a group, and would hold its
-  admission slot and its runs' room for good.
+  abandoned and its slot is free again (an eval run's group took no slot: nothing is given up). A run
+  answered whose episode is not fed within :attr:`~OrchestratorCore.episode_wait_s` of its answer (its
+  ``episode-finished`` lost: a store killed between its answer and its event, a broker restart) gives its room
+  back, and its group, if still open, is abandoned (``incomplete``): a group none of whose episodes ever came
+  never times out as a group, and would hold its admission slot and its runs' room for good.
 * **Stores down.** An env server the registry reports down (:meth:`OrchestratorCore.store_down`) gets no
   new runs and no deletes (deletes decided meanwhile wait). Back as the same store within
   ``restart_grace_s`` (:meth:`OrchestratorCore.store_up`): the same process, or a restart that re-adopted
@@ -361,6 +361,7 @@ class _RunInFlight:
     endpoint: str
     deadline: float
     sequence: int  # runs sent before this one
+    evaluation: bool = False  # an eval group's: it took no admission slot, so its failure gives none back
 
 
 class OrchestratorCore:
@@ -1257,7 +1258,8 @@ class OrchestratorCore:
         for member in range(self.settings.group_size):
             run = Run(episode_id=f"{group_id}-{member}", group=group_id, prompt=prompt, eval=evaluation)
             endpoint = self.router.pick(source, run.episode_id, hard=hard)
-            self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s, self._runs_sent)
+            self.runs[run.episode_id] = _RunInFlight(group_id, endpoint, now + self.deadlines.run_s, self._runs_sent,
+                                                     evaluation)
             self._runs_sent += 1
             self.groups_running[group_id] += 1
             actions.append(SendRun(endpoint, run, self.deadlines.run_s))
@@ -1279,7 +1281,8 @@ class OrchestratorCore:
             self.failed_runs += 1
             if not quiet:
                 log.warning("run.failed", group=run.group_id, episode_id=episode_id, error=error)
-            self.abandon(now, run.group_id)
+            if not run.evaluation:  # an eval group's episodes are scored one by one: nothing to give up
+                self.abandon(now, run.group_id)
 
     # --- shutdown ------------------------------------------------------------------------------------
 
