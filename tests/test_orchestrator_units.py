@@ -397,6 +397,19 @@ def _kept_episode(env: EnvServer, episode_id: str, **info: Any) -> str:
     return env.keep(episode_id, [arrays], info=record)[0].blob_id
 
 
+def _peer_store_and_orchestrator(control: str, peer: str, source: str, *, groups_per_step: int
+                                 ) -> tuple[NodeRuntime, EnvServer, Orchestrator]:
+    """A peer's node (``peer``, posing as an env server to publish what it likes), a real env server of ``source``
+    (node ``env-SOURCE``) and a non-dispatching orchestrator of one trainer, groups of two; none started."""
+    peer_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id=peer, metrics_port=-1))
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id=f"env-{source}", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source=source))
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=groups_per_step, seq_len=64))
+    return peer_runtime, env, orchestrator
+
+
 @pytest.mark.parametrize("replayed", [False, True], ids=["answered", "replay-refused"])
 def test_a_claim_a_live_store_grants_after_it_gave_up_is_claimed_again_and_deleted(
         bus: tuple[NodeProcess, str], replayed: bool) -> None:
@@ -718,13 +731,8 @@ def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_ep
     group is queued for a step: the orchestrator's claim is answered ``already`` (it holds the blob), and
     the repeat deletes nothing. Before, it was taken as a straggler of the closed group and its blob, queued to
     ship, deleted ``late`` at the store: the step would have named a deleted blob."""
-    control = bus[1]
-    repeater = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="repeater", metrics_port=-1))
-    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-d", metrics_port=-1))
-    env = EnvServer(env_runtime, EnvServerSettings(source="d"))
-    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                              groups_per_step=2, seq_len=64))
+    repeater, env, orchestrator = _peer_store_and_orchestrator(bus[1], "repeater", "d", groups_per_step=2)
+    env_runtime = env.runtime
     held = orchestrator.core.holdings.held
     with _running(orchestrator, repeater, env_runtime):
         first = _kept_episode(env, "e0", group="g0")
@@ -746,13 +754,8 @@ def test_an_episode_whose_blobs_no_store_granted_never_sizes_the_room_admission_
     store's episode sets it. Before, the forged size became the mean
     charge (so every store seemed to hold no group: with nothing in flight, the orchestrator halted the run for
     good, exit 4, budgets that cannot hold a step) and filled the real store's room until the next read."""
-    control = bus[1]
-    forger = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="forger", metrics_port=-1))
-    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-s", metrics_port=-1))
-    env = EnvServer(env_runtime, EnvServerSettings(source="s"))
-    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
-    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
-                                                              groups_per_step=1, seq_len=64))
+    forger, env, orchestrator = _peer_store_and_orchestrator(bus[1], "forger", "s", groups_per_step=1)
+    env_runtime = env.runtime
     router = orchestrator.core.router
     with _running(orchestrator, forger, env_runtime):
         ref = BlobRef(endpoint=env.endpoint, source="s", blob_id="forged", fields=["routed_experts"], tokens=1,
