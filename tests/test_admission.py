@@ -35,6 +35,7 @@ from refbus.bus.reqrep import Client, Pending, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.halting import HALTED_STATUS, halt_reason
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.settings import NodeSettings
 from refbus.nodes.supervisor import Supervisor
 from refbus.nodes.toy import task
 from refbus.protocol.envelope import Message, WireCodec
@@ -279,7 +280,9 @@ def test_stores_that_cannot_hold_a_step_halt_the_orchestrator_and_the_supervisor
     ``refbus up``'s supervisor, watching its process, ends the run naming it and why. Before, it exited 1, a
     crash to the supervisor, which restarted it to measure and halt again until the restart budget was spent."""
     orchestrator = cluster.orchestrator
-    assert orchestrator.proc.wait(RUN_WAIT_S) == HALTED_STATUS, orchestrator.log_tail()
+    # The halt waits node.restart_grace_s (the default here) for another store to register once it is short.
+    assert orchestrator.proc.wait(RUN_WAIT_S + NodeSettings().restart_grace_s) == HALTED_STATUS, \
+        orchestrator.log_tail()
     reason = halt_reason(orchestrator.log_tail())
     assert "one step needs 9 (groups_per_step 3 x group_size 3): no step can ever ship" in reason, reason
     supervisor = Supervisor(SimpleNamespace(nodes=[orchestrator]), budget=3, backoff_s=0.0,  # type: ignore[arg-type]

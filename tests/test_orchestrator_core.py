@@ -740,14 +740,50 @@ def test_stores_whose_budgets_cannot_hold_one_step_halt_the_run_saying_what_woul
     assert roomy.dispatch(T0) == [] and not roomy.failure  # 6 episodes hold a step of 3 groups of 2
     roomy.store_down(T0, full[1])
     assert roomy.dispatch(T0 + 1) == [] and not roomy.failure  # env-b may come back: 6 still
-    (halt,) = core.dispatch(T0 + 1)
+    grace = DEADLINES.restart_grace_s  # for a store registering late to be counted
+    assert core.dispatch(T0 + 1) == [] and core.dispatch(T0 + 1 + grace - 0.01) == [] and not core.failure
+    kind, detail = core.idle_reason(T0 + 1 + grace - 0.01)
+    assert kind == "budget-short" and detail.startswith("the 2 env servers seen cannot hold one step"), detail
+    (halt,) = core.dispatch(T0 + 1 + grace)
     assert isinstance(halt, Halt) and halt.reason == core.failure and halt.final  # a restart decides it again
     assert core.failure.startswith("the env servers' budgets hold 6 episodes in whole groups of 2 at one source "
                                    "each (2 stores, 1 sources, an episode charged ")
     assert "one step needs 8 (groups_per_step 4 x group_size 2): no step can ever ship" in core.failure
     assert core.failure.endswith(f"Raise env_server.budget_bytes to at least {4 * math.ceil(charge)} or lower "
                                  "orchestrator.groups_per_step to at most 3")
-    assert core.dispatch(T0 + 2) == [] and core.idle_reason(T0 + 2) == ("halted", core.failure)
+    assert core.dispatch(T0 + 2 + grace) == [] and core.idle_reason(T0 + 2 + grace) == ("halted", core.failure)
+
+
+def test_a_store_that_registers_within_the_grace_after_the_budgets_seen_fell_short_is_counted_and_nothing_halts(
+        ) -> None:
+    """A step of 4 groups of 2 and one store of 3 episodes seen, full, nothing in flight: the budgets seen hold 3
+    episodes of the 8 a step needs. Before, the run halted at once, for good, though a second and third env
+    server (a slow host's) were only late to register. Now the halt waits ``restart_grace_s``; a store that
+    registers within it is counted (here enough: none halts), and a shortfall that lasts it still halts."""
+    charge = float(episode_charge(episode("g-0", "g", 1.0)))
+    grace = DEADLINES.restart_grace_s
+    core = OrchestratorCore(settings(max_staleness=100, groups_per_step=4), DEADLINES, prompts=lambda rng: [1])
+    core.router.kept(episode("g-0", "g", 1.0))
+    core.on_version(0)
+    first = _budgeted("env-a", 3 * charge, 3.2 * charge)
+    core.use_replicas([first])
+    assert core.dispatch(T0) == [] and core.idle_reason(T0)[0] == "budget-short"
+    late = [_budgeted(name, 0.0, 3.2 * charge) for name in ("env-b", "env-c")]
+    core.use_replicas([first, *late])  # registered before the grace ended
+    sent = of(SendRun, core.dispatch(T0 + grace - 0.5))
+    assert sent and not core.failure and core.idle_reason(T0 + grace)[0] != "budget-short"
+    assert not of(Halt, core.dispatch(T0 + 2 * grace)) and not core.failure  # counted: nothing halts
+
+    alone = OrchestratorCore(settings(max_staleness=100, groups_per_step=4), DEADLINES, prompts=lambda rng: [1])
+    alone.router.kept(episode("g-0", "g", 1.0))
+    alone.on_version(0)
+    alone.use_replicas([first])
+    assert alone.dispatch(T0) == []
+    alone.use_replicas([first, _budgeted("env-b", 3 * charge, 3.2 * charge)])  # a store late, full too: short still
+    assert alone.dispatch(T0 + grace - 0.01) == [] and not alone.failure  # the set changed: its grace starts over
+    assert alone.dispatch(T0 + 2 * grace - 0.02) == [] and not alone.failure
+    (halt,) = alone.dispatch(T0 + 2 * grace)
+    assert isinstance(halt, Halt) and "(2 stores, 1 sources" in alone.failure, alone.failure
 
 
 def test_a_step_halts_when_no_source_can_hold_a_group_though_the_stores_together_hold_a_step() -> None:
@@ -768,7 +804,8 @@ def test_a_step_halts_when_no_source_can_hold_a_group_though_the_stores_together
     core.router.kept(episode("g-0", "g", 1.0, env="elsewhere"))  # its charge is known; held at no store here
     core.use_replicas([empty(name) for name in ("env-a", "env-b", "env-c")])
     core.on_version(0)
-    (halt,) = core.dispatch(T0)
+    assert core.dispatch(T0) == []  # short: another store may yet register
+    (halt,) = core.dispatch(T0 + DEADLINES.restart_grace_s)
     assert isinstance(halt, Halt) and halt.reason == core.failure
     assert core.router.capacity(3) == 0 and core.router.capacity(2) == 6
     assert core.failure.startswith("the env servers' budgets hold 0 episodes in whole groups of 3 at one source "
@@ -776,7 +813,7 @@ def test_a_step_halts_when_no_source_can_hold_a_group_though_the_stores_together
     # 3 episodes a store: two sources hold the step's two groups, and no lower groups_per_step would do
     assert core.failure.endswith(f"no step can ever ship. Raise env_server.budget_bytes to at least "
                                  f"{3 * math.ceil(charge)}")
-    assert core.idle_reason(T0 + 1) == ("halted", core.failure)
+    assert core.idle_reason(T0 + DEADLINES.restart_grace_s + 1) == ("halted", core.failure)
 
 
 def test_stores_that_hold_a_step_only_counted_per_source_in_whole_groups_wait_saying_for_what() -> None:
@@ -797,7 +834,8 @@ def test_stores_that_hold_a_step_only_counted_per_source_in_whole_groups_wait_sa
     short.router.kept(episode("g-0", "g", 1.0, env="elsewhere"))
     short.use_replicas(pair)
     short.on_version(0)
-    (halt,) = short.dispatch(T0)
+    assert short.dispatch(T0) == []  # short: another store may yet register
+    (halt,) = short.dispatch(T0 + DEADLINES.restart_grace_s)
     assert isinstance(halt, Halt)
     assert short.failure.endswith("Raise env_server.budget_bytes to at least "
                                   f"{3 * math.ceil(charge)} or lower orchestrator.groups_per_step to at most 1")

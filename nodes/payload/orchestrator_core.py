@@ -105,8 +105,10 @@ Decisions and their rules:
   the holders (trainer ranks) to delete (:meth:`~OrchestratorCore.idle_reason` says what it waits for: what
   the stores hold, stores down or not heard from since they registered again), unless the budgets hold fewer
   episodes than one step needs (``groups_per_step`` times ``group_size``), counted in whole groups at one
-  source each (a group's runs all keep at its source): then no step could ever ship, and it halts
-  (:class:`Halt`, ``dispatch.budget_below_step``) naming the budget that would.
+  source each (a group's runs all keep at its source): then no step could ever ship, and once that has
+  lasted ``restart_grace_s`` with the same stores (``dispatch.budget_short``: a store registering late, a
+  slow host's, is counted in that time) it halts (:class:`Halt`, ``dispatch.budget_below_step``) naming the
+  budget that would.
 """
 
 from __future__ import annotations
@@ -393,6 +395,9 @@ class OrchestratorCore:
         self.delivery: _Delivery | None = None
         self.redeliveries = 0
         self.failure = ""  # why the run halted; empty while it goes on
+        # Since when the stores seen (those node ids) cannot hold a step, nothing in flight: the budget halt waits
+        # restart_grace_s for another store to register; None while they can, or while that is not the question.
+        self._short_since: tuple[frozenset[str], float] | None = None
         # runs (dispatch)
         self.prompts = as_prompt_source(prompts) if prompts is not None else None
         self.rng = np.random.default_rng(settings.seed)
@@ -1121,6 +1126,10 @@ class OrchestratorCore:
             return "", ""
         if (stopped := self._stopped(now))[0]:
             return stopped
+        if self._short_since is not None:
+            return "budget-short", (f"the {len(self._short_since[0])} env servers seen cannot hold one step: halting "
+                                    f"in {self._short_since[1] + self.deadlines.restart_grace_s - now:.1f}s unless "
+                                    "another registers")
         bound = self.admission_bound
         if self.train_groups_sent - self.groups_released >= bound:
             return "admission", (f"{self.train_groups_sent - self.groups_released} groups admitted and not released "
@@ -1154,6 +1163,7 @@ class OrchestratorCore:
     def dispatch(self, now: float) -> list[Action]:
         """The runs admission allows now (see the module doc); needs ``prompts``. Every ``eval_every`` steps
         one eval group goes first."""
+        short_since, self._short_since = self._short_since, None  # still short: _starved says so again
         if self._stopped(now)[0]:
             return []
         settings = self.settings
@@ -1167,17 +1177,19 @@ class OrchestratorCore:
         while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
             if not self._has_room():
                 if not self.runs:
-                    actions += self._starved(now)
+                    actions += self._starved(now, short_since)
                 break
             actions += self._send_group(now, evaluation=False)
         return actions
 
-    def _starved(self, now: float) -> list[Action]:
+    def _starved(self, now: float, short_since: tuple[frozenset[str], float] | None) -> list[Action]:
         """No source has room for a group under its stores' high-water marks and nothing is in flight, so
         nothing this node waits for will drain a store before a step ships, and the step needs more groups: one
         group goes where its runs can reserve room under the stores' budgets. None can: the holders (trainer
         ranks) free room as they train, unless the budgets of every store seen cannot hold one step's episodes
-        in whole groups at one source each, which no admission could ever ship: halt."""
+        in whole groups at one source each, which no admission could ever ship: halt, once that has lasted
+        ``restart_grace_s`` with the same stores seen (``short_since``: since when, as the last dispatch found),
+        the time a store that registers late (a slow host's env server) has to be counted."""
         settings, router = self.settings, self.router
         if router.with_room(settings.group_size, hard=True):
             if not self.starved:
@@ -1189,6 +1201,15 @@ class OrchestratorCore:
             return self._send_group(now, evaluation=False, hard=True)
         capacity, needed = router.capacity(settings.group_size), settings.groups_per_step * settings.group_size
         if capacity is None or capacity >= needed:
+            return []
+        seen = frozenset(router.stores_seen)
+        if short_since is None or short_since[0] != seen:
+            short_since = (seen, now)
+            log.warning("dispatch.budget_short", capacity=capacity, needed=needed, stores=len(seen),
+                        halt_in_s=self.deadlines.restart_grace_s,
+                        detail="the env servers seen cannot hold one step: halting unless another registers")
+        if now - short_since[1] < self.deadlines.restart_grace_s:
+            self._short_since = short_since
             return []
         stores, sources = len(router.stores_seen), len({source for source, _ in router.stores_seen.values()})
         fit = capacity // settings.group_size
