@@ -769,6 +769,30 @@ def test_an_episode_whose_blobs_no_store_granted_never_sizes_the_room_admission_
         assert record is not None and router.episode_bytes == episode_charge(record)
 
 
+def test_after_a_refused_version_bump_the_version_is_read_again_from_the_ps_managers_registry_entry(
+        bus: tuple[NodeProcess, str]) -> None:
+    """The orchestrator knows version 1 (the ps-manager's bump); the manager has committed 4 since, its bump lost
+    to the orchestrator (refused while the registry did not list it: a lookup unanswered, or the manager reported
+    down after a stall), and its registry entry says 4. A refused bump (here a rollout's) makes the orchestrator
+    read that entry again: it learns 4. Before, a version once known was never read again, and lagged until the
+    manager's next bump, which a run at ``max_staleness`` 0 waits for in vain."""
+    control = bus[1]
+    committed = [1.0]
+    forger = NodeRuntime("rollout", RuntimeSettings(bus=control, node_id="rollout-w", metrics_port=-1))
+    manager = NodeRuntime("ps-manager", RuntimeSettings(bus=control, node_id="ps-manager", metrics_port=-1))
+    manager.status = lambda: {"version": committed[0]}
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=True, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64,
+                                                              prompt="partition_entry_points:make_prompt"))
+    core = orchestrator.core
+    with _running(orchestrator, forger, manager):
+        wait_for(lambda: core.version_known and core.policy_version == 1, WAIT_S, "version 1 from the registry")
+        committed[0] = 4.0  # committed since; its bump never counted here, its next heartbeat carries it
+        forger.call_soon(lambda: forger.publish(VersionBump(version=50, nbytes=1, manifest_digest="forged")))
+        wait_for(lambda: core.policy_version == 4, WAIT_S, "version 4 read again from the manager's entry")
+
+
 def test_a_version_bump_counts_only_from_the_ps_manager_the_registry_lists(bus: tuple[NodeProcess, str]) -> None:
     """A rollout worker (any registered node that is no ps-manager) publishes ``version-bump`` 50: the orchestrator
     ignores it (it would widen the admission bound by 50 steps' groups and drop every queued sample ``stale``); the

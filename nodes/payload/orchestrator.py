@@ -43,8 +43,11 @@ The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
 The current policy version comes from ``version-bump`` events (the parameter server's commits: only those of a
 node the registry lists as the ps-manager count, any other's is refused, logged ``version.refused``); a
 dispatching orchestrator that starts after a commit learns it from the ps-manager's registry entry, and
-runs nothing before a version exists. With ``max_steps`` 0 it ships the step budget the trainer ranks
-advertise (``refbus node trainer`` advertises ``trainer.steps``), so it stops once they trained theirs.
+runs nothing before a version exists. After a refused bump it reads that entry again (the ps-manager's own
+bump is refused when the registry lookup goes unanswered, or while the manager is reported down after a stall:
+its version would otherwise lag until its next bump, which a run at ``max_staleness`` 0 waits for in vain).
+With ``max_steps`` 0 it ships the step budget the trainer ranks advertise (``refbus node trainer`` advertises
+``trainer.steps``), so it stops once they trained theirs.
 
 Every decision (grouping, shipping, re-delivery, admission, run and group deadlines) is
 :class:`~.orchestrator_core.OrchestratorCore`'s; this module executes its actions with ``runtime.calls``
@@ -234,6 +237,7 @@ class Orchestrator:
         runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind,
                                                            Delete.kind}))
         self._peers = runtime.track_peers()
+        self._version_unsure = False  # a bump was refused since the ps-manager's registry entry was last read
         self._peers.on_down(self._on_node_down)
         self._peers.on_up(self._on_node_up)
         # A durable store that re-adopted its blobs as a new process missed the ``reference`` events published while
@@ -295,6 +299,7 @@ class Orchestrator:
             self._peers.seed(nodes or (), MANAGER_ROLE)
             if not self._is_manager(src):
                 arrival.refused = True
+                self._version_unsure = True  # the ps-manager's entry is read again at the next refresh
                 log.warning("version.refused", src=src, detail="a version-bump of a node the registry does not "
                                                               "list as the ps-manager: ignored")
             arrival.claims_pending = 0
@@ -523,7 +528,7 @@ class Orchestrator:
 
     def _refresh_replicas(self) -> None:
         self.runtime.lookup_async(STORE_ROLE, self._found_replicas)
-        if not self.core.version_known:  # started after the version-bump, or before any commit
+        if not self.core.version_known or self._version_unsure:  # started after a bump, or one was refused
             self.runtime.lookup_async(MANAGER_ROLE, self._found_managers)
 
     def _found_replicas(self, nodes: list[NodeInfo] | None) -> None:
@@ -535,6 +540,7 @@ class Orchestrator:
             version = manager.status.get("version", -1.0)
             if math.isfinite(version):
                 self.core.on_version(int(version))
+                self._version_unsure = False
 
     def _dispatch(self) -> None:
         now = self.clock()
