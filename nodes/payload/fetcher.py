@@ -127,8 +127,11 @@ def to_micro_batch(refs: MicroBatchRefs) -> MicroBatch:
     )
 
 
-def needed_refs(micro_batches: Iterable[MicroBatchRefs]) -> dict[str, BlobRef]:
-    """Every blob the micro batches need (samples that list a field), by id, first reference kept.
+def blob_refs(micro_batches: Iterable[MicroBatchRefs], *, fetched: bool) -> dict[str, BlobRef]:
+    """The blobs the micro batches name, by id, first reference kept: with ``fetched``, those a fetch reads
+    (samples that list a field; a dummy borrows routing only), else every one, a dummy's unrouted ones too (a rank
+    deletes an owned blob, and repeats its hand-over, where its reference says it lives, so one named again in a
+    dummy at another store must be refused, not deleted there).
 
     Raises:
         PlanError: one blob id referenced with two different references (endpoint, checksum, ...).
@@ -137,7 +140,7 @@ def needed_refs(micro_batches: Iterable[MicroBatchRefs]) -> dict[str, BlobRef]:
     for micro_batch in micro_batches:
         for item in micro_batch.samples:
             ref = item.ref
-            if ref is None or (micro_batch.dummy and ROUTED_EXPERTS not in ref.fields):
+            if ref is None or (fetched and micro_batch.dummy and ROUTED_EXPERTS not in ref.fields):
                 continue
             known = refs.setdefault(ref.blob_id, ref)
             if known is not ref and known != ref:
@@ -338,7 +341,7 @@ class StepFetcher:
         """
         started = time.perf_counter()
         plans = tuple(to_micro_batch(mb) for mb in micro_batches)
-        refs = needed_refs(micro_batches)
+        refs = blob_refs(micro_batches, fetched=True)
         requests = [(endpoint, Fetch(blob_ids=ids, holder=self.holder, step=step))
                     for endpoint, ids in self._requests(refs)]
         fetch = FetchInFlight(step, tuple(micro_batches), plans, refs, started, requests)

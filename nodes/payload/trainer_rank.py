@@ -72,7 +72,6 @@ from ...protocol.messages import (
     Delete,
     Deleted,
     FetchAck,
-    MicroBatchRefs,
     NodeInfo,
     Ok,
     Reference,
@@ -87,6 +86,7 @@ from .fetcher import (
     PlanError,
     StepFetch,
     StepFetcher,
+    blob_refs,
     registry_locator,
     to_micro_batch,
 )
@@ -410,7 +410,7 @@ class TrainerRank:
         try:
             for mb in batch.micro_batches:
                 to_micro_batch(mb)
-            refs = _blob_refs(batch.micro_batches)
+            refs = blob_refs(batch.micro_batches, fetched=False)
         except PlanError as exc:
             raise HandlerError("bad-step-batch", f"step {batch.step}: {exc}") from None
         unknown = [blob_id for blob_id in batch.owned if blob_id not in refs]
@@ -692,23 +692,6 @@ class TrainerRank:
         if not ok:
             raise value
         return value
-
-
-def _blob_refs(micro_batches: Iterable[MicroBatchRefs]) -> dict[str, BlobRef]:
-    """Every blob id the micro batches name -> its one reference, those fetched or not (a dummy's unrouted ones):
-    the rank deletes an owned blob, and repeats its hand-over, where this reference says it lives.
-
-    Raises:
-        PlanError: one blob id referenced with two different references (``needed_refs`` sees only those fetched,
-            so an owned blob named again elsewhere in a dummy would be deleted from the wrong store).
-    """
-    refs: dict[str, BlobRef] = {}
-    for micro_batch in micro_batches:
-        for item in micro_batch.samples:
-            ref = item.ref
-            if ref is not None and (known := refs.setdefault(ref.blob_id, ref)) != ref:
-                raise PlanError(f"blob {ref.blob_id!r}: referenced as {known} and as {ref}")
-    return refs
 
 
 def _same_batch(a: StepBatch, b: StepBatch) -> bool:
