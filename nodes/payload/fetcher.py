@@ -453,8 +453,9 @@ class StepFetcher:
 
     def _verify_outcomes(self, fetch: FetchInFlight, outcomes: Sequence[Outcome], branches: dict[str, Branch],
                          failures: dict[str, FetchFailure]) -> None:
-        """Every request's last outcome: the replies not verified yet, and a failure for each blob no reply
-        brought (the request's error, a reply of another kind, or ``missing``)."""
+        """A failure for each blob no reply brought, from every request's last outcome (the request's error, a reply
+        of another kind, or ``missing``). Every reply was verified as it came: each reaches the fetch
+        (:meth:`FetchInFlight.arrive`) before its ``end``, so ``finish``'s last ``take`` held the last of them."""
         refs = fetch.refs
         replies, failed = split_outcomes(zip(fetch.requests, outcomes, strict=True))
         for (_, request), error in failed:
@@ -466,7 +467,6 @@ class StepFetcher:
                 failures.update({i: FetchFailure("remote-error", f"expected blobs, got {reply.kind}", (i,))
                                  for i in request.blob_ids if i not in branches})
                 continue
-            self._verify_reply(refs, request, outcome, branches, failures)
             for blob_id in set(request.blob_ids) - branches.keys() - failures.keys():
                 failures[blob_id] = FetchFailure("missing", f"{request.holder}: not served by "
                                                  f"{refs[blob_id].endpoint}", (blob_id,))
