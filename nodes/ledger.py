@@ -3,7 +3,9 @@
 The ledger replays ownership moves as the stream mirrors them:
 
 * ``episode-finished`` — the store (the env-server node that published it, ``src``) keeps the episode's
-  blobs; it owns them until a claim;
+  blobs; it owns them until a claim. A restarted durable store publishes it again (``again``) for each
+  re-adopted episode nobody claimed (its process may have died between answering the keep and publishing the
+  event): the repeat keeps only the blobs the fold never saw, counted once;
 * ``claim`` — the orchestrator (``holder``) owns them. A restarted durable store publishes the claims of what
   it re-adopted again (its process may have died between answering a claim and publishing its event): a
   repeat moves nothing, a blob only moves forward;
@@ -286,11 +288,15 @@ class Ledger:
         if kind == "episode-finished":
             key = (src, incarnation)
             store = self._store(key)
+            refs = record["refs"]
+            if record.get("again"):  # a restarted store's repeat: only what the first event never brought is new
+                refs = [ref for ref in refs if ref["blob_id"] not in self.blobs
+                        and self.tombstones.get(ref["blob_id"]) is None]
             if store.counts(seq):
-                store.kept += len(record["refs"])
+                store.kept += len(refs)
                 if store.held_by is not None:
-                    store.held_by[src] = store.held_by.get(src, 0) + len(record["refs"])
-            for ref in record["refs"]:
+                    store.held_by[src] = store.held_by.get(src, 0) + len(refs)
+            for ref in refs:
                 blob_id = ref["blob_id"]
                 moves = self._unpend(blob_id)
                 if self.tombstones.get(blob_id) is not None:
@@ -373,6 +379,7 @@ class Ledger:
                                   "id": message.header.id}
         if isinstance(body, EpisodeFinished):
             record["refs"] = [{"blob_id": ref.blob_id, "source": ref.source} for ref in body.refs]
+            record["again"] = body.again
         elif isinstance(body, NodeUp):
             record["node"] = {"node_id": body.node.node_id, "labels": body.node.labels}
         else:
@@ -730,6 +737,7 @@ class _Node(msgspec.Struct):
 
 class _Finished(msgspec.Struct):
     refs: list[_Ref]
+    again: bool = False
 
 
 class _Moved(msgspec.Struct):

@@ -136,7 +136,7 @@ class RunRecord:
             else:
                 pid, started = self.joined.get(body.node_id, (0, 0.0))
                 self.liveness.append(Liveness(body.node_id, up=False, pid=pid, started=started, reason=body.reason))
-        elif isinstance(body, EpisodeFinished):
+        elif isinstance(body, EpisodeFinished) and not body.again:  # a repeat's episode may have counted already
             self.episodes += 1
             reward = float(body.info.get("reward", 0.0))
             target = self.eval_rewards if body.info.get("eval") else self.rewards

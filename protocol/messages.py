@@ -189,6 +189,9 @@ class EpisodeFinished(Body, frozen=True):
     """An env server kept an episode's arrays; ``refs`` (one per branch) are what travels instead.
 
     ``info`` is the framework's small episode record (reward, token ids, ...); arrays in it ride as frames.
+    ``again``: published again by a restarted durable store for an episode it re-adopted that nobody had
+    claimed (its first process may have died between committing the keep and publishing the event, so the
+    stream may or may not carry the first one): the same record; readers that count episodes count it once.
     """
 
     episode_id: Name  # the episode
@@ -196,6 +199,7 @@ class EpisodeFinished(Body, frozen=True):
     refs: list[BlobRef]  # one per kept branch, in order
     policy_version: NonNegative = 0  # version that produced it
     info: dict[str, Any] = {}  # the framework's episode record
+    again: bool = False  # a restarted store's repeat of an unclaimed episode's event
 
 
 @register_kind("claim")

@@ -219,6 +219,55 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         ctx.destroy(linger=0)
 
 
+def test_an_episode_whose_event_died_with_its_store_is_announced_again_by_the_restarted_process_and_trained(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """An episode kept (the keep answered) by a durable store SIGKILLed before any orchestrator heard of it: the
+    restarted process publishes its ``episode-finished`` again (``again``), and the orchestrator, up since
+    before the restart, claims and groups it. Before, the restart announced claims only: the episode was never
+    claimed, trained or dropped, and expired unclaimed after the hand-over lease."""
+    control = bus[1]
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-e", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "again", "--env-server-budget-bytes", str(64 << 20),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-e")
+    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    watcher = _node(control, "watcher", role="watcher")
+    peers = watcher.track_peers()
+    watcher.start_background()
+    ctx = zmq.Context()
+    orchestrator_runtime = None
+    try:
+        producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+        arrays = random_arrays(6, seed=3)
+        samples = [{"input_ids": list(range(6)), "ref": i} for i in range(2)]  # its group waits: both stay held
+        kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays],
+                                     info={"group": "g", "reward": 1.0, "samples": samples})).body
+        producer.close()
+        assert isinstance(kept, Kept)
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        wait_for(lambda: "env-e" not in peers.live, WAIT_S, "the broker reporting env-e down")
+        # Up after the keep's event (whether or not it left) and with no store to recover from: only the restarted
+        # store can tell it of the episode.
+        orchestrator_runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator",
+                                                                           metrics_port=-1))
+        orchestrator = Orchestrator(orchestrator_runtime, HALF_GROUP, Deadlines(restart_grace_s=WAIT_S))
+        orchestrator_runtime.start_background()
+        wait_for(lambda: not orchestrator._arrivals, WAIT_S, "the orchestrator's start-up recovery")
+        _, probe = _restarted(spawn, command, "env-e-restarted", ctx)
+        wait_for(lambda: orchestrator.claimed + orchestrator.missing == 2, WAIT_S, "the episode claimed")
+        assert (orchestrator.claimed, orchestrator.missing, orchestrator.core.episodes) == (2, 0, 1)
+        assert orchestrator.core.recovered_episodes == 0  # announced, not recovered: the recovery found no store
+        account = accounted(probe)
+        probe.close()
+        assert account.held_by == {"orchestrator": 2}, account
+    finally:
+        if orchestrator_runtime is not None:
+            orchestrator_runtime.join(timeout=WAIT_S)
+        watcher.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
 def test_a_keep_its_journal_cannot_hold_is_refused_whole_and_later_keeps_survive_a_kill(
         bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
     """Keeps whose record the journal cannot hold (an ``info`` array of a type it cannot write; one too large

@@ -755,6 +755,29 @@ def test_claims_a_restarted_store_publishes_again_move_only_what_the_fold_missed
     assert _run(restarted([delete_f])).report().violations == ["orch deleted f owned by env-1 (late)"]
 
 
+@pytest.mark.parametrize("first_published", [True, False])
+def test_an_episode_a_restarted_store_announces_again_is_kept_once_whether_or_not_its_first_event_came(
+        first_published: bool) -> None:
+    """The killed process answered the keep of k1 and k2 and may have died before its ``episode-finished`` went
+    out; the restarted one publishes it again (``again``), and the orchestrator claims and deletes them. Kept
+    once either way, and the fold agrees with the store's counters, which count the keep once (before, a repeat
+    counted it twice: the fold disagreed with the store and was corrected from it)."""
+    episode = {"type": "episode-finished", "refs": [_ref("k1", "env-1"), _ref("k2", "env-1")]}
+    first = [{**episode, "src": "env-1", "id": "p1-1", "seq": 1}] if first_published else []
+    after = [{**episode, "again": True},
+             {"type": "claim", "holder": "orch", "blob_ids": ["k1", "k2"]},
+             {"type": "delete", "holder": "orch", "reason": "late", "blob_ids": ["k1"]}]
+    ledger = _run([_store_up("s1"), *first, {"type": "node-down", "node_id": "env-1", "reason": "replaced"},
+                   _store_up("s1"), *({**event, "src": "env-1", "id": f"p2-{seq}", "seq": seq}
+                                      for seq, event in enumerate(after, 1))])
+    report = ledger.report()
+    assert report.violations == [] and report.lost == {} and report.held == {"env-1": {"orch": 1}}, report
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"]) == (2, 1, 1)
+    account = {"seq": 3, "kept": 2, "deleted": {"late": 1}, "violations": {}}
+    assert ledger.reconcile("env-1", "p2", account, final=False) == "agreed"
+
+
 def test_a_claim_lost_from_the_stream_leaves_its_holder_held_at_run_end_though_the_counters_agree() -> None:
     """env-0's claim of a and b by the orchestrator never arrived (a gap no replay filled) and the orchestrator's
     shutdown delete failed: it still holds them at run end. A claim moves no count, so the store's counters

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -745,6 +746,26 @@ def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_ep
         wait_for(lambda: later in held, WAIT_S, "the episode after the repeat fed")
         assert first in held and env.stats().deleted == {}, env.stats().deleted
         assert [[s.sample_id for s in group] for group in orchestrator.core.sink.queue] == [["e0/0", "e0b/0"]]
+
+
+def test_a_restarted_stores_repeat_of_an_episode_taken_already_counts_nothing(bus: tuple[NodeProcess, str]) -> None:
+    """A restarted durable store publishes ``episode-finished`` again (``again``) for episodes it re-adopted that
+    nobody claimed, not knowing whether the first event left; one the orchestrator had taken, its group queued
+    since, is ignored whole: not counted as an episode, and no sample of it counted ``missing`` (its claim is
+    answered ``already``: nothing new was granted). Before, it counted a second episode and a missing sample."""
+    repeater, env, orchestrator = _peer_store_and_orchestrator(bus[1], "repeater", "r", groups_per_step=2)
+    core = orchestrator.core
+    with _running(orchestrator, repeater, env.runtime):
+        _kept_episode(env, "e0", group="g0")
+        _kept_episode(env, "e0b", group="g0", reward=0.0)
+        wait_for(lambda: core.sink.queue, WAIT_S, "the group queued")
+        record = env.keeper.record_of("e0")
+        assert record is not None
+        repeater.call_soon(lambda: repeater.publish(msgspec.structs.replace(record, again=True)))
+        later = _kept_episode(env, "e1", group="g1")  # fed after the repeat: events are fed in arrival order
+        wait_for(lambda: later in core.holdings.held, WAIT_S, "the episode after the repeat fed")
+        assert (core.episodes, core.duplicate_episodes, core.sink.dropped["missing"]) == (3, 0, 0)
+        assert env.stats().deleted == {}, env.stats().deleted
 
 
 def test_an_episode_whose_blobs_no_store_granted_never_sizes_the_room_admission_counts(

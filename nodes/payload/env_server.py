@@ -58,12 +58,15 @@ identity as label ``store``, by which the orchestrator, trainer ranks and the le
 store. It publishes ``claim`` again for every re-adopted blob a holder has (one event per holder and
 :data:`REANNOUNCE_IDS` ids): a claim is answered once committed, and its event leaves with the loop turn's
 batch, so a process killed in between took that event with it, and the stream would show the holder's later
-delete of a blob it never saw claimed. A retried delete by the holder that deleted the blob before the restart
-is answered as deleted; a retried keep of an episode it re-adopted, with the same branches, ``kept`` with the
-first process's references; a retried discard with the ids the first process discarded. Every change is
-journaled before the keeper makes it (:data:`~.keeper.Commit`): a journal that cannot take the record (a full
-tmpfs) changes nothing, and the request is answered ``journal-failed`` with ``retry_after_s`` (not cached: the
-same request sent again runs again); a lease's or a grace's end is tried again at the next tick. A change an
+delete of a blob it never saw claimed. For the same reason it publishes ``episode-finished`` again (``again``)
+for every re-adopted episode none of whose blobs anyone claimed: a keep answered and killed before its event
+left would otherwise be an episode no orchestrator ever hears of. A retried delete by the holder that deleted
+the blob before the restart is answered as deleted; a retried keep of an episode it re-adopted, with the same
+branches, ``kept`` with the first process's references; a retried discard with the ids the first process
+discarded. Every change is journaled before the keeper makes it (:data:`~.keeper.Commit`): a journal that
+cannot take the record (a full tmpfs) changes nothing, and the request is answered ``journal-failed`` with
+``retry_after_s`` (not cached: the same request sent again runs again); a lease's or a grace's end is tried
+again at the next tick. A change an
 event asks for (a ``reference``'s hand-over, a holder's ``node-down`` or ``node-up``) waits instead, and is made
 at a later tick, the changes of later events behind it in the order they came; until then claims and
 ``holdings`` (which depend on who holds what) are refused ``journal-failed`` and nothing is reclaimed. A trainer
@@ -318,9 +321,18 @@ class EnvServer:
         if found.lost:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
+            self._reannounce_episodes()
             self._reannounce_claims()
             self._taken_unchecked = {}
             self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
+
+    def _reannounce_episodes(self) -> None:
+        """Publish ``episode-finished`` again (``again``) for each re-adopted episode nobody claimed: a keep is
+        answered once committed and its event leaves with the loop turn's batch, so a process killed in between
+        took the event with it, and no orchestrator would ever claim, train or drop the episode (it would expire
+        unclaimed after the hand-over lease). Readers that had the first one ignore the repeat."""
+        for record in self.keeper.unclaimed_records():
+            self._post(msgspec.structs.replace(record, again=True))
 
     def _reannounce_claims(self) -> None:
         """Publish ``claim`` for the re-adopted blobs each holder has (see the module doc): repeats of claims the

@@ -843,6 +843,12 @@ class Keeper:
                 claimed.setdefault(blob.holder, []).append(blob_id)
         return claimed
 
+    def unclaimed_records(self) -> list[EpisodeFinished]:
+        """The filed records of the live episodes none of whose live blobs anyone has claimed, in keep order:
+        those whose ``episode-finished`` may never have reached a reader (nobody acted on it)."""
+        return [record for episode_id, (_, record) in self._records.items()
+                if not any(self._blobs[blob_id].holder for blob_id in self._episodes[episode_id])]
+
     def record_of(self, episode_id: str) -> EpisodeFinished | None:
         """The filed ``episode-finished`` record of a live episode (None: none filed)."""
         filed = self._records.get(episode_id)

@@ -5,7 +5,10 @@ orchestrator claims their blobs at once (so their hand-over lease does not run o
 a durable store is sent again until its restarted process grants it, within ``node.restart_grace_s``, while
 later events wait their turn), at the stores the registry lists only: a reference naming a node that is no
 env server the registry lists (after one lookup) is not claimed, counted ``missing`` and logged
-(``claim.unregistered_store``), so no endpoint a peer invents costs a socket. It groups episodes,
+(``claim.unregistered_store``), so no endpoint a peer invents costs a socket. A restarted durable store's
+repeat of an episode's event (``again``: its first process may have died before the event left) is claimed
+like any episode unless this node has it already (its blobs held here, or its first event waiting its turn):
+then it is ignored, nothing claimed. It groups episodes,
 computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
 point deletes at that moment, with its reason:
 
@@ -279,11 +282,22 @@ class Orchestrator:
         arrival = _Arrival(message)
         self._arrivals.append(arrival)
         body = message.body
-        if isinstance(body, EpisodeFinished) and body.refs:
+        if isinstance(body, EpisodeFinished) and body.refs and not self._known_repeat(body):
             self._claim_registered(arrival, body)
         elif isinstance(body, VersionBump):
             self._vouch(arrival, message.header.src)
         self._feed()
+
+    def _known_repeat(self, episode: EpisodeFinished) -> bool:
+        """Whether ``episode`` is a restarted store's repeat (``again``) of one this node has: its blobs held
+        here, or its first event still waiting its turn. It is fed with nothing claimed (the core ignores it):
+        claiming again would only be answered ``already``."""
+        if not episode.again:
+            return False
+        held = self.core.holdings.held
+        return any(ref.blob_id in held for ref in episode.refs) or any(
+            isinstance(first := arrival.message.body, EpisodeFinished) and first.episode_id == episode.episode_id
+            for arrival in self._arrivals if arrival.message is not None and arrival.message.body is not episode)
 
     def _vouch(self, arrival: _Arrival, src: str) -> None:
         """A ``version-bump`` counts only from a node the registry lists as the ps-manager: any peer may publish one,

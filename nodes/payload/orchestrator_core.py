@@ -16,7 +16,9 @@ Decisions and their rules:
   episode's ``episode-finished`` that comes again (any peer may publish one) is never grouped twice: ignored while
   its group is open (counted, logged ``episode.duplicate``); and blobs held here already are never an episode's to
   take or drop (a claim repeated by its holder is answered ``already``: they are an earlier episode's, maybe
-  queued for a step), so one that comes after its group closed deletes nothing ``late``.
+  queued for a step), so one that comes after its group closed deletes nothing ``late``. A restarted store's
+  repeat (``again``: its first process may have died before the event left) of which nothing new was granted is
+  an episode taken here already, or gone: ignored.
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
   reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
@@ -483,6 +485,9 @@ class OrchestratorCore:
         # ``already``, so a repeated event (or one naming another episode's blobs) is granted them again. They are
         # that episode's, never this one's to take, group or drop.
         claimed = [ref for ref in claimed if ref.blob_id not in self.holdings.held]
+        if episode.again and not claimed:  # a restarted store's repeat of an episode taken here (or since gone)
+            log.info("episode.repeat", episode_id=episode.episode_id, source=episode.source)
+            return []
         info = episode.info
         group_id = str(info.get("group", episode.episode_id))
         if (open_group := self.groups.get(group_id)) is not None and episode.episode_id in open_group.members:
