@@ -35,7 +35,8 @@ store that cannot be used as found) cannot run as configured; a restart would on
 again for as long as the budget lasts), so neither is ever restarted, whatever its role: the run ends at once,
 named after the node and the reason its last words give (:func:`~.halting.final_reason`), its death reported
 ``exit 4, halted`` or ``exit 2, config``. What can clear by itself (a store lock its predecessor, not yet dead,
-still holds; an address it still binds) exits 1, as a crash: restarted.
+still holds; an address it still binds; user code an entry point names that raised while imported or built,
+:class:`~.entry_points.UserCodeFailed`) exits 1, as a crash: restarted.
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 import pytest
+from refbus.nodes.config import ConfigError
+from refbus.nodes.entry_points import UserCodeFailed
 from refbus.nodes.payload.charges import episode_charge, info_charge
 from refbus.nodes.payload.keeper import Keeper, KeepError, pack_branches
 from refbus.nodes.payload.orchestrator_core import (
@@ -923,9 +925,20 @@ def test_a_prompt_function_is_a_source_that_hears_nothing_and_a_class_must_make_
         def make_prompt(self, rng: np.random.Generator) -> list[int]:
             return [self.level]
 
+    class Unready:
+        def __init__(self) -> None:
+            raise ValueError("its data file is still being written")
+
+        def make_prompt(self, rng: np.random.Generator) -> list[int]:
+            return [1]
+
     for bad in (NoPrompts, NeedsArguments, 42):
-        with pytest.raises(ValueError, match="prompt source"):
+        with pytest.raises(ConfigError, match="prompt source"):
             as_prompt_source(bad)
+    # What the user's code raises while built is a crash, never a config error (a ValueError): restartable.
+    with pytest.raises(UserCodeFailed, match="still being written") as failed:
+        as_prompt_source(Unready)
+    assert not isinstance(failed.value, ValueError)
     for spec in ("no-colon", "refbus.nodes.toy.task:missing", "refbus.nodes.toy.task:TASK"):
         with pytest.raises(ValueError):
             load_prompt_source(spec)

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import FAST_LIVENESS
 from polling import read_line, wait_for
+from refbus.nodes.config import ConfigError
+from refbus.nodes.entry_points import UserCodeFailed, load_entry_point
 from refbus.nodes.halting import HALTED_PREFIX, HALTED_STATUS
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
@@ -693,6 +695,77 @@ def test_a_node_whose_config_cannot_work_is_never_restarted_and_the_run_ends_nam
     assert cluster.restarted == [] and supervisor.fatal == [name], why
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         (name, "exit 2, config", False)]
+
+
+# User modules, written where the test's node processes import them from (``_importable``).
+USER_MODULES = {
+    # Its top-level code fails for a while only: the data file it reads is still being written.
+    "half_written": "raise ValueError(\"could not convert string to float: '' (data file still being written)\")\n",
+    "needs_dependency": "import refbus_no_such_dependency\n\ndef score(prompt, completion):\n    return 0.0\n",
+    "fails_oddly": "raise AttributeError('a module of its own lacks something today')\n",
+    "being_written": "def score(prompt,\n",  # read half-way: a SyntaxError
+    "fine": "LIMIT = 3\n\ndef score(prompt, completion):\n    return 0.0\n",
+}
+
+
+def _importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write :data:`USER_MODULES` to ``tmp_path`` and put it on the ``PYTHONPATH`` node processes inherit, and on
+    this process's ``sys.path`` (forgetting the modules imported here afterwards)."""
+    for name, text in USER_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize(("spec", "raised"), [
+    ("half_written:score", ValueError), ("fails_oddly:score", AttributeError), ("being_written:score", SyntaxError),
+])
+def test_an_entry_point_whose_module_raised_at_import_is_user_code_that_failed_not_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, raised: type[Exception]) -> None:
+    _importable(tmp_path, monkeypatch)
+    with pytest.raises(UserCodeFailed) as failed:
+        load_entry_point(spec)
+    assert not isinstance(failed.value, ValueError) and isinstance(failed.value.__cause__, raised)
+    assert f"entry point {spec!r}: importing {spec.split(':')[0]} raised {raised.__name__}" in str(failed.value)
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("refbus_no_such_module:score", "No module named 'refbus_no_such_module'"),
+    # A dependency of the module missing never clears by itself: the config's to change, as a missing module.
+    ("needs_dependency:score", "No module named 'refbus_no_such_dependency'"),
+    ("fine:missing", "module 'fine' has no attribute 'missing'"),
+])
+def test_an_entry_point_the_config_names_wrongly_is_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, says: str) -> None:
+    _importable(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match=re.escape(f"entry point {spec!r} cannot be loaded: {says}")):
+        load_entry_point(spec)
+    with pytest.raises(ConfigError, match="is not callable"):
+        load_entry_point("fine:LIMIT")
+
+
+@pytest.mark.parametrize("command", [
+    [*REFUSING_ENV, "--env-server-score", "half_written:score"],
+    ["node", "orchestrator", "--node-id", "orchestrator", "--bus-control", "tcp://127.0.0.1:1",
+     "--orchestrator-dispatch", "true", "--orchestrator-prompt", "half_written:prompt"],
+], ids=["env-server", "orchestrator"])
+def test_a_node_whose_entry_points_module_raised_at_import_is_restarted_as_a_crash(
+        spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    """The module an entry point names raises a ValueError at import (a data file it reads still being written):
+    user code that crashed, so the node exits 1 with its traceback and is restarted within the budget, whatever
+    its role. Before, an env server took any ValueError for a config that cannot work: exit 2, the run ended at
+    once (the orchestrator, for the same failure, was restarted)."""
+    _importable(tmp_path, monkeypatch)
+    name = command[command.index("--node-id") + 1]
+    cluster = _Processes(spawn, {name: [*command, "--store-directory", str(tmp_path / "shm")]})
+    supervisor = Supervisor(cluster, budget=1, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
+    why = wait_for(supervisor.poll, 2 * SUPERVISED_S, "the restart budget spent")  # a start, a restart
+    assert why.startswith(f"{name} died (exit 1); the restart budget (1) is spent"), why
+    assert cluster.restarted == [name] and supervisor.fatal == [name], why
+    assert [(d.node, d.exit, d.restarted) for d in supervisor.deaths] == [(name, "exit 1", True),
+                                                                          (name, "exit 1", False)]
+    assert "ValueError: could not convert string to float" in cluster.nodes[0].log_tail(), cluster.nodes[0].log_tail()
 
 
 HOLD_STORE = """

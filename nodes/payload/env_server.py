@@ -147,6 +147,7 @@ from ...protocol.messages import (
     Violation,
 )
 from ..config import Config, ConfigError
+from ..entry_points import UserCodeFailed
 from ..settings import EnvServerSettings, StoreSettings
 from ..store.durable import DurableStore, StoreError, StoreLocked, segment_limit
 from .blob_journal import BlobJournal, Readoption, resumed_grace
@@ -1075,21 +1076,31 @@ def _largest(counts: Mapping[str, int], limit: int) -> dict[str, int]:
 def run(config: Config, args: argparse.Namespace) -> int:
     """``refbus node env-server``: keep, serve and run episodes until SIGINT/SIGTERM. Raises
     :class:`~..config.ConfigError` (final: exit status 2) for a budget, lease, entry point or store that cannot be
-    used, :class:`~..store.durable.StoreLocked` (exit 1: restarted) for a store another live process holds."""
+    used, :class:`~..store.durable.StoreLocked` (exit 1: restarted) for a store another live process holds,
+    :class:`~..entry_points.UserCodeFailed` (exit 1, a crash: restarted) for an entry point whose module raised
+    at import."""
     runtime = NodeRuntime(ROLE, config.runtime(node_id=args.node_id, ready_file=args.ready_file))
     env_server: EnvServer | None = None
     try:
         env_server = EnvServer(runtime, config.env_server, restart_grace_s=config.node.restart_grace_s,
                                store=config.store, run=config.store_run())
         EpisodeRunner(runtime, env_server, config.env_server)
-    except StoreLocked:  # its predecessor, not yet dead, may hold it: status 1 (cli), restarted until it exits
-        runtime.close()
+    # Can clear by itself, status 1, restarted: a store its predecessor, not yet dead, may hold (cli says so) until
+    # that exits; an entry point's module whose own code raised at import (a crash: its traceback).
+    except (StoreLocked, UserCodeFailed):
+        _close_unstarted(runtime, env_server)
         raise
     except (ValueError, StoreError) as exc:  # a budget, lease, entry point or store that cannot be used
         log.error("env_server.bad_config", error=str(exc))
-        if env_server is not None and env_server.journal is not None:
-            env_server.journal.close(remove=False)  # no shutdown: a restart with the config fixed re-adopts it
-        runtime.close()
+        _close_unstarted(runtime, env_server)
         raise ConfigError(str(exc)) from None  # final: said last on stderr (cli), exit status 2
     runtime.run()
     return 1 if env_server.abandoned else 0  # logged journal.waiting_overflow: restartable, as a crash
+
+
+def _close_unstarted(runtime: NodeRuntime, env_server: EnvServer | None) -> None:
+    """Close a node that failed before it ran, keeping its journal: no shutdown, so a restart (with the config
+    fixed, or once what failed cleared) re-adopts what it holds."""
+    if env_server is not None and env_server.journal is not None:
+        env_server.journal.close(remove=False)
+    runtime.close()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import ConfigError
-from ..entry_points import load_entry_point
+from ..entry_points import UserCodeFailed, load_entry_point
 
 MakePrompt = Callable[[np.random.Generator], Sequence[int]]
 Observe = Callable[[Sequence[int], Sequence[float]], None]
@@ -59,18 +59,22 @@ def as_prompt_source(target: object) -> PromptSource:
     ``status`` used where it has them), any other callable as a fixed ``make_prompt``.
 
     Raises:
-        ConfigError: a class with no callable ``make_prompt``, or something that is not callable (final: the
-            config names what cannot work).
-        ValueError: a class whose building with no argument raised (user code: it may have failed for a
-            while only, so a node exits as a crash, restartable).
+        ConfigError: a class that cannot be built with no argument or has no callable ``make_prompt``, or
+            something that is not callable (final: the config names what cannot work).
+        UserCodeFailed: a class whose building raised (user code: it may have failed for a while only, so a
+            node exits as a crash, restartable).
     """
     if isinstance(target, PromptSource):
         return target
     if inspect.isclass(target):
         try:
+            inspect.signature(target).bind()
+        except TypeError as exc:
+            raise ConfigError(f"prompt source {target.__name__} cannot be built with no argument: {exc}") from None
+        try:
             instance = target()
-        except Exception as exc:  # user code: whatever it raises, the config names the culprit
-            raise ValueError(f"prompt source {target.__name__}() could not be built: {exc!r}") from exc
+        except Exception as exc:  # user code: whatever it raises, none of it is a config error
+            raise UserCodeFailed(f"prompt source {target.__name__}() could not be built: {exc!r}") from exc
         make_prompt = getattr(instance, "make_prompt", None)
         if not callable(make_prompt):
             raise ConfigError(f"prompt source {target.__name__} has no make_prompt(rng) method")
@@ -82,5 +86,7 @@ def as_prompt_source(target: object) -> PromptSource:
 
 
 def load_prompt_source(spec: str) -> PromptSource:
-    """The prompt source an ``orchestrator.prompt`` entry point names (``ValueError`` when it cannot be)."""
+    """The prompt source an ``orchestrator.prompt`` entry point names: :class:`~..config.ConfigError` when the
+    config names none, :class:`~..entry_points.UserCodeFailed` when the user's code raised (see
+    :func:`as_prompt_source`)."""
     return as_prompt_source(load_entry_point(spec))
