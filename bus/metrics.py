@@ -10,7 +10,6 @@ discovery there (``/sd``), so one fixed address finds every node of a cluster.
 
 from __future__ import annotations
 
-import errno
 import json
 import socket
 import socketserver
@@ -23,7 +22,7 @@ from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .sockets import BIND_ERRNOS, AddressInUse, CannotBind
+from .sockets import CannotBind, bind_error
 
 Readings = Mapping[tuple[str, ...], float]
 
@@ -117,7 +116,8 @@ def serve_metrics(
 ) -> tuple[str, Callable[[], None]]:
     """Start the metrics endpoint in a daemon thread; returns its URL (``.../metrics``) and a function that
     stops it. Raises :class:`~.sockets.AddressInUse` when another process holds ``port``,
-    :class:`~.sockets.CannotBind` when ``host`` does not resolve or is not this machine's.
+    :class:`~.sockets.CannotBind` when ``host`` does not resolve or is not this machine's,
+    :class:`~.sockets.BindRefused` when the port is privileged and this user may not bind it.
 
     Every path answers with ``registry``'s metrics (as prometheus_client's own server does), except the
     paths of ``routes``, which answer with their route's value as JSON. prometheus_client's server polls for
@@ -129,10 +129,9 @@ def serve_metrics(
     except socket.gaierror as exc:  # a host name that does not resolve
         raise CannotBind(f"http://{host}:{port}", f"{host!r} does not resolve ({exc.strerror})") from None
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise AddressInUse(f"http://{host}:{port}") from None
-        if exc.errno in BIND_ERRNOS:
-            raise CannotBind(f"http://{host}:{port}", exc.strerror or str(exc)) from None
+        refused = bind_error(f"http://{host}:{port}", exc.errno, exc.strerror or str(exc))
+        if refused is not None:
+            raise refused from None
         raise
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                               name="metrics")

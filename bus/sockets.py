@@ -65,16 +65,28 @@ EVENT_OPTIONS = SocketOptions(sndhwm=EVENT_HWM, rcvhwm=EVENT_HWM)
 
 
 class CannotBind(RuntimeError):
-    """A bind (a socket's, or the metrics endpoint's) the operating system refused: the message names the address
-    and why (a host that is not one of this machine's, a name that does not resolve, an ipc path this user may
-    not create)."""
+    """A bind (a socket's, or the metrics endpoint's) the operating system refused for a reason that can clear by
+    itself (an address not yet this machine's, another process's), or a metrics host name that does not resolve
+    (a name server may answer later): the message names the address and why. ``refbus node`` exits 1 on it,
+    restartable."""
 
     def __init__(self, address: str, why: str) -> None:
         super().__init__(f"cannot bind {address}: {why}")
 
 
-# Why a bind fails that only the configuration can cure: a message, not a traceback.
-BIND_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EACCES, errno.ENOENT, errno.ENODEV, errno.EPERM})
+class BindRefused(CannotBind):
+    """A bind the operating system refuses for a reason that cannot clear by itself (:data:`REFUSED_BIND_ERRNOS`):
+    only the configuration can cure it, so ``refbus node`` exits with the config status (2, final: never
+    restarted to be refused again). The message names the address and why."""
+
+
+# Why the operating system refuses a bind: a message, not a traceback. One that can clear by itself: an address
+# not (yet) assigned to this machine (an interface still coming up, a floating address on its way over).
+CLEARING_BIND_ERRNOS = frozenset({errno.EADDRNOTAVAIL})
+# One that cannot: a privileged port without the right to it (EACCES, EPERM), an ipc path in a directory that
+# does not exist (ENOENT; nothing of refbus makes it) or this user may not write (EACCES), an interface or host
+# name ZeroMQ finds no device for (ENODEV).
+REFUSED_BIND_ERRNOS = frozenset({errno.EACCES, errno.ENOENT, errno.ENODEV, errno.EPERM})
 
 
 class AddressInUse(CannotBind):
@@ -86,6 +98,19 @@ class AddressInUse(CannotBind):
                          "this one other ports in its config)")
 
 
+def bind_error(address: str, code: int | None, why: str) -> CannotBind | None:
+    """What to raise for a bind to ``address`` the operating system refused with errno ``code`` (``why``: its
+    words): :class:`AddressInUse`, :class:`BindRefused` for a reason that cannot clear by itself,
+    :class:`CannotBind` for one that can; None for any other errno (the caller re-raises what it caught)."""
+    if code == errno.EADDRINUSE:
+        return AddressInUse(address)
+    if code in REFUSED_BIND_ERRNOS:
+        return BindRefused(address, why)
+    if code in CLEARING_BIND_ERRNOS:
+        return CannotBind(address, why)
+    return None
+
+
 def make_socket(
     ctx: zmq.Context,
     socket_type: int,
@@ -94,9 +119,10 @@ def make_socket(
     connect: str | None = None,
     options: SocketOptions = DEFAULT_OPTIONS,
 ) -> zmq.Socket:
-    """A socket with refbus's options, bound or connected. The caller owns and closes it. Raises
-    :class:`AddressInUse` for a bind to an address another process holds, :class:`CannotBind` for one the
-    operating system refuses for a reason only the configuration can cure (:data:`BIND_ERRNOS`)."""
+    """A socket with refbus's options, bound or connected. The caller owns and closes it. Raises, for a bind the
+    operating system refuses (:func:`bind_error`): :class:`AddressInUse` for an address another process holds,
+    :class:`BindRefused` for a reason only the configuration can cure, :class:`CannotBind` for one that can clear
+    by itself."""
     sock = ctx.socket(socket_type)
     sock.linger = 0
     sock.sndhwm = options.sndhwm
@@ -116,10 +142,9 @@ def make_socket(
             sock.connect(connect)
     except zmq.ZMQError as exc:
         sock.close()
-        if bind is not None and exc.errno == zmq.EADDRINUSE:
-            raise AddressInUse(bind) from None
-        if bind is not None and exc.errno in BIND_ERRNOS:
-            raise CannotBind(bind, exc.strerror) from None
+        refused = bind_error(bind, exc.errno, exc.strerror) if bind is not None else None
+        if refused is not None:
+            raise refused from None
         raise
     return sock
 

@@ -18,7 +18,7 @@ from ..bus.broker import Broker
 from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
 from ..bus.security import SecurityError, generate
-from ..bus.sockets import CannotBind
+from ..bus.sockets import BindRefused, CannotBind
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 from .halting import CONFIG_STATUS, Transient
 
@@ -305,11 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(config: Config, args: argparse.Namespace) -> int:
     """Run the command ``args`` names; its exit status. A bus that cannot be reached, an address the operating
-    system refuses (another process holds it) or a :class:`~.halting.Transient` failure (a durable store its
-    predecessor still holds) is a message and status 1 (restartable), config a role finds unusable (a trainer rank
-    without ``$RANK``, an env server's entry point that cannot be loaded) or security refuses (a key file, an
-    unprotected address other hosts reach) a message and :data:`~.halting.CONFIG_STATUS` (as at load: final),
-    Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as a
+    system refuses for a reason that can clear by itself (another process holds it, it is not yet this
+    machine's) or a :class:`~.halting.Transient` failure (a durable store its predecessor still holds) is a
+    message and status 1 (restartable), config a role finds unusable (a trainer rank without ``$RANK``, an env
+    server's entry point that cannot be loaded), an address the operating system refuses for good
+    (:class:`~..bus.sockets.BindRefused`: an ipc directory missing, a privileged port) or security refuses (a key
+    file, an unprotected address other hosts reach) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
+    final), Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as a
     shell reports a tool SIGPIPE killed)."""
     try:
         if args.command == "node":
@@ -339,12 +341,12 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
+    except (ConfigError, SecurityError, BindRefused) as exc:  # before CannotBind: a BindRefused is one
+        print(f"refbus: {exc}", file=sys.stderr)
+        return CONFIG_STATUS
     except (BusUnavailable, CannotBind, Transient) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
-    except (ConfigError, SecurityError) as exc:
-        print(f"refbus: {exc}", file=sys.stderr)
-        return CONFIG_STATUS
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # its reader went away (`refbus top --json | head -1`): done, as a SIGPIPE would end it

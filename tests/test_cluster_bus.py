@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,8 +19,10 @@ import pytest
 import zmq
 from conftest import FAST_LIVENESS
 from golden_wire import load
+from refbus.bus.metrics import serve_metrics
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.bus.sockets import make_socket
+from refbus.bus.sockets import AddressInUse, BindRefused, CannotBind, bind_error, make_socket
+from refbus.nodes.halting import CONFIG_STATUS, final_reason
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.monitor import BROKEN_PIPE_STATUS
 from refbus.protocol.envelope import PROTOCOL_VERSION, Header, WireCodec
@@ -345,3 +348,41 @@ def test_a_broker_given_an_address_not_of_this_machine_says_so_and_exits_1(tmp_p
     assert result.returncode == 1, result.stderr
     assert f"refbus: cannot bind {taken}: Cannot assign requested address" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_broker_whose_ipc_directory_does_not_exist_says_so_and_exits_2_as_a_config_that_cannot_work(
+        tmp_path: Path) -> None:
+    """An ipc endpoint in a directory that does not exist (nothing of refbus makes it): a restart would be refused
+    the same, so the broker exits with the final config status (2), its last line naming the address and why.
+    Before, it exited 1 and ``refbus up`` restarted it until the restart budget was spent."""
+    endpoint = f"ipc://{tmp_path}/missing/control"
+    result = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "node", "bus", "--bus-control", endpoint,
+                             "--bus-events-in", "tcp://127.0.0.1:0", "--bus-events-out", "tcp://127.0.0.1:0",
+                             "--bus-metrics-port", "0"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == CONFIG_STATUS, result.stderr
+    assert final_reason(CONFIG_STATUS, result.stderr).startswith(f"cannot bind {endpoint}: No such file or directory")
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_bind_refused_for_good_is_told_from_one_that_can_clear_by_itself(tmp_path: Path) -> None:
+    """Every errno a bind is refused with, sorted: an address not yet this machine's can clear (``CannotBind``,
+    exit 1); a missing ipc directory, a privileged port, no such device cannot (``BindRefused``, exit 2). Real
+    binds, a socket's and the metrics endpoint's, for the ones this host can refuse to root."""
+    for code in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENODEV):
+        assert isinstance(bind_error("tcp://127.0.0.1:80", code, os.strerror(code)), BindRefused), code
+    assert type(bind_error(f"tcp://{NOT_THIS_MACHINE}:0", errno.EADDRNOTAVAIL, "")) is CannotBind
+    assert type(bind_error("tcp://127.0.0.1:1", errno.EADDRINUSE, "")) is AddressInUse
+    assert bind_error("tcp://127.0.0.1:1", errno.EINVAL, "") is None  # not a refusal: the caller re-raises
+
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(BindRefused, match="No such file or directory"):
+            make_socket(ctx, zmq.ROUTER, bind=f"ipc://{tmp_path}/missing/control")
+        with pytest.raises(CannotBind, match="Cannot assign requested address") as clears:
+            make_socket(ctx, zmq.ROUTER, bind=f"tcp://{NOT_THIS_MACHINE}:0")
+        assert not isinstance(clears.value, BindRefused)
+    finally:
+        ctx.term()
+    with pytest.raises(CannotBind, match="Cannot assign requested address") as clears:
+        serve_metrics(NOT_THIS_MACHINE, 0)
+    assert not isinstance(clears.value, BindRefused)
