@@ -81,12 +81,13 @@ class BindRefused(CannotBind):
 
 
 # Why the operating system refuses a bind: a message, not a traceback. One that can clear by itself: an address
-# not (yet) assigned to this machine (an interface still coming up, a floating address on its way over).
-CLEARING_BIND_ERRNOS = frozenset({errno.EADDRNOTAVAIL})
+# not (yet) assigned to this machine (an interface still coming up, a floating address on its way over), an
+# interface or host name ZeroMQ finds no device for (ENODEV: an interface not up yet, a name server that does
+# not answer now; as a metrics host name that does not resolve).
+CLEARING_BIND_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.ENODEV})
 # One that cannot: a privileged port without the right to it (EACCES, EPERM), an ipc path in a directory that
-# does not exist (ENOENT; nothing of refbus makes it) or this user may not write (EACCES), an interface or host
-# name ZeroMQ finds no device for (ENODEV).
-REFUSED_BIND_ERRNOS = frozenset({errno.EACCES, errno.ENOENT, errno.ENODEV, errno.EPERM})
+# does not exist (ENOENT; nothing of refbus makes it) or this user may not write (EACCES).
+REFUSED_BIND_ERRNOS = frozenset({errno.EACCES, errno.ENOENT, errno.EPERM})
 
 
 class AddressInUse(CannotBind):
