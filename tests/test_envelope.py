@@ -338,9 +338,12 @@ def test_undecodable_body(body: bytes, match: str) -> None:
          r"Object missing required field `role` - at `\$.nodes\[1\]`"),
         ("ok", body_bytes(detail=msgspec.msgpack.Ext(EXT_NUMPY, b"\x90")),
          r"Expected `str`, got `ext` - at `\$.detail`"),
+        ("episode-finished", body_bytes(episode_id="e", source="s", refs=[], again="yes"),
+         r"Expected `bool`, got `str` - at `\$.again`"),
     ],
     ids=["missing-field", "wrong-type", "wrong-item-type", "empty-name", "not-a-map", "negative-step",
-         "negative-nbytes", "limit-below-range", "bad-literal", "nested-negative", "nested-missing", "ext-in-str"],
+         "negative-nbytes", "limit-below-range", "bad-literal", "nested-negative", "nested-missing", "ext-in-str",
+         "not-a-flag"],
 )
 def test_body_schema_errors_say_what_and_where(kind: str, body: bytes, match: str) -> None:
     err = raises(SchemaError, [kind.encode(), header_bytes(), body], match=rf"^{kind}: {match}")
