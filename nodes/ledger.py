@@ -9,9 +9,12 @@ The ledger replays ownership moves as the stream mirrors them:
 * ``claim`` — the orchestrator (``holder``) owns them. A restarted durable store publishes the claims of what
   it re-adopted again (its process may have died between answering a claim and publishing its event): a
   repeat moves nothing, a blob only moves forward;
-* ``reference`` — a trainer rank (``holder``) owns them. The rank publishes it, and the store mirrors the
-  rank's delete, so the broker may relay the delete first: a delete by a node other than the owner while the
-  blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:
+* ``reference`` — a trainer rank (``holder``) owns them, when one of the hand-over's two ends published it, as
+  at the stores: the rank itself, or the blob's claimer (the orchestrator repeats it); one from any other node
+  moves nothing (logged ``ledger.reference_refused``, counted by source in ``references_refused``; one by a
+  non-holder folded before the blob's claim waits for the claim to be judged). The rank publishes it, and the
+  store mirrors the rank's delete, so the broker may relay the delete first: a delete by a node other than the
+  owner while the blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:
   nothing was wrong); until it comes, the report lists the delete as a violation. A ``claim`` or
   ``reference`` may also come before the blob's ``episode-finished`` (after a broker restart, each node's held
   events reach the new ring when that node re-joins; a gap fill reorders alike): it waits for it, and moves the
@@ -176,6 +179,8 @@ class LedgerReport:
     violations: list[str] = field(default_factory=list)  # one line per finding, for people
     violated: int = 0  # blob ids the violations cover (a store's event of ``count`` ids is one line)
     refused: Counter[str] = field(default_factory=Counter)  # source -> violation events refused (bad count)
+    # source -> blob ids of its ``reference`` events refused (published by neither end: not folded, as at the stores)
+    references_refused: Counter[str] = field(default_factory=Counter)
     unaccounted: list[str] = field(default_factory=list)
     missed: Counter[str] = field(default_factory=Counter)  # source -> events missing from the stream
     reconciled: dict[str, str] = field(default_factory=dict)  # store -> agreed / the correction
@@ -222,6 +227,7 @@ class LedgerReport:
             "ended": self.ended,
             "missed": dict(self.missed),
             "refused": dict(self.refused),
+            "references_refused": dict(self.references_refused),
             "violations": self.violations,
             "unaccounted": self.unaccounted,
         }
@@ -266,6 +272,9 @@ class Ledger:
         self.moves_dropped: Counter[str] = Counter()  # source -> blob ids whose waiting moves it dropped
         # blob id -> (deleter, owner, reason): deleted by a node before its reference to the blob was folded
         self.awaiting_reference: dict[str, tuple[str, str, str]] = {}
+        # blob id -> {source: holder}: references by a non-holder folded before the blob's claim (see _by_an_end)
+        self._unjudged: dict[str, dict[str, str]] = {}
+        self.references_refused: Counter[str] = Counter()  # source -> blob ids of its references refused
         self.ended = False
         self.held_at_end: Counter[str] = Counter()
         self._last: dict[str, tuple[str, int]] = {}  # src -> (incarnation, last seq)
@@ -302,9 +311,10 @@ class Ledger:
                 if self.tombstones.get(blob_id) is not None:
                     continue  # its delete was relayed first (by another node): it is gone, not kept again
                 blob = self.blobs[blob_id] = _Blob(store=src, source=ref.get("source", src), key=key, owner=src)
-                for _, stage, holder in moves:
-                    if stage > blob.stage:
+                for mover, stage, holder in sorted(moves, key=lambda move: move[1]):  # its claim before its reference
+                    if stage > blob.stage and self._by_an_end(mover, stage, holder, blob_id, blob):
                         blob.owner, blob.stage = holder, stage
+                        self._judge_waiting(blob_id, blob)
         elif kind in _STAGE:
             # Moves come from different nodes (the store mirrors a claim, the trainer a reference), so the
             # broker may relay them out of causal order: a blob only ever moves forward along the chain, and a
@@ -313,9 +323,12 @@ class Ledger:
             for blob_id in record["blob_ids"]:
                 blob = self.blobs.get(blob_id)
                 if blob is not None and stage > blob.stage:
+                    if not self._by_an_end(src, stage, record["holder"], blob_id, blob):
+                        continue
                     if blob.key == (src, incarnation):  # a claim its store mirrors
                         self.stores[blob.key].move_held(blob.owner, record["holder"], seq)
                     blob.owner, blob.stage = record["holder"], stage
+                    self._judge_waiting(blob_id, blob)
                 elif blob is None and kind == "reference" and blob_id in self.awaiting_reference:
                     deleter, _, reason = self.awaiting_reference.pop(blob_id)
                     if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
@@ -409,6 +422,31 @@ class Ledger:
         self.violations.append(line)
         self.violated += ids
 
+    def _by_an_end(self, src: str, stage: int, holder: str, blob_id: str, blob: _Blob) -> bool:
+        """Whether ``src``'s move of ``blob`` to ``holder`` (``stage``) is folded now. A claim is (its store
+        mirrors it). A ``reference`` counts only from an end of its hand-over, as at the stores: ``holder`` itself,
+        or the blob's claimer (the orchestrator's repeat); one from a third node is refused (counted by source in
+        :attr:`references_refused`, logged at a source's first), as the store refused it. One by a non-holder
+        before the blob's claim is folded (relay order across nodes is not causal order) waits for it: one per
+        source and blob, gone with the blob."""
+        if stage != _STAGE["reference"] or src == holder or (blob.stage == _STAGE["claim"] and src == blob.owner):
+            return True
+        if blob.stage < _STAGE["claim"]:
+            self._unjudged.setdefault(blob_id, {})[src] = holder
+            return False
+        if not self.references_refused[src]:  # once per source: a forged event may name many ids
+            log.warning("ledger.reference_refused", src=src, holder=holder, blob_id=blob_id, owner=blob.owner,
+                        detail="a hand-over published by neither the blob's holder nor its holder-to-be: not folded, "
+                               "as its store refused it; later ones of this source are counted only")
+        self.references_refused[src] += 1
+        return False
+
+    def _judge_waiting(self, blob_id: str, blob: _Blob) -> None:
+        """``blob`` moved: the references by non-holders that waited for its claim are judged now."""
+        for src, holder in self._unjudged.pop(blob_id, {}).items():
+            if blob.stage < _STAGE["reference"] and self._by_an_end(src, _STAGE["reference"], holder, blob_id, blob):
+                blob.owner, blob.stage = holder, _STAGE["reference"]
+
     def _pend(self, src: str, blob_id: str, stage: int, holder: str) -> None:
         """Keep ``src``'s move of ``blob_id`` until the blob's episode-finished comes (relay order across
         nodes is not causal order); past :attr:`pending_moves` ids of ``src``, its oldest is dropped, counted:
@@ -474,6 +512,7 @@ class Ledger:
                 self._violation(f"{holder} deleted {blob_id} again ({first})")
                 continue
             blob = self.blobs.pop(blob_id, None)
+            self._unjudged.pop(blob_id, None)
             self.tombstones.add(blob_id, holder, reason)
             if blob is None:
                 self._unpend(blob_id)  # its episode-finished, still on its way, keeps nothing
@@ -601,7 +640,8 @@ class Ledger:
                                           *(f"{node} counted {n} violations the stream did not show"
                                             for node, n in (+unseen).items()), *early],
                               violated=self.violated + unseen.total() + len(early),
-                              refused=+self.refused, missed=+missed, ended=self.ended,
+                              refused=+self.refused, references_refused=+self.references_refused,
+                              missed=+missed, ended=self.ended,
                               held_at_end=+self.held_at_end)
         by_key: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         for blob in self.blobs.values():
@@ -824,6 +864,8 @@ def format_report(report: LedgerReport) -> str:
     if report.ended:
         lines.extend(f"held at run end: {n} by {holder}" for holder, n in sorted(report.held_at_end.items()))
     lines.extend(f"unaccounted: {u}" for u in report.unaccounted)
+    lines.extend(f"references refused: {n} blob ids handed over by {src}, neither end of the hand-over"
+                 for src, n in sorted(report.references_refused.items()))
     lines.extend(f"violation: {v}" for v in report.violations)
     lines.append("ok" if report.ok else "NOT ok")
     return "\n".join(lines)

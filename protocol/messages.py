@@ -213,12 +213,19 @@ class Claim(Body, frozen=True):
     holder: Name  # the new owner
 
 
+THIRD_PARTY_HAND_OVER = "third-party-hand-over"
+"""The code under which a node counts a ``reference`` it refused (``refbus_bus_events_rejected_total``): published
+by neither end of the hand-over."""
+
+
 @register_kind("reference")
 class Reference(Body, frozen=True):
     """Event: the orchestrator handed ``blob_ids`` to trainer ``holder`` for ``step`` (mirror of the
     acknowledged ``step-batch`` request). ``process``: the rank's process that took them (host, pid, start
     time), which the orchestrator names, so a store that learns of the hand-over after that process is gone
-    reclaims them as that holder's."""
+    reclaims them as that holder's. Any peer may publish one, so it counts only from one of its two ends: the
+    blobs' holder (the orchestrator that claimed them) or ``holder`` itself; one from a third node moves nothing
+    (logged, counted in ``refbus_bus_events_rejected_total`` under code ``third-party-hand-over``)."""
 
     step: NonNegative  # training step
     holder: Name  # the trainer rank

@@ -39,6 +39,7 @@ from refbus.nodes.settings import EnvServerSettings, OrchestratorSettings, Store
 from refbus.nodes.store import journal
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
+    THIRD_PARTY_HAND_OVER,
     Body,
     Claim,
     Claimed,
@@ -56,6 +57,7 @@ from refbus.protocol.messages import (
     Reference,
     StepBatch,
 )
+from structlog.testing import capture_logs
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
 from test_violations import accounted
@@ -912,6 +914,39 @@ def test_a_hand_over_its_store_could_not_journal_waits_and_is_made_before_its_ra
             assert isinstance(held, Held) and held.episodes == [], held
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_hand_over_a_third_node_publishes_moves_nothing_and_its_ends_still_hand_over(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """Any peer may publish a ``reference``. One published by a node that is neither end of the hand-over (not the
+    rank it names, not the orchestrator that claimed the blob) moves nothing at the store: refused, logged with its
+    publisher and counted, and the store goes on. The ends still hand over: the rank's own event, and the
+    orchestrator's repeat. Before, the third node's event moved the orchestrator's blob to whatever holder it named
+    (the orchestrator's delete of it then a violation, or the blob reclaimed with a holder that is down)."""
+    with _claimed_by_the_orchestrator(bus[1], tmp_path, "env-tp", "trainer-tp") as \
+            (_, env, rank, client, blob_id):
+        repeated = env.keep("ep-2", [random_arrays(6, seed=6)])[0].blob_id
+        assert client.request(Claim(blob_ids=[repeated], holder="orchestrator")).body == Claimed(blob_ids=[repeated])
+        intruder, orchestrator = _node(bus[1], "intruder", "rollout"), _node(bus[1], "orchestrator", "orchestrator")
+        intruder.start_background()
+        orchestrator.start_background()
+        try:
+            with capture_logs() as logs:
+                intruder.call_soon(lambda: intruder.publish(Reference(step=1, holder="trainer-tp",
+                                                                      blob_ids=[blob_id, repeated])))
+                wait_for(lambda: any(e["event"] == "reference.refused" for e in logs) or
+                         accounted(client).held_by != {"orchestrator": 2}, WAIT_S, "the third node's hand-over heard")
+            assert accounted(client).held_by == {"orchestrator": 2}
+            (refused,) = [e for e in logs if e["event"] == "reference.refused"]
+            assert (refused["src"], refused["holder"], refused["blobs"]) == ("intruder", "trainer-tp", 2), refused
+            assert env._references.rejected == {THIRD_PARTY_HAND_OVER: 1}
+            rank.call_soon(lambda: rank.publish(Reference(step=1, holder="trainer-tp", blob_ids=[blob_id])))
+            orchestrator.call_soon(lambda: orchestrator.publish(Reference(step=2, holder="trainer-tp",
+                                                                          blob_ids=[repeated])))
+            wait_for(lambda: accounted(client).held_by == {"trainer-tp": 2}, WAIT_S, "both ends' hand-overs made")
+        finally:
+            intruder.join(timeout=WAIT_S)
+            orchestrator.join(timeout=WAIT_S)
 
 
 def test_hand_overs_waiting_on_a_full_journal_are_bounded_and_past_it_the_store_ends_as_a_crash_would(

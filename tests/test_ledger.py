@@ -89,6 +89,31 @@ def test_clean_lifecycle_has_everything_deleted_once() -> None:
     assert report.ok
 
 
+@pytest.mark.parametrize("order", ["claim-first", "references-first", "before-its-episode"])
+def test_a_reference_a_third_node_publishes_moves_nothing_as_at_its_store(order: str) -> None:
+    """A ``reference`` counts only from an end of its hand-over, as at the stores (which refuse the rest): the
+    rank it names, or the blob's claimer (the orchestrator's repeat). A third node's moves nothing: refused,
+    logged and counted by source, so the orchestrator's later delete of its own blob is no violation; whatever
+    order the broker relays the claim, the references and the episode in. Before, the third node's event made
+    the blob the named rank's, and the orchestrator's delete a non-owner delete."""
+    kept = {"type": "episode-finished", "src": "env-0", "refs": [_ref("a"), _ref("b")]}
+    claim = {"type": "claim", "src": "env-0", "holder": "orch", "blob_ids": ["a", "b"]}
+    references = [{"type": "reference", "src": "intruder", "holder": "trainer-0", "blob_ids": ["a", "b"]},
+                  {"type": "reference", "src": "orch", "holder": "trainer-1", "blob_ids": ["b"]}]
+    deletes = [{"type": "delete", "src": "env-0", "holder": "orch", "reason": "filtered", "blob_ids": ["a"]},
+               {"type": "delete", "src": "env-0", "holder": "trainer-1", "reason": "trained", "blob_ids": ["b"]}]
+    stream = {"claim-first": [kept, claim, *references], "references-first": [kept, *references, claim],
+              "before-its-episode": [*references, claim, kept]}[order]
+    with capture_logs() as logs:
+        ledger = _run([*stream, *deletes])
+    report = ledger.report()
+    assert report.violations == [] and report.ok, report.as_dict()
+    assert report.references_refused == {"intruder": 2}
+    assert "references refused: 2 blob ids handed over by intruder" in format_report(report)
+    assert [(e["src"], e["holder"]) for e in logs if e["event"] == "ledger.reference_refused"] == \
+        [("intruder", "trainer-0")]  # once per source
+
+
 def test_moves_relayed_out_of_order_still_end_with_the_last_holder() -> None:
     # The trainer's reference can reach the broker before the env server's mirror of the claim.
     claim, reference = LIFECYCLE[2], LIFECYCLE[5]

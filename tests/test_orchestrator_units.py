@@ -41,6 +41,7 @@ from refbus.protocol import envelope
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     DELETE_REASONS,
+    THIRD_PARTY_HAND_OVER,
     Accounted,
     Accounts,
     BlobRef,
@@ -629,6 +630,55 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
             assert not orchestrator.core.holdings.held and not orchestrator.core.world_down.unsettled
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_reference_a_third_node_publishes_never_marks_a_dead_worlds_batch_taken(
+        bus: tuple[NodeProcess, str]) -> None:
+    """A rank takes its step batch and leaves without an answer or a ``reference`` of its own (killed before its
+    event went out), and a third node publishes the rank's ``reference`` for it. Published by neither end of the
+    hand-over (not the rank it names, not the orchestrator), it is refused at the orchestrator and at the store:
+    logged with its publisher, counted, nothing settled or moved. The batch is still unknown when the world goes
+    down, so the orchestrator deletes it (``trainer-down``) once the stores' reclaim period has passed. Before,
+    the forged event marked the batch taken: never deleted, its blobs held by the orchestrator for good."""
+    control = bus[1]
+    grace_s = 0.5
+    env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-f", metrics_port=-1))
+    env = EnvServer(env_runtime, EnvServerSettings(source="f"), restart_grace_s=grace_s)
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    intruder = NodeRuntime("rollout", RuntimeSettings(bus=control, node_id="intruder", metrics_port=-1))
+    taken: list[StepBatch] = []
+    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, lambda request: taken.append(request.body),
+                                                     cached=False)
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64),
+                                Deadlines(restart_grace_s=grace_s, redeliver_after_s=0.4))
+    with _running(orchestrator, env_runtime, trainer, intruder) as started, capture_logs() as logs:
+        kept = sorted(_kept_episode(env, f"f-{m}", group="gf", reward=float(m)) for m in range(2))
+        wait_for(lambda: taken, WAIT_S, "the rank taking its step batch")
+        forged = Reference(step=taken[0].step, holder="trainer-0", blob_ids=list(taken[0].owned))
+        intruder.call_soon(lambda: intruder.publish(forged))
+        delivery = orchestrator.core.delivery
+        assert delivery is not None
+
+        def refused() -> list[dict[str, Any]]:
+            return [e for e in logs if e["event"] == "reference.refused"]
+
+        wait_for(lambda: len(refused()) == 2 or delivery.referenced, WAIT_S,
+                 "the third node's reference heard by the store and the orchestrator")
+        assert [(e["src"], e["holder"]) for e in refused()] == [("intruder", "trainer-0")] * 2, refused()
+        assert orchestrator._events.rejected == {THIRD_PARTY_HAND_OVER: 1}
+        assert env.stats().held_by == {"orchestrator": 2}
+        started.remove(trainer)
+        trainer.join(timeout=WAIT_S)  # its bye: the world is down, its answer never came
+        wait_for(lambda: orchestrator.core.world_down is not None, WAIT_S, "the trainer world down")
+        wait_for(lambda: env.stats().deleted, WAIT_S + 1.25 * grace_s, "the unsettled batch deleted once the "
+                 "stores' reclaim period passed")
+        stats = env.stats()
+        assert stats.deleted == {"trainer-down": 2} and not stats.held_by and not stats.violations, stats
+        assert sorted(taken[0].owned) == kept
 
 
 def test_an_orchestrator_that_sends_no_run_says_why_once_the_reason_has_held_a_while() -> None:

@@ -98,6 +98,7 @@ def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and
     core.on_delivered(T0 + 2, 0, to1.endpoint, "no reply from tcp://t1 to step-batch within the deadline")
     assert deletes(core.trainer_down(T0 + 3, trainer(0))) == {}
     assert core.on_delivered(T0 + 3, 0, to1.endpoint, "no reply") == []  # still unknown
+    core.on_reference(0, "trainer-0", to1.batch.owned)  # another rank's: says nothing of rank 1's batch
     assert deletes(core.trainer_down(T0 + 4, trainer(1))) == {}
     assert deletes(core.tick(T0 + 4 + 1.25 * GRACE_S - 0.01)) == {}
     assert deletes(core.tick(T0 + 4 + 1.25 * GRACE_S)) == {TRAINER_DOWN: to1.batch.owned}
@@ -112,11 +113,11 @@ def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and
         to0, to1 = of(DeliverBatch, feed_group(core, T0, "g0"))
         core.on_delivered(T0, 0, to0.endpoint, None)
         if referenced_first:
-            core.on_reference(0, to1.batch.owned)
+            core.on_reference(0, "trainer-1", to1.batch.owned)
         assert deletes(core.trainer_down(T0 + 1, trainer(1))) == {}
         core.on_delivered(T0 + 1, 0, to1.endpoint, "tcp://t1 went down: trainer-1 reported down (bye)")
         if not referenced_first:
-            core.on_reference(0, to1.batch.owned)
+            core.on_reference(0, "trainer-1", to1.batch.owned)
         assert not core.holdings.held and core.holdings.handed_over == len(to0.batch.owned) + len(to1.batch.owned)
         core.trainer_down(T0 + 1, trainer(0))
         assert deletes(core.tick(T0 + 1 + 1.25 * GRACE_S)) == {}

@@ -43,7 +43,11 @@ are stale, not violations: a holder cut off by a partition comes back as the sam
 was declared down, so its claims and deletes of what it held are answered ``reclaimed`` (per id, in
 ``claimed`` and ``deleted``; counted by action in ``refbus_stale_requests_total``) and logged, never counted
 or published as violations. ``reference`` events tell the env server which blobs a trainer rank
-took over from the orchestrator, so each holder loses only its own; one that names a process of the rank that is
+took over from the orchestrator, so each holder loses only its own. Any peer may publish one, so a hand-over moves
+a blob only when one of its two ends published it: the blob's holder here (the orchestrator that claimed it) or
+the rank it names. One from any other node is refused for those blobs: logged (``reference.refused``, with its
+publisher), counted (``refbus_bus_events_rejected_total``, code ``third-party-hand-over``), nothing moved, and the
+node goes on. A hand-over that names a process of the rank that is
 not its live one (gone, or followed by a new process) gives that process the grace a ``node-down`` would, so what
 moved is reclaimed with the rank's. At
 shutdown everything still held is deleted (reason ``shutdown``); the runtime then waits (bounded) until the
@@ -123,6 +127,7 @@ from ...protocol.envelope import Message
 from ...protocol.errors import shown
 from ...protocol.messages import (
     DELETE_REASONS,
+    THIRD_PARTY_HAND_OVER,
     Accounted,
     Accounts,
     BlobRef,
@@ -291,7 +296,8 @@ class EnvServer:
         self._peers = peers = runtime.track_peers()
         peers.on_down(self._on_node_down)
         peers.on_up(self._on_node_up)
-        runtime.subscribe(self._on_reference, kinds=frozenset({Reference.kind}))
+        # Hand-overs a third node published are refused, counted with the events this subscription refuses.
+        self._references = runtime.subscribe(self._on_reference, kinds=frozenset({Reference.kind}))
         # What a dead holder held goes within a quarter grace (at most 1 s) of the grace's end.
         runtime.every(min(1.0, max(0.05, restart_grace_s / 4)), self._reclaim)
         runtime.status = self.status
@@ -822,7 +828,8 @@ class EnvServer:
             return
         # Only the rank's own event takes blobs for its restarted incarnation: the orchestrator repeats the
         # hand-over on the rank's answer, which may come after that rank died (see Keeper.hand_over).
-        by_holder = message.header.src == reference.holder
+        src = message.header.src
+        by_holder = src == reference.holder
         holder, named = reference.holder, reference.process
         # For a hand-over to a process that is gone: that process, and what the holder's live process holds here
         late: list[tuple[tuple[str, int, float] | None, list[str]]] = []
@@ -842,11 +849,17 @@ class EnvServer:
             with self._lock:
                 if not self.keeper.in_grace(holder) and (gone := self._gone_taker(holder, named)) is not None:
                     late.append(gone)
-                result = self.keeper.hand_over(blob_ids, holder, by_holder=by_holder,
+                result = self.keeper.hand_over(blob_ids, holder, by_holder=by_holder, publisher=src,
                                                commit=commit if self.journal is not None else None)
                 if result.moved and late:
                     went_down, kept = late[0]
                     self.keeper.holder_down(holder, self.restart_grace_s, process=went_down, claimed_again=kept)
+            if result.refused:
+                self._references.rejected[THIRD_PARTY_HAND_OVER] += 1
+                log.warning("reference.refused", src=src, holder=holder, step=reference.step,
+                            blobs=len(result.refused), sample=list(result.refused[:4]),
+                            detail="a hand-over published by neither its holder-to-be nor the blobs' holder here: "
+                                   "nothing moved")
             if self._taken_unchecked is not None and result.again:
                 self._taken_unchecked.setdefault(holder, set()).update(result.again)
 

@@ -207,10 +207,12 @@ def _pack_one(branch: Branch) -> PackedBranch:
 class HandOverResult:
     """What a hand-over did. ``moved``: claimed blobs that moved to the holder now; ``again``: those the holder,
     reported down and in its grace, took by its own hand-over (its restarted incarnation's: kept when the grace
-    ends), including any a repeat by another node had moved to it first."""
+    ends), including any a repeat by another node had moved to it first; ``refused``: claimed blobs left with
+    their holder because the hand-over's publisher is neither end of it (:meth:`Keeper.hand_over`)."""
 
     moved: tuple[str, ...] = ()
     again: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,9 +568,15 @@ class Keeper:
         return result
 
     def hand_over(self, blob_ids: Sequence[str], holder: str, *, by_holder: bool = True,
-                  commit: Commit[HandOverResult] | None = None) -> HandOverResult:
+                  publisher: str | None = None, commit: Commit[HandOverResult] | None = None) -> HandOverResult:
         """Claimed blobs moved to ``holder`` (a trainer rank took them from the orchestrator: the
         ``reference`` event); unclaimed, deleted or unknown ids are left alone.
+
+        ``publisher``: the node that published the hand-over. A blob moves only when that node is one of the
+        hand-over's two ends, the blob's holder here (the orchestrator that claimed it) or ``holder`` itself:
+        any peer may publish a ``reference``, and one moved by a third node would make the real holder's delete a
+        violation, or have the blob reclaimed with a holder that is down. The others are left with their holder
+        (``refused``). None: a move already judged (a journal's replay).
 
         ``by_holder``: the holder itself published the hand-over. Then what it takes while it is down, in its
         grace, is its restarted incarnation's (kept as claimed again), whether it moves now or a repeat of the
@@ -579,17 +587,19 @@ class Keeper:
         A hand-over repeated by the holder (a rank re-publishing it to a restarted store) changes nothing for what
         the holder holds already. ``commit``: see :data:`Commit`."""
         down = self._holders_down.get(holder)
-        moved, taken = [], []
+        moved, taken, refused = [], [], []
         for blob_id in dict.fromkeys(blob_ids):
             blob = self._blobs.get(blob_id)
             if blob is None or not blob.holder:
                 continue
-            if blob.holder != holder:
+            if blob.holder != holder and publisher not in (None, holder, blob.holder):
+                refused.append(blob_id)
+            elif blob.holder != holder:
                 moved.append(blob_id)
                 taken.append(blob_id)
             elif down is not None and blob_id in down.handed:
                 taken.append(blob_id)
-        result = HandOverResult(tuple(moved), tuple(taken) if by_holder and down is not None else ())
+        result = HandOverResult(tuple(moved), tuple(taken) if by_holder and down is not None else (), tuple(refused))
         if commit is not None:
             commit(result)
         for blob_id in moved:

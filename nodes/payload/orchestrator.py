@@ -64,7 +64,10 @@ checkpoints), then continues from the step its ranks report; no new world within
 plus four ``node.connect_timeout_s`` halts it, naming the ranks. What a rank of the dead world refused is
 deleted with reason ``trainer-down``; a batch whose outcome was unknown (in flight, or unanswered: the rank
 may have taken it) is its rank's once acknowledged or once its ``reference`` event comes (a rank publishes it
-before it answers; the orchestrator follows those events for this), and deleted ``trainer-down`` when
+before it answers; the orchestrator follows those events for this: only from an end of the hand-over, the rank
+it names or this node, and only for the batch shipped to that rank; one from any other node is refused, logged
+``reference.refused`` with its publisher, counted in ``refbus_bus_events_rejected_total`` under code
+``third-party-hand-over``, and settles nothing), and deleted ``trainer-down`` when
 refused, or when neither came by the time the stores have reclaimed the old world's blobs. Env servers whose
 budgets cannot hold one step's episodes (in whole groups at one source each) halt it too
 (``dispatch.budget_below_step``, naming the budget that would): no step could ever ship. So does a step batch
@@ -141,6 +144,7 @@ from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.errors import MessageTooLarge
 from ...protocol.messages import (
+    THIRD_PARTY_HAND_OVER,
     BlobRef,
     Claim,
     Claimed,
@@ -237,8 +241,8 @@ class Orchestrator:
         self._idle: tuple[str, float, bool] = ("", 0.0, False)
         self._arrivals.append(self._recovery)
         runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
-        runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind, Reference.kind,
-                                                           Delete.kind}))
+        self._events = runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind,
+                                                                          Reference.kind, Delete.kind}))
         self._peers = runtime.track_peers()
         self._version_unsure = False  # a bump was refused since the ps-manager's registry entry was last read
         self._peers.on_down(self._on_node_down)
@@ -274,7 +278,7 @@ class Orchestrator:
     def _on_event(self, message: Message) -> None:
         if isinstance(message.body, Reference):  # not in turn: it settles a step batch, it claims nothing
             if not self._closing:
-                self.core.on_reference(message.body.step, message.body.blob_ids)
+                self._on_reference(message.header.src, message.body)
             return
         if isinstance(message.body, Delete):  # not in turn either: gone from their store, nothing to hand over again
             self.core.holdings.handed.gone(message.body.blob_ids)
@@ -298,6 +302,18 @@ class Orchestrator:
         return any(ref.blob_id in held for ref in episode.refs) or any(
             isinstance(first := arrival.message.body, EpisodeFinished) and first.episode_id == episode.episode_id
             for arrival in self._arrivals if arrival.message is not None and arrival.message.body is not episode)
+
+    def _on_reference(self, src: str, reference: Reference) -> None:
+        """A ``reference`` counts only from an end of its hand-over: the rank it names, or this node (the blobs'
+        holder: its own repeat on the rank's answer). Any peer may publish one, and a third node's would mark a
+        dead world's batch taken, never deleted (held for good at its stores); refused: logged, counted."""
+        if src in (reference.holder, self.runtime.node_id):
+            self.core.on_reference(reference.step, reference.holder, reference.blob_ids)
+            return
+        self._events.rejected[THIRD_PARTY_HAND_OVER] += 1
+        log.warning("reference.refused", src=src, holder=reference.holder, step=reference.step,
+                    blobs=len(reference.blob_ids), detail="a hand-over published by neither the rank it names nor "
+                                                          "this node: ignored")
 
     def _vouch(self, arrival: _Arrival, src: str) -> None:
         """A ``version-bump`` counts only from a node the registry lists as the ps-manager: any peer may publish one,

@@ -642,17 +642,23 @@ class OrchestratorCore:
 
     # --- trainer worlds ------------------------------------------------------------------------------
 
-    def on_reference(self, step: int, blob_ids: Collection[str]) -> None:
-        """A trainer rank's ``reference`` event: it took the step batch of ``step`` that hands over
+    def on_reference(self, step: int, holder: str, blob_ids: Collection[str]) -> None:
+        """Trainer rank ``holder``'s ``reference`` event: it took the step batch of ``step`` that hands over
         ``blob_ids`` (it publishes the event before it answers, and the stores hand blobs over on it), whether
         or not its answer ever comes. Decides a batch whose answer was unknown when its world went down (see
-        :meth:`trainer_down`)."""
+        :meth:`trainer_down`); only the batch shipped to ``holder`` (the caller took the event from an end of the
+        hand-over only: any peer may publish one)."""
         named = set(blob_ids)
         delivery, down = self.delivery, self.world_down
+
+        def took(endpoint: str, batch: StepBatch) -> bool:
+            taker = self._takers.get(endpoint)
+            return taker is not None and taker.node_id == holder and bool(named & set(batch.owned))
+
         if delivery is not None and delivery.step == step:
-            delivery.referenced.update(ep for ep, batch in delivery.batches.items() if named & set(batch.owned))
+            delivery.referenced.update(ep for ep, batch in delivery.batches.items() if took(ep, batch))
         elif down is not None:
-            taken = [ep for ep, batch in down.unsettled.items() if batch.step == step and named & set(batch.owned)]
+            taken = [ep for ep, batch in down.unsettled.items() if batch.step == step and took(ep, batch)]
             for endpoint in taken:
                 self._hand_over(endpoint, down.unsettled.pop(endpoint))
 

@@ -43,7 +43,10 @@ is done with it.
 **Restarted stores.** A durable env server killed and restarted re-adopts its blobs but never sees the
 ``reference`` events published while it was dead: at its ``node-up`` as a new process, a rank that holds blobs
 there asks it a read and, once answered (its subscriptions are live by then), publishes those hand-overs again
-(:class:`~.restarts.StoreReturns`; the orchestrator does too, for a rank that died meanwhile).
+(:class:`~.restarts.StoreReturns`; the orchestrator does too, for a rank that died meanwhile). A rank's
+``reference`` always names itself: a hand-over counts only when one of its two ends published it (the rank it
+names, or the blobs' holder, the orchestrator that claimed them); the stores, the orchestrator and the ledger
+refuse one from any other node (logged ``reference.refused``, counted, nothing moved).
 
 Memory ownership: tensors returned by :meth:`TrainerRank.begin_step` live in the fetcher's buffer pool
 and are reused by the next ``begin_step``; the caller copies (or moves to the device) what it keeps.
