@@ -16,7 +16,16 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ps_support import PsCluster, make_state, rank_part, restart_worker, start_cluster, stop_cluster_after_kills
+from polling import wait_for
+from ps_support import (
+    LEASE_TTL_S,
+    PsCluster,
+    make_state,
+    rank_part,
+    restart_worker,
+    start_cluster,
+    stop_cluster_after_kills,
+)
 from refbus.bus.reqrep import HandlerError, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import Config
@@ -192,6 +201,38 @@ def test_a_worker_killed_mid_refresh_with_a_second_copy_never_tears_the_weights(
         assert written and worker.version == 1 and worker.torn is None and worker.torn_pulls == 0
         assert _same(_weights(worker.model), new) == sorted(new)
         assert worker._generate(Generate(prompt=[1, 2, 3], max_new_tokens=2), worker._clock()).policy_version == 1
+        assert pusher.status().leases == 0
+    finally:
+        runtime.close()
+        pusher_runtime.close()
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_a_copy_whose_worker_was_down_at_the_commit_is_read_once_that_worker_is_back(cluster: PsCluster,
+                                                                                    spawn) -> None:
+    """Rank 1's copies on w1 and w0 are verified, then w1 dies (SIGKILL) before rank 0 pushes: version 0 commits
+    while w1 is down, so its manifest lists only w0 among its workers. w1 restarted under its id serves its copy
+    again, and the rollout worker's refresh reads rank 1's tensors from it (their first copy)."""
+    pusher_runtime, pusher = cluster.client("pusher")
+    runtime, worker = _rollout(cluster)
+    try:
+        state = make_policy(2).state_dict()
+        pusher.push(rank_part(dict(state), 1, 2), 0, rank=1, world=2)  # rank 1: first copy on w1
+        cluster.workers["w1"].signal(signal.SIGKILL)
+        cluster.workers["w1"].proc.wait(10)
+        wait_for(lambda: "w1" not in {w.worker for w in pusher.status().workers}, 10 * LEASE_TTL_S,
+                 "the manager to drop w1")
+        pusher.push(rank_part(dict(state), 0, 2), 0, rank=0, world=2)  # on w0 alone: version 0 commits
+        committed = pusher.manifest(0)
+        assert [w.worker for w in committed.workers] == ["w0"]
+        assert any(e.locations[0].worker == "w1" for e in committed.entries)  # read from w1 once it is back
+
+        restarted = restart_worker(spawn, cluster, "w1")
+        wait_for(lambda: {w.worker: w.pid for w in pusher.status().workers}.get("w1") == restarted.pid,
+                 10 * LEASE_TTL_S, "w1 registered again")
+        worker.refresh()
+        assert worker.version == 0 and worker.torn is None
+        assert _same(_weights(worker.model), state) == sorted(state)
         assert pusher.status().leases == 0
     finally:
         runtime.close()

@@ -417,8 +417,11 @@ class PsManager:
                                f"{workers}")
         # Each worker as registered now, not as the manifest recorded it at the commit: one restarted under its
         # id re-adopted its shards but serves them on a new endpoint and proves its host with a new nonce, and a
-        # reader sent to the dead process's endpoint would find no copy there.
-        workers = [self.workers[w.worker] for w in manifest.workers if w.worker in self.workers]
+        # reader sent to the dead process's endpoint would find no copy there. Every worker a served copy names,
+        # not only those the manifest lists: a worker down at the commit (after it verified its copy) is left
+        # out of the manifest's workers, yet serves that copy once it registers again.
+        served = {loc.worker for e in manifest.entries for loc in e.locations if self._serves(loc)}
+        workers = [self.workers[w] for w in sorted(served)]
         if all(self._serves(loc) for e in manifest.entries for loc in e.locations):
             return manifest if workers == manifest.workers else msgspec.structs.replace(manifest, workers=workers)
         entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if self._serves(loc)])
