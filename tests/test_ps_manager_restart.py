@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ import pytest
 import structlog
 import torch
 import zmq
-from polling import wait_for
+from polling import holds_for, wait_for
 from ps_support import (
     PsCluster,
     checksums,
@@ -46,18 +47,25 @@ from ps_support import (
 from refbus.bus.reqrep import RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
+from refbus.nodes.config import Config
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ps import manifest as mf
 from refbus.nodes.ps.client import PsClient, PushResult, PushSession
 from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS, HandedOut, ManagerJournal
 from refbus.nodes.ps.versions import DoneRank, VersionStore
+from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
 from refbus.nodes.store import journal
 from refbus.nodes.store.durable import DurableStore, StoreError
+from refbus.nodes.toy.policy import make_policy
 from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Generate
 from refbus.protocol.messages_ps import Batch, BatchEntry, Consume, Location, ManifestEntry, TensorSpec, WorkerInfo
 
 NODE_TIMEOUT_S = 1.0  # tests/conftest.py FAST_LIVENESS
 FAST_RETRY = RetryPolicy(timeout_s=0.5, attempts=3, backoff=2.0)  # outlasts the manager's restart
+# A rollout worker's requests (its polls among them) wait this long; a generation is answered well within it.
+POLL_RETRY = RetryPolicy(timeout_s=10.0, attempts=1)
+GENERATE_RETRY = RetryPolicy(timeout_s=POLL_RETRY.timeout_s / 4, attempts=1)
 WORKERS = {"w0", "w1"}
 # The lease TTL of the reader's cluster: the restart's hold on releases lasts this long. The test pushes two small
 # versions inside the hold (well under a second when idle), so the TTL leaves a wide margin for a loaded machine.
@@ -379,6 +387,40 @@ def test_a_lease_of_the_dead_manager_keeps_its_memory_for_a_ttl_and_its_release_
         runtime.close()
         reader_runtime.close()
     stop_cluster_after_kills(cluster)
+
+
+def test_a_rollout_worker_generates_while_the_manager_is_dead_and_pulls_what_the_restarted_one_commits(
+        cluster: PsCluster, spawn) -> None:
+    """A rollout worker serving version 0 answers every generation while the manager is dead (SIGKILL): its
+    tick's poll waits on the loop thread, never in front of the generations. Before, each tick's poll ran on
+    the thread that generates and held every generation queued behind it for the poll's whole retry schedule.
+    Once the manager is back, the next version is pulled."""
+    config = Config()
+    config = dataclasses.replace(config, ps=dataclasses.replace(config.ps, manager=cluster.manager))
+    settings = RuntimeSettings(bus=cluster.control, node_id="rollout-r", metrics_port=-1, retry=POLL_RETRY)
+    runtime = NodeRuntime("rollout", settings)
+    worker = RolloutWorker(runtime, config)
+    pusher_runtime, pusher = _client(cluster, "trainer")
+    try:
+        pusher.push(dict(make_policy(1).state_dict()), 0)
+        runtime.start_background()
+        wait_for(lambda: worker.version == 0, 10 * REFRESH_EVERY_S, "version 0 pulled")
+        generate = pusher_runtime.client(runtime.endpoints["generate"], policy=GENERATE_RETRY)
+        ask = Generate(prompt=[1, 2, 3], max_new_tokens=2)
+        _kill(cluster)
+        # Every tick meanwhile polls the dead manager, which never answers within GENERATE_RETRY.
+        holds_for(lambda: generate.request(ask).body.policy_version == 0, 3 * REFRESH_EVERY_S,
+                  "generations answered with version 0 while the manager is dead")
+        _restart(spawn, cluster, pusher)
+        newer = make_policy(2).state_dict()
+        pusher.push(dict(newer), 1)
+        wait_for(lambda: worker.version == 1, 10 * REFRESH_EVERY_S, "version 1 pulled from the restarted manager")
+        assert generate.request(ask).body.policy_version == 1
+        assert all(torch.equal(worker.model.state_dict()[name], t) for name, t in newer.items())
+    finally:
+        pusher_runtime.close()
+        runtime.stop()
+        runtime.join(10 * REFRESH_EVERY_S)
 
 
 def _journaled(path: Path, record: dict[str, Any]) -> bool:

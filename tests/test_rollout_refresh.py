@@ -22,9 +22,9 @@ from refbus.bus.sockets import make_socket, recv_frames, send_frames
 from refbus.nodes.config import Config
 from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
 from refbus.nodes.toy.policy import generate as toy_generate
-from refbus.protocol.envelope import WireCodec
+from refbus.protocol.envelope import Header, Message, WireCodec
 from refbus.protocol.messages import Error, Generate, VersionBump
-from refbus.protocol.messages_ps import PsState
+from refbus.protocol.messages_ps import PsState, PsStatus
 
 WAIT_S = 10.0
 
@@ -61,6 +61,29 @@ class SilentManager:
         raise AssertionError("nothing to pull from a manager that does not answer")
 
 
+class FakeCalls:
+    """The worker runtime's asynchronous requests: a poll is answered at once from the fake PS client's status()
+    (its exception when it raises), or, ``silent``, kept unanswered."""
+
+    def __init__(self, ps: Any, *, silent: bool = False) -> None:
+        self.ps = ps
+        self.silent = silent
+        self.pending: list[Callable[[Any], None]] = []
+
+    def request(self, endpoint: str, body: Any, on_done: Callable[[Any], None], **kwargs: Any) -> str:
+        assert isinstance(body, PsStatus)
+        if self.silent:
+            self.pending.append(on_done)
+            return "poll"
+        try:
+            state = self.ps.status()
+        except RequestTimeout as exc:
+            on_done(exc)
+        else:
+            on_done(Message(state.kind, Header((1, 0), "m-1", "ps-manager", 0, 0.0), state))
+        return "poll"
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -87,11 +110,14 @@ class LineageManager:
         return SimpleNamespace(version=self.latest[0], digest=self.latest[1])
 
 
-def _worker(version: int, digest: str = "", ps: Any = None) -> tuple[RolloutWorker, FakeOffload, Any, Clock]:
+def _worker(version: int, digest: str = "", ps: Any = None, *,
+            silent: bool = False) -> tuple[RolloutWorker, FakeOffload, Any, Clock]:
+    """A worker serving ``version``; ``silent``: its tick's poll is never answered."""
     worker = RolloutWorker.__new__(RolloutWorker)
     offload, clock = FakeOffload(), Clock()
     ps = SilentManager() if ps is None else ps
     worker.offload, worker.ps, worker._clock = offload, ps, clock  # type: ignore[assignment]
+    worker.runtime, worker.manager = SimpleNamespace(calls=FakeCalls(ps, silent=silent)), "tcp://manager"  # type: ignore[assignment]
     worker.model = SimpleNamespace(state_dict=dict)  # type: ignore[assignment]
     worker.version, worker.digest, worker.torn, worker.torn_pulls, worker.generated = version, digest, None, 0, 0
     worker._refresh_queued, worker._refresh_missed, worker._unanswered_at = False, False, -math.inf
@@ -116,11 +142,28 @@ def test_a_bump_during_a_refresh_queues_another_refresh_when_it_ends() -> None:
 
 
 def test_a_tick_during_a_refresh_queues_nothing_more() -> None:
-    worker, offload, _, _ = _worker(version=3)
-    worker._want_refresh()
+    worker, offload, _, _ = _worker(version=3, ps=LineageManager(4, "4"))
+    worker._want_refresh()  # its poll finds version 4: a refresh is queued
     worker._want_refresh()
     offload.run_next()
     assert offload.jobs == []
+
+
+def test_a_tick_whose_poll_the_manager_does_not_answer_holds_no_generation_up() -> None:
+    """With whole weights, the tick's poll goes from the loop thread: the offload thread, which generates, gets
+    nothing to wait on while the manager is silent; a bump meanwhile is remembered, and a poll that failed
+    leaves the next tick free to ask again."""
+    worker, offload, _, _ = _worker(version=3, silent=True)
+    calls = worker.runtime.calls
+    worker._want_refresh()
+    worker._want_refresh()  # the next tick, the first poll still unanswered: not asked twice
+    assert offload.jobs == [] and len(calls.pending) == 1
+    worker._on_bump(_bump(4))
+    calls.pending.pop()(RequestTimeout("ps-status: no reply"))
+    assert len(offload.jobs) == 1 and offload.jobs[0][2]  # the bump's refresh, ahead of the generations
+    offload.run_next()  # unanswered too
+    worker._want_refresh()
+    assert len(calls.pending) == 1 and offload.jobs == []
 
 
 def test_a_silent_manager_costs_queued_generations_one_refresh_per_tick() -> None:
@@ -159,16 +202,14 @@ def test_a_poll_that_finds_the_version_served_from_a_new_lineage_pulls_it() -> N
     offload.run_next()
     assert ps.pulled == [(5, "new-5")] and (worker.version, worker.digest) == (5, "new-5")
     worker._want_refresh()
-    offload.run_next()
-    assert ps.pulled == [(5, "new-5")]  # nothing new: no pull
+    assert offload.jobs == [] and ps.pulled == [(5, "new-5")]  # nothing new: no refresh, no pull
 
 
 def test_a_manager_that_sends_no_digest_is_polled_by_number_alone() -> None:
     ps = LineageManager(5, "new-5", sends_digest=False)
     worker, offload, _, _ = _worker(version=5, digest="old-5", ps=ps)
     worker._want_refresh()
-    offload.run_next()
-    assert ps.pulled == []
+    assert offload.jobs == [] and ps.pulled == []
 
 
 def test_generations_whose_sender_gave_up_are_dropped_unstarted() -> None:

@@ -25,8 +25,10 @@ Threads: generations and weight pulls run one at a time on one :class:`~refbus.b
 thread, so the node loop answers heartbeats and takes requests and bumps while the model computes, and a
 pull never changes the weights under a generation. A pull goes ahead of the generations still queued: a
 bump is acted on once the generation in progress ends; one that arrives while a refresh is queued or
-running queues another refresh when that one ends. The ``generate`` reply is deferred and sent from the
-loop thread.
+running queues another refresh when that one ends. The once-a-tick poll of a worker serving whole weights
+is asked from the loop thread, and a refresh is queued only once its answer names another version: a
+manager that does not answer (dead, restarting, hung) holds up no generation with the weights the worker
+has. The ``generate`` reply is deferred and sent from the loop thread.
 
 Abandoned requests: a ``generate`` says how long its sender waits (``deadline_s``). One still queued that
 long after it arrived is dropped when its turn comes, unstarted: its sender has given up on it, and a worker
@@ -48,10 +50,11 @@ import structlog
 import torch
 
 from ...bus.offload import Offload
-from ...bus.reqrep import HandlerError, RemoteError, RequestTimeout
+from ...bus.reqrep import HandlerError, Outcome, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import Body, Error, Generate, Generated, VersionBump
+from ...protocol.messages_ps import PsState, PsStatus
 from ..entry_points import load_entry_point
 from ..ps.client import PsClient, PsError, TornPull
 
@@ -76,6 +79,7 @@ class RolloutWorker:
         # Made before the PsClient: its shutdown hook must stop a pull in progress before the client closes.
         self.offload = Offload(runtime, "rollout-model")
         self.ps = PsClient(runtime, config.ps.manager, remote=config.ps.transport)  # type: ignore[arg-type]
+        self.manager = config.ps.manager  # polled from the loop thread (see _want_refresh)
         self.version = -1  # written on the offload thread only; -1 also while the weights are torn
         # The served version's manifest digest (offload thread; "" with version -1): a new lineage numbers
         # its versions as the ones it retired, so the number alone cannot tell them apart.
@@ -118,14 +122,30 @@ class RolloutWorker:
             self._want_refresh(bumped=True)
 
     def _want_refresh(self, bumped: bool = False) -> None:
-        """Queue one refresh ahead of the generations. While one is queued or running, a tick is dropped (the
-        next tick comes) but a bump is remembered: that refresh may have read the manager before the bump's
-        version committed, so another one is queued when it ends."""
+        """Queue one refresh ahead of the generations. While one is queued or running (or its poll is asked), a
+        tick is dropped (the next tick comes) but a bump is remembered: that refresh may have read the manager
+        before the bump's version committed, so another one is queued when it ends. A tick while the weights
+        are whole only asks the manager (:meth:`_polled` queues the refresh): the offload thread, which runs the
+        generations, never waits on a manager that may not answer."""
         if self._refresh_queued:
             self._refresh_missed = self._refresh_missed or bumped
             return
         self._refresh_queued = True
-        self.offload.submit(self.refresh, self._refreshed, urgent=True)
+        if bumped or self.version < 0:
+            self.offload.submit(self.refresh, self._refreshed, urgent=True)
+        else:
+            self.runtime.calls.request(self.manager, PsStatus(), self._polled)
+
+    def _polled(self, outcome: Outcome) -> None:
+        """The tick's poll answered (or failed): queue the refresh when the manager's latest is not the version
+        served, else end the poll as a refresh would end."""
+        state = outcome.body if not isinstance(outcome, Exception) else None
+        if isinstance(state, PsState) and not self._serves(state):
+            self.offload.submit(self.refresh, self._refreshed, urgent=True)
+            return
+        if isinstance(outcome, Exception):
+            log.warning("weights.poll_failed", error=str(outcome))
+        self._refreshed(None)
 
     def _refreshed(self, outcome: object) -> None:
         self._refresh_queued = False
@@ -133,7 +153,7 @@ class RolloutWorker:
             log.error("weights.refresh_failed", exc_info=outcome)
         if self._refresh_missed:
             self._refresh_missed = False
-            self._want_refresh()
+            self._want_refresh(bumped=True)
 
     def _on_generate(self, request: Message) -> None:
         ask = request.body
@@ -152,9 +172,7 @@ class RolloutWorker:
         try:
             status = self.ps.status()
             self._unanswered_at = -math.inf
-            # An older manager sends no digest: the number alone decides, as it did there.
-            if status.latest == -1 or (status.latest == self.version
-                                       and status.latest_digest in ("", self.digest)):
+            if self._serves(status):
                 return
             state = self.ps.pull(out=self.model.state_dict())
         except TornPull as exc:
@@ -176,6 +194,11 @@ class RolloutWorker:
                      previous_digest=self.digest, repaired=self.torn is not None)
             self.version, self.digest = state.version, state.digest
         self.torn = None
+
+    def _serves(self, state: PsState) -> bool:
+        """Whether the manager's latest committed version (``state``) is the one served, or there is none (an
+        older manager sends no digest: the number alone decides, as it did there)."""
+        return state.latest == -1 or (state.latest == self.version and state.latest_digest in ("", self.digest))
 
     def _generate(self, ask: Generate, arrived: float) -> Generated:
         """Generate for ``ask`` (arrived at ``arrived``, on :attr:`_clock`): refused ``expired`` when its sender's
