@@ -44,6 +44,7 @@ from refbus.protocol.messages_ps import (
     InitFailed,
     InitRequest,
     LeaseRelease,
+    Location,
     ManifestEntry,
     PsRegister,
     PsStatus,
@@ -495,6 +496,22 @@ def test_a_pull_grant_names_only_copies_a_registered_worker_listed_or_committed(
     held = f"seg-{grant.lease}-w0"
     runtime.call(PsRegister(_worker("w0", pid=3), [held], {held: grant.lease}))
     assert [loc.worker for loc in runtime.call(PullBegin("reader", 0)).manifest.entries[0].locations] == ["w0"]
+
+
+def test_a_pull_grant_placing_a_copy_on_a_worker_it_does_not_describe_is_refused_before_anything_is_written(
+        ) -> None:
+    """A grant (a manager of another build, a damaged one) whose second tensor sits on a worker its ``workers``
+    do not describe: the pull is refused (PsError, naming it) before the first tensor is written, so ``out`` is
+    not torn. Before, the read failed half-way with a bare ``KeyError`` the rollout's refresh did not catch."""
+    workers = [WorkerInfo("w0", "tcp://127.0.0.1:1", "h", "/dev/shm")]
+    entries = [ManifestEntry(name, "float32", [1], 4, 0, [Location(worker, "seg", 0)])
+               for name, worker in (("a", "w0"), ("b", "w9"))]
+    out = {"a": torch.zeros(1), "b": torch.zeros(1)}
+    cast = ps_client._Cast(None, (), out)
+    with pytest.raises(ps_client.PsError, match=r"does not describe: \['w9'\]; nothing read"):
+        cast.check(mf.build(0, entries, workers))
+    assert cast.written == []
+    ps_client._Cast(None, (), {"a": out["a"]}).check(mf.build(0, entries[:1], workers))
 
 
 def test_a_done_rank_whose_last_copy_is_lost_aborts_the_pending_version_at_a_registration_or_a_node_down(

@@ -989,7 +989,14 @@ class _Cast:
     written: list[str] = field(default_factory=list)  # names of ``out`` written so far, in order
 
     def check(self, manifest: Manifest) -> None:
-        """Refuse, before anything is written, an ``out`` that this version cannot fill completely."""
+        """Refuse, before anything is written, an ``out`` that this version cannot fill completely, and a grant
+        that places a copy on a worker it does not describe (no endpoint to read it from: a manager of another
+        build, a damaged grant), which would fail half-way through the pull."""
+        listed = {w.worker for w in manifest.workers}
+        unlisted = sorted({loc.worker for e in manifest.entries for loc in e.locations} - listed)
+        if unlisted:
+            raise PsError(f"version {manifest.version}'s grant places copies on workers it does not describe: "
+                          f"{unlisted[:5]}; nothing read")
         entries = {e.name: e for e in manifest.entries}
         missing = sorted(set(self.out) - set(entries))
         if missing:
