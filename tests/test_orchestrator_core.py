@@ -1111,6 +1111,22 @@ def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:
     assert all(np.isfinite(a).all() for a in advantages)
 
 
+@pytest.mark.parametrize("reward", [0.1, 0.2, 0.7])
+def test_a_group_whose_rewards_are_all_equal_is_filtered_whatever_their_value(reward: float) -> None:
+    """Regression: the mean of three equal rewards rounds off them (0.1 three times has a mean of
+    0.10000000000000002), so the group's advantages were about 1e-11 instead of 0: it shipped as a whole step
+    that learns nothing, its tokens diluting the token mean and trained on the entropy bonus alone."""
+    core = OrchestratorCore(settings(group_size=3), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    actions: list[Action] = []
+    for member in range(3):
+        ep = episode(f"Q-{member}", "Q", reward)
+        actions += core.on_episode(T0, ep, ep.refs)
+    assert of(DeliverBatch, actions) == []
+    assert deletes(actions) == {"filtered": [f"b-Q-{member}" for member in range(3)]}
+    assert core.sink.dropped["filtered"] == 3 and not core.holdings.held
+
+
 @pytest.mark.parametrize("seq_len", [8, 64], ids=["on-two-ranks", "on-one-rank"])
 def test_a_blob_two_samples_share_is_owned_by_one_leader_once(seq_len: int) -> None:
     """Regression: samples of one episode may share a blob (the same ``ref`` index); packed onto two data ranks,

@@ -9,7 +9,8 @@ outcome back. So every decision is testable in-process on an injected clock.
 Decisions and their rules:
 
 * **Groups.** Episodes of one group (``info["group"]``) wait until ``group_size`` have arrived; their
-  advantages are the group-normalised rewards. A group still incomplete ``group_timeout_s`` after its first
+  advantages are the group-normalised rewards (exactly zero when the rewards are all equal: the group is
+  filtered, see :func:`group_advantages`). A group still incomplete ``group_timeout_s`` after its first
   episode, or one of whose runs failed, is abandoned (``incomplete``); its stragglers are deleted ``late``.
   A closed group is remembered for :attr:`~OrchestratorCore.closed_horizon_s` (past any straggler's
   arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``. An
@@ -313,6 +314,18 @@ class _Delivery:
     @property
     def unacknowledged(self) -> list[str]:
         return sorted(self.in_flight | set(self.retry_at))
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """A group's advantages: its rewards less their mean, over their (population) standard deviation plus 1e-6.
+    Rewards all equal give exactly 0.0 each, so the group is filtered: their mean can round off the one value
+    (0.1 three times has a mean of 0.10000000000000002), and the tiny advantages that gives would ship the group,
+    count its tokens in the step's token mean and train them on the entropy bonus alone. Finite rewards too large
+    to normalise give non-finite advantages (the caller drops the group)."""
+    if rewards.size and rewards.min() == rewards.max():
+        return np.zeros_like(rewards)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
 
 
 def store_identity(node: NodeInfo) -> tuple[object, ...]:
@@ -1066,8 +1079,7 @@ class OrchestratorCore:
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         if prompt is not None and self.prompts is not None:
             self.prompts.observe(prompt, rewards.tolist())
-        with np.errstate(over="ignore", invalid="ignore"):  # checked below
-            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        advantages = group_advantages(rewards)
         samples, per_sample = [], []
         for advantage, (_, episode_samples) in zip(advantages, group.episodes, strict=True):
             samples.extend(episode_samples)
