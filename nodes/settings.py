@@ -199,7 +199,8 @@ class OrchestratorSettings:
     seq_len: int = key(2048, "Tokens per micro batch (samples longer than this are truncated).")
     group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group.")
     groups_per_step: int = key(16, "Complete groups shipped per trainer step.")
-    max_staleness: int = key(1, "Versions a sample's policy may lag the current one when its step is packed.")
+    max_staleness: int = key(1, "Versions a sample's policy may lag the weights that train its step (version K "
+                                 "trains step K), checked when the step is packed.")
     max_steps: int = key(0, "Steps to ship before deleting everything that arrives (0: the smallest `trainer.steps` "
                             "the trainer ranks advertise; none advertised: no limit).")
     trainers: int = key(1, "Trainer ranks to wait for (from the registry) before the first step.")

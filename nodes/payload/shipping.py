@@ -273,7 +273,11 @@ class TrainSink:
 
     def ship(self, step: int, policy_version: int, *, max_groups: int | None = None) -> Shipment | None:
         """Pack the queued groups (oldest first, at most ``max_groups``) for ``step``: one step batch per rank.
-        Samples older than ``max_staleness`` versions are deleted first (reason ``stale``). Returns the
+        Samples more than ``max_staleness`` versions behind the weights that train the step are deleted first
+        (reason ``stale``): those weights are version ``step`` (every step pushes the next version; a world
+        resumed at step K pushes version K), or ``policy_version`` (the latest known) if that is ahead. Measured
+        against ``policy_version`` alone, which lags the step while earlier steps still train, a sample could
+        train up to twice ``max_staleness`` versions behind. Returns the
         shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
         the queue; their blobs stay held until a rank acknowledges its batch.
 
@@ -282,10 +286,11 @@ class TrainSink:
         even alone (a sample id repeats, an input's length is not its token count); kept at the head of the
         queue for the next step when it only disagrees with the groups before it (another routing shape: one
         step carries one)."""
+        trains_from = max(step, policy_version)
         fresh_groups = []
         for group in self.queue:
-            fresh = [s for s in group if policy_version - s.policy_version <= self.max_staleness]
-            self.drop((s for s in group if policy_version - s.policy_version > self.max_staleness), "stale")
+            fresh = [s for s in group if trains_from - s.policy_version <= self.max_staleness]
+            self.drop((s for s in group if trains_from - s.policy_version > self.max_staleness), "stale")
             if fresh:
                 fresh_groups.append(fresh)
             else:
