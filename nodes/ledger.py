@@ -330,7 +330,11 @@ class Ledger:
                     blob.owner, blob.stage = record["holder"], stage
                     self._judge_waiting(blob_id, blob)
                 elif blob is None and kind == "reference" and blob_id in self.awaiting_reference:
-                    deleter, _, reason = self.awaiting_reference.pop(blob_id)
+                    deleter, owner, reason = self.awaiting_reference[blob_id]
+                    if src not in (record["holder"], owner):  # neither end: it neither explains nor condemns
+                        self._refuse_reference(src, record["holder"], blob_id, owner)
+                        continue
+                    del self.awaiting_reference[blob_id]
                     if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
                         self._violation(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
                 elif blob is None and self.tombstones.get(blob_id) is None:
@@ -434,12 +438,18 @@ class Ledger:
         if blob.stage < _STAGE["claim"]:
             self._unjudged.setdefault(blob_id, {})[src] = holder
             return False
+        self._refuse_reference(src, holder, blob_id, blob.owner)
+        return False
+
+    def _refuse_reference(self, src: str, holder: str, blob_id: str, owner: str) -> None:
+        """``src``'s ``reference`` of ``blob_id`` to ``holder`` is by neither end of the hand-over (``owner``, the
+        blob's claimer, or ``holder``): not folded, counted by source in :attr:`references_refused`, logged at a
+        source's first."""
         if not self.references_refused[src]:  # once per source: a forged event may name many ids
-            log.warning("ledger.reference_refused", src=src, holder=holder, blob_id=blob_id, owner=blob.owner,
+            log.warning("ledger.reference_refused", src=src, holder=holder, blob_id=blob_id, owner=owner,
                         detail="a hand-over published by neither the blob's holder nor its holder-to-be: not folded, "
                                "as its store refused it; later ones of this source are counted only")
         self.references_refused[src] += 1
-        return False
 
     def _judge_waiting(self, blob_id: str, blob: _Blob) -> None:
         """``blob`` moved: the references by non-holders that waited for its claim are judged now."""

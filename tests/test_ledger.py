@@ -155,6 +155,23 @@ def test_a_ranks_delete_relayed_before_its_reference_is_no_violation_unless_anot
                                          "trainer-0 deleted d owned by trainer-1 (trained)"]
 
 
+@pytest.mark.parametrize("forged_for", ["another-rank", "the-deleter"])
+def test_a_third_nodes_reference_after_a_ranks_early_delete_neither_makes_nor_hides_a_violation(
+        forged_for: str) -> None:
+    """trainer-0's delete of a (mirrored by env-0) is relayed while the orchestrator still owns it: it waits for
+    trainer-0's reference. A third node's ``reference`` of a, published by neither end of the hand-over, is refused
+    there too (counted by source): naming another rank it reported trainer-0's delete a violation, and naming
+    trainer-0 it settled a delete that no reference of an end ever explained."""
+    forged = {"type": "reference", "src": "intruder", "holder": "trainer-1" if forged_for == "another-rank"
+              else "trainer-0", "blob_ids": ["a"]}
+    early = [*LIFECYCLE[:5], LIFECYCLE[7], forged]
+    waiting = _run(early).report()
+    assert waiting.violations == ["trainer-0 deleted a owned by orch (trained; no reference by trainer-0 folded)"]
+    assert waiting.references_refused == {"intruder": 1}
+    ledger = _run([*early, {**LIFECYCLE[5], "blob_ids": ["a"]}])  # trainer-0's own reference comes
+    assert ledger.report().violations == [] and not ledger.awaiting_reference
+
+
 def test_blobs_held_by_a_node_that_went_down_are_leaked() -> None:
     report = _run([*LIFECYCLE[:6], {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"}]).report()
     assert report.held["env-0"] == {"trainer-0": 1, "env-0": 1}
