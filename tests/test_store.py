@@ -23,6 +23,7 @@ import pytest
 from branches import random_arrays
 from pool_support import acquire
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.ledger import Ledger
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.charges import info_charge
 from refbus.nodes.payload.env_server import EnvServer
@@ -1091,3 +1092,32 @@ def test_a_store_restarted_in_a_holders_grace_resumes_what_is_left_of_it(
     clock.now += 0.25
     env._reclaim()
     assert (env.stats().reclaimed, env.stats().held_by) == ({"orch": 2}, {})
+
+
+def test_a_restarted_stores_repeat_of_an_unheard_episode_one_of_whose_blobs_it_lost_agrees_with_its_counters(
+        env_server: EnvServers) -> None:
+    """The killed process kept an episode of two blobs and died before its ``episode-finished`` left; one blob fails
+    its checksum at re-adoption (deleted ``lost``). The restarted process's events alone, folded by the ledger,
+    agree with its counters: the repeat (``again``) keeps both, the delete ends one. Before, the delete went first,
+    so the ledger took the lost blob for one deleted since an earlier event, kept it nowhere, and disagreed."""
+    clock = _Clock()
+    env = env_server(clock)
+    refs = env.keep("ep", [random_arrays(5, seed=1), random_arrays(5, seed=2)])
+    assert env.journal is not None
+    bad = refs[1].blob_id
+    path = env.journal.store.path / next(p for b, _, _, p in env.keeper.blobs() if b == bad).segment
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restarted = _killed_and_restarted(env, env_server, clock)
+    assert list(restarted.readoption.lost) == [bad]  # type: ignore[union-attr]
+    ledger = Ledger()
+    for seq, body in enumerate(restarted._outbox, 1):
+        ledger.apply_message(Message(kind=body.kind, body=body,
+                                     header=Header(v=PROTOCOL_VERSION, id=f"p2-{seq}", src="env-0", seq=seq, ts=0.0)))
+    stats = restarted.stats()
+    assert (stats.kept_total, stats.deleted, stats.blobs_held) == (2, {LOST: 1}, 1)
+    account = {"seq": len(restarted._outbox), "kept": stats.kept_total, "deleted": dict(stats.deleted),
+               "violations": dict(stats.violations)}
+    assert ledger.reconcile("env-0", "p2", account, final=False) == "agreed", ledger.report().totals()
+    assert (ledger.report().totals()["lost"], ledger.report().totals()["held"]) == (1, 1)

@@ -325,10 +325,13 @@ class EnvServer:
                      lost=len(found.lost), aborted=found.aborted, seconds=round(found.seconds, 4))
         for blob_id, why in found.lost.items():
             log.error("store.blob_lost", blob_id=blob_id, detail=why)
+        if not durable.fresh:
+            # Before the lost blobs' delete: an episode whose first event died with its process is kept, by the
+            # ledger, only by its repeat, and a delete folded first would leave a lost blob of it kept nowhere.
+            self._reannounce_episodes()
         if found.lost:
             self._post(Delete(blob_ids=list(found.lost), holder=self.source, reason=LOST, node=self.runtime.node_id))
         if not durable.fresh:
-            self._reannounce_episodes()
             self._reannounce_claims()
             self._taken_unchecked = {}
             self.runtime.call_soon(self._holders_after_restart)  # on the loop: the registry is asked there
