@@ -1112,6 +1112,23 @@ def test_a_nan_reward_never_reaches_the_trainer_ranks() -> None:
     assert all(np.isfinite(a).all() for a in advantages)
 
 
+def test_a_sample_without_a_loss_mask_is_trained_whole_beside_one_with_its_own() -> None:
+    """A record whose sample gives no ``loss_mask`` (one group member's) is packed with one that gives its own:
+    every micro batch carries a mask for every token, the maskless sample's all set. Before, its tokens got no
+    mask column at all: zero-filled (never trained) beside a masked sample, and a micro batch of maskless
+    samples alone had no ``loss_mask`` input, which every trainer rank failed on."""
+    core = OrchestratorCore(settings(trainers=1, seq_len=32), DEADLINES)
+    core.use_trainers(T0, [trainer(0)])
+    bare = episode("g-1", "g", 0.0)
+    sample = {k: v for k, v in bare.info["samples"][0].items() if k != "loss_mask"}
+    bare = msgspec.structs.replace(bare, info={**bare.info, "samples": [sample]})
+    masked = episode("g-0", "g", 1.0)
+    actions = core.on_episode(T0, masked, masked.refs) + core.on_episode(T0, bare, bare.refs)
+    (delivery,) = of(DeliverBatch, actions)
+    masks = [mb.inputs["loss_mask"] for mb in delivery.batch.micro_batches]
+    assert [list(m[:16]) for m in masks] == [[False] * 3 + [True] * 13]
+
+
 @pytest.mark.parametrize("reward", [0.1, 0.2, 0.7])
 def test_a_group_whose_rewards_are_all_equal_is_filtered_whatever_their_value(reward: float) -> None:
     """Regression: the mean of three equal rewards rounds off them (0.1 three times has a mean of

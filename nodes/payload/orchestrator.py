@@ -40,7 +40,8 @@ The episode record (``EpisodeFinished.info``), set by whoever keeps the episode:
 
 * ``group`` (str, default: the episode id): episodes of one prompt; ``reward`` (float); ``eval`` (bool);
 * ``samples``: one entry per trainable sequence: ``{"input_ids": [int], "loss_mask": [0|1], "ref": i}``
-  where ``ref`` indexes ``refs`` (``-1``: a sample that kept no arrays). Lists, not arrays: the
+  where ``ref`` indexes ``refs`` (``-1``: a sample that kept no arrays) and ``loss_mask`` marks the tokens to
+  train (absent: all of them). Lists, not arrays: the
   orchestrator must never receive an array frame.
 
 The current policy version comes from ``version-bump`` events (the parameter server's commits: only those of a

@@ -21,7 +21,8 @@ Decisions and their rules:
   repeat (``again``: its first process may have died before the event left) of which nothing new was granted is
   an episode taken here already, or gone: ignored.
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
-  reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length, a ``ref`` index into its
+  reward; samples with integer ``input_ids``, a ``loss_mask`` of the same length (none: every token is
+  trained), a ``ref`` index into its
   refs whose blob holds the sample's tokens): one that fails is deleted whole (``malformed``, counted,
   logged) and its group abandoned. A claimed blob that no sample of its record points to (more branches than
   samples, a record without samples) is deleted at once (``unreferenced``, counted, logged once per episode):
@@ -973,9 +974,10 @@ class OrchestratorCore:
     def _parse(self, episode: EpisodeFinished) -> tuple[float, list[_Entry]]:
         """The episode's reward and its samples' inputs, checked so that nothing later can fail on them: a
         finite number as ``reward`` (0 when absent), ``samples`` a list of maps, each with ``input_ids`` (1-D
-        integers, at least one), a ``loss_mask`` of the same length if any, and ``ref`` (an int: the index of
-        one of ``episode.refs``, negative for none) whose blob holds at least the sample's tokens and whose
-        fields and routing shape packing accepts. Raises :class:`MalformedEpisode` naming what is wrong."""
+        integers, at least one), a ``loss_mask`` of the same length (absent: every token is trained), and ``ref``
+        (an int: the index of one of ``episode.refs``, negative for none) whose blob holds at least the sample's
+        tokens and whose fields and routing shape packing accepts. Raises :class:`MalformedEpisode` naming what is
+        wrong."""
         info = episode.info
         reward = info.get("reward", 0.0)
         if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(float(reward)):
@@ -993,10 +995,11 @@ class OrchestratorCore:
                 raise MalformedEpisode(f"{where}.input_ids: expected at least one token id")
             inputs: dict[str, Any] = {"input_ids": input_ids.astype(np.int64, copy=False)}
             loss_mask = _column(where, entry, "loss_mask", "biuf")
-            if loss_mask is not None:
-                if len(loss_mask) != len(input_ids):
-                    raise MalformedEpisode(f"{where}.loss_mask: {len(loss_mask)} values for {len(input_ids)} "
-                                           "token ids")
+            if loss_mask is None:  # every token is the policy's: trained whole, never left out of its micro batch
+                inputs["loss_mask"] = np.ones(len(input_ids), np.bool_)
+            elif len(loss_mask) != len(input_ids):
+                raise MalformedEpisode(f"{where}.loss_mask: {len(loss_mask)} values for {len(input_ids)} token ids")
+            else:
                 inputs["loss_mask"] = loss_mask.astype(np.bool_)
             ref_index = entry.get("ref", -1)
             if isinstance(ref_index, bool) or not isinstance(ref_index, Integral) or ref_index >= len(episode.refs):
