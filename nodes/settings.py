@@ -197,7 +197,8 @@ class OrchestratorSettings:
     """``[orchestrator]``: the orchestrator node and its decisions (``OrchestratorCore``) read it."""
 
     seq_len: int = key(2048, "Tokens per micro batch (samples longer than this are truncated).")
-    group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group.")
+    group_size: int = key(4, "Episodes per group (one prompt); advantages are computed within a group, so a group "
+                             "of one (advantage 0, always filtered) never trains.")
     groups_per_step: int = key(16, "Complete groups shipped per trainer step.")
     max_staleness: int = key(1, "Versions a sample's policy may lag the weights that train its step (version K "
                                  "trains step K), checked when the step is packed.")

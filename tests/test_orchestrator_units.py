@@ -130,6 +130,21 @@ def test_hand_overs_are_kept_per_store_until_deleted_and_never_beyond_their_boun
     assert [(e["event"], e["log_level"], e["blobs"]) for e in logs] == [("handover.forgotten", "error", 2)]
 
 
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_a_group_size_that_can_never_train_is_said_at_start(bus: tuple[NodeProcess, str], group_size: int) -> None:
+    """A group of one has advantage 0, so every training group is filtered and no step ever ships: allowed (a
+    dispatch or eval exercise), but said at start, naming the setting. Before, such a run generated for ever in
+    silence."""
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=bus[1], node_id="orchestrator", metrics_port=-1))
+    try:
+        with capture_logs() as logs:
+            Orchestrator(runtime, OrchestratorSettings(group_size=group_size))
+    finally:
+        runtime.close()
+    warned = [e for e in logs if e["event"] == "orchestrator.group_of_one"]
+    assert len(warned) == (group_size == 1) and all("orchestrator.group_size" in e["detail"] for e in warned)
+
+
 def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> None:
     """A store restarted on another port is asked at its new endpoint; a reference without a node, or whose store
     the registry does not list live, at the endpoint recorded at keep time."""

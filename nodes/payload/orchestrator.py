@@ -223,6 +223,10 @@ class Orchestrator:
         self.settings = settings
         self.clock = clock
         prompts = load_prompt_source(settings.prompt) if settings.dispatch else None
+        if settings.group_size < 2:  # allowed (a dispatch or eval exercise), but a training run would never train
+            log.warning("orchestrator.group_of_one", group_size=settings.group_size,
+                        detail="a group of one has advantage 0: every training group is filtered and no step ever "
+                               "ships; set orchestrator.group_size to 2 or more to train")
         # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
         self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
         self.claimed = 0
