@@ -168,6 +168,18 @@ def test_killed_env_server_ps_worker_and_ps_manager_come_back_from_their_stores_
         up.close()
 
 
+def _keep_half_a_group(ctx: zmq.Context, endpoint: str, seed: int) -> None:
+    """Keep episode ``ep`` of two blobs at ``endpoint``, the first of group ``g``'s two: its group waits, so an
+    orchestrator that claims them holds both."""
+    producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+    arrays = random_arrays(6, seed=seed)
+    samples = [{"input_ids": list(range(6)), "ref": i} for i in range(2)]
+    kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays],
+                                 info={"group": "g", "reward": 1.0, "samples": samples})).body
+    producer.close()
+    assert isinstance(kept, Kept)
+
+
 def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_process(
         bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
     """The orchestrator claims an episode's blobs while their durable store is reported down (the claim fails
@@ -192,13 +204,7 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         orchestrator_runtime.call_soon(lambda: (orchestrator_runtime.calls.mark_down(endpoint, "env-d reported down"),
                                                 reported.set()))
         assert reported.wait(WAIT_S)
-        producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        arrays = random_arrays(6, seed=1)
-        samples = [{"input_ids": list(range(6)), "ref": i} for i in range(2)]  # its group waits: both stay held
-        kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays],
-                                     info={"group": "g", "reward": 1.0, "samples": samples})).body
-        producer.close()
-        assert isinstance(kept, Kept)
+        _keep_half_a_group(ctx, endpoint, seed=1)
         # The keep's answer can precede its episode-finished event: killed in between, the store re-adopts an
         # episode nobody heard of (see docs/STORE.md). This test is about the claim, so the event goes first.
         asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
@@ -239,13 +245,7 @@ def test_an_episode_whose_event_died_with_its_store_is_announced_again_by_the_re
     ctx = zmq.Context()
     orchestrator_runtime = None
     try:
-        producer = Client(ctx, endpoint, WireCodec("producer"), policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
-        arrays = random_arrays(6, seed=3)
-        samples = [{"input_ids": list(range(6)), "ref": i} for i in range(2)]  # its group waits: both stay held
-        kept = producer.request(Keep(episode_id="ep", branches=[arrays, arrays],
-                                     info={"group": "g", "reward": 1.0, "samples": samples})).body
-        producer.close()
-        assert isinstance(kept, Kept)
+        _keep_half_a_group(ctx, endpoint, seed=3)
         first.proc.kill()
         assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
         wait_for(lambda: "env-e" not in peers.live, WAIT_S, "the broker reporting env-e down")

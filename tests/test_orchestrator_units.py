@@ -19,7 +19,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from polling import wait_for
-from refbus.bus.reqrep import Client, HandlerError, Pending, RetryPolicy
+from refbus.bus.reqrep import Client, HandlerError, Pending, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
@@ -145,6 +145,16 @@ def test_a_group_size_that_can_never_train_is_said_at_start(bus: tuple[NodeProce
     assert len(warned) == (group_size == 1) and all("orchestrator.group_size" in e["detail"] for e in warned)
 
 
+def _stand_in_rank(control: str) -> tuple[NodeRuntime, Server]:
+    """A stand-in ``trainer-0`` (rank 0, its data rank's leader) that heartbeats step 0 as a fresh rank does, and
+    its ``trainer`` server, on which the test says what a step batch does."""
+    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    server = trainer.serve("trainer", "tcp://127.0.0.1:0")
+    trainer.labels.update(rank="0", data_rank="0", leader="1")
+    trainer.status = lambda: {"step": 0.0}
+    return trainer, server
+
+
 def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> None:
     """A store restarted on another port is asked at its new endpoint; a reference without a node, or whose store
     the registry does not list live, at the endpoint recorded at keep time."""
@@ -187,10 +197,8 @@ def test_a_malformed_episode_record_is_deleted_malformed_and_later_groups_still_
         steps.append(request.body)
         return Ok()
 
-    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
-    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, take)
-    trainer.labels.update(rank="0", data_rank="0", leader="1")
-    trainer.status = lambda: {"step": 0.0}  # as a fresh TrainerRank heartbeats it
+    trainer, rank_server = _stand_in_rank(control)
+    rank_server.on(StepBatch.kind, take)
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-w", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="w"))
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
@@ -266,11 +274,8 @@ def test_the_orchestrators_shutdown_settles_the_claims_and_step_batches_still_in
     def take(request: Message) -> None:
         deferred_steps.append(rank_server.pending)  # answered by the test
 
-    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
-    rank_server = trainer.serve("trainer", "tcp://127.0.0.1:0")
+    trainer, rank_server = _stand_in_rank(control)
     rank_server.on(StepBatch.kind, take)
-    trainer.labels.update(rank="0", data_rank="0", leader="1")
-    trainer.status = lambda: {"step": 0.0}
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-s", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="s"))
     grant = env.server.routes[Claim.kind].handler
@@ -606,7 +611,7 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
     grace_s = 0.5
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-t", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="t"), restart_grace_s=grace_s)
-    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    trainer, rank_server = _stand_in_rank(control)
     taken: list[StepBatch] = []
 
     def take_and_never_answer(request: Message) -> None:
@@ -614,9 +619,7 @@ def test_a_step_batch_its_rank_took_before_leaving_unanswered_is_never_deleted_b
         taken.append(request.body)
         trainer.publish(Reference(step=request.body.step, holder="trainer-0", blob_ids=list(request.body.owned)))
 
-    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, take_and_never_answer, cached=False)
-    trainer.labels.update(rank="0", data_rank="0", leader="1")
-    trainer.status = lambda: {"step": 0.0}
+    rank_server.on(StepBatch.kind, take_and_never_answer, cached=False)
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64),
@@ -659,13 +662,10 @@ def test_a_reference_a_third_node_publishes_never_marks_a_dead_worlds_batch_take
     grace_s = 0.5
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-f", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="f"), restart_grace_s=grace_s)
-    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    trainer, rank_server = _stand_in_rank(control)
     intruder = NodeRuntime("rollout", RuntimeSettings(bus=control, node_id="intruder", metrics_port=-1))
     taken: list[StepBatch] = []
-    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, lambda request: taken.append(request.body),
-                                                     cached=False)
-    trainer.labels.update(rank="0", data_rank="0", leader="1")
-    trainer.status = lambda: {"step": 0.0}
+    rank_server.on(StepBatch.kind, lambda request: taken.append(request.body), cached=False)
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64),
@@ -727,11 +727,9 @@ def test_a_step_batch_no_message_can_carry_halts_the_run_naming_why(
     control = bus[1]
     env_runtime = NodeRuntime("env-server", RuntimeSettings(bus=control, node_id="env-h", metrics_port=-1))
     env = EnvServer(env_runtime, EnvServerSettings(source="h"))
-    trainer = NodeRuntime("trainer", RuntimeSettings(bus=control, node_id="trainer-0", metrics_port=-1))
+    trainer, rank_server = _stand_in_rank(control)
     taken: list[StepBatch] = []
-    trainer.serve("trainer", "tcp://127.0.0.1:0").on(StepBatch.kind, lambda request: taken.append(request.body))
-    trainer.labels.update(rank="0", data_rank="0", leader="1")
-    trainer.status = lambda: {"step": 0.0}
+    rank_server.on(StepBatch.kind, lambda request: taken.append(request.body))
     runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1))
     orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
                                                               groups_per_step=1, seq_len=64), Deadlines())
