@@ -250,6 +250,16 @@ class Supervisor:
             self.say(f"refbus up: {name} (pid {node.pid}) hangs: {why}; killing it (SIGKILL)")
             node.signal(signal.SIGKILL)
 
+    def _world_killed_on_purpose(self) -> bool:
+        """Whether a rank of the trainer world was killed on purpose (chaos) and is dead: then a partner's exit
+        follows from that kill (their collective broke), whichever of the two deaths a poll finds first."""
+        for rank in self.cluster.nodes:
+            if (rank.name.startswith(TRAINER_PREFIX) and incarnation(rank) in self._deliberate
+                    and rank.proc.poll() is not None):
+                self._deliberate.discard(incarnation(rank))
+                return True
+        return False
+
     def poll(self) -> str | None:
         """Kill the nodes found hung, handle every node that exited since the last poll and start the restarts
         that are due; the reason the run cannot go on, or None."""
@@ -290,6 +300,7 @@ class Supervisor:
         exit_text = describe_exit(code) + (", hung" if hung else f", {final}" if final else "")
         at_s = round(now - self.started, 1)
         world = self.world_restarts and node.name.startswith(TRAINER_PREFIX)
+        deliberate = deliberate or (world and self._world_killed_on_purpose())
         if final:  # it halted the run, or cannot run as configured: a restart would decide it again
             what = "halted the run" if code == HALTED_STATUS else "cannot run as configured"
             why = f"{node.name} {what} ({exit_text}): {final_reason(code, node.log_tail(HALT_TAIL_LINES))}"

@@ -380,6 +380,36 @@ def test_supervisor_restarts_with_backoff_within_its_budget_and_ends_the_run_oth
     assert describe_exit(-signal.SIGTERM) == "SIGTERM" and describe_exit(3) == "exit 3"
 
 
+class _World(_Cluster):
+    def restart_world(self) -> list[_Node]:
+        ranks = [node for node in self.nodes if node.name.startswith("trainer-")]
+        for rank in ranks:
+            self.restart(rank)
+        return ranks
+
+
+@pytest.mark.parametrize("first", ["killed", "partner"])
+def test_a_rank_that_exits_because_chaos_killed_its_partner_is_not_charged_whichever_death_is_seen_first(
+        first: str) -> None:
+    """Chaos SIGKILLs trainer-1; trainer-0, its collective broken, exits 1 before the supervisor's next poll. The
+    world restart follows from the kill, so it is not charged, whichever rank's death the poll meets first (the
+    cluster's order lists trainer-0 first). Before, trainer-0's exit was met first and charged to the budget."""
+    names = ("trainer-0", "trainer-1") if first == "partner" else ("trainer-1", "trainer-0")
+    cluster, clock = _World("bus", *names), _Clock()
+    supervisor = Supervisor(cluster, budget=3, backoff_s=1.0, say=lambda _: None, clock=clock,  # type: ignore[arg-type]
+                            world_restarts=True)
+    killed, partner = (cluster.nodes[2], cluster.nodes[1]) if first == "partner" else cluster.nodes[1:]
+    supervisor.expect_death(killed)
+    killed.signal(signal.SIGKILL)
+    partner.proc.code = 1
+    assert supervisor.poll() is None and supervisor.charged == 0
+    clock.now += 1.0
+    assert supervisor.poll() is None and supervisor.world_restarted and supervisor.charged == 0
+    partner = next(n for n in cluster.nodes if n.name == "trainer-0")
+    partner.proc.code = 1  # a crash of the restarted world nobody asked for: charged
+    assert supervisor.poll() is None and supervisor.charged == 1
+
+
 def test_a_node_that_halted_the_run_ends_it_at_once_naming_why_and_is_never_restarted() -> None:
     """A node that exits ``HALTED_STATUS`` decided that the run cannot go on (the orchestrator's halts: budgets
     that cannot hold a step, a step its ranks did not acknowledge). Before, a restartable one was restarted as a
