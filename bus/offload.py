@@ -5,6 +5,11 @@ may compute for seconds (a generation, a score). They hand it to an :class:`Offl
 time on its own thread, urgent ones before the others, and each job's outcome is handed back to the loop
 thread (``runtime.call_soon``), where the role answers its deferred request or publishes. Jobs of one
 Offload never overlap, so they may share state (a model and the weights copied into it) without a lock.
+
+Whatever a job raises ends that job only: an ``Exception`` is its outcome, and a ``BaseException`` that is no
+``Exception`` (user code's ``sys.exit()``, a ``KeyboardInterrupt`` it raises itself: no signal reaches this
+thread, Python delivers them to the main thread) becomes a :class:`JobAborted`. Let through, it would end the
+thread in silence (``SystemExit``) or with a traceback on stderr, and every job after it would wait for ever.
 """
 
 from __future__ import annotations
@@ -21,6 +26,27 @@ from .runtime import NodeRuntime
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` as ``"Type: message"`` (``"Type"`` without one), for a reply or a log line; never raises, though
+    user code's exception may have a ``__str__`` that does (its message then reads as unprintable)."""
+    name = type(exc).__name__
+    try:
+        message = str(exc)
+    except Exception:  # the exception's own code failed: its type still says what it was
+        message = "<its message could not be made: __str__ raised>"
+    return f"{name}: {message}" if message else name
+
+
+class JobAborted(Exception):
+    """What a job's ``then`` gets in place of a ``BaseException`` that is no ``Exception`` (``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``) the job raised: it ended that job, not the process. The original is
+    chained (``__cause__``)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the job raised {describe(cause)}")
+        self.__cause__ = cause
 
 
 class Offload:
@@ -40,8 +66,8 @@ class Offload:
     def submit(self, job: Callable[[], T], then: Callable[[T | Exception], None], *, urgent: bool = False) -> None:
         """Run ``job()`` on the offload thread once the jobs queued before it ran (``urgent``: once the urgent
         ones queued before it ran, ahead of every other); then ``then(result)`` on the loop thread, or
-        ``then(exception)`` when the job raised. After :meth:`close`, or when the loop ended first, ``then``
-        is never called."""
+        ``then(exception)`` when the job raised (a :class:`JobAborted` for what is no ``Exception``). After
+        :meth:`close`, or when the loop ended first, ``then`` is never called."""
         with self._cond:
             if self._closed:
                 return
@@ -68,4 +94,6 @@ class Offload:
                 outcome = job()
             except Exception as exc:  # handed to ``then``: the role decides what a failure means
                 outcome = exc
+            except BaseException as exc:  # raised by the job's own code (see the module's docstring)
+                outcome = JobAborted(exc)
             self.runtime.call_soon(lambda then=then, outcome=outcome: then(outcome))

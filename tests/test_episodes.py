@@ -4,18 +4,23 @@ generation ends reaches the orchestrator's ``run`` once: generated and kept, the
 registry (its runs fail at once, not at the deadline), no answer by ``generate_timeout_s``, and a
 generation the score function refuses; and a keep over the store's budget waits for room. A broker stopped
 (SIGSTOP) mid-run: the registry refresh fails at its deadline without stalling the loop, the known rollout
-workers are kept, and runs are still served."""
+workers are kept, and runs are still served. An env-server process whose score function misbehaves
+(``tests/misbehaving_entry_points.py``) fails that run with a reason and scores the next."""
 
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import misbehaving_entry_points as misbehaving
 import numpy as np
 import pytest
+import zmq
 from branches import random_arrays
+from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
@@ -28,7 +33,9 @@ from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Generate, Generated, Ok, Run
 
+TESTS = Path(__file__).parent
 GENERATE_TIMEOUT_S = 3.0
+START_S = 30.0
 REFRESH_S = 0.1
 PATIENT = RetryPolicy(timeout_s=10 * GENERATE_TIMEOUT_S, attempts=1)
 LOOKUP = RetryPolicy(timeout_s=0.5, attempts=2, backoff=1.0)  # the env server's requests to the broker
@@ -239,3 +246,49 @@ def test_a_broker_that_stops_answering_never_stalls_the_env_server(bus: tuple[No
         rollout.runtime.join(timeout=5)
         orchestrator.close()
         runtime.join(timeout=10 * GENERATE_TIMEOUT_S)
+
+
+@pytest.fixture
+def env_process(bus: tuple[NodeProcess, str], spawn: Any, monkeypatch: pytest.MonkeyPatch) -> NodeProcess:
+    """A ready env-server process scoring with ``misbehaving_entry_points:score`` (a run's deadline
+    GENERATE_TIMEOUT_S)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    env = spawn(["node", "env-server", "--bus-control", bus[1], "--node-id", "env-user-code", *FAST_LIVENESS,
+                 "--env-server-score", "misbehaving_entry_points:score",
+                 "--env-server-generate-timeout-s", str(GENERATE_TIMEOUT_S)], "env-user-code")
+    env.wait_ready(START_S)
+    return env
+
+
+def run_generated(client: Client, rollout: Rollout, episode: str, prompt: int) -> str:
+    """Send a run of ``prompt`` and have ``rollout`` answer its generation; the run's message id."""
+    sent = run_async(client, episode, prompt)
+    index = len(rollout.held)
+    wait_for(lambda: len(rollout.held) > index, START_S, f"the generation of {episode} at the rollout")
+    rollout.answer(index)
+    return sent
+
+
+@pytest.mark.parametrize("prompt,raised", [(misbehaving.EXITS, "SystemExit: the score gave up"),
+                                           (misbehaving.INTERRUPTS, "KeyboardInterrupt")])
+def test_a_score_that_raises_what_is_no_exception_fails_only_its_run(bus: tuple[NodeProcess, str],
+                                                                      env_process: NodeProcess, prompt: int,
+                                                                      raised: str) -> None:
+    """Regression: a score calling ``sys.exit()`` (or raising ``KeyboardInterrupt``) ended the env server's
+    scoring thread, silently for ``SystemExit``: that run and every later one went unanswered, each waiting
+    out the orchestrator's deadline, on an env server that looked healthy. Now the run fails ``score-failed``
+    naming what was raised, and the next run is scored and kept."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-user-code")
+    try:
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-raises", prompt))
+        assert reply.kind == "error" and reply.body.code == "score-failed", reply.body
+        assert raised in reply.body.message
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-next", 3))
+        assert isinstance(reply.body, Ok), reply.body
+        assert env_process.proc.poll() is None
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()

@@ -1,15 +1,16 @@
 """Offload on a real node runtime (its loop in a background thread): jobs run one at a time on the offload
 thread, urgent ones first; each outcome, a raised exception included, reaches the loop thread; the loop
-keeps running callbacks while a job blocks; nothing runs after close."""
+keeps running callbacks while a job blocks; a job's ``sys.exit()`` ends that job only; nothing runs after close."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 from polling import wait_for
-from refbus.bus.offload import Offload
+from refbus.bus.offload import JobAborted, Offload
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 
 WAIT_S = 10.0
@@ -66,3 +67,24 @@ def test_jobs_run_in_order_urgent_first_and_outcomes_reach_the_loop_thread(runti
     offload.submit(lambda: job("late"), then("late"))  # after close: dropped
     assert not any(thread.is_alive() for thread in workers)
     assert "late" not in ran and len(outcomes) == 5
+
+
+def test_a_job_that_raises_what_is_no_exception_ends_that_job_only(runtime: NodeRuntime) -> None:
+    """Regression: ``sys.exit()`` or a ``KeyboardInterrupt`` raised by user code in a job ended the offload
+    thread (``SystemExit`` in silence): that job's ``then`` never came, nor any later job's. Now each is its
+    job's outcome, a :class:`JobAborted` chaining it, and the next job runs."""
+    offload = Offload(runtime, "test")
+    outcomes: list[object] = []
+
+    def raising(exc: BaseException) -> None:
+        raise exc
+
+    offload.submit(lambda: sys.exit("gave up"), outcomes.append)
+    offload.submit(lambda: raising(KeyboardInterrupt()), outcomes.append)
+    offload.submit(lambda: "next", outcomes.append)
+    wait_for(lambda: len(outcomes) == 3, WAIT_S, "every job's outcome")
+    exited, interrupted, after = outcomes
+    assert isinstance(exited, JobAborted) and isinstance(exited.__cause__, SystemExit)
+    assert str(exited) == "the job raised SystemExit: gave up"
+    assert isinstance(interrupted, JobAborted) and str(interrupted) == "the job raised KeyboardInterrupt"
+    assert after == "next"

@@ -14,7 +14,8 @@ run that arrives while no worker is known waits for the next answer, then fails 
 is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is
 answered with an error; nothing is kept for it. The score function is user code: it runs on
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
-(a score that raises, or returns NaN or an infinity, fails its run with ``score-failed``).
+(a score that raises, ``sys.exit()`` included, or returns NaN or an infinity, fails its run with
+``score-failed``).
 
 A keep refused with a ``retry_after_s`` (``over-budget``: the store is full for now, its holders have not
 deleted yet; or ``journal-failed``: its tmpfs had no room for the journal record) is tried again after that
