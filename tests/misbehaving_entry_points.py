@@ -3,6 +3,7 @@ token picks how. Node processes import it by name: the test puts tests/ on their
 
 * :data:`EXITS` (``sys.exit()`` in the score), :data:`INTERRUPTS` (``KeyboardInterrupt`` raised by user code,
   not by a signal): a ``BaseException`` that is no ``Exception``;
+* :data:`UNPRINTABLE`: an exception whose ``str()`` raises too;
 * any other prompt: the toy score.
 
 Imports numpy only through the toy task (an env server never imports torch)."""
@@ -16,6 +17,17 @@ from refbus.nodes.toy import task
 
 EXITS = 10
 INTERRUPTS = 11
+UNPRINTABLE = 12
+
+
+class Unprintable(ValueError):
+    """An exception whose message cannot be made: ``str()`` and ``repr()`` of it raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
 
 
 def score(prompt: Sequence[int], completion: Sequence[int]) -> float:
@@ -23,4 +35,6 @@ def score(prompt: Sequence[int], completion: Sequence[int]) -> float:
         sys.exit("the score gave up")
     if prompt[0] == INTERRUPTS:
         raise KeyboardInterrupt
+    if prompt[0] == UNPRINTABLE:
+        raise Unprintable
     return task.score(prompt, completion)

@@ -292,3 +292,23 @@ def test_a_score_that_raises_what_is_no_exception_fails_only_its_run(bus: tuple[
         rollout.runtime.join(timeout=5)
         orchestrator.close()
         ctx.term()
+
+
+def test_a_score_whose_exception_has_no_message_fails_its_run(bus: tuple[NodeProcess, str],
+                                                              env_process: NodeProcess) -> None:
+    """Regression: a score raising an exception whose ``__str__`` raised too made the env server's answer
+    raise while it was written: the run went unanswered until the orchestrator's deadline, with no reason it
+    could log. Now it fails ``score-failed`` naming the exception's type, and the next run is scored."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-unprintable")
+    try:
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-unprintable", misbehaving.UNPRINTABLE))
+        assert reply.kind == "error" and reply.body.code == "score-failed", reply.body
+        assert "Unprintable: <its message could not be made" in reply.body.message
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-next", 3))
+        assert isinstance(reply.body, Ok), reply.body
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()

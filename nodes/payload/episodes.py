@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ...bus.offload import Offload
+from ...bus.offload import Offload, describe
 from ...bus.reqrep import SEND_ONCE, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -132,8 +132,8 @@ class EpisodeRunner:
 
     def _scored(self, run: Run, pending: Pending, generated: Generated, reward: float | Exception) -> None:
         if isinstance(reward, Exception):  # user code: its failure is this run's answer, not the node's
-            self._fail(run, pending, "score-failed",
-                       f"{self.settings.score}: {type(reward).__name__}: {reward}")
+            # Described so that no message of the user's own (a __str__ that raises) leaves its run unanswered.
+            self._fail(run, pending, "score-failed", f"{self.settings.score}: {describe(reward)}")
             return
         if not math.isfinite(reward):  # a NaN would make its whole group's advantages NaN, and the weights
             self._fail(run, pending, "score-failed", f"{self.settings.score}: returned {reward}, not a finite number")
