@@ -172,8 +172,8 @@ class EnvServerSettings:
         "Entry point 'module:function' scoring an episode: score(prompt, completion) -> reward. Must not import torch.",
     )
     max_new_tokens: int = key(6, "Tokens a rollout worker generates per episode.")
-    generate_timeout_s: float = key(30.0, "Seconds a run may take on the env server (its generation, then waiting "
-                                          "for room to keep it) before it fails.")
+    generate_timeout_s: float = key(30.0, "Seconds a run may take on the env server (its generation, its score, "
+                                          "then waiting for room to keep it) before it fails.")
 
 
 @dataclass(frozen=True)

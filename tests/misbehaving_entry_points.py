@@ -4,20 +4,30 @@ token picks how. Node processes import it by name: the test puts tests/ on their
 * :data:`EXITS` (``sys.exit()`` in the score), :data:`INTERRUPTS` (``KeyboardInterrupt`` raised by user code,
   not by a signal): a ``BaseException`` that is no ``Exception``;
 * :data:`UNPRINTABLE`: an exception whose ``str()`` raises too;
+* :data:`HANGS`: a score that does not return until the file named by ``$REFBUS_TEST_SCORE_RELEASE`` exists
+  (at most :data:`MAX_HANG_S`: a test that failed first still lets its env server stop); it creates that name
+  with :data:`HUNG_SUFFIX` added once it hangs;
 * any other prompt: the toy score.
 
 Imports numpy only through the toy task (an env server never imports torch)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from refbus.nodes.toy import task
 
 EXITS = 10
 INTERRUPTS = 11
 UNPRINTABLE = 12
+HANGS = 13
+RELEASE_ENV = "REFBUS_TEST_SCORE_RELEASE"
+HUNG_SUFFIX = ".hung"
+MAX_HANG_S = 120.0
 
 
 class Unprintable(ValueError):
@@ -37,4 +47,10 @@ def score(prompt: Sequence[int], completion: Sequence[int]) -> float:
         raise KeyboardInterrupt
     if prompt[0] == UNPRINTABLE:
         raise Unprintable
+    if prompt[0] == HANGS:
+        release = os.environ[RELEASE_ENV]
+        Path(release + HUNG_SUFFIX).touch()
+        deadline = time.monotonic() + MAX_HANG_S
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
     return task.score(prompt, completion)

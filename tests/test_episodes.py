@@ -31,7 +31,7 @@ from refbus.nodes.payload.episodes import EpisodeRunner
 from refbus.nodes.payload.keeper import pack_branches
 from refbus.nodes.settings import EnvServerSettings
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Generate, Generated, Ok, Run
+from refbus.protocol.messages import Accounted, Accounts, Generate, Generated, Ok, Run
 
 TESTS = Path(__file__).parent
 GENERATE_TIMEOUT_S = 3.0
@@ -248,16 +248,24 @@ def test_a_broker_that_stops_answering_never_stalls_the_env_server(bus: tuple[No
         runtime.join(timeout=10 * GENERATE_TIMEOUT_S)
 
 
-@pytest.fixture
-def env_process(bus: tuple[NodeProcess, str], spawn: Any, monkeypatch: pytest.MonkeyPatch) -> NodeProcess:
-    """A ready env-server process scoring with ``misbehaving_entry_points:score`` (a run's deadline
-    GENERATE_TIMEOUT_S)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+def start_env_process(bus: tuple[NodeProcess, str], spawn: Any, tmp_path: Path, name: str) -> NodeProcess:
+    """A ready env-server process (node id ``env-user-code``) scoring with ``misbehaving_entry_points:score``, a
+    run's deadline GENERATE_TIMEOUT_S; its hung scores return once the file ``tmp_path / "release"`` exists.
+    The caller puts tests/ on the ``PYTHONPATH``."""
     env = spawn(["node", "env-server", "--bus-control", bus[1], "--node-id", "env-user-code", *FAST_LIVENESS,
                  "--env-server-score", "misbehaving_entry_points:score",
-                 "--env-server-generate-timeout-s", str(GENERATE_TIMEOUT_S)], "env-user-code")
+                 "--env-server-generate-timeout-s", str(GENERATE_TIMEOUT_S)], name,
+                env={misbehaving.RELEASE_ENV: str(tmp_path / "release")})
     env.wait_ready(START_S)
     return env
+
+
+@pytest.fixture
+def env_process(bus: tuple[NodeProcess, str], spawn: Any, monkeypatch: pytest.MonkeyPatch,
+                tmp_path: Path) -> NodeProcess:
+    """A ready env-server process whose score misbehaves (:func:`start_env_process`)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    return start_env_process(bus, spawn, tmp_path, "env-user-code")
 
 
 def run_generated(client: Client, rollout: Rollout, episode: str, prompt: int) -> str:
@@ -308,6 +316,71 @@ def test_a_score_whose_exception_has_no_message_fails_its_run(bus: tuple[NodePro
         assert "Unprintable: <its message could not be made" in reply.body.message
         reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-next", 3))
         assert isinstance(reply.body, Ok), reply.body
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()
+
+
+def kept_blobs(client: Client) -> int:
+    accounted = client.request(Accounts()).body
+    assert isinstance(accounted, Accounted), accounted
+    return accounted.kept
+
+
+def test_a_hung_score_fails_its_runs_at_their_deadline_and_keeps_nothing_for_them(
+        bus: tuple[NodeProcess, str], env_process: NodeProcess, tmp_path: Path) -> None:
+    """Regression: a score that did not return left its run unanswered past the env server's deadline
+    (``generate_timeout_s``, by which the orchestrator expects an answer), and the runs queued behind it too;
+    once it returned, the episode was kept and published for a run the orchestrator had counted failed. Now
+    each run fails ``timeout`` at its deadline while the env server goes on serving, a score still queued then
+    is never computed, the hung one's late result keeps nothing, and the next run is scored and kept."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-hung")
+    try:
+        hung = run_generated(orchestrator, rollout, "ep-hung", misbehaving.HANGS)
+        queued = run_generated(orchestrator, rollout, "ep-queued", 3)  # scored after the hung one: never in time
+        assert kept_blobs(orchestrator) == 0  # the loop serves while the score hangs
+        for sent in (hung, queued):
+            reply = answer_to(orchestrator, sent)
+            assert reply.kind == "error" and reply.body.code == "timeout", reply.body
+            assert "not scored within" in reply.body.message
+        (tmp_path / "release").touch()
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-next", 3))
+        assert isinstance(reply.body, Ok), reply.body  # scored after the late results, in order
+        assert kept_blobs(orchestrator) == 1  # ep-next's only
+        said = env_process.log_path.read_text()
+        assert said.count('"run.scored_late"') == 1 and '"episode_id": "ep-hung"' in said  # ep-queued unscored
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()
+
+
+def test_an_env_server_killed_while_a_score_hangs_restarts_with_nothing_of_that_run(
+        bus: tuple[NodeProcess, str], env_process: NodeProcess, spawn: Any, tmp_path: Path) -> None:
+    """SIGKILL mid-run: the process dies with a score hung, its run unanswered and its generation held.
+    Restarted under the same node id (its durable store re-adopted), it holds nothing of that run, and serves
+    runs."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-killed")
+    try:
+        run_generated(orchestrator, rollout, "ep-hung", misbehaving.HANGS)
+        wait_for((tmp_path / f"release{misbehaving.HUNG_SUFFIX}").exists, GENERATE_TIMEOUT_S, "the score to hang")
+        os.kill(env_process.pid, signal.SIGKILL)
+        assert env_process.proc.wait(timeout=START_S) == -signal.SIGKILL
+    finally:
+        orchestrator.close()
+    restarted = start_env_process(bus, spawn, tmp_path, "env-user-code-again")
+    orchestrator = Client(ctx, restarted.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    try:
+        assert kept_blobs(orchestrator) == 0
+        (tmp_path / "release").touch()
+        reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-after", 3))
+        assert isinstance(reply.body, Ok), reply.body
+        assert kept_blobs(orchestrator) == 1
     finally:
         rollout.runtime.join(timeout=5)
         orchestrator.close()

@@ -15,7 +15,10 @@ is still none). A run whose generation fails, misses its deadline or whose worke
 answered with an error; nothing is kept for it. The score function is user code: it runs on
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
 (a score that raises, ``sys.exit()`` included, or returns NaN or an infinity, fails its run with
-``score-failed``).
+``score-failed``). The run's deadline, ``generate_timeout_s`` from its arrival, covers its score too: a run
+not scored by then (its score slow or hung, or queued behind one that is) fails ``timeout`` at it, its
+generation's arrays released; a score still queued at it is never computed, and one that returns after it keeps
+nothing (the orchestrator has counted the run failed and freed its room).
 
 A keep refused with a ``retry_after_s`` (``over-budget``: the store is full for now, its holders have not
 deleted yet; or ``journal-failed``: its tmpfs had no room for the journal record) is tried again after that
@@ -64,7 +67,8 @@ class EpisodeRunner:
         self.score: Score = load_entry_point(settings.score)
         self.scoring = Offload(runtime, "score")  # user code: scores never stall the env server's loop
         self.rollouts: set[str] = set()  # generate endpoints
-        self.arrived: dict[str, float] = {}  # episode id -> when its run arrived (monotonic), until answered
+        self.arrived: dict[Pending, float] = {}  # the runs not answered yet -> when each arrived (monotonic)
+        self._scoring: dict[Pending, Generated] = {}  # runs whose score is queued or running -> their generation
         self.finished = 0
         self.failed = 0
         self.keep_retries = 0
@@ -92,8 +96,8 @@ class EpisodeRunner:
     def _on_run(self, request: Message) -> None:
         run = request.body
         assert isinstance(run, Run)
-        self.arrived[run.episode_id] = time.monotonic()
         pending = self.env_server.server.pending
+        self.arrived[pending] = time.monotonic()
         if self.rollouts:
             self._dispatch(run, pending)
         else:  # none known yet: placed when the registry answers
@@ -126,11 +130,40 @@ class EpisodeRunner:
             self._fail(run, pending, "internal", f"rollout {endpoint} answered {outcome.kind}, not generated")
 
     def _finish(self, run: Run, pending: Pending, generated: Generated) -> None:
-        completion = generated.tokens[len(run.prompt):]
-        self.scoring.submit(lambda: float(self.score(run.prompt, completion)),
-                            lambda reward: self._scored(run, pending, generated, reward))
+        """Queue the score of ``generated``, due by the run's deadline (:meth:`_overdue` fails the run then)."""
+        arrived = self.arrived.get(pending)
+        if arrived is None:  # answered already: the same request sent again (its message id) ran twice
+            return
+        deadline = arrived + self.settings.generate_timeout_s
+        self._scoring[pending] = generated
+        self.runtime.later(max(deadline - time.monotonic(), 0.0), lambda: self._overdue(run, pending))
+        prompt, completion = run.prompt, generated.tokens[len(run.prompt):]  # the job holds no arrays
+        self.scoring.submit(lambda: self._score_by(deadline, prompt, completion),
+                            lambda reward: self._scored(run, pending, reward))
 
-    def _scored(self, run: Run, pending: Pending, generated: Generated, reward: float | Exception) -> None:
+    def _score_by(self, deadline: float, prompt: Sequence[int], completion: Sequence[int]) -> float | None:
+        """The score (offload thread); None, never computed, when the run's ``deadline`` passed while it was
+        queued: a score function slower than the runs come then spends its time on runs still waited for."""
+        if time.monotonic() >= deadline:
+            return None
+        return float(self.score(prompt, completion))
+
+    def _overdue(self, run: Run, pending: Pending) -> None:
+        """The run's deadline: fail it unless its score came (the keep that follows has its own bound)."""
+        if self._scoring.pop(pending, None) is not None:
+            self._fail(run, pending, "timeout",
+                       f"not scored within the run's {self.settings.generate_timeout_s}s (generate_timeout_s): "
+                       f"{self.settings.score} is slow or hung, or the scores queued before it were")
+
+    def _scored(self, run: Run, pending: Pending, reward: float | Exception | None) -> None:
+        if reward is None:  # its deadline passed while it was queued
+            self._overdue(run, pending)
+            return
+        generated = self._scoring.pop(pending, None)
+        if generated is None:  # failed at its deadline already: what the score says comes too late to keep
+            log.warning("run.scored_late", episode_id=run.episode_id, score=self.settings.score,
+                        detail="its run failed at its deadline: nothing is kept")
+            return
         if isinstance(reward, Exception):  # user code: its failure is this run's answer, not the node's
             # Described so that no message of the user's own (a __str__ that raises) leaves its run unanswered.
             self._fail(run, pending, "score-failed", f"{self.settings.score}: {describe(reward)}")
@@ -157,7 +190,7 @@ class EpisodeRunner:
             self.env_server.keep(run.episode_id, [generated.arrays], policy_version=generated.policy_version,
                                  info=info)
         except KeepError as exc:
-            waited = time.monotonic() - self.arrived.get(run.episode_id, 0.0)
+            waited = time.monotonic() - self.arrived.get(pending, 0.0)
             if exc.retry_after_s > 0 and waited + exc.retry_after_s < self.settings.generate_timeout_s:
                 self.keep_retries += 1
                 self.runtime.later(exc.retry_after_s, lambda: self._keep(run, pending, generated, info, reward))
@@ -169,11 +202,11 @@ class EpisodeRunner:
             self._fail(run, pending, "internal", f"{type(exc).__name__}: {exc}")
             return
         self.finished += 1
-        self.arrived.pop(run.episode_id, None)
+        self.arrived.pop(pending, None)
         self.env_server.server.answer(pending, Ok(detail=f"reward={reward:.3f}"))
 
     def _fail(self, run: Run, pending: Pending, code: str, message: str) -> None:
         self.failed += 1
-        self.arrived.pop(run.episode_id, None)
+        self.arrived.pop(pending, None)
         log.warning("run.failed", episode_id=run.episode_id, code=code, error=message)
         self.env_server.server.answer(pending, Error(code=code, message=message, request_kind=Run.kind))
