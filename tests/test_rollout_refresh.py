@@ -20,6 +20,7 @@ from refbus.bus.reqrep import HandlerError, RequestTimeout
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames, send_frames
 from refbus.nodes.config import Config
+from refbus.nodes.rl import rollout as rollout_module
 from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
 from refbus.nodes.toy.policy import generate as toy_generate
 from refbus.protocol.envelope import Header, Message, WireCodec
@@ -277,3 +278,18 @@ def test_generations_whose_sender_gave_up_are_dropped_unstarted() -> None:
         runtime.join(WAIT_S)
         bus.join(WAIT_S)
         ctx.term()
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("its message cannot be made")
+
+
+def test_a_generation_whose_exception_cannot_be_printed_is_answered_internal_naming_its_type() -> None:
+    """The policy raised an exception whose ``__str__`` itself raises: the ``generate`` is still answered
+    (``internal``, naming the exception's type). Before, making the reply raised on the loop thread and the
+    request went unanswered until its sender's deadline."""
+    reply = rollout_module._reply(_Unprintable())
+    assert isinstance(reply, Error) and reply.code == "internal" and reply.message.startswith("_Unprintable: ")
+    assert rollout_module._reply(HandlerError("no-weights", "none yet")) == Error("no-weights", "none yet",
+                                                                                  Generate.kind)

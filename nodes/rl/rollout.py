@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from ...bus.offload import Offload
+from ...bus.offload import Offload, describe
 from ...bus.reqrep import HandlerError, Outcome, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
@@ -233,7 +233,7 @@ def _reply(outcome: Generated | Exception) -> Body:
         return Error(outcome.code, str(outcome), Generate.kind)
     if isinstance(outcome, Exception):
         log.error("generate.failed", exc_info=outcome)
-        return Error("internal", f"{type(outcome).__name__}: {outcome}", Generate.kind)
+        return Error("internal", describe(outcome), Generate.kind)  # user code's: its __str__ may raise
     return outcome
 
 
