@@ -969,6 +969,8 @@ MALFORMED_RECORDS = {
     "no token ids": {"input_ids": [], "loss_mask": []},
     "token ids not integers": {"input_ids": ["a"] * 8},
     "token ids nested": {"input_ids": [[1, 2]] * 8},
+    "a negative token id": {"input_ids": [0, 1, 2, -3, 4, 5, 6, 7]},
+    "a token id int64 cannot hold": {"input_ids": [2**63, *range(7)]},
     "ref out of range": {"ref": 1},
     "ref not an index": {"ref": "0"},
     "more tokens than the blob": {"input_ids": list(range(9)), "loss_mask": [1] * 9},

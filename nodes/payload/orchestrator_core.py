@@ -974,10 +974,10 @@ class OrchestratorCore:
     def _parse(self, episode: EpisodeFinished) -> tuple[float, list[_Entry]]:
         """The episode's reward and its samples' inputs, checked so that nothing later can fail on them: a
         finite number as ``reward`` (0 when absent), ``samples`` a list of maps, each with ``input_ids`` (1-D
-        integers, at least one), a ``loss_mask`` of the same length (absent: every token is trained), and ``ref``
-        (an int: the index of one of ``episode.refs``, negative for none) whose blob holds at least the sample's
-        tokens and whose fields and routing shape packing accepts. Raises :class:`MalformedEpisode` naming what is
-        wrong."""
+        integers from 0 to 2**63 - 1, at least one), a ``loss_mask`` of the same length (absent: every token is
+        trained), and ``ref`` (an int: the index of one of ``episode.refs``, negative for none) whose blob holds
+        at least the sample's tokens and whose fields and routing shape packing accepts. Raises
+        :class:`MalformedEpisode` naming what is wrong."""
         info = episode.info
         reward = info.get("reward", 0.0)
         if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(float(reward)):
@@ -993,6 +993,10 @@ class OrchestratorCore:
             input_ids = _column(where, entry, "input_ids", "iu")
             if input_ids is None or not len(input_ids):
                 raise MalformedEpisode(f"{where}.input_ids: expected at least one token id")
+            # No vocabulary has a negative id (nor one int64 cannot hold): every rank's step would fail on it.
+            if input_ids.min() < 0 or input_ids.max() > np.iinfo(np.int64).max:
+                raise MalformedEpisode(f"{where}.input_ids: token ids run from 0 to 2**63 - 1, got "
+                                       f"{input_ids.min()} to {input_ids.max()}")
             inputs: dict[str, Any] = {"input_ids": input_ids.astype(np.int64, copy=False)}
             loss_mask = _column(where, entry, "loss_mask", "biuf")
             if loss_mask is None:  # every token is the policy's: trained whole, never left out of its micro batch
