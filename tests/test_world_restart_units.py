@@ -16,11 +16,13 @@ import msgspec
 import pytest
 from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.nodes.config import Config
+from refbus.nodes.payload import orchestrator_core
 from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
 from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
 from refbus.nodes.up import LocalCluster, _cluster_config, rendezvous
 from refbus.protocol.messages import NodeDown, NodeInfo
+from structlog.testing import capture_logs
 from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
 from test_supervise import _Clock, _Cluster, _Node
 
@@ -67,6 +69,34 @@ def test_a_dead_rank_pauses_shipping_until_a_new_world_reports_its_step_and_the_
     assert core.step == 3 and core.policy_version == 2 and core.world_restarts == 1
     assert core.rewound_groups == 2  # steps 2 and 3 of the old world: their admission slots are free again
     assert core.trainer_down(T0 + 10, trainer(1)) == []  # the old world's processes are no longer the world
+
+
+@pytest.mark.parametrize(("resume_at", "estimated"), [(36, False), (5, True), (0, False)])
+def test_the_groups_each_step_shipped_are_kept_for_the_newest_steps_only_and_a_deeper_rewind_still_frees_them(
+        monkeypatch: pytest.MonkeyPatch, resume_at: int, estimated: bool) -> None:
+    """Regression: the groups of every step shipped were kept one entry a step for the whole run (one a few
+    seconds, for days). Now the newest SHIPPED_STEPS_KEPT steps are, and older ones one total: a world resumed
+    within the kept steps, or before every folded one, gives back exactly the groups of the steps it rewinds;
+    one resumed among the folded steps counts each as a full step, and says so."""
+    monkeypatch.setattr(orchestrator_core, "SHIPPED_STEPS_KEPT", 8, raising=False)
+    core = OrchestratorCore(settings(max_staleness=1), DEADLINES)
+    core.use_trainers(T0, [trainer(0), trainer(1)])
+    steps = 40
+    for step in range(steps):
+        delivered = of(DeliverBatch, feed_group(core, T0, f"g{step}", version=core.policy_version))
+        assert [d.step for d in delivered] == [step, step]
+        for d in delivered:
+            core.on_delivered(T0, d.step, d.endpoint, None)
+        core.on_version(core.step)
+    assert len(core._groups_of_step) <= 8
+    core.trainer_down(T0 + 1, trainer(0))
+    core.trainer_down(T0 + 1, trainer(1))
+    new_world = [restarted(0, resume_at), restarted(1, resume_at)]
+    with capture_logs() as logs:
+        core.use_trainers(T0 + 1 + 1.25 * GRACE_S, new_world)
+    assert core.world_restarts == 1 and core.step == resume_at
+    assert core.rewound_groups == steps - resume_at  # one group a step
+    assert any(entry["event"] == "trainers.rewind_estimated" for entry in logs) is estimated
 
 
 def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and_never_deleted() -> None:

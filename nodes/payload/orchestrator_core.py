@@ -151,6 +151,9 @@ log = structlog.get_logger(__name__)
 NOT_READY = frozenset({"no-rollout", "no-weights"})  # run refusals that mean "a peer is not up yet", not a fault
 BACKOFF_FIRST_S = 0.25  # dispatch pause after the first not-ready refusal; doubles with each one after
 BACKOFF_MAX_S = 8.0
+# Steps whose shipped groups are kept one by one for a world's rewind (older ones as one total): a world resumes
+# from its newest checkpoint, ``trainer.checkpoint_every`` steps back unless checkpoints were lost.
+SHIPPED_STEPS_KEPT = 1024
 
 
 # --- actions: what the executor does -------------------------------------------------------------------
@@ -373,6 +376,48 @@ class _WorldDown:
         return max(self.down_at.values()) + grace_s * 1.25
 
 
+class _ShippedGroups:
+    """The groups each step shipped, so that a world resumed at step K gives back the admission slots of the
+    groups shipped in steps >= K (:meth:`rewind`). Steps ascend by one from the first shipped (a rewind forgets
+    those above its step). The newest ``kept`` are kept one by one; older ones are folded into one total, so a
+    run of any length holds ``kept`` entries. A rewind reaching into the folded steps gives back all of them
+    when it goes past their first, else ``groups_per_step`` for each of those it reaches (the most a step
+    ships), at most their total: an estimate, logged."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._steps: dict[int, int] = {}  # step -> groups it shipped, in step order
+        self._folded: tuple[int, int, int] = (0, 0, 0)  # (first step, one past the last, groups) of the folded ones
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def shipped(self, step: int, groups: int) -> None:
+        """Step ``step`` shipped ``groups`` groups."""
+        self._steps[step] = groups
+        while len(self._steps) > self.kept:
+            oldest = next(iter(self._steps))
+            first, end, total = self._folded
+            self._folded = (first if end > first else oldest, oldest + 1, total + self._steps.pop(oldest))
+
+    def rewind(self, step: int, groups_per_step: int) -> int:
+        """Forget the steps >= ``step``; the groups they shipped."""
+        rewound = sum(n for s, n in self._steps.items() if s >= step)
+        self._steps = {s: n for s, n in self._steps.items() if s < step}
+        first, end, total = self._folded
+        if step >= end:
+            return rewound
+        if step <= first:
+            self._folded = (0, 0, 0)
+            return rewound + total
+        estimate = min(total, (end - step) * groups_per_step)
+        self._folded = (first, step, total - estimate)
+        log.warning("trainers.rewind_estimated", step=step, steps=end - step, groups=estimate,
+                    detail=f"steps {step}..{end - 1} were folded into one total (only the newest {self.kept} steps "
+                           "are kept one by one): each counted as a full step")
+        return rewound + estimate
+
+
 @dataclass(frozen=True)
 class _RunInFlight:
     group_id: str
@@ -449,7 +494,7 @@ class OrchestratorCore:
         self.world_down: _WorldDown | None = None
         self.world_restarts = 0
         self.rewound_groups = 0  # groups trained by a world that went down after its last checkpoint
-        self._groups_of_step: dict[int, int] = {}
+        self._groups_of_step = _ShippedGroups(SHIPPED_STEPS_KEPT)
         # restart
         self.tag = tag
         self.step_resumed = False  # the step number was taken from the trainer ranks
@@ -757,9 +802,8 @@ class OrchestratorCore:
         self.world_restarts += 1
         self.sink.use_trainers([TrainerAddress.from_node(node) for node in fresh])
         self._use_world(fresh)
-        rewound = sum(n for s, n in self._groups_of_step.items() if s >= step)
+        rewound = self._groups_of_step.rewind(step, self.settings.groups_per_step)
         self.rewound_groups += rewound
-        self._groups_of_step = {s: n for s, n in self._groups_of_step.items() if s < step}
         retired = [s for group in self.sink.queue for s in group if s.policy_version > step]
         if retired:
             self.sink.drop(retired, "stale")
@@ -1110,7 +1154,7 @@ class OrchestratorCore:
             shipment = sink.ship(self.step, self.policy_version, max_groups=per_step)
             if shipment is None:
                 continue
-            self._groups_of_step[self.step] = queued - len(sink.queue) - (sink.dropped_groups - dropped)
+            self._groups_of_step.shipped(self.step, queued - len(sink.queue) - (sink.dropped_groups - dropped))
             log.info("step.shipped", step=self.step, version=self.policy_version,
                      micro_batches=shipment.plan.micro_batches_per_rank, dummies=shipment.plan.dummy_count)
             self.delivery = _Delivery(self.step, shipment.batches, now + self.deadlines.delivery_s,
