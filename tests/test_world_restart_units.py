@@ -17,13 +17,20 @@ import pytest
 from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.nodes.config import Config
 from refbus.nodes.payload import orchestrator_core
-from refbus.nodes.payload.orchestrator_core import TRAINER_DOWN, Deadlines, DeliverBatch, Halt, OrchestratorCore
+from refbus.nodes.payload.orchestrator_core import (
+    TRAINER_DOWN,
+    Deadlines,
+    DeliverBatch,
+    Halt,
+    OrchestratorCore,
+    SendRun,
+)
 from refbus.nodes.rl.trainer import end_world_on_peer_death
 from refbus.nodes.supervisor import Chaos, Supervisor
 from refbus.nodes.up import LocalCluster, _cluster_config, rendezvous
 from refbus.protocol.messages import NodeDown, NodeInfo
 from structlog.testing import capture_logs
-from test_orchestrator_core import T0, deletes, feed_group, of, settings, trainer
+from test_orchestrator_core import T0, deletes, env_server, feed_group, of, ranked, settings, trainer
 from test_supervise import _Clock, _Cluster, _Node
 
 GRACE_S = 2.0
@@ -97,6 +104,26 @@ def test_the_groups_each_step_shipped_are_kept_for_the_newest_steps_only_and_a_d
     assert core.world_restarts == 1 and core.step == resume_at
     assert core.rewound_groups == steps - resume_at  # one group a step
     assert any(entry["event"] == "trainers.rewind_estimated" for entry in logs) is estimated
+
+
+def test_a_world_resumed_before_the_step_a_restarted_core_took_gives_back_the_earlier_steps_slots() -> None:
+    """Regression: a restarted core counts the steps before the one it resumes at as admitted groups, but a world
+    resumed from a checkpoint before that step gave back only the groups this core shipped: admitted and never
+    released, they held admission above its bound for good, and no run went out again. Now those steps count
+    as full ones, given back as they were counted."""
+    core = OrchestratorCore(settings(max_staleness=1), DEADLINES, prompts=lambda rng: [1])
+    core.on_version(9)
+    core.use_trainers(T0, [ranked(0, step=9), ranked(1, step=9)])
+    delivered = of(DeliverBatch, feed_group(core, T0, "g9", version=9))
+    assert [d.step for d in delivered] == [9, 9]
+    for d in delivered:
+        core.on_delivered(T0, d.step, d.endpoint, None)
+    core.trainer_down(T0 + 1, ranked(0, step=9))
+    core.trainer_down(T0 + 1, ranked(1, step=9))
+    core.use_trainers(T0 + 1 + 1.25 * GRACE_S, [restarted(0, 6), restarted(1, 6)])  # its checkpoint of step 6
+    assert (core.step, core.policy_version, core.rewound_groups) == (6, 6, 4)  # steps 6..8 counted, and step 9
+    core.use_replicas([env_server("env-a")])
+    assert of(SendRun, core.dispatch(T0 + 10)) and core.idle_reason(T0 + 10) == ("", "")
 
 
 def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and_never_deleted() -> None:

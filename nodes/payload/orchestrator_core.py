@@ -382,7 +382,8 @@ class _ShippedGroups:
     those above its step). The newest ``kept`` are kept one by one; older ones are folded into one total, so a
     run of any length holds ``kept`` entries. A rewind reaching into the folded steps gives back all of them
     when it goes past their first, else ``groups_per_step`` for each of those it reaches (the most a step
-    ships), at most their total: an estimate, logged."""
+    ships), at most their total: an estimate, logged. The steps an earlier incarnation shipped are such a total
+    (:meth:`resumed`)."""
 
     def __init__(self, kept: int) -> None:
         self.kept = kept
@@ -400,6 +401,11 @@ class _ShippedGroups:
             first, end, total = self._folded
             self._folded = (first if end > first else oldest, oldest + 1, total + self._steps.pop(oldest))
 
+    def resumed(self, start: int, groups_per_step: int) -> None:
+        """Steps before ``start`` were shipped by an earlier incarnation: one total, of full steps (what admission
+        counts them as)."""
+        self._folded = (0, start, start * groups_per_step)
+
     def rewind(self, step: int, groups_per_step: int) -> int:
         """Forget the steps >= ``step``; the groups they shipped."""
         rewound = sum(n for s, n in self._steps.items() if s >= step)
@@ -413,8 +419,8 @@ class _ShippedGroups:
         estimate = min(total, (end - step) * groups_per_step)
         self._folded = (first, step, total - estimate)
         log.warning("trainers.rewind_estimated", step=step, steps=end - step, groups=estimate,
-                    detail=f"steps {step}..{end - 1} were folded into one total (only the newest {self.kept} steps "
-                           "are kept one by one): each counted as a full step")
+                    detail=f"steps {step}..{end - 1} are known as one total only (older than the newest {self.kept}, "
+                           "or shipped by an earlier incarnation): each counted as a full step")
         return rewound + estimate
 
 
@@ -975,6 +981,7 @@ class OrchestratorCore:
             self.resumed = True
             self.step = start
             self.train_groups_sent += start * self.settings.groups_per_step
+            self._groups_of_step.resumed(start, self.settings.groups_per_step)  # a world may resume before it
             log.warning("orchestrator.resumed", step=start, max_steps=self.max_steps,
                         ranks={node.labels.get("rank", node.node_id): dict(node.status) for node in nodes})
         return True
