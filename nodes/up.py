@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
 import os
@@ -52,7 +53,7 @@ import threading
 import time
 from array import array
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,6 +84,7 @@ MANAGER_ROLE = "ps-manager"  # the only role whose ``version-bump`` the summary 
 # ps-manager, at most: past it the oldest is dropped (a genuine one comes after its sender's node-up but for
 # the rare reordering of two publishers; a flood from unknown senders costs no more).
 UNCONFIRMED_BUMPS_MAX = 256
+RUN_DIR_LOCK = "up.lock"  # in the run directory: held by the launcher using it (:func:`hold_run_dir`)
 
 
 def _doubles() -> array[float]:
@@ -337,17 +339,48 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     """Run the local cluster (module docstring); the exit status: 0 when the run is ok, 1 when not (or a node
     failed to start), 130 when interrupted; :class:`ConfigError` before anything starts for outputs the run
     could not write (:func:`check_outputs`). A temporary run directory (no ``--run-dir``) is removed at the end
-    whatever happened, unless ``--keep-logs`` (then its path is printed): it holds the secret."""
+    whatever happened, unless ``--keep-logs`` (then its path is printed): it holds the secret. A run directory
+    another launcher uses is a :class:`ConfigError` too (:func:`hold_run_dir`)."""
     check_outputs(args)
     workdir = Path(args.run_dir).absolute() if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        return _run(config, args, workdir)
+        with hold_run_dir(workdir):
+            return _run(config, args, workdir)
     finally:
         if not args.run_dir and args.keep_logs:  # a given run directory is kept (and may be given again)
             print(f"refbus up: run directory kept: {workdir}", flush=True)
         elif not args.run_dir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def hold_run_dir(workdir: Path) -> Iterator[None]:
+    """Hold the run directory ``workdir`` for this launcher while the block runs: an exclusive ``flock`` on its
+    :data:`RUN_DIR_LOCK`, which names the launcher's pid. :class:`ConfigError` (before anything is written
+    there) when another launcher holds it, naming that one's pid, or when the lock file cannot be used. Two
+    launchers on one run directory would each rewrite ``cluster.toml``, which the other's restarted nodes read
+    (another run id, so a durable store restarts empty, and another broker), and remove each other's ready
+    files. The kernel drops the lock with its process however that ends, so a run directory whose launcher
+    was killed is free at once (its pid left in the file means nothing)."""
+    path = workdir / RUN_DIR_LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:  # a symlink (ELOOP), a directory, no permission
+        raise ConfigError(f"--run-dir {workdir}: cannot use its lock file {path}: {exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise ConfigError(f"--run-dir {workdir} is in use by another refbus up (pid "
+                              f"{holder if holder.isdigit() else '?'}): one launcher per run directory; wait "
+                              "for it to end, or give another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _run(config: Config, args: argparse.Namespace, workdir: Path) -> int:

@@ -500,3 +500,43 @@ def test_outputs_the_end_of_a_run_could_not_write_are_refused_before_anything_st
             run_up(load_config(args), args)
         assert _command(load_config(args), args) == 2  # the CLI's: a message, as for a bad config
     assert list(tmp_path.iterdir()) == []  # no run directory made
+
+
+def _up_elsewhere(run_dir: Path) -> int:
+    """A second ``refbus up`` given ``run_dir``, in this process, whose nodes would fail to start (none starts)."""
+    args = build_parser().parse_args(["up", *EPHEMERAL_PORTS, "--run-dir", str(run_dir)])
+    return _command(load_config(args), args)
+
+
+def test_a_run_dir_another_launcher_uses_is_refused_untouched_and_free_once_that_launcher_is_killed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, a second launcher given a run directory in use rewrote its cluster.toml (another run id) before
+    anything failed: the first run's restarted nodes read it, and a durable env server restarted empty."""
+    monkeypatch.setattr(LocalCluster, "start", _failing_start)  # the second launcher starts nothing
+    up = Up(tmp_path, 200)
+    try:
+        up.bus()
+        config = (up.run_dir / "cluster.toml").read_bytes()
+        assert _up_elsewhere(up.run_dir) == 2
+        assert f"is in use by another refbus up (pid {up.proc.pid})" in capsys.readouterr().err
+        assert (up.run_dir / "cluster.toml").read_bytes() == config and up.alive()
+
+        up.proc.kill()  # the kernel drops the lock with the launcher
+        up.proc.wait()
+        assert _up_elsewhere(up.run_dir) == 1  # taken: its start failed, as the stand-in makes it
+        assert "a node failed to start" in capsys.readouterr().out
+    finally:
+        up.close()
+
+
+def test_a_lock_file_left_with_garbage_holds_nothing_and_one_that_cannot_be_used_is_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(LocalCluster, "start", _failing_start)
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / up_module.RUN_DIR_LOCK).write_bytes(b"\xff not a pid \x00")
+    assert _up_elsewhere(tmp_path / "garbage") == 1  # not refused: no process holds it
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / up_module.RUN_DIR_LOCK).symlink_to(tmp_path / "elsewhere")
+    assert _up_elsewhere(tmp_path / "link") == 2
+    assert "cannot use its lock file" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere").exists()
