@@ -93,9 +93,12 @@ class NodeProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_ready(self, timeout: float = 30.0, *, cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """The node's registry entry once it is ready; raises :class:`NodeStartError` if it dies first and
-        :class:`StartCancelled` as soon as ``cancelled()`` is true."""
+    def wait_ready(self, timeout: float = 30.0, *, cancelled: Callable[[], bool] | None = None,
+                   needs: Sequence[NodeProcess] = ()) -> dict[str, Any]:
+        """The node's registry entry once it is ready; raises :class:`NodeStartError` if it, or one of the nodes
+        it ``needs``, dies first (naming the one that died, with its log tail: a node waiting on a dead peer, a
+        trainer rank on its partner's rendezvous, would only time out, blamed), and :class:`StartCancelled` as
+        soon as ``cancelled()`` is true."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if cancelled is not None and cancelled():
@@ -105,6 +108,10 @@ class NodeProcess:
                 return self.info
             if self.proc.poll() is not None:
                 raise NodeStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            for peer in needs:
+                if peer.proc.poll() is not None:
+                    raise NodeStartError(f"{peer.name} exited with {peer.proc.returncode} while {self.name} was "
+                                         f"starting:\n{peer.log_tail()}")
             time.sleep(READY_POLL_S)
         raise NodeStartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 

@@ -291,7 +291,9 @@ class LocalCluster:
                            workdir=self.workdir, name=name)
 
     def wait_ready(self, node: NodeProcess, timeout: float) -> None:
-        node.wait_ready(timeout, cancelled=self.cancelled)
+        """Wait for ``node`` to be ready (start-up only: nothing is restarted yet); :class:`NodeStartError` as soon
+        as it or any node started before it has exited, naming that one."""
+        node.wait_ready(timeout, cancelled=self.cancelled, needs=[other for other in self.nodes if other is not node])
 
     def by_role(self, prefix: str) -> list[NodeProcess]:
         return [node for node in self.nodes if node.name.startswith(prefix)]

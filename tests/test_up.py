@@ -40,6 +40,7 @@ from refbus.nodes.up import LocalCluster, RunRecord, _report, _summary, run_up
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import NodeInfo, NodeUp, StepBatch, VersionBump
 from stalling_entry_points import STALL_ENV
+from test_liveness import free_port
 
 CLI = [sys.executable, "-m", "refbus.nodes.cli"]
 TESTS = Path(__file__).parent
@@ -540,3 +541,20 @@ def test_a_lock_file_left_with_garbage_holds_nothing_and_one_that_cannot_be_used
     assert _up_elsewhere(tmp_path / "link") == 2
     assert "cannot use its lock file" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_node_that_died_while_a_later_one_starts_is_named_at_once_not_the_one_waiting(tmp_path: Path) -> None:
+    """Before, a trainer rank that died while its partner waited in their rendezvous went unnamed: the launcher
+    waited out four connect timeouts and blamed the partner (``trainer-0 not ready``). Here the node waited on
+    is an env server whose broker never answers (it gives up after its connect timeout)."""
+    args = build_parser().parse_args(["up", "--bus-control", f"tcp://127.0.0.1:{free_port()}",
+                                      "--node-connect-timeout-s", "2", "--node-metrics-port", "-1"])
+    cluster = LocalCluster(load_config(args), tmp_path)
+    try:
+        dead = cluster.start("ps-worker-0", "node", "ps-worker", "--no-such-flag", wait=False)
+        assert dead.proc.wait(START_S) == 2  # a usage error: it never starts
+        with pytest.raises(NodeStartError, match=r"(?s)^ps-worker-0 exited with 2 while env-0 was starting:\n.*"
+                                                 r"unrecognized arguments: --no-such-flag"):
+            cluster.start("env-0", "node", "env-server")
+    finally:
+        cluster.stop_all()
