@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the cluster cleanly at any moment.")
     up.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
                     help="cluster TOML (as --config, which is then not to be given too; default: built-in)")
-    up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here (its directory must "
-                    "exist: checked before anything starts)")
+    up.add_argument("--summary-out", metavar="PATH", help="write the summary as JSON here (a file, not a directory, "
+                    "writable, in a directory that exists: checked before anything starts)")
     up.add_argument("--plot-out", metavar="PATH", help="write a PNG plot of reward and fetch time per step here; "
                     "needs matplotlib, the `plot` extra (pip install 'refbus[plot]'): checked before anything "
                     "starts")

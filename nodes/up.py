@@ -319,16 +319,21 @@ class LocalCluster:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse (:class:`ConfigError`) before anything starts what the end of the run could not do: a
     ``--plot-out`` without matplotlib (the ``plot`` extra), a ``--summary-out`` or ``--plot-out`` in a
-    directory that does not exist or cannot be written. Found only at the end, the run would be lost to a
-    traceback."""
+    directory that does not exist or cannot be written, or naming a directory or a file that cannot be written.
+    Found only at the end, the run would be lost to a traceback."""
     for flag, path in (("--summary-out", args.summary_out), ("--plot-out", args.plot_out)):
         if path is None:
             continue
-        directory = Path(path).absolute().parent
+        target = Path(path).absolute()
+        directory = target.parent
         if not directory.is_dir():
             raise ConfigError(f"{flag} {path}: no directory {directory}")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError(f"{flag} {path}: directory {directory} is not writable")
+        if target.is_dir():
+            raise ConfigError(f"{flag} {path} is a directory: name the file to write")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise ConfigError(f"{flag} {path}: the file is not writable")
     if args.plot_out is not None:
         try:
             import matplotlib  # noqa: F401

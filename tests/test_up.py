@@ -489,13 +489,14 @@ def test_a_failed_start_removes_the_temporary_run_directory_unless_kept(
 
 def test_outputs_the_end_of_a_run_could_not_write_are_refused_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before, a --plot-out without the plot extra or a --summary-out in a missing directory was a traceback at
-    the very end of the run (and the run directory stayed)."""
+    """Before, a --plot-out without the plot extra or a --summary-out in a missing directory, or naming a
+    directory, was a traceback at the very end of the run (and the run directory stayed)."""
     monkeypatch.setattr(LocalCluster, "start", _failing_start)  # were the check missed: nothing would start
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an install without the plot extra
     for flags, says in ((["--plot-out", str(tmp_path / "p.png")], r"needs matplotlib: install the plot extra"),
-                        (["--summary-out", str(tmp_path / "no-such-dir" / "s.json")], r"no directory .*no-such-dir")):
+                        (["--summary-out", str(tmp_path / "no-such-dir" / "s.json")], r"no directory .*no-such-dir"),
+                        (["--summary-out", str(tmp_path)], r"is a directory: name the file to write")):
         args = build_parser().parse_args(["up", *flags])
         with pytest.raises(ConfigError, match=says):
             run_up(load_config(args), args)
