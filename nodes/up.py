@@ -351,7 +351,10 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     check_outputs(args)
     workdir = Path(args.run_dir).absolute() if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file of that name, a parent that is one, no permission
+            raise ConfigError(f"--run-dir {workdir}: cannot be made a directory: {exc}") from None
         with hold_run_dir(workdir):
             return _run(config, args, workdir)
     finally:

@@ -504,6 +504,17 @@ def test_outputs_the_end_of_a_run_could_not_write_are_refused_before_anything_st
     assert list(tmp_path.iterdir()) == []  # no run directory made
 
 
+def test_a_run_dir_that_names_a_file_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a --run-dir naming a file (or under one) ended in a FileExistsError traceback, exit 1."""
+    monkeypatch.setattr(LocalCluster, "start", _failing_start)  # were the check missed: nothing would start
+    (tmp_path / "a-file").write_text("not a directory")
+    for run_dir in (tmp_path / "a-file", tmp_path / "a-file" / "under"):
+        args = build_parser().parse_args(["up", "--run-dir", str(run_dir)])
+        with pytest.raises(ConfigError, match=rf"--run-dir {run_dir}: cannot be made a directory"):
+            run_up(load_config(args), args)
+        assert _command(load_config(args), args) == 2
+
+
 def _up_elsewhere(run_dir: Path) -> int:
     """A second ``refbus up`` given ``run_dir``, in this process, whose nodes would fail to start (none starts)."""
     args = build_parser().parse_args(["up", *EPHEMERAL_PORTS, "--run-dir", str(run_dir)])
