@@ -586,14 +586,25 @@ def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopF
         cluster.wait_ready(rank, cluster.config.node.connect_timeout_s * 4)
     for i in range(up.rollouts):
         cluster.start(f"rollout-{i}", "node", "rollout")
+    wait_first_version(cluster, record, stop)
+    cluster.start("orchestrator", "node", "orchestrator")
+
+
+def wait_first_version(cluster: LocalCluster, record: RunRecord, stop: _StopFlag) -> None:
+    """Wait, at most four connect timeouts, for the trainers' version 0 of the weights. Raises
+    :class:`NodeStartError` when it does not come, or at once, naming it with its log tail, when a node started
+    so far exits meanwhile (a ps-worker the trainers push to, a rank: waiting on would only time out, unnamed);
+    :class:`StartCancelled` on a stop."""
     deadline = time.monotonic() + cluster.config.node.connect_timeout_s * 4
     while not (record.versions or stop.requested or time.monotonic() > deadline):
+        if (dead := next((node for node in cluster.nodes if node.proc.poll() is not None), None)) is not None:
+            raise NodeStartError(f"{dead.name} exited with {dead.proc.returncode} while the trainers published "
+                                 f"version 0 of the weights:\n{dead.log_tail()}")
         stop.wait(0.05)
     if stop.requested:
         raise StartCancelled("orchestrator")
     if not record.versions:
         raise NodeStartError("the trainers did not publish version 0 of the weights in time")
-    cluster.start("orchestrator", "node", "orchestrator")
 
 
 def _wait_until(record: RunRecord, condition: Callable[[Ledger], bool], timeout_s: float) -> None:

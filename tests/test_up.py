@@ -36,7 +36,7 @@ from refbus.nodes.launch import NodeProcess, NodeStartError
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.nodes.supervisor import BROKER
-from refbus.nodes.up import LocalCluster, RunRecord, _report, _summary, run_up
+from refbus.nodes.up import LocalCluster, RunRecord, _report, _StopFlag, _summary, run_up, wait_first_version
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import NodeInfo, NodeUp, StepBatch, VersionBump
 from stalling_entry_points import STALL_ENV
@@ -568,5 +568,9 @@ def test_a_node_that_died_while_a_later_one_starts_is_named_at_once_not_the_one_
         with pytest.raises(NodeStartError, match=r"(?s)^ps-worker-0 exited with 2 while env-0 was starting:\n.*"
                                                  r"unrecognized arguments: --no-such-flag"):
             cluster.start("env-0", "node", "env-server")
+        # The same while the trainers' version 0 is awaited: the node that died is named at once.
+        with pytest.raises(NodeStartError, match=r"(?s)^ps-worker-0 exited with 2 while the trainers published "
+                                                 r"version 0 of the weights:\n.*--no-such-flag"):
+            wait_first_version(cluster, RunRecord(), _StopFlag())
     finally:
         cluster.stop_all()
