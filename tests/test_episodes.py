@@ -160,6 +160,44 @@ def test_a_score_that_is_not_a_finite_number_fails_its_run(bus: tuple[NodeProces
         orchestrator.close()
 
 
+def test_a_run_sent_again_while_it_runs_is_generated_scored_kept_and_answered_once(
+        bus: tuple[NodeProcess, str], env_server: Any) -> None:
+    """Regression: a run's request sent again while unanswered (a client's retry: a deferred reply is never
+    cached, so the server runs it again) generated twice; a second generation arriving while the first was
+    scored replaced it, and the first's score was kept with the second's tokens (a wrong answer kept with the
+    right one's reward). Now the repeat of a run still running is ignored: its one answer comes when it ends."""
+    runner, endpoint = env_server
+    kept: list[dict[str, Any]] = []
+    keep = runner.env_server.keep
+
+    def recorded_keep(episode_id: str, branches: Any, **kwargs: Any) -> Any:
+        kept.append(kwargs["info"])
+        return keep(episode_id, branches, **kwargs)
+
+    runner.env_server.keep = recorded_keep
+    orchestrator = Client(runner.runtime.ctx, endpoint, WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-twice")
+    try:
+        wait_for(lambda: runner.rollouts, 10 * REFRESH_S + 5, "the rollout in the registry")
+        sent, frames = orchestrator.encode(Run(episode_id="ep-twice", group="g", prompt=[3]))
+        assert orchestrator.try_send(frames, Run.kind) and orchestrator.try_send(frames, Run.kind)  # the same twice
+        after = run_async(orchestrator, "ep-after", prompt=5)  # served after the repeat: one connection, in order
+        wait_for(lambda: len(rollout.held) >= 2, 5, "two generations at the rollout")
+        assert [ask.prompt for _, ask in rollout.held] == [[3], [5]]
+        rollout.answer(0)
+        rollout.answer(1)
+        for msg_id in (sent, after):  # scored in turn
+            reply = answer_to(orchestrator, msg_id)
+            assert isinstance(reply.body, Ok), reply.body
+        assert orchestrator.recv(int(GENERATE_TIMEOUT_S * 1000)) is None  # answered once (its deadline passed)
+        assert sorted((info["samples"][0]["input_ids"], info["reward"]) for info in kept) == [([3, 4], 1.0),
+                                                                                               ([5, 6], 1.0)]
+        assert len(rollout.held) == 2
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+
+
 def test_a_keep_over_budget_waits_for_room_instead_of_wasting_its_generation(bus: tuple[NodeProcess, str]) -> None:
     """Backpressure on the run path: the second episode does not fit until the first is discarded; its run
     waits (retrying the keep) and succeeds. A third that never gets room fails at ``generate_timeout_s``."""

@@ -12,7 +12,9 @@ found in the broker's registry, refreshed every ``rollout_refresh_s`` by an asyn
 so a broker that stops answering never stalls the loop: what is known is kept until it answers again; a
 run that arrives while no worker is known waits for the next answer, then fails ``no-rollout`` if there
 is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is
-answered with an error; nothing is kept for it. The score function is user code: it runs on
+answered with an error; nothing is kept for it. A run's request sent again while the run still runs (a client's
+retry: a deferred reply is never cached) is ignored: it is generated once, and answered once when it ends. The
+score function is user code: it runs on
 an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
 (a score that raises, ``sys.exit()`` included, or returns NaN or an infinity, fails its run with
 ``score-failed``). The run's deadline, ``generate_timeout_s`` from its arrival, covers its score too: a run
@@ -97,6 +99,8 @@ class EpisodeRunner:
         run = request.body
         assert isinstance(run, Run)
         pending = self.env_server.server.pending
+        if pending in self.arrived:  # sent again while it runs (a client's retry: a deferred reply is never cached)
+            return None  # its one answer comes when the run ends
         self.arrived[pending] = time.monotonic()
         if self.rollouts:
             self._dispatch(run, pending)
