@@ -16,8 +16,9 @@ point deletes at that moment, with its reason:
 reason           when
 ================ ====================================================================================
 ``filtered``     a complete group whose advantages are all zero (nothing to learn)
-``stale``        a queued sample older than ``max_staleness`` versions when its step is packed, or of a
-                 version a restarted trainer world retired (above the step it resumed from)
+``stale``        a queued sample more than ``max_staleness`` versions behind the weights that train its step
+                 (version K trains step K) when the step is packed, or of a version above them (one a
+                 restarted trainer world retired: above the step it resumed from)
 ``eval``         every eval episode (scored, never trained)
 ``incomplete``   a group still incomplete after ``group_timeout_s``, or whose answered runs' episodes did not
                  come within ``group_timeout_s`` plus ``node.restart_grace_s`` of their answers (events lost)

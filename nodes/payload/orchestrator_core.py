@@ -70,8 +70,9 @@ Decisions and their rules:
   every old rank was reported down and ``restart_grace_s`` (plus a quarter of it, the stores' reclaim
   period) has passed since: the stores have reclaimed what the old world held by then, and cannot take
   the new world's blobs for it. It then continues at step K with policy version K (the new lineage's first
-  version): the groups shipped in steps >= K give their admission slots back, and queued samples of
-  versions above K (the retired lineage's) are dropped as ``stale``. No new world by then: it halts,
+  version): the groups shipped in steps >= K give their admission slots back, and samples of versions
+  above K (the retired lineage's), queued or arriving later, are dropped as ``stale``. No new world by then:
+  it halts,
   naming the ranks. Ranks that leave once the last step's version is committed have finished: no wait.
 * **Start and end.** No run is dispatched before a policy version exists (a ``version-bump``, or the
   parameter server's version learned otherwise: :meth:`~OrchestratorCore.on_version`). A run refused

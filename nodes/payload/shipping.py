@@ -277,7 +277,9 @@ class TrainSink:
         (reason ``stale``): those weights are version ``step`` (every step pushes the next version; a world
         resumed at step K pushes version K), or ``policy_version`` (the latest known) if that is ahead. Measured
         against ``policy_version`` alone, which lags the step while earlier steps still train, a sample could
-        train up to twice ``max_staleness`` versions behind. Returns the
+        train up to twice ``max_staleness`` versions behind. A sample of a version above those weights is stale
+        too: no weights of this lineage made it (a world resumed at K retired the versions above K; a run in
+        flight then, or a group still open, brings samples of them later). Returns the
         shipment (the caller delivers it), or None when nothing is left to ship. The shipped groups leave
         the queue; their blobs stay held until a rank acknowledges its batch.
 
@@ -289,8 +291,8 @@ class TrainSink:
         trains_from = max(step, policy_version)
         fresh_groups = []
         for group in self.queue:
-            fresh = [s for s in group if trains_from - s.policy_version <= self.max_staleness]
-            self.drop((s for s in group if trains_from - s.policy_version > self.max_staleness), "stale")
+            fresh = [s for s in group if 0 <= trains_from - s.policy_version <= self.max_staleness]
+            self.drop((s for s in group if not 0 <= trains_from - s.policy_version <= self.max_staleness), "stale")
             if fresh:
                 fresh_groups.append(fresh)
             else:
