@@ -95,6 +95,13 @@ class Up:
         wait_for(lambda: self.alive() and ready.exists(), START_S, "the broker of refbus up ready")
         return json.loads(ready.read_text())
 
+    def started(self) -> None:
+        """Wait until the launcher has started every node: the orchestrator, started last, is ready. Its
+        ``cluster.toml`` changes no more after that but at a trainer world's restart (each start pins what the
+        nodes started after it must find)."""
+        ready = self.run_dir / "orchestrator.ready.json"
+        wait_for(lambda: self.alive() and ready.exists(), START_S, "every node of refbus up started")
+
     def note_pids(self) -> dict[str, int]:
         """Record the pid of every node whose ready file exists now (a node removes it when it stops)."""
         for path in self.run_dir.glob("*.ready.json"):
@@ -528,7 +535,7 @@ def test_a_run_dir_another_launcher_uses_is_refused_untouched_and_free_once_that
     monkeypatch.setattr(LocalCluster, "start", _failing_start)  # the second launcher starts nothing
     up = Up(tmp_path, 200)
     try:
-        up.bus()
+        up.started()  # its own config rewrites done: what changes now is the second launcher's doing
         config = (up.run_dir / "cluster.toml").read_bytes()
         assert _up_elsewhere(up.run_dir) == 2
         assert f"is in use by another refbus up (pid {up.proc.pid})" in capsys.readouterr().err
