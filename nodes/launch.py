@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,6 +44,15 @@ class StartCancelled(Exception):
 
 class NodeStartError(RuntimeError):
     """A node exited or did not become ready in time; the message ends with its log tail."""
+
+
+def raise_if_exited(nodes: Iterable[NodeProcess], awaited: str) -> None:
+    """Raise :class:`NodeStartError` naming the first of ``nodes`` that has exited, with its exit status and log
+    tail, while ``awaited`` (what the caller waits for, as words: "env-0 was starting"); nothing when all run."""
+    for node in nodes:
+        if node.proc.poll() is not None:
+            raise NodeStartError(f"{node.name} exited with {node.proc.returncode} while {awaited}:\n"
+                                 f"{node.log_tail()}")
 
 
 class NodeProcess:
@@ -108,10 +117,7 @@ class NodeProcess:
                 return self.info
             if self.proc.poll() is not None:
                 raise NodeStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            for peer in needs:
-                if peer.proc.poll() is not None:
-                    raise NodeStartError(f"{peer.name} exited with {peer.proc.returncode} while {self.name} was "
-                                         f"starting:\n{peer.log_tail()}")
+            raise_if_exited(needs, f"{self.name} was starting")
             time.sleep(READY_POLL_S)
         raise NodeStartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 

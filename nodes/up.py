@@ -65,7 +65,7 @@ from ..bus.runtime import NodeRuntime, on_signals
 from ..protocol.envelope import Message
 from ..protocol.messages import Delete, EpisodeFinished, FetchAck, NodeDown, NodeUp, RunEnd, VersionBump
 from .config import Config, ConfigError, to_toml
-from .launch import NodeProcess, NodeStartError, StartCancelled
+from .launch import NodeProcess, NodeStartError, StartCancelled, raise_if_exited
 from .ledger import LOST, Ledger, LedgerReport, Reconciled, reconcile_stores
 from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
@@ -597,9 +597,7 @@ def wait_first_version(cluster: LocalCluster, record: RunRecord, stop: _StopFlag
     :class:`StartCancelled` on a stop."""
     deadline = time.monotonic() + cluster.config.node.connect_timeout_s * 4
     while not (record.versions or stop.requested or time.monotonic() > deadline):
-        if (dead := next((node for node in cluster.nodes if node.proc.poll() is not None), None)) is not None:
-            raise NodeStartError(f"{dead.name} exited with {dead.proc.returncode} while the trainers published "
-                                 f"version 0 of the weights:\n{dead.log_tail()}")
+        raise_if_exited(cluster.nodes, "the trainers published version 0 of the weights")
         stop.wait(0.05)
     if stop.requested:
         raise StartCancelled("orchestrator")
