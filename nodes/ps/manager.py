@@ -420,12 +420,12 @@ class PsManager:
         # reader sent to the dead process's endpoint would find no copy there. Every worker a served copy names,
         # not only those the manifest lists: a worker down at the commit (after it verified its copy) is left
         # out of the manifest's workers, yet serves that copy once it registers again.
-        served = {loc.worker for e in manifest.entries for loc in e.locations if self._serves(loc)}
-        workers = [self.workers[w] for w in sorted(served)]
-        if all(self._serves(loc) for e in manifest.entries for loc in e.locations):
+        served = [[loc for loc in e.locations if self._serves(loc)] for e in manifest.entries]
+        workers = [self.workers[w] for w in sorted({loc.worker for locations in served for loc in locations})]
+        if all(len(locations) == len(e.locations) for e, locations in zip(manifest.entries, served, strict=True)):
             return manifest if workers == manifest.workers else msgspec.structs.replace(manifest, workers=workers)
-        entries = [msgspec.structs.replace(e, locations=[loc for loc in e.locations if self._serves(loc)])
-                   for e in manifest.entries]
+        entries = [msgspec.structs.replace(e, locations=locations)
+                   for e, locations in zip(manifest.entries, served, strict=True)]
         return msgspec.structs.replace(manifest, entries=entries, workers=workers)
 
     # --- push ---------------------------------------------------------------------------------------
