@@ -135,10 +135,7 @@ class EpisodeRunner:
 
     def _finish(self, run: Run, pending: Pending, generated: Generated) -> None:
         """Queue the score of ``generated``, due by the run's deadline (:meth:`_overdue` fails the run then)."""
-        arrived = self.arrived.get(pending)
-        if arrived is None:  # answered already: the same request sent again (its message id) ran twice
-            return
-        deadline = arrived + self.settings.generate_timeout_s
+        deadline = self.arrived[pending] + self.settings.generate_timeout_s  # one generation a run: not answered yet
         self._scoring[pending] = generated
         self.runtime.later(max(deadline - time.monotonic(), 0.0), lambda: self._overdue(run, pending))
         prompt, completion = run.prompt, generated.tokens[len(run.prompt):]  # the job holds no arrays
