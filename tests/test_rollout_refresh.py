@@ -24,8 +24,9 @@ from refbus.nodes.rl import rollout as rollout_module
 from refbus.nodes.rl.rollout import REFRESH_EVERY_S, RolloutWorker
 from refbus.nodes.toy.policy import generate as toy_generate
 from refbus.protocol.envelope import Header, Message, WireCodec
-from refbus.protocol.messages import Error, Generate, VersionBump
+from refbus.protocol.messages import Error, Generate, Ok, VersionBump
 from refbus.protocol.messages_ps import PsState, PsStatus
+from structlog.testing import capture_logs
 
 WAIT_S = 10.0
 
@@ -165,6 +166,22 @@ def test_a_tick_whose_poll_the_manager_does_not_answer_holds_no_generation_up() 
     offload.run_next()  # unanswered too
     worker._want_refresh()
     assert len(calls.pending) == 1 and offload.jobs == []
+
+
+def test_a_poll_answered_with_something_else_is_said_and_the_next_tick_asks_again() -> None:
+    """Garbage for the poll: the manager's endpoint answers ``ps-status`` with a body of another kind. Before,
+    the poll ended in silence, as if the version served were the latest; now it is logged, nothing is pulled,
+    and the next tick polls again."""
+    worker, offload, _, _ = _worker(version=3, silent=True)
+    calls = worker.runtime.calls
+    worker._want_refresh()
+    with capture_logs() as logs:
+        calls.pending.pop()(Message(Ok.kind, Header((1, 0), "m-1", "ps-manager", 0, 0.0), Ok()))
+    assert [(e["event"], e["error"]) for e in logs] == [("weights.poll_failed",
+                                                         "tcp://manager answered ps-status with ok")]
+    assert offload.jobs == []
+    worker._want_refresh()
+    assert len(calls.pending) == 1
 
 
 def test_a_silent_manager_costs_queued_generations_one_refresh_per_tick() -> None:

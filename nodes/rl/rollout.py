@@ -145,6 +145,8 @@ class RolloutWorker:
             return
         if isinstance(outcome, Exception):
             log.warning("weights.poll_failed", error=str(outcome))
+        elif not isinstance(state, PsState):  # a manager of another build, or not a manager: said, the next tick asks
+            log.warning("weights.poll_failed", error=f"{self.manager} answered ps-status with {outcome.kind}")
         self._refreshed(None)
 
     def _refreshed(self, outcome: object) -> None:
