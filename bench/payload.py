@@ -15,7 +15,11 @@ measured in the same run and process tree.
    delays, a GET per blob from a thread pool whose every thread keeps one connection per server open across
    steps (``http.client``), then the same assembly into the same kind of reused buffers (so the comparison
    isolates the transport); its parallelism (1, 2, 4 or 8 threads) is chosen before it is timed, by one
-   untimed warm-up and one step at each. Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http
+   untimed warm-up and one step at each; (c) bare ZeroMQ: the same frames from two processes on a ROUTER each
+   to a DEALER each in the trainer, as many to a message as a default ``fetch`` request asks for, received
+   zero-copy and nothing done with them: the transport's own ceiling, beside raw TCP and beside refbus
+   (informational rows: what refbus's decoding, verification and assembly cost on top of ZeroMQ, and what
+   ZeroMQ costs on top of TCP). Goals: >= 80% of raw at 4 MiB and >= 50% at 64 KiB; >= 1.2x http
    at 4 MiB and >= 5x at 64 KiB (the http rows name the raw figure too). An informational row shows refbus
    until every blob is received and verified (before assembly copies the uint8 rows into the batch tensors).
 2. **memory**: peak RSS of an orchestrator-like child (a request server on the refbus wire that holds what it
@@ -271,6 +275,41 @@ def raw_fetch(ch: Channel, peers: list[tuple[str, int]], nbytes: int, repeats: i
     return seconds[1:]
 
 
+def zmq_fetch(ch: Channel, peers: list[tuple[str, int]], count: int, nbytes: int, repeats: int) -> list[float]:
+    """The transport's own ceiling: ``count`` frames of ``nbytes`` per step, half from each of ``peers``
+    (``zmq_peer`` s, a DEALER to each in one context, as a rank has one client per env server), received zero-copy
+    and held to the end of the step as a fetch holds its frames, nothing else done with them; ``repeats + 1``
+    steps (the first a warm-up), each one's frames checked off the clock as the raw pull's bytes are."""
+    ctx = zmq.Context()
+    socks = [make_socket(ctx, zmq.DEALER, connect=f"tcp://{host}:{port}") for host, port in peers]
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    share = count // len(peers)
+    seconds = []
+    try:
+        for _ in range(repeats + 1):
+            frames: list[zmq.Frame] = []
+            start = time.perf_counter()
+            for sock in socks:
+                sock.send(b"g")
+            while len(frames) < share * len(peers):
+                ready = dict(poller.poll(WAIT_S * 1000))
+                if not ready:
+                    raise BenchError("bare ZeroMQ: no frames within the wait")
+                for sock in ready:
+                    frames += sock.recv_multipart(copy=False)
+            seconds.append(time.perf_counter() - start)
+            if any(len(frame) != nbytes or np.count_nonzero(np.frombuffer(frame, np.uint8) != RAW_BYTE)
+                   for frame in frames):
+                raise BenchError("bare ZeroMQ delivered wrong frames")
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+    return seconds[1:]
+
+
 def http_fetch(ch: Channel, batches: list[MicroBatchRefs], servers: dict[str, tuple[str, int]],
                indexes: dict[str, int], nbytes: int, parallel: int, repeats: int) -> list[float]:
     """The HTTP design at its best: one GET per blob (``servers``: blob id -> the server's address and port)
@@ -324,6 +363,35 @@ def http_fetch(ch: Channel, batches: list[MicroBatchRefs], servers: dict[str, tu
 
 
 # --- tasks: baseline servers -----------------------------------------------------------------------------
+
+
+def zmq_peer(ch: Channel, count: int, nbytes: int, runs: int, bind: str) -> None:
+    """The bare-ZeroMQ ceiling's far end, a ROUTER on a port of ``bind`` (its port reported first): for each
+    order, ``count`` frames of ``nbytes`` of ``RAW_BYTE`` sent zero-copy as refbus's replies carry them, as
+    many to a message as a default ``fetch`` request asks for (``FetchSettings``: at most ``blobs_per_request``
+    and about ``request_bytes``)."""
+    from refbus.nodes.payload.fetcher import FetchSettings
+
+    settings = FetchSettings()
+    per_message = max(1, min(settings.blobs_per_request, -(-settings.request_bytes // nbytes)))
+    frames = [np.full(nbytes, RAW_BYTE, dtype=np.uint8) for _ in range(count)]
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, bind=f"tcp://{bind}:0")
+    sock.sndhwm = 0  # a step's frames go out at once, as a fetch's window of requests would have them
+    try:
+        ch.send(int(bound_endpoint(sock).rpartition(":")[2]))
+        for _ in range(runs):
+            if not sock.poll(WAIT_S * 1000):
+                raise BenchError("bare ZeroMQ client went away")
+            identity, _ = sock.recv_multipart()
+            for first in range(0, count, per_message):
+                part = frames[first : first + per_message]
+                sock.send_multipart([identity, *part], copy=False)
+    finally:
+        sock.close(linger=int(WAIT_S * 1000))
+        ctx.term()
+
+
 
 
 class _BlobHandler(http.server.BaseHTTPRequestHandler):
@@ -536,6 +604,14 @@ def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: 
         for server in servers:
             server.result()
 
+        # The same frames over bare ZeroMQ from the same two processes: what the transport itself reaches.
+        for server in servers:
+            server.submit(zmq_peer, count // len(servers), nbytes, repeats + 1, where.bind)
+        peers = [(where.server_address(i), server.message()) for i, server in enumerate(servers)]
+        bare = min(trainer.call(zmq_fetch, peers, count, nbytes, repeats, timeout_s=WAIT_S * (repeats + 1)))
+        for server in servers:
+            server.result()
+
         # Each HTTP server holds the blobs its env server keeps (even indexes on the first, odd on the second).
         halves = ({i: n for i, n in indexes.items() if n % 2 == 0}, {i: n for i, n in indexes.items() if n % 2})
         addresses: dict[str, tuple[str, int]] = {}
@@ -565,8 +641,13 @@ def bench_fetch(settings: Settings, where: Placement, trainer: Worker, servers: 
                 1.2 if big else 5.0),
             Row(section, f"{label} → received + verified (vs raw TCP)", "GB/s", total / transfer / 1e9,
                 total / raw / 1e9, None),
+            Row(section, f"{label} → bare ZeroMQ frames received, nothing done with them (vs raw TCP)", "GB/s",
+                total / bare / 1e9, total / raw / 1e9, None),
+            Row(section, f"{label} → assembled (vs bare ZeroMQ frames received)", "GB/s", total / ours / 1e9,
+                total / bare / 1e9, None),
         ]
-        figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw, "http_s": http_s,
+        figures[label] = {"refbus_s": ours, "refbus_transfer_s": transfer, "raw_s": raw, "zmq_s": bare,
+                          "http_s": http_s,
                           "http_parallel": best_parallel,
                           "http_calibration_s": {str(p): s for p, s in calibration.items()},
                           "bytes": total, "samples_checked": checked}

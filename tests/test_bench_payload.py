@@ -1,11 +1,14 @@
 """The payload bench's fetch check: every step of a real ``StepFetcher`` (fake env servers in this process,
 real sockets) lands in buffers filled with a sentinel first and is checked against each blob's own bytes, so a
 fetch that writes nothing into buffers an earlier step filled correctly, or swaps two blobs, fails the bench
-instead of passing. Also: the orchestrator child's peak RSS is its own, not its parent's."""
+instead of passing. The bare-ZeroMQ baseline's frames are checked the same way. Also: the orchestrator child's peak
+RSS is its own, not its parent's."""
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +19,7 @@ from refbus.nodes.payload.branch import Branch
 from test_fetcher import FakeEnvServer, start_env_server
 
 from bench import payload
-from bench.harness import MIB, BenchError, workers
+from bench.harness import MIB, WAIT_S, BenchError, workers
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -93,3 +96,40 @@ def test_the_orchestrator_childs_peak_rss_is_its_own_not_its_parents() -> None:
         child.tell("stop")
         assert child.result() < ballast.nbytes // 2
     del ballast
+
+
+class _Reports:
+    """What a baseline server task reports to its parent, as a bench worker's channel carries it; ``then`` runs
+    after each report."""
+
+    def __init__(self, then: Callable[[], None] = lambda: None) -> None:
+        self.values: queue.Queue[Any] = queue.Queue()
+        self._then = then
+
+    def send(self, value: Any) -> None:
+        self.values.put(value)
+        self._then()
+
+
+def bare_zmq_steps(steps: int, *, then: Callable[[], None] = lambda: None) -> list[float]:
+    """``steps`` steps of the bare-ZeroMQ baseline against a ``zmq_peer`` on a thread of this process (real
+    sockets); the timed steps' seconds."""
+    reports = _Reports(then)
+    peer = threading.Thread(target=payload.zmq_peer, args=(reports, BLOBS, BLOB_BYTES, steps, "127.0.0.1"))
+    peer.start()
+    try:
+        port = reports.values.get(timeout=WAIT_S)
+        return payload.zmq_fetch(None, [("127.0.0.1", port)], BLOBS, BLOB_BYTES, steps - 1)
+    finally:
+        peer.join(WAIT_S)
+        assert not peer.is_alive()
+
+
+def test_the_bare_zeromq_baseline_receives_every_frame_of_every_step() -> None:
+    assert len(bare_zmq_steps(STEPS)) == STEPS - 1
+
+
+def test_the_bare_zeromq_baseline_fails_on_frames_with_other_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peer has built its frames when it reports its port: from then on the receiver expects other bytes.
+    with pytest.raises(BenchError, match="bare ZeroMQ delivered wrong frames"):
+        bare_zmq_steps(1, then=lambda: monkeypatch.setattr(payload, "RAW_BYTE", payload.RAW_BYTE + 1))
