@@ -1287,6 +1287,31 @@ def test_an_episode_finished_that_comes_again_is_never_grouped_twice_nor_deletes
     assert sorted(core.holdings.held) == ["b-g1-0", "b-g1-1"] and not core.sink.dropped["late"]
 
 
+def test_a_repeat_of_an_episode_whose_group_closed_is_a_duplicate_and_counts_no_sample_missing() -> None:
+    """A peer's ``episode-finished`` again (not ``again``: a duplicate event) for an episode whose group completed
+    (queued: its claim answered ``already``) or was abandoned (its blob deleted: nothing granted): each is counted a
+    duplicate, no episode, no sample ``missing`` nor ``late``; a new episode of the closed group is still ``late``.
+    Before, each repeat counted an episode and one ``missing`` sample, as if its blob had been lost."""
+    core = OrchestratorCore(settings(groups_per_step=2), DEADLINES)
+    done = [episode(f"g1-{member}", "g1", reward) for member, reward in enumerate((1.0, 0.0))]
+    for ep in done:
+        core.on_episode(T0, ep, ep.refs)
+    dropped = episode("g2-0", "g2", 1.0)
+    core.on_episode(T0, dropped, dropped.refs)
+    assert deletes(core.on_episode(T0, dropped, [])) == {}  # duplicate while open
+    core.abandon(T0, "g2")
+    assert deletes(core.tick(T0)) == {"incomplete": ["b-g2-0"]} and list(core.closed_groups) == ["g1", "g2"]
+    with capture_logs() as logs:
+        assert deletes(core.on_episode(T0 + 1, done[0], done[0].refs)) == {}  # granted ``already``: held here
+        assert deletes(core.on_episode(T0 + 1, dropped, [])) == {}  # deleted ``incomplete``: nothing granted
+    assert [entry["episode_id"] for entry in logs if entry["event"] == "episode.duplicate"] == ["g1-0", "g2-0"]
+    assert (core.episodes, core.duplicate_episodes) == (3, 3)
+    assert core.sink.dropped["missing"] == 0 and core.sink.dropped["late"] == 0
+    assert [[s.sample_id for s in group] for group in core.sink.queue] == [["g1-0/0", "g1-1/0"]]
+    straggler = episode("g1-2", "g1", 0.5)
+    assert deletes(core.on_episode(T0 + 1, straggler, straggler.refs)) == {"late": ["b-g1-2"]}
+
+
 def test_an_episode_with_no_blob_granted_never_halts_the_run_on_the_size_it_claims() -> None:
     """A store of 10 episodes' budget, steps of 2 groups of 2. An episode whose blobs no store granted (a forged
     one: a TiB at that store's endpoint) is fed: admission still counts the charge the kept episodes had, and runs

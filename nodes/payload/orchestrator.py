@@ -22,7 +22,7 @@ reason           when
 ``eval``         every eval episode (scored, never trained)
 ``incomplete``   a group still incomplete after ``group_timeout_s``, or whose answered runs' episodes did not
                  come within ``group_timeout_s`` plus ``node.restart_grace_s`` of their answers (events lost)
-``late``         an episode of a group that was already completed or dropped
+``late``         an episode of a group that was already completed or dropped (a repeat of one it had is ignored)
 ``max_steps``    anything arriving after the last step was shipped
 ``missing``      (counted, nothing to delete) a sample whose blob was gone before it could be claimed
 ``unreferenced`` a claimed blob no sample of its episode's record points to (more branches than samples, a

@@ -15,9 +15,10 @@ Decisions and their rules:
   A closed group is remembered for :attr:`~OrchestratorCore.closed_horizon_s` (past any straggler's
   arrival); a straggler after that opens a new group, which times out and is deleted ``incomplete``. An
   episode's ``episode-finished`` that comes again (any peer may publish one) is never grouped twice: ignored while
-  its group is open (counted, logged ``episode.duplicate``); and blobs held here already are never an episode's to
-  take or drop (a claim repeated by its holder is answered ``already``: they are an earlier episode's, maybe
-  queued for a step), so one that comes after its group closed deletes nothing ``late``. A restarted store's
+  its group is open or remembered closed (counted, logged ``episode.duplicate``; none of its samples counted
+  ``missing``); and blobs held here already are never an episode's to take or drop (a claim repeated by its holder
+  is answered ``already``: they are an earlier episode's, maybe queued for a step), so a repeat after its group
+  was forgotten deletes nothing ``late``. A restarted store's
   repeat (``again``: its first process may have died before the event left) of which nothing new was granted is
   an episode taken here already, or gone: ignored.
 * **Malformed records.** An episode's record is checked before its claimed blobs are taken (a finite
@@ -452,13 +453,14 @@ class OrchestratorCore:
         self.policy_version = 0
         self.step = 0  # the next step number; a step counts once packed
         self.groups: dict[str, _Group] = {}
-        # group id -> when it closed (completed or abandoned): its stragglers are deleted ``late``. Forgotten
-        # after closed_horizon_s (tick), so the map follows the groups of the last few minutes, not the run.
-        self.closed_groups: dict[str, float] = {}
+        # group id -> when it closed (completed or abandoned) and the episodes it had then: its stragglers are
+        # deleted ``late``, its episodes' repeats ignored. Forgotten after closed_horizon_s (tick), so the map follows
+        # the groups of the last few minutes, not the run.
+        self.closed_groups: dict[str, tuple[float, frozenset[str]]] = {}
         self.episodes = 0
         self.abandoned_groups = 0
         self.malformed_episodes = 0  # records that could not be trained as they came: deleted ``malformed``
-        self.duplicate_episodes = 0  # episodes fed again while their group was open: ignored
+        self.duplicate_episodes = 0  # episodes fed again while their group was open or remembered closed: ignored
         self.unreferenced_blobs = 0  # claimed blobs no sample of their record points to: deleted ``unreferenced``
         self.delivery: _Delivery | None = None
         self.redeliveries = 0
@@ -556,7 +558,7 @@ class OrchestratorCore:
             return []
         info = episode.info
         group_id = str(info.get("group", episode.episode_id))
-        if (open_group := self.groups.get(group_id)) is not None and episode.episode_id in open_group.members:
+        if episode.episode_id in self._members(group_id):
             return self._duplicate(episode, group_id, claimed)
         self._answered.pop(episode.episode_id, None)
         self.episodes += 1
@@ -585,10 +587,18 @@ class OrchestratorCore:
                 self._complete(now, group_id)
         return self._ship_ready(now)
 
+    def _members(self, group_id: str) -> Collection[str]:
+        """The episodes group ``group_id`` has: open, or closed and still remembered (empty: neither)."""
+        if (group := self.groups.get(group_id)) is not None:
+            return group.members
+        closed = self.closed_groups.get(group_id)
+        return closed[1] if closed is not None else ()
+
     def _duplicate(self, episode: EpisodeFinished, group_id: str, claimed: Collection[BlobRef]) -> list[Action]:
-        """``episode`` is in its open group already (its ``episode-finished`` came again): counted and logged, never
-        grouped twice (its reward twice in the group's advantages, its samples twice in a step). What its claims
-        granted now that the first one's did not went on without it: deleted (``claim-failed``)."""
+        """``episode`` is in its group already, open or closed (its ``episode-finished`` came again): counted and
+        logged, never grouped twice (its reward twice in the group's advantages, its samples twice in a step) nor
+        taken as a straggler (its samples counted ``missing``, the blobs it holds here never its to drop). What its
+        claims granted now that the first one's did not went on without it: deleted (``claim-failed``)."""
         self.duplicate_episodes += 1
         log.warning("episode.duplicate", episode_id=episode.episode_id, group=group_id, source=episode.source)
         return self.claimed_late(list(claimed))
@@ -1012,7 +1022,6 @@ class OrchestratorCore:
         what arrived; its stragglers are deleted as ``late`` when they come."""
         if group_id in self.closed_groups:
             return
-        self.closed_groups[group_id] = now
         self._admitted.pop(group_id, None)
         self.abandoned_groups += 1
         for member in range(self.settings.group_size):  # answered runs whose episodes will not be counted now
@@ -1020,6 +1029,7 @@ class OrchestratorCore:
                 self.router.release(episode_id)
                 self._answered.pop(episode_id, None)
         group = self.groups.pop(group_id, None)
+        self.closed_groups[group_id] = (now, frozenset(group.members) if group is not None else frozenset())
         if group is not None:
             self.sink.drop((s for _, samples in group.episodes for s in samples), "incomplete")
 
@@ -1127,13 +1137,13 @@ class OrchestratorCore:
         closed = self.closed_groups
         while closed:
             group_id = next(iter(closed))
-            if closed[group_id] > horizon:
+            if closed[group_id][0] > horizon:
                 break
             del closed[group_id]
 
     def _complete(self, now: float, group_id: str) -> None:
         group = self.groups.pop(group_id)
-        self.closed_groups[group_id] = now
+        self.closed_groups[group_id] = (now, frozenset(group.members))
         prompt = self._admitted.pop(group_id, None)
         rewards = np.array([reward for reward, _ in group.episodes], dtype=np.float64)
         if prompt is not None and self.prompts is not None:
