@@ -793,9 +793,10 @@ def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_ep
         bus: tuple[NodeProcess, str]) -> None:
     """A real env server keeps an episode; a peer publishes its ``episode-finished`` again, word for word, once its
     group is queued for a step: the orchestrator's claim is answered ``already`` (it holds the blob), and
-    the repeat deletes nothing and counts nothing but a duplicate. Before, it was taken as a straggler of the
-    closed group and its blob, queued to ship, deleted ``late`` at the store: the step would have named a deleted
-    blob; later it counted an episode more and one sample ``missing``."""
+    the repeat deletes nothing and counts nothing but a duplicate: no blob claimed, no episode, no sample ``missing``.
+    Before, it was taken as a straggler of the closed group and its blob, queued to ship, deleted ``late`` at the
+    store: the step would have named a deleted blob; later it counted an episode more and one sample ``missing``,
+    and the blob answered ``already`` as claimed a second time."""
     repeater, env, orchestrator = _peer_store_and_orchestrator(bus[1], "repeater", "d", groups_per_step=2)
     env_runtime = env.runtime
     held = orchestrator.core.holdings.held
@@ -812,6 +813,7 @@ def test_an_episode_finished_published_again_neither_regroups_nor_deletes_the_ep
         assert [[s.sample_id for s in group] for group in orchestrator.core.sink.queue] == [["e0/0", "e0b/0"]]
         core = orchestrator.core
         assert (core.episodes, core.duplicate_episodes, core.sink.dropped["missing"]) == (3, 1, 0)
+        assert (orchestrator.claimed, orchestrator.missing) == (3, 0)
 
 
 def test_a_restarted_stores_repeat_of_an_episode_taken_already_counts_nothing(bus: tuple[NodeProcess, str]) -> None:

@@ -230,7 +230,7 @@ class Orchestrator:
                                "ships; set orchestrator.group_size to 2 or more to train")
         # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
         self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
-        self.claimed = 0
+        self.claimed = 0  # blobs newly granted to this node (not those a repeated claim is answered ``already`` for)
         self.missing = 0
         self.deleted: Counter[str] = Counter()
         self.failed_deletes = 0
@@ -429,11 +429,19 @@ class Orchestrator:
             claimed = reply.body
             assert isinstance(claimed, Claimed)
             granted.update(claimed.blob_ids)
-            self.claimed += len(claimed.blob_ids)
             self.missing += len(claimed.missing) + len(claimed.reclaimed)
+        self._count_granted(granted)
         arrival.claimed = [ref for blob_id, ref in refs.items() if blob_id in granted]
         arrival.claims_pending = 0
         self._feed()
+
+    def _count_granted(self, granted: set[str]) -> None:
+        """Count in ``claimed`` the blobs of a claim's answer that are new to this node: a claim repeated by its
+        holder is answered ``already`` (a repeated event; a claim sent again after its answer was lost), and what
+        this node holds, or an episode waiting its turn (or recovered at start) was granted, was counted then."""
+        had = self.core.holdings.held.keys() | {ref.blob_id for arrival in self._arrivals for ref in arrival.claimed}
+        had.update(ref.blob_id for _, refs in self._recovered for ref in refs)
+        self.claimed += len(granted - had)
 
     def _feed(self) -> None:
         """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
@@ -517,7 +525,7 @@ class Orchestrator:
             answer = reply.body
             assert isinstance(answer, Claimed)
             granted = set(answer.blob_ids)
-            self.claimed += len(granted)
+            self._count_granted(granted)
             self.missing += len(answer.missing)
             for episode, refs in wanted:
                 if claimed := [ref for ref in refs if ref.blob_id in granted]:
