@@ -64,6 +64,7 @@ from test_violations import accounted
 
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 WAIT_S = 30.0
+NODE_TIMEOUT_S = 10.0  # a broker's, where a killed store must be judged by its restart's registration, not by it
 HALF_GROUP = OrchestratorSettings(dispatch=False, trainers=1, group_size=2, groups_per_step=1, seq_len=64)
 
 
@@ -224,6 +225,60 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         assert account.held_by == {"orchestrator": 2}, account
     finally:
         orchestrator_runtime.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+
+
+def test_a_claim_whose_grace_ends_as_its_restarted_store_registers_is_sent_again_there_and_granted(
+        spawn, tmp_path: Path) -> None:
+    """The orchestrator's claim of an episode is in flight to its durable store, SIGKILLed as the event left; the
+    store's restarted process registers only after the claim's grace (``node.restart_grace_s``) has ended, under
+    a broker whose node timeout had not yet judged the dead one, so the claim ends then (its store replaced), as
+    the store comes back and re-announces the episode (``again``: dropped, its first event still waiting). The
+    claim is sent again to the restarted process and granted: nothing missing, nothing claimed twice. Before, the
+    claim gave up, the episode went on without its samples, and its blobs were deleted ``claim-failed`` or left to
+    expire unclaimed."""
+    grace_s = 1.0
+    bus = spawn(["node", "bus", "--bus-control", "tcp://127.0.0.1:0", "--bus-events-in", "tcp://127.0.0.1:0",
+                 "--bus-events-out", "tcp://127.0.0.1:0", "--bus-metrics-port", "0", "--bus-heartbeat-interval-s",
+                 "0.2", "--bus-node-timeout-s", str(NODE_TIMEOUT_S)], "bus")
+    control = bus.wait_ready(timeout=WAIT_S)["endpoints"]["control"]
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-g", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "edge", "--env-server-budget-bytes", str(64 << 20),
+               "--env-server-handover-lease-s", "600"]
+    first = spawn(command, "env-g")
+    endpoint = first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(bus=control, node_id="orchestrator", metrics_port=-1,
+                                                          retry=RetryPolicy(timeout_s=WAIT_S, attempts=1)))
+    orchestrator = Orchestrator(runtime, HALF_GROUP, Deadlines(restart_grace_s=grace_s))
+    arrivals, blocked, release = orchestrator._arrivals, threading.Event(), threading.Event()
+    ctx = zmq.Context()
+    runtime.start_background()
+    try:
+        wait_for(lambda: "env-g" in orchestrator._peers.live and not arrivals, WAIT_S, "the orchestrator up")
+        runtime.call_soon(lambda: (blocked.set(), release.wait(WAIT_S)))  # its loop held: the event waits
+        assert blocked.wait(WAIT_S)
+        _keep_half_a_group(ctx, endpoint, seed=5)
+        asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
+        try:
+            wait_for(lambda: any(m.kind == EpisodeFinished.kind for m in asker.replay(src="env-g")), WAIT_S,
+                     "env-g's episode-finished in the broker's ring")
+        finally:
+            asker.close()
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        release.set()
+        wait_for(lambda: arrivals and arrivals[-1].claims_pending, WAIT_S, "the claim sent to the dead store")
+        holds_for(lambda: arrivals and arrivals[-1].claims_pending, grace_s, "the claim in flight")
+        _, probe = _restarted(spawn, command, "env-g-restarted", ctx)
+        core = orchestrator.core
+        wait_for(lambda: core.episodes, WAIT_S, "the episode fed")
+        assert (orchestrator.claimed, orchestrator.missing, core.sink.dropped["missing"]) == (2, 0, 0)
+        account = accounted(probe)
+        probe.close()
+        assert (account.held_by, dict(account.deleted)) == ({"orchestrator": 2}, {}), account
+    finally:
+        release.set()
+        runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
 
 

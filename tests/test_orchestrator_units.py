@@ -19,7 +19,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from polling import wait_for
-from refbus.bus.reqrep import Client, HandlerError, Pending, RetryPolicy, Server
+from refbus.bus.reqrep import Client, HandlerError, PeerDown, Pending, RequestTimeout, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
 from refbus.nodes.launch import NodeProcess
@@ -27,6 +27,7 @@ from refbus.nodes.payload.charges import episode_charge
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.orchestrator import IDLE_LOG_S, Orchestrator
 from refbus.nodes.payload.orchestrator_core import Deadlines
+from refbus.nodes.payload.restarts import StoreRestarts
 from refbus.nodes.payload.shipping import (
     HandedOver,
     ReplicaRouter,
@@ -165,6 +166,30 @@ def test_claims_and_deletes_go_to_where_the_registry_says_the_store_is_now() -> 
     assert group_by_endpoint([moved, kept, unnamed, also_moved], locate) == {
         "tcp://new:9": [moved, also_moved], "tcp://old:2": [kept], "tcp://old:3": [unnamed]}
     assert group_by_endpoint([moved, kept]) == {"tcp://old:1": [moved], "tcp://old:2": [kept]}
+
+
+def test_a_claim_past_its_grace_is_sent_again_only_to_a_store_back_or_awaited_and_only_for_its_bound() -> None:
+    """Within the grace every claim that failed for want of a durable store is sent again; past it, for ``back_s``
+    more, only one whose stores are all back or still awaited (its restarted process registered as the grace
+    ended); past that, none. Answered claims and claims on stores that keep nothing across a restart never are."""
+    back = {"env-back"}
+    restarts = StoreRestarts(lambda node: node != "env-plain", lambda delay, callback: None, wait_s=2.0,
+                             back=back.__contains__, back_s=3.0)
+    claims = {node: Claim(blob_ids=[node], holder="orchestrator") for node in ("env-back", "env-gone", "env-plain")}
+    sent: list[Any] = [((f"tcp://{node}", claim), PeerDown(f"tcp://{node}", "reported down"))
+                       for node, claim in claims.items()]
+    sent.append((("tcp://env-back", Claim(blob_ids=["env-back"], holder="orchestrator")), Claimed(blob_ids=[])))
+    sent.append((("tcp://env-gone", Claim(blob_ids=["env-gone"], holder="orchestrator")), RequestTimeout("none")))
+
+    def again(elapsed_s: float) -> list[str] | None:
+        waiting = restarts.waiting(sent, lambda blob_id: blob_id, elapsed_s)
+        return None if waiting is None else [claim.blob_ids[0] for claim in waiting]
+
+    assert again(1.9) == ["env-back", "env-gone", "env-gone"]
+    assert again(2.0) == again(4.9) == ["env-back"]
+    assert again(5.0) is None
+    back.clear()
+    assert again(2.0) is None
 
 
 @contextlib.contextmanager

@@ -2,15 +2,15 @@
 
 Episodes arrive as ``episode-finished`` events (published by env servers when they keep an episode). The
 orchestrator claims their blobs at once (so their hand-over lease does not run out; a claim that fails on
-a durable store is sent again until its restarted process grants it, within ``node.restart_grace_s``, while
-later events wait their turn), at the stores the registry lists only: a reference naming a node that is no
-env server the registry lists (after one lookup) is not claimed, counted ``missing`` and logged
-(``claim.unregistered_store``), so no endpoint a peer invents costs a socket. A restarted durable store's
-repeat of an episode's event (``again``: its first process may have died before the event left) is claimed
-like any episode unless this node has it already (its blobs held here, or its first event waiting its turn):
-then it is ignored, nothing claimed. It groups episodes,
-computes advantages, and ships steps to the trainer ranks it finds in the broker's registry. Every drop
-point deletes at that moment, with its reason:
+a durable store is sent again until its restarted process grants it, within ``node.restart_grace_s``, and past it
+for one retry schedule while that store is back or still awaited, while later events wait their turn), at the
+stores the registry lists only: a reference naming a node that is no env server the registry lists (after one
+lookup) is not claimed, counted ``missing`` and logged (``claim.unregistered_store``), so no endpoint a peer
+invents costs a socket. A restarted durable store's repeat of an episode's event (``again``: its first process may
+have died before the event left) is claimed like any episode unless this node has it already (its blobs held here,
+or its first event waiting its turn, whose claim goes on while the store is back): then it is ignored, nothing
+claimed. It groups episodes, computes advantages, and ships steps to the trainer ranks it finds in the broker's
+registry. Every drop point deletes at that moment, with its reason:
 
 ================ ====================================================================================
 reason           when
@@ -258,9 +258,11 @@ class Orchestrator:
         StoreReturns(self._peers, runtime.calls, lambda node: bool(self.core.holdings.handed.at(node)),
                      self._hand_over_again)
         self._locate = registry_locator(self._peers.endpoint_of)  # a store restarted on another port is found
-        # A claim that failed against a durable store is sent again until its restarted process answers.
+        # A claim that failed against a durable store is sent again until its restarted process answers: past the
+        # grace too, for one retry schedule, while that store is back or still awaited (_store_back).
         self._restarts = StoreRestarts(lambda node: durable_store(self._peers, node), runtime.later,
-                                       self.core.deadlines.restart_grace_s)
+                                       self.core.deadlines.restart_grace_s, back=self._store_back,
+                                       back_s=runtime.calls.policy.deadline_s)
         d = self.core.deadlines
         # Deletes, and claims sent again to learn what an unanswered one did: the same request until a live store
         # answers (a repeat is answered from its reply cache), not only for the default retry schedule.
@@ -389,9 +391,12 @@ class Orchestrator:
     def _claim(self, arrival: _Arrival, refs: Mapping[str, BlobRef]) -> None:
         """Claim an episode's blobs, one request per store. A claim that failed (down, or unanswered) on a
         durable store is sent again, re-located, every 0.1 s until ``node.restart_grace_s`` after the first
-        (:class:`StoreRestarts`): a restarted process that re-adopted the store grants it (or answers
-        ``already`` when its predecessor had committed it), so a store killed around an episode's end costs
-        no sample. The episode, and every event after it, waits for the outcome."""
+        (:class:`StoreRestarts`), and past it for one retry schedule more while the store is back or still awaited
+        (:meth:`_store_back`): a restarted process that re-adopted the store grants it (or answers ``already``
+        when its predecessor had committed it), so a store killed around an episode's end costs no sample, even
+        one whose restarted process registers as the grace ends (its repeat of the episode, ``again``, is
+        ignored meanwhile: this claim is the episode's). The episode, and every event after it, waits for the
+        outcome."""
         started = time.monotonic()
 
         def claims(blob_ids: Iterable[str]) -> list[tuple[str, Claim]]:
@@ -413,6 +418,14 @@ class Orchestrator:
         arrival.claims_pending = 1
         self._restarts.gather(self.runtime.calls, claims(refs), lambda sent: self._on_claimed(arrival, refs, sent),
                               again=again, relocate=relocate, retry_after=True)
+
+    def _store_back(self, node: str) -> bool:
+        """Whether store ``node`` is back (live in the registry, at an endpoint not marked down) or still awaited
+        (reported down, within its grace): a claim that failed against it may yet be granted there."""
+        if node in self.core.stores_down:
+            return True
+        endpoint = self._peers.endpoint_of(node, "blobs")
+        return endpoint is not None and self.runtime.calls.down_reason(endpoint) is None
 
     def _on_claimed(self, arrival: _Arrival, refs: Mapping[str, BlobRef], sent: list[Sent[Claim]]) -> None:
         replies, failures = split_outcomes(sent)

@@ -4,9 +4,10 @@ A durable env server killed with SIGKILL is restarted under its node id, re-adop
 had acknowledged, with its holder and tombstones) and may listen on another port. A request to it that
 failed meanwhile (``PeerDown``: the registry reported it down; ``RequestTimeout``: nothing answered) is not
 lost: :class:`StoreRestarts` sends it again, re-located to where the store's node id listens then, until
-``node.restart_grace_s`` after it was first sent. Fetches (trainer ranks) and claims (the orchestrator) are
-answered the same however often they arrive (a claim repeated by its holder is ``already``), so they are
-sent again to any process; a delete (trainer ranks) only to another process than the one it went to, which
+``node.restart_grace_s`` after it was first sent (past it, for a caller that says when its store is back or still
+awaited, for one retry schedule more: the orchestrator's claims). Fetches (trainer ranks) and claims (the
+orchestrator) are answered the same however often they arrive (a claim repeated by its holder is ``already``), so
+they are sent again to any process; a delete (trainer ranks) only to another process than the one it went to, which
 answers what its predecessor had committed as done (``repeated``). A request its store answered with
 ``retry_after_s`` (nothing changed) is not this module's: callers ask ``calls`` to send it again
 (``retry_after``), to the same process, within the request's deadline.
@@ -51,23 +52,33 @@ class StoreRestarts:
     """How a request outlives a store's restart: one to a durable store (``durable(node id)``, e.g.
     :func:`durable_store`) that failed (down, or unanswered) is sent again, re-located, every ``poll_s``
     (``later(delay, callback)``: the node loop's timer) until ``wait_s`` after it was first sent
-    (``node.restart_grace_s``). Which failed requests may be sent again, and when, is the caller's rule
-    (:meth:`gather`'s ``again``)."""
+    (``node.restart_grace_s``); past that, for ``back_s`` more (a retry schedule), while ``back(node id)`` says its
+    store is back or still awaited: a restarted process that registers as the wait ends ends the request that went
+    to the dead one then, and would otherwise never be asked. Which failed requests may be sent again, and when,
+    is the caller's rule (:meth:`gather`'s ``again``)."""
 
     durable: Callable[[str], bool]
     later: Callable[[float, Callable[[], None]], None]
     wait_s: float
     poll_s: float = 0.1
+    back: Callable[[str], bool] | None = None
+    back_s: float = 0.0
 
     def waiting(self, sent: Sequence[Sent[B]], node_of: Callable[[str], str], elapsed_s: float) -> list[B] | None:
         """The requests of ``sent`` that failed for want of their store (down, or unanswered) with every blob
-        (``node_of(blob id)``: its store's node id) on a durable store, or None when there are none or
-        ``elapsed_s`` since the first send is past ``wait_s``: the requests a restarted process may still
-        answer."""
-        if elapsed_s >= self.wait_s:
+        (``node_of(blob id)``: its store's node id) on a durable store, and, once ``elapsed_s`` since the first
+        send is past ``wait_s``, one ``back`` says is back or awaited; None when there are none or ``elapsed_s``
+        is past ``wait_s`` plus ``back_s`` (past ``wait_s`` without ``back``): the requests a restarted process
+        may still answer."""
+        if elapsed_s < self.wait_s:
+            store = self.durable
+        elif (back := self.back) is not None and elapsed_s < self.wait_s + self.back_s:
+            def store(node: str) -> bool:
+                return self.durable(node) and back(node)
+        else:
             return None
         return [request for (_, request), outcome in sent if isinstance(outcome, PeerDown | RequestTimeout)
-                and all((node := node_of(blob_id)) and self.durable(node) for blob_id in request.blob_ids)] or None
+                and all((node := node_of(blob_id)) and store(node) for blob_id in request.blob_ids)] or None
 
     def gather(self, calls: Calls, requests: list[tuple[str, R]], done: Callable[[list[Sent[R]]], None], *,
                again: Callable[[list[Sent[R]]], list[R] | None],
