@@ -979,3 +979,31 @@ def test_a_resuming_begin_by_the_same_pusher_starts_a_lineage_instead_of_taking_
     assert manager.leases.get(stale.lease) is None
     pending = manager.versions.pending
     assert pending is not None and pending.version == 0 and 1 not in pending.ranks, pending
+
+
+
+def test_the_segments_a_worker_is_known_to_hold_lose_each_shard_as_its_release_goes_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager's record of the segments a worker holds (what pull grants may name) is pruned as it sends a
+    release: before, every segment a worker ever committed stayed there, growing with every version. A release
+    that goes unanswered prunes it all the same (nothing serves a released shard), and a shard id pruned late
+    (a resend) never takes a segment name the worker reused since for a live shard."""
+    monkeypatch.setattr(manager_module, "RELEASE_AGAIN_S", 0.0)
+    runtime, manager = _manager(replicas=1, retain_versions=2)
+    runtime.call(PsRegister(_worker("w0")))
+    grants = [_push(runtime, version) for version in range(40)]
+    assert manager.held["w0"] == {f"seg-{g.lease}-w0": g.lease for g in grants[-2:]}
+    # Version 37's release (sent at version 39's commit) is not answered: the worker freed its segment all the
+    # same (the reply was lost) and reuses its name for version 40, whose commit releases version 38.
+    (_, release, on_done), = [sent for sent in runtime.sent if isinstance(sent[1], Release)][-1:]
+    assert release.shards == [grants[37].lease]
+    on_done(RequestTimeout("no reply from tcp://w0"))
+    reused = f"seg-{grants[37].lease}-w0"
+    grant = _begin(runtime, 40)
+    tensors = [msgspec.structs.replace(t, checksum=1) for t in grant.tensors]
+    assert runtime.call(ShardCommit(grant.lease, 40, 0, "w0", reused, tensors)).committed
+    runtime.sent.clear()
+    manager._expire()  # version 37's release goes again
+    assert runtime.released("w0") == [grants[37].lease]
+    assert manager.held["w0"] == {f"seg-{grants[39].lease}-w0": grants[39].lease, reused: grant.lease}
+    assert [loc.segment for loc in runtime.call(PullBegin("reader", 40)).manifest.entries[0].locations] == [reused]

@@ -189,10 +189,11 @@ class PsManager:
                          ranks_done=sorted(pending.ranks) if pending else [])
             runtime.shutdown_hooks.append(lambda: journal.close(remove=True))  # a clean stop: nothing to come back to
         self.workers: dict[str, WorkerInfo] = {}
-        # Worker -> the segments it holds: listed at its registration, plus the copies it committed since. A copy
+        # Worker -> segment -> its shard id ("" when its registration named none): the segments it holds, listed
+        # at its registration, plus the copies it committed since, less the shards released to it since. A copy
         # is served only from there (a worker restarted without its store, or this manager restarted, must not
         # send readers to copies nobody holds).
-        self.held: dict[str, set[str]] = {}
+        self.held: dict[str, dict[str, str]] = {}
         # Workers reported down since they last registered: only they have lost their copies for sure. Any other
         # unregistered worker (after a restart of this manager, one that has not registered again yet) may still
         # hold its copies.
@@ -250,7 +251,8 @@ class PsManager:
         info = request.body.worker
         self.workers[info.worker] = info
         self._gone.discard(info.worker)
-        held = self.held[info.worker] = set(request.body.segments)
+        held = self.held[info.worker] = {segment: request.body.shards.get(segment, "")
+                                         for segment in request.body.segments}
         log.info("ps.worker_joined", worker=info.worker, endpoint=info.endpoint, host=info.host,
                  segments=len(request.body.segments))
         # A worker restarted under its id serves the shards it re-adopted from its durable store; a version
@@ -334,6 +336,14 @@ class PsManager:
             self._send_release(worker, ids, 1)
 
     def _send_release(self, worker: str, ids: list[str], attempt: int) -> None:
+        """Send the ``attempt``-th release of ``ids`` to ``worker``, which no longer counts as holding them: nothing
+        is served from a released shard, answered or not (a worker that missed it lists it at its next
+        registration, and is told again)."""
+        held = self.held.get(worker, {})
+        released = set(ids)
+        # By shard id, not segment name: a name the worker reused since for a live shard stays held.
+        for segment in [segment for segment, shard in held.items() if shard in released]:
+            del held[segment]
         info = self.workers.get(worker)
         self._send(worker, Release(ids), lambda outcome: self._released(worker, ids, info, attempt, outcome))
 
@@ -530,7 +540,7 @@ class PsManager:
                 self.workers.values())
         except ManifestError as exc:
             raise self._refusal(exc, commit.lease) from None
-        self.held.setdefault(commit.worker, set()).add(commit.segment)
+        self.held.setdefault(commit.worker, {})[commit.segment] = commit.lease
         # The push lease lives until every copy of the rank is verified: while one is still being written, the
         # pusher's release of it (it gave that copy up) must abort the version, and its expiry too.
         if manifest is not None or self.versions.rank_done(commit.version, commit.rank, commit.lease):
@@ -790,7 +800,7 @@ class PsManager:
             for t in init.root_layout()
         ]
         for worker in init.names:
-            self.held.setdefault(worker, set()).add(init.done[worker].segment)
+            self.held.setdefault(worker, {})[init.done[worker].segment] = init.init_id
         manifest = mf.build(self.versions.next_version(), entries, init.workers)
         try:
             freed = self.versions.commit_init(manifest, [(w, init.init_id) for w in init.names])
