@@ -1007,3 +1007,83 @@ def test_the_segments_a_worker_is_known_to_hold_lose_each_shard_as_its_release_g
     assert runtime.released("w0") == [grants[37].lease]
     assert manager.held["w0"] == {f"seg-{grants[39].lease}-w0": grants[39].lease, reused: grant.lease}
     assert [loc.segment for loc in runtime.call(PullBegin("reader", 40)).manifest.entries[0].locations] == [reused]
+
+
+
+def test_a_long_run_of_failing_pushes_keeps_the_journal_compacted_and_a_restart_recovers_the_same(
+        tmp_path: Path) -> None:
+    """Versions 0 and 1 commit, then hundreds of pushes of version 2 fail (world 2: rank 0 done and journaled,
+    rank 1's pusher gives up, which aborts the version): each leaves records, and no commit comes to compact
+    them. The journal is compacted as records pile up all the same. A manager SIGKILLed right after a
+    compaction that an abort made comes back with the same versions and nothing pending (the aborted rank is
+    not restored); one killed with rank 0 done again comes back with it."""
+    from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS
+
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    def restart(manager: PsManager) -> tuple[_StubRuntime, PsManager]:
+        manager.journal.close(remove=False)  # type: ignore[union-attr]  # SIGKILL: no shutdown hook ran
+        runtime = _StubRuntime()
+        again = PsManager(runtime, PsSettings(replicas=1, retain_versions=2), journal=journal())  # type: ignore[arg-type]
+        assert again.versions.retained() == manager.versions.retained() == [0, 1] and again.versions.latest == 1
+        assert again.versions.stored([0, 1]) == manager.versions.stored([0, 1])
+        assert again.inventory.trainer_version == manager.inventory.trainer_version == 1
+        assert again.versions.done_ranks() == manager.versions.done_ranks()
+        return runtime, again
+
+    runtime = _StubRuntime()
+    manager = PsManager(runtime, PsSettings(replicas=1, retain_versions=2), journal=journal())  # type: ignore[arg-type]
+    runtime.call(PsRegister(_worker("w0")))
+    for version in (0, 1):
+        _push(runtime, version)
+    runtime.call(LeaseRelease(_begin(runtime, 2).lease))  # one abort record: compactions fall on aborts below
+    other = [TensorSpec("b", "float32", [4])]
+    most, failed = 0, 0
+    store = manager.journal.store  # type: ignore[union-attr]
+    while failed == 0 or store.records_since_compact > 0:
+        assert failed < 2 * COMPACT_MIN_RECORDS, "no compaction without a commit"
+        first = _begin(runtime, 2, rank=0, world=2)
+        _seal(runtime, first, 2, "w0", rank=0)
+        second = runtime.call(PushBegin(2, 1, 2, "trainer", other, "h"))
+        most = max(most, store.records_since_compact)
+        assert runtime.call(LeaseRelease(second.lease)).kind == "ok" and manager.versions.pending is None
+        failed += 1
+    assert most <= COMPACT_MIN_RECORDS and (store.path / "journal").stat().st_size < 16 * 1024
+    runtime, manager = restart(manager)
+    assert manager.versions.pending is None
+    runtime.call(PsRegister(_worker("w0", pid=2)))
+    _seal(runtime, _begin(runtime, 2, rank=0, world=2), 2, "w0", rank=0)
+    runtime, manager = restart(manager)
+    assert len(manager.versions.done_ranks()) == 1
+    manager.journal.close(remove=True)  # type: ignore[union-attr]
+
+
+def test_a_compaction_at_a_lineage_start_keeps_the_rewound_trainer_version_and_no_old_batch(tmp_path: Path) -> None:
+    """A consume handed out a batch; then a trainer world resumes at 1, and the journal is compacted at that
+    lineage record: the compacted journal holds the inventory rewound to 1 and no batch handed out, as the
+    manager does, so a restarted manager does not hand the old lineage's batch out again."""
+    from refbus.nodes.ps.manager_journal import COMPACT_MIN_RECORDS
+    from refbus.protocol.messages_ps import Consume, Occupy, Reserve
+
+    def journal() -> ManagerJournal:
+        return ManagerJournal(DurableStore(tmp_path, "run", "ps-manager", budget_bytes=0, what="ps", strict=True))
+
+    settings = PsSettings(replicas=1, eta=0, batch_size=1)
+    runtime, recorder = _StubRuntime(), journal()
+    manager = PsManager(runtime, settings, journal=recorder)  # type: ignore[arg-type]
+    runtime.call(PsRegister(_worker("w0")))
+    for version in (0, 1, 2):
+        _push(runtime, version)
+    runtime.call(Reserve("p", 2))
+    runtime.call(Occupy("p", "t", 2))
+    consume = types.SimpleNamespace(body=Consume(), header=types.SimpleNamespace(id="c1", src="trainer"))
+    assert runtime.handlers[Consume.kind](consume).ready and manager._handed_out is not None
+    recorder.store.records_since_compact = COMPACT_MIN_RECORDS  # the next record makes a compaction due
+    runtime.call(PushBegin(1, 0, 1, "trainer", SPEC, "h", True))
+    assert recorder.store.records_since_compact == 0 and manager._handed_out is None
+    recorder.close(remove=False)  # SIGKILL: its shutdown hooks never ran
+    restarted = PsManager(_StubRuntime(), settings, journal=journal())  # type: ignore[arg-type]
+    assert restarted.inventory.trainer_version == manager.inventory.trainer_version == 1
+    assert restarted._handed_out is None and restarted.versions.retained() == manager.versions.retained() == []
+    restarted.journal.close(remove=True)  # type: ignore[union-attr]

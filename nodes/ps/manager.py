@@ -523,10 +523,11 @@ class PsManager:
             self._abort_push(pending.version, f"{holder} resumes from version {version}: a new lineage")
         retired = [v for v in self.versions.retained() if v >= version]
         freed = self.versions.start_lineage(version)
-        self._journal(lambda journal: journal.lineage(version))
         self._handed_out = None  # the new lineage's buffers start at version: none of them was handed out
+        rewound = self.inventory.rewind(version)
+        self._journal(lambda journal: journal.lineage(version))
         self._release(freed)
-        self._inventory_dropped("rewound", version, self.inventory.rewind(version))
+        self._inventory_dropped("rewound", version, rewound)
         (log.warning if retired else log.info)("ps.lineage_started", version=version, holder=holder,
                                                retired=retired, latest=self.versions.latest)
 
@@ -565,32 +566,41 @@ class PsManager:
         return HandlerError(exc.code, str(exc))
 
     def _journal(self, write: Callable[[ManagerJournal], None]) -> None:
-        """Commit a record to the journal, if any. A write that fails is logged, and the manager goes on serving
-        what it decided: a restart would not know it."""
+        """Commit a record to the journal, if any, then compact it when enough records piled up: after any record,
+        not only a commit's, since aborted pushes and consumed batches pile up without commits too. Called once
+        the decision it records is applied here (versions, inventory, the batch handed out): a compaction writes
+        that state as it is now, in place of the records. A write that fails is logged, and the manager goes on
+        serving what it decided: a restart would not know it."""
         if self.journal is None:
             return
         try:
             write(self.journal)
         except (OSError, ValueError) as exc:  # a full tmpfs, a record the journal cannot hold
             log.error("ps.journal_failed", error=str(exc), detail="a restart of this manager would not know it")
+            return
+        try:
+            self.journal.compact_if_due(self.versions, self.inventory.trainer_version, self._handed_out)
+        except (OSError, ValueError) as exc:  # the journal is replaced whole or not at all: it stays as it was
+            log.error("ps.journal_compaction_failed", error=str(exc), detail="the journal is kept uncompacted; "
+                      "the next record tries again")
 
     def _committed(self, manifest: Manifest, freed: list[Shard]) -> None:
-        """A version is visible: record it, free what retention dropped, move the inventory's trainer version up
-        to it, then (never before) publish the bump."""
+        """A version is visible: move the inventory's trainer version up to it, record it, free what retention
+        dropped, then (never before) publish the bump."""
         ((_, shards, leases),) = self.versions.stored([manifest.version])
+        advanced = self.inventory.advance(manifest.version)
         self._journal(lambda journal: journal.committed(manifest, shards, leases))
         self._release(freed)
-        self._inventory_dropped("advanced", manifest.version, self.inventory.advance(manifest.version))
-        self._journal(lambda journal: journal.compact_if_due(self.versions, self.inventory.trainer_version,
-                                                             self._handed_out))
+        self._inventory_dropped("advanced", manifest.version, advanced)
         log.info("ps.version_committed", version=manifest.version, nbytes=manifest.nbytes,
                  tensors=len(manifest.entries), digest=manifest.digest)
         self.runtime.publish(VersionBump(manifest.version, manifest.nbytes, manifest.digest))
 
     def _abort_push(self, version: int, reason: str) -> None:
-        if self.versions.pending is not None and self.versions.pending.version == version:
-            self._journal(lambda journal: journal.aborted(version))
+        pending = self.versions.pending is not None and self.versions.pending.version == version
         shards = self.versions.abort(version)
+        if pending:
+            self._journal(lambda journal: journal.aborted(version))
         for _, lease_id in shards:
             self.leases.release(lease_id)
         self._release(shards)
