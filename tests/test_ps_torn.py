@@ -11,6 +11,7 @@ push; with a second copy of every shard the refresh never tears at all.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 from collections.abc import Iterator
 
@@ -33,7 +34,7 @@ from refbus.nodes.ps.client import PsClient, PsError, TornPull
 from refbus.nodes.rl.rollout import RolloutWorker
 from refbus.nodes.toy.policy import make_policy
 from refbus.protocol.messages import Generate
-from refbus.protocol.messages_ps import LeaseRelease
+from refbus.protocol.messages_ps import LeaseRelease, WorkerInfo
 
 # Requests to a killed worker give up after 0.3 + 0.3 s: the torn pull fails quickly.
 FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
@@ -124,6 +125,41 @@ def test_a_pull_torn_half_way_stops_generation_until_a_full_pull(cluster: PsClus
         assert reply.policy_version == 2 and worker.torn is None
         assert _same(_weights(worker.model), newest) == sorted(newest)
     finally:
+        runtime.close()
+        pusher_runtime.close()
+
+
+def test_a_segment_gone_between_its_check_and_its_mapping_is_read_as_frames(cluster: PsCluster) -> None:
+    """The rollout worker's refresh maps a copy on this host once it saw the segment's file: a file gone between
+    that check and its open (its worker released or lost it meanwhile) made the pull raise a bare
+    FileNotFoundError that the refresh did not catch, and the version was not pulled. The tensor is read as
+    frames from the worker instead, as one whose file is not visible at all is, and the refresh serves it."""
+    pusher_runtime, pusher = cluster.client("pusher")
+    runtime, worker = _rollout(cluster)
+    worker.ps.transport = "auto"
+    checked = worker.ps._local_path
+    moved: list[tuple[str, str]] = []
+
+    def vanishing(info: WorkerInfo, segment: str) -> str | None:
+        """The check as it is, then the file's name goes (put back at the end: its worker still holds it)."""
+        path = checked(info, segment)
+        if path is not None and not moved:
+            away = os.path.join(os.path.dirname(path), f"gone-{os.getpid()}")
+            os.rename(path, away)
+            moved.append((away, path))
+        return path
+
+    try:
+        state = make_policy(1).state_dict()
+        pusher.push(dict(state), 0)
+        worker.ps._local_path = vanishing  # type: ignore[method-assign]
+        worker.refresh()
+        assert moved, "no copy was mapped from this host"
+        assert worker.version == 0 and worker.torn is None and worker.ps.read_bytes["frames"] > 0
+        assert _same(_weights(worker.model), state) == sorted(state)
+    finally:
+        for away, path in moved:
+            os.rename(away, path)
         runtime.close()
         pusher_runtime.close()
 

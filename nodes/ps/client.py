@@ -17,7 +17,8 @@ result). A push that fails because the manager restarted or is away starts over 
 
 Pull: the manager grants a lease on a committed version and its manifest (copies on workers it knows down
 left out); tensors on this host are read straight from the workers' segments (mapped once, kept mapped, no
-socket), others come as frames, from the next copy when a worker fails. The lease
+socket), others come as frames (so does one whose segment cannot be mapped after all: gone since it was seen),
+from the next copy when a worker fails. The lease
 is released at the end; if it had expired (the version's memory may have been reused), the pull fails with
 :class:`LeaseExpired` instead of returning torn bytes. A pull into ``out=`` (how rollout workers refresh in
 place) either returns with every tensor of ``out`` holding the returned version, or raises
@@ -785,11 +786,10 @@ class PsClient:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for entry in manifest.entries:
                 local = self._local_location(entry, workers)
-                if local is None:
+                view = None if local is None else self._mapped(manifest.version, entry, *local)
+                if view is None:
                     remote[entry.locations[0].worker].append((entry, list(entry.locations)))
                     continue
-                path, offset = local
-                view = self._reads.view(path, offset, entry.nbytes)
                 self.read_bytes["shm"] += entry.nbytes
                 if verify:
                     _verify(entry, view)
@@ -813,6 +813,19 @@ class PsClient:
                                       f"{failed}") from exc
                     remote[left[0].worker].append((entry, left))
         return result
+
+    def _mapped(self, version: int, entry: ManifestEntry, path: str, offset: int) -> memoryview | None:
+        """``entry``'s bytes in the segment file ``path`` that :meth:`_local_path` saw, or None when it cannot be
+        mapped after all (gone since that check: its worker released or lost it; or not a segment file): the
+        entry is then read as frames, as one not visible is (``transport="shm"``: PsError)."""
+        try:
+            return self._reads.view(path, offset, entry.nbytes)
+        except OSError as exc:
+            if self.transport == "shm":
+                raise PsError(f"segment {path} of tensor {entry.name!r} could not be mapped: {exc}") from exc
+            log.warning("pull.segment_unmapped", version=version, tensor=entry.name, path=path, error=str(exc),
+                        using="frames")
+            return None
 
     def _read_frames(self, worker: WorkerInfo, items: list[tuple[ManifestEntry, list[Location]]], cast: _Cast,
                      result: dict[str, torch.Tensor]) -> None:
