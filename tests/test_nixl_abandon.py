@@ -6,6 +6,7 @@ NIXL (its READ is a real memmove, posted when the test says so); no worker proce
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -208,7 +209,7 @@ def ps(agent: FakeAgent, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[PsCl
     client._manager = _Manager()  # type: ignore[assignment]
     client._keeper = _Keeper()  # type: ignore[assignment]
     client.holder, client.chunk_bytes, client.before_write = "rollout", 1 << 20, None
-    client.read_bytes = client_module.Counter()
+    client.read_bytes, client._counting = client_module.Counter(), threading.Lock()
     client._local_location = lambda entry, workers: None  # type: ignore[method-assign]
     client._worker = lambda info: _WorkerClient(info.endpoint)  # type: ignore[method-assign, assignment]
     asked: list[str] = []

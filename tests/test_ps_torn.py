@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +40,7 @@ from refbus.protocol.messages_ps import LeaseRelease, WorkerInfo
 
 # Requests to a killed worker give up after 0.3 + 0.3 s: the torn pull fails quickly.
 FAST_RETRY = RetryPolicy(timeout_s=0.3, attempts=2, backoff=1.0)
+WAIT_S = 10 * sum(FAST_RETRY.timeouts())  # a scrape held while a pull runs waits at most this long
 
 
 @pytest.fixture
@@ -51,11 +54,16 @@ def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     stop_cluster_after_kills(cluster)
 
 
-def _rollout(cluster: PsCluster) -> tuple[NodeRuntime, RolloutWorker]:
+def _rollout(cluster: PsCluster, metrics: dict[str, Callable[[], Any]] | None = None,
+             ) -> tuple[NodeRuntime, RolloutWorker]:
+    """A rollout worker on ``cluster``, reading as frames; ``metrics`` gets each metric's read (what a scrape
+    calls), by name."""
     config = Config()
     config = dataclasses.replace(config, ps=dataclasses.replace(config.ps, manager=cluster.manager))
     settings = RuntimeSettings(bus=cluster.control, node_id="rollout-torn", metrics_port=-1, retry=FAST_RETRY)
     runtime = NodeRuntime("rollout", settings, register=False)
+    if metrics is not None:
+        runtime.metric = lambda name, doc, read, **_: metrics.__setitem__(name, read)  # type: ignore[method-assign]
     worker = RolloutWorker(runtime, config)
     worker.ps.transport = "frames"  # every byte goes through the workers, so a dead one fails the pull
     return runtime, worker
@@ -162,6 +170,53 @@ def test_a_segment_gone_between_its_check_and_its_mapping_is_read_as_frames(clus
             os.rename(away, path)
         runtime.close()
         pusher_runtime.close()
+
+
+def test_a_metrics_scrape_while_a_pull_counts_a_new_path_reads_a_snapshot(cluster: PsCluster) -> None:
+    """A scrape of the rollout's bytes pulled (a metrics server thread) iterated the client's counts by path
+    while the refresh's pull, on another thread, added a path to them: "dictionary changed size during
+    iteration". Here the scrape is held inside its reading while a real pull counts its first frames, then goes
+    on: it reads the counts as they were, and the pull's are all there for the next scrape."""
+    pusher_runtime, pusher = cluster.client("pusher")
+    metrics: dict[str, Callable[[], Any]] = {}
+    runtime, worker = _rollout(cluster, metrics)
+    inside, counted = threading.Event(), threading.Event()
+
+    class Held(int):
+        """A count whose reading waits (bounded) until the pull has counted."""
+
+        def __float__(self) -> float:
+            inside.set()
+            counted.wait(WAIT_S)
+            return float(int(self))
+
+    worker.ps.read_bytes["shm"] = Held(0)
+    scrape = metrics["refbus_rollout_weights_read_bytes_total"]
+    scraped: list[object] = []
+    scraper = threading.Thread(target=lambda: scraped.append(_outcome(scrape)), name="scrape")
+    try:
+        pusher.push(dict(make_policy(1).state_dict()), 0)
+        scraper.start()
+        assert inside.wait(WAIT_S), "the scrape never read a count"
+        worker.refresh()
+        counted.set()
+        scraper.join(WAIT_S)
+        assert not scraper.is_alive() and worker.version == 0
+        assert scraped == [{("shm",): 0.0}], scraped
+        assert scrape()[("frames",)] == float(worker.ps.read_bytes["frames"]) > 0
+    finally:
+        counted.set()
+        scraper.join(WAIT_S)
+        runtime.close()
+        pusher_runtime.close()
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    """What ``call`` returned, or the exception it raised."""
+    try:
+        return call()
+    except Exception as exc:
+        return exc
 
 
 def _kill_at_first_write(cluster: PsCluster, worker: RolloutWorker, victim: str) -> list[str]:

@@ -576,6 +576,8 @@ class PsClient:
         self._keeper = LeaseKeeper(runtime.ctx, manager, runtime.node_id, secret=runtime.settings.secret,
                                    options=runtime.options)
         self.read_bytes: Counter[str] = Counter()  # bytes pulled, by path: "shm" (mapped), "frames" or "nixl"
+        # A pull counts into read_bytes (a new path adds a key) while a metrics scrape reads it on its own thread.
+        self._counting = threading.Lock()
         # Called with each name just before a pull writes it into ``out``: lets a test freeze or fail a pull
         # half-way (what a lost worker or an expired lease does in production).
         self.before_write: Callable[[str], None] | None = None
@@ -790,7 +792,7 @@ class PsClient:
                 if view is None:
                     remote[entry.locations[0].worker].append((entry, list(entry.locations)))
                     continue
-                self.read_bytes["shm"] += entry.nbytes
+                self._count("shm", entry.nbytes)
                 if verify:
                     _verify(entry, view)
                 source = _typed(torch.frombuffer(view, dtype=torch.uint8) if entry.nbytes else None, entry)
@@ -882,7 +884,16 @@ class PsClient:
             else:
                 result[entry.name] = cast.deliver(entry.name, _typed(raw if entry.nbytes else None, entry),
                                                   private=True, shared=False)
-            self.read_bytes["frames" if nixl is None else "nixl"] += entry.nbytes
+            self._count("frames" if nixl is None else "nixl", entry.nbytes)
+
+    def _count(self, path: str, nbytes: int) -> None:
+        with self._counting:
+            self.read_bytes[path] += nbytes
+
+    def read_totals(self) -> dict[str, int]:
+        """:attr:`read_bytes` as of now, safe to call from any thread (a metrics scrape) while a pull counts."""
+        with self._counting:
+            return dict(self.read_bytes)
 
     # --- broadcast init, inspection -----------------------------------------------------------------
 

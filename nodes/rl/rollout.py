@@ -111,7 +111,7 @@ class RolloutWorker:
                        "full pull).", lambda: {(): float(self.torn_pulls)})
         runtime.metric("refbus_rollout_weights_read_bytes_total",
                        "Weight bytes pulled, by path: shm (mapped from a ps-worker on this host) or frames.",
-                       lambda: {(path,): float(n) for path, n in self.ps.read_bytes.items()}, labels=("path",))
+                       lambda: {(path,): float(n) for path, n in self.ps.read_totals().items()}, labels=("path",))
 
     # --- loop thread ---------------------------------------------------------------------------------
 
