@@ -10,10 +10,13 @@ discovery there (``/sd``), so one fixed address finds every node of a cluster.
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import socketserver
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -28,6 +31,15 @@ Readings = Mapping[tuple[str, ...], float]
 
 Route = Callable[[], object]
 """An extra path of the metrics endpoint: called on the HTTP thread per request; returns a JSON-able value."""
+
+MAX_CONNECTIONS = 32
+"""Connections the endpoint serves at once, each on a thread of its own. One more is closed as soon as it is
+accepted: clients that connect and send nothing (or trickle) hold at most this many threads and file
+descriptors, never enough to starve the node's ZeroMQ sockets of descriptors or the process of threads."""
+
+REQUEST_TIMEOUT_S = 5.0
+"""How long a connection has, from when it is taken up, to send its whole request; then it is closed. A
+deadline for the request, not a timeout per read: a client sending a byte now and then gets no longer."""
 
 ROUTES: dict[str, Route] = {}
 """The process's extra paths (path -> route), served by :func:`serve_metrics` by default; like
@@ -83,10 +95,64 @@ def register_live(
 
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most :data:`MAX_CONNECTIONS` of them at once."""
+
     daemon_threads = True
+    # Connections the kernel holds until they are accepted: past the default (5) a burst has its SYNs dropped, and
+    # a scrape among them waits out a retransmission (a second and more).
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # closed at once: no thread, and its descriptor back
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else gives the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client too slow (past :data:`REQUEST_TIMEOUT_S`) or gone is not worth a traceback; anything else is."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Reads of ``sock``, each bounded by what is left until ``deadline`` (monotonic); raises TimeoutError past it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no whole request within {REQUEST_TIMEOUT_S} s")
+        self._sock.settimeout(left)  # also bounds the reply's writes, which come after the last read
+        return self._sock.recv_into(buffer)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain reader: it holds a reference that would keep the socket open past its close
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + REQUEST_TIMEOUT_S))
+
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes are not worth a log line each."""
 

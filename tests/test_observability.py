@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
 from polling import wait_for
+from refbus.bus.metrics import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket
@@ -318,6 +320,99 @@ def test_a_scraped_node_cannot_pass_its_series_off_as_another_nodes(bus, tmp_pat
         server.shutdown()
         server.server_close()
         serving.join(WAIT_S)
+
+
+# --- the metrics endpoint against hostile clients ----------------------------------------------------------
+
+
+def threads_of(pid: int) -> int:
+    """How many threads process ``pid`` runs now."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)$", status, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end of non-blocking ``sock`` closed it (what it sent first is read off)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_idle_connections_cannot_starve_a_nodes_metrics_endpoint(bus) -> None:
+    """Regression: each connection to a node's metrics endpoint held a thread and a file descriptor until the
+    client closed it, so clients that connect and send nothing (or a request's first bytes) ran the node out of
+    descriptors: its scrapes and its ZeroMQ sockets stopped being served. Now at most MAX_CONNECTIONS are served
+    at once (more are closed at once), each closed REQUEST_TIMEOUT_S after it was taken up, so a scrape is
+    answered while they stay open."""
+    broker, _ = bus
+    url = ready_info(broker)["metrics"]
+    address = urllib.parse.urlsplit(url)
+    before = threads_of(broker.pid)
+    idle: list[socket.socket] = []
+    try:
+        for i in range(MAX_CONNECTIONS + 64):
+            sock = socket.create_connection((address.hostname, address.port), timeout=WAIT_S)
+            if i % 2:
+                sock.sendall(b"GET /metr")  # a request begun and never finished
+            sock.setblocking(False)
+            idle.append(sock)
+        most = before
+
+        def scrape_answered() -> bool:
+            nonlocal most
+            most = max(most, threads_of(broker.pid))
+            return fetch_local(url) is not None
+
+        wait_for(scrape_answered, 4 * REQUEST_TIMEOUT_S, "a scrape answered while idle connections are open")
+        slack = 4  # threads of the broker's own that come and go
+        assert most <= before + MAX_CONNECTIONS + slack, f"{most - before} more threads for idle connections"
+        wait_for(lambda: all(closed_by_peer(sock) for sock in idle), 4 * REQUEST_TIMEOUT_S,
+                 "every idle connection closed by the node")
+    finally:
+        for sock in idle:
+            sock.close()
+    assert broker.proc.poll() is None
+
+
+def test_garbage_requests_leave_a_nodes_metrics_endpoint_serving(bus) -> None:
+    """Malformed request lines, oversized lines and headers, unknown paths and methods, and clients that reset
+    their connection mid-request are each answered or closed; scrapes go on being answered, and the node logs
+    no traceback for any of them."""
+    broker, _ = bus
+    url = ready_info(broker)["metrics"]
+    address = urllib.parse.urlsplit(url)
+    garbage = [
+        b"GARBAGE\r\n\r\n",
+        bytes(range(256)) * 16,
+        b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X%d: y\r\n" % i for i in range(200)) + b"\r\n",
+        b"GET /no-such-path HTTP/1.1\r\n\r\n",
+        b"GET /%ff%00?%zz HTTP/9.9\r\n\r\n",
+        b"HEAD /metrics HTTP/1.1\r\n\r\n",
+        b"POST /sd HTTP/1.1\r\nContent-Length: 100000000\r\n\r\nhalf a body",
+        b"GET /metr",
+    ]
+    for request in garbage:
+        with socket.create_connection((address.hostname, address.port), timeout=2 * REQUEST_TIMEOUT_S) as sock:
+            sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(ConnectionResetError):
+                while sock.recv(65536):  # until the node closes it; a timeout fails the test
+                    pass
+    for request in garbage:  # the client gone mid-request, its connection reset
+        sock = socket.create_connection((address.hostname, address.port), timeout=WAIT_S)
+        sock.sendall(request[:64])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+        sock.close()
+    assert scraped(url, "refbus_node_info")
+    assert broker.proc.poll() is None
+    assert "Traceback" not in broker.log_path.read_text()
 
 
 # --- shipped configs -------------------------------------------------------------------------------------
