@@ -4,6 +4,7 @@ cluster."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import http.server
 import json
@@ -435,6 +436,48 @@ def test_alert_rules_are_valid_and_fire_on_what_they_guard(command: list[str]) -
         pytest.skip("promtool is not installed (Debian package prometheus; `make test` installs it)")
     result = subprocess.run([PROMTOOL, *command], capture_output=True, text=True, timeout=WAIT_S)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+TARGET_LABELS = {"node", "role", "cluster", "job", "instance"}  # what Prometheus gives every series of a target
+
+
+def is_metric_name(node: ast.AST) -> bool:
+    """Whether ``node`` is a string literal that is a refbus metric name."""
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    return re.fullmatch(r"refbus_\w+", node.value) is not None
+
+
+def exported_metrics() -> dict[str, set[str]]:
+    """Every metric name the nodes register (``metric``, ``histogram``, ``register_live``, or a literal a loop
+    registers), with the label names its registration gives it."""
+    exported: dict[str, set[str]] = {}
+    for path in [*(ROOT / "bus").rglob("*.py"), *(ROOT / "nodes").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if is_metric_name(node):
+                exported.setdefault(node.value, set())
+            if isinstance(node, ast.Call) and node.args and is_metric_name(node.args[0]):
+                labels = [k.value for k in node.keywords if k.arg == "labels"]
+                if labels and isinstance(labels[0], ast.Tuple):
+                    exported.setdefault(node.args[0].value, set()).update(e.value for e in labels[0].elts)
+    return exported
+
+
+def test_every_alert_rule_names_metrics_and_labels_the_nodes_export() -> None:
+    """A rule over a metric or label no node exports evaluates fine and never fires: no other test would see a
+    metric renamed under its rule (the live cluster fires one rule only, and the rules' unit tests feed the
+    series their own names)."""
+    exported = exported_metrics()
+    expressions = re.findall(r"^\s*expr: (.+)$", ALERT_RULES.read_text(), re.MULTILINE)
+    assert len(expressions) == ALERT_RULES.read_text().count("- alert: ")
+    for expr in expressions:
+        names = re.findall(r"\b(refbus_\w+)", expr)
+        assert names and all(name in exported for name in names), (expr, [n for n in names if n not in exported])
+        selected = {label for _, matchers in re.findall(r"\b(refbus_\w+)\{([^}]*)\}", expr)
+                    for label in re.findall(r"(\w+)\s*[=!]", matchers)}
+        grouped = {label.strip() for labels in re.findall(r"\bby \(([^)]*)\)", expr) for label in labels.split(",")}
+        known = TARGET_LABELS.union(*(exported[name] for name in names))
+        assert selected | grouped <= known, (expr, (selected | grouped) - known)
 
 
 def test_dashboard_provisions_as_is() -> None:
