@@ -55,10 +55,14 @@ class Rollout:
         assert isinstance(request.body, Generate)
         self.held.append((self.server.pending, request.body))
 
-    def answer(self, index: int) -> None:
+    def answer(self, index: int, tokens: list[int] | None = None, arrays_for: int | None = None) -> None:
+        """Answer generation ``index`` with the toy task's right answer, or with ``tokens`` (as a rollout function
+        may return them, right or not) and arrays covering ``arrays_for`` tokens (default: as many as ``tokens``)."""
         pending, ask = self.held[index]
-        tokens = [*ask.prompt, ask.prompt[0] + 1]  # the toy task's right answer
-        arrays = random_arrays(len(tokens), seed=index, layers=4, top_k=2, k=3, max_count=3, routing_dtype=np.uint8)
+        if tokens is None:
+            tokens = [*ask.prompt, ask.prompt[0] + 1]  # the toy task's right answer
+        count = len(tokens) if arrays_for is None else arrays_for
+        arrays = random_arrays(count, seed=index, layers=4, top_k=2, k=3, max_count=3, routing_dtype=np.uint8)
         self.runtime.call_soon(lambda: self.server.answer(pending, Generated(tokens, 0, arrays)))
 
 
@@ -73,8 +77,8 @@ def env_server(bus: tuple[NodeProcess, str]) -> Iterator[tuple[EpisodeRunner, st
     runtime.join(timeout=10 * GENERATE_TIMEOUT_S)
 
 
-def run_async(client: Client, episode: str, prompt: int = 3) -> str:
-    return client.send(Run(episode_id=episode, group="g", prompt=[prompt]))
+def run_async(client: Client, episode: str, prompt: int | list[int] = 3) -> str:
+    return client.send(Run(episode_id=episode, group="g", prompt=prompt if isinstance(prompt, list) else [prompt]))
 
 
 def answer_to(client: Client, msg_id: str) -> Message:
@@ -306,12 +310,13 @@ def env_process(bus: tuple[NodeProcess, str], spawn: Any, monkeypatch: pytest.Mo
     return start_env_process(bus, spawn, tmp_path, "env-user-code")
 
 
-def run_generated(client: Client, rollout: Rollout, episode: str, prompt: int) -> str:
-    """Send a run of ``prompt`` and have ``rollout`` answer its generation; the run's message id."""
+def run_generated(client: Client, rollout: Rollout, episode: str, prompt: int | list[int], **answer: Any) -> str:
+    """Send a run of ``prompt`` and have ``rollout`` answer its generation (``answer``: what :meth:`Rollout.answer`
+    answers instead of the right one); the run's message id."""
+    index = len(rollout.held)  # before the run is sent: its generation may reach the rollout at once
     sent = run_async(client, episode, prompt)
-    index = len(rollout.held)
     wait_for(lambda: len(rollout.held) > index, START_S, f"the generation of {episode} at the rollout")
-    rollout.answer(index)
+    rollout.answer(index, **answer)
     return sent
 
 
@@ -419,6 +424,67 @@ def test_an_env_server_killed_while_a_score_hangs_restarts_with_nothing_of_that_
         reply = answer_to(orchestrator, run_generated(orchestrator, rollout, "ep-after", 3))
         assert isinstance(reply.body, Ok), reply.body
         assert kept_blobs(orchestrator) == 1
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()
+
+
+def fails_alone(client: Client, rollout: Rollout, env: NodeProcess, episode: str, prompt: int | list[int], code: str,
+                said: str, **answer: Any) -> None:
+    """A run of ``prompt`` whose generation ``rollout`` answers (``answer``: see :meth:`Rollout.answer`) fails
+    ``code`` naming ``said`` and keeps nothing; the node goes on: the next run is kept."""
+    kept = kept_blobs(client)  # asked before the run is sent: its answer may come first, and request() drops it
+    reply = answer_to(client, run_generated(client, rollout, episode, prompt, **answer))
+    assert reply.kind == "error" and reply.body.code == code, reply.body
+    assert said in reply.body.message, reply.body.message
+    assert kept_blobs(client) == kept
+    reply = answer_to(client, run_generated(client, rollout, f"{episode}-next", 3))
+    assert isinstance(reply.body, Ok), reply.body
+    assert kept_blobs(client) == kept + 1
+    assert env.proc.poll() is None
+
+
+def test_a_generation_whose_tokens_disagree_with_its_prompt_or_arrays_fails_only_its_run(
+        bus: tuple[NodeProcess, str], env_process: NodeProcess) -> None:
+    """Regression: a rollout function's tokens shorter than its prompt, or per-token arrays covering more tokens
+    than its tokens, were kept and the run answered ok; the orchestrator then deleted the first ``malformed`` (a
+    loss mask longer than its tokens) and trained the second with arrays of tokens it never had. Now the run
+    fails ``bad-generation`` naming what disagrees, nothing is kept, and the node goes on."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-disagrees")
+    try:
+        fails_alone(orchestrator, rollout, env_process, "ep-short", [3, 7], "bad-generation",
+                    "1 tokens for a prompt of 2", tokens=[3])
+        fails_alone(orchestrator, rollout, env_process, "ep-long-arrays", [3], "bad-generation",
+                    "arrays cover 5 tokens, not 2", tokens=[3, 4], arrays_for=5)
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()
+
+
+GARBAGE = [  # (prompt, tokens, arrays_for, what the error names): what a rollout function may return
+    ([3], [], 0, "0 tokens for a prompt of 1"),
+    ([3], [3, 4], 1, "arrays cover 1 tokens, not 2"),
+    ([3], [3, -1], None, "token ids run from 0 to 2**63 - 1"),
+    ([3], [3, 2**64 - 1], None, "tokens: expected a list of numbers"),
+    ([3, 7], [3, 7], 40, "arrays cover 40 tokens, not 2"),
+]
+
+
+def test_an_env_server_fed_garbage_generations_keeps_none_and_serves_on(bus: tuple[NodeProcess, str],
+                                                                        env_process: NodeProcess) -> None:
+    """Garbage from a rollout function (no tokens, too few arrays, token ids no vocabulary has): each run fails
+    ``bad-generation`` naming what is wrong, nothing of it is kept, and the next run is kept."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-garbage")
+    try:
+        for index, (prompt, tokens, arrays_for, said) in enumerate(GARBAGE):
+            fails_alone(orchestrator, rollout, env_process, f"ep-garbage-{index}", prompt, "bad-generation", said,
+                        tokens=tokens, arrays_for=arrays_for)
     finally:
         rollout.runtime.join(timeout=5)
         orchestrator.close()

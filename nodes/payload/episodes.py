@@ -11,16 +11,18 @@ and the ``generate`` request is an asynchronous call (``runtime.calls``) whose d
 found in the broker's registry, refreshed every ``rollout_refresh_s`` by an asynchronous ``nodes`` request,
 so a broker that stops answering never stalls the loop: what is known is kept until it answers again; a
 run that arrives while no worker is known waits for the next answer, then fails ``no-rollout`` if there
-is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is
-answered with an error; nothing is kept for it. A run's request sent again while the run still runs (a client's
-retry: a deferred reply is never cached) is ignored: it is generated once, and answered once when it ends. The
-score function is user code: it runs on
-an :class:`~refbus.bus.offload.Offload` thread, one episode at a time, so a slow one never stalls the loop
-(a score that raises, ``sys.exit()`` included, or returns NaN or an infinity, fails its run with
-``score-failed``). The run's deadline, ``generate_timeout_s`` from its arrival, covers its score too: a run
-not scored by then (its score slow or hung, or queued behind one that is) fails ``timeout`` at it, its
-generation's arrays released; a score still queued at it is never computed, and one that returns after it keeps
-nothing (the orchestrator has counted the run failed and freed its room).
+is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is answered
+with an error; nothing is kept for it. So is a run whose rollout function's tokens are fewer than its prompt's,
+hold an id the orchestrator refuses (:func:`~.records.token_ids`) or do not match its arrays' rows one for one: it
+fails ``bad-generation``, naming what disagrees, before it is scored (kept, the orchestrator would delete it
+``malformed``, or train it with arrays of other tokens). A run's request sent again while the run still runs (a
+client's retry: a deferred reply is never cached) is ignored: it is generated once, and answered once when it
+ends. The score function is user code: it runs on an :class:`~refbus.bus.offload.Offload` thread, one episode at a
+time, so a slow one never stalls the loop (a score that raises, ``sys.exit()`` included, or returns NaN or an
+infinity, fails its run with ``score-failed``). The run's deadline, ``generate_timeout_s`` from its arrival,
+covers its score too: a run not scored by then (its score slow or hung, or queued behind one that is) fails
+``timeout`` at it, its generation's arrays released; a score still queued at it is never computed, and one that
+returns after it keeps nothing (the orchestrator has counted the run failed and freed its room).
 
 A keep refused with a ``retry_after_s`` (``over-budget``: the store is full for now, its holders have not
 deleted yet; or ``journal-failed``: its tmpfs had no room for the journal record) is tried again after that
@@ -48,7 +50,9 @@ from ...protocol.envelope import Message
 from ...protocol.messages import Error, Generate, Generated, NodeInfo, Ok, Run
 from ..entry_points import load_entry_point
 from ..settings import EnvServerSettings
+from .branch import Branch, BranchError
 from .keeper import KeepError
+from .records import MalformedEpisode, token_ids
 
 if TYPE_CHECKING:
     from .env_server import EnvServer
@@ -129,7 +133,10 @@ class EpisodeRunner:
         elif isinstance(outcome, PeerDown):
             self._fail(run, pending, "rollout-down", str(outcome))
         elif isinstance(outcome.body, Generated):
-            self._finish(run, pending, outcome.body)
+            if (error := _disagreement(run.prompt, outcome.body)) is not None:  # user code's: fails only its run
+                self._fail(run, pending, "bad-generation", f"rollout {endpoint}: {error}")
+            else:
+                self._finish(run, pending, outcome.body)
         else:
             self._fail(run, pending, "internal", f"rollout {endpoint} answered {outcome.kind}, not generated")
 
@@ -211,3 +218,26 @@ class EpisodeRunner:
         self.arrived.pop(pending, None)
         log.warning("run.failed", episode_id=run.episode_id, code=code, error=message)
         self.env_server.server.answer(pending, Error(code=code, message=message, request_kind=Run.kind))
+
+
+def _disagreement(prompt: Sequence[int], generated: Generated) -> str | None:
+    """What makes a rollout function's ``generated`` for ``prompt`` unfit to keep, or None: its tokens are the
+    prompt's and then the completion's (so at least as many as the prompt's), each an id the orchestrator takes
+    (:func:`~.records.token_ids`), and its arrays have one row per token, no more and no fewer. Otherwise the
+    episode would be kept and its run answered ok, then deleted ``malformed`` by the orchestrator (a loss mask
+    longer than its tokens, a blob short of them), or trained with arrays of tokens it never had."""
+    tokens = generated.tokens
+    if len(tokens) < len(prompt):
+        return f"{len(tokens)} tokens for a prompt of {len(prompt)}: a generation's tokens are its prompt's, then " \
+               "its completion's"
+    try:
+        token_ids("tokens", tokens)
+    except MalformedEpisode as error:
+        return str(error)
+    try:
+        count = Branch.from_arrays(generated.arrays).token_count
+    except BranchError:  # the keep refuses it (``bad-branch``), naming the field, and keeps nothing
+        return None
+    if count != len(tokens):
+        return f"its arrays cover {count} tokens, not {len(tokens)}: one row per token of its prompt and completion"
+    return None

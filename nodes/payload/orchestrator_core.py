@@ -133,6 +133,7 @@ from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
 from .packing import PackingError
 from .prompts import MakePrompt, PromptSource, as_prompt_source
+from .records import MalformedEpisode, column, token_ids
 from .shipping import (
     MALFORMED,
     EvalSink,
@@ -268,10 +269,6 @@ class Deadlines:
 # --- state ---------------------------------------------------------------------------------------------------
 
 
-class MalformedEpisode(ValueError):
-    """An ``episode-finished`` record that cannot be trained as it came (the message names what is wrong)."""
-
-
 @dataclass(frozen=True)
 class _Entry:
     """One sample of an episode's record, checked (:meth:`OrchestratorCore._parse`)."""
@@ -279,20 +276,6 @@ class _Entry:
     sample_id: str
     ref: BlobRef | None
     inputs: dict[str, Any]
-
-
-def _column(where: str, entry: Mapping[str, Any], name: str, kinds: str) -> np.ndarray | None:
-    """``entry[name]`` as a 1-D array of one of numpy's dtype ``kinds``; None when absent."""
-    if name not in entry:
-        return None
-    try:
-        column = np.asarray(entry[name])
-    except (TypeError, ValueError) as error:
-        raise MalformedEpisode(f"{where}.{name}: {error}") from None
-    if column.ndim != 1 or (column.dtype.kind not in kinds and column.size):
-        raise MalformedEpisode(f"{where}.{name}: expected a list of numbers, got {column.dtype} of shape "
-                               f"{column.shape}")
-    return column
 
 
 @dataclass
@@ -1052,15 +1035,9 @@ class OrchestratorCore:
             where = f"samples[{index}]"
             if not isinstance(entry, Mapping):
                 raise MalformedEpisode(f"{where}: expected a map, got {type(entry).__name__}")
-            input_ids = _column(where, entry, "input_ids", "iu")
-            if input_ids is None or not len(input_ids):
-                raise MalformedEpisode(f"{where}.input_ids: expected at least one token id")
-            # No vocabulary has a negative id (nor one int64 cannot hold): every rank's step would fail on it.
-            if input_ids.min() < 0 or input_ids.max() > np.iinfo(np.int64).max:
-                raise MalformedEpisode(f"{where}.input_ids: token ids run from 0 to 2**63 - 1, got "
-                                       f"{input_ids.min()} to {input_ids.max()}")
-            inputs: dict[str, Any] = {"input_ids": input_ids.astype(np.int64, copy=False)}
-            loss_mask = _column(where, entry, "loss_mask", "biuf")
+            input_ids = token_ids(f"{where}.input_ids", entry.get("input_ids", []))
+            inputs: dict[str, Any] = {"input_ids": input_ids}
+            loss_mask = column(f"{where}.loss_mask", entry["loss_mask"], "biuf") if "loss_mask" in entry else None
             if loss_mask is None:  # every token is the policy's: trained whole, never left out of its micro batch
                 inputs["loss_mask"] = np.ones(len(input_ids), np.bool_)
             elif len(loss_mask) != len(input_ids):
