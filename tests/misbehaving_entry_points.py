@@ -7,6 +7,7 @@ token picks how. Node processes import it by name: the test puts tests/ on their
 * :data:`HANGS`: a score that does not return until the file named by ``$REFBUS_TEST_SCORE_RELEASE`` exists
   (at most :data:`MAX_HANG_S`: a test that failed first still lets its env server stop); it creates that name
   with :data:`HUNG_SUFFIX` added once it hangs;
+* :data:`STRING` (the toy score as a string, ``"1.0"``), :data:`BOOL` (``True``): a score that is no number;
 * any other prompt: the toy score.
 
 Imports numpy only through the toy task (an env server never imports torch)."""
@@ -25,6 +26,8 @@ EXITS = 10
 INTERRUPTS = 11
 UNPRINTABLE = 12
 HANGS = 13
+STRING = 14
+BOOL = 15
 RELEASE_ENV = "REFBUS_TEST_SCORE_RELEASE"
 HUNG_SUFFIX = ".hung"
 MAX_HANG_S = 120.0
@@ -53,4 +56,8 @@ def score(prompt: Sequence[int], completion: Sequence[int]) -> float:
         deadline = time.monotonic() + MAX_HANG_S
         while not os.path.exists(release) and time.monotonic() < deadline:
             time.sleep(0.02)
+    if prompt[0] == STRING:
+        return str(task.score(prompt, completion))  # type: ignore[return-value]
+    if prompt[0] == BOOL:
+        return True
     return task.score(prompt, completion)

@@ -445,6 +445,23 @@ def fails_alone(client: Client, rollout: Rollout, env: NodeProcess, episode: str
     assert env.proc.poll() is None
 
 
+@pytest.mark.parametrize("prompt,returned", [(misbehaving.STRING, "type str"), (misbehaving.BOOL, "type bool")])
+def test_a_score_that_is_no_real_number_fails_only_its_run(bus: tuple[NodeProcess, str], env_process: NodeProcess,
+                                                           prompt: int, returned: str) -> None:
+    """Regression: a score returning a string ("1.0") or a bool was taken through ``float()``: the string's value
+    and True as 1.0 were kept as rewards. Now the run fails ``score-failed`` naming the type returned."""
+    ctx = zmq.Context()
+    orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
+    rollout = Rollout(bus[1], "rollout-no-number")
+    try:
+        fails_alone(orchestrator, rollout, env_process, "ep-no-number", prompt, "score-failed",
+                    f"returned {returned}, not a real number")
+    finally:
+        rollout.runtime.join(timeout=5)
+        orchestrator.close()
+        ctx.term()
+
+
 def test_a_generation_whose_tokens_disagree_with_its_prompt_or_arrays_fails_only_its_run(
         bus: tuple[NodeProcess, str], env_process: NodeProcess) -> None:
     """Regression: a rollout function's tokens shorter than its prompt, or per-token arrays covering more tokens

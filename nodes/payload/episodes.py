@@ -18,11 +18,13 @@ fails ``bad-generation``, naming what disagrees, before it is scored (kept, the 
 ``malformed``, or train it with arrays of other tokens). A run's request sent again while the run still runs (a
 client's retry: a deferred reply is never cached) is ignored: it is generated once, and answered once when it
 ends. The score function is user code: it runs on an :class:`~refbus.bus.offload.Offload` thread, one episode at a
-time, so a slow one never stalls the loop (a score that raises, ``sys.exit()`` included, or returns NaN or an
-infinity, fails its run with ``score-failed``). The run's deadline, ``generate_timeout_s`` from its arrival,
-covers its score too: a run not scored by then (its score slow or hung, or queued behind one that is) fails
-``timeout`` at it, its generation's arrays released; a score still queued at it is never computed, and one that
-returns after it keeps nothing (the orchestrator has counted the run failed and freed its room).
+time, so a slow one never stalls the loop (a score that raises, ``sys.exit()`` included, or returns what the
+orchestrator would refuse as a reward, fails its run with ``score-failed``: anything but a real number, a string
+or a bool included, named by its type, or NaN or an infinity: :func:`~.records.reward_of`). The run's deadline,
+``generate_timeout_s`` from its arrival, covers its score too: a run not scored by then (its score slow or hung,
+or queued behind one that is) fails ``timeout`` at it, its generation's arrays released; a score still queued at
+it is never computed, and one that returns after it keeps nothing (the orchestrator has counted the run failed and
+freed its room).
 
 A keep refused with a ``retry_after_s`` (``over-budget``: the store is full for now, its holders have not
 deleted yet; or ``journal-failed``: its tmpfs had no room for the journal record) is tried again after that
@@ -36,7 +38,6 @@ covers the completion only. Never imports torch: the score function must not eit
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ from ..entry_points import load_entry_point
 from ..settings import EnvServerSettings
 from .branch import Branch, BranchError
 from .keeper import KeepError
-from .records import MalformedEpisode, token_ids
+from .records import MalformedEpisode, reward_of, token_ids
 
 if TYPE_CHECKING:
     from .env_server import EnvServer
@@ -150,11 +151,13 @@ class EpisodeRunner:
                             lambda reward: self._scored(run, pending, reward))
 
     def _score_by(self, deadline: float, prompt: Sequence[int], completion: Sequence[int]) -> float | None:
-        """The score (offload thread); None, never computed, when the run's ``deadline`` passed while it was
-        queued: a score function slower than the runs come then spends its time on runs still waited for."""
+        """The score (offload thread), checked as the orchestrator checks a reward (:func:`~.records.reward_of`,
+        raising :class:`~.records.MalformedEpisode`: its object's own conversions run here, off the loop); None,
+        never computed, when the run's ``deadline`` passed while it was queued: a score function slower than the
+        runs come then spends its time on runs still waited for."""
         if time.monotonic() >= deadline:
             return None
-        return float(self.score(prompt, completion))
+        return reward_of(self.score(prompt, completion))
 
     def _overdue(self, run: Run, pending: Pending) -> None:
         """The run's deadline: fail it unless its score came (the keep that follows has its own bound)."""
@@ -172,12 +175,12 @@ class EpisodeRunner:
             log.warning("run.scored_late", episode_id=run.episode_id, score=self.settings.score,
                         detail="its run failed at its deadline: nothing is kept")
             return
+        if isinstance(reward, MalformedEpisode):  # what it returned: a reward the orchestrator would refuse
+            self._fail(run, pending, "score-failed", f"{self.settings.score}: returned {reward}")
+            return
         if isinstance(reward, Exception):  # user code: its failure is this run's answer, not the node's
             # Described so that no message of the user's own (a __str__ that raises) leaves its run unanswered.
             self._fail(run, pending, "score-failed", f"{self.settings.score}: {describe(reward)}")
-            return
-        if not math.isfinite(reward):  # a NaN would make its whole group's advantages NaN, and the weights
-            self._fail(run, pending, "score-failed", f"{self.settings.score}: returned {reward}, not a finite number")
             return
         prompt_length = len(run.prompt)
         completion = generated.tokens[prompt_length:]

@@ -119,11 +119,10 @@ Decisions and their rules:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from numbers import Integral, Real
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -133,7 +132,7 @@ from ...bus.peers import incarnation
 from ...protocol.messages import BlobRef, EpisodeFinished, HeldEpisode, NodeInfo, Run, StepBatch
 from .packing import PackingError
 from .prompts import MakePrompt, PromptSource, as_prompt_source
-from .records import MalformedEpisode, column, token_ids
+from .records import MalformedEpisode, column, reward_of, token_ids
 from .shipping import (
     MALFORMED,
     EvalSink,
@@ -1024,9 +1023,10 @@ class OrchestratorCore:
         at least the sample's tokens and whose fields and routing shape packing accepts. Raises
         :class:`MalformedEpisode` naming what is wrong."""
         info = episode.info
-        reward = info.get("reward", 0.0)
-        if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(float(reward)):
-            raise MalformedEpisode(f"reward: expected a finite number, got {reward!r}")
+        try:
+            reward = reward_of(info.get("reward", 0.0))
+        except MalformedEpisode as error:
+            raise MalformedEpisode(f"reward: {error}") from None
         listed = info.get("samples", [])
         if not isinstance(listed, list):
             raise MalformedEpisode(f"samples: expected a list, got {type(listed).__name__}")
@@ -1059,7 +1059,7 @@ class OrchestratorCore:
                 except PackingError as error:
                     raise MalformedEpisode(f"{where}: {error}") from None
             entries.append(_Entry(sample_id, ref, inputs))
-        return float(reward), entries
+        return reward, entries
 
     def _samples(self, episode: EpisodeFinished, entries: Sequence[_Entry], claimed: set[str]) -> list[Sample]:
         """The episode's trainable samples; a sample whose blob could not be claimed is counted and left

@@ -8,6 +8,9 @@ Imports numpy only: env servers import it, and they must never pull in torch.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import numpy as np
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -15,6 +18,21 @@ INT64_MAX = int(np.iinfo(np.int64).max)
 
 class MalformedEpisode(ValueError):
     """An ``episode-finished`` record that cannot be trained as it came (the message names what is wrong)."""
+
+
+def reward_of(value: object) -> float:
+    """``value`` as a reward: a real number (an int or a float, numpy's included, never a bool) that is finite.
+
+    Raises:
+        MalformedEpisode: naming ``value``'s type when it is no real number (its ``repr`` is never asked for: a
+            score function's object may raise there too), or its value when it is not finite.
+    """
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise MalformedEpisode(f"type {type(value).__name__}, not a real number (an int or a float, never a bool)")
+    reward = float(value)
+    if not math.isfinite(reward):  # a NaN would make its whole group's advantages NaN, and the weights
+        raise MalformedEpisode(f"{reward}, not a finite number")
+    return reward
 
 
 def column(where: str, values: object, kinds: str) -> np.ndarray:
