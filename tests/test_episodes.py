@@ -488,13 +488,16 @@ GARBAGE = [  # (prompt, tokens, arrays_for, what the error names): what a rollou
     ([3], [3, -1], None, "token ids run from 0 to 2**63 - 1"),
     ([3], [3, 2**64 - 1], None, "tokens: expected a list of numbers"),
     ([3, 7], [3, 7], 40, "arrays cover 40 tokens, not 2"),
+    ([3, 7], [3, 8, 9], None, "do not start with its prompt: token 1 is 8, the prompt's is 7"),
+    ([2**64 - 1], [5, 6], None, "do not start with its prompt: token 0 is 5"),
 ]
 
 
 def test_an_env_server_fed_garbage_generations_keeps_none_and_serves_on(bus: tuple[NodeProcess, str],
                                                                         env_process: NodeProcess) -> None:
-    """Garbage from a rollout function (no tokens, too few arrays, token ids no vocabulary has): each run fails
-    ``bad-generation`` naming what is wrong, nothing of it is kept, and the next run is kept."""
+    """Garbage from a rollout function (no tokens, too few arrays, token ids no vocabulary has, tokens that do not
+    start with the prompt): each run fails ``bad-generation`` naming what is wrong, nothing of it is kept, and the
+    next run is kept."""
     ctx = zmq.Context()
     orchestrator = Client(ctx, env_process.info["endpoints"]["blobs"], WireCodec("orchestrator"), policy=PATIENT)
     rollout = Rollout(bus[1], "rollout-garbage")

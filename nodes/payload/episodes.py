@@ -12,15 +12,15 @@ found in the broker's registry, refreshed every ``rollout_refresh_s`` by an asyn
 so a broker that stops answering never stalls the loop: what is known is kept until it answers again; a
 run that arrives while no worker is known waits for the next answer, then fails ``no-rollout`` if there
 is still none). A run whose generation fails, misses its deadline or whose worker leaves the registry is answered
-with an error; nothing is kept for it. So is a run whose rollout function's tokens are fewer than its prompt's,
-hold an id the orchestrator refuses (:func:`~.records.token_ids`) or do not match its arrays' rows one for one: it
-fails ``bad-generation``, naming what disagrees, before it is scored (kept, the orchestrator would delete it
-``malformed``, or train it with arrays of other tokens). A run's request sent again while the run still runs (a
-client's retry: a deferred reply is never cached) is ignored: it is generated once, and answered once when it
-ends. The score function is user code: it runs on an :class:`~refbus.bus.offload.Offload` thread, one episode at a
-time, so a slow one never stalls the loop (a score that raises, ``sys.exit()`` included, or returns what the
-orchestrator would refuse as a reward, fails its run with ``score-failed``: anything but a real number, a string
-or a bool included, named by its type, or NaN or an infinity: :func:`~.records.reward_of`). The run's deadline,
+with an error; nothing is kept for it. So is a run whose rollout function's tokens are fewer than its prompt's, do
+not start with it, hold an id the orchestrator refuses (:func:`~.records.token_ids`) or do not match its arrays'
+rows one for one: it fails ``bad-generation``, naming what disagrees, before it is scored (kept, the orchestrator
+would delete it ``malformed``, or train it with arrays of other tokens). A run's request sent again while the run
+still runs (a client's retry: a deferred reply is never cached) is ignored: it is generated once, and answered once
+when it ends. The score function is user code: it runs on an :class:`~refbus.bus.offload.Offload` thread, one
+episode at a time, so a slow one never stalls the loop (a score that raises, ``sys.exit()`` included, or returns
+what the orchestrator would refuse as a reward, fails its run with ``score-failed``: anything but a real number, a
+string or a bool included, named by its type, or NaN or an infinity: :func:`~.records.reward_of`). The run's deadline,
 ``generate_timeout_s`` from its arrival, covers its score too: a run not scored by then (its score slow or hung,
 or queued behind one that is) fails ``timeout`` at it, its generation's arrays released; a score still queued at
 it is never computed, and one that returns after it keeps nothing (the orchestrator has counted the run failed and
@@ -225,18 +225,21 @@ class EpisodeRunner:
 
 def _disagreement(prompt: Sequence[int], generated: Generated) -> str | None:
     """What makes a rollout function's ``generated`` for ``prompt`` unfit to keep, or None: its tokens are the
-    prompt's and then the completion's (so at least as many as the prompt's), each an id the orchestrator takes
-    (:func:`~.records.token_ids`), and its arrays have one row per token, no more and no fewer. Otherwise the
-    episode would be kept and its run answered ok, then deleted ``malformed`` by the orchestrator (a loss mask
-    longer than its tokens, a blob short of them), or trained with arrays of tokens it never had."""
+    prompt's and then the completion's (so at least as many as the prompt's, and starting with them), each an id the
+    orchestrator takes (:func:`~.records.token_ids`), and its arrays have one row per token, no more and no fewer.
+    Otherwise the episode would be kept and its run answered ok, then deleted ``malformed`` by the orchestrator (a
+    loss mask longer than its tokens, a blob short of them), or trained with arrays of tokens it never had."""
     tokens = generated.tokens
     if len(tokens) < len(prompt):
         return f"{len(tokens)} tokens for a prompt of {len(prompt)}: a generation's tokens are its prompt's, then " \
                "its completion's"
     try:
-        token_ids("tokens", tokens)
+        ids = token_ids("tokens", tokens)
     except MalformedEpisode as error:
         return str(error)
+    if (head := ids[: len(prompt)].tolist()) != list(prompt):  # the score and the loss mask would cut it wrongly
+        at = next(i for i, (token, asked) in enumerate(zip(head, prompt, strict=True)) if token != asked)
+        return f"its tokens do not start with its prompt: token {at} is {head[at]}, the prompt's is {prompt[at]}"
     try:
         count = Branch.from_arrays(generated.arrays).token_count
     except BranchError:  # the keep refuses it (``bad-branch``), naming the field, and keeps nothing
