@@ -232,6 +232,7 @@ def _world_rank(rank: int, init: str, directory: str, saves: list[int], conn: Co
     import types
 
     import torch.distributed as dist
+    from refbus.nodes.config import ConfigError
     from refbus.nodes.rl.trainer import resume
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=20))
@@ -241,8 +242,8 @@ def _world_rank(rank: int, init: str, directory: str, saves: list[int], conn: Co
         with capture_logs() as logs:
             try:
                 first = resume(section, rank, model, optimizer)
-            except checkpoint.CheckpointError as exc:
-                conn.send(f"resume failed: {exc}")
+            except (checkpoint.CheckpointError, ConfigError) as exc:
+                conn.send(f"resume failed: {type(exc).__name__}: {exc}")
                 return
             for step in saves:
                 checkpoint.save(directory, rank, step, model, optimizer)
@@ -329,6 +330,24 @@ def test_one_ranks_damaged_checkpoints_cost_the_others_none_of_theirs(tmp_path: 
     assert rank1 == (0, ([f"step-{10 ** 20}.safetensors"], [*ours, "step-6.safetensors"]), [cause])
 
     _assert_moved_back_they_load(tmp_path, 0, [str(p) for p in checkpoint.rank_dir(tmp_path, 0).glob("*/*/*")], 4)
+
+
+def test_a_whole_checkpoint_of_another_model_is_refused_as_a_configuration_not_restarted_into(
+        tmp_path: Path) -> None:
+    """Both ranks hold 2 and 4, rank 1's 4 of another model (the policy configured changed, the directory kept):
+    it reads back whole, so the world agrees on 4; rank 1 refuses it with a ConfigError (exit 2: final, where a
+    crash would be restarted into the same refusal for the whole restart budget) naming the file, and moves
+    nothing aside."""
+    model, optimizer = _trained(0, 1)
+    other = torch.nn.Linear(3, 3)
+    other_optimizer = torch.optim.Adam(other.parameters())
+    for rank in (0, 1):
+        checkpoint.save(tmp_path, rank, 2, model, optimizer)
+        checkpoint.save(tmp_path, rank, 4, *((other, other_optimizer) if rank else (model, optimizer)))
+    _, refused = _run_world(tmp_path, 0, [])
+    assert refused.startswith(f"resume failed: ConfigError: {checkpoint.path_of(tmp_path, 1, 4)}: lacks model/")
+    assert "rl.policy and rl.optimizer are not those that wrote trainer.checkpoint_dir" in refused
+    assert _files(tmp_path, 1) == (["step-2.safetensors", "step-4.safetensors"], [])
 
 
 @pytest.mark.parametrize("damage", ["torn", "garbage", "foreign"])

@@ -17,12 +17,14 @@ starts agrees on where to resume: each rank reads the newest checkpoint it has w
 then ``all_reduce(MIN)`` rounds (:func:`agreed_step`) give the newest step K that every rank has; every rank
 loads K, moves its checkpoints above K aside (an earlier world's, or ones another rank lost or holds damaged,
 which would outrank this world's: :func:`checkpoint.prune`, a warning per file naming the ranks that hold
-less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). Before its first step, every
-rank pushes its starting weights as version K declaring that it resumes (``resumes``), so the parameter server
-starts a new lineage there (a dead world's versions above K are retired) and rollout workers have something to
-serve. Its heartbeat status reports ``step`` K at once, for the orchestrator to continue from. Every push
-names the world's token (:func:`world_token`, drawn at its start): a rank whose push starts over after a
-ps-manager restart joins the ranks of its own world the manager restored, never a dead world's.
+less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). A checkpoint K that reads back
+whole but is another model's or optimizer's (the configuration changed) is refused as a configuration error:
+exit status 2, which ends the run rather than spend the restart budget agreeing on it again. Before its first
+step, every rank pushes its starting weights as version K declaring that it resumes (``resumes``), so the
+parameter server starts a new lineage there (a dead world's versions above K are retired) and rollout workers
+have something to serve. Its heartbeat status reports ``step`` K at once, for the orchestrator to continue
+from. Every push names the world's token (:func:`world_token`, drawn at its start): a rank whose push starts
+over after a ps-manager restart joins the ranks of its own world the manager restored, never a dead world's.
 
 **A dead peer ends the world.** A rank that learns (``runtime.track_peers()``) that a rank of its own world
 went down logs ``trainer.world_broken`` naming it and exits with status 1 at most half a
@@ -212,14 +214,24 @@ def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimize
     checkpoints are off or some rank has none. Once loaded, each rank's checkpoints above that step (an
     earlier lineage, or ones a rank holding less forces this world below) are moved aside
     (:func:`checkpoint.prune`, naming the ranks that hold less): left in place, they would be taken for this
-    world's; removed, one rank's damaged disk would cost every rank its progress."""
+    world's; removed, one rank's damaged disk would cost every rank its progress. A checkpoint agreed on that
+    does not fit ``model`` and ``optimizer`` (another model's: the configuration changed) raises
+    :class:`ConfigError` naming the file, before anything is moved: final, as a restart would refuse it again."""
     if not section.checkpoint_every:
         return 0
     mine = checkpoint.latest_step(section.checkpoint_dir, rank)
     agreement = agreed_step(section.checkpoint_dir, rank, mine)
     step = agreement.step
     if step:
-        checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
+        try:
+            checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
+        except checkpoint.CheckpointError as exc:
+            # The file read back whole (it was checked before the world agreed on it), so it is a checkpoint of
+            # another model or optimizer than those configured. A restarted world would agree on it and refuse
+            # it again, each time out of the restart budget: a final exit, naming what to change.
+            raise ConfigError(f"{exc}: rl.policy and rl.optimizer are not those that wrote trainer.checkpoint_dir "
+                              f"{section.checkpoint_dir}; configure those, or another trainer.checkpoint_dir, or "
+                              "move its files aside") from None
     checkpoint.prune(section.checkpoint_dir, rank, step, cause=agreement.cause())
     log.info("trainer.resumed" if step else "trainer.fresh_start", step=step, rank=rank, newest_here=mine,
              checkpoint_dir=section.checkpoint_dir)
