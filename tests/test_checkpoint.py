@@ -350,6 +350,26 @@ def test_a_whole_checkpoint_of_another_model_is_refused_as_a_configuration_not_r
     assert _files(tmp_path, 1) == (["step-2.safetensors", "step-4.safetensors"], [])
 
 
+def test_directories_under_checkpoint_names_are_not_checkpoints_and_stop_no_resume_and_no_write(
+        tmp_path: Path) -> None:
+    """Both ranks hold 2 and 4; rank 0 has a directory named as step 6's checkpoint, rank 1 one named as step
+    1's and one named as a temporary file. The world resumes at 4 (neither directory counts as a checkpoint,
+    nor takes the place of one that is kept), rank 0's directory above 4 is moved aside so that its write of 6
+    succeeds, and rank 1's are left as they are (removing them as files failed at every resume and write)."""
+    model, optimizer = _trained(0, 1)
+    for rank in (0, 1):
+        for step in (2, 4):
+            checkpoint.save(tmp_path, rank, step, model, optimizer)
+    checkpoint.path_of(tmp_path, 0, 6).mkdir()
+    for name in ("step-1.safetensors", "step-8.safetensors.tmp"):
+        (checkpoint.rank_dir(tmp_path, 1) / name).mkdir()
+    ours = ["step-4.safetensors", "step-6.safetensors"]
+    cause = "rank 0 has nothing whole above step 4; rank 1 has nothing whole above step 4"
+    assert _run_world(tmp_path, 0, [6]) == [(4, (ours, ["step-6.safetensors"]), [cause]), (4, (ours, []), [])]
+    assert all((checkpoint.rank_dir(tmp_path, 1) / name).is_dir()
+               for name in ("step-1.safetensors", "step-8.safetensors.tmp"))
+
+
 @pytest.mark.parametrize("damage", ["torn", "garbage", "foreign"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, damage: str) -> None:
     model, optimizer = _trained(0, 1)

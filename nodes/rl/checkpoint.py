@@ -84,7 +84,8 @@ def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
     _fsync(folder)
     prune(directory, rank, step, cause=f"step {step} was written below them")
     for leftover in folder.glob(f"*{_TEMP_SUFFIX}"):
-        leftover.unlink(missing_ok=True)
+        if not leftover.is_dir():  # not one of its temporary files: never written as a directory
+            leftover.unlink(missing_ok=True)
     return final
 
 
@@ -93,15 +94,18 @@ def prune(directory: Path | str, rank: int, newest: int, *, cause: str) -> list[
     ``rank-<rank>/superseded/rewound-to-<newest>-<ns>/`` (a folder of their own, so a later rewind never
     overwrites them), and remove all but the :data:`KEEP` newest at or below ``newest``. Each file moved is
     logged (``checkpoint.superseded``, a warning naming it, where it went and ``cause``: why the world started
-    over below it). Checkpoints in ``superseded/`` at or below ``newest`` are removed (the rank holds step
-    ``newest`` of the lineage training now, at or past theirs), each with a warning
+    over below it); so is a directory under a checkpoint's name above ``newest`` (else never touched: not a
+    checkpoint, and not refbus's to remove). Checkpoints in ``superseded/`` at or below ``newest`` are removed
+    (the rank holds step ``newest`` of the lineage training now, at or past theirs), each with a warning
     (``checkpoint.superseded_removed``), and a folder they leave empty with them; anything else there is the
     operator's to clear or move back. Returns the moved files' new paths."""
     folder = rank_dir(directory, rank)
     _remove_caught_up(folder / SUPERSEDED, rank, newest)
     steps = _steps(folder)
     moved = []
-    above = [step for step in steps if step > newest]
+    # Directories under a checkpoint's name too: left above ``newest``, one would stand where this lineage's
+    # checkpoint of its step is to be written.
+    above = [step for step in _steps(folder, directories=True) if step > newest]
     if above:
         aside = folder / SUPERSEDED / f"rewound-to-{newest}-{time.time_ns()}"
         aside.mkdir(parents=True)
@@ -293,11 +297,14 @@ def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> No
                               f"not rank {rank} step {step}")
 
 
-def _steps(folder: Path) -> list[int]:
-    """Steps with a checkpoint file in ``folder``, newest first."""
+def _steps(folder: Path, *, directories: bool = False) -> list[int]:
+    """Steps with a checkpoint file in ``folder``, newest first; with ``directories``, also those of directories
+    under a checkpoint's name. A directory is never a checkpoint: counted as one, it would take the place of one
+    that :data:`KEEP` keeps, and removing it (as a file) would fail at every write and every resume."""
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))), reverse=True)
+    return sorted((int(m.group(1)) for p in folder.iterdir()
+                   if (m := _NAME.fullmatch(p.name)) and (directories or not p.is_dir())), reverse=True)
 
 
 def _fsync(path: Path) -> None:
