@@ -391,6 +391,33 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
         checkpoint.load(tmp_path, 0, 4, model, optimizer)
 
 
+FULL_DISK = """
+import resource, signal, sys, torch
+from refbus.nodes.rl import checkpoint
+directory, limit = sys.argv[1], int(sys.argv[2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+model = torch.nn.Linear(256, 256)
+try:
+    checkpoint.save(directory, 0, 2, model, torch.optim.SGD(model.parameters(), lr=0.1))
+except checkpoint.CheckpointError as exc:
+    print(exc)
+"""
+
+
+def test_a_checkpoint_that_cannot_be_written_is_refused_naming_it_and_the_previous_one_stays(tmp_path: Path) -> None:
+    """A rank whose files can grow to half a checkpoint only (a full disk) fails its write of step 2 with a
+    CheckpointError naming the file (safetensors' own error names neither file nor step), no temporary file
+    left holding space, and its checkpoint of step 1 still the newest, whole."""
+    model = torch.nn.Linear(256, 256)
+    first = checkpoint.save(tmp_path, 0, 1, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path), str(first.stat().st_size // 2)],
+                            capture_output=True, text=True, timeout=WAIT_S)
+    assert result.stdout.startswith(f"{checkpoint.path_of(tmp_path, 0, 2)}: cannot write rank 0's checkpoint of "
+                                    "step 2: "), (result.stdout, result.stderr)
+    assert [p.name for p in first.parent.iterdir()] == [first.name] and checkpoint.latest_step(tmp_path, 0) == 1
+
+
 WRITER = """
 import sys, torch
 from refbus.nodes.rl import checkpoint

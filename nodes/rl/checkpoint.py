@@ -38,7 +38,7 @@ from typing import Any
 
 import structlog
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 log = structlog.get_logger(__name__)
@@ -70,16 +70,22 @@ def _file_name(step: int) -> str:
 def save(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer) -> Path:
     """Write rank ``rank``'s checkpoint of ``step`` atomically; returns its path. Once the new one is in place
-    the rank's checkpoints are pruned to ``step`` (:func:`prune`) and leftover temporary files removed. The
-    caller keeps ownership of the model and optimizer (their tensors are copied to the file)."""
+    the rank's checkpoints are pruned to ``step`` (:func:`prune`) and leftover temporary files removed. A write
+    that fails (a full disk) raises :class:`CheckpointError` naming the file, its temporary file removed and the
+    rank's checkpoints as they were. The caller keeps ownership of the model and optimizer (their tensors are
+    copied to the file)."""
     folder = rank_dir(directory, rank)
     folder.mkdir(parents=True, exist_ok=True)
     tensors, optimizer_meta = _flatten(model.state_dict(), optimizer.state_dict())
     metadata = {"format": FORMAT, "step": str(step), "rank": str(rank), "optimizer": json.dumps(optimizer_meta)}
     final = path_of(directory, rank, step)
     temp = final.with_name(final.name + _TEMP_SUFFIX)
-    save_file(tensors, temp, metadata=metadata)
-    _fsync(temp)
+    try:
+        save_file(tensors, temp, metadata=metadata)
+        _fsync(temp)
+    except (OSError, SafetensorError) as exc:  # safetensors names neither the file nor the step
+        temp.unlink(missing_ok=True)  # a partial file would hold space the next write needs
+        raise CheckpointError(f"{final}: cannot write rank {rank}'s checkpoint of step {step}: {exc}") from None
     os.replace(temp, final)
     _fsync(folder)
     prune(directory, rank, step, cause=f"step {step} was written below them")

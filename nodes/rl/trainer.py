@@ -19,7 +19,10 @@ loads K, moves its checkpoints above K aside (an earlier world's, or ones anothe
 which would outrank this world's: :func:`checkpoint.prune`, a warning per file naming the ranks that hold
 less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). A checkpoint K that reads back
 whole but is another model's or optimizer's (the configuration changed) is refused as a configuration error:
-exit status 2, which ends the run rather than spend the restart budget agreeing on it again. Before its first
+exit status 2, which ends the run rather than spend the restart budget agreeing on it again. A rank that cannot
+write its checkpoint (a full disk) exits 1 at once naming the file, as a crash: the world restarts from the step
+every rank has (going on without it, the ranks' checkpoints would part ways until none had a step in common).
+Before its first
 step, every rank pushes its starting weights as version K declaring that it resumes (``resumes``), so the
 parameter server starts a new lineage there (a dead world's versions above K are retired) and rollout workers
 have something to serve. Its heartbeat status reports ``step`` K at once, for the orchestrator to continue
@@ -182,7 +185,9 @@ def run(config: Config, args: argparse.Namespace) -> int:
                 if trainer.interrupted:
                     break
         except RuntimeError as exc:
-            if not isinstance(exc, StepFailed):  # gloo may see a dead peer first: the peer view names it, exits
+            # gloo may see a dead peer first: the peer view names it, exits. A checkpoint that cannot be written
+            # (a full disk) is this rank's own failure: it exits at once, naming the file.
+            if not isinstance(exc, StepFailed | checkpoint.CheckpointError):
                 broken.wait(config.bus.node_timeout_s * 1.5)
             raise
         finally:
