@@ -8,6 +8,7 @@ moved aside, never removed, so one rank's damaged checkpoints cost the other ran
 from __future__ import annotations
 
 import copy
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -416,6 +417,39 @@ def test_a_checkpoint_that_cannot_be_written_is_refused_naming_it_and_the_previo
     assert result.stdout.startswith(f"{checkpoint.path_of(tmp_path, 0, 2)}: cannot write rank 0's checkpoint of "
                                     "step 2: "), (result.stdout, result.stderr)
     assert [p.name for p in first.parent.iterdir()] == [first.name] and checkpoint.latest_step(tmp_path, 0) == 1
+
+
+UNREADABLE = """
+import sys
+from structlog.testing import capture_logs
+from refbus.nodes.rl import checkpoint
+with capture_logs() as logs:
+    assert checkpoint.latest_step(sys.argv[1], 0) == 2
+print(*[e["error"] for e in logs if e["event"] == "checkpoint.unreadable"], sep="\\n")
+"""
+
+
+def test_a_checkpoint_the_rank_may_not_read_is_skipped_with_a_warning_saying_so(tmp_path: Path) -> None:
+    """A newest checkpoint of mode 000 is skipped, and the warning says permission was denied, not (as
+    safetensors would say) that there is no such file. A root test process checks it without the capabilities
+    that let root read any file."""
+    model, optimizer = _trained(0, 1)
+    checkpoint.save(tmp_path, 0, 2, model, optimizer)
+    denied = checkpoint.save(tmp_path, 0, 4, model, optimizer)
+    denied.chmod(0)
+    result = subprocess.run([sys.executable, "-c", UNREADABLE, str(tmp_path)], capture_output=True, text=True,
+                            timeout=WAIT_S, preexec_fn=_without_file_permission_override if os.geteuid() == 0 else None)
+    assert result.stdout.startswith(f"{denied}: PermissionError: [Errno 13] Permission denied"), result
+    assert result.stdout.count("\n") == 1, result.stdout
+
+
+def _without_file_permission_override() -> None:
+    """Run in a root test's child before exec: drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its bounding
+    set (prctl PR_CAPBSET_DROP), so the program it execs, still root, obeys file modes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
 WRITER = """

@@ -243,7 +243,9 @@ def _unflatten(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
 
 def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     try:
-        with safe_open(path, framework="pt") as file:
+        # Opened first by Python, whose error says why (permission denied): safetensors says "No such file or
+        # directory" for any file it cannot open.
+        with path.open("rb"), safe_open(path, framework="pt") as file:
             metadata = file.metadata() or {}
             tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
     except Exception as exc:  # safetensors raises its own error types for every kind of damage
