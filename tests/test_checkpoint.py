@@ -125,10 +125,10 @@ def test_a_checkpoint_of_other_dtypes_is_refused_naming_the_tensor_and_changes_n
 
 def _assert_refused_unchanged(directory: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               match: str) -> None:
-    """Loading ``step`` into ``model`` and ``optimizer`` raises a CheckpointError matching ``match`` and leaves
-    both exactly as they were."""
+    """Loading ``step`` into ``model`` and ``optimizer`` raises a CheckpointMismatch (what a resuming rank takes for a
+    configuration that cannot work) matching ``match`` and leaves both exactly as they were."""
     weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(checkpoint.CheckpointError, match=match):
+    with pytest.raises(checkpoint.CheckpointMismatch, match=match):
         checkpoint.load(directory, 0, step, model, optimizer)
     _assert_same_state(weights, model.state_dict())
     _assert_same_state(state, optimizer.state_dict())

@@ -55,6 +55,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, torn or not one of ours."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint that reads back whole holds another model's or optimizer's state than the one loading it."""
+
+
 def rank_dir(directory: Path | str, rank: int) -> Path:
     return Path(directory) / f"rank-{rank}"
 
@@ -176,8 +180,8 @@ def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
     state tensors come back as saved, in the file's dtype (an optimizer may keep its state in another dtype
     than its parameters, e.g. bf16 moments for fp32 weights); each must belong to one of the optimizer's
     parameters and, where the optimizer already holds that state, have its dtype and shape. Raises
-    :class:`CheckpointError`, naming the tensor that does not fit, with the model and optimizer as they
-    were."""
+    :class:`CheckpointMismatch`, naming the tensor that does not fit, or :class:`CheckpointError` for a file that
+    cannot be read, with the model and optimizer as they were."""
     path = path_of(directory, rank, step)
     metadata, tensors = _read(path)
     _expect(metadata, path, rank, step)
@@ -205,7 +209,7 @@ def load(directory: Path | str, rank: int, step: int, model: torch.nn.Module,
         optimizer.__setstate__(before)
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"{path}: does not fit this model and optimizer: {exc}") from None
+        raise CheckpointMismatch(f"{path}: does not fit this model and optimizer: {exc}") from None
     model.load_state_dict(model_state, strict=True)
 
 
@@ -254,7 +258,8 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 
 
 def _check(path: Path, rank: int, step: int) -> None:
-    """Whether ``path`` reads back whole: header, metadata and every tensor's bytes."""
+    """Whether ``path`` reads back whole: its header and metadata, and tensors whose extents cover the file exactly
+    (safetensors refuses any other on opening; the bytes themselves are mapped, not read, until :func:`load`)."""
     metadata, _ = _read(path)
     _expect(metadata, path, rank, step)
     try:
@@ -267,14 +272,14 @@ def _model_fits(path: Path, given: Mapping[str, torch.Tensor], wanted: Mapping[s
     """That ``given`` (the file's) has exactly the tensors of ``wanted`` (the model's), each of the same dtype
     and shape."""
     if missing := sorted(wanted.keys() - given.keys()):
-        raise CheckpointError(f"{path}: lacks model/{missing[0]} (of {len(missing)} missing tensors)")
+        raise CheckpointMismatch(f"{path}: lacks model/{missing[0]} (of {len(missing)} missing tensors)")
     if extra := sorted(given.keys() - wanted.keys()):
-        raise CheckpointError(f"{path}: has model/{extra[0]}, which this model lacks (of {len(extra)} such "
+        raise CheckpointMismatch(f"{path}: has model/{extra[0]}, which this model lacks (of {len(extra)} such "
                               "tensors)")
     for name, tensor in given.items():
         want = wanted[name]
         if tensor.dtype != want.dtype or tensor.shape != want.shape:
-            raise CheckpointError(f"{path}: model/{name} is {tensor.dtype} {tuple(tensor.shape)}, this model "
+            raise CheckpointMismatch(f"{path}: model/{name} is {tensor.dtype} {tuple(tensor.shape)}, this model "
                                   f"needs {want.dtype} {tuple(want.shape)}")
 
 
@@ -289,11 +294,11 @@ def _optimizer_fits(path: Path, state: Mapping[int, Mapping[str, Any]], params: 
             if not isinstance(tensor, torch.Tensor):
                 continue
             if index not in params:
-                raise CheckpointError(f"{path}: has optim/{index}/{key}, for a parameter this optimizer lacks "
+                raise CheckpointMismatch(f"{path}: has optim/{index}/{key}, for a parameter this optimizer lacks "
                                       f"(it has {len(params)})")
             held = own.get(params[index], {}).get(key)
             if isinstance(held, torch.Tensor) and (held.dtype != tensor.dtype or held.shape != tensor.shape):
-                raise CheckpointError(f"{path}: optim/{index}/{key} is {tensor.dtype} {tuple(tensor.shape)}, this "
+                raise CheckpointMismatch(f"{path}: optim/{index}/{key} is {tensor.dtype} {tuple(tensor.shape)}, this "
                                       f"optimizer holds {held.dtype} {tuple(held.shape)}")
 
 

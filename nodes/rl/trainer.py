@@ -230,9 +230,9 @@ def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimize
     if step:
         try:
             checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
-        except checkpoint.CheckpointError as exc:
-            # The file read back whole (it was checked before the world agreed on it), so it is a checkpoint of
-            # another model or optimizer than those configured. A restarted world would agree on it and refuse
+        except checkpoint.CheckpointMismatch as exc:
+            # A checkpoint of another model or optimizer than those configured (one that cannot be read now, after
+            # it was checked for the agreement, is a crash: restarted). A restarted world would agree on it and refuse
             # it again, each time out of the restart budget: a final exit, naming what to change.
             raise ConfigError(f"{exc}: rl.policy and rl.optimizer are not those that wrote trainer.checkpoint_dir "
                               f"{section.checkpoint_dir}; configure those, or another trainer.checkpoint_dir, or "
