@@ -22,7 +22,8 @@ the live stream), so subscribers' gap fills recover what the dead broker took (s
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
 the monotonic clock), is removed with ``node-down``. The broker's own events come from its node id with
-their own sequence.
+their own sequence. The registry holds at most ``max_nodes`` nodes, live or joining: a ``hello`` of a new node id
+past it is refused ``registry-full``.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
@@ -139,6 +140,7 @@ class BrokerSettings:
     event_batch: int = BATCH_EVENTS  # what the welcome allows each node: events in one message, at most
     node_timeout_s: float = 5.0
     cluster: str = "local"  # the ``cluster`` label of every service-discovery target
+    max_nodes: int = 4096  # nodes registered at most, live or still joining: a hello past it is refused
 
 
 def sd_target(metrics_url: str) -> tuple[str, str]:
@@ -479,6 +481,7 @@ class Broker:
         # peer address), at most LOOKUPS_MAX waiting (counted on the loop thread); None ends the resolver.
         self._lookups: queue.SimpleQueue[tuple[_Member, str, str] | None] = queue.SimpleQueue()
         self._lookups_waiting = 0
+        self._full_logged = False  # whether the registry's last filling (past ``max_nodes``) was logged
 
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
         self.curve = runtime.curve
@@ -618,14 +621,16 @@ class Broker:
         # A joining node's node-up goes out before the answer that completes its join: the node subscribes
         # only after that answer, so it rarely meets its own node-up live (never a guarantee: with the
         # forwarder the event still crosses the proxy thread, which may run later).
+        came_up = False
         for member in self.members.values():
             if member.token == probe.token and not member.live:
-                member.live = True
+                member.live = came_up = True
                 log.info("node.up", node=member.info.node_id, role=member.info.role)
                 self._count_join((member.info.node_id, member.info.role))
                 self._count_restart(member)
                 self.emit(NodeUp(node=member.info))
-                self._refresh_targets()
+        if came_up:  # once, not per node: hellos sharing a token all come up on one probe
+            self._refresh_targets()
         waiting = self.waiting.pop(probe.token, None)
         if waiting is not None:
             self.server.answer(waiting[0], Ok("seen"))
@@ -671,6 +676,8 @@ class Broker:
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
+        if old is None:
+            self._check_room(node)
         # Another process under the same id: told by (host, pid, start time), not by pid alone, since a container
         # restarts its process as pid 1 each time.
         same = old is not None and old.live and incarnation(old.info) == incarnation(node)
@@ -692,6 +699,22 @@ class Broker:
             wire=wire,
             event_batch=self.settings.event_batch,
         )
+
+    def _check_room(self, node: NodeInfo) -> None:
+        """Refuse ``registry-full`` a hello that would register a new node id past ``max_nodes`` (live or still
+        joining): every registration costs memory, each lookup, /sd and liveness pass walks them all, and a peer
+        flooding distinct ids must not make the registry, or the loop that serves it, grow without end. Those
+        registered keep their entries (a node registering again under its id is never refused); a joining entry
+        that never proves its PUB live frees its place within ``node_timeout_s``. Logged once per filling."""
+        if len(self.members) < self.settings.max_nodes:
+            self._full_logged = False
+            return
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning("registry.full", max_nodes=self.settings.max_nodes, refused=node.node_id, role=node.role,
+                        detail="hellos of new node ids are refused until registered nodes leave or time out")
+        raise HandlerError("registry-full", f"the broker registers at most {self.settings.max_nodes} nodes "
+                           f"(bus.max_nodes), live or joining: {node.node_id!r} is not registered")
 
     def _check_own(self, request: Message, node_id: str, role: str = "") -> None:
         """With CURVE, a node speaks for itself only: the registry entry it names is its own (the server checked

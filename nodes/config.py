@@ -102,6 +102,7 @@ class Config:
             event_batch=self.bus.event_batch,
             node_timeout_s=self.bus.node_timeout_s,
             cluster=self.cluster.name,
+            max_nodes=self.bus.max_nodes,
         )
 
 
@@ -183,6 +184,7 @@ RANGES: dict[str, tuple[float, float | None]] = {
     "bus.event_batch": (1, 65_535),
     "bus.ring_events": (1, 1 << 30),
     "bus.ring_bytes": (1, None),
+    "bus.max_nodes": (1, None),
     "bus.metrics_port": (-1, 65_535),
     "node.metrics_port": (-1, 65_535),
     "requests.attempts": (1, 1_000),

@@ -47,6 +47,12 @@ class BusSettings:
     )
     heartbeat_interval_s: float = key(1.0, "Seconds between node heartbeats.")
     node_timeout_s: float = key(5.0, "Seconds without a heartbeat before the broker declares a node down.")
+    max_nodes: int = key(
+        4096,
+        "Nodes the broker registers at most, live or still joining (far above any real cluster): a hello of a new "
+        "node id past it is refused registry-full (counted in refbus_requests_rejected_total), and the node "
+        "reports it; those registered are not disturbed.",
+    )
     metrics_port: int = key(
         7779,
         "Port of the broker's Prometheus endpoint, used by the broker instead of "

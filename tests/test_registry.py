@@ -1,0 +1,118 @@
+"""The broker's registry is bounded (``bus.max_nodes``): hellos of new node ids past it are refused
+``registry-full`` and counted, those registered keep their place, and entries that never heartbeat (a flooding
+peer killed mid-flood) are expired within the node timeout, freeing their places. Registrations with garbage in
+their fields are refused with a clear code while the broker keeps serving. A real broker process on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import FAST_LIVENESS
+from polling import read_line, wait_for
+from ps_support import scrape
+from refbus.bus.sockets import make_socket
+from refbus.nodes.launch import NodeProcess, NodeStartError, start_bus
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Body, Error, Hello, NodeInfo, NodeList, Nodes, Welcome
+
+NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS's
+WAIT_S = 10 * NODE_TIMEOUT_S  # expiry: a liveness pass every node_timeout/4 after node_timeout, with room
+ANSWER_MS = 10_000
+MAX_NODES = 8
+FLOODER = Path(__file__).with_name("registry_flooder.py")
+
+
+@pytest.fixture
+def small_bus(tmp_path: Path) -> Iterator[tuple[NodeProcess, str]]:
+    """A broker registering at most ``MAX_NODES`` nodes; stopped (and checked for a clean exit) afterwards."""
+    proc, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, "--bus-max-nodes", str(MAX_NODES)])
+    try:
+        yield proc, control
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture
+def raw(small_bus) -> Iterator[zmq.Socket]:
+    """A DEALER connected to the broker's control endpoint."""
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=small_bus[1])
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+CODEC = WireCodec("registry-test")
+
+
+def ask(sock: zmq.Socket, body: Body) -> Body:
+    sock.send_multipart(CODEC.encode(body))
+    assert sock.poll(ANSWER_MS), f"the broker did not answer {body.kind}"
+    return CODEC.decode(sock.recv_multipart()).body
+
+
+def hello(sock: zmq.Socket, node_id: str, role: str = "flood", **fields: object) -> Body:
+    return ask(sock, Hello(node=NodeInfo(node_id=node_id, role=role, host="h", pid=1, **fields), token=node_id))
+
+
+def listed(sock: zmq.Socket, role: str = "") -> list[str]:
+    answer = ask(sock, Nodes(role=role))
+    assert isinstance(answer, NodeList) and not answer.omitted, answer
+    return sorted(node.node_id for node in answer.nodes)
+
+
+def keeper(spawn, control: str, node_id: str) -> NodeProcess:
+    """A real node registered at ``control``: started, and ready (its PUB proven live, listed)."""
+    node = spawn(["monitor", "--bus-control", control, "--node-id", node_id, "--node-metrics-port", "-1"], node_id)
+    node.wait_ready()
+    return node
+
+
+def test_hellos_past_max_nodes_are_refused_and_those_registered_keep_their_place(small_bus, raw, spawn) -> None:
+    proc, control = small_bus
+    keeper(spawn, control, "keeper")
+    for i in range(MAX_NODES - 1):  # they never prove their PUB live nor heartbeat: still joining
+        assert isinstance(hello(raw, f"flood-{i}"), Welcome)
+    refusals = [hello(raw, f"past-{i}") for i in range(3)]
+    assert all(isinstance(r, Error) and r.code == "registry-full" and "bus.max_nodes" in r.message
+               for r in refusals), refusals
+    assert isinstance(hello(raw, "flood-0"), Welcome)  # registering again under its id is never refused
+    assert listed(raw) == ["keeper"]
+    assert scrape(proc.info["metrics"], "refbus_requests_rejected_total", code="registry-full") == 3
+    with pytest.raises(NodeStartError, match="registry-full"):
+        keeper(spawn, control, "late")
+    # The joining entries never heartbeat: expired within the node timeout, they free their places.
+    wait_for(lambda: isinstance(hello(raw, "past-0"), Welcome), WAIT_S, "a place freed by expiry")
+    keeper(spawn, control, "later")
+    assert listed(raw) == ["keeper", "later"]
+
+
+def test_a_flooder_killed_mid_flood_leaves_nothing_registered_within_the_node_timeout(small_bus, raw, spawn) -> None:
+    _, control = small_bus
+    keeper(spawn, control, "keeper")
+    flooder = subprocess.Popen([sys.executable, str(FLOODER), control], stdout=subprocess.PIPE, bufsize=0,
+                               stdin=subprocess.DEVNULL)
+    try:
+        told = json.loads(read_line(flooder, WAIT_S))
+        assert told == {"registered": MAX_NODES - 1, "refused": "registry-full"}
+        flooded = wait_for(lambda: len(listed(raw, "flood")) == MAX_NODES - 1, WAIT_S, "the flooded nodes live")
+        assert flooded
+        assert "keeper" in listed(raw)
+        flooder.send_signal(signal.SIGKILL)
+        flooder.wait(WAIT_S)
+    finally:
+        flooder.kill()
+        flooder.wait(WAIT_S)
+        flooder.stdout.close()  # type: ignore[union-attr]
+    wait_for(lambda: listed(raw) == ["keeper"], WAIT_S, "the flooded nodes expired")
+    keeper(spawn, control, "after")
+    assert listed(raw) == ["after", "keeper"]
