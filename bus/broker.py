@@ -21,9 +21,10 @@ the live stream), so subscribers' gap fills recover what the dead broker took (s
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
-the monotonic clock), is removed with ``node-down``. The broker's own events come from its node id with
-their own sequence. The registry holds at most ``max_nodes`` nodes, live or joining: a ``hello`` of a new node id
-past it is refused ``registry-full``.
+the monotonic clock), is removed with ``node-down``; so is one whose id another process registers, whose
+heartbeats are then refused ``replaced`` (they name their process) instead of keeping the new entry live. The
+broker's own events come from its node id with their own sequence. The registry holds at most ``max_nodes``
+nodes, live or joining: a ``hello`` of a new node id past it is refused ``registry-full``.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
@@ -755,6 +756,11 @@ class Broker:
         member = self.members.get(beat.node_id)
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
+        if beat.process is not None and tuple(beat.process) != incarnation(member.info):
+            host, pid, started = incarnation(member.info)
+            raise HandlerError("replaced", f"{beat.node_id!r} is registered by another process since (host "
+                               f"{host!r}, pid {pid}, started {started:.3f}): node ids must be unique, this "
+                               "process is not registered")
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
         member.size = None
         member.heard = self.clock()

@@ -92,7 +92,7 @@ from ..protocol.messages import (
 from .calls import Calls
 from .metrics import by_label, register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
-from .peers import Peers
+from .peers import Peers, incarnation
 from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
 from .reqrep import MIN_TIMEOUT_S, SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
 from .security import Curve, ZapHandler, check_bind, load_curve
@@ -325,6 +325,7 @@ class NodeRuntime:
         # characters (what is over is left out: see _beat_status).
         self.status: Callable[[], dict[str, float]] = dict
         self._status_cut = False  # _beat_status had to leave numbers out (logged once)
+        self._replaced = False  # the last heartbeat was refused: another process registered this node id since
         self.started = time.time()
         self.metrics_url = ""
         self.welcome: Welcome | None = None
@@ -859,10 +860,10 @@ class NodeRuntime:
         log.info("node.stopped")
 
     def _say_bye(self, close_by: float, bye_s: float, *, own_socket: bool = False) -> None:
-        """Tell the broker this node leaves (one attempt, at most ``bye_s``, by ``close_by``), when it joined.
-        ``own_socket``: on a client and codec made for it alone, closed after (another thread holds the
-        node's)."""
-        if self.control is None or self.welcome is None:
+        """Tell the broker this node leaves (one attempt, at most ``bye_s``, by ``close_by``), when it joined and
+        another process has not replaced it (its bye would remove that one's entry). ``own_socket``: on a client
+        and codec made for it alone, closed after (another thread holds the node's)."""
+        if self.control is None or self.welcome is None or self._replaced:
             return
         policy = RetryPolicy(timeout_s=max(0.05, min(bye_s, close_by - time.monotonic())), attempts=1)
         control = self.control
@@ -1311,8 +1312,9 @@ class NodeRuntime:
     def _heartbeat(self) -> None:
         # Not resent: the next heartbeat is due when this one's deadline passes.
         if self.control is not None and self.welcome is not None:
-            self.calls.request(self.settings.bus, Heartbeat(node_id=self.node_id, status=self._beat_status()),
-                               self._on_heartbeat, deadline_s=self.welcome.heartbeat_interval, policy=SEND_ONCE)
+            beat = Heartbeat(node_id=self.node_id, status=self._beat_status(), process=incarnation(self.info()))
+            self.calls.request(self.settings.bus, beat, self._on_heartbeat, deadline_s=self.welcome.heartbeat_interval,
+                               policy=SEND_ONCE)
 
     def _beat_status(self) -> dict[str, float]:
         """:attr:`status` as a heartbeat carries it, within the schema's bounds: numbers a role adds (an
@@ -1343,11 +1345,17 @@ class NodeRuntime:
         self._heartbeats_unanswered = 0
         if self.publish_path_lost:
             self._request_rejoin()
+        replaced = isinstance(outcome, RemoteError) and outcome.code == "replaced"
+        if replaced and not self._replaced:
+            # Not re-joined: that would take the id back from the other process, which would take it back in turn.
+            # Once that one is gone and expired, the broker answers unknown-node and this process registers again.
+            log.error("node.replaced", detail=outcome.detail)
+        self._replaced = replaced
         if isinstance(outcome, RemoteError):
             if outcome.code == "unknown-node":
                 log.warning("node.forgotten_by_broker", detail=outcome.detail)
                 self._request_rejoin()
-            else:
+            elif not replaced:
                 log.warning("control.error", code=outcome.code, error=outcome.detail)
 
     def _request_rejoin(self) -> None:

@@ -314,8 +314,13 @@ class Hello(Body, frozen=True):
 
 @register_kind("heartbeat")
 class Heartbeat(Body, frozen=True):
+    """A registered node is alive. ``process`` names the sender (host, pid, start time, as in its ``hello``): the
+    broker refuses ``replaced`` a heartbeat from another process than the one registered under ``node_id`` now,
+    so a process whose id a later one took cannot keep that one's entry live once it is gone."""
+
     node_id: Name  # the node
     status: Readings = {}  # role numbers shown in the registry
+    process: Process | None = None  # the sending process (None: not named, taken as the registered one)
 
 
 @register_kind("bye")

@@ -60,8 +60,10 @@ def ask(sock: zmq.Socket, body: Body) -> Body:
     return CODEC.decode(sock.recv_multipart()).body
 
 
-def hello(sock: zmq.Socket, node_id: str, role: str = "flood", **fields: object) -> Body:
-    return ask(sock, Hello(node=NodeInfo(node_id=node_id, role=role, host="h", pid=1, **fields), token=node_id))
+def hello(sock: zmq.Socket, node_id: str, **fields: object) -> Body:
+    """``sock``'s hello registering ``node_id`` (role ``flood`` on host ``h``, pid 1, unless ``fields`` say else)."""
+    node = NodeInfo(**{"node_id": node_id, "role": "flood", "host": "h", "pid": 1, **fields})  # type: ignore[arg-type]
+    return ask(sock, Hello(node=node, token=node_id))
 
 
 def listed(sock: zmq.Socket, role: str = "") -> list[str]:
@@ -70,9 +72,11 @@ def listed(sock: zmq.Socket, role: str = "") -> list[str]:
     return sorted(node.node_id for node in answer.nodes)
 
 
-def keeper(spawn, control: str, node_id: str) -> NodeProcess:
-    """A real node registered at ``control``: started, and ready (its PUB proven live, listed)."""
-    node = spawn(["monitor", "--bus-control", control, "--node-id", node_id, "--node-metrics-port", "-1"], node_id)
+def keeper(spawn, control: str, node_id: str, name: str = "") -> NodeProcess:
+    """A real node registered at ``control`` as ``node_id`` (its process named ``name``, default the id): started,
+    and ready (its PUB proven live, listed)."""
+    node = spawn(["monitor", "--bus-control", control, "--node-id", node_id, "--node-metrics-port", "-1"],
+                 name or node_id)
     node.wait_ready()
     return node
 
@@ -116,3 +120,25 @@ def test_a_flooder_killed_mid_flood_leaves_nothing_registered_within_the_node_ti
     wait_for(lambda: listed(raw) == ["keeper"], WAIT_S, "the flooded nodes expired")
     keeper(spawn, control, "after")
     assert listed(raw) == ["after", "keeper"]
+
+
+def test_a_process_whose_id_another_took_keeps_no_entry_live_and_registers_again_once_that_one_is_gone(
+        small_bus, raw, spawn) -> None:
+    """Two live processes under one node id: the later hello replaces the earlier process, whose heartbeats (they
+    name their process) are refused ``replaced`` instead of keeping the later one's entry live, so once that one is
+    SIGKILLed its entry expires and the earlier process registers again."""
+    _, control = small_bus
+
+    def registered() -> list[int]:
+        answer = ask(raw, Nodes())
+        assert isinstance(answer, NodeList)
+        return [node.pid for node in answer.nodes if node.node_id == "dup"]
+
+    first = keeper(spawn, control, "dup", "first")
+    second = keeper(spawn, control, "dup", "second")
+    assert registered() == [second.pid]
+    wait_for(lambda: "node.replaced" in first.log_tail(), WAIT_S, "the first process told it was replaced")
+    second.signal(signal.SIGKILL)
+    second.proc.wait(WAIT_S)
+    wait_for(lambda: registered() == [first.pid], WAIT_S, "the first process registered again")
+
