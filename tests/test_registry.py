@@ -20,7 +20,7 @@ from ps_support import scrape
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, NodeStartError, start_bus
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Body, Error, Hello, NodeInfo, NodeList, Nodes, Welcome
+from refbus.protocol.messages import Body, Error, Heartbeat, Hello, NodeInfo, NodeList, Nodes, Ok, Welcome
 
 NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS's
 WAIT_S = 10 * NODE_TIMEOUT_S  # expiry: a liveness pass every node_timeout/4 after node_timeout, with room
@@ -142,3 +142,35 @@ def test_a_process_whose_id_another_took_keeps_no_entry_live_and_registers_again
     second.proc.wait(WAIT_S)
     wait_for(lambda: registered() == [first.pid], WAIT_S, "the first process registered again")
 
+
+def test_garbage_registrations_are_refused_take_no_place_and_the_broker_keeps_serving(small_bus, raw) -> None:
+    """Fields past the schema's bounds, a metrics endpoint that is no URL, a body that is no map: each refused
+    ``schema`` naming the field, none counted against ``bus.max_nodes``, and the broker answers on."""
+    garbage = [
+        {"labels": {"k": "x" * 5000}},
+        {"labels": {f"k{i}": "v" for i in range(65)}},
+        {"role": ""},
+        {"role": "r" * 300},
+        {"metrics": "not a url"},
+        {"pid": -1},
+    ]
+    for i in range(MAX_NODES + 1):  # more of them than the registry has places
+        fields = garbage[i % len(garbage)]
+        refused = hello(raw, f"garbage-{i}", **fields)
+        assert isinstance(refused, Error) and refused.code == "schema", (fields, refused)
+    kind, header, _ = CODEC.encode(Hello(node=NodeInfo(node_id="z", role="r", host="h", pid=1), token="z"))
+    for body in (b"\x05", b"\x82\xa4node\xc0\xa5token\xa1z", b"\x91" * 100 + b"\xc0"):
+        raw.send_multipart([kind, header, body])
+        assert raw.poll(ANSWER_MS)
+        refused = CODEC.decode(raw.recv_multipart()).body
+        assert isinstance(refused, Error) and refused.code == "schema", refused
+    assert isinstance(hello(raw, "good"), Welcome)
+    replaced = ask(raw, Heartbeat(node_id="good", process=("h", 2, 0.0)))
+    assert isinstance(replaced, Error) and replaced.code == "replaced" and "pid 1" in replaced.message
+    kind, header, _ = CODEC.encode(Heartbeat(node_id="good"))
+    raw.send_multipart([kind, header, b"\x82\xa7node_id\xa4good\xa7process\x93\xa1h\xff\x00"])  # pid -1
+    assert raw.poll(ANSWER_MS)
+    refused = CODEC.decode(raw.recv_multipart()).body
+    assert isinstance(refused, Error) and refused.code == "schema" and "process" in refused.message, refused
+    assert isinstance(ask(raw, Heartbeat(node_id="good", process=("h", 1, 0.0))), Ok)
+    assert listed(raw) == []  # "good" never proved its PUB live: registered, not listed
