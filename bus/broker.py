@@ -484,6 +484,8 @@ class Broker:
         self._lookups_waiting = 0
         self._full_logged = False  # whether the registry's last filling (past ``max_nodes``) was logged
 
+        for endpoint in (settings.control, settings.events_in, settings.events_out):  # before any is bound
+            runtime.check_bind(endpoint)
         self.xsub = runtime.bind(zmq.XSUB, "events_in", settings.events_in, runtime.event_options)
         self.curve = runtime.curve
         self.xpub = runtime.bind(zmq.XPUB, "events_out", settings.events_out, dataclasses.replace(

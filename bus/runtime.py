@@ -375,11 +375,17 @@ class NodeRuntime:
 
     # --- building blocks for roles -------------------------------------------------------------------
 
+    def check_bind(self, endpoint: str) -> None:
+        """Raise :class:`~.security.SecurityError` if ``endpoint`` is an address other hosts reach and nothing
+        protects it: what :meth:`bind` checks first, for a role to check all its addresses before binding any (so
+        a config security refuses is told as such, whatever holds its other ports)."""
+        check_bind(endpoint, signed=bool(self.settings.secret), curve=self.curve is not None,
+                   insecure=self.settings.insecure)
+
     def bind(self, socket_type: int, name: str, endpoint: str, options: SocketOptions | None = None) -> zmq.Socket:
         """Bind a socket, advertise it under ``name`` and close it at shutdown. Raises
         :class:`~.security.SecurityError` for an address other hosts reach when nothing protects it."""
-        check_bind(endpoint, signed=bool(self.settings.secret), curve=self.curve is not None,
-                   insecure=self.settings.insecure)
+        self.check_bind(endpoint)
         sock = make_socket(self.ctx, socket_type, bind=endpoint, options=options or self.options)
         actual = bound_endpoint(sock)
         if actual.startswith("ipc://"):

@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -698,14 +699,15 @@ def _supervised(supervisor: Supervisor, until: Callable[[], object]) -> Callable
 REFUSING_ENV = ["node", "env-server", "--node-id", "env-0", "--bus-control", "tcp://127.0.0.1:1", "--store-run",
                 "refused", "--env-server-budget-bytes", str(1 << 20)]
 UNPROTECTED = "tcp://198.18.0.1:0"  # other hosts would reach it: refused with no secret, no CURVE, not insecure
+HELD = "an address another process holds"  # replaced by the test with one it holds
 
 
 @pytest.mark.parametrize(("command", "says"), [
     ([*REFUSING_ENV, "--env-server-high-water", "5"], "env_server.high_water must be above 0 and at most 1, got 5.0"),
     ([*REFUSING_ENV, "--env-server-score", "no_such_module:score"],
      "entry point 'no_such_module:score' cannot be loaded"),
-    (["node", "bus", "--node-id", "bus", "--bus-control", UNPROTECTED, "--bus-metrics-port", "0",
-      "--security-insecure", "false"], f"refusing to bind {UNPROTECTED}: other hosts could reach it"),
+    (["node", "bus", "--node-id", "bus", "--bus-control", UNPROTECTED, "--bus-events-in", HELD, "--bus-metrics-port",
+      "0", "--security-insecure", "false"], f"refusing to bind {UNPROTECTED}: other hosts could reach it"),
     (["node", "orchestrator", "--node-id", "orchestrator", "--bus-control", "tcp://127.0.0.1:1",
       "--orchestrator-dispatch", "true", "--orchestrator-prompt", "no_such_module:prompt"],
      "entry point 'no_such_module:prompt' cannot be loaded"),
@@ -718,9 +720,13 @@ def test_a_node_whose_config_cannot_work_is_never_restarted_and_the_run_ends_nam
     config again, until the restart budget was spent. Now the run ends at once, named after the node and its
     refusal's last line; nothing is restarted."""
     name = command[command.index("--node-id") + 1]
-    cluster = _Processes(spawn, {name: [*command, "--store-directory", str(tmp_path / "shm")]})
-    supervisor = Supervisor(cluster, budget=3, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
-    why = wait_for(supervisor.poll, SUPERVISED_S, "the run to end")
+    # The broker's events address is one another process holds: a config security refuses is told as such,
+    # whatever holds the node's other ports (it was told "address in use", a crash, when another cluster held them).
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        command = [f"tcp://127.0.0.1:{held.getsockname()[1]}" if arg == HELD else arg for arg in command]
+        cluster = _Processes(spawn, {name: [*command, "--store-directory", str(tmp_path / "shm")]})
+        supervisor = Supervisor(cluster, budget=3, backoff_s=BACKOFF_S, say=lambda _: None)  # type: ignore[arg-type]
+        why = wait_for(supervisor.poll, SUPERVISED_S, "the run to end")
     assert why.startswith(f"{name} cannot run as configured (exit 2, config): {says}"), why
     assert cluster.restarted == [] and supervisor.fatal == [name], why
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
