@@ -21,10 +21,12 @@ the live stream), so subscribers' gap fills recover what the dead broker took (s
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
-the monotonic clock), is removed with ``node-down``; so is one whose id another process registers, whose
-heartbeats are then refused ``replaced`` (they name their process) instead of keeping the new entry live. The
-broker's own events come from its node id with their own sequence. The registry holds at most ``max_nodes``
-nodes, live or joining: a ``hello`` of a new node id past it is refused ``registry-full``.
+the monotonic clock), is removed with ``node-down``. One node id, one live process: another process takes a
+registered id only from a predecessor dying, and a live holder's id is refused it ``id-in-use``
+(:meth:`Broker._check_holder`); a holder replaced after all (silent for half the node timeout, then heard
+again) has its heartbeats refused ``replaced`` (they name their process) instead of keeping the new entry
+live. The broker's own events come from its node id with their own sequence. The registry holds at most
+``max_nodes`` nodes, live or joining: a ``hello`` of a new node id past it is refused ``registry-full``.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
@@ -82,7 +84,7 @@ from .metrics import ROUTES, by_label
 from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
-from .runtime import NodeRuntime
+from .runtime import ID_IN_USE, NodeRuntime
 from .sockets import TooManyFrames, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
@@ -246,6 +248,9 @@ class _Member:
     size: int | None = None
     # the slot of its (role, host) it holds, given when it came up (-1 until then): what its restarts count against
     slot: int = -1
+    # the latest other process that asked for its id while it was registered: (its incarnation's repr, when it first
+    # asked)
+    contest: tuple[str, float] | None = None
 
 
 @dataclass
@@ -261,6 +266,14 @@ class _Slots:
 # A ``node-list`` body besides its entries: its field names, the list's length prefix and ``omitted`` (about 25
 # bytes).
 NODE_LIST_BYTES = 64
+
+
+def _stamp(seconds: float) -> str:
+    """A wall-clock time a node reported, in UTC to the second; "at an unknown time" when it is no time at all."""
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    except (OverflowError, ValueError, OSError):
+        return "at an unknown time"
 
 
 def _size_of(member: _Member) -> int:
@@ -681,6 +694,8 @@ class Broker:
         old = self.members.get(node.node_id)
         if old is None:
             self._check_room(node)
+        else:
+            self._check_holder(old, node)
         # Another process under the same id: told by (host, pid, start time), not by pid alone, since a container
         # restarts its process as pid 1 each time.
         same = old is not None and old.live and incarnation(old.info) == incarnation(node)
@@ -718,6 +733,40 @@ class Broker:
                         detail="hellos of new node ids are refused until registered nodes leave or time out")
         raise HandlerError("registry-full", f"the broker registers at most {self.settings.max_nodes} nodes "
                            f"(bus.max_nodes), live or joining: {node.node_id!r} is not registered")
+
+    def _check_holder(self, holder: _Member, node: NodeInfo) -> None:
+        """Let ``node`` take the id ``holder`` is registered under, or refuse it ``id-in-use``.
+
+        Its own process again (the same incarnation) and a predecessor that is dying (silent for half the node
+        timeout: a live node beats every heartbeat interval, at most a third of it) may take it, so a restart after
+        a crash comes up within half the node timeout of the crash. Otherwise the holder may be a live process
+        or one that died a moment ago, which only its next heartbeat tells: the first ask of each contender is
+        refused for a heartbeat interval (``retry_after_s``), and once the holder has been heard after that ask
+        the contender is refused for good (no ``retry_after_s``): another live process holds the id, a config
+        that cannot work. A dead process's last heartbeat was sent before it died, before its successor could
+        ask. Nothing of the holder changes but the contender it remembers (the latest one only), and nothing a
+        contender claims (its host, pid, start time) counts against the holder's heartbeats."""
+        if incarnation(holder.info) == incarnation(node):
+            return
+        contender = repr(incarnation(node))  # a start time that is NaN must match itself too
+        now = self.clock()
+        silent = now - holder.heard
+        if silent > self.settings.node_timeout_s / 2:
+            return
+        info = holder.info
+        said = (f"node id {shown(info.node_id)} is held by {info.role} pid {info.pid} on host {shown(info.host)}, "
+                f"started {_stamp(info.started)}, heard {silent:.1f}s ago; this process is pid {node.pid} on host "
+                f"{shown(node.host)}")
+        if holder.contest is not None and holder.contest[0] == contender and holder.heard > holder.contest[1]:
+            log.warning("registry.id_in_use", node=info.node_id, holder_host=info.host, holder_pid=info.pid,
+                        contender_host=node.host, contender_pid=node.pid)
+            raise HandlerError(ID_IN_USE, f"{said}: the holder still heartbeats, so two live processes were "
+                                          "started under one node id (give each its own node id)")
+        if holder.contest is None or holder.contest[0] != contender:
+            holder.contest = (contender, now)
+        raise HandlerError(ID_IN_USE, f"{said}: ask again; a holder that stays silent for "
+                                      f"{self.settings.node_timeout_s / 2:g}s is taken for dying and replaced",
+                           retry_after_s=self.runtime.settings.heartbeat_interval_s)
 
     def _check_own(self, request: Message, node_id: str, role: str = "") -> None:
         """With CURVE, a node speaks for itself only: the registry entry it names is its own (the server checked

@@ -6,9 +6,10 @@ A role builds on a :class:`NodeRuntime`: it binds request servers (:meth:`serve`
 
 1. start the Prometheus endpoint (127.0.0.1 and an ephemeral port unless configured; a wildcard bind is
    advertised as ``host``, like the ZeroMQ endpoints);
-2. register with the broker (``hello`` → ``welcome``), connect the PUB socket to the broker and prove it
-   live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window), then make every subscription
-   live the same way and replay what was asked for;
+2. register with the broker (``hello`` → ``welcome``; a node id another live process holds is refused,
+   :class:`NodeIdInUse`, while a predecessor dying gives it up within half the node timeout), connect the PUB
+   socket to the broker and prove it live (``sync`` handshake: no event is lost to ZeroMQ's slow-joiner window),
+   then make every subscription live the same way and replay what was asked for;
 3. loop: one poller over every socket, timers, asynchronous requests (:attr:`calls`, each ending by its
    deadline), heartbeats (with the role's ``status``), re-registering if the broker forgot the node. The
    events a turn publishes go out before the loop waits again, each run of one kind as one message (the
@@ -152,6 +153,17 @@ class RuntimeSettings:
 
 class BusUnavailable(RuntimeError):
     """The broker could not be reached or did not complete the handshake in time."""
+
+
+ID_IN_USE = "id-in-use"
+"""The broker's refusal of a ``hello`` under a node id another process holds: with ``retry_after_s`` while it cannot
+tell that holder's heartbeats stopped (a predecessor dying) from a live holder, without once it heard the holder
+beat after the ask."""
+
+
+class NodeIdInUse(RuntimeError):
+    """Another live process holds this node's id (the broker heard it heartbeat after this process asked): two
+    processes started under one node id, a configuration that cannot work. The message names the holder."""
 
 
 @contextlib.contextmanager
@@ -1046,8 +1058,7 @@ class NodeRuntime:
         else:
             hello_policy = policy_by(by, f"the re-join of {self.settings.bus}")
         try:
-            reply = self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
-                                         policy=hello_policy)
+            reply = self._hello(token, hello_policy, waiting=by is None)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
         welcome = reply.body
@@ -1108,6 +1119,30 @@ class NodeRuntime:
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
         return restarted or moved
+
+    def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool) -> Message:
+        """The broker's answer to this node's ``hello``. While another process holds the node id (:data:`ID_IN_USE`)
+        a first join (``waiting``) asks again when the broker says, for up to ``connect_timeout_s``: the broker lets
+        it in once the holder is a predecessor dying, within half its node timeout; :class:`NodeIdInUse` once it
+        heard the holder heartbeat after the ask, :class:`BusUnavailable` (restartable) when it has not decided by
+        then. A re-join raises the refusal (:class:`RemoteError`) and is tried again later."""
+        assert self.control is not None
+        end = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            try:
+                return self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
+                                            policy=policy)
+            except RemoteError as exc:
+                if exc.code != ID_IN_USE or not waiting:
+                    raise
+                if exc.retry_after_s <= 0:
+                    raise NodeIdInUse(f"the broker at {self.settings.bus} refused node id {self.node_id!r}: "
+                                      f"{exc.detail}") from None
+                if time.monotonic() + exc.retry_after_s > end:
+                    raise BusUnavailable(f"the broker at {self.settings.bus} did not let node id {self.node_id!r} "
+                                         f"in within {self.settings.connect_timeout_s:g}s: {exc.detail}") from None
+                log.info("node.id_held", detail=exc.detail, retry_after_s=exc.retry_after_s)
+                time.sleep(exc.retry_after_s)  # the broker's word: the holder beats, or is silent, by then
 
     def _reconcile_peers(self, broker: str, tries: int) -> None:
         """A node timeout, a heartbeat interval and the reconnect cap after a re-join found broker incarnation

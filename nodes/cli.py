@@ -16,7 +16,7 @@ import msgspec
 
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
-from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeRuntime
+from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeIdInUse, NodeRuntime
 from ..bus.security import SecurityError, generate
 from ..bus.sockets import BindRefused, CannotBind
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
@@ -310,8 +310,9 @@ def _command(config: Config, args: argparse.Namespace) -> int:
     machine's) or a :class:`~.halting.Transient` failure (a durable store its predecessor still holds) is a
     message and status 1 (restartable), config a role finds unusable (a trainer rank without ``$RANK``, an env
     server's entry point that cannot be loaded), an address the operating system refuses for good
-    (:class:`~..bus.sockets.BindRefused`: an ipc directory missing, a privileged port) or security refuses (a key
-    file, an unprotected address other hosts reach) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
+    (:class:`~..bus.sockets.BindRefused`: an ipc directory missing, a privileged port), security refuses (a key
+    file, an unprotected address other hosts reach) or a node id another live process holds
+    (:class:`~..bus.runtime.NodeIdInUse`) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
     final), Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as a
     shell reports a tool SIGPIPE killed)."""
     try:
@@ -342,7 +343,7 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (ConfigError, SecurityError, BindRefused) as exc:  # before CannotBind: a BindRefused is one
+    except (ConfigError, SecurityError, BindRefused, NodeIdInUse) as exc:  # before CannotBind: a BindRefused is one
         print(f"refbus: {exc}", file=sys.stderr)
         return CONFIG_STATUS
     except (BusUnavailable, CannotBind, Transient) as exc:

@@ -15,7 +15,8 @@ CONFIG_STATUS = 2
 """The exit status of a node whose configuration or arguments cannot work: argparse's usage errors, a
 :class:`~.config.ConfigError` at load or from its role (an entry point that cannot be loaded, a budget or a
 durable store that cannot be used, a trainer rank without ``$RANK``), a ``SecurityError`` (a key file that cannot
-be used, an address other hosts reach with nothing to protect it), a ``BindRefused`` (an address the operating
+be used, an address other hosts reach with nothing to protect it), a ``NodeIdInUse`` (another live process holds
+its node id), a ``BindRefused`` (an address the operating
 system refuses to bind for good: an ipc directory that does not exist, a privileged port). Final, as a halt: a
 restart reads the same config and decides the same again. Its last line on stderr says why (``refbus: `` and the
 error, or argparse's usage error)."""

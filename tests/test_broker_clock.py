@@ -23,7 +23,7 @@ from refbus.bus import runtime as bus_runtime
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.forwarder import CAPTURE_HWM
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
-from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.runtime import ID_IN_USE, NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import EVENT_OPTIONS, make_socket
 from refbus.protocol.envelope import Limits, Message, WireCodec
 from refbus.protocol.messages import (
@@ -164,11 +164,13 @@ def test_pub_handshakes_whose_probe_never_comes_are_answered_an_error_and_forgot
         ctx.term()
 
 
-def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[Broker, FakeClock]) -> None:
+def test_the_same_id_and_pid_with_another_start_time_is_a_restart(
+        broker: tuple[Broker, FakeClock], monkeypatch: pytest.MonkeyPatch) -> None:
     """A node SIGKILLed and restarted within the node timeout says hello again under its id; in a container its
-    pid is 1 both times. The start time tells the new process: the old one goes down (``replaced``) and the new
-    one comes up, so peers drop the old endpoints and learn the new ones."""
-    node, _ = broker
+    pid is 1 both times. The start time tells the new process: the old one, silent for half the node timeout (a
+    predecessor dying), goes down (``replaced``) and the new one comes up, so peers drop the old endpoints and
+    learn the new ones."""
+    node, clock = broker
     control = node.runtime.endpoints["control"]
     events: queue.Queue[Message] = queue.Queue()
     watcher = NodeRuntime("watcher", RuntimeSettings(bus=control, node_id="watcher", metrics_port=-1))
@@ -176,6 +178,7 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
     first = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
     second = NodeRuntime("worker", RuntimeSettings(bus=control, node_id="worker", metrics_port=-1))
     second.started = first.started + 1.0  # the same host and pid: only the start time differs
+    monkeypatch.setattr(first, "_heartbeat", lambda: None)  # it beats no more: its process died, in effect
     started: list[NodeRuntime] = []
 
     def next_about_worker() -> Message:
@@ -191,6 +194,7 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
             started.append(runtime)
         up = next_about_worker().body
         assert isinstance(up, NodeUp) and up.node.started == first.started
+        clock.now += 0.75 * NODE_TIMEOUT_S  # past half the node timeout since the first's hello: not yet expired
         second.start_background()  # the restarted process; the first never said bye
         started.append(second)
         down, up = next_about_worker().body, next_about_worker().body
@@ -199,6 +203,42 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(broker: tuple[
     finally:
         for runtime in reversed(started):  # the second first: its bye removes the entry, the first's then nothing
             runtime.join(WAIT_S)
+
+
+def test_an_id_goes_to_another_process_only_once_its_holder_is_silent_on_the_liveness_clock(
+        broker: tuple[Broker, FakeClock]) -> None:
+    """Another process asking for a held id is asked to wait (``retry_after_s``) while the holder was heard within
+    half the node timeout; a holder heard after that ask is live, and the asker is refused for good; a holder
+    silent past half the node timeout is a predecessor dying, and the asker takes the id (the holder goes down,
+    ``replaced``, before it is expired)."""
+    node, clock = broker
+    ctx = zmq.Context()
+    client = Client(ctx, node.runtime.endpoints["control"], WireCodec("worker"),
+                    policy=RetryPolicy(timeout_s=WAIT_S, attempts=1))
+
+    def hello(pid: int) -> Welcome | RemoteError:
+        try:
+            return client.request(Hello(node=NodeInfo(node_id="worker", role="worker", host="h", pid=pid),
+                                        token=f"t-{pid}")).body
+        except RemoteError as exc:
+            assert exc.code == ID_IN_USE
+            return exc
+
+    try:
+        assert isinstance(hello(1), Welcome)
+        clock.now += NODE_TIMEOUT_S * 0.25
+        assert hello(2).retry_after_s > 0  # heard a moment ago: dying or live, its next heartbeat tells
+        clock.now += NODE_TIMEOUT_S * 0.125
+        assert hello(2).retry_after_s > 0  # not heard since the ask, not silent for long yet
+        assert isinstance(client.request(Heartbeat(node_id="worker")).body, Ok)
+        assert hello(2).retry_after_s == 0  # heard after the ask: live
+        assert hello(3).retry_after_s > 0  # a new asker is asked to wait again
+        clock.now += NODE_TIMEOUT_S * 0.75
+        assert isinstance(hello(3), Welcome)  # silent for three quarters of the node timeout: dying
+        assert on_loop(node, lambda: node.members["worker"].info.pid) == 3
+    finally:
+        client.close()
+        ctx.term()
 
 
 def test_restarts_are_counted_per_node_slot_whatever_the_node_ids(broker: tuple[Broker, FakeClock]) -> None:

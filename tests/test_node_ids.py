@@ -1,0 +1,150 @@
+"""One node id, one live process: a real broker refuses a second live process under an id another one holds and
+heartbeats for (exit 2, naming the holder), leaves the holder serving with nothing taken from it, refuses forged
+registrations the same way, and still lets a process restarted after a SIGKILL take its id back."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from branches import random_arrays
+from conftest import FAST_LIVENESS
+from polling import wait_for
+from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
+from refbus.bus.runtime import ID_IN_USE
+from refbus.nodes.halting import CONFIG_STATUS
+from refbus.nodes.launch import NodeProcess
+from refbus.protocol.envelope import WireCodec
+from refbus.protocol.messages import Hello, Keep, Kept, NodeInfo
+
+NODE_TIMEOUT_S = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
+START_S = 30.0  # a node process starting, imports included
+# The broker decides on a contender within half its node timeout of its first ask (a silent holder) or at the
+# holder's next heartbeat (a live one); a few node timeouts bound that with room for a loaded machine.
+DECIDED_S = 4 * NODE_TIMEOUT_S
+
+
+def _registry(control: str) -> dict[str, dict]:
+    listed = subprocess.run([sys.executable, "-m", "refbus.nodes.cli", "nodes", "--json", "--bus-control", control],
+                            capture_output=True, text=True, timeout=START_S, check=True)
+    return {entry["node_id"]: entry for entry in json.loads(listed.stdout)}
+
+
+def _liveness_events(path: Path) -> list[tuple[str, str, str]]:
+    """(type, node id, reason) of the node-up and node-down events a ``monitor --json`` wrote to ``path``."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["type"], r.get("node_id") or r["node"]["node_id"], r.get("reason", "")) for r in records]
+
+
+def _watch(spawn, control: str, out: Path) -> NodeProcess:
+    """A monitor writing every node-up and node-down to ``out`` as JSON lines (wait for it to be ready)."""
+    return spawn(["monitor", "--json", "--bus-control", control, *FAST_LIVENESS, "--node-id", "watcher",
+                  "--kind", "node-up", "--kind", "node-down"], "watcher", stdout=open(out, "wb"))
+
+
+def _seen_after_marker(spawn, control: str, out: Path) -> list[tuple[str, str, str]]:
+    """The watcher's liveness events up to a marker node's node-up: the broker emits its events in order, so every
+    event it emitted before the marker registered is among them."""
+    marker = spawn(["monitor", "--bus-control", control, *FAST_LIVENESS, "--node-id", "marker"], "marker")
+    marker.wait_ready(START_S)
+    wait_for(lambda: ("node-up", "marker", "") in _liveness_events(out), DECIDED_S, "the marker's node-up")
+    return _liveness_events(out)
+
+
+def test_a_second_live_process_under_one_node_id_exits_2_and_the_first_keeps_serving_until_killed(
+        bus, spawn, tmp_path: Path) -> None:
+    """Two env servers started with ``--node-id env-0`` on two hosts (their own store directories): before, the
+    second registered, the first was reported down (``replaced``: its peers dropped its endpoints and its blobs)
+    while it went on serving, its heartbeats answered for the second. Now the second is refused once the broker
+    hears the first heartbeat, and exits 2 naming the holder; the first stays registered as it was, never
+    reported down, and serves. Once the first is SIGKILLed, a process started under the id again comes up."""
+    _, control = bus
+    events = tmp_path / "liveness.jsonl"
+    _watch(spawn, control, events).wait_ready(START_S)
+
+    def env_server(name: str) -> NodeProcess:
+        return spawn(["node", "env-server", "--bus-control", control, *FAST_LIVENESS, "--node-id", "env-0",
+                      "--store-directory", str(tmp_path / name), "--store-run", "ids",
+                      "--env-server-handover-lease-s", "600"], name)
+
+    first = env_server("first")
+    blobs = first.wait_ready(START_S)["endpoints"]["blobs"]
+    held = _registry(control)["env-0"]
+    second = env_server("second")
+    assert second.proc.wait(timeout=START_S + DECIDED_S) == CONFIG_STATUS, second.log_tail()
+    said = second.log_tail().splitlines()[-1]
+    assert said.startswith("refbus: ") and "'env-0'" in said and f"pid {first.pid} " in said, said
+    assert "still heartbeats" in said and f"this process is pid {second.pid} " in said, said
+
+    assert first.proc.poll() is None and _unchanging(_registry(control)["env-0"]) == _unchanging(held)
+    assert ("node-down", "env-0", "replaced") not in _seen_after_marker(spawn, control, events)
+    ctx = zmq.Context()
+    client = Client(ctx, blobs, WireCodec("tester"), policy=RetryPolicy(timeout_s=START_S, attempts=1))
+    try:
+        assert isinstance(client.request(Keep(episode_id="ep", branches=[random_arrays(4, seed=1)])).body, Kept)
+    finally:
+        client.close()
+        ctx.term()
+
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=START_S)
+    restarted = env_server("restarted")
+    restarted.wait_ready(START_S + DECIDED_S)
+    wait_for(lambda: _registry(control)["env-0"]["pid"] == restarted.pid, DECIDED_S, "the restart registered")
+
+
+def _unchanging(entry: dict) -> dict:
+    """A registry entry less what every heartbeat changes."""
+    return {key: value for key, value in entry.items() if key not in ("last_seen", "status")}
+
+
+def test_forged_registrations_never_evict_a_live_holder(bus, spawn, tmp_path: Path) -> None:
+    """Hellos claiming a live node's id with made-up incarnations (another host and pid; its own host and pid with
+    another start time; a start time that is no time) are each asked to wait, then refused for good once the
+    holder heartbeats: the holder stays registered as it was and is never reported down. A holder's start time that
+    is no time at all is said so in the refusal."""
+    _, control = bus
+    events = tmp_path / "liveness.jsonl"
+    _watch(spawn, control, events).wait_ready(START_S)
+    holder = spawn(["monitor", "--bus-control", control, *FAST_LIVENESS, "--node-id", "holder"], "holder")
+    holder.wait_ready(START_S)
+    before = _unchanging(_registry(control)["holder"])
+    ctx = zmq.Context()
+    client = Client(ctx, control, WireCodec("forger"), policy=RetryPolicy(timeout_s=START_S, attempts=1))
+
+    def refusal(node: NodeInfo) -> RemoteError:
+        try:
+            reply = client.request(Hello(node=node, token=f"t-{node.pid}-{node.started}", wire=[2]))
+        except RemoteError as exc:
+            assert exc.code == ID_IN_USE and "'holder'" in exc.detail and f"pid {holder.pid} " in exc.detail, exc
+            return exc
+        raise AssertionError(f"a forged hello was let in: {reply.body}")
+
+    forgeries = [NodeInfo(node_id="holder", role="monitor", host="elsewhere", pid=4242, started=1.0),
+                 NodeInfo(node_id="holder", role="monitor", host=before["host"], pid=holder.pid,
+                          started=before["started"] + 1.0),
+                 NodeInfo(node_id="holder", role="monitor", host="h", pid=7, started=math.nan)]
+    try:
+        for forged in forgeries:
+            assert refusal(forged).retry_after_s > 0
+            final = wait_for(lambda forged=forged: (exc := refusal(forged)).retry_after_s == 0 and exc, DECIDED_S,
+                             "the refusal for good")
+            assert "still heartbeats" in final.detail
+        # A registration that is no time at all holds its id as any other does, its refusals still said.
+        ghost = NodeInfo(node_id="ghost", role="monitor", host="h", pid=1, started=math.inf)
+        client.request(Hello(node=ghost, token="t-ghost", wire=[2]))
+        with pytest.raises(RemoteError, match="started at an unknown time") as refused:
+            client.request(Hello(node=msgspec.structs.replace(ghost, pid=2), token="t-ghost-2", wire=[2]))
+        assert refused.value.code == ID_IN_USE and refused.value.retry_after_s > 0
+    finally:
+        client.close()
+        ctx.term()
+    assert holder.proc.poll() is None and _unchanging(_registry(control)["holder"]) == before
+    assert not [event for event in _seen_after_marker(spawn, control, events) if event[:2] == ("node-down", "holder")]
