@@ -1053,8 +1053,7 @@ class NodeRuntime:
         assert self.control is not None
         token = self.codec.new_id()
         if by is None:
-            hello_policy = RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)),
-                                       backoff=1.0)
+            hello_policy = self._first_hello_policy()
         else:
             hello_policy = policy_by(by, f"the re-join of {self.settings.bus}")
         try:
@@ -1119,6 +1118,25 @@ class NodeRuntime:
         self._confirmed_seq = self.publisher.seq
         log.info("node.joined", bus=self.settings.bus, broker=welcome.broker_id)
         return restarted or moved
+
+    def _first_hello_policy(self) -> RetryPolicy:
+        """A hello at start: sent every second for ``connect_timeout_s`` (the broker may still be starting)."""
+        return RetryPolicy(timeout_s=1.0, attempts=max(1, int(self.settings.connect_timeout_s)), backoff=1.0)
+
+    def check_id(self) -> None:
+        """Ask the broker whether another live process holds this node's id, for a node that cannot start because
+        another process holds what is its own (its durable store), as its predecessor not yet dead may:
+        :class:`NodeIdInUse` when one does (the broker heard it heartbeat after the ask), :class:`BusUnavailable`
+        when the broker does not answer or decide within ``connect_timeout_s``; it returns when the id is free or
+        its holder is dying. A ``hello`` the broker lets in registers this process for a moment only: its ``bye``
+        follows at once."""
+        control = self.broker()
+        try:
+            self._hello(self.codec.new_id(), self._first_hello_policy(), waiting=True)
+        except RequestTimeout as exc:
+            raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
+        with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
+            control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=1.0, attempts=1))
 
     def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool) -> Message:
         """The broker's answer to this node's ``hello``. While another process holds the node id (:data:`ID_IN_USE`)

@@ -304,6 +304,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _command(config, args)
 
 
+def _held_elsewhere(config: Config, args: argparse.Namespace, exc: Transient) -> int:
+    """The exit status of a command that failed on ``exc``: something of its own another process holds (a node's
+    durable store), as its predecessor not yet dead may, status 1 (restarted until it exits). Unless the broker
+    finds the node's id held by another live process (:meth:`~..bus.runtime.NodeRuntime.check_id`): two processes
+    started under one id on one host, which a restart would only find again, :data:`~.halting.CONFIG_STATUS`."""
+    held: NodeIdInUse | None = None
+    if args.command == "node":
+        runtime = NodeRuntime(args.role, config.runtime(node_id=args.node_id), register=False)
+        try:
+            with contextlib.suppress(BusUnavailable):  # no verdict: the holder may be dying, as status 1 says
+                runtime.check_id()
+        except NodeIdInUse as refused:
+            held = refused
+        finally:
+            runtime.close()  # before the last words: its log lines must not follow them
+    print(f"refbus: {exc}" + (f"; {held}" if held else ""), file=sys.stderr)
+    return 1 if held is None else CONFIG_STATUS
+
+
 def _command(config: Config, args: argparse.Namespace) -> int:
     """Run the command ``args`` names; its exit status. A bus that cannot be reached, an address the operating
     system refuses for a reason that can clear by itself (another process holds it, it is not yet this
@@ -346,7 +365,9 @@ def _command(config: Config, args: argparse.Namespace) -> int:
     except (ConfigError, SecurityError, BindRefused, NodeIdInUse) as exc:  # before CannotBind: a BindRefused is one
         print(f"refbus: {exc}", file=sys.stderr)
         return CONFIG_STATUS
-    except (BusUnavailable, CannotBind, Transient) as exc:
+    except Transient as exc:
+        return _held_elsewhere(config, args, exc)
+    except (BusUnavailable, CannotBind) as exc:
         print(f"refbus: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

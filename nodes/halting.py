@@ -36,7 +36,8 @@ SAID_PREFIX = "refbus: "  # how `refbus node` starts the line that says why it f
 class Transient(RuntimeError):
     """A node cannot start for a reason that can clear by itself (its durable store still held by its predecessor,
     not yet dead): ``refbus node`` says so on stderr and exits 1, which its supervisor restarts, where a refusal
-    of its configuration (:data:`CONFIG_STATUS`) would end the run."""
+    of its configuration (:data:`CONFIG_STATUS`) would end the run. Unless the broker finds the node's id held by
+    another live process, whose hold never clears: then :data:`CONFIG_STATUS`, the holder named (``cli``)."""
 
 
 def halt(reason: str) -> int:

@@ -31,12 +31,13 @@ process would have served them.
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
 step, a step batch no message can carry) decided that the run cannot go on, and one that exits
 :data:`~.halting.CONFIG_STATUS` (2: argparse's usage errors, a config refused at load or by its role, a durable
-store that cannot be used as found) cannot run as configured; a restart would only decide it again (and measure
-again for as long as the budget lasts), so neither is ever restarted, whatever its role: the run ends at once,
-named after the node and the reason its last words give (:func:`~.halting.final_reason`), its death reported
-``exit 4, halted`` or ``exit 2, config``. What can clear by itself (a store lock its predecessor, not yet dead,
-still holds; an address it still binds; user code an entry point names that raised while imported or built,
-:class:`~.entry_points.UserCodeFailed`) exits 1, as a crash: restarted.
+store that cannot be used as found, a node id the broker finds another live process holding) cannot run as
+configured; a restart would only decide it again (and measure again for as long as the budget lasts), so neither
+is ever restarted, whatever its role: the run ends at once, named after the node and the reason its last words
+give (:func:`~.halting.final_reason`), its death reported ``exit 4, halted`` or ``exit 2, config``. What can clear
+by itself (a store lock its predecessor, not yet dead, still holds; an address it still binds; user code an entry
+point names that raised while imported or built, :class:`~.entry_points.UserCodeFailed`) exits 1, as a crash:
+restarted.
 
 :class:`Chaos` (``refbus up --chaos SECONDS``) kills a random running restartable node with SIGKILL every
 SECONDS (trainer ranks included when worlds are restarted; the broker never: each of its deaths costs the

@@ -1,6 +1,7 @@
 """One node id, one live process: a real broker refuses a second live process under an id another one holds and
-heartbeats for (exit 2, naming the holder), leaves the holder serving with nothing taken from it, refuses forged
-registrations the same way, and still lets a process restarted after a SIGKILL take its id back."""
+heartbeats for (exit 2, naming the holder), on another host or on the holder's (where it finds the durable store
+locked first), leaves the holder serving with nothing taken from it, refuses forged registrations the same way,
+and still lets a process restarted after a SIGKILL take its id back."""
 
 from __future__ import annotations
 
@@ -70,9 +71,7 @@ def test_a_second_live_process_under_one_node_id_exits_2_and_the_first_keeps_ser
     _watch(spawn, control, events).wait_ready(START_S)
 
     def env_server(name: str) -> NodeProcess:
-        return spawn(["node", "env-server", "--bus-control", control, *FAST_LIVENESS, "--node-id", "env-0",
-                      "--store-directory", str(tmp_path / name), "--store-run", "ids",
-                      "--env-server-handover-lease-s", "600"], name)
+        return _env_server(spawn, control, name, tmp_path / name)
 
     first = env_server("first")
     blobs = first.wait_ready(START_S)["endpoints"]["blobs"]
@@ -98,6 +97,30 @@ def test_a_second_live_process_under_one_node_id_exits_2_and_the_first_keeps_ser
     restarted = env_server("restarted")
     restarted.wait_ready(START_S + DECIDED_S)
     wait_for(lambda: _registry(control)["env-0"]["pid"] == restarted.pid, DECIDED_S, "the restart registered")
+
+
+def test_a_second_live_process_under_one_node_id_on_its_host_exits_2_naming_the_store_and_the_holder(
+        bus, spawn, tmp_path: Path) -> None:
+    """Two env servers started with ``--node-id env-0`` on one host (one store directory): before, the second found
+    the store locked, as a predecessor not yet dead would hold it, and exited 1, which a supervisor restarts until
+    its budget is spent, naming the holder each time. Now it asks the broker, which hears the holder heartbeat: it
+    exits 2, naming the store and the holder; the holder stays registered as it was."""
+    _, control = bus
+    first = _env_server(spawn, control, "first", tmp_path / "shm")
+    first.wait_ready(START_S)
+    held = _unchanging(_registry(control)["env-0"])
+    second = _env_server(spawn, control, "second", tmp_path / "shm")
+    assert second.proc.wait(timeout=START_S + DECIDED_S) == CONFIG_STATUS, second.log_tail()
+    said = second.log_tail().splitlines()[-1]
+    assert said.startswith("refbus: store ") and f"held by process {first.pid}:" in said, said
+    assert f"'env-0' is held by env-server pid {first.pid} " in said and "still heartbeats" in said, said
+    assert first.proc.poll() is None and _unchanging(_registry(control)["env-0"]) == held
+
+
+def _env_server(spawn, control: str, name: str, store: Path) -> NodeProcess:
+    """An env server started as ``--node-id env-0``, its durable store under ``store``."""
+    return spawn(["node", "env-server", "--bus-control", control, *FAST_LIVENESS, "--node-id", "env-0",
+                  "--store-directory", str(store), "--store-run", "ids", "--env-server-handover-lease-s", "600"], name)
 
 
 def _unchanging(entry: dict) -> dict:
