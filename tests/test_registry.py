@@ -124,9 +124,10 @@ def test_a_flooder_killed_mid_flood_leaves_nothing_registered_within_the_node_ti
 
 def test_a_process_whose_id_another_took_keeps_no_entry_live_and_registers_again_once_that_one_is_gone(
         small_bus, raw, spawn) -> None:
-    """Two live processes under one node id: the later hello replaces the earlier process, whose heartbeats (they
-    name their process) are refused ``replaced`` instead of keeping the later one's entry live, so once that one is
-    SIGKILLed its entry expires and the earlier process registers again."""
+    """A process replaced after all (stalled past the node timeout: its entry expired, another process registered
+    its id), then heard again: its heartbeats (they name their process) are refused ``replaced`` instead of keeping
+    the other's entry live, so once that one is SIGKILLed its entry expires and the stalled process registers
+    again."""
     _, control = small_bus
 
     def registered() -> list[int]:
@@ -135,9 +136,15 @@ def test_a_process_whose_id_another_took_keeps_no_entry_live_and_registers_again
         return [node.pid for node in answer.nodes if node.node_id == "dup"]
 
     first = keeper(spawn, control, "dup", "first")
-    second = keeper(spawn, control, "dup", "second")
-    assert registered() == [second.pid]
+    first.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: registered() == [], WAIT_S, "the stalled process's entry expired")
+        second = keeper(spawn, control, "dup", "second")
+        assert registered() == [second.pid]
+    finally:
+        first.signal(signal.SIGCONT)
     wait_for(lambda: "node.replaced" in first.log_tail(), WAIT_S, "the first process told it was replaced")
+    assert registered() == [second.pid]
     second.signal(signal.SIGKILL)
     second.proc.wait(WAIT_S)
     wait_for(lambda: registered() == [first.pid], WAIT_S, "the first process registered again")
