@@ -208,14 +208,7 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
         _keep_half_a_group(ctx, endpoint, seed=1)
         # The keep's answer can precede its episode-finished event: killed in between, the store re-adopts an
         # episode nobody heard of (see docs/STORE.md). This test is about the claim, so the event goes first.
-        asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
-        try:
-            wait_for(lambda: any(m.kind == EpisodeFinished.kind for m in asker.replay(src="env-d")), WAIT_S,
-                     "env-d's episode-finished in the broker's ring")
-        finally:
-            asker.close()
-        first.proc.kill()
-        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        _killed_once_its_event_is_in_the_ring(control, "env-d", first)
         restarted = spawn(command, "env-d-restarted").wait_ready(timeout=WAIT_S)["endpoints"]["blobs"]
         wait_for(lambda: orchestrator.claimed + orchestrator.missing == 2, WAIT_S, "the claim's outcome")
         assert (orchestrator.claimed, orchestrator.missing) == (2, 0)
@@ -226,6 +219,18 @@ def test_a_claim_that_failed_against_a_killed_store_is_granted_by_its_restarted_
     finally:
         orchestrator_runtime.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
+
+
+def _killed_once_its_event_is_in_the_ring(control: str, node_id: str, store: NodeProcess) -> None:
+    """SIGKILL ``store`` once its ``episode-finished`` is in the broker's ring: the event left before it died."""
+    asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
+    try:
+        wait_for(lambda: any(m.kind == EpisodeFinished.kind for m in asker.replay(src=node_id)), WAIT_S,
+                 f"{node_id}'s episode-finished in the broker's ring")
+    finally:
+        asker.close()
+    store.proc.kill()
+    assert store.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
 
 
 def test_a_claim_whose_grace_ends_as_its_restarted_store_registers_is_sent_again_there_and_granted(
@@ -258,14 +263,7 @@ def test_a_claim_whose_grace_ends_as_its_restarted_store_registers_is_sent_again
         runtime.call_soon(lambda: (blocked.set(), release.wait(WAIT_S)))  # its loop held: the event waits
         assert blocked.wait(WAIT_S)
         _keep_half_a_group(ctx, endpoint, seed=5)
-        asker = NodeRuntime("asker", RuntimeSettings(bus=control, node_id="asker", metrics_port=-1), register=False)
-        try:
-            wait_for(lambda: any(m.kind == EpisodeFinished.kind for m in asker.replay(src="env-g")), WAIT_S,
-                     "env-g's episode-finished in the broker's ring")
-        finally:
-            asker.close()
-        first.proc.kill()
-        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        _killed_once_its_event_is_in_the_ring(control, "env-g", first)
         release.set()
         wait_for(lambda: arrivals and arrivals[-1].claims_pending, WAIT_S, "the claim sent to the dead store")
         holds_for(lambda: arrivals and arrivals[-1].claims_pending, grace_s, "the claim in flight")
