@@ -248,9 +248,12 @@ class _Member:
     size: int | None = None
     # the slot of its (role, host) it holds, given when it came up (-1 until then): what its restarts count against
     slot: int = -1
-    # the latest other process that asked for its id while it was registered: (its incarnation's repr, when it first
-    # asked)
-    contest: tuple[str, float] | None = None
+    # the latest other process that asked for its id while it was registered: (its incarnation's repr, the broker's
+    # ``drained`` count when it first asked)
+    contest: tuple[str, int] | None = None
+    # the broker's ``drained`` count when it last heard this node's heartbeat: one heard at a higher count than an
+    # ask's arrived after that ask, where one heard at the same count may have been queued behind it
+    drained: int = 0
 
 
 @dataclass
@@ -496,6 +499,8 @@ class Broker:
         self._lookups: queue.SimpleQueue[tuple[_Member, str, str] | None] = queue.SimpleQueue()
         self._lookups_waiting = 0
         self._full_logged = False  # whether the registry's last filling (past ``max_nodes``) was logged
+        # Liveness passes that read the control queue empty: a request handled after one arrived after it.
+        self.drained = 0
 
         for endpoint in (settings.control, settings.events_in, settings.events_out):  # before any is bound
             runtime.check_bind(endpoint)
@@ -744,8 +749,10 @@ class Broker:
         refused for a heartbeat interval (``retry_after_s``), and once the holder has been heard after that ask
         the contender is refused for good (no ``retry_after_s``): another live process holds the id, a config
         that cannot work. A dead process's last heartbeat was sent before it died, before its successor could
-        ask. Nothing of the holder changes but the contender it remembers (the latest one only), and nothing a
-        contender claims (its host, pid, start time) counts against the holder's heartbeats."""
+        ask, yet may be handled after the ask when a busy loop queued it: a heartbeat counts only once a liveness
+        pass read the control queue empty after the ask (``drained``), since it then arrived after it. Nothing of
+        the holder changes but the contender it remembers (the latest one only), and nothing a contender claims
+        (its host, pid, start time) counts against the holder's heartbeats."""
         if incarnation(holder.info) == incarnation(node):
             return
         contender = repr(incarnation(node))  # a start time that is NaN must match itself too
@@ -757,13 +764,13 @@ class Broker:
         said = (f"node id {shown(info.node_id)} is held by {info.role} pid {info.pid} on host {shown(info.host)}, "
                 f"started {_stamp(info.started)}, heard {silent:.1f}s ago; this process is pid {node.pid} on host "
                 f"{shown(node.host)}")
-        if holder.contest is not None and holder.contest[0] == contender and holder.heard > holder.contest[1]:
+        if holder.contest is not None and holder.contest[0] == contender and holder.drained > holder.contest[1]:
             log.warning("registry.id_in_use", node=info.node_id, holder_host=info.host, holder_pid=info.pid,
                         contender_host=node.host, contender_pid=node.pid)
             raise HandlerError(ID_IN_USE, f"{said}: the holder still heartbeats, so two live processes were "
                                           "started under one node id (give each its own node id)")
         if holder.contest is None or holder.contest[0] != contender:
-            holder.contest = (contender, now)
+            holder.contest = (contender, self.drained)
         raise HandlerError(ID_IN_USE, f"{said}: ask again; a holder that stays silent for "
                                       f"{self.settings.node_timeout_s / 2:g}s is taken for dying and replaced",
                            retry_after_s=self.runtime.settings.heartbeat_interval_s)
@@ -815,6 +822,7 @@ class Broker:
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
         member.size = None
         member.heard = self.clock()
+        member.drained = self.drained
         return Ok()
 
     def _bye(self, request: Message) -> Body:
@@ -898,6 +906,7 @@ class Broker:
             try:
                 self.server.handle_one(zmq.NOBLOCK)
             except zmq.Again:
+                self.drained += 1
                 break
         now = self.clock()
         for member in list(self.members.values()):

@@ -208,9 +208,10 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(
 def test_an_id_goes_to_another_process_only_once_its_holder_is_silent_on_the_liveness_clock(
         broker: tuple[Broker, FakeClock]) -> None:
     """Another process asking for a held id is asked to wait (``retry_after_s``) while the holder was heard within
-    half the node timeout; a holder heard after that ask is live, and the asker is refused for good; a holder
-    silent past half the node timeout is a predecessor dying, and the asker takes the id (the holder goes down,
-    ``replaced``, before it is expired)."""
+    half the node timeout; a holder heard after that ask (a heartbeat that arrived after it, past a liveness pass
+    that read the control queue empty) is live, and the asker is refused for good; a holder silent past half the
+    node timeout is a predecessor dying, and the asker takes the id (the holder goes down, ``replaced``, before it
+    is expired)."""
     node, clock = broker
     ctx = zmq.Context()
     client = Client(ctx, node.runtime.endpoints["control"], WireCodec("worker"),
@@ -230,6 +231,7 @@ def test_an_id_goes_to_another_process_only_once_its_holder_is_silent_on_the_liv
         assert hello(2).retry_after_s > 0  # heard a moment ago: dying or live, its next heartbeat tells
         clock.now += NODE_TIMEOUT_S * 0.125
         assert hello(2).retry_after_s > 0  # not heard since the ask, not silent for long yet
+        expire_now(node)  # read the control queue empty: what comes next arrived after the ask
         assert isinstance(client.request(Heartbeat(node_id="worker")).body, Ok)
         assert hello(2).retry_after_s == 0  # heard after the ask: live
         assert hello(3).retry_after_s > 0  # a new asker is asked to wait again

@@ -10,6 +10,7 @@ import math
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -17,13 +18,14 @@ import pytest
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
-from polling import wait_for
+from polling import holds_for, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import ID_IN_USE
+from refbus.bus.sockets import make_socket
 from refbus.nodes.halting import CONFIG_STATUS
-from refbus.nodes.launch import NodeProcess
+from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Hello, Keep, Kept, NodeInfo
+from refbus.protocol.messages import Error, Hello, Keep, Kept, NodeInfo, Nodes, Welcome
 
 NODE_TIMEOUT_S = float(FAST_LIVENESS[FAST_LIVENESS.index("--bus-node-timeout-s") + 1])
 START_S = 30.0  # a node process starting, imports included
@@ -171,3 +173,56 @@ def test_forged_registrations_never_evict_a_live_holder(bus, spawn, tmp_path: Pa
         ctx.term()
     assert holder.proc.poll() is None and _unchanging(_registry(control)["holder"]) == before
     assert not [event for event in _seen_after_marker(spawn, control, events) if event[:2] == ("node-down", "holder")]
+
+
+HEARTBEAT_S = 0.2
+# Half the node timeout well above the broker's stop below: the dead holder is still within it when the restart's
+# first ask is handled, whatever the broker handles first.
+LATE_TIMEOUT_S = 3.0
+LATE_LIVENESS = ["--bus-heartbeat-interval-s", str(HEARTBEAT_S), "--bus-node-timeout-s", str(LATE_TIMEOUT_S)]
+
+
+def test_a_restart_is_never_refused_for_good_on_heartbeats_its_predecessor_sent_before_it_died(
+        spawn, tmp_path: Path) -> None:
+    """A node SIGKILLed while heartbeats it sent are still queued at a busy broker (stopped here, SIGSTOP), and its
+    restart's hello queued behind them: the broker handles some of those heartbeats after the restart's first ask.
+    Before, they counted as the holder heard after the ask, and the restart was refused for good (exit 2, which
+    ends a whole run); now only a heartbeat that arrived after the ask counts, and the restart takes the id once
+    its dead predecessor has been silent for half the node timeout."""
+    bus, control = start_bus(tmp_path, extra=LATE_LIVENESS)
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=control)
+    codec = WireCodec("restart")
+
+    def ask(body: Hello | Nodes) -> object:
+        sock.send_multipart(codec.encode(body))
+        assert sock.poll(START_S * 1000), f"the broker did not answer {body.kind}"
+        return codec.decode(sock.recv_multipart()).body
+
+    def let_in(answer: object) -> bool:
+        assert isinstance(answer, Welcome) or (isinstance(answer, Error) and answer.code == ID_IN_USE
+                                               and answer.retry_after_s > 0), answer
+        return isinstance(answer, Welcome)
+
+    try:
+        holder = spawn(["monitor", "--bus-control", control, *LATE_LIVENESS, "--node-id", "a"], "holder")
+        held = holder.wait_ready(START_S)
+        ask(Nodes())  # connected before the broker stops: its hello then queues there beside the heartbeats
+        restart = Hello(node=NodeInfo(node_id="a", role="monitor", host=held["host"], pid=holder.pid + 1,
+                                      started=time.time()), token="restart", wire=[2])
+        bus.signal(signal.SIGSTOP)
+        try:
+            holds_for(lambda: holder.proc.poll() is None, 3 * HEARTBEAT_S, "the holder beating at a stopped broker")
+            holder.signal(signal.SIGKILL)
+            holder.proc.wait(START_S)
+            sock.send_multipart(codec.encode(restart))
+            holds_for(lambda: bus.proc.poll() is None, HEARTBEAT_S, "the stopped broker, the hello on its way")
+        finally:
+            bus.signal(signal.SIGCONT)
+        assert sock.poll(START_S * 1000), "the broker did not answer the queued hello"
+        if not let_in(codec.decode(sock.recv_multipart()).body):
+            wait_for(lambda: let_in(ask(restart)), 4 * LATE_TIMEOUT_S, "the restart let in", poll_s=HEARTBEAT_S)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        assert bus.stop() == 0, bus.log_tail()
