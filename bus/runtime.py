@@ -1127,14 +1127,17 @@ class NodeRuntime:
         """Ask the broker whether another live process holds this node's id, for a node that cannot start because
         another process holds what is its own (its durable store), as its predecessor not yet dead may:
         :class:`NodeIdInUse` when one does (the broker heard it heartbeat after the ask), :class:`BusUnavailable`
-        when the broker does not answer or decide within ``connect_timeout_s``; it returns when the id is free or
-        its holder is dying. A ``hello`` the broker lets in registers this process for a moment only: its ``bye``
-        follows at once."""
+        when the broker does not answer or decide within ``connect_timeout_s``, or refuses the ``hello`` for another
+        reason (a full registry: no word on the id); it returns when the id is free or its holder is dying. A
+        ``hello`` the broker lets in registers this process for a moment only: its ``bye`` follows at once."""
         control = self.broker()
         try:
             self._hello(self.codec.new_id(), self._first_hello_policy(), waiting=True)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
+        except RemoteError as exc:
+            raise BusUnavailable(f"the broker at {self.settings.bus} did not say whether node id {self.node_id!r} "
+                                 f"is held: {exc}") from None
         with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
             control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=1.0, attempts=1))
 

@@ -226,3 +226,32 @@ def test_a_restart_is_never_refused_for_good_on_heartbeats_its_predecessor_sent_
         sock.close(linger=0)
         ctx.term()
         assert bus.stop() == 0, bus.log_tail()
+
+
+def test_a_node_whose_store_is_held_says_so_when_the_broker_has_no_room_to_say_whose_its_id_is(
+        spawn, tmp_path: Path) -> None:
+    """An env server whose store a stalled holder (SIGSTOP, expired) still locks asks the broker whether its id is
+    held, and the broker, its registry full (``bus.max_nodes``), refuses that hello ``registry-full``: before, the
+    refusal escaped as a traceback in place of the last words; now it is no verdict on the id, and the node exits
+    1 (restarted) naming the store and its holder."""
+    bus, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, "--bus-max-nodes", "1"])
+    ctx = zmq.Context()
+    client = Client(ctx, control, WireCodec("tester"), policy=RetryPolicy(timeout_s=START_S, attempts=1))
+    holder = _env_server(spawn, control, "holder", tmp_path / "shm")
+    try:
+        holder.wait_ready(START_S)
+        holder.signal(signal.SIGSTOP)
+        wait_for(lambda: not client.request(Nodes()).body.nodes, DECIDED_S, "the stalled holder expired")
+        filler = spawn(["monitor", "--bus-control", control, *FAST_LIVENESS, "--node-id", "filler"], "filler")
+        filler.wait_ready(START_S)  # the registry's one place, kept by its heartbeats
+        second = _env_server(spawn, control, "second", tmp_path / "shm")
+        assert second.proc.wait(timeout=START_S + DECIDED_S) == 1, second.log_tail()
+        said = second.log_tail()
+        assert "Traceback" not in said and said.splitlines()[-1].startswith("refbus: store "), said
+        assert f"held by process {holder.pid}:" in said.splitlines()[-1], said
+    finally:
+        holder.signal(signal.SIGCONT)
+        client.close()
+        ctx.term()
+        holder.stop()
+        assert bus.stop() == 0, bus.log_tail()
