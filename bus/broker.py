@@ -697,10 +697,12 @@ class Broker:
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)
-        if old is None:
-            self._check_room(node)
-        else:
+        if old is not None:
             self._check_holder(old, node)
+        elif not hello.probe:  # a probe takes no place
+            self._check_room(node)
+        if hello.probe:  # the id could be taken: a holder silent for half the node timeout is left to expire
+            return Ok("free")
         # Another process under the same id: told by (host, pid, start time), not by pid alone, since a container
         # restarts its process as pid 1 each time.
         same = old is not None and old.live and incarnation(old.info) == incarnation(node)

@@ -1128,31 +1128,34 @@ class NodeRuntime:
         another process holds what is its own (its durable store), as its predecessor not yet dead may:
         :class:`NodeIdInUse` when one does (the broker heard it heartbeat after the ask), :class:`BusUnavailable`
         when the broker does not answer or decide within ``connect_timeout_s``, or refuses the ``hello`` for another
-        reason (a full registry: no word on the id); it returns when the id is free or its holder is dying. A
-        ``hello`` the broker lets in registers this process for a moment only: its ``bye`` follows at once."""
+        reason (one that predates probes, its registry full: no word on the id); it returns when the id is free or
+        its holder is dying. The ``hello`` it asks with is a probe: nothing is registered and no holder replaced (a
+        broker that predates probes registers it, and is told ``bye`` at once)."""
         control = self.broker()
         try:
-            self._hello(self.codec.new_id(), self._first_hello_policy(), waiting=True)
+            reply = self._hello(self.codec.new_id(), self._first_hello_policy(), waiting=True, probe=True)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
         except RemoteError as exc:
             raise BusUnavailable(f"the broker at {self.settings.bus} did not say whether node id {self.node_id!r} "
                                  f"is held: {exc}") from None
-        with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
-            control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=1.0, attempts=1))
+        if isinstance(reply.body, Welcome):
+            with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
+                control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=1.0, attempts=1))
 
-    def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool) -> Message:
+    def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool, probe: bool = False) -> Message:
         """The broker's answer to this node's ``hello``. While another process holds the node id (:data:`ID_IN_USE`)
         a first join (``waiting``) asks again when the broker says, for up to ``connect_timeout_s``: the broker lets
         it in once the holder is a predecessor dying, within half its node timeout; :class:`NodeIdInUse` once it
         heard the holder heartbeat after the ask, :class:`BusUnavailable` (restartable) when it has not decided by
-        then. A re-join raises the refusal (:class:`RemoteError`) and is tried again later."""
+        then. A re-join raises the refusal (:class:`RemoteError`) and is tried again later. ``probe``: asked as a
+        probe (see :class:`~..protocol.messages.Hello`)."""
         assert self.control is not None
         end = time.monotonic() + self.settings.connect_timeout_s
         while True:
             try:
-                return self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS)),
-                                            policy=policy)
+                return self.control.request(Hello(node=self.info(), token=token, wire=list(SPOKEN_MAJORS),
+                                                  probe=probe), policy=policy)
             except RemoteError as exc:
                 if exc.code != ID_IN_USE or not waiting:
                     raise

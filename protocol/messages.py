@@ -305,11 +305,15 @@ class RunEnd(Body, frozen=True):
 @register_kind("hello")
 class Hello(Body, frozen=True):
     """Registration with the broker. ``wire`` lists the protocol majors the node speaks (empty: only the one
-    in this message's header); the broker answers with the one it chose, or a ``version`` error."""
+    in this message's header); the broker answers with the one it chose, or a ``version`` error. A ``probe`` only
+    asks whether ``node`` could take its id: answered ``ok`` where a hello would be let in, refused ``id-in-use``
+    as one would be, and nothing is registered or replaced (a broker that predates probes answers ``welcome``,
+    registering it)."""
 
     node: NodeInfo  # the registering node
     token: Name  # the node publishes ``sync`` with this token until the broker has seen it
     wire: Annotated[list[Major], msgspec.Meta(max_length=16)] = []  # protocol majors spoken
+    probe: bool = False  # only ask whether the id could be taken: nothing registered, no holder replaced
 
 
 @register_kind("heartbeat")

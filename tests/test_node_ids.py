@@ -231,9 +231,9 @@ def test_a_restart_is_never_refused_for_good_on_heartbeats_its_predecessor_sent_
 def test_a_node_whose_store_is_held_says_so_when_the_broker_has_no_room_to_say_whose_its_id_is(
         spawn, tmp_path: Path) -> None:
     """An env server whose store a stalled holder (SIGSTOP, expired) still locks asks the broker whether its id is
-    held, and the broker, its registry full (``bus.max_nodes``), refuses that hello ``registry-full``: before, the
-    refusal escaped as a traceback in place of the last words; now it is no verdict on the id, and the node exits
-    1 (restarted) naming the store and its holder."""
+    held, the broker's registry full (``bus.max_nodes``): its hello was refused ``registry-full``, which escaped as
+    a traceback in place of the last words (a refusal not about the id is no verdict on it; a probe now takes no
+    place, so the id is found free); the node exits 1 (restarted) naming the store and its holder."""
     bus, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, "--bus-max-nodes", "1"])
     ctx = zmq.Context()
     client = Client(ctx, control, WireCodec("tester"), policy=RetryPolicy(timeout_s=START_S, attempts=1))
@@ -254,4 +254,40 @@ def test_a_node_whose_store_is_held_says_so_when_the_broker_has_no_room_to_say_w
         client.close()
         ctx.term()
         holder.stop()
+        assert bus.stop() == 0, bus.log_tail()
+
+
+PROBE_TIMEOUT_S = 8.0  # past the second process's start and half of it: the holder stalled that long is not expired
+PROBE_LIVENESS = ["--bus-heartbeat-interval-s", str(HEARTBEAT_S), "--bus-node-timeout-s", str(PROBE_TIMEOUT_S)]
+
+
+def test_a_process_asking_whose_its_id_is_never_replaces_a_holder_merely_slow(spawn, tmp_path: Path) -> None:
+    """Env servers under one node id on one host, the holder stalled (SIGSTOP) past half the node timeout but not
+    the node timeout while the others, finding the store locked, ask the broker whose the id is: before, the ask was
+    a hello the broker let in, replacing the holder (reported down, ``replaced``: its peers drop its blobs) until
+    its bye; now it is a probe, answered without registering or replacing anything. One of them SIGKILLed while
+    its probe waits leaves nothing either; the other exits 1 naming the store, and the holder, resumed, was never
+    reported down and keeps its entry."""
+    bus, control = start_bus(tmp_path, extra=PROBE_LIVENESS)
+    try:
+        events = tmp_path / "liveness.jsonl"
+        _watch(spawn, control, events).wait_ready(START_S)
+        holder = _env_server(spawn, control, "holder", tmp_path / "shm")
+        holder.wait_ready(START_S)
+        held = _unchanging(_registry(control)["env-0"])
+        holder.signal(signal.SIGSTOP)
+        try:
+            killed = _env_server(spawn, control, "killed", tmp_path / "shm")
+            second = _env_server(spawn, control, "second", tmp_path / "shm")
+            wait_for(lambda: "node.id_held" in killed.log_tail(), START_S, "the probe waiting on the holder")
+            killed.signal(signal.SIGKILL)
+            assert second.proc.wait(timeout=START_S + PROBE_TIMEOUT_S) == 1, second.log_tail()
+        finally:
+            holder.signal(signal.SIGCONT)
+        said = second.log_tail().splitlines()[-1]
+        assert said.startswith("refbus: store ") and f"held by process {holder.pid}:" in said, said
+        assert holder.proc.poll() is None and _unchanging(_registry(control)["env-0"]) == held
+        seen = _seen_after_marker(spawn, control, events)
+        assert not [event for event in seen if event[:2] == ("node-down", "env-0")], seen
+    finally:
         assert bus.stop() == 0, bus.log_tail()

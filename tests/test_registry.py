@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
@@ -181,3 +182,28 @@ def test_garbage_registrations_are_refused_take_no_place_and_the_broker_keeps_se
     assert isinstance(refused, Error) and refused.code == "schema" and "process" in refused.message, refused
     assert isinstance(ask(raw, Heartbeat(node_id="good", process=("h", 1, 0.0))), Ok)
     assert listed(raw) == []  # "good" never proved its PUB live: registered, not listed
+
+
+def test_a_probe_takes_no_place_registers_nothing_and_is_refused_garbage(small_bus, raw, spawn) -> None:
+    """A hello that only asks whether its id could be taken (``probe``) is answered ``ok`` with the registry full
+    (it takes no place) and registers nothing (a heartbeat naming it is answered ``unknown-node``); under a live
+    holder's id it is asked to wait (``id-in-use``) as a hello would be, the holder left as it was; a ``probe`` that
+    is no boolean is refused ``schema``."""
+    _, control = small_bus
+    keeper(spawn, control, "held")
+    for i in range(MAX_NODES - 1):
+        assert isinstance(hello(raw, f"flood-{i}"), Welcome)
+    free = NodeInfo(node_id="free", role="flood", host="h", pid=1)
+    assert isinstance(ask(raw, Hello(node=free, token="free", probe=True)), Ok)
+    unknown = ask(raw, Heartbeat(node_id="free"))
+    assert isinstance(unknown, Error) and unknown.code == "unknown-node", unknown
+    held = NodeInfo(node_id="held", role="monitor", host="h", pid=1)
+    waiting = ask(raw, Hello(node=held, token="held", probe=True))
+    assert isinstance(waiting, Error) and waiting.code == "id-in-use" and waiting.retry_after_s > 0, waiting
+    assert listed(raw) == ["held"]
+    kind, header, _ = CODEC.encode(Hello(node=free, token="garbage"))
+    raw.send_multipart([kind, header, msgspec.msgpack.encode({"node": msgspec.to_builtins(free), "token": "garbage",
+                                                              "probe": "yes"})])
+    assert raw.poll(ANSWER_MS)
+    refused = CODEC.decode(raw.recv_multipart()).body
+    assert isinstance(refused, Error) and refused.code == "schema" and "probe" in refused.message, refused
