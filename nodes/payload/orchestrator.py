@@ -452,9 +452,12 @@ class Orchestrator:
         """Count in ``claimed`` the blobs of a claim's answer that are new to this node: a claim repeated by its
         holder is answered ``already`` (a repeated event; a claim sent again after its answer was lost), and what
         this node holds, or an episode waiting its turn (or recovered at start) was granted, was counted then."""
-        had = self.core.holdings.held.keys() | {ref.blob_id for arrival in self._arrivals for ref in arrival.claimed}
-        had.update(ref.blob_id for _, refs in self._recovered for ref in refs)
-        self.claimed += len(granted - had)
+        held = self.core.holdings.held  # looked up per blob: a copy of its keys would cost every claim all it holds
+        new = {blob_id for blob_id in granted if blob_id not in held}
+        if new and (self._arrivals or self._recovered):
+            new -= {ref.blob_id for arrival in self._arrivals for ref in arrival.claimed}
+            new -= {ref.blob_id for _, refs in self._recovered for ref in refs}
+        self.claimed += len(new)
 
     def _feed(self) -> None:
         """Hand the core every event whose turn has come (claims answered, earlier events fed)."""
