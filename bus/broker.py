@@ -25,8 +25,9 @@ the monotonic clock), is removed with ``node-down``. One node id, one live proce
 registered id only from a predecessor dying, and a live holder's id is refused it ``id-in-use``
 (:meth:`Broker._check_holder`); a holder replaced after all (silent for half the node timeout, then heard
 again) has its heartbeats refused ``replaced`` (they name their process) instead of keeping the new entry
-live. The broker's own events come from its node id with their own sequence. The registry holds at most
-``max_nodes`` nodes, live or joining: a ``hello`` of a new node id past it is refused ``registry-full``.
+live, and its bye too (it names its process) instead of removing it. The broker's own events come from its
+node id with their own sequence. The registry holds at most ``max_nodes`` nodes, live or joining: a ``hello``
+of a new node id past it is refused ``registry-full``.
 
 Service discovery: the broker's metrics endpoint also answers ``/sd`` with every live node's metrics
 endpoint (and its own) in the format of Prometheus's ``http_sd_configs``, so Prometheus finds a whole
@@ -72,6 +73,7 @@ from ..protocol.messages import (
     Nodes,
     NodeUp,
     Ok,
+    Process,
     Refill,
     Replay,
     Replayed,
@@ -269,6 +271,16 @@ class _Slots:
 # A ``node-list`` body besides its entries: its field names, the list's length prefix and ``omitted`` (about 25
 # bytes).
 NODE_LIST_BYTES = 64
+
+
+def _replaced(member: _Member, process: Process | None) -> str:
+    """Why a heartbeat or bye naming ``process`` is not the registered process's (``""`` when it is): one that names
+    none (a client that predates the field, a third party's) is taken as the registered one's."""
+    if process is None or tuple(process) == incarnation(member.info):
+        return ""
+    host, pid, started = incarnation(member.info)
+    return (f"{member.info.node_id!r} is registered by another process since (host {host!r}, pid {pid}, started "
+            f"{started:.3f}): node ids must be unique, this process is not registered")
 
 
 def _stamp(seconds: float) -> str:
@@ -816,11 +828,8 @@ class Broker:
         member = self.members.get(beat.node_id)
         if member is None:
             raise HandlerError("unknown-node", f"{beat.node_id!r} is not registered (send hello)")
-        if beat.process is not None and tuple(beat.process) != incarnation(member.info):
-            host, pid, started = incarnation(member.info)
-            raise HandlerError("replaced", f"{beat.node_id!r} is registered by another process since (host "
-                               f"{host!r}, pid {pid}, started {started:.3f}): node ids must be unique, this "
-                               "process is not registered")
+        if refused := _replaced(member, beat.process):
+            raise HandlerError("replaced", refused)
         member.info = msgspec.structs.replace(member.info, last_seen=time.time(), status=beat.status)
         member.size = None
         member.heard = self.clock()
@@ -832,8 +841,17 @@ class Broker:
         assert isinstance(bye, Bye)
         self._check_own(request, bye.node_id)
         member = self.members.get(bye.node_id)
-        if member is not None:
-            self._remove(member, "bye")
+        if member is None:
+            return Ok()
+        if refused := _replaced(member, bye.process):
+            # A process replaced under its id that stops before a heartbeat of it was refused: removing the entry
+            # would report the live process that took the id down. Counted as a rejected request, logged.
+            info = member.info
+            log.warning("registry.bye_refused", node=info.node_id, holder_host=info.host, holder_pid=info.pid,
+                        sender=list(bye.process or ()), detail="a bye from another process than the node id's "
+                        "holder (one replaced): the holder stays registered")
+            raise HandlerError("replaced", refused)
+        self._remove(member, "bye")
         return Ok()
 
     def _nodes(self, request: Message) -> Body:

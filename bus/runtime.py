@@ -879,8 +879,9 @@ class NodeRuntime:
 
     def _say_bye(self, close_by: float, bye_s: float, *, own_socket: bool = False) -> None:
         """Tell the broker this node leaves (one attempt, at most ``bye_s``, by ``close_by``), when it joined and
-        another process has not replaced it (its bye would remove that one's entry). ``own_socket``: on a client
-        and codec made for it alone, closed after (another thread holds the node's)."""
+        another process has not replaced it (its bye would remove that one's entry). The bye names this process,
+        so a broker refuses it (``replaced``) for a replacement this process was never told of. ``own_socket``: on
+        a client and codec made for it alone, closed after (another thread holds the node's)."""
         if self.control is None or self.welcome is None or self._replaced:
             return
         policy = RetryPolicy(timeout_s=max(0.05, min(bye_s, close_by - time.monotonic())), attempts=1)
@@ -890,7 +891,7 @@ class NodeRuntime:
                 codec = WireCodec(self.node_id, secret=self.settings.secret, limits=self.settings.limits)
                 control = Client(self.ctx, self.settings.bus, codec, policy=policy, options=self.options)
             try:
-                control.request(Bye(node_id=self.node_id), policy=policy)
+                control.request(Bye(node_id=self.node_id, process=incarnation(self.info())), policy=policy)
             finally:
                 if own_socket:
                     control.close()
@@ -1141,7 +1142,8 @@ class NodeRuntime:
                                  f"is held: {exc}") from None
         if isinstance(reply.body, Welcome):
             with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
-                control.request(Bye(node_id=self.node_id), policy=RetryPolicy(timeout_s=1.0, attempts=1))
+                control.request(Bye(node_id=self.node_id, process=incarnation(self.info())),
+                                policy=RetryPolicy(timeout_s=1.0, attempts=1))
 
     def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool, probe: bool = False) -> Message:
         """The broker's answer to this node's ``hello``. While another process holds the node id (:data:`ID_IN_USE`)

@@ -329,8 +329,13 @@ class Heartbeat(Body, frozen=True):
 
 @register_kind("bye")
 class Bye(Body, frozen=True):
+    """A registered node leaves: the broker removes its entry (``node-down``, reason ``bye``). ``process`` names
+    the sender as a heartbeat's does: the broker refuses ``replaced`` a bye from another process than the one
+    registered under ``node_id`` now, so a process whose id a later one took cannot remove that one's entry."""
+
     node_id: Name  # the node leaving
     reason: str = "shutdown"  # why it leaves
+    process: Process | None = None  # the leaving process (None: not named, taken as the registered one)
 
 
 @register_kind("nodes")

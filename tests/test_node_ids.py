@@ -291,3 +291,35 @@ def test_a_process_asking_whose_its_id_is_never_replaces_a_holder_merely_slow(sp
         assert not [event for event in seen if event[:2] == ("node-down", "env-0")], seen
     finally:
         assert bus.stop() == 0, bus.log_tail()
+
+
+def test_a_replaced_process_stopped_before_it_was_told_leaves_the_process_that_took_its_id_registered(
+        bus, spawn, tmp_path: Path) -> None:
+    """A node stalled (SIGSTOP) until the broker expired it, its id registered by another process meanwhile, then
+    stopped (SIGTERM, pending until SIGCONT) before any heartbeat of it was answered ``replaced``: before, its bye
+    named only the node id, and the broker removed the other process's entry (a live node reported down, up again
+    at its next heartbeat); now the bye names its process, and the broker refuses it: the live process keeps its
+    entry and is never reported down."""
+    broker, control = bus
+    events = tmp_path / "liveness.jsonl"
+    _watch(spawn, control, events).wait_ready(START_S)
+
+    def monitor(name: str) -> NodeProcess:
+        return spawn(["monitor", "--bus-control", control, *FAST_LIVENESS, "--node-id", "dup"], name)
+
+    first = monitor("first")
+    first.wait_ready(START_S)
+    first.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: ("node-down", "dup", "timeout") in _liveness_events(events), DECIDED_S, "the stall expired")
+        second = monitor("second")
+        second.wait_ready(START_S)
+        first.signal(signal.SIGTERM)  # handled once resumed: the loop stops before it sends another heartbeat
+    finally:
+        first.signal(signal.SIGCONT)
+    assert first.proc.wait(START_S) == 0, first.log_tail()
+    seen = [event for event in _seen_after_marker(spawn, control, events) if event[1] == "dup"]
+    assert seen == [("node-up", "dup", ""), ("node-down", "dup", "timeout"), ("node-up", "dup", "")], seen
+    assert _registry(control)["dup"]["pid"] == second.pid
+    assert second.proc.poll() is None
+    assert "registry.bye_refused" in broker.log_tail(200), broker.log_tail()

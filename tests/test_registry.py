@@ -21,7 +21,7 @@ from ps_support import scrape
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, NodeStartError, start_bus
 from refbus.protocol.envelope import WireCodec
-from refbus.protocol.messages import Body, Error, Heartbeat, Hello, NodeInfo, NodeList, Nodes, Ok, Welcome
+from refbus.protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, NodeList, Nodes, Ok, Welcome
 
 NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS's
 WAIT_S = 10 * NODE_TIMEOUT_S  # expiry: a liveness pass every node_timeout/4 after node_timeout, with room
@@ -182,6 +182,31 @@ def test_garbage_registrations_are_refused_take_no_place_and_the_broker_keeps_se
     assert isinstance(refused, Error) and refused.code == "schema" and "process" in refused.message, refused
     assert isinstance(ask(raw, Heartbeat(node_id="good", process=("h", 1, 0.0))), Ok)
     assert listed(raw) == []  # "good" never proved its PUB live: registered, not listed
+
+
+def test_byes_from_another_process_or_naming_garbage_leave_the_holder_registered(small_bus, raw) -> None:
+    """A bye naming another process than the holder's (one replaced under its id) is refused ``replaced`` and
+    counted; one whose ``process`` is garbage is refused ``schema`` naming it; the holder keeps its entry (its
+    heartbeats answered) and the broker answers on. A bye naming the holder's process removes it, and so does one
+    naming none (a third party's client), as before."""
+    proc, _ = small_bus
+    assert isinstance(hello(raw, "held"), Welcome)  # host h, pid 1, started 0
+    foreign = ask(raw, Bye(node_id="held", process=("h", 2, 0.0)))
+    assert isinstance(foreign, Error) and foreign.code == "replaced" and "pid 1" in foreign.message, foreign
+    for process in ("h", ["h", 1], ["h", -1, 0.0], ["h", 1, -1.0], ["h", 1, "x"], ["h" * 300, 1, 0.0], {"h": 1}):
+        kind, header, _ = CODEC.encode(Bye(node_id="held"))
+        raw.send_multipart([kind, header, msgspec.msgpack.encode({"node_id": "held", "process": process})])
+        assert raw.poll(ANSWER_MS)
+        refused = CODEC.decode(raw.recv_multipart()).body
+        assert isinstance(refused, Error) and refused.code == "schema" and "process" in refused.message, refused
+    assert isinstance(ask(raw, Heartbeat(node_id="held", process=("h", 1, 0.0))), Ok)
+    assert scrape(proc.info["metrics"], "refbus_requests_rejected_total", code="replaced") == 1
+    assert "registry.bye_refused" in proc.log_tail(200), proc.log_tail()
+    for node_id, process in (("held", ("h", 1, 0.0)), ("anonymous", None)):
+        assert isinstance(hello(raw, node_id), Welcome)  # the holder again: its own process, kept as it was
+        assert isinstance(ask(raw, Bye(node_id=node_id, process=process)), Ok)
+        gone = ask(raw, Heartbeat(node_id=node_id))
+        assert isinstance(gone, Error) and gone.code == "unknown-node", (node_id, gone)
 
 
 def test_a_probe_takes_no_place_registers_nothing_and_is_refused_garbage(small_bus, raw, spawn) -> None:
