@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import structlog
 import torch
+from polling import wait_for
 from pool_support import acquire
 from refbus.bus.reqrep import HandlerError, PeerDown, RemoteError, RequestTimeout
 from refbus.nodes.ps import client as ps_client
@@ -742,6 +743,24 @@ def test_a_manager_without_a_journal_holds_an_init_shard_it_never_made_for_a_lea
     held = {"seg-b": init_id}  # its release was lost: the worker restarted, re-adopting it
     runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))
     assert runtime.released("w0") == [init_id] and manager._releases_from == 0.0
+
+
+def test_a_worker_registering_twice_while_releases_are_held_back_is_told_each_orphan_once() -> None:
+    """Releases held back one lease TTL after a restart add up: a worker that registers twice in that time (its
+    answer lost, say) listed its orphans twice, and the one release sent named each shard twice, which a durable
+    worker refused ``internal`` (its journal dropped the shard once, then failed on the second)."""
+    ttl_s = 0.2
+    runtime, manager = _manager(replicas=1, lease_ttl_s=ttl_s)
+    held = {"seg-a": "push-0123456789ab-1", "seg-b": "push-0123456789ab-2"}  # of the dead manager process
+    for _ in range(2):
+        runtime.call(PsRegister(_worker("w0", pid=2), sorted(held), held))
+    assert runtime.released("w0") == []
+
+    def expired() -> list[str]:
+        manager._expire()
+        return runtime.released("w0")
+
+    assert sorted(wait_for(expired, 25 * ttl_s, "the held-back release to go")) == sorted(held.values())
 
 
 def test_a_release_lost_to_a_node_down_of_the_earlier_process_goes_again_at_the_node_up() -> None:

@@ -672,6 +672,22 @@ def test_a_restarted_ps_worker_readopts_its_sealed_shards_and_names_a_corrupt_on
     pool.close()
 
 
+def test_a_release_naming_a_shard_twice_releases_it_once_and_replays_the_same(tmp_path: Path) -> None:
+    """A release may name a shard twice (garbage, or an older manager's held-back releases adding up): the
+    journal commits it once and raised ``KeyError`` before, failing the whole release ``internal``."""
+    store = open_store(tmp_path, node="ps-worker-0", budget=0)
+    shards, pool = ShardJournal(store), SegmentPool(store.path, "refbus-ps", pin=False)
+    shards.readopt()
+    kept = sealed_shard(tmp_path, pool, shards, "lease-a", 1)
+    sealed_shard(tmp_path, pool, shards, "lease-b", 2)
+    shards.released(["lease-b", "lease-b", "lease-unknown", "lease-b"])
+    shards.released(["lease-b"])  # again, once more: nothing left to release
+    store.close(remove=False)
+    again = ShardJournal(open_store(tmp_path, node="ps-worker-0", budget=0)).readopt()
+    assert [(s.lease, s.segment) for s in again.shards] == [("lease-a", kept)] and again.lost == {}
+    pool.close()
+
+
 def test_a_record_over_the_limit_is_refused_unwritten_and_later_records_replay(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record a replay could not read back (over MAX_RECORD_BYTES) is refused before a byte is written: before,

@@ -330,7 +330,9 @@ class PsManager:
             self._held_back += shards
             return
         by_worker: defaultdict[str, list[str]] = defaultdict(list)
-        for worker, shard in shards:
+        # Each shard once: releases held back (or lost to a node-down) add up, and a worker that registers twice
+        # in that time lists its orphans twice.
+        for worker, shard in dict.fromkeys(shards):
             by_worker[worker].append(shard)
         for worker, ids in by_worker.items():
             self._send_release(worker, ids, 1)

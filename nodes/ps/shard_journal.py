@@ -75,7 +75,8 @@ class ShardJournal:
         self._compact_if_due()
 
     def released(self, leases: Iterable[str]) -> None:
-        gone = [lease for lease in leases if lease in self._sealed]
+        """Commit the release of those of ``leases`` still sealed (each once: a release may name a shard twice)."""
+        gone = [lease for lease in dict.fromkeys(leases) if lease in self._sealed]
         if gone:
             self.store.commit({"op": "release", "leases": gone})
             for lease in gone:
