@@ -170,17 +170,20 @@ class SampleSpec:
         return self.routing is not None or self.heads or self.mask
 
 
-def make_branch(rng: np.random.Generator, spec: SampleSpec) -> Branch:
+def make_branch(rng: np.random.Generator, spec: SampleSpec, *, vocab: int = 50_000, experts: int | None = None
+                ) -> Branch:
+    """Random arrays for ``spec``: token ids below ``vocab``, expert ids below ``experts`` (default: any the
+    routing dtype holds, 300 for uint16)."""
     arrays: dict[str, np.ndarray] = {}
     if spec.routing is not None:
-        high = 300 if spec.routing == np.uint16 else 256
+        high = experts or (300 if spec.routing == np.uint16 else 256)
         arrays["routed_experts"] = rng.integers(0, high, (spec.tokens, LAYERS, TOP_K)).astype(spec.routing)
     if spec.heads:
-        arrays["topk_ids"] = rng.integers(0, 50_000, (spec.tokens, HEAD_K)).astype(np.int32)
+        arrays["topk_ids"] = rng.integers(0, vocab, (spec.tokens, HEAD_K)).astype(np.int32)
         arrays["topk_logprobs"] = -rng.random((spec.tokens, HEAD_K), dtype=np.float32)
     if spec.mask:
         counts = rng.integers(0, 4, spec.tokens).astype(np.int32)
-        arrays["mask_ids"] = rng.integers(0, 50_000, int(counts.sum())).astype(np.int32)
+        arrays["mask_ids"] = rng.integers(0, vocab, int(counts.sum())).astype(np.int32)
         arrays["mask_counts"] = counts
     return Branch(**arrays)
 
@@ -202,8 +205,11 @@ def make_step(
     data_ranks: int = 1,
     seq_len: int = 64,
     prefix: str = "s",
+    vocab: int = 50_000,
+    experts: int | None = None,
 ) -> Step:
-    """Keep each spec's branch on ``envs`` (round robin), pack, and turn the plan into references."""
+    """Keep each spec's branch on ``envs`` (round robin), pack, and turn the plan into references (``vocab`` and
+    ``experts``: see :func:`make_branch`)."""
     rng = np.random.default_rng(seed)
     refs: dict[str, BlobRef | None] = {}
     branches: dict[str, Branch] = {}
@@ -212,7 +218,7 @@ def make_step(
         sample_id = f"{prefix}{index}"
         ref = None
         if spec.has_arrays:
-            branch = make_branch(rng, spec)
+            branch = make_branch(rng, spec, vocab=vocab, experts=experts)
             ref = envs[index % len(envs)].keep(f"{prefix}-blob-{index}", branch)
             branches[ref.blob_id] = branch
         refs[sample_id] = ref

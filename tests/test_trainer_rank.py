@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,6 +42,7 @@ from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.config import ConfigError
 from refbus.nodes.launch import NodeProcess, start_bus
 from refbus.nodes.payload.assemble import AssembledBatch
+from refbus.nodes.payload.branch import Branch
 from refbus.nodes.payload.fetcher import to_micro_batch
 from refbus.nodes.payload.trainer_rank import RECEIVED_STEPS, STEPS_AHEAD_MARGIN
 from refbus.nodes.rl.trainer import rank_and_world
@@ -54,6 +55,7 @@ from refbus.protocol.messages import (
     Claim,
     Claimed,
     FetchAck,
+    MicroBatchRefs,
     NodeDown,
     Ok,
     Reference,
@@ -61,7 +63,17 @@ from refbus.protocol.messages import (
     Replayed,
     StepBatch,
 )
-from test_fetcher import FakeEnvServer, SampleSpec, ServedStore, Step, check_assembled, make_step, start_env_server
+from test_fetcher import (
+    LAYERS,
+    TOP_K,
+    FakeEnvServer,
+    SampleSpec,
+    ServedStore,
+    Step,
+    check_assembled,
+    make_step,
+    start_env_server,
+)
 
 pytest_plugins = ["wire_fixtures"]
 
@@ -77,6 +89,8 @@ SPECS = (
     SampleSpec(30, routing=None, mask=True),
     SampleSpec(30, routing=None, mask=True),
 )
+# The toy policy a rank trains when RankConfig.vocab_size is set: its vocabulary and expert count.
+VOCAB, EXPERTS = 64, 8
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,8 @@ class RankConfig:
     skip_limit: int = 3  # trainer.skip_limit
     max_staleness: int = 1  # orchestrator.max_staleness: how far ahead a step batch may be
     seq_len: int | None = OrchestratorSettings.seq_len  # as the trainer role passes it; None: none passed
+    vocab_size: int = 0  # > 0: each step trains the toy policy of this vocabulary (EXPERTS experts) as
+    # ``refbus node trainer`` does, the rank told the model's limits as it tells them
 
 
 # --- the trainer-rank process ----------------------------------------------------------------------------
@@ -104,16 +120,24 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
     from refbus.bus.runtime import NodeRuntime, RuntimeSettings
     from refbus.nodes.payload.fetcher import FetchSettings
     from refbus.nodes.payload.trainer_rank import StepFailed, StepSkipped, TrainerRank
+    from refbus.nodes.rl.trainer import micro_batches, model_limits
     from refbus.nodes.settings import TrainerSettings
+    from refbus.nodes.toy.policy import make_policy
+    from refbus.nodes.toy.train import make_optimizer, train_step
 
     configure_logging(level="error")
+    torch.set_num_threads(1)  # two ranks on a shared machine: more threads only contend
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    model = make_policy(0, vocab_size=config.vocab_size, n_experts=EXPERTS, n_layers=LAYERS, top_k=TOP_K) \
+        if config.vocab_size else None
+    optimizer = make_optimizer(model) if model is not None else None
     runtime = NodeRuntime("trainer", RuntimeSettings(bus=bus, node_id=f"trainer-{rank}", metrics_port=0,
                                                      retry=FAST, connect_timeout_s=10))
     trainer = TrainerRank(runtime, settings=TrainerSettings(batch_timeout_s=WAIT_S, skip_limit=config.skip_limit),
                           data_rank=config.data_rank,
                           data_ranks=config.data_ranks, leader=config.leader, max_staleness=config.max_staleness,
                           **({} if config.seq_len is None else {"seq_len": config.seq_len}),
+                          limits=model_limits(model) if model is not None else None,
                           fetch=FetchSettings(blobs_per_request=2, policy=config.fetch_policy))
     try:
         runtime.start_background()
@@ -135,6 +159,8 @@ def rank_main(rank: int, world: int, init: str, bus: str, config: RankConfig, st
                 report["routing_rows"] = result.fetch.routing_rows.numpy().copy()
                 report["fetch_failures"] = [getattr(b, "reason", None) for b in result.fetch.batches]
                 report["fetch_seconds"] = result.fetch.seconds
+                if model is not None:
+                    report["trained"] = train_step(model, optimizer, micro_batches(result))["tokens"]
             if config.compute_s and step == 0:
                 conn.send(("computing", step))
                 time.sleep(config.compute_s)  # the training step: the node loop gets no help from this thread
@@ -546,6 +572,142 @@ def test_a_rank_given_no_seq_len_takes_the_micro_batches_of_an_orchestrator_that
     assert all("failed" not in report and report["dropped_global"] == 0 for report in reports), reports
 
 
+# Samples a toy policy trains: routed and not, with top-k heads and sampling masks.
+MODEL_SPECS = (
+    SampleSpec(50, heads=True),
+    SampleSpec(45, heads=True, mask=True),
+    SampleSpec(40),
+    SampleSpec(35, heads=True),
+    SampleSpec(30, routing=None, heads=True, mask=True),
+    SampleSpec(30, routing=None),
+)
+
+
+def model_step(envs: tuple[FakeEnvServer, ...], prefix: str, seed: int) -> Step:
+    """A step of MODEL_SPECS whose ids fit the toy policy, with the inline inputs the orchestrator ships: token
+    ids below VOCAB (where a token has a sampling mask, its first id, as a sampler's would be), advantage 1."""
+    data = make_step(envs, MODEL_SPECS, data_ranks=2, prefix=prefix, seed=seed, vocab=VOCAB, experts=EXPERTS)
+    rng = np.random.default_rng(seed)
+
+    def with_inputs(mb: MicroBatchRefs) -> MicroBatchRefs:
+        ids = rng.integers(0, VOCAB, mb.length)
+        offset = 0
+        for item in mb.samples:
+            branch = data.branches.get(item.ref.blob_id) if item.ref is not None else None
+            if branch is not None and branch.mask_counts is not None:
+                counts = branch.mask_counts[: item.tokens]
+                masked = counts > 0
+                ids[offset : offset + item.tokens][masked] = branch.mask_ids[(np.cumsum(counts) - counts)[masked]]
+            offset += item.tokens
+        return msgspec.structs.replace(mb, inputs={"input_ids": ids, "advantages": np.ones(mb.length, np.float32),
+                                                   "loss_mask": np.ones(mb.length, np.bool_)})
+
+    return replace(data, ranks=tuple(tuple(with_inputs(mb) for mb in rank) for rank in data.ranks))
+
+
+def with_token(batch: StepBatch, index: int, token: int) -> StepBatch:
+    """``batch`` with the first token id of its micro batch ``index`` replaced by ``token``."""
+    micro_batches = list(batch.micro_batches)
+    ids = np.array(micro_batches[index].inputs["input_ids"], dtype=np.int64)
+    ids[0] = token
+    micro_batches[index] = msgspec.structs.replace(micro_batches[index],
+                                                   inputs={**micro_batches[index].inputs, "input_ids": ids})
+    return msgspec.structs.replace(batch, micro_batches=micro_batches)
+
+
+def with_value(data: Step, envs: tuple[FakeEnvServer, ...], blob_id: str, field: str, value: int) -> Step:
+    """``data`` with the first value of array ``field`` of blob ``blob_id`` replaced by ``value``, kept again at its
+    store (a new checksum, which every reference to it names)."""
+    arrays = {name: array.copy() for name, array in data.branches[blob_id].to_arrays().items()}
+    arrays[field].reshape(-1)[0] = value
+    branch = Branch.from_arrays(arrays)
+    ref = next(env for env in envs if blob_id in env.blobs).keep(blob_id, branch)
+    ranks = tuple(tuple(msgspec.structs.replace(mb, samples=[
+        msgspec.structs.replace(item, ref=ref) if item.ref is not None and item.ref.blob_id == blob_id else item
+        for item in mb.samples]) for mb in rank) for rank in data.ranks)
+    return replace(data, ranks=ranks, branches={**data.branches, blob_id: branch})
+
+
+def holding(data: Step, blob_ids: set[str]) -> list[tuple[int, ...]]:
+    """Per data rank, the indices of its micro batches that name one of ``blob_ids``."""
+    return [tuple(index for index, mb in enumerate(rank)
+                  if any(item.ref is not None and item.ref.blob_id in blob_ids for item in mb.samples))
+            for rank in data.ranks]
+
+
+def trained_or_dropped(steps: list[Step], dropped: set[str]) -> Counter[tuple[str, str, str]]:
+    """The deletes expected when every step trained but the micro batches naming ``dropped`` blobs."""
+    return Counter({(blob_id, f"trainer-{rank}", "dropped" if blob_id in dropped else "trained"): 1
+                    for data in steps for rank in (0, 1) for blob_id in data.owned[rank]})
+
+
+def test_a_token_id_past_the_models_vocabulary_is_refused_before_the_forward_and_the_world_trains_on(
+        bus, envs, orchestrator, tmp_path: Path) -> None:
+    """Regression: a sample whose token id was the model's vocabulary size reached the forward pass (CPU: the
+    embedding raises; CUDA: a device-side assert that poisons the process's context); the rank died mid-step with
+    the step's blobs, and its peer with it in the step's next collective. Now the rank checks every id against the
+    model before the forward: the sample's micro batch is dropped on every rank (zero loss, counted, the sample
+    named in the log), its blobs deleted ``dropped`` once, and the world trains this step and the next."""
+    steps = [model_step(envs, prefix, seed) for seed, prefix in enumerate("vw")]
+    config = RankConfig(vocab_size=VOCAB)
+    ranks = Ranks(bus, (config, config), steps=2, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        first = [step_batch(0, rank, steps[0], rank) for rank in (0, 1)]
+        hand_over(clients, [with_token(first[0], 0, VOCAB), first[1]])
+        hand_over(clients, [step_batch(1, rank, steps[1], rank) for rank in (0, 1)])
+        reports = [[ranks.recv(rank) for _ in range(2)] for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert [reports[rank][0]["dropped"] for rank in (0, 1)] == [(0,), ()]
+    assert reports[0][0]["fetch_failures"][0] == "out-of-range"
+    assert [report["dropped_global"] for rank in (0, 1) for report in reports[rank]] == [1, 0, 1, 0]
+    assert all(report["trained"] > 0 for rank in (0, 1) for report in reports[rank]), reports
+    victims = {i.ref.blob_id for i in steps[0].ranks[0][0].samples if i.ref is not None}
+    assert deletes(envs) == trained_or_dropped(steps, victims)
+
+
+def test_garbage_ids_in_inputs_or_blobs_are_refused_on_every_rank_and_every_step_trains(
+        bus, envs, orchestrator, tmp_path: Path) -> None:
+    """Token ids at and past the vocabulary (up to 2**63 - 1, and below 0) in the inline ids, top-k heads or
+    sampling masks, and an expert id past the model's experts in routing rows: each step drops the micro batch
+    holding it on the ranks that hold it, agreed on by all, and trains the rest; no rank dies. (Each garbage id is
+    in a micro batch whose rank has another with routing rows and top-k heads: one without would skip the step.)"""
+    tokens = ((1, 1, VOCAB + 1), (0, 0, 2**63 - 1), (1, 2, -1))  # (rank, micro batch, token id)
+    values = ((0, "topk_ids", VOCAB), (4, "mask_ids", VOCAB + 1), (2, "routed_experts", EXPERTS))  # of sample 0, ...
+    steps = [model_step(envs, f"g{step}", step) for step in range(len(tokens) + len(values))]
+    batches = [[step_batch(step, rank, data, rank) for rank in (0, 1)] for step, data in enumerate(steps)]
+    expected: list[list[tuple[int, ...]]] = []
+    victims: set[str] = set()
+    for step, (rank, index, token) in enumerate(tokens):
+        batches[step][rank] = with_token(batches[step][rank], index, token)
+        expected.append([(index,) if r == rank else () for r in (0, 1)])
+        victims |= {i.ref.blob_id for i in steps[step].ranks[rank][index].samples if i.ref is not None}
+    for step, (sample, field, value) in enumerate(values, start=len(tokens)):
+        blob_id = f"g{step}-blob-{sample}"
+        steps[step] = with_value(steps[step], envs, blob_id, field, value)
+        batches[step] = [step_batch(step, rank, steps[step], rank) for rank in (0, 1)]
+        expected.append(holding(steps[step], {blob_id}))
+        victims |= {i.ref.blob_id for rank, held in enumerate(expected[-1]) for index in held
+                    for i in steps[step].ranks[rank][index].samples if i.ref is not None}
+    config = RankConfig(vocab_size=VOCAB, max_staleness=len(steps))
+    ranks = Ranks(bus, (config, config), steps=len(steps), workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        for batch in batches:
+            hand_over(clients, batch)
+        reports = [[ranks.recv(rank) for _ in steps] for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    for step, dropped in enumerate(expected):
+        assert [reports[rank][step]["dropped"] for rank in (0, 1)] == dropped, step
+        assert all(reports[rank][step]["dropped_global"] == sum(map(len, dropped)) for rank in (0, 1)), step
+        assert all(reports[rank][step]["trained"] > 0 for rank in (0, 1)), step
+    assert deletes(envs) == trained_or_dropped(steps, victims)
+
+
 def test_a_step_longer_than_the_node_timeout_keeps_the_rank_live_and_serving(
     envs, orchestrator, zmq_ctx, tmp_path: Path
 ) -> None:
@@ -817,6 +979,28 @@ def test_end_step_after_any_step_failure_deletes_what_the_rank_owns_and_held_fol
     assert release == StepRelease(deleted=("a",), failed=("b",), missing=("c",))
     assert rank.held == {"later"}  # none of the step's is asked for again: the store reclaims what failed
     assert rank.end_step(0) == StepRelease() and rank.end_step(1) == StepRelease()  # nothing (more) to delete
+
+
+def test_the_trainer_role_takes_the_limits_its_model_defines_and_checks_none_it_does_not() -> None:
+    from refbus.nodes.payload.fetcher import ModelLimits
+    from refbus.nodes.rl.trainer import model_limits
+    from refbus.nodes.toy.policy import make_policy
+
+    assert model_limits(make_policy(0, vocab_size=VOCAB, n_experts=EXPERTS)) == ModelLimits(VOCAB, EXPERTS)
+    mixtral_like = torch.nn.Module()
+    mixtral_like.config = type("Config", (), {"vocab_size": 32000, "num_local_experts": 8})()
+    assert model_limits(mixtral_like) == ModelLimits(32000, 8)
+    dense = torch.nn.Module()
+    dense.config = type("Config", (), {"vocab_size": 32000, "num_experts": None})()
+    assert model_limits(dense) == ModelLimits(32000, None)
+    assert model_limits(torch.nn.Linear(2, 2)) == ModelLimits()
+    # A dropped micro batch's forward takes in-range ids only: out-of-range ones become 0, malformed ones all 0.
+    limits = ModelLimits(VOCAB)
+    ids = np.array([3, VOCAB, -1, 2**63 - 1], dtype=np.int64)
+    np.testing.assert_array_equal(limits.in_range({"input_ids": ids}, 4)["input_ids"], [3, 0, 0, 0])
+    np.testing.assert_array_equal(limits.in_range({"input_ids": np.ones(3, np.float32)}, 4)["input_ids"], [0] * 4)
+    kept = {"input_ids": np.array([1, 2])}
+    assert limits.in_range(kept, 2) is kept and ModelLimits().in_range(kept, 2) is kept
 
 
 def test_a_rank_without_its_rank_or_world_size_is_told_what_to_set() -> None:

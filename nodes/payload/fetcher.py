@@ -34,6 +34,11 @@ thread, as the replies come):
    transfer is timed. A micro batch with any blob missing, refused (``RemoteError``),
    unanswered (``RequestTimeout``), on a store reported down (``PeerDown``), corrupt or malformed becomes a
    :class:`FetchFailure`: it is never assembled from partial data, never trained on zeros.
+5. **Check against the model.** With :class:`ModelLimits` (the model's vocabulary and expert count), each
+   assembled micro batch whose inline ``input_ids``, top-k head ids, sampling-mask ids or routing rows hold an
+   id the model has no row for fails ``out-of-range`` (its samples named in the log): such an id would reach an
+   embedding or a gather, where torch raises on the CPU and a CUDA device-side assert poisons the process's
+   context, ending the rank mid-step and its world with it.
 
 Memory ownership: received frames are held by the :class:`FetchInFlight` until :meth:`StepFetcher.finish`,
 read once there (checksum, then the copy into the batch tensors) and released with it; nothing in the
@@ -67,7 +72,7 @@ from ...bus.memory import keep_receive_memory
 from ...bus.reqrep import Outcome, PeerDown, RemoteError, RequestTimeout, RetryPolicy, split_outcomes
 from ...protocol.envelope import MAX_BUFFERS
 from ...protocol.messages import BlobRef, Blobs, Body, Fetch, FetchedBlob, MicroBatchRefs
-from .assemble import AssembledBatch, AssemblyError, assemble
+from .assemble import MASK_PAD, AssembledBatch, AssemblyError, assemble
 from .branch import ROUTED_EXPERTS, Branch, BranchError
 from .keeper import blob_checksum
 from .packing import MicroBatch, PackedSample, PackingError, SampleInfo
@@ -202,8 +207,8 @@ class BufferPool:
 class FetchFailure:
     """Why a micro batch could not be assembled. ``reason`` is stable: ``missing`` (unknown or deleted at
     the env server), ``remote-error``, ``timeout``, ``peer-down`` (its env server is reported down),
-    ``checksum``, ``malformed`` (fields or shapes wrong) or ``assembly``; ``blob_ids`` are the failed blobs
-    of this micro batch."""
+    ``checksum``, ``malformed`` (fields or shapes wrong), ``assembly`` or ``out-of-range`` (an id the model has
+    no row for, :class:`ModelLimits`); ``blob_ids`` are the failed blobs of this micro batch."""
 
     reason: str
     detail: str
@@ -257,6 +262,84 @@ class FetchSettings:
         if min(self.blobs_per_request, self.request_bytes, self.window) < 1:
             raise ValueError(f"blobs_per_request, request_bytes and window must be >= 1, got "
                              f"{self.blobs_per_request}, {self.request_bytes}, {self.window}")
+
+
+INPUT_IDS = "input_ids"
+"""The inline input holding a micro batch's token ids, as the orchestrator ships them."""
+OUT_OF_RANGE = "out-of-range"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """The ids a model has rows for: token ids (inline ``input_ids``, top-k head ids, sampling-mask ids) in
+    ``[0, vocab_size)``, expert ids of routing rows in ``[0, experts)``; None: that bound is not checked."""
+
+    vocab_size: int | None = None
+    experts: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "experts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: expected an int >= 1 or None, got {value!r}")
+
+    def refused(self, batch: AssembledBatch, input_ids: object) -> str:
+        """Why ``batch`` (its inline ``input_ids``, None without) cannot reach the model: the samples holding an id
+        out of range and the first such id of each kind (an ``input_ids`` that is not ``length`` integers refuses
+        every sample); empty when every id is in range. Padding rows count as ``padding``."""
+        length = batch.length
+        bad = np.zeros(length, dtype=np.bool_)
+        found: list[str] = []
+        vocab, experts = self.vocab_size, self.experts
+        ids = None if input_ids is None else np.asarray(input_ids)
+        if vocab is not None and ids is not None and (ids.shape != (length,) or ids.dtype.kind not in "iu"):
+            bad[:] = True
+            found.append(f"{INPUT_IDS}: expected {length} integers, got {ids.dtype} of shape {ids.shape}")
+            ids = None
+        checks = ((INPUT_IDS, ids, 0, vocab, "vocab_size"),
+                  ("topk_ids", _rows(batch.topk_ids), 0, vocab, "vocab_size"),
+                  ("sampling_mask", _rows(batch.sampling_mask), MASK_PAD, vocab, "vocab_size"),
+                  (ROUTED_EXPERTS, _rows(batch.routed_experts), 0, experts, "experts"))
+        for name, values, low, high, bound in checks:
+            if values is None or high is None:
+                continue
+            outside = (values < low) | (values >= high)
+            rows = outside.reshape(length, -1).any(axis=1)
+            if rows.any():
+                bad |= rows
+                found.append(f"{name} {values[outside][0]} (ids {low} to {high - 1}, the model's {bound})")
+        if not found:
+            return ""
+        return f"samples {_holding(batch, bad)} hold ids the model has no row for: {'; '.join(found)}"
+
+    def in_range(self, inputs: Mapping[str, Any], length: int) -> Mapping[str, Any]:
+        """``inputs`` with each ``input_ids`` outside the vocabulary replaced by 0, the padding id (all of them
+        when they are not ``length`` integers): what a dropped micro batch runs its forward pass on, its loss mask
+        zero, so that the model never sees an id it has no row for."""
+        ids = inputs.get(INPUT_IDS)
+        if self.vocab_size is None or ids is None:
+            return inputs
+        ids = np.asarray(ids)
+        if ids.shape != (length,) or ids.dtype.kind not in "iu":
+            return {**inputs, INPUT_IDS: np.zeros(length, dtype=np.int64)}
+        valid = (ids >= 0) & (ids < self.vocab_size)
+        return inputs if valid.all() else {**inputs, INPUT_IDS: np.where(valid, ids, 0).astype(np.int64)}
+
+
+def _rows(tensor: torch.Tensor | None) -> np.ndarray | None:
+    """An assembled ``[1, length, ...]`` tensor as a numpy ``[length, ...]`` view (numpy compares uint16, which
+    torch does not)."""
+    return None if tensor is None else tensor[0].numpy()
+
+
+def _holding(batch: AssembledBatch, rows: np.ndarray) -> list[str]:
+    """The ids of ``batch``'s samples with a True row in ``rows``, then ``padding`` for one past them all."""
+    samples = batch.micro_batch.samples
+    names = [str(p.sample.sample_id) for p in samples if rows[p.offset : p.stop].any()]
+    covered = np.zeros(len(rows), dtype=np.bool_)
+    for packed in samples:
+        covered[packed.offset : packed.stop] = True
+    return [*names, "padding"] if (rows & ~covered).any() else names
 
 
 # --- the fetcher -----------------------------------------------------------------------------------------
@@ -317,13 +400,14 @@ class StepFetcher:
 
     ``calls`` sends the ``fetch`` requests (``runtime.calls``: the node loop's asynchronous requests, one
     client per endpoint; an endpoint it has marked down fails at once). ``holder`` names this rank in
-    ``fetch`` requests.
+    ``fetch`` requests. ``limits``: the ids the model takes; None (the default) checks none.
     """
 
     def __init__(self, holder: str, calls: Calls, settings: FetchSettings | None = None,
                  *, locate: Callable[[BlobRef], str] = lambda ref: ref.endpoint,
-                 restarts: StoreRestarts | None = None) -> None:
+                 restarts: StoreRestarts | None = None, limits: ModelLimits | None = None) -> None:
         self.holder = holder
+        self.limits = limits
         self.settings = settings or FetchSettings()
         self._calls = calls
         self._locate = locate
@@ -404,7 +488,8 @@ class StepFetcher:
                 break  # what is left is assembled after ``transferred``, which times the transfer alone
             for index, batch in enumerate(batches):
                 if batch is None and all(blob_id in branches for blob_id in needs[index] if blob_id is not None):
-                    batches[index] = self._assemble(fetch.plans[index], needs[index], branches, failures)
+                    batches[index] = self._assemble(fetch.plans[index], fetch.micro_batches[index], needs[index],
+                                                    branches, failures)
             if stopped():
                 raise FetchUnfinished(f"step {fetch.step}: the requests' driver stopped before they all ended")
             if waited_until is not None and time.monotonic() >= waited_until:
@@ -414,7 +499,8 @@ class StepFetcher:
         transferred = time.perf_counter()
         for index, batch in enumerate(batches):
             if batch is None:
-                batches[index] = self._assemble(fetch.plans[index], needs[index], branches, failures)
+                batches[index] = self._assemble(fetch.plans[index], fetch.micro_batches[index], needs[index],
+                                                branches, failures)
         assembled = cast(list[AssembledBatch | FetchFailure], batches)
         fetched = tuple(branches)
         result = StepFetch(
@@ -432,6 +518,10 @@ class StepFetcher:
         if failures:
             log.warning("fetch.failed_blobs", step=fetch.step, failed=len(failures), fetched=len(fetched),
                         reasons=sorted({f.reason for f in failures.values()}))
+        for index, batch in enumerate(assembled):
+            if isinstance(batch, FetchFailure) and batch.reason == OUT_OF_RANGE:
+                log.warning("fetch.out_of_range", step=fetch.step, micro_batch=index, detail=batch.detail,
+                            blob_ids=list(batch.blob_ids))
         return result
 
     @staticmethod
@@ -492,21 +582,26 @@ class StepFetcher:
                 del open_bytes[endpoint], open_arrays[endpoint]
         return requests + list(open_ids.items())
 
-    def _assemble(self, plan: MicroBatch, ids: Sequence[str | None], branches: Mapping[str, Branch],
+    def _assemble(self, plan: MicroBatch, refs: MicroBatchRefs, ids: Sequence[str | None],
+                  branches: Mapping[str, Branch],
                   failures: Mapping[str, FetchFailure]) -> AssembledBatch | FetchFailure:
-        """Micro batch ``plan`` from its samples' blobs (``ids``, :func:`_needed_ids`), or why it cannot be."""
+        """Micro batch ``plan`` (``refs`` on the wire) from its samples' blobs (``ids``, :func:`_needed_ids`), checked
+        against :attr:`limits`, or why it cannot be."""
         failed = [failures[i] for i in ids if i is not None and i in failures]
         if failed:
             reasons = sorted({f.reason for f in failed})
             return FetchFailure(reasons[0] if len(reasons) == 1 else "+".join(reasons),
                                 "; ".join(f.detail for f in failed[:3]), tuple(f.blob_ids[0] for f in failed))
+        blob_ids = tuple(i for i in ids if i is not None)
         try:
-            return assemble(plan, [branches[i] if i is not None else None for i in ids],
-                            mask_width=self.settings.mask_width, allocator=self.pool)
+            batch = assemble(plan, [branches[i] if i is not None else None for i in ids],
+                             mask_width=self.settings.mask_width, allocator=self.pool)
         except AssemblyError as exc:
-            return FetchFailure("assembly", str(exc), tuple(i for i in ids if i is not None))
+            return FetchFailure("assembly", str(exc), blob_ids)
         except (MemoryError, RuntimeError) as exc:  # a tensor the allocator cannot give: this batch fails, not the rank
-            return FetchFailure("assembly", f"{type(exc).__name__}: {exc}", tuple(i for i in ids if i is not None))
+            return FetchFailure("assembly", f"{type(exc).__name__}: {exc}", blob_ids)
+        refused = self.limits.refused(batch, refs.inputs.get(INPUT_IDS)) if self.limits is not None else ""
+        return FetchFailure(OUT_OF_RANGE, refused, blob_ids) if refused else batch
 
 
 STOP_POLL_S = 0.1

@@ -86,6 +86,7 @@ from .branch import TOPK_IDS
 from .fetcher import (
     FetchSettings,
     FetchUnfinished,
+    ModelLimits,
     PlanError,
     StepFetch,
     StepFetcher,
@@ -138,7 +139,8 @@ class StepBatches:
     """What one rank trains in a step.
 
     ``batches[i]``: micro batch ``i``'s tensors (``dropped`` set and an all-False loss mask for dropped
-    ones); ``inputs[i]``: its inline arrays as the orchestrator sent them; ``dropped``: indices this rank
+    ones); ``inputs[i]``: its inline arrays as the orchestrator sent them (but a dropped one's ``input_ids``
+    outside the rank's ``limits``, replaced by 0); ``dropped``: indices this rank
     runs as dropped; ``dropped_global``: micro batches dropped across all data ranks (the run's figure);
     ``fetch``: this rank's fetch (timing, bytes, failure reasons).
     """
@@ -193,7 +195,11 @@ class TrainerRank:
     no allocation can hold would end the rank mid-step); None (the default) bounds no length, since only the
     orchestrator's config knows it: a bound of the rank's own would refuse every step batch of an orchestrator
     that packs longer micro batches. The trainer role passes its config's; an embedding framework passes its
-    orchestrator's.
+    orchestrator's. ``limits``: the ids the model has rows for (:class:`~.fetcher.ModelLimits`); a micro batch
+    holding another fails ``out-of-range`` and is dropped on every rank like one that could not be fetched, its
+    inline ``input_ids`` given outside the vocabulary replaced by 0 (so its forward takes only ids the model
+    can: on CUDA one out of range is a device-side assert that poisons the process's context); None (the default)
+    checks none. The trainer role passes its model's.
 
     Step batches are taken only from a node the registry lists live with role ``orchestrator`` (``src``, which
     CURVE authenticates); any other sender is refused ``not-orchestrator``. A sender this rank has not seen
@@ -217,6 +223,7 @@ class TrainerRank:
         restart_grace_s: float = 10.0,
         max_staleness: int = OrchestratorSettings.max_staleness,
         seq_len: int | None = None,
+        limits: ModelLimits | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings or TrainerSettings()
@@ -245,8 +252,9 @@ class TrainerRank:
         # A durable store restarted re-adopts its blobs but missed the ``reference`` events published while it was
         # dead: this rank repeats its hand-overs to each new process (see _hand_over_again).
         StoreReturns(peers, runtime.calls, lambda node: bool(self._held_at(node)), self._hand_over_again)
+        self.limits = limits
         self.fetcher = StepFetcher(runtime.node_id, runtime.calls, self.fetch_settings, locate=self._locate,
-                                   restarts=self._restarts)
+                                   restarts=self._restarts, limits=limits)
         self.held: set[str] = set()
         self._received: dict[int, _Received] = {}
         self._running: dict[int, tuple[_Received, frozenset[str]]] = {}  # step -> (batch, trained blob ids)
@@ -334,10 +342,14 @@ class TrainerRank:
         with self._cond:  # the loop thread looks at the running steps (_held_at); a hook that took it keeps it
             if step in self._running:
                 self._running[step] = (received, trained)
+        inputs = [mb.inputs for mb in received.batch.micro_batches]
+        if self.limits is not None:  # a dropped micro batch may be one refused for an id the model has no row for
+            for index in dropped:
+                inputs[index] = self.limits.in_range(inputs[index], batches[index].length)
         return StepBatches(
             step=step,
             batches=tuple(batches),
-            inputs=tuple(mb.inputs for mb in received.batch.micro_batches),
+            inputs=tuple(inputs),
             dropped=dropped,
             dropped_global=dropped_global,
             fetch=fetch,

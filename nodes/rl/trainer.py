@@ -60,6 +60,7 @@ from ...protocol.messages import NodeDown, NodeInfo
 from ..config import Config, ConfigError
 from ..entry_points import load_entry_point
 from ..payload.assemble import AssembledBatch, packed_position_ids
+from ..payload.fetcher import ModelLimits
 from ..payload.trainer_rank import StepBatches, StepFailed, StepSkipped, TrainerRank
 from ..ps.client import PsClient
 from ..settings import TrainerSettings
@@ -98,6 +99,23 @@ def _micro_batch(batch: AssembledBatch, inputs: Mapping[str, Any]) -> dict[str, 
         "topk_valid": batch.topk_valid,
         "sampling_mask": batch.sampling_mask,
     }
+
+
+EXPERT_COUNTS = ("n_experts", "num_experts", "num_local_experts", "n_routed_experts")
+"""Names a model's ``config`` gives its expert count under: the toy policy's, then Hugging Face MoE configs'."""
+
+
+def model_limits(model: torch.nn.Module) -> ModelLimits:
+    """The ids ``model`` has rows for, from its ``config`` (the toy policy's and Hugging Face models' convention):
+    ``vocab_size``, and the expert count under the first of :data:`EXPERT_COUNTS` it has. A bound the model does
+    not define (no such attribute, or not a positive int) is None: not checked."""
+    config = getattr(model, "config", None)
+
+    def bound(*names: str) -> int | None:
+        value = next((getattr(config, name) for name in names if hasattr(config, name)), None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    return ModelLimits(vocab_size=bound("vocab_size"), experts=bound(*EXPERT_COUNTS))
 
 
 def rank_and_world(section: TrainerSettings, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -139,7 +157,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     runtime = NodeRuntime("trainer", config.runtime(node_id=args.node_id or f"trainer-{rank}",
                                                     ready_file=args.ready_file))
     trainer = TrainerRank(runtime, settings=section, first_step=first, restart_grace_s=config.node.restart_grace_s,
-                          max_staleness=config.orchestrator.max_staleness, seq_len=config.orchestrator.seq_len)
+                          max_staleness=config.orchestrator.max_staleness, seq_len=config.orchestrator.seq_len,
+                          limits=model_limits(model))
     runtime.labels["steps"] = str(section.steps)  # this rank's budget: the orchestrator ships no more steps
     collectives_done = threading.Event()  # past the last step's collective: a peer that leaves breaks nothing
     broken = end_world_on_peer_death(runtime, trainer, pids, collectives_done,
