@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from polling import wait_for
+from refbus.nodes.halting import CONFIG_STATUS
 from refbus.nodes.rl import checkpoint
 from refbus.nodes.toy.policy import make_policy
 from refbus.nodes.toy.train import make_optimizer
@@ -450,6 +451,41 @@ def _without_file_permission_override() -> None:
     for capability in (1, 2):
         if libc.prctl(24, capability, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("unusable", ["rank directory of mode 000", "file as the checkpoint directory"])
+def test_a_checkpoint_directory_the_rank_may_not_list_ends_it_as_a_configuration_not_restarted_into(
+        tmp_path: Path, silent_endpoint: str, unusable: str) -> None:
+    """A real trainer rank whose rank directory it may not list (mode 000; a root test runs the rank without the
+    capabilities that let root list any directory) or whose checkpoint directory is a file: before, a bare
+    PermissionError (or, for the file, a NotADirectoryError at its first write) ended it with status 1, which
+    its supervisor restarted into the same error for the whole restart budget. Now it exits 2 (final) before
+    it joins the bus, its last words one line naming the path and what to do, and no traceback."""
+    directory = tmp_path / "checkpoints"
+    if unusable == "file as the checkpoint directory":
+        directory.write_bytes(b"not a directory")
+        named = f"{directory}/rank-0: cannot list the checkpoints in it (Not a directory)"
+    else:
+        checkpoint.rank_dir(directory, 0).mkdir(parents=True)
+        checkpoint.rank_dir(directory, 0).chmod(0)
+        named = f"{directory}/rank-0: cannot list the checkpoints in it (Permission denied)"
+    try:
+        # The bus never answers: a rank that went on past its resume would wait for it, not exit 2.
+        result = subprocess.run(
+            [sys.executable, "-m", "refbus.nodes.cli", "node", "trainer", "--bus-control", silent_endpoint,
+             "--node-connect-timeout-s", "1", "--trainer-rank", "0", "--trainer-world-size", "1",
+             "--trainer-init-method", rendezvous(tmp_path, "unusable", 0), "--trainer-checkpoint-every", "1",
+             "--trainer-checkpoint-dir", str(directory)],
+            capture_output=True, text=True, timeout=WAIT_S,
+            preexec_fn=_without_file_permission_override if os.geteuid() == 0 else None)
+    finally:
+        if directory.is_dir():
+            checkpoint.rank_dir(directory, 0).chmod(0o700)
+    assert result.returncode == CONFIG_STATUS, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    said = result.stderr.splitlines()[-1]
+    assert said.startswith(f"refbus: {named}: trainer.checkpoint_dir {directory} "), said
+    assert "give it that access, or configure another trainer.checkpoint_dir" in said, said
 
 
 WRITER = """

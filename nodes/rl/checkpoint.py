@@ -9,7 +9,8 @@ pickle.
 Writes are atomic: the file is written under a temporary name in the same directory, fsynced, renamed into
 place and the directory fsynced. A process killed mid-write leaves at most a temporary file (ignored, and
 removed by the next write) and the previous checkpoint intact. :func:`latest_step` trusts no file name: it
-opens each candidate, newest first, and skips (with a warning naming it) one it cannot read.
+opens each candidate, newest first, and skips (with a warning naming it) one it cannot read; a directory it
+cannot list (permission denied, a file in its place) is :class:`CheckpointDirUnusable`, which no retry clears.
 
 Files: ``<dir>/rank-<rank>/step-<K>.safetensors``. Each write of step ``K`` keeps the newest :data:`KEEP`
 of its rank at or below ``K`` and moves every file above ``K`` aside: those belong to a superseded lineage
@@ -57,6 +58,12 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatch(CheckpointError):
     """A checkpoint that reads back whole holds another model's or optimizer's state than the one loading it."""
+
+
+class CheckpointDirUnusable(CheckpointError):
+    """A checkpoint directory (the one configured, or a rank's in it) that this process may not list, or a file
+    standing where it or a directory above it must be: it stays so until someone changes it (no restart clears
+    it), unlike a disk that fails a write."""
 
 
 def rank_dir(directory: Path | str, rank: int) -> Path:
@@ -140,19 +147,21 @@ def _remove_caught_up(superseded: Path, rank: int, newest: int) -> None:
     if not superseded.is_dir():
         return
     for aside in superseded.iterdir():
+        if not aside.is_dir():  # not a folder prune made: the operator's, left as it is
+            continue
         for step in [step for step in _steps(aside) if step <= newest]:
             path = aside / _file_name(step)
             path.unlink(missing_ok=True)
             log.warning("checkpoint.superseded_removed", path=str(path), rank=rank, holds=newest,
                         cause=f"rank {rank} holds step {newest} of the lineage training now")
-        if aside.is_dir() and not any(aside.iterdir()):
+        if not any(aside.iterdir()):
             aside.rmdir()
 
 
 def latest_step(directory: Path | str, rank: int, at_most: int | None = None) -> int:
     """The newest step of rank ``rank`` (not above ``at_most`` when given) whose checkpoint reads back whole;
     0 when there is none (a world starts at step 0). A file that cannot be read is skipped with a warning
-    (``checkpoint.unreadable``)."""
+    (``checkpoint.unreadable``); a rank directory that cannot be listed raises :class:`CheckpointDirUnusable`."""
     folder = rank_dir(directory, rank)
     for step in _steps(folder):
         if at_most is not None and step > at_most:
@@ -313,11 +322,16 @@ def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> No
 def _steps(folder: Path, *, directories: bool = False) -> list[int]:
     """Steps with a checkpoint file in ``folder``, newest first; with ``directories``, also those of directories
     under a checkpoint's name. A directory is never a checkpoint: counted as one, it would take the place of one
-    that :data:`KEEP` keeps, and removing it (as a file) would fail at every write and every resume."""
-    if not folder.is_dir():
+    that :data:`KEEP` keeps, and removing it (as a file) would fail at every write and every resume. None where
+    ``folder`` does not exist (nothing written yet); :class:`CheckpointDirUnusable` where this process may not list
+    it, or a file stands where it or a directory above it must be."""
+    try:
+        return sorted((int(m.group(1)) for p in folder.iterdir()
+                       if (m := _NAME.fullmatch(p.name)) and (directories or not p.is_dir())), reverse=True)
+    except FileNotFoundError:
         return []
-    return sorted((int(m.group(1)) for p in folder.iterdir()
-                   if (m := _NAME.fullmatch(p.name)) and (directories or not p.is_dir())), reverse=True)
+    except (PermissionError, NotADirectoryError) as exc:
+        raise CheckpointDirUnusable(f"{folder}: cannot list the checkpoints in it ({exc.strerror})") from None
 
 
 def _fsync(path: Path) -> None:

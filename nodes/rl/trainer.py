@@ -19,7 +19,8 @@ loads K, moves its checkpoints above K aside (an earlier world's, or ones anothe
 which would outrank this world's: :func:`checkpoint.prune`, a warning per file naming the ranks that hold
 less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). A checkpoint K that reads back
 whole but is another model's or optimizer's (the configuration changed) is refused as a configuration error:
-exit status 2, which ends the run rather than spend the restart budget agreeing on it again. A rank that cannot
+exit status 2, which ends the run rather than spend the restart budget agreeing on it again; so is a checkpoint
+directory a rank may not list (permission denied, or a file where a directory must be), naming it. A rank that cannot
 write its checkpoint (a full disk) exits 1 at once naming the file, as a crash: the world restarts from the step
 every rank has (going on without it, the ranks' checkpoints would part ways until none had a step in common).
 Before its first
@@ -240,23 +241,28 @@ def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimize
     (:func:`checkpoint.prune`, naming the ranks that hold less): left in place, they would be taken for this
     world's; removed, one rank's damaged disk would cost every rank its progress. A checkpoint agreed on that
     does not fit ``model`` and ``optimizer`` (another model's: the configuration changed) raises
-    :class:`ConfigError` naming the file, before anything is moved: final, as a restart would refuse it again."""
+    :class:`ConfigError` naming the file, before anything is moved: final, as a restart would refuse it again. So
+    does a checkpoint directory this rank may not list (:class:`checkpoint.CheckpointDirUnusable`), naming it."""
     if not section.checkpoint_every:
         return 0
-    mine = checkpoint.latest_step(section.checkpoint_dir, rank)
-    agreement = agreed_step(section.checkpoint_dir, rank, mine)
-    step = agreement.step
-    if step:
-        try:
+    # Both refusals are final: a restarted world would meet them again, each time out of the restart budget.
+    try:
+        mine = checkpoint.latest_step(section.checkpoint_dir, rank)
+        agreement = agreed_step(section.checkpoint_dir, rank, mine)
+        step = agreement.step
+        if step:
             checkpoint.load(section.checkpoint_dir, rank, step, model, optimizer)
-        except checkpoint.CheckpointMismatch as exc:
-            # A checkpoint of another model or optimizer than those configured (one that cannot be read now, after
-            # it was checked for the agreement, is a crash: restarted). A restarted world would agree on it and refuse
-            # it again, each time out of the restart budget: a final exit, naming what to change.
-            raise ConfigError(f"{exc}: rl.policy and rl.optimizer are not those that wrote trainer.checkpoint_dir "
-                              f"{section.checkpoint_dir}; configure those, or another trainer.checkpoint_dir, or "
-                              "move its files aside") from None
-    checkpoint.prune(section.checkpoint_dir, rank, step, cause=agreement.cause())
+        checkpoint.prune(section.checkpoint_dir, rank, step, cause=agreement.cause())
+    except checkpoint.CheckpointMismatch as exc:
+        # A checkpoint of another model or optimizer than those configured (one that cannot be read now, after it
+        # was checked for the agreement, is a crash: restarted).
+        raise ConfigError(f"{exc}: rl.policy and rl.optimizer are not those that wrote trainer.checkpoint_dir "
+                          f"{section.checkpoint_dir}; configure those, or another trainer.checkpoint_dir, or "
+                          "move its files aside") from None
+    except checkpoint.CheckpointDirUnusable as exc:
+        raise ConfigError(f"{exc}: trainer.checkpoint_dir {section.checkpoint_dir} and its rank-<rank> directories "
+                          f"must be directories this rank's user (uid {os.getuid()}) may list, read and write; "
+                          "give it that access, or configure another trainer.checkpoint_dir") from None
     log.info("trainer.resumed" if step else "trainer.fresh_start", step=step, rank=rank, newest_here=mine,
              checkpoint_dir=section.checkpoint_dir)
     return step
