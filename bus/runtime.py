@@ -152,7 +152,8 @@ class RuntimeSettings:
 
 
 class BusUnavailable(RuntimeError):
-    """The broker could not be reached or did not complete the handshake in time."""
+    """The broker could not be reached, refused this node's ``hello`` (its registry full) or did not complete the
+    handshake in time: what may clear by itself (``refbus node`` says why in one line, exit status 1)."""
 
 
 ID_IN_USE = "id-in-use"
@@ -677,7 +678,8 @@ class NodeRuntime:
 
     def start_background(self) -> threading.Thread:
         """Start and loop in a daemon thread (for embedding in a framework's process); :meth:`stop` ends it
-        and :meth:`join` waits for the clean shutdown. Signal handling stays with the embedding process."""
+        and :meth:`join` waits for the clean shutdown. Signal handling stays with the embedding process. A start
+        that fails raises its error here once the node has closed (:attr:`closed`)."""
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -686,8 +688,8 @@ class NodeRuntime:
                 self.start()
             except BaseException as exc:
                 failure.append(exc)
-                ready.set()
                 self.close()
+                ready.set()
                 return
             ready.set()
             try:
@@ -1046,6 +1048,7 @@ class NodeRuntime:
         itself in ``_refill_pending`` until it is done: a join that fails after it (the probe not seen in time)
         leaves them set for the retry, which finds the same broker incarnation and so cannot tell again.
 
+        A ``hello`` the broker refuses (its registry full) is :class:`BusUnavailable`, naming the broker's reason.
         ``by`` (monotonic): a re-join from the loop, whose every step (hello, each refill page, the probe) ends by
         then, :class:`BusUnavailable` or :class:`RequestTimeout` otherwise. Without it (the first join, at
         start) the hello is sent every second for ``connect_timeout_s`` (the broker may still be starting), and
@@ -1061,6 +1064,9 @@ class NodeRuntime:
             reply = self._hello(token, hello_policy, waiting=by is None)
         except RequestTimeout as exc:
             raise BusUnavailable(f"no broker answered at {self.settings.bus}: {exc}") from None
+        except RemoteError as exc:  # the broker's reason says it all: no traceback to read it from
+            raise BusUnavailable(f"the broker at {self.settings.bus} refused node id {self.node_id!r}: "
+                                 f"[{exc.code}] {exc.detail}") from None
         welcome = reply.body
         assert isinstance(welcome, Welcome)
         if welcome.wire not in SPOKEN_MAJORS:

@@ -20,6 +20,7 @@ from polling import read_line, wait_for
 from ps_support import scrape
 from refbus.bus.sockets import make_socket
 from refbus.nodes.launch import NodeProcess, NodeStartError, start_bus
+from refbus.nodes.up import rendezvous
 from refbus.protocol.envelope import WireCodec
 from refbus.protocol.messages import Body, Bye, Error, Heartbeat, Hello, NodeInfo, NodeList, Nodes, Ok, Welcome
 
@@ -27,6 +28,7 @@ NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS's
 WAIT_S = 10 * NODE_TIMEOUT_S  # expiry: a liveness pass every node_timeout/4 after node_timeout, with room
 ANSWER_MS = 10_000
 MAX_NODES = 8
+START_S = 30.0  # a node process starting, imports (a trainer's torch) included
 FLOODER = Path(__file__).with_name("registry_flooder.py")
 
 
@@ -232,3 +234,30 @@ def test_a_probe_takes_no_place_registers_nothing_and_is_refused_garbage(small_b
     assert raw.poll(ANSWER_MS)
     refused = CODEC.decode(raw.recv_multipart()).body
     assert isinstance(refused, Error) and refused.code == "schema" and "probe" in refused.message, refused
+
+
+@pytest.mark.parametrize("role", ["env-server", "trainer"])
+def test_a_node_refused_at_start_for_a_full_registry_says_so_in_one_line_and_exits_1(
+        spawn, tmp_path: Path, role: str) -> None:
+    """A real node started against a real broker whose one place another node holds (``bus.max_nodes`` 1): before,
+    the refusal (``registry-full``) escaped as a traceback. Now its last words are one line naming the broker, the
+    code and the broker's reason, and it exits 1 as before (restartable: a place may free up). A trainer rank too,
+    whose start-up failure was taken for a peer's death seen by gloo: it waited for a verdict its closed node
+    could not give, until the exit watchdog ended it with status 0."""
+    bus, control = start_bus(tmp_path, extra=[*FAST_LIVENESS, "--bus-max-nodes", "1"])
+    try:
+        keeper(spawn, control, "filler")
+        own = {"env-server": ["--store-directory", str(tmp_path / "shm")],
+               "trainer": ["--trainer-rank", "0", "--trainer-world-size", "1",
+                           "--trainer-init-method", rendezvous(tmp_path, "refused", 0)]}[role]
+        # A shutdown timeout well within the trainer's wait for a peer's verdict (1.5 node timeouts of 5 s).
+        refused = spawn(["node", role, "--bus-control", control, "--node-id", "late", "--node-metrics-port", "-1",
+                         "--bus-node-timeout-s", "5", "--node-shutdown-timeout-s", "1", *own], "late")
+        assert refused.proc.wait(timeout=START_S) == 1, refused.log_tail()
+        said = refused.log_tail()
+        assert "Traceback" not in said, said
+        assert said.splitlines()[-1] == (
+            f"refbus: the broker at {control} refused node id 'late': [registry-full] the broker registers at most "
+            "1 nodes (bus.max_nodes), live or joining: 'late' is not registered"), said
+    finally:
+        assert bus.stop() == 0, bus.log_tail()
