@@ -626,6 +626,34 @@ def test_a_garbage_new_journal_left_behind_is_removed_with_a_log_and_the_journal
     assert state(second) == expected and not (restarted.store.path / "journal.new").exists()
 
 
+
+def _journal_of(records: list[dict[str, Any]]) -> tuple[bytes, list[int]]:
+    """A journal's bytes holding ``records``, committed, and where each record starts."""
+    data, starts = journal.header(), []
+    for record in records:
+        body, flag = journal.encode(record)
+        starts.append(len(data))
+        data += body + flag
+    return data, starts
+
+
+def test_a_record_length_garbled_mid_journal_is_damage_where_a_torn_last_record_is_not() -> None:
+    """A length that runs past the end of the file is a record cut by a crash only when it is the last: with a
+    committed record after it, it is damage, named, not a tail that would end the replay there silently (every
+    record after it dropped, the journal cut). A big last record cut short is still only a torn tail. The
+    record 1 here spans more than one window of the scan that tells the two apart."""
+    records = [{"op": "keep", "n": 0}, {"op": "keep", "n": 1, "blob": bytes(range(256)) * 6144}, {"op": "keep", "n": 2}]
+    data, starts = _journal_of(records)
+    garbled = bytearray(data)
+    garbled[starts[1] + 2] ^= 0x40  # record 1's length now runs 4 MiB past the end
+    found = journal.replay(bytes(garbled), "j")
+    length = int.from_bytes(garbled[starts[1] : starts[1] + 4], "little")
+    assert found.records == records[:1] and found.end == starts[1]
+    assert found.damaged == (f"garbage at byte {starts[1]}: record length {length} runs past the end, yet a "
+                             f"committed record follows at byte {starts[2]}")
+    torn = journal.replay(data[: starts[2] - 10], "j")
+    assert (torn.records, torn.damaged, torn.end) == (records[:1], "", starts[1])
+
 def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:
     held = open_store(tmp_path, node="env-0")  # held by this process: a live store
     open_store(tmp_path, node="env-1").close(remove=False)

@@ -9,7 +9,9 @@ A record is written in two system calls: length, checksum and payload, then the 
 between the two leaves an *uncommitted* record at the end; :func:`replay` hands it back apart (decoded
 when its bytes are whole) and the journal is cut before it, so the next append follows the last committed
 record. Bytes that do not parse as a record (a checksum that does not match, a length past the end) end
-the replay there: what follows is named in :attr:`Replay.damaged`, never applied.
+the replay there: what follows is named in :attr:`Replay.damaged`, never applied. A record whose length runs
+past the end of the file is a tail cut by a crash only when no committed record follows it: one that does is
+a length garbled in the middle, damage too.
 
 Pure file handling: no sockets, no threads; the store (:mod:`.durable`) owns the file descriptor.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from ...protocol.codec import checksum
 
@@ -32,6 +35,7 @@ _HEADER = struct.Struct("<8sII")
 _RECORD = struct.Struct("<IQ")
 COMMITTED = b"\x01"
 MAX_RECORD_BYTES = 64 << 20  # a length above this is garbage, not a record
+_SCAN_WINDOW = 1 << 20  # offsets sifted at once when telling a torn tail from a garbled length (~30 MiB of arrays)
 
 
 class FormatError(ValueError):
@@ -117,6 +121,10 @@ def replay(data: bytes, what: str) -> Replay:
         if length > MAX_RECORD_BYTES:
             return Replay(records, None, f"garbage at byte {offset}: record length {length}", offset)
         if stop > len(data):
+            follows = _committed_after(data, offset + 1)
+            if follows is not None:  # not a tail cut by a crash: a length garbled, the records after it hidden
+                return Replay(records, None, f"garbage at byte {offset}: record length {length} runs past the "
+                              f"end, yet a committed record follows at byte {follows}", offset)
             return Replay(records, None, "", offset)  # cut inside its payload: never committed
         payload = data[start:stop]
         if checksum(payload) != digest:
@@ -135,6 +143,32 @@ def replay(data: bytes, what: str) -> Replay:
         records.append(record)
         offset = stop + 1
     return Replay(records, None, "", offset)
+
+
+def _committed_after(data: bytes, start: int) -> int | None:
+    """The offset of the first whole committed record in ``data`` at or after ``start`` (a map's payload that its
+    checksum matches, then its commit flag), None when there is none. A record cut by a crash is the journal's
+    last: one whose length runs past the end with a committed record after it was garbled, and taking it for a
+    cut tail would drop every record after it. Candidates are sifted with numpy (their length fits, a flag byte
+    follows, the payload starts as a map) before any checksum, :data:`_SCAN_WINDOW` offsets at a time (memory
+    stays bounded whatever the tail's size): this runs once per open, on a journal's tail."""
+    end = len(data) - _RECORD.size - 1  # past the last offset a header and a flag fit after
+    raw = np.frombuffer(data, dtype=np.uint8)
+    for first in range(start, end, _SCAN_WINDOW):
+        size = min(_SCAN_WINDOW, end - first)
+        lengths = np.ndarray((size,), dtype="<u4", buffer=data, offset=first, strides=(1,)).astype(np.int64)
+        offsets = np.arange(first, first + size, dtype=np.int64)
+        stops = offsets + _RECORD.size + lengths
+        fits = (lengths > 0) & (stops < len(data))
+        offsets, stops = offsets[fits], stops[fits]
+        head = raw[offsets + _RECORD.size]
+        maps = ((head >= 0x80) & (head <= 0x8F)) | (head == 0xDE) | (head == 0xDF)  # fixmap, map16, map32
+        flagged = maps & (raw[stops] == COMMITTED[0])
+        for offset, stop in zip(offsets[flagged].tolist(), stops[flagged].tolist(), strict=True):
+            _, digest = _RECORD.unpack_from(data, offset)
+            if checksum(data[offset + _RECORD.size : stop]) == digest:
+                return offset
+    return None
 
 
 def _write_all(fd: int, data: bytes) -> None:
