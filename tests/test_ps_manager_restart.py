@@ -490,6 +490,59 @@ def test_a_torn_last_record_is_ignored_and_garbage_refuses_the_journal(cluster: 
         runtime.close()
 
 
+def _garble_a_length(path: Path) -> None:
+    """The first record's length made to run past the end of the journal (64 KiB more: a bit of its third byte
+    flipped): what follows it looks like a record cut by a crash, unless the committed records after it are seen."""
+    data = bytearray(path.read_bytes())
+    data[len(journal.header()) + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _journal_a_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _new_journal_a_directory(path: Path) -> None:
+    path.with_name("journal.new").mkdir()
+
+
+def test_a_journal_damaged_other_than_by_a_crash_refuses_the_start_naming_it(cluster: PsCluster, spawn,
+                                                                            tmp_path: Path) -> None:
+    """A record's length garbled in the middle of the journal (the records after it committed), a directory in
+    place of the journal or of a compaction's new journal: each time the restart exits 2 naming the file and
+    leaves the store as it found it; undamaged again, the journal serves every committed version."""
+    runtime, ps = _client(cluster, "trainer")
+    try:
+        digests = {v: ps.push(make_state(seed=v, tensors=3), v).digest for v in (0, 1)}
+        path = _journal_file(tmp_path)
+
+        def found() -> list[tuple[str, bool, bytes]]:
+            """The store's files (not its lock, which names the process that opened it last)."""
+            return sorted((p.name, p.is_dir(), p.read_bytes() if p.is_file() else b"") for p in path.parent.iterdir()
+                          if p.name != "lock")
+
+        for damage in (_garble_a_length, _journal_a_directory, _new_journal_a_directory):
+            _kill(cluster)
+            before = path.read_bytes()
+            damage(path)
+            damaged = found()
+            refused = spawn(["node", "ps-manager", "--node-id", "ps-manager", "--ps-manager", cluster.manager,
+                             *cluster.flags], f"ps-manager-refused-{damage.__name__}")
+            assert refused.proc.wait(30) == 2, refused.log_tail()
+            named = path.with_name("journal.new") if damage is _new_journal_a_directory else path
+            assert '"ps.journal_unusable"' in refused.log_tail() and f"{named}:" in refused.log_tail()
+            assert found() == damaged, damage.__name__
+            for made in (path, path.with_name("journal.new")):
+                if made.is_dir():
+                    made.rmdir()
+            path.write_bytes(before)
+            _restart(spawn, cluster, ps)
+            assert ps.status().retained == [0, 1]
+            assert {v: ps.pull(v, verify=True).digest for v in (0, 1)} == digests
+    finally:
+        runtime.close()
+
 def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path: Path) -> None:
     done = msgspec.to_builtins(DoneRank(1, 2, True, 0, "lease", "rank0", {"w0": "seg"}, [], "world-a"))
     for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],
@@ -633,3 +686,4 @@ def test_a_resuming_push_joins_a_pending_version_restored_from_the_journal_only_
     old = msgspec.to_builtins(done)
     del old["world_token"]
     assert msgspec.convert(old, DoneRank) == done  # the last one named no token
+

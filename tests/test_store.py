@@ -654,6 +654,30 @@ def test_a_record_length_garbled_mid_journal_is_damage_where_a_torn_last_record_
     torn = journal.replay(data[: starts[2] - 10], "j")
     assert (torn.records, torn.damaged, torn.end) == (records[:1], "", starts[1])
 
+@pytest.mark.parametrize(("name", "kind"), [("journal", "directory"), ("journal.new", "directory"),
+                                            ("id", "directory"), ("journal", "symlink")])
+def test_a_store_file_that_is_not_a_file_refuses_the_store_naming_it(tmp_path: Path, name: str, kind: str) -> None:
+    """A directory in place of the journal, of a compaction's new journal or of the id, or a symlink in place of
+    the journal: a StoreError names it and the store is left as found (before, an OSError: a crash its supervisor
+    restarted into again, or the store made again over its journal)."""
+    first, durable = keeper(), BlobJournal(open_store(tmp_path))
+    durable.readopt(first)
+    keep(durable, first, "ep-a", (1,))
+    durable.store.close(remove=False)
+    path = store_path(tmp_path, "run-a", "env-0")
+    target = path / name
+    if kind == "symlink":
+        target.rename(tmp_path / "elsewhere")
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        target.unlink(missing_ok=True)
+        target.mkdir()
+    found = sorted((p.name, p.is_symlink(), p.is_dir()) for p in path.iterdir())
+    with pytest.raises(StoreError, match=rf"^{re.escape(str(target))}: .*this store is refused, left as it is"):
+        open_store(tmp_path)
+    assert sorted((p.name, p.is_symlink(), p.is_dir()) for p in path.iterdir()) == found
+
+
 def test_cli_gc_removes_what_no_live_process_holds(tmp_path: Path) -> None:
     held = open_store(tmp_path, node="env-0")  # held by this process: a live store
     open_store(tmp_path, node="env-1").close(remove=False)

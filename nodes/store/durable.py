@@ -48,7 +48,7 @@ import shutil
 import stat
 import struct
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,14 +170,14 @@ class DurableStore:
         self._names = itertools.count(1)  # next() is atomic: writers on several threads never share a name
         self._verified: dict[str, Segment | str] = {}
         try:
-            made = _made(self.path)
+            with _own_files(self.path):
+                made = _made(self.path)
             self.fresh = made is None
             if made is None:
                 self.identity, self._fd = self._make()
                 self.replay = journal.Replay([], None, "", 0)
             else:
                 self.identity, data = made
-                _discard_compaction(self.path)
                 journal_path = self.path / "journal"
                 try:
                     self.replay = journal.replay(data, str(journal_path))
@@ -186,7 +186,9 @@ class DurableStore:
                 if strict and self.replay.damaged:  # refused before the cut below: the file stays as found
                     raise StoreError(f"{journal_path}: {self.replay.damaged}; this journal is refused whole, "
                                      f"left as it is: inspect or remove {self.path}")
-                self._fd = os.open(journal_path, os.O_RDWR | os.O_NOFOLLOW)
+                with _own_files(self.path):
+                    _discard_compaction(self.path)
+                    self._fd = os.open(journal_path, os.O_RDWR | os.O_NOFOLLOW)
                 os.ftruncate(self._fd, self.replay.end)
                 os.lseek(self._fd, self.replay.end, os.SEEK_SET)
         except BaseException:
@@ -406,6 +408,19 @@ def _lock(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def _own_files(path: Path) -> Iterator[None]:
+    """Turn an OSError on one of the store's own files at ``path`` into a :class:`StoreError` naming the file: one
+    that cannot be read or opened as a file of the store's (a directory or a symlink in its place, no permission)
+    refuses the store as found, never made again over it (that would drop every committed record) nor left to
+    fail as an error that a supervisor restarts into again."""
+    try:
+        yield
+    except OSError as exc:
+        raise StoreError(f"{exc.filename or path}: {exc.strerror}, where the store keeps a file of its own; this "
+                         f"store is refused, left as it is: inspect or remove {path}") from None
 
 
 def _made(path: Path) -> tuple[str, bytes] | None:
