@@ -149,11 +149,12 @@ def restart_worker(spawn: Callable[..., NodeProcess], cluster: PsCluster, name: 
     return new
 
 
-def restart_manager(spawn: Callable[..., NodeProcess], cluster: PsCluster) -> NodeProcess:
+def restart_manager(spawn: Callable[..., NodeProcess], cluster: PsCluster, **kwargs: Any) -> NodeProcess:
     """Start the ps-manager again under its node id, on the endpoint the first one bound (after the test killed
-    it); it replays its journal and serves once this returns (the workers register again on their own)."""
+    it); it replays its journal and serves once this returns (the workers register again on their own).
+    ``kwargs`` go to ``spawn`` (a launcher ``prefix``, an ``env``)."""
     new = spawn(["node", "ps-manager", "--node-id", "ps-manager", "--ps-manager", cluster.manager, *cluster.flags],
-                "ps-manager")
+                "ps-manager", **kwargs)
     cluster.manager_metrics = new.wait_ready()["metrics"]
     cluster.manager_proc = new
     return new

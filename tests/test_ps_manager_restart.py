@@ -15,16 +15,22 @@
 * After a consume's batch is journaled, its reply lost with the process: the request sent again (same id) to
   the restarted manager, and a new consume naming the batch's buffer, get the same batch, not
   ``out-of-order``; the run goes on with the next buffer.
-* A torn last journal record (a crash mid-append) is ignored; garbage or a record of another kind refuses the
-  journal, naming it, and leaves it as it was. Compacted, the journal replays the same state.
+* A torn last journal record (a crash mid-append) is ignored; garbage (a length garbled mid-journal included), a
+  directory in place of the journal or of a compaction's new journal, or a record of another kind refuses the
+  journal, naming it, exit 2, and leaves it as it was. Compacted, the journal replays the same state.
+* SIGKILLed inside its compactions (stopped there first: the new journal half or wholly written, not yet in
+  place) while real clients push, resume lineages and abort pushes: each restart serves exactly what was
+  committed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +50,7 @@ from ps_support import (
     start_cluster,
     stop_cluster_after_kills,
 )
-from refbus.bus.reqrep import RemoteError, RetryPolicy
+from refbus.bus.reqrep import RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.config import Config
@@ -103,8 +109,9 @@ class _PausedAfterGrant(PsClient):
         return session
 
 
-def _client(cluster: PsCluster, name: str, kind: type[PsClient] = PsClient) -> tuple[NodeRuntime, PsClient]:
-    settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=FAST_RETRY)
+def _client(cluster: PsCluster, name: str, kind: type[PsClient] = PsClient,
+            retry: RetryPolicy = FAST_RETRY) -> tuple[NodeRuntime, PsClient]:
+    settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=retry)
     runtime = NodeRuntime("ps-client", settings, register=False)
     return runtime, kind(runtime, cluster.manager)
 
@@ -687,3 +694,141 @@ def test_a_resuming_push_joins_a_pending_version_restored_from_the_journal_only_
     del old["world_token"]
     assert msgspec.convert(old, DoneRank) == done  # the last one named no token
 
+
+
+PAUSING_LAUNCHER = [sys.executable, str(Path(__file__).parent / "compaction_pausing_manager.py")]
+COMPACT_EVERY = 4  # the pausing manager's COMPACT_MIN_RECORDS: a compaction every dozen records or so
+RETAIN = 2  # the cluster's ps.retain_versions (its default)
+OP_TIMEOUT_S = 20 * NODE_TIMEOUT_S  # one step of the schedule, its retries across a restart included
+
+
+def _stopped(proc: NodeProcess) -> bool:
+    """Whether ``proc`` is stopped (by a SIGSTOP: state T in /proc)."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _registered(observer: PsClient) -> bool:
+    """Whether both workers registered with the manager; False when it does not answer (stopped meanwhile)."""
+    try:
+        return {w.worker for w in observer.status().workers} == WORKERS
+    except RequestTimeout:
+        return False
+
+
+def _restart_pausing(spawn, cluster: PsCluster, observer: PsClient, pause: str) -> NodeProcess:
+    """The manager started again by the pausing launcher: compactions frequent, and ``pause`` (``N:POINT``, or ""
+    for none) stops it inside one (see tests/compaction_pausing_manager.py); once both workers registered, or it
+    stopped already (the step in flight at the kill, retried, made records)."""
+    env = {"REFBUS_TEST_COMPACT_MIN_RECORDS": str(COMPACT_EVERY), "REFBUS_TEST_PAUSE_COMPACTION": pause}
+    new = restart_manager(spawn, cluster, prefix=PAUSING_LAUNCHER, env=env)
+    wait_for(lambda: _stopped(new.proc) or _registered(observer), 10 * NODE_TIMEOUT_S,
+             "both workers to register with the restarted manager")
+    return new
+
+
+class _Pushes:
+    """A seeded schedule of steps by real clients, and the versions they committed: a push of the next version, a
+    trainer world resuming at the latest version (a new lineage pushes it again), or a world-2 push whose rank 0 is
+    done and whose rank 1 aborts it. Each step is followed by :meth:`check`; run again after it raised (its
+    retries gave up while the manager was away), a step that ended is not repeated, one that did not starts over
+    and ends the same way."""
+
+    def __init__(self, rng: random.Random, rank0: PsClient, rank1: PsClient) -> None:
+        self.rng, self.rank0, self.rank1 = rng, rank0, rank1
+        self.committed: dict[int, str] = {}  # version -> digest of what the clients saw committed
+        self.steps = 0
+
+    def next(self) -> Callable[[], None]:
+        """The schedule's next step and check."""
+        step, ended = self._step(), False
+
+        def run() -> None:
+            nonlocal ended
+            if not ended:
+                step()
+                ended = True
+            self.check()
+
+        return run
+
+    def _step(self) -> Callable[[], None]:
+        self.steps += 1
+        latest, seed = max(self.committed, default=-1), self.steps
+        kind = self.rng.choice(["push", "push", "lineage", "aborted"] if latest >= 0 else ["push"])
+        if kind == "push":
+            return lambda: self._commit(latest + 1, self.rank0.push(make_state(seed, tensors=3), latest + 1))
+        if kind == "lineage":
+            return lambda: self._commit(latest, self.rank0.push(make_state(seed, tensors=3), latest, resumes=True,
+                                                                world_token=f"world-{seed}"))
+        return lambda: self._aborted(latest + 1, make_state(seed, tensors=4))
+
+    def _commit(self, version: int, result: PushResult) -> None:
+        assert result.committed
+        self.committed = {v: d for v, d in self.committed.items() if v < version} | {version: result.digest}
+
+    def _aborted(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        assert not self.rank0.push(rank_part(state, 0, 2), version, rank=0, world=2).committed
+        self.rank1.begin_push(rank_part(state, 1, 2), version, rank=1, world=2).abort()
+
+    def check(self) -> None:
+        """The manager serves exactly what was committed: the last versions retained, their bytes verified and
+        their digests the committed ones, nothing pending (an aborted push's done rank is not), the trainer
+        version at the latest."""
+        expected = sorted(self.committed)[-RETAIN:]
+        status = self.rank0.status()
+        assert (status.retained, status.pending, status.trainer_version) == (expected, [], expected[-1]), status
+        for version in expected:
+            assert self.rank0.pull(version, verify=True).digest == self.committed[version]
+
+
+def test_a_manager_sigkilled_inside_its_journal_compactions_recovers_what_was_committed(
+        cluster: PsCluster, spawn, tmp_path: Path) -> None:
+    """Real clients push, resume lineages and abort pushes (a seeded schedule) against a manager whose journal is
+    compacted every dozen records. Three times it stops itself (SIGSTOP) inside its 1st or 2nd compaction, between
+    a record's bytes and its flag in the new journal or with the new journal whole but not yet renamed over the
+    old one, is SIGKILLed there and restarted on the same journal; the step in flight goes on against the new
+    process. After every step the state is exactly what was committed: versions retained with their bytes, the
+    lineage's versions, no aborted push's done rank pending, the trainer version."""
+    rng = random.Random(7)
+    pauses = iter([*(f"{rng.randint(1, 2)}:{rng.choice(['rename', 'flag:1', 'flag:3'])}" for _ in range(3)), ""])
+    runtime, ps = _client(cluster, "rank0")
+    runtime1, ps1 = _client(cluster, "rank1")
+    # The test's own client (the steps' run on the pool's thread): one short try, the manager may be stopped.
+    observing, observer = _client(cluster, "observer", retry=RetryPolicy(timeout_s=NODE_TIMEOUT_S / 2, attempts=1))
+    schedule = _Pushes(rng, ps, ps1)
+    new_journal = _journal_file(tmp_path).with_name("journal.new")
+    pool = ThreadPoolExecutor(1)
+    try:
+        _kill(cluster)  # the cluster's first manager, before any push: its journal holds nothing
+        pause = next(pauses)
+        manager, running, kills, rerun = _restart_pausing(spawn, cluster, observer, pause), None, 0, False
+        while pause or running is not None:  # a compaction is due every dozen records: each pause comes soon
+            assert schedule.steps < 200, f"the manager never paused inside a compaction ({pause})"
+            if running is None:
+                step = schedule.next()
+                running = pool.submit(step)
+            wait_for(lambda: running.done() or _stopped(manager.proc), OP_TIMEOUT_S,  # noqa: B023
+                     f"a step to end or the manager to stop inside a compaction ({pause})")
+            if _stopped(manager.proc):
+                assert new_journal.exists(), pause  # inside the compaction's window
+                _kill(cluster)
+                kills += 1
+                pause = next(pauses)
+                manager = _restart_pausing(spawn, cluster, observer, pause)
+                rerun = True
+            elif running.exception() is not None and rerun:  # its retries gave up while the manager was away
+                running, rerun = pool.submit(step), False
+            else:
+                running.result()  # a failure of the step or of its check, with no kill to blame
+                running = None
+        # Each restart found the compaction cut short (its new journal) and discarded it: the old journal stood.
+        assert manager.log_path.read_text().count('"store.compaction_discarded"') == kills == 3
+    finally:
+        pool.shutdown(wait=True)
+        runtime.close()
+        runtime1.close()
+        observing.close()
