@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", metavar="DIR", help="run directory (logs, config, ready files, trainer checkpoints "
                     "in checkpoints/<store.run>; kept, and may be given again: a new run resumes nothing of an "
                     "earlier one unless given its store.run; one launcher at a time: a run directory another refbus "
-                    "up is using is refused, exit 2); default: a temporary one, removed at the end unless "
-                    "--keep-logs")
+                    "up is using is refused, exit 2, and one whose launcher was killed is taken once that "
+                    "launcher's nodes are gone); default: a temporary one, removed at the end unless --keep-logs")
     up.add_argument("--chaos", type=_positive_seconds, default=0.0, metavar="SECONDS",
                     help="every SECONDS, kill (SIGKILL) a random running env server, rollout worker, ps-worker, "
                     "the ps-manager, the orchestrator or, when world restarts are on (up.checkpoint_every > 0, "

@@ -71,6 +71,7 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         stdout: int | IO[Any] | None = None,
         prefix: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="refbus-"))
         self.info: dict[str, Any] = {}  # the registry entry, once wait_ready() returned it
@@ -80,7 +81,8 @@ class NodeProcess:
         # Appended: a node restarted under the same name keeps its earlier incarnations' logs.
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         # ``prefix`` runs the node through a launcher that execs it (e.g. one that enters a namespace), so
-        # the pid, the signals and the parent-death signal are still the node's own.
+        # the pid, the signals and the parent-death signal are still the node's own. ``pass_fds`` stay open in
+        # the node (the launcher's run-directory lock: held for as long as any process of the run lives).
         self.ready_file.unlink(missing_ok=True)  # an earlier incarnation's, left by a kill: not this one's
         argv = [*prefix, sys.executable, "-m", "refbus.nodes.cli", *command, "--ready-file", str(self.ready_file)]
         # Own session: a terminal's Ctrl-C reaches the launcher only, which stops its nodes in order.
@@ -95,6 +97,7 @@ class NodeProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
             preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
 

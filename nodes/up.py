@@ -53,7 +53,7 @@ import threading
 import time
 from array import array
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -84,7 +84,8 @@ MANAGER_ROLE = "ps-manager"  # the only role whose ``version-bump`` the summary 
 # ps-manager, at most: past it the oldest is dropped (a genuine one comes after its sender's node-up but for
 # the rare reordering of two publishers; a flood from unknown senders costs no more).
 UNCONFIRMED_BUMPS_MAX = 256
-RUN_DIR_LOCK = "up.lock"  # in the run directory: held by the launcher using it (:func:`hold_run_dir`)
+RUN_DIR_LOCK = "up.lock"  # in the run directory: held by the launcher using it and its nodes (:func:`hold_run_dir`)
+RUN_DIR_POLL_S = 0.05  # how often a launcher looks whether a killed launcher's nodes have let the run directory go
 
 
 def _doubles() -> array[float]:
@@ -226,9 +227,11 @@ class RunRecord:
 class LocalCluster:
     """The processes of one local cluster, started in dependency order and stopped in reverse."""
 
-    def __init__(self, config: Config, workdir: Path, *, cancelled: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, config: Config, workdir: Path, *, cancelled: Callable[[], bool] = lambda: False,
+                 inherit: Sequence[int] = ()) -> None:
         self.config = config
         self.cancelled = cancelled
+        self.inherit = tuple(inherit)  # file descriptors every node keeps open: the run directory's lock
         self.workdir = workdir
         self.config_file = workdir / "cluster.toml"
         self._write_config()
@@ -288,7 +291,7 @@ class LocalCluster:
 
     def _spawn(self, name: str) -> NodeProcess:
         return NodeProcess([*self._commands[name], "--config", str(self.config_file), "--node-id", name],
-                           workdir=self.workdir, name=name)
+                           workdir=self.workdir, name=name, pass_fds=self.inherit)
 
     def wait_ready(self, node: NodeProcess, timeout: float) -> None:
         """Wait for ``node`` to be ready (start-up only: nothing is restarted yet); :class:`NodeStartError` as soon
@@ -347,7 +350,8 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
     failed to start), 130 when interrupted; :class:`ConfigError` before anything starts for outputs the run
     could not write (:func:`check_outputs`). A temporary run directory (no ``--run-dir``) is removed at the end
     whatever happened, unless ``--keep-logs`` (then its path is printed): it holds the secret. A run directory
-    another launcher uses is a :class:`ConfigError` too (:func:`hold_run_dir`)."""
+    another launcher uses is a :class:`ConfigError` too (:func:`hold_run_dir`); one whose launcher was killed is
+    taken once that launcher's nodes are gone (at most twice node.shutdown_timeout_s)."""
     check_outputs(args)
     workdir = Path(args.run_dir).absolute() if args.run_dir else Path(tempfile.mkdtemp(prefix="refbus-up-"))
     try:
@@ -355,8 +359,8 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
             workdir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file of that name, a parent that is one, no permission
             raise ConfigError(f"--run-dir {workdir}: cannot be made a directory: {exc}") from None
-        with hold_run_dir(workdir):
-            return _run(config, args, workdir)
+        with hold_run_dir(workdir, config.node.shutdown_timeout_s * STOP_GRACE_FACTOR) as lock:
+            return _run(config, args, workdir, lock)
     finally:
         if not args.run_dir and args.keep_logs:  # a given run directory is kept (and may be given again)
             print(f"refbus up: run directory kept: {workdir}", flush=True)
@@ -365,39 +369,73 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def hold_run_dir(workdir: Path) -> Iterator[None]:
+def hold_run_dir(workdir: Path, orphans_s: float = 0.0) -> Iterator[int]:
     """Hold the run directory ``workdir`` for this launcher while the block runs: an exclusive ``flock`` on its
-    :data:`RUN_DIR_LOCK`, which names the launcher's pid. :class:`ConfigError` (before anything is written
-    there) when another launcher holds it, naming that one's pid, or when the lock file cannot be used. Two
-    launchers on one run directory would each rewrite ``cluster.toml``, which the other's restarted nodes read
-    (another run id, so a durable store restarts empty, and another broker), and remove each other's ready
-    files. The kernel drops the lock with its process however that ends, so a run directory whose launcher
-    was killed is free at once (its pid left in the file means nothing)."""
+    :data:`RUN_DIR_LOCK`, which names the launcher's pid; yields the lock's file descriptor, for every node the
+    launcher starts to inherit (:class:`LocalCluster`): the kernel drops the lock once the last process holding it
+    is gone, so a killed launcher's run directory stays held until its nodes, which outlive it by up to
+    node.shutdown_timeout_s (their parent-death signal's shutdown) still binding its ports and serving its stores,
+    are gone too. A lock held although the launcher it names is gone is such nodes': waited for, at most
+    ``orphans_s``. :class:`ConfigError` (before anything is written there) when a live launcher holds it, naming
+    that one's pid, when a dead one's nodes still hold it after ``orphans_s``, or when the lock file cannot be
+    used. Two launchers on one run directory would each rewrite ``cluster.toml``, which the other's restarted
+    nodes read (another run id, so a durable store restarts empty, and another broker), and remove each other's
+    ready files; a launcher started while a killed one's nodes still exit would fail to start its own on the
+    addresses and stores they hold."""
     path = workdir / RUN_DIR_LOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:  # a symlink (ELOOP), a directory, no permission
         raise ConfigError(f"--run-dir {workdir}: cannot use its lock file {path}: {exc}") from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            raise ConfigError(f"--run-dir {workdir} is in use by another refbus up (pid "
-                              f"{holder if holder.isdigit() else '?'}): one launcher per run directory; wait "
-                              "for it to end, or give another --run-dir") from None
+        _lock_run_dir(fd, workdir, orphans_s)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        yield fd
     finally:
         os.close(fd)
 
 
-def _run(config: Config, args: argparse.Namespace, workdir: Path) -> int:
+def _lock_run_dir(fd: int, workdir: Path, orphans_s: float) -> None:
+    """Take the run directory's lock ``fd`` (:func:`hold_run_dir`): at once, or once the nodes of a launcher that
+    is gone let it go, within ``orphans_s``; :class:`ConfigError` otherwise."""
+    deadline = time.monotonic() + orphans_s
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if not holder.isdigit() or _running(int(holder)):
+            raise ConfigError(f"--run-dir {workdir} is in use by another refbus up (pid "
+                              f"{holder if holder.isdigit() else '?'}): one launcher per run directory; wait "
+                              "for it to end, or give another --run-dir")
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"--run-dir {workdir} is still held by nodes of a refbus up that is gone (pid "
+                              f"{holder}) after {orphans_s:g} s: find them with `pgrep -af {workdir}` and stop "
+                              "them, or give another --run-dir")
+        if not waiting:
+            waiting = True
+            print(f"refbus up: nodes of an earlier refbus up (pid {holder}, gone) still hold --run-dir {workdir}; "
+                  f"waiting for them to exit (at most {orphans_s:g} s)", flush=True)
+        time.sleep(RUN_DIR_POLL_S)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> int:
     up = config.up
     config = _cluster_config(config, workdir)
     stop = _StopFlag()
-    cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested)
+    cluster = LocalCluster(config, workdir, cancelled=lambda: stop.requested, inherit=(lock,))
     record = RunRecord(ledger=Ledger(max_count=config.limits.max_items))
     # The watcher's loop runs in its own thread (heartbeats go on while this thread starts processes);
     # registry queries and the stores' counters use a second, non-registering runtime owned by this thread.

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_LIVENESS
 from polling import read_line, wait_for
+from refbus.nodes import up as up_module
 from refbus.nodes.config import ConfigError
 from refbus.nodes.entry_points import UserCodeFailed, load_entry_point
 from refbus.nodes.halting import HALTED_PREFIX, HALTED_STATUS
@@ -32,7 +33,7 @@ from refbus.nodes.launch import NodeProcess
 from refbus.nodes.store.durable import PREFIX as STORE_PREFIX
 from refbus.nodes.supervisor import MAX_BACKOFF_FACTOR, Chaos, Liveness, Supervisor, Watched, describe_exit, kill_hung
 from stalling_entry_points import STALL_ENV, STALL_UNTIL_ENV
-from test_up import RUN_S, START_S, STOP_S, TESTS, Up, check_accounted, log_events
+from test_up import RUN_S, START_S, STOP_S, TESTS, Up, _failing_start, _up_elsewhere, check_accounted, log_events
 
 SHUTDOWN_S = 1.2
 # A fetch or delete against a killed store gives up within this schedule (1 + 1.5 + 2.25 s), not the default
@@ -297,6 +298,48 @@ def test_launcher_killed_leaves_no_process_of_its_run(tmp_path: Path) -> None:
         wait_for(lambda: not live(nodes), 4 * SHUTDOWN_S, f"no process of the run left (of {sorted(nodes)})")
         print(f"launcher SIGKILLed: every node gone after {time.monotonic() - killed:.2f}s")
     finally:
+        up.close()
+
+
+def test_a_relaunch_on_the_run_directory_of_a_killed_launcher_waits_until_its_nodes_are_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the kernel freed the run directory with the killed launcher while its nodes, in the shutdown their
+    parent-death signal starts, still bound its ports and served its stores: the same command started again at
+    once failed to start its ps-manager (address in use). Every node now holds the run directory's lock too: a
+    relaunch waits for them, bounded, and takes the directory once they are all gone. The old ps-manager is
+    stopped (SIGSTOP) so that it outlives the launcher as long as the test needs; the launcher is left unreaped
+    (a zombie is gone too)."""
+    monkeypatch.setattr(up_module.LocalCluster, "start", _failing_start)  # the relaunches start nothing
+    up = Up(tmp_path, 200, *QUICK)
+    manager = 0
+    try:
+        ready = up.run_dir / "ps-manager.ready.json"
+        wait_for(lambda: up.alive() and ready.exists(), START_S, "the ps-manager of refbus up ready")
+        manager = up.note_pids()["ps-manager"]
+        os.kill(manager, signal.SIGSTOP)
+        up.proc.kill()
+        wait_for(lambda: not live({up.proc.pid}), STOP_S, "the launcher dead")
+        nodes = {pid for pid, _ in up.leftovers()}
+        assert manager in nodes
+
+        assert _up_elsewhere(up.run_dir, "--node-shutdown-timeout-s", str(SHUTDOWN_S)) == 2
+        assert f"still held by nodes of a refbus up that is gone (pid {up.proc.pid})" in capsys.readouterr().err
+
+        alive_at_start: list[set[int]] = []
+
+        def failing_start(cluster: up_module.LocalCluster, name: str, *command: str, wait: bool = True) -> NodeProcess:
+            alive_at_start.append(live(nodes))  # the old run's nodes still running once the lock was taken
+            return _failing_start(cluster, name)
+
+        monkeypatch.setattr(up_module.LocalCluster, "start", failing_start)
+        os.kill(manager, signal.SIGCONT)  # its pending parent-death signal stops it now
+        assert _up_elsewhere(up.run_dir, "--node-shutdown-timeout-s", str(4 * SHUTDOWN_S)) == 1  # taken, then failed
+        assert alive_at_start == [set()]
+        assert f"nodes of an earlier refbus up (pid {up.proc.pid}, gone) still hold" in capsys.readouterr().out
+    finally:
+        if manager:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(manager, signal.SIGCONT)
         up.close()
 
 

@@ -522,9 +522,10 @@ def test_a_run_dir_that_names_a_file_is_a_config_error(tmp_path: Path, monkeypat
         assert _command(load_config(args), args) == 2
 
 
-def _up_elsewhere(run_dir: Path) -> int:
-    """A second ``refbus up`` given ``run_dir``, in this process, whose nodes would fail to start (none starts)."""
-    args = build_parser().parse_args(["up", *EPHEMERAL_PORTS, "--run-dir", str(run_dir)])
+def _up_elsewhere(run_dir: Path, *flags: str) -> int:
+    """A second ``refbus up`` given ``run_dir`` (and ``flags``), in this process, whose nodes would fail to start
+    (none starts)."""
+    args = build_parser().parse_args(["up", *EPHEMERAL_PORTS, "--run-dir", str(run_dir), *flags])
     return _command(load_config(args), args)
 
 
