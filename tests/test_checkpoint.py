@@ -453,22 +453,36 @@ def _without_file_permission_override() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-@pytest.mark.parametrize("unusable", ["rank directory of mode 000", "file as the checkpoint directory"])
-def test_a_checkpoint_directory_the_rank_may_not_list_ends_it_as_a_configuration_not_restarted_into(
+@pytest.mark.parametrize("unusable", ["rank directory of mode 000", "file as the checkpoint directory",
+                                      "rank directory of mode 500", "checkpoint directory of mode 500"])
+def test_a_checkpoint_directory_the_rank_may_not_list_or_write_in_ends_it_as_a_configuration_not_restarted_into(
         tmp_path: Path, silent_endpoint: str, unusable: str) -> None:
     """A real trainer rank whose rank directory it may not list (mode 000; a root test runs the rank without the
     capabilities that let root list any directory) or whose checkpoint directory is a file: before, a bare
     PermissionError (or, for the file, a NotADirectoryError at its first write) ended it with status 1, which
-    its supervisor restarted into the same error for the whole restart budget. Now it exits 2 (final) before
-    it joins the bus, its last words one line naming the path and what to do, and no traceback."""
+    its supervisor restarted into the same error for the whole restart budget. So did one it may list but not
+    write in (mode 500, another user's directory; or the checkpoint directory so, its rank directory not made
+    yet), only once it had trained up to its first checkpoint, each restart training those steps again. Now it
+    exits 2 (final) before it joins the bus, its last words one line naming the path and what to do, and no
+    traceback."""
     directory = tmp_path / "checkpoints"
+    locked = checkpoint.rank_dir(directory, 0)
     if unusable == "file as the checkpoint directory":
         directory.write_bytes(b"not a directory")
-        named = f"{directory}/rank-0: cannot list the checkpoints in it (Not a directory)"
+        named = f"{locked}: cannot list the checkpoints in it (Not a directory)"
+    elif unusable == "rank directory of mode 000":
+        locked.mkdir(parents=True)
+        locked.chmod(0)
+        named = f"{locked}: cannot list the checkpoints in it (Permission denied)"
+    elif unusable == "rank directory of mode 500":
+        locked.mkdir(parents=True)
+        locked.chmod(0o500)
+        named = f"{locked}: cannot write checkpoints in it (Permission denied)"
     else:
-        checkpoint.rank_dir(directory, 0).mkdir(parents=True)
-        checkpoint.rank_dir(directory, 0).chmod(0)
-        named = f"{directory}/rank-0: cannot list the checkpoints in it (Permission denied)"
+        directory.mkdir()
+        locked = directory
+        locked.chmod(0o500)
+        named = f"{checkpoint.rank_dir(directory, 0)}: cannot write checkpoints in it (Permission denied)"
     try:
         # The bus never answers: a rank that went on past its resume would wait for it, not exit 2.
         result = subprocess.run(
@@ -479,8 +493,8 @@ def test_a_checkpoint_directory_the_rank_may_not_list_ends_it_as_a_configuration
             capture_output=True, text=True, timeout=WAIT_S,
             preexec_fn=_without_file_permission_override if os.geteuid() == 0 else None)
     finally:
-        if directory.is_dir():
-            checkpoint.rank_dir(directory, 0).chmod(0o700)
+        if locked.is_dir():
+            locked.chmod(0o700)
     assert result.returncode == CONFIG_STATUS, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     said = result.stderr.splitlines()[-1]

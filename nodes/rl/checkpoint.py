@@ -10,7 +10,8 @@ Writes are atomic: the file is written under a temporary name in the same direct
 place and the directory fsynced. A process killed mid-write leaves at most a temporary file (ignored, and
 removed by the next write) and the previous checkpoint intact. :func:`latest_step` trusts no file name: it
 opens each candidate, newest first, and skips (with a warning naming it) one it cannot read; a directory it
-cannot list (permission denied, a file in its place) is :class:`CheckpointDirUnusable`, which no retry clears.
+cannot list (permission denied, a file in its place), or one it may not write in (:func:`check_writable`), is
+:class:`CheckpointDirUnusable`, which no retry clears.
 
 Files: ``<dir>/rank-<rank>/step-<K>.safetensors``. Each write of step ``K`` keeps the newest :data:`KEEP`
 of its rank at or below ``K`` and moves every file above ``K`` aside: those belong to a superseded lineage
@@ -28,10 +29,12 @@ lineages, :func:`latest_step` with ``at_most`` lets them agree on an older step 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,9 +64,9 @@ class CheckpointMismatch(CheckpointError):
 
 
 class CheckpointDirUnusable(CheckpointError):
-    """A checkpoint directory (the one configured, or a rank's in it) that this process may not list, or a file
-    standing where it or a directory above it must be: it stays so until someone changes it (no restart clears
-    it), unlike a disk that fails a write."""
+    """A checkpoint directory (the one configured, or a rank's in it) that this process may not list or make a file
+    in, or a file standing where it or a directory above it must be: it stays so until someone changes it (no
+    restart clears it), unlike a disk that fails a write."""
 
 
 def rank_dir(directory: Path | str, rank: int) -> Path:
@@ -156,6 +159,26 @@ def _remove_caught_up(superseded: Path, rank: int, newest: int) -> None:
                         cause=f"rank {rank} holds step {newest} of the lineage training now")
         if not any(aside.iterdir()):
             aside.rmdir()
+
+
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+"""Why a directory takes no file, until someone changes it."""
+
+
+def check_writable(directory: Path | str, rank: int) -> None:
+    """Make rank ``rank``'s checkpoint directory where it is missing, and check that this process may make a file
+    in it: :class:`CheckpointDirUnusable` naming it where it may not (permission denied, a read-only filesystem, a
+    file in the way). Found at the start: at the first write, a step's training later, it would be a write that
+    failed, a crash each restart trains up to again."""
+    folder = rank_dir(directory, rank)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # what a write makes first; unnamed, or removed on close
+            pass
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:  # one a restart may clear (a full disk): left to the write to report
+            return
+        raise CheckpointDirUnusable(f"{folder}: cannot write checkpoints in it ({exc.strerror})") from None
 
 
 def latest_step(directory: Path | str, rank: int, at_most: int | None = None) -> int:

@@ -20,10 +20,10 @@ which would outrank this world's: :func:`checkpoint.prune`, a warning per file n
 less) and trains K, K+1, ... (K = 0 with no checkpoint: the initial weights). A checkpoint K that reads back
 whole but is another model's or optimizer's (the configuration changed) is refused as a configuration error:
 exit status 2, which ends the run rather than spend the restart budget agreeing on it again; so is a checkpoint
-directory a rank may not list (permission denied, or a file where a directory must be), naming it. A rank that cannot
-write its checkpoint (a full disk) exits 1 at once naming the file, as a crash: the world restarts from the step
-every rank has (going on without it, the ranks' checkpoints would part ways until none had a step in common).
-Before its first
+directory a rank may not list or write in (permission denied, a read-only filesystem, or a file where a directory
+must be), naming it. A rank that cannot write its checkpoint (a full disk) exits 1 at once naming the file, as a
+crash: the world restarts from the step every rank has (going on without it, the ranks' checkpoints would part
+ways until none had a step in common). Before its first
 step, every rank pushes its starting weights as version K declaring that it resumes (``resumes``), so the
 parameter server starts a new lineage there (a dead world's versions above K are retired) and rollout workers
 have something to serve. Its heartbeat status reports ``step`` K at once, for the orchestrator to continue
@@ -244,12 +244,14 @@ def resume(section: TrainerSettings, rank: int, model: torch.nn.Module, optimize
     world's; removed, one rank's damaged disk would cost every rank its progress. A checkpoint agreed on that
     does not fit ``model`` and ``optimizer`` (another model's: the configuration changed) raises
     :class:`ConfigError` naming the file, before anything is moved: final, as a restart would refuse it again. So
-    does a checkpoint directory this rank may not list (:class:`checkpoint.CheckpointDirUnusable`), naming it."""
+    does a checkpoint directory this rank may not list or write in (:class:`checkpoint.CheckpointDirUnusable`),
+    naming it."""
     if not section.checkpoint_every:
         return 0
     # Both refusals are final: a restarted world would meet them again, each time out of the restart budget.
     try:
         mine = checkpoint.latest_step(section.checkpoint_dir, rank)
+        checkpoint.check_writable(section.checkpoint_dir, rank)  # before any collective: a peer waits on none
         agreement = agreed_step(section.checkpoint_dir, rank, mine)
         step = agreement.step
         if step:
