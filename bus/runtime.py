@@ -688,8 +688,10 @@ class NodeRuntime:
                 self.start()
             except BaseException as exc:
                 failure.append(exc)
-                self.close()
-                ready.set()
+                try:
+                    self.close()
+                finally:  # a close that raised must not leave the caller waiting for good
+                    ready.set()
                 return
             ready.set()
             try:

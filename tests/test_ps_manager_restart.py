@@ -550,6 +550,7 @@ def test_a_journal_damaged_other_than_by_a_crash_refuses_the_start_naming_it(clu
     finally:
         runtime.close()
 
+
 def test_a_journal_record_of_another_kind_or_shape_refuses_the_journal(tmp_path: Path) -> None:
     done = msgspec.to_builtins(DoneRank(1, 2, True, 0, "lease", "rank0", {"w0": "seg"}, [], "world-a"))
     for bad in ({"op": "retire", "version": 1}, {"op": "commit", "manifest": {"version": "x"}, "shards": [],

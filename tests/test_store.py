@@ -626,7 +626,6 @@ def test_a_garbage_new_journal_left_behind_is_removed_with_a_log_and_the_journal
     assert state(second) == expected and not (restarted.store.path / "journal.new").exists()
 
 
-
 def _journal_of(records: list[dict[str, Any]]) -> tuple[bytes, list[int]]:
     """A journal's bytes holding ``records``, committed, and where each record starts."""
     data, starts = journal.header(), []
@@ -653,6 +652,7 @@ def test_a_record_length_garbled_mid_journal_is_damage_where_a_torn_last_record_
                              f"committed record follows at byte {starts[2]}")
     torn = journal.replay(data[: starts[2] - 10], "j")
     assert (torn.records, torn.damaged, torn.end) == (records[:1], "", starts[1])
+
 
 @pytest.mark.parametrize(("name", "kind"), [("journal", "directory"), ("journal.new", "directory"),
                                             ("id", "directory"), ("journal", "symlink")])
@@ -1088,7 +1088,6 @@ def test_a_hand_over_the_orchestrator_repeats_for_a_dead_rank_is_reclaimed_with_
     stats = env.stats()
     assert (stats.reclaimed, stats.held_by) == ({"trainer-0": 1}, {"trainer-0": 1}), stats
     assert env.keeper.fetch(new_step, "trainer-0").arrays.keys() == set(new_step)
-
 
 
 def test_a_hand_over_naming_a_process_no_registry_answer_has_shown_is_never_taken_for_gone(
