@@ -454,7 +454,8 @@ def _without_file_permission_override() -> None:
 
 
 @pytest.mark.parametrize("unusable", ["rank directory of mode 000", "file as the checkpoint directory",
-                                      "rank directory of mode 500", "checkpoint directory of mode 500"])
+                                      "rank directory of mode 500", "checkpoint directory of mode 500",
+                                      "superseded folder of mode 000"])
 def test_a_checkpoint_directory_the_rank_may_not_list_or_write_in_ends_it_as_a_configuration_not_restarted_into(
         tmp_path: Path, silent_endpoint: str, unusable: str) -> None:
     """A real trainer rank whose rank directory it may not list (mode 000; a root test runs the rank without the
@@ -462,7 +463,8 @@ def test_a_checkpoint_directory_the_rank_may_not_list_or_write_in_ends_it_as_a_c
     PermissionError (or, for the file, a NotADirectoryError at its first write) ended it with status 1, which
     its supervisor restarted into the same error for the whole restart budget. So did one it may list but not
     write in (mode 500, another user's directory; or the checkpoint directory so, its rank directory not made
-    yet), only once it had trained up to its first checkpoint, each restart training those steps again. Now it
+    yet), only once it had trained up to its first checkpoint, each restart training those steps again; and one
+    whose folder of checkpoints set aside it may not list, at every resume. Now it
     exits 2 (final) before it joins the bus, its last words one line naming the path and what to do, and no
     traceback."""
     directory = tmp_path / "checkpoints"
@@ -478,6 +480,11 @@ def test_a_checkpoint_directory_the_rank_may_not_list_or_write_in_ends_it_as_a_c
         locked.mkdir(parents=True)
         locked.chmod(0o500)
         named = f"{locked}: cannot write checkpoints in it (Permission denied)"
+    elif unusable == "superseded folder of mode 000":  # what prune lists at every resume
+        locked = checkpoint.rank_dir(directory, 0) / checkpoint.SUPERSEDED
+        locked.mkdir(parents=True)
+        locked.chmod(0)
+        named = f"{locked}: cannot list the checkpoints in it (Permission denied)"
     else:
         directory.mkdir()
         locked = directory

@@ -146,19 +146,21 @@ def prune(directory: Path | str, rank: int, newest: int, *, cause: str) -> list[
 def _remove_caught_up(superseded: Path, rank: int, newest: int) -> None:
     """Remove the checkpoints in ``superseded``'s folders at or below step ``newest``, and the folders they leave
     empty: the rank holds ``newest`` of the lineage training now, so each was passed (one copy of each step aside
-    at most, whatever the restarts)."""
-    if not superseded.is_dir():
-        return
-    for aside in superseded.iterdir():
+    at most, whatever the restarts). :class:`CheckpointDirUnusable` where this process may not list or remove them."""
+    for aside in _listing(superseded):
         if not aside.is_dir():  # not a folder prune made: the operator's, left as it is
             continue
-        for step in [step for step in _steps(aside) if step <= newest]:
-            path = aside / _file_name(step)
-            path.unlink(missing_ok=True)
-            log.warning("checkpoint.superseded_removed", path=str(path), rank=rank, holds=newest,
-                        cause=f"rank {rank} holds step {newest} of the lineage training now")
-        if not any(aside.iterdir()):
-            aside.rmdir()
+        try:
+            for step in [step for step in _steps(aside) if step <= newest]:
+                path = aside / _file_name(step)
+                path.unlink(missing_ok=True)
+                log.warning("checkpoint.superseded_removed", path=str(path), rank=rank, holds=newest,
+                            cause=f"rank {rank} holds step {newest} of the lineage training now")
+            if not _listing(aside):
+                aside.rmdir()
+        except PermissionError as exc:
+            raise CheckpointDirUnusable(f"{aside}: cannot remove the checkpoints set aside in it ({exc.strerror})"
+                                        ) from None
 
 
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
@@ -345,12 +347,17 @@ def _expect(metadata: Mapping[str, str], path: Path, rank: int, step: int) -> No
 def _steps(folder: Path, *, directories: bool = False) -> list[int]:
     """Steps with a checkpoint file in ``folder``, newest first; with ``directories``, also those of directories
     under a checkpoint's name. A directory is never a checkpoint: counted as one, it would take the place of one
-    that :data:`KEEP` keeps, and removing it (as a file) would fail at every write and every resume. None where
-    ``folder`` does not exist (nothing written yet); :class:`CheckpointDirUnusable` where this process may not list
-    it, or a file stands where it or a directory above it must be."""
+    that :data:`KEEP` keeps, and removing it (as a file) would fail at every write and every resume. Empty where
+    ``folder`` does not exist (nothing written yet); :class:`CheckpointDirUnusable` as :func:`_listing`."""
+    return sorted((int(m.group(1)) for p in _listing(folder)
+                   if (m := _NAME.fullmatch(p.name)) and (directories or not p.is_dir())), reverse=True)
+
+
+def _listing(folder: Path) -> list[Path]:
+    """What ``folder`` holds; empty where it does not exist; :class:`CheckpointDirUnusable` where this process may
+    not list it, or a file stands where it or a directory above it must be."""
     try:
-        return sorted((int(m.group(1)) for p in folder.iterdir()
-                       if (m := _NAME.fullmatch(p.name)) and (directories or not p.is_dir())), reverse=True)
+        return list(folder.iterdir())
     except FileNotFoundError:
         return []
     except (PermissionError, NotADirectoryError) as exc:
