@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -278,8 +279,21 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _keep_descriptors_to_self() -> None:
+    """Make every descriptor this process inherited beyond stdio close-on-exec, as Python makes those it opens:
+    what the launcher passed a node (the run directory's lock, held for as long as a process of the run lives)
+    stays open in the node, and no process the node or its user code execs inherits it (a helper that outlived
+    the run would hold the run directory for good). A child forked without exec is still a copy of the node."""
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            if int(name) > 2 and os.get_inheritable(int(name)):
+                os.set_inheritable(int(name), False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "node":
+        _keep_descriptors_to_self()
     if args.command == "keys":
         try:
             print("\n".join(generate(args.dir, args.node_id, args.role)) or "nothing to make: the keys exist")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -561,6 +562,22 @@ def test_a_lock_file_left_with_garbage_holds_nothing_and_one_that_cannot_be_used
     assert _up_elsewhere(tmp_path / "link") == 2
     assert "cannot use its lock file" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_node_holds_the_run_directory_lock_it_inherits_but_passes_it_to_no_process_it_execs(
+        tmp_path: Path) -> None:
+    """Before, the lock a node inherited stayed inheritable in it: a helper its user code started with
+    ``close_fds=False`` (or ``os.system``, ``posix_spawn``) kept the run directory held after the run, and every
+    later launcher on it waited, then was refused, naming nodes that were all gone. A real broker node here."""
+    with up_module.hold_run_dir(tmp_path) as lock:
+        node = NodeProcess(["node", "bus", *EPHEMERAL_PORTS[:6], "--bus-metrics-port", "0"], workdir=tmp_path,
+                           name="bus", pass_fds=(lock,))
+    with node, open(tmp_path / up_module.RUN_DIR_LOCK, "rb") as again:
+        node.wait_ready(START_S)
+        with pytest.raises(BlockingIOError):  # the node holds it, the launcher's descriptor closed
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        flags = int(Path(f"/proc/{node.pid}/fdinfo/{lock}").read_text().split("flags:")[1].split()[0], 8)
+        assert flags & os.O_CLOEXEC, f"the lock is inheritable in the node (flags {flags:o})"
 
 
 def test_a_node_that_died_while_a_later_one_starts_is_named_at_once_not_the_one_waiting(tmp_path: Path) -> None:
