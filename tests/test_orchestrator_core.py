@@ -1362,3 +1362,31 @@ def test_an_eval_run_that_fails_gives_no_training_slot_back() -> None:
         core.on_run_done(T0 + 1, run.run.episode_id, "boom")
     assert core.failed_runs == 2 and core.abandoned_groups == 0
     assert of(SendRun, core.dispatch(T0 + 2)) == []
+
+
+def test_a_relaunch_re_adopting_episodes_of_groups_that_never_complete_dispatches_at_once() -> None:
+    """A relaunched cluster (every process killed) resumes at its ranks' step, and its restarted durable stores
+    announce again (or list) episodes of the earlier incarnation's groups whose other runs died with it. Each
+    opens a group that can never complete; open, it holds no admission slot, so new groups go out at once.
+    Before, they filled the bound and nothing was dispatched until ``group_timeout_s`` (a trainer that waits for
+    a step never bumps the version that would widen it). One that completes holds its slot (it will train); the
+    others are deleted ``incomplete`` when they time out, each blob once, and give their slot back."""
+    core = OrchestratorCore(settings(max_staleness=1, groups_per_step=1, max_groups_in_flight=8), DEADLINES,
+                            prompts=lambda rng: [1], tag=".new")
+    core.resume_step([ranked(0, step=10), ranked(1, step=10)])
+    core.use_replicas([env_server("env-a")])
+    core.on_version(10)
+    assert core.admission_bound == 1 + 10 + 1  # room for two groups beside the ten steps the earlier one shipped
+    orphans = [msgspec.structs.replace(episode(f"old{n}-0", f"old{n}", 1.0, version=9), again=True) for n in range(5)]
+    for orphan in orphans:
+        assert core.on_episode(T0, orphan, orphan.refs) == []
+    assert core.adopted_groups == 5 and core.idle_reason(T0) == ("", "")
+    runs = of(SendRun, core.dispatch(T0))
+    assert {run.run.group for run in runs} == {"g0.new", "g1.new"}  # the bound's two groups, at once
+    completed = episode("old0-1", "old0", 0.0, version=9)
+    core.on_episode(T0 + 1, completed, completed.refs)  # old0 completes: queued (no ranks yet), holds its slot
+    assert core.slots_held == 10 + 2 + 1 and core.dispatch(T0 + 1) == []
+    expired = deletes(core.tick(T0 + settings().group_timeout_s + 0.1))
+    assert sorted(expired.pop("incomplete")) == sorted(f"b-old{n}-0" for n in range(1, 5))
+    assert expired == {}
+    assert core.abandoned_groups == 4 and core.slots_held == 10 + 2 + 1  # the orphans gave back what they took

@@ -37,7 +37,8 @@ Decisions and their rules:
   ``redeliver_after_s``, because the ranks that acknowledged already wait in the step's collective. When
   ``delivery_s`` has passed since the step was packed, the core halts (:class:`Halt`, naming the ranks).
 * **Admission.** At most ``(max_staleness + v + 1) * groups_per_step`` groups may be trained, queued or
-  running while the trainer is at version ``v`` (groups dropped untrained give their slot back), and at most
+  running while the trainer is at version ``v`` (groups dropped untrained give their slot back; an open group
+  this incarnation did not send holds none: :attr:`~OrchestratorCore.slots_held`), and at most
   ``max_groups_in_flight`` run at once. Sources take turns; each run goes to the least-loaded replica.
 * **Runs.** Every run has a deadline (``run_s``): unanswered by then, it counts as failed, its group is
   abandoned and its slot is free again (an eval run's group took no slot: nothing is given up). A run
@@ -92,8 +93,10 @@ Decisions and their rules:
   (:meth:`~OrchestratorCore.reclaimable`, then :meth:`~OrchestratorCore.recover`) is claimed and fed as if
   it had just finished, so groups and the queue are rebuilt; its own ``episode-finished`` event, if it comes
   too, is ignored. Episodes of groups this incarnation did not send (after a restart, the earlier one's runs
-  still in flight; or any peer's) are grouped like any other and take an admission slot, which their group
-  gives back when it closes untrained; incomplete, they are abandoned after
+  still in flight or re-adopted by a restarted store; or any peer's) are grouped like any other; such a group
+  holds no admission slot while open (a relaunched cluster's re-adopted episodes open dozens that can never
+  complete, and would fill the bound until they time out: nothing would train), and takes one as it closes,
+  given back when it closed untrained; incomplete, they are abandoned after
   ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
   incarnation's ``tag``, so they never collide with the earlier incarnation's.
 * **Backpressure.** A group starts only when the room all its runs will keep can be reserved
@@ -282,6 +285,7 @@ class _Group:
     started: float
     episodes: list[tuple[float, list[Sample]]] = field(default_factory=list)  # (reward, samples)
     members: set[str] = field(default_factory=set)  # the ids of the episodes in ``episodes``
+    unsent: bool = False  # not sent by this incarnation (an earlier one's, any peer's): no slot while open
 
 
 @dataclass
@@ -617,17 +621,19 @@ class OrchestratorCore:
 
     def _open(self, now: float, group_id: str) -> _Group:
         """The open group ``group_id``, opened now if it is not. A group this incarnation did not send takes an
-        admission slot too, since closing it untrained (abandoned, filtered, stale) gives one back: an earlier
+        admission slot too, held once it closes (:attr:`slots_held`), since closing it untrained (abandoned,
+        filtered, stale) gives one back: an earlier
         incarnation's (after a restart, counted adopted; or before one was told, its runs' episodes coming to a
         restart at step 0 that recovered nothing), one it sent and forgot (a straggler of a group closed more than
         :attr:`closed_horizon_s` ago), any peer's. Otherwise each such group closed would admit one group more
         than the bound, for good."""
         group = self.groups.get(group_id)
         if group is None:
-            if group_id not in self._admitted:
+            unsent = group_id not in self._admitted
+            if unsent:
                 self.train_groups_sent += 1
                 self.adopted_groups += self.resumed  # an earlier incarnation's
-            group = self.groups[group_id] = _Group(started=now)
+            group = self.groups[group_id] = _Group(started=now, unsent=unsent)
         return group
 
     def use_trainers(self, now: float, nodes: Iterable[NodeInfo]) -> list[Action]:
@@ -1200,15 +1206,29 @@ class OrchestratorCore:
                                     f"in {self._short_since[1] + self.deadlines.restart_grace_s - now:.1f}s unless "
                                     "another registers")
         bound = self.admission_bound
-        if self.train_groups_sent - self.groups_released >= bound:
-            return "admission", (f"{self.train_groups_sent - self.groups_released} groups admitted and not released "
-                                 f"(sent {self.train_groups_sent}, released {self.groups_released}) reach the bound "
+        if (admitted := self.slots_held) >= bound:
+            return "admission", (f"{admitted} groups admitted and not released (sent {self.train_groups_sent}, "
+                                 f"released {self.groups_released}, open and not sent here "
+                                 f"{self.train_groups_sent - self.groups_released - admitted}) reach the bound "
                                  f"{bound} of policy version {self.policy_version} (max_staleness "
                                  f"{self.settings.max_staleness}, groups_per_step {self.settings.groups_per_step})")
         if self.stores_full:
             return "stores-full", (f"no source has room for a group of {self.settings.group_size} under its stores' "
                                    f"high-water marks or budgets: {self.router.blocked()}")
         return "", ""
+
+    @property
+    def slots_held(self) -> int:
+        """Groups admission counts against :attr:`admission_bound`: those admitted and not released, less the
+        open groups this incarnation did not send. Such a group (an earlier incarnation's, whose episodes a
+        restart recovered or a restarted store announced ``again``; any peer's) may never complete: its other
+        runs died with the processes of a relaunched cluster. Held open, it would hold a slot until
+        ``group_timeout_s``, and enough of them (a relaunch re-adopts dozens) would fill the bound while nothing
+        can ship, so nothing trains and the bound never widens. Once it closes it counts as any other: completed,
+        it will train (so the count may pass the bound by the groups completed that way, until steps ship);
+        abandoned or dropped, it gives back the slot its opening took."""
+        unsent_open = sum(group.unsent for group in self.groups.values())
+        return self.train_groups_sent - self.groups_released - unsent_open
 
     @property
     def admission_bound(self) -> int:
@@ -1243,7 +1263,7 @@ class OrchestratorCore:
         bound = self.admission_bound
         # Probing (runs refused not-ready, or no episode's charge known yet to reserve room by): one group at a time.
         in_flight = 1 if self._backoff_s or not self.router.measured else settings.max_groups_in_flight
-        while len(self.groups_running) < in_flight and self.train_groups_sent - self.groups_released < bound:
+        while len(self.groups_running) < in_flight and self.slots_held < bound:
             if not self._has_room():
                 if not self.runs:
                     actions += self._starved(now, short_since)
