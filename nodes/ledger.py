@@ -8,7 +8,12 @@ The ledger replays ownership moves as the stream mirrors them:
   event): the repeat keeps only the blobs the fold never saw, counted once;
 * ``claim`` — the orchestrator (``holder``) owns them. A restarted durable store publishes the claims of what
   it re-adopted again (its process may have died between answering a claim and publishing its event): a
-  repeat moves nothing, a blob only moves forward;
+  repeat moves nothing, a blob only moves forward. One naming a blob the fold never saw kept, by a store process
+  whose every event up to it was folded and no earlier process of which the fold knows (a relaunch's store,
+  re-adopting what an earlier launcher's run kept), shows a blob kept before the stream: the fold keeps it then,
+  counted kept, with that holder. Reclaimed from a holder the stream never showed down (``holder-down``), it is
+  deleted ``holder-down-before`` (:data:`INHERITED`; by holder in the report's ``inherited``), no loss of this
+  stream's run: that holder's process died before it;
 * ``reference`` — a trainer rank (``holder``) owns them, when one of the hand-over's two ends published it, as
   at the stores: the rank itself, or the blob's claimer (the orchestrator repeats it); one from any other node
   moves nothing (logged ``ledger.reference_refused``, counted by source in ``references_refused``; one by a
@@ -98,6 +103,9 @@ LOSS_REASONS = frozenset({LOST, HOLDER_DOWN})
 STORE_REASONS = frozenset({"undelivered", "shutdown", "discarded", HOLDER_DOWN})  # a store's own deletes
 RUN_END = "run-end"
 UNKNOWN = "?"  # the holder or node of blobs the stream did not show
+# The deletes of blobs kept before the stream began, by a store process it never showed, reclaimed from a holder
+# that died before it (one it never showed down): reason ``holder-down`` in the store's counters, no loss of the run.
+INHERITED = "holder-down-before"
 _STAGE = {"claim": 1, "reference": 2}  # store (0) -> orchestrator -> trainer rank
 # Per source: blob ids whose moves wait for their episode-finished (a few steps of a busy run's references
 # relayed ahead of their store's events; about 5 MB). The oldest go first, counted.
@@ -113,6 +121,7 @@ class _Blob:
     key: tuple[str, str]  # its store incarnation
     owner: str
     stage: int = 0  # how far along the hand-over chain the owner is (see _STAGE)
+    before: bool = False  # kept by an earlier process of its store the stream never showed (see Ledger._adopt)
 
 
 @dataclass
@@ -186,6 +195,8 @@ class LedgerReport:
     reconciled: dict[str, str] = field(default_factory=dict)  # store -> agreed / the correction
     ended: bool = False
     held_at_end: Counter[str] = field(default_factory=Counter)  # holder -> blobs not their store's at run-end
+    # holder -> blobs kept before the stream and reclaimed from it, dead before the stream (deleted ``INHERITED``)
+    inherited: Counter[str] = field(default_factory=Counter)
 
     @property
     def ok(self) -> bool:
@@ -224,6 +235,7 @@ class LedgerReport:
             "leaked": dict(self.leaked),
             "lost": dict(self.lost),
             "held_at_end": dict(self.held_at_end),
+            "inherited": dict(self.inherited),
             "ended": self.ended,
             "missed": dict(self.missed),
             "refused": dict(self.refused),
@@ -262,6 +274,9 @@ class Ledger:
         self.violated = 0  # blob ids covered by ``violations``
         self.refused: Counter[str] = Counter()  # source -> violation events refused for their count
         self.lost_by: Counter[str] = Counter()  # holder-down losses by the holder (UNKNOWN: blob not seen)
+        # store node -> holder -> holder-down deletes of blobs kept before the stream, their holder dead before it
+        self.inherited: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.went_down: set[str] = set()  # every node a node-down named, back up since or not
         # (source, incarnation) -> events missing from the stream: a store is reconciled per process, so a
         # gap is vouched for only by the counters of the process that published around it
         self.missed: Counter[tuple[str, str]] = Counter()
@@ -281,6 +296,7 @@ class Ledger:
         # node id -> the store label of its latest node-up, until a store incarnation of that node takes it
         self._unclaimed: dict[str, str] = {}
         self._newest: dict[str, tuple[str, str]] = {}  # node id -> its store incarnation seen first most recently
+        self._processes: set[tuple[str, str]] = set()  # every store incarnation seen, merged into a later or not
 
     # --- folding the stream ---------------------------------------------------------------------------
 
@@ -338,7 +354,10 @@ class Ledger:
                     if deleter != record["holder"]:  # handed to another rank: the delete was not the owner's
                         self._violation(f"{deleter} deleted {blob_id} owned by {record['holder']} ({reason})")
                 elif blob is None and self.tombstones.get(blob_id) is None:
-                    self._pend(src, blob_id, stage, record["holder"])
+                    if kind == "claim" and self._first_process(src, incarnation, seq):
+                        self._adopt(src, incarnation, seq, blob_id, record["holder"])
+                    else:
+                        self._pend(src, blob_id, stage, record["holder"])
         elif kind == "delete":
             self._delete(record, (src, incarnation), seq)
         elif kind == "violation":
@@ -347,6 +366,7 @@ class Ledger:
             # else: a late one a forced reconcile adopted: its violations are counted among the store's unseen
         elif kind == "node-down":
             self.down.add(record["node_id"])
+            self.went_down.add(record["node_id"])
             for key, store in self.stores.items():
                 if key[0] == record["node_id"]:
                     store.down = True  # an incarnation that is down never comes back: its blobs are lost
@@ -531,10 +551,11 @@ class Ledger:
                 continue  # kept before the stream's window (a gap): the store's counters cover it
             if blob.key == key:  # its store's own mirror
                 self.stores[key].move_held(blob.owner, None, seq)
-            if reason == HOLDER_DOWN:
+            if reason == HOLDER_DOWN and blob.before and blob.owner not in self.went_down:
+                self.inherited[blob.store][blob.owner] += 1
+            elif reason == HOLDER_DOWN:
                 self.lost_by[blob.owner] += 1
-            elif reason != LOST and holder != blob.owner and not (holder in (blob.store, blob.source)
-                                                                  and reason in STORE_REASONS):
+            elif reason != LOST and holder != blob.owner and not self._stores_own(blob, holder, reason, key):
                 if self.missed.total() or self.moves_dropped.total():  # the move to ``holder`` may be among them
                     self.unverified += 1
                 elif blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
@@ -542,10 +563,38 @@ class Ledger:
                 else:
                     self._violation(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
 
+    @staticmethod
+    def _stores_own(blob: _Blob, holder: str, reason: str, key: tuple[str, str]) -> bool:
+        """Whether a delete of ``blob`` naming ``holder`` for ``reason``, published by process ``key``, is its store's
+        own removal: a store's reason, naming the store (its source, for replicas) as the holder; for a blob kept
+        before the stream (its source never shown), published by the store process that re-adopted it."""
+        return reason in STORE_REASONS and (holder in (blob.store, blob.source) or (blob.before and blob.key == key))
+
+    def _first_process(self, src: str, incarnation: str, seq: int) -> bool:
+        """Whether every event of ``src``'s ``incarnation`` up to ``seq`` was folded (numbered, none missed) and the
+        fold never saw another process of node ``src``: then a blob its own ``claim`` names that the fold never saw
+        kept was kept by an earlier process of its store, before the stream began (a durable store re-adopted it
+        and publishes its claims again: see :meth:`_adopt`), never by an event still on its way."""
+        return bool(seq) and not self.missed[src, incarnation] and all(
+            key == (src, incarnation) for key in self._processes if key[0] == src)
+
+    def _adopt(self, src: str, incarnation: str, seq: int, blob_id: str, holder: str) -> None:
+        """Store ``src`` (process ``incarnation``) repeats the claim of ``blob_id`` by ``holder``, kept before the
+        stream began (see :meth:`_first_process`): the fold keeps it as that process's, counted kept (as a
+        re-adopted episode it publishes ``again`` is), with ``holder``. Its store's own deletes of it are no
+        violations; one reclaiming it from ``holder``, dead before the stream (never reported down in it), is
+        ``INHERITED``, no loss of this run: the stream never showed that holder's process."""
+        store = self._store((src, incarnation))
+        if store.counts(seq) and not store.reconciled:  # a reconciled store's counters hold it already
+            store.kept += 1
+        self.blobs[blob_id] = _Blob(store=src, source=src, key=(src, incarnation), owner=holder,
+                                    stage=_STAGE["claim"], before=True)
+
     def _store(self, key: tuple[str, str]) -> _Store:
         store = self.stores.get(key)
         if store is None:
             store = self.stores[key] = _Store(key[0], down=key[0] in self.down)
+            self._processes.add(key)
             self._newest[key[0]] = key
             if key[0] in self._unclaimed:  # its node-up came first: it is that node-up's process
                 self._label(key, self._unclaimed.pop(key[0]))
@@ -673,7 +722,10 @@ class Ledger:
             for holder, n in held.items():
                 if holder in self.down:
                     report.leaked[holder] += n
-        holder_down = sum(s.deleted[HOLDER_DOWN] for s in self.stores.values())
+        for node, holders in self.inherited.items():
+            report.deleted[node][INHERITED] += holders.total()
+            report.inherited.update(holders)
+        holder_down = sum(s.deleted[HOLDER_DOWN] for s in self.stores.values()) - report.inherited.total()
         report.lost.update(self.lost_by)
         if holder_down > self.lost_by.total():
             report.lost[UNKNOWN] += holder_down - self.lost_by.total()
@@ -871,6 +923,8 @@ def format_report(report: LedgerReport) -> str:
     )
     lines.extend(f"lost: {n} with {node}" for node, n in sorted(report.lost.items()))
     lines.extend(f"leaked: {n} held by {node} (down)" for node, n in sorted(report.leaked.items()))
+    lines.extend(f"inherited: {n} kept before the stream, reclaimed from {holder} (dead before it)"
+                 for holder, n in sorted(report.inherited.items()))
     if report.ended:
         lines.extend(f"held at run end: {n} by {holder}" for holder, n in sorted(report.held_at_end.items()))
     lines.extend(f"unaccounted: {u}" for u in report.unaccounted)

@@ -30,6 +30,7 @@ from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.ledger import Ledger
 from refbus.nodes.payload import env_server as env_server_module
 from refbus.nodes.payload.env_server import EnvServer
 from refbus.nodes.payload.keeper import KeepError
@@ -399,6 +400,44 @@ def test_a_holder_gone_around_a_store_restart_has_its_blobs_reclaimed_by_the_res
     finally:
         holder.join(timeout=WAIT_S)
         ctx.destroy(linger=0)
+
+
+def test_a_ledger_started_after_a_kill_accounts_what_the_restarted_store_kept_before_it_as_no_loss(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path) -> None:
+    """A relaunch's view: a durable env server hands two blobs to a holder and is SIGKILLed, its holder gone with
+    it for good; a ledger whose stream starts only then (a relaunched launcher's) folds the restarted process's
+    events: its claims published again name blobs the ledger never saw kept, which the store reclaims
+    ``holder-down`` when the dead holder's grace ends. They are kept before the stream, deleted
+    ``holder-down-before`` from that holder, and the account is ok and agrees with the store's counters. Before,
+    the ledger reported them lost by '?', unaccounted: every relaunch after a kill said NOT ok."""
+    control = bus[1]
+    grace_s = 1.0
+    command, first, endpoint = _store_with_grace(spawn, control, tmp_path, "env-r", grace_s)
+    ctx = zmq.Context()
+    client = _client(ctx, endpoint)
+    ledger = Ledger()
+    watcher = _node(control, "ledger-r", role="monitor")
+    watcher.subscribe(ledger.apply_message)  # live: the first process's events are before its stream
+    try:
+        ids = _two_claimed(client, "orch-r", seed=5)  # orch-r never registers: gone at the store's restart
+        client.close()
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        watcher.start_background()
+        _, probe = _restarted(spawn, command, "env-r-restarted", ctx)
+        wait_for(lambda: accounted(probe).reclaimed == {"orch-r": 2}, 10 * grace_s + WAIT_S,
+                 "the restarted store reclaiming the gone holder's blobs")
+        account = accounted(probe)
+        probe.close()
+        wait_for(lambda: all(ledger.tombstones.get(blob_id) is not None for blob_id in ids), WAIT_S,
+                 "the ledger folding the reclaim")
+    finally:
+        watcher.join(timeout=WAIT_S)
+        ctx.destroy(linger=0)
+    report = ledger.report()
+    assert report.ok and report.lost == {} and report.inherited == {"orch-r": 2}, report
+    assert (account.kept, account.deleted) == (2, {"holder-down": 2})
+    assert (report.kept["env-r"], report.deleted["env-r"]) == (2, {"holder-down-before": 2})
 
 
 def test_a_holder_restarted_while_its_store_was_dead_keeps_only_what_it_claims_back(

@@ -1022,3 +1022,58 @@ def test_a_corrected_stores_own_view_of_its_holders_follows_its_later_events(lat
     report = ledger.report()
     assert report.held_at_end == held_at_end and report.held == {"env-0": held_at_end}
     assert report.unaccounted == [] and report.missed == {"env-0": 1}
+
+
+def _relaunched(*, holder_reported_down: bool) -> list[dict]:
+    """A relaunch's stream (a fresh ledger): env-1's process p2 re-adopts durable store s1, which an earlier
+    launcher's run filled; it announces again its unclaimed episode u and the claims of d and f (by the earlier
+    orchestrator ``orch``) and of h (by its rank); the relaunched orchestrator claims u and drops it; the holders of
+    d, f and h never take them back, and env-1 reclaims them when their grace ends."""
+    down = [{"type": "node-down", "node_id": "trainer-0", "reason": "timeout"}] if holder_reported_down else []
+    return [_store_up("s1"), *_durable_restart([
+        {"type": "episode-finished", "again": True, "refs": [_ref("u", "env-1")]},
+        {"type": "claim", "holder": "orch", "blob_ids": ["d", "f"]},
+        {"type": "claim", "holder": "trainer-0", "blob_ids": ["h"]},
+        {"type": "claim", "holder": "orch", "blob_ids": ["u"]},
+        {"type": "delete", "holder": "orch", "reason": "filtered", "blob_ids": ["u"]},
+    ]), *({"type": "node-up", "node": {"node_id": node, "labels": {}}} for node in ("orch", "trainer-0")), *down,
+        *({**event, "src": "env-1", "id": f"p2-{seq:x}", "seq": seq} for seq, event in enumerate([
+            {"type": "delete", "holder": "env", "node": "orch", "reason": "holder-down", "blob_ids": ["d", "f"]},
+            {"type": "delete", "holder": "env", "node": "trainer-0", "reason": "holder-down", "blob_ids": ["h"]},
+        ], 6)), {"type": "run-end", "reason": "done", "steps": 1}]
+
+
+def test_blobs_a_relaunched_store_kept_before_the_stream_reclaimed_from_holders_dead_before_it_are_no_loss() -> None:
+    """The re-announced claims name blobs the fold never saw kept, from a store process whose every event it
+    folded and no earlier process of which it knows: kept before the stream. Reclaimed from holders the stream
+    never showed down, they are deleted ``holder-down-before``, named by holder, and the run is ok; the store's
+    counters, which carry on the earlier launcher's, are the authority. Before, the fold never placed them and
+    reported them lost by '?', unaccounted: every relaunch after a kill said NOT ok."""
+    ledger = _run(_relaunched(holder_reported_down=False))
+    history = {"seq": 7, "kept": 50, "deleted": {"trained": 40, "filtered": 7, "holder-down": 3}, "violations": {}}
+    assert ledger.reconcile("env-1", "p2", history, final=False) == "corrected"
+    report = ledger.report()
+    assert report.ok and report.lost == {} and report.unaccounted == [] and report.violations == [], report
+    assert report.inherited == {"orch": 2, "trainer-0": 1}
+    assert report.deleted["env-1"] == {"trained": 40, "filtered": 7, "holder-down-before": 3}
+    totals = report.totals()
+    assert (totals["kept"], totals["deleted_total"], totals["held"], totals["lost"]) == (50, 50, 0, 0)
+    assert "inherited: 2 kept before the stream, reclaimed from orch (dead before it)" in format_report(report)
+
+
+def test_a_kept_before_blob_reclaimed_from_a_holder_reported_down_in_the_stream_is_still_a_loss() -> None:
+    """h's rank was reported down in this stream: whichever process held h, its death is the run's, and the
+    reclaim is a loss named with it (d and f stay inherited). A partial stream (its first events missing) or a
+    store the fold saw before proves nothing: their unplaced claims wait as before, and a reclaim is '?'."""
+    report = _run(_relaunched(holder_reported_down=True)).report()
+    assert report.lost == {"trainer-0": 1} and report.inherited == {"orch": 2} and not report.ok
+    partial = [r for r in _relaunched(holder_reported_down=False) if r.get("seq") != 1]
+    report = _run(partial).report()
+    assert report.lost == {"?": 3} and report.inherited == {} and not report.ok
+    # The fold saw env-1's first process (merged into p2 by p2's first event): x was not kept before the stream.
+    seen_first = [*READOPTED[:4], _store_up("s1"), *_durable_restart([
+        {"type": "episode-finished", "again": True, "refs": [_ref("d", "env-1")]},
+        {"type": "claim", "holder": "orch", "blob_ids": ["x"]},
+        {"type": "delete", "holder": "env", "node": "orch", "reason": "holder-down", "blob_ids": ["x"]}])]
+    report = _run(seen_first).report()
+    assert report.lost == {"?": 1} and report.inherited == {}
