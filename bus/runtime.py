@@ -881,6 +881,11 @@ class NodeRuntime:
         self._release()
         log.info("node.stopped")
 
+    def _bye(self) -> Bye:
+        """This process's ``bye``: it names the process, so a broker refuses it (``replaced``) once another process
+        holds the node id."""
+        return Bye(node_id=self.node_id, process=incarnation(self.info()))
+
     def _say_bye(self, close_by: float, bye_s: float, *, own_socket: bool = False) -> None:
         """Tell the broker this node leaves (one attempt, at most ``bye_s``, by ``close_by``), when it joined and
         another process has not replaced it (its bye would remove that one's entry). The bye names this process,
@@ -895,7 +900,7 @@ class NodeRuntime:
                 codec = WireCodec(self.node_id, secret=self.settings.secret, limits=self.settings.limits)
                 control = Client(self.ctx, self.settings.bus, codec, policy=policy, options=self.options)
             try:
-                control.request(Bye(node_id=self.node_id, process=incarnation(self.info())), policy=policy)
+                control.request(self._bye(), policy=policy)
             finally:
                 if own_socket:
                     control.close()
@@ -1150,8 +1155,7 @@ class NodeRuntime:
                                  f"is held: {exc}") from None
         if isinstance(reply.body, Welcome):
             with contextlib.suppress(RequestTimeout, RemoteError):  # unsaid, the entry expires in a node timeout
-                control.request(Bye(node_id=self.node_id, process=incarnation(self.info())),
-                                policy=RetryPolicy(timeout_s=1.0, attempts=1))
+                control.request(self._bye(), policy=RetryPolicy(timeout_s=1.0, attempts=1))
 
     def _hello(self, token: str, policy: RetryPolicy, *, waiting: bool, probe: bool = False) -> Message:
         """The broker's answer to this node's ``hello``. While another process holds the node id (:data:`ID_IN_USE`)

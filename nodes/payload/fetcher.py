@@ -292,7 +292,7 @@ class ModelLimits:
         found: list[str] = []
         vocab, experts = self.vocab_size, self.experts
         ids = None if input_ids is None else np.asarray(input_ids)
-        if vocab is not None and ids is not None and (ids.shape != (length,) or ids.dtype.kind not in "iu"):
+        if vocab is not None and ids is not None and not _are_token_ids(ids, length):
             bad[:] = True
             found.append(f"{INPUT_IDS}: expected {length} integers, got {ids.dtype} of shape {ids.shape}")
             ids = None
@@ -322,10 +322,15 @@ class ModelLimits:
         if self.vocab_size is None or ids is None:
             return inputs
         ids = np.asarray(ids)
-        if ids.shape != (length,) or ids.dtype.kind not in "iu":
+        if not _are_token_ids(ids, length):
             return {**inputs, INPUT_IDS: np.zeros(length, dtype=np.int64)}
         valid = (ids >= 0) & (ids < self.vocab_size)
         return inputs if valid.all() else {**inputs, INPUT_IDS: np.where(valid, ids, 0).astype(np.int64)}
+
+
+def _are_token_ids(ids: np.ndarray, length: int) -> bool:
+    """Whether ``ids`` are a micro batch's ``length`` integer token ids (one per position)."""
+    return ids.shape == (length,) and ids.dtype.kind in "iu"
 
 
 def _rows(tensor: torch.Tensor | None) -> np.ndarray | None:
