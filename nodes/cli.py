@@ -151,10 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = commands.add_parser(
         "top", help="a live table of the nodes: role, host, blobs and bytes held, version, lag, heartbeat age",
-        description="Show the broker's registry as a table, refreshed every second (redrawn in place on a "
-                    "terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts. VERSION is a "
-                    "node's version (a trainer's: the step it trains); LAG is how many versions it is behind the "
-                    "newest version any node reports (0: current; a trainer's step counts as none).")
+        description="Show the broker's registry as a table, refreshed every --interval seconds (redrawn in place "
+                    "on a terminal) until Ctrl-C. With no flags it watches the cluster `refbus up` starts. VERSION is "
+                    "a node's version (a trainer's: the step it trains); LAG is how many versions it is behind "
+                    "the newest version any node reports (0: current; a trainer's step counts as none).")
     top.add_argument("--once", action="store_true", help="print one table and exit")
     top.add_argument("--json", action="store_true",
                      help='print each refresh as one JSON object (one line): {"nodes": [...], "omitted": N}, N the '
