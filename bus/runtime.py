@@ -56,6 +56,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ SYNC_PROBE_INTERVAL_MS = 20
 HOOKS_SHARE = 0.7
 CLOSE_SHARE = 0.95
 BYE_TIMEOUT_S = 0.5
+STUCK_FRAMES = 6  # of the main thread's stack, innermost, logged when the exit watchdog ends the process
 BROKER_SILENT_BEATS = 2  # heartbeats in a row without an answer before the node logs that the broker is silent
 # What a loop turn waits on the broker for runs on the loop thread: gap fills (inside a subscriber's take of the
 # event that revealed the gap) and a re-join (hello, refill, probes, the subscriptions' resumption). All of it, in
@@ -185,9 +187,10 @@ class ExitWatchdog:
     while the main thread is stuck in native code: a collective, a long kernel) or when the node begins its
     shutdown otherwise (:meth:`NodeRuntime.begin_shutdown`). The watchdog then stops the node's loop at the
     hooks' share of ``shutdown_timeout_s`` if it still runs (a training loop that drives the node and cannot
-    finish its step), and ends the process when the whole timeout is spent and it is still alive
-    (``os._exit``: status 0 when the node had closed, 1 otherwise). The interpreter's own exit is never waited
-    for: :meth:`run` ends the process as soon as the node's main function is done.
+    finish its step), and ends the process when the whole timeout is spent and it is still alive (``os._exit``
+    with :func:`forced_status`, logged ``node.exit_forced`` with why and where the main thread was). The
+    interpreter's own exit is never waited for: :meth:`run` ends the process as soon as the node's main function
+    is done.
     """
 
     _installed: ExitWatchdog | None = None
@@ -235,9 +238,7 @@ class ExitWatchdog:
             log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
             node.stop()
         time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
-        if not node.closed:
-            log.error("node.shutdown_overran", shutdown_timeout_s=timeout)
-        _exit_now(0 if node.closed else 1)
+        _exit_now(forced_status(node))
 
     @staticmethod
     def run(main: Callable[[], int]) -> NoReturn:
@@ -249,13 +250,62 @@ class ExitWatchdog:
         try:
             code = main()
         except SystemExit as exc:  # what the interpreter would make of it
-            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            code = exit_status(exc)
             if not isinstance(exc.code, int | None):
                 print(exc.code, file=sys.stderr)
         except BaseException:
             sys.excepthook(*sys.exc_info())  # as the interpreter reports it (a library may have set its own hook)
             code = 1
         _exit_now(code)
+
+
+def exit_status(exc: BaseException) -> int:
+    """The status the interpreter ends a process with when ``exc`` escapes its main thread: a ``SystemExit``'s
+    code (0 for none, 1 for a message), 1 for any other exception."""
+    if not isinstance(exc, SystemExit):
+        return 1
+    return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+
+
+def forced_status(node: NodeRuntime) -> int:
+    """The status :class:`ExitWatchdog` ends the process with once ``node``'s ``shutdown_timeout_s`` is spent and
+    the process still runs, logged ``node.exit_forced`` with the reason, the failure's traceback (which no one
+    would print otherwise) and where the main thread was.
+
+    A supervisor reads the status as what the role came to (``refbus up`` restarts a failed node, never a trainer
+    rank that exited 0: it finished its steps), so a failure must not be hidden behind the forced exit: 1 when the
+    node did not close (its shutdown overran), or when the main thread is raising or handling an exception (the
+    role failed, then hung in a ``finally`` or ``except`` clause: a thread that never joins, a process group that
+    cannot be destroyed); that exception's own status when it is a ``SystemExit``, as :meth:`ExitWatchdog.run`
+    would have exited. A node that closed cleanly, on a stop or once its role was done, and whose process then hung
+    in teardown exits 0: its work is done and its bye said, a restart could only redo it (a trainer world would
+    train again from its last checkpoint), and cutting such a teardown short is the watchdog's purpose, not a
+    failure; the warning says where it hung."""
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident or 0)
+    where = "".join(traceback.format_stack(frame, limit=STUCK_FRAMES)) if frame is not None else "(exited)"
+    failure = _in_flight(main)
+    timeout = node.settings.shutdown_timeout_s
+    if not node.closed:
+        status, reason = 1, "the node did not close within node.shutdown_timeout_s"
+    elif failure is not None:
+        status = exit_status(failure)
+        reason = f"the role raised {type(failure).__name__}, then its process hung"
+    else:
+        status, reason = 0, "the node closed cleanly; its process then hung in teardown"
+    report = log.warning if status == 0 else log.error
+    report("node.exit_forced", status=status, reason=reason, shutdown_timeout_s=timeout, main_thread_at=where,
+           exc_info=failure)
+    return status
+
+
+def _in_flight(thread: threading.Thread) -> BaseException | None:
+    """The exception ``thread`` is raising or handling now (the one whose ``finally`` or ``except`` clause it is
+    in), None when none."""
+    current = sys._current_exceptions().get(thread.ident or 0)
+    if isinstance(current, tuple):  # Python 3.11: an exc_info triple; later versions give the exception itself
+        current = current[1]
+    return current if isinstance(current, BaseException) else None
 
 
 def prove_published(control: Client, publisher: Publisher, token: str, timeout_s: float) -> None:

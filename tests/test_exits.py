@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import exiting_roles
 import numpy as np
 import pytest
 import zmq
@@ -292,3 +293,35 @@ def test_a_child_whose_parent_died_before_it_asked_for_the_parent_death_signal_e
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+EXITING_ROLES = Path(__file__).with_name("exiting_roles.py")
+
+
+def outlived_node(tmp_path: Path, role: str) -> tuple[int, str]:
+    """Run ``tests/exiting_roles.py``'s ``role`` (its process outlives its node, which closes at once): its exit
+    status, which the exit watchdog gives within the shutdown timeout, and its log."""
+    node = NodeProcess(["node", role, "--node-metrics-port", "-1", *SHUTDOWN], workdir=tmp_path, name=role,
+                       prefix=[sys.executable, str(EXITING_ROLES)])
+    try:
+        wait_for(lambda: node.proc.poll() is not None, START_S + GONE_S, f"{role} ended by the exit watchdog")
+        return node.proc.returncode, node.log_tail(200)
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize(("role", "status", "reason"), [
+    ("fails-then-hangs", 1, "the role raised RuntimeError, then its process hung"),
+    ("finishes-then-hangs", 0, "the node closed cleanly; its process then hung in teardown"),
+])
+def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failure_status(
+    tmp_path: Path, role: str, status: int, reason: str
+) -> None:
+    """A role that failed after its node closed, then hung (a thread that never joins) used to be ended with status
+    0, its failure untold: a supervisor took it for a role that finished and never restarted it. Now the forced
+    exit carries the failure (status 1, its traceback logged); a clean finish that merely hung in teardown still
+    exits 0. Either way the log says why the watchdog ended it and where the main thread was."""
+    code, log = outlived_node(tmp_path, role)
+    assert code == status, log
+    assert '"node.exit_forced"' in log and f'"reason": "{reason}"' in log and "main_thread_at" in log, log
+    assert (f"RuntimeError: {exiting_roles.FAILURE}" in log) == (status == 1), log

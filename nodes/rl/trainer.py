@@ -207,8 +207,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             # gloo may see a dead peer first: the peer view names it, exits. A checkpoint that cannot be written
             # (a full disk) is this rank's own failure: it exits at once, naming the file. So does a rank whose node has
-            # closed (its start failed): no peer view is left to name anyone, and the exit watchdog would end the wait
-            # with status 0.
+            # closed (its start failed): no peer view is left to name anyone, and only the exit watchdog would end the
+            # wait.
             if not isinstance(exc, StepFailed | checkpoint.CheckpointError) and not runtime.closed:
                 broken.wait(config.bus.node_timeout_s * 1.5)
             raise

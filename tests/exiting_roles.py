@@ -1,0 +1,70 @@
+"""A launcher for ``refbus node`` that adds roles whose process outlives its node, for the exit watchdog's status:
+``fails-then-hangs`` (its role raises once the node has closed, then hangs in a ``finally``: a thread that never
+joins), ``finishes-then-hangs`` (its node closes cleanly, then the role hangs in teardown) and ``loop-fails`` (its
+node's loop, in a background thread, dies of an error while the role's main thread waits on other work). Each
+node is unregistered (no broker needed) and closes at once, which starts its shutdown clock.
+
+``python tests/exiting_roles.py python -m refbus.nodes.cli node ROLE ...``: a
+:class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
+the pid, the signals and the exit status are the node's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from refbus.bus.runtime import NodeRuntime
+from refbus.nodes import cli
+from refbus.nodes.config import Config
+
+HANG_S = 120.0  # how long a role hangs: far beyond any shutdown timeout a test sets (its teardown kills it anyway)
+FAILURE = "the role failed after its node closed"
+LOOP_FAILURE = "a step of the node's loop failed"
+
+
+class LoopStepFailed(BaseException):
+    """What a loop step raises past the loop's own guards (those catch ``Exception`` only)."""
+
+
+def _node(config: Config, args: argparse.Namespace) -> NodeRuntime:
+    return NodeRuntime(args.role, config.runtime(node_id=args.node_id, ready_file=args.ready_file), register=False)
+
+
+def fails_then_hangs(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    try:
+        runtime.run(until=lambda: True)
+        raise RuntimeError(FAILURE)
+    finally:
+        threading.Event().wait(HANG_S)
+
+
+def finishes_then_hangs(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    runtime.run(until=lambda: True)
+    threading.Event().wait(HANG_S)
+    return 0
+
+
+def loop_fails(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    runtime.start_background()
+
+    def fail() -> None:
+        raise LoopStepFailed(LOOP_FAILURE)
+
+    runtime.call_soon(fail)
+    threading.Event().wait(HANG_S)
+    return 0
+
+
+def main(command: list[str]) -> int:
+    for function in (fails_then_hangs, finishes_then_hangs, loop_fails):
+        cli.ROLES[function.__name__.replace("_", "-")] = (function.__name__, f"__main__:{function.__name__}")
+    return cli.main(command[command.index("refbus.nodes.cli") + 1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
