@@ -274,23 +274,25 @@ def forced_status(node: NodeRuntime) -> int:
 
     A supervisor reads the status as what the role came to (``refbus up`` restarts a failed node, never a trainer
     rank that exited 0: it finished its steps), so a failure must not be hidden behind the forced exit: 1 when the
-    node did not close (its shutdown overran), or when the main thread is raising or handling an exception (the
-    role failed, then hung in a ``finally`` or ``except`` clause: a thread that never joins, a process group that
-    cannot be destroyed); that exception's own status when it is a ``SystemExit``, as :meth:`ExitWatchdog.run`
-    would have exited. A node that closed cleanly, on a stop or once its role was done, and whose process then hung
-    in teardown exits 0: its work is done and its bye said, a restart could only redo it (a trainer world would
-    train again from its last checkpoint), and cutting such a teardown short is the watchdog's purpose, not a
-    failure; the warning says where it hung."""
+    node did not close (its shutdown overran), when its loop failed (:attr:`NodeRuntime.loop_failed`: a loop in a
+    background thread dies unseen while the role's main thread waits on other work) or when the main thread is
+    raising or handling an exception (the role failed, then hung in a ``finally`` or ``except`` clause: a thread
+    that never joins, a process group that cannot be destroyed); that exception's own status when it is a
+    ``SystemExit``, as :meth:`ExitWatchdog.run` would have exited. A node that closed cleanly, on a stop or once
+    its role was done, and whose process then hung in teardown exits 0: its work is done and its bye said, a
+    restart could only redo it (a trainer world would train again from its last checkpoint), and cutting such a
+    teardown short is the watchdog's purpose, not a failure; the warning says where it hung."""
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident or 0)
     where = "".join(traceback.format_stack(frame, limit=STUCK_FRAMES)) if frame is not None else "(exited)"
-    failure = _in_flight(main)
+    failure = node.loop_failed or _in_flight(main)
     timeout = node.settings.shutdown_timeout_s
     if not node.closed:
         status, reason = 1, "the node did not close within node.shutdown_timeout_s"
     elif failure is not None:
         status = exit_status(failure)
-        reason = f"the role raised {type(failure).__name__}, then its process hung"
+        raised = "the node's loop" if node.loop_failed else "the role"
+        reason = f"{raised} raised {type(failure).__name__}, then its process hung"
     else:
         status, reason = 0, "the node closed cleanly; its process then hung in teardown"
     report = log.warning if status == 0 else log.error
@@ -409,6 +411,7 @@ class NodeRuntime:
         self._stopping = False
         self._shutdown_started: float | None = None
         self.closed = False  # close() has finished
+        self.loop_failed: BaseException | None = None  # what ended the loop when it raised (see forced_status)
         self._rejoin = False
         self._resume_pending = False  # the broker restarted and live subscriptions have not yet resumed
         self._refill_pending = False  # the broker restarted or the PUB path broke: held events not yet handed over
@@ -843,8 +846,12 @@ class NodeRuntime:
         """Serve until stopped (or ``until()`` is true). Events published during a turn go out together, as
         batches, before the loop waits again (see :class:`~.pubsub.Publisher`)."""
         publisher = self.publisher
-        with publisher.batching() if publisher is not None else contextlib.nullcontext():
-            self._turns(until, publisher)
+        try:
+            with publisher.batching() if publisher is not None else contextlib.nullcontext():
+                self._turns(until, publisher)
+        except BaseException as exc:  # kept: a loop in a background thread dies unseen while the process goes on
+            self.loop_failed = exc
+            raise
 
     def _turns(self, until: Callable[[], bool] | None, publisher: Publisher | None) -> None:
         self._in_turns = True

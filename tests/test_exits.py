@@ -310,18 +310,22 @@ def outlived_node(tmp_path: Path, role: str) -> tuple[int, str]:
         node.stop()
 
 
-@pytest.mark.parametrize(("role", "status", "reason"), [
-    ("fails-then-hangs", 1, "the role raised RuntimeError, then its process hung"),
-    ("finishes-then-hangs", 0, "the node closed cleanly; its process then hung in teardown"),
+@pytest.mark.parametrize(("role", "status", "reason", "failure"), [
+    ("fails-then-hangs", 1, "the role raised RuntimeError, then its process hung",
+     f"RuntimeError: {exiting_roles.FAILURE}"),
+    ("loop-fails", 1, "the node's loop raised LoopStepFailed, then its process hung",
+     f"LoopStepFailed: {exiting_roles.LOOP_FAILURE}"),
+    ("finishes-then-hangs", 0, "the node closed cleanly; its process then hung in teardown", ""),
 ])
 def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failure_status(
-    tmp_path: Path, role: str, status: int, reason: str
+    tmp_path: Path, role: str, status: int, reason: str, failure: str
 ) -> None:
-    """A role that failed after its node closed, then hung (a thread that never joins) used to be ended with status
-    0, its failure untold: a supervisor took it for a role that finished and never restarted it. Now the forced
+    """A role that failed after its node closed, then hung (a thread that never joins), and one whose node's loop
+    died of an error in its background thread while the role waited on other work, used to be ended with status 0,
+    the failure untold: a supervisor took either for a role that finished and never restarted it. Now the forced
     exit carries the failure (status 1, its traceback logged); a clean finish that merely hung in teardown still
     exits 0. Either way the log says why the watchdog ended it and where the main thread was."""
     code, log = outlived_node(tmp_path, role)
     assert code == status, log
     assert '"node.exit_forced"' in log and f'"reason": "{reason}"' in log and "main_thread_at" in log, log
-    assert (f"RuntimeError: {exiting_roles.FAILURE}" in log) == (status == 1), log
+    assert failure in log and ("Traceback" in log) == bool(failure), log
