@@ -84,6 +84,7 @@ MANAGER_ROLE = "ps-manager"  # the only role whose ``version-bump`` the summary 
 # ps-manager, at most: past it the oldest is dropped (a genuine one comes after its sender's node-up but for
 # the rare reordering of two publishers; a flood from unknown senders costs no more).
 UNCONFIRMED_BUMPS_MAX = 256
+STAT_STARTTIME = 19  # in /proc/PID/stat after the command's ")": field 22, the process's start time
 RUN_DIR_LOCK = "up.lock"  # in the run directory: held by the launcher using it and its nodes (:func:`hold_run_dir`)
 RUN_DIR_POLL_S = 0.05  # how often a launcher looks whether a killed launcher's nodes have let the run directory go
 
@@ -371,7 +372,8 @@ def run_up(config: Config, args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def hold_run_dir(workdir: Path, orphans_s: float = 0.0) -> Iterator[int]:
     """Hold the run directory ``workdir`` for this launcher while the block runs: an exclusive ``flock`` on its
-    :data:`RUN_DIR_LOCK`, which names the launcher's pid; yields the lock's file descriptor, for every node the
+    :data:`RUN_DIR_LOCK`, which names the launcher's pid and start time (:func:`_stamp`: a pid the kernel gave to
+    another process since is told from the launcher); yields the lock's file descriptor, for every node the
     launcher starts to inherit (:class:`LocalCluster`): the kernel drops the lock once the last process holding it
     is gone, so a killed launcher's run directory stays held until its nodes, which outlive it by up to
     node.shutdown_timeout_s (their parent-death signal's shutdown) still binding its ports and serving its stores,
@@ -390,7 +392,7 @@ def hold_run_dir(workdir: Path, orphans_s: float = 0.0) -> Iterator[int]:
     try:
         _lock_run_dir(fd, workdir, orphans_s)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{_stamp(os.getpid())}\n".encode(), 0)
         yield fd
     finally:
         os.close(fd)
@@ -406,8 +408,9 @@ def _lock_run_dir(fd: int, workdir: Path, orphans_s: float) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        if not holder.isdigit() or _running(int(holder)):
+            stamp = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        holder = stamp.split(" ")[0]
+        if not holder.isdigit() or _running(stamp):
             raise ConfigError(f"--run-dir {workdir} is in use by another refbus up (pid "
                               f"{holder if holder.isdigit() else '?'}): one launcher per run directory; wait "
                               "for it to end, or give another --run-dir")
@@ -422,13 +425,27 @@ def _lock_run_dir(fd: int, workdir: Path, orphans_s: float) -> None:
         time.sleep(RUN_DIR_POLL_S)
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie, not yet reaped by its parent, has)."""
+def _stamp(pid: int) -> str:
+    """``PID STARTTIME`` of process ``pid`` (its start in clock ticks after boot, from ``/proc/PID/stat``): what
+    tells it from a later process the kernel gives the same pid; the pid alone when it cannot be read."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[STAT_STARTTIME]
+    except (OSError, IndexError):
+        return str(pid)
+    return f"{pid} {started}"
+
+
+def _running(stamp: str) -> bool:
+    """Whether the process a lock file's ``stamp`` (:func:`_stamp`; a bare pid, as older launchers wrote) names
+    exists and has not exited (a zombie, not yet reaped by its parent, has): a live process that has its pid but
+    started at another time is another process, the launcher being gone."""
+    pid, _, started = stamp.partition(" ")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, now_started = fields[0], fields[STAT_STARTTIME]
     except (OSError, IndexError):
         return False
-    return state not in ("Z", "X")
+    return state not in ("Z", "X") and started in ("", now_started)
 
 
 def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> int:

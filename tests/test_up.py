@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections import Counter
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import FAST_LIVENESS
-from polling import wait_for
+from polling import read_line, wait_for
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes import up as up_module
@@ -562,6 +563,64 @@ def test_a_lock_file_left_with_garbage_holds_nothing_and_one_that_cannot_be_used
     assert _up_elsewhere(tmp_path / "link") == 2
     assert "cannot use its lock file" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere").exists()
+
+
+HOLD_LOCK = """
+import fcntl, sys
+with open(sys.argv[1], "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    print("held", flush=True)
+    sys.stdin.readline()  # until the test closes it
+"""
+
+
+def test_a_run_dir_whose_dead_launchers_pid_a_live_process_has_now_is_taken_once_its_nodes_are_gone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the lock file named its launcher by pid alone: once the kernel gave a dead launcher's pid to an
+    unrelated live process, a launcher given the run directory while the dead one's nodes still exited was refused
+    at once, "in use by another refbus up". The lock names the launcher's start time too now: a live process with
+    that pid that started at another time is not it, so its nodes are waited for and the run directory taken. Here
+    the dead launcher's node is a real process holding the lock, and the live process with the launcher's pid is
+    this one (the launcher started a clock tick before it). A bare pid, as older launchers wrote, still counts as
+    the launcher while a process has that pid."""
+    path = tmp_path / up_module.RUN_DIR_LOCK
+    pid = os.getpid()
+    started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: its start
+    path.write_text(f"{pid} {started - 1}\n")
+    node = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, bufsize=0)
+    taken: list[str] = []
+    try:
+        assert read_line(node, START_S) == "held"
+        waiting = threading.Thread(target=lambda: taken.append(_took(tmp_path)), daemon=True)
+        waiting.start()
+        said: list[str] = []
+
+        def waits() -> bool:
+            said.append(capsys.readouterr().out)
+            return "waiting for them to exit" in "".join(said) or not waiting.is_alive()  # waiting, or refused
+
+        wait_for(waits, START_S, "the launcher waiting for the dead launcher's node")
+        assert f"(pid {pid}, gone) still hold --run-dir" in "".join(said), said
+    finally:
+        assert node.stdin is not None
+        node.stdin.close()  # the node exits: the kernel drops the lock
+        node.wait(START_S)
+    waiting.join(START_S)
+    assert taken == [f"{pid} {started}"], taken
+
+    path.write_text(f"{pid}\n")  # an older launcher's lock, held
+    with open(path) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConfigError, match=rf"is in use by another refbus up \(pid {pid}\)"):
+            _took(tmp_path)
+
+
+def _took(run_dir: Path) -> str:
+    """Take ``run_dir`` as a launcher does (waiting for a dead launcher's nodes at most START_S): the lock file's
+    stamp while held."""
+    with up_module.hold_run_dir(run_dir, START_S):
+        return (run_dir / up_module.RUN_DIR_LOCK).read_text().strip()
 
 
 def test_a_node_holds_the_run_directory_lock_it_inherits_but_passes_it_to_no_process_it_execs(
