@@ -218,11 +218,13 @@ class ExitWatchdog:
             watchdog._node = node
 
     @classmethod
-    def notify(cls) -> None:
-        """The attached node began its shutdown (safe from signal handlers: the only lock taken is the
-        watchdog's own)."""
-        if cls._installed is not None:
-            cls._installed._begun.set()
+    def notify(cls, node: NodeRuntime) -> None:
+        """``node`` began its shutdown (safe from signal handlers: the only lock taken is the watchdog's own). Only
+        the attached node's starts the clock: another runtime the role makes and closes (a probe of the registry)
+        must not end the node the process runs."""
+        watchdog = cls._installed
+        if watchdog is not None and node is watchdog._node:
+            watchdog._begun.set()
 
     def _watch(self) -> None:
         while not self._begun.is_set():
@@ -777,7 +779,7 @@ class NodeRuntime:
         whose own loop ends the node later (a training loop finishing its step); :meth:`stop` calls it."""
         if self._shutdown_started is None:
             self._shutdown_started = time.monotonic()
-            ExitWatchdog.notify()
+            ExitWatchdog.notify(self)
 
     @property
     def shutdown_started(self) -> float:

@@ -1,8 +1,9 @@
 """A launcher for ``refbus node`` that adds roles whose process outlives its node, for the exit watchdog's status:
 ``fails-then-hangs`` (its role raises once the node has closed, then hangs in a ``finally``: a thread that never
 joins), ``finishes-then-hangs`` (its node closes cleanly, then the role hangs in teardown) and ``loop-fails`` (its
-node's loop, in a background thread, dies of an error while the role's main thread waits on other work). Each
-node is unregistered (no broker needed) and closes at once, which starts its shutdown clock.
+node's loop, in a background thread, dies of an error while the role's main thread waits on other work), each
+node closing at once, which starts its shutdown clock; and ``probes-then-serves``, whose role makes and closes a
+second runtime (a probe) before its node serves until SIGTERM. Every node is unregistered (no broker needed).
 
 ``python tests/exiting_roles.py python -m refbus.nodes.cli node ROLE ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -60,8 +61,16 @@ def loop_fails(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def probes_then_serves(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    probe = NodeRuntime("probe", config.runtime(node_id="probe"), register=False)  # made after the node: not its
+    probe.close()
+    runtime.run()  # until SIGTERM
+    return 0
+
+
 def main(command: list[str]) -> int:
-    for function in (fails_then_hangs, finishes_then_hangs, loop_fails):
+    for function in (fails_then_hangs, finishes_then_hangs, loop_fails, probes_then_serves):
         cli.ROLES[function.__name__.replace("_", "-")] = (function.__name__, f"__main__:{function.__name__}")
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 

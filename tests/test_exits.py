@@ -22,7 +22,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
-from polling import wait_for
+from polling import holds_for, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess, _die_with_parent
@@ -329,3 +329,17 @@ def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failur
     assert code == status, log
     assert '"node.exit_forced"' in log and f'"reason": "{reason}"' in log and "main_thread_at" in log, log
     assert failure in log and ("Traceback" in log) == bool(failure), log
+
+
+def test_a_runtime_the_role_closes_besides_its_node_does_not_start_the_nodes_shutdown_clock(tmp_path: Path) -> None:
+    """Before, any runtime's close in a ``refbus node`` process started the exit watchdog's clock for the node the
+    process runs: a role that made and closed a second one (a registry probe) had its node stopped at the hooks'
+    share of the shutdown timeout (``node.stopped_by_deadline``), no stop asked, and the process gone. Now only
+    the node's own shutdown does: it serves on until SIGTERM, which still ends it cleanly."""
+    node = NodeProcess(["node", "probes-then-serves", "--node-metrics-port", "-1", *SHUTDOWN], workdir=tmp_path,
+                       name="probes", prefix=[sys.executable, str(EXITING_ROLES)])
+    with node:
+        node.wait_ready(START_S)  # the probe closed before: a clock it started would end the node within SHUTDOWN_S
+        holds_for(lambda: node.proc.poll() is None, GONE_S, "the node serving after its role closed a probe")
+        terminate(node)
+        assert "node.stopped_by_deadline" not in node.log_tail(200)
