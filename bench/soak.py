@@ -139,7 +139,8 @@ def rows(memory: dict[str, NodeMemory], warm_step: int, limit: float) -> Iterato
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000, help="steps of the run (default 1000)")
     parser.add_argument("--warmup", type=float, default=0.5,
                         help="share of the steps that warms up (0.5: bounded caches fill first, e.g. the broker's "

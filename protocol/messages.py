@@ -12,7 +12,7 @@ Kinds by direction:
 
 * events (PUB/SUB through the broker): ``episode-finished``, ``claim``, ``reference``, ``fetch-ack``,
   ``delete``, ``violation``, ``version-bump``, ``node-up``, ``node-down``, ``sync``, ``run-end``
-* requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``sync``, ``keep``,
+* requests (DEALER to ROUTER): ``hello``, ``heartbeat``, ``bye``, ``nodes``, ``replay``, ``refill``, ``sync``, ``keep``,
   ``discard``, ``claim``, ``fetch``, ``delete``, ``accounts``, ``holdings``, ``step-batch``, ``run``,
   ``generate``
 * replies: ``welcome``, ``ok``, ``node-list``, ``replayed``, ``kept``, ``blobs``, ``claimed``, ``deleted``,

@@ -27,6 +27,10 @@ reason           when
 ``missing``      (counted, nothing to delete) a sample whose blob was gone before it could be claimed
 ``unreferenced`` a claimed blob no sample of its episode's record points to (more branches than samples, a
                  record without samples): deleted at once, counted, logged (``episode.unreferenced``)
+``malformed``    an episode whose record fails the checks (:mod:`.records`: reward, samples, refs), deleted
+                 whole, its group abandoned; a group whose samples make a step's packing fail (a repeated sample id)
+``trainer-down`` a step batch a rank of a world that went down refused, or whose outcome was still unknown once
+                 the stores reclaimed that world's blobs (see below)
 ``claim-failed`` a blob whose claim went unanswered (or was answered with an error) while its store was live,
                  or whose store went down before answering and came back as the same store, that a second
                  claim found granted after all: its episode went on without it (counted ``missing``)

@@ -29,9 +29,10 @@ A host failure (reboot, power) loses everything here: tmpfs lives in memory. The
 process, not its machine.
 
 Other users: ``/dev/shm`` is shared by every user and a store's name is predictable, so a store directory is
-made mode 0700, and one found there is used only when it is a directory (not a symlink) this user owns and
-no one else may write (:class:`StoreError` otherwise, naming it); its own files are opened without following
-symlinks. :func:`gc` leaves other users' directories alone.
+made mode 0700, and one found there is used only when it is a directory (not a symlink) this user owns
+(:class:`StoreError` otherwise, naming it); one group or others may reach is made 0700 again (logged
+``store.directory_made_private``). Its own files are opened without following symlinks. :func:`gc` leaves
+other users' directories alone.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class StoreError(RuntimeError):
 class StoreLocked(StoreError, Transient):
     """Another live process serves this store (``pid``): transient, since that may be the predecessor of a restarted
     process, not yet dead (``refbus node`` exits 1 on it, and is restarted, where other refusals of a store are
-    final)."""
+    final; it exits 2 when the broker says a live process holds the node's id)."""
 
     def __init__(self, path: Path, pid: int) -> None:
         self.pid = pid
