@@ -1,10 +1,12 @@
 """`refbus up [CONFIG]`: a whole cluster on this host, running a real asynchronous RL loop.
 
 Starts, each as its own ``refbus node <role>`` process and in dependency order: the broker, the ps-manager,
-``up.ps_workers`` ps-workers, ``up.env_servers`` env servers (replicas of one source), ``up.trainers`` trainer
-ranks (torch.distributed, gloo, rendezvous through a file), ``up.rollouts`` rollout workers and, last, once
-the trainers have published version 0 of the weights (before that no rollout worker could serve a run), the
-orchestrator (dispatching runs). Every child gets the same cluster config file (the effective config,
+``up.ps_workers`` ps-workers, ``up.trainers`` trainer ranks (torch.distributed, gloo, rendezvous through a
+file), ``up.rollouts`` rollout workers and, once the trainers have published version 0 of the weights (before
+that no rollout worker could serve a run), ``up.env_servers`` env servers (replicas of one source) and, last,
+the orchestrator (dispatching runs): the stores just before it, so that a relaunch's durable stores, which
+give the holders they find gone ``node.restart_grace_s`` from their start, see the orchestrator back well
+within it (:func:`_start_nodes`). Every child gets the same cluster config file (the effective config,
 written to the run directory), so one TOML describes the run.
 
 While the trainers work, a watcher on the event stream prints one line per version (:mod:`.progress`: step,
@@ -627,13 +629,14 @@ def rendezvous(workdir: Path, run: str, world: int) -> str:
 
 def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopFlag) -> None:
     """Everything after the broker. The orchestrator comes last, once version 0 of the weights exists:
-    before that no rollout worker could serve a run."""
+    before that no rollout worker could serve a run. The env servers come just before it, after every slow
+    start (trainer ranks' rendezvous and resume, rollout workers' torch import, version 0): a relaunch's durable
+    store gives the holders it finds gone (the killed orchestrator) ``node.restart_grace_s`` from its own start to
+    come back and claim what they held, and the orchestrator started seconds after it would find it reclaimed."""
     manager = cluster.start("ps-manager", "node", "ps-manager")
     cluster.pin("ps", manager=manager.info["endpoints"]["ps"])
     for i in range(up.ps_workers):
         cluster.start(f"ps-worker-{i}", "node", "ps-worker")
-    for i in range(up.env_servers):
-        cluster.start(f"env-{i}", "node", "env-server")
     # Ranks rendezvous with each other before they are ready: start them all, then wait.
     ranks = [cluster.start(f"trainer-{r}", "node", "trainer", "--trainer-rank", str(r), wait=False)
              for r in range(up.trainers)]
@@ -642,6 +645,8 @@ def _start_nodes(cluster: LocalCluster, up: Any, record: RunRecord, stop: _StopF
     for i in range(up.rollouts):
         cluster.start(f"rollout-{i}", "node", "rollout")
     wait_first_version(cluster, record, stop)
+    for i in range(up.env_servers):
+        cluster.start(f"env-{i}", "node", "env-server")
     cluster.start("orchestrator", "node", "orchestrator")
 
 

@@ -639,6 +639,31 @@ def test_a_node_holds_the_run_directory_lock_it_inherits_but_passes_it_to_no_pro
         assert flags & os.O_CLOEXEC, f"the lock is inheritable in the node (flags {flags:o})"
 
 
+def test_the_stores_start_after_every_slow_start_just_before_the_orchestrator(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relaunch's durable stores give the killed orchestrator ``node.restart_grace_s`` from their start to come
+    back and claim what it held. Before, the env servers started before the trainer ranks (rendezvous, resume from
+    checkpoints), the rollout workers (each one's torch import, one after the other) and version 0 of the weights:
+    the orchestrator came up 6.5 s (idle) to 23.5 s (busy cores) after them, and with the grace over, what the
+    stores kept was deleted ``holder-down-before`` instead of trained. Now nothing slow starts between the stores
+    and the orchestrator. Stand-in starts record the order; no process runs."""
+    started: list[str] = []
+
+    def start(cluster: LocalCluster, name: str, *command: str, wait: bool = True) -> Any:
+        started.append(name)
+        return argparse.Namespace(name=name, info={"endpoints": {"ps": "tcp://127.0.0.1:1"}})
+
+    monkeypatch.setattr(LocalCluster, "start", start)
+    monkeypatch.setattr(LocalCluster, "wait_ready", lambda cluster, node, timeout: None)
+    monkeypatch.setattr(up_module, "wait_first_version", lambda cluster, record, stop: started.append("version 0"))
+    config = load_config(build_parser().parse_args(["up", "--up-env-servers", "2", "--up-rollouts", "2",
+                                                    "--up-trainers", "2", "--up-ps-workers", "1"]))
+    up_module._start_nodes(LocalCluster(config, tmp_path), config.up, RunRecord(), _StopFlag())
+
+    assert started == ["ps-manager", "ps-worker-0", "trainer-0", "trainer-1", "rollout-0", "rollout-1", "version 0",
+                       "env-0", "env-1", "orchestrator"]
+
+
 def test_a_node_that_died_while_a_later_one_starts_is_named_at_once_not_the_one_waiting(tmp_path: Path) -> None:
     """Before, a trainer rank that died while its partner waited in their rendezvous went unnamed: the launcher
     waited out four connect timeouts and blamed the partner (``trainer-0 not ready``). Here the node waited on
