@@ -8,9 +8,11 @@ subscriber does not want history unless it asks with ``replay``).
 
 Sequence state is kept per source *incarnation* (the sender-process part of the message id) and changes only
 for events whose MAC verified (:meth:`WireCodec.decode_header` checks it first), so a forged event cannot
-move a sequence. An event at or below what its incarnation already delivered that arrives on the socket is a
-replay (PUB/SUB never repeats one): refused as ``replay`` and counted. The same from the ring (a gap fill, a
-``--since`` merge) is an ordinary duplicate. A new incarnation of a known source is a restart: it starts a new
+move a sequence. An event that arrives on the socket at or below what its incarnation already *sent through the
+socket* is a replay (PUB/SUB never repeats one): refused as ``replay`` and counted. One the ring delivered first (a
+gap fill, a ``--since`` merge, a resumption after a broker restart, which takes the whole new ring while the live
+copies of its newest events still wait in the socket's queue), and the ring's copy of one already delivered, are
+ordinary duplicates. A new incarnation of a known source is a restart: it starts a new
 sequence without a gap; gap fills take only the missing events' own incarnation.
 
 A batch (several events of one source in one message, what a node's loop turn publishes) is read whole or
@@ -256,6 +258,9 @@ class Subscriber:
         # (source, incarnation) -> last seq, least recently seen first: a plain dict, whose order is that of
         # insertion (an event re-inserts its key), costs half an OrderedDict's get, move_to_end and set
         self._sequences: dict[tuple[str, str], int] = {}
+        # (source, incarnation) -> the last seq that came through the socket (a repeat at or below it is a replay;
+        # one above it, at or below the last delivered, came from the ring first); its keys within _sequences'
+        self._socket_seqs: dict[tuple[str, str], int] = {}
         self.tokens: set[str] = set()  # expected tokens whose probe arrived (see expect)
         self._expected: set[str] = set()
         self.received = 0
@@ -336,16 +341,15 @@ class Subscriber:
         if bytes(frames[0]) == SYNC_KIND:
             self._take(frames, tail=False)  # the handshake must see its probe while events are parked
 
-    def _take(self, frames: list, live: bool = True, tail: bool = True) -> None:
-        """``live``: straight from the socket, where a repeat can only be a replay (parked events are not:
-        the ring merged in front of them may have delivered them already). ``tail``: act on a probe's
-        sequence number (not while events in front of it are parked). Positional arguments and
-        :meth:`WireCodec.decode_body`: this runs once per event."""
+    def _take(self, frames: list, tail: bool = True) -> None:
+        """A message that came through the socket, live or parked. ``tail``: act on a probe's sequence number
+        (not while events in front of it are parked). Positional arguments and :meth:`WireCodec.decode_body`: this
+        runs once per event."""
         codec = self.codec
         try:
             batch = codec.decode_batch(frames)  # None for one event; a batch is decoded whole, MAC first
             if batch is not None:
-                self._take_batch(batch, live)
+                self._take_batch(batch)
                 return
             checked = codec.decode_header(frames)  # MAC verified here, before any state changes
             kind = checked.kind
@@ -360,7 +364,7 @@ class Subscriber:
                 return
             if self.topics is not None and kind not in self.topics:
                 return  # a kind that merely starts like a topic: not part of what this subscription tracks
-            if not self._track(header.src, header.seq, incarnation(header.id), live):
+            if not self._track(header.src, header.seq, incarnation(header.id), True):
                 return
             if self.kinds is None or kind in self.kinds:
                 self._ready.append(codec.decode_body(checked, self.backend))
@@ -375,7 +379,7 @@ class Subscriber:
         self.rejected[error.code] += 1
         log.warning("event.rejected", code=error.code, error=str(error))
 
-    def _take_batch(self, batch: list[Message], live: bool) -> None:
+    def _take_batch(self, batch: list[Message]) -> None:
         """The events of one batch (one kind, one source incarnation, which the codec checked), each tracked as
         if it came alone; the common case, consecutive numbers all new, in one step of :meth:`_track`."""
         kind = batch[0].kind
@@ -386,12 +390,12 @@ class Subscriber:
         src, epoch, first = lead.src, incarnation(lead.id), lead.seq
         last = self._last(src, epoch)
         if (last is None or first > last) and all(m.header.seq == seq for seq, m in enumerate(batch, first)):
-            if self._track(src, first, epoch, live, len(batch)) and deliver:
+            if self._track(src, first, epoch, True, len(batch)) and deliver:
                 self._ready.extend(batch)
             return
         track, ready = self._track, self._ready
         for message in batch:
-            if track(src, message.header.seq, epoch, live) and deliver:
+            if track(src, message.header.seq, epoch, True) and deliver:
                 ready.append(message)
 
     def hold(self) -> None:
@@ -402,7 +406,7 @@ class Subscriber:
         """Process the parked events in arrival order and resume normal delivery."""
         held, self._held = self._held or [], None
         for frames in held:
-            self._take(frames, live=False)
+            self._take(frames)
 
     def pop(self) -> Message | None:
         return self._ready.popleft() if self._ready else None
@@ -412,20 +416,21 @@ class Subscriber:
         header = message.header
         if self.topics is not None and message.kind not in self.topics:
             return False
-        if not self._track(header.src, header.seq, incarnation(header.id), live=False):
+        if not self._track(header.src, header.seq, incarnation(header.id), False):
             return False
         if self.kinds is None or message.kind in self.kinds:
             self._ready.append(message)
         return True
 
-    def _track(self, src: str, seq: int, epoch: str, live: bool, count: int = 1) -> bool:
+    def _track(self, src: str, seq: int, epoch: str, socket: bool, count: int = 1) -> bool:
         """Advance the sequence of ``src``'s incarnation ``epoch``; False for an event it already delivered. A
         jump is a gap: fill it first. A new incarnation starts a new baseline (a restarted node); when this
         subscriber already followed the source, that incarnation's every event came after it subscribed, so
         one that does not start at 1 is a gap from 1 (a restarted broker whose first events were forwarded
         before this subscriber's socket reconnected, or went before a live one overtook the ring's copy).
-        ``count``: the events numbered ``seq`` to ``seq + count - 1`` (part of a batch) in one step, for a caller
-        that knows every one of them is new (``seq`` above the last number seen)."""
+        ``socket``: the event came through the socket (live or parked), not from the ring. ``count``: the events
+        numbered ``seq`` to ``seq + count - 1`` (part of a batch) in one step, for a caller that knows every one of
+        them is new (``seq`` above the last number seen)."""
         key = (src, epoch)
         sequences, epochs = self._sequences, self._epochs
         last = sequences.pop(key, None)  # re-inserted below: the most recently seen is last
@@ -443,6 +448,8 @@ class Subscriber:
                 log.info("event.source_restarted", src=src, last_seq=self.last_seq.get(src))
             epochs[src] = epoch
             self._remember(key, end)
+            if socket:
+                self._socket_seqs[key] = end
             self.last_seq[src] = end
             self.received += count
             if restarted and seq > 1:
@@ -452,13 +459,17 @@ class Subscriber:
             epochs[src] = latest
         if seq <= last:
             sequences[key] = last
-            if live:
+            if socket and seq <= self._socket_seqs.get(key, 0):
                 self.rejected["replay"] += 1
                 log.warning("event.rejected", code="replay", src=src, incarnation=epoch, seq=seq, last_seq=last)
             else:
                 self.duplicates += 1
+                if socket:  # its live copy, after the ring's: what comes through the socket now goes on from it
+                    self._socket_seqs[key] = seq
             return False
         sequences[key] = end
+        if socket:
+            self._socket_seqs[key] = end
         if latest == epoch:
             self.last_seq[src] = end
         self.received += count
@@ -497,7 +508,9 @@ class Subscriber:
         sequences = self._sequences
         sequences[key] = seq
         while len(sequences) > MAX_INCARNATIONS:
-            del sequences[next(iter(sequences))]  # the least recently seen
+            oldest = next(iter(sequences))  # the least recently seen
+            del sequences[oldest]
+            self._socket_seqs.pop(oldest, None)
         epochs = self._epochs
         while len(epochs) > MAX_INCARNATIONS:
             src = next(iter(epochs))  # none of its sequences is left: every source seen since saw one of its own
