@@ -80,6 +80,7 @@ from ..protocol.messages import (
     ReplayedEvent,
     Sync,
     Welcome,
+    id_problem,
 )
 from .forwarder import CAPTURE_HWM, SUBSCRIBE_ALL, Forwarder, held_bytes, is_event
 from .metrics import ROUTES, by_label
@@ -87,7 +88,7 @@ from .peers import incarnation
 from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import ID_IN_USE, NodeRuntime
-from .sockets import TooManyFrames, recv_from, send_frames
+from .sockets import TooManyFrames, connect_problem, recv_from, send_frames
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +160,27 @@ def sd_target(metrics_url: str) -> tuple[str, str]:
     if url is None or url.scheme != "http" or not url.hostname:
         raise ValueError(f"{shown(metrics_url)} is not an http://host[:port]/path URL")
     return url.netloc, url.path
+
+
+def registration_problem(node: NodeInfo) -> str:
+    """What makes ``node`` a registration the broker refuses (``schema``), naming the field; empty when nothing
+    does: a node id or role that is none (:func:`~refbus.protocol.messages.id_problem`; peers name files and log
+    lines after them), an endpoint peers could not connect to (:func:`~.sockets.connect_problem`: they connect to
+    what a registration advertises, and ZeroMQ would take a port above 65535 modulo 65536, elsewhere) or a metrics
+    endpoint that is no URL (:func:`sd_target`)."""
+    if problem := id_problem(node.node_id):
+        return f"hello.node.node_id: {problem}"
+    if problem := id_problem(node.role, "role"):
+        return f"hello.node.role: {problem}"
+    for name, endpoint in node.endpoints.items():
+        if problem := connect_problem(endpoint):
+            return f"hello.node.endpoints[{shown(name)}]: {problem}"
+    if node.metrics:
+        try:
+            sd_target(node.metrics)
+        except ValueError as exc:
+            return f"hello.node.metrics: {exc}"
+    return ""
 
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -701,11 +723,8 @@ class Broker:
         hello = request.body
         assert isinstance(hello, Hello)
         self._check_own(request, hello.node.node_id, hello.node.role)
-        if hello.node.metrics:
-            try:
-                sd_target(hello.node.metrics)
-            except ValueError as exc:
-                raise HandlerError("schema", f"hello.node.metrics: {exc}") from None
+        if problem := registration_problem(hello.node):
+            raise HandlerError("schema", problem)
         wire = negotiate(hello.wire)
         node = msgspec.structs.replace(hello.node, last_seen=time.time())
         old = self.members.get(node.node_id)

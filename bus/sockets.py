@@ -190,6 +190,21 @@ def endpoint_problem(endpoint: str) -> str:
     return host_problem(host, in_endpoint=True)
 
 
+def connect_problem(endpoint: str) -> str:
+    """What is wrong with ``endpoint`` as one peers connect to (empty when nothing is): a cluster endpoint
+    (:func:`endpoint_problem`) naming one address, not a bind's wildcard host (``*``) or ephemeral port (0, ``*``),
+    which a node binds but advertises resolved."""
+    if problem := endpoint_problem(endpoint):
+        return problem
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "ipc":
+        return ""
+    host, _, port = (address if scheme == "tcp" else address.split("/", 1)[0]).rpartition(":")
+    if host == "*" or port in ("*", "0"):
+        return f"{endpoint!r} is a wildcard to bind, not an address to connect to"
+    return ""
+
+
 def wildcard_port(endpoint: str) -> str:
     """Accept ``tcp://host:0`` as ZeroMQ's ephemeral-port form ``tcp://host:*``."""
     return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint

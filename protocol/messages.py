@@ -21,9 +21,12 @@ Kinds by direction:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+
+from .errors import shown
 
 Array = Any  # numpy.ndarray or torch.Tensor; carried as a buffer frame (see codec)
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -35,6 +38,22 @@ MAX_NODE_ENTRIES = 64
 """Entries a node's ``endpoints``, ``labels`` and ``status`` each hold at most. With their keys and values
 bounded too, one registration is at most ~2.3 MB encoded (~0.6 MB in ASCII; real nodes: well under 1 KB), so
 what the broker keeps and answers per node is bounded whatever a node sends."""
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def id_problem(value: str, what: str = "node id") -> str:
+    """What is wrong with ``value`` as a node id or role (``what`` names it); empty when nothing is. One is 1 to
+    256 ASCII letters, digits, '.', '_' or '-', the first a letter or digit (the shape the key directory's allow-list
+    gives them too): ids name files (a node's durable store directory, its key files) and lines of output, where
+    '/', '..', a NUL, a leading '-', a newline or a character a file name cannot carry would leave a directory,
+    name another node's store once made a file name, read as a flag or forge a line."""
+    if len(value) > MAX_KEY_CHARS or not _ID.fullmatch(value):
+        return (f"{what} {shown(value)} is not 1 to {MAX_KEY_CHARS} letters, digits, '.', '_' or '-' starting with a "
+                "letter or digit")
+    return ""
+
+
 Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY_CHARS)]  # a map key, a host name
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # an endpoint, a URL, a label's value
 Entries = Annotated[dict[Key, Text], msgspec.Meta(max_length=MAX_NODE_ENTRIES)]

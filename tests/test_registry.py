@@ -186,6 +186,33 @@ def test_garbage_registrations_are_refused_take_no_place_and_the_broker_keeps_se
     assert listed(raw) == []  # "good" never proved its PUB live: registered, not listed
 
 
+def test_hellos_naming_odd_ids_roles_or_endpoints_are_refused_and_the_broker_keeps_serving(small_bus, raw) -> None:
+    """Peers name files and log lines after node ids and roles, and connect to the endpoints a registration
+    advertises: a hello whose id or role could leave a directory, read as a flag or forge a line, or whose endpoint
+    is no address to connect to (one ZeroMQ would take modulo 65536 among them), is refused ``schema`` naming the
+    field, registers nothing, and the broker answers on."""
+    garbage = [
+        ("node_id", {"node_id": "../../x"}), ("node_id", {"node_id": "a/b"}), ("node_id", {"node_id": "."}),
+        ("node_id", {"node_id": "-rf"}), ("node_id", {"node_id": "a\nb"}), ("node_id", {"node_id": "a\0b"}),
+        ("node_id", {"node_id": "n\u00e9"}), ("node_id", {"node_id": "a b"}),
+        ("role", {"role": "x/../y"}), ("role", {"role": "r\nnode.up node=forged"}), ("role", {"role": "r o"}),
+        ("endpoints", {"endpoints": {"blobs": "not an endpoint"}}),
+        ("endpoints", {"endpoints": {"blobs": "tcp://127.0.0.1:70000"}}),
+        ("endpoints", {"endpoints": {"blobs": "tcp://*:5555"}}), ("endpoints", {"endpoints": {"blobs": "tcp://h:0"}}),
+        ("endpoints", {"endpoints": {"blobs": "inproc://x"}}), ("endpoints", {"endpoints": {"blobs": ""}}),
+    ]
+    for i, (field, fields) in enumerate(garbage):
+        refused = hello(raw, str(fields.pop("node_id", f"odd-{i}")), **fields)
+        assert isinstance(refused, Error) and refused.code == "schema" and f"hello.node.{field}" in refused.message, (
+            fields, refused)
+    endpoints = {"blobs": "tcp://127.0.0.1:5555", "ps": "ipc:///tmp/ps.sock", "trainer": "tcp://[::1]:7"}
+    assert isinstance(hello(raw, "Env_0.a-1", role="env-server", endpoints=endpoints), Welcome)
+    assert isinstance(hello(raw, "x" * 256), Welcome)
+    assert isinstance(ask(raw, Heartbeat(node_id="Env_0.a-1")), Ok)
+    unknown = ask(raw, Heartbeat(node_id="odd-8"))
+    assert isinstance(unknown, Error) and unknown.code == "unknown-node", unknown
+
+
 def test_byes_from_another_process_or_naming_garbage_leave_the_holder_registered(small_bus, raw) -> None:
     """A bye naming another process than the holder's (one replaced under its id) is refused ``replaced`` and
     counted; one whose ``process`` is garbage is refused ``schema`` naming it; the holder keeps its entry (its
