@@ -20,6 +20,7 @@ from ..bus.logs import configure_logging
 from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeIdInUse, NodeRuntime
 from ..bus.security import SecurityError, generate
 from ..bus.sockets import BindRefused, CannotBind
+from ..protocol.messages import id_problem
 from .config import Config, ConfigError, add_config_flags, load_config, to_toml
 from .halting import CONFIG_STATUS, Transient
 
@@ -67,8 +68,17 @@ def role_entry(role: str) -> Callable[[Config, argparse.Namespace], int]:
     return getattr(importlib.import_module(module), function)
 
 
+def _node_id(text: str) -> str:
+    """``--node-id``: empty (the default id) or a node id (:func:`~refbus.protocol.messages.id_problem`). One that
+    is none is refused here, exit 2, before it names a file of this node's; the broker would refuse it too, at
+    every restart."""
+    if text and (problem := id_problem(text)):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def _node_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node-id", default="",
+    parser.add_argument("--node-id", default="", type=_node_id,
                         help="node id (default: <role>-<host>-<pid>, or with security.curve_dir set the id its key "
                         "is granted; 'bus' for the broker, trainer-<rank> for a trainer rank)")
     parser.add_argument("--ready-file", default="", metavar="PATH",

@@ -61,6 +61,23 @@ def _seen_after_marker(spawn, control: str, out: Path) -> list[tuple[str, str, s
     return _liveness_events(out)
 
 
+@pytest.mark.parametrize("node_id", ["../x", "-rf", "a\nb", "env/0", "n\u00e9"])
+def test_a_node_given_a_node_id_that_is_none_exits_2_naming_it_before_it_makes_anything(
+        tmp_path: Path, node_id: str) -> None:
+    """Before, any ``--node-id`` was taken: ``env/0`` made the store directory ``refbus-store.<run>.env_0``, which
+    ``env_0``'s process then adopted as its own (and ``../x`` named a key file outside the key directory). Now it is
+    refused at the flag, exit 2, and nothing is made; no broker is needed to be told."""
+    shm = tmp_path / "shm"
+    result = subprocess.run(
+        [sys.executable, "-m", "refbus.nodes.cli", "node", "env-server", f"--node-id={node_id}",
+         "--store-directory", str(shm), "--bus-control", "tcp://127.0.0.1:9", "--node-connect-timeout-s", "1",
+         "--node-metrics-port", "-1"], capture_output=True, text=True, timeout=START_S, stdin=subprocess.DEVNULL)
+    assert result.returncode == CONFIG_STATUS, result.stderr
+    said = result.stderr.splitlines()[-1]
+    assert f"--node-id: node id {node_id!r} is not 1 to 256 letters" in said and "Traceback" not in result.stderr, said
+    assert not shm.exists()
+
+
 def test_a_second_live_process_under_one_node_id_exits_2_and_the_first_keeps_serving_until_killed(
         bus, spawn, tmp_path: Path) -> None:
     """Two env servers started with ``--node-id env-0`` on two hosts (their own store directories): before, the
