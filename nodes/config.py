@@ -21,6 +21,7 @@ from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
 from ..bus.sockets import ENDPOINT_SCHEMES, endpoint_problem, host_problem
 from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits, largest_frame
+from ..protocol.messages import run_id_problem
 from .settings import (
     BusSettings,
     ClusterSettings,
@@ -269,7 +270,8 @@ def _floats() -> list[str]:
 
 def check_relations(config: Config) -> None:
     """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first of
-    :data:`ENDPOINTS` that is no endpoint and of :data:`HOSTS` that is no host, the first number that is not
+    :data:`ENDPOINTS` that is no endpoint and of :data:`HOSTS` that is no host, a ``store.run`` that is no run id
+    (:func:`~refbus.protocol.messages.run_id_problem`: it names directories), the first number that is not
     finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S` (but 0 where
     :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or :data:`POSITIVE` out of
     bounds, a frame cap (``limits.max_frame_bytes``) below :func:`~refbus.protocol.envelope.largest_frame`, or
@@ -286,6 +288,8 @@ def check_relations(config: Config) -> None:
         value = _quantity(config, name)
         if not (may_be_empty and value == "") and (problem := host_problem(value)):
             raise ConfigError(f"{name}: {problem}")
+    if config.store.run and (problem := run_id_problem(config.store.run)):
+        raise ConfigError(f"store.run: {problem}")
     for name in _floats():
         if not math.isfinite(value := _quantity(config, name)):
             raise ConfigError(f"{name} must be a finite number, got {value!r}")

@@ -193,9 +193,10 @@ class StoreSettings:
                               "ps.shm_dir, versions in the manager's memory, all lost with their process.")
     directory: str = key("/dev/shm", "Directory (tmpfs) of the durable stores, one sub-directory per store per run; "
                                      "its size must cover env_server.budget_bytes.")
-    run: str = key("", "Run id naming the store directories (default: cluster.name and bus.control); `refbus up` "
-                       "sets a fresh one per run and names its trainer checkpoint directory and rendezvous files "
-                       "after it too, so a new run never re-adopts an old run's blobs nor resumes its checkpoints.")
+    run: str = key("", "Run id naming the store directories: letters, digits, '_' and '-' (default: cluster.name and "
+                       "bus.control); `refbus up` sets a fresh one per run and names its trainer checkpoint directory "
+                       "and rendezvous files after it too, so a new run never re-adopts an old run's blobs nor resumes "
+                       "its checkpoints.")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ bounded too, one registration is at most ~2.3 MB encoded (~0.6 MB in ASCII; real
 what the broker keeps and answers per node is bounded whatever a node sends."""
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def id_problem(value: str, what: str = "node id") -> str:
@@ -50,6 +51,20 @@ def id_problem(value: str, what: str = "node id") -> str:
     name another node's store once made a file name, read as a flag or forge a line."""
     if len(value) > MAX_KEY_CHARS or not _ID.fullmatch(value):
         return (f"{what} {shown(value)} is not 1 to {MAX_KEY_CHARS} letters, digits, '.', '_' or '-' starting with a "
+                "letter or digit")
+    return ""
+
+
+MAX_RUN_CHARS = 128
+"""Characters of a run id at most: with a file name's 255 bytes, room for what a run's file names add to it."""
+
+
+def run_id_problem(value: str) -> str:
+    """What is wrong with ``value`` as a run id (``store.run``); empty when nothing is. A run id is a shorter node
+    id without '.': it names store directories ``refbus-store.<run>.<node id>`` (and a launcher's checkpoint
+    directory and rendezvous file), which stay apart per run and node only while the first '.' ends the run."""
+    if len(value) > MAX_RUN_CHARS or not _RUN_ID.fullmatch(value):
+        return (f"run id {shown(value)} is not 1 to {MAX_RUN_CHARS} letters, digits, '_' or '-' starting with a "
                 "letter or digit")
     return ""
 

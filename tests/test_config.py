@@ -175,6 +175,25 @@ def test_a_node_given_a_bad_endpoint_says_so_and_exits_2() -> None:
         assert "Traceback" not in result.stderr and "security" not in result.stderr
 
 
+@pytest.mark.parametrize("run", ["../escaped", "/abs", "a/b", "a.b", ".", "..", "-x", "a\nb", "a\0b", "r\u00e9",
+                                 "r" * 129])
+def test_a_run_id_that_would_name_another_directory_is_refused(run: str) -> None:
+    """Before, ``store.run`` went unchecked: ``refbus up`` wrote its trainers' checkpoints in ``checkpoints/<run>``
+    (``../escaped`` out of the run directory, ``/abs`` anywhere), and store directories ``refbus-store.<run>.<node>``
+    of runs ``a/b`` and ``a_b`` (or run ``a.b``'s node ``c`` and run ``a``'s node ``b.c``) were one: each adopted the
+    other's journal. A run id is letters, digits, '_' and '-', so the first '.' ends it."""
+    with pytest.raises(ConfigError, match=r"^store\.run: run id .* is not 1 to 128 letters, digits, '_' or '-'"):
+        load(f"--store-run={run}")
+
+
+def test_a_node_given_a_bad_run_id_says_so_and_exits_2_and_a_good_one_loads() -> None:
+    result = refbus("config", "show", "--store-run", "../escaped")
+    assert result.returncode == 2 and result.stderr.startswith("refbus: store.run: run id '../escaped'"), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    for run in ("up-0a1b2c", "R_" + "9" * 126, ""):
+        assert load("--store-run", run).store.run == run
+
+
 def test_the_ring_holds_at_least_one_message() -> None:
     assert load("--bus-ring-events", "1").bus.ring_events == 1
     for bad in ("0", "-5"):
