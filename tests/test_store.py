@@ -233,6 +233,28 @@ def test_a_second_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
     open_store(tmp_path).close(remove=False)  # free again once the holder let go
 
 
+@pytest.mark.parametrize("role", ["env-server", "ps-manager"])
+def test_a_store_whose_name_no_file_name_holds_is_refused_naming_the_ids_and_the_node_exits_2(
+        tmp_path: Path, role: str) -> None:
+    """A node id a registration takes (up to 256 characters) and the run id together name the store directory:
+    past 255 bytes, before, the node died of a bare ``OSError: File name too long`` traceback (status 1, so it
+    was restarted into it again). Now its last words name both ids, status 2, and nothing is made; a name of
+    exactly 255 bytes is taken."""
+    result = subprocess.run(
+        [sys.executable, "-m", "refbus.nodes.cli", "node", role, f"--node-id={'e' * 241}", "--store-run", "r",
+         "--store-directory", str(tmp_path), "--bus-control", "tcp://127.0.0.1:9", "--node-connect-timeout-s", "1",
+         "--node-metrics-port", "-1"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    said = result.stderr.splitlines()[-1]
+    assert said.startswith("refbus: the store directory of node 'eee") and "(241 characters) in run 'r'" in said, said
+    assert "256 bytes, more than a file name holds (255)" in said, said
+    assert list(tmp_path.iterdir()) == []
+    for node in ("\u00e9" * 241, "x" * 300):  # the name is refused whole, however its characters read
+        with pytest.raises(StoreError, match="more than a file name holds"):
+            store_path(tmp_path, "r", node)
+    DurableStore(tmp_path, "r", "e" * 240, budget_bytes=BUDGET, what="b").close(remove=True)
+
+
 def test_gc_removes_only_stores_no_live_process_holds(tmp_path: Path) -> None:
     held = open_store(tmp_path, node="env-0")
     open_store(tmp_path, node="env-1").close(remove=False)

@@ -58,6 +58,7 @@ import numpy as np
 import structlog
 
 from ...protocol.codec import checksum
+from ...protocol.errors import shown
 from ..halting import Transient
 from . import journal
 
@@ -69,6 +70,7 @@ FORMAT_VERSION = journal.FORMAT_VERSION
 _SEGMENT_HEADER = struct.Struct("<8sIIQQ")
 DATA_OFFSET = 64  # segment bytes start here: aligned for any dtype
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+NAME_MAX = 255  # bytes of a file name (Linux, tmpfs included)
 _OWN_FILES = frozenset({"lock", "id", "id.new", "journal", "journal.new"})
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -126,8 +128,15 @@ def segment_limit(path: str = MAX_MAP_COUNT) -> int:
 
 
 def store_path(directory: str | Path, run: str, node: str) -> Path:
-    """The directory of ``node``'s store in ``run``."""
-    return Path(directory) / f"{PREFIX}{_SAFE.sub('_', run)}.{_SAFE.sub('_', node)}"
+    """The directory of ``node``'s store in ``run``. Raises :class:`StoreError` when its name is longer than a
+    file name may be (:data:`NAME_MAX`), which the filesystem would refuse as a bare ``OSError``: the message
+    names the node id and the run id, whose lengths add up."""
+    name = f"{PREFIX}{_SAFE.sub('_', run)}.{_SAFE.sub('_', node)}"
+    if len(name) > NAME_MAX:  # ASCII only: characters are bytes
+        raise StoreError(f"the store directory of node {shown(node)} in run {shown(run)} would be named with "
+                         f"{len(name)} bytes, more than a file name holds ({NAME_MAX}): give the node a shorter id "
+                         "or set a shorter store.run")
+    return Path(directory) / name
 
 
 def check_capacity(directory: str | Path, budget_bytes: int, what: str) -> None:
