@@ -118,7 +118,9 @@ class InventoryBuffer(msgspec.Struct, frozen=True, array_like=True):
 
 @register_kind("ps-register")
 class PsRegister(Body, frozen=True):
-    """A ps-worker joins (or re-joins after a manager restart) the parameter server."""
+    """A ps-worker joins (or re-joins after a manager restart) the parameter server. One whose ``worker.worker`` is
+    no node id, or whose ``worker.endpoint`` is no address to connect to (pushers and pullers are sent there), is
+    refused ``schema``."""
 
     worker: WorkerInfo  # ps-worker node id
     segments: list[Name] = []  # segments of the sealed shards it holds (a restart: those it re-adopted)

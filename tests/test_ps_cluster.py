@@ -40,6 +40,7 @@ from refbus.protocol.messages import VersionBump
 from refbus.protocol.messages_ps import (
     ByteRange,
     LeaseRelease,
+    PsRegister,
     PushBegin,
     Release,
     ShardOpen,
@@ -224,6 +225,29 @@ def test_killed_pusher_never_commits_and_its_memory_is_reclaimed(cluster: PsClus
         created = _segments_created(cluster)
         assert ps.push(make_state(seed=2), 1).committed
         assert _segments_created(cluster) == created
+    finally:
+        runtime.close()
+
+
+def test_registrations_naming_no_worker_id_or_no_address_are_refused_and_the_manager_serves_on(
+        cluster: PsCluster) -> None:
+    """Pushers, pullers and the manager connect to the endpoint a ps-register names: before, any was taken (a port
+    over 65535 ZeroMQ takes modulo 65536, a bind's wildcard, no address at all), under any worker id (``../x``).
+    Each is refused ``schema`` naming the field; the registered workers stay as they were, and serve."""
+    runtime, ps = cluster.client()
+    try:
+        w0 = next(w for w in ps.status().workers if w.worker == "w0")
+        manager = runtime.client(cluster.manager)
+        garbage = [("worker", {"worker": "../x"}), ("worker", {"worker": "w\n0"}), ("worker", {"worker": "-w"}),
+                   ("endpoint", {"endpoint": "tcp://127.0.0.1:70000"}), ("endpoint", {"endpoint": "tcp://*:5"}),
+                   ("endpoint", {"endpoint": "not an endpoint"}), ("endpoint", {"endpoint": ""})]
+        for field, fields in garbage:
+            with pytest.raises(RemoteError) as err:
+                manager.request(PsRegister(msgspec.structs.replace(w0, **{"worker": "rogue", **fields})))
+            assert err.value.code == "schema" and f"ps-register.worker.{field}:" in str(err.value), (fields, err.value)
+        assert sorted(w.worker for w in ps.status().workers) == ["w0", "w1"]
+        assert ps.push(make_state(seed=3), 0).committed
+        assert ps.pull().version == 0
     finally:
         runtime.close()
 

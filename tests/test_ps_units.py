@@ -417,8 +417,8 @@ class _StubRuntime:
         return self.handlers[body.kind](types.SimpleNamespace(body=body, header=types.SimpleNamespace(id=request_id)))
 
     def released(self, worker: str) -> list[str]:
-        return [shard for endpoint, body, _ in self.sent if endpoint == f"tcp://{worker}" and isinstance(body, Release)
-                for shard in body.shards]
+        return [shard for endpoint, body, _ in self.sent
+                if endpoint == f"tcp://{worker}:1" and isinstance(body, Release) for shard in body.shards]
 
 
 def _manager(**settings: Any) -> tuple[_StubRuntime, PsManager]:
@@ -427,7 +427,7 @@ def _manager(**settings: Any) -> tuple[_StubRuntime, PsManager]:
 
 
 def _worker(name: str, pid: int = 1) -> WorkerInfo:
-    return WorkerInfo(name, f"tcp://{name}", "h", "/dev/shm", pid, "boot", "nonce", "n", started=100.0 + pid)
+    return WorkerInfo(name, f"tcp://{name}:1", "h", "/dev/shm", pid, "boot", "nonce", "n", started=100.0 + pid)
 
 
 SPEC = [TensorSpec("a", "float32", [4])]
@@ -466,7 +466,7 @@ def test_a_restarted_worker_is_told_to_release_the_shards_it_readopted_that_noth
     held = {f"seg-{grants[v].lease}-w1": grants[v].lease for v in range(3)}
     assert runtime.call(PsRegister(_worker("w1", pid=2), sorted(held), held)).kind == "ok"
     assert sorted(runtime.released("w1")) == sorted(grants[v].lease for v in (0, 1))  # version 2 is retained
-    assert runtime.marked_up[-1] == "tcp://w1"  # a fixed endpoint marked down by the node-down is usable again
+    assert runtime.marked_up[-1] == "tcp://w1:1"  # a fixed endpoint marked down by the node-down is usable again
     # A copy of the pending push is the pusher's (its seal may be retried): kept. An older worker names no
     # shard ids: nothing is released, as before.
     pending = _begin(runtime, 5)

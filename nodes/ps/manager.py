@@ -76,8 +76,9 @@ import structlog
 from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
+from ...bus.sockets import connect_problem
 from ...protocol.envelope import Message
-from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok, VersionBump
+from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok, VersionBump, id_problem
 from ...protocol.messages_ps import (
     Abort,
     Aborted,
@@ -249,6 +250,13 @@ class PsManager:
     def _register(self, request: Message) -> Body:
         assert isinstance(request.body, PsRegister)
         info = request.body.worker
+        # Pushers, pullers and this manager connect to the endpoint a registration names, and name the worker in
+        # logs, grants and manifests: one that is no address (a port over 65535 ZeroMQ takes modulo 65536) or no
+        # node id is refused before anyone is sent there.
+        if problem := id_problem(info.worker, "worker id"):
+            raise HandlerError("schema", f"ps-register.worker.worker: {problem}")
+        if problem := connect_problem(info.endpoint):
+            raise HandlerError("schema", f"ps-register.worker.endpoint: {problem}")
         self.workers[info.worker] = info
         self._gone.discard(info.worker)
         held = self.held[info.worker] = {segment: request.body.shards.get(segment, "")
