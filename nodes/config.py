@@ -21,7 +21,8 @@ from ..bus.reqrep import MIN_TIMEOUT_S, RetryPolicy
 from ..bus.runtime import RuntimeSettings
 from ..bus.sockets import ENDPOINT_SCHEMES, endpoint_problem, host_problem
 from ..protocol.envelope import ONE_FRAME_OVERHEAD, Limits, largest_frame
-from ..protocol.messages import run_id_problem
+from ..protocol.errors import shown
+from ..protocol.messages import plain_name, run_id_problem
 from .settings import (
     BusSettings,
     ClusterSettings,
@@ -181,6 +182,9 @@ HOSTS: dict[str, bool] = {"node.host": True, "node.metrics_host": False}
 """Keys that take a host name or IP address (:func:`~refbus.bus.sockets.host_problem`), each with whether it may
 be empty (``node.host``: this machine's host name)."""
 
+MAX_PREFIX_CHARS = 128
+"""Characters of ``ps.shm_prefix`` at most: a segment's file name adds a token and a number to it."""
+
 RANGES: dict[str, tuple[float, float | None]] = {
     "bus.event_batch": (1, 65_535),
     "bus.ring_events": (1, 1 << 30),
@@ -271,7 +275,8 @@ def _floats() -> list[str]:
 def check_relations(config: Config) -> None:
     """Raise :class:`ConfigError` naming the first key of :data:`CHOICES` set to another word, the first of
     :data:`ENDPOINTS` that is no endpoint and of :data:`HOSTS` that is no host, a ``store.run`` that is no run id
-    (:func:`~refbus.protocol.messages.run_id_problem`: it names directories), the first number that is not
+    (:func:`~refbus.protocol.messages.run_id_problem`: it names directories) or a ``ps.shm_prefix`` that is no part
+    of one file name, the first number that is not
     finite (nan, inf), the first duration (every ``*_s`` key) below :data:`MIN_DURATION_S` (but 0 where
     :data:`MAY_BE_ZERO`) or above :data:`MAX_DURATION_S`, the first of :data:`RANGES` or :data:`POSITIVE` out of
     bounds, a frame cap (``limits.max_frame_bytes``) below :func:`~refbus.protocol.envelope.largest_frame`, or
@@ -290,6 +295,9 @@ def check_relations(config: Config) -> None:
             raise ConfigError(f"{name}: {problem}")
     if config.store.run and (problem := run_id_problem(config.store.run)):
         raise ConfigError(f"store.run: {problem}")
+    if not (len(prefix := config.ps.shm_prefix) <= MAX_PREFIX_CHARS and plain_name(prefix)):
+        raise ConfigError(f"ps.shm_prefix must be 1 to {MAX_PREFIX_CHARS} characters of one file name (no '/' or NUL, "
+                          f"not '.' or '..'), got {shown(prefix)}: the segments are <ps.shm_dir>/<prefix>.*")
     for name in _floats():
         if not math.isfinite(value := _quantity(config, name)):
             raise ConfigError(f"{name} must be a finite number, got {value!r}")

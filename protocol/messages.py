@@ -55,6 +55,13 @@ def id_problem(value: str, what: str = "node id") -> str:
     return ""
 
 
+def plain_name(name: str) -> bool:
+    """True when ``name`` is one file name that stays in the directory it is joined to: not empty, no '/', no
+    NUL, not '.' or '..'. A ps-worker names its nonce file and segments, a config its segments' prefix; an
+    absolute or '../' name would make a client open (and, pushing, write into) a file of its own choosing."""
+    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
+
+
 MAX_RUN_CHARS = 128
 """Characters of a run id at most: with a file name's 255 bytes, room for what a run's file names add to it."""
 

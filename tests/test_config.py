@@ -194,6 +194,22 @@ def test_a_node_given_a_bad_run_id_says_so_and_exits_2_and_a_good_one_loads() ->
         assert load("--store-run", run).store.run == run
 
 
+@pytest.mark.parametrize("prefix", ["", "a/b", "../escaped", "/abs", ".", "..", "a\0b", "p" * 129])
+def test_a_segment_prefix_that_is_no_part_of_a_file_name_is_refused(prefix: str) -> None:
+    """Before, a ps-worker made ``<ps.shm_dir>/<prefix>.<token>.lock``: ``a/b`` died of a bare FileNotFoundError
+    traceback (exit 1, restarted into it again) and ``../x`` wrote outside ``ps.shm_dir``."""
+    with pytest.raises(ConfigError, match=r"^ps\.shm_prefix must be 1 to 128 characters of one file name"):
+        load(f"--ps-shm-prefix={prefix}")
+
+
+def test_a_ps_worker_given_a_bad_segment_prefix_says_so_and_exits_2(tmp_path: Path) -> None:
+    result = refbus("node", "ps-worker", "--ps-shm-prefix", "a/b", "--ps-shm-dir", str(tmp_path),
+                    "--store-durable", "false", "--bus-control", "tcp://127.0.0.1:9", "--node-connect-timeout-s", "1")
+    assert result.returncode == 2 and result.stderr.startswith("refbus: ps.shm_prefix must be"), result.stderr
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+    assert load("--ps-shm-prefix", "refbus-test-x[cluster0]-1.p").ps.shm_prefix == "refbus-test-x[cluster0]-1.p"
+
+
 def test_the_ring_holds_at_least_one_message() -> None:
     assert load("--bus-ring-events", "1").bus.ring_events == 1
     for bad in ("0", "-5"):

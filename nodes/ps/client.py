@@ -56,7 +56,7 @@ from ...bus.runtime import NodeRuntime
 from ...bus.sockets import DEFAULT_OPTIONS, SocketOptions
 from ...protocol.codec import Unhashed, checksum, copy_hashing
 from ...protocol.envelope import MAX_BUFFERS, WireCodec
-from ...protocol.messages import Body
+from ...protocol.messages import Body, plain_name
 from ...protocol.messages_ps import (
     Abort,
     Aborted,
@@ -969,7 +969,7 @@ class PsClient:
         :class:`PsError` for a segment name that is not a plain file name (it would name a file elsewhere)."""
         if self.transport == "frames":
             return None
-        if not host_proof.plain_name(segment):
+        if not plain_name(segment):
             raise PsError(f"worker {worker.worker} named segment {segment[:64]!r}: not a plain file name")
         refused = self._same_host_refusal(worker)
         if refused is not None:

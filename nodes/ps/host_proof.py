@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...protocol.messages import plain_name
 from ...protocol.messages_ps import WorkerInfo
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
@@ -59,13 +60,6 @@ class NonceFile:
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-
-
-def plain_name(name: str) -> bool:
-    """True when ``name`` is one file name that stays in the directory it is joined to: not empty, no '/', no
-    NUL, not '.' or '..'. A worker names its nonce file and segments; an absolute or '../' name would make a
-    client open (and, pushing, write into) a file of its own choosing."""
-    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
 def refusal(worker: WorkerInfo, local_boot_id: str) -> str | None:
