@@ -53,6 +53,10 @@ without end, a zero backoff's division by zero), not a schedule anyone meant."""
 MAX_ATTEMPTS = 1 << 16
 """The most attempts of one retry policy: its schedule is a tuple of that many timeouts, computed up front."""
 
+INTERRUPT_CHECK_MS = 50
+"""How often a :class:`Client` whose :attr:`~Client.interrupt` is set calls it while it waits for a reply: the
+longest a stop waits for a starting node's request to give way to it."""
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -218,6 +222,9 @@ class Client:
         self.retries = 0
         self.unsent = 0
         self._full = False  # the last send was refused: logged once until one goes out again
+        # While set, called at least every INTERRUPT_CHECK_MS while recv (so request) waits; what it raises ends
+        # the wait (a reply that came is returned first): how a starting node gives way to a stop (NodeRuntime.start).
+        self.interrupt: Callable[[], None] | None = None
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, options=options)
         self._polled = [(self.sock, zmq.POLLIN)]  # kept: Socket.poll builds a new Poller on every call
 
@@ -296,15 +303,20 @@ class Client:
         signal interrupted with the whole timeout again, so signals arriving more often than it would hold a
         request past its deadline for as long as they come. A poll that signals interrupt returns sooner instead
         (pyzmq takes the time passed off what is left after every interruption, so it runs out early): this polls
-        again until its own deadline. The round trip's critical path: one call, no helpers."""
+        again until its own deadline. With :attr:`interrupt` set, each poll lasts at most
+        :data:`INTERRUPT_CHECK_MS` and the interrupt is called after every one that brought nothing. The round trip's
+        critical path: one call, no helpers."""
         deadline = time.monotonic() + timeout_ms / 1000
         polled = self._polled
+        interrupt = self.interrupt
         while True:
-            if zmq.zmq_poll(polled, timeout_ms):
+            if zmq.zmq_poll(polled, timeout_ms if interrupt is None else min(timeout_ms, INTERRUPT_CHECK_MS)):
                 try:
                     return self.codec.decode(recv_frames(self.sock, zmq.NOBLOCK), backend=backend, verify=verify)
                 except ProtocolError as exc:
                     log.warning("reply.rejected", endpoint=self.endpoint, code=exc.code, error=str(exc))
+            if interrupt is not None:
+                interrupt()
             if time.monotonic() >= deadline:  # only this clock ends the wait: an empty poll may come early
                 return None
             timeout_ms = _ms_until(deadline)

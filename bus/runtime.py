@@ -96,7 +96,17 @@ from .metrics import by_label, register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
 from .peers import Peers, incarnation
 from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
-from .reqrep import MIN_TIMEOUT_S, SEND_ONCE, Client, Outcome, RemoteError, RequestTimeout, RetryPolicy, Server
+from .reqrep import (
+    INTERRUPT_CHECK_MS,
+    MIN_TIMEOUT_S,
+    SEND_ONCE,
+    Client,
+    Outcome,
+    RemoteError,
+    RequestTimeout,
+    RetryPolicy,
+    Server,
+)
 from .security import Curve, ZapHandler, check_bind, load_curve
 from .sockets import (
     EVENT_OPTIONS,
@@ -167,6 +177,13 @@ beat after the ask."""
 class NodeIdInUse(RuntimeError):
     """Another live process holds this node's id (the broker heard it heartbeat after this process asked): two
     processes started under one node id, a configuration that cannot work. The message names the holder."""
+
+
+class NodeStopped(Exception):
+    """A stop (SIGINT/SIGTERM, :meth:`NodeRuntime.stop` or :meth:`~NodeRuntime.begin_shutdown`) came while the node
+    was starting: :meth:`NodeRuntime.start` gave way to it at its next wait on the broker (within
+    :data:`~.reqrep.INTERRUPT_CHECK_MS`), the node not or not wholly joined. ``refbus node`` exits as a node stopped
+    once running does."""
 
 
 @contextlib.contextmanager
@@ -833,13 +850,25 @@ class NodeRuntime:
         return on_signals(self.stop)
 
     def start(self) -> None:
+        """Serve metrics, join the broker, make the subscriptions live, start the heartbeats, write the ready file.
+        Its waits on the broker (each bounded by ``connect_timeout_s`` or the retry policy: the broker may not be up
+        yet) give way to a stop asked before or meanwhile as soon as a poll of theirs brings nothing:
+        :class:`NodeStopped` within :data:`~.reqrep.INTERRUPT_CHECK_MS`, the node to be closed as after any start
+        that failed."""
         self._serve_metrics()
-        if self.register:
-            self._join()
-        for subscriber, _, since in self._subscriptions:
-            self._go_live(subscriber, since)
-        if self._peers is not None and (listed := self.lookup()) is not None:
-            self._peers.seed(listed)  # peers up before the subscription was live: node-up came before it
+        control = self.broker() if self.register or self._subscriptions else None
+        if control is not None:
+            control.interrupt = self._give_way_to_stop
+        try:
+            if self.register:
+                self._join()
+            for subscriber, _, since in self._subscriptions:
+                self._go_live(subscriber, since)
+            if self._peers is not None and (listed := self.lookup()) is not None:
+                self._peers.seed(listed)  # peers up before the subscription was live: node-up came before it
+        finally:
+            if control is not None:
+                control.interrupt = None  # the node runs: a stop ends its loop, and its close still asks the broker
         self.every(self.heartbeat_interval_s, self._heartbeat)  # the broker's interval wins: it judges liveness
         self._write_ready_file()
         log.info("node.ready", endpoints=self.endpoints, metrics=self.metrics_url)
@@ -1239,7 +1268,23 @@ class NodeRuntime:
                     raise BusUnavailable(f"the broker at {self.settings.bus} did not let node id {self.node_id!r} "
                                          f"in within {self.settings.connect_timeout_s:g}s: {exc.detail}") from None
                 log.info("node.id_held", detail=exc.detail, retry_after_s=exc.retry_after_s)
-                time.sleep(exc.retry_after_s)  # the broker's word: the holder beats, or is silent, by then
+                self._pause(exc.retry_after_s)  # the broker's word: the holder beats, or is silent, by then
+
+    def _give_way_to_stop(self) -> None:
+        """Raise :class:`NodeStopped` once a stop was asked: what the start's waits on the broker call between their
+        polls (the control client's ``interrupt``)."""
+        if self._shutdown_started is not None:
+            log.info("node.stopped_while_starting", bus=self.settings.bus, joined=self.welcome is not None)
+            raise NodeStopped(f"node {self.node_id!r} was asked to stop while it was starting")
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, calling the control client's ``interrupt`` as its own waits do (a starting node's pause
+        gives way to a stop too)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, INTERRUPT_CHECK_MS / 1000))
+            if self.control is not None and self.control.interrupt is not None:
+                self.control.interrupt()
 
     def _reconcile_peers(self, broker: str, tries: int) -> None:
         """A node timeout, a heartbeat interval and the reconnect cap after a re-join found broker incarnation

@@ -17,7 +17,7 @@ import msgspec
 
 from ..bus.broker import Broker
 from ..bus.logs import configure_logging
-from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeIdInUse, NodeRuntime
+from ..bus.runtime import BusUnavailable, ExitWatchdog, NodeIdInUse, NodeRuntime, NodeStopped
 from ..bus.security import SecurityError, generate
 from ..bus.sockets import BindRefused, CannotBind
 from ..protocol.messages import id_problem
@@ -281,6 +281,8 @@ def run_ledger(config: Config, args: argparse.Namespace) -> int:
                         runtime.loop(until=lambda: time.monotonic() >= until)
 
                     unread = reconcile_stores(runtime, ledger.reconcile, settle)
+            except NodeStopped:
+                pass  # stopped while it joined: what it read (nothing) is reported, as after any stop
             finally:
                 runtime.close()
     report = ledger.report()
@@ -357,7 +359,8 @@ def _command(config: Config, args: argparse.Namespace) -> int:
     file, an unprotected address other hosts reach) or a node id another live process holds
     (:class:`~..bus.runtime.NodeIdInUse`) a message and :data:`~.halting.CONFIG_STATUS` (as at load:
     final), Ctrl-C status 130, an output whose reader went away (a pipe to ``head``) status 141 (128 + SIGPIPE, as a
-    shell reports a tool SIGPIPE killed)."""
+    shell reports a tool SIGPIPE killed), a stop that came while the node was starting (:class:`NodeStopped`) 0
+    (:func:`failure_status` maps each)."""
     try:
         if args.command == "node":
             return role_entry(args.role)(config, args)
@@ -386,20 +389,45 @@ def _command(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(to_toml(config), end="")
         return 0
-    except (ConfigError, SecurityError, BindRefused, NodeIdInUse) as exc:  # before CannotBind: a BindRefused is one
-        print(f"refbus: {exc}", file=sys.stderr)
-        return CONFIG_STATUS
     except Transient as exc:
         return _held_elsewhere(config, args, exc)
-    except (BusUnavailable, CannotBind) as exc:
-        print(f"refbus: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:  # its reader went away (`refbus top --json | head -1`): done, as a SIGPIPE would end it
         from .monitor import reader_gone
 
         return reader_gone()
+    except BaseException as exc:
+        status = failure_status(exc)
+        if status is None:  # a crash: the traceback says it
+            raise
+        if not isinstance(exc, KeyboardInterrupt | NodeStopped):  # asked for: nothing to say
+            print(f"refbus: {exc}", file=sys.stderr)
+        return status
+
+
+def failure_status(exc: BaseException) -> int | None:
+    """The exit status a command ends with when ``exc`` ends it (see :func:`_command`); None for an exception it does
+    not map (a crash: status 1, after its traceback). A :class:`~.halting.Transient` failure is 1 here;
+    :func:`_command` may make it :data:`~.halting.CONFIG_STATUS` once the broker said who holds the node's id
+    (:func:`_held_elsewhere`)."""
+    # Before CannotBind: a BindRefused is one.
+    if isinstance(exc, ConfigError | SecurityError | BindRefused | NodeIdInUse):
+        return CONFIG_STATUS
+    if isinstance(exc, Transient | BusUnavailable | CannotBind):
+        return 1
+    if isinstance(exc, NodeStopped):
+        # A stop that came before the node ever joined ends it as a stop of the running node does (0): it was asked
+        # for and done, and a node that never ran holds nothing and owes no final events (its bye is said if the
+        # broker had welcomed it), so nothing is lost. Whoever stopped it (a launcher tearing a cluster down,
+        # Ctrl-C, a scheduler) reads the status it reads for any node it stopped; 1 would report a broker that
+        # could not be reached, a failure a supervisor restarts and a person chases, for a wait the stop cut short.
+        return 0
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, BrokenPipeError):
+        from .monitor import BROKEN_PIPE_STATUS
+
+        return BROKEN_PIPE_STATUS
+    return None
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from conftest import FAST_LIVENESS
 from polling import holds_for, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
-from refbus.nodes.launch import NodeProcess, _die_with_parent
+from refbus.nodes.launch import NodeProcess, _die_with_parent, start_bus
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Body, Claim, Delete, EpisodeFinished, Keep, Kept, NodeDown
 from structlog.testing import capture_logs
@@ -324,7 +324,8 @@ def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failur
     died of an error in its background thread while the role waited on other work, used to be ended with status 0,
     the failure untold: a supervisor took either for a role that finished and never restarted it. Now the forced
     exit carries the failure (status 1, its traceback logged); a clean finish that merely hung in teardown still
-    exits 0. Either way the log says why the watchdog ended it and where the main thread was."""
+    exits 0. Either way the log says why the watchdog ended it and where the
+    main thread was."""
     code, log = outlived_node(tmp_path, role)
     assert code == status, log
     assert '"node.exit_forced"' in log and f'"reason": "{reason}"' in log and "main_thread_at" in log, log
@@ -343,3 +344,75 @@ def test_a_runtime_the_role_closes_besides_its_node_does_not_start_the_nodes_shu
         holds_for(lambda: node.proc.poll() is None, GONE_S, "the node serving after its role closed a probe")
         terminate(node)
         assert "node.stopped_by_deadline" not in node.log_tail(200)
+
+
+# A stop while joining ends the join at its next wait (INTERRUPT_CHECK_MS): well within half the shutdown timeout, at
+# whose end the exit watchdog would have ended the process instead.
+GIVES_WAY_S = SHUTDOWN_S / 2
+# Slow heartbeats: a broker tells a contender for a held id to ask again a heartbeat interval later (its retry_after_s),
+# a pause longer than the shutdown timeout. The node timeout must be above three of them and below the request retry
+# schedule (14 s by default).
+SLOW_BEAT_S = 2 * SHUTDOWN_S
+SLOW_LIVENESS = ["--bus-heartbeat-interval-s", str(SLOW_BEAT_S), "--bus-node-timeout-s", str(3 * SLOW_BEAT_S + 1)]
+
+
+def said(node: NodeProcess, event: str) -> bool:
+    """Whether ``node``'s log has an ``event`` line."""
+    return f'"event": "{event}"' in node.log_path.read_text(errors="replace")
+
+
+def joining_env_server(tmp_path: Path, control: str, *flags: str) -> NodeProcess:
+    return NodeProcess(["node", "env-server", "--bus-control", control, "--node-id", "joining", "--node-metrics-port",
+                        "-1", *SHUTDOWN, *flags], workdir=tmp_path, name="joining")
+
+
+def stopped_while_joining(node: NodeProcess, sig: int) -> None:
+    """Send ``sig`` to ``node`` (still joining); it is gone within GIVES_WAY_S, status 0, as a stopped node."""
+    node.signal(sig)
+    wait_for(lambda: node.proc.poll() is not None, GIVES_WAY_S, f"{node.name} gone after {sig!r} while joining")
+    log = node.log_tail(200)
+    assert node.proc.returncode == 0, log
+    assert said(node, "node.stopped_while_starting") and not said(node, "node.exit_forced"), log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_node_stopped_while_its_broker_does_not_answer_its_hello_ends_at_once_as_a_stopped_node(
+    bus: tuple[NodeProcess, str], tmp_path: Path, sig: int
+) -> None:
+    """A node asked to stop while it was still saying hello to a broker that does not answer (not yet up, stopped,
+    gone) went on asking it: its process ended only when the exit watchdog gave up on it, a whole
+    node.shutdown_timeout_s later, with status 1 ("did not close"), as if it had failed. `refbus up` tearing a
+    cluster down met that for every node still joining. Now the join gives way to the stop at its next wait and
+    the process exits 0, as a node stopped once running does."""
+    broker, control = bus
+    broker.signal(signal.SIGSTOP)  # alive, its sockets open, answering nothing
+    node = joining_env_server(tmp_path, control, *FAST_LIVENESS)
+    try:
+        wait_for(lambda: said(node, "request.retry"), START_S, "the node asking the silent broker again")
+        stopped_while_joining(node, sig)
+    finally:
+        broker.signal(signal.SIGCONT)
+        node.stop()
+
+
+def test_a_node_stopped_while_its_id_is_held_by_a_silent_predecessor_ends_at_once_as_a_stopped_node(
+    tmp_path: Path,
+) -> None:
+    """While another process holds its node id and has gone silent (a predecessor dying, here stopped), a joining
+    node waits as long as the broker says before it asks again: that wait ignored a stop too (the process ended at
+    the watchdog's deadline, status 1). Now it gives way as the hello's waits do."""
+    broker, control = start_bus(tmp_path, extra=SLOW_LIVENESS)
+    holder = NodeProcess(["monitor", "--bus-control", control, "--node-id", "joining", *SLOW_LIVENESS],
+                         workdir=tmp_path, name="holder")
+    node: NodeProcess | None = None
+    try:
+        holder.wait_ready(START_S)
+        holder.signal(signal.SIGSTOP)
+        node = joining_env_server(tmp_path, control, *SLOW_LIVENESS)
+        wait_for(lambda: said(node, "node.id_held"), START_S, "the broker telling the node to ask again later")
+        stopped_while_joining(node, signal.SIGTERM)
+    finally:
+        holder.signal(signal.SIGCONT)
+        for process in (node, holder, broker):
+            if process is not None:
+                process.stop()
