@@ -197,6 +197,10 @@ def on_signals(callback: Callable[[], None]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+StatusOf = Callable[[BaseException], int | None]
+"""The exit status a process's command gives a failure that ends it; None for one it does not map (a crash)."""
+
+
 class ExitWatchdog:
     """Process-wide exit bound for ``refbus node`` processes (never installed in an embedding process).
 
@@ -212,7 +216,8 @@ class ExitWatchdog:
 
     _installed: ExitWatchdog | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, status_of: StatusOf) -> None:
+        self._status_of = status_of
         self._begun = threading.Event()
         self._node: NodeRuntime | None = None
         self._signals, signalled = socket.socketpair()
@@ -221,10 +226,12 @@ class ExitWatchdog:
         signal.set_wakeup_fd(signalled.fileno(), warn_on_full_buffer=False)
 
     @classmethod
-    def install(cls) -> None:
-        """Arm the watchdog for this process (idempotent; main thread, before any node is made)."""
+    def install(cls, status_of: StatusOf) -> None:
+        """Arm the watchdog for this process (idempotent; main thread, before any node is made). ``status_of`` is the
+        exit status the process's command gives a failure that ends it (None for one it does not map: a crash), so
+        a forced exit after that failure carries it (:func:`forced_status`)."""
         if cls._installed is None:
-            cls._installed = watchdog = cls()
+            cls._installed = watchdog = cls(status_of)
             threading.Thread(target=watchdog._watch, name="refbus-exit-watchdog", daemon=True).start()
 
     @classmethod
@@ -257,7 +264,7 @@ class ExitWatchdog:
             log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
             node.stop()
         time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
-        _exit_now(forced_status(node))
+        _exit_now(forced_status(node, self._status_of))
 
     @staticmethod
     def run(main: Callable[[], int]) -> NoReturn:
@@ -286,32 +293,40 @@ def exit_status(exc: BaseException) -> int:
     return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
 
 
-def forced_status(node: NodeRuntime) -> int:
+def forced_status(node: NodeRuntime, status_of: StatusOf) -> int:
     """The status :class:`ExitWatchdog` ends the process with once ``node``'s ``shutdown_timeout_s`` is spent and
     the process still runs, logged ``node.exit_forced`` with the reason, the failure's traceback (which no one
     would print otherwise) and where the main thread was.
 
     A supervisor reads the status as what the role came to (``refbus up`` restarts a failed node, never a trainer
-    rank that exited 0: it finished its steps), so a failure must not be hidden behind the forced exit: 1 when the
-    node did not close (its shutdown overran), when its loop failed (:attr:`NodeRuntime.loop_failed`: a loop in a
-    background thread dies unseen while the role's main thread waits on other work) or when the main thread is
-    raising or handling an exception (the role failed, then hung in a ``finally`` or ``except`` clause: a thread
-    that never joins, a process group that cannot be destroyed); that exception's own status when it is a
-    ``SystemExit``, as :meth:`ExitWatchdog.run` would have exited. A node that closed cleanly, on a stop or once
-    its role was done, and whose process then hung in teardown exits 0: its work is done and its bye said, a
-    restart could only redo it (a trainer world would train again from its last checkpoint), and cutting such a
-    teardown short is the watchdog's purpose, not a failure; the warning says where it hung."""
+    rank that exited 0: it finished its steps), so a failure must not be hidden behind the forced exit. When its
+    loop failed (:attr:`NodeRuntime.loop_failed`: a loop in a background thread dies unseen while the role's main
+    thread waits on other work) or the main thread is raising or handling an exception (the role failed, then hung
+    in a ``finally`` or ``except`` clause: a thread that never joins, a process group that cannot be destroyed),
+    the status the process's command would have exited with had it returned: ``status_of(failure)`` (a final one,
+    the config refused, stays final: a restart would fail the same way), else :func:`exit_status` (1; a
+    ``SystemExit``'s own, as :meth:`ExitWatchdog.run` would have exited). When the node did not close (its shutdown
+    overran): that status unless it is 0, else 1. A node that closed cleanly, on a stop or once its role was done,
+    and whose process then hung in teardown exits 0: its work is done and its bye said, a restart could only redo it
+    (a trainer world would train again from its last checkpoint), and cutting such a teardown short is the
+    watchdog's purpose, not a failure; the warning says where it hung."""
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident or 0)
     where = "".join(traceback.format_stack(frame, limit=STUCK_FRAMES)) if frame is not None else "(exited)"
     failure = node.loop_failed or _in_flight(main)
     timeout = node.settings.shutdown_timeout_s
+    failed = 0  # the status the failure calls for: what the command would have exited with
+    if failure is not None:
+        mapped = status_of(failure)
+        failed = exit_status(failure) if mapped is None else mapped
+    who = "the node's loop" if node.loop_failed else "the role"
+    raised = f"{who} raised {type(failure).__name__}"
     if not node.closed:
-        status, reason = 1, "the node did not close within node.shutdown_timeout_s"
+        status, reason = failed or 1, "the node did not close within node.shutdown_timeout_s"
+        if failure is not None:
+            reason += f" after {raised}"
     elif failure is not None:
-        status = exit_status(failure)
-        raised = "the node's loop" if node.loop_failed else "the role"
-        reason = f"{raised} raised {type(failure).__name__}, then its process hung"
+        status, reason = failed, f"{raised}, then its process hung"
     else:
         status, reason = 0, "the node closed cleanly; its process then hung in teardown"
     report = log.warning if status == 0 else log.error

@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "node":
         # A node process is gone node.shutdown_timeout_s after its stop, whatever runs; it ends as soon as the
         # role is done, without waiting for the interpreter's exit.
-        ExitWatchdog.install()
+        ExitWatchdog.install(failure_status)
         ExitWatchdog.run(lambda: _command(config, args))
     return _command(config, args)
 
@@ -406,9 +406,10 @@ def _command(config: Config, args: argparse.Namespace) -> int:
 
 def failure_status(exc: BaseException) -> int | None:
     """The exit status a command ends with when ``exc`` ends it (see :func:`_command`); None for an exception it does
-    not map (a crash: status 1, after its traceback). A :class:`~.halting.Transient` failure is 1 here;
-    :func:`_command` may make it :data:`~.halting.CONFIG_STATUS` once the broker said who holds the node's id
-    (:func:`_held_elsewhere`)."""
+    not map (a crash: status 1, after its traceback). The one mapping: the exit watchdog ends a node process that
+    hung after such a failure with the same status (``ExitWatchdog.install``), so a final failure is never turned
+    into a restartable one by the hang. A :class:`~.halting.Transient` failure is 1 here; :func:`_command` may make
+    it :data:`~.halting.CONFIG_STATUS` once the broker said who holds the node's id (:func:`_held_elsewhere`)."""
     # Before CannotBind: a BindRefused is one.
     if isinstance(exc, ConfigError | SecurityError | BindRefused | NodeIdInUse):
         return CONFIG_STATUS

@@ -1,9 +1,12 @@
 """A launcher for ``refbus node`` that adds roles whose process outlives its node, for the exit watchdog's status:
 ``fails-then-hangs`` (its role raises once the node has closed, then hangs in a ``finally``: a thread that never
-joins), ``finishes-then-hangs`` (its node closes cleanly, then the role hangs in teardown) and ``loop-fails`` (its
-node's loop, in a background thread, dies of an error while the role's main thread waits on other work), each
-node closing at once, which starts its shutdown clock; and ``probes-then-serves``, whose role makes and closes a
-second runtime (a probe) before its node serves until SIGTERM. Every node is unregistered (no broker needed).
+joins), ``refused-then-hangs`` (likewise with a :class:`~refbus.nodes.config.ConfigError`, which ``refbus node``
+exits 2 for: final), ``refused-unclosed`` (its role raises that while its node's loop, in a background thread, is
+stuck in a callback, and then waits for the node to close), ``finishes-then-hangs`` (its node closes cleanly, then
+the role hangs in teardown) and ``loop-fails`` (its node's loop, in a background thread, dies of an error while the
+role's main thread waits on other work), each node's shutdown clock started at once; and ``probes-then-serves``,
+whose role makes and closes a second runtime (a probe) before its node serves until SIGTERM. Every node is
+unregistered (no broker needed).
 
 ``python tests/exiting_roles.py python -m refbus.nodes.cli node ROLE ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -18,11 +21,12 @@ import threading
 
 from refbus.bus.runtime import NodeRuntime
 from refbus.nodes import cli
-from refbus.nodes.config import Config
+from refbus.nodes.config import Config, ConfigError
 
 HANG_S = 120.0  # how long a role hangs: far beyond any shutdown timeout a test sets (its teardown kills it anyway)
 FAILURE = "the role failed after its node closed"
 LOOP_FAILURE = "a step of the node's loop failed"
+REFUSAL = "the role refused its config after its node started"
 
 
 class LoopStepFailed(BaseException):
@@ -40,6 +44,32 @@ def fails_then_hangs(config: Config, args: argparse.Namespace) -> int:
         raise RuntimeError(FAILURE)
     finally:
         threading.Event().wait(HANG_S)
+
+
+def refused_then_hangs(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    try:
+        runtime.run(until=lambda: True)
+        raise ConfigError(REFUSAL)
+    finally:
+        threading.Event().wait(HANG_S)
+
+
+def refused_unclosed(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    runtime.start_background()
+    stuck = threading.Event()
+
+    def hang() -> None:
+        stuck.set()
+        threading.Event().wait(HANG_S)
+
+    runtime.call_soon(hang)  # the loop never comes back to close the node
+    stuck.wait(HANG_S)
+    try:
+        raise ConfigError(REFUSAL)
+    finally:
+        runtime.join()  # stops the node (its shutdown clock starts) and waits for a close that never comes
 
 
 def finishes_then_hangs(config: Config, args: argparse.Namespace) -> int:
@@ -70,7 +100,8 @@ def probes_then_serves(config: Config, args: argparse.Namespace) -> int:
 
 
 def main(command: list[str]) -> int:
-    for function in (fails_then_hangs, finishes_then_hangs, loop_fails, probes_then_serves):
+    for function in (fails_then_hangs, refused_then_hangs, refused_unclosed, finishes_then_hangs, loop_fails,
+                     probes_then_serves):
         cli.ROLES[function.__name__.replace("_", "-")] = (function.__name__, f"__main__:{function.__name__}")
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 

@@ -25,6 +25,7 @@ from conftest import FAST_LIVENESS
 from polling import holds_for, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.halting import CONFIG_STATUS
 from refbus.nodes.launch import NodeProcess, _die_with_parent, start_bus
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import Body, Claim, Delete, EpisodeFinished, Keep, Kept, NodeDown
@@ -316,6 +317,11 @@ def outlived_node(tmp_path: Path, role: str) -> tuple[int, str]:
     ("loop-fails", 1, "the node's loop raised LoopStepFailed, then its process hung",
      f"LoopStepFailed: {exiting_roles.LOOP_FAILURE}"),
     ("finishes-then-hangs", 0, "the node closed cleanly; its process then hung in teardown", ""),
+    ("refused-then-hangs", CONFIG_STATUS, "the role raised ConfigError, then its process hung",
+     f"ConfigError: {exiting_roles.REFUSAL}"),
+    ("refused-unclosed", CONFIG_STATUS,
+     "the node did not close within node.shutdown_timeout_s after the role raised ConfigError",
+     f"ConfigError: {exiting_roles.REFUSAL}"),
 ])
 def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failure_status(
     tmp_path: Path, role: str, status: int, reason: str, failure: str
@@ -324,7 +330,9 @@ def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failur
     died of an error in its background thread while the role waited on other work, used to be ended with status 0,
     the failure untold: a supervisor took either for a role that finished and never restarted it. Now the forced
     exit carries the failure (status 1, its traceback logged); a clean finish that merely hung in teardown still
-    exits 0. Either way the log says why the watchdog ended it and where the
+    exits 0. A config the role refused (``ConfigError``, which ``refbus node`` exits 2 for: final) before a hang,
+    its node closed or not, was forced out with status 1, which a supervisor restarts into the same refusal; now
+    with the 2 the command would have exited with. Either way the log says why the watchdog ended it and where the
     main thread was."""
     code, log = outlived_node(tmp_path, role)
     assert code == status, log
