@@ -261,7 +261,8 @@ class ExitWatchdog:
         timeout = node.settings.shutdown_timeout_s
         time.sleep(max(0.0, node.shutdown_started + timeout * HOOKS_SHARE - time.monotonic()))
         if not node.stopping:
-            log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
+            with contextlib.suppress(Exception):  # as forced_status's report: a log line must not cost the stop
+                log.warning("node.stopped_by_deadline", shutdown_timeout_s=timeout)
             node.stop()
         time.sleep(max(0.0, node.shutdown_started + timeout - time.monotonic()))
         _exit_now(forced_status(node, self._status_of))
@@ -309,12 +310,9 @@ def forced_status(node: NodeRuntime, status_of: StatusOf) -> int:
     overran): that status unless it is 0, else 1. A node that closed cleanly, on a stop or once its role was done,
     and whose process then hung in teardown exits 0: its work is done and its bye said, a restart could only redo it
     (a trainer world would train again from its last checkpoint), and cutting such a teardown short is the
-    watchdog's purpose, not a failure; the warning says where it hung."""
-    main = threading.main_thread()
-    frame = sys._current_frames().get(main.ident or 0)
-    where = "".join(traceback.format_stack(frame, limit=STUCK_FRAMES)) if frame is not None else "(exited)"
-    failure = node.loop_failed or _in_flight(main)
-    timeout = node.settings.shutdown_timeout_s
+    watchdog's purpose, not a failure; the warning says where it hung. The report never keeps the process from its
+    exit: a stderr whose reader is gone (a pipe's) or a full disk fails it, unseen."""
+    failure = node.loop_failed or _in_flight(threading.main_thread())
     failed = 0  # the status the failure calls for: what the command would have exited with
     if failure is not None:
         mapped = status_of(failure)
@@ -329,10 +327,19 @@ def forced_status(node: NodeRuntime, status_of: StatusOf) -> int:
         status, reason = failed, f"{raised}, then its process hung"
     else:
         status, reason = 0, "the node closed cleanly; its process then hung in teardown"
-    report = log.warning if status == 0 else log.error
-    report("node.exit_forced", status=status, reason=reason, shutdown_timeout_s=timeout, main_thread_at=where,
-           exc_info=failure)
+    with contextlib.suppress(Exception):  # a failed report would end the watchdog's thread, never the process
+        _report_forced(node, status, reason, failure)
     return status
+
+
+def _report_forced(node: NodeRuntime, status: int, reason: str, failure: BaseException | None) -> None:
+    """Log ``node.exit_forced`` (:func:`forced_status`): ``status``, ``reason``, where the main thread is and
+    ``failure``'s traceback."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    where = "".join(traceback.format_stack(frame, limit=STUCK_FRAMES)) if frame is not None else "(exited)"
+    report = log.warning if status == 0 else log.error
+    report("node.exit_forced", status=status, reason=reason, shutdown_timeout_s=node.settings.shutdown_timeout_s,
+           main_thread_at=where, exc_info=failure)
 
 
 def _in_flight(thread: threading.Thread) -> BaseException | None:

@@ -4,9 +4,11 @@ joins), ``refused-then-hangs`` (likewise with a :class:`~refbus.nodes.config.Con
 exits 2 for: final), ``refused-unclosed`` (its role raises that while its node's loop, in a background thread, is
 stuck in a callback, and then waits for the node to close), ``finishes-then-hangs`` (its node closes cleanly, then
 the role hangs in teardown) and ``loop-fails`` (its node's loop, in a background thread, dies of an error while the
-role's main thread waits on other work), each node's shutdown clock started at once; and ``probes-then-serves``,
-whose role makes and closes a second runtime (a probe) before its node serves until SIGTERM. Every node is
-unregistered (no broker needed).
+role's main thread waits on other work), each node's shutdown clock started at once; ``probes-then-serves``,
+whose role makes and closes a second runtime (a probe) before its node serves until SIGTERM; and ``hangs-mid-step``,
+whose node serves in a background thread until its stdin closes, when its shutdown clock starts as a trainer rank's
+does at SIGTERM while the role's main thread (mid-step) never stops it. Every node is unregistered (no broker
+needed).
 
 ``python tests/exiting_roles.py python -m refbus.nodes.cli node ROLE ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -99,9 +101,18 @@ def probes_then_serves(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def hangs_mid_step(config: Config, args: argparse.Namespace) -> int:
+    runtime = _node(config, args)
+    runtime.start_background()
+    sys.stdin.readline()  # until the test closes it
+    runtime.begin_shutdown()
+    threading.Event().wait(HANG_S)
+    return 0
+
+
 def main(command: list[str]) -> int:
     for function in (fails_then_hangs, refused_then_hangs, refused_unclosed, finishes_then_hangs, loop_fails,
-                     probes_then_serves):
+                     probes_then_serves, hangs_mid_step):
         cli.ROLES[function.__name__.replace("_", "-")] = (function.__name__, f"__main__:{function.__name__}")
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 

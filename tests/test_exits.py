@@ -22,7 +22,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
-from polling import holds_for, wait_for
+from polling import holds_for, read_line, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RequestTimeout, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.halting import CONFIG_STATUS
@@ -338,6 +338,35 @@ def test_the_exit_watchdog_ends_a_process_that_outlives_its_node_with_its_failur
     assert code == status, log
     assert '"node.exit_forced"' in log and f'"reason": "{reason}"' in log and "main_thread_at" in log, log
     assert failure in log and ("Traceback" in log) == bool(failure), log
+
+
+@pytest.mark.parametrize(("role", "status", "said"), [
+    ("finishes-then-hangs", 0, "node.stopped"),  # the watchdog's last words: node.exit_forced
+    ("fails-then-hangs", 1, "node.stopped"),
+    ("hangs-mid-step", 0, "node.ready"),  # its first: node.stopped_by_deadline, once its stdin closes
+])
+def test_the_exit_watchdog_ends_a_process_whose_log_reader_is_gone(tmp_path: Path, role: str, status: int,
+                                                                  said: str) -> None:
+    """Before, a log line the watchdog wrote on its own thread (``node.stopped_by_deadline`` before it stops the
+    node's loop, ``node.exit_forced`` before it ends the process) raised when the process's stderr was a pipe whose
+    reader had gone (``refbus node ... | tee``, the reader ended by the same Ctrl-C): the watchdog's thread died with
+    it, and a process whose role hung (after its node closed, or mid-step) ran on for good. Now neither line can keep
+    the watchdog from the stop or the exit, with the status it carries."""
+    command = [sys.executable, str(EXITING_ROLES), sys.executable, "-m", "refbus.nodes.cli", "node", role,
+               "--node-metrics-port", "-1", *SHUTDOWN]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, bufsize=0)
+    try:
+        wait_for(lambda: said in read_line(proc, START_S), START_S, f"{role}'s {said}")
+        assert proc.stdout is not None and proc.stdin is not None
+        proc.stdout.close()  # the log's reader is gone: what the node writes from now on fails
+        proc.stdin.close()  # hangs-mid-step's shutdown clock starts
+        wait_for(lambda: proc.poll() is not None, GONE_S, f"{role} ended by the exit watchdog")
+        assert proc.returncode == status
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def test_a_runtime_the_role_closes_besides_its_node_does_not_start_the_nodes_shutdown_clock(tmp_path: Path) -> None:
