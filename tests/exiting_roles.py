@@ -39,22 +39,22 @@ def _node(config: Config, args: argparse.Namespace) -> NodeRuntime:
     return NodeRuntime(args.role, config.runtime(node_id=args.node_id, ready_file=args.ready_file), register=False)
 
 
-def fails_then_hangs(config: Config, args: argparse.Namespace) -> int:
+def _raise_then_hang(config: Config, args: argparse.Namespace, failure: Exception) -> int:
+    """Run the node until it closes, then raise ``failure`` and hang in the ``finally`` clause."""
     runtime = _node(config, args)
     try:
         runtime.run(until=lambda: True)
-        raise RuntimeError(FAILURE)
+        raise failure
     finally:
         threading.Event().wait(HANG_S)
+
+
+def fails_then_hangs(config: Config, args: argparse.Namespace) -> int:
+    return _raise_then_hang(config, args, RuntimeError(FAILURE))
 
 
 def refused_then_hangs(config: Config, args: argparse.Namespace) -> int:
-    runtime = _node(config, args)
-    try:
-        runtime.run(until=lambda: True)
-        raise ConfigError(REFUSAL)
-    finally:
-        threading.Event().wait(HANG_S)
+    return _raise_then_hang(config, args, ConfigError(REFUSAL))
 
 
 def refused_unclosed(config: Config, args: argparse.Namespace) -> int:
