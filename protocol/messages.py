@@ -254,6 +254,13 @@ class Claim(Body, frozen=True):
     holder: Name  # the new owner
 
 
+CLAIMS_BACK = "claims_back"
+"""The registration label by which a process says whether it may claim back what earlier processes under its node
+id held (``"0"``: never; a trainer rank, restarted with its whole world from a checkpoint, trains new data). A
+store then reclaims what a holder reported down held as soon as such a new process registers under its id,
+instead of waiting out the grace (``node.restart_grace_s``) for claims that never come."""
+
+
 THIRD_PARTY_HAND_OVER = "third-party-hand-over"
 """The code under which a node counts a ``reference`` it refused (``refbus_bus_events_rejected_total``): published
 by neither end of the hand-over."""
@@ -303,7 +310,8 @@ class Delete(Body, frozen=True):
     server refuses a request with any other reason ``bad-reason``, deleting nothing.
 
     Two reasons come from liveness and name a ``node``: ``holder-down`` (the env server deleted what that
-    holder held: it went down and was not back within ``node.restart_grace_s``) and ``lost`` (an event only,
+    holder held: it went down and was not back within ``node.restart_grace_s``, or a new process that claims
+    nothing back, label ``claims_back`` ``"0"``, registered under its id) and ``lost`` (an event only,
     published by the holder: the store ``node`` went down and was not back within the grace, so its blobs
     are gone without a delete)."""
 

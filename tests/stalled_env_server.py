@@ -4,7 +4,9 @@ logged and published (the keeper has counted them, the journal has committed the
 sent); ``claim``, on the first claim, before the keeper sees it (nothing granted, no reply sent); ``claimed``,
 after the first claim is answered, at the start of the loop's next turn (granted, committed and answered; its
 ``claim`` event still in the turn's batch, not yet published); ``deleted``, on the first delete once the keeper
-has carried it out (committed, no reply sent). There it creates ``MARKER`` and blocks.
+has carried it out (committed, no reply sent); ``reclaiming``, as a holder's blobs are about to be reclaimed
+(nothing journaled, nothing deleted); ``reclaimed``, once that reclaim is journaled (the keeper still holds the
+blobs, no event is out). There it creates ``MARKER`` and blocks.
 
 ``python tests/stalled_env_server.py AT MARKER python -m refbus.nodes.cli node env-server ...``: a
 :class:`~refbus.nodes.launch.NodeProcess` ``prefix``. It runs the node command that follows in this process, so
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from refbus.nodes import cli
 from refbus.nodes.payload.env_server import EnvServer
+from refbus.nodes.payload.keeper import DeleteResult
 from refbus.protocol.envelope import Message
 from refbus.protocol.messages import Claimed, Deleted, Violation
 
@@ -76,9 +79,29 @@ def stall_after_delete(marker: Path) -> None:
     EnvServer._on_delete = delete_then_stall  # type: ignore[method-assign]
 
 
+def stall_at_reclaim(marker: Path) -> None:
+    commit = EnvServer._commit_reclaim
+
+    def stall_then_commit(self: EnvServer, holder: str, result: DeleteResult) -> None:
+        _stall(marker)
+        commit(self, holder, result)
+
+    EnvServer._commit_reclaim = stall_then_commit  # type: ignore[method-assign]
+
+
+def stall_after_reclaim(marker: Path) -> None:
+    commit = EnvServer._commit_reclaim
+
+    def commit_then_stall(self: EnvServer, holder: str, result: DeleteResult) -> None:
+        commit(self, holder, result)
+        _stall(marker)
+
+    EnvServer._commit_reclaim = commit_then_stall  # type: ignore[method-assign]
+
+
 def main(at: str, marker: Path, command: list[str]) -> int:
     {"violations": stall_at_violations, "claim": stall_at_claim, "claimed": stall_after_claim,
-     "deleted": stall_after_delete}[at](marker)
+     "deleted": stall_after_delete, "reclaiming": stall_at_reclaim, "reclaimed": stall_after_reclaim}[at](marker)
     return cli.main(command[command.index("refbus.nodes.cli") + 1:])
 
 

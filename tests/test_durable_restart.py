@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ from refbus.protocol.messages import (
     StepBatch,
 )
 from structlog.testing import capture_logs
+from test_liveness import RANK_LABELS, Rank
 from test_supervise import QUICK
 from test_up import RUN_S, START_S, STOP_S, Up, check_accounted, log_events
 from test_violations import accounted
@@ -66,6 +68,7 @@ from test_violations import accounted
 pytestmark = pytest.mark.timeout(RUN_S + 2 * STOP_S)
 WAIT_S = 30.0
 NODE_TIMEOUT_S = 10.0  # a broker's, where a killed store must be judged by its restart's registration, not by it
+STALLER = Path(__file__).with_name("stalled_env_server.py")
 HALF_GROUP = OrchestratorSettings(dispatch=False, trainers=1, group_size=2, groups_per_step=1, seq_len=64)
 
 
@@ -591,6 +594,44 @@ def test_a_holder_restarted_and_gone_again_within_its_grace_loses_what_its_resta
 def _logged_at(event: dict) -> float:
     """When a node logged ``event`` (a record of :func:`log_events`), on the wall clock (``time.time()``)."""
     return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+@pytest.mark.parametrize("at", ["reclaiming", "reclaimed"])
+def test_a_store_killed_as_it_reclaims_a_replaced_ranks_blobs_reclaims_them_once_after_its_restart(
+        bus: tuple[NodeProcess, str], spawn, tmp_path: Path, at: str) -> None:
+    """A trainer rank takes two blobs by hand-over and is SIGKILLed; as its new process registers (it claims nothing
+    back), the durable store reclaims them at once, and is SIGKILLed in the middle: before anything of it is
+    journaled, or once it is (the keeper still holding them, no event out). The restarted store reclaims them
+    exactly once, well within the grace: it finds the rank down in its journal and live as the new process, or
+    the reclaim journaled. Nothing is held, both are deleted ``holder-down`` with the rank, no violation."""
+    control, grace_s = bus[1], 120.0  # far beyond what the test waits
+    command = ["node", "env-server", "--bus-control", control, "--node-id", "env-x", "--store-directory",
+               str(tmp_path / "shm"), "--store-run", "env-x", "--node-restart-grace-s", str(grace_s),
+               "--env-server-handover-lease-s", str(5 * grace_s)]
+    marker = tmp_path / "stalled"
+    first = spawn(command, "env-x", prefix=[sys.executable, str(STALLER), at, str(marker)])
+    ctx = zmq.Context()
+    ranks: list[Rank] = []
+    try:
+        client = _client(ctx, first.wait_ready(timeout=WAIT_S)["endpoints"]["blobs"])
+        ids = _two_claimed(client, "orchestrator", seed=11)
+        ranks.append(Rank(control, "trainer-x", ids, RANK_LABELS))
+        wait_for(lambda: accounted(client).held_by == {"trainer-x": 2}, WAIT_S, "the rank's hand-over")
+        client.close()
+        ranks[0].kill()
+        ranks.append(Rank(control, "trainer-x", [], RANK_LABELS))  # once the broker takes the killed one for dead
+        wait_for(marker.exists, WAIT_S, "the store stalled in the reclaim")
+        first.proc.kill()
+        assert first.proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+        _, probe = _restarted(spawn, command, "env-x-restarted", ctx)
+        wait_for(lambda: accounted(probe).held_by == {}, WAIT_S, "the restarted store reclaiming the rank's blobs")
+        final = accounted(probe)
+        assert (final.deleted, final.reclaimed, final.violations) == ({"holder-down": 2}, {"trainer-x": 2}, {}), final
+        probe.close()
+    finally:
+        for rank in ranks:
+            rank.stop()
+        ctx.destroy(linger=0)
 
 
 def test_a_store_killed_twice_in_a_holders_grace_reclaims_when_the_grace_first_given_ends(

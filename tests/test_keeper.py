@@ -380,6 +380,50 @@ def test_stale_requests_for_reclaimed_blobs_are_answered_reclaimed_not_as_violat
     assert stats.reclaimed == {"orch": 2}
 
 
+def test_a_grace_ended_by_a_new_process_reclaims_at_once_what_a_deadline_would_and_nothing_twice(
+        keeper: Keeper, clock: Clock) -> None:
+    """A rank (process A) holds two blobs by hand-over and is reported down; its new process B takes a third by
+    its own hand-over in the grace. ``end_grace`` for B reclaims A's two at once, not B's, with the grace's end
+    accounting, and ends the grace: a later deadline, or a second call, reclaims nothing more."""
+    old = _claimed(keeper, "ep-old", "orch")
+    new = _claimed(keeper, "ep-new", "orch", count=1)
+    keeper.hand_over(old, "rank")
+    keeper.holder_down("rank", GRACE_S, process="A")
+    assert keeper.hand_over(new, "rank", publisher="rank").again == tuple(new)  # B's own hand-over
+    committed: list[tuple[str, tuple[str, ...]]] = []
+    result = keeper.end_grace("rank", "B", commit=lambda holder, r: committed.append((holder, r.deleted)))
+    assert result is not None and (result.deleted, result.holder, result.reason) == (tuple(old), "env-a", HOLDER_DOWN)
+    assert committed == [("rank", tuple(old))] and not keeper.in_grace("rank")
+    stats = keeper.stats()
+    assert (stats.held_by, stats.reclaimed, stats.deleted) == ({"rank": 1}, {"rank": 2}, {HOLDER_DOWN: 2})
+    assert keeper.end_grace("rank", "B") is None
+    clock.now += GRACE_S
+    assert keeper.reclaim() == {} and keeper.stats().held_by == {"rank": 1}
+
+
+def test_a_grace_is_not_ended_by_its_own_process_an_unknown_one_or_blobs_another_node_handed_over(
+        keeper: Keeper, clock: Clock) -> None:
+    """``end_grace`` changes nothing for a holder in no grace, for the process the grace waits for (back, not
+    replaced: :meth:`holder_back` decides), when the process reported down is unknown (nothing says the new one is
+    another), or while blobs the orchestrator's repeat moved to the holder in the grace wait for the holder's own
+    hand-over (the new process's, perhaps, its event still on its way); once that comes, the grace ends."""
+    ids = _claimed(keeper, "ep", "orch")
+    handed = _claimed(keeper, "ep-handed", "orch", count=1)
+    keeper.hand_over(ids, "rank")
+    assert keeper.end_grace("rank", "B") is None  # not down
+    keeper.holder_down("rank", GRACE_S, process="A")
+    assert keeper.end_grace("rank", "A") is None  # its own process
+    keeper.hand_over(handed, "rank", by_holder=False, publisher="orch")  # the orchestrator's repeat, in the grace
+    assert keeper.end_grace("rank", "B") is None
+    keeper.hand_over(handed, "rank", publisher="rank")  # the holder's own event takes it
+    assert keeper.end_grace("rank", "B").deleted == tuple(ids)  # type: ignore[union-attr]
+    assert keeper.stats().held_by == {"rank": 1}
+    _claimed(keeper, "ep-2", "orch-2")
+    keeper.holder_down("orch-2", GRACE_S)  # process unknown
+    assert keeper.end_grace("orch-2", "B") is None and keeper.in_grace("orch-2")
+    assert keeper.stats().held_by == {"rank": 1, "orch-2": 2}
+
+
 def test_a_holder_back_within_the_grace_keeps_everything(keeper: Keeper, clock: Clock) -> None:
     _claimed(keeper, "ep", "orch")
     keeper.holder_down("orch", GRACE_S)

@@ -23,6 +23,7 @@ from refbus.nodes.launch import NodeProcess
 from refbus.nodes.ledger import STORE_ROLE, Ledger, format_report, read_records, reconcile_stores
 from refbus.protocol.envelope import WireCodec, describe
 from refbus.protocol.messages import (
+    CLAIMS_BACK,
     Accounted,
     BlobRef,
     Claim,
@@ -208,6 +209,25 @@ def test_a_holder_back_under_its_id_holds_again() -> None:
     report = _run([*LIFECYCLE[:6], {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
                    {"type": "node-up", "node": {"node_id": "trainer-0"}}]).report()
     assert report.leaked == {} and report.totals()["held"] == 3
+
+
+def test_a_ranks_blobs_reclaimed_as_its_new_process_registers_are_a_loss_named_with_it_not_held_at_run_end() -> None:
+    """A rank is killed holding a (env-0) and d (env-1); its new process registers under its id (a world restart)
+    and the stores reclaim both at once, after that ``node-up``, then the run ends: each is a loss named with the
+    rank, once, none held at the run's end, no violation."""
+    report = _run([
+        *LIFECYCLE[:6],
+        {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
+        {"type": "node-up", "node": {"node_id": "trainer-0", "labels": {CLAIMS_BACK: "0"}}},
+        {"type": "delete", "src": "env-0", "holder": "env-0", "node": "trainer-0", "reason": "holder-down",
+         "blob_ids": ["a"]},
+        {"type": "delete", "src": "env-1", "holder": "env-1", "node": "trainer-0", "reason": "holder-down",
+         "blob_ids": ["d"]},
+        {"type": "run-end", "reason": "done", "steps": 1},
+    ]).report()
+    assert report.lost == {"trainer-0": 2} and report.held_at_end == {} and report.leaked == {}
+    assert report.violations == [] and report.unaccounted == [] and report.inherited == {}
+    assert report.held == {"env-0": {"env-0": 1}, "env-1": {}}  # c: unclaimed, its store's own
 
 
 def test_a_dead_store_loses_what_it_kept_named_with_the_store() -> None:

@@ -20,11 +20,25 @@ import numpy as np
 import pytest
 from branches import random_arrays
 from conftest import FAST_LIVENESS
+from polling import read_line, wait_for
 from refbus.bus.reqrep import Client, Outcome, PeerDown, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
 from refbus.protocol.envelope import Message, WireCodec
-from refbus.protocol.messages import Blobs, Claim, Claimed, Delete, Deleted, Fetch, Keep, Kept, NodeInfo
+from refbus.protocol.messages import (
+    CLAIMS_BACK,
+    Blobs,
+    Claim,
+    Claimed,
+    Delete,
+    Deleted,
+    Fetch,
+    Keep,
+    Kept,
+    NodeInfo,
+    NodeUp,
+)
+from test_violations import accounted
 
 NODE_TIMEOUT_S = 1.0  # FAST_LIVENESS
 HEARTBEAT_S = 0.2
@@ -230,6 +244,112 @@ def test_a_killed_holders_blobs_are_reclaimed_after_the_grace_unless_its_restart
     finally:
         for claimer in claimers:
             claimer.stop()
+
+
+HAND_OVER_HOLDER = Path(__file__).with_name("hand_over_holder.py")
+RANK_LABELS = {"rank": "0", CLAIMS_BACK: "0"}  # a trainer rank's registration: it claims nothing back
+
+
+class Rank:
+    """``tests/hand_over_holder.py`` as a process: registers as ``node_id`` with ``labels`` and takes ``blob_ids``,
+    which the orchestrator claimed, by publishing their hand-over; ``process``: its host, pid and start time."""
+
+    def __init__(self, control: str, node_id: str, blob_ids: list[str], labels: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HAND_OVER_HOLDER), control, node_id, json.dumps(labels),
+                                      *blob_ids], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, bufsize=0)
+        self.process = tuple(json.loads(read_line(self.proc, START_S))["process"])
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(START_S)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(START_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def _claimed(store: Client, episode_id: str, branches: int) -> list[str]:
+    """Keep an episode and claim its blobs for the orchestrator (``orch``): what it hands over to a rank."""
+    ids = keep(store, episode_id, branches)
+    assert store.request(Claim(blob_ids=ids, holder="orch")).body == Claimed(blob_ids=ids)
+    return ids
+
+
+def test_a_rank_restarted_under_its_id_loses_what_its_killed_process_held_at_once_not_after_the_grace(
+        bus, spawn, observer: Observer, client) -> None:
+    """A trainer rank takes two blobs by hand-over and is SIGKILLed; a new process registers under its id (a world
+    restart), which never claims back what the dead one held (its ``claims_back`` label): the store reclaims
+    those blobs (``holder-down``, named with the rank) as soon as it hears the new process, not when the grace
+    ends, and what the new process takes is its own. Before, they stayed for the whole grace (here far longer
+    than the test waits), and a run that ended within it reported them held at its end."""
+    control = bus[1]
+    grace_s = 120.0  # far beyond what the test waits: what goes, goes on the new process's node-up
+    _, endpoint = env_server(spawn, control, "env-r", "--node-restart-grace-s", str(grace_s),
+                             "--env-server-handover-lease-s", str(5 * grace_s))
+    store = client(endpoint)
+    old, new = _claimed(store, "ep-old", 2), _claimed(store, "ep-new", 1)
+    wait_s = 10 * NODE_TIMEOUT_S
+    ranks: list[Rank] = []
+    try:
+        ranks.append(Rank(control, "trainer-r", old, RANK_LABELS))
+        wait_for(lambda: accounted(store).held_by == {"trainer-r": 2, "orch": 1}, wait_s, "the rank's hand-over")
+        ranks[0].kill()
+        observer.wait(is_down("trainer-r"), wait_s, "the rank down")
+        ranks.append(Rank(control, "trainer-r", new, RANK_LABELS))
+        reclaimed = observer.wait(is_delete("holder-down", "trainer-r"), wait_s, "the dead process's reclaim").body
+        assert (sorted(reclaimed.blob_ids), reclaimed.holder) == (sorted(old), "env-r")
+        wait_for(lambda: accounted(store).held_by == {"trainer-r": 1}, wait_s, "the new process's hand-over")
+        final = accounted(store)
+        assert (final.reclaimed, final.deleted, final.violations) == ({"trainer-r": 2}, {"holder-down": 2}, {})
+    finally:
+        for rank in ranks:
+            rank.stop()
+
+
+def test_a_node_up_naming_a_dead_ranks_id_with_garbage_process_fields_reclaims_nothing(
+        bus, spawn, observer: Observer, client) -> None:
+    """``node-up`` events naming a killed rank's id with its ``claims_back`` label but no process (pid 0, no host,
+    a start time that is 0, negative, infinite or not a number), or a process without that label, prove nothing:
+    the store takes each for a restart, as before, and reclaims nothing; the grace runs on. The rank's real new
+    process then registers and the store reclaims what the dead one held at once."""
+    control = bus[1]
+    grace_s = 120.0  # far beyond what the test waits
+    proc, endpoint = env_server(spawn, control, "env-g", "--node-restart-grace-s", str(grace_s),
+                                "--env-server-handover-lease-s", str(5 * grace_s))
+    store = client(endpoint)
+    old = _claimed(store, "ep-old", 2)
+    wait_s = 10 * NODE_TIMEOUT_S
+    ranks: list[Rank] = []
+    try:
+        ranks.append(Rank(control, "trainer-g", old, RANK_LABELS))
+        wait_for(lambda: accounted(store).held_by == {"trainer-g": 2}, wait_s, "the rank's hand-over")
+        ranks[0].kill()
+        observer.wait(is_down("trainer-g"), wait_s, "the rank down")
+        host, pid, started = ranks[0].process
+        garbage = [(host, 0, started), ("", pid + 1, started), (host, pid + 1, 0.0), (host, pid + 1, -1.0),
+                   (host, pid + 1, float("inf")), (host, pid + 1, float("nan"))]
+        forged = [NodeInfo(node_id="trainer-g", role="trainer", host=h, pid=p, started=t, labels=RANK_LABELS)
+                  for h, p, t in garbage]
+        forged.append(NodeInfo(node_id="trainer-g", role="trainer", host=host, pid=pid + 1, started=started + 1))
+        runtime = observer.runtime
+        for info in forged:
+            runtime.call_soon(lambda info=info: runtime.publish(NodeUp(node=info)))
+        wait_for(lambda: proc.log_path.read_text().count('"holder.restarted"') == len(forged), wait_s,
+                 "the store hearing every forged node-up")
+        after = accounted(store)
+        assert (after.held_by, after.reclaimed, after.deleted) == ({"trainer-g": 2}, {}, {}), after
+        ranks.append(Rank(control, "trainer-g", [], RANK_LABELS))
+        reclaimed = observer.wait(is_delete("holder-down", "trainer-g"), wait_s, "the dead process's reclaim").body
+        assert sorted(reclaimed.blob_ids) == sorted(old)
+        assert accounted(store).held_by == {}
+    finally:
+        for rank in ranks:
+            rank.stop()
 
 
 SERVED_PEER = Path(__file__).with_name("served_peer.py")

@@ -25,7 +25,8 @@ Every blob's bytes live in a segment of the store; the keeper's arrays are read-
                 incarnation's: a restarted store resuming the grace keeps them for it)
 ``holder-back`` ``holder`` came back as the incarnation its last ``holder-down`` named: the grace that record
                 cut short resumes, with its end and what was claimed again in either
-``holder-settled`` ``holder``'s grace ended (what it had not claimed again was reclaimed) or it came back as
+``holder-settled`` ``holder``'s grace ended, at its deadline or cut short by a new process that claims nothing
+                back (what it had not claimed again was reclaimed), or it came back as
                 the same process: nothing is left to resume for it
 ``holder-seen`` the process ``holder`` was (``inc``) when it took blobs here, written when that changes: a
                 restarted store that finds another process live under the id knows the holder restarted

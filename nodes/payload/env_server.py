@@ -38,7 +38,11 @@ held here (``delete``, reason ``holder-down``, ``node``: the holder), except blo
 incarnation (same node id) claimed again meanwhile; the same process re-registering (a holder that was
 slow, not dead) keeps everything. A restarted incarnation reported down in turn within that grace starts a
 fresh one, in which only what a later incarnation claims is kept (back as the same process after all, it
-keeps what it claimed and the grace its report cut short goes on). Requests that touch reclaimed blobs later
+keeps what it claimed and the grace its report cut short goes on). A new process registering under the holder's id
+that claims nothing back (label ``claims_back`` ``"0"``: a trainer rank) ends the grace at its ``node-up``, since
+only one process holds a node id at a time: what the process reported down held is deleted then (``holder-down``,
+logged ``blobs.holder_replaced``), not at the grace's end (:func:`claims_nothing_back`,
+:meth:`~.keeper.Keeper.end_grace`). Requests that touch reclaimed blobs later
 are stale, not violations: a holder cut off by a partition comes back as the same process without knowing it
 was declared down, so its claims and deletes of what it held are answered ``reclaimed`` (per id, in
 ``claimed`` and ``deleted``; counted by action in ``refbus_stale_requests_total``) and logged, never counted
@@ -108,6 +112,7 @@ Never imports torch, directly or through anything it imports.
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 import time
 from collections import deque
@@ -126,6 +131,7 @@ from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.errors import shown
 from ...protocol.messages import (
+    CLAIMS_BACK,
     DELETE_REASONS,
     THIRD_PARTY_HAND_OVER,
     Accounted,
@@ -202,6 +208,16 @@ def _unknown_reason(request: str, reason: str) -> str | None:
         return None
     known = ", ".join(sorted(DELETE_REASONS))
     return f"a {request}'s reason may not be {shown(reason)}: it is none of refbus's delete reasons ({known})"
+
+
+def claims_nothing_back(info: NodeInfo) -> bool:
+    """Whether ``info`` registers a process that never claims back what earlier processes under its node id held
+    (label :data:`~refbus.protocol.messages.CLAIMS_BACK` ``"0"``: a trainer rank) and that is a process at all: a
+    host, a pid above 0, a start time that is a time. Only then does its registration prove the process a holder's
+    grace waits for gone, and that the grace can spare nothing more; one with garbage process fields proves
+    nothing, and the grace runs on."""
+    host, pid, started = incarnation(info)
+    return info.labels.get(CLAIMS_BACK) == "0" and bool(host) and pid > 0 and math.isfinite(started) and started > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -728,9 +744,7 @@ class EnvServer:
         done: dict[str, DeleteResult] = {}  # the holders reclaimed, should a later one's commit fail
 
         def commit(holder: str, result: DeleteResult) -> None:
-            if self.journal is not None:
-                self.journal.dropped(result)
-                self.journal.holder_settled(holder)
+            self._commit_reclaim(holder, result)
             done[holder] = result
 
         with self._lock:
@@ -745,6 +759,13 @@ class EnvServer:
                 log.warning("blobs.holder_down", holder=holder, count=len(result.deleted),
                             grace_s=self.restart_grace_s)
                 self._announce(result, node=holder)
+
+    def _commit_reclaim(self, holder: str, result: DeleteResult) -> None:
+        """Journal the end of ``holder``'s grace (durable stores): what it loses, then that it is settled. Under the
+        lock, before the keeper deletes (:data:`~.keeper.Commit`)."""
+        if self.journal is not None:
+            self.journal.dropped(result)
+            self.journal.holder_settled(holder)
 
     # --- liveness (loop thread) ---------------------------------------------------------------------
 
@@ -815,8 +836,18 @@ class EnvServer:
 
                 back = self.keeper.holder_back(info.node_id, incarnation(info), commit=commit)
                 restarted = not back and self.keeper.in_grace(info.node_id)
+                # A new process that never claims back: the grace would spare nothing more, so it ends now.
+                ended = self.keeper.end_grace(info.node_id, incarnation(info), commit=self._commit_reclaim) \
+                    if restarted and claims_nothing_back(info) else None
+                if ended is not None:
+                    self._released(ended)
             if back:
                 log.info("holder.back", holder=info.node_id)
+            elif ended is not None and ended.deleted:
+                log.warning("blobs.holder_replaced", holder=info.node_id, count=len(ended.deleted), pid=info.pid,
+                            detail="a new process under its id, which claims nothing back: what the process reported "
+                                   "down held is reclaimed now, not at the grace's end")
+                self._announce(ended, node=info.node_id)
             elif restarted:  # it keeps what it claims again before the grace ends
                 log.info("holder.restarted", holder=info.node_id)
 

@@ -12,7 +12,8 @@ Life of a blob (the ownership rules of docs/ARCHITECTURE.md):
    (reason ``holder-down``) except those its restarted incarnation claimed meanwhile (again: a claim by the
    current holder is answered ok; or for the first time: a blob unclaimed until then). A restarted
    incarnation reported down in turn, within that grace, gets a fresh one: only what a later incarnation
-   claims in it is spared. :meth:`Keeper.hand_over` follows the
+   claims in it is spared. A new process under its id that never claims back ends the grace at once
+   (:meth:`Keeper.end_grace`). :meth:`Keeper.hand_over` follows the
    orchestrator's hand-over to a trainer rank (the ``reference`` event), so a rank's blobs are its own and
    not the orchestrator's.
    :meth:`Keeper.record` files the episode's ``episode-finished`` record with its blobs, for as long as one
@@ -675,16 +676,36 @@ class Keeper:
         it raises, the holders before it are done, that one and those after it still wait (their graces ended:
         the next call reclaims them), and the exception propagates."""
         now = self.clock() if now is None else now
-        results: dict[str, DeleteResult] = {}
-        for holder in [h for h, down in self._holders_down.items() if down.until <= now]:
-            kept = self._holders_down[holder].claimed_again
-            ids = tuple(i for i, blob in self._blobs.items() if blob.holder == holder and i not in kept)
-            result = results[holder] = DeleteResult(self.source, HOLDER_DOWN, ids)
-            if commit is not None:
-                commit(holder, result)
-            del self._holders_down[holder]
-            self._remove(ids, self.source, HOLDER_DOWN)
-        return results
+        return {holder: self._end_grace(holder, commit)
+                for holder in [h for h, down in self._holders_down.items() if down.until <= now]}
+
+    def end_grace(self, holder: str, process: Hashable, *,
+                  commit: Callable[[str, DeleteResult], None] | None = None) -> DeleteResult | None:
+        """``holder``, reported down, is live as ``process``, which never claims back what earlier processes under
+        its id held (the caller knows it from its registration): its grace can spare nothing more, so it ends now,
+        and what the holder holds goes as at :meth:`reclaim`, except what later incarnations took again in it.
+        One process holds a node id at a time, so a new one means the process reported down is gone for good.
+
+        None (nothing changes) when the holder is in no grace, when the process reported down is unknown or is
+        ``process`` (back, not replaced: :meth:`holder_back`), or when another node's repeat of a hand-over moved
+        blobs to the holder in the grace that the holder's own event has not taken yet (:meth:`hand_over`): they
+        may be the new process's, its own ``reference`` still on its way, and keep the grace. ``commit``: as at
+        :meth:`reclaim`."""
+        down = self._holders_down.get(holder)
+        if down is None or down.process is None or down.process == process or down.handed:
+            return None
+        return self._end_grace(holder, commit)
+
+    def _end_grace(self, holder: str, commit: Callable[[str, DeleteResult], None] | None) -> DeleteResult:
+        """Delete what ``holder`` holds but what its grace spares, and end that grace (see :meth:`reclaim`)."""
+        kept = self._holders_down[holder].claimed_again
+        ids = tuple(i for i, blob in self._blobs.items() if blob.holder == holder and i not in kept)
+        result = DeleteResult(self.source, HOLDER_DOWN, ids)
+        if commit is not None:
+            commit(holder, result)
+        del self._holders_down[holder]
+        self._remove(ids, self.source, HOLDER_DOWN)
+        return result
 
     def fetch(self, blob_ids: Sequence[str], holder: str, *, commit: Commit[FetchResult] | None = None
               ) -> FetchResult:

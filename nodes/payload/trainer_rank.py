@@ -71,6 +71,7 @@ from ...bus.reqrep import HandlerError, split_outcomes
 from ...bus.runtime import NodeRuntime
 from ...protocol.envelope import Message
 from ...protocol.messages import (
+    CLAIMS_BACK,
     BlobRef,
     Delete,
     Deleted,
@@ -288,6 +289,9 @@ class TrainerRank:
                        lambda: {(): float(len(self.held))}, kind="gauge")
         # What the orchestrator needs to address this rank: its data rank, and whether it deletes.
         runtime.labels.update(rank=str(self.rank), data_rank=str(self.data_rank), leader=str(int(leader)))
+        # A restarted rank trains new data from a checkpoint, never claiming back what its predecessor held: stores
+        # reclaim that as soon as this process registers, not when the predecessor's grace ends.
+        runtime.labels[CLAIMS_BACK] = "0"
         runtime.shutdown_hooks.append(self._on_loop_ended)
 
     # --- the training loop's API ---------------------------------------------------------------------
