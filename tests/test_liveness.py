@@ -186,20 +186,14 @@ def test_the_orchestrator_names_a_killed_stores_blobs_lost_after_the_grace_and_g
     assert "blobs.lost" in orchestrator.log_path.read_text()
 
 
+class HolderProcess:
+    """A test node process (``proc``, its stdout a pipe) that a test kills or stops."""
 
-class Claimer:
-    """``tests/claimer_node.py`` as a process: registers as ``node_id`` and claims ``blob_ids``."""
-
-    def __init__(self, control: str, node_id: str, endpoint: str, blob_ids: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CLAIMER), control, node_id, endpoint, *blob_ids],
-                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        readable, _, _ = select.select([self.proc.stdout], [], [], START_S)
-        assert readable, f"{node_id} did not claim within {START_S}s"
-        self.granted = json.loads(self.proc.stdout.readline())["granted"]  # type: ignore[union-attr]
+    proc: subprocess.Popen
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.wait()
+        self.proc.wait(START_S)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -209,6 +203,17 @@ class Claimer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+class Claimer(HolderProcess):
+    """``tests/claimer_node.py`` as a process: registers as ``node_id`` and claims ``blob_ids``."""
+
+    def __init__(self, control: str, node_id: str, endpoint: str, blob_ids: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(CLAIMER), control, node_id, endpoint, *blob_ids],
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        readable, _, _ = select.select([self.proc.stdout], [], [], START_S)
+        assert readable, f"{node_id} did not claim within {START_S}s"
+        self.granted = json.loads(self.proc.stdout.readline())["granted"]  # type: ignore[union-attr]
 
 
 def test_a_killed_holders_blobs_are_reclaimed_after_the_grace_unless_its_restart_claims_them_back(
@@ -250,7 +255,7 @@ HAND_OVER_HOLDER = Path(__file__).with_name("hand_over_holder.py")
 RANK_LABELS = {"rank": "0", CLAIMS_BACK: "0"}  # a trainer rank's registration: it claims nothing back
 
 
-class Rank:
+class Rank(HolderProcess):
     """``tests/hand_over_holder.py`` as a process: registers as ``node_id`` with ``labels`` and takes ``blob_ids``,
     which the orchestrator claimed, by publishing their hand-over; ``process``: its host, pid and start time."""
 
@@ -259,18 +264,6 @@ class Rank:
                                       *blob_ids], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, bufsize=0)
         self.process = tuple(json.loads(read_line(self.proc, START_S))["process"])
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(START_S)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(START_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 def _claimed(store: Client, episode_id: str, branches: int) -> list[str]:
