@@ -25,7 +25,8 @@ back is the same process (:func:`incarnation`) or a restart, and how long to wai
 Opt-in (``runtime.track_peers()``), for roles that act on liveness: its subscription is filtered by topic,
 so the broker sends it ``node-up`` and ``node-down`` only, not the whole stream. Gaps are still told: the
 broker is those events' one source and publishes no other kind, so every event of its sequence arrives (a
-restarted broker is a new incarnation, whose re-joins emit ``node-up`` again). Loop thread only.
+restarted broker is a new incarnation, whose re-joins emit ``node-up`` again). The runtime hands it only those the
+broker published: one any other node publishes is refused (:data:`NOT_FROM_BROKER`). Loop thread only.
 
 A restarted broker knows only the nodes that re-join it: one that died while it was down is never reported
 down by it. So after a re-join that found a new broker incarnation the runtime calls :meth:`Peers.expect_rejoins`
@@ -51,6 +52,7 @@ OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
 
 KINDS = frozenset({NodeUp.kind, NodeDown.kind})
 ABSENT_AFTER_RESTART = "absent-after-broker-restart"  # the reason of a node-down found by :meth:`Peers.reconcile`
+NOT_FROM_BROKER = "not-from-broker"  # the code of a node-up or node-down another node published, refused
 RETIRED_DOWN_MARKS = 1024  # down marks kept for endpoints restarted peers left behind (the newest ones)
 # Down peers remembered (their last entry), the latest to go down kept: a node restarted under a new id (default
 # ids hold the pid) never comes back under the old one.

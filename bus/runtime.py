@@ -94,7 +94,7 @@ from ..protocol.messages import (
 from .calls import Calls
 from .metrics import by_label, register_live, serve_metrics
 from .peers import KINDS as PEER_KINDS
-from .peers import Peers, incarnation
+from .peers import NOT_FROM_BROKER, Peers, incarnation
 from .pubsub import KEEP_EVENTS, Publisher, Subscriber, in_source_order
 from .reqrep import (
     INTERRUPT_CHECK_MS,
@@ -478,6 +478,7 @@ class NodeRuntime:
         self._lookups: dict[str, list[Callable[[list[NodeInfo] | None], None]]] = {}  # role -> waiting callers
         """Asynchronous requests to peers: a role's requests that must not block the loop go here."""
         self._peers: Peers | None = None
+        self._peer_events: Subscriber | None = None  # the subscription feeding _peers
         ExitWatchdog.attach(self)
 
     # --- building blocks for roles -------------------------------------------------------------------
@@ -571,11 +572,26 @@ class NodeRuntime:
         then on a peer the broker reports down fails every pending and new :attr:`calls` request to its
         endpoints at once. Opt-in (it subscribes to ``node-up``/``node-down``, and the broker sends it those
         kinds only: the broker is their one source and publishes nothing else, so its sequence numbers stay
-        whole): call it before :meth:`run`."""
+        whole): call it before :meth:`run`. Those events count from the broker only (:meth:`_registry_event`)."""
         if self._peers is None:
             self._peers = Peers(self.calls, self.node_id)
-            self.subscribe(self._peers.handle, kinds=PEER_KINDS, topics=PEER_KINDS)
+            self._peer_events = self.subscribe(self._registry_event, kinds=PEER_KINDS, topics=PEER_KINDS)
         return self._peers
+
+    def _registry_event(self, message: Message) -> None:
+        """A ``node-up`` or ``node-down`` for :attr:`_peers`, from the broker that welcomed this node; one any other
+        node published (any node may publish any kind) is refused, counted under :data:`NOT_FROM_BROKER` and logged:
+        a forged ``node-down`` would end every request to a live peer, break a trainer world and start the grace
+        after which stores reclaim what the peer holds. (Only CURVE binds a source to a process: on a plain or
+        signed bus a node can still send as the broker's id.)"""
+        assert self._peers is not None and self._peer_events is not None
+        src = message.header.src
+        if self.welcome is not None and src != self.welcome.broker_id:
+            self._peer_events.rejected[NOT_FROM_BROKER] += 1
+            log.warning("event.refused", code=NOT_FROM_BROKER, kind=message.kind, src=src,
+                        broker=self.welcome.broker_id, detail="registry events count from the broker only")
+            return
+        self._peers.handle(message)
 
     def publish(self, body: Body) -> int:
         """Publish an event through the broker; returns its sequence number."""

@@ -119,14 +119,17 @@ def test_monitor_shows_hostile_events_escaped_and_its_json_stays_strict(
     monitors = [watch("text"), watch("json", "--json")]
     for monitor in monitors:
         monitor.wait_ready()
+    # The broker registers no such id, but an event names its source itself: any publisher may send one.
     evil = "evil\x1b]0;pwned\x07\x1b[2J"
-    pub = NodeRuntime("evil", RuntimeSettings(bus=control, node_id=evil, metrics_port=-1, heartbeat_interval_s=0.2))
+    pub = NodeRuntime("evil", RuntimeSettings(bus=control, node_id="evil", metrics_port=-1, heartbeat_interval_s=0.2))
     stamps = {2: math.nan, 3: math.inf, 4: 1e300}  # event seq -> the header ts it is sent with
     stamp = pub.codec._stamp
 
     def hostile_stamp(seq: int, msg_id: str = "", reply_to: str = "") -> Header:
         header = stamp(seq, msg_id, reply_to)
-        return msgspec.structs.replace(header, ts=stamps[seq]) if seq in stamps else header
+        if not seq:  # a request: its source must stay the registered id
+            return header
+        return msgspec.structs.replace(header, src=evil, ts=stamps.get(seq, header.ts))
 
     monkeypatch.setattr(pub.codec, "_stamp", hostile_stamp)
     reasons = ["first", "ts-nan", "ts-inf", "ts-1e300", "last\x1b[31mRED\x1b[0m"]

@@ -24,6 +24,7 @@ from polling import read_line, wait_for
 from refbus.bus.reqrep import Client, Outcome, PeerDown, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.nodes.launch import NodeProcess
+from refbus.nodes.payload.env_server import claims_nothing_back
 from refbus.protocol.envelope import Message, WireCodec
 from refbus.protocol.messages import (
     CLAIMS_BACK,
@@ -35,6 +36,7 @@ from refbus.protocol.messages import (
     Fetch,
     Keep,
     Kept,
+    NodeDown,
     NodeInfo,
     NodeUp,
 )
@@ -304,12 +306,34 @@ def test_a_rank_restarted_under_its_id_loses_what_its_killed_process_held_at_onc
             rank.stop()
 
 
-def test_a_node_up_naming_a_dead_ranks_id_with_garbage_process_fields_reclaims_nothing(
+def _garbage_rank_registrations(process: tuple[str, int, float]) -> list[NodeInfo]:
+    """Registrations under a rank's id that prove nothing: its label with no process (pid 0, no host, a start time
+    that is 0, negative, infinite or not a number), and a process without the label."""
+    host, pid, started = process
+    garbage = [(host, 0, started), ("", pid + 1, started), (host, pid + 1, 0.0), (host, pid + 1, -1.0),
+               (host, pid + 1, float("inf")), (host, pid + 1, float("nan"))]
+    forged = [NodeInfo(node_id="trainer-g", role="trainer", host=h, pid=p, started=t, labels=RANK_LABELS)
+              for h, p, t in garbage]
+    forged.append(NodeInfo(node_id="trainer-g", role="trainer", host=host, pid=pid + 1, started=started + 1))
+    return forged
+
+
+def test_registrations_with_garbage_process_fields_or_without_the_label_prove_no_rank_gone() -> None:
+    """What a store reads from a ``node-up`` before it ends a grace early: only a real process that declares it
+    never claims back."""
+    process = ("host-a", 4242, 1_700_000_000.0)
+    assert not any(claims_nothing_back(info) for info in _garbage_rank_registrations(process))
+    real = NodeInfo(node_id="trainer-g", role="trainer", host="host-a", pid=4243, started=1_700_000_001.0,
+                    labels=RANK_LABELS)
+    assert claims_nothing_back(real)
+
+
+def test_node_ups_another_node_publishes_are_refused_and_reclaim_nothing(
         bus, spawn, observer: Observer, client) -> None:
-    """``node-up`` events naming a killed rank's id with its ``claims_back`` label but no process (pid 0, no host,
-    a start time that is 0, negative, infinite or not a number), or a process without that label, prove nothing:
-    the store takes each for a restart, as before, and reclaims nothing; the grace runs on. The rank's real new
-    process then registers and the store reclaims what the dead one held at once."""
+    """Registry events count from the broker only: ``node-up`` events naming a killed rank's id, published by
+    another node (any node may publish any kind), are refused (``not-from-broker``, counted and logged) and end no
+    grace, whatever their process fields say; a ``node-down`` so published reports no live node down. The rank's
+    real new process then registers and the store reclaims what the dead one held at once."""
     control = bus[1]
     grace_s = 120.0  # far beyond what the test waits
     proc, endpoint = env_server(spawn, control, "env-g", "--node-restart-grace-s", str(grace_s),
@@ -323,17 +347,16 @@ def test_a_node_up_naming_a_dead_ranks_id_with_garbage_process_fields_reclaims_n
         wait_for(lambda: accounted(store).held_by == {"trainer-g": 2}, wait_s, "the rank's hand-over")
         ranks[0].kill()
         observer.wait(is_down("trainer-g"), wait_s, "the rank down")
-        host, pid, started = ranks[0].process
-        garbage = [(host, 0, started), ("", pid + 1, started), (host, pid + 1, 0.0), (host, pid + 1, -1.0),
-                   (host, pid + 1, float("inf")), (host, pid + 1, float("nan"))]
-        forged = [NodeInfo(node_id="trainer-g", role="trainer", host=h, pid=p, started=t, labels=RANK_LABELS)
-                  for h, p, t in garbage]
-        forged.append(NodeInfo(node_id="trainer-g", role="trainer", host=host, pid=pid + 1, started=started + 1))
+        forged: list[NodeUp | NodeDown] = [NodeUp(node=info) for info in _garbage_rank_registrations(ranks[0].process)]
+        forged.append(NodeUp(node=NodeInfo(node_id="trainer-g", role="trainer", host=ranks[0].process[0],
+                                           pid=ranks[0].process[1] + 1, started=time.time(), labels=RANK_LABELS)))
+        forged.append(NodeDown(node_id="observer", role="observer", reason="timeout", last_seen=0.0))
         runtime = observer.runtime
-        for info in forged:
-            runtime.call_soon(lambda info=info: runtime.publish(NodeUp(node=info)))
-        wait_for(lambda: proc.log_path.read_text().count('"holder.restarted"') == len(forged), wait_s,
-                 "the store hearing every forged node-up")
+        for body in forged:
+            runtime.call_soon(lambda body=body: runtime.publish(body))
+        wait_for(lambda: proc.log_path.read_text().count('"not-from-broker"') == len(forged), wait_s,
+                 "the store refusing every forged registry event")
+        assert '"holder.restarted"' not in proc.log_path.read_text()
         after = accounted(store)
         assert (after.held_by, after.reclaimed, after.deleted) == ({"trainer-g": 2}, {}, {}), after
         ranks.append(Rank(control, "trainer-g", [], RANK_LABELS))
