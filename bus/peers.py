@@ -12,7 +12,9 @@ node starts (peers that were up before it subscribed). A ``node-down`` does, in 
    (:meth:`~refbus.bus.calls.Calls.forget`: the down marks stay, so new requests still fail at once without
    a socket, and a client is made again once the node is up).
 
-A ``node-up`` marks the node's endpoints up again, then tells the listeners (:meth:`Peers.on_up`). Endpoints
+A ``node-up`` marks the node's endpoints up again, then tells the listeners (:meth:`Peers.on_up`). One naming
+another process (:func:`incarnation`) than the one held live, never reported down, first reports that one down
+as above, reason :data:`REPLACED` (as a broker that knew it would have: see below). Endpoints
 the node advertised before and no longer does (a restarted process, on new ephemeral ports) are dead for good:
 their clients are forgotten as well, and their down marks are kept for the last :data:`RETIRED_DOWN_MARKS` of
 them only (a stale reference to one fails at once; an older one would wait out its deadline), so a long run of
@@ -32,7 +34,8 @@ A restarted broker knows only the nodes that re-join it: one that died while it 
 down by it. So after a re-join that found a new broker incarnation the runtime calls :meth:`Peers.expect_rejoins`
 and, once the registry had time to fill (a node timeout, a heartbeat interval and the sockets' reconnect cap),
 looks it up and hands the answer to :meth:`Peers.reconcile`: every live peer neither reported up since nor
-listed goes down as above, reason :data:`ABSENT_AFTER_RESTART`.
+listed goes down as above, reason :data:`ABSENT_AFTER_RESTART`. One that died and was restarted under its id
+meanwhile re-joins as a new process, which confirms the id: its ``node-up`` reports the dead one down instead.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ OnDown = Callable[[NodeDown, "NodeInfo | None"], None]
 KINDS = frozenset({NodeUp.kind, NodeDown.kind})
 ABSENT_AFTER_RESTART = "absent-after-broker-restart"  # the reason of a node-down found by :meth:`Peers.reconcile`
 NOT_FROM_BROKER = "not-from-broker"  # the code of a node-up or node-down another node published, refused
+REPLACED = "replaced"  # the reason of a node-down for a process another took the id from (the broker's word too)
 RETIRED_DOWN_MARKS = 1024  # down marks kept for endpoints restarted peers left behind (the newest ones)
 # Down peers remembered (their last entry), the latest to go down kept: a node restarted under a new id (default
 # ids hold the pid) never comes back under the old one.
@@ -145,6 +149,12 @@ class Peers:
     def _up(self, node: NodeInfo) -> None:
         if node.node_id == self._self_id:
             return
+        held = self.live.get(node.node_id)
+        if held is not None and incarnation(held) != incarnation(node):
+            # Another process took the id of one this view holds live, never reported down: it died while the
+            # broker was down, and the restarted broker that this one joined never knew it. Reported down here as
+            # that broker would have (``replaced``), its pending calls end now, not at their deadlines.
+            self._down(NodeDown(node_id=node.node_id, role=held.role, reason=REPLACED, last_seen=held.last_seen))
         was_down = self.down.pop(node.node_id, None)
         before = self.live.get(node.node_id, was_down)  # what it advertised last, live or down (None: unknown)
         self._unconfirmed.discard(node.node_id)

@@ -23,7 +23,7 @@ from conftest import FAST_LIVENESS
 from polling import wait_for
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.peers import ABSENT_AFTER_RESTART
-from refbus.bus.reqrep import Client, HandlerError, RequestTimeout, RetryPolicy, Server
+from refbus.bus.reqrep import Client, HandlerError, Outcome, PeerDown, RequestTimeout, RetryPolicy, Server
 from refbus.bus.runtime import FILL_SHARE, BusUnavailable, NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import RECONNECT_IVL_MAX_MS, make_socket
 from refbus.nodes.launch import NodeProcess, start_bus
@@ -369,6 +369,62 @@ def test_a_node_that_died_while_the_broker_was_down_is_reported_down_after_the_r
     finally:
         while nodes:
             nodes.pop().join(timeout=START_S)
+        for bus in buses:
+            bus.stop()
+
+
+def test_a_node_restarted_while_the_broker_was_down_has_its_dead_process_reported_down_and_its_calls_ended(
+        tmp_path: Path, nodes: list[NodeRuntime]) -> None:
+    """A node SIGKILLed and restarted under its id while the broker was down re-joins the new broker as a new
+    process: that broker never knew the dead one, so it reports no ``replaced``, and the re-join confirms the id
+    to the peer tracker's check after the restart. The tracker reports the dead process down itself when the
+    node-up names another process than the one it holds live: a request still pending to the dead process's
+    endpoint (a store's delete sent just before it died) ends with PeerDown at once, so its caller can send it
+    again to the new process, not at its deadline against a port nobody listens on."""
+    first, control = start_bus(tmp_path, extra=FAST_LIVENESS)
+    buses = [first]
+    served: list[ServedPeer] = []
+    try:
+        served.append(old := ServedPeer(control, "peer-x"))
+        tracker = node(control, "tracker")
+        peers = tracker.track_peers()
+        downs: queue.Queue[tuple[NodeDown, NodeInfo | None]] = queue.Queue()
+        peers.on_down(lambda down, info: downs.put((down, info)))
+        nodes.append(tracker)
+        tracker.start_background()
+        wait_for(lambda: "peer-x" in peers.live, START_S, "the tracker sees peer-x live")
+
+        endpoints = first.info["endpoints"]
+        sigkill(first)
+        old.kill()  # dies while no broker can notice
+        outcomes: queue.Queue[Outcome] = queue.Queue()
+        # Each attempt outlasts the wait below: only a down report can end it in time.
+        patient = RetryPolicy(timeout_s=START_S, attempts=2)
+        tracker.call_soon(lambda: tracker.calls.request(old.endpoint, Claim(blob_ids=["b"], holder="tracker"),
+                                                        outcomes.put, policy=patient))
+        served.append(new := ServedPeer(control, "peer-x", wait=False))  # its hello waits for the new broker
+        buses.append(restart_bus(tmp_path, endpoints))
+        new.registered()
+        try:
+            ended = outcomes.get(timeout=START_S)
+        except queue.Empty:
+            raise AssertionError(f"the call to the dead process did not end within {START_S}s of the new one's "
+                                 "registration") from None
+        assert isinstance(ended, PeerDown) and "peer-x reported down (replaced)" in ended.reason, ended
+        down, info = downs.get(timeout=START_S)
+        assert (down.node_id, down.reason) == ("peer-x", "replaced")
+        assert info is not None and info.pid == old.proc.pid
+        wait_for(lambda: peers.endpoint_of("peer-x", "rpc") == new.endpoint, START_S, "the new process is live")
+        tracker.call_soon(lambda: tracker.calls.request(new.endpoint, Claim(blob_ids=["b"], holder="tracker"),
+                                                        outcomes.put, policy=patient))
+        answered = outcomes.get(timeout=sum(patient.timeouts()) + START_S)
+        assert isinstance(answered, Message) and answered.body == Claimed(blob_ids=[], missing=["b"]), answered
+        assert downs.empty()  # one report of the dead process
+    finally:
+        while nodes:
+            nodes.pop().join(timeout=START_S)
+        for peer in served:
+            peer.kill()
         for bus in buses:
             bus.stop()
 

@@ -374,14 +374,23 @@ RESTARTS = 5
 
 class ServedPeer:
     """``tests/served_peer.py`` as a process: registers as ``node_id`` and serves ``claim`` on a new ephemeral
-    port each start (its ``endpoint``)."""
+    port each start (its ``endpoint``). ``wait``: return once it registered (else call :meth:`registered`: one
+    started while no broker answers registers once one does, within its connect timeout)."""
 
-    def __init__(self, control: str, node_id: str) -> None:
+    def __init__(self, control: str, node_id: str, *, wait: bool = True) -> None:
+        self.node_id = node_id
+        self.endpoint = ""
         self.proc = subprocess.Popen([sys.executable, str(SERVED_PEER), control, node_id],
                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        if wait:
+            self.registered()
+
+    def registered(self) -> str:
+        """Wait (at most ``START_S``) until it registered; its endpoint."""
         readable, _, _ = select.select([self.proc.stdout], [], [], START_S)
-        assert readable, f"{node_id} did not register within {START_S}s"
+        assert readable, f"{self.node_id} did not register within {START_S}s"
         self.endpoint = json.loads(self.proc.stdout.readline())["endpoint"]  # type: ignore[union-attr]
+        return self.endpoint
 
     def kill(self) -> None:
         self.proc.kill()
