@@ -308,7 +308,8 @@ class UpSettings:
         0.5, "Seconds before a crashed node is restarted, doubled for each earlier restart of that node (at most "
         "16x; from 1x again once a node ran 64x it before it died); the orchestrator's and env servers' at most "
         "half node.restart_grace_s, so the orchestrator's restart claims back what it held and a durable env "
-        "server's is back before its blobs are declared lost."
+        "server's is back before its blobs are declared lost; the broker's at most half bus.node_timeout_s, so the "
+        "registry is back within a node timeout."
     )
     checkpoint_every: int = key(
         3,

@@ -26,7 +26,10 @@ restarted as promptly as after its first crash. The orchestrator's backoff is at
 ``node.restart_grace_s``: its stores reclaim what it held once the grace ends, and its restarted process needs
 the other half to start and claim it back (a later restart would lose all of it). An env server's likewise: the
 orchestrator declares a store's blobs lost once it has been down that grace, though a durable store's restarted
-process would have served them.
+process would have served them. The broker's is at most half ``bus.node_timeout_s``: while it is down no death is
+reported, no node joins, registry lookups fail (a run that ends then cannot read its stores' counters) and every
+node holds its events, so a broker that keeps dying is restarted within a node timeout all the same (each restart
+still spends the budget, which ends a true crash loop).
 
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
 step, a step batch no message can carry) decided that the run cannot go on, and one that exits
@@ -174,7 +177,7 @@ class Supervisor:
     def __init__(self, cluster: Cluster, *, budget: int, backoff_s: float, say: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.monotonic, world_restarts: bool = False,
                  world_exit_s: float = 0.0, hung_grace_s: float = 0.0, holder_grace_s: float = 0.0,
-                 stopping: Callable[[], bool] = lambda: False) -> None:
+                 node_timeout_s: float = 0.0, stopping: Callable[[], bool] = lambda: False) -> None:
         self.cluster = cluster
         self.world_restarts = world_restarts
         self.world_exit_s = world_exit_s  # how long the other ranks of a broken world have to exit on their own
@@ -182,6 +185,7 @@ class Supervisor:
         self.budget = budget
         self.backoff_s = backoff_s
         self.holder_grace_s = holder_grace_s  # node.restart_grace_s: the orchestrator's backoff stays within half
+        self.node_timeout_s = node_timeout_s  # bus.node_timeout_s: the broker's backoff stays within half
         self.say = say
         self.clock = clock
         self.started = clock()
@@ -337,6 +341,8 @@ class Supervisor:
         delay = self.backoff_s * min(2 ** self._per_node[key], MAX_BACKOFF_FACTOR)
         if (name == ORCHESTRATOR or name.startswith(ENV_PREFIX)) and self.holder_grace_s > 0:
             delay = min(delay, self.holder_grace_s / 2)
+        if name == BROKER and self.node_timeout_s > 0:
+            delay = min(delay, self.node_timeout_s / 2)
         return delay
 
     def report(self) -> dict[str, Any]:

@@ -467,7 +467,8 @@ def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> 
     supervisor = Supervisor(cluster, budget=up.restart_budget, backoff_s=up.restart_backoff_s,
                             world_restarts=config.trainer.checkpoint_every > 0,
                             world_exit_s=2 * config.bus.node_timeout_s, hung_grace_s=config.bus.node_timeout_s,
-                            holder_grace_s=config.node.restart_grace_s, stopping=lambda: stopping or stop.requested)
+                            holder_grace_s=config.node.restart_grace_s, node_timeout_s=config.bus.node_timeout_s,
+                            stopping=lambda: stopping or stop.requested)
     print(f"refbus up: {up.steps} steps; logs and config in {workdir}", flush=True)
     # The handlers stay installed until the launcher is done: a second SIGINT/SIGTERM during the shutdown only
     # sets the flag again, so the ordered stop, the accounting, the stores' gc and the summary still happen.

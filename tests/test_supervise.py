@@ -534,6 +534,20 @@ def test_the_backoff_starts_over_after_a_node_ran_long_and_the_orchestrators_sta
     assert _restart_delays(supervisor, cluster, clock, "orchestrator", [1, 1, 1, 1, 1]) == [1, 2, 4, 8, 16]
 
 
+def test_a_broker_that_keeps_dying_is_restarted_within_half_a_node_timeout() -> None:
+    """While the broker is down no death is reported and no store's counters can be read: a soak that SIGKILLed
+    it every 30 s (a crash loop to the doubling) had it down 8 s each time, and a run that ended in such a gap
+    could not account for its stores. Its backoff stops at half ``bus.node_timeout_s``; 0 means no cap."""
+    cluster, clock = _Cluster("bus", "rollout-0"), _Clock()
+    supervisor = Supervisor(cluster, budget=100, backoff_s=0.5, say=lambda _: None, clock=clock,  # type: ignore[arg-type]
+                            node_timeout_s=5.0)
+    assert _restart_delays(supervisor, cluster, clock, "bus", [30, 30, 30, 30, 30]) == [0.5, 1, 2, 2.5, 2.5]
+    assert _restart_delays(supervisor, cluster, clock, "rollout-0", [30, 30, 30, 30, 30]) == [0.5, 1, 2, 4, 8]
+    cluster, clock = _Cluster("bus"), _Clock()
+    supervisor = Supervisor(cluster, budget=100, backoff_s=0.5, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    assert _restart_delays(supervisor, cluster, clock, "bus", [30, 30, 30, 30, 30]) == [0.5, 1, 2, 4, 8]
+
+
 def test_chaos_kills_restartable_nodes_only_and_the_seed_fixes_the_sequence() -> None:
     def victims(seed: int) -> list[str]:
         cluster, clock = _Cluster("bus", "ps-manager", "ps-worker-0", "env-0", "env-1", "trainer-0", "trainer-1",
