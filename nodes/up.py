@@ -427,14 +427,21 @@ def _lock_run_dir(fd: int, workdir: Path, orphans_s: float) -> None:
         time.sleep(RUN_DIR_POLL_S)
 
 
-def _stamp(pid: int) -> str:
-    """``PID STARTTIME`` of process ``pid`` (its start in clock ticks after boot, from ``/proc/PID/stat``): what
-    tells it from a later process the kernel gives the same pid; the pid alone when it cannot be read."""
+def _state_and_start(pid: int | str) -> tuple[str, str] | None:
+    """Process ``pid``'s state and start time (clock ticks after boot) from ``/proc/PID/stat``, read past the
+    command's ")" (a command may hold spaces and parentheses); None when there is no such process."""
     try:
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[STAT_STARTTIME]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[STAT_STARTTIME]
     except (OSError, IndexError):
-        return str(pid)
-    return f"{pid} {started}"
+        return None
+
+
+def _stamp(pid: int) -> str:
+    """``PID STARTTIME`` of process ``pid``: what tells it from a later process the kernel gives the same pid; the
+    pid alone when it cannot be read."""
+    found = _state_and_start(pid)
+    return str(pid) if found is None else f"{pid} {found[1]}"
 
 
 def _running(stamp: str) -> bool:
@@ -442,12 +449,8 @@ def _running(stamp: str) -> bool:
     exists and has not exited (a zombie, not yet reaped by its parent, has): a live process that has its pid but
     started at another time is another process, the launcher being gone."""
     pid, _, started = stamp.partition(" ")
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        state, now_started = fields[0], fields[STAT_STARTTIME]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X") and started in ("", now_started)
+    found = _state_and_start(pid)
+    return found is not None and found[0] not in ("Z", "X") and started in ("", found[1])
 
 
 def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> int:
