@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import re
 import socket
 import stat
 import struct
@@ -32,6 +31,8 @@ import structlog
 import zmq
 from zmq.utils import z85
 
+from ..protocol.messages import is_id
+
 log = structlog.get_logger(__name__)
 
 CLUSTER = "cluster"
@@ -40,7 +41,7 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27), per context
 ZAP_DOMAIN = b"refbus"
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_CHARS = 128  # of a node id or role in the allow-list (:func:`~refbus.protocol.messages.is_id`)
 KEY_CHARS = 40  # a Z85-encoded 32-byte CURVE key
 # Node ids whose key files would be the directory's own files: a node "cluster" is the cluster key pair.
 RESERVED_IDS = frozenset({CLUSTER, ALLOW_LIST})
@@ -184,7 +185,7 @@ def read_allow_list(path: Path) -> dict[bytes, Grant]:
         if not fields or fields[0] == "#":  # a key may start with '#' (Z85), never with "# "
             continue
         where = f"allow-list {path} line {number}"
-        if len(fields) != 3 or not all(NAME.fullmatch(f) for f in fields[1:]):
+        if len(fields) != 3 or not all(is_id(f, NAME_CHARS) for f in fields[1:]):
             raise SecurityError(f"{where}: expected 'PUBLIC_KEY NODE_ID ROLE', found {line.strip()[:120]!r}")
         key = _parse_key(fields[0], where)
         if key in allowed or fields[1] in node_ids:
@@ -245,7 +246,7 @@ def generate(curve_dir: str, node_id: str = "", role: str = "") -> list[str]:
     if bool(node_id) != bool(role):
         raise SecurityError("--node-id and --role go together")
     for name in (node_id, role):
-        if name and not NAME.fullmatch(name):
+        if name and not is_id(name, NAME_CHARS):
             raise SecurityError(f"{name!r}: node ids and roles are 1-128 letters, digits, '.', '_' or '-'")
     if node_id in RESERVED_IDS:
         raise SecurityError(f"{node_id!r} is reserved: the key directory's own files use that name; pick "

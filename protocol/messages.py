@@ -43,13 +43,18 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
+def is_id(value: str, max_chars: int = MAX_KEY_CHARS) -> bool:
+    """Whether ``value`` has the shape of a node id or role: 1 to ``max_chars`` ASCII letters, digits, '.', '_' or
+    '-', the first a letter or digit (registrations, and the key directory's allow-list with its own bound)."""
+    return len(value) <= max_chars and _ID.fullmatch(value) is not None
+
+
 def id_problem(value: str, what: str = "node id") -> str:
-    """What is wrong with ``value`` as a node id or role (``what`` names it); empty when nothing is. One is 1 to
-    256 ASCII letters, digits, '.', '_' or '-', the first a letter or digit (the shape the key directory's allow-list
-    gives them too): ids name files (a node's durable store directory, its key files) and lines of output, where
-    '/', '..', a NUL, a leading '-', a newline or a character a file name cannot carry would leave a directory,
-    name another node's store once made a file name, read as a flag or forge a line."""
-    if len(value) > MAX_KEY_CHARS or not _ID.fullmatch(value):
+    """What is wrong with ``value`` as a node id or role (``what`` names it); empty when nothing is (:func:`is_id`):
+    ids name files (a node's durable store directory, its key files) and lines of output, where '/', '..', a NUL,
+    a leading '-', a newline or a character a file name cannot carry would leave a directory, name another node's
+    store once made a file name, read as a flag or forge a line."""
+    if not is_id(value):
         return (f"{what} {shown(value)} is not 1 to {MAX_KEY_CHARS} letters, digits, '.', '_' or '-' starting with a "
                 "letter or digit")
     return ""
