@@ -20,7 +20,9 @@ The ledger replays ownership moves as the stream mirrors them:
   non-holder folded before the blob's claim waits for the claim to be judged). The rank publishes it, and the
   store mirrors the rank's delete, so the broker may relay the delete first: a delete by a node other than the
   owner while the blob is still the orchestrator's waits for that node's ``reference`` (it names the blob and that node:
-  nothing was wrong); until it comes, the report lists the delete as a violation. A ``claim`` or
+  nothing was wrong); until it comes, the report lists the delete as a violation, or as unverified where events of
+  either end of that hand-over went missing (gaps in other sources' streams, such as the broker's ``node-up`` of
+  the watcher that recorded the stream, cannot hide it). A ``claim`` or
   ``reference`` may also come before the blob's ``episode-finished`` (after a broker restart, each node's held
   events reach the new ring when that node re-joins; a gap fill reorders alike): it waits for it, and moves the
   blob then, in order (at most ``pending_moves`` blob ids per source wait; past that the oldest are dropped,
@@ -556,12 +558,21 @@ class Ledger:
             elif reason == HOLDER_DOWN:
                 self.lost_by[blob.owner] += 1
             elif reason != LOST and holder != blob.owner and not self._stores_own(blob, holder, reason, key):
-                if self.missed.total() or self.moves_dropped.total():  # the move to ``holder`` may be among them
-                    self.unverified += 1
-                elif blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
+                if blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
                     self.awaiting_reference[blob_id] = (holder, blob.owner, reason)
+                elif self._move_may_be_missing(holder, blob.owner):
+                    self.unverified += 1
                 else:
                     self._violation(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
+
+    def _move_may_be_missing(self, deleter: str, owner: str) -> bool:
+        """Whether the hand-over that would make ``deleter`` the owner of a blob ``owner`` holds in the fold may be
+        among what the fold never got: events missing from either end's stream, or moves of theirs dropped while
+        waiting. Gaps elsewhere (a broker's ``node-up`` a watcher joined after, another store's events) cannot
+        hide it: one of the hand-over's two ends publishes every move."""
+        ends = (deleter, owner)
+        return any(n and src in ends for (src, _), n in self.missed.items()) or any(
+            self.moves_dropped[end] for end in ends)
 
     @staticmethod
     def _stores_own(blob: _Blob, holder: str, reason: str, key: tuple[str, str]) -> bool:
@@ -687,8 +698,13 @@ class Ledger:
     # --- the report -----------------------------------------------------------------------------------
 
     def report(self) -> LedgerReport:
-        early = [f"{deleter} deleted {blob_id} owned by {owner} ({reason}; no reference by {deleter} folded)"
-                 for blob_id, (deleter, owner, reason) in self.awaiting_reference.items()]
+        early, unverified = [], self.unverified
+        for blob_id, (deleter, owner, reason) in self.awaiting_reference.items():
+            if self._move_may_be_missing(deleter, owner):
+                unverified += 1
+            else:
+                early.append(f"{deleter} deleted {blob_id} owned by {owner} ({reason}; no reference by {deleter} "
+                             "folded)")
         missed: Counter[str] = Counter()
         for (src, _), n in self.missed.items():
             missed[src] += n
@@ -730,11 +746,12 @@ class Ledger:
         if holder_down > self.lost_by.total():
             report.lost[UNKNOWN] += holder_down - self.lost_by.total()
         report.lost, report.leaked = +report.lost, +report.leaked  # nodes that lost nothing are not named
-        report.unaccounted = self._unaccounted(report)
+        report.unaccounted = self._unaccounted(report, unverified)
         return report
 
-    def _unaccounted(self, report: LedgerReport) -> list[str]:
-        """What neither the stream nor a store vouches for."""
+    def _unaccounted(self, report: LedgerReport, unverified: int) -> list[str]:
+        """What neither the stream nor a store vouches for; ``unverified``: deletes by a node the fold did not show
+        as the owner that a missing hand-over may explain."""
         lines = []
         store_nodes = {key[0] for key in self.stores}
         for key, n in sorted(self.missed.items()):
@@ -745,8 +762,8 @@ class Ledger:
         for src, n in sorted(self.refused.items()):
             lines.append(f"{src}: {n} violation events refused for their count (not an integer from 1 to "
                          f"{self.max_count}): the violations they report are not counted")
-        if self.unverified:
-            lines.append(f"{self.unverified} deletes by a node the stream did not show as the owner, after events "
+        if unverified:
+            lines.append(f"{unverified} deletes by a node the stream did not show as the owner, after events "
                          "went missing: a violation cannot be told from a missed hand-over")
         totals = report.totals()
         if totals["held"] or totals["lost"]:

@@ -156,6 +156,42 @@ def test_a_ranks_delete_relayed_before_its_reference_is_no_violation_unless_anot
                                          "trainer-0 deleted d owned by trainer-1 (trained)"]
 
 
+# What a watcher started before the run records first: its own node-up (the broker's first event) was published
+# before its subscription was live, so the broker's stream starts at 2 there.
+WATCHER_JOINED = {"type": "node-up", "src": "bus", "seq": 2, "id": "b0b0b0-2",
+                  "node": {"node_id": "orch", "role": "orchestrator", "host": "h", "pid": 1, "endpoints": {},
+                           "labels": {}}}
+
+
+def test_a_gap_in_a_stream_that_carries_no_hand_over_leaves_a_ranks_early_delete_to_its_reference() -> None:
+    """Before, any gap anywhere (the broker's node-up of the watcher recording the stream, missing from every such
+    record) made a rank's delete relayed before its reference unverified at once, and the run's report not ok
+    though the reference came."""
+    delete_a, delete_d = LIFECYCLE[7], LIFECYCLE[8]
+    reordered = [WATCHER_JOINED, *LIFECYCLE[:5], delete_a, delete_d, LIFECYCLE[5], LIFECYCLE[9]]
+    ledger = _run(reordered)
+    report = ledger.report()
+    assert report.missed == {"bus": 1}
+    assert report.violations == [] and report.unaccounted == [] and report.ok, report.as_dict()
+    # A non-owner's delete of a blob no reference ever explains is still a violation: that gap cannot hide it.
+    stray = _run([WATCHER_JOINED, *LIFECYCLE[:5],
+                  {"type": "delete", "src": "env-0", "holder": "trainer-1", "reason": "trained", "blob_ids": ["c"]}])
+    assert stray.report().violations == ["trainer-1 deleted c owned by env-0 (trained)"]
+
+
+def test_a_ranks_early_delete_whose_reference_may_be_in_a_gap_of_an_end_is_unverified() -> None:
+    """The delete waits for the deleter's reference; never folded, it is a violation unless events of either end
+    of the hand-over (the rank, the orchestrator) went missing: then it is unverified, and the report not ok."""
+    gap = _seq([{"type": "fetch-ack", "holder": "trainer-0", "blob_ids": ["a"]}], "trainer-0", 3)
+    early = [*LIFECYCLE[:5], LIFECYCLE[7]]
+    assert _run(early).report().violations == [
+        "trainer-0 deleted a owned by orch (trained; no reference by trainer-0 folded)"]
+    report = _run([*early, *gap]).report()
+    assert report.violations == [] and not report.ok
+    assert ("1 deletes by a node the stream did not show as the owner, after events went missing: a violation "
+            "cannot be told from a missed hand-over") in report.unaccounted, report.unaccounted
+
+
 @pytest.mark.parametrize("forged_for", ["another-rank", "the-deleter"])
 def test_a_third_nodes_reference_after_a_ranks_early_delete_neither_makes_nor_hides_a_violation(
         forged_for: str) -> None:
