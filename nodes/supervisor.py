@@ -29,7 +29,8 @@ orchestrator declares a store's blobs lost once it has been down that grace, tho
 process would have served them. The broker's is at most half ``bus.node_timeout_s``: while it is down no death is
 reported, no node joins, registry lookups fail (a run that ends then cannot read its stores' counters) and every
 node holds its events, so a broker that keeps dying is restarted within a node timeout all the same (each restart
-still spends the budget, which ends a true crash loop).
+still spends the budget, which ends a true crash loop). At the run's end, once the holders have stopped, an env
+server's restart still due is made at once (:meth:`Supervisor.restart_now`): the accounting reads its counters.
 
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
 step, a step batch no message can carry) decided that the run cannot go on, and one that exits
@@ -278,22 +279,42 @@ class Supervisor:
             reason = self._on_death(node, code, now)
             if reason:
                 return reason
-        for name, (due, node, death) in list(self._due.items()):
-            if due <= now:
-                del self._due[name]
-                self._running_since[name] = now
-                if name == WORLD:
-                    ranks = self.cluster.restart_world()
-                    self.world_restarted.append(node.name)
-                    pids = ", ".join(f"{rank.name} pid {rank.pid}" for rank in ranks)
-                    self.say(f"refbus up: trainer world restarted from its checkpoint ({pids})")
-                else:
-                    new = self.cluster.restart(node)
-                    self.say(f"refbus up: {name} restarted (pid {new.pid})")
-                # Counted once made: a run that ends within a backoff has not restarted the node.
-                self.restarts += 1
-                self.deaths[death] = dataclasses.replace(self.deaths[death], restarted=True)
+        self._restart([name for name, (due, _, _) in self._due.items() if due <= now], now)
         return None
+
+    def restart_now(self, prefix: str) -> list[NodeProcess]:
+        """At the run's end, for the nodes whose names start with ``prefix`` (the env servers, whose counters the
+        accounting reads): handle their deaths not seen yet, then make every restart of theirs still due at once,
+        not after its backoff (which guards a run that goes on against crash loops). A death that ends the run (a
+        final exit, the budget spent) is still not restarted. Returns the processes started, not waited for."""
+        now = self.clock()
+        for node in self.cluster.nodes:
+            code = node.proc.poll()
+            if (node.name.startswith(prefix) and code is not None and node.name not in self._due
+                    and node.name not in self.fatal):
+                self._on_death(node, code, now)
+        return self._restart([name for name in self._due if name.startswith(prefix)], now)
+
+    def _restart(self, names: list[str], now: float) -> list[NodeProcess]:
+        """Make the restarts due under ``names`` (node names, or WORLD); returns the processes started."""
+        started = []
+        for name in names:
+            _, node, death = self._due.pop(name)
+            self._running_since[name] = now
+            if name == WORLD:
+                ranks = self.cluster.restart_world()
+                started.extend(ranks)
+                self.world_restarted.append(node.name)
+                pids = ", ".join(f"{rank.name} pid {rank.pid}" for rank in ranks)
+                self.say(f"refbus up: trainer world restarted from its checkpoint ({pids})")
+            else:
+                new = self.cluster.restart(node)
+                started.append(new)
+                self.say(f"refbus up: {name} restarted (pid {new.pid})")
+            # Counted once made: a run that ends within a backoff has not restarted the node.
+            self.restarts += 1
+            self.deaths[death] = dataclasses.replace(self.deaths[death], restarted=True)
+        return started
 
     def _on_death(self, node: NodeProcess, code: int, now: float) -> str | None:
         process = incarnation(node)

@@ -26,16 +26,17 @@ so their deletes reach the stores; env servers last among the data plane: they d
 PS; the broker last, so every final event reaches the stream), and the summary is printed, and written as
 JSON (``--summary-out``) and as a PNG (``--plot-out``, matplotlib).
 
-Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledger.Ledger` live, from the
-first event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders
-(orchestrator, trainers, rollouts) have stopped, the launcher asks every env server for its own counters and
-reconciles them with the fold, publishes ``run-end``, then stops the env servers and folds their last
-deletes. The steps and versions the summary counts are the ``version-bump`` events of the node the broker
-reported up as the ps-manager; any other sender's are refused (``version_bumps_refused``, the first logged
-``up.version_bump_refused``), and one from a sender not reported up yet is held until the broker says which
-role it is. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for
-is listed as unaccounted, and so is an env server whose counters could not be read (it did not answer, or is
-missing from the registry, or the broker gave no registry): the run is then not ok.
+Accounting: the watcher folds the whole stream into a :class:`~refbus.nodes.ledger.Ledger` live, from the first
+event (never from the broker's ring, which keeps only ``bus.ring_events`` events). Once the holders (orchestrator,
+trainers, rollouts) have stopped, the launcher restarts at once every env server whose restart is still due (one
+that died in the run's last seconds, within its backoff) and waits for it, asks every env server for its own
+counters and reconciles them with the fold, publishes ``run-end``, then stops the env servers and folds their last
+deletes. The steps and versions the summary counts are the ``version-bump`` events of the node the broker reported
+up as the ps-manager; any other sender's are refused (``version_bumps_refused``, the first logged
+``up.version_bump_refused``), and one from a sender not reported up yet is held until the broker says which role
+it is. The summary's ``kept = deleted + held + lost`` is exact at any run length; what it cannot vouch for is
+listed as unaccounted, and so is an env server whose counters could not be read (it did not answer, or is missing
+from the registry, or the broker gave no registry): the run is then not ok.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .settings import BusSettings
 from .store.durable import gc
-from .supervisor import BROKER, Chaos, Liveness, Supervisor
+from .supervisor import BROKER, ENV_PREFIX, Chaos, Liveness, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -514,6 +515,7 @@ def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> 
                 peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
                 for prefix in ("orchestrator", "trainer", "rollout"):
                     cluster.stop(cluster.by_role(prefix))
+                _stores_back(cluster, supervisor, stop)
                 problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
                                     "failed" if failed else "done")
                 summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
@@ -557,6 +559,19 @@ def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
     watcher = NodeRuntime("monitor", config.runtime(node_id="up-watcher"))
     watcher.subscribe(record.on_event, since=0)
     return watcher
+
+
+def _stores_back(cluster: LocalCluster, supervisor: Supervisor, stop: _StopFlag) -> None:
+    """Restart at once every env server whose restart is still due (one that died in the run's last seconds, within
+    its backoff), and wait for each to be ready (at most twice the connect timeout, until a stop): the accounting
+    reads every store's counters, and a store still dead when it does is unaccounted though nothing was lost (a
+    durable store's restarted process holds what the dead one kept). One that does not start is left to the
+    accounting, which names it."""
+    if stop.requested:
+        return  # interrupted: what runs is accounted for and stopped, nothing is started
+    for node in supervisor.restart_now(ENV_PREFIX):
+        with contextlib.suppress(NodeStartError, StartCancelled):
+            node.wait_ready(cluster.config.node.connect_timeout_s * 2, cancelled=lambda: stop.requested)
 
 
 def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, record: RunRecord,

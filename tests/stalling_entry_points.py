@@ -1,8 +1,8 @@
-"""Entry points that stall, for node processes in tests: the toy train step and generate, except that the
-first call in each process first blocks for ``$REFBUS_TEST_STALL_S`` seconds, as a long training step or
-generation does (or, with ``$REFBUS_TEST_STALL_UNTIL`` set to a path, until that file exists: the test
-decides when the stall ends); and the toy policy, except that one weight pull into it stops half-way (``policy``). Node
-processes import it by name: the test puts tests/ on their ``PYTHONPATH``."""
+"""Entry points that stall, for node processes in tests: the toy train step and generate, except that the first call
+in each process first blocks for ``$REFBUS_TEST_STALL_S`` seconds, as a long training step or generation does (or,
+with ``$REFBUS_TEST_STALL_UNTIL`` set to a path, until that file exists: the test decides when the stall ends;
+each process stalled so creates ``<path>.<pid>`` first); and the toy policy, except that one weight pull into it
+stops half-way (``policy``). Node processes import it by name: the test puts tests/ on their ``PYTHONPATH``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _stall_once(what: str) -> None:
     if not until:
         time.sleep(float(os.environ[STALL_ENV]))
         return
+    Path(f"{until}.{os.getpid()}").touch()
     deadline = time.monotonic() + FROZEN_S  # a test that failed first stops the node anyway
     while not Path(until).exists() and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -165,6 +165,37 @@ def test_a_step_whose_only_store_was_killed_is_skipped_by_every_rank_and_the_run
         up.close()
 
 
+def test_a_store_killed_in_the_runs_last_seconds_is_back_for_the_accounting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """env-1 is SIGKILLed while both ranks hold the last step's blobs (its training stalls), with its restart 30 s
+    off: before, the run ended within that backoff and the launcher, finding env-1 missing from the registry,
+    reported ``stores' counters not read``. Now its restart is made at once when the holders have stopped, and
+    its counters are read: every kept blob is deleted once or lost with env-1, nothing unaccounted."""
+    release = tmp_path / "release-step-0"
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    up = Up(tmp_path, 1, *QUICK, "--store-durable", "false", "--rl-train-step", "stalling_entry_points:train_step",
+            "--up-restart-backoff-s", "30", "--node-restart-grace-s", "60", "--env-server-handover-lease-s", "120")
+    try:
+        wait_for(lambda: up.alive() and len(list(tmp_path.glob(f"{release.name}.*"))) == 2, START_S + RUN_S / 4,
+                 "both ranks in the last step's training", poll_s=0.05)
+        pid = up.note_pids()["env-1"]
+        os.kill(pid, signal.SIGKILL)
+        release.touch()
+        up.wait(RUN_S)
+        summary = up.summary()
+        output = up.output(None)
+        assert summary["steps"] == 1 and summary["failed_nodes"] == [], output
+        assert not any(why.startswith("stores' counters not read") for why in summary["not_ok"]), summary["not_ok"]
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("env-1", pid, "SIGKILL", True)], output
+        check_accounted(summary, {"env-1"})
+        assert up.leftovers() == []
+    finally:
+        release.touch()
+        up.close()
+
+
 def test_killed_orchestrator_is_restarted_and_the_run_completes_with_every_blob_accounted_for(
         tmp_path: Path) -> None:
     """The restarted orchestrator takes the step from the trainer ranks and claims back what it held: the run
@@ -512,6 +543,26 @@ def test_a_restart_still_due_when_the_run_ends_is_not_reported_as_made() -> None
     assert supervisor.poll() is None and cluster.restarted == ["env-0"]
     made = supervisor.report()
     assert made["restarts"] == 1 and [d["restarted"] for d in made["deaths"]] == [True]
+
+
+def test_at_the_runs_end_the_stores_due_restarts_are_made_at_once_and_nothing_else() -> None:
+    """Before, an env server that died in the run's last seconds was still within its backoff (up to half the
+    grace) when the launcher read the stores' counters: the run reported ``stores' counters not read``, NOT ok,
+    though nothing was lost. At the end its restart is made at once, and so is that of a store whose death the
+    last poll did not see; a rollout worker's stays due, and a store whose death ends the run is not restarted."""
+    cluster, clock, said = _Cluster("bus", "env-0", "env-1", "rollout-0", "env-2"), _Clock(), []
+    supervisor = Supervisor(cluster, budget=3, backoff_s=4.0, say=said.append, clock=clock)  # type: ignore[arg-type]
+    for name in ("env-0", "rollout-0", "env-2"):
+        next(n for n in cluster.nodes if n.name == name).signal(signal.SIGKILL)
+    assert supervisor.poll() is None and cluster.restarted == []  # every restart waits out its backoff
+    cluster.nodes[2].signal(signal.SIGKILL)  # env-1, after the last poll; the budget is spent by then
+    clock.now = 1.0
+    started = supervisor.restart_now("env-")
+    assert sorted(n.name for n in started) == ["env-0", "env-2"] == sorted(cluster.restarted)
+    assert supervisor.fatal == ["env-1"] and any("restart budget (3) is spent" in line for line in said)
+    assert [(d["node"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("env-0", True), ("rollout-0", False), ("env-2", True), ("env-1", False)]
+    assert supervisor.restart_now("env-") == [] and supervisor.fatal == ["env-1"]  # each death handled once
 
 
 def test_the_backoff_starts_over_after_a_node_ran_long_and_the_orchestrators_stays_within_half_the_grace() -> None:
