@@ -33,7 +33,8 @@ The ledger replays ownership moves as the stream mirrors them:
   served the fetch, so before any delete there, whatever order the broker relays the two in (they come from
   different nodes); a fetch after a delete is refused by the store, which publishes the ``violation``;
 * ``delete`` — they are gone, by ``reason``. Reasons in :data:`LOSS_REASONS` are losses, named with the
-  node whose death caused them: ``holder-down`` (a store reclaimed what a dead holder held: the holder) and
+  node whose death caused them: ``holder-down`` (a store reclaimed what a dead holder held: the holder its
+  ``node`` names, whatever owner the fold has shown, since the hand-over to that holder may come later) and
   ``lost`` (a holder dropped references to a dead store's blobs: the store). A store declared lost that
   comes back as the same process (it was cut off) deletes those blobs itself when the holder asks, with
   reason ``lost`` and ``node`` itself: the holder's event and the store's are one loss, counted once, by
@@ -553,10 +554,8 @@ class Ledger:
                 continue  # kept before the stream's window (a gap): the store's counters cover it
             if blob.key == key:  # its store's own mirror
                 self.stores[key].move_held(blob.owner, None, seq)
-            if reason == HOLDER_DOWN and blob.before and blob.owner not in self.went_down:
-                self.inherited[blob.store][blob.owner] += 1
-            elif reason == HOLDER_DOWN:
-                self.lost_by[blob.owner] += 1
+            if reason == HOLDER_DOWN:
+                self._reclaimed(blob, record.get("node") or blob.owner)
             elif reason != LOST and holder != blob.owner and not self._stores_own(blob, holder, reason, key):
                 if blob.stage == _STAGE["claim"]:  # the deleter's reference may still be on its way
                     self.awaiting_reference[blob_id] = (holder, blob.owner, reason)
@@ -564,6 +563,17 @@ class Ledger:
                     self.unverified += 1
                 else:
                     self._violation(f"{holder} deleted {blob_id} owned by {blob.owner} ({reason})")
+
+    def _reclaimed(self, blob: _Blob, holder: str) -> None:
+        """``blob``'s store reclaimed it from ``holder``, which died (``holder-down``): a loss named with that holder,
+        or inherited where the blob was kept before the stream and the stream never showed ``holder`` down. The
+        delete's ``node`` names it, as the store knew it, not the fold's owner: the hand-over to a dead rank that
+        the store reclaimed from may be relayed after the reclaim (a watcher's copy dropped and filled from the
+        ring once the gap showed), and the loss would be named with the orchestrator until it came."""
+        if blob.before and holder not in self.went_down:
+            self.inherited[blob.store][holder] += 1
+        else:
+            self.lost_by[holder] += 1
 
     def _move_may_be_missing(self, deleter: str, owner: str) -> bool:
         """Whether the hand-over that would make ``deleter`` the owner of a blob ``owner`` holds in the fold may be

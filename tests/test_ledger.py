@@ -266,6 +266,25 @@ def test_a_ranks_blobs_reclaimed_as_its_new_process_registers_are_a_loss_named_w
     assert report.held == {"env-0": {"env-0": 1}, "env-1": {}}  # c: unclaimed, its store's own
 
 
+def test_a_ranks_blobs_reclaimed_before_its_reference_is_relayed_are_still_a_loss_named_with_it() -> None:
+    """The store reclaims what it knows the dead rank held (holder-down, ``node`` the rank) once it heard of the
+    hand-over, but the watcher's copy of the ``reference`` may come later (dropped at a slow subscriber, filled from
+    the ring when the gap shows): the loss is the rank's whatever the order. Before, the fold named the
+    orchestrator, the owner it had shown until then."""
+    reclaimed = [
+        {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
+        {"type": "node-up", "node": {"node_id": "trainer-0", "labels": {CLAIMS_BACK: "0"}}},
+        {"type": "delete", "src": "env-0", "holder": "env-0", "node": "trainer-0", "reason": "holder-down",
+         "blob_ids": ["a"]},
+        {"type": "delete", "src": "env-1", "holder": "env-1", "node": "trainer-0", "reason": "holder-down",
+         "blob_ids": ["d"]},
+    ]
+    in_order = _run([*LIFECYCLE[:6], *reclaimed]).report()
+    reference_last = _run([*LIFECYCLE[:5], *reclaimed, LIFECYCLE[5]]).report()
+    assert reference_last.lost == in_order.lost == {"trainer-0": 2}
+    assert reference_last == in_order
+
+
 def test_a_dead_store_loses_what_it_kept_named_with_the_store() -> None:
     """env-1 dies holding d (claimed by the orchestrator), which then drops its reference (reason lost); env-0
     reclaims from a dead holder (holder-down). Each loss names the node whose death caused it, once."""
