@@ -21,7 +21,8 @@ the live stream), so subscribers' gap fills recover what the dead broker took (s
 
 Registry: a node registers with ``hello`` and proves its PUB path live with the ``sync`` handshake; then
 the broker publishes ``node-up``. A node that says ``bye``, or misses heartbeats for ``node_timeout_s`` (on
-the monotonic clock), is removed with ``node-down``. One node id, one live process: another process takes a
+the monotonic clock, counting no time the broker's own loop did not run: :meth:`Broker._credit_stall`), is removed
+with ``node-down``. One node id, one live process: another process takes a
 registered id only from a predecessor dying, and a live holder's id is refused it ``id-in-use``
 (:meth:`Broker._check_holder`); a holder replaced after all (silent for half the node timeout, then heard
 again) has its heartbeats refused ``replaced`` (they name their process) instead of keeping the new entry
@@ -564,7 +565,10 @@ class Broker:
         self.server.on(Nodes.kind, self._nodes, cached=False)
         self.server.on(Replay.kind, self._replay, cached=False)
         self.server.on(Refill.kind, self._refill)  # cached: a retried page is not added twice
-        runtime.every(min(settings.node_timeout_s / 4, 0.5), self._expire)
+        self.expire_every_s = min(settings.node_timeout_s / 4, 0.5)
+        self._expired_at = clock()  # when the last liveness pass ran
+        self.stalled_s = 0.0  # seconds of liveness passes missed, credited to every node (see _credit_stall)
+        runtime.every(self.expire_every_s, self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
         ROUTES[SD_PATH] = self.service_discovery
@@ -940,6 +944,7 @@ class Broker:
             self._refresh_targets()
 
     def _expire(self) -> None:
+        self._credit_stall()
         # Heartbeats may be queued behind a busy loop: read them before judging anyone silent.
         for _ in range(EXPIRE_DRAIN):
             try:
@@ -960,6 +965,25 @@ class Broker:
             if asked >= horizon:
                 break
             self._give_up(token, f"not within {TOKEN_HORIZON_S:g}s")
+
+    def _credit_stall(self) -> None:
+        """Count no silence the broker could not hear. A liveness pass more than a whole period late means this
+        process did not run its loop meanwhile (stopped, swapped out, starved of CPU): the nodes' heartbeats of
+        that time wait unread in its sockets, or went unanswered and are sent again once it answers. That time is
+        added to every member's ``heard``, so a broker waking after more than ``node_timeout_s`` does not report
+        every live node down at once (each would break its trainer world, fail the requests to it and start the
+        stores' grace for what it holds) before reading a single heartbeat; a node that died meanwhile is reported
+        one node timeout after the wake-up."""
+        now = self.clock()
+        stalled = now - self._expired_at - self.expire_every_s
+        self._expired_at = now
+        if stalled <= self.expire_every_s:
+            return
+        for member in self.members.values():
+            member.heard += stalled
+        self.stalled_s += stalled
+        log.warning("bus.stalled", seconds=round(stalled, 3), nodes=len(self.members),
+                    detail="the broker's loop did not run: that time counts toward no node's silence")
 
     # --- service discovery (Prometheus http_sd) -------------------------------------------------------
 
@@ -1039,6 +1063,10 @@ class Broker:
                             "that replays skip because no answer within the body limit can carry them (too-large), "
                             "by reason.",
                       self._dropped_readings, labels=("reason",))
+        self.runtime.metric("refbus_bus_stalled_seconds_total", "Seconds the broker's liveness passes came late "
+                            "(its loop did not run: stopped, swapped out, starved of CPU), counted toward no node's "
+                            "silence.",
+                            lambda: {(): self.stalled_s})
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
         self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring, each frame of a message of "

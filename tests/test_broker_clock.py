@@ -79,6 +79,21 @@ def on_loop(broker: Broker, work: Callable[[], T]) -> T:
     return result[0]
 
 
+def advance(broker: Broker, clock: FakeClock, seconds: float) -> None:
+    """Let ``seconds`` pass on the liveness clock while the broker runs: the clock moves a liveness period at a time,
+    a liveness pass after each, on the loop thread. (A jump with no pass in between is a broker whose loop did not
+    run: that time counts toward no node's silence.)"""
+    def run() -> None:
+        left = seconds
+        while left > 0:
+            step = min(left, broker.expire_every_s)
+            clock.now += step
+            broker._expire()
+            left -= step
+
+    on_loop(broker, run)
+
+
 def expire_now(broker: Broker) -> set[str]:
     """One liveness pass now; the registered node ids after it."""
     def run() -> set[str]:
@@ -107,13 +122,13 @@ def test_a_wall_clock_step_expires_no_node_and_the_liveness_clock_does(
         monkeypatch.setattr(time, "time", real_time)
 
         # A heartbeat within the timeout (liveness clock) keeps it; silence beyond it removes it.
-        clock.now += NODE_TIMEOUT_S * 0.75
+        advance(node, clock, NODE_TIMEOUT_S * 0.75)
         assert isinstance(client.request(Heartbeat(node_id="worker-1")).body, Ok)
-        clock.now += NODE_TIMEOUT_S * 0.75
+        advance(node, clock, NODE_TIMEOUT_S * 0.75)
         assert "worker-1" in expire_now(node)
         seen = on_loop(node, lambda: node.members["worker-1"].info.last_seen)
         assert abs(seen - time.time()) < 60  # the displayed last-seen stays wall-clock time
-        clock.now += NODE_TIMEOUT_S * 1.5
+        advance(node, clock, NODE_TIMEOUT_S * 1.5)
         assert "worker-1" not in expire_now(node)
     finally:
         client.close()
@@ -146,10 +161,10 @@ def test_pub_handshakes_whose_probe_never_comes_are_answered_an_error_and_forgot
     try:
         old = [client.send(Sync(token=f"t-{i}", path="pub")) for i in range(2)]
         waiting(["t-0", "t-1"])
-        clock.now += bus_broker.TOKEN_HORIZON_S / 2
+        advance(node, clock, bus_broker.TOKEN_HORIZON_S / 2)
         recent = client.send(Sync(token="t-2", path="pub"))
         waiting(["t-0", "t-1", "t-2"])
-        clock.now += bus_broker.TOKEN_HORIZON_S / 2 + 1
+        advance(node, clock, bus_broker.TOKEN_HORIZON_S / 2 + 1)
         expire_now(node)
         assert expired(2) == set(old)
         waiting(["t-2"])  # asked within the horizon: it still waits
@@ -194,7 +209,7 @@ def test_the_same_id_and_pid_with_another_start_time_is_a_restart(
             started.append(runtime)
         up = next_about_worker().body
         assert isinstance(up, NodeUp) and up.node.started == first.started
-        clock.now += 0.75 * NODE_TIMEOUT_S  # past half the node timeout since the first's hello: not yet expired
+        advance(node, clock, 0.75 * NODE_TIMEOUT_S)  # past half the node timeout since the hello: not yet expired
         second.start_background()  # the restarted process; the first never said bye
         started.append(second)
         down, up = next_about_worker().body, next_about_worker().body
@@ -227,15 +242,15 @@ def test_an_id_goes_to_another_process_only_once_its_holder_is_silent_on_the_liv
 
     try:
         assert isinstance(hello(1), Welcome)
-        clock.now += NODE_TIMEOUT_S * 0.25
+        advance(node, clock, NODE_TIMEOUT_S * 0.25)
         assert hello(2).retry_after_s > 0  # heard a moment ago: dying or live, its next heartbeat tells
-        clock.now += NODE_TIMEOUT_S * 0.125
+        advance(node, clock, NODE_TIMEOUT_S * 0.125)
         assert hello(2).retry_after_s > 0  # not heard since the ask, not silent for long yet
         expire_now(node)  # read the control queue empty: what comes next arrived after the ask
         assert isinstance(client.request(Heartbeat(node_id="worker")).body, Ok)
         assert hello(2).retry_after_s == 0  # heard after the ask: live
         assert hello(3).retry_after_s > 0  # a new asker is asked to wait again
-        clock.now += NODE_TIMEOUT_S * 0.75
+        advance(node, clock, NODE_TIMEOUT_S * 0.75)
         assert isinstance(hello(3), Welcome)  # silent for three quarters of the node timeout: dying
         assert on_loop(node, lambda: node.members["worker"].info.pid) == 3
     finally:
@@ -318,6 +333,27 @@ def test_restarts_counted_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
                                                {("worker", "host-9"): one_vacant, ("worker", "a"): one_vacant})
     finally:
         runtime.close()
+
+
+def test_time_the_broker_did_not_run_counts_toward_no_nodes_silence(broker: tuple[Broker, FakeClock]) -> None:
+    """A liveness pass that comes more than a period late is a broker whose loop did not run (stopped, swapped out,
+    starved): that time is credited to every node, so it expires none at its wake-up before their heartbeats can
+    come; silence after it counts as ever. Before, every node was expired at the first pass."""
+    node, clock = broker
+    info = NodeInfo(node_id="worker-1", role="worker", host="localhost", pid=1)
+
+    def stall() -> None:
+        node._expire()
+        node.members["worker-1"] = bus_broker._Member(info, "t-1", clock.now - 0.5 * NODE_TIMEOUT_S, live=True)
+        clock.now += 3 * NODE_TIMEOUT_S  # no pass ran meanwhile
+
+    on_loop(node, stall)
+    assert "worker-1" in expire_now(node)
+    assert on_loop(node, lambda: node.stalled_s) == pytest.approx(3 * NODE_TIMEOUT_S - node.expire_every_s)
+    advance(node, clock, 0.25 * NODE_TIMEOUT_S)
+    assert "worker-1" in expire_now(node)  # silent half a node timeout before the stall, a quarter after it
+    advance(node, clock, 0.5 * NODE_TIMEOUT_S)
+    assert "worker-1" not in expire_now(node)
 
 
 def test_requests_and_events_that_keep_coming_hold_neither_the_liveness_pass_nor_a_replay() -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -158,6 +159,43 @@ def test_a_peer_reported_down_ends_pending_and_new_requests_at_once(bus, spawn, 
         assert isinstance(answered.body, Claimed) and answered.body.missing == ["b"]
     finally:
         caller.join(START_S)
+
+
+def test_a_host_paused_for_node_timeouts_gets_no_live_node_reported_down_and_a_node_that_died_meanwhile_soon(
+        bus, spawn, observer: Observer) -> None:
+    """A host whose processes did not run for three node timeouts (SIGSTOP here; a paused VM, a swapping host, a
+    starved CPU), broker included: the broker woke up and reported every node down at once (``timeout``) before a
+    heartbeat could reach it, live trainer ranks broke their world, requests to live peers failed and every store
+    started the grace for what its holders hold (a soak that stopped the broker alone for 5-11 s saw it each time:
+    its nodes' heartbeats had gone unanswered and were not yet in its sockets). The time the broker did not run
+    counts toward no node's silence: the live node, woken after the broker's first liveness pass, stays up, and
+    one SIGKILLed meanwhile is reported down about a node timeout after the wake-up."""
+    broker, control = bus
+    nodes = {name: spawn(["monitor", "--bus-control", control, "--node-id", name, *FAST_LIVENESS], name)
+             for name in ("live", "dead")}
+    up: set[str] = set()
+    while up != set(nodes):
+        up.add(observer.wait(lambda e: e.kind == "node-up" and e.body.node.node_id in nodes, START_S,
+                             "both nodes up").body.node.node_id)
+    for proc in (broker, nodes["live"]):
+        proc.signal(signal.SIGSTOP)
+    try:
+        sigkill(nodes["dead"])
+        # The pause itself: nothing can come from a stopped broker, so the wait is the stall, checked empty.
+        with pytest.raises(queue.Empty):
+            observer.events.get(timeout=3 * NODE_TIMEOUT_S)
+        broker.signal(signal.SIGCONT)
+        # Its first liveness pass after the wake-up, which judged before the live node could say anything.
+        wait_for(lambda: any(word in broker.log_path.read_text() for word in ("bus.stalled", "node.down")),
+                 START_S, "the broker's first liveness pass after the pause")
+    finally:
+        broker.signal(signal.SIGCONT)
+        nodes["live"].signal(signal.SIGCONT)
+    down = observer.wait(lambda e: e.kind == "node-down", 4 * NODE_TIMEOUT_S, "the dead node reported down")
+    assert (down.body.node_id, down.body.reason) == ("dead", "timeout"), down.body
+    # Nobody else, over two more node timeouts: the live nodes' heartbeats came through.
+    with pytest.raises(AssertionError, match="no node-down"):
+        observer.wait(lambda e: e.kind == "node-down", 2 * NODE_TIMEOUT_S, "node-down")
 
 
 def test_the_orchestrator_names_a_killed_stores_blobs_lost_after_the_grace_and_goes_on(
