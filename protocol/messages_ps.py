@@ -145,7 +145,9 @@ class PushBegin(Body, frozen=True):
     # The lease of this rank's attempt that failed on a worker (it died or could not be reached): that
     # attempt's copies are dropped and the rank starts over on other workers; the version stays pending.
     retry: str = ""
-    avoid: list[Name] = []  # workers the pusher could not reach: not granted again for this push
+    # Workers the pusher could not reach: not granted again for this push while registered as a process its
+    # attempts were granted (one restarted since under its id is not the one that failed).
+    avoid: list[Name] = []
     # Drawn by a trainer world when it starts, the same for all its ranks ("" from a pusher that names none): a
     # resuming push joins the pending version another rank began only when both name the same token, and a
     # rank a restarted manager restored from its journal too (the same world, its push started over).

@@ -74,6 +74,21 @@ def patient_bus(tmp_path: Path) -> Iterator[str]:
         assert proc.stop() == 0, proc.log_tail()
 
 
+SLOW_NOTICE_S = 2.0  # slow_notice_bus's node timeout
+
+
+@pytest.fixture
+def slow_notice_bus(tmp_path: Path) -> Iterator[str]:
+    """A broker that times nodes out after SLOW_NOTICE_S: a worker killed stays registered with the manager (and is
+    granted) for a while, yet a test can wait until it is known down."""
+    proc, control = start_bus(tmp_path, extra=["--bus-heartbeat-interval-s", "0.2", "--bus-node-timeout-s",
+                                               str(SLOW_NOTICE_S)])
+    try:
+        yield control
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+
+
 def _client(cluster: PsCluster, name: str, **kwargs) -> tuple[NodeRuntime, PsClient]:
     settings = RuntimeSettings(bus=cluster.control, node_id=name, metrics_port=-1, retry=FAST_RETRY)
     runtime = NodeRuntime("ps-client", settings, register=False)
@@ -443,3 +458,51 @@ def test_a_restarted_worker_releases_the_readopted_shards_whose_release_it_misse
         assert '"ps.orphans_released"' in cluster.manager_proc.log_tail(400)  # type: ignore[union-attr]
     finally:
         runtime.close()
+
+
+
+def test_a_push_that_failed_on_every_worker_is_granted_them_again_once_restarted(slow_notice_bus, spawn) -> None:
+    """Both workers of a push's grant are SIGKILLed mid-push: its copy fails on w0, the new grant (without w0)
+    names w1, whose death the broker has not noticed yet, and fails too; every worker is avoided, the grant is
+    refused ``no-workers``. Both restart under their ids as new processes: those are not the ones that failed,
+    so the push is granted them and commits, instead of waiting out ``wait_workers_s`` and failing."""
+    cluster = start_cluster(spawn, slow_notice_bus, "avoided", workers=2)
+    runtime, ps = _client(cluster, "pusher", transport="frames", chunk_bytes=1, wait_workers_s=30.0)
+    inspector_runtime, inspector = _client(cluster, "inspector")
+    state = make_state(seed=1, tensors=4)
+    outcome: list[Any] = []
+
+    def finish(session: ps_client.PushSession) -> None:
+        try:
+            for name, tensor in state.items():
+                session.write(name, tensor)
+            outcome.append(session.commit())
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            session.abort()
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            session = ps.begin_push(state, 0)
+            assert session.workers == ["w0", "w1"]
+            _kill(cluster, "w0")
+            _kill(cluster, "w1")
+            pusher = threading.Thread(target=finish, args=(session,))
+            pusher.start()
+            wait_for(lambda: any(e["event"] == "push.waiting_for_workers" for e in logs), SLOW_NOTICE_S,
+                     "the push to be refused no-workers, every worker avoided")
+            # Restarted once the old processes are known down, so each serves as soon as it registers.
+            wait_for(lambda: inspector.status().workers == [], 5 * SLOW_NOTICE_S, "the manager to learn both are down")
+            restart_worker(spawn, cluster, "w0")
+            restart_worker(spawn, cluster, "w1")
+            pusher.join(ps.wait_workers_s + 10)
+        assert not pusher.is_alive(), "the push still runs"
+        assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+        assert outcome[0].committed and session.grants == 3 and set(session.workers) <= {"w0", "w1"}
+        assert [e["worker"] for e in logs if e["event"] == "push.worker_failed"] == ["w0", "w1"]
+        assert inspector.pull(0, verify=True).version == 0
+    finally:
+        inspector_runtime.close()
+        runtime.close()
+    stop_cluster_after_kills(cluster)

@@ -687,6 +687,38 @@ def test_a_done_rank_replaced_by_a_retry_is_not_restored_after_a_manager_restart
     manager.journal.close(remove=True)  # type: ignore[union-attr]
 
 
+def test_an_avoided_worker_registered_again_as_another_process_is_granted_again() -> None:
+    """``avoid`` names the workers a pusher could not reach: one registered since as another process (restarted
+    under its id) is not the one that failed and is granted again, even when every worker is avoided; one
+    registered as a process this push's attempts were granted stays avoided, and so does a name none of them was
+    granted (taken at the pusher's word). Unknown names and duplicates change nothing else."""
+    runtime = _StubRuntime()
+    PsManager(runtime, PsSettings(replicas=2))  # type: ignore[arg-type]
+    for name in ("w0", "w1"):
+        runtime.call(PsRegister(_worker(name)))
+
+    def retry(lease: str, avoid: list[str]) -> PushGrant:
+        grant = runtime.call(PushBegin(0, 0, 1, "trainer", [], "h", retry=lease, avoid=avoid))
+        assert isinstance(grant, PushGrant)
+        return grant
+
+    second = retry(_begin(runtime, 0).lease, ["w0"])
+    assert second.worker.worker == "w1" and second.replicas == []
+    with pytest.raises(HandlerError) as err:  # both failed the push: nothing to grant
+        retry(second.lease, ["w0", "w1"])
+    assert err.value.code == "no-workers" and "['w0', 'w1']" in str(err.value)
+    runtime.call(PsRegister(_worker("w0", pid=2)))  # w0 restarted: a new process
+    with structlog.testing.capture_logs() as logs:
+        third = retry(second.lease, ["w1", "w0", "w0", "ghost", "ghost"])
+    assert third.worker == _worker("w0", pid=2) and third.replicas == []
+    assert [e["restarted"] for e in logs if e["event"] == "ps.push_retried"] == [["w0"]]
+    runtime.call(PsRegister(_worker("w2")))  # never granted to this push: the pusher's word stands
+    with pytest.raises(HandlerError) as err:  # the new w0 failed too: the process granted is avoided now
+        retry(third.lease, ["w0", "w1", "w2"])
+    assert err.value.code == "no-workers"
+    assert retry(third.lease, ["w0", "w1"]).worker.worker == "w2"
+
+
 def test_a_world_token_that_is_not_a_string_is_refused_by_the_decoder() -> None:
     codec = WireCodec("trainer")
     kind, header, body = codec.encode(PushBegin(5, 0, 2, "rank0", SPEC, "h", True, world_token="world-a"))[:3]

@@ -418,7 +418,8 @@ class PushSession:
                 self._regrant()
 
     def _regrant(self) -> None:
-        """A new grant for this rank, avoiding the workers that failed; the version stays pending."""
+        """A new grant for this rank, avoiding the workers that failed (the manager grants one again that
+        restarted since as another process); the version stays pending."""
         old = self._grant
         self._grant = self._client._grant(PushBegin(
             self.version, self.rank, self.world, self._client.holder, [], self._client.host, retry=old.lease,

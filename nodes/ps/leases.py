@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from ...protocol.messages_ps import WorkerInfo
+
 # Said in every refusal about a lease an earlier process of the manager granted: the pusher starts its push over
 # on this word (PsClient.push), so the manager's refusals and the client share it.
 RESTARTED = "granted by an earlier process of the ps-manager, which restarted"
@@ -22,7 +24,8 @@ LeaseKind = Literal["push", "pull"]
 
 @dataclass
 class Lease:
-    """One hold. ``version`` is what it holds; ``rank`` is the trainer rank of a push lease."""
+    """One hold. ``version`` is what it holds; ``rank`` is the trainer rank of a push lease; ``tried``, of a push
+    lease, the worker registrations granted to it and to the attempts of its rank it replaced (retries)."""
 
     lease_id: str
     kind: LeaseKind
@@ -31,6 +34,7 @@ class Lease:
     deadline: float
     granted: float
     rank: int = 0
+    tried: frozenset[WorkerInfo] = frozenset()
 
 
 class LeaseTable:

@@ -25,7 +25,9 @@ does not leave the trainer with ``out-of-order`` and the batch gone.
 
 Replicas: a push grant names ``ps.replicas`` workers (capped to the live ones), the pusher writes a copy to
 each, and the version commits only once every copy is verified. A rank whose attempt fails on a worker asks
-again (``PushBegin.retry``) and starts over on other workers; the version stays pending.
+again (``PushBegin.retry``) and starts over on other workers; the version stays pending. The workers it could
+not reach (``PushBegin.avoid``) are not granted again while registered as a process its attempts were granted
+(recorded on their push leases): one restarted since is another process, and is granted again.
 
 Restarts: with ``store.durable`` every commit, lineage start, consumed batch, rank of the pending version
 done (and its replacement by a retry) and aborted push is committed to a journal (:mod:`.manager_journal`)
@@ -469,9 +471,11 @@ class PsManager:
             raise HandlerError("init-running", f"broadcast init {self.init.init_id} of {self.init.path} is loading "
                                f"version {self.versions.next_version()}; push again once it ended",
                                retry_after_s=INIT_RUNNING_RETRY_S)
-        workers = self._pick_workers(begin.host, begin.rank, set(begin.avoid))
-        names = [w.worker for w in workers]
         retry = begin.retry or self._given_up(begin)
+        tried = self._tried(retry)
+        avoid = self._avoided(begin.avoid, tried)
+        workers = self._pick_workers(begin.host, begin.rank, avoid)
+        names = [w.worker for w in workers]
         if begin.resumes and not retry and not self.versions.joins_lineage(begin.version, begin.world,
                                                                             begin.world_token):
             try:  # a request refused must not have retired the old lineage's versions first
@@ -480,6 +484,7 @@ class PsManager:
                 raise HandlerError(exc.code, str(exc)) from None
             self._start_lineage(begin.version, begin.holder)
         lease = self.leases.grant("push", begin.holder, begin.version, time.monotonic(), rank=begin.rank)
+        lease.tried = tried | set(workers)
         replaces_done = bool(retry) and self.versions.rank_done(begin.version, begin.rank, retry)
         try:
             if retry:
@@ -498,9 +503,25 @@ class PsManager:
             # Ended without aborting: the version goes on under the new lease.
             self.leases.release(retry)
             self._release([(w, shard) for w, shard in failed if w in self.workers])
-            log.warning("ps.push_retried", version=begin.version, rank=begin.rank, avoid=begin.avoid, workers=names)
+            log.warning("ps.push_retried", version=begin.version, rank=begin.rank, avoid=begin.avoid, workers=names,
+                        restarted=sorted(set(begin.avoid) - avoid))
         nbytes = max((t.offset + t.nbytes for t in tensors), default=0)
         return PushGrant(lease.lease_id, self.settings.lease_ttl_s, workers[0], nbytes, tensors, workers[1:])
+
+    def _tried(self, retry: str) -> frozenset[WorkerInfo]:
+        """The worker registrations granted to the live push lease ``retry`` and to the attempts it replaced;
+        none for no lease (a first begin) or one no longer live (the retry is refused further on)."""
+        lease = self.leases.get(retry) if retry else None
+        return lease.tried if lease is not None else frozenset()
+
+    def _avoided(self, avoid: list[str], tried: frozenset[WorkerInfo]) -> set[str]:
+        """The workers of a pusher's ``avoid`` (those it could not reach) to leave out of its new grant: each one
+        registered now as a process this push's attempts were granted (``tried``), and each name they were never
+        granted (taken at the pusher's word; e.g. one this manager does not know). A worker they were granted
+        only as other processes restarted since it failed the pusher (a new pid, start time or endpoint): the
+        process registered now is not the one that failed, and may be the only worker left."""
+        granted = {info.worker for info in tried}
+        return {worker for worker in avoid if worker not in granted or self.workers.get(worker) in tried}
 
     def _given_up(self, begin: PushBegin) -> str:
         """The lease of the attempt ``begin`` replaces, when the same holder begins again the same rank of the
