@@ -256,18 +256,25 @@ def test_a_holder_back_under_its_id_holds_again() -> None:
     assert report.leaked == {} and report.totals()["held"] == 3
 
 
+# trainer-0, holding a (env-0) and d (env-1), is killed; its new process registers under its id (a world restart)
+# and the stores reclaim both at once, naming it.
+RANK_RECLAIMED = [
+    {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
+    {"type": "node-up", "node": {"node_id": "trainer-0", "labels": {CLAIMS_BACK: "0"}}},
+    {"type": "delete", "src": "env-0", "holder": "env-0", "node": "trainer-0", "reason": "holder-down",
+     "blob_ids": ["a"]},
+    {"type": "delete", "src": "env-1", "holder": "env-1", "node": "trainer-0", "reason": "holder-down",
+     "blob_ids": ["d"]},
+]
+
+
 def test_a_ranks_blobs_reclaimed_as_its_new_process_registers_are_a_loss_named_with_it_not_held_at_run_end() -> None:
     """A rank is killed holding a (env-0) and d (env-1); its new process registers under its id (a world restart)
     and the stores reclaim both at once, after that ``node-up``, then the run ends: each is a loss named with the
     rank, once, none held at the run's end, no violation."""
     report = _run([
         *LIFECYCLE[:6],
-        {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
-        {"type": "node-up", "node": {"node_id": "trainer-0", "labels": {CLAIMS_BACK: "0"}}},
-        {"type": "delete", "src": "env-0", "holder": "env-0", "node": "trainer-0", "reason": "holder-down",
-         "blob_ids": ["a"]},
-        {"type": "delete", "src": "env-1", "holder": "env-1", "node": "trainer-0", "reason": "holder-down",
-         "blob_ids": ["d"]},
+        *RANK_RECLAIMED,
         {"type": "run-end", "reason": "done", "steps": 1},
     ]).report()
     assert report.lost == {"trainer-0": 2} and report.held_at_end == {} and report.leaked == {}
@@ -280,14 +287,7 @@ def test_a_ranks_blobs_reclaimed_before_its_reference_is_relayed_are_still_a_los
     hand-over, but the watcher's copy of the ``reference`` may come later (dropped at a slow subscriber, filled from
     the ring when the gap shows): the loss is the rank's whatever the order. Before, the fold named the
     orchestrator, the owner it had shown until then."""
-    reclaimed = [
-        {"type": "node-down", "node_id": "trainer-0", "reason": "timeout"},
-        {"type": "node-up", "node": {"node_id": "trainer-0", "labels": {CLAIMS_BACK: "0"}}},
-        {"type": "delete", "src": "env-0", "holder": "env-0", "node": "trainer-0", "reason": "holder-down",
-         "blob_ids": ["a"]},
-        {"type": "delete", "src": "env-1", "holder": "env-1", "node": "trainer-0", "reason": "holder-down",
-         "blob_ids": ["d"]},
-    ]
+    reclaimed = RANK_RECLAIMED
     in_order = _run([*LIFECYCLE[:6], *reclaimed]).report()
     reference_last = _run([*LIFECYCLE[:5], *reclaimed, LIFECYCLE[5]]).report()
     assert reference_last.lost == in_order.lost == {"trainer-0": 2}
