@@ -90,6 +90,7 @@ from .pubsub import BATCH_EVENTS
 from .reqrep import HandlerError, Pending, Server
 from .runtime import ID_IN_USE, NodeRuntime
 from .sockets import TooManyFrames, connect_problem, recv_from, send_frames
+from .stall import PassStalls
 
 log = structlog.get_logger(__name__)
 
@@ -566,8 +567,7 @@ class Broker:
         self.server.on(Replay.kind, self._replay, cached=False)
         self.server.on(Refill.kind, self._refill)  # cached: a retried page is not added twice
         self.expire_every_s = min(settings.node_timeout_s / 4, 0.5)
-        self._expired_at = clock()  # when the last liveness pass ran
-        self.stalled_s = 0.0  # seconds of liveness passes missed, credited to every node (see _credit_stall)
+        self.passes = PassStalls(self.expire_every_s, clock)  # the liveness passes' stalls (see _credit_stall)
         runtime.every(self.expire_every_s, self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
@@ -974,14 +974,11 @@ class Broker:
         every live node down at once (each would break its trainer world, fail the requests to it and start the
         stores' grace for what it holds) before reading a single heartbeat; a node that died meanwhile is reported
         one node timeout after the wake-up."""
-        now = self.clock()
-        stalled = now - self._expired_at - self.expire_every_s
-        self._expired_at = now
-        if stalled <= self.expire_every_s:
+        stalled = self.passes.stall()
+        if not stalled:
             return
         for member in self.members.values():
             member.heard += stalled
-        self.stalled_s += stalled
         log.warning("bus.stalled", seconds=round(stalled, 3), nodes=len(self.members),
                     detail="the broker's loop did not run: that time counts toward no node's silence")
 
@@ -1066,7 +1063,7 @@ class Broker:
         self.runtime.metric("refbus_bus_stalled_seconds_total", "Seconds the broker's liveness passes came late "
                             "(its loop did not run: stopped, swapped out, starved of CPU), counted toward no node's "
                             "silence.",
-                            lambda: {(): self.stalled_s})
+                            lambda: {(): self.passes.stalled_s})
         self.runtime.metric("refbus_bus_ring_events", "Events held in the replay ring.",
                       lambda: {(): float(len(self.ring))}, kind="gauge")
         self.runtime.metric("refbus_bus_ring_bytes", "Bytes held in the replay ring, each frame of a message of "

@@ -1138,3 +1138,24 @@ def test_a_compaction_at_a_lineage_start_keeps_the_rewound_trainer_version_and_n
     assert restarted.inventory.trainer_version == manager.inventory.trainer_version == 1
     assert restarted._handed_out is None and restarted.versions.retained() == manager.versions.retained() == []
     restarted.journal.close(remove=True)  # type: ignore[union-attr]
+
+
+def test_time_the_manager_did_not_run_counts_toward_no_leases_life(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager whose loop did not run for longer than a lease's TTL (stopped, swapped out, starved) expired every
+    lease on waking, before the renewals waiting in its sockets were read: a soak that paused a run's processes
+    for 4-10 s had a rank's push aborted under it, and the rank fail. The stall now moves every lease's deadline
+    and the pending push's start; time after the wake-up counts as ever."""
+    clock = types.SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(manager_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    runtime, manager = _manager(replicas=1, lease_ttl_s=1.0, push_timeout_s=2.0)
+    manager.passes = manager_module.PassStalls(manager.passes.period_s, lambda: clock.now)
+    runtime.call(PsRegister(_worker("w0")))
+    grant = _begin(runtime, 0)
+    clock.now += 5.0  # no pass ran: past the TTL and the push timeout
+    manager._expire()
+    assert manager.leases.get(grant.lease) is not None and manager.versions.pending is not None
+    assert manager.passes.stalled_s == pytest.approx(5.0 - manager.passes.period_s)
+    for _ in range(int(1.0 / manager.passes.period_s) + 1):  # a TTL of running passes, no renewal: it expires
+        clock.now += manager.passes.period_s
+        manager._expire()
+    assert manager.leases.get(grant.lease) is None and manager.leases.ended(grant.lease) == "expired"

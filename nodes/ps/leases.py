@@ -89,6 +89,12 @@ class LeaseTable:
             self._end(lease_id, "released")
         return lease
 
+    def extend(self, seconds: float) -> None:
+        """Move every live lease's deadline ``seconds`` later: time its holder could not have renewed in (the
+        manager's loop did not run)."""
+        for lease in self._live.values():
+            lease.deadline += seconds
+
     def expire(self, now: float) -> list[Lease]:
         """End and return every lease whose deadline has passed, oldest deadline first."""
         due = sorted((lease for lease in self._live.values() if lease.deadline <= now), key=lambda x: x.deadline)

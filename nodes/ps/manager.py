@@ -79,6 +79,7 @@ from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError, Outcome, PeerDown, Pending, RemoteError, RequestTimeout
 from ...bus.runtime import NodeRuntime
 from ...bus.sockets import connect_problem
+from ...bus.stall import PassStalls
 from ...protocol.envelope import Message
 from ...protocol.messages import Body, Error, NodeDown, NodeInfo, Ok, VersionBump, id_problem
 from ...protocol.messages_ps import (
@@ -242,7 +243,9 @@ class PsManager:
         self._unreleased: dict[str, list[str]] = {}
         # Releases a worker's registered process did not answer in time or refused: sent again from _expire.
         self._resends: list[_Resend] = []
-        runtime.every(min(0.25, settings.lease_ttl_s / 4), self._expire)
+        expire_every_s = min(0.25, settings.lease_ttl_s / 4)
+        self.passes = PassStalls(expire_every_s)  # the expiry passes' stalls: time no renewal could be read
+        runtime.every(expire_every_s, self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
         self._metrics()
@@ -696,6 +699,7 @@ class PsManager:
                              "shard was committed")
 
     def _expire(self) -> None:
+        self._credit_stall()
         now = time.monotonic()
         if self._held_back and now >= self._releases_from:
             held_back, self._held_back = self._held_back, []
@@ -718,6 +722,20 @@ class PsManager:
             log.warning("ps.reservation_expired", prompt=result.prompt_id, buffer=result.version,
                         evicted=len(result.evicted))
         self._check_init(now)
+
+    def _credit_stall(self) -> None:
+        """Count no time this manager's loop did not run (stopped, swapped out, starved of CPU) toward a lease's
+        life or a pending push's: the renewals and commits of that time wait unread in its sockets, and expiring
+        on waking would abort pushes and end reads their holders kept alive (a soak that paused every process of
+        a run for 4-10 s: a rank's push aborted under it, the rank failed, its world restarted)."""
+        stalled = self.passes.stall()
+        if not stalled:
+            return
+        self.leases.extend(stalled)
+        if self.versions.pending is not None:
+            self.versions.pending.started += stalled
+        log.warning("ps.stalled", seconds=round(stalled, 3), leases=len(self.leases),
+                    detail="the manager's loop did not run: that time counts toward no lease's life")
 
     # --- inspection ---------------------------------------------------------------------------------
 
