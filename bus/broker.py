@@ -566,9 +566,9 @@ class Broker:
         self.server.on(Nodes.kind, self._nodes, cached=False)
         self.server.on(Replay.kind, self._replay, cached=False)
         self.server.on(Refill.kind, self._refill)  # cached: a retried page is not added twice
-        self.expire_every_s = min(settings.node_timeout_s / 4, 0.5)
-        self.passes = PassStalls(self.expire_every_s, clock)  # the liveness passes' stalls (see _credit_stall)
-        runtime.every(self.expire_every_s, self._expire)
+        # The liveness passes' period and stalls (see _credit_stall).
+        self.passes = PassStalls(min(settings.node_timeout_s / 4, 0.5), clock)
+        runtime.every(self.passes.period_s, self._expire)
         runtime.status = lambda: {"nodes": float(len(self.members)), "ring_events": float(len(self.ring))}
         self._register_metrics()
         ROUTES[SD_PATH] = self.service_discovery

@@ -86,7 +86,7 @@ def advance(broker: Broker, clock: FakeClock, seconds: float) -> None:
     def run() -> None:
         left = seconds
         while left > 0:
-            step = min(left, broker.expire_every_s)
+            step = min(left, broker.passes.period_s)
             clock.now += step
             broker._expire()
             left -= step
@@ -349,7 +349,7 @@ def test_time_the_broker_did_not_run_counts_toward_no_nodes_silence(broker: tupl
 
     on_loop(node, stall)
     assert "worker-1" in expire_now(node)
-    assert on_loop(node, lambda: node.passes.stalled_s) == pytest.approx(3 * NODE_TIMEOUT_S - node.expire_every_s)
+    assert on_loop(node, lambda: node.passes.stalled_s) == pytest.approx(3 * NODE_TIMEOUT_S - node.passes.period_s)
     advance(node, clock, 0.25 * NODE_TIMEOUT_S)
     assert "worker-1" in expire_now(node)  # silent half a node timeout before the stall, a quarter after it
     advance(node, clock, 0.5 * NODE_TIMEOUT_S)

@@ -243,9 +243,9 @@ class PsManager:
         self._unreleased: dict[str, list[str]] = {}
         # Releases a worker's registered process did not answer in time or refused: sent again from _expire.
         self._resends: list[_Resend] = []
-        expire_every_s = min(0.25, settings.lease_ttl_s / 4)
-        self.passes = PassStalls(expire_every_s)  # the expiry passes' stalls: time no renewal could be read
-        runtime.every(expire_every_s, self._expire)
+        # The expiry passes' period and stalls: time no renewal could be read (see _credit_stall).
+        self.passes = PassStalls(min(0.25, settings.lease_ttl_s / 4))
+        runtime.every(self.passes.period_s, self._expire)
         runtime.status = lambda: {"version": float(self.versions.latest), "leases": float(len(self.leases)),
                                   "workers": float(len(self.workers))}
         self._metrics()
