@@ -268,8 +268,9 @@ class TrainerSettings:
     batch_timeout_s: float = key(300.0, "Seconds a rank waits for its step batch before failing the step.")
     skip_limit: int = key(
         3,
-        "Steps in a row every rank may skip (none of their micro batches fetched on any rank, or a data rank "
-        "unable to stand in for its dropped ones): the world trains on with the same weights. One more ends "
+        "Steps in a row every rank may skip (none of their micro batches fetched on any rank, a data rank "
+        "unable to stand in for its dropped ones, or a restarted orchestrator's fill of a step its earlier "
+        "incarnation delivered to only some ranks): the world trains on with the same weights. One more ends "
         "the world with an error, since the cause persists (stores gone for good, blobs failing verification "
         "everywhere). 0: never skip, every such step ends the world.",
     )

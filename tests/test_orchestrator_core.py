@@ -579,6 +579,31 @@ def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from
     assert core.finished and set(deletes(feed_group(core, T0 + 20, "g11"))) == {"max_steps"}
 
 
+def test_a_restarted_core_fills_the_step_its_earlier_incarnation_delivered_to_only_some_ranks() -> None:
+    """Regression: an orchestrator killed between delivering step 1 to rank 0 and to rank 1 was restarted,
+    resumed at step 2 (rank 0 had received step 1) and shipped it: rank 1 waited for step 1 for ever and rank
+    0 in that step's agreement, and no step trained again. Now each lagging rank is first sent an empty batch
+    for the step it lacks (a fill, which makes every rank skip it); a fill refused ``duplicate-step`` (the
+    rank had the step after all: its status lagged) is what it was sent for; other refusals are re-sent; the
+    next step ships to every rank once the fills are acknowledged."""
+    core = OrchestratorCore(settings(trainers=3), DEADLINES, prompts=lambda rng: [1])
+    ranks = [ranked(0, step=1, received=1), ranked(1, step=1, received=0), ranked(2, step=1, received=0)]
+    feed_group(core, T0, "g2", version=2)
+    fills = of(DeliverBatch, core.use_trainers(T0, ranks))
+    assert core.step == 2
+    assert [(d.step, d.batch.rank, d.batch.micro_batches, d.batch.owned) for d in fills] == [
+        (1, 1, [], []), (1, 2, [], [])]
+    to1, to2 = fills
+    assert core.on_delivered(T0, 1, to1.endpoint, "[duplicate-step] rank 1 already has step 1", refused=True,
+                             holds_step=True) == []
+    assert core.on_delivered(T0, 1, to2.endpoint, "[not-orchestrator] not listed", refused=True) == []
+    (again,) = of(DeliverBatch, core.tick(T0 + DEADLINES.redeliver_after_s))
+    assert (again.step, again.endpoint, again.batch) == (1, to2.endpoint, to2.batch)
+    shipped = of(DeliverBatch, core.on_delivered(T0 + 2, 1, to2.endpoint, None))
+    assert [(d.step, d.batch.rank) for d in shipped] == [(2, 0), (2, 1), (2, 2)]
+    assert all(d.batch.micro_batches for d in shipped)
+
+
 def test_backpressure_no_run_goes_to_a_full_store_and_no_group_starts_while_every_store_is_full() -> None:
     core = OrchestratorCore(settings(max_staleness=100), DEADLINES, prompts=lambda rng: [1])
     full_a = NodeInfo(node_id="env-a", role="env-server", host="h", pid=9, endpoints={"blobs": "tcp://env-a"},

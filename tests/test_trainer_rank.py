@@ -529,6 +529,26 @@ def test_step_batches_of_unequal_micro_batch_counts_are_skipped_by_every_rank(bu
                                      for rank in (0, 1) for blob_id in data.owned[rank]})
 
 
+def test_a_restarted_orchestrators_fill_makes_every_rank_skip_the_step_the_other_rank_holds(
+        bus, envs, orchestrator, tmp_path: Path) -> None:
+    """An orchestrator that died delivering a step (rank 0 took its batch, rank 1 never got one) is restarted
+    and sends rank 1 an empty batch for that step (a fill): each rank's ``begin_step`` raises ``StepSkipped``
+    naming the fill, and rank 0 deletes the blobs it holds ``dropped``. Without the fill rank 1 waited for
+    its batch and rank 0 in the agreement for ever."""
+    data = make_step(envs, SPECS, data_ranks=2, prefix="f")
+    ranks = Ranks(bus, (RankConfig(), RankConfig()), steps=1, workdir=tmp_path)
+    try:
+        clients = [orchestrator(ranks.recv(rank)) for rank in (0, 1)]
+        hand_over(clients, [step_batch(0, 0, data, 0), StepBatch(step=0, rank=1, micro_batches=[], owned=[])])
+        reports = [ranks.recv(rank) for rank in (0, 1)]
+    finally:
+        exits = ranks.close()
+    assert exits == [0, 0]
+    assert all(report["skipped"] and "a restarted orchestrator's fill" in report["failed"] for report in reports), \
+        reports
+    assert deletes(envs) == Counter({(blob_id, "trainer-0", "dropped"): 1 for blob_id in data.owned[0]})
+
+
 def test_a_micro_batch_longer_than_seq_len_is_refused_before_the_rank_allocates_it(bus, envs, orchestrator,
                                                                                    tmp_path: Path) -> None:
     """Regression: a step batch with a micro batch of 2**40 tokens was taken; its assembly failed to allocate (the

@@ -151,6 +151,23 @@ def test_a_world_resumed_before_the_step_a_restarted_core_took_gives_back_the_ea
     assert of(SendRun, core.dispatch(T0 + 10)) and core.idle_reason(T0 + 10) == ("", "")
 
 
+def test_a_restarted_cores_fills_are_dropped_when_its_world_goes_down() -> None:
+    """A world that goes down before a restarted core's fills are delivered resumes from a checkpoint, every
+    rank at one step: the new world is sent no fill, its step ships whole."""
+    core = OrchestratorCore(settings(), DEADLINES, prompts=lambda rng: [1])
+    ranks = [ranked(0, step=1, received=1), ranked(1, step=1, received=0)]
+    feed_group(core, T0, "g2", version=2)
+    (fill,) = of(DeliverBatch, core.use_trainers(T0, ranks))
+    assert (fill.step, fill.batch.rank, fill.batch.micro_batches) == (1, 1, [])
+    core.trainer_down(T0 + 1, ranks[0])
+    core.trainer_down(T0 + 1, ranks[1])
+    assert of(DeliverBatch, core.use_trainers(T0 + 1 + 1.25 * GRACE_S, [restarted(0, 1), restarted(1, 1)])) == []
+    assert core.step == 1  # g2, of the retired lineage's version 2, was dropped stale
+    shipped = of(DeliverBatch, feed_group(core, T0 + 4, "g3", version=1))
+    assert [(d.step, d.batch.rank) for d in shipped] == [(1, 0), (1, 1)]
+    assert all(d.batch.micro_batches for d in shipped)
+
+
 def test_a_step_batch_a_live_rank_takes_after_its_world_went_down_is_its_own_and_never_deleted() -> None:
     """Regression: when a rank died, every batch of the step in delivery that was not acknowledged yet was
     deleted ``trainer-down`` at once, those still in flight included. A rank of that world still alive takes

@@ -664,7 +664,9 @@ class Orchestrator:
         error = str(failures[0][1]) if failures else None
         # A rank refuses a batch before it takes anything of it; an internal error may come after it took it.
         refused = isinstance(outcome, RemoteError) and outcome.code != "internal"
-        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused))
+        holds_step = isinstance(outcome, RemoteError) and outcome.code == "duplicate-step"
+        self._execute(self.core.on_delivered(self.clock(), action.step, action.endpoint, error, refused=refused,
+                                             holds_step=holds_step))
         if error is None and action.batch.owned and (taker := self.core.taker(action.endpoint)) is not None:
             # The rank published this before it answered, but a rank killed right after answering may have
             # answered and lost the event: the stores hand the blobs over on it (a repeat of a move made moves

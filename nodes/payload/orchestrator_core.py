@@ -84,21 +84,24 @@ Decisions and their rules:
   advertise (label ``steps``, the smallest): once that many steps shipped, nothing more ships or runs and
   whatever arrives is deleted (``max_steps``), so ranks that trained their steps and left are never sent
   another one.
-* **Restart.** A started orchestrator may be a restart under the same node id: it rebuilds its state from
-  the authorities, never from the event ring. The step number comes from the trainer ranks
-  (:meth:`~OrchestratorCore.resume_step`): each reports the next step it trains (``step``) and the last step
-  batch it accepted (``received``); shipping goes on at the highest of every rank's ``step`` and
-  ``received + 1``, so no rank is sent a step it already holds (it would refuse it, ``duplicate-step``), and
-  the steps before count as admitted groups. What the stores list for this node id or as unclaimed
-  (:meth:`~OrchestratorCore.reclaimable`, then :meth:`~OrchestratorCore.recover`) is claimed and fed as if
-  it had just finished, so groups and the queue are rebuilt; its own ``episode-finished`` event, if it comes
-  too, is ignored. Episodes of groups this incarnation did not send (after a restart, the earlier one's runs
-  still in flight or re-adopted by a restarted store; or any peer's) are grouped like any other; such a group
-  holds no admission slot while open (a relaunched cluster's re-adopted episodes open dozens that can never
-  complete, and would fill the bound until they time out: nothing would train), and takes one as it closes,
-  given back when it closed untrained; incomplete, they are abandoned after
-  ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named with the
-  incarnation's ``tag``, so they never collide with the earlier incarnation's.
+* **Restart.** A started orchestrator may be a restart under the same node id: it rebuilds its state from the
+  authorities, never from the event ring. The step number comes from the trainer ranks
+  (:meth:`~OrchestratorCore.resume_step`): each reports the next step it trains (``step``) and the last step batch
+  it accepted (``received``); shipping goes on at the highest of every rank's ``step`` and ``received + 1``, so no
+  rank is sent a step it already holds (it would refuse it, ``duplicate-step``), and the steps before count as
+  admitted groups. A rank that lacks a step before that one (the earlier incarnation died between delivering a
+  step's batches to some ranks and to the others) is sent an empty batch for it first (a *fill*): every rank skips
+  that step (the others delete what they hold of it as dropped), then training goes on in step; a fill refused
+  ``duplicate-step`` found its rank holding the step after all (the rank's registry status lagged), which is what
+  it was sent for. What the stores list for this node id or as unclaimed (:meth:`~OrchestratorCore.reclaimable`,
+  then :meth:`~OrchestratorCore.recover`) is claimed and fed as if it had just finished, so groups and the queue
+  are rebuilt; its own ``episode-finished`` event, if it comes too, is ignored. Episodes of groups this
+  incarnation did not send (after a restart, the earlier one's runs still in flight or re-adopted by a restarted
+  store; or any peer's) are grouped like any other; such a group holds no admission slot while open (a relaunched
+  cluster's re-adopted episodes open dozens that can never complete, and would fill the bound until they time out:
+  nothing would train), and takes one as it closes, given back when it closed untrained; incomplete, they are
+  abandoned after ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named
+  with the incarnation's ``tag``, so they never collide with the earlier incarnation's.
 * **Backpressure.** A group starts only when the room all its runs will keep can be reserved
   (:class:`~.shipping.ReplicaRouter`): each run reserves one episode (at the mean charge of those kept so far:
   an episode none of whose blobs a store granted, which any peer may publish, sizes nothing)
@@ -497,6 +500,8 @@ class OrchestratorCore:
         self.recovered_episodes = 0  # fed from the stores' holdings at start
         self.adopted_groups = 0  # groups this incarnation did not send (an earlier incarnation's)
         self._recovered: set[str] = set()  # episode ids recovered whose own event may still come
+        # step -> the ranks to send an empty batch for it: an earlier incarnation delivered it to the others only
+        self._fills: dict[int, list[TrainerAddress]] = {}
         # Groups sent by this incarnation and not closed yet, with their prompts (told to the prompt source
         # with the group's rewards once it completes).
         self._admitted: dict[str, tuple[int, ...]] = {}
@@ -666,14 +671,17 @@ class OrchestratorCore:
         self.holdings.hand_over(batch, self._takers.get(endpoint))
 
     def on_delivered(self, now: float, step: int, endpoint: str, error: str | None, *,
-                     refused: bool = False) -> list[Action]:
+                     refused: bool = False, holds_step: bool = False) -> list[Action]:
         """The outcome of a :class:`DeliverBatch`: ``error`` None when the rank acknowledged; ``refused`` when
         the rank answered with an error (it took nothing of the batch), not when nothing answered (a timeout,
-        the rank reported down: it may have taken the batch)."""
+        the rank reported down: it may have taken the batch); ``holds_step`` when that refusal says the rank
+        already holds a batch for ``step`` (``duplicate-step``)."""
         delivery = self.delivery
         if delivery is None or delivery.step != step or endpoint not in delivery.in_flight:
             return self._settle(step, endpoint, error, refused)  # a step given up, or one already settled
         delivery.in_flight.discard(endpoint)
+        if holds_step and not delivery.batches[endpoint].micro_batches:
+            error = None  # a fill to a rank that holds the step: what it was sent for
         if error is None:
             self._hand_over(endpoint, delivery.batches[endpoint])
             delivery.errors.pop(endpoint, None)
@@ -743,6 +751,7 @@ class OrchestratorCore:
             return []
         self.world_down = _WorldDown(node.node_id, self.world, now + self.deadlines.world_restart_s,
                                      {incarnation(node): now})
+        self._fills = {}  # the next world resumes from a checkpoint, every rank at one step
         delivery, self.delivery = self.delivery, None
         if delivery is not None:
             for endpoint in delivery.unacknowledged:
@@ -963,7 +972,11 @@ class OrchestratorCore:
         """Take the step number from the trainer ranks' registry entries, once, before this incarnation
         ships anything: the highest of each rank's ``step`` (the next it trains) and ``received + 1`` (after
         the last step batch it accepted). The steps before it count as admitted groups (their slots are
-        the ones the earlier incarnation used). Returns whether the step is decided: fewer than
+        the ones the earlier incarnation used). A rank that needs an earlier step (the earlier incarnation died
+        delivering it: some ranks took their batches, this one never got its own) is sent an empty batch for
+        each step it lacks (a fill: every rank skips that step, the ranks that hold batches for it delete them
+        as dropped), since a batch packed now could not match the micro batch count its peers hold, and without
+        one the world waits for it for ever. Returns whether the step is decided: fewer than
         ``settings.trainers`` ranks, or a rank whose heartbeat has not yet said its ``step``, decide nothing
         (a missing one may hold a later step; a world restored from a checkpoint registers before its first
         heartbeat says which step it resumes at, and step 0 sent to it would be refused ``duplicate-step``
@@ -973,16 +986,20 @@ class OrchestratorCore:
             return True
         if len(nodes) < self.settings.trainers or any("step" not in node.status for node in nodes):
             return False
-        start = max(max(int(node.status["step"]), int(node.status.get("received", -1)) + 1)
-                    for node in nodes)
+        needs = {TrainerAddress.from_node(node): max(int(node.status["step"]), int(node.status.get("received", -1)) + 1)
+                 for node in nodes}
+        start = max(needs.values())
         self.step_resumed = True
         if start:
             self.resumed = True
             self.step = start
             self.train_groups_sent += start * self.settings.groups_per_step
             self._groups_of_step.resumed(start, self.settings.groups_per_step)  # a world may resume before it
+            self._fills = {step: [rank for rank, need in needs.items() if need <= step]
+                           for step in range(min(needs.values()), start)}
             log.warning("orchestrator.resumed", step=start, max_steps=self.max_steps,
-                        ranks={node.labels.get("rank", node.node_id): dict(node.status) for node in nodes})
+                        ranks={node.labels.get("rank", node.node_id): dict(node.status) for node in nodes},
+                        fills={step: [rank.rank for rank in ranks] for step, ranks in self._fills.items()})
         return True
 
     def reclaimable(self, entry: HeldEpisode) -> list[BlobRef]:
@@ -1149,6 +1166,17 @@ class OrchestratorCore:
         per_step = self.settings.groups_per_step
         sink = self.sink
         actions: list[Action] = []
+        if (self.delivery is None and self._fills and not self.failure and self.world_down is None
+                and len(sink.trainers) >= self.settings.trainers):
+            step = min(self._fills)
+            fills = {rank.endpoint: StepBatch(step=step, rank=rank.rank, micro_batches=[], owned=[],
+                                              policy_version=self.policy_version)
+                     for rank in self._fills.pop(step)}
+            log.warning("step.filled", step=step, ranks=sorted(batch.rank for batch in fills.values()),
+                        detail="an earlier incarnation delivered this step to the other ranks only: every rank "
+                               "skips it")
+            self.delivery = _Delivery(step, fills, now + self.deadlines.delivery_s, in_flight=set(fills))
+            actions += [DeliverBatch(step, endpoint, batch) for endpoint, batch in fills.items()]
         while (self.delivery is None and not self.failure and not self.finished and self.world_down is None
                and len(sink.queue) >= per_step and len(sink.trainers) >= self.settings.trainers):
             queued, dropped = len(sink.queue), sink.dropped_groups

@@ -571,10 +571,16 @@ class TrainerRank:
     def _agree_on_count(self, step: int, per_rank: int) -> None:
         """Skip the step on every rank unless every rank has ``per_rank`` micro batches (packing's invariant, which
         sizes the agreement's vector): ranks entering one all-reduce with vectors of different sizes abort in
-        gloo, killing the process, so step batches that break it must be found by a collective of fixed size."""
+        gloo, killing the process, so step batches that break it must be found by a collective of fixed size.
+        A rank sent no micro batch at all got a restarted orchestrator's fill (its earlier incarnation died
+        delivering the step: the other ranks got theirs, this one never did): every rank skips the step."""
         counts = torch.tensor([per_rank, -per_rank], dtype=torch.int64)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
         most, least = int(counts[0]), -int(counts[1])
+        if least == 0:
+            self._skip(step, f"step {step}: a rank was sent an empty batch for it (a restarted orchestrator's fill: "
+                             "its earlier incarnation delivered the step to only some ranks before it died)",
+                       failed_global=0)
         if most != least:
             self._skip(step, f"step {step}: the ranks' step batches hold from {least} to {most} micro batches "
                              f"({per_rank} here), where every rank must have as many", failed_global=0)
