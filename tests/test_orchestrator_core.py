@@ -513,12 +513,42 @@ def test_a_restarted_core_waits_for_every_ranks_heartbeat_before_it_takes_its_st
     core = OrchestratorCore(settings(), DEADLINES)
     feed_group(core, T0, "g0", version=9)
     bare = [msgspec.structs.replace(trainer(rank), status={}) for rank in (0, 1)]
-    assert core.resume_step(bare) is False
+    assert core.resume_step(T0, bare) is False
     assert core.use_trainers(T0, bare) == [] and core.wants_trainers
     assert core.use_trainers(T0, [ranked(0, step=9), bare[1]]) == []  # one rank has not said yet
     assert (core.step, core.step_resumed) == (0, False)
     deliveries = of(DeliverBatch, core.use_trainers(T0, [ranked(0, step=9), ranked(1, step=9)]))
     assert [d.step for d in deliveries] == [9, 9] and core.resumed
+
+
+def test_a_restarted_core_takes_its_step_only_from_statuses_heartbeated_after_its_start() -> None:
+    """A rank's registry status is its last heartbeat's: one sent before the rank took the batch an earlier
+    incarnation delivered just before it died says the rank lacks that step, and the batch sent for it again
+    would be refused ``duplicate-step``. Nothing is decided before ``statuses_fresh_at`` (the executor's start
+    plus two heartbeat intervals); the registry is asked again after."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    core.statuses_fresh_at = T0 + 2.0
+    feed_group(core, T0, "g3", version=3)
+    stale = [ranked(0, step=3, received=2), ranked(1, step=3, received=2)]
+    assert core.use_trainers(T0 + 1.9, stale) == [] and core.wants_trainers
+    assert (core.step, core.step_resumed) == (0, False)
+    fresh = [ranked(0, step=3, received=3), ranked(1, step=3, received=3)]
+    assert [(d.step, d.batch.rank) for d in of(DeliverBatch, core.use_trainers(T0 + 2.0, fresh))] == [(4, 0), (4, 1)]
+
+
+def test_a_real_batch_a_rank_refuses_as_a_step_it_holds_halts_for_a_restart_that_reads_the_statuses_again() -> None:
+    """Only a restart can send a rank a step it holds: statuses older than a batch the earlier incarnation
+    delivered (a heartbeat late past ``statuses_fresh_at``). Re-sending until the delivery deadline would stall
+    the run that long for the same refusal: the core halts at once, not finally, so its restarted process reads
+    the statuses again (what it held stays for that process to claim)."""
+    core = OrchestratorCore(settings(), DEADLINES)
+    feed_group(core, T0, "g3", version=3)
+    to0, to1 = of(DeliverBatch, core.use_trainers(T0, [ranked(0, step=3, received=2), ranked(1, step=3, received=2)]))
+    assert core.on_delivered(T0, 3, to0.endpoint, None) == []
+    (halt,) = core.on_delivered(T0, 3, to1.endpoint, "[duplicate-step] rank 1 already has step 3", refused=True,
+                                holds_step=True)
+    assert isinstance(halt, Halt) and not halt.final and "rank 1 already holds step 3" in halt.reason
+    assert core.failure == halt.reason and core.delivery is None
 
 
 def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from_what_it_held() -> None:
@@ -530,11 +560,11 @@ def test_a_restarted_core_resumes_at_the_ranks_step_and_rebuilds_its_groups_from
     core = OrchestratorCore(settings(max_steps=6, max_groups_in_flight=1), DEADLINES,
                             prompts=lambda rng: [1], tag=".new")
     # Rank 0 accepted step 3 and trains it next; rank 1 already started it: 4 comes next, 4 steps admitted.
-    core.resume_step([ranked(1, step=4, received=3)])  # not every rank listed: nothing decided yet
+    core.resume_step(T0, [ranked(1, step=4, received=3)])  # not every rank listed: nothing decided yet
     assert (core.step, core.step_resumed) == (0, False)
-    core.resume_step([ranked(0, step=3, received=3), ranked(1, step=4, received=3)])
+    core.resume_step(T0, [ranked(0, step=3, received=3), ranked(1, step=4, received=3)])
     assert (core.step, core.train_groups_sent, core.resumed) == (4, 4, True)
-    core.resume_step([ranked(0, step=9), ranked(1, step=9)])  # once
+    core.resume_step(T0, [ranked(0, step=9), ranked(1, step=9)])  # once
     assert core.step == 4
 
     # A store lists one episode of which only the second blob is still this holder's (a rank took the first).
@@ -1398,7 +1428,7 @@ def test_a_relaunch_re_adopting_episodes_of_groups_that_never_complete_dispatche
     others are deleted ``incomplete`` when they time out, each blob once, and give their slot back."""
     core = OrchestratorCore(settings(max_staleness=1, groups_per_step=1, max_groups_in_flight=8), DEADLINES,
                             prompts=lambda rng: [1], tag=".new")
-    core.resume_step([ranked(0, step=10), ranked(1, step=10)])
+    core.resume_step(T0, [ranked(0, step=10), ranked(1, step=10)])
     core.use_replicas([env_server("env-a")])
     core.on_version(10)
     assert core.admission_bound == 1 + 10 + 1  # room for two groups beside the ten steps the earlier one shipped

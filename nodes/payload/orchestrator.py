@@ -234,6 +234,12 @@ class Orchestrator:
                                "ships; set orchestrator.group_size to 2 or more to train")
         # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
         self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
+        # A rank heartbeats its status once an interval: two after this start, the registry's statuses tell of any
+        # step batch an earlier incarnation delivered before it died (resume_step). The recovery starts then, and
+        # no run goes out before it is done: dispatch before the step is resumed would count none of the earlier
+        # incarnation's groups against admission.
+        fresh_in_s = 2 * runtime.heartbeat_interval_s
+        self.core.statuses_fresh_at = clock() + fresh_in_s
         self.claimed = 0  # blobs newly granted to this node (not those a repeated claim is answered ``already`` for)
         self.missing = 0
         self.deleted: Counter[str] = Counter()
@@ -250,7 +256,7 @@ class Orchestrator:
         # Why no run goes out (""): runs go out or are in flight), since when, and whether it was logged.
         self._idle: tuple[str, float, bool] = ("", 0.0, False)
         self._arrivals.append(self._recovery)
-        runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
+        runtime.call_soon(lambda: runtime.later(fresh_in_s, self._recover))  # the timer, on the loop thread
         self._events = runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind,
                                                                           Reference.kind, Delete.kind}))
         self._peers = runtime.track_peers()
@@ -488,7 +494,7 @@ class Orchestrator:
 
     def _recover_step(self, trainers: list[NodeInfo] | None) -> None:
         if trainers:
-            self.core.resume_step(trainers)
+            self.core.resume_step(self.clock(), trainers)
         self.runtime.lookup_async(STORE_ROLE, self._recover_holdings)
 
     def _recover_holdings(self, stores: list[NodeInfo] | None) -> None:

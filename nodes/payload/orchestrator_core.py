@@ -93,15 +93,18 @@ Decisions and their rules:
   step's batches to some ranks and to the others) is sent an empty batch for it first (a *fill*): every rank skips
   that step (the others delete what they hold of it as dropped), then training goes on in step; a fill refused
   ``duplicate-step`` found its rank holding the step after all (the rank's registry status lagged), which is what
-  it was sent for. What the stores list for this node id or as unclaimed (:meth:`~OrchestratorCore.reclaimable`,
-  then :meth:`~OrchestratorCore.recover`) is claimed and fed as if it had just finished, so groups and the queue
-  are rebuilt; its own ``episode-finished`` event, if it comes too, is ignored. Episodes of groups this
-  incarnation did not send (after a restart, the earlier one's runs still in flight or re-adopted by a restarted
-  store; or any peer's) are grouped like any other; such a group holds no admission slot while open (a relaunched
-  cluster's re-adopted episodes open dozens that can never complete, and would fill the bound until they time out:
-  nothing would train), and takes one as it closes, given back when it closed untrained; incomplete, they are
-  abandoned after ``group_timeout_s`` (deleted ``incomplete``, stragglers ``late``). Runs and groups are named
-  with the incarnation's ``tag``, so they never collide with the earlier incarnation's.
+  it was sent for. A status is the rank's last heartbeat's: nothing is decided before two heartbeat intervals
+  after the executor's start (``statuses_fresh_at``), and a real batch refused ``duplicate-step`` all the same
+  halts, not finally, for a restart that reads the statuses again. What the stores list for this node id or as
+  unclaimed (:meth:`~OrchestratorCore.reclaimable`, then :meth:`~OrchestratorCore.recover`) is claimed and fed as
+  if it had just finished, so groups and the queue are rebuilt; its own ``episode-finished`` event, if it comes
+  too, is ignored. Episodes of groups this incarnation did not send (after a restart, the earlier one's runs still
+  in flight or re-adopted by a restarted store; or any peer's) are grouped like any other; such a group holds no
+  admission slot while open (a relaunched cluster's re-adopted episodes open dozens that can never complete, and
+  would fill the bound until they time out: nothing would train), and takes one as it closes, given back when it
+  closed untrained; incomplete, they are abandoned after ``group_timeout_s`` (deleted ``incomplete``, stragglers
+  ``late``). Runs and groups are named with the incarnation's ``tag``, so they never collide with the earlier
+  incarnation's.
 * **Backpressure.** A group starts only when the room all its runs will keep can be reserved
   (:class:`~.shipping.ReplicaRouter`): each run reserves one episode (at the mean charge of those kept so far:
   an episode none of whose blobs a store granted, which any peer may publish, sizes nothing)
@@ -496,6 +499,9 @@ class OrchestratorCore:
         # restart
         self.tag = tag
         self.step_resumed = False  # the step number was taken from the trainer ranks
+        # From when (this core's clock) the ranks' registry statuses postdate any step batch an earlier incarnation
+        # delivered: the executor's start plus two heartbeat intervals (see resume_step).
+        self.statuses_fresh_at = 0.0
         self.resumed = False  # an earlier incarnation's steps or episodes were found: this is a restart
         self.recovered_episodes = 0  # fed from the stores' holdings at start
         self.adopted_groups = 0  # groups this incarnation did not send (an earlier incarnation's)
@@ -647,7 +653,7 @@ class OrchestratorCore:
         if self.world_down is not None:
             return self._new_world(now, nodes)
         trainers = [TrainerAddress.from_node(node) for node in nodes]
-        if len(trainers) < self.settings.trainers or not self.resume_step(nodes):
+        if len(trainers) < self.settings.trainers or not self.resume_step(now, nodes):
             return []
         self.sink.use_trainers(trainers)
         self._use_world(nodes)
@@ -680,8 +686,16 @@ class OrchestratorCore:
         if delivery is None or delivery.step != step or endpoint not in delivery.in_flight:
             return self._settle(step, endpoint, error, refused)  # a step given up, or one already settled
         delivery.in_flight.discard(endpoint)
-        if holds_step and not delivery.batches[endpoint].micro_batches:
-            error = None  # a fill to a rank that holds the step: what it was sent for
+        if holds_step:
+            if not delivery.batches[endpoint].micro_batches:
+                error = None  # a fill to a rank that holds the step: what it was sent for
+            else:  # only a restart can send a step a rank holds: it resumed on statuses older than that batch
+                self.delivery = None
+                self.failure = (f"rank {delivery.batches[endpoint].rank} already holds step {step}: this incarnation "
+                                "resumed on trainer statuses older than a batch the earlier one delivered; a restart "
+                                "reads them again")
+                log.error("step.held_already", step=step, rank=delivery.batches[endpoint].rank, error=error)
+                return self._flush([Halt(self.failure, final=False)])
         if error is None:
             self._hand_over(endpoint, delivery.batches[endpoint])
             delivery.errors.pop(endpoint, None)
@@ -968,7 +982,7 @@ class OrchestratorCore:
 
     # --- restart -------------------------------------------------------------------------------------
 
-    def resume_step(self, trainers: Iterable[NodeInfo]) -> bool:
+    def resume_step(self, now: float, trainers: Iterable[NodeInfo]) -> bool:
         """Take the step number from the trainer ranks' registry entries, once, before this incarnation
         ships anything: the highest of each rank's ``step`` (the next it trains) and ``received + 1`` (after
         the last step batch it accepted). The steps before it count as admitted groups (their slots are
@@ -976,7 +990,9 @@ class OrchestratorCore:
         delivering it: some ranks took their batches, this one never got its own) is sent an empty batch for
         each step it lacks (a fill: every rank skips that step, the ranks that hold batches for it delete them
         as dropped), since a batch packed now could not match the micro batch count its peers hold, and without
-        one the world waits for it for ever. Returns whether the step is decided: fewer than
+        one the world waits for it for ever. Nothing is decided before ``statuses_fresh_at``: a rank's status is
+        its last heartbeat's, and one sent before it took a batch the earlier incarnation delivered just before it
+        died says the rank lacks that step. Returns whether the step is decided: before that time, fewer than
         ``settings.trainers`` ranks, or a rank whose heartbeat has not yet said its ``step``, decide nothing
         (a missing one may hold a later step; a world restored from a checkpoint registers before its first
         heartbeat says which step it resumes at, and step 0 sent to it would be refused ``duplicate-step``
@@ -984,7 +1000,8 @@ class OrchestratorCore:
         nodes = list(trainers)
         if self.step_resumed or self.step or self.delivery is not None:
             return True
-        if len(nodes) < self.settings.trainers or any("step" not in node.status for node in nodes):
+        if (now < self.statuses_fresh_at or len(nodes) < self.settings.trainers
+                or any("step" not in node.status for node in nodes)):
             return False
         needs = {TrainerAddress.from_node(node): max(int(node.status["step"]), int(node.status.get("received", -1)) + 1)
                  for node in nodes}
