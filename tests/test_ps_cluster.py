@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from ps_support import (
 )
 from refbus.bus.reqrep import RemoteError
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.nodes.launch import start_bus
 from refbus.nodes.ps.client import WORKERS_FIRST_PAUSE_S, PsError
 from refbus.nodes.toy.policy import make_policy
 from refbus.protocol.codec import checksum
@@ -51,6 +53,7 @@ from refbus.protocol.messages_ps import (
 )
 from stalling_entry_points import FREEZE_ENV
 from structlog.testing import capture_logs
+from test_broker_restart import all_stopped
 
 TESTS = Path(__file__).parent
 
@@ -58,6 +61,28 @@ TESTS = Path(__file__).parent
 @pytest.fixture
 def cluster(bus, spawn, request) -> Iterator[PsCluster]:
     _, control = bus
+    yield from _running_cluster(spawn, control, request)
+
+
+# How long the stall test stops its ps-manager: three lease TTLs, so every lease's deadline passes meanwhile.
+MANAGER_PAUSE_S = 3 * LEASE_TTL_S
+
+
+@pytest.fixture
+def patient_cluster(tmp_path: Path, spawn, request) -> Iterator[PsCluster]:
+    """A cluster whose broker times nodes out after four lease TTLs: a ps-manager stopped for MANAGER_PAUSE_S
+    is not reported down."""
+    bus, control = start_bus(tmp_path, extra=["--bus-heartbeat-interval-s", "0.2",
+                                              "--bus-node-timeout-s", str(4 * LEASE_TTL_S)])
+    try:
+        yield from _running_cluster(spawn, control, request)
+    finally:
+        assert bus.stop() == 0, bus.log_tail()
+
+
+def _running_cluster(spawn, control: str, request) -> Iterator[PsCluster]:
+    """A cluster on the broker at ``control`` (extra flags from ``request.param``) while the test runs; then its
+    actors and processes are stopped (each must exit 0) and no shared-memory segment may be left."""
     extra = getattr(request, "param", [])
     cluster = start_cluster(spawn, control, request.node.name[:24], workers=2, extra=extra)
     actors: list[Actor] = []
@@ -167,6 +192,47 @@ def test_killed_puller_lease_expires_and_pushes_proceed(cluster: PsCluster) -> N
         assert '"ps.lease_expired"' in log and '"kind": "pull"' in log
         assert scrape(cluster.manager_metrics, "refbus_ps_leases_expired_total", kind="pull") == 1
         assert scrape(cluster.manager_metrics, "refbus_ps_leases_active", kind="pull") == 0
+    finally:
+        runtime.close()
+
+
+def test_a_manager_stopped_past_the_lease_ttl_ends_no_renewed_lease_on_waking(patient_cluster: PsCluster) -> None:
+    """A ps-manager process stopped (SIGSTOP) for three lease TTLs and then continued ends no lease whose holder
+    renewed it all along: the renewals of that time wait unread in the manager's socket, and the time it did not
+    run counts toward no lease's life (it logs ``ps.stalled``). The holder's release succeeds. A lease whose holder
+    was killed before the pause still expires, within a few TTLs of the wake-up."""
+    cluster = patient_cluster
+    manager = cluster.manager_proc
+    assert manager is not None
+    runtime, ps = cluster.client()
+    try:
+        for version in (0, 1):
+            ps.push(make_state(seed=version), version)
+        held = ps.pull(0, shared=True)  # its lease renewed by this process's lease keeper throughout
+        gone = actor(cluster, "pull", "--version", "1", "--hold")
+        assert gone.expect("pulled")["version"] == 1
+        gone.expect("holding")
+        gone.kill()  # its lease on version 1 is renewed no more
+        assert ps.status().pinned == {"0": 1, "1": 1}
+        manager.signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all_stopped(manager.pid), LEASE_TTL_S, "every thread of the ps-manager to stop")
+            time.sleep(MANAGER_PAUSE_S)  # the pause itself: every lease's deadline passes meanwhile
+        finally:
+            manager.signal(signal.SIGCONT)
+
+        def only_the_renewed_lease_left() -> bool:
+            pinned = ps.status().pinned
+            assert "0" in pinned, f"the lease its holder kept renewing ended at the manager's wake-up: {pinned}"
+            return pinned == {"0": 1}
+
+        wait_for(only_the_renewed_lease_left, 3 * LEASE_TTL_S, "the killed holder's lease to expire after the wake-up")
+        held.release()  # raises LeaseExpired had the manager ended the lease
+        assert ps.status().leases == 0
+        records = [json.loads(line) for line in manager.log_tail(400).splitlines() if line.startswith("{")]
+        stalled = [r["seconds"] for r in records if r.get("event") == "ps.stalled"]
+        assert sum(stalled) >= MANAGER_PAUSE_S - LEASE_TTL_S, stalled
+        assert [(r["kind"], r["version"]) for r in records if r.get("event") == "ps.lease_expired"] == [("pull", 1)]
     finally:
         runtime.close()
 
