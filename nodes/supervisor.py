@@ -30,7 +30,9 @@ process would have served them. The broker's is at most half ``bus.node_timeout_
 reported, no node joins, registry lookups fail (a run that ends then cannot read its stores' counters) and every
 node holds its events, so a broker that keeps dying is restarted within a node timeout all the same (each restart
 still spends the budget, which ends a true crash loop). At the run's end, once the holders have stopped, an env
-server's restart still due is made at once (:meth:`Supervisor.restart_now`): the accounting reads its counters.
+server's restart still due is made at once (:meth:`Supervisor.restart_now`): the accounting reads its counters;
+then the orchestrator's, which is stopped at once: its shutdown claims back what its dead predecessor held and
+deletes it.
 
 A node that exits :data:`~.halting.HALTED_STATUS` (the orchestrator's final halts: budgets that cannot hold a
 step, a step batch no message can carry) decided that the run cannot go on, and one that exits
@@ -282,18 +284,23 @@ class Supervisor:
         self._restart([name for name, (due, _, _) in self._due.items() if due <= now], now)
         return None
 
-    def restart_now(self, prefix: str) -> list[NodeProcess]:
-        """At the run's end, for the nodes whose names start with ``prefix`` (the env servers, whose counters the
-        accounting reads): handle their deaths not seen yet, then make every restart of theirs still due at once,
-        not after its backoff (which guards a run that goes on against crash loops). A death that ends the run (a
-        final exit, the budget spent) is still not restarted. Returns the processes started, not waited for."""
+    def note_exits(self, prefix: str) -> None:
+        """At the run's end, before the launcher stops any of them (an exit its stop causes is no death): handle the
+        deaths the last poll did not see of the nodes whose names start with ``prefix``."""
         now = self.clock()
         for node in self.cluster.nodes:
             code = node.proc.poll()
             if (node.name.startswith(prefix) and code is not None and node.name not in self._due
                     and node.name not in self.fatal):
                 self._on_death(node, code, now)
-        return self._restart([name for name in self._due if name.startswith(prefix)], now)
+
+    def restart_now(self, prefix: str) -> list[NodeProcess]:
+        """At the run's end, for the nodes whose names start with ``prefix`` (the env servers, whose counters the
+        accounting reads; the orchestrator, whose stop deletes what it held): make every restart of theirs still
+        due (:meth:`note_exits` first) at once, not after its backoff (which guards a run that goes on against crash
+        loops). A death that ends the run (a final exit, the budget spent) is still not restarted. Returns the
+        processes started, not waited for."""
+        return self._restart([name for name in self._due if name.startswith(prefix)], self.clock())
 
     def _restart(self, names: list[str], now: float) -> list[NodeProcess]:
         """Make the restarts due under ``names`` (node names, or WORLD); returns the processes started."""

@@ -513,9 +513,14 @@ def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> 
                 failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
                                               if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
                 peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
+                if not stop.requested:  # their deaths so far, restarted below, before the stops make exits
+                    for prefix in (ENV_PREFIX, "orchestrator"):
+                        supervisor.note_exits(prefix)
                 for prefix in ("orchestrator", "trainer", "rollout"):
                     cluster.stop(cluster.by_role(prefix))
-                _stores_back(cluster, supervisor, stop)
+                _back_for_the_end(cluster, supervisor, stop, ENV_PREFIX)
+                # Stopped at once: its shutdown claims back what its dead predecessor held and deletes it.
+                cluster.stop(_back_for_the_end(cluster, supervisor, stop, "orchestrator"))
                 problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
                                     "failed" if failed else "done")
                 summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
@@ -561,17 +566,21 @@ def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
     return watcher
 
 
-def _stores_back(cluster: LocalCluster, supervisor: Supervisor, stop: _StopFlag) -> None:
-    """Restart at once every env server whose restart is still due (one that died in the run's last seconds, within
-    its backoff), and wait for each to be ready (at most twice the connect timeout, until a stop): the accounting
-    reads every store's counters, and a store still dead when it does is unaccounted though nothing was lost (a
-    durable store's restarted process holds what the dead one kept). One that does not start is left to the
-    accounting, which names it."""
+def _back_for_the_end(cluster: LocalCluster, supervisor: Supervisor, stop: _StopFlag, prefix: str) -> list[NodeProcess]:
+    """Restart at once every node named ``prefix``... whose restart is still due (one that died in the run's last
+    seconds, within its backoff), and wait for each to be ready (at most twice the connect timeout, until a stop);
+    returns them. The env servers: the accounting reads every store's counters, and a store still dead when it does
+    is unaccounted though nothing was lost (a durable store's restarted process holds what the dead one kept). The
+    orchestrator, once they are back: what it held when it died would be left to the stores' shutdown and reported
+    held at the run's end; its restarted process claims it back as it stops. One that does not start is left to the
+    accounting, which names what it held."""
     if stop.requested:
-        return  # interrupted: what runs is accounted for and stopped, nothing is started
-    for node in supervisor.restart_now(ENV_PREFIX):
+        return []  # interrupted: what runs is accounted for and stopped, nothing is started
+    started = supervisor.restart_now(prefix)
+    for node in started:
         with contextlib.suppress(NodeStartError, StartCancelled):
             node.wait_ready(cluster.config.node.connect_timeout_s * 2, cancelled=lambda: stop.requested)
+    return started
 
 
 def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, record: RunRecord,

@@ -947,6 +947,27 @@ def test_an_orchestrator_halted_on_a_deadline_leaves_what_it_holds_for_its_resta
             again.join(timeout=WAIT_S)
 
 
+def test_an_orchestrator_restarted_and_stopped_at_once_deletes_what_its_dead_predecessor_held(
+        bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
+    """An orchestrator holding a blob ends as a crash would (a halt that is not final deletes nothing); its
+    restarted process is stopped before its start-up recovery begins, as a run's launcher stops the orchestrator
+    it restarts at the run's end. The shutdown finishes the recovery first: it claims the blob back and deletes
+    it (``shutdown``). Before, the stop came first and the blob stayed the dead process's, left to the store's
+    own shutdown and reported held at the run's end."""
+    with _holding_half_a_group(bus[1], tmp_path, "env-jr") as (env, runtime, orchestrator):
+        runtime.call_soon(lambda: orchestrator._execute([Halt("a deadline ran out", final=False)]))
+        assert runtime.loop_thread is not None
+        runtime.loop_thread.join(timeout=WAIT_S)
+        runtime.join(timeout=WAIT_S)
+        assert (env.stats().deleted, env.stats().held_by) == ({}, {"orchestrator": 1})
+        again = _node(bus[1], "orchestrator", "orchestrator")
+        restarted = Orchestrator(again, HALF_GROUP)
+        again.start_background()
+        again.join(timeout=WAIT_S)
+        assert restarted.claimed == 1 and restarted.deleted == {"shutdown": 1}
+        assert (env.stats().deleted, env.stats().blobs_held) == ({"shutdown": 1}, 0)
+
+
 def test_a_trainer_rank_delete_its_store_could_not_journal_goes_through_once_there_is_room(
         bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
     """A trainer rank deletes a blob it holds on a durable store whose journal cannot take the delete the first

@@ -196,6 +196,38 @@ def test_a_store_killed_in_the_runs_last_seconds_is_back_for_the_accounting(
         up.close()
 
 
+def test_an_orchestrator_killed_in_the_runs_last_seconds_is_restarted_to_delete_what_it_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestrator is SIGKILLed while both ranks train the last step (their training stalls), its restart
+    30 s off: before, the run ended within that backoff and what it held when it died was left to the stores'
+    shutdown, reported held at the run's end (NOT ok, nothing lost). Now the launcher restarts it at once once
+    the holders have stopped, and stops it: its shutdown claims back what the dead process held and deletes it."""
+    release = tmp_path / "release-step-0"
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    up = Up(tmp_path, 1, *QUICK, "--rl-train-step", "stalling_entry_points:train_step",
+            "--up-restart-backoff-s", "30", "--node-restart-grace-s", "60", "--env-server-handover-lease-s", "120")
+    try:
+        wait_for(lambda: up.alive() and len(list(tmp_path.glob(f"{release.name}.*"))) == 2, START_S + RUN_S / 4,
+                 "both ranks in the last step's training", poll_s=0.05)
+        pid = up.note_pids()["orchestrator"]
+        os.kill(pid, signal.SIGKILL)
+        release.touch()
+        code = up.wait(RUN_S)
+        summary = up.summary()
+        output = up.output(None)
+        assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
+            ("orchestrator", pid, "SIGKILL", True)], output
+        assert "refbus up: orchestrator restarted (pid " in output
+        assert code == 0 and summary["ok"] and summary["steps"] == 1, output
+        assert summary["accounting"]["held_at_end"] == {}, summary["accounting"]
+        check_accounted(summary, set())
+        assert up.leftovers() == []
+    finally:
+        release.touch()
+        up.close()
+
+
 def test_killed_orchestrator_is_restarted_and_the_run_completes_with_every_blob_accounted_for(
         tmp_path: Path) -> None:
     """The restarted orchestrator takes the step from the trainer ranks and claims back what it held: the run
@@ -557,11 +589,13 @@ def test_at_the_runs_end_the_stores_due_restarts_are_made_at_once_and_nothing_el
     assert supervisor.poll() is None and cluster.restarted == []  # every restart waits out its backoff
     cluster.nodes[2].signal(signal.SIGKILL)  # env-1, after the last poll; the budget is spent by then
     clock.now = 1.0
+    supervisor.note_exits("env-")
     started = supervisor.restart_now("env-")
     assert sorted(n.name for n in started) == ["env-0", "env-2"] == sorted(cluster.restarted)
     assert supervisor.fatal == ["env-1"] and any("restart budget (3) is spent" in line for line in said)
     assert [(d["node"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         ("env-0", True), ("rollout-0", False), ("env-2", True), ("env-1", False)]
+    supervisor.note_exits("env-")
     assert supervisor.restart_now("env-") == [] and supervisor.fatal == ["env-1"]  # each death handled once
 
 

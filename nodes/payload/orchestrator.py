@@ -249,6 +249,7 @@ class Orchestrator:
         self.halt_final = False  # whether that Halt was final (see Halt)
         self._arrivals: deque[_Arrival] = deque()
         self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
+        self._recovery_begun = False
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
         self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
         self._delivering = 0  # step batches sent and not answered
@@ -490,6 +491,7 @@ class Orchestrator:
         episodes it held (or nobody claimed) from every env server, each registry lookup asynchronous.
         ``claims_pending`` of the recovery arrival counts the requests still out, plus one until the stores
         are known; no run is dispatched until it is 0."""
+        self._recovery_begun = True
         self.runtime.lookup_async("trainer", self._recover_step)
 
     def _recover_step(self, trainers: list[NodeInfo] | None) -> None:
@@ -816,7 +818,10 @@ class Orchestrator:
         still listens, so what the claims grant is deleted with the rest (as are the episodes whose claims were
         answered but whose turn had not come, and those recovered at start and not fed yet), and an acknowledged
         batch is its rank's to delete, not this node's. What is unanswered by then is decided as before: a claim is
-        left to its store (reclaimed ``holder-down`` after this node's grace), a batch is deleted here.
+        left to its store (reclaimed ``holder-down`` after this node's grace), a batch is deleted here. The start-up
+        recovery is finished first too, begun here if the stop came before it did (a run's launcher restarts a
+        dead orchestrator at the run's end only to stop it): what an earlier incarnation held is claimed back and
+        deleted with the rest, not left held to the stores' own shutdown.
 
         After a halt that is not final (a deadline on peers that may yet come: see
         :class:`~.orchestrator_core.Halt`) nothing is deleted: the node ends as a crash would, and its restarted
@@ -833,13 +838,16 @@ class Orchestrator:
         def settled() -> bool:
             # With no request in flight nothing can answer: a claim still out waits for a timer (its durable
             # store restarting), and timers no longer run.
-            return not (claims_out() or self._delivering or self._claiming_again) or not self.runtime.calls.in_flight()
+            return (not (claims_out() or self._recovery.claims_pending or self._delivering or self._claiming_again)
+                    or not self.runtime.calls.in_flight())
 
+        if not self._recovery_begun:  # stopped before it began: what an earlier incarnation held is claimed now
+            self._recover()
         if not settled():
             self.runtime.calls.run_until(settled, self.runtime.shutdown_left() / 2)
-        if claims_out() or self._delivering or self._claiming_again:
-            log.warning("shutdown.unanswered", claims=len(claims_out()), step_batches=self._delivering,
-                        claims_again=self._claiming_again)
+        if claims_out() or self._recovery.claims_pending or self._delivering or self._claiming_again:
+            log.warning("shutdown.unanswered", claims=len(claims_out()), recovery=self._recovery.claims_pending,
+                        step_batches=self._delivering, claims_again=self._claiming_again)
         for arrival in self._arrivals:
             if arrival.message is not None and not arrival.claims_pending:
                 self.core.holdings.take(arrival.claimed)
