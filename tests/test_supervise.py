@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,24 +165,36 @@ def test_a_step_whose_only_store_was_killed_is_skipped_by_every_rank_and_the_run
         up.close()
 
 
+@contextlib.contextmanager
+def _killed_in_the_last_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node: str,
+                             *flags: str) -> Iterator[tuple[Up, int, int]]:
+    """A one-step ``refbus up`` whose ranks stall in the step's training, ``node`` SIGKILLed while both do, with its
+    restart 30 s off (past the run's end), then the stall released and the run waited for: yields the run, the
+    killed pid and the exit code; every process of the run is reaped after."""
+    release = tmp_path / "release-step-0"
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    up = Up(tmp_path, 1, *QUICK, *flags, "--rl-train-step", "stalling_entry_points:train_step",
+            "--up-restart-backoff-s", "30", "--node-restart-grace-s", "60", "--env-server-handover-lease-s", "120")
+    try:
+        wait_for(lambda: up.alive() and len(list(tmp_path.glob(f"{release.name}.*"))) == 2, START_S + RUN_S / 4,
+                 "both ranks in the last step's training", poll_s=0.05)
+        pid = up.note_pids()[node]
+        os.kill(pid, signal.SIGKILL)
+        release.touch()
+        yield up, pid, up.wait(RUN_S)
+    finally:
+        release.touch()
+        up.close()
+
+
 def test_a_store_killed_in_the_runs_last_seconds_is_back_for_the_accounting(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """env-1 is SIGKILLed while both ranks hold the last step's blobs (its training stalls), with its restart 30 s
     off: before, the run ended within that backoff and the launcher, finding env-1 missing from the registry,
     reported ``stores' counters not read``. Now its restart is made at once when the holders have stopped, and
     its counters are read: every kept blob is deleted once or lost with env-1, nothing unaccounted."""
-    release = tmp_path / "release-step-0"
-    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    up = Up(tmp_path, 1, *QUICK, "--store-durable", "false", "--rl-train-step", "stalling_entry_points:train_step",
-            "--up-restart-backoff-s", "30", "--node-restart-grace-s", "60", "--env-server-handover-lease-s", "120")
-    try:
-        wait_for(lambda: up.alive() and len(list(tmp_path.glob(f"{release.name}.*"))) == 2, START_S + RUN_S / 4,
-                 "both ranks in the last step's training", poll_s=0.05)
-        pid = up.note_pids()["env-1"]
-        os.kill(pid, signal.SIGKILL)
-        release.touch()
-        up.wait(RUN_S)
+    with _killed_in_the_last_step(tmp_path, monkeypatch, "env-1", "--store-durable", "false") as (up, pid, _):
         summary = up.summary()
         output = up.output(None)
         assert summary["steps"] == 1 and summary["failed_nodes"] == [], output
@@ -191,9 +203,6 @@ def test_a_store_killed_in_the_runs_last_seconds_is_back_for_the_accounting(
             ("env-1", pid, "SIGKILL", True)], output
         check_accounted(summary, {"env-1"})
         assert up.leftovers() == []
-    finally:
-        release.touch()
-        up.close()
 
 
 def test_an_orchestrator_killed_in_the_runs_last_seconds_is_restarted_to_delete_what_it_held(
@@ -202,18 +211,7 @@ def test_an_orchestrator_killed_in_the_runs_last_seconds_is_restarted_to_delete_
     30 s off: before, the run ended within that backoff and what it held when it died was left to the stores'
     shutdown, reported held at the run's end (NOT ok, nothing lost). Now the launcher restarts it at once once
     the holders have stopped, and stops it: its shutdown claims back what the dead process held and deletes it."""
-    release = tmp_path / "release-step-0"
-    monkeypatch.setenv(STALL_UNTIL_ENV, str(release))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    up = Up(tmp_path, 1, *QUICK, "--rl-train-step", "stalling_entry_points:train_step",
-            "--up-restart-backoff-s", "30", "--node-restart-grace-s", "60", "--env-server-handover-lease-s", "120")
-    try:
-        wait_for(lambda: up.alive() and len(list(tmp_path.glob(f"{release.name}.*"))) == 2, START_S + RUN_S / 4,
-                 "both ranks in the last step's training", poll_s=0.05)
-        pid = up.note_pids()["orchestrator"]
-        os.kill(pid, signal.SIGKILL)
-        release.touch()
-        code = up.wait(RUN_S)
+    with _killed_in_the_last_step(tmp_path, monkeypatch, "orchestrator") as (up, pid, code):
         summary = up.summary()
         output = up.output(None)
         assert [(d["node"], d["pid"], d["exit"], d["restarted"]) for d in summary["deaths"]] == [
@@ -223,9 +221,6 @@ def test_an_orchestrator_killed_in_the_runs_last_seconds_is_restarted_to_delete_
         assert summary["accounting"]["held_at_end"] == {}, summary["accounting"]
         check_accounted(summary, set())
         assert up.leftovers() == []
-    finally:
-        release.touch()
-        up.close()
 
 
 def test_killed_orchestrator_is_restarted_and_the_run_completes_with_every_blob_accounted_for(
