@@ -950,10 +950,10 @@ def test_an_orchestrator_halted_on_a_deadline_leaves_what_it_holds_for_its_resta
 def test_an_orchestrator_restarted_and_stopped_at_once_deletes_what_its_dead_predecessor_held(
         bus: tuple[NodeProcess, str], tmp_path: Path) -> None:
     """An orchestrator holding a blob ends as a crash would (a halt that is not final deletes nothing); its
-    restarted process is stopped before its start-up recovery begins, as a run's launcher stops the orchestrator
-    it restarts at the run's end. The shutdown finishes the recovery first: it claims the blob back and deletes
-    it (``shutdown``). Before, the stop came first and the blob stayed the dead process's, left to the store's
-    own shutdown and reported held at the run's end."""
+    restarted process is stopped at once, its start-up recovery not finished (or not begun), as a run's launcher
+    stops the orchestrator it restarts at the run's end. The shutdown finishes the recovery first: it claims the
+    blob back and deletes it (``shutdown``). Before, the stop came first and the blob stayed the dead process's,
+    left to the store's own shutdown and reported held at the run's end."""
     with _holding_half_a_group(bus[1], tmp_path, "env-jr") as (env, runtime, orchestrator):
         runtime.call_soon(lambda: orchestrator._execute([Halt("a deadline ran out", final=False)]))
         assert runtime.loop_thread is not None

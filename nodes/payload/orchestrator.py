@@ -235,11 +235,12 @@ class Orchestrator:
         # Runs and groups carry a tag of this incarnation: a restart must not reuse the earlier one's names.
         self.core = OrchestratorCore(settings, deadlines, prompts=prompts, tag=f".{secrets.token_hex(3)}")
         # A rank heartbeats its status once an interval: two after this start, the registry's statuses tell of any
-        # step batch an earlier incarnation delivered before it died (resume_step). The recovery starts then, and
-        # no run goes out before it is done: dispatch before the step is resumed would count none of the earlier
-        # incarnation's groups against admission.
-        fresh_in_s = 2 * runtime.heartbeat_interval_s
-        self.core.statuses_fresh_at = clock() + fresh_in_s
+        # step batch an earlier incarnation delivered before it died (resume_step); the step is looked up then.
+        self._fresh_in_s = 2 * runtime.heartbeat_interval_s
+        self.core.statuses_fresh_at = clock() + self._fresh_in_s
+        # No run goes out before that lookup is answered: dispatch before the step is resumed would count none of
+        # the earlier incarnation's groups against admission.
+        self._step_pending = True
         self.claimed = 0  # blobs newly granted to this node (not those a repeated claim is answered ``already`` for)
         self.missing = 0
         self.deleted: Counter[str] = Counter()
@@ -257,7 +258,7 @@ class Orchestrator:
         # Why no run goes out (""): runs go out or are in flight), since when, and whether it was logged.
         self._idle: tuple[str, float, bool] = ("", 0.0, False)
         self._arrivals.append(self._recovery)
-        runtime.call_soon(lambda: runtime.later(fresh_in_s, self._recover))  # the timer, on the loop thread
+        runtime.call_soon(self._recover)  # first thing on the loop, once the subscriptions are live
         self._events = runtime.subscribe(self._on_event, kinds=frozenset({EpisodeFinished.kind, VersionBump.kind,
                                                                           Reference.kind, Delete.kind}))
         self._peers = runtime.track_peers()
@@ -487,17 +488,20 @@ class Orchestrator:
     # --- start-up recovery ---------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Rebuild what an earlier incarnation of this node id left: the step from the trainer ranks, then the
-        episodes it held (or nobody claimed) from every env server, each registry lookup asynchronous.
-        ``claims_pending`` of the recovery arrival counts the requests still out, plus one until the stores
-        are known; no run is dispatched until it is 0."""
+        """Rebuild what an earlier incarnation of this node id left: the episodes it held (or nobody claimed) from
+        every env server at once (its stores reclaim them when its grace ends), and the step from the trainer
+        ranks once their statuses are fresh (:attr:`~.orchestrator_core.OrchestratorCore.statuses_fresh_at`),
+        each registry lookup asynchronous. ``claims_pending`` of the recovery arrival counts the requests still
+        out, plus one until the stores are known; no run is dispatched until it is 0 and the step lookup is
+        answered."""
         self._recovery_begun = True
-        self.runtime.lookup_async("trainer", self._recover_step)
+        self.runtime.lookup_async(STORE_ROLE, self._recover_holdings)
+        self.runtime.later(self._fresh_in_s, lambda: self.runtime.lookup_async("trainer", self._recover_step))
 
     def _recover_step(self, trainers: list[NodeInfo] | None) -> None:
         if trainers:
             self.core.resume_step(self.clock(), trainers)
-        self.runtime.lookup_async(STORE_ROLE, self._recover_holdings)
+        self._step_pending = False
 
     def _recover_holdings(self, stores: list[NodeInfo] | None) -> None:
         if stores is None:
@@ -616,8 +620,9 @@ class Orchestrator:
 
     def _dispatch(self) -> None:
         now = self.clock()
-        if self._recovery.claims_pending:  # admission counts what the recovery brings back: no run before it is fed
-            self._say_idle(now, "recovering", f"{self._recovery.claims_pending} start-up recovery requests out")
+        if self._recovery.claims_pending or self._step_pending:  # admission counts what the recovery brings back
+            self._say_idle(now, "recovering", f"{self._recovery.claims_pending} start-up recovery requests out"
+                                              + (", the step not looked up yet" if self._step_pending else ""))
             return
         self._execute(self.core.dispatch(now))
         self._say_idle(now, *self.core.idle_reason(now))
