@@ -74,7 +74,7 @@ from .payload.prompts import TASK_PREFIX
 from .progress import FILTERED, Snapshot, progress_line, seconds_left, shares
 from .settings import BusSettings
 from .store.durable import gc
-from .supervisor import BROKER, ENV_PREFIX, Chaos, Liveness, Supervisor
+from .supervisor import BROKER, ENV_PREFIX, ORCHESTRATOR, Chaos, Liveness, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -513,14 +513,7 @@ def _run(config: Config, args: argparse.Namespace, workdir: Path, lock: int) -> 
                 failed = [*supervisor.fatal, *(t.name for t in cluster.by_role("trainer")
                                               if t.proc.poll() not in (0, None) and t.name not in supervisor.fatal)]
                 peak_rss = max((_peak_rss(node.pid) for node in cluster.by_role("orchestrator")), default=0)
-                if not stop.requested:  # their deaths so far, restarted below, before the stops make exits
-                    for prefix in (ENV_PREFIX, "orchestrator"):
-                        supervisor.note_exits(prefix)
-                for prefix in ("orchestrator", "trainer", "rollout"):
-                    cluster.stop(cluster.by_role(prefix))
-                _back_for_the_end(cluster, supervisor, stop, ENV_PREFIX)
-                # Stopped at once: its shutdown claims back what its dead predecessor held and deletes it.
-                cluster.stop(_back_for_the_end(cluster, supervisor, stop, "orchestrator"))
+                stop_the_holders(cluster, supervisor, stop)
                 problems = _account(cluster, watcher, probe, record, "interrupted" if stop.requested else
                                     "failed" if failed else "done")
                 summary = _summary(record, peak_rss, config, interrupted=stop.requested, failed=failed,
@@ -564,6 +557,23 @@ def _watcher(config: Config, record: RunRecord) -> NodeRuntime:
     watcher = NodeRuntime("monitor", config.runtime(node_id="up-watcher"))
     watcher.subscribe(record.on_event, since=0)
     return watcher
+
+
+def stop_the_holders(cluster: LocalCluster, supervisor: Supervisor, stop: _StopFlag) -> None:
+    """The run's end, before its accounting: stop the orchestrator, the trainer ranks and the rollout workers, then
+    make at once the restarts still due of the env servers (whose counters the accounting reads) and of the
+    orchestrator (stopped as soon as it is ready: its shutdown claims back what its dead predecessor held and
+    deletes it). Each exit is noted before the launcher's own stop of that node could cause one: the orchestrator's
+    before the stops, the env servers' after them (they run on until the accounting, so one that dies while the
+    others stop is restarted too). Interrupted (``stop``), nothing is restarted."""
+    if not stop.requested:
+        supervisor.note_exits(ORCHESTRATOR)
+    for prefix in (ORCHESTRATOR, "trainer", "rollout"):
+        cluster.stop(cluster.by_role(prefix))
+    if not stop.requested:
+        supervisor.note_exits(ENV_PREFIX)
+    _back_for_the_end(cluster, supervisor, stop, ENV_PREFIX)
+    cluster.stop(_back_for_the_end(cluster, supervisor, stop, ORCHESTRATOR))
 
 
 def _back_for_the_end(cluster: LocalCluster, supervisor: Supervisor, stop: _StopFlag, prefix: str) -> list[NodeProcess]:

@@ -21,6 +21,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import FAST_LIVENESS
@@ -420,6 +421,7 @@ class _Node:
     signals: list[int] = field(default_factory=list)
     spawned: float = 0.0
     said: list[str] = field(default_factory=list)  # its log's lines after the first
+    waited_ready: list[float] = field(default_factory=list)
 
     def signal(self, sig: int) -> None:
         self.signals.append(sig)
@@ -427,6 +429,10 @@ class _Node:
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join([f"log of {self.name}", *self.said][-lines:])
+
+    def wait_ready(self, timeout: float, cancelled: Callable[[], bool]) -> None:
+        """A stand-in is ready at once: the wait is recorded (its timeout), not made."""
+        self.waited_ready.append(timeout)
 
 
 class _Cluster:
@@ -592,6 +598,54 @@ def test_at_the_runs_end_the_stores_due_restarts_are_made_at_once_and_nothing_el
         ("env-0", True), ("rollout-0", False), ("env-2", True), ("env-1", False)]
     supervisor.note_exits("env-")
     assert supervisor.restart_now("env-") == [] and supervisor.fatal == ["env-1"]  # each death handled once
+
+
+class _Ending(_Cluster):
+    """The launcher's stops on stand-ins: each sends SIGTERM to what still runs; stopping the orchestrator also
+    kills ``dies_meanwhile`` (a store that dies while the holders stop)."""
+
+    def __init__(self, *names: str, dies_meanwhile: str) -> None:
+        super().__init__(*names)
+        self.dies_meanwhile = dies_meanwhile
+        self.stopped: list[tuple[str, int]] = []
+        self.config = SimpleNamespace(node=SimpleNamespace(connect_timeout_s=1.0))
+
+    def by_role(self, prefix: str) -> list[_Node]:
+        return [node for node in self.nodes if node.name.startswith(prefix)]
+
+    def stop(self, nodes: list[_Node]) -> None:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.signal(signal.SIGTERM)
+                self.stopped.append((node.name, node.pid))
+            if node.name == "orchestrator":
+                next(n for n in self.nodes if n.name == self.dies_meanwhile).signal(signal.SIGKILL)
+
+
+def test_at_the_runs_end_a_store_that_dies_while_the_holders_stop_is_back_for_the_accounting() -> None:
+    """The end of a run: the orchestrator died with its restart still due, and env-1 dies while the launcher stops
+    the holders. Before, the stores' exits were noted before those stops, so env-1's death went unseen: not
+    restarted, its counters not read (NOT ok, nothing lost). Now the orchestrator's exit is noted before its stop,
+    the stores' after the stops: env-1 and the orchestrator are restarted, the new orchestrator stopped at once,
+    and no exit the launcher's stops made is taken for a death."""
+    cluster, clock = _Ending("bus", "env-0", "env-1", "orchestrator", "trainer-0", "rollout-0",
+                             dies_meanwhile="env-1"), _Clock()
+    supervisor = Supervisor(cluster, budget=5, backoff_s=4.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    cluster.nodes[3].signal(signal.SIGKILL)
+    assert supervisor.poll() is None and cluster.restarted == []  # the orchestrator's restart waits its backoff
+    clock.now = 1.0
+    up_module.stop_the_holders(cluster, supervisor, SimpleNamespace(requested=False))  # type: ignore[arg-type]
+    assert cluster.restarted == ["env-1", "orchestrator"]
+    assert [(n.name, n.waited_ready) for n in cluster.nodes if n.waited_ready] == [
+        ("env-1", [2.0]), ("orchestrator", [2.0])]  # each restart waited for, at twice the connect timeout
+    assert cluster.stopped == [("trainer-0", 104), ("rollout-0", 105), ("orchestrator", 1103)]
+    assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
+        ("orchestrator", "SIGKILL", True), ("env-1", "SIGKILL", True)]
+
+    interrupted = _Ending("bus", "env-0", "orchestrator", "trainer-0", dies_meanwhile="env-0")
+    supervisor = Supervisor(interrupted, budget=5, backoff_s=4.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    up_module.stop_the_holders(interrupted, supervisor, SimpleNamespace(requested=True))  # type: ignore[arg-type]
+    assert interrupted.restarted == [] and supervisor.report()["deaths"] == []  # nothing restarted, nothing noted
 
 
 def test_the_backoff_starts_over_after_a_node_ran_long_and_the_orchestrators_stays_within_half_the_grace() -> None:
