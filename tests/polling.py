@@ -7,6 +7,7 @@ import select
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -42,3 +43,15 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     line = proc.stdout.readline()
     assert line, f"the child (pid {proc.pid}) closed its stdout without a line (exit {proc.poll()})"
     return line.decode().strip()
+
+
+def all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP takes effect asynchronously: a thread still
+    running may read its socket after the signal was sent)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue
+    return bool(states) and all(state == "T" for state in states)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import zmq
 from conftest import FAST_LIVENESS
-from polling import wait_for
+from polling import all_stopped, wait_for
 from refbus.bus.broker import Broker, BrokerSettings
 from refbus.bus.peers import ABSENT_AFTER_RESTART
 from refbus.bus.reqrep import Client, HandlerError, Outcome, PeerDown, RequestTimeout, RetryPolicy, Server
@@ -81,18 +81,6 @@ def in_process_bus(endpoints: dict[str, str] | None = None) -> NodeRuntime:
                                    events_out=ends["events_out"], node_timeout_s=NODE_TIMEOUT_S))
     runtime.start_background()
     return runtime
-
-
-def all_stopped(pid: int) -> bool:
-    """Whether every thread of process ``pid`` is stopped (SIGSTOP takes effect asynchronously: a thread still
-    running may read its socket after the signal was sent)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, IndexError):
-            continue
-    return bool(states) and all(state == "T" for state in states)
 
 
 def received_unread(port: int) -> int:

@@ -20,6 +20,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
+from polling import all_stopped, wait_for
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
@@ -209,6 +210,35 @@ def test_unclaimed_blobs_are_deleted_as_undelivered(env_server: EnvServerFactory
     assert isinstance(observer.next(), EpisodeFinished)
     assert observer.next() == Delete(blob_ids=ids, holder="env-b", reason="undelivered")
     assert ask(client, Claim(blob_ids=ids, holder="orch")) == Claimed(blob_ids=[], missing=ids)
+
+
+LEASE_S = 3.0  # the shortest hand-over lease the config allows (see the test above)
+STORE_PAUSE_S = 2 * LEASE_S
+
+
+def test_a_store_stopped_past_the_hand_over_lease_hands_over_what_is_claimed_on_waking(
+        env_server: EnvServerFactory, observer: Observer, peer) -> None:
+    """An env server process stopped (SIGSTOP) for two hand-over leases right after a keep, then continued, and
+    claimed from at once (its claimer paused with it: a host's processes stopped together). Before, its first pass
+    on waking deleted the blobs ``undelivered`` and the claim found them missing. The time it did not run counts
+    toward no lease (``store.stalled``, ``refbus_env_server_stalled_seconds_total``): the claim takes them all."""
+    proc, info = env_server("env-p", "--requests-timeout-s", "0.6", "--requests-attempts", "2",
+                            "--node-restart-grace-s", "0.1", "--env-server-handover-lease-s", str(LEASE_S))
+    client = peer(info["endpoints"]["blobs"])
+    ids = [ref.blob_id for ref in ask(client, Keep(episode_id="ep", branches=[branch(4), branch(5)])).refs]
+    assert isinstance(observer.next(), EpisodeFinished)
+    proc.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: all_stopped(proc.pid), LEASE_S, "every thread of the env server to stop")
+        time.sleep(STORE_PAUSE_S)  # the pause itself: the lease's end passes meanwhile
+    finally:
+        proc.signal(signal.SIGCONT)
+    assert ask(client, Claim(blob_ids=ids, holder="orch")) == Claimed(blob_ids=ids, missing=[])
+    assert isinstance(observer.next(), Claim)
+    stalled = [line for line in scrape(info["metrics"]).splitlines()
+               if line.startswith("refbus_env_server_stalled_seconds_total ")]
+    assert len(stalled) == 1 and float(stalled[0].split()[1]) >= STORE_PAUSE_S - LEASE_S, stalled
+    assert "store.stalled" in proc.log_tail(200)
 
 
 def test_sigterm_deletes_what_is_held_and_announces_it(env_server: EnvServerFactory, observer: Observer, peer) -> None:

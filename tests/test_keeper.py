@@ -490,6 +490,27 @@ def test_a_restarted_holder_reported_down_that_is_back_as_the_same_process_resum
     assert keeper.stats().held_by == {"orch": 2} and not keeper.in_grace("orch")
 
 
+def test_deadlines_moved_later_by_a_stall_move_every_lease_and_grace_alike(keeper: Keeper, clock: Clock) -> None:
+    """A stall the store measured moves every hand-over lease's end and every grace's end, a grace a fresh one
+    cut short too: nothing ends before its moved deadline, everything at it, the leases still in order."""
+    early = [r.blob_id for r in keeper.keep("early", [arrays(2)])]
+    clock.now += 5
+    late = [r.blob_id for r in keeper.keep("late", [arrays(2)])]
+    held = _claimed(keeper, "ep-held", "orch", count=2)
+    keeper.holder_down("orch", GRACE_S, process="A")
+    clock.now += 1.0
+    keeper.holder_down("orch", GRACE_S, process="B")  # A's restart B, down in A's grace: A's cut short
+    keeper.extend_deadlines(30.0)
+    keeper.extend_deadlines(0.0)  # no stall: nothing moves
+    assert keeper.expire(clock.now - 6 + LEASE_S + 30 - 0.001).deleted == ()
+    assert keeper.expire(clock.now - 6 + LEASE_S + 30).deleted == tuple(early)
+    assert keeper.expire(clock.now - 1 + LEASE_S + 30).deleted == tuple(late)
+    assert keeper.reclaim(clock.now + GRACE_S + 30 - 0.001) == {}
+    assert keeper.holder_back("orch", "B")  # A's grace resumes, with its deadline moved too
+    assert keeper.reclaim(clock.now - 1.0 + GRACE_S + 30 - 0.001) == {}
+    assert keeper.reclaim(clock.now - 1.0 + GRACE_S + 30)["orch"].deleted == tuple(held)
+
+
 def test_a_restarted_holder_keeps_what_it_claims_for_the_first_time_within_the_grace(
         keeper: Keeper, clock: Clock) -> None:
     """Blobs unclaimed when the holder went down and claimed by its restarted incarnation are not the dead

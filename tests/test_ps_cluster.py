@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from polling import wait_for
+from polling import all_stopped, wait_for
 from ps_support import (
     LEASE_TTL_S,
     Actor,
@@ -53,7 +53,6 @@ from refbus.protocol.messages_ps import (
 )
 from stalling_entry_points import FREEZE_ENV
 from structlog.testing import capture_logs
-from test_broker_restart import all_stopped
 
 TESTS = Path(__file__).parent
 

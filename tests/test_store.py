@@ -23,6 +23,7 @@ import pytest
 from branches import random_arrays
 from pool_support import acquire
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
+from refbus.bus.stall import PassStalls
 from refbus.nodes.ledger import Ledger
 from refbus.nodes.payload.blob_journal import MIN_RESUMED_GRACE_SHARE, BlobJournal, resumed_grace
 from refbus.nodes.payload.charges import info_charge
@@ -1043,6 +1044,41 @@ def _killed_and_restarted(env: EnvServer, env_server: EnvServers, clock: _Clock,
     env.journal.close(remove=False)
     env.runtime.close()
     return env_server(clock, wall)
+
+
+def test_a_stall_of_the_store_counts_toward_no_holders_grace(env_server: EnvServers) -> None:
+    """The orchestrator dies holding two blobs here and its grace starts; then this store's loop does not run for
+    longer than the grace (every process of the host paused). Before, its first pass on waking reclaimed both,
+    though the restarted orchestrator, paused too, had its claims still to send (a soak lost 180 blobs so). The
+    stall now counts toward no grace: the pass reclaims nothing, the restart claims one back, and the other goes
+    at the grace's end moved by the stall, not before."""
+    clock = _Clock()
+    env = env_server(clock)
+    env.passes = PassStalls(env.passes.period_s, clock)  # the stall measured on the test's clock
+    period = env.passes.period_s
+    held = [ref.blob_id for ref in env.keep("ep-held", [random_arrays(5, seed=1), random_arrays(6, seed=2)])]
+    _claim(env, held)
+    a, b = (NodeInfo(node_id="orch", role="orchestrator", host="h", pid=pid, started=float(pid)) for pid in (1, 2))
+    down_at = clock.now
+    env._on_node_down(NodeDown(node_id="orch", role="orchestrator", reason="timeout", last_seen=0.0), a)
+    clock.now += period
+    env._deadlines()  # on time: no stall
+    stall = GRACE_S + 3.0
+    clock.now += period + stall
+    with capture_logs() as logs:
+        env._deadlines()
+    assert [e["seconds"] for e in logs if e["event"] == "store.stalled"] == [stall]
+    assert env.stats().reclaimed == {} and env.keeper.in_grace("orch") and env.passes.stalled_s == stall
+    env._on_node_up(b)
+    _claim(env, held[:1])
+    ends = down_at + GRACE_S + stall
+    while clock.now + period < ends:  # passes on time up to the moved end
+        clock.now += period
+        env._deadlines()
+        assert env.stats().reclaimed == {}, clock.now
+    clock.now = ends
+    env._deadlines()
+    assert (env.stats().reclaimed, env.stats().held_by) == ({"orch": 1}, {"orch": 1})
 
 
 @pytest.mark.parametrize("then", ["no-restart", "restart-gone", "restart-live"])

@@ -128,6 +128,7 @@ from ...bus.metrics import Readings
 from ...bus.peers import incarnation
 from ...bus.reqrep import HandlerError
 from ...bus.runtime import NodeRuntime
+from ...bus.stall import PassStalls
 from ...protocol.envelope import Message
 from ...protocol.errors import shown
 from ...protocol.messages import (
@@ -307,15 +308,15 @@ class EnvServer:
         self.server.on(Delete.kind, self._on_delete)
         self.server.on(Accounts.kind, self._on_accounts, cached=False)  # a read: a retry counts again
         self.server.on(HoldingsQuery.kind, self._on_holdings, cached=False)  # a read: a retry reads again
-        # Unclaimed blobs go within a quarter lease (at most 1 s) of their deadline.
-        runtime.every(min(1.0, max(0.05, settings.handover_lease_s / 4)), self._expire)
         self._peers = peers = runtime.track_peers()
         peers.on_down(self._on_node_down)
         peers.on_up(self._on_node_up)
         # Hand-overs a third node published are refused, counted with the events this subscription refuses.
         self._references = runtime.subscribe(self._on_reference, kinds=frozenset({Reference.kind}))
-        # What a dead holder held goes within a quarter grace (at most 1 s) of the grace's end.
-        runtime.every(min(1.0, max(0.05, restart_grace_s / 4)), self._reclaim)
+        # Unclaimed blobs go within a quarter lease, what a dead holder held within a quarter grace, of their
+        # deadlines (at most 1 s); the pass's stalls count toward neither (see _deadlines).
+        self.passes = PassStalls(min(1.0, max(0.05, min(settings.handover_lease_s, restart_grace_s) / 4)))
+        runtime.every(self.passes.period_s, self._deadlines)
         runtime.status = self.status
         runtime.shutdown_hooks.append(self._shutdown)
         self._register_metrics()
@@ -726,6 +727,20 @@ class EnvServer:
 
     # --- timers and shutdown (loop thread) ----------------------------------------------------------
 
+    def _deadlines(self) -> None:
+        """The pass that ends hand-over leases and dead holders' graces. Time this store's loop did not run
+        (stopped, swapped out, starved of CPU: the pass more than a period late) counts toward neither: the claims
+        and returns of that time wait unread in its sockets, and judging on waking would delete what live holders
+        claimed meanwhile (a soak that paused every process of a run for 4-10 s lost 180 blobs of a restarted
+        orchestrator so). Logged ``store.stalled``, counted in ``refbus_env_server_stalled_seconds_total``."""
+        stalled = self.passes.stall()
+        if stalled:
+            with self._lock:
+                self.keeper.extend_deadlines(stalled)
+            log.warning("store.stalled", seconds=round(stalled, 3), detail="leases and graces moved as much later")
+        self._expire()
+        self._reclaim()
+
     def _expire(self) -> None:
         with self._lock:
             try:
@@ -1073,6 +1088,10 @@ class EnvServer:
         self.runtime.metric("refbus_env_server_high_water_ratio",
                             "env_server.high_water: from this fill on, the store takes no new runs.",
                             lambda: {(): self.high_water}, kind="gauge")
+        self.runtime.metric("refbus_env_server_stalled_seconds_total",
+                            "Seconds this env server's deadline pass came late (its loop stopped, swapped out or "
+                            "starved of CPU); counted toward no hand-over lease nor holder's grace.",
+                            lambda: {(): self.passes.stalled_s})
         self.runtime.metric("refbus_blobs_kept_total", "Blobs kept (one per branch).",
                             read(lambda s: {(): float(s.kept_total)}))
         # The series alerts watch exist from the start at 0: increase() over a series that first appears at

@@ -313,6 +313,12 @@ class _HolderDown:
     handed: set[str] = field(default_factory=set)  # moved to it since by another node's repeat of a hand-over
 
 
+def _later(down: _HolderDown, seconds: float) -> _HolderDown:
+    """``down`` with its grace's end, and that of every grace it cut short, ``seconds`` later."""
+    earlier = _later(down.earlier, seconds) if down.earlier is not None else None
+    return replace(down, until=down.until + seconds, earlier=earlier)
+
+
 @dataclass(frozen=True, slots=True)
 class _Tombstone:
     holder: str  # who deleted it
@@ -661,6 +667,17 @@ class Keeper:
             self._holders_down[holder] = replace(down.earlier,
                                                  claimed_again=down.earlier.claimed_again | down.claimed_again)
         return True
+
+    def extend_deadlines(self, seconds: float) -> None:
+        """Move every hand-over lease's end and every holder's grace end (a grace a fresh one cut short too)
+        ``seconds`` later: time the caller measured this store's loop not running, during which the claims and
+        returns that would have settled them waited unread in its sockets, counts toward none. One shift for all
+        keeps the leases in deadline order."""
+        if seconds <= 0:
+            return
+        self._leases = deque((deadline + seconds, blob_id) for deadline, blob_id in self._leases)
+        for holder, down in self._holders_down.items():
+            self._holders_down[holder] = _later(down, seconds)
 
     def in_grace(self, holder: str) -> bool:
         """Whether ``holder`` is reported down and its grace still runs (not back, nothing reclaimed yet)."""
