@@ -4,6 +4,7 @@ with a bounded select."""
 from __future__ import annotations
 
 import select
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -55,3 +56,15 @@ def all_stopped(pid: int) -> bool:
         except (FileNotFoundError, IndexError):
             continue
     return bool(states) and all(state == "T" for state in states)
+
+
+def pause(proc: Any, seconds: float, stop_within: float) -> None:
+    """Stop ``proc`` (a ``NodeProcess``: ``pid``, ``signal``) with SIGSTOP, wait at most ``stop_within`` seconds for
+    every thread of it to be stopped, keep it stopped ``seconds`` (the pause itself, the condition a test is about:
+    a paused host, a swapped-out process), then SIGCONT it, whatever happened meanwhile."""
+    proc.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: all_stopped(proc.pid), stop_within, f"every thread of pid {proc.pid} to stop")
+        time.sleep(seconds)
+    finally:
+        proc.signal(signal.SIGCONT)

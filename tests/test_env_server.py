@@ -20,7 +20,7 @@ import pytest
 import zmq
 from branches import random_arrays
 from conftest import FAST_LIVENESS
-from polling import all_stopped, wait_for
+from polling import pause
 from refbus.bus.reqrep import Client, RemoteError, RetryPolicy
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import make_socket, recv_frames
@@ -227,12 +227,7 @@ def test_a_store_stopped_past_the_hand_over_lease_hands_over_what_is_claimed_on_
     client = peer(info["endpoints"]["blobs"])
     ids = [ref.blob_id for ref in ask(client, Keep(episode_id="ep", branches=[branch(4), branch(5)])).refs]
     assert isinstance(observer.next(), EpisodeFinished)
-    proc.signal(signal.SIGSTOP)
-    try:
-        wait_for(lambda: all_stopped(proc.pid), LEASE_S, "every thread of the env server to stop")
-        time.sleep(STORE_PAUSE_S)  # the pause itself: the lease's end passes meanwhile
-    finally:
-        proc.signal(signal.SIGCONT)
+    pause(proc, STORE_PAUSE_S, stop_within=LEASE_S)  # the lease's end passes meanwhile
     assert ask(client, Claim(blob_ids=ids, holder="orch")) == Claimed(blob_ids=ids, missing=[])
     assert isinstance(observer.next(), Claim)
     stalled = [line for line in scrape(info["metrics"]).splitlines()

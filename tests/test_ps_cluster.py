@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from polling import all_stopped, wait_for
+from polling import pause, wait_for
 from ps_support import (
     LEASE_TTL_S,
     Actor,
@@ -213,12 +212,7 @@ def test_a_manager_stopped_past_the_lease_ttl_ends_no_renewed_lease_on_waking(pa
         gone.expect("holding")
         gone.kill()  # its lease on version 1 is renewed no more
         assert ps.status().pinned == {"0": 1, "1": 1}
-        manager.signal(signal.SIGSTOP)
-        try:
-            wait_for(lambda: all_stopped(manager.pid), LEASE_TTL_S, "every thread of the ps-manager to stop")
-            time.sleep(MANAGER_PAUSE_S)  # the pause itself: every lease's deadline passes meanwhile
-        finally:
-            manager.signal(signal.SIGCONT)
+        pause(manager, MANAGER_PAUSE_S, stop_within=LEASE_TTL_S)  # every lease's deadline passes meanwhile
 
         def only_the_renewed_lease_left() -> bool:
             pinned = ps.status().pinned
