@@ -140,6 +140,46 @@ def test_a_step_acknowledged_by_some_ranks_only_halts_at_its_deadline_naming_the
     assert not core.holdings.held
 
 
+def test_a_stall_of_the_orchestrators_loop_counts_toward_none_of_its_deadlines() -> None:
+    """The orchestrator's loop does not run for longer than every deadline (its host paused, say): the rank's
+    acknowledgement, the store's registration and the runs' answers of that time wait unread in its sockets.
+    Credited first (its timer pass measured the stall), the tick on waking halts no delivery, loses no store,
+    expires no run; each deadline then ends that much later, not before."""
+    stall = 100.0
+    core, (_, to1) = shipping_core()
+    core.on_delivered(T0 + 0.1, 0, "tcp://t0", None)  # rank 1's acknowledgement is what waits
+    core.credit_stall(stall)
+    core.credit_stall(0.0)  # no stall: nothing moves
+    assert core.tick(T0 + DEADLINES.delivery_s + 1) == [] and not core.failure  # before: Halt, not final
+    core.on_delivered(T0 + stall, 0, "tcp://t1", "no reply")  # a failure after the wake-up: re-sent when due
+    assert core.tick(T0 + stall + DEADLINES.redeliver_after_s) == [DeliverBatch(0, "tcp://t1", to1.batch)]
+    assert core.tick(T0 + stall + DEADLINES.delivery_s - 0.01) == [] and not core.failure
+    assert of(Halt, core.tick(T0 + stall + DEADLINES.delivery_s)) == [Halt(core.failure, final=False)]
+
+    core, _ = shipping_core()
+    core.trainer_down(T0, trainer(1))  # the world went down: a new one has world_restart_s to report its step
+    core.credit_stall(stall)
+    assert core.tick(T0 + DEADLINES.world_restart_s + 1) == [] and core.world_down is not None
+    assert core.tick(T0 + stall + DEADLINES.world_restart_s - 0.01) == []
+    assert of(Halt, core.tick(T0 + stall + DEADLINES.world_restart_s)) == [Halt(core.failure, final=False)]
+    assert "no new world" in core.failure
+
+    core = OrchestratorCore(settings(groups_per_step=2), GRACE, prompts=lambda rng: [int(rng.integers(9))])
+    feed_group(core, T0, "g0")  # held on env-a
+    core.store_down(T0, env_server("env-a"))
+    core.use_replicas([env_server("env-b")])
+    core.on_version(0)
+    sent = of(SendRun, core.dispatch(T0))
+    assert sent and core.runs
+    core.credit_stall(stall)
+    assert core.tick(T0 + stall) == [] and core.lost == {} and core.expired_runs == 0  # before: lost, expired
+    core.store_up(env_server("env-a"))  # its registration, read after the tick
+    assert core.tick(T0 + stall + GRACE.restart_grace_s) == [] and core.lost == {}
+    assert core.tick(T0 + stall + GRACE.run_s - 0.01) == [] and core.expired_runs == 0
+    core.tick(T0 + stall + GRACE.run_s)
+    assert core.expired_runs == len(sent) and not core.runs
+
+
 def test_an_env_server_that_disappears_loses_its_unclaimed_samples_and_runs_but_not_the_run() -> None:
     core = OrchestratorCore(settings(group_size=1, max_staleness=2), DEADLINES,
                             prompts=lambda rng: [int(rng.integers(9))])

@@ -22,6 +22,7 @@ from polling import wait_for
 from refbus.bus.reqrep import Client, HandlerError, PeerDown, Pending, RequestTimeout, RetryPolicy, Server
 from refbus.bus.runtime import NodeRuntime, RuntimeSettings
 from refbus.bus.sockets import send_frames
+from refbus.bus.stall import PassStalls
 from refbus.nodes.launch import NodeProcess
 from refbus.nodes.payload.charges import episode_charge
 from refbus.nodes.payload.env_server import EnvServer
@@ -736,6 +737,36 @@ def test_an_orchestrator_that_sends_no_run_says_why_once_the_reason_has_held_a_w
         idle = [entry for entry in logs if entry["event"] == "dispatch.idle"]
         assert [(entry["reason"], entry["idle_s"]) for entry in idle] == [("recovering", IDLE_LOG_S)], idle
         assert "recovery requests out" in idle[0]["detail"]
+    finally:
+        runtime.close()
+
+
+def test_an_orchestrator_timer_pass_that_comes_late_credits_the_stall_to_the_core_first() -> None:
+    """Its timer pass comes a stall late (the loop stopped): the stall is credited to the core before the tick
+    judges anything, so a store reported down just before keeps its grace; logged ``orchestrator.stalled`` and
+    counted in ``refbus_orchestrator_stalled_seconds_total``. A pass on time credits nothing."""
+    now = [1000.0]
+    runtime = NodeRuntime("orchestrator", RuntimeSettings(node_id="orchestrator-stalled", metrics_port=-1))
+    grace = Deadlines(restart_grace_s=5.0)
+    orchestrator = Orchestrator(runtime, OrchestratorSettings(dispatch=False, trainers=1, group_size=2,
+                                                              groups_per_step=1, seq_len=64), grace,
+                                clock=lambda: now[0])
+    try:
+        period = orchestrator.passes.period_s
+        orchestrator.passes = PassStalls(period, lambda: now[0])  # the stall measured on the test's clock
+        store = NodeInfo(node_id="env-a", role="env-server", host="h", pid=7, started=7.0,
+                         endpoints={"blobs": "tcp://127.0.0.1:9"})
+        orchestrator.core.store_down(now[0], store)
+        now[0] += period
+        orchestrator._tick()
+        assert orchestrator.passes.stalled_s == 0.0 and orchestrator.core.stores_down["env-a"].until == 1005.0
+        stall = 60.0
+        now[0] += period + stall
+        with capture_logs() as logs:
+            orchestrator._tick()
+        assert [e["seconds"] for e in logs if e["event"] == "orchestrator.stalled"] == [stall]
+        assert orchestrator.core.stores_down["env-a"].until == 1005.0 + stall and orchestrator.core.lost == {}
+        assert orchestrator.passes.stalled_s == stall
     finally:
         runtime.close()
 

@@ -147,6 +147,7 @@ from ...bus.reqrep import (
     split_outcomes,
 )
 from ...bus.runtime import NodeRuntime
+from ...bus.stall import PassStalls
 from ...protocol.envelope import Message
 from ...protocol.errors import MessageTooLarge
 from ...protocol.messages import (
@@ -279,7 +280,9 @@ class Orchestrator:
         # Deletes, and claims sent again to learn what an unanswered one did: the same request until a live store
         # answers (a repeat is answered from its reply cache), not only for the default retry schedule.
         self._settle_policy = runtime.calls.policy.lasting(d.busy_store_s)
-        runtime.every(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2), self._tick)
+        # The timer pass's period and stalls (see _tick).
+        self.passes = PassStalls(min(1.0, settings.group_timeout_s / 4, d.redeliver_after_s / 2))
+        runtime.every(self.passes.period_s, self._tick)
         if settings.dispatch:
             runtime.every(1.0, self._refresh_replicas)
             runtime.every(0.02, self._dispatch)
@@ -579,6 +582,13 @@ class Orchestrator:
     # --- timers --------------------------------------------------------------------------------------
 
     def _tick(self) -> None:
+        """The core's timers. Time this loop did not run (stopped, swapped out, starved of CPU: this pass more than
+        a period late) first counts toward none of the core's deadlines (:meth:`OrchestratorCore.credit_stall`);
+        logged ``orchestrator.stalled``, counted in ``refbus_orchestrator_stalled_seconds_total``."""
+        if stalled := self.passes.stall():
+            self.core.credit_stall(stalled)
+            log.warning("orchestrator.stalled", seconds=round(stalled, 3), runs=len(self.core.runs),
+                        stores_down=len(self.core.stores_down), detail="its deadlines moved as much later")
         self._execute(self.core.tick(self.clock()))
         if self.core.world_down is not None:  # waiting for a new trainer world: is it registered yet?
             self.runtime.lookup_async("trainer", self._found_trainers)
@@ -932,6 +942,10 @@ class Orchestrator:
                             lambda: {(): float(len(holdings.held))}, kind="gauge")
         self.runtime.metric("refbus_orchestrator_referenced_bytes", "Array bytes the orchestrator holds by reference.",
                             lambda: {(): float(holdings.held_bytes)}, kind="gauge")
+        self.runtime.metric("refbus_orchestrator_stalled_seconds_total",
+                            "Seconds the orchestrator's timer pass came late (its loop stopped, swapped out or starved "
+                            "of CPU); counted toward none of its deadlines on runs, groups, stores and deliveries.",
+                            lambda: {(): self.passes.stalled_s})
         self.runtime.metric("refbus_orchestrator_steps_total", "Steps shipped to the trainer ranks.",
                             lambda: {(): float(self.core.step)})
         self.runtime.metric("refbus_orchestrator_dropped_samples_total", "Samples not shipped, by reason.",

@@ -713,6 +713,32 @@ class OrchestratorCore:
                     error=error, in_s=self.deadlines.redeliver_after_s)
         return self._check_delivery(now)
 
+    def credit_stall(self, seconds: float) -> None:
+        """Count ``seconds`` the orchestrator's loop did not run (its caller measured them: a timer pass more than
+        a period late) toward none of the deadlines that judge its peers: every group's and run's, the answered
+        runs' wait for their episodes, the closed groups' memory, the stores' graces, the delivery's deadline and
+        re-sends, the trainer world's wait and the stores' reclaim it derives. The answers, events and
+        registrations of that time wait unread in its sockets; judged on waking, a store back within its grace
+        would be declared lost, a delivery its ranks acknowledged would halt the run."""
+        if seconds <= 0:
+            return
+        for group in self.groups.values():
+            group.started += seconds
+        for episode_id, run in self.runs.items():  # values replaced in place: each map keeps its order
+            self.runs[episode_id] = replace(run, deadline=run.deadline + seconds)
+        for episode_id, (group_id, at) in self._answered.items():
+            self._answered[episode_id] = (group_id, at + seconds)
+        for group_id, (at, members) in self.closed_groups.items():
+            self.closed_groups[group_id] = (at + seconds, members)
+        for down in self.stores_down.values():
+            down.until += seconds
+        if (delivery := self.delivery) is not None:
+            delivery.deadline += seconds
+            delivery.retry_at = {endpoint: at + seconds for endpoint, at in delivery.retry_at.items()}
+        if (world := self.world_down) is not None:
+            self.world_down = replace(world, until=world.until + seconds,
+                                      down_at={process: at + seconds for process, at in world.down_at.items()})
+
     def tick(self, now: float) -> list[Action]:
         """Timers: expire groups and runs, re-deliver what is due, halt a delivery past its deadline."""
         horizon = now - self.settings.group_timeout_s
