@@ -565,9 +565,14 @@ def stop_the_holders(cluster: LocalCluster, supervisor: Supervisor, stop: _StopF
     orchestrator (stopped as soon as it is ready: its shutdown claims back what its dead predecessor held and
     deletes it). Each exit is noted before the launcher's own stop of that node could cause one: the orchestrator's
     before the stops, the env servers' after them (they run on until the accounting, so one that dies while the
-    others stop is restarted too). Interrupted (``stop``), nothing is restarted."""
+    others stop is restarted too). An orchestrator still starting (restarted in the run's last seconds) is waited
+    for before it is stopped, as a restart made here is. Interrupted (``stop``), nothing is restarted or waited
+    for."""
     if not stop.requested:
         supervisor.note_exits(ORCHESTRATOR)
+        # One restarted in the run's last seconds and still starting would end at the stop before its recovery
+        # claimed back what its dead predecessor held (left to the stores' shutdown, reported held at the end).
+        _wait_ready(cluster, cluster.by_role(ORCHESTRATOR), stop)
     for prefix in (ORCHESTRATOR, "trainer", "rollout"):
         cluster.stop(cluster.by_role(prefix))
     if not stop.requested:
@@ -587,10 +592,17 @@ def _back_for_the_end(cluster: LocalCluster, supervisor: Supervisor, stop: _Stop
     if stop.requested:
         return []  # interrupted: what runs is accounted for and stopped, nothing is started
     started = supervisor.restart_now(prefix)
-    for node in started:
-        with contextlib.suppress(NodeStartError, StartCancelled):
-            node.wait_ready(cluster.config.node.connect_timeout_s * 2, cancelled=lambda: stop.requested)
+    _wait_ready(cluster, started, stop)
     return started
+
+
+def _wait_ready(cluster: LocalCluster, nodes: list[NodeProcess], stop: _StopFlag) -> None:
+    """Wait for each of ``nodes`` still running to be ready (at once for one that is), at most twice the connect
+    timeout each, until a stop; one that exits or does not get ready meanwhile is left to the accounting."""
+    for node in nodes:
+        if node.proc.poll() is None:
+            with contextlib.suppress(NodeStartError, StartCancelled):
+                node.wait_ready(cluster.config.node.connect_timeout_s * 2, cancelled=lambda: stop.requested)
 
 
 def _account(cluster: LocalCluster, watcher: NodeRuntime, probe: NodeRuntime, record: RunRecord,

@@ -608,6 +608,7 @@ class _Ending(_Cluster):
         super().__init__(*names)
         self.dies_meanwhile = dies_meanwhile
         self.stopped: list[tuple[str, int]] = []
+        self.waited_first: list[str] = []  # stopped once waited for to be ready
         self.config = SimpleNamespace(node=SimpleNamespace(connect_timeout_s=1.0))
 
     def by_role(self, prefix: str) -> list[_Node]:
@@ -616,6 +617,8 @@ class _Ending(_Cluster):
     def stop(self, nodes: list[_Node]) -> None:
         for node in nodes:
             if node.proc.poll() is None:
+                if node.waited_ready:
+                    self.waited_first.append(node.name)
                 node.signal(signal.SIGTERM)
                 self.stopped.append((node.name, node.pid))
             if node.name == "orchestrator":
@@ -642,10 +645,20 @@ def test_at_the_runs_end_a_store_that_dies_while_the_holders_stop_is_back_for_th
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         ("orchestrator", "SIGKILL", True), ("env-1", "SIGKILL", True)]
 
+    assert cluster.waited_first == ["orchestrator"]  # the restart made here
+
+    # An orchestrator restarted in the run's last seconds, still starting: waited for before its stop, so its
+    # shutdown claims back what its predecessor held (before, the stop ended it before it joined: held at the end).
+    starting = _Ending("bus", "env-0", "orchestrator", "trainer-0", dies_meanwhile="env-0")
+    supervisor = Supervisor(starting, budget=5, backoff_s=4.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
+    up_module.stop_the_holders(starting, supervisor, SimpleNamespace(requested=False))  # type: ignore[arg-type]
+    assert starting.waited_first == ["orchestrator"] and starting.nodes[2].waited_ready == [2.0]
+
     interrupted = _Ending("bus", "env-0", "orchestrator", "trainer-0", dies_meanwhile="env-0")
     supervisor = Supervisor(interrupted, budget=5, backoff_s=4.0, say=lambda _: None, clock=clock)  # type: ignore[arg-type]
     up_module.stop_the_holders(interrupted, supervisor, SimpleNamespace(requested=True))  # type: ignore[arg-type]
     assert interrupted.restarted == [] and supervisor.report()["deaths"] == []  # nothing restarted, nothing noted
+    assert interrupted.waited_first == []  # nor waited for
 
 
 def test_the_backoff_starts_over_after_a_node_ran_long_and_the_orchestrators_stays_within_half_the_grace() -> None:
