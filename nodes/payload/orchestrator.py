@@ -252,12 +252,7 @@ class Orchestrator:
         self._arrivals: deque[_Arrival] = deque()
         self._recovery = _Arrival(None, claims_pending=1)  # done when the start-up recovery is
         self._recovery_begun = False
-        self._recovery_fed = False
         self._recovered: list[tuple[EpisodeFinished, list[BlobRef]]] = []
-        # Stores the recovery asked for what this node id holds (not one whose answer died with its process), and
-        # until when a store registering unasked is asked too (see _ask_store_back).
-        self._holdings_asked: set[str] = set()
-        self._holdings_until = float("-inf")
         self._closing = False  # set by the shutdown: nothing more is fed to the core or sent
         self._delivering = 0  # step batches sent and not answered
         self._claiming_again = 0  # ClaimAgain requests sent and not answered
@@ -503,7 +498,6 @@ class Orchestrator:
         out, plus one until the stores are known; no run is dispatched until it is 0 and the step lookup is
         answered."""
         self._recovery_begun = True
-        self._holdings_until = time.monotonic() + self.core.deadlines.restart_grace_s
         self.runtime.lookup_async(STORE_ROLE, self._recover_holdings)
         self.runtime.later(self._fresh_in_s, lambda: self.runtime.lookup_async("trainer", self._recover_step))
 
@@ -517,7 +511,6 @@ class Orchestrator:
             log.error("recovery.no_registry", detail="what an earlier incarnation held goes holder-down")
         for node in stores or ():
             if endpoint := node.endpoints.get("blobs"):
-                self._holdings_asked.add(node.node_id)
                 self._ask_holdings(endpoint, 0)
         self._recovery_done()
 
@@ -534,16 +527,8 @@ class Orchestrator:
         dispatched."""
         replies, failures = split_outcomes([(endpoint, outcome)])
         for _, error in failures:
-            node = self._peers.node_of(endpoint)
-            if isinstance(error, PeerDown) and node:  # its next process may hold them: asked when it is back
-                self._holdings_asked.discard(node)
-                log.warning("recovery.store_awaited", node=node, endpoint=endpoint, error=str(error),
-                            detail="its holdings are asked when it registers again; not back, it loses them")
-                if (back := self._peers.live.get(node)) is not None:  # registered already, as another process
-                    self._ask_store_back(back)
-            else:
-                log.error("recovery.store_failed", endpoint=endpoint, node=node, error=str(error),
-                          detail="what this node id held there goes holder-down after the grace")
+            log.error("recovery.store_failed", endpoint=endpoint, node=self._peers.node_of(endpoint),
+                      error=str(error), detail="what this node id held there goes holder-down after the grace")
         for _, reply in replies:
             held = reply.body
             assert isinstance(held, Held)
@@ -562,22 +547,6 @@ class Orchestrator:
                                            lambda outcome, w=wanted: self._on_reclaimed(endpoint, w, outcome),
                                            retry_after=True)
         self._recovery_done()
-
-    def _ask_store_back(self, store: NodeInfo) -> None:
-        """Store ``store`` registered (a new process) within the grace after this node's start, and the recovery
-        has not asked it what this node id holds (it was down when the recovery looked the stores up, or its
-        process died before it answered): ask it now, from the first page. A durable store's restarted process
-        re-adopts what its predecessor kept, an earlier incarnation's holdings with it, and gives their holder a
-        grace to claim them back; never asked, it reclaimed them ``holder-down`` at the grace's end (a soak that
-        SIGKILLed a store just as a restarted orchestrator asked it lost 20 blobs so). Past the grace its stores
-        have reclaimed what an earlier incarnation held: nothing to ask."""
-        endpoint = store.endpoints.get("blobs")
-        if (not self._recovery_begun or store.node_id in self._holdings_asked or endpoint is None
-                or time.monotonic() > self._holdings_until or self.runtime.calls.down_reason(endpoint) is not None):
-            return
-        self._holdings_asked.add(store.node_id)
-        log.warning("recovery.store_back", node=store.node_id, endpoint=endpoint, detail="its holdings asked now")
-        self._ask_holdings(endpoint, 0)
 
     def _on_reclaimed(self, endpoint: str, wanted: Sequence[tuple[EpisodeFinished, list[BlobRef]]],
                       outcome: Outcome) -> None:
@@ -601,13 +570,9 @@ class Orchestrator:
     def _recovery_done(self) -> None:
         self._recovery.claims_pending -= 1
         if self._recovery.claims_pending == 0:
-            if self._recovery_fed:  # a store's holdings asked when it came back, after the recovery's turn
-                self._feed_recovered()
-            else:
-                self._feed()
+            self._feed()
 
     def _feed_recovered(self) -> None:
-        self._recovery_fed = True
         recovered, self._recovered = self._recovered, []
         if recovered:
             log.warning("recovery.episodes", episodes=len(recovered), blobs=sum(len(refs) for _, refs in recovered))
@@ -646,7 +611,6 @@ class Orchestrator:
     def _on_node_up(self, info: NodeInfo) -> None:
         if info.role == STORE_ROLE:
             self._execute(self.core.store_up(info))
-            self._ask_store_back(info)
 
     def _refresh_replicas(self) -> None:
         self.runtime.lookup_async(STORE_ROLE, self._found_replicas)
