@@ -642,10 +642,9 @@ def test_at_the_runs_end_a_store_that_dies_while_the_holders_stop_is_back_for_th
     assert [(n.name, n.waited_ready) for n in cluster.nodes if n.waited_ready] == [
         ("env-1", [2.0]), ("orchestrator", [2.0])]  # each restart waited for, at twice the connect timeout
     assert cluster.stopped == [("trainer-0", 104), ("rollout-0", 105), ("orchestrator", 1103)]
+    assert cluster.waited_first == ["orchestrator"]  # the restart made here, stopped once ready
     assert [(d["node"], d["exit"], d["restarted"]) for d in supervisor.report()["deaths"]] == [
         ("orchestrator", "SIGKILL", True), ("env-1", "SIGKILL", True)]
-
-    assert cluster.waited_first == ["orchestrator"]  # the restart made here
 
     # An orchestrator restarted in the run's last seconds, still starting: waited for before its stop, so its
     # shutdown claims back what its predecessor held (before, the stop ended it before it joined: held at the end).
